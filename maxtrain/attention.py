@@ -20,23 +20,33 @@ IMPLEMENTATIONS = ("autoselected", "dot_product", "flash", "cudnn")
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def make_attention_mask(q_segment_ids, kv_segment_ids, *, causal: bool = True, q_offset=0):
+def make_attention_mask(q_segment_ids, kv_segment_ids, *, causal: bool = True, q_offset=0, sliding_window: int = 0):
     """Boolean mask [B, T, S]: True where query t may attend to key s.
 
     q_offset shifts query indices (a query block that starts at q_offset in the key sequence).
+    sliding_window > 0 also hides keys that are sliding_window or more positions back: t - s < W
+    (as Hugging Face's sliding-window masks), so each query sees at most W keys, itself included.
     """
     mask = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+    t = jnp.arange(q_segment_ids.shape[1])[:, None] + q_offset
+    s = jnp.arange(kv_segment_ids.shape[1])[None, :]
     if causal:
-        t = jnp.arange(q_segment_ids.shape[1])[:, None] + q_offset
-        s = jnp.arange(kv_segment_ids.shape[1])[None, :]
         mask = mask & (s <= t)[None]
+    if sliding_window > 0:
+        mask = mask & (t - s < sliding_window)[None]
     return mask
 
 
-def dot_product_attention(q, k, v, mask):
+def soft_cap(x, cap: float):
+    """cap * tanh(x / cap): squashes x smoothly into (-cap, cap); cap <= 0 leaves x unchanged (Gemma 2)."""
+    return cap * jnp.tanh(x / cap) if cap > 0 else x
+
+
+def dot_product_attention(q, k, v, mask, *, scale: float | None = None, logits_soft_cap: float = 0.0):
     """Reference attention in plain jnp; softmax in float32, output in q.dtype.
 
-    mask: boolean, broadcastable to [B, T, S].
+    mask: boolean, broadcastable to [B, T, S]. scores = soft_cap(q.k * scale, logits_soft_cap) with
+    scale defaulting to H ** -0.5 (Gemma's query_pre_attn_scalar changes it).
     """
     b, t, n, h = q.shape
     g = k.shape[2]
@@ -44,7 +54,7 @@ def dot_product_attention(q, k, v, mask):
         raise ValueError(f"query heads ({n}) must be a multiple of kv heads ({g})")
     q = q.reshape(b, t, g, n // g, h)  # R = N // G query heads per kv head
     scores = jnp.einsum("BTGRH,BSGH->BGRTS", q, k, preferred_element_type=jnp.float32)
-    scores = scores * (h**-0.5)
+    scores = soft_cap(scores * (h**-0.5 if scale is None else scale), logits_soft_cap)
     scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("BGRTS,BSGH->BTGRH", probs.astype(v.dtype), v,
@@ -52,13 +62,23 @@ def dot_product_attention(q, k, v, mask):
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-def _cudnn_attention(q, k, v, segment_ids, causal):
+def _cudnn_attention(q, k, v, segment_ids, causal, scale):
     # jax.nn.dot_product_attention takes BTNH and handles GQA (N a multiple of G) itself.
     mask = make_attention_mask(segment_ids, segment_ids, causal=causal)[:, None]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, implementation="cudnn")
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
 
 
-def resolve_implementation(name: str, backend: str | None = None, *, dtype=None, head_dim: int | None = None) -> str:
+# What the kernels do not implement yet: a model that needs one of these runs dot_product under
+# `autoselected`, and an explicit `attention=flash|cudnn` is refused with this reason.
+KERNEL_LIMITS = {"flash": ("sliding_window", "logits_soft_cap"), "cudnn": ("sliding_window", "logits_soft_cap")}
+
+
+def _unsupported(name: str, features: dict) -> list[str]:
+    return [f"{key}={features[key]}" for key in KERNEL_LIMITS.get(name, ()) if features.get(key)]
+
+
+def resolve_implementation(name: str, backend: str | None = None, *, dtype=None, head_dim: int | None = None,
+                           sliding_window: int = 0, logits_soft_cap: float = 0.0) -> str:
     """Turns `attention` from the config into a concrete implementation for this backend.
 
     Which implementation may run where (an invalid choice is a ValueError that says what to use):
@@ -79,8 +99,12 @@ def resolve_implementation(name: str, backend: str | None = None, *, dtype=None,
     backend = backend or jax.default_backend()
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"attention={name!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
     if name == "autoselected":
-        return "flash" if backend == "gpu" else "dot_product"
+        return "flash" if backend == "gpu" and not _unsupported("flash", features) else "dot_product"
+    if _unsupported(name, features):
+        raise ValueError(f"attention={name} does not implement {' and '.join(_unsupported(name, features))} yet, "
+                         "which this model uses. Use attention=dot_product or attention=autoselected.")
     if name == "flash" and backend not in ("cpu", "gpu"):
         raise ValueError(
             f"attention=flash needs an NVIDIA GPU (the Pallas kernel lowers through Triton) or the CPU "
@@ -110,20 +134,24 @@ def describe(implementation: str, backend: str | None = None) -> str:
 
 
 def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", causal: bool = True,
+              sliding_window: int = 0, logits_soft_cap: float = 0.0, scale: float | None = None,
               block_q: int = 128, block_kv: int = 128):
     """Self-attention over one (possibly packed) sequence; dispatches on `implementation`.
 
-    `implementation` must already be resolved (see resolve_implementation).
+    `implementation` must already be resolved (see resolve_implementation). scale defaults to H ** -0.5.
     """
+    features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
+    if _unsupported(implementation, features):
+        raise ValueError(f"attention={implementation} does not implement {_unsupported(implementation, features)}")
     if implementation == "dot_product":
-        mask = make_attention_mask(segment_ids, segment_ids, causal=causal)
-        return dot_product_attention(q, k, v, mask)
+        mask = make_attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
+        return dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap)
     if implementation == "flash":
         from maxtrain.kernels import flash_attention  # pylint: disable=import-outside-toplevel
 
         return flash_attention.flash_attention(
-            q, k, v, segment_ids, segment_ids, causal=causal, block_q=block_q, block_k=block_kv,
+            q, k, v, segment_ids, segment_ids, causal=causal, block_q=block_q, block_k=block_kv, sm_scale=scale,
             interpret=jax.default_backend() == "cpu")
     if implementation == "cudnn":
-        return _cudnn_attention(q, k, v, segment_ids, causal)
+        return _cudnn_attention(q, k, v, segment_ids, causal, scale)
     raise ValueError(f"unresolved attention implementation {implementation!r}")
