@@ -37,13 +37,15 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
+from maxtrain.errors import UserError
+
 # Config keys that fix the parameter shapes; named in errors when a checkpoint does not fit.
 MODEL_KEYS = ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",
               "base_num_decoder_layers", "head_dim", "vocab_size", "logits_via_embedding")
 _TMP_MARK = ".orbax-checkpoint-tmp"
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be written, found or loaded, or does not fit; the message says what to do."""
 
 
@@ -468,16 +470,13 @@ def describe(path: str) -> str:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "inspect":
-        print("usage: python -m maxtrain.checkpoint inspect PATH   (a step, checkpoints or run directory)",
-              file=sys.stderr)
-        return 2
-    try:
-        print(describe(argv[1]))
-    except CheckpointError as e:
-        print(f"maxtrain: error: {e}", file=sys.stderr)
-        return 2
+        raise CheckpointError("usage: python -m maxtrain.checkpoint inspect PATH   (a step, checkpoints or run "
+                              "directory)")
+    print(describe(argv[1]))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from maxtrain.errors import run_cli  # pylint: disable=ungrouped-imports
+
+    sys.exit(run_cli("maxtrain.checkpoint", main))

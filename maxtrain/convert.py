@@ -30,6 +30,7 @@ import numpy as np
 import yaml
 
 from maxtrain import checkpoint, model
+from maxtrain.errors import UserError
 
 # maxtrain path -> (Hugging Face name, number of leading maxtrain dims that form torch's "in" dim,
 # or None for a tensor stored the same way in both). "{i}" is the layer index.
@@ -58,13 +59,29 @@ _DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_d
 _NAMES = {np.dtype(v): k for k, v in _DTYPES.items()}
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError, ValueError):
     """A checkpoint that cannot be converted; the message names the tensor or config field."""
 
 
 # --------------------------------------------------------------------------------------------
 # safetensors
 # --------------------------------------------------------------------------------------------
+
+
+def read_json(path: str, what: str) -> dict:
+    """A JSON object from `path`; ConversionError naming the file when it is unreadable or malformed."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise ConversionError(f"cannot read {path} ({e.strerror or e}); {what} must be a readable file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConversionError(f"{path} is not valid JSON ({e}); {what} must be a JSON object: re-download or "
+                              "fix the file") from None
+    if not isinstance(data, dict):
+        raise ConversionError(f"{path} holds a JSON {type(data).__name__}, not an object; {what} must be a JSON "
+                              "object of settings")
+    return data
 
 
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
@@ -74,7 +91,12 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
         n = int.from_bytes(f.read(8), "little")
         if size < 8 or n > size - 8:
             raise ConversionError(f"{path} is not a safetensors file (header length {n}, file size {size})")
-        header = json.loads(f.read(n))
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            raise ConversionError(f"{path} is not a safetensors file (its header is not JSON); re-download it") from None
+        if not isinstance(header, dict):
+            raise ConversionError(f"{path} is not a safetensors file (its header is not a JSON object)")
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else np.zeros(0, np.uint8)
     out = {}
     for name, info in header.items():
@@ -114,8 +136,10 @@ def read_hf_weights(hf_dir: str) -> dict[str, np.ndarray]:
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     single = os.path.join(hf_dir, "model.safetensors")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = read_json(index, "the safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ConversionError(f"{index} has no \"weight_map\" of tensor names to files; re-download it")
+        files = sorted(set(map(str, weight_map.values())))
     elif os.path.isfile(single):
         files = ["model.safetensors"]
     else:
@@ -265,8 +289,7 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", model_na
     config_path = os.path.join(hf_dir, "config.json")
     if not os.path.isfile(config_path):
         raise ConversionError(f"{hf_dir} has no config.json; pass a Hugging Face model directory")
-    with open(config_path) as f:
-        hf = json.load(f)
+    hf = read_json(config_path, "a Hugging Face config.json")
     overrides = model_overrides(hf)
     tensors = read_hf_weights(hf_dir)
     source_dtypes = sorted({str(t.dtype) for t in tensors.values()})

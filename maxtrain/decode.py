@@ -12,7 +12,6 @@ or for dataset_type=default the default corpus' cached tokenizer (trained on fir
 from __future__ import annotations
 
 import functools
-import sys
 import time
 
 import jax
@@ -23,6 +22,7 @@ from maxtrain import config as config_lib
 from maxtrain import model, sharding
 from maxtrain.data import pipeline
 from maxtrain.data import tokenizer as tokenizer_lib
+from maxtrain.errors import run_cli
 
 
 def sample_token(logits, key, *, temperature: float, top_k: int, top_p: float):
@@ -113,22 +113,39 @@ def abstract_params(config, mesh) -> dict:
         mesh, s.axes, config.logical_axis_rules)), model.param_specs(config), is_leaf=model.is_spec)
 
 
+def require_checkpoint_path(config, tool: str) -> None:
+    """decode and viz read a checkpoint: refuse at once, before any other work, when none is named."""
+    if not config.load_parameters_path:
+        raise config_lib.ConfigError(f"{tool} needs a checkpoint: set load_parameters_path=<run>/checkpoints/<step> "
+                                     "(or a run directory, for its latest step)")
+    checkpoint_lib.find_step_dir(config.load_parameters_path, "load_parameters_path")
+
+
+def runtime(config) -> model.Runtime:
+    """The backend's resolved choices; a choice this backend cannot run is a config error."""
+    try:
+        return model.Runtime.from_config(config)
+    except ValueError as e:  # attention / dtype choices the backend lacks (attention.resolve_implementation)
+        if isinstance(e, config_lib.ConfigError):
+            raise
+        raise config_lib.ConfigError(str(e)) from e
+
+
 def load_model(config, log=print):
     """(params, runtime, mesh) for the checkpoint at load_parameters_path (a step directory, or a run or
     its checkpoints directory, meaning its latest step)."""
-    if not config.load_parameters_path:
-        raise config_lib.ConfigError("set load_parameters_path=<run>/checkpoints/<step>: the checkpoint whose "
-                                     "params to use (see the run's checkpoints/ directory)")
+    require_checkpoint_path(config, "loading a model")
     config = config_lib.with_devices(config, jax.device_count(), jax.process_count())
     mesh = sharding.create_mesh(config)
     step_dir = checkpoint_lib.find_step_dir(config.load_parameters_path, "load_parameters_path")
     params = checkpoint_lib.load_params(step_dir, abstract_params(config, mesh), config)
     log(f"loaded params from {step_dir} ({model.num_params(config) / 1e6:.2f}M)")
-    return params, model.Runtime.from_config(config), mesh
+    return params, runtime(config), mesh
 
 
 def main(argv: list[str]) -> str:
     config = config_lib.load_config(argv)
+    require_checkpoint_path(config, "maxtrain.decode")
     tokenizer = tokenizer_for(config)
     params, rt, mesh = load_model(config)
     settings = sampling_settings(config)
@@ -146,8 +163,4 @@ def main(argv: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (config_lib.ConfigError, sharding.MeshError, FileNotFoundError, ValueError) as error:
-        print(f"maxtrain.decode: error: {error}", file=sys.stderr)
-        sys.exit(2)
+    run_cli("maxtrain.decode", main)

@@ -30,12 +30,15 @@ import time
 import jax
 import numpy as np
 
+from maxtrain import config as config_lib
+from maxtrain.errors import UserError
+
 EXIT_STATUS = 2
 # JAX's own join deadline is set this much later than ours, so the watchdog always fires first.
 _JAX_GRACE_SECONDS = 30
 
 
-class DistributedError(RuntimeError):
+class DistributedError(UserError, RuntimeError):
     """Joining the other processes failed; the message says which address and what to check."""
 
 
@@ -75,10 +78,9 @@ def settings(config) -> dict | None:
 
 
 def _split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise DistributedError(f"coordinator_address={address!r} must be host:port, e.g. 10.0.0.2:1234")
-    return host.strip("[]"), int(port)
+    key = "coordinator_address" if address != os.environ.get("MAXTRAIN_COORDINATOR_ADDRESS") else \
+        "MAXTRAIN_COORDINATOR_ADDRESS"
+    return config_lib.split_address(address, key)
 
 
 def _wait_for_coordinator(address: str, deadline: float, timeout: int, process_id: int) -> None:

@@ -21,12 +21,14 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from maxtrain.errors import UserError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("maxtrain_sharding", default=None)
 
 
-class MeshError(ValueError):
+class MeshError(UserError, ValueError):
     """A mesh that does not fit the devices or the model. The message says what to change."""
 
 

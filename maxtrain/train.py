@@ -23,9 +23,10 @@ from maxtrain import data as data_lib
 from maxtrain import decode, distributed, metrics, model, optimizer, sharding, train_step, viz
 from maxtrain import preemption as preemption_lib
 from maxtrain.data import pipeline
+from maxtrain.errors import UserError, run_cli
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """The run cannot continue; the message says why and what to try."""
 
 
@@ -124,7 +125,7 @@ def main(argv: list[str]) -> dict:
     config = config_lib.load_config(argv)
     distributed.initialize(config)
     config = config_lib.with_devices(config, jax.device_count(), jax.process_count())
-    rt = model.Runtime.from_config(config)
+    rt = decode.runtime(config)
     mesh = sharding.create_mesh(config)
     rules = config.logical_axis_rules
 
@@ -239,13 +240,7 @@ def _report(pending, config, peak, writer, last_done: float, loss_scaled: bool) 
 
 
 if __name__ == "__main__":
-    try:
-        result = main(sys.argv[1:])
-    except (config_lib.ConfigError, sharding.MeshError, distributed.DistributedError, TrainingError,
-            checkpoint_lib.CheckpointError, FileNotFoundError, ValueError) as error:
-        print(f"maxtrain: error: {error}", file=sys.stderr, flush=True)
-        if isinstance(error, checkpoint_lib.CheckpointError):
-            os._exit(2)  # a failed save's background writers would only add tracebacks on the way out
-        sys.exit(2)
+    # A failed save's background writers would only add tracebacks on the way out: CheckpointError ends at once.
+    result = run_cli("maxtrain", main, hard_exit=(checkpoint_lib.CheckpointError,))
     if result["preempted"]:
         sys.exit(143)  # 128 + SIGTERM, as if killed by it: the run is saved but not finished

@@ -41,7 +41,6 @@ import os
 import platform
 import resource
 import statistics
-import sys
 import time
 
 import jax
@@ -50,6 +49,7 @@ from maxtrain import config as config_lib
 from maxtrain import data as data_lib
 from maxtrain import distributed, metrics, model, optimizer, sharding, train, train_step
 from maxtrain.data import pipeline
+from maxtrain.errors import run_cli
 
 BENCHMARK_OVERRIDES = ["enable_checkpointing=false", "enable_tensorboard=false", "eval_interval=-1",
                        "max_new_tokens=0", "metrics_file="]
@@ -104,11 +104,14 @@ def run(argv: list[str]) -> dict:
         return result
     user_overrides = args.config_and_overrides[1:]
     total_steps = args.warmup + args.steps
-    config = config_lib.load_config([args.config_and_overrides[0], *BENCHMARK_OVERRIDES,
-                                     f"steps={total_steps}", *user_overrides])
+    config = config_lib.load_config(config_lib.with_overrides(
+        [args.config_and_overrides[0], *BENCHMARK_OVERRIDES, f"steps={total_steps}"], *user_overrides))
+    if config.steps != total_steps:
+        raise config_lib.ConfigError(f"steps={config.steps}: the benchmark runs --warmup + --steps steps "
+                                     f"({total_steps}); pass --steps N instead of steps=")
     distributed.initialize(config)
     config = config_lib.with_devices(config, jax.device_count(), jax.process_count())
-    rt = model.Runtime.from_config(config)
+    rt = train.decode.runtime(config)
     mesh = sharding.create_mesh(config)
     rules = config.logical_axis_rules
     tx = optimizer.make_optimizer(config)
@@ -226,8 +229,4 @@ def format_result(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    try:
-        run(sys.argv[1:])
-    except (config_lib.ConfigError, sharding.MeshError, distributed.DistributedError, ValueError) as error:
-        print(f"benchmark: error: {error}", file=sys.stderr)
-        sys.exit(2)
+    run_cli("benchmark", run)

@@ -13,7 +13,7 @@ import sys
 import time
 
 from maxtrain.data import prepare, tokenizer
-from maxtrain.data.errors import DataError
+from maxtrain.errors import run_cli
 
 
 def main(argv=None):
@@ -37,8 +37,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (DataError, FileNotFoundError, ValueError) as error:
-        print(f"train_tokenizer: error: {error}", file=sys.stderr)
-        sys.exit(2)
+    run_cli("train_tokenizer", main)

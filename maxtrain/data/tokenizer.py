@@ -13,6 +13,8 @@ from typing import Iterable
 
 import sentencepiece as spm
 
+from maxtrain.data.errors import DataError
+
 PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
 
 
@@ -32,14 +34,14 @@ class Tokenizer:
     @classmethod
     def load(cls, path: str) -> "Tokenizer":
         if not os.path.isfile(path):
-            raise FileNotFoundError(f"tokenizer_path={path!r} does not exist. Point it at a sentencepiece .model "
+            raise DataError(f"tokenizer_path={path!r} does not exist. Point it at a sentencepiece .model "
                                     "file, or train one with scripts/train_tokenizer.py")
         with open(path, "rb") as f:
             proto = f.read()
         try:
             return cls(proto, path)
         except Exception as e:  # sentencepiece raises RuntimeError/OSError variants
-            raise ValueError(f"tokenizer_path={path!r} is not a valid sentencepiece model: {e}") from None
+            raise DataError(f"tokenizer_path={path!r} is not a valid sentencepiece model: {e}") from None
 
     @property
     def vocab_size(self) -> int:
@@ -88,7 +90,7 @@ def train(texts: Iterable[str], vocab_size: int, chunk_chars: int = 2000) -> Tok
 
 def check_vocab(tokenizer: Tokenizer, vocab_size: int) -> None:
     if tokenizer.vocab_size > vocab_size:
-        raise ValueError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but vocab_size={vocab_size}: "
+        raise DataError(f"the tokenizer {tokenizer.path} has {tokenizer.vocab_size} pieces but vocab_size={vocab_size}: "
                          f"token ids would fall outside the embedding. Set vocab_size={tokenizer.vocab_size} or more.")
 
 
