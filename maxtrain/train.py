@@ -136,6 +136,12 @@ def main(argv: list[str]) -> dict:
     checkpointer = checkpoint_lib.Checkpointer(config, log=log) if config.enable_checkpointing else None
     start = checkpoint_lib.plan_start(config, checkpointer, abstract_state, log=log)  # fails here if it does not fit
     distributed.agree_on_checkpoint_step(start.step, config.checkpoint_dir)  # every process resumes the same step
+    if start.kind == "resume" and start.step >= config.steps:
+        log(f"checkpoint {start.step_dir} is at step {start.step}, steps={config.steps}: nothing to train; raise steps "
+            f"(e.g. steps={start.step + config.steps}) to train on")
+        checkpointer.close()
+        return {"eval_losses": {}, "sample": None, "state": None, "config": config, "preempted": False,
+                "nothing_to_train": True}
     inputs = data_lib.make_inputs(config, log=log)
     metadata = write_metadata(config, rt)
     writer = metrics.MetricWriter(config, active=jax.process_index() == 0)
