@@ -124,6 +124,7 @@ def main(argv: list[str]) -> dict:
     start_time = time.time()
     config = config_lib.load_config(argv)
     distributed.initialize(config)
+    distributed.agree_on_config(config)  # one agreed view: the same settings and code on every process
     config = config_lib.with_devices(config, jax.device_count(), jax.process_count())
     rt = decode.runtime(config)
     mesh = sharding.create_mesh(config)

@@ -94,6 +94,24 @@ def test_coordinator_probe_gives_up_at_the_deadline_with_the_address():
     assert "distributed_initialization_timeout=1s" in str(error.value)
 
 
+def test_process_0_refuses_a_coordinator_port_already_in_use():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        with pytest.raises(distributed.DistributedError, match="another process was also started with process_id=0"):
+            distributed._check_port_free(address)  # pylint: disable=protected-access
+    distributed._check_port_free(address)  # pylint: disable=protected-access  # closed again: free
+
+
+def test_the_config_fingerprint_leaves_out_process_id_only():
+    a = distributed._fingerprint_values(config("run_name=x", "process_id=0"))  # pylint: disable=protected-access
+    b = distributed._fingerprint_values(config("run_name=x", "process_id=1"))  # pylint: disable=protected-access
+    assert a == b and "maxtrain code" in a and "num_processes" in a
+    c = distributed._fingerprint_values(config("run_name=x", "num_processes=3"))  # pylint: disable=protected-access
+    assert [k for k in a if a[k] != c[k]] == ["num_processes"]
+
+
 def test_a_single_process_agrees_with_itself():
     assert distributed.agree_on_checkpoint_step(None, "/x") is None
     assert distributed.agree_on_checkpoint_step(7, "/x") == 7
