@@ -152,10 +152,6 @@ class Checkpointer:
             damaged = {step: error or "it does not restore on another process"}
             self.resume_step = settle_latest_step(self.directory, self.log, known_damaged=damaged)
             self.manager.reload()
-            if self.resume_step is None:
-                raise CheckpointError(f"no usable checkpoint is left in {self.directory}: the damaged steps were "
-                                      f"moved to {_damaged_root(self.directory)}. Re-run to start from step 0, or "
-                                      "move a step back from there.")
             step = self.resume_step
             self.log(f"Resuming from {self.directory}/{step}")
 
@@ -348,16 +344,23 @@ def _all_values(value: int) -> list[int]:
 def settle_latest_step(checkpoints_dir: str, log=print, known_damaged: dict[int, str] | None = None) -> int | None:
     """This run's latest usable step, after moving every newer, damaged step aside (process 0 moves).
 
-    Every process checks its share of each step's files, and they agree before anything moves.
+    Every process checks its share of each step's files, and they agree before anything moves. When
+    steps were moved and none is left, CheckpointError: the run does not silently start over.
     """
     index, count = jax.process_index(), jax.process_count()
     known = dict(known_damaged or {})
+    moved = []
     while True:
         usable, damaged = latest_usable_step(checkpoints_dir, (index, count), known)
         # Agree on the newest damaged step (if any): the processes checked different files.
         newest_damaged = damaged[0].step if damaged else -1
         newest = max(_all_values(newest_damaged))
         if newest < 0:
+            if usable is None and moved:
+                raise CheckpointError(
+                    f"no usable checkpoint is left in {checkpoints_dir}: every step was damaged (step {moved[-1].step}: "
+                    f"{moved[-1].problem}) and was moved to {_damaged_root(checkpoints_dir)}. Re-run the same command "
+                    "to start from step 0, or move a step back from there.")
             return usable.step if usable else None
         mine = next((h for h in damaged if h.step == newest), None)
         if mine is None:  # another process found it
@@ -366,6 +369,7 @@ def settle_latest_step(checkpoints_dir: str, log=print, known_damaged: dict[int,
         if mine.problem and index != 0:
             print(f"process {index}: checkpoint step {newest} is damaged: {mine.problem}", file=sys.stderr, flush=True)
         _all_values(0)  # everyone is done reading before process 0 moves it
+        moved.append(mine)
         if index == 0:
             target = move_aside(mine)
             log(f"checkpoint step {newest} is damaged: {mine.problem}. Moved it to {target} (nothing is deleted); "

@@ -123,6 +123,7 @@ def write_metadata(config, rt) -> dict:
 def main(argv: list[str]) -> dict:
     start_time = time.time()
     config = config_lib.load_config(argv)
+    metrics.check_outputs(config)  # a metrics_file or run directory that cannot be written: refused now
     distributed.initialize(config)
     distributed.agree_on_config(config)  # one agreed view: the same settings and code on every process
     config = config_lib.with_devices(config, jax.device_count(), jax.process_count())
