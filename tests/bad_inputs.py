@@ -126,7 +126,7 @@ def build_world(root: str, python: str = sys.executable, repo: str = REPO, log=p
     pq.write_table(pa.table({"text": list(range(5))}), os.path.join(p["data"], "int_column.parquet"))
     _write(os.path.join(root, "garbage.model"), os.urandom(256), "wb")
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONUNBUFFERED": "1"}
+           "PYTHONUNBUFFERED": "1", "PYTHONPATH": repo}  # that checkout's maxtrain, whatever is installed
 
     def run(cmd):
         done = subprocess.run([python, *cmd], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
@@ -613,9 +613,22 @@ def judge(row: Row, code: int, out: str, err: str) -> tuple[str, str]:
     return ("clear" if ok else "unclear"), line
 
 
+def kind(row: Row, code: int, out: str, err: str) -> str:
+    """The answer's shape, whatever its wording: traceback | silent | one-line error | other."""
+    text = out + err
+    if "Traceback (most recent call last)" in text or "Check failure stack trace" in text:
+        return "traceback"
+    if row.code != 0:
+        if code == 0:
+            return "silent"
+        errors = [line for line in err.strip().splitlines() if ": error: " in line]
+        return "one-line error" if code == 2 and len(errors) == 1 else "other"
+    return "said so" if code == 0 and re.search(row.expect, text) else "silent" if code == 0 else "other"
+
+
 def run_subprocess(row: Row, world: World, scratch: str, python: str, repo: str) -> tuple[int, str, str]:
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
-           "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1"}
+           "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": repo}
     cmd = [python, *TOOLS[row.tool][1], *argv_for(row, world, scratch)]
     done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
     return done.returncode, done.stdout, done.stderr
@@ -632,7 +645,7 @@ def main(argv=None) -> int:
     shutil.rmtree(args.work, ignore_errors=True)
     world = build_world(os.path.join(args.work, "world"), args.python, args.repo)
     before = tree_hash(world.root)
-    verdicts, counts = {}, {}
+    verdicts, counts, shapes = {}, {}, {}
     for row in ROWS:
         if args.only and not re.search(args.only, row.id):
             continue
@@ -642,16 +655,19 @@ def main(argv=None) -> int:
             row.setup(world, scratch)
         code, out, err = run_subprocess(row, world, scratch, args.python, args.repo)
         verdict, line = judge(row, code, out, err)
+        shape = kind(row, code, out, err)
         if tree_hash(world.root) != before:
-            verdict, line = "changed the world", line
+            verdict = shape = "changed the world"
             before = tree_hash(world.root)
         counts[verdict] = counts.get(verdict, 0) + 1
-        verdicts[row.id] = {"tool": row.tool, "verdict": verdict, "exit": code, "line": line}
-        print(f"{verdict:<10} exit {code:<3} {row.tool:<15} {row.id:<38} {line[:160]}", flush=True)
-    print(f"{len(verdicts)} rows: " + ", ".join(f"{v} {n}" for v, n in sorted(counts.items())))
+        shapes[shape] = shapes.get(shape, 0) + 1
+        verdicts[row.id] = {"tool": row.tool, "verdict": verdict, "kind": shape, "exit": code, "line": line}
+        print(f"{verdict:<10} {shape:<15} exit {code:<3} {row.tool:<15} {row.id:<38} {line[:200]}", flush=True)
+    print(f"{len(verdicts)} rows, as the table expects: " + ", ".join(f"{v} {n}" for v, n in sorted(counts.items())))
+    print(f"{len(verdicts)} rows, by the answer's shape: " + ", ".join(f"{v} {n}" for v, n in sorted(shapes.items())))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"counts": counts, "rows": verdicts}, f, indent=1)
+            json.dump({"counts": counts, "shapes": shapes, "rows": verdicts}, f, indent=1)
     return 0
 
 
