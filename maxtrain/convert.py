@@ -29,7 +29,7 @@ import ml_dtypes
 import numpy as np
 import yaml
 
-from maxtrain import checkpoint, model
+from maxtrain import checkpoint, checksums, model
 from maxtrain.errors import UserError
 
 # maxtrain path -> (Hugging Face name, number of leading maxtrain dims that form torch's "in" dim,
@@ -308,6 +308,7 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", model_na
         manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params}),
                                                 metadata=ocp.args.JsonSave(metadata)))
         manager.wait_until_finished()
+    checksums.write(os.path.join(ckpt_dir, "0"))  # a self-checking step, like the trainer's
     preset = ["# Model preset converted from " + os.path.abspath(hf_dir),
               "# Use: copy to configs/models/<name>.yml and pass model_name=<name>, with",
               f"#      load_parameters_path={ckpt_dir}/0"] + [f"{k}: {yaml_value(v)}" for k, v in overrides.items()]

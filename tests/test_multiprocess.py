@@ -28,6 +28,8 @@ from pathlib import Path
 
 import pytest
 
+from maxtrain.config import with_overrides
+
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_RTOL = 1e-5
 TINY = ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=1", "base_mlp_dim=64",
@@ -63,9 +65,9 @@ def start(args: list[str], env: dict, log: Path) -> subprocess.Popen:
 def start_processes(args: list[str], out: Path, name: str, port: int, cache: Path, per_process=None):
     procs = []
     for i in range(2):
-        extra = per_process(i) if per_process else []
-        procs.append(start([*args, f"coordinator_address=127.0.0.1:{port}", "num_processes=2", f"process_id={i}",
-                            *extra], env_with(2, cache), out / f"{name}{i}.log"))
+        extra = per_process(i) if per_process else []  # replaces the same keys in args (a key given twice is refused)
+        procs.append(start(with_overrides([*args, f"coordinator_address=127.0.0.1:{port}", "num_processes=2",
+                                           f"process_id={i}"], *extra), env_with(2, cache), out / f"{name}{i}.log"))
     return procs
 
 
