@@ -626,11 +626,19 @@ def kind(row: Row, code: int, out: str, err: str) -> str:
     return "said so" if code == 0 and re.search(row.expect, text) else "silent" if code == 0 else "other"
 
 
-def run_subprocess(row: Row, world: World, scratch: str, python: str, repo: str) -> tuple[int, str, str]:
+def run_subprocess(row: Row, world: World, scratch: str, python: str, repo: str,
+                   timeout: float = 150) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of the row as a real command; a command still running after `timeout`
+    seconds accepted the input and started work (it is stopped and counts as exit 0)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
            "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": repo}
     cmd = [python, *TOOLS[row.tool][1], *argv_for(row, world, scratch)]
-    done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL)
+    try:
+        done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:  # still working: the bad input was accepted (e.g. it trains)
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        return 0, out + f"\n(still running after {timeout}s: stopped)", ""
     return done.returncode, done.stdout, done.stderr
 
 
