@@ -7,7 +7,7 @@ import pytest
 
 from conftest import BASE_YML, TINY
 from maxtrain import attention, model
-from maxtrain.config import load_config
+from maxtrain.config import load_config, with_overrides
 
 
 @pytest.mark.parametrize("backend, expected", [("cpu", "dot_product"), ("gpu", "flash"), ("tpu", "dot_product")])
@@ -37,7 +37,8 @@ def test_valid_explicit_choices_pass_through():
 
 
 def test_runtime_describes_what_was_autoselected():
-    cfg = load_config([BASE_YML, *TINY, "attention=autoselected", "dtype=autoselected", "remat_policy=autoselected"])
+    cfg = load_config([BASE_YML, *with_overrides(TINY, "attention=autoselected", "dtype=autoselected",
+                                                 "remat_policy=autoselected")])
     text = model.Runtime.from_config(cfg, "cpu").describe()
     assert "attention dot_product (autoselected for cpu)" in text
     assert "dtype float32 (autoselected for cpu)" in text
@@ -55,7 +56,7 @@ def test_runtime_describes_what_was_autoselected():
 
 def test_flash_on_cpu_runs_the_kernel_in_interpret_mode_and_matches_dot_product():
     """The model's dispatch really reaches the Pallas kernel (interpreted) and gives the same loss."""
-    overrides = [*TINY, "base_num_decoder_layers=1", "max_target_length=16"]
+    overrides = with_overrides(TINY, "base_num_decoder_layers=1", "max_target_length=16")
     cfg = load_config([BASE_YML, *overrides, "attention=flash", "sa_block_q=16", "sa_block_kv=16"])
     params = model.init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(0)

@@ -15,6 +15,7 @@ import pytest
 from maxtrain import checkpoint, decode, model, optimizer, precision, sharding
 from maxtrain import config as config_lib
 from maxtrain.data import pipeline
+from maxtrain.config import with_overrides
 
 TINY = ["base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=64",
         "base_num_decoder_layers=2", "head_dim=16", "vocab_size=512", "max_target_length=32",
@@ -158,7 +159,7 @@ def test_decode_cli_loads_params_from_a_training_checkpoint(tiny, step_dir, caps
     assert decode.main([*argv[:-3], f"load_parameters_path={config.checkpoint_dir}", "prompt=def ",
                         "max_new_tokens=12"]) == text
     with pytest.raises(checkpoint.CheckpointError, match="does not fit the configured model"):
-        decode.main([*argv, "base_mlp_dim=128"])
+        decode.main(with_overrides(argv, "base_mlp_dim=128"))
     with pytest.raises(checkpoint.CheckpointError, match="does not exist"):
         decode.main([*argv, f"load_parameters_path={config.checkpoint_dir}/8"])
     with pytest.raises(config_lib.ConfigError, match="load_parameters_path"):

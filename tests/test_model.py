@@ -5,11 +5,11 @@ import pytest
 
 from conftest import BASE_YML, TINY
 from maxtrain import model
-from maxtrain.config import load_config
+from maxtrain.config import load_config, with_overrides
 
 
 def setup(*overrides):
-    cfg = load_config([BASE_YML, *TINY, *overrides])
+    cfg = load_config([BASE_YML, *with_overrides(TINY, *overrides)])
     rt = model.Runtime.from_config(cfg)
     params = model.init_params(cfg, jax.random.key(0))
     return cfg, rt, params
