@@ -161,7 +161,7 @@ def test_decode_cli_loads_params_from_a_training_checkpoint(tiny, step_dir, caps
     with pytest.raises(checkpoint.CheckpointError, match="does not fit the configured model"):
         decode.main(with_overrides(argv, "base_mlp_dim=128"))
     with pytest.raises(checkpoint.CheckpointError, match="does not exist"):
-        decode.main([*argv, f"load_parameters_path={config.checkpoint_dir}/8"])
+        decode.main(with_overrides(argv, f"load_parameters_path={config.checkpoint_dir}/8"))
     with pytest.raises(config_lib.ConfigError, match="load_parameters_path"):
         decode.main(argv[:-3])
 
