@@ -7,10 +7,14 @@ maxtrain's own `configs/base.yml` is the schema (settings.py reads it as the set
 keys are the only keys, the type of each default is the type a value must have (an int is accepted
 where a float is expected), and the `{...}` at the start of each comment is the values it allows.
 The YAML file given first is merged over it (following its `base_config:` chain; a file without one
-inherits base.yml, and says so once), then the model preset (`configs/models/<model_name>.yml`),
-then the command-line overrides. The whole result is checked against the table and the named
+inherits base.yml, and says so once), then the model preset (`configs/models/<model_name>.yml`, or
+`model_name=<path of a preset YAML>`), then the command-line overrides. The whole result is checked against the table and the named
 cross-key checks below, and frozen into a `Config`; every check that needs no devices happens here,
 before JAX starts.
+
+The configs ship inside the package: a config file named without a directory (`base.yml`) that does
+not exist where the command runs is found among the packaged ones, and so are presets; an explicit
+path always wins.
 
 This module imports nothing else of maxtrain but the settings table and the error types.
 """
@@ -28,12 +32,10 @@ import yaml
 from maxtrain import settings as settings_lib
 from maxtrain.errors import ConfigError  # noqa: F401 (re-exported: config.ConfigError)
 
-# maxtrain's own base.yml: the settings table. (Where the configs live is decided here alone.)
-BASE_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
 MESH_AXES = ("data", "fsdp", "tensor")
 LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
 # Keys that are not settings: added by load_config and _derive, ignored when runs are compared.
-_DERIVED = ("config_path", "run_name_was_generated", "run_dir", "checkpoint_dir", "tensorboard_dir", "metadata_dir",
+_DERIVED = ("config_path", "run_name_was_generated", "given_keys", "run_dir", "checkpoint_dir", "tensorboard_dir", "metadata_dir",
             "cache_dir", "schedule_steps", "warmup_steps", "tokens_per_sequence")
 
 
@@ -73,6 +75,26 @@ class Config:
 # Loading and merging
 # --------------------------------------------------------------------------------------------
 
+def packaged_configs_dir() -> str:
+    """configs/ of the installed package (a wheel puts it at maxtrain/configs; a source checkout has it
+    beside the maxtrain/ package)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    installed = os.path.join(here, "configs")
+    return installed if os.path.isdir(installed) else os.path.join(os.path.dirname(here), "configs")
+
+
+# maxtrain's own base.yml: the settings table.
+BASE_CONFIG = os.path.join(packaged_configs_dir(), "base.yml")
+
+
+def _find_config(path: str) -> str:
+    """`path` itself when it exists, else a packaged config of that name (base.yml, models/x.yml)."""
+    if os.path.isfile(path) or os.path.isabs(path):
+        return path
+    packaged = os.path.join(packaged_configs_dir(), path)
+    return packaged if os.path.isfile(packaged) else path
+
+
 _TABLES: dict[str, dict[str, settings_lib.Setting]] = {}
 
 
@@ -84,9 +106,14 @@ def table(path: str = BASE_CONFIG) -> dict[str, settings_lib.Setting]:
     return _TABLES[path]
 
 
+def defaults() -> dict[str, Any]:
+    """The packaged base.yml's values (every key's default)."""
+    return {k: s.default for k, s in table().items()}
+
+
 def _load_chain(path: str, schema: dict, seen: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[str]]:
     """A user YAML file merged over its `base_config:` chain. Returns (values, notes to print)."""
-    path = os.path.abspath(path)
+    path = os.path.abspath(_find_config(path))
     if path in seen:
         raise ConfigError(f"base_config cycle: {' -> '.join(seen + (path,))}")
     if os.path.realpath(path) == os.path.realpath(BASE_CONFIG):
@@ -103,8 +130,8 @@ def _load_chain(path: str, schema: dict, seen: tuple[str, ...] = ()) -> tuple[di
     if not isinstance(base, str) or not base:
         raise ConfigError(f"{path}: base_config={base!r} must name a YAML file, e.g. base_config: base.yml")
     base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
-    if not os.path.isfile(base_path) and os.path.isfile(os.path.join(os.path.dirname(BASE_CONFIG), base)):
-        base_path = os.path.join(os.path.dirname(BASE_CONFIG), base)  # a name in maxtrain's configs/
+    if not os.path.isfile(base_path) and os.path.isfile(os.path.join(packaged_configs_dir(), base)):
+        base_path = os.path.join(packaged_configs_dir(), base)  # a name in maxtrain's configs/
     if not os.path.isfile(base_path):
         raise ConfigError(f"{path}: base_config {base!r} does not exist (looked for {os.path.abspath(base_path)}); "
                           "use base_config: base.yml, or a path relative to this file")
@@ -215,11 +242,14 @@ def load_config(argv: list[str], log=None) -> Config:
     values = {k: s.default for k, s in schema.items()}
     values.update({k: _coerce(k, v, schema[k].default, argv[0]) for k, v in chain.items()})
     model_name = _coerce("model_name", overrides.get("model_name", values["model_name"]), "", "override")
-    values.update(_load_preset(model_name, schema, os.path.dirname(BASE_CONFIG)))
+    values.update(_load_preset(model_name, schema, os.path.dirname(os.path.abspath(_find_config(argv[0])))))
     for key, raw in overrides.items():
         values[key] = _coerce(key, raw, schema[key].default, "command line")
-    values["config_path"] = os.path.abspath(argv[0])
+    values["config_path"] = os.path.abspath(_find_config(argv[0]))
     values["run_name_was_generated"] = not values["run_name"]
+    # Keys the user chose (their YAML or the command line) rather than base.yml's defaults: a checkpoint's
+    # model settings are adopted only where none of the model keys were chosen (checkpoint.adopt_model).
+    values["given_keys"] = sorted(set(chain) | set(overrides))
     validate(values)
     if notes:
         if log is None and _process_id_hint(values, overrides) <= 0:
@@ -229,12 +259,26 @@ def load_config(argv: list[str], log=None) -> Config:
     return Config(_derive(values))
 
 
+def preset_names() -> list[str]:
+    models_dir = os.path.join(packaged_configs_dir(), "models")
+    return sorted(f[:-4] for f in os.listdir(models_dir) if f.endswith(".yml")) if os.path.isdir(models_dir) else []
+
+
 def _load_preset(model_name: str, schema: dict, config_dir: str) -> dict[str, Any]:
-    models_dir = os.path.join(config_dir, "models")
-    path = os.path.join(models_dir, f"{model_name}.yml")
-    if not model_name or "/" in model_name or not os.path.isfile(path):
-        available = sorted(f[:-4] for f in os.listdir(models_dir) if f.endswith(".yml")) if os.path.isdir(models_dir) else []
-        raise ConfigError(f"model_name={model_name!r} has no preset {path}. Available: {', '.join(available) or 'none'}.")
+    """The preset `model_name` names: a path to a YAML file, else configs/models/<model_name>.yml beside
+    the config file, else the packaged one."""
+    if model_name.endswith((".yml", ".yaml")) or os.sep in model_name:
+        path = model_name
+        if not os.path.isfile(path):
+            raise ConfigError(f"model_name={model_name!r} looks like a preset file but does not exist")
+    else:
+        path = os.path.join(config_dir, "models", f"{model_name}.yml")
+        if not os.path.isfile(path):
+            path = os.path.join(packaged_configs_dir(), "models", f"{model_name}.yml")
+    if not model_name or not os.path.isfile(path):
+        close = difflib.get_close_matches(model_name, preset_names(), n=1, cutoff=0.6)
+        raise ConfigError(f"model_name={model_name!r} is not a preset" + (f" (did you mean {close[0]}?)" if close else "")
+                          + f". Presets: {', '.join(preset_names())}; or pass the path of a preset YAML.")
     preset, _ = settings_lib.read_mapping(path)
     out = {}
     for key, raw in preset.items():
@@ -282,6 +326,23 @@ def _one_text_column(v):
     for key in ("train_data_columns", "eval_data_columns"):
         _require(len(v[key]) == 1 and isinstance(v[key][0], str) and bool(v[key][0]),
                  f"{key}={v[key]!r} must name exactly one text field, e.g. {key}=[text]")
+
+
+def _llama3_rope_factors(v):
+    if v["rope_type"] == "llama3":
+        _require(v["rope_high_freq_factor"] > v["rope_low_freq_factor"] > 0,
+                 f"rope_type=llama3 needs rope_high_freq_factor > rope_low_freq_factor > 0, got "
+                 f"{v['rope_high_freq_factor']} and {v['rope_low_freq_factor']} (Llama 3.1 uses 4.0 and 1.0)")
+
+
+def _attention_layer_types(v):
+    types = v["attention_layer_types"]
+    if types:
+        _require(len(types) == v["base_num_decoder_layers"] and all(t in ("full", "sliding") for t in types),
+                 f"attention_layer_types must list \"full\" or \"sliding\" for each of the "
+                 f"{v['base_num_decoder_layers']} layers (or be [] for the family's pattern), got {types}")
+        _require("sliding" not in types or v["sliding_window_size"] > 0,
+                 "attention_layer_types has sliding layers but sliding_window_size=0; set sliding_window_size")
 
 
 def _default_corpus_needs_eval_split(v):
@@ -341,7 +402,8 @@ def split_address(address: str, key: str = "coordinator_address") -> tuple[str, 
 
 
 # The rules a per-key range cannot express, each a function of the resolved values.
-CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _flash_blocks_powers_of_two, _one_text_column,
+CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _llama3_rope_factors, _attention_layer_types,
+          _flash_blocks_powers_of_two, _one_text_column,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
           _metrics_file_is_a_file_path)
@@ -388,6 +450,13 @@ def _derive(v: dict[str, Any]) -> dict[str, Any]:
     v["warmup_steps"] = int(v["warmup_steps_fraction"] * v["schedule_steps"])
     v["tokens_per_sequence"] = v["max_target_length"]
     return v
+
+
+def revalidate(config: Config) -> Config:
+    """Checks a config again after values were replaced (e.g. a checkpoint's model settings adopted)."""
+    values = config.to_dict()
+    validate(values)
+    return Config(values)
 
 
 def with_devices(config: Config, num_devices: int, num_processes: int = 1) -> Config:
