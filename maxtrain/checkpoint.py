@@ -138,22 +138,40 @@ class Checkpointer:
         it is restored instead (the same fallback as a checksum mismatch). Returns the state; the
         step restored is `self.resume_step`.
         """
+        import threading  # pylint: disable=import-outside-toplevel
+
         while True:
-            error = None
+            error, step_dir, found = None, os.path.join(self.directory, str(step)), {}
+            # The files are hashed while Orbax reads them (the page cache serves both): the check costs
+            # little more than the restore alone. A mismatch discards what was restored.
+            verifier = threading.Thread(target=lambda d=step_dir: found.update(
+                health=check_step(d, (jax.process_index(), jax.process_count()))), daemon=True)
+            verifier.start()
             try:
                 restored = self.manager.restore(step, args=ocp.args.Composite(
                     state=ocp.args.StandardRestore(abstract_state),
                     data=grain.checkpoint.CheckpointRestore(data_iterator),
                 ))
             except Exception as e:  # pylint: disable=broad-except
-                error = f"it does not restore ({type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''})"
+                error = (f"{step_dir}: it does not restore ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:300] if str(e) else ''})")
+            verifier.join()
+            health = found.get("health")
+            if health is not None and not health.usable:
+                error = health.problem  # names the file that does not match its checksum
             if not any(_all_values(1 if error else 0)):
                 return restored.state
-            damaged = {step: error or "it does not restore on another process"}
+            damaged = {step: error or f"{step_dir}: another process found it damaged"}
             self.resume_step = settle_latest_step(self.directory, self.log, known_damaged=damaged)
             self.manager.reload()
             step = self.resume_step
             self.log(f"Resuming from {self.directory}/{step}")
+
+    def intact(self, step: int) -> bool:
+        """Whether every file of the step matches its checksum, on every process' share of them (a damaged
+        step is left to restore(), which falls back from it)."""
+        health = check_step(os.path.join(self.directory, str(step)), (jax.process_index(), jax.process_count()))
+        return all(_all_values(1 if health.usable else 0))
 
     def wait(self, join: bool = True) -> None:
         """Waits for the save in flight; then writes its checksums (in the background unless `join`)."""
@@ -271,7 +289,7 @@ class StepHealth:
 _CHECKED: dict = {}
 
 
-def check_step(step_dir: str, share: tuple[int, int] = (0, 1)) -> StepHealth:
+def check_step(step_dir: str, share: tuple[int, int] = (0, 1), contents: bool = True) -> StepHealth:
     """Is this step usable? Its state/ must exist, its files match their checksums, its metadata read.
     (The answer is remembered while no file of the step changes its size or modification time.)"""
     try:
@@ -279,17 +297,17 @@ def check_step(step_dir: str, share: tuple[int, int] = (0, 1)) -> StepHealth:
                       for root, _, names in os.walk(step_dir) for name in sorted(names))
     except OSError:
         stamp = None
-    key = (os.path.realpath(step_dir), share, stamp)
+    key = (os.path.realpath(step_dir), share, stamp, contents)
     if stamp is None or key not in _CHECKED:
-        _CHECKED[key] = _check_step(step_dir, share)
+        _CHECKED[key] = _check_step(step_dir, share, contents)
     return _CHECKED[key]
 
 
-def _check_step(step_dir: str, share: tuple[int, int]) -> StepHealth:
+def _check_step(step_dir: str, share: tuple[int, int], contents: bool = True) -> StepHealth:
     step = int(os.path.basename(step_dir)) if os.path.basename(step_dir).isdigit() else -1
     if not os.path.isdir(os.path.join(step_dir, "state")):
         return StepHealth(step, step_dir, "damaged", f"{os.path.join(step_dir, 'state')} is missing")
-    status, problem, _ = checksums.verify(step_dir, share)
+    status, problem, _ = checksums.verify(step_dir, share, contents)
     if problem is None:
         try:
             read_tree(step_dir)
@@ -300,19 +318,22 @@ def _check_step(step_dir: str, share: tuple[int, int]) -> StepHealth:
 
 
 def latest_usable_step(checkpoints_dir: str, share: tuple[int, int] = (0, 1),
-                       known_damaged: dict[int, str] | None = None) -> tuple[StepHealth | None, list[StepHealth]]:
+                       known_damaged: dict[int, str] | None = None,
+                       contents: bool = True) -> tuple[StepHealth | None, list[StepHealth]]:
     """(the newest usable step or None, the damaged steps newer than it, newest first).
 
     The one rule for "the latest step": the trainer's resume, its fallback and `inspect` all use it.
-    known_damaged: {step: why} for steps already found damaged (e.g. a failed restore).
+    known_damaged: {step: what is wrong} for steps already found damaged (e.g. a failed restore).
+    contents=False checks every file's presence and size but reads none (the trainer then hashes the
+    step's files while Orbax restores it, see Checkpointer.restore).
     """
     damaged = []
     for step in reversed(step_dirs(checkpoints_dir)):
         step_dir = os.path.join(checkpoints_dir, str(step))
         if known_damaged and step in known_damaged:
-            health = StepHealth(step, step_dir, "damaged", f"{step_dir}: {known_damaged[step]}")
+            health = StepHealth(step, step_dir, "damaged", known_damaged[step])
         else:
-            health = check_step(step_dir, share)
+            health = check_step(step_dir, share, contents)
         if health.usable:
             return health, damaged
         damaged.append(health)
@@ -351,7 +372,7 @@ def settle_latest_step(checkpoints_dir: str, log=print, known_damaged: dict[int,
     known = dict(known_damaged or {})
     moved = []
     while True:
-        usable, damaged = latest_usable_step(checkpoints_dir, (index, count), known)
+        usable, damaged = latest_usable_step(checkpoints_dir, (index, count), known, contents=False)
         # Agree on the newest damaged step (if any): the processes checked different files.
         newest_damaged = damaged[0].step if damaged else -1
         newest = max(_all_values(newest_damaged))

@@ -89,7 +89,7 @@ def main(argv: list[str]) -> dict:
     checkpointer = checkpoint_lib.Checkpointer(config, log=log) if config.enable_checkpointing else None
     start = checkpoint_lib.plan_start(config, checkpointer, run.abstract_state, log=log)  # fails here if it does not fit
     distributed.agree_on_checkpoint_step(start.step, config.checkpoint_dir)  # every process resumes the same step
-    if start.kind == "resume" and start.step >= config.steps:
+    if start.kind == "resume" and start.step >= config.steps and checkpointer.intact(start.step):
         log(f"checkpoint {start.step_dir} is at step {start.step}, steps={config.steps}: nothing to train; raise steps "
             f"(e.g. steps={start.step + config.steps}) to train on")
         checkpointer.close()
