@@ -649,19 +649,28 @@ def main(argv=None) -> int:
     parser.add_argument("--work", default="/tmp/bad_inputs", help="scratch directory (emptied first)")
     parser.add_argument("--only", default="", help="regex of row ids to run")
     parser.add_argument("--json", default="", help="write the verdicts to this file")
+    parser.add_argument("--timeout", type=float, default=150, help="seconds after which a row counts as accepted")
+    parser.add_argument("--skip", default="", help="regex of row ids not to run")
+    parser.add_argument("--reuse-world", action="store_true", help="keep the world of an earlier run in --work")
     args = parser.parse_args(argv)
-    shutil.rmtree(args.work, ignore_errors=True)
-    world = build_world(os.path.join(args.work, "world"), args.python, args.repo)
+    world_dir = os.path.join(args.work, "world")
+    if args.reuse_world and os.path.isdir(os.path.join(world_dir, "run")):
+        world = World(world_dir)
+        world.paths["base"] = os.path.join(args.repo, "configs", "base.yml")
+        shutil.rmtree(os.path.join(args.work, "rows"), ignore_errors=True)
+    else:
+        shutil.rmtree(args.work, ignore_errors=True)
+        world = build_world(world_dir, args.python, args.repo)
     before = tree_hash(world.root)
     verdicts, counts, shapes = {}, {}, {}
     for row in ROWS:
-        if args.only and not re.search(args.only, row.id):
+        if (args.only and not re.search(args.only, row.id)) or (args.skip and re.search(args.skip, row.id)):
             continue
         scratch = os.path.join(args.work, "rows", row.id)
         os.makedirs(scratch)
         if row.setup:
             row.setup(world, scratch)
-        code, out, err = run_subprocess(row, world, scratch, args.python, args.repo)
+        code, out, err = run_subprocess(row, world, scratch, args.python, args.repo, args.timeout)
         verdict, line = judge(row, code, out, err)
         shape = kind(row, code, out, err)
         if tree_hash(world.root) != before:

@@ -79,6 +79,6 @@ def test_resuming_with_a_changed_setting_is_refused(imported, tmp_path):
     train.main(common)
     saved = config_lib.load_config(common)
     with pytest.raises(checkpoint.CheckpointError, match="rope_max_timescale: checkpoint 10000.0, this run 5.0"):
-        train.main([*common, "steps=4", "rope_max_timescale=5.0", *[
+        train.main(config_lib.with_overrides(common, "steps=4", "rope_max_timescale=5.0", *[
             f"{k}={convert.yaml_value(getattr(checkpoint.adopt_model_settings(saved, log=lambda *a: None), k))}"
-            for k in models.MODEL_KEYS if k != "rope_max_timescale"]])
+            for k in models.MODEL_KEYS if k != "rope_max_timescale"]))
