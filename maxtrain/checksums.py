@@ -8,6 +8,9 @@ restores silently. So once Orbax has finished a step, each process hashes the fi
 
     <step>/checksums/process_<i>.json     {"algorithm": "xxh3_64", "files": {relative path: {size, xxh3_64}}}
 
+where xxh3_64 lists the hash of each 64 MiB piece of the file: the pieces are hashed by a pool of
+threads (xxhash releases the GIL), so a few large files still use every core.
+
 A file belongs to process i when its path has an `ocdbt.process_<i>` directory or a
 `process_<i>` name (Orbax's and Grain's per-process files); every other file belongs to process 0.
 `verify(step_dir)` re-hashes the listed files and names the first one that is missing, has another
@@ -18,13 +21,15 @@ that fails on it falls back like a checksum mismatch (checkpoint.py).
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import re
 
 DIRECTORY = "checksums"
 ALGORITHM = "xxh3_64"
-_CHUNK = 16 << 20
+_PIECE = 64 << 20  # bytes hashed as one piece
+_WORKERS = min(8, os.cpu_count() or 1)
 _OWNER = re.compile(r"(?:^|/)(?:ocdbt\.)?process_(\d+)(?:$|/|-of-)")
 
 
@@ -34,21 +39,29 @@ def owner(relative_path: str) -> int:
     return int(found.group(1)) if found else 0
 
 
-def hash_file(path: str) -> tuple[int, str]:
-    """(size, xxh3-64 hex digest) of a file, read in 16 MiB chunks."""
+def _piece(path: str, offset: int) -> str:
     import xxhash  # pylint: disable=import-outside-toplevel
 
-    digest, size = xxhash.xxh3_64(), 0
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
     with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buffer)
-            if not n:
-                break
-            digest.update(view[:n])
-            size += n
-    return size, digest.hexdigest()
+        f.seek(offset)
+        return xxhash.xxh3_64_hexdigest(f.read(_PIECE))
+
+
+def hash_files(paths: list[str]) -> dict[str, tuple[int, list[str]]]:
+    """{path: (size, [xxh3-64 hex digest of each 64 MiB piece])}, the pieces hashed by a thread pool."""
+    sizes = {p: os.path.getsize(p) for p in paths}
+    pieces = [(p, offset) for p in paths for offset in range(0, max(sizes[p], 1), _PIECE)]
+    with concurrent.futures.ThreadPoolExecutor(_WORKERS) as pool:
+        digests = list(pool.map(lambda job: _piece(*job), pieces))
+    out = {p: (sizes[p], []) for p in paths}
+    for (p, _), digest in zip(pieces, digests):
+        out[p][1].append(digest)
+    return out
+
+
+def hash_file(path: str) -> tuple[int, list[str]]:
+    """(size, [xxh3-64 hex digest of each 64 MiB piece]) of one file."""
+    return hash_files([path])[path]
 
 
 def _files(step_dir: str) -> list[str]:
@@ -66,10 +79,9 @@ def _files(step_dir: str) -> list[str]:
 def write(step_dir: str, process_index: int = 0, process_count: int = 1) -> str:
     """Hashes the files of `step_dir` this process wrote; writes checksums/process_<i>.json atomically."""
     mine = [f for f in _files(step_dir) if process_count == 1 or owner(f) % process_count == process_index]
-    files = {}
-    for rel in mine:
-        size, digest = hash_file(os.path.join(step_dir, rel))
-        files[rel] = {"size": size, ALGORITHM: digest}
+    hashed = hash_files([os.path.join(step_dir, rel) for rel in mine])
+    files = {rel: {"size": hashed[os.path.join(step_dir, rel)][0], ALGORITHM: hashed[os.path.join(step_dir, rel)][1]}
+             for rel in mine}
     directory = os.path.join(step_dir, DIRECTORY)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, f"process_{process_index}.json")
@@ -120,23 +132,22 @@ def verify(step_dir: str, share: tuple[int, int] = (0, 1), contents: bool = True
         return "unverified", None, 0
     if not entries:
         return "damaged", f"{os.path.join(step_dir, DIRECTORY)} lists no files", 0
-    checked = 0
     index, count = share
-    for k, (rel, expected) in enumerate(sorted(entries.items())):
-        if k % count != index:
-            continue
+    mine = [(rel, expected) for k, (rel, expected) in enumerate(sorted(entries.items())) if k % count == index]
+    for rel, expected in mine:  # every file there, with its size, before anything is read
         path = os.path.join(step_dir, rel)
         if expected.get("unreadable"):
-            return "damaged", f"{path}: the checksum file itself cannot be read", checked
+            return "damaged", f"{path}: the checksum file itself cannot be read", 0
         if not os.path.isfile(path):
-            return "damaged", f"{path} is missing (it was saved with this step)", checked
+            return "damaged", f"{path} is missing (it was saved with this step)", 0
         size = os.path.getsize(path)
         if size != expected.get("size"):
-            return "damaged", f"{path} has {size} bytes, but {expected.get('size')} were saved", checked
-        if not contents:
-            continue
-        _, digest = hash_file(path)
-        checked += size
-        if digest != expected.get(ALGORITHM):
-            return "damaged", f"{path}: its contents changed since it was saved (checksum mismatch)", checked
-    return ("verified" if contents else "listed"), None, checked
+            return "damaged", f"{path} has {size} bytes, but {expected.get('size')} were saved", 0
+    if not contents:
+        return "listed", None, 0
+    hashed = hash_files([os.path.join(step_dir, rel) for rel, _ in mine])
+    for rel, expected in mine:
+        path = os.path.join(step_dir, rel)
+        if hashed[path][1] != expected.get(ALGORITHM):
+            return "damaged", f"{path}: its contents changed since it was saved (checksum mismatch)", 0
+    return "verified", None, sum(size for size, _ in hashed.values())
