@@ -27,6 +27,8 @@ import os
 import re
 
 DIRECTORY = "checksums"
+# Orbax's own bookkeeping, which it rewrites after a step is complete (its commit timestamp): not hashed.
+MUTABLE = ("_CHECKPOINT_METADATA",)
 ALGORITHM = "xxh3_64"
 _PIECE = 64 << 20  # bytes hashed as one piece
 _WORKERS = min(8, os.cpu_count() or 1)
@@ -73,7 +75,7 @@ def _files(step_dir: str) -> list[str]:
             continue
         dirs.sort()
         out += [os.path.normpath(os.path.join(rel_root, n)) for n in sorted(names)]
-    return [f for f in out if not f.startswith(DIRECTORY + os.sep)]
+    return [f for f in out if not f.startswith(DIRECTORY + os.sep) and os.path.basename(f) not in MUTABLE]
 
 
 def write(step_dir: str, process_index: int = 0, process_count: int = 1) -> str:
