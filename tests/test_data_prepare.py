@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from maxtrain.data import prepare, prepared, text_files
-from maxtrain.data.tokenizer import Tokenizer
+from maxtrain.data import tokenizer as tokenizer_lib
 
 
 def _records(out_dir: str, split: str = "train") -> list[np.ndarray]:
@@ -24,7 +24,7 @@ def _records(out_dir: str, split: str = "train") -> list[np.ndarray]:
 
 def test_every_format_is_prepared_into_shards_with_metadata(tmp_path, tmp_path_factory):
     tok_path = h.tokenizer_path(tmp_path_factory)
-    tok = Tokenizer.load(tok_path)
+    tok = tokenizer_lib.load(tok_path)
     raw = tmp_path / "raw"
     docs = {
         "plain.jsonl": h.texts(30, "j"),
@@ -76,7 +76,7 @@ def test_rerun_skips_finished_shards_and_redoes_missing_ones(tmp_path, tmp_path_
 
 
 def test_eval_fraction_splits_by_document_hash(tmp_path, tmp_path_factory):
-    tok = Tokenizer.load(h.tokenizer_path(tmp_path_factory))
+    tok = tokenizer_lib.load(h.tokenizer_path(tmp_path_factory))
     docs = h.texts(200, "e")
     h.write_jsonl(str(tmp_path / "raw.jsonl"), docs)
     meta = prepare.main(["--input", str(tmp_path / "raw.jsonl"), "--tokenizer", tok.path, "--output-dir",
@@ -106,7 +106,7 @@ def test_train_tokenizer_script_round_trips_text(tmp_path):
                              str(tmp_path / "a.jsonl"), "--input", str(tmp_path / "*.parquet"), "--output", str(out),
                              "--vocab-size", "300"], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
-    tok = Tokenizer.load(str(out))
+    tok = tokenizer_lib.load(str(out))
     assert tok.vocab_size == 300
     text = "doc x-1: alpha  beta\n\tgamma ünïcode"
     assert tok.decode(tok.encode(text)) == text

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from maxtrain.data import make_inputs, sources
-from maxtrain.data.tokenizer import Tokenizer
+from maxtrain.data import tokenizer as tokenizer_lib
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_jsonl_shards_by_file_warns_when_uneven_and_shuffles_in_windows(tmp_path
         h.write_jsonl(str(tmp_path / f"f{i}.jsonl"), h.texts(20, f"f{i}"))
     common = ["dataset_type=jsonl", f"grain_train_files={tmp_path}/*.jsonl", f"tokenizer_path={tok_path}",
               "eval_interval=-1", "vocab_size=320", "num_epoch=1"]
-    tok = Tokenizer.load(tok_path)
+    tok = tokenizer_lib.load(tok_path)
     seen, logs = [], []
     for host in range(2):
         _, docs = _documents(h.config(*common, "grain_shuffle_window=8"), host, 2, logs.append)
