@@ -22,8 +22,9 @@ def _records(out_dir: str, split: str = "train") -> list[np.ndarray]:
     return [docs[i] for i in range(len(docs))]
 
 
-def test_every_format_is_prepared_into_shards_with_metadata(tmp_path, tmp_path_factory):
-    tok_path = h.tokenizer_path(tmp_path_factory)
+@pytest.mark.parametrize("kind", ["sentencepiece", "hf"])
+def test_every_format_is_prepared_into_shards_with_metadata(kind, tmp_path, tmp_path_factory):
+    tok_path = h.tokenizer_path(tmp_path_factory, kind=kind)
     tok = tokenizer_lib.load(tok_path)
     raw = tmp_path / "raw"
     docs = {
@@ -44,6 +45,10 @@ def test_every_format_is_prepared_into_shards_with_metadata(tmp_path, tmp_path_f
 
     expected = [t for group in docs.values() for t in group]
     assert meta["tokenizer"]["checksum"] == tok.checksum
+    # the copy of the tokenizer: a .model file, or a directory with tokenizer.json and its config files
+    assert meta["tokenizer"]["file"] == {"sentencepiece": "tokenizer.model", "hf": "tokenizer"}[kind]
+    assert tokenizer_lib.load(os.path.join(out, meta["tokenizer"]["file"])).checksum == tok.checksum
+    assert (meta["tokenizer"]["bos_id"], meta["tokenizer"]["eos_id"]) == (tok.bos_id, tok.eos_id)
     assert meta["splits"]["train"]["documents"] == len(expected)
     assert meta["splits"]["train"]["tokens"] == sum(len(tok.encode(t)) + 2 for t in expected)
     assert meta["empty_documents_skipped"] == 1

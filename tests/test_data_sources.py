@@ -11,7 +11,7 @@ import jax
 import numpy as np
 import pytest
 
-from maxtrain.data import make_inputs, sources
+from maxtrain.data import DataError, make_inputs, sources
 from maxtrain.data import tokenizer as tokenizer_lib
 
 
@@ -64,6 +64,27 @@ def test_global_shuffle_covers_every_document_once_per_epoch_in_a_new_order(corp
     other = h.config("dataset_type=arrayrecord", f"grain_train_files={corpus_a}/train-*", "eval_interval=-1",
                      "vocab_size=320", "seed=1")
     assert _tags(_documents(other)[1], tok, 60) != epochs[0]
+
+
+def test_a_hugging_face_tokenizer_feeds_prepared_and_raw_sources(tmp_path, tmp_path_factory):
+    hf = h.tokenizer_path(tmp_path_factory, kind="hf")
+    tok = tokenizer_lib.load(hf)
+    docs = h.texts(30, "q")
+    corpus = h.prepared(tmp_path_factory, "hf_corpus", docs, hf)
+    h.write_jsonl(str(tmp_path / "raw.jsonl"), docs)
+    for overrides in (["dataset_type=arrayrecord", f"grain_train_files={corpus}/train-*"],  # the data's own copy
+                      ["dataset_type=arrayrecord", f"grain_train_files={corpus}/train-*", f"tokenizer_path={hf}"],
+                      ["dataset_type=jsonl", f"grain_train_files={tmp_path}/raw.jsonl", f"tokenizer_path={hf}"]):
+        opened, documents = _documents(h.config(*overrides, "eval_interval=-1", "vocab_size=320", "num_epoch=1"))
+        assert opened.kind == "huggingface" and opened.checksum == tok.checksum
+        epoch = list(documents)
+        assert all(d[0] == tok.bos_id and d[-1] == tok.eos_id for d in epoch)
+        assert sorted(tok.decode(d[1:-1]) for d in epoch) == sorted(docs)
+    other = h.tokenizer_path(tmp_path_factory, "other", seed=1)
+    with pytest.raises(DataError, match=rf"was tokenized with tokenizer {tok.checksum} .* Set "
+                                        rf"tokenizer_path={corpus}/tokenizer \(or leave it empty"):
+        _documents(h.config("dataset_type=arrayrecord", f"grain_train_files={corpus}/train-*", "vocab_size=320",
+                            f"tokenizer_path={other}"))
 
 
 def test_jsonl_shards_by_file_warns_when_uneven_and_shuffles_in_windows(tmp_path, tok_path):

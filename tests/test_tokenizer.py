@@ -425,3 +425,22 @@ def test_train_tokenizer_script_refuses_a_file_name_for_a_directory(tmp_path):
                                      f"tokenizer_config.json, special_tokens_map.json), but --output "
                                      f"'{tmp_path / 'tok.model'}' names a file. Give a directory, e.g. --output "
                                      f"{tmp_path / 'tok'}/")
+
+
+# --------------------------------------------------------------------------------------------
+# Training with either kind
+# --------------------------------------------------------------------------------------------
+
+
+def test_training_on_the_default_corpus_with_a_hugging_face_tokenizer(tiny_args, hf_path, capsys):
+    """320 pieces under a 512-id model: training, eval and the closing sample (whose ids may be past the tokenizer)
+    work; a tokenizer larger than vocab_size is refused before the first step."""
+    from maxtrain import train  # pylint: disable=import-outside-toplevel
+
+    args = [*tiny_args, f"tokenizer_path={hf_path}", "default_corpus_max_mb=0.2", "steps=2", "eval_interval=2",
+            "eval_steps=1", "max_new_tokens=8", "viz_period=-1", "enable_checkpointing=false"]
+    result = train.main(args)
+    assert set(result["eval_losses"]) == {0, 2} and result["sample"].startswith("def main(")
+    assert "greedy sample from 'def main('" in capsys.readouterr().out
+    with pytest.raises(DataError, match=rf"the tokenizer {hf_path} has 320 pieces but vocab_size=256"):
+        train.main([*args, "vocab_size=256"])
