@@ -107,6 +107,8 @@ def llama3(tmp_path_factory) -> str:
 def qwen2(tmp_path_factory) -> str:
     """Written by transformers' own Qwen2Tokenizer (its NFC normalizer and split pattern), no BOS."""
     transformers = pytest.importorskip("transformers")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("built with transformers 5's Qwen2Tokenizer(vocab=..., merges=...)")
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
