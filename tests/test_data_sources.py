@@ -155,6 +155,20 @@ def test_grain_worker_processes_resume_exactly(corpus_a):
                               "eval_interval=-1", "vocab_size=320", "max_target_length=24", "grain_worker_count=1"))
 
 
+def test_grain_worker_processes_tokenize_with_a_hugging_face_tokenizer(tmp_path, tmp_path_factory):
+    """jsonl is tokenized in the Grain worker, which receives the tokenizer pickled (as its files' bytes)."""
+    hf = h.tokenizer_path(tmp_path_factory, kind="hf")
+    for name in ("w", "v"):
+        h.write_jsonl(str(tmp_path / f"{name}.jsonl"), h.texts(20, name))
+    cfg = h.config("dataset_type=jsonl", f"grain_train_files={tmp_path}/*.jsonl", f"tokenizer_path={hf}",
+                   "eval_interval=-1", "vocab_size=320", "max_target_length=40", "grain_worker_count=1")
+    inputs = make_inputs(cfg, log=lambda *_: None)
+    tags = [t for _ in range(3) for t in h.bos_documents(next(inputs.train_iterator), inputs.tokenizer)
+            if t and "-" in t]  # not a document cut by the row's end within its tag
+    assert len(tags) > 5 and {t.split("-")[0] for t in tags} == {"w", "v"}
+    _resumes_exactly(cfg)
+
+
 @pytest.mark.parametrize("kind", ["jsonl", "parquet"])
 def test_sequential_sources_resume_exactly_mid_file_and_across_epochs(tmp_path, tok_path, kind):
     for i in range(2):
