@@ -365,10 +365,13 @@ def test_bad_paths_and_files(tmp_path, hf_path):
     assert "Hugging Face tokenizer.json" in message and "train_tokenizer.py" in message
     assert f"--tokenizer '{tmp_path / 'nope'}' does not exist" in _error(tmp_path / "nope", "--tokenizer")
 
-    (tmp_path / "empty" / "original").mkdir(parents=True)
+    (tmp_path / "empty").mkdir()
     message = _error(tmp_path / "empty")
-    assert "is a directory without tokenizer.json or tokenizer.model" in message
-    assert f"(is it in {tmp_path / 'empty' / 'original'}?)" in message and "download its tokenizer files" in message
+    assert f"tokenizer_path='{tmp_path / 'empty'}' is a directory without tokenizer.json or tokenizer.model. " in message
+    assert "download its tokenizer files" in message
+    (tmp_path / "empty" / "tokenizer").mkdir()
+    assert f"without tokenizer.json or tokenizer.model (is it {tmp_path / 'empty' / 'tokenizer'}?)" in _error(
+        tmp_path / "empty")
 
     truncated = tmp_path / "truncated" / "tokenizer.json"
     _write(truncated.parent, {"tokenizer.json": open(os.path.join(hf_path, "tokenizer.json")).read()[:5000]})
@@ -446,3 +449,15 @@ def test_training_on_the_default_corpus_with_a_hugging_face_tokenizer(tiny_args,
     assert "greedy sample from 'def main('" in capsys.readouterr().out
     with pytest.raises(DataError, match=rf"the tokenizer {hf_path} has 320 pieces but vocab_size=256"):
         train.main([*args, "vocab_size=256"])
+
+
+def test_cli_prints_one_line_and_exits_2(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run([sys.executable, "-m", "maxtrain.decode", "configs/base.yml", f"tokenizer_path={tmp_path}",
+                             f"load_parameters_path={tmp_path}/run"], capture_output=True, text=True, timeout=120,
+                            check=False, cwd=h.REPO, env=env)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"maxtrain.decode: error: tokenizer_path='{tmp_path}' is a directory without tokenizer.json or tokenizer.model."
+        f" Give {tokenizer_lib.ACCEPTS}; for a Hugging Face model, download its tokenizer files too (tokenizer.json, "
+        "tokenizer_config.json, generation_config.json)"]

@@ -75,8 +75,8 @@ def _read_directory(directory: str, where: str) -> dict[str, bytes]:
     names = set(os.listdir(directory))
     main = TOKENIZER_JSON if TOKENIZER_JSON in names else SP_MODEL if SP_MODEL in names else None
     if main is None:
-        nested = [d for d in ("original", "tokenizer") if os.path.isdir(os.path.join(directory, d))]
-        hint = f" (is it in {os.path.join(directory, nested[0])}?)" if nested else ""
+        nested = os.path.join(directory, "tokenizer")  # where prepared data keeps its copy
+        hint = f" (is it {nested}?)" if os.path.isdir(nested) else ""
         raise DataError(f"{where} is a directory without tokenizer.json or tokenizer.model{hint}. Give {ACCEPTS}; for "
                         "a Hugging Face model, download its tokenizer files too (tokenizer.json, tokenizer_config.json"
                         ", generation_config.json)")
