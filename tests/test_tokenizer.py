@@ -453,9 +453,8 @@ def test_training_on_the_default_corpus_with_a_hugging_face_tokenizer(tiny_args,
 
 def test_cli_prints_one_line_and_exits_2(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, "-m", "maxtrain.decode", "configs/base.yml", f"tokenizer_path={tmp_path}",
-                             f"load_parameters_path={tmp_path}/run"], capture_output=True, text=True, timeout=120,
-                            check=False, cwd=h.REPO, env=env)
+    result = subprocess.run([sys.executable, "-m", "maxtrain.decode", "configs/base.yml", f"tokenizer_path={tmp_path}"],
+                            capture_output=True, text=True, timeout=120, check=False, cwd=h.REPO, env=env)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         f"maxtrain.decode: error: tokenizer_path='{tmp_path}' is a directory without tokenizer.json or tokenizer.model."
