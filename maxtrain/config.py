@@ -284,6 +284,9 @@ def _validate(v: dict[str, Any]) -> None:
              f"e.g. base_num_kv_heads={_divisor_hint(v['base_num_query_heads'], v['base_num_kv_heads'])}")
     _require(v["head_dim"] % 2 == 0, f"head_dim={v['head_dim']} must be even (RoPE rotates pairs of features)")
     _validate_model(v)
+    _require(v["num_vocab_tiling"] >= 1 and v["max_target_length"] % v["num_vocab_tiling"] == 0,
+             f"num_vocab_tiling={v['num_vocab_tiling']} must be >= 1 and divide max_target_length="
+             f"{v['max_target_length']} (the sequence is cut into that many chunks)")
     _one_of(v, "dtype", DTYPES)
     _one_of(v, "weight_dtype", WEIGHT_DTYPES)
     _one_of(v, "remat_policy", REMAT_POLICIES)
