@@ -196,7 +196,7 @@ def _attention_block(x, p, positions, segment_ids, config, rt: Runtime, cache=No
     k = rope(k, positions, config.rope_max_timescale)
     q = shard(q, ("batch", "length", "heads", "head_dim"))
     if cache is None:
-        out = attention_lib.attention(q, k, v, segment_ids, implementation=rt.attention,
+        out = attention_lib.attention(q, k, v, segment_ids, implementation=rt.attention, platform=rt.backend,
                                       block_q=config.sa_block_q, block_kv=config.sa_block_kv)
         new_cache = None
     else:

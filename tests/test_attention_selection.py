@@ -10,15 +10,38 @@ from maxtrain import attention, model
 from maxtrain.config import load_config
 
 
-@pytest.mark.parametrize("backend, expected", [("cpu", "dot_product"), ("gpu", "flash"), ("tpu", "dot_product")])
+@pytest.mark.parametrize("backend, expected", [("cpu", "dot_product"), ("gpu", "flash"), ("cuda", "flash"),
+                                               ("tpu", "flash")])
 def test_autoselected_picks_per_backend(backend, expected):
     assert attention.resolve_implementation("autoselected", backend) == expected
 
 
+@pytest.mark.parametrize("backend", ["gpu", "tpu"])
+def test_autoselected_flash_covers_windows_and_soft_caps(backend):
+    """The kernels implement sliding windows and soft-caps, so Gemma-style models keep flash."""
+    assert attention.resolve_implementation("autoselected", backend, sliding_window=4096, logits_soft_cap=50.0) == "flash"
+    assert attention.resolve_implementation("flash", backend, sliding_window=4096, logits_soft_cap=50.0) == "flash"
+
+
+def test_cudnn_refuses_soft_caps_it_lacks():
+    assert attention.resolve_implementation("cudnn", "gpu", dtype=jnp.bfloat16, sliding_window=512) == "cudnn"
+    with pytest.raises(ValueError, match="attention=cudnn does not implement logits_soft_cap=50.0.*attention=flash"):
+        attention.resolve_implementation("cudnn", "gpu", dtype=jnp.bfloat16, logits_soft_cap=50.0)
+
+
+def test_kernels_need_an_explicit_platform():
+    """The platform is passed down, never guessed from the compiling machine's default backend."""
+    q = jnp.zeros((1, 16, 2, 16))
+    seg = jnp.ones((1, 16), jnp.int32)
+    with pytest.raises(ValueError, match="attention=flash needs platform="):
+        attention.attention(q, q, q, seg, implementation="flash")
+    with pytest.raises(ValueError, match="unknown platform 'metal'"):
+        attention.resolve_implementation("flash", "metal")
+
+
 @pytest.mark.parametrize("name, backend, kwargs, message", [
-    ("cudnn", "cpu", {}, r"attention=cudnn needs an NVIDIA GPU, but JAX's backend is 'cpu'.*attention=dot_product"),
+    ("cudnn", "cpu", {}, r"attention=cudnn needs an NVIDIA GPU, but the platform is 'cpu'.*attention=flash, dot_product"),
     ("cudnn", "tpu", {}, r"needs an NVIDIA GPU"),
-    ("flash", "tpu", {}, r"attention=flash needs an NVIDIA GPU .* or the CPU .*backend is 'tpu'"),
     ("cudnn", "gpu", {"dtype": jnp.float32}, r"attention=cudnn needs dtype=bfloat16 or float16.*float32"),
     ("cudnn", "gpu", {"dtype": jnp.bfloat16, "head_dim": 12}, r"multiple of 8 .*head_dim=12"),
     ("cudnn", "gpu", {"dtype": jnp.bfloat16, "head_dim": 512}, r"at most 256"),
@@ -33,6 +56,7 @@ def test_valid_explicit_choices_pass_through():
     assert attention.resolve_implementation("cudnn", "gpu", dtype=jnp.bfloat16, head_dim=128) == "cudnn"
     assert attention.resolve_implementation("flash", "gpu", dtype=jnp.float32, head_dim=12) == "flash"
     assert attention.resolve_implementation("dot_product", "tpu") == "dot_product"
+    assert attention.resolve_implementation("flash", "tpu") == "flash"  # the splash kernel
     assert attention.resolve_implementation("flash", "cpu") == "flash"  # allowed, in interpret mode
 
 
