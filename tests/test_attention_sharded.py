@@ -161,3 +161,12 @@ def test_splash_under_shard_map_matches_one_device():
         np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5, err_msg=mesh_name)
         for name, got, want in zip("qkv", grads, ref_grads):
             np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-4, err_msg=f"{mesh_name}: d{name}")
+
+
+def test_heads_and_kv_heads_on_different_axes_is_a_clear_error():
+    mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(2, 1, 4), sharding.MESH_AXES)
+    rules = [["batch", ["data", "fsdp"]], ["heads", "tensor"], ["kv_heads", None]]
+    q, k, v, seg, _ = _qkv(length=16, head_dim=16)
+    with sharding.activation_sharding(mesh, rules), pytest.raises(
+            ValueError, match=r"'heads' on tensor but 'kv_heads' on None.*same mesh axes"):
+        attention.attention(q, k, v, seg, implementation="flash", platform="cpu")

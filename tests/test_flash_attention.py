@@ -222,3 +222,26 @@ def test_rejects_incompatible_heads():
     k = jnp.zeros((1, 32, 4, 32))
     with pytest.raises(ValueError, match="multiple of kv heads"):
         flash_attention(q, k, k, interpret=True)
+
+
+def test_broken_backward_fails_the_comparison(monkeypatch):
+    """A kernel whose backward forgets the soft-cap's derivative (1 - tanh^2) passes the forward
+    comparison but fails the gradient one: the tolerance catches a wrong backward."""
+    from maxtrain.kernels import flash_attention as module  # pylint: disable=import-outside-toplevel
+
+    case = CASES["gqa2_window24_cap5_scale_packed_len100_f32"]
+    q, k, v, do, q_seg, kv_seg = _inputs(case, seed=2)
+    original = module._scores  # pylint: disable=protected-access
+
+    def no_cap_slope(cfg, q, k, mask):
+        s, _ = original(cfg, q, k, mask)
+        return s, None
+
+    monkeypatch.setattr(module, "_scores", no_cap_slope)
+    flash = lambda q, k, v: flash_attention(q, k, v, q_seg, kv_seg, sliding_window=24, logits_soft_cap=5.0,  # noqa: E731
+                                            sm_scale=0.3, block_q=32, block_k=16, interpret=True)
+    out, vjp = jax.vjp(flash, q, k, v)
+    ref_out, ref_vjp = jax.vjp(lambda q, k, v: _reference(q, k, v, q_seg, kv_seg, True, 24, 5.0, 0.3), q, k, v)
+    _assert_close("forward unaffected", out, ref_out, 1e-5)
+    with pytest.raises(AssertionError):
+        _assert_close("broken dq", vjp(do)[0], ref_vjp(do)[0], 1e-5)
