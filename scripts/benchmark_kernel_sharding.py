@@ -24,7 +24,7 @@ import sys  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from maxtrain import model, ops, sharding  # noqa: E402
+from maxtrain import models, ops, sharding  # noqa: E402
 from maxtrain.config import load_config, with_devices  # noqa: E402
 
 BASE_YML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
@@ -40,12 +40,12 @@ def compile_step(args, mesh_shape, with_shard_map: bool):
         f"per_device_batch_size={args.batch / 8}", "dtype=float32", "remat_policy=full", "attention=flash",
         "sa_block_q=64", "sa_block_kv=64", f"ici_data_parallelism={data}", f"ici_fsdp_parallelism={fsdp}",
         f"ici_tensor_parallelism={tensor}"]), 8)
-    rt = model.Runtime.from_config(cfg, "cpu")
+    rt = models.Runtime.from_config(cfg, "cpu")
     mesh = sharding.create_mesh(cfg, jax.devices())
     rules = cfg.logical_axis_rules
-    param_shardings = jax.tree.map(lambda s: sharding.named_sharding(mesh, s.axes, rules), model.param_specs(cfg),
-                                   is_leaf=model.is_spec)
-    params = jax.eval_shape(lambda: model.init_params(cfg, jax.random.key(0)))
+    param_shardings = jax.tree.map(lambda s: sharding.named_sharding(mesh, s.axes, rules), models.param_specs(cfg),
+                                   is_leaf=models.is_spec)
+    params = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
     batch_sharding = sharding.named_sharding(mesh, ("batch", "length"), rules)
     shape = (args.batch, args.length)
     batch = {k: jax.ShapeDtypeStruct(shape, dt) for k, dt in (("inputs", np.int32), ("targets", np.int32),
@@ -53,7 +53,7 @@ def compile_step(args, mesh_shape, with_shard_map: bool):
                                                              ("loss_weights", np.float32))}
 
     def loss(p, b):
-        logits = model.forward(p, b["inputs"], b["positions"], b["segment_ids"], cfg, rt)
+        logits, _ = models.forward(p, b["inputs"], b["positions"], b["segment_ids"], cfg, rt)
         return ops.cross_entropy(logits, b["targets"], b["loss_weights"])
 
     original = sharding.run_in_shards
