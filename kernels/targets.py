@@ -45,6 +45,10 @@ def tpu_devices(topology: str, num_slices: int = 1):
         raise MissingCompiler(missing)
     from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
 
+    # libtpu takes a machine-wide lock (/tmp/libtpu_lockfile) so that one process owns the TPU chips;
+    # compiling uses no chip, and without this a second compiling process (another test run, a
+    # train_compile) fails with "Internal error when accessing libtpu multi-process lockfile".
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     return topologies.get_topology_desc(platform="tpu", topology_name=topology, chip_config_name="default",
                                         chips_per_host_bounds=(2, 2, 1), num_slices=num_slices).devices
 
