@@ -24,6 +24,8 @@ shard. `interpret=True` runs it on CPU in Pallas' interpreter (for tests).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
@@ -69,7 +71,7 @@ def splash_attention(q, k, v, segment_ids=None, *, causal=True, sliding_window=0
     if block_q % 8 or block_q <= 0 or block_kv <= 0:
         raise ValueError(f"block_q={block_q} must be a positive multiple of 8 and block_kv={block_kv} positive")
     sizes = block_sizes(length, block_q, block_kv)
-    padded = _round_up(length, max(sizes.block_q, sizes.block_kv))
+    padded = _round_up(length, math.lcm(sizes.block_q, sizes.block_kv))
     if segment_ids is None:
         segment_ids = jnp.zeros((batch, length), jnp.int32)
     pad = [(0, 0), (0, padded - length)]

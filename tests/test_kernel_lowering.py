@@ -8,7 +8,8 @@ own compiler on this CPU. The compilers come from the optional extras `.[tpu]` (
 install. .ci/run installs both in a second virtualenv and runs this file there (where a missing
 compiler is an error). Interpret mode
 (tests/test_flash_attention.py, test_splash_attention.py) checks the numbers; this checks that the
-kernels lower and fit the target (e.g. shared memory for head_dim 256).
+kernels lower and fit the target (e.g. shared memory for head_dim 256). Last, the whole training
+step (builder.build, as train.py runs it) with attention=autoselected compiles for TPUs and 8 H100s.
 """
 
 from __future__ import annotations
@@ -143,3 +144,40 @@ def test_missing_compilers_name_the_extra():
         assert missing is None or extra in missing
     with pytest.raises(ValueError, match="unknown GPU target 'h300'; known: h100, a100"):
         targets.gpu_target_config("h300")
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole training step (builder.build, as train.py runs it) with attention=autoselected.
+
+SMALL = ["base_emb_dim=256", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=512",
+         "base_num_decoder_layers=2", "vocab_size=1024", "max_target_length=512", "per_device_batch_size=1",
+         "dataset_type=synthetic", "enable_checkpointing=false", "enable_tensorboard=false",
+         "attention=autoselected", "dtype=autoselected"]
+GEMMA = ["decoder_block=gemma2", "head_dim=256", "sliding_window_size=128", "attn_logits_soft_cap=50.0",
+         "final_logits_soft_cap=30.0", "query_pre_attn_scalar=256", "logits_via_embedding=true"]
+
+
+def compile_train_step(devices, overrides):
+    from maxtrain import builder  # pylint: disable=import-outside-toplevel
+
+    run = builder.build(load_config([BASE_YML, *SMALL, *overrides]), devices=devices)
+    assert run.rt.attention == "flash"
+    return run.compile().as_text()
+
+
+@pytest.mark.slow
+@needs_tpu_compiler
+@pytest.mark.parametrize("topology, overrides", [
+    ("v5p:2x2x1", ["head_dim=64", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]),
+    ("v5e:2x2", GEMMA + ["ici_fsdp_parallelism=4"]),
+])
+def test_train_step_compiles_for_tpu(topology, overrides):
+    assert "tpu_custom_call" in compile_train_step(targets.tpu_devices(topology), overrides)
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_gemma_train_step_compiles_for_8_h100s(h100s):
+    """Gemma 2 (head_dim 256, window, soft-caps): the step every Gemma user on H100s would run."""
+    hlo = compile_train_step(h100s, GEMMA + ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
+    assert "flash_attention_dkv" in hlo
