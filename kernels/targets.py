@@ -34,7 +34,8 @@ def tpu_compiler_missing() -> str | None:
 def gpu_compiler_missing() -> str | None:
     """Why NVIDIA GPU programs cannot be compiled here, or None when they can."""
     if importlib.util.find_spec("jax_plugins") is None or importlib.util.find_spec("jax_plugins.xla_cuda12") is None:
-        return "the CUDA plugin is not installed: pip install -e '.[cuda]' (jax-cuda12-plugin and ptxas)"
+        return ("the CUDA plugin is not installed: pip install -e '.[cuda]' "
+                "(JAX's CUDA 12 plugin with NVIDIA's ptxas and cuDNN)")
     return None
 
 

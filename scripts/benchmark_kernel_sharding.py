@@ -81,7 +81,9 @@ def main(argv):
     parser.add_argument("--length", type=int, default=256)
     parser.add_argument("--batch", type=int, default=8)
     args = parser.parse_args(argv)
-    print(f"# python scripts/benchmark_kernel_sharding.py {shlex.join(argv)}  (load {open('/proc/loadavg').read().split()[0]})")
+    with open("/proc/loadavg", encoding="utf-8") as f:
+        load = f.read().split()[0]
+    print(f"# python scripts/benchmark_kernel_sharding.py {shlex.join(argv)}  (load {load})")
     print("| mesh (data x fsdp x tensor) | kernel | arguments MiB | temporaries MiB | total MiB | q/k/v all-gathers |")
     print("| --- | --- | --- | --- | --- | --- |")
     for name, mesh_shape in MESHES.items():

@@ -238,8 +238,11 @@ def test_broken_backward_fails_the_comparison(monkeypatch):
         return s, None
 
     monkeypatch.setattr(module, "_scores", no_cap_slope)
-    flash = lambda q, k, v: flash_attention(q, k, v, q_seg, kv_seg, sliding_window=24, logits_soft_cap=5.0,  # noqa: E731
-                                            sm_scale=0.3, block_q=32, block_k=16, interpret=True)
+
+    def flash(q, k, v):
+        return flash_attention(q, k, v, q_seg, kv_seg, sliding_window=24, logits_soft_cap=5.0, sm_scale=0.3,
+                               block_q=32, block_k=16, interpret=True)
+
     out, vjp = jax.vjp(flash, q, k, v)
     ref_out, ref_vjp = jax.vjp(lambda q, k, v: _reference(q, k, v, q_seg, kv_seg, True, 24, 5.0, 0.3), q, k, v)
     _assert_close("forward unaffected", out, ref_out, 1e-5)
