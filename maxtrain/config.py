@@ -317,6 +317,13 @@ def _head_dim_even(v):
     _require(v["head_dim"] % 2 == 0, f"head_dim={v['head_dim']} must be even (RoPE rotates pairs of features)")
 
 
+
+def _vocab_tiling_divides_length(v):
+    _require(v["max_target_length"] % v["num_vocab_tiling"] == 0,
+             f"num_vocab_tiling={v['num_vocab_tiling']} must divide max_target_length={v['max_target_length']} "
+             "(the sequence is cut into that many chunks)")
+
+
 def _flash_blocks_powers_of_two(v):
     for key in ("sa_block_q", "sa_block_kv"):
         _require(v[key] & (v[key] - 1) == 0, f"{key}={v[key]} must be a power of two (16, 32, 64, 128, ...)")
@@ -402,7 +409,7 @@ def split_address(address: str, key: str = "coordinator_address") -> tuple[str, 
 
 
 # The rules a per-key range cannot express, each a function of the resolved values.
-CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _llama3_rope_factors, _attention_layer_types,
+CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
           _flash_blocks_powers_of_two, _one_text_column,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
