@@ -221,7 +221,7 @@ def _validate(v: dict[str, Any]) -> None:
               "base_num_decoder_layers", "head_dim", "vocab_size", "checkpoint_period",
               "rope_max_timescale", "normalization_layer_epsilon", "sa_block_q", "sa_block_kv",
               "loss_scale_initial", "loss_scale_period", "loss_scale_min", "default_corpus_max_mb",
-              "distributed_initialization_timeout")
+              "distributed_initialization_timeout", "dataset_cache_workers", "dataset_cache_shard_mb")
     _require(v["max_target_length"] >= 2, f"max_target_length={v['max_target_length']} must be at least 2")
     _require(v["learning_rate"] >= 0, f"learning_rate={v['learning_rate']} must be >= 0")
     _require(v["base_num_query_heads"] % v["base_num_kv_heads"] == 0,

@@ -216,6 +216,7 @@ def main(argv: list[str]) -> dict:
         if checkpointer:
             checkpointer.close()
         writer.close()
+        inputs.close()  # stops background cache building; finished shards stay
         sample = None
         if config.max_new_tokens > 0 and inputs.tokenizer is not None and not preempted:
             tok = inputs.tokenizer

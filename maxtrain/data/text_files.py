@@ -19,6 +19,7 @@ import io
 import json
 from typing import Callable, Iterator
 
+from maxtrain import storage
 from maxtrain.data.errors import DataError
 
 FORMATS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
@@ -61,10 +62,16 @@ def pyarrow_parquet():
     return pq
 
 
+def parquet_file(path: str):
+    """A pyarrow ParquetFile for a local path or a gs:// object (read through a seekable file object)."""
+    pq = pyarrow_parquet()
+    return pq.ParquetFile(storage.open(path, "rb") if storage.is_remote(path) else path)
+
+
 def _open(path: str, compression: str | None):
     """(stream of decompressed bytes, the raw file: its tell() is the progress in bytes on disk)."""
     try:
-        raw = open(path, "rb")  # pylint: disable=consider-using-with
+        raw = storage.open(path, "rb")  # pylint: disable=consider-using-with
     except FileNotFoundError:
         raise DataError(f"{path} does not exist (it was there when the file list was made; was it moved?)") from None
     if compression == "gzip":
@@ -156,9 +163,8 @@ def _txt(path, mode, start, end, skip, progress, raw, stream) -> Iterator[str]:
 
 
 def _parquet(path, field, row_groups, skip, progress) -> Iterator[str]:
-    pq = pyarrow_parquet()
     try:
-        pf = pq.ParquetFile(path)
+        pf = parquet_file(path)
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError variants
         raise DataError(f"{path}: not a readable parquet file ({e}). Check the file (a partial download?).") from None
     names = pf.schema_arrow.names
@@ -223,7 +229,7 @@ def check(path: str, field: str) -> None:
     """Fails now, before training, if `path` is empty or its first document cannot be read."""
     fmt, _ = file_format(path)
     if fmt == "parquet":
-        pf = pyarrow_parquet().ParquetFile(path)
+        pf = parquet_file(path)
         if pf.metadata.num_rows == 0:
             raise DataError(f"{path} holds no rows: an empty shard. Delete it or narrow the glob.")
         names = pf.schema_arrow.names
