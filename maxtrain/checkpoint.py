@@ -27,7 +27,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -36,6 +35,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+
+from maxtrain import storage
 
 # Config keys that fix the parameter shapes; named in errors when a checkpoint does not fit.
 MODEL_KEYS = ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",
@@ -55,6 +56,15 @@ class CheckpointError(ValueError):
 def check_writable(directory: str) -> None:
     """Fails early, before any training, when checkpoints could not be written to `directory`."""
     probe = os.path.join(directory, f".write-probe-{jax.process_index()}")
+    if storage.is_remote(directory):  # GCS: one small object written and deleted
+        try:
+            storage.write_bytes(probe, b"maxtrain")
+            storage.rmtree(probe)
+        except Exception as e:  # pylint: disable=broad-except  (gcsfs raises OSError and HttpError variants)
+            raise CheckpointError(f"cannot write checkpoints to {directory} ({type(e).__name__}: {e}). Check the "
+                                  "bucket name and your credentials (gcloud auth application-default login), or "
+                                  "set base_output_directory to a local path.") from None
+        return
     try:
         os.makedirs(directory, exist_ok=True)
         with open(probe, "wb") as f:
@@ -75,7 +85,7 @@ class Checkpointer:
 
     def __init__(self, config, log=print):
         self.config = config
-        self.directory = os.path.abspath(config.checkpoint_dir)
+        self.directory = storage.abspath(config.checkpoint_dir)
         check_writable(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if config.max_num_checkpoints_to_keep == -1 else config.max_num_checkpoints_to_keep,
@@ -178,35 +188,36 @@ def abstract_like(state: dict, shardings: dict) -> dict:
 
 
 def complete_steps(checkpoints_dir: str) -> list[int]:
-    """Steps with a complete checkpoint in `checkpoints_dir` (temporary, half-written ones excluded)."""
-    if not os.path.isdir(checkpoints_dir):
-        return []
-    return sorted(int(name) for name in os.listdir(checkpoints_dir)
-                  if name.isdigit() and os.path.isdir(os.path.join(checkpoints_dir, name, "state")))
+    """Steps with a complete checkpoint in `checkpoints_dir` (temporary, half-written ones excluded).
+    On GCS, where Orbax cannot rename, a step is complete once its commit_success.txt is written."""
+    remote = storage.is_remote(checkpoints_dir)
+    return sorted(int(name) for name in storage.listdir(checkpoints_dir)
+                  if name.isdigit() and storage.isdir(os.path.join(checkpoints_dir, name, "state"))
+                  and (not remote or storage.isfile(os.path.join(checkpoints_dir, name, "commit_success.txt"))))
 
 
 def remove_partial_checkpoints(checkpoints_dir: str, log=print) -> None:
     """Deletes the temporary directories of saves that never completed (a killed or failed run)."""
-    for name in sorted(os.listdir(checkpoints_dir)):
+    for name in storage.listdir(checkpoints_dir):
         if _TMP_MARK in name:
             log(f"removing a checkpoint that was never completed: {os.path.join(checkpoints_dir, name)}")
-            shutil.rmtree(os.path.join(checkpoints_dir, name), ignore_errors=True)
+            storage.rmtree(os.path.join(checkpoints_dir, name))
 
 
 def find_step_dir(path: str, key: str = "path") -> str:
     """The step directory that `path` names: a step directory itself (<run>/checkpoints/<step>), or the
     latest complete step of a checkpoints directory or of a run directory."""
-    path = os.path.abspath(os.path.expanduser(path))
-    if not os.path.exists(path):
+    path = storage.abspath(path).rstrip("/")
+    if not storage.exists(path):
         raise CheckpointError(f"{key}={path!r} does not exist. Give a checkpoint step directory "
                               "(<run>/checkpoints/<step>), a run's checkpoints directory, or a run directory.")
-    if os.path.isdir(os.path.join(path, "state")):
+    if storage.isdir(os.path.join(path, "state")):
         return path
     for directory in (path, os.path.join(path, "checkpoints")):
         steps = complete_steps(directory)
         if steps:
             return os.path.join(directory, str(steps[-1]))
-    found = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    found = storage.listdir(path)
     raise CheckpointError(f"{key}={path!r} holds no complete checkpoint (a directory named by its step with a "
                           f"state/ subdirectory, directly or under checkpoints/); it contains: {found[:10] or 'nothing'}")
 
@@ -214,10 +225,9 @@ def find_step_dir(path: str, key: str = "path") -> str:
 def read_metadata(step_dir: str) -> dict:
     """The JSON metadata saved with a checkpoint ({} when it has none)."""
     path = os.path.join(step_dir, "metadata", "metadata")
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    return json.loads(storage.read_text(path))
 
 
 def path_str(path) -> str:

@@ -22,8 +22,11 @@ from __future__ import annotations
 import json
 import os
 import struct
+import time
 
 import jax
+
+from maxtrain import storage
 
 # Dense (no sparsity) bfloat16 peak TFLOP/s per device, from the vendors' data sheets.
 # Matched against jax.Device.device_kind, longest key first.
@@ -101,6 +104,44 @@ def format_line(step: int, m: dict, loss_scaled: bool = False) -> str:
     return " | ".join(parts)
 
 
+class JsonLines:
+    """Appends lines to a file. A local file is opened for appending and flushed after every line. GCS
+    has no append, so a gs:// object is rewritten whole (what it held before, then the new lines) at
+    most every `upload_seconds` and at close: a killed run loses at most that much of its metrics file."""
+
+    def __init__(self, path: str, upload_seconds: float = 30.0):
+        self.path, self.upload_seconds = path, upload_seconds
+        self.remote = storage.is_remote(path)
+        if self.remote:
+            self.lines = [storage.read_text(path)] if storage.isfile(path) else []
+            self.uploaded = time.time()
+            self.dirty = False
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+
+    def write(self, line: str) -> None:
+        if not self.remote:
+            self.file.write(line)
+            self.file.flush()
+            return
+        self.lines.append(line)
+        self.dirty = True
+        if time.time() - self.uploaded >= self.upload_seconds:
+            self.upload()
+
+    def upload(self) -> None:
+        if self.dirty:
+            storage.write_text(self.path, "".join(self.lines))
+            self.uploaded, self.dirty = time.time(), False
+
+    def close(self) -> None:
+        if self.remote:
+            self.upload()
+        else:
+            self.file.close()
+
+
 class MetricWriter:
     """Writes metrics to stdout, an optional JSON-lines file and TensorBoard; only on process 0."""
 
@@ -112,8 +153,7 @@ class MetricWriter:
         if not active:
             return
         if config.metrics_file:
-            os.makedirs(os.path.dirname(os.path.abspath(config.metrics_file)), exist_ok=True)
-            self.jsonl = open(config.metrics_file, "a", encoding="utf-8")
+            self.jsonl = JsonLines(config.metrics_file)
         if config.enable_tensorboard:
             from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
 
@@ -140,7 +180,6 @@ class MetricWriter:
             print(format_line(step, metrics, loss_scaled=self.config.dtype == "float16"), flush=True)
         if self.jsonl:
             self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-            self.jsonl.flush()
         if self.tb:
             for key, value in metrics.items():
                 if value is not None:

@@ -22,6 +22,7 @@ from maxtrain import config as config_lib
 from maxtrain import data as data_lib
 from maxtrain import decode, distributed, metrics, model, optimizer, sharding, train_step, viz
 from maxtrain import preemption as preemption_lib
+from maxtrain import storage
 from maxtrain.data import pipeline
 
 
@@ -75,7 +76,7 @@ def summarize(config, rt, mesh, compiled, compile_seconds) -> str:
                  - memory.alias_size_in_bytes)
         lines.append(f"memory per device: {total / 2**30:.3f} GiB (arguments {memory.argument_size_in_bytes / 2**30:.3f}, "
                      f"temporaries {memory.temp_size_in_bytes / 2**30:.3f}, outputs {memory.output_size_in_bytes / 2**30:.3f})")
-    lines.append(f"output: {os.path.abspath(config.run_dir)}")
+    lines.append(f"output: {storage.abspath(config.run_dir)}")
     return "\n".join(lines)
 
 
@@ -109,13 +110,11 @@ def write_metadata(config, rt) -> dict:
             "command": sys.argv, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "packages": checkpoint_lib.installed_packages()}
     if jax.process_index() == 0:
-        os.makedirs(config.metadata_dir, exist_ok=True)
-        with open(os.path.join(config.metadata_dir, "config.yml"), "w") as f:
-            yaml.safe_dump(config.to_dict(), f, sort_keys=False)
-        with open(os.path.join(config.metadata_dir, "run.json"), "w") as f:
-            json.dump({k: v for k, v in meta.items() if k not in ("config", "packages")}, f, indent=2)
-        with open(os.path.join(config.metadata_dir, "requirements.txt"), "w") as f:
-            f.write("\n".join(meta["packages"]) + "\n")
+        directory = config.metadata_dir  # local or gs://
+        storage.write_text(os.path.join(directory, "config.yml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
+        storage.write_text(os.path.join(directory, "run.json"),
+                           json.dumps({k: v for k, v in meta.items() if k not in ("config", "packages")}, indent=2))
+        storage.write_text(os.path.join(directory, "requirements.txt"), "\n".join(meta["packages"]) + "\n")
     return meta
 
 

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
-from maxtrain import decode, model, png, sharding
+from maxtrain import decode, model, png, sharding, storage
 from maxtrain.data import pipeline
 
 LOGPROB_FLOOR = -10.0  # log p at or below this is fully red
@@ -196,14 +196,11 @@ def write_heatmap(step: int, params, batch: dict, config, rt, tokenizer, writer=
         return None
     samples = [sample_tokens(rows, tokenizer, i) for i in range(rows["targets"].shape[0])]
     title = f"maxtrain {config.run_name}: per-token log-probabilities at step {step}"
-    directory = os.path.join(config.run_dir, "viz")
-    os.makedirs(directory, exist_ok=True)
+    directory = os.path.join(config.run_dir, "viz")  # local or gs://
     path = os.path.join(directory, f"step_{step}.html")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(render_html(samples, title))
+    storage.write_text(path, render_html(samples, title))
     image = png.encode_png(render_png(samples, title))
-    with open(os.path.join(directory, f"step_{step}.png"), "wb") as f:
-        f.write(image)
+    storage.write_bytes(os.path.join(directory, f"step_{step}.png"), image)
     if writer is not None:
         writer.write_image("viz/token_logprobs", image, step)
     return path

@@ -158,6 +158,11 @@ def open_sources(config, log=print) -> Sources:
     train = parse_files(config.grain_train_files, "grain_train_files")
     evals = parse_files(config.grain_eval_files, "grain_eval_files") if config.grain_eval_files else []
     if kind == "arrayrecord":
+        remote = [f for c in train + evals for f in c.files if storage.is_remote(f)]
+        if remote:
+            raise DataError(f"dataset_type=arrayrecord reads shards from local disk, not {remote[0]}. For data on "
+                            "gs://, train on the raw jsonl/parquet with dataset_cache_dir=gs://... (tokenized once "
+                            "into a cache there), or copy the prepared directory to local disk.")
         for c in train + evals:
             c.documents = prepared.PreparedDocuments(c.files)
         first = train[0].documents
