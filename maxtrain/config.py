@@ -28,6 +28,7 @@ DATASET_TYPES = ("default", "synthetic", "arrayrecord", "parquet", "jsonl")
 PACKING_TYPES = ("concat_then_split", "first_fit")
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DECODE_STRATEGIES = ("greedy", "weighted", "topk", "nucleus")
+PROFILERS = ("", "xplane")
 MESH_AXES = ("data", "fsdp", "tensor")
 LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
 
@@ -257,6 +258,11 @@ def _validate(v: dict[str, Any]) -> None:
     _require(v["viz_period"] == -1 or v["viz_period"] > 0, f"viz_period={v['viz_period']} must be > 0, or -1 for none")
     _positive(v, "viz_num_samples", "decode_sampling_temperature", "decode_sampling_top_k")
     _one_of(v, "decode_sampling_strategy", DECODE_STRATEGIES)
+    _require(v["profiler"] in PROFILERS, f"profiler={v['profiler']!r} is not supported; use profiler=xplane "
+                                         "(a jax.profiler trace, as MaxText) or leave it empty")
+    _positive(v, "profiler_steps")
+    _require(v["skip_first_n_steps_for_profiler"] >= 0,
+             f"skip_first_n_steps_for_profiler={v['skip_first_n_steps_for_profiler']} must be >= 0")
     _require(0.0 < v["decode_sampling_nucleus_p"] <= 1.0,
              f"decode_sampling_nucleus_p={v['decode_sampling_nucleus_p']} must be in (0, 1]")
     if v["dataset_type"] in ("arrayrecord", "parquet", "jsonl"):

@@ -14,13 +14,17 @@ The embedding lookup, norms, softmax, activations and the optimizer are elementw
 (they add a few percent of XLA's count for small models, far less for large ones).
 
 MFU = achieved model TFLOP/s per device / the device's dense bfloat16 peak (below, or
-`peak_tflops_per_device`).
+`peak_tflops_per_device`). A CPU has no data sheet peak: there MFU is measured against what a
+large matmul achieves on this machine (cpu_peak_tflops: measured once, about a second, and cached),
+divided among the CPU devices, which share the cores.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import statistics
 import struct
 import time
 
@@ -61,15 +65,81 @@ def flops_per_token(config, causal_fraction: float = 0.5) -> float:
     return 3.0 * forward
 
 
-def peak_tflops(config, device=None) -> float | None:
-    """Per-device peak used for MFU, or None when unknown (CPU without peak_tflops_per_device)."""
+def peak_tflops(config, device=None, log=None) -> float | None:
+    """Per-device peak used for MFU, or None when unknown. On CPU: the measured matmul peak of the
+    machine (see cpu_peak_tflops) shared by the local CPU devices; process 0 only measures it."""
     if config.peak_tflops_per_device > 0:
         return config.peak_tflops_per_device
-    kind = (device or jax.devices()[0]).device_kind
+    device = device or jax.devices()[0]
+    kind = device.device_kind
     for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
         if key.lower() in kind.lower():
             return PEAK_TFLOPS[key]
+    if device.platform == "cpu" and jax.process_index() == 0:
+        dtype = "bfloat16" if config.dtype == "bfloat16" else "float32"
+        peak, path, measured = cpu_peak_tflops(dtype)
+        devices = jax.local_device_count()
+        if log:
+            log(f"MFU: against this CPU's {dtype} matmul peak of {peak:.3f} TFLOP/s ({'measured now' if measured else 'measured before'}, "
+                f"cached in {path}) shared by {devices} CPU device(s); set peak_tflops_per_device to use another")
+        return peak / devices
     return None
+
+
+def measure_matmul_tflops(dtype, n: int = 4096, repeats: int = 10, reduce=statistics.median) -> float:
+    """TFLOP/s of an n x n x n matmul (float32 accumulation) on the default device: `reduce` (median,
+    or max for a peak) over `repeats` timed runs after one untimed."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    matmul = jax.jit(lambda x, y: jax.numpy.dot(x, y, preferred_element_type=jax.numpy.float32))
+    jax.block_until_ready(matmul(a, b))
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(matmul(a, b))
+        times.append(time.perf_counter() - t)
+    return reduce([2 * n**3 / t / 1e12 for t in times])
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_peak_tflops(dtype: str = "float32") -> tuple[float, str, bool]:
+    """(TFLOP/s, cache file, measured now?): the best of 5 runs of a 2048^3 matmul on this machine.
+
+    Cached in $XDG_CACHE_HOME/maxtrain/cpu_peak_tflops.json (default ~/.cache), keyed by the CPU
+    model, the number of cores this process may use, the jax version and the dtype: what the figure
+    depends on. The best run, not the median, because a shared machine's load only ever slows it
+    down. Delete the file to measure again.
+    """
+    path = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "maxtrain",
+                        "cpu_peak_tflops.json")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    key = f"{_cpu_name()} | {cores} cores | jax {jax.__version__} | {dtype}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            cached = json.load(f)
+    except (OSError, ValueError):
+        cached = {}
+    if isinstance(cached.get(key), dict) and cached[key].get("tflops", 0) > 0:
+        return float(cached[key]["tflops"]), path, False
+    tflops = measure_matmul_tflops(getattr(jax.numpy, dtype), n=2048, repeats=5, reduce=max)
+    cached[key] = {"tflops": tflops, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                   "how": "best of 5 runs of a 2048^3 matmul, float32 accumulation, jax.devices()[0]",
+                   "load_average": os.getloadavg()[0]}
+    try:
+        storage.write_text(path, json.dumps(cached, indent=1))
+    except OSError:
+        pass  # a read-only home: measured again next time
+    return tflops, path, True
 
 
 def step_metrics(raw: dict, step_time: float, config, peak: float | None) -> dict:
@@ -143,13 +213,14 @@ class JsonLines:
 
 
 class MetricWriter:
-    """Writes metrics to stdout, an optional JSON-lines file and TensorBoard; only on process 0."""
+    """Writes metrics to stdout, an optional JSON-lines file, TensorBoard and W&B; only on process 0."""
 
     def __init__(self, config, active: bool):
         self.active = active
         self.config = config
         self.jsonl = None
         self.tb = None
+        self.wandb = None
         if not active:
             return
         if config.metrics_file:
@@ -158,13 +229,19 @@ class MetricWriter:
             from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
 
             self.tb = SummaryWriter(config.tensorboard_dir)
+        if config.enable_wandb:
+            from maxtrain.wandb_logger import WandbLogger  # pylint: disable=import-outside-toplevel
+
+            self.wandb = WandbLogger(config)
 
     def write_text(self, tag: str, text: str, step: int = 0) -> None:
         if self.tb:
             self.tb.add_text(tag, text, step)
 
     def write_image(self, tag: str, png_bytes: bytes, step: int) -> None:
-        """An encoded PNG as a TensorBoard image (no imaging library needed)."""
+        """An encoded PNG as a TensorBoard image (no imaging library needed), and a W&B image."""
+        if self.wandb:
+            self.wandb.log_image(tag, png_bytes, step)
         if not self.tb:
             return
         from tensorboardX.proto.summary_pb2 import Summary  # pylint: disable=import-outside-toplevel
@@ -184,9 +261,13 @@ class MetricWriter:
             for key, value in metrics.items():
                 if value is not None:
                     self.tb.add_scalar(key, value, step)
+        if self.wandb:
+            self.wandb.log(step, metrics)
 
     def close(self) -> None:
         if self.jsonl:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+        if self.wandb:
+            self.wandb.close()

@@ -22,6 +22,7 @@ from maxtrain import config as config_lib
 from maxtrain import data as data_lib
 from maxtrain import decode, distributed, metrics, model, optimizer, sharding, train_step, viz
 from maxtrain import preemption as preemption_lib
+from maxtrain import profiler as profiler_lib
 from maxtrain import storage
 from maxtrain.data import pipeline
 
@@ -157,11 +158,12 @@ def main(argv: list[str]) -> dict:
             return (pipeline.to_global(b, mesh, rules, pipeline.EVAL_BATCH_AXES) for b in inputs.eval_batches)
         viz_batch = (pipeline.to_global(inputs.eval_batches[0], mesh, rules, pipeline.EVAL_BATCH_AXES)
                      if has_eval and inputs.tokenizer is not None and config.viz_period > 0 else None)
-        peak = metrics.peak_tflops(config)
+        peak = metrics.peak_tflops(config, log=log)
         if peak is None:
             log("MFU: unknown peak for this device; set peak_tflops_per_device=<dense TFLOP/s per device> to report it")
 
         start_step = int(jax.device_get(state["step"]))
+        profiler = profiler_lib.Profiler(config, start_step, log)  # profiler=xplane: traces a few steps
         eval_losses = {}
         if has_eval and start_step == 0:
             eval_losses[0] = evaluate(eval_step, state["params"], eval_batches())
@@ -177,6 +179,7 @@ def main(argv: list[str]) -> dict:
         for step in range(start_step, config.steps):
             if step != start_step:
                 batch = pipeline.to_global(next(inputs.train_iterator), mesh, rules)
+            profiler.step(step, state)
             state, step_metrics = step_fn(state, batch)  # dispatched; runs while we report the previous step
             if pending is not None:
                 last_done = _report(pending, config, peak, writer, last_done, loss_scaled)
@@ -209,6 +212,7 @@ def main(argv: list[str]) -> dict:
                 log(f"token heatmap at step {done}: {path}")
                 last_done = time.time()
         preemption.close()
+        profiler.stop(state)
         if pending is not None:
             _report(pending, config, peak, writer, last_done, loss_scaled)
 
@@ -221,7 +225,7 @@ def main(argv: list[str]) -> dict:
             tok = inputs.tokenizer
             new = decode.generate(state["params"], [tok.bos_id] + tok.encode(config.prompt), config, rt,
                                   max_new_tokens=config.max_new_tokens, eos_id=tok.eos_id)
-            sample = config.prompt + tok.decode(new)
+            sample = decode.trim_sample(config.prompt + tok.decode(new))  # not the blank lines after its end
             log(f"greedy sample from {config.prompt!r}:\n{sample}")
     log(f"done in {time.time() - start_time:.1f}s")
     return {"eval_losses": eval_losses, "sample": sample, "state": state, "config": config, "preempted": preempted}
