@@ -80,7 +80,8 @@ def peak_tflops(config, device=None, log=None) -> float | None:
         peak, path, measured = cpu_peak_tflops(dtype)
         devices = jax.local_device_count()
         if log:
-            log(f"MFU: against this CPU's {dtype} matmul peak of {peak:.3f} TFLOP/s ({'measured now' if measured else 'measured before'}, "
+            when = "measured now" if measured else "measured before"
+            log(f"MFU: against this CPU's {dtype} matmul peak of {peak:.3f} TFLOP/s ({when}, "
                 f"cached in {path}) shared by {devices} CPU device(s); set peak_tflops_per_device to use another")
         return peak / devices
     return None

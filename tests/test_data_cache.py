@@ -171,7 +171,8 @@ def test_a_bad_line_deep_in_the_data_stops_the_run_with_its_location(corpus, tmp
 
 @pytest.mark.slow  # two short training runs: ~30 s on 2 loaded cores
 def test_resume_in_the_middle_of_cache_building_equals_an_uninterrupted_run(corpus, tmp_path, tiny_args, capsys):
-    args = [*(a for a in tiny_args[:-2] if not a.startswith("vocab_size=")), "dataset_type=jsonl", f"grain_train_files={corpus['glob']}",
+    args = [*(a for a in tiny_args[:-2] if not a.startswith("vocab_size=")), "dataset_type=jsonl",
+            f"grain_train_files={corpus['glob']}",
             f"tokenizer_path={corpus['tok']}", SHARD_MB, "vocab_size=320", "eval_interval=-1",
             "checkpoint_period=3", "learning_rate_schedule_steps=6", "dataset_cache_workers=1",
             f"dataset_cache_dir={tmp_path / 'cache'}", f"base_output_directory={tmp_path}"]
