@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import datetime
 import difflib
+import importlib.util
 import os
 from typing import Any, Iterable
 
@@ -258,6 +259,12 @@ def _validate(v: dict[str, Any]) -> None:
     _require(v["viz_period"] == -1 or v["viz_period"] > 0, f"viz_period={v['viz_period']} must be > 0, or -1 for none")
     _positive(v, "viz_num_samples", "decode_sampling_temperature", "decode_sampling_top_k")
     _one_of(v, "decode_sampling_strategy", DECODE_STRATEGIES)
+    _require(not v["enable_wandb"] or importlib.util.find_spec("wandb") is not None,
+             "enable_wandb=true needs the wandb package: pip install 'maxtrain[wandb]' (or set enable_wandb=false)")
+    remote = [k for k in ("base_output_directory", "dataset_cache_dir", "metrics_file", "grain_train_files",
+                          "grain_eval_files", "load_parameters_path", "load_full_state_path") if v[k].startswith("gs://")]
+    _require(not remote or importlib.util.find_spec("gcsfs") is not None,
+             f"{remote[0] if remote else ''} is on gs://, which needs gcsfs: pip install 'maxtrain[gcs]'")
     _require(v["profiler"] in PROFILERS, f"profiler={v['profiler']!r} is not supported; use profiler=xplane "
                                          "(a jax.profiler trace, as MaxText) or leave it empty")
     _positive(v, "profiler_steps")
