@@ -24,6 +24,7 @@ from __future__ import annotations
 import builtins
 import functools
 import glob as glob_lib
+import logging
 import os
 import shutil
 import tempfile
@@ -46,6 +47,9 @@ def _gcs():
         import gcsfs  # pylint: disable=import-outside-toplevel
     except ImportError:
         raise StorageError("gs:// paths need gcsfs: pip install 'maxtrain[gcs]'") from None
+    # gcsfs logs a traceback when it gives up on a request, then raises the same error, which the
+    # caller reports with what to do; the log would only bury that message.
+    logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
     return gcsfs.GCSFileSystem()
 
 

@@ -218,6 +218,7 @@ def main(argv: list[str]) -> str:
                             eval_steps=1, eval_interval=max(config.eval_interval, 1))
     config = config_lib.with_devices(config, jax.device_count(), jax.process_count())
     inputs = data_lib.make_inputs(config)
+    inputs.close()  # only eval batches are needed: no background cache building
     if not inputs.eval_batches or inputs.tokenizer is None:
         raise config_lib.ConfigError("this configuration has no eval samples with a tokenizer to show")
     with sharding.activation_sharding(mesh, config.logical_axis_rules):

@@ -94,7 +94,11 @@ def parse_files(spec: str, key: str) -> list[Component]:
             raise DataError(f"{key}: weight {tail} of {head!r} must be > 0")
         files = []
         for one in (p.strip() for p in pattern.split(",") if p.strip()):
-            matched = storage.glob(one)
+            try:
+                matched = storage.glob(one)
+            except OSError as e:  # gs://: no such bucket, no credentials, no network
+                raise DataError(f"{key}: cannot list {one!r} ({type(e).__name__}: {e}). Check the bucket name and "
+                                "your credentials (gcloud auth application-default login).") from None
             if not matched:
                 where = os.path.dirname(one) or "."
                 hint = "" if storage.isdir(where) else f" (the directory {where} does not exist)"
@@ -182,8 +186,12 @@ def open_sources(config, log=print) -> Sources:
         _check_text_files(evals, kind, "grain_eval_files", _column(config, "eval"))
         if config.dataset_cache_dir:  # tokenize once into a cache, in the background (cache.py)
             for c in train:
-                c.cache = cache_lib.TextCache(config.dataset_cache_dir, c.files, tok, _column(config, "train"),
-                                              config.dataset_cache_shard_mb)
+                try:
+                    c.cache = cache_lib.TextCache(config.dataset_cache_dir, c.files, tok, _column(config, "train"),
+                                                  config.dataset_cache_shard_mb)
+                except OSError as e:
+                    raise DataError(f"dataset_cache_dir={config.dataset_cache_dir!r} cannot be used ({type(e).__name__}:"
+                                    f" {e}); point it at a writable directory or bucket") from None
         return Sources(kind, tok, train, evals)
     raise DataError(f"dataset_type={kind} has no document source")
 
