@@ -63,7 +63,7 @@ def peak_tflops(config, device=None, log=None) -> float | None:
     for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
         if key.lower() in kind.lower():
             return PEAK_TFLOPS[key]
-    if device.platform == "cpu" and jax.process_index() == 0:
+    if getattr(device, "platform", None) == "cpu" and jax.process_index() == 0:
         dtype = "bfloat16" if config.dtype == "bfloat16" else "float32"
         peak, path, measured = cpu_peak_tflops(dtype)
         devices = jax.local_device_count()

@@ -46,9 +46,12 @@ def test_causal_attention_is_counted_once():
     assert dense - causal == pytest.approx(attention_dense * (1 - (t + 1) / (2 * t)))
 
 
-def test_peak_table_and_override():
+def test_peak_table_and_override(tmp_path, monkeypatch):
     cfg = load_config([BASE_YML])
-    assert metrics.peak_tflops(cfg) is None  # CPU: unknown unless configured
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu = metrics.peak_tflops(cfg)  # CPU: the measured matmul peak, shared by the (8 simulated) devices
+    machine, _, measured = metrics.cpu_peak_tflops("float32")
+    assert not measured and cpu == machine / jax.local_device_count() and cpu > 0
     assert metrics.peak_tflops(cfg.replace(peak_tflops_per_device=2.5)) == 2.5
 
     class FakeDevice:  # only device_kind is read
