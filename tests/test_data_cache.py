@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+import time
 
 import data_helpers as h
 import jax
@@ -164,6 +166,23 @@ def test_a_bad_line_deep_in_the_data_stops_the_run_with_its_location(corpus, tmp
     try:
         with pytest.raises(data_lib.DataError, match=r"a\.jsonl line 201: not valid JSON"):
             for _ in range(1000):
+                next(inputs.train_iterator)
+    finally:
+        inputs.close()
+
+
+def test_a_killed_tokenizing_worker_stops_the_run_instead_of_hanging(corpus, tmp_path):
+    config = _config(corpus, tmp_path / "c", "dataset_cache_workers=1")
+    inputs = data_lib.make_inputs(config, log=lambda *a: None)
+    builder = inputs.sources.builders[0]
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and not (builder._executor and builder._executor._processes):  # pylint: disable=protected-access
+            time.sleep(0.01)
+        for process in builder._executor._processes.values():  # pylint: disable=protected-access
+            os.kill(process.pid, signal.SIGKILL)
+        with pytest.raises(data_lib.DataError, match="a tokenizing worker process died"):
+            for _ in range(10_000):
                 next(inputs.train_iterator)
     finally:
         inputs.close()

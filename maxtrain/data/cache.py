@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+from concurrent import futures
+from concurrent.futures.process import BrokenProcessPool
 import json
 import multiprocessing
 import os
@@ -146,7 +148,7 @@ class Builder:
     def __init__(self, cache: TextCache, order: list[int], tokenizer, workers: int, log=print):
         self.cache, self.order, self.tokenizer, self.workers, self.log = cache, order, tokenizer, workers, log
         self.error: BaseException | None = None
-        self._pool = None
+        self._executor = None
         self._thread = None
         self._stop = threading.Event()
         done = set(cache.finished())
@@ -172,31 +174,48 @@ class Builder:
         staging = tempfile.mkdtemp(prefix=f"maxtrain-cache-{c.key}-") if c.remote else c.directory
         context = multiprocessing.get_context("spawn")  # never fork a process that holds JAX's threads
         counter = context.Value("q", 0)
-        start, last, done = time.time(), time.time(), 0
+        start, last, done, unit = time.time(), time.time(), 0, None
+        # A process pool that notices a worker dying (killed, out of memory): multiprocessing.Pool
+        # would lose its task and wait forever.
+        executor = futures.ProcessPoolExecutor(min(self.workers, len(self.pending)), mp_context=context,
+                                               initializer=prepare.init_worker, initargs=(self.tokenizer, counter))
+        self._executor = executor
         try:
-            with context.Pool(min(self.workers, len(self.pending)), prepare.init_worker,
-                              (self.tokenizer, counter)) as pool:
-                self._pool = pool
-                results = pool.imap_unordered(prepare.process_unit, [c.job(u, staging) for u in self.pending])
-                while done < len(self.pending) and not self._stop.is_set():
-                    try:
-                        results.next(timeout=0.5)
-                        done += 1
-                    except multiprocessing.TimeoutError:
-                        pass
-                    if time.time() - last >= _PROGRESS_SECONDS or done == len(self.pending):
-                        last = time.time()
-                        self.log(_progress_line(c, done, len(self.pending), counter.value, self.total_bytes, start))
+            running = {executor.submit(prepare.process_unit, c.job(u, staging)): u for u in self.pending}
+            while running and not self._stop.is_set():
+                finished, _ = futures.wait(running, timeout=0.5, return_when=futures.FIRST_COMPLETED)
+                for future in finished:
+                    unit = running.pop(future)
+                    future.result()  # a worker's DataError (file, line, fix) or a dead worker, raised here
+                    done += 1
+                if time.time() - last >= _PROGRESS_SECONDS or not running:
+                    last = time.time()
+                    self.log(_progress_line(c, done, len(self.pending), counter.value, self.total_bytes, start))
             if not self._stop.is_set():
                 c.write_metadata(self.tokenizer)
-        except Exception as e:  # pylint: disable=broad-except  (a DataError from a worker, named below)
+        except Exception as e:  # pylint: disable=broad-except  (recorded for the reader, which raises it)
             if not self._stop.is_set():
+                if isinstance(e, BrokenProcessPool):
+                    e = DataError(f"a tokenizing worker process died ({e}); was it killed, or out of memory? "
+                                  "Fewer dataset_cache_workers or a smaller dataset_cache_shard_mb need less memory")
                 self.error = e
-                storage.write_text(c.failure_path(self.pending[done] if done < len(self.pending) else 0),
+                storage.write_text(c.failure_path(unit if unit is not None else self.pending[0]),
                                    f"{type(e).__name__}: {e}")
                 self.log(f"dataset cache {c.directory}: tokenizing failed: {e}")
         finally:
-            self._pool = None
+            self._stop_workers()
+            self._executor = None
+
+    def _stop_workers(self) -> None:
+        executor = self._executor
+        if executor is None:
+            return
+        executor.shutdown(wait=False, cancel_futures=True)
+        # ProcessPoolExecutor cannot stop a task that is running; its workers are ended directly.
+        for process in list((getattr(executor, "_processes", None) or {}).values()):
+            if process.is_alive():
+                process.terminate()
+            process.join(timeout=10)
 
     def wait(self) -> None:
         """Blocks until every unit of this host is tokenized; raises the builder's error if it failed."""
@@ -211,9 +230,7 @@ class Builder:
             return
         if self._thread.is_alive():
             self._stop.set()
-            pool = self._pool
-            if pool is not None:
-                pool.terminate()
+            self._stop_workers()
             self._thread.join()
             left = len(self.pending) - sum(1 for u in self.pending if self.cache.marker(u) is not None)
             if left:
