@@ -65,7 +65,14 @@ def peak_tflops(config, device=None, log=None) -> float | None:
             return PEAK_TFLOPS[key]
     if getattr(device, "platform", None) == "cpu" and jax.process_index() == 0:
         dtype = "bfloat16" if config.dtype == "bfloat16" else "float32"
-        peak, path, measured = cpu_peak_tflops(dtype)
+        # Several processes: the others would wait in the first step's collectives while this one
+        # measures (and time out), so only a figure cached by an earlier single-process run is used.
+        peak, path, measured = cpu_peak_tflops(dtype, measure=jax.process_count() == 1)
+        if peak is None:
+            if log:
+                log(f"MFU: this CPU's matmul peak is not measured yet ({path}); a single-process run measures and "
+                    "caches it, or set peak_tflops_per_device")
+            return None
         devices = jax.local_device_count()
         if log:
             when = "measured now" if measured else "measured before"
@@ -105,7 +112,7 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_peak_tflops(dtype: str = "float32") -> tuple[float, str, bool]:
+def cpu_peak_tflops(dtype: str = "float32", measure: bool = True) -> tuple[float | None, str, bool]:
     """(TFLOP/s, cache file, measured now?): the best of up to 20 runs (1.5 s at most) of a 1024^3
     matmul on this machine.
 
@@ -114,7 +121,7 @@ def cpu_peak_tflops(dtype: str = "float32") -> tuple[float, str, bool]:
     depends on. The best run, not the median, because a shared machine's load only ever slows it
     down; for the same reason a figure measured while the load average exceeded the core count is
     measured again by later runs, and the best one kept, until one is measured on a quiet machine.
-    Delete the file to measure again.
+    Delete the file to measure again. measure=False only reads the cache (None when it has no figure).
     """
     path = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "maxtrain",
                         "cpu_peak_tflops.json")
@@ -126,8 +133,10 @@ def cpu_peak_tflops(dtype: str = "float32") -> tuple[float, str, bool]:
     except (OSError, ValueError):
         cached = {}
     entry = cached.get(key) if isinstance(cached.get(key), dict) else {}
-    if entry.get("tflops", 0) > 0 and entry.get("load_average", 0) <= cores:
+    if entry.get("tflops", 0) > 0 and (entry.get("load_average", 0) <= cores or not measure):
         return float(entry["tflops"]), path, False
+    if not measure:
+        return None, path, False
     # Not yet measured, or measured while the machine was busier than it has cores (the figure is
     # then too low): measure (again), keeping the best figure seen.
     load = os.getloadavg()[0]
