@@ -292,9 +292,7 @@ def _validate(v: dict[str, Any]) -> None:
     _one_of(v, "grain_packing_type", PACKING_TYPES)
     _require(v["num_epoch"] == -1 or v["num_epoch"] > 0, f"num_epoch={v['num_epoch']} must be > 0, or -1 to repeat forever")
     _require(v["grain_shuffle_window"] >= 1, f"grain_shuffle_window={v['grain_shuffle_window']} must be >= 1 (1 = no shuffle)")
-    for key in ("train_data_columns", "eval_data_columns"):
-        _require(len(v[key]) == 1 and isinstance(v[key][0], str),
-                 f"{key}={v[key]!r} must name exactly one text field, e.g. {key}=[text]")
+    _validate_post_training(v)
     _one_of(v, "lr_schedule_type", LR_SCHEDULES)
     for key in ("warmup_steps_fraction", "cosine_learning_rate_final_fraction", "wsd_decay_steps_fraction",
                 "eval_split_fraction"):
@@ -333,6 +331,46 @@ def _validate(v: dict[str, Any]) -> None:
                      f"tensor parallelism {tp} (ici_tensor_parallelism x dcn_tensor_parallelism) must divide "
                      f"{key}={v[key]}; use a tensor parallelism that divides it, e.g. "
                      f"ici_tensor_parallelism={_divisor_hint(v[key], tp)}")
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+CHAT_TEMPLATES = ("chatml", "llama3", "plain")  # maxtrain/data/chat.py: built-in templates
+
+
+def _validate_post_training(v: dict[str, Any]) -> None:
+    """SFT, DPO and LoRA keys (docs/post_training.md)."""
+    _require(not (v["use_sft"] and v["use_dpo"]),
+             "use_sft=true and use_dpo=true were both set; a run has one objective. Run SFT first, then DPO from its "
+             "checkpoint with load_parameters_path=<the SFT run>")
+    wanted = {"sft": (["messages"], ["prompt", "completion"]), "dpo": (["prompt", "chosen", "rejected"],)}
+    kind = "sft" if v["use_sft"] else "dpo" if v["use_dpo"] else None
+    for key in ("train_data_columns", "eval_data_columns"):
+        columns = v[key]
+        _require(isinstance(columns, list) and all(isinstance(c, str) for c in columns),
+                 f"{key}={columns!r} must be a list of field names, e.g. {key}=[text]")
+        if kind is None:
+            _require(len(columns) == 1, f"{key}={columns!r} must name exactly one text field, e.g. {key}=[text]")
+            continue
+        shapes = " or ".join("[" + ",".join(c) + "]" for c in wanted[kind])
+        _require(len(columns) in {len(c) for c in wanted[kind]},
+                 f"use_{kind}=true reads {'conversations' if kind == 'sft' else 'preference pairs'}, but {key}="
+                 f"{columns!r}; set {key}={shapes.split(' or ')[0]} (the names of your fields, in that order)"
+                 + (f", or {shapes.split(' or ')[1]}" if kind == "sft" else ""))
+        _require(v["dataset_type"] in ("jsonl", "parquet"),
+                 f"use_{kind}=true reads jsonl or parquet files, but dataset_type={v['dataset_type']}; set "
+                 f"dataset_type=jsonl (or parquet) and grain_train_files=<your files>")
+    _require(v["chat_template"] in ("",) + CHAT_TEMPLATES,
+             f"chat_template={v['chat_template']!r} is not a built-in template; use one of {', '.join(CHAT_TEMPLATES)}, "
+             "or \"\" for the tokenizer's own")
+    _require(v["dpo_beta"] > 0, f"dpo_beta={v['dpo_beta']} must be > 0 (0.1 is usual)")
+    _require(0.0 <= v["dpo_label_smoothing"] < 0.5, f"dpo_label_smoothing={v['dpo_label_smoothing']} must be in [0, 0.5)")
+    _require(v["lora_rank"] >= 0, f"lora_rank={v['lora_rank']} must be >= 0 (0 trains every weight)")
+    _require(v["lora_alpha"] > 0, f"lora_alpha={v['lora_alpha']} must be > 0")
+    targets = v["lora_target_modules"]
+    _require(isinstance(targets, list) and len(targets) > 0 and all(t in LORA_TARGETS for t in targets)
+             and len(set(targets)) == len(targets),
+             f"lora_target_modules={targets!r} must list distinct projections among {', '.join(LORA_TARGETS)} "
+             "(q, k, v, o: attention; gate, up, down: MLP)")
 
 
 def _validate_model(v: dict[str, Any]) -> None:

@@ -40,7 +40,7 @@ def eval_loss_at_init(cfg):
         params = jax.jit(lambda k: models.init_params(cfg, k), out_shardings=shardings)(jax.random.key(cfg.seed))
         eval_step = jax.jit(train_step.make_eval_step(cfg, rt))
         batches = (hosts.to_global(b, mesh, rules, hosts.EVAL_BATCH_AXES) for b in evals)
-        return train.evaluate(eval_step, params, batches), evals
+        return train.evaluate(eval_step, {"params": params}, batches)[0], evals
 
 
 def main(process_id: int, port: int, corpus: str, output: str) -> None:
