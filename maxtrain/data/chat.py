@@ -73,7 +73,7 @@ def _strftime_now(format_string):
 def compile_template(template: str):
     """The Jinja template object, in transformers' environment."""
     try:
-        import jinja2  # pylint: disable=import-outside-toplevel
+        import jinja2.ext  # pylint: disable=import-outside-toplevel
         from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=import-outside-toplevel
     except ImportError:
         raise DataError("chat templates need jinja2: pip install jinja2 (it comes with maxtrain[post])") from None

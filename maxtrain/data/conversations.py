@@ -145,7 +145,7 @@ class ToElement:
     def __init__(self, template: chat.Template, config, columns: list[str], length: int, log=print):
         self.template, self.columns, self.length, self.log = template, columns, length, log
         self.dpo, self.completion_only = config.use_dpo, config.sft_train_on_completion_only
-        self.truncated, self.longest = 0, 0
+        self.truncated, self.passes = 0, 0  # passes > 1: the same data again (eval), counted once
 
     def __call__(self, located) -> dict:
         where, record = located
@@ -155,9 +155,8 @@ class ToElement:
             element = chat.sft_element(self.template, chat.conversation(record, self.columns, where),
                                        self.completion_only, where)
         element, cut = chat.truncate(element, self.length)
-        if cut:
+        if cut and self.passes <= 1:
             self.truncated += 1
-            self.longest = max(self.longest, len(element["tokens"]))
             if self.truncated & (self.truncated - 1) == 0:  # 1, 2, 4, 8, ...: a count, not a flood
                 what = "preference pairs" if self.dpo else "conversations"
                 self.log(f"warning: {self.truncated} {what} so far were longer than max_target_length + 1 = "
@@ -256,8 +255,11 @@ def make_inputs(config, index: int, count: int, log=print):
     if evals and config.eval_interval != -1:
         eval_files = hosts.file_shards([f for c in evals for f in c.files], index, count)
 
-        def make():
-            ds = elements(eval_files, config, template, "eval", 1, 0, False, f"grain_eval_files on host {index}", log)
+        to_element = ToElement(template, config, columns(config, "eval"), config.max_target_length + 1, log)
+
+        def make():  # one ToElement for every pass, so truncations are counted (and warned about) once
+            ds = RecordsIterDataset(eval_files, 1, 0, False, f"grain_eval_files on host {index}").map(to_element)
+            to_element.passes += 1
             batches = rows(ds, config, micro).batch(micro, drop_remainder=False)
             return iter(batches.map(functools.partial(hosts.fill_rows, rows=micro)))
 
