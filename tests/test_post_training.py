@@ -1,0 +1,103 @@
+"""SFT and DPO end to end through train.main on generated data; their inputs; their bad-input errors."""
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import BASE_YML, TINY
+from maxtrain import config as config_lib
+from maxtrain import data as data_lib
+from maxtrain import train
+from maxtrain.data import DataError
+from maxtrain.data import tokenizer as tokenizer_lib
+from post_helpers import dpo_args, make_dataset, sft_args, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return make_dataset(str(tmp_path_factory.mktemp("post")))
+
+
+def _load(tmp_path, *extra):
+    return config_lib.with_devices(config_lib.load_config([BASE_YML, *TINY, f"base_output_directory={tmp_path}",
+                                                           *extra]), 8)
+
+
+def test_sft_batches_pack_whole_conversations_with_loss_on_assistant_tokens(dataset, tmp_path):
+    config = _load(tmp_path, *sft_args(dataset), "max_target_length=64")
+    inputs = data_lib.make_inputs(config, log=lambda *_: None)
+    batch = next(inputs.train_iterator)
+    tok = tokenizer_lib.Tokenizer.load(dataset["tokenizer"])
+    rows = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()}
+    assert rows["loss_weights"].sum() > 0
+    for r in range(rows["inputs"].shape[0]):
+        seg, w = rows["segment_ids"][r], rows["loss_weights"][r]
+        assert len(set(seg[seg > 0])) >= 2  # several conversations share a row
+        for s in set(seg[seg > 0]):
+            ids = rows["targets"][r][(seg == s) & (w > 0)]
+            text = tok.decode(ids)
+            assert text.endswith("<|im_end|>\n") and text[:-len("<|im_end|>\n")].isdigit()  # the answer only
+            assert rows["positions"][r][seg == s][0] == 0  # positions restart in every conversation
+    assert len(inputs.eval_batches) > 0
+
+
+def test_dpo_batches_hold_pairs_as_consecutive_segments(dataset, tmp_path):
+    config = _load(tmp_path, *dpo_args(dataset))
+    batch = next(data_lib.make_inputs(config, log=lambda *_: None).train_iterator)
+    seg, w = batch["segment_ids"].reshape(-1, 64), batch["loss_weights"].reshape(-1, 64)
+    for r in range(seg.shape[0]):
+        for s in set(seg[r][seg[r] > 0]):
+            part = w[r][seg[r] == s]
+            assert (part >= 0).all() if s % 2 else (part <= 0).all()  # odd: chosen (+1), even: rejected (-1)
+            assert np.abs(part).sum() > 0
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["use_dpo=true"], "use_sft=true and use_dpo=true were both set"),
+    (["train_data_columns=[a,b,c]"], r"use_sft=true reads conversations.*train_data_columns=\[messages\]"),
+    (["dataset_type=default"], "use_sft=true reads jsonl or parquet"),
+    (["chat_template=vicuna"], "not a built-in template"),
+])
+def test_bad_settings_are_config_errors(dataset, tmp_path, extra, match):
+    with pytest.raises(config_lib.ConfigError, match=match):
+        _load(tmp_path, *sft_args(dataset), *extra)
+
+
+@pytest.mark.parametrize("rows, columns, match", [
+    ([{"messages": [{"role": "user", "content": "hi"}]}], "[messages]", "no assistant turn"),
+    ([{"messages": [{"role": "bot", "content": "hi"}]}], "[messages]", "unknown role 'bot'"),
+    ([{"prompt": "1+1=", "chosen": "2"}], "dpo", "'rejected' is missing"),
+])
+def test_bad_records_stop_the_run_before_training(dataset, tmp_path, rows, columns, match):
+    path = write_jsonl(str(tmp_path / "bad.jsonl"), [*rows, {"prompt": "x"}])
+    base = dpo_args(dataset) if columns == "dpo" else sft_args(dataset)
+    args = [BASE_YML, *TINY, f"base_output_directory={tmp_path}", *base, f"grain_train_files={path}"]
+    with pytest.raises(DataError, match=match) as e:
+        train.main(args)
+    assert "bad.jsonl line 1" in str(e.value)
+
+
+def test_tokenizer_without_template_needs_a_named_one(dataset, tmp_path):
+    args = [BASE_YML, *TINY, f"base_output_directory={tmp_path}", *sft_args(dataset), "chat_template="]
+    with pytest.raises(DataError, match="has no chat template.*chatml"):
+        train.main(args)
+
+
+@pytest.mark.slow  # two tiny training runs (~40 s idle)
+def test_sft_then_dpo_with_a_frozen_reference(dataset, tmp_path):
+    common = [BASE_YML, *TINY, f"base_output_directory={tmp_path}", "viz_period=-1", "warmup_steps_fraction=0",
+              "learning_rate=0.01", "eval_steps=2"]
+    sft = train.main([*common, *sft_args(dataset), "run_name=sft", "steps=8", "eval_interval=8"])
+    assert sft["eval_losses"][8] < sft["eval_losses"][0]
+    dpo = train.main([*common, *dpo_args(dataset), "run_name=dpo", "steps=6", "eval_interval=6", "dpo_beta=0.5",
+                      f"grain_eval_files={dataset['dpo']}", f"load_parameters_path={tmp_path / 'sft'}"])
+    state = dpo["state"]
+    # The reference is the starting (SFT) params, untouched; the policy moved away from it.
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state["reference"]), jax.device_get(sft["state"]["params"]))
+    assert dpo["eval_losses"][0] == pytest.approx(np.log(2), rel=1e-5)
+    assert dpo["eval_metrics"][6]["dpo_reward_margin"] > 0  # pairs it trained on: chosen now beats rejected
+    assert dpo["eval_losses"][6] < dpo["eval_losses"][0]
+    resumed = train.main([*common, *dpo_args(dataset), "run_name=dpo", "steps=7", "eval_interval=-1", "dpo_beta=0.5",
+                          f"load_parameters_path={tmp_path / 'sft'}"])
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["state"]["reference"]),
+                 jax.device_get(state["reference"]))  # resumed from the checkpoint, reference included
