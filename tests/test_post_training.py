@@ -52,6 +52,15 @@ def test_dpo_batches_hold_pairs_as_consecutive_segments(dataset, tmp_path):
             assert np.abs(part).sum() > 0
 
 
+def test_inspect_data_marks_the_tokens_that_carry_loss(dataset, tmp_path, capsys):
+    from maxtrain import inspect_data  # pylint: disable=import-outside-toplevel
+
+    inspect_data.main([BASE_YML, *TINY, *dpo_args(dataset), f"base_output_directory={tmp_path}", "--batches", "1",
+                       "--rows", "1"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("row 0"))
+    assert "assistant⏎«" in row and "assistant⏎«-" in row and "<|im_end|>⏎»" in row  # chosen, then rejected
+
+
 @pytest.mark.parametrize("extra, match", [
     (["use_dpo=true"], "use_sft=true and use_dpo=true were both set"),
     (["train_data_columns=[a,b,c]"], r"use_sft=true reads conversations.*train_data_columns=\[messages\]"),
@@ -89,7 +98,7 @@ def test_sft_then_dpo_with_a_frozen_reference(dataset, tmp_path):
               "learning_rate=0.01", "eval_steps=2"]
     sft = train.main([*common, *sft_args(dataset), "run_name=sft", "steps=8", "eval_interval=8"])
     assert sft["eval_losses"][8] < sft["eval_losses"][0]
-    dpo = train.main([*common, *dpo_args(dataset), "run_name=dpo", "steps=6", "eval_interval=6", "dpo_beta=0.5",
+    dpo = train.main([*common, *dpo_args(dataset), "run_name=dpo", "steps=6", "eval_interval=6", "dpo_beta=0.5", "learning_rate=0.002",
                       f"grain_eval_files={dataset['dpo']}", f"load_parameters_path={tmp_path / 'sft'}"])
     state = dpo["state"]
     # The reference is the starting (SFT) params, untouched; the policy moved away from it.
@@ -97,7 +106,7 @@ def test_sft_then_dpo_with_a_frozen_reference(dataset, tmp_path):
     assert dpo["eval_losses"][0] == pytest.approx(np.log(2), rel=1e-5)
     assert dpo["eval_metrics"][6]["dpo_reward_margin"] > 0  # pairs it trained on: chosen now beats rejected
     assert dpo["eval_losses"][6] < dpo["eval_losses"][0]
-    resumed = train.main([*common, *dpo_args(dataset), "run_name=dpo", "steps=7", "eval_interval=-1", "dpo_beta=0.5",
+    resumed = train.main([*common, *dpo_args(dataset), "run_name=dpo", "steps=7", "eval_interval=-1", "dpo_beta=0.5", "learning_rate=0.002",
                           f"load_parameters_path={tmp_path / 'sft'}"])
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["state"]["reference"]),
                  jax.device_get(state["reference"]))  # resumed from the checkpoint, reference included
