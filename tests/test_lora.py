@@ -103,3 +103,8 @@ def test_lora_run_trains_only_adapters_and_exports_merged_and_as_peft(tmp_path):
     np.testing.assert_allclose(merged, np.asarray(ours), rtol=1e-4, atol=1e-4)
     assert not np.allclose(_hf_logits(str(base), tokens), merged, atol=1e-3)  # the adapters changed the model
     assert os.path.isfile(tmp_path / "adapter" / "adapter_config.json")
+    # load_parameters_path (decode, further training) merges them too.
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state["params"])
+    loaded = checkpoint.load_params(str(run_dir), abstract, config)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), jax.device_get(loaded),
+                 lora.merge_numpy(jax.device_get(start), adapters, lora.scale(config)))

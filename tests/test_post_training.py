@@ -110,3 +110,39 @@ def test_sft_then_dpo_with_a_frozen_reference(dataset, tmp_path):
                           f"load_parameters_path={tmp_path / 'sft'}"])
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["state"]["reference"]),
                  jax.device_get(state["reference"]))  # resumed from the checkpoint, reference included
+
+
+def test_parquet_messages_and_prompt_completion_columns(dataset, tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    rows = [{"messages": [{"role": "user", "content": f"{i}+1="}, {"role": "assistant", "content": str(i + 1)}]}
+            for i in range(40)]
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / "chat.parquet"))  # list<struct<role, content>>
+    pairs = write_jsonl(str(tmp_path / "pc.jsonl"), [{"question": f"{i}+1=", "answer": str(i + 1)} for i in range(40)])
+    batches = []
+    for extra in ([f"grain_train_files={tmp_path / 'chat.parquet'}", "dataset_type=parquet"],
+                  [f"grain_train_files={pairs}", "train_data_columns=[question,answer]"]):
+        config = _load(tmp_path, *sft_args(dataset), "grain_eval_files=", "enable_data_shuffling=false",
+                       "max_target_length=64", *extra)
+        batches.append(next(data_lib.make_inputs(config, log=lambda *_: None).train_iterator))
+    for key in batches[0]:  # the same conversations, however they were written
+        np.testing.assert_array_equal(batches[0][key], batches[1][key])
+
+
+@pytest.mark.slow  # three tiny training runs (~40 s idle)
+def test_sft_resumes_bitwise(dataset, tmp_path):
+    common = [BASE_YML, *TINY, f"base_output_directory={tmp_path}", "viz_period=-1", "eval_interval=-1",
+              *sft_args(dataset), "checkpoint_period=2", "async_checkpointing=false"]
+    straight = train.main([*common, "run_name=straight", "steps=4"])
+    train.main([*common, "run_name=resumed", "steps=2"])
+    resumed = train.main([*common, "run_name=resumed", "steps=4"])
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["state"]["params"]),
+                 jax.device_get(straight["state"]["params"]))
+
+
+def test_without_packing_each_row_holds_one_conversation(dataset, tmp_path):
+    config = _load(tmp_path, *sft_args(dataset), "packing=false", "max_target_length=64")
+    batch = next(data_lib.make_inputs(config, log=lambda *_: None).train_iterator)
+    seg = batch["segment_ids"].reshape(-1, 64)
+    assert set(np.unique(seg)) == {0, 1} and (seg[:, 0] == 1).all()
+    assert (batch["loss_weights"].reshape(-1, 64).sum(axis=1) > 0).all()
