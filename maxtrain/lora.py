@@ -32,8 +32,11 @@ from maxtrain.models.params import ParamSpec
 
 # lora_target_modules name -> the parameter it adapts (every family names its projections alike)
 TARGETS = {"q": "wq", "k": "wk", "v": "wv", "o": "wo", "gate": "w_gate", "up": "w_up", "down": "w_down"}
-# how many leading axes (after "layers") of each projection are its input
-IN_AXES = {"wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+# the input axes of each projection (after "layers"); a parameter of that name with other axes (a
+# mixture of experts' stacked experts) is not a projection LoRA knows how to adapt
+INPUT_AXES = {"wq": ("embed",), "wk": ("embed",), "wv": ("embed",), "wo": ("heads", "head_dim"),
+              "w_gate": ("embed",), "w_up": ("embed",), "w_down": ("mlp",)}
+IN_AXES = {name: len(axes) for name, axes in INPUT_AXES.items()}
 # the PEFT / Hugging Face module name of each projection
 HF_MODULES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w_gate": "gate_proj",
               "w_up": "up_proj", "w_down": "down_proj"}
@@ -59,7 +62,8 @@ def adapter_specs(config) -> dict:
     found = set()
     for kind, layer in models.param_specs(config).get("layers", {}).items():
         for pname, spec in layer.items():
-            if pname not in wanted or not isinstance(spec, ParamSpec) or spec.axes[:1] != ("layers",):
+            if (pname not in wanted or not isinstance(spec, ParamSpec) or spec.axes[:1] != ("layers",)
+                    or spec.axes[1:1 + IN_AXES[pname]] != INPUT_AXES[pname]):
                 continue
             n_in = IN_AXES[pname]
             in_shape, out_shape = spec.shape[1:1 + n_in], spec.shape[1 + n_in:]
@@ -71,9 +75,11 @@ def adapter_specs(config) -> dict:
             }
             found.add(pname)
     missing = sorted(t for t in config.lora_target_modules if TARGETS[t] not in found)
+    if missing:  # what the model has that LoRA can adapt, for the message
+        found |= {p for layer in models.param_specs(config).get("layers", {}).values() for p, spec in layer.items()
+                  if p in INPUT_AXES and isinstance(spec, ParamSpec) and spec.axes[1:1 + IN_AXES[p]] == INPUT_AXES[p]}
     if missing:
-        have = sorted({t for t, p in TARGETS.items() if any(p in layer for layer in
-                                                          models.param_specs(config).get("layers", {}).values())})
+        have = sorted(t for t, p in TARGETS.items() if p in found)
         raise LoraError(f"lora_target_modules {missing} match no module of the {config.decoder_block} model (it has "
                         f"{', '.join(have) or 'none of q, k, v, o, gate, up, down'}); set lora_target_modules="
                         f"[{','.join(t for t in config.lora_target_modules if t not in missing) or ','.join(have)}]")
@@ -81,7 +87,7 @@ def adapter_specs(config) -> dict:
 
 
 def num_adapter_params(config) -> int:
-    return models.params.count(adapter_specs(config))
+    return models.count(adapter_specs(config))
 
 
 def _delta(a, b, w_shape, n_in: int):

@@ -54,6 +54,17 @@ def test_bad_lora_targets_are_refused_before_any_work():
         _config("lora_rank=-1")
 
 
+def test_targets_that_match_no_module_are_refused(monkeypatch):
+    config = _config("lora_target_modules=[q,gate]")
+    specs = models.param_specs(config)
+    gate = specs["layers"]["decoder"]["w_gate"]
+    experts = models.ParamSpec((2, 4) + gate.shape[1:], ("layers", "exp") + gate.axes[1:])  # a mixture of experts
+    specs["layers"]["decoder"]["w_gate"] = experts
+    monkeypatch.setattr(models, "param_specs", lambda _: specs)
+    with pytest.raises(lora.LoraError, match=r"\['gate'\] match no module of the llama model .*lora_target_modules=\[q\]"):
+        lora.adapter_specs(config)
+
+
 def _hf_logits(model_dir_or_model, tokens):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
