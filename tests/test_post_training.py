@@ -132,7 +132,7 @@ def test_parquet_messages_and_prompt_completion_columns(dataset, tmp_path):
 @pytest.mark.slow  # three tiny training runs (~40 s idle)
 def test_sft_resumes_bitwise(dataset, tmp_path):
     common = [BASE_YML, *TINY, f"base_output_directory={tmp_path}", "viz_period=-1", "eval_interval=-1",
-              *sft_args(dataset), "checkpoint_period=2", "async_checkpointing=false"]
+              *sft_args(dataset), "checkpoint_period=2", "async_checkpointing=false", "learning_rate_schedule_steps=4"]
     straight = train.main([*common, "run_name=straight", "steps=4"])
     train.main([*common, "run_name=resumed", "steps=2"])
     resumed = train.main([*common, "run_name=resumed", "steps=4"])
