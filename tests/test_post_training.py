@@ -27,7 +27,7 @@ def test_sft_batches_pack_whole_conversations_with_loss_on_assistant_tokens(data
     config = _load(tmp_path, *sft_args(dataset), "max_target_length=64")
     inputs = data_lib.make_inputs(config, log=lambda *_: None)
     batch = next(inputs.train_iterator)
-    tok = tokenizer_lib.Tokenizer.load(dataset["tokenizer"])
+    tok = tokenizer_lib.load(dataset["tokenizer"])
     rows = {k: v.reshape(-1, v.shape[-1]) for k, v in batch.items()}
     assert rows["loss_weights"].sum() > 0
     for r in range(rows["inputs"].shape[0]):

@@ -104,6 +104,7 @@ def exact_answer_rate(checkpoint: str, held_out, extra: list[str]) -> float:
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
     from maxtrain import builder, decode, sharding  # pylint: disable=import-outside-toplevel
+    from maxtrain.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
 
     config = builder.load_config([str(common.ROOT / "configs" / "base.yml"), *extra,
                                   f"load_parameters_path={checkpoint}"], log=lambda *_: None)
@@ -111,7 +112,7 @@ def exact_answer_rate(checkpoint: str, held_out, extra: list[str]) -> float:
     params, rt, mesh = decode.load_model(config, log=lambda *_: None)
     groups: dict[int, list] = {}
     for question, answer in held_out:
-        ids = [tok.bos_id] + tok.encode(chat_prompt(question))
+        ids = tokenizer_lib.prompt_ids(tok, chat_prompt(question))
         groups.setdefault(len(ids), []).append((ids, answer))
     right = 0
     with sharding.activation_sharding(mesh, config.logical_axis_rules):
@@ -192,8 +193,8 @@ def main() -> int:
     ours = continuation(decode_log)[len(chat_prompt(question)):]
     from maxtrain.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
 
-    tok = tokenizer_lib.Tokenizer.load(data["tokenizer"])
-    hf_ids = hf_greedy(str(export), [tok.bos_id] + tok.encode(chat_prompt(question)), 12, tok.eos_id)
+    tok = tokenizer_lib.load(data["tokenizer"])
+    hf_ids = hf_greedy(str(export), tokenizer_lib.prompt_ids(tok, chat_prompt(question)), 12, tok.eos_id)
     if tok.eos_id in hf_ids:
         hf_ids = hf_ids[:hf_ids.index(tok.eos_id)]
     same = tok.decode(hf_ids) == ours

@@ -117,11 +117,7 @@ class Template:
 
 
 def _token_text(tokenizer, token_id):
-    if token_id is None:
-        return None
-    if hasattr(tokenizer, "piece"):
-        return tokenizer.piece(token_id)
-    return tokenizer.sp.id_to_piece(token_id)  # the sentencepiece-only Tokenizer
+    return None if token_id is None else tokenizer.piece(token_id)
 
 
 def template_for(tokenizer, name: str = "") -> Template:
