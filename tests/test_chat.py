@@ -150,3 +150,28 @@ def test_tokenizer_without_template_and_no_named_template_is_refused():
         chat.template_for(CharTokenizer(None), "")
     assert chat.template_for(CharTokenizer(TEMPLATE), "").builtin is None
     assert np.all(chat.template_for(CharTokenizer(None), "chatml").text == chat.BUILTIN_TEMPLATES["chatml"])
+
+
+def test_hf_tokenizer_directory_with_its_own_template_gives_transformers_ids(tmp_path):
+    """tokenizer_path=<HF directory>: its chat_template is used, and the ids equal apply_chat_template's."""
+    transformers = pytest.importorskip("transformers")
+    tokenizers = pytest.importorskip("tokenizers")
+    from maxtrain.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+
+    chars = sorted(set("".join(m["content"] for m in MESSAGES) + "systemuserassistant\nYouarehlpf. "))
+    vocab = {"<s>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "[UNK]": 3, **{c: 4 + i for i, c in enumerate(chars)}}
+    backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = tokenizers.pre_tokenizers.Split("", "isolated")  # one token per character
+    backend.add_special_tokens(["<s>", "<|im_start|>", "<|im_end|>"])
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="<|im_end|>",
+                                              unk_token="[UNK]", chat_template=TEMPLATE)
+    hf.save_pretrained(tmp_path)
+    tok = tokenizer_lib.load(str(tmp_path))
+    template = chat.template_for(tok)  # no chat_template key: the tokenizer's own
+    assert template.builtin is None and tok.chat_template == TEMPLATE
+    element = chat.sft_element(template, MESSAGES, completion_only=True)
+    want = hf.apply_chat_template(MESSAGES, tokenize=True)
+    want = list(want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want)
+    assert element["tokens"].tolist() == want
+    weighted = "".join(tok.piece(int(i)) for i in element["tokens"][element["weights"] > 0])
+    assert weighted == "4<|im_end|>\n6<|im_end|>\n"
