@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import random
 import string
 import sys
@@ -60,7 +61,7 @@ def write_jsonl(path: Path, rows) -> str:
     return str(path)
 
 
-def make_data(out: Path, n: int, seed: int = 0) -> dict:
+def make_data(out: Path, n: int, seed: int = 0, keep_tokenizer: bool = False) -> dict:
     import sentencepiece as spm  # pylint: disable=import-outside-toplevel
 
     rng = random.Random(seed)
@@ -83,14 +84,16 @@ def make_data(out: Path, n: int, seed: int = 0) -> dict:
     }
     texts = [s for _, _, s in train] + [f"<|im_start|>user\n{p}<|im_end|>\n<|im_start|>assistant\n{a}<|im_end|>\n"
                                         for p, a, _ in train]
+    paths["tokenizer"] = str(out / "tok.model")
+    paths["held_out"] = [(p, a) for p, a, _ in held_out]
+    if keep_tokenizer and (out / "tok.model").is_file():
+        return paths
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
         sentence_iterator=iter(texts), model_writer=model, vocab_size=340, hard_vocab_limit=False, model_type="bpe",
         normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True, byte_fallback=True,
         user_defined_symbols=SYMBOLS, pad_id=0, bos_id=1, eos_id=2, unk_id=3, minloglevel=2)
     (out / "tok.model").write_bytes(model.getvalue())
-    paths["tokenizer"] = str(out / "tok.model")
-    paths["held_out"] = [(p, a) for p, a, _ in held_out]
     return paths
 
 
@@ -147,38 +150,53 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300, help="steps of each run")
     parser.add_argument("--examples", type=int, default=4000, help="training examples")
+    parser.add_argument("--reuse", action="store_true",
+                        help="keep the data and the runs already in $E2E_OUT/post_training (re-measure only)")
     options = parser.parse_args()
-    out = common.out_dir("post_training")
-    data = make_data(out, options.examples)
+    if options.reuse:
+        out = Path(os.environ.get("E2E_OUT", common.ROOT / "outputs" / "end_to_end")).resolve() / "post_training"
+        out.mkdir(parents=True, exist_ok=True)
+    else:
+        out = common.out_dir("post_training")
+    data = make_data(out, options.examples, keep_tokenizer=options.reuse)  # the same seed: the same files
     base = [*MODEL, f"base_output_directory={out}", f"tokenizer_path={data['tokenizer']}", "dataset_type=jsonl",
             "eval_interval=-1", "learning_rate=3e-3", "warmup_steps_fraction=0.05"]
     steps = options.steps
 
-    common.run("maxtrain.train", [*base, "run_name=base", f"steps={steps}", f"grain_train_files={data['pretrain']}",
-                                  "packing=true"], out / "base.log")
+    def train(name: str, args: list[str]) -> str:
+        log = out / f"{name}.log"
+        if options.reuse and (out / name / "checkpoints").is_dir() and log.is_file():
+            print(f"reusing {out / name}", flush=True)
+            return log.read_text()
+        return common.run("maxtrain.train", [*args, f"run_name={name}"], log)
+
+    train("base", [*base, f"steps={steps}", f"grain_train_files={data['pretrain']}", "packing=true"])
     sft_data = [*CHAT, f"grain_train_files={data['sft']}", f"grain_eval_files={data['sft_eval']}", "eval_steps=-1"]
     start = f"load_parameters_path={out / 'base'}"
-    common.run("maxtrain.train", [*base, *sft_data, "run_name=sft", f"steps={steps}", start, "eval_interval=100000"],
-               out / "sft.log")
-    common.run("maxtrain.train", [*base, *sft_data, "run_name=lora", f"steps={steps}", start, "lora_rank=8",
-                                  "lora_alpha=16", "learning_rate=1e-2", "eval_interval=100000"], out / "lora.log")
+    train("sft", [*base, *sft_data, f"steps={steps}", start, "eval_interval=100000"])
+    train("lora", [*base, *sft_data, f"steps={steps}", start, "lora_rank=8", "lora_alpha=16", "learning_rate=1e-2",
+                   "eval_interval=100000"])
     dpo_data = ["use_dpo=true", "train_data_columns=[prompt,chosen,rejected]",
                 "eval_data_columns=[prompt,chosen,rejected]", "chat_template=chatml", f"grain_train_files={data['dpo']}",
                 f"grain_eval_files={data['dpo_eval']}", "eval_steps=-1", "per_device_batch_size=16"]
-    dpo_log = common.run("maxtrain.train", [*base, *dpo_data, "run_name=dpo", f"steps={max(steps // 3, 1)}",
-                                            f"load_parameters_path={out / 'sft'}", "lora_rank=8", "learning_rate=3e-3",
-                                            "dpo_beta=0.1", "eval_interval=100000"], out / "dpo.log")
+    dpo_log = train("dpo", [*base, *dpo_data, f"steps={max(steps // 3, 1)}", f"load_parameters_path={out / 'sft'}",
+                            "lora_rank=8", "learning_rate=3e-3", "dpo_beta=0.1", "eval_interval=100000"])
     metrics = {}
     for line in dpo_log.splitlines():
         if line.startswith("eval at step") and "dpo_reward_accuracy" in line:
             words = line.split()
             metrics[int(words[3].rstrip(":"))] = dict(zip(words[6::2], map(float, words[7::2])))
     first, last = min(metrics), max(metrics)
+    print(f"DPO held-out reward accuracy: step {first} {metrics[first]['dpo_reward_accuracy']:.3f} (ties), step {last} "
+          f"{metrics[last]['dpo_reward_accuracy']:.3f}; margin {metrics[last]['dpo_reward_margin']:.3f}", flush=True)
 
     held_out = data["held_out"]
     common_extra = [f"tokenizer_path={data['tokenizer']}", f"base_output_directory={out}", "dataset_type=jsonl",
                     "grain_train_files=x"]
-    rates = {name: exact_answer_rate(str(out / name), held_out, common_extra) for name in ("base", "sft", "lora")}
+    rates = {}
+    for name in ("base", "sft", "lora"):
+        rates[name] = exact_answer_rate(str(out / name), held_out, common_extra)
+        print(f"held-out exact-answer rate of {name}: {rates[name]:.3f}", flush=True)
 
     # Export the SFT model; transformers' greedy tokens = maxtrain.decode's.
     export = out / "sft_hf"
@@ -201,8 +219,6 @@ def main() -> int:
 
     print(f"held-out exact-answer rate ({len(held_out)} prompts): base {rates['base']:.3f}, SFT {rates['sft']:.3f}, "
           f"LoRA (rank 8) {rates['lora']:.3f}")
-    print(f"DPO held-out reward accuracy: step {first} {metrics[first]['dpo_reward_accuracy']:.3f} (ties), step {last} "
-          f"{metrics[last]['dpo_reward_accuracy']:.3f}; margin {metrics[last]['dpo_reward_margin']:.3f}")
     print(f"export: maxtrain.decode {ours!r} vs transformers {tok.decode(hf_ids)!r}")
     ok = (rates["sft"] >= rates["base"] + 0.5 and rates["lora"] >= rates["base"] + 0.25
           and metrics[last]["dpo_reward_accuracy"] >= 0.7 and same)
