@@ -26,6 +26,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maxtrain import checkpoint, convert  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain.errors import run_cli  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def main(argv: list[str]) -> int:
@@ -69,11 +70,10 @@ def main(argv: list[str]) -> int:
                 lora.write_peft(args.peft, adapters, saved)
                 print(f"wrote the LoRA adapters to {os.path.abspath(args.peft)} (peft.PeftModel.from_pretrained(base, "
                       f"{args.peft!r}); the base is the model the run started from)")
-    except (convert.ConversionError, checkpoint.CheckpointError, OSError) as error:
-        print(f"convert_hf: error: {error}", file=sys.stderr)
-        return 2
+    except OSError as error:  # an output directory that cannot be written
+        raise convert.ConversionError(f"{error.strerror or error}: {error.filename or args.out_dir}") from error
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_cli("convert_hf", main))
