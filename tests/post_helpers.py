@@ -62,6 +62,17 @@ def make_dataset(directory: str, n: int = 200) -> dict:
     return paths
 
 
+def compose(*args: str) -> list[str]:
+    """A command line from `args` where a later key=value replaces an earlier one (the CLI refuses a key
+    given twice), so the tests can append overrides to TINY and these defaults."""
+    from maxtrain.config import with_overrides  # pylint: disable=import-outside-toplevel
+
+    argv: list[str] = []
+    for arg in args:
+        argv = with_overrides(argv, arg)
+    return argv
+
+
 def sft_args(paths: dict) -> list[str]:
     return ["dataset_type=jsonl", f"grain_train_files={paths['sft']}", f"grain_eval_files={paths['sft_eval']}",
             f"tokenizer_path={paths['tokenizer']}", "use_sft=true", "train_data_columns=[messages]",

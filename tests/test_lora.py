@@ -11,10 +11,11 @@ import pytest
 from conftest import BASE_YML, TINY
 from maxtrain import checkpoint, convert, lora, models, safetensors_files, train
 from maxtrain import config as config_lib
+from post_helpers import compose
 
 
 def _config(*extra):
-    return config_lib.load_config([BASE_YML, *TINY, "lora_rank=4", "lora_alpha=8", *extra])
+    return config_lib.load_config(compose(BASE_YML, *TINY, "lora_rank=4", "lora_alpha=8", *extra))
 
 
 def test_adapters_follow_the_declarations_and_start_as_the_base_model():
@@ -50,7 +51,7 @@ def test_merge_is_w_plus_scaled_a_times_b():
 def test_bad_lora_targets_are_refused_before_any_work():
     with pytest.raises(config_lib.ConfigError, match="lora_target_modules=.*q_proj.*q, k, v, o, gate, up, down"):
         _config("lora_target_modules=[q_proj]")
-    with pytest.raises(config_lib.ConfigError, match="lora_rank=-1 must be >= 0"):
+    with pytest.raises(config_lib.ConfigError, match="lora_rank=-1 is not allowed: it must be >= 0"):
         _config("lora_rank=-1")
 
 

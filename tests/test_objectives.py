@@ -8,12 +8,13 @@ import pytest
 from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
 from maxtrain import models, objectives
+from post_helpers import compose
 
 
 def _config(*extra):
-    return config_lib.load_config([BASE_YML, *TINY, "dataset_type=jsonl", "grain_train_files=x.jsonl", "use_dpo=true",
-                                   "train_data_columns=[prompt,chosen,rejected]",
-                                   "eval_data_columns=[prompt,chosen,rejected]", *extra])
+    return config_lib.load_config(compose(BASE_YML, *TINY, "dataset_type=jsonl", "grain_train_files=x.jsonl", "use_dpo=true",
+                                          "train_data_columns=[prompt,chosen,rejected]",
+                                          "eval_data_columns=[prompt,chosen,rejected]", *extra))
 
 
 def _sequences(rng, vocab):

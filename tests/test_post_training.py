@@ -10,7 +10,7 @@ from maxtrain import data as data_lib
 from maxtrain import train
 from maxtrain.data import DataError
 from maxtrain.data import tokenizer as tokenizer_lib
-from post_helpers import dpo_args, make_dataset, sft_args, write_jsonl
+from post_helpers import compose, dpo_args, make_dataset, sft_args, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +19,8 @@ def dataset(tmp_path_factory):
 
 
 def _load(tmp_path, *extra):
-    return config_lib.with_devices(config_lib.load_config([BASE_YML, *TINY, f"base_output_directory={tmp_path}",
-                                                           *extra]), 8)
+    return config_lib.with_devices(config_lib.load_config(compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}",
+                                                                   *extra)), 8)
 
 
 def test_sft_batches_pack_whole_conversations_with_loss_on_assistant_tokens(dataset, tmp_path):
@@ -55,8 +55,8 @@ def test_dpo_batches_hold_pairs_as_consecutive_segments(dataset, tmp_path):
 def test_inspect_data_marks_the_tokens_that_carry_loss(dataset, tmp_path, capsys):
     from maxtrain import inspect_data  # pylint: disable=import-outside-toplevel
 
-    inspect_data.main([BASE_YML, *TINY, *dpo_args(dataset), f"base_output_directory={tmp_path}", "--batches", "1",
-                       "--rows", "1"])
+    inspect_data.main([*compose(BASE_YML, *TINY, *dpo_args(dataset), f"base_output_directory={tmp_path}"),
+                       "--batches", "1", "--rows", "1"])
     row = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("row 0"))
     assert "assistant⏎«" in row and "assistant⏎«-" in row and "<|im_end|>⏎»" in row  # chosen, then rejected
 
@@ -80,14 +80,14 @@ def test_bad_settings_are_config_errors(dataset, tmp_path, extra, match):
 def test_bad_records_stop_the_run_before_training(dataset, tmp_path, rows, columns, match):
     path = write_jsonl(str(tmp_path / "bad.jsonl"), [*rows, {"prompt": "x"}])
     base = dpo_args(dataset) if columns == "dpo" else sft_args(dataset)
-    args = [BASE_YML, *TINY, f"base_output_directory={tmp_path}", *base, f"grain_train_files={path}"]
+    args = compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}", *base, f"grain_train_files={path}")
     with pytest.raises(DataError, match=match) as e:
         train.main(args)
     assert "bad.jsonl line 1" in str(e.value)
 
 
 def test_tokenizer_without_template_needs_a_named_one(dataset, tmp_path):
-    args = [BASE_YML, *TINY, f"base_output_directory={tmp_path}", *sft_args(dataset), "chat_template="]
+    args = compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}", *sft_args(dataset), "chat_template=")
     with pytest.raises(DataError, match="has no chat template.*chatml"):
         train.main(args)
 
@@ -96,18 +96,19 @@ def test_tokenizer_without_template_needs_a_named_one(dataset, tmp_path):
 def test_sft_then_dpo_with_a_frozen_reference(dataset, tmp_path):
     common = [BASE_YML, *TINY, f"base_output_directory={tmp_path}", "viz_period=-1", "warmup_steps_fraction=0",
               "learning_rate=0.01", "eval_steps=2"]
-    sft = train.main([*common, *sft_args(dataset), "run_name=sft", "steps=8", "eval_interval=8"])
+    sft = train.main(compose(*common, *sft_args(dataset), "run_name=sft", "steps=8", "eval_interval=8"))
     assert sft["eval_losses"][8] < sft["eval_losses"][0]
-    dpo = train.main([*common, *dpo_args(dataset), "run_name=dpo", "steps=6", "eval_interval=6", "dpo_beta=0.5", "learning_rate=0.002",
-                      f"grain_eval_files={dataset['dpo']}", f"load_parameters_path={tmp_path / 'sft'}"])
+    dpo = train.main(compose(*common, *dpo_args(dataset), "run_name=dpo", "steps=6", "eval_interval=6", "dpo_beta=0.5",
+                             "learning_rate=0.002", f"grain_eval_files={dataset['dpo']}",
+                             f"load_parameters_path={tmp_path / 'sft'}"))
     state = dpo["state"]
     # The reference is the starting (SFT) params, untouched; the policy moved away from it.
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state["reference"]), jax.device_get(sft["state"]["params"]))
     assert dpo["eval_losses"][0] == pytest.approx(np.log(2), rel=1e-5)
     assert dpo["eval_metrics"][6]["dpo_reward_margin"] > 0  # pairs it trained on: chosen now beats rejected
     assert dpo["eval_metrics"][6]["dpo_reward_accuracy"] > 0
-    resumed = train.main([*common, *dpo_args(dataset), "run_name=dpo", "steps=7", "eval_interval=-1", "dpo_beta=0.5", "learning_rate=0.002",
-                          f"load_parameters_path={tmp_path / 'sft'}"])
+    resumed = train.main(compose(*common, *dpo_args(dataset), "run_name=dpo", "steps=7", "eval_interval=-1", "dpo_beta=0.5",
+                                 "learning_rate=0.002", f"load_parameters_path={tmp_path / 'sft'}"))
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["state"]["reference"]),
                  jax.device_get(state["reference"]))  # resumed from the checkpoint, reference included
 
@@ -131,8 +132,8 @@ def test_parquet_messages_and_prompt_completion_columns(dataset, tmp_path):
 
 @pytest.mark.slow  # three tiny training runs (~40 s idle)
 def test_sft_resumes_bitwise(dataset, tmp_path):
-    common = [BASE_YML, *TINY, f"base_output_directory={tmp_path}", "viz_period=-1", "eval_interval=-1",
-              *sft_args(dataset), "checkpoint_period=2", "async_checkpointing=false", "learning_rate_schedule_steps=4"]
+    common = compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}", "viz_period=-1", "eval_interval=-1",
+                     *sft_args(dataset), "checkpoint_period=2", "async_checkpointing=false", "learning_rate_schedule_steps=4")
     straight = train.main([*common, "run_name=straight", "steps=4"])
     train.main([*common, "run_name=resumed", "steps=2"])
     resumed = train.main([*common, "run_name=resumed", "steps=4"])

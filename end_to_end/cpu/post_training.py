@@ -98,6 +98,17 @@ def make_data(out: Path, n: int, seed: int = 0, keep_tokenizer: bool = False) ->
     return paths
 
 
+def compose(*args: str) -> list[str]:
+    """key=value arguments where a later one replaces an earlier one of the same key (the command line
+    refuses a key given twice): each run states only what it changes from the shared settings."""
+    from maxtrain.config import with_overrides  # pylint: disable=import-outside-toplevel
+
+    argv: list[str] = []
+    for arg in args:
+        argv = with_overrides(argv, arg)
+    return argv
+
+
 def chat_prompt(question: str) -> str:
     return f"<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
 
@@ -110,8 +121,8 @@ def exact_answer_rate(checkpoint: str, held_out, extra: list[str]) -> float:
     from maxtrain import builder, decode, sharding  # pylint: disable=import-outside-toplevel
     from maxtrain.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
 
-    config = builder.load_config([str(common.ROOT / "configs" / "base.yml"), *extra,
-                                  f"load_parameters_path={checkpoint}"], log=lambda *_: None)
+    config = builder.load_config(compose(str(common.ROOT / "configs" / "base.yml"), *extra,
+                                         f"load_parameters_path={checkpoint}"), log=lambda *_: None)
     tok = decode.tokenizer_for(config)
     params, rt, mesh = decode.load_model(config, log=lambda *_: None)
     groups: dict[int, list] = {}
@@ -169,7 +180,7 @@ def main() -> int:
         if options.reuse and (out / name / "checkpoints").is_dir() and log.is_file():
             print(f"reusing {out / name}", flush=True)
             return log.read_text()
-        return common.run("maxtrain.train", [*args, f"run_name={name}"], log)
+        return common.run("maxtrain.train", compose(*args, f"run_name={name}"), log)
 
     train("base", [*base, f"steps={steps}", f"grain_train_files={data['pretrain']}", "packing=true"])
     sft_data = [*CHAT, f"grain_train_files={data['sft']}", f"grain_eval_files={data['sft_eval']}", "eval_steps=-1"]
@@ -206,8 +217,8 @@ def main() -> int:
     subprocess.run([sys.executable, "scripts/convert_hf.py", "export", str(out / "sft"), str(export)], cwd=common.ROOT,
                    check=True, capture_output=True)
     question = held_out[0][0]
-    decode_log = common.run("maxtrain.decode", [*common_extra, f"load_parameters_path={out / 'sft'}",
-                                                f"prompt={chat_prompt(question)}", "max_new_tokens=12"],
+    decode_log = common.run("maxtrain.decode", compose(*common_extra, f"load_parameters_path={out / 'sft'}",
+                                                       f"prompt={chat_prompt(question)}", "max_new_tokens=12"),
                             out / "decode.log")
     ours = continuation(decode_log)[len(chat_prompt(question)):]
     from maxtrain.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
