@@ -147,3 +147,44 @@ def test_without_packing_each_row_holds_one_conversation(dataset, tmp_path):
     seg = batch["segment_ids"].reshape(-1, 64)
     assert set(np.unique(seg)) == {0, 1} and (seg[:, 0] == 1).all()
     assert (batch["loss_weights"].reshape(-1, 64).sum(axis=1) > 0).all()
+
+
+def test_over_long_conversations_are_truncated_and_counted_in_a_warning(dataset, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"{i}+1="},
+                          {"role": "assistant", "content": str(i + 1) * (40 if i % 2 else 1)}]} for i in range(40)]
+    path = write_jsonl(str(tmp_path / "long.jsonl"), rows)
+    config = _load(tmp_path, *sft_args(dataset), f"grain_train_files={path}", "grain_eval_files=",
+                   "enable_data_shuffling=false", "max_target_length=32")
+    lines = []
+    batch = next(data_lib.make_inputs(config, log=lines.append).train_iterator)
+    warnings = [line for line in lines if "were longer than max_target_length + 1 = 33 tokens and were truncated" in line]
+    assert warnings and warnings[0].startswith("warning: 1 conversations so far") and "long.jsonl line 2" in warnings[0]
+    counts = [int(w.split()[1]) for w in warnings]
+    assert counts == [2 ** i for i in range(len(counts))]  # 1, 2, 4, ...: a count, not a line per conversation
+    seg = batch["segment_ids"].reshape(-1, 32)
+    assert (seg.max(axis=1) >= 1).all()  # a truncated conversation still fills its row, its loss weights kept
+    assert batch["loss_weights"].sum() > 0
+
+
+def test_a_packed_conversation_sees_only_itself(dataset, tmp_path):
+    """Each conversation's logits in a packed row equal its logits when it is alone in the row."""
+    from maxtrain import models  # pylint: disable=import-outside-toplevel
+
+    config = _load(tmp_path, *sft_args(dataset), "max_target_length=64")
+    batch = next(data_lib.make_inputs(config, log=lambda *_: None).train_iterator)
+    row = {k: np.asarray(v).reshape(-1, 64)[:1] for k, v in batch.items() if k != "loss_weights"}
+    rt = models.Runtime.from_config(config, "cpu")
+    params = models.init_params(config, jax.random.key(0))
+    forward = jax.jit(lambda p, t, pos, s: models.forward(p, t, pos, s, config, rt)[0])
+    packed = forward(params, row["inputs"], row["positions"], row["segment_ids"])
+    segments = [s for s in np.unique(row["segment_ids"]) if s > 0]
+    assert len(segments) >= 2
+    for s in segments:
+        mine = row["segment_ids"][0] == s
+        n = int(mine.sum())
+        alone = {k: np.zeros_like(v) for k, v in row.items()}
+        for k in alone:
+            alone[k][0, :n] = row[k][0][mine]
+        alone["segment_ids"][0, :n] = 1
+        logits = forward(params, alone["inputs"], alone["positions"], alone["segment_ids"])
+        np.testing.assert_allclose(np.asarray(logits)[0, :n], np.asarray(packed)[0][mine], rtol=2e-5, atol=2e-5)
