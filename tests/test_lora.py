@@ -120,3 +120,35 @@ def test_lora_run_trains_only_adapters_and_exports_merged_and_as_peft(tmp_path):
     loaded = checkpoint.load_params(str(run_dir), abstract, config)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), jax.device_get(loaded),
                  lora.merge_numpy(jax.device_get(start), adapters, lora.scale(config)))
+
+
+def test_reference_and_adapters_are_sharded_from_their_declarations():
+    """No hand-listed shardings: DPO's reference is sharded as the params, an adapter's A as its weight's
+    input axes and B as its output axes, and the optimizer state exists for the trainable leaves only."""
+    from maxtrain import builder  # pylint: disable=import-outside-toplevel
+
+    mesh_args = ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "dataset_type=jsonl", "grain_train_files=x",
+                 "use_dpo=true", "train_data_columns=[prompt,chosen,rejected]",
+                 "eval_data_columns=[prompt,chosen,rejected]")
+    dpo = builder.build(config_lib.load_config(compose(BASE_YML, *TINY, *mesh_args)))
+    assert jax.tree.structure(dpo.shardings["reference"]) == jax.tree.structure(dpo.shardings["params"])
+    jax.tree.map(lambda r, p: r.spec == p.spec or pytest.fail(f"{r.spec} != {p.spec}"),
+                 dpo.shardings["reference"], dpo.shardings["params"])
+    assert any(s.spec != jax.sharding.PartitionSpec() for s in jax.tree.leaves(dpo.shardings["reference"]))
+
+    run = builder.build(_config(*mesh_args, "lora_target_modules=[q,o,down]"))
+    assert "reference" not in run.shardings  # with LoRA the frozen params are the reference
+    weights, adapters = run.shardings["params"]["layers"]["decoder"], run.shardings["lora"]["layers"]["decoder"]
+    for name, inputs in (("wq", 2), ("wo", 3), ("w_down", 2)):  # (layers, input axes...) then output axes
+        w = tuple(weights[name].spec) + (None,) * (len(run.abstract_state["params"]["layers"]["decoder"][name].shape)
+                                                   - len(weights[name].spec))
+        a, b = (tuple(adapters[name][k].spec) for k in ("a", "b"))
+        pad = lambda spec, n: spec + (None,) * (n - len(spec))  # noqa: E731
+        assert pad(a, inputs + 1) == w[:inputs] + (None,), (name, a, w)
+        assert pad(b, len(w) - inputs + 2) == (w[0], None) + w[inputs:], (name, b, w)
+    lora_leaves = {(x.shape, s.spec) for x, s in zip(jax.tree.leaves(run.abstract_state["lora"]),
+                                                     jax.tree.leaves(run.shardings["lora"]))}
+    opt = [(x.shape, s.spec) for x, s in zip(jax.tree.leaves(run.abstract_state["opt_state"]),
+                                             jax.tree.leaves(run.shardings["opt_state"])) if x.ndim > 0]
+    assert opt and all(leaf in lora_leaves for leaf in opt)
+    assert sum(np.prod(shape) for shape, _ in opt) == 2 * lora.num_adapter_params(run.config)  # Adam's mu and nu
