@@ -60,13 +60,14 @@ def main(argv: list[str]) -> int:
             print(f"check it:     python scripts/check_logits.py {out} --hf {os.path.abspath(args.hf_dir)}")
             print(f"fine-tune it: python -m maxtrain.train base.yml load_parameters_path={out}")
         else:
+            # --peft on a run without adapters is refused before anything is written
+            adapters, saved = checkpoint.read_adapters(args.checkpoint) if args.peft else (None, None)
             out = convert.export_hf(args.checkpoint, args.out_dir, args.dtype, int(args.max_shard_mb * 2**20),
                                     tokenizer=args.tokenizer)
             print(f"wrote {os.path.abspath(out)} (load with transformers.AutoModelForCausalLM.from_pretrained)")
             if args.peft:
                 from maxtrain import lora  # pylint: disable=import-outside-toplevel
 
-                adapters, saved = checkpoint.read_adapters(args.checkpoint)
                 lora.write_peft(args.peft, adapters, saved)
                 print(f"wrote the LoRA adapters to {os.path.abspath(args.peft)} (peft.PeftModel.from_pretrained(base, "
                       f"{args.peft!r}); the base is the model the run started from)")

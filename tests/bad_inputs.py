@@ -587,6 +587,9 @@ ROWS = [
         r"'.*/none' does not exist"),
     Row("convert-export-bit-flipped", "convert_hf", ["export", "{scratch}/run/checkpoints/4", "{scratch}/out"],
         r"/checkpoints/4' is damaged: .*: its contents changed since it was saved", setup=flipped),
+    Row("convert-export-peft-without-adapters", "convert_hf", ["export", "{run}", "{scratch}/out", "--peft",
+                                                              "{scratch}/adapter"],
+        r"the checkpoint .*/run/checkpoints/4 holds no LoRA adapters \(it was not trained with lora_rank > 0\)"),
     # checkpoint inspect
     Row("inspect-no-path", K, ["inspect"], r"usage: python -m maxtrain.checkpoint inspect PATH"),
     Row("inspect-path-missing", K, ["inspect", "{scratch}/none"], r"path='.*/none' does not exist"),
