@@ -109,6 +109,7 @@ def main(argv: list[str]) -> None:
             marks = flat["loss_weights"][r] if (config.use_sft or config.use_dpo) else None
             print(f"  row {r}  " + render_row(flat["inputs"][r], flat["segment_ids"][r], flat["positions"][r], tok,
                                               opts.chars, marks))
+    inputs.close()  # stops background cache building (dataset_cache_dir), if any
 
 
 if __name__ == "__main__":

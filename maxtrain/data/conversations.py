@@ -43,7 +43,7 @@ def read_records(path: str, skip: int = 0):
     """(location, record dict) of every record of a jsonl or parquet file, after `skip` records."""
     fmt, compression = text_files.file_format(path)
     if fmt == "parquet":
-        pf = text_files.pyarrow_parquet().ParquetFile(path)
+        pf = text_files.open_parquet(path)  # local or gs://; not parquet: a DataError naming the file
         row = 0
         for group in range(pf.num_row_groups):
             rows = pf.metadata.row_group(group).num_rows
@@ -242,6 +242,9 @@ def make_inputs(config, index: int, count: int, log=print):
     check_first_records(evals, template, config, "eval")
     log(f"{'DPO' if config.use_dpo else 'SFT'} data rendered with the chat template {template.describe()}"
         + ("" if config.use_dpo else f"; loss on {'assistant tokens only' if config.sft_train_on_completion_only else 'every token'}"))
+    if config.dataset_cache_dir:
+        log(f"note: dataset_cache_dir={config.dataset_cache_dir!r} is not used with use_sft / use_dpo: conversations "
+            "are rendered and tokenized as they are read (the chat template decides the tokens and their weights)")
 
     epochs = None if config.num_epoch == -1 else config.num_epoch
     files = [f for c in train for f in sources._host_files(  # pylint: disable=protected-access
