@@ -22,7 +22,7 @@ import optax
 
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
-from maxtrain import metrics, models, optimizer, sharding, storage, train_step
+from maxtrain import metrics, models, objectives, optimizer, sharding, storage, train_step
 from maxtrain.data import hosts, pipeline
 
 
@@ -59,13 +59,20 @@ class Run:
     batch_sharding: Any
     eval_batch_sharding: Any
     train_step: Any              # jax.jit of train_step.make_train_step, sharded, state donated
-    eval_step: Any               # jax.jit of (params, batch) -> (loss sum, weight sum)
+    eval_step: Any               # jax.jit of (state, batch) -> (loss sum, weight sum, metrics) of the objective
 
     def init(self, key) -> dict:
         """A fresh train state, created sharded on the devices."""
         with sharding.activation_sharding(self.mesh, self.config.logical_axis_rules):
             return jax.jit(lambda k: train_step.init_state(self.config, self.rt, self.tx, k),
                            out_shardings=self.shardings)(key)
+
+    def model_params(self, state: dict) -> dict:
+        """The weights the model computes with (LoRA adapters merged in), for sampling and heatmaps."""
+        if "lora" not in state:
+            return state["params"]
+        return jax.jit(lambda s: train_step.model_params(s, self.config))({"params": state["params"],
+                                                                         "lora": state["lora"]})
 
     def abstract_batch(self) -> dict:
         """ShapeDtypeStructs of one training batch [accumulation, micro batch, T], sharded."""
@@ -82,20 +89,20 @@ class Run:
 
 
 def state_shardings(config, mesh, tx, abstract_state) -> dict:
-    """Shardings for every leaf of the train state, from the parameter declarations and the rules."""
+    """Shardings for every leaf of the train state: entries declared with ParamSpecs (params, LoRA
+    adapters, a frozen reference: train_step.state_specs) by their logical axes and the rules, the
+    optimizer state like the leaves it trains, everything else replicated."""
     rules = config.logical_axis_rules
-    specs = models.param_specs(config)
-    for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=models.is_spec)[0]:
-        sharding.check_divisible("param " + jax.tree_util.keystr(path), spec.shape, spec.axes, mesh, rules)
-    params = jax.tree.map(lambda s: sharding.named_sharding(mesh, s.axes, rules), specs, is_leaf=models.is_spec)
     replicated = sharding.named_sharding(mesh, (), rules)
-    return {
-        "step": replicated,
-        "params": params,
-        "opt_state": optimizer.opt_state_shardings(tx, abstract_state["opt_state"], params, replicated),
-        "loss_scale": jax.tree.map(lambda _: replicated, abstract_state["loss_scale"]),
-        "rng": replicated,
-    }
+    out = jax.tree.map(lambda _: replicated, {k: v for k, v in abstract_state.items() if k != "opt_state"})
+    for name, specs in train_step.state_specs(config).items():
+        for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=models.is_spec)[0]:
+            what = "param" if name in ("params", "reference") else name
+            sharding.check_divisible(f"{what} " + jax.tree_util.keystr(path), spec.shape, spec.axes, mesh, rules)
+        out[name] = jax.tree.map(lambda s: sharding.named_sharding(mesh, s.axes, rules), specs, is_leaf=models.is_spec)
+    trainable = out[train_step.trainable_key(abstract_state)]
+    out["opt_state"] = optimizer.opt_state_shardings(tx, abstract_state["opt_state"], trainable, replicated)
+    return out
 
 
 def build(config, *, devices=None, platform: str | None = None, num_processes: int | None = None) -> Run:
@@ -127,6 +134,12 @@ def summarize(run: Run, compiled, compile_seconds: float) -> str:
     """The start-up summary: model, compute choices, mesh, batch, schedule, FLOPs, compiled memory."""
     config, rt = run.config, run.rt
     flops = metrics.flops_per_token(config)
+    state = run.abstract_state
+    trainable = jax.tree.leaves(state[train_step.trainable_key(state)])
+    n_trainable = sum(x.size for x in trainable)
+    opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state["opt_state"]))
+    frozen = sum(x.size for k in ("params", "reference") if k in state and k != train_step.trainable_key(state)
+                 for x in jax.tree.leaves(state[k]))
     lines = [
         f"model: {config.model_name} ({config.decoder_block})  params {models.num_params(config) / 1e6:,.2f}M  "
         f"layers {config.base_num_decoder_layers}  D {config.base_emb_dim}  heads "
@@ -137,6 +150,13 @@ def summarize(run: Run, compiled, compile_seconds: float) -> str:
         f"batch: global {config.global_batch_size} sequences x {config.max_target_length} tokens = "
         f"{config.tokens_per_step:,} tokens/step (per device {config.per_device_batch_size}, "
         f"accumulation {config.gradient_accumulation_steps})",
+        f"objective: {objectives.name(config)}"
+        + (f" (beta {config.dpo_beta}, label smoothing {config.dpo_label_smoothing}, frozen reference)"
+           if config.use_dpo else "")
+        + (f"  LoRA rank {config.lora_rank} alpha {config.lora_alpha} on {','.join(config.lora_target_modules)}"
+           if config.lora_rank else "")
+        + f"  trainable {n_trainable / 1e6:,.3f}M ({100 * n_trainable / max(models.num_params(config), 1):.2f}% of the"
+        f" model)  frozen {frozen / 1e6:,.2f}M  optimizer state {opt_bytes / 2**20:,.2f} MiB",
         f"schedule: {config.lr_schedule_type} peak lr {config.learning_rate}  warmup {config.warmup_steps}  "
         f"steps {config.steps}",
         f"FLOPs: {flops:.4g}/token, {flops * config.tokens_per_step:.4g}/step (causal attention counted once)",

@@ -39,6 +39,7 @@ import sys
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -581,7 +582,8 @@ def adopt_model_settings(config, log=print):
 
 
 def load_params(path: str, abstract_params: dict, config=None, key: str = "load_parameters_path") -> dict:
-    """Only the params of a checkpoint (full or params-only), placed with `abstract_params`' shardings.
+    """Only the params of a checkpoint (full or params-only), placed with `abstract_params`' shardings;
+    a LoRA run's adapters are merged into them (the weights its model computed with).
 
     `path` is anything find_step_dir accepts; a checkpoint that does not fit is refused (check_fits).
     """
@@ -593,13 +595,37 @@ def load_params(path: str, abstract_params: dict, config=None, key: str = "load_
     args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
                                   partial_restore=True)
     try:
-        return ocp.PyTreeCheckpointer().restore(os.path.join(step_dir, "state"), args=args)["params"]
+        params = ocp.PyTreeCheckpointer().restore(os.path.join(step_dir, "state"), args=args)["params"]
     except Exception as e:  # pylint: disable=broad-except
         raise CheckpointError(f"could not load params from {step_dir}: {type(e).__name__}: {e}") from e
+    adapters, lora_scale = _read_adapters(step_dir)
+    if adapters is None:
+        return params
+    from maxtrain import lora  # pylint: disable=import-outside-toplevel
+
+    shardings = jax.tree.map(lambda x: x.sharding, abstract_params)
+    return jax.jit(lambda p, a: lora.merge(p, a, lora_scale), out_shardings=shardings)(params, adapters)
+
+
+def _read_adapters(step_dir: str):
+    """(LoRA adapters as host arrays, their scale) of a LoRA run's checkpoint, else (None, None)."""
+    tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(step_dir) / "state").tree
+    if "lora" not in tree:
+        return None, None
+    saved = read_metadata(step_dir).get("config", {})
+    if not saved.get("lora_rank"):
+        raise CheckpointError(f"the checkpoint {step_dir} holds LoRA adapters but its metadata has no lora_rank / "
+                              "lora_alpha to merge them with")
+    item = {"lora": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree["lora"])}
+    restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
+    args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
+    adapters = ocp.PyTreeCheckpointer().restore(os.path.join(step_dir, "state"), args=args)["lora"]
+    return adapters, saved["lora_alpha"] / saved["lora_rank"]
 
 
 def read_params(path: str) -> dict:
-    """The params of a checkpoint (any path find_step_dir takes) as host numpy arrays."""
+    """The params of a checkpoint (any path find_step_dir takes) as host numpy arrays, a LoRA run's
+    adapters merged in."""
     step_dir = find_step_dir(path)
     tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(step_dir) / "state").tree
     if "params" not in tree:
@@ -607,7 +633,22 @@ def read_params(path: str) -> dict:
     item = {"params": jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree["params"])}
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), item)
     args = ocp.args.PyTreeRestore(item=item, restore_args=restore_args, partial_restore=True)
-    return ocp.PyTreeCheckpointer().restore(os.path.join(step_dir, "state"), args=args)["params"]
+    params = ocp.PyTreeCheckpointer().restore(os.path.join(step_dir, "state"), args=args)["params"]
+    adapters, lora_scale = _read_adapters(step_dir)
+    if adapters is None:
+        return params
+    from maxtrain import lora  # pylint: disable=import-outside-toplevel
+
+    return lora.merge_numpy(params, adapters, lora_scale)
+
+
+def read_adapters(path: str) -> tuple[dict, dict]:
+    """(LoRA adapters as host arrays, the saved config) of a LoRA run's checkpoint."""
+    step_dir = find_step_dir(path)
+    adapters, _ = _read_adapters(step_dir)
+    if adapters is None:
+        raise CheckpointError(f"the checkpoint {step_dir} holds no LoRA adapters (it was not trained with lora_rank > 0)")
+    return adapters, read_metadata(step_dir).get("config", {})
 
 
 def load_state(step_dir: str, abstract_state: dict) -> dict:
@@ -666,7 +707,10 @@ def initial_state(start: Start, checkpointer, abstract_state: dict, init, key, d
     state = init(key)
     if start.kind == "parameters":
         log(f"Loading params from {start.step_dir} (fresh optimizer state, step 0)")
-        state = {**state, "params": load_params(start.step_dir, abstract_state["params"])}  # checked in plan_start
+        params = load_params(start.step_dir, abstract_state["params"])  # checked in plan_start
+        state = {**state, "params": params}
+        if "reference" in state:  # DPO: the frozen reference is the starting params (its own buffers)
+            state["reference"] = jax.tree.map(jnp.copy, params)
     return state
 
 

@@ -333,10 +333,48 @@ def _flash_blocks_powers_of_two(v):
         _require(v[key] & (v[key] - 1) == 0, f"{key}={v[key]} must be a power of two (16, 32, 64, 128, ...)")
 
 
-def _one_text_column(v):
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+CHAT_TEMPLATES = ("chatml", "llama3", "plain")  # maxtrain/data/chat.py: built-in templates
+
+
+def _one_objective(v):
+    _require(not (v["use_sft"] and v["use_dpo"]),
+             "use_sft=true and use_dpo=true were both set; a run has one objective. Run SFT first, then DPO from its "
+             "checkpoint with load_parameters_path=<the SFT run>")
+
+
+def _data_columns(v):
+    """One text field for pre-training; SFT and DPO name the fields of their records (docs/post_training.md)."""
+    wanted = {"sft": (["messages"], ["prompt", "completion"]), "dpo": (["prompt", "chosen", "rejected"],)}
+    kind = "sft" if v["use_sft"] else "dpo" if v["use_dpo"] else None
     for key in ("train_data_columns", "eval_data_columns"):
-        _require(len(v[key]) == 1 and isinstance(v[key][0], str) and bool(v[key][0]),
-                 f"{key}={v[key]!r} must name exactly one text field, e.g. {key}=[text]")
+        columns = v[key]
+        _require(all(isinstance(c, str) and c for c in columns),
+                 f"{key}={columns!r} must be a list of field names, e.g. {key}=[text]")
+        if kind is None:
+            _require(len(columns) == 1, f"{key}={columns!r} must name exactly one text field, e.g. {key}=[text]")
+            continue
+        shapes = ["[" + ",".join(c) + "]" for c in wanted[kind]]
+        _require(len(columns) in {len(c) for c in wanted[kind]},
+                 f"use_{kind}=true reads {'conversations' if kind == 'sft' else 'preference pairs'}, but {key}="
+                 f"{columns!r}; set {key}={shapes[0]} (the names of your fields, in that order)"
+                 + (f", or {shapes[1]}" if kind == "sft" else ""))
+        _require(v["dataset_type"] in ("jsonl", "parquet"),
+                 f"use_{kind}=true reads jsonl or parquet files, but dataset_type={v['dataset_type']}; set "
+                 f"dataset_type=jsonl (or parquet) and grain_train_files=<your files>")
+
+
+def _chat_template_known(v):
+    _require(v["chat_template"] in ("",) + CHAT_TEMPLATES,
+             f"chat_template={v['chat_template']!r} is not a built-in template; use one of {', '.join(CHAT_TEMPLATES)}, "
+             "or \"\" for the tokenizer's own")
+
+
+def _lora_targets_known(v):
+    targets = v["lora_target_modules"]
+    _require(len(targets) > 0 and all(t in LORA_TARGETS for t in targets) and len(set(targets)) == len(targets),
+             f"lora_target_modules={targets!r} must list distinct projections among {', '.join(LORA_TARGETS)} "
+             "(q, k, v, o: attention; gate, up, down: MLP)")
 
 
 def _llama3_rope_factors(v):
@@ -428,7 +466,7 @@ def _known_profiler(v):
 
 
 CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
-          _flash_blocks_powers_of_two, _one_text_column,
+          _flash_blocks_powers_of_two, _one_objective, _data_columns, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
           _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler)

@@ -5,6 +5,10 @@ decoded back to text, each packed segment marked with its id and positions:
 
     row 0  ⟦1 @0-118⟧'def main():⏎    ...'  ⟦2 @0-136⟧'import os⏎...'  ⟦pad x3⟧
 
+With use_sft / use_dpo the tokens that carry loss are marked «like this» (DPO's rejected side «-so»):
+
+    row 0  ⟦1 @0-14⟧'<|im_start|>user⏎12+5=<|im_end|>⏎<|im_start|>assistant⏎«17<|im_end|>⏎»'
+
 Options (besides the usual key=value config overrides):
     --batches N   batches to print (default 2)        --rows N    rows per batch (default 4)
     --chars N     characters shown per segment (default 160; the middle is elided)
@@ -30,17 +34,38 @@ def _elide(text: str, chars: int) -> str:
     return text if len(text) <= chars else text[:chars // 2] + " … " + text[-chars // 2:]
 
 
-def render_row(tokens: np.ndarray, segment_ids: np.ndarray, positions: np.ndarray, tokenizer, chars: int) -> str:
-    """One input row as its segments: ⟦segment @first-last position⟧'decoded text', padding counted."""
+def _marked(tokens, carries, tokenizer, chars: int) -> str:
+    """Decoded text with the tokens that carry loss inside «» (DPO: «+chosen» and «-rejected»)."""
+    if carries is None:
+        text = tokenizer.decode(tokens) if tokenizer else " ".join(map(str, tokens))
+        return repr(_elide(text, chars))
+    out, start = [], 0
+    for end in range(1, len(tokens) + 1):
+        if end == len(tokens) or np.sign(carries[end]) != np.sign(carries[start]):
+            piece = tokens[start:end]
+            text = _elide(tokenizer.decode(piece) if tokenizer else " ".join(map(str, piece)), chars)
+            sign = np.sign(carries[start])
+            out.append(text if sign == 0 else f"«{'-' if sign < 0 else ''}{text}»")
+            start = end
+    return repr("".join(out))
+
+
+def render_row(tokens: np.ndarray, segment_ids: np.ndarray, positions: np.ndarray, tokenizer, chars: int,
+               loss_weights: np.ndarray | None = None) -> str:
+    """One input row as its segments: ⟦segment @first-last position⟧'decoded text', padding counted.
+    With loss_weights (SFT, DPO), the tokens predicted with loss are marked «like this»."""
+    carries = None
+    if loss_weights is not None:  # input token j is the target of position j - 1
+        carries = np.concatenate([[0.0], loss_weights[:-1]])
     parts, start = [], 0
     for end in range(1, len(tokens) + 1):
-        if end == len(tokens) or segment_ids[end] != segment_ids[start] or positions[end] == 0:
+        if end == len(tokens) or segment_ids[end] != segment_ids[start] or (positions[end] == 0 and segment_ids[end]):
             seg = int(segment_ids[start])
             if seg == 0:
                 parts.append(f"⟦pad x{end - start}⟧")
             else:
-                text = tokenizer.decode(tokens[start:end]) if tokenizer else " ".join(map(str, tokens[start:end]))
-                parts.append(f"⟦{seg} @{positions[start]}-{positions[end - 1]}⟧{_elide(text, chars)!r}")
+                text = _marked(tokens[start:end], None if carries is None else carries[start:end], tokenizer, chars)
+                parts.append(f"⟦{seg} @{positions[start]}-{positions[end - 1]}⟧{text}")
             start = end
     return "  ".join(parts)
 
@@ -81,8 +106,9 @@ def main(argv: list[str]) -> None:
         print(f"\nbatch {b} of host {host}: {int(weights.sum()):,} of {weights.size:,} targets count in the loss")
         flat = {k: v.reshape((-1, v.shape[-1])) for k, v in batch.items()}
         for r in range(min(opts.rows, flat["inputs"].shape[0])):
+            marks = flat["loss_weights"][r] if (config.use_sft or config.use_dpo) else None
             print(f"  row {r}  " + render_row(flat["inputs"][r], flat["segment_ids"][r], flat["positions"][r], tok,
-                                              opts.chars))
+                                              opts.chars, marks))
     inputs.close()  # stops background cache building (dataset_cache_dir), if any
 
 

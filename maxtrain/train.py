@@ -38,13 +38,22 @@ def log(*args):
         print(*args, flush=True)
 
 
-def evaluate(eval_step, params, eval_batches) -> float:
-    """Token-weighted mean loss over the eval batches (padding has weight 0)."""
-    total, weight = 0.0, 0.0
+def evaluate(eval_step, state, eval_batches) -> tuple[float, dict]:
+    """(weighted mean loss, weighted mean of each metric) of the objective over the eval batches
+    (padding has weight 0)."""
+    total, weight, sums = 0.0, 0.0, {}
     for batch in eval_batches:
-        loss_sum, weight_sum = eval_step(params, batch)
+        loss_sum, weight_sum, metrics = eval_step(state, batch)
         total, weight = total + loss_sum, weight + weight_sum
-    return float(total / jnp.maximum(weight, 1.0))
+        sums = {k: sums.get(k, 0.0) + v * weight_sum for k, v in metrics.items()}
+    denom = jnp.maximum(weight, 1.0)
+    return float(total / denom), {k: float(v / denom) for k, v in sums.items()}
+
+
+def log_eval(step: int, loss: float, metrics: dict, writer) -> None:
+    extra = "".join(f"  {k} {v:.4f}" for k, v in metrics.items())
+    log(f"eval at step {step}: loss {loss:.4f}{extra}")
+    writer.write(step, {"eval/avg_loss": loss, **{f"eval/{k}": v for k, v in metrics.items()}}, print_line=False)
 
 
 def check_finite(step: int, m: dict, loss_scaled: bool, loss_scale_min: float = 1.0) -> None:
@@ -121,11 +130,10 @@ def main(argv: list[str]) -> dict:
 
         start_step = int(jax.device_get(state["step"]))
         profiler = profiler_lib.Profiler(config, start_step, log)  # profiler=xplane: traces a few steps
-        eval_losses = {}
+        eval_losses, eval_metrics = {}, {}
         if has_eval and start_step == 0:
-            eval_losses[0] = evaluate(eval_step, state["params"], eval_batches())
-            log(f"eval at step 0: loss {eval_losses[0]:.4f}")
-            writer.write(0, {"eval/avg_loss": eval_losses[0]}, print_line=False)
+            eval_losses[0], eval_metrics[0] = evaluate(eval_step, state, eval_batches())
+            log_eval(0, eval_losses[0], eval_metrics[0], writer)
 
         loss_scaled = rt.dtype == jnp.float16
         pending = None  # (step, device metrics) of the step dispatched last
@@ -158,14 +166,13 @@ def main(argv: list[str]) -> dict:
             if has_eval and config.eval_interval > 0 and (done % config.eval_interval == 0 or is_last):
                 last_done = _report(pending, config, peak, writer, last_done, loss_scaled)
                 pending = None
-                eval_losses[done] = evaluate(eval_step, state["params"], eval_batches())
-                log(f"eval at step {done}: loss {eval_losses[done]:.4f}")
-                writer.write(done, {"eval/avg_loss": eval_losses[done]}, print_line=False)
+                eval_losses[done], eval_metrics[done] = evaluate(eval_step, state, eval_batches())
+                log_eval(done, eval_losses[done], eval_metrics[done], writer)
                 last_done = time.time()  # the eval's time is not a train step's
             if viz_batch is not None and done % config.viz_period == 0:
                 if pending is not None:
                     last_done, pending = _report(pending, config, peak, writer, last_done, loss_scaled), None
-                path = viz.write_heatmap(done, state["params"], viz_batch, config, rt, inputs.tokenizer, writer)
+                path = viz.write_heatmap(done, run.model_params(state), viz_batch, config, rt, inputs.tokenizer, writer)
                 log(f"token heatmap at step {done}: {path}")
                 last_done = time.time()
         preemption.close()
@@ -181,12 +188,12 @@ def main(argv: list[str]) -> dict:
         tok = inputs.tokenizer
         prompt = tokenizer_lib.prompt_ids(tok, config.prompt) if tok is not None else []
         if config.max_new_tokens > 0 and prompt and not preempted:
-            new = decode.generate(state["params"], prompt, config, rt, max_new_tokens=config.max_new_tokens,
+            new = decode.generate(run.model_params(state), prompt, config, rt, max_new_tokens=config.max_new_tokens,
                                   eos_id=tok.eos_ids)
             sample = decode.trim_sample(config.prompt + tok.decode(new))  # not the blank lines after its end
             log(f"greedy sample from {config.prompt!r}:\n{sample}")
     log(f"done in {time.time() - start_time:.1f}s")
-    return {"eval_losses": eval_losses, "sample": sample, "state": state, "config": config, "preempted": preempted}
+    return {"eval_losses": eval_losses, "eval_metrics": eval_metrics, "sample": sample, "state": state, "config": config, "preempted": preempted}
 
 
 def _report(pending, config, peak, writer, last_done: float, loss_scaled: bool) -> float:

@@ -9,7 +9,9 @@
     python -m maxtrain.train base.yml load_parameters_path=OUT ...
 
     # a maxtrain checkpoint (a step, checkpoints or run directory) -> a directory transformers loads
+    # (a LoRA run's adapters are merged into the weights; --peft DIR also writes them as a PEFT adapter)
     python scripts/convert_hf.py export CHECKPOINT HF_OUT [--dtype float32|bfloat16|float16] [--tokenizer PATH]
+                                                          [--peft ADAPTER_DIR]
 
 The family (llama, mistral, qwen2, qwen3, gemma2, gemma3) comes from config.json's model_type. Only
 safetensors files are read; pickle files (pytorch_model.bin) are refused, never opened.
@@ -23,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maxtrain import convert  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain import checkpoint, convert  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain.errors import run_cli  # noqa: E402  pylint: disable=wrong-import-position
 
 
@@ -43,6 +45,9 @@ def main(argv: list[str]) -> int:
     exp.add_argument("--tokenizer", default=None,
                      help="tokenizer to include (HF directory, tokenizer.json or .model); default: the run's "
                           "tokenizer_path, or the imported model's")
+    exp.add_argument("--peft", default=None, metavar="ADAPTER_DIR",
+                     help="a LoRA run only: also write its adapters as a PEFT adapter directory (adapter_config.json, "
+                          "adapter_model.safetensors) for peft.PeftModel.from_pretrained over the base model")
     args = parser.parse_args(argv)
     try:
         if args.command == "import":
@@ -55,9 +60,17 @@ def main(argv: list[str]) -> int:
             print(f"check it:     python scripts/check_logits.py {out} --hf {os.path.abspath(args.hf_dir)}")
             print(f"fine-tune it: python -m maxtrain.train base.yml load_parameters_path={out}")
         else:
+            # --peft on a run without adapters is refused before anything is written
+            adapters, saved = checkpoint.read_adapters(args.checkpoint) if args.peft else (None, None)
             out = convert.export_hf(args.checkpoint, args.out_dir, args.dtype, int(args.max_shard_mb * 2**20),
                                     tokenizer=args.tokenizer)
             print(f"wrote {os.path.abspath(out)} (load with transformers.AutoModelForCausalLM.from_pretrained)")
+            if args.peft:
+                from maxtrain import lora  # pylint: disable=import-outside-toplevel
+
+                lora.write_peft(args.peft, adapters, saved)
+                print(f"wrote the LoRA adapters to {os.path.abspath(args.peft)} (peft.PeftModel.from_pretrained(base, "
+                      f"{args.peft!r}); the base is the model the run started from)")
     except OSError as error:  # an output directory that cannot be written
         raise convert.ConversionError(f"{error.strerror or error}: {error.filename or args.out_dir}") from error
     return 0

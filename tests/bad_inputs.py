@@ -247,6 +247,15 @@ def hf_dir(config=None, files=None):
     return setup
 
 
+def jsonl_file(rows: list[dict]):
+    """A jsonl file {scratch}/rows.jsonl of `rows`, then good conversations (the bad row comes first)."""
+    good = {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}
+
+    def setup(world, scratch):
+        _write(os.path.join(scratch, "rows.jsonl"), "".join(json.dumps(r) + "\n" for r in [*rows, *[good] * 4]))
+    return setup
+
+
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
          "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 64,
          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
@@ -297,6 +306,39 @@ ROWS = [
     Row("no-arguments", T, [], r"usage: python -m maxtrain.train configs/base.yml"),
     Row("eval-split-zero-default-corpus", T, [B, "eval_split_fraction=0"], r"eval_split_fraction=0.0 must be "
         r"strictly between 0 and 1"),
+    # train: post-training (SFT, DPO, LoRA; docs/post_training.md)
+    Row("sft-and-dpo", T, [B, "use_sft=true", "use_dpo=true"], r"use_sft=true and use_dpo=true were both set; a run "
+        r"has one objective"),
+    Row("sft-default-corpus", T, [B, "use_sft=true", "train_data_columns=[messages]", "eval_data_columns=[messages]"],
+        r"use_sft=true reads jsonl or parquet files, but dataset_type=default"),
+    Row("dpo-two-columns", T, [B, "use_dpo=true", "dataset_type=jsonl", "grain_train_files=x.jsonl",
+                               "train_data_columns=[prompt,chosen]"],
+        r"use_dpo=true reads preference pairs, but train_data_columns=\['prompt', 'chosen'\]; set "
+        r"train_data_columns=\[prompt,chosen,rejected\]"),
+    Row("dpo-beta-zero", T, [B, "dpo_beta=0"], r"dpo_beta=0.0 is not allowed: it must be > 0"),
+    Row("lora-target-unknown", T, [B, "lora_rank=4", "lora_target_modules=[q_proj,v_proj]"],
+        r"lora_target_modules=\['q_proj', 'v_proj'\] must list distinct projections among q, k, v, o, gate, up, down"),
+    Row("chat-template-unknown", T, [B, "chat_template=vicuna"], r"chat_template='vicuna' is not a built-in template"),
+    Row("sft-no-chat-template", T, [B, "use_sft=true", "dataset_type=jsonl", "tokenizer_path={tok}",
+                                    "grain_train_files={scratch}/rows.jsonl", "train_data_columns=[messages]",
+                                    "eval_data_columns=[messages]"],
+        r"the tokenizer .*tok.model has no chat template.* chat_template.* chatml", tiny=True, setup=jsonl_file([])),
+    Row("sft-no-assistant-turn", T, [B, "use_sft=true", "dataset_type=jsonl", "tokenizer_path={tok}",
+                                     "chat_template=plain", "grain_train_files={scratch}/rows.jsonl",
+                                     "train_data_columns=[messages]", "eval_data_columns=[messages]"],
+        r"rows.jsonl line 1: the conversation has no assistant turn", tiny=True,
+        setup=jsonl_file([{"messages": [{"role": "user", "content": "hi"}]}])),
+    Row("sft-unknown-role", T, [B, "use_sft=true", "dataset_type=jsonl", "tokenizer_path={tok}",
+                                "chat_template=plain", "grain_train_files={scratch}/rows.jsonl",
+                                "train_data_columns=[messages]", "eval_data_columns=[messages]"],
+        r"rows.jsonl line 1: message 0 has an unknown role 'human'", tiny=True,
+        setup=jsonl_file([{"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "x"}]}])),
+    Row("dpo-row-without-rejected", T, [B, "use_dpo=true", "dataset_type=jsonl", "tokenizer_path={tok}",
+                                        "chat_template=plain", "grain_train_files={scratch}/rows.jsonl",
+                                        "train_data_columns=[prompt,chosen,rejected]",
+                                        "eval_data_columns=[prompt,chosen,rejected]"],
+        r"rows.jsonl line 1: a DPO row needs 'prompt', 'chosen' and 'rejected', but 'rejected' is missing", tiny=True,
+        setup=jsonl_file([{"prompt": "1+1=", "chosen": "2"}])),
     # train: YAML files
     Row("yaml-missing", T, ["{scratch}/none.yml"], r"config file '.*/none.yml' does not exist"),
     Row("yaml-empty", T, ["{scratch}/my.yml"], r"config file '.*/my.yml' is empty", setup=yaml_file("")),
@@ -545,6 +587,9 @@ ROWS = [
         r"'.*/none' does not exist"),
     Row("convert-export-bit-flipped", "convert_hf", ["export", "{scratch}/run/checkpoints/4", "{scratch}/out"],
         r"/checkpoints/4' is damaged: .*: its contents changed since it was saved", setup=flipped),
+    Row("convert-export-peft-without-adapters", "convert_hf", ["export", "{run}", "{scratch}/out", "--peft",
+                                                              "{scratch}/adapter"],
+        r"the checkpoint .*/run/checkpoints/4 holds no LoRA adapters \(it was not trained with lora_rank > 0\)"),
     # checkpoint inspect
     Row("inspect-no-path", K, ["inspect"], r"usage: python -m maxtrain.checkpoint inspect PATH"),
     Row("inspect-path-missing", K, ["inspect", "{scratch}/none"], r"path='.*/none' does not exist"),

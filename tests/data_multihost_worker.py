@@ -38,7 +38,7 @@ def eval_loss_at_init(cfg):
     with sharding.activation_sharding(mesh, rules):
         params = run.init(jax.random.key(cfg.seed))["params"]
         batches = (hosts.to_global(b, mesh, rules, hosts.EVAL_BATCH_AXES) for b in evals)
-        return train.evaluate(run.eval_step, params, batches), evals
+        return train.evaluate(run.eval_step, {"params": params}, batches)[0], evals
 
 
 def main(process_id: int, port: int, corpus: str, output: str) -> None:

@@ -6,6 +6,8 @@
     prepare.py      raw text -> prepared data (scripts/prepare_data.py), text_files.py reads raw text
     tokenizer.py    load(path): sentencepiece models and Hugging Face tokenizer.json / model directories
     tokenizer_training.py  training either kind (scripts/train_tokenizer.py, the default corpus)
+    chat.py         chat templates; conversations and preference pairs -> ids with loss weights
+    conversations.py  use_sft / use_dpo records -> packed rows (whole conversations)
     packing.py      documents -> rows with segment ids and positions
     hosts.py        host sharding, padding batches, host batch -> global jax.Array
     evaluation.py   eval batches: first N, or exactly one epoch, the same count on every host
@@ -46,6 +48,10 @@ def make_inputs(config, log=print, process_index: int | None = None, process_cou
     count = jax.process_count() if process_count is None else process_count
     if config.dataset_type == "synthetic":
         return Inputs(None, pipeline.synthetic_iterator(config, index), [])
+    if config.use_sft or config.use_dpo:  # conversations / preference pairs through the chat template
+        from maxtrain.data import conversations  # pylint: disable=import-outside-toplevel
+
+        return Inputs(*conversations.make_inputs(config, index, count, log))
     opened = sources.open_sources(config, log=log)
     train = pipeline.train_iterator(sources.train_documents(opened, config, index, count, log), config, index, log)
     evals = []

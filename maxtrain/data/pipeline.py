@@ -29,9 +29,16 @@ def _accumulation_axis(batch: dict, accum: int, micro: int) -> dict:
 
 def train_iterator(docs: grain.IterDataset, config, process_index: int = 0, log=print) -> grain.DatasetIterator:
     """Checkpointable Grain iterator of host batches [A, b, T]; endless unless num_epoch is set."""
+    rows = config.gradient_accumulation_steps * host_micro_batch(config)
+    return train_iterator_from_rows(packing.train_rows(docs, config, rows), config, process_index, log)
+
+
+def train_iterator_from_rows(examples: grain.IterDataset, config, process_index: int = 0,
+                             log=print) -> grain.DatasetIterator:
+    """The same, from examples [T] already packed (pre-training documents, or conversations: conversations.py)."""
     accum, micro = config.gradient_accumulation_steps, host_micro_batch(config)
     rows = accum * micro
-    batches = packing.train_rows(docs, config, rows).batch(rows, drop_remainder=False)
+    batches = examples.batch(rows, drop_remainder=False)
     batches = batches.map(functools.partial(hosts.fill_rows, rows=rows))
     batches = batches.map(functools.partial(_accumulation_axis, accum=accum, micro=micro))
     if config.grain_worker_count > 0:  # each worker builds every n-th batch from its slice of the documents

@@ -1,0 +1,278 @@
+"""Post-training input: jsonl/parquet records of conversations (use_sft) or preference pairs (use_dpo)
+-> rendered, tokenized elements with loss weights -> packed rows -> host batches.
+
+Records. `train_data_columns` names the fields: [messages] (a list of {role, content}) or
+[prompt, completion] for SFT, [prompt, chosen, rejected] for DPO (each a string, or a list of
+messages). Every record is checked as it is read; a bad one stops the run with its file and line.
+Before training, the first record of every file is rendered, so a missing field, an unknown role,
+a conversation without an assistant turn or a tokenizer without a chat template fail at once.
+
+Packing. Elements (a conversation, or a DPO pair's two sequences) are never split: with
+packing=true whole elements go into the first row with room (first_fit, whatever
+grain_packing_type says), else one per row. Every element gets its own segment ids (a DPO pair
+two: 2k-1 chosen, 2k rejected) and positions restarting at 0, so attention never crosses from one
+conversation into another. An element longer than max_target_length + 1 tokens is truncated (a
+DPO pair: each sequence to half), and the count is reported in a warning.
+
+The file reading, shuffling and host sharding are sources.py's (jsonl/parquet: by file, a window
+shuffle); the iterator is checkpointable end to end, as for pre-training.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import json
+
+import grain
+import numpy as np
+from grain import experimental as grain_exp
+
+from maxtrain.data import chat, evaluation, hosts, sources, text_files
+from maxtrain.data.errors import DataError
+
+FEATURES = ("tokens", "weights", "parts", "positions")
+
+
+# --------------------------------------------------------------------------------------------
+# Reading records
+# --------------------------------------------------------------------------------------------
+
+
+def read_records(path: str, skip: int = 0):
+    """(location, record dict) of every record of a jsonl or parquet file, after `skip` records."""
+    fmt, compression = text_files.file_format(path)
+    if fmt == "parquet":
+        pf = text_files.open_parquet(path)  # local or gs://; not parquet: a DataError naming the file
+        row = 0
+        for group in range(pf.num_row_groups):
+            rows = pf.metadata.row_group(group).num_rows
+            if row + rows <= skip:
+                row += rows
+                continue
+            for i, record in enumerate(pf.read_row_group(group).to_pylist()):
+                if row + i >= skip:
+                    yield f"{path} row {row + i}", record
+            row += rows
+        return
+    if fmt != "jsonl":
+        raise DataError(f"{path}: use_sft / use_dpo read .jsonl or .parquet files, not {fmt}")
+    stream, raw = text_files._open(path, compression)  # pylint: disable=protected-access
+    with raw:
+        for number, line in enumerate(stream, start=1):
+            if number <= skip:
+                continue
+            where = f"{path} line {number}"
+            text = text_files._decode(line, where).strip()  # pylint: disable=protected-access
+            if not text:
+                yield where, None
+                continue
+            try:
+                record = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg} at column {e.colno}). Each line of a .jsonl file "
+                                "must be one JSON object; fix or remove the line.") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{where}: a {type(record).__name__}, not a JSON object with the columns "
+                                "train_data_columns names")
+            yield where, record
+
+
+class _RecordsIterator(grain.DatasetIterator):
+    """State: (epoch, file of this epoch's order, records read from it)."""
+
+    def __init__(self, ds: "RecordsIterDataset"):
+        super().__init__()
+        self._ds = ds
+        self._epoch, self._file, self._record, self._docs = 0, 0, 0, 0
+        self._records = None
+
+    def _path(self) -> str:
+        files = self._ds.files
+        if not self._ds.shuffle_files:
+            return files[self._file]
+        return files[np.random.default_rng([self._ds.seed, self._epoch]).permutation(len(files))[self._file]]
+
+    def __next__(self):
+        ds = self._ds
+        while ds.files and (ds.num_epochs is None or self._epoch < ds.num_epochs):
+            if self._records is None:
+                self._records = read_records(self._path(), skip=self._record)
+            for where, record in self._records:
+                self._record += 1
+                if record is not None:
+                    self._docs += 1
+                    return where, record
+            self._records, self._file, self._record = None, self._file + 1, 0
+            if self._file == len(ds.files):
+                if self._docs == 0:
+                    raise DataError(f"{ds.what}: the files hold no records")
+                self._epoch, self._file, self._docs = self._epoch + 1, 0, 0
+        raise StopIteration
+
+    def get_state(self) -> dict:
+        return {"epoch": self._epoch, "file": self._file, "record": self._record, "docs": self._docs}
+
+    def set_state(self, state: dict) -> None:
+        self._epoch, self._file, self._record, self._docs = (state["epoch"], state["file"], state["record"],
+                                                             state["docs"])
+        self._records = None
+
+
+class RecordsIterDataset(grain.IterDataset):
+    """(location, record) of `files`, file after file, for num_epochs (None: forever)."""
+
+    def __init__(self, files, num_epochs, seed: int, shuffle_files: bool, what: str):
+        super().__init__()
+        self.files, self.num_epochs, self.seed, self.shuffle_files, self.what = files, num_epochs, seed, shuffle_files, what
+
+    def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
+        del sequential_slice
+        self.files = self.files[sl]
+
+    def __iter__(self):
+        return _RecordsIterator(self)
+
+
+# --------------------------------------------------------------------------------------------
+# Records -> elements -> rows
+# --------------------------------------------------------------------------------------------
+
+
+class ToElement:
+    """(location, record) -> a packing element of at most length tokens (picklable, for Grain workers)."""
+
+    def __init__(self, template: chat.Template, config, columns: list[str], length: int, log=print):
+        self.template, self.columns, self.length, self.log = template, columns, length, log
+        self.dpo, self.completion_only = config.use_dpo, config.sft_train_on_completion_only
+        self.truncated, self.passes = 0, 0  # passes > 1: the same data again (eval), counted once
+
+    def __call__(self, located) -> dict:
+        where, record = located
+        if self.dpo:
+            element = chat.dpo_element(self.template, *chat.preference(record, self.columns, where), where)
+        else:
+            element = chat.sft_element(self.template, chat.conversation(record, self.columns, where),
+                                       self.completion_only, where)
+        element, cut = chat.truncate(element, self.length)
+        if cut and self.passes <= 1:
+            self.truncated += 1
+            if self.truncated & (self.truncated - 1) == 0:  # 1, 2, 4, 8, ...: a count, not a flood
+                what = "preference pairs" if self.dpo else "conversations"
+                self.log(f"warning: {self.truncated} {what} so far were longer than max_target_length + 1 = "
+                         f"{self.length} tokens and were truncated (e.g. {where}); raise max_target_length to keep "
+                         "them whole")
+        return element
+
+
+def to_example(row: dict) -> dict:
+    """A packed row of T + 1 tokens -> inputs/targets/positions/segment_ids/loss_weights [T]."""
+    packed = row["tokens_segment_ids"]
+    seg = np.where(packed > 0, 2 * packed - 2 + row["parts"], 0).astype(np.int32)
+    weights = row["weights"][1:] * ((seg[1:] == seg[:-1]) & (seg[:-1] != 0))
+    return {"inputs": row["tokens"][:-1], "targets": row["tokens"][1:], "positions": row["positions"][:-1],
+            "segment_ids": seg[:-1], "loss_weights": weights.astype(np.float32)}
+
+
+def _single_row(element: dict, length: int) -> dict:
+    n = len(element["tokens"])
+    row = {k: np.zeros(length, v.dtype) for k, v in element.items()}
+    for k, v in element.items():
+        row[k][:n] = v
+    row["tokens_segment_ids"] = (np.arange(length) < n).astype(np.int32)
+    return to_example(row)
+
+
+def rows(elements: grain.IterDataset, config, num_rows: int) -> grain.IterDataset:
+    """Examples [T] of whole elements: first_fit packing into `num_rows` open rows, or one per row."""
+    length = config.max_target_length + 1
+    if not config.packing:
+        return elements.map(functools.partial(_single_row, length=length))
+    packed = grain_exp.FirstFitPackIterDataset(elements, length_struct={k: length for k in FEATURES},
+                                               num_packing_bins=num_rows, shuffle_bins=False)
+    return packed.map(to_example)
+
+
+# --------------------------------------------------------------------------------------------
+# Inputs
+# --------------------------------------------------------------------------------------------
+
+
+def columns(config, split: str) -> list[str]:
+    return list(config.train_data_columns if split == "train" else config.eval_data_columns)
+
+
+def open_template(config, tokenizer) -> chat.Template:
+    return chat.template_for(tokenizer, config.chat_template)
+
+
+def check_first_records(components, template: chat.Template, config, split: str) -> None:
+    """Renders the first record of every file now, so bad data fails before any training step."""
+    convert = ToElement(template, config, columns(config, split), config.max_target_length + 1, log=lambda *_: None)
+    for component in components:
+        for path in component.files:
+            first = next((r for r in read_records(path) if r[1] is not None), None)
+            if first is None:
+                raise DataError(f"{path} holds no records: an empty shard. Delete it or narrow the glob.")
+            convert(first)
+
+
+def elements(files, config, template, split: str, num_epochs, seed: int, shuffle: bool, what: str, log):
+    ds = RecordsIterDataset(files, num_epochs, seed, shuffle, what)
+    if shuffle and split == "train" and config.grain_shuffle_window > 1:
+        ds = sources.WindowShuffleIterDataset(ds, config.grain_shuffle_window, sources.data_seed(config, "window/0"))
+    return ds.map(ToElement(template, config, columns(config, split), config.max_target_length + 1, log))
+
+
+def make_inputs(config, index: int, count: int, log=print):
+    """(tokenizer, train iterator, eval batches, sources) for use_sft / use_dpo."""
+    from maxtrain.data import pipeline  # pylint: disable=import-outside-toplevel
+
+    tokenizer = sources._load_tokenizer(config, None, None)  # pylint: disable=protected-access
+    template = open_template(config, tokenizer)
+    train = sources.parse_files(config.grain_train_files, "grain_train_files")
+    evals = sources.parse_files(config.grain_eval_files, "grain_eval_files") if config.grain_eval_files else []
+    for key, components in (("grain_train_files", train), ("grain_eval_files", evals)):
+        for c in components:
+            for path in c.files:
+                fmt, _ = text_files.file_format(path)
+                if fmt != config.dataset_type:
+                    raise DataError(f"{key}: {path} is a {fmt} file but dataset_type={config.dataset_type}")
+    check_first_records(train, template, config, "train")
+    check_first_records(evals, template, config, "eval")
+    log(f"{'DPO' if config.use_dpo else 'SFT'} data rendered with the chat template {template.describe()}"
+        + ("" if config.use_dpo else f"; loss on {'assistant tokens only' if config.sft_train_on_completion_only else 'every token'}"))
+    if config.dataset_cache_dir:
+        log(f"note: dataset_cache_dir={config.dataset_cache_dir!r} is not used with use_sft / use_dpo: conversations "
+            "are rendered and tokenized as they are read (the chat template decides the tokens and their weights)")
+
+    epochs = None if config.num_epoch == -1 else config.num_epoch
+    files = [f for c in train for f in sources._host_files(  # pylint: disable=protected-access
+        c, "grain_train_files", index, count, log, required=True)]
+    accum, micro = config.gradient_accumulation_steps, hosts.host_micro_batch(config)
+    docs = elements(files, config, template, "train", epochs, sources.data_seed(config, "files/0"),
+                    config.enable_data_shuffling, f"grain_train_files on host {index}", log)
+    train_it = pipeline.train_iterator_from_rows(rows(docs, config, accum * micro), config, index, log)
+
+    eval_batches = []
+    if evals and config.eval_interval != -1:
+        eval_files = hosts.file_shards([f for c in evals for f in c.files], index, count)
+
+        to_element = ToElement(template, config, columns(config, "eval"), config.max_target_length + 1, log)
+
+        def make():  # one ToElement for every pass, so truncations are counted (and warned about) once
+            ds = RecordsIterDataset(eval_files, 1, 0, False, f"grain_eval_files on host {index}").map(to_element)
+            to_element.passes += 1
+            batches = rows(ds, config, micro).batch(micro, drop_remainder=False)
+            return iter(batches.map(functools.partial(hosts.fill_rows, rows=micro)))
+
+        limit = config.eval_steps if config.eval_steps > 0 else None
+        local = sum(1 for _ in itertools.islice(make(), limit))
+        counts = hosts.agree(local, count)
+        if max(counts) == 0:
+            raise DataError("the eval data gives no batches; fix grain_eval_files, or set eval_interval=-1")
+        num = limit or max(counts)
+        eval_batches = evaluation.EvalInput(make, num, min(local, num), micro, config.max_target_length)
+        log(f"eval: {num} batches of {micro} x {config.max_target_length} per evaluation (host {index}: "
+            f"{min(local, num)} real)")
+    return tokenizer, train_it, eval_batches, sources.Sources(config.dataset_type, tokenizer, train, evals)

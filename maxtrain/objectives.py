@@ -1,0 +1,115 @@
+"""What training minimizes: lm, sft and dpo, each a pure function of (params, batch, reference).
+
+    objective = objectives.make(config, rt)
+    loss_sum, weight_sum, metrics = objective(params, batch, reference)
+
+The train step divides the summed loss of all its micro-batches by their summed weight and adds
+every metric named `*_loss` (already a mean, times the weight: models.objective); it never asks
+which objective it runs. Metrics are means over the micro-batch's weight, reported as
+`learning/<name>` (training) and `eval/<name>` (evaluation).
+
+    lm    next-token cross-entropy: sum over targets of loss_weight x (-log p(target)); the weight
+          is the number of weighted targets. Pre-training data weights every real token.
+    sft   the same function. The weights come from the chat template (data/chat.py): with
+          sft_train_on_completion_only only the assistant's tokens count.
+    dpo   direct preference optimization (Rafailov et al. 2023) on pairs of completions of one
+          prompt. A batch row holds pairs as consecutive segments 2k-1 (prompt + chosen) and 2k
+          (prompt + rejected); loss_weights are +1 on the chosen completion's targets, -1 on the
+          rejected one's and 0 elsewhere (data/chat.py). With log-ratios against the frozen
+          reference model,
+              r_c = beta (log pi(chosen) - log ref(chosen))      r_r = the same for rejected
+              loss = -(1 - eps) log sigmoid(r_c - r_r) - eps log sigmoid(r_r - r_c)
+          summed over pairs (eps = dpo_label_smoothing); the weight is the number of pairs.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from maxtrain import models
+
+OBJECTIVES = ("lm", "sft", "dpo")
+
+
+def name(config) -> str:
+    return "dpo" if config.use_dpo else "sft" if config.use_sft else "lm"
+
+
+def needs_reference(config) -> bool:
+    return config.use_dpo
+
+
+def make(config, rt: models.Runtime):
+    """The run's objective: fn(params, batch, reference) -> (loss sum, weight sum, metrics)."""
+    kind = name(config)
+    if kind == "dpo":
+        return lambda params, batch, reference: dpo(params, batch, reference, config, rt)
+    return lambda params, batch, reference: lm(params, batch, config, rt)
+
+
+def lm(params, batch: dict, config, rt):
+    """(sum of loss_weight x cross-entropy, sum of weights, the model's aux scalars)."""
+    return models.loss_fn(params, batch, config, rt)
+
+
+sft = lm  # SFT is the LM objective on weights that the chat template set
+
+
+def target_log_probs(params, batch: dict, config, rt):
+    """(log p(target) [B, T] float32, aux) under `params`."""
+    logits, aux = models.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"], config, rt)
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
+    return target - log_z, aux
+
+
+def pair_sums(log_probs, batch: dict):
+    """Per pair (B x (T // 2 + 1) slots, most empty): (chosen log-prob, rejected log-prob, is a whole pair)."""
+    weights = batch["loss_weights"].astype(jnp.float32)
+    rows, length = weights.shape
+    slots = length // 2 + 1
+    pair = (batch["segment_ids"] + 1) // 2                          # segments 2k-1, 2k -> pair k; padding -> 0
+    ids = (jnp.arange(rows)[:, None] * slots + pair).reshape(-1)
+
+    def total(values):
+        return jax.ops.segment_sum(values.reshape(-1), ids, num_segments=rows * slots)
+
+    chosen = total(jnp.where(weights > 0, weights * log_probs, 0.0))
+    rejected = total(jnp.where(weights < 0, -weights * log_probs, 0.0))
+    whole = (total((weights > 0).astype(jnp.float32)) > 0) & (total((weights < 0).astype(jnp.float32)) > 0)
+    return chosen, rejected, whole
+
+
+def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, label_smoothing: float):
+    """Per-pair DPO loss and the implicit rewards beta x (log pi - log ref)."""
+    chosen_reward = beta * (policy_chosen - ref_chosen)
+    rejected_reward = beta * (policy_rejected - ref_rejected)
+    margin = chosen_reward - rejected_reward
+    loss = -(1.0 - label_smoothing) * jax.nn.log_sigmoid(margin) - label_smoothing * jax.nn.log_sigmoid(-margin)
+    return loss, chosen_reward, rejected_reward
+
+
+def dpo(params, batch: dict, reference, config, rt):
+    """(sum of per-pair DPO losses, number of pairs, metrics); `reference` is never differentiated."""
+    policy_lp, aux = target_log_probs(params, batch, config, rt)
+    ref_lp, _ = target_log_probs(jax.lax.stop_gradient(reference), batch, config, rt)
+    pc, pr, whole = pair_sums(policy_lp, batch)
+    rc, rr, _ = pair_sums(jax.lax.stop_gradient(ref_lp), batch)
+    loss, chosen_reward, rejected_reward = dpo_loss(pc, pr, rc, rr, config.dpo_beta, config.dpo_label_smoothing)
+    mask = whole.astype(jnp.float32)
+    pairs = jnp.sum(mask)
+
+    def mean(x):
+        return jnp.sum(x * mask) / jnp.maximum(pairs, 1.0)
+
+    metrics = {
+        **aux,
+        "dpo_reward_accuracy": mean((chosen_reward > rejected_reward).astype(jnp.float32)),
+        "dpo_reward_margin": mean(chosen_reward - rejected_reward),
+        "dpo_chosen_reward": mean(chosen_reward),
+        "dpo_rejected_reward": mean(rejected_reward),
+        "dpo_chosen_logp": mean(pc),
+        "dpo_rejected_logp": mean(pr),
+    }
+    return jnp.sum(loss * mask), pairs, metrics
