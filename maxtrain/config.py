@@ -25,7 +25,10 @@ from typing import Any, Iterable
 
 import yaml
 
-DECODER_BLOCKS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")  # maxtrain/models/<family>.py
+DECODER_BLOCKS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3",  # maxtrain/models/<family>.py
+                  "mixtral", "qwen3_moe")
+MOE_DECODER_BLOCKS = ("mixtral", "qwen3_moe")  # families whose layers may be mixtures of experts
+MOE_DISPATCHES = ("dropless", "capacity")
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DTYPES = ("autoselected", "float32", "bfloat16", "float16")
 WEIGHT_DTYPES = ("float32", "bfloat16")
@@ -35,8 +38,8 @@ DATASET_TYPES = ("default", "synthetic", "arrayrecord", "parquet", "jsonl")
 PACKING_TYPES = ("concat_then_split", "first_fit")
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DECODE_STRATEGIES = ("greedy", "weighted", "topk", "nucleus")
-MESH_AXES = ("data", "fsdp", "tensor")
-LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")  # each has ici_<axis>_parallelism and dcn_<axis>_parallelism
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "exp")
 
 
 class ConfigError(ValueError):
@@ -284,6 +287,7 @@ def _validate(v: dict[str, Any]) -> None:
              f"e.g. base_num_kv_heads={_divisor_hint(v['base_num_query_heads'], v['base_num_kv_heads'])}")
     _require(v["head_dim"] % 2 == 0, f"head_dim={v['head_dim']} must be even (RoPE rotates pairs of features)")
     _validate_model(v)
+    _validate_moe(v)
     _one_of(v, "dtype", DTYPES)
     _one_of(v, "weight_dtype", WEIGHT_DTYPES)
     _one_of(v, "remat_policy", REMAT_POLICIES)
@@ -354,6 +358,43 @@ def _validate_model(v: dict[str, Any]) -> None:
                  f"{v['base_num_decoder_layers']} layers (or be [] for the family's pattern), got {types}")
         _require("sliding" not in types or v["sliding_window_size"] > 0,
                  "attention_layer_types has sliding layers but sliding_window_size=0; set sliding_window_size")
+
+
+def _validate_moe(v: dict[str, Any]) -> None:
+    """Mixture-of-experts settings (docs/moe.md); checked before any work."""
+    e, k = v["num_experts"], v["num_experts_per_tok"]
+    _positive(v, "num_experts", "num_experts_per_tok", "decoder_sparse_step")
+    _one_of(v, "moe_dispatch", MOE_DISPATCHES)
+    _require(k <= e, f"num_experts_per_tok={k} is more than num_experts={e}: each token is routed to "
+                     f"num_experts_per_tok distinct experts; use num_experts_per_tok <= {e}")
+    _require(v["capacity_factor"] > 0,
+             f"capacity_factor={v['capacity_factor']} must be > 0 (each expert takes at most capacity_factor x "
+             "its even share of a sequence's tokens); for no dropping at all use moe_dispatch=dropless (what "
+             "MaxText's capacity_factor=-1 means)")
+    _require(v["base_moe_mlp_dim"] == -1 or v["base_moe_mlp_dim"] > 0,
+             f"base_moe_mlp_dim={v['base_moe_mlp_dim']} must be > 0, or -1 for base_mlp_dim")
+    for key in ("load_balance_loss_weight", "router_z_loss_weight"):
+        _require(v[key] >= 0, f"{key}={v[key]} must be >= 0 (0 turns the loss off)")
+    layers = v["mlp_only_layers"]
+    _require(all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < v["base_num_decoder_layers"]
+                 for i in layers),
+             f"mlp_only_layers={layers} must list layer indices in [0, {v['base_num_decoder_layers'] - 1}]")
+    block = v["decoder_block"]
+    if block not in MOE_DECODER_BLOCKS:
+        _require(e == 1, f"decoder_block={block} has no experts, but num_experts={e}; use decoder_block=mixtral or "
+                         "qwen3_moe for a mixture of experts, or num_experts=1")
+    if block == "mixtral":
+        _require(v["decoder_sparse_step"] == 1 and not layers,
+                 "decoder_block=mixtral has experts in every layer; decoder_sparse_step and mlp_only_layers are "
+                 "qwen3_moe settings (use decoder_block=qwen3_moe to mix dense and MoE layers)")
+        _require(v["norm_topk_prob"], "decoder_block=mixtral always renormalizes its top-k router weights; "
+                                      "norm_topk_prob=false is a qwen3_moe setting")
+    ici, dcn = v["ici_expert_parallelism"], v["dcn_expert_parallelism"]
+    ep = ici * dcn
+    if ici > 0 and dcn > 0 and e % ep:  # -1 (fill) is resolved with the devices; the mesh checks it then
+        raise ConfigError(f"expert parallelism {ep} (ici_expert_parallelism x dcn_expert_parallelism) must divide "
+                          f"num_experts={e}: each device holds num_experts / {ep} whole experts; e.g. "
+                          f"ici_expert_parallelism={_divisor_hint(e, ep)}")
 
 
 def _divisor_hint(n: int, near: int) -> int:

@@ -18,8 +18,13 @@ runs as a scan of 4 groups of 6 and a scan of 2 single layers. Every layer is wr
 Aux. Every layer returns (x, aux): aux is a dict of float32 scalars (empty for dense families; a
 mixture-of-experts layer's balance losses) summed over the stack and returned beside the logits.
 Names ending in "_loss" are losses already multiplied by their weight: training adds them to the
-objective (models.objective); every entry is reported as a metric. When decoding, the attention block also puts the
-layer's updated KV cache in aux under "cache"; the stack collects it per layer instead of summing.
+objective (models.objective); every entry is reported as a metric. A layer that wants a sum to
+be a mean over some layers divides by their number (models/moe.py does, over the MoE layers).
+Entries named PER_LAYER + name ("per_layer/moe_load_max") are not summed: the stack returns one
+scalar per layer that has them, as "<name>/layer_<i>" with i the layer's index in the whole stack
+("moe_load_max/layer_03"), so per-layer figures reach the metrics like any other entry. When
+decoding, the attention block also puts the layer's updated KV cache in aux under "cache"; the
+stack collects it per layer instead of summing.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from maxtrain import ops
 from maxtrain.models import rope as rope_lib
 from maxtrain.models.blocks import LayerInputs
 from maxtrain.models.runtime import REMAT_POLICIES
+
+PER_LAYER = "per_layer/"  # aux entries named with this prefix are reported per layer, not summed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,8 +105,19 @@ def _sum_aux(total: dict, aux: dict) -> dict:
     return out
 
 
+def per_layer_name(name: str, layer: int, num_layers: int) -> str:
+    """The aux key of a PER_LAYER entry `name` of one layer: "moe_load_max/layer_03"."""
+    return f"{name[len(PER_LAYER):]}/layer_{layer:0{len(str(num_layers - 1))}d}"
+
+
+def _split_per_layer(aux: dict) -> tuple[dict, dict]:
+    return ({k: v for k, v in aux.items() if not k.startswith(PER_LAYER)},
+            {k: v for k, v in aux.items() if k.startswith(PER_LAYER)})
+
+
 def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, scan: bool):
-    """Runs every layer. Returns (x, aux summed over layers, per-layer caches [L, ...] or None)."""
+    """Runs every layer. Returns (x, aux summed over layers and per-layer entries, per-layer caches
+    [L, ...] or None)."""
     types = family.layer_types(config)
     offsets = _kind_offsets(types)
 
@@ -134,7 +152,7 @@ def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, s
                 (k_all, v_all))
 
         def group(x, group_params, group_cache, seg=seg):
-            aux_sum, new_caches, seen = {}, [], {}
+            aux_sum, per_layer, new_caches, seen = {}, {}, [], {}
             for j, lt in enumerate(seg.period):
                 p = jax.tree.map(lambda a, i=seen.get(lt.kind, 0): a[i], group_params[lt.kind])
                 seen[lt.kind] = seen.get(lt.kind, 0) + 1
@@ -143,20 +161,27 @@ def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, s
                 x, aux = one_layer(lt)(x, p, layer_inputs)
                 if "cache" in aux:
                     new_caches.append(aux.pop("cache"))
+                aux, mine = _split_per_layer(aux)
                 aux_sum = _sum_aux(aux_sum, aux)
+                per_layer.update({(j, name): value for name, value in mine.items()})
             stacked = None
             if new_caches:
                 stacked = tuple(jnp.stack([c[i] for c in new_caches]) for i in range(2))
-            return x, (aux_sum, stacked)
+            return x, (aux_sum, per_layer, stacked)
 
         if seg.repeats == 1:
-            x, (aux, cache) = group(x, jax.tree.map(lambda a: a[0], seg_params),
-                                    None if seg_cache is None else jax.tree.map(lambda a: a[0], seg_cache))
+            x, (aux, per_layer, cache) = group(
+                x, jax.tree.map(lambda a: a[0], seg_params),
+                None if seg_cache is None else jax.tree.map(lambda a: a[0], seg_cache))
             cache = None if cache is None else jax.tree.map(lambda a: a[None], cache)
+            per_layer = jax.tree.map(lambda a: a[None], per_layer)
         else:
-            x, (aux, cache) = jax.lax.scan(lambda c, xs: group(c, *xs), x, (seg_params, seg_cache))
+            x, (aux, per_layer, cache) = jax.lax.scan(lambda c, xs: group(c, *xs), x, (seg_params, seg_cache))
             aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
         aux_total = _sum_aux(aux_total, aux)
+        for (j, name), values in per_layer.items():  # values [repeats]: layer start + r * p_len + j
+            for r in range(seg.repeats):
+                aux_total[per_layer_name(name, start + r * p_len + j, len(types))] = values[r]
         if cache is not None:
             caches.append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), cache))
     new_cache = None
