@@ -106,9 +106,13 @@ class Settings:
                    max(num_moe_layers, 1), rt.dtype)
 
     def capacity(self, length: int) -> int:
-        """Slots per expert and sequence: ceil(capacity_factor * T * K / E), at most T (a token picks
-        an expert once)."""
-        return max(1, min(length, math.ceil(self.capacity_factor * length * self.top_k / self.num_experts)))
+        return capacity(self.num_experts, self.top_k, self.capacity_factor, length)
+
+
+def capacity(num_experts: int, top_k: int, capacity_factor: float, length: int) -> int:
+    """Slots per expert and sequence: ceil(capacity_factor * T * K / E), at most T (a token picks an
+    expert once)."""
+    return max(1, min(length, math.ceil(capacity_factor * length * top_k / num_experts)))
 
 
 @dataclasses.dataclass(frozen=True)
