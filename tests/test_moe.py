@@ -347,20 +347,22 @@ def test_the_cli_prints_one_line_and_exits_2():
         "num_experts_per_tok distinct experts; use num_experts_per_tok <= 8"]
 
 
-def test_an_moe_model_refuses_a_dense_checkpoint_and_the_reverse(tiny_args, tmp_path):
-    """Before any compilation or data: the message says which is which and what to do."""
+def test_an_moe_preset_refuses_a_dense_checkpoint_and_an_moe_checkpoint_a_dense_model(tiny_args, tmp_path):
+    """Before any work: mixtral-8x7b's 46.7B parameters are never allocated (this machine could not hold
+    them); the message says which model is which and what to do."""
     from maxtrain import checkpoint, train  # pylint: disable=import-outside-toplevel
 
-    dense = [*tiny_args, "dataset_type=synthetic", "steps=1", "max_new_tokens=0"]
-    train.main([*dense, "run_name=dense", "num_experts=1"])
-    step_dir = tmp_path / "dense" / "checkpoints" / "1"
+    run = [*tiny_args, "dataset_type=synthetic", "steps=1", "max_new_tokens=0"]
+    train.main([*run, "run_name=dense"])
     with pytest.raises(checkpoint.CheckpointError,
                        match=r"holds a dense llama model \(no experts\), but this run's model is a mixture of experts "
-                             r"\(mixtral, 4 experts, 2 per token\).*upcycling"):
-        train.main([*dense, *MOE, "run_name=moe", f"load_parameters_path={step_dir}"])
-    assert not list((tmp_path / "moe").glob("checkpoints/[0-9]*"))  # refused before any step
-    train.main([*dense, *MOE, "run_name=moe2"])
+                             r"\(mixtral, 8 experts, 2 per token\).*upcycling"):
+        train.main([BASE_YML, "model_name=mixtral-8x7b", "dataset_type=synthetic", f"base_output_directory={tmp_path}",
+                    "run_name=moe", "ici_expert_parallelism=8", "ici_fsdp_parallelism=1",
+                    f"load_parameters_path={tmp_path / 'dense' / 'checkpoints' / '1'}"])
+    assert not list((tmp_path / "moe").glob("checkpoints/[0-9]*"))
+    train.main([*run, *MOE, "run_name=moe2"])
     with pytest.raises(checkpoint.CheckpointError, match=r"holds a mixture of experts \(mixtral, 4 experts, 2 per "
                                                          r"token\), but this run's model is a dense llama model"):
-        train.main([*dense, "run_name=dense2", "model_name=default", "base_num_decoder_layers=3",
+        train.main([*run, "run_name=dense2", "base_num_decoder_layers=3",
                     f"load_parameters_path={tmp_path / 'moe2' / 'checkpoints' / '1'}"])
