@@ -17,6 +17,11 @@ from __future__ import annotations
 
 import math
 
+EMBEDDING_NAMES = {
+    "token_embedding": ("model.embed_tokens.weight", None),
+    "final_norm": ("model.norm.weight", None),
+    "output": ("lm_head.weight", 1),
+}
 ATTENTION_NAMES = {
     "layers/decoder/wq": ("model.layers.{i}.self_attn.q_proj.weight", 1),
     "layers/decoder/wk": ("model.layers.{i}.self_attn.k_proj.weight", 1),
@@ -166,6 +171,11 @@ def sliding_keys(config: dict, family_default: list[str], window: int | None) ->
 # --------------------------------------------------------------------------------------------
 # Export: config.json from maxtrain keys
 # --------------------------------------------------------------------------------------------
+
+
+def whole(x):
+    """x as an int when it is a whole number (transformers' configs type some such fields as int)."""
+    return int(x) if float(x).is_integer() else x
 
 
 def common_config(keys: dict, architecture: str, model_type: str) -> dict:

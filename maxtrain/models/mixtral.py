@@ -72,9 +72,7 @@ def for_kind(names: dict, kind: str) -> dict:
 
 
 HF_NAMES = {
-    "token_embedding": ("model.embed_tokens.weight", None),
-    "final_norm": ("model.norm.weight", None),
-    "output": ("lm_head.weight", 1),
+    **hf.EMBEDDING_NAMES,
     "layers/moe/attn_norm": ("model.layers.{i}.input_layernorm.weight", None),
     "layers/moe/mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
     **for_kind(hf.ATTENTION_NAMES, "moe"),

@@ -65,9 +65,7 @@ _LAYER = {
     "mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
 }
 HF_NAMES = {
-    "token_embedding": ("model.embed_tokens.weight", None),
-    "final_norm": ("model.norm.weight", None),
-    "output": ("lm_head.weight", 1),
+    **hf.EMBEDDING_NAMES,
     **{f"layers/{kind}/{name}": v for kind in ("moe", "dense") for name, v in _LAYER.items()},
     **{k: v for kind in ("moe", "dense")
        for k, v in mixtral.for_kind({**hf.ATTENTION_NAMES, **hf.QK_NORM_NAMES}, kind).items()},
