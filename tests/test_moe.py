@@ -17,7 +17,7 @@ import pytest
 
 from conftest import BASE_YML, REPO, TINY
 from maxtrain import builder, decode, metrics, models, optimizer, sharding, train_step
-from maxtrain.config import ConfigError, load_config, with_devices
+from maxtrain.config import ConfigError, load_config, with_devices, with_overrides
 from maxtrain.models import moe
 
 # 3 layers of 4 experts (2 per token) of width 24; batch and length small enough to compile in seconds.
@@ -26,7 +26,7 @@ MOE = ["decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2", "base_
 
 
 def tiny(*overrides):
-    return load_config([BASE_YML, *TINY, *MOE, *overrides])
+    return load_config(with_overrides(with_overrides([BASE_YML, *TINY], *MOE), *overrides))
 
 
 def forward(config, params, tokens, segment_ids):
@@ -235,9 +235,9 @@ def test_moe_metrics_reach_the_console_the_metrics_file_and_tensorboard(tiny_arg
     from test_metrics import read_tensorboard  # pylint: disable=import-outside-toplevel
 
     metrics_file = tmp_path / "metrics.jsonl"
-    result = train.main([*tiny_args, *MOE, "moe_dispatch=capacity", "capacity_factor=1.0", "router_z_loss_weight=1e-3",
+    result = train.main(with_overrides(with_overrides(tiny_args, *MOE), "moe_dispatch=capacity", "capacity_factor=1.0", "router_z_loss_weight=1e-3",
                          "dataset_type=synthetic", "steps=3", "log_period=1", "enable_checkpointing=false",
-                         "enable_tensorboard=true", f"metrics_file={metrics_file}"])
+                         "enable_tensorboard=true", f"metrics_file={metrics_file}"))
     out = capsys.readouterr().out
     assert "experts: 4 x F 24, 2 per token, in 3 of 3 layers" in out and "dispatch capacity" in out
     lines = [line for line in out.splitlines() if line.startswith("step ")]
@@ -319,13 +319,13 @@ def test_flops_count_active_parameters_and_match_xla():
 @pytest.mark.parametrize("overrides, fragment", [
     (["num_experts_per_tok=6"], "num_experts_per_tok=6 is more than num_experts=4"),
     (["ici_expert_parallelism=3", "ici_fsdp_parallelism=1"], "expert parallelism 3 .* must divide num_experts=4"),
-    (["moe_dispatch=capacity", "capacity_factor=0"], "capacity_factor=0.0 must be > 0.*moe_dispatch=dropless"),
-    (["capacity_factor=-1"], "capacity_factor=-1.0 must be > 0"),
-    (["moe_dispatch=sorted"], "moe_dispatch='sorted' is not allowed; use one of: dropless, capacity"),
+    (["moe_dispatch=capacity", "capacity_factor=0"], r"capacity_factor=0.0 is not allowed: it must be > 0.*moe_dispatch=dropless"),
+    (["capacity_factor=-1"], "capacity_factor=-1.0 is not allowed: it must be > 0"),
+    (["moe_dispatch=sorted"], "moe_dispatch='sorted' is not allowed: it must be one of: dropless, capacity"),
     (["decoder_block=llama"], "decoder_block=llama has no experts, but num_experts=4"),
     (["mlp_only_layers=[0]"], "decoder_block=mixtral has experts in every layer"),
     (["decoder_block=qwen3_moe", "mlp_only_layers=[7]"], r"mlp_only_layers=\[7\] must list layer indices in \[0, 2\]"),
-    (["load_balance_loss_weight=-0.1"], "load_balance_loss_weight=-0.1 must be >= 0"),
+    (["load_balance_loss_weight=-0.1"], "load_balance_loss_weight=-0.1 is not allowed: it must be >= 0"),
 ])
 def test_bad_moe_settings_are_refused_with_the_fix(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
@@ -352,8 +352,8 @@ def test_an_moe_preset_refuses_a_dense_checkpoint_and_an_moe_checkpoint_a_dense_
     them); the message says which model is which and what to do."""
     from maxtrain import checkpoint, train  # pylint: disable=import-outside-toplevel
 
-    run = [*tiny_args, "dataset_type=synthetic", "steps=1", "max_new_tokens=0"]
-    train.main([*run, "run_name=dense"])
+    run = with_overrides(tiny_args, "dataset_type=synthetic", "steps=1", "max_new_tokens=0")
+    train.main(with_overrides(run, "run_name=dense"))
     with pytest.raises(checkpoint.CheckpointError,
                        match=r"holds a dense llama model \(no experts\), but this run's model is a mixture of experts "
                              r"\(mixtral, 8 experts, 2 per token\).*upcycling"):
@@ -361,8 +361,8 @@ def test_an_moe_preset_refuses_a_dense_checkpoint_and_an_moe_checkpoint_a_dense_
                     "run_name=moe", "ici_expert_parallelism=8", "ici_fsdp_parallelism=1",
                     f"load_parameters_path={tmp_path / 'dense' / 'checkpoints' / '1'}"])
     assert not list((tmp_path / "moe").glob("checkpoints/[0-9]*"))
-    train.main([*run, *MOE, "run_name=moe2"])
+    train.main(with_overrides(run, *MOE, "run_name=moe2"))
     with pytest.raises(checkpoint.CheckpointError, match=r"holds a mixture of experts \(mixtral, 4 experts, 2 per "
                                                          r"token\), but this run's model is a dense llama model"):
-        train.main([*run, "run_name=dense2", "base_num_decoder_layers=3",
-                    f"load_parameters_path={tmp_path / 'moe2' / 'checkpoints' / '1'}"])
+        train.main(with_overrides(run, "run_name=dense2", "base_num_decoder_layers=3",
+                                  f"load_parameters_path={tmp_path / 'moe2' / 'checkpoints' / '1'}"))

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import BASE_YML, TINY
 from maxtrain import builder, models, sharding
-from maxtrain.config import load_config
+from maxtrain.config import load_config, with_overrides
 from test_sharding import GLOBAL_BATCH, batches
 
 MOE = ["decoder_block=mixtral", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=32",
@@ -35,8 +35,9 @@ LAYOUTS = {"ep8": ["ici_expert_parallelism=8", "ici_fsdp_parallelism=1"],
 
 @functools.lru_cache(maxsize=None)
 def run(devices, dispatch, *overrides):
-    r = builder.build(load_config([BASE_YML, *TINY, f"per_device_batch_size={GLOBAL_BATCH // len(devices)}", *MOE,
-                                   f"moe_dispatch={dispatch}", *overrides]), devices=devices)
+    r = builder.build(load_config(with_overrides(
+        [BASE_YML, *TINY], f"per_device_batch_size={GLOBAL_BATCH // len(devices)}", *MOE, f"moe_dispatch={dispatch}",
+        *overrides)), devices=devices)
     history, grads = [], None
     with sharding.activation_sharding(r.mesh, r.config.logical_axis_rules):
         state = r.init(jax.random.key(0))

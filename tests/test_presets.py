@@ -14,7 +14,7 @@ import pytest
 
 from conftest import BASE_YML
 from maxtrain import attention, builder, config as config_lib, metrics, models
-from maxtrain.config import load_config
+from maxtrain.config import load_config, with_overrides
 from maxtrain.models import blocks
 
 # Published parameter counts (exact totals of the released checkpoints; Gemma 3 4B: its text decoder,
@@ -94,7 +94,7 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
 def test_flops_formula_matches_xla_count(family):
     """Within 5%: XLA also counts the elementwise work the formula leaves out (norms, softmax,
     activations, soft-caps, AdamW)."""
-    cfg = load_config([BASE_YML, *FLOPS_MODEL, f"decoder_block={family}", *FAMILY_FLOPS.get(family, [])])
+    cfg = load_config(with_overrides([BASE_YML, *FLOPS_MODEL], f"decoder_block={family}", *FAMILY_FLOPS.get(family, [])))
     run = builder.build(cfg, devices=jax.devices()[:1])
     cost = run.compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
