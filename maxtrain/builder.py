@@ -24,6 +24,7 @@ from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
 from maxtrain import metrics, models, objectives, optimizer, sharding, storage, train_step
 from maxtrain.data import hosts, pipeline
+from maxtrain.models import moe
 
 
 def load_config(argv: list[str], log=print):
@@ -116,6 +117,12 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
     config = config_lib.with_devices(config, len(devices), num_processes)
     rt = runtime(config, platform)
     mesh = sharding.create_mesh(config, devices)
+    if config.num_experts % mesh.shape["expert"]:
+        raise sharding.MeshError(
+            f"expert parallelism {mesh.shape['expert']} (the mesh's expert axis, from ici_expert_parallelism and "
+            f"dcn_expert_parallelism) must divide num_experts={config.num_experts}: each device holds whole experts. "
+            f"Set ici_expert_parallelism to a divisor of {config.num_experts}"
+            + (" (or 1: a dense model has no experts to split)" if config.num_experts == 1 else ""))
     rules = config.logical_axis_rules
     tx = optimizer.make_optimizer(config)
     abstract = jax.eval_shape(lambda k: train_step.init_state(config, rt, tx, k), jax.random.key(0))
@@ -128,6 +135,20 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
                abstract_state=checkpoint_lib.abstract_like(abstract, shardings), batch_sharding=batch_sharding,
                eval_batch_sharding=sharding.named_sharding(mesh, pipeline.EVAL_BATCH_AXES, rules),
                train_step=step, eval_step=eval_step)
+
+
+def moe_line(config) -> str:
+    """The start-up summary's line about the experts."""
+    moe_layers = sum(t.kind == "moe" for t in models.family(config).layer_types(config))
+    slots = moe.capacity(config.num_experts, config.num_experts_per_tok, config.capacity_factor,
+                         config.max_target_length)
+    capacity = (f" capacity_factor {config.capacity_factor:g} ({slots} slots per expert and sequence)"
+                if config.moe_dispatch == "capacity" else "")
+    return (f"experts: {config.num_experts} x F {moe.expert_dim(config)}, {config.num_experts_per_tok} per token, in "
+            f"{moe_layers} of {config.base_num_decoder_layers} layers  active params "
+            f"{models.num_active_params(config) / 1e6:,.2f}M  dispatch {config.moe_dispatch}{capacity}  "
+            f"load_balance_loss_weight {config.load_balance_loss_weight:g}  router_z_loss_weight "
+            f"{config.router_z_loss_weight:g}")
 
 
 def summarize(run: Run, compiled, compile_seconds: float) -> str:
@@ -144,6 +165,7 @@ def summarize(run: Run, compiled, compile_seconds: float) -> str:
         f"model: {config.model_name} ({config.decoder_block})  params {models.num_params(config) / 1e6:,.2f}M  "
         f"layers {config.base_num_decoder_layers}  D {config.base_emb_dim}  heads "
         f"{config.base_num_query_heads}/{config.base_num_kv_heads}  F {config.base_mlp_dim}  V {config.vocab_size}",
+        *([moe_line(config)] if models.is_moe(config) else []),
         f"compute: {rt.describe()}  weights {config.weight_dtype}  scan_layers {config.scan_layers}  "
         f"platform {rt.backend}",
         f"mesh: {dict(run.mesh.shape)} over {config.num_devices} devices in {config.num_processes} process(es)",

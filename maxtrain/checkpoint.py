@@ -500,6 +500,8 @@ def check_fits(step_dir: str, expected: dict[str, tuple[tuple[int, ...], str]], 
               for p in expected if p in saved and saved[p][0] != expected[p][0]]
     if not (missing or extra or shapes):
         return
+    if config is not None:
+        _check_experts(step_dir, config, key)
     lines = [f"the checkpoint {step_dir} ({key}) does not fit the configured model:"]
     lines += [f"  shape differs  {s}" for s in shapes]
     missing_lines, extra_lines = _grouped(missing, expected), _grouped(extra, saved)
@@ -518,6 +520,32 @@ def check_fits(step_dir: str, expected: dict[str, tuple[tuple[int, ...], str]], 
     lines.append("Use the model settings the checkpoint was written with (see `python -m maxtrain.checkpoint "
                  f"inspect {step_dir}`)" + (", or a new run_name for a different model." if key == "resume" else "."))
     raise CheckpointError("\n".join(lines))
+
+
+def _check_experts(step_dir: str, config, key: str) -> None:
+    """A dense checkpoint for a mixture-of-experts model (or the reverse) is named as such: no
+    parameter of one has a place in the other's expert or MLP weights."""
+    from maxtrain import config as config_lib  # pylint: disable=import-outside-toplevel
+
+    saved = read_metadata(step_dir).get("config", {})
+    if "decoder_block" not in saved:
+        return
+    def describe(block, experts, per_token):
+        if block in config_lib.MOE_DECODER_BLOCKS:
+            return f"a mixture of experts ({block}, {experts} experts, {per_token} per token)"
+        return f"a dense {block} model (no experts)"
+    ours_moe = config.decoder_block in config_lib.MOE_DECODER_BLOCKS
+    theirs_moe = saved["decoder_block"] in config_lib.MOE_DECODER_BLOCKS
+    if ours_moe == theirs_moe:
+        return
+    theirs = describe(saved["decoder_block"], saved.get("num_experts", 1), saved.get("num_experts_per_tok", 1))
+    ours = describe(config.decoder_block, config.num_experts, config.num_experts_per_tok)
+    fix = ("train the mixture of experts from scratch (no load_parameters_path) or from a checkpoint of a "
+           "mixture-of-experts family (initializing experts from a dense model, upcycling, is not implemented)"
+           if ours_moe else "use the checkpoint's model: leave model_name and the model keys unset "
+           "to adopt its settings, or load a dense checkpoint")
+    raise CheckpointError(f"the checkpoint {step_dir} ({key}) holds {theirs}, but this run's model is {ours}: the "
+                          f"weights of one have no place in the other. To go on, {fix}.")
 
 
 def _grouped(paths: list[str], universe) -> list[str]:

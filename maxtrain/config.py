@@ -33,8 +33,9 @@ import yaml
 from maxtrain import settings as settings_lib
 from maxtrain.errors import ConfigError  # noqa: F401 (re-exported: config.ConfigError)
 
-MESH_AXES = ("data", "fsdp", "tensor")
-LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
+MESH_AXES = ("data", "fsdp", "expert", "tensor")  # each has ici_<axis>_parallelism and dcn_<axis>_parallelism
+LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "exp")
+MOE_DECODER_BLOCKS = ("mixtral", "qwen3_moe")  # families whose layers may be mixtures of experts
 # Keys that are not settings: added by load_config and _derive, ignored when runs are compared.
 _DERIVED = ("config_path", "run_name_was_generated", "given_keys", "run_dir", "checkpoint_dir", "tensorboard_dir", "metadata_dir",
             "cache_dir", "schedule_steps", "warmup_steps", "tokens_per_sequence")
@@ -394,6 +395,38 @@ def _attention_layer_types(v):
                  "attention_layer_types has sliding layers but sliding_window_size=0; set sliding_window_size")
 
 
+def _experts_per_token_at_most_experts(v):
+    e, k = v["num_experts"], v["num_experts_per_tok"]
+    _require(k <= e, f"num_experts_per_tok={k} is more than num_experts={e}: each token is routed to "
+                     f"num_experts_per_tok distinct experts; use num_experts_per_tok <= {e}")
+
+
+def _moe_layers_of_the_family(v):
+    layers = v["mlp_only_layers"]
+    _require(all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < v["base_num_decoder_layers"]
+                 for i in layers),
+             f"mlp_only_layers={layers} must list layer indices in [0, {v['base_num_decoder_layers'] - 1}]")
+    block, e = v["decoder_block"], v["num_experts"]
+    if block not in MOE_DECODER_BLOCKS:
+        _require(e == 1, f"decoder_block={block} has no experts, but num_experts={e}; use decoder_block=mixtral or "
+                         "qwen3_moe for a mixture of experts, or num_experts=1")
+    if block == "mixtral":
+        _require(v["decoder_sparse_step"] == 1 and not layers,
+                 "decoder_block=mixtral has experts in every layer; decoder_sparse_step and mlp_only_layers are "
+                 "qwen3_moe settings (use decoder_block=qwen3_moe to mix dense and MoE layers)")
+        _require(v["norm_topk_prob"], "decoder_block=mixtral always renormalizes its top-k router weights; "
+                                      "norm_topk_prob=false is a qwen3_moe setting")
+
+
+def _expert_parallelism_divides_experts(v):
+    ici, dcn, e = v["ici_expert_parallelism"], v["dcn_expert_parallelism"], v["num_experts"]
+    ep = ici * dcn
+    if ici > 0 and dcn > 0 and e % ep:  # -1 (fill) is resolved with the devices; the mesh checks it then
+        raise ConfigError(f"expert parallelism {ep} (ici_expert_parallelism x dcn_expert_parallelism) must divide "
+                          f"num_experts={e}: each device holds num_experts / {ep} whole experts; e.g. "
+                          f"ici_expert_parallelism={_divisor_hint(e, ep)}")
+
+
 def _default_corpus_needs_eval_split(v):
     _require(0.0 < v["eval_split_fraction"] < 1.0 or v["dataset_type"] != "default",
              f"eval_split_fraction={v['eval_split_fraction']} must be strictly between 0 and 1 for the default corpus")
@@ -469,7 +502,8 @@ CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_le
           _flash_blocks_powers_of_two, _one_objective, _data_columns, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
-          _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler)
+          _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
+          _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts)
 
 
 def _divisor_hint(n: int, near: int) -> int:

@@ -101,7 +101,10 @@ def _spec_config(keys: dict):
 
 
 def _entries(keys: dict):
-    """(path tuple, spec, HF name pattern, n_in, HF layer index of each stacked entry or None)."""
+    """(path tuple, spec, HF name pattern, n_in, HF layer index of each stacked entry or None, experts or None).
+
+    "{i}" in a name is the layer's index in the whole stack (through the layer kinds); "{j}" the
+    expert's index along the parameter's "exp" axis (one Hugging Face tensor per expert)."""
     cfg = _spec_config(keys)
     family = models.family(cfg)
     layer_types = family.layer_types(cfg)
@@ -111,21 +114,28 @@ def _entries(keys: dict):
         if path not in family.HF_NAMES:
             raise ConversionError(f"the {family.DECODER_BLOCK} family declares {path} but has no Hugging Face name for it")
         name, n_in = family.HF_NAMES[path]
-        layers = None
+        layers = experts = None
         if "{i}" in name:
             kind = path.split("/")[1]
             layers = [i for i, t in enumerate(layer_types) if t.kind == kind]
-        yield tuple(path.split("/")), spec, name, n_in, layers
+        if "{j}" in name:
+            experts = spec.shape[spec.axes.index("exp")]
+        yield tuple(path.split("/")), spec, name, n_in, layers, experts
+
+
+def _one_shape(spec, layers, experts) -> tuple:
+    """The shape of the maxtrain slice one Hugging Face tensor fills (no layer or expert axis)."""
+    return tuple(s for s, a in zip(spec.shape, spec.axes)
+                 if not (layers is not None and a == "layers") and not (experts is not None and a == "exp"))
 
 
 def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) -> dict:
     """maxtrain params (nested dict of numpy arrays) from Hugging Face tensors."""
     used, params = set(), {}
-    for path, spec, name, n_in, layers in _entries(keys):
-        names = [name.format(i=i) for i in layers] if layers is not None else [name]
-        shape = spec.shape[1:] if layers is not None else spec.shape
-        arrays = []
-        for hf_name in names:
+    for path, spec, name, n_in, layers, experts in _entries(keys):
+        shape = _one_shape(spec, layers, experts)
+
+        def read(hf_name, shape=shape, path=path, n_in=n_in):
             if hf_name not in tensors:
                 raise ConversionError(f"the checkpoint has no tensor {hf_name} (for maxtrain's {'/'.join(path)})")
             w = np.asarray(tensors[hf_name])
@@ -133,12 +143,18 @@ def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) ->
             if tuple(w.shape) != expected:
                 raise ConversionError(f"{hf_name} has shape {list(w.shape)}, but the config implies {list(expected)} "
                                       f"(for maxtrain's {'/'.join(path)} {list(shape)})")
-            arrays.append((w.reshape(shape) if n_in in (None, "flat") else w.T.reshape(shape)).astype(dtype))
             used.add(hf_name)
+            return (w.reshape(shape) if n_in in (None, "flat") else w.T.reshape(shape)).astype(dtype)
+
+        def per_layer(i, name=name, experts=experts):
+            if experts is None:
+                return read(name.format(i=i))
+            return np.stack([read(name.format(i=i, j=j)) for j in range(experts)])
+
         node = params
         for part in path[:-1]:
             node = node.setdefault(part, {})
-        node[path[-1]] = np.stack(arrays) if layers is not None else arrays[0]
+        node[path[-1]] = np.stack([per_layer(i) for i in layers]) if layers is not None else per_layer(None)
     unused = [n for n in tensors if n not in used and not n.endswith(IGNORED_SUFFIXES)
               and not (n == "lm_head.weight" and keys["logits_via_embedding"])]
     if unused:
@@ -151,7 +167,7 @@ def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) ->
 def to_hf(params: dict, keys: dict, dtype) -> dict[str, np.ndarray]:
     """Hugging Face tensors (torch Linear layout) from maxtrain params."""
     out = {}
-    for path, spec, name, n_in, layers in _entries(keys):
+    for path, spec, name, n_in, layers, experts in _entries(keys):
         value = params
         for part in path:
             if not isinstance(value, dict) or part not in value:
@@ -161,10 +177,12 @@ def to_hf(params: dict, keys: dict, dtype) -> dict[str, np.ndarray]:
         if tuple(value.shape) != tuple(spec.shape):
             raise ConversionError(f"param {'/'.join(path)} has shape {list(value.shape)}, the model declares "
                                   f"{list(spec.shape)}")
-        for i, w in zip(layers if layers is not None else [None], value if layers is not None else [value]):
-            w = w.reshape(_hf_shape(w.shape, n_in)) if n_in in (None, "flat") else \
-                w.reshape(math.prod(w.shape[:n_in]), -1).T
-            out[name.format(i=i)] = np.ascontiguousarray(w).astype(dtype)
+        for i, per_layer in zip(layers if layers is not None else [None], value if layers is not None else [value]):
+            for j, w in zip(range(experts) if experts is not None else [None],
+                            per_layer if experts is not None else [per_layer]):
+                w = w.reshape(_hf_shape(w.shape, n_in)) if n_in in (None, "flat") else \
+                    w.reshape(math.prod(w.shape[:n_in]), -1).T
+                out[name.format(i=i, j=j)] = np.ascontiguousarray(w).astype(dtype)
     return out
 
 
@@ -263,11 +281,12 @@ def export_hf(checkpoint_path: str, out_dir: str, dtype: str = "float32", max_sh
     step_dir = checkpoint.find_step_dir(checkpoint_path)
     meta = checkpoint.read_metadata(step_dir)
     saved = meta.get("config", {})
-    missing = [k for k in models.MODEL_KEYS if k not in saved]
+    missing = [k for k in models.MODEL_KEYS if k not in saved and k not in models.MOE_KEYS]
     if missing:
         raise ConversionError(f"the checkpoint {step_dir} has no model settings {missing} in its metadata; it was "
                               "written by an older maxtrain")
-    keys = {k: saved[k] for k in models.MODEL_KEYS}
+    defaults = config_lib.defaults()  # a checkpoint from before the MoE keys is a dense model
+    keys = {k: saved[k] if k in saved else defaults[k] for k in models.MODEL_KEYS}
     names = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
     if dtype not in names:
         raise ConversionError(f"export dtype {dtype!r} is not one of {', '.join(names)}")

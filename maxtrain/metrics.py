@@ -182,9 +182,25 @@ def format_line(step: int, m: dict, loss_scaled: bool = False) -> str:
              f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"]
     if loss_scaled or m.get("learning/skipped_steps"):
         parts.append(f"loss_scale {m['learning/loss_scale']:g} skipped {m['learning/skipped_steps']}")
+    if "learning/moe_lb_loss" in m:
+        parts.append(moe_summary(m))
     if "eval/avg_loss" in m:
         parts.append(f"eval_loss {m['eval/avg_loss']:.4f}")
     return " | ".join(parts)
+
+
+def moe_summary(m: dict) -> str:
+    """`moe lb_loss .. z_loss .. load min-max [dropped ..%]` for the console: the smallest and largest
+    share of routed tokens any expert took in any layer (1/E each when balanced; every layer's own
+    figures are in the metrics file and TensorBoard as learning/moe_load_{min,max}/layer_<i>)."""
+    lows = [v for k, v in m.items() if k.startswith("learning/moe_load_min/")]
+    highs = [v for k, v in m.items() if k.startswith("learning/moe_load_max/")]
+    text = f"moe lb_loss {m['learning/moe_lb_loss']:.3g} z_loss {m.get('learning/moe_z_loss', 0.0):.3g}"
+    if lows and highs:
+        text += f" load {min(lows):.3f}-{max(highs):.3f}"
+    if "learning/moe_dropped_fraction" in m:
+        text += f" dropped {100 * m['learning/moe_dropped_fraction']:.1f}%"
+    return text
 
 
 def _writable_place(path: str, key: str, is_file: bool) -> None:

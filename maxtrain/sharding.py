@@ -1,12 +1,13 @@
 """The device mesh and the logical-axis rules.
 
-Model code names what an axis *is* ("batch", "embed", "heads", ...); `logical_axis_rules` in the
-config say *where* it goes on the mesh axes ("data", "fsdp", "tensor"). Switching between FSDP and
-tensor parallelism is a config change only.
+Model code names what an axis *is* ("batch", "embed", "heads", "exp", ...); `logical_axis_rules` in
+the config say *where* it goes on the mesh axes ("data", "fsdp", "expert", "tensor", declared in
+config.MESH_AXES). Switching between FSDP, tensor and expert parallelism is a config change only.
 
 Rules are applied in order and each mesh axis is used at most once per array: with
 `batch -> [data, fsdp]` and `embed -> fsdp`, a parameter [embed, heads] is sharded over fsdp on
 embed, while an activation [batch, length, embed] uses fsdp for batch and leaves embed whole.
+A mesh axis of size 1 splits nothing and is left out of the shardings built on a mesh.
 """
 
 from __future__ import annotations
@@ -21,9 +22,8 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from maxtrain.config import MESH_AXES  # noqa: F401 (the one declaration of the mesh axes)
 from maxtrain.errors import UserError
-
-MESH_AXES = ("data", "fsdp", "tensor")
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("maxtrain_sharding", default=None)
 
@@ -66,7 +66,7 @@ def _num_slices(devices) -> int:
 
 
 def create_mesh(config, devices: Sequence | None = None) -> Mesh:
-    """The Mesh over all devices (of all processes) with axes ("data", "fsdp", "tensor")."""
+    """The Mesh over all devices (of all processes) with axes MESH_AXES ("data", "fsdp", "expert", "tensor")."""
     devices = list(devices if devices is not None else jax.devices())
     num_slices = _num_slices(devices)
     ici, dcn = mesh_shape(config, len(devices), num_slices)
@@ -104,7 +104,19 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules) -> PartitionSpec:
 
 
 def named_sharding(mesh: Mesh, logical_axes, rules) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(logical_axes, rules))
+    """The sharding on `mesh` of an array with these logical axes; mesh axes of size 1 are left out, so
+    a rule naming an axis this mesh does not split (expert, on a mesh without expert parallelism)
+    gives the same sharding as a rule without it."""
+    return NamedSharding(mesh, _drop_trivial(logical_to_spec(logical_axes, rules), mesh))
+
+
+def _drop_trivial(spec: PartitionSpec, mesh: Mesh) -> PartitionSpec:
+    def keep(axes):
+        if axes is None:
+            return None
+        kept = tuple(a for a in ((axes,) if isinstance(axes, str) else axes) if mesh.shape[a] > 1)
+        return None if not kept else kept[0] if len(kept) == 1 else kept
+    return PartitionSpec(*(keep(a) for a in spec))
 
 
 def check_divisible(name: str, shape, logical_axes, mesh: Mesh, rules) -> None:
@@ -130,6 +142,11 @@ def activation_sharding(mesh: Mesh, rules):
         yield
     finally:
         _ACTIVE.reset(token)
+
+
+def active_mesh():
+    """(mesh, rules) set by activation_sharding, or None outside it (for blocks that run in shard_map)."""
+    return _ACTIVE.get()
 
 
 def shard(x, logical_axes: Sequence[str | None]):

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import BASE_YML
 from maxtrain import attention, builder, config as config_lib, metrics, models
-from maxtrain.config import load_config
+from maxtrain.config import load_config, with_overrides
 from maxtrain.models import blocks
 
 # Published parameter counts (exact totals of the released checkpoints; Gemma 3 4B: its text decoder,
@@ -33,6 +33,8 @@ PUBLISHED = {
     "gemma2-9b": 9_241_705_984,
     "gemma3-1b": 999_885_952,
     "gemma3-4b": 3_880_263_168,
+    "mixtral-8x7b": 46_702_792_704,  # 12.88B active per token (tests/test_moe.py)
+    "qwen3-30b-a3b": 30_532_122_624,  # 3.35B active per token (tests/test_moe.py)
     "gpt2-small": 123_587_328,      # GPT-2 small's shape as a Llama (124M with GPT-2's own layers)
     "default": 5_507_328,
 }
@@ -78,6 +80,13 @@ FLOPS_MODEL = ["base_emb_dim=128", "base_num_query_heads=4", "base_num_kv_heads=
                "base_num_decoder_layers=4", "vocab_size=512", "max_target_length=64", "per_device_batch_size=4",
                "scan_layers=false", "remat_policy=none", "dtype=float32", "attention=dot_product",
                "ici_fsdp_parallelism=1", "sliding_window_size=16"]
+# Mixtures of experts with experts to route among; capacity dispatch at factor 1 computes exactly the active
+# experts' FLOPs (XLA:CPU computes dropless's grouped matmul densely, over every expert; docs/moe.md). AdamW
+# and the gradient sums run over every expert, twice the active parameters here: 4x the tokens keeps that
+# elementwise work as small a share of the step as in the dense models.
+MOE_FLOPS = ["num_experts=4", "num_experts_per_tok=2", "moe_dispatch=capacity", "capacity_factor=1.0",
+             "per_device_batch_size=16"]
+FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers=[1]", "base_moe_mlp_dim=192"]}
 
 
 @pytest.mark.slow
@@ -85,7 +94,7 @@ FLOPS_MODEL = ["base_emb_dim=128", "base_num_query_heads=4", "base_num_kv_heads=
 def test_flops_formula_matches_xla_count(family):
     """Within 5%: XLA also counts the elementwise work the formula leaves out (norms, softmax,
     activations, soft-caps, AdamW)."""
-    cfg = load_config([BASE_YML, *FLOPS_MODEL, f"decoder_block={family}"])
+    cfg = load_config(with_overrides([BASE_YML, *FLOPS_MODEL], f"decoder_block={family}", *FAMILY_FLOPS.get(family, [])))
     run = builder.build(cfg, devices=jax.devices()[:1])
     cost = run.compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost

@@ -6,8 +6,10 @@
     decoder.py    the stack every family shares: layer types, scan over repeating groups, loss, decoding
     hf.py         what the families share about Hugging Face names and config.json fields
     runtime.py    dtype, attention implementation and remat policy resolved for a platform
-    <family>.py   llama, mistral, qwen2, qwen3, gemma2, gemma3: declarations, layer composition,
-                  Hugging Face mapping and FLOPs per token, nothing else
+    moe.py        the mixture-of-experts block: routers, dropless and capacity dispatch, experts,
+                  balance losses, expert parallelism (docs/moe.md)
+    <family>.py   llama, mistral, qwen2, qwen3, gemma2, gemma3, mixtral, qwen3_moe: declarations,
+                  layer composition, Hugging Face mapping and FLOPs per token, nothing else
 
 Adding a family is one module with the same names as llama.py, listed in FAMILIES below, presets in
 configs/models/ and a parity test against transformers (tests/test_families.py); train.py does not change.
@@ -15,26 +17,31 @@ configs/models/ and a parity test against transformers (tests/test_families.py);
 
 from __future__ import annotations
 
-from maxtrain.models import decoder, gemma2, gemma3, llama, mistral, qwen2, qwen3
+from maxtrain.models import decoder, gemma2, gemma3, llama, mistral, mixtral, moe, qwen2, qwen3, qwen3_moe
 from maxtrain.models.params import ParamSpec, Params, count, is_spec
 from maxtrain.models.runtime import PROJECTION_NAMES, REMAT_POLICIES, Runtime
 
-FAMILIES = {m.DECODER_BLOCK: m for m in (llama, mistral, qwen2, qwen3, gemma2, gemma3)}
+FAMILIES = {m.DECODER_BLOCK: m for m in (llama, mistral, qwen2, qwen3, gemma2, gemma3, mixtral, qwen3_moe)}
 
 # The config keys that describe a model. SHAPE_KEYS fix the parameters' shapes (a checkpoint that
 # differs does not fit); SETTING_KEYS change what the same parameters compute (a checkpoint written
 # with other values would load and silently compute something else, so loading one is refused).
 SHAPE_KEYS = ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_num_decoder_layers",
-              "head_dim", "vocab_size", "logits_via_embedding")
+              "head_dim", "vocab_size", "logits_via_embedding", "num_experts", "base_moe_mlp_dim",
+              "decoder_sparse_step", "mlp_only_layers")
 SETTING_KEYS = ("decoder_block", "normalization_layer_epsilon", "rope_max_timescale", "rope_type", "rope_factor",
                 "rope_low_freq_factor", "rope_high_freq_factor", "original_max_position_embeddings",
                 "rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_truncate",
                 "local_rope_max_timescale", "sliding_window_size", "attention_layer_types", "attn_logits_soft_cap",
-                "final_logits_soft_cap", "query_pre_attn_scalar")
+                "final_logits_soft_cap", "query_pre_attn_scalar", "num_experts_per_tok", "norm_topk_prob")
 MODEL_KEYS = SHAPE_KEYS + SETTING_KEYS
+# Model keys added with the mixture-of-experts families: a checkpoint written before them is a dense
+# model, which their base.yml defaults describe.
+MOE_KEYS = ("num_experts", "base_moe_mlp_dim", "decoder_sparse_step", "mlp_only_layers", "num_experts_per_tok",
+            "norm_topk_prob")
 
-__all__ = ["FAMILIES", "MODEL_KEYS", "SHAPE_KEYS", "SETTING_KEYS", "ParamSpec", "Params", "Runtime", "REMAT_POLICIES",
-           "PROJECTION_NAMES", "family", "param_specs", "num_params", "init_params", "forward", "loss_fn",
+__all__ = ["FAMILIES", "MODEL_KEYS", "MOE_KEYS", "SHAPE_KEYS", "SETTING_KEYS", "ParamSpec", "Params", "Runtime", "REMAT_POLICIES",
+           "PROJECTION_NAMES", "family", "param_specs", "num_params", "num_active_params", "is_moe", "init_params", "forward", "loss_fn",
            "objective", "init_cache", "forward_with_cache", "flops_per_token", "is_spec"]
 
 
@@ -54,6 +61,16 @@ def param_specs(config) -> Params:
 
 def num_params(config) -> int:
     return count(param_specs(config))
+
+
+def num_active_params(config) -> int:
+    """Parameters one token uses: all of a dense model; of a mixture of experts, K of its E experts."""
+    return moe.active_params(param_specs(config), config)
+
+
+def is_moe(config) -> bool:
+    """Whether some layer of the model is a mixture of experts."""
+    return any(t.kind == "moe" for t in family(config).layer_types(config))
 
 
 def init_params(config, key) -> Params:

@@ -18,8 +18,13 @@ runs as a scan of 4 groups of 6 and a scan of 2 single layers. Every layer is wr
 Aux. Every layer returns (x, aux): aux is a dict of float32 scalars (empty for dense families; a
 mixture-of-experts layer's balance losses) summed over the stack and returned beside the logits.
 Names ending in "_loss" are losses already multiplied by their weight: training adds them to the
-objective (models.objective); every entry is reported as a metric. When decoding, the attention block also puts the
-layer's updated KV cache in aux under "cache"; the stack collects it per layer instead of summing.
+objective (models.objective); every entry is reported as a metric. A layer that wants a sum to
+be a mean over some layers divides by their number (models/moe.py does, over the MoE layers).
+Entries named PER_LAYER + name ("per_layer/moe_load_max") are not summed: the stack returns one
+scalar per layer that has them, as "<name>/layer_<i>" with i the layer's index in the whole stack
+("moe_load_max/layer_03"), so per-layer figures reach the metrics like any other entry. When
+decoding, the attention block also puts the layer's updated KV cache in aux under "cache"; the
+stack collects it per layer instead of summing.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from maxtrain import ops
 from maxtrain.models import rope as rope_lib
 from maxtrain.models.blocks import LayerInputs
 from maxtrain.models.runtime import REMAT_POLICIES
+
+PER_LAYER = "per_layer/"  # aux entries named with this prefix are reported per layer, not summed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,9 +129,15 @@ def _layer_fn(family, lt: LayerType, config, rt, scan: bool):
     return jax.checkpoint(fn, policy=REMAT_POLICIES[rt.remat_policy], prevent_cse=not scan)
 
 
+def per_layer_name(name: str, layer: int, num_layers: int) -> str:
+    """The aux key of a PER_LAYER entry `name` of one layer: "moe_load_max/layer_03"."""
+    return f"{name[len(PER_LAYER):]}/layer_{layer:0{len(str(num_layers - 1))}d}"
+
+
 def _run_group(family, period, x, group_params, group_cache, inputs: LayerInputs, config, rt, scan):
-    """The layers of one group, unrolled: (x, (aux summed over them, their new caches stacked or None))."""
-    aux_sum, new_caches, taken = {}, [], {}
+    """The layers of one group, unrolled: (x, (aux summed over them, their PER_LAYER entries as
+    {(position in the group, name): value}, their new caches stacked or None))."""
+    aux_sum, per_layer, new_caches, taken = {}, {}, [], {}
     for j, lt in enumerate(period):
         i = taken.get(lt.kind, 0)
         taken[lt.kind] = i + 1
@@ -134,13 +147,15 @@ def _run_group(family, period, x, group_params, group_cache, inputs: LayerInputs
         x, aux = _layer_fn(family, lt, config, rt, scan)(x, p, layer_inputs)
         if "cache" in aux:
             new_caches.append(aux.pop("cache"))
+        per_layer.update({(j, k): aux.pop(k) for k in [k for k in aux if k.startswith(PER_LAYER)]})
         aux_sum = _sum_aux(aux_sum, aux)
     stacked = tuple(jnp.stack(parts) for parts in zip(*new_caches)) if new_caches else None
-    return x, (aux_sum, stacked)
+    return x, (aux_sum, per_layer, stacked)
 
 
 def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, scan: bool):
-    """Runs every layer. Returns (x, aux summed over layers, per-layer caches (k, v) [L, ...] or None)."""
+    """Runs every layer. Returns (x, aux summed over layers plus the per-layer entries, per-layer
+    caches (k, v) [L, ...] or None)."""
     types = family.layer_types(config)
     segments = plan_segments(types) if scan else [Segment(i, (t,), 1) for i, t in enumerate(types)]
     aux_total, caches = {}, []
@@ -151,12 +166,15 @@ def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, s
             return _run_group(family, period, x, *xs, inputs, config, rt, scan)
 
         if seg.repeats == 1:
-            x, (aux, cache) = group(x, jax.tree.map(lambda a: a[0], xs))
-            cache = jax.tree.map(lambda a: a[None], cache)
+            x, (aux, per_layer, cache) = group(x, jax.tree.map(lambda a: a[0], xs))
+            per_layer, cache = jax.tree.map(lambda a: a[None], (per_layer, cache))
         else:
-            x, (aux, cache) = jax.lax.scan(group, x, xs)
+            x, (aux, per_layer, cache) = jax.lax.scan(group, x, xs)
             aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
         aux_total = _sum_aux(aux_total, aux)
+        for (j, name), values in per_layer.items():  # values [repeats]: layer start + r * period + j
+            for r in range(seg.repeats):
+                aux_total[per_layer_name(name, seg.start + r * len(seg.period) + j, len(types))] = values[r]
         if cache is not None:
             caches.append(tuple(a.reshape((-1,) + a.shape[2:]) for a in cache))
     new_cache = tuple(jnp.concatenate(parts) for parts in zip(*caches)) if caches else None

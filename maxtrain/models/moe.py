@@ -1,0 +1,359 @@
+"""The mixture-of-experts feed-forward block any family can use: router, dispatch, SwiGLU experts, balance.
+
+    logits = x W_router                          [n, E], float32
+    router "topk_softmax" (Mixtral):   w, e = softmax(top_k(logits))                over the K chosen
+    router "softmax_topk" (Qwen3-MoE): w, e = top_k(softmax(logits)), w / sum(w) when norm_topk_prob
+    y      = sum_k w_k expert_{e_k}(x),          expert_e(x) = down_e(silu(gate_e(x)) * up_e(x))
+
+(The two routers give the same weights when the top-k are renormalized; they differ in where the
+softmax is taken, and Qwen3-MoE without renormalization keeps the full-softmax probabilities.)
+
+Dispatch (`moe_dispatch`) decides how the (token, choice) pairs reach their experts:
+
+    dropless   every pair is computed: pairs are sorted by expert and each expert's rows multiplied
+               by its weights with grouped matmuls (`jax.lax.ragged_dot`).
+    capacity   each expert takes at most C = ceil(capacity_factor * T * K / E) pairs of a sequence
+               (first choices before second ones, earlier tokens first); the rest are dropped: the
+               token keeps its other experts' outputs and, through the residual, its input. The
+               experts then run as one batched matmul over fixed [E, C] slots.
+
+With nothing dropped the two compute the same y. Capacity is counted per sequence, so what is
+dropped does not depend on how the batch is split over devices. Padding tokens (segment id 0) are
+routed nowhere: their y is 0 and they count in no statistic.
+
+Parallelism. Under a mesh (sharding.activation_sharding) the block runs inside `shard_map`: each
+device routes its own tokens, so the sort never crosses devices. With expert parallelism (the
+logical axis "exp" on the mesh axis "expert") each device holds E / ep whole experts and tokens
+travel to them across the expert axis:
+
+    capacity   one all-to-all sends each expert's [C] slots to the device that holds it and one
+               brings the outputs back (GShard): fixed sizes, exactly the slots computed.
+    dropless   the expert group's tokens are all-gathered, each device computes its experts' pairs
+               among them, and a reduce-scatter returns every token's sum. A ragged all-to-all
+               would move only the K copies each token needs, but XLA:CPU does not implement it
+               (UNIMPLEMENTED: ragged-all-to-all), and every path here must run in the tests.
+
+The experts' hidden axis may be split over "tensor" (rules for "mlp"): the down projection's
+partial sums are then added across it.
+
+Aux (the layer's (x, aux) channel; decoder.py): `moe_lb_loss` = load_balance_loss_weight x
+E sum_e f_e P_e (f_e: fraction of tokens routed to e among their K, P_e: mean router probability of e;
+Switch / Mixtral form, K when balanced) and `moe_z_loss` = router_z_loss_weight x mean(logsumexp(logits)^2)
+(ST-MoE), each divided by the number of MoE layers so that the stack's sum is their mean; with
+capacity dispatch `moe_dropped_fraction` (of the real pairs, also a mean over MoE layers); and per
+layer (decoder.PER_LAYER) the smallest and largest share of the routed pairs any expert took,
+`moe_load_min` and `moe_load_max` (1 / E each when balanced). All are statistics of the whole
+micro-batch, summed across devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
+
+from maxtrain import ops
+from maxtrain import sharding as sharding_lib
+from maxtrain.models import blocks
+from maxtrain.models.decoder import PER_LAYER
+from maxtrain.models.params import ParamSpec, dense
+
+ROUTERS = ("topk_softmax", "softmax_topk")
+
+
+def expert_dim(config) -> int:
+    """F of one expert: base_moe_mlp_dim, or base_mlp_dim when that is -1."""
+    return config.base_moe_mlp_dim if config.base_moe_mlp_dim > 0 else config.base_mlp_dim
+
+
+def specs(config) -> dict[str, ParamSpec]:
+    """One MoE layer's feed-forward weights: the router [D, E] and E SwiGLU experts ("exp" axis first).
+
+    The router's expert axis is not "exp": every device routes its tokens over all E experts."""
+    d, e, f = config.base_emb_dim, config.num_experts, expert_dim(config)
+    return {"router": dense((d, e), ("embed", None), d),
+            "w_gate": dense((e, d, f), ("exp", "embed", "mlp"), d),
+            "w_up": dense((e, d, f), ("exp", "embed", "mlp"), d),
+            "w_down": dense((e, f, d), ("exp", "mlp", "embed"), f)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What the block needs to know, static under jit."""
+
+    num_experts: int
+    top_k: int
+    router: str
+    norm_topk_prob: bool
+    dispatch: str
+    capacity_factor: float
+    load_balance_loss_weight: float
+    router_z_loss_weight: float
+    num_moe_layers: int
+    dtype: object
+
+    @classmethod
+    def of(cls, config, rt, router: str, num_moe_layers: int) -> "Settings":
+        if router not in ROUTERS:
+            raise ValueError(f"router {router!r} is not one of {ROUTERS}")
+        return cls(config.num_experts, config.num_experts_per_tok, router, config.norm_topk_prob, config.moe_dispatch,
+                   config.capacity_factor, config.load_balance_loss_weight, config.router_z_loss_weight,
+                   max(num_moe_layers, 1), rt.dtype)
+
+    def capacity(self, length: int) -> int:
+        return capacity(self.num_experts, self.top_k, self.capacity_factor, length)
+
+
+def capacity(num_experts: int, top_k: int, capacity_factor: float, length: int) -> int:
+    """Slots per expert and sequence: ceil(capacity_factor * T * K / E), at most T (a token picks an
+    expert once)."""
+    return max(1, min(length, math.ceil(capacity_factor * length * top_k / num_experts)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Axes:
+    """Mesh axes inside shard_map: tokens are split over `batch`, experts over `expert`, the experts'
+    hidden axis over `tensor`; `expert_ways` devices share the experts. Empty outside a mesh."""
+
+    batch: tuple[str, ...] = ()
+    expert: tuple[str, ...] = ()
+    tensor: tuple[str, ...] = ()
+    expert_ways: int = 1
+
+
+# --------------------------------------------------------------------------------------------
+# The block
+# --------------------------------------------------------------------------------------------
+
+
+def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int):
+    """Mixture of experts over x [B, T, D] (already normed) -> ([B, T, D], aux)."""
+    s = Settings.of(config, rt, router, num_moe_layers)
+    weights = (p["router"], p["w_gate"], p["w_up"], p["w_down"])
+    valid = segment_ids > 0
+    active = sharding_lib.active_mesh()
+    if active is None:
+        return _local(x, valid, *weights, s=s, axes=Axes())
+    mesh, rules = active
+    spec = functools.partial(sharding_lib.logical_to_spec, rules=rules)
+    batch, exp, mlp = (_names(spec((name,))[0]) for name in ("batch", "exp", "mlp"))
+    batch = tuple(a for a in batch if mesh.shape[a] > 1)
+    exp = tuple(a for a in exp if mesh.shape[a] > 1)
+    tensor = tuple(a for a in mlp if a not in exp and mesh.shape[a] > 1)
+    ways = math.prod(mesh.shape[a] for a in batch)
+    if x.shape[0] % ways:
+        # A batch the token axes do not divide (decoding one prompt on many devices): computed whole,
+        # with XLA moving the expert weights as it needs. Training batches always divide.
+        return _local(x, valid, *weights, s=s, axes=Axes())
+    axes = Axes(batch, exp, tensor, math.prod(mesh.shape[a] for a in exp))
+    tokens, experts = P(batch or None), P(exp or None, None, tensor or None)
+    in_specs = (P(batch or None, None, None), tokens, P(), experts, experts, P(exp or None, tensor or None, None))
+    fn = jax.shard_map(functools.partial(_local, s=s, axes=axes), mesh=mesh, in_specs=in_specs,
+                       out_specs=(P(batch or None, None, None), P()))
+    return fn(x, valid, *weights)
+
+
+def _names(axes) -> tuple[str, ...]:
+    return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def route(logits, s: Settings):
+    """(weights [..., K] float32, experts [..., K] int32) from router logits [..., E] float32."""
+    if s.router == "topk_softmax":
+        top, experts = jax.lax.top_k(logits, s.top_k)
+        return jax.nn.softmax(top, axis=-1), experts
+    top, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), s.top_k)
+    if s.norm_topk_prob:
+        top = top / jnp.sum(top, axis=-1, keepdims=True)
+    return top, experts
+
+
+def _local(x, valid, w_router, w_gate, w_up, w_down, *, s: Settings, axes: Axes):
+    """The block on one device's tokens x [b, T, D] (all tokens, outside a mesh)."""
+    b, t, d = x.shape
+    dt = s.dtype
+    logits = ops.dense(x, w_router.astype(dt), 1, jnp.float32)  # "BTD,DE->BTE"
+    weights, experts = route(logits, s)
+    weights = jnp.where(valid[..., None], weights, 0.0)
+    experts_w = (w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
+    if s.dispatch == "capacity":
+        y, dropped = _capacity(x, weights, experts, valid, experts_w, s, axes)
+    else:
+        y = _dropless(x.reshape(b * t, d), weights.reshape(b * t, -1), experts.reshape(b * t, -1), experts_w, s, axes)
+        y, dropped = y.reshape(b, t, d), None
+    return y.astype(x.dtype), _aux(logits, experts, valid, dropped, s, axes)
+
+
+# --------------------------------------------------------------------------------------------
+# Experts
+# --------------------------------------------------------------------------------------------
+
+
+def _swiglu_grouped(xs, group_sizes, w_gate, w_up, w_down, axes: Axes):
+    """Rows xs [M, D] sorted by expert, group_sizes [E] rows each -> [M, D] (rows past the groups: 0)."""
+    def mm(a, w):
+        return jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=jnp.float32).astype(a.dtype)
+    gate = checkpoint_name(mm(xs, w_gate), "mlp_gate")  # per row m of expert e: "MD,DF->MF" with W_e
+    up = checkpoint_name(mm(xs, w_up), "mlp_up")
+    out = mm(jax.nn.silu(gate) * up, w_down)
+    return checkpoint_name(_psum(out, axes.tensor), "mlp_down")
+
+
+def _swiglu_batched(xe, w_gate, w_up, w_down, axes: Axes):
+    """Slots xe [E, C, D] -> [E, C, D], each expert on its own C slots."""
+    def mm(a, w, spec):
+        return jnp.einsum(spec, a, w, preferred_element_type=jnp.float32).astype(a.dtype)
+    gate = checkpoint_name(mm(xe, w_gate, "ECD,EDF->ECF"), "mlp_gate")
+    up = checkpoint_name(mm(xe, w_up, "ECD,EDF->ECF"), "mlp_up")
+    out = mm(jax.nn.silu(gate) * up, w_down, "ECF,EFD->ECD")
+    return checkpoint_name(_psum(out, axes.tensor), "mlp_down")
+
+
+def _psum(x, names):
+    return jax.lax.psum(x, names) if names else x
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch
+# --------------------------------------------------------------------------------------------
+
+
+def _dropless(x, weights, experts, experts_w, s: Settings, axes: Axes):
+    """x [n, D], weights / experts [n, K] -> y [n, D], every (token, choice) pair computed."""
+    n, k = experts.shape
+    local_experts = s.num_experts // axes.expert_ways
+    if axes.expert_ways > 1:  # every device of the expert group sees the group's tokens
+        gather = functools.partial(jax.lax.all_gather, axis_name=axes.expert, tiled=True)
+        x, weights, experts = gather(x), gather(weights), gather(experts)
+        experts = experts - jax.lax.axis_index(axes.expert) * local_experts  # local ids; others out of range
+    ours = (experts >= 0) & (experts < local_experts)
+    key = jnp.where(ours, experts, local_experts).reshape(-1)  # pairs of other devices' experts sort last
+    order = jnp.argsort(key, stable=True)
+    group_sizes = jnp.zeros(local_experts + 1, jnp.int32).at[key].add(1)[:local_experts]
+    ys = _swiglu_grouped(jnp.take(x, order // k, axis=0), group_sizes, *experts_w, axes)
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    y = jnp.take(ys, inverse, axis=0).reshape(x.shape[0], k, -1)
+    y = jnp.where(ours[..., None], y, 0.0)
+    y = jnp.einsum("nk,nkd->nd", weights.astype(y.dtype), y)
+    if axes.expert_ways > 1:  # each token's sum over the devices that hold its experts, back to its own device
+        y = jax.lax.psum_scatter(y, axes.expert, scatter_dimension=0, tiled=True)
+    return y
+
+
+def capacity_slots(experts, valid, s: Settings):
+    """Where each pair goes: (slot [b, T, K] in [0, E*C), or E*C when dropped or padding; kept [b, T, K]).
+
+    Within a sequence, pairs are ranked for their expert's C slots with all first choices before
+    all second choices, and earlier tokens first within a choice."""
+    b, t, k = experts.shape
+    e, c = s.num_experts, s.capacity(t)
+    flat = jnp.swapaxes(experts, 1, 2).reshape(b, k * t)          # choice-major order
+    is_real = jnp.broadcast_to(valid[:, None, :], (b, k, t)).reshape(b, k * t)
+    key = jnp.where(is_real, flat, e)                               # padding ranks in a group of its own
+    order = jnp.argsort(key, axis=-1, stable=True)
+    counts = jax.vmap(lambda r: jnp.zeros(e + 1, jnp.int32).at[r].add(1))(key)
+    starts = jnp.cumsum(counts, axis=-1) - counts
+    sorted_key = jnp.take_along_axis(key, order, axis=-1)
+    rank_sorted = jnp.arange(k * t) - jnp.take_along_axis(starts, sorted_key, axis=-1)
+    rows = jnp.arange(b)[:, None]
+    rank = jnp.zeros_like(order).at[rows, order].set(rank_sorted)
+    kept = is_real & (rank < c)
+    slot = jnp.where(kept, flat * c + rank, e * c)
+    return jnp.swapaxes(slot.reshape(b, k, t), 1, 2), jnp.swapaxes(kept.reshape(b, k, t), 1, 2)
+
+
+def _capacity(x, weights, experts, valid, experts_w, s: Settings, axes: Axes):
+    """x [b, T, D] -> (y [b, T, D], number of real pairs dropped), through fixed [E, C] slots per sequence."""
+    b, t, d = x.shape
+    k, e, c = s.top_k, s.num_experts, s.capacity(t)
+    slot, kept = capacity_slots(experts, valid, s)
+    rows = jnp.arange(b)[:, None]
+    # Which token fills each slot (t: none, reading the zero row appended to x).
+    source = jnp.full((b, e * c + 1), t, jnp.int32)
+    source = source.at[rows, slot.reshape(b, t * k)].set(jnp.repeat(jnp.arange(t, dtype=jnp.int32), k)[None])
+    x_pad = jnp.concatenate([x, jnp.zeros((b, 1, d), x.dtype)], axis=1)
+    xe = jnp.take_along_axis(x_pad, source[:, :e * c, None], axis=1)  # [b, E*C, D]
+    xe = jnp.swapaxes(xe.reshape(b, e, c, d), 0, 1).reshape(e, b * c, d)
+    if axes.expert_ways > 1:  # each expert's slots to the device that holds it: [E / ep, ep * b * C, D]
+        xe = jax.lax.all_to_all(xe, axes.expert, 0, 1, tiled=True)
+    ye = _swiglu_batched(xe, *experts_w, axes)
+    if axes.expert_ways > 1:
+        ye = jax.lax.all_to_all(ye, axes.expert, 1, 0, tiled=True)
+    ye = jnp.swapaxes(ye.reshape(e, b, c, d), 0, 1).reshape(b, e * c, d)
+    ye = jnp.concatenate([ye, jnp.zeros((b, 1, d), ye.dtype)], axis=1)
+    y = jnp.take_along_axis(ye, slot.reshape(b, t * k, 1), axis=1).reshape(b, t, k, d)
+    y = jnp.einsum("btk,btkd->btd", jnp.where(kept, weights, 0.0).astype(y.dtype), y)
+    dropped = jnp.sum(valid[..., None] & ~kept)
+    return y, dropped
+
+
+# --------------------------------------------------------------------------------------------
+# Balance losses and load statistics
+# --------------------------------------------------------------------------------------------
+
+
+def _aux(logits, experts, valid, dropped, s: Settings, axes: Axes) -> dict:
+    """The losses and statistics over the micro-batch's real tokens (summed over the token axes)."""
+    e, k = s.num_experts, s.top_k
+    real = valid.astype(jnp.float32)
+    probs = jax.nn.softmax(logits, axis=-1)
+    counts = jnp.zeros(e, jnp.float32).at[experts.reshape(-1)].add(jnp.repeat(real.reshape(-1), k))
+    sums = {"tokens": jnp.sum(real), "counts": counts,
+            "probs": jnp.einsum("...e,...->e", probs, real),
+            "z": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * real)}
+    if dropped is not None:
+        sums["dropped"] = dropped.astype(jnp.float32)
+    if axes.batch:
+        sums = jax.lax.psum(sums, axes.batch)
+    tokens = jnp.maximum(sums["tokens"], 1.0)
+    f = jax.lax.stop_gradient(sums["counts"]) / tokens   # fraction of tokens that chose each expert
+    per_layer = 1.0 / s.num_moe_layers
+    load = f / k
+    aux = {"moe_lb_loss": s.load_balance_loss_weight * e * jnp.sum(f * sums["probs"] / tokens) * per_layer,
+           "moe_z_loss": s.router_z_loss_weight * sums["z"] / tokens * per_layer,
+           PER_LAYER + "moe_load_min": jnp.min(load), PER_LAYER + "moe_load_max": jnp.max(load)}
+    if dropped is not None:
+        aux["moe_dropped_fraction"] = sums["dropped"] / (tokens * k) * per_layer
+    return aux
+
+
+# --------------------------------------------------------------------------------------------
+# Counts
+# --------------------------------------------------------------------------------------------
+
+
+def active_params(specs_tree, config) -> int:
+    """Parameters one token uses: an expert weight ("exp" axis) counts K / E of its size."""
+    from maxtrain.models.params import is_spec  # pylint: disable=import-outside-toplevel
+
+    total = 0.0
+    for spec in jax.tree.leaves(specs_tree, is_leaf=is_spec):
+        size = math.prod(spec.shape)
+        total += size * config.num_experts_per_tok / config.num_experts if "exp" in spec.axes else size
+    return int(round(total))
+
+
+def flops_per_token(config, layer_types, dense_attention: bool = False) -> float:
+    """Training FLOPs per token of a decoder whose layers of kind "moe" are mixtures of experts:
+
+        forward  = 2 x (sum over layers of the weights a token multiplies + D*V)  +  attention scores
+        layer    = D*N*H + 2*D*G*H + N*H*D      (attention)
+                   + D*E + K * 3*D*F_e          (MoE: the router and the token's K experts)
+                   or 3*D*F                     (a dense layer)
+        training = 3 x forward
+
+    Only active parameters count: the experts a token is not routed to cost it nothing (capacity
+    dispatch computes empty slots too, which this does not count)."""
+    d, n, g, h = config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim
+    attention = 2 * d * n * h + 2 * d * g * h
+    moe = d * config.num_experts + config.num_experts_per_tok * 3 * d * expert_dim(config)
+    dense_mlp = 3 * d * config.base_mlp_dim
+    matmul = sum(attention + (moe if t.kind == "moe" else dense_mlp) for t in layer_types)
+    matmul += d * config.vocab_size
+    windows = [config.sliding_window_size if t.attention == "sliding" else 0 for t in layer_types]
+    return 3.0 * (2 * matmul + blocks.attention_flops(config, windows, dense_attention))
