@@ -35,7 +35,25 @@ DATASET_TYPES = ("default", "synthetic", "arrayrecord", "parquet", "jsonl")
 PACKING_TYPES = ("concat_then_split", "first_fit")
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DECODE_STRATEGIES = ("greedy", "weighted", "topk", "nucleus")
-MESH_AXES = ("data", "fsdp", "tensor")
+# The device mesh's axes, declared once, outermost first (the last axis gets the closest devices): each
+# mesh axis and the stem of its two config keys, ici_<stem>_parallelism (inside a slice) and
+# dcn_<stem>_parallelism (across slices). sharding.py builds the mesh from this table; validation,
+# errors and docs/parallelism.md read it. What each axis does:
+#   data     replicas of the model, each on its own rows of the batch
+#   stage    pipeline stages: contiguous runs of layers, micro-batches passed stage to stage (models/pipeline.py)
+#   fsdp     rows of the batch, with parameters and optimizer state sharded and gathered per layer
+#   context  the sequence: each device holds pieces of every row; attention gathers keys and values (context.py)
+#   expert   mixture-of-experts experts (issue 11); batch rows on models without experts
+#   tensor   heads, MLP width and vocabulary: every matmul split, activations reduced per layer
+MESH_AXES = {"data": "data", "stage": "pipeline", "fsdp": "fsdp", "context": "context", "expert": "expert",
+             "tensor": "tensor"}
+
+
+def parallelism_key(prefix: str, axis: str) -> str:
+    """The config key of mesh axis `axis` inside a slice (prefix "ici") or across slices ("dcn")."""
+    return f"{prefix}_{MESH_AXES[axis]}_parallelism"
+
+
 LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
 
 
@@ -321,10 +339,13 @@ def _validate(v: dict[str, Any]) -> None:
         raise ConfigError("set only one of load_parameters_path (params only) and load_full_state_path (whole state)")
     for prefix in ("ici", "dcn"):
         for axis in MESH_AXES:
-            key = f"{prefix}_{axis}_parallelism"
+            key = parallelism_key(prefix, axis)
             _require(v[key] == -1 or v[key] >= 1, f"{key}={v[key]} must be >= 1, or -1 to fill the remaining devices")
-        fills = [a for a in MESH_AXES if v[f"{prefix}_{a}_parallelism"] == -1]
+        fills = [parallelism_key(prefix, a) for a in MESH_AXES if v[parallelism_key(prefix, a)] == -1]
         _require(len(fills) <= 1, f"only one {prefix}_*_parallelism may be -1, got {', '.join(fills)}")
+    _require(v["num_slices"] == -1 or v["num_slices"] >= 1,
+             f"num_slices={v['num_slices']} must be >= 1, or -1 to count the devices' slices")
+    _validate_stages_and_context(v)
     _validate_rules(v["logical_axis_rules"])
     tp = v["ici_tensor_parallelism"] * v["dcn_tensor_parallelism"]
     if tp > 1:
@@ -333,6 +354,32 @@ def _validate(v: dict[str, Any]) -> None:
                      f"tensor parallelism {tp} (ici_tensor_parallelism x dcn_tensor_parallelism) must divide "
                      f"{key}={v[key]}; use a tensor parallelism that divides it, e.g. "
                      f"ici_tensor_parallelism={_divisor_hint(v[key], tp)}")
+
+
+def _ways(v: dict[str, Any], axis: str) -> int | None:
+    """How many ways `axis` splits (ici x dcn), or None while one of them is -1 (known with the devices)."""
+    ici, dcn = v[parallelism_key("ici", axis)], v[parallelism_key("dcn", axis)]
+    return None if -1 in (ici, dcn) else ici * dcn
+
+
+def _validate_stages_and_context(v: dict[str, Any]) -> None:
+    """Pipeline stages split the layers evenly; context parallelism splits each sequence into 2 chunks
+    per device (sharding.py's create_mesh checks the same again once -1 is resolved)."""
+    _require(v["num_pipeline_microbatches"] == -1 or v["num_pipeline_microbatches"] >= 1,
+             f"num_pipeline_microbatches={v['num_pipeline_microbatches']} must be >= 1, or -1 for one per stage")
+    stages, layers = _ways(v, "stage"), v["base_num_decoder_layers"]
+    if stages and stages > 1:
+        _require(layers % stages == 0,
+                 f"pipeline parallelism {stages} (ici_pipeline_parallelism x dcn_pipeline_parallelism) must divide "
+                 f"base_num_decoder_layers={layers}: each stage holds the same number of layers; e.g. "
+                 f"ici_pipeline_parallelism={_divisor_hint(layers, stages)}")
+    cp, length = _ways(v, "context"), v["max_target_length"]
+    if cp and cp > 1:
+        _require(length % (2 * cp) == 0,
+                 f"context parallelism {cp} (ici_context_parallelism x dcn_context_parallelism) splits each sequence "
+                 f"into {2 * cp} chunks (two per device, one early and one late, so that causal attention's work is "
+                 f"even), so max_target_length={length} must be a multiple of {2 * cp}; e.g. max_target_length="
+                 f"{max(2 * cp, length // (2 * cp) * 2 * cp)}")
 
 
 def _validate_model(v: dict[str, Any]) -> None:
