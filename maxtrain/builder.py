@@ -24,6 +24,7 @@ from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
 from maxtrain import metrics, models, optimizer, sharding, train_step
 from maxtrain.data import hosts, pipeline
+from maxtrain.models import pipeline as pipeline_lib
 
 
 def load_config(argv: list[str], log=print):
@@ -50,6 +51,7 @@ class Run:
     eval_batch_sharding: Any
     train_step: Any              # jax.jit of train_step.make_train_step, sharded, state donated
     eval_step: Any               # jax.jit of (params, batch) -> (loss sum, weight sum)
+    pipeline: Any = None         # models.pipeline.Schedule with pipeline stages, else None
 
     def init(self, key) -> dict:
         """A fresh train state, created sharded on the devices."""
@@ -100,6 +102,8 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
     rt = models.Runtime.from_config(config, platform)
     mesh = sharding.create_mesh(config, devices)
     rules = config.logical_axis_rules
+    schedule = pipeline_lib.check(config, mesh, models.family(config), config.micro_batch_size)
+    rt = _context_parallel_attention(config, rt, sharding.ways_on(mesh, "length", rules))
     tx = optimizer.make_optimizer(config)
     abstract = jax.eval_shape(lambda k: train_step.init_state(config, rt, tx, k), jax.random.key(0))
     shardings = state_shardings(config, mesh, tx, abstract)
@@ -110,7 +114,33 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
     return Run(config=config, rt=rt, mesh=mesh, tx=tx, shardings=shardings,
                abstract_state=checkpoint_lib.abstract_like(abstract, shardings), batch_sharding=batch_sharding,
                eval_batch_sharding=sharding.named_sharding(mesh, pipeline.EVAL_BATCH_AXES, rules),
-               train_step=step, eval_step=eval_step)
+               train_step=step, eval_step=eval_step, pipeline=schedule)
+
+
+def _context_parallel_attention(config, rt, cp: int):
+    """With context parallelism attention runs context_parallel.py's gathered reference attention:
+    `autoselected` resolves to it, an explicit kernel is refused (it cannot see the other devices' keys)."""
+    if cp == 1 or rt.attention == "dot_product":
+        return rt
+    if config.attention == "autoselected":
+        return dataclasses.replace(rt, attention="dot_product")
+    raise sharding.MeshError(f"attention={config.attention} does not run with context parallelism ({cp} ways) yet: "
+                             "the kernels attend within one device's piece of the sequence. Use attention=dot_product "
+                             "(or autoselected), or ici_context_parallelism=1.")
+
+
+def parallelism_lines(run: Run) -> list[str]:
+    """The start-up summary's lines about pipeline stages and context parallelism (none without them)."""
+    lines = []
+    if run.pipeline is not None:
+        lines.append(run.pipeline.describe(run.config.micro_batch_size))
+    cp = sharding.ways_on(run.mesh, "length", run.config.logical_axis_rules)
+    if cp > 1:
+        length = run.config.max_target_length
+        lines.append(f"context: each sequence split {cp} ways ({2 * cp} chunks of {length // (2 * cp)} tokens, "
+                     f"device i holding chunks i and {2 * cp - 1}-i: causal work balanced); keys and values "
+                     "all-gathered per layer for attention")
+    return lines
 
 
 def summarize(run: Run, compiled, compile_seconds: float) -> str:
@@ -123,7 +153,10 @@ def summarize(run: Run, compiled, compile_seconds: float) -> str:
         f"{config.base_num_query_heads}/{config.base_num_kv_heads}  F {config.base_mlp_dim}  V {config.vocab_size}",
         f"compute: {rt.describe()}  weights {config.weight_dtype}  scan_layers {config.scan_layers}  "
         f"platform {rt.backend}",
-        f"mesh: {dict(run.mesh.shape)} over {config.num_devices} devices in {config.num_processes} process(es)",
+        f"mesh: {dict(run.mesh.shape)} over {config.num_devices} devices in {config.num_processes} process(es)"
+        + (f", {len(sharding.slices_of(run.mesh.devices.flat, config.num_slices))} slices"
+           if config.num_slices > 1 else ""),
+        *parallelism_lines(run),
         f"batch: global {config.global_batch_size} sequences x {config.max_target_length} tokens = "
         f"{config.tokens_per_step:,} tokens/step (per device {config.per_device_batch_size}, "
         f"accumulation {config.gradient_accumulation_steps})",

@@ -187,9 +187,11 @@ def ways(logical: str) -> int:
     """How many ways the active mesh splits logical axis `logical` (1 outside activation_sharding):
     ways("length") is the context parallelism, ways("layers") the number of pipeline stages."""
     active = _ACTIVE.get()
-    if active is None:
-        return 1
-    mesh, rules = active
+    return 1 if active is None else ways_on(active[0], logical, active[1])
+
+
+def ways_on(mesh, logical: str, rules) -> int:
+    """How many ways `mesh` splits logical axis `logical` under `rules`."""
     return math.prod(mesh.shape[a] for a in mesh_axes_of(logical, rules))
 
 
@@ -218,3 +220,31 @@ def _without(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
         kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in axes)
         return None if not kept else kept[0] if len(kept) == 1 else kept
     return PartitionSpec(*(keep(e) for e in spec))
+
+
+def run_in_shards(fn, args: Sequence, in_axes: Sequence[Sequence[str | None]], out_axes: Sequence[str | None],
+                  check_vma: bool = True):
+    """fn(*args) on each device's own shards: shard_map over the active mesh.
+
+    Each argument is split along the mesh axes its logical axes map to (None: whole on every
+    device), the result is assembled from `out_axes`, and fn's collectives name those mesh axes.
+    For what GSPMD cannot partition (context-parallel attention, kernels): with specs that match
+    the arrays' shardings, nothing moves on the way in or out. Mesh axes the specs do not name
+    stay automatic, and inside another shard_map (a pipeline stage) its manual axes are left to
+    it. Outside activation_sharding this is fn(*args). check_vma=False is for a Pallas call, whose
+    output types carry no record of the mesh axes they vary over.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return fn(*args)
+    mesh, rules = active
+    skip = trivial_axes(mesh)
+    inner = jax.sharding.get_abstract_mesh()
+    if not inner.empty and inner.manual_axes:
+        mesh, skip = inner, skip | set(inner.manual_axes)
+    in_specs = tuple(_without(logical_to_spec(axes, rules), skip) for axes in in_axes)
+    out_spec = _without(logical_to_spec(out_axes, rules), skip)
+    named = {a for spec in (*in_specs, out_spec) for entry in spec if entry is not None
+             for a in ((entry,) if isinstance(entry, str) else entry)}
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, axis_names=named,
+                         check_vma=check_vma)(*args)
