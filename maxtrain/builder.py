@@ -143,8 +143,9 @@ def parallelism_lines(run: Run) -> list[str]:
     return lines
 
 
-def summarize(run: Run, compiled, compile_seconds: float) -> str:
-    """The start-up summary: model, compute choices, mesh, batch, schedule, FLOPs, compiled memory."""
+def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
+    """The start-up summary: model, compute choices, mesh, batch, schedule, FLOPs, compiled memory, and
+    (given checkpoint.plan_start's Start) whether the run resumes elastically."""
     config, rt = run.config, run.rt
     flops = metrics.flops_per_token(config)
     lines = [
@@ -171,5 +172,7 @@ def summarize(run: Run, compiled, compile_seconds: float) -> str:
                  - memory.alias_size_in_bytes)
         lines.append(f"memory per device: {total / 2**30:.3f} GiB (arguments {memory.argument_size_in_bytes / 2**30:.3f}, "
                      f"temporaries {memory.temp_size_in_bytes / 2**30:.3f}, outputs {memory.output_size_in_bytes / 2**30:.3f})")
+    if start is not None and start.elastic:
+        lines.append(start.elastic)
     lines.append(f"output: {os.path.abspath(config.run_dir)}")
     return "\n".join(lines)
