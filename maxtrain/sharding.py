@@ -23,11 +23,12 @@ from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from maxtrain.config import MESH_AXES, parallelism_key  # the one declaration of the mesh axes
+from maxtrain.errors import UserError
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("maxtrain_sharding", default=None)
 
 
-class MeshError(ValueError):
+class MeshError(UserError, ValueError):
     """A mesh that does not fit the devices or the model. The message says what to change."""
 
 
@@ -114,6 +115,16 @@ def create_mesh(config, devices: Sequence | None = None) -> Mesh:
     else:
         device_array = hybrid_device_array(ici_shape, dcn_shape, slices)
     return Mesh(device_array, tuple(MESH_AXES))
+
+
+def mesh_of(devices, **sizes: int) -> Mesh:
+    """A Mesh with every axis of config.MESH_AXES over `devices` in their order, the axes not named
+    of size 1: mesh_of(devices, data=2, tensor=4) (tests and tools that need a given split)."""
+    unknown = set(sizes) - set(MESH_AXES)
+    if unknown:
+        raise ValueError(f"unknown mesh axes {sorted(unknown)}; mesh axes are {', '.join(MESH_AXES)}")
+    shape = [sizes.get(a, 1) for a in MESH_AXES]
+    return Mesh(np.asarray(devices).reshape(shape), tuple(MESH_AXES))
 
 
 def _rule_axes(rules) -> dict[str, tuple[str, ...]]:
@@ -222,17 +233,28 @@ def _without(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
     return PartitionSpec(*(keep(e) for e in spec))
 
 
+def active_devices():
+    """The devices of the mesh set by activation_sharding, or None outside it."""
+    active = _ACTIVE.get()
+    return None if active is None else list(active[0].devices.flat)
+
+
+def active_specs(axes_list: Sequence[Sequence[str | None]]):
+    """PartitionSpecs of arrays with these logical axes under the active rules, or None outside activation_sharding."""
+    active = _ACTIVE.get()
+    return None if active is None else [logical_to_spec(axes, active[1]) for axes in axes_list]
+
+
 def run_in_shards(fn, args: Sequence, in_axes: Sequence[Sequence[str | None]], out_axes: Sequence[str | None],
-                  check_vma: bool = True):
+                  check_vma: bool = False):
     """fn(*args) on each device's own shards: shard_map over the active mesh.
 
     Each argument is split along the mesh axes its logical axes map to (None: whole on every
-    device), the result is assembled from `out_axes`, and fn's collectives name those mesh axes.
-    For what GSPMD cannot partition (context-parallel attention, kernels): with specs that match
-    the arrays' shardings, nothing moves on the way in or out. Mesh axes the specs do not name
-    stay automatic, and inside another shard_map (a pipeline stage) its manual axes are left to
-    it. Outside activation_sharding this is fn(*args). check_vma=False is for a Pallas call, whose
-    output types carry no record of the mesh axes they vary over.
+    device), and the result is assembled from `out_axes`. For what GSPMD cannot partition (Pallas
+    and cuDNN kernels): with specs that match the arrays' shardings, nothing is gathered. Inside
+    another shard_map (a pipeline stage) its manual axes are left to it. Outside
+    activation_sharding this is fn(*args). check_vma is off by default because a Pallas call's
+    output types carry no record of which mesh axes they vary over.
     """
     active = _ACTIVE.get()
     if active is None:
@@ -240,11 +262,10 @@ def run_in_shards(fn, args: Sequence, in_axes: Sequence[Sequence[str | None]], o
     mesh, rules = active
     skip = trivial_axes(mesh)
     inner = jax.sharding.get_abstract_mesh()
-    if not inner.empty and inner.manual_axes:
-        mesh, skip = inner, skip | set(inner.manual_axes)
+    manual = set(inner.manual_axes) if not inner.empty else set()
+    if manual:
+        mesh, skip = inner, skip | manual
     in_specs = tuple(_without(logical_to_spec(axes, rules), skip) for axes in in_axes)
     out_spec = _without(logical_to_spec(out_axes, rules), skip)
-    named = {a for spec in (*in_specs, out_spec) for entry in spec if entry is not None
-             for a in ((entry,) if isinstance(entry, str) else entry)}
-    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec, axis_names=named,
-                         check_vma=check_vma)(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
+                         axis_names=set(mesh.axis_names) - manual, check_vma=check_vma)(*args)

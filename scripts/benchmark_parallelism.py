@@ -71,7 +71,8 @@ class Layout:
         per_device = args.global_batch // devices
         if per_device * devices != args.global_batch:
             raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of {devices} devices ({name})")
-        config = config_lib.load_config([*base, *FIXED, f"per_device_batch_size={per_device}", *overrides])
+        config = config_lib.load_config(config_lib.with_overrides(base, *FIXED, f"per_device_batch_size={per_device}",
+                                                                    *overrides))
         self.name, self.devices, self.overrides = name, devices, overrides
         self.run = builder.build(config, devices=jax.devices()[:devices])
         rules = self.run.config.logical_axis_rules

@@ -17,7 +17,7 @@ import pytest
 
 from conftest import BASE_YML, TINY
 from maxtrain import builder, context_parallel, models, sharding
-from maxtrain.config import ConfigError, load_config
+from maxtrain.config import ConfigError, load_config, with_overrides
 from maxtrain.models import pipeline
 from test_sharding import GLOBAL_BATCH, batches
 
@@ -27,8 +27,9 @@ LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-4, 1e-6
 
 def build(devices, overrides, accumulation=1):
     per_device = GLOBAL_BATCH // len(devices) // accumulation
-    return builder.build(load_config([BASE_YML, *TINY, *LAYERS, f"per_device_batch_size={per_device}",
-                                      f"gradient_accumulation_steps={accumulation}", *overrides]), devices=devices)
+    argv = with_overrides([BASE_YML, *TINY], *LAYERS, f"per_device_batch_size={per_device}",
+                          f"gradient_accumulation_steps={accumulation}", *overrides)
+    return builder.build(load_config(argv), devices=devices)
 
 
 @functools.lru_cache(maxsize=None)
@@ -153,7 +154,7 @@ def test_stages_must_hold_the_same_layer_types():
     overrides = ["decoder_block=gemma3", "base_num_decoder_layers=6", "sliding_window_size=8",
                  "local_rope_max_timescale=10000", "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"]
     with pytest.raises(pipeline.PipelineError, match="stage 0 has .*sliding.* and stage 1 has .*full"):
-        builder.build(load_config([BASE_YML, *TINY, *overrides]), devices=tuple(jax.devices()))
+        builder.build(load_config(with_overrides([BASE_YML, *TINY], *overrides)), devices=tuple(jax.devices()))
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -161,13 +162,13 @@ def test_stages_must_hold_the_same_layer_types():
      "pipeline parallelism 3 .* must divide base_num_decoder_layers=4"),
     (["ici_context_parallelism=4", "max_target_length=36"],
      "splits each sequence into 8 chunks .* max_target_length=36 must be a multiple of 8"),
-    (["num_pipeline_microbatches=0"], "num_pipeline_microbatches=0 must be >= 1, or -1"),
+    (["num_pipeline_microbatches=0"], "num_pipeline_microbatches=0 is not allowed: it must be -1 or >= 1"),
     (["ici_context_parallelism=-1", "ici_fsdp_parallelism=-1"], "only one ici_\\*_parallelism may be -1"),
-    (["num_slices=0"], "num_slices=0 must be >= 1"),
+    (["num_slices=0"], "num_slices=0 is not allowed: it must be -1 or >= 1"),
 ])
 def test_config_errors_name_the_fix(overrides, message):
     with pytest.raises(ConfigError, match=message):
-        load_config([BASE_YML, *TINY, *overrides])
+        load_config(with_overrides([BASE_YML, *TINY], *overrides))
 
 
 def test_mesh_errors_name_the_fix():

@@ -180,13 +180,19 @@ def rope_tables(positions, config) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def _forward(family, params, tokens, positions, segment_ids, config, rt):
+def _hidden(family, params, tokens, positions, segment_ids, config, rt):
+    """(final hidden states [B, T, D], aux): the embedding and every layer, in pipeline stages when
+    the mesh has them (models/pipeline.py)."""
     x = family.embed(params, tokens, config, rt)
     inputs = LayerInputs(positions, segment_ids, rope_tables(positions, config))
-    if sharding.ways("layers") > 1:  # pipeline stages (models/pipeline.py)
-        x, aux = pipeline.run_stages(run_layers, family, params["layers"], x, inputs, config, rt)
-    else:
-        x, aux, _ = run_layers(family, params["layers"], x, inputs, config, rt, config.scan_layers)
+    if sharding.ways("layers") > 1:
+        return pipeline.run_stages(run_layers, family, params["layers"], x, inputs, config, rt)
+    x, aux, _ = run_layers(family, params["layers"], x, inputs, config, rt, config.scan_layers)
+    return x, aux
+
+
+def _forward(family, params, tokens, positions, segment_ids, config, rt):
+    x, aux = _hidden(family, params, tokens, positions, segment_ids, config, rt)
     return family.logits(params, x, config, rt), aux
 
 
@@ -207,16 +213,27 @@ def loss_fn(family, params, batch: dict, config, rt):
     """(sum of per-token cross-entropy x weight, sum of weights, aux), float32.
 
     Returning sums, not a mean, lets gradient accumulation and multi-host eval weight every real
-    token equally; padding has weight 0. Training adds the aux losses (models.objective). A sum
-    over tokens does not depend on their order: with context parallelism the whole batch goes
-    into the load-balanced order and stays there.
+    token equally; padding has weight 0. Training adds the aux losses (models.objective). With
+    num_vocab_tiling > 1 the output projection and the loss run a chunk of the sequence at a time,
+    so the [B, T, V] logits never exist in full (ops.tiled_cross_entropy). A sum over tokens does
+    not depend on their order: with context parallelism the whole batch goes into the
+    load-balanced order (context_parallel.py) and stays there.
     """
     cp = sharding.ways("length")
     if cp > 1:
         batch = context_parallel.to_layout(batch, cp)
-    logits, aux = _forward(family, params, batch["inputs"], batch["positions"], batch["segment_ids"], config, rt)
     weights = batch["loss_weights"].astype(jnp.float32)
-    return ops.cross_entropy(logits, batch["targets"], weights), jnp.sum(weights), aux
+    x, aux = _hidden(family, params, batch["inputs"], batch["positions"], batch["segment_ids"], config, rt)
+    head = {k: v for k, v in params.items() if k != "layers"}  # what family.logits reads
+
+    def logits_fn(h, x):
+        return family.logits(h, x, config, rt)
+
+    if config.num_vocab_tiling > 1:
+        loss = ops.tiled_cross_entropy(logits_fn, head, x, batch["targets"], weights, config.num_vocab_tiling)
+    else:
+        loss = ops.cross_entropy(logits_fn(head, x), batch["targets"], weights)
+    return loss, jnp.sum(weights), aux
 
 
 def init_cache(config, batch_size: int, max_length: int, dtype) -> dict:

@@ -34,9 +34,10 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from maxtrain import sharding
+from maxtrain.errors import UserError
 
 
-class PipelineError(ValueError):
+class PipelineError(UserError, ValueError):
     """A pipeline layout that cannot run; the message says what to change."""
 
 
