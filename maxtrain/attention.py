@@ -211,6 +211,14 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
     features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
     if _unsupported(implementation, features):
         raise ValueError(f"attention={implementation} does not implement {_unsupported(implementation, features)}")
+    if sharding.ways("length") > 1:  # the sequence is split over devices: context_parallel.py
+        from maxtrain import context_parallel  # pylint: disable=import-outside-toplevel
+
+        if implementation != "dot_product":
+            raise ValueError(f"attention={implementation} does not run with context parallelism yet; "
+                             "use attention=dot_product (or autoselected)")
+        return context_parallel.attention(q, k, v, segment_ids, causal=causal, sliding_window=sliding_window,
+                                          logits_soft_cap=logits_soft_cap, scale=scale)
     if implementation == "dot_product":
         mask = make_attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
         return dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap)

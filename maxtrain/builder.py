@@ -25,6 +25,7 @@ from maxtrain import config as config_lib
 from maxtrain import metrics, models, objectives, optimizer, sharding, storage, train_step
 from maxtrain.data import hosts, pipeline
 from maxtrain.models import moe
+from maxtrain.models import pipeline as pipeline_lib
 
 
 def load_config(argv: list[str], log=print):
@@ -61,6 +62,7 @@ class Run:
     eval_batch_sharding: Any
     train_step: Any              # jax.jit of train_step.make_train_step, sharded, state donated
     eval_step: Any               # jax.jit of (state, batch) -> (loss sum, weight sum, metrics) of the objective
+    pipeline: Any = None         # models.pipeline.Schedule with pipeline stages, else None
 
     def init(self, key) -> dict:
         """A fresh train state, created sharded on the devices."""
@@ -124,6 +126,8 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
             f"Set ici_expert_parallelism to a divisor of {config.num_experts}"
             + (" (or 1: a dense model has no experts to split)" if config.num_experts == 1 else ""))
     rules = config.logical_axis_rules
+    schedule = pipeline_lib.check(config, mesh, models.family(config), config.micro_batch_size)
+    rt = _context_parallel_attention(config, rt, sharding.ways_on(mesh, "length", rules))
     tx = optimizer.make_optimizer(config)
     abstract = jax.eval_shape(lambda k: train_step.init_state(config, rt, tx, k), jax.random.key(0))
     shardings = state_shardings(config, mesh, tx, abstract)
@@ -134,7 +138,7 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
     return Run(config=config, rt=rt, mesh=mesh, tx=tx, shardings=shardings,
                abstract_state=checkpoint_lib.abstract_like(abstract, shardings), batch_sharding=batch_sharding,
                eval_batch_sharding=sharding.named_sharding(mesh, pipeline.EVAL_BATCH_AXES, rules),
-               train_step=step, eval_step=eval_step)
+               train_step=step, eval_step=eval_step, pipeline=schedule)
 
 
 def moe_line(config) -> str:
@@ -151,8 +155,35 @@ def moe_line(config) -> str:
             f"{config.router_z_loss_weight:g}")
 
 
-def summarize(run: Run, compiled, compile_seconds: float) -> str:
-    """The start-up summary: model, compute choices, mesh, batch, schedule, FLOPs, compiled memory."""
+def _context_parallel_attention(config, rt, cp: int):
+    """With context parallelism attention runs context_parallel.py's gathered reference attention:
+    `autoselected` resolves to it, an explicit kernel is refused (it cannot see the other devices' keys)."""
+    if cp == 1 or rt.attention == "dot_product":
+        return rt
+    if config.attention == "autoselected":
+        return dataclasses.replace(rt, attention="dot_product")
+    raise sharding.MeshError(f"attention={config.attention} does not run with context parallelism ({cp} ways) yet: "
+                             "the kernels attend within one device's piece of the sequence. Use attention=dot_product "
+                             "(or autoselected), or ici_context_parallelism=1.")
+
+
+def parallelism_lines(run: Run) -> list[str]:
+    """The start-up summary's lines about pipeline stages and context parallelism (none without them)."""
+    lines = []
+    if run.pipeline is not None:
+        lines.append(run.pipeline.describe(run.config.micro_batch_size))
+    cp = sharding.ways_on(run.mesh, "length", run.config.logical_axis_rules)
+    if cp > 1:
+        length = run.config.max_target_length
+        lines.append(f"context: each sequence split {cp} ways ({2 * cp} chunks of {length // (2 * cp)} tokens, "
+                     f"device i holding chunks i and {2 * cp - 1}-i: causal work balanced); keys and values "
+                     "all-gathered per layer for attention")
+    return lines
+
+
+def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
+    """The start-up summary: model, compute choices, mesh, batch, schedule, FLOPs, compiled memory, and
+    (given checkpoint.plan_start's Start) whether the run resumes elastically."""
     config, rt = run.config, run.rt
     flops = metrics.flops_per_token(config)
     state = run.abstract_state
@@ -168,7 +199,10 @@ def summarize(run: Run, compiled, compile_seconds: float) -> str:
         *([moe_line(config)] if models.is_moe(config) else []),
         f"compute: {rt.describe()}  weights {config.weight_dtype}  scan_layers {config.scan_layers}  "
         f"platform {rt.backend}",
-        f"mesh: {dict(run.mesh.shape)} over {config.num_devices} devices in {config.num_processes} process(es)",
+        f"mesh: {dict(run.mesh.shape)} over {config.num_devices} devices in {config.num_processes} process(es)"
+        + (f", {len(sharding.slices_of(run.mesh.devices.flat, config.num_slices))} slices"
+           if config.num_slices > 1 else ""),
+        *parallelism_lines(run),
         f"batch: global {config.global_batch_size} sequences x {config.max_target_length} tokens = "
         f"{config.tokens_per_step:,} tokens/step (per device {config.per_device_batch_size}, "
         f"accumulation {config.gradient_accumulation_steps})",
@@ -190,5 +224,7 @@ def summarize(run: Run, compiled, compile_seconds: float) -> str:
                  - memory.alias_size_in_bytes)
         lines.append(f"memory per device: {total / 2**30:.3f} GiB (arguments {memory.argument_size_in_bytes / 2**30:.3f}, "
                      f"temporaries {memory.temp_size_in_bytes / 2**30:.3f}, outputs {memory.output_size_in_bytes / 2**30:.3f})")
+    if start is not None and start.elastic:
+        lines.append(start.elastic)
     lines.append(f"output: {storage.abspath(config.run_dir)}")
     return "\n".join(lines)

@@ -46,6 +46,7 @@ from etils import epath
 
 from maxtrain import checksums, models, storage
 from maxtrain.errors import UserError
+from maxtrain.data import elastic
 
 # Config keys that describe the model; the shape keys are named in errors when a checkpoint does not fit,
 # the setting keys (family, RoPE, epsilon, soft-caps, window) must equal the checkpoint's.
@@ -142,6 +143,7 @@ class Checkpointer:
 
     def restore(self, step: int, abstract_state: dict, data_iterator) -> dict:
         """Restores the state (with the shardings of `abstract_state`) and, in place, the data iterator.
+        Saved by another number of processes, the saved iterator states are merged (data/elastic.py).
 
         A step that does not restore is damaged: it is moved aside and the newest usable step before
         it is restored instead (the same fallback as a checksum mismatch). Returns the state; the
@@ -156,11 +158,13 @@ class Checkpointer:
             verifier = threading.Thread(target=lambda d=step_dir: found.update(
                 health=check_step(d, (jax.process_index(), jax.process_count()))), daemon=True)
             verifier.start()
+            saved_by = elastic.saved_process_count(step_dir)
+            merging = saved_by is not None and saved_by != jax.process_count()
+            items = {"state": ocp.args.StandardRestore(abstract_state)}
+            if not merging:
+                items["data"] = grain.checkpoint.CheckpointRestore(data_iterator)
             try:
-                restored = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state),
-                    data=grain.checkpoint.CheckpointRestore(data_iterator),
-                ))
+                restored = self.manager.restore(step, args=ocp.args.Composite(**items))
             except Exception as e:  # pylint: disable=broad-except
                 error = (f"{step_dir}: it does not restore ({type(e).__name__}: "
                          f"{str(e).splitlines()[0][:300] if str(e) else ''})")
@@ -169,6 +173,9 @@ class Checkpointer:
             if health is not None and not health.usable:
                 error = health.problem  # names the file that does not match its checksum
             if not any(_all_values(1 if error else 0)):
+                if merging:  # the step is intact: its per-process input positions merged for this count
+                    elastic.restore(os.path.join(step_dir, "data"), data_iterator, self.config,
+                                    jax.process_index(), jax.process_count())
                 return restored.state
             damaged = {step: error or f"{step_dir}: another process found it damaged"}
             self.resume_step = settle_latest_step(self.directory, self.log, known_damaged=damaged)
@@ -697,6 +704,7 @@ class Start:
     kind: str                  # "fresh" | "resume" | "full_state" | "parameters"
     step_dir: str | None = None
     step: int | None = None
+    elastic: str = ""          # resuming on other processes, devices or mesh: the summary's line (elastic.py)
 
 
 def plan_start(config, checkpointer: Checkpointer | None, abstract_state: dict, log=print) -> Start:
@@ -710,7 +718,7 @@ def plan_start(config, checkpointer: Checkpointer | None, abstract_state: dict, 
         check_fits(start.step_dir, leaf_shapes(abstract_state), config, "resume")
         check_settings(start.step_dir, config, "resume")
         _log_config_changes(start.step_dir, config, log)
-        return start
+        return dataclasses.replace(start, elastic=_elastic_change(start.step_dir, config))
     if config.load_full_state_path:
         step_dir = find_step_dir(config.load_full_state_path, "load_full_state_path")
         check_fits(step_dir, leaf_shapes(abstract_state), config, "load_full_state_path")
@@ -722,6 +730,19 @@ def plan_start(config, checkpointer: Checkpointer | None, abstract_state: dict, 
         check_settings(step_dir, config, "load_parameters_path")
         return Start("parameters", step_dir)
     return Start("fresh")
+
+
+def _elastic_change(step_dir: str, config) -> str:
+    """The summary line of a resume on other processes, devices or mesh; refuses, before any work, an
+    input whose saved per-process positions cannot be merged for another process count."""
+    saved_by = elastic.saved_process_count(step_dir)
+    if saved_by is not None and saved_by != jax.process_count():
+        reason = elastic.unsupported(config)
+        if reason:
+            raise CheckpointError(f"{step_dir} was saved by {saved_by} processes and this run has "
+                                  f"{jax.process_count()}, but the input cannot continue exactly on another number of "
+                                  f"processes: {reason}.")
+    return elastic.describe_change(read_metadata(step_dir), config, jax.process_count())
 
 
 def initial_state(start: Start, checkpointer, abstract_state: dict, init, key, data_iterator, log=print) -> dict:

@@ -33,7 +33,26 @@ import yaml
 from maxtrain import settings as settings_lib
 from maxtrain.errors import ConfigError  # noqa: F401 (re-exported: config.ConfigError)
 
-MESH_AXES = ("data", "fsdp", "expert", "tensor")  # each has ici_<axis>_parallelism and dcn_<axis>_parallelism
+# The device mesh's axes, declared once, outermost first (the last axis gets the closest devices): each
+# mesh axis and the stem of its two config keys, ici_<stem>_parallelism (inside a slice) and
+# dcn_<stem>_parallelism (across slices). sharding.py builds the mesh from this table; validation,
+# errors and docs/parallelism.md read it. What each axis does:
+#   data     replicas of the model, each on its own rows of the batch
+#   stage    pipeline stages: contiguous runs of layers, micro-batches passed stage to stage (models/pipeline.py)
+#   fsdp     rows of the batch, with parameters and optimizer state sharded and gathered per layer
+#   context  the sequence: each device holds pieces of every row; attention gathers keys and values
+#            (context_parallel.py)
+#   expert   mixture-of-experts experts (issue 11); batch rows on models without experts
+#   tensor   heads, MLP width and vocabulary: every matmul split, activations reduced per layer
+MESH_AXES = {"data": "data", "stage": "pipeline", "fsdp": "fsdp", "context": "context", "expert": "expert",
+             "tensor": "tensor"}
+
+
+def parallelism_key(prefix: str, axis: str) -> str:
+    """The config key of mesh axis `axis` inside a slice (prefix "ici") or across slices ("dcn")."""
+    return f"{prefix}_{MESH_AXES[axis]}_parallelism"
+
+
 LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "exp")
 MOE_DECODER_BLOCKS = ("mixtral", "qwen3_moe")  # families whose layers may be mixtures of experts
 # Keys that are not settings: added by load_config and _derive, ignored when runs are compared.
@@ -445,8 +464,45 @@ def _one_starting_point(v):
 
 def _one_filled_mesh_axis(v):
     for prefix in ("ici", "dcn"):
-        fills = [a for a in MESH_AXES if v[f"{prefix}_{a}_parallelism"] == -1]
+        fills = [parallelism_key(prefix, a) for a in MESH_AXES if v[parallelism_key(prefix, a)] == -1]
         _require(len(fills) <= 1, f"only one {prefix}_*_parallelism may be -1, got {', '.join(fills)}")
+
+
+def _ways(v: dict[str, Any], axis: str) -> int | None:
+    """How many ways `axis` splits (ici x dcn), or None while one of them is -1 (known with the devices)."""
+    ici, dcn = v[parallelism_key("ici", axis)], v[parallelism_key("dcn", axis)]
+    return None if -1 in (ici, dcn) else ici * dcn
+
+
+def _stages_divide_layers(v):
+    """Each pipeline stage holds the same number of layers (sharding.create_mesh checks again once -1 is
+    resolved)."""
+    stages, layers = _ways(v, "stage"), v["base_num_decoder_layers"]
+    if stages and stages > 1:
+        _require(layers % stages == 0,
+                 f"pipeline parallelism {stages} (ici_pipeline_parallelism x dcn_pipeline_parallelism) must divide "
+                 f"base_num_decoder_layers={layers}: each stage holds the same number of layers; e.g. "
+                 f"ici_pipeline_parallelism={_divisor_hint(layers, stages)}")
+
+
+def _no_pipeline_stages_with_experts(v):
+    """Mixture-of-experts layers run their own shard_map over the expert axis, and report per-layer
+    figures; neither is wired through a pipeline stage yet."""
+    stages = _ways(v, "stage")
+    _require(v["decoder_block"] not in MOE_DECODER_BLOCKS or stages == 1,
+             f"decoder_block={v['decoder_block']} (mixture of experts) does not run with pipeline parallelism yet; "
+             "set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1 (use expert, fsdp or tensor parallelism)")
+
+
+def _context_chunks_divide_length(v):
+    """Context parallelism cuts each sequence into 2 chunks per device (one early, one late)."""
+    cp, length = _ways(v, "context"), v["max_target_length"]
+    if cp and cp > 1:
+        _require(length % (2 * cp) == 0,
+                 f"context parallelism {cp} (ici_context_parallelism x dcn_context_parallelism) splits each sequence "
+                 f"into {2 * cp} chunks (two per device, one early and one late, so that causal attention's work is "
+                 f"even), so max_target_length={length} must be a multiple of {2 * cp}; e.g. max_target_length="
+                 f"{max(2 * cp, length // (2 * cp) * 2 * cp)}")
 
 
 def _tensor_parallelism_divides(v):
@@ -501,6 +557,7 @@ def _known_profiler(v):
 CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
           _flash_blocks_powers_of_two, _one_objective, _data_columns, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
+          _stages_divide_layers, _no_pipeline_stages_with_experts, _context_chunks_divide_length,
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
           _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
           _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts)

@@ -116,7 +116,7 @@ def main(argv: list[str]) -> dict:
         first_batch = pipeline.to_global(next(inputs.train_iterator), mesh, rules)
         t0 = time.time()
         step_fn = run.compile(state, first_batch)
-        log(builder.summarize(run, step_fn, time.time() - t0))
+        log(builder.summarize(run, step_fn, time.time() - t0, start))
         eval_step = run.eval_step
         has_eval = len(inputs.eval_batches) > 0
 

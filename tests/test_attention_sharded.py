@@ -150,7 +150,7 @@ def test_splash_under_shard_map_matches_one_device():
     q, k, v, seg, w = _qkv()
     ref_loss, ref_grads = jax.jit(_attention_loss("dot_product", "cpu"))(q, k, v, seg, w)
     for mesh_name, (data, fsdp, tensor) in MESHES.items():
-        mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(data, fsdp, tensor), sharding.MESH_AXES)
+        mesh = sharding.mesh_of(jax.devices(), data=data, fsdp=fsdp, tensor=tensor)
         rules = [["batch", ["data", "fsdp"]], ["heads", "tensor"], ["kv_heads", "tensor"]]
         put = lambda x, axes: jax.device_put(x, sharding.named_sharding(mesh, axes, rules))  # noqa: E731
         args = (put(q, ("batch", None, "heads", None)), put(k, ("batch", None, "kv_heads", None)),
@@ -166,7 +166,7 @@ def test_splash_under_shard_map_matches_one_device():
 
 
 def test_heads_and_kv_heads_on_different_axes_is_a_clear_error():
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices()).reshape(2, 1, 4), sharding.MESH_AXES)
+    mesh = sharding.mesh_of(jax.devices(), data=2, tensor=4)
     rules = [["batch", ["data", "fsdp"]], ["heads", "tensor"], ["kv_heads", None]]
     q, k, v, seg, _ = _qkv(length=16, head_dim=16)
     with sharding.activation_sharding(mesh, rules), pytest.raises(

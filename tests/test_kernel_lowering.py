@@ -18,9 +18,8 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 
 from conftest import BASE_YML
 from maxtrain import attention, sharding
@@ -51,7 +50,7 @@ def compile_attention(devices, mesh_shape, platform, *, head_dim, dtype, impleme
     implementation = implementation or attention.resolve_implementation(
         "autoselected", platform, dtype=dtype, head_dim=head_dim, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap)
-    mesh = Mesh(np.asarray(devices).reshape(mesh_shape), sharding.MESH_AXES)
+    mesh = sharding.mesh_of(devices, **dict(zip(("data", "fsdp", "tensor"), mesh_shape)))
 
     def arg(shape, axes, dt=dtype):
         return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, sharding.logical_to_spec(axes, RULES)))

@@ -35,7 +35,7 @@ import numpy as np
 
 from maxtrain import storage
 from maxtrain.data import cache as cache_lib
-from maxtrain.data import default_corpus, hosts, prepared, text_files
+from maxtrain.data import default_corpus, elastic, hosts, prepared, text_files
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.data.errors import DataError
 
@@ -345,12 +345,17 @@ class _Encode:
 # --------------------------------------------------------------------------------------------
 
 
-def _random_access(documents, *, seed: int, shuffle: bool, num_epochs: int | None, index: int, count: int):
-    """Global order (shuffled with a new permutation every epoch), then every count-th for this host."""
+def _global_order(documents, *, seed: int, shuffle: bool, num_epochs: int | None) -> grain.MapDataset:
+    """Every host's documents in one global order, shuffled with a new permutation every epoch."""
     ds = grain.MapDataset.source(documents)
     if shuffle:
         ds = ds.shuffle(seed=seed)
-    return ds.repeat(num_epochs)[index::count]
+    return ds.repeat(num_epochs)
+
+
+def _random_access(documents, *, seed: int, shuffle: bool, num_epochs: int | None, index: int, count: int):
+    """The global order, every count-th document for this host."""
+    return _global_order(documents, seed=seed, shuffle=shuffle, num_epochs=num_epochs)[index::count]
 
 
 def _host_files(component: Component, key: str, index: int, count: int, log, required: bool) -> list[str]:
@@ -371,6 +376,12 @@ def train_documents(sources: Sources, config, index: int, count: int, log=print)
     epochs = None if config.num_epoch == -1 else config.num_epoch
     shuffle = config.enable_data_shuffling
     weights = [c.weight for c in sources.train]
+    if sources.dataset_type in RANDOM_ACCESS and len(sources.train) == 1:
+        # One source: read through a layout that an elastic resume can change (elastic.py); a fresh
+        # one reads exactly _random_access's documents.
+        order = _global_order(sources.train[0].documents, seed=data_seed(config, "train/0"), shuffle=shuffle,
+                              num_epochs=epochs)
+        return elastic.HostDocuments(order, index, count, READ_OPTIONS)
     if sources.dataset_type in RANDOM_ACCESS:
         parts = [_random_access(c.documents, seed=data_seed(config, f"train/{i}"), shuffle=shuffle,
                                 num_epochs=epochs, index=index, count=count) for i, c in enumerate(sources.train)]

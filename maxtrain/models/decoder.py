@@ -35,7 +35,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from maxtrain import ops
+from maxtrain import context_parallel, ops, sharding
+from maxtrain.models import pipeline
 from maxtrain.models import rope as rope_lib
 from maxtrain.models.blocks import LayerInputs
 from maxtrain.models.runtime import REMAT_POLICIES
@@ -153,10 +154,11 @@ def _run_group(family, period, x, group_params, group_cache, inputs: LayerInputs
     return x, (aux_sum, per_layer, stacked)
 
 
-def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, scan: bool):
-    """Runs every layer. Returns (x, aux summed over layers plus the per-layer entries, per-layer
-    caches (k, v) [L, ...] or None)."""
-    types = family.layer_types(config)
+def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, scan: bool, types=None):
+    """Runs every layer (or the layers `types` of one pipeline stage, whose parameters layer_params
+    then holds). Returns (x, aux summed over layers plus the per-layer entries, per-layer caches (k, v)
+    [L, ...] or None)."""
+    types = family.layer_types(config) if types is None else types
     segments = plan_segments(types) if scan else [Segment(i, (t,), 1) for i, t in enumerate(types)]
     aux_total, caches = {}, []
     for seg in segments:
@@ -196,12 +198,33 @@ def rope_tables(positions, config) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
-def forward(family, params, tokens, positions, segment_ids, config, rt):
-    """(logits [B, T, V] float32, aux) for tokens [B, T]; positions restart at 0 in each packed document."""
+def _hidden(family, params, tokens, positions, segment_ids, config, rt):
+    """(final hidden states [B, T, D], aux): the embedding and every layer, in pipeline stages when
+    the mesh has them (models/pipeline.py)."""
     x = family.embed(params, tokens, config, rt)
     inputs = LayerInputs(positions, segment_ids, rope_tables(positions, config))
+    if sharding.ways("layers") > 1:
+        return pipeline.run_stages(run_layers, family, params["layers"], x, inputs, config, rt)
     x, aux, _ = run_layers(family, params["layers"], x, inputs, config, rt, config.scan_layers)
+    return x, aux
+
+
+def _forward(family, params, tokens, positions, segment_ids, config, rt):
+    x, aux = _hidden(family, params, tokens, positions, segment_ids, config, rt)
     return family.logits(params, x, config, rt), aux
+
+
+def forward(family, params, tokens, positions, segment_ids, config, rt):
+    """(logits [B, T, V] float32, aux) for tokens [B, T]; positions restart at 0 in each packed document.
+
+    With context parallelism the tokens run in its load-balanced order (context_parallel.py) and
+    the logits come back in the original order."""
+    cp = sharding.ways("length")
+    if cp == 1:
+        return _forward(family, params, tokens, positions, segment_ids, config, rt)
+    tokens, positions, segment_ids = context_parallel.to_layout((tokens, positions, segment_ids), cp)
+    logits, aux = _forward(family, params, tokens, positions, segment_ids, config, rt)
+    return context_parallel.from_layout(logits, cp), aux
 
 
 def loss_fn(family, params, batch: dict, config, rt):
@@ -210,13 +233,15 @@ def loss_fn(family, params, batch: dict, config, rt):
     Returning sums, not a mean, lets gradient accumulation and multi-host eval weight every real
     token equally; padding has weight 0. Training adds the aux losses (models.objective). With
     num_vocab_tiling > 1 the output projection and the loss run a chunk of the sequence at a time,
-    so the [B, T, V] logits never exist in full (ops.tiled_cross_entropy).
+    so the [B, T, V] logits never exist in full (ops.tiled_cross_entropy). A sum over tokens does
+    not depend on their order: with context parallelism the whole batch goes into the
+    load-balanced order (context_parallel.py) and stays there.
     """
-    tokens, positions = batch["inputs"], batch["positions"]
+    cp = sharding.ways("length")
+    if cp > 1:
+        batch = context_parallel.to_layout(batch, cp)
     weights = batch["loss_weights"].astype(jnp.float32)
-    x = family.embed(params, tokens, config, rt)
-    inputs = LayerInputs(positions, batch["segment_ids"], rope_tables(positions, config))
-    x, aux, _ = run_layers(family, params["layers"], x, inputs, config, rt, config.scan_layers)
+    x, aux = _hidden(family, params, batch["inputs"], batch["positions"], batch["segment_ids"], config, rt)
     head = {k: v for k, v in params.items() if k != "layers"}  # what family.logits reads
 
     def logits_fn(h, x):
