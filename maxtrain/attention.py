@@ -11,6 +11,8 @@ the softmax is ever empty. Padding is kept out of the loss by the loss weights, 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -47,19 +49,57 @@ def dot_product_attention(q, k, v, mask, *, scale: float | None = None, logits_s
 
     mask: boolean, broadcastable to [B, T, S]. scores = soft_cap(q.k * scale, logits_soft_cap) with
     scale defaulting to H ** -0.5 (Gemma's query_pre_attn_scalar changes it).
+
+    Memory: the [B, G, R, T, S] scores and probabilities are the largest arrays of a training step
+    at long sequences. In float32 they are float32 throughout. In bfloat16 or float16 the q.k
+    matmul (accumulating in float32) writes its scores in that dtype and the probabilities are
+    kept in it, as MaxText's dot-product attention does; the softmax and its gradient are computed
+    in float32 from them (`_probabilities`), so no float32 T x S array is ever stored: half the
+    bytes of float32 scores and probabilities (4 + 4 GiB instead of 8 + 4 for Llama 3 8B at 8192).
     """
     b, t, n, h = q.shape
     g = k.shape[2]
     if n % g:
         raise ValueError(f"query heads ({n}) must be a multiple of kv heads ({g})")
     q = q.reshape(b, t, g, n // g, h)  # R = N // G query heads per kv head
-    scores = jnp.einsum("BTGRH,BSGH->BGRTS", q, k, preferred_element_type=jnp.float32)
-    scores = soft_cap(scores * (h**-0.5 if scale is None else scale), logits_soft_cap)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
+    scale = h**-0.5 if scale is None else scale
+    mask = mask[:, None, None, :, :]
+    if q.dtype in (jnp.bfloat16, jnp.float16):
+        scores = jnp.einsum("BTGRH,BSGH->BGRTS", q, k, preferred_element_type=q.dtype)
+        probs = _probabilities(scores, mask, scale, logits_soft_cap)
+    else:
+        scores = jnp.einsum("BTGRH,BSGH->BGRTS", q, k, preferred_element_type=jnp.float32)
+        scores = soft_cap(scores * scale, logits_soft_cap)
+        probs = jax.nn.softmax(jnp.where(mask, scores, _MASK_VALUE), axis=-1)
     out = jnp.einsum("BGRTS,BSGH->BTGRH", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
     return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _probabilities(scores, mask, scale: float, cap: float):
+    """softmax(where(mask, soft_cap(scores * scale, cap), -big)) computed in float32 from 16-bit
+    scores, returned in their dtype; its gradient is computed in float32 from the saved 16-bit
+    probabilities (and scores, when soft-capped)."""
+    return _probabilities_fwd(scores, mask, scale, cap)[0]
+
+
+def _probabilities_fwd(scores, mask, scale, cap):
+    logits = soft_cap(scores.astype(jnp.float32) * scale, cap)
+    probs = jax.nn.softmax(jnp.where(mask, logits, _MASK_VALUE), axis=-1).astype(scores.dtype)
+    return probs, (probs, scores if cap > 0 else None)
+
+
+def _probabilities_bwd(scale, cap, residuals, g):
+    probs, scores = residuals
+    p, g = probs.astype(jnp.float32), g.astype(jnp.float32)
+    d_logits = p * (g - jnp.sum(g * p, axis=-1, keepdims=True))  # softmax's vector-Jacobian product
+    if cap > 0:  # d/dx cap * tanh(x / cap) = 1 - tanh(x / cap)^2
+        d_logits = d_logits * (1.0 - jnp.square(jnp.tanh(scores.astype(jnp.float32) * scale / cap)))
+    return (d_logits * scale).astype(probs.dtype), None
+
+
+_probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
 
 
 def _cudnn_attention(q, k, v, segment_ids, causal, scale):
@@ -135,10 +175,12 @@ def describe(implementation: str, backend: str | None = None) -> str:
 
 def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", causal: bool = True,
               sliding_window: int = 0, logits_soft_cap: float = 0.0, scale: float | None = None,
-              block_q: int = 128, block_kv: int = 128):
+              block_q: int = 128, block_kv: int = 128, platform: str | None = None):
     """Self-attention over one (possibly packed) sequence; dispatches on `implementation`.
 
     `implementation` must already be resolved (see resolve_implementation). scale defaults to H ** -0.5.
+    `platform` is the target the step is compiled for (the Runtime's backend): a flash kernel
+    compiled for a GPU on a CPU-only machine (maxtrain.train_compile) must not run interpreted.
     """
     features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
     if _unsupported(implementation, features):
@@ -151,7 +193,7 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", caus
 
         return flash_attention.flash_attention(
             q, k, v, segment_ids, segment_ids, causal=causal, block_q=block_q, block_k=block_kv, sm_scale=scale,
-            interpret=jax.default_backend() == "cpu")
+            interpret=(platform or jax.default_backend()) == "cpu")
     if implementation == "cudnn":
         return _cudnn_attention(q, k, v, segment_ids, causal, scale)
     raise ValueError(f"unresolved attention implementation {implementation!r}")

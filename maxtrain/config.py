@@ -367,7 +367,9 @@ def _validate_rules(rules) -> None:
         _require(isinstance(rule, list) and len(rule) == 2,
                  f"logical_axis_rules entry {rule!r} must be a pair [logical_axis, mesh_axes]")
         name, mesh_axes = rule
-        _require(name in LOGICAL_AXES, f"logical_axis_rules: unknown logical axis {name!r}; known: {', '.join(LOGICAL_AXES)}")
+        _require(name in LOGICAL_AXES or name.removeprefix("activation_") in LOGICAL_AXES,
+                 f"logical_axis_rules: unknown logical axis {name!r}; known: {', '.join(LOGICAL_AXES)} "
+                 "(and activation_<axis> for activations placed apart from parameters)")
         axes = [] if mesh_axes is None else [mesh_axes] if isinstance(mesh_axes, str) else mesh_axes
         for axis in axes:
             _require(axis in MESH_AXES, f"logical_axis_rules: {name!r} maps to unknown mesh axis {axis!r}; "

@@ -6,7 +6,13 @@ tensor parallelism is a config change only.
 
 Rules are applied in order and each mesh axis is used at most once per array: with
 `batch -> [data, fsdp]` and `embed -> fsdp`, a parameter [embed, heads] is sharded over fsdp on
-embed, while an activation [batch, length, embed] uses fsdp for batch and leaves embed whole.
+embed, while an activation [batch, length, embed] uses fsdp for batch.
+
+Activations may be placed apart from parameters: a rule for `activation_<axis>` applies to the
+activations `shard()` constrains, in place of the rule for `<axis>`. base.yml's
+`activation_embed -> tensor` splits the residual stream [batch, length, embed] over the tensor
+axis, where the `embed` rule would leave it whole on every tensor-parallel device (the layer
+gathers it before its projections and reduce-scatters after them, instead of an all-reduce).
 """
 
 from __future__ import annotations
@@ -130,10 +136,29 @@ def activation_sharding(mesh: Mesh, rules):
         _ACTIVE.reset(token)
 
 
+def activation_spec(logical_axes: Sequence[str | None], rules) -> PartitionSpec:
+    """PartitionSpec of an activation: `activation_<axis>` rules, where given, replace `<axis>` rules."""
+    table = _rule_axes(rules)
+    return logical_to_spec([f"activation_{a}" if a and f"activation_{a}" in table else a for a in logical_axes],
+                           rules)
+
+
 def shard(x, logical_axes: Sequence[str | None]):
     """Constrains activation `x` to the sharding its logical axes map to; a no-op without a mesh."""
     active = _ACTIVE.get()
     if active is None:
         return x
     mesh, rules = active
-    return jax.lax.with_sharding_constraint(x, named_sharding(mesh, logical_axes, rules))
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, activation_spec(logical_axes, rules)))
+
+
+def shard_like_params(tree, specs):
+    """Constrains a tree shaped like the parameters (their gradients) to the parameters' shardings,
+    from their declarations `specs`; a no-op without a mesh. Without it the partitioner may keep a
+    whole gradient on every device, and all-reduce it, where the parameter is sharded."""
+    active = _ACTIVE.get()
+    if active is None:
+        return tree
+    mesh, rules = active
+    return jax.tree.map(lambda x, spec: jax.lax.with_sharding_constraint(x, named_sharding(mesh, spec.axes, rules)),
+                        tree, specs)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from maxtrain import models, precision
+from maxtrain import models, precision, sharding
 from maxtrain.optimizer import make_schedule
 
 
@@ -38,6 +38,7 @@ def init_state(config, rt: models.Runtime, tx: optax.GradientTransformation, key
 def make_train_step(config, rt: models.Runtime, tx: optax.GradientTransformation):
     scaling = precision.uses_loss_scaling(rt.dtype)
     lr_at = make_schedule(config)
+    specs = models.param_specs(config)
 
     def train_step(state: dict, batch: dict):
         params, scale = state["params"], state["loss_scale"]["scale"]
@@ -54,10 +55,11 @@ def make_train_step(config, rt: models.Runtime, tx: optax.GradientTransformation
                 return models.objective(loss, weight, aux) * unit, (loss, weight, aux)
 
             grads, (loss, weight, aux) = jax.grad(scaled_loss, has_aux=True)(params)
+            grads = sharding.shard_like_params(grads, specs)  # reduce-scattered, never whole on a device
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
             return (grad_sum, loss_sum + loss, weight_sum + weight), aux
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros = sharding.shard_like_params(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params), specs)
         (grad_sum, loss_sum, weight_sum), aux = jax.lax.scan(micro_step, (zeros, 0.0, 0.0), batch)
         denom = jnp.maximum(weight_sum, 1.0)
         grads = jax.tree.map(lambda g: g / (denom * unit), grad_sum)

@@ -126,7 +126,7 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", sl
     if inputs.cache is None:
         out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=rt.attention,
                                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
-                                      block_q=config.sa_block_q, block_kv=config.sa_block_kv)
+                                      block_q=config.sa_block_q, block_kv=config.sa_block_kv, platform=rt.backend)
         aux = {}
     else:
         # Decoding: write this step's k, v at `index` and attend to the filled cache slots.
