@@ -132,9 +132,11 @@ def group_size(rest: str) -> int | None:
 def _exchanged(kind: str, opcode: str, result_type: str, rest: str) -> list[tuple[str, tuple[int, ...]]]:
     """The arrays one chip exchanges in a collective (see the module docstring). Only the result
     type is read: TPU programs print operands without their shapes."""
-    results = [a for a in _arrays(result_type) if a[1] or not opcode.endswith("-start")]
-    if opcode.endswith("-start") and kind in ("all-gather", "collective-permute") and len(results) % 2 == 0:
-        results = results[len(results) // 2:]  # (inputs..., outputs...): the outputs
+    start = opcode.endswith("-start")
+    results = [a for a in _arrays(result_type) if a[1] or not start]
+    if start and kind != "all-reduce" and len(results) % 2 == 0:  # ((inputs...), (outputs...)[, context])
+        half = len(results) // 2
+        return results[:half] if kind == "reduce-scatter" else results[half:]
     if kind == "reduce-scatter":  # each chip gets 1/group of the reduced inputs
         size = group_size(rest) or 1
         return [(dtype, dims[:-1] + (dims[-1] * size,) if dims else dims) for dtype, dims in results]

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import math
 import os
 import re
 

@@ -17,12 +17,14 @@ differ somewhat from a compile on the GPU itself.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 
 import jax
+import jax.numpy as jnp
 
-from maxtrain import builder, executable, hlo_stats, metrics, sharding, topologies
+from maxtrain import builder, executable, hlo_stats, metrics, models, sharding, topologies
 from maxtrain import config as config_lib
 
 EXIT_DOES_NOT_FIT = 3
@@ -50,8 +52,8 @@ def report(run, compiled, target: topologies.Target, seconds: float) -> dict:
         "target": target.describe(), "platform": target.platform, "chip": target.chip,
         "device_kind": devices[0].device_kind, "num_devices": len(devices),
         "hosts": len({getattr(d, "process_index", 0) for d in devices}),
-        "mesh": dict(run.mesh.shape), "model_name": config.model_name, "params": builder.models.num_params(config),
-        "attention": run.rt.attention, "remat_policy": run.rt.remat_policy, "dtype": jax.numpy.dtype(run.rt.dtype).name,
+        "mesh": dict(run.mesh.shape), "model_name": config.model_name, "params": models.num_params(config),
+        "attention": run.rt.attention, "remat_policy": run.rt.remat_policy, "dtype": jnp.dtype(run.rt.dtype).name,
         "global_batch": config.global_batch_size, "max_target_length": config.max_target_length,
         "per_device_batch_size": config.per_device_batch_size,
         "gradient_accumulation_steps": config.gradient_accumulation_steps,
@@ -103,25 +105,43 @@ def format_report(rep: dict) -> str:
     return "\n".join(lines)
 
 
+def out_of_memory(error: Exception) -> tuple[float, float] | None:
+    """(needed, available) GiB when the TPU compiler refused a program for the chip's memory, else None.
+
+    libtpu stops a compile whose temporaries alone exceed the chip's HBM ("RESOURCE_EXHAUSTED: Ran
+    out of memory on HBM, the total memory required for HLO temporaries (17.21G) exceeds available
+    HBM (15.75G)"): there is no compiled program to measure then, only its figures."""
+    match = re.search(r"Ran out of memory in memory space hbm|Ran out of memory on HBM", str(error))
+    figures = re.search(r"\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", str(error))
+    if not match or not figures:
+        return None
+    return float(figures.group(1)), float(figures.group(2))
+
+
+def knobs(config, mesh: dict, num_devices: int, attention: str, platform: str) -> list[str]:
+    """The settings that would make a step need less memory per chip."""
+    out = []
+    if config.remat_policy not in ("full", "autoselected"):
+        out.append("remat_policy=full (recompute activations)")
+    if mesh.get("fsdp", 1) < num_devices // max(1, mesh.get("tensor", 1)):
+        out.append("a larger ici_fsdp_parallelism (shard the parameters and optimizer state further)")
+    if config.per_device_batch_size > 1:
+        out.append(f"per_device_batch_size={config.per_device_batch_size // 2} with gradient_accumulation_steps="
+                   f"{config.gradient_accumulation_steps * 2} (the same global batch in smaller micro-batches)")
+    else:
+        out.append("gradient_accumulation_steps to keep the global batch with a smaller per-device batch")
+    if attention == "dot_product" and platform in ("gpu", "tpu"):
+        out.append("attention=flash (no [T, S] scores in memory)")
+    return out
+
+
 def overshoot_message(rep: dict, config) -> str:
     """One line: how much the step exceeds the chip's memory, and the settings that would help."""
     gib = 2**30
     mem = rep["memory"]
-    knobs = []
-    if config.remat_policy not in ("full", "autoselected"):
-        knobs.append("remat_policy=full (recompute activations)")
-    mesh = rep["mesh"]
-    if mesh.get("fsdp", 1) < rep["num_devices"] // max(1, mesh.get("tensor", 1)):
-        knobs.append("a larger ici_fsdp_parallelism (shard the parameters and optimizer state further)")
-    if config.per_device_batch_size > 1:
-        knobs.append(f"per_device_batch_size={config.per_device_batch_size // 2} with gradient_accumulation_steps="
-                     f"{config.gradient_accumulation_steps * 2} (the same global batch in smaller micro-batches)")
-    else:
-        knobs.append("gradient_accumulation_steps to keep the global batch with a smaller per-device batch")
-    if rep["attention"] == "dot_product" and rep["platform"] in ("gpu", "tpu"):
-        knobs.append("attention=flash (no [T, S] scores in memory)")
     return (f"the step needs {mem['total'] / gib:.2f} GiB per chip, {(mem['total'] - mem['chip']) / gib:.2f} GiB more than "
-            f"the {mem['chip'] / gib:.1f} GiB of a {rep['chip']} chip. Try " + "; ".join(knobs))
+            f"the {mem['chip'] / gib:.1f} GiB of a {rep['chip']} chip. Try "
+            + "; ".join(knobs(config, rep["mesh"], rep["num_devices"], rep["attention"], rep["platform"])))
 
 
 def main(argv: list[str]) -> int:
@@ -131,7 +151,21 @@ def main(argv: list[str]) -> int:
         # Compiling for another target needs no accelerator here; keep JAX from probing for one.
         jax.config.update("jax_platforms", "cpu")
     print(f"compiling the train step for {target.describe()} ...", flush=True)
-    run, lowered, compiled, seconds = compile_for_target(config, target)
+    try:
+        run, lowered, compiled, seconds = compile_for_target(config, target)
+    except jax.errors.JaxRuntimeError as error:
+        refused = out_of_memory(error)
+        if refused is None:
+            raise
+        needed, available = refused
+        run = builder.build(config, devices=target.devices(), platform=target.platform, num_processes=1)
+        mesh = dict(run.mesh.shape)
+        print("the TPU compiler refused the step: its temporaries alone need more than the chip's memory\n"
+              f"mesh        {' x '.join(f'{axis} {size}' for axis, size in mesh.items())}", flush=True)
+        print(f"maxtrain.train_compile: error: the step needs {needed:.2f} GiB per chip for its temporaries alone, "
+              f"{needed - available:.2f} GiB more than the {available:.2f} GiB a {target.chip} chip leaves them. Try " + "; ".join(knobs(config, mesh, len(target.devices()), run.rt.attention,
+                                                        target.platform)), file=sys.stderr, flush=True)
+        return EXIT_DOES_NOT_FIT
     rep = report(run, compiled, target, seconds)
     print(format_report(rep), flush=True)
     if not fits(rep):

@@ -84,6 +84,9 @@ def compile_cell(argv: list[str]) -> dict:
         target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
         run, _, compiled, seconds = train_compile.compile_for_target(config, target)
     except (ValueError, RuntimeError) as error:  # a kernel missing for the target, a compiler error
+        refused = train_compile.out_of_memory(error)
+        if refused:  # libtpu refuses a program whose temporaries exceed the chip
+            return {"refused": {"temporaries_gib": refused[0], "available_gib": refused[1]}, "fits": False}
         return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
     rep = train_compile.report(run, compiled, target, seconds)
     rep["fits"] = train_compile.fits(rep)
@@ -130,6 +133,8 @@ def gib(n) -> str:
 def cell_text(record: dict | None) -> str:
     if record is None:
         return "not run"
+    if "refused" in record:
+        return f"does not fit: temporaries alone {record['refused']['temporaries_gib']:.1f} of {record['refused']['available_gib']:.1f}"
     if "error" in record:
         return "fails: " + record["error"].split(": ", 1)[-1][:80].replace("|", "/")
     mem = record["memory"]

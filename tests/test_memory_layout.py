@@ -36,7 +36,7 @@ def test_tensor_parallel_step_keeps_activations_and_gradients_sharded():
                                   "ici_tensor_parallelism=2", "per_device_batch_size=2", "remat_policy=full"])
     run = builder.build(config)
     text = run.compile().as_text()
-    b, t, d = config.micro_batch_size // 4, config.max_target_length, config.base_emb_dim
+    b, t, d = run.config.micro_batch_size // 4, config.max_target_length, config.base_emb_dim
     layers = config.base_num_decoder_layers
     # The stacked residuals of the layer scan: [L, B/fsdp, T, D/tensor] per device.
     assert f"[{layers},{b},{t},{d // 2}]" in text

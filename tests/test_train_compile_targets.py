@@ -6,6 +6,7 @@ skips into failures there).
 
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -102,8 +103,11 @@ def test_a_step_that_does_not_fit_exits_3_naming_the_overshoot(tmp_path):
          "remat_policy=minimal", "ici_data_parallelism=2", "ici_fsdp_parallelism=2"],
         capture_output=True, text=True, cwd=tmp_path, timeout=1800, env=env)
     assert result.returncode == 3, result.stdout + result.stderr
-    assert "DOES NOT FIT" in result.stdout and "memory per chip" in result.stdout
+    assert "Traceback" not in result.stderr
+    # libtpu itself refuses a program whose temporaries exceed the chip; a smaller overshoot is
+    # caught from memory_analysis(). Either way: one line, the overshoot and the settings to change.
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("maxtrain.train_compile: error: the step needs ") and "GiB more than the 16.0 GiB" in last
+    assert last.startswith("maxtrain.train_compile: error: the step"), last
+    assert re.search(r"needs [\d.]+ GiB per chip[^,]*, [\d.]+ GiB more than the [\d.]+ GiB", last), last
     for knob in ("remat_policy=full", "ici_fsdp_parallelism", "per_device_batch_size=32 with gradient_accumulation_steps=2"):
         assert knob in last, last
