@@ -44,18 +44,21 @@ def soft_cap(x, cap: float):
     return cap * jnp.tanh(x / cap) if cap > 0 else x
 
 
-def dot_product_attention(q, k, v, mask, *, scale: float | None = None, logits_soft_cap: float = 0.0):
+def dot_product_attention(q, k, v, mask, *, scale: float | None = None, logits_soft_cap: float = 0.0,
+                          compact_scores: bool = False):
     """Reference attention in plain jnp; softmax in float32, output in q.dtype.
 
     mask: boolean, broadcastable to [B, T, S]. scores = soft_cap(q.k * scale, logits_soft_cap) with
     scale defaulting to H ** -0.5 (Gemma's query_pre_attn_scalar changes it).
 
     Memory: the [B, G, R, T, S] scores and probabilities are the largest arrays of a training step
-    at long sequences. In float32 they are float32 throughout. In bfloat16 or float16 the q.k
-    matmul (accumulating in float32) writes its scores in that dtype and the probabilities are
-    kept in it, as MaxText's dot-product attention does; the softmax and its gradient are computed
-    in float32 from them (`_probabilities`), so no float32 T x S array is ever stored: half the
-    bytes of float32 scores and probabilities (4 + 4 GiB instead of 8 + 4 for Llama 3 8B at 8192).
+    at long sequences. compact_scores=True with bfloat16 or float16 inputs: the q.k matmul
+    (accumulating in float32) writes its scores in that dtype and the probabilities are kept in
+    it, as MaxText's dot-product attention does, while the softmax and its gradient are computed
+    in float32 from them (`_probabilities`). XLA's TPU compiler then stores no float32 T x S array
+    (Llama 3 8B at 8192 on v5p-128: 4 GiB less per chip); its GPU compiler writes the float32
+    softmax out and needs more (8 x H100: 50.8 against 42.8 GiB), so attention() asks for compact
+    scores on TPUs only (docs/scale.md). Otherwise scores and softmax are float32.
     """
     b, t, n, h = q.shape
     g = k.shape[2]
@@ -64,7 +67,7 @@ def dot_product_attention(q, k, v, mask, *, scale: float | None = None, logits_s
     q = q.reshape(b, t, g, n // g, h)  # R = N // G query heads per kv head
     scale = h**-0.5 if scale is None else scale
     mask = mask[:, None, None, :, :]
-    if q.dtype in (jnp.bfloat16, jnp.float16):
+    if compact_scores and q.dtype in (jnp.bfloat16, jnp.float16):
         scores = jnp.einsum("BTGRH,BSGH->BGRTS", q, k, preferred_element_type=q.dtype)
         probs = _probabilities(scores, mask, scale, logits_soft_cap)
     else:
@@ -187,7 +190,8 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", caus
         raise ValueError(f"attention={implementation} does not implement {_unsupported(implementation, features)}")
     if implementation == "dot_product":
         mask = make_attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
-        return dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap)
+        return dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap,
+                                     compact_scores=platform == "tpu")
     if implementation == "flash":
         from maxtrain.kernels import flash_attention  # pylint: disable=import-outside-toplevel
 

@@ -59,7 +59,7 @@ def _old_reference(q, k, v, mask, scale, cap):
 
 
 @pytest.mark.parametrize("cap", [0.0, 5.0])
-def test_16_bit_scores_match_float32_attention(cap):
+def test_compact_16_bit_scores_match_float32_attention(cap):
     keys = jax.random.split(jax.random.key(0), 4)
     b, t, n, g, h = 2, 64, 4, 2, 32
     q, k, v = (jax.random.normal(keys[0], (b, t, n, h)), jax.random.normal(keys[1], (b, t, g, h)),
@@ -72,10 +72,14 @@ def test_16_bit_scores_match_float32_attention(cap):
         out = fn(q.astype(dtype), k.astype(dtype), v.astype(dtype))
         return jnp.sum(out.astype(jnp.float32) * cotangent)
 
-    new = lambda q, k, v: attention.dot_product_attention(q, k, v, mask, scale=h**-0.5, logits_soft_cap=cap)
+    new = lambda q, k, v: attention.dot_product_attention(q, k, v, mask, scale=h**-0.5, logits_soft_cap=cap,
+                                                          compact_scores=True)
     old = lambda q, k, v: _old_reference(q, k, v, mask, h**-0.5, cap)
-    # float32 is computed exactly as before.
+    # float32 is computed exactly as before, and so is bfloat16 without compact scores.
     np.testing.assert_array_equal(new(q, k, v), old(q, k, v))
+    qb, kb, vb = q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+    np.testing.assert_array_equal(attention.dot_product_attention(qb, kb, vb, mask, scale=h**-0.5, logits_soft_cap=cap),
+                                  old(qb, kb, vb))
     # bfloat16: values and gradients within bfloat16's precision of the float32 ones.
     want = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, jnp.float32, old)
     got = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, jnp.bfloat16, new)
@@ -85,8 +89,9 @@ def test_16_bit_scores_match_float32_attention(cap):
         float(loss(q, k, v, jnp.float32, old))) + 0.5
 
 
-def test_16_bit_attention_needs_less_memory_than_float32_scores():
-    """The compiled gradient of bfloat16 attention: its temporaries against those of float32 scores."""
+def test_compact_scores_need_less_memory_than_float32_scores():
+    """The compiled gradient of bfloat16 attention with compact scores: its temporaries against
+    those of float32 scores (on XLA:CPU, which fuses the float32 softmax as XLA:TPU does)."""
     b, t, n, h = 1, 512, 2, 16
     q = jnp.ones((b, t, n, h), jnp.bfloat16)
     mask = attention.make_attention_mask(jnp.ones((b, t), jnp.int32), jnp.ones((b, t), jnp.int32))
@@ -95,7 +100,7 @@ def test_16_bit_attention_needs_less_memory_than_float32_scores():
         grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
         return grad.lower(q, q, q).compile().memory_analysis().temp_size_in_bytes
 
-    new = temporaries(lambda q, k, v: attention.dot_product_attention(q, k, v, mask))
+    new = temporaries(lambda q, k, v: attention.dot_product_attention(q, k, v, mask, compact_scores=True))
     old = temporaries(lambda q, k, v: _old_reference(q, k, v, mask, h**-0.5, 0.0))
     scores = b * n * t * t  # elements of one T x S array
     assert new <= old - 2 * scores, (new, old)  # at least one float32 T x S array fewer
