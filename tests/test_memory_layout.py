@@ -1,6 +1,8 @@
 """The changes that bring per-chip memory down (docs/scale.md, "Where the memory went"), on CPU:
 activations placed apart from parameters, gradients kept sharded, 16-bit attention scores."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,18 +91,25 @@ def test_compact_16_bit_scores_match_float32_attention(cap):
         float(loss(q, k, v, jnp.float32, old))) + 0.5
 
 
-def test_compact_scores_need_less_memory_than_float32_scores():
-    """The compiled gradient of bfloat16 attention with compact scores: its temporaries against
-    those of float32 scores (on XLA:CPU, which fuses the float32 softmax as XLA:TPU does)."""
+def test_compact_scores_store_no_float32_score_array(capsys):
+    """What the backward pass keeps of bfloat16 attention: with compact scores, the T x S arrays it
+    saves and the scores the q.k matmul writes are bfloat16; without, the scores are float32."""
     b, t, n, h = 1, 512, 2, 16
     q = jnp.ones((b, t, n, h), jnp.bfloat16)
     mask = attention.make_attention_mask(jnp.ones((b, t), jnp.int32), jnp.ones((b, t), jnp.int32))
+    square = f"[{b},{n},1,{t},{t}]"
 
-    def temporaries(fn):
-        grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2)))
-        return grad.lower(q, q, q).compile().memory_analysis().temp_size_in_bytes
+    def saved(compact):
+        fn = lambda q, k, v: jnp.sum(attention.dot_product_attention(q, k, v, mask, compact_scores=compact)
+                                     .astype(jnp.float32))
+        jax.ad_checkpoint.print_saved_residuals(fn, q, q, q)
+        residuals = capsys.readouterr().out
+        products = [line for line in jax.jit(fn).lower(q, q, q).as_text().splitlines() if "dot_general" in line]
+        return residuals, "\n".join(products)
 
-    new = temporaries(lambda q, k, v: attention.dot_product_attention(q, k, v, mask, compact_scores=True))
-    old = temporaries(lambda q, k, v: _old_reference(q, k, v, mask, h**-0.5, 0.0))
-    scores = b * n * t * t  # elements of one T x S array
-    assert new <= old - 2 * scores, (new, old)  # at least one float32 T x S array fewer
+    residuals, scores = saved(True)
+    float32_scores = re.compile(rf"-> tensor<(\d+x)*{t}x(\d+x)*{t}x(\d+x)*f32>")  # a dot_general writing a T x S float32 array
+    assert f"bf16{square}" in residuals and f"f32{square}" not in residuals, residuals
+    assert f"tensor<{b}x{n}x1x{t}x{t}xbf16>" in scores and not float32_scores.search(scores), scores
+    residuals, scores = saved(False)
+    assert float32_scores.search(scores), scores

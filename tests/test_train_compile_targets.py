@@ -63,8 +63,11 @@ def test_step_compiles_for_8_h100s_with_autoselected_attention():
 # FSDP and tensor parallelism at 64 chips
 # --------------------------------------------------------------------------------------------
 
-WIDE = ["dataset_type=synthetic", "base_emb_dim=1024", "base_num_query_heads=16", "base_num_kv_heads=8",
-        "head_dim=64", "base_mlp_dim=2048", "base_num_decoder_layers=4", "vocab_size=4096", "max_target_length=512",
+# Every parameter's shard ends in dimensions that fill TPU tiles of (8, 128) under both meshes, so
+# the chip's argument bytes are the state's bytes / 64 and not padded tiles (a [16, 64] shard
+# would occupy a [16, 128] tile).
+WIDE = ["dataset_type=synthetic", "base_emb_dim=8192", "base_num_query_heads=32", "base_num_kv_heads=32",
+        "head_dim=128", "base_mlp_dim=2048", "base_num_decoder_layers=4", "vocab_size=4096", "max_target_length=512",
         "per_device_batch_size=1", "dtype=bfloat16", "attention=dot_product", "compile_topology=v5p-128"]
 
 
