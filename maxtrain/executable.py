@@ -18,6 +18,8 @@ import pickle
 
 import jax
 
+from maxtrain.errors import UserError
+
 FORMAT = "maxtrain-compiled-step-1"
 
 # Keys that do not change the compiled step: where a run writes, what it reads, how often it logs.
@@ -27,7 +29,7 @@ _IRRELEVANT = ("run_name", "run_dir", "checkpoint_dir", "tensorboard_dir", "meta
                "compiled_trainstep_file", "compile_topology", "compile_topology_num_slices")
 
 
-class ExecutableError(ValueError):
+class ExecutableError(UserError, ValueError):
     """A compiled step file that cannot be used for this run; the message says why and what to do."""
 
 

@@ -27,6 +27,8 @@ import importlib.util
 import os
 import re
 
+from maxtrain.errors import UserError
+
 GIB = 2**30
 
 # Per-chip memory and peak (dense bfloat16 TFLOP/s) of each chip kind: the vendors' data sheets.
@@ -51,7 +53,7 @@ EXTRA_HINT = {"tpu": "pip install -e '.[tpu]' (libtpu, the TPU compiler)",
               "gpu": "pip install -e '.[cuda]' (JAX's CUDA plugin with ptxas, the NVIDIA GPU compiler)"}
 
 
-class TargetError(ValueError):
+class TargetError(UserError, ValueError):
     """A compile target that cannot be named, built or compiled for here; the message says the fix."""
 
 

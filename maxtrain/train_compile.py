@@ -24,8 +24,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from maxtrain import builder, executable, hlo_stats, metrics, models, sharding, topologies
-from maxtrain import config as config_lib
+from maxtrain import builder, executable, hlo_stats, metrics, models, topologies
+from maxtrain.errors import run_cli
 
 EXIT_DOES_NOT_FIT = 3
 
@@ -132,6 +132,8 @@ def knobs(config, mesh: dict, num_devices: int, attention: str, platform: str) -
         out.append("gradient_accumulation_steps to keep the global batch with a smaller per-device batch")
     if attention == "dot_product" and platform in ("gpu", "tpu"):
         out.append("attention=flash (no [T, S] scores in memory)")
+    if config.num_vocab_tiling == 1:
+        out.append("num_vocab_tiling=4 (the logits a quarter of the sequence at a time)")
     return out
 
 
@@ -179,9 +181,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:]))
-    except (config_lib.ConfigError, topologies.TargetError, sharding.MeshError, executable.ExecutableError,
-            FileNotFoundError, ValueError) as error:
-        print(f"maxtrain.train_compile: error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    sys.exit(run_cli("maxtrain.train_compile", main))

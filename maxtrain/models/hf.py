@@ -17,6 +17,13 @@ from __future__ import annotations
 
 import math
 
+from maxtrain.errors import UserError
+
+EMBEDDING_NAMES = {
+    "token_embedding": ("model.embed_tokens.weight", None),
+    "final_norm": ("model.norm.weight", None),
+    "output": ("lm_head.weight", 1),
+}
 ATTENTION_NAMES = {
     "layers/decoder/wq": ("model.layers.{i}.self_attn.q_proj.weight", 1),
     "layers/decoder/wk": ("model.layers.{i}.self_attn.k_proj.weight", 1),
@@ -39,7 +46,7 @@ MLP_NAMES = {
 }
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError, ValueError):
     """A checkpoint or config that cannot be converted; the message names the tensor or field."""
 
 
