@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from maxtrain import attention, builder, config as config_lib, hlo_stats, sharding
+from maxtrain.config import with_overrides
 
 from conftest import BASE_YML, TINY
 
@@ -34,8 +35,9 @@ def test_unknown_activation_axis_is_refused():
 def test_tensor_parallel_step_keeps_activations_and_gradients_sharded():
     """fsdp 4 x tensor 2 on the 8 CPU devices: the per-layer activation saved for the backward pass
     is split over both axes, so the program holds no [B, T, D] activation whole on a device."""
-    config = builder.load_config([BASE_YML, *TINY, "dataset_type=synthetic", "ici_fsdp_parallelism=4",
-                                  "ici_tensor_parallelism=2", "per_device_batch_size=2", "remat_policy=full"])
+    config = builder.load_config(with_overrides([BASE_YML, *TINY], "dataset_type=synthetic", "ici_fsdp_parallelism=4",
+                                                "ici_tensor_parallelism=2", "per_device_batch_size=2",
+                                                "remat_policy=full"))
     run = builder.build(config)
     text = run.compile().as_text()
     b, t, d = run.config.micro_batch_size // 4, config.max_target_length, config.base_emb_dim

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from maxtrain import executable, hlo_stats, topologies, train, train_compile
+from maxtrain.config import with_overrides
 
 from conftest import BASE_YML, REPO
 
@@ -188,13 +189,13 @@ STEP_ARGS = ["dataset_type=synthetic", "steps=2", "enable_checkpointing=false", 
 
 def test_saved_step_trains_bitwise_like_the_jit_path(tiny_args, tmp_path, capsys):
     path = str(tmp_path / "step.bin")
-    assert train_compile.main([*tiny_args, *STEP_ARGS, f"compiled_trainstep_file={path}"]) == 0
+    assert train_compile.main(with_overrides(tiny_args, *STEP_ARGS, f"compiled_trainstep_file={path}")) == 0
     out = capsys.readouterr().out
     assert "this machine: 8" in out and "memory per chip" in out and f"saved the compiled step to {path}" in out
 
-    loaded = train.main([*tiny_args, *STEP_ARGS, "run_name=loaded", f"compiled_trainstep_file={path}"])
+    loaded = train.main(with_overrides(tiny_args, *STEP_ARGS, "run_name=loaded", f"compiled_trainstep_file={path}"))
     assert f"loaded the compiled step from {path}" in capsys.readouterr().out
-    jitted = train.main([*tiny_args, *STEP_ARGS, "run_name=jitted"])
+    jitted = train.main(with_overrides(tiny_args, *STEP_ARGS, "run_name=jitted"))
     assert int(loaded["state"]["step"]) == int(jitted["state"]["step"]) == 2
     for a, b in zip(jax.tree.leaves(loaded["state"]["params"]), jax.tree.leaves(jitted["state"]["params"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
@@ -204,18 +205,18 @@ def test_saved_step_trains_bitwise_like_the_jit_path(tiny_args, tmp_path, capsys
 
 def test_saved_step_of_another_config_is_refused(tiny_args, tmp_path):
     path = str(tmp_path / "step.bin")
-    assert train_compile.main([*tiny_args, *STEP_ARGS, f"compiled_trainstep_file={path}"]) == 0
+    assert train_compile.main(with_overrides(tiny_args, *STEP_ARGS, f"compiled_trainstep_file={path}")) == 0
     with pytest.raises(executable.ExecutableError, match=r"different train step.*learning_rate=0\.003 there, 0\.01 here"):
-        train.main([*tiny_args, *STEP_ARGS, "learning_rate=0.01", f"compiled_trainstep_file={path}"])
+        train.main(with_overrides(tiny_args, *STEP_ARGS, "learning_rate=0.01", f"compiled_trainstep_file={path}"))
 
 
 def test_missing_or_foreign_step_file(tiny_args, tmp_path):
     with pytest.raises(executable.ExecutableError, match="does not exist. Write it with python -m maxtrain.train_compile"):
-        train.main([*tiny_args, *STEP_ARGS, f"compiled_trainstep_file={tmp_path / 'nope.bin'}"])
+        train.main(with_overrides(tiny_args, *STEP_ARGS, f"compiled_trainstep_file={tmp_path / 'nope.bin'}"))
     foreign = tmp_path / "foreign.bin"
     foreign.write_bytes(b"not a pickle")
     with pytest.raises(executable.ExecutableError, match="is not a compiled step written by maxtrain.train_compile"):
-        train.main([*tiny_args, *STEP_ARGS, f"compiled_trainstep_file={foreign}"])
+        train.main(with_overrides(tiny_args, *STEP_ARGS, f"compiled_trainstep_file={foreign}"))
 
 
 def test_cli_errors_are_one_line(tmp_path):

@@ -14,6 +14,7 @@ import jax
 import pytest
 
 from maxtrain import builder, hlo_stats, models, topologies, train_compile
+from maxtrain.config import with_overrides
 
 from conftest import BASE_YML, REPO
 
@@ -101,9 +102,10 @@ def test_a_step_that_does_not_fit_exits_3_naming_the_overshoot(tmp_path):
     need("tpu")
     env = {**os.environ, "PYTHONPATH": REPO}
     result = subprocess.run(
-        [sys.executable, "-m", "maxtrain.train_compile", BASE_YML, *SMALL[:-2], "compile_topology=v5e-4",
-         "per_device_batch_size=64", "max_target_length=2048", "vocab_size=32768", "dtype=bfloat16",
-         "remat_policy=minimal", "ici_data_parallelism=2", "ici_fsdp_parallelism=2"],
+        [sys.executable, "-m", "maxtrain.train_compile",
+         *with_overrides([BASE_YML, *SMALL], "compile_topology=v5e-4", "per_device_batch_size=64",
+                         "max_target_length=2048", "vocab_size=32768", "remat_policy=minimal",
+                         "ici_data_parallelism=2", "ici_fsdp_parallelism=2")],
         capture_output=True, text=True, cwd=tmp_path, timeout=1800, env=env)
     assert result.returncode == 3, result.stdout + result.stderr
     assert "Traceback" not in result.stderr
