@@ -4,6 +4,7 @@
     python scripts/scale_table.py --rows 8b-v5p128 --attention dot_product
     python scripts/scale_table.py --table-only     # rewrite docs/scale.md from the results file
     python scripts/scale_table.py --maxtext-python /path/to/py312-venv/bin/python   # also MaxText 0.2.5's train_compile
+    python scripts/scale_table.py --maxtext-python PY --only-maxtext             # MaxText's cells only
 
 Each cell is one `maxtrain.train_compile` run, in a subprocess of its own (a failed or killed compile
 loses only that cell), appended as one JSON line to the results file (default
@@ -196,6 +197,7 @@ def main() -> None:
     parser.add_argument("--redo", action="store_true", help="compile the selected cells again")
     parser.add_argument("--table-only", action="store_true")
     parser.add_argument("--maxtext-python", help="a Python with maxtext 0.2.5 installed: also run its train_compile")
+    parser.add_argument("--only-maxtext", action="store_true", help="with --maxtext-python: run MaxText's cells only")
     parser.add_argument("--cell", nargs=2, help=argparse.SUPPRESS)  # child process: ROW ATTENTION
     args = parser.parse_args()
 
@@ -206,7 +208,8 @@ def main() -> None:
     if not args.table_only:
         for key in args.rows:
             for attention in args.attention:
-                for who in ("maxtrain",) + (("maxtext",) if args.maxtext_python else ()):
+                whos = (() if args.only_maxtext else ("maxtrain",)) + (("maxtext",) if args.maxtext_python else ())
+                for who in whos:
                     if (key, attention, who) in results and not args.redo:
                         continue
                     started = time.time()
