@@ -110,7 +110,10 @@ def run_maxtext(python: str, key: str, attention: str, workdir: str) -> dict:
     proc = subprocess.run(args, capture_output=True, text=True, cwd=workdir, env={**os.environ, "JAX_PLATFORMS": "cpu",
                                                                                   "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
     text = proc.stdout + proc.stderr
-    match = re.search(r"Total memory size:\s*([\d.]+)\s*GB", text)
+    with open(os.path.join(workdir, f"{key}-{attention}.log"), "w", encoding="utf-8") as f:
+        f.write(text)
+    # max_utils.print_compiled_memory_stats: "Total estimated memory size: 18.7 GB, ..." (in GiB: bytes / 1024**3)
+    match = re.search(r"Total (?:estimated )?memory size:\s*([\d.]+)\s*GB", text)
     if not match:
         return {"error": f"exit {proc.returncode}: " + (text.strip().splitlines() or [""])[-1][:300], "command": args[1:]}
     return {"total_gb": float(match.group(1)), "seconds": time.time() - t0, "command": args[1:]}
