@@ -112,11 +112,22 @@ def run_maxtext(python: str, key: str, attention: str, workdir: str) -> dict:
     text = proc.stdout + proc.stderr
     with open(os.path.join(workdir, f"{key}-{attention}.log"), "w", encoding="utf-8") as f:
         f.write(text)
-    # max_utils.print_compiled_memory_stats: "Total estimated memory size: 18.7 GB, ..." (in GiB: bytes / 1024**3)
-    match = re.search(r"Total (?:estimated )?memory size:\s*([\d.]+)\s*GB", text)
-    if not match:
+    total = maxtext_total_gib(text)
+    if total is None:
         return {"error": f"exit {proc.returncode}: " + (text.strip().splitlines() or [""])[-1][:300], "command": args[1:]}
-    return {"total_gb": float(match.group(1)), "seconds": time.time() - t0, "command": args[1:]}
+    return {"total_gb": total, "seconds": time.time() - t0, "command": args[1:]}
+
+
+def maxtext_total_gib(text: str) -> float | None:
+    """Total per-chip GiB from MaxText's log: its "Memory analysis: CompiledMemoryStats(...)" line
+    (arguments + outputs - aliased + temporaries, as max_utils.print_compiled_memory_stats adds them)."""
+    fields = dict(re.findall(r"(\w+_size_in_bytes)=(\d+)", text.split("Memory analysis:", 1)[-1].split("\n", 1)[0]))
+    if "Memory analysis:" in text and "temp_size_in_bytes" in fields:
+        n = {k: int(v) for k, v in fields.items()}
+        return (n["argument_size_in_bytes"] + n["output_size_in_bytes"] - n["alias_size_in_bytes"]
+                + n["temp_size_in_bytes"]) / 2**30
+    match = re.search(r"Total (?:estimated )?memory size:\s*([\d.]+)\s*GB", text)
+    return float(match.group(1)) if match else None
 
 
 def load_results(path: str) -> dict:
