@@ -46,24 +46,65 @@ def soft_cap(x, cap: float):
     return cap * jnp.tanh(x / cap) if cap > 0 else x
 
 
-def dot_product_attention(q, k, v, mask, *, scale: float | None = None, logits_soft_cap: float = 0.0):
+def dot_product_attention(q, k, v, mask, *, scale: float | None = None, logits_soft_cap: float = 0.0,
+                          compact_scores: bool = False):
     """Reference attention in plain jnp; softmax in float32, output in q.dtype.
 
     mask: boolean, broadcastable to [B, T, S]. scores = soft_cap(q.k * scale, logits_soft_cap) with
     scale defaulting to H ** -0.5 (Gemma's query_pre_attn_scalar changes it).
+
+    Memory: the [B, G, R, T, S] scores and probabilities are the largest arrays of a training step
+    at long sequences. compact_scores=True with bfloat16 or float16 inputs: the q.k matmul
+    (accumulating in float32) writes its scores in that dtype and the probabilities are kept in
+    it, as MaxText's dot-product attention does, while the softmax and its gradient are computed
+    in float32 from them (`_probabilities`). XLA's TPU compiler then stores no float32 T x S array
+    (Llama 3 8B at 8192 on v5p-128: 4 GiB less per chip); its GPU compiler writes the float32
+    softmax out and needs more (8 x H100: 50.8 against 42.8 GiB), so attention() asks for compact
+    scores on TPUs only (docs/scale.md). Otherwise scores and softmax are float32.
     """
     b, t, n, h = q.shape
     g = k.shape[2]
     if n % g:
         raise ValueError(f"query heads ({n}) must be a multiple of kv heads ({g})")
     q = q.reshape(b, t, g, n // g, h)  # R = N // G query heads per kv head
-    scores = jnp.einsum("BTGRH,BSGH->BGRTS", q, k, preferred_element_type=jnp.float32)
-    scores = soft_cap(scores * (h**-0.5 if scale is None else scale), logits_soft_cap)
-    scores = jnp.where(mask[:, None, None, :, :], scores, _MASK_VALUE)
-    probs = jax.nn.softmax(scores, axis=-1)
+    scale = h**-0.5 if scale is None else scale
+    mask = mask[:, None, None, :, :]
+    if compact_scores and q.dtype in (jnp.bfloat16, jnp.float16):
+        scores = jnp.einsum("BTGRH,BSGH->BGRTS", q, k, preferred_element_type=q.dtype)
+        probs = _probabilities(scores, mask, scale, logits_soft_cap)
+    else:
+        scores = jnp.einsum("BTGRH,BSGH->BGRTS", q, k, preferred_element_type=jnp.float32)
+        scores = soft_cap(scores * scale, logits_soft_cap)
+        probs = jax.nn.softmax(jnp.where(mask, scores, _MASK_VALUE), axis=-1)
     out = jnp.einsum("BGRTS,BSGH->BTGRH", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
     return out.reshape(b, t, n, h).astype(q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _probabilities(scores, mask, scale: float, cap: float):
+    """softmax(where(mask, soft_cap(scores * scale, cap), -big)) computed in float32 from 16-bit
+    scores, returned in their dtype; its gradient is computed in float32 from the saved 16-bit
+    probabilities (and scores, when soft-capped)."""
+    return _probabilities_fwd(scores, mask, scale, cap)[0]
+
+
+def _probabilities_fwd(scores, mask, scale, cap):
+    logits = soft_cap(scores.astype(jnp.float32) * scale, cap)
+    probs = jax.nn.softmax(jnp.where(mask, logits, _MASK_VALUE), axis=-1).astype(scores.dtype)
+    return probs, (probs, scores if cap > 0 else None)
+
+
+def _probabilities_bwd(scale, cap, residuals, g):
+    probs, scores = residuals
+    p, g = probs.astype(jnp.float32), g.astype(jnp.float32)
+    d_logits = p * (g - jnp.sum(g * p, axis=-1, keepdims=True))  # softmax's vector-Jacobian product
+    if cap > 0:  # d/dx cap * tanh(x / cap) = 1 - tanh(x / cap)^2
+        d_logits = d_logits * (1.0 - jnp.square(jnp.tanh(scores.astype(jnp.float32) * scale / cap)))
+    return (d_logits * scale).astype(probs.dtype), None
+
+
+_probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
 
 
 # What the kernels do not implement: a model that needs one of these runs dot_product under
@@ -221,7 +262,8 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
                                           logits_soft_cap=logits_soft_cap, scale=scale)
     if implementation == "dot_product":
         mask = make_attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
-        return dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap)
+        return dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap,
+                                     compact_scores=platform == "tpu")
     if implementation not in ("flash", "cudnn"):
         raise ValueError(f"unresolved attention implementation {implementation!r}")
     if platform is None:

@@ -84,11 +84,15 @@ class Run:
         return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_weights" else jnp.int32,
                                         sharding=self.batch_sharding) for k in hosts.KEYS}
 
-    def compile(self, state=None, batch=None):
-        """The compiled train step, for the given (or abstract) state and batch."""
+    def lower(self, state=None, batch=None):
+        """The lowered train step (jax.stages.Lowered), for the given (or abstract) state and batch."""
         with sharding.activation_sharding(self.mesh, self.config.logical_axis_rules):
             return self.train_step.lower(self.abstract_state if state is None else state,
-                                         self.abstract_batch() if batch is None else batch).compile()
+                                         self.abstract_batch() if batch is None else batch)
+
+    def compile(self, state=None, batch=None):
+        """The compiled train step, for the given (or abstract) state and batch."""
+        return self.lower(state, batch).compile()
 
 
 def state_shardings(config, mesh, tx, abstract_state) -> dict:

@@ -574,8 +574,9 @@ def _validate_rules(rules) -> None:
         _require(isinstance(rule, list) and len(rule) == 2,
                  f"logical_axis_rules entry {rule!r} must be a pair [logical_axis, mesh_axes]")
         name, mesh_axes = rule
-        _require(isinstance(name, str) and name in LOGICAL_AXES,
-                 f"logical_axis_rules: unknown logical axis {name!r}; known: {', '.join(LOGICAL_AXES)}")
+        _require(isinstance(name, str) and (name in LOGICAL_AXES or name.removeprefix("activation_") in LOGICAL_AXES),
+                 f"logical_axis_rules: unknown logical axis {name!r}; known: {', '.join(LOGICAL_AXES)} "
+                 "(and activation_<axis> for activations placed apart from parameters)")
         axes = [] if mesh_axes is None else [mesh_axes] if isinstance(mesh_axes, str) else mesh_axes
         _require(isinstance(axes, list), f"logical_axis_rules: {name!r} maps to {mesh_axes!r}; give a mesh axis, "
                                          "a list of them, or null")

@@ -36,13 +36,44 @@ import jax.numpy as jnp
 def dense(x, w, n: int = 1, out_dtype=None):
     """x [..., K1..Kn] . w [K1..Kn, ...] -> [..., w's remaining axes], in out_dtype (default x.dtype).
 
-    Computed as one 2-D matmul [M, K] . [K, N] (M = the product of x's leading axes), with
-    float32 accumulation.
+    Computed as one 2-D matmul [M, K] . [K, N] (M = the product of x's leading axes). Products
+    accumulate in float32 (TPUs and GPUs do so for 16-bit operands; XLA:CPU computes them in
+    float32) and are written in out_dtype: a 16-bit product is written in 16 bits directly, and so
+    are its gradients, rather than written in float32 and converted (a float32 array twice the
+    size, which XLA does not always fuse away: the largest were the MLP's and the output layer's
+    weight gradients). A float32 product of 16-bit operands (the output logits) is exact forward,
+    and its gradients are computed as those of any other matmul of the run, from the incoming
+    gradient rounded to the operands' dtype (`_wide_product`): otherwise the output projection's
+    weight gradient would be a float32 [D, V] array on every device before its reduce-scatter
+    (2 GiB for Llama 3's 128k vocabulary).
     """
     k = math.prod(w.shape[:n])
-    x2 = x.reshape(-1, k)
-    out = jnp.dot(x2, w.reshape(k, -1), preferred_element_type=jnp.float32)
-    return out.astype(out_dtype or x.dtype).reshape(x.shape[:x.ndim - n] + w.shape[n:])
+    x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float16):
+        out = _wide_product(x2, w2) if out_dtype == jnp.float32 else jnp.dot(x2, w2).astype(out_dtype)
+    else:
+        out = jnp.dot(x2, w2, preferred_element_type=jnp.float32).astype(out_dtype)
+    return out.reshape(x.shape[:x.ndim - n] + w.shape[n:])
+
+
+@jax.custom_vjp
+def _wide_product(x, w):
+    """x . w in float32 for 16-bit x and w; gradients in their dtype."""
+    return jnp.dot(x, w, preferred_element_type=jnp.float32)
+
+
+def _wide_product_fwd(x, w):
+    return _wide_product(x, w), (x, w)
+
+
+def _wide_product_bwd(residuals, g):
+    x, w = residuals
+    g = g.astype(x.dtype)
+    return jnp.dot(g, w.T), jnp.dot(x.T, g)
+
+
+_wide_product.defvjp(_wide_product_fwd, _wide_product_bwd)
 
 
 @jax.custom_vjp

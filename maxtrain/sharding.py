@@ -7,8 +7,14 @@ tensor, expert, context and pipeline parallelism is a config change only.
 
 Rules are applied in order and each mesh axis is used at most once per array: with
 `batch -> [data, fsdp]` and `embed -> fsdp`, a parameter [embed, heads] is sharded over fsdp on
-embed, while an activation [batch, length, embed] uses fsdp for batch and leaves embed whole.
+embed, while an activation [batch, length, embed] uses fsdp for batch.
 A mesh axis of size 1 splits nothing and is left out of the shardings built on a mesh.
+
+Activations may be placed apart from parameters: a rule for `activation_<axis>` applies to the
+activations `shard()` constrains, in place of the rule for `<axis>`. base.yml's
+`activation_embed -> tensor` splits the residual stream [batch, length, embed] over the tensor
+axis, where the `embed` rule would leave it whole on every tensor-parallel device (the layer
+gathers it before its projections and reduce-scatters after them, instead of an all-reduce).
 """
 
 from __future__ import annotations
@@ -207,6 +213,13 @@ def ways_on(mesh, logical: str, rules) -> int:
     return math.prod(mesh.shape[a] for a in mesh_axes_of(logical, rules))
 
 
+def activation_spec(logical_axes: Sequence[str | None], rules) -> PartitionSpec:
+    """PartitionSpec of an activation: `activation_<axis>` rules, where given, replace `<axis>` rules."""
+    table = _rule_axes(rules)
+    return logical_to_spec([f"activation_{a}" if a and f"activation_{a}" in table else a for a in logical_axes],
+                           rules)
+
+
 def shard(x, logical_axes: Sequence[str | None]):
     """Constrains activation `x` to the sharding its logical axes map to; a no-op without a mesh.
 
@@ -217,7 +230,7 @@ def shard(x, logical_axes: Sequence[str | None]):
     if active is None:
         return x
     mesh, rules = active
-    spec = _without(logical_to_spec(logical_axes, rules), trivial_axes(mesh))
+    spec = _without(activation_spec(logical_axes, rules), trivial_axes(mesh))
     inner = jax.sharding.get_abstract_mesh()
     manual = set(getattr(inner, "manual_axes", ())) if not inner.empty else set()
     if manual:
@@ -232,6 +245,18 @@ def _without(spec: PartitionSpec, axes: set[str]) -> PartitionSpec:
         kept = tuple(a for a in ((entry,) if isinstance(entry, str) else entry) if a not in axes)
         return None if not kept else kept[0] if len(kept) == 1 else kept
     return PartitionSpec(*(keep(e) for e in spec))
+
+
+def shard_like_params(tree, specs):
+    """Constrains a tree shaped like the parameters (their gradients) to the parameters' shardings,
+    from their declarations `specs`; a no-op without a mesh. Without it the partitioner may keep a
+    whole gradient on every device, and all-reduce it, where the parameter is sharded."""
+    active = _ACTIVE.get()
+    if active is None:
+        return tree
+    mesh, rules = active
+    return jax.tree.map(lambda x, spec: jax.lax.with_sharding_constraint(x, named_sharding(mesh, spec.axes, rules)),
+                        tree, specs)
 
 
 def active_devices():

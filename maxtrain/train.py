@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import yaml
 
-from maxtrain import builder, decode, distributed, metrics, sharding, viz
+from maxtrain import builder, decode, distributed, executable, metrics, sharding, viz
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
@@ -95,6 +95,10 @@ def main(argv: list[str]) -> dict:
     distributed.agree_on_config(config)  # one agreed view: the same settings and code on every process
     run = builder.build(config)  # mesh, model, optimizer, state shardings and the jitted steps
     config, rt, mesh, rules = run.config, run.rt, run.mesh, run.config.logical_axis_rules
+    compiled_step = None
+    if config.compiled_trainstep_file:  # compiled ahead of time by maxtrain.train_compile; checked before any work
+        compiled_step = executable.load(config.compiled_trainstep_file, run)
+        log(f"loaded the compiled step from {config.compiled_trainstep_file}")
 
     checkpointer = checkpoint_lib.Checkpointer(config, log=log) if config.enable_checkpointing else None
     start = checkpoint_lib.plan_start(config, checkpointer, run.abstract_state, log=log)  # fails here if it does not fit
@@ -115,7 +119,7 @@ def main(argv: list[str]) -> dict:
                                              jax.random.key(config.seed), inputs.train_iterator, log=log)
         first_batch = pipeline.to_global(next(inputs.train_iterator), mesh, rules)
         t0 = time.time()
-        step_fn = run.compile(state, first_batch)
+        step_fn = run.compile(state, first_batch) if compiled_step is None else compiled_step
         log(builder.summarize(run, step_fn, time.time() - t0, start))
         eval_step = run.eval_step
         has_eval = len(inputs.eval_batches) > 0

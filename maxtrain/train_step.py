@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from maxtrain import lora, models, objectives, precision
+from maxtrain import lora, models, objectives, precision, sharding
 from maxtrain.optimizer import make_schedule
 
 
@@ -78,6 +78,7 @@ def make_train_step(config, rt: models.Runtime, tx: optax.GradientTransformation
     scaling = precision.uses_loss_scaling(rt.dtype)
     lr_at = make_schedule(config)
     objective = objectives.make(config, rt)
+    specs = models.param_specs(config)
 
     def train_step(state: dict, batch: dict):
         key = trainable_key(state)
@@ -88,6 +89,9 @@ def make_train_step(config, rt: models.Runtime, tx: optax.GradientTransformation
         # bfloat16 multiply by their fixed scale of 1.
         unit = scale / batch["inputs"][0].size if scaling else scale
 
+        def constrain(tree):  # gradients of the parameters: reduce-scattered, never whole on a device
+            return sharding.shard_like_params(tree, specs) if key == "params" else tree
+
         def micro_step(carry, micro_batch):
             grad_sum, loss_sum, weight_sum = carry
 
@@ -96,10 +100,11 @@ def make_train_step(config, rt: models.Runtime, tx: optax.GradientTransformation
                 return models.objective(loss, weight, aux) * unit, (loss, weight, aux)
 
             grads, (loss, weight, aux) = jax.grad(scaled_loss, has_aux=True)(params)
+            grads = constrain(grads)
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
             return (grad_sum, loss_sum + loss, weight_sum + weight), (aux, weight)
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
         (grad_sum, loss_sum, weight_sum), (aux, weights) = jax.lax.scan(micro_step, (zeros, 0.0, 0.0), batch)
         denom = jnp.maximum(weight_sum, 1.0)
         grads = jax.tree.map(lambda g: g / (denom * unit), grad_sum)

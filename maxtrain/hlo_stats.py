@@ -1,0 +1,193 @@
+"""What a compiled program does per step, read from its optimized HLO text: collectives and loops.
+
+    stats = hlo_stats.collectives(compiled.as_text())
+    stats.bytes_by_kind   # {"all-gather": bytes per chip per step, "reduce-scatter": ..., ...}
+
+A collective inside a while loop (the scan over layers, the gradient-accumulation scan, a TPU
+collective matmul's loop over shards) runs once per iteration, so each instruction counts `trip
+count` times for every loop around it. The trip count is the one XLA records in the loop's
+backend_config (the GPU compiler does), else read from the loop condition `counter < N` (the TPU
+compiler's loops count from 0); a loop with neither counts once and is reported.
+
+An instruction's bytes are those of the arrays one chip exchanges: the gathered results of an
+all-gather, the inputs of a reduce-scatter, the buffers of an all-reduce, all-to-all or
+collective-permute (a combined collective sums its arrays). Asynchronous pairs count once: at
+`*-start` (GPU), and at the TPU's AsyncCollectiveStart (its AsyncCollectiveDone repeats the op).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+KINDS = ("all-gather", "reduce-scatter", "all-reduce", "all-to-all", "collective-permute")
+
+DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "s16": 2, "u16": 2,
+               "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
+
+_COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*->.*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
+_ARRAY = re.compile(r"\b(" + "|".join(sorted(DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
+_CALLEE = re.compile(r"\b(body|calls|to_apply|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_CONSTANT = re.compile(r"\b[su]\d+\[\][^=]*?\bconstant\((\d+)\)")
+_ASYNC_DONE = 'custom_call_target="AsyncCollectiveDone"'
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    kind: str                 # one of KINDS
+    name: str                 # the instruction's name
+    shape: tuple[int, ...]    # the largest array it exchanges
+    dtype: str
+    bytes: int                # of all the arrays it exchanges, on one chip
+    count: int                # times it runs per step (product of the trip counts of the loops around it)
+    loops: tuple[int, ...]    # trip counts of the while loops around it, outermost first
+
+
+@dataclasses.dataclass
+class ProgramStats:
+    collectives: list[Collective]
+    unknown_trip_counts: int  # while loops whose trip count could not be read (counted once)
+
+    @property
+    def bytes_by_kind(self) -> dict[str, int]:
+        out = {k: 0 for k in KINDS}
+        for c in self.collectives:
+            out[c.kind] += c.bytes * c.count
+        return out
+
+    @property
+    def count_by_kind(self) -> dict[str, int]:
+        out = {k: 0 for k in KINDS}
+        for c in self.collectives:
+            out[c.kind] += c.count
+        return out
+
+
+def array_bytes(dtype: str, dims: tuple[int, ...]) -> int:
+    return int(math.prod(dims) * DTYPE_BYTES[dtype])
+
+
+def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)) for m in _ARRAY.finditer(text)]
+
+
+def _kind(opcode: str) -> str | None:
+    base = opcode.removesuffix("-start")
+    return base if base in KINDS else None
+
+
+def parse_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+    """{computation name: its instruction lines} and the ENTRY computation's name."""
+    computations: dict[str, list[str]] = {}
+    entry, current = None, None
+    for line in hlo_text.splitlines():
+        if current is None:
+            match = _COMPUTATION.match(line.strip())
+            if match:
+                current = match.group(2)
+                computations[current] = []
+                if match.group(1):
+                    entry = current
+            continue
+        if line.strip() == "}":
+            current = None
+        else:
+            computations[current].append(line)
+    return computations, entry
+
+
+def trip_count(while_rest: str, computations: dict[str, list[str]]) -> int | None:
+    """Iterations of a while loop: XLA's known_trip_count, else N of a `counter < N` condition."""
+    known = _TRIP.search(while_rest)
+    if known:
+        return int(known.group(1))
+    condition = re.search(r"\bcondition=%?([\w.\-]+)", while_rest)
+    lines = computations.get(condition.group(1), []) if condition else []
+    root = [line for line in lines if line.lstrip().startswith("ROOT")]
+    constants = [int(m.group(1)) for line in lines for m in [_CONSTANT.search(line)] if m]
+    if len(root) == 1 and "compare(" in root[0] and "direction=LT" in root[0] and len(constants) == 1:
+        return constants[0]
+    return None
+
+
+def group_size(rest: str) -> int | None:
+    """Chips in each replica group of a collective, from any of XLA's three spellings."""
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", rest)
+    if mesh:  # mesh['axis_0'=4,'axis_1'=16] {'axis_1'}: the listed axes form a group
+        sizes = dict(re.findall(r"'(\w+)'=(\d+)", mesh.group(1)))
+        return math.prod(int(sizes[a]) for a in re.findall(r"'(\w+)'", mesh.group(2)) if a in sizes)
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", rest)
+    if iota:  # [groups,size]<=[devices]
+        return int(iota.group(2))
+    listed = re.search(r"replica_groups=\{\{([\d,]*)\}", rest)
+    if listed:
+        return len(listed.group(1).split(","))
+    return None
+
+
+def _exchanged(kind: str, opcode: str, result_type: str, rest: str) -> list[tuple[str, tuple[int, ...]]]:
+    """The arrays one chip exchanges in a collective (see the module docstring). Only the result
+    type is read: TPU programs print operands without their shapes."""
+    start = opcode.endswith("-start")
+    results = [a for a in _arrays(result_type) if a[1] or not start]
+    if start and kind != "all-reduce" and len(results) % 2 == 0:  # ((inputs...), (outputs...)[, context])
+        half = len(results) // 2
+        return results[:half] if kind == "reduce-scatter" else results[half:]
+    if kind == "reduce-scatter":  # each chip gets 1/group of the reduced inputs
+        size = group_size(rest) or 1
+        return [(dtype, dims[:-1] + (dims[-1] * size,) if dims else dims) for dtype, dims in results]
+    return results
+
+
+def collectives(hlo_text: str) -> ProgramStats:
+    """Every collective of the program with how often it runs per step (see the module docstring)."""
+    computations, entry = parse_computations(hlo_text)
+    found: list[Collective] = []
+    unknown = [0]
+    seen: set[tuple[str, tuple[int, ...]]] = set()
+
+    def visit(name: str, loops: tuple[int, ...]):
+        if (name, loops) in seen or name not in computations:
+            return
+        seen.add((name, loops))
+        lines = computations[name]
+        repeats_a_start = any(_ASYNC_DONE in line for line in lines)
+        for line in lines:
+            match = _INSTRUCTION.match(line)
+            if not match:
+                continue
+            inst, result_type, opcode, rest = match.groups()
+            kind = _kind(opcode)
+            if kind and not repeats_a_start:
+                arrays = _exchanged(kind, opcode, result_type, rest)
+                dtype, dims = max(arrays, key=lambda a: array_bytes(*a), default=("u8", ()))
+                total = sum(array_bytes(*a) for a in arrays)
+                found.append(Collective(kind, inst, dims, dtype, total, math.prod(loops), loops))
+            callees = [(role, callee) for role, callee in _CALLEE.findall(rest)]
+            for group in _BRANCHES.findall(rest):
+                callees += [("branch", c.strip().lstrip("%")) for c in group.split(",") if c.strip()]
+            for role, callee in callees:
+                if role in ("to_apply", "condition"):
+                    continue  # reductions' scalar computations, loop conditions: no collectives
+                if role == "body":
+                    trips = trip_count(rest, computations)
+                    if trips is None:
+                        unknown[0] += 1
+                    visit(callee, loops + (trips or 1,))
+                else:
+                    visit(callee, loops)
+
+    if entry is not None:
+        visit(entry, ())
+    return ProgramStats(found, unknown[0])
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"

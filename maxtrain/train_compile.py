@@ -1,0 +1,184 @@
+"""Compile the train step ahead of time for a TPU pod or a GPU cluster, on a machine without one:
+
+    python -m maxtrain.train_compile configs/base.yml compile_topology=v5p-256 compile_topology_num_slices=2 \\
+        model_name=llama3-8b per_device_batch_size=1 remat_policy=full
+
+It compiles exactly the step train.py runs (builder.build, given the target's devices and platform:
+the same mesh, shardings, remat policy, attention kernels and gradient accumulation), with the
+target's own compiler (libtpu; XLA's GPU pipeline down to sm_90a code), and prints a short table:
+the mesh, per-chip memory against the chip's, the collectives per step, model TFLOPs per chip per
+step and the compile time. It exits 3 when the step does not fit the chip's memory, saying by how
+much and which settings would help. `compiled_trainstep_file=PATH` saves the executable for
+train.py to load on the target. Targets: maxtrain/topologies.py; figures at scale: docs/scale.md.
+
+Without a GPU XLA does not autotune matmuls or build cuDNN graphs, so a GPU target's memory can
+differ somewhat from a compile on the GPU itself.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from maxtrain import builder, executable, hlo_stats, metrics, models, topologies
+from maxtrain.errors import run_cli
+
+EXIT_DOES_NOT_FIT = 3
+
+
+def compile_for_target(config, target: topologies.Target):
+    """(run, lowered, compiled, seconds): the train step of `config` compiled for `target`'s devices."""
+    devices = target.devices()
+    run = builder.build(config, devices=devices, platform=target.platform, num_processes=1)
+    t0 = time.time()
+    lowered = run.lower()
+    compiled = lowered.compile()
+    return run, lowered, compiled, time.time() - t0
+
+
+def report(run, compiled, target: topologies.Target, seconds: float) -> dict:
+    """The figures train_compile prints, as plain values (scripts/scale_table.py records them)."""
+    config = run.config
+    memory = compiled.memory_analysis()
+    args, temp = memory.argument_size_in_bytes, memory.temp_size_in_bytes
+    outputs = memory.output_size_in_bytes - memory.alias_size_in_bytes
+    stats = hlo_stats.collectives(compiled.as_text())
+    devices = list(run.mesh.devices.flat)
+    return {
+        "target": target.describe(), "platform": target.platform, "chip": target.chip,
+        "device_kind": devices[0].device_kind, "num_devices": len(devices),
+        "hosts": len({getattr(d, "process_index", 0) for d in devices}),
+        "mesh": dict(run.mesh.shape), "model_name": config.model_name, "params": models.num_params(config),
+        "attention": run.rt.attention, "remat_policy": run.rt.remat_policy, "dtype": jnp.dtype(run.rt.dtype).name,
+        "global_batch": config.global_batch_size, "max_target_length": config.max_target_length,
+        "per_device_batch_size": config.per_device_batch_size,
+        "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        "memory": {"arguments": args, "temporaries": temp, "outputs": outputs,
+                   "total": args + temp + outputs, "chip": target.memory_bytes},
+        "collective_bytes": stats.bytes_by_kind, "collective_counts": stats.count_by_kind,
+        "unknown_trip_counts": stats.unknown_trip_counts,
+        "model_tflops_per_chip": metrics.flops_per_token(config) * config.tokens_per_step / len(devices) / 1e12,
+        "compile_seconds": seconds,
+    }
+
+
+def fits(rep: dict) -> bool:
+    chip = rep["memory"]["chip"]
+    return chip is None or rep["memory"]["total"] <= chip
+
+
+def format_report(rep: dict) -> str:
+    gib = 2**30
+    mem = rep["memory"]
+    mesh = " x ".join(f"{axis} {size}" for axis, size in rep["mesh"].items())
+    chip = mem["chip"]
+    verdict = "" if chip is None else (f"of {chip / gib:.1f} GiB per {rep['chip']} ({mem['total'] / chip:.0%}): "
+                                       + ("fits" if fits(rep) else "DOES NOT FIT"))
+    lines = [
+        f"target      {rep['target']}, {rep['hosts']} host(s)",
+        f"mesh        {mesh}",
+        f"model       {rep['model_name']} {rep['params'] / 1e9:.2f}B params, {rep['dtype']}, attention {rep['attention']}, "
+        f"remat {rep['remat_policy']}",
+        f"batch       {rep['global_batch']} x {rep['max_target_length']} tokens per step (per device "
+        f"{rep['per_device_batch_size']}, accumulation {rep['gradient_accumulation_steps']})",
+        "memory per chip (GiB)",
+        f"  arguments               {mem['arguments'] / gib:9.2f}",
+        f"  temporaries             {mem['temporaries'] / gib:9.2f}",
+        f"  outputs - donated       {mem['outputs'] / gib:9.2f}",
+        f"  total                   {mem['total'] / gib:9.2f}  {verdict}",
+        "collectives per step, per chip   count       bytes",
+    ]
+    for kind in hlo_stats.KINDS:
+        lines.append(f"  {kind:<28} {rep['collective_counts'][kind]:7d}  {hlo_stats.format_bytes(rep['collective_bytes'][kind]):>10}")
+    if rep["unknown_trip_counts"]:
+        lines.append(f"  ({rep['unknown_trip_counts']} loop(s) of unknown trip count counted once)")
+    lines += [f"model TFLOPs per chip per step   {rep['model_tflops_per_chip']:.2f} (3 x forward matmuls, causal "
+              "attention counted once; not XLA's cost analysis)",
+              f"compiled in {rep['compile_seconds']:.1f} s"]
+    if rep["platform"] == "gpu":
+        lines.append("note: compiled without a GPU, so XLA did not autotune matmuls or build cuDNN graphs; memory on "
+                     "the GPU itself can differ somewhat")
+    return "\n".join(lines)
+
+
+def out_of_memory(error: Exception) -> tuple[float, float] | None:
+    """(needed, available) GiB when the TPU compiler refused a program for the chip's memory, else None.
+
+    libtpu stops a compile whose temporaries alone exceed the chip's HBM ("RESOURCE_EXHAUSTED: Ran
+    out of memory on HBM, the total memory required for HLO temporaries (17.21G) exceeds available
+    HBM (15.75G)"): there is no compiled program to measure then, only its figures."""
+    match = re.search(r"Ran out of memory in memory space hbm|Ran out of memory on HBM", str(error))
+    figures = re.search(r"\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", str(error))
+    if not match or not figures:
+        return None
+    return float(figures.group(1)), float(figures.group(2))
+
+
+def knobs(config, mesh: dict, num_devices: int, attention: str, platform: str) -> list[str]:
+    """The settings that would make a step need less memory per chip."""
+    out = []
+    if config.remat_policy not in ("full", "autoselected"):
+        out.append("remat_policy=full (recompute activations)")
+    if mesh.get("fsdp", 1) < num_devices // max(1, mesh.get("tensor", 1)):
+        out.append("a larger ici_fsdp_parallelism (shard the parameters and optimizer state further)")
+    if config.per_device_batch_size > 1:
+        out.append(f"per_device_batch_size={config.per_device_batch_size // 2} with gradient_accumulation_steps="
+                   f"{config.gradient_accumulation_steps * 2} (the same global batch in smaller micro-batches)")
+    else:
+        out.append("gradient_accumulation_steps to keep the global batch with a smaller per-device batch")
+    if attention == "dot_product" and platform in ("gpu", "tpu"):
+        out.append("attention=flash (no [T, S] scores in memory)")
+    if config.num_vocab_tiling == 1:
+        out.append("num_vocab_tiling=4 (the logits a quarter of the sequence at a time)")
+    return out
+
+
+def overshoot_message(rep: dict, config) -> str:
+    """One line: how much the step exceeds the chip's memory, and the settings that would help."""
+    gib = 2**30
+    mem = rep["memory"]
+    return (f"the step needs {mem['total'] / gib:.2f} GiB per chip, {(mem['total'] - mem['chip']) / gib:.2f} GiB more than "
+            f"the {mem['chip'] / gib:.1f} GiB of a {rep['chip']} chip. Try "
+            + "; ".join(knobs(config, rep["mesh"], rep["num_devices"], rep["attention"], rep["platform"])))
+
+
+def main(argv: list[str]) -> int:
+    config = builder.load_config(argv, log=lambda *a: print(*a, file=sys.stderr))
+    target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
+    if target.platform != "cpu":
+        # Compiling for another target needs no accelerator here; keep JAX from probing for one.
+        jax.config.update("jax_platforms", "cpu")
+    print(f"compiling the train step for {target.describe()} ...", flush=True)
+    try:
+        run, lowered, compiled, seconds = compile_for_target(config, target)
+    except jax.errors.JaxRuntimeError as error:
+        refused = out_of_memory(error)
+        if refused is None:
+            raise
+        needed, available = refused
+        run = builder.build(config, devices=target.devices(), platform=target.platform, num_processes=1)
+        mesh = dict(run.mesh.shape)
+        print("the TPU compiler refused the step: its temporaries alone need more than the chip's memory\n"
+              f"mesh        {' x '.join(f'{axis} {size}' for axis, size in mesh.items())}", flush=True)
+        print(f"maxtrain.train_compile: error: the step needs {needed:.2f} GiB per chip for its temporaries alone, "
+              f"{needed - available:.2f} GiB more than the {available:.2f} GiB a {target.chip} chip leaves them. Try " + "; ".join(knobs(config, mesh, len(target.devices()), run.rt.attention,
+                                                        target.platform)), file=sys.stderr, flush=True)
+        return EXIT_DOES_NOT_FIT
+    rep = report(run, compiled, target, seconds)
+    print(format_report(rep), flush=True)
+    if not fits(rep):
+        print(f"maxtrain.train_compile: error: {overshoot_message(rep, config)}", file=sys.stderr, flush=True)
+        return EXIT_DOES_NOT_FIT
+    if config.compiled_trainstep_file:
+        size = executable.save(config.compiled_trainstep_file, run, lowered, compiled)
+        print(f"saved the compiled step to {config.compiled_trainstep_file} ({size / 2**20:.1f} MiB); run train.py "
+              f"with compiled_trainstep_file={config.compiled_trainstep_file} on the target", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_cli("maxtrain.train_compile", main))

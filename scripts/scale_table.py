@@ -1,0 +1,253 @@
+"""The docs/scale.md table: the train step of real models compiled for TPU pods and H100 clusters on this CPU.
+
+    python scripts/scale_table.py                  # compile every row not yet in the results file, then write the table
+    python scripts/scale_table.py --rows 8b-v5p128 --attention dot_product
+    python scripts/scale_table.py --table-only     # rewrite docs/scale.md from the results file
+    python scripts/scale_table.py --maxtext-python /path/to/py312-venv/bin/python   # also MaxText 0.2.5's train_compile
+    python scripts/scale_table.py --maxtext-python PY --only-maxtext             # MaxText's cells only
+
+Each cell is one `maxtrain.train_compile` run, in a subprocess of its own (a failed or killed compile
+loses only that cell), appended as one JSON line to the results file (default
+docs/scale_results.jsonl) with the command that made it. A cell already there is not compiled
+again, so the script resumes where it stopped; --redo recompiles the selected cells. Compiles of 8B
+and 70B models for 64-512 chips take minutes and GBs of RAM each: they run one at a time.
+
+MaxText's cells run its own `train_compile` (MaxText 0.2.5 needs Python 3.12 and `pip install
+'maxtext[tpu]==0.2.5'`) with the same model, topology, per-device batch, sequence length and remat
+policy, and record the total memory it prints.
+
+Needs the [tpu] and [cuda] extras (libtpu; JAX's CUDA plugin and ptxas).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(REPO, "docs", "scale_results.jsonl")
+DOC = os.path.join(REPO, "docs", "scale.md")
+BEGIN, END = "<!-- scale table: begin (scripts/scale_table.py writes this) -->", "<!-- scale table: end -->"
+
+# Llama 3 70B as MaxText's llama3-70b (no preset of ours yet).
+LLAMA3_70B = ["model_name=llama3-8b", "base_emb_dim=8192", "base_num_query_heads=64", "base_num_kv_heads=8",
+              "base_mlp_dim=28672", "base_num_decoder_layers=80"]
+
+# key: (label, model overrides, MaxText model_name, compile_topology, slices, max_target_length, extra overrides)
+ROWS = {
+    "8b-v5p128": ("Llama 3 8B, 8192, v5p-128", ["model_name=llama3-8b"], "llama3-8b", "v5p-128", 1, 8192, []),
+    "8b-v5p128-tp4": ("Llama 3 8B, 8192, v5p-128, FSDP 16 x tensor 4", ["model_name=llama3-8b"], "llama3-8b", "v5p-128",
+                      1, 8192, ["ici_fsdp_parallelism=16", "ici_tensor_parallelism=4"]),
+    "8b-v5e256": ("Llama 3 8B, 4096, v5e-256", ["model_name=llama3-8b"], "llama3-8b", "v5e-256", 1, 4096, []),
+    "8b-2xv5e256": ("Llama 3 8B, 4096, 2 x v5e-256", ["model_name=llama3-8b"], "llama3-8b", "v5e-256", 2, 4096, []),
+    "70b-v5p1024": ("Llama 3 70B, 4096, v5p-1024", LLAMA3_70B, "llama3-70b", "v5p-1024", 1, 4096, []),
+    "8b-h100x8": ("Llama 3 8B, 8192, 8 x H100", ["model_name=llama3-8b"], None, "h100-8", 1, 8192, []),
+    "8b-h100x64": ("Llama 3 8B, 8192, 64 x H100", ["model_name=llama3-8b"], None, "h100-64", 1, 8192, []),
+    "8b-h100x512": ("Llama 3 8B, 8192, 512 x H100", ["model_name=llama3-8b"], None, "h100-512", 1, 8192, []),
+    "70b-h100x8": ("Llama 3 70B, 4096, 8 x H100", LLAMA3_70B, None, "h100-8", 1, 4096, []),
+    "70b-h100x64": ("Llama 3 70B, 4096, 64 x H100", LLAMA3_70B, None, "h100-64", 1, 4096, []),
+    "70b-h100x512": ("Llama 3 70B, 4096, 512 x H100", LLAMA3_70B, None, "h100-512", 1, 4096, []),
+    "qwen3-8b-v5p128": ("Qwen3 8B, 8192, v5p-128", ["model_name=qwen3-8b"], "qwen3-8b", "v5p-128", 1, 8192, []),
+    "gemma2-9b-v5p128": ("Gemma 2 9B, 8192, v5p-128", ["model_name=gemma2-9b"], "gemma2-9b", "v5p-128", 1, 8192, []),
+}
+ATTENTIONS = ("dot_product", "flash")
+COMMON = ["per_device_batch_size=1", "remat_policy=full", "dtype=bfloat16", "dataset_type=synthetic"]
+
+# MaxText 0.2.5's figures as issue 21 quotes them (measured elsewhere, with another jax/libtpu), for
+# the rows whose MaxText cell this machine has not measured.
+MAXTEXT_QUOTED = {("8b-v5p128", "dot_product"): 18.7, ("8b-v5p128", "flash"): 8.6, ("8b-v5p128-tp4", "dot_product"): 18.0,
+                  ("8b-v5e256", "dot_product"): 5.4, ("8b-v5e256", "flash"): 4.4, ("8b-2xv5e256", "dot_product"): 7.1,
+                  ("70b-v5p1024", "dot_product"): 17.1, ("70b-v5p1024", "flash"): 11.6}
+
+
+def argv_of(key: str, attention: str) -> list[str]:
+    _, model, _, topology, slices, length, extra = ROWS[key]
+    return ["configs/base.yml", *model, f"compile_topology={topology}", f"compile_topology_num_slices={slices}",
+            f"max_target_length={length}", f"attention={attention}", *COMMON, *extra]
+
+
+def compile_cell(argv: list[str]) -> dict:
+    """Runs in the child process: one train_compile, its report as a dict (or the error)."""
+    import jax  # pylint: disable=import-outside-toplevel
+
+    jax.config.update("jax_platforms", "cpu")
+    from maxtrain import builder, topologies, train_compile  # pylint: disable=import-outside-toplevel
+
+    try:
+        config = builder.load_config(argv)
+        target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
+        run, _, compiled, seconds = train_compile.compile_for_target(config, target)
+    except (ValueError, RuntimeError) as error:  # a kernel missing for the target, a compiler error
+        refused = train_compile.out_of_memory(error)
+        if refused:  # libtpu refuses a program whose temporaries exceed the chip
+            return {"refused": {"temporaries_gib": refused[0], "available_gib": refused[1]}, "fits": False}
+        return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
+    rep = train_compile.report(run, compiled, target, seconds)
+    rep["fits"] = train_compile.fits(rep)
+    return rep
+
+
+def run_maxtext(python: str, key: str, attention: str, workdir: str) -> dict:
+    """MaxText 0.2.5's train_compile for the same cell; the total memory it prints."""
+    _, _, model, topology, slices, length, extra = ROWS[key]
+    if model is None:
+        return {"error": "MaxText's train_compile cannot compile for a GPU without one attached"}
+    found = subprocess.run([python, "-c", "import maxtext, os; print(os.path.dirname(maxtext.__file__))"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    os.makedirs(workdir, exist_ok=True)
+    args = [python, "-m", "maxtext.trainers.pre_train.train_compile", os.path.join(found, "configs", "base.yml")]
+    args += [f"model_name={model}", f"compile_topology={topology}", f"compile_topology_num_slices={slices}",
+             f"max_target_length={length}", "per_device_batch_size=1", "remat_policy=full", "dtype=bfloat16",
+             f"attention={attention}", "run_name=scale", f"base_output_directory={workdir}", *extra]
+    t0 = time.time()
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=workdir, env={**os.environ, "JAX_PLATFORMS": "cpu",
+                                                                                  "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
+    text = proc.stdout + proc.stderr
+    with open(os.path.join(workdir, f"{key}-{attention}.log"), "w", encoding="utf-8") as f:
+        f.write(text)
+    total = maxtext_total_gib(text)
+    if total is None:
+        return {"error": f"exit {proc.returncode}: " + (text.strip().splitlines() or [""])[-1][:300], "command": args[1:]}
+    return {"total_gb": total, "seconds": time.time() - t0, "command": args[1:]}
+
+
+def maxtext_total_gib(text: str) -> float | None:
+    """Total per-chip GiB from MaxText's log: its "Memory analysis: CompiledMemoryStats(...)" line
+    (arguments + outputs - aliased + temporaries, as max_utils.print_compiled_memory_stats adds them)."""
+    fields = dict(re.findall(r"(\w+_size_in_bytes)=(\d+)", text.split("Memory analysis:", 1)[-1].split("\n", 1)[0]))
+    if "Memory analysis:" in text and "temp_size_in_bytes" in fields:
+        n = {k: int(v) for k, v in fields.items()}
+        return (n["argument_size_in_bytes"] + n["output_size_in_bytes"] - n["alias_size_in_bytes"]
+                + n["temp_size_in_bytes"]) / 2**30
+    match = re.search(r"Total (?:estimated )?memory size:\s*([\d.]+)\s*GB", text)
+    return float(match.group(1)) if match else None
+
+
+def load_results(path: str) -> dict:
+    out = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    record = json.loads(line)
+                    out[(record["row"], record["attention"], record["who"])] = record
+    return out
+
+
+def gib(n) -> str:
+    return f"{n / 2**30:.1f}"
+
+
+def cell_text(record: dict | None) -> str:
+    if record is None:
+        return "not run"
+    if "refused" in record:
+        return f"does not fit: temporaries alone {record['refused']['temporaries_gib']:.1f} of {record['refused']['available_gib']:.1f}"
+    if "error" in record:
+        return "fails: " + record["error"].split(": ", 1)[-1][:80].replace("|", "/")
+    mem = record["memory"]
+    return f"{gib(mem['total'])} ({'fits' if record['fits'] else 'does not fit'})"
+
+
+def table(results: dict) -> str:
+    lines = ["| model, sequence, target | attention | maxtrain GiB/chip (of) | args / temps / outputs | "
+             "compile s | all-gather / reduce-scatter / all-reduce / permute GiB per step | MaxText 0.2.5 GiB | ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for key, (label, *_rest) in ROWS.items():
+        for attention in ATTENTIONS:
+            ours = results.get((key, attention, "maxtrain"))
+            theirs = results.get((key, attention, "maxtext"))
+            if ours is None and theirs is None and (key, attention) not in MAXTEXT_QUOTED:
+                continue
+            if ours and "memory" in ours:
+                mem, coll = ours["memory"], ours["collective_bytes"]
+                chip = f" of {gib(mem['chip'])}" if mem.get("chip") else ""
+                detail = f"{gib(mem['arguments'])} / {gib(mem['temporaries'])} / {gib(mem['outputs'])}"
+                comms = " / ".join(f"{coll[k] / 2**30:.1f}" for k in ("all-gather", "reduce-scatter", "all-reduce",
+                                                                       "collective-permute"))
+                ours_text = cell_text(ours).replace(" (", chip + " (", 1)
+                seconds = f"{ours['compile_seconds']:.0f}"
+                name = ours["attention"]
+            else:
+                ours_text, detail, comms, seconds, name = cell_text(ours), "", "", "", attention
+            if theirs and "total_gb" in theirs:
+                mx = f"{theirs['total_gb']:.1f}"
+                mx_gib = theirs["total_gb"]
+            elif (key, attention) in MAXTEXT_QUOTED:
+                mx_gib = MAXTEXT_QUOTED[(key, attention)]
+                mx = f"{mx_gib} (issue 21)"
+            elif ROWS[key][2] is None:
+                mx, mx_gib = "cannot compile without a GPU", None
+            else:
+                mx, mx_gib = (cell_text(theirs) if theirs else "not run"), None
+            ratio = f"{ours['memory']['total'] / 2**30 / mx_gib:.2f}" if ours and "memory" in ours and mx_gib else ""
+            lines.append(f"| {label} | {name} | {ours_text} | {detail} | {seconds} | {comms} | {mx} | {ratio} |")
+    return "\n".join(lines)
+
+
+def write_doc(results: dict) -> None:
+    with open(DOC, encoding="utf-8") as f:
+        text = f.read()
+    if BEGIN not in text or END not in text:
+        raise SystemExit(f"{DOC} has no table markers ({BEGIN} ... {END})")
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    with open(DOC, "w", encoding="utf-8") as f:
+        f.write(head + BEGIN + "\n" + table(results) + "\n" + END + tail)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    parser.add_argument("--attention", nargs="*", default=list(ATTENTIONS), choices=list(ATTENTIONS))
+    parser.add_argument("--results", default=RESULTS)
+    parser.add_argument("--redo", action="store_true", help="compile the selected cells again")
+    parser.add_argument("--table-only", action="store_true")
+    parser.add_argument("--maxtext-python", help="a Python with maxtext 0.2.5 installed: also run its train_compile")
+    parser.add_argument("--only-maxtext", action="store_true", help="with --maxtext-python: run MaxText's cells only")
+    parser.add_argument("--cell", nargs=2, help=argparse.SUPPRESS)  # child process: ROW ATTENTION
+    args = parser.parse_args()
+
+    if args.cell:
+        print("RESULT " + json.dumps(compile_cell(argv_of(*args.cell))), flush=True)
+        return
+    results = load_results(args.results)
+    if not args.table_only:
+        for key in args.rows:
+            for attention in args.attention:
+                whos = (() if args.only_maxtext else ("maxtrain",)) + (("maxtext",) if args.maxtext_python else ())
+                for who in whos:
+                    if (key, attention, who) in results and not args.redo:
+                        continue
+                    started = time.time()
+                    load = open("/proc/loadavg").read().split()[0] if os.path.exists("/proc/loadavg") else "?"
+                    print(f"{who}: {key} attention={attention} ...", flush=True)
+                    if who == "maxtrain":
+                        command = [sys.executable, os.path.relpath(__file__, REPO), "--cell", key, attention]
+                        proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+                        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+                        record = json.loads(lines[-1][7:]) if lines else {
+                            "error": f"exit {proc.returncode}: " + (proc.stderr.strip().splitlines() or [""])[-1][:300]}
+                        record["command"] = "python -m maxtrain.train_compile " + " ".join(argv_of(key, attention))
+                    else:
+                        record = run_maxtext(args.maxtext_python, key, attention, os.path.join("/tmp", "scale_maxtext"))
+                    record.update(row=key, attention=attention, who=who, wall_seconds=round(time.time() - started, 1),
+                                  date=datetime.date.today().isoformat(), machine=platform.node(), load_at_start=load)
+                    with open(args.results, "a", encoding="utf-8") as f:
+                        f.write(json.dumps(record) + "\n")
+                    results[(key, attention, who)] = record
+                    print("   ", cell_text(record) if who == "maxtrain" else record.get("total_gb", record.get("error")),
+                          flush=True)
+    write_doc(results)
+    print(f"wrote {DOC}")
+
+
+if __name__ == "__main__":
+    main()
