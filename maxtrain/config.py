@@ -29,6 +29,8 @@ PACKING_TYPES = ("concat_then_split", "first_fit")
 LR_SCHEDULES = ("cosine", "wsd", "constant")
 DECODE_STRATEGIES = ("greedy", "weighted", "topk", "nucleus")
 MESH_AXES = ("data", "fsdp", "tensor")
+# Downstream tasks (maxtrain/evals/tasks.py defines them; listed here so that a typo fails before any work).
+EVAL_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "boolq", "lambada", "mmlu")
 LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
 
 
@@ -259,6 +261,13 @@ def _validate(v: dict[str, Any]) -> None:
     _one_of(v, "decode_sampling_strategy", DECODE_STRATEGIES)
     _require(0.0 < v["decode_sampling_nucleus_p"] <= 1.0,
              f"decode_sampling_nucleus_p={v['decode_sampling_nucleus_p']} must be in (0, 1]")
+    parse_eval_tasks(v["eval_tasks"], v["eval_tasks_num_fewshot"])
+    _require(v["eval_tasks_interval"] == -1 or v["eval_tasks_interval"] > 0,
+             f"eval_tasks_interval={v['eval_tasks_interval']} must be > 0, or -1 for the end of training only")
+    for key in ("eval_tasks_max_examples", "eval_tasks_max_target_length", "eval_tasks_per_device_batch_size"):
+        _require(v[key] == -1 or v[key] > 0, f"{key}={v[key]} must be > 0, or -1 for its default")
+    _require(v["eval_tasks_max_target_length"] == -1 or v["eval_tasks_max_target_length"] >= 2,
+             f"eval_tasks_max_target_length={v['eval_tasks_max_target_length']} must be at least 2")
     if v["dataset_type"] in ("arrayrecord", "parquet", "jsonl"):
         _require(bool(v["grain_train_files"]),
                  f"dataset_type={v['dataset_type']} needs grain_train_files=<glob of {v['dataset_type']} files>")
@@ -278,6 +287,27 @@ def _validate(v: dict[str, Any]) -> None:
                      f"tensor parallelism {tp} (ici_tensor_parallelism x dcn_tensor_parallelism) must divide "
                      f"{key}={v[key]}; use a tensor parallelism that divides it, e.g. "
                      f"ici_tensor_parallelism={_divisor_hint(v[key], tp)}")
+
+
+def parse_eval_tasks(spec: str, num_fewshot: int = 0) -> dict[str, int]:
+    """`eval_tasks` -> {task: few-shot count}: "hellaswag,mmlu:5" -> {"hellaswag": num_fewshot, "mmlu": 5}."""
+    _require(num_fewshot >= 0, f"eval_tasks_num_fewshot={num_fewshot} must be >= 0")
+    tasks: dict[str, int] = {}
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        name, _, shots = item.partition(":")
+        name = name.strip()
+        if name not in EVAL_TASKS:
+            close = difflib.get_close_matches(name, EVAL_TASKS, n=1)
+            raise ConfigError(f"eval_tasks: unknown task {name!r}" + (f"; did you mean {close[0]}?" if close else "")
+                              + f" Tasks: {', '.join(EVAL_TASKS)}")
+        _require(name not in tasks, f"eval_tasks names {name} twice")
+        if shots:
+            _require(shots.strip().isdigit(), f"eval_tasks: {item!r} must be task:N with N a number of few-shot "
+                                              f"examples, e.g. {name}:5")
+        tasks[name] = int(shots) if shots else num_fewshot
+    return tasks
 
 
 def _divisor_hint(n: int, near: int) -> int:

@@ -20,7 +20,7 @@ import yaml
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
-from maxtrain import decode, distributed, metrics, model, optimizer, sharding, train_step, viz
+from maxtrain import decode, distributed, evals, metrics, model, optimizer, sharding, train_step, viz
 from maxtrain import preemption as preemption_lib
 from maxtrain.data import pipeline
 
@@ -136,6 +136,7 @@ def main(argv: list[str]) -> dict:
     start = checkpoint_lib.plan_start(config, checkpointer, abstract_state, log=log)  # fails here if it does not fit
     distributed.agree_on_checkpoint_step(start.step, config.checkpoint_dir)  # every process resumes the same step
     inputs = data_lib.make_inputs(config, log=log)
+    task_evals = evals.from_config(config, inputs.tokenizer, mesh, rt, log=log)  # data checked, requests packed
     metadata = write_metadata(config, rt)
     writer = metrics.MetricWriter(config, active=jax.process_index() == 0)
     writer.write_text("config", "```\n" + yaml.safe_dump(config.to_dict(), sort_keys=False) + "\n```")
@@ -168,6 +169,8 @@ def main(argv: list[str]) -> dict:
             eval_losses[0] = evaluate(eval_step, state["params"], eval_batches())
             log(f"eval at step 0: loss {eval_losses[0]:.4f}")
             writer.write(0, {"eval/avg_loss": eval_losses[0]}, print_line=False)
+        if task_evals and start_step == 0 and config.eval_tasks_interval > 0:
+            task_evals.run(state["params"], 0, writer)
 
         loss_scaled = rt.dtype == jnp.float16
         pending = None  # (step, device metrics) of the step dispatched last
@@ -203,6 +206,11 @@ def main(argv: list[str]) -> dict:
                 log(f"eval at step {done}: loss {eval_losses[done]:.4f}")
                 writer.write(done, {"eval/avg_loss": eval_losses[done]}, print_line=False)
                 last_done = time.time()  # the eval's time is not a train step's
+            if task_evals and task_evals.due(done, is_last):
+                if pending is not None:
+                    last_done, pending = _report(pending, config, peak, writer, last_done, loss_scaled), None
+                task_evals.run(state["params"], done, writer)
+                last_done = time.time()
             if viz_batch is not None and done % config.viz_period == 0:
                 if pending is not None:
                     last_done, pending = _report(pending, config, peak, writer, last_done, loss_scaled), None
