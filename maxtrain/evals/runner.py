@@ -68,7 +68,8 @@ class TaskEvaluator:
         self.history: dict[str, dict] = self._previous_results()
         tokens = int((self.packed.segment_ids > 0).sum())
         log(f"eval_tasks: {', '.join(f'{t}' + (f' ({s}-shot)' if s else '') for t, s in self.tasks.items())}: "
-            f"{len(self.examples):,} examples, {sum(self.request_counts):,} requests; this process "
+            f"{len(self.examples):,} examples, {sum(self.request_counts):,} requests (per process "
+            f"{self.request_counts}); this process "
             f"{sum(len(e.requests) for e in self.mine):,} requests, {tokens:,} tokens in {self.packed.num_rows:,} "
             f"rows of {self.settings['length']} ({100 * tokens / max(self.packed.inputs.size, 1):.0f}% filled), "
             f"{self.num_batches} batches of {self.rows_per_batch} rows; "

@@ -1,0 +1,121 @@
+"""maxtrain's downstream scores against lm-eval 0.4.13's, on a tiny random Llama made with transformers.
+
+The model (tests/hf_eval_model.py: a byte-level BPE tokenizer adding BOS, Llama weights drawn at a
+scale that gives lively logits) is imported with scripts/convert_hf.py's code and scored by maxtrain
+on the first 228 examples of every task (MMLU: 4 per subject, 0-shot and 5-shot from the dev split);
+lm-eval scores the same directory (`--model hf`, float32, the same max_length) through local task
+YAMLs on the same files (scripts/lm_eval_reference.py). For every example the request strings must
+be equal, every log-likelihood within 2e-3, and the chosen answer the same, except where lm-eval's
+own best two choices are closer than that (a tie at float32 precision); accuracies within 0.5 points.
+
+lm-eval runs in a virtualenv of its own (it needs torch and many packages): MAXTRAIN_LM_EVAL_PYTHON
+names its interpreter (.ci/run makes one); otherwise this interpreter if it has lm_eval. Without
+either, or without torch/transformers here, the test skips and says which.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+from eval_helpers import BASE, REPO, eval_cache  # noqa: F401  (fixture)
+
+LIMIT = 228          # 57 x 4: four questions from each MMLU subject
+LENGTH = 512         # BoolQ passages and 5-shot MMLU prompts are cut on the left, on both sides alike
+TASKS = "hellaswag,arc_easy,arc_challenge,piqa,winogrande,boolq,lambada,mmlu"
+LL_TOLERANCE = 2e-3  # float32, different summation orders (torch vs XLA)
+
+
+def lm_eval_python() -> str | None:
+    python = os.environ.get("MAXTRAIN_LM_EVAL_PYTHON")
+    if python:
+        return python
+    return sys.executable if importlib.util.find_spec("lm_eval") else None
+
+
+@pytest.mark.slow  # ~3-4 minutes on 2 cores: lm-eval's start-up and ~6,500 requests on each side
+def test_per_example_choices_and_accuracies_equal_lm_eval(tmp_path, eval_cache):  # noqa: F811
+    pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0): lm-eval needs it")
+    pytest.importorskip("transformers", reason="transformers is not installed: the reference model needs it")
+    python = lm_eval_python()
+    if python is None:
+        pytest.skip("lm-eval 0.4.13 is not installed: set MAXTRAIN_LM_EVAL_PYTHON to the python of a virtualenv "
+                    "with `pip install torch==2.13.0 lm-eval==0.4.13 accelerate` (.ci/run makes one)")
+    import hf_eval_model  # pylint: disable=import-outside-toplevel
+
+    from maxtrain import config as config_lib  # pylint: disable=import-outside-toplevel
+    from maxtrain import convert, evals, model, sharding  # pylint: disable=import-outside-toplevel
+    from maxtrain import evaluate as evaluate_lib  # pylint: disable=import-outside-toplevel
+    from maxtrain.evals import tasks as tasks_lib  # pylint: disable=import-outside-toplevel
+
+    hf_dir = str(tmp_path / "hf")
+    hf_eval_model.make(hf_dir, eval_cache)
+    out = tmp_path / "lm_eval.json"
+    reference = subprocess.Popen(  # lm-eval runs while maxtrain scores
+        [python, str(REPO / "scripts" / "lm_eval_reference.py"), "--model", hf_dir, "--cache-dir", eval_cache,
+         "--tasks", TASKS + ",mmlu:5", "--limit", str(LIMIT), "--max-length", str(LENGTH), "--output", str(out)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+
+    overrides = convert.import_hf(hf_dir, str(tmp_path / "mt"))
+    ours = {}
+    for spec in (TASKS, "mmlu:5"):
+        config = config_lib.load_config([BASE, *[f"{k}={convert.yaml_value(v)}" for k, v in overrides.items()],
+                                         f"eval_tasks={spec}", f"eval_tasks_max_examples={LIMIT}",
+                                         f"eval_tasks_max_target_length={LENGTH}", "eval_tasks_per_device_batch_size=1",
+                                         f"eval_tasks_cache_dir={eval_cache}", "dtype=float32",
+                                         f"base_output_directory={tmp_path}", "run_name=ours",
+                                         f"load_parameters_path={tmp_path}/mt"])
+        config = config_lib.with_devices(config, jax.device_count())
+        mesh = sharding.create_mesh(config)
+        evaluator = evals.TaskEvaluator(config, hf_eval_model.load_tokenizer(hf_dir), mesh,
+                                        model.Runtime.from_config(config), log=print)
+        params, _ = evaluate_lib.load_params(config, mesh)
+        with sharding.activation_sharding(mesh, config.logical_axis_rules):
+            results = evaluator.evaluate(params)
+        for task, shots in evaluator.tasks.items():
+            examples = [e for e in evaluator.examples if e.task == task]
+            ours[f"{task}:{shots}"] = (examples, results[task])
+
+    log = reference.communicate(timeout=900)[0]
+    assert reference.returncode == 0, log[-5000:]
+    theirs = json.loads(out.read_text())["tasks"]
+    lines = []
+    for key, (examples, result) in ours.items():
+        task, shots = key.split(":")
+        ref = theirs[task if shots == "0" else key]
+        by_id = {s["doc_id"]: s for s in ref["samples"]}
+        assert len(examples) == len(ref["samples"]) >= 200, (key, len(examples), len(ref["samples"]))
+        ties = 0
+        for ex, mine in zip(examples, result["samples"]):
+            them = by_id[ex.doc_id]
+            assert [list(r) for r in ex.requests] == them["arguments"], (key, ex.doc_id)  # the same strings
+            their_ll = np.asarray([r[0] for r in them["resps"]])
+            our_ll = np.asarray(mine["lls"] if "lls" in mine else [mine["ll"]])
+            assert np.max(np.abs(our_ll - their_ll)) < LL_TOLERANCE, (key, ex.doc_id, our_ll, their_ll)
+            if tasks_lib.SPECS[task].kind == tasks_lib.LOGLIKELIHOOD:
+                assert mine["is_greedy"] == them["resps"][0][1], (key, ex.doc_id)
+                continue
+            top = np.sort(their_ll)[-2:]
+            if top[1] - top[0] < LL_TOLERANCE:
+                ties += 1
+                continue
+            assert mine["pred"] == int(np.argmax(their_ll)), (key, ex.doc_id, our_ll, their_ll)
+        for metric in ("acc", "acc_norm"):
+            if metric in result:
+                their_acc = float(np.mean([s[metric] for s in ref["samples"]]))
+                assert abs(result[metric] - their_acc) <= 0.005, (key, metric, result[metric], their_acc)
+                lines.append(f"{key:16s} {metric:8s} maxtrain {result[metric]:.4f}  lm-eval {their_acc:.4f}")
+        if "perplexity" in result:
+            their_ppl = float(np.exp(-np.mean([s["resps"][0][0] for s in ref["samples"]])))
+            assert result["perplexity"] == pytest.approx(their_ppl, rel=1e-3)
+            lines.append(f"{key:16s} perplexity maxtrain {result['perplexity']:.4g}  lm-eval {their_ppl:.4g}")
+        lines.append(f"{key:16s} {len(examples)} examples, {ties} near-ties skipped")
+    print("\n".join(lines))
