@@ -37,9 +37,11 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-# Config keys that fix the parameter shapes; named in errors when a checkpoint does not fit.
-MODEL_KEYS = ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",
-              "base_num_decoder_layers", "head_dim", "vocab_size", "logits_via_embedding")
+from maxtrain import models
+
+# Config keys that describe the model; the shape keys are named in errors when a checkpoint does not fit,
+# the setting keys (family, RoPE, epsilon, soft-caps, window) must equal the checkpoint's.
+MODEL_KEYS = models.MODEL_KEYS
 _TMP_MARK = ".orbax-checkpoint-tmp"
 
 
@@ -267,7 +269,7 @@ def check_fits(step_dir: str, expected: dict[str, tuple[tuple[int, ...], str]], 
     lines += [f"  not in the model  {p}" for p in extra_lines[:12]]
     lines += [f"  ... and {len(extra_lines) - 12} more not in the model"] if len(extra_lines) > 12 else []
     saved_config = read_metadata(step_dir).get("config", {}) if config is not None else {}
-    differing = [f"{k}={saved_config[k]} (this run: {getattr(config, k)})" for k in MODEL_KEYS
+    differing = [f"{k}={saved_config[k]} (this run: {getattr(config, k)})" for k in models.SHAPE_KEYS
                  if k in saved_config and saved_config[k] != getattr(config, k)]
     if differing:
         lines.append("  the checkpoint was written with " + ", ".join(differing))
@@ -294,6 +296,52 @@ def _grouped(paths: list[str], universe) -> list[str]:
     return out
 
 
+def check_settings(step_dir: str, config, key: str) -> None:
+    """Refuses a checkpoint whose model settings (family, RoPE, norm epsilon, soft-caps, window, ...)
+    differ from the configured model's: its parameters would load and silently compute something else."""
+    saved = read_metadata(step_dir).get("config", {})
+    differing = [f"{k}: checkpoint {saved[k]!r}, this run {getattr(config, k)!r}" for k in models.SETTING_KEYS
+                 if k in saved and saved[k] != getattr(config, k)]
+    if differing:
+        raise CheckpointError(
+            f"the checkpoint {step_dir} ({key}) was written with other model settings than this run's:\n  "
+            + "\n  ".join(differing) + "\nIts parameters would compute a different model. Use the checkpoint's "
+            f"settings (leave the model keys unset to adopt them, or see `python -m maxtrain.checkpoint inspect "
+            f"{step_dir}`)" + (", or a new run_name to train another model." if key == "resume" else "."))
+
+
+def source_of(step_dir: str) -> dict | None:
+    """Where a checkpoint's model came from (a Hugging Face import: its config and assets), if recorded."""
+    return read_metadata(step_dir).get("source")
+
+
+def adopt_model_settings(config, log=print):
+    """With load_parameters_path / load_full_state_path and no model chosen by the user (no model_name and
+    no model key in their YAML or overrides), the checkpoint's model settings, and its tokenizer when
+    tokenizer_path is unset. Otherwise config unchanged (the fit and settings checks compare them later)."""
+    key = "load_parameters_path" if config.load_parameters_path else "load_full_state_path"
+    path = getattr(config, key)
+    given = set(config.given_keys)
+    if not path or given & (set(models.MODEL_KEYS) | {"model_name"}):
+        return config
+    step_dir = find_step_dir(path, key)
+    meta = read_metadata(step_dir)
+    saved = meta.get("config", {})
+    keys = {k: saved[k] for k in models.MODEL_KEYS if k in saved}
+    if not keys:
+        return config
+    from maxtrain import config as config_lib  # pylint: disable=import-outside-toplevel
+
+    changes = dict(keys, model_name=saved.get("model_name") or os.path.basename(os.path.dirname(os.path.dirname(step_dir))))
+    tokenizer = saved.get("tokenizer_path") or (meta.get("source") or {}).get("assets_dir")
+    if "tokenizer_path" not in given and tokenizer and os.path.exists(tokenizer):
+        changes["tokenizer_path"] = tokenizer
+    config = config_lib.revalidate(config.replace(**changes))
+    log(f"using the model settings of {step_dir} ({config.decoder_block}, {models.num_params(config) / 1e6:,.1f}M "
+        "params)" + (f" and its tokenizer {changes['tokenizer_path']}" if "tokenizer_path" in changes else ""))
+    return config
+
+
 def load_params(path: str, abstract_params: dict, config=None, key: str = "load_parameters_path") -> dict:
     """Only the params of a checkpoint (full or params-only), placed with `abstract_params`' shardings.
 
@@ -301,6 +349,8 @@ def load_params(path: str, abstract_params: dict, config=None, key: str = "load_
     """
     step_dir = find_step_dir(path, key)
     check_fits(step_dir, leaf_shapes({"params": abstract_params}), config, key)
+    if config is not None:
+        check_settings(step_dir, config, key)
     item = {"params": abstract_params}
     args = ocp.args.PyTreeRestore(item=item, restore_args=ocp.checkpoint_utils.construct_restore_args(item),
                                   partial_restore=True)
@@ -351,15 +401,18 @@ def plan_start(config, checkpointer: Checkpointer | None, abstract_state: dict, 
             log("this run has its own checkpoints, so it resumes from them and ignores load_parameters_path / "
                 "load_full_state_path")
         check_fits(start.step_dir, leaf_shapes(abstract_state), config, "resume")
+        check_settings(start.step_dir, config, "resume")
         _log_config_changes(start.step_dir, config, log)
         return start
     if config.load_full_state_path:
         step_dir = find_step_dir(config.load_full_state_path, "load_full_state_path")
         check_fits(step_dir, leaf_shapes(abstract_state), config, "load_full_state_path")
+        check_settings(step_dir, config, "load_full_state_path")
         return Start("full_state", step_dir)
     if config.load_parameters_path:
         step_dir = find_step_dir(config.load_parameters_path, "load_parameters_path")
         check_fits(step_dir, leaf_shapes({"params": abstract_state["params"]}), config, "load_parameters_path")
+        check_settings(step_dir, config, "load_parameters_path")
         return Start("parameters", step_dir)
     return Start("fresh")
 
@@ -381,7 +434,7 @@ def initial_state(start: Start, checkpointer, abstract_state: dict, init, key, d
 
 def _log_config_changes(step_dir: str, config, log) -> None:
     saved = read_metadata(step_dir).get("config", {})
-    ignore = {"run_name_was_generated", "config_path"}
+    ignore = {"run_name_was_generated", "config_path", "given_keys"}
     changed = [f"{k}: {saved[k]!r} -> {v!r}" for k, v in config.to_dict().items()
                if k in saved and k not in ignore and saved[k] != v]
     if changed:

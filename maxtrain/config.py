@@ -5,8 +5,13 @@
 
 `configs/base.yml` is the schema: its keys are the only keys, and the type of each default is the
 type an override must have (an int is accepted where a float is expected). A model preset
-(`configs/models/<model_name>.yml`) is merged over it, then the command-line overrides. The result
-is a frozen `Config`; every check that needs no devices happens here, before JAX starts.
+(`configs/models/<model_name>.yml`, or `model_name=<path of a preset YAML>`) is merged over it, then
+the command-line overrides. The result is a frozen `Config`; every check that needs no devices
+happens here, before JAX starts.
+
+The configs ship inside the package: a config file named without a directory (`base.yml`) that does
+not exist where the command runs is found among the packaged ones, and so are presets; an explicit
+path always wins.
 
 This module imports nothing else of maxtrain.
 """
@@ -20,6 +25,8 @@ from typing import Any, Iterable
 
 import yaml
 
+DECODER_BLOCKS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")  # maxtrain/models/<family>.py
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DTYPES = ("autoselected", "float32", "bfloat16", "float16")
 WEIGHT_DTYPES = ("float32", "bfloat16")
 REMAT_POLICIES = ("autoselected", "full", "minimal", "save_qkv_proj", "save_out_proj", "none")
@@ -75,9 +82,32 @@ class Config:
 # --------------------------------------------------------------------------------------------
 
 
+def packaged_configs_dir() -> str:
+    """configs/ of the installed package (a wheel puts it at maxtrain/configs; a source checkout has it
+    beside the maxtrain/ package)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    installed = os.path.join(here, "configs")
+    return installed if os.path.isdir(installed) else os.path.join(os.path.dirname(here), "configs")
+
+
+def _find_config(path: str) -> str:
+    """`path` itself when it exists, else a packaged config of that name (base.yml, models/x.yml)."""
+    if os.path.isfile(path) or os.path.isabs(path):
+        return path
+    packaged = os.path.join(packaged_configs_dir(), path)
+    return packaged if os.path.isfile(packaged) else path
+
+
+def defaults() -> dict[str, Any]:
+    """The packaged base.yml's values (every key's default)."""
+    values, _ = _load_with_bases(os.path.join(packaged_configs_dir(), "base.yml"))
+    return {k: _coerce(k, v, v, "base.yml") for k, v in values.items()}
+
+
 def _read_yaml(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist. Pass a YAML file such as configs/base.yml.")
+        raise ConfigError(f"config file {path!r} does not exist. Pass a YAML file such as configs/base.yml, or the "
+                          f"name of a packaged one (base.yml)")
     with open(path) as f:
         try:
             data = yaml.safe_load(f) or {}
@@ -88,9 +118,11 @@ def _read_yaml(path: str) -> dict[str, Any]:
     return data
 
 
-def _load_with_bases(path: str, seen: tuple[str, ...] = ()) -> tuple[dict[str, Any], str]:
-    """Reads `path`, following `base_config:` chains. Returns (values, directory of the root base)."""
-    path = os.path.abspath(path)
+def _load_with_bases(path: str, seen: tuple[str, ...] = (), given: set | None = None) -> tuple[dict[str, Any], str]:
+    """Reads `path`, following `base_config:` chains. Returns (values, directory of the root base).
+
+    `given` collects the keys set by files other than the root base (the user's own YAML)."""
+    path = os.path.abspath(_find_config(path))
     if path in seen:
         raise ConfigError(f"base_config cycle: {' -> '.join(seen + (path,))}")
     data = _read_yaml(path)
@@ -98,10 +130,14 @@ def _load_with_bases(path: str, seen: tuple[str, ...] = ()) -> tuple[dict[str, A
     if base is None:
         return data, os.path.dirname(path)
     base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
-    base_values, root_dir = _load_with_bases(base_path, seen + (path,))
+    if not os.path.isfile(base_path) and not os.path.dirname(base):
+        base_path = base  # a packaged config by name
+    base_values, root_dir = _load_with_bases(base_path, seen + (path,), given)
     for key in data:
         if key not in base_values:
             raise ConfigError(f"{path}: " + _unknown_key_message(key, base_values))
+    if given is not None:
+        given.update(data)
     return {**base_values, **data}, root_dir
 
 
@@ -166,7 +202,8 @@ def load_config(argv: list[str]) -> Config:
         raise ConfigError("usage: python -m maxtrain.train configs/base.yml [key=value ...]")
     if "=" in argv[0] and not argv[0].endswith((".yml", ".yaml")):
         raise ConfigError(f"the first argument must be a YAML config file (e.g. configs/base.yml), got {argv[0]!r}")
-    schema, config_dir = _load_with_bases(argv[0])
+    given: set[str] = set()
+    schema, config_dir = _load_with_bases(argv[0], given=given)
     overrides = _parse_overrides(argv[1:])
     for key in overrides:
         if key not in schema:
@@ -177,18 +214,35 @@ def load_config(argv: list[str]) -> Config:
     values.update(_load_preset(model_name, schema, config_dir))
     for key, raw in overrides.items():
         values[key] = _coerce(key, raw, schema[key], "command line")
-    values["config_path"] = os.path.abspath(argv[0])
+    values["config_path"] = os.path.abspath(_find_config(argv[0]))
     values["run_name_was_generated"] = not values["run_name"]
+    # Keys the user chose (their YAML or the command line) rather than base.yml's defaults: a checkpoint's
+    # model settings are adopted only where none of the model keys were chosen (checkpoint.adopt_model).
+    values["given_keys"] = sorted(given | set(overrides))
     _validate(values)
     return Config(_derive(values))
 
 
+def preset_names() -> list[str]:
+    models_dir = os.path.join(packaged_configs_dir(), "models")
+    return sorted(f[:-4] for f in os.listdir(models_dir) if f.endswith(".yml")) if os.path.isdir(models_dir) else []
+
+
 def _load_preset(model_name: str, schema: dict[str, Any], config_dir: str) -> dict[str, Any]:
-    models_dir = os.path.join(config_dir, "models")
-    path = os.path.join(models_dir, f"{model_name}.yml")
+    """The preset `model_name` names: a path to a YAML file, else configs/models/<model_name>.yml beside
+    the base config, else the packaged one."""
+    if model_name.endswith((".yml", ".yaml")) or os.sep in model_name:
+        path = model_name
+        if not os.path.isfile(path):
+            raise ConfigError(f"model_name={model_name!r} looks like a preset file but does not exist")
+    else:
+        path = os.path.join(config_dir, "models", f"{model_name}.yml")
+        if not os.path.isfile(path):
+            path = os.path.join(packaged_configs_dir(), "models", f"{model_name}.yml")
     if not os.path.isfile(path):
-        available = sorted(f[:-4] for f in os.listdir(models_dir) if f.endswith(".yml")) if os.path.isdir(models_dir) else []
-        raise ConfigError(f"model_name={model_name!r} has no preset {path}. Available: {', '.join(available) or 'none'}.")
+        close = difflib.get_close_matches(model_name, preset_names(), n=1, cutoff=0.6)
+        raise ConfigError(f"model_name={model_name!r} is not a preset" + (f" (did you mean {close[0]}?)" if close else "")
+                          + f". Presets: {', '.join(preset_names())}; or pass the path of a preset YAML.")
     preset = _read_yaml(path)
     out = {}
     for key, raw in preset.items():
@@ -231,6 +285,7 @@ def _validate(v: dict[str, Any]) -> None:
              f"{v['base_num_kv_heads']} (each kv head serves a whole group of query heads); "
              f"e.g. base_num_kv_heads={_divisor_hint(v['base_num_query_heads'], v['base_num_kv_heads'])}")
     _require(v["head_dim"] % 2 == 0, f"head_dim={v['head_dim']} must be even (RoPE rotates pairs of features)")
+    _validate_model(v)
     _one_of(v, "dtype", DTYPES)
     _one_of(v, "weight_dtype", WEIGHT_DTYPES)
     _one_of(v, "remat_policy", REMAT_POLICIES)
@@ -310,6 +365,27 @@ def parse_eval_tasks(spec: str, num_fewshot: int = 0) -> dict[str, int]:
     return tasks
 
 
+def _validate_model(v: dict[str, Any]) -> None:
+    _one_of(v, "decoder_block", DECODER_BLOCKS)
+    _one_of(v, "rope_type", ROPE_TYPES)
+    _positive(v, "rope_factor", "original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow")
+    if v["rope_type"] == "llama3":
+        _require(v["rope_high_freq_factor"] > v["rope_low_freq_factor"] > 0,
+                 f"rope_type=llama3 needs rope_high_freq_factor > rope_low_freq_factor > 0, got "
+                 f"{v['rope_high_freq_factor']} and {v['rope_low_freq_factor']} (Llama 3.1 uses 4.0 and 1.0)")
+    for key in ("local_rope_max_timescale", "query_pre_attn_scalar", "rope_attention_factor"):
+        _require(v[key] == -1 or v[key] > 0, f"{key}={v[key]} must be > 0, or -1 for the default")
+    for key in ("sliding_window_size", "attn_logits_soft_cap", "final_logits_soft_cap"):
+        _require(v[key] >= 0, f"{key}={v[key]} must be >= 0 (0 turns it off)")
+    types = v["attention_layer_types"]
+    if types:
+        _require(len(types) == v["base_num_decoder_layers"] and all(t in ("full", "sliding") for t in types),
+                 f"attention_layer_types must list \"full\" or \"sliding\" for each of the "
+                 f"{v['base_num_decoder_layers']} layers (or be [] for the family's pattern), got {types}")
+        _require("sliding" not in types or v["sliding_window_size"] > 0,
+                 "attention_layer_types has sliding layers but sliding_window_size=0; set sliding_window_size")
+
+
 def _divisor_hint(n: int, near: int) -> int:
     divisors = [d for d in range(1, n + 1) if n % d == 0]
     return min(divisors, key=lambda d: (abs(d - near), d))
@@ -347,6 +423,13 @@ def _derive(v: dict[str, Any]) -> dict[str, Any]:
     v["warmup_steps"] = int(v["warmup_steps_fraction"] * v["schedule_steps"])
     v["tokens_per_sequence"] = v["max_target_length"]
     return v
+
+
+def revalidate(config: Config) -> Config:
+    """Checks a config again after values were replaced (e.g. a checkpoint's model settings adopted)."""
+    values = config.to_dict()
+    _validate(values)
+    return Config(values)
 
 
 def with_devices(config: Config, num_devices: int, num_processes: int = 1) -> Config:

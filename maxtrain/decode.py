@@ -2,8 +2,9 @@
 
     python -m maxtrain.decode configs/base.yml load_parameters_path=<run>/checkpoints/<step> prompt="def "
 
-The config must describe the model the checkpoint was trained with (the same model_name and
-overrides); only the params are read from the checkpoint. decode_sampling_strategy picks the
+The model is the checkpoint's (its saved model settings are adopted when the command names no
+model_name or model key; a model that differs from the checkpoint's is refused); only the params
+are read from the checkpoint. decode_sampling_strategy picks the
 sampler (greedy | weighted | topk | nucleus, as in MaxText), seeded by `seed`; max_new_tokens
 tokens are generated (fewer when the model emits end-of-sequence). The tokenizer is tokenizer_path,
 or for dataset_type=default the default corpus' cached tokenizer (trained on first use).
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
-from maxtrain import model, sharding
+from maxtrain import builder, models, sharding
 from maxtrain.data import pipeline
 from maxtrain.data import tokenizer as tokenizer_lib
 
@@ -64,9 +65,9 @@ def sampling_settings(config) -> dict:
 @functools.partial(jax.jit, static_argnames=("config", "rt", "max_new_tokens", "temperature", "top_k", "top_p"))
 def _generate(params, prompt, key, *, config, rt, max_new_tokens, temperature, top_k, top_p):
     batch, prompt_len = prompt.shape
-    cache = model.init_cache(config, batch, prompt_len + max_new_tokens, rt.dtype)
+    cache = models.init_cache(config, batch, prompt_len + max_new_tokens, rt.dtype)
     positions = jnp.broadcast_to(jnp.arange(prompt_len), prompt.shape)
-    logits, cache = model.forward_with_cache(params, prompt, positions, cache, 0, config, rt)
+    logits, cache = models.forward_with_cache(params, prompt, positions, cache, 0, config, rt)
 
     def step(i, carry):
         cache, last_logits, out, key = carry
@@ -74,7 +75,7 @@ def _generate(params, prompt, key, *, config, rt, max_new_tokens, temperature, t
         token = sample_token(last_logits, sub, temperature=temperature, top_k=top_k, top_p=top_p)
         out = out.at[:, i].set(token)
         position = prompt_len + i
-        logits, cache = model.forward_with_cache(params, token[:, None], jnp.full((batch, 1), position), cache,
+        logits, cache = models.forward_with_cache(params, token[:, None], jnp.full((batch, 1), position), cache,
                                                  position, config, rt)
         return cache, logits[:, -1], out, key
 
@@ -83,7 +84,7 @@ def _generate(params, prompt, key, *, config, rt, max_new_tokens, temperature, t
     return out
 
 
-def generate(params, prompt_ids: list[int], config, rt: model.Runtime, *, max_new_tokens: int,
+def generate(params, prompt_ids: list[int], config, rt: models.Runtime, *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              eos_id: int | None = None) -> list[int]:
     """Continues `prompt_ids`; returns the new tokens (cut after EOS when eos_id is given)."""
@@ -110,25 +111,30 @@ def abstract_params(config, mesh) -> dict:
     """ShapeDtypeStructs of the params, sharded on `mesh` by the logical axis rules (nothing allocated)."""
     dtype = jnp.dtype(config.weight_dtype)
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sharding.named_sharding(
-        mesh, s.axes, config.logical_axis_rules)), model.param_specs(config), is_leaf=model.is_spec)
+        mesh, s.axes, config.logical_axis_rules)), models.param_specs(config), is_leaf=models.is_spec)
 
 
-def load_model(config, log=print):
-    """(params, runtime, mesh) for the checkpoint at load_parameters_path (a step directory, or a run or
-    its checkpoints directory, meaning its latest step)."""
+def load_params_on(config, mesh, log=print) -> dict:
+    """The params of the checkpoint at load_parameters_path (a step directory, or a run or its checkpoints
+    directory, meaning its latest step), sharded on `mesh`; refused when it does not fit the model."""
     if not config.load_parameters_path:
         raise config_lib.ConfigError("set load_parameters_path=<run>/checkpoints/<step>: the checkpoint whose "
                                      "params to use (see the run's checkpoints/ directory)")
-    config = config_lib.with_devices(config, jax.device_count(), jax.process_count())
-    mesh = sharding.create_mesh(config)
     step_dir = checkpoint_lib.find_step_dir(config.load_parameters_path, "load_parameters_path")
     params = checkpoint_lib.load_params(step_dir, abstract_params(config, mesh), config)
-    log(f"loaded params from {step_dir} ({model.num_params(config) / 1e6:.2f}M)")
-    return params, model.Runtime.from_config(config), mesh
+    log(f"loaded params from {step_dir} ({models.num_params(config) / 1e6:.2f}M)")
+    return params
+
+
+def load_model(config, log=print):
+    """(params, runtime, mesh) for the checkpoint at load_parameters_path, on all devices."""
+    config = config_lib.with_devices(config, jax.device_count(), jax.process_count())
+    mesh = sharding.create_mesh(config)
+    return load_params_on(config, mesh, log), models.Runtime.from_config(config), mesh
 
 
 def main(argv: list[str]) -> str:
-    config = config_lib.load_config(argv)
+    config = builder.load_config(argv)
     tokenizer = tokenizer_for(config)
     params, rt, mesh = load_model(config)
     settings = sampling_settings(config)

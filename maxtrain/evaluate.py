@@ -21,20 +21,20 @@ import jax
 
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
-from maxtrain import decode, distributed, evals, model, sharding
+from maxtrain import builder, decode, distributed, evals, models, sharding
 
 
 def load_params(config, mesh, log=print):
     """The params at load_parameters_path, sharded on `mesh` (a step dir, or a run / checkpoints dir: its latest)."""
     step_dir = checkpoint_lib.find_step_dir(config.load_parameters_path, "load_parameters_path")
     params = checkpoint_lib.load_params(step_dir, decode.abstract_params(config, mesh), config)
-    log(f"loaded params from {step_dir} ({model.num_params(config) / 1e6:.2f}M)")
+    log(f"loaded params from {step_dir} ({models.num_params(config) / 1e6:.2f}M)")
     return params, step_dir
 
 
 def main(argv: list[str]) -> dict:
     started = time.time()
-    config = config_lib.load_config(argv)
+    config = builder.load_config(argv)  # an imported model's settings are adopted from its checkpoint
     if not config.eval_tasks.strip():
         raise config_lib.ConfigError("name the tasks to score: eval_tasks=hellaswag,arc_easy,... (tasks: "
                                      f"{', '.join(config_lib.EVAL_TASKS)})")
@@ -45,7 +45,7 @@ def main(argv: list[str]) -> dict:
     config = config_lib.with_devices(config, jax.device_count(), jax.process_count())
     log = print if jax.process_index() == 0 else (lambda *_: None)
     mesh = sharding.create_mesh(config)
-    rt = model.Runtime.from_config(config)
+    rt = models.Runtime.from_config(config)
     # the data first (cheap, and the likeliest to be missing), then the tokenizer, then the checkpoint
     evals.data.open_cache(evals.data.cache_dir_for(config), config_lib.parse_eval_tasks(config.eval_tasks))
     evaluator = evals.TaskEvaluator(config, decode.tokenizer_for(config, log=log), mesh, rt, log=log)

@@ -1,17 +1,9 @@
 """Throughput and MFU: the FLOPs model, the device peak table, and the metric writers.
 
-FLOPs model (training, per token; "model FLOPs", so recomputation under remat does not count):
-
-    matmul params per layer  P_l = D*N*H (q) + 2*D*G*H (k, v) + N*H*D (out) + 3*D*F (SwiGLU)
-    attention per layer      A_l = 2 * 2*N*H*T * c      (q.k scores and probs.v, T keys per query)
-    logits                   P_o = D*V
-    forward per token        = L * (2*P_l + A_l) + 2*P_o
-    training per token       = 3 x forward              (the backward pass costs twice the forward)
-
-c is the fraction of the T x T score matrix that is computed: 1/2 for causal attention, whose
-upper triangle is never needed ("counted once"), 1 when counting a dense implementation's work.
-The embedding lookup, norms, softmax, activations and the optimizer are elementwise and omitted
-(they add a few percent of XLA's count for small models, far less for large ones).
+FLOPs per token come from the model family (maxtrain/models/<family>.py, `flops_per_token`):
+"model FLOPs" of training, 3 x the forward pass's matmuls (so remat recomputation does not count),
+causal attention counted once and sliding windows counting only the keys attended. See
+models.blocks.decoder_flops for the dense decoder formula.
 
 MFU = achieved model TFLOP/s per device / the device's dense bfloat16 peak (below, or
 `peak_tflops_per_device`).
@@ -24,6 +16,8 @@ import os
 import struct
 
 import jax
+
+from maxtrain import models
 
 # Dense (no sparsity) bfloat16 peak TFLOP/s per device, from the vendors' data sheets.
 # Matched against jax.Device.device_kind, longest key first.
@@ -48,14 +42,10 @@ PEAK_TFLOPS = {
 }
 
 
-def flops_per_token(config, causal_fraction: float = 0.5) -> float:
-    """Training FLOPs per token (see the module docstring)."""
-    d, n, g, h = config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim
-    f, v, t, num_layers = config.base_mlp_dim, config.vocab_size, config.max_target_length, config.base_num_decoder_layers
-    per_layer_params = d * n * h + 2 * d * g * h + n * h * d + 3 * d * f
-    per_layer_attention = 2 * 2 * n * h * t * causal_fraction
-    forward = num_layers * (2 * per_layer_params + per_layer_attention) + 2 * d * v
-    return 3.0 * forward
+def flops_per_token(config, dense_attention: bool = False) -> float:
+    """Training FLOPs per token (the family's formula; dense_attention counts every key of the T x T
+    scores, as a dense implementation computes them)."""
+    return models.flops_per_token(config, dense_attention)
 
 
 def peak_tflops(config, device=None) -> float | None:
@@ -83,6 +73,7 @@ def step_metrics(raw: dict, step_time: float, config, peak: float | None) -> dic
         "perf/per_device_tokens_per_sec": tokens_per_device / step_time,
         "perf/per_device_tflops_per_sec": tflops_per_device,
         "perf/mfu": tflops_per_device / peak if peak else None,
+        **{f"learning/{k[4:]}": float(v) for k, v in raw.items() if k.startswith("aux/")},
     }
 
 

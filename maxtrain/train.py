@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import yaml
 
+from maxtrain import builder, decode, distributed, evals, metrics, sharding, viz
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
-from maxtrain import decode, distributed, evals, metrics, model, optimizer, sharding, train_step, viz
 from maxtrain import preemption as preemption_lib
 from maxtrain.data import pipeline
 
@@ -32,51 +32,6 @@ class TrainingError(RuntimeError):
 def log(*args):
     if jax.process_index() == 0:
         print(*args, flush=True)
-
-
-def state_shardings(config, mesh, tx, abstract_state):
-    """Shardings for every leaf of the train state, from the parameter declarations and the rules."""
-    rules = config.logical_axis_rules
-    specs = model.param_specs(config)
-    for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=model.is_spec)[0]:
-        sharding.check_divisible("param " + jax.tree_util.keystr(path), spec.shape, spec.axes, mesh, rules)
-    params = jax.tree.map(lambda s: sharding.named_sharding(mesh, s.axes, rules), specs, is_leaf=model.is_spec)
-    replicated = sharding.named_sharding(mesh, (), rules)
-    return {
-        "step": replicated,
-        "params": params,
-        "opt_state": optimizer.opt_state_shardings(tx, abstract_state["opt_state"], params, replicated),
-        "loss_scale": jax.tree.map(lambda _: replicated, abstract_state["loss_scale"]),
-        "rng": replicated,
-    }
-
-
-def summarize(config, rt, mesh, compiled, compile_seconds) -> str:
-    n_params = model.num_params(config)
-    flops = metrics.flops_per_token(config)
-    memory = compiled.memory_analysis()
-    lines = [
-        f"model: {config.model_name}  params {n_params / 1e6:,.2f}M  layers {config.base_num_decoder_layers}  "
-        f"D {config.base_emb_dim}  heads {config.base_num_query_heads}/{config.base_num_kv_heads}  "
-        f"F {config.base_mlp_dim}  V {config.vocab_size}",
-        f"compute: {rt.describe()}  weights {config.weight_dtype}  scan_layers {config.scan_layers}  "
-        f"backend {jax.default_backend()}",
-        f"mesh: {dict(mesh.shape)} over {config.num_devices} devices in {config.num_processes} process(es)",
-        f"batch: global {config.global_batch_size} sequences x {config.max_target_length} tokens = "
-        f"{config.tokens_per_step:,} tokens/step (per device {config.per_device_batch_size}, "
-        f"accumulation {config.gradient_accumulation_steps})",
-        f"schedule: {config.lr_schedule_type} peak lr {config.learning_rate}  warmup {config.warmup_steps}  "
-        f"steps {config.steps}",
-        f"FLOPs: {flops:.4g}/token, {flops * config.tokens_per_step:.4g}/step (causal attention counted once)",
-        f"compiled step in {compile_seconds:.1f}s",
-    ]
-    if memory is not None:
-        total = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
-                 - memory.alias_size_in_bytes)
-        lines.append(f"memory per device: {total / 2**30:.3f} GiB (arguments {memory.argument_size_in_bytes / 2**30:.3f}, "
-                     f"temporaries {memory.temp_size_in_bytes / 2**30:.3f}, outputs {memory.output_size_in_bytes / 2**30:.3f})")
-    lines.append(f"output: {os.path.abspath(config.run_dir)}")
-    return "\n".join(lines)
 
 
 def evaluate(eval_step, params, eval_batches) -> float:
@@ -100,10 +55,12 @@ def check_finite(step: int, m: dict, loss_scaled: bool, loss_scale_min: float = 
         "gradient_clipping_threshold=1.0, or dtype=float32 / bfloat16 instead of float16.")
 
 
-def write_metadata(config, rt) -> dict:
+def write_metadata(config, rt, start) -> dict:
     """Run metadata, saved in every checkpoint and written as readable files to <run>/metadata."""
+    source = checkpoint_lib.source_of(start.step_dir) if start.step_dir else None
     meta = {"config": config.to_dict(), "runtime": {"dtype": rt.dtype.name, "attention": rt.attention,
                                                     "remat_policy": rt.remat_policy},
+            **({"source": source} if source else {}),  # a model imported from Hugging Face: kept for export
             "jax_version": jax.__version__, "num_processes": jax.process_count(), "num_devices": jax.device_count(),
             "device_kind": jax.devices()[0].device_kind, "git": checkpoint_lib.git_state(),
             "command": sys.argv, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -121,38 +78,28 @@ def write_metadata(config, rt) -> dict:
 
 def main(argv: list[str]) -> dict:
     start_time = time.time()
-    config = config_lib.load_config(argv)
+    config = builder.load_config(argv, log=log)
     distributed.initialize(config)
-    config = config_lib.with_devices(config, jax.device_count(), jax.process_count())
-    rt = model.Runtime.from_config(config)
-    mesh = sharding.create_mesh(config)
-    rules = config.logical_axis_rules
-
-    tx = optimizer.make_optimizer(config)
-    abstract_state = jax.eval_shape(lambda k: train_step.init_state(config, rt, tx, k), jax.random.key(0))
-    shardings = state_shardings(config, mesh, tx, abstract_state)
+    run = builder.build(config)  # mesh, model, optimizer, state shardings and the jitted steps
+    config, rt, mesh, rules = run.config, run.rt, run.mesh, run.config.logical_axis_rules
 
     checkpointer = checkpoint_lib.Checkpointer(config, log=log) if config.enable_checkpointing else None
-    start = checkpoint_lib.plan_start(config, checkpointer, abstract_state, log=log)  # fails here if it does not fit
+    start = checkpoint_lib.plan_start(config, checkpointer, run.abstract_state, log=log)  # fails here if it does not fit
     distributed.agree_on_checkpoint_step(start.step, config.checkpoint_dir)  # every process resumes the same step
     inputs = data_lib.make_inputs(config, log=log)
     task_evals = evals.from_config(config, inputs.tokenizer, mesh, rt, log=log)  # data checked, requests packed
-    metadata = write_metadata(config, rt)
+    metadata = write_metadata(config, rt, start)
     writer = metrics.MetricWriter(config, active=jax.process_index() == 0)
     writer.write_text("config", "```\n" + yaml.safe_dump(config.to_dict(), sort_keys=False) + "\n```")
 
     with sharding.activation_sharding(mesh, rules):
-        init = jax.jit(lambda k: train_step.init_state(config, rt, tx, k), out_shardings=shardings)
-        state = checkpoint_lib.initial_state(start, checkpointer, checkpoint_lib.abstract_like(abstract_state, shardings),
-                                             init, jax.random.key(config.seed), inputs.train_iterator, log=log)
-
-        batch_sharding = sharding.named_sharding(mesh, pipeline.BATCH_AXES, rules)
+        state = checkpoint_lib.initial_state(start, checkpointer, run.abstract_state, run.init,
+                                             jax.random.key(config.seed), inputs.train_iterator, log=log)
         first_batch = pipeline.to_global(next(inputs.train_iterator), mesh, rules)
         t0 = time.time()
-        step_fn = jax.jit(train_step.make_train_step(config, rt, tx), in_shardings=(shardings, batch_sharding),
-                          out_shardings=(shardings, None), donate_argnums=0).lower(state, first_batch).compile()
-        log(summarize(config, rt, mesh, step_fn, time.time() - t0))
-        eval_step = jax.jit(train_step.make_eval_step(config, rt))
+        step_fn = run.compile(state, first_batch)
+        log(builder.summarize(run, step_fn, time.time() - t0))
+        eval_step = run.eval_step
         has_eval = len(inputs.eval_batches) > 0
 
         def eval_batches():  # read afresh each evaluation: one eval epoch need not fit in memory

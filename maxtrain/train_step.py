@@ -7,6 +7,10 @@ A batch holds `inputs`, `targets`, `positions`, `segment_ids` and `loss_weights`
 [accumulation steps, micro batch, T]. Gradients from the micro-batches are summed in float32 and
 divided by the number of real (weighted) tokens, so every real token counts the same however the
 batch is split.
+
+The model's aux scalars (summed over its layers; empty for dense families) reach the objective and
+the metrics here and nowhere else: `*_loss` entries are added to the objective (models.objective),
+and every entry is reported as `aux/<name>`, averaged over the micro-batches.
 """
 
 from __future__ import annotations
@@ -15,13 +19,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from maxtrain import model, precision
+from maxtrain import models, precision
 from maxtrain.optimizer import make_schedule
 
 
-def init_state(config, rt: model.Runtime, tx: optax.GradientTransformation, key) -> dict:
+def init_state(config, rt: models.Runtime, tx: optax.GradientTransformation, key) -> dict:
     init_key, rng = jax.random.split(key)
-    params = model.init_params(config, init_key)
+    params = models.init_params(config, init_key)
     return {
         "step": jnp.asarray(0, jnp.int32),
         "params": params,
@@ -31,7 +35,7 @@ def init_state(config, rt: model.Runtime, tx: optax.GradientTransformation, key)
     }
 
 
-def make_train_step(config, rt: model.Runtime, tx: optax.GradientTransformation):
+def make_train_step(config, rt: models.Runtime, tx: optax.GradientTransformation):
     scaling = precision.uses_loss_scaling(rt.dtype)
     lr_at = make_schedule(config)
 
@@ -46,15 +50,15 @@ def make_train_step(config, rt: model.Runtime, tx: optax.GradientTransformation)
             grad_sum, loss_sum, weight_sum = carry
 
             def scaled_loss(p):
-                loss, weight = model.loss_fn(p, micro_batch, config, rt)
-                return loss * unit, (loss, weight)
+                loss, weight, aux = models.loss_fn(p, micro_batch, config, rt)
+                return models.objective(loss, weight, aux) * unit, (loss, weight, aux)
 
-            grads, (loss, weight) = jax.grad(scaled_loss, has_aux=True)(params)
+            grads, (loss, weight, aux) = jax.grad(scaled_loss, has_aux=True)(params)
             grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
-            return (grad_sum, loss_sum + loss, weight_sum + weight), None
+            return (grad_sum, loss_sum + loss, weight_sum + weight), aux
 
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (grad_sum, loss_sum, weight_sum), _ = jax.lax.scan(micro_step, (zeros, 0.0, 0.0), batch)
+        (grad_sum, loss_sum, weight_sum), aux = jax.lax.scan(micro_step, (zeros, 0.0, 0.0), batch)
         denom = jnp.maximum(weight_sum, 1.0)
         grads = jax.tree.map(lambda g: g / (denom * unit), grad_sum)
 
@@ -79,15 +83,16 @@ def make_train_step(config, rt: model.Runtime, tx: optax.GradientTransformation)
             "tokens": weight_sum,
             "loss_scale": loss_scale["scale"],
             "skipped_steps": loss_scale["skipped_steps"],
+            **{f"aux/{name}": jnp.mean(value) for name, value in aux.items()},
         }
         return new_state, metrics
 
     return train_step
 
 
-def make_eval_step(config, rt: model.Runtime):
+def make_eval_step(config, rt: models.Runtime):
     def eval_step(params, batch):
         """(sum of token losses x weights, sum of weights) for one eval batch [B, T]."""
-        return model.loss_fn(params, batch, config, rt)
+        return models.loss_fn(params, batch, config, rt)[:2]
 
     return eval_step

@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
-from maxtrain import decode, model, png, sharding
+from maxtrain import builder, decode, models, png, sharding
 from maxtrain.data import pipeline
 
 LOGPROB_FLOOR = -10.0  # log p at or below this is fully red
@@ -45,7 +45,7 @@ _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 @functools.lru_cache(maxsize=8)
 def _rows_fn(config, rt, mesh, num_rows: int):
     def rows(params, batch):
-        logits = model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"], config, rt)
+        logits, _ = models.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"], config, rt)
         logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), batch["targets"][..., None], axis=-1)
         out = {"inputs": batch["inputs"], "targets": batch["targets"], "weights": batch["loss_weights"],
                "logprobs": logprobs[..., 0]}
@@ -210,7 +210,7 @@ def write_heatmap(step: int, params, batch: dict, config, rt, tokenizer, writer=
 
 
 def main(argv: list[str]) -> str:
-    config = config_lib.load_config(argv)
+    config = builder.load_config(argv)
     if config.dataset_type != "default" and not config.grain_eval_files:
         raise config_lib.ConfigError("maxtrain.viz shows eval samples: use dataset_type=default or set grain_eval_files")
     step_dir = checkpoint_lib.find_step_dir(config.load_parameters_path, "load_parameters_path")

@@ -46,9 +46,9 @@ import time
 
 import jax
 
+from maxtrain import builder, distributed, metrics, models, sharding, train
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
-from maxtrain import distributed, metrics, model, optimizer, sharding, train, train_step
 from maxtrain.data import pipeline
 
 BENCHMARK_OVERRIDES = ["enable_checkpointing=false", "enable_tensorboard=false", "eval_interval=-1",
@@ -104,28 +104,20 @@ def run(argv: list[str]) -> dict:
         return result
     user_overrides = args.config_and_overrides[1:]
     total_steps = args.warmup + args.steps
-    config = config_lib.load_config([args.config_and_overrides[0], *BENCHMARK_OVERRIDES,
+    config = builder.load_config([args.config_and_overrides[0], *BENCHMARK_OVERRIDES,
                                      f"steps={total_steps}", *user_overrides])
     distributed.initialize(config)
-    config = config_lib.with_devices(config, jax.device_count(), jax.process_count())
-    rt = model.Runtime.from_config(config)
-    mesh = sharding.create_mesh(config)
-    rules = config.logical_axis_rules
-    tx = optimizer.make_optimizer(config)
-    abstract_state = jax.eval_shape(lambda k: train_step.init_state(config, rt, tx, k), jax.random.key(0))
-    shardings = train.state_shardings(config, mesh, tx, abstract_state)
+    run = builder.build(config)  # exactly what train.py builds
+    config, rt, mesh, rules = run.config, run.rt, run.mesh, run.config.logical_axis_rules
     inputs = data_lib.make_inputs(config, log=train.log)
 
     with sharding.activation_sharding(mesh, rules):
-        state = jax.jit(lambda k: train_step.init_state(config, rt, tx, k), out_shardings=shardings)(
-            jax.random.key(config.seed))
-        batch_sharding = sharding.named_sharding(mesh, pipeline.BATCH_AXES, rules)
+        state = run.init(jax.random.key(config.seed))
         batches = [pipeline.to_global(next(inputs.train_iterator), mesh, rules) for _ in range(min(total_steps, 4))]
         t0 = time.perf_counter()
-        step_fn = jax.jit(train_step.make_train_step(config, rt, tx), in_shardings=(shardings, batch_sharding),
-                          out_shardings=(shardings, None), donate_argnums=0).lower(state, batches[0]).compile()
+        step_fn = run.compile(state, batches[0])
         compile_seconds = time.perf_counter() - t0
-        train.log(train.summarize(config, rt, mesh, step_fn, compile_seconds))
+        train.log(builder.summarize(run, step_fn, compile_seconds))
 
         times, cpu_times, losses = [], [], []
         for i in range(total_steps):
@@ -155,7 +147,7 @@ def run(argv: list[str]) -> dict:
         "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
         "num_devices": config.num_devices, "host": platform.node(), "cpu_count": os.cpu_count(),
         "jax_version": jax.__version__,
-        "model_name": config.model_name, "params_millions": model.num_params(config) / 1e6,
+        "model_name": config.model_name, "params_millions": models.num_params(config) / 1e6,
         "dtype": rt.dtype.name, "attention": rt.attention, "remat_policy": rt.remat_policy,
         "scan_layers": config.scan_layers, "tokens_per_step": config.tokens_per_step,
         "compile_seconds": compile_seconds, "timed_steps": len(times), "warmup_steps": args.warmup,

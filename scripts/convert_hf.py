@@ -1,16 +1,18 @@
-"""Convert Llama-family checkpoints between Hugging Face and maxtrain (logic: maxtrain/convert.py).
+"""Convert checkpoints between Hugging Face and maxtrain, for every model family (logic: maxtrain/convert.py).
 
-    # Hugging Face directory (config.json + model.safetensors or model.safetensors.index.json)
-    #   -> OUT/checkpoints/0 (params only) and OUT/model.yml (a model preset)
-    python scripts/convert_hf.py import HF_DIR OUT [--model_name NAME] [--weight_dtype float32]
+    # a Hugging Face model directory (config.json + model.safetensors or a sharded index) -> OUT:
+    #   OUT/checkpoints/0 (params only), OUT/model.yml (the model preset), OUT/hf/ (config, tokenizer, license)
+    python scripts/convert_hf.py import HF_DIR OUT [--weight_dtype float32|bfloat16]
 
-    # fine-tune from it (copy OUT/model.yml to configs/models/NAME.yml, or pass --model_name NAME above)
-    python -m maxtrain.train configs/base.yml model_name=NAME load_parameters_path=OUT
+    # check it, then fine-tune it (the checkpoint's model settings and tokenizer are adopted)
+    python scripts/check_logits.py OUT --hf HF_DIR
+    python -m maxtrain.train base.yml load_parameters_path=OUT ...
 
-    # maxtrain checkpoint (a step, checkpoints or run directory) -> a directory transformers loads
-    python scripts/convert_hf.py export CHECKPOINT HF_OUT [--dtype float32|bfloat16|float16] [--max_shard_mb 5120]
+    # a maxtrain checkpoint (a step, checkpoints or run directory) -> a directory transformers loads
+    python scripts/convert_hf.py export CHECKPOINT HF_OUT [--dtype float32|bfloat16|float16] [--tokenizer PATH]
 
-Only safetensors files are read; pickle files (pytorch_model.bin) are refused, never opened.
+The family (llama, mistral, qwen2, qwen3, gemma2, gemma3) comes from config.json's model_type. Only
+safetensors files are read; pickle files (pytorch_model.bin) are refused, never opened.
 """
 
 from __future__ import annotations
@@ -30,7 +32,6 @@ def main(argv: list[str]) -> int:
     imp = commands.add_parser("import", help="Hugging Face directory -> maxtrain checkpoint and model preset")
     imp.add_argument("hf_dir")
     imp.add_argument("out_dir")
-    imp.add_argument("--model_name", default=None, help="also write the preset to configs/models/NAME.yml")
     imp.add_argument("--weight_dtype", default="float32", choices=["float32", "bfloat16"],
                      help="dtype of the saved params (maxtrain's weight_dtype)")
     exp = commands.add_parser("export", help="maxtrain checkpoint -> Hugging Face directory")
@@ -38,16 +39,24 @@ def main(argv: list[str]) -> int:
     exp.add_argument("out_dir")
     exp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     exp.add_argument("--max_shard_mb", type=float, default=5120, help="split model.safetensors above this size")
+    exp.add_argument("--tokenizer", default=None,
+                     help="tokenizer to include (HF directory, tokenizer.json or .model); default: the run's "
+                          "tokenizer_path, or the imported model's")
     args = parser.parse_args(argv)
     try:
         if args.command == "import":
-            os.makedirs(args.out_dir, exist_ok=True)
-            keys = convert.import_hf(args.hf_dir, args.out_dir, args.weight_dtype, args.model_name)
-            print(f"wrote {os.path.abspath(args.out_dir)}/checkpoints/0 and {args.out_dir}/model.yml")
-            print("model: " + " ".join(f"{k}={v}" for k, v in keys.items()))
+            keys = convert.import_hf(args.hf_dir, args.out_dir, args.weight_dtype)
+            out = os.path.abspath(args.out_dir)
+            print(f"wrote {out}/checkpoints/0, {out}/model.yml and {out}/{convert.ASSETS}/")
+            print(f"model: {keys['decoder_block']} " + " ".join(
+                f"{k}={v}" for k, v in keys.items() if k != "decoder_block" and k.startswith(("base_", "head_dim",
+                                                                                              "vocab"))))
+            print(f"check it:     python scripts/check_logits.py {out} --hf {os.path.abspath(args.hf_dir)}")
+            print(f"fine-tune it: python -m maxtrain.train base.yml load_parameters_path={out}")
         else:
-            out = convert.export_hf(args.checkpoint, args.out_dir, args.dtype, int(args.max_shard_mb * 2**20))
-            print(f"wrote {os.path.abspath(out)} (load with transformers.LlamaForCausalLM.from_pretrained)")
+            out = convert.export_hf(args.checkpoint, args.out_dir, args.dtype, int(args.max_shard_mb * 2**20),
+                                    tokenizer=args.tokenizer)
+            print(f"wrote {os.path.abspath(out)} (load with transformers.AutoModelForCausalLM.from_pretrained)")
     except (convert.ConversionError, checkpoint.CheckpointError, OSError) as error:
         print(f"convert_hf: error: {error}", file=sys.stderr)
         return 2

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY
-from maxtrain import attention, model
+from maxtrain import attention, models
 from maxtrain.config import load_config
 
 
@@ -38,26 +38,26 @@ def test_valid_explicit_choices_pass_through():
 
 def test_runtime_describes_what_was_autoselected():
     cfg = load_config([BASE_YML, *TINY, "attention=autoselected", "dtype=autoselected", "remat_policy=autoselected"])
-    text = model.Runtime.from_config(cfg, "cpu").describe()
+    text = models.Runtime.from_config(cfg, "cpu").describe()
     assert "attention dot_product (autoselected for cpu)" in text
     assert "dtype float32 (autoselected for cpu)" in text
     assert "remat full (autoselected for cpu)" in text  # measured fastest on CPU (docs/performance.md)
-    assert model.Runtime.from_config(cfg, "gpu").dtype == jnp.bfloat16
-    text = model.Runtime.from_config(cfg.replace(remat_policy="none", dtype="bfloat16"), "cpu").describe()
+    assert models.Runtime.from_config(cfg, "gpu").dtype == jnp.bfloat16
+    text = models.Runtime.from_config(cfg.replace(remat_policy="none", dtype="bfloat16"), "cpu").describe()
     assert "remat none" in text and "remat none (" not in text  # chosen by the user: no tag
     assert "dtype bfloat16  " in text
     cfg = load_config([BASE_YML, *TINY, "attention=flash"])
-    assert "flash (Pallas interpret mode: slow" in model.Runtime.from_config(cfg, "cpu").describe()
+    assert "flash (Pallas interpret mode: slow" in models.Runtime.from_config(cfg, "cpu").describe()
     # The config error surfaces at start-up, before anything is built.
     with pytest.raises(ValueError, match="attention=cudnn needs an NVIDIA GPU"):
-        model.Runtime.from_config(load_config([BASE_YML, *TINY, "attention=cudnn"]), "cpu")
+        models.Runtime.from_config(load_config([BASE_YML, *TINY, "attention=cudnn"]), "cpu")
 
 
 def test_flash_on_cpu_runs_the_kernel_in_interpret_mode_and_matches_dot_product():
     """The model's dispatch really reaches the Pallas kernel (interpreted) and gives the same loss."""
     overrides = [*TINY, "base_num_decoder_layers=1", "max_target_length=16"]
     cfg = load_config([BASE_YML, *overrides, "attention=flash", "sa_block_q=16", "sa_block_kv=16"])
-    params = model.init_params(cfg, jax.random.key(0))
+    params = models.init_params(cfg, jax.random.key(0))
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 17)), jnp.int32)
     segments = jnp.asarray([[1] * 10 + [2] * 6, [1] * 16], jnp.int32)  # a packed row and a plain one
@@ -66,6 +66,6 @@ def test_flash_on_cpu_runs_the_kernel_in_interpret_mode_and_matches_dot_product(
              "loss_weights": jnp.ones((2, 16), jnp.float32)}
     losses = {}
     for name in ("flash", "dot_product"):
-        rt = model.Runtime.from_config(cfg.replace(attention=name), "cpu")
-        losses[name] = jax.jit(lambda p, rt=rt: model.loss_fn(p, batch, cfg, rt)[0])(params)
+        rt = models.Runtime.from_config(cfg.replace(attention=name), "cpu")
+        losses[name] = jax.jit(lambda p, rt=rt: models.loss_fn(p, batch, cfg, rt)[0])(params)
     np.testing.assert_allclose(losses["flash"], losses["dot_product"], rtol=1e-5)

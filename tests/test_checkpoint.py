@@ -24,10 +24,10 @@ def test_checkpoint_holds_state_data_and_metadata(base, capsys):
     out, result = base
     step_dir = out / "base" / "checkpoints" / "2"
     tree = checkpoint.read_tree(str(step_dir))
-    for path in ("step", "rng", "loss_scale/scale", "loss_scale/good_steps", "params/layers/wq",
-                 "opt_state/1/0/mu/layers/wq", "opt_state/1/0/nu/token_embedding"):
+    for path in ("step", "rng", "loss_scale/scale", "loss_scale/good_steps", "params/layers/decoder/wq",
+                 "opt_state/1/0/mu/layers/decoder/wq", "opt_state/1/0/nu/token_embedding"):
         assert path in tree, path
-    assert tree["params/layers/wq"] == ((2, 32, 2, 16), "float32")
+    assert tree["params/layers/decoder/wq"] == ((2, 32, 2, 16), "float32")
     assert (step_dir / "data" / "process_0-of-1.json").is_file()
     meta = checkpoint.read_metadata(str(step_dir))
     assert meta["step"] == 2 and meta["num_devices"] == 8 and meta["num_processes"] == 1
@@ -46,7 +46,7 @@ def test_checkpoint_holds_state_data_and_metadata(base, capsys):
     assert checkpoint.main(["inspect", str(out / "base")]) == 0
     shown = capsys.readouterr().out
     assert f"checkpoint: {step_dir}" in shown
-    assert "params/layers/wq" in shown and "float32  [2, 32, 2, 16]" in shown
+    assert "params/layers/decoder/wq" in shown and "float32  [2, 32, 2, 16]" in shown
     assert "base_mlp_dim=64" in shown and meta["git"]["sha"] in shown
 
 
@@ -56,8 +56,8 @@ def test_a_checkpoint_that_does_not_fit_fails_before_training(base, cache_dir, t
         train(tmp_path, "ft", cache_dir, "base_mlp_dim=96", f"load_parameters_path={out}/base/checkpoints/2")
     message = str(error.value)
     assert "does not fit the configured model" in message
-    assert "params/layers/w_gate: checkpoint [2, 32, 64] vs model [2, 32, 96]" in message
-    assert "params/layers/w_down: checkpoint [2, 64, 32] vs model [2, 96, 32]" in message
+    assert "params/layers/decoder/w_gate: checkpoint [2, 32, 64] vs model [2, 32, 96]" in message
+    assert "params/layers/decoder/w_down: checkpoint [2, 64, 32] vs model [2, 96, 32]" in message
     assert "base_mlp_dim=64 (this run: 96)" in message
     assert not (tmp_path / "ft" / "metadata").exists(), "it failed only after starting the run"
 
@@ -83,7 +83,7 @@ def test_load_parameters_path_starts_fine_tuning_with_a_fresh_optimizer(base, ca
     assert_bitwise_equal(state["params"], trained["state"]["params"], "loaded params")
     assert int(state["step"]) == 1
     assert int(state["opt_state"][1][0].count) == 1, "the optimizer state was not fresh"
-    assert float(np.abs(np.asarray(state["opt_state"][1][0].mu["layers"]["wq"])).max()) > 0
+    assert float(np.abs(np.asarray(state["opt_state"][1][0].mu["layers"]["decoder"]["wq"])).max()) > 0
 
 
 def test_load_full_state_path_continues_another_runs_state(base, cache_dir, tmp_path):  # noqa: F811
@@ -93,8 +93,8 @@ def test_load_full_state_path_continues_another_runs_state(base, cache_dir, tmp_
     assert int(state["step"]) == 3 and int(state["opt_state"][1][0].count) == 3
     assert checkpoint.complete_steps(str(tmp_path / "cont" / "checkpoints")) == [3]
     assert checkpoint.read_metadata(str(tmp_path / "cont" / "checkpoints" / "3"))["config"]["run_name"] == "cont"
-    before = np.asarray(trained["state"]["params"]["layers"]["wq"])
-    assert not np.array_equal(np.asarray(state["params"]["layers"]["wq"]), before)
+    before = np.asarray(trained["state"]["params"]["layers"]["decoder"]["wq"])
+    assert not np.array_equal(np.asarray(state["params"]["layers"]["decoder"]["wq"]), before)
 
 
 def test_unwritable_checkpoint_directory_fails_at_start(cache_dir, tmp_path):  # noqa: F811

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import BASE_YML, REPO
 from maxtrain import config as config_lib
-from maxtrain import model
+from maxtrain import models
 from maxtrain.config import ConfigError, load_config, with_devices
 
 
@@ -44,7 +44,7 @@ def test_wrong_type_names_key_and_type(override, fragment):
     (["base_num_query_heads=6", "base_num_kv_heads=4"], "must be a multiple of base_num_kv_heads=4"),
     (["ici_tensor_parallelism=3"], "tensor parallelism 3 .* must divide base_num_query_heads=4"),
     (["dtype=fp8"], "dtype='fp8' is not allowed; use one of"),
-    (["model_name=gpt5"], "model_name='gpt5' has no preset .* Available: default, gpt2-small"),
+    (["model_name=gpt5"], "model_name='gpt5' is not a preset. Presets: default, gemma2-2b"),
     (["ici_fsdp_parallelism=-1", "ici_data_parallelism=-1"], "only one ici_\\*_parallelism may be -1"),
     (["logical_axis_rules=[[\"embed\", \"model\"]]"], "unknown mesh axis 'model'"),
     (["dataset_type=arrayrecord"], "needs grain_train_files"),
@@ -69,7 +69,7 @@ def test_every_base_key_has_a_comment():
 ])
 def test_presets_have_the_published_sizes(name, expected_millions):
     cfg = load(f"model_name={name}")
-    assert abs(model.num_params(cfg) / 1e6 - expected_millions) / expected_millions < 0.01
+    assert abs(models.num_params(cfg) / 1e6 - expected_millions) / expected_millions < 0.01
 
 
 def test_preset_then_override_precedence():

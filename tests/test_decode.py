@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain import checkpoint, decode, model, optimizer, precision, sharding
+from maxtrain import checkpoint, decode, models, optimizer, precision, sharding
 from maxtrain import config as config_lib
 from maxtrain.data import pipeline
 
@@ -20,15 +20,15 @@ TINY = ["base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2", "bas
         "base_num_decoder_layers=2", "head_dim=16", "vocab_size=512", "max_target_length=32",
         "per_device_batch_size=1", "default_corpus_max_mb=1"]
 
-forward = jax.jit(model.forward, static_argnums=(4, 5))
+forward = jax.jit(lambda *a: models.forward(*a)[0], static_argnums=(4, 5))
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("decode")
     config = config_lib.load_config(["configs/base.yml", *TINY, f"base_output_directory={out}", "run_name=r"])
-    rt = model.Runtime.from_config(config)
-    params = jax.jit(model.init_params, static_argnums=0)(config, jax.random.key(1))
+    rt = models.Runtime.from_config(config)
+    params = jax.jit(models.init_params, static_argnums=0)(config, jax.random.key(1))
     # Sharper logits than at initialization, so that greedy choices are far from ties.
     params["output"] = params["output"] * 8.0
     return config, rt, params
@@ -55,8 +55,8 @@ def test_cached_logits_match_full_forward(tiny):
     tokens = jax.random.randint(jax.random.key(2), (2, 24), 4, config.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(24), tokens.shape)
     full = forward(params, tokens, positions, jnp.ones_like(tokens), config, rt)
-    step = jax.jit(lambda p, t, pos, c, i: model.forward_with_cache(p, t, pos, c, i, config, rt))
-    cache = model.init_cache(config, 2, 24, rt.dtype)
+    step = jax.jit(lambda p, t, pos, c, i: models.forward_with_cache(p, t, pos, c, i, config, rt))
+    cache = models.init_cache(config, 2, 24, rt.dtype)
     pieces, index = [], 0
     for length in (8, 1, 1, 1, 13):  # a prefill, single tokens, then a chunk
         logits, cache = step(params, tokens[:, index:index + length], positions[:, index:index + length], cache, index)

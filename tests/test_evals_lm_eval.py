@@ -51,7 +51,7 @@ def test_per_example_choices_and_accuracies_equal_lm_eval(tmp_path, eval_cache):
     import hf_eval_model  # pylint: disable=import-outside-toplevel
 
     from maxtrain import config as config_lib  # pylint: disable=import-outside-toplevel
-    from maxtrain import convert, evals, model, sharding  # pylint: disable=import-outside-toplevel
+    from maxtrain import convert, evals, models, sharding  # pylint: disable=import-outside-toplevel
     from maxtrain import evaluate as evaluate_lib  # pylint: disable=import-outside-toplevel
     from maxtrain.evals import tasks as tasks_lib  # pylint: disable=import-outside-toplevel
 
@@ -76,7 +76,7 @@ def test_per_example_choices_and_accuracies_equal_lm_eval(tmp_path, eval_cache):
         config = config_lib.with_devices(config, jax.device_count())
         mesh = sharding.create_mesh(config)
         evaluator = evals.TaskEvaluator(config, hf_eval_model.load_tokenizer(hf_dir), mesh,
-                                        model.Runtime.from_config(config), log=print)
+                                        models.Runtime.from_config(config), log=print)
         params, _ = evaluate_lib.load_params(config, mesh)
         with sharding.activation_sharding(mesh, config.logical_axis_rules):
             results = evaluator.evaluate(params)

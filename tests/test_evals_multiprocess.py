@@ -20,7 +20,7 @@ import pytest
 
 from eval_helpers import BASE, REPO, eval_cache  # noqa: F401  (fixture)
 from maxtrain import config as config_lib
-from maxtrain import convert, model
+from maxtrain import convert, models, safetensors_files
 from maxtrain.data import tokenizer as tokenizer_lib
 
 TASKS = ["arc_easy", "winogrande", "lambada"]
@@ -37,11 +37,12 @@ def _checkpoint_and_tokenizer(tmp_path, cache: str) -> tuple[str, str]:
     tok_path = tmp_path / "tok.model"
     tok_path.write_bytes(tokenizer_lib.train(texts, vocab_size=512).model_proto)
     config = config_lib.load_config([BASE, *[f"{k}={convert.yaml_value(v)}" for k, v in MODEL.items()]])
-    params = jax.tree.map(np.asarray, model.init_params(config, jax.random.key(7)))
+    keys = {k: getattr(config, k) for k in models.MODEL_KEYS}
+    params = jax.tree.map(np.asarray, models.init_params(config, jax.random.key(7)))
     hf = tmp_path / "hf"
     hf.mkdir()
-    convert.write_safetensors(str(hf / "model.safetensors"), convert.to_hf(params, MODEL, np.float32))
-    (hf / "config.json").write_text(json.dumps(convert.hf_config(MODEL, "float32")))
+    safetensors_files.write(str(hf / "model.safetensors"), convert.to_hf(params, keys, np.float32))
+    (hf / "config.json").write_text(json.dumps(convert.hf_config(keys, None, "float32")))
     convert.import_hf(str(hf), str(tmp_path / "mt"))
     return str(tmp_path / "mt"), str(tok_path)
 

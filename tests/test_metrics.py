@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import BASE_YML
-from maxtrain import metrics, model, optimizer, train_step
+from maxtrain import metrics, models, optimizer, train_step
 from maxtrain.config import load_config, with_devices
 
 
@@ -23,7 +23,7 @@ def test_flops_formula_matches_xla_count():
                                     "head_dim=32", "base_mlp_dim=512", "base_num_decoder_layers=2", "vocab_size=512",
                                     "max_target_length=64", "per_device_batch_size=4", "scan_layers=false",
                                     "remat_policy=none", "dtype=float32", "attention=dot_product"]), 1)
-    rt = model.Runtime.from_config(cfg)
+    rt = models.Runtime.from_config(cfg)
     tx = optimizer.make_optimizer(cfg)
     state = jax.eval_shape(lambda k: train_step.init_state(cfg, rt, tx, k), jax.random.key(0))
     shape = (1, 4, 64)
@@ -32,16 +32,18 @@ def test_flops_formula_matches_xla_count():
     compiled = jax.jit(train_step.make_train_step(cfg, rt, tx)).lower(state, batch).compile()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    formula = metrics.flops_per_token(cfg, causal_fraction=1.0) * 4 * 64
+    formula = metrics.flops_per_token(cfg, dense_attention=True) * 4 * 64
     assert cost["flops"] == pytest.approx(formula, rel=0.05)
 
 
 def test_causal_attention_is_counted_once():
-    cfg = load_config([BASE_YML, "max_target_length=4096"])
-    dense = metrics.flops_per_token(cfg, causal_fraction=1.0)
+    """Causal attention counts the (T + 1) / 2 keys a query attends on average, not all T."""
+    t = 4096
+    cfg = load_config([BASE_YML, f"max_target_length={t}"])
+    dense = metrics.flops_per_token(cfg, dense_attention=True)
     causal = metrics.flops_per_token(cfg)
-    attention_dense = 3 * cfg.base_num_decoder_layers * 4 * cfg.base_num_query_heads * cfg.head_dim * 4096
-    assert dense - causal == pytest.approx(attention_dense / 2)
+    attention_dense = 3 * cfg.base_num_decoder_layers * 4 * cfg.base_num_query_heads * cfg.head_dim * t
+    assert dense - causal == pytest.approx(attention_dense * (1 - (t + 1) / (2 * t)))
 
 
 def test_peak_table_and_override():

@@ -4,14 +4,17 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY
-from maxtrain import model
+from maxtrain import models
+from maxtrain.models import blocks
+from maxtrain.models import rope as rope_lib
+from maxtrain import config as config_lib
 from maxtrain.config import load_config
 
 
 def setup(*overrides):
     cfg = load_config([BASE_YML, *TINY, *overrides])
-    rt = model.Runtime.from_config(cfg)
-    params = model.init_params(cfg, jax.random.key(0))
+    rt = models.Runtime.from_config(cfg)
+    params = models.init_params(cfg, jax.random.key(0))
     return cfg, rt, params
 
 
@@ -19,13 +22,13 @@ def logits_of(cfg, rt, params, tokens, positions=None, segment_ids=None):
     tokens = jnp.asarray(tokens)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape) if positions is None else jnp.asarray(positions)
     segment_ids = jnp.ones_like(tokens) if segment_ids is None else jnp.asarray(segment_ids)
-    return model.forward(params, tokens, positions, segment_ids, cfg, rt)
+    return models.forward(params, tokens, positions, segment_ids, cfg, rt)[0]
 
 
 def test_specs_declare_every_axis():
-    for name in ("default", "gpt2-small", "llama3-1b", "llama3-8b", "llama2-7b"):
+    for name in config_lib.preset_names():
         cfg = load_config([BASE_YML, f"model_name={name}"])
-        for spec in jax.tree.leaves(model.param_specs(cfg), is_leaf=model.is_spec):
+        for spec in jax.tree.leaves(models.param_specs(cfg), is_leaf=models.is_spec):
             assert len(spec.shape) == len(spec.axes)
 
 
@@ -35,7 +38,7 @@ def test_shapes_dtypes_and_tied_embeddings():
     out = logits_of(cfg, rt, params, np.ones((2, 8), np.int32))
     assert out.shape == (2, 8, cfg.vocab_size) and out.dtype == jnp.float32
     cfg, rt, params = setup("dtype=bfloat16")
-    assert params["layers"]["wq"].dtype == jnp.float32  # master weights stay float32
+    assert params["layers"]["decoder"]["wq"].dtype == jnp.float32  # master weights stay float32
     assert logits_of(cfg, rt, params, np.ones((1, 8), np.int32)).dtype == jnp.float32
 
 
@@ -79,8 +82,9 @@ def test_rope_scores_depend_only_on_relative_position():
     k = jnp.asarray(rng.normal(size=(1, 1, 1, 16)), jnp.float32)
 
     def score(pq, pk):
-        rq = model.rope(q, jnp.array([[pq]]), 10000.0)
-        rk = model.rope(k, jnp.array([[pk]]), 10000.0)
+        rope = rope_lib.Rope(theta=10000.0)
+        rq = rope_lib.apply(q, *rope_lib.tables(jnp.array([[pq]]), rope, 16))
+        rk = rope_lib.apply(k, *rope_lib.tables(jnp.array([[pk]]), rope, 16))
         return float(jnp.sum(rq * rk))
 
     assert score(5, 2) == pytest.approx(score(13, 10), rel=1e-5)
@@ -89,7 +93,7 @@ def test_rope_scores_depend_only_on_relative_position():
 
 def test_rms_norm_in_float32():
     x = jnp.asarray([[3.0, 4.0]], jnp.bfloat16)
-    out = model.rms_norm(x, jnp.ones(2), 0.0)
+    out = blocks.rms_norm(x, jnp.ones(2), 0.0)
     assert out.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(out, np.float32), [[3 / np.sqrt(12.5), 4 / np.sqrt(12.5)]], rtol=1e-2)
 
@@ -100,7 +104,7 @@ def test_loss_ignores_zero_weight_tokens():
     tokens = rng.integers(4, cfg.vocab_size, (1, 17))
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": np.arange(16)[None],
              "segment_ids": np.ones((1, 16), np.int32), "loss_weights": np.r_[np.ones(10), np.zeros(6)][None]}
-    loss, weight = model.loss_fn(params, batch, cfg, rt)
+    loss, weight, _ = models.loss_fn(params, batch, cfg, rt)
     batch2 = {**batch, "targets": np.concatenate([tokens[:, 1:11], np.full((1, 6), 5)], axis=1)}
-    loss2, _ = model.loss_fn(params, batch2, cfg, rt)
+    loss2, _, _ = models.loss_fn(params, batch2, cfg, rt)
     assert float(weight) == 10.0 and float(loss) == float(loss2)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY
-from maxtrain import model, optimizer, precision, train, train_step
+from maxtrain import models, optimizer, precision, train, train_step
 from maxtrain.config import load_config, with_devices
 
 
@@ -33,7 +33,7 @@ def with_scale(state, scale):
 def float16_step():
     cfg = with_devices(load_config([BASE_YML, *TINY, "dtype=float16", "loss_scale_period=2", "loss_scale_min=1.0",
                                     "learning_rate=1e-2", "warmup_steps_fraction=0"]), 1)
-    rt = model.Runtime.from_config(cfg)
+    rt = models.Runtime.from_config(cfg)
     tx = optimizer.make_optimizer(cfg)
     state = jax.jit(lambda key: train_step.init_state(cfg, rt, tx, key))(jax.random.key(0))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 2, cfg.max_target_length + 1)).astype(np.int32)
@@ -80,7 +80,7 @@ def test_inf_in_the_batch_skips_after_real_updates_and_the_scale_has_a_floor(flo
     assert int(m1["skipped_steps"]) == 0 and int(after_one["loss_scale"]["good_steps"]) == 1
     assert float(after_one["loss_scale"]["scale"]) == 4.0
     assert float(after_two["loss_scale"]["scale"]) == 8.0 and int(after_two["loss_scale"]["good_steps"]) == 0
-    assert not np.array_equal(after_two["params"]["layers"]["wq"], state["params"]["layers"]["wq"])
+    assert not np.array_equal(after_two["params"]["layers"]["decoder"]["wq"], state["params"]["layers"]["decoder"]["wq"])
 
     poisoned = {**batch, "loss_weights": batch["loss_weights"].copy()}
     poisoned["loss_weights"][0, 0, 3] = np.inf  # every gradient becomes inf or nan
@@ -145,7 +145,7 @@ def test_low_precision_training_has_no_nan(dtype, float16_step):
     cfg, state, step, batch = float16_step  # float16 starts from the default loss_scale_initial (32768)
     assert float(state["loss_scale"]["scale"]) == 32768.0
     if dtype == "bfloat16":
-        rt = model.Runtime.from_config(cfg.replace(dtype=dtype))
+        rt = models.Runtime.from_config(cfg.replace(dtype=dtype))
         tx = optimizer.make_optimizer(cfg)
         state = jax.jit(lambda key: train_step.init_state(cfg, rt, tx, key))(jax.random.key(0))
         step = jax.jit(train_step.make_train_step(cfg, rt, tx))

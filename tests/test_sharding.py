@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import BASE_YML, TINY
-from maxtrain import model, optimizer, sharding, train, train_step
+from maxtrain import builder, models, optimizer, sharding, train_step
 from maxtrain.config import load_config, with_devices
 from maxtrain.data import pipeline
 
@@ -38,21 +38,13 @@ def batches(cfg):
 @functools.lru_cache(maxsize=None)
 def run(devices, *overrides, accumulation=1):
     per_device = GLOBAL_BATCH // len(devices) // accumulation
-    cfg = with_devices(load_config([BASE_YML, *TINY, f"per_device_batch_size={per_device}",
-                                           f"gradient_accumulation_steps={accumulation}", *overrides]), len(devices))
-    rt = model.Runtime.from_config(cfg)
-    mesh = sharding.create_mesh(cfg, devices)
-    tx = optimizer.make_optimizer(cfg)
-    abstract = jax.eval_shape(lambda k: train_step.init_state(cfg, rt, tx, k), jax.random.key(0))
-    shardings = train.state_shardings(cfg, mesh, tx, abstract)
-    batch_sharding = sharding.named_sharding(mesh, pipeline.BATCH_AXES, cfg.logical_axis_rules)
+    r = builder.build(load_config([BASE_YML, *TINY, f"per_device_batch_size={per_device}",
+                                   f"gradient_accumulation_steps={accumulation}", *overrides]), devices=devices)
     losses = []
-    with sharding.activation_sharding(mesh, cfg.logical_axis_rules):
-        state = jax.jit(lambda k: train_step.init_state(cfg, rt, tx, k), out_shardings=shardings)(jax.random.key(0))
-        step = jax.jit(train_step.make_train_step(cfg, rt, tx), in_shardings=(shardings, batch_sharding),
-                       out_shardings=(shardings, None))
-        for batch in batches(cfg):
-            state, m = step(state, jax.device_put(batch, batch_sharding))
+    with sharding.activation_sharding(r.mesh, r.config.logical_axis_rules):
+        state = r.init(jax.random.key(0))
+        for batch in batches(r.config):
+            state, m = r.train_step(state, jax.device_put(batch, r.batch_sharding))
             losses.append(float(m["loss"]))
     return np.array(losses), state
 
@@ -82,17 +74,17 @@ def test_parallelism_matches_single_device(single_device, overrides):
 def test_params_carry_the_rule_shardings():
     _, state = run(tuple(jax.devices()), "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
     params, opt_state = state["params"], state["opt_state"]
-    assert params["layers"]["wq"].sharding.spec == P(None, "fsdp", "tensor", None)
-    assert params["layers"]["wo"].sharding.spec == P(None, "tensor", None, "fsdp")
-    assert params["layers"]["w_down"].sharding.spec == P(None, "tensor", "fsdp")
+    assert params["layers"]["decoder"]["wq"].sharding.spec == P(None, "fsdp", "tensor", None)
+    assert params["layers"]["decoder"]["wo"].sharding.spec == P(None, "tensor", None, "fsdp")
+    assert params["layers"]["decoder"]["w_down"].sharding.spec == P(None, "tensor", "fsdp")
     assert params["token_embedding"].sharding.spec == P("tensor", "fsdp")
     assert params["output"].sharding.spec == P("fsdp", "tensor")
     assert params["final_norm"].sharding.spec == P("fsdp")
-    shard_shape = params["layers"]["w_gate"].addressable_shards[0].data.shape
+    shard_shape = params["layers"]["decoder"]["w_gate"].addressable_shards[0].data.shape
     assert shard_shape == (2, 32 // 4, 64 // 2)
     # Adam moments follow their parameter.
     mu = opt_state[1][0].mu
-    assert mu["layers"]["wq"].sharding.spec == params["layers"]["wq"].sharding.spec
+    assert mu["layers"]["decoder"]["wq"].sharding.spec == params["layers"]["decoder"]["wq"].sharding.spec
 
 
 def test_switching_rules_moves_parameters():
@@ -113,7 +105,7 @@ def test_a_mesh_that_does_not_fit_the_devices_or_model():
         sharding.create_mesh(cfg, jax.devices()[:1])
     cfg = load_config([BASE_YML, *TINY, "base_emb_dim=36", "ici_fsdp_parallelism=8"])
     mesh = sharding.create_mesh(cfg, jax.devices())
-    spec = model.param_specs(cfg)["layers"]["wq"]
+    spec = models.param_specs(cfg)["layers"]["decoder"]["wq"]
     with pytest.raises(sharding.MeshError, match="'embed' axis .* 36 is not divisible by 8"):
         sharding.check_divisible("wq", spec.shape, spec.axes, mesh, cfg.logical_axis_rules)
 

@@ -15,7 +15,7 @@ import pytest
 from tensorboardX.proto import event_pb2
 
 from maxtrain import config as config_lib
-from maxtrain import model, png, sharding, train, viz
+from maxtrain import models, png, sharding, train, viz
 from maxtrain.data import pipeline
 
 TINY = ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=1", "base_mlp_dim=64",
@@ -128,7 +128,7 @@ def run(tmp_path_factory):
 
 def test_token_logprobs_match_the_loss(run):
     config, params = run["config"], run["result"]["state"]["params"]
-    rt = model.Runtime.from_config(config)
+    rt = models.Runtime.from_config(config)
     tokenizer, _, eval_docs = pipeline.default_corpus_documents(config)
     host = pipeline.eval_batches(eval_docs, config, 0, 1, 1)[0]
     mesh = sharding.create_mesh(config)
@@ -138,7 +138,7 @@ def test_token_logprobs_match_the_loss(run):
     assert rows["logprobs"].shape == (3, config.max_target_length)
     np.testing.assert_array_equal(rows["targets"], host["targets"][:3])
     first3 = {k: v[:3] for k, v in host.items()}
-    loss_sum, weight_sum = jax.jit(lambda p, b: model.loss_fn(p, b, config, rt))(params, first3)
+    loss_sum, weight_sum = jax.jit(lambda p, b: models.loss_fn(p, b, config, rt)[:2])(params, first3)
     # The loss is minus the mean log-probability of the predicted tokens.
     assert -np.sum(rows["logprobs"] * rows["weights"]) == pytest.approx(float(loss_sum), rel=1e-5)
     assert np.sum(rows["weights"]) == float(weight_sum)

@@ -38,7 +38,7 @@ def cache_agrees_with_full_forward(checkpoint: str, extra: list[str]) -> tuple[i
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-    from maxtrain import config as config_lib, decode, model, sharding  # pylint: disable=import-outside-toplevel
+    from maxtrain import config as config_lib, decode, models, sharding  # pylint: disable=import-outside-toplevel
 
     config = config_lib.load_config([str(common.ROOT / "configs" / "base.yml"), *extra,
                                      f"load_parameters_path={checkpoint}"])
@@ -49,8 +49,8 @@ def cache_agrees_with_full_forward(checkpoint: str, extra: list[str]) -> tuple[i
         new = decode.generate(params, prompt, config, rt, max_new_tokens=NEW_TOKENS)
         tokens = jnp.asarray([prompt + new], jnp.int32)
         positions = jnp.arange(tokens.shape[1])[None]
-        logits = jax.jit(model.forward, static_argnums=(4, 5))(params, tokens, positions, jnp.ones_like(tokens),
-                                                                config, rt)
+        logits, _ = jax.jit(models.forward, static_argnums=(4, 5))(params, tokens, positions, jnp.ones_like(tokens),
+                                                                   config, rt)
     argmax = [int(t) for t in jnp.argmax(logits[0, len(prompt) - 1:-1], axis=-1)]
     return sum(a == b for a, b in zip(argmax, new)), len(new)
 

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain import model, sharding
+from maxtrain import models, sharding
 from maxtrain.data import hosts
 
 BATCH_AXES = ("batch", "length")
@@ -22,7 +22,7 @@ BATCH_AXES = ("batch", "length")
 
 def model_logits(params, tokens, positions, segment_ids, config, rt):
     """float32 logits [B, T, V]: the one place evals call the model."""
-    return model.forward(params, tokens, positions, segment_ids, config, rt)
+    return models.forward(params, tokens, positions, segment_ids, config, rt)[0]
 
 
 def make_score_step(config, rt, mesh):

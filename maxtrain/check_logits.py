@@ -1,0 +1,126 @@
+"""Prove a conversion: maxtrain's logits for a checkpoint against golden logits.
+
+    python scripts/check_logits.py CKPT --golden FILE.npz [--rtol 1e-5]
+    python scripts/check_logits.py CKPT --hf HF_DIR [--golden FILE.npz] [--batch 2 --length 64 --seed 0]
+
+CKPT is a maxtrain checkpoint (a step directory, a run or checkpoints directory, or the output
+directory of `scripts/convert_hf.py import`); its model settings are read from its metadata. The
+golden file holds `input_ids` [B, T] (integers) and `logits` [B, T, V] (float32). With --hf, the
+golden logits are computed with transformers (AutoModelForCausalLM in float32) on random ids, and
+written to --golden when that is given.
+
+maxtrain's forward runs in float32 with full-precision matmuls, positions 0..T-1 and one segment per
+row. The last line printed is the max relative error, max |ours - golden| / max |golden|; the exit
+status is 1 when it is above --rtol, 2 when the inputs cannot be read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+
+class CheckError(ValueError):
+    """Inputs that cannot be compared; the message says which and why."""
+
+
+def read_golden(path: str) -> tuple[np.ndarray, np.ndarray]:
+    if not os.path.isfile(path):
+        raise CheckError(f"--golden {path} does not exist (make one with --hf HF_DIR --golden {path})")
+    try:
+        with np.load(path) as data:
+            ids, logits = np.asarray(data["input_ids"]), np.asarray(data["logits"])
+    except KeyError as e:
+        raise CheckError(f"{path} has no array {e}; it needs input_ids [B, T] and logits [B, T, V]") from None
+    except (OSError, ValueError) as e:
+        raise CheckError(f"{path} is not a readable .npz file: {e}") from None
+    if ids.ndim != 2 or logits.ndim != 3 or logits.shape[:2] != ids.shape or not np.issubdtype(ids.dtype, np.integer):
+        raise CheckError(f"{path}: input_ids {ids.shape} {ids.dtype} and logits {logits.shape} must be integer "
+                         "[B, T] and [B, T, V]")
+    return ids.astype(np.int32), logits.astype(np.float32)
+
+
+def golden_from_transformers(hf_dir: str, ids: np.ndarray) -> np.ndarray:
+    try:
+        import torch  # pylint: disable=import-outside-toplevel
+        import transformers  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        raise CheckError("--hf needs torch and transformers (pip install -e \".[hf]\")") from None
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
+
+
+def maxtrain_logits(checkpoint: str, ids: np.ndarray, log=print) -> np.ndarray:
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+    from maxtrain import builder, decode, models, sharding  # pylint: disable=import-outside-toplevel
+    from maxtrain import config as config_lib  # pylint: disable=import-outside-toplevel
+
+    base = os.path.join(config_lib.packaged_configs_dir(), "base.yml")
+    config = builder.load_config([base, f"load_parameters_path={checkpoint}", "dtype=float32", "weight_dtype=float32",
+                                  "attention=dot_product", "ici_fsdp_parallelism=1"], log=log)
+    if int(ids.max(initial=0)) >= config.vocab_size or int(ids.min(initial=0)) < 0:
+        raise CheckError(f"input_ids range over [{ids.min()}, {ids.max()}], outside the model's vocabulary of "
+                         f"{config.vocab_size}")
+    config = config_lib.with_devices(config, 1)
+    mesh = sharding.create_mesh(config, jax.devices()[:1])
+    params = decode.load_params_on(config, mesh)
+    rt = models.Runtime.from_config(config)
+    positions = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+    with jax.default_matmul_precision("highest"), sharding.activation_sharding(mesh, config.logical_axis_rules):
+        forward = jax.jit(lambda p, t: models.forward(p, t, positions, jnp.ones_like(t), config, rt)[0])
+        return np.asarray(forward(params, ids))
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="check_logits", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("checkpoint", help="maxtrain checkpoint: a step, run or checkpoints directory, or an import's OUT")
+    parser.add_argument("--golden", help="npz with input_ids [B, T] and logits [B, T, V]; written when --hf is given")
+    parser.add_argument("--hf", help="a Hugging Face model directory: compute the golden logits with transformers")
+    parser.add_argument("--rtol", type=float, default=1e-5, help="largest accepted relative error (default 1e-5)")
+    parser.add_argument("--batch", type=int, default=2, help="--hf: rows of random ids")
+    parser.add_argument("--length", type=int, default=64, help="--hf: tokens per row")
+    parser.add_argument("--seed", type=int, default=0, help="--hf: seed of the random ids")
+    args = parser.parse_args(argv)
+    if not args.golden and not args.hf:
+        parser.error("give --golden FILE.npz, or --hf HF_DIR to compute the golden logits")
+    from maxtrain import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
+    from maxtrain import config as config_lib  # pylint: disable=import-outside-toplevel
+
+    try:
+        if args.hf:
+            vocab = int(checkpoint_lib.read_metadata(checkpoint_lib.find_step_dir(args.checkpoint)).get(
+                "config", {}).get("vocab_size", 0)) or None
+            if vocab is None:
+                raise CheckError(f"{args.checkpoint} has no model settings in its metadata")
+            ids = np.random.default_rng(args.seed).integers(0, vocab, (args.batch, args.length)).astype(np.int32)
+            golden = golden_from_transformers(args.hf, ids)
+            if args.golden:
+                np.savez(args.golden, input_ids=ids, logits=golden)
+        else:
+            ids, golden = read_golden(args.golden)
+        ours = maxtrain_logits(args.checkpoint, ids)
+    except (CheckError, checkpoint_lib.CheckpointError, config_lib.ConfigError) as error:
+        print(f"check_logits: error: {error}", file=sys.stderr)
+        return 2
+    if ours.shape != golden.shape:
+        print(f"check_logits: error: maxtrain's logits are {list(ours.shape)}, the golden ones {list(golden.shape)} "
+              "(a different vocabulary size?)", file=sys.stderr)
+        return 2
+    diff, scale = float(np.max(np.abs(ours - golden))), float(np.max(np.abs(golden)))
+    rel = diff / scale if scale > 0 else diff
+    verdict = "PASS" if rel <= args.rtol else "FAIL"
+    print(f"{verdict}: logits {list(golden.shape)}: max |ours - golden| {diff:.3e}, max |golden| {scale:.3e}, "
+          f"relative {rel:.3e} (rtol {args.rtol:g})")
+    print(f"{rel:.3e}")
+    return 0 if rel <= args.rtol else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

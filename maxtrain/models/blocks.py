@@ -1,0 +1,210 @@
+"""The shared blocks every family composes: norms, embedding, attention, MLPs and the output logits.
+
+Each block is a pure function of (params, inputs, settings). What a block needs from its parameter
+dict it reads by name, so a family switches a feature on by declaring the parameter: q/k/v biases
+("bq", "bk", "bv"), qk-norm ("q_norm", "k_norm").
+
+Einsum letters (as everywhere in maxtrain): B batch, T query length, S key length, D embed,
+N query heads, G kv heads, R = N // G, H head dim, F mlp width, V vocab, L layers.
+
+Precision: parameters arrive in `weight_dtype` and are cast to the compute dtype `rt.dtype` at use;
+norms, RoPE, softmax and logits are computed in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from maxtrain import attention as attention_lib
+from maxtrain import ops
+from maxtrain.models import rope as rope_lib
+from maxtrain.models.params import ParamSpec, dense
+from maxtrain.sharding import shard
+
+
+class LayerInputs(NamedTuple):
+    """What every layer of one forward pass shares (a pytree, passed through scan and remat)."""
+
+    positions: Any            # [B, T] int32, restarting at 0 in each packed document
+    segment_ids: Any          # [B, T] int32, 0 = padding
+    rope: dict                # {"global": (cos, sin), "local": (cos, sin)}, each [B, T, H/2] float32
+    cache: Any = None         # decoding only: (k [B, S, G, H], v [B, S, G, H], index of the first new slot)
+
+
+# --------------------------------------------------------------------------------------------
+# Declarations
+# --------------------------------------------------------------------------------------------
+
+
+def attention_specs(config, *, qkv_bias: bool = False, qk_norm: str | None = None) -> dict[str, ParamSpec]:
+    """One layer's attention weights; qk_norm is None, "ones" (RMSNorm scale) or "zeros" (the 1 + scale form)."""
+    d, n, g, h = config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim
+    specs = {
+        "wq": dense((d, n, h), ("embed", "heads", "head_dim"), d),
+        "wk": dense((d, g, h), ("embed", "kv_heads", "head_dim"), d),
+        "wv": dense((d, g, h), ("embed", "kv_heads", "head_dim"), d),
+        "wo": dense((n, h, d), ("heads", "head_dim", "embed"), n * h),
+    }
+    if qkv_bias:
+        specs.update(bq=ParamSpec((n, h), ("heads", "head_dim"), "zeros"),
+                     bk=ParamSpec((g, h), ("kv_heads", "head_dim"), "zeros"),
+                     bv=ParamSpec((g, h), ("kv_heads", "head_dim"), "zeros"))
+    if qk_norm:
+        specs.update(q_norm=ParamSpec((h,), ("head_dim",), qk_norm), k_norm=ParamSpec((h,), ("head_dim",), qk_norm))
+    return specs
+
+
+def mlp_specs(config) -> dict[str, ParamSpec]:
+    d, f = config.base_emb_dim, config.base_mlp_dim
+    return {"w_gate": dense((d, f), ("embed", "mlp"), d), "w_up": dense((d, f), ("embed", "mlp"), d),
+            "w_down": dense((f, d), ("mlp", "embed"), f)}
+
+
+def norm_spec(config, init: str = "ones") -> ParamSpec:
+    return ParamSpec((config.base_emb_dim,), ("embed",), init)
+
+
+def embedding_specs(config, norm_init: str = "ones") -> dict[str, ParamSpec]:
+    """Token embedding, final norm and (untied) output projection."""
+    d, v = config.base_emb_dim, config.vocab_size
+    # A tied embedding is also the output projection, so it starts at the output's scale.
+    specs = {"token_embedding": ParamSpec((v, d), ("vocab", "embed"), "normal",
+                                          d**-0.5 if config.logits_via_embedding else 1.0),
+             "final_norm": norm_spec(config, norm_init)}
+    if not config.logits_via_embedding:
+        specs["output"] = dense((d, v), ("embed", "vocab"), d)
+    return specs
+
+
+# --------------------------------------------------------------------------------------------
+# Blocks
+# --------------------------------------------------------------------------------------------
+
+
+def rms_norm(x, scale, eps: float, plus_one: bool = False):
+    """x / rms(x) * scale, in float32; returns x's dtype. plus_one: scale is stored as (scale - 1) (Gemma)."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    scale = scale.astype(jnp.float32)
+    return (x32 * (1.0 + scale if plus_one else scale)).astype(x.dtype)
+
+
+def embed(table, tokens, dtype, multiplier: float | None = None):
+    """Token embeddings [B, T, D]; Gemma multiplies them by sqrt(D), rounded to the compute dtype."""
+    x = jnp.take(table, tokens, axis=0).astype(dtype)
+    if multiplier is not None:
+        x = x * jnp.asarray(multiplier, dtype)
+    return shard(x, ("batch", "length", "embed"))
+
+
+def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", sliding_window: int = 0,
+              scale: float | None = None, logits_soft_cap: float = 0.0, norm_plus_one: bool = False):
+    """Self-attention of x [B, T, D] (already normed) -> ([B, T, D], aux).
+
+    aux is {} in training; when decoding (inputs.cache set) it carries the updated cache as
+    {"cache": (k, v)} for the stack to collect.
+    """
+    dt = rt.dtype
+    q = ops.dense(x, p["wq"].astype(dt))       # "BTD,DNH->BTNH": queries per head
+    k = ops.dense(x, p["wk"].astype(dt))       # "BTD,DGH->BTGH": keys per kv head
+    v = ops.dense(x, p["wv"].astype(dt))       # "BTD,DGH->BTGH": values per kv head
+    if "bq" in p:
+        q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
+    q = checkpoint_name(q, "query_proj")
+    k = checkpoint_name(k, "key_proj")
+    v = checkpoint_name(v, "value_proj")
+    if "q_norm" in p:  # qk-norm: RMSNorm over each head's H features, before RoPE
+        eps = config.normalization_layer_epsilon
+        q, k = rms_norm(q, p["q_norm"], eps, norm_plus_one), rms_norm(k, p["k_norm"], eps, norm_plus_one)
+    cos, sin = inputs.rope[rope]
+    q, k = rope_lib.apply(q, cos, sin), rope_lib.apply(k, cos, sin)
+    q = shard(q, ("batch", "length", "heads", "head_dim"))
+    if inputs.cache is None:
+        out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=rt.attention,
+                                      sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
+                                      block_q=config.sa_block_q, block_kv=config.sa_block_kv)
+        aux = {}
+    else:
+        # Decoding: write this step's k, v at `index` and attend to the filled cache slots.
+        cache_k, cache_v, index = inputs.cache
+        cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), index, axis=1)
+        cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), index, axis=1)
+        slots = jnp.arange(cache_k.shape[1])[None, None, :]
+        t = inputs.positions[:, :, None]
+        mask = slots <= t  # [B, T, S]: causal over absolute positions
+        if sliding_window > 0:
+            mask = mask & (t - slots < sliding_window)
+        out = attention_lib.dot_product_attention(q, cache_k.astype(dt), cache_v.astype(dt), mask, scale=scale,
+                                                  logits_soft_cap=logits_soft_cap)
+        aux = {"cache": (cache_k, cache_v)}
+    out = ops.dense(out, p["wo"].astype(dt), 2)  # "BTNH,NHD->BTD"
+    return checkpoint_name(out, "out_proj"), aux
+
+
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approximate=True)}
+
+
+def mlp(x, p, rt, activation: str = "silu"):
+    """Gated MLP: down(act(gate(x)) * up(x)); silu gives SwiGLU (Llama), gelu_tanh GeGLU (Gemma)."""
+    dt = rt.dtype
+    gate = checkpoint_name(ops.dense(x, p["w_gate"].astype(dt)), "mlp_gate")  # "BTD,DF->BTF"
+    up = checkpoint_name(ops.dense(x, p["w_up"].astype(dt)), "mlp_up")        # "BTD,DF->BTF"
+    hidden = shard(ACTIVATIONS[activation](gate) * up, ("batch", "length", "mlp"))
+    return checkpoint_name(ops.dense(hidden, p["w_down"].astype(dt)), "mlp_down")  # "BTF,FD->BTD"
+
+
+def logits(params, x, config, rt, *, norm_plus_one: bool = False):
+    """float32 logits [B, T, V]: final norm, output projection (or the tied embedding), soft-cap."""
+    x = rms_norm(x, params["final_norm"], config.normalization_layer_epsilon, norm_plus_one)
+    if config.logits_via_embedding:
+        w = params["token_embedding"].astype(rt.dtype).T      # "BTD,VD->BTV"
+    else:
+        w = params["output"].astype(rt.dtype)                 # "BTD,DV->BTV"
+    out = attention_lib.soft_cap(ops.dense(x, w, 1, jnp.float32), config.final_logits_soft_cap)
+    return shard(out, ("batch", "length", "vocab"))
+
+
+# --------------------------------------------------------------------------------------------
+# FLOPs
+# --------------------------------------------------------------------------------------------
+
+
+def attended_keys(length: int, sliding_window: int = 0, dense: bool = False) -> float:
+    """Mean number of keys a query attends to in a causal sequence of `length`: (T + 1) / 2 for full
+    attention, fewer with a sliding window. dense=True: all T, what a dense implementation computes."""
+    if dense:
+        return float(length)
+    w = sliding_window if 0 < sliding_window < length else length
+    return (w * (w + 1) / 2 + (length - w) * w) / length
+
+
+def attention_flops(config, windows: list[int], dense: bool = False) -> float:
+    """Forward FLOPs per token of the scores (q.k) and the weighted values (p.v), summed over layers
+    whose sliding windows (0 = full) are `windows`."""
+    n, h, t = config.base_num_query_heads, config.head_dim, config.max_target_length
+    return sum(2 * 2 * n * h * attended_keys(t, w, dense) for w in windows)
+
+
+def dense_layer_matmul_params(config) -> int:
+    """Weights one token multiplies in a layer of attention + gated MLP: D*N*H (q) + 2*D*G*H (k, v)
+    + N*H*D (out) + 3*D*F (gate, up, down)."""
+    d, n, g, h, f = (config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim,
+                     config.base_mlp_dim)
+    return d * n * h + 2 * d * g * h + n * h * d + 3 * d * f
+
+
+def decoder_flops(config, layer_types, dense_attention: bool = False) -> float:
+    """Training FLOPs per token of a dense decoder ("model FLOPs": remat recomputation not counted):
+
+        forward  = 2 x (L x dense_layer_matmul_params + D*V)  +  attention_flops
+        training = 3 x forward                                 (the backward costs twice the forward)
+
+    Norms, softmax, activations, the embedding lookup and the optimizer are elementwise and left out
+    (a few percent of XLA's count for tiny models, far less for large ones)."""
+    windows = [config.sliding_window_size if t.attention == "sliding" else 0 for t in layer_types]
+    matmul = config.base_num_decoder_layers * dense_layer_matmul_params(config) + config.base_emb_dim * config.vocab_size
+    return 3.0 * (2 * matmul + attention_flops(config, windows, dense_attention))

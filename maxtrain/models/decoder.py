@@ -1,0 +1,217 @@
+"""The decoder stack every family shares: embed -> layers -> logits, the loss, and KV-cache decoding.
+
+A family (maxtrain/models/<family>.py) supplies its parameter declarations, the type of each layer
+and the functions `embed`, `layer` and `logits`; this module runs them.
+
+Layers. `family.layer_types(config)` gives one LayerType per layer. Its `kind` names the stack of
+parameters the layer reads, `params["layers"][kind]`, each stacked on a leading "layers" axis in
+layer order; its `attention` ("full" or "sliding") and `rope` ("global" or "local") are static
+settings the family's `layer` function reads. Layers may differ within a stack (Gemma 3: five
+sliding-window layers then one global, repeated; later, dense and mixture-of-experts layers).
+
+Scan. The sequence of layer types is cut into segments, each a group of p layers repeated r times
+(`plan_segments`); a segment runs as one `lax.scan` over its r groups, the p layers of a group
+unrolled in its body, so compile time does not grow with depth. Gemma 3 1B (26 layers, period 6)
+runs as a scan of 4 groups of 6 and a scan of 2 single layers. Every layer is wrapped in
+`jax.checkpoint` with the run's remat policy.
+
+Aux. Every layer returns (x, aux): aux is a dict of float32 scalars (empty for dense families; a
+mixture-of-experts layer's balance losses) summed over the stack and returned beside the logits.
+Names ending in "_loss" are losses already multiplied by their weight: training adds them to the
+objective (models.objective); every entry is reported as a metric. When decoding, the attention block also puts the
+layer's updated KV cache in aux under "cache"; the stack collects it per layer instead of summing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from maxtrain import ops
+from maxtrain.models import rope as rope_lib
+from maxtrain.models.blocks import LayerInputs
+from maxtrain.models.runtime import REMAT_POLICIES
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerType:
+    """What is static about one layer: which parameter stack it reads and how it attends."""
+
+    kind: str = "decoder"      # params["layers"][kind] holds this layer's parameters
+    attention: str = "full"    # "full" | "sliding" (a sliding window of config.sliding_window_size)
+    rope: str = "global"       # "global" | "local" (config.local_rope_max_timescale, Gemma 3)
+
+
+def default_layer_types(config, family_default: list[str]) -> list[LayerType]:
+    """Layer types from `attention_layer_types` ("full"/"sliding" per layer) when set, else from the
+    family's default pattern; sliding layers use the local RoPE."""
+    names = list(config.attention_layer_types) or family_default
+    return [LayerType(attention=a, rope="local" if a == "sliding" else "global") for a in names]
+
+
+# --------------------------------------------------------------------------------------------
+# Segments: which layers run under one scan
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    start: int                 # first layer
+    period: tuple[LayerType, ...]  # the layer types of one group
+    repeats: int               # groups
+
+
+def plan_segments(types: list[LayerType], max_period: int = 8) -> list[Segment]:
+    """Cuts the layers into runs of a repeated group, greedily taking at each point the period that
+    covers the most layers (shortest first among equals)."""
+    segments, i = [], 0
+    while i < len(types):
+        best_period, best_repeats = 1, 1
+        for p in range(1, min(max_period, len(types) - i) + 1):
+            r = 1
+            while i + (r + 1) * p <= len(types) and types[i + r * p:i + (r + 1) * p] == types[i:i + p]:
+                r += 1
+            if r * p > best_period * best_repeats:
+                best_period, best_repeats = p, r
+        segments.append(Segment(i, tuple(types[i:i + best_period]), best_repeats))
+        i += best_period * best_repeats
+    return segments
+
+
+def _kind_offsets(types: list[LayerType]) -> list[int]:
+    """For each layer, its index within its kind's parameter stack."""
+    seen: dict[str, int] = {}
+    out = []
+    for t in types:
+        out.append(seen.get(t.kind, 0))
+        seen[t.kind] = out[-1] + 1
+    return out
+
+
+def _sum_aux(total: dict, aux: dict) -> dict:
+    out = dict(total)
+    for key, value in aux.items():
+        out[key] = out[key] + value if key in out else value
+    return out
+
+
+def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, scan: bool):
+    """Runs every layer. Returns (x, aux summed over layers, per-layer caches [L, ...] or None)."""
+    types = family.layer_types(config)
+    offsets = _kind_offsets(types)
+
+    def one_layer(lt: LayerType):
+        def fn(x, p, inputs):
+            return family.layer(x, p, inputs, lt, config, rt)
+        if rt.remat_policy == "none":
+            return fn
+        return jax.checkpoint(fn, policy=REMAT_POLICIES[rt.remat_policy], prevent_cse=not scan)
+
+    segments = plan_segments(types) if scan else [Segment(i, (t,), 1) for i, t in enumerate(types)]
+    aux_total, caches = {}, []
+    for seg in segments:
+        p_len, start = len(seg.period), seg.start
+        # Each kind's parameters for this segment: [repeats, layers of that kind per group, ...].
+        per_group = {k: sum(t.kind == k for t in seg.period) for k in {t.kind for t in seg.period}}
+        seg_params = {}
+        for kind, n in per_group.items():
+            first = offsets[start + [t.kind for t in seg.period].index(kind)]
+            stack = layer_params[kind]
+
+            def take(a, first=first, n=n):
+                whole = first == 0 and a.shape[0] == n * seg.repeats
+                part = a if whole else jax.lax.slice_in_dim(a, first, first + n * seg.repeats)
+                return part.reshape((seg.repeats, n) + a.shape[1:])
+            seg_params[kind] = jax.tree.map(take, stack)
+        seg_cache = None
+        if inputs.cache is not None:
+            k_all, v_all, index = inputs.cache
+            seg_cache = jax.tree.map(
+                lambda a: a[start:start + p_len * seg.repeats].reshape((seg.repeats, p_len) + a.shape[1:]),
+                (k_all, v_all))
+
+        def group(x, group_params, group_cache, seg=seg):
+            aux_sum, new_caches, seen = {}, [], {}
+            for j, lt in enumerate(seg.period):
+                p = jax.tree.map(lambda a, i=seen.get(lt.kind, 0): a[i], group_params[lt.kind])
+                seen[lt.kind] = seen.get(lt.kind, 0) + 1
+                layer_inputs = inputs if group_cache is None else inputs._replace(
+                    cache=(group_cache[0][j], group_cache[1][j], inputs.cache[2]))
+                x, aux = one_layer(lt)(x, p, layer_inputs)
+                if "cache" in aux:
+                    new_caches.append(aux.pop("cache"))
+                aux_sum = _sum_aux(aux_sum, aux)
+            stacked = None
+            if new_caches:
+                stacked = tuple(jnp.stack([c[i] for c in new_caches]) for i in range(2))
+            return x, (aux_sum, stacked)
+
+        if seg.repeats == 1:
+            x, (aux, cache) = group(x, jax.tree.map(lambda a: a[0], seg_params),
+                                    None if seg_cache is None else jax.tree.map(lambda a: a[0], seg_cache))
+            cache = None if cache is None else jax.tree.map(lambda a: a[None], cache)
+        else:
+            x, (aux, cache) = jax.lax.scan(lambda c, xs: group(c, *xs), x, (seg_params, seg_cache))
+            aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
+        aux_total = _sum_aux(aux_total, aux)
+        if cache is not None:
+            caches.append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), cache))
+    new_cache = None
+    if caches:
+        new_cache = tuple(jnp.concatenate([c[i] for c in caches]) for i in range(2))
+    return x, aux_total, new_cache
+
+
+def rope_tables(positions, config) -> dict:
+    """cos/sin tables for the global RoPE and, where it differs, the local one (computed once per pass)."""
+    global_rope = rope_lib.Rope.from_config(config)
+    local_rope = rope_lib.Rope.from_config(config, local=True)
+    tables = {"global": rope_lib.tables(positions, global_rope, config.head_dim)}
+    tables["local"] = tables["global"] if local_rope == global_rope else rope_lib.tables(
+        positions, local_rope, config.head_dim)
+    return tables
+
+
+# --------------------------------------------------------------------------------------------
+# Forward, loss, decoding
+# --------------------------------------------------------------------------------------------
+
+
+def forward(family, params, tokens, positions, segment_ids, config, rt):
+    """(logits [B, T, V] float32, aux) for tokens [B, T]; positions restart at 0 in each packed document."""
+    x = family.embed(params, tokens, config, rt)
+    inputs = LayerInputs(positions, segment_ids, rope_tables(positions, config))
+    x, aux, _ = run_layers(family, params["layers"], x, inputs, config, rt, config.scan_layers)
+    return family.logits(params, x, config, rt), aux
+
+
+def loss_fn(family, params, batch: dict, config, rt):
+    """(sum of per-token cross-entropy x weight, sum of weights, aux), float32.
+
+    Returning sums, not a mean, lets gradient accumulation and multi-host eval weight every real
+    token equally; padding has weight 0. Training adds the aux losses (models.objective).
+    """
+    logits, aux = forward(family, params, batch["inputs"], batch["positions"], batch["segment_ids"], config, rt)
+    weights = batch["loss_weights"].astype(jnp.float32)
+    return ops.cross_entropy(logits, batch["targets"], weights), jnp.sum(weights), aux
+
+
+def init_cache(config, batch_size: int, max_length: int, dtype) -> dict:
+    """An empty KV cache: k and v [L, B, S, G, H]."""
+    shape = (config.base_num_decoder_layers, batch_size, max_length, config.base_num_kv_heads, config.head_dim)
+    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def forward_with_cache(family, params, tokens, positions, cache: dict, index, config, rt) -> tuple[Any, dict]:
+    """Runs tokens [B, T] at cache slots [index, index + T); returns (logits [B, T, V], new cache).
+
+    positions must equal index + arange(T) (one sequence per row, no packing while decoding).
+    """
+    x = family.embed(params, tokens, config, rt)
+    inputs = LayerInputs(positions, jnp.ones_like(tokens), rope_tables(positions, config),
+                         (cache["k"], cache["v"], index))
+    x, _, (k, v) = run_layers(family, params["layers"], x, inputs, config, rt, scan=True)
+    return family.logits(params, x, config, rt), {"k": k, "v": v}

@@ -1,0 +1,208 @@
+"""What the families share about Hugging Face checkpoints: tensor names, config.json fields, RoPE.
+
+Tensor layouts. torch's Linear stores weight [out, in]; maxtrain keeps [in..., out...] with heads
+split out. A family's HF_NAMES maps each maxtrain parameter path to (HF tensor name, n_in): n_in is
+the number of leading maxtrain dims that form torch's "in" dimension (None: the same shape;
+"flat": the same values as one 1-D tensor, as biases [N, H] are [N*H]), e.g. q_proj.weight [N*H, D] -> wq [D, N, H] has n_in 1; o_proj.weight [D, N*H] -> wo
+[N, H, D] has n_in 2. "{i}" in a name is the layer's index within its stack. Both sides use the
+"rotate half" RoPE layout, so q and k need no permutation.
+
+config.json. Where a config states one thing twice, the reading of transformers 5 is followed
+(and a note says what was ignored): `rope_scaling`, when set, replaces `rope_parameters`;
+`rope_parameters.rope_theta` wins over a top-level `rope_theta`; a top-level
+`original_max_position_embeddings` wins over the one inside the RoPE parameters.
+"""
+
+from __future__ import annotations
+
+import math
+
+ATTENTION_NAMES = {
+    "layers/decoder/wq": ("model.layers.{i}.self_attn.q_proj.weight", 1),
+    "layers/decoder/wk": ("model.layers.{i}.self_attn.k_proj.weight", 1),
+    "layers/decoder/wv": ("model.layers.{i}.self_attn.v_proj.weight", 1),
+    "layers/decoder/wo": ("model.layers.{i}.self_attn.o_proj.weight", 2),
+}
+QKV_BIAS_NAMES = {
+    "layers/decoder/bq": ("model.layers.{i}.self_attn.q_proj.bias", "flat"),
+    "layers/decoder/bk": ("model.layers.{i}.self_attn.k_proj.bias", "flat"),
+    "layers/decoder/bv": ("model.layers.{i}.self_attn.v_proj.bias", "flat"),
+}
+QK_NORM_NAMES = {
+    "layers/decoder/q_norm": ("model.layers.{i}.self_attn.q_norm.weight", None),
+    "layers/decoder/k_norm": ("model.layers.{i}.self_attn.k_norm.weight", None),
+}
+MLP_NAMES = {
+    "layers/decoder/w_gate": ("model.layers.{i}.mlp.gate_proj.weight", 1),
+    "layers/decoder/w_up": ("model.layers.{i}.mlp.up_proj.weight", 1),
+    "layers/decoder/w_down": ("model.layers.{i}.mlp.down_proj.weight", 1),
+}
+
+
+class ConversionError(ValueError):
+    """A checkpoint or config that cannot be converted; the message names the tensor or field."""
+
+
+def refuse(config: dict, implemented: dict) -> None:
+    """Raises a ConversionError naming every field whose value the family does not implement."""
+    problems = [f"{key}={config[key]!r} (maxtrain's {config.get('model_type')} implements {value!r})"
+                for key, value in implemented.items()
+                if key in config and config[key] is not None and config[key] != value]
+    if problems:
+        raise ConversionError("cannot convert this checkpoint without changing its outputs: " + "; ".join(problems))
+
+
+def require(config: dict, key: str):
+    if config.get(key) is None:
+        raise ConversionError(f"config.json has no {key!r}, which the model's shape needs")
+    return config[key]
+
+
+def common_keys(config: dict, *, rms_norm_eps: float = 1e-6, tie_word_embeddings: bool = False) -> dict:
+    """maxtrain's shape keys, norm epsilon and tying from config.json (defaults: the family's
+    transformers config class, used where the file omits the field)."""
+    heads = require(config, "num_attention_heads")
+    hidden = require(config, "hidden_size")
+    if float(config.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ConversionError(f"partial_rotary_factor={config['partial_rotary_factor']} (maxtrain rotates whole heads)")
+    return {
+        "base_emb_dim": hidden,
+        "base_num_query_heads": heads,
+        "base_num_kv_heads": config.get("num_key_value_heads") or heads,
+        "base_mlp_dim": require(config, "intermediate_size"),
+        "base_num_decoder_layers": require(config, "num_hidden_layers"),
+        "head_dim": config.get("head_dim") or hidden // heads,
+        "vocab_size": require(config, "vocab_size"),
+        "normalization_layer_epsilon": float(config.get("rms_norm_eps", rms_norm_eps)),
+        "logits_via_embedding": bool(config.get("tie_word_embeddings", tie_word_embeddings)),
+    }
+
+
+def rope_dict(config: dict, notes: list | None = None) -> dict:
+    """The RoPE parameters as transformers 5 reads them (flat form), before defaults."""
+    scaling, parameters = config.get("rope_scaling"), config.get("rope_parameters")
+    if scaling and parameters and _rope_fields(scaling) != _rope_fields(parameters) and notes is not None:
+        notes.append(f"config.json states RoPE twice: rope_scaling={scaling} is used and rope_parameters={parameters} "
+                     "ignored, as transformers reads it")
+    rope = dict(scaling or parameters or {})
+    top = config.get("rope_theta")
+    if top is not None and rope.get("rope_theta") is not None and float(top) != float(rope["rope_theta"]) \
+            and notes is not None:
+        notes.append(f"config.json states rope_theta twice: {rope['rope_theta']} (in the RoPE parameters) is used "
+                     f"and the top-level {top} ignored, as transformers reads it")
+    return rope
+
+
+def _rope_fields(d: dict) -> dict:
+    return {("rope_type" if k == "type" else k): v for k, v in d.items()}
+
+
+def rope_keys(config: dict, notes: list | None = None, *, rope: dict | None = None,
+              default_theta: float = 10000.0) -> dict:
+    """maxtrain's rope_* keys from config.json (or from `rope`, one already-chosen parameter dict)."""
+    rope = rope_dict(config, notes) if rope is None else rope
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    theta = rope.get("rope_theta")
+    if theta is None:
+        theta = config.get("rope_theta", default_theta)
+    keys = {"rope_max_timescale": float(theta), "rope_type": rope_type}
+    if rope_type == "default":
+        return keys
+    if rope_type not in ("linear", "llama3", "yarn"):
+        raise ConversionError(f"rope_type={rope_type!r} is not implemented (maxtrain has default, linear, llama3, yarn)")
+    if float(rope.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ConversionError(f"partial_rotary_factor={rope['partial_rotary_factor']} (maxtrain rotates whole heads)")
+    original = config.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") \
+        or config.get("max_position_embeddings")
+    factor = rope.get("factor")
+    if factor is None and rope_type == "yarn" and original:
+        factor = config["max_position_embeddings"] / original
+    if factor is None:
+        raise ConversionError(f"rope_type={rope_type!r} needs a 'factor' in the RoPE parameters")
+    keys["rope_factor"] = float(factor)
+    if rope_type == "llama3":
+        keys.update(rope_low_freq_factor=float(rope["low_freq_factor"]),
+                    rope_high_freq_factor=float(rope["high_freq_factor"]),
+                    original_max_position_embeddings=int(original))
+    if rope_type == "yarn":
+        keys.update(original_max_position_embeddings=int(original),
+                    rope_beta_fast=float(rope.get("beta_fast") or 32.0), rope_beta_slow=float(rope.get("beta_slow") or 1.0),
+                    rope_attention_factor=_yarn_attention_factor(rope, float(factor)),
+                    rope_truncate=bool(rope.get("truncate", True)))
+    return keys
+
+
+def _yarn_attention_factor(rope: dict, factor: float) -> float:
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+    if not (mscale and mscale_all_dim):
+        return -1.0  # maxtrain's default: 0.1 ln(factor) + 1
+
+    def get(scale, m):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+    return float(get(factor, mscale) / get(factor, mscale_all_dim))
+
+
+def sliding_keys(config: dict, family_default: list[str], window: int | None) -> dict:
+    """sliding_window_size and attention_layer_types (stored only where they differ from the family's
+    default pattern) from `layer_types` in config.json (or the family default when absent)."""
+    if not window:
+        return {"sliding_window_size": 0, "attention_layer_types": []}
+    names = config.get("layer_types")
+    if names is None:
+        return {"sliding_window_size": int(window), "attention_layer_types": []}
+    short = {"full_attention": "full", "sliding_attention": "sliding"}
+    unknown = sorted({n for n in names if n not in short})
+    if unknown:
+        raise ConversionError(f"layer_types {unknown} are not implemented (maxtrain has full_attention and "
+                              "sliding_attention)")
+    types = [short[n] for n in names]
+    if len(types) != config["num_hidden_layers"]:
+        raise ConversionError(f"layer_types has {len(types)} entries for num_hidden_layers={config['num_hidden_layers']}")
+    return {"sliding_window_size": int(window), "attention_layer_types": [] if types == family_default else types}
+
+
+# --------------------------------------------------------------------------------------------
+# Export: config.json from maxtrain keys
+# --------------------------------------------------------------------------------------------
+
+
+def common_config(keys: dict, architecture: str, model_type: str) -> dict:
+    return {
+        "architectures": [architecture], "model_type": model_type,
+        "hidden_size": keys["base_emb_dim"], "intermediate_size": keys["base_mlp_dim"],
+        "num_hidden_layers": keys["base_num_decoder_layers"], "num_attention_heads": keys["base_num_query_heads"],
+        "num_key_value_heads": keys["base_num_kv_heads"], "head_dim": keys["head_dim"],
+        "vocab_size": keys["vocab_size"], "rms_norm_eps": keys["normalization_layer_epsilon"],
+        "tie_word_embeddings": keys["logits_via_embedding"],
+    }
+
+
+def rope_parameters(keys: dict, local: bool = False) -> dict:
+    """One flat transformers-5 RoPE parameter dict from maxtrain keys."""
+    if local:
+        return {"rope_type": "default", "rope_theta": keys["local_rope_max_timescale"]}
+    out = {"rope_type": keys["rope_type"], "rope_theta": keys["rope_max_timescale"]}
+    if keys["rope_type"] in ("linear", "llama3", "yarn"):
+        out["factor"] = keys["rope_factor"]
+    if keys["rope_type"] == "llama3":
+        out.update(low_freq_factor=keys["rope_low_freq_factor"], high_freq_factor=keys["rope_high_freq_factor"],
+                   original_max_position_embeddings=keys["original_max_position_embeddings"])
+    if keys["rope_type"] == "yarn":
+        out.update(original_max_position_embeddings=keys["original_max_position_embeddings"],
+                   beta_fast=keys["rope_beta_fast"], beta_slow=keys["rope_beta_slow"],
+                   truncate=keys["rope_truncate"])
+        if keys["rope_attention_factor"] > 0:
+            out["attention_factor"] = keys["rope_attention_factor"]
+    return out
+
+
+def rope_config(keys: dict) -> dict:
+    return {"rope_parameters": rope_parameters(keys), "rope_theta": keys["rope_max_timescale"]}
+
+
+def layer_types_config(keys: dict, family_default: list[str]) -> dict:
+    types = keys["attention_layer_types"] or family_default
+    return {"layer_types": [f"{t}_attention" for t in types],
+            "sliding_window": keys["sliding_window_size"] or None}

@@ -1,0 +1,241 @@
+"""Every model family against Hugging Face transformers, through the user's own commands.
+
+For each family, a random tiny transformers model that exercises the family's particular features
+(GQA with head_dim != D / N, random norm weights, a sequence longer than the sliding window, tied and
+untied embeddings, RoPE scaling with a short original context, soft-caps, biases, qk-norm) is saved,
+imported with `scripts/convert_hf.py import`, and checked with `scripts/check_logits.py --hf`
+(float32, <= 1e-5 relative). A negative control changes the feature the case exercises and shows
+the same comparison failing, so the test can fail. Then the import is exported, every tensor is
+bitwise the original, and transformers loads the export and gives the original's logits exactly.
+
+Needs the [hf] extra (torch, transformers); skipped with that reason without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ckpt_helpers import REPO
+from maxtrain import check_logits, checkpoint, convert, models, safetensors_files
+from maxtrain import config as config_lib
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch", reason="the [hf] extra (torch, transformers) is not installed")
+transformers = pytest.importorskip("transformers", reason="the [hf] extra (torch, transformers) is not installed")
+
+# GQA 4:2 with head_dim 24 != 64 / 4; 3 layers; 40 tokens (longer than every window below).
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              head_dim=24, vocab_size=300, max_position_embeddings=64)
+LENGTH = 40
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+
+# case: (transformers class names, config fields, maxtrain keys that switch the case's feature off)
+CASES = {
+    "llama-llama3_rope": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=LLAMA3_ROPE, rms_norm_eps=1e-5),
+                          {"rope_type": "default"}),
+    "llama-tied-linear_rope": ("LlamaConfig", "LlamaForCausalLM",
+                               dict(tie_word_embeddings=True,
+                                    rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}),
+                               {"rope_factor": 1.0}),
+    "llama-yarn_rope": ("LlamaConfig", "LlamaForCausalLM",
+                        dict(rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                              "original_max_position_embeddings": 16}),
+                        {"rope_type": "default"}),
+    "mistral-window": ("MistralConfig", "MistralForCausalLM", dict(sliding_window=7), {"sliding_window_size": 0}),
+    "qwen2-bias": ("Qwen2Config", "Qwen2ForCausalLM", dict(), None),
+    "qwen2-window_layers": ("Qwen2Config", "Qwen2ForCausalLM",
+                            dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
+                            {"attention_layer_types": []}),
+    "qwen3-qknorm-tied": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=True), None),
+    "gemma2-softcaps-window": ("Gemma2Config", "Gemma2ForCausalLM",
+                               dict(sliding_window=6, query_pre_attn_scalar=20, attn_logit_softcapping=3.0,
+                                    final_logit_softcapping=5.0), {"attn_logits_soft_cap": 0.0}),
+    "gemma3-local_global-scaled_rope": (
+        "Gemma3TextConfig", "Gemma3ForCausalLM",
+        dict(COMMON, num_hidden_layers=8, sliding_window=6, query_pre_attn_scalar=20, final_logit_softcapping=5.0,
+             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
+        {"local_rope_max_timescale": 100000.0}),
+}
+
+
+def make_hf_model(config_class: str, model_class: str, fields: dict, seed: int = 0):
+    config = getattr(transformers, config_class)(**{**COMMON, **fields})
+    model = getattr(transformers, model_class)(config).eval()
+    torch.manual_seed(seed)
+    plus_one = "Gemma" in model_class  # Gemma stores norm scales as (scale - 1)
+    with torch.no_grad():  # random everything, norms included, at a scale that gives lively logits
+        for name, p in model.named_parameters():
+            p.copy_((0.0 if plus_one else 1.0) + 0.3 * torch.randn_like(p) if "norm" in name
+                    else 0.2 * torch.randn_like(p))
+    return model
+
+
+def ids(vocab: int, rows: int = 2) -> np.ndarray:
+    return np.random.default_rng(1).integers(0, vocab, size=(rows, LENGTH)).astype(np.int32)
+
+
+def hf_logits(model, tokens) -> np.ndarray:
+    with torch.no_grad():
+        return model(torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
+
+
+def relative_error(ours, theirs) -> float:
+    return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
+
+
+def ours_with(out_dir, tokens, **changes) -> np.ndarray:
+    """maxtrain's float32 logits for the imported checkpoint, with model settings changed."""
+    config = checkpoint.adopt_model_settings(config_lib.load_config(
+        [str(REPO / "configs" / "base.yml"), f"load_parameters_path={out_dir}", "attention=dot_product",
+         "dtype=float32"]), log=lambda *a: None)
+    config = config.replace(**changes)
+    rt = models.Runtime.from_config(config)
+    params = checkpoint.read_params(str(out_dir))
+    positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
+    with jax.default_matmul_precision("highest"):
+        return np.asarray(jax.jit(lambda p: models.forward(p, tokens, positions, jnp.ones_like(tokens), config,
+                                                           rt)[0])(params))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_family_matches_transformers_and_round_trips(tmp_path, case, capsys):
+    config_class, model_class, fields, feature_off = CASES[case]
+    hf = make_hf_model(config_class, model_class, fields)
+    hf_dir, out = tmp_path / "hf", tmp_path / "imported"
+    sharded = case.startswith("llama-tied")
+    hf.save_pretrained(hf_dir, max_shard_size="50KB" if sharded else "1GB")
+    keys = convert.import_hf(str(hf_dir), str(out))
+    assert keys["decoder_block"] == case.split("-")[0]
+    assert (out / "model.yml").is_file() and (out / "hf" / "config.json").is_file()
+
+    # The user command: golden logits from transformers, maxtrain's compared at <= 1e-5.
+    golden = tmp_path / "golden.npz"
+    rc = check_logits.main([str(out), "--hf", str(hf_dir), "--golden", str(golden), "--length", str(LENGTH)])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    print(f"{case}: relative logits error {last}")
+    assert rc == 0 and float(last) <= 1e-5, last
+    theirs = np.load(golden)["logits"]
+    assert np.std(theirs) > 0.5, "logits too flat for a meaningful comparison"
+    assert check_logits.main([str(out), "--golden", str(golden)]) == 0  # the same from the file
+
+    # Negative control: without the feature this case exercises, the comparison fails.
+    tokens = np.load(golden)["input_ids"]
+    if feature_off is not None:
+        assert relative_error(ours_with(out, tokens, **feature_off), theirs) > 1e-3, feature_off
+    else:  # biases / qk-norm exist as parameters: zero the biases, or use unit qk-norm scales
+        params = checkpoint.read_params(str(out))
+        layer = params["layers"]["decoder"]
+        assert "bq" in layer or "q_norm" in layer
+        name = "bq" if "bq" in layer else "q_norm"
+        changed = {**layer, name: np.zeros_like(layer[name]) if name == "bq" else np.ones_like(layer[name])}
+        broken = checkpoint_tree_with(out, tmp_path / "broken", {**params, "layers": {"decoder": changed}})
+        assert check_logits.main([str(broken), "--golden", str(golden)]) == 1
+
+    # Export: every tensor bitwise the original; transformers loads it and gives the same logits.
+    exported = tmp_path / "export"
+    convert.export_hf(str(out), str(exported), "float32", max_shard_bytes=64 * 1024 if sharded else 2**30)
+    assert (exported / "model.safetensors.index.json").exists() == sharded
+    original = {k: v.numpy() for k, v in hf.state_dict().items()}
+    written = safetensors_files.read_model_dir(str(exported))
+    assert sorted(written) == sorted(k for k in original if not (k == "lm_head.weight" and keys["logits_via_embedding"]))
+    for name, array in written.items():
+        assert array.tobytes() == original[name].tobytes(), name
+    assert json.loads((exported / "config.json").read_text()) == {
+        **json.loads((hf_dir / "config.json").read_text()), "torch_dtype": "float32", "dtype": "float32"}
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    np.testing.assert_array_equal(hf_logits(reloaded, tokens), hf_logits(hf, tokens))
+
+
+def checkpoint_tree_with(out, dest, params) -> str:
+    """A params-only checkpoint like `out`'s (same metadata) holding `params`."""
+    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+    meta = checkpoint.read_metadata(checkpoint.find_step_dir(str(out)))
+    with ocp.CheckpointManager(str(dest / "checkpoints"), item_handlers={
+            "state": ocp.StandardCheckpointHandler(), "metadata": ocp.JsonCheckpointHandler()}) as manager:
+        manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params}),
+                                                metadata=ocp.args.JsonSave(meta)))
+        manager.wait_until_finished()
+    return str(dest)
+
+
+def _rewrite_config(hf_dir, **changes):
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    cfg.update(changes)
+    (hf_dir / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("conflict", ["rope_scaling_and_rope_parameters", "rope_theta_twice", "legacy_rope_theta"])
+def test_a_config_that_states_rope_twice_reads_as_transformers_reads_it(tmp_path, conflict, capsys):
+    """Today's transformers: rope_scaling replaces rope_parameters, and rope_parameters.rope_theta wins over
+    a top-level rope_theta. The import must compute the model transformers computes, and say what it ignored."""
+    hf_dir = tmp_path / "hf"
+    make_hf_model("LlamaConfig", "LlamaForCausalLM", {}).save_pretrained(hf_dir)
+    if conflict == "rope_scaling_and_rope_parameters":
+        _rewrite_config(hf_dir, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                        rope_scaling={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})
+    elif conflict == "rope_theta_twice":
+        _rewrite_config(hf_dir, rope_theta=10000.0, rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+    else:  # the older form: rope_theta at the top level, no rope_parameters
+        cfg = json.loads((hf_dir / "config.json").read_text())
+        cfg.pop("rope_parameters", None)
+        cfg.update(rope_theta=500.0, rope_scaling=None)
+        (hf_dir / "config.json").write_text(json.dumps(cfg))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    keys = convert.import_hf(str(hf_dir), str(tmp_path / "out"))
+    printed = capsys.readouterr().out
+    if conflict != "legacy_rope_theta":
+        assert "states" in printed and "ignored" in printed, printed
+    tokens = ids(COMMON["vocab_size"])
+    rel = relative_error(ours_with(tmp_path / "out", tokens), hf_logits(reference, tokens))
+    assert rel <= 1e-5, (keys["rope_type"], keys["rope_max_timescale"], rel)
+
+
+@pytest.mark.slow
+def test_gemma3_multimodal_checkpoint_imports_its_text_decoder(tmp_path, capsys):
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=32, patch_size=16)
+    text = transformers.Gemma3TextConfig(**{**COMMON, "num_hidden_layers": 6, "sliding_window": 6,
+                                            "query_pre_attn_scalar": 24})
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "hf")
+    keys = convert.import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
+    assert keys["decoder_block"] == "gemma3" and "text decoder" in capsys.readouterr().out
+    tokens = ids(COMMON["vocab_size"])
+    rel = relative_error(ours_with(tmp_path / "out", tokens), hf_logits(model, tokens))
+    assert rel <= 1e-5, rel
+
+
+def test_conversion_errors_name_the_field(tmp_path):
+    base = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96,
+            "num_hidden_layers": 2, "vocab_size": 300}
+    cases = [
+        ({**base, "model_type": "gpt2"}, "model_type='gpt2' is not supported"),
+        ({**base, "hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({**base, "attention_bias": True}, "attention_bias=True"),
+        ({**base, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic' is not implemented"),
+        ({k: v for k, v in base.items() if k != "hidden_size"}, "no 'hidden_size'"),
+        ({**base, "model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({**base, "model_type": "mistral", "layer_types": ["full_attention"] * 2}, "Ministral"),
+    ]
+    for hf, message in cases:
+        with pytest.raises(convert.ConversionError, match=message):
+            convert.model_keys(hf)
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(convert.ConversionError, match="cannot read .*config.json"):
+        convert.read_hf_config(str(tmp_path))
