@@ -34,20 +34,21 @@ def load_params(config, mesh, log=print):
 
 def main(argv: list[str]) -> dict:
     started = time.time()
-    config = builder.load_config(argv)  # an imported model's settings are adopted from its checkpoint
+    config = config_lib.load_config(argv)
     if not config.eval_tasks.strip():
         raise config_lib.ConfigError("name the tasks to score: eval_tasks=hellaswag,arc_easy,... (tasks: "
                                      f"{', '.join(config_lib.EVAL_TASKS)})")
     if not config.load_parameters_path:
         raise config_lib.ConfigError("set load_parameters_path=<run>/checkpoints/<step>: the checkpoint to score "
                                      "(an imported Hugging Face model: the OUT directory of scripts/convert_hf.py)")
+    # the data first (cheap, and the likeliest to be missing), then the checkpoint's settings, tokenizer, params
+    evals.data.open_cache(evals.data.cache_dir_for(config), config_lib.parse_eval_tasks(config.eval_tasks))
+    config = builder.load_config(argv)  # an imported model's settings are adopted from its checkpoint
     distributed.initialize(config)
     config = config_lib.with_devices(config, jax.device_count(), jax.process_count())
     log = print if jax.process_index() == 0 else (lambda *_: None)
     mesh = sharding.create_mesh(config)
     rt = models.Runtime.from_config(config)
-    # the data first (cheap, and the likeliest to be missing), then the tokenizer, then the checkpoint
-    evals.data.open_cache(evals.data.cache_dir_for(config), config_lib.parse_eval_tasks(config.eval_tasks))
     evaluator = evals.TaskEvaluator(config, decode.tokenizer_for(config, log=log), mesh, rt, log=log)
     params, step_dir = load_params(config, mesh, log)
     meta = checkpoint_lib.read_metadata(step_dir)
