@@ -29,18 +29,16 @@ def eval_loss_at_init(cfg):
     """(eval loss of the model initialized from cfg.seed, the eval input) on this process' devices."""
     import jax  # pylint: disable=import-outside-toplevel
 
-    from maxtrain import models, sharding, train, train_step  # pylint: disable=import-outside-toplevel
+    from maxtrain import builder, sharding, train  # pylint: disable=import-outside-toplevel
     from maxtrain.data import hosts, make_inputs  # pylint: disable=import-outside-toplevel
 
-    rt, mesh, rules = models.Runtime.from_config(cfg), sharding.create_mesh(cfg), cfg.logical_axis_rules
+    run = builder.build(cfg)
+    mesh, rules = run.mesh, cfg.logical_axis_rules
     evals = make_inputs(cfg, log=lambda *_: None).eval_batches
-    specs = models.param_specs(cfg)
-    shardings = jax.tree.map(lambda s: sharding.named_sharding(mesh, s.axes, rules), specs, is_leaf=models.is_spec)
     with sharding.activation_sharding(mesh, rules):
-        params = jax.jit(lambda k: models.init_params(cfg, k), out_shardings=shardings)(jax.random.key(cfg.seed))
-        eval_step = jax.jit(train_step.make_eval_step(cfg, rt))
+        params = run.init(jax.random.key(cfg.seed))["params"]
         batches = (hosts.to_global(b, mesh, rules, hosts.EVAL_BATCH_AXES) for b in evals)
-        return train.evaluate(eval_step, params, batches), evals
+        return train.evaluate(run.eval_step, params, batches), evals
 
 
 def main(process_id: int, port: int, corpus: str, output: str) -> None:

@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import BASE_YML
-from maxtrain import metrics, models, optimizer, train_step
-from maxtrain.config import load_config, with_devices
+from maxtrain import builder, metrics
+from maxtrain.config import load_config
 
 
 def test_flops_formula_matches_xla_count():
@@ -19,19 +19,14 @@ def test_flops_formula_matches_xla_count():
     evaluated with causal_fraction=1. XLA also counts elementwise work the formula leaves out (softmax,
     norms, SiLU, AdamW: ~3% here), so we require agreement within 5%.
     """
-    cfg = with_devices(load_config([BASE_YML, "base_emb_dim=128", "base_num_query_heads=4", "base_num_kv_heads=2",
-                                    "head_dim=32", "base_mlp_dim=512", "base_num_decoder_layers=2", "vocab_size=512",
-                                    "max_target_length=64", "per_device_batch_size=4", "scan_layers=false",
-                                    "remat_policy=none", "dtype=float32", "attention=dot_product"]), 1)
-    rt = models.Runtime.from_config(cfg)
-    tx = optimizer.make_optimizer(cfg)
-    state = jax.eval_shape(lambda k: train_step.init_state(cfg, rt, tx, k), jax.random.key(0))
-    shape = (1, 4, 64)
-    batch = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_weights" else jnp.int32)
-             for k in ("inputs", "targets", "positions", "segment_ids", "loss_weights")}
-    compiled = jax.jit(train_step.make_train_step(cfg, rt, tx)).lower(state, batch).compile()
-    cost = compiled.cost_analysis()
+    run = builder.build(load_config([BASE_YML, "base_emb_dim=128", "base_num_query_heads=4", "base_num_kv_heads=2",
+                                     "head_dim=32", "base_mlp_dim=512", "base_num_decoder_layers=2", "vocab_size=512",
+                                     "max_target_length=64", "per_device_batch_size=4", "scan_layers=false",
+                                     "remat_policy=none", "dtype=float32", "attention=dot_product",
+                                     "ici_fsdp_parallelism=1"]), devices=jax.devices()[:1])
+    cost = run.compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
+    cfg = run.config
     formula = metrics.flops_per_token(cfg, dense_attention=True) * 4 * 64
     assert cost["flops"] == pytest.approx(formula, rel=0.05)
 

@@ -108,3 +108,79 @@ def test_loss_ignores_zero_weight_tokens():
     batch2 = {**batch, "targets": np.concatenate([tokens[:, 1:11], np.full((1, 6), 5)], axis=1)}
     loss2, _, _ = models.loss_fn(params, batch2, cfg, rt)
     assert float(weight) == 10.0 and float(loss) == float(loss2)
+
+
+# --------------------------------------------------------------------------------------------
+# Layer types, segments and the aux channel (maxtrain/models/decoder.py)
+# --------------------------------------------------------------------------------------------
+
+from maxtrain.models import decoder  # noqa: E402
+
+
+def test_segments_scan_repeating_groups():
+    s, f = decoder.LayerType("decoder", "sliding", "local"), decoder.LayerType()
+    gemma3_1b = [s if (i + 1) % 6 else f for i in range(26)]
+    plan = [(seg.start, len(seg.period), seg.repeats) for seg in decoder.plan_segments(gemma3_1b)]
+    assert plan == [(0, 6, 4), (24, 1, 2)]
+    assert [(seg.start, len(seg.period), seg.repeats) for seg in decoder.plan_segments([f] * 16)] == [(0, 1, 16)]
+    alternating = [s, f] * 5 + [s]
+    assert [(seg.start, len(seg.period), seg.repeats) for seg in decoder.plan_segments(alternating)] == [(0, 2, 5), (10, 1, 1)]
+    dense_first = [decoder.LayerType("dense")] + [decoder.LayerType("moe")] * 7
+    assert [(seg.start, len(seg.period), seg.repeats) for seg in decoder.plan_segments(dense_first)] == [(0, 1, 1), (1, 1, 7)]
+
+
+@pytest.mark.parametrize("family, layers", [("gemma3", 8), ("gemma2", 5), ("mistral", 3)])
+def test_mixed_layer_stacks_scan_like_unrolled(family, layers):
+    """Sliding and global layers under scan (groups + remainder) give the unrolled stack's logits."""
+    cfg, rt, params = setup(f"decoder_block={family}", f"base_num_decoder_layers={layers}", "sliding_window_size=5",
+                            "local_rope_max_timescale=100.0" if family == "gemma3" else "rope_max_timescale=10000.0",
+                            "remat_policy=full")
+    tokens = np.random.default_rng(2).integers(4, cfg.vocab_size, (2, 16))
+    scanned = logits_of(cfg, rt, params, tokens)
+    unrolled = logits_of(cfg.replace(scan_layers=False), rt, params, tokens)
+    np.testing.assert_allclose(scanned, unrolled, atol=1e-5, rtol=1e-5)
+    full = logits_of(cfg.replace(sliding_window_size=0), rt, params, tokens)
+    assert not np.allclose(scanned, full, atol=1e-3)  # the window matters at 16 tokens
+
+
+def test_aux_losses_reach_the_objective_and_the_metrics(monkeypatch):
+    """A family whose layers report aux scalars: they are summed over the stack, `*_loss` entries join the
+    objective, and every entry reaches the train step's metrics, with no plumbing in between."""
+    import types
+
+    from maxtrain import config as config_lib
+    from maxtrain import models as models_lib
+    from maxtrain import optimizer, train_step
+    from maxtrain.models import llama
+
+    def layer(x, p, inputs, layer_type, config, rt):
+        x, aux = llama.layer(x, p, inputs, layer_type, config, rt)
+        energy = jnp.mean(jnp.square(x.astype(jnp.float32)))
+        return x, {**aux, "toy_loss": 0.01 * energy, "toy_energy": energy}
+
+    toy = types.SimpleNamespace(**{k: getattr(llama, k) for k in ("param_specs", "layer_types", "embed", "logits",
+                                                                  "flops_per_token")},
+                                layer=layer, DECODER_BLOCK="toy")
+    monkeypatch.setitem(models_lib.FAMILIES, "toy", toy)
+    monkeypatch.setattr(config_lib, "DECODER_BLOCKS", config_lib.DECODER_BLOCKS + ("toy",))
+    cfg, rt, params = setup("decoder_block=toy")
+    rng = np.random.default_rng(5)
+    tokens = rng.integers(4, cfg.vocab_size, (1, 2, 17)).astype(np.int32)
+    batch = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "positions": np.tile(np.arange(16), (1, 2, 1)),
+             "segment_ids": np.ones((1, 2, 16), np.int32), "loss_weights": np.ones((1, 2, 16), np.float32)}
+    micro = {k: v[0] for k, v in batch.items()}
+    ce, weight, aux = models.loss_fn(params, micro, cfg, rt)
+    per_layer = []  # the energies layer by layer, unrolled by hand
+    x = llama.embed(params, micro["inputs"], cfg, rt)
+    inputs = blocks.LayerInputs(micro["positions"], micro["segment_ids"], decoder.rope_tables(micro["positions"], cfg))
+    for i, lt in enumerate(llama.layer_types(cfg)):
+        x, layer_aux = layer(x, jax.tree.map(lambda a, i=i: a[i], params["layers"]["decoder"]), inputs, lt, cfg, rt)
+        per_layer.append(float(layer_aux["toy_energy"]))
+    assert float(aux["toy_energy"]) == pytest.approx(sum(per_layer), rel=1e-5)  # summed over the stack
+    assert float(models.objective(ce, weight, aux)) == pytest.approx(float(ce) + float(weight) * 0.01 * sum(per_layer),
+                                                                      rel=1e-5)
+    tx = optimizer.make_optimizer(cfg)
+    state = {**train_step.init_state(cfg, rt, tx, jax.random.key(0)), "params": params}
+    _, metrics = jax.jit(train_step.make_train_step(cfg, rt, tx))(state, batch)
+    assert float(metrics["aux/toy_energy"]) == pytest.approx(sum(per_layer), rel=1e-4)
+    assert float(metrics["loss"]) == pytest.approx(float(ce) / float(weight), rel=1e-5)  # the loss stays the CE

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY
-from maxtrain import models, optimizer, precision, train, train_step
+from maxtrain import builder, precision, train
 from maxtrain.config import load_config, with_devices
 
 
@@ -31,17 +31,15 @@ def with_scale(state, scale):
 
 @pytest.fixture(scope="module")
 def float16_step():
-    cfg = with_devices(load_config([BASE_YML, *TINY, "dtype=float16", "loss_scale_period=2", "loss_scale_min=1.0",
-                                    "learning_rate=1e-2", "warmup_steps_fraction=0"]), 1)
-    rt = models.Runtime.from_config(cfg)
-    tx = optimizer.make_optimizer(cfg)
-    state = jax.jit(lambda key: train_step.init_state(cfg, rt, tx, key))(jax.random.key(0))
+    run = builder.build(load_config([BASE_YML, *TINY, "dtype=float16", "loss_scale_period=2", "loss_scale_min=1.0",
+                                     "learning_rate=1e-2", "warmup_steps_fraction=0"]), devices=jax.devices()[:1])
+    cfg, state = run.config, run.init(jax.random.key(0))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 2, cfg.max_target_length + 1)).astype(np.int32)
     shape = (1, 2, cfg.max_target_length)
     batch = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "segment_ids": np.ones(shape, np.int32),
              "positions": np.broadcast_to(np.arange(shape[-1], dtype=np.int32), shape).copy(),
              "loss_weights": np.ones(shape, np.float32)}
-    return cfg, state, jax.jit(train_step.make_train_step(cfg, rt, tx)), batch
+    return cfg, state, jax.jit(run.train_step.__wrapped__), batch  # not donating: the tests reuse states
 
 
 def test_update_loss_scale_rules():
@@ -145,10 +143,8 @@ def test_low_precision_training_has_no_nan(dtype, float16_step):
     cfg, state, step, batch = float16_step  # float16 starts from the default loss_scale_initial (32768)
     assert float(state["loss_scale"]["scale"]) == 32768.0
     if dtype == "bfloat16":
-        rt = models.Runtime.from_config(cfg.replace(dtype=dtype))
-        tx = optimizer.make_optimizer(cfg)
-        state = jax.jit(lambda key: train_step.init_state(cfg, rt, tx, key))(jax.random.key(0))
-        step = jax.jit(train_step.make_train_step(cfg, rt, tx))
+        run = builder.build(cfg.replace(dtype=dtype), devices=jax.devices()[:1])
+        state, step = run.init(jax.random.key(0)), run.train_step
     state, losses = run_steps(state, step, batch, cfg.vocab_size, 5)
     assert all(np.isfinite(losses)), losses
     assert all(bool(jnp.all(jnp.isfinite(p))) for p in jax.tree.leaves(state["params"]))

@@ -65,8 +65,9 @@ class Segment:
 
 
 def plan_segments(types: list[LayerType], max_period: int = 8) -> list[Segment]:
-    """Cuts the layers into runs of a repeated group, greedily taking at each point the period that
-    covers the most layers (shortest first among equals)."""
+    """Cuts the layers into runs of a repeated group, greedily taking at each point the period whose
+    repeats (two or more) cover the most layers, shortest first among equals; a layer that starts no
+    repeat is a segment of its own."""
     segments, i = [], 0
     while i < len(types):
         best_period, best_repeats = 1, 1
@@ -74,7 +75,7 @@ def plan_segments(types: list[LayerType], max_period: int = 8) -> list[Segment]:
             r = 1
             while i + (r + 1) * p <= len(types) and types[i + r * p:i + (r + 1) * p] == types[i:i + p]:
                 r += 1
-            if r * p > best_period * best_repeats:
+            if r >= 2 and r * p > best_period * best_repeats:
                 best_period, best_repeats = p, r
         segments.append(Segment(i, tuple(types[i:i + best_period]), best_repeats))
         i += best_period * best_repeats

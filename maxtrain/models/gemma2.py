@@ -91,6 +91,6 @@ def to_hf_config(keys: dict) -> dict:
     default = [PATTERN[i % len(PATTERN)] for i in range(keys["base_num_decoder_layers"])]
     return {**hf.common_config(keys, HF_ARCHITECTURE, "gemma2"), **hf.rope_config(keys),
             **hf.layer_types_config(keys, default), "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": keys["query_pre_attn_scalar"] if keys["query_pre_attn_scalar"] > 0 else keys["head_dim"],
+            "query_pre_attn_scalar": hf.whole(keys["query_pre_attn_scalar"] if keys["query_pre_attn_scalar"] > 0 else keys["head_dim"]),
             "attn_logit_softcapping": keys["attn_logits_soft_cap"] or None,
             "final_logit_softcapping": keys["final_logits_soft_cap"] or None}

@@ -94,6 +94,6 @@ def to_hf_config(keys: dict) -> dict:
            "rope_parameters": {"full_attention": hf.rope_parameters(keys),
                                "sliding_attention": {"rope_type": "default", "rope_theta": local}},
            "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False,
-           "query_pre_attn_scalar": keys["query_pre_attn_scalar"] if keys["query_pre_attn_scalar"] > 0 else keys["head_dim"],
+           "query_pre_attn_scalar": hf.whole(keys["query_pre_attn_scalar"] if keys["query_pre_attn_scalar"] > 0 else keys["head_dim"]),
            "attn_logit_softcapping": None, "final_logit_softcapping": keys["final_logits_soft_cap"] or None}
     return out

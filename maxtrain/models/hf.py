@@ -168,6 +168,11 @@ def sliding_keys(config: dict, family_default: list[str], window: int | None) ->
 # --------------------------------------------------------------------------------------------
 
 
+def whole(x):
+    """x as an int when it is a whole number (transformers' configs type some such fields as int)."""
+    return int(x) if float(x).is_integer() else x
+
+
 def common_config(keys: dict, architecture: str, model_type: str) -> dict:
     return {
         "architectures": [architecture], "model_type": model_type,

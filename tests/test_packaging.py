@@ -1,0 +1,49 @@
+"""A non-editable install works from any directory: the configs ship inside the package."""
+
+from __future__ import annotations
+
+import os
+import site
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+from conftest import REPO
+
+
+@pytest.mark.slow
+def test_the_wheel_trains_two_steps_from_another_directory(tmp_path):
+    """Build the wheel, install it (no editable link to this checkout) into a fresh venv, and run
+    `python -m maxtrain.train base.yml ...` from an empty directory: base.yml and the presets are found
+    inside the installed package. The venv borrows this environment's dependencies (jax, orbax, ...)
+    through a .pth file, so the test needs no network; maxtrain itself comes only from the wheel."""
+    dist = tmp_path / "dist"
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
+                    REPO], check=True, capture_output=True)
+    wheel = next(dist.glob("maxtrain-*.whl"))
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    venv_site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               check=True, capture_output=True, text=True).stdout.strip()
+    here = {sysconfig.get_paths()["purelib"], *site.getsitepackages()}
+    with open(os.path.join(venv_site, "borrowed_dependencies.pth"), "w") as f:
+        f.write("\n".join(sorted(here)) + "\n")  # its own .pth files (our editable link) are not processed
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", venv_site, str(wheel)],
+                   check=True, capture_output=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "XLA_FLAGS")}
+    where = subprocess.run([python, "-c", "import maxtrain; print(maxtrain.__file__)"], cwd=elsewhere, env=env,
+                           check=True, capture_output=True, text=True).stdout.strip()
+    assert where.startswith(venv_site), where  # the wheel's copy, not this checkout
+    run = subprocess.run([python, "-m", "maxtrain.train", "base.yml", "model_name=gemma3-1b", "base_emb_dim=64",
+                          "base_mlp_dim=128", "base_num_decoder_layers=2", "vocab_size=512", "head_dim=32",
+                          "dataset_type=synthetic", "steps=2", "per_device_batch_size=1", "max_target_length=32",
+                          "max_new_tokens=0", "eval_interval=-1", "enable_checkpointing=false", "run_name=wheel"],
+                         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "model: gemma3-1b (gemma3)" in run.stdout and "done in" in run.stdout
+    assert (elsewhere / "outputs" / "wheel" / "metadata" / "config.yml").is_file()

@@ -1,0 +1,112 @@
+"""Presets at real sizes, and each family's FLOPs formula against XLA's own count.
+
+Parameter counts: the published figures (model cards and the safetensors totals of the released
+checkpoints), and where transformers is installed, the count transformers itself gives for the same
+architecture (built on the meta device from the family's exported config.json: nothing is allocated).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import BASE_YML
+from maxtrain import attention, builder, config as config_lib, metrics, models
+from maxtrain.config import load_config
+from maxtrain.models import blocks
+
+# Published parameter counts (exact totals of the released checkpoints; Gemma 3 4B: its text decoder,
+# the published 4.3B including the vision encoder).
+PUBLISHED = {
+    "llama2-7b": 6_738_415_616,
+    "llama3-8b": 8_030_261_248,
+    "llama3.1-8b": 8_030_261_248,
+    "llama3.2-1b": 1_235_814_400,
+    "llama3.2-3b": 3_212_749_824,
+    "mistral-7b": 7_241_732_096,
+    "qwen2.5-7b": 7_615_616_512,
+    "qwen3-0.6b": 596_049_920,      # model card: 0.6B, 0.44B without the embedding
+    "qwen3-8b": 8_190_735_360,      # model card: 8.2B, 6.95B without the embeddings
+    "gemma2-2b": 2_614_341_888,
+    "gemma2-9b": 9_241_705_984,
+    "gemma3-1b": 999_885_952,
+    "gemma3-4b": 3_880_263_168,
+    "gpt2-small": 123_587_328,      # GPT-2 small's shape as a Llama (124M with GPT-2's own layers)
+    "default": 5_507_328,
+}
+# The rounded figures the model cards state, checked as well.
+MODEL_CARD = {"qwen3-0.6b": (0.6e9, 0.44e9), "qwen3-8b": (8.2e9, 6.95e9)}
+
+
+def preset(name, *overrides):
+    return load_config([BASE_YML, f"model_name={name}", *overrides])
+
+
+def test_every_preset_is_checked():
+    assert set(config_lib.preset_names()) - {"llama3-1b"} == set(PUBLISHED)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_preset_parameter_count_is_the_published_one(name):
+    cfg = preset(name)
+    assert models.num_params(cfg) == PUBLISHED[name]
+    if name in MODEL_CARD:
+        total, non_embedding = MODEL_CARD[name]
+        embeddings = cfg.vocab_size * cfg.base_emb_dim * (1 if cfg.logits_via_embedding else 2)
+        assert round(models.num_params(cfg) / 1e8) == round(total / 1e8)
+        assert round((models.num_params(cfg) - embeddings) / 1e7) == round(non_embedding / 1e7)
+
+
+@pytest.mark.parametrize("name", sorted(set(PUBLISHED) - {"default", "gpt2-small"}))
+def test_transformers_counts_the_same_architecture_the_same(name):
+    torch = pytest.importorskip("torch", reason="the [hf] extra (torch, transformers) is not installed")
+    transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+    cfg = preset(name)
+    keys = {k: getattr(cfg, k) for k in models.MODEL_KEYS}
+    hf_config = models.family(cfg).to_hf_config(keys)
+    config = transformers.AutoConfig.for_model(**hf_config)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == models.num_params(cfg)
+
+
+# Small unrolled models per family: XLA's cost analysis counts a scanned body once, and dense
+# dot_product attention computes the whole T x T score matrix (so the formula counts every key).
+FLOPS_MODEL = ["base_emb_dim=128", "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=32", "base_mlp_dim=384",
+               "base_num_decoder_layers=4", "vocab_size=512", "max_target_length=64", "per_device_batch_size=4",
+               "scan_layers=false", "remat_policy=none", "dtype=float32", "attention=dot_product",
+               "ici_fsdp_parallelism=1", "sliding_window_size=16"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(models.FAMILIES))
+def test_flops_formula_matches_xla_count(family):
+    """Within 5%: XLA also counts the elementwise work the formula leaves out (norms, softmax,
+    activations, soft-caps, AdamW)."""
+    cfg = load_config([BASE_YML, *FLOPS_MODEL, f"decoder_block={family}"])
+    run = builder.build(cfg, devices=jax.devices()[:1])
+    cost = run.compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    formula = metrics.flops_per_token(run.config, dense_attention=True) * run.config.tokens_per_step
+    print(f"{family}: XLA {cost['flops']:.4g} FLOPs, formula {formula:.4g} ({cost['flops'] / formula - 1:+.1%})")
+    assert cost["flops"] == pytest.approx(formula, rel=0.05)
+
+
+@pytest.mark.parametrize("length, window", [(64, 0), (64, 16), (64, 64), (64, 100), (7, 3)])
+def test_attended_keys_count_the_mask(length, window):
+    """The FLOPs formula's keys per query equal the true entries of the attention mask the model uses."""
+    seg = jnp.ones((1, length), jnp.int32)
+    mask = attention.make_attention_mask(seg, seg, causal=True, sliding_window=window)
+    assert blocks.attended_keys(length, window) * length == pytest.approx(float(np.sum(mask)))
+
+
+def test_sliding_windows_count_only_the_keys_attended():
+    full = preset("gemma3-1b", "max_target_length=8192", "sliding_window_size=8192")
+    windowed = preset("gemma3-1b", "max_target_length=8192")  # 512-token windows in 5 of 6 layers
+    saved = metrics.flops_per_token(full) - metrics.flops_per_token(windowed)
+    sliding_layers = sum(t.attention == "sliding" for t in models.family(windowed).layer_types(windowed))
+    per_key = 3 * 2 * 2 * windowed.base_num_query_heads * windowed.head_dim
+    expected = sliding_layers * per_key * (blocks.attended_keys(8192) - blocks.attended_keys(8192, 512))
+    assert sliding_layers == 22 and saved == pytest.approx(expected)
