@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import sys
 import time
+from typing import Iterable
 
 import jax
 import jax.numpy as jnp
@@ -86,25 +87,29 @@ def _generate(params, prompt, key, *, config, rt, max_new_tokens, temperature, t
 
 def generate(params, prompt_ids: list[int], config, rt: models.Runtime, *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             eos_id: int | None = None) -> list[int]:
-    """Continues `prompt_ids`; returns the new tokens (cut after EOS when eos_id is given)."""
+             eos_id: int | Iterable[int] | None = None) -> list[int]:
+    """Continues `prompt_ids`; returns the new tokens, cut before the first end-of-sequence id when eos_id
+    (one id, or several: a tokenizer's eos_ids) is given."""
     prompt = jnp.asarray([prompt_ids], jnp.int32)
     out = _generate(params, prompt, jax.random.key(seed), config=config, rt=rt,
                     max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     tokens = [int(t) for t in jax.device_get(out)[0]]
-    if eos_id is not None and eos_id in tokens:
-        tokens = tokens[:tokens.index(eos_id)]
-    return tokens
+    stops = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
+    return next((tokens[:i] for i, t in enumerate(tokens) if t in stops), tokens)
 
 
 def tokenizer_for(config, log=print):
-    """tokenizer_path, or the default corpus' tokenizer (the one training used) for dataset_type=default."""
+    """tokenizer_path, or the default corpus' tokenizer (the one training used) for dataset_type=default;
+    refused when it has more pieces than the model's vocab_size."""
     if config.tokenizer_path:
-        return tokenizer_lib.Tokenizer.load(config.tokenizer_path)
+        tokenizer = tokenizer_lib.load(config.tokenizer_path)
+        tokenizer_lib.check_vocab(tokenizer, config.vocab_size)
+        return tokenizer
     if config.dataset_type == "default":
         return pipeline.default_corpus_documents(config, log=log)[0]
-    raise config_lib.ConfigError(f"dataset_type={config.dataset_type} has no tokenizer of its own; "
-                                 "pass tokenizer_path=<the sentencepiece .model the checkpoint was trained with>")
+    raise config_lib.ConfigError(f"dataset_type={config.dataset_type} has no tokenizer of its own; pass "
+                                 "tokenizer_path=<the tokenizer the checkpoint was trained with: a sentencepiece .model, "
+                                 "a Hugging Face tokenizer.json or model directory>")
 
 
 def abstract_params(config, mesh) -> dict:
@@ -136,13 +141,16 @@ def load_model(config, log=print):
 def main(argv: list[str]) -> str:
     config = builder.load_config(argv)
     tokenizer = tokenizer_for(config)
+    prompt_ids = tokenizer_lib.prompt_ids(tokenizer, config.prompt)
+    if not prompt_ids:
+        raise config_lib.ConfigError(f"prompt={config.prompt!r} gives no tokens and the tokenizer {tokenizer.path} has "
+                                     "no BOS token to start from; give a prompt")
     params, rt, mesh = load_model(config)
     settings = sampling_settings(config)
-    prompt_ids = [tokenizer.bos_id] + tokenizer.encode(config.prompt)
     started = time.time()
     with sharding.activation_sharding(mesh, config.logical_axis_rules):
         new = generate(params, prompt_ids, config, rt, max_new_tokens=config.max_new_tokens, seed=config.seed,
-                       eos_id=tokenizer.eos_id, **settings)
+                       eos_id=tokenizer.eos_ids, **settings)
     seconds = time.time() - started
     text = config.prompt + tokenizer.decode(new)
     described = ", ".join(f"{k} {v}" for k, v in settings.items())

@@ -64,7 +64,8 @@ def main(argv: list[str]) -> None:
           f"{' (' + config.grain_packing_type + ')' if config.packing else ''}  shuffle={config.enable_data_shuffling}"
           f"  num_epoch={config.num_epoch}")
     if tok is not None:
-        print(f"tokenizer: {tok.path}  checksum {tok.checksum}  {tok.vocab_size} pieces")
+        print(f"tokenizer: {tok.path}  {tok.kind}  checksum {tok.checksum}  {tok.vocab_size} pieces (vocab_size "
+              f"{config.vocab_size})  bos {tok.bos_id}  eos {tok.eos_id}  pad {tok.pad_id}")
     accum, micro = config.gradient_accumulation_steps, pipeline.host_micro_batch(config)
     print(f"host batch [A={accum}, b={micro}, T={config.max_target_length}] on each of {hosts} host(s) -> global "
           f"[{accum}, {micro * hosts}, {config.max_target_length}]")

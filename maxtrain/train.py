@@ -23,6 +23,7 @@ from maxtrain import config as config_lib
 from maxtrain import data as data_lib
 from maxtrain import preemption as preemption_lib
 from maxtrain.data import pipeline
+from maxtrain.data import tokenizer as tokenizer_lib
 
 
 class TrainingError(RuntimeError):
@@ -172,10 +173,11 @@ def main(argv: list[str]) -> dict:
             checkpointer.close()
         writer.close()
         sample = None
-        if config.max_new_tokens > 0 and inputs.tokenizer is not None and not preempted:
-            tok = inputs.tokenizer
-            new = decode.generate(state["params"], [tok.bos_id] + tok.encode(config.prompt), config, rt,
-                                  max_new_tokens=config.max_new_tokens, eos_id=tok.eos_id)
+        tok = inputs.tokenizer
+        prompt = tokenizer_lib.prompt_ids(tok, config.prompt) if tok is not None else []
+        if config.max_new_tokens > 0 and prompt and not preempted:
+            new = decode.generate(state["params"], prompt, config, rt, max_new_tokens=config.max_new_tokens,
+                                  eos_id=tok.eos_ids)
             sample = config.prompt + tok.decode(new)
             log(f"greedy sample from {config.prompt!r}:\n{sample}")
     log(f"done in {time.time() - start_time:.1f}s")

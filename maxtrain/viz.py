@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import html
 import os
-import re
 import sys
 
 import jax
@@ -34,7 +33,6 @@ from maxtrain.data import pipeline
 LOGPROB_FLOOR = -10.0  # log p at or below this is fully red
 _STOPS = np.asarray([[230, 80, 70], [255, 230, 150], [110, 195, 115]], np.float64)  # red, yellow, green
 _UNSCORED = (221, 221, 221)  # grey: not predicted (a document's first token, padding)
-_BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
 # --------------------------------------------------------------------------------------------
@@ -77,16 +75,9 @@ def color(logprob: float) -> tuple[int, int, int]:
 
 
 def token_text(tokenizer, token_id: int) -> str:
-    """The text of one token as it appears in the document (byte pieces as their character)."""
-    sp = tokenizer.sp
-    if sp.is_control(token_id):
-        return {tokenizer.bos_id: "<s>", tokenizer.eos_id: "</s>"}.get(token_id, "<pad>")
-    piece = sp.id_to_piece(token_id)
-    byte = _BYTE_PIECE.match(piece)
-    if byte:
-        value = int(byte.group(1), 16)
-        return chr(value) if value in (9, 10) or 32 <= value < 127 else piece
-    return piece.replace("\u2581", " ")
+    """The text of one token as it appears in the document (see Tokenizer.piece: a byte piece as its
+    character, an id past the tokenizer's pieces as '<id N>')."""
+    return tokenizer.piece(token_id)
 
 
 def sample_tokens(rows: dict, tokenizer, i: int) -> list[tuple[str, float | None]]:
@@ -214,15 +205,15 @@ def main(argv: list[str]) -> str:
     if config.dataset_type != "default" and not config.grain_eval_files:
         raise config_lib.ConfigError("maxtrain.viz shows eval samples: use dataset_type=default or set grain_eval_files")
     step_dir = checkpoint_lib.find_step_dir(config.load_parameters_path, "load_parameters_path")
-    params, rt, mesh = decode.load_model(config.replace(load_parameters_path=step_dir))
     step = int(os.path.basename(step_dir)) if os.path.basename(step_dir).isdigit() else 0
     run_dir = os.path.dirname(os.path.dirname(step_dir))  # <run>/checkpoints/<step> -> <run>
     config = config.replace(run_name=os.path.basename(run_dir), run_dir=run_dir,
                             eval_steps=1, eval_interval=max(config.eval_interval, 1))
     config = config_lib.with_devices(config, jax.device_count(), jax.process_count())
-    inputs = data_lib.make_inputs(config)
+    inputs = data_lib.make_inputs(config)  # the data and tokenizer are checked before the params are read
     if not inputs.eval_batches or inputs.tokenizer is None:
         raise config_lib.ConfigError("this configuration has no eval samples with a tokenizer to show")
+    params, rt, mesh = decode.load_model(config.replace(load_parameters_path=step_dir))
     with sharding.activation_sharding(mesh, config.logical_axis_rules):
         batch = pipeline.to_global(inputs.eval_batches[0], mesh, config.logical_axis_rules, pipeline.EVAL_BATCH_AXES)
         path = write_heatmap(step, params, batch, config, rt, inputs.tokenizer)

@@ -58,20 +58,19 @@ def write_parquet(path: str, docs: list[str], field: str = "text", row_group_siz
     return path
 
 
-def tokenizer_path(tmp_path_factory, name: str = "tok", seed: int = 0) -> str:
-    """A 320-piece tokenizer trained on the test words (cached for the session)."""
-    key = ("tokenizer", name, seed)
+def tokenizer_path(tmp_path_factory, name: str = "tok", seed: int = 0, kind: str = "sentencepiece") -> str:
+    """A 320-piece tokenizer trained on the test words (cached for the session): a sentencepiece .model,
+    or (kind="hf") a directory with a byte-level BPE tokenizer.json and its config files."""
+    key = ("tokenizer", name, seed, kind)
     if key not in _cache:
-        from maxtrain.data import tokenizer  # pylint: disable=import-outside-toplevel
+        from maxtrain.data import tokenizer_training  # pylint: disable=import-outside-toplevel
 
         directory = tmp_path_factory.mktemp(name)
         corpus = texts(400, "t", seed) + texts(50, "u", seed + 1)
         if seed:  # a different tokenizer: other text, so other merges
             corpus = [t.upper() + " " + t[::-1] for t in corpus]
-        model = tokenizer.train(corpus, 320)
-        path = str(directory / f"{name}.model")
-        with open(path, "wb") as f:
-            f.write(model.model_proto)
+        path = str(directory / (f"{name}.model" if kind == "sentencepiece" else name))
+        tokenizer_training.train(kind, corpus, 320).write(path)
         _cache[key] = path
     return _cache[key]
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from maxtrain.data import DataError, make_inputs
-from maxtrain.data.tokenizer import Tokenizer
+from maxtrain.data import tokenizer as tokenizer_lib
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +37,7 @@ def test_eval_steps_n_gives_the_same_first_n_batches_every_time(corpus):
 
 def test_eval_steps_minus_one_is_exactly_one_epoch(corpus):
     inputs = _inputs(corpus, "eval_steps=-1")
-    tok = Tokenizer.load(f"{corpus}/tokenizer.model")
+    tok = tokenizer_lib.load(f"{corpus}/tokenizer.model")
     docs = [tok.decode(d[1:-1]) for d in inputs.sources.eval_pool]
     batches = list(inputs.eval_batches)
     assert sum(float(b["loss_weights"].sum()) for b in batches) == sum(len(d) - 1 for d in inputs.sources.eval_pool)

@@ -44,3 +44,17 @@ def test_refuses_train_and_eval_data_with_different_tokenizers(tmp_path_factory)
     with pytest.raises(DataError, match="train and eval inputs use different tokenizers"):
         inspect_data.main([h.BASE, "vocab_size=320", "dataset_type=arrayrecord", f"grain_train_files={train}/*.arrayrecord",
                            f"grain_eval_files={other}/*.arrayrecord"])
+
+
+def test_a_hugging_face_tokenizer_and_one_larger_than_the_model(tmp_path_factory, capsys):
+    hf = h.tokenizer_path(tmp_path_factory, kind="hf")
+    corpus = h.prepared(tmp_path_factory, "inspect_hf", h.texts(12, "f"), hf)
+    args = [h.BASE, "dataset_type=arrayrecord", f"grain_train_files={corpus}/train-*.arrayrecord", "eval_interval=-1",
+            "max_target_length=64", "per_device_batch_size=1", "--batches", "1", "--rows", "1", "--chars", "400"]
+    inspect_data.main([*args, "vocab_size=512"])  # fewer pieces than the model's vocabulary: fine
+    out = capsys.readouterr().out
+    assert f"tokenizer: {corpus}/tokenizer  huggingface" in out and "320 pieces (vocab_size 512)  bos 1  eos 2" in out
+    row = next(line for line in out.splitlines() if line.strip().startswith("row 0"))
+    assert "<|begin_of_text|>doc f-" in row and "<|end_of_text|>" in row  # special tokens decode as written
+    with pytest.raises(DataError, match=rf"the tokenizer {corpus}/tokenizer has 320 pieces but vocab_size=300"):
+        inspect_data.main([*args, "vocab_size=300"])

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from maxtrain.data import prepare, prepared, text_files
-from maxtrain.data.tokenizer import Tokenizer
+from maxtrain.data import tokenizer as tokenizer_lib
 
 
 def _records(out_dir: str, split: str = "train") -> list[np.ndarray]:
@@ -22,9 +22,10 @@ def _records(out_dir: str, split: str = "train") -> list[np.ndarray]:
     return [docs[i] for i in range(len(docs))]
 
 
-def test_every_format_is_prepared_into_shards_with_metadata(tmp_path, tmp_path_factory):
-    tok_path = h.tokenizer_path(tmp_path_factory)
-    tok = Tokenizer.load(tok_path)
+@pytest.mark.parametrize("kind", ["sentencepiece", "hf"])
+def test_every_format_is_prepared_into_shards_with_metadata(kind, tmp_path, tmp_path_factory):
+    tok_path = h.tokenizer_path(tmp_path_factory, kind=kind)
+    tok = tokenizer_lib.load(tok_path)
     raw = tmp_path / "raw"
     docs = {
         "plain.jsonl": h.texts(30, "j"),
@@ -44,6 +45,10 @@ def test_every_format_is_prepared_into_shards_with_metadata(tmp_path, tmp_path_f
 
     expected = [t for group in docs.values() for t in group]
     assert meta["tokenizer"]["checksum"] == tok.checksum
+    # the copy of the tokenizer: a .model file, or a directory with tokenizer.json and its config files
+    assert meta["tokenizer"]["file"] == {"sentencepiece": "tokenizer.model", "hf": "tokenizer"}[kind]
+    assert tokenizer_lib.load(os.path.join(out, meta["tokenizer"]["file"])).checksum == tok.checksum
+    assert (meta["tokenizer"]["bos_id"], meta["tokenizer"]["eos_id"]) == (tok.bos_id, tok.eos_id)
     assert meta["splits"]["train"]["documents"] == len(expected)
     assert meta["splits"]["train"]["tokens"] == sum(len(tok.encode(t)) + 2 for t in expected)
     assert meta["empty_documents_skipped"] == 1
@@ -76,7 +81,7 @@ def test_rerun_skips_finished_shards_and_redoes_missing_ones(tmp_path, tmp_path_
 
 
 def test_eval_fraction_splits_by_document_hash(tmp_path, tmp_path_factory):
-    tok = Tokenizer.load(h.tokenizer_path(tmp_path_factory))
+    tok = tokenizer_lib.load(h.tokenizer_path(tmp_path_factory))
     docs = h.texts(200, "e")
     h.write_jsonl(str(tmp_path / "raw.jsonl"), docs)
     meta = prepare.main(["--input", str(tmp_path / "raw.jsonl"), "--tokenizer", tok.path, "--output-dir",
@@ -106,7 +111,7 @@ def test_train_tokenizer_script_round_trips_text(tmp_path):
                              str(tmp_path / "a.jsonl"), "--input", str(tmp_path / "*.parquet"), "--output", str(out),
                              "--vocab-size", "300"], capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
-    tok = Tokenizer.load(str(out))
+    tok = tokenizer_lib.load(str(out))
     assert tok.vocab_size == 300
     text = "doc x-1: alpha  beta\n\tgamma ünïcode"
     assert tok.decode(tok.encode(text)) == text

@@ -11,8 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from maxtrain.data import make_inputs, sources
-from maxtrain.data.tokenizer import Tokenizer
+from maxtrain.data import DataError, make_inputs, sources
+from maxtrain.data import tokenizer as tokenizer_lib
 
 
 @pytest.fixture(scope="module")
@@ -66,12 +66,33 @@ def test_global_shuffle_covers_every_document_once_per_epoch_in_a_new_order(corp
     assert _tags(_documents(other)[1], tok, 60) != epochs[0]
 
 
+def test_a_hugging_face_tokenizer_feeds_prepared_and_raw_sources(tmp_path, tmp_path_factory):
+    hf = h.tokenizer_path(tmp_path_factory, kind="hf")
+    tok = tokenizer_lib.load(hf)
+    docs = h.texts(30, "q")
+    corpus = h.prepared(tmp_path_factory, "hf_corpus", docs, hf)
+    h.write_jsonl(str(tmp_path / "raw.jsonl"), docs)
+    for overrides in (["dataset_type=arrayrecord", f"grain_train_files={corpus}/train-*"],  # the data's own copy
+                      ["dataset_type=arrayrecord", f"grain_train_files={corpus}/train-*", f"tokenizer_path={hf}"],
+                      ["dataset_type=jsonl", f"grain_train_files={tmp_path}/raw.jsonl", f"tokenizer_path={hf}"]):
+        opened, documents = _documents(h.config(*overrides, "eval_interval=-1", "vocab_size=320", "num_epoch=1"))
+        assert opened.kind == "huggingface" and opened.checksum == tok.checksum
+        epoch = list(documents)
+        assert all(d[0] == tok.bos_id and d[-1] == tok.eos_id for d in epoch)
+        assert sorted(tok.decode(d[1:-1]) for d in epoch) == sorted(docs)
+    other = h.tokenizer_path(tmp_path_factory, "other", seed=1)
+    with pytest.raises(DataError, match=rf"was tokenized with tokenizer {tok.checksum} .* Set "
+                                        rf"tokenizer_path={corpus}/tokenizer \(or leave it empty"):
+        _documents(h.config("dataset_type=arrayrecord", f"grain_train_files={corpus}/train-*", "vocab_size=320",
+                            f"tokenizer_path={other}"))
+
+
 def test_jsonl_shards_by_file_warns_when_uneven_and_shuffles_in_windows(tmp_path, tok_path):
     for i in range(3):
         h.write_jsonl(str(tmp_path / f"f{i}.jsonl"), h.texts(20, f"f{i}"))
     common = ["dataset_type=jsonl", f"grain_train_files={tmp_path}/*.jsonl", f"tokenizer_path={tok_path}",
               "eval_interval=-1", "vocab_size=320", "num_epoch=1"]
-    tok = Tokenizer.load(tok_path)
+    tok = tokenizer_lib.load(tok_path)
     seen, logs = [], []
     for host in range(2):
         _, docs = _documents(h.config(*common, "grain_shuffle_window=8"), host, 2, logs.append)
@@ -132,6 +153,20 @@ def test_padding_after_the_last_epoch_resumes_exactly(corpus_a, packing):
 def test_grain_worker_processes_resume_exactly(corpus_a):
     _resumes_exactly(h.config("dataset_type=arrayrecord", f"grain_train_files={corpus_a}/*.arrayrecord",
                               "eval_interval=-1", "vocab_size=320", "max_target_length=24", "grain_worker_count=1"))
+
+
+def test_grain_worker_processes_tokenize_with_a_hugging_face_tokenizer(tmp_path, tmp_path_factory):
+    """jsonl is tokenized in the Grain worker, which receives the tokenizer pickled (as its files' bytes)."""
+    hf = h.tokenizer_path(tmp_path_factory, kind="hf")
+    for name in ("w", "v"):
+        h.write_jsonl(str(tmp_path / f"{name}.jsonl"), h.texts(20, name))
+    cfg = h.config("dataset_type=jsonl", f"grain_train_files={tmp_path}/*.jsonl", f"tokenizer_path={hf}",
+                   "eval_interval=-1", "vocab_size=320", "max_target_length=40", "grain_worker_count=1")
+    inputs = make_inputs(cfg, log=lambda *_: None)
+    tags = [t for _ in range(3) for t in h.bos_documents(next(inputs.train_iterator), inputs.tokenizer)
+            if t and "-" in t]  # not a document cut by the row's end within its tag
+    assert len(tags) > 5 and {t.split("-")[0] for t in tags} == {"w", "v"}
+    _resumes_exactly(cfg)
 
 
 @pytest.mark.parametrize("kind", ["jsonl", "parquet"])

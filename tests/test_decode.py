@@ -7,6 +7,7 @@ of a binomial proportion over 20,000 draws.
 
 from __future__ import annotations
 
+import data_helpers as h
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,7 +15,8 @@ import pytest
 
 from maxtrain import checkpoint, decode, models, optimizer, precision, sharding
 from maxtrain import config as config_lib
-from maxtrain.data import pipeline
+from maxtrain.data import DataError, pipeline
+from maxtrain.data import tokenizer as tokenizer_lib
 
 TINY = ["base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=64",
         "base_num_decoder_layers=2", "head_dim=16", "vocab_size=512", "max_target_length=32",
@@ -163,6 +165,36 @@ def test_decode_cli_loads_params_from_a_training_checkpoint(tiny, step_dir, caps
         decode.main([*argv, f"load_parameters_path={config.checkpoint_dir}/8"])
     with pytest.raises(config_lib.ConfigError, match="load_parameters_path"):
         decode.main(argv[:-3])
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "hf"])
+def test_decode_with_a_tokenizer_smaller_than_the_model_vocabulary(tiny, step_dir, kind, tmp_path_factory,
+                                                                    monkeypatch):
+    """The model (512 ids) emits ids the 320-piece tokenizer lacks: they decode to nothing, never an error."""
+    config = tiny[0]
+    path = h.tokenizer_path(tmp_path_factory, kind=kind)
+    tok = tokenizer_lib.load(path)
+    generated, generate = [], decode.generate
+    monkeypatch.setattr(decode, "generate", lambda *a, **k: generated.append(generate(*a, **k)) or generated[-1])
+    argv = ["configs/base.yml", *TINY, f"base_output_directory={config.base_output_directory}",
+            f"load_parameters_path={step_dir}", f"tokenizer_path={path}", "prompt=alpha beta", "max_new_tokens=16"]
+    text = decode.main(argv)
+    assert any(t >= tok.vocab_size for t in generated[0])  # the case this test is about happens
+    assert text == "alpha beta" + tok.decode([t for t in generated[0] if t < tok.vocab_size])
+    # More pieces than the model has ids: refused before the checkpoint is read (it would not fit either).
+    with pytest.raises(DataError, match=rf"the tokenizer {path} has 320 pieces but vocab_size=300: .*"
+                                        "Set vocab_size=320 or more"):
+        decode.main([*argv, "vocab_size=300"])
+
+
+def test_generate_stops_at_any_of_several_eos_ids(tiny):
+    config, rt, params = tiny
+    prompt = [1, 17, 99, 250, 3]  # the shapes of the first test: compiled already
+    new = decode.generate(params, prompt, config, rt, max_new_tokens=20)
+    first, second = new[4], new[7]
+    assert decode.generate(params, prompt, config, rt, max_new_tokens=20, eos_id=(second, first)) == \
+        new[:new.index(first)]
+    assert decode.generate(params, prompt, config, rt, max_new_tokens=20, eos_id=second) == new[:new.index(second)]
 
 
 def test_load_params_places_arrays_on_the_mesh(tiny, step_dir):

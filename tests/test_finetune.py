@@ -13,6 +13,8 @@ import pytest
 from ckpt_helpers import REPO
 from maxtrain import checkpoint, convert, models, safetensors_files, train
 from maxtrain import config as config_lib
+from maxtrain.data import tokenizer as tokenizer_lib
+from maxtrain.data import tokenizer_training
 
 RUN = ["dataset_type=synthetic", "steps=2", "per_device_batch_size=1", "max_target_length=32", "eval_interval=-1",
        "max_new_tokens=0", "enable_tensorboard=false", "log_period=1000", "dtype=float32"]
@@ -24,7 +26,7 @@ def imported(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("imported")
     cfg = config_lib.load_config([str(REPO / "configs" / "base.yml"), "decoder_block=gemma2", "base_emb_dim=32",
                                   "base_num_query_heads=2", "base_num_kv_heads=1", "head_dim=16", "base_mlp_dim=64",
-                                  "base_num_decoder_layers=2", "vocab_size=256", "sliding_window_size=8",
+                                  "base_num_decoder_layers=2", "vocab_size=320", "sliding_window_size=8",
                                   "attn_logits_soft_cap=20.0", "final_logits_soft_cap=15.0",
                                   "query_pre_attn_scalar=16.0", "normalization_layer_epsilon=1.0e-6",
                                   "logits_via_embedding=true"])
@@ -36,6 +38,9 @@ def imported(tmp_path_factory):
     hf_dir.mkdir()
     safetensors_files.write(str(hf_dir / "model.safetensors"), convert.to_hf(params, keys, np.float32))
     (hf_dir / "config.json").write_text(json.dumps(convert.hf_config(keys, None, "float32")))
+    # A byte-level BPE tokenizer.json with its config files, as Hugging Face repositories have them.
+    texts = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(400)]
+    tokenizer_training.train_hf(texts, 300).write(str(hf_dir))
     convert.import_hf(str(hf_dir), str(tmp / "out"), log=lambda *a: None)
     return tmp / "out", keys
 
@@ -51,6 +56,28 @@ def test_load_parameters_path_alone_adopts_the_model_and_trains(imported, tmp_pa
     # The run's checkpoints keep the import's source, so an export writes the original config.json.
     meta = checkpoint.read_metadata(checkpoint.find_step_dir(str(tmp_path / "ft")))
     assert meta["source"]["hf_config"]["model_type"] == "gemma2"
+
+
+def test_an_imported_model_fine_tunes_with_its_own_tokenizer_and_exports_with_it(imported, tmp_path, capsys):
+    """load_parameters_path=OUT alone: the model and its Hugging Face tokenizer are adopted, the default corpus
+    is tokenized with that tokenizer, and the export carries the original config.json and the tokenizer."""
+    out, keys = imported
+    result = train.main([str(REPO / "configs" / "base.yml"), *RUN, "dataset_type=default", "default_corpus_max_mb=0.2",
+                         "eval_interval=-1", f"dataset_cache_dir={tmp_path / 'cache'}", f"load_parameters_path={out}",
+                         f"base_output_directory={tmp_path}", "run_name=ft_tok"])
+    assert f"and its tokenizer {out}/hf" in capsys.readouterr().out
+    assert result["config"].tokenizer_path == str(out / "hf")
+    exported = tmp_path / "export"
+    convert.export_hf(str(tmp_path / "ft_tok"), str(exported), "float32", log=lambda *a: None)
+    original = json.loads((out / "hf" / "config.json").read_text())
+    assert json.loads((exported / "config.json").read_text()) == {**original, "torch_dtype": "float32",
+                                                                  "dtype": "float32"}
+    assert (exported / "tokenizer.json").read_bytes() == (out / "hf" / "tokenizer.json").read_bytes()
+    assert (exported / "generation_config.json").is_file()
+    transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
+    text = "def f7(x):\n    return x"
+    theirs = transformers.AutoTokenizer.from_pretrained(str(exported))(text, add_special_tokens=False)["input_ids"]
+    assert theirs == tokenizer_lib.load(str(out / "hf")).encode(text)
 
 
 @pytest.mark.parametrize("change", ["rope_max_timescale=20000.0", "normalization_layer_epsilon=1.0e-5",

@@ -9,6 +9,7 @@ import struct
 import zlib
 from html.parser import HTMLParser
 
+import data_helpers as h
 import jax
 import numpy as np
 import pytest
@@ -16,7 +17,8 @@ from tensorboardX.proto import event_pb2
 
 from maxtrain import config as config_lib
 from maxtrain import models, png, sharding, train, viz
-from maxtrain.data import pipeline
+from maxtrain.data import DataError, pipeline
+from maxtrain.data import tokenizer as tokenizer_lib
 
 TINY = ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=1", "base_mlp_dim=64",
         "base_num_decoder_layers=2", "head_dim=16", "vocab_size=512", "max_target_length=32",
@@ -184,3 +186,29 @@ def test_viz_cli_renders_a_checkpoint(run, capsys):
     assert open(path, encoding="utf-8").read() == step_2
     with pytest.raises(config_lib.ConfigError, match="dataset_type=default or set grain_eval_files"):
         viz.main([*run["argv"], "dataset_type=synthetic", f"load_parameters_path={config.checkpoint_dir}/2"])
+
+
+def test_viz_with_a_hugging_face_tokenizer_smaller_than_the_model(run, tmp_path_factory):
+    """A byte-level tokenizer.json of 320 pieces under the 512-id model: tokens read as text ('Ġ' as a space), and a
+    tokenizer larger than vocab_size is refused before the checkpoint is read."""
+    config = run["config"]
+    path = h.tokenizer_path(tmp_path_factory, kind="hf")
+    tok = tokenizer_lib.load(path)
+    page_path = f"{config.run_dir}/viz/step_2.html"
+    drawn_in_training = open(page_path, encoding="utf-8").read()
+    try:
+        assert viz.main([*run["argv"], f"load_parameters_path={config.checkpoint_dir}/2",
+                         f"tokenizer_path={path}"]) == page_path
+        spans = TokenSpans.parse(open(page_path, encoding="utf-8").read())
+    finally:
+        with open(page_path, "w", encoding="utf-8") as f:  # the other tests compare with training's page
+            f.write(drawn_in_training)
+    eval_docs = pipeline.default_corpus_documents(config.replace(tokenizer_path=path))[2]
+    host = pipeline.eval_batches(eval_docs, config, 0, 1, 1)[0]
+    ids = [int(host["inputs"][0, 0])] + [int(t) for t in host["targets"][0]]
+    assert [s["text"] for s in spans[:len(ids)]] == [tok.piece(i) for i in ids]
+    assert spans[0]["text"] == "<|begin_of_text|>" and any(" " in s["text"] for s in spans)
+    assert not any("Ġ" in s["text"] or "Ċ" in s["text"] for s in spans)
+    with pytest.raises(DataError, match=rf"the tokenizer {path} has 320 pieces but vocab_size=300"):
+        viz.main([*run["argv"], f"load_parameters_path={config.checkpoint_dir}/2", f"tokenizer_path={path}",
+                  "vocab_size=300"])

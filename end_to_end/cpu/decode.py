@@ -39,12 +39,13 @@ def cache_agrees_with_full_forward(checkpoint: str, extra: list[str]) -> tuple[i
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
     from maxtrain import config as config_lib, decode, models, sharding  # pylint: disable=import-outside-toplevel
+    from maxtrain.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
 
     config = config_lib.load_config([str(common.ROOT / "configs" / "base.yml"), *extra,
                                      f"load_parameters_path={checkpoint}"])
     tokenizer = decode.tokenizer_for(config)
     params, rt, mesh = decode.load_model(config)
-    prompt = [tokenizer.bos_id] + tokenizer.encode(PROMPT)
+    prompt = tokenizer_lib.prompt_ids(tokenizer, PROMPT)
     with sharding.activation_sharding(mesh, config.logical_axis_rules):
         new = decode.generate(params, prompt, config, rt, max_new_tokens=NEW_TOKENS)
         tokens = jnp.asarray([prompt + new], jnp.int32)

@@ -3,7 +3,8 @@
     sources.py      where documents come from (default corpus, ArrayRecord, jsonl, parquet; mixtures)
     prepared.py     the prepared-data format (tokenized ArrayRecord shards + metadata.json)
     prepare.py      raw text -> prepared data (scripts/prepare_data.py), text_files.py reads raw text
-    tokenizer.py    sentencepiece
+    tokenizer.py    load(path): sentencepiece models and Hugging Face tokenizer.json / model directories
+    tokenizer_training.py  training either kind (scripts/train_tokenizer.py, the default corpus)
     packing.py      documents -> rows with segment ids and positions
     hosts.py        host sharding, padding batches, host batch -> global jax.Array
     evaluation.py   eval batches: first N, or exactly one epoch, the same count on every host

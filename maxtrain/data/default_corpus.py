@@ -19,6 +19,7 @@ import tempfile
 import numpy as np
 
 from maxtrain.data import tokenizer as tokenizer_lib
+from maxtrain.data import tokenizer_training
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idlelib", "turtledemo"}
 
@@ -82,7 +83,7 @@ def _atomic_write(path: str, write) -> None:
 
 def _encode_documents(tokenizer, texts: list[str]) -> list[np.ndarray]:
     """Each document as int32 [BOS, tokens..., EOS]."""
-    return [np.asarray([tokenizer.bos_id, *ids, tokenizer.eos_id], np.int32) for ids in tokenizer.encode_batch(texts)]
+    return [np.asarray(tokenizer_lib.document(tokenizer, ids), np.int32) for ids in tokenizer.encode_batch(texts)]
 
 
 def _save_docs(f, docs: list[np.ndarray]) -> None:
@@ -98,17 +99,18 @@ def _load_docs(path: str) -> list[np.ndarray]:
 
 def documents(config, log=print):
     """(tokenizer, train docs, eval docs) for the embedded corpus; trains and caches as needed."""
+    if config.tokenizer_path:  # checked before the corpus is read
+        tokenizer = tokenizer_lib.load(config.tokenizer_path)
+        tokenizer_lib.check_vocab(tokenizer, config.vocab_size)
     train_texts, eval_texts, fingerprint = load_documents(config.default_corpus_max_mb, config.eval_split_fraction)
-    if config.tokenizer_path:
-        tokenizer = tokenizer_lib.Tokenizer.load(config.tokenizer_path)
-    else:
+    if not config.tokenizer_path:
         path = os.path.join(config.cache_dir, f"default-{fingerprint}-v{config.vocab_size}.model")
         if not os.path.isfile(path):
             log(f"Training a {config.vocab_size}-piece tokenizer on the default corpus -> {path}")
-            trained = tokenizer_lib.train(train_texts, config.vocab_size)
-            _atomic_write(path, lambda f: f.write(trained.model_proto))
-        tokenizer = tokenizer_lib.Tokenizer.load(path)
-    tokenizer_lib.check_vocab(tokenizer, config.vocab_size)
+            tokenizer_training.train_sentencepiece(train_texts, config.vocab_size).write(path)
+        tokenizer = tokenizer_lib.load(path)
+        tokenizer_lib.check_vocab(tokenizer, config.vocab_size)
+    tokenizer_lib.warn_if_no_eos(tokenizer, log)
 
     docs = {}
     for split, texts in (("train", train_texts), ("eval", eval_texts)):

@@ -21,7 +21,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import shutil
 import sys
 import time
 
@@ -94,8 +93,8 @@ def _is_eval(text: str, fraction: float) -> bool:
 _worker: dict = {}
 
 
-def _init_worker(tokenizer_proto: bytes, progress_counter) -> None:
-    _worker["tokenizer"] = tokenizer_lib.Tokenizer(tokenizer_proto)
+def _init_worker(tokenizer, progress_counter) -> None:
+    _worker["tokenizer"] = tokenizer  # pickled to each worker as its files' bytes
     _worker["progress"] = progress_counter
 
 
@@ -118,7 +117,7 @@ def process_unit(job: dict) -> dict:
     def flush(texts):
         for text, ids in zip(texts, tok.encode_batch(texts)):
             split = "eval" if _is_eval(text, settings["eval_fraction"]) else "train"
-            doc = [tok.bos_id, *ids, tok.eos_id]
+            doc = tokenizer_lib.document(tok, ids)
             records[split].append(prepared.encode_record(doc, dtype))
             tokens[split] += len(doc)
 
@@ -195,7 +194,8 @@ def _parse(argv):
     p = argparse.ArgumentParser(prog="prepare_data.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--input", action="append", required=True,
                    help="glob of .txt/.jsonl/.parquet files (.gz/.zst allowed); repeat for more")
-    p.add_argument("--tokenizer", required=True, help="sentencepiece .model (make one with train_tokenizer.py)")
+    p.add_argument("--tokenizer", required=True, help="sentencepiece .model, Hugging Face tokenizer.json, or a directory "
+                   "holding them (an HF model directory); make one with train_tokenizer.py")
     p.add_argument("--output-dir", required=True)
     p.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")
     p.add_argument("--txt-documents", default="file", choices=text_files.TXT_DOCUMENTS,
@@ -210,7 +210,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = _parse(sys.argv[1:] if argv is None else argv)
     if not 0.0 <= args.eval_fraction < 1.0:
         raise DataError(f"--eval-fraction={args.eval_fraction} must be in [0, 1)")
-    tok = tokenizer_lib.Tokenizer.load(args.tokenizer)
+    tok = tokenizer_lib.load(args.tokenizer, "--tokenizer")
+    tokenizer_lib.warn_if_no_eos(tok, lambda line: print(f"prepare_data: {line}", file=sys.stderr))
     files = expand_inputs(args.input)
     units = plan_units(files, int(args.shard_mb * 1e6), args.txt_documents)
     out = args.output_dir
@@ -239,12 +240,12 @@ def main(argv: list[str] | None = None) -> dict:
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
         counter = context.Value("q", 0)
         if args.workers <= 1:  # in this process: no start-up cost for small inputs
-            _init_worker(tok.model_proto, counter)
+            _init_worker(tok, counter)
             for job in jobs:
                 markers[job["index"]] = process_unit(job)
                 bar.draw(counter.value, len(markers))
         else:
-            with context.Pool(min(args.workers, len(jobs)), _init_worker, (tok.model_proto, counter)) as pool:
+            with context.Pool(min(args.workers, len(jobs)), _init_worker, (tok, counter)) as pool:
                 results = pool.imap_unordered(process_unit, jobs)
                 while len(markers) < len(units):
                     try:
@@ -256,7 +257,7 @@ def main(argv: list[str] | None = None) -> dict:
                     bar.draw(counter.value, len(markers))
         bar.draw(counter.value, len(markers), final=True)
 
-    shutil.copyfile(args.tokenizer, os.path.join(out, prepared.TOKENIZER))
+    tok.write(os.path.join(out, prepared.tokenizer_copy_name(tok)))
     metadata = _metadata(args, tok, files, [markers[i] for i in range(len(units))], settings)
     _write_json(os.path.join(out, prepared.METADATA), metadata)
     stale = sorted(set(n for n in os.listdir(out) if n.endswith(".arrayrecord")) - set(metadata["shards"]))
@@ -289,8 +290,9 @@ def _metadata(args, tok, files, markers, settings) -> dict:
         "format": prepared.FORMAT, "version": prepared.VERSION,
         "record": f"one document per record: [bos, tokens..., eos] as little-endian {settings['token_dtype']}",
         "token_dtype": settings["token_dtype"],
-        "tokenizer": {"checksum": tok.checksum, "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
-                      "eos_id": tok.eos_id, "file": prepared.TOKENIZER, "prepared_with": os.path.abspath(args.tokenizer)},
+        "tokenizer": {"checksum": tok.checksum, "kind": tok.kind, "vocab_size": tok.vocab_size, "bos_id": tok.bos_id,
+                      "eos_id": tok.eos_id, "pad_id": tok.pad_id, "file": prepared.tokenizer_copy_name(tok),
+                      "prepared_with": os.path.abspath(args.tokenizer)},
         "text_field": args.text_field, "txt_documents": args.txt_documents, "eval_fraction": args.eval_fraction,
         "sources": [{"path": os.path.abspath(f), "bytes": os.path.getsize(f)} for f in files],
         "empty_documents_skipped": sum(m["empty_documents"] for m in markers),

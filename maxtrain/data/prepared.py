@@ -4,7 +4,8 @@ A directory written by scripts/prepare_data.py holds
 
     train-00000-of-00008.arrayrecord ...   one record per document: [bos, tokens..., eos] as
     eval-00003-of-00008.arrayrecord  ...   little-endian `token_dtype` (uint16 when the vocabulary fits)
-    tokenizer.model                        a copy of the tokenizer that made them
+    tokenizer.model  or  tokenizer/        a copy of the tokenizer that made them (a sentencepiece model, or
+                                           a directory with tokenizer.json and its config files)
     metadata.json                          tokenizer checksum, document and token counts per shard, sources
 
 Documents are stored whole, so `max_target_length` and the packing can change without
@@ -23,11 +24,16 @@ import numpy as np
 from maxtrain.data.errors import DataError
 
 METADATA = "metadata.json"
-TOKENIZER = "tokenizer.model"
+TOKENIZER = "tokenizer.model"      # the copy of a bare sentencepiece model
+TOKENIZER_DIR = "tokenizer"        # the copy of any other tokenizer (metadata.json's tokenizer.file names which)
 FORMAT = "maxtrain.tokenized_documents"
 VERSION = 1
 WRITER_OPTIONS = "group_size:1,zstd:3"  # random access: one record per chunk, each zstd-compressed
 _REPREPARE = "Delete it and re-run scripts/prepare_data.py with the same arguments (it rewrites missing shards)."
+
+
+def tokenizer_copy_name(tok) -> str:
+    return TOKENIZER if tok.single_file else TOKENIZER_DIR
 
 
 def token_dtype(vocab_size: int) -> str:
@@ -124,7 +130,7 @@ class PreparedDocuments:
         self._source = None
 
     def tokenizer_file(self) -> str:
-        return os.path.join(self.directories[0], TOKENIZER)
+        return os.path.join(self.directories[0], self.tokenizer.get("file", TOKENIZER))
 
     def __len__(self) -> int:
         return int(self.starts[-1])

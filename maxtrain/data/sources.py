@@ -96,24 +96,25 @@ def parse_files(spec: str, key: str) -> list[Component]:
     return components
 
 
-def _load_tokenizer(config, prepared_with: dict | None, prepared_dir: str | None) -> tokenizer_lib.Tokenizer:
+def _load_tokenizer(config, prepared_with: dict | None, prepared_dir: str | None, log=print) -> tokenizer_lib.Tokenizer:
+    copy = os.path.join(prepared_dir, prepared_with.get("file", prepared.TOKENIZER)) if prepared_with else None
     if config.tokenizer_path:
-        tok = tokenizer_lib.Tokenizer.load(config.tokenizer_path)
+        tok = tokenizer_lib.load(config.tokenizer_path)
         if prepared_with and tok.checksum != prepared_with["checksum"]:
             raise DataError(f"the prepared data in {prepared_dir} was tokenized with tokenizer {prepared_with['checksum']}"
                             f" ({prepared_with.get('prepared_with')}), but tokenizer_path={config.tokenizer_path!r} "
-                            f"has checksum {tok.checksum}. Set tokenizer_path={os.path.join(prepared_dir, prepared.TOKENIZER)} "
+                            f"has checksum {tok.checksum}. Set tokenizer_path={copy} "
                             "(or leave it empty to use that one), or re-run prepare_data.py with this tokenizer.")
     elif prepared_with:
-        tok = tokenizer_lib.Tokenizer.load(os.path.join(prepared_dir, prepared.TOKENIZER))
+        tok = tokenizer_lib.load(copy)
         if tok.checksum != prepared_with["checksum"]:
-            raise DataError(f"{prepared_dir}/{prepared.TOKENIZER} does not match the checksum in its metadata.json; "
-                            "re-run prepare_data.py")
+            raise DataError(f"{copy} does not match the checksum in its metadata.json; re-run prepare_data.py")
     else:
         raise DataError(f"dataset_type={config.dataset_type} tokenizes text as it reads it and needs "
-                        "tokenizer_path=<sentencepiece .model>; train one with scripts/train_tokenizer.py "
+                        f"tokenizer_path=<{tokenizer_lib.ACCEPTS}>; train one with scripts/train_tokenizer.py "
                         f"--input '<your files>' --output tok.model --vocab-size {config.vocab_size}")
     tokenizer_lib.check_vocab(tok, config.vocab_size)
+    tokenizer_lib.warn_if_no_eos(tok, log)
     return tok
 
 
@@ -150,7 +151,7 @@ def open_sources(config, log=print) -> Sources:
         for c in train + evals:
             c.documents = prepared.PreparedDocuments(c.files)
         first = train[0].documents
-        tok = _load_tokenizer(config, first.tokenizer, first.directories[0])
+        tok = _load_tokenizer(config, first.tokenizer, first.directories[0], log)
         for key, components in (("grain_train_files", train), ("grain_eval_files", evals)):
             for c in components:
                 if c.documents.tokenizer["checksum"] != tok.checksum:
@@ -161,7 +162,7 @@ def open_sources(config, log=print) -> Sources:
         pool = prepared.PreparedDocuments([f for c in evals for f in c.files]) if evals else None
         return Sources(kind, tok, train, evals, pool)
     if kind in SEQUENTIAL:
-        tok = _load_tokenizer(config, None, None)
+        tok = _load_tokenizer(config, None, None, log)
         _check_text_files(train, kind, "grain_train_files", _column(config, "train"))
         _check_text_files(evals, kind, "grain_eval_files", _column(config, "eval"))
         return Sources(kind, tok, train, evals)
@@ -290,8 +291,7 @@ class _Encode:
         self.tokenizer = tokenizer
 
     def __call__(self, text: str) -> np.ndarray:
-        tok = self.tokenizer
-        return np.asarray([tok.bos_id, *tok.encode(text), tok.eos_id], np.int32)
+        return np.asarray(tokenizer_lib.document(self.tokenizer, self.tokenizer.encode(text)), np.int32)
 
 
 # --------------------------------------------------------------------------------------------

@@ -82,16 +82,6 @@ def plan_segments(types: list[LayerType], max_period: int = 8) -> list[Segment]:
     return segments
 
 
-def _kind_offsets(types: list[LayerType]) -> list[int]:
-    """For each layer, its index within its kind's parameter stack."""
-    seen: dict[str, int] = {}
-    out = []
-    for t in types:
-        out.append(seen.get(t.kind, 0))
-        seen[t.kind] = out[-1] + 1
-    return out
-
-
 def _sum_aux(total: dict, aux: dict) -> dict:
     out = dict(total)
     for key, value in aux.items():
@@ -99,70 +89,77 @@ def _sum_aux(total: dict, aux: dict) -> dict:
     return out
 
 
+def _segment_params(layer_params: dict, types: list[LayerType], seg: Segment) -> dict:
+    """{kind: that kind's parameters for the segment, [repeats, layers of the kind per group, ...]}: a
+    contiguous slice of the kind's stack, since each stack holds its layers in order."""
+    out = {}
+    for kind in sorted({t.kind for t in seg.period}):
+        first = sum(t.kind == kind for t in types[:seg.start])  # the kind's layers before the segment
+        per_group = sum(t.kind == kind for t in seg.period)
+        count = per_group * seg.repeats
+
+        def take(a, first=first, per_group=per_group, count=count):
+            part = a if (first == 0 and a.shape[0] == count) else jax.lax.slice_in_dim(a, first, first + count)
+            return part.reshape((seg.repeats, per_group) + a.shape[1:])
+        out[kind] = jax.tree.map(take, layer_params[kind])
+    return out
+
+
+def _segment_cache(cache, seg: Segment):
+    """The segment's (k, v) cache slots [repeats, period, B, S, G, H], or None when not decoding."""
+    if cache is None:
+        return None
+    size = len(seg.period) * seg.repeats
+    return tuple(a[seg.start:seg.start + size].reshape((seg.repeats, len(seg.period)) + a.shape[1:])
+                 for a in cache[:2])
+
+
+def _layer_fn(family, lt: LayerType, config, rt, scan: bool):
+    def fn(x, p, inputs):
+        return family.layer(x, p, inputs, lt, config, rt)
+    if rt.remat_policy == "none":
+        return fn
+    return jax.checkpoint(fn, policy=REMAT_POLICIES[rt.remat_policy], prevent_cse=not scan)
+
+
+def _run_group(family, period, x, group_params, group_cache, inputs: LayerInputs, config, rt, scan):
+    """The layers of one group, unrolled: (x, (aux summed over them, their new caches stacked or None))."""
+    aux_sum, new_caches, taken = {}, [], {}
+    for j, lt in enumerate(period):
+        i = taken.get(lt.kind, 0)
+        taken[lt.kind] = i + 1
+        p = jax.tree.map(lambda a, i=i: a[i], group_params[lt.kind])
+        layer_inputs = inputs if group_cache is None else inputs._replace(
+            cache=(group_cache[0][j], group_cache[1][j], inputs.cache[2]))
+        x, aux = _layer_fn(family, lt, config, rt, scan)(x, p, layer_inputs)
+        if "cache" in aux:
+            new_caches.append(aux.pop("cache"))
+        aux_sum = _sum_aux(aux_sum, aux)
+    stacked = tuple(jnp.stack(parts) for parts in zip(*new_caches)) if new_caches else None
+    return x, (aux_sum, stacked)
+
+
 def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, scan: bool):
-    """Runs every layer. Returns (x, aux summed over layers, per-layer caches [L, ...] or None)."""
+    """Runs every layer. Returns (x, aux summed over layers, per-layer caches (k, v) [L, ...] or None)."""
     types = family.layer_types(config)
-    offsets = _kind_offsets(types)
-
-    def one_layer(lt: LayerType):
-        def fn(x, p, inputs):
-            return family.layer(x, p, inputs, lt, config, rt)
-        if rt.remat_policy == "none":
-            return fn
-        return jax.checkpoint(fn, policy=REMAT_POLICIES[rt.remat_policy], prevent_cse=not scan)
-
     segments = plan_segments(types) if scan else [Segment(i, (t,), 1) for i, t in enumerate(types)]
     aux_total, caches = {}, []
     for seg in segments:
-        p_len, start = len(seg.period), seg.start
-        # Each kind's parameters for this segment: [repeats, layers of that kind per group, ...].
-        per_group = {k: sum(t.kind == k for t in seg.period) for k in {t.kind for t in seg.period}}
-        seg_params = {}
-        for kind, n in per_group.items():
-            first = offsets[start + [t.kind for t in seg.period].index(kind)]
-            stack = layer_params[kind]
+        xs = (_segment_params(layer_params, types, seg), _segment_cache(inputs.cache, seg))
 
-            def take(a, first=first, n=n):
-                whole = first == 0 and a.shape[0] == n * seg.repeats
-                part = a if whole else jax.lax.slice_in_dim(a, first, first + n * seg.repeats)
-                return part.reshape((seg.repeats, n) + a.shape[1:])
-            seg_params[kind] = jax.tree.map(take, stack)
-        seg_cache = None
-        if inputs.cache is not None:
-            k_all, v_all, index = inputs.cache
-            seg_cache = jax.tree.map(
-                lambda a: a[start:start + p_len * seg.repeats].reshape((seg.repeats, p_len) + a.shape[1:]),
-                (k_all, v_all))
-
-        def group(x, group_params, group_cache, seg=seg):
-            aux_sum, new_caches, seen = {}, [], {}
-            for j, lt in enumerate(seg.period):
-                p = jax.tree.map(lambda a, i=seen.get(lt.kind, 0): a[i], group_params[lt.kind])
-                seen[lt.kind] = seen.get(lt.kind, 0) + 1
-                layer_inputs = inputs if group_cache is None else inputs._replace(
-                    cache=(group_cache[0][j], group_cache[1][j], inputs.cache[2]))
-                x, aux = one_layer(lt)(x, p, layer_inputs)
-                if "cache" in aux:
-                    new_caches.append(aux.pop("cache"))
-                aux_sum = _sum_aux(aux_sum, aux)
-            stacked = None
-            if new_caches:
-                stacked = tuple(jnp.stack([c[i] for c in new_caches]) for i in range(2))
-            return x, (aux_sum, stacked)
+        def group(x, xs, period=seg.period):
+            return _run_group(family, period, x, *xs, inputs, config, rt, scan)
 
         if seg.repeats == 1:
-            x, (aux, cache) = group(x, jax.tree.map(lambda a: a[0], seg_params),
-                                    None if seg_cache is None else jax.tree.map(lambda a: a[0], seg_cache))
-            cache = None if cache is None else jax.tree.map(lambda a: a[None], cache)
+            x, (aux, cache) = group(x, jax.tree.map(lambda a: a[0], xs))
+            cache = jax.tree.map(lambda a: a[None], cache)
         else:
-            x, (aux, cache) = jax.lax.scan(lambda c, xs: group(c, *xs), x, (seg_params, seg_cache))
+            x, (aux, cache) = jax.lax.scan(group, x, xs)
             aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
         aux_total = _sum_aux(aux_total, aux)
         if cache is not None:
-            caches.append(jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), cache))
-    new_cache = None
-    if caches:
-        new_cache = tuple(jnp.concatenate([c[i] for c in caches]) for i in range(2))
+            caches.append(tuple(a.reshape((-1,) + a.shape[2:]) for a in cache))
+    new_cache = tuple(jnp.concatenate(parts) for parts in zip(*caches)) if caches else None
     return x, aux_total, new_cache
 
 

@@ -17,6 +17,11 @@ from __future__ import annotations
 
 import math
 
+EMBEDDING_NAMES = {
+    "token_embedding": ("model.embed_tokens.weight", None),
+    "final_norm": ("model.norm.weight", None),
+    "output": ("lm_head.weight", 1),
+}
 ATTENTION_NAMES = {
     "layers/decoder/wq": ("model.layers.{i}.self_attn.q_proj.weight", 1),
     "layers/decoder/wk": ("model.layers.{i}.self_attn.k_proj.weight", 1),

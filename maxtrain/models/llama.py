@@ -58,9 +58,7 @@ def flops_per_token(config, dense_attention: bool = False) -> float:
 
 # maxtrain parameter path -> Hugging Face tensor name ("{i}": layer index); see hf.py for the layouts.
 HF_NAMES = {
-    "token_embedding": ("model.embed_tokens.weight", None),
-    "final_norm": ("model.norm.weight", None),
-    "output": ("lm_head.weight", 1),
+    **hf.EMBEDDING_NAMES,
     "layers/decoder/attn_norm": ("model.layers.{i}.input_layernorm.weight", None),
     "layers/decoder/mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
     **hf.ATTENTION_NAMES, **hf.MLP_NAMES,
