@@ -3,13 +3,14 @@
     python -m maxtrain.evaluate configs/base.yml load_parameters_path=<run>/checkpoints/300 \\
         eval_tasks=hellaswag,arc_easy,mmlu:5 [eval_tasks_max_examples=1000] [run_name=...]
 
-The same code as in training (maxtrain/evals). The config must describe the checkpoint's model (the
-same model_name and overrides; an imported Hugging Face model: its preset, see
-scripts/convert_hf.py); the tokenizer is tokenizer_path, or for dataset_type=default the default
-corpus' tokenizer. The evaluation data is checked and every request tokenized before the checkpoint
-is read. Results are printed and written to <base_output_directory>/<run_name>/eval_tasks.json
-(and each example's scores with eval_tasks_log_samples=true). Several processes split the requests
-between them, as in training.
+The same code as in training (maxtrain/evals). With no model chosen in the config (no model_name or
+model key), the checkpoint's model settings are adopted, and its tokenizer when tokenizer_path is
+unset (an imported Hugging Face model: python -m maxtrain.evaluate configs/base.yml
+load_parameters_path=OUT eval_tasks=..., see scripts/convert_hf.py); for dataset_type=default runs
+the tokenizer is the default corpus' tokenizer. The evaluation data is checked and every request
+tokenized before the checkpoint is read. Results are printed and written to
+<base_output_directory>/<run_name>/eval_tasks.json (and each example's scores with
+eval_tasks_log_samples=true). Several processes split the requests between them, as in training.
 """
 
 from __future__ import annotations

@@ -1,13 +1,11 @@
 """A tiny random Llama with a real byte-level BPE tokenizer, saved as a Hugging Face directory that
-both transformers/lm-eval and maxtrain (scripts/convert_hf.py import, the tokenizer loader) read.
+both transformers/lm-eval and maxtrain (scripts/convert_hf.py import, maxtrain.data.tokenizer.load) read.
 
 The tokenizer is trained with the `tokenizers` library on the evaluation texts themselves (a few
 thousand lines), adds BOS as Llama's tokenizers do, and is saved with tokenizer_config.json.
 """
 
 from __future__ import annotations
-
-import os
 
 from maxtrain.evals import data as data_lib
 
@@ -56,31 +54,3 @@ def make(hf_dir: str, cache_dir: str, seed: int = 0) -> str:
     model.save_pretrained(hf_dir)
     return hf_dir
 
-
-class HFTokenizer:
-    """maxtrain's tokenizer interface over a tokenizer.json, until maxtrain.data.tokenizer.load reads
-    Hugging Face directories itself (issue 10); `load` below prefers that loader when it exists."""
-
-    def __init__(self, hf_dir: str):
-        from tokenizers import Tokenizer  # pylint: disable=import-outside-toplevel
-
-        self.path = hf_dir
-        self.tok = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
-        self.bos_id, self.eos_id, self.pad_id = (self.tok.token_to_id(t) for t in ("<s>", "</s>", "<pad>"))
-        self.vocab_size = self.tok.get_vocab_size()
-        self.checksum = "test"
-
-    def encode(self, text):
-        return self.tok.encode(text, add_special_tokens=False).ids
-
-    def encode_batch(self, texts):
-        return [e.ids for e in self.tok.encode_batch(list(texts), add_special_tokens=False)]
-
-    def decode(self, ids):
-        return self.tok.decode(list(ids))
-
-
-def load_tokenizer(hf_dir: str):
-    from maxtrain.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
-
-    return tokenizer_lib.load(hf_dir) if hasattr(tokenizer_lib, "load") else HFTokenizer(hf_dir)

@@ -1,9 +1,10 @@
 """maxtrain's downstream scores against lm-eval 0.4.13's, on a tiny random Llama made with transformers.
 
 The model (tests/hf_eval_model.py: a byte-level BPE tokenizer adding BOS, Llama weights drawn at a
-scale that gives lively logits) is imported with scripts/convert_hf.py's code and scored by maxtrain
-on the first 228 examples of every task (MMLU: 4 per subject, 0-shot and 5-shot from the dev split);
-lm-eval scores the same directory (`--model hf`, float32, the same max_length) through local task
+scale that gives lively logits) is imported with scripts/convert_hf.py's code and scored by
+`python -m maxtrain.evaluate` (its main(), in this process; the model settings and the Hugging Face
+tokenizer adopted from the imported checkpoint) on the first 228 examples of every task (MMLU: 4 per
+subject, 0-shot and 5-shot from the dev split); lm-eval scores the same directory (`--model hf`, float32, the same max_length) through local task
 YAMLs on the same files (scripts/lm_eval_reference.py). For every example the request strings must
 be equal, every log-likelihood within 2e-3, and the chosen answer the same, except where lm-eval's
 own best two choices are closer than that (a tie at float32 precision); accuracies within 0.5 points.
@@ -21,7 +22,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import numpy as np
 import pytest
 
@@ -53,9 +53,9 @@ def test_per_example_choices_and_accuracies_equal_lm_eval(tmp_path, eval_cache):
                     "with `pip install torch==2.13.0 lm-eval==0.4.13 accelerate` (.ci/run makes one)")
     import hf_eval_model  # pylint: disable=import-outside-toplevel
 
-    from maxtrain import config as config_lib  # pylint: disable=import-outside-toplevel
-    from maxtrain import convert, evals, models, sharding  # pylint: disable=import-outside-toplevel
+    from maxtrain import convert  # pylint: disable=import-outside-toplevel
     from maxtrain import evaluate as evaluate_lib  # pylint: disable=import-outside-toplevel
+    from maxtrain.evals import data as data_lib  # pylint: disable=import-outside-toplevel
     from maxtrain.evals import tasks as tasks_lib  # pylint: disable=import-outside-toplevel
 
     hf_dir = str(tmp_path / "hf")
@@ -67,25 +67,20 @@ def test_per_example_choices_and_accuracies_equal_lm_eval(tmp_path, eval_cache):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
 
-    overrides = convert.import_hf(hf_dir, str(tmp_path / "mt"))
+    # maxtrain's side is the standalone command on the imported model: its settings and its Hugging Face
+    # tokenizer (OUT/hf) are adopted from the checkpoint, as `python -m maxtrain.evaluate` does for a user
+    convert.import_hf(hf_dir, str(tmp_path / "mt"))
+    files = data_lib.open_cache(eval_cache, list(data_lib.FILES))
     ours = {}
     for spec in (TASKS, "mmlu:5"):
-        config = config_lib.load_config([BASE, *[f"{k}={convert.yaml_value(v)}" for k, v in overrides.items()],
-                                         f"eval_tasks={spec}", f"eval_tasks_max_examples={LIMIT}",
-                                         f"eval_tasks_max_target_length={LENGTH}", "eval_tasks_per_device_batch_size=1",
-                                         f"eval_tasks_cache_dir={eval_cache}", "dtype=float32",
-                                         f"base_output_directory={tmp_path}", "run_name=ours",
-                                         f"load_parameters_path={tmp_path}/mt"])
-        config = config_lib.with_devices(config, jax.device_count())
-        mesh = sharding.create_mesh(config)
-        evaluator = evals.TaskEvaluator(config, hf_eval_model.load_tokenizer(hf_dir), mesh,
-                                        models.Runtime.from_config(config), log=print)
-        params, _ = evaluate_lib.load_params(config, mesh)
-        with sharding.activation_sharding(mesh, config.logical_axis_rules):
-            results = evaluator.evaluate(params)
-        for task, shots in evaluator.tasks.items():
-            examples = [e for e in evaluator.examples if e.task == task]
-            ours[f"{task}:{shots}"] = (examples, results[task])
+        results = evaluate_lib.main([BASE, f"load_parameters_path={tmp_path}/mt", f"eval_tasks={spec}",
+                                     f"eval_tasks_max_examples={LIMIT}", f"eval_tasks_max_target_length={LENGTH}",
+                                     "eval_tasks_per_device_batch_size=1", f"eval_tasks_cache_dir={eval_cache}",
+                                     "dtype=float32", f"base_output_directory={tmp_path}", f"run_name=ours{len(ours)}"])
+        for item in spec.split(","):
+            task, _, shots = item.partition(":")
+            examples = tasks_lib.load_examples(task, files[task], int(shots or 0), LIMIT)
+            ours[f"{task}:{shots or 0}"] = (examples, results[task])
 
     log = reference.communicate(timeout=900)[0]
     assert reference.returncode == 0, log[-5000:]
