@@ -11,8 +11,12 @@ the softmax is ever empty. Padding is kept out of the loss by the loss weights, 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+
+from maxtrain import sharding
 
 IMPLEMENTATIONS = ("autoselected", "dot_product", "flash", "cudnn")
 
@@ -62,59 +66,60 @@ def dot_product_attention(q, k, v, mask, *, scale: float | None = None, logits_s
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
-def _cudnn_attention(q, k, v, segment_ids, causal, scale):
-    # jax.nn.dot_product_attention takes BTNH and handles GQA (N a multiple of G) itself.
-    mask = make_attention_mask(segment_ids, segment_ids, causal=causal)[:, None]
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, implementation="cudnn")
-
-
-# What the kernels do not implement yet: a model that needs one of these runs dot_product under
+# What the kernels do not implement: a model that needs one of these runs dot_product under
 # `autoselected`, and an explicit `attention=flash|cudnn` is refused with this reason.
-KERNEL_LIMITS = {"flash": ("sliding_window", "logits_soft_cap"), "cudnn": ("sliding_window", "logits_soft_cap")}
+# (jax.nn.dot_product_attention's cuDNN path has local_window_size but no logit soft-capping.)
+KERNEL_LIMITS = {"cudnn": ("logits_soft_cap",)}
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+def canonical_platform(platform: str) -> str:
+    """cpu, gpu or tpu; "cuda" and "rocm" (device platform names) are "gpu"."""
+    name = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+    if name not in PLATFORMS:
+        raise ValueError(f"unknown platform {platform!r}: attention runs on one of {', '.join(PLATFORMS)}")
+    return name
 
 
 def _unsupported(name: str, features: dict) -> list[str]:
     return [f"{key}={features[key]}" for key in KERNEL_LIMITS.get(name, ()) if features.get(key)]
 
 
-def resolve_implementation(name: str, backend: str | None = None, *, dtype=None, head_dim: int | None = None,
+def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: int | None = None,
                            sliding_window: int = 0, logits_soft_cap: float = 0.0) -> str:
-    """Turns `attention` from the config into a concrete implementation for this backend.
+    """Turns `attention` from the config into a concrete implementation for the target platform.
 
-    Which implementation may run where (an invalid choice is a ValueError that says what to use):
+    `platform` is where the step will run (the Runtime's backend, or the target of an ahead-of-time
+    compile), never guessed from the machine doing the compiling. What may run where (an invalid
+    choice is a ValueError that says what to use):
 
-        backend  autoselected   dot_product   flash                          cudnn
-        cpu      dot_product    yes           yes, Pallas interpret mode     no
-        gpu      flash          yes           yes (Triton)                   bfloat16/float16, head_dim % 8 == 0, <= 256
-        tpu      dot_product    yes           no (the kernel is Triton-only)  no
+        platform  autoselected   dot_product   flash                              cudnn
+        cpu       dot_product    yes           yes, Pallas interpret mode         no
+        gpu       flash          yes           Pallas Triton kernel               bfloat16/float16, head_dim % 8 == 0,
+                                                                                  <= 256, no logits_soft_cap
+        tpu       flash          yes           Pallas splash kernel (Mosaic)      no
 
     On CPU the XLA einsum (dot_product) is the fastest; `flash` is allowed there only because
     Pallas can interpret the kernel on CPU (every grid program emulated with XLA ops: orders of
-    magnitude slower, for testing the kernel, never for training speed). On GPU `autoselected`
-    picks the Pallas flash kernel: it handles packed segment ids without materializing a
-    [B, T, S] mask (cudnn here needs that mask) and takes any head dim and dtype. Its speed
-    against cudnn on GPU has not been measured yet (docs/performance.md); `dtype` and `head_dim`,
-    when given, are checked against cudnn's limits.
+    magnitude slower, for testing the kernel, never for training speed). On GPU and TPU
+    `autoselected` picks the flash kernel: O(T) memory instead of the [B, N, T, S] scores, packed
+    segment ids without a materialized mask, sliding windows that skip whole blocks, and soft-caps.
     """
-    backend = backend or jax.default_backend()
+    platform = canonical_platform(platform)
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"attention={name!r} is not one of {', '.join(IMPLEMENTATIONS)}")
     features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
     if name == "autoselected":
-        return "flash" if backend == "gpu" and not _unsupported("flash", features) else "dot_product"
+        return "flash" if platform in ("gpu", "tpu") and not _unsupported("flash", features) else "dot_product"
     if _unsupported(name, features):
-        raise ValueError(f"attention={name} does not implement {' and '.join(_unsupported(name, features))} yet, "
-                         "which this model uses. Use attention=dot_product or attention=autoselected.")
-    if name == "flash" and backend not in ("cpu", "gpu"):
-        raise ValueError(
-            f"attention=flash needs an NVIDIA GPU (the Pallas kernel lowers through Triton) or the CPU "
-            f"(interpret mode, for testing), but JAX's backend is {backend!r}. "
-            "Use attention=dot_product or attention=autoselected.")
+        raise ValueError(f"attention={name} does not implement {' and '.join(_unsupported(name, features))}, "
+                         "which this model uses. Use attention=flash, dot_product or autoselected.")
     if name == "cudnn":
-        if backend != "gpu":
+        if platform != "gpu":
             raise ValueError(
-                f"attention=cudnn needs an NVIDIA GPU, but JAX's backend is {backend!r}. "
-                "Use attention=dot_product or attention=autoselected.")
+                f"attention=cudnn needs an NVIDIA GPU, but the platform is {platform!r}. "
+                "Use attention=flash, dot_product or autoselected.")
         if dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
             raise ValueError(
                 f"attention=cudnn needs dtype=bfloat16 or float16 (cuDNN's fused attention has no "
@@ -126,19 +131,82 @@ def resolve_implementation(name: str, backend: str | None = None, *, dtype=None,
     return name
 
 
-def describe(implementation: str, backend: str | None = None) -> str:
+def describe(implementation: str, platform: str) -> str:
     """The implementation's name as the start-up summary prints it."""
-    if implementation == "flash" and (backend or jax.default_backend()) == "cpu":
-        return "flash (Pallas interpret mode: slow, for testing the kernel)"
-    return implementation
+    if implementation != "flash":
+        return implementation
+    return {"cpu": "flash (Pallas interpret mode: slow, for testing the kernel)",
+            "gpu": "flash (Pallas Triton)", "tpu": "flash (Pallas splash)"}[canonical_platform(platform)]
 
 
-def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", causal: bool = True,
-              sliding_window: int = 0, logits_soft_cap: float = 0.0, scale: float | None = None,
-              block_q: int = 128, block_kv: int = 128):
+def gpu_shared_memory(devices) -> int:
+    """Shared memory per thread block (opt-in) of the GPUs in `devices`; a safe default if unknown."""
+    from maxtrain.kernels import flash_attention  # pylint: disable=import-outside-toplevel
+
+    limits = []
+    for device in devices or ():
+        try:
+            major, minor = (int(x) for x in str(device.compute_capability).split("."))
+        except (AttributeError, ValueError):
+            continue
+        limits.append(flash_attention.SHARED_MEMORY_BY_CAPABILITY.get((major, minor),
+                                                                       flash_attention.DEFAULT_SHARED_MEMORY))
+    return min(limits, default=flash_attention.DEFAULT_SHARED_MEMORY)
+
+
+def _local_devices(platform: str):
+    """This machine's devices of `platform`, if it has any (the target is then this machine)."""
+    try:
+        return jax.devices(platform)
+    except RuntimeError:
+        return None
+
+
+# Logical axes of the kernels' operands: split over the batch and head mesh axes, whole along the
+# sequence and head_dim (a kernel needs every key of its rows, and whole heads).
+_Q_AXES = ("batch", None, "heads", None)
+_KV_AXES = ("batch", None, "kv_heads", None)
+_SEGMENT_AXES = ("batch", None)
+
+
+def _per_shard(kernel, q, k, v, segment_ids):
+    """kernel(q, k, v, segment_ids) on each device's batch rows and heads, inside shard_map.
+
+    GSPMD cannot partition a Pallas or cuDNN custom call (it would gather the inputs, or, for a
+    TPU kernel, refuse), so every kernel runs on local shards and its inputs are never gathered.
+    """
+    specs = sharding.active_specs([_Q_AXES, _KV_AXES])
+    if specs is not None and specs[0][2] != specs[1][2]:
+        q_spec, kv_spec = specs
+        raise ValueError(
+            f"logical_axis_rules put 'heads' on {q_spec[2]} but 'kv_heads' on {kv_spec[2]}: attention kernels "
+            "need both on the same mesh axes, so that each device holds whole groups of query heads with "
+            "their kv head. Map them to the same axes, or use attention=dot_product.")
+    return sharding.run_in_shards(kernel, (q, k, v, segment_ids), (_Q_AXES, _KV_AXES, _KV_AXES, _SEGMENT_AXES),
+                                  _Q_AXES)
+
+
+def _cudnn_attention(q, k, v, segment_ids, *, causal, sliding_window, scale):
+    # jax.nn.dot_product_attention takes BTNH and handles GQA (N a multiple of G) itself.
+    mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, S]
+    window = None
+    if sliding_window > 0:
+        window = (sliding_window - 1, 0 if causal else k.shape[1])
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal,
+                                        local_window_size=window, implementation="cudnn")
+
+
+def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", platform: str | None = None,
+              causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0,
+              scale: float | None = None, block_q: int = 128, block_kv: int = 128, interpret: bool | None = None):
     """Self-attention over one (possibly packed) sequence; dispatches on `implementation`.
 
-    `implementation` must already be resolved (see resolve_implementation). scale defaults to H ** -0.5.
+    `implementation` must already be resolved (see resolve_implementation). The kernels (flash,
+    cudnn) need `platform`, the target the step is compiled for (cpu, gpu or tpu): flash is the
+    splash kernel on tpu and the Triton kernel on gpu and cpu; on cpu it is interpreted.
+    `interpret=True` interprets the target's kernel on this CPU instead (tests). Under
+    sharding.activation_sharding every kernel runs inside shard_map over the batch and head mesh
+    axes. scale defaults to H ** -0.5; block_q and block_kv are the kernels' largest tiles.
     """
     features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
     if _unsupported(implementation, features):
@@ -146,12 +214,30 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", caus
     if implementation == "dot_product":
         mask = make_attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
         return dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap)
-    if implementation == "flash":
+    if implementation not in ("flash", "cudnn"):
+        raise ValueError(f"unresolved attention implementation {implementation!r}")
+    if platform is None:
+        raise ValueError(f"attention={implementation} needs platform= (cpu, gpu or tpu: the target the step is "
+                         "compiled for, e.g. the Runtime's backend)")
+    platform = canonical_platform(platform)
+    interpret = platform == "cpu" if interpret is None else interpret
+    if implementation == "cudnn":
+        kernel = functools.partial(_cudnn_attention, causal=causal, sliding_window=sliding_window, scale=scale)
+    elif platform == "tpu":
+        from maxtrain.kernels import splash_attention  # pylint: disable=import-outside-toplevel
+
+        kernel = functools.partial(splash_attention.splash_attention, causal=causal, sliding_window=sliding_window,
+                                   logits_soft_cap=logits_soft_cap, scale=scale, block_q=block_q,
+                                   block_kv=block_kv, interpret=interpret)
+    else:
         from maxtrain.kernels import flash_attention  # pylint: disable=import-outside-toplevel
 
-        return flash_attention.flash_attention(
-            q, k, v, segment_ids, segment_ids, causal=causal, block_q=block_q, block_k=block_kv, sm_scale=scale,
-            interpret=jax.default_backend() == "cpu")
-    if implementation == "cudnn":
-        return _cudnn_attention(q, k, v, segment_ids, causal, scale)
-    raise ValueError(f"unresolved attention implementation {implementation!r}")
+        devices = sharding.active_devices() or _local_devices(platform)
+        shared_memory = gpu_shared_memory(devices) if platform == "gpu" else flash_attention.DEFAULT_SHARED_MEMORY
+
+        def kernel(q, k, v, segment_ids):
+            return flash_attention.flash_attention(
+                q, k, v, segment_ids, segment_ids, causal=causal, sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap, sm_scale=scale, block_q=block_q, block_k=block_kv,
+                shared_memory=shared_memory, interpret=interpret)
+    return _per_shard(kernel, q, k, v, segment_ids)

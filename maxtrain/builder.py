@@ -32,6 +32,16 @@ def load_config(argv: list[str], log=print):
     return checkpoint_lib.adopt_model_settings(config_lib.load_config(argv), log)
 
 
+def runtime(config, platform: str | None = None) -> models.Runtime:
+    """The backend's resolved choices; a choice this backend cannot run is a config error."""
+    try:
+        return models.Runtime.from_config(config, platform)
+    except ValueError as e:  # attention / dtype choices the platform lacks (attention.resolve_implementation)
+        if isinstance(e, config_lib.ConfigError):
+            raise
+        raise config_lib.ConfigError(str(e)) from e
+
+
 def platform_of(device) -> str:
     """'cpu', 'gpu' or 'tpu' for a device (also a topology's device that this machine cannot run)."""
     name = getattr(device, "platform", "cpu").lower()
@@ -97,7 +107,7 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
     if num_processes is None:
         num_processes = len({getattr(d, "process_index", 0) for d in devices})
     config = config_lib.with_devices(config, len(devices), num_processes)
-    rt = models.Runtime.from_config(config, platform)
+    rt = runtime(config, platform)
     mesh = sharding.create_mesh(config, devices)
     rules = config.logical_axis_rules
     tx = optimizer.make_optimizer(config)

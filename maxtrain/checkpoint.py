@@ -8,7 +8,14 @@ Layout (see docs/checkpoints.md):  <run>/checkpoints/<step>/{state, data, metada
 Saving is asynchronous by default: the arrays are copied off the device and written in the
 background while training continues. Orbax writes into `<step>.orbax-checkpoint-tmp-*` and renames
 it to `<step>` when complete, so a crash mid-save never leaves a checkpoint that looks complete;
-leftover temporary directories are removed when the next run starts.
+leftover temporary directories are removed when the next run starts. Once Orbax has finished, each
+process writes the checksums of the files it wrote into `<step>/checksums/` (checksums.py).
+
+Which step is "the latest usable" is decided by one function, `latest_usable_step`, which the
+trainer, `inspect` and the fallback all call: the newest step directory that has its state/, whose
+files match their checksums and whose metadata reads. A damaged step (one that fails those checks,
+or whose restore fails) is moved aside to <run>/damaged_checkpoints/<step> (never deleted), the run
+says so, and resumes from the newest usable step before it.
 
 Where a run starts (`plan_start`): its own latest checkpoint (resume), else `load_full_state_path`,
 else `load_parameters_path` (params only, fresh optimizer), else a fresh init. Whatever it loads is
@@ -37,15 +44,17 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from maxtrain import models
+from maxtrain import checksums, models
+from maxtrain.errors import UserError
 
 # Config keys that describe the model; the shape keys are named in errors when a checkpoint does not fit,
 # the setting keys (family, RoPE, epsilon, soft-caps, window) must equal the checkpoint's.
 MODEL_KEYS = models.MODEL_KEYS
 _TMP_MARK = ".orbax-checkpoint-tmp"
+DAMAGED_DIR = "damaged_checkpoints"  # beside checkpoints/, where damaged steps are moved
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint that cannot be written, found or loaded, or does not fit; the message says what to do."""
 
 
@@ -86,6 +95,8 @@ class Checkpointer:
         )
         if jax.process_index() == 0:
             remove_partial_checkpoints(self.directory, log)
+        self.log = log
+        self.resume_step = settle_latest_step(self.directory, log)  # moves damaged steps aside
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=options,
@@ -96,9 +107,12 @@ class Checkpointer:
             },
         )
         self._saving = None  # step of a save whose outcome is not known yet
+        self._hashing = None  # (step, thread) writing the checksums of a finished save
+        self._hash_error = None
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        """The latest usable step (damaged ones were moved aside when this Checkpointer started)."""
+        return self.resume_step
 
     def save(self, step: int, state: dict, data_iterator, metadata: dict) -> None:
         metadata = {**metadata, "step": step, "saved_at": _now()}
@@ -112,27 +126,84 @@ class Checkpointer:
         self._saving = step
 
     def poll(self) -> None:
-        """Raises a CheckpointError as soon as a background save has failed (cheap; call every step)."""
+        """Raises a CheckpointError as soon as a background save has failed (cheap; call every step).
+        Once a save has finished, starts writing its checksums in a background thread."""
         if self._saving is not None and not self.manager.is_saving_in_progress():
-            self.wait()  # returns at once; raises if that save failed
+            self.wait(join=False)  # returns at once; raises if that save failed
 
     def restore(self, step: int, abstract_state: dict, data_iterator) -> dict:
-        """Restores the state (with the shardings of `abstract_state`) and, in place, the data iterator."""
-        try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state),
-                data=grain.checkpoint.CheckpointRestore(data_iterator),
-            ))
-        except Exception as e:  # pylint: disable=broad-except
-            raise CheckpointError(f"could not restore checkpoint {self.directory}/{step}: {type(e).__name__}: {e}. "
-                                  "If it is damaged, move that step directory away to resume from the one "
-                                  "before it.") from e
-        return restored.state
+        """Restores the state (with the shardings of `abstract_state`) and, in place, the data iterator.
 
-    def wait(self) -> None:
+        A step that does not restore is damaged: it is moved aside and the newest usable step before
+        it is restored instead (the same fallback as a checksum mismatch). Returns the state; the
+        step restored is `self.resume_step`.
+        """
+        import threading  # pylint: disable=import-outside-toplevel
+
+        while True:
+            error, step_dir, found = None, os.path.join(self.directory, str(step)), {}
+            # The files are hashed while Orbax reads them (the page cache serves both): the check costs
+            # little more than the restore alone. A mismatch discards what was restored.
+            verifier = threading.Thread(target=lambda d=step_dir: found.update(
+                health=check_step(d, (jax.process_index(), jax.process_count()))), daemon=True)
+            verifier.start()
+            try:
+                restored = self.manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state),
+                    data=grain.checkpoint.CheckpointRestore(data_iterator),
+                ))
+            except Exception as e:  # pylint: disable=broad-except
+                error = (f"{step_dir}: it does not restore ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0][:300] if str(e) else ''})")
+            verifier.join()
+            health = found.get("health")
+            if health is not None and not health.usable:
+                error = health.problem  # names the file that does not match its checksum
+            if not any(_all_values(1 if error else 0)):
+                return restored.state
+            damaged = {step: error or f"{step_dir}: another process found it damaged"}
+            self.resume_step = settle_latest_step(self.directory, self.log, known_damaged=damaged)
+            self.manager.reload()
+            step = self.resume_step
+            self.log(f"Resuming from {self.directory}/{step}")
+
+    def intact(self, step: int) -> bool:
+        """Whether every file of the step matches its checksum, on every process' share of them (a damaged
+        step is left to restore(), which falls back from it)."""
+        health = check_step(os.path.join(self.directory, str(step)), (jax.process_index(), jax.process_count()))
+        return all(_all_values(1 if health.usable else 0))
+
+    def wait(self, join: bool = True) -> None:
+        """Waits for the save in flight; then writes its checksums (in the background unless `join`)."""
         with self._reporting(self._saving):
             self.manager.wait_until_finished()
-        self._saving = None
+        if self._saving is not None:
+            step, self._saving = self._saving, None
+            self._start_checksums(step)
+        if join:
+            self._join_checksums()
+
+    def _start_checksums(self, step: int) -> None:
+        import threading  # pylint: disable=import-outside-toplevel
+
+        self._join_checksums()
+        step_dir = os.path.join(self.directory, str(step))
+
+        def write():
+            try:
+                checksums.write(step_dir, jax.process_index(), jax.process_count())
+            except OSError as e:  # the step itself is complete: it stays usable, unverified
+                self._hash_error = f"could not write the checksums of {step_dir}: {e}"
+        self._hashing = threading.Thread(target=write, name=f"checksums-{step}", daemon=True)
+        self._hashing.start()
+
+    def _join_checksums(self) -> None:
+        if self._hashing is not None:
+            self._hashing.join()
+            self._hashing = None
+        if self._hash_error:
+            self.log(f"warning: {self._hash_error}; that step is kept, unverified")
+            self._hash_error = None
 
     def close(self) -> None:
         self.wait()
@@ -195,31 +266,180 @@ def remove_partial_checkpoints(checkpoints_dir: str, log=print) -> None:
             shutil.rmtree(os.path.join(checkpoints_dir, name), ignore_errors=True)
 
 
+def step_dirs(checkpoints_dir: str) -> list[int]:
+    """Every step directory's step (complete or not), oldest first."""
+    if not os.path.isdir(checkpoints_dir):
+        return []
+    return sorted(int(name) for name in os.listdir(checkpoints_dir)
+                  if name.isdigit() and os.path.isdir(os.path.join(checkpoints_dir, name)))
+
+
+@dataclasses.dataclass(frozen=True)
+class StepHealth:
+    step: int
+    step_dir: str
+    status: str                # "verified" | "unverified" (saved without checksums) | "damaged"
+    problem: str | None = None
+
+    @property
+    def usable(self) -> bool:
+        return self.status != "damaged"
+
+
+_CHECKED: dict = {}
+
+
+def check_step(step_dir: str, share: tuple[int, int] = (0, 1), contents: bool = True) -> StepHealth:
+    """Is this step usable? Its state/ must exist, its files match their checksums, its metadata read.
+    (The answer is remembered while no file of the step changes its size or modification time.)"""
+    try:
+        stamp = tuple((root, name, os.stat(os.path.join(root, name)).st_size, os.stat(os.path.join(root, name)).st_mtime_ns)
+                      for root, _, names in os.walk(step_dir) for name in sorted(names))
+    except OSError:
+        stamp = None
+    key = (os.path.realpath(step_dir), share, stamp, contents)
+    if stamp is None or key not in _CHECKED:
+        _CHECKED[key] = _check_step(step_dir, share, contents)
+    return _CHECKED[key]
+
+
+def _check_step(step_dir: str, share: tuple[int, int], contents: bool = True) -> StepHealth:
+    step = int(os.path.basename(step_dir)) if os.path.basename(step_dir).isdigit() else -1
+    if not os.path.isdir(os.path.join(step_dir, "state")):
+        return StepHealth(step, step_dir, "damaged", f"{os.path.join(step_dir, 'state')} is missing")
+    status, problem, _ = checksums.verify(step_dir, share, contents)
+    if problem is None:
+        try:
+            read_tree(step_dir)
+            read_metadata(step_dir)
+        except CheckpointError as e:
+            status, problem = "damaged", str(e)
+    return StepHealth(step, step_dir, status, problem)
+
+
+def latest_usable_step(checkpoints_dir: str, share: tuple[int, int] = (0, 1),
+                       known_damaged: dict[int, str] | None = None,
+                       contents: bool = True) -> tuple[StepHealth | None, list[StepHealth]]:
+    """(the newest usable step or None, the damaged steps newer than it, newest first).
+
+    The one rule for "the latest step": the trainer's resume, its fallback and `inspect` all use it.
+    known_damaged: {step: what is wrong} for steps already found damaged (e.g. a failed restore).
+    contents=False checks every file's presence and size but reads none (the trainer then hashes the
+    step's files while Orbax restores it, see Checkpointer.restore).
+    """
+    damaged = []
+    for step in reversed(step_dirs(checkpoints_dir)):
+        step_dir = os.path.join(checkpoints_dir, str(step))
+        if known_damaged and step in known_damaged:
+            health = StepHealth(step, step_dir, "damaged", known_damaged[step])
+        else:
+            health = check_step(step_dir, share, contents)
+        if health.usable:
+            return health, damaged
+        damaged.append(health)
+    return None, damaged
+
+
+def _damaged_root(checkpoints_dir: str) -> str:
+    return os.path.join(os.path.dirname(os.path.abspath(checkpoints_dir)), DAMAGED_DIR)
+
+
+def move_aside(health: StepHealth) -> str:
+    """Moves a damaged step to <run>/damaged_checkpoints/<step>[.N] (never deletes it); returns where."""
+    root = _damaged_root(os.path.dirname(health.step_dir))
+    os.makedirs(root, exist_ok=True)
+    target, n = os.path.join(root, str(health.step)), 1
+    while os.path.exists(target):
+        n += 1
+        target = os.path.join(root, f"{health.step}.{n}")
+    os.rename(health.step_dir, target)
+    return target
+
+
+def _all_values(value: int) -> list[int]:
+    from maxtrain import distributed  # pylint: disable=import-outside-toplevel
+
+    return distributed.all_values(value)
+
+
+def settle_latest_step(checkpoints_dir: str, log=print, known_damaged: dict[int, str] | None = None) -> int | None:
+    """This run's latest usable step, after moving every newer, damaged step aside (process 0 moves).
+
+    Every process checks its share of each step's files, and they agree before anything moves. When
+    steps were moved and none is left, CheckpointError: the run does not silently start over.
+    """
+    index, count = jax.process_index(), jax.process_count()
+    known = dict(known_damaged or {})
+    moved = []
+    while True:
+        usable, damaged = latest_usable_step(checkpoints_dir, (index, count), known, contents=False)
+        # Agree on the newest damaged step (if any): the processes checked different files.
+        newest_damaged = damaged[0].step if damaged else -1
+        newest = max(_all_values(newest_damaged))
+        if newest < 0:
+            if usable is None and moved:
+                raise CheckpointError(
+                    f"no usable checkpoint is left in {checkpoints_dir}: every step was damaged (step {moved[-1].step}: "
+                    f"{moved[-1].problem}) and was moved to {_damaged_root(checkpoints_dir)}. Re-run the same command "
+                    "to start from step 0, or move a step back from there.")
+            return usable.step if usable else None
+        mine = next((h for h in damaged if h.step == newest), None)
+        if mine is None:  # another process found it
+            mine = StepHealth(newest, os.path.join(checkpoints_dir, str(newest)), "damaged",
+                              known.get(newest, "another process found a file that does not match its checksum"))
+        if mine.problem and index != 0:
+            print(f"process {index}: checkpoint step {newest} is damaged: {mine.problem}", file=sys.stderr, flush=True)
+        _all_values(0)  # everyone is done reading before process 0 moves it
+        moved.append(mine)
+        if index == 0:
+            target = move_aside(mine)
+            log(f"checkpoint step {newest} is damaged: {mine.problem}. Moved it to {target} (nothing is deleted); "
+                "resuming from the newest usable step before it")
+        _all_values(0)
+        known.pop(newest, None)
+
+
 def find_step_dir(path: str, key: str = "path") -> str:
     """The step directory that `path` names: a step directory itself (<run>/checkpoints/<step>), or the
-    latest complete step of a checkpoints directory or of a run directory."""
+    latest usable step of a checkpoints directory or of a run directory (latest_usable_step).
+    A damaged step is refused, naming the file."""
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.exists(path):
         raise CheckpointError(f"{key}={path!r} does not exist. Give a checkpoint step directory "
                               "(<run>/checkpoints/<step>), a run's checkpoints directory, or a run directory.")
-    if os.path.isdir(os.path.join(path, "state")):
+    if os.path.isdir(os.path.join(path, "state")) or (os.path.basename(path).isdigit() and os.path.isdir(path)):
+        health = check_step(path)
+        if not health.usable:
+            raise CheckpointError(f"{key}={path!r} is damaged: {health.problem}. Use another step (see python -m "
+                                  f"maxtrain.checkpoint inspect {os.path.dirname(path)}).")
         return path
     for directory in (path, os.path.join(path, "checkpoints")):
-        steps = complete_steps(directory)
-        if steps:
-            return os.path.join(directory, str(steps[-1]))
+        usable, damaged = latest_usable_step(directory)
+        if usable:
+            return usable.step_dir
+        if damaged:
+            raise CheckpointError(f"{key}={path!r}: every checkpoint in {directory} is damaged (step "
+                                  f"{damaged[0].step}: {damaged[0].problem})")
     found = sorted(os.listdir(path)) if os.path.isdir(path) else []
     raise CheckpointError(f"{key}={path!r} holds no complete checkpoint (a directory named by its step with a "
                           f"state/ subdirectory, directly or under checkpoints/); it contains: {found[:10] or 'nothing'}")
 
 
 def read_metadata(step_dir: str) -> dict:
-    """The JSON metadata saved with a checkpoint ({} when it has none)."""
+    """The JSON metadata saved with a checkpoint ({} when it has none); CheckpointError naming the file
+    when it is unreadable."""
     path = os.path.join(step_dir, "metadata", "metadata")
     if not os.path.isfile(path):
         return {}
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"the checkpoint metadata {path} cannot be read ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0][:200]}); the step is damaged") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"the checkpoint metadata {path} is not a JSON object; the step is damaged")
+    return meta
 
 
 def path_str(path) -> str:
@@ -245,9 +465,11 @@ def read_tree(step_dir: str) -> dict[str, tuple[tuple[int, ...], str]]:
     """{path: (shape, dtype)} of the saved state, from Orbax's metadata (no array is read)."""
     try:
         tree = ocp.PyTreeCheckpointHandler().metadata(epath.Path(step_dir) / "state").tree
+        return leaf_shapes(tree)
     except Exception as e:  # pylint: disable=broad-except
-        raise CheckpointError(f"cannot read the checkpoint at {step_dir}: {type(e).__name__}: {e}") from e
-    return leaf_shapes(tree)
+        first = str(e).splitlines()[0][:300] if str(e) else ""
+        raise CheckpointError(f"cannot read the array metadata of the checkpoint at {step_dir}/state "
+                              f"({type(e).__name__}: {first}); the step is damaged") from e
 
 
 def check_fits(step_dir: str, expected: dict[str, tuple[tuple[int, ...], str]], config, key: str) -> None:
@@ -484,8 +706,18 @@ def describe(path: str) -> str:
     parent = os.path.dirname(step_dir)
     tree = read_tree(step_dir)
     meta = read_metadata(step_dir)
+    health = check_step(step_dir)
+    files = checksums.read(step_dir) or {}
     lines = [f"checkpoint: {step_dir}", f"step: {os.path.basename(step_dir)}   "
-             f"(complete steps in {parent}: {complete_steps(parent)})", "", "state:"]
+             f"(complete steps in {parent}: {complete_steps(parent)})",
+             "checksums: " + (f"verified ({len(files)} files match)" if health.status == "verified" else
+                              "none (saved without checksums: not verified)")]
+    usable, damaged = latest_usable_step(parent)
+    if usable is not None and os.path.basename(parent) == "checkpoints":
+        lines.append(f"latest usable step: {usable.step}" + (" (what a resume of this run restores)"))
+    for h in damaged:
+        lines.append(f"  damaged step {h.step}: {h.problem} (a resume moves it to {_damaged_root(parent)})")
+    lines += ["", "state:"]
     width = max(len(p) for p in tree)
     for p, (shape, dtype) in tree.items():
         lines.append(f"  {p:<{width}}  {dtype:<8} {list(shape)}")
@@ -521,16 +753,13 @@ def describe(path: str) -> str:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2 or argv[0] != "inspect":
-        print("usage: python -m maxtrain.checkpoint inspect PATH   (a step, checkpoints or run directory)",
-              file=sys.stderr)
-        return 2
-    try:
-        print(describe(argv[1]))
-    except CheckpointError as e:
-        print(f"maxtrain: error: {e}", file=sys.stderr)
-        return 2
+        raise CheckpointError("usage: python -m maxtrain.checkpoint inspect PATH   (a step, checkpoints or run "
+                              "directory)")
+    print(describe(argv[1]))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    from maxtrain.errors import run_cli  # pylint: disable=ungrouped-imports
+
+    sys.exit(run_cli("maxtrain.checkpoint", main))

@@ -3,17 +3,20 @@
     config = load_config(["configs/base.yml", "steps=100", "model_name=gpt2-small"])
     config = with_devices(config, num_devices=8, num_processes=1)   # batch and mesh derivations
 
-`configs/base.yml` is the schema: its keys are the only keys, and the type of each default is the
-type an override must have (an int is accepted where a float is expected). A model preset
-(`configs/models/<model_name>.yml`, or `model_name=<path of a preset YAML>`) is merged over it, then
-the command-line overrides. The result is a frozen `Config`; every check that needs no devices
-happens here, before JAX starts.
+maxtrain's own `configs/base.yml` is the schema (settings.py reads it as the settings table): its
+keys are the only keys, the type of each default is the type a value must have (an int is accepted
+where a float is expected), and the `{...}` at the start of each comment is the values it allows.
+The YAML file given first is merged over it (following its `base_config:` chain; a file without one
+inherits base.yml, and says so once), then the model preset (`configs/models/<model_name>.yml`, or
+`model_name=<path of a preset YAML>`), then the command-line overrides. The whole result is checked against the table and the named
+cross-key checks below, and frozen into a `Config`; every check that needs no devices happens here,
+before JAX starts.
 
 The configs ship inside the package: a config file named without a directory (`base.yml`) that does
 not exist where the command runs is found among the packaged ones, and so are presets; an explicit
 path always wins.
 
-This module imports nothing else of maxtrain.
+This module imports nothing else of maxtrain but the settings table and the error types.
 """
 
 from __future__ import annotations
@@ -21,28 +24,21 @@ from __future__ import annotations
 import datetime
 import difflib
 import os
+import sys
 from typing import Any, Iterable
 
 import yaml
 
-DECODER_BLOCKS = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")  # maxtrain/models/<family>.py
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-DTYPES = ("autoselected", "float32", "bfloat16", "float16")
-WEIGHT_DTYPES = ("float32", "bfloat16")
-REMAT_POLICIES = ("autoselected", "full", "minimal", "save_qkv_proj", "save_out_proj", "none")
-ATTENTIONS = ("autoselected", "dot_product", "flash", "cudnn")
-DATASET_TYPES = ("default", "synthetic", "arrayrecord", "parquet", "jsonl")
-PACKING_TYPES = ("concat_then_split", "first_fit")
-LR_SCHEDULES = ("cosine", "wsd", "constant")
-DECODE_STRATEGIES = ("greedy", "weighted", "topk", "nucleus")
+from maxtrain import settings as settings_lib
+from maxtrain.errors import ConfigError  # noqa: F401 (re-exported: config.ConfigError)
+
 MESH_AXES = ("data", "fsdp", "tensor")
 # Downstream tasks (maxtrain/evals/tasks.py defines them; listed here so that a typo fails before any work).
 EVAL_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "boolq", "lambada", "mmlu")
 LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers")
-
-
-class ConfigError(ValueError):
-    """A bad config file, key or value. The message names the problem and the fix."""
+# Keys that are not settings: added by load_config and _derive, ignored when runs are compared.
+_DERIVED = ("config_path", "run_name_was_generated", "given_keys", "run_dir", "checkpoint_dir", "tensorboard_dir", "metadata_dir",
+            "cache_dir", "schedule_steps", "warmup_steps", "tokens_per_sequence")
 
 
 class Config:
@@ -81,13 +77,16 @@ class Config:
 # Loading and merging
 # --------------------------------------------------------------------------------------------
 
-
 def packaged_configs_dir() -> str:
     """configs/ of the installed package (a wheel puts it at maxtrain/configs; a source checkout has it
     beside the maxtrain/ package)."""
     here = os.path.dirname(os.path.abspath(__file__))
     installed = os.path.join(here, "configs")
     return installed if os.path.isdir(installed) else os.path.join(os.path.dirname(here), "configs")
+
+
+# maxtrain's own base.yml: the settings table.
+BASE_CONFIG = os.path.join(packaged_configs_dir(), "base.yml")
 
 
 def _find_config(path: str) -> str:
@@ -98,68 +97,83 @@ def _find_config(path: str) -> str:
     return packaged if os.path.isfile(packaged) else path
 
 
+_TABLES: dict[str, dict[str, settings_lib.Setting]] = {}
+
+
+def table(path: str = BASE_CONFIG) -> dict[str, settings_lib.Setting]:
+    """The settings table of base.yml (read once per process)."""
+    path = os.path.realpath(path)
+    if path not in _TABLES:
+        _TABLES[path] = settings_lib.read_table(path)
+    return _TABLES[path]
+
+
 def defaults() -> dict[str, Any]:
     """The packaged base.yml's values (every key's default)."""
-    values, _ = _load_with_bases(os.path.join(packaged_configs_dir(), "base.yml"))
-    return {k: _coerce(k, v, v, "base.yml") for k, v in values.items()}
+    return {k: s.default for k, s in table().items()}
 
 
-def _read_yaml(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r} does not exist. Pass a YAML file such as configs/base.yml, or the "
-                          f"name of a packaged one (base.yml)")
-    with open(path) as f:
-        try:
-            data = yaml.safe_load(f) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError(f"config file {path!r} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {path!r} must be a mapping of key: value, not {type(data).__name__}")
-    return data
-
-
-def _load_with_bases(path: str, seen: tuple[str, ...] = (), given: set | None = None) -> tuple[dict[str, Any], str]:
-    """Reads `path`, following `base_config:` chains. Returns (values, directory of the root base).
-
-    `given` collects the keys set by files other than the root base (the user's own YAML)."""
+def _load_chain(path: str, schema: dict, seen: tuple[str, ...] = ()) -> tuple[dict[str, Any], list[str]]:
+    """A user YAML file merged over its `base_config:` chain. Returns (values, notes to print)."""
     path = os.path.abspath(_find_config(path))
     if path in seen:
         raise ConfigError(f"base_config cycle: {' -> '.join(seen + (path,))}")
-    data = _read_yaml(path)
+    if os.path.realpath(path) == os.path.realpath(BASE_CONFIG):
+        return {}, []
+    data, _ = settings_lib.read_mapping(path)
     base = data.pop("base_config", None)
-    if base is None:
-        return data, os.path.dirname(path)
-    base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
-    if not os.path.isfile(base_path) and not os.path.dirname(base):
-        base_path = base  # a packaged config by name
-    base_values, root_dir = _load_with_bases(base_path, seen + (path,), given)
     for key in data:
-        if key not in base_values:
-            raise ConfigError(f"{path}: " + _unknown_key_message(key, base_values))
-    if given is not None:
-        given.update(data)
-    return {**base_values, **data}, root_dir
+        if key not in schema:
+            raise ConfigError(f"{path}: " + _unknown_key_message(key, schema))
+    if base is None:
+        note = (f"note: {path} has no base_config, so it is applied over {BASE_CONFIG} (add "
+                "`base_config: base.yml` to say so)")
+        return data, [note]
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base_config={base!r} must name a YAML file, e.g. base_config: base.yml")
+    base_path = base if os.path.isabs(base) else os.path.join(os.path.dirname(path), base)
+    if not os.path.isfile(base_path) and os.path.isfile(os.path.join(packaged_configs_dir(), base)):
+        base_path = os.path.join(packaged_configs_dir(), base)  # a name in maxtrain's configs/
+    if not os.path.isfile(base_path):
+        raise ConfigError(f"{path}: base_config {base!r} does not exist (looked for {os.path.abspath(base_path)}); "
+                          "use base_config: base.yml, or a path relative to this file")
+    values, notes = _load_chain(base_path, schema, seen + (path,))
+    return {**values, **data}, notes
 
 
 def _unknown_key_message(key: str, known: Iterable[str]) -> str:
-    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    close = difflib.get_close_matches(str(key), list(known), n=1, cutoff=0.6)
     hint = f"did you mean {close[0]}?" if close else "see configs/base.yml for the keys that exist"
     return f"unknown config key {key!r}: {hint}"
 
 
-def _parse_overrides(args: list[str]) -> dict[str, str]:
-    overrides = {}
-    for arg in args:
-        if "=" not in arg or arg.startswith("="):
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """key=value arguments -> {key: value text}; a key given twice is an error (settings.unique)."""
+    assignments = []
+    for i, arg in enumerate(args):
+        key, sep, value = arg.partition("=")
+        if not sep or not key.strip():
             raise ConfigError(f"cannot read argument {arg!r}: overrides are key=value, e.g. steps=100")
-        key, value = arg.split("=", 1)
-        overrides[key.strip()] = value
-    return overrides
+        assignments.append((key.strip(), value, f"argument {i + 2}: {arg!r}"))
+    return settings_lib.unique(assignments, "the command line")
+
+
+def with_overrides(argv: list[str], *overrides: str) -> list[str]:
+    """argv with key=value `overrides` replacing the same keys' earlier values (or appended).
+
+    For programs and tests that compose a command line; a person typing one key twice is refused.
+    """
+    keys = {o.partition("=")[0].strip() for o in overrides}
+    return [a for a in argv if "=" not in a or a.partition("=")[0].strip() not in keys] + list(overrides)
 
 
 def _type_name(value) -> str:
     return {bool: "a boolean (true/false)", int: "an integer", float: "a number", str: "a string",
             list: "a list"}.get(type(value), type(value).__name__)
+
+
+def _example(default) -> str:
+    return yaml.safe_dump(default, default_flow_style=True, width=1_000_000).strip().removesuffix("...").strip()
 
 
 def _coerce(key: str, raw: Any, default: Any, source: str) -> Any:
@@ -170,8 +184,11 @@ def _coerce(key: str, raw: Any, default: Any, source: str) -> Any:
         except yaml.YAMLError:
             pass
     if isinstance(default, str):
-        return "" if raw is None else str(raw)
-    if isinstance(default, bool):
+        if raw is None:
+            return ""
+        if isinstance(raw, (str, int, float)) and not isinstance(raw, bool):
+            return str(raw)
+    elif isinstance(default, bool):
         if isinstance(raw, bool):
             return raw
     elif isinstance(default, int):
@@ -182,7 +199,7 @@ def _coerce(key: str, raw: Any, default: Any, source: str) -> Any:
     elif isinstance(default, float):
         if isinstance(raw, (int, float)) and not isinstance(raw, bool):
             return float(raw)
-        if isinstance(raw, str):  # YAML 1.1 reads "1e-2" (no dot) as a string
+        if isinstance(raw, str):  # YAML 1.1 reads "1e-2" (no dot) as a string; also "nan", "inf"
             try:
                 return float(raw)
             except ValueError:
@@ -192,34 +209,55 @@ def _coerce(key: str, raw: Any, default: Any, source: str) -> Any:
             return raw
     elif default is None:
         return raw
-    raise ConfigError(f"{source}: {key}={raw!r} has the wrong type; {key} must be {_type_name(default)}, "
-                      f"e.g. {key}={yaml.safe_dump(default, default_flow_style=True).strip().removesuffix('...').strip()}")
+    shown = repr(raw) if len(repr(raw)) <= 80 else repr(raw)[:77] + "..."
+    raise ConfigError(f"{source}: {key}={shown} has the wrong type; {key} must be {_type_name(default)}, "
+                      f"e.g. {key}={_example(default)}")
 
 
-def load_config(argv: list[str]) -> Config:
-    """argv: [yaml_path, key=value, ...]. Returns the validated, frozen config (no device facts yet)."""
+def _process_id_hint(values: dict, overrides: dict) -> int:
+    """This process' id as far as the config tells (for printing notes once, before JAX starts)."""
+    for raw in (overrides.get("process_id"), os.environ.get("MAXTRAIN_PROCESS_ID"), os.environ.get("SLURM_PROCID")):
+        try:
+            if raw is not None and str(raw).strip():
+                return int(str(raw).strip())
+        except ValueError:
+            pass
+    return values.get("process_id", -1)
+
+
+def load_config(argv: list[str], log=None) -> Config:
+    """argv: [yaml_path, key=value, ...]. Returns the validated, frozen config (no device facts yet).
+
+    `log` receives the notes (e.g. a YAML file without base_config); default: stderr, process 0 only.
+    """
     if not argv:
         raise ConfigError("usage: python -m maxtrain.train configs/base.yml [key=value ...]")
     if "=" in argv[0] and not argv[0].endswith((".yml", ".yaml")):
         raise ConfigError(f"the first argument must be a YAML config file (e.g. configs/base.yml), got {argv[0]!r}")
-    given: set[str] = set()
-    schema, config_dir = _load_with_bases(argv[0], given=given)
-    overrides = _parse_overrides(argv[1:])
+    schema = table()
+    overrides = parse_overrides(argv[1:])
     for key in overrides:
         if key not in schema:
             raise ConfigError(_unknown_key_message(key, schema))
+    chain, notes = _load_chain(argv[0], schema)
 
-    values = {k: _coerce(k, v, v, argv[0]) for k, v in schema.items()}
+    values = {k: s.default for k, s in schema.items()}
+    values.update({k: _coerce(k, v, schema[k].default, argv[0]) for k, v in chain.items()})
     model_name = _coerce("model_name", overrides.get("model_name", values["model_name"]), "", "override")
-    values.update(_load_preset(model_name, schema, config_dir))
+    values.update(_load_preset(model_name, schema, os.path.dirname(os.path.abspath(_find_config(argv[0])))))
     for key, raw in overrides.items():
-        values[key] = _coerce(key, raw, schema[key], "command line")
+        values[key] = _coerce(key, raw, schema[key].default, "command line")
     values["config_path"] = os.path.abspath(_find_config(argv[0]))
     values["run_name_was_generated"] = not values["run_name"]
     # Keys the user chose (their YAML or the command line) rather than base.yml's defaults: a checkpoint's
     # model settings are adopted only where none of the model keys were chosen (checkpoint.adopt_model).
-    values["given_keys"] = sorted(given | set(overrides))
-    _validate(values)
+    values["given_keys"] = sorted(set(chain) | set(overrides))
+    validate(values)
+    if notes:
+        if log is None and _process_id_hint(values, overrides) <= 0:
+            log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+        for note in notes:
+            (log or (lambda _: None))(note)
     return Config(_derive(values))
 
 
@@ -228,9 +266,9 @@ def preset_names() -> list[str]:
     return sorted(f[:-4] for f in os.listdir(models_dir) if f.endswith(".yml")) if os.path.isdir(models_dir) else []
 
 
-def _load_preset(model_name: str, schema: dict[str, Any], config_dir: str) -> dict[str, Any]:
+def _load_preset(model_name: str, schema: dict, config_dir: str) -> dict[str, Any]:
     """The preset `model_name` names: a path to a YAML file, else configs/models/<model_name>.yml beside
-    the base config, else the packaged one."""
+    the config file, else the packaged one."""
     if model_name.endswith((".yml", ".yaml")) or os.sep in model_name:
         path = model_name
         if not os.path.isfile(path):
@@ -239,21 +277,21 @@ def _load_preset(model_name: str, schema: dict[str, Any], config_dir: str) -> di
         path = os.path.join(config_dir, "models", f"{model_name}.yml")
         if not os.path.isfile(path):
             path = os.path.join(packaged_configs_dir(), "models", f"{model_name}.yml")
-    if not os.path.isfile(path):
+    if not model_name or not os.path.isfile(path):
         close = difflib.get_close_matches(model_name, preset_names(), n=1, cutoff=0.6)
         raise ConfigError(f"model_name={model_name!r} is not a preset" + (f" (did you mean {close[0]}?)" if close else "")
                           + f". Presets: {', '.join(preset_names())}; or pass the path of a preset YAML.")
-    preset = _read_yaml(path)
+    preset, _ = settings_lib.read_mapping(path)
     out = {}
     for key, raw in preset.items():
         if key not in schema:
             raise ConfigError(f"{path}: " + _unknown_key_message(key, schema))
-        out[key] = _coerce(key, raw, schema[key], path)
+        out[key] = _coerce(key, raw, schema[key].default, path)
     return out
 
 
 # --------------------------------------------------------------------------------------------
-# Validation
+# Validation: every key against the table, then the rules that relate several keys
 # --------------------------------------------------------------------------------------------
 
 
@@ -262,79 +300,83 @@ def _require(ok: bool, message: str):
         raise ConfigError(message)
 
 
-def _one_of(values, key, allowed):
-    _require(values[key] in allowed, f"{key}={values[key]!r} is not allowed; use one of: {', '.join(allowed)}")
+def validate(v: dict[str, Any]) -> None:
+    """The whole resolved config: each key's allowed values (the table), then the named checks."""
+    for name, setting in table().items():
+        settings_lib.check_value(setting, v[name])
+    for check in CHECKS:
+        check(v)
 
 
-def _positive(values, *keys):
-    for key in keys:
-        _require(values[key] > 0, f"{key}={values[key]} must be > 0")
-
-
-def _validate(v: dict[str, Any]) -> None:
-    _positive(v, "steps", "log_period", "per_device_batch_size", "gradient_accumulation_steps",
-              "base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",
-              "base_num_decoder_layers", "head_dim", "vocab_size", "checkpoint_period",
-              "rope_max_timescale", "normalization_layer_epsilon", "sa_block_q", "sa_block_kv",
-              "loss_scale_initial", "loss_scale_period", "loss_scale_min", "default_corpus_max_mb",
-              "distributed_initialization_timeout")
-    _require(v["max_target_length"] >= 2, f"max_target_length={v['max_target_length']} must be at least 2")
-    _require(v["learning_rate"] >= 0, f"learning_rate={v['learning_rate']} must be >= 0")
+def _heads_divisible_by_kv_heads(v):
     _require(v["base_num_query_heads"] % v["base_num_kv_heads"] == 0,
              f"base_num_query_heads={v['base_num_query_heads']} must be a multiple of base_num_kv_heads="
              f"{v['base_num_kv_heads']} (each kv head serves a whole group of query heads); "
              f"e.g. base_num_kv_heads={_divisor_hint(v['base_num_query_heads'], v['base_num_kv_heads'])}")
+
+
+def _head_dim_even(v):
     _require(v["head_dim"] % 2 == 0, f"head_dim={v['head_dim']} must be even (RoPE rotates pairs of features)")
-    _validate_model(v)
-    _one_of(v, "dtype", DTYPES)
-    _one_of(v, "weight_dtype", WEIGHT_DTYPES)
-    _one_of(v, "remat_policy", REMAT_POLICIES)
-    _one_of(v, "attention", ATTENTIONS)
-    _one_of(v, "dataset_type", DATASET_TYPES)
-    _one_of(v, "grain_packing_type", PACKING_TYPES)
-    _require(v["num_epoch"] == -1 or v["num_epoch"] > 0, f"num_epoch={v['num_epoch']} must be > 0, or -1 to repeat forever")
-    _require(v["grain_shuffle_window"] >= 1, f"grain_shuffle_window={v['grain_shuffle_window']} must be >= 1 (1 = no shuffle)")
+
+
+
+def _vocab_tiling_divides_length(v):
+    _require(v["max_target_length"] % v["num_vocab_tiling"] == 0,
+             f"num_vocab_tiling={v['num_vocab_tiling']} must divide max_target_length={v['max_target_length']} "
+             "(the sequence is cut into that many chunks)")
+
+
+def _flash_blocks_powers_of_two(v):
+    for key in ("sa_block_q", "sa_block_kv"):
+        _require(v[key] & (v[key] - 1) == 0, f"{key}={v[key]} must be a power of two (16, 32, 64, 128, ...)")
+
+
+def _one_text_column(v):
     for key in ("train_data_columns", "eval_data_columns"):
-        _require(len(v[key]) == 1 and isinstance(v[key][0], str),
+        _require(len(v[key]) == 1 and isinstance(v[key][0], str) and bool(v[key][0]),
                  f"{key}={v[key]!r} must name exactly one text field, e.g. {key}=[text]")
-    _one_of(v, "lr_schedule_type", LR_SCHEDULES)
-    for key in ("warmup_steps_fraction", "cosine_learning_rate_final_fraction", "wsd_decay_steps_fraction",
-                "eval_split_fraction"):
-        _require(0.0 <= v[key] <= 1.0, f"{key}={v[key]} must be between 0 and 1")
+
+
+def _llama3_rope_factors(v):
+    if v["rope_type"] == "llama3":
+        _require(v["rope_high_freq_factor"] > v["rope_low_freq_factor"] > 0,
+                 f"rope_type=llama3 needs rope_high_freq_factor > rope_low_freq_factor > 0, got "
+                 f"{v['rope_high_freq_factor']} and {v['rope_low_freq_factor']} (Llama 3.1 uses 4.0 and 1.0)")
+
+
+def _attention_layer_types(v):
+    types = v["attention_layer_types"]
+    if types:
+        _require(len(types) == v["base_num_decoder_layers"] and all(t in ("full", "sliding") for t in types),
+                 f"attention_layer_types must list \"full\" or \"sliding\" for each of the "
+                 f"{v['base_num_decoder_layers']} layers (or be [] for the family's pattern), got {types}")
+        _require("sliding" not in types or v["sliding_window_size"] > 0,
+                 "attention_layer_types has sliding layers but sliding_window_size=0; set sliding_window_size")
+
+
+def _default_corpus_needs_eval_split(v):
     _require(0.0 < v["eval_split_fraction"] < 1.0 or v["dataset_type"] != "default",
              f"eval_split_fraction={v['eval_split_fraction']} must be strictly between 0 and 1 for the default corpus")
-    _require(0.0 <= v["adam_b1"] < 1.0 and 0.0 <= v["adam_b2"] < 1.0, "adam_b1 and adam_b2 must be in [0, 1)")
-    _require(v["gradient_clipping_threshold"] >= 0, "gradient_clipping_threshold must be >= 0 (0 disables clipping)")
-    _require(v["eval_steps"] == -1 or v["eval_steps"] > 0, f"eval_steps={v['eval_steps']} must be > 0, or -1 for one epoch")
-    _require(v["eval_interval"] == -1 or v["eval_interval"] > 0,
-             f"eval_interval={v['eval_interval']} must be > 0, or -1 for no evaluation")
-    _require(v["max_num_checkpoints_to_keep"] == -1 or v["max_num_checkpoints_to_keep"] > 0,
-             f"max_num_checkpoints_to_keep={v['max_num_checkpoints_to_keep']} must be > 0, or -1 to keep all")
-    _require(v["max_new_tokens"] >= 0, f"max_new_tokens={v['max_new_tokens']} must be >= 0")
-    _require(v["viz_period"] == -1 or v["viz_period"] > 0, f"viz_period={v['viz_period']} must be > 0, or -1 for none")
-    _positive(v, "viz_num_samples", "decode_sampling_temperature", "decode_sampling_top_k")
-    _one_of(v, "decode_sampling_strategy", DECODE_STRATEGIES)
-    _require(0.0 < v["decode_sampling_nucleus_p"] <= 1.0,
-             f"decode_sampling_nucleus_p={v['decode_sampling_nucleus_p']} must be in (0, 1]")
-    parse_eval_tasks(v["eval_tasks"], v["eval_tasks_num_fewshot"])
-    _require(v["eval_tasks_interval"] == -1 or v["eval_tasks_interval"] > 0,
-             f"eval_tasks_interval={v['eval_tasks_interval']} must be > 0, or -1 for the end of training only")
-    for key in ("eval_tasks_max_examples", "eval_tasks_max_target_length", "eval_tasks_per_device_batch_size"):
-        _require(v[key] == -1 or v[key] > 0, f"{key}={v[key]} must be > 0, or -1 for its default")
-    _require(v["eval_tasks_max_target_length"] == -1 or v["eval_tasks_max_target_length"] >= 2,
-             f"eval_tasks_max_target_length={v['eval_tasks_max_target_length']} must be at least 2")
+
+
+def _files_for_file_datasets(v):
     if v["dataset_type"] in ("arrayrecord", "parquet", "jsonl"):
-        _require(bool(v["grain_train_files"]),
+        _require(bool(v["grain_train_files"].strip()),
                  f"dataset_type={v['dataset_type']} needs grain_train_files=<glob of {v['dataset_type']} files>")
-    if v["load_parameters_path"] and v["load_full_state_path"]:
-        raise ConfigError("set only one of load_parameters_path (params only) and load_full_state_path (whole state)")
+
+
+def _one_starting_point(v):
+    _require(not (v["load_parameters_path"] and v["load_full_state_path"]),
+             "set only one of load_parameters_path (params only) and load_full_state_path (whole state)")
+
+
+def _one_filled_mesh_axis(v):
     for prefix in ("ici", "dcn"):
-        for axis in MESH_AXES:
-            key = f"{prefix}_{axis}_parallelism"
-            _require(v[key] == -1 or v[key] >= 1, f"{key}={v[key]} must be >= 1, or -1 to fill the remaining devices")
         fills = [a for a in MESH_AXES if v[f"{prefix}_{a}_parallelism"] == -1]
         _require(len(fills) <= 1, f"only one {prefix}_*_parallelism may be -1, got {', '.join(fills)}")
-    _validate_rules(v["logical_axis_rules"])
+
+
+def _tensor_parallelism_divides(v):
     tp = v["ici_tensor_parallelism"] * v["dcn_tensor_parallelism"]
     if tp > 1:
         for key in ("base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "vocab_size"):
@@ -342,6 +384,24 @@ def _validate(v: dict[str, Any]) -> None:
                      f"tensor parallelism {tp} (ici_tensor_parallelism x dcn_tensor_parallelism) must divide "
                      f"{key}={v[key]}; use a tensor parallelism that divides it, e.g. "
                      f"ici_tensor_parallelism={_divisor_hint(v[key], tp)}")
+
+
+def _coordinator_address(v):
+    if v["coordinator_address"]:
+        split_address(v["coordinator_address"], "coordinator_address")
+    if v["num_processes"] > 0 and v["process_id"] >= 0:
+        _require(v["process_id"] < v["num_processes"],
+                 f"process_id={v['process_id']} must be in [0, num_processes={v['num_processes']})")
+
+
+def _metrics_file_is_a_file_path(v):
+    path = v["metrics_file"]
+    _require(not path or not path.endswith(("/", os.sep)),
+             f"metrics_file={path!r} names a directory; give a file path, e.g. metrics_file=outputs/metrics.jsonl")
+
+
+def _eval_tasks_known(v):
+    parse_eval_tasks(v["eval_tasks"], v["eval_tasks_num_fewshot"])
 
 
 def parse_eval_tasks(spec: str, num_fewshot: int = 0) -> dict[str, int]:
@@ -365,29 +425,26 @@ def parse_eval_tasks(spec: str, num_fewshot: int = 0) -> dict[str, int]:
     return tasks
 
 
-def _validate_model(v: dict[str, Any]) -> None:
-    _one_of(v, "decoder_block", DECODER_BLOCKS)
-    _one_of(v, "rope_type", ROPE_TYPES)
-    _positive(v, "rope_factor", "original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow")
-    if v["rope_type"] == "llama3":
-        _require(v["rope_high_freq_factor"] > v["rope_low_freq_factor"] > 0,
-                 f"rope_type=llama3 needs rope_high_freq_factor > rope_low_freq_factor > 0, got "
-                 f"{v['rope_high_freq_factor']} and {v['rope_low_freq_factor']} (Llama 3.1 uses 4.0 and 1.0)")
-    for key in ("local_rope_max_timescale", "query_pre_attn_scalar", "rope_attention_factor"):
-        _require(v[key] == -1 or v[key] > 0, f"{key}={v[key]} must be > 0, or -1 for the default")
-    for key in ("sliding_window_size", "attn_logits_soft_cap", "final_logits_soft_cap"):
-        _require(v[key] >= 0, f"{key}={v[key]} must be >= 0 (0 turns it off)")
-    types = v["attention_layer_types"]
-    if types:
-        _require(len(types) == v["base_num_decoder_layers"] and all(t in ("full", "sliding") for t in types),
-                 f"attention_layer_types must list \"full\" or \"sliding\" for each of the "
-                 f"{v['base_num_decoder_layers']} layers (or be [] for the family's pattern), got {types}")
-        _require("sliding" not in types or v["sliding_window_size"] > 0,
-                 "attention_layer_types has sliding layers but sliding_window_size=0; set sliding_window_size")
+def split_address(address: str, key: str = "coordinator_address") -> tuple[str, int]:
+    """host:port -> (host, port), or a ConfigError naming the key, the value and the fix."""
+    host, _, port = address.strip().rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"{key}={address!r} must be host:port, e.g. 10.0.0.2:1234")
+    if not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{key}={address!r}: port {port} is outside 1-65535; use a free port such as 8476")
+    return host.strip("[]"), int(port)
+
+
+# The rules a per-key range cannot express, each a function of the resolved values.
+CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
+          _flash_blocks_powers_of_two, _one_text_column,
+          _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
+          lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
+          _metrics_file_is_a_file_path, _eval_tasks_known)
 
 
 def _divisor_hint(n: int, near: int) -> int:
-    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    divisors = [d for d in range(1, min(n, 100_000) + 1) if n % d == 0]
     return min(divisors, key=lambda d: (abs(d - near), d))
 
 
@@ -397,11 +454,15 @@ def _validate_rules(rules) -> None:
         _require(isinstance(rule, list) and len(rule) == 2,
                  f"logical_axis_rules entry {rule!r} must be a pair [logical_axis, mesh_axes]")
         name, mesh_axes = rule
-        _require(name in LOGICAL_AXES, f"logical_axis_rules: unknown logical axis {name!r}; known: {', '.join(LOGICAL_AXES)}")
+        _require(isinstance(name, str) and name in LOGICAL_AXES,
+                 f"logical_axis_rules: unknown logical axis {name!r}; known: {', '.join(LOGICAL_AXES)}")
         axes = [] if mesh_axes is None else [mesh_axes] if isinstance(mesh_axes, str) else mesh_axes
+        _require(isinstance(axes, list), f"logical_axis_rules: {name!r} maps to {mesh_axes!r}; give a mesh axis, "
+                                         "a list of them, or null")
         for axis in axes:
-            _require(axis in MESH_AXES, f"logical_axis_rules: {name!r} maps to unknown mesh axis {axis!r}; "
-                                        f"mesh axes are {', '.join(MESH_AXES)}")
+            _require(isinstance(axis, str) and axis in MESH_AXES,
+                     f"logical_axis_rules: {name!r} maps to unknown mesh axis {axis!r}; "
+                     f"mesh axes are {', '.join(MESH_AXES)}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -428,7 +489,7 @@ def _derive(v: dict[str, Any]) -> dict[str, Any]:
 def revalidate(config: Config) -> Config:
     """Checks a config again after values were replaced (e.g. a checkpoint's model settings adopted)."""
     values = config.to_dict()
-    _validate(values)
+    validate(values)
     return Config(values)
 
 

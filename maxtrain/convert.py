@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import yaml
 
-from maxtrain import checkpoint, models
+from maxtrain import checkpoint, checksums, models
 from maxtrain import config as config_lib
 from maxtrain import safetensors_files
 from maxtrain.models.hf import ConversionError
@@ -229,6 +229,7 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
         manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params}),
                                                 metadata=ocp.args.JsonSave(metadata)))
         manager.wait_until_finished()
+    checksums.write(os.path.join(ckpt_dir, "0"))  # a self-checking step, like the trainer's
     preset = [f"# {keys['decoder_block']} model preset converted from {os.path.abspath(hf_dir)}",
               f"# Fine-tune: python -m maxtrain.train base.yml load_parameters_path={os.path.abspath(out_dir)}",
               "#   (the checkpoint's model settings are adopted; or pass model_name=<this file>)"]

@@ -13,7 +13,6 @@ or for dataset_type=default the default corpus' cached tokenizer (trained on fir
 from __future__ import annotations
 
 import functools
-import sys
 import time
 from typing import Iterable
 
@@ -25,6 +24,7 @@ from maxtrain import config as config_lib
 from maxtrain import builder, models, sharding
 from maxtrain.data import pipeline
 from maxtrain.data import tokenizer as tokenizer_lib
+from maxtrain.errors import run_cli
 
 
 def sample_token(logits, key, *, temperature: float, top_k: int, top_p: float):
@@ -119,12 +119,18 @@ def abstract_params(config, mesh) -> dict:
         mesh, s.axes, config.logical_axis_rules)), models.param_specs(config), is_leaf=models.is_spec)
 
 
+def require_checkpoint_path(config, tool: str) -> None:
+    """decode and viz read a checkpoint: refuse at once, before any other work, when none is named."""
+    if not config.load_parameters_path:
+        raise config_lib.ConfigError(f"{tool} needs a checkpoint: set load_parameters_path=<run>/checkpoints/<step> "
+                                     "(or a run directory, for its latest step)")
+    checkpoint_lib.find_step_dir(config.load_parameters_path, "load_parameters_path")
+
+
 def load_params_on(config, mesh, log=print) -> dict:
     """The params of the checkpoint at load_parameters_path (a step directory, or a run or its checkpoints
-    directory, meaning its latest step), sharded on `mesh`; refused when it does not fit the model."""
-    if not config.load_parameters_path:
-        raise config_lib.ConfigError("set load_parameters_path=<run>/checkpoints/<step>: the checkpoint whose "
-                                     "params to use (see the run's checkpoints/ directory)")
+    directory, meaning its latest usable step), sharded on `mesh`; refused when it does not fit the model."""
+    require_checkpoint_path(config, "loading a model")
     step_dir = checkpoint_lib.find_step_dir(config.load_parameters_path, "load_parameters_path")
     params = checkpoint_lib.load_params(step_dir, abstract_params(config, mesh), config)
     log(f"loaded params from {step_dir} ({models.num_params(config) / 1e6:.2f}M)")
@@ -135,11 +141,12 @@ def load_model(config, log=print):
     """(params, runtime, mesh) for the checkpoint at load_parameters_path, on all devices."""
     config = config_lib.with_devices(config, jax.device_count(), jax.process_count())
     mesh = sharding.create_mesh(config)
-    return load_params_on(config, mesh, log), models.Runtime.from_config(config), mesh
+    return load_params_on(config, mesh, log), builder.runtime(config), mesh
 
 
 def main(argv: list[str]) -> str:
     config = builder.load_config(argv)
+    require_checkpoint_path(config, "maxtrain.decode")
     tokenizer = tokenizer_for(config)
     prompt_ids = tokenizer_lib.prompt_ids(tokenizer, config.prompt)
     if not prompt_ids:
@@ -160,8 +167,4 @@ def main(argv: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (config_lib.ConfigError, sharding.MeshError, FileNotFoundError, ValueError) as error:
-        print(f"maxtrain.decode: error: {error}", file=sys.stderr)
-        sys.exit(2)
+    run_cli("maxtrain.decode", main)

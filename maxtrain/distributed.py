@@ -16,11 +16,15 @@ Joining fails within `distributed_initialization_timeout` seconds, never hangs:
     watchdog, which fires first, prints a message that says what went wrong and ends the process
     with exit status 2 (EXIT_STATUS), the status maxtrain uses for every configuration error.
 
-After the join, `agree_on_checkpoint_step` makes sure every process resumes from the same step.
+After the join, `agree_on_config` stops every process when their resolved configs (or their maxtrain
+code) differ, naming the keys and each process' value, and `agree_on_checkpoint_step` makes sure
+every process resumes from the same step.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import socket
 import sys
@@ -30,12 +34,15 @@ import time
 import jax
 import numpy as np
 
+from maxtrain import config as config_lib
+from maxtrain.errors import UserError
+
 EXIT_STATUS = 2
 # JAX's own join deadline is set this much later than ours, so the watchdog always fires first.
 _JAX_GRACE_SECONDS = 30
 
 
-class DistributedError(RuntimeError):
+class DistributedError(UserError, RuntimeError):
     """Joining the other processes failed; the message says which address and what to check."""
 
 
@@ -75,10 +82,9 @@ def settings(config) -> dict | None:
 
 
 def _split_address(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise DistributedError(f"coordinator_address={address!r} must be host:port, e.g. 10.0.0.2:1234")
-    return host.strip("[]"), int(port)
+    key = "coordinator_address" if address != os.environ.get("MAXTRAIN_COORDINATOR_ADDRESS") else \
+        "MAXTRAIN_COORDINATOR_ADDRESS"
+    return config_lib.split_address(address, key)
 
 
 def _wait_for_coordinator(address: str, deadline: float, timeout: int, process_id: int) -> None:
@@ -123,6 +129,21 @@ def _timeout_message(args: dict, timeout: int) -> str:
             "coordinator_address and num_processes and a distinct process_id.")
 
 
+def _check_port_free(address: str) -> None:
+    """Process 0 starts the coordinator at `address`: refuse at once when something already listens there
+    (another process 0, e.g. two processes given process_id=0, or another program)."""
+    host, port = _split_address(address)
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            pass
+    except OSError:
+        return  # nothing listens: the coordinator can start
+    raise DistributedError(
+        f"process 0 cannot start the coordinator at {address}: something already listens on that port. Either "
+        "another process was also started with process_id=0 (give each process a distinct process_id in "
+        "[0, num_processes)), or another program uses the port (choose another coordinator_address port).")
+
+
 def initialize(config) -> None:
     """Joins the other processes (a no-op for a single-process run). Call before any other JAX use."""
     args = settings(config)
@@ -131,6 +152,8 @@ def initialize(config) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     timeout = config.distributed_initialization_timeout
     deadline = time.monotonic() + timeout
+    if args.get("process_id") == 0:
+        _check_port_free(args["coordinator_address"])
     if args.get("process_id", 0) != 0:
         _wait_for_coordinator(args["coordinator_address"], deadline, timeout, args["process_id"])
     remaining = max(deadline - time.monotonic(), 1.0)
@@ -148,6 +171,76 @@ def initialize(config) -> None:
     finally:
         watchdog.cancel()
 
+
+
+# Keys that differ between the processes of one run by design.
+PER_PROCESS_KEYS = ("process_id",)
+
+
+def code_version() -> str:
+    """A hash of maxtrain's own source files (catches a host running other code than the rest)."""
+    root = os.path.dirname(os.path.abspath(__file__))
+    h = hashlib.sha256()
+    for directory, dirs, names in sorted(os.walk(root)):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(n for n in names if n.endswith(".py")):
+            path = os.path.join(directory, name)
+            h.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def _fingerprint_values(config) -> dict[str, str]:
+    """{key: canonical JSON of its value} for every setting that must agree, plus the code version."""
+    skip = PER_PROCESS_KEYS + (("run_name",) if config.run_name_was_generated else ())  # with_devices refuses that
+    out = {k: json.dumps(v, sort_keys=True, default=str) for k, v in config.to_dict().items()
+           if k in config_lib.table() and k not in skip}
+    out["maxtrain code"] = json.dumps(code_version())
+    return out
+
+
+def _hash63(text: str) -> int:
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 1
+
+
+def _allgather_bytes(data: bytes) -> list[bytes]:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+    lengths = all_values(len(data))
+    buffer = np.zeros(max(lengths), np.uint8)
+    buffer[:len(data)] = np.frombuffer(data, np.uint8)
+    gathered = np.asarray(multihost_utils.process_allgather(buffer))
+    return [bytes(row[:n]) for row, n in zip(gathered, lengths)]
+
+
+def agree_on_config(config) -> None:
+    """Every process must run the same resolved config and code; else DistributedError on every process,
+    naming each differing key with every process' value. (A collective: every process calls it.)"""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
+    values = _fingerprint_values(config)
+    keys = sorted(values)
+    if len(set(all_values(_hash63(" ".join(keys))))) > 1:
+        raise DistributedError("the processes run different maxtrain versions (their config keys differ). Start "
+                               "every process with the same maxtrain code, config file and overrides.")
+    mine = np.asarray([_hash63(values[k]) for k in keys], np.int64)
+    everyone = np.asarray(multihost_utils.process_allgather(mine))
+    differing = [k for i, k in enumerate(keys) if len(set(everyone[:, i].tolist())) > 1]
+    if not differing:
+        return
+    shown = json.dumps({k: values[k] for k in differing}).encode()
+    per_process = [json.loads(b) for b in _allgather_bytes(shown)]
+    parts = []
+    for k in differing:
+        seen = ", ".join(f"process {p}: {v[k]}" for p, v in enumerate(per_process))
+        parts.append(f"{k} ({seen})")
+    raise DistributedError(
+        "the processes of this run were started with different settings: " + "; ".join(parts)
+        + ". Start every process with the same config file, overrides and maxtrain code (only process_id may "
+        "differ). Nothing was done.")
 
 
 def all_values(value: int) -> list[int]:

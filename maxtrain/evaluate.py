@@ -15,7 +15,6 @@ eval_tasks_log_samples=true). Several processes split the requests between them,
 
 from __future__ import annotations
 
-import sys
 import time
 
 import jax
@@ -23,6 +22,7 @@ import jax
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
 from maxtrain import builder, decode, distributed, evals, models, sharding
+from maxtrain.errors import run_cli
 
 
 def load_params(config, mesh, log=print):
@@ -61,9 +61,4 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (config_lib.ConfigError, sharding.MeshError, distributed.DistributedError, checkpoint_lib.CheckpointError,
-            FileNotFoundError, ValueError) as error:
-        print(f"maxtrain.evaluate: error: {error}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    run_cli("maxtrain.evaluate", main)

@@ -15,7 +15,6 @@ process_id=<host>: nothing is initialized, only the sharding is computed as thos
 from __future__ import annotations
 
 import argparse
-import sys
 
 import jax
 import numpy as np
@@ -23,6 +22,7 @@ import numpy as np
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
 from maxtrain.data import pipeline, sources
+from maxtrain.errors import run_cli
 
 
 def _elide(text: str, chars: int) -> str:
@@ -86,8 +86,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (config_lib.ConfigError, FileNotFoundError, ValueError) as error:
-        print(f"maxtrain.inspect_data: error: {error}", file=sys.stderr)
-        sys.exit(2)
+    run_cli("maxtrain.inspect_data", main)

@@ -18,6 +18,7 @@ import struct
 import jax
 
 from maxtrain import models
+from maxtrain.errors import ConfigError
 
 # Dense (no sparsity) bfloat16 peak TFLOP/s per device, from the vendors' data sheets.
 # Matched against jax.Device.device_kind, longest key first.
@@ -90,6 +91,31 @@ def format_line(step: int, m: dict, loss_scaled: bool = False) -> str:
     if "eval/avg_loss" in m:
         parts.append(f"eval_loss {m['eval/avg_loss']:.4f}")
     return " | ".join(parts)
+
+
+def _writable_place(path: str, key: str, is_file: bool) -> None:
+    """ConfigError naming `key` when `path` could not be created or written (checked before any work)."""
+    path = os.path.abspath(path)
+    if is_file and os.path.isdir(path):
+        raise ConfigError(f"{key}={path!r} is a directory; give a file path, e.g. {key}={os.path.join(path, 'metrics.jsonl')}")
+    if not is_file and os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{key}={path!r} is a file, not a directory; choose a directory")
+    existing = os.path.dirname(path) if is_file else path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{key}={path!r} cannot be created: {existing} is a file, not a directory. Choose a path "
+                          "inside a directory")
+    target = path if os.path.exists(path) else existing
+    if not os.access(target, os.W_OK):
+        raise ConfigError(f"{key}={path!r} cannot be written: no write permission on {target}. Choose a writable path")
+
+
+def check_outputs(config) -> None:
+    """Fails before any work when an output of the run could not be written."""
+    _writable_place(config.base_output_directory, "base_output_directory", is_file=False)
+    if config.metrics_file:
+        _writable_place(config.metrics_file, "metrics_file", is_file=True)
 
 
 class MetricWriter:

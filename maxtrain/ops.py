@@ -1,4 +1,5 @@
-"""Two building blocks written for speed: a projection and the cross-entropy loss.
+"""Building blocks written for speed or memory: a projection, the cross-entropy loss, and the
+cross-entropy of a vocabulary projection computed a chunk of the sequence at a time.
 
 Each computes exactly what the plain jnp expression computes; only the shape of the work differs,
 chosen by profiling the train step on CPU (docs/performance.md, "CPU speed"):
@@ -16,6 +17,12 @@ in float32, with a hand-written backward pass (`jax.custom_vjp`). Autodiff of `t
 scatters into a zero [B, T, V] array and keeps several [B, T, V] intermediates; the gradient is
 (softmax - onehot(target)) x weight, computed here in one elementwise pass from the saved logits
 and log-normalizer. Over a 32k vocabulary this halved the loss's share of the CPU step.
+
+`tiled_cross_entropy(logits_fn, head, x, targets, weights, tiles)`: the same loss for the logits
+`logits_fn(head, x)`, but the sequence is cut into `tiles` chunks and only one chunk's [B, T/tiles, V]
+float32 logits (and their gradient) exist at a time. Its custom backward pass recomputes each chunk's
+logits and accumulates the head's gradient over the chunks (MaxText's num_vocab_tiling): for a
+256k vocabulary at 8k tokens the full logits alone are 8 GiB per sequence.
 """
 
 from __future__ import annotations
@@ -67,3 +74,44 @@ def _cross_entropy_bwd(residuals, g):
 
 
 cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
+
+
+def tiled_cross_entropy(logits_fn, head, x, targets, weights, tiles: int):
+    """sum over tokens of weights x (logsumexp(l) - l[target]) with l = logits_fn(head, x), one of `tiles`
+    sequence chunks at a time. x [B, T, D], targets and weights [B, T]; T % tiles == 0. Differentiable in
+    head (any pytree: the final norm, the output projection) and x."""
+    b, t = targets.shape
+    if t % tiles:
+        raise ValueError(f"sequence length {t} is not a multiple of num_vocab_tiling={tiles}")
+
+    def chunks(a):  # [B, T, ...] -> [tiles, B, T / tiles, ...]: each chunk keeps the batch's sharding
+        return jnp.moveaxis(a.reshape((b, tiles, t // tiles) + a.shape[2:]), 1, 0)
+
+    def chunk_loss(h, xc, tc, wc):
+        return cross_entropy(logits_fn(h, xc), tc, wc)
+
+    @jax.custom_vjp
+    def loss(h, x, targets, weights):
+        return _forward(h, x, targets, weights)[0]
+
+    def _forward(h, x, targets, weights):
+        total, _ = jax.lax.scan(lambda acc, c: (acc + chunk_loss(h, *c), None), jnp.float32(0.0),
+                                (chunks(x), chunks(targets), chunks(weights)))
+        return total, (h, x, targets, weights)
+
+    def _backward(residuals, g):
+        h, x, targets, weights = residuals
+
+        def body(dh, c):
+            xc, tc, wc = c
+            _, vjp = jax.vjp(lambda hh, xx: chunk_loss(hh, xx, tc, wc), h, xc)
+            dh_c, dx_c = vjp(g)
+            return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), dh, dh_c), dx_c
+
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), h)
+        dh, dx = jax.lax.scan(body, zeros, (chunks(x), chunks(targets), chunks(weights)))
+        dh = jax.tree.map(lambda d, a: d.astype(a.dtype), dh, h)
+        return dh, jnp.moveaxis(dx, 0, 1).reshape(x.shape), None, None
+
+    loss.defvjp(_forward, _backward)
+    return loss(head, x, targets, weights)

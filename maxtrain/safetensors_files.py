@@ -35,6 +35,8 @@ def read(path: str) -> dict[str, np.ndarray]:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise FormatError(f"{path} is not a safetensors file (its header is not JSON: {e})") from None
+        if not isinstance(header, dict):
+            raise FormatError(f"{path} is not a safetensors file (its header is not a JSON object)")
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else np.zeros(0, np.uint8)
     out = {}
     for name, info in header.items():
@@ -74,8 +76,14 @@ def read_model_dir(hf_dir: str) -> dict[str, np.ndarray]:
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     single = os.path.join(hf_dir, "model.safetensors")
     if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map")
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+            raise FormatError(f"{index} is not valid JSON ({e}); re-download it") from None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise FormatError(f"{index} has no \"weight_map\" of tensor names to files; re-download it")
+        files = sorted(set(map(str, weight_map.values())))
     elif os.path.isfile(single):
         files = ["model.safetensors"]
     else:

@@ -21,12 +21,14 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from maxtrain.errors import UserError
+
 MESH_AXES = ("data", "fsdp", "tensor")
 
 _ACTIVE: contextvars.ContextVar = contextvars.ContextVar("maxtrain_sharding", default=None)
 
 
-class MeshError(ValueError):
+class MeshError(UserError, ValueError):
     """A mesh that does not fit the devices or the model. The message says what to change."""
 
 
@@ -137,3 +139,33 @@ def shard(x, logical_axes: Sequence[str | None]):
         return x
     mesh, rules = active
     return jax.lax.with_sharding_constraint(x, named_sharding(mesh, logical_axes, rules))
+
+
+def active_devices():
+    """The devices of the mesh set by activation_sharding, or None outside it."""
+    active = _ACTIVE.get()
+    return None if active is None else list(active[0].devices.flat)
+
+
+def active_specs(axes_list: Sequence[Sequence[str | None]]):
+    """PartitionSpecs of arrays with these logical axes under the active rules, or None outside activation_sharding."""
+    active = _ACTIVE.get()
+    return None if active is None else [logical_to_spec(axes, active[1]) for axes in axes_list]
+
+
+def run_in_shards(fn, args: Sequence, in_axes: Sequence[Sequence[str | None]], out_axes: Sequence[str | None]):
+    """fn(*args) on each device's own shards: shard_map over the active mesh.
+
+    Each argument is split along the mesh axes its logical axes map to (None: whole on every
+    device), and the result is assembled from `out_axes`. For what GSPMD cannot partition (Pallas
+    and cuDNN kernels): with specs that match the arrays' shardings, nothing is gathered. Outside
+    activation_sharding this is fn(*args). check_vma is off because a Pallas call's output types
+    carry no record of which mesh axes they vary over.
+    """
+    active = _ACTIVE.get()
+    if active is None:
+        return fn(*args)
+    mesh, rules = active
+    in_specs = tuple(logical_to_spec(axes, rules) for axes in in_axes)
+    return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=logical_to_spec(out_axes, rules),
+                         check_vma=False)(*args)

@@ -24,9 +24,10 @@ from maxtrain import data as data_lib
 from maxtrain import preemption as preemption_lib
 from maxtrain.data import pipeline
 from maxtrain.data import tokenizer as tokenizer_lib
+from maxtrain.errors import UserError, run_cli
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """The run cannot continue; the message says why and what to try."""
 
 
@@ -80,13 +81,21 @@ def write_metadata(config, rt, start) -> dict:
 def main(argv: list[str]) -> dict:
     start_time = time.time()
     config = builder.load_config(argv, log=log)
+    metrics.check_outputs(config)  # a metrics_file or run directory that cannot be written: refused now
     distributed.initialize(config)
+    distributed.agree_on_config(config)  # one agreed view: the same settings and code on every process
     run = builder.build(config)  # mesh, model, optimizer, state shardings and the jitted steps
     config, rt, mesh, rules = run.config, run.rt, run.mesh, run.config.logical_axis_rules
 
     checkpointer = checkpoint_lib.Checkpointer(config, log=log) if config.enable_checkpointing else None
     start = checkpoint_lib.plan_start(config, checkpointer, run.abstract_state, log=log)  # fails here if it does not fit
     distributed.agree_on_checkpoint_step(start.step, config.checkpoint_dir)  # every process resumes the same step
+    if start.kind == "resume" and start.step >= config.steps and checkpointer.intact(start.step):
+        log(f"checkpoint {start.step_dir} is at step {start.step}, steps={config.steps}: nothing to train; raise steps "
+            f"(e.g. steps={start.step + config.steps}) to train on")
+        checkpointer.close()
+        return {"eval_losses": {}, "sample": None, "state": None, "config": config, "preempted": False,
+                "nothing_to_train": True}
     inputs = data_lib.make_inputs(config, log=log)
     task_evals = evals.from_config(config, inputs.tokenizer, mesh, rt, log=log)  # data checked, requests packed
     metadata = write_metadata(config, rt, start)
@@ -196,13 +205,7 @@ def _report(pending, config, peak, writer, last_done: float, loss_scaled: bool) 
 
 
 if __name__ == "__main__":
-    try:
-        result = main(sys.argv[1:])
-    except (config_lib.ConfigError, sharding.MeshError, distributed.DistributedError, TrainingError,
-            checkpoint_lib.CheckpointError, FileNotFoundError, ValueError) as error:
-        print(f"maxtrain: error: {error}", file=sys.stderr, flush=True)
-        if isinstance(error, checkpoint_lib.CheckpointError):
-            os._exit(2)  # a failed save's background writers would only add tracebacks on the way out
-        sys.exit(2)
+    # A failed save's background writers would only add tracebacks on the way out: CheckpointError ends at once.
+    result = run_cli("maxtrain", main, hard_exit=(checkpoint_lib.CheckpointError,))
     if result["preempted"]:
         sys.exit(143)  # 128 + SIGTERM, as if killed by it: the run is saved but not finished

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import html
 import os
+import re
 import sys
 
 import jax
@@ -29,6 +30,7 @@ from maxtrain import config as config_lib
 from maxtrain import data as data_lib
 from maxtrain import builder, decode, models, png, sharding
 from maxtrain.data import pipeline
+from maxtrain.errors import run_cli
 
 LOGPROB_FLOOR = -10.0  # log p at or below this is fully red
 _STOPS = np.asarray([[230, 80, 70], [255, 230, 150], [110, 195, 115]], np.float64)  # red, yellow, green
@@ -202,6 +204,7 @@ def write_heatmap(step: int, params, batch: dict, config, rt, tokenizer, writer=
 
 def main(argv: list[str]) -> str:
     config = builder.load_config(argv)
+    decode.require_checkpoint_path(config, "maxtrain.viz")
     if config.dataset_type != "default" and not config.grain_eval_files:
         raise config_lib.ConfigError("maxtrain.viz shows eval samples: use dataset_type=default or set grain_eval_files")
     step_dir = checkpoint_lib.find_step_dir(config.load_parameters_path, "load_parameters_path")
@@ -222,8 +225,4 @@ def main(argv: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (config_lib.ConfigError, sharding.MeshError, FileNotFoundError, ValueError) as error:
-        print(f"maxtrain.viz: error: {error}", file=sys.stderr)
-        sys.exit(2)
+    run_cli("maxtrain.viz", main)

@@ -41,7 +41,6 @@ import os
 import platform
 import resource
 import statistics
-import sys
 import time
 
 import jax
@@ -50,6 +49,7 @@ from maxtrain import builder, distributed, metrics, models, sharding, train
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
 from maxtrain.data import pipeline
+from maxtrain.errors import run_cli
 
 BENCHMARK_OVERRIDES = ["enable_checkpointing=false", "enable_tensorboard=false", "eval_interval=-1",
                        "max_new_tokens=0", "metrics_file="]
@@ -104,8 +104,11 @@ def run(argv: list[str]) -> dict:
         return result
     user_overrides = args.config_and_overrides[1:]
     total_steps = args.warmup + args.steps
-    config = builder.load_config([args.config_and_overrides[0], *BENCHMARK_OVERRIDES,
-                                     f"steps={total_steps}", *user_overrides])
+    config = builder.load_config(config_lib.with_overrides(
+        [args.config_and_overrides[0], *BENCHMARK_OVERRIDES, f"steps={total_steps}"], *user_overrides))
+    if config.steps != total_steps:
+        raise config_lib.ConfigError(f"steps={config.steps}: the benchmark runs --warmup + --steps steps "
+                                     f"({total_steps}); pass --steps N instead of steps=")
     distributed.initialize(config)
     run = builder.build(config)  # exactly what train.py builds
     config, rt, mesh, rules = run.config, run.rt, run.mesh, run.config.logical_axis_rules
@@ -218,8 +221,4 @@ def format_result(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    try:
-        run(sys.argv[1:])
-    except (config_lib.ConfigError, sharding.MeshError, distributed.DistributedError, ValueError) as error:
-        print(f"benchmark: error: {error}", file=sys.stderr)
-        sys.exit(2)
+    run_cli("benchmark", run)

@@ -16,13 +16,13 @@ that other work shares: wall time there varies by more than the difference being
 
 import argparse
 import statistics
-import sys
 import time
 
 import jax
 
 from maxtrain import config as config_lib
 from maxtrain.data import make_inputs, pipeline
+from maxtrain.errors import run_cli
 
 
 class _Timed:
@@ -62,8 +62,9 @@ def train_step_times(args: list[str], steps: int) -> tuple[float, float, float]:
 
     pipeline.to_global, train.data_lib.make_inputs = tap, make_timed
     try:
-        train.main(args + [f"steps={steps}", "eval_interval=-1", "enable_checkpointing=false", "max_new_tokens=0",
-                           "enable_tensorboard=false", f"log_period={steps}", f"run_name=benchmark_input_{time.time():.0f}"])
+        train.main(config_lib.with_overrides(
+            args, f"steps={steps}", "eval_interval=-1", "enable_checkpointing=false", "max_new_tokens=0",
+            "enable_tensorboard=false", f"log_period={steps}", f"run_name=benchmark_input_{time.time():.0f}"))
     finally:
         pipeline.to_global, train.data_lib.make_inputs = to_global, make
     deltas = [(b[0] - a[0], b[1] - a[1]) for a, b in zip(stamps[10:], stamps[11:])]
@@ -115,8 +116,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    try:
-        main(sys.argv[1:])
-    except (config_lib.ConfigError, FileNotFoundError, ValueError) as error:
-        print(f"benchmark_input: error: {error}", file=sys.stderr)
-        sys.exit(2)
+    run_cli("benchmark_input", main)

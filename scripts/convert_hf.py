@@ -23,7 +23,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maxtrain import checkpoint, convert  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain import convert  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain.errors import run_cli  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def main(argv: list[str]) -> int:
@@ -57,11 +58,10 @@ def main(argv: list[str]) -> int:
             out = convert.export_hf(args.checkpoint, args.out_dir, args.dtype, int(args.max_shard_mb * 2**20),
                                     tokenizer=args.tokenizer)
             print(f"wrote {os.path.abspath(out)} (load with transformers.AutoModelForCausalLM.from_pretrained)")
-    except (convert.ConversionError, checkpoint.CheckpointError, OSError) as error:
-        print(f"convert_hf: error: {error}", file=sys.stderr)
-        return 2
+    except OSError as error:  # an output directory that cannot be written
+        raise convert.ConversionError(f"{error.strerror or error}: {error.filename or args.out_dir}") from error
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_cli("convert_hf", main))

@@ -5,14 +5,8 @@
         [--text-field text] [--eval-fraction 0.01] [--workers 8]
 """
 
-import sys
-
 from maxtrain.data import prepare
-from maxtrain.data.errors import DataError
+from maxtrain.errors import run_cli
 
 if __name__ == "__main__":
-    try:
-        prepare.main()
-    except (DataError, FileNotFoundError, ValueError) as error:
-        print(f"\nprepare_data: error: {error}", file=sys.stderr)
-        sys.exit(2)
+    run_cli("prepare_data", prepare.main)

@@ -20,6 +20,18 @@ import time
 
 from maxtrain.data import prepare, tokenizer_training
 from maxtrain.data.errors import DataError
+from maxtrain.errors import run_cli
+
+
+def _check_output(path: str) -> None:
+    """--output must be a file path whose directory can be made."""
+    if os.path.isdir(path):
+        raise DataError(f"--output {path} is a directory; give the .model file's path, e.g. {path}/tok.model")
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise DataError(f"--output {path} cannot be written: {parent} is a file, not a directory")
 
 
 def main(argv=None):
@@ -33,6 +45,11 @@ def main(argv=None):
     p.add_argument("--txt-documents", default="file", choices=("file", "line", "paragraph"))
     p.add_argument("--max-mb", type=float, default=200.0, help="megabytes of text to sample")
     args = p.parse_args(argv)
+    if args.vocab_size < 5:  # pad, bos, eos, unk and the newline symbol, before any learned piece
+        raise DataError(f"--vocab-size {args.vocab_size} is too small: the tokenizer needs at least 5 ids "
+                        "(pad, bos, eos, unk, newline) plus one per distinct character; e.g. --vocab-size 32000")
+    if not (0 < args.max_mb < float("inf")):
+        raise DataError(f"--max-mb {args.max_mb} must be a number > 0 (megabytes of text to sample)")
     out = args.output
     if args.kind == "hf" and (os.path.isfile(out) or out.endswith((".model", ".json"))):
         raise DataError(f"--kind hf writes a directory (tokenizer.json, tokenizer_config.json, "
@@ -41,10 +58,20 @@ def main(argv=None):
     if args.kind == "sentencepiece" and os.path.isdir(out):
         raise DataError(f"--output {out!r} is a directory; sentencepiece writes one file: give its name, e.g. "
                         f"--output {os.path.join(out, 'tok.model')} (or use --kind hf to write a directory)")
+    if args.kind == "sentencepiece":
+        _check_output(out)
     files = prepare.expand_inputs(args.input)
     start = time.time()
     texts = tokenizer_training.sample_texts(files, int(args.max_mb * 1e6), args.text_field, args.txt_documents)
-    tok = tokenizer_training.train(args.kind, texts, args.vocab_size)
+    try:
+        tok = tokenizer_training.train(args.kind, texts, args.vocab_size)
+    except RuntimeError as e:  # sentencepiece reports impossible sizes as RuntimeError
+        message = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+        if "ocabulary size" not in message:
+            raise
+        raise DataError(f"--vocab-size {args.vocab_size} does not fit this text: sentencepiece says {message!r}. "
+                        "Choose a --vocab-size in the range it names (every distinct character needs an id; more "
+                        "pieces than the text supports cannot be learned).") from None
     tok.write(out)
     print(f"train_tokenizer: {tok.vocab_size} pieces ({args.kind}) from {len(files)} files in "
           f"{time.time() - start:.1f}s -> {out} (checksum {tok.checksum}); train with tokenizer_path={out} "
@@ -52,8 +79,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (DataError, FileNotFoundError, ValueError) as error:
-        print(f"train_tokenizer: error: {error}", file=sys.stderr)
-        sys.exit(2)
+    run_cli("train_tokenizer", main)

@@ -27,8 +27,11 @@ def cache_dir(tmp_path_factory) -> str:
 
 
 def args(out: Path, run_name: str, cache: str, *overrides: str) -> list[str]:
-    return [str(REPO / "configs" / "base.yml"), *TINY, f"base_output_directory={out}", f"run_name={run_name}",
-            f"dataset_cache_dir={cache}", *overrides]
+    """The command line; `overrides` replace the same keys above (a key given twice is refused)."""
+    from maxtrain.config import with_overrides  # pylint: disable=import-outside-toplevel
+
+    return with_overrides([str(REPO / "configs" / "base.yml"), *TINY, f"base_output_directory={out}",
+                           f"run_name={run_name}", f"dataset_cache_dir={cache}"], *overrides)
 
 
 def train(out: Path, run_name: str, cache: str, *overrides: str) -> dict:

@@ -94,7 +94,10 @@ def prepared(tmp_path_factory, name: str, docs: list[str], tok: str, extra: tupl
 def config(*overrides: str, devices: int = 1, processes: int = 1):
     from maxtrain import config as config_lib  # pylint: disable=import-outside-toplevel
 
-    return config_lib.with_devices(config_lib.load_config([BASE, *overrides]), devices, processes)
+    argv = [BASE]
+    for override in overrides:  # a later override replaces an earlier one of the same key
+        argv = config_lib.with_overrides(argv, override)
+    return config_lib.with_devices(config_lib.load_config(argv), devices, processes)
 
 
 def decode_segments(batch: dict, tok) -> list[str]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from maxtrain import config as config_lib
 from maxtrain.evals import data as data_lib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,5 +50,5 @@ def corpus_cache(tmp_path_factory) -> str:
 
 
 def args(out, run_name: str, corpus: str, cache: str, *overrides: str) -> list[str]:
-    return [BASE, *TINY, f"base_output_directory={out}", f"run_name={run_name}", f"dataset_cache_dir={corpus}",
-            f"eval_tasks_cache_dir={cache}", *overrides]
+    return config_lib.with_overrides([BASE, *TINY], f"base_output_directory={out}", f"run_name={run_name}",
+                                     f"dataset_cache_dir={corpus}", f"eval_tasks_cache_dir={cache}", *overrides)

@@ -10,6 +10,7 @@ import pytest
 
 from ckpt_helpers import REPO, assert_bitwise_equal, cache_dir, train  # noqa: F401  (cache_dir is a fixture)
 from maxtrain import checkpoint
+from maxtrain.config import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -102,8 +103,12 @@ def test_unwritable_checkpoint_directory_fails_at_start(cache_dir, tmp_path):  #
     # cannot be created by anyone.
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    with pytest.raises(checkpoint.CheckpointError) as error:
+    with pytest.raises(ConfigError) as error:  # the run's outputs are checked first, before any work
         train(blocker / "outputs", "r", cache_dir, "steps=2")
+    assert str(error.value) == (f"base_output_directory='{blocker}/outputs' cannot be created: {blocker} is a file, "
+                                "not a directory. Choose a path inside a directory")
+    with pytest.raises(checkpoint.CheckpointError) as error:  # the checkpointer's own probe says the same
+        checkpoint.check_writable(str(blocker / "outputs" / "r" / "checkpoints"))
     message = str(error.value)
     assert f"the checkpoint directory {blocker}/outputs/r/checkpoints is not writable" in message
     assert "Not a directory" in message and "enable_checkpointing=false" in message
@@ -111,10 +116,15 @@ def test_unwritable_checkpoint_directory_fails_at_start(cache_dir, tmp_path):  #
 
 
 def test_find_step_dir_skips_half_written_checkpoints(tmp_path):
+    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
     ckpts = tmp_path / "checkpoints"
-    for name in ("10", "20", "30.orbax-checkpoint-tmp-1234", "40"):
-        (ckpts / name / "state").mkdir(parents=True)
-    (ckpts / "50").mkdir()  # no state/: not a checkpoint
+    saver = ocp.StandardCheckpointer()
+    for name in ("10", "20", "40"):
+        saver.save(ckpts / name / "state", {"params": {"w": np.zeros(2, np.float32)}})
+    saver.wait_until_finished()
+    (ckpts / "30.orbax-checkpoint-tmp-1234" / "state").mkdir(parents=True)
+    (ckpts / "50").mkdir()  # no state/: not a checkpoint (a damaged one, to the trainer)
     assert checkpoint.complete_steps(str(ckpts)) == [10, 20, 40]
     for path in (tmp_path, ckpts):
         assert checkpoint.find_step_dir(str(path)) == os.path.join(ckpts, "40")

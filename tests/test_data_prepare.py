@@ -132,3 +132,24 @@ def test_prepare_script_reports_bad_input_and_exits_2(tmp_path, tmp_path_factory
 def test_unknown_file_types_are_refused(name):
     with pytest.raises(ValueError, match="parquet|unknown file type"):
         text_files.file_format(name)
+
+
+def test_another_tokenizer_is_refused_unless_overwrite_and_never_mixed(tmp_path, tmp_path_factory):
+    first, second = h.tokenizer_path(tmp_path_factory), h.tokenizer_path(tmp_path_factory, "other", seed=1)
+    assert Tokenizer.load(first).checksum != Tokenizer.load(second).checksum
+    raw = h.write_jsonl(str(tmp_path / "raw.jsonl"), h.texts(30, "a"))
+    out = str(tmp_path / "out")
+    args = ["--input", raw, "--output-dir", out, "--workers", "1"]
+    prepare.main([*args, "--tokenizer", first])
+    before = {n: os.path.getmtime(os.path.join(out, n)) for n in os.listdir(out)}
+    with pytest.raises(prepare.DataError, match=f"--output-dir {out} was prepared with another tokenizer .*pass "
+                                                "--overwrite"):
+        prepare.main([*args, "--tokenizer", second])
+    assert {n: os.path.getmtime(os.path.join(out, n)) for n in os.listdir(out)} == before  # untouched
+    with pytest.raises(prepare.DataError, match="was prepared with other settings \\(text_field: 'text' -> 'body'\\)"):
+        prepare.main([*args, "--tokenizer", first, "--text-field", "body"])
+    meta = prepare.main([*args, "--tokenizer", second, "--overwrite"])
+    assert meta["tokenizer"]["checksum"] == Tokenizer.load(second).checksum
+    assert sorted(n for n in os.listdir(out) if n.endswith(".arrayrecord")) == sorted(meta["shards"])
+    markers = [json.load(open(os.path.join(out, ".prepare", n))) for n in os.listdir(os.path.join(out, ".prepare"))]
+    assert {m["settings"]["tokenizer_checksum"] for m in markers} == {Tokenizer.load(second).checksum}

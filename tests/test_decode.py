@@ -15,6 +15,7 @@ import pytest
 
 from maxtrain import checkpoint, decode, models, optimizer, precision, sharding
 from maxtrain import config as config_lib
+from maxtrain.config import with_overrides
 from maxtrain.data import DataError, pipeline
 from maxtrain.data import tokenizer as tokenizer_lib
 
@@ -160,9 +161,9 @@ def test_decode_cli_loads_params_from_a_training_checkpoint(tiny, step_dir, caps
     assert decode.main([*argv[:-3], f"load_parameters_path={config.checkpoint_dir}", "prompt=def ",
                         "max_new_tokens=12"]) == text
     with pytest.raises(checkpoint.CheckpointError, match="does not fit the configured model"):
-        decode.main([*argv, "base_mlp_dim=128"])
+        decode.main(with_overrides(argv, "base_mlp_dim=128"))
     with pytest.raises(checkpoint.CheckpointError, match="does not exist"):
-        decode.main([*argv, f"load_parameters_path={config.checkpoint_dir}/8"])
+        decode.main(with_overrides(argv, f"load_parameters_path={config.checkpoint_dir}/8"))
     with pytest.raises(config_lib.ConfigError, match="load_parameters_path"):
         decode.main(argv[:-3])
 

@@ -48,13 +48,23 @@ def test_cluster_detection_leaves_the_settings_to_jax(monkeypatch):
 
 @pytest.mark.parametrize("overrides,message", [
     (["coordinator_address=10.0.0.1:1234"], "also needs num_processes"),
-    (["coordinator_address=10.0.0.1:1234", "num_processes=2", "process_id=2"], "process_id in \\[0, num_processes\\)"),
+    (["coordinator_address=10.0.0.1:1234", "num_processes=2", "process_id=2"], "process_id.* in \\[0, num_processes"),
     (["num_processes=2", "process_id=0"], "needs coordinator_address=host:port"),
     (["coordinator_address=10.0.0.1", "num_processes=2", "process_id=0"], "must be host:port"),
 ])
 def test_incomplete_settings_are_refused(overrides, message):
-    with pytest.raises(distributed.DistributedError, match=message):
+    # Refused by the config check where the keys say it all, else when the settings are resolved.
+    with pytest.raises((distributed.DistributedError, config_lib.ConfigError), match=message):
         distributed.settings(config(*overrides))
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:99999", "127.0.0.1:0", "host:65536"])
+def test_a_port_outside_1_to_65535_is_refused_before_any_wait(address, monkeypatch):
+    with pytest.raises(config_lib.ConfigError, match="outside 1-65535"):
+        config(f"coordinator_address={address}", "num_processes=2", "process_id=1")
+    monkeypatch.setenv("MAXTRAIN_COORDINATOR_ADDRESS", address)  # the environment's address too
+    with pytest.raises(config_lib.ConfigError, match="outside 1-65535"):
+        distributed.settings(config("num_processes=2", "process_id=1"))
 
 
 def test_timeout_must_be_positive():
@@ -82,6 +92,24 @@ def test_coordinator_probe_gives_up_at_the_deadline_with_the_address():
     assert 1.0 <= time.monotonic() - started < 4
     assert f"could not reach the coordinator at 127.0.0.1:{port}" in str(error.value)
     assert "distributed_initialization_timeout=1s" in str(error.value)
+
+
+def test_process_0_refuses_a_coordinator_port_already_in_use():
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        address = f"127.0.0.1:{server.getsockname()[1]}"
+        with pytest.raises(distributed.DistributedError, match="another process was also started with process_id=0"):
+            distributed._check_port_free(address)  # pylint: disable=protected-access
+    distributed._check_port_free(address)  # pylint: disable=protected-access  # closed again: free
+
+
+def test_the_config_fingerprint_leaves_out_process_id_only():
+    a = distributed._fingerprint_values(config("run_name=x", "process_id=0"))  # pylint: disable=protected-access
+    b = distributed._fingerprint_values(config("run_name=x", "process_id=1"))  # pylint: disable=protected-access
+    assert a == b and "maxtrain code" in a and "num_processes" in a
+    c = distributed._fingerprint_values(config("run_name=x", "num_processes=3"))  # pylint: disable=protected-access
+    assert [k for k in a if a[k] != c[k]] == ["num_processes"]
 
 
 def test_a_single_process_agrees_with_itself():

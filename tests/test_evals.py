@@ -20,7 +20,7 @@ import pytest
 from eval_helpers import BASE, REPO, args, corpus_cache, eval_cache  # noqa: F401  (fixtures)
 from maxtrain import config as config_lib
 from maxtrain import models, sharding
-from maxtrain.data import tokenizer as tokenizer_lib
+from maxtrain.data import tokenizer_training
 from maxtrain.evals import data as data_lib
 from maxtrain.evals import metrics as metrics_lib
 from maxtrain.evals import requests as requests_lib
@@ -32,9 +32,10 @@ from maxtrain.evals import tasks as tasks_lib
     ("eval_tasks=hellaswag,helaswag", "unknown task 'helaswag'; did you mean hellaswag?"),
     ("eval_tasks=mmlu:five", "must be task:N"),
     ("eval_tasks=piqa,piqa", "names piqa twice"),
-    ("eval_tasks_interval=0", "eval_tasks_interval=0 must be > 0, or -1"),
-    ("eval_tasks_max_examples=0", "eval_tasks_max_examples=0 must be > 0, or -1"),
-    ("eval_tasks_num_fewshot=-2", "eval_tasks_num_fewshot=-2 must be >= 0"),
+    ("eval_tasks_interval=0", "eval_tasks_interval=0 is not allowed: it must be -1 or >= 1"),
+    ("eval_tasks_max_examples=0", "eval_tasks_max_examples=0 is not allowed: it must be -1 or >= 1"),
+    ("eval_tasks_max_target_length=1", "eval_tasks_max_target_length=1 is not allowed: it must be -1 or >= 2"),
+    ("eval_tasks_num_fewshot=-2", "eval_tasks_num_fewshot=-2 is not allowed: it must be >= 0"),
 ])
 def test_bad_settings_are_refused_with_the_fix(override, message):
     with pytest.raises(config_lib.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -145,7 +146,7 @@ def tokenizer():
     words = "the cat sat on a mat and then it ran off to see what the dog did all day long".split()
     rng = np.random.default_rng(0)
     texts = [" ".join(rng.choice(words, 30)) for _ in range(200)]
-    return tokenizer_lib.train(texts, vocab_size=320)
+    return tokenizer_training.train_sentencepiece(texts, vocab_size=320)
 
 
 def test_tokenization_moves_trailing_spaces_and_splits_the_whole_like_lm_eval(tokenizer):

@@ -22,6 +22,7 @@ from eval_helpers import BASE, REPO, eval_cache  # noqa: F401  (fixture)
 from maxtrain import config as config_lib
 from maxtrain import convert, models, safetensors_files
 from maxtrain.data import tokenizer as tokenizer_lib
+from maxtrain.data import tokenizer_training
 
 TASKS = ["arc_easy", "winogrande", "lambada"]
 MODEL = {"base_emb_dim": 32, "base_num_query_heads": 2, "base_num_kv_heads": 2, "base_mlp_dim": 64,
@@ -35,7 +36,7 @@ def _checkpoint_and_tokenizer(tmp_path, cache: str) -> tuple[str, str]:
     files = data_lib.open_cache(cache, ["arc_easy"])
     texts = [r["question"] + " " + " ".join(r["choices"]["text"]) for r in data_lib.read_rows(files["arc_easy"]["validation"])]
     tok_path = tmp_path / "tok.model"
-    tok_path.write_bytes(tokenizer_lib.train(texts, vocab_size=512).model_proto)
+    tok_path.write_bytes(tokenizer_training.train_sentencepiece(texts, vocab_size=512).files[tokenizer_lib.SP_MODEL])
     config = config_lib.load_config([BASE, *[f"{k}={convert.yaml_value(v)}" for k, v in MODEL.items()]])
     keys = {k: getattr(config, k) for k in models.MODEL_KEYS}
     params = jax.tree.map(np.asarray, models.init_params(config, jax.random.key(7)))

@@ -62,9 +62,10 @@ def test_an_imported_model_fine_tunes_with_its_own_tokenizer_and_exports_with_it
     """load_parameters_path=OUT alone: the model and its Hugging Face tokenizer are adopted, the default corpus
     is tokenized with that tokenizer, and the export carries the original config.json and the tokenizer."""
     out, keys = imported
-    result = train.main([str(REPO / "configs" / "base.yml"), *RUN, "dataset_type=default", "default_corpus_max_mb=0.2",
-                         "eval_interval=-1", f"dataset_cache_dir={tmp_path / 'cache'}", f"load_parameters_path={out}",
-                         f"base_output_directory={tmp_path}", "run_name=ft_tok"])
+    result = train.main(config_lib.with_overrides(
+        [str(REPO / "configs" / "base.yml"), *RUN], "dataset_type=default", "default_corpus_max_mb=0.2",
+        "eval_interval=-1", f"dataset_cache_dir={tmp_path / 'cache'}", f"load_parameters_path={out}",
+        f"base_output_directory={tmp_path}", "run_name=ft_tok"))
     assert f"and its tokenizer {out}/hf" in capsys.readouterr().out
     assert result["config"].tokenizer_path == str(out / "hf")
     exported = tmp_path / "export"
@@ -106,6 +107,6 @@ def test_resuming_with_a_changed_setting_is_refused(imported, tmp_path):
     train.main(common)
     saved = config_lib.load_config(common)
     with pytest.raises(checkpoint.CheckpointError, match="rope_max_timescale: checkpoint 10000.0, this run 5.0"):
-        train.main([*common, "steps=4", "rope_max_timescale=5.0", *[
+        train.main(config_lib.with_overrides(common, "steps=4", "rope_max_timescale=5.0", *[
             f"{k}={convert.yaml_value(getattr(checkpoint.adopt_model_settings(saved, log=lambda *a: None), k))}"
-            for k in models.MODEL_KEYS if k != "rope_max_timescale"]])
+            for k in models.MODEL_KEYS if k != "rope_max_timescale"]))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from maxtrain.attention import dot_product_attention, make_attention_mask
-from maxtrain.kernels.flash_attention import flash_attention
+from maxtrain.kernels.flash_attention import Tuning, default_tuning, flash_attention, shared_memory_bytes
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -35,6 +35,10 @@ class Case:
     block_q: int = 32
     block_k: int = 32
     dtype: type = jnp.float32
+    sliding_window: int = 0
+    soft_cap: float = 0.0
+    scale: float | None = None
+    tuning: tuple | None = None  # (fwd, dq, dkv) Tunings instead of default_tuning's
 
 
 CASES = {
@@ -54,6 +58,18 @@ CASES = {
     "gqa4_causal_packed_len100_bf16": Case(q_len=100, kv_len=100, packed=True, block_q=32,
                                            block_k=64, dtype=jnp.bfloat16),
     "mha_full_packed_bf16": Case(kv_heads=4, causal=False, packed=True, dtype=jnp.bfloat16),
+    # Gemma-style: a sliding window (24, narrower than a block, so whole blocks are skipped and
+    # windows straddle blocks), logits soft-capped at 5 and a score scale other than H ** -0.5.
+    "gqa2_window24_cap5_scale_packed_len100_f32": Case(batch=2, q_len=100, kv_len=100, kv_heads=2, packed=True,
+                                                       block_q=32, block_k=16, sliding_window=24, soft_cap=5.0,
+                                                       scale=0.3),
+    "mha_window40_cap20_bf16": Case(q_len=128, kv_len=128, kv_heads=4, sliding_window=40, soft_cap=20.0,
+                                    dtype=jnp.bfloat16),
+    # Each kernel with its own tiles (as default_tuning makes them for head_dim 256): lengths are
+    # padded to the largest block, block skipping is per kernel.
+    "gqa4_own_tiles_per_kernel_len80_f32": Case(q_len=80, kv_len=80, packed=True, sliding_window=50,
+                                                tuning=(Tuning(32, 16, 4, 2), Tuning(16, 32, 4, 2),
+                                                        Tuning(16, 16, 4, 1))),
 }
 
 
@@ -82,14 +98,14 @@ def _inputs(case: Case, seed: int):
     return q, k, v, do, q_seg, kv_seg
 
 
-def _reference(q, k, v, q_seg, kv_seg, causal):
+def _reference(q, k, v, q_seg, kv_seg, causal, sliding_window=0, soft_cap=0.0, scale=None):
     """Reference attention in float32 on the same input values."""
     if q_seg is None:
         q_seg = jnp.ones(q.shape[:2], jnp.int32)
         kv_seg = jnp.ones(k.shape[:2], jnp.int32)
-    mask = make_attention_mask(q_seg, kv_seg, causal=causal)
+    mask = make_attention_mask(q_seg, kv_seg, causal=causal, sliding_window=sliding_window)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    return dot_product_attention(f32(q), f32(k), f32(v), mask)
+    return dot_product_attention(f32(q), f32(k), f32(v), mask, scale=scale, logits_soft_cap=soft_cap)
 
 
 def _assert_close(name, actual, expected, tol):
@@ -103,16 +119,18 @@ def test_matches_reference(name):
     case = CASES[name]
     q, k, v, do, q_seg, kv_seg = _inputs(case, seed=sorted(CASES).index(name))
 
+    tuning = None if case.tuning is None else dict(zip(("fwd", "dq", "dkv"), case.tuning))
+
     def flash(q, k, v):
         return flash_attention(q, k, v, q_seg, kv_seg, causal=case.causal, block_q=case.block_q,
-                               block_k=case.block_k, interpret=True)
+                               block_k=case.block_k, sliding_window=case.sliding_window,
+                               logits_soft_cap=case.soft_cap, sm_scale=case.scale, tuning=tuning, interpret=True)
 
     def reference(q, k, v):
-        return _reference(q, k, v, q_seg, kv_seg, case.causal)
+        return _reference(q, k, v, q_seg, kv_seg, case.causal, case.sliding_window, case.soft_cap, case.scale)
 
-    out, flash_vjp = jax.vjp(flash, q, k, v)
+    out, grads = jax.jit(lambda q, k, v, do: (lambda o, f: (o, f(do)))(*jax.vjp(flash, q, k, v)))(q, k, v, do)
     assert out.shape == q.shape and out.dtype == q.dtype
-    grads = flash_vjp(do)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     ref_out, ref_vjp = jax.vjp(reference, f32(q), f32(k), f32(v))
     ref_grads = ref_vjp(f32(do))
@@ -137,6 +155,36 @@ def test_wrong_mask_is_detected():
         assert float(jnp.max(jnp.abs(out - wrong))) > 0.1
         with pytest.raises(AssertionError):
             _assert_close("wrong mask", out, wrong, 1e-5)
+
+
+def test_wrong_window_or_cap_is_detected():
+    """A kernel that ignored the window, the cap or the scale (or had the window off by one) fails the comparison."""
+    case = CASES["gqa2_window24_cap5_scale_packed_len100_f32"]
+    q, k, v, _, q_seg, kv_seg = _inputs(case, seed=1)
+    out = flash_attention(q, k, v, q_seg, kv_seg, sliding_window=24, logits_soft_cap=5.0, sm_scale=0.3,
+                          block_q=32, block_k=16, interpret=True)
+    _assert_close("right settings", out, _reference(q, k, v, q_seg, kv_seg, True, 24, 5.0, 0.3), 1e-5)
+    for window, cap, scale in ((0, 5.0, 0.3), (25, 5.0, 0.3), (24, 0.0, 0.3), (24, 5.0, None)):
+        wrong = _reference(q, k, v, q_seg, kv_seg, True, window, cap, scale)
+        with pytest.raises(AssertionError):
+            _assert_close(f"wrong window/cap/scale {window, cap, scale}", out, wrong, 1e-5)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("shared_memory", [232448, 166912, 101376])
+def test_default_tuning_fits_the_shared_memory(head_dim, shared_memory):
+    """Every kernel's tiles fit the target (by the model the lowering tests check on real targets),
+    the requested blocks are kept where they fit, and only shrink where they must."""
+    for dtype in (jnp.bfloat16, jnp.float16):
+        tuning = default_tuning(head_dim, dtype, 128, 128, shared_memory)
+        for kernel, t in tuning.items():
+            assert shared_memory_bytes(kernel, t, head_dim, 2) <= shared_memory, (kernel, t)
+            assert t.block_q <= 128 and t.block_k <= 128 and t.num_stages in (1, 2)
+    h100 = default_tuning(128, jnp.bfloat16, 128, 128, 232448)
+    assert all((t.block_q, t.block_k) == (128, 128) for t in h100.values())
+    # head_dim 256 on an H100: the tiles that asked for 328,192 bytes (over the 232,448 available) shrink.
+    assert shared_memory_bytes("fwd", Tuning(128, 128, 8, 2), 256, 2) >= 328192
+    assert default_tuning(256, jnp.bfloat16, 128, 128, 232448)["fwd"] == Tuning(128, 64, 8, 2)
 
 
 def test_query_without_visible_keys_gives_zeros():
@@ -174,3 +222,29 @@ def test_rejects_incompatible_heads():
     k = jnp.zeros((1, 32, 4, 32))
     with pytest.raises(ValueError, match="multiple of kv heads"):
         flash_attention(q, k, k, interpret=True)
+
+
+def test_broken_backward_fails_the_comparison(monkeypatch):
+    """A kernel whose backward forgets the soft-cap's derivative (1 - tanh^2) passes the forward
+    comparison but fails the gradient one: the tolerance catches a wrong backward."""
+    from maxtrain.kernels import flash_attention as module  # pylint: disable=import-outside-toplevel
+
+    case = CASES["gqa2_window24_cap5_scale_packed_len100_f32"]
+    q, k, v, do, q_seg, kv_seg = _inputs(case, seed=2)
+    original = module._scores  # pylint: disable=protected-access
+
+    def no_cap_slope(cfg, q, k, mask):
+        s, _ = original(cfg, q, k, mask)
+        return s, None
+
+    monkeypatch.setattr(module, "_scores", no_cap_slope)
+
+    def flash(q, k, v):
+        return flash_attention(q, k, v, q_seg, kv_seg, sliding_window=24, logits_soft_cap=5.0, sm_scale=0.3,
+                               block_q=32, block_k=16, interpret=True)
+
+    out, vjp = jax.vjp(flash, q, k, v)
+    ref_out, ref_vjp = jax.vjp(lambda q, k, v: _reference(q, k, v, q_seg, kv_seg, True, 24, 5.0, 0.3), q, k, v)
+    _assert_close("forward unaffected", out, ref_out, 1e-5)
+    with pytest.raises(AssertionError):
+        _assert_close("broken dq", vjp(do)[0], ref_vjp(do)[0], 1e-5)

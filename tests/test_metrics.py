@@ -8,7 +8,7 @@ import pytest
 
 from conftest import BASE_YML
 from maxtrain import builder, metrics
-from maxtrain.config import load_config
+from maxtrain.config import load_config, with_overrides
 
 
 def test_flops_formula_matches_xla_count():
@@ -79,8 +79,8 @@ def test_metrics_file_and_tensorboard_from_a_run(tiny_args, tmp_path):
     from maxtrain import train  # pylint: disable=import-outside-toplevel
 
     metrics_file = tmp_path / "metrics.jsonl"
-    result = train.main([*tiny_args, "dataset_type=synthetic", "steps=4", "enable_checkpointing=false",
-                         "enable_tensorboard=true", f"metrics_file={metrics_file}", "peak_tflops_per_device=1.0"])
+    result = train.main(with_overrides(tiny_args, "dataset_type=synthetic", "steps=4", "enable_checkpointing=false",
+                         "enable_tensorboard=true", f"metrics_file={metrics_file}", "peak_tflops_per_device=1.0"))
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for key in ("learning/loss", "learning/grad_norm", "learning/current_learning_rate", "perf/step_time_seconds",

@@ -1,3 +1,5 @@
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,11 +10,12 @@ from maxtrain import models
 from maxtrain.models import blocks
 from maxtrain.models import rope as rope_lib
 from maxtrain import config as config_lib
-from maxtrain.config import load_config
+from maxtrain import settings as settings_lib
+from maxtrain.config import load_config, with_overrides
 
 
 def setup(*overrides):
-    cfg = load_config([BASE_YML, *TINY, *overrides])
+    cfg = load_config([BASE_YML, *with_overrides(TINY, *overrides)])
     rt = models.Runtime.from_config(cfg)
     params = models.init_params(cfg, jax.random.key(0))
     return cfg, rt, params
@@ -162,7 +165,9 @@ def test_aux_losses_reach_the_objective_and_the_metrics(monkeypatch):
                                                                   "flops_per_token")},
                                 layer=layer, DECODER_BLOCK="toy")
     monkeypatch.setitem(models_lib.FAMILIES, "toy", toy)
-    monkeypatch.setattr(config_lib, "DECODER_BLOCKS", config_lib.DECODER_BLOCKS + ("toy",))
+    block = config_lib.table()["decoder_block"]  # the settings table admits the new family too
+    monkeypatch.setitem(config_lib.table(), "decoder_block", dataclasses.replace(
+        block, allowed=settings_lib.parse_allowed(block.allowed.text + " | toy", block.default, "test")))
     cfg, rt, params = setup("decoder_block=toy")
     rng = np.random.default_rng(5)
     tokens = rng.integers(4, cfg.vocab_size, (1, 2, 17)).astype(np.int32)

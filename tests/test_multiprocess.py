@@ -5,8 +5,8 @@ One module fixture runs `python -m maxtrain.train` as separate OS processes, exa
     two-process 2 processes x 2 devices, steps 1-3 (saves at 3 and exits), then again to step 6
                 (resumes from 3), with the same global batches (dataset_type=synthetic draws every
                 row from its global index, so the batch does not depend on the process count)
-    disagree    2 processes whose checkpoint directories differ (process 0 sees the reference's
-                checkpoints, process 1 none), at the same time as the second two-process launch
+    disagree    2 processes started with different settings (process 1 writes to another
+                base_output_directory), at the same time as the second two-process launch
 and the tests assert on what they wrote. The compilation cache is shared between the two-process
 launches, so the resumed run does not compile again.
 
@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 
 import pytest
+
+from maxtrain.config import with_overrides
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_RTOL = 1e-5
@@ -63,9 +65,9 @@ def start(args: list[str], env: dict, log: Path) -> subprocess.Popen:
 def start_processes(args: list[str], out: Path, name: str, port: int, cache: Path, per_process=None):
     procs = []
     for i in range(2):
-        extra = per_process(i) if per_process else []
-        procs.append(start([*args, f"coordinator_address=127.0.0.1:{port}", "num_processes=2", f"process_id={i}",
-                            *extra], env_with(2, cache), out / f"{name}{i}.log"))
+        extra = per_process(i) if per_process else []  # replaces the same keys in args (a key given twice is refused)
+        procs.append(start(with_overrides([*args, f"coordinator_address=127.0.0.1:{port}", "num_processes=2",
+                                           f"process_id={i}"], *extra), env_with(2, cache), out / f"{name}{i}.log"))
     return procs
 
 
@@ -142,12 +144,16 @@ def test_only_process_0_writes_metrics_tensorboard_and_metadata(runs):
     assert run_info["num_processes"] == 2 and run_info["num_devices"] == 4
 
 
-def test_processes_that_see_different_checkpoints_refuse_to_start(runs):
+def test_processes_started_with_different_settings_refuse_to_start(runs):
+    """One agreed view: right after joining, every process compares its resolved config; all stop."""
     assert runs["codes"]["disagree"] == [2, 2]
+    out = runs["out"]
     for i in range(2):
-        log = runs["logs"][f"disagree{i}"]
-        assert "see different latest checkpoints" in log and "process 0: 6, process 1: none" in log, log[-3000:]
-        assert "shared file system" in log
+        lines = [l for l in runs["logs"][f"disagree{i}"].splitlines() if l.startswith("maxtrain: error:")]
+        assert lines == [
+            "maxtrain: error: the processes of this run were started with different settings: base_output_directory "
+            f'(process 0: "{out}", process 1: "{out / "elsewhere"}"). Start every process with the same config file, '
+            "overrides and maxtrain code (only process_id may differ). Nothing was done."], runs["logs"][f"disagree{i}"]
     ref_dir = runs["out"] / "ref"
     assert not (ref_dir / "checkpoints" / "9").exists() and not (runs["out"] / "disagree.jsonl").exists()
     assert (ref_dir / "checkpoints" / "6" / "state").is_dir()  # nothing saved was lost

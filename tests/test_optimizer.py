@@ -4,11 +4,12 @@ import pytest
 
 from conftest import BASE_YML
 from maxtrain import models, optimizer
-from maxtrain.config import load_config
+from maxtrain.config import load_config, with_overrides
 
 
 def cfg(*overrides):
-    return load_config([BASE_YML, "steps=100", "learning_rate=1.0", "warmup_steps_fraction=0.1", *overrides])
+    return load_config(with_overrides([BASE_YML, "steps=100", "learning_rate=1.0", "warmup_steps_fraction=0.1"],
+                                      *overrides))
 
 
 def test_cosine_schedule():

@@ -14,7 +14,7 @@ import pytest
 
 from conftest import BASE_YML, TINY
 from maxtrain import builder, precision, train
-from maxtrain.config import load_config, with_devices
+from maxtrain.config import load_config, with_devices, with_overrides
 
 
 def assert_trees_bitwise_equal(a, b):
@@ -31,8 +31,9 @@ def with_scale(state, scale):
 
 @pytest.fixture(scope="module")
 def float16_step():
-    run = builder.build(load_config([BASE_YML, *TINY, "dtype=float16", "loss_scale_period=2", "loss_scale_min=1.0",
-                                     "learning_rate=1e-2", "warmup_steps_fraction=0"]), devices=jax.devices()[:1])
+    run = builder.build(load_config([BASE_YML, *with_overrides(TINY, "dtype=float16", "loss_scale_period=2",
+                                     "loss_scale_min=1.0", "learning_rate=1e-2", "warmup_steps_fraction=0")]),
+                        devices=jax.devices()[:1])
     cfg, state = run.config, run.init(jax.random.key(0))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 2, cfg.max_target_length + 1)).astype(np.int32)
     shape = (1, 2, cfg.max_target_length)
@@ -98,7 +99,7 @@ def test_inf_in_the_batch_skips_after_real_updates_and_the_scale_has_a_floor(flo
 
 def test_float32_and_bfloat16_carry_a_fixed_unit_scale():
     for dtype in ("float32", "bfloat16"):
-        cfg = load_config([BASE_YML, *TINY, f"dtype={dtype}"])
+        cfg = load_config([BASE_YML, *with_overrides(TINY, f"dtype={dtype}")])
         state = precision.init_loss_scale(cfg, jnp.dtype(dtype))
         assert float(state["scale"]) == 1.0 and not precision.uses_loss_scaling(jnp.dtype(dtype))
 
@@ -109,8 +110,8 @@ def read_metrics(path):
 
 def test_loss_scale_is_logged_checkpointed_and_resumed(tiny_args, tmp_path, capsys):
     metrics_file = tmp_path / "m.jsonl"
-    args = [*tiny_args, "dataset_type=synthetic", "dtype=float16", f"loss_scale_initial={2.0**100}",
-            "log_period=1", "checkpoint_period=2", "async_checkpointing=false", f"metrics_file={metrics_file}"]
+    args = with_overrides(tiny_args, "dataset_type=synthetic", "dtype=float16", f"loss_scale_initial={2.0**100}",
+                          "log_period=1", "checkpoint_period=2", "async_checkpointing=false", f"metrics_file={metrics_file}")
     first = train.main([*args, "steps=2"])  # a real float16 run: both steps overflow and are skipped
     out = capsys.readouterr().out
     assert "dtype float16" in out and "memory per device:" in out

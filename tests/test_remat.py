@@ -11,12 +11,12 @@ import pytest
 
 from conftest import BASE_YML, TINY
 from maxtrain import models
-from maxtrain.config import load_config
+from maxtrain.config import load_config, with_overrides
 
 
 def loss_and_grad(*overrides, seq=32, batch=2):
     """(jitted value_and_grad of the loss, its arguments) for the tiny model with `overrides`."""
-    cfg = load_config([BASE_YML, *TINY, f"max_target_length={seq}", *overrides])
+    cfg = load_config([BASE_YML, *with_overrides(TINY, f"max_target_length={seq}", *overrides)])
     rt = models.Runtime.from_config(cfg)
     params = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)

@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import BASE_YML, TINY
 from maxtrain import builder, models, optimizer, sharding, train_step
-from maxtrain.config import load_config, with_devices
+from maxtrain.config import load_config, with_devices, with_overrides
 from maxtrain.data import pipeline
 
 GLOBAL_BATCH = 8
@@ -38,8 +38,8 @@ def batches(cfg):
 @functools.lru_cache(maxsize=None)
 def run(devices, *overrides, accumulation=1):
     per_device = GLOBAL_BATCH // len(devices) // accumulation
-    r = builder.build(load_config([BASE_YML, *TINY, f"per_device_batch_size={per_device}",
-                                   f"gradient_accumulation_steps={accumulation}", *overrides]), devices=devices)
+    r = builder.build(load_config([BASE_YML, *with_overrides(TINY, f"per_device_batch_size={per_device}",
+                                   f"gradient_accumulation_steps={accumulation}", *overrides)]), devices=devices)
     losses = []
     with sharding.activation_sharding(r.mesh, r.config.logical_axis_rules):
         state = r.init(jax.random.key(0))
@@ -103,7 +103,7 @@ def test_a_mesh_that_does_not_fit_the_devices_or_model():
     with pytest.raises(sharding.MeshError, match="ici_tensor_parallelism=2 need a multiple of 2 devices per slice, "
                                                  "but there are 1"):
         sharding.create_mesh(cfg, jax.devices()[:1])
-    cfg = load_config([BASE_YML, *TINY, "base_emb_dim=36", "ici_fsdp_parallelism=8"])
+    cfg = load_config([BASE_YML, *with_overrides(TINY, "base_emb_dim=36", "ici_fsdp_parallelism=8")])
     mesh = sharding.create_mesh(cfg, jax.devices())
     spec = models.param_specs(cfg)["layers"]["decoder"]["wq"]
     with pytest.raises(sharding.MeshError, match="'embed' axis .* 36 is not divisible by 8"):

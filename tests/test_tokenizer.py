@@ -442,8 +442,11 @@ def test_training_on_the_default_corpus_with_a_hugging_face_tokenizer(tiny_args,
     work; a tokenizer larger than vocab_size is refused before the first step."""
     from maxtrain import train  # pylint: disable=import-outside-toplevel
 
-    args = [*tiny_args, f"tokenizer_path={hf_path}", "default_corpus_max_mb=0.2", "steps=2", "eval_interval=2",
-            "eval_steps=1", "max_new_tokens=8", "viz_period=-1", "enable_checkpointing=false"]
+    from maxtrain.config import with_overrides  # pylint: disable=import-outside-toplevel
+
+    args = with_overrides(tiny_args, f"tokenizer_path={hf_path}", "default_corpus_max_mb=0.2", "steps=2",
+                          "eval_interval=2", "eval_steps=1", "max_new_tokens=8", "viz_period=-1",
+                          "enable_checkpointing=false")
     result = train.main(args)
     assert set(result["eval_losses"]) == {0, 2} and result["sample"].startswith("def main(")
     assert "greedy sample from 'def main('" in capsys.readouterr().out

@@ -6,14 +6,15 @@ import os
 import pytest
 
 from maxtrain import train
+from maxtrain.config import with_overrides
 
 CORPUS = ["default_corpus_max_mb=0.3", "eval_steps=2", "log_period=5"]
 
 
 def test_trains_evaluates_checkpoints_and_resumes(tiny_args, tmp_path, capsys):
     metrics_file = tmp_path / "m.jsonl"
-    args = [*tiny_args, *CORPUS, "learning_rate=1e-2", "eval_interval=10", "checkpoint_period=10",
-            f"metrics_file={metrics_file}", "max_new_tokens=8"]
+    args = with_overrides(tiny_args, *CORPUS, "learning_rate=1e-2", "eval_interval=10", "checkpoint_period=10",
+                          f"metrics_file={metrics_file}", "max_new_tokens=8")
     first = train.main([*args, "steps=20"])
     losses = first["eval_losses"]
     assert sorted(losses) == [0, 10, 20]
@@ -23,6 +24,7 @@ def test_trains_evaluates_checkpoints_and_resumes(tiny_args, tmp_path, capsys):
     assert "greedy sample from 'def main('" in out and "tokens/s/device" in out
     ckpt_dir = first["config"].checkpoint_dir
     assert sorted(os.listdir(ckpt_dir)) == ["10", "20"]
+    assert all(os.listdir(os.path.join(ckpt_dir, step, "checksums")) == ["process_0.json"] for step in ("10", "20"))
     assert os.path.isfile(os.path.join(first["config"].metadata_dir, "config.yml"))
 
     # The same command with the same run_name and more steps continues from step 20.
@@ -35,8 +37,8 @@ def test_trains_evaluates_checkpoints_and_resumes(tiny_args, tmp_path, capsys):
 
 def test_non_finite_loss_stops_with_advice(tiny_args):
     with pytest.raises(train.TrainingError, match=r"the loss became (nan|inf) at step \d+.*learning_rate"):
-        train.main([*tiny_args, "dataset_type=synthetic", "steps=10", "learning_rate=1e30",
-                    "gradient_clipping_threshold=0", "warmup_steps_fraction=0", "enable_checkpointing=false"])
+        train.main(with_overrides(tiny_args, "dataset_type=synthetic", "steps=10", "learning_rate=1e30",
+                    "gradient_clipping_threshold=0", "warmup_steps_fraction=0", "enable_checkpointing=false"))
 
 
 def test_cli_reports_config_errors_without_a_traceback(tmp_path):

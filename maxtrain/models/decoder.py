@@ -190,11 +190,25 @@ def loss_fn(family, params, batch: dict, config, rt):
     """(sum of per-token cross-entropy x weight, sum of weights, aux), float32.
 
     Returning sums, not a mean, lets gradient accumulation and multi-host eval weight every real
-    token equally; padding has weight 0. Training adds the aux losses (models.objective).
+    token equally; padding has weight 0. Training adds the aux losses (models.objective). With
+    num_vocab_tiling > 1 the output projection and the loss run a chunk of the sequence at a time,
+    so the [B, T, V] logits never exist in full (ops.tiled_cross_entropy).
     """
-    logits, aux = forward(family, params, batch["inputs"], batch["positions"], batch["segment_ids"], config, rt)
+    tokens, positions = batch["inputs"], batch["positions"]
     weights = batch["loss_weights"].astype(jnp.float32)
-    return ops.cross_entropy(logits, batch["targets"], weights), jnp.sum(weights), aux
+    x = family.embed(params, tokens, config, rt)
+    inputs = LayerInputs(positions, batch["segment_ids"], rope_tables(positions, config))
+    x, aux, _ = run_layers(family, params["layers"], x, inputs, config, rt, config.scan_layers)
+    head = {k: v for k, v in params.items() if k != "layers"}  # what family.logits reads
+
+    def logits_fn(h, x):
+        return family.logits(h, x, config, rt)
+
+    if config.num_vocab_tiling > 1:
+        loss = ops.tiled_cross_entropy(logits_fn, head, x, batch["targets"], weights, config.num_vocab_tiling)
+    else:
+        loss = ops.cross_entropy(logits_fn(head, x), batch["targets"], weights)
+    return loss, jnp.sum(weights), aux
 
 
 def init_cache(config, batch_size: int, max_length: int, dtype) -> dict:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 
+from maxtrain.errors import UserError
+
 EMBEDDING_NAMES = {
     "token_embedding": ("model.embed_tokens.weight", None),
     "final_norm": ("model.norm.weight", None),
@@ -44,7 +46,7 @@ MLP_NAMES = {
 }
 
 
-class ConversionError(ValueError):
+class ConversionError(UserError, ValueError):
     """A checkpoint or config that cannot be converted; the message names the tensor or field."""
 
 

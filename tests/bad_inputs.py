@@ -1,0 +1,694 @@
+"""The bad-input table: what a user can get wrong, per entry point, and what maxtrain must answer.
+
+Each row names one bad input: the tool, its arguments (with {placeholders} for the files of a small
+"world" built once: a trained run with checkpoints at steps 2 and 4, raw data, a tokenizer, a
+prepared directory), an optional setup that breaks something in the row's own scratch directory,
+the exit status expected and a regular expression the answer must match, naming the offending key,
+file or value. For every row the runner also checks that nothing was printed as a traceback and
+that no file of the world (the existing run, the data) changed.
+
+    tests/test_bad_inputs.py          runs every row in-process through the entry points' own CLI
+                                      wrapper (errors.run_cli), plus one real subprocess per tool
+    python tests/bad_inputs.py [--python PY] [--repo DIR] [--json OUT]
+                                      runs every row as a real command (any checkout, e.g. an older
+                                      main for a before/after count) and prints one line per row and
+                                      the counts: clear / unclear / silent / traceback
+
+To add a row, append a Row to ROWS: a new id, the tool, argv, and what the answer must say.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from typing import Callable
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A ~50k-parameter model on the default corpus (0.3 MB), as tests/ckpt_helpers.py.
+TINY = ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=2", "base_mlp_dim=64",
+        "base_num_decoder_layers=2", "head_dim=16", "vocab_size=512", "max_target_length=32",
+        "per_device_batch_size=1", "default_corpus_max_mb=0.3", "eval_interval=-1", "max_new_tokens=0",
+        "enable_tensorboard=false", "log_period=1000"]
+
+TOOLS = {  # tool -> (program name in its error lines, command after the python executable)
+    "train": ("maxtrain", ["-m", "maxtrain.train"]),
+    "decode": ("maxtrain.decode", ["-m", "maxtrain.decode"]),
+    "viz": ("maxtrain.viz", ["-m", "maxtrain.viz"]),
+    "inspect_data": ("maxtrain.inspect_data", ["-m", "maxtrain.inspect_data"]),
+    "inspect": ("maxtrain.checkpoint", ["-m", "maxtrain.checkpoint"]),
+    "prepare_data": ("prepare_data", ["scripts/prepare_data.py"]),
+    "train_tokenizer": ("train_tokenizer", ["scripts/train_tokenizer.py"]),
+    "convert_hf": ("convert_hf", ["scripts/convert_hf.py"]),
+}
+
+
+@dataclasses.dataclass
+class Row:
+    id: str
+    tool: str
+    args: list[str]                       # formatted with World.paths (and {scratch})
+    expect: str                           # regex the answer (the error line, or the output for exit 0) matches
+    code: int = 2
+    setup: Callable | None = None         # setup(world, scratch) breaks something in the scratch directory
+    tiny: bool = False                    # config tools: add the tiny model's overrides (rows that go past the config)
+
+
+# --------------------------------------------------------------------------------------------
+# The world every row starts from
+# --------------------------------------------------------------------------------------------
+
+
+class World:
+    def __init__(self, root: str):
+        self.root = root
+        self.paths = {
+            "base": os.path.join(REPO, "configs", "base.yml"), "root": root, "run": os.path.join(root, "run"),
+            "ckpts": os.path.join(root, "run", "checkpoints"), "cache": os.path.join(root, "cache"),
+            "data": os.path.join(root, "data"), "tok": os.path.join(root, "tok.model"),
+            "prepared": os.path.join(root, "prepared"),
+        }
+
+    def fmt(self, text: str, scratch: str) -> str:
+        return text.format(scratch=scratch, **self.paths)
+
+
+def _write(path: str, data, mode: str = "w") -> str:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, mode) as f:
+        f.write(data)
+    return path
+
+
+def _sample_text() -> str:
+    """~150 KB of real text to train a tokenizer on: the standard library's json and email packages."""
+    import email  # pylint: disable=import-outside-toplevel
+    import json as json_module  # pylint: disable=import-outside-toplevel
+
+    chunks = []
+    for package in (json_module, email):
+        root = os.path.dirname(package.__file__)
+        for name in sorted(os.listdir(root)):
+            if name.endswith(".py"):
+                with open(os.path.join(root, name), encoding="utf-8") as f:
+                    chunks.append(f.read())
+    return "\n".join(chunks)[:150_000]
+
+
+def build_world(root: str, python: str = sys.executable, repo: str = REPO, log=print) -> World:
+    """Raw data, a tokenizer, a prepared directory and a trained run (checkpoints 2 and 4) under root."""
+    world = World(root)
+    world.paths["base"] = os.path.join(repo, "configs", "base.yml")
+    p = world.paths
+    text = _sample_text()
+    docs = [text[i:i + 3000] for i in range(0, len(text), 3000)]
+    _write(os.path.join(p["data"], "good.jsonl"), "".join(json.dumps({"text": d}) + "\n" for d in docs))
+    _write(os.path.join(p["data"], "bad_json.jsonl"), "{not json\n" + json.dumps({"text": "fine"}) + "\n")
+    _write(os.path.join(p["data"], "nonstring.jsonl"), json.dumps({"text": 42}) + "\n")
+    _write(os.path.join(p["data"], "no_field.jsonl"), json.dumps({"body": "x"}) + "\n")
+    _write(os.path.join(p["data"], "bad_utf8.jsonl"), b'{"text": "caf\xe9"}\n', "wb")
+    _write(os.path.join(p["data"], "empty.jsonl"), "")
+    _write(os.path.join(p["data"], "not.parquet"), "this is text, not parquet\n")
+    _write(os.path.join(p["data"], "table.csv"), "text\nhello\n")
+    _write(os.path.join(p["data"], "chars.txt"), "".join(chr(c) for c in range(0x4E00, 0x4E00 + 400)))
+    import pyarrow as pa  # pylint: disable=import-outside-toplevel
+    import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
+
+    pq.write_table(pa.table({"body": docs[:5]}), os.path.join(p["data"], "no_text_column.parquet"))
+    pq.write_table(pa.table({"text": list(range(5))}), os.path.join(p["data"], "int_column.parquet"))
+    _write(os.path.join(root, "garbage.model"), os.urandom(256), "wb")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONUNBUFFERED": "1", "PYTHONPATH": repo}  # that checkout's maxtrain, whatever is installed
+
+    def run(cmd):
+        done = subprocess.run([python, *cmd], cwd=repo, env=env, capture_output=True, text=True, timeout=900)
+        if done.returncode:
+            raise RuntimeError(f"building the world failed: {cmd}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        return done
+
+    t = time.time()
+    run(["scripts/train_tokenizer.py", "--input", os.path.join(p["data"], "good.jsonl"), "--vocab-size", "400",
+         "--output", p["tok"]])
+    run(["scripts/prepare_data.py", "--input", os.path.join(p["data"], "good.jsonl"), "--tokenizer", p["tok"],
+         "--output-dir", p["prepared"], "--workers", "1"])
+    run(["-m", "maxtrain.train", p["base"], *TINY, f"base_output_directory={root}", "run_name=run",
+         f"dataset_cache_dir={p['cache']}", "steps=4", "checkpoint_period=2", "max_num_checkpoints_to_keep=-1"])
+    log(f"world built in {time.time() - t:.0f}s under {root}")
+    return world
+
+
+def tree_hash(root: str, skip: tuple[str, ...] = ()) -> str:
+    h = hashlib.sha256()
+    for directory, dirs, names in sorted(os.walk(root)):
+        dirs[:] = sorted(d for d in dirs if os.path.join(directory, d) not in skip)
+        for name in sorted(names):
+            path = os.path.join(directory, name)
+            h.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as f:
+                h.update(f.read())
+    return h.hexdigest()
+
+
+# --------------------------------------------------------------------------------------------
+# Setups: each breaks something in the row's scratch directory
+# --------------------------------------------------------------------------------------------
+
+
+def copy_run(world: World, scratch: str) -> str:
+    target = os.path.join(scratch, "run")
+    shutil.copytree(world.paths["run"], target)
+    return target
+
+
+def array_file(step_dir: str) -> str:
+    files = [os.path.join(d, n) for d, _, names in os.walk(os.path.join(step_dir, "state")) for n in names
+             if f"{os.sep}d{os.sep}" in os.path.join(d, n)]
+    return max(files, key=os.path.getsize)
+
+
+def flip(path: str) -> None:
+    with open(path, "r+b") as f:
+        data = bytearray(f.read())
+        data[len(data) // 2] ^= 0x01
+        f.seek(0)
+        f.write(data)
+
+
+def flipped(world, scratch):
+    flip(array_file(os.path.join(copy_run(world, scratch), "checkpoints", "4")))
+
+
+def truncated(world, scratch):
+    path = array_file(os.path.join(copy_run(world, scratch), "checkpoints", "4"))
+    os.truncate(path, os.path.getsize(path) // 2)
+
+
+def deleted(world, scratch):
+    os.remove(array_file(os.path.join(copy_run(world, scratch), "checkpoints", "4")))
+
+
+def garbage_metadata(world, scratch):
+    _write(os.path.join(copy_run(world, scratch), "checkpoints", "4", "metadata", "metadata"), "{garbage")
+
+
+def garbage_array_metadata(world, scratch):
+    _write(os.path.join(copy_run(world, scratch), "checkpoints", "4", "state", "_METADATA"), "{garbage")
+
+
+def garbage_checksums(world, scratch):
+    _write(os.path.join(copy_run(world, scratch), "checkpoints", "4", "checksums", "process_0.json"), "[1")
+
+
+def no_state(world, scratch):
+    shutil.rmtree(os.path.join(copy_run(world, scratch), "checkpoints", "4", "state"))
+
+
+def every_step_flipped(world, scratch):
+    run = copy_run(world, scratch)
+    for step in ("2", "4"):
+        flip(array_file(os.path.join(run, "checkpoints", step)))
+
+
+def empty_dir(world, scratch):
+    os.makedirs(os.path.join(scratch, "nothing"), exist_ok=True)
+
+
+def a_file(world, scratch):
+    _write(os.path.join(scratch, "afile"), "x")
+
+
+def yaml_file(text: str):
+    def setup(world, scratch):
+        _write(os.path.join(scratch, "my.yml"), text.format(base=world.paths["base"]))
+    return setup
+
+
+def hf_dir(config=None, files=None):
+    """A Hugging Face directory with `config` as config.json (a dict, raw text, or None for none)."""
+    def setup(world, scratch):
+        d = os.path.join(scratch, "hf")
+        os.makedirs(d, exist_ok=True)
+        if isinstance(config, dict):
+            _write(os.path.join(d, "config.json"), json.dumps(config))
+        elif config == "dir":
+            os.makedirs(os.path.join(d, "config.json"))
+        elif isinstance(config, str):
+            _write(os.path.join(d, "config.json"), config)
+        for name, data in (files or {}).items():
+            _write(os.path.join(d, name), data, "wb" if isinstance(data, bytes) else "w")
+    return setup
+
+
+LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+         "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 64,
+         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
+
+
+# --------------------------------------------------------------------------------------------
+# The table
+# --------------------------------------------------------------------------------------------
+
+B = "{base}"
+T, D, R, K = "train", "decode", "viz", "inspect"
+ROWS = [
+    # train: config keys and values
+    Row("unknown-key", T, [B, "base_emb_dimm=64"], r"unknown config key 'base_emb_dimm': did you mean base_emb_dim\?"),
+    Row("wrong-type-int", T, [B, "steps=abc"], r"steps='abc' has the wrong type; steps must be an integer"),
+    Row("wrong-type-float", T, [B, "per_device_batch_size=0.5"], r"per_device_batch_size=0.5 has the wrong type"),
+    Row("wrong-type-bool", T, [B, "scan_layers=maybe"], r"scan_layers='maybe' has the wrong type"),
+    Row("steps-zero", T, [B, "steps=0"], r"steps=0 is not allowed: it must be >= 1"),
+    Row("lr-nan", T, [B, "learning_rate=nan"], r"learning_rate=nan is not allowed: it must be >= 0"),
+    Row("lr-inf", T, [B, "learning_rate=inf"], r"learning_rate=inf is not allowed"),
+    Row("adam-eps-negative", T, [B, "adam_eps=-1"], r"adam_eps=-1.0 is not allowed: it must be > 0"),
+    Row("adam-b2-one", T, [B, "adam_b2=1"], r"adam_b2=1.0 is not allowed: it must be in \[0, 1\)"),
+    Row("schedule-steps-negative", T, [B, "learning_rate_schedule_steps=-5"],
+        r"learning_rate_schedule_steps=-5 is not allowed: it must be -1 or >= 1"),
+    Row("weight-decay-negative", T, [B, "adam_weight_decay=-5"], r"adam_weight_decay=-5.0 is not allowed"),
+    Row("grain-workers-negative", T, [B, "grain_worker_count=-2"], r"grain_worker_count=-2 is not allowed"),
+    Row("peak-tflops-negative", T, [B, "peak_tflops_per_device=-3"], r"peak_tflops_per_device=-3.0 is not allowed"),
+    Row("warmup-fraction-above-1", T, [B, "warmup_steps_fraction=1.5"], r"warmup_steps_fraction=1.5 is not allowed"),
+    Row("seed-negative", T, [B, "seed=-1"], r"seed=-1 is not allowed: it must be in \[0, 4294967295\]"),
+    Row("dtype-unknown", T, [B, "dtype=fp8"], r"dtype='fp8' is not allowed: it must be one of: autoselected"),
+    Row("schedule-unknown", T, [B, "lr_schedule_type=linear"], r"lr_schedule_type='linear' is not allowed"),
+    Row("flash-block-not-power-of-two", T, [B, "sa_block_q=100"], r"sa_block_q=100 must be a power of two"),
+    Row("kv-heads-do-not-divide", T, [B, "base_num_kv_heads=3"], r"base_num_query_heads=4 must be a multiple of "
+        r"base_num_kv_heads=3"),
+    Row("tensor-parallelism-does-not-divide", T, [B, "ici_tensor_parallelism=3"], r"tensor parallelism 3 .* must "
+        r"divide base_num_query_heads=4"),
+    Row("two-fill-axes", T, [B, "ici_data_parallelism=-1"], r"only one ici_\*_parallelism may be -1"),
+    Row("mesh-axis-unknown", T, [B, 'logical_axis_rules=[["embed", "model"]]'], r"unknown mesh axis 'model'"),
+    Row("two-text-columns", T, [B, "train_data_columns=[a, b]"], r"train_data_columns=\['a', 'b'\] must name "
+        r"exactly one text field"),
+    Row("model-preset-missing", T, [B, "model_name=gpt5"], r"model_name='gpt5' (has no preset|is not a preset)"),
+    Row("both-starting-points", T, [B, "load_parameters_path=a", "load_full_state_path=b"],
+        r"set only one of load_parameters_path .* and load_full_state_path"),
+    Row("key-twice-on-command-line", T, [B, "steps=3", "steps=5"], r"the command line sets steps twice \(argument 2: "
+        r"'steps=3' and argument 3: 'steps=5'\)"),
+    Row("override-without-equals", T, [B, "steps"], r"cannot read argument 'steps': overrides are key=value"),
+    Row("first-argument-not-yaml", T, ["steps=3"], r"the first argument must be a YAML config file"),
+    Row("no-arguments", T, [], r"usage: python -m maxtrain.train configs/base.yml"),
+    Row("eval-split-zero-default-corpus", T, [B, "eval_split_fraction=0"], r"eval_split_fraction=0.0 must be "
+        r"strictly between 0 and 1"),
+    # train: YAML files
+    Row("yaml-missing", T, ["{scratch}/none.yml"], r"config file '.*/none.yml' does not exist"),
+    Row("yaml-empty", T, ["{scratch}/my.yml"], r"config file '.*/my.yml' is empty", setup=yaml_file("")),
+    Row("yaml-key-twice", T, ["{scratch}/my.yml"], r"config file '.*/my.yml' sets steps twice \(line 1 and line 3\)",
+        setup=yaml_file("steps: 3\nseed: 1\nsteps: 5\n")),
+    Row("yaml-invalid", T, ["{scratch}/my.yml"], r"config file '.*/my.yml' is not valid YAML at line 2",
+        setup=yaml_file("steps: [3\nseed: 1\n")),
+    Row("yaml-a-list", T, ["{scratch}/my.yml"], r"must be a mapping of `key: value` lines, but it is a list",
+        setup=yaml_file("- steps: 3\n")),
+    Row("yaml-unknown-key", T, ["{scratch}/my.yml"], r"/my.yml: unknown config key 'stepz': did you mean steps\?",
+        setup=yaml_file("base_config: {base}\nstepz: 3\n")),
+    Row("yaml-base-missing", T, ["{scratch}/my.yml"], r"base_config 'nowhere.yml' does not exist",
+        setup=yaml_file("base_config: nowhere.yml\nsteps: 3\n")),
+    Row("yaml-base-cycle", T, ["{scratch}/my.yml"], r"base_config cycle", setup=yaml_file("base_config: my.yml\n")),
+    Row("yaml-range", T, ["{scratch}/my.yml"], r"adam_eps=-1.0 is not allowed",
+        setup=yaml_file("base_config: {base}\nadam_eps: -1\n")),
+    # train: multi-process settings (refused before any wait)
+    Row("port-above-65535", T, [B, "coordinator_address=127.0.0.1:99999", "num_processes=2", "process_id=1"],
+        r"coordinator_address='127.0.0.1:99999': port 99999 is outside 1-65535"),
+    Row("address-without-port", T, [B, "coordinator_address=10.0.0.1", "num_processes=2", "process_id=0"],
+        r"coordinator_address='10.0.0.1' must be host:port"),
+    Row("process-id-out-of-range", T, [B, "coordinator_address=127.0.0.1:1234", "num_processes=2", "process_id=2"],
+        r"process_id=2 must be in \[0, num_processes=2\)"),
+    Row("processes-without-coordinator", T, [B, "num_processes=2", "process_id=0"],
+        r"num_processes=2 needs coordinator_address=host:port"),
+    # train: outputs
+    Row("metrics-file-under-a-file", T, [B, "metrics_file={scratch}/afile/m.jsonl"],
+        r"metrics_file='.*/afile/m.jsonl' cannot be created: .*/afile is a file", setup=a_file),
+    Row("metrics-file-is-a-directory", T, [B, "metrics_file={scratch}"], r"metrics_file='.*' is a directory"),
+    Row("output-under-a-file", T, [B, "base_output_directory={scratch}/afile"],
+        r"base_output_directory='.*/afile' .*is a file", setup=a_file),
+    # train: data
+    Row("jsonl-without-files", T, [B, "dataset_type=jsonl"], r"dataset_type=jsonl needs grain_train_files"),
+    Row("glob-matches-nothing", T, [B, "dataset_type=jsonl", "tokenizer_path={tok}",
+                                    "grain_train_files={data}/nothing*.jsonl"],
+        r"grain_train_files: '.*/nothing\*.jsonl' matches no files", tiny=True),
+    Row("mixture-weight-not-a-number", T, [B, "dataset_type=jsonl", "tokenizer_path={tok}",
+                                           "grain_train_files={data}/good*:abc"],
+        r"the weight of '.*/good\*' is 'abc', which is not a number", tiny=True),
+    Row("mixture-weight-infinite", T, [B, "dataset_type=jsonl", "tokenizer_path={tok}",
+                                       "grain_train_files={data}/good*:inf"],
+        r"the weight of '.*/good\*' is inf; weights must be finite and > 0", tiny=True),
+    Row("mixture-weight-zero", T, [B, "dataset_type=jsonl", "tokenizer_path={tok}",
+                                   "grain_train_files={data}/good*:0"],
+        r"weights must be finite and > 0", tiny=True),
+    Row("mixture-weight-without-glob", T, [B, "dataset_type=jsonl", "tokenizer_path={tok}", "grain_train_files=:0.5"],
+        r"':0.5' has a weight but no files before it", tiny=True),
+    Row("jsonl-not-json", T, [B, "dataset_type=jsonl", "tokenizer_path={tok}",
+                              "grain_train_files={data}/bad_json.jsonl"],
+        r"bad_json.jsonl line 1: not valid JSON", tiny=True),
+    Row("jsonl-text-not-a-string", T, [B, "dataset_type=jsonl", "tokenizer_path={tok}",
+                                       "grain_train_files={data}/nonstring.jsonl"],
+        r"nonstring.jsonl line 1: field 'text' holds a int, not a string", tiny=True),
+    Row("jsonl-no-text-field", T, [B, "dataset_type=jsonl", "tokenizer_path={tok}",
+                                   "grain_train_files={data}/no_field.jsonl"],
+        r"no_field.jsonl line 1: no 'text' field \(the line has: body\)", tiny=True),
+    Row("jsonl-empty-file", T, [B, "dataset_type=jsonl", "tokenizer_path={tok}",
+                                "grain_train_files={data}/empty.jsonl"], r"empty.jsonl is empty", tiny=True),
+    Row("jsonl-bad-utf8", T, [B, "dataset_type=jsonl", "tokenizer_path={tok}",
+                              "grain_train_files={data}/bad_utf8.jsonl"],
+        r"bad_utf8.jsonl line 1: invalid UTF-8", tiny=True),
+    Row("parquet-not-parquet", T, [B, "dataset_type=parquet", "tokenizer_path={tok}",
+                                   "grain_train_files={data}/not.parquet"],
+        r"not.parquet: not a readable parquet file", tiny=True),
+    Row("parquet-no-text-column", T, [B, "dataset_type=parquet", "tokenizer_path={tok}",
+                                      "grain_train_files={data}/no_text_column.parquet"],
+        r"no_text_column.parquet: no column 'text' \(columns: body\)", tiny=True),
+    Row("parquet-column-not-text", T, [B, "dataset_type=parquet", "tokenizer_path={tok}",
+                                       "grain_train_files={data}/int_column.parquet"],
+        r"int_column.parquet: column 'text' has type int64, not string", tiny=True),
+    Row("jsonl-as-parquet", T, [B, "dataset_type=parquet", "tokenizer_path={tok}",
+                                "grain_train_files={data}/good.jsonl"],
+        r"good.jsonl is a jsonl file but dataset_type=parquet", tiny=True),
+    Row("unknown-file-type", T, [B, "dataset_type=jsonl", "tokenizer_path={tok}", "grain_train_files={data}/table.csv"],
+        r"table.csv: unknown file type", tiny=True),
+    Row("tokenizer-missing", T, [B, "dataset_type=jsonl", "tokenizer_path={scratch}/none.model",
+                                 "grain_train_files={data}/good.jsonl"],
+        r"tokenizer_path='.*/none.model' does not exist", tiny=True),
+    Row("tokenizer-garbage", T, [B, "dataset_type=jsonl", "tokenizer_path={root}/garbage.model",
+                                 "grain_train_files={data}/good.jsonl"],
+        r"tokenizer_path='.*/garbage.model' is not a (valid )?sentencepiece model", tiny=True),
+    Row("tokenizer-larger-than-vocab", T, [B, "dataset_type=jsonl", "tokenizer_path={tok}",
+                                           "grain_train_files={data}/good.jsonl", "vocab_size=256"],
+        r"has 400 pieces but vocab_size=256", tiny=True),
+    Row("arrayrecord-without-metadata", T, [B, "dataset_type=arrayrecord", "grain_train_files={scratch}/x.arrayrecord"],
+        r"has no metadata.json", tiny=True, setup=lambda w, s: _write(os.path.join(s, "x.arrayrecord"), "x")),
+    Row("arrayrecord-other-tokenizer", T, [B, "dataset_type=arrayrecord", "tokenizer_path={root}/garbage.model",
+                                           "grain_train_files={prepared}/train-*.arrayrecord"],
+        r"garbage.model' is not a (valid )?sentencepiece model", tiny=True),
+    # train: checkpoints
+    Row("load-parameters-missing", T, [B, "load_parameters_path={scratch}/none", "run_name=new",
+                                       "base_output_directory={scratch}", "dataset_cache_dir={cache}"],
+        r"load_parameters_path='.*/none' does not exist", tiny=True),
+    Row("load-parameters-empty-dir", T, [B, "load_parameters_path={scratch}/nothing", "run_name=new",
+                                         "base_output_directory={scratch}", "dataset_cache_dir={cache}"],
+        r"load_parameters_path='.*/nothing' holds no complete checkpoint", tiny=True, setup=empty_dir),
+    Row("load-parameters-does-not-fit", T, [B, "load_parameters_path={run}", "run_name=new", "base_emb_dim=64",
+                                            "base_output_directory={scratch}", "dataset_cache_dir={cache}"],
+        r"the checkpoint .*/run/checkpoints/4 \(load_parameters_path\) does not fit the configured model", tiny=True),
+    Row("load-parameters-bit-flipped", T, [B, "load_parameters_path={scratch}/run/checkpoints/4", "run_name=new",
+                                           "base_output_directory={scratch}", "dataset_cache_dir={cache}"],
+        r"is damaged: .*/checkpoints/4/state/.*: its contents changed since it was saved", tiny=True, setup=flipped),
+    Row("load-full-state-truncated", T, [B, "load_full_state_path={scratch}/run/checkpoints/4", "run_name=new",
+                                         "base_output_directory={scratch}", "dataset_cache_dir={cache}"],
+        r"is damaged: .*/checkpoints/4/state/.* has \d+ bytes, but \d+ were saved", tiny=True, setup=truncated),
+    Row("resume-past-steps", T, [B, "run_name=run", "base_output_directory={scratch}", "dataset_cache_dir={cache}",
+                                 "steps=2"],
+        r"checkpoint .*/run/checkpoints/4 is at step 4, steps=2: nothing to train; raise steps", code=0, tiny=True,
+        setup=lambda w, s: copy_run(w, s)),
+    Row("resume-bit-flipped-falls-back", T, [B, "run_name=run", "base_output_directory={scratch}",
+                                             "dataset_cache_dir={cache}", "steps=2"],
+        r"checkpoint step 4 is damaged: .*/checkpoints/4/state/.*: its contents changed since it was saved .*\. Moved "
+        r"it to .*/run/damaged_checkpoints/4", code=0, tiny=True, setup=flipped),
+    Row("resume-state-deleted-falls-back", T, [B, "run_name=run", "base_output_directory={scratch}",
+                                               "dataset_cache_dir={cache}", "steps=2"],
+        r"checkpoint step 4 is damaged: .*/checkpoints/4/state is missing", code=0, tiny=True, setup=no_state),
+    Row("resume-every-step-damaged", T, [B, "run_name=run", "base_output_directory={scratch}",
+                                         "dataset_cache_dir={cache}", "steps=2"],
+        r"no usable checkpoint is left in .*/run/checkpoints: every step was damaged \(step 2: .*: its contents "
+        r"changed since it was saved \(checksum mismatch\)\) and was moved to .*/run/damaged_checkpoints",
+        tiny=True, setup=every_step_flipped),
+    Row("attention-cudnn-on-cpu", T, [B, "attention=cudnn"], r"attention=cudnn needs an NVIDIA GPU", tiny=True),
+    Row("mesh-does-not-fit-devices", T, [B, "ici_data_parallelism=3"], r"ici_data_parallelism|devices", tiny=True),
+    # decode
+    Row("decode-no-checkpoint", D, [B], r"maxtrain.decode needs a checkpoint: set load_parameters_path="),
+    Row("decode-checkpoint-missing", D, [B, "load_parameters_path={scratch}/none"],
+        r"load_parameters_path='.*/none' does not exist"),
+    Row("decode-bit-flipped", D, [B, "load_parameters_path={scratch}/run/checkpoints/4"],
+        r"/checkpoints/4' is damaged: .*: its contents changed since it was saved", setup=flipped, tiny=True),
+    Row("decode-truncated", D, [B, "load_parameters_path={scratch}/run/checkpoints/4"],
+        r"/checkpoints/4' is damaged: .* has \d+ bytes, but \d+ were saved", setup=truncated, tiny=True),
+    Row("decode-file-deleted", D, [B, "load_parameters_path={scratch}/run/checkpoints/4"],
+        r"/checkpoints/4' is damaged: .* is missing \(it was saved with this step\)", setup=deleted, tiny=True),
+    Row("decode-nucleus-above-1", D, [B, "decode_sampling_nucleus_p=1.5"], r"decode_sampling_nucleus_p=1.5 is not "
+        r"allowed: it must be in \(0, 1\]"),
+    Row("decode-strategy-unknown", D, [B, "decode_sampling_strategy=beam"], r"decode_sampling_strategy='beam' is not "
+        r"allowed"),
+    Row("decode-temperature-zero", D, [B, "decode_sampling_temperature=0"], r"decode_sampling_temperature=0.0 is not "
+        r"allowed: it must be > 0"),
+    Row("decode-synthetic-without-tokenizer", D, [B, "load_parameters_path={run}", "dataset_type=synthetic"],
+        r"dataset_type=synthetic has no tokenizer of its own; pass tokenizer_path=", tiny=True),
+    # viz
+    Row("viz-no-checkpoint", R, [B], r"maxtrain.viz needs a checkpoint: set load_parameters_path="),
+    Row("viz-checkpoint-missing", R, [B, "load_parameters_path={scratch}/none"],
+        r"load_parameters_path='.*/none' does not exist"),
+    Row("viz-garbage-metadata", R, [B, "load_parameters_path={scratch}/run/checkpoints/4"],
+        r"/checkpoints/4' is damaged: .*/metadata/metadata (has \d+ bytes, but|: its contents changed)",
+        setup=garbage_metadata, tiny=True),
+    Row("viz-samples-zero", R, [B, "viz_num_samples=0"], r"viz_num_samples=0 is not allowed: it must be >= 1"),
+    Row("viz-no-eval-data", R, [B, "load_parameters_path={run}", "dataset_type=synthetic"],
+        r"maxtrain.viz shows eval samples: use dataset_type=default or set grain_eval_files", tiny=True),
+    # inspect_data
+    Row("inspect-data-host-out-of-range", "inspect_data", [B, "num_processes=2", "process_id=3"],
+        r"process_id=3 must be in \[0, num_processes=2\)"),
+    Row("inspect-data-not-parquet", "inspect_data", [B, "dataset_type=parquet", "tokenizer_path={tok}",
+                                                     "grain_train_files={data}/not.parquet"],
+        r"not.parquet: not a readable parquet file", tiny=True),
+    Row("inspect-data-bad-utf8", "inspect_data", [B, "dataset_type=jsonl", "tokenizer_path={tok}",
+                                                  "grain_train_files={data}/bad_utf8.jsonl"],
+        r"bad_utf8.jsonl line 1: invalid UTF-8", tiny=True),
+    Row("inspect-data-batches-not-a-number", "inspect_data", ["--batches", "two", B],
+        r"argument --batches: invalid int value: 'two'"),
+    Row("inspect-data-unknown-key", "inspect_data", [B, "grain_train_file=x"], r"unknown config key 'grain_train_file'"),
+    Row("inspect-data-mixture-weight", "inspect_data", [B, "dataset_type=jsonl", "tokenizer_path={tok}",
+                                                        "grain_train_files={data}/good*:-1"],
+        r"the weight of '.*/good\*' is -1; weights must be finite and > 0", tiny=True),
+    # prepare_data
+    Row("prepare-input-matches-nothing", "prepare_data", ["--input", "{data}/none*.jsonl", "--tokenizer", "{tok}",
+                                                          "--output-dir", "{scratch}/out"],
+        r"--input '.*/none\*.jsonl' matches no files"),
+    Row("prepare-tokenizer-missing", "prepare_data", ["--input", "{data}/good.jsonl", "--tokenizer",
+                                                      "{scratch}/none.model", "--output-dir", "{scratch}/out"],
+        r"tokenizer_path='.*/none.model' does not exist"),
+    Row("prepare-tokenizer-garbage", "prepare_data", ["--input", "{data}/good.jsonl", "--tokenizer",
+                                                      "{root}/garbage.model", "--output-dir", "{scratch}/out"],
+        r"garbage.model' is not a (valid )?sentencepiece model"),
+    Row("prepare-eval-fraction", "prepare_data", ["--input", "{data}/good.jsonl", "--tokenizer", "{tok}",
+                                                  "--output-dir", "{scratch}/out", "--eval-fraction", "1.5"],
+        r"--eval-fraction=1.5 must be in \[0, 1\)"),
+    Row("prepare-shard-mb-zero", "prepare_data", ["--input", "{data}/good.jsonl", "--tokenizer", "{tok}",
+                                                  "--output-dir", "{scratch}/out", "--shard-mb", "0"],
+        r"--shard-mb=0.0 must be a number > 0"),
+    Row("prepare-workers-zero", "prepare_data", ["--input", "{data}/good.jsonl", "--tokenizer", "{tok}",
+                                                 "--output-dir", "{scratch}/out", "--workers", "0"],
+        r"--workers=0 must be at least 1"),
+    Row("prepare-other-tokenizer", "prepare_data", ["--input", "{data}/good.jsonl", "--tokenizer",
+                                                    "{scratch}/other.model", "--output-dir", "{prepared}",
+                                                    "--workers", "1"],
+        r"--output-dir .*/prepared was prepared with another tokenizer .* pass --overwrite",
+        setup=lambda w, s: _other_tokenizer(w, s)),
+    Row("prepare-output-is-a-file", "prepare_data", ["--input", "{data}/good.jsonl", "--tokenizer", "{tok}",
+                                                     "--output-dir", "{scratch}/afile", "--workers", "1"],
+        r"--output-dir .*/afile is a file, not a directory", setup=a_file),
+    Row("prepare-not-parquet", "prepare_data", ["--input", "{data}/not.parquet", "--tokenizer", "{tok}",
+                                                "--output-dir", "{scratch}/out", "--workers", "1"],
+        r"not.parquet: not a readable parquet file"),
+    Row("prepare-no-text-field", "prepare_data", ["--input", "{data}/no_field.jsonl", "--tokenizer", "{tok}",
+                                                  "--output-dir", "{scratch}/out", "--workers", "1"],
+        r"no_field.jsonl line 1: no 'text' field"),
+    Row("prepare-unknown-file-type", "prepare_data", ["--input", "{data}/table.csv", "--tokenizer", "{tok}",
+                                                      "--output-dir", "{scratch}/out"],
+        r"table.csv: unknown file type"),
+    # train_tokenizer
+    Row("tokenizer-vocab-tiny", "train_tokenizer", ["--input", "{data}/good.jsonl", "--vocab-size", "3",
+                                                    "--output", "{scratch}/t.model"],
+        r"--vocab-size 3 is too small"),
+    Row("tokenizer-vocab-below-characters", "train_tokenizer", ["--input", "{data}/chars.txt", "--vocab-size", "50",
+                                                                "--output", "{scratch}/t.model"],
+        r"--vocab-size 50 does not fit this text: sentencepiece says"),
+    Row("tokenizer-vocab-above-text", "train_tokenizer", ["--input", "{data}/no_field.jsonl", "--text-field", "body",
+                                                          "--vocab-size", "5000", "--output", "{scratch}/t.model"],
+        r"--vocab-size 5000 does not fit this text"),
+    Row("tokenizer-input-matches-nothing", "train_tokenizer", ["--input", "{data}/none*.txt", "--output",
+                                                               "{scratch}/t.model"], r"--input '.*' matches no files"),
+    Row("tokenizer-output-is-a-directory", "train_tokenizer", ["--input", "{data}/good.jsonl", "--output", "{scratch}"],
+        r"--output .* is a directory"),
+    Row("tokenizer-output-under-a-file", "train_tokenizer", ["--input", "{data}/good.jsonl", "--output",
+                                                             "{scratch}/afile/t.model"],
+        r"--output .*/afile/t.model cannot be written: .*/afile is a file", setup=a_file),
+    Row("tokenizer-max-mb-zero", "train_tokenizer", ["--input", "{data}/good.jsonl", "--max-mb", "0", "--output",
+                                                     "{scratch}/t.model"], r"--max-mb 0.0 must be a number > 0"),
+    Row("tokenizer-input-not-json", "train_tokenizer", ["--input", "{data}/bad_json.jsonl", "--output",
+                                                        "{scratch}/t.model"], r"bad_json.jsonl line 1: not valid JSON"),
+    # convert_hf
+    Row("convert-hf-dir-missing", "convert_hf", ["import", "{scratch}/none", "{scratch}/out"],
+        r".*/none (has no config.json|is not a directory; pass a Hugging Face model directory)"),
+    Row("convert-config-malformed", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json(: Expecting property name| is not valid JSON)", setup=hf_dir("{model_type: llama")),
+    Row("convert-config-a-list", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json holds a JSON list, not an object", setup=hf_dir("[1, 2]")),
+    Row("convert-config-unreadable", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf has no config.json|cannot read .*/hf/config.json", setup=hf_dir("dir")),
+    Row("convert-no-weights", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf has no model.safetensors or model.safetensors.index.json", setup=hf_dir(LLAMA)),
+    Row("convert-pickle-only", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r"pickle files and are never loaded", setup=hf_dir(LLAMA, {"pytorch_model.bin": b"\x80\x04garbage"})),
+    Row("convert-safetensors-garbage", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/model.safetensors is not a safetensors file",
+        setup=hf_dir(LLAMA, {"model.safetensors": b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all}"})),
+    Row("convert-index-malformed", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/model.safetensors.index.json is not valid JSON",
+        setup=hf_dir(LLAMA, {"model.safetensors.index.json": "{oops"})),
+    Row("convert-model-type-unsupported", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r"model_type='gpt2' is not supported", setup=hf_dir({**LLAMA, "model_type": "gpt2"})),
+    Row("convert-export-missing", "convert_hf", ["export", "{scratch}/none", "{scratch}/out"],
+        r"'.*/none' does not exist"),
+    Row("convert-export-bit-flipped", "convert_hf", ["export", "{scratch}/run/checkpoints/4", "{scratch}/out"],
+        r"/checkpoints/4' is damaged: .*: its contents changed since it was saved", setup=flipped),
+    # checkpoint inspect
+    Row("inspect-no-path", K, ["inspect"], r"usage: python -m maxtrain.checkpoint inspect PATH"),
+    Row("inspect-path-missing", K, ["inspect", "{scratch}/none"], r"path='.*/none' does not exist"),
+    Row("inspect-no-checkpoints", K, ["inspect", "{scratch}/nothing"], r"'.*/nothing' holds no complete checkpoint",
+        setup=empty_dir),
+    Row("inspect-bit-flipped", K, ["inspect", "{scratch}/run/checkpoints/4"],
+        r"/checkpoints/4' is damaged: .*/state/.*: its contents changed since it was saved", setup=flipped),
+    Row("inspect-truncated", K, ["inspect", "{scratch}/run/checkpoints/4"],
+        r"/checkpoints/4' is damaged: .* has \d+ bytes, but \d+ were saved", setup=truncated),
+    Row("inspect-file-deleted", K, ["inspect", "{scratch}/run/checkpoints/4"],
+        r"/checkpoints/4' is damaged: .* is missing \(it was saved with this step\)", setup=deleted),
+    Row("inspect-state-deleted", K, ["inspect", "{scratch}/run/checkpoints/4"],
+        r"/checkpoints/4' is damaged: .*/checkpoints/4/state is missing", setup=no_state),
+    Row("inspect-run-with-damaged-newest", K, ["inspect", "{scratch}/run"],
+        r"latest usable step: 2", code=0, setup=flipped),
+    Row("inspect-garbage-metadata", K, ["inspect", "{scratch}/run/checkpoints/4"],
+        r"/checkpoints/4' is damaged: .*/metadata/metadata (has \d+ bytes, but|: its contents changed)",
+        setup=garbage_metadata),
+    Row("inspect-garbage-array-metadata", K, ["inspect", "{scratch}/run/checkpoints/4"],
+        r"/checkpoints/4' is damaged: .*/state/_METADATA (has \d+ bytes, but|: its contents changed)",
+        setup=garbage_array_metadata),
+    Row("inspect-garbage-checksums", K, ["inspect", "{scratch}/run/checkpoints/4"],
+        r"/checkpoints/4' is damaged: .*/checksums/process_0.json: the checksum file itself cannot be read",
+        setup=garbage_checksums),
+]
+
+
+def _other_tokenizer(world, scratch):
+    """A second tokenizer (another vocabulary size) for the prepared directory's row."""
+    from maxtrain.data import text_files, tokenizer  # pylint: disable=import-outside-toplevel
+
+    texts = [t.upper() for t in text_files.read_texts(os.path.join(world.paths["data"], "good.jsonl"))]
+    with open(os.path.join(scratch, "other.model"), "wb") as f:
+        f.write(tokenizer.train(texts, 300).model_proto)
+
+
+# --------------------------------------------------------------------------------------------
+# Running a row and judging the answer
+# --------------------------------------------------------------------------------------------
+
+
+def argv_for(row: Row, world: World, scratch: str) -> list[str]:
+    args = [world.fmt(a, scratch) for a in row.args]
+    if row.tiny:  # the tiny model's settings, unless the row sets the same key itself
+        given = {a.partition("=")[0] for a in args[1:]}
+        extra = [a for a in TINY + [f"dataset_cache_dir={world.paths['cache']}"] if a.partition("=")[0] not in given]
+        args = args[:1] + extra + args[1:]
+    return args
+
+
+def judge(row: Row, code: int, out: str, err: str) -> tuple[str, str]:
+    """("clear" | "unclear" | "silent" | "traceback", the line judged)."""
+    prog = TOOLS[row.tool][0]
+    text = out + err
+    if "Traceback (most recent call last)" in text or "Check failure stack trace" in text:
+        return "traceback", text.strip().splitlines()[-1] if text.strip() else ""
+    if row.code == 0:
+        found = re.search(row.expect, text)
+        return ("clear" if code == 0 and found else "silent" if code == 0 else "unclear"), (
+            found.group(0) if found else (text.strip().splitlines() or [""])[-1])
+    if code == 0:
+        return "silent", (text.strip().splitlines() or [""])[-1]
+    lines = err.strip().splitlines()
+    errors = [line for line in lines if ": error: " in line and (prog.split(".")[-1] in line.split(": error: ")[0]
+                                                                or line.startswith("maxtrain"))]
+    line = errors[-1] if errors else (lines[-1] if lines else "")
+    ok = code == row.code and len(errors) == 1 and re.search(row.expect, line)
+    return ("clear" if ok else "unclear"), line
+
+
+def kind(row: Row, code: int, out: str, err: str) -> str:
+    """The answer's shape, whatever its wording: traceback | silent | one-line error | other."""
+    text = out + err
+    if "Traceback (most recent call last)" in text or "Check failure stack trace" in text:
+        return "traceback"
+    if row.code != 0:
+        if code == 0:
+            return "silent"
+        errors = [line for line in err.strip().splitlines() if ": error: " in line]
+        return "one-line error" if code == 2 and len(errors) == 1 else "other"
+    return "said so" if code == 0 and re.search(row.expect, text) else "silent" if code == 0 else "other"
+
+
+def run_subprocess(row: Row, world: World, scratch: str, python: str, repo: str,
+                   timeout: float = 150) -> tuple[int, str, str]:
+    """(exit status, stdout, stderr) of the row as a real command; a command still running after `timeout`
+    seconds accepted the input and started work (it is stopped and counts as exit 0)."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
+           "JAX_PLATFORMS": "cpu", "PYTHONUNBUFFERED": "1", "PYTHONPATH": repo}
+    cmd = [python, *TOOLS[row.tool][1], *argv_for(row, world, scratch)]
+    try:
+        done = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:  # still working: the bad input was accepted (e.g. it trains)
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        return 0, out + f"\n(still running after {timeout}s: stopped)", ""
+    return done.returncode, done.stdout, done.stderr
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--python", default=sys.executable, help="the interpreter whose maxtrain is judged")
+    parser.add_argument("--repo", default=REPO, help="the checkout to run the tools from")
+    parser.add_argument("--work", default="/tmp/bad_inputs", help="scratch directory (emptied first)")
+    parser.add_argument("--only", default="", help="regex of row ids to run")
+    parser.add_argument("--json", default="", help="write the verdicts to this file")
+    parser.add_argument("--timeout", type=float, default=150, help="seconds after which a row counts as accepted")
+    parser.add_argument("--skip", default="", help="regex of row ids not to run")
+    parser.add_argument("--reuse-world", action="store_true", help="keep the world of an earlier run in --work")
+    args = parser.parse_args(argv)
+    world_dir = os.path.join(args.work, "world")
+    if args.reuse_world and os.path.isdir(os.path.join(world_dir, "run")):
+        world = World(world_dir)
+        world.paths["base"] = os.path.join(args.repo, "configs", "base.yml")
+        shutil.rmtree(os.path.join(args.work, "rows"), ignore_errors=True)
+    else:
+        shutil.rmtree(args.work, ignore_errors=True)
+        world = build_world(world_dir, args.python, args.repo)
+    before = tree_hash(world.root)
+    verdicts, counts, shapes = {}, {}, {}
+    for row in ROWS:
+        if (args.only and not re.search(args.only, row.id)) or (args.skip and re.search(args.skip, row.id)):
+            continue
+        scratch = os.path.join(args.work, "rows", row.id)
+        os.makedirs(scratch)
+        if row.setup:
+            row.setup(world, scratch)
+        code, out, err = run_subprocess(row, world, scratch, args.python, args.repo, args.timeout)
+        verdict, line = judge(row, code, out, err)
+        shape = kind(row, code, out, err)
+        if tree_hash(world.root) != before:
+            verdict = shape = "changed the world"
+            before = tree_hash(world.root)
+        counts[verdict] = counts.get(verdict, 0) + 1
+        shapes[shape] = shapes.get(shape, 0) + 1
+        verdicts[row.id] = {"tool": row.tool, "verdict": verdict, "kind": shape, "exit": code, "line": line}
+        print(f"{verdict:<10} {shape:<15} exit {code:<3} {row.tool:<15} {row.id:<38} {line[:200]}", flush=True)
+    print(f"{len(verdicts)} rows, as the table expects: " + ", ".join(f"{v} {n}" for v, n in sorted(counts.items())))
+    print(f"{len(verdicts)} rows, by the answer's shape: " + ", ".join(f"{v} {n}" for v, n in sorted(shapes.items())))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"counts": counts, "shapes": shapes, "rows": verdicts}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""The bad-input table (tests/bad_inputs.py): every row gets its one clear line, no traceback, and
+leaves the existing run and data untouched.
+
+Rows run in this process through each entry point's own CLI wrapper (errors.run_cli, which is all
+their `__main__` blocks do), so the table stays fast; one row per tool also runs as a real command.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+import bad_inputs
+from bad_inputs import ROWS, TOOLS, Row, argv_for, build_world, judge, run_subprocess, tree_hash
+from maxtrain.errors import run_cli
+
+
+def _script(name: str, function: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(bad_inputs.REPO, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, function)
+
+
+def _in_process():
+    from maxtrain import checkpoint, decode, inspect_data, train, viz  # pylint: disable=import-outside-toplevel
+    from maxtrain.data import prepare  # pylint: disable=import-outside-toplevel
+
+    return {"train": train.main, "decode": decode.main, "viz": viz.main, "inspect_data": inspect_data.main,
+            "inspect": checkpoint.main, "prepare_data": prepare.main,
+            "train_tokenizer": _script("train_tokenizer", "main"), "convert_hf": _script("convert_hf", "main")}
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    return build_world(str(tmp_path_factory.mktemp("bad_inputs_world")), log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
+def mains():
+    return _in_process()
+
+
+def test_the_table_is_large_and_covers_every_tool():
+    assert len(ROWS) >= 100 and len({r.id for r in ROWS}) == len(ROWS)
+    assert {r.tool for r in ROWS} == set(TOOLS)
+
+
+@pytest.mark.slow  # builds the world (a tokenizer, a prepared directory, a 4-step run), then ~120 rows
+@pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
+def test_row(row: Row, world, mains, tmp_path, capsys):
+    scratch = str(tmp_path)
+    if row.setup:
+        row.setup(world, scratch)
+    before = tree_hash(world.root)
+    capsys.readouterr()
+    try:
+        run_cli(TOOLS[row.tool][0], mains[row.tool], argv_for(row, world, scratch))
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out, err = capsys.readouterr()
+    verdict, line = judge(row, code, out, err)
+    assert verdict == "clear", f"{row.id}: {verdict} (exit {code}): {line}\n--- stdout\n{out[-2000:]}\n--- stderr\n{err[-2000:]}"
+    assert tree_hash(world.root) == before, f"{row.id} changed files of the existing run or data"
+
+
+# One row per tool as the real command a user types (`python -m ...`, `python scripts/...`).
+REAL = ["unknown-key", "decode-no-checkpoint", "viz-no-checkpoint", "inspect-data-unknown-key", "inspect-bit-flipped",
+        "prepare-other-tokenizer", "tokenizer-vocab-below-characters", "convert-config-malformed"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row_id", REAL)
+def test_row_as_a_real_command(row_id, world, tmp_path):
+    row = next(r for r in ROWS if r.id == row_id)
+    scratch = str(tmp_path)
+    if row.setup:
+        row.setup(world, scratch)
+    before = tree_hash(world.root)
+    code, out, err = run_subprocess(row, world, scratch, bad_inputs.sys.executable, bad_inputs.REPO)
+    verdict, line = judge(row, code, out, err)
+    assert verdict == "clear", f"{row.id}: {verdict} (exit {code}): {line}\n{err[-2000:]}"
+    assert tree_hash(world.root) == before
