@@ -9,7 +9,8 @@ model is initialized from `seed`, so the scores mean nothing; the times are what
 costs. The step is compiled first (on the first batch, timed on its own); then the rows are scored
 `--repeats` times. `--max-batches K` scores only the first K of the packed batches (every batch has
 the same shape and the rows are ~all full, so time per batch x batches is the whole evaluation's
-time); the line then says what it projects for all of them. Prints one line of figures, with wall
+time); the line then says what it projects for all of them. `--init-per-leaf` draws the weights one
+array at a time, so that a 1B shape fits in little more than its own float32 weights. Prints one line of figures, with wall
 and CPU seconds (this process, all threads: on a shared machine CPU time varies less than wall
 time), the load average before and after, and the command.
 """
@@ -53,6 +54,9 @@ class Timer:
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=1, help="scorings after the compilation (the best is shown)")
+    parser.add_argument("--init-per-leaf", action="store_true",
+                        help="draw each weight array N(0, 0.02) on its own (the model's init in one jit needed "
+                             "~12 GB for a 1B shape; the values do not change the time)")
     parser.add_argument("--max-batches", type=int, default=0, help="score only the first K batches (0 = all)")
     args, overrides = parser.parse_known_args(argv)
     load_before = load_average()
@@ -63,7 +67,15 @@ def main(argv: list[str]) -> None:
                                         log=lambda *_: None)
     shardings = jax.tree.map(lambda s: sharding.named_sharding(mesh, s.axes, config.logical_axis_rules),
                              models.param_specs(config), is_leaf=models.is_spec)
-    params = jax.jit(lambda k: models.init_params(config, k), out_shardings=shardings)(jax.random.key(config.seed))
+    key = jax.random.key(config.seed)
+    if args.init_per_leaf:  # peak memory: the params and one leaf, not the whole init's temporaries twice over
+        shapes = jax.eval_shape(lambda k: models.init_params(config, k), key)
+        leaves, treedef = jax.tree.flatten(shapes)
+        params = jax.tree.unflatten(treedef, [
+            jax.jit(lambda k, leaf=leaf: 0.02 * jax.random.normal(k, leaf.shape, leaf.dtype), out_shardings=s)(
+                jax.random.fold_in(key, i)) for i, (leaf, s) in enumerate(zip(leaves, jax.tree.leaves(shardings)))])
+    else:
+        params = jax.jit(lambda k: models.init_params(config, k), out_shardings=shardings)(key)
     packed, rules = evaluator.packed, config.logical_axis_rules
     batches = evaluator.num_batches if args.max_batches <= 0 else min(args.max_batches, evaluator.num_batches)
     with sharding.activation_sharding(mesh, rules):
