@@ -22,7 +22,7 @@ import optax
 
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
-from maxtrain import metrics, models, optimizer, sharding, train_step
+from maxtrain import metrics, models, optimizer, sharding, storage, train_step
 from maxtrain.data import hosts, pipeline
 
 
@@ -148,5 +148,5 @@ def summarize(run: Run, compiled, compile_seconds: float) -> str:
                  - memory.alias_size_in_bytes)
         lines.append(f"memory per device: {total / 2**30:.3f} GiB (arguments {memory.argument_size_in_bytes / 2**30:.3f}, "
                      f"temporaries {memory.temp_size_in_bytes / 2**30:.3f}, outputs {memory.output_size_in_bytes / 2**30:.3f})")
-    lines.append(f"output: {os.path.abspath(config.run_dir)}")
+    lines.append(f"output: {storage.abspath(config.run_dir)}")
     return "\n".join(lines)

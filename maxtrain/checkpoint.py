@@ -34,7 +34,6 @@ import logging
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 
@@ -44,7 +43,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
 
-from maxtrain import checksums, models
+from maxtrain import checksums, models, storage
 from maxtrain.errors import UserError
 
 # Config keys that describe the model; the shape keys are named in errors when a checkpoint does not fit,
@@ -66,6 +65,15 @@ class CheckpointError(UserError, ValueError):
 def check_writable(directory: str) -> None:
     """Fails early, before any training, when checkpoints could not be written to `directory`."""
     probe = os.path.join(directory, f".write-probe-{jax.process_index()}")
+    if storage.is_remote(directory):  # GCS: one small object written and deleted
+        try:
+            storage.write_bytes(probe, b"maxtrain")
+            storage.rmtree(probe)
+        except Exception as e:  # pylint: disable=broad-except  (gcsfs raises OSError and HttpError variants)
+            raise CheckpointError(f"cannot write checkpoints to {directory} ({type(e).__name__}: {e}). Check the "
+                                  "bucket name and your credentials (gcloud auth application-default login), or "
+                                  "set base_output_directory to a local path.") from None
+        return
     try:
         os.makedirs(directory, exist_ok=True)
         with open(probe, "wb") as f:
@@ -86,7 +94,7 @@ class Checkpointer:
 
     def __init__(self, config, log=print):
         self.config = config
-        self.directory = os.path.abspath(config.checkpoint_dir)
+        self.directory = storage.abspath(config.checkpoint_dir)
         check_writable(self.directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=None if config.max_num_checkpoints_to_keep == -1 else config.max_num_checkpoints_to_keep,
@@ -187,6 +195,8 @@ class Checkpointer:
         import threading  # pylint: disable=import-outside-toplevel
 
         self._join_checksums()
+        if storage.is_remote(self.directory):  # GCS checks each object's CRC32C on upload itself
+            return
         step_dir = os.path.join(self.directory, str(step))
 
         def write():
@@ -251,27 +261,28 @@ def abstract_like(state: dict, shardings: dict) -> dict:
 
 
 def complete_steps(checkpoints_dir: str) -> list[int]:
-    """Steps with a complete checkpoint in `checkpoints_dir` (temporary, half-written ones excluded)."""
-    if not os.path.isdir(checkpoints_dir):
-        return []
-    return sorted(int(name) for name in os.listdir(checkpoints_dir)
-                  if name.isdigit() and os.path.isdir(os.path.join(checkpoints_dir, name, "state")))
+    """Steps with a complete checkpoint in `checkpoints_dir` (temporary, half-written ones excluded).
+    On GCS, where Orbax cannot rename, a step is complete once its commit_success.txt is written."""
+    remote = storage.is_remote(checkpoints_dir)
+    return sorted(int(name) for name in storage.listdir(checkpoints_dir)
+                  if name.isdigit() and storage.isdir(os.path.join(checkpoints_dir, name, "state"))
+                  and (not remote or storage.isfile(os.path.join(checkpoints_dir, name, "commit_success.txt"))))
 
 
 def remove_partial_checkpoints(checkpoints_dir: str, log=print) -> None:
     """Deletes the temporary directories of saves that never completed (a killed or failed run)."""
-    for name in sorted(os.listdir(checkpoints_dir)):
+    for name in storage.listdir(checkpoints_dir):
         if _TMP_MARK in name:
             log(f"removing a checkpoint that was never completed: {os.path.join(checkpoints_dir, name)}")
-            shutil.rmtree(os.path.join(checkpoints_dir, name), ignore_errors=True)
+            storage.rmtree(os.path.join(checkpoints_dir, name))
 
 
 def step_dirs(checkpoints_dir: str) -> list[int]:
     """Every step directory's step (complete or not), oldest first."""
-    if not os.path.isdir(checkpoints_dir):
+    if not storage.isdir(checkpoints_dir):
         return []
-    return sorted(int(name) for name in os.listdir(checkpoints_dir)
-                  if name.isdigit() and os.path.isdir(os.path.join(checkpoints_dir, name)))
+    return sorted(int(name) for name in storage.listdir(checkpoints_dir)
+                  if name.isdigit() and storage.isdir(os.path.join(checkpoints_dir, name)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,7 +302,11 @@ _CHECKED: dict = {}
 
 def check_step(step_dir: str, share: tuple[int, int] = (0, 1), contents: bool = True) -> StepHealth:
     """Is this step usable? Its state/ must exist, its files match their checksums, its metadata read.
-    (The answer is remembered while no file of the step changes its size or modification time.)"""
+    (The answer is remembered while no file of the step changes its size or modification time.)
+    On gs://, where checksums are not written (GCS checks every object's CRC32C itself), a step is
+    usable when its state/, its commit_success.txt and its metadata are there and readable."""
+    if storage.is_remote(step_dir):
+        return _check_step(step_dir, share, contents)
     try:
         stamp = tuple((root, name, os.stat(os.path.join(root, name)).st_size, os.stat(os.path.join(root, name)).st_mtime_ns)
                       for root, _, names in os.walk(step_dir) for name in sorted(names))
@@ -305,8 +320,10 @@ def check_step(step_dir: str, share: tuple[int, int] = (0, 1), contents: bool = 
 
 def _check_step(step_dir: str, share: tuple[int, int], contents: bool = True) -> StepHealth:
     step = int(os.path.basename(step_dir)) if os.path.basename(step_dir).isdigit() else -1
-    if not os.path.isdir(os.path.join(step_dir, "state")):
+    if not storage.isdir(os.path.join(step_dir, "state")):
         return StepHealth(step, step_dir, "damaged", f"{os.path.join(step_dir, 'state')} is missing")
+    if storage.is_remote(step_dir) and not storage.isfile(os.path.join(step_dir, "commit_success.txt")):
+        return StepHealth(step, step_dir, "damaged", f"{step_dir} has no commit_success.txt: its save never finished")
     status, problem, _ = checksums.verify(step_dir, share, contents)
     if problem is None:
         try:
@@ -341,18 +358,18 @@ def latest_usable_step(checkpoints_dir: str, share: tuple[int, int] = (0, 1),
 
 
 def _damaged_root(checkpoints_dir: str) -> str:
-    return os.path.join(os.path.dirname(os.path.abspath(checkpoints_dir)), DAMAGED_DIR)
+    return os.path.join(os.path.dirname(storage.abspath(checkpoints_dir).rstrip("/")), DAMAGED_DIR)
 
 
 def move_aside(health: StepHealth) -> str:
     """Moves a damaged step to <run>/damaged_checkpoints/<step>[.N] (never deletes it); returns where."""
     root = _damaged_root(os.path.dirname(health.step_dir))
-    os.makedirs(root, exist_ok=True)
+    storage.makedirs(root)
     target, n = os.path.join(root, str(health.step)), 1
-    while os.path.exists(target):
+    while storage.exists(target):
         n += 1
         target = os.path.join(root, f"{health.step}.{n}")
-    os.rename(health.step_dir, target)
+    storage.move(health.step_dir, target)
     return target
 
 
@@ -403,11 +420,11 @@ def find_step_dir(path: str, key: str = "path") -> str:
     """The step directory that `path` names: a step directory itself (<run>/checkpoints/<step>), or the
     latest usable step of a checkpoints directory or of a run directory (latest_usable_step).
     A damaged step is refused, naming the file."""
-    path = os.path.abspath(os.path.expanduser(path))
-    if not os.path.exists(path):
+    path = storage.abspath(os.path.expanduser(path)).rstrip("/")
+    if not storage.exists(path):
         raise CheckpointError(f"{key}={path!r} does not exist. Give a checkpoint step directory "
                               "(<run>/checkpoints/<step>), a run's checkpoints directory, or a run directory.")
-    if os.path.isdir(os.path.join(path, "state")) or (os.path.basename(path).isdigit() and os.path.isdir(path)):
+    if storage.isdir(os.path.join(path, "state")) or (os.path.basename(path).isdigit() and storage.isdir(path)):
         health = check_step(path)
         if not health.usable:
             raise CheckpointError(f"{key}={path!r} is damaged: {health.problem}. Use another step (see python -m "
@@ -420,7 +437,7 @@ def find_step_dir(path: str, key: str = "path") -> str:
         if damaged:
             raise CheckpointError(f"{key}={path!r}: every checkpoint in {directory} is damaged (step "
                                   f"{damaged[0].step}: {damaged[0].problem})")
-    found = sorted(os.listdir(path)) if os.path.isdir(path) else []
+    found = storage.listdir(path) if storage.isdir(path) else []
     raise CheckpointError(f"{key}={path!r} holds no complete checkpoint (a directory named by its step with a "
                           f"state/ subdirectory, directly or under checkpoints/); it contains: {found[:10] or 'nothing'}")
 
@@ -429,11 +446,10 @@ def read_metadata(step_dir: str) -> dict:
     """The JSON metadata saved with a checkpoint ({} when it has none); CheckpointError naming the file
     when it is unreadable."""
     path = os.path.join(step_dir, "metadata", "metadata")
-    if not os.path.isfile(path):
+    if not storage.isfile(path):
         return {}
     try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
+        meta = json.loads(storage.read_text(path))
     except (OSError, ValueError) as e:
         raise CheckpointError(f"the checkpoint metadata {path} cannot be read ({type(e).__name__}: "
                               f"{str(e).splitlines()[0][:200]}); the step is damaged") from None

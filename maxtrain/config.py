@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import difflib
+import importlib.util
 import os
 import sys
 from typing import Any, Iterable
@@ -436,11 +437,25 @@ def split_address(address: str, key: str = "coordinator_address") -> tuple[str, 
 
 
 # The rules a per-key range cannot express, each a function of the resolved values.
+def _optional_packages_installed(v):
+    _require(not v["enable_wandb"] or importlib.util.find_spec("wandb") is not None,
+             "enable_wandb=true needs the wandb package: pip install 'maxtrain[wandb]' (or set enable_wandb=false)")
+    remote = [k for k in ("base_output_directory", "dataset_cache_dir", "metrics_file", "grain_train_files",
+                          "grain_eval_files", "load_parameters_path", "load_full_state_path") if v[k].startswith("gs://")]
+    _require(not remote or importlib.util.find_spec("gcsfs") is not None,
+             f"{remote[0] if remote else ''} is on gs://, which needs gcsfs: pip install 'maxtrain[gcs]'")
+
+
+def _known_profiler(v):
+    _require(v["profiler"] in ("", "xplane"), f"profiler={v['profiler']!r} is not supported; use profiler=xplane "
+                                               "(a jax.profiler trace, as MaxText) or leave it empty")
+
+
 CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
           _flash_blocks_powers_of_two, _one_text_column,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
-          _metrics_file_is_a_file_path, _eval_tasks_known)
+          _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler, _eval_tasks_known)
 
 
 def _divisor_hint(n: int, near: int) -> int:

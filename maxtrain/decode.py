@@ -98,6 +98,19 @@ def generate(params, prompt_ids: list[int], config, rt: models.Runtime, *, max_n
     return next((tokens[:i] for i, t in enumerate(tokens) if t in stops), tokens)
 
 
+def trim_sample(text: str, max_blank_lines: int = 2) -> str:
+    """A sample up to where it ends: before the first run of more than `max_blank_lines` blank
+    lines (an undertrained model fills its remaining tokens with newlines), without trailing
+    whitespace. Two blank lines are kept: Python separates top-level definitions with them."""
+    lines = text.split("\n")
+    blank = 0
+    for i, line in enumerate(lines):
+        blank = blank + 1 if not line.strip() else 0
+        if blank > max_blank_lines:
+            return "\n".join(lines[:i - blank + 1]).rstrip()
+    return text.rstrip()
+
+
 def tokenizer_for(config, log=print):
     """tokenizer_path, or the default corpus' tokenizer (the one training used) for dataset_type=default;
     refused when it has more pieces than the model's vocab_size."""

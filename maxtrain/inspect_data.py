@@ -83,6 +83,7 @@ def main(argv: list[str]) -> None:
         for r in range(min(opts.rows, flat["inputs"].shape[0])):
             print(f"  row {r}  " + render_row(flat["inputs"][r], flat["segment_ids"][r], flat["positions"][r], tok,
                                               opts.chars))
+    inputs.close()  # stops background cache building (dataset_cache_dir), if any
 
 
 if __name__ == "__main__":

@@ -6,18 +6,23 @@ causal attention counted once and sliding windows counting only the keys attende
 models.blocks.decoder_flops for the dense decoder formula.
 
 MFU = achieved model TFLOP/s per device / the device's dense bfloat16 peak (below, or
-`peak_tflops_per_device`).
+`peak_tflops_per_device`). A CPU has no data sheet peak: there MFU is measured against what a
+large matmul achieves on this machine (cpu_peak_tflops: measured once, 1.5 s at most, and cached),
+divided among the CPU devices, which share the cores.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
+import statistics
 import struct
+import time
 
 import jax
 
-from maxtrain import models
+from maxtrain import models, storage
 from maxtrain.errors import ConfigError
 
 # Dense (no sparsity) bfloat16 peak TFLOP/s per device, from the vendors' data sheets.
@@ -49,15 +54,104 @@ def flops_per_token(config, dense_attention: bool = False) -> float:
     return models.flops_per_token(config, dense_attention)
 
 
-def peak_tflops(config, device=None) -> float | None:
-    """Per-device peak used for MFU, or None when unknown (CPU without peak_tflops_per_device)."""
+def peak_tflops(config, device=None, log=None) -> float | None:
+    """Per-device peak used for MFU, or None when unknown. On CPU: the measured matmul peak of the
+    machine (see cpu_peak_tflops) shared by the local CPU devices; process 0 only measures it."""
     if config.peak_tflops_per_device > 0:
         return config.peak_tflops_per_device
-    kind = (device or jax.devices()[0]).device_kind
+    device = device or jax.devices()[0]
+    kind = device.device_kind
     for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
         if key.lower() in kind.lower():
             return PEAK_TFLOPS[key]
+    if getattr(device, "platform", None) == "cpu" and jax.process_index() == 0:
+        dtype = "bfloat16" if config.dtype == "bfloat16" else "float32"
+        # Several processes: the others would wait in the first step's collectives while this one
+        # measures (and time out), so only a figure cached by an earlier single-process run is used.
+        peak, path, measured = cpu_peak_tflops(dtype, measure=jax.process_count() == 1)
+        if peak is None:
+            if log:
+                log(f"MFU: this CPU's matmul peak is not measured yet ({path}); a single-process run measures and "
+                    "caches it, or set peak_tflops_per_device")
+            return None
+        devices = jax.local_device_count()
+        if log:
+            when = "measured now" if measured else "measured before"
+            log(f"MFU: against this CPU's {dtype} matmul peak of {peak:.3f} TFLOP/s ({when}, "
+                f"cached in {path}) shared by {devices} CPU device(s); set peak_tflops_per_device to use another")
+        return peak / devices
     return None
+
+
+def measure_matmul_tflops(dtype, n: int = 4096, repeats: int = 10, reduce=statistics.median,
+                          budget_seconds: float | None = None) -> float:
+    """TFLOP/s of an n x n x n matmul (float32 accumulation) on the default device: `reduce` (median,
+    or max for a peak) over `repeats` timed runs after one untimed, or fewer (at least one) when
+    they would take longer than `budget_seconds`."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    matmul = jax.jit(lambda x, y: jax.numpy.dot(x, y, preferred_element_type=jax.numpy.float32))
+    jax.block_until_ready(matmul(a, b))
+    times, start = [], time.perf_counter()
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(matmul(a, b))
+        times.append(time.perf_counter() - t)
+        if budget_seconds is not None and time.perf_counter() - start > budget_seconds:
+            break
+    return reduce([2 * n**3 / t / 1e12 for t in times])
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_peak_tflops(dtype: str = "float32", measure: bool = True) -> tuple[float | None, str, bool]:
+    """(TFLOP/s, cache file, measured now?): the best of up to 20 runs (1.5 s at most) of a 1024^3
+    matmul on this machine.
+
+    Cached in $XDG_CACHE_HOME/maxtrain/cpu_peak_tflops.json (default ~/.cache), keyed by the CPU
+    model, the number of cores this process may use, the jax version and the dtype: what the figure
+    depends on. The best run, not the median, because a shared machine's load only ever slows it
+    down; for the same reason a figure measured while the load average exceeded the core count is
+    measured again by later runs, and the best one kept, until one is measured on a quiet machine.
+    Delete the file to measure again. measure=False only reads the cache (None when it has no figure).
+    """
+    path = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "maxtrain",
+                        "cpu_peak_tflops.json")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    key = f"{_cpu_name()} | {cores} cores | jax {jax.__version__} | {dtype}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            cached = json.load(f)
+    except (OSError, ValueError):
+        cached = {}
+    entry = cached.get(key) if isinstance(cached.get(key), dict) else {}
+    if entry.get("tflops", 0) > 0 and (entry.get("load_average", 0) <= cores or not measure):
+        return float(entry["tflops"]), path, False
+    if not measure:
+        return None, path, False
+    # Not yet measured, or measured while the machine was busier than it has cores (the figure is
+    # then too low): measure (again), keeping the best figure seen.
+    load = os.getloadavg()[0]
+    tflops = measure_matmul_tflops(getattr(jax.numpy, dtype), n=1024, repeats=20, reduce=max, budget_seconds=1.5)
+    if entry.get("tflops", 0) >= tflops:
+        tflops, load = entry["tflops"], min(load, entry.get("load_average", load))
+    cached[key] = {"tflops": tflops, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                   "how": "best of up to 20 runs (1.5 s) of a 1024^3 matmul, float32 accumulation, jax.devices()[0]",
+                   "load_average": load}
+    try:
+        storage.write_text(path, json.dumps(cached, indent=1))
+    except OSError:
+        pass  # a read-only home: measured again next time
+    return tflops, path, True
 
 
 def step_metrics(raw: dict, step_time: float, config, peak: float | None) -> dict:
@@ -94,7 +188,10 @@ def format_line(step: int, m: dict, loss_scaled: bool = False) -> str:
 
 
 def _writable_place(path: str, key: str, is_file: bool) -> None:
-    """ConfigError naming `key` when `path` could not be created or written (checked before any work)."""
+    """ConfigError naming `key` when `path` could not be created or written (checked before any work).
+    gs:// paths are checked when first written (checkpoint.check_writable probes the bucket)."""
+    if storage.is_remote(path):
+        return
     path = os.path.abspath(path)
     if is_file and os.path.isdir(path):
         raise ConfigError(f"{key}={path!r} is a directory; give a file path, e.g. {key}={os.path.join(path, 'metrics.jsonl')}")
@@ -118,30 +215,74 @@ def check_outputs(config) -> None:
         _writable_place(config.metrics_file, "metrics_file", is_file=True)
 
 
+class JsonLines:
+    """Appends lines to a file. A local file is opened for appending and flushed after every line. GCS
+    has no append, so a gs:// object is rewritten whole (what it held before, then the new lines) at
+    most every `upload_seconds` and at close: a killed run loses at most that much of its metrics file."""
+
+    def __init__(self, path: str, upload_seconds: float = 30.0):
+        self.path, self.upload_seconds = path, upload_seconds
+        self.remote = storage.is_remote(path)
+        if self.remote:
+            self.lines = [storage.read_text(path)] if storage.isfile(path) else []
+            self.uploaded = time.time()
+            self.dirty = False
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+
+    def write(self, line: str) -> None:
+        if not self.remote:
+            self.file.write(line)
+            self.file.flush()
+            return
+        self.lines.append(line)
+        self.dirty = True
+        if time.time() - self.uploaded >= self.upload_seconds:
+            self.upload()
+
+    def upload(self) -> None:
+        if self.dirty:
+            storage.write_text(self.path, "".join(self.lines))
+            self.uploaded, self.dirty = time.time(), False
+
+    def close(self) -> None:
+        if self.remote:
+            self.upload()
+        else:
+            self.file.close()
+
+
 class MetricWriter:
-    """Writes metrics to stdout, an optional JSON-lines file and TensorBoard; only on process 0."""
+    """Writes metrics to stdout, an optional JSON-lines file, TensorBoard and W&B; only on process 0."""
 
     def __init__(self, config, active: bool):
         self.active = active
         self.config = config
         self.jsonl = None
         self.tb = None
+        self.wandb = None
         if not active:
             return
         if config.metrics_file:
-            os.makedirs(os.path.dirname(os.path.abspath(config.metrics_file)), exist_ok=True)
-            self.jsonl = open(config.metrics_file, "a", encoding="utf-8")
+            self.jsonl = JsonLines(config.metrics_file)
         if config.enable_tensorboard:
             from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
 
             self.tb = SummaryWriter(config.tensorboard_dir)
+        if config.enable_wandb:
+            from maxtrain.wandb_logger import WandbLogger  # pylint: disable=import-outside-toplevel
+
+            self.wandb = WandbLogger(config)
 
     def write_text(self, tag: str, text: str, step: int = 0) -> None:
         if self.tb:
             self.tb.add_text(tag, text, step)
 
     def write_image(self, tag: str, png_bytes: bytes, step: int) -> None:
-        """An encoded PNG as a TensorBoard image (no imaging library needed)."""
+        """An encoded PNG as a TensorBoard image (no imaging library needed), and a W&B image."""
+        if self.wandb:
+            self.wandb.log_image(tag, png_bytes, step)
         if not self.tb:
             return
         from tensorboardX.proto.summary_pb2 import Summary  # pylint: disable=import-outside-toplevel
@@ -157,14 +298,17 @@ class MetricWriter:
             print(format_line(step, metrics, loss_scaled=self.config.dtype == "float16"), flush=True)
         if self.jsonl:
             self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
-            self.jsonl.flush()
         if self.tb:
             for key, value in metrics.items():
                 if value is not None:
                     self.tb.add_scalar(key, value, step)
+        if self.wandb:
+            self.wandb.log(step, metrics)
 
     def close(self) -> None:
         if self.jsonl:
             self.jsonl.close()
         if self.tb:
             self.tb.close()
+        if self.wandb:
+            self.wandb.close()

@@ -22,6 +22,8 @@ from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
 from maxtrain import preemption as preemption_lib
+from maxtrain import profiler as profiler_lib
+from maxtrain import storage
 from maxtrain.data import pipeline
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.errors import UserError, run_cli
@@ -68,13 +70,11 @@ def write_metadata(config, rt, start) -> dict:
             "command": sys.argv, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "packages": checkpoint_lib.installed_packages()}
     if jax.process_index() == 0:
-        os.makedirs(config.metadata_dir, exist_ok=True)
-        with open(os.path.join(config.metadata_dir, "config.yml"), "w") as f:
-            yaml.safe_dump(config.to_dict(), f, sort_keys=False)
-        with open(os.path.join(config.metadata_dir, "run.json"), "w") as f:
-            json.dump({k: v for k, v in meta.items() if k not in ("config", "packages")}, f, indent=2)
-        with open(os.path.join(config.metadata_dir, "requirements.txt"), "w") as f:
-            f.write("\n".join(meta["packages"]) + "\n")
+        directory = config.metadata_dir  # local or gs://
+        storage.write_text(os.path.join(directory, "config.yml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
+        storage.write_text(os.path.join(directory, "run.json"),
+                           json.dumps({k: v for k, v in meta.items() if k not in ("config", "packages")}, indent=2))
+        storage.write_text(os.path.join(directory, "requirements.txt"), "\n".join(meta["packages"]) + "\n")
     return meta
 
 
@@ -116,11 +116,12 @@ def main(argv: list[str]) -> dict:
             return (pipeline.to_global(b, mesh, rules, pipeline.EVAL_BATCH_AXES) for b in inputs.eval_batches)
         viz_batch = (pipeline.to_global(inputs.eval_batches[0], mesh, rules, pipeline.EVAL_BATCH_AXES)
                      if has_eval and inputs.tokenizer is not None and config.viz_period > 0 else None)
-        peak = metrics.peak_tflops(config)
+        peak = metrics.peak_tflops(config, log=log)
         if peak is None:
             log("MFU: unknown peak for this device; set peak_tflops_per_device=<dense TFLOP/s per device> to report it")
 
         start_step = int(jax.device_get(state["step"]))
+        profiler = profiler_lib.Profiler(config, start_step, log)  # profiler=xplane: traces a few steps
         eval_losses = {}
         if has_eval and start_step == 0:
             eval_losses[0] = evaluate(eval_step, state["params"], eval_batches())
@@ -138,6 +139,7 @@ def main(argv: list[str]) -> dict:
         for step in range(start_step, config.steps):
             if step != start_step:
                 batch = pipeline.to_global(next(inputs.train_iterator), mesh, rules)
+            profiler.step(step, state)
             state, step_metrics = step_fn(state, batch)  # dispatched; runs while we report the previous step
             if pending is not None:
                 last_done = _report(pending, config, peak, writer, last_done, loss_scaled)
@@ -175,19 +177,21 @@ def main(argv: list[str]) -> dict:
                 log(f"token heatmap at step {done}: {path}")
                 last_done = time.time()
         preemption.close()
+        profiler.stop(state)
         if pending is not None:
             _report(pending, config, peak, writer, last_done, loss_scaled)
 
         if checkpointer:
             checkpointer.close()
         writer.close()
+        inputs.close()  # stops background cache building; finished shards stay
         sample = None
         tok = inputs.tokenizer
         prompt = tokenizer_lib.prompt_ids(tok, config.prompt) if tok is not None else []
         if config.max_new_tokens > 0 and prompt and not preempted:
             new = decode.generate(state["params"], prompt, config, rt, max_new_tokens=config.max_new_tokens,
                                   eos_id=tok.eos_ids)
-            sample = config.prompt + tok.decode(new)
+            sample = decode.trim_sample(config.prompt + tok.decode(new))  # not the blank lines after its end
             log(f"greedy sample from {config.prompt!r}:\n{sample}")
     log(f"done in {time.time() - start_time:.1f}s")
     return {"eval_losses": eval_losses, "sample": sample, "state": state, "config": config, "preempted": preempted}

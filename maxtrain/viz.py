@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
-from maxtrain import builder, decode, models, png, sharding
+from maxtrain import builder, decode, models, png, sharding, storage
 from maxtrain.data import pipeline
 from maxtrain.errors import run_cli
 
@@ -189,14 +189,11 @@ def write_heatmap(step: int, params, batch: dict, config, rt, tokenizer, writer=
         return None
     samples = [sample_tokens(rows, tokenizer, i) for i in range(rows["targets"].shape[0])]
     title = f"maxtrain {config.run_name}: per-token log-probabilities at step {step}"
-    directory = os.path.join(config.run_dir, "viz")
-    os.makedirs(directory, exist_ok=True)
+    directory = os.path.join(config.run_dir, "viz")  # local or gs://
     path = os.path.join(directory, f"step_{step}.html")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(render_html(samples, title))
+    storage.write_text(path, render_html(samples, title))
     image = png.encode_png(render_png(samples, title))
-    with open(os.path.join(directory, f"step_{step}.png"), "wb") as f:
-        f.write(image)
+    storage.write_bytes(os.path.join(directory, f"step_{step}.png"), image)
     if writer is not None:
         writer.write_image("viz/token_logprobs", image, step)
     return path
@@ -214,6 +211,7 @@ def main(argv: list[str]) -> str:
                             eval_steps=1, eval_interval=max(config.eval_interval, 1))
     config = config_lib.with_devices(config, jax.device_count(), jax.process_count())
     inputs = data_lib.make_inputs(config)  # the data and tokenizer are checked before the params are read
+    inputs.close()  # only eval batches are needed: no background cache building
     if not inputs.eval_batches or inputs.tokenizer is None:
         raise config_lib.ConfigError("this configuration has no eval samples with a tokenizer to show")
     params, rt, mesh = decode.load_model(config.replace(load_parameters_path=step_dir))

@@ -71,18 +71,7 @@ def parse_args(argv: list[str]):
     return args
 
 
-def measure_matmul_tflops(dtype, n: int = 4096, repeats: int = 10) -> float:
-    """Median TFLOP/s of an n x n x n matmul (float32 accumulation) on the default device."""
-    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
-    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
-    matmul = jax.jit(lambda x, y: jax.numpy.dot(x, y, preferred_element_type=jax.numpy.float32))
-    jax.block_until_ready(matmul(a, b))
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(matmul(a, b))
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / statistics.median(times) / 1e12
+measure_matmul_tflops = metrics.measure_matmul_tflops  # median TFLOP/s of an n^3 matmul (moved to metrics.py)
 
 
 def process_peak_rss_bytes() -> int:

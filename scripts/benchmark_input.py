@@ -99,6 +99,7 @@ def main(argv):
         seconds = time.perf_counter() - t0
         rates.append(rows / seconds)
         total_rows, total_real, total_seconds = total_rows + rows, total_real + real, total_seconds + seconds
+    inputs.close()
     shape = "x".join(map(str, batch["inputs"].shape))
     print(f"dataset_type={config.dataset_type} packing={config.packing}"
           f"{'/' + config.grain_packing_type if config.packing else ''} batch [{shape}] x {opts.batches} batches, "

@@ -39,10 +39,10 @@ GLOBAL_BATCH = 8
 
 def _config(devices, mesh, attention_name):
     data, fsdp, tensor = mesh
-    return with_devices(load_config([BASE_YML, *OVERRIDES, f"attention={attention_name}",
-                                     f"per_device_batch_size={GLOBAL_BATCH / devices}",
-                                     f"ici_data_parallelism={data}", f"ici_fsdp_parallelism={fsdp}",
-                                     f"ici_tensor_parallelism={tensor}"]), devices)
+    return with_devices(load_config([BASE_YML, *with_overrides(
+        OVERRIDES, f"attention={attention_name}", f"per_device_batch_size={GLOBAL_BATCH / devices}",
+        f"ici_data_parallelism={data}", f"ici_fsdp_parallelism={fsdp}", f"ici_tensor_parallelism={tensor}")]),
+        devices)
 
 
 def _batch(cfg):

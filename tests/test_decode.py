@@ -185,7 +185,7 @@ def test_decode_with_a_tokenizer_smaller_than_the_model_vocabulary(tiny, step_di
     # More pieces than the model has ids: refused before the checkpoint is read (it would not fit either).
     with pytest.raises(DataError, match=rf"the tokenizer {path} has 320 pieces but vocab_size=300: .*"
                                         "Set vocab_size=320 or more"):
-        decode.main([*argv, "vocab_size=300"])
+        decode.main(with_overrides(argv, "vocab_size=300"))
 
 
 def test_generate_stops_at_any_of_several_eos_ids(tiny):

@@ -41,9 +41,23 @@ def test_causal_attention_is_counted_once():
     assert dense - causal == pytest.approx(attention_dense * (1 - (t + 1) / (2 * t)))
 
 
-def test_peak_table_and_override():
+def test_peak_table_and_override(tmp_path, monkeypatch):
     cfg = load_config([BASE_YML])
-    assert metrics.peak_tflops(cfg) is None  # CPU: unknown unless configured
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cpu = metrics.peak_tflops(cfg)  # CPU: the measured matmul peak, shared by the (8 simulated) devices
+    path = tmp_path / "maxtrain" / "cpu_peak_tflops.json"
+    cache = json.loads(path.read_text())
+    (key, entry), = cache.items()
+    assert cpu == entry["tflops"] / jax.local_device_count() and cpu > 0
+
+    # Measured on a quiet machine: read back, not measured again.
+    path.write_text(json.dumps({key: {**entry, "tflops": 123.0, "load_average": 0.0}}))
+    assert metrics.cpu_peak_tflops("float32")[1:] == (str(path), False)
+    assert metrics.cpu_peak_tflops("float32")[0] == 123.0
+    # Measured while the machine was busier than it has cores: measured again, the best figure kept.
+    path.write_text(json.dumps({key: {**entry, "tflops": 1e-9, "load_average": 1e6}}))
+    tflops, _, measured = metrics.cpu_peak_tflops("float32")
+    assert measured and tflops > 1e-9 and json.loads(path.read_text())[key]["tflops"] == tflops
     assert metrics.peak_tflops(cfg.replace(peak_tflops_per_device=2.5)) == 2.5
 
     class FakeDevice:  # only device_kind is read

@@ -18,6 +18,7 @@ import sys
 import data_helpers as h
 import pytest
 
+from maxtrain.config import with_overrides
 from maxtrain.data import DataError
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.data import tokenizer_training
@@ -451,15 +452,16 @@ def test_training_on_the_default_corpus_with_a_hugging_face_tokenizer(tiny_args,
     assert set(result["eval_losses"]) == {0, 2} and result["sample"].startswith("def main(")
     assert "greedy sample from 'def main('" in capsys.readouterr().out
     with pytest.raises(DataError, match=rf"the tokenizer {hf_path} has 320 pieces but vocab_size=256"):
-        train.main([*args, "vocab_size=256"])
+        train.main(with_overrides(args, "vocab_size=256"))
 
 
 def test_cli_prints_one_line_and_exits_2(tmp_path):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    result = subprocess.run([sys.executable, "-m", "maxtrain.decode", "configs/base.yml", f"tokenizer_path={tmp_path}"],
+    result = subprocess.run([sys.executable, "-m", "maxtrain.train", "configs/base.yml", f"tokenizer_path={tmp_path}",
+                             f"base_output_directory={tmp_path}/out"],
                             capture_output=True, text=True, timeout=120, check=False, cwd=h.REPO, env=env)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
-        f"maxtrain.decode: error: tokenizer_path='{tmp_path}' is a directory without tokenizer.json or tokenizer.model."
+        f"maxtrain: error: tokenizer_path='{tmp_path}' is a directory without tokenizer.json or tokenizer.model."
         f" Give {tokenizer_lib.ACCEPTS}; for a Hugging Face model, download its tokenizer files too (tokenizer.json, "
         "tokenizer_config.json, generation_config.json)"]

@@ -13,6 +13,8 @@ import data_helpers as h
 import jax
 import numpy as np
 import pytest
+
+from maxtrain.config import with_overrides
 from tensorboardX.proto import event_pb2
 
 from maxtrain import config as config_lib
@@ -210,5 +212,5 @@ def test_viz_with_a_hugging_face_tokenizer_smaller_than_the_model(run, tmp_path_
     assert spans[0]["text"] == "<|begin_of_text|>" and any(" " in s["text"] for s in spans)
     assert not any("Ġ" in s["text"] or "Ċ" in s["text"] for s in spans)
     with pytest.raises(DataError, match=rf"the tokenizer {path} has 320 pieces but vocab_size=300"):
-        viz.main([*run["argv"], f"load_parameters_path={config.checkpoint_dir}/2", f"tokenizer_path={path}",
-                  "vocab_size=300"])
+        viz.main(with_overrides(run["argv"], f"load_parameters_path={config.checkpoint_dir}/2",
+                                f"tokenizer_path={path}", "vocab_size=300"))

@@ -1,6 +1,7 @@
 """Input pipelines. `make_inputs(config) -> Inputs` is the one entry point the trainer uses.
 
     sources.py      where documents come from (default corpus, ArrayRecord, jsonl, parquet; mixtures)
+    cache.py        jsonl/parquet tokenized once into a cache, in the background, while training reads it
     prepared.py     the prepared-data format (tokenized ArrayRecord shards + metadata.json)
     prepare.py      raw text -> prepared data (scripts/prepare_data.py), text_files.py reads raw text
     tokenizer.py    load(path): sentencepiece models and Hugging Face tokenizer.json / model directories
@@ -28,6 +29,11 @@ class Inputs:
     train_iterator: Any            # checkpointable Grain DatasetIterator of host batches [A, b, T]
     eval_batches: Any              # re-iterable: the same len(eval_batches) host batches [b, T] each pass
     sources: Any = None            # sources.Sources: what was opened (for inspect_data)
+
+    def close(self) -> None:
+        """Stops background work (cache building); call when training ends."""
+        if self.sources is not None:
+            self.sources.close()
 
 
 def make_inputs(config, log=print, process_index: int | None = None, process_count: int | None = None) -> Inputs:

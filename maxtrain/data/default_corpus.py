@@ -12,12 +12,14 @@ tokenizer and tokenizes the corpus once, caching both under `dataset_cache_dir`.
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import sysconfig
 import tempfile
 
 import numpy as np
 
+from maxtrain import storage
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.data import tokenizer_training
 
@@ -69,16 +71,17 @@ def load_documents(max_mb: float, eval_fraction: float) -> tuple[list[str], list
 
 
 def _atomic_write(path: str, write) -> None:
-    """Writes via a temporary file and a rename, so concurrent processes never see half a file."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    """Writes the whole file at once (local: temporary file and rename; gs://: one object), so
+    concurrent processes never see half a file."""
+    buffer = io.BytesIO()
+    write(buffer)
+    storage.write_bytes(path, buffer.getvalue())
+
+
+def _load_tokenizer(path: str):
+    if not storage.is_remote(path):
+        return tokenizer_lib.load(path)
+    return tokenizer_lib.from_files({tokenizer_lib.SP_MODEL: storage.read_bytes(path)}, path)
 
 
 def _encode_documents(tokenizer, texts: list[str]) -> list[np.ndarray]:
@@ -92,7 +95,7 @@ def _save_docs(f, docs: list[np.ndarray]) -> None:
 
 
 def _load_docs(path: str) -> list[np.ndarray]:
-    with np.load(path) as data:
+    with np.load(io.BytesIO(storage.read_bytes(path))) as data:
         tokens, lengths = data["tokens"], data["lengths"]
     return np.split(tokens, np.cumsum(lengths)[:-1]) if len(lengths) else []
 
@@ -105,17 +108,18 @@ def documents(config, log=print):
     train_texts, eval_texts, fingerprint = load_documents(config.default_corpus_max_mb, config.eval_split_fraction)
     if not config.tokenizer_path:
         path = os.path.join(config.cache_dir, f"default-{fingerprint}-v{config.vocab_size}.model")
-        if not os.path.isfile(path):
+        if not storage.isfile(path):
             log(f"Training a {config.vocab_size}-piece tokenizer on the default corpus -> {path}")
-            tokenizer_training.train_sentencepiece(train_texts, config.vocab_size).write(path)
-        tokenizer = tokenizer_lib.load(path)
+            trained = tokenizer_training.train_sentencepiece(train_texts, config.vocab_size)
+            _atomic_write(path, lambda f: f.write(trained.files[tokenizer_lib.SP_MODEL]))
+        tokenizer = _load_tokenizer(path)
         tokenizer_lib.check_vocab(tokenizer, config.vocab_size)
     tokenizer_lib.warn_if_no_eos(tokenizer, log)
 
     docs = {}
     for split, texts in (("train", train_texts), ("eval", eval_texts)):
         path = os.path.join(config.cache_dir, f"default-{fingerprint}-{tokenizer.checksum}-{split}.npz")
-        if not os.path.isfile(path):
+        if not storage.isfile(path):
             log(f"Tokenizing the default corpus ({split}: {len(texts)} documents) -> {path}")
             encoded = _encode_documents(tokenizer, texts)
             _atomic_write(path, lambda f, encoded=encoded: _save_docs(f, encoded))

@@ -21,9 +21,11 @@ import hashlib
 import json
 import multiprocessing
 import os
+import shutil
 import sys
 import time
 
+from maxtrain import storage
 from maxtrain.data import prepared, text_files
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.data.errors import DataError
@@ -54,7 +56,7 @@ def plan_units(files: list[str], shard_bytes: int, txt_documents: str) -> list[d
     units = []
     for path in files:
         fmt, compression = text_files.file_format(path)
-        size = os.path.getsize(path)
+        size = storage.size(path)
         if fmt == "parquet":
             meta = text_files.open_parquet(path).metadata
             group, groups, total = 0, [], 0
@@ -93,8 +95,9 @@ def _is_eval(text: str, fraction: float) -> bool:
 _worker: dict = {}
 
 
-def _init_worker(tokenizer, progress_counter) -> None:
-    _worker["tokenizer"] = tokenizer  # pickled to each worker as its files' bytes
+def init_worker(tokenizer, progress_counter) -> None:
+    """Pool initializer: the tokenizer arrives pickled (as its files' bytes), once per worker process."""
+    _worker["tokenizer"] = tokenizer
     _worker["progress"] = progress_counter
 
 
@@ -138,7 +141,11 @@ def process_unit(job: dict) -> dict:
     for split in ("train", "eval"):
         if records[split]:  # an empty shard is never written
             name = _shard_name(split, job["index"], job["count"])
-            prepared.write_shard(os.path.join(job["output_dir"], name), records[split])
+            local = os.path.join(job["output_dir"], name)
+            prepared.write_shard(local, records[split])
+            if job.get("publish_dir"):  # a gs:// cache: ArrayRecord writes local files, GCS gets the whole shard
+                storage.upload(local, storage.join(job["publish_dir"], name))
+                os.remove(local)
             shards[name] = {"split": split, "documents": len(records[split]), "tokens": tokens[split],
                             "source": unit["path"]}
     marker = {"index": job["index"], "unit": unit, "settings": settings, "shards": shards, "empty_documents": empty}
@@ -147,10 +154,7 @@ def process_unit(job: dict) -> dict:
 
 
 def _write_json(path: str, data: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
-    os.replace(tmp, path)
+    storage.write_text(path, json.dumps(data, indent=1))  # atomic: a marker is never half written
 
 
 # --------------------------------------------------------------------------------------------
@@ -299,12 +303,12 @@ def main(argv: list[str] | None = None) -> dict:
         context = multiprocessing.get_context("spawn")  # never fork a process that may hold threads
         counter = context.Value("q", 0)
         if args.workers <= 1:  # in this process: no start-up cost for small inputs
-            _init_worker(tok, counter)
+            init_worker(tok, counter)
             for job in jobs:
                 markers[job["index"]] = process_unit(job)
                 bar.draw(counter.value, len(markers))
         else:
-            with context.Pool(min(args.workers, len(jobs)), _init_worker, (tok, counter)) as pool:
+            with context.Pool(min(args.workers, len(jobs)), init_worker, (tok, counter)) as pool:
                 results = pool.imap_unordered(process_unit, jobs)
                 while len(markers) < len(units):
                     try:
@@ -317,7 +321,7 @@ def main(argv: list[str] | None = None) -> dict:
         bar.draw(counter.value, len(markers), final=True)
 
     tok.write(os.path.join(out, prepared.tokenizer_copy_name(tok)))
-    metadata = _metadata(args, tok, files, [markers[i] for i in range(len(units))], settings)
+    metadata = make_metadata(args, tok, files, [markers[i] for i in range(len(units))], settings)
     _write_json(os.path.join(out, prepared.METADATA), metadata)
     stale = sorted(set(n for n in os.listdir(out) if n.endswith(".arrayrecord")) - set(metadata["shards"]))
     if stale:
@@ -337,7 +341,7 @@ def _read_marker(path: str) -> dict | None:
         return None
 
 
-def _metadata(args, tok, files, markers, settings) -> dict:
+def make_metadata(args, tok, files, markers, settings) -> dict:
     shards = {name: entry for m in markers for name, entry in m["shards"].items()}
     splits = {}
     for entry in shards.values():
@@ -353,7 +357,7 @@ def _metadata(args, tok, files, markers, settings) -> dict:
                       "eos_id": tok.eos_id, "pad_id": tok.pad_id, "file": prepared.tokenizer_copy_name(tok),
                       "prepared_with": os.path.abspath(args.tokenizer)},
         "text_field": args.text_field, "txt_documents": args.txt_documents, "eval_fraction": args.eval_fraction,
-        "sources": [{"path": os.path.abspath(f), "bytes": os.path.getsize(f)} for f in files],
+        "sources": [{"path": storage.abspath(f), "bytes": storage.size(f)} for f in files],
         "empty_documents_skipped": sum(m["empty_documents"] for m in markers),
         "splits": splits, "shards": shards,
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -5,6 +5,9 @@
     arrayrecord    random       (same)                                         (same)
     jsonl/parquet  sequential   file order shuffled per epoch, then documents  file j -> host j % hosts
                                 shuffled within windows of grain_shuffle_window
+    jsonl/parquet  cached       units (~dataset_cache_shard_mb of input) in a  unit j of a seeded order
+    + dataset_cache_dir         seeded order per epoch, documents shuffled    -> host j % hosts
+                                within each unit (cache.py: tokenized once, in the background)
     synthetic      no documents (pipeline.synthetic_iterator)
 
 `grain_train_files` / `grain_eval_files` name the files: globs separated by commas, and several
@@ -21,7 +24,6 @@ dataset of documents, each int32 [bos, tokens..., eos].
 from __future__ import annotations
 
 import dataclasses
-import glob
 import hashlib
 import itertools
 import math
@@ -31,6 +33,8 @@ from typing import Any
 import grain
 import numpy as np
 
+from maxtrain import storage
+from maxtrain.data import cache as cache_lib
 from maxtrain.data import default_corpus, hosts, prepared, text_files
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.data.errors import DataError
@@ -46,6 +50,7 @@ class Component:
     weight: float
     files: list[str]
     documents: Any = None        # PreparedDocuments (arrayrecord) or a list of arrays (default)
+    cache: Any = None            # cache.TextCache (jsonl/parquet with dataset_cache_dir)
 
 
 @dataclasses.dataclass
@@ -55,6 +60,12 @@ class Sources:
     train: list[Component]
     eval: list[Component]        # [] when there is no eval data
     eval_pool: Any = None        # random access: all eval documents as one source, opened once
+    builders: list = dataclasses.field(default_factory=list)  # cache.Builder: background tokenizing
+
+    def close(self) -> None:
+        """Stops background cache building (what is finished stays for the next run)."""
+        for builder in self.builders:
+            builder.close()
 
 
 def data_seed(config, salt: str) -> int:
@@ -98,10 +109,14 @@ def parse_files(spec: str, key: str) -> list[Component]:
         pattern, weight = _split_weight(part, key)
         files = []
         for one in (p.strip() for p in pattern.split(",") if p.strip()):
-            matched = sorted(p for p in glob.glob(os.path.expanduser(one), recursive=True) if os.path.isfile(p))
+            try:
+                matched = storage.glob(one)
+            except OSError as e:  # gs://: no such bucket, no credentials, no network
+                raise DataError(f"{key}: cannot list {one!r} ({type(e).__name__}: {e}). Check the bucket name and "
+                                "your credentials (gcloud auth application-default login).") from None
             if not matched:
                 where = os.path.dirname(one) or "."
-                hint = "" if os.path.isdir(where) else f" (the directory {where} does not exist)"
+                hint = "" if storage.isdir(where) else f" (the directory {where} does not exist)"
                 raise DataError(f"{key}: {one!r} matches no files{hint}. Check the path, or prepare the data with "
                                 "scripts/prepare_data.py --output-dir DIR and use DIR/train-*.arrayrecord.")
             files.extend(m for m in matched if m not in files)
@@ -140,7 +155,7 @@ def _check_text_files(components: list[Component], dataset_type: str, key: str, 
             if fmt != dataset_type:
                 raise DataError(f"{key}: {path} is a {fmt} file but dataset_type={dataset_type}; list only "
                                 f"{dataset_type} files (or set dataset_type={fmt})")
-            if os.path.getsize(path) == 0:
+            if storage.size(path) == 0:
                 raise DataError(f"{path} is empty: an empty shard. Delete it or narrow the glob in {key}.")
             text_files.check(path, field)  # a missing field or bad first line fails now, not mid-run
 
@@ -163,6 +178,11 @@ def open_sources(config, log=print) -> Sources:
     train = parse_files(config.grain_train_files, "grain_train_files")
     evals = parse_files(config.grain_eval_files, "grain_eval_files") if config.grain_eval_files else []
     if kind == "arrayrecord":
+        remote = [f for c in train + evals for f in c.files if storage.is_remote(f)]
+        if remote:
+            raise DataError(f"dataset_type=arrayrecord reads shards from local disk, not {remote[0]}. For data on "
+                            "gs://, train on the raw jsonl/parquet with dataset_cache_dir=gs://... (tokenized once "
+                            "into a cache there), or copy the prepared directory to local disk.")
         for c in train + evals:
             c.documents = prepared.PreparedDocuments(c.files)
         first = train[0].documents
@@ -180,6 +200,14 @@ def open_sources(config, log=print) -> Sources:
         tok = _load_tokenizer(config, None, None, log)
         _check_text_files(train, kind, "grain_train_files", _column(config, "train"))
         _check_text_files(evals, kind, "grain_eval_files", _column(config, "eval"))
+        if config.dataset_cache_dir:  # tokenize once into a cache, in the background (cache.py)
+            for c in train:
+                try:
+                    c.cache = cache_lib.TextCache(config.dataset_cache_dir, c.files, tok, _column(config, "train"),
+                                                  config.dataset_cache_shard_mb)
+                except OSError as e:
+                    raise DataError(f"dataset_cache_dir={config.dataset_cache_dir!r} cannot be used ({type(e).__name__}:"
+                                    f" {e}); point it at a writable directory or bucket") from None
         return Sources(kind, tok, train, evals)
     raise DataError(f"dataset_type={kind} has no document source")
 
@@ -347,6 +375,9 @@ def train_documents(sources: Sources, config, index: int, count: int, log=print)
         return mixed.to_iter_dataset(READ_OPTIONS)
     parts = []
     for i, c in enumerate(sources.train):
+        if c.cache is not None:
+            parts.append(_cached(sources, c, i, config, epochs, index, count, log))
+            continue
         files = _host_files(c, "grain_train_files", index, count, log, required=True)
         part = TextFilesIterDataset(files, _column(config, "train"), epochs, data_seed(config, f"files/{i}"), shuffle,
                                     f"grain_train_files {c.spec!r} on host {index}").map(_Encode(sources.tokenizer))
@@ -354,6 +385,20 @@ def train_documents(sources: Sources, config, index: int, count: int, log=print)
             part = WindowShuffleIterDataset(part, config.grain_shuffle_window, data_seed(config, f"window/{i}"))
         parts.append(part)
     return parts[0] if len(parts) == 1 else grain.IterDataset.mix(parts, weights)
+
+
+def _cached(sources: Sources, c: Component, i: int, config, epochs, index: int, count: int, log):
+    """This host's documents of a cached source; starts the background builder of its unfinished units."""
+    shuffle = config.enable_data_shuffling
+    seed = data_seed(config, f"cache/{i}")
+    owned = cache_lib.unit_order(c.cache.count, seed, shuffle, index, count)
+    if not owned:
+        raise DataError(f"grain_train_files {c.spec!r} makes {c.cache.count} cache shards for {count} hosts, so host "
+                        f"{index} has none: each host reads whole shards. Set dataset_cache_shard_mb below "
+                        f"{config.dataset_cache_shard_mb} so that there are at least {count}.")
+    builder = cache_lib.Builder(c.cache, owned, sources.tokenizer, config.dataset_cache_workers, log).start()
+    sources.builders.append(builder)
+    return cache_lib.CachedTextIterDataset(c.cache, owned, epochs, seed, shuffle, builder)
 
 
 def eval_documents(sources: Sources, config, index: int, count: int) -> grain.IterDataset:

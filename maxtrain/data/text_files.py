@@ -19,6 +19,7 @@ import io
 import json
 from typing import Callable, Iterator
 
+from maxtrain import storage
 from maxtrain.data.errors import DataError
 
 FORMATS = {".txt": "txt", ".text": "txt", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
@@ -62,10 +63,11 @@ def pyarrow_parquet():
 
 
 def open_parquet(path: str):
-    """pyarrow's ParquetFile, or a DataError naming the file when it is not parquet."""
+    """pyarrow's ParquetFile for a local path or a gs:// object (read through a seekable file object), or a
+    DataError naming the file when it is not parquet."""
     pq = pyarrow_parquet()
     try:
-        return pq.ParquetFile(path)
+        return pq.ParquetFile(storage.open(path, "rb") if storage.is_remote(path) else path)
     except Exception as e:  # pyarrow raises ArrowInvalid / OSError variants  # pylint: disable=broad-except
         raise DataError(f"{path}: not a readable parquet file ({str(e).splitlines()[0][:200]}). Check the file (a "
                         "partial download? another format named .parquet?).") from None
@@ -74,7 +76,7 @@ def open_parquet(path: str):
 def _open(path: str, compression: str | None):
     """(stream of decompressed bytes, the raw file: its tell() is the progress in bytes on disk)."""
     try:
-        raw = open(path, "rb")  # pylint: disable=consider-using-with
+        raw = storage.open(path, "rb")  # pylint: disable=consider-using-with
     except FileNotFoundError:
         raise DataError(f"{path} does not exist (it was there when the file list was made; was it moved?)") from None
     if compression == "gzip":
