@@ -92,6 +92,9 @@ BASE_CONFIG = os.path.join(packaged_configs_dir(), "base.yml")
 
 def _find_config(path: str) -> str:
     """`path` itself when it exists, else a packaged config of that name (base.yml, models/x.yml)."""
+    if "\x00" in path:
+        raise ConfigError(f"config file {path!r} is not a usable path (it contains a NUL character). "
+                          "Pass a YAML file such as configs/base.yml.")
     if os.path.isfile(path) or os.path.isabs(path):
         return path
     packaged = os.path.join(packaged_configs_dir(), path)

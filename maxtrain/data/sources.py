@@ -79,7 +79,10 @@ def data_seed(config, salt: str) -> int:
 
 
 def _matches(pattern: str) -> bool:
-    return any(glob.glob(os.path.expanduser(p.strip()), recursive=True) for p in pattern.split(",") if p.strip())
+    try:
+        return any(storage.glob(p.strip()) for p in pattern.split(",") if p.strip())
+    except OSError:  # gs:// that cannot be listed: parse_files reports it
+        return False
 
 
 def _split_weight(part: str, key: str) -> tuple[str, float]:
