@@ -53,6 +53,8 @@ def parallelism_key(prefix: str, axis: str) -> str:
     return f"{prefix}_{MESH_AXES[axis]}_parallelism"
 
 
+# Downstream tasks (maxtrain/evals/tasks.py defines them; listed here so that a typo fails before any work).
+EVAL_TASKS = ("hellaswag", "arc_easy", "arc_challenge", "piqa", "winogrande", "boolq", "lambada", "mmlu")
 LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "exp")
 MOE_DECODER_BLOCKS = ("mixtral", "qwen3_moe")  # families whose layers may be mixtures of experts
 # Keys that are not settings: added by load_config and _derive, ignored when runs are compared.
@@ -529,6 +531,31 @@ def _metrics_file_is_a_file_path(v):
              f"metrics_file={path!r} names a directory; give a file path, e.g. metrics_file=outputs/metrics.jsonl")
 
 
+def _eval_tasks_known(v):
+    parse_eval_tasks(v["eval_tasks"], v["eval_tasks_num_fewshot"])
+
+
+def parse_eval_tasks(spec: str, num_fewshot: int = 0) -> dict[str, int]:
+    """`eval_tasks` -> {task: few-shot count}: "hellaswag,mmlu:5" -> {"hellaswag": num_fewshot, "mmlu": 5}."""
+    _require(num_fewshot >= 0, f"eval_tasks_num_fewshot={num_fewshot} must be >= 0")
+    tasks: dict[str, int] = {}
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        name, _, shots = item.partition(":")
+        name = name.strip()
+        if name not in EVAL_TASKS:
+            close = difflib.get_close_matches(name, EVAL_TASKS, n=1)
+            raise ConfigError(f"eval_tasks: unknown task {name!r}" + (f"; did you mean {close[0]}?" if close else "")
+                              + f" Tasks: {', '.join(EVAL_TASKS)}")
+        _require(name not in tasks, f"eval_tasks names {name} twice")
+        if shots:
+            _require(shots.strip().isdigit(), f"eval_tasks: {item!r} must be task:N with N a number of few-shot "
+                                              f"examples, e.g. {name}:5")
+        tasks[name] = int(shots) if shots else num_fewshot
+    return tasks
+
+
 def split_address(address: str, key: str = "coordinator_address") -> tuple[str, int]:
     """host:port -> (host, port), or a ConfigError naming the key, the value and the fix."""
     host, _, port = address.strip().rpartition(":")
@@ -560,7 +587,7 @@ CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_le
           _stages_divide_layers, _no_pipeline_stages_with_experts, _context_chunks_divide_length,
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
           _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
-          _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts)
+          _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts, _eval_tasks_known)
 
 
 def _divisor_hint(n: int, near: int) -> int:

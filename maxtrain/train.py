@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import yaml
 
-from maxtrain import builder, decode, distributed, executable, metrics, sharding, viz
+from maxtrain import builder, decode, distributed, evals, executable, metrics, sharding, viz
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
@@ -110,6 +110,7 @@ def main(argv: list[str]) -> dict:
         return {"eval_losses": {}, "sample": None, "state": None, "config": config, "preempted": False,
                 "nothing_to_train": True}
     inputs = data_lib.make_inputs(config, log=log)
+    task_evals = evals.from_config(config, inputs.tokenizer, mesh, rt, log=log)  # data checked, requests packed
     metadata = write_metadata(config, rt, start)
     writer = metrics.MetricWriter(config, active=jax.process_index() == 0)
     writer.write_text("config", "```\n" + yaml.safe_dump(config.to_dict(), sort_keys=False) + "\n```")
@@ -138,6 +139,8 @@ def main(argv: list[str]) -> dict:
         if has_eval and start_step == 0:
             eval_losses[0], eval_metrics[0] = evaluate(eval_step, state, eval_batches())
             log_eval(0, eval_losses[0], eval_metrics[0], writer)
+        if task_evals and start_step == 0 and config.eval_tasks_interval > 0:
+            task_evals.run(run.model_params(state), 0, writer)
 
         loss_scaled = rt.dtype == jnp.float16
         pending = None  # (step, device metrics) of the step dispatched last
@@ -173,6 +176,11 @@ def main(argv: list[str]) -> dict:
                 eval_losses[done], eval_metrics[done] = evaluate(eval_step, state, eval_batches())
                 log_eval(done, eval_losses[done], eval_metrics[done], writer)
                 last_done = time.time()  # the eval's time is not a train step's
+            if task_evals and task_evals.due(done, is_last):
+                if pending is not None:
+                    last_done, pending = _report(pending, config, peak, writer, last_done, loss_scaled), None
+                task_evals.run(run.model_params(state), done, writer)
+                last_done = time.time()
             if viz_batch is not None and done % config.viz_period == 0:
                 if pending is not None:
                     last_done, pending = _report(pending, config, peak, writer, last_done, loss_scaled), None
