@@ -39,6 +39,7 @@ import re
 
 import grain
 
+from maxtrain import storage
 from maxtrain.data.errors import DataError
 
 _FILE = re.compile(r"process_(\d+)-of-(\d+)\.json$")
@@ -140,25 +141,25 @@ def unsupported(config) -> str | None:
 def saved_states(data_dir: str) -> list[dict]:
     """The per-process iterator states of a checkpoint's data/ directory, in process order."""
     found = {}
-    for name in os.listdir(data_dir) if os.path.isdir(data_dir) else []:
+    listing = storage.listdir(data_dir) if storage.isdir(data_dir) else []
+    for name in listing:
         match = _FILE.match(name)
         if match:
             found[int(match.group(1))] = (int(match.group(2)), os.path.join(data_dir, name))
     counts = {count for count, _ in found.values()}
     if len(counts) != 1 or sorted(found) != list(range(counts.pop())):
         raise DataError(f"{data_dir} does not hold one data-iterator state per process of one run "
-                        f"(found {sorted(os.listdir(data_dir)) if os.path.isdir(data_dir) else 'no directory'})")
+                        f"(found {sorted(listing) or 'nothing'})")
     states = []
     for i in sorted(found):
-        with open(found[i][1]) as f:
-            states.append(json.load(f))
+        states.append(json.loads(storage.read_text(found[i][1])))
     return states
 
 
 def saved_process_count(step_dir: str) -> int | None:
     """How many processes saved the data-iterator states of a checkpoint (None without any)."""
     data_dir = os.path.join(step_dir, "data")
-    names = [n for n in os.listdir(data_dir) if _FILE.match(n)] if os.path.isdir(data_dir) else []
+    names = [n for n in storage.listdir(data_dir) if _FILE.match(n)] if storage.isdir(data_dir) else []
     return int(_FILE.match(names[0]).group(2)) if names else None
 
 
