@@ -100,7 +100,9 @@ def test_batches_do_not_depend_on_cache_progress_or_worker_count(corpus, tmp_pat
     assert 0 < len(builder.pending) < cache.count
     _assert_same(fresh, partial)
 
-    # Building to the end shows progress, and leaves a complete prepared dataset (metadata.json).
+    # Building to the end shows progress, and leaves a complete prepared dataset (metadata.json). The run
+    # above may have finished every shard while it read (a quiet machine), so some are taken away again.
+    _drop_units(cache, cache.finished()[::3])
     builder, lines = _finish(_config(corpus, tmp_path / "c1", "dataset_cache_workers=1"))
     progress = [line for line in lines if line.startswith("dataset cache: ")]
     assert builder.pending and progress and "done in" in progress[-1] and "MB/s" in progress[-1], lines
