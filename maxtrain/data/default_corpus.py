@@ -15,7 +15,6 @@ import hashlib
 import io
 import os
 import sysconfig
-import tempfile
 
 import numpy as np
 
