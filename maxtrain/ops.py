@@ -20,9 +20,11 @@ and log-normalizer. Over a 32k vocabulary this halved the loss's share of the CP
 
 `tiled_cross_entropy(logits_fn, head, x, targets, weights, tiles)`: the same loss for the logits
 `logits_fn(head, x)`, but the sequence is cut into `tiles` chunks and only one chunk's [B, T/tiles, V]
-float32 logits (and their gradient) exist at a time. Its custom backward pass recomputes each chunk's
-logits and accumulates the head's gradient over the chunks (MaxText's num_vocab_tiling): for a
-256k vocabulary at 8k tokens the full logits alone are 8 GiB per sequence.
+float32 logits (and their gradient) exist at a time (MaxText's num_vocab_tiling): for a 256k
+vocabulary at 8k tokens the full logits alone are 8 GiB per sequence. Under differentiation its
+forward pass computes each chunk's loss and gradients together and accumulates the head's gradient
+over the chunks (float16, whose unscaled gradients could underflow, recomputes each chunk's logits
+in the backward pass instead).
 """
 
 from __future__ import annotations
@@ -121,28 +123,61 @@ def tiled_cross_entropy(logits_fn, head, x, targets, weights, tiles: int):
     def chunk_loss(h, xc, tc, wc):
         return cross_entropy(logits_fn(h, xc), tc, wc)
 
+    def scan_chunks(body, init, x, targets, weights):
+        return jax.lax.scan(body, init, (chunks(x), chunks(targets), chunks(weights)))
+
+    def unchunk(dx):  # [tiles, B, T / tiles, D] -> [B, T, D]
+        return jnp.moveaxis(dx, 0, 1).reshape(x.shape)
+
+    def chunk_gradients(h, c, g):  # (loss, d/dh, d/dx) of one chunk for the incoming gradient g
+        xc, tc, wc = c
+        loss_c, vjp = jax.vjp(lambda hh, xx: chunk_loss(hh, xx, tc, wc), h, xc)
+        return (loss_c, *vjp(g))
+
+    def accumulate(dh, dh_c):
+        return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), dh, dh_c)
+
+    def zeros(h):
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), h)
+
     @jax.custom_vjp
     def loss(h, x, targets, weights):
-        return _forward(h, x, targets, weights)[0]
+        return scan_chunks(lambda acc, c: (acc + chunk_loss(h, *c), None), jnp.float32(0.0), x, targets, weights)[0]
 
+    # The gradients for an incoming gradient of 1, computed in the forward pass while each chunk's
+    # logits are at hand, so that no chunk's logits are computed twice (a third fewer output-layer
+    # FLOPs than recomputing them in the backward pass). The loss is the forward pass' last value
+    # and its backward pass the first of the backward, so the gradients are kept no longer than
+    # the backward pass keeps them. float16 (loss scaling) instead recomputes the logits in the
+    # backward pass: the unscaled gradients could underflow there.
     def _forward(h, x, targets, weights):
-        total, _ = jax.lax.scan(lambda acc, c: (acc + chunk_loss(h, *c), None), jnp.float32(0.0),
-                                (chunks(x), chunks(targets), chunks(weights)))
-        return total, (h, x, targets, weights)
+        def body(carry, c):
+            total, dh = carry
+            loss_c, dh_c, dx_c = chunk_gradients(h, c, jnp.float32(1.0))
+            return (total + loss_c, accumulate(dh, dh_c)), dx_c
+
+        (total, dh), dx = scan_chunks(body, (jnp.float32(0.0), zeros(h)), x, targets, weights)
+        return total, (dh, unchunk(dx))
 
     def _backward(residuals, g):
+        dh, dx = residuals
+        return jax.tree.map(lambda d, a: (d * g).astype(a.dtype), dh, head), dx * g.astype(dx.dtype), None, None
+
+    def _forward_recompute(h, x, targets, weights):
+        return loss(h, x, targets, weights), (h, x, targets, weights)
+
+    def _backward_recompute(residuals, g):
         h, x, targets, weights = residuals
 
         def body(dh, c):
-            xc, tc, wc = c
-            _, vjp = jax.vjp(lambda hh, xx: chunk_loss(hh, xx, tc, wc), h, xc)
-            dh_c, dx_c = vjp(g)
-            return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), dh, dh_c), dx_c
+            _, dh_c, dx_c = chunk_gradients(h, c, g)
+            return accumulate(dh, dh_c), dx_c
 
-        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), h)
-        dh, dx = jax.lax.scan(body, zeros, (chunks(x), chunks(targets), chunks(weights)))
-        dh = jax.tree.map(lambda d, a: d.astype(a.dtype), dh, h)
-        return dh, jnp.moveaxis(dx, 0, 1).reshape(x.shape), None, None
+        dh, dx = scan_chunks(body, zeros(h), x, targets, weights)
+        return jax.tree.map(lambda d, a: d.astype(a.dtype), dh, h), unchunk(dx), None, None
 
-    loss.defvjp(_forward, _backward)
+    if x.dtype == jnp.float16:
+        loss.defvjp(_forward_recompute, _backward_recompute)
+    else:
+        loss.defvjp(_forward, _backward)
     return loss(head, x, targets, weights)

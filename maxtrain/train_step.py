@@ -92,20 +92,30 @@ def make_train_step(config, rt: models.Runtime, tx: optax.GradientTransformation
         def constrain(tree):  # gradients of the parameters: reduce-scattered, never whole on a device
             return sharding.shard_like_params(tree, specs) if key == "params" else tree
 
-        def micro_step(carry, micro_batch):
-            grad_sum, loss_sum, weight_sum = carry
-
+        def micro_gradients(micro_batch):
             def scaled_loss(p):
                 loss, weight, aux = objective(model_params(state, config, p), micro_batch, reference)
                 return models.objective(loss, weight, aux) * unit, (loss, weight, aux)
 
             grads, (loss, weight, aux) = jax.grad(scaled_loss, has_aux=True)(params)
-            grads = constrain(grads)
-            grad_sum = jax.tree.map(lambda s, g: s + g.astype(jnp.float32), grad_sum, grads)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), constrain(grads))
+            return grads, loss, weight, aux
+
+        def micro_step(carry, micro_batch):
+            grad_sum, loss_sum, weight_sum = carry
+            grads, loss, weight, aux = micro_gradients(micro_batch)
+            grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
             return (grad_sum, loss_sum + loss, weight_sum + weight), (aux, weight)
 
-        zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-        (grad_sum, loss_sum, weight_sum), (aux, weights) = jax.lax.scan(micro_step, (zeros, 0.0, 0.0), batch)
+        if batch["inputs"].shape[0] == 1:
+            # One micro-batch: its sums without the loop. Starting a sum from zeros costs a
+            # zero-filled float32 copy of the model and a pass adding the gradients to it, which
+            # XLA does not remove (docs/performance.md, "CPU speed").
+            grad_sum, loss_sum, weight_sum, aux = micro_gradients(jax.tree.map(lambda a: a[0], batch))
+            aux, weights = jax.tree.map(lambda a: a[None], aux), weight_sum[None]
+        else:
+            zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
+            (grad_sum, loss_sum, weight_sum), (aux, weights) = jax.lax.scan(micro_step, (zeros, 0.0, 0.0), batch)
         denom = jnp.maximum(weight_sum, 1.0)
         grads = jax.tree.map(lambda g: g / (denom * unit), grad_sum)
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import jax
+import jax.extend
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY
-from maxtrain import builder, models
+from maxtrain import builder, models, ops
 from maxtrain.config import ConfigError, load_config, with_overrides
 
 
@@ -64,3 +66,54 @@ def test_a_256k_vocabulary_at_4096_tokens_needs_a_fraction_of_the_temporaries():
     untiled, tiled = temporaries(), temporaries("num_vocab_tiling=16")
     print(f"temporaries: untiled {untiled / 2**30:.2f} GiB, 16 tiles {tiled / 2**30:.2f} GiB ({untiled / tiled:.1f}x)")
     assert untiled >= 4 * tiled
+
+
+def head_loss_and_grads(tiles: int, dtype, scale: float):
+    """scale x the loss of a plain output projection and its gradients (tiled when tiles > 1)."""
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(k1, (2, 16, 8)).astype(dtype)
+    head = {"w": (0.5 * jax.random.normal(k2, (8, 64))).astype(dtype)}
+    targets = jax.random.randint(k3, (2, 16), 0, 64)
+    weights = jnp.ones((2, 16)).at[1, 3:].set(0.5)
+
+    def logits_fn(h, xc):
+        return ops.dense(xc, h["w"], out_dtype=jnp.float32)
+
+    def loss(h, x):
+        if tiles == 1:
+            return scale * ops.cross_entropy(logits_fn(h, x), targets, weights)
+        return scale * ops.tiled_cross_entropy(logits_fn, h, x, targets, weights, tiles)
+
+    with jax.default_matmul_precision("highest"):
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(head, x), jax.make_jaxpr(jax.grad(loss))(head, x)
+
+
+# The tiled loss computes its gradients in the forward pass for an incoming gradient of 1 and scales them
+# in the backward pass; float16 (whose unscaled gradients could underflow) recomputes the logits in the
+# backward pass instead. Both must give the untiled gradients for an incoming gradient other than 1.
+@pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2), (jnp.float16, 2e-3)])
+def test_tiled_head_gradients_for_a_scaled_loss(dtype, rtol):
+    (loss, grads), _ = head_loss_and_grads(1, dtype, 64.0)
+    (tiled_loss, tiled_grads), _ = head_loss_and_grads(4, dtype, 64.0)
+    assert float(tiled_loss) == pytest.approx(float(loss), rel=1e-6)
+    for g, t in zip(jax.tree.leaves(grads), jax.tree.leaves(tiled_grads)):
+        g, t = np.asarray(g, np.float32), np.asarray(t, np.float32)
+        np.testing.assert_allclose(t, g, rtol=rtol, atol=rtol * float(np.abs(g).max()))
+
+
+def count_dots(jaxpr) -> int:
+    """dot_general equations in a jaxpr and every jaxpr nested in it (scan bodies, custom_vjp rules)."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive.name == "dot_general"
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            total += count_dots(sub)
+    return total
+
+
+@pytest.mark.parametrize("dtype,dots", [(jnp.float32, 3), (jnp.float16, 4)])
+def test_tiled_head_computes_each_chunks_logits_once(dtype, dots):
+    """Under differentiation a chunk costs three matmuls (logits, their gradients for x and for the
+    projection); float16 recomputes the logits in the backward pass (four)."""
+    _, jaxpr = head_loss_and_grads(4, dtype, 1.0)
+    assert count_dots(jaxpr.jaxpr) == dots
