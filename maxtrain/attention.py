@@ -69,15 +69,19 @@ def dot_product_attention(q, k, v, mask, *, scale: float | None = None, logits_s
     q = q.reshape(b, t, g, n // g, h)  # R = N // G query heads per kv head
     scale = h**-0.5 if scale is None else scale
     mask = mask[:, None, None, :, :]
-    if compact_scores and q.dtype in (jnp.bfloat16, jnp.float16):
+    compact = compact_scores and q.dtype in (jnp.bfloat16, jnp.float16)
+    if compact:
         scores = jnp.einsum("BTGRH,BSGH->BGRTS", q, k, preferred_element_type=q.dtype)
         probs = _probabilities(scores, mask, scale, logits_soft_cap)
     else:
         scores = jnp.einsum("BTGRH,BSGH->BGRTS", q, k, preferred_element_type=jnp.float32)
         scores = soft_cap(scores * scale, logits_soft_cap)
         probs = jax.nn.softmax(jnp.where(mask, scores, _MASK_VALUE), axis=-1)
+    # With compact scores the product is written in the 16-bit dtype (it accumulates in float32 and is
+    # rounded once, as the .astype below would): its gradient with respect to the probabilities is
+    # then a 16-bit T x S array too, not a float32 one.
     out = jnp.einsum("BGRTS,BSGH->BTGRH", probs.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
+                     preferred_element_type=q.dtype if compact else jnp.float32)
     return out.reshape(b, t, n, h).astype(q.dtype)
 
 
@@ -90,8 +94,14 @@ def _probabilities(scores, mask, scale: float, cap: float):
 
 
 def _probabilities_fwd(scores, mask, scale, cap):
-    logits = soft_cap(scores.astype(jnp.float32) * scale, cap)
-    probs = jax.nn.softmax(jnp.where(mask, logits, _MASK_VALUE), axis=-1).astype(scores.dtype)
+    # softmax as exp(x - logsumexp(x)), not exp(x - max) / sum: the float32 x is recomputed from the
+    # 16-bit scores inside each of the three passes (max, sum, output), and no float32 T x S array
+    # has two readers, so the compiler has nothing to keep in float32 (exp(x - max) / sum would
+    # hold exp(x - max) for both the sum and the division).
+    logits = jnp.where(mask, soft_cap(scores.astype(jnp.float32) * scale, cap), _MASK_VALUE)
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    lse = peak + jnp.log(jnp.sum(jnp.exp(logits - peak), axis=-1, keepdims=True))
+    probs = jnp.exp(logits - lse).astype(scores.dtype)
     return probs, (probs, scores if cap > 0 else None)
 
 

@@ -96,7 +96,9 @@ def test_compact_16_bit_scores_match_float32_attention(cap):
 
 def test_compact_scores_store_no_float32_score_array(capsys):
     """What the backward pass keeps of bfloat16 attention: with compact scores, the T x S arrays it
-    saves and the scores the q.k matmul writes are bfloat16; without, the scores are float32."""
+    saves, the scores the q.k matmul writes and the probabilities' gradient are bfloat16 (a float32
+    T x S product is what XLA's TPU compiler kept whole, twice per layer, under tensor parallelism:
+    docs/scale.md); without, the scores are float32."""
     b, t, n, h = 1, 512, 2, 16
     q = jnp.ones((b, t, n, h), jnp.bfloat16)
     mask = attention.make_attention_mask(jnp.ones((b, t), jnp.int32), jnp.ones((b, t), jnp.int32))
@@ -107,7 +109,9 @@ def test_compact_scores_store_no_float32_score_array(capsys):
                                      .astype(jnp.float32))
         jax.ad_checkpoint.print_saved_residuals(fn, q, q, q)
         residuals = capsys.readouterr().out
-        products = [line for line in jax.jit(fn).lower(q, q, q).as_text().splitlines() if "dot_general" in line]
+        # the forward and backward passes' products (the gradient of the probabilities is one of them)
+        grad_fn = jax.grad(fn, argnums=(0, 1, 2))
+        products = [line for line in jax.jit(grad_fn).lower(q, q, q).as_text().splitlines() if "dot_general" in line]
         return residuals, "\n".join(products)
 
     residuals, scores = saved(True)
