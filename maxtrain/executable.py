@@ -12,6 +12,7 @@ the file only when the fingerprints agree; otherwise it stops and names the conf
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import pickle
@@ -40,6 +41,25 @@ def fingerprint(lowered) -> str:
 def _devices_of(run) -> tuple[str, int]:
     devices = list(run.mesh.devices.flat)
     return devices[0].device_kind, len(devices)
+
+
+@contextlib.contextmanager
+def compiled_afresh():
+    """XLA compiles the step to be saved rather than loading it from JAX's persistent compilation cache
+    (JAX_COMPILATION_CACHE_DIR): on CPU, an executable loaded from that cache serializes into a file whose
+    step fails when it runs (JaxRuntimeError "NOT_FOUND: Function ... not found"; jax 0.10.2)."""
+    from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=import-outside-toplevel
+
+    if not (jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache):
+        yield
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # the cache is looked up once per process; forget that it was on
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
 
 
 def save(path: str, run, lowered, compiled) -> int:

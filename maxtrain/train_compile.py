@@ -17,6 +17,7 @@ differ somewhat from a compile on the GPU itself.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import time
@@ -154,7 +155,8 @@ def main(argv: list[str]) -> int:
         jax.config.update("jax_platforms", "cpu")
     print(f"compiling the train step for {target.describe()} ...", flush=True)
     try:
-        run, lowered, compiled, seconds = compile_for_target(config, target)
+        with executable.compiled_afresh() if config.compiled_trainstep_file else contextlib.nullcontext():
+            run, lowered, compiled, seconds = compile_for_target(config, target)
     except jax.errors.JaxRuntimeError as error:
         refused = out_of_memory(error)
         if refused is None:

@@ -1,11 +1,24 @@
 """Every test sees 8 simulated CPU devices (set before JAX is imported anywhere)."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Compile at a low XLA optimization level: the tiny test models are compile-bound (8.6 s -> 3.5 s a run).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+# One persistent XLA compilation cache for the whole session, shared with the subprocesses the tests start
+# (they inherit the environment): the suite compiles the same tiny programs again and again, and a cache hit
+# loads the executable XLA compiled earlier for the same HLO, options and flags (all part of the key), so what
+# runs is unchanged. A fresh directory each session (removed at exit) unless JAX_COMPILATION_CACHE_DIR is set.
+if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+    _XLA_CACHE = tempfile.mkdtemp(prefix="maxtrain-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _XLA_CACHE
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")  # JAX's default (1 s) misses most
 
 import pytest  # noqa: E402
 
@@ -22,3 +35,19 @@ TINY = ["base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2", "hea
 def tiny_args(tmp_path):
     """argv for maxtrain.train.main with the tiny model writing under tmp_path."""
     return [BASE_YML, *TINY, f"base_output_directory={tmp_path}", "run_name=test"]
+
+
+@pytest.fixture
+def without_compilation_cache():
+    """For a test that counts XLA compilations: a hit in the session's persistent cache (above) loads an
+    executable instead of compiling it, so the cache is off while the test runs and back on after."""
+    import jax  # pylint: disable=import-outside-toplevel
+    from jax.experimental.compilation_cache import compilation_cache  # pylint: disable=import-outside-toplevel
+
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()

@@ -53,6 +53,7 @@ def run(tmp_path_factory):
     return {"hosts": hosts, "corpus": corpus, "logs": logs, "out": out}
 
 
+@pytest.mark.slow  # these four share `run`: two JAX processes over an epoch, 42 s on 2 busy cores
 def test_no_document_is_read_by_both_hosts_over_an_epoch(run):
     tags = [set(host["tags"]) for host in run["hosts"]]
     assert all(len(host["tags"]) == len(set(host["tags"])) for host in run["hosts"])  # once per host
@@ -61,6 +62,7 @@ def test_no_document_is_read_by_both_hosts_over_an_epoch(run):
     assert {len(t) for t in tags} == {30, 31}
 
 
+@pytest.mark.slow
 def test_padding_batches_keep_the_hosts_in_step_after_their_data_ends(run):
     a, b = run["hosts"]
     assert a["real_batches"] + a["padding_batches"] == b["real_batches"] + b["padding_batches"] == STEPS
@@ -69,12 +71,14 @@ def test_padding_batches_keep_the_hosts_in_step_after_their_data_ends(run):
     assert a["global_weight"] == b["global_weight"] == a["local_weight"] + b["local_weight"]
 
 
+@pytest.mark.slow
 def test_eval_epoch_runs_the_same_batch_count_on_both_hosts(run):
     a, b = run["hosts"]
     assert a["eval_batches"] == b["eval_batches"] == max(a["eval_real_batches"], b["eval_real_batches"])
     assert a["eval_real_batches"] != b["eval_real_batches"]  # uneven: one host padded
 
 
+@pytest.mark.slow
 def test_eval_loss_is_the_same_on_one_and_on_two_hosts(run):
     from data_multihost_worker import common, eval_loss_at_init  # pylint: disable=import-outside-toplevel
 

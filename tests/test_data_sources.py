@@ -155,6 +155,7 @@ def test_grain_worker_processes_resume_exactly(corpus_a):
                               "eval_interval=-1", "vocab_size=320", "max_target_length=24", "grain_worker_count=1"))
 
 
+@pytest.mark.slow  # 35 s on 2 busy cores: Grain worker processes, each importing transformers' tokenizer
 def test_grain_worker_processes_tokenize_with_a_hugging_face_tokenizer(tmp_path, tmp_path_factory):
     """jsonl is tokenized in the Grain worker, which receives the tokenizer pickled (as its files' bytes)."""
     hf = h.tokenizer_path(tmp_path_factory, kind="hf")

@@ -252,7 +252,8 @@ def _read_tensorboard(directory) -> dict:
 
 
 @pytest.mark.slow  # ~75 s on 2 busy cores: the default corpus' tokenizer, two compilations, three evaluations
-def test_in_loop_evaluation_compiles_once_and_reports_everywhere(tmp_path, eval_cache, corpus_cache):  # noqa: F811
+def test_in_loop_evaluation_compiles_once_and_reports_everywhere(tmp_path, eval_cache, corpus_cache,  # noqa: F811
+                                                                without_compilation_cache):  # noqa: F811
     from maxtrain import train  # pylint: disable=import-outside-toplevel
 
     compiles = []

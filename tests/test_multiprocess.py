@@ -110,6 +110,7 @@ def runs(tmp_path_factory):
     return {"out": out, "codes": codes, "logs": logs}
 
 
+@pytest.mark.slow  # these four share `runs`: 7 training processes, 70 s on 2 busy cores
 def test_two_processes_train_like_one(runs):
     assert runs["codes"]["ref"] == [0], runs["logs"]["ref"][-3000:]
     assert runs["codes"]["first"] == [0, 0], runs["logs"]["first0"][-3000:] + runs["logs"]["first1"][-3000:]
@@ -124,6 +125,7 @@ def test_two_processes_train_like_one(runs):
     assert "over 4 devices in 2 process(es)" in runs["logs"]["first0"]
 
 
+@pytest.mark.slow
 def test_two_processes_save_stop_and_resume(runs):
     logs, run_dir = runs["logs"], runs["out"] / "mp"
     assert "Resuming from" not in logs["first0"]
@@ -133,6 +135,7 @@ def test_two_processes_save_stop_and_resume(runs):
         assert "process_0-of-2.json" in data and "process_1-of-2.json" in data  # both input iterators saved
 
 
+@pytest.mark.slow
 def test_only_process_0_writes_metrics_tensorboard_and_metadata(runs):
     logs, run_dir = runs["logs"], runs["out"] / "mp"
     for name in ("first", "second"):
@@ -144,6 +147,7 @@ def test_only_process_0_writes_metrics_tensorboard_and_metadata(runs):
     assert run_info["num_processes"] == 2 and run_info["num_devices"] == 4
 
 
+@pytest.mark.slow
 def test_processes_started_with_different_settings_refuse_to_start(runs):
     """One agreed view: right after joining, every process compares its resolved config; all stop."""
     assert runs["codes"]["disagree"] == [2, 2]
