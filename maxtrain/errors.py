@@ -36,8 +36,28 @@ def run_cli(prog: str, main: Callable, argv: list[str] | None = None, hard_exit:
         return main(sys.argv[1:] if argv is None else argv)
     except UserError as error:
         message = str(error).strip() or type(error).__name__
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
         if isinstance(error, hard_exit):
-            sys.stdout.flush()
-            os._exit(EXIT_STATUS)  # pylint: disable=protected-access
+            _print_last_and_exit(f"{prog}: error: {message}\n")
+        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
         sys.exit(EXIT_STATUS)
+
+
+def _print_last_and_exit(line: str) -> None:
+    """Writes `line` to stderr as the process' last output and ends the process at once.
+
+    Background threads (a failed save's TensorStore callbacks) can print tracebacks to stderr at any
+    moment, even between a message and its newline; from here on stderr goes to /dev/null for them,
+    and the line is written to the original stderr in one write."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    try:
+        original = os.dup(2)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        os.write(original, line.encode("utf-8", "replace"))
+    except OSError:  # no usable stderr: still end the process
+        pass
+    os._exit(EXIT_STATUS)  # pylint: disable=protected-access
