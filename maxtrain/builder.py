@@ -13,6 +13,7 @@ never read from the machine doing the compiling.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
@@ -34,10 +35,16 @@ def load_config(argv: list[str], log=print):
     return checkpoint_lib.adopt_model_settings(config_lib.load_config(argv), log)
 
 
-def runtime(config, platform: str | None = None) -> models.Runtime:
-    """The backend's resolved choices; a choice this backend cannot run is a config error."""
+def runtime(config, platform: str | None = None, mesh=None) -> models.Runtime:
+    """The backend's resolved choices; a choice this backend cannot run is a config error. Given the
+    mesh, the vocab tiling is chosen for one device's share of the logits."""
+    logits_bytes = None
+    if mesh is not None:  # the micro-batch's [B, T, V] logits, split as shard(logits, ("batch", "length", "vocab"))
+        spec = sharding.activation_spec(("batch", "length", "vocab"), config.logical_axis_rules)
+        ways = math.prod(mesh.shape[a] for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,)))
+        logits_bytes = config.micro_batch_size * config.max_target_length * config.vocab_size * 4 / ways
     try:
-        return models.Runtime.from_config(config, platform)
+        return models.Runtime.from_config(config, platform, logits_bytes)
     except ValueError as e:  # attention / dtype choices the platform lacks (attention.resolve_implementation)
         if isinstance(e, config_lib.ConfigError):
             raise
@@ -121,8 +128,9 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
     if num_processes is None:
         num_processes = len({getattr(d, "process_index", 0) for d in devices})
     config = config_lib.with_devices(config, len(devices), num_processes)
-    rt = runtime(config, platform)
+    runtime(config, platform)  # a choice the platform cannot run is refused before the mesh is made
     mesh = sharding.create_mesh(config, devices)
+    rt = runtime(config, platform, mesh)
     if config.num_experts % mesh.shape["expert"]:
         raise sharding.MeshError(
             f"expert parallelism {mesh.shape['expert']} (the mesh's expert axis, from ici_expert_parallelism and "

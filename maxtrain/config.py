@@ -345,7 +345,7 @@ def _head_dim_even(v):
 
 
 def _vocab_tiling_divides_length(v):
-    _require(v["max_target_length"] % v["num_vocab_tiling"] == 0,
+    _require(v["num_vocab_tiling"] == -1 or v["max_target_length"] % v["num_vocab_tiling"] == 0,
              f"num_vocab_tiling={v['num_vocab_tiling']} must divide max_target_length={v['max_target_length']} "
              "(the sequence is cut into that many chunks)")
 

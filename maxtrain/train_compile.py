@@ -134,7 +134,7 @@ def knobs(config, mesh: dict, num_devices: int, attention: str, platform: str) -
     if attention == "dot_product" and platform in ("gpu", "tpu"):
         out.append("attention=flash (no [T, S] scores in memory)")
     if config.num_vocab_tiling == 1:
-        out.append("num_vocab_tiling=4 (the logits a quarter of the sequence at a time)")
+        out.append("num_vocab_tiling=-1 (autoselected: the logits a chunk of the sequence at a time)")
     return out
 
 

@@ -35,7 +35,7 @@ def loss_and_grads(*overrides):
                          ids=["untied", "tied", "gemma2-softcap"])
 @pytest.mark.parametrize("tiles", [4, 32])
 def test_tiled_loss_and_gradients_equal_the_untiled_ones(model, tiles):
-    loss, grads = loss_and_grads(*model)
+    loss, grads = loss_and_grads(*model, "num_vocab_tiling=1")
     tiled_loss, tiled_grads = loss_and_grads(*model, f"num_vocab_tiling={tiles}")
     assert float(tiled_loss) == pytest.approx(float(loss), rel=1e-6)
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
@@ -63,57 +63,30 @@ def temporaries(*overrides) -> int:
 def test_a_256k_vocabulary_at_4096_tokens_needs_a_fraction_of_the_temporaries():
     """Gemma 2's 256,000-token vocabulary at sequence 4096 (its layers shrunk so that the logits dominate):
     the compiled step's temporaries with 16 tiles are at least 4x smaller than untiled (compile only)."""
-    untiled, tiled = temporaries(), temporaries("num_vocab_tiling=16")
+    untiled, tiled = temporaries("num_vocab_tiling=1"), temporaries("num_vocab_tiling=16")
     print(f"temporaries: untiled {untiled / 2**30:.2f} GiB, 16 tiles {tiled / 2**30:.2f} GiB ({untiled / tiled:.1f}x)")
     assert untiled >= 4 * tiled
 
 
-def head_loss_and_grads(tiles: int, dtype, scale: float):
-    """scale x the loss of a plain output projection and its gradients (tiled when tiles > 1)."""
-    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
-    x = jax.random.normal(k1, (2, 16, 8)).astype(dtype)
-    head = {"w": (0.5 * jax.random.normal(k2, (8, 64))).astype(dtype)}
-    targets = jax.random.randint(k3, (2, 16), 0, 64)
-    weights = jnp.ones((2, 16)).at[1, 3:].set(0.5)
-
-    def logits_fn(h, xc):
-        return ops.dense(xc, h["w"], out_dtype=jnp.float32)
-
-    def loss(h, x):
-        if tiles == 1:
-            return scale * ops.cross_entropy(logits_fn(h, x), targets, weights)
-        return scale * ops.tiled_cross_entropy(logits_fn, h, x, targets, weights, tiles)
-
-    with jax.default_matmul_precision("highest"):
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(head, x), jax.make_jaxpr(jax.grad(loss))(head, x)
+@pytest.mark.parametrize("length, logits_bytes, tiles", [
+    (256, 4 * 256 * 32000 * 4, 1),        # the CPU reference configuration: 131 MB of logits, untiled
+    (8192, 8192 * 128256 * 4, 8),         # Llama 3 at 8,192 tokens: 3.9 GiB in 8 chunks of 489 MiB
+    (4096, 4096 * 256000 * 4, 8),         # Gemma's 256k vocabulary at 4,096 tokens
+    (100, 3 * 2**29, 4),                  # 3 chunks would do, but 3 does not divide 100
+    (7, 100 * 2**29, 7)])                 # more chunks needed than tokens: one token at a time
+def test_autoselected_tiling_keeps_a_chunks_logits_under_512_mib(length, logits_bytes, tiles):
+    assert models.runtime.resolve_vocab_tiles(-1, length, logits_bytes) == tiles
+    assert models.runtime.resolve_vocab_tiles(2, length, logits_bytes) == 2  # a setting is kept
 
 
-# The tiled loss computes its gradients in the forward pass for an incoming gradient of 1 and scales them
-# in the backward pass; float16 (whose unscaled gradients could underflow) recomputes the logits in the
-# backward pass instead. Both must give the untiled gradients for an incoming gradient other than 1.
-@pytest.mark.parametrize("dtype,rtol", [(jnp.float32, 1e-5), (jnp.bfloat16, 2e-2), (jnp.float16, 2e-3)])
-def test_tiled_head_gradients_for_a_scaled_loss(dtype, rtol):
-    (loss, grads), _ = head_loss_and_grads(1, dtype, 64.0)
-    (tiled_loss, tiled_grads), _ = head_loss_and_grads(4, dtype, 64.0)
-    assert float(tiled_loss) == pytest.approx(float(loss), rel=1e-6)
-    for g, t in zip(jax.tree.leaves(grads), jax.tree.leaves(tiled_grads)):
-        g, t = np.asarray(g, np.float32), np.asarray(t, np.float32)
-        np.testing.assert_allclose(t, g, rtol=rtol, atol=rtol * float(np.abs(g).max()))
+def test_autoselected_tiling_follows_the_devices_share_of_the_logits():
+    """The default model is untiled; the 256k-vocabulary preset at 4096 tokens is cut into 8 chunks,
+    on one device as on 8 that split the batch and the vocabulary (each holds the same share)."""
+    assert builder.build(load_config([BASE_YML, "dataset_type=synthetic"]), devices=jax.devices()[:1]).rt.vocab_tiles == 1
+    gemma = [BASE_YML, "model_name=gemma2-2b", "base_num_decoder_layers=1", "max_target_length=4096",
+             "per_device_batch_size=1", "dataset_type=synthetic"]
+    one = builder.build(load_config(gemma), devices=jax.devices()[:1]).rt
+    assert one.vocab_tiles == 8 and "vocab tiles 8 (autoselected for cpu)" in one.describe()
+    assert builder.build(load_config([*gemma, "ici_fsdp_parallelism=2", "ici_tensor_parallelism=4"])).rt.vocab_tiles == 8
+    assert builder.build(load_config([*gemma, "num_vocab_tiling=1"]), devices=jax.devices()[:1]).rt.vocab_tiles == 1
 
-
-def count_dots(jaxpr) -> int:
-    """dot_general equations in a jaxpr and every jaxpr nested in it (scan bodies, custom_vjp rules)."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        total += eqn.primitive.name == "dot_general"
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            total += count_dots(sub)
-    return total
-
-
-@pytest.mark.parametrize("dtype,dots", [(jnp.float32, 3), (jnp.float16, 4)])
-def test_tiled_head_computes_each_chunks_logits_once(dtype, dots):
-    """Under differentiation a chunk costs three matmuls (logits, their gradients for x and for the
-    projection); float16 recomputes the logits in the backward pass (four)."""
-    _, jaxpr = head_loss_and_grads(4, dtype, 1.0)
-    assert count_dots(jaxpr.jaxpr) == dots

@@ -247,11 +247,36 @@ def loss_fn(family, params, batch: dict, config, rt):
     def logits_fn(h, x):
         return family.logits(h, x, config, rt)
 
-    if config.num_vocab_tiling > 1:
-        loss = ops.tiled_cross_entropy(logits_fn, head, x, batch["targets"], weights, config.num_vocab_tiling)
+    if rt.vocab_tiles > 1:
+        head, sharded_like_params = _head_for_chunks(head, family.param_specs(config), rt)
+        loss = ops.tiled_cross_entropy(logits_fn, head, x, batch["targets"], weights, rt.vocab_tiles,
+                                       sharded_like_params)
     else:
         loss = ops.cross_entropy(logits_fn(head, x), batch["targets"], weights)
     return loss, jnp.sum(weights), aux
+
+
+def _head_for_chunks(head: dict, specs: dict, rt):
+    """The head's weights as every chunk of the tiled loss reads them, and the constraint that keeps
+    their gradient accumulator sharded like the parameters.
+
+    The matrices are cast to the compute dtype (what family.logits does to them anyway) and gathered
+    over the mesh axes that split their `embed` axis (FSDP) once, before the chunk loop: inside the
+    loop each chunk gathered the whole output projection again. Each chunk's gradient is still
+    reduce-scattered into the sharded accumulator as it is made (GSPMD has no layout for a per-device
+    partial sum carried across the loop; a replicated accumulator would be all-reduced per chunk).
+    """
+    gathered = {k: dataclasses.replace(specs[k], axes=tuple(None if a == "embed" else a for a in specs[k].axes))
+                for k in head}
+    def sharded(tree):
+        return sharding.shard_like_params(tree, {k: specs[k] for k in tree})
+
+    @jax.custom_vjp
+    def gather(tree):  # the gradient goes back sharded: the identity's own transpose would gather it too
+        return sharding.shard_like_params(tree, gathered)
+
+    gather.defvjp(lambda tree: (gather(tree), None), lambda _, g: (sharded(g),))
+    return gather({k: v.astype(rt.dtype) if v.ndim >= 2 else v for k, v in head.items()}), sharded
 
 
 def init_cache(config, batch_size: int, max_length: int, dtype) -> dict:
