@@ -259,6 +259,22 @@ def shard_like_params(tree, specs):
                         tree, specs)
 
 
+def shard_for_table(rows, tokens):
+    """Constrains the rows of a [vocab, embed] table's scatter-add (rows [B, T, D], tokens [B, T]) so that
+    D splits as the table's embed axis does and B over the batch's other mesh axes: the layout in which
+    each device adds its tokens' rows into its own shard of the table. A no-op without a mesh."""
+    active = _ACTIVE.get()
+    if active is None:
+        return rows, tokens
+    mesh, rules = active
+    table = _rule_axes(rules)
+    embed = tuple(a for a in table.get("embed", ()) if mesh.shape[a] > 1)
+    batch = tuple(a for a in table.get("batch", ()) if a not in embed and mesh.shape[a] > 1)
+    lead = [batch or None] + [None] * (tokens.ndim - 1)
+    return (jax.lax.with_sharding_constraint(rows, NamedSharding(mesh, PartitionSpec(*lead, embed or None))),
+            jax.lax.with_sharding_constraint(tokens, NamedSharding(mesh, PartitionSpec(*lead))))
+
+
 def active_devices():
     """The devices of the mesh set by activation_sharding, or None outside it."""
     active = _ACTIVE.get()
