@@ -52,7 +52,8 @@ def unique(assignments: list[tuple[str, Any, str]], source: str) -> dict[str, An
     out, seen = {}, {}
     for key, value, where in assignments:
         if key in seen:
-            raise ConfigError(f"{source} sets {key} twice ({seen[key]} and {where}); keep one of them")
+            name = key if str(key).isprintable() else repr(key)  # the error stays one line
+            raise ConfigError(f"{source} sets {name} twice ({seen[key]} and {where}); keep one of them")
         seen[key] = where
         out[key] = value
     return out

@@ -250,3 +250,10 @@ def test_any_yaml_file_gives_a_config_or_one_line(tmp_path, text):
     path = tmp_path / "any.yml"
     path.write_text(text, encoding="utf-8", errors="surrogatepass")
     _one_line_or_config([str(path)])
+
+
+def test_a_key_with_a_line_break_given_twice_is_named_on_one_line():
+    """Found by the property test above: a key holding a carriage return split the message in two."""
+    with pytest.raises(ConfigError) as error:
+        config_lib.load_config([BASE_YML, "0\r0=", "0\r0="])
+    assert "sets '0\\r0' twice" in str(error.value) and "\r" not in str(error.value)
