@@ -233,9 +233,9 @@ def loss_fn(family, params, batch: dict, config, rt):
     Returning sums, not a mean, lets gradient accumulation and multi-host eval weight every real
     token equally; padding has weight 0. Training adds the aux losses (models.objective). With more
     than one vocab tile (num_vocab_tiling) the output projection and the loss run a chunk of the
-    sequence at a time, so the [B, T, V] logits never exist in full (ops.tiled_cross_entropy). A sum over tokens does
-    not depend on their order: with context parallelism the whole batch goes into the
-    load-balanced order (context_parallel.py) and stays there.
+    sequence at a time, so the [B, T, V] logits never exist in full (ops.tiled_cross_entropy). A
+    sum over tokens does not depend on their order: with context parallelism the whole batch goes
+    into the load-balanced order (context_parallel.py) and stays there.
     """
     cp = sharding.ways("length")
     if cp > 1:

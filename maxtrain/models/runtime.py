@@ -1,6 +1,6 @@
 """Choices resolved once per run for the platform it runs (or is compiled) on: compute dtype,
-attention implementation, remat policy and the loss head's vocab tiling. The platform is passed in, never guessed from the
-machine doing the compiling (a TPU pod's step can be compiled on a CPU)."""
+attention implementation, remat policy and the loss head's vocab tiling. The platform is passed
+in, never guessed from the machine doing the compiling (a TPU pod's step can be compiled on a CPU)."""
 
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ class Runtime:
     attention: str
     remat_policy: str
     backend: str = "cpu"
-    autoselected: tuple[str, ...] = ()  # which of dtype, attention, remat_policy, num_vocab_tiling the config left to us
+    autoselected: tuple[str, ...] = ()  # which of dtype, attention, remat_policy, num_vocab_tiling were left to us
     vocab_tiles: int = 1  # the loss head's sequence chunks (num_vocab_tiling, resolved)
 
     @classmethod
