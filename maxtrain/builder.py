@@ -41,7 +41,8 @@ def runtime(config, platform: str | None = None, mesh=None) -> models.Runtime:
     logits_bytes = None
     if mesh is not None:  # the micro-batch's [B, T, V] logits, split as shard(logits, ("batch", "length", "vocab"))
         spec = sharding.activation_spec(("batch", "length", "vocab"), config.logical_axis_rules)
-        ways = math.prod(mesh.shape[a] for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,)))
+        axes = [a for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,))]
+        ways = math.prod(mesh.shape[a] for a in axes)
         logits_bytes = config.micro_batch_size * config.max_target_length * config.vocab_size * 4 / ways
     try:
         return models.Runtime.from_config(config, platform, logits_bytes)
