@@ -109,10 +109,13 @@ def _cross_entropy_bwd(residuals, g):
 cross_entropy.defvjp(_cross_entropy_fwd, _cross_entropy_bwd)
 
 
-def tiled_cross_entropy(logits_fn, head, x, targets, weights, tiles: int):
+def tiled_cross_entropy(logits_fn, head, x, targets, weights, tiles: int, layout=None):
     """sum over tokens of weights x (logsumexp(l) - l[target]) with l = logits_fn(head, x), one of `tiles`
     sequence chunks at a time. x [B, T, D], targets and weights [B, T]; T % tiles == 0. Differentiable in
-    head (any pytree: the final norm, the output projection) and x."""
+    head (any pytree: the final norm, the output projection) and x. layout (a function of a tree shaped
+    like head) constrains the float32 accumulator of head's gradient over the chunks: sharded like the
+    parameters, it holds a device's share, not a whole copy of the output projection's gradient."""
+    layout = layout or (lambda tree: tree)
     b, t = targets.shape
     if t % tiles:
         raise ValueError(f"sequence length {t} is not a multiple of num_vocab_tiling={tiles}")
@@ -134,11 +137,11 @@ def tiled_cross_entropy(logits_fn, head, x, targets, weights, tiles: int):
         loss_c, vjp = jax.vjp(lambda hh, xx: chunk_loss(hh, xx, tc, wc), h, xc)
         return (loss_c, *vjp(g))
 
-    def accumulate(dh, dh_c):
-        return jax.tree.map(lambda a, d: a + d.astype(jnp.float32), dh, dh_c)
+    def accumulate(dh, dh_c):  # a chunk's gradient is reduced into the layout in its own dtype, then added in float32
+        return layout(jax.tree.map(lambda a, d: a + d.astype(jnp.float32), dh, layout(dh_c)))
 
     def zeros(h):
-        return jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), h)
+        return layout(jax.tree.map(lambda a: jnp.zeros(a.shape, jnp.float32), h))
 
     @jax.custom_vjp
     def loss(h, x, targets, weights):

@@ -90,3 +90,33 @@ def test_autoselected_tiling_follows_the_devices_share_of_the_logits():
     assert builder.build(load_config([*gemma, "ici_fsdp_parallelism=2", "ici_tensor_parallelism=4"])).rt.vocab_tiles == 8
     assert builder.build(load_config([*gemma, "num_vocab_tiling=1"]), devices=jax.devices()[:1]).rt.vocab_tiles == 1
 
+
+
+def test_the_head_gathered_once_gives_the_same_loss_and_gradients_on_a_sharded_mesh():
+    """FSDP over the 8 CPU devices, the GPU path of the tiled loss (the head cast and gathered once,
+    ahead of the chunk loop, its gradient accumulated sharded like the parameters) against the untiled
+    loss: the same loss and gradients (float32, full-precision matmuls)."""
+    import dataclasses  # pylint: disable=import-outside-toplevel
+
+    from maxtrain import sharding  # pylint: disable=import-outside-toplevel
+
+    cfg = load_config([BASE_YML, *with_overrides(TINY, "vocab_size=1024", "ici_fsdp_parallelism=8")])
+    run = builder.build(cfg)
+    params = run.init(jax.random.key(0))["params"]
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, cfg.vocab_size, (8, 33)).astype(np.int32)
+    batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((8, 32), np.int32),
+             "positions": np.tile(np.arange(32, dtype=np.int32), (8, 1)),
+             "loss_weights": (rng.random((8, 32)) > 0.2).astype(np.float32)}
+
+    def loss_and_grads_with(rt):
+        with sharding.activation_sharding(run.mesh, run.config.logical_axis_rules), \
+                jax.default_matmul_precision("highest"):
+            return jax.jit(jax.value_and_grad(lambda p: models.loss_fn(p, batch, run.config, rt)[0]))(params)
+
+    loss, grads = loss_and_grads_with(dataclasses.replace(run.rt, vocab_tiles=1))
+    gpu_loss, gpu_grads = loss_and_grads_with(dataclasses.replace(run.rt, vocab_tiles=4, backend="gpu"))
+    assert float(gpu_loss) == pytest.approx(float(loss), rel=1e-6)
+    for (path, g), t in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(gpu_grads)):
+        np.testing.assert_allclose(np.asarray(t), np.asarray(g), rtol=1e-5, atol=1e-6 * float(np.abs(g).max()),
+                                   err_msg=jax.tree_util.keystr(path))
