@@ -137,6 +137,7 @@ def test_a_step_that_does_not_fit_exits_3_naming_the_overshoot(tmp_path):
         [sys.executable, "-m", "maxtrain.train_compile",
          *with_overrides([BASE_YML, *SMALL], "compile_topology=v5e-4", "per_device_batch_size=64",
                          "max_target_length=2048", "vocab_size=32768", "remat_policy=minimal",
+                         "num_vocab_tiling=1",  # the [B, T, V] logits whole (autoselected tiling makes it fit)
                          "ici_data_parallelism=2", "ici_fsdp_parallelism=2")],
         capture_output=True, text=True, cwd=tmp_path, timeout=1800, env=env)
     assert result.returncode == 3, result.stdout + result.stderr
@@ -146,5 +147,19 @@ def test_a_step_that_does_not_fit_exits_3_naming_the_overshoot(tmp_path):
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("maxtrain.train_compile: error: the step"), last
     assert re.search(r"needs [\d.]+ GiB per chip[^,]*, [\d.]+ GiB more than the [\d.]+ GiB", last), last
-    for knob in ("remat_policy=full", "ici_fsdp_parallelism", "per_device_batch_size=32 with gradient_accumulation_steps=2"):
+    for knob in ("remat_policy=full", "ici_fsdp_parallelism", "per_device_batch_size=32 with gradient_accumulation_steps=2",
+                 "num_vocab_tiling=-1"):
         assert knob in last, last
+
+
+def test_autoselected_vocab_tiling_makes_that_step_fit(tmp_path):
+    """The step above with num_vocab_tiling left to its default (-1, autoselected): 64 x 2048 tokens of
+    a 32k vocabulary per chip are 16 GiB of float32 logits untiled; in chunks of 512 MiB it fits."""
+    need("tpu")
+    config = builder.load_config(with_overrides([BASE_YML, *SMALL], "compile_topology=v5e-4", "per_device_batch_size=64",
+                                                "max_target_length=2048", "vocab_size=32768", "remat_policy=minimal",
+                                                "ici_data_parallelism=2", "ici_fsdp_parallelism=2"))
+    target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
+    run, _, compiled, seconds = train_compile.compile_for_target(config, target)
+    rep = train_compile.report(run, compiled, target, seconds)
+    assert run.rt.vocab_tiles == 32 and train_compile.fits(rep), rep["memory"]
