@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import math
 from typing import Sequence
 
@@ -257,6 +258,21 @@ def shard_like_params(tree, specs):
     mesh, rules = active
     return jax.tree.map(lambda x, spec: jax.lax.with_sharding_constraint(x, named_sharding(mesh, spec.axes, rules)),
                         tree, specs)
+
+
+def gather_params(tree, specs, logical: str):
+    """Parameters (sharded by their declarations `specs`) gathered over the mesh axes of their logical
+    axis `logical`, the other axes kept split; their gradient goes back in the parameters' sharding
+    (the constraint's own transpose would gather the gradient as well). A no-op without a mesh."""
+    gathered = {k: dataclasses.replace(s, axes=tuple(None if a == logical else a for a in s.axes))
+                for k, s in specs.items()}
+
+    @jax.custom_vjp
+    def gather(t):
+        return shard_like_params(t, gathered)
+
+    gather.defvjp(lambda t: (gather(t), None), lambda _, g: (shard_like_params(g, specs),))
+    return gather(tree)
 
 
 def shard_for_table(rows, tokens):

@@ -261,27 +261,21 @@ def _head_for_chunks(head: dict, specs: dict, rt):
     """On GPUs, the head's weights as every chunk of the tiled loss reads them, and the constraint that
     keeps their gradient accumulator sharded like the parameters.
 
-    The matrices are cast to the compute dtype (what family.logits does to them anyway) and gathered
-    over the mesh axes that split their `embed` axis (FSDP) once, before the chunk loop: inside it,
-    each chunk gathers the whole output projection again (Llama 3 8B, 8 chunks, 8 H100s: 41.7 against
-    27.0 GiB of all-gather per step, and 0.4 GiB more memory). Each chunk's gradient is still
-    reduce-scattered into the accumulator as it is made: GSPMD has no layout for a per-device partial
-    sum carried across the loop. TPUs keep the gather in the loop: libtpu keeps more buffers live
-    around a hoisted one (v5p-128: 9.57 against 7.67 GiB per chip; docs/scale.md).
+    The matrices are cast to the compute dtype (what family.logits does to them anyway) where their
+    shards are, then gathered over the mesh axes of their `embed` axis (FSDP) once, before the chunk
+    loop: inside it, each chunk gathers the whole output projection again (Llama 3 8B, 8 chunks, 8
+    H100s: 41.7 against 27.0 GiB of all-gather per step, and 0.4 GiB more memory). Each chunk's
+    gradient is still reduce-scattered into the accumulator as it is made: GSPMD has no layout for a
+    per-device partial sum carried across the loop. TPUs keep the gather in the loop: libtpu keeps
+    more buffers live around a hoisted one (v5p-128: 9.57 against 7.67 GiB per chip; docs/scale.md).
     """
-    gathered = {k: dataclasses.replace(specs[k], axes=tuple(None if a == "embed" else a for a in specs[k].axes))
-                for k in head}
+    specs = {k: specs[k] for k in head}
 
     def sharded(tree):
-        return sharding.shard_like_params(tree, {k: specs[k] for k in tree})
+        return sharding.shard_like_params(tree, specs)
 
-    @jax.custom_vjp
-    def gather(tree):  # the gradient goes back sharded: the identity's own transpose would gather it too
-        return sharding.shard_like_params(tree, gathered)
-
-    gather.defvjp(lambda tree: (gather(tree), None), lambda _, g: (sharded(g),))
-    # Cast where the shards are, then gather the 16-bit matrices.
-    return gather(sharded({k: v.astype(rt.dtype) if v.ndim >= 2 else v for k, v in head.items()})), sharded
+    cast = sharded({k: v.astype(rt.dtype) if v.ndim >= 2 else v for k, v in head.items()})
+    return sharding.gather_params(cast, specs, "embed"), sharded
 
 
 def init_cache(config, batch_size: int, max_length: int, dtype) -> dict:
