@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+import time
 from typing import Callable
 
 EXIT_STATUS = 2
@@ -47,7 +49,8 @@ def _print_last_and_exit(line: str) -> None:
 
     Background threads (a failed save's TensorStore callbacks) can print tracebacks to stderr at any
     moment, even between a message and its newline; from here on stderr goes to /dev/null for them,
-    and the line is written to the original stderr in one write."""
+    and the line is written to the original stderr in one write, once no thread is still inside a
+    write to it (a write blocked on a full pipe would otherwise land after the line)."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -57,7 +60,44 @@ def _print_last_and_exit(line: str) -> None:
         original = os.dup(2)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
+        _wait_for_writes_to_stderr()
         os.write(original, line.encode("utf-8", "replace"))
     except OSError:  # no usable stderr: still end the process
         pass
     os._exit(EXIT_STATUS)  # pylint: disable=protected-access
+
+
+# write and writev on x86-64 (1, 20) and arm64 (64, 66), as /proc/<pid>/task/<tid>/syscall shows them.
+_WRITE_SYSCALLS = {"1", "20", "64", "66"}
+
+
+def _threads_writing_to_stderr() -> int | None:
+    """How many other threads are inside a write to fd 2 now; None where /proc cannot tell (not Linux)."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    me, busy = str(threading.get_native_id()), 0
+    for tid in tids:
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/syscall", encoding="ascii") as f:
+                fields = f.read().split()
+        except OSError:  # the thread ended, or /proc/*/syscall is not readable here
+            continue
+        if len(fields) > 1 and fields[0] in _WRITE_SYSCALLS and fields[1] == "0x2":
+            busy += 1
+    return busy
+
+
+def _wait_for_writes_to_stderr(timeout: float = 2.0) -> None:
+    """Waits (at most `timeout` seconds) until no other thread is seen blocked in a write to fd 2 twice
+    in a row, then 50 ms more: a write woken from a full pipe runs when the scheduler lets it, and
+    shows as running, not as a write. fd 2 is /dev/null by now, so new writes go there."""
+    deadline, quiet = time.monotonic() + timeout, 0
+    while time.monotonic() < deadline and quiet < 2:
+        busy = _threads_writing_to_stderr()
+        quiet = quiet + 1 if not busy else 0
+        time.sleep(0.005)
+    time.sleep(0.05)
