@@ -23,7 +23,7 @@ import optax
 
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
-from maxtrain import metrics, models, objectives, optimizer, sharding, storage, train_step
+from maxtrain import checkpoint_files, metrics, models, objectives, optimizer, sharding, storage, train_step
 from maxtrain.data import hosts, pipeline
 from maxtrain.models import moe
 from maxtrain.models import pipeline as pipeline_lib
@@ -32,7 +32,7 @@ from maxtrain.models import pipeline as pipeline_lib
 def load_config(argv: list[str], log=print):
     """The config of argv, with a checkpoint's model settings adopted where the user chose none
     (`load_parameters_path=OUT` alone fine-tunes an imported model)."""
-    return checkpoint_lib.adopt_model_settings(config_lib.load_config(argv), log)
+    return checkpoint_files.adopt_model_settings(config_lib.load_config(argv), log)
 
 
 def runtime(config, platform: str | None = None, mesh=None) -> models.Runtime:

@@ -90,12 +90,12 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not args.golden and not args.hf:
         parser.error("give --golden FILE.npz, or --hf HF_DIR to compute the golden logits")
-    from maxtrain import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
+    from maxtrain import checkpoint_files  # pylint: disable=import-outside-toplevel
     from maxtrain import config as config_lib  # pylint: disable=import-outside-toplevel
 
     try:
         if args.hf:
-            vocab = int(checkpoint_lib.read_metadata(checkpoint_lib.find_step_dir(args.checkpoint)).get(
+            vocab = int(checkpoint_files.read_metadata(checkpoint_files.find_step_dir(args.checkpoint)).get(
                 "config", {}).get("vocab_size", 0)) or None
             if vocab is None:
                 raise CheckError(f"{args.checkpoint} has no model settings in its metadata")
@@ -106,7 +106,7 @@ def main(argv: list[str]) -> int:
         else:
             ids, golden = read_golden(args.golden)
         ours = maxtrain_logits(args.checkpoint, ids)
-    except (CheckError, checkpoint_lib.CheckpointError, config_lib.ConfigError) as error:
+    except (CheckError, checkpoint_files.CheckpointError, config_lib.ConfigError) as error:
         print(f"check_logits: error: {error}", file=sys.stderr)
         return 2
     if ours.shape != golden.shape:

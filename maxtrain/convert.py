@@ -25,7 +25,7 @@ import jax
 import numpy as np
 import yaml
 
-from maxtrain import checkpoint, checksums, models
+from maxtrain import checkpoint, checkpoint_files, checksums, models
 from maxtrain import config as config_lib
 from maxtrain import safetensors_files
 from maxtrain.models.hf import ConversionError
@@ -222,7 +222,7 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
     notes: list[str] = []
     keys = model_keys(hf, notes)
     ckpt_dir = os.path.join(os.path.abspath(out_dir), "checkpoints")
-    if checkpoint.complete_steps(ckpt_dir):
+    if checkpoint_files.complete_steps(ckpt_dir):
         raise ConversionError(f"{ckpt_dir} already holds a checkpoint; choose an empty output directory")
     try:
         tensors = _text_tensors(safetensors_files.read_model_dir(hf_dir), notes)
@@ -278,8 +278,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 def export_hf(checkpoint_path: str, out_dir: str, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
               tokenizer: str | None = None, log=print) -> str:
     """Writes a directory transformers loads; returns it."""
-    step_dir = checkpoint.find_step_dir(checkpoint_path)
-    meta = checkpoint.read_metadata(step_dir)
+    step_dir = checkpoint_files.find_step_dir(checkpoint_path)
+    meta = checkpoint_files.read_metadata(step_dir)
     saved = meta.get("config", {})
     missing = [k for k in models.MODEL_KEYS if k not in saved and k not in models.MOE_KEYS]
     if missing:
@@ -290,7 +290,7 @@ def export_hf(checkpoint_path: str, out_dir: str, dtype: str = "float32", max_sh
     names = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
     if dtype not in names:
         raise ConversionError(f"export dtype {dtype!r} is not one of {', '.join(names)}")
-    tensors = to_hf(checkpoint.read_params(step_dir), keys, np.dtype(safetensors_files.DTYPES[names[dtype]]))
+    tensors = to_hf(checkpoint_files.read_params(step_dir), keys, np.dtype(safetensors_files.DTYPES[names[dtype]]))
     source = meta.get("source") or {}
     os.makedirs(out_dir, exist_ok=True)
     hf = hf_config(keys, source.get("hf_config"), dtype)

@@ -19,9 +19,8 @@ from typing import Iterable
 import jax
 import jax.numpy as jnp
 
-from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
-from maxtrain import builder, models, sharding
+from maxtrain import builder, checkpoint_files, models, sharding
 from maxtrain.data import pipeline
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.errors import run_cli
@@ -137,15 +136,15 @@ def require_checkpoint_path(config, tool: str) -> None:
     if not config.load_parameters_path:
         raise config_lib.ConfigError(f"{tool} needs a checkpoint: set load_parameters_path=<run>/checkpoints/<step> "
                                      "(or a run directory, for its latest step)")
-    checkpoint_lib.find_step_dir(config.load_parameters_path, "load_parameters_path")
+    checkpoint_files.find_step_dir(config.load_parameters_path, "load_parameters_path")
 
 
 def load_params_on(config, mesh, log=print) -> dict:
     """The params of the checkpoint at load_parameters_path (a step directory, or a run or its checkpoints
     directory, meaning its latest usable step), sharded on `mesh`; refused when it does not fit the model."""
     require_checkpoint_path(config, "loading a model")
-    step_dir = checkpoint_lib.find_step_dir(config.load_parameters_path, "load_parameters_path")
-    params = checkpoint_lib.load_params(step_dir, abstract_params(config, mesh), config)
+    step_dir = checkpoint_files.find_step_dir(config.load_parameters_path, "load_parameters_path")
+    params = checkpoint_files.load_params(step_dir, abstract_params(config, mesh), config)
     log(f"loaded params from {step_dir} ({models.num_params(config) / 1e6:.2f}M)")
     return params
 

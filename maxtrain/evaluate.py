@@ -19,16 +19,15 @@ import time
 
 import jax
 
-from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
-from maxtrain import builder, decode, distributed, evals, models, sharding
+from maxtrain import builder, checkpoint_files, decode, distributed, evals, models, sharding
 from maxtrain.errors import run_cli
 
 
 def load_params(config, mesh, log=print):
     """The params at load_parameters_path, sharded on `mesh` (a step dir, or a run / checkpoints dir: its latest)."""
-    step_dir = checkpoint_lib.find_step_dir(config.load_parameters_path, "load_parameters_path")
-    params = checkpoint_lib.load_params(step_dir, decode.abstract_params(config, mesh), config)
+    step_dir = checkpoint_files.find_step_dir(config.load_parameters_path, "load_parameters_path")
+    params = checkpoint_files.load_params(step_dir, decode.abstract_params(config, mesh), config)
     log(f"loaded params from {step_dir} ({models.num_params(config) / 1e6:.2f}M)")
     return params, step_dir
 
@@ -52,7 +51,7 @@ def main(argv: list[str]) -> dict:
     rt = models.Runtime.from_config(config)
     evaluator = evals.TaskEvaluator(config, decode.tokenizer_for(config, log=log), mesh, rt, log=log)
     params, step_dir = load_params(config, mesh, log)
-    meta = checkpoint_lib.read_metadata(step_dir)
+    meta = checkpoint_files.read_metadata(step_dir)
     step = int(meta.get("step", 0)) if isinstance(meta, dict) else 0
     with sharding.activation_sharding(mesh, config.logical_axis_rules):
         results = evaluator.run(params, step)

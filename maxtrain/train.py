@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import yaml
 
-from maxtrain import builder, decode, distributed, evals, executable, metrics, sharding, viz
+from maxtrain import builder, checkpoint_files, decode, distributed, evals, executable, metrics, sharding, viz
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
@@ -70,7 +70,7 @@ def check_finite(step: int, m: dict, loss_scaled: bool, loss_scale_min: float = 
 
 def write_metadata(config, rt, start) -> dict:
     """Run metadata, saved in every checkpoint and written as readable files to <run>/metadata."""
-    source = checkpoint_lib.source_of(start.step_dir) if start.step_dir else None
+    source = checkpoint_files.source_of(start.step_dir) if start.step_dir else None
     meta = {"config": config.to_dict(), "runtime": {"dtype": rt.dtype.name, "attention": rt.attention,
                                                     "remat_policy": rt.remat_policy},
             **({"source": source} if source else {}),  # a model imported from Hugging Face: kept for export
@@ -221,6 +221,6 @@ def _report(pending, config, peak, writer, last_done: float, loss_scaled: bool) 
 
 if __name__ == "__main__":
     # A failed save's background writers would only add tracebacks on the way out: CheckpointError ends at once.
-    result = run_cli("maxtrain", main, hard_exit=(checkpoint_lib.CheckpointError,))
+    result = run_cli("maxtrain", main, hard_exit=(checkpoint_files.CheckpointError,))
     if result["preempted"]:
         sys.exit(143)  # 128 + SIGTERM, as if killed by it: the run is saved but not finished

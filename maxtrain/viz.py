@@ -25,10 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
-from maxtrain import builder, decode, models, png, sharding, storage
+from maxtrain import builder, checkpoint_files, decode, models, png, sharding, storage
 from maxtrain.data import pipeline
 from maxtrain.errors import run_cli
 
@@ -204,7 +203,7 @@ def main(argv: list[str]) -> str:
     decode.require_checkpoint_path(config, "maxtrain.viz")
     if config.dataset_type != "default" and not config.grain_eval_files:
         raise config_lib.ConfigError("maxtrain.viz shows eval samples: use dataset_type=default or set grain_eval_files")
-    step_dir = checkpoint_lib.find_step_dir(config.load_parameters_path, "load_parameters_path")
+    step_dir = checkpoint_files.find_step_dir(config.load_parameters_path, "load_parameters_path")
     step = int(os.path.basename(step_dir)) if os.path.basename(step_dir).isdigit() else 0
     run_dir = os.path.dirname(os.path.dirname(step_dir))  # <run>/checkpoints/<step> -> <run>
     config = config.replace(run_name=os.path.basename(run_dir), run_dir=run_dir,

@@ -11,7 +11,7 @@ then, --rounds times, interleaved:
               synchronously), timed until it is complete; then the checksums of the step's files
               (checksums.write, what the trainer runs once Orbax is done), timed on their own
     restore   Orbax restores the state alone; then, as the trainer does (Checkpointer.restore),
-              Orbax restores it while a thread verifies the step (checkpoint.check_step: every file
+              Orbax restores it while a thread verifies the step (checkpoint_files.check_step: every file
               hashed and compared with its checksum), and the restore waits for the verification.
               The page cache is dropped before each of the two when /proc/sys/vm/drop_caches is
               writable (else both read warm files); a verification alone is timed too, for reference
@@ -36,7 +36,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from maxtrain import checkpoint, checksums
+from maxtrain import checkpoint_files, checksums
 
 
 def make_state(params_millions: float, seed: int = 0) -> dict:
@@ -103,7 +103,7 @@ def main(argv=None) -> dict:
         def verified_restore():
             found = {}
             t = time.perf_counter()
-            thread = threading.Thread(target=lambda: found.update(h=checkpoint._check_step(step_dir, (0, 1))))  # pylint: disable=protected-access
+            thread = threading.Thread(target=lambda: found.update(h=checkpoint_files._check_step(step_dir, (0, 1))))  # pylint: disable=protected-access
             thread.start()
             restore()
             thread.join()
@@ -116,7 +116,7 @@ def main(argv=None) -> dict:
         figures["verified_restore"].append(verified_restore())
         drop_caches()
         t = time.perf_counter()
-        assert checkpoint._check_step(step_dir, (0, 1)).status == "verified"  # pylint: disable=protected-access
+        assert checkpoint_files._check_step(step_dir, (0, 1)).status == "verified"  # pylint: disable=protected-access
         figures["verify"].append(time.perf_counter() - t)
         print(f"round {r + 1}: save {figures['save'][-1]:.2f}s + checksums {figures['checksums'][-1]:.2f}s; "
               f"restore alone {figures['restore'][-1]:.2f}s, restore while verifying "

@@ -25,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maxtrain import checkpoint, convert  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain import checkpoint_files, convert  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain.errors import run_cli  # noqa: E402  pylint: disable=wrong-import-position
 
 
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
             print(f"fine-tune it: python -m maxtrain.train base.yml load_parameters_path={out}")
         else:
             # --peft on a run without adapters is refused before anything is written
-            adapters, saved = checkpoint.read_adapters(args.checkpoint) if args.peft else (None, None)
+            adapters, saved = checkpoint_files.read_adapters(args.checkpoint) if args.peft else (None, None)
             out = convert.export_hf(args.checkpoint, args.out_dir, args.dtype, int(args.max_shard_mb * 2**20),
                                     tokenizer=args.tokenizer)
             print(f"wrote {os.path.abspath(out)} (load with transformers.AutoModelForCausalLM.from_pretrained)")

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from ckpt_helpers import assert_bitwise_equal, cache_dir, logged, train_subprocess  # noqa: F401
-from maxtrain import checkpoint
+from maxtrain import checkpoint_files
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses Linux prlimit and signals")
 
@@ -68,12 +68,12 @@ def test_sigterm_saves_then_a_failing_save_stops_the_run_and_keeps_earlier_check
     wait_until(lambda: (ckpts / "50").is_dir(), first)
     first.send_signal(signal.SIGTERM)
     assert out.finish() == 143, out.text()
-    saved = checkpoint.complete_steps(str(ckpts))
+    saved = checkpoint_files.complete_steps(str(ckpts))
     last_logged = max(logged(tmp_path / "m.jsonl"))
     assert saved[-1] == last_logged > 50, (saved, last_logged, out.text())
     assert f"SIGTERM (preemption): saving step {saved[-1]} and stopping" in out.text()
     sigterm_step = saved[-1]
-    params_before = checkpoint.read_params(str(ckpts / str(sigterm_step)))
+    params_before = checkpoint_files.read_params(str(ckpts / str(sigterm_step)))
 
     # 2. The same command resumes from that step; then its writes start to fail (as on a full disk).
     # (Without the metrics file, which is already larger than the limit set below.)
@@ -90,6 +90,6 @@ def test_sigterm_saves_then_a_failing_save_stops_the_run_and_keeps_earlier_check
         f"maxtrain: error: saving checkpoint {failed_step} to {ckpts} failed: File too large. Training stopped. "
         f"Complete checkpoints on disk: [{sigterm_step}]. Free disk space or fix the directory's permissions, then "
         f"re-run the same command to resume from step {sigterm_step}. ("), out.text()[-3000:]
-    assert checkpoint.complete_steps(str(ckpts)) == [sigterm_step], os.listdir(ckpts)
-    assert_bitwise_equal(checkpoint.read_params(str(ckpts / str(sigterm_step))), params_before,
+    assert checkpoint_files.complete_steps(str(ckpts)) == [sigterm_step], os.listdir(ckpts)
+    assert_bitwise_equal(checkpoint_files.read_params(str(ckpts / str(sigterm_step))), params_before,
                          "the earlier checkpoint after the failed save")

@@ -10,7 +10,7 @@ import os
 import pytest
 
 from ckpt_helpers import assert_bitwise_equal, cache_dir, train  # noqa: F401
-from maxtrain import checkpoint, checksums
+from maxtrain import checkpoint, checkpoint_files, checksums
 
 
 def tree_hash(root) -> str:
@@ -47,24 +47,24 @@ def test_each_step_carries_checksums_and_a_flipped_byte_is_named(tmp_path, cache
     for step in (2, 4):
         listed = checksums.read(str(ckpts / str(step)))
         assert listed and any(p.startswith("state/") for p in listed) and "metadata/metadata" in listed
-        assert checkpoint.check_step(str(ckpts / str(step))).status == "verified"
+        assert checkpoint_files.check_step(str(ckpts / str(step))).status == "verified"
     victim = biggest_array_file(ckpts / "4")
     flip_byte(victim)
-    health = checkpoint.check_step(str(ckpts / "4"))
+    health = checkpoint_files.check_step(str(ckpts / "4"))
     assert health.status == "damaged" and health.problem == f"{victim}: its contents changed since it was saved " \
                                                              "(checksum mismatch)"
-    usable, damaged = checkpoint.latest_usable_step(str(ckpts))
+    usable, damaged = checkpoint_files.latest_usable_step(str(ckpts))
     assert usable.step == 2 and [h.step for h in damaged] == [4]
     # inspect agrees with the trainer on the latest usable step, and refuses the damaged one by name.
     text = checkpoint.describe(str(tmp_path / "r"))
     assert f"checkpoint: {ckpts}/2" in text and "latest usable step: 2" in text and f"damaged step 4: {victim}" in text
-    with pytest.raises(checkpoint.CheckpointError, match=f"is damaged: {victim}: its contents changed"):
+    with pytest.raises(checkpoint_files.CheckpointError, match=f"is damaged: {victim}: its contents changed"):
         checkpoint.describe(str(ckpts / "4"))
     # A truncated or deleted file is named too.
     os.truncate(victim, 10)
-    assert checkpoint.check_step(str(ckpts / "4")).problem.startswith(f"{victim} has 10 bytes, but ")
+    assert checkpoint_files.check_step(str(ckpts / "4")).problem.startswith(f"{victim} has 10 bytes, but ")
     os.remove(victim)
-    assert checkpoint.check_step(str(ckpts / "4")).problem == f"{victim} is missing (it was saved with this step)"
+    assert checkpoint_files.check_step(str(ckpts / "4")).problem == f"{victim} is missing (it was saved with this step)"
 
 
 @pytest.mark.slow  # three short training runs
@@ -84,7 +84,7 @@ def test_resume_moves_a_damaged_step_aside_and_continues_bitwise_from_the_one_be
     assert any(line.startswith(f"checkpoint step 4 is damaged: {victim}: its contents changed") and f"Moved it to {moved}"
                in line for line in logged), logged
     assert f"Resuming from {ckpts}/2" in logged
-    assert checkpoint.complete_steps(str(ckpts)) == [2, 4, 6]
+    assert checkpoint_files.complete_steps(str(ckpts)) == [2, 4, 6]
     assert_bitwise_equal(resumed["state"]["params"], reference["state"]["params"], "params after the fallback")
     assert_bitwise_equal(resumed["state"]["opt_state"], reference["state"]["opt_state"], "optimizer state")
 
@@ -98,7 +98,7 @@ def test_a_step_that_does_not_restore_falls_back_the_same_way(tmp_path, cache_di
         for name in os.listdir(ckpts / str(step) / "checksums"):
             os.remove(ckpts / str(step) / "checksums" / name)
         os.rmdir(ckpts / str(step) / "checksums")
-    assert checkpoint.check_step(str(ckpts / "4")).status == "unverified"
+    assert checkpoint_files.check_step(str(ckpts / "4")).status == "unverified"
     victim = biggest_array_file(ckpts / "4")
     os.truncate(victim, os.path.getsize(victim) // 2)
     capsys.readouterr()
@@ -106,7 +106,7 @@ def test_a_step_that_does_not_restore_falls_back_the_same_way(tmp_path, cache_di
     logged = capsys.readouterr().out.splitlines()
     assert any(line.startswith(f"checkpoint step 4 is damaged: {ckpts}/4: it does not restore") for line in logged), logged
     assert (tmp_path / "r" / "damaged_checkpoints" / "4").is_dir()
-    assert int(result["state"]["step"]) == 5 and checkpoint.complete_steps(str(ckpts)) == [2, 4, 5]
+    assert int(result["state"]["step"]) == 5 and checkpoint_files.complete_steps(str(ckpts)) == [2, 4, 5]
 
 
 def test_a_checkpoint_already_at_steps_trains_nothing_and_writes_nothing(tmp_path, cache_dir, capsys):  # noqa: F811

@@ -8,7 +8,7 @@ Every logged loss and grad norm and the final params, optimizer state and step a
 from __future__ import annotations
 
 from ckpt_helpers import assert_bitwise_equal, cache_dir, logged, train  # noqa: F401  (cache_dir is a fixture)
-from maxtrain import checkpoint
+from maxtrain import checkpoint_files
 
 N = 3
 
@@ -31,6 +31,6 @@ def test_resume_is_bitwise_identical(tmp_path, cache_dir):  # noqa: F811
     assert_bitwise_equal(a["state"], b["state"], "final train state (params, opt state, step, rng, loss scale)")
     # ... and what was saved at the end is what was trained.
     for run, result in (("a", a), ("b", b)):
-        saved = checkpoint.read_params(str(tmp_path / run / "checkpoints" / str(2 * N)))
+        saved = checkpoint_files.read_params(str(tmp_path / run / "checkpoints" / str(2 * N)))
         assert_bitwise_equal(saved, result["state"]["params"], f"run {run}: saved params")
-    assert checkpoint.complete_steps(str(tmp_path / "b" / "checkpoints")) == [N, 2 * N]
+    assert checkpoint_files.complete_steps(str(tmp_path / "b" / "checkpoints")) == [N, 2 * N]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from ckpt_helpers import REPO, args, cache_dir  # noqa: F401  (cache_dir is a fixture)
-from maxtrain import checkpoint, convert, models, safetensors_files, sharding
+from maxtrain import checkpoint_files, convert, models, safetensors_files, sharding
 from maxtrain import config as config_lib
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -69,13 +69,13 @@ def test_imported_checkpoint_loads_into_a_sharded_model_and_refuses_full_state(t
     mesh = sharding.create_mesh(config)
     abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sharding.named_sharding(
         mesh, s.axes, config.logical_axis_rules)), models.param_specs(config), is_leaf=models.is_spec)
-    loaded = checkpoint.load_params(str(tmp_path / "mt"), abstract, config)
+    loaded = checkpoint_files.load_params(str(tmp_path / "mt"), abstract, config)
     assert loaded["layers"]["decoder"]["wq"].sharding == abstract["layers"]["decoder"]["wq"].sharding
     assert np.asarray(loaded["layers"]["decoder"]["wq"]).tobytes() == params["layers"]["decoder"]["wq"].tobytes()
 
     from maxtrain import train  # pylint: disable=import-outside-toplevel
 
-    with pytest.raises(checkpoint.CheckpointError, match="holds parameters only") as error:
+    with pytest.raises(checkpoint_files.CheckpointError, match="holds parameters only") as error:
         train.main(args(tmp_path, "full", cache_dir, f"load_full_state_path={tmp_path}/mt"))
     assert "missing from the checkpoint  opt_state (26 arrays)" in str(error.value)
     assert "missing from the checkpoint  step\n" in str(error.value)

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain import checkpoint, decode, models, optimizer, precision, sharding
+from maxtrain import checkpoint, checkpoint_files, decode, models, optimizer, precision, sharding
 from maxtrain import config as config_lib
 from maxtrain.config import with_overrides
 from maxtrain.data import DataError, pipeline
@@ -160,9 +160,9 @@ def test_decode_cli_loads_params_from_a_training_checkpoint(tiny, step_dir, caps
     # A run's checkpoints directory means its latest step.
     assert decode.main([*argv[:-3], f"load_parameters_path={config.checkpoint_dir}", "prompt=def ",
                         "max_new_tokens=12"]) == text
-    with pytest.raises(checkpoint.CheckpointError, match="does not fit the configured model"):
+    with pytest.raises(checkpoint_files.CheckpointError, match="does not fit the configured model"):
         decode.main(with_overrides(argv, "base_mlp_dim=128"))
-    with pytest.raises(checkpoint.CheckpointError, match="does not exist"):
+    with pytest.raises(checkpoint_files.CheckpointError, match="does not exist"):
         decode.main(with_overrides(argv, f"load_parameters_path={config.checkpoint_dir}/8"))
     with pytest.raises(config_lib.ConfigError, match="load_parameters_path"):
         decode.main(argv[:-3])
@@ -202,7 +202,7 @@ def test_load_params_places_arrays_on_the_mesh(tiny, step_dir):
     """Only the params are read, each with the sharding it is given (FSDP over every device)."""
     config = config_lib.with_devices(tiny[0], jax.device_count())
     mesh = sharding.create_mesh(config)
-    restored = checkpoint.load_params(step_dir, decode.abstract_params(config, mesh))
+    restored = checkpoint_files.load_params(step_dir, decode.abstract_params(config, mesh))
     assert sorted(restored) == sorted(tiny[2])
     assert restored["token_embedding"].sharding.mesh.shape == mesh.shape
     np.testing.assert_array_equal(np.asarray(restored["output"]), np.asarray(tiny[2]["output"]))

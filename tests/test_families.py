@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from ckpt_helpers import REPO
-from maxtrain import check_logits, checkpoint, convert, models, safetensors_files
+from maxtrain import check_logits, checkpoint_files, convert, models, safetensors_files
 from maxtrain import config as config_lib
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -100,12 +100,12 @@ def relative_error(ours, theirs) -> float:
 
 def ours_with(out_dir, tokens, **changes) -> np.ndarray:
     """maxtrain's float32 logits for the imported checkpoint, with model settings changed."""
-    config = checkpoint.adopt_model_settings(config_lib.load_config(
+    config = checkpoint_files.adopt_model_settings(config_lib.load_config(
         [str(REPO / "configs" / "base.yml"), f"load_parameters_path={out_dir}", "attention=dot_product",
          "dtype=float32"]), log=lambda *a: None)
     config = config.replace(**changes)
     rt = models.Runtime.from_config(config)
-    params = checkpoint.read_params(str(out_dir))
+    params = checkpoint_files.read_params(str(out_dir))
     positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
     with jax.default_matmul_precision("highest"):
         return np.asarray(jax.jit(lambda p: models.forward(p, tokens, positions, jnp.ones_like(tokens), config,
@@ -139,7 +139,7 @@ def test_family_matches_transformers_and_round_trips(tmp_path, case, capsys):
     if feature_off is not None:
         assert relative_error(ours_with(out, tokens, **feature_off), theirs) > 1e-3, feature_off
     else:  # biases / qk-norm exist as parameters: zero the biases, or use unit qk-norm scales
-        params = checkpoint.read_params(str(out))
+        params = checkpoint_files.read_params(str(out))
         layer = params["layers"]["decoder"]
         assert "bq" in layer or "q_norm" in layer
         name = "bq" if "bq" in layer else "q_norm"
@@ -167,7 +167,7 @@ def checkpoint_tree_with(out, dest, params) -> str:
     """A params-only checkpoint like `out`'s (same metadata) holding `params`."""
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
-    meta = checkpoint.read_metadata(checkpoint.find_step_dir(str(out)))
+    meta = checkpoint_files.read_metadata(checkpoint_files.find_step_dir(str(out)))
     with ocp.CheckpointManager(str(dest / "checkpoints"), item_handlers={
             "state": ocp.StandardCheckpointHandler(), "metadata": ocp.JsonCheckpointHandler()}) as manager:
         manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params}),

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ckpt_helpers import REPO
-from maxtrain import checkpoint, convert, models, safetensors_files, train
+from maxtrain import checkpoint_files, convert, models, safetensors_files, train
 from maxtrain import config as config_lib
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.data import tokenizer_training
@@ -54,7 +54,7 @@ def test_load_parameters_path_alone_adopts_the_model_and_trains(imported, tmp_pa
     config = result["config"]
     assert {k: getattr(config, k) for k in models.MODEL_KEYS} == keys
     # The run's checkpoints keep the import's source, so an export writes the original config.json.
-    meta = checkpoint.read_metadata(checkpoint.find_step_dir(str(tmp_path / "ft")))
+    meta = checkpoint_files.read_metadata(checkpoint_files.find_step_dir(str(tmp_path / "ft")))
     assert meta["source"]["hf_config"]["model_type"] == "gemma2"
 
 
@@ -88,11 +88,11 @@ def test_a_model_with_other_settings_is_refused_naming_both_values(imported, tmp
     model = [f"{k}={convert.yaml_value(v)}" for k, v in keys.items() if k != change.split("=")[0]]
     key, value = change.split("=")
     if key == "decoder_block":  # gemma3 adds qk-norm parameters: the fit check names them first
-        with pytest.raises(checkpoint.CheckpointError, match="q_norm"):
+        with pytest.raises(checkpoint_files.CheckpointError, match="q_norm"):
             train.main([str(REPO / "configs" / "base.yml"), *RUN, *model, change, f"load_parameters_path={out}",
                         f"base_output_directory={tmp_path}", "run_name=x"])
         return
-    with pytest.raises(checkpoint.CheckpointError) as error:
+    with pytest.raises(checkpoint_files.CheckpointError) as error:
         train.main([str(REPO / "configs" / "base.yml"), *RUN, *model, change, f"load_parameters_path={out}",
                     f"base_output_directory={tmp_path}", "run_name=x"])
     message = str(error.value)
@@ -106,7 +106,7 @@ def test_resuming_with_a_changed_setting_is_refused(imported, tmp_path):
               f"base_output_directory={tmp_path}", "run_name=r"]
     train.main(common)
     saved = config_lib.load_config(common)
-    with pytest.raises(checkpoint.CheckpointError, match="rope_max_timescale: checkpoint 10000.0, this run 5.0"):
+    with pytest.raises(checkpoint_files.CheckpointError, match="rope_max_timescale: checkpoint 10000.0, this run 5.0"):
         train.main(config_lib.with_overrides(common, "steps=4", "rope_max_timescale=5.0", *[
-            f"{k}={convert.yaml_value(getattr(checkpoint.adopt_model_settings(saved, log=lambda *a: None), k))}"
+            f"{k}={convert.yaml_value(getattr(checkpoint_files.adopt_model_settings(saved, log=lambda *a: None), k))}"
             for k in models.MODEL_KEYS if k != "rope_max_timescale"]))

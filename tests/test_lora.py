@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY
-from maxtrain import checkpoint, convert, lora, models, safetensors_files, train
+from maxtrain import checkpoint_files, convert, lora, models, safetensors_files, train
 from maxtrain import config as config_lib
 from post_helpers import compose
 
@@ -101,7 +101,7 @@ def test_lora_run_trains_only_adapters_and_exports_merged_and_as_peft(tmp_path):
         json.dump(convert.hf_config(keys, None, "float32"), f)
     safetensors_files.write_model_dir(str(base), convert.to_hf(jax.device_get(start), keys, np.float32),
                                       {"format": "pt"}, 2**30)
-    saved_adapters, saved = checkpoint.read_adapters(str(run_dir))
+    saved_adapters, saved = checkpoint_files.read_adapters(str(run_dir))
     lora.write_peft(str(tmp_path / "adapter"), saved_adapters, saved)
     tokens = np.random.default_rng(0).integers(4, config.vocab_size, size=(2, 12))
     merged = _hf_logits(str(tmp_path / "merged"), tokens)
@@ -117,7 +117,7 @@ def test_lora_run_trains_only_adapters_and_exports_merged_and_as_peft(tmp_path):
     assert os.path.isfile(tmp_path / "adapter" / "adapter_config.json")
     # load_parameters_path (decode, further training) merges them too.
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state["params"])
-    loaded = checkpoint.load_params(str(run_dir), abstract, config)
+    loaded = checkpoint_files.load_params(str(run_dir), abstract, config)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), jax.device_get(loaded),
                  lora.merge_numpy(jax.device_get(start), adapters, lora.scale(config)))
 

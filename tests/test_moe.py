@@ -350,11 +350,11 @@ def test_the_cli_prints_one_line_and_exits_2():
 def test_an_moe_preset_refuses_a_dense_checkpoint_and_an_moe_checkpoint_a_dense_model(tiny_args, tmp_path):
     """Before any work: mixtral-8x7b's 46.7B parameters are never allocated (this machine could not hold
     them); the message says which model is which and what to do."""
-    from maxtrain import checkpoint, train  # pylint: disable=import-outside-toplevel
+    from maxtrain import checkpoint_files, train  # pylint: disable=import-outside-toplevel
 
     run = with_overrides(tiny_args, "dataset_type=synthetic", "steps=1", "max_new_tokens=0")
     train.main(with_overrides(run, "run_name=dense"))
-    with pytest.raises(checkpoint.CheckpointError,
+    with pytest.raises(checkpoint_files.CheckpointError,
                        match=r"holds a dense llama model \(no experts\), but this run's model is a mixture of experts "
                              r"\(mixtral, 8 experts, 2 per token\).*upcycling"):
         train.main([BASE_YML, "model_name=mixtral-8x7b", "dataset_type=synthetic", f"base_output_directory={tmp_path}",
@@ -362,7 +362,7 @@ def test_an_moe_preset_refuses_a_dense_checkpoint_and_an_moe_checkpoint_a_dense_
                     f"load_parameters_path={tmp_path / 'dense' / 'checkpoints' / '1'}"])
     assert not list((tmp_path / "moe").glob("checkpoints/[0-9]*"))
     train.main(with_overrides(run, *MOE, "run_name=moe2"))
-    with pytest.raises(checkpoint.CheckpointError, match=r"holds a mixture of experts \(mixtral, 4 experts, 2 per "
+    with pytest.raises(checkpoint_files.CheckpointError, match=r"holds a mixture of experts \(mixtral, 4 experts, 2 per "
                                                          r"token\), but this run's model is a dense llama model"):
         train.main(with_overrides(run, "run_name=dense2", "base_num_decoder_layers=3",
                                   f"load_parameters_path={tmp_path / 'moe2' / 'checkpoints' / '1'}"))

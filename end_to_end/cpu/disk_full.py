@@ -21,7 +21,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from maxtrain import checkpoint  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain import checkpoint_files  # noqa: E402  pylint: disable=wrong-import-position
 
 TINY = ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=2", "base_mlp_dim=64",
         "base_num_decoder_layers=2", "head_dim=16", "vocab_size=512", "max_target_length=32",
@@ -51,7 +51,7 @@ def main() -> int:
         full = train(disk, cache, "steps=200", "max_num_checkpoints_to_keep=-1")
         ckpts = os.path.join(disk, "full", "checkpoints")
         error = (re.findall(r"maxtrain: error: .*", full.stderr + full.stdout) or ["(none)"])[-1]
-        intact = checkpoint.complete_steps(ckpts)
+        intact = checkpoint_files.complete_steps(ckpts)
         print(f"run into a full disk: exit {full.returncode}; complete checkpoints {intact}; "
               f"left {[n for n in os.listdir(ckpts) if 'tmp' in n]}")
         print(f"  {error[:260]} ...")
@@ -59,7 +59,7 @@ def main() -> int:
                 not in error or not intact:
             failures.append("the run did not stop with the expected error")
         for step in intact:
-            checkpoint.read_params(os.path.join(ckpts, str(step)))  # raises if damaged
+            checkpoint_files.read_params(os.path.join(ckpts, str(step)))  # raises if damaged
         print(f"  checkpoints {intact} read back")
         for step in intact[:-1]:  # free some space
             shutil.rmtree(os.path.join(ckpts, str(step)))
@@ -68,7 +68,7 @@ def main() -> int:
         resumed = re.search(r"Resuming from .*/(\d+)", again.stdout)
         removed = "removing a checkpoint that was never completed" in again.stdout
         print(f"after freeing space: exit {again.returncode}, removed the partial step: {removed}, resumed from "
-              f"{resumed.group(1) if resumed else None}, complete checkpoints {checkpoint.complete_steps(ckpts)}")
+              f"{resumed.group(1) if resumed else None}, complete checkpoints {checkpoint_files.complete_steps(ckpts)}")
         if again.returncode != 0 or not removed or not resumed or int(resumed.group(1)) != last:
             failures.append(f"the re-run did not resume cleanly:\n{again.stdout[-2000:]}{again.stderr[-2000:]}")
     finally:

@@ -31,7 +31,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from maxtrain import checkpoint  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain import checkpoint_files  # noqa: E402  pylint: disable=wrong-import-position
 
 TINY = ["base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=128",
         "base_num_decoder_layers=2", "head_dim=16", "vocab_size=512", "max_target_length=64",
@@ -77,7 +77,7 @@ def run_until_killed(cmd, log_path, plan, ckpts, metrics, steps, rng, run_second
     start_lines = len(logged(metrics))
     target_step = None
     if plan in ("mid_training", "sigterm"):  # a step after the restart point, well before the end
-        restart = (checkpoint.complete_steps(ckpts) or [0])[-1]
+        restart = (checkpoint_files.complete_steps(ckpts) or [0])[-1]
         target_step = rng.randint(restart + 5, max(restart + 5, steps - 40))
     delay = rng.uniform(1.0, 0.4 * run_seconds)  # mostly start-up: imports, data, restore, compilation
     started = time.time()
@@ -137,7 +137,7 @@ def main() -> int:
     partial_left, resumes_checked, attempt, outcomes = 0, 0, 0, []
     while True:
         plan = plans[attempt] if attempt < len(plans) else "none"
-        expected = (checkpoint.complete_steps(ckpts) or [None])[-1]
+        expected = (checkpoint_files.complete_steps(ckpts) or [None])[-1]
         log_path = os.path.join(out, f"victim_attempt{attempt}.log")
         code, what = run_until_killed(cmd, log_path, plan, ckpts, metrics, args.steps, rng, run_seconds)
         with open(log_path) as f:
@@ -160,9 +160,9 @@ def main() -> int:
             failures.append(f"attempt {attempt}: SIGTERM exit code {code}, expected 143:\n{text[-2000:]}")
         if plan == "sigterm" and code == 143:
             step = int(re.search(r"saving step (\d+)", text).group(1))
-            if checkpoint.complete_steps(ckpts)[-1] != step:
+            if checkpoint_files.complete_steps(ckpts)[-1] != step:
                 failures.append(f"attempt {attempt}: SIGTERM said it saved step {step}, on disk "
-                                f"{checkpoint.complete_steps(ckpts)}")
+                                f"{checkpoint_files.complete_steps(ckpts)}")
         if code not in (0, -signal.SIGKILL, 143):
             failures.append(f"attempt {attempt} failed with exit code {code}:\n{text[-3000:]}")
             break
@@ -181,8 +181,8 @@ def main() -> int:
         failures.append(f"logged loss/grad norm differ from the reference at steps {mismatched[:10]}")
     if {m["step"] for m in victim} != set(reference):
         failures.append("the victim did not log every step")
-    final_ref = checkpoint.read_params(os.path.join(out, "reference", "checkpoints", str(args.steps)))
-    final = checkpoint.read_params(os.path.join(ckpts, str(args.steps)))
+    final_ref = checkpoint_files.read_params(os.path.join(out, "reference", "checkpoints", str(args.steps)))
+    final = checkpoint_files.read_params(os.path.join(ckpts, str(args.steps)))
     ref_leaves = {k: np.asarray(v) for k, v in _flat(final_ref).items()}
     leaves = {k: np.asarray(v) for k, v in _flat(final).items()}
     differing = [k for k in ref_leaves if k not in leaves or ref_leaves[k].tobytes() != leaves[k].tobytes()]
@@ -220,7 +220,7 @@ def main() -> int:
 def _flat(tree) -> dict:
     import jax  # pylint: disable=import-outside-toplevel
 
-    return {checkpoint.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
+    return {checkpoint_files.path_str(p): x for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
 if __name__ == "__main__":

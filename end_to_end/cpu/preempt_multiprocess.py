@@ -24,7 +24,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from maxtrain import checkpoint  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain import checkpoint_files  # noqa: E402  pylint: disable=wrong-import-position
 
 TINY = ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=2", "base_mlp_dim=64",
         "base_num_decoder_layers=2", "head_dim=16", "vocab_size=512", "max_target_length=32",
@@ -66,7 +66,7 @@ def main() -> int:
     procs[1].send_signal(signal.SIGTERM)
     codes = [p.wait(timeout=300) for p in procs]
     ckpts = os.path.join(out, "mp", "checkpoints")
-    saved = checkpoint.complete_steps(ckpts)
+    saved = checkpoint_files.complete_steps(ckpts)
     log0 = open(os.path.join(out, "process0_100000.log")).read()
     said = re.search(r"SIGTERM \(preemption\): saving step (\d+)", log0)
     print(f"SIGTERM to process 1 only: exit codes {codes}, process 0 logged "
@@ -79,8 +79,8 @@ def main() -> int:
         logs = [open(os.path.join(out, f"process{i}_{saved[-1] + 5}.log")).read() for i in range(2)]
         resumed = "Resuming from" in logs[0] and f"/{saved[-1]}" in logs[0]
         print(f"re-run to step {saved[-1] + 5}: exit codes {codes}, resumed from {saved[-1]}: {resumed}, "
-              f"checkpoints {checkpoint.complete_steps(ckpts)}")
-        if codes != [0, 0] or not resumed or checkpoint.complete_steps(ckpts)[-1] != saved[-1] + 5:
+              f"checkpoints {checkpoint_files.complete_steps(ckpts)}")
+        if codes != [0, 0] or not resumed or checkpoint_files.complete_steps(ckpts)[-1] != saved[-1] + 5:
             failures.append("the re-run did not resume and finish:\n" + logs[0][-2000:] + logs[1][-2000:])
     shutil.rmtree(out, ignore_errors=True)
     if failures:
