@@ -41,7 +41,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from maxtrain import checksums, models, storage
-from maxtrain.checkpoint_files import (CheckpointError, _all_values, _damaged_root, check_fits, check_settings,
+from maxtrain.checkpoint_files import (CheckpointError, all_values, damaged_root, check_fits, check_settings,
                                        check_step, complete_steps, find_step_dir, latest_usable_step, leaf_shapes,
                                        load_params, load_state, read_metadata, read_tree, remove_partial_checkpoints,
                                        settle_latest_step)
@@ -165,7 +165,7 @@ class Checkpointer:
             health = found.get("health")
             if health is not None and not health.usable:
                 error = health.problem  # names the file that does not match its checksum
-            if not any(_all_values(1 if error else 0)):
+            if not any(all_values(1 if error else 0)):
                 if merging:  # the step is intact: its per-process input positions merged for this count
                     elastic.restore(os.path.join(step_dir, "data"), data_iterator, self.config,
                                     jax.process_index(), jax.process_count())
@@ -180,7 +180,7 @@ class Checkpointer:
         """Whether every file of the step matches its checksum, on every process' share of them (a damaged
         step is left to restore(), which falls back from it)."""
         health = check_step(os.path.join(self.directory, str(step)), (jax.process_index(), jax.process_count()))
-        return all(_all_values(1 if health.usable else 0))
+        return all(all_values(1 if health.usable else 0))
 
     def wait(self, join: bool = True) -> None:
         """Waits for the save in flight; then writes its checksums (in the background unless `join`)."""
@@ -387,7 +387,7 @@ def describe(path: str) -> str:
     if usable is not None and os.path.basename(parent) == "checkpoints":
         lines.append(f"latest usable step: {usable.step}" + (" (what a resume of this run restores)"))
     for h in damaged:
-        lines.append(f"  damaged step {h.step}: {h.problem} (a resume moves it to {_damaged_root(parent)})")
+        lines.append(f"  damaged step {h.step}: {h.problem} (a resume moves it to {damaged_root(parent)})")
     lines += ["", "state:"]
     width = max(len(p) for p in tree)
     for p, (shape, dtype) in tree.items():

@@ -138,13 +138,14 @@ def latest_usable_step(checkpoints_dir: str, share: tuple[int, int] = (0, 1),
     return None, damaged
 
 
-def _damaged_root(checkpoints_dir: str) -> str:
+def damaged_root(checkpoints_dir: str) -> str:
+    """<run>/damaged_checkpoints, beside `checkpoints_dir`: where damaged steps are moved."""
     return os.path.join(os.path.dirname(storage.abspath(checkpoints_dir).rstrip("/")), DAMAGED_DIR)
 
 
 def move_aside(health: StepHealth) -> str:
     """Moves a damaged step to <run>/damaged_checkpoints/<step>[.N] (never deletes it); returns where."""
-    root = _damaged_root(os.path.dirname(health.step_dir))
+    root = damaged_root(os.path.dirname(health.step_dir))
     storage.makedirs(root)
     target, n = os.path.join(root, str(health.step)), 1
     while storage.exists(target):
@@ -154,7 +155,8 @@ def move_aside(health: StepHealth) -> str:
     return target
 
 
-def _all_values(value: int) -> list[int]:
+def all_values(value: int) -> list[int]:
+    """`value` from every process, in process order (distributed.all_values)."""
     from maxtrain import distributed  # pylint: disable=import-outside-toplevel
 
     return distributed.all_values(value)
@@ -173,12 +175,12 @@ def settle_latest_step(checkpoints_dir: str, log=print, known_damaged: dict[int,
         usable, damaged = latest_usable_step(checkpoints_dir, (index, count), known, contents=False)
         # Agree on the newest damaged step (if any): the processes checked different files.
         newest_damaged = damaged[0].step if damaged else -1
-        newest = max(_all_values(newest_damaged))
+        newest = max(all_values(newest_damaged))
         if newest < 0:
             if usable is None and moved:
                 raise CheckpointError(
                     f"no usable checkpoint is left in {checkpoints_dir}: every step was damaged (step {moved[-1].step}: "
-                    f"{moved[-1].problem}) and was moved to {_damaged_root(checkpoints_dir)}. Re-run the same command "
+                    f"{moved[-1].problem}) and was moved to {damaged_root(checkpoints_dir)}. Re-run the same command "
                     "to start from step 0, or move a step back from there.")
             return usable.step if usable else None
         mine = next((h for h in damaged if h.step == newest), None)
@@ -187,13 +189,13 @@ def settle_latest_step(checkpoints_dir: str, log=print, known_damaged: dict[int,
                               known.get(newest, "another process found a file that does not match its checksum"))
         if mine.problem and index != 0:
             print(f"process {index}: checkpoint step {newest} is damaged: {mine.problem}", file=sys.stderr, flush=True)
-        _all_values(0)  # everyone is done reading before process 0 moves it
+        all_values(0)  # everyone is done reading before process 0 moves it
         moved.append(mine)
         if index == 0:
             target = move_aside(mine)
             log(f"checkpoint step {newest} is damaged: {mine.problem}. Moved it to {target} (nothing is deleted); "
                 "resuming from the newest usable step before it")
-        _all_values(0)
+        all_values(0)
         known.pop(newest, None)
 
 
