@@ -18,6 +18,7 @@ differ somewhat from a compile on the GPU itself.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import re
 import sys
 import time
@@ -59,12 +60,32 @@ def report(run, compiled, target: topologies.Target, seconds: float) -> dict:
         "per_device_batch_size": config.per_device_batch_size,
         "gradient_accumulation_steps": config.gradient_accumulation_steps,
         "memory": {"arguments": args, "temporaries": temp, "outputs": outputs,
-                   "total": args + temp + outputs, "chip": target.memory_bytes},
+                   "total": args + temp + outputs, "chip": target.memory_bytes,
+                   "peak": getattr(memory, "peak_memory_in_bytes", None)},
+        "libtpu": libtpu_version() if target.platform == "tpu" else None,
         "collective_bytes": stats.bytes_by_kind, "collective_counts": stats.count_by_kind,
         "unknown_trip_counts": stats.unknown_trip_counts,
         "model_tflops_per_chip": metrics.flops_per_token(config) * config.tokens_per_step / len(devices) / 1e12,
         "compile_seconds": seconds,
     }
+
+
+# libtpu releases before this one count more temporaries than the program's heap holds: the chip's
+# VMEM, and the scanned layers' buffers a second time (docs/scale.md, "The same compiler as MaxText").
+LIBTPU_COUNTS_HEAP_FROM = (0, 0, 52)
+
+
+def libtpu_version() -> str | None:
+    try:
+        return importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def overcounting_libtpu(version: str | None) -> bool:
+    """Whether this libtpu's memory_analysis() counts temporaries beyond the heap (0.0.42.1 does)."""
+    numbers = tuple(int(n) for n in re.findall(r"\d+", version or "")[:3])
+    return bool(numbers) and numbers < LIBTPU_COUNTS_HEAP_FROM
 
 
 def fits(rep: dict) -> bool:
@@ -100,6 +121,10 @@ def format_report(rep: dict) -> str:
     lines += [f"model TFLOPs per chip per step   {rep['model_tflops_per_chip']:.2f} (3 x forward matmuls, causal "
               "attention counted once; not XLA's cost analysis)",
               f"compiled in {rep['compile_seconds']:.1f} s"]
+    if rep["platform"] == "tpu" and overcounting_libtpu(rep.get("libtpu")):
+        lines.append(f"note: libtpu {rep['libtpu']} counts the chip's VMEM and part of the scanned layers' buffers as "
+                     "temporaries too; libtpu 0.0.52 counts 1.1 to 6.3 GiB less per chip for the same programs in "
+                     "docs/scale.md, so this total errs high")
     if rep["platform"] == "gpu":
         lines.append("note: compiled without a GPU, so XLA did not autotune matmuls or build cuDNN graphs; memory on "
                      "the GPU itself can differ somewhat")

@@ -144,6 +144,12 @@ ENTRY %main (a: bf16[8,64], b: f32[16]) -> f32[] {
 """
 
 
+@pytest.mark.parametrize("version, overcounts", [("0.0.42.1", True), ("0.0.51.dev20250101", True), ("0.0.52", False),
+                                                 ("0.1.0", False), (None, False)])
+def test_which_libtpu_counts_more_than_the_heap(version, overcounts):
+    assert train_compile.overcounting_libtpu(version) == overcounts
+
+
 def test_collectives_counted_per_step_with_loops_and_async_pairs():
     stats = hlo_stats.collectives(HLO)
     by_name = {c.name: c for c in stats.collectives}
