@@ -5,6 +5,7 @@
     python scripts/scale_table.py --table-only     # rewrite docs/scale.md from the results file
     python scripts/scale_table.py --maxtext-python /path/to/py312-venv/bin/python   # also MaxText 0.2.5's train_compile
     python scripts/scale_table.py --maxtext-python PY --only-maxtext             # MaxText's cells only
+    python scripts/scale_table.py --same-compiler-python PY                      # maxtrain's TPU cells with MaxText's jax/libtpu
 
 Each cell is one `maxtrain.train_compile` run, in a subprocess of its own (a failed or killed compile
 loses only that cell), appended as one JSON line to the results file (default
@@ -14,7 +15,10 @@ and 70B models for 64-512 chips take minutes and GBs of RAM each: they run one a
 
 MaxText's cells run its own `train_compile` (MaxText 0.2.5 needs Python 3.12 and `pip install
 'maxtext[tpu]==0.2.5'`) with the same model, topology, per-device batch, sequence length and remat
-policy, and record the total memory it prints.
+policy, and record the total memory it prints. MaxText 0.2.5 runs on a newer jax and libtpu than
+maxtrain pins, and the two libtpu versions account memory differently; `--same-compiler-python`
+also compiles maxtrain's TPU cells with a Python that has MaxText's jax and libtpu (MaxText's venv,
+with maxtrain added by `pip install --no-deps -e .`), which gives the like-for-like ratio.
 
 Needs the [tpu] and [cuda] extras (libtpu; JAX's CUDA plugin and ptxas).
 """
@@ -35,6 +39,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(REPO, "docs", "scale_results.jsonl")
 DOC = os.path.join(REPO, "docs", "scale.md")
 BEGIN, END = "<!-- scale table: begin (scripts/scale_table.py writes this) -->", "<!-- scale table: end -->"
+SAME_BEGIN = "<!-- same-compiler table: begin (scripts/scale_table.py writes this) -->"
+SAME_END = "<!-- same-compiler table: end -->"
 
 # Llama 3 70B as MaxText's llama3-70b (no preset of ours yet).
 LLAMA3_70B = ["model_name=llama3-8b", "base_emb_dim=8192", "base_num_query_heads=64", "base_num_kv_heads=8",
@@ -58,6 +64,7 @@ ROWS = {
     "gemma2-9b-v5p128": ("Gemma 2 9B, 8192, v5p-128", ["model_name=gemma2-9b"], "gemma2-9b", "v5p-128", 1, 8192, []),
 }
 ATTENTIONS = ("dot_product", "flash")
+SAME_COMPILER = "maxtrain-same-compiler"  # maxtrain compiled with MaxText's jax and libtpu
 COMMON = ["per_device_batch_size=1", "remat_policy=full", "dtype=bfloat16", "dataset_type=synthetic"]
 
 # MaxText 0.2.5's figures as issue 21 quotes them (measured elsewhere, with another jax/libtpu), for
@@ -91,7 +98,33 @@ def compile_cell(argv: list[str]) -> dict:
         return {"error": f"{type(error).__name__}: {str(error).splitlines()[0][:300]}"}
     rep = train_compile.report(run, compiled, target, seconds)
     rep["fits"] = train_compile.fits(rep)
+    rep["versions"] = compiler_versions()
     return rep
+
+
+def compiler_versions() -> dict:
+    """The jax and libtpu this process compiles with (they decide how memory is counted)."""
+    from importlib import metadata  # pylint: disable=import-outside-toplevel
+
+    out = {}
+    for name in ("jax", "libtpu"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def run_cell(python: str, key: str, attention: str) -> dict:
+    """One maxtrain cell, compiled by `python` in a child process of its own."""
+    command = [python, os.path.relpath(__file__, REPO), "--cell", key, attention]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    record = json.loads(lines[-1][7:]) if lines else {
+        "error": f"exit {proc.returncode}: " + (proc.stderr.strip().splitlines() or [""])[-1][:300]}
+    interpreter = "python" if python == sys.executable else python
+    record["command"] = f"{interpreter} -m maxtrain.train_compile " + " ".join(argv_of(key, attention))
+    return record
 
 
 def run_maxtext(python: str, key: str, attention: str, workdir: str) -> dict:
@@ -192,6 +225,32 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def same_compiler_table(results: dict) -> str:
+    """maxtrain's TPU cells compiled with MaxText's own jax and libtpu, against MaxText's cells."""
+    lines = ["| model, sequence, target | attention | maxtrain GiB/chip | args / temps / outputs | compiled with "
+             "| MaxText 0.2.5 GiB | ratio |", "|---|---|---|---|---|---|---|"]
+    for key, (label, *_rest) in ROWS.items():
+        for attention in ATTENTIONS:
+            ours = results.get((key, attention, SAME_COMPILER))
+            if ours is None:
+                continue
+            theirs = results.get((key, attention, "maxtext")) or {}
+            detail, ratio = "", ""
+            if "memory" in ours:
+                mem = ours["memory"]
+                versions = ours.get("versions", {})
+                detail = f"{gib(mem['arguments'])} / {gib(mem['temporaries'])} / {gib(mem['outputs'])}"
+                label_versions = f"jax {versions.get('jax')}, libtpu {versions.get('libtpu')}" if versions else ""
+                if "total_gb" in theirs:
+                    ratio = f"{mem['total'] / 2**30 / theirs['total_gb']:.2f}"
+            else:
+                label_versions = ""
+            mx = f"{theirs['total_gb']:.1f}" if "total_gb" in theirs else "not run"
+            lines.append(f"| {label} | {ours.get('attention', attention)} | {cell_text(ours)} | {detail} | {label_versions} "
+                         f"| {mx} | {ratio} |")
+    return "\n".join(lines)
+
+
 def write_doc(results: dict) -> None:
     with open(DOC, encoding="utf-8") as f:
         text = f.read()
@@ -201,6 +260,14 @@ def write_doc(results: dict) -> None:
     tail = rest.split(END, 1)[1]
     with open(DOC, "w", encoding="utf-8") as f:
         f.write(head + BEGIN + "\n" + table(results) + "\n" + END + tail)
+    if any(who == SAME_COMPILER for (_, _, who) in results):
+        with open(DOC, encoding="utf-8") as f:
+            text = f.read()
+        if SAME_BEGIN not in text or SAME_END not in text:
+            raise SystemExit(f"{DOC} has no same-compiler table markers ({SAME_BEGIN} ... {SAME_END})")
+        head, rest = text.split(SAME_BEGIN, 1)
+        with open(DOC, "w", encoding="utf-8") as f:
+            f.write(head + SAME_BEGIN + "\n" + same_compiler_table(results) + "\n" + SAME_END + rest.split(SAME_END, 1)[1])
 
 
 def main() -> None:
@@ -212,6 +279,11 @@ def main() -> None:
     parser.add_argument("--table-only", action="store_true")
     parser.add_argument("--maxtext-python", help="a Python with maxtext 0.2.5 installed: also run its train_compile")
     parser.add_argument("--only-maxtext", action="store_true", help="with --maxtext-python: run MaxText's cells only")
+    parser.add_argument("--same-compiler-python",
+                        help="a Python with MaxText's jax and libtpu and maxtrain installed: also compile maxtrain's "
+                             "TPU cells with it")
+    parser.add_argument("--only-same-compiler", action="store_true",
+                        help="with --same-compiler-python: run those cells only")
     parser.add_argument("--cell", nargs=2, help=argparse.SUPPRESS)  # child process: ROW ATTENTION
     args = parser.parse_args()
 
@@ -219,31 +291,33 @@ def main() -> None:
         print("RESULT " + json.dumps(compile_cell(argv_of(*args.cell))), flush=True)
         return
     results = load_results(args.results)
+    whos = ["maxtrain"] if not (args.only_maxtext or args.only_same_compiler) else []
+    if args.maxtext_python and not args.only_same_compiler:
+        whos.append("maxtext")
+    if args.same_compiler_python and not args.only_maxtext:
+        whos.append(SAME_COMPILER)
     if not args.table_only:
         for key in args.rows:
             for attention in args.attention:
-                whos = (() if args.only_maxtext else ("maxtrain",)) + (("maxtext",) if args.maxtext_python else ())
                 for who in whos:
+                    if who != "maxtrain" and ROWS[key][2] is None:
+                        continue  # a GPU row: MaxText's compiler and libtpu have nothing to say
                     if (key, attention, who) in results and not args.redo:
                         continue
                     started = time.time()
                     load = open("/proc/loadavg").read().split()[0] if os.path.exists("/proc/loadavg") else "?"
                     print(f"{who}: {key} attention={attention} ...", flush=True)
-                    if who == "maxtrain":
-                        command = [sys.executable, os.path.relpath(__file__, REPO), "--cell", key, attention]
-                        proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
-                        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-                        record = json.loads(lines[-1][7:]) if lines else {
-                            "error": f"exit {proc.returncode}: " + (proc.stderr.strip().splitlines() or [""])[-1][:300]}
-                        record["command"] = "python -m maxtrain.train_compile " + " ".join(argv_of(key, attention))
-                    else:
+                    if who == "maxtext":
                         record = run_maxtext(args.maxtext_python, key, attention, os.path.join("/tmp", "scale_maxtext"))
+                    else:
+                        python = sys.executable if who == "maxtrain" else args.same_compiler_python
+                        record = run_cell(python, key, attention)
                     record.update(row=key, attention=attention, who=who, wall_seconds=round(time.time() - started, 1),
                                   date=datetime.date.today().isoformat(), machine=platform.node(), load_at_start=load)
                     with open(args.results, "a", encoding="utf-8") as f:
                         f.write(json.dumps(record) + "\n")
                     results[(key, attention, who)] = record
-                    print("   ", cell_text(record) if who == "maxtrain" else record.get("total_gb", record.get("error")),
+                    print("   ", record.get("total_gb", record.get("error")) if who == "maxtext" else cell_text(record),
                           flush=True)
     write_doc(results)
     print(f"wrote {DOC}")
