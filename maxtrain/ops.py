@@ -53,10 +53,31 @@ def dense(x, w, n: int = 1, out_dtype=None):
     x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float16):
-        out = _wide_product(x2, w2) if out_dtype == jnp.float32 else jnp.dot(x2, w2).astype(out_dtype)
+        out = _wide_product(*_vary_alike(x2, w2)) if out_dtype == jnp.float32 else jnp.dot(x2, w2).astype(out_dtype)
     else:
         out = jnp.dot(x2, w2, preferred_element_type=jnp.float32).astype(out_dtype)
     return out.reshape(x.shape[:x.ndim - n] + w.shape[n:])
+
+
+def _vary_alike(x, w):
+    """x and w made to vary over the same manual mesh axes (inside shard_map; unchanged outside).
+
+    A custom rule's gradient for an operand replicated over an axis the other varies over (the MoE
+    router's weight against a shard's tokens) would vary over that axis; cast first, JAX's transpose of
+    the cast sums that gradient over the axis, as autodiff of a plain matmul does."""
+    vx, vw = _varying(x), _varying(w)
+    if vw - vx:
+        x = jax.lax.pcast(x, tuple(sorted(vw - vx)), to="varying")
+    if vx - vw:
+        w = jax.lax.pcast(w, tuple(sorted(vx - vw)), to="varying")
+    return x, w
+
+
+def _varying(a) -> frozenset:
+    """The manual mesh axes `a` varies over (jax 0.10: aval.manual_axis_type.varying; older: aval.vma)."""
+    aval = jax.typeof(a)
+    axis_type = getattr(aval, "manual_axis_type", None)
+    return axis_type.varying if axis_type is not None else frozenset(getattr(aval, "vma", ()))
 
 
 @jax.custom_vjp
