@@ -62,6 +62,8 @@ ROWS = {
     "70b-h100x512": ("Llama 3 70B, 4096, 512 x H100", LLAMA3_70B, None, "h100-512", 1, 4096, []),
     "qwen3-8b-v5p128": ("Qwen3 8B, 8192, v5p-128", ["model_name=qwen3-8b"], "qwen3-8b", "v5p-128", 1, 8192, []),
     "gemma2-9b-v5p128": ("Gemma 2 9B, 8192, v5p-128", ["model_name=gemma2-9b"], "gemma2-9b", "v5p-128", 1, 8192, []),
+    "mixtral-8x7b-v5p128": ("Mixtral 8x7B, 4096, v5p-128", ["model_name=mixtral-8x7b"], "mixtral-8x7b", "v5p-128", 1,
+                            4096, []),
 }
 ATTENTIONS = ("dot_product", "flash")
 SAME_COMPILER = "maxtrain-same-compiler"  # maxtrain compiled with MaxText's jax and libtpu
