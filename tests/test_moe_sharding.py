@@ -1,7 +1,7 @@
 """Expert parallelism on 8 simulated CPU devices trains exactly like one device.
 
 A tiny mixtral (8 experts, 2 per token) runs 3 AdamW steps on the same batches (two documents per
-row, rows ending in padding) on one device and on EP 8 and EP 4 x FSDP 2 meshes, with both dispatch
+row, rows ending in padding) on one device and on EP 8, EP 4 x FSDP 2 and FSDP 8 meshes, with both dispatch
 strategies; capacity dispatch at factor 1 drops tokens, the same ones on every mesh (capacity is
 counted per sequence). Losses, grad norms, aux losses and the first step's gradients are compared,
 and the params after 3 steps (which carry every step's gradients through AdamW).
@@ -16,6 +16,7 @@ token sent to the wrong expert changes them at the 1e-2 level.
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import numpy as np
@@ -30,7 +31,8 @@ from test_sharding import GLOBAL_BATCH, batches
 MOE = ["decoder_block=mixtral", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=32",
        "load_balance_loss_weight=0.01", "router_z_loss_weight=0.001", "capacity_factor=1.0"]
 LAYOUTS = {"ep8": ["ici_expert_parallelism=8", "ici_fsdp_parallelism=1"],
-           "ep4xfsdp2": ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2"]}
+           "ep4xfsdp2": ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2"],
+           "fsdp8": ["ici_expert_parallelism=1", "ici_fsdp_parallelism=8"]}
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,11 +66,40 @@ def test_expert_parallelism_matches_one_device(layout, dispatch):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-5 * np.max(np.abs(ref)))
     for ref, got in zip(jax.tree.leaves(ref_state["params"]), jax.tree.leaves(state["params"])):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-6)
-    # Tokens travel to their experts' devices by the collectives moe.py writes out in shard_map.
-    if dispatch == "capacity":
+    # Tokens travel to their experts' devices, and FSDP-sharded experts are gathered (their gradients
+    # reduce-scattered, not all-reduced whole), by the collectives moe.py writes out in shard_map.
+    expert_parallel = "ici_expert_parallelism=1" not in LAYOUTS[layout]
+    if dispatch == "capacity" and expert_parallel:
         assert "all_to_all" in lowered
-    else:
+    if dispatch == "dropless" or "ici_fsdp_parallelism=1" not in LAYOUTS[layout]:
         assert "all_gather" in lowered and "reduce_scatter" in lowered
+
+
+def _shapes_made_by(kind: str, hlo: str) -> list[list[int]]:
+    """The sorted dims of every array a collective of `kind` produces in a compiled program."""
+    shapes = []
+    for line in hlo.splitlines():
+        head, found, _ = line.partition(f" {kind}(")
+        if found and "=" in head:
+            shapes += [sorted(int(n) for n in dims.split(",")) for dims in re.findall(r"\w+\[([\d,]+)\]", head.split("=", 1)[1])]
+    return shapes
+
+
+@pytest.mark.slow
+def test_fsdp_sharded_experts_are_gathered_and_their_gradients_reduce_scattered():
+    """Under FSDP the block gathers each expert weight in shard_map; its gradient is reduce-scattered
+    back to the shards. Passed in whole (replicated), the gradient of every expert weight was
+    all-reduced whole on every device: 3 x 0.9 GiB per layer and chip for Mixtral 8x7B."""
+    r = builder.build(load_config(with_overrides([BASE_YML, *TINY], f"per_device_batch_size={GLOBAL_BATCH // 8}", *MOE,
+                                                 "moe_dispatch=dropless", *LAYOUTS["fsdp8"])), devices=tuple(jax.devices()))
+    with sharding.activation_sharding(r.mesh, r.config.logical_axis_rules):
+        state = r.init(jax.random.key(0))
+        batch = jax.device_put(next(iter(batches(r.config))), r.batch_sharding)
+        hlo = r.train_step.lower(state, batch).compile().as_text()
+    c = r.config
+    assert sorted((c.num_experts, c.base_emb_dim, c.base_moe_mlp_dim)) not in _shapes_made_by("all-reduce", hlo)
+    shard = sorted((c.num_experts, c.base_emb_dim // 8, c.base_moe_mlp_dim))  # the embed axis split 8 ways
+    assert _shapes_made_by("reduce-scatter", hlo).count(shard) == 3  # gate, up, down
 
 
 @pytest.mark.slow

@@ -99,7 +99,9 @@ def _sum_aux(total: dict, aux: dict) -> dict:
 
 def _segment_params(layer_params: dict, types: list[LayerType], seg: Segment) -> dict:
     """{kind: that kind's parameters for the segment, [repeats, layers of the kind per group, ...]}: a
-    contiguous slice of the kind's stack, since each stack holds its layers in order."""
+    contiguous slice of the kind's stack, since each stack holds its layers in order. A kind with one
+    layer per group keeps its stack's shape, [repeats, ...]: reshaped to [repeats, 1, ...], TPUs
+    stored the stacked float32 gradients twice, in both shapes (28 MiB per MoE layer per chip)."""
     out = {}
     for kind in sorted({t.kind for t in seg.period}):
         first = sum(t.kind == kind for t in types[:seg.start])  # the kind's layers before the segment
@@ -108,7 +110,7 @@ def _segment_params(layer_params: dict, types: list[LayerType], seg: Segment) ->
 
         def take(a, first=first, per_group=per_group, count=count):
             part = a if (first == 0 and a.shape[0] == count) else jax.lax.slice_in_dim(a, first, first + count)
-            return part.reshape((seg.repeats, per_group) + a.shape[1:])
+            return part if per_group == 1 else part.reshape((seg.repeats, per_group) + a.shape[1:])
         out[kind] = jax.tree.map(take, layer_params[kind])
     return out
 
@@ -142,7 +144,8 @@ def _run_group(family, period, x, group_params, group_cache, inputs: LayerInputs
     for j, lt in enumerate(period):
         i = taken.get(lt.kind, 0)
         taken[lt.kind] = i + 1
-        p = jax.tree.map(lambda a, i=i: a[i], group_params[lt.kind])
+        one = sum(t.kind == lt.kind for t in period) == 1  # its parameters come without a per-group axis
+        p = group_params[lt.kind] if one else jax.tree.map(lambda a, i=i: a[i], group_params[lt.kind])
         layer_inputs = inputs if group_cache is None else inputs._replace(
             cache=(group_cache[0][j], group_cache[1][j], inputs.cache[2]))
         x, aux = _layer_fn(family, lt, config, rt, scan)(x, p, layer_inputs)

@@ -118,12 +118,15 @@ def capacity(num_experts: int, top_k: int, capacity_factor: float, length: int) 
 @dataclasses.dataclass(frozen=True)
 class Axes:
     """Mesh axes inside shard_map: tokens are split over `batch`, experts over `expert`, the experts'
-    hidden axis over `tensor`; `expert_ways` devices share the experts. Empty outside a mesh."""
+    hidden axis over `tensor`, and their embed axis, as stored, over `embed` (FSDP: gathered in the
+    block, so that their gradients are reduce-scattered back to the shards); `expert_ways` devices
+    share the experts. Empty outside a mesh."""
 
     batch: tuple[str, ...] = ()
     expert: tuple[str, ...] = ()
     tensor: tuple[str, ...] = ()
     expert_ways: int = 1
+    embed: tuple[str, ...] = ()
 
 
 # --------------------------------------------------------------------------------------------
@@ -134,7 +137,8 @@ class Axes:
 def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int):
     """Mixture of experts over x [B, T, D] (already normed) -> ([B, T, D], aux)."""
     s = Settings.of(config, rt, router, num_moe_layers)
-    weights = (p["router"], p["w_gate"], p["w_up"], p["w_down"])
+    # The experts enter shard_map in the compute dtype: their gradients leave it in that dtype too.
+    weights = (p["router"], *(p[name].astype(s.dtype) for name in ("w_gate", "w_up", "w_down")))
     valid = segment_ids > 0
     active = sharding_lib.active_mesh()
     if active is None:
@@ -145,14 +149,15 @@ def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int):
     batch = tuple(a for a in batch if mesh.shape[a] > 1)
     exp = tuple(a for a in exp if mesh.shape[a] > 1)
     tensor = tuple(a for a in mlp if a not in exp and mesh.shape[a] > 1)
+    embed = tuple(a for a in _names(spec(("exp", "embed", "mlp"))[1]) if a not in exp + tensor and mesh.shape[a] > 1)
     ways = math.prod(mesh.shape[a] for a in batch)
     if x.shape[0] % ways:
         # A batch the token axes do not divide (decoding one prompt on many devices): computed whole,
         # with XLA moving the expert weights as it needs. Training batches always divide.
         return _local(x, valid, *weights, s=s, axes=Axes())
-    axes = Axes(batch, exp, tensor, math.prod(mesh.shape[a] for a in exp))
-    tokens, experts = P(batch or None), P(exp or None, None, tensor or None)
-    in_specs = (P(batch or None, None, None), tokens, P(), experts, experts, P(exp or None, tensor or None, None))
+    axes = Axes(batch, exp, tensor, math.prod(mesh.shape[a] for a in exp), embed)
+    tokens, experts = P(batch or None), P(exp or None, embed or None, tensor or None)
+    in_specs = (P(batch or None, None, None), tokens, P(), experts, experts, P(exp or None, tensor or None, embed or None))
     fn = jax.shard_map(functools.partial(_local, s=s, axes=axes), mesh=mesh, in_specs=in_specs,
                        out_specs=(P(batch or None, None, None), P()))
     return fn(x, valid, *weights)
@@ -181,6 +186,9 @@ def _local(x, valid, w_router, w_gate, w_up, w_down, *, s: Settings, axes: Axes)
     weights, experts = route(logits, s)
     weights = jnp.where(valid[..., None], weights, 0.0)
     experts_w = (w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
+    if axes.embed:  # FSDP-sharded experts, gathered in the compute dtype; their gradients reduce-scatter
+        gather = functools.partial(jax.lax.all_gather, axis_name=axes.embed, tiled=True)
+        experts_w = (gather(experts_w[0], axis=1), gather(experts_w[1], axis=1), gather(experts_w[2], axis=2))
     if s.dispatch == "capacity":
         y, dropped = _capacity(x, weights, experts, valid, experts_w, s, axes)
     else:
@@ -196,8 +204,8 @@ def _local(x, valid, w_router, w_gate, w_up, w_down, *, s: Settings, axes: Axes)
 
 def _swiglu_grouped(xs, group_sizes, w_gate, w_up, w_down, axes: Axes):
     """Rows xs [M, D] sorted by expert, group_sizes [E] rows each -> [M, D] (rows past the groups: 0)."""
-    def mm(a, w):
-        return jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=jnp.float32).astype(a.dtype)
+    def mm(a, w):  # written in a's dtype, and so are its gradients (ops.dense explains why)
+        return jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=a.dtype)
     gate = checkpoint_name(mm(xs, w_gate), "mlp_gate")  # per row m of expert e: "MD,DF->MF" with W_e
     up = checkpoint_name(mm(xs, w_up), "mlp_up")
     out = mm(jax.nn.silu(gate) * up, w_down)
@@ -207,7 +215,7 @@ def _swiglu_grouped(xs, group_sizes, w_gate, w_up, w_down, axes: Axes):
 def _swiglu_batched(xe, w_gate, w_up, w_down, axes: Axes):
     """Slots xe [E, C, D] -> [E, C, D], each expert on its own C slots."""
     def mm(a, w, spec):
-        return jnp.einsum(spec, a, w, preferred_element_type=jnp.float32).astype(a.dtype)
+        return jnp.einsum(spec, a, w, preferred_element_type=a.dtype)
     gate = checkpoint_name(mm(xe, w_gate, "ECD,EDF->ECF"), "mlp_gate")
     up = checkpoint_name(mm(xe, w_up, "ECD,EDF->ECF"), "mlp_up")
     out = mm(jax.nn.silu(gate) * up, w_down, "ECF,EFD->ECD")
