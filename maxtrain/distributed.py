@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from maxtrain import config as config_lib
+from maxtrain import config_checks
 from maxtrain.errors import UserError
 
 EXIT_STATUS = 2
@@ -84,7 +85,7 @@ def settings(config) -> dict | None:
 def _split_address(address: str) -> tuple[str, int]:
     key = "coordinator_address" if address != os.environ.get("MAXTRAIN_COORDINATOR_ADDRESS") else \
         "MAXTRAIN_COORDINATOR_ADDRESS"
-    return config_lib.split_address(address, key)
+    return config_checks.split_address(address, key)
 
 
 def _wait_for_coordinator(address: str, deadline: float, timeout: int, process_id: int) -> None:

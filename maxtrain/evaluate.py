@@ -20,7 +20,7 @@ import time
 import jax
 
 from maxtrain import config as config_lib
-from maxtrain import builder, checkpoint_files, decode, distributed, evals, models, sharding
+from maxtrain import builder, checkpoint_files, config_checks, decode, distributed, evals, models, sharding
 from maxtrain.errors import run_cli
 
 
@@ -42,7 +42,7 @@ def main(argv: list[str]) -> dict:
         raise config_lib.ConfigError("set load_parameters_path=<run>/checkpoints/<step>: the checkpoint to score "
                                      "(an imported Hugging Face model: the OUT directory of scripts/convert_hf.py)")
     # the data first (cheap, and the likeliest to be missing), then the checkpoint's settings, tokenizer, params
-    evals.data.open_cache(evals.data.cache_dir_for(config), config_lib.parse_eval_tasks(config.eval_tasks))
+    evals.data.open_cache(evals.data.cache_dir_for(config), config_checks.parse_eval_tasks(config.eval_tasks))
     config = builder.load_config(argv)  # an imported model's settings are adopted from its checkpoint
     distributed.initialize(config)
     config = config_lib.with_devices(config, jax.device_count(), jax.process_count())

@@ -16,7 +16,7 @@ configs/base.yml declares each key on one line, and that line is the whole decla
 - the rest of the comment is the description, quoted in error messages.
 
 Adding a key with its range is therefore a one-line change to base.yml. Rules that relate several
-keys (heads divisible by kv heads, ...) are the named checks in config.py.
+keys (heads divisible by kv heads, ...) are the named checks in config_checks.py.
 
 YAML is read with `read_mapping`, which refuses an empty file and a key written twice, naming the
 file and both lines; config.py uses the same rule for a key given twice on the command line.

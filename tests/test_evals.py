@@ -19,7 +19,7 @@ import pytest
 
 from eval_helpers import BASE, REPO, args, corpus_cache, eval_cache  # noqa: F401  (fixtures)
 from maxtrain import config as config_lib
-from maxtrain import models, sharding
+from maxtrain import config_checks, models, sharding
 from maxtrain.data import tokenizer_training
 from maxtrain.evals import data as data_lib
 from maxtrain.evals import metrics as metrics_lib
@@ -43,7 +43,7 @@ def test_bad_settings_are_refused_with_the_fix(override, message):
 
 
 def test_task_list_with_per_task_shots():
-    assert config_lib.parse_eval_tasks("hellaswag, mmlu:5,lambada", 1) == {"hellaswag": 1, "mmlu": 5, "lambada": 1}
+    assert config_checks.parse_eval_tasks("hellaswag, mmlu:5,lambada", 1) == {"hellaswag": 1, "mmlu": 5, "lambada": 1}
 
 
 # --------------------------------------------------------------------------------------------

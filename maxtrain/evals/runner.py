@@ -22,6 +22,7 @@ import time
 import jax
 
 from maxtrain import config as config_lib
+from maxtrain import config_checks
 from maxtrain.data import hosts
 from maxtrain.evals import data as data_lib
 from maxtrain.evals import metrics as metrics_lib
@@ -34,7 +35,7 @@ RESULTS_FILE = "eval_tasks.json"
 
 def settings(config) -> dict:
     """The resolved evaluation settings: tasks with their few-shot counts, row length, rows per device."""
-    return {"tasks": config_lib.parse_eval_tasks(config.eval_tasks, config.eval_tasks_num_fewshot),
+    return {"tasks": config_checks.parse_eval_tasks(config.eval_tasks, config.eval_tasks_num_fewshot),
             "max_examples": config.eval_tasks_max_examples,
             "length": config.eval_tasks_max_target_length if config.eval_tasks_max_target_length > 0
             else config.max_target_length,
