@@ -185,7 +185,7 @@ def _local(x, valid, w_router, w_gate, w_up, w_down, *, s: Settings, axes: Axes)
     logits = ops.dense(x, w_router.astype(dt), 1, jnp.float32)  # "BTD,DE->BTE"
     weights, experts = route(logits, s)
     weights = jnp.where(valid[..., None], weights, 0.0)
-    experts_w = (w_gate.astype(dt), w_up.astype(dt), w_down.astype(dt))
+    experts_w = (w_gate, w_up, w_down)  # block() cast them to the compute dtype
     if axes.embed:  # FSDP-sharded experts, gathered in the compute dtype; their gradients reduce-scatter
         gather = functools.partial(jax.lax.all_gather, axis_name=axes.embed, tiled=True)
         experts_w = (gather(experts_w[0], axis=1), gather(experts_w[1], axis=1), gather(experts_w[2], axis=2))
