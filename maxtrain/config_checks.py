@@ -155,6 +155,14 @@ def _expert_parallelism_divides_experts(v):
                           f"ici_expert_parallelism={_divisor_hint(e, ep)}")
 
 
+def _hidden_tiling_divides_expert_width(v):
+    n, width = v["num_moe_hidden_tiling"], v["base_moe_mlp_dim"] if v["base_moe_mlp_dim"] > 0 else v["base_mlp_dim"]
+    if v["num_experts"] > 1 and n > 1 and width % n:
+        raise ConfigError(f"num_moe_hidden_tiling={n} must divide the experts' hidden width {width} (base_moe_mlp_dim, "
+                          f"or base_mlp_dim when that is -1); e.g. num_moe_hidden_tiling={_divisor_hint(width, n)}, "
+                          "or -1 to have it chosen")
+
+
 def _default_corpus_needs_eval_split(v):
     _require(0.0 < v["eval_split_fraction"] < 1.0 or v["dataset_type"] != "default",
              f"eval_split_fraction={v['eval_split_fraction']} must be strictly between 0 and 1 for the default corpus")
@@ -294,7 +302,8 @@ CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_le
           _stages_divide_layers, _no_pipeline_stages_with_experts, _context_chunks_divide_length,
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
           _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
-          _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts, _eval_tasks_known)
+          _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts, _hidden_tiling_divides_expert_width,
+          _eval_tasks_known)
 
 
 def _divisor_hint(n: int, near: int) -> int:

@@ -117,6 +117,44 @@ def test_dropless_and_capacity_agree_when_nothing_is_dropped(family):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_the_hidden_axis_in_chunks_computes_the_same_block(dispatch):
+    """num_moe_hidden_tiling=4 runs the experts' hidden axis (24) as 4 chunks of 6, summed in float32:
+    the same logits, aux and gradients as one pass (float32; the sums' order differs, 1e-5)."""
+    outs = []
+    for tiling in (1, 4):
+        config = tiny(f"moe_dispatch={dispatch}", "capacity_factor=2.0", f"num_moe_hidden_tiling={tiling}")
+        params = models.init_params(config, jax.random.key(0))
+        tokens, segment_ids = batch(config)
+        rt = models.Runtime.from_config(config)
+        data = {"inputs": tokens, "targets": tokens, "positions": jnp.broadcast_to(jnp.arange(tokens.shape[1]),
+                                                                                   tokens.shape),
+                "segment_ids": segment_ids, "loss_weights": segment_ids.astype(jnp.float32)}
+        with jax.default_matmul_precision("highest"):
+            grads = jax.jit(jax.grad(lambda p: models.objective(*models.loss_fn(p, data, config, rt))))(params)
+        outs.append((*forward(config, params, tokens, segment_ids), grads))
+    (l1, a1, g1), (l2, a2, g2) = outs
+    np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=1e-5, atol=1e-5)
+    for key in a1:
+        np.testing.assert_allclose(float(a1[key]), float(a2[key]), rtol=1e-6, err_msg=key)
+    for x, y in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-6)
+    assert any(float(np.max(np.abs(g))) > 0 for g in jax.tree.leaves(g1["layers"]["moe"]["w_down"]))
+
+
+def test_the_hidden_chunks_are_chosen_by_what_fsdp_gathers():
+    """Autoselected: one chunk unless FSDP gathers the experts; then the fewest chunks, dividing the
+    hidden width in multiples of 128, whose gathered gate, up and down weights stay under 512 MiB."""
+    s = settings(dtype=jnp.bfloat16)
+    assert moe.hidden_chunks(s, (8, 4096, 14336), 2, gathered=False) == 1  # resident experts: nothing to gather
+    assert moe.hidden_chunks(s, (8, 4096, 14336), 2, gathered=True) == 7  # Mixtral 8x7B: 2.6 GiB -> 7 x 384 MiB
+    assert moe.hidden_chunks(s, (128, 2048, 768), 2, gathered=True) == 3  # Qwen3-30B-A3B: 1.1 GiB -> 3 x 384 MiB
+    assert moe.hidden_chunks(s, (4, 64, 24), 4, gathered=True) == 1  # small experts: one pass
+    assert moe.hidden_chunks(settings(hidden_tiling=4), (8, 4096, 14336), 2, gathered=False) == 4  # as set
+    with pytest.raises(ValueError, match=r"num_moe_hidden_tiling=5 does not divide the experts' hidden width 12 on one"):
+        moe.hidden_chunks(settings(hidden_tiling=5), (4, 64, 12), 4, gathered=True)
+
+
 def test_capacity_drops_the_overflow_and_reports_it():
     """A router that sends every token to experts 0 and 1: with capacity 8 of 16 tokens, tokens 8-15
     lose both experts (their MoE output is 0: only the residual carries them), and half the pairs
@@ -326,6 +364,9 @@ def test_flops_count_active_parameters_and_match_xla():
     (["mlp_only_layers=[0]"], "decoder_block=mixtral has experts in every layer"),
     (["decoder_block=qwen3_moe", "mlp_only_layers=[7]"], r"mlp_only_layers=\[7\] must list layer indices in \[0, 2\]"),
     (["load_balance_loss_weight=-0.1"], "load_balance_loss_weight=-0.1 is not allowed: it must be >= 0"),
+    (["num_moe_hidden_tiling=5"], r"num_moe_hidden_tiling=5 must divide the experts' hidden width 24 .* e.g. "
+                                  r"num_moe_hidden_tiling=4"),
+    (["num_moe_hidden_tiling=0"], "num_moe_hidden_tiling=0 is not allowed: it must be -1 or >= 1"),
 ])
 def test_bad_moe_settings_are_refused_with_the_fix(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):

@@ -32,7 +32,9 @@ MOE = ["decoder_block=mixtral", "num_experts=8", "num_experts_per_tok=2", "base_
        "load_balance_loss_weight=0.01", "router_z_loss_weight=0.001", "capacity_factor=1.0"]
 LAYOUTS = {"ep8": ["ici_expert_parallelism=8", "ici_fsdp_parallelism=1"],
            "ep4xfsdp2": ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2"],
-           "fsdp8": ["ici_expert_parallelism=1", "ici_fsdp_parallelism=8"]}
+           "fsdp8": ["ici_expert_parallelism=1", "ici_fsdp_parallelism=8"],
+           # the experts' hidden axis (32) in 4 chunks, each gathered and reduce-scattered in turn
+           "ep4xfsdp2-chunks4": ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2", "num_moe_hidden_tiling=4"]}
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,20 +88,30 @@ def _shapes_made_by(kind: str, hlo: str) -> list[list[int]]:
 
 
 @pytest.mark.slow
-def test_fsdp_sharded_experts_are_gathered_and_their_gradients_reduce_scattered():
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_fsdp_sharded_experts_are_gathered_and_their_gradients_reduce_scattered(chunks):
     """Under FSDP the block gathers each expert weight in shard_map; its gradient is reduce-scattered
     back to the shards. Passed in whole (replicated), the gradient of every expert weight was
-    all-reduced whole on every device: 3 x 0.9 GiB per layer and chip for Mixtral 8x7B."""
+    all-reduced whole on every device: 3 x 0.9 GiB per layer and chip for Mixtral 8x7B. In chunks of
+    the hidden axis (num_moe_hidden_tiling), only chunks are gathered and reduce-scattered, never a
+    whole expert weight."""
     r = builder.build(load_config(with_overrides([BASE_YML, *TINY], f"per_device_batch_size={GLOBAL_BATCH // 8}", *MOE,
-                                                 "moe_dispatch=dropless", *LAYOUTS["fsdp8"])), devices=tuple(jax.devices()))
+                                                 "moe_dispatch=dropless", *LAYOUTS["fsdp8"],
+                                                 f"num_moe_hidden_tiling={chunks}")), devices=tuple(jax.devices()))
     with sharding.activation_sharding(r.mesh, r.config.logical_axis_rules):
         state = r.init(jax.random.key(0))
         batch = jax.device_put(next(iter(batches(r.config))), r.batch_sharding)
         hlo = r.train_step.lower(state, batch).compile().as_text()
     c = r.config
-    assert sorted((c.num_experts, c.base_emb_dim, c.base_moe_mlp_dim)) not in _shapes_made_by("all-reduce", hlo)
-    shard = sorted((c.num_experts, c.base_emb_dim // 8, c.base_moe_mlp_dim))  # the embed axis split 8 ways
-    assert _shapes_made_by("reduce-scatter", hlo).count(shard) == 3  # gate, up, down
+    e, d, f = c.num_experts, c.base_emb_dim, c.base_moe_mlp_dim
+    assert sorted((e, d, f)) not in _shapes_made_by("all-reduce", hlo)
+    gathered, scattered = _shapes_made_by("all-gather", hlo), _shapes_made_by("reduce-scatter", hlo)
+    whole, shard = sorted((e, d, f // chunks)), sorted((e, d // 8, f // chunks))  # the embed axis split 8 ways
+    if chunks == 1:
+        assert scattered.count(shard) == 3  # gate, up, down
+    else:  # the first chunk's gate, up and down, then the scan's, each reduce-scattered in its own pass
+        assert scattered.count(shard) == 6 and sorted((e, d // 8, f)) not in scattered
+        assert gathered.count(whole) >= 6 and sorted((e, d, f)) not in gathered
 
 
 @pytest.mark.slow

@@ -96,6 +96,7 @@ class Settings:
     router_z_loss_weight: float
     num_moe_layers: int
     dtype: object
+    hidden_tiling: int = -1  # num_moe_hidden_tiling as set (-1: autoselected in block(), where the mesh is known)
 
     @classmethod
     def of(cls, config, rt, router: str, num_moe_layers: int) -> "Settings":
@@ -103,7 +104,7 @@ class Settings:
             raise ValueError(f"router {router!r} is not one of {ROUTERS}")
         return cls(config.num_experts, config.num_experts_per_tok, router, config.norm_topk_prob, config.moe_dispatch,
                    config.capacity_factor, config.load_balance_loss_weight, config.router_z_loss_weight,
-                   max(num_moe_layers, 1), rt.dtype)
+                   max(num_moe_layers, 1), rt.dtype, config.num_moe_hidden_tiling)
 
     def capacity(self, length: int) -> int:
         return capacity(self.num_experts, self.top_k, self.capacity_factor, length)
@@ -120,13 +121,15 @@ class Axes:
     """Mesh axes inside shard_map: tokens are split over `batch`, experts over `expert`, the experts'
     hidden axis over `tensor`, and their embed axis, as stored, over `embed` (FSDP: gathered in the
     block, so that their gradients are reduce-scattered back to the shards); `expert_ways` devices
-    share the experts. Empty outside a mesh."""
+    share the experts. Empty outside a mesh. (`hidden_chunks` is not a mesh axis but is resolved
+    with them, from how much of the experts each device gathers.)"""
 
     batch: tuple[str, ...] = ()
     expert: tuple[str, ...] = ()
     tensor: tuple[str, ...] = ()
     expert_ways: int = 1
     embed: tuple[str, ...] = ()
+    hidden_chunks: int = 1  # the experts' hidden axis is run this many chunks at a time (num_moe_hidden_tiling)
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,7 +145,7 @@ def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int):
     valid = segment_ids > 0
     active = sharding_lib.active_mesh()
     if active is None:
-        return _local(x, valid, *weights, s=s, axes=Axes())
+        return _local(x, valid, *weights, s=s, axes=Axes(hidden_chunks=hidden_chunks(s, weights[1].shape, 1, False)))
     mesh, rules = active
     spec = functools.partial(sharding_lib.logical_to_spec, rules=rules)
     batch, exp, mlp = (_names(spec((name,))[0]) for name in ("batch", "exp", "mlp"))
@@ -154,8 +157,11 @@ def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int):
     if x.shape[0] % ways:
         # A batch the token axes do not divide (decoding one prompt on many devices): computed whole,
         # with XLA moving the expert weights as it needs. Training batches always divide.
-        return _local(x, valid, *weights, s=s, axes=Axes())
-    axes = Axes(batch, exp, tensor, math.prod(mesh.shape[a] for a in exp), embed)
+        return _local(x, valid, *weights, s=s, axes=Axes(hidden_chunks=hidden_chunks(s, weights[1].shape, 1, False)))
+    expert_ways = math.prod(mesh.shape[a] for a in exp)
+    e, d, f = weights[1].shape
+    local = (e // expert_ways, d, f // math.prod(mesh.shape[a] for a in tensor))
+    axes = Axes(batch, exp, tensor, expert_ways, embed, hidden_chunks(s, local, s.dtype.itemsize, bool(embed)))
     tokens, experts = P(batch or None), P(exp or None, embed or None, tensor or None)
     in_specs = (P(batch or None, None, None), tokens, P(), experts, experts, P(exp or None, tensor or None, embed or None))
     fn = jax.shard_map(functools.partial(_local, s=s, axes=axes), mesh=mesh, in_specs=in_specs,
@@ -165,6 +171,30 @@ def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int):
 
 def _names(axes) -> tuple[str, ...]:
     return () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+# num_moe_hidden_tiling=-1 (autoselected) cuts the experts' hidden axis into the fewest chunks that keep one
+# chunk of the three gathered expert weights under this many bytes per device.
+GATHERED_CHUNK_BYTES = 512 * 2**20
+
+
+def hidden_chunks(s: Settings, local_shape: tuple[int, int, int], itemsize: int, gathered: bool) -> int:
+    """Chunks of the experts' hidden axis (num_moe_hidden_tiling, resolved) for one device's experts
+    [E_local, D, F_local]: the setting, which must divide F_local; or, autoselected, 1 unless FSDP
+    gathers the experts, else the fewest chunks, a divisor of F_local with 128-multiple chunks where
+    one exists, whose gathered w_gate, w_up and w_down stay under GATHERED_CHUNK_BYTES. Mixtral 8x7B
+    (8 experts, 4096 x 14336, bfloat16): 2.6 GiB gathered per layer, 7 chunks of 2048."""
+    e, d, f = local_shape
+    if s.hidden_tiling != -1:
+        if f % s.hidden_tiling:
+            raise ValueError(f"num_moe_hidden_tiling={s.hidden_tiling} does not divide the experts' hidden width {f} "
+                             "on one device (base_moe_mlp_dim over the tensor parallelism); use a divisor of it, or -1")
+        return s.hidden_tiling
+    if not gathered:
+        return 1
+    need = math.ceil(3 * e * d * f * itemsize / GATHERED_CHUNK_BYTES)
+    divisors = [n for n in range(max(need, 1), f + 1) if f % n == 0]
+    return next((n for n in divisors if n == 1 or (f // n) % 128 == 0), divisors[0])
 
 
 def route(logits, s: Settings):
@@ -185,10 +215,7 @@ def _local(x, valid, w_router, w_gate, w_up, w_down, *, s: Settings, axes: Axes)
     logits = ops.dense(x, w_router.astype(dt), 1, jnp.float32)  # "BTD,DE->BTE"
     weights, experts = route(logits, s)
     weights = jnp.where(valid[..., None], weights, 0.0)
-    experts_w = (w_gate, w_up, w_down)  # block() cast them to the compute dtype
-    if axes.embed:  # FSDP-sharded experts, gathered in the compute dtype; their gradients reduce-scatter
-        gather = functools.partial(jax.lax.all_gather, axis_name=axes.embed, tiled=True)
-        experts_w = (gather(experts_w[0], axis=1), gather(experts_w[1], axis=1), gather(experts_w[2], axis=2))
+    experts_w = (w_gate, w_up, w_down)  # block() cast them to the compute dtype; still FSDP-sharded
     if s.dispatch == "capacity":
         y, dropped = _capacity(x, weights, experts, valid, experts_w, s, axes)
     else:
@@ -202,24 +229,60 @@ def _local(x, valid, w_router, w_gate, w_up, w_down, *, s: Settings, axes: Axes)
 # --------------------------------------------------------------------------------------------
 
 
-def _swiglu_grouped(xs, group_sizes, w_gate, w_up, w_down, axes: Axes):
+def _experts(swiglu, rows, experts_w, axes: Axes):
+    """swiglu(rows, w_gate, w_up, w_down) -> out like rows, on the experts as each device holds them
+    (FSDP-sharded on their embed axis, `axes.embed`): gathered here in the compute dtype, so that their
+    gradients are reduce-scattered. With axes.hidden_chunks = n > 1 the hidden axis F is cut into n
+    chunks that run in turn (a scan), each gathering only its own F / n columns of w_gate and w_up and
+    rows of w_down; their outputs add up, in float32, to the whole (SwiGLU is elementwise over F). The
+    backward pass gathers each chunk again rather than keeping it, so one chunk of the gathered experts
+    is live at a time; the chunk's gate and up activations are kept, so nothing is computed twice."""
+    def gathered(w_gate, w_up, w_down):
+        if not axes.embed:
+            return w_gate, w_up, w_down
+        return _gather(w_gate, 1, axes.embed), _gather(w_up, 1, axes.embed), _gather(w_down, 2, axes.embed)
+
+    n = axes.hidden_chunks
+    if n == 1:
+        out = swiglu(rows, *gathered(*experts_w))
+    else:
+        w_gate, w_up, w_down = experts_w
+        (e, d, f), d_down = w_gate.shape, w_down.shape[2]
+        chunks = (jnp.moveaxis(w_gate.reshape(e, d, n, f // n), 2, 0), jnp.moveaxis(w_up.reshape(e, d, n, f // n), 2, 0),
+                  jnp.moveaxis(w_down.reshape(e, n, f // n, d_down), 1, 0))
+
+        @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names("mlp_gate", "mlp_up"))
+        def one(chunk_w):
+            return swiglu(rows, *gathered(*chunk_w)).astype(jnp.float32)
+
+        first = one(tuple(c[0] for c in chunks))  # outside the scan: the sum starts with the type its terms have
+        out = jax.lax.scan(lambda total, chunk_w: (total + one(chunk_w), None), first, tuple(c[1:] for c in chunks))[0]
+        out = out.astype(rows.dtype)
+    return checkpoint_name(_psum(out, axes.tensor), "mlp_down")
+
+
+def _gather(w, axis, names):
+    """all_gather of w's `axis` over `names`, done on a leading axis."""
+    w = jax.lax.all_gather(jnp.moveaxis(w, axis, 0), names, axis=0, tiled=True)
+    return jnp.moveaxis(w, 0, axis)
+
+
+def _swiglu_grouped(xs, w_gate, w_up, w_down, *, group_sizes):
     """Rows xs [M, D] sorted by expert, group_sizes [E] rows each -> [M, D] (rows past the groups: 0)."""
     def mm(a, w):  # written in a's dtype, and so are its gradients (ops.dense explains why)
         return jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=a.dtype)
     gate = checkpoint_name(mm(xs, w_gate), "mlp_gate")  # per row m of expert e: "MD,DF->MF" with W_e
     up = checkpoint_name(mm(xs, w_up), "mlp_up")
-    out = mm(jax.nn.silu(gate) * up, w_down)
-    return checkpoint_name(_psum(out, axes.tensor), "mlp_down")
+    return mm(jax.nn.silu(gate) * up, w_down)
 
 
-def _swiglu_batched(xe, w_gate, w_up, w_down, axes: Axes):
+def _swiglu_batched(xe, w_gate, w_up, w_down):
     """Slots xe [E, C, D] -> [E, C, D], each expert on its own C slots."""
     def mm(a, w, spec):
         return jnp.einsum(spec, a, w, preferred_element_type=a.dtype)
     gate = checkpoint_name(mm(xe, w_gate, "ECD,EDF->ECF"), "mlp_gate")
     up = checkpoint_name(mm(xe, w_up, "ECD,EDF->ECF"), "mlp_up")
-    out = mm(jax.nn.silu(gate) * up, w_down, "ECF,EFD->ECD")
-    return checkpoint_name(_psum(out, axes.tensor), "mlp_down")
+    return mm(jax.nn.silu(gate) * up, w_down, "ECF,EFD->ECD")
 
 
 def _psum(x, names):
@@ -243,7 +306,8 @@ def _dropless(x, weights, experts, experts_w, s: Settings, axes: Axes):
     key = jnp.where(ours, experts, local_experts).reshape(-1)  # pairs of other devices' experts sort last
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.zeros(local_experts + 1, jnp.int32).at[key].add(1)[:local_experts]
-    ys = _swiglu_grouped(jnp.take(x, order // k, axis=0), group_sizes, *experts_w, axes)
+    xs = jnp.take(x, order // k, axis=0)
+    ys = _experts(functools.partial(_swiglu_grouped, group_sizes=group_sizes), xs, experts_w, axes)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     y = jnp.take(ys, inverse, axis=0).reshape(x.shape[0], k, -1)
     y = jnp.where(ours[..., None], y, 0.0)
@@ -289,7 +353,7 @@ def _capacity(x, weights, experts, valid, experts_w, s: Settings, axes: Axes):
     xe = jnp.swapaxes(xe.reshape(b, e, c, d), 0, 1).reshape(e, b * c, d)
     if axes.expert_ways > 1:  # each expert's slots to the device that holds it: [E / ep, ep * b * C, D]
         xe = jax.lax.all_to_all(xe, axes.expert, 0, 1, tiled=True)
-    ye = _swiglu_batched(xe, *experts_w, axes)
+    ye = _experts(_swiglu_batched, xe, experts_w, axes)
     if axes.expert_ways > 1:
         ye = jax.lax.all_to_all(ye, axes.expert, 1, 0, tiled=True)
     ye = jnp.swapaxes(ye.reshape(e, b, c, d), 0, 1).reshape(b, e * c, d)
