@@ -6,6 +6,7 @@
     python scripts/scale_table.py --maxtext-python /path/to/py312-venv/bin/python   # also MaxText 0.2.5's train_compile
     python scripts/scale_table.py --maxtext-python PY --only-maxtext             # MaxText's cells only
     python scripts/scale_table.py --same-compiler-python PY                      # maxtrain's TPU cells with MaxText's jax/libtpu
+    python scripts/scale_table.py --maxtext-python PY --only-maxtext --maxtext-pinned-libtpu  # MaxText with our libtpu
 
 Each cell is one `maxtrain.train_compile` run, in a subprocess of its own (a failed or killed compile
 loses only that cell), appended as one JSON line to the results file (default
@@ -18,7 +19,9 @@ MaxText's cells run its own `train_compile` (MaxText 0.2.5 needs Python 3.12 and
 policy, and record the total memory it prints. MaxText 0.2.5 runs on a newer jax and libtpu than
 maxtrain pins, and the two libtpu versions account memory differently; `--same-compiler-python`
 also compiles maxtrain's TPU cells with a Python that has MaxText's jax and libtpu (MaxText's venv,
-with maxtrain added by `pip install --no-deps -e .`), which gives the like-for-like ratio.
+with maxtrain added by `pip install --no-deps -e .`), which gives the like-for-like ratio;
+`--maxtext-pinned-libtpu` the other way round, MaxText compiled by maxtrain's pinned libtpu (its jax
+0.12 loads the older libtpu; its Pallas kernels' Mosaic calls do not, so only dot_product cells).
 
 Needs the [tpu] and [cuda] extras (libtpu; JAX's CUDA plugin and ptxas).
 """
@@ -26,6 +29,7 @@ Needs the [tpu] and [cuda] extras (libtpu; JAX's CUDA plugin and ptxas).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import datetime
 import json
 import os
@@ -67,6 +71,7 @@ ROWS = {
 }
 ATTENTIONS = ("dot_product", "flash")
 SAME_COMPILER = "maxtrain-same-compiler"  # maxtrain compiled with MaxText's jax and libtpu
+MAXTEXT_PINNED = "maxtext-pinned-libtpu"  # MaxText's train_compile with maxtrain's pinned libtpu
 COMMON = ["per_device_batch_size=1", "remat_policy=full", "dtype=bfloat16", "dataset_type=synthetic"]
 
 # MaxText 0.2.5's figures as issue 21 quotes them (measured elsewhere, with another jax/libtpu), for
@@ -129,8 +134,24 @@ def run_cell(python: str, key: str, attention: str) -> dict:
     return record
 
 
-def run_maxtext(python: str, key: str, attention: str, workdir: str) -> dict:
-    """MaxText 0.2.5's train_compile for the same cell; the total memory it prints."""
+def pinned_libtpu_path(workdir: str) -> tuple[str, str]:
+    """(a directory that holds only this Python's libtpu, its version): put first on PYTHONPATH, it makes
+    another Python's jax compile with maxtrain's pinned libtpu."""
+    import importlib.metadata  # pylint: disable=import-outside-toplevel
+    dist = importlib.metadata.distribution("libtpu")
+    package = os.path.dirname(importlib.util.find_spec("libtpu").origin)
+    path = os.path.join(workdir, f"libtpu-{dist.version}")
+    os.makedirs(path, exist_ok=True)
+    for source in (package, str(dist._path)):  # pylint: disable=protected-access
+        link = os.path.join(path, os.path.basename(source))
+        if not os.path.islink(link):
+            os.symlink(source, link)
+    return path, dist.version
+
+
+def run_maxtext(python: str, key: str, attention: str, workdir: str, libtpu_path: str | None = None) -> dict:
+    """MaxText 0.2.5's train_compile for the same cell; the total memory it prints. With libtpu_path
+    (pinned_libtpu_path), compiled by that libtpu instead of MaxText's own."""
     _, _, model, topology, slices, length, extra = ROWS[key]
     if model is None:
         return {"error": "MaxText's train_compile cannot compile for a GPU without one attached"}
@@ -142,10 +163,13 @@ def run_maxtext(python: str, key: str, attention: str, workdir: str) -> dict:
              f"max_target_length={length}", "per_device_batch_size=1", "remat_policy=full", "dtype=bfloat16",
              f"attention={attention}", "run_name=scale", f"base_output_directory={workdir}", *extra]
     t0 = time.time()
-    proc = subprocess.run(args, capture_output=True, text=True, cwd=workdir, env={**os.environ, "JAX_PLATFORMS": "cpu",
-                                                                                  "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"})
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+    if libtpu_path:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (libtpu_path, os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run(args, capture_output=True, text=True, cwd=workdir, env=env)
     text = proc.stdout + proc.stderr
-    with open(os.path.join(workdir, f"{key}-{attention}.log"), "w", encoding="utf-8") as f:
+    suffix = "-pinned-libtpu" if libtpu_path else ""
+    with open(os.path.join(workdir, f"{key}-{attention}{suffix}.log"), "w", encoding="utf-8") as f:
         f.write(text)
     total = maxtext_total_gib(text)
     if total is None:
@@ -193,8 +217,9 @@ def cell_text(record: dict | None) -> str:
 
 def table(results: dict) -> str:
     lines = ["| model, sequence, target | attention | maxtrain GiB/chip (of) | args / temps / outputs | "
-             "compile s | all-gather / reduce-scatter / all-reduce / permute GiB per step | MaxText 0.2.5 GiB | ratio |",
-             "|---|---|---|---|---|---|---|---|"]
+             "compile s | all-gather / reduce-scatter / all-reduce / permute GiB per step | MaxText 0.2.5 GiB | ratio "
+             "| MaxText 0.2.5 with maxtrain's libtpu, GiB | ratio |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for key, (label, *_rest) in ROWS.items():
         for attention in ATTENTIONS:
             ours = results.get((key, attention, "maxtrain"))
@@ -223,8 +248,23 @@ def table(results: dict) -> str:
             else:
                 mx, mx_gib = (cell_text(theirs) if theirs else "not run"), None
             ratio = f"{ours['memory']['total'] / 2**30 / mx_gib:.2f}" if ours and "memory" in ours and mx_gib else ""
-            lines.append(f"| {label} | {name} | {ours_text} | {detail} | {seconds} | {comms} | {mx} | {ratio} |")
+            pinned, pinned_ratio = maxtext_pinned_cell(results.get((key, attention, MAXTEXT_PINNED)), ours)
+            lines.append(f"| {label} | {name} | {ours_text} | {detail} | {seconds} | {comms} | {mx} | {ratio} "
+                         f"| {pinned} | {pinned_ratio} |")
     return "\n".join(lines)
+
+
+def maxtext_pinned_cell(theirs: dict | None, ours: dict | None) -> tuple[str, str]:
+    """MaxText's cell compiled with maxtrain's libtpu, and maxtrain's ratio to it."""
+    if not theirs:
+        return "", ""
+    if "total_gb" not in theirs:
+        error = theirs.get("error", "")
+        if "debug_locations" in error:  # jax 0.12's Mosaic custom call carries a field libtpu 0.0.42.1 cannot read
+            return "its kernel's Mosaic call does not load in this libtpu", ""
+        return "fails: " + error.split(": ", 1)[-1][:80].replace("|", "/"), ""
+    ratio = f"{ours['memory']['total'] / 2**30 / theirs['total_gb']:.2f}" if ours and "memory" in ours else ""
+    return f"{theirs['total_gb']:.1f} (libtpu {theirs.get('libtpu', '?')})", ratio
 
 
 def same_compiler_table(results: dict) -> str:
@@ -286,6 +326,9 @@ def main() -> None:
                              "TPU cells with it")
     parser.add_argument("--only-same-compiler", action="store_true",
                         help="with --same-compiler-python: run those cells only")
+    parser.add_argument("--maxtext-pinned-libtpu", action="store_true",
+                        help="with --maxtext-python: also compile MaxText's cells with this Python's (maxtrain's "
+                             "pinned) libtpu")
     parser.add_argument("--cell", nargs=2, help=argparse.SUPPRESS)  # child process: ROW ATTENTION
     args = parser.parse_args()
 
@@ -296,6 +339,8 @@ def main() -> None:
     whos = ["maxtrain"] if not (args.only_maxtext or args.only_same_compiler) else []
     if args.maxtext_python and not args.only_same_compiler:
         whos.append("maxtext")
+    if args.maxtext_python and args.maxtext_pinned_libtpu:
+        whos.append(MAXTEXT_PINNED)
     if args.same_compiler_python and not args.only_maxtext:
         whos.append(SAME_COMPILER)
     if not args.table_only:
@@ -311,6 +356,11 @@ def main() -> None:
                     print(f"{who}: {key} attention={attention} ...", flush=True)
                     if who == "maxtext":
                         record = run_maxtext(args.maxtext_python, key, attention, os.path.join("/tmp", "scale_maxtext"))
+                    elif who == MAXTEXT_PINNED:
+                        path, version = pinned_libtpu_path(os.path.join("/tmp", "scale_maxtext"))
+                        record = run_maxtext(args.maxtext_python, key, attention, os.path.join("/tmp", "scale_maxtext"),
+                                             libtpu_path=path)
+                        record["libtpu"] = version
                     else:
                         python = sys.executable if who == "maxtrain" else args.same_compiler_python
                         record = run_cell(python, key, attention)
@@ -319,7 +369,7 @@ def main() -> None:
                     with open(args.results, "a", encoding="utf-8") as f:
                         f.write(json.dumps(record) + "\n")
                     results[(key, attention, who)] = record
-                    print("   ", record.get("total_gb", record.get("error")) if who == "maxtext" else cell_text(record),
+                    print("   ", record.get("total_gb", record.get("error")) if who.startswith("maxtext") else cell_text(record),
                           flush=True)
     write_doc(results)
     print(f"wrote {DOC}")

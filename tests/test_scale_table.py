@@ -50,3 +50,18 @@ def test_maxtext_total_is_what_its_train_compile_adds_up(scale_table):
             "output_size_in_bytes=1073741824, alias_size_in_bytes=536870912, temp_size_in_bytes=2147483648, "
             "host_temp_size_in_bytes=0)\nmore log")
     assert scale_table.maxtext_total_gib(line) == pytest.approx(3.5)
+
+
+def test_the_main_table_also_puts_each_cell_against_maxtext_compiled_with_our_libtpu(scale_table):
+    results = {("8b-v5e256", "dot_product", "maxtrain"): {**_cell(6.2), "attention": "dot_product"},
+               ("8b-v5e256", "dot_product", "maxtext"): {"total_gb": 5.4},
+               ("8b-v5e256", "dot_product", scale_table.MAXTEXT_PINNED): {"total_gb": 7.1, "libtpu": "0.0.42.1"},
+               ("8b-v5e256", "flash", "maxtrain"): _cell(5.1),
+               ("8b-v5e256", "flash", scale_table.MAXTEXT_PINNED): {
+                   "error": "exit 1: jax.errors.JaxRuntimeError: INTERNAL: ... no such field: 'debug_locations'"}}
+    rows = scale_table.table(results).splitlines()
+    assert rows[0].count("|") == rows[2].count("|") == 11
+    dot = next(row for row in rows if "8B, 4096, v5e-256 | dot_product |" in row)
+    assert f"| 5.4 | {6.2 / 5.4:.2f} | 7.1 (libtpu 0.0.42.1) | {6.2 / 7.1:.2f} |" in dot
+    flash = next(row for row in rows if "8B, 4096, v5e-256 | flash |" in row)
+    assert "its kernel's Mosaic call does not load in this libtpu |  |" in flash
