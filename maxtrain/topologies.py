@@ -71,6 +71,17 @@ class Target:
     def num_chips(self) -> int:
         return self.num_slices * self.chips_per_slice
 
+    @property
+    def wrap(self) -> tuple[bool, bool, bool]:
+        """Which of a TPU slice's three torus dimensions have wraparound links: v4 and v5p slices made of
+        whole 4x4x4 cubes are 3-D tori, smaller ones are meshes; a v5e or v6e slice wraps along a
+        dimension that spans the pod's 16 chips (Cloud TPU's system architecture pages). libtpu picks
+        its collective algorithms by it: without the links it turned FSDP's all-gathers into
+        all-reduces of the whole gathered array."""
+        if TPU_CHIPS[self.chip][2] == 3:
+            return (all(d % 4 == 0 for d in self.shape),) * 3
+        return (self.shape[0] == 16, self.shape[1] == 16, False)
+
     def describe(self) -> str:
         """`v5p-128 x 2 slices: 128 chips (v5p 4x4x4 per slice)`, `h100-16: 16 GPUs (h100, 2 hosts x 8)`."""
         if self.platform == "cpu":
@@ -99,7 +110,7 @@ class Target:
             prefix, chip_config = TPU_CHIPS[self.chip][:2]
             desc = topologies.get_topology_desc(
                 platform="tpu", topology_name=f"{prefix}:{'x'.join(map(str, self.shape))}", chip_config_name=chip_config,
-                chips_per_host_bounds=(2, 2, 1), num_slices=self.num_slices)
+                chips_per_host_bounds=(2, 2, 1), num_slices=self.num_slices, wrap=self.wrap)
         else:
             hosts, per_host = self.shape
             desc = topologies.get_topology_desc(

@@ -40,6 +40,20 @@ def test_tpu_names_follow_maxtext(name, slices, chip, chips, shape):
     assert target.memory_bytes == {"v4": 32, "v5p": 95, "v5e": 16, "v6e": 32}[chip] * 2**30
 
 
+@pytest.mark.parametrize("name, wrap", [
+    ("v4-8", (False, False, False)),     # 2x2x1: a mesh
+    ("v5p-64", (False, False, False)),   # 2x4x4
+    ("v4-128", (True, True, True)),      # 4x4x4: a whole cube, a 3-D torus
+    ("v5p-1024", (True, True, True)),    # 8x8x8
+    ("v5p-384", (True, True, True)),     # 4x4x12
+    ("v5e-256", (True, True, False)),    # 16x16: the whole pod
+    ("v5e-128", (False, True, False)),   # 8x16: wraps along the pod's 16
+    ("v6e-64", (False, False, False)),   # 8x8
+])
+def test_tpu_slices_wrap_around_where_the_hardware_does(name, wrap):
+    assert topologies.parse(name, 1).wrap == wrap
+
+
 @pytest.mark.parametrize("name, slices, chip, gpus, shape", [
     ("a3", 1, "h100", 8, (1, 8)),
     ("a3", 4, "h100", 32, (1, 8)),              # MaxText: a3 with num_slices = hosts
