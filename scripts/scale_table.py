@@ -29,8 +29,10 @@ Needs the [tpu] and [cuda] extras (libtpu; JAX's CUDA plugin and ptxas).
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import datetime
+import glob
+import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
@@ -137,16 +139,16 @@ def run_cell(python: str, key: str, attention: str) -> dict:
 def pinned_libtpu_path(workdir: str) -> tuple[str, str]:
     """(a directory that holds only this Python's libtpu, its version): put first on PYTHONPATH, it makes
     another Python's jax compile with maxtrain's pinned libtpu."""
-    import importlib.metadata  # pylint: disable=import-outside-toplevel
-    dist = importlib.metadata.distribution("libtpu")
+    version = importlib.metadata.version("libtpu")
     package = os.path.dirname(importlib.util.find_spec("libtpu").origin)
-    path = os.path.join(workdir, f"libtpu-{dist.version}")
+    dist_info = glob.glob(os.path.join(os.path.dirname(package), f"libtpu-{version}.dist-info"))
+    path = os.path.join(workdir, f"libtpu-{version}")
     os.makedirs(path, exist_ok=True)
-    for source in (package, str(dist._path)):  # pylint: disable=protected-access
+    for source in (package, *dist_info):  # the metadata too, so that the other Python reports this version
         link = os.path.join(path, os.path.basename(source))
         if not os.path.islink(link):
             os.symlink(source, link)
-    return path, dist.version
+    return path, version
 
 
 def run_maxtext(python: str, key: str, attention: str, workdir: str, libtpu_path: str | None = None) -> dict:
@@ -336,6 +338,7 @@ def main() -> None:
         print("RESULT " + json.dumps(compile_cell(argv_of(*args.cell))), flush=True)
         return
     results = load_results(args.results)
+    maxtext_dir = os.path.join("/tmp", "scale_maxtext")
     whos = ["maxtrain"] if not (args.only_maxtext or args.only_same_compiler) else []
     if args.maxtext_python and not args.only_same_compiler:
         whos.append("maxtext")
@@ -355,11 +358,10 @@ def main() -> None:
                     load = open("/proc/loadavg").read().split()[0] if os.path.exists("/proc/loadavg") else "?"
                     print(f"{who}: {key} attention={attention} ...", flush=True)
                     if who == "maxtext":
-                        record = run_maxtext(args.maxtext_python, key, attention, os.path.join("/tmp", "scale_maxtext"))
+                        record = run_maxtext(args.maxtext_python, key, attention, maxtext_dir)
                     elif who == MAXTEXT_PINNED:
-                        path, version = pinned_libtpu_path(os.path.join("/tmp", "scale_maxtext"))
-                        record = run_maxtext(args.maxtext_python, key, attention, os.path.join("/tmp", "scale_maxtext"),
-                                             libtpu_path=path)
+                        path, version = pinned_libtpu_path(maxtext_dir)
+                        record = run_maxtext(args.maxtext_python, key, attention, maxtext_dir, libtpu_path=path)
                         record["libtpu"] = version
                     else:
                         python = sys.executable if who == "maxtrain" else args.same_compiler_python

@@ -145,7 +145,7 @@ def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int):
     valid = segment_ids > 0
     active = sharding_lib.active_mesh()
     if active is None:
-        return _local(x, valid, *weights, s=s, axes=Axes(hidden_chunks=hidden_chunks(s, weights[1].shape, 1, False)))
+        return _local(x, valid, *weights, s=s, axes=Axes(hidden_chunks=hidden_chunks(s, weights[1].shape, s.dtype.itemsize, False)))
     mesh, rules = active
     spec = functools.partial(sharding_lib.logical_to_spec, rules=rules)
     batch, exp, mlp = (_names(spec((name,))[0]) for name in ("batch", "exp", "mlp"))
@@ -157,7 +157,7 @@ def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int):
     if x.shape[0] % ways:
         # A batch the token axes do not divide (decoding one prompt on many devices): computed whole,
         # with XLA moving the expert weights as it needs. Training batches always divide.
-        return _local(x, valid, *weights, s=s, axes=Axes(hidden_chunks=hidden_chunks(s, weights[1].shape, 1, False)))
+        return _local(x, valid, *weights, s=s, axes=Axes(hidden_chunks=hidden_chunks(s, weights[1].shape, s.dtype.itemsize, False)))
     expert_ways = math.prod(mesh.shape[a] for a in exp)
     e, d, f = weights[1].shape
     local = (e // expert_ways, d, f // math.prod(mesh.shape[a] for a in tensor))
