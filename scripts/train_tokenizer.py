@@ -63,15 +63,7 @@ def main(argv=None):
     files = prepare.expand_inputs(args.input)
     start = time.time()
     texts = tokenizer_training.sample_texts(files, int(args.max_mb * 1e6), args.text_field, args.txt_documents)
-    try:
-        tok = tokenizer_training.train(args.kind, texts, args.vocab_size)
-    except RuntimeError as e:  # sentencepiece reports impossible sizes as RuntimeError
-        message = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-        if "ocabulary size" not in message:
-            raise
-        raise DataError(f"--vocab-size {args.vocab_size} does not fit this text: sentencepiece says {message!r}. "
-                        "Choose a --vocab-size in the range it names (every distinct character needs an id; more "
-                        "pieces than the text supports cannot be learned).") from None
+    tok = tokenizer_training.train(args.kind, texts, args.vocab_size, setting="--vocab-size {}")
     tok.write(out)
     print(f"train_tokenizer: {tok.vocab_size} pieces ({args.kind}) from {len(files)} files in "
           f"{time.time() - start:.1f}s -> {out} (checksum {tok.checksum}); train with tokenizer_path={out} "
