@@ -24,6 +24,7 @@ import optax
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
 from maxtrain import checkpoint_files, metrics, models, objectives, optimizer, sharding, storage, train_step
+from maxtrain import memory as memory_lib
 from maxtrain.data import hosts, pipeline
 from maxtrain.models import moe
 from maxtrain.models import pipeline as pipeline_lib
@@ -231,12 +232,11 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
         f"FLOPs: {flops:.4g}/token, {flops * config.tokens_per_step:.4g}/step (causal attention counted once)",
         f"compiled step in {compile_seconds:.1f}s",
     ]
-    memory = compiled.memory_analysis()
-    if memory is not None:
-        total = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
-                 - memory.alias_size_in_bytes)
-        lines.append(f"memory per device: {total / 2**30:.3f} GiB (arguments {memory.argument_size_in_bytes / 2**30:.3f}, "
-                     f"temporaries {memory.temp_size_in_bytes / 2**30:.3f}, outputs {memory.output_size_in_bytes / 2**30:.3f})")
+    total = memory_lib.compiled_bytes(compiled)
+    if total is not None:
+        m = compiled.memory_analysis()
+        lines.append(f"memory per device: {total / 2**30:.3f} GiB (arguments {m.argument_size_in_bytes / 2**30:.3f}, "
+                     f"temporaries {m.temp_size_in_bytes / 2**30:.3f}, outputs {m.output_size_in_bytes / 2**30:.3f})")
     if start is not None and start.elastic:
         lines.append(start.elastic)
     lines.append(f"output: {storage.abspath(config.run_dir)}")

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import yaml
 
-from maxtrain import builder, checkpoint_files, decode, distributed, evals, executable, metrics, sharding, viz
+from maxtrain import builder, checkpoint_files, decode, distributed, evals, executable, memory, metrics, sharding, viz
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
@@ -111,6 +111,10 @@ def main(argv: list[str]) -> dict:
                 "nothing_to_train": True}
     inputs = data_lib.make_inputs(config, log=log)
     task_evals = evals.from_config(config, inputs.tokenizer, mesh, rt, log=log)  # data checked, requests packed
+    t0 = time.time()
+    step_fn = run.compile() if compiled_step is None else compiled_step  # from the state's shapes and shardings
+    log(builder.summarize(run, step_fn, time.time() - t0, start))
+    memory.check_fits(run, step_fn)  # a step the devices cannot hold is refused before the state takes memory
     metadata = write_metadata(config, rt, start)
     writer = metrics.MetricWriter(config, active=jax.process_index() == 0)
     writer.write_text("config", "```\n" + yaml.safe_dump(config.to_dict(), sort_keys=False) + "\n```")
@@ -119,9 +123,6 @@ def main(argv: list[str]) -> dict:
         state = checkpoint_lib.initial_state(start, checkpointer, run.abstract_state, run.init,
                                              jax.random.key(config.seed), inputs.train_iterator, log=log)
         first_batch = pipeline.to_global(next(inputs.train_iterator), mesh, rules)
-        t0 = time.time()
-        step_fn = run.compile(state, first_batch) if compiled_step is None else compiled_step
-        log(builder.summarize(run, step_fn, time.time() - t0, start))
         eval_step = run.eval_step
         has_eval = len(inputs.eval_batches) > 0
 

@@ -430,6 +430,9 @@ ROWS = [
         r"garbage.model'? is not a (valid )?sentencepiece model", tiny=True),
     Row("default-corpus-vocab-below-characters", T, [B, "vocab_size=10"],
         r"vocab_size=10 is too small for this text: .* Use vocab_size=\d+ or more", tiny=True),
+    Row("step-larger-than-memory", T, [B, "per_device_batch_size=10000000"],
+        r"the compiled train step needs [\d,.]+ GiB per device .*, more than the [\d,.]+ GiB it can have .* Try a "
+        r"smaller per_device_batch_size \(now 10000000", tiny=True),
     Row("tokenizer-larger-than-vocab", T, [B, "dataset_type=jsonl", "tokenizer_path={tok}",
                                            "grain_train_files={data}/good.jsonl", "vocab_size=256"],
         r"has 400 pieces but vocab_size=256", tiny=True),
