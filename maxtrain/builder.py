@@ -155,18 +155,24 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
                train_step=step, eval_step=eval_step, pipeline=schedule)
 
 
-def moe_line(config) -> str:
+def moe_line(run: Run) -> str:
     """The start-up summary's line about the experts."""
+    config = run.config
     moe_layers = sum(t.kind == "moe" for t in models.family(config).layer_types(config))
     slots = moe.capacity(config.num_experts, config.num_experts_per_tok, config.capacity_factor,
                          config.max_target_length)
     capacity = (f" capacity_factor {config.capacity_factor:g} ({slots} slots per expert and sequence)"
                 if config.moe_dispatch == "capacity" else "")
+    # The chunks of the experts' hidden axis, as the block resolves them on this mesh (the router plays no part).
+    settings = moe.Settings.of(config, run.rt, moe.ROUTERS[0], moe_layers)
+    experts = (config.num_experts, config.base_emb_dim, moe.expert_dim(config))
+    chunks = moe.mesh_axes(settings, run.mesh, config.logical_axis_rules, experts).hidden_chunks
+    auto = " (autoselected)" if config.num_moe_hidden_tiling == -1 else ""
     return (f"experts: {config.num_experts} x F {moe.expert_dim(config)}, {config.num_experts_per_tok} per token, in "
             f"{moe_layers} of {config.base_num_decoder_layers} layers  active params "
             f"{models.num_active_params(config) / 1e6:,.2f}M  dispatch {config.moe_dispatch}{capacity}  "
-            f"load_balance_loss_weight {config.load_balance_loss_weight:g}  router_z_loss_weight "
-            f"{config.router_z_loss_weight:g}")
+            f"hidden chunks {chunks}{auto}  load_balance_loss_weight {config.load_balance_loss_weight:g}  "
+            f"router_z_loss_weight {config.router_z_loss_weight:g}")
 
 
 def _context_parallel_attention(config, rt, cp: int):
@@ -210,7 +216,7 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
         f"model: {config.model_name} ({config.decoder_block})  params {models.num_params(config) / 1e6:,.2f}M  "
         f"layers {config.base_num_decoder_layers}  D {config.base_emb_dim}  heads "
         f"{config.base_num_query_heads}/{config.base_num_kv_heads}  F {config.base_mlp_dim}  V {config.vocab_size}",
-        *([moe_line(config)] if models.is_moe(config) else []),
+        *([moe_line(run)] if models.is_moe(config) else []),
         f"compute: {rt.describe()}  weights {config.weight_dtype}  scan_layers {config.scan_layers}  "
         f"platform {rt.backend}",
         f"mesh: {dict(run.mesh.shape)} over {config.num_devices} devices in {config.num_processes} process(es)"

@@ -278,6 +278,7 @@ def test_moe_metrics_reach_the_console_the_metrics_file_and_tensorboard(tiny_arg
                          "enable_tensorboard=true", f"metrics_file={metrics_file}"))
     out = capsys.readouterr().out
     assert "experts: 4 x F 24, 2 per token, in 3 of 3 layers" in out and "dispatch capacity" in out
+    assert "hidden chunks 1 (autoselected)" in out
     lines = [line for line in out.splitlines() if line.startswith("step ")]
     assert len(lines) == 3 and all("moe lb_loss" in line and "dropped" in line and "load 0." in line for line in lines)
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]

@@ -167,3 +167,12 @@ def test_a_bfloat16_mixtral_trains_on_an_expert_and_fsdp_mesh_like_one_device():
     got, _, _, _ = run(tuple(jax.devices()), "dropless", *LAYOUTS["ep4xfsdp2"], *bf16)
     assert np.all(np.isfinite(got))
     np.testing.assert_allclose(got[:, :2], ref[:, :2], rtol=2e-2)  # loss and grad norm
+
+
+@pytest.mark.parametrize("layout, line", [("ep4xfsdp2-chunks4", "hidden chunks 4 "),
+                                          ("ep4xfsdp2", "hidden chunks 1 (autoselected)")])
+def test_the_summary_names_the_hidden_chunks_the_block_runs(layout, line):
+    """The start-up summary resolves num_moe_hidden_tiling as the block does, on the run's mesh."""
+    r = builder.build(load_config(with_overrides([BASE_YML, *TINY], "per_device_batch_size=1", *MOE,
+                                                 *LAYOUTS[layout])), devices=tuple(jax.devices()[:8]))
+    assert line in builder.moe_line(r)

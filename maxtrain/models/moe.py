@@ -144,29 +144,36 @@ def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int):
     weights = (p["router"], *(p[name].astype(s.dtype) for name in ("w_gate", "w_up", "w_down")))
     valid = segment_ids > 0
     active = sharding_lib.active_mesh()
+    unsharded = Axes(hidden_chunks=hidden_chunks(s, weights[1].shape, s.dtype.itemsize, False))
     if active is None:
-        return _local(x, valid, *weights, s=s, axes=Axes(hidden_chunks=hidden_chunks(s, weights[1].shape, s.dtype.itemsize, False)))
+        return _local(x, valid, *weights, s=s, axes=unsharded)
     mesh, rules = active
+    axes = mesh_axes(s, mesh, rules, weights[1].shape)
+    batch, exp, tensor, embed = axes.batch, axes.expert, axes.tensor, axes.embed
+    if x.shape[0] % math.prod(mesh.shape[a] for a in batch):
+        # A batch the token axes do not divide (decoding one prompt on many devices): computed whole,
+        # with XLA moving the expert weights as it needs. Training batches always divide.
+        return _local(x, valid, *weights, s=s, axes=unsharded)
+    tokens, experts = P(batch or None), P(exp or None, embed or None, tensor or None)
+    in_specs = (P(batch or None, None, None), tokens, P(), experts, experts, P(exp or None, tensor or None, embed or None))
+    fn = jax.shard_map(functools.partial(_local, s=s, axes=axes), mesh=mesh, in_specs=in_specs,
+                       out_specs=(P(batch or None, None, None), P()))
+    return fn(x, valid, *weights)
+
+
+def mesh_axes(s: Settings, mesh, rules, expert_shape: tuple[int, int, int]) -> Axes:
+    """The block's Axes on `mesh` under the logical `rules`, for experts [E, D, F] (w_gate's shape),
+    with the hidden chunks resolved for one device's share of them."""
     spec = functools.partial(sharding_lib.logical_to_spec, rules=rules)
     batch, exp, mlp = (_names(spec((name,))[0]) for name in ("batch", "exp", "mlp"))
     batch = tuple(a for a in batch if mesh.shape[a] > 1)
     exp = tuple(a for a in exp if mesh.shape[a] > 1)
     tensor = tuple(a for a in mlp if a not in exp and mesh.shape[a] > 1)
     embed = tuple(a for a in _names(spec(("exp", "embed", "mlp"))[1]) if a not in exp + tensor and mesh.shape[a] > 1)
-    ways = math.prod(mesh.shape[a] for a in batch)
-    if x.shape[0] % ways:
-        # A batch the token axes do not divide (decoding one prompt on many devices): computed whole,
-        # with XLA moving the expert weights as it needs. Training batches always divide.
-        return _local(x, valid, *weights, s=s, axes=Axes(hidden_chunks=hidden_chunks(s, weights[1].shape, s.dtype.itemsize, False)))
     expert_ways = math.prod(mesh.shape[a] for a in exp)
-    e, d, f = weights[1].shape
+    e, d, f = expert_shape
     local = (e // expert_ways, d, f // math.prod(mesh.shape[a] for a in tensor))
-    axes = Axes(batch, exp, tensor, expert_ways, embed, hidden_chunks(s, local, s.dtype.itemsize, bool(embed)))
-    tokens, experts = P(batch or None), P(exp or None, embed or None, tensor or None)
-    in_specs = (P(batch or None, None, None), tokens, P(), experts, experts, P(exp or None, tensor or None, embed or None))
-    fn = jax.shard_map(functools.partial(_local, s=s, axes=axes), mesh=mesh, in_specs=in_specs,
-                       out_specs=(P(batch or None, None, None), P()))
-    return fn(x, valid, *weights)
+    return Axes(batch, exp, tensor, expert_ways, embed, hidden_chunks(s, local, s.dtype.itemsize, bool(embed)))
 
 
 def _names(axes) -> tuple[str, ...]:
