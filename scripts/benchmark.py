@@ -48,6 +48,7 @@ import jax
 from maxtrain import builder, distributed, metrics, models, sharding, train
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
+from maxtrain import memory as memory_lib
 from maxtrain.data import pipeline
 from maxtrain.errors import run_cli
 
@@ -125,9 +126,7 @@ def run(argv: list[str]) -> dict:
         if args.profile:
             state = profile_steps(step_fn, state, batches, args.profile)
 
-    memory = step_fn.memory_analysis()
-    compiled_bytes = None if memory is None else (memory.argument_size_in_bytes + memory.output_size_in_bytes
-                                                  + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+    compiled_bytes = memory_lib.compiled_bytes(step_fn)
     median = statistics.median(times)
     tokens_per_device = config.tokens_per_step / config.num_devices
     tflops = metrics.flops_per_token(config) * tokens_per_device / median / 1e12

@@ -26,6 +26,7 @@ import numpy as np  # noqa: E402
 
 from maxtrain import models, ops, sharding  # noqa: E402
 from maxtrain.config import load_config, with_devices  # noqa: E402
+from maxtrain import memory as memory_lib  # noqa: E402
 
 BASE_YML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
 MESHES = {"dp": (8, 1, 1), "fsdp": (1, 8, 1), "tp": (2, 1, 4), "fsdp_x_tp": (1, 4, 2)}
@@ -90,7 +91,7 @@ def main(argv):
         for with_shard_map in (True, False):
             compiled = compile_step(args, mesh_shape, with_shard_map)
             m = compiled.memory_analysis()
-            total = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+            total = memory_lib.compiled_bytes(compiled)
             label = "in shard_map" if with_shard_map else "GSPMD (no shard_map)"
             print(f"| {name} {'x'.join(map(str, mesh_shape))} | {label} | {m.argument_size_in_bytes / 2**20:.2f} | "
                   f"{m.temp_size_in_bytes / 2**20:.2f} | {total / 2**20:.2f} | "

@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 
 from maxtrain import builder, sharding  # noqa: E402
 from maxtrain import config as config_lib  # noqa: E402
+from maxtrain import memory as memory_lib  # noqa: E402
 
 FIXED = ["dataset_type=synthetic", "enable_checkpointing=false", "enable_tensorboard=false", "eval_interval=-1",
          "max_new_tokens=0"]
@@ -82,10 +83,8 @@ class Layout:
             start = time.time()
             self.step = self.run.compile(self.state, self.batch)
             self.compile_s = time.time() - start
-        memory = self.step.memory_analysis()
-        self.total = (memory.argument_size_in_bytes + memory.output_size_in_bytes + memory.temp_size_in_bytes
-                      - memory.alias_size_in_bytes)
-        self.temp = memory.temp_size_in_bytes
+        self.total = memory_lib.compiled_bytes(self.step)
+        self.temp = self.step.memory_analysis().temp_size_in_bytes
         self.wall, self.cpu, self.loss = [], [], None
 
     def time_steps(self, n):
