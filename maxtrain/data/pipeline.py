@@ -19,7 +19,7 @@ import grain
 import numpy as np
 from grain import experimental as grain_exp
 
-from maxtrain.data import hosts, packing
+from maxtrain.data import hosts, packing, worker_processes
 from maxtrain.data.hosts import BATCH_AXES, EVAL_BATCH_AXES, host_micro_batch, to_global  # noqa: F401 (train.py)
 
 
@@ -49,7 +49,8 @@ def train_iterator_from_rows(examples: grain.IterDataset, config, process_index:
         # batches travel pickled, not in shared memory: they are small, and Grain's shared-memory
         # arrays print tracebacks when the interpreter exits
         batches = grain_exp.WithOptionsIterDataset(batches, grain_exp.DatasetOptions(min_shm_size=1 << 62))
-        batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.grain_worker_count))
+        batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.grain_worker_count),
+                                      worker_init_fn=worker_processes.exit_with_parent)
     if config.num_epoch != -1:
         batches = hosts.PadWhenExhausted(
             batches, hosts.padding_batch((accum, micro), config.max_target_length),

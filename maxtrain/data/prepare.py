@@ -26,7 +26,7 @@ import sys
 import time
 
 from maxtrain import storage
-from maxtrain.data import prepared, text_files
+from maxtrain.data import prepared, text_files, worker_processes
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.data.errors import DataError
 
@@ -99,6 +99,7 @@ def init_worker(tokenizer, progress_counter) -> None:
     """Pool initializer: the tokenizer arrives pickled (as its files' bytes), once per worker process."""
     _worker["tokenizer"] = tokenizer
     _worker["progress"] = progress_counter
+    worker_processes.exit_with_parent()
 
 
 def _report(delta: int) -> None:
