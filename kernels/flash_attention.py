@@ -30,9 +30,9 @@ not occur in causal self-attention).
 Lengths that are not multiples of the block sizes are padded inside `flash_attention`: padded
 keys are masked out by index (s >= S), padded queries are sliced off (so their cotangent is 0).
 
-Tiles and launch parameters (`Tuning`) come from `default_tuning`: the requested blocks, shrunk
-until the kernel's shared memory (estimated by `shared_memory_bytes`, a model fitted to what
-Triton asks for on sm_90) fits the target's per-block limit. The kernels keep to what the Pallas
+Tiles and launch parameters (`Tuning`) come from `flash_tiles.default_tuning`: the requested blocks,
+shrunk until the kernel's shared memory (estimated by `flash_tiles.shared_memory_bytes`, a model
+fitted to what Triton asks for on sm_90) fits the target's per-block limit. The kernels keep to what the Pallas
 Triton lowering supports: 2-D loads of power-of-two blocks, dots with float32 accumulation,
 fori_loops with scalar bounds, no dynamic shapes.
 """
@@ -48,34 +48,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from maxtrain.kernels.flash_tiles import DEFAULT_SHARED_MEMORY, MIN_BLOCK, Tuning, default_tuning
+
 # Same finite "minus infinity" as the reference (maxtrain/attention.py).
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-_MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16.
-
-# Shared memory one thread block may use (opt-in maximum), by CUDA compute capability.
-# From NVIDIA's CUDA C++ Programming Guide, "Technical Specifications per Compute Capability".
-SHARED_MEMORY_BY_CAPABILITY = {
-    (8, 0): 166912,  # A100
-    (8, 6): 101376,  # RTX 30xx, A40, A10
-    (8, 7): 166912,  # Jetson Orin
-    (8, 9): 101376,  # L4, L40, RTX 40xx
-    (9, 0): 232448,  # H100, H200
-    (10, 0): 232448,  # B200
-    (12, 0): 101376,  # RTX 50xx
-}
-# When the target is not known: the smallest limit of the GPUs above, so the kernel compiles on all.
-DEFAULT_SHARED_MEMORY = 101376
-
-
-@dataclasses.dataclass(frozen=True)
-class Tuning:
-    """Tiles and Triton launch parameters of one kernel (fwd, dq or dkv)."""
-    block_q: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-
-
 @dataclasses.dataclass(frozen=True)
 class _Config:
     """Static (hashable) parameters shared by the three kernels."""
@@ -372,84 +348,17 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
-# Tiles that fit the shared memory.
-
-
-_SLACK = 2048  # barriers and rounding on top of the tiles (at most 1,536 bytes measured)
-
-
-def shared_memory_bytes(kernel: str, tuning: Tuning, head_dim: int, itemsize: int) -> int:
-    """Shared memory Triton needs for one program of `kernel` (fwd, dq or dkv), in bytes (an upper bound).
-
-    Tiles of H columns: fwd holds q [block_q] and pipelines k, v [block_k] num_stages deep; dq holds
-    q and dO and pipelines k and v; dkv holds k and v [block_k], pipelines q and dO [block_q] (kept
-    twice without pipelining, once per orientation they are used in) and stages P^T [block_q, block_k].
-    The model bounds every figure Triton reported on sm_90 and sm_80 targets for H = 64, 128, 256,
-    blocks 32..128 and 1 or 2 stages (docs/performance.md, "Kernel tiles"); the lowering tests compile
-    every tuning `default_tuning` makes for an H100 and an A100.
-    """
-    bq, bk, stages = tuning.block_q, tuning.block_k, tuning.num_stages
-    if kernel == "fwd":
-        tiles = head_dim * (bq + 2 * bk * stages)
-    elif kernel == "dq":
-        tiles = head_dim * (2 * bq + 2 * bk * stages)
-    elif kernel == "dkv":
-        tiles = head_dim * (2 * bk + 2 * bq * max(stages, 2)) + bq * bk
-    else:
-        raise ValueError(f"unknown kernel {kernel!r}: fwd, dq or dkv")
-    return tiles * itemsize + _SLACK
-
-
-def _shrink(kernel: str, tuning: Tuning) -> Tuning | None:
-    """The next smaller tuning to try: halve the larger block (the looped one first, down to 32),
-    then one pipeline stage less (not for dkv, where it costs memory), then blocks down to 16."""
-    looped = "block_q" if kernel == "dkv" else "block_k"
-    other = "block_k" if looped == "block_q" else "block_q"
-    for floor in (32, _MIN_BLOCK):
-        order = sorted((looped, other), key=lambda name: -getattr(tuning, name))  # larger first; ties: looped
-        for name in order:
-            if getattr(tuning, name) > floor:
-                return dataclasses.replace(tuning, **{name: getattr(tuning, name) // 2})
-        if floor == 32 and tuning.num_stages > 1 and kernel != "dkv":
-            return dataclasses.replace(tuning, num_stages=tuning.num_stages - 1)
-    return None
-
-
-def default_tuning(head_dim: int, dtype, block_q: int = 128, block_k: int = 128,
-                   shared_memory: int = DEFAULT_SHARED_MEMORY) -> dict[str, Tuning]:
-    """Tunings for fwd, dq and dkv: the requested blocks with 2 pipeline stages (4 warps for H <= 64,
-    else 8), shrunk by `_shrink` until `shared_memory_bytes` fits `shared_memory`.
-
-    head_dim is the padded (power-of-two) head dim the kernels see. On an H100 (232,448 bytes) with
-    bfloat16 and 128 x 128 requested: H <= 128 keeps 128 x 128 everywhere; H = 256 gets fwd 128 x 64,
-    dq 64 x 64 and dkv 64 x 64.
-    """
-    itemsize = jnp.dtype(dtype).itemsize
-    out = {}
-    for kernel in ("fwd", "dq", "dkv"):
-        tuning = Tuning(block_q, block_k, num_warps=4 if head_dim <= 64 else 8, num_stages=2)
-        while tuning is not None and shared_memory_bytes(kernel, tuning, head_dim, itemsize) > shared_memory:
-            tuning = _shrink(kernel, tuning)
-        if tuning is None:
-            raise ValueError(f"flash attention with head_dim {head_dim} in {jnp.dtype(dtype).name} does not fit "
-                             f"{shared_memory} bytes of shared memory even with 16 x 16 tiles; "
-                             "use attention=dot_product")
-        out[kernel] = tuning
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
 # Public entry point.
 
 
 def _check_block(block, name):
-    if block < _MIN_BLOCK or block & (block - 1):
-        raise ValueError(f"{name}={block} must be a power of two >= {_MIN_BLOCK}")
+    if block < MIN_BLOCK or block & (block - 1):
+        raise ValueError(f"{name}={block} must be a power of two >= {MIN_BLOCK}")
 
 
 def _clamp(tuning: Tuning, q_len: int, kv_len: int) -> Tuning:
     """Blocks no longer than the (power-of-two rounded) sequences: short inputs need no big tiles."""
-    fit = lambda block, length: min(block, max(_MIN_BLOCK, pl.next_power_of_2(length)))  # noqa: E731
+    fit = lambda block, length: min(block, max(MIN_BLOCK, pl.next_power_of_2(length)))  # noqa: E731
     return dataclasses.replace(tuning, block_q=fit(tuning.block_q, q_len), block_k=fit(tuning.block_k, kv_len))
 
 
@@ -490,7 +399,7 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, causal=
     _check_block(block_q, "block_q")
     _check_block(block_k, "block_k")
     # Triton loads need power-of-two tiles: zero-pad the head dim (q.k and the output unchanged).
-    head_pad = max(_MIN_BLOCK, pl.next_power_of_2(head_dim))
+    head_pad = max(MIN_BLOCK, pl.next_power_of_2(head_dim))
     if tuning is None:
         tuning = default_tuning(head_pad, q.dtype, block_q, block_k, shared_memory)
     tuning = {name: _clamp(t, q_len, kv_len) for name, t in tuning.items()}

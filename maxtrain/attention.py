@@ -192,7 +192,7 @@ def describe(implementation: str, platform: str) -> str:
 
 def gpu_shared_memory(devices) -> int:
     """Shared memory per thread block (opt-in) of the GPUs in `devices`; a safe default if unknown."""
-    from maxtrain.kernels import flash_attention  # pylint: disable=import-outside-toplevel
+    from maxtrain.kernels import flash_tiles  # pylint: disable=import-outside-toplevel
 
     limits = []
     for device in devices or ():
@@ -200,9 +200,8 @@ def gpu_shared_memory(devices) -> int:
             major, minor = (int(x) for x in str(device.compute_capability).split("."))
         except (AttributeError, ValueError):
             continue
-        limits.append(flash_attention.SHARED_MEMORY_BY_CAPABILITY.get((major, minor),
-                                                                       flash_attention.DEFAULT_SHARED_MEMORY))
-    return min(limits, default=flash_attention.DEFAULT_SHARED_MEMORY)
+        limits.append(flash_tiles.SHARED_MEMORY_BY_CAPABILITY.get((major, minor), flash_tiles.DEFAULT_SHARED_MEMORY))
+    return min(limits, default=flash_tiles.DEFAULT_SHARED_MEMORY)
 
 
 def _local_devices(platform: str):

@@ -1,9 +1,9 @@
-"""Shared memory the GPU flash kernels ask Triton for, against flash_attention.shared_memory_bytes.
+"""Shared memory the GPU flash kernels ask Triton for, against flash_tiles.shared_memory_bytes.
 
 Compiles each kernel (forward, dq, dk/dv) alone for a GPU target whose shared-memory limit is set
 to 1 KiB, so every compile stops with Triton's "requested N" (no GPU needed; needs the [cuda]
 extra). Prints one row per (kernel, head_dim, dtype, blocks, warps, stages) with the reported
-bytes, the estimate and their difference. This is how the estimate in kernels/flash_attention.py
+bytes, the estimate and their difference. This is how the estimate in kernels/flash_tiles.py
 was fitted (docs/performance.md, "Kernel tiles").
 
     python scripts/kernel_shared_memory.py [--target h100|a100] [--dtype bfloat16] [--head-dims 64,128,256]
@@ -23,6 +23,7 @@ from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
 from maxtrain.kernels import flash_attention as fa
+from maxtrain.kernels import flash_tiles
 from maxtrain.kernels import targets
 
 BLOCKS = [(128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 32), (128, 32), (32, 128)]
@@ -30,7 +31,7 @@ BLOCKS = [(128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 3
 
 def requested_bytes(device, kernel, head_dim, dtype, tuning, length=512, heads=4, kv_heads=2):
     """Triton's reported shared memory for one kernel, or None if the compile failed otherwise."""
-    small = fa.Tuning(16, 16, 4, 1)
+    small = flash_tiles.Tuning(16, 16, 4, 1)
     tunings = {"fwd": small, "dq": small, "dkv": small, kernel: tuning}
     cfg = fa._Config(causal=True, sliding_window=0, soft_cap=0.0, scale=0.1, kv_len=length,  # pylint: disable=protected-access
                      kv_padded=False, interpret=False, **tunings)
@@ -60,6 +61,9 @@ def main(argv):
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--head-dims", default="64,128,256")
     args = parser.parse_args(argv)
+    # Compiling for a GPU target needs no GPU here; keep JAX from probing for one (without it, JAX with the CUDA
+    # plugin and no GPU answers get_topology_desc(platform="cuda") with "topology not implemented for cuda").
+    jax.config.update("jax_platforms", "cpu")
     text = re.sub(r"shared_memory_per_block_optin: \d+", "shared_memory_per_block_optin: 1024",
                   targets.gpu_target_config(args.target))
     device = topologies.get_topology_desc(platform="cuda", topology_name=args.target, target_config=text,
@@ -69,9 +73,9 @@ def main(argv):
     print("kernel head_dim block_q block_k warps stages requested estimate estimate-requested")
     for kernel, head_dim, (bq, bk), stages, warps in itertools.product(
             ("fwd", "dq", "dkv"), [int(h) for h in args.head_dims.split(",")], BLOCKS, (1, 2, 3), (4, 8)):
-        tuning = fa.Tuning(bq, bk, warps, stages)
+        tuning = flash_tiles.Tuning(bq, bk, warps, stages)
         got = requested_bytes(device, kernel, head_dim, dtype, tuning)
-        estimate = fa.shared_memory_bytes(kernel, tuning, head_dim, dtype.itemsize)
+        estimate = flash_tiles.shared_memory_bytes(kernel, tuning, head_dim, dtype.itemsize)
         print(kernel, head_dim, bq, bk, warps, stages, got, estimate, None if got is None else estimate - got,
               flush=True)
 

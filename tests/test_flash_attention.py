@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from maxtrain.attention import dot_product_attention, make_attention_mask
-from maxtrain.kernels.flash_attention import Tuning, default_tuning, flash_attention, shared_memory_bytes
+from maxtrain.kernels.flash_attention import flash_attention
+from maxtrain.kernels.flash_tiles import Tuning, default_tuning, shared_memory_bytes
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 

@@ -1,0 +1,101 @@
+"""Tiles and launch parameters of the GPU flash kernels (kernels/flash_attention.py) that fit a GPU's shared memory.
+
+A Triton program keeps its tiles in the streaming multiprocessor's shared memory, whose per-block limit depends on
+the GPU: `default_tuning` shrinks the requested blocks until `shared_memory_bytes`, a model of what Triton asks for,
+fits the target's limit (`SHARED_MEMORY_BY_CAPABILITY`, looked up by maxtrain/attention.py from the devices).
+scripts/kernel_shared_memory.py compares the model with what Triton reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16.
+
+# Shared memory one thread block may use (opt-in maximum), by CUDA compute capability.
+# From NVIDIA's CUDA C++ Programming Guide, "Technical Specifications per Compute Capability".
+SHARED_MEMORY_BY_CAPABILITY = {
+    (8, 0): 166912,  # A100
+    (8, 6): 101376,  # RTX 30xx, A40, A10
+    (8, 7): 166912,  # Jetson Orin
+    (8, 9): 101376,  # L4, L40, RTX 40xx
+    (9, 0): 232448,  # H100, H200
+    (10, 0): 232448,  # B200
+    (12, 0): 101376,  # RTX 50xx
+}
+# When the target is not known: the smallest limit of the GPUs above, so the kernel compiles on all.
+DEFAULT_SHARED_MEMORY = 101376
+
+
+@dataclasses.dataclass(frozen=True)
+class Tuning:
+    """Tiles and Triton launch parameters of one kernel (fwd, dq or dkv)."""
+    block_q: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+_SLACK = 2048  # barriers and rounding on top of the tiles (at most 1,536 bytes measured)
+
+
+def shared_memory_bytes(kernel: str, tuning: Tuning, head_dim: int, itemsize: int) -> int:
+    """Shared memory Triton needs for one program of `kernel` (fwd, dq or dkv), in bytes (an upper bound).
+
+    Tiles of H columns: fwd holds q [block_q] and pipelines k, v [block_k] num_stages deep; dq holds
+    q and dO and pipelines k and v; dkv holds k and v [block_k], pipelines q and dO [block_q] (kept
+    twice without pipelining, once per orientation they are used in) and stages P^T [block_q, block_k].
+    The model bounds every figure Triton reported on sm_90 and sm_80 targets for H = 64, 128, 256,
+    blocks 32..128 and 1 or 2 stages (docs/performance.md, "Kernel tiles"); the lowering tests compile
+    every tuning `default_tuning` makes for an H100 and an A100.
+    """
+    bq, bk, stages = tuning.block_q, tuning.block_k, tuning.num_stages
+    if kernel == "fwd":
+        tiles = head_dim * (bq + 2 * bk * stages)
+    elif kernel == "dq":
+        tiles = head_dim * (2 * bq + 2 * bk * stages)
+    elif kernel == "dkv":
+        tiles = head_dim * (2 * bk + 2 * bq * max(stages, 2)) + bq * bk
+    else:
+        raise ValueError(f"unknown kernel {kernel!r}: fwd, dq or dkv")
+    return tiles * itemsize + _SLACK
+
+
+def _shrink(kernel: str, tuning: Tuning) -> Tuning | None:
+    """The next smaller tuning to try: halve the larger block (the looped one first, down to 32),
+    then one pipeline stage less (not for dkv, where it costs memory), then blocks down to 16."""
+    looped = "block_q" if kernel == "dkv" else "block_k"
+    other = "block_k" if looped == "block_q" else "block_q"
+    for floor in (32, MIN_BLOCK):
+        order = sorted((looped, other), key=lambda name: -getattr(tuning, name))  # larger first; ties: looped
+        for name in order:
+            if getattr(tuning, name) > floor:
+                return dataclasses.replace(tuning, **{name: getattr(tuning, name) // 2})
+        if floor == 32 and tuning.num_stages > 1 and kernel != "dkv":
+            return dataclasses.replace(tuning, num_stages=tuning.num_stages - 1)
+    return None
+
+
+def default_tuning(head_dim: int, dtype, block_q: int = 128, block_k: int = 128,
+                   shared_memory: int = DEFAULT_SHARED_MEMORY) -> dict[str, Tuning]:
+    """Tunings for fwd, dq and dkv: the requested blocks with 2 pipeline stages (4 warps for H <= 64,
+    else 8), shrunk by `_shrink` until `shared_memory_bytes` fits `shared_memory`.
+
+    head_dim is the padded (power-of-two) head dim the kernels see. On an H100 (232,448 bytes) with
+    bfloat16 and 128 x 128 requested: H <= 128 keeps 128 x 128 everywhere; H = 256 gets fwd 128 x 64,
+    dq 64 x 64 and dkv 64 x 64.
+    """
+    itemsize = jnp.dtype(dtype).itemsize
+    out = {}
+    for kernel in ("fwd", "dq", "dkv"):
+        tuning = Tuning(block_q, block_k, num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+        while tuning is not None and shared_memory_bytes(kernel, tuning, head_dim, itemsize) > shared_memory:
+            tuning = _shrink(kernel, tuning)
+        if tuning is None:
+            raise ValueError(f"flash attention with head_dim {head_dim} in {jnp.dtype(dtype).name} does not fit "
+                             f"{shared_memory} bytes of shared memory even with 16 x 16 tiles; "
+                             "use attention=dot_product")
+        out[kernel] = tuning
+    return out
