@@ -23,7 +23,7 @@ import optax
 
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
-from maxtrain import checkpoint_files, metrics, models, objectives, optimizer, sharding, storage, train_step
+from maxtrain import checkpoint_files, host_memory, metrics, models, objectives, optimizer, sharding, storage, train_step
 from maxtrain import memory as memory_lib
 from maxtrain.data import hosts, pipeline
 from maxtrain.models import moe
@@ -219,6 +219,7 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
         *([moe_line(run)] if models.is_moe(config) else []),
         f"compute: {rt.describe()}  weights {config.weight_dtype}  scan_layers {config.scan_layers}  "
         f"platform {rt.backend}",
+        host_memory.describe(),
         f"mesh: {dict(run.mesh.shape)} over {config.num_devices} devices in {config.num_processes} process(es)"
         + (f", {len(sharding.slices_of(run.mesh.devices.flat, config.num_slices))} slices"
            if config.num_slices > 1 else ""),

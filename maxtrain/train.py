@@ -7,6 +7,12 @@ eval and a greedy sample.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before JAX starts: a CPU step's buffers on huge pages (maxtrain/host_memory.py)
+    from maxtrain import host_memory
+
+    host_memory.reexec_with_hugepages()
+# pylint: disable=wrong-import-position
+
 import json
 import math
 import os

@@ -34,6 +34,12 @@ large matmul achieves here".
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # as the trainer does, before JAX starts (maxtrain/host_memory.py)
+    from maxtrain import host_memory
+
+    host_memory.reexec_with_hugepages()
+# pylint: disable=wrong-import-position
+
 import argparse
 import datetime
 import json

@@ -1,0 +1,85 @@
+"""maxtrain/host_memory.py: the trainer re-executes itself with glibc's malloc madvising huge pages."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BASE_YML, REPO, TINY
+from maxtrain import host_memory
+
+CHILD = os.path.join(os.path.dirname(__file__), "host_memory_child.py")
+GLIBC = (2, 36)
+SUPPORTED = (sys.platform == "linux" and (host_memory.glibc_version() or (0, 0)) >= (2, 35)
+             and host_memory.thp_mode() == "madvise")
+needs_madvise = pytest.mark.skipif(not SUPPORTED, reason="needs Linux, glibc >= 2.35 and transparent huge pages "
+                                   f"in madvise mode (here: {host_memory.glibc_version()}, {host_memory.thp_mode()})")
+
+
+def test_environment_adds_the_tunable_and_keeps_the_users():
+    env = host_memory.hugepage_environment({"PATH": "/bin"}, "linux", GLIBC, "madvise")
+    assert env == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    env = host_memory.hugepage_environment({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=1024"}, "linux", GLIBC,
+                                           "madvise")
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.trim_threshold=1024:glibc.malloc.hugetlb=1"
+
+
+@pytest.mark.parametrize("environ, platform, glibc, thp", [
+    ({"MAXTRAIN_HOST_HUGEPAGES": "0"}, "linux", GLIBC, "madvise"),  # turned off
+    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "linux", GLIBC, "madvise"),  # the user's own setting wins
+    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, "linux", GLIBC, "madvise"),  # already re-executed
+    ({}, "linux", (2, 31), "madvise"),  # glibc without the tunable
+    ({}, "linux", None, "madvise"),  # musl
+    ({}, "darwin", None, None),
+    ({}, "linux", GLIBC, "always"),  # the kernel gives every large mapping huge pages already
+    ({}, "linux", GLIBC, "never"),
+    ({}, "linux", GLIBC, None),  # no transparent huge pages in this kernel
+])
+def test_no_reexecution_where_it_would_change_nothing(environ, platform, glibc, thp):
+    assert host_memory.hugepage_environment(environ, platform, glibc, thp) is None
+
+
+def run_child(*args, **env):
+    environ = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", host_memory.OPT_OUT)}
+    process = subprocess.Popen([sys.executable, CHILD, *args], stdout=subprocess.PIPE, text=True,
+                               env={**environ, **env})
+    out, _ = process.communicate(timeout=120)
+    assert process.returncode == 0
+    (line,) = out.splitlines()  # the program ran once to the end: no output from before the exec is repeated
+    return process.pid, json.loads(line)
+
+
+@needs_madvise
+def test_reexecutes_in_place_and_large_buffers_get_huge_pages():
+    pid, child = run_child("a", "b c", "--flag=1")
+    assert child["pid"] == pid  # the same process: launchers and schedulers that watch the pid see no change
+    assert child["argv"] == ["a", "b c", "--flag=1"]
+    assert child["tunables"] == "glibc.malloc.hugetlb=1"
+    assert child["anon_huge_kib"] >= 32 * 1024, child  # most of the 64 MiB buffer is on 2 MiB pages
+    assert "glibc.malloc.hugetlb=1" in child["describe"]
+
+
+@needs_madvise
+def test_turned_off_or_set_by_the_user():
+    _, child = run_child(MAXTRAIN_HOST_HUGEPAGES="0")
+    assert child["tunables"] is None
+    assert child["anon_huge_kib"] < 32 * 1024, child
+    assert child["describe"] == "host memory: 4 KiB pages (MAXTRAIN_HOST_HUGEPAGES=0)"
+    _, child = run_child(GLIBC_TUNABLES="glibc.malloc.hugetlb=0")
+    assert child["tunables"] == "glibc.malloc.hugetlb=0"
+    assert child["anon_huge_kib"] < 32 * 1024, child
+
+
+@needs_madvise
+def test_the_trainer_runs_with_huge_pages(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "maxtrain.train", BASE_YML, *TINY, "dataset_type=synthetic",
+                             "steps=1", "enable_checkpointing=false", f"base_output_directory={tmp_path}"],
+                            capture_output=True, text=True, cwd=REPO, timeout=300,
+                            env={k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "host memory: glibc malloc with glibc.malloc.hugetlb=1" in result.stdout
+    assert result.stdout.count("model: ") == 1  # one run: nothing was printed before the re-exec
