@@ -89,5 +89,6 @@ def describe() -> str:
         return "host memory: transparent huge pages (the kernel's mode is always)"
     why = (f"{OPT_OUT}=0" if os.environ.get(OPT_OUT) == "0" else
            f"transparent huge pages {mode or 'unavailable'}" if mode != "madvise" else
-           "glibc older than 2.35" if glibc else "not glibc")
+           "not glibc" if glibc is None else "glibc older than 2.35" if glibc < (2, 35) else
+           f"not started as python -m maxtrain.train; GLIBC_TUNABLES={TUNABLE}=1 before Python starts does the same")
     return f"host memory: 4 KiB pages ({why})"

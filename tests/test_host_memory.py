@@ -43,6 +43,15 @@ def test_no_reexecution_where_it_would_change_nothing(environ, platform, glibc, 
     assert host_memory.hugepage_environment(environ, platform, glibc, thp) is None
 
 
+@needs_madvise
+def test_the_summary_line_says_why_without_huge_pages(monkeypatch):
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv(host_memory.OPT_OUT, raising=False)
+    assert "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 before Python starts" in host_memory.describe()  # this process
+    monkeypatch.setenv(host_memory.OPT_OUT, "0")
+    assert host_memory.describe() == "host memory: 4 KiB pages (MAXTRAIN_HOST_HUGEPAGES=0)"
+
+
 def run_child(*args, **env):
     environ = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", host_memory.OPT_OUT)}
     process = subprocess.Popen([sys.executable, CHILD, *args], stdout=subprocess.PIPE, text=True,
