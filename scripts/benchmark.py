@@ -24,6 +24,18 @@ Options (before or after the overrides): --steps N (timed steps, default 10), --
 with jax.profiler and print the ops that took longest, summed per op). Checkpointing, TensorBoard and evaluation
 are off; nothing is written except --json. Use dataset_type=synthetic to leave data loading out.
 
+    python scripts/benchmark.py CONFIG [key=value ...] --compare "key=value ..." --compare "key=value ..."
+
+compares two or more variants of CONFIG (each --compare adds its overrides to the common ones,
+replacing a common setting of the same key) in one process: each is built, compiled and warmed up,
+then their N timed steps run alternately, one step of each in turn (the order reversed every round),
+so that a machine whose speed drifts from minute to minute (a shared or virtual machine, a laptop
+warming up) slows them alike. It prints each variant's median and 25th-percentile step time, CPU
+seconds per step, its ratio to the first variant, its losses and its compiled memory. Separate runs
+of the same configuration on a 2-vCPU virtual machine differed by up to a third in median step time;
+two identical variants alternated in one process by 1% to 4% (docs/performance.md, "Comparing
+variants in one process").
+
     python scripts/benchmark.py --measure-peak
 
 instead measures what this machine's first device achieves on a large square matmul (float32 and
@@ -69,12 +81,21 @@ def parse_args(argv: list[str]):
     parser.add_argument("--json", default="", help="append the figures as one JSON line to this file")
     parser.add_argument("--profile", type=int, default=0, help="trace this many extra steps; print the top ops")
     parser.add_argument("--measure-peak", action="store_true", help="measure large-matmul TFLOP/s and exit")
+    parser.add_argument("--compare", action="append", default=[], metavar='"key=value ..."',
+                        help="a variant's overrides (give two or more): their steps run alternately in one process")
     parser.add_argument("config_and_overrides", nargs="*", help="CONFIG.yml key=value ...")
     args = parser.parse_intermixed_args(argv)
+    args.argv = list(argv)
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     if not args.measure_peak and not args.config_and_overrides:
         parser.error("give a config file (e.g. configs/base.yml) and overrides, or --measure-peak")
+    if args.compare:
+        if len(args.compare) < 2:
+            parser.error("--compare needs two or more variants, e.g. --compare \"remat_policy=full\" "
+                         "--compare \"remat_policy=none\" (an empty string is the common settings alone)")
+        if args.measure_peak or args.profile:
+            parser.error("--compare times variants against each other; run --measure-peak or --profile without it")
     return args
 
 
@@ -98,26 +119,15 @@ def run(argv: list[str]) -> dict:
                   + ", ".join(f"{k} {v:.3f} TFLOP/s" for k, v in result.items())
                   + f"  (load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs)")
         return result
-    user_overrides = args.config_and_overrides[1:]
-    total_steps = args.warmup + args.steps
-    config = builder.load_config(config_lib.with_overrides(
-        [args.config_and_overrides[0], *BENCHMARK_OVERRIDES, f"steps={total_steps}"], *user_overrides))
-    if config.steps != total_steps:
-        raise config_lib.ConfigError(f"steps={config.steps}: the benchmark runs --warmup + --steps steps "
-                                     f"({total_steps}); pass --steps N instead of steps=")
+    if args.compare:
+        return compare(args)
+    config = load_config(args, args.config_and_overrides[1:])
+    total_steps = config.steps
     distributed.initialize(config)
-    run = builder.build(config)  # exactly what train.py builds
+    run, step_fn, state, batches, compile_seconds = build(config)
     config, rt, mesh, rules = run.config, run.rt, run.mesh, run.config.logical_axis_rules
-    inputs = data_lib.make_inputs(config, log=train.log)
 
     with sharding.activation_sharding(mesh, rules):
-        state = run.init(jax.random.key(config.seed))
-        batches = [pipeline.to_global(next(inputs.train_iterator), mesh, rules) for _ in range(min(total_steps, 4))]
-        t0 = time.perf_counter()
-        step_fn = run.compile(state, batches[0])
-        compile_seconds = time.perf_counter() - t0
-        train.log(builder.summarize(run, step_fn, compile_seconds))
-
         times, cpu_times, losses = [], [], []
         for i in range(total_steps):
             batch = batches[i % len(batches)]
@@ -163,6 +173,113 @@ def run(argv: list[str]) -> dict:
         with open(args.json, "a", encoding="utf-8") as f:
             f.write(json.dumps(result) + "\n")
     return result
+
+
+def load_config(args, overrides: list[str]):
+    """The run's config: CONFIG, the benchmark's own settings, then the overrides; --warmup + --steps steps."""
+    total_steps = args.warmup + args.steps
+    config = builder.load_config(config_lib.with_overrides(
+        [args.config_and_overrides[0], *BENCHMARK_OVERRIDES, f"steps={total_steps}"], *overrides))
+    if config.steps != total_steps:
+        raise config_lib.ConfigError(f"steps={config.steps}: the benchmark runs --warmup + --steps steps "
+                                     f"({total_steps}); pass --steps N instead of steps=")
+    return config
+
+
+def build(config):
+    """Exactly what train.py builds: (run, compiled step, initial state, up to 4 batches on the devices,
+    compile seconds); logs the run's summary."""
+    run = builder.build(config)
+    mesh, rules = run.mesh, run.config.logical_axis_rules
+    inputs = data_lib.make_inputs(run.config, log=train.log)
+    with sharding.activation_sharding(mesh, rules):
+        state = run.init(jax.random.key(run.config.seed))
+        batches = [pipeline.to_global(next(inputs.train_iterator), mesh, rules)
+                   for _ in range(min(run.config.steps, 4))]
+        t0 = time.perf_counter()
+        step_fn = run.compile(state, batches[0])
+        compile_seconds = time.perf_counter() - t0
+        train.log(builder.summarize(run, step_fn, compile_seconds))
+    inputs.close()
+    return run, step_fn, state, batches, compile_seconds
+
+
+def compare(args) -> list[dict]:
+    """--compare: builds every variant, warms each up, then times their steps alternately in this process."""
+    common = args.config_and_overrides[1:]
+
+    def overrides(variant: str) -> list[str]:  # a variant's setting replaces a common one of the same key
+        own = variant.split()
+        keys = {o.split("=", 1)[0] for o in own}
+        return [o for o in common if o.split("=", 1)[0] not in keys] + own
+
+    configs = [load_config(args, overrides(variant)) for variant in args.compare]
+    joined = {repr(distributed.settings(c)) for c in configs}
+    if len(joined) > 1:
+        raise config_lib.ConfigError("--compare: the variants must run in the same processes (their distributed "
+                                     "settings differ); compare multi-process settings in separate runs")
+    distributed.initialize(configs[0])
+    variants = []
+    for label, config in zip(args.compare, configs):
+        train.log(f"--compare variant {label!r}:")
+        run, step_fn, state, batches, _ = build(config)
+        variants.append({"label": label, "run": run, "step_fn": step_fn, "state": state, "batches": batches,
+                         "times": [], "cpu_times": [], "losses": []})
+
+    def one_step(v, i, timed):
+        batch = v["batches"][i % len(v["batches"])]
+        jax.block_until_ready(batch)
+        t, cpu = time.perf_counter(), time.process_time()
+        v["state"], step_metrics = v["step_fn"](v["state"], batch)
+        step_metrics = jax.block_until_ready(step_metrics)
+        if timed:
+            v["times"].append(time.perf_counter() - t)
+            v["cpu_times"].append(time.process_time() - cpu)
+        v["losses"].append(float(step_metrics["loss"]))
+
+    for i in range(args.warmup + args.steps):
+        for v in (variants if i % 2 == 0 else variants[::-1]):
+            one_step(v, i, timed=i >= args.warmup)
+    results = []
+    for v in variants:
+        config = v["run"].config
+        median = statistics.median(v["times"])
+        results.append({
+            "date": datetime.date.today().isoformat(), "command": "python scripts/benchmark.py " + " ".join(args.argv),
+            "variant": v["label"], "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+            "num_devices": config.num_devices, "timed_steps": len(v["times"]), "warmup_steps": args.warmup,
+            "step_seconds_median": median,
+            "step_seconds_p25": statistics.quantiles(v["times"], n=4)[0] if len(v["times"]) > 1 else median,
+            "cpu_seconds_per_step_median": statistics.median(v["cpu_times"]),
+            "tokens_per_second_per_device": config.tokens_per_step / config.num_devices / median,
+            "ratio_to_first": median / statistics.median(variants[0]["times"]),
+            "compiled_memory_bytes": memory_lib.compiled_bytes(v["step_fn"]),
+            "first_loss": v["losses"][0], "last_loss": v["losses"][-1],
+            "load_average_1min": os.getloadavg()[0],
+        })
+    train.log(format_comparison(results, args))
+    if args.json and jax.process_index() == 0:
+        with open(args.json, "a", encoding="utf-8") as f:
+            for r in results:
+                f.write(json.dumps(r) + "\n")
+    return results
+
+
+def format_comparison(results: list[dict], args) -> str:
+    label = {id(r): r["variant"] or "(common settings)" for r in results}
+    width = max(len("variant"), *(len(name) for name in label.values()))
+    lines = [f"compare: {args.steps} timed steps per variant after {args.warmup} warm-up, one step of each in turn "
+             "(order reversed every round), in one process",
+             f"  {'variant':<{width}}  median ms   p25 ms  CPU s/step  tokens/s/device  vs first  loss first -> last"
+             "  compiled memory"]
+    for r in results:
+        memory = "n/a" if r["compiled_memory_bytes"] is None else f"{r['compiled_memory_bytes'] / 2**30:.3f} GiB"
+        lines.append(f"  {label[id(r)]:<{width}}  {r['step_seconds_median'] * 1e3:9.1f}  "
+                     f"{r['step_seconds_p25'] * 1e3:7.1f}  {r['cpu_seconds_per_step_median']:10.3f}  "
+                     f"{r['tokens_per_second_per_device']:15,.0f}  {r['ratio_to_first']:7.3f}x  "
+                     f"{r['first_loss']:.4f} -> {r['last_loss']:.4f}  {memory}")
+    lines.append(f"  load average (1 min) at the end: {results[-1]['load_average_1min']:.2f} on {os.cpu_count()} CPUs")
+    return "\n".join(lines)
 
 
 def profile_steps(step_fn, state, batches, num_steps: int, top: int = 25):
