@@ -242,12 +242,15 @@ def compare(args) -> list[dict]:
             one_step(v, i, timed=i >= args.warmup)
     results = []
     for v in variants:
-        config = v["run"].config
+        config, rt = v["run"].config, v["run"].rt
         median = statistics.median(v["times"])
         results.append({
             "date": datetime.date.today().isoformat(), "command": "python scripts/benchmark.py " + " ".join(args.argv),
             "variant": v["label"], "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
-            "num_devices": config.num_devices, "timed_steps": len(v["times"]), "warmup_steps": args.warmup,
+            "num_devices": config.num_devices, "host": platform.node(), "cpu_count": os.cpu_count(),
+            "jax_version": jax.__version__, "model_name": config.model_name, "dtype": rt.dtype.name,
+            "attention": rt.attention, "remat_policy": rt.remat_policy, "scan_layers": config.scan_layers,
+            "tokens_per_step": config.tokens_per_step, "timed_steps": len(v["times"]), "warmup_steps": args.warmup,
             "step_seconds_median": median,
             "step_seconds_p25": statistics.quantiles(v["times"], n=4)[0] if len(v["times"]) > 1 else median,
             "cpu_seconds_per_step_median": statistics.median(v["cpu_times"]),

@@ -43,6 +43,7 @@ def test_compare_times_each_variant_alternately_in_one_process(tmp_path, capsys)
     assert "remat_policy=full num_vocab_tiling=2" in table and "remat_policy=none" in table
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["variant"] for r in rows] == [r["variant"] for r in results]
+    assert [r["remat_policy"] for r in rows] == ["none", "full"]  # what each variant resolved to
 
 
 def test_compare_an_empty_variant_is_the_common_settings(capsys):
