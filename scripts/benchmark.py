@@ -32,7 +32,7 @@ then their N timed steps run alternately, one step of each in turn (the order re
 so that a machine whose speed drifts from minute to minute (a shared or virtual machine, a laptop
 warming up) slows them alike. It prints each variant's median and 25th-percentile step time, CPU
 seconds per step, its ratio to the first variant, its losses and its compiled memory. Separate runs
-of the same configuration on a 2-vCPU virtual machine differed by up to a third in median step time;
+of the same configuration on a 2-vCPU virtual machine differed by up to half in median step time;
 two identical variants alternated in one process by 1% to 4% (docs/performance.md, "Comparing
 variants in one process").
 
