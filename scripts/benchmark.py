@@ -128,35 +128,21 @@ def run(argv: list[str]) -> dict:
     config, rt, mesh, rules = run.config, run.rt, run.mesh, run.config.logical_axis_rules
 
     with sharding.activation_sharding(mesh, rules):
-        times, cpu_times, losses = [], [], []
+        timings = new_timings()
         for i in range(total_steps):
-            batch = batches[i % len(batches)]
-            jax.block_until_ready(batch)
-            t, cpu = time.perf_counter(), time.process_time()
-            state, step_metrics = step_fn(state, batch)
-            step_metrics = jax.block_until_ready(step_metrics)
-            if i >= args.warmup:
-                times.append(time.perf_counter() - t)
-                cpu_times.append(time.process_time() - cpu)
-            losses.append(float(step_metrics["loss"]))
+            state = timed_step(step_fn, state, batches[i % len(batches)], timings, timed=i >= args.warmup)
         if args.profile:
             state = profile_steps(step_fn, state, batches, args.profile)
 
     compiled_bytes = memory_lib.compiled_bytes(step_fn)
+    times, cpu_times, losses = timings["times"], timings["cpu_times"], timings["losses"]
     median = statistics.median(times)
     tokens_per_device = config.tokens_per_step / config.num_devices
     tflops = metrics.flops_per_token(config) * tokens_per_device / median / 1e12
     peak = metrics.peak_tflops(config)
     measured_peak = device_peak_bytes()
     result = {
-        "date": datetime.date.today().isoformat(),
-        "command": "python scripts/benchmark.py " + " ".join(argv),
-        "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
-        "num_devices": config.num_devices, "host": platform.node(), "cpu_count": os.cpu_count(),
-        "jax_version": jax.__version__,
-        "model_name": config.model_name, "params_millions": models.num_params(config) / 1e6,
-        "dtype": rt.dtype.name, "attention": rt.attention, "remat_policy": rt.remat_policy,
-        "scan_layers": config.scan_layers, "tokens_per_step": config.tokens_per_step,
+        **run_fields(argv, config, rt), "params_millions": models.num_params(config) / 1e6,
         "compile_seconds": compile_seconds, "timed_steps": len(times), "warmup_steps": args.warmup,
         "step_seconds_median": median, "cpu_seconds_per_step_median": statistics.median(cpu_times), "step_seconds_min": min(times), "step_seconds_max": max(times),
         "tokens_per_second_per_device": tokens_per_device / median,
@@ -169,10 +155,45 @@ def run(argv: list[str]) -> dict:
         "load_average_1min": os.getloadavg()[0],
     }
     train.log(format_result(result))
-    if args.json and jax.process_index() == 0:
-        with open(args.json, "a", encoding="utf-8") as f:
-            f.write(json.dumps(result) + "\n")
+    append_json(args.json, [result])
     return result
+
+
+def new_timings() -> dict:
+    return {"times": [], "cpu_times": [], "losses": []}
+
+
+def timed_step(step_fn, state, batch, timings: dict, timed: bool):
+    """Runs one step, from dispatch until its metrics are on the host (the batch already on the device);
+    appends its seconds and process CPU seconds (when timed) and its loss to timings. Returns the state."""
+    jax.block_until_ready(batch)
+    t, cpu = time.perf_counter(), time.process_time()
+    state, step_metrics = step_fn(state, batch)
+    step_metrics = jax.block_until_ready(step_metrics)
+    if timed:
+        timings["times"].append(time.perf_counter() - t)
+        timings["cpu_times"].append(time.process_time() - cpu)
+    timings["losses"].append(float(step_metrics["loss"]))
+    return state
+
+
+def run_fields(argv: list[str], config, rt) -> dict:
+    """What ran, where and how: the fields every JSON line starts with."""
+    return {
+        "date": datetime.date.today().isoformat(), "command": "python scripts/benchmark.py " + " ".join(argv),
+        "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
+        "num_devices": config.num_devices, "host": platform.node(), "cpu_count": os.cpu_count(),
+        "jax_version": jax.__version__, "model_name": config.model_name, "dtype": rt.dtype.name,
+        "attention": rt.attention, "remat_policy": rt.remat_policy, "scan_layers": config.scan_layers,
+        "tokens_per_step": config.tokens_per_step,
+    }
+
+
+def append_json(path: str, rows: list[dict]) -> None:
+    if path and jax.process_index() == 0:
+        with open(path, "a", encoding="utf-8") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
 
 
 def load_config(args, overrides: list[str]):
@@ -224,33 +245,19 @@ def compare(args) -> list[dict]:
         train.log(f"--compare variant {label!r}:")
         run, step_fn, state, batches, _ = build(config)
         variants.append({"label": label, "run": run, "step_fn": step_fn, "state": state, "batches": batches,
-                         "times": [], "cpu_times": [], "losses": []})
-
-    def one_step(v, i, timed):
-        batch = v["batches"][i % len(v["batches"])]
-        jax.block_until_ready(batch)
-        t, cpu = time.perf_counter(), time.process_time()
-        v["state"], step_metrics = v["step_fn"](v["state"], batch)
-        step_metrics = jax.block_until_ready(step_metrics)
-        if timed:
-            v["times"].append(time.perf_counter() - t)
-            v["cpu_times"].append(time.process_time() - cpu)
-        v["losses"].append(float(step_metrics["loss"]))
+                         **new_timings()})
 
     for i in range(args.warmup + args.steps):
         for v in (variants if i % 2 == 0 else variants[::-1]):
-            one_step(v, i, timed=i >= args.warmup)
+            v["state"] = timed_step(v["step_fn"], v["state"], v["batches"][i % len(v["batches"])], v,
+                                    timed=i >= args.warmup)
     results = []
     for v in variants:
         config, rt = v["run"].config, v["run"].rt
         median = statistics.median(v["times"])
         results.append({
-            "date": datetime.date.today().isoformat(), "command": "python scripts/benchmark.py " + " ".join(args.argv),
-            "variant": v["label"], "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
-            "num_devices": config.num_devices, "host": platform.node(), "cpu_count": os.cpu_count(),
-            "jax_version": jax.__version__, "model_name": config.model_name, "dtype": rt.dtype.name,
-            "attention": rt.attention, "remat_policy": rt.remat_policy, "scan_layers": config.scan_layers,
-            "tokens_per_step": config.tokens_per_step, "timed_steps": len(v["times"]), "warmup_steps": args.warmup,
+            **run_fields(args.argv, config, rt), "variant": v["label"],
+            "timed_steps": len(v["times"]), "warmup_steps": args.warmup,
             "step_seconds_median": median,
             "step_seconds_p25": statistics.quantiles(v["times"], n=4)[0] if len(v["times"]) > 1 else median,
             "cpu_seconds_per_step_median": statistics.median(v["cpu_times"]),
@@ -261,10 +268,7 @@ def compare(args) -> list[dict]:
             "load_average_1min": os.getloadavg()[0],
         })
     train.log(format_comparison(results, args))
-    if args.json and jax.process_index() == 0:
-        with open(args.json, "a", encoding="utf-8") as f:
-            for r in results:
-                f.write(json.dumps(r) + "\n")
+    append_json(args.json, results)
     return results
 
 
