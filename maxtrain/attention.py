@@ -47,7 +47,7 @@ def soft_cap(x, cap: float):
 
 
 def dot_product_attention(q, k, v, mask, *, scale: float | None = None, logits_soft_cap: float = 0.0,
-                          compact_scores: bool = False):
+                          compact_scores: bool = False, heads_major: bool = False):
     """Reference attention in plain jnp; softmax in float32, output in q.dtype.
 
     mask: boolean, broadcastable to [B, T, S]. scores = soft_cap(q.k * scale, logits_soft_cap) with
@@ -61,28 +61,71 @@ def dot_product_attention(q, k, v, mask, *, scale: float | None = None, logits_s
     (Llama 3 8B at 8192 on v5p-128: 4 GiB less per chip); its GPU compiler writes the float32
     softmax out and needs more (8 x H100: 50.8 against 42.8 GiB), so attention() asks for compact
     scores on TPUs only (docs/scale.md). Otherwise scores and softmax are float32.
+
+    heads_major=True computes in the layout [B, G, R*T, H] (the R query heads of a kv head stacked
+    along T) instead of [B, T, G, R, H]: one plain batched matmul per (sequence, kv head) with the
+    transposes on q, k, v and the output rather than on the T x S arrays. Same values; attention()
+    uses it on CPU, where XLA ran one layer's attention of the reference model (docs/performance.md),
+    forward and backward, in about a quarter less time in it.
     """
     b, t, n, h = q.shape
     g = k.shape[2]
     if n % g:
         raise ValueError(f"query heads ({n}) must be a multiple of kv heads ({g})")
-    q = q.reshape(b, t, g, n // g, h)  # R = N // G query heads per kv head
+    r = n // g  # R = N // G query heads per kv head
+    dtype = q.dtype
     scale = h**-0.5 if scale is None else scale
-    mask = mask[:, None, None, :, :]
-    compact = compact_scores and q.dtype in (jnp.bfloat16, jnp.float16)
+    mask = mask.reshape((1,) * (3 - mask.ndim) + mask.shape)  # [B or 1, T, S]
+    if heads_major:  # [B, G, R*T, H]: the R query heads of a kv head stacked along T (see the docstring)
+        q = q.reshape(b, t, g, r, h).transpose(0, 2, 3, 1, 4).reshape(b, g, r * t, h)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        mask = jnp.broadcast_to(mask[:, None, None], (mask.shape[0], 1, r) + mask.shape[1:])
+        mask = mask.reshape(mask.shape[0], 1, r * t, mask.shape[-1])
+        scores_eq, out_eq = "BGTH,BGSH->BGTS", "BGTS,BGSH->BGTH"
+    else:
+        q, mask = q.reshape(b, t, g, r, h), mask[:, None, None, :, :]
+        scores_eq, out_eq = "BTGRH,BSGH->BGRTS", "BGRTS,BSGH->BTGRH"
+    compact = compact_scores and dtype in (jnp.bfloat16, jnp.float16)
     if compact:
-        scores = jnp.einsum("BTGRH,BSGH->BGRTS", q, k, preferred_element_type=q.dtype)
+        scores = jnp.einsum(scores_eq, q, k, preferred_element_type=dtype)
         probs = _probabilities(scores, mask, scale, logits_soft_cap)
     else:
-        scores = jnp.einsum("BTGRH,BSGH->BGRTS", q, k, preferred_element_type=jnp.float32)
+        scores = jnp.einsum(scores_eq, q, k, preferred_element_type=jnp.float32)
         scores = soft_cap(scores * scale, logits_soft_cap)
         probs = jax.nn.softmax(jnp.where(mask, scores, _MASK_VALUE), axis=-1)
     # With compact scores the product is written in the 16-bit dtype (it accumulates in float32 and is
     # rounded once, as the .astype below would): its gradient with respect to the probabilities is
     # then a 16-bit T x S array too, not a float32 one.
-    out = jnp.einsum("BGRTS,BSGH->BTGRH", probs.astype(v.dtype), v,
-                     preferred_element_type=q.dtype if compact else jnp.float32)
-    return out.reshape(b, t, n, h).astype(q.dtype)
+    out = jnp.einsum(out_eq, probs.astype(v.dtype), v, preferred_element_type=dtype if compact else jnp.float32)
+    if heads_major:
+        out = out.reshape(b, g, r, t, h).transpose(0, 3, 1, 2, 4)
+    return out.reshape(b, t, n, h).astype(dtype)
+
+
+def causal_chunks(q, k, v, segment_ids, *, sliding_window: int = 0, scale: float | None = None,
+                  logits_soft_cap: float = 0.0, max_chunks: int = 8, min_chunk: int = 128):
+    """Causal self-attention in query chunks, each against only the keys its queries can see.
+
+    The T queries are cut into n = min(max_chunks, T // min_chunk) chunks (at least one) of near-equal
+    size; the chunk of queries [start, end) attends to keys [0, end), or with a sliding window W to
+    [start - W + 1, end). Its q.k and probs.v matmuls skip the keys every query of the chunk masks:
+    (n + 1) / 2n of the whole T x S work (3/4 with 2 chunks, 9/16 with 8), and the scores and
+    probabilities shrink alike. Same values as one dot_product_attention over the whole mask (no key a
+    query can see is left out of its chunk); each chunk is computed heads-major (see
+    dot_product_attention). attention() uses it on CPU: on the reference model of docs/performance.md
+    it made the step a few percent faster than heads-major alone.
+    """
+    t = q.shape[1]
+    n = max(1, min(max_chunks, t // min_chunk))
+    bounds = [round(i * t / n) for i in range(n + 1)]
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        first = max(0, start - sliding_window + 1) if sliding_window > 0 else 0
+        mask = make_attention_mask(segment_ids[:, start:end], segment_ids[:, first:end], q_offset=start - first,
+                                   sliding_window=sliding_window)
+        outs.append(dot_product_attention(q[:, start:end], k[:, first:end], v[:, first:end], mask, scale=scale,
+                                          logits_soft_cap=logits_soft_cap, heads_major=True))
+    return outs[0] if n == 1 else jnp.concatenate(outs, axis=1)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -270,9 +313,13 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
         return context_parallel.attention(q, k, v, segment_ids, causal=causal, sliding_window=sliding_window,
                                           logits_soft_cap=logits_soft_cap, scale=scale)
     if implementation == "dot_product":
+        on_cpu = platform is not None and canonical_platform(platform) == "cpu"
+        if on_cpu and causal:
+            return causal_chunks(q, k, v, segment_ids, sliding_window=sliding_window, scale=scale,
+                                 logits_soft_cap=logits_soft_cap)
         mask = make_attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
         return dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap,
-                                     compact_scores=platform == "tpu")
+                                     compact_scores=platform == "tpu", heads_major=on_cpu)
     if implementation not in ("flash", "cudnn"):
         raise ValueError(f"unresolved attention implementation {implementation!r}")
     if platform is None:
