@@ -1,6 +1,6 @@
 """Times causal attention forward + backward for the flash (Pallas), cudnn and dot_product kernels.
 
-Setup: bfloat16, causal, no segment ids, q [B, T, N, H] and k, v [B, T, G, H]; defaults are
+Setup: bfloat16 (--dtype), causal, no segment ids, q [B, T, N, H] and k, v [B, T, G, H]; defaults are
 N=32 query heads, G=8 kv heads (GQA 4:1), H=128, and batch B = max(1, tokens // T) so every row
 of the table processes about `--tokens` (default 16384) tokens.
 
@@ -15,6 +15,12 @@ useful work; a kernel that recomputes (flash recomputes q@k^T) is not credited f
 cudnn (jax.nn.dot_product_attention(implementation="cudnn")) runs only on GPU. On CPU use
 --interpret with tiny sizes to check that the script works, e.g.
     python scripts/benchmark_attention.py --seq 128 --heads 4 --kv-heads 2 --head-dim 32 --interpret
+
+dot_product is the one masked [B, G, R, T, S] product that GPU and TPU compute; dot_product_cpu is
+what the trainer computes on CPU (heads-major, causal query chunks: attention.causal_chunks). The
+reference model's attention on this repository's CPU (docs/performance.md, "A sixth round"):
+    python scripts/benchmark_attention.py --impl dot_product dot_product_cpu --dtype float32 \
+        --seq 256 --tokens 1024 --heads 4 --kv-heads 4 --head-dim 64 --iters 40
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import time
 import jax
 import jax.numpy as jnp
 
+from maxtrain import attention
 from maxtrain.attention import dot_product_attention, make_attention_mask
 from maxtrain.kernels.flash_attention import flash_attention
 
@@ -53,6 +60,11 @@ def make_attention_fn(impl, args):
             ones = jnp.ones(q.shape[:2], jnp.int32)
             return dot_product_attention(q, k, v, make_attention_mask(ones, ones, causal=True))
         return reference
+    if impl == "dot_product_cpu":
+        def on_cpu(q, k, v):
+            ones = jnp.ones(q.shape[:2], jnp.int32)
+            return attention.attention(q, k, v, ones, implementation="dot_product", platform="cpu")
+        return on_cpu
     raise ValueError(f"unknown implementation {impl!r}")
 
 
@@ -83,7 +95,8 @@ def parse_args(argv):
     parser.add_argument("--kv-heads", type=int, default=8, help="kv heads G")
     parser.add_argument("--head-dim", type=int, default=128, help="head dim H")
     parser.add_argument("--impl", nargs="+", default=["flash", "cudnn", "dot_product"],
-                        choices=["flash", "cudnn", "dot_product"])
+                        choices=["flash", "cudnn", "dot_product", "dot_product_cpu"])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--block-q", type=int, default=128)
     parser.add_argument("--block-k", type=int, default=128)
     parser.add_argument("--warmup", type=int, default=2)
@@ -98,23 +111,24 @@ def main(argv=None):
     backend = jax.default_backend()
     impls = [i for i in args.impl if i != "cudnn" or backend == "gpu"]
     print(f"command: {shlex.join(['python', 'scripts/benchmark_attention.py', *sys.argv[1:]])}")
-    print(f"device: {jax.devices()[0].device_kind} ({backend}); bfloat16, causal, "
+    print(f"device: {jax.devices()[0].device_kind} ({backend}); {args.dtype}, causal, "
           f"N={args.heads} G={args.kv_heads} H={args.head_dim}, fwd+bwd, median of {args.iters} "
           f"after {args.warmup} warm-up; flash blocks {args.block_q}/{args.block_k}"
           f"{' (interpret)' if args.interpret else ''}")
     if len(impls) < len(args.impl):
         print("cudnn skipped: needs a GPU")
     print("TFLOP/s = 2.5 * 4*B*T*S*N*H/2 / time")
-    header = f"{'impl':<12} {'seq':>6} {'batch':>5} {'ms':>10} {'TFLOP/s':>8}"
+    header = f"{'impl':<16} {'seq':>6} {'batch':>5} {'ms':>10} {'TFLOP/s':>8}"
     print(header)
     print("-" * len(header))
     for seq in args.seq:
         batch = max(1, args.tokens // seq)
         keys = jax.random.split(jax.random.key(0), 4)
-        q = jax.random.normal(keys[0], (batch, seq, args.heads, args.head_dim), jnp.bfloat16)
-        k = jax.random.normal(keys[1], (batch, seq, args.kv_heads, args.head_dim), jnp.bfloat16)
-        v = jax.random.normal(keys[2], (batch, seq, args.kv_heads, args.head_dim), jnp.bfloat16)
-        do = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+        dtype = jnp.dtype(args.dtype)
+        q = jax.random.normal(keys[0], (batch, seq, args.heads, args.head_dim), dtype)
+        k = jax.random.normal(keys[1], (batch, seq, args.kv_heads, args.head_dim), dtype)
+        v = jax.random.normal(keys[2], (batch, seq, args.kv_heads, args.head_dim), dtype)
+        do = jax.random.normal(keys[3], q.shape, dtype)
         flops = attention_flops(batch, seq, seq, args.heads, args.head_dim)
         for impl in impls:
             try:
@@ -123,7 +137,7 @@ def main(argv=None):
                 result = f"{seconds * 1e3:>10.3f} {flops / seconds / 1e12:>8.3g}"
             except Exception as e:  # pylint: disable=broad-except  # e.g. out of memory
                 result = f"  failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}"
-            print(f"{impl:<12} {seq:>6} {batch:>5} {result}", flush=True)
+            print(f"{impl:<16} {seq:>6} {batch:>5} {result}", flush=True)
 
 
 if __name__ == "__main__":
