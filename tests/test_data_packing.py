@@ -127,8 +127,11 @@ def test_a_tokens_logits_do_not_change_when_another_document_in_its_row_changes(
         return np.concatenate([[1], rng.integers(4, 320, n - 2), [2]]).astype(np.int32)
 
     reference = logits_of_a([doc(6)], [doc(9)])
+    # The same up to float32 rounding: where a sits in the row changes which of the matmuls' blocks its
+    # keys fall in, so its sums add the same terms (the masked ones are exactly 0) in another order
+    # (a few elements differ by ~1e-6 on CPU); a leak across documents is ~1e-3 (below).
     for before, after in [([doc(6)], [doc(9)]), ([doc(12)], [doc(3)]), ([], [doc(15)]), ([doc(4), doc(5)], [])]:
-        np.testing.assert_allclose(logits_of_a(before, after), reference, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(logits_of_a(before, after), reference, rtol=0, atol=1e-5)
     # the test can fail: were the row one segment, a's logits would depend on the document before it
     first, second = logits_of_a([doc(6)], [], one_segment=True), logits_of_a([doc(6)], [], one_segment=True)
     assert np.abs(first - second).max() > 1e-3
