@@ -180,3 +180,36 @@ def test_gemma_train_step_compiles_for_8_h100s(h100s):
     """Gemma 2 (head_dim 256, window, soft-caps): the step every Gemma user on H100s would run."""
     hlo = compile_train_step(h100s, GEMMA + ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
     assert "flash_attention_dkv" in hlo
+
+
+# ----------------------------------------------------------------------------------------------
+# The CPU formulation of dot_product (heads-major, causal query chunks): attention() picks it only on
+# CPU, but it is plain jnp and must compile, forward and backward, for the accelerators too.
+
+
+def _compile_causal_chunks(devices, platform, data):
+    """Compiles d(sum(causal_chunks(q, k, v)))/d(q, k, v) (8 chunks, a 300-token window) for `platform`."""
+    mesh = sharding.mesh_of(devices, data=data, tensor=len(devices) // data)
+
+    def arg(shape, axes, dt=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, sharding.logical_to_spec(axes, RULES)))
+
+    def grads(q, k, v, seg):
+        def loss(q, k, v):
+            return jnp.sum(attention.causal_chunks(q, k, v, seg, sliding_window=300).astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    q, kv, seg = arg((4, 1024, 8, 128), Q_AXES), arg((4, 1024, 4, 128), KV_AXES), arg((4, 1024), SEG_AXES, jnp.int32)
+    with sharding.activation_sharding(mesh, RULES):
+        lowered = jax.jit(grads).trace(q, kv, kv, seg).lower(lowering_platforms=(platform,))
+    return lowered.compile()
+
+
+@needs_gpu_compiler
+def test_cpu_attention_formulation_compiles_for_h100(h100s):
+    assert _compile_causal_chunks(h100s, "cuda", data=2).memory_analysis() is not None
+
+
+@needs_tpu_compiler
+def test_cpu_attention_formulation_compiles_for_tpu():
+    assert _compile_causal_chunks(targets.tpu_devices("v5e:2x2"), "tpu", data=2).memory_analysis() is not None
