@@ -217,7 +217,7 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
         f"layers {config.base_num_decoder_layers}  D {config.base_emb_dim}  heads "
         f"{config.base_num_query_heads}/{config.base_num_kv_heads}  F {config.base_mlp_dim}  V {config.vocab_size}",
         *([moe_line(run)] if models.is_moe(config) else []),
-        f"compute: {rt.describe()}  weights {config.weight_dtype}  scan_layers {config.scan_layers}  "
+        f"compute: {rt.describe()}  weights {config.weight_dtype}  scan_layers {rt.scan_layers(config)}  "
         f"platform {rt.backend}",
         host_memory.describe(),
         f"mesh: {dict(run.mesh.shape)} over {config.num_devices} devices in {config.num_processes} process(es)"

@@ -78,7 +78,8 @@ def write_metadata(config, rt, start) -> dict:
     """Run metadata, saved in every checkpoint and written as readable files to <run>/metadata."""
     source = checkpoint_files.source_of(start.step_dir) if start.step_dir else None
     meta = {"config": config.to_dict(), "runtime": {"dtype": rt.dtype.name, "attention": rt.attention,
-                                                    "remat_policy": rt.remat_policy},
+                                                    "remat_policy": rt.remat_policy,
+                                                    "scan_layers": rt.scan_layers(config)},
             **({"source": source} if source else {}),  # a model imported from Hugging Face: kept for export
             "jax_version": jax.__version__, "num_processes": jax.process_count(), "num_devices": jax.device_count(),
             "device_kind": jax.devices()[0].device_kind, "git": checkpoint_lib.git_state(),

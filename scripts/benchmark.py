@@ -184,7 +184,7 @@ def run_fields(argv: list[str], config, rt) -> dict:
         "backend": jax.default_backend(), "device_kind": jax.devices()[0].device_kind,
         "num_devices": config.num_devices, "host": platform.node(), "cpu_count": os.cpu_count(),
         "jax_version": jax.__version__, "model_name": config.model_name, "dtype": rt.dtype.name,
-        "attention": rt.attention, "remat_policy": rt.remat_policy, "scan_layers": config.scan_layers,
+        "attention": rt.attention, "remat_policy": rt.remat_policy, "scan_layers": rt.scan_layers(config),
         "tokens_per_step": config.tokens_per_step,
     }
 

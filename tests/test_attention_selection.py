@@ -66,10 +66,13 @@ def test_runtime_describes_what_was_autoselected():
     text = models.Runtime.from_config(cfg, "cpu").describe()
     assert "attention dot_product (autoselected for cpu)" in text
     assert "dtype float32 (autoselected for cpu)" in text
-    assert "remat full (autoselected for cpu)" in text  # measured fastest on CPU (docs/performance.md)
+    # A small dense model on CPU: nothing recomputed, layers unrolled (measured faster, docs/performance.md).
+    assert "remat none (autoselected for cpu)  layers unrolled (autoselected for cpu)" in text
+    assert "remat full (autoselected for tpu)" in models.Runtime.from_config(cfg, "tpu").describe()
     assert models.Runtime.from_config(cfg, "gpu").dtype == jnp.bfloat16
     text = models.Runtime.from_config(cfg.replace(remat_policy="none", dtype="bfloat16"), "cpu").describe()
     assert "remat none" in text and "remat none (" not in text  # chosen by the user: no tag
+    assert "unrolled" not in text
     assert "dtype bfloat16  " in text
     cfg = load_config([BASE_YML, *TINY, "attention=flash"])
     assert "flash (Pallas interpret mode: slow" in models.Runtime.from_config(cfg, "cpu").describe()

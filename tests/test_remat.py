@@ -12,6 +12,7 @@ import pytest
 from conftest import BASE_YML, TINY
 from maxtrain import models
 from maxtrain.config import load_config, with_overrides
+from maxtrain.models import runtime as runtime_lib
 
 
 def loss_and_grad(*overrides, seq=32, batch=2):
@@ -61,3 +62,39 @@ def test_full_remat_needs_less_temporary_memory_than_none():
     [B, N, T, T] among them) for the backward pass; 'full' keeps each layer's input and recomputes."""
     none, full = temp_bytes("none"), temp_bytes("full")
     assert full < 0.5 * none, (full, none)
+
+
+# --------------------------------------------------------------------------------------------
+# remat_policy=autoselected: the layer plan per backend and model size
+# --------------------------------------------------------------------------------------------
+
+def plan(*overrides, backend="cpu"):
+    cfg = load_config([BASE_YML, *overrides])
+    rt = models.Runtime.from_config(cfg, backend)
+    return rt.remat_policy, rt.scan_layers(cfg)
+
+
+@pytest.mark.parametrize("overrides, backend, expected", [
+    ((), "cpu", ("none", False)),                       # the default model: unrolled, nothing recomputed
+    ((), "tpu", ("full", True)),
+    ((), "gpu", ("full", True)),
+    (("scan_layers=true",), "cpu", ("full", True)),     # the user's scan_layers is kept, and so is full
+    (("scan_layers=false",), "cpu", ("full", False)),
+    (("remat_policy=minimal",), "cpu", ("minimal", True)),  # an explicit policy is kept
+    (("base_num_decoder_layers=17",), "cpu", ("full", True)),  # more layers than CPU_UNROLL_MAX_LAYERS
+    (("max_target_length=4096",), "cpu", ("full", True)),      # activations over the budget
+    (("decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2"), "cpu", ("full", True)),
+])
+def test_autoselected_layer_plan(overrides, backend, expected):
+    assert plan("dataset_type=synthetic", *overrides, backend=backend) == expected
+
+
+def test_activation_estimate_bounds_the_plan():
+    """The estimate grows with batch, length, width and depth; the default model is well under the budget."""
+    def estimate(*overrides):
+        return runtime_lib.saved_activation_bytes(load_config([BASE_YML, "dataset_type=synthetic", *overrides]))
+    base = estimate()
+    assert base < runtime_lib.CPU_UNROLL_MAX_ACTIVATION_BYTES
+    assert estimate("per_device_batch_size=32") == 2 * base
+    assert estimate("base_num_decoder_layers=8") == 2 * base
+    assert estimate("max_target_length=512") > 2 * base  # attention rows grow with T^2

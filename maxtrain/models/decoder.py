@@ -208,7 +208,7 @@ def _hidden(family, params, tokens, positions, segment_ids, config, rt):
     inputs = LayerInputs(positions, segment_ids, rope_tables(positions, config))
     if sharding.ways("layers") > 1:
         return pipeline.run_stages(run_layers, family, params["layers"], x, inputs, config, rt)
-    x, aux, _ = run_layers(family, params["layers"], x, inputs, config, rt, config.scan_layers)
+    x, aux, _ = run_layers(family, params["layers"], x, inputs, config, rt, rt.scan_layers(config))
     return x, aux
 
 

@@ -144,7 +144,7 @@ def run_stages(run_layers, family, layer_params: dict, x, inputs, config, rt):
             mb = jnp.clip(t - s, 0, m - 1)                               # this stage's micro-batch
             x_in = jnp.where(s == 0, xs[jnp.minimum(t, m - 1)], held)
             stage_inputs = jax.tree.map(lambda a: a[mb], micro_inputs)
-            y, aux, _ = run_layers(family, params, x_in, stage_inputs, config, rt, config.scan_layers, types=types)
+            y, aux, _ = run_layers(family, params, x_in, stage_inputs, config, rt, rt.scan_layers(config), types=types)
             working = ((t - s >= 0) & (t - s < m)).astype(jnp.float32)
             aux = jax.tree.map(lambda a: a * working, aux)
             held = jax.lax.ppermute(y, "stage", [(i, (i + 1) % stages) for i in range(stages)])

@@ -26,13 +26,47 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 }
 
 
-def resolve_remat_policy(name: str, backend: str | None = None) -> str:
-    """`autoselected` is `full` on every backend. On accelerators it needs the least memory; on CPU
-    it was also measured the fastest (docs/performance.md): recomputing a layer's forward pass
-    costs less there than writing every activation to the scan's stacked buffers and reading it
-    back, so `none` saved memory traffic nowhere and cost up to 20% more CPU time per step."""
-    del backend  # the same choice everywhere, for the reasons above
-    return "full" if name == "autoselected" else name
+# On CPU a small dense model's step is fastest with nothing recomputed and its layers unrolled
+# (docs/performance.md, "An eighth round": 5% on the reference configuration, 9% on the default model).
+# Both are needed: with the layers scanned, `none` writes every activation into the scan's stacked,
+# zero-initialized [L, ...] buffers and is no faster than `full`; unrolled with `full`, the recomputation
+# stays. The choice is bounded so that it cannot cost what it saves: at most this many layers (compile
+# time grows with unrolled layers) and at most this many bytes of saved activations per device.
+CPU_UNROLL_MAX_LAYERS = 16
+CPU_UNROLL_MAX_ACTIVATION_BYTES = 2**30
+
+
+def saved_activation_bytes(config) -> int:
+    """An estimate of the activations `remat_policy=none` keeps for the backward pass, per device and
+    micro-batch, in float32: per layer and token 16 [D] vectors (inputs, norms, q, k, v before and after
+    RoPE, the attention output, its projection, residual sums), 4 [F] (gate, up, SiLU and product) and
+    3 [N, T] rows of dot_product attention (scores, mask, probabilities). Against the compiled step's
+    extra memory over `full` (docs/performance.md): 185 MB for 193 MB on the reference configuration,
+    671 MB for 563 MB on the default model."""
+    tokens = config.per_device_batch_size * config.max_target_length
+    per_token = (16 * config.base_emb_dim + 4 * config.base_mlp_dim
+                 + 3 * config.base_num_query_heads * config.max_target_length)
+    return 4 * config.base_num_decoder_layers * tokens * per_token
+
+
+def resolve_layer_plan(config, backend: str | None = None) -> tuple[str, bool]:
+    """(remat policy, scan the layers?) for this run.
+
+    An explicit remat_policy is kept, with scan_layers as configured. `autoselected` is `full` (the
+    least memory) with scan_layers as configured, except on CPU for a small dense model whose user set
+    neither key: there `none` with the layers unrolled, the faster step (CPU_UNROLL_* above). A model
+    with experts or pipeline stages keeps `full` (not measured there); so does a model whose saved
+    activations could exceed CPU_UNROLL_MAX_ACTIVATION_BYTES, where `full` also saves the memory."""
+    scan = config.scan_layers
+    if config.remat_policy != "autoselected":
+        return config.remat_policy, scan
+    small_dense_cpu = ((backend or jax.default_backend()) == "cpu"
+                       and "scan_layers" not in config.given_keys
+                       and config.num_experts == 1
+                       and config.ici_pipeline_parallelism * config.dcn_pipeline_parallelism == 1
+                       and config.base_num_decoder_layers <= CPU_UNROLL_MAX_LAYERS
+                       and saved_activation_bytes(config) <= CPU_UNROLL_MAX_ACTIVATION_BYTES)
+    return ("none", False) if small_dense_cpu else ("full", scan)
 
 
 def resolve_dtype(name: str, backend: str | None = None):
@@ -69,6 +103,7 @@ class Runtime:
     remat_policy: str
     backend: str = "cpu"
     autoselected: tuple[str, ...] = ()  # which of dtype, attention, remat_policy, num_vocab_tiling were left to us
+    unroll_layers: bool = False  # the CPU plan above unrolls the layers although config.scan_layers is true
     vocab_tiles: int = 1  # the loss head's sequence chunks (num_vocab_tiling, resolved)
 
     @classmethod
@@ -85,8 +120,13 @@ class Runtime:
         attention = attention_lib.resolve_implementation(
             config.attention, backend, dtype=dtype, head_dim=config.head_dim,
             sliding_window=config.sliding_window_size, logits_soft_cap=config.attn_logits_soft_cap)
-        return cls(dtype=dtype, attention=attention, remat_policy=resolve_remat_policy(config.remat_policy, backend),
-                   backend=backend, autoselected=auto, vocab_tiles=tiles)
+        remat_policy, scan_layers = resolve_layer_plan(config, backend)
+        return cls(dtype=dtype, attention=attention, remat_policy=remat_policy, backend=backend,
+                   autoselected=auto, vocab_tiles=tiles, unroll_layers=config.scan_layers and not scan_layers)
+
+    def scan_layers(self, config) -> bool:
+        """Whether the layers run as a lax.scan: config.scan_layers, unless this runtime unrolls them."""
+        return config.scan_layers and not self.unroll_layers
 
     def describe(self) -> str:
         """`dtype float32 (autoselected for cpu)  attention ...  remat ...` for the start-up summary."""
@@ -96,4 +136,5 @@ class Runtime:
         return (f"dtype {jnp.dtype(self.dtype).name}{tag('dtype')}  "
                 f"attention {attention_lib.describe(self.attention, self.backend)}{tag('attention')}  "
                 f"remat {self.remat_policy}{tag('remat_policy')}  "
-                f"vocab tiles {self.vocab_tiles}{tag('num_vocab_tiling')}")
+                + (f"layers unrolled (autoselected for {self.backend})  " if self.unroll_layers else "")
+                + f"vocab tiles {self.vocab_tiles}{tag('num_vocab_tiling')}")
