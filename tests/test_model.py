@@ -1,4 +1,5 @@
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +93,39 @@ def test_rope_scores_depend_only_on_relative_position():
 
     assert score(5, 2) == pytest.approx(score(13, 10), rel=1e-5)
     assert score(5, 2) != pytest.approx(score(5, 4), rel=1e-3)
+
+
+@pytest.mark.parametrize("rope", [rope_lib.Rope(theta=500000.0),
+                                  rope_lib.Rope(theta=10000.0, type="yarn", factor=4.0,
+                                                original_max_position_embeddings=64)])
+def test_rope_host_table_matches_the_computed_angles(rope):
+    """The CPU path reads cos/sin from a host table of positions [0, T); it agrees with computing them in
+    the step (to float32 rounding, yarn's attention factor included), and a position outside the table
+    reads NaN instead of a wrong angle."""
+    positions = jnp.asarray([[0, 1, 2, 3, 4, 5, 6, 7], [3, 4, 5, 0, 1, 2, 7, 6]])
+    computed = rope_lib.tables(positions, rope, 32)
+    from_table = jax.jit(lambda p: rope_lib.tables(p, rope, 32, num_positions=8))(positions)
+    for a, b in zip(computed, from_table):
+        np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=2e-6)
+    cos, sin = rope_lib.tables(positions.at[1, 2].set(8), rope, 32, num_positions=8)
+    assert np.isnan(np.asarray(cos)[1, 2]).all() and np.isnan(np.asarray(sin)[1, 2]).all()
+    assert np.isfinite(np.asarray(cos)[1, 3]).all()
+
+
+def test_rope_table_only_on_cpu_and_within_its_budget():
+    assert rope_lib.table_positions(256, 64, "cpu") == 256
+    assert rope_lib.table_positions(8192, 128, "cpu") == 8192  # 4 MiB of cos and sin
+    assert rope_lib.table_positions(16384, 128, "cpu") is None
+    assert rope_lib.table_positions(256, 64, "tpu") is None and rope_lib.table_positions(256, 64, "gpu") is None
+
+
+def test_cpu_train_step_computes_no_sine_or_cosine():
+    """The compiled CPU step reads RoPE's cos/sin from the table: no sincos per element of q and k."""
+    from maxtrain import builder
+    cfg = load_config([BASE_YML, *with_overrides(TINY, "dataset_type=synthetic", "enable_checkpointing=false")])
+    hlo = builder.build(cfg).compile().as_text()
+    assert " rsqrt(" in hlo  # the text is the step's: its norms are there
+    assert not re.findall(r"f32\[\d[\d,]*\]\S* (?:sine|cosine)\(", hlo)  # (the schedule's scalar cosine stays)
 
 
 def test_rms_norm_in_float32():

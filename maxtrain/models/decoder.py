@@ -186,13 +186,14 @@ def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, s
     return x, aux_total, new_cache
 
 
-def rope_tables(positions, config) -> dict:
-    """cos/sin tables for the global RoPE and, where it differs, the local one (computed once per pass)."""
+def rope_tables(positions, config, num_positions: int | None = None) -> dict:
+    """cos/sin tables for the global RoPE and, where it differs, the local one (computed once per pass;
+    num_positions: read from a host table, models/rope.py)."""
     global_rope = rope_lib.Rope.from_config(config)
     local_rope = rope_lib.Rope.from_config(config, local=True)
-    tables = {"global": rope_lib.tables(positions, global_rope, config.head_dim)}
+    tables = {"global": rope_lib.tables(positions, global_rope, config.head_dim, num_positions)}
     tables["local"] = tables["global"] if local_rope == global_rope else rope_lib.tables(
-        positions, local_rope, config.head_dim)
+        positions, local_rope, config.head_dim, num_positions)
     return tables
 
 
@@ -205,7 +206,8 @@ def _hidden(family, params, tokens, positions, segment_ids, config, rt):
     """(final hidden states [B, T, D], aux): the embedding and every layer, in pipeline stages when
     the mesh has them (models/pipeline.py)."""
     x = family.embed(params, tokens, config, rt)
-    inputs = LayerInputs(positions, segment_ids, rope_tables(positions, config))
+    table = rope_lib.table_positions(tokens.shape[1], config.head_dim, rt.backend)  # positions < T
+    inputs = LayerInputs(positions, segment_ids, rope_tables(positions, config, table))
     if sharding.ways("layers") > 1:
         return pipeline.run_stages(run_layers, family, params["layers"], x, inputs, config, rt)
     x, aux, _ = run_layers(family, params["layers"], x, inputs, config, rt, rt.scan_layers(config))

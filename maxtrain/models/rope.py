@@ -12,6 +12,12 @@ RoPE rotates each pair (x_i, x_{i + H/2}) of a query or key by the angle positio
              factor (0.1 ln(factor) + 1 unless given)
 
 The frequencies are computed once on the host (float64, then float32), the angles per step in float32.
+
+On CPU the training and evaluation forward reads cos and sin from a table of the positions [0, T) built
+on the host when the step is traced (`table_positions`). Computed in the step instead, XLA:CPU fuses them
+into every RoPE application it feeds (q and k of each layer, forward and backward) and evaluates a scalar
+sincos per element of each: 16 fusions and 3.5% of the reference configuration's step in
+docs/performance.md. Accelerators keep computing them (cheap there; a gather is not).
 """
 
 from __future__ import annotations
@@ -97,11 +103,30 @@ def _yarn(base: np.ndarray, rope: Rope, head_dim: int) -> tuple[np.ndarray, floa
     return freq.astype(np.float32), float(factor)
 
 
-def tables(positions, rope: Rope, head_dim: int):
-    """(cos, sin), each [B, T, H/2] float32, for integer positions [B, T]."""
+# The largest host table (bytes of cos and sin) `table_positions` allows: 4 MiB is T = 8192 at head_dim 128.
+TABLE_BYTES_MAX = 4 * 2**20
+
+
+def table_positions(length: int, head_dim: int, backend: str) -> int | None:
+    """How many positions `tables` should read from a host table for sequences of `length` tokens (each
+    position of a row lies in [0, length), as every maxtrain data source makes them), or None to compute."""
+    return length if backend == "cpu" and length * head_dim * 4 <= TABLE_BYTES_MAX else None
+
+
+def tables(positions, rope: Rope, head_dim: int, num_positions: int | None = None):
+    """(cos, sin), each [B, T, H/2] float32, for integer positions [B, T].
+
+    With num_positions, cos and sin are read from a table of the positions [0, num_positions), computed
+    with numpy in float32 as the step would (agreeing with it to 1 ulp); a position outside the table
+    reads NaN, so a bound that does not hold cannot pass silently. Without it they are computed here."""
     freq, factor = inv_freq(rope, head_dim)
-    angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(freq)
-    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if num_positions is not None:
+        angles = np.arange(num_positions, dtype=np.float32)[:, None] * freq  # float32, as below
+        table = jnp.asarray(np.concatenate([np.cos(angles), np.sin(angles)], axis=-1))  # [P, H]
+        cos, sin = jnp.split(jnp.take(table, positions, axis=0, mode="fill", fill_value=np.nan), 2, axis=-1)
+    else:
+        angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(freq)
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
     if factor != 1.0:
         cos, sin = cos * factor, sin * factor
     return cos, sin
