@@ -1,5 +1,5 @@
-"""Building blocks written for speed or memory: a projection, the cross-entropy loss, and the
-cross-entropy of a vocabulary projection computed a chunk of the sequence at a time.
+"""Building blocks written for speed or memory: a projection, the cross-entropy loss, the slices of a
+stacked array, and the cross-entropy of a vocabulary projection computed a chunk of the sequence at a time.
 
 Each computes exactly what the plain jnp expression computes; only the shape of the work differs,
 chosen by profiling the train step on CPU (docs/performance.md, "CPU speed"):
@@ -17,6 +17,12 @@ in float32, with a hand-written backward pass (`jax.custom_vjp`). Autodiff of `t
 scatters into a zero [B, T, V] array and keeps several [B, T, V] intermediates; the gradient is
 (softmax - onehot(target)) x weight, computed here in one elementwise pass from the saved logits
 and log-normalizer. Over a 32k vocabulary this halved the loss's share of the CPU step.
+
+`unstack(a)`: the L slices a[0], ..., a[L - 1] of a stacked array, whose gradient is one stack of the
+L slice gradients. Autodiff of a[i] pads each slice's gradient to the whole [L, ...] shape with zeros
+and adds the L padded arrays; XLA:CPU kept them apart, wrote the four 4 MiB pads of each stacked MLP
+weight and read all of them in each of the optimizer's fusions (unrolled layers of the reference CPU
+config: 7% of the step's non-matmul time).
 
 `tiled_cross_entropy(logits_fn, head, x, targets, weights, tiles)`: the same loss for the logits
 `logits_fn(head, x)`, but the sequence is cut into `tiles` chunks and only one chunk's [B, T/tiles, V]
@@ -97,6 +103,23 @@ def _wide_product_bwd(residuals, g):
 
 
 _wide_product.defvjp(_wide_product_fwd, _wide_product_bwd)
+
+
+@jax.custom_vjp
+def unstack(a) -> tuple:
+    """(a[0], ..., a[L - 1]) of a stacked array a [L, ...]; the gradient is the slices' gradients stacked."""
+    return tuple(a[i] for i in range(a.shape[0]))
+
+
+def _unstack_fwd(a):
+    return unstack(a), None
+
+
+def _unstack_bwd(_, gs):
+    return (jnp.stack(gs),)
+
+
+unstack.defvjp(_unstack_fwd, _unstack_bwd)
 
 
 @jax.custom_vjp

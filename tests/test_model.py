@@ -223,3 +223,21 @@ def test_aux_losses_reach_the_objective_and_the_metrics(monkeypatch):
     _, metrics = jax.jit(train_step.make_train_step(cfg, rt, tx))(state, batch)
     assert float(metrics["aux/toy_energy"]) == pytest.approx(sum(per_layer), rel=1e-4)
     assert float(metrics["loss"]) == pytest.approx(float(ce) / float(weight), rel=1e-5)  # the loss stays the CE
+
+
+def test_unstack_gradient_is_one_stack_not_padded_slices():
+    """ops.unstack (the unrolled layers' cut of each stacked weight): the same values and gradient as
+    slicing, with the slices' gradients stacked, where autodiff of a[i] pads each one to [L, ...]."""
+    from maxtrain import ops
+    a = jnp.asarray(np.random.default_rng(0).normal(size=(3, 4, 5)), jnp.float32)
+
+    def loss(cut):
+        return lambda a: sum(jnp.sum(jnp.sin(x) * (i + 1)) for i, x in enumerate(cut(a)))
+
+    sliced = lambda a: tuple(a[i] for i in range(a.shape[0]))
+    for x, y in zip(ops.unstack(a), sliced(a)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    np.testing.assert_allclose(np.asarray(jax.grad(loss(ops.unstack))(a)), np.asarray(jax.grad(loss(sliced))(a)),
+                               rtol=1e-6)
+    primitives = lambda f: {e.primitive.name for e in jax.make_jaxpr(jax.grad(f))(a).jaxpr.eqns}
+    assert "pad" in primitives(loss(sliced)) and "pad" not in primitives(loss(ops.unstack))

@@ -115,6 +115,13 @@ def _segment_params(layer_params: dict, types: list[LayerType], seg: Segment) ->
     return out
 
 
+def _layer_params(layers: dict, types: list[LayerType], index: int) -> dict:
+    """{kind: layer `index`'s parameters} from each kind's unstacked layers (a tuple per leaf)."""
+    kind = types[index].kind
+    i = sum(t.kind == kind for t in types[:index])
+    return {kind: jax.tree.map(lambda t: t[i], layers[kind], is_leaf=lambda t: isinstance(t, tuple))}
+
+
 def _segment_cache(cache, seg: Segment):
     """The segment's (k, v) cache slots [repeats, period, B, S, G, H], or None when not decoding."""
     if cache is None:
@@ -163,15 +170,19 @@ def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, s
     [L, ...] or None)."""
     types = family.layer_types(config) if types is None else types
     segments = plan_segments(types) if scan else [Segment(i, (t,), 1) for i, t in enumerate(types)]
+    # Unrolled, each kind's stacks are cut into layers once (ops.unstack: their gradients stacked, not padded).
+    layers = None if scan else {k: jax.tree.map(ops.unstack, v) for k, v in layer_params.items()}
     aux_total, caches = {}, []
     for seg in segments:
-        xs = (_segment_params(layer_params, types, seg), _segment_cache(inputs.cache, seg))
+        xs = (_segment_params(layer_params, types, seg) if scan else
+              _layer_params(layers, types, seg.start), _segment_cache(inputs.cache, seg))
 
         def group(x, xs, period=seg.period):
             return _run_group(family, period, x, *xs, inputs, config, rt, scan)
 
         if seg.repeats == 1:
-            x, (aux, per_layer, cache) = group(x, jax.tree.map(lambda a: a[0], xs))
+            x, (aux, per_layer, cache) = group(x, jax.tree.map(lambda a: a[0], xs) if scan else
+                                               (xs[0], None if xs[1] is None else jax.tree.map(lambda a: a[0], xs[1])))
             per_layer, cache = jax.tree.map(lambda a: a[None], (per_layer, cache))
         else:
             x, (aux, per_layer, cache) = jax.lax.scan(group, x, xs)
