@@ -241,3 +241,27 @@ def test_unstack_gradient_is_one_stack_not_padded_slices():
                                rtol=1e-6)
     primitives = lambda f: {e.primitive.name for e in jax.make_jaxpr(jax.grad(f))(a).jaxpr.eqns}
     assert "pad" in primitives(loss(sliced)) and "pad" not in primitives(loss(ops.unstack))
+
+
+def test_cpu_dense_weight_gradient_is_a_plain_matmul():
+    """ops.dense(backend="cpu"): the same values and gradients as the plain product, with the weight
+    gradient computed as x^T . g from an x^T of its own: no matmul in the compiled gradient contracts
+    a transposed operand (which XLA:CPU leaves to slower code than its matmul library)."""
+    from maxtrain import ops
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(2, 8, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(16, 4, 6)), jnp.float32)
+
+    def grads(backend):
+        return jax.jit(jax.value_and_grad(lambda x, w: jnp.sum(jnp.sin(ops.dense(x, w, backend=backend))),
+                                          argnums=(0, 1)))
+
+    (value, (dx, dw)), (ref_value, (ref_dx, ref_dw)) = grads("cpu")(x, w), grads(None)(x, w)
+    np.testing.assert_allclose(float(value), float(ref_value), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(dx), np.asarray(ref_dx), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dw), np.asarray(ref_dw), rtol=1e-5, atol=1e-5)
+
+    def transposed_lhs_dots(backend):
+        return re.findall(r" dot\(.*lhs_contracting_dims=\{0\}", grads(backend).lower(x, w).compile().as_text())
+
+    assert transposed_lhs_dots(None) and not transposed_lhs_dots("cpu")
