@@ -17,10 +17,24 @@ set, the process re-executes itself with the same interpreter, arguments and pro
 help: not Linux with glibc >= 2.35, transparent huge pages `never` (nothing to ask for) or `always`
 (every large mapping gets them already), the tunable already set by the user, or
 MAXTRAIN_HOST_HUGEPAGES=0 in the environment (the way to turn it off).
+
+Huge pages make each fresh page cheaper to fault in, but the kernel still zeroes every one: the reference
+configuration's step maps, touches and unmaps ~470 MB of temporaries each step (6% of its CPU time in
+`clear_page_erms`). The allocations come from XLA's worker threads, whose glibc arenas cannot hold a
+buffer this large and map a fresh one each time. `keep_step_buffers(config)` therefore tells glibc, where
+the run is on the CPU and its step's buffers are small (`step_buffer_bytes` <= REUSE_MAX_BYTES), to serve
+every thread from one arena, never to mmap, and never to give freed memory back (mallopt), so the
+second step reuses the first one's pages. The step is 5 to 10% faster; the process keeps its peak
+(two steps' temporaries, since a step is dispatched before the last one finishes) plus fragmentation
+resident, 0.7 to 1.2 GB more on the reference configuration; `release_unused()` (malloc_trim) after the
+first step returns what compiling left behind. It must run before JAX starts its CPU client (threads
+choose their arena once); MAXTRAIN_HOST_BUFFER_REUSE=0 turns it off.
 """
 
 from __future__ import annotations
 
+import ctypes
+import importlib.util
 import os
 import sys
 
@@ -64,6 +78,8 @@ def reexec_with_hugepages() -> None:
     """Re-executes this process with `glibc.malloc.hugetlb=1` where that helps (module docstring); returns
     only where it does not. Call it first thing in an entry point, before JAX starts threads or
     allocates. The process id, arguments, interpreter options and open files stay the same."""
+    global _entry_point  # pylint: disable=global-statement
+    _entry_point = True  # only the entry points call this: keep_step_buffers may then change malloc
     environ = hugepage_environment(os.environ, sys.platform, glibc_version(), thp_mode())
     if environ is None:
         return
@@ -78,7 +94,14 @@ def reexec_with_hugepages() -> None:
 
 
 def describe() -> str:
-    """One line for the start-up summary: whether this process' large host buffers get huge pages."""
+    """One line for the start-up summary: whether this process' large host buffers get huge pages, and
+    whether a step's buffers are kept between steps."""
+    return _describe_pages() + "; " + (
+        f"step buffers kept between steps ({REUSE_OPT_OUT}=0 turns it off)" if _reuse == "on"
+        else f"step buffers mapped afresh each step ({_reuse})")
+
+
+def _describe_pages() -> str:
     for item in os.environ.get("GLIBC_TUNABLES", "").split(":"):
         if item.startswith(TUNABLE + "="):
             return f"host memory: glibc malloc with {item}" + (
@@ -92,3 +115,57 @@ def describe() -> str:
            "not glibc" if glibc is None else "glibc older than 2.35" if glibc < (2, 35) else
            f"not started as python -m maxtrain.train; GLIBC_TUNABLES={TUNABLE}=1 before Python starts does the same")
     return f"host memory: 4 KiB pages ({why})"
+
+
+# glibc's mallopt parameters (malloc.h), and the largest step `keep_step_buffers` keeps (module docstring)
+M_TRIM_THRESHOLD, M_MMAP_MAX, M_ARENA_MAX = -1, -4, -8
+REUSE_OPT_OUT = "MAXTRAIN_HOST_BUFFER_REUSE"
+REUSE_MAX_BYTES = 2**30
+ACCELERATOR_PACKAGES = ("libtpu", "jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin", "jax_rocm7_plugin")
+_reuse = "not requested"  # "on", or why not
+_entry_point = False  # set by reexec_with_hugepages: this process is the trainer or the benchmark
+
+
+def step_buffer_bytes(config) -> int:
+    """An estimate of one step's temporaries per device: the activations remat_policy=none keeps
+    (models.runtime.saved_activation_bytes) and the float32 logits and their gradient."""
+    from maxtrain.models import runtime  # pylint: disable=import-outside-toplevel
+    tokens = config.per_device_batch_size * config.max_target_length
+    return runtime.saved_activation_bytes(config) + 8 * tokens * config.vocab_size
+
+
+def reuse_refusal(environ, platform: str, glibc: tuple[int, int] | None, platforms: str, accelerator: bool,
+                  step_bytes: int, entry_point: bool = True) -> str | None:
+    """Why `keep_step_buffers` leaves malloc as it is, or None where it applies (module docstring)."""
+    if environ.get(REUSE_OPT_OUT) == "0":
+        return f"{REUSE_OPT_OUT}=0"
+    if not entry_point:  # a library caller's process (a test suite) keeps malloc's defaults
+        return "not started as python -m maxtrain.train"
+    if platform != "linux" or glibc is None:
+        return "not glibc"
+    if platforms.split(",")[0] not in ("", "cpu") or (not platforms and accelerator):
+        return "an accelerator may run the step"
+    if step_bytes > REUSE_MAX_BYTES:
+        return f"a step of ~{step_bytes / 2**30:.1f} GiB of temporaries, over {REUSE_MAX_BYTES / 2**30:.0f} GiB"
+    return None
+
+
+def keep_step_buffers(config) -> None:
+    """Where the run is on the CPU and its step is small, makes glibc's malloc keep a step's freed buffers
+    for the next (module docstring). Call it before JAX starts its backend."""
+    global _reuse  # pylint: disable=global-statement
+    import jax  # pylint: disable=import-outside-toplevel
+    accelerator = any(importlib.util.find_spec(name) is not None for name in ACCELERATOR_PACKAGES)
+    _reuse = reuse_refusal(os.environ, sys.platform, glibc_version(), jax.config.jax_platforms or "", accelerator,
+                           step_buffer_bytes(config), _entry_point) or "on"
+    if _reuse == "on":
+        libc = ctypes.CDLL(None)
+        if not (libc.mallopt(M_ARENA_MAX, 1) and libc.mallopt(M_MMAP_MAX, 0) and libc.mallopt(M_TRIM_THRESHOLD, -1)):
+            _reuse = "mallopt refused"
+
+
+def release_unused() -> None:
+    """Returns the freed memory malloc holds to the system (what compiling the step left behind), where
+    `keep_step_buffers` stopped it from doing so itself."""
+    if _reuse == "on":
+        ctypes.CDLL(None).malloc_trim(0)

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import yaml
 
-from maxtrain import builder, checkpoint_files, decode, distributed, evals, executable, memory, metrics, sharding, viz
+from maxtrain import builder, checkpoint_files, decode, distributed, evals, executable, host_memory, memory, metrics
+from maxtrain import sharding, viz
 from maxtrain import checkpoint as checkpoint_lib
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
@@ -97,6 +98,7 @@ def write_metadata(config, rt, start) -> dict:
 def main(argv: list[str]) -> dict:
     start_time = time.time()
     config = builder.load_config(argv, log=log)
+    host_memory.keep_step_buffers(config)  # a small CPU step's buffers kept between steps; before JAX starts
     metrics.check_outputs(config)  # a metrics_file or run directory that cannot be written: refused now
     distributed.initialize(config)
     distributed.agree_on_config(config)  # one agreed view: the same settings and code on every process
@@ -163,6 +165,8 @@ def main(argv: list[str]) -> dict:
             state, step_metrics = step_fn(state, batch)  # dispatched; runs while we report the previous step
             if pending is not None:
                 last_done = _report(pending, config, peak, writer, last_done, loss_scaled)
+                if pending[0] == start_step:  # one step done: what compiling left in malloc goes back
+                    host_memory.release_unused()
             pending = (step, step_metrics)
             done = step + 1
             is_last = done == config.steps

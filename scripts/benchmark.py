@@ -63,7 +63,7 @@ import time
 
 import jax
 
-from maxtrain import builder, distributed, metrics, models, sharding, train
+from maxtrain import builder, distributed, host_memory, metrics, models, sharding, train
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
 from maxtrain import memory as memory_lib
@@ -123,6 +123,7 @@ def run(argv: list[str]) -> dict:
         return compare(args)
     config = load_config(args, args.config_and_overrides[1:])
     total_steps = config.steps
+    host_memory.keep_step_buffers(config)  # as the trainer does, before JAX starts its backend
     distributed.initialize(config)
     run, step_fn, state, batches, compile_seconds = build(config)
     config, rt, mesh, rules = run.config, run.rt, run.mesh, run.config.logical_axis_rules
@@ -131,6 +132,8 @@ def run(argv: list[str]) -> dict:
         timings = new_timings()
         for i in range(total_steps):
             state = timed_step(step_fn, state, batches[i % len(batches)], timings, timed=i >= args.warmup)
+            if i == 0:
+                host_memory.release_unused()
         if args.profile:
             state = profile_steps(step_fn, state, batches, args.profile)
 
