@@ -124,6 +124,7 @@ def main(argv: list[str]) -> dict:
     step_fn = run.compile() if compiled_step is None else compiled_step  # from the state's shapes and shardings
     log(builder.summarize(run, step_fn, time.time() - t0, start))
     memory.check_fits(run, step_fn)  # a step the devices cannot hold is refused before the state takes memory
+    host_memory.release_unused()  # what compiling left in malloc goes back before the state and the steps take theirs
     metadata = write_metadata(config, rt, start)
     writer = metrics.MetricWriter(config, active=jax.process_index() == 0)
     writer.write_text("config", "```\n" + yaml.safe_dump(config.to_dict(), sort_keys=False) + "\n```")
@@ -165,7 +166,7 @@ def main(argv: list[str]) -> dict:
             state, step_metrics = step_fn(state, batch)  # dispatched; runs while we report the previous step
             if pending is not None:
                 last_done = _report(pending, config, peak, writer, last_done, loss_scaled)
-                if pending[0] == start_step:  # one step done: what compiling left in malloc goes back
+                if pending[0] == start_step:  # one step done (and the first evaluation compiled): again
                     host_memory.release_unused()
             pending = (step, step_metrics)
             done = step + 1

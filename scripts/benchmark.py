@@ -126,6 +126,7 @@ def run(argv: list[str]) -> dict:
     host_memory.keep_step_buffers(config)  # as the trainer does, before JAX starts its backend
     distributed.initialize(config)
     run, step_fn, state, batches, compile_seconds = build(config)
+    host_memory.release_unused()  # what compiling left in malloc (kept by keep_step_buffers) goes back
     config, rt, mesh, rules = run.config, run.rt, run.mesh, run.config.logical_axis_rules
 
     with sharding.activation_sharding(mesh, rules):
