@@ -11,7 +11,7 @@ explicit transpose of the activation gradient fused into the elementwise and dyn
 around it: an untiled loop that took longer than the matmuls themselves (112 ms for a 4 MiB
 array in the reference CPU config). On 2-D operands the weight gradient is a single
 "transposed-lhs" matmul x^T . g. Other backends are indifferent. On CPU (backend="cpu", float32)
-x^T is made an array of its own before that matmul (`_cpu_product`): XLA:CPU hands a plain
+x^T is made an array of its own before that matmul (`_product`): XLA:CPU hands a plain
 [K, M] . [M, N] to its matmul library (YNNPACK) but computes one with a transposed operand in slower
 code of its own or Eigen's (149 against 187 GFLOP/s for the MLP's [256, 1024] weight gradient, 91
 against 150 for attention's [256, 256]; Eigen also packs the whole [1024, 32000] gradient of the
@@ -40,6 +40,7 @@ in the backward pass instead).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -58,7 +59,7 @@ def dense(x, w, n: int = 1, out_dtype=None, backend: str | None = None):
     size, which XLA does not always fuse away: the largest were the MLP's and the output layer's
     weight gradients). A float32 product of 16-bit operands (the output logits) is exact forward,
     and its gradients are computed as those of any other matmul of the run, from the incoming
-    gradient rounded to the operands' dtype (`_wide_product`): otherwise the output projection's
+    gradient rounded to the operands' dtype (`_product`): otherwise the output projection's
     weight gradient would be a float32 [D, V] array on every device before its reduce-scatter
     (2 GiB for Llama 3's 128k vocabulary).
     """
@@ -66,9 +67,9 @@ def dense(x, w, n: int = 1, out_dtype=None, backend: str | None = None):
     x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float16):
-        out = _wide_product(*_vary_alike(x2, w2)) if out_dtype == jnp.float32 else jnp.dot(x2, w2).astype(out_dtype)
+        out = _product(*_vary_alike(x2, w2), False) if out_dtype == jnp.float32 else jnp.dot(x2, w2).astype(out_dtype)
     elif backend == "cpu" and x.dtype == w.dtype == out_dtype == jnp.float32:
-        out = _cpu_product(*_vary_alike(x2, w2))
+        out = _product(*_vary_alike(x2, w2), True)
     else:
         out = jnp.dot(x2, w2, preferred_element_type=jnp.float32).astype(out_dtype)
     return out.reshape(x.shape[:x.ndim - n] + w.shape[n:])
@@ -95,43 +96,26 @@ def _varying(a) -> frozenset:
     return axis_type.varying if axis_type is not None else frozenset(getattr(aval, "vma", ()))
 
 
-@jax.custom_vjp
-def _wide_product(x, w):
-    """x . w in float32 for 16-bit x and w; gradients in their dtype."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _product(x, w, own_transpose: bool):
+    """x . w in float32 (x and w 16-bit or float32), its gradients in x's dtype; with own_transpose the
+    weight gradient is a plain matmul of an x^T of its own (CPU, module docstring)."""
     return jnp.dot(x, w, preferred_element_type=jnp.float32)
 
 
-def _wide_product_fwd(x, w):
-    return _wide_product(x, w), (x, w)
+def _product_fwd(x, w, own_transpose):
+    return _product(x, w, own_transpose), (x, w)
 
 
-def _wide_product_bwd(residuals, g):
+def _product_bwd(own_transpose, residuals, g):
     x, w = residuals
     g = g.astype(x.dtype)
-    return jnp.dot(g, w.T), jnp.dot(x.T, g)
-
-
-_wide_product.defvjp(_wide_product_fwd, _wide_product_bwd)
-
-
-@jax.custom_vjp
-def _cpu_product(x, w):
-    """x . w in float32 whose weight gradient is a plain matmul of x^T (module docstring)."""
-    return jnp.dot(x, w, preferred_element_type=jnp.float32)
-
-
-def _cpu_product_fwd(x, w):
-    return _cpu_product(x, w), (x, w)
-
-
-def _cpu_product_bwd(residuals, g):
-    x, w = residuals
     # The barrier keeps XLA from folding the transpose back into the matmul as a transposed operand.
-    x_t = jax.lax.optimization_barrier(x.T)
+    x_t = jax.lax.optimization_barrier(x.T) if own_transpose else x.T
     return jnp.dot(g, w.T), jnp.dot(x_t, g)
 
 
-_cpu_product.defvjp(_cpu_product_fwd, _cpu_product_bwd)
+_product.defvjp(_product_fwd, _product_bwd)
 
 
 @jax.custom_vjp

@@ -174,15 +174,15 @@ def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, s
     layers = None if scan else {k: jax.tree.map(ops.unstack, v) for k, v in layer_params.items()}
     aux_total, caches = {}, []
     for seg in segments:
-        xs = (_segment_params(layer_params, types, seg) if scan else
-              _layer_params(layers, types, seg.start), _segment_cache(inputs.cache, seg))
+        params = _segment_params(layer_params, types, seg) if scan else _layer_params(layers, types, seg.start)
+        xs = (params, _segment_cache(inputs.cache, seg))
 
         def group(x, xs, period=seg.period):
             return _run_group(family, period, x, *xs, inputs, config, rt, scan)
 
-        if seg.repeats == 1:
-            x, (aux, per_layer, cache) = group(x, jax.tree.map(lambda a: a[0], xs) if scan else
-                                               (xs[0], None if xs[1] is None else jax.tree.map(lambda a: a[0], xs[1])))
+        if seg.repeats == 1:  # the group alone; unrolled layers' parameters come without the leading axis
+            first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
+            x, (aux, per_layer, cache) = group(x, (first(params) if scan else params, first(xs[1])))
             per_layer, cache = jax.tree.map(lambda a: a[None], (per_layer, cache))
         else:
             x, (aux, per_layer, cache) = jax.lax.scan(group, x, xs)
