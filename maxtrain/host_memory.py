@@ -26,9 +26,10 @@ the run is on the CPU and its step's buffers are small (`step_buffer_bytes` <= R
 every thread from one arena, never to mmap, and never to give freed memory back (mallopt), so the
 second step reuses the first one's pages. The step is 3 to 10% faster; the process keeps its peak
 (two steps' temporaries, since a step is dispatched before the last one finishes) plus the one arena's
-fragmentation resident: 0.6 to 1.5 GB more on the reference configuration and the default model; `release_unused()` (malloc_trim) after
-compiling and after the first step returns what compiling left behind. It must run before JAX starts its CPU client (threads
-choose their arena once); MAXTRAIN_HOST_BUFFER_REUSE=0 turns it off.
+fragmentation resident: 0.6 to 1.5 GB more on the reference configuration and the default model.
+`release_unused()` (malloc_trim) after compiling and after the first step returns what compiling left
+behind. It must run before JAX starts its CPU client (threads choose their arena once);
+MAXTRAIN_HOST_BUFFER_REUSE=0 turns it off.
 """
 
 from __future__ import annotations
