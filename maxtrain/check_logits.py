@@ -20,10 +20,19 @@ import argparse
 import os
 import sys
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
+from maxtrain import config as config_lib
+from maxtrain import models
+from maxtrain.checkpointing import files as checkpoint_files
+from maxtrain.errors import UserError, run_cli
+from maxtrain.parallel import sharding
+from maxtrain.training import builder
 
-class CheckError(ValueError):
+
+class CheckError(UserError, ValueError):
     """Inputs that cannot be compared; the message says which and why."""
 
 
@@ -55,26 +64,17 @@ def golden_from_transformers(hf_dir: str, ids: np.ndarray) -> np.ndarray:
 
 
 def maxtrain_logits(checkpoint: str, ids: np.ndarray, log=print) -> np.ndarray:
-    import jax  # pylint: disable=import-outside-toplevel
-    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-
-    from maxtrain import builder, decode, models, sharding  # pylint: disable=import-outside-toplevel
-    from maxtrain import config as config_lib  # pylint: disable=import-outside-toplevel
-
     base = os.path.join(config_lib.packaged_configs_dir(), "base.yml")
     config = builder.load_config([base, f"load_parameters_path={checkpoint}", "dtype=float32", "weight_dtype=float32",
                                   "attention=dot_product", "ici_fsdp_parallelism=1"], log=log)
     if int(ids.max(initial=0)) >= config.vocab_size or int(ids.min(initial=0)) < 0:
         raise CheckError(f"input_ids range over [{ids.min()}, {ids.max()}], outside the model's vocabulary of "
                          f"{config.vocab_size}")
-    config = config_lib.with_devices(config, 1)
-    mesh = sharding.create_mesh(config, jax.devices()[:1])
-    params = decode.load_params_on(config, mesh)
-    rt = models.Runtime.from_config(config)
+    model = builder.load_model(config, devices=jax.devices()[:1], log=log)
     positions = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
-    with jax.default_matmul_precision("highest"), sharding.activation_sharding(mesh, config.logical_axis_rules):
-        forward = jax.jit(lambda p, t: models.forward(p, t, positions, jnp.ones_like(t), config, rt)[0])
-        return np.asarray(forward(params, ids))
+    with jax.default_matmul_precision("highest"), sharding.activation_sharding(model.mesh, config.logical_axis_rules):
+        forward = jax.jit(lambda p, t: models.forward(p, t, positions, jnp.ones_like(t), model.config, model.rt)[0])
+        return np.asarray(forward(model.params, ids))
 
 
 def main(argv: list[str]) -> int:
@@ -90,29 +90,21 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not args.golden and not args.hf:
         parser.error("give --golden FILE.npz, or --hf HF_DIR to compute the golden logits")
-    from maxtrain import checkpoint_files  # pylint: disable=import-outside-toplevel
-    from maxtrain import config as config_lib  # pylint: disable=import-outside-toplevel
-
-    try:
-        if args.hf:
-            vocab = int(checkpoint_files.read_metadata(checkpoint_files.find_step_dir(args.checkpoint)).get(
-                "config", {}).get("vocab_size", 0)) or None
-            if vocab is None:
-                raise CheckError(f"{args.checkpoint} has no model settings in its metadata")
-            ids = np.random.default_rng(args.seed).integers(0, vocab, (args.batch, args.length)).astype(np.int32)
-            golden = golden_from_transformers(args.hf, ids)
-            if args.golden:
-                np.savez(args.golden, input_ids=ids, logits=golden)
-        else:
-            ids, golden = read_golden(args.golden)
-        ours = maxtrain_logits(args.checkpoint, ids)
-    except (CheckError, checkpoint_files.CheckpointError, config_lib.ConfigError) as error:
-        print(f"check_logits: error: {error}", file=sys.stderr)
-        return 2
+    if args.hf:
+        vocab = int(checkpoint_files.read_metadata(checkpoint_files.find_step_dir(args.checkpoint)).get(
+            "config", {}).get("vocab_size", 0)) or None
+        if vocab is None:
+            raise CheckError(f"{args.checkpoint} has no model settings in its metadata")
+        ids = np.random.default_rng(args.seed).integers(0, vocab, (args.batch, args.length)).astype(np.int32)
+        golden = golden_from_transformers(args.hf, ids)
+        if args.golden:
+            np.savez(args.golden, input_ids=ids, logits=golden)
+    else:
+        ids, golden = read_golden(args.golden)
+    ours = maxtrain_logits(args.checkpoint, ids)
     if ours.shape != golden.shape:
-        print(f"check_logits: error: maxtrain's logits are {list(ours.shape)}, the golden ones {list(golden.shape)} "
-              "(a different vocabulary size?)", file=sys.stderr)
-        return 2
+        raise CheckError(f"maxtrain's logits are {list(ours.shape)}, the golden ones {list(golden.shape)} "
+                         "(a different vocabulary size?)")
     diff, scale = float(np.max(np.abs(ours - golden))), float(np.max(np.abs(golden)))
     rel = diff / scale if scale > 0 else diff
     verdict = "PASS" if rel <= args.rtol else "FAIL"
@@ -123,4 +115,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_cli("check_logits", main))

@@ -27,15 +27,21 @@ class ConfigError(UserError, ValueError):
     """A bad config file, key or value. The message names the problem and the fix."""
 
 
-def run_cli(prog: str, main: Callable, argv: list[str] | None = None, hard_exit: tuple[type, ...] = ()):
+def run_cli(prog: str, main: Callable, argv: list[str] | None = None, hard_exit: tuple[type, ...] = (),
+            usage: str | Callable[[], str] | None = None):
     """Runs `main(argv)`; a UserError becomes one line on stderr and exit status 2.
 
     `hard_exit`: error types after which background threads (a failed checkpoint save's writers) may
     still be running and would only add tracebacks on the way out; the process ends at once.
+    `usage`: the command's help (text, or a function that makes it), printed for -h or --help (exit 0).
     Returns main's result.
     """
+    argv = sys.argv[1:] if argv is None else argv
+    if usage is not None and any(arg in ("-h", "--help") for arg in argv):
+        print((usage() if callable(usage) else usage).strip("\n"), flush=True)
+        sys.exit(0)
     try:
-        return main(sys.argv[1:] if argv is None else argv)
+        return main(argv)
     except UserError as error:
         message = str(error).strip() or type(error).__name__
         if isinstance(error, hard_exit):

@@ -20,16 +20,16 @@ import time
 import jax
 
 from maxtrain import config as config_lib
-from maxtrain import builder, checkpoint_files, config_checks, decode, distributed, evals, models, sharding
+from maxtrain import data as data_lib
+from maxtrain import evals
+from maxtrain.checkpointing import files as checkpoint_files
+from maxtrain.config import checks as config_checks
 from maxtrain.errors import run_cli
+from maxtrain.parallel import distributed, sharding
+from maxtrain.training import builder
 
-
-def load_params(config, mesh, log=print):
-    """The params at load_parameters_path, sharded on `mesh` (a step dir, or a run / checkpoints dir: its latest)."""
-    step_dir = checkpoint_files.find_step_dir(config.load_parameters_path, "load_parameters_path")
-    params = checkpoint_files.load_params(step_dir, decode.abstract_params(config, mesh), config)
-    log(f"loaded params from {step_dir} ({models.num_params(config) / 1e6:.2f}M)")
-    return params, step_dir
+KEYS = ("load_parameters_path", "eval_tasks", "eval_tasks_max_examples", "eval_tasks_num_fewshot",
+        "eval_tasks_log_samples", "eval_tasks_cache_dir", "tokenizer_path", "run_name", "per_device_batch_size")
 
 
 def main(argv: list[str]) -> dict:
@@ -43,21 +43,18 @@ def main(argv: list[str]) -> dict:
                                      "(an imported Hugging Face model: the OUT directory of scripts/convert_hf.py)")
     # the data first (cheap, and the likeliest to be missing), then the checkpoint's settings, tokenizer, params
     evals.data.open_cache(evals.data.cache_dir_for(config), config_checks.parse_eval_tasks(config.eval_tasks))
-    config = builder.load_config(argv)  # an imported model's settings are adopted from its checkpoint
+    config = checkpoint_files.adopt_model_settings(config)  # an imported model's settings come from its checkpoint
     distributed.initialize(config)
-    config = config_lib.with_devices(config, jax.device_count(), jax.process_count())
     log = print if jax.process_index() == 0 else (lambda *_: None)
-    mesh = sharding.create_mesh(config)
-    rt = models.Runtime.from_config(config)
-    evaluator = evals.TaskEvaluator(config, decode.tokenizer_for(config, log=log), mesh, rt, log=log)
-    params, step_dir = load_params(config, mesh, log)
-    meta = checkpoint_files.read_metadata(step_dir)
-    step = int(meta.get("step", 0)) if isinstance(meta, dict) else 0
-    with sharding.activation_sharding(mesh, config.logical_axis_rules):
-        results = evaluator.run(params, step)
+    model = builder.load_model(config, read_params=False, log=log)
+    evaluator = evals.TaskEvaluator(model.config, data_lib.tokenizer_for(model.config, log=log), model.mesh, model.rt,
+                                    log=log)
+    params = model.read_params(log)
+    with sharding.activation_sharding(model.mesh, config.logical_axis_rules):
+        results = evaluator.run(params, model.step)
     log(f"results: {evaluator.config.run_dir}/{evals.runner.RESULTS_FILE}; done in {time.time() - started:.1f}s")
     return results
 
 
 if __name__ == "__main__":
-    run_cli("maxtrain.evaluate", main)
+    run_cli("maxtrain.evaluate", main, usage=lambda: config_lib.command_help(__doc__, KEYS))

@@ -28,6 +28,9 @@ from maxtrain import data as data_lib
 from maxtrain.data import pipeline, sources
 from maxtrain.errors import run_cli
 
+KEYS = ("dataset_type", "grain_train_files", "grain_eval_files", "tokenizer_path", "max_target_length",
+        "per_device_batch_size", "use_sft", "use_dpo", "num_processes", "process_id")
+
 
 def _elide(text: str, chars: int) -> str:
     text = text.replace("\n", "⏎").replace("\t", "⇥")
@@ -113,4 +116,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    run_cli("maxtrain.inspect_data", main)
+    run_cli("maxtrain.inspect_data", main, usage=lambda: config_lib.command_help(__doc__, KEYS))

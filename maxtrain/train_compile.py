@@ -9,7 +9,7 @@ target's own compiler (libtpu; XLA's GPU pipeline down to sm_90a code), and prin
 the mesh, per-chip memory against the chip's, the collectives per step, model TFLOPs per chip per
 step and the compile time. It exits 3 when the step does not fit the chip's memory, saying by how
 much and which settings would help. `compiled_trainstep_file=PATH` saves the executable for
-train.py to load on the target. Targets: maxtrain/topologies.py; figures at scale: docs/scale.md.
+train.py to load on the target. Targets: maxtrain/compile/targets.py; figures at scale: docs/scale.md.
 
 Without a GPU XLA does not autotune matmuls or build cuDNN graphs, so a GPU target's memory can
 differ somewhat from a compile on the GPU itself.
@@ -26,10 +26,17 @@ import time
 import jax
 import jax.numpy as jnp
 
-from maxtrain import builder, executable, hlo_stats, metrics, models, topologies
+from maxtrain import config as config_lib
+from maxtrain import models
+from maxtrain.compile import executable, hlo_stats
+from maxtrain.compile import targets as topologies
 from maxtrain.errors import run_cli
+from maxtrain.observability import metrics
+from maxtrain.training import builder
 
 EXIT_DOES_NOT_FIT = 3
+KEYS = ("compile_topology", "compile_topology_num_slices", "model_name", "per_device_batch_size", "max_target_length",
+        "remat_policy", "dtype", "attention", "ici_fsdp_parallelism", "ici_tensor_parallelism", "compiled_trainstep_file")
 
 
 def compile_for_target(config, target: topologies.Target):
@@ -208,4 +215,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli("maxtrain.train_compile", main))
+    sys.exit(run_cli("maxtrain.train_compile", main, usage=lambda: config_lib.command_help(__doc__, KEYS)))

@@ -47,7 +47,7 @@ large matmul achieves here".
 from __future__ import annotations
 
 if __name__ == "__main__":  # as the trainer does, before JAX starts (maxtrain/host_memory.py)
-    from maxtrain import host_memory
+    from maxtrain.training import host_memory
 
     host_memory.reexec_with_hugepages()
 # pylint: disable=wrong-import-position
@@ -63,10 +63,13 @@ import time
 
 import jax
 
-from maxtrain import builder, distributed, host_memory, metrics, models, sharding, train
+from maxtrain.training import builder, host_memory
+from maxtrain.parallel import distributed, sharding
+from maxtrain.observability import metrics
+from maxtrain import models, train
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
-from maxtrain import memory as memory_lib
+from maxtrain.compile import fit as memory_lib
 from maxtrain.data import pipeline
 from maxtrain.errors import run_cli
 

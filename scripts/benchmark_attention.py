@@ -34,8 +34,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from maxtrain import attention
-from maxtrain.attention import dot_product_attention, make_attention_mask
+from maxtrain.models import attention
+from maxtrain.models.attention import dot_product_attention, make_attention_mask
 from maxtrain.kernels.flash_attention import flash_attention
 
 

@@ -36,7 +36,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from maxtrain import checkpoint_files, checksums
+from maxtrain.checkpointing import files as checkpoint_files, checksums
 
 
 def make_state(params_millions: float, seed: int = 0) -> dict:
@@ -103,7 +103,7 @@ def main(argv=None) -> dict:
         def verified_restore():
             found = {}
             t = time.perf_counter()
-            thread = threading.Thread(target=lambda: found.update(h=checkpoint_files._check_step(step_dir, (0, 1))))  # pylint: disable=protected-access
+            thread = threading.Thread(target=lambda: found.update(h=checkpoint_files.check_step(step_dir, remember=False)))
             thread.start()
             restore()
             thread.join()
@@ -116,7 +116,7 @@ def main(argv=None) -> dict:
         figures["verified_restore"].append(verified_restore())
         drop_caches()
         t = time.perf_counter()
-        assert checkpoint_files._check_step(step_dir, (0, 1)).status == "verified"  # pylint: disable=protected-access
+        assert checkpoint_files.check_step(step_dir, remember=False).status == "verified"
         figures["verify"].append(time.perf_counter() - t)
         print(f"round {r + 1}: save {figures['save'][-1]:.2f}s + checksums {figures['checksums'][-1]:.2f}s; "
               f"restore alone {figures['restore'][-1]:.2f}s, restore while verifying "

@@ -28,7 +28,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402  pylint: disable=wrong-import-position
 
 from maxtrain import config as config_lib  # noqa: E402  pylint: disable=wrong-import-position
-from maxtrain import decode, evals, models, sharding  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain import decode, evals, models  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain.parallel import sharding  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain.data import hosts  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain.evals import scoring  # noqa: E402  pylint: disable=wrong-import-position
 

@@ -24,9 +24,11 @@ import sys  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from maxtrain import models, ops, sharding  # noqa: E402
+from maxtrain import models  # noqa: E402
+from maxtrain.models import ops  # noqa: E402
+from maxtrain.parallel import sharding  # noqa: E402
 from maxtrain.config import load_config, with_devices  # noqa: E402
-from maxtrain import memory as memory_lib  # noqa: E402
+from maxtrain.compile import fit as memory_lib  # noqa: E402
 
 BASE_YML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
 MESHES = {"dp": (8, 1, 1), "fsdp": (1, 8, 1), "tp": (2, 1, 4), "fsdp_x_tp": (1, 4, 2)}

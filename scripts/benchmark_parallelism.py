@@ -37,9 +37,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from maxtrain import builder, sharding  # noqa: E402
+from maxtrain.training import builder  # noqa: E402
+from maxtrain.parallel import sharding  # noqa: E402
 from maxtrain import config as config_lib  # noqa: E402
-from maxtrain import memory as memory_lib  # noqa: E402
+from maxtrain.compile import fit as memory_lib  # noqa: E402
 
 FIXED = ["dataset_type=synthetic", "enable_checkpointing=false", "enable_tensorboard=false", "eval_interval=-1",
          "max_new_tokens=0"]

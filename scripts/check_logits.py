@@ -10,6 +10,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maxtrain.check_logits import main  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain.errors import run_cli  # noqa: E402  pylint: disable=wrong-import-position
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(run_cli("check_logits", main))

@@ -25,7 +25,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from maxtrain import checkpoint_files, convert  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain.checkpointing import convert, peft  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain.checkpointing import files as checkpoint_files  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain.errors import run_cli  # noqa: E402  pylint: disable=wrong-import-position
 
 
@@ -66,9 +67,7 @@ def main(argv: list[str]) -> int:
                                     tokenizer=args.tokenizer)
             print(f"wrote {os.path.abspath(out)} (load with transformers.AutoModelForCausalLM.from_pretrained)")
             if args.peft:
-                from maxtrain import lora  # pylint: disable=import-outside-toplevel
-
-                lora.write_peft(args.peft, adapters, saved)
+                peft.write_peft(args.peft, adapters, saved)
                 print(f"wrote the LoRA adapters to {os.path.abspath(args.peft)} (peft.PeftModel.from_pretrained(base, "
                       f"{args.peft!r}); the base is the model the run started from)")
     except OSError as error:  # an output directory that cannot be written

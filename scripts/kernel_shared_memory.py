@@ -24,7 +24,7 @@ from jax.sharding import SingleDeviceSharding
 
 from maxtrain.kernels import flash_attention as fa
 from maxtrain.kernels import flash_tiles
-from maxtrain.kernels import targets
+from maxtrain.compile import targets
 
 BLOCKS = [(128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 32), (128, 32), (32, 128)]
 
@@ -33,7 +33,7 @@ def requested_bytes(device, kernel, head_dim, dtype, tuning, length=512, heads=4
     """Triton's reported shared memory for one kernel, or None if the compile failed otherwise."""
     small = flash_tiles.Tuning(16, 16, 4, 1)
     tunings = {"fwd": small, "dq": small, "dkv": small, kernel: tuning}
-    cfg = fa._Config(causal=True, sliding_window=0, soft_cap=0.0, scale=0.1, kv_len=length,  # pylint: disable=protected-access
+    cfg = fa.KernelConfig(causal=True, sliding_window=0, soft_cap=0.0, scale=0.1, kv_len=length,
                      kv_padded=False, interpret=False, **tunings)
     sharding = SingleDeviceSharding(device)
 
@@ -43,9 +43,9 @@ def requested_bytes(device, kernel, head_dim, dtype, tuning, length=512, heads=4
     q, kv, seg = arg((1, length, heads, head_dim)), arg((1, length, kv_heads, head_dim)), arg((1, length), jnp.int32)
     rows = arg((1, heads, length), jnp.float32)
     if kernel == "fwd":
-        fn, args = (lambda q, k, v, s: fa._forward(q, k, v, s, s, cfg)), (q, kv, kv, seg)  # pylint: disable=protected-access
+        fn, args = (lambda q, k, v, s: fa.forward_call(q, k, v, s, s, cfg)), (q, kv, kv, seg)
     else:
-        call = fa._dq_call if kernel == "dq" else fa._dkv_call  # pylint: disable=protected-access
+        call = fa.dq_call if kernel == "dq" else fa.dkv_call
         fn, args = (lambda q, k, v, do, lse, d, s: call(q, k, v, do, lse, d, s, s, cfg)), (q, kv, kv, q, rows, rows, seg)
     try:
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compile()
@@ -57,7 +57,7 @@ def requested_bytes(device, kernel, head_dim, dtype, tuning, length=512, heads=4
 
 def main(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default="h100", choices=sorted(targets.GPU_TARGETS))
+    parser.add_argument("--target", default="h100", choices=sorted(targets.GPU_TARGET_FILES))
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--head-dims", default="64,128,256")
     args = parser.parse_args(argv)

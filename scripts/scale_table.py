@@ -94,7 +94,9 @@ def compile_cell(argv: list[str]) -> dict:
     import jax  # pylint: disable=import-outside-toplevel
 
     jax.config.update("jax_platforms", "cpu")
-    from maxtrain import builder, topologies, train_compile  # pylint: disable=import-outside-toplevel
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+    from maxtrain.compile import targets as topologies  # pylint: disable=import-outside-toplevel
+    from maxtrain import train_compile  # pylint: disable=import-outside-toplevel
 
     try:
         config = builder.load_config(argv)

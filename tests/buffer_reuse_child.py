@@ -12,7 +12,7 @@ import resource
 import sys
 import threading
 
-from maxtrain import host_memory
+from maxtrain.training import host_memory
 
 host_memory.reexec_with_hugepages()
 

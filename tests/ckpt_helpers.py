@@ -60,7 +60,7 @@ def logged(metrics_file: Path) -> dict[int, tuple[float, float]]:
 def flat(tree) -> dict[str, np.ndarray]:
     import jax  # pylint: disable=import-outside-toplevel
 
-    from maxtrain import checkpoint_files  # pylint: disable=import-outside-toplevel
+    from maxtrain.checkpointing import files as checkpoint_files  # pylint: disable=import-outside-toplevel
 
     return {checkpoint_files.path_str(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]}
 

@@ -29,7 +29,9 @@ def eval_loss_at_init(cfg):
     """(eval loss of the model initialized from cfg.seed, the eval input) on this process' devices."""
     import jax  # pylint: disable=import-outside-toplevel
 
-    from maxtrain import builder, sharding, train  # pylint: disable=import-outside-toplevel
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+    from maxtrain.parallel import sharding  # pylint: disable=import-outside-toplevel
+    from maxtrain import train  # pylint: disable=import-outside-toplevel
     from maxtrain.data import hosts, make_inputs  # pylint: disable=import-outside-toplevel
 
     run = builder.build(cfg)
@@ -45,7 +47,7 @@ def main(process_id: int, port: int, corpus: str, output: str) -> None:
     import jax  # pylint: disable=import-outside-toplevel
 
     from maxtrain import config as config_lib  # pylint: disable=import-outside-toplevel
-    from maxtrain import distributed, sharding  # pylint: disable=import-outside-toplevel
+    from maxtrain.parallel import distributed, sharding  # pylint: disable=import-outside-toplevel
     from maxtrain.data import hosts, make_inputs  # pylint: disable=import-outside-toplevel
 
     distributed.initialize(config_lib.load_config([h.BASE, f"coordinator_address=127.0.0.1:{port}", "num_processes=2",

@@ -9,7 +9,7 @@ import json
 import os
 import sys
 
-from maxtrain import host_memory
+from maxtrain.training import host_memory
 
 host_memory.reexec_with_hugepages()
 

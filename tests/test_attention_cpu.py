@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from conftest import REPO
-from maxtrain import attention
+from maxtrain.models import attention
 
 
 def _qkv(b, t, n, g, h, seed=0, dtype=jnp.float32):

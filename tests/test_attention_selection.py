@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY
-from maxtrain import attention, models
+from maxtrain.models import attention
+from maxtrain import models
 from maxtrain.config import load_config, with_overrides
 
 

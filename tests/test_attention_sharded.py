@@ -20,7 +20,9 @@ import pytest
 from maxtrain.config import with_overrides
 
 from conftest import BASE_YML, TINY
-from maxtrain import attention, models, ops, sharding
+from maxtrain.models import attention, ops
+from maxtrain import models
+from maxtrain.parallel import sharding
 from maxtrain.config import load_config, with_devices
 
 # Length 64 and head dim 16 appear together in no parameter, only in q, k, v (and the kernels' blocks).

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from ckpt_helpers import REPO, assert_bitwise_equal, cache_dir, train  # noqa: F401  (cache_dir is a fixture)
-from maxtrain import checkpoint, checkpoint_files
+from maxtrain import checkpoint as checkpoint_command
+from maxtrain.checkpointing import files as checkpoint_files
+from maxtrain.checkpointing import manager as checkpoint
 from maxtrain.config import ConfigError
 
 
@@ -42,9 +44,9 @@ def test_checkpoint_holds_state_data_and_metadata(base, capsys):
     assert "orbax-checkpoint==" in (run_meta / "requirements.txt").read_text()
     assert "base_emb_dim: 32" in (run_meta / "config.yml").read_text()
     saved = checkpoint_files.read_params(str(step_dir))
-    assert_bitwise_equal(saved, result["state"]["params"], "saved params")
+    assert_bitwise_equal(saved, result.state["params"], "saved params")
 
-    assert checkpoint.main(["inspect", str(out / "base")]) == 0
+    assert checkpoint_command.main(["inspect", str(out / "base")]) == 0
     shown = capsys.readouterr().out
     assert f"checkpoint: {step_dir}" in shown
     assert "params/layers/decoder/wq" in shown and "float32  [2, 32, 2, 16]" in shown
@@ -80,8 +82,8 @@ def test_load_parameters_path_starts_fine_tuning_with_a_fresh_optimizer(base, ca
     out, trained = base
     # With learning rate 0 (weight decay is scaled by it too) the params stay exactly as loaded.
     result = train(tmp_path, "ft", cache_dir, "steps=1", "learning_rate=0", f"load_parameters_path={out}/base")
-    state = result["state"]
-    assert_bitwise_equal(state["params"], trained["state"]["params"], "loaded params")
+    state = result.state
+    assert_bitwise_equal(state["params"], trained.state["params"], "loaded params")
     assert int(state["step"]) == 1
     assert int(state["opt_state"][1][0].count) == 1, "the optimizer state was not fresh"
     assert float(np.abs(np.asarray(state["opt_state"][1][0].mu["layers"]["decoder"]["wq"])).max()) > 0
@@ -90,11 +92,11 @@ def test_load_parameters_path_starts_fine_tuning_with_a_fresh_optimizer(base, ca
 def test_load_full_state_path_continues_another_runs_state(base, cache_dir, tmp_path):  # noqa: F811
     out, trained = base
     result = train(tmp_path, "cont", cache_dir, "steps=3", f"load_full_state_path={out}/base/checkpoints")
-    state = result["state"]
+    state = result.state
     assert int(state["step"]) == 3 and int(state["opt_state"][1][0].count) == 3
     assert checkpoint_files.complete_steps(str(tmp_path / "cont" / "checkpoints")) == [3]
     assert checkpoint_files.read_metadata(str(tmp_path / "cont" / "checkpoints" / "3"))["config"]["run_name"] == "cont"
-    before = np.asarray(trained["state"]["params"]["layers"]["decoder"]["wq"])
+    before = np.asarray(trained.state["params"]["layers"]["decoder"]["wq"])
     assert not np.array_equal(np.asarray(state["params"]["layers"]["decoder"]["wq"]), before)
 
 

@@ -17,7 +17,7 @@ import time
 import pytest
 
 from ckpt_helpers import assert_bitwise_equal, cache_dir, logged, train_subprocess  # noqa: F401
-from maxtrain import checkpoint_files
+from maxtrain.checkpointing import files as checkpoint_files
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses Linux prlimit and signals")
 

@@ -10,7 +10,9 @@ import os
 import pytest
 
 from ckpt_helpers import assert_bitwise_equal, cache_dir, train, train_subprocess  # noqa: F401
-from maxtrain import checkpoint, checkpoint_files, checksums
+from maxtrain.checkpointing import checksums
+from maxtrain.checkpointing import files as checkpoint_files
+from maxtrain.checkpointing import inspect as checkpoint_inspect
 
 
 def tree_hash(root) -> str:
@@ -56,10 +58,10 @@ def test_each_step_carries_checksums_and_a_flipped_byte_is_named(tmp_path, cache
     usable, damaged = checkpoint_files.latest_usable_step(str(ckpts))
     assert usable.step == 2 and [h.step for h in damaged] == [4]
     # inspect agrees with the trainer on the latest usable step, and refuses the damaged one by name.
-    text = checkpoint.describe(str(tmp_path / "r"))
+    text = checkpoint_inspect.describe(str(tmp_path / "r"))
     assert f"checkpoint: {ckpts}/2" in text and "latest usable step: 2" in text and f"damaged step 4: {victim}" in text
     with pytest.raises(checkpoint_files.CheckpointError, match=f"is damaged: {victim}: its contents changed"):
-        checkpoint.describe(str(ckpts / "4"))
+        checkpoint_inspect.describe(str(ckpts / "4"))
     # A truncated or deleted file is named too.
     os.truncate(victim, 10)
     assert checkpoint_files.check_step(str(ckpts / "4")).problem.startswith(f"{victim} has 10 bytes, but ")
@@ -85,8 +87,8 @@ def test_resume_moves_a_damaged_step_aside_and_continues_bitwise_from_the_one_be
                in line for line in logged), logged
     assert f"Resuming from {ckpts}/2" in logged
     assert checkpoint_files.complete_steps(str(ckpts)) == [2, 4, 6]
-    assert_bitwise_equal(resumed["state"]["params"], reference["state"]["params"], "params after the fallback")
-    assert_bitwise_equal(resumed["state"]["opt_state"], reference["state"]["opt_state"], "optimizer state")
+    assert_bitwise_equal(resumed.state["params"], reference.state["params"], "params after the fallback")
+    assert_bitwise_equal(resumed.state["opt_state"], reference.state["opt_state"], "optimizer state")
 
 
 @pytest.mark.slow  # two short training runs
@@ -119,7 +121,7 @@ def test_a_checkpoint_already_at_steps_trains_nothing_and_writes_nothing(tmp_pat
     capsys.readouterr()
     result = train(tmp_path, "r", cache_dir, "steps=2")
     logged = capsys.readouterr().out.splitlines()
-    assert result["nothing_to_train"] and result["state"] is None
+    assert result.nothing_to_train and result.state is None
     assert f"checkpoint {tmp_path}/r/checkpoints/4 is at step 4, steps=2: nothing to train; raise steps (e.g. " \
            "steps=6) to train on" in logged
     assert tree_hash(tmp_path / "r") == before

@@ -8,7 +8,7 @@ Every logged loss and grad norm and the final params, optimizer state and step a
 from __future__ import annotations
 
 from ckpt_helpers import assert_bitwise_equal, cache_dir, logged, train  # noqa: F401  (cache_dir is a fixture)
-from maxtrain import checkpoint_files
+from maxtrain.checkpointing import files as checkpoint_files
 
 N = 3
 
@@ -21,16 +21,16 @@ def test_resume_is_bitwise_identical(tmp_path, cache_dir):  # noqa: F811
               "warmup_steps_fraction=0.2"]
     a = train(tmp_path, "a", cache_dir, *common, f"steps={2 * N}", f"metrics_file={tmp_path}/a.jsonl")
     b1 = train(tmp_path, "b", cache_dir, *common, f"steps={N}", f"metrics_file={tmp_path}/b.jsonl")
-    assert int(b1["state"]["step"]) == N
+    assert int(b1.state["step"]) == N
     b = train(tmp_path, "b", cache_dir, *common, f"steps={2 * N}", f"metrics_file={tmp_path}/b.jsonl")
 
     losses_a, losses_b = logged(tmp_path / "a.jsonl"), logged(tmp_path / "b.jsonl")
     assert sorted(losses_a) == sorted(losses_b) == list(range(1, 2 * N + 1))
     assert losses_a == losses_b, "logged loss / grad norm differ after resume"
     assert losses_a[1] != losses_a[2 * N], "the model did not train"
-    assert_bitwise_equal(a["state"], b["state"], "final train state (params, opt state, step, rng, loss scale)")
+    assert_bitwise_equal(a.state, b.state, "final train state (params, opt state, step, rng, loss scale)")
     # ... and what was saved at the end is what was trained.
     for run, result in (("a", a), ("b", b)):
         saved = checkpoint_files.read_params(str(tmp_path / run / "checkpoints" / str(2 * N)))
-        assert_bitwise_equal(saved, result["state"]["params"], f"run {run}: saved params")
+        assert_bitwise_equal(saved, result.state["params"], f"run {run}: saved params")
     assert checkpoint_files.complete_steps(str(tmp_path / "b" / "checkpoints")) == [N, 2 * N]

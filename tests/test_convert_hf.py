@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 
 from ckpt_helpers import REPO, args, cache_dir  # noqa: F401  (cache_dir is a fixture)
-from maxtrain import checkpoint_files, convert, models, safetensors_files, sharding
+from maxtrain.checkpointing import files as checkpoint_files, convert, safetensors_files
+from maxtrain import models
+from maxtrain.parallel import sharding
 from maxtrain import config as config_lib
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

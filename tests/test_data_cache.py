@@ -208,6 +208,6 @@ def test_resume_in_the_middle_of_cache_building_equals_an_uninterrupted_run(corp
     resumed = train.main([*args, "run_name=cut", "steps=6"])
     out = capsys.readouterr().out
     assert "Resuming from" in out and f"of this host's {cache.count} shards" in out and "tokenizing" in out
-    assert int(resumed["state"]["step"]) == 6
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["state"]["params"]),
-                 jax.device_get(whole["state"]["params"]))
+    assert int(resumed.state["step"]) == 6
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state["params"]),
+                 jax.device_get(whole.state["params"]))

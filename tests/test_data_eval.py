@@ -51,6 +51,6 @@ def test_more_eval_steps_than_data_pads_with_zero_weight_batches(corpus):
     batches = list(_inputs(corpus, f"eval_steps={epoch + 2}", logs=logs).eval_batches)
     assert len(batches) == epoch + 2
     assert all(b["loss_weights"].sum() == 0 and not b["segment_ids"].any() for b in batches[epoch:])
-    assert any(f"evaluates them plus 2 padding batches" in m for m in logs)
+    assert any("evaluates them plus 2 padding batches" in m for m in logs)
     with pytest.raises(DataError, match=r"host\(s\) \[0\] have only \[\d+\] real batches.*generate_padding_batch_eval"):
         _inputs(corpus, f"eval_steps={epoch + 2}", "generate_padding_batch_eval=false")

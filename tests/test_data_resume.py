@@ -41,5 +41,5 @@ def test_resumed_run_sees_the_same_batches_as_an_uninterrupted_run(tmp_path, tmp
             np.testing.assert_array_equal(got[key], want[key])
     assert len({b["inputs"].tobytes() for b in uninterrupted}) == 6  # six different batches
     # the same batches from the same restored state: the same parameters at the end
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["state"]["params"]),
-                 jax.device_get(full["state"]["params"]))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state["params"]),
+                 jax.device_get(full.state["params"]))

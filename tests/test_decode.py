@@ -13,11 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain import checkpoint, checkpoint_files, decode, models, optimizer, precision, sharding
 from maxtrain import config as config_lib
+from maxtrain import data as data_lib
+from maxtrain import decode, models
+from maxtrain.checkpointing import files as checkpoint_files
+from maxtrain.checkpointing import manager as checkpoint
 from maxtrain.config import with_overrides
 from maxtrain.data import DataError, pipeline
 from maxtrain.data import tokenizer as tokenizer_lib
+from maxtrain.models import sampling
+from maxtrain.parallel import sharding
+from maxtrain.training import builder, optimizer, precision
 
 TINY = ["base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=64",
         "base_num_decoder_layers=2", "head_dim=16", "vocab_size=512", "max_target_length=32",
@@ -40,7 +46,7 @@ def tiny(tmp_path_factory):
 def test_greedy_with_cache_equals_argmax_of_full_forward_at_every_position(tiny):
     config, rt, params = tiny
     prompt = [1, 17, 99, 250, 3]
-    new = decode.generate(params, prompt, config, rt, max_new_tokens=20)
+    new = sampling.generate(params, prompt, config, rt, max_new_tokens=20)
     assert len(new) == 20
     tokens = jnp.asarray([prompt + new], jnp.int32)
     positions = jnp.arange(tokens.shape[1])[None]
@@ -72,21 +78,21 @@ def test_seeded_sampling_is_deterministic(tiny):
     config, rt, params = tiny
     settings = {"temperature": 0.8, "top_k": 100, "top_p": 0.95}  # every sampling stage on
     prompt = [1, 5, 6, 7]
-    a = decode.generate(params, prompt, config, rt, max_new_tokens=16, seed=3, **settings)
-    b = decode.generate(params, prompt, config, rt, max_new_tokens=16, seed=3, **settings)
-    c = decode.generate(params, prompt, config, rt, max_new_tokens=16, seed=4, **settings)
+    a = sampling.generate(params, prompt, config, rt, max_new_tokens=16, seed=3, **settings)
+    b = sampling.generate(params, prompt, config, rt, max_new_tokens=16, seed=3, **settings)
+    c = sampling.generate(params, prompt, config, rt, max_new_tokens=16, seed=4, **settings)
     assert a == b
     assert a != c
 
 
 def test_sampling_settings_follow_the_strategy(tiny):
     config = tiny[0].replace(decode_sampling_temperature=0.7, decode_sampling_top_k=5, decode_sampling_nucleus_p=0.8)
-    assert decode.sampling_settings(config)["temperature"] == 0.0  # greedy is the default
-    assert decode.sampling_settings(config.replace(decode_sampling_strategy="weighted")) == \
+    assert sampling.sampling_settings(config)["temperature"] == 0.0  # greedy is the default
+    assert sampling.sampling_settings(config.replace(decode_sampling_strategy="weighted")) == \
         {"temperature": 0.7, "top_k": 0, "top_p": 1.0}
-    assert decode.sampling_settings(config.replace(decode_sampling_strategy="topk")) == \
+    assert sampling.sampling_settings(config.replace(decode_sampling_strategy="topk")) == \
         {"temperature": 0.7, "top_k": 5, "top_p": 1.0}
-    assert decode.sampling_settings(config.replace(decode_sampling_strategy="nucleus")) == \
+    assert sampling.sampling_settings(config.replace(decode_sampling_strategy="nucleus")) == \
         {"temperature": 0.7, "top_k": 0, "top_p": 0.8}
     with pytest.raises(config_lib.ConfigError, match="decode_sampling_strategy"):
         config_lib.load_config(["configs/base.yml", "decode_sampling_strategy=beam"])
@@ -97,7 +103,7 @@ PROBS = np.asarray([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.015, 0.005])
 
 def sample_frequencies(draws=20_000, **settings) -> np.ndarray:
     logits = jnp.broadcast_to(jnp.log(jnp.asarray(PROBS, jnp.float32)), (draws, len(PROBS)))
-    tokens = decode.sample_token(logits, jax.random.key(0), **settings)
+    tokens = sampling.sample_token(logits, jax.random.key(0), **settings)
     return np.bincount(np.asarray(tokens), minlength=len(PROBS)) / draws
 
 
@@ -123,7 +129,7 @@ def test_top_k_top_p_and_temperature_sample_the_right_distribution(settings, exp
 
 def test_greedy_is_argmax():
     logits = jnp.asarray([[0.1, 3.0, -1.0], [5.0, 4.9, 0.0]])
-    assert decode.sample_token(logits, jax.random.key(0), temperature=0.0, top_k=0, top_p=1.0).tolist() == [1, 0]
+    assert sampling.sample_token(logits, jax.random.key(0), temperature=0.0, top_k=0, top_p=1.0).tolist() == [1, 0]
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +157,8 @@ def test_decode_cli_loads_params_from_a_training_checkpoint(tiny, step_dir, caps
     assert "greedy" in printed and text in printed and text.startswith("def ")
 
     # The same continuation as greedy decoding of the in-memory params (20 tokens: compiled already).
-    tokenizer = decode.tokenizer_for(config)
-    expected = decode.generate(params, [tokenizer.bos_id] + tokenizer.encode("def "), config, rt, max_new_tokens=20)
+    tokenizer = data_lib.tokenizer_for(config)
+    expected = sampling.generate(params, [tokenizer.bos_id] + tokenizer.encode("def "), config, rt, max_new_tokens=20)
     expected = expected[:12]
     expected = expected[:expected.index(tokenizer.eos_id)] if tokenizer.eos_id in expected else expected
     assert text == "def " + tokenizer.decode(expected)
@@ -175,8 +181,8 @@ def test_decode_with_a_tokenizer_smaller_than_the_model_vocabulary(tiny, step_di
     config = tiny[0]
     path = h.tokenizer_path(tmp_path_factory, kind=kind)
     tok = tokenizer_lib.load(path)
-    generated, generate = [], decode.generate
-    monkeypatch.setattr(decode, "generate", lambda *a, **k: generated.append(generate(*a, **k)) or generated[-1])
+    generated, generate = [], sampling.generate
+    monkeypatch.setattr(sampling, "generate", lambda *a, **k: generated.append(generate(*a, **k)) or generated[-1])
     argv = ["configs/base.yml", *TINY, f"base_output_directory={config.base_output_directory}",
             f"load_parameters_path={step_dir}", f"tokenizer_path={path}", "prompt=alpha beta", "max_new_tokens=16"]
     text = decode.main(argv)
@@ -191,18 +197,18 @@ def test_decode_with_a_tokenizer_smaller_than_the_model_vocabulary(tiny, step_di
 def test_generate_stops_at_any_of_several_eos_ids(tiny):
     config, rt, params = tiny
     prompt = [1, 17, 99, 250, 3]  # the shapes of the first test: compiled already
-    new = decode.generate(params, prompt, config, rt, max_new_tokens=20)
+    new = sampling.generate(params, prompt, config, rt, max_new_tokens=20)
     first, second = new[4], new[7]
-    assert decode.generate(params, prompt, config, rt, max_new_tokens=20, eos_id=(second, first)) == \
+    assert sampling.generate(params, prompt, config, rt, max_new_tokens=20, eos_id=(second, first)) == \
         new[:new.index(first)]
-    assert decode.generate(params, prompt, config, rt, max_new_tokens=20, eos_id=second) == new[:new.index(second)]
+    assert sampling.generate(params, prompt, config, rt, max_new_tokens=20, eos_id=second) == new[:new.index(second)]
 
 
 def test_load_params_places_arrays_on_the_mesh(tiny, step_dir):
     """Only the params are read, each with the sharding it is given (FSDP over every device)."""
     config = config_lib.with_devices(tiny[0], jax.device_count())
     mesh = sharding.create_mesh(config)
-    restored = checkpoint_files.load_params(step_dir, decode.abstract_params(config, mesh))
+    restored = checkpoint_files.load_params(step_dir, builder.abstract_params(config, mesh))
     assert sorted(restored) == sorted(tiny[2])
     assert restored["token_embedding"].sharding.mesh.shape == mesh.shape
     np.testing.assert_array_equal(np.asarray(restored["output"]), np.asarray(tiny[2]["output"]))

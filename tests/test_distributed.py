@@ -9,7 +9,7 @@ import time
 import pytest
 
 from maxtrain import config as config_lib
-from maxtrain import distributed
+from maxtrain.parallel import distributed
 
 ENV_KEYS = ("MAXTRAIN_COORDINATOR_ADDRESS", "MAXTRAIN_NUM_PROCESSES", "MAXTRAIN_PROCESS_ID", "SLURM_NTASKS",
             "SLURM_PROCID", "OMPI_COMM_WORLD_SIZE", "TPU_WORKER_HOSTNAMES", "MEGASCALE_COORDINATOR_ADDRESS")

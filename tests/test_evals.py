@@ -19,10 +19,12 @@ import pytest
 
 from eval_helpers import BASE, REPO, args, corpus_cache, eval_cache  # noqa: F401  (fixtures)
 from maxtrain import config as config_lib
-from maxtrain import config_checks, models, sharding
+from maxtrain.config import checks as config_checks
+from maxtrain import models
+from maxtrain.parallel import sharding
 from maxtrain.data import tokenizer_training
 from maxtrain.evals import data as data_lib
-from maxtrain.evals import metrics as metrics_lib
+from maxtrain.evals import task_metrics as metrics_lib
 from maxtrain.evals import requests as requests_lib
 from maxtrain.evals import scoring
 from maxtrain.evals import tasks as tasks_lib
@@ -288,4 +290,4 @@ def test_in_loop_evaluation_compiles_once_and_reports_everywhere(tmp_path, eval_
     samples = [json.loads(line) for line in open(tmp_path / "loop" / "eval_tasks" / "step_4" / "arc_easy.jsonl")]
     assert [s["doc_id"] for s in samples] == [str(i) for i in range(12)]
     assert np.mean([s["acc"] for s in samples]) == final["arc_easy"]["acc"]
-    assert result["state"]["step"] == 4
+    assert result.state["step"] == 4

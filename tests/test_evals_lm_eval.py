@@ -54,7 +54,7 @@ def test_per_example_choices_and_accuracies_equal_lm_eval(tmp_path, eval_cache):
                     "with `pip install torch==2.13.0 lm-eval==0.4.13 accelerate` (.ci/run makes one)")
     import hf_eval_model  # pylint: disable=import-outside-toplevel
 
-    from maxtrain import convert  # pylint: disable=import-outside-toplevel
+    from maxtrain.checkpointing import convert  # pylint: disable=import-outside-toplevel
     from maxtrain import evaluate as evaluate_lib  # pylint: disable=import-outside-toplevel
     from maxtrain.evals import data as data_lib  # pylint: disable=import-outside-toplevel
     from maxtrain.evals import tasks as tasks_lib  # pylint: disable=import-outside-toplevel

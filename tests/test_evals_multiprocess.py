@@ -20,7 +20,8 @@ import pytest
 
 from eval_helpers import BASE, REPO, eval_cache  # noqa: F401  (fixture)
 from maxtrain import config as config_lib
-from maxtrain import convert, models, safetensors_files
+from maxtrain.checkpointing import convert, safetensors_files
+from maxtrain import models
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.data import tokenizer_training
 

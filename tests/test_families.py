@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from ckpt_helpers import REPO
-from maxtrain import check_logits, checkpoint_files, convert, models, safetensors_files
+from maxtrain import check_logits, models
+from maxtrain.checkpointing import files as checkpoint_files, convert, safetensors_files
 from maxtrain import config as config_lib
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from ckpt_helpers import REPO
-from maxtrain import checkpoint_files, convert, models, safetensors_files, train
+from maxtrain.checkpointing import files as checkpoint_files, convert, safetensors_files
+from maxtrain import models, train
 from maxtrain import config as config_lib
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.data import tokenizer_training
@@ -51,7 +52,7 @@ def test_load_parameters_path_alone_adopts_the_model_and_trains(imported, tmp_pa
                          f"base_output_directory={tmp_path}", "run_name=ft"])
     printed = capsys.readouterr().out
     assert "using the model settings of" in printed and "(gemma2," in printed
-    config = result["config"]
+    config = result.config
     assert {k: getattr(config, k) for k in models.MODEL_KEYS} == keys
     # The run's checkpoints keep the import's source, so an export writes the original config.json.
     meta = checkpoint_files.read_metadata(checkpoint_files.find_step_dir(str(tmp_path / "ft")))
@@ -67,7 +68,7 @@ def test_an_imported_model_fine_tunes_with_its_own_tokenizer_and_exports_with_it
         "eval_interval=-1", f"dataset_cache_dir={tmp_path / 'cache'}", f"load_parameters_path={out}",
         f"base_output_directory={tmp_path}", "run_name=ft_tok"))
     assert f"and its tokenizer {out}/hf" in capsys.readouterr().out
-    assert result["config"].tokenizer_path == str(out / "hf")
+    assert result.config.tokenizer_path == str(out / "hf")
     exported = tmp_path / "export"
     convert.export_hf(str(tmp_path / "ft_tok"), str(exported), "float32", log=lambda *a: None)
     original = json.loads((out / "hf" / "config.json").read_text())

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain.attention import dot_product_attention, make_attention_mask
+from maxtrain.models.attention import dot_product_attention, make_attention_mask
 from maxtrain.kernels.flash_attention import flash_attention
 from maxtrain.kernels.flash_tiles import Tuning, default_tuning, shared_memory_bytes
 

@@ -17,7 +17,8 @@ import pytest
 from conftest import BASE_YML, TINY
 
 from maxtrain import data as data_lib
-from maxtrain import metrics, storage, train
+from maxtrain.observability import metrics
+from maxtrain import storage, train
 
 BUCKET = "maxtrain-test"
 
@@ -140,9 +141,9 @@ def test_train_on_gcs_killed_resumes_bitwise(gcs, corpus, tmp_path):
     assert process.returncode == -signal.SIGKILL, output
 
     resumed = train.main([*gcs_args, "eval_interval=20"])
-    assert int(resumed["state"]["step"]) == steps
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["state"]["params"]),
-                 jax.device_get(whole["state"]["params"]))
+    assert int(resumed.state["step"]) == steps
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state["params"]),
+                 jax.device_get(whole.state["params"]))
 
     complete = sorted(int(p.split("/")[-2]) for p in storage.glob(f"{run}/checkpoints/*/commit_success.txt"))
     assert complete[-1] == steps and len(complete) == 2  # max_num_checkpoints_to_keep deletes on GCS too

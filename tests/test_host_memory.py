@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from conftest import BASE_YML, REPO, TINY
-from maxtrain import host_memory
+from maxtrain.training import host_memory
 
 CHILD = os.path.join(os.path.dirname(__file__), "host_memory_child.py")
 GLIBC = (2, 36)

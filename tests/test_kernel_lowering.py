@@ -2,7 +2,7 @@
 sm_80) and TPU v5e, v5p and v6e (Mosaic), forward and backward, inside shard_map on a multi-device
 mesh, at the tiles the default config (sa_block_q, sa_block_kv) and `autoselected` pick.
 
-No accelerator is needed: kernels.targets describes the target's devices and JAX runs the target's
+No accelerator is needed: compile/targets.py describes the target's devices and JAX runs the target's
 own compiler on this CPU. The compilers come from the optional extras `.[tpu]` (libtpu) and
 `.[cuda]` (the CUDA plugin and ptxas); without them these tests skip, saying which extra to
 install. .ci/run installs both in a second virtualenv and runs this file there (where a missing
@@ -22,9 +22,10 @@ import pytest
 from jax.sharding import NamedSharding
 
 from conftest import BASE_YML
-from maxtrain import attention, sharding
+from maxtrain.models import attention
+from maxtrain.parallel import sharding
 from maxtrain.config import load_config
-from maxtrain.kernels import targets
+from maxtrain.compile import targets
 
 RULES = [["batch", ["data", "fsdp"]], ["heads", "tensor"], ["kv_heads", "tensor"]]
 Q_AXES, KV_AXES, SEG_AXES = ("batch", None, "heads", None), ("batch", None, "kv_heads", None), ("batch", None)
@@ -40,8 +41,8 @@ def _needs(missing: str | None):
     return pytest.mark.skipif(missing is not None, reason=f"{missing} (.ci/run runs these tests in a second venv)")
 
 
-needs_gpu_compiler = _needs(targets.gpu_compiler_missing())
-needs_tpu_compiler = _needs(targets.tpu_compiler_missing())
+needs_gpu_compiler = _needs(targets.compiler_missing("gpu"))
+needs_tpu_compiler = _needs(targets.compiler_missing("tpu"))
 
 
 def compile_attention(devices, mesh_shape, platform, *, head_dim, dtype, implementation=None, batch=4, length=1024,
@@ -82,7 +83,7 @@ def compile_attention(devices, mesh_shape, platform, *, head_dim, dtype, impleme
 
 @pytest.fixture(scope="module")
 def h100s():
-    return targets.gpu_devices("h100", gpus_per_host=8)
+    return targets.parse("h100-8").devices()
 
 
 @needs_gpu_compiler
@@ -105,7 +106,7 @@ def test_flash_with_gemma_window_and_soft_cap_compiles_for_h100(h100s):
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_flash_compiles_for_a100(head_dim):
     """An A100 has 163 KiB of shared memory per block (an H100 227 KiB): the tiles shrink to fit."""
-    compile_attention(targets.gpu_devices("a100", gpus_per_host=4), (2, 1, 2), "gpu", head_dim=head_dim,
+    compile_attention(targets.parse("a100-4").devices(), (2, 1, 2), "gpu", head_dim=head_dim,
                       dtype=jnp.bfloat16)
 
 
@@ -124,24 +125,24 @@ def test_cudnn_compiles_for_h100_under_shard_map(h100s):
 
 @needs_tpu_compiler
 @pytest.mark.parametrize("topology, head_dim, sliding_window, logits_soft_cap", [
-    ("v5e:2x2", 128, 0, 0.0),
-    ("v5e:2x2", 64, 0, 0.0),
-    ("v5e:2x2", 256, 512, 50.0),
-    ("v5p:2x2x1", 128, 0, 0.0),
-    ("v5p:2x2x1", 96, 512, 50.0),
-    ("v6e:2x2", 128, 0, 0.0),
-    ("v6e:2x2", 80, 512, 50.0),
+    ("v5e-4", 128, 0, 0.0),
+    ("v5e-4", 64, 0, 0.0),
+    ("v5e-4", 256, 512, 50.0),
+    ("v5p-8", 128, 0, 0.0),
+    ("v5p-8", 96, 512, 50.0),
+    ("v6e-4", 128, 0, 0.0),
+    ("v6e-4", 80, 512, 50.0),
 ])
 def test_splash_compiles_for_tpu(topology, head_dim, sliding_window, logits_soft_cap):
-    hlo = compile_attention(targets.tpu_devices(topology), (2, 1, 2), "tpu", head_dim=head_dim, dtype=jnp.bfloat16,
+    hlo = compile_attention(targets.parse(topology).devices(), (2, 1, 2), "tpu", head_dim=head_dim, dtype=jnp.bfloat16,
                             length=2048, heads=8, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     assert "tpu_custom_call" in hlo
 
 
 def test_missing_compilers_name_the_extra():
-    for missing, extra in ((targets.tpu_compiler_missing(), ".[tpu]"), (targets.gpu_compiler_missing(), ".[cuda]")):
+    for missing, extra in ((targets.compiler_missing("tpu"), ".[tpu]"), (targets.compiler_missing("gpu"), ".[cuda]")):
         assert missing is None or extra in missing
-    with pytest.raises(ValueError, match="unknown GPU target 'h300'; known: h100, a100"):
+    with pytest.raises(targets.TargetError, match="unknown GPU target 'h300'; known: h100, h200, a100"):
         targets.gpu_target_config("h300")
 
 
@@ -157,7 +158,7 @@ GEMMA = ["decoder_block=gemma2", "head_dim=256", "sliding_window_size=128", "att
 
 
 def compile_train_step(devices, overrides):
-    from maxtrain import builder  # pylint: disable=import-outside-toplevel
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
 
     run = builder.build(load_config([BASE_YML, *SMALL, *overrides]), devices=devices)
     assert run.rt.attention == "flash"
@@ -167,11 +168,11 @@ def compile_train_step(devices, overrides):
 @pytest.mark.slow
 @needs_tpu_compiler
 @pytest.mark.parametrize("topology, overrides", [
-    ("v5p:2x2x1", ["head_dim=64", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]),
-    ("v5e:2x2", GEMMA + ["ici_fsdp_parallelism=4"]),
+    ("v5p-8", ["head_dim=64", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]),
+    ("v5e-4", GEMMA + ["ici_fsdp_parallelism=4"]),
 ])
 def test_train_step_compiles_for_tpu(topology, overrides):
-    assert "tpu_custom_call" in compile_train_step(targets.tpu_devices(topology), overrides)
+    assert "tpu_custom_call" in compile_train_step(targets.parse(topology).devices(), overrides)
 
 
 @pytest.mark.slow
@@ -212,4 +213,4 @@ def test_cpu_attention_formulation_compiles_for_h100(h100s):
 
 @needs_tpu_compiler
 def test_cpu_attention_formulation_compiles_for_tpu():
-    assert _compile_causal_chunks(targets.tpu_devices("v5e:2x2"), "tpu", data=2).memory_analysis() is not None
+    assert _compile_causal_chunks(targets.parse("v5e-4").devices(), "tpu", data=2).memory_analysis() is not None

@@ -9,7 +9,11 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY
-from maxtrain import checkpoint_files, convert, lora, models, safetensors_files, train
+from maxtrain.checkpointing import convert, safetensors_files
+from maxtrain.checkpointing import peft as peft_export
+from maxtrain.checkpointing import files as checkpoint_files
+from maxtrain.models import lora
+from maxtrain import models, train
 from maxtrain import config as config_lib
 from post_helpers import compose
 
@@ -82,7 +86,7 @@ def test_lora_run_trains_only_adapters_and_exports_merged_and_as_peft(tmp_path):
     args = [BASE_YML, *TINY, f"base_output_directory={tmp_path}", "run_name=lora", "dataset_type=synthetic",
             "steps=3", "eval_interval=-1", "lora_rank=4", "lora_alpha=8", "learning_rate=0.05", "warmup_steps_fraction=0"]
     result = train.main(args)
-    config, state = result["config"], result["state"]
+    config, state = result.config, result.state
     start = jax.jit(lambda k: models.init_params(config, jax.random.split(k)[0]))(jax.random.key(config.seed))
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state["params"]), jax.device_get(start))  # frozen
     adapters = jax.device_get(state["lora"])
@@ -102,7 +106,7 @@ def test_lora_run_trains_only_adapters_and_exports_merged_and_as_peft(tmp_path):
     safetensors_files.write_model_dir(str(base), convert.to_hf(jax.device_get(start), keys, np.float32),
                                       {"format": "pt"}, 2**30)
     saved_adapters, saved = checkpoint_files.read_adapters(str(run_dir))
-    lora.write_peft(str(tmp_path / "adapter"), saved_adapters, saved)
+    peft_export.write_peft(str(tmp_path / "adapter"), saved_adapters, saved)
     tokens = np.random.default_rng(0).integers(4, config.vocab_size, size=(2, 12))
     merged = _hf_logits(str(tmp_path / "merged"), tokens)
     base_model = pytest.importorskip("transformers").AutoModelForCausalLM.from_pretrained(str(base))
@@ -125,7 +129,7 @@ def test_lora_run_trains_only_adapters_and_exports_merged_and_as_peft(tmp_path):
 def test_reference_and_adapters_are_sharded_from_their_declarations():
     """No hand-listed shardings: DPO's reference is sharded as the params, an adapter's A as its weight's
     input axes and B as its output axes, and the optimizer state exists for the trainable leaves only."""
-    from maxtrain import builder  # pylint: disable=import-outside-toplevel
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
 
     mesh_args = ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "dataset_type=jsonl", "grain_train_files=x",
                  "use_dpo=true", "train_data_columns=[prompt,chosen,rejected]",

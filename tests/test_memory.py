@@ -6,7 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from maxtrain import memory
+from maxtrain.compile import fit as memory
 
 
 def test_compiled_bytes_adds_arguments_outputs_and_temporaries():

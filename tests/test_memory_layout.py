@@ -9,7 +9,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from maxtrain import attention, builder, config as config_lib, hlo_stats, sharding
+from maxtrain.models import attention
+from maxtrain.training import builder
+from maxtrain import config as config_lib
+from maxtrain.compile import hlo_stats
+from maxtrain.parallel import sharding
 from maxtrain.config import with_overrides
 
 from conftest import BASE_YML, TINY

@@ -3,11 +3,11 @@ import json
 import struct
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 from conftest import BASE_YML
-from maxtrain import builder, metrics
+from maxtrain.training import builder
+from maxtrain.observability import metrics
 from maxtrain.config import load_config, with_overrides
 
 
@@ -101,7 +101,7 @@ def test_metrics_file_and_tensorboard_from_a_run(tiny_args, tmp_path):
                 "perf/per_device_tokens_per_sec", "perf/per_device_tflops_per_sec", "perf/mfu"):
         assert all(isinstance(r[key], float) for r in rows), key
     assert rows[-1]["perf/mfu"] == pytest.approx(rows[-1]["perf/per_device_tflops_per_sec"] / 1.0)
-    scalars, texts = read_tensorboard(result["config"].tensorboard_dir)
+    scalars, texts = read_tensorboard(result.config.tensorboard_dir)
     assert [s for s, _ in scalars["learning/loss"]] == [1, 2, 3, 4]
     assert scalars["learning/loss"][0][1] == pytest.approx(rows[0]["learning/loss"], rel=1e-6)
     assert "base_emb_dim: 32" in texts["config/text_summary"]

@@ -11,7 +11,7 @@ from maxtrain import models
 from maxtrain.models import blocks
 from maxtrain.models import rope as rope_lib
 from maxtrain import config as config_lib
-from maxtrain import settings as settings_lib
+from maxtrain.config import settings as settings_lib
 from maxtrain.config import load_config, with_overrides
 
 
@@ -121,7 +121,7 @@ def test_rope_table_only_on_cpu_and_within_its_budget():
 
 def test_cpu_train_step_computes_no_sine_or_cosine():
     """The compiled CPU step reads RoPE's cos/sin from the table: no sincos per element of q and k."""
-    from maxtrain import builder
+    from maxtrain.training import builder
     cfg = load_config([BASE_YML, *with_overrides(TINY, "dataset_type=synthetic", "enable_checkpointing=false")])
     hlo = builder.build(cfg).compile().as_text()
     assert " rsqrt(" in hlo  # the text is the step's: its norms are there
@@ -187,8 +187,8 @@ def test_aux_losses_reach_the_objective_and_the_metrics(monkeypatch):
 
     from maxtrain import config as config_lib
     from maxtrain import models as models_lib
-    from maxtrain import optimizer, train_step
-    from maxtrain.models import llama
+    from maxtrain.training import optimizer, train_step
+    from maxtrain.models.families import llama
 
     def layer(x, p, inputs, layer_type, config, rt):
         x, aux = llama.layer(x, p, inputs, layer_type, config, rt)
@@ -228,7 +228,7 @@ def test_aux_losses_reach_the_objective_and_the_metrics(monkeypatch):
 def test_unstack_gradient_is_one_stack_not_padded_slices():
     """ops.unstack (the unrolled layers' cut of each stacked weight): the same values and gradient as
     slicing, with the slices' gradients stacked, where autodiff of a[i] pads each one to [L, ...]."""
-    from maxtrain import ops
+    from maxtrain.models import ops
     a = jnp.asarray(np.random.default_rng(0).normal(size=(3, 4, 5)), jnp.float32)
 
     def loss(cut):
@@ -247,7 +247,7 @@ def test_cpu_dense_weight_gradient_is_a_plain_matmul():
     """ops.dense(backend="cpu"): the same values and gradients as the plain product, with the weight
     gradient computed as x^T . g from an x^T of its own: no matmul in the compiled gradient contracts
     a transposed operand (which XLA:CPU leaves to slower code than its matmul library)."""
-    from maxtrain import ops
+    from maxtrain.models import ops
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.normal(size=(2, 8, 16)), jnp.float32)
     w = jnp.asarray(rng.normal(size=(16, 4, 6)), jnp.float32)

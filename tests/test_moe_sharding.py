@@ -24,7 +24,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import BASE_YML, TINY
-from maxtrain import builder, models, sharding
+from maxtrain.training import builder
+from maxtrain import models
+from maxtrain.parallel import sharding
 from maxtrain.config import load_config, with_overrides
 from test_sharding import GLOBAL_BATCH, batches
 
@@ -140,7 +142,7 @@ def test_a_16_bit_product_with_a_replicated_weight_has_its_gradient_summed_insid
     16-bit mixtral under a mesh failed to compile)."""
     from jax.sharding import Mesh  # pylint: disable=import-outside-toplevel
 
-    from maxtrain import ops  # pylint: disable=import-outside-toplevel
+    from maxtrain.models import ops  # pylint: disable=import-outside-toplevel
 
     mesh = Mesh(np.array(jax.devices()[:4]), ("fsdp",))
     x = jax.random.normal(jax.random.key(0), (8, 16)).astype(jax.numpy.bfloat16)

@@ -7,7 +7,8 @@ import pytest
 
 from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
-from maxtrain import models, objectives
+from maxtrain import models
+from maxtrain.training import objectives
 from post_helpers import compose
 
 

@@ -11,7 +11,8 @@ import struct
 import pytest
 from conftest import BASE_YML, TINY
 
-from maxtrain import decode, train
+from maxtrain import train
+from maxtrain.models import sampling
 
 STEPS = 8
 
@@ -158,8 +159,8 @@ def test_cpu_mfu_uses_the_measured_peak_once_cached(run):
 
 
 def test_the_sample_ends_where_its_text_ends(run):
-    sample = run["result"]["sample"]
+    sample = run["result"].sample
     assert sample.startswith("def main(") and sample == sample.rstrip() and "\n\n\n\n" not in sample
-    assert decode.trim_sample("def main(self, x," + "\n" * 40) == "def main(self, x,"
-    assert decode.trim_sample("import os\n\n\ndef f():\n    pass\n\n\n\n\nx = 1") == "import os\n\n\ndef f():\n    pass"
-    assert decode.trim_sample("a = 1  \n") == "a = 1"
+    assert sampling.trim_sample("def main(self, x," + "\n" * 40) == "def main(self, x,"
+    assert sampling.trim_sample("import os\n\n\ndef f():\n    pass\n\n\n\n\nx = 1") == "import os\n\n\ndef f():\n    pass"
+    assert sampling.trim_sample("a = 1  \n") == "a = 1"

@@ -3,7 +3,8 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import BASE_YML
-from maxtrain import models, optimizer
+from maxtrain import models
+from maxtrain.training import optimizer
 from maxtrain.config import load_config, with_overrides
 
 

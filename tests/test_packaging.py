@@ -24,8 +24,8 @@ def test_the_wheel_trains_two_steps_from_another_directory(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
                     REPO], check=True, capture_output=True)
     wheel = next(dist.glob("maxtrain-*.whl"))
-    with zipfile.ZipFile(wheel) as archive:  # the GPU targets kernels.targets compiles for
-        assert "maxtrain/kernels/gpu_targets/h100_sxm.txtpb" in archive.namelist()
+    with zipfile.ZipFile(wheel) as archive:  # the GPU targets compile/targets.py compiles for
+        assert "maxtrain/compile/gpu_targets/h100_sxm.txtpb" in archive.namelist()
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     python = venv / "bin" / "python"

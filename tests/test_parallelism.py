@@ -16,9 +16,12 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY
-from maxtrain import builder, context_parallel, models, sharding
+from maxtrain.training import builder
+from maxtrain.parallel import context as context_parallel
+from maxtrain.parallel import sharding
+from maxtrain import models
 from maxtrain.config import ConfigError, load_config, with_overrides
-from maxtrain.models import pipeline
+from maxtrain.parallel import stages as pipeline
 from test_sharding import GLOBAL_BATCH, batches
 
 LAYERS = ["base_num_decoder_layers=4"]   # 4 layers: 4 stages of 1, 2 stages of 2

@@ -97,19 +97,19 @@ def test_sft_then_dpo_with_a_frozen_reference(dataset, tmp_path):
     common = [BASE_YML, *TINY, f"base_output_directory={tmp_path}", "viz_period=-1", "warmup_steps_fraction=0",
               "learning_rate=0.01", "eval_steps=2"]
     sft = train.main(compose(*common, *sft_args(dataset), "run_name=sft", "steps=8", "eval_interval=8"))
-    assert sft["eval_losses"][8] < sft["eval_losses"][0]
+    assert sft.eval_losses[8] < sft.eval_losses[0]
     dpo = train.main(compose(*common, *dpo_args(dataset), "run_name=dpo", "steps=6", "eval_interval=6", "dpo_beta=0.5",
                              "learning_rate=0.002", f"grain_eval_files={dataset['dpo']}",
                              f"load_parameters_path={tmp_path / 'sft'}"))
-    state = dpo["state"]
+    state = dpo.state
     # The reference is the starting (SFT) params, untouched; the policy moved away from it.
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state["reference"]), jax.device_get(sft["state"]["params"]))
-    assert dpo["eval_losses"][0] == pytest.approx(np.log(2), rel=1e-5)
-    assert dpo["eval_metrics"][6]["dpo_reward_margin"] > 0  # pairs it trained on: chosen now beats rejected
-    assert dpo["eval_metrics"][6]["dpo_reward_accuracy"] > 0
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(state["reference"]), jax.device_get(sft.state["params"]))
+    assert dpo.eval_losses[0] == pytest.approx(np.log(2), rel=1e-5)
+    assert dpo.eval_metrics[6]["dpo_reward_margin"] > 0  # pairs it trained on: chosen now beats rejected
+    assert dpo.eval_metrics[6]["dpo_reward_accuracy"] > 0
     resumed = train.main(compose(*common, *dpo_args(dataset), "run_name=dpo", "steps=7", "eval_interval=-1", "dpo_beta=0.5",
                                  "learning_rate=0.002", f"load_parameters_path={tmp_path / 'sft'}"))
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["state"]["reference"]),
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state["reference"]),
                  jax.device_get(state["reference"]))  # resumed from the checkpoint, reference included
 
 
@@ -137,8 +137,8 @@ def test_sft_resumes_bitwise(dataset, tmp_path):
     straight = train.main([*common, "run_name=straight", "steps=4"])
     train.main([*common, "run_name=resumed", "steps=2"])
     resumed = train.main([*common, "run_name=resumed", "steps=4"])
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed["state"]["params"]),
-                 jax.device_get(straight["state"]["params"]))
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state["params"]),
+                 jax.device_get(straight.state["params"]))
 
 
 def test_without_packing_each_row_holds_one_conversation(dataset, tmp_path):

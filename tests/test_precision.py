@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY
-from maxtrain import builder, precision, train
-from maxtrain.config import load_config, with_devices, with_overrides
+from maxtrain.training import builder, precision
+from maxtrain import train
+from maxtrain.config import load_config, with_overrides
 
 
 def assert_trees_bitwise_equal(a, b):
@@ -117,14 +118,14 @@ def test_loss_scale_is_logged_checkpointed_and_resumed(tiny_args, tmp_path, caps
     assert "dtype float16" in out and "memory per device:" in out
     assert "attention dot_product (autoselected for cpu)" in out
     assert f"loss_scale {2.0**99:g} skipped 1" in out and f"loss_scale {2.0**98:g} skipped 2" in out
-    assert int(first["state"]["loss_scale"]["skipped_steps"]) == 2
+    assert int(first.state["loss_scale"]["skipped_steps"]) == 2
 
     second = train.main([*args, "steps=3"])  # resumes from the step-2 checkpoint
     assert "Resuming from" in capsys.readouterr().out
     rows = read_metrics(metrics_file)
     assert [r["learning/loss_scale"] for r in rows] == [2.0**99, 2.0**98, 2.0**97]
     assert [r["learning/skipped_steps"] for r in rows] == [1, 2, 3]
-    assert float(second["state"]["loss_scale"]["scale"]) == 2.0**97
+    assert float(second.state["loss_scale"]["scale"]) == 2.0**97
 
 
 def run_steps(state, step, batch, vocab_size, num_steps):

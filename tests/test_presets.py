@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML
-from maxtrain import attention, builder, config as config_lib, metrics, models
+from maxtrain.models import attention
+from maxtrain.training import builder
+from maxtrain import config as config_lib, models
+from maxtrain.observability import metrics
 from maxtrain.config import load_config, with_overrides
 from maxtrain.models import blocks
 

@@ -5,7 +5,6 @@ so comparing it is deterministic for a given JAX version.
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

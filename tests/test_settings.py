@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import BASE_YML
 from maxtrain import config as config_lib
-from maxtrain import settings as settings_lib
+from maxtrain.config import settings as settings_lib
 from maxtrain.errors import ConfigError, run_cli
 
 TABLE = config_lib.table()

@@ -8,9 +8,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from conftest import BASE_YML, TINY
-from maxtrain import builder, models, optimizer, sharding, train_step
-from maxtrain.config import load_config, with_devices, with_overrides
-from maxtrain.data import pipeline
+from maxtrain.training import builder
+from maxtrain import models
+from maxtrain.parallel import sharding
+from maxtrain.config import load_config, with_overrides
 
 GLOBAL_BATCH = 8
 STEPS = 3

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain import attention
+from maxtrain.models import attention
 from maxtrain.kernels.splash_attention import splash_attention
 
 TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}

@@ -411,7 +411,7 @@ def test_config_naming_a_token_the_vocabulary_lacks(hf_path, tmp_path):
         content = value if isinstance(value, str) else value["content"] if isinstance(value, dict) else value[-1]
         assert f"{directory}/tokenizer_config.json: {key} names {content!r}, which is not in the vocabulary of " \
                f"{directory}/tokenizer.json" in message
-        assert f"Change it to one of the tokenizer's tokens (or null)" in message
+        assert "Change it to one of the tokenizer's tokens (or null)" in message
     directory = _write(tmp_path / "generation", {"tokenizer.json": tokenizer_json,
                                                   "generation_config.json": {"eos_token_id": [2, 320]}})
     message = _error(directory)
@@ -443,13 +443,12 @@ def test_training_on_the_default_corpus_with_a_hugging_face_tokenizer(tiny_args,
     work; a tokenizer larger than vocab_size is refused before the first step."""
     from maxtrain import train  # pylint: disable=import-outside-toplevel
 
-    from maxtrain.config import with_overrides  # pylint: disable=import-outside-toplevel
 
     args = with_overrides(tiny_args, f"tokenizer_path={hf_path}", "default_corpus_max_mb=0.2", "steps=2",
                           "eval_interval=2", "eval_steps=1", "max_new_tokens=8", "viz_period=-1",
                           "enable_checkpointing=false")
     result = train.main(args)
-    assert set(result["eval_losses"]) == {0, 2} and result["sample"].startswith("def main(")
+    assert set(result.eval_losses) == {0, 2} and result.sample.startswith("def main(")
     assert "greedy sample from 'def main('" in capsys.readouterr().out
     with pytest.raises(DataError, match=rf"the tokenizer {hf_path} has 320 pieces but vocab_size=256"):
         train.main(with_overrides(args, "vocab_size=256"))

@@ -11,7 +11,8 @@ import jax
 import numpy as np
 import pytest
 
-from maxtrain import executable, hlo_stats, topologies, train, train_compile
+from maxtrain.compile import executable, hlo_stats, targets as topologies
+from maxtrain import train, train_compile
 from maxtrain.config import with_overrides
 
 from conftest import BASE_YML, REPO
@@ -187,7 +188,7 @@ def test_unknown_trip_count_is_reported():
 
 def test_collectives_of_a_real_cpu_program():
     """An FSDP step on the 8 simulated CPU devices gathers parameters inside the scan over layers."""
-    from maxtrain import builder
+    from maxtrain.training import builder
 
     config = builder.load_config([BASE_YML, "base_num_decoder_layers=3", "base_emb_dim=64", "base_mlp_dim=128",
                                   "vocab_size=256", "max_target_length=16", "per_device_batch_size=1",
@@ -216,10 +217,10 @@ def test_saved_step_trains_bitwise_like_the_jit_path(tiny_args, tmp_path, capsys
     loaded = train.main(with_overrides(tiny_args, *STEP_ARGS, "run_name=loaded", f"compiled_trainstep_file={path}"))
     assert f"loaded the compiled step from {path}" in capsys.readouterr().out
     jitted = train.main(with_overrides(tiny_args, *STEP_ARGS, "run_name=jitted"))
-    assert int(loaded["state"]["step"]) == int(jitted["state"]["step"]) == 2
-    for a, b in zip(jax.tree.leaves(loaded["state"]["params"]), jax.tree.leaves(jitted["state"]["params"])):
+    assert int(loaded.state["step"]) == int(jitted.state["step"]) == 2
+    for a, b in zip(jax.tree.leaves(loaded.state["params"]), jax.tree.leaves(jitted.state["params"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    for a, b in zip(jax.tree.leaves(loaded["state"]["opt_state"]), jax.tree.leaves(jitted["state"]["opt_state"])):
+    for a, b in zip(jax.tree.leaves(loaded.state["opt_state"]), jax.tree.leaves(jitted.state["opt_state"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 

@@ -13,7 +13,9 @@ import sys
 import jax
 import pytest
 
-from maxtrain import builder, hlo_stats, models, topologies, train_compile
+from maxtrain.training import builder
+from maxtrain.compile import hlo_stats, targets as topologies
+from maxtrain import models, train_compile
 from maxtrain.config import with_overrides
 
 from conftest import BASE_YML, REPO

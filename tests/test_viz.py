@@ -18,7 +18,9 @@ from maxtrain.config import with_overrides
 from tensorboardX.proto import event_pb2
 
 from maxtrain import config as config_lib
-from maxtrain import models, png, sharding, train, viz
+from maxtrain import models, train, viz
+from maxtrain.observability import heatmap, png
+from maxtrain.parallel import sharding
 from maxtrain.data import DataError, pipeline
 from maxtrain.data import tokenizer as tokenizer_lib
 
@@ -112,11 +114,11 @@ def test_png_round_trip_and_font():
 
 
 def test_colour_scale_runs_red_to_green():
-    red, yellow, green = viz.color(-10.0), viz.color(-5.0), viz.color(0.0)
-    assert red == viz.color(-50.0) and red[0] > red[1]
+    red, yellow, green = heatmap.color(-10.0), heatmap.color(-5.0), heatmap.color(0.0)
+    assert red == heatmap.color(-50.0) and red[0] > red[1]
     assert yellow[0] > 200 and yellow[1] > 200
     assert green[1] > green[0]
-    greenness = [viz.color(v)[1] - viz.color(v)[0] for v in np.linspace(-10, 0, 21)]
+    greenness = [heatmap.color(v)[1] - heatmap.color(v)[0] for v in np.linspace(-10, 0, 21)]
     assert greenness == sorted(greenness) and len(set(greenness)) == 21  # redder to greener, step by step
 
 
@@ -127,18 +129,18 @@ def run(tmp_path_factory):
     argv = ["configs/base.yml", *TINY, f"base_output_directory={out}", "run_name=r", "steps=2", "eval_interval=2",
             "eval_steps=1", "viz_period=1", "viz_num_samples=2", "async_checkpointing=false"]
     result = train.main(argv)
-    return {"argv": argv, "result": result, "config": result["config"]}
+    return {"argv": argv, "result": result, "config": result.config}
 
 
 def test_token_logprobs_match_the_loss(run):
-    config, params = run["config"], run["result"]["state"]["params"]
+    config, params = run["config"], run["result"].state["params"]
     rt = models.Runtime.from_config(config)
     tokenizer, _, eval_docs = pipeline.default_corpus_documents(config)
     host = pipeline.eval_batches(eval_docs, config, 0, 1, 1)[0]
     mesh = sharding.create_mesh(config)
     with sharding.activation_sharding(mesh, config.logical_axis_rules):
         batch = pipeline.to_global(host, mesh, config.logical_axis_rules, pipeline.EVAL_BATCH_AXES)
-        rows = viz.token_logprobs(params, batch, config, rt, num_rows=3)
+        rows = heatmap.token_logprobs(params, batch, config, rt, num_rows=3)
     assert rows["logprobs"].shape == (3, config.max_target_length)
     np.testing.assert_array_equal(rows["targets"], host["targets"][:3])
     first3 = {k: v[:3] for k, v in host.items()}
@@ -165,7 +167,7 @@ def test_training_writes_heatmaps_every_viz_period(run):
         # The spans spell out the first eval sample, token by token.
         host = pipeline.eval_batches(pipeline.default_corpus_documents(config)[2], config, 0, 1, 1)[0]
         ids = [int(host["inputs"][0, 0])] + [int(t) for t in host["targets"][0]]
-        assert [s["text"] for s in spans[:len(ids)]] == [viz.token_text(tokenizer, i) for i in ids]
+        assert [s["text"] for s in spans[:len(ids)]] == [heatmap.token_text(tokenizer, i) for i in ids]
         image = decode_png(open(f"{config.run_dir}/viz/step_{step}.png", "rb").read())
         assert image.shape[1] == 2 * 8 + 100 * png.CELL_W * 2
         assert len({tuple(c) for c in image.reshape(-1, 3)[::7]}) > 5  # coloured cells, not a blank page

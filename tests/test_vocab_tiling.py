@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import jax
 import jax.extend
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY
-from maxtrain import builder, models, ops
+from maxtrain.training import builder
+from maxtrain import models
 from maxtrain.config import ConfigError, load_config, with_overrides
 
 
@@ -98,7 +98,7 @@ def test_the_head_gathered_once_gives_the_same_loss_and_gradients_on_a_sharded_m
     loss: the same loss and gradients (float32, full-precision matmuls)."""
     import dataclasses  # pylint: disable=import-outside-toplevel
 
-    from maxtrain import sharding  # pylint: disable=import-outside-toplevel
+    from maxtrain.parallel import sharding  # pylint: disable=import-outside-toplevel
 
     cfg = load_config([BASE_YML, *with_overrides(TINY, "vocab_size=1024", "ici_fsdp_parallelism=8")])
     run = builder.build(cfg)

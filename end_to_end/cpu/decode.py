@@ -38,7 +38,8 @@ def cache_agrees_with_full_forward(checkpoint: str, extra: list[str]) -> tuple[i
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-    from maxtrain import config as config_lib, decode, models, sharding  # pylint: disable=import-outside-toplevel
+    from maxtrain import config as config_lib, decode, models  # pylint: disable=import-outside-toplevel
+    from maxtrain.parallel import sharding  # pylint: disable=import-outside-toplevel
     from maxtrain.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
 
     config = config_lib.load_config([str(common.ROOT / "configs" / "base.yml"), *extra,

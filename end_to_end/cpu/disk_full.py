@@ -21,7 +21,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
-from maxtrain import checkpoint_files  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain.checkpointing import files as checkpoint_files  # noqa: E402  pylint: disable=wrong-import-position
 
 TINY = ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=2", "base_mlp_dim=64",
         "base_num_decoder_layers=2", "head_dim=16", "vocab_size=512", "max_target_length=32",

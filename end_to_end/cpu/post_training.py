@@ -118,23 +118,26 @@ def exact_answer_rate(checkpoint: str, held_out, extra: list[str]) -> float:
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-    from maxtrain import builder, decode, sharding  # pylint: disable=import-outside-toplevel
+    from maxtrain import data as data_lib  # pylint: disable=import-outside-toplevel
     from maxtrain.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+    from maxtrain.models import sampling  # pylint: disable=import-outside-toplevel
+    from maxtrain.parallel import sharding  # pylint: disable=import-outside-toplevel
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
 
     config = builder.load_config(compose(str(common.ROOT / "configs" / "base.yml"), *extra,
                                          f"load_parameters_path={checkpoint}"), log=lambda *_: None)
-    tok = decode.tokenizer_for(config)
-    params, rt, mesh = decode.load_model(config, log=lambda *_: None)
+    tok = data_lib.tokenizer_for(config)
+    model = builder.load_model(config, log=lambda *_: None)
     groups: dict[int, list] = {}
     for question, answer in held_out:
         ids = tokenizer_lib.prompt_ids(tok, chat_prompt(question))
         groups.setdefault(len(ids), []).append((ids, answer))
     right = 0
-    with sharding.activation_sharding(mesh, config.logical_axis_rules):
+    with sharding.activation_sharding(model.mesh, config.logical_axis_rules):
         for items in groups.values():
             prompts = jnp.asarray([ids for ids, _ in items], jnp.int32)
-            out = decode._generate(params, prompts, jax.random.key(0), config=config, rt=rt,  # pylint: disable=protected-access
-                                   max_new_tokens=8, temperature=0.0, top_k=0, top_p=1.0)
+            out = sampling.generate_tokens(model.params, prompts, jax.random.key(0), config=model.config, rt=model.rt,
+                                           max_new_tokens=8, temperature=0.0, top_k=0, top_p=1.0)
             for row, (_, answer) in zip(jax.device_get(out), items):
                 text = tok.decode([int(t) for t in row])
                 right += text.split("<|im_end|>")[0].strip() == answer

@@ -28,7 +28,7 @@ import grain
 import numpy as np
 from grain import experimental as grain_exp
 
-from maxtrain.data import chat, evaluation, hosts, sources, text_files
+from maxtrain.data import chat, eval_batches, hosts, pipeline, sources, text_files
 from maxtrain.data.errors import DataError
 
 FEATURES = ("tokens", "weights", "parts", "positions")
@@ -57,13 +57,13 @@ def read_records(path: str, skip: int = 0):
         return
     if fmt != "jsonl":
         raise DataError(f"{path}: use_sft / use_dpo read .jsonl or .parquet files, not {fmt}")
-    stream, raw = text_files._open(path, compression)  # pylint: disable=protected-access
+    stream, raw = text_files.open_text(path, compression)
     with raw:
         for number, line in enumerate(stream, start=1):
             if number <= skip:
                 continue
             where = f"{path} line {number}"
-            text = text_files._decode(line, where).strip()  # pylint: disable=protected-access
+            text = text_files.decode_text(line, where).strip()
             if not text:
                 yield where, None
                 continue
@@ -226,9 +226,7 @@ def elements(files, config, template, split: str, num_epochs, seed: int, shuffle
 
 def make_inputs(config, index: int, count: int, log=print):
     """(tokenizer, train iterator, eval batches, sources) for use_sft / use_dpo."""
-    from maxtrain.data import pipeline  # pylint: disable=import-outside-toplevel
-
-    tokenizer = sources._load_tokenizer(config, None, None)  # pylint: disable=protected-access
+    tokenizer = sources.load_tokenizer(config, None, None)
     template = open_template(config, tokenizer)
     train = sources.parse_files(config.grain_train_files, "grain_train_files")
     evals = sources.parse_files(config.grain_eval_files, "grain_eval_files") if config.grain_eval_files else []
@@ -247,14 +245,14 @@ def make_inputs(config, index: int, count: int, log=print):
             "are rendered and tokenized as they are read (the chat template decides the tokens and their weights)")
 
     epochs = None if config.num_epoch == -1 else config.num_epoch
-    files = [f for c in train for f in sources._host_files(  # pylint: disable=protected-access
+    files = [f for c in train for f in sources.host_files(
         c, "grain_train_files", index, count, log, required=True)]
     accum, micro = config.gradient_accumulation_steps, hosts.host_micro_batch(config)
     docs = elements(files, config, template, "train", epochs, sources.data_seed(config, "files/0"),
                     config.enable_data_shuffling, f"grain_train_files on host {index}", log)
     train_it = pipeline.train_iterator_from_rows(rows(docs, config, accum * micro), config, index, log)
 
-    eval_batches = []
+    eval_input = []
     if evals and config.eval_interval != -1:
         eval_files = hosts.file_shards([f for c in evals for f in c.files], index, count)
 
@@ -272,7 +270,7 @@ def make_inputs(config, index: int, count: int, log=print):
         if max(counts) == 0:
             raise DataError("the eval data gives no batches; fix grain_eval_files, or set eval_interval=-1")
         num = limit or max(counts)
-        eval_batches = evaluation.EvalInput(make, num, min(local, num), micro, config.max_target_length)
+        eval_input = eval_batches.EvalInput(make, num, min(local, num), micro, config.max_target_length)
         log(f"eval: {num} batches of {micro} x {config.max_target_length} per evaluation (host {index}: "
             f"{min(local, num)} real)")
-    return tokenizer, train_it, eval_batches, sources.Sources(config.dataset_type, tokenizer, train, evals)
+    return tokenizer, train_it, eval_input, sources.Sources(config.dataset_type, tokenizer, train, evals)

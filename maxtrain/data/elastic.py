@@ -40,6 +40,7 @@ import re
 import grain
 
 from maxtrain import storage
+from maxtrain.config import MESH_AXES, parallelism_key
 from maxtrain.data.errors import DataError
 
 _FILE = re.compile(r"process_(\d+)-of-(\d+)\.json$")
@@ -251,8 +252,6 @@ def restore(data_dir: str, iterator, config, process_index: int, process_count: 
 
 def describe_change(saved_meta: dict, config, process_count: int) -> str:
     """The start-up summary's line when a run resumes on other processes, devices or mesh ("" if none)."""
-    from maxtrain.config import MESH_AXES, parallelism_key  # pylint: disable=import-outside-toplevel
-
     saved = saved_meta.get("config", {})
     keys = [parallelism_key(p, a) for p in ("ici", "dcn") for a in MESH_AXES] + ["num_slices"]
     mesh = [f"{k} {saved[k]} -> {getattr(config, k)}" for k in keys if k in saved and saved[k] != getattr(config, k)]

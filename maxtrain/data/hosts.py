@@ -19,7 +19,7 @@ import jax
 import numpy as np
 
 from maxtrain.data.errors import DataError
-from maxtrain.sharding import named_sharding
+from maxtrain.parallel.sharding import named_sharding
 
 BATCH_AXES = (None, "batch", "length")   # train host batch [A, b, T]
 EVAL_BATCH_AXES = ("batch", "length")    # eval host batch [b, T]

@@ -6,7 +6,7 @@ contributes its rows of the global batch through `jax.make_array_from_process_lo
 
     inputs, targets, positions, segment_ids, loss_weights   [accumulation steps, host micro batch, T]
 
-(eval batches have no accumulation axis; see evaluation.py). The train iterator is a Grain
+(eval batches have no accumulation axis; see eval_batches.py). The train iterator is a Grain
 DatasetIterator end to end, so its state (which documents were read, what is half packed) is
 saved in the checkpoint and restored exactly.
 """
@@ -14,12 +14,13 @@ saved in the checkpoint and restored exactly.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import grain
 import numpy as np
 from grain import experimental as grain_exp
 
-from maxtrain.data import hosts, packing, worker_processes
+from maxtrain.data import default_corpus, hosts, packing, worker_processes
 from maxtrain.data.hosts import BATCH_AXES, EVAL_BATCH_AXES, host_micro_batch, to_global  # noqa: F401 (train.py)
 
 
@@ -97,15 +98,11 @@ def synthetic_iterator(config, process_index: int) -> grain.DatasetIterator:
 
 def default_corpus_documents(config, log=print):
     """(tokenizer, train docs, eval docs) of the embedded corpus; see default_corpus.documents."""
-    from maxtrain.data import default_corpus  # pylint: disable=import-outside-toplevel
-
     return default_corpus.documents(config, log=log)
 
 
 def eval_batches(docs: list, config, process_index: int, process_count: int, num_batches: int) -> list[dict]:
     """The first `num_batches` host eval batches [b, T] of in-memory documents (padding batches if short)."""
-    import itertools  # pylint: disable=import-outside-toplevel
-
     rows = host_micro_batch(config)
     ds = grain.MapDataset.source(docs)[process_index::process_count].to_iter_dataset()
     real = packing.eval_rows(ds, config, rows).batch(rows, drop_remainder=False)

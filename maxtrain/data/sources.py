@@ -129,7 +129,7 @@ def parse_files(spec: str, key: str) -> list[Component]:
     return components
 
 
-def _load_tokenizer(config, prepared_with: dict | None, prepared_dir: str | None, log=print) -> tokenizer_lib.Tokenizer:
+def load_tokenizer(config, prepared_with: dict | None, prepared_dir: str | None, log=print) -> tokenizer_lib.Tokenizer:
     copy = os.path.join(prepared_dir, prepared_with.get("file", prepared.TOKENIZER)) if prepared_with else None
     if config.tokenizer_path:
         tok = tokenizer_lib.load(config.tokenizer_path)
@@ -189,7 +189,7 @@ def open_sources(config, log=print) -> Sources:
         for c in train + evals:
             c.documents = prepared.PreparedDocuments(c.files)
         first = train[0].documents
-        tok = _load_tokenizer(config, first.tokenizer, first.directories[0], log)
+        tok = load_tokenizer(config, first.tokenizer, first.directories[0], log)
         for key, components in (("grain_train_files", train), ("grain_eval_files", evals)):
             for c in components:
                 if c.documents.tokenizer["checksum"] != tok.checksum:
@@ -200,7 +200,7 @@ def open_sources(config, log=print) -> Sources:
         pool = prepared.PreparedDocuments([f for c in evals for f in c.files]) if evals else None
         return Sources(kind, tok, train, evals, pool)
     if kind in SEQUENTIAL:
-        tok = _load_tokenizer(config, None, None, log)
+        tok = load_tokenizer(config, None, None, log)
         _check_text_files(train, kind, "grain_train_files", _column(config, "train"))
         _check_text_files(evals, kind, "grain_eval_files", _column(config, "eval"))
         if config.dataset_cache_dir:  # tokenize once into a cache, in the background (cache.py)
@@ -358,7 +358,7 @@ def _random_access(documents, *, seed: int, shuffle: bool, num_epochs: int | Non
     return _global_order(documents, seed=seed, shuffle=shuffle, num_epochs=num_epochs)[index::count]
 
 
-def _host_files(component: Component, key: str, index: int, count: int, log, required: bool) -> list[str]:
+def host_files(component: Component, key: str, index: int, count: int, log, required: bool) -> list[str]:
     files = hosts.file_shards(component.files, index, count)
     if len(component.files) % count:
         log(f"warning: {key} {component.spec!r} has {len(component.files)} files for {count} hosts, not a multiple: "
@@ -392,7 +392,7 @@ def train_documents(sources: Sources, config, index: int, count: int, log=print)
         if c.cache is not None:
             parts.append(_cached(sources, c, i, config, epochs, index, count, log))
             continue
-        files = _host_files(c, "grain_train_files", index, count, log, required=True)
+        files = host_files(c, "grain_train_files", index, count, log, required=True)
         part = TextFilesIterDataset(files, _column(config, "train"), epochs, data_seed(config, f"files/{i}"), shuffle,
                                     f"grain_train_files {c.spec!r} on host {index}").map(_Encode(sources.tokenizer))
         if shuffle and config.grain_shuffle_window > 1:

@@ -73,7 +73,7 @@ def open_parquet(path: str):
                         "partial download? another format named .parquet?).") from None
 
 
-def _open(path: str, compression: str | None):
+def open_text(path: str, compression: str | None):
     """(stream of decompressed bytes, the raw file: its tell() is the progress in bytes on disk)."""
     try:
         raw = storage.open(path, "rb")  # pylint: disable=consider-using-with
@@ -87,7 +87,7 @@ def _open(path: str, compression: str | None):
     return raw, raw
 
 
-def _decode(data: bytes, where: str, unit: str = "line") -> str:
+def decode_text(data: bytes, where: str, unit: str = "line") -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -122,7 +122,7 @@ def _lines(stream, path: str, start: int, end: int | None, skip: int, progress, 
 def _jsonl(path, field, start, end, skip, progress, raw, stream) -> Iterator[str]:
     for (number, offset), line in _lines(stream, path, start, end, skip, progress, raw):
         where = _where(path, number, offset, start)
-        text = _decode(line, where).strip()
+        text = decode_text(line, where).strip()
         if not text:
             yield ""
             continue
@@ -148,11 +148,11 @@ def _jsonl(path, field, start, end, skip, progress, raw, stream) -> Iterator[str
 def _txt(path, mode, start, end, skip, progress, raw, stream) -> Iterator[str]:
     if mode == "file":
         if skip == 0:
-            yield _decode(stream.read(), path, "file")
+            yield decode_text(stream.read(), path, "file")
         return
     paragraph, count = [], 0
     for (number, offset), line in _lines(stream, path, start, end, 0 if mode == "paragraph" else skip, progress, raw):
-        text = _decode(line, _where(path, number, offset, start)).rstrip("\r\n")
+        text = decode_text(line, _where(path, number, offset, start)).rstrip("\r\n")
         if mode == "line":
             yield text
             continue
@@ -186,7 +186,7 @@ def _parquet(path, field, row_groups, skip, progress) -> Iterator[str]:
             raise DataError(f"{path}: column {field!r} has type {kind}, not string")
         for i, value in enumerate(column.to_pylist()[skip:], start=skip):
             if isinstance(value, bytes):
-                value = _decode(value, f"{path} row {row + i}", "value")
+                value = decode_text(value, f"{path} row {row + i}", "value")
             yield value or ""
         skip, row = 0, row + rows
         if progress:
@@ -209,7 +209,7 @@ def read_texts(path: str, field: str = "text", txt_documents: str = "file", skip
     if txt_documents not in TXT_DOCUMENTS:
         raise DataError(f"txt_documents={txt_documents!r}; use one of {', '.join(TXT_DOCUMENTS)}")
     start, end = byte_range or (0, None)
-    stream, raw = _open(path, compression)
+    stream, raw = open_text(path, compression)
     if progress:
         done = [start]
 

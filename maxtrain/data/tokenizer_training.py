@@ -18,6 +18,7 @@ import os
 import re
 from typing import Iterable
 
+from maxtrain.data import text_files
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.data.errors import DataError
 
@@ -115,8 +116,6 @@ def train_hf(texts: Iterable[str], vocab_size: int, setting: str = "vocab_size={
 def sample_texts(files: list[str], max_bytes: int, text_field: str = "text", txt_documents: str = "file"):
     """Documents from every file, about max_bytes in all: each file gives at most an equal share,
     so the tokenizer sees every source, not just the first files."""
-    from maxtrain.data import text_files  # pylint: disable=import-outside-toplevel
-
     share = max(max_bytes // max(len(files), 1), 1)
     for path in files:
         used = 0

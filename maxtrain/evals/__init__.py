@@ -5,8 +5,10 @@ training loop (`eval_tasks=...`) and standalone (`python -m maxtrain.evaluate`).
     tasks.py      rows -> examples of (context, continuation) requests, in lm-eval's stock formats
     requests.py   tokenization (lm-eval's rules) and packing into fixed-shape rows, once per run
     scoring.py    the jitted scoring step, run over every process' rows; the cross-process gather
-    metrics.py    acc, acc_norm, perplexity, MMLU's averages
+    task_metrics.py  acc, acc_norm, perplexity, MMLU's averages
     runner.py     TaskEvaluator: set up once, evaluate(params), report(step, results, writer)
+
+May import models, data, parallel, config and the base modules.
 """
 
 from maxtrain.evals import data  # noqa: F401

@@ -22,10 +22,10 @@ import time
 import jax
 
 from maxtrain import config as config_lib
-from maxtrain import config_checks
+from maxtrain.config import checks as config_checks
 from maxtrain.data import hosts
 from maxtrain.evals import data as data_lib
-from maxtrain.evals import metrics as metrics_lib
+from maxtrain.evals import task_metrics as metrics_lib
 from maxtrain.evals import requests as requests_lib
 from maxtrain.evals import scoring
 from maxtrain.evals import tasks as tasks_lib

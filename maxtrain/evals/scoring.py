@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain import models, sharding
+from maxtrain import models
+from maxtrain.parallel import sharding
 from maxtrain.data import hosts
 
 BATCH_AXES = ("batch", "length")

@@ -1,27 +1,32 @@
-"""Model families over shared blocks. `decoder_block` (MaxText's key; presets set it) picks the family.
+"""The model: params, RoPE, blocks, attention, MoE, the decoder stack, and the families over them.
 
     params.py     ParamSpec: every parameter declared once (shape, logical axes, initializer)
     rope.py       RoPE and its scaling variants (default, linear, llama3, yarn)
+    ops.py        the matmul (`dense`) and small array helpers, with their CPU formulations
+    attention.py  masks, the plain-jnp reference, the kernels' dispatch, the context-parallel form
     blocks.py     norms, embedding, attention, gated MLPs, logits; FLOPs helpers
-    decoder.py    the stack every family shares: layer types, scan over repeating groups, loss, decoding
-    hf.py         what the families share about Hugging Face names and config.json fields
-    runtime.py    dtype, attention implementation and remat policy resolved for a platform
     moe.py        the mixture-of-experts block: routers, dropless and capacity dispatch, experts,
                   balance losses, expert parallelism (docs/moe.md)
-    <family>.py   llama, mistral, qwen2, qwen3, gemma2, gemma3, mixtral, qwen3_moe: declarations,
-                  layer composition, Hugging Face mapping and FLOPs per token, nothing else
+    decoder.py    the stack every family shares: layer types, scan over repeating groups, loss, decoding
+    runtime.py    dtype, attention implementation, remat policy and vocab tiles resolved for a platform
+    lora.py       LoRA adapters: their declarations, initialization and merge into the weights
+    sampling.py   sampling with the KV cache: greedy, temperature, top-k, top-p
+    hf.py         what the families share about Hugging Face names and config.json fields
+    families/     one module per family of config/registry.py (llama, mistral, qwen2, qwen3, gemma2,
+                  gemma3, mixtral, qwen3_moe): declarations, layer composition, HF mapping, FLOPs
 
-Adding a family is one module with the same names as llama.py, listed in FAMILIES below, presets in
-configs/models/ and a parity test against transformers (tests/test_families.py); train.py does not change.
+`decoder_block` (MaxText's key; presets set it) picks the family. Every function here is a pure
+function of (params, inputs, config, runtime). May import config, parallel and kernels (and errors);
+never training, checkpointing, data or the commands.
 """
 
 from __future__ import annotations
 
-from maxtrain.models import decoder, gemma2, gemma3, llama, mistral, mixtral, moe, qwen2, qwen3, qwen3_moe
+from maxtrain.models import decoder, moe
+from maxtrain.models import params as params_lib
+from maxtrain.models.families import FAMILIES
 from maxtrain.models.params import ParamSpec, Params, count, is_spec
 from maxtrain.models.runtime import PROJECTION_NAMES, REMAT_POLICIES, Runtime
-
-FAMILIES = {m.DECODER_BLOCK: m for m in (llama, mistral, qwen2, qwen3, gemma2, gemma3, mixtral, qwen3_moe)}
 
 # The config keys that describe a model. SHAPE_KEYS fix the parameters' shapes (a checkpoint that
 # differs does not fit); SETTING_KEYS change what the same parameters compute (a checkpoint written
@@ -74,8 +79,6 @@ def is_moe(config) -> bool:
 
 
 def init_params(config, key) -> Params:
-    from maxtrain.models import params as params_lib  # pylint: disable=import-outside-toplevel
-
     return params_lib.init_params(param_specs(config), key, config.weight_dtype)
 
 

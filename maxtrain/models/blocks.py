@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from maxtrain import attention as attention_lib
-from maxtrain import ops
+from maxtrain.models import attention as attention_lib
+from maxtrain.models import ops
 from maxtrain.models import rope as rope_lib
 from maxtrain.models.params import ParamSpec, dense
-from maxtrain.sharding import shard, shard_for_table, shard_like_params
+from maxtrain.parallel.sharding import shard, shard_for_table, shard_like_params
 
 
 class LayerInputs(NamedTuple):

@@ -35,8 +35,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from maxtrain import context_parallel, ops, sharding
-from maxtrain.models import pipeline
+from maxtrain.parallel import context as context_parallel
+from maxtrain.parallel import sharding
+from maxtrain.models import ops
+from maxtrain.parallel import stages as pipeline
 from maxtrain.models import rope as rope_lib
 from maxtrain.models.blocks import LayerInputs
 from maxtrain.models.runtime import REMAT_POLICIES
@@ -233,7 +235,7 @@ def _forward(family, params, tokens, positions, segment_ids, config, rt):
 def forward(family, params, tokens, positions, segment_ids, config, rt):
     """(logits [B, T, V] float32, aux) for tokens [B, T]; positions restart at 0 in each packed document.
 
-    With context parallelism the tokens run in its load-balanced order (context_parallel.py) and
+    With context parallelism the tokens run in its load-balanced order (parallel/context.py) and
     the logits come back in the original order."""
     cp = sharding.ways("length")
     if cp == 1:
@@ -251,7 +253,7 @@ def loss_fn(family, params, batch: dict, config, rt):
     num_vocab_tiling > 1 the output projection and the loss run a chunk of the sequence at a time,
     so the [B, T, V] logits never exist in full (ops.tiled_cross_entropy). A sum over tokens does
     not depend on their order: with context parallelism the whole batch goes into the
-    load-balanced order (context_parallel.py) and stays there.
+    load-balanced order (parallel/context.py) and stays there.
     """
     cp = sharding.ways("length")
     if cp > 1:

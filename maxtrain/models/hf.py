@@ -180,9 +180,10 @@ def whole(x):
     return int(x) if float(x).is_integer() else x
 
 
-def common_config(keys: dict, architecture: str, model_type: str) -> dict:
+def common_config(keys: dict, family) -> dict:
+    """config.json's fields every family shares; `family`: its config.registry.Family (architecture, model_type)."""
     return {
-        "architectures": [architecture], "model_type": model_type,
+        "architectures": [family.hf_architecture], "model_type": family.hf_model_types[0],
         "hidden_size": keys["base_emb_dim"], "intermediate_size": keys["base_mlp_dim"],
         "num_hidden_layers": keys["base_num_decoder_layers"], "num_attention_heads": keys["base_num_query_heads"],
         "num_key_value_heads": keys["base_num_kv_heads"], "head_dim": keys["head_dim"],

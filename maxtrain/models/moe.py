@@ -57,11 +57,11 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
-from maxtrain import ops
-from maxtrain import sharding as sharding_lib
+from maxtrain.models import ops
+from maxtrain.parallel import sharding as sharding_lib
 from maxtrain.models import blocks
 from maxtrain.models.decoder import PER_LAYER
-from maxtrain.models.params import ParamSpec, dense
+from maxtrain.models.params import ParamSpec, dense, is_spec
 
 ROUTERS = ("topk_softmax", "softmax_topk")
 
@@ -408,8 +408,6 @@ def _aux(logits, experts, valid, dropped, s: Settings, axes: Axes) -> dict:
 
 def active_params(specs_tree, config) -> int:
     """Parameters one token uses: an expert weight ("exp" axis) counts K / E of its size."""
-    from maxtrain.models.params import is_spec  # pylint: disable=import-outside-toplevel
-
     total = 0.0
     for spec in jax.tree.leaves(specs_tree, is_leaf=is_spec):
         size = math.prod(spec.shape)

@@ -11,7 +11,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from maxtrain import attention as attention_lib
+from maxtrain.models import attention as attention_lib
 
 # Names of the projection (matmul) outputs inside a layer; `minimal` saves exactly these, which are
 # the matmuls without batch dimensions (the attention score and value matmuls are recomputed).
@@ -107,9 +107,12 @@ class Runtime:
     vocab_tiles: int = 1  # the loss head's sequence chunks (num_vocab_tiling, resolved)
 
     @classmethod
-    def from_config(cls, config, backend: str | None = None, logits_bytes: float | None = None) -> "Runtime":
+    def from_config(cls, config, backend: str | None = None, logits_bytes: float | None = None,
+                    context_parallel: int = 1) -> "Runtime":
         """logits_bytes: one device's share of a micro-batch's float32 [B, T, V] logits, as the mesh
-        splits them (builder.build); by default per_device_batch_size whole sequences, unsplit."""
+        splits them; by default per_device_batch_size whole sequences, unsplit. context_parallel: the
+        ways the mesh splits each sequence. A run resolves its runtime once, in training/builder.py
+        (`runtime`), from its mesh; tests call this directly."""
         backend = backend or jax.default_backend()
         dtype = resolve_dtype(config.dtype, backend)
         auto = tuple(k for k in ("dtype", "attention", "remat_policy") if getattr(config, k) == "autoselected")
@@ -119,7 +122,8 @@ class Runtime:
         tiles = resolve_vocab_tiles(config.num_vocab_tiling, config.max_target_length, logits_bytes)
         attention = attention_lib.resolve_implementation(
             config.attention, backend, dtype=dtype, head_dim=config.head_dim,
-            sliding_window=config.sliding_window_size, logits_soft_cap=config.attn_logits_soft_cap)
+            sliding_window=config.sliding_window_size, logits_soft_cap=config.attn_logits_soft_cap,
+            context_parallel=context_parallel)
         remat_policy, scan_layers = resolve_layer_plan(config, backend)
         return cls(dtype=dtype, attention=attention, remat_policy=remat_policy, backend=backend,
                    autoselected=auto, vocab_tiles=tiles, unroll_layers=config.scan_layers and not scan_layers)

@@ -1,0 +1,368 @@
+"""Hugging Face checkpoints <-> maxtrain, for every model family (CLI: scripts/convert_hf.py).
+
+    import_hf(hf_dir, out)       config.json + safetensors -> out/checkpoints/0 (params only), out/model.yml
+                                 (the model preset) and out/hf/ (the original config.json,
+                                 generation_config.json, tokenizer and license files: the assets export needs)
+    export_hf(checkpoint, out)   maxtrain params -> a directory transformers loads: config.json (the original
+                                 one when the model came from an import), generation_config.json, the tokenizer
+                                 files and model.safetensors
+
+The family comes from config.json's model_type (config/registry.py lists each family's); the
+family's HF_NAMES and parameter declarations drive the tensor mapping, and its from_hf_config /
+to_hf_config the config fields. Every tensor is checked against the declared shape; a tensor the
+model has no place for is an error, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import types
+
+import jax
+import numpy as np
+import yaml
+
+from maxtrain import config as config_lib
+from maxtrain import models
+from maxtrain.checkpointing import checksums, safetensors_files
+from maxtrain.checkpointing import files as checkpoint_files
+from maxtrain.checkpointing import manager as checkpoint
+from maxtrain.config import registry
+from maxtrain.models.hf import ConversionError
+from maxtrain.models.params import is_spec
+
+# Buffers some older checkpoints carry; recomputed, never needed.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Multimodal checkpoints whose text decoder maxtrain imports: prefix in the checkpoint -> prefix of the text model.
+TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "language_model.lm_head.": "lm_head."}
+ASSETS = "hf"  # out/hf/: the original config, generation config, tokenizer and license files
+
+__all__ = ["ConversionError", "import_hf", "export_hf", "model_keys", "to_maxtrain", "to_hf", "read_hf_config"]
+
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+
+def read_hf_config(hf_dir: str) -> dict:
+    path = os.path.join(hf_dir, "config.json")
+    if not os.path.isdir(hf_dir):
+        raise ConversionError(f"{hf_dir} is not a directory; pass a Hugging Face model directory (config.json and "
+                              "model.safetensors)")
+    if not os.path.isfile(path):
+        raise ConversionError(f"{hf_dir} has no config.json; pass a Hugging Face model directory")
+    try:
+        with open(path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConversionError(f"cannot read {path}: {e}. It must be the model's JSON config.json") from None
+    if not isinstance(hf, dict):
+        raise ConversionError(f"{path} holds a JSON {type(hf).__name__}, not an object of config fields")
+    return hf
+
+
+def family_for(hf: dict):
+    """(family module, the text model's config) for a config.json."""
+    model_type = hf.get("model_type")
+    entry = registry.family_of_hf_model_type(model_type)
+    if entry is None:
+        known = sorted(t for f in registry.FAMILIES.values() for t in f.hf_model_types)
+        raise ConversionError(f"model_type={model_type!r} is not supported; maxtrain converts {', '.join(known)}")
+    if isinstance(hf.get("text_config"), dict):  # a multimodal checkpoint: its text decoder
+        hf = {**hf["text_config"], "tie_word_embeddings": hf.get("tie_word_embeddings",
+                                                                  hf["text_config"].get("tie_word_embeddings", True))}
+    return models.FAMILIES[entry.name], hf
+
+
+def model_keys(hf: dict, notes: list | None = None) -> dict:
+    """Every maxtrain model key (MODEL_KEYS) for a config.json: the family's reading over base.yml's defaults."""
+    family, text = family_for(hf)
+    try:
+        keys = family.from_hf_config(text, notes)
+    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(e, ConversionError):
+            raise
+        raise ConversionError(f"config.json is missing or has a malformed field for a {family.FAMILY.name} "
+                              f"model: {type(e).__name__}: {e}") from None
+    defaults = config_lib.defaults()
+    out = {k: defaults[k] for k in models.MODEL_KEYS}
+    out.update(keys, decoder_block=family.FAMILY.name)
+    return out
+
+
+def spec_config(keys: dict):
+    """Model keys (a dict, e.g. a checkpoint's saved config) as the attribute view the families read."""
+    return types.SimpleNamespace(**keys)
+
+
+# --------------------------------------------------------------------------------------------
+# Weights
+# --------------------------------------------------------------------------------------------
+
+
+def _entries(keys: dict):
+    """(path tuple, spec, HF name pattern, n_in, HF layer index of each stacked entry or None, experts or None).
+
+    "{i}" in a name is the layer's index in the whole stack (through the layer kinds); "{j}" the
+    expert's index along the parameter's "exp" axis (one Hugging Face tensor per expert)."""
+    cfg = spec_config(keys)
+    family = models.family(cfg)
+    layer_types = family.layer_types(cfg)
+    flat = {"/".join(str(getattr(k, "key", k)) for k in path): spec for path, spec in
+            jax.tree_util.tree_flatten_with_path(family.param_specs(cfg), is_leaf=is_spec)[0]}
+    for path, spec in flat.items():
+        if path not in family.HF_NAMES:
+            raise ConversionError(f"the {family.FAMILY.name} family declares {path} but has no Hugging Face name for it")
+        name, n_in = family.HF_NAMES[path]
+        layers = experts = None
+        if "{i}" in name:
+            kind = path.split("/")[1]
+            layers = [i for i, t in enumerate(layer_types) if t.kind == kind]
+        if "{j}" in name:
+            experts = spec.shape[spec.axes.index("exp")]
+        yield tuple(path.split("/")), spec, name, n_in, layers, experts
+
+
+def _one_shape(spec, layers, experts) -> tuple:
+    """The shape of the maxtrain slice one Hugging Face tensor fills (no layer or expert axis)."""
+    return tuple(s for s, a in zip(spec.shape, spec.axes)
+                 if not (layers is not None and a == "layers") and not (experts is not None and a == "exp"))
+
+
+def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) -> dict:
+    """maxtrain params (nested dict of numpy arrays) from Hugging Face tensors."""
+    used, params = set(), {}
+    for path, spec, name, n_in, layers, experts in _entries(keys):
+        shape = _one_shape(spec, layers, experts)
+
+        def read(hf_name, shape=shape, path=path, n_in=n_in):
+            if hf_name not in tensors:
+                raise ConversionError(f"the checkpoint has no tensor {hf_name} (for maxtrain's {'/'.join(path)})")
+            w = np.asarray(tensors[hf_name])
+            expected = _hf_shape(shape, n_in)
+            if tuple(w.shape) != expected:
+                raise ConversionError(f"{hf_name} has shape {list(w.shape)}, but the config implies {list(expected)} "
+                                      f"(for maxtrain's {'/'.join(path)} {list(shape)})")
+            used.add(hf_name)
+            return (w.reshape(shape) if n_in in (None, "flat") else w.T.reshape(shape)).astype(dtype)
+
+        def per_layer(i, name=name, experts=experts):
+            if experts is None:
+                return read(name.format(i=i))
+            return np.stack([read(name.format(i=i, j=j)) for j in range(experts)])
+
+        node = params
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = np.stack([per_layer(i) for i in layers]) if layers is not None else per_layer(None)
+    unused = [n for n in tensors if n not in used and not n.endswith(IGNORED_SUFFIXES)
+              and not (n == "lm_head.weight" and keys["logits_via_embedding"])]
+    if unused:
+        raise ConversionError(f"tensors that maxtrain's {keys['decoder_block']} model has no place for: {unused[:8]}"
+                              + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
+                              + ". Does config.json describe these weights?")
+    return params
+
+
+def to_hf(params: dict, keys: dict, dtype) -> dict[str, np.ndarray]:
+    """Hugging Face tensors (torch Linear layout) from maxtrain params."""
+    out = {}
+    for path, spec, name, n_in, layers, experts in _entries(keys):
+        value = params
+        for part in path:
+            if not isinstance(value, dict) or part not in value:
+                raise ConversionError(f"the checkpoint has no param {'/'.join(path)}")
+            value = value[part]
+        value = np.asarray(value)
+        if tuple(value.shape) != tuple(spec.shape):
+            raise ConversionError(f"param {'/'.join(path)} has shape {list(value.shape)}, the model declares "
+                                  f"{list(spec.shape)}")
+        for i, per_layer in zip(layers if layers is not None else [None], value if layers is not None else [value]):
+            for j, w in zip(range(experts) if experts is not None else [None],
+                            per_layer if experts is not None else [per_layer]):
+                w = w.reshape(_hf_shape(w.shape, n_in)) if n_in in (None, "flat") else \
+                    w.reshape(math.prod(w.shape[:n_in]), -1).T
+                out[name.format(i=i, j=j)] = np.ascontiguousarray(w).astype(dtype)
+    return out
+
+
+def _hf_shape(shape: tuple, n_in) -> tuple:
+    """The Hugging Face shape of a maxtrain parameter of one layer (see models/hf.py on layouts)."""
+    if n_in is None:
+        return tuple(shape)
+    if n_in == "flat":
+        return (math.prod(shape),)
+    return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
+
+
+def _text_tensors(tensors: dict, notes: list) -> dict:
+    """A multimodal checkpoint's text-decoder tensors, renamed as in the text-only model."""
+    if not any(n.startswith(tuple(TEXT_PREFIXES)) for n in tensors):
+        return tensors
+    out, dropped = {}, 0
+    for name, array in tensors.items():
+        for prefix, new in {**TEXT_PREFIXES, "lm_head.": "lm_head."}.items():
+            if name.startswith(prefix):
+                out[new + name[len(prefix):]] = array
+                break
+        else:
+            dropped += 1
+    notes.append(f"imported the text decoder; {dropped} tensors of the other modalities were left out")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Import and export
+# --------------------------------------------------------------------------------------------
+
+
+def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=print) -> dict:
+    """Writes out/checkpoints/0 (params only), out/model.yml and out/hf/; returns the model keys."""
+    hf = read_hf_config(hf_dir)
+    notes: list[str] = []
+    keys = model_keys(hf, notes)
+    ckpt_dir = os.path.join(os.path.abspath(out_dir), "checkpoints")
+    if checkpoint_files.complete_steps(ckpt_dir):
+        raise ConversionError(f"{ckpt_dir} already holds a checkpoint; choose an empty output directory")
+    try:
+        tensors = _text_tensors(safetensors_files.read_model_dir(hf_dir), notes)
+    except safetensors_files.FormatError as e:
+        raise ConversionError(str(e)) from None
+    source_dtypes = sorted({str(t.dtype) for t in tensors.values()})
+    params = to_maxtrain(tensors, keys, np.dtype(weight_dtype))
+    for note in notes:
+        log(f"note: {note}")
+
+    os.makedirs(out_dir, exist_ok=True)
+    assets = os.path.join(os.path.abspath(out_dir), ASSETS)
+    copied = _copy_assets(hf_dir, assets)
+    source = {"hugging_face_dir": os.path.abspath(hf_dir), "dtypes": source_dtypes, "hf_config": hf,
+              "assets_dir": assets, "assets": copied, "notes": notes}
+    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
+    metadata = {"step": 0, "config": keys, "saved_at": checkpoint.now(),
+                "source": source, "git": checkpoint.git_state()}
+    with ocp.CheckpointManager(ckpt_dir, item_handlers={"state": ocp.StandardCheckpointHandler(),
+                                                        "metadata": ocp.JsonCheckpointHandler()}) as manager:
+        manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params}),
+                                                metadata=ocp.args.JsonSave(metadata)))
+        manager.wait_until_finished()
+    checksums.write(os.path.join(ckpt_dir, "0"))  # a self-checking step, like the trainer's
+    preset = [f"# {keys['decoder_block']} model preset converted from {os.path.abspath(hf_dir)}",
+              f"# Fine-tune: python -m maxtrain.train base.yml load_parameters_path={os.path.abspath(out_dir)}",
+              "#   (the checkpoint's model settings are adopted; or pass model_name=<this file>)"]
+    preset += [f"{k}: {yaml_value(v)}" for k, v in keys.items()]
+    with open(os.path.join(out_dir, "model.yml"), "w") as f:
+        f.write("\n".join(preset) + "\n")
+    return keys
+
+
+def _copy_assets(hf_dir: str, assets: str) -> list[str]:
+    """Everything of the model directory but its weights: configs, tokenizer, chat template, license."""
+    os.makedirs(assets, exist_ok=True)
+    copied = []
+    for name in sorted(os.listdir(hf_dir)):
+        src = os.path.join(hf_dir, name)
+        if not os.path.isfile(src) or name.endswith(safetensors_files.WEIGHT_SUFFIXES) \
+                or name.endswith(".safetensors.index.json") or name.startswith("."):
+            continue
+        shutil.copyfile(src, os.path.join(assets, name))
+        copied.append(name)
+    return copied
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+
+
+def export_hf(checkpoint_path: str, out_dir: str, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
+              tokenizer: str | None = None, log=print) -> str:
+    """Writes a directory transformers loads; returns it."""
+    step_dir = checkpoint_files.find_step_dir(checkpoint_path)
+    meta = checkpoint_files.read_metadata(step_dir)
+    saved = meta.get("config", {})
+    missing = [k for k in models.MODEL_KEYS if k not in saved and k not in models.MOE_KEYS]
+    if missing:
+        raise ConversionError(f"the checkpoint {step_dir} has no model settings {missing} in its metadata; it was "
+                              "written by an older maxtrain")
+    defaults = config_lib.defaults()  # a checkpoint from before the MoE keys is a dense model
+    keys = {k: saved[k] if k in saved else defaults[k] for k in models.MODEL_KEYS}
+    names = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+    if dtype not in names:
+        raise ConversionError(f"export dtype {dtype!r} is not one of {', '.join(names)}")
+    tensors = to_hf(checkpoint_files.read_params(step_dir), keys, np.dtype(safetensors_files.DTYPES[names[dtype]]))
+    source = meta.get("source") or {}
+    os.makedirs(out_dir, exist_ok=True)
+    hf = hf_config(keys, source.get("hf_config"), dtype)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    assets = source.get("assets_dir")
+    _write_tokenizer_and_generation_config(out_dir, tokenizer or saved.get("tokenizer_path") or assets, assets, hf, log)
+    safetensors_files.write_model_dir(out_dir, tensors, {"format": "pt", "maxtrain_checkpoint": step_dir},
+                                      max_shard_bytes)
+    return out_dir
+
+
+def hf_config(keys: dict, original: dict | None, dtype: str) -> dict:
+    """config.json: the imported original when the model settings still read the same from it, else the
+    family's own config over the original's other fields (bos/eos ids, max_position_embeddings, ...)."""
+    family = models.family(spec_config(keys))
+    if original is not None:
+        try:
+            same = model_keys(original) == keys and family_for(original)[0] is family
+        except ConversionError:
+            same = False
+        if same:
+            out = dict(original)
+            if isinstance(out.get("text_config"), dict):  # exported as the text-only model
+                out = {**out, **out.pop("text_config")}
+                out.update(architectures=[family.FAMILY.hf_architecture], model_type=family.FAMILY.hf_model_types[0])
+                out.pop("vision_config", None)
+            out.update(torch_dtype=dtype, dtype=dtype)
+            return out
+    base = {k: v for k, v in (original or {}).items()
+            if k in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "initializer_range")}
+    base.setdefault("max_position_embeddings", max(keys.get("original_max_position_embeddings", 8192), 8192))
+    return {**base, **family.to_hf_config(keys), "torch_dtype": dtype, "dtype": dtype}
+
+
+def tokenizer_files(path: str) -> dict[str, str]:
+    """{name in the export: source file} for a tokenizer given as an HF directory, a tokenizer.json
+    (with its directory's tokenizer_config.json and special_tokens_map.json) or a sentencepiece .model."""
+    if os.path.isdir(path):
+        return {n: os.path.join(path, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(path, n))}
+    if not os.path.isfile(path):
+        return {}
+    directory, name = os.path.split(path)
+    out = {"tokenizer.model" if name.endswith(".model") else "tokenizer.json": path}
+    for companion in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
+        if os.path.isfile(os.path.join(directory, companion)):
+            out[companion] = os.path.join(directory, companion)
+    return out
+
+
+def _write_tokenizer_and_generation_config(out_dir: str, tokenizer: str | None, assets: str | None, hf: dict, log):
+    files = tokenizer_files(tokenizer) if tokenizer else {}
+    for name, src in files.items():
+        shutil.copyfile(src, os.path.join(out_dir, name))
+    if assets and os.path.isdir(assets):
+        for name in sorted(os.listdir(assets)):  # the original generation config, license and readme files
+            if name == "generation_config.json" or name == "README.md" \
+                    or name.upper().startswith(("LICENSE", "NOTICE", "USE_POLICY")):
+                shutil.copyfile(os.path.join(assets, name), os.path.join(out_dir, name))
+    if not os.path.isfile(os.path.join(out_dir, "generation_config.json")):
+        generation = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
+        with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
+            json.dump(generation, f, indent=2)
+    if not files:
+        log("note: no tokenizer files were found for this checkpoint; pass --tokenizer PATH to include them "
+            "(transformers needs them to run the model on text)")
+
+
+def yaml_value(value) -> str:
+    """`value` as YAML reads it back with the same type (1e-05 would be a string; 1.0e-05 is a float)."""
+    return yaml.safe_dump(value, default_flow_style=True, width=10**6).strip().removesuffix("...").strip()

@@ -1,0 +1,328 @@
+"""The checks of a resolved config: every key against the settings table, then the rules that relate several keys.
+
+    checks.validate(values)   # ConfigError naming the key, the value and the fix, or None
+
+`validate` checks each key against its allowed values in configs/base.yml (settings.check_value), then
+runs `CHECKS`: the named rules a per-key range cannot express (heads divisible by kv heads, one mesh
+axis filled with -1, tensor parallelism dividing heads/mlp/vocab, ...), each a function of the
+resolved values that raises ConfigError. loading.load_config and loading.revalidate call it. Two
+settings' parsers live here too, because a rule checks them and the run uses them again:
+`parse_eval_tasks` (evaluate.py, evals/runner.py) and `split_address` (parallel/distributed.py).
+
+Imports the schema and the registry (what the rules check against), the settings table and the error types.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+from typing import Any
+
+from maxtrain.config import settings as settings_lib
+from maxtrain.config.registry import EVAL_TASKS, MOE_FAMILIES
+from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, parallelism_key, table
+from maxtrain.errors import ConfigError
+
+
+def _require(ok: bool, message: str):
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(v: dict[str, Any]) -> None:
+    """The whole resolved config: each key's allowed values (the table), then the named checks."""
+    for name, setting in table().items():
+        settings_lib.check_value(setting, v[name])
+    for check in CHECKS:
+        check(v)
+
+
+def _heads_divisible_by_kv_heads(v):
+    _require(v["base_num_query_heads"] % v["base_num_kv_heads"] == 0,
+             f"base_num_query_heads={v['base_num_query_heads']} must be a multiple of base_num_kv_heads="
+             f"{v['base_num_kv_heads']} (each kv head serves a whole group of query heads); "
+             f"e.g. base_num_kv_heads={_divisor_hint(v['base_num_query_heads'], v['base_num_kv_heads'])}")
+
+
+def _head_dim_even(v):
+    _require(v["head_dim"] % 2 == 0, f"head_dim={v['head_dim']} must be even (RoPE rotates pairs of features)")
+
+
+
+def _vocab_tiling_divides_length(v):
+    _require(v["num_vocab_tiling"] == -1 or v["max_target_length"] % v["num_vocab_tiling"] == 0,
+             f"num_vocab_tiling={v['num_vocab_tiling']} must divide max_target_length={v['max_target_length']} "
+             "(the sequence is cut into that many chunks)")
+
+
+def _flash_blocks_powers_of_two(v):
+    for key in ("sa_block_q", "sa_block_kv"):
+        _require(v[key] & (v[key] - 1) == 0, f"{key}={v[key]} must be a power of two (16, 32, 64, 128, ...)")
+
+
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
+CHAT_TEMPLATES = ("chatml", "llama3", "plain")  # maxtrain/data/chat.py: built-in templates
+
+
+def _one_objective(v):
+    _require(not (v["use_sft"] and v["use_dpo"]),
+             "use_sft=true and use_dpo=true were both set; a run has one objective. Run SFT first, then DPO from its "
+             "checkpoint with load_parameters_path=<the SFT run>")
+
+
+def _data_columns(v):
+    """One text field for pre-training; SFT and DPO name the fields of their records (docs/post_training.md)."""
+    wanted = {"sft": (["messages"], ["prompt", "completion"]), "dpo": (["prompt", "chosen", "rejected"],)}
+    kind = "sft" if v["use_sft"] else "dpo" if v["use_dpo"] else None
+    for key in ("train_data_columns", "eval_data_columns"):
+        columns = v[key]
+        _require(all(isinstance(c, str) and c for c in columns),
+                 f"{key}={columns!r} must be a list of field names, e.g. {key}=[text]")
+        if kind is None:
+            _require(len(columns) == 1, f"{key}={columns!r} must name exactly one text field, e.g. {key}=[text]")
+            continue
+        shapes = ["[" + ",".join(c) + "]" for c in wanted[kind]]
+        _require(len(columns) in {len(c) for c in wanted[kind]},
+                 f"use_{kind}=true reads {'conversations' if kind == 'sft' else 'preference pairs'}, but {key}="
+                 f"{columns!r}; set {key}={shapes[0]} (the names of your fields, in that order)"
+                 + (f", or {shapes[1]}" if kind == "sft" else ""))
+        _require(v["dataset_type"] in ("jsonl", "parquet"),
+                 f"use_{kind}=true reads jsonl or parquet files, but dataset_type={v['dataset_type']}; set "
+                 f"dataset_type=jsonl (or parquet) and grain_train_files=<your files>")
+
+
+def _chat_template_known(v):
+    _require(v["chat_template"] in ("",) + CHAT_TEMPLATES,
+             f"chat_template={v['chat_template']!r} is not a built-in template; use one of {', '.join(CHAT_TEMPLATES)}, "
+             "or \"\" for the tokenizer's own")
+
+
+def _lora_targets_known(v):
+    targets = v["lora_target_modules"]
+    _require(len(targets) > 0 and all(t in LORA_TARGETS for t in targets) and len(set(targets)) == len(targets),
+             f"lora_target_modules={targets!r} must list distinct projections among {', '.join(LORA_TARGETS)} "
+             "(q, k, v, o: attention; gate, up, down: MLP)")
+
+
+def _llama3_rope_factors(v):
+    if v["rope_type"] == "llama3":
+        _require(v["rope_high_freq_factor"] > v["rope_low_freq_factor"] > 0,
+                 f"rope_type=llama3 needs rope_high_freq_factor > rope_low_freq_factor > 0, got "
+                 f"{v['rope_high_freq_factor']} and {v['rope_low_freq_factor']} (Llama 3.1 uses 4.0 and 1.0)")
+
+
+def _attention_layer_types(v):
+    types = v["attention_layer_types"]
+    if types:
+        _require(len(types) == v["base_num_decoder_layers"] and all(t in ("full", "sliding") for t in types),
+                 f"attention_layer_types must list \"full\" or \"sliding\" for each of the "
+                 f"{v['base_num_decoder_layers']} layers (or be [] for the family's pattern), got {types}")
+        _require("sliding" not in types or v["sliding_window_size"] > 0,
+                 "attention_layer_types has sliding layers but sliding_window_size=0; set sliding_window_size")
+
+
+def _experts_per_token_at_most_experts(v):
+    e, k = v["num_experts"], v["num_experts_per_tok"]
+    _require(k <= e, f"num_experts_per_tok={k} is more than num_experts={e}: each token is routed to "
+                     f"num_experts_per_tok distinct experts; use num_experts_per_tok <= {e}")
+
+
+def _moe_layers_of_the_family(v):
+    layers = v["mlp_only_layers"]
+    _require(all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < v["base_num_decoder_layers"]
+                 for i in layers),
+             f"mlp_only_layers={layers} must list layer indices in [0, {v['base_num_decoder_layers'] - 1}]")
+    block, e = v["decoder_block"], v["num_experts"]
+    if block not in MOE_FAMILIES:
+        _require(e == 1, f"decoder_block={block} has no experts, but num_experts={e}; use decoder_block="
+                         f"{' or '.join(MOE_FAMILIES)} for a mixture of experts, or num_experts=1")
+    if block == "mixtral":
+        _require(v["decoder_sparse_step"] == 1 and not layers,
+                 "decoder_block=mixtral has experts in every layer; decoder_sparse_step and mlp_only_layers are "
+                 "qwen3_moe settings (use decoder_block=qwen3_moe to mix dense and MoE layers)")
+        _require(v["norm_topk_prob"], "decoder_block=mixtral always renormalizes its top-k router weights; "
+                                      "norm_topk_prob=false is a qwen3_moe setting")
+
+
+def _expert_parallelism_divides_experts(v):
+    ici, dcn, e = v["ici_expert_parallelism"], v["dcn_expert_parallelism"], v["num_experts"]
+    ep = ici * dcn
+    if ici > 0 and dcn > 0 and e % ep:  # -1 (fill) is resolved with the devices; the mesh checks it then
+        raise ConfigError(f"expert parallelism {ep} (ici_expert_parallelism x dcn_expert_parallelism) must divide "
+                          f"num_experts={e}: each device holds num_experts / {ep} whole experts; e.g. "
+                          f"ici_expert_parallelism={_divisor_hint(e, ep)}")
+
+
+def _hidden_tiling_divides_expert_width(v):
+    n, width = v["num_moe_hidden_tiling"], v["base_moe_mlp_dim"] if v["base_moe_mlp_dim"] > 0 else v["base_mlp_dim"]
+    if v["num_experts"] > 1 and n > 1 and width % n:
+        raise ConfigError(f"num_moe_hidden_tiling={n} must divide the experts' hidden width {width} (base_moe_mlp_dim, "
+                          f"or base_mlp_dim when that is -1); e.g. num_moe_hidden_tiling={_divisor_hint(width, n)}, "
+                          "or -1 to have it chosen")
+
+
+def _default_corpus_needs_eval_split(v):
+    _require(0.0 < v["eval_split_fraction"] < 1.0 or v["dataset_type"] != "default",
+             f"eval_split_fraction={v['eval_split_fraction']} must be strictly between 0 and 1 for the default corpus")
+
+
+def _files_for_file_datasets(v):
+    if v["dataset_type"] in ("arrayrecord", "parquet", "jsonl"):
+        _require(bool(v["grain_train_files"].strip()),
+                 f"dataset_type={v['dataset_type']} needs grain_train_files=<glob of {v['dataset_type']} files>")
+
+
+def _one_starting_point(v):
+    _require(not (v["load_parameters_path"] and v["load_full_state_path"]),
+             "set only one of load_parameters_path (params only) and load_full_state_path (whole state)")
+
+
+def _one_filled_mesh_axis(v):
+    for prefix in ("ici", "dcn"):
+        fills = [parallelism_key(prefix, a) for a in MESH_AXES if v[parallelism_key(prefix, a)] == -1]
+        _require(len(fills) <= 1, f"only one {prefix}_*_parallelism may be -1, got {', '.join(fills)}")
+
+
+def _ways(v: dict[str, Any], axis: str) -> int | None:
+    """How many ways `axis` splits (ici x dcn), or None while one of them is -1 (known with the devices)."""
+    ici, dcn = v[parallelism_key("ici", axis)], v[parallelism_key("dcn", axis)]
+    return None if -1 in (ici, dcn) else ici * dcn
+
+
+def _stages_divide_layers(v):
+    """Each pipeline stage holds the same number of layers (sharding.create_mesh checks again once -1 is
+    resolved)."""
+    stages, layers = _ways(v, "stage"), v["base_num_decoder_layers"]
+    if stages and stages > 1:
+        _require(layers % stages == 0,
+                 f"pipeline parallelism {stages} (ici_pipeline_parallelism x dcn_pipeline_parallelism) must divide "
+                 f"base_num_decoder_layers={layers}: each stage holds the same number of layers; e.g. "
+                 f"ici_pipeline_parallelism={_divisor_hint(layers, stages)}")
+
+
+def _no_pipeline_stages_with_experts(v):
+    """Mixture-of-experts layers run their own shard_map over the expert axis, and report per-layer
+    figures; neither is wired through a pipeline stage yet."""
+    stages = _ways(v, "stage")
+    _require(v["decoder_block"] not in MOE_FAMILIES or stages == 1,
+             f"decoder_block={v['decoder_block']} (mixture of experts) does not run with pipeline parallelism yet; "
+             "set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1 (use expert, fsdp or tensor parallelism)")
+
+
+def _context_chunks_divide_length(v):
+    """Context parallelism cuts each sequence into 2 chunks per device (one early, one late)."""
+    cp, length = _ways(v, "context"), v["max_target_length"]
+    if cp and cp > 1:
+        _require(length % (2 * cp) == 0,
+                 f"context parallelism {cp} (ici_context_parallelism x dcn_context_parallelism) splits each sequence "
+                 f"into {2 * cp} chunks (two per device, one early and one late, so that causal attention's work is "
+                 f"even), so max_target_length={length} must be a multiple of {2 * cp}; e.g. max_target_length="
+                 f"{max(2 * cp, length // (2 * cp) * 2 * cp)}")
+
+
+def _tensor_parallelism_divides(v):
+    tp = v["ici_tensor_parallelism"] * v["dcn_tensor_parallelism"]
+    if tp > 1:
+        for key in ("base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "vocab_size"):
+            _require(v[key] % tp == 0,
+                     f"tensor parallelism {tp} (ici_tensor_parallelism x dcn_tensor_parallelism) must divide "
+                     f"{key}={v[key]}; use a tensor parallelism that divides it, e.g. "
+                     f"ici_tensor_parallelism={_divisor_hint(v[key], tp)}")
+
+
+def _coordinator_address(v):
+    if v["coordinator_address"]:
+        split_address(v["coordinator_address"], "coordinator_address")
+    if v["num_processes"] > 0 and v["process_id"] >= 0:
+        _require(v["process_id"] < v["num_processes"],
+                 f"process_id={v['process_id']} must be in [0, num_processes={v['num_processes']})")
+
+
+def _metrics_file_is_a_file_path(v):
+    path = v["metrics_file"]
+    _require(not path or not path.endswith(("/", os.sep)),
+             f"metrics_file={path!r} names a directory; give a file path, e.g. metrics_file=outputs/metrics.jsonl")
+
+
+def _eval_tasks_known(v):
+    parse_eval_tasks(v["eval_tasks"], v["eval_tasks_num_fewshot"])
+
+
+def parse_eval_tasks(spec: str, num_fewshot: int = 0) -> dict[str, int]:
+    """`eval_tasks` -> {task: few-shot count}: "hellaswag,mmlu:5" -> {"hellaswag": num_fewshot, "mmlu": 5}."""
+    _require(num_fewshot >= 0, f"eval_tasks_num_fewshot={num_fewshot} must be >= 0")
+    tasks: dict[str, int] = {}
+    for item in (part.strip() for part in spec.split(",")):
+        if not item:
+            continue
+        name, _, shots = item.partition(":")
+        name = name.strip()
+        if name not in EVAL_TASKS:
+            close = difflib.get_close_matches(name, EVAL_TASKS, n=1)
+            raise ConfigError(f"eval_tasks: unknown task {name!r}" + (f"; did you mean {close[0]}?" if close else "")
+                              + f" Tasks: {', '.join(EVAL_TASKS)}")
+        _require(name not in tasks, f"eval_tasks names {name} twice")
+        if shots:
+            _require(shots.strip().isdigit(), f"eval_tasks: {item!r} must be task:N with N a number of few-shot "
+                                              f"examples, e.g. {name}:5")
+        tasks[name] = int(shots) if shots else num_fewshot
+    return tasks
+
+
+def split_address(address: str, key: str = "coordinator_address") -> tuple[str, int]:
+    """host:port -> (host, port), or a ConfigError naming the key, the value and the fix."""
+    host, _, port = address.strip().rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"{key}={address!r} must be host:port, e.g. 10.0.0.2:1234")
+    if not 1 <= int(port) <= 65535:
+        raise ConfigError(f"{key}={address!r}: port {port} is outside 1-65535; use a free port such as 8476")
+    return host.strip("[]"), int(port)
+
+
+# The rules a per-key range cannot express, each a function of the resolved values.
+def _optional_packages_installed(v):
+    _require(not v["enable_wandb"] or importlib.util.find_spec("wandb") is not None,
+             "enable_wandb=true needs the wandb package: pip install 'maxtrain[wandb]' (or set enable_wandb=false)")
+    remote = [k for k in ("base_output_directory", "dataset_cache_dir", "metrics_file", "grain_train_files",
+                          "grain_eval_files", "load_parameters_path", "load_full_state_path") if v[k].startswith("gs://")]
+    _require(not remote or importlib.util.find_spec("gcsfs") is not None,
+             f"{remote[0] if remote else ''} is on gs://, which needs gcsfs: pip install 'maxtrain[gcs]'")
+
+
+def _known_profiler(v):
+    _require(v["profiler"] in ("", "xplane"), f"profiler={v['profiler']!r} is not supported; use profiler=xplane "
+                                               "(a jax.profiler trace, as MaxText) or leave it empty")
+
+
+CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
+          _flash_blocks_powers_of_two, _one_objective, _data_columns, _chat_template_known, _lora_targets_known,
+          _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
+          _stages_divide_layers, _no_pipeline_stages_with_experts, _context_chunks_divide_length,
+          lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
+          _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
+          _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts, _hidden_tiling_divides_expert_width,
+          _eval_tasks_known)
+
+
+def _divisor_hint(n: int, near: int) -> int:
+    divisors = [d for d in range(1, min(n, 100_000) + 1) if n % d == 0]
+    return min(divisors, key=lambda d: (abs(d - near), d))
+
+
+def _validate_rules(rules) -> None:
+    _require(isinstance(rules, list), "logical_axis_rules must be a list of [logical_axis, mesh_axes] pairs")
+    for rule in rules:
+        _require(isinstance(rule, list) and len(rule) == 2,
+                 f"logical_axis_rules entry {rule!r} must be a pair [logical_axis, mesh_axes]")
+        name, mesh_axes = rule
+        _require(isinstance(name, str) and (name in LOGICAL_AXES or name.removeprefix("activation_") in LOGICAL_AXES),
+                 f"logical_axis_rules: unknown logical axis {name!r}; known: {', '.join(LOGICAL_AXES)} "
+                 "(and activation_<axis> for activations placed apart from parameters)")
+        axes = [] if mesh_axes is None else [mesh_axes] if isinstance(mesh_axes, str) else mesh_axes
+        _require(isinstance(axes, list), f"logical_axis_rules: {name!r} maps to {mesh_axes!r}; give a mesh axis, "
+                                         "a list of them, or null")
+        for axis in axes:
+            _require(isinstance(axis, str) and axis in MESH_AXES,
+                     f"logical_axis_rules: {name!r} maps to unknown mesh axis {axis!r}; "
+                     f"mesh axes are {', '.join(MESH_AXES)}")

@@ -1,0 +1,387 @@
+"""Attention: masks, the plain-jnp reference, and the choice of implementation.
+
+Shapes (letters as in model.py): q [B, T, N, H], k and v [B, S, G, H] with N a multiple of G.
+Each kv head serves R = N // G query heads; K and V are never repeated in memory.
+
+Masking rule, shared by every implementation: query t may attend to key s when both tokens belong
+to the same segment (`segment_ids` equal; packed rows hold several documents) and, when causal,
+s <= t. Padding has segment id 0, so a padding query attends to padding keys only and no row of
+the softmax is ever empty. Padding is kept out of the loss by the loss weights, not here.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from maxtrain.kernels import flash_tiles
+from maxtrain.parallel import context, sharding
+
+IMPLEMENTATIONS = ("autoselected", "dot_product", "flash", "cudnn")
+
+# Finite "minus infinity": keeps exp() at exactly 0 without producing NaN in fully masked rows.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def make_attention_mask(q_segment_ids, kv_segment_ids, *, causal: bool = True, q_offset=0, sliding_window: int = 0):
+    """Boolean mask [B, T, S]: True where query t may attend to key s.
+
+    q_offset shifts query indices (a query block that starts at q_offset in the key sequence).
+    sliding_window > 0 also hides keys that are sliding_window or more positions back: t - s < W
+    (as Hugging Face's sliding-window masks), so each query sees at most W keys, itself included.
+    """
+    mask = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
+    t = jnp.arange(q_segment_ids.shape[1])[:, None] + q_offset
+    s = jnp.arange(kv_segment_ids.shape[1])[None, :]
+    if causal:
+        mask = mask & (s <= t)[None]
+    if sliding_window > 0:
+        mask = mask & (t - s < sliding_window)[None]
+    return mask
+
+
+def soft_cap(x, cap: float):
+    """cap * tanh(x / cap): squashes x smoothly into (-cap, cap); cap <= 0 leaves x unchanged (Gemma 2)."""
+    return cap * jnp.tanh(x / cap) if cap > 0 else x
+
+
+def dot_product_attention(q, k, v, mask, *, scale: float | None = None, logits_soft_cap: float = 0.0,
+                          compact_scores: bool = False, heads_major: bool = False):
+    """Reference attention in plain jnp; softmax in float32, output in q.dtype.
+
+    mask: boolean, broadcastable to [B, T, S]. scores = soft_cap(q.k * scale, logits_soft_cap) with
+    scale defaulting to H ** -0.5 (Gemma's query_pre_attn_scalar changes it).
+
+    Memory: the [B, G, R, T, S] scores and probabilities are the largest arrays of a training step
+    at long sequences. compact_scores=True with bfloat16 or float16 inputs: the q.k matmul
+    (accumulating in float32) writes its scores in that dtype and the probabilities are kept in
+    it, as MaxText's dot-product attention does, while the softmax and its gradient are computed
+    in float32 from them (`_probabilities`). XLA's TPU compiler then stores no float32 T x S array
+    (Llama 3 8B at 8192 on v5p-128: 4 GiB less per chip); its GPU compiler writes the float32
+    softmax out and needs more (8 x H100: 50.8 against 42.8 GiB), so attention() asks for compact
+    scores on TPUs only (docs/scale.md). Otherwise scores and softmax are float32.
+
+    heads_major=True computes in the layout [B, G, R*T, H] (the R query heads of a kv head stacked
+    along T) instead of [B, T, G, R, H]: one plain batched matmul per (sequence, kv head) with the
+    transposes on q, k, v and the output rather than on the T x S arrays. Same values; attention()
+    uses it on CPU, where XLA ran one layer's attention of the reference model (docs/performance.md),
+    forward and backward, in about a quarter less time in it.
+    """
+    b, t, n, h = q.shape
+    g = k.shape[2]
+    if n % g:
+        raise ValueError(f"query heads ({n}) must be a multiple of kv heads ({g})")
+    r = n // g  # R = N // G query heads per kv head
+    dtype = q.dtype
+    scale = h**-0.5 if scale is None else scale
+    mask = mask.reshape((1,) * (3 - mask.ndim) + mask.shape)  # [B or 1, T, S]
+    if heads_major:  # [B, G, R*T, H]: the R query heads of a kv head stacked along T (see the docstring)
+        q = q.reshape(b, t, g, r, h).transpose(0, 2, 3, 1, 4).reshape(b, g, r * t, h)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)
+        mask = jnp.broadcast_to(mask[:, None, None], (mask.shape[0], 1, r) + mask.shape[1:])
+        mask = mask.reshape(mask.shape[0], 1, r * t, mask.shape[-1])
+        scores_eq, out_eq = "BGTH,BGSH->BGTS", "BGTS,BGSH->BGTH"
+    else:
+        q, mask = q.reshape(b, t, g, r, h), mask[:, None, None, :, :]
+        scores_eq, out_eq = "BTGRH,BSGH->BGRTS", "BGRTS,BSGH->BTGRH"
+    compact = compact_scores and dtype in (jnp.bfloat16, jnp.float16)
+    if compact:
+        scores = jnp.einsum(scores_eq, q, k, preferred_element_type=dtype)
+        probs = _probabilities(scores, mask, scale, logits_soft_cap)
+    else:
+        scores = jnp.einsum(scores_eq, q, k, preferred_element_type=jnp.float32)
+        scores = soft_cap(scores * scale, logits_soft_cap)
+        probs = jax.nn.softmax(jnp.where(mask, scores, _MASK_VALUE), axis=-1)
+    # With compact scores the product is written in the 16-bit dtype (it accumulates in float32 and is
+    # rounded once, as the .astype below would): its gradient with respect to the probabilities is
+    # then a 16-bit T x S array too, not a float32 one.
+    out = jnp.einsum(out_eq, probs.astype(v.dtype), v, preferred_element_type=dtype if compact else jnp.float32)
+    if heads_major:
+        out = out.reshape(b, g, r, t, h).transpose(0, 3, 1, 2, 4)
+    return out.reshape(b, t, n, h).astype(dtype)
+
+
+def causal_chunks(q, k, v, segment_ids, *, sliding_window: int = 0, scale: float | None = None,
+                  logits_soft_cap: float = 0.0, max_chunks: int = 8, min_chunk: int = 128):
+    """Causal self-attention in query chunks, each against only the keys its queries can see.
+
+    The T queries are cut into n = min(max_chunks, T // min_chunk) chunks (at least one) of near-equal
+    size; the chunk of queries [start, end) attends to keys [0, end), or with a sliding window W to
+    [start - W + 1, end). Its q.k and probs.v matmuls skip the keys every query of the chunk masks:
+    (n + 1) / 2n of the whole T x S work (3/4 with 2 chunks, 9/16 with 8), and the scores and
+    probabilities shrink alike. Same values as one dot_product_attention over the whole mask (no key a
+    query can see is left out of its chunk); each chunk is computed heads-major (see
+    dot_product_attention). attention() uses it on CPU. At 256 tokens the step of docs/performance.md's
+    reference model was within the noise of heads-major alone (-4% and +1% in two comparisons); at
+    8,192 tokens the two together took the default model's step from 48 to 11.5 s and its compiled
+    memory from 4.5 to 2.2 GiB.
+    """
+    t = q.shape[1]
+    n = max(1, min(max_chunks, t // min_chunk))
+    bounds = [round(i * t / n) for i in range(n + 1)]
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        first = max(0, start - sliding_window + 1) if sliding_window > 0 else 0
+        mask = make_attention_mask(segment_ids[:, start:end], segment_ids[:, first:end], q_offset=start - first,
+                                   sliding_window=sliding_window)
+        outs.append(dot_product_attention(q[:, start:end], k[:, first:end], v[:, first:end], mask, scale=scale,
+                                          logits_soft_cap=logits_soft_cap, heads_major=True))
+    return outs[0] if n == 1 else jnp.concatenate(outs, axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _probabilities(scores, mask, scale: float, cap: float):
+    """softmax(where(mask, soft_cap(scores * scale, cap), -big)) computed in float32 from 16-bit
+    scores, returned in their dtype; its gradient is computed in float32 from the saved 16-bit
+    probabilities (and scores, when soft-capped)."""
+    return _probabilities_fwd(scores, mask, scale, cap)[0]
+
+
+def _probabilities_fwd(scores, mask, scale, cap):
+    # softmax as exp(x - logsumexp(x)), not exp(x - max) / sum: the float32 x is recomputed from the
+    # 16-bit scores inside each of the three passes (max, sum, output), and no float32 T x S array
+    # has two readers, so the compiler has nothing to keep in float32 (exp(x - max) / sum would
+    # hold exp(x - max) for both the sum and the division).
+    logits = jnp.where(mask, soft_cap(scores.astype(jnp.float32) * scale, cap), _MASK_VALUE)
+    peak = jnp.max(logits, axis=-1, keepdims=True)
+    lse = peak + jnp.log(jnp.sum(jnp.exp(logits - peak), axis=-1, keepdims=True))
+    probs = jnp.exp(logits - lse).astype(scores.dtype)
+    return probs, (probs, scores if cap > 0 else None)
+
+
+def _probabilities_bwd(scale, cap, residuals, g):
+    probs, scores = residuals
+    p, g = probs.astype(jnp.float32), g.astype(jnp.float32)
+    d_logits = p * (g - jnp.sum(g * p, axis=-1, keepdims=True))  # softmax's vector-Jacobian product
+    if cap > 0:  # d/dx cap * tanh(x / cap) = 1 - tanh(x / cap)^2
+        d_logits = d_logits * (1.0 - jnp.square(jnp.tanh(scores.astype(jnp.float32) * scale / cap)))
+    return (d_logits * scale).astype(probs.dtype), None
+
+
+_probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
+
+
+# What the kernels do not implement: a model that needs one of these runs dot_product under
+# `autoselected`, and an explicit `attention=flash|cudnn` is refused with this reason.
+# (jax.nn.dot_product_attention's cuDNN path has local_window_size but no logit soft-capping.)
+KERNEL_LIMITS = {"cudnn": ("logits_soft_cap",)}
+
+PLATFORMS = ("cpu", "gpu", "tpu")
+
+
+def canonical_platform(platform: str) -> str:
+    """cpu, gpu or tpu; "cuda" and "rocm" (device platform names) are "gpu"."""
+    name = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
+    if name not in PLATFORMS:
+        raise ValueError(f"unknown platform {platform!r}: attention runs on one of {', '.join(PLATFORMS)}")
+    return name
+
+
+def _unsupported(name: str, features: dict) -> list[str]:
+    return [f"{key}={features[key]}" for key in KERNEL_LIMITS.get(name, ()) if features.get(key)]
+
+
+def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: int | None = None,
+                           sliding_window: int = 0, logits_soft_cap: float = 0.0, context_parallel: int = 1) -> str:
+    """Turns `attention` from the config into a concrete implementation for the target platform.
+
+    `platform` is where the step will run (the Runtime's backend, or the target of an ahead-of-time
+    compile), never guessed from the machine doing the compiling. What may run where (an invalid
+    choice is a ValueError that says what to use):
+
+        platform  autoselected   dot_product   flash                              cudnn
+        cpu       dot_product    yes           yes, Pallas interpret mode         no
+        gpu       flash          yes           Pallas Triton kernel               bfloat16/float16, head_dim % 8 == 0,
+                                                                                  <= 256, no logits_soft_cap
+        tpu       flash          yes           Pallas splash kernel (Mosaic)      no
+
+    With context parallelism (context_parallel > 1 ways) attention is context_parallel_attention, the
+    gathered reference: `autoselected` resolves to dot_product, and an explicit kernel is refused (it
+    cannot see the other devices' keys).
+
+    On CPU the XLA einsum (dot_product) is the fastest; `flash` is allowed there only because
+    Pallas can interpret the kernel on CPU (every grid program emulated with XLA ops: orders of
+    magnitude slower, for testing the kernel, never for training speed). On GPU and TPU
+    `autoselected` picks the flash kernel: O(T) memory instead of the [B, N, T, S] scores, packed
+    segment ids without a materialized mask, sliding windows that skip whole blocks, and soft-caps.
+    """
+    platform = canonical_platform(platform)
+    if name not in IMPLEMENTATIONS:
+        raise ValueError(f"attention={name!r} is not one of {', '.join(IMPLEMENTATIONS)}")
+    features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
+    if context_parallel > 1 and name not in ("autoselected", "dot_product"):
+        raise ValueError(f"attention={name} does not run with context parallelism ({context_parallel} ways) yet: the "
+                         "kernels attend within one device's piece of the sequence. Use attention=dot_product (or "
+                         "autoselected), or ici_context_parallelism=1.")
+    if context_parallel > 1:
+        return "dot_product"
+    if name == "autoselected":
+        return "flash" if platform in ("gpu", "tpu") and not _unsupported("flash", features) else "dot_product"
+    if _unsupported(name, features):
+        raise ValueError(f"attention={name} does not implement {' and '.join(_unsupported(name, features))}, "
+                         "which this model uses. Use attention=flash, dot_product or autoselected.")
+    if name == "cudnn":
+        if platform != "gpu":
+            raise ValueError(
+                f"attention=cudnn needs an NVIDIA GPU, but the platform is {platform!r}. "
+                "Use attention=flash, dot_product or autoselected.")
+        if dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+            raise ValueError(
+                f"attention=cudnn needs dtype=bfloat16 or float16 (cuDNN's fused attention has no "
+                f"{jnp.dtype(dtype).name} kernel). Set dtype=bfloat16, or use attention=flash or dot_product.")
+        if head_dim is not None and (head_dim % 8 or head_dim > 256):
+            raise ValueError(
+                f"attention=cudnn needs head_dim to be a multiple of 8 and at most 256 (128 before Hopper), "
+                f"got head_dim={head_dim}. Use attention=flash or dot_product.")
+    return name
+
+
+def describe(implementation: str, platform: str) -> str:
+    """The implementation's name as the start-up summary prints it."""
+    if implementation != "flash":
+        return implementation
+    return {"cpu": "flash (Pallas interpret mode: slow, for testing the kernel)",
+            "gpu": "flash (Pallas Triton)", "tpu": "flash (Pallas splash)"}[canonical_platform(platform)]
+
+
+def gpu_shared_memory(devices) -> int:
+    """Shared memory per thread block (opt-in) of the GPUs in `devices`; a safe default if unknown."""
+    limits = []
+    for device in devices or ():
+        try:
+            major, minor = (int(x) for x in str(device.compute_capability).split("."))
+        except (AttributeError, ValueError):
+            continue
+        limits.append(flash_tiles.SHARED_MEMORY_BY_CAPABILITY.get((major, minor), flash_tiles.DEFAULT_SHARED_MEMORY))
+    return min(limits, default=flash_tiles.DEFAULT_SHARED_MEMORY)
+
+
+def _local_devices(platform: str):
+    """This machine's devices of `platform`, if it has any (the target is then this machine)."""
+    try:
+        return jax.devices(platform)
+    except RuntimeError:
+        return None
+
+
+# Logical axes of the kernels' operands: split over the batch and head mesh axes, whole along the
+# sequence and head_dim (a kernel needs every key of its rows, and whole heads).
+_Q_AXES = ("batch", None, "heads", None)
+_KV_AXES = ("batch", None, "kv_heads", None)
+_SEGMENT_AXES = ("batch", None)
+
+
+def _per_shard(kernel, q, k, v, segment_ids):
+    """kernel(q, k, v, segment_ids) on each device's batch rows and heads, inside shard_map.
+
+    GSPMD cannot partition a Pallas or cuDNN custom call (it would gather the inputs, or, for a
+    TPU kernel, refuse), so every kernel runs on local shards and its inputs are never gathered.
+    """
+    specs = sharding.active_specs([_Q_AXES, _KV_AXES])
+    if specs is not None and specs[0][2] != specs[1][2]:
+        q_spec, kv_spec = specs
+        raise ValueError(
+            f"logical_axis_rules put 'heads' on {q_spec[2]} but 'kv_heads' on {kv_spec[2]}: attention kernels "
+            "need both on the same mesh axes, so that each device holds whole groups of query heads with "
+            "their kv head. Map them to the same axes, or use attention=dot_product.")
+    return sharding.run_in_shards(kernel, (q, k, v, segment_ids), (_Q_AXES, _KV_AXES, _KV_AXES, _SEGMENT_AXES),
+                                  _Q_AXES)
+
+
+def _cudnn_attention(q, k, v, segment_ids, *, causal, sliding_window, scale):
+    # jax.nn.dot_product_attention takes BTNH and handles GQA (N a multiple of G) itself.
+    mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, S]
+    window = None
+    if sliding_window > 0:
+        window = (sliding_window - 1, 0 if causal else k.shape[1])
+    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal,
+                                        local_window_size=window, implementation="cudnn")
+
+
+def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", platform: str | None = None,
+              causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0,
+              scale: float | None = None, block_q: int = 128, block_kv: int = 128, interpret: bool | None = None):
+    """Self-attention over one (possibly packed) sequence; dispatches on `implementation`.
+
+    `implementation` must already be resolved (see resolve_implementation). The kernels (flash,
+    cudnn) need `platform`, the target the step is compiled for (cpu, gpu or tpu): flash is the
+    splash kernel on tpu and the Triton kernel on gpu and cpu; on cpu it is interpreted.
+    `interpret=True` interprets the target's kernel on this CPU instead (tests). Under
+    sharding.activation_sharding every kernel runs inside shard_map over the batch and head mesh
+    axes. scale defaults to H ** -0.5; block_q and block_kv are the kernels' largest tiles.
+    """
+    features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
+    if _unsupported(implementation, features):
+        raise ValueError(f"attention={implementation} does not implement {_unsupported(implementation, features)}")
+    if sharding.ways("length") > 1:  # the sequence is split over devices: parallel/context.py
+        if implementation != "dot_product":
+            raise ValueError(f"attention={implementation} does not run with context parallelism yet; "
+                             "use attention=dot_product (or autoselected)")
+        return context_parallel_attention(q, k, v, segment_ids, causal=causal, sliding_window=sliding_window,
+                                          logits_soft_cap=logits_soft_cap, scale=scale)
+    if implementation == "dot_product":
+        on_cpu = platform is not None and canonical_platform(platform) == "cpu"
+        if on_cpu and causal:
+            return causal_chunks(q, k, v, segment_ids, sliding_window=sliding_window, scale=scale,
+                                 logits_soft_cap=logits_soft_cap)
+        mask = make_attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
+        return dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap,
+                                     compact_scores=platform == "tpu", heads_major=on_cpu)
+    if implementation not in ("flash", "cudnn"):
+        raise ValueError(f"unresolved attention implementation {implementation!r}")
+    if platform is None:
+        raise ValueError(f"attention={implementation} needs platform= (cpu, gpu or tpu: the target the step is "
+                         "compiled for, e.g. the Runtime's backend)")
+    platform = canonical_platform(platform)
+    interpret = platform == "cpu" if interpret is None else interpret
+    if implementation == "cudnn":
+        kernel = functools.partial(_cudnn_attention, causal=causal, sliding_window=sliding_window, scale=scale)
+    elif platform == "tpu":
+        # deferred: the Pallas kernels' imports (0.12 s flash, 0.16 s splash, measured) that dot_product runs never use
+        from maxtrain.kernels import splash_attention  # pylint: disable=import-outside-toplevel
+
+        kernel = functools.partial(splash_attention.splash_attention, causal=causal, sliding_window=sliding_window,
+                                   logits_soft_cap=logits_soft_cap, scale=scale, block_q=block_q,
+                                   block_kv=block_kv, interpret=interpret)
+    else:
+        # deferred: as splash_attention above
+        from maxtrain.kernels import flash_attention  # pylint: disable=import-outside-toplevel
+
+        devices = sharding.active_devices() or _local_devices(platform)
+        shared_memory = gpu_shared_memory(devices) if platform == "gpu" else flash_attention.DEFAULT_SHARED_MEMORY
+
+        def kernel(q, k, v, segment_ids):
+            return flash_attention.flash_attention(
+                q, k, v, segment_ids, segment_ids, causal=causal, sliding_window=sliding_window,
+                logits_soft_cap=logits_soft_cap, sm_scale=scale, block_q=block_q, block_k=block_kv,
+                shared_memory=shared_memory, interpret=interpret)
+    return _per_shard(kernel, q, k, v, segment_ids)
+
+
+def context_parallel_attention(q, k, v, segment_ids, *, causal: bool = True, sliding_window: int = 0,
+                               logits_soft_cap: float = 0.0, scale: float | None = None):
+    """Attention with the sequence split over the context mesh axes (parallel/context.py): queries
+    [B, T, N, H] in the load-balanced layout, sharded along T, attend to all keys.
+
+    The keys, values and segment ids are constrained to be whole along T (GSPMD all-gathers them
+    across the context group), the queries, the mask and the output stay split along T, and the
+    mask compares original token indices (same segment, causal, sliding window): the plain-jnp
+    reference attention, on T / C queries per device against T keys. Written with sharding
+    constraints rather than shard_map, it composes with pipeline stages (already inside shard_map)
+    and with every other mesh axis.
+    """
+    order = jnp.asarray(context.layout(q.shape[1], sharding.ways("length")))
+    k = sharding.shard(k, ("batch", None, "kv_heads", None))
+    v = sharding.shard(v, ("batch", None, "kv_heads", None))
+    kv_segments = sharding.shard(segment_ids, ("batch", None))
+    t, s = order[:, None], order[None, :]
+    mask = segment_ids[:, :, None] == kv_segments[:, None, :]
+    if causal:
+        mask = mask & (s <= t)[None]
+    if sliding_window > 0:
+        mask = mask & (t - s < sliding_window)[None]
+    mask = sharding.shard(mask, ("batch", "length", None))
+    out = dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap)
+    return sharding.shard(out, ("batch", "length", "heads", None))

@@ -1,0 +1,45 @@
+"""Mistral 7B (Jiang et al. 2023): Llama's layers with sliding-window attention in every layer.
+
+    x = x + attention(rmsnorm(x))      each query sees the last sliding_window_size keys (itself included)
+    x = x + swiglu_mlp(rmsnorm(x))
+
+With sliding_window_size 0 (Mistral v0.2 onwards) it is exactly Llama.
+"""
+
+from __future__ import annotations
+
+from maxtrain.config import registry
+from maxtrain.models import blocks, hf
+from maxtrain.models.families import llama
+from maxtrain.models.decoder import LayerType, default_layer_types
+
+FAMILY = registry.FAMILIES["mistral"]  # its Hugging Face model_type and architecture
+
+param_specs = llama.param_specs
+embed = llama.embed
+layer = llama.layer
+logits = llama.logits
+HF_NAMES = llama.HF_NAMES
+
+
+def layer_types(config) -> list[LayerType]:
+    attention = "sliding" if config.sliding_window_size > 0 else "full"
+    return default_layer_types(config, [attention] * config.base_num_decoder_layers)
+
+
+def flops_per_token(config, dense_attention: bool = False) -> float:
+    return blocks.decoder_flops(config, layer_types(config), dense_attention)
+
+
+def from_hf_config(config: dict, notes: list | None = None) -> dict:
+    hf.refuse(config, {"hidden_act": "silu"})
+    if config.get("layer_types") is not None:
+        raise hf.ConversionError("a Mistral config with layer_types (alternating attention) is a Ministral model, "
+                                 "which maxtrain does not implement")
+    window = config.get("sliding_window") or 0
+    return {**hf.common_keys(config), **hf.rope_keys(config, notes), "sliding_window_size": int(window)}
+
+
+def to_hf_config(keys: dict) -> dict:
+    return {**hf.common_config(keys, FAMILY), **hf.rope_config(keys), "hidden_act": "silu",
+            "sliding_window": keys["sliding_window_size"] or None}

@@ -1,0 +1,104 @@
+"""Sampling from a model with its KV cache: greedy, temperature, top-k and top-p (nucleus).
+
+    new_ids = sampling.generate(params, prompt_ids, config, rt, max_new_tokens=48, eos_id=tokenizer.eos_ids)
+
+`generate_tokens` is the jitted loop on a batch of prompts [B, P]: one forward over the prompt fills
+the cache, then one token per step (`sample_token`). decode_sampling_strategy picks the sampler
+(greedy | weighted | topk | nucleus, as in MaxText; `sampling_settings`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Iterable
+
+import jax
+import jax.numpy as jnp
+
+from maxtrain import models
+from maxtrain.models.runtime import Runtime
+
+
+def sample_token(logits, key, *, temperature: float, top_k: int, top_p: float):
+    """Next token [B] from logits [B, V]; temperature 0 is greedy.
+
+    Otherwise the logits are divided by `temperature`, then (top_k > 0) all but the k largest are
+    dropped, then (top_p < 1) all but the fewest largest whose probabilities sum to >= top_p, and a
+    token is drawn from the softmax of what is left.
+    """
+    if temperature <= 0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits.astype(jnp.float32) / temperature
+    if top_k > 0:
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        cumulative = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+        # The smallest set of tokens whose probability reaches top_p (always at least one): the
+        # cut-off is the first sorted token at which the running sum reaches top_p.
+        cutoff_index = jnp.minimum(jnp.sum(cumulative < top_p, axis=-1, keepdims=True), logits.shape[-1] - 1)
+        cutoff = jnp.take_along_axis(sorted_logits, cutoff_index, axis=-1)
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+def sampling_settings(config) -> dict:
+    """(temperature, top_k, top_p) for generate() from the decode_sampling_* keys."""
+    strategy, temperature = config.decode_sampling_strategy, config.decode_sampling_temperature
+    if strategy == "greedy":
+        return {"temperature": 0.0, "top_k": 0, "top_p": 1.0}
+    if strategy == "weighted":
+        return {"temperature": temperature, "top_k": 0, "top_p": 1.0}
+    if strategy == "topk":
+        return {"temperature": temperature, "top_k": config.decode_sampling_top_k, "top_p": 1.0}
+    return {"temperature": temperature, "top_k": 0, "top_p": config.decode_sampling_nucleus_p}
+
+
+@functools.partial(jax.jit, static_argnames=("config", "rt", "max_new_tokens", "temperature", "top_k", "top_p"))
+def generate_tokens(params, prompt, key, *, config, rt, max_new_tokens, temperature, top_k, top_p):
+    """New tokens [B, max_new_tokens] after prompts [B, P] (every row as long; no end-of-sequence stop)."""
+    batch, prompt_len = prompt.shape
+    cache = models.init_cache(config, batch, prompt_len + max_new_tokens, rt.dtype)
+    positions = jnp.broadcast_to(jnp.arange(prompt_len), prompt.shape)
+    logits, cache = models.forward_with_cache(params, prompt, positions, cache, 0, config, rt)
+
+    def step(i, carry):
+        cache, last_logits, out, key = carry
+        key, sub = jax.random.split(key)
+        token = sample_token(last_logits, sub, temperature=temperature, top_k=top_k, top_p=top_p)
+        out = out.at[:, i].set(token)
+        position = prompt_len + i
+        logits, cache = models.forward_with_cache(params, token[:, None], jnp.full((batch, 1), position), cache,
+                                                 position, config, rt)
+        return cache, logits[:, -1], out, key
+
+    out = jnp.zeros((batch, max_new_tokens), jnp.int32)
+    _, _, out, _ = jax.lax.fori_loop(0, max_new_tokens, step, (cache, logits[:, -1], out, key))
+    return out
+
+
+def generate(params, prompt_ids: list[int], config, rt: Runtime, *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+             eos_id: int | Iterable[int] | None = None) -> list[int]:
+    """Continues `prompt_ids`; returns the new tokens, cut before the first end-of-sequence id when eos_id
+    (one id, or several: a tokenizer's eos_ids) is given."""
+    prompt = jnp.asarray([prompt_ids], jnp.int32)
+    out = generate_tokens(params, prompt, jax.random.key(seed), config=config, rt=rt,
+                          max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+    tokens = [int(t) for t in jax.device_get(out)[0]]
+    stops = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
+    return next((tokens[:i] for i, t in enumerate(tokens) if t in stops), tokens)
+
+
+def trim_sample(text: str, max_blank_lines: int = 2) -> str:
+    """A sample up to where it ends: before the first run of more than `max_blank_lines` blank
+    lines (an undertrained model fills its remaining tokens with newlines), without trailing
+    whitespace. Two blank lines are kept: Python separates top-level definitions with them."""
+    lines = text.split("\n")
+    blank = 0
+    for i, line in enumerate(lines):
+        blank = blank + 1 if not line.strip() else 0
+        if blank > max_blank_lines:
+            return "\n".join(lines[:i - blank + 1]).rstrip()
+    return text.rstrip()

@@ -1,0 +1,330 @@
+"""Throughput and MFU: the FLOPs model, the device peak table, and the metric writers.
+
+FLOPs per token come from the model family (maxtrain/models/<family>.py, `flops_per_token`):
+"model FLOPs" of training, 3 x the forward pass's matmuls (so remat recomputation does not count),
+causal attention counted once and sliding windows counting only the keys attended. See
+models.blocks.decoder_flops for the dense decoder formula.
+
+MFU = achieved model TFLOP/s per device / the device's dense bfloat16 peak (below, or
+`peak_tflops_per_device`). A CPU has no data sheet peak: there MFU is measured against what a
+large matmul achieves on this machine (cpu_peak_tflops: measured once, 1.5 s at most, and cached),
+divided among the CPU devices, which share the cores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import struct
+import time
+
+import jax
+
+from maxtrain import models, storage
+from maxtrain.errors import ConfigError
+from maxtrain.observability.wandb_logger import WandbLogger
+
+# Dense (no sparsity) bfloat16 peak TFLOP/s per device, from the vendors' data sheets.
+# Matched against jax.Device.device_kind, longest key first.
+PEAK_TFLOPS = {
+    "H200": 989.0,
+    "H100 PCIe": 756.0,
+    "H100": 989.0,           # SXM
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "L40S": 362.0,
+    "L4": 121.0,
+    "A10G": 70.0,
+    "V100": 125.0,
+    "TPU v4": 275.0,
+    "TPU v5 lite": 197.0,    # v5e
+    "TPU v5e": 197.0,
+    "TPU v5p": 459.0,
+    "TPU v5": 459.0,
+    "TPU v6 lite": 918.0,    # Trillium (v6e)
+    "TPU v6e": 918.0,
+}
+
+
+def flops_per_token(config, dense_attention: bool = False) -> float:
+    """Training FLOPs per token (the family's formula; dense_attention counts every key of the T x T
+    scores, as a dense implementation computes them)."""
+    return models.flops_per_token(config, dense_attention)
+
+
+def peak_tflops(config, device=None, log=None) -> float | None:
+    """Per-device peak used for MFU, or None when unknown. On CPU: the measured matmul peak of the
+    machine (see cpu_peak_tflops) shared by the local CPU devices; process 0 only measures it."""
+    if config.peak_tflops_per_device > 0:
+        return config.peak_tflops_per_device
+    device = device or jax.devices()[0]
+    kind = device.device_kind
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if key.lower() in kind.lower():
+            return PEAK_TFLOPS[key]
+    if getattr(device, "platform", None) == "cpu" and jax.process_index() == 0:
+        dtype = "bfloat16" if config.dtype == "bfloat16" else "float32"
+        # Several processes: the others would wait in the first step's collectives while this one
+        # measures (and time out), so only a figure cached by an earlier single-process run is used.
+        peak, path, measured = cpu_peak_tflops(dtype, measure=jax.process_count() == 1)
+        if peak is None:
+            if log:
+                log(f"MFU: this CPU's matmul peak is not measured yet ({path}); a single-process run measures and "
+                    "caches it, or set peak_tflops_per_device")
+            return None
+        devices = jax.local_device_count()
+        if log:
+            when = "measured now" if measured else "measured before"
+            log(f"MFU: against this CPU's {dtype} matmul peak of {peak:.3f} TFLOP/s ({when}, "
+                f"cached in {path}) shared by {devices} CPU device(s); set peak_tflops_per_device to use another")
+        return peak / devices
+    return None
+
+
+def measure_matmul_tflops(dtype, n: int = 4096, repeats: int = 10, reduce=statistics.median,
+                          budget_seconds: float | None = None) -> float:
+    """TFLOP/s of an n x n x n matmul (float32 accumulation) on the default device: `reduce` (median,
+    or max for a peak) over `repeats` timed runs after one untimed, or fewer (at least one) when
+    they would take longer than `budget_seconds`."""
+    a = jax.random.normal(jax.random.key(0), (n, n), dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), dtype)
+    matmul = jax.jit(lambda x, y: jax.numpy.dot(x, y, preferred_element_type=jax.numpy.float32))
+    jax.block_until_ready(matmul(a, b))
+    times, start = [], time.perf_counter()
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(matmul(a, b))
+        times.append(time.perf_counter() - t)
+        if budget_seconds is not None and time.perf_counter() - start > budget_seconds:
+            break
+    return reduce([2 * n**3 / t / 1e12 for t in times])
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_peak_tflops(dtype: str = "float32", measure: bool = True) -> tuple[float | None, str, bool]:
+    """(TFLOP/s, cache file, measured now?): the best of up to 20 runs (1.5 s at most) of a 1024^3
+    matmul on this machine.
+
+    Cached in $XDG_CACHE_HOME/maxtrain/cpu_peak_tflops.json (default ~/.cache), keyed by the CPU
+    model, the number of cores this process may use, the jax version and the dtype: what the figure
+    depends on. The best run, not the median, because a shared machine's load only ever slows it
+    down; for the same reason a figure measured while the load average exceeded the core count is
+    measured again by later runs, and the best one kept, until one is measured on a quiet machine.
+    Delete the file to measure again. measure=False only reads the cache (None when it has no figure).
+    """
+    path = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "maxtrain",
+                        "cpu_peak_tflops.json")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    key = f"{_cpu_name()} | {cores} cores | jax {jax.__version__} | {dtype}"
+    try:
+        with open(path, encoding="utf-8") as f:
+            cached = json.load(f)
+    except (OSError, ValueError):
+        cached = {}
+    entry = cached.get(key) if isinstance(cached.get(key), dict) else {}
+    if entry.get("tflops", 0) > 0 and (entry.get("load_average", 0) <= cores or not measure):
+        return float(entry["tflops"]), path, False
+    if not measure:
+        return None, path, False
+    # Not yet measured, or measured while the machine was busier than it has cores (the figure is
+    # then too low): measure (again), keeping the best figure seen.
+    load = os.getloadavg()[0]
+    tflops = measure_matmul_tflops(getattr(jax.numpy, dtype), n=1024, repeats=20, reduce=max, budget_seconds=1.5)
+    if entry.get("tflops", 0) >= tflops:
+        tflops, load = entry["tflops"], min(load, entry.get("load_average", load))
+    cached[key] = {"tflops": tflops, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                   "how": "best of up to 20 runs (1.5 s) of a 1024^3 matmul, float32 accumulation, jax.devices()[0]",
+                   "load_average": load}
+    try:
+        storage.write_text(path, json.dumps(cached, indent=1))
+    except OSError:
+        pass  # a read-only home: measured again next time
+    return tflops, path, True
+
+
+def step_metrics(raw: dict, step_time: float, config, peak: float | None) -> dict:
+    """MaxText-named metrics for one step from the train step's scalars and the measured time."""
+    tokens_per_device = config.tokens_per_step / config.num_devices
+    tflops_per_device = flops_per_token(config) * tokens_per_device / step_time / 1e12
+    return {
+        "learning/loss": float(raw["loss"]),
+        "learning/grad_norm": float(raw["grad_norm"]),
+        "learning/current_learning_rate": float(raw["learning_rate"]),
+        "learning/loss_scale": float(raw["loss_scale"]),
+        "learning/skipped_steps": int(raw["skipped_steps"]),
+        "perf/step_time_seconds": step_time,
+        "perf/per_device_tokens_per_sec": tokens_per_device / step_time,
+        "perf/per_device_tflops_per_sec": tflops_per_device,
+        "perf/mfu": tflops_per_device / peak if peak else None,
+        **{f"learning/{k[4:]}": float(v) for k, v in raw.items() if k.startswith("aux/")},
+    }
+
+
+def format_line(step: int, m: dict, loss_scaled: bool = False) -> str:
+    """One console line; float16 runs (loss_scaled) also show the loss scale and skipped steps."""
+    mfu = m.get("perf/mfu")
+    parts = [f"step {step:>6}", f"loss {m['learning/loss']:.4f}", f"grad_norm {m['learning/grad_norm']:.3f}",
+             f"lr {m['learning/current_learning_rate']:.2e}", f"step_time {m['perf/step_time_seconds']:.3f}s",
+             f"tokens/s/device {m['perf/per_device_tokens_per_sec']:,.0f}",
+             f"TFLOP/s/device {m['perf/per_device_tflops_per_sec']:.3f}",
+             f"MFU {'n/a' if mfu is None else f'{100 * mfu:.1f}%'}"]
+    if loss_scaled or m.get("learning/skipped_steps"):
+        parts.append(f"loss_scale {m['learning/loss_scale']:g} skipped {m['learning/skipped_steps']}")
+    if "learning/moe_lb_loss" in m:
+        parts.append(moe_summary(m))
+    if "eval/avg_loss" in m:
+        parts.append(f"eval_loss {m['eval/avg_loss']:.4f}")
+    return " | ".join(parts)
+
+
+def moe_summary(m: dict) -> str:
+    """`moe lb_loss .. z_loss .. load min-max [dropped ..%]` for the console: the smallest and largest
+    share of routed tokens any expert took in any layer (1/E each when balanced; every layer's own
+    figures are in the metrics file and TensorBoard as learning/moe_load_{min,max}/layer_<i>)."""
+    lows = [v for k, v in m.items() if k.startswith("learning/moe_load_min/")]
+    highs = [v for k, v in m.items() if k.startswith("learning/moe_load_max/")]
+    text = f"moe lb_loss {m['learning/moe_lb_loss']:.3g} z_loss {m.get('learning/moe_z_loss', 0.0):.3g}"
+    if lows and highs:
+        text += f" load {min(lows):.3f}-{max(highs):.3f}"
+    if "learning/moe_dropped_fraction" in m:
+        text += f" dropped {100 * m['learning/moe_dropped_fraction']:.1f}%"
+    return text
+
+
+def _writable_place(path: str, key: str, is_file: bool) -> None:
+    """ConfigError naming `key` when `path` could not be created or written (checked before any work).
+    gs:// paths are checked when first written (checkpoint.check_writable probes the bucket)."""
+    if storage.is_remote(path):
+        return
+    path = os.path.abspath(path)
+    if is_file and os.path.isdir(path):
+        raise ConfigError(f"{key}={path!r} is a directory; give a file path, e.g. {key}={os.path.join(path, 'metrics.jsonl')}")
+    if not is_file and os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{key}={path!r} is a file, not a directory; choose a directory")
+    existing = os.path.dirname(path) if is_file else path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ConfigError(f"{key}={path!r} cannot be created: {existing} is a file, not a directory. Choose a path "
+                          "inside a directory")
+    target = path if os.path.exists(path) else existing
+    if not os.access(target, os.W_OK):
+        raise ConfigError(f"{key}={path!r} cannot be written: no write permission on {target}. Choose a writable path")
+
+
+def check_outputs(config) -> None:
+    """Fails before any work when an output of the run could not be written."""
+    _writable_place(config.base_output_directory, "base_output_directory", is_file=False)
+    if config.metrics_file:
+        _writable_place(config.metrics_file, "metrics_file", is_file=True)
+
+
+class JsonLines:
+    """Appends lines to a file. A local file is opened for appending and flushed after every line. GCS
+    has no append, so a gs:// object is rewritten whole (what it held before, then the new lines) at
+    most every `upload_seconds` and at close: a killed run loses at most that much of its metrics file."""
+
+    def __init__(self, path: str, upload_seconds: float = 30.0):
+        self.path, self.upload_seconds = path, upload_seconds
+        self.remote = storage.is_remote(path)
+        if self.remote:
+            self.lines = [storage.read_text(path)] if storage.isfile(path) else []
+            self.uploaded = time.time()
+            self.dirty = False
+        else:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.file = open(path, "a", encoding="utf-8")  # pylint: disable=consider-using-with
+
+    def write(self, line: str) -> None:
+        if not self.remote:
+            self.file.write(line)
+            self.file.flush()
+            return
+        self.lines.append(line)
+        self.dirty = True
+        if time.time() - self.uploaded >= self.upload_seconds:
+            self.upload()
+
+    def upload(self) -> None:
+        if self.dirty:
+            storage.write_text(self.path, "".join(self.lines))
+            self.uploaded, self.dirty = time.time(), False
+
+    def close(self) -> None:
+        if self.remote:
+            self.upload()
+        else:
+            self.file.close()
+
+
+class MetricWriter:
+    """Writes metrics to stdout, an optional JSON-lines file, TensorBoard and W&B; only on process 0."""
+
+    def __init__(self, config, active: bool):
+        self.active = active
+        self.config = config
+        self.jsonl = None
+        self.tb = None
+        self.wandb = None
+        if not active:
+            return
+        if config.metrics_file:
+            self.jsonl = JsonLines(config.metrics_file)
+        if config.enable_tensorboard:
+            from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+
+            self.tb = SummaryWriter(config.tensorboard_dir)
+        if config.enable_wandb:
+
+            self.wandb = WandbLogger(config)
+
+    def write_text(self, tag: str, text: str, step: int = 0) -> None:
+        if self.tb:
+            self.tb.add_text(tag, text, step)
+
+    def write_image(self, tag: str, png_bytes: bytes, step: int) -> None:
+        """An encoded PNG as a TensorBoard image (no imaging library needed), and a W&B image."""
+        if self.wandb:
+            self.wandb.log_image(tag, png_bytes, step)
+        if not self.tb:
+            return
+        from tensorboardX.proto.summary_pb2 import Summary  # pylint: disable=import-outside-toplevel
+
+        width, height = struct.unpack(">II", png_bytes[16:24])  # from the PNG's IHDR chunk
+        image = Summary.Image(height=height, width=width, colorspace=3, encoded_image_string=png_bytes)
+        self.tb._get_file_writer().add_summary(Summary(value=[Summary.Value(tag=tag, image=image)]), step)  # pylint: disable=protected-access
+
+    def write(self, step: int, metrics: dict, print_line: bool) -> None:
+        if not self.active:
+            return
+        if print_line:
+            print(format_line(step, metrics, loss_scaled=self.config.dtype == "float16"), flush=True)
+        if self.jsonl:
+            self.jsonl.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tb:
+            for key, value in metrics.items():
+                if value is not None:
+                    self.tb.add_scalar(key, value, step)
+        if self.wandb:
+            self.wandb.log(step, metrics)
+
+    def close(self) -> None:
+        if self.jsonl:
+            self.jsonl.close()
+        if self.tb:
+            self.tb.close()
+        if self.wandb:
+            self.wandb.close()

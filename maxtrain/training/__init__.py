@@ -1,0 +1,14 @@
+"""Training: building a run's pieces, the jitted step, and the loop that drives it.
+
+    builder.py      config -> mesh -> runtime -> optimizer -> state shardings -> jitted steps (`build`);
+                    a trained model for the tools (`load_model`); the start-up summary
+    train_step.py   the train state; objective -> grads -> (unscale, finite check) -> update -> metrics
+    objectives.py   lm | sft | dpo: (params, batch) -> (loss sum, weight sum, metrics)
+    optimizer.py    the optax chain, schedules, which leaves train
+    precision.py    the float16 loss scale
+    loop.py         dispatch step n+1, report step n; hooks for checkpoints, evaluations, heatmaps, profiles
+    preemption.py   SIGTERM: save the current step and stop
+    host_memory.py  a CPU step's buffers on huge pages and kept between steps
+
+May import evals, checkpointing, compile, observability and everything below them; never a command.
+"""

@@ -1,0 +1,297 @@
+"""One function builds a run's pieces: config -> mesh -> model -> optimizer -> state shardings -> jitted steps.
+
+    run = builder.build(config)                       # this machine's devices
+    run = builder.build(config, devices=topology_devices, platform="tpu")   # another target (AOT)
+    state = run.init(jax.random.key(config.seed))     # sharded, created on the devices
+    step = run.compile(state, batch)                  # or run.compile() from abstract shapes
+
+train.py, benchmarks, the ahead-of-time compiler and the tests all call `build`, so they run (or
+compile) exactly the same step. The target platform is passed down explicitly (from the devices),
+never read from the machine doing the compiling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from maxtrain.checkpointing import manager as checkpoint_lib
+from maxtrain import config as config_lib
+from maxtrain.checkpointing import files as checkpoint_files
+from maxtrain.training import host_memory, objectives, optimizer, train_step
+from maxtrain.observability import metrics
+from maxtrain import models, storage
+from maxtrain.parallel import sharding
+from maxtrain.compile import fit as memory_lib
+from maxtrain.data import hosts, pipeline
+from maxtrain.models import moe
+from maxtrain.parallel import stages as pipeline_lib
+
+
+def load_config(argv: list[str], log=print):
+    """The config of argv, with a checkpoint's model settings adopted where the user chose none
+    (`load_parameters_path=OUT` alone fine-tunes an imported model)."""
+    return checkpoint_files.adopt_model_settings(config_lib.load_config(argv), log)
+
+
+def runtime(config, platform: str, mesh) -> models.Runtime:
+    """The choices resolved for `platform` and `mesh`, once per run (build, load_model): compute dtype,
+    attention implementation, remat policy, and the vocab tiling chosen for one device's share of the
+    logits. A choice this platform or mesh cannot run is a config error."""
+    rules = config.logical_axis_rules
+    # the micro-batch's [B, T, V] logits, split as shard(logits, ("batch", "length", "vocab"))
+    spec = sharding.activation_spec(("batch", "length", "vocab"), rules)
+    axes = [a for entry in spec if entry for a in (entry if isinstance(entry, tuple) else (entry,))]
+    ways = math.prod(mesh.shape[a] for a in axes)
+    logits_bytes = config.micro_batch_size * config.max_target_length * config.vocab_size * 4 / ways
+    try:
+        return models.Runtime.from_config(config, platform, logits_bytes,
+                                          context_parallel=sharding.ways_on(mesh, "length", rules))
+    except ValueError as e:  # attention / dtype choices the platform lacks (attention.resolve_implementation)
+        if isinstance(e, config_lib.ConfigError):
+            raise
+        raise config_lib.ConfigError(str(e)) from e
+
+
+def platform_of(device) -> str:
+    """'cpu', 'gpu' or 'tpu' for a device (also a topology's device that this machine cannot run)."""
+    name = getattr(device, "platform", "cpu").lower()
+    return "gpu" if name in ("gpu", "cuda", "rocm") else name
+
+
+@dataclasses.dataclass
+class Run:
+    config: Any                  # with the device-derived values (global batch, tokens per step)
+    rt: models.Runtime
+    mesh: Any
+    tx: optax.GradientTransformation
+    shardings: dict              # NamedSharding for every leaf of the train state
+    abstract_state: dict         # ShapeDtypeStruct (with sharding) for every leaf of the train state
+    batch_sharding: Any
+    eval_batch_sharding: Any
+    train_step: Any              # jax.jit of train_step.make_train_step, sharded, state donated
+    eval_step: Any               # jax.jit of (state, batch) -> (loss sum, weight sum, metrics) of the objective
+    pipeline: Any = None         # models.pipeline.Schedule with pipeline stages, else None
+
+    def init(self, key) -> dict:
+        """A fresh train state, created sharded on the devices."""
+        with sharding.activation_sharding(self.mesh, self.config.logical_axis_rules):
+            return jax.jit(lambda k: train_step.init_state(self.config, self.rt, self.tx, k),
+                           out_shardings=self.shardings)(key)
+
+    def model_params(self, state: dict) -> dict:
+        """The weights the model computes with (LoRA adapters merged in), for sampling and heatmaps."""
+        if "lora" not in state:
+            return state["params"]
+        return jax.jit(lambda s: train_step.model_params(s, self.config))({"params": state["params"],
+                                                                         "lora": state["lora"]})
+
+    def abstract_batch(self) -> dict:
+        """ShapeDtypeStructs of one training batch [accumulation, micro batch, T], sharded."""
+        c = self.config
+        shape = (c.gradient_accumulation_steps, c.micro_batch_size, c.max_target_length)
+        return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_weights" else jnp.int32,
+                                        sharding=self.batch_sharding) for k in hosts.KEYS}
+
+    def lower(self, state=None, batch=None):
+        """The lowered train step (jax.stages.Lowered), for the given (or abstract) state and batch."""
+        with sharding.activation_sharding(self.mesh, self.config.logical_axis_rules):
+            return self.train_step.lower(self.abstract_state if state is None else state,
+                                         self.abstract_batch() if batch is None else batch)
+
+    def compile(self, state=None, batch=None):
+        """The compiled train step, for the given (or abstract) state and batch."""
+        return self.lower(state, batch).compile()
+
+
+def state_shardings(config, mesh, tx, abstract_state) -> dict:
+    """Shardings for every leaf of the train state: entries declared with ParamSpecs (params, LoRA
+    adapters, a frozen reference: train_step.state_specs) by their logical axes and the rules, the
+    optimizer state like the leaves it trains, everything else replicated."""
+    rules = config.logical_axis_rules
+    replicated = sharding.named_sharding(mesh, (), rules)
+    out = jax.tree.map(lambda _: replicated, {k: v for k, v in abstract_state.items() if k != "opt_state"})
+    for name, specs in train_step.state_specs(config).items():
+        for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=models.is_spec)[0]:
+            what = "param" if name in ("params", "reference") else name
+            sharding.check_divisible(f"{what} " + jax.tree_util.keystr(path), spec.shape, spec.axes, mesh, rules)
+        out[name] = jax.tree.map(lambda s: sharding.named_sharding(mesh, s.axes, rules), specs, is_leaf=models.is_spec)
+    trainable = out[train_step.trainable_key(abstract_state)]
+    out["opt_state"] = optimizer.opt_state_shardings(tx, abstract_state["opt_state"], trainable, replicated)
+    return out
+
+
+def build(config, *, devices=None, platform: str | None = None, num_processes: int | None = None) -> Run:
+    """The pieces of a run of `config` (from config_lib.load_config) on `devices` (default: all of
+    this job's devices). platform defaults to the devices' own; num_processes to the processes that
+    own them."""
+    devices = list(jax.devices() if devices is None else devices)
+    platform = platform or platform_of(devices[0])
+    if num_processes is None:
+        num_processes = len({getattr(d, "process_index", 0) for d in devices})
+    config = config_lib.with_devices(config, len(devices), num_processes)
+    mesh = sharding.create_mesh(config, devices)
+    rt = runtime(config, platform, mesh)  # the attention implementation, dtype and remat: resolved here, once
+    if config.num_experts % mesh.shape["expert"]:
+        raise sharding.MeshError(
+            f"expert parallelism {mesh.shape['expert']} (the mesh's expert axis, from ici_expert_parallelism and "
+            f"dcn_expert_parallelism) must divide num_experts={config.num_experts}: each device holds whole experts. "
+            f"Set ici_expert_parallelism to a divisor of {config.num_experts}"
+            + (" (or 1: a dense model has no experts to split)" if config.num_experts == 1 else ""))
+    rules = config.logical_axis_rules
+    schedule = pipeline_lib.check(config, mesh, models.family(config), config.micro_batch_size)
+    tx = optimizer.make_optimizer(config)
+    abstract = jax.eval_shape(lambda k: train_step.init_state(config, rt, tx, k), jax.random.key(0))
+    shardings = state_shardings(config, mesh, tx, abstract)
+    batch_sharding = sharding.named_sharding(mesh, pipeline.BATCH_AXES, rules)
+    step = jax.jit(train_step.make_train_step(config, rt, tx), in_shardings=(shardings, batch_sharding),
+                   out_shardings=(shardings, None), donate_argnums=0)
+    eval_step = jax.jit(train_step.make_eval_step(config, rt))
+    return Run(config=config, rt=rt, mesh=mesh, tx=tx, shardings=shardings,
+               abstract_state=checkpoint_lib.abstract_like(abstract, shardings), batch_sharding=batch_sharding,
+               eval_batch_sharding=sharding.named_sharding(mesh, pipeline.EVAL_BATCH_AXES, rules),
+               train_step=step, eval_step=eval_step, pipeline=schedule)
+
+
+@dataclasses.dataclass
+class Model:
+    """A trained model for a tool (decode, evaluate, check_logits, viz): its checkpoint, the mesh it is
+    sharded on and the runtime resolved for it (`load_model`)."""
+    config: Any                  # with the device-derived values
+    mesh: Any
+    rt: models.Runtime
+    step_dir: str                # the checkpoint's step directory
+    params: dict | None = None   # after read_params
+
+    @property
+    def step(self) -> int:
+        """The checkpoint's training step (0 for an imported model)."""
+        meta = checkpoint_files.read_metadata(self.step_dir)
+        return int(meta.get("step", 0)) if isinstance(meta, dict) else 0
+
+    def read_params(self, log=print) -> dict:
+        """The checkpoint's params, sharded on the mesh; refused when they do not fit the model."""
+        self.params = checkpoint_files.load_params(self.step_dir, abstract_params(self.config, self.mesh), self.config)
+        log(f"loaded params from {self.step_dir} ({models.num_params(self.config) / 1e6:.2f}M)")
+        return self.params
+
+
+def require_checkpoint_path(config, tool: str) -> str:
+    """The step directory load_parameters_path names; refused at once, before any other work, when it names
+    none (a step directory, or a run or its checkpoints directory: its latest usable step)."""
+    if not config.load_parameters_path:
+        raise config_lib.ConfigError(f"{tool} needs a checkpoint: set load_parameters_path=<run>/checkpoints/<step> "
+                                     "(or a run directory, for its latest step)")
+    return checkpoint_files.find_step_dir(config.load_parameters_path, "load_parameters_path")
+
+
+def abstract_params(config, mesh) -> dict:
+    """ShapeDtypeStructs of the params, sharded on `mesh` by the logical axis rules (nothing allocated)."""
+    dtype = jnp.dtype(config.weight_dtype)
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sharding.named_sharding(
+        mesh, s.axes, config.logical_axis_rules)), models.param_specs(config), is_leaf=models.is_spec)
+
+
+def load_model(config, *, devices=None, read_params: bool = True, log=print) -> Model:
+    """The model at load_parameters_path for a tool, on `devices` (default: all of this job's): the one way
+    decode, evaluate, check_logits and viz load a trained model. The runtime is resolved here, once, and
+    printed; read_params=False leaves the params for later (`Model.read_params`), so that a tool can
+    check its other inputs before the checkpoint is read."""
+    step_dir = require_checkpoint_path(config, "loading a model")
+    devices = list(jax.devices() if devices is None else devices)
+    config = config_lib.with_devices(config, len(devices), len({getattr(d, "process_index", 0) for d in devices}))
+    mesh = sharding.create_mesh(config, devices)
+    rt = runtime(config, platform_of(devices[0]), mesh)
+    log(f"compute: {rt.describe()}")
+    model = Model(config=config, mesh=mesh, rt=rt, step_dir=step_dir)
+    if read_params:
+        model.read_params(log)
+    return model
+
+
+def moe_line(run: Run) -> str:
+    """The start-up summary's line about the experts."""
+    config = run.config
+    moe_layers = sum(t.kind == "moe" for t in models.family(config).layer_types(config))
+    slots = moe.capacity(config.num_experts, config.num_experts_per_tok, config.capacity_factor,
+                         config.max_target_length)
+    capacity = (f" capacity_factor {config.capacity_factor:g} ({slots} slots per expert and sequence)"
+                if config.moe_dispatch == "capacity" else "")
+    # The chunks of the experts' hidden axis, as the block resolves them on this mesh (the router plays no part).
+    settings = moe.Settings.of(config, run.rt, moe.ROUTERS[0], moe_layers)
+    experts = (config.num_experts, config.base_emb_dim, moe.expert_dim(config))
+    chunks = moe.mesh_axes(settings, run.mesh, config.logical_axis_rules, experts).hidden_chunks
+    auto = " (autoselected)" if config.num_moe_hidden_tiling == -1 else ""
+    return (f"experts: {config.num_experts} x F {moe.expert_dim(config)}, {config.num_experts_per_tok} per token, in "
+            f"{moe_layers} of {config.base_num_decoder_layers} layers  active params "
+            f"{models.num_active_params(config) / 1e6:,.2f}M  dispatch {config.moe_dispatch}{capacity}  "
+            f"hidden chunks {chunks}{auto}  load_balance_loss_weight {config.load_balance_loss_weight:g}  "
+            f"router_z_loss_weight {config.router_z_loss_weight:g}")
+
+
+def parallelism_lines(run: Run) -> list[str]:
+    """The start-up summary's lines about pipeline stages and context parallelism (none without them)."""
+    lines = []
+    if run.pipeline is not None:
+        lines.append(run.pipeline.describe(run.config.micro_batch_size))
+    cp = sharding.ways_on(run.mesh, "length", run.config.logical_axis_rules)
+    if cp > 1:
+        length = run.config.max_target_length
+        lines.append(f"context: each sequence split {cp} ways ({2 * cp} chunks of {length // (2 * cp)} tokens, "
+                     f"device i holding chunks i and {2 * cp - 1}-i: causal work balanced); keys and values "
+                     "all-gathered per layer for attention")
+    return lines
+
+
+def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
+    """The start-up summary: model, compute choices, mesh, batch, schedule, FLOPs, compiled memory, and
+    (given checkpoint.plan_start's Start) whether the run resumes elastically."""
+    config, rt = run.config, run.rt
+    flops = metrics.flops_per_token(config)
+    state = run.abstract_state
+    trainable = jax.tree.leaves(state[train_step.trainable_key(state)])
+    n_trainable = sum(x.size for x in trainable)
+    opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state["opt_state"]))
+    frozen = sum(x.size for k in ("params", "reference") if k in state and k != train_step.trainable_key(state)
+                 for x in jax.tree.leaves(state[k]))
+    lines = [
+        f"model: {config.model_name} ({config.decoder_block})  params {models.num_params(config) / 1e6:,.2f}M  "
+        f"layers {config.base_num_decoder_layers}  D {config.base_emb_dim}  heads "
+        f"{config.base_num_query_heads}/{config.base_num_kv_heads}  F {config.base_mlp_dim}  V {config.vocab_size}",
+        *([moe_line(run)] if models.is_moe(config) else []),
+        f"compute: {rt.describe()}  weights {config.weight_dtype}  scan_layers {rt.scan_layers(config)}  "
+        f"platform {rt.backend}",
+        host_memory.describe(),
+        f"mesh: {dict(run.mesh.shape)} over {config.num_devices} devices in {config.num_processes} process(es)"
+        + (f", {len(sharding.slices_of(run.mesh.devices.flat, config.num_slices))} slices"
+           if config.num_slices > 1 else ""),
+        *parallelism_lines(run),
+        f"batch: global {config.global_batch_size} sequences x {config.max_target_length} tokens = "
+        f"{config.tokens_per_step:,} tokens/step (per device {config.per_device_batch_size}, "
+        f"accumulation {config.gradient_accumulation_steps})",
+        f"objective: {objectives.name(config)}"
+        + (f" (beta {config.dpo_beta}, label smoothing {config.dpo_label_smoothing}, frozen reference)"
+           if config.use_dpo else "")
+        + (f"  LoRA rank {config.lora_rank} alpha {config.lora_alpha} on {','.join(config.lora_target_modules)}"
+           if config.lora_rank else "")
+        + f"  trainable {n_trainable / 1e6:,.3f}M ({100 * n_trainable / max(models.num_params(config), 1):.2f}% of the"
+        f" model)  frozen {frozen / 1e6:,.2f}M  optimizer state {opt_bytes / 2**20:,.2f} MiB",
+        f"schedule: {config.lr_schedule_type} peak lr {config.learning_rate}  warmup {config.warmup_steps}  "
+        f"steps {config.steps}",
+        f"FLOPs: {flops:.4g}/token, {flops * config.tokens_per_step:.4g}/step (causal attention counted once)",
+        f"compiled step in {compile_seconds:.1f}s",
+    ]
+    total = memory_lib.compiled_bytes(compiled)
+    if total is not None:
+        m = compiled.memory_analysis()
+        lines.append(f"memory per device: {total / 2**30:.3f} GiB (arguments {m.argument_size_in_bytes / 2**30:.3f}, "
+                     f"temporaries {m.temp_size_in_bytes / 2**30:.3f}, outputs {m.output_size_in_bytes / 2**30:.3f})")
+    if start is not None and start.elastic:
+        lines.append(start.elastic)
+    lines.append(f"output: {storage.abspath(config.run_dir)}")
+    return "\n".join(lines)
