@@ -1,0 +1,313 @@
+"""The house's rules (docs/architecture.md), each checked so that breaking it fails CI:
+
+- the layers and forbidden imports of .importlinter (import-linter), and no import circle at any depth;
+- no function-level import of maxtrain's own modules unless a comment says what it defers;
+- no module reaches for another module's `_private` name (the package, scripts/ and end_to_end/);
+- one owner per fact: the family registry, the compile targets, `load_model`, the attention
+  implementation resolved once (in the builder), the config loaded once per command;
+- every package's `__init__` says what it owns and what it may import; train.main fits 80 lines.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import BASE_YML, TINY
+from maxtrain import config as config_lib
+from maxtrain.config import registry
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(REPO, "maxtrain")
+COMMANDS = ("train", "train_compile", "decode", "evaluate", "check_logits", "viz", "inspect_data", "checkpoint")
+SUBPACKAGES = ("config", "parallel", "models", "kernels", "data", "training", "checkpointing", "compile",
+               "observability", "evals")
+
+
+def python_files(*roots: str):
+    for root in roots:
+        for directory, _, names in os.walk(os.path.join(REPO, root)):
+            for name in sorted(names):
+                if name.endswith(".py"):
+                    yield os.path.join(directory, name)
+
+
+def module_name(path: str) -> str:
+    rel = os.path.relpath(path, REPO)[:-3].replace(os.sep, ".")
+    return rel.removesuffix(".__init__")
+
+
+def parse(path: str) -> ast.Module:
+    with open(path, encoding="utf-8") as f:
+        return ast.parse(f.read(), path)
+
+
+def imported_modules(node, current: str) -> list[str]:
+    """The maxtrain modules an import statement names."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name.startswith("maxtrain")]
+    base = node.module or ""
+    if node.level:
+        base = ".".join(current.split(".")[:-node.level] + ([base] if base else []))
+    return [base] if base.startswith("maxtrain") else []
+
+
+# ----------------------------------------------------------------------------------------------
+# Imports
+
+
+def test_import_linter_contracts_hold():
+    """.importlinter's layers, forbidden imports and acyclic siblings (every package, every depth)."""
+    lint = shutil.which("lint-imports") or os.path.join(os.path.dirname(sys.executable), "lint-imports")
+    if not os.path.exists(lint):
+        pytest.skip("import-linter is not installed (pip install -e '.[test]')")
+    done = subprocess.run([lint, "--no-cache"], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "0 broken" in done.stdout
+
+
+def _function_level_imports(tree: ast.Module, current: str):
+    for outer in ast.walk(tree):
+        if isinstance(outer, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(outer):
+                if isinstance(node, (ast.Import, ast.ImportFrom)) and imported_modules(node, current):
+                    yield node
+
+
+def test_function_level_imports_of_our_modules_say_what_they_defer():
+    """A function-level import of maxtrain's own modules hides the layers; allowed only where it defers an
+    optional dependency or a measured start-up cost, and the line (or the one above) says `deferred`."""
+    offenders = []
+    for path in python_files("maxtrain"):
+        lines = open(path, encoding="utf-8").read().splitlines()
+        for node in _function_level_imports(parse(path), module_name(path)):
+            context = " ".join(lines[max(0, node.lineno - 2):node.end_lineno])
+            if "deferred" not in context:
+                offenders.append(f"{os.path.relpath(path, REPO)}:{node.lineno}: {lines[node.lineno - 1].strip()}")
+    assert not offenders, "function-level imports of maxtrain's modules without a `deferred: why` comment:\n" + \
+        "\n".join(offenders)
+
+
+def test_no_module_uses_another_modules_private_names():
+    offenders = []
+    for path in python_files("maxtrain", "scripts", "end_to_end"):
+        tree = parse(path)
+        aliases = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("maxtrain"):
+                for a in node.names:
+                    if a.name.startswith("_") and not a.name.startswith("__"):
+                        offenders.append(f"{os.path.relpath(path, REPO)}:{node.lineno}: imports {node.module}.{a.name}")
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.startswith("maxtrain"):
+                        aliases[a.asname or a.name.split(".")[0]] = a.name
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and isinstance(node.value, ast.Name) and node.value.id in aliases):
+                offenders.append(f"{os.path.relpath(path, REPO)}:{node.lineno}: {node.value.id}.{node.attr}")
+    assert not offenders, "uses of another module's private names:\n" + "\n".join(offenders)
+
+
+def test_every_package_says_what_it_owns_and_may_import():
+    for name in SUBPACKAGES:
+        tree = parse(os.path.join(PACKAGE, name, "__init__.py"))
+        doc = ast.get_docstring(tree) or ""
+        assert len(doc.splitlines()) >= 3 and "import" in doc.lower(), f"maxtrain/{name}/__init__.py: say what it " \
+                                                                       "owns and what it may import"
+    top = {f[:-3] for f in os.listdir(PACKAGE) if f.endswith(".py")} - {"__init__"}
+    assert top == set(COMMANDS) | {"errors", "storage"}, "only the commands and the base modules sit at the top"
+
+
+def test_train_main_reads_in_at_most_80_lines():
+    tree = parse(os.path.join(PACKAGE, "train.py"))
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    assert main.end_lineno - main.lineno + 1 <= 80
+
+
+# ----------------------------------------------------------------------------------------------
+# One owner per fact
+
+
+def string_constants(tree: ast.AST):
+    """The string constants of a module, its docstrings left out."""
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and n.body
+            and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    return [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs]
+
+
+def literal_collections(tree: ast.AST):
+    """Tuples, lists, sets and dict keys written as literals, with their string elements."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            yield node, [e.value for e in node.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+        elif isinstance(node, ast.Dict):
+            yield node, [k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)]
+
+
+def second_owners(names: set[str], owner: str, at_least: int = 2) -> list[str]:
+    """Places outside `owner` that list `at_least` of `names` in one literal: a second list of the same fact."""
+    found = []
+    for path in python_files("maxtrain"):
+        if os.path.relpath(path, REPO) == owner:
+            continue
+        for node, values in literal_collections(parse(path)):
+            if len(set(values) & names) >= at_least:
+                found.append(f"{os.path.relpath(path, REPO)}:{node.lineno}: {sorted(set(values) & names)}")
+    return found
+
+
+def test_the_family_registry_is_the_one_list_of_families():
+    import yaml  # pylint: disable=import-outside-toplevel
+
+    from maxtrain import models  # pylint: disable=import-outside-toplevel
+
+    names = set(registry.FAMILIES)
+    assert set(config_lib.table()["decoder_block"].allowed.exact) == names  # base.yml's choices read it
+    with open(BASE_YML, encoding="utf-8") as f:
+        line = next(l for l in f if l.startswith("decoder_block:"))
+    assert "{$families}" in line, "base.yml's decoder_block lists no families of its own"
+    assert set(models.FAMILIES) == names
+    for name, module in models.FAMILIES.items():
+        assert module.FAMILY is registry.FAMILIES[name]
+        for attribute in ("DECODER_BLOCK", "HF_MODEL_TYPES", "HF_ARCHITECTURE"):
+            assert not hasattr(module, attribute), f"{name}.{attribute}: the registry owns it"
+    assert config_lib.MOE_FAMILIES == tuple(n for n, f in registry.FAMILIES.items() if f.moe)
+    for preset in config_lib.preset_names():  # every preset names a registered family
+        with open(os.path.join(config_lib.packaged_configs_dir(), "models", f"{preset}.yml"), encoding="utf-8") as f:
+            block = (yaml.safe_load(f) or {}).get("decoder_block", config_lib.defaults()["decoder_block"])
+        assert block in names, f"preset {preset}: decoder_block={block}"
+        if registry.FAMILIES[block].moe is False:
+            assert config_lib.load_config([BASE_YML, f"model_name={preset}"]).num_experts == 1
+    types = [t for f in registry.FAMILIES.values() for t in f.hf_model_types]
+    assert len(types) == len(set(types)), "one family per Hugging Face model_type"
+    assert not second_owners(names, "maxtrain/config/registry.py"), second_owners(names, "maxtrain/config/registry.py")
+
+
+def test_every_registered_task_is_defined_and_no_other():
+    from maxtrain.evals import tasks  # pylint: disable=import-outside-toplevel
+
+    assert set(tasks.SPECS) == set(registry.EVAL_TASKS) and set(tasks.QUESTIONS) <= set(registry.EVAL_TASKS)
+
+
+def test_the_compile_targets_have_one_table():
+    from maxtrain.compile import targets  # pylint: disable=import-outside-toplevel
+
+    chips = set(targets.TPU_CHIPS) | set(targets.GPU_TARGET_FILES)
+    assert {"v5e", "v5p", "h100", "h200", "a100"} <= chips
+    owner = "maxtrain/compile/targets.py"
+    assert not second_owners(chips, owner), second_owners(chips, owner)
+    files = sorted(os.listdir(os.path.join(PACKAGE, "compile", "gpu_targets")))
+    assert files == sorted(targets.GPU_TARGET_FILES.values())
+    for path in python_files("maxtrain", "scripts"):  # the GPU descriptions are read through the table only
+        if os.path.relpath(path, REPO) != owner:
+            assert not any("gpu_targets" in n.value for n in string_constants(parse(path))), path
+
+
+def dotted(node) -> str:
+    """`a.b.c` for an attribute chain, `f` for a name, "" otherwise."""
+    if isinstance(node, ast.Attribute):
+        return f"{dotted(node.value)}.{node.attr}"
+    return node.id if isinstance(node, ast.Name) else ""
+
+
+def calls_of(tree: ast.AST) -> set[str]:
+    """Names of the functions called (`f(...)` -> "f", `x.y.f(...)` -> "f" and "y.f")."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = dotted(node.func)
+            parts = name.split(".")
+            out.update({parts[-1], ".".join(parts[-2:])})
+    return out
+
+
+def test_the_tools_load_a_trained_model_one_way():
+    """decode, evaluate, check_logits and viz call builder.load_model; nothing else of the package reads a
+    checkpoint's params for a model, builds a mesh for it or resolves a runtime beside it."""
+    for tool in ("decode", "evaluate", "check_logits", "viz"):
+        called = calls_of(parse(os.path.join(PACKAGE, f"{tool}.py")))
+        assert "load_model" in called, tool
+        assert not called & {"load_params", "create_mesh", "Runtime.from_config", "runtime", "abstract_params"}, tool
+    for path in python_files("maxtrain"):
+        rel = os.path.relpath(path, REPO)
+        if rel not in ("maxtrain/training/builder.py",) and not rel.startswith("maxtrain/checkpointing/"):
+            assert "load_params" not in calls_of(parse(path)), rel
+
+
+def test_the_attention_implementation_is_resolved_once_in_the_builder(monkeypatch):
+    from maxtrain.models import attention  # pylint: disable=import-outside-toplevel
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    for path in python_files("maxtrain"):  # who may resolve it
+        rel = os.path.relpath(path, REPO)
+        called = calls_of(parse(path))
+        if rel != "maxtrain/models/runtime.py":
+            assert "resolve_implementation" not in called, rel
+        if rel != "maxtrain/training/builder.py":
+            assert "Runtime.from_config" not in called, rel
+    calls = []
+    real = attention.resolve_implementation
+    monkeypatch.setattr(attention, "resolve_implementation", lambda *a, **k: calls.append(a) or real(*a, **k))
+    run = builder.build(config_lib.load_config([BASE_YML, *TINY, "dataset_type=synthetic",
+                                                "ici_context_parallelism=2"]))
+    assert len(calls) == 1 and run.rt.attention == "dot_product"
+    assert f"attention {run.rt.attention}" in builder.summarize(run, run.compile(), 0.0)  # printed
+
+
+def test_the_config_is_loaded_once_per_command():
+    """Each command loads its config once (builder.load_config or config.load_config); nothing below the
+    commands loads one."""
+    for command in COMMANDS:
+        called = [n for n in ast.walk(parse(os.path.join(PACKAGE, f"{command}.py")))
+                  if isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", "")) == "load_config"]
+        assert len(called) <= 1, command
+    for path in python_files("maxtrain"):
+        rel = os.path.relpath(path, REPO)
+        if rel.startswith(("maxtrain/config/", "maxtrain/training/builder.py")) or \
+                rel.removeprefix("maxtrain/").removesuffix(".py") in COMMANDS:
+            continue
+        assert "load_config" not in calls_of(parse(path)), rel
+
+
+def test_train_loads_its_config_once(tmp_path, monkeypatch):
+    from maxtrain import train  # pylint: disable=import-outside-toplevel
+    from maxtrain.config import loading  # pylint: disable=import-outside-toplevel
+
+    calls = []
+    real = loading.load_config
+    counted = lambda *a, **k: calls.append(a) or real(*a, **k)  # noqa: E731
+    monkeypatch.setattr(loading, "load_config", counted)
+    monkeypatch.setattr(config_lib, "load_config", counted)
+    result = train.main([BASE_YML, *TINY, "dataset_type=synthetic", "steps=1", f"base_output_directory={tmp_path}",
+                         "run_name=once", "enable_checkpointing=false"])
+    assert len(calls) == 1 and result.state is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# Every command answers --help
+
+
+SCRIPTS = sorted(os.path.relpath(p, REPO) for p in python_files("scripts", "end_to_end")
+                 if os.path.basename(p) not in ("common.py", "__init__.py"))
+
+
+@pytest.mark.parametrize("argv", [["-m", f"maxtrain.{c}"] for c in COMMANDS] + [[s] for s in SCRIPTS],
+                         ids=lambda argv: argv[-1])
+def test_every_command_answers_help(argv, tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, *argv, "--help"], cwd=tmp_path if argv[0] == "-m" else REPO, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = done.stdout
+    assert "usage" in text.lower() or "python" in text, text[:500]
+    assert "error" not in text.lower().split("\n")[0]
+    if argv[0] == "-m" and argv[1] not in ("maxtrain.check_logits", "maxtrain.checkpoint"):
+        assert "base.yml" in text and "Settings it reads most" in text, text[-1500:]
