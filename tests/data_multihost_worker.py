@@ -31,7 +31,7 @@ def eval_loss_at_init(cfg):
 
     from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
     from maxtrain.parallel import sharding  # pylint: disable=import-outside-toplevel
-    from maxtrain import train  # pylint: disable=import-outside-toplevel
+    from maxtrain.training import loop  # pylint: disable=import-outside-toplevel
     from maxtrain.data import hosts, make_inputs  # pylint: disable=import-outside-toplevel
 
     run = builder.build(cfg)
@@ -40,7 +40,7 @@ def eval_loss_at_init(cfg):
     with sharding.activation_sharding(mesh, rules):
         params = run.init(jax.random.key(cfg.seed))["params"]
         batches = (hosts.to_global(b, mesh, rules, hosts.EVAL_BATCH_AXES) for b in evals)
-        return train.evaluate(run.eval_step, {"params": params}, batches)[0], evals
+        return loop.evaluate(run.eval_step, {"params": params}, batches)[0], evals
 
 
 def main(process_id: int, port: int, corpus: str, output: str) -> None:
