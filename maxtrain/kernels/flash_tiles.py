@@ -2,7 +2,7 @@
 
 A Triton program keeps its tiles in the streaming multiprocessor's shared memory, whose per-block limit depends on
 the GPU: `default_tuning` shrinks the requested blocks until `shared_memory_bytes`, a model of what Triton asks for,
-fits the target's limit (`SHARED_MEMORY_BY_CAPABILITY`, looked up by maxtrain/attention.py from the devices).
+fits the target's limit (`SHARED_MEMORY_BY_CAPABILITY`, looked up by maxtrain/models/attention.py from the devices).
 scripts/kernel_shared_memory.py compares the model with what Triton reports.
 """
 
