@@ -36,6 +36,7 @@ PACKAGES = tuple(name for name in sorted(os.listdir(os.path.join(ROOT, "maxtrain
                  if os.path.isfile(os.path.join(ROOT, "maxtrain", name, "__init__.py")))
 COMMANDS = tuple(name[:-3] for name in sorted(os.listdir(os.path.join(ROOT, "maxtrain")))
                  if name.endswith(".py") and "\ndef main(" in open(os.path.join(ROOT, "maxtrain", name)).read())
+COMMAND_WORDS = {"python", "python3", "pip", "pytest", "lint-imports", "bash", "for", "git"}
 SHELL_OPERATORS = {"&", "&&", ";", "|", "||", ">", ">>", "2>&1"}
 # Pages another branch writes, linked to before it lands (remove an entry once its page is here).
 WRITTEN_ELSEWHERE = {"docs/gpu.md"}
@@ -70,6 +71,12 @@ def shell_lines(block: list[str]) -> list[str]:
     if current:
         joined.append(current)
     return [line.strip()[2:] if line.strip().startswith("$ ") else line.strip() for line in joined]
+
+
+def is_command(line: str) -> bool:
+    """Whether a line of a block is a shell command one could type (not output, a tree or YAML)."""
+    words = [w for w in line.split() if not re.fullmatch(r"[A-Z_]+=\S*", w)]
+    return bool(words) and (words[0] in COMMAND_WORDS or os.path.isfile(os.path.join(ROOT, words[0])))
 
 
 def config_argv(words: list[str]) -> list[str] | None:
@@ -147,7 +154,7 @@ def opening_problems(lines: list[str]) -> list[str]:
         where = "none" if first is None else f"the first starts at line {first[0] + 1}"
         return [f"no fenced command within the first {OPENING_LINES} lines ({where})"]
     commands = shell_lines(first[1])
-    if not any(line and not line.startswith("#") for line in commands):
+    if not any(is_command(line) for line in commands):
         return ["the first fenced block holds no command"]
     problems = []
     for k, line in enumerate(commands):
@@ -239,6 +246,8 @@ See `maxtrain/models/attention.py` and `training/loop.py`.
 @pytest.mark.parametrize("broken, expected", [
     (GOOD.replace("This page lets you do a thing.\n", ""), "not followed by prose"),
     (GOOD.replace("This page", "\n" * OPENING_LINES + "This page"), "no fenced command within the first"),
+    (GOOD.replace("python -m maxtrain.train configs/base.yml", "outputs/run/\n  checkpoints/"),
+     "the first fenced block holds no command"),
     (GOOD.replace("steps=3", "stepz=3"), "unknown config key 'stepz'"),
     (GOOD.replace("steps=3", "steps=-3"), "steps=-3 is not allowed"),
     (GOOD.replace("configs/base.yml steps", "configs/nowhere.yml steps"), "names configs/nowhere.yml"),
