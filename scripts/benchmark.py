@@ -46,7 +46,7 @@ large matmul achieves here".
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # as the trainer does, before JAX starts (maxtrain/host_memory.py)
+if __name__ == "__main__":  # as the trainer does, before JAX starts (maxtrain/training/host_memory.py)
     from maxtrain.training import host_memory
 
     host_memory.reexec_with_hugepages()
@@ -102,7 +102,7 @@ def parse_args(argv: list[str]):
     return args
 
 
-measure_matmul_tflops = metrics.measure_matmul_tflops  # median TFLOP/s of an n^3 matmul (moved to metrics.py)
+measure_matmul_tflops = metrics.measure_matmul_tflops  # median TFLOP/s of an n^3 matmul (now in observability)
 
 
 def process_peak_rss_bytes() -> int:

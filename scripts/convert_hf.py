@@ -1,4 +1,4 @@
-"""Convert checkpoints between Hugging Face and maxtrain, for every model family (logic: maxtrain/convert.py).
+"""Convert checkpoints between Hugging Face and maxtrain, for every family (logic: maxtrain/checkpointing/convert.py).
 
     # a Hugging Face model directory (config.json + model.safetensors or a sharded index) -> OUT:
     #   OUT/checkpoints/0 (params only), OUT/model.yml (the model preset), OUT/hf/ (config, tokenizer, license)

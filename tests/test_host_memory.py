@@ -1,4 +1,4 @@
-"""maxtrain/host_memory.py: the trainer re-executes itself with glibc's malloc madvising huge pages."""
+"""maxtrain/training/host_memory.py: the trainer re-executes itself with glibc's malloc madvising huge pages."""
 
 from __future__ import annotations
 

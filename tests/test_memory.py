@@ -1,4 +1,4 @@
-"""maxtrain.memory: a compiled step's bytes per device against what a device can hold. (The refusal
+"""maxtrain.compile.fit: a compiled step's bytes per device against what a device can hold. (The refusal
 itself, end to end, is tests/bad_inputs.py's row step-larger-than-memory.)"""
 
 import dataclasses

@@ -1,4 +1,4 @@
-"""The settings table (configs/base.yml read by maxtrain/settings.py) and the override parser.
+"""The settings table (configs/base.yml read by maxtrain/config/settings.py) and the override parser.
 
 - Every number and choice key is walked with values outside its declared range (and nan, inf, -inf
   for every float key); every entry point that takes config keys answers each with exit status 2

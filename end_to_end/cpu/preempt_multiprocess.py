@@ -5,7 +5,7 @@ commands then resume from it on both.
 
 Two local JAX processes (2 CPU devices each, gloo collectives) train the tiny model. After some
 steps process 1 alone gets SIGTERM; JAX's preemption service tells process 0, and both save at the
-same step (maxtrain/preemption.py). Prints PASS/FAIL with the step checked.
+same step (maxtrain/training/preemption.py). Prints PASS/FAIL with the step checked.
 """
 
 from __future__ import annotations

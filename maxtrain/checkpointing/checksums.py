@@ -16,7 +16,7 @@ A file belongs to process i when its path has an `ocdbt.process_<i>` directory o
 `verify(step_dir)` re-hashes the listed files and names the first one that is missing, has another
 size or other contents. A step without checksums/ (saved before maxtrain wrote them, or a run killed
 between Orbax's finish and the checksum write) is "unverified": it is still used, and a restore
-that fails on it falls back like a checksum mismatch (checkpoint.py).
+that fails on it falls back like a checksum mismatch (manager.py).
 """
 
 from __future__ import annotations

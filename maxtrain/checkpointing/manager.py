@@ -12,7 +12,7 @@ leftover temporary directories are removed when the next run starts. Once Orbax 
 process writes the checksums of the files it wrote into `<step>/checksums/` (checksums.py).
 
 Finding, checking and reading checkpoints, this run's or another's (the latest usable step, moving a
-damaged step aside, loading params or the whole state, CheckpointError) is checkpoint_files.py. A
+damaged step aside, loading params or the whole state, CheckpointError) is files.py. A
 resume starts from the latest usable step, and a step whose restore fails is moved aside like one
 that fails its checksums (`Checkpointer.restore`).
 

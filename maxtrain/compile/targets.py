@@ -1,6 +1,6 @@
 """Compile targets: the one table of TPU and GPU kinds maxtrain compiles for, and their devices by name.
 
-    target = topologies.parse("v5p-128", num_slices=2)   # MaxText's names
+    target = targets.parse("v5p-128", num_slices=2)      # MaxText's names
     devices = target.devices()                          # jax.experimental.topologies, no TPU needed
 
 Names (`compile_topology`, with `compile_topology_num_slices`):

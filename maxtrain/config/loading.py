@@ -222,7 +222,7 @@ def load_config(argv: list[str], log=None) -> Config:
     values["config_path"] = os.path.abspath(_find_config(argv[0]))
     values["run_name_was_generated"] = not values["run_name"]
     # Keys the user chose (their YAML or the command line) rather than base.yml's defaults: a checkpoint's
-    # model settings are adopted only where none of the model keys were chosen (checkpoint_files.adopt_model_settings).
+    # model settings are adopted only where none of the model keys were chosen (checkpointing.files.adopt_model_settings).
     values["given_keys"] = sorted(set(chain) | set(overrides))
     checks.validate(values)
     if notes:

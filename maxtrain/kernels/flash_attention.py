@@ -1,7 +1,7 @@
 """Flash attention in Pallas (Triton on NVIDIA GPUs, interpret mode on CPU): online-softmax
 forward, recomputing backward, grouped-query heads, sliding windows and logit soft-capping.
 
-Letters (as in maxtrain/attention.py): B batch, T query length, S key length, N query heads,
+Letters (as in maxtrain/models/attention.py): B batch, T query length, S key length, N query heads,
 G kv heads, H head dim, R = N // G query heads per kv head. Query head n reads kv head n // R.
 
 Forward (one program per (b, n, query block of size block_q), loop over key blocks of block_k):
@@ -18,7 +18,7 @@ Backward (P = exp(s - lse) is recomputed from the saved lse, never stored):
                                of kv head g and over query blocks
 K and V are never repeated for grouped-query attention: the BlockSpec index maps pick the kv head.
 
-Masking (same rule as maxtrain.attention.make_attention_mask): query t sees key s when their
+Masking (same rule as maxtrain.models.attention.make_attention_mask): query t sees key s when their
 segment ids are equal, if causal s <= t, and with a sliding window W > 0 t - s < W. Programs only
 visit the key (or query) blocks that hold some visible pair by position: causal attention does
 about half the work, a window of W about W / S of it. Masked scores are set to _MASK_VALUE and the

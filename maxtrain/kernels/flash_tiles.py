@@ -2,7 +2,7 @@
 
 A Triton program keeps its tiles in the streaming multiprocessor's shared memory, whose per-block limit depends on
 the GPU: `default_tuning` shrinks the requested blocks until `shared_memory_bytes`, a model of what Triton asks for,
-fits the target's limit (`SHARED_MEMORY_BY_CAPABILITY`, looked up by maxtrain/attention.py from the devices).
+fits the target's limit (`SHARED_MEMORY_BY_CAPABILITY`, looked up by maxtrain/models/attention.py from the devices).
 scripts/kernel_shared_memory.py compares the model with what Triton reports.
 """
 
@@ -48,7 +48,7 @@ def shared_memory_bytes(kernel: str, tuning: Tuning, head_dim: int, itemsize: in
     q and dO and pipelines k and v; dkv holds k and v [block_k], pipelines q and dO [block_q] (kept
     twice without pipelining, once per orientation they are used in) and stages P^T [block_q, block_k].
     The model bounds every figure Triton reported on sm_90 and sm_80 targets for H = 64, 128, 256,
-    blocks 32..128 and 1 or 2 stages (docs/performance.md, "Kernel tiles"); the lowering tests compile
+    blocks 32..128 and 1 or 2 stages (docs/notes/2026-11-performance-log.md, "Kernel tiles"); the lowering tests compile
     every tuning `default_tuning` makes for an H100 and an A100.
     """
     bq, bk, stages = tuning.block_q, tuning.block_k, tuning.num_stages

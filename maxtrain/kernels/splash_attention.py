@@ -3,7 +3,7 @@
 `jax.experimental.pallas.ops.tpu.splash_attention` ("sparse flash") computes attention block by
 block in VMEM and skips every (query block, key block) pair its mask says is empty: causal
 attention visits about half the pairs, a sliding window of W about W / S of them. This module
-only adapts shapes and the masking rule of maxtrain.attention.make_attention_mask to it:
+only adapts shapes and the masking rule of maxtrain.models.attention.make_attention_mask to it:
 
     maxtrain                              splash
     q [B, T, N, H], k/v [B, S, G, H]      per batch row (vmap): q [N, T, H], k/v [G, S, H]; query head
@@ -59,7 +59,7 @@ def splash_attention(q, k, v, segment_ids=None, *, causal=True, sliding_window=0
                      scale=None, block_q=512, block_kv=512, interpret=False):
     """Self-attention of q [B, T, N, H] over k, v [B, T, G, H] (N % G == 0) with TPU splash kernels.
 
-    segment_ids [B, T] (int32) or None; masking as maxtrain.attention.make_attention_mask.
+    segment_ids [B, T] (int32) or None; masking as maxtrain.models.attention.make_attention_mask.
     Returns [B, T, N, H] in q.dtype; differentiable in q, k, v.
     """
     batch, length, num_heads, head_dim = q.shape

@@ -217,7 +217,7 @@ def rope_tables(positions, config, num_positions: int | None = None) -> dict:
 
 def _hidden(family, params, tokens, positions, segment_ids, config, rt):
     """(final hidden states [B, T, D], aux): the embedding and every layer, in pipeline stages when
-    the mesh has them (models/pipeline.py)."""
+    the mesh has them (parallel/stages.py)."""
     x = family.embed(params, tokens, config, rt)
     table = rope_lib.table_positions(tokens.shape[1], config.head_dim, rt.backend)  # positions < T
     inputs = LayerInputs(positions, segment_ids, rope_tables(positions, config, table))

@@ -27,7 +27,8 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 
 
 # On CPU a small dense model's step is fastest with nothing recomputed and its layers unrolled
-# (docs/performance.md, "An eighth round": 5% on the reference configuration, 9% on the default model).
+# (docs/notes/2026-11-performance-log.md, "An eighth round": 5% on the reference configuration, 9% on the
+# default model).
 # Both are needed: with the layers scanned, `none` writes every activation into the scan's stacked,
 # zero-initialized [L, ...] buffers and is no faster than `full`; unrolled with `full`, the recomputation
 # stays. The choice is bounded so that it cannot cost what it saves: at most this many layers (compile

@@ -113,7 +113,7 @@ def make_train_step(config, rt: models.Runtime, tx: optax.GradientTransformation
         if batch["inputs"].shape[0] == 1:
             # One micro-batch: its sums without the loop. Starting a sum from zeros costs a
             # zero-filled float32 copy of the model and a pass adding the gradients to it, which
-            # XLA does not remove (docs/performance.md, "CPU speed").
+            # XLA does not remove (docs/notes/2026-11-performance-log.md, "a second profile").
             grad_sum, loss_sum, weight_sum, aux = micro_gradients(jax.tree.map(lambda a: a[0], batch))
             aux, weights = jax.tree.map(lambda a: a[None], aux), weight_sum[None]
         else:
