@@ -378,6 +378,11 @@ ROWS = [
     Row("metrics-file-is-a-directory", T, [B, "metrics_file={scratch}"], r"metrics_file='.*' is a directory"),
     Row("output-under-a-file", T, [B, "base_output_directory={scratch}/afile"],
         r"base_output_directory='.*/afile' .*is a file", setup=a_file),
+    Row("run-name-escapes-the-output-directory", T, [B, "base_output_directory={scratch}", "run_name=../../x"],
+        r"run_name='../../x' must be one directory name .* set base_output_directory; e.g. "
+        r"base_output_directory=.* run_name=x"),
+    Row("run-name-absolute", T, [B, "run_name={scratch}/elsewhere"], r"run_name='.*/elsewhere' must be one directory "
+        r"name"),
     # train: data
     Row("jsonl-without-files", T, [B, "dataset_type=jsonl"], r"dataset_type=jsonl needs grain_train_files"),
     Row("glob-matches-nothing", T, [B, "dataset_type=jsonl", "tokenizer_path={tok}",
