@@ -116,6 +116,28 @@ def listdir(path: str) -> list[str]:
     return sorted(os.listdir(path)) if os.path.isdir(path) else []
 
 
+def place_problem(path: str, is_file: bool) -> str | None:
+    """Why a file (is_file) or directory could not be made or written at the local `path`, as words that
+    follow the path ("is a file, not a directory; choose a directory"); None when it can, or for gs://
+    (a bucket answers on the first write)."""
+    if is_remote(path):
+        return None
+    path = os.path.abspath(os.path.expanduser(path))
+    if is_file and os.path.isdir(path):
+        return "is a directory; give a file path"
+    if not is_file and os.path.exists(path) and not os.path.isdir(path):
+        return "is a file, not a directory; choose a directory"
+    existing = os.path.dirname(path) if is_file else path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"cannot be created: {existing} is a file, not a directory. Choose a path inside a directory"
+    target = path if os.path.exists(path) else existing
+    if not os.access(target, os.W_OK):
+        return f"cannot be written: no write permission on {target}. Choose a writable path"
+    return None
+
+
 def makedirs(path: str) -> None:
     if not is_remote(path):  # GCS has no directories: an object's name makes them
         os.makedirs(path, exist_ok=True)
