@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import zipfile
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,9 @@ class CheckError(UserError, ValueError):
 def read_golden(path: str) -> tuple[np.ndarray, np.ndarray]:
     if not os.path.isfile(path):
         raise CheckError(f"--golden {path} does not exist (make one with --hf HF_DIR --golden {path})")
+    if not zipfile.is_zipfile(path):
+        raise CheckError(f"--golden {path} is not an .npz file (a zip of arrays, as np.savez writes); make one with "
+                         f"--hf HF_DIR --golden {path}")
     try:
         with np.load(path) as data:
             ids, logits = np.asarray(data["input_ids"]), np.asarray(data["logits"])

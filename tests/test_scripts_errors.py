@@ -104,6 +104,8 @@ ROWS = [
     Row("convert-export-missing", "convert_hf", ["export", "{scratch}/none", "{scratch}/out"], r"'.*/none' does not exist"),
     Row("check-logits-golden-missing", "check_logits", ["{scratch}/none", "--golden", "{scratch}/none.npz"],
         r"--golden .*/none.npz does not exist"),
+    Row("check-logits-golden-not-npz", "check_logits", ["{scratch}/none", "--golden", "{scratch}/bad.jsonl"],
+        r"--golden .*/bad.jsonl is not an .npz file", garbage_lines),
     Row("benchmark-json-is-a-directory", "benchmark", ["{base}", "--json", "{scratch}"],
         r"--json .* is a directory; give a file path"),
     Row("benchmark-json-under-a-file", "benchmark", ["{base}", "--json", "{scratch}/afile/b.jsonl"],
