@@ -29,11 +29,13 @@ import os
 import shutil
 import tempfile
 
+from maxtrain.errors import UserError, install_hint
+
 GCS = "gs://"
 
 
-class StorageError(OSError):
-    """A path that cannot be used; the message says why and what to do."""
+class StorageError(UserError, OSError):
+    """A path that cannot be used (gs:// without gcsfs); the message says why and what to do."""
 
 
 def is_remote(path: str) -> bool:
@@ -46,7 +48,7 @@ def _gcs():
     try:
         import gcsfs  # pylint: disable=import-outside-toplevel
     except ImportError:
-        raise StorageError("gs:// paths need gcsfs: pip install 'maxtrain[gcs]'") from None
+        raise StorageError(f"gs:// paths need gcsfs: {install_hint('gcsfs')}") from None
     # gcsfs logs a traceback when it gives up on a request, then raises the same error, which the
     # caller reports with what to do; the log would only bury that message.
     logging.getLogger("gcsfs").setLevel(logging.CRITICAL)

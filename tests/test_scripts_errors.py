@@ -249,6 +249,17 @@ def test_a_missing_package_names_its_extra(monkeypatch):
     assert errors.require("json", "anything").dumps([]) == "[]"
 
 
+def test_a_command_on_gs_without_gcsfs_is_one_line(tmp_path):
+    """storage.StorageError is a UserError too: a command given a gs:// path without gcsfs answers in one line."""
+    shadow = tmp_path / "shadow" / "gcsfs"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('gcsfs is not installed here')\n")
+    done = _run(["-m", "maxtrain.checkpoint", "inspect", "gs://bucket/run"], tmp_path,
+                PYTHONPATH=os.pathsep.join([str(tmp_path / "shadow"), REPO]))
+    assert judge("maxtrain.checkpoint", done.returncode, done.stderr, False) == ("gs:// paths need gcsfs: "
+                                                                                 "pip install 'maxtrain[gcs]'")
+
+
 def test_post_training_skips_only_the_transformers_comparison(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     module = _load("post_training", monkeypatch)
