@@ -6,7 +6,7 @@
 eval-loss: the last eval loss in the file must be below the threshold (the figure: that loss).
 throughput: prints the median tokens/s/device, TFLOP/s/device and MFU of the train steps after the
 first --skip (compilation and warm-up); informational, it always passes when there are steps.
-Exit status 0 on PASS, 1 on FAIL.
+Exit status 0 on PASS, 1 on FAIL, 2 (one line `check: error: ...`) for a file that is not a metrics file.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402  pylint: disable=wrong-import-position
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="check", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("check", choices=["eval-loss", "throughput"])
     parser.add_argument("metrics_file", type=Path)
     parser.add_argument("--below", type=float, help="eval-loss: the threshold")
     parser.add_argument("--skip", type=int, default=10, help="throughput: leading steps to leave out")
     parser.add_argument("--name", help="the name printed in the verdict line")
-    options = parser.parse_args()
+    options = parser.parse_args(argv)
     name = options.name or options.check
     if not options.metrics_file.is_file():
         return common.verdict(name, False, f"no metrics file {options.metrics_file} (did the run fail?)")
@@ -54,4 +54,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    common.main("check", main)

@@ -4,7 +4,8 @@ and print one verdict line:
     PASS <check>: <the figure it checked>
     FAIL <check>: <the figure it checked>
 
-Each script exits 0 on PASS and 1 on FAIL. Runs are written under $E2E_OUT (default
+Each script exits 0 on PASS and 1 on FAIL, and 2 with one line `<script>: error: ...` when what it was
+given cannot be used (maxtrain.errors.run_cli). Runs are written under $E2E_OUT (default
 outputs/end_to_end/) in a directory per script, emptied at the start.
 """
 
@@ -20,13 +21,34 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's maxtrain, as the commands the scripts run (cwd ROOT)
+
+from maxtrain import errors, storage  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def main(prog: str, function) -> None:
+    """Runs a script's `function(argv)` as the commands run theirs: its verdict's exit status, or one line
+    `prog: error: ...` and exit status 2 for something it was given that cannot be used."""
+    sys.exit(errors.run_cli(prog, function))
 
 
 def out_dir(name: str) -> Path:
-    path = Path(os.environ.get("E2E_OUT", ROOT / "outputs" / "end_to_end")).resolve() / name
-    shutil.rmtree(path, ignore_errors=True)
-    path.mkdir(parents=True)
+    base = Path(os.environ.get("E2E_OUT", ROOT / "outputs" / "end_to_end")).resolve()
+    path = base / name
+    problem = storage.place_problem(str(path), is_file=False)
+    if problem:
+        raise errors.PathError(f"E2E_OUT={base}: {path} {problem}; set E2E_OUT to a writable directory")
+    with errors.user_paths("E2E_OUT"):
+        shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True)
     return path
+
+
+def positive(parser, flag: str, value: int, even: bool = False) -> int:
+    """`value` of an integer option, refused (argparse's usage error, exit 2) unless >= 1 (and even)."""
+    if value < 1 or (even and value % 2):
+        parser.error(f"{flag} {value} must be {'an even number' if even else 'a number'} >= {2 if even else 1}")
+    return value
 
 
 def env(devices: int | None = None, **extra) -> dict:
@@ -73,8 +95,20 @@ def run(module: str, args: list[str], log: Path, environment: dict | None = None
 
 
 def metrics(path: Path) -> list[dict]:
-    """The JSON lines of a metrics_file."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The JSON lines of a metrics_file (ToolError naming the line that is not a JSON object)."""
+    with errors.user_paths():
+        lines = Path(path).read_text(encoding="utf-8", errors="replace").splitlines()
+    out = []
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                out.append(None)
+            if not isinstance(out[-1], dict) or not isinstance(out[-1].get("step"), int):
+                raise errors.ToolError(f"{path} line {number} is not a metrics line (a JSON object with a step); "
+                                       "give the metrics_file a run wrote")
+    return out
 
 
 def train_losses(path: Path) -> dict[int, dict]:

@@ -19,6 +19,6 @@ Below them, one level of packages, each owning one part of a run (docs/architect
     errors, storage base modules: every module may import them
 
 Imports point down this list (commands -> training -> evals | checkpointing | compile | observability
--> models | data -> kernels -> parallel -> config -> errors | storage); .importlinter states the
+-> models | data -> kernels -> parallel -> config -> storage -> errors); .importlinter states the
 contracts and CI checks them.
 """

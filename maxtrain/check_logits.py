@@ -19,13 +19,14 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import zipfile
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from maxtrain import config as config_lib
-from maxtrain import models
+from maxtrain import errors, models
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.errors import UserError, run_cli
 from maxtrain.parallel import sharding
@@ -39,6 +40,9 @@ class CheckError(UserError, ValueError):
 def read_golden(path: str) -> tuple[np.ndarray, np.ndarray]:
     if not os.path.isfile(path):
         raise CheckError(f"--golden {path} does not exist (make one with --hf HF_DIR --golden {path})")
+    if not zipfile.is_zipfile(path):
+        raise CheckError(f"--golden {path} is not an .npz file (a zip of arrays, as np.savez writes); make one with "
+                         f"--hf HF_DIR --golden {path}")
     try:
         with np.load(path) as data:
             ids, logits = np.asarray(data["input_ids"]), np.asarray(data["logits"])
@@ -53,12 +57,18 @@ def read_golden(path: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 def golden_from_transformers(hf_dir: str, ids: np.ndarray) -> np.ndarray:
+    """The logits of transformers' model for `ids`; its weights read from safetensors only (a pickle,
+    pytorch_model.bin, is refused unopened: loading one can run code)."""
+    torch = errors.require("torch", "--hf")
+    transformers = errors.require("transformers", "--hf")
+    if not os.path.isfile(os.path.join(hf_dir, "config.json")):
+        raise CheckError(f"--hf {hf_dir} is not a Hugging Face model directory (no config.json)")
     try:
-        import torch  # pylint: disable=import-outside-toplevel
-        import transformers  # pylint: disable=import-outside-toplevel
-    except ImportError:
-        raise CheckError("--hf needs torch and transformers (pip install -e \".[hf]\")") from None
-    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                                  use_safetensors=True).eval()
+    except OSError as error:  # no model.safetensors (transformers says which files it looked for)
+        raise CheckError(f"--hf {hf_dir}: transformers cannot load it from safetensors files "
+                         f"({str(error).splitlines()[0][:300]})") from None
     with torch.no_grad():
         return model(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
 
@@ -98,7 +108,8 @@ def main(argv: list[str]) -> int:
         ids = np.random.default_rng(args.seed).integers(0, vocab, (args.batch, args.length)).astype(np.int32)
         golden = golden_from_transformers(args.hf, ids)
         if args.golden:
-            np.savez(args.golden, input_ids=ids, logits=golden)
+            with errors.user_paths("--golden"):
+                np.savez(args.golden, input_ids=ids, logits=golden)
     else:
         ids, golden = read_golden(args.golden)
     ours = maxtrain_logits(args.checkpoint, ids)

@@ -10,6 +10,9 @@ No JAX and nothing else of maxtrain is imported here: every module may import th
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import importlib
 import os
 import sys
 import threading
@@ -25,6 +28,98 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A bad config file, key or value. The message names the problem and the fix."""
+
+
+class ToolError(UserError):
+    """A bad argument or input of a user tool (scripts/, end_to_end/); the message names it and the fix."""
+
+
+class PathError(UserError):
+    """A path the user gave cannot be read or written; the message names it, the problem and the fix."""
+
+
+class MissingPackage(UserError):
+    """An optional package is not installed; the message names the extra (or command) that installs it."""
+
+
+# Optional packages -> the extra of pyproject.toml's [project.optional-dependencies] that installs them
+# (pyproject.toml owns the lists; tests/test_scripts_errors.py checks that this table agrees with it).
+EXTRAS = {"pyarrow": "data", "zstandard": "data", "gcsfs": "gcs", "wandb": "wandb", "xprof": "profile",
+          "torch": "hf", "transformers": "hf", "safetensors": "hf", "peft": "post"}
+
+
+def install_hint(package: str) -> str:
+    """`pip install 'maxtrain[hf]'` for a package of an extra (`pip install <package>` for any other)."""
+    return f"pip install 'maxtrain[{EXTRAS[package]}]'" if package in EXTRAS else f"pip install {package}"
+
+
+def require(module: str, purpose: str, install: str | None = None):
+    """Imports and returns `module`, or raises MissingPackage: "<purpose> needs <package>: <install>".
+    `install` defaults to the extra that holds the package (EXTRAS)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        package = module.split(".")[0]
+        raise MissingPackage(f"{purpose} needs the {package} package: "
+                             f"{install or install_hint(package)}") from None
+
+
+def _blocking_file(path: str) -> str | None:
+    """The nearest existing ancestor of `path` that is a file (not a directory), if one is in the way."""
+    path = os.path.abspath(path)
+    while True:
+        parent = os.path.dirname(path)
+        if parent == path:
+            return None
+        path = parent
+        if os.path.exists(path):
+            return None if os.path.isdir(path) else path
+
+
+def describe(error: OSError, label: str = "") -> str:
+    """An OSError in words, naming its path: `--output-dir /x/y: /x is a file, not a directory; choose a
+    directory`. No errno number, no Python exception name. `label` (e.g. "--output-dir") comes first."""
+    path = error.filename if error.filename is not None else ""
+    where = f"{label} {path}".strip() if path else label
+    code = error.errno
+    if code is None:  # raised with a message of its own (storage.StorageError, ...)
+        return f"{where}: {error}" if where and str(path) not in str(error) else str(error)
+    blocking = _blocking_file(str(path)) if path else None
+    if code == errno.ENOENT:
+        problem = "does not exist; check the path"
+    elif code in (errno.ENOTDIR, errno.EEXIST) and blocking:
+        problem = f"cannot be made: {blocking} is a file, not a directory; choose a path inside a directory"
+    elif code == errno.EEXIST and path and os.path.isfile(path):
+        problem = "is a file, where a directory is needed; choose a directory"
+    elif code == errno.EEXIST:
+        problem = "already exists; choose another path or remove it"
+    elif code == errno.ENOTDIR:
+        problem = "is a file, where a directory is needed; choose a directory"
+    elif code == errno.EISDIR:
+        problem = "is a directory, where a file is needed; give a file's path"
+    elif code in (errno.EACCES, errno.EPERM):
+        problem = "cannot be used: no permission; choose a path you may write, or change its permissions"
+    elif code == errno.ENOSPC:
+        problem = "cannot be written: no space left on its disk; free some space or choose another disk"
+    elif code == errno.EROFS:
+        problem = "cannot be written: its file system is read-only; choose a writable place"
+    elif code == getattr(errno, "EDQUOT", None):
+        problem = "cannot be written: the disk quota is used up; free some space or choose another disk"
+    elif code == errno.ENAMETOOLONG:
+        problem = "has a name that is too long; choose a shorter path"
+    else:
+        problem = (error.strerror or str(error)).lower()
+    return f"{where}: {problem}" if where else problem
+
+
+@contextlib.contextmanager
+def user_paths(label: str = ""):
+    """Inside, an OSError (a path the user gave: missing, a file in the way, not writable, a full disk)
+    becomes PathError with `describe`'s one line. Wrap only code whose files the user chose."""
+    try:
+        yield
+    except OSError as error:
+        raise PathError(describe(error, label)) from None
 
 
 def run_cli(prog: str, main: Callable, argv: list[str] | None = None, hard_exit: tuple[type, ...] = (),

@@ -29,11 +29,13 @@ import os
 import shutil
 import tempfile
 
+from maxtrain.errors import UserError, install_hint
+
 GCS = "gs://"
 
 
-class StorageError(OSError):
-    """A path that cannot be used; the message says why and what to do."""
+class StorageError(UserError, OSError):
+    """A path that cannot be used (gs:// without gcsfs); the message says why and what to do."""
 
 
 def is_remote(path: str) -> bool:
@@ -46,7 +48,7 @@ def _gcs():
     try:
         import gcsfs  # pylint: disable=import-outside-toplevel
     except ImportError:
-        raise StorageError("gs:// paths need gcsfs: pip install 'maxtrain[gcs]'") from None
+        raise StorageError(f"gs:// paths need gcsfs: {install_hint('gcsfs')}") from None
     # gcsfs logs a traceback when it gives up on a request, then raises the same error, which the
     # caller reports with what to do; the log would only bury that message.
     logging.getLogger("gcsfs").setLevel(logging.CRITICAL)
@@ -114,6 +116,28 @@ def listdir(path: str) -> list[str]:
         fs.invalidate_cache(path)
         return sorted(os.path.basename(p.rstrip("/")) for p in fs.ls(path, detail=False))
     return sorted(os.listdir(path)) if os.path.isdir(path) else []
+
+
+def place_problem(path: str, is_file: bool) -> str | None:
+    """Why a file (is_file) or directory could not be made or written at the local `path`, as words that
+    follow the path ("is a file, not a directory; choose a directory"); None when it can, or for gs://
+    (a bucket answers on the first write)."""
+    if is_remote(path):
+        return None
+    path = os.path.abspath(os.path.expanduser(path))
+    if is_file and os.path.isdir(path):
+        return "is a directory; give a file path"
+    if not is_file and os.path.exists(path) and not os.path.isdir(path):
+        return "is a file, not a directory; choose a directory"
+    existing = os.path.dirname(path) if is_file else path
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        return f"cannot be created: {existing} is a file, not a directory. Choose a path inside a directory"
+    target = path if os.path.exists(path) else existing
+    if not os.access(target, os.W_OK):
+        return f"cannot be written: no write permission on {target}. Choose a writable path"
+    return None
 
 
 def makedirs(path: str) -> None:

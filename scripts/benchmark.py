@@ -66,12 +66,11 @@ import jax
 from maxtrain.training import builder, host_memory
 from maxtrain.parallel import distributed, sharding
 from maxtrain.observability import metrics
-from maxtrain import models, train
+from maxtrain import errors, models, storage, train
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
 from maxtrain.compile import fit as memory_lib
 from maxtrain.data import pipeline
-from maxtrain.errors import run_cli
 
 BENCHMARK_OVERRIDES = ["enable_checkpointing=false", "enable_tensorboard=false", "eval_interval=-1",
                        "max_new_tokens=0", "metrics_file="]
@@ -99,6 +98,9 @@ def parse_args(argv: list[str]):
                          "--compare \"remat_policy=none\" (an empty string is the common settings alone)")
         if args.measure_peak or args.profile:
             parser.error("--compare times variants against each other; run --measure-peak or --profile without it")
+    problem = args.json and storage.place_problem(args.json, is_file=True)  # refused now, not after the timing
+    if problem:
+        raise errors.PathError(f"--json {args.json} {problem}")
     return args
 
 
@@ -198,7 +200,7 @@ def run_fields(argv: list[str], config, rt) -> dict:
 
 def append_json(path: str, rows: list[dict]) -> None:
     if path and jax.process_index() == 0:
-        with open(path, "a", encoding="utf-8") as f:
+        with errors.user_paths("--json"), open(path, "a", encoding="utf-8") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
 
@@ -346,4 +348,4 @@ def format_result(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    run_cli("benchmark", run)
+    errors.run_cli("benchmark", run)

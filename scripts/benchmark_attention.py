@@ -28,12 +28,12 @@ from __future__ import annotations
 import argparse
 import shlex
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 
+from maxtrain.errors import run_cli
 from maxtrain.models import attention
 from maxtrain.models.attention import dot_product_attention, make_attention_mask
 from maxtrain.kernels.flash_attention import flash_attention
@@ -86,7 +86,7 @@ def time_fwd_bwd(attention_fn, q, k, v, do, warmup, iters):
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="benchmark_attention", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384],
                         help="sequence lengths T = S")
     parser.add_argument("--tokens", type=int, default=16384,
@@ -103,14 +103,24 @@ def parse_args(argv):
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--interpret", action="store_true",
                         help="run the Pallas kernel in interpret mode (needed on CPU)")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    sizes = {"--seq": min(args.seq), "--tokens": args.tokens, "--heads": args.heads, "--kv-heads": args.kv_heads,
+             "--head-dim": args.head_dim, "--block-q": args.block_q, "--block-k": args.block_k, "--iters": args.iters}
+    for flag, value in sizes.items():
+        if value < 1:
+            parser.error(f"{flag} {value} must be >= 1")
+    if args.warmup < 0:
+        parser.error(f"--warmup {args.warmup} must be >= 0")
+    if args.heads % args.kv_heads:
+        parser.error(f"--heads {args.heads} must be a multiple of --kv-heads {args.kv_heads} (grouped-query attention)")
+    return args
 
 
-def main(argv=None):
-    args = parse_args(sys.argv[1:] if argv is None else argv)
+def main(argv: list[str]):
+    args = parse_args(argv)
     backend = jax.default_backend()
     impls = [i for i in args.impl if i != "cudnn" or backend == "gpu"]
-    print(f"command: {shlex.join(['python', 'scripts/benchmark_attention.py', *sys.argv[1:]])}")
+    print(f"command: {shlex.join(['python', 'scripts/benchmark_attention.py', *argv])}")
     print(f"device: {jax.devices()[0].device_kind} ({backend}); {args.dtype}, causal, "
           f"N={args.heads} G={args.kv_heads} H={args.head_dim}, fwd+bwd, median of {args.iters} "
           f"after {args.warmup} warm-up; flash blocks {args.block_q}/{args.block_k}"
@@ -141,4 +151,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    run_cli("benchmark_attention", main)

@@ -28,7 +28,6 @@ import os
 import shlex
 import shutil
 import statistics
-import sys
 import threading
 import time
 
@@ -36,6 +35,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from maxtrain import errors, storage
 from maxtrain.checkpointing import files as checkpoint_files, checksums
 
 
@@ -62,13 +62,34 @@ def drop_caches() -> bool:
         return False
 
 
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def check_dir(path: str) -> None:
+    """--dir is emptied first and removed at the end: refuse one that holds anything but this benchmark's steps."""
+    problem = storage.place_problem(path, is_file=False)
+    if problem:
+        raise errors.PathError(f"--dir {path} {problem}")
+    others = [n for n in (sorted(os.listdir(path)) if os.path.isdir(path) else [])
+              if not n.split(".", 1)[0].isdigit()]  # its steps: "3", "3.orbax-checkpoint-tmp-..."
+    if others:
+        raise errors.PathError(f"--dir {path} holds other files ({', '.join(others[:3])}{' ...' if len(others) > 3 else ''}"
+                               "), and the benchmark empties its directory first and removes it at the end; "
+                               "give a new or empty directory")
+
+
+def main(argv: list[str]) -> dict:
+    p = argparse.ArgumentParser(prog="benchmark_checkpoint", description=__doc__.split("\n\n")[0])
     p.add_argument("--params-millions", type=float, default=300.0)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--dir", default="/tmp/ckpt_bench")
     args = p.parse_args(argv)
-    print("command: " + shlex.join(["python", "scripts/benchmark_checkpoint.py", *(argv or sys.argv[1:])]))
+    if not args.params_millions > 0 or args.rounds < 1:
+        p.error("--params-millions must be > 0 and --rounds >= 1")
+    check_dir(args.dir)
+    print("command: " + shlex.join(["python", "scripts/benchmark_checkpoint.py", *argv]))
+    with errors.user_paths("--dir"):
+        return measure(args)
+
+
+def measure(args) -> dict:
     shutil.rmtree(args.dir, ignore_errors=True)
     t = time.time()
     state = make_state(args.params_millions)
@@ -136,4 +157,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    errors.run_cli("benchmark_checkpoint", main)

@@ -29,6 +29,7 @@ import jax  # noqa: E402  pylint: disable=wrong-import-position
 
 from maxtrain import config as config_lib  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain import decode, evals, models  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain.errors import run_cli  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain.parallel import sharding  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain.data import hosts  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain.evals import scoring  # noqa: E402  pylint: disable=wrong-import-position
@@ -53,7 +54,8 @@ class Timer:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="benchmark_eval_tasks", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=1, help="scorings after the compilation (the best is shown)")
     parser.add_argument("--init-per-leaf", action="store_true",
                         help="draw each weight array N(0, 0.02) on its own (the model's init in one jit needed "
@@ -113,4 +115,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli("benchmark_eval_tasks", main)

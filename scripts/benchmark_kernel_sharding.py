@@ -19,7 +19,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import argparse  # noqa: E402
 import re  # noqa: E402
 import shlex  # noqa: E402
-import sys  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -29,6 +28,7 @@ from maxtrain.models import ops  # noqa: E402
 from maxtrain.parallel import sharding  # noqa: E402
 from maxtrain.config import load_config, with_devices  # noqa: E402
 from maxtrain.compile import fit as memory_lib  # noqa: E402
+from maxtrain.errors import run_cli  # noqa: E402
 
 BASE_YML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
 MESHES = {"dp": (8, 1, 1), "fsdp": (1, 8, 1), "tp": (2, 1, 4), "fsdp_x_tp": (1, 4, 2)}
@@ -80,10 +80,14 @@ def qkv_gathers(hlo: str, length: int) -> int:
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--length", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=8)
+    parser = argparse.ArgumentParser(prog="benchmark_kernel_sharding", description=__doc__.splitlines()[0])
+    parser.add_argument("--length", type=int, default=256, help="tokens per row: a multiple of 64 (the kernel's block)")
+    parser.add_argument("--batch", type=int, default=8, help="rows: a multiple of 8 (the devices)")
     args = parser.parse_args(argv)
+    if args.length < 64 or args.length % 64:
+        parser.error(f"--length {args.length} must be a positive multiple of 64 (the kernel's block)")
+    if args.batch < 8 or args.batch % 8:
+        parser.error(f"--batch {args.batch} must be a positive multiple of 8 (the simulated devices)")
     with open("/proc/loadavg", encoding="utf-8") as f:
         load = f.read().split()[0]
     print(f"# python scripts/benchmark_kernel_sharding.py {shlex.join(argv)}  (load {load})")
@@ -101,4 +105,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli("benchmark_kernel_sharding", main)

@@ -41,13 +41,14 @@ from maxtrain.training import builder  # noqa: E402
 from maxtrain.parallel import sharding  # noqa: E402
 from maxtrain import config as config_lib  # noqa: E402
 from maxtrain.compile import fit as memory_lib  # noqa: E402
+from maxtrain.errors import ToolError, run_cli  # noqa: E402
 
 FIXED = ["dataset_type=synthetic", "enable_checkpointing=false", "enable_tensorboard=false", "eval_interval=-1",
          "max_new_tokens=0"]
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="benchmark_parallelism", description=__doc__.split("\n")[0])
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices (XLA_FLAGS)")
     parser.add_argument("--global-batch", type=int, default=8, help="sequences per step, the same for every layout")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per layout and round")
@@ -55,7 +56,24 @@ def parse_args(argv):
     parser.add_argument("--layout", action="append", required=True,
                         help="NAME[@DEVICES]:key=value,key=value (the layout's overrides and device count)")
     parser.add_argument("config", nargs="+", help="config file and key=value overrides shared by every layout")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if min(args.devices, args.global_batch, args.steps, args.rounds) < 1:
+        parser.error("--devices, --global-batch, --steps and --rounds must be >= 1")
+    return args
+
+
+def parse_layout(spec: str, default_devices: int) -> tuple[str, int, list[str]]:
+    """NAME[@DEVICES]:key=value,key=value -> (name, devices, overrides)."""
+    name, _, overrides = spec.partition(":")
+    name, _, devices = name.partition("@")
+    if not name or (devices and not devices.isdigit()) or devices == "0":
+        raise ToolError(f"--layout {spec!r} must be NAME[@DEVICES]:key=value,..., e.g. "
+                          "--layout \"fsdp2@2:ici_fsdp_parallelism=2\" (DEVICES a number >= 1)")
+    count = int(devices or default_devices)
+    if count > default_devices:
+        raise ToolError(f"--layout {spec!r} asks for {count} devices, more than the {default_devices} simulated "
+                          f"ones; raise --devices to {count}")
+    return name, count, [o for o in overrides.split(",") if o]
 
 
 def synthetic_batch(config, sharding_):
@@ -71,8 +89,6 @@ def synthetic_batch(config, sharding_):
 class Layout:
     def __init__(self, name, devices, overrides, base, args):
         per_device = args.global_batch // devices
-        if per_device * devices != args.global_batch:
-            raise SystemExit(f"--global-batch {args.global_batch} is not a multiple of {devices} devices ({name})")
         config = config_lib.load_config(config_lib.with_overrides(base, *FIXED, f"per_device_batch_size={per_device}",
                                                                     *overrides))
         self.name, self.devices, self.overrides = name, devices, overrides
@@ -104,11 +120,13 @@ class Layout:
 def main(argv):
     args = parse_args(argv)
     layouts = []
-    for spec in args.layout:
-        name, _, overrides = spec.partition(":")
-        name, _, devices = name.partition("@")
-        layouts.append(Layout(name, int(devices or args.devices), [o for o in overrides.split(",") if o],
-                              args.config, args))
+    specs = [parse_layout(spec, args.devices) for spec in args.layout]  # all refused before any is built
+    for name, devices, _ in specs:
+        if args.global_batch % devices:
+            raise ToolError(f"--global-batch {args.global_batch} is not a multiple of the {devices} devices of layout "
+                              f"{name}; choose a --global-batch that every layout's device count divides")
+    for name, devices, overrides in specs:
+        layouts.append(Layout(name, devices, overrides, args.config, args))
         print(f"built {name}: mesh {dict(layouts[-1].run.mesh.shape)}, compiled in {layouts[-1].compile_s:.1f}s",
               flush=True)
     for _ in range(args.rounds):
@@ -130,4 +148,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli("benchmark_parallelism", main)

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maxtrain.checkpointing import convert, peft  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain.checkpointing import files as checkpoint_files  # noqa: E402  pylint: disable=wrong-import-position
-from maxtrain.errors import run_cli  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain import errors  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def main(argv: list[str]) -> int:
@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
                      help="a LoRA run only: also write its adapters as a PEFT adapter directory (adapter_config.json, "
                           "adapter_model.safetensors) for peft.PeftModel.from_pretrained over the base model")
     args = parser.parse_args(argv)
-    try:
+    with errors.user_paths():  # an output directory that cannot be written, a full disk
         if args.command == "import":
             keys = convert.import_hf(args.hf_dir, args.out_dir, args.weight_dtype)
             out = os.path.abspath(args.out_dir)
@@ -70,10 +70,8 @@ def main(argv: list[str]) -> int:
                 peft.write_peft(args.peft, adapters, saved)
                 print(f"wrote the LoRA adapters to {os.path.abspath(args.peft)} (peft.PeftModel.from_pretrained(base, "
                       f"{args.peft!r}); the base is the model the run started from)")
-    except OSError as error:  # an output directory that cannot be written
-        raise convert.ConversionError(f"{error.strerror or error}: {error.filename or args.out_dir}") from error
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(run_cli("convert_hf", main))
+    sys.exit(errors.run_cli("convert_hf", main))

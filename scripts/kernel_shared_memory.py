@@ -15,7 +15,6 @@ import argparse
 import itertools
 import re
 import shlex
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +24,7 @@ from jax.sharding import SingleDeviceSharding
 from maxtrain.kernels import flash_attention as fa
 from maxtrain.kernels import flash_tiles
 from maxtrain.compile import targets
+from maxtrain.errors import run_cli
 
 BLOCKS = [(128, 128), (128, 64), (64, 128), (64, 64), (64, 32), (32, 64), (32, 32), (128, 32), (32, 128)]
 
@@ -56,11 +56,17 @@ def requested_bytes(device, kernel, head_dim, dtype, tuning, length=512, heads=4
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="kernel_shared_memory", description=__doc__.splitlines()[0])
     parser.add_argument("--target", default="h100", choices=sorted(targets.GPU_TARGET_FILES))
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--head-dims", default="64,128,256")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--head-dims", default="64,128,256", help="comma-separated, e.g. 64,128")
     args = parser.parse_args(argv)
+    head_dims = [h.strip() for h in args.head_dims.split(",")]
+    if not all(h.isdigit() and int(h) > 0 for h in head_dims):
+        parser.error(f"--head-dims {args.head_dims!r} must be positive numbers separated by commas, e.g. 64,128,256")
+    missing = targets.compiler_missing("gpu")
+    if missing:
+        raise targets.TargetError(f"compiling the kernels for --target {args.target} needs the GPU compiler: {missing}")
     # Compiling for a GPU target needs no GPU here; keep JAX from probing for one (without it, JAX with the CUDA
     # plugin and no GPU answers get_topology_desc(platform="cuda") with "topology not implemented for cuda").
     jax.config.update("jax_platforms", "cpu")
@@ -72,7 +78,7 @@ def main(argv):
     print(f"# python scripts/kernel_shared_memory.py {shlex.join(argv)}")
     print("kernel head_dim block_q block_k warps stages requested estimate estimate-requested")
     for kernel, head_dim, (bq, bk), stages, warps in itertools.product(
-            ("fwd", "dq", "dkv"), [int(h) for h in args.head_dims.split(",")], BLOCKS, (1, 2, 3), (4, 8)):
+            ("fwd", "dq", "dkv"), [int(h) for h in head_dims], BLOCKS, (1, 2, 3), (4, 8)):
         tuning = flash_tiles.Tuning(bq, bk, warps, stages)
         got = requested_bytes(device, kernel, head_dim, dtype, tuning)
         estimate = flash_tiles.shared_memory_bytes(kernel, tuning, head_dim, dtype.itemsize)
@@ -81,4 +87,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli("kernel_shared_memory", main)

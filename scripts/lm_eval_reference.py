@@ -14,7 +14,8 @@ file gets a YAML of its own with lambada_openai's metrics. It runs lm-eval offli
 every example's request strings and (log-likelihood, is_greedy) pairs to --output.
 
 --limit N takes the first N examples of each task, as eval_tasks_max_examples=N does; for MMLU N
-must be a multiple of 57 (N / 57 from each subject). This file imports lm_eval, never maxtrain.
+must be a multiple of 57 (N / 57 from each subject). This file imports lm_eval and, of maxtrain, only
+its standard-library modules errors and storage (so it runs from this checkout in lm-eval's own virtualenv).
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ import argparse
 import json
 import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from maxtrain import errors, storage  # noqa: E402  pylint: disable=wrong-import-position
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -87,8 +92,32 @@ def _arguments(sample) -> list[list[str]]:
     return [list(a) for a in args]
 
 
+LM_EVAL_PACKAGES = "torch==2.13.0 lm-eval==0.4.13 transformers"
+
+
+def check_inputs(args) -> None:
+    """The model directory, the prepared cache, the tasks and the output path, before lm-eval loads anything."""
+    if not os.path.isfile(os.path.join(args.model, "config.json")):
+        raise errors.PathError(f"--model {args.model} is not a Hugging Face model directory (no config.json); give "
+                               "one with its tokenizer, e.g. scripts/convert_hf.py export's output")
+    if not os.path.isfile(os.path.join(args.cache_dir, "manifest.json")):
+        raise errors.PathError(f"--cache-dir {args.cache_dir} holds no prepared evaluation data; run python "
+                               f"scripts/prepare_eval_data.py --output-dir {args.cache_dir}")
+    for item in args.tasks.split(","):
+        task, _, shots = item.strip().partition(":")
+        if task not in (*STOCK, "lambada", "mmlu") or (shots and not shots.isdigit()):
+            raise errors.ToolError(f"--tasks: {item.strip()!r} is not TASK or TASK:SHOTS with TASK one of "
+                                   f"{', '.join((*STOCK, 'lambada', 'mmlu'))}")
+    if args.limit is not None and args.limit < 1:
+        raise errors.ToolError(f"--limit {args.limit} must be >= 1 (or left out for every example)")
+    problem = storage.place_problem(args.output, is_file=True)
+    if problem:
+        raise errors.PathError(f"--output {args.output} {problem}")
+
+
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="lm_eval_reference", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True, help="Hugging Face model directory (with its tokenizer)")
     parser.add_argument("--cache-dir", required=True, help="scripts/prepare_eval_data.py's output directory")
     parser.add_argument("--tasks", required=True, help="as eval_tasks: hellaswag,arc_easy,...,mmlu:5")
@@ -97,8 +126,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--output", required=True)
     args = parser.parse_args(argv)
-
-    import lm_eval  # pylint: disable=import-outside-toplevel
+    check_inputs(args)
+    install = f"pip install {LM_EVAL_PACKAGES} (in a virtualenv of its own)"
+    errors.require("torch", "lm_eval_reference.py", install)
+    errors.require("transformers", "lm_eval_reference.py", install)
+    lm_eval = errors.require("lm_eval", "lm_eval_reference.py", install)
     from lm_eval.models.huggingface import HFLM  # pylint: disable=import-outside-toplevel
     from lm_eval.tasks import TaskManager  # pylint: disable=import-outside-toplevel
 
@@ -106,8 +138,12 @@ def main(argv: list[str]) -> int:
     subjects = sorted(n[:-len("/test")] for n in (
         os.path.relpath(os.path.join(d), os.path.join(args.cache_dir, "hf_datasets/hails/mmlu_no_train"))
         for d, _, _ in os.walk(os.path.join(args.cache_dir, "hf_datasets/hails/mmlu_no_train"))) if n.endswith("/test"))
+    wants_mmlu = any(item.strip().partition(":")[0] == "mmlu" for item in args.tasks.split(","))
+    if wants_mmlu and args.limit is not None and args.limit % max(len(subjects), 1):
+        raise errors.ToolError(f"--limit {args.limit}: MMLU needs a multiple of {len(subjects)} (its subjects)")
     yaml_dir = os.path.join(os.path.dirname(os.path.abspath(args.output)), "lm_eval_tasks")
-    write_task_yamls(yaml_dir, os.path.abspath(args.cache_dir), tasks_dir, subjects)
+    with errors.user_paths():  # beside --output
+        write_task_yamls(yaml_dir, os.path.abspath(args.cache_dir), tasks_dir, subjects)
     manager = TaskManager(include_path=yaml_dir)
     lm = HFLM(pretrained=args.model, dtype="float32", device="cpu", batch_size=args.batch_size,
               max_length=args.max_length)
@@ -118,8 +154,6 @@ def main(argv: list[str]) -> int:
         task, _, shots = item.strip().partition(":")
         shots = int(shots or 0)
         if task == "mmlu":
-            if args.limit is not None and args.limit % len(subjects):
-                raise SystemExit(f"--limit {args.limit}: MMLU needs a multiple of {len(subjects)}")
             names = [f"maxtrain_mmlu_{s}" for s in subjects]
             limit = None if args.limit is None else args.limit // len(subjects)
         else:
@@ -139,10 +173,10 @@ def main(argv: list[str]) -> int:
         out["tasks"][task if shots == 0 else f"{task}:{shots}"] = {"shots": shots, "metrics": metrics,
                                                                  "samples": samples}
         print(f"lm-eval {task}: {len(samples)} examples", flush=True)
-    with open(args.output, "w", encoding="utf-8") as f:
+    with errors.user_paths("--output"), open(args.output, "w", encoding="utf-8") as f:
         json.dump(out, f)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(errors.run_cli("lm_eval_reference", main))

@@ -20,6 +20,8 @@ import time
 import jax
 import numpy as np
 
+from maxtrain.errors import run_cli
+
 # The reference configuration's (D 256, F 1024, V 32000, 1,024 tokens) matmuls, then a large one.
 REFERENCE_SHAPES = ["1024x256x32000", "1024x32000x256", "256x1024x32000", "1024x256x1024", "1024x1024x256",
                     "256x1024x1024", "1024x256x256", "2048x2048x2048"]
@@ -35,16 +37,25 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_shape(text: str, parser) -> tuple[int, int, int]:
+    parts = text.lower().split("x")
+    if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        parser.error(f"--shapes: {text!r} must be MxKxN with three positive numbers, e.g. 1024x256x32000")
+    return tuple(int(p) for p in parts)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="matmul_rates", description=__doc__.splitlines()[0])
     parser.add_argument("--shapes", nargs="+", default=REFERENCE_SHAPES, help="MxKxN ...")
     parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    shapes = [(shape, parse_shape(shape, parser)) for shape in args.shapes]
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats} must be >= 1")
     rng = np.random.default_rng(0)
     matmul = jax.jit(lambda a, b: a @ b)
     print(f"{'M x K x N':>18}  {'XLA GFLOP/s':>11}  {'numpy GFLOP/s':>13}  XLA / numpy")
-    for shape in args.shapes:
-        m, k, n = (int(x) for x in shape.lower().split("x"))
+    for shape, (m, k, n) in shapes:
         a, b = rng.random((m, k), np.float32), rng.random((k, n), np.float32)
         ja, jb = jax.device_put(a), jax.device_put(b)
         xla = median_seconds(lambda: matmul(ja, jb).block_until_ready(), args.repeats)  # pylint: disable=cell-var-from-loop
@@ -56,4 +67,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_cli("matmul_rates", main)

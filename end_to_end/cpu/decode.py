@@ -57,15 +57,20 @@ def cache_agrees_with_full_forward(checkpoint: str, extra: list[str]) -> tuple[i
     return sum(a == b for a, b in zip(argmax, new)), len(new)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="decode", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", help="a step directory, <run>/checkpoints/<step>")
     parser.add_argument("--steps", type=int, default=100, help="training steps when no --checkpoint is given")
     parser.add_argument("overrides", nargs="*", help="key=value overrides the checkpoint was trained with")
-    options = parser.parse_args()
+    options = parser.parse_args(argv)
+    common.positive(parser, "--steps", options.steps)
+    checkpoint = options.checkpoint and str(Path(options.checkpoint).resolve())  # the commands run in the repo root
+    if checkpoint and not (Path(checkpoint) / "state").is_dir():
+        raise common.errors.PathError(f"--checkpoint {options.checkpoint} is not a checkpoint step directory "
+                                      "(<run>/checkpoints/<step>, with its state/); give one, or leave --checkpoint "
+                                      "out to train one first")
     out = common.out_dir("decode")
     extra = list(options.overrides)
-    checkpoint = options.checkpoint
     if not checkpoint:
         common.run("maxtrain.train", [*extra, f"base_output_directory={out}", "run_name=trained",
                                       f"steps={options.steps}", "viz_period=-1", "max_new_tokens=0"], out / "train.log")
@@ -73,7 +78,7 @@ def main() -> int:
         checkpoint = str(out / "trained" / "checkpoints" / str(options.steps))
     else:
         # The default corpus' tokenizer is cached next to the run that trained the checkpoint.
-        run_base = Path(checkpoint).resolve().parents[2]
+        run_base = Path(checkpoint).parents[2] if len(Path(checkpoint).parents) > 2 else Path(checkpoint).parent
         if not any(o.startswith(("base_output_directory=", "dataset_cache_dir=", "tokenizer_path=")) for o in extra):
             extra.append(f"dataset_cache_dir={run_base / 'cache'}")
     decode_args = [*extra, f"load_parameters_path={checkpoint}", f"prompt={PROMPT}", f"max_new_tokens={NEW_TOKENS}"]
@@ -95,4 +100,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    common.main("decode", main)

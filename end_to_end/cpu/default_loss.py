@@ -28,10 +28,11 @@ import common  # noqa: E402  pylint: disable=wrong-import-position
 THRESHOLDS = {300: 4.6, 100: 5.3}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="default_loss", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=300, choices=sorted(THRESHOLDS))
-    steps = parser.parse_args().steps
+    steps = parser.parse_args(argv).steps
     out = common.out_dir("default_loss")
     log = common.run("maxtrain.train", [f"base_output_directory={out}", "run_name=default", f"steps={steps}",
                                         f"metrics_file={out}/metrics.jsonl"], out / "train.log")
@@ -46,4 +47,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    common.main("default_loss", main)

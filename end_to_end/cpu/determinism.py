@@ -36,10 +36,11 @@ def read_params(step_dir: Path) -> dict:
     return {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="determinism", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=30)
-    steps = parser.parse_args().steps
+    steps = common.positive(parser, "--steps", parser.parse_args(argv).steps)
     out = common.out_dir("determinism")
     for name in ("a", "b"):
         common.run("maxtrain.train", [*SMALL, f"base_output_directory={out}", f"run_name={name}", f"steps={steps}",
@@ -58,4 +59,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    common.main("determinism", main)

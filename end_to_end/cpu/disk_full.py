@@ -22,6 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from maxtrain.checkpointing import files as checkpoint_files  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain.errors import run_cli  # noqa: E402  pylint: disable=wrong-import-position
 
 TINY = ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=2", "base_mlp_dim=64",
         "base_num_decoder_layers=2", "head_dim=16", "vocab_size=512", "max_target_length=32",
@@ -36,8 +37,9 @@ def train(disk: str, cache: str, *overrides: str) -> subprocess.CompletedProcess
                           env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
 
 
-def main() -> int:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+def main(argv: list[str]) -> int:
+    argparse.ArgumentParser(prog="disk_full", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     work = tempfile.mkdtemp(prefix="maxtrain_disk_full_")
     disk, cache = os.path.join(work, "disk"), os.path.join(work, "cache")
     os.makedirs(disk)
@@ -82,4 +84,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("disk_full", main))

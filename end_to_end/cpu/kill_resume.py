@@ -31,6 +31,7 @@ import numpy as np
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, REPO)
 
+from maxtrain import errors, storage  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain.checkpointing import files as checkpoint_files  # noqa: E402  pylint: disable=wrong-import-position
 
 TINY = ["base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=128",
@@ -103,14 +104,25 @@ def run_until_killed(cmd, log_path, plan, ckpts, metrics, steps, rng, run_second
     return process.returncode, "ran to the end"
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="kill_resume", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--kills", type=int, default=6, help="interruptions before letting the run finish")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--checkpoint_period", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     parser.add_argument("--out", default="", help="working directory (default: a temporary one, removed)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if min(args.kills, args.steps, args.checkpoint_period) < 1:
+        parser.error("--kills, --steps and --checkpoint_period must be >= 1")
+    problem = args.out and storage.place_problem(args.out, is_file=False)
+    if problem:
+        raise errors.PathError(f"--out {args.out} {problem}")
+    with errors.user_paths("--out"):
+        return kill_and_resume(args)
+
+
+def kill_and_resume(args) -> int:
     out = args.out or tempfile.mkdtemp(prefix="maxtrain_kill_resume_")
     os.makedirs(out, exist_ok=True)
     rng = random.Random(args.seed)
@@ -224,4 +236,4 @@ def _flat(tree) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(errors.run_cli("kill_resume", main))

@@ -43,10 +43,11 @@ def two_processes(args: list[str], out: Path, name: str) -> list[str]:
     return [log.read_text() for log in logs]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="multiprocess", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=10, help="N (even)")
-    n = parser.parse_args().steps
+    n = common.positive(parser, "--steps", parser.parse_args(argv).steps, even=True)
     out = common.out_dir("multiprocess")
     args = [*SMALL, f"base_output_directory={out}", f"learning_rate_schedule_steps={n}", f"checkpoint_period={n // 2}"]
     common.run("maxtrain.train", [*args, "run_name=reference", f"steps={n}", f"metrics_file={out}/reference.jsonl"],
@@ -66,4 +67,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    common.main("multiprocess", main)

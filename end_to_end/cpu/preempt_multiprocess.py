@@ -25,6 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 
 from maxtrain.checkpointing import files as checkpoint_files  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain.errors import run_cli  # noqa: E402  pylint: disable=wrong-import-position
 
 TINY = ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=2", "base_mlp_dim=64",
         "base_num_decoder_layers=2", "head_dim=16", "vocab_size=512", "max_target_length=32",
@@ -51,8 +52,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def main() -> int:
-    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+def main(argv: list[str]) -> int:
+    argparse.ArgumentParser(prog="preempt_multiprocess", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     out = tempfile.mkdtemp(prefix="maxtrain_preempt_")
     metrics = os.path.join(out, "metrics.jsonl")
     failures = []
@@ -91,4 +93,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("preempt_multiprocess", main))

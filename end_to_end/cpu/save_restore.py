@@ -25,10 +25,11 @@ SMALL = ["per_device_batch_size=4", "max_target_length=128", "eval_interval=-1",
          "viz_period=-1", "log_period=5", "async_checkpointing=false"]
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="save_restore", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20, help="N: the step the checkpoint is saved at")
-    n = parser.parse_args().steps
+    n = common.positive(parser, "--steps", parser.parse_args(argv).steps)
     out = common.out_dir("save_restore")
     args = [*SMALL, f"base_output_directory={out}", f"learning_rate_schedule_steps={2 * n}"]
     common.run("maxtrain.train", [*args, "run_name=uninterrupted", f"steps={n + 1}", "enable_checkpointing=false",
@@ -51,4 +52,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    common.main("save_restore", main)

@@ -239,6 +239,22 @@ def _coordinator_address(v):
                  f"process_id={v['process_id']} must be in [0, num_processes={v['num_processes']})")
 
 
+def _run_name_is_one_directory(v):
+    """The run is written to base_output_directory/run_name: a run_name with a '/', '..' or an absolute path
+    would write it elsewhere. ("" is fine: the run gets a timestamped name.)"""
+    name = v["run_name"]
+    separators = {"/", os.sep, os.altsep or "/"}
+    if not name or (name not in (".", "..") and not any(s in name for s in separators) and "\0" not in name):
+        return
+    head, tail = os.path.split(name.rstrip("/" + os.sep))
+    where = head if "://" in head else os.path.normpath(os.path.join(v["base_output_directory"], head))
+    hint = (f"; e.g. base_output_directory={where} run_name={tail}"
+            if head and tail not in ("", ".", "..") and "\0" not in name else "")
+    raise ConfigError(f"run_name={name!r} must be one directory name (no '/', not '.' or '..'): the run is written "
+                      f"to base_output_directory/run_name, here {v['base_output_directory']!r}. To write runs "
+                      f"elsewhere, set base_output_directory{hint}")
+
+
 def _metrics_file_is_a_file_path(v):
     path = v["metrics_file"]
     _require(not path or not path.endswith(("/", os.sep)),
@@ -300,7 +316,7 @@ CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_le
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           _stages_divide_layers, _no_pipeline_stages_with_experts, _context_chunks_divide_length,
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
-          _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
+          _run_name_is_one_directory, _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
           _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts, _hidden_tiling_divides_expert_width,
           _eval_tasks_known)
 

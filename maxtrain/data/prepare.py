@@ -243,8 +243,9 @@ def _clear(out: str) -> None:
 
 
 def _check_output_dir(out: str, settings: dict, tokenizer_path: str, overwrite: bool) -> None:
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise DataError(f"--output-dir {out} is a file, not a directory; choose a directory")
+    problem = storage.place_problem(out, is_file=False)
+    if problem:
+        raise DataError(f"--output-dir {out} {problem}")
     previous = _previous_settings(out) if os.path.isdir(out) else None
     if previous is None:
         return

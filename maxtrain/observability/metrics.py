@@ -207,22 +207,12 @@ def moe_summary(m: dict) -> str:
 def _writable_place(path: str, key: str, is_file: bool) -> None:
     """ConfigError naming `key` when `path` could not be created or written (checked before any work).
     gs:// paths are checked when first written (checkpoint.check_writable probes the bucket)."""
-    if storage.is_remote(path):
-        return
-    path = os.path.abspath(path)
-    if is_file and os.path.isdir(path):
-        raise ConfigError(f"{key}={path!r} is a directory; give a file path, e.g. {key}={os.path.join(path, 'metrics.jsonl')}")
-    if not is_file and os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"{key}={path!r} is a file, not a directory; choose a directory")
-    existing = os.path.dirname(path) if is_file else path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ConfigError(f"{key}={path!r} cannot be created: {existing} is a file, not a directory. Choose a path "
-                          "inside a directory")
-    target = path if os.path.exists(path) else existing
-    if not os.access(target, os.W_OK):
-        raise ConfigError(f"{key}={path!r} cannot be written: no write permission on {target}. Choose a writable path")
+    if is_file and not storage.is_remote(path) and os.path.isdir(path):
+        raise ConfigError(f"{key}={os.path.abspath(path)!r} is a directory; give a file path, e.g. "
+                          f"{key}={os.path.join(os.path.abspath(path), 'metrics.jsonl')}")
+    problem = storage.place_problem(path, is_file)
+    if problem:
+        raise ConfigError(f"{key}={os.path.abspath(path)!r} {problem}")
 
 
 def check_outputs(config) -> None:
