@@ -135,6 +135,12 @@ def test_the_carried_wheels_are_pinned_inside_pyprojects_ranges():
     for req in required:
         if req.name.lower() in names:
             assert req.specifier.contains(names[req.name.lower()]), (req, names[req.name.lower()])
+    folder = os.path.join(REPO, ".whl")
+    if os.path.isdir(folder):  # downloaded here (scripts/gpu_wheels.sh): one wheel of each pin, for CPython 3.12
+        wheels = sorted(f for f in os.listdir(folder) if f.endswith(".whl"))
+        found = {w.split("-")[0].replace("_", "-").lower(): w.split("-")[1] for w in wheels}
+        assert found == names, f"{folder} holds {wheels}: run scripts/gpu_wheels.sh again"
+        assert all(("cp312" in w or "py3-none-any" in w) and ("x86_64" in w or w.endswith("any.whl")) for w in wheels)
 
 
 # ----------------------------------------------------------------------------------------------
