@@ -343,8 +343,8 @@ NOTES = {
 }
 
 
-def run_part(report: Report, plan: Plan, name: str) -> None:
-    part = report.part(name, PARTS[name], COLUMNS[name], NOTES.get(name, ""))
+def run_part(report: Report, plan: Plan, name: str, share: float) -> None:
+    part = report.part(name, share, COLUMNS[name], NOTES.get(name, ""))
     estimate = plan.estimates.get
     if name == "environment":
         part.run("device and software", describe_device)
@@ -414,8 +414,8 @@ def main(argv):
     report = Report(args.out, args.budget, "maxtrain on one GPU" + (" (dry run on CPU)" if args.dry_run else ""),
                     header, start=START)
     report.start_watchdog(WATCHDOG_GRACE_SECONDS)
-    for name in args.parts:
-        run_part(report, plan, name)
+    for name in args.parts:  # the parts chosen share the whole budget in PARTS' proportions
+        run_part(report, plan, name, PARTS[name] / sum(PARTS[p] for p in args.parts))
     report.finish()
     print("\n" + report.markdown(), flush=True)
     failed = [r for p in report.parts for r in p.rows if str(r.get("verdict", "")).startswith("FAIL")]

@@ -169,6 +169,7 @@ def test_dry_run_of_the_environment_part(tmp_path):
     assert all("error" not in r for r in rows.values()), rows
     assert rows["dependencies"]["value"] == "all in pyproject.toml's ranges"
     assert data["finished"] and "## environment" in done.stdout
+    assert data["parts"][0]["share_seconds"] > 0.9 * data["budget_seconds"]  # a part alone has the whole budget
 
 
 @pytest.mark.slow
