@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain import config as config_lib
+from maxtrain.compile import fit
 from maxtrain.errors import UserError, run_cli
 from maxtrain.models import attention_check
 from maxtrain.models.attention_check import Case
@@ -280,6 +281,10 @@ def speed(plan: Plan, impl: str, head_dim: int, length: int) -> dict:
     start = time.perf_counter()
     program = speed_program(plan, impl).lower(q, k, v, seg, do).compile()
     compile_seconds = time.perf_counter() - start
+    needed, limit = fit.compiled_bytes(program), (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    if needed and limit and needed > limit:  # dot_product's [B, N, T, S] scores at 16k tokens: 112 GiB on an H100
+        raise MemoryError(f"needs {needed / 2**30:.1f} GiB, more than JAX has on this GPU ({limit / 2**30:.1f} GiB); "
+                          f"not run (compiled in {compile_seconds:.1f} s)")
     warmup, iters = plan.speed_iters
     seconds = metrics.median_seconds(program, q, k, v, seg, do, warmup=warmup, iters=iters)
     tflops = attention_check.attention_flops(case.batch, length, length, heads, head_dim) / seconds / 1e12
