@@ -38,10 +38,8 @@ def _cuda_versions() -> dict:
 
 
 def _dotted(number: int, key: str) -> str:
-    """CUDA's 12090 -> 12.9; cuDNN's 91000 -> 9.10.0; cuBLAS's 120903 -> 12.9.3 (each library's encoding)."""
-    if key == "cudnn":
-        return f"{number // 10000}.{number // 100 % 100}.{number % 100}"
-    if key == "cublas":
+    """CUDA's 12090 -> 12.9; cuDNN's 91000 -> 9.10.0 and cuBLAS's 120903 -> 12.9.3 (each library's encoding)."""
+    if key in ("cudnn", "cublas"):
         return f"{number // 10000}.{number // 100 % 100}.{number % 100}"
     return f"{number // 1000}.{number % 1000 // 10}"
 
