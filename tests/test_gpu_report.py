@@ -68,10 +68,10 @@ def test_parts_keep_to_their_shares_and_pass_unused_time_on(tmp_path):
     assert first.run("d", lambda: item(1), kind="cheap", estimate=2) is not None  # a cheaper kind still runs
     assert [s["item"] for s in first.skipped] == ["c"] and "share ran out" in first.skipped[0]["reason"]
     second = report.part("second", 0.3, columns)  # until 50 s: what the first left (2 s) passes on
-    assert second.share_seconds == pytest.approx(32)
+    assert second.share_seconds == pytest.approx(32) and first.seconds() == pytest.approx(18)
     clock.now = 60  # the second overran: the third gets less than its share
     third = report.part("third", 0.5, columns)
-    assert third.share_seconds == pytest.approx(40)
+    assert third.share_seconds == pytest.approx(40) and second.seconds() == pytest.approx(42)
     assert third.run("big", lambda: item(1), estimate=41) is None
 
 

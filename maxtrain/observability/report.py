@@ -39,7 +39,11 @@ class Part:
         self.rows: list[dict] = []
         self.skipped: list[dict] = []
         self.started = report.clock()
+        self.ended: float | None = None  # when the next part began, or the report finished
         self.longest: dict[str, float] = {}
+
+    def seconds(self) -> float:
+        return (self.ended if self.ended is not None else self.report.clock()) - self.started
 
     def seconds_left(self) -> float:
         return self.deadline - self.report.clock()
@@ -79,7 +83,7 @@ class Part:
 
     def to_json(self) -> dict:
         return {"name": self.name, "note": self.note, "share_seconds": round(self.share_seconds, 1),
-                "seconds": round(self.report.clock() - self.started, 1), "rows": self.rows, "skipped": self.skipped}
+                "seconds": round(self.seconds(), 1), "rows": self.rows, "skipped": self.skipped}
 
 
 class Report:
@@ -104,6 +108,8 @@ class Report:
     def part(self, name: str, share: float, columns: list, note: str = "") -> Part:
         """Begins the next part: it may run until the end of its share (see the module's docstring).
         columns: (key, header, format) of its markdown table; the JSON keeps every key of a row."""
+        if self.parts:
+            self.parts[-1].ended = self.clock()
         self.allotted += share
         deadline = self.start + min(self.allotted, 1.0) * self.budget_seconds
         part = Part(self, name, deadline, deadline - self.clock(), columns, note)
@@ -135,7 +141,7 @@ class Report:
             lines += [f"## {part.name}", ""]
             if part.note:
                 lines += [part.note, ""]
-            lines += [f"{len(part.rows)} items in {self.clock() - part.started:.0f} s "
+            lines += [f"{len(part.rows)} items in {part.seconds():.0f} s "
                       f"(share {max(part.share_seconds, 0):.0f} s)", ""]
             if part.rows:
                 lines.append("| item | " + " | ".join(h for _, h, _ in part.columns) + " | s |")
@@ -165,6 +171,8 @@ class Report:
                 os.replace(path + ".tmp", path)
 
     def finish(self) -> None:
+        if self.parts:
+            self.parts[-1].ended = self.clock()
         self.finished = True
         self.write()
 
