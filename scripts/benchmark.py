@@ -46,7 +46,7 @@ large matmul achieves here".
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # as the trainer does, before JAX starts (maxtrain/training/host_memory.py)
+if __name__ == "__main__":  # as the trainer does, before JAX starts (maxtrain/host_memory.py)
     from maxtrain.training import host_memory
 
     host_memory.reexec_with_hugepages()
@@ -57,23 +57,18 @@ import datetime
 import json
 import os
 import platform
-import resource
 import statistics
-import time
 
 import jax
 
-from maxtrain.training import builder, host_memory
+from maxtrain.training import builder, host_memory, measure
 from maxtrain.parallel import distributed, sharding
 from maxtrain.observability import metrics
 from maxtrain import errors, models, storage, train
 from maxtrain import config as config_lib
-from maxtrain import data as data_lib
 from maxtrain.compile import fit as memory_lib
-from maxtrain.data import pipeline
 
-BENCHMARK_OVERRIDES = ["enable_checkpointing=false", "enable_tensorboard=false", "eval_interval=-1",
-                       "max_new_tokens=0", "metrics_file="]
+BENCHMARK_OVERRIDES = measure.MEASURE_OVERRIDES
 
 
 def parse_args(argv: list[str]):
@@ -104,16 +99,8 @@ def parse_args(argv: list[str]):
     return args
 
 
-measure_matmul_tflops = metrics.measure_matmul_tflops  # median TFLOP/s of an n^3 matmul (now in observability)
-
-
-def process_peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def device_peak_bytes() -> int | None:
-    stats = jax.local_devices()[0].memory_stats() or {}
-    return stats.get("peak_bytes_in_use")
+measure_matmul_tflops = metrics.measure_matmul_tflops  # median TFLOP/s of an n^3 matmul (moved to metrics.py)
+new_timings, timed_step = measure.new_timings, measure.timed_step  # (moved to training/measure.py)
 
 
 def run(argv: list[str]) -> dict:
@@ -143,47 +130,17 @@ def run(argv: list[str]) -> dict:
         if args.profile:
             state = profile_steps(step_fn, state, batches, args.profile)
 
-    compiled_bytes = memory_lib.compiled_bytes(step_fn)
-    times, cpu_times, losses = timings["times"], timings["cpu_times"], timings["losses"]
-    median = statistics.median(times)
-    tokens_per_device = config.tokens_per_step / config.num_devices
-    tflops = metrics.flops_per_token(config) * tokens_per_device / median / 1e12
-    peak = metrics.peak_tflops(config)
-    measured_peak = device_peak_bytes()
     result = {
         **run_fields(argv, config, rt), "params_millions": models.num_params(config) / 1e6,
-        "compile_seconds": compile_seconds, "timed_steps": len(times), "warmup_steps": args.warmup,
-        "step_seconds_median": median, "cpu_seconds_per_step_median": statistics.median(cpu_times), "step_seconds_min": min(times), "step_seconds_max": max(times),
-        "tokens_per_second_per_device": tokens_per_device / median,
-        "tflops_per_second_per_device": tflops,
-        "peak_tflops_per_device": peak, "mfu": tflops / peak if peak else None,
-        "compiled_memory_bytes": compiled_bytes,
-        "measured_peak_bytes": measured_peak if measured_peak is not None else process_peak_rss_bytes(),
-        "measured_peak_is": "device peak_bytes_in_use" if measured_peak is not None else "process peak RSS",
-        "first_loss": losses[0], "last_loss": losses[-1],
+        "compile_seconds": compile_seconds, "warmup_steps": args.warmup,
+        **measure.step_figures(config, timings["times"], step_fn),
+        "cpu_seconds_per_step_median": statistics.median(timings["cpu_times"]),
+        "first_loss": timings["losses"][0], "last_loss": timings["losses"][-1],
         "load_average_1min": os.getloadavg()[0],
     }
     train.log(format_result(result))
     append_json(args.json, [result])
     return result
-
-
-def new_timings() -> dict:
-    return {"times": [], "cpu_times": [], "losses": []}
-
-
-def timed_step(step_fn, state, batch, timings: dict, timed: bool):
-    """Runs one step, from dispatch until its metrics are on the host (the batch already on the device);
-    appends its seconds and process CPU seconds (when timed) and its loss to timings. Returns the state."""
-    jax.block_until_ready(batch)
-    t, cpu = time.perf_counter(), time.process_time()
-    state, step_metrics = step_fn(state, batch)
-    step_metrics = jax.block_until_ready(step_metrics)
-    if timed:
-        timings["times"].append(time.perf_counter() - t)
-        timings["cpu_times"].append(time.process_time() - cpu)
-    timings["losses"].append(float(step_metrics["loss"]))
-    return state
 
 
 def run_fields(argv: list[str], config, rt) -> dict:
@@ -217,21 +174,8 @@ def load_config(args, overrides: list[str]):
 
 
 def build(config):
-    """Exactly what train.py builds: (run, compiled step, initial state, up to 4 batches on the devices,
-    compile seconds); logs the run's summary."""
-    run = builder.build(config)
-    mesh, rules = run.mesh, run.config.logical_axis_rules
-    inputs = data_lib.make_inputs(run.config, log=train.log)
-    with sharding.activation_sharding(mesh, rules):
-        state = run.init(jax.random.key(run.config.seed))
-        batches = [pipeline.to_global(next(inputs.train_iterator), mesh, rules)
-                   for _ in range(min(run.config.steps, 4))]
-        t0 = time.perf_counter()
-        step_fn = run.compile(state, batches[0])
-        compile_seconds = time.perf_counter() - t0
-        train.log(builder.summarize(run, step_fn, compile_seconds))
-    inputs.close()
-    return run, step_fn, state, batches, compile_seconds
+    """Exactly what train.py builds (measure.build), logged as train.py logs."""
+    return measure.build(config, log=train.log)
 
 
 def compare(args) -> list[dict]:

@@ -27,62 +27,34 @@ from __future__ import annotations
 
 import argparse
 import shlex
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
 from maxtrain.errors import run_cli
-from maxtrain.models import attention
-from maxtrain.models.attention import dot_product_attention, make_attention_mask
-from maxtrain.kernels.flash_attention import flash_attention
-
-
-def attention_flops(batch, q_len, kv_len, heads, head_dim, *, causal=True, backward=True):
-    """Matmul FLOPs: 4*B*T*S*N*H forward, halved if causal, x2.5 for forward + backward."""
-    flops = 4 * batch * q_len * kv_len * heads * head_dim
-    if causal:
-        flops /= 2
-    return flops * 2.5 if backward else flops
+from maxtrain.models import attention, attention_check
+from maxtrain.models.attention_check import attention_flops
+from maxtrain.observability import metrics
 
 
 def make_attention_fn(impl, args):
-    """(q, k, v) -> out for one implementation, causal, no segment ids."""
-    if impl == "flash":
-        return lambda q, k, v: flash_attention(q, k, v, causal=True, block_q=args.block_q,
-                                               block_k=args.block_k, interpret=args.interpret)
-    if impl == "cudnn":
-        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                             implementation="cudnn")
-    if impl == "dot_product":
-        def reference(q, k, v):
-            ones = jnp.ones(q.shape[:2], jnp.int32)
-            return dot_product_attention(q, k, v, make_attention_mask(ones, ones, causal=True))
-        return reference
+    """(q, k, v) -> out for one implementation, causal, no segment ids (attention_check.implementation, and
+    dot_product_cpu: the trainer's CPU formulation)."""
     if impl == "dot_product_cpu":
         def on_cpu(q, k, v):
             ones = jnp.ones(q.shape[:2], jnp.int32)
             return attention.attention(q, k, v, ones, implementation="dot_product", platform="cpu")
         return on_cpu
-    raise ValueError(f"unknown implementation {impl!r}")
+    platform = "cpu" if args.interpret else jax.default_backend()
+    fn = attention_check.implementation(impl, causal=True, platform=platform, block_q=args.block_q,
+                                        block_k=args.block_k, interpret=args.interpret)
+    return lambda q, k, v: fn(q, k, v, None)
 
 
 def time_fwd_bwd(attention_fn, q, k, v, do, warmup, iters):
     """Median seconds of one jitted forward + backward."""
-    @jax.jit
-    def fwd_bwd(q, k, v, do):
-        _, vjp = jax.vjp(attention_fn, q, k, v)
-        return vjp(do)
-
-    for _ in range(warmup):
-        jax.block_until_ready(fwd_bwd(q, k, v, do))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(fwd_bwd(q, k, v, do))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    program = attention_check.fwd_bwd(lambda q, k, v, _: attention_fn(q, k, v))
+    return metrics.median_seconds(program, q, k, v, None, do, warmup=warmup, iters=iters)
 
 
 def parse_args(argv):

@@ -38,8 +38,6 @@ COMMANDS = tuple(name[:-3] for name in sorted(os.listdir(os.path.join(ROOT, "max
                  if name.endswith(".py") and "\ndef main(" in open(os.path.join(ROOT, "maxtrain", name)).read())
 COMMAND_WORDS = {"python", "python3", "pip", "pytest", "lint-imports", "bash", "for", "git"}
 SHELL_OPERATORS = {"&", "&&", ";", "|", "||", ">", ">>", "2>&1"}
-# Pages another branch writes, linked to before it lands (remove an entry once its page is here).
-WRITTEN_ELSEWHERE = {"docs/gpu.md"}
 
 REPO_PATH = re.compile(r"(?<![\w./$<-])((?:maxtrain|scripts|configs|tests|end_to_end)/[\w./-]*)")
 PACKAGE_MODULE = re.compile(r"(?<![\w./$<-])((?:%s)/[\w/]*\.py)\b" % "|".join(PACKAGES))
@@ -203,8 +201,7 @@ def link_problems(name: str, text: str) -> list[str]:
         path = os.path.normpath(os.path.join(os.path.dirname(name), target))
         full = os.path.join(ROOT, path)
         if not os.path.exists(full):
-            if path not in WRITTEN_ELSEWHERE:
-                problems.append(f"links to {target}, which does not exist")
+            problems.append(f"links to {target}, which does not exist")
         elif anchor:
             with open(full, encoding="utf-8") as f:
                 if anchor not in anchors(f.read()):

@@ -4,6 +4,7 @@
     rope.py       RoPE and its scaling variants (default, linear, llama3, yarn)
     ops.py        the matmul (`dense`) and small array helpers, with their CPU formulations
     attention.py  masks, the plain-jnp reference, the kernels' dispatch, the context-parallel form
+    attention_check.py  implementations against the float32 reference; attention FLOPs (gpu_report.py)
     blocks.py     norms, embedding, attention, gated MLPs, logits; FLOPs helpers
     moe.py        the mixture-of-experts block: routers, dropless and capacity dispatch, experts,
                   balance losses, expert parallelism (docs/moe.md)

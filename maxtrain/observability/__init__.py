@@ -6,6 +6,8 @@
     profiler.py      profiler=xplane: a few steps traced for xprof
     heatmap.py       per-token log-probability heatmaps (HTML and PNG)
     png.py           a tiny PNG encoder and bitmap font for the heatmaps
+    environment.py   what a measurement ran on: device, driver, CUDA, cuDNN, JAX and dependency versions
+    report.py        a report written while it is measured, parts within shares of a wall-time budget
 
 The only package that imports tensorboardX and wandb. May import models and the base modules.
 """

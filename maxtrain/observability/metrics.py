@@ -61,10 +61,9 @@ def peak_tflops(config, device=None, log=None) -> float | None:
     if config.peak_tflops_per_device > 0:
         return config.peak_tflops_per_device
     device = device or jax.devices()[0]
-    kind = device.device_kind
-    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
-        if key.lower() in kind.lower():
-            return PEAK_TFLOPS[key]
+    table = table_peak_tflops(device)
+    if table is not None:
+        return table
     if getattr(device, "platform", None) == "cpu" and jax.process_index() == 0:
         dtype = "bfloat16" if config.dtype == "bfloat16" else "float32"
         # Several processes: the others would wait in the first step's collectives while this one
@@ -82,6 +81,28 @@ def peak_tflops(config, device=None, log=None) -> float | None:
                 f"cached in {path}) shared by {devices} CPU device(s); set peak_tflops_per_device to use another")
         return peak / devices
     return None
+
+
+def table_peak_tflops(device=None) -> float | None:
+    """The device's dense bfloat16 peak from PEAK_TFLOPS (its device_kind, longest key first), or None."""
+    kind = (device or jax.devices()[0]).device_kind.lower()
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if key.lower() in kind:
+            return PEAK_TFLOPS[key]
+    return None
+
+
+def median_seconds(fn, *args, warmup: int = 2, iters: int = 10) -> float:
+    """Median wall seconds of fn(*args) (device work: until block_until_ready) over `iters` runs after
+    `warmup` untimed ones (the first compiles, when fn is a jit not yet compiled)."""
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def measure_matmul_tflops(dtype, n: int = 4096, repeats: int = 10, reduce=statistics.median,

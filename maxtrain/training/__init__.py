@@ -9,6 +9,7 @@
     loop.py         dispatch step n+1, report step n; hooks for checkpoints, evaluations, heatmaps, profiles
     preemption.py   SIGTERM: save the current step and stop
     host_memory.py  a CPU step's buffers on huge pages and kept between steps
+    measure.py      a step as train.py builds it, timed (benchmark.py, gpu_report.py); loss and grads compared
 
 May import evals, checkpointing, compile, observability and everything below them; never a command.
 """
