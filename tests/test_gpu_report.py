@@ -64,7 +64,7 @@ def test_parts_keep_to_their_shares_and_pass_unused_time_on(tmp_path):
     first = report.part("first", 0.2, columns)  # until 20 s
     assert first.run("a", lambda: item(5), kind="k")["took"] == 5
     assert first.run("b", lambda: item(12), kind="k")["seconds"] == 12  # now 17 s: 3 s left
-    assert first.run("c", lambda: item(1), kind="k") is None  # the longest "k" took 12 s: skipped
+    assert first.run("c", lambda: item(1), kind="k") is None  # the latest "k" (b) took 12 s: skipped
     assert first.run("d", lambda: item(1), kind="cheap", estimate=2) is not None  # a cheaper kind still runs
     assert [s["item"] for s in first.skipped] == ["c"] and "share ran out" in first.skipped[0]["reason"]
     second = report.part("second", 0.3, columns)  # until 50 s: what the first left (2 s) passes on
@@ -73,6 +73,21 @@ def test_parts_keep_to_their_shares_and_pass_unused_time_on(tmp_path):
     third = report.part("third", 0.5, columns)
     assert third.share_seconds == pytest.approx(40) and second.seconds() == pytest.approx(42)
     assert third.run("big", lambda: item(1), estimate=41) is None
+
+
+def test_the_first_item_of_a_kind_does_not_set_the_estimate(tmp_path):
+    """The first item of a kind pays the process' one-time costs (on an H200: 73 s, then 3 to 12 s each)."""
+    report, clock = _report(tmp_path)
+
+    def item(seconds):
+        clock.now += seconds
+        return {"took": seconds}
+
+    part = report.part("p", 1.0, [("took", "took", "{}")])  # until 100 s
+    part.run("first", lambda: item(70), kind="k", estimate=5)
+    assert part.run("second", lambda: item(10), kind="k", estimate=5) is not None  # 30 s left; about 5 s, not 70
+    assert part.run("third", lambda: item(5), kind="k", estimate=5) is not None  # 20 s left; about 10 s (the latest)
+    assert part.run("fourth", lambda: item(1), kind="k", estimate=16) is None  # 15 s left; the estimate given wins
 
 
 def test_an_item_that_raises_becomes_a_row_and_the_files_are_rewritten_after_each(tmp_path):
