@@ -158,6 +158,23 @@ def test_a_step_that_does_not_fit_exits_3_naming_the_overshoot(tmp_path):
         assert knob in last, last
 
 
+def test_train_compile_for_a_tpu_prints_no_libtpu_start_up_noise(tmp_path):
+    """On a machine without TPU chips libtpu, left alone, prints that it could not determine the TPU
+    accelerator type and fails to parse TPU_WORKER_HOSTNAMES (with a source trace): meaningless for a
+    compile. train_compile's output is its own lines only."""
+    need("tpu")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TPU_")}  # as a user's shell has it
+    result = subprocess.run(
+        [sys.executable, "-m", "maxtrain.train_compile", BASE_YML, *SMALL, "compile_topology=v5e-4"],
+        capture_output=True, text=True, cwd=tmp_path, timeout=900, env={**env, "PYTHONPATH": REPO})
+    assert result.returncode == 0, result.stdout + result.stderr
+    output = result.stdout + result.stderr
+    assert "total" in result.stdout and "fits" in result.stdout
+    for noise in ("could not determine TPU", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "Source Location Trace",
+                  "Logging before InitGoogle"):
+        assert noise not in output, output
+
+
 def test_autoselected_vocab_tiling_makes_that_step_fit(tmp_path):
     """The step above with num_vocab_tiling left to its default (-1, autoselected): 64 x 2048 tokens of
     a 32k vocabulary per chip are 16 GiB of float32 logits untiled; in chunks of 512 MiB it fits."""
