@@ -131,7 +131,8 @@ def format_report(rep: dict) -> str:
     if rep["platform"] == "tpu" and overcounting_libtpu(rep.get("libtpu")):
         lines.append(f"note: libtpu {rep['libtpu']} counts the chip's VMEM and part of the scanned layers' buffers as "
                      "temporaries too; libtpu 0.0.52 counts 1.1 to 6.3 GiB less per chip for the same programs in "
-                     "docs/scale.md, so this total errs high")
+                     "docs/scale.md, so this total errs high (on Python 3.12, pip install 'maxtrain[tpu]' brings "
+                     "libtpu 0.0.52)")
     if rep["platform"] == "gpu":
         lines.append("note: compiled without a GPU, so XLA did not autotune matmuls or build cuDNN graphs; memory on "
                      "the GPU itself can differ somewhat")

@@ -7,6 +7,7 @@
     python scripts/scale_table.py --maxtext-python PY --only-maxtext             # MaxText's cells only
     python scripts/scale_table.py --same-compiler-python PY                      # maxtrain's TPU cells with MaxText's jax/libtpu
     python scripts/scale_table.py --maxtext-python PY --only-maxtext --maxtext-pinned-libtpu  # MaxText with our libtpu
+    python scripts/scale_table.py --py312-python PY --only-py312                 # maxtrain with the Python 3.12 extras
 
 Each cell is one `maxtrain.train_compile` run, in a subprocess of its own (a failed or killed compile
 loses only that cell), appended as one JSON line to the results file (default
@@ -22,6 +23,8 @@ also compiles maxtrain's TPU cells with a Python that has MaxText's jax and libt
 with maxtrain added by `pip install --no-deps -e .`), which gives the like-for-like ratio;
 `--maxtext-pinned-libtpu` the other way round, MaxText compiled by maxtrain's pinned libtpu (its jax
 0.12 loads the older libtpu; its Pallas kernels' Mosaic calls do not, so only dot_product cells).
+`--py312-python` compiles maxtrain's cells, TPU and GPU rows, with a Python 3.12 virtualenv that has
+`pip install -e '.[tpu,cuda]'`: what a user gets there (jax 0.12, libtpu 0.0.52, the CUDA plugin of jax 0.12).
 
 Needs the [tpu] and [cuda] extras (libtpu; JAX's CUDA plugin and ptxas).
 """
@@ -78,6 +81,7 @@ ROWS = {
 ATTENTIONS = ("dot_product", "flash")
 SAME_COMPILER = "maxtrain-same-compiler"  # maxtrain compiled with MaxText's jax and libtpu
 MAXTEXT_PINNED = "maxtext-pinned-libtpu"  # MaxText's train_compile with maxtrain's pinned libtpu
+PY312 = "maxtrain-py312"  # maxtrain compiled with the [tpu] / [cuda] extras as they install on Python 3.12
 COMMON = ["per_device_batch_size=1", "remat_policy=full", "dtype=bfloat16", "dataset_type=synthetic"]
 
 # MaxText 0.2.5's figures as issue 21 quotes them (measured elsewhere, with another jax/libtpu), for
@@ -118,11 +122,11 @@ def compile_cell(argv: list[str]) -> dict:
 
 
 def compiler_versions() -> dict:
-    """The jax and libtpu this process compiles with (they decide how memory is counted)."""
+    """The jax, libtpu and CUDA plugin this process compiles with (they decide how memory is counted)."""
     from importlib import metadata  # pylint: disable=import-outside-toplevel
 
     out = {}
-    for name in ("jax", "libtpu"):
+    for name in ("jax", "libtpu", "jax-cuda12-plugin"):
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -230,8 +234,9 @@ def cell_text(record: dict | None) -> str:
 def table(results: dict) -> str:
     lines = ["| model, sequence, target | attention | maxtrain GiB/chip (of) | args / temps / outputs | "
              "compile s | all-gather / reduce-scatter / all-reduce / permute GiB per step | MaxText 0.2.5 GiB | ratio "
-             "| MaxText 0.2.5 with maxtrain's libtpu, GiB | ratio |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| MaxText 0.2.5 with maxtrain's libtpu, GiB | ratio | what `pip install 'maxtrain[tpu]'` (GPU rows: "
+             "`[cuda]`) gives on Python 3.12: GiB/chip, versions |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, (label, *_rest) in ROWS.items():
         for attention in ATTENTIONS:
             ours = results.get((key, attention, "maxtrain"))
@@ -262,7 +267,7 @@ def table(results: dict) -> str:
             ratio = f"{ours['memory']['total'] / 2**30 / mx_gib:.2f}" if ours and "memory" in ours and mx_gib else ""
             pinned, pinned_ratio = maxtext_pinned_cell(results.get((key, attention, MAXTEXT_PINNED)), ours)
             lines.append(f"| {label} | {name} | {ours_text} | {detail} | {seconds} | {comms} | {mx} | {ratio} "
-                         f"| {pinned} | {pinned_ratio} |")
+                         f"| {pinned} | {pinned_ratio} | {py312_cell(results.get((key, attention, PY312)))} |")
     return "\n".join(lines)
 
 
@@ -277,6 +282,16 @@ def maxtext_pinned_cell(theirs: dict | None, ours: dict | None) -> tuple[str, st
         return "fails: " + error.split(": ", 1)[-1][:80].replace("|", "/"), ""
     ratio = f"{ours['memory']['total'] / 2**30 / theirs['total_gb']:.2f}" if ours and "memory" in ours else ""
     return f"{theirs['total_gb']:.1f} (libtpu {theirs.get('libtpu', '?')})", ratio
+
+
+def py312_cell(record: dict | None) -> str:
+    """The cell compiled with the Python 3.12 extras: its total and the compiler that counted it."""
+    if not record:
+        return ""
+    versions = record.get("versions") or {}
+    compiler = (f"libtpu {versions.get('libtpu')}" if record.get("platform") == "tpu"
+                else f"CUDA 12 plugin {versions.get('jax-cuda12-plugin')}")
+    return cell_text(record) + (f", jax {versions.get('jax')}, {compiler}" if "memory" in record and versions else "")
 
 
 def same_compiler_table(results: dict) -> str:
@@ -342,6 +357,10 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--maxtext-pinned-libtpu", action="store_true",
                         help="with --maxtext-python: also compile MaxText's cells with this Python's (maxtrain's "
                              "pinned) libtpu")
+    parser.add_argument("--py312-python",
+                        help="a Python 3.12 virtualenv with `pip install -e '.[tpu,cuda]'`: also compile maxtrain's "
+                             "cells with it (the table's last column)")
+    parser.add_argument("--only-py312", action="store_true", help="with --py312-python: run those cells only")
     parser.add_argument("--cell", nargs=2, help=argparse.SUPPRESS)  # child process: ROW ATTENTION
     args = parser.parse_args(argv)
     for flag, python in (("--maxtext-python", args.maxtext_python), ("--same-compiler-python", args.same_compiler_python)):
@@ -362,18 +381,20 @@ def run(args) -> None:
         return
     results = load_results(args.results)
     maxtext_dir = os.path.join("/tmp", "scale_maxtext")
-    whos = ["maxtrain"] if not (args.only_maxtext or args.only_same_compiler) else []
+    whos = ["maxtrain"] if not (args.only_maxtext or args.only_same_compiler or args.only_py312) else []
     if args.maxtext_python and not args.only_same_compiler:
         whos.append("maxtext")
     if args.maxtext_python and args.maxtext_pinned_libtpu:
         whos.append(MAXTEXT_PINNED)
     if args.same_compiler_python and not args.only_maxtext:
         whos.append(SAME_COMPILER)
+    if args.py312_python:
+        whos.append(PY312)
     if not args.table_only:
         for key in args.rows:
             for attention in args.attention:
                 for who in whos:
-                    if who != "maxtrain" and ROWS[key][2] is None:
+                    if who not in ("maxtrain", PY312) and ROWS[key][2] is None:
                         continue  # a GPU row: MaxText's compiler and libtpu have nothing to say
                     if (key, attention, who) in results and not args.redo:
                         continue
@@ -387,7 +408,7 @@ def run(args) -> None:
                         record = run_maxtext(args.maxtext_python, key, attention, maxtext_dir, libtpu_path=path)
                         record["libtpu"] = version
                     else:
-                        python = sys.executable if who == "maxtrain" else args.same_compiler_python
+                        python = {"maxtrain": sys.executable, PY312: args.py312_python}.get(who, args.same_compiler_python)
                         record = run_cell(python, key, attention)
                     record.update(row=key, attention=attention, who=who, wall_seconds=round(time.time() - started, 1),
                                   date=datetime.date.today().isoformat(), machine=platform.node(), load_at_start=load)

@@ -51,3 +51,25 @@ def without_compilation_cache():
     finally:
         jax.config.update("jax_enable_compilation_cache", True)
         compilation_cache.reset_cache()
+
+
+# The tests this run skipped, kept in pytest's cache (.pytest_cache/v/maxtrain/skipped) when the run ends: .ci/run
+# runs the README's `pytest` in a bare virtualenv, then installs the optional extras and reruns only these.
+# Module-level skips are kept as the module's path. (Under xdist the controller sees every worker's reports.)
+_SKIPPED: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _SKIPPED.append(report.nodeid)
+
+
+def pytest_collectreport(report):
+    if report.skipped:
+        _SKIPPED.append(report.nodeid)
+
+
+def pytest_sessionfinish(session):
+    cache = getattr(session.config, "cache", None)
+    if cache is not None and not hasattr(session.config, "workerinput"):
+        cache.set("maxtrain/skipped", sorted(set(_SKIPPED)))

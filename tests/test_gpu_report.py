@@ -24,6 +24,7 @@ import pytest
 
 from conftest import REPO
 from maxtrain.models import attention_check
+from maxtrain.observability import environment
 from maxtrain.observability.report import WATCHDOG_EXIT_STATUS, Report
 from maxtrain.training import measure
 
@@ -176,6 +177,14 @@ def test_without_a_gpu_it_says_how_to_run_it(tmp_path):
     done = _run_script(tmp_path, "--out", str(tmp_path))
     assert done.returncode == 2
     assert done.stderr.strip().startswith("gpu_report: error: no GPU here") and "--dry-run" in done.stderr
+
+
+def test_dependencies_are_checked_against_the_requirement_for_this_python():
+    """pyproject.toml names jax once per Python (environment markers); only this Python's line counts."""
+    other = "3.11" if sys.version_info >= (3, 12) else "3.12"
+    rows = environment.package_versions([f"jax>=0.0.1; python_version == '{sys.version_info.major}.{sys.version_info.minor}'",
+                                         f"jax<0.0.1; python_version == '{other}'"])
+    assert [(r["package"], r["wanted"], r["ok"]) for r in rows] == [("jax", ">=0.0.1", True)]
 
 
 def test_dry_run_of_the_environment_part(tmp_path):

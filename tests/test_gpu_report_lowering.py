@@ -46,7 +46,11 @@ def _on(devices, shape_dtype):
 
 
 def _compile(program, args) -> str:
-    return program.trace(*args).lower(lowering_platforms=("cuda",)).compile().as_text()
+    # Since jax 0.12 Pallas' Triton lowering takes the GPU it compiles for from the mesh in context, not the
+    # default device (this CPU): lower under the target's mesh, as the model's shard_map does for its kernels.
+    meshes = [a.sharding.mesh for a in jax.tree.leaves(args) if isinstance(getattr(a, "sharding", None), NamedSharding)]
+    with jax.sharding.use_abstract_mesh(meshes[0].abstract_mesh) if meshes else contextlib.nullcontext():
+        return program.trace(*args).lower(lowering_platforms=("cuda",)).compile().as_text()
 
 
 def _attention_args(devices, case):

@@ -60,7 +60,7 @@ def test_the_main_table_also_puts_each_cell_against_maxtext_compiled_with_our_li
                ("8b-v5e256", "flash", scale_table.MAXTEXT_PINNED): {
                    "error": "exit 1: jax.errors.JaxRuntimeError: INTERNAL: ... no such field: 'debug_locations'"}}
     rows = scale_table.table(results).splitlines()
-    assert rows[0].count("|") == rows[2].count("|") == 11
+    assert rows[0].count("|") == rows[2].count("|") == 12
     dot = next(row for row in rows if "8B, 4096, v5e-256 | dot_product |" in row)
     assert f"| 5.4 | {6.2 / 5.4:.2f} | 7.1 (libtpu 0.0.42.1) | {6.2 / 7.1:.2f} |" in dot
     flash = next(row for row in rows if "8B, 4096, v5e-256 | flash |" in row)

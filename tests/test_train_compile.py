@@ -102,7 +102,8 @@ def test_torus_shapes_hold_every_chip():
 def test_missing_compiler_names_the_extra(monkeypatch):
     real = topologies.importlib.util.find_spec
     monkeypatch.setattr(topologies.importlib.util, "find_spec",
-                        lambda name, *a: None if name in ("libtpu", "jax_plugins.xla_cuda12") else real(name, *a))
+                        lambda name, *a: None if name in ("libtpu", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
+                        else real(name, *a))
     with pytest.raises(topologies.TargetError, match=r"pip install -e '\.\[tpu\]'"):
         topologies.parse("v5e-16").devices()
     with pytest.raises(topologies.TargetError, match=r"pip install -e '\.\[cuda\]'"):

@@ -112,6 +112,7 @@ class Target:
             # Compiling touches no TPU, so other processes (another compile, tests) may load libtpu too;
             # without this libtpu takes a machine-wide lock and refuses a second process.
             os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+            quiet_libtpu_without_chips()
             prefix, chip_config = TPU_CHIPS[self.chip][:2]
             desc = topologies.get_topology_desc(
                 platform="tpu", topology_name=f"{prefix}:{'x'.join(map(str, self.shape))}", chip_config_name=chip_config,
@@ -128,16 +129,34 @@ class Target:
         return devices
 
 
+def quiet_libtpu_without_chips() -> None:
+    """Gives libtpu the two facts it looks for at start-up on a machine with no TPU chip, before it loads.
+
+    Without a chip, jax tells libtpu not to ask the metadata server (TPU_SKIP_MDS_QUERY=1, set by
+    `import jax`), and libtpu then fills the accelerator type and worker hostnames with warning texts
+    it fails to parse, printing "could not determine TPU accelerator type" and a TPU_WORKER_HOSTNAMES
+    error with a source trace: noise for a compile, which uses neither. One host, this one, is what a
+    compile-only process is. A TPU VM (chips present) and values the user set are left alone."""
+    if os.environ.get("TPU_SKIP_MDS_QUERY") != "1":
+        return
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("TPU_HOST_BOUNDS", "1,1,1")
+
+
 def compiler_missing(platform: str) -> str | None:
     """Why programs for `platform` cannot be compiled on this machine, or None when they can."""
-    module = {"tpu": "libtpu", "gpu": "jax_plugins.xla_cuda12"}.get(platform)
-    if module is None:
+    # JAX's CUDA 12 plugin (the [cuda] extra) or its CUDA 13 one, which a GPU machine may have instead.
+    modules = {"tpu": ("libtpu",), "gpu": ("jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")}.get(platform)
+    if modules is None:
         return None
+    return None if any(_importable(m) for m in modules) else f"install it with {EXTRA_HINT[platform]}"
+
+
+def _importable(module: str) -> bool:
     try:
-        found = importlib.util.find_spec(module) is not None
+        return importlib.util.find_spec(module) is not None
     except ModuleNotFoundError:
-        found = False
-    return None if found else f"install it with {EXTRA_HINT[platform]}"
+        return False
 
 
 def gpu_target_config(chip: str) -> str:

@@ -59,7 +59,8 @@ def nvidia_smi() -> dict:
 
 
 def package_versions(requirements: list[str]) -> list[dict]:
-    """For each requirement ("grain>=0.2.12,<0.3"): the installed version and whether it is in range."""
+    """For each requirement ("grain>=0.2.12,<0.3") that applies to this Python (environment markers:
+    "jax>=0.11.2,<0.13; python_version >= '3.12'"): the installed version and whether it is in range."""
     try:
         from packaging.requirements import Requirement  # pylint: disable=import-outside-toplevel
     except ImportError:
@@ -69,8 +70,11 @@ def package_versions(requirements: list[str]) -> list[dict]:
         name, spec = text, None
         if Requirement is not None:
             req = Requirement(text)
+            if req.marker is not None and not req.marker.evaluate():
+                continue  # for another Python
             name, spec = req.name, req.specifier
         else:
+            name = name.split(";")[0]
             for sep in ("<", ">", "=", "!", "~"):
                 name = name.split(sep)[0]
         try:
