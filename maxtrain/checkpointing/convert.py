@@ -27,7 +27,7 @@ import yaml
 
 from maxtrain import config as config_lib
 from maxtrain import models
-from maxtrain.checkpointing import checksums, safetensors_files
+from maxtrain.checkpointing import checksums, dequantize, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.checkpointing import manager as checkpoint
 from maxtrain.config import registry
@@ -231,10 +231,15 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
     if checkpoint_files.complete_steps(ckpt_dir):
         raise ConversionError(f"{ckpt_dir} already holds a checkpoint; choose an empty output directory")
     try:
-        tensors = _text_tensors(safetensors_files.read_model_dir(hf_dir), notes)
+        stored = safetensors_files.read_model_dir(hf_dir)
+        readable = dequantize.Dequantized(stored)  # fp8 / MXFP4 pairs as one tensor, dequantised when read
+        tensors = _text_tensors(readable, notes)
     except safetensors_files.FormatError as e:
         raise ConversionError(str(e)) from None
-    source_dtypes = sorted({str(t.dtype) for t in tensors.values()})
+    source_dtypes = sorted({str(t.dtype) for t in stored.values()})
+    kinds = list(readable.quantized().values())
+    if kinds:
+        notes.append("dequantised " + ", ".join(f"{kinds.count(k)} {k} tensors" for k in sorted(set(kinds))))
     params = to_maxtrain(tensors, keys, np.dtype(weight_dtype))
     for note in notes:
         log(f"note: {note}")
