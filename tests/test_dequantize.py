@@ -11,10 +11,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from ckpt_helpers import REPO
+from maxtrain import config as config_lib
 from maxtrain import models
 from maxtrain.checkpointing import convert, dequantize, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
-from test_convert_hf import maxtrain_config
 
 
 def random_fp8(rng, shape) -> np.ndarray:
@@ -101,9 +102,10 @@ def test_quantised_pairs_read_through_the_import_hook(tmp_path):
     assert read["norm.weight"].tobytes() == stored["norm.weight"].tobytes() and "a.weight_scale_inv" not in read
 
     # A Llama whose projections are stored as fp8 in 128x128 blocks (the embedding and norms stay as they are).
-    keys = {k: getattr(maxtrain_config({"base_emb_dim": 160, "base_num_query_heads": 2, "base_num_kv_heads": 1,
-                                        "head_dim": 32, "base_mlp_dim": 136, "base_num_decoder_layers": 1,
-                                        "vocab_size": 256}), k) for k in models.MODEL_KEYS}
+    config = config_lib.load_config([str(REPO / "configs" / "base.yml"), "base_emb_dim=160", "base_num_query_heads=2",
+                                     "base_num_kv_heads=1", "head_dim=32", "base_mlp_dim=136",
+                                     "base_num_decoder_layers=1", "vocab_size=256"])
+    keys = {k: getattr(config, k) for k in models.MODEL_KEYS}
     params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), models.param_specs(
         convert.spec_config(keys)), is_leaf=models.is_spec)
     hf, quantised = convert.to_hf(params, keys, np.float32), {}
