@@ -65,10 +65,13 @@ def hf_files(tok: tokenizer_lib.Tokenizer) -> tuple[dict[str, bytes], list[str]]
             notes.append("tokenizer.json's post-processor did not add BOS as maxtrain does; the export's adds "
                          + ("nothing" if tok.bos_id is None else repr(tok.piece(tok.bos_id))))
         config = _json(tok, tokenizer_lib.TOKENIZER_CONFIG) or {"tokenizer_class": "PreTrainedTokenizerFast"}
-    for key, token_id in (("bos_token", tok.bos_id), ("eos_token", tok.eos_id), ("pad_token", tok.pad_id)):
-        config[key] = None if token_id is None else tok.piece(token_id)
-    if tok.kind == "sentencepiece" and tok.sp.unk_id() >= 0:
-        config["unk_token"] = tok.sp.id_to_piece(tok.sp.unk_id())
+    # A name the config files give stays (maxtrain read its ids from them); a sentencepiece model's own fill the rest.
+    named = {"bos_token": tok.bos_id, "eos_token": tok.eos_id, "pad_token": tok.pad_id}
+    if tok.kind == "sentencepiece":
+        named["unk_token"] = tok.sp.unk_id() if tok.sp.unk_id() >= 0 else None
+    for key, token_id in named.items():
+        if key not in config and token_id is not None:
+            config[key] = tok.sp.id_to_piece(token_id) if tok.kind == "sentencepiece" else tok.piece(token_id)
     config.update(add_bos_token=tok.bos_id is not None, add_eos_token=False, clean_up_tokenization_spaces=False)
     files[tokenizer_lib.TOKENIZER_CONFIG] = _json_bytes(config)
     if tok.chat_template is not None and tokenizer_lib.CHAT_TEMPLATE in tok.files:
