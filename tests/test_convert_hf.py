@@ -173,3 +173,24 @@ def test_a_hugging_face_tokenizer_is_exported_to_add_bos_as_maxtrain_does(tmp_pa
             (out / name).write_bytes(data)
         assert transformers.AutoTokenizer.from_pretrained(str(out))(SAMPLE)["input_ids"] == \
             tokenizer_lib.prompt_ids(tok, SAMPLE)
+
+
+def test_a_sentencepiece_model_with_multi_character_symbols_exports_its_model_alone():
+    """ChatML markers as user-defined symbols: no tokenizer.json gives sentencepiece's ids (its dummy prefix comes
+    before a leading symbol), so the export carries tokenizer.model alone and says so."""
+    import io  # pylint: disable=import-outside-toplevel
+
+    import sentencepiece as spm  # pylint: disable=import-outside-toplevel
+
+    from maxtrain.data import tokenizer as tokenizer_lib, tokenizer_hf  # pylint: disable=import-outside-toplevel
+
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter([SAMPLE, "<|im_start|>user\nhi<|im_end|>\n"] * 20),
+                                   model_writer=model, vocab_size=330, model_type="bpe", byte_fallback=True,
+                                   hard_vocab_limit=False,
+                                   user_defined_symbols=["\n", "<|im_start|>", "<|im_end|>"], minloglevel=2)
+    tok = tokenizer_lib.from_files({tokenizer_lib.SP_MODEL: model.getvalue()}, "chatml.model")
+    files, notes = tokenizer_hf.hf_files(tok)
+    assert sorted(files) == ["tokenizer.model", "tokenizer_config.json"] and "user-defined symbols" in notes[0]
+    config = json.loads(files["tokenizer_config.json"])
+    assert (config["tokenizer_class"], config["bos_token"], config["add_bos_token"]) == ("LlamaTokenizer", "<s>", True)
