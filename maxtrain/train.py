@@ -78,7 +78,7 @@ def main(argv: list[str]) -> RunResult:
     log(builder.summarize(run, step_fn, time.time() - compile_started, start))
     fit.check_fits(run, step_fn)  # a step the devices cannot hold is refused before the state takes memory
     host_memory.release_unused()  # what compiling left in malloc goes back before the state and the steps take theirs
-    metadata = checkpoint_lib.run_metadata(config, run.rt, start)
+    metadata = checkpoint_lib.run_metadata(config, run.rt, start, inputs.tokenizer)
     writer = metrics.MetricWriter(config, active=jax.process_index() == 0)
     writer.write_text("config", "```\n" + yaml.safe_dump(config.to_dict(), sort_keys=False) + "\n```")
 

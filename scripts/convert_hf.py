@@ -8,13 +8,15 @@
     python scripts/check_logits.py OUT --hf HF_DIR
     python -m maxtrain.train base.yml load_parameters_path=OUT ...
 
-    # a maxtrain checkpoint (a step, checkpoints or run directory) -> a directory transformers loads
+    # a maxtrain checkpoint (a step, checkpoints or run directory) -> a directory transformers loads, with the
+    # run's tokenizer written so that AutoTokenizer gives maxtrain's ids, BOS included
     # (a LoRA run's adapters are merged into the weights; --peft DIR also writes them as a PEFT adapter)
     python scripts/convert_hf.py export CHECKPOINT HF_OUT [--dtype float32|bfloat16|float16] [--tokenizer PATH]
                                                           [--peft ADAPTER_DIR]
 
 The family (llama, mistral, qwen2, qwen3, gemma2, gemma3) comes from config.json's model_type. Only
-safetensors files are read; pickle files (pytorch_model.bin) are refused, never opened.
+safetensors files are read; pickle files (pytorch_model.bin) are refused, never opened. fp8 block-scaled
+and MXFP4 weights are dequantised as they are read.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ def main(argv: list[str]) -> int:
     exp.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     exp.add_argument("--max_shard_mb", type=float, default=5120, help="split model.safetensors above this size")
     exp.add_argument("--tokenizer", default=None,
-                     help="tokenizer to include (HF directory, tokenizer.json or .model); default: the run's "
-                          "tokenizer_path, or the imported model's")
+                     help="tokenizer to include (HF directory, tokenizer.json or .model); default: the run's own "
+                          "(its copy in <run>/metadata/tokenizer, its tokenizer_path, the imported model's, or the "
+                          "default corpus' from the run's cache_dir)")
     exp.add_argument("--peft", default=None, metavar="ADAPTER_DIR",
                      help="a LoRA run only: also write its adapters as a PEFT adapter directory (adapter_config.json, "
                           "adapter_model.safetensors) for peft.PeftModel.from_pretrained over the base model")

@@ -78,8 +78,9 @@ def test_an_imported_model_fine_tunes_with_its_own_tokenizer_and_exports_with_it
     assert (exported / "generation_config.json").is_file()
     transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
     text = "def f7(x):\n    return x"
-    theirs = transformers.AutoTokenizer.from_pretrained(str(exported))(text, add_special_tokens=False)["input_ids"]
-    assert theirs == tokenizer_lib.load(str(out / "hf")).encode(text)
+    theirs = transformers.AutoTokenizer.from_pretrained(str(exported))
+    assert theirs(text, add_special_tokens=False)["input_ids"] == tokenizer_lib.load(str(out / "hf")).encode(text)
+    assert theirs(text)["input_ids"] == tokenizer_lib.prompt_ids(tokenizer_lib.load(str(out / "hf")), text)  # BOS
 
 
 @pytest.mark.parametrize("change", ["rope_max_timescale=20000.0", "normalization_layer_epsilon=1.0e-5",

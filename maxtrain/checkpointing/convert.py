@@ -27,10 +27,12 @@ import yaml
 
 from maxtrain import config as config_lib
 from maxtrain import models
-from maxtrain.checkpointing import checksums, safetensors_files
+from maxtrain.checkpointing import checksums, dequantize, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.checkpointing import manager as checkpoint
 from maxtrain.config import registry
+from maxtrain.data import default_corpus, tokenizer_hf
+from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.models.hf import ConversionError
 from maxtrain.models.params import is_spec
 
@@ -229,10 +231,15 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
     if checkpoint_files.complete_steps(ckpt_dir):
         raise ConversionError(f"{ckpt_dir} already holds a checkpoint; choose an empty output directory")
     try:
-        tensors = _text_tensors(safetensors_files.read_model_dir(hf_dir), notes)
+        stored = safetensors_files.read_model_dir(hf_dir)
+        readable = dequantize.Dequantized(stored)  # fp8 / MXFP4 pairs as one tensor, dequantised when read
+        tensors = _text_tensors(readable, notes)
     except safetensors_files.FormatError as e:
         raise ConversionError(str(e)) from None
-    source_dtypes = sorted({str(t.dtype) for t in tensors.values()})
+    source_dtypes = sorted({str(t.dtype) for t in stored.values()})
+    kinds = list(readable.quantized().values())
+    if kinds:
+        notes.append("dequantised " + ", ".join(f"{kinds.count(k)} {k} tensors" for k in sorted(set(kinds))))
     params = to_maxtrain(tensors, keys, np.dtype(weight_dtype))
     for note in notes:
         log(f"note: {note}")
@@ -275,10 +282,6 @@ def _copy_assets(hf_dir: str, assets: str) -> list[str]:
     return copied
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
-
-
 def export_hf(checkpoint_path: str, out_dir: str, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
               tokenizer: str | None = None, log=print) -> str:
     """Writes a directory transformers loads; returns it."""
@@ -296,15 +299,44 @@ def export_hf(checkpoint_path: str, out_dir: str, dtype: str = "float32", max_sh
         raise ConversionError(f"export dtype {dtype!r} is not one of {', '.join(names)}")
     tensors = to_hf(checkpoint_files.read_params(step_dir), keys, np.dtype(safetensors_files.DTYPES[names[dtype]]))
     source = meta.get("source") or {}
+    tok = run_tokenizer(meta, tokenizer, log)
     os.makedirs(out_dir, exist_ok=True)
     hf = hf_config(keys, source.get("hf_config"), dtype)
+    if tok is not None and source.get("hf_config") is None:  # an import keeps its original's ids
+        for key, token_id in (("bos_token_id", tok.bos_id), ("eos_token_id", tok.eos_id), ("pad_token_id", tok.pad_id)):
+            if token_id is not None:
+                hf[key] = token_id
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
-    assets = source.get("assets_dir")
-    _write_tokenizer_and_generation_config(out_dir, tokenizer or saved.get("tokenizer_path") or assets, assets, hf, log)
+    _write_tokenizer_and_generation_config(out_dir, tok, source.get("assets_dir"), log)
     safetensors_files.write_model_dir(out_dir, tensors, {"format": "pt", "maxtrain_checkpoint": step_dir},
                                       max_shard_bytes)
     return out_dir
+
+
+def run_tokenizer(meta: dict, given: str | None, log=print):
+    """The tokenizer the checkpoint's run trained with (None when nothing says): `given` (--tokenizer), else the
+    copy the run kept in its metadata directory, its tokenizer_path, an imported model's, or for
+    dataset_type=default the default corpus' own (from the run's cache_dir; trained again when it is gone)."""
+    saved, source = meta.get("config", {}), meta.get("source") or {}
+    recorded = meta.get("tokenizer") or {}
+    if given:
+        return tokenizer_lib.load(given, key="--tokenizer")
+    assets = source.get("assets_dir")
+    for path in (recorded.get("copy"), saved.get("tokenizer_path"), assets):
+        if path and os.path.exists(path) and (path != assets or {tokenizer_lib.TOKENIZER_JSON, tokenizer_lib.SP_MODEL}
+                                              & set(os.listdir(path))):
+            tok = tokenizer_lib.load(path)
+            break
+    else:
+        if saved.get("dataset_type") != "default" or "cache_dir" not in saved:
+            return None
+        tok = default_corpus.tokenizer(spec_config(saved), log=log)
+    if recorded.get("checksum") not in (None, tok.checksum):
+        raise ConversionError(f"the tokenizer {tok.path} (checksum {tok.checksum}) is not the one the run trained "
+                              f"with ({recorded.get('path')}, checksum {recorded['checksum']}); pass that tokenizer "
+                              "with --tokenizer PATH")
+    return tok
 
 
 def hf_config(keys: dict, original: dict | None, dtype: str) -> dict:
@@ -330,35 +362,27 @@ def hf_config(keys: dict, original: dict | None, dtype: str) -> dict:
     return {**base, **family.to_hf_config(keys), "torch_dtype": dtype, "dtype": dtype}
 
 
-def tokenizer_files(path: str) -> dict[str, str]:
-    """{name in the export: source file} for a tokenizer given as an HF directory, a tokenizer.json
-    (with its directory's tokenizer_config.json and special_tokens_map.json) or a sentencepiece .model."""
-    if os.path.isdir(path):
-        return {n: os.path.join(path, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(path, n))}
-    if not os.path.isfile(path):
-        return {}
-    directory, name = os.path.split(path)
-    out = {"tokenizer.model" if name.endswith(".model") else "tokenizer.json": path}
-    for companion in ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"):
-        if os.path.isfile(os.path.join(directory, companion)):
-            out[companion] = os.path.join(directory, companion)
-    return out
-
-
-def _write_tokenizer_and_generation_config(out_dir: str, tokenizer: str | None, assets: str | None, hf: dict, log):
-    files = tokenizer_files(tokenizer) if tokenizer else {}
-    for name, src in files.items():
-        shutil.copyfile(src, os.path.join(out_dir, name))
+def _write_tokenizer_and_generation_config(out_dir: str, tok, assets: str | None, log):
+    """The tokenizer files transformers reads to maxtrain's ids (data/tokenizer_hf.py), the original model's
+    generation config, license and readme files, or a generation config with the tokenizer's ids."""
+    if tok is not None:
+        files, notes = tokenizer_hf.hf_files(tok)
+        for name, data in files.items():
+            with open(os.path.join(out_dir, name), "wb") as f:
+                f.write(data)
+        for note in notes:
+            log(f"note: {note}")
     if assets and os.path.isdir(assets):
         for name in sorted(os.listdir(assets)):  # the original generation config, license and readme files
             if name == "generation_config.json" or name == "README.md" \
                     or name.upper().startswith(("LICENSE", "NOTICE", "USE_POLICY")):
                 shutil.copyfile(os.path.join(assets, name), os.path.join(out_dir, name))
     if not os.path.isfile(os.path.join(out_dir, "generation_config.json")):
-        generation = {k: hf[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if hf.get(k) is not None}
+        generation = {} if tok is None else {"bos_token_id": tok.bos_id, "pad_token_id": tok.pad_id, "eos_token_id":
+                                             list(tok.eos_ids) if len(tok.eos_ids) > 1 else tok.eos_id}
         with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-            json.dump(generation, f, indent=2)
-    if not files:
+            json.dump({k: v for k, v in generation.items() if v is not None}, f, indent=2)
+    if tok is None:
         log("note: no tokenizer files were found for this checkpoint; pass --tokenizer PATH to include them "
             "(transformers needs them to run the model on text)")
 

@@ -49,6 +49,7 @@ from maxtrain.data import elastic
 # Config keys that describe the model; the shape keys are named in errors when a checkpoint does not fit,
 # the setting keys (family, RoPE, epsilon, soft-caps, window) must equal the checkpoint's.
 MODEL_KEYS = models.MODEL_KEYS
+TOKENIZER_COPY = "tokenizer"  # <run>/metadata/tokenizer/: the files of the run's tokenizer (run_metadata)
 
 
 # --------------------------------------------------------------------------------------------
@@ -371,9 +372,10 @@ def installed_packages() -> list[str]:
 # --------------------------------------------------------------------------------------------
 
 
-def run_metadata(config, rt, start: Start) -> dict:
+def run_metadata(config, rt, start: Start, tokenizer=None) -> dict:
     """The run's metadata, saved in every checkpoint, and written by process 0 as readable files to
-    <run>/metadata (config.yml, run.json, requirements.txt)."""
+    <run>/metadata (config.yml, run.json, requirements.txt, and tokenizer/: a copy of the files of the
+    run's tokenizer, which an export writes for transformers)."""
     source = source_of(start.step_dir) if start.step_dir else None
     meta = {"config": config.to_dict(), "runtime": {"dtype": rt.dtype.name, "attention": rt.attention,
                                                     "remat_policy": rt.remat_policy,
@@ -383,8 +385,13 @@ def run_metadata(config, rt, start: Start) -> dict:
             "device_kind": jax.devices()[0].device_kind, "git": git_state(),
             "command": sys.argv, "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "packages": installed_packages()}
+    if tokenizer is not None:
+        meta["tokenizer"] = {"kind": tokenizer.kind, "checksum": tokenizer.checksum, "path": tokenizer.path,
+                             "copy": os.path.join(config.metadata_dir, TOKENIZER_COPY)}
     if jax.process_index() == 0:
         directory = config.metadata_dir  # local or gs://
+        for name, data in (tokenizer.files.items() if tokenizer is not None else ()):
+            storage.write_bytes(os.path.join(directory, TOKENIZER_COPY, name), data)
         storage.write_text(os.path.join(directory, "config.yml"), yaml.safe_dump(config.to_dict(), sort_keys=False))
         storage.write_text(os.path.join(directory, "run.json"),
                            json.dumps({k: v for k, v in meta.items() if k not in ("config", "packages")}, indent=2))

@@ -22,12 +22,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from maxtrain.data import default_corpus
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.data.errors import DataError  # noqa: F401 (re-exported)
 from maxtrain.errors import ConfigError
 
-# JAX and Grain (~1.8 s together, measured) are imported inside make_inputs and tokenizer_for, so that the
-# preparation workers (which import maxtrain.data.prepare) start without them.
+# JAX and Grain (~1.8 s together, measured) are imported inside make_inputs, so that the preparation workers
+# (which import maxtrain.data.prepare) start without them.
 
 
 @dataclasses.dataclass
@@ -69,14 +70,12 @@ def make_inputs(config, log=print, process_index: int | None = None, process_cou
 def tokenizer_for(config, log=print):
     """The tokenizer a model of `config` was trained with: tokenizer_path, or for dataset_type=default the
     default corpus' (trained and cached on first use); refused when it has more pieces than vocab_size."""
-    from maxtrain.data import pipeline  # pylint: disable=import-outside-toplevel  (deferred: Grain and JAX, as above)
-
     if config.tokenizer_path:
         tokenizer = tokenizer_lib.load(config.tokenizer_path)
         tokenizer_lib.check_vocab(tokenizer, config.vocab_size)
         return tokenizer
     if config.dataset_type == "default":
-        return pipeline.default_corpus_documents(config, log=log)[0]
+        return default_corpus.tokenizer(config, log=log)
     raise ConfigError(f"dataset_type={config.dataset_type} has no tokenizer of its own; pass "
                       "tokenizer_path=<the tokenizer the checkpoint was trained with: a sentencepiece .model, "
                       "a Hugging Face tokenizer.json or model directory>")

@@ -6,7 +6,8 @@ standard library root (tests and site-packages excluded), up to `max_mb` megabyt
 one document. Which documents are held out for eval depends only on the file's relative path, so
 the split is stable however many megabytes are read (reading goes on past `max_mb` until both
 splits have a document). `documents(config)` trains (or loads) the
-tokenizer and tokenizes the corpus once, caching both under `dataset_cache_dir`.
+tokenizer and tokenizes the corpus once, caching both under `dataset_cache_dir`; `tokenizer(config)`
+is the tokenizer alone (decode, evaluate and export need no tokenized corpus).
 """
 
 from __future__ import annotations
@@ -99,28 +100,45 @@ def _load_docs(path: str) -> list[np.ndarray]:
     return np.split(tokens, np.cumsum(lengths)[:-1]) if len(lengths) else []
 
 
-def documents(config, log=print):
-    """(tokenizer, train docs, eval docs) for the embedded corpus; trains and caches as needed."""
-    if config.tokenizer_path:  # checked before the corpus is read
-        tokenizer = tokenizer_lib.load(config.tokenizer_path)
-        tokenizer_lib.check_vocab(tokenizer, config.vocab_size)
-    train_texts, eval_texts, fingerprint = load_documents(config.default_corpus_max_mb, config.eval_split_fraction)
-    if not config.tokenizer_path:
-        path = os.path.join(config.cache_dir, f"default-{fingerprint}-v{config.vocab_size}.model")
+def tokenizer_file(config, fingerprint: str) -> str:
+    """Where the corpus' trained tokenizer is cached: one sentencepiece .model per corpus and vocab_size."""
+    return os.path.join(config.cache_dir, f"default-{fingerprint}-v{config.vocab_size}.model")
+
+
+def tokenizer(config, log=print, corpus: tuple[list[str], str] | None = None):
+    """The tokenizer a default-corpus run uses: tokenizer_path, else the one trained on the corpus (read from
+    config.cache_dir; trained and cached there when missing). `corpus`: (train texts, fingerprint), when read."""
+    if config.tokenizer_path:
+        tok = tokenizer_lib.load(config.tokenizer_path)
+    else:
+        if corpus is None:
+            train_texts, _, fingerprint = load_documents(config.default_corpus_max_mb, config.eval_split_fraction)
+        else:
+            train_texts, fingerprint = corpus
+        path = tokenizer_file(config, fingerprint)
         if not storage.isfile(path):
             log(f"Training a {config.vocab_size}-piece tokenizer on the default corpus -> {path}")
             trained = tokenizer_training.train_sentencepiece(train_texts, config.vocab_size)
             _atomic_write(path, lambda f: f.write(trained.files[tokenizer_lib.SP_MODEL]))
-        tokenizer = _load_tokenizer(path)
-        tokenizer_lib.check_vocab(tokenizer, config.vocab_size)
-    tokenizer_lib.warn_if_no_eos(tokenizer, log)
+        tok = _load_tokenizer(path)
+    tokenizer_lib.check_vocab(tok, config.vocab_size)
+    return tok
+
+
+def documents(config, log=print):
+    """(tokenizer, train docs, eval docs) for the embedded corpus; trains and caches as needed."""
+    tok = tokenizer(config, log) if config.tokenizer_path else None  # checked before the corpus is read
+    train_texts, eval_texts, fingerprint = load_documents(config.default_corpus_max_mb, config.eval_split_fraction)
+    if tok is None:
+        tok = tokenizer(config, log, corpus=(train_texts, fingerprint))
+    tokenizer_lib.warn_if_no_eos(tok, log)
 
     docs = {}
     for split, texts in (("train", train_texts), ("eval", eval_texts)):
-        path = os.path.join(config.cache_dir, f"default-{fingerprint}-{tokenizer.checksum}-{split}.npz")
+        path = os.path.join(config.cache_dir, f"default-{fingerprint}-{tok.checksum}-{split}.npz")
         if not storage.isfile(path):
             log(f"Tokenizing the default corpus ({split}: {len(texts)} documents) -> {path}")
-            encoded = _encode_documents(tokenizer, texts)
+            encoded = _encode_documents(tok, texts)
             _atomic_write(path, lambda f, encoded=encoded: _save_docs(f, encoded))
         docs[split] = _load_docs(path)
-    return tokenizer, docs["train"], docs["eval"]
+    return tok, docs["train"], docs["eval"]

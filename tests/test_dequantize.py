@@ -1,0 +1,129 @@
+"""Released quantised weights, dequantised on import: DeepSeek's fp8 with 128x128 block scales and gpt-oss's
+MXFP4 experts, each against a plain numpy dequantisation written from the formats' definitions, on synthetic
+tensors; and a safetensors file read through the importer's hook (a tiny Llama stored in fp8 blocks)."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+
+from ckpt_helpers import REPO
+from maxtrain import config as config_lib
+from maxtrain import models
+from maxtrain.checkpointing import convert, dequantize, safetensors_files
+from maxtrain.checkpointing import files as checkpoint_files
+
+
+def random_fp8(rng, shape) -> np.ndarray:
+    """Every e4m3 bit pattern but NaN (0x7F, 0xFF), drawn uniformly."""
+    bits = rng.integers(0, 256, shape, dtype=np.uint8)
+    bits[(bits & 0x7F) == 0x7F] = 0x3C
+    return bits.view(ml_dtypes.float8_e4m3fn)
+
+
+def e4m3_value(bits: int) -> float:
+    """One float8 e4m3fn value from its bits: sign, 4 exponent bits (bias 7), 3 mantissa bits; subnormal at 0."""
+    sign, exponent, mantissa = bits >> 7, (bits >> 3) & 0xF, bits & 0x7
+    magnitude = mantissa / 8 * 2.0 ** -6 if exponent == 0 else (1 + mantissa / 8) * 2.0 ** (exponent - 7)
+    return -magnitude if sign else magnitude
+
+
+def e2m1_value(nibble: int) -> float:
+    """One FP4 E2M1 value: sign, 2 exponent bits (bias 1), 1 mantissa bit; subnormal at 0."""
+    sign, exponent, mantissa = nibble >> 3, (nibble >> 1) & 0x3, nibble & 0x1
+    magnitude = mantissa * 0.5 if exponent == 0 else (1 + mantissa / 2) * 2.0 ** (exponent - 1)
+    return -magnitude if sign else magnitude
+
+
+def reference_fp8(weight: np.ndarray, scale_inv: np.ndarray, block=(128, 128)) -> np.ndarray:
+    values = np.vectorize(e4m3_value)(weight.view(np.uint8).astype(np.int64))
+    rows, cols = np.indices(weight.shape[-2:])
+    return (values * scale_inv[..., rows // block[0], cols // block[1]]).astype(np.float32)
+
+
+def reference_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    *lead, groups, width = blocks.shape
+    out = np.zeros((*lead, groups, 2 * width))
+    for index in np.ndindex(*lead, groups):
+        for k in range(width):
+            byte = int(blocks[index][k])
+            out[index][2 * k] = e2m1_value(byte & 0xF)  # low nibble first
+            out[index][2 * k + 1] = e2m1_value(byte >> 4)
+        out[index] *= 2.0 ** (int(scales[index]) - 127)
+    return out.reshape(*lead, groups * 2 * width).astype(np.float32)
+
+
+@pytest.mark.parametrize("shape", [(300, 200), (2, 130, 257), (256, 128), (5, 7)])
+def test_fp8_blocks_match_the_definition_also_on_partial_tiles(shape):
+    rng = np.random.default_rng(sum(shape))
+    weight = random_fp8(rng, shape)
+    grid = (*shape[:-2], -(-shape[-2] // 128), -(-shape[-1] // 128))
+    scale_inv = rng.uniform(1e-4, 3.0, grid).astype(np.float32)
+    ours = dequantize.dequantize_fp8_blocks(weight, scale_inv)
+    assert ours.dtype == np.float32
+    np.testing.assert_array_equal(ours, reference_fp8(weight, scale_inv))
+    with pytest.raises(safetensors_files.FormatError, match=r"weight_scale_inv has shape .* needs"):
+        dequantize.dequantize_fp8_blocks(weight, np.ones((*grid[:-1], grid[-1] + 1), np.float32), name="weight")
+
+
+def test_mxfp4_matches_the_definition():
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(0, 256, (2, 3, 4, 16), dtype=np.uint8)  # [experts, rows, groups, 16 bytes]
+    scales = rng.integers(127 - 20, 127 + 20, (2, 3, 4), dtype=np.uint8)
+    ours = dequantize.dequantize_mxfp4(blocks, scales)
+    assert ours.shape == (2, 3, 128) and ours.dtype == np.float32
+    np.testing.assert_array_equal(ours, reference_mxfp4(blocks, scales))
+    with pytest.raises(safetensors_files.FormatError, match="are not MXFP4"):
+        dequantize.dequantize_mxfp4(blocks[..., :8], scales)
+
+
+def test_quantised_pairs_read_through_the_import_hook(tmp_path):
+    """A safetensors file of fp8 pairs, an MXFP4 pair and plain tensors, read back through the hook: one tensor
+    per pair under the unquantised name; then a tiny Llama stored with fp8 block weights imports as its
+    dequantised weights."""
+    rng = np.random.default_rng(1)
+    stored = {"a.weight": random_fp8(rng, (130, 70)), "a.weight_scale_inv": rng.uniform(0.1, 2, (2, 1)).astype(np.float32),
+              "experts.gate_up_proj_blocks": rng.integers(0, 256, (2, 6, 2, 16), dtype=np.uint8),
+              "experts.gate_up_proj_scales": rng.integers(120, 134, (2, 6, 2), dtype=np.uint8),
+              "experts.gate_up_proj_bias": rng.normal(size=(2, 6)).astype(np.float32),
+              "norm.weight": rng.normal(size=(70,)).astype(ml_dtypes.bfloat16), "layer_scales": np.ones(3, np.float32)}
+    safetensors_files.write(str(tmp_path / "model.safetensors"), stored)
+    read = dequantize.Dequantized(safetensors_files.read_model_dir(str(tmp_path)))
+    assert sorted(read) == ["a.weight", "experts.gate_up_proj", "experts.gate_up_proj_bias", "layer_scales",
+                            "norm.weight"]
+    assert read.quantized() == {"a.weight": "fp8", "experts.gate_up_proj": "mxfp4"}
+    np.testing.assert_array_equal(read["a.weight"], reference_fp8(stored["a.weight"], stored["a.weight_scale_inv"]))
+    gate_up = reference_mxfp4(stored["experts.gate_up_proj_blocks"], stored["experts.gate_up_proj_scales"])
+    np.testing.assert_array_equal(read["experts.gate_up_proj"], np.swapaxes(gate_up, 1, 2))  # [E, in 64, out 6]
+    assert read["norm.weight"].tobytes() == stored["norm.weight"].tobytes() and "a.weight_scale_inv" not in read
+
+    # A Llama whose projections are stored as fp8 in 128x128 blocks (the embedding and norms stay as they are).
+    config = config_lib.load_config([str(REPO / "configs" / "base.yml"), "base_emb_dim=160", "base_num_query_heads=2",
+                                     "base_num_kv_heads=1", "head_dim=32", "base_mlp_dim=136",
+                                     "base_num_decoder_layers=1", "vocab_size=256"])
+    keys = {k: getattr(config, k) for k in models.MODEL_KEYS}
+    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), models.param_specs(
+        convert.spec_config(keys)), is_leaf=models.is_spec)
+    hf, quantised = convert.to_hf(params, keys, np.float32), {}
+    for name, w in hf.items():
+        if name.endswith("proj.weight"):
+            scale_inv = rng.uniform(0.05, 0.2, (-(-w.shape[0] // 128), -(-w.shape[1] // 128))).astype(np.float32)
+            quantised[name] = random_fp8(rng, w.shape)
+            quantised[name + "_scale_inv"] = scale_inv
+            hf[name] = reference_fp8(quantised[name], scale_inv)
+        else:
+            quantised[name] = w
+    hf_dir = tmp_path / "fp8_llama"
+    hf_dir.mkdir()
+    safetensors_files.write(str(hf_dir / "model.safetensors"), quantised)
+    (hf_dir / "config.json").write_text(json.dumps(convert.hf_config(keys, None, "float32")))
+    notes = []
+    convert.import_hf(str(hf_dir), str(tmp_path / "out"), log=notes.append)
+    assert "note: dequantised 7 fp8 tensors" in notes
+    imported = checkpoint_files.read_params(str(tmp_path / "out"))
+    expected = convert.to_maxtrain(hf, keys)
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, imported), expected)
