@@ -86,7 +86,9 @@ class Run:
             state = jax.jit(lambda k: train_step.init_state(self.config, self.rt, self.tx, k, teacher=False),
                             out_shardings=shardings)(key)
         if "teacher" in self.shardings:
-            state["teacher"] = distillation.load_teacher(self.config, self.abstract_state["teacher"])
+            state["teacher"] = checkpoint_files.load_params(  # refused if it does not fit its recorded settings
+                self.config.distill_teacher_path, self.abstract_state["teacher"],
+                distillation.teacher_config(self.config), key="distill_teacher_path")
         return state
 
     def model_params(self, state: dict) -> dict:

@@ -2,7 +2,7 @@
 
     config = distillation.adopt_teacher(config)   # once, with the config: the teacher's model settings
     teacher_config = distillation.teacher_config(config)
-    params = distillation.load_teacher(config, abstract_teacher)   # sharded like the student's
+    builder.Run.init reads its params from distill_teacher_path, sharded like the student's
 
 The teacher is a checkpoint (distill_teacher_path: a maxtrain run, or a Hugging Face model imported
 with scripts/convert_hf.py); its model settings come from the checkpoint's metadata, so it may be
@@ -56,10 +56,3 @@ def adopt_teacher(config, log=print):
 def teacher_config(config):
     """The student's config with the teacher's model keys: what the teacher's forward pass reads."""
     return config.replace(**config.to_dict()[KEY])
-
-
-def load_teacher(config, abstract_teacher: dict) -> dict:
-    """The teacher's params from distill_teacher_path, placed with abstract_teacher's shardings; a checkpoint
-    that does not fit the recorded settings is refused (checkpoint_files.load_params)."""
-    return checkpoint_files.load_params(config.distill_teacher_path, abstract_teacher, teacher_config(config),
-                                        key="distill_teacher_path")
