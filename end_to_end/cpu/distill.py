@@ -2,6 +2,7 @@
 same steps than the same student trained on the data alone.
 
     python end_to_end/cpu/distill.py [--teacher-steps 120] [--steps 100] [--alpha 0.5] [--temperature 1.0]
+    python end_to_end/cpu/distill.py --memory    # only the compiled memory of the student's step, alone and distilled
 
 Every run takes 8 sequences of 256 tokens a step (half the default batch, to fit ~10 minutes on a
 busy 2-core CPU).
@@ -15,6 +16,11 @@ busy 2-core CPU).
 
 PASS when the distilled student's final next-token eval loss is below the other's (measured with the
 defaults on the 2-core CPU: docs/post_training.md, "Distillation").
+
+--memory compiles the student's train step (no training, no teacher checkpoint: the default model's
+settings stand in for it) with num_vocab_tiling 1 and 4, on the data alone and distilled, and prints
+XLA's memory analysis: the teacher adds its params to the arguments and no optimizer state or
+gradients. Its verdict: PASS when distillation adds exactly the teacher's params to the arguments.
 """
 
 from __future__ import annotations
@@ -26,6 +32,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain import config as config_lib  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain import models  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain.training import builder, distillation  # noqa: E402  pylint: disable=wrong-import-position
 
 COMMON = ["per_device_batch_size=8", "enable_tensorboard=false", "viz_period=-1", "max_new_tokens=0", "eval_interval=25"]
 STUDENT = ["base_num_decoder_layers=2", "base_emb_dim=128", "base_num_query_heads=2", "base_num_kv_heads=2",
@@ -44,6 +53,29 @@ def cost(log: str) -> str:
     return f"{median}; {memory.group(0) if memory else 'no memory line'}"
 
 
+def memory() -> int:
+    """The compiled memory of the student's step, alone and distilled, untiled and tiled."""
+    base = ["configs/base.yml", *COMMON[:1]]
+    teacher = config_lib.load_config(base)
+    teacher_bytes = models.num_params(teacher) * 4
+    extra = {}
+    print("num_vocab_tiling  run         arguments MiB  temporaries MiB  outputs MiB")
+    for tiles in (1, 4):
+        for distilled in (False, True):
+            config = config_lib.load_config([*base, *STUDENT, f"num_vocab_tiling={tiles}"] + (
+                ["use_distillation=true", "distill_teacher_path=none"] if distilled else []))
+            if distilled:  # the teacher's settings, as adopt_teacher records them from its checkpoint
+                config = config_lib.Config({**config.to_dict(),
+                                            distillation.KEY: {k: getattr(teacher, k) for k in models.MODEL_KEYS}})
+            m = builder.build(config).compile().memory_analysis()
+            extra[distilled] = m.argument_size_in_bytes
+            print(f"{tiles:16d}  {'distilled' if distilled else 'data alone':10s}  {m.argument_size_in_bytes / 2**20:13.2f}  "
+                  f"{m.temp_size_in_bytes / 2**20:15.2f}  {m.output_size_in_bytes / 2**20:11.2f}", flush=True)
+    added = extra[True] - extra[False]
+    return common.verdict("distill-memory", added == teacher_bytes, f"distillation adds {added / 2**20:.2f} MiB of "
+                          f"arguments; the teacher's params are {teacher_bytes / 2**20:.2f} MiB")
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="distill", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,7 +83,10 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--alpha", type=float, default=0.5)
     parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--memory", action="store_true", help="only the compiled memory of the student's step")
     args = parser.parse_args(argv)
+    if args.memory:
+        return memory()
     common.positive(parser, "--teacher-steps", args.teacher_steps)
     common.positive(parser, "--steps", args.steps)
     out = common.out_dir("distill")
