@@ -347,6 +347,24 @@ ROWS = [
                                         "eval_data_columns=[prompt,chosen,rejected]"],
         r"rows.jsonl line 1: a DPO row needs 'prompt', 'chosen' and 'rejected', but 'rejected' is missing", tiny=True,
         setup=jsonl_file([{"prompt": "1+1=", "chosen": "2"}])),
+    # train: distillation (docs/post_training.md, "Distillation"); refused before any data or compile work
+    Row("distill-no-teacher", T, [B, "use_distillation=true"], r"use_distillation=true needs a teacher: set "
+        r"distill_teacher_path="),
+    Row("distill-alpha-above-one", T, [B, "distill_alpha=1.5"], r"distill_alpha=1.5 is not allowed: it must be in "
+        r"\[0, 1\]"),
+    Row("distill-temperature-zero", T, [B, "distill_temperature=0"], r"distill_temperature=0.0 is not allowed: it "
+        r"must be > 0"),
+    Row("distill-and-dpo", T, [B, "use_distillation=true", "distill_teacher_path={run}", "use_dpo=true",
+                               "dataset_type=jsonl", "grain_train_files=x.jsonl",
+                               "train_data_columns=[prompt,chosen,rejected]", "eval_data_columns=[prompt,chosen,rejected]"],
+        r"use_distillation=true and use_dpo=true were both set; a run has one objective"),
+    Row("distill-teacher-missing", T, [B, "use_distillation=true", "distill_teacher_path={scratch}/none",
+                                       "run_name=new", "base_output_directory={scratch}"],
+        r"distill_teacher_path='.*/none' does not exist", tiny=True),
+    Row("distill-teacher-other-vocab", T, [B, "use_distillation=true", "distill_teacher_path={run}", "vocab_size=256",
+                                           "run_name=new", "base_output_directory={scratch}"],
+        r"the teacher .*/run/checkpoints/4 predicts a vocabulary of 512 tokens and the student 256; .* same tokenizer",
+        tiny=True),
     # train: YAML files
     Row("yaml-missing", T, ["{scratch}/none.yml"], r"config file '.*/none.yml' does not exist"),
     Row("yaml-empty", T, ["{scratch}/my.yml"], r"config file '.*/my.yml' is empty", setup=yaml_file("")),

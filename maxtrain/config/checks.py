@@ -321,6 +321,22 @@ CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_le
           _eval_tasks_known)
 
 
+def _distillation_settings(v):
+    """Distillation needs its teacher, and has the run's one objective; the teacher runs no pipeline stages."""
+    if not v["use_distillation"]:
+        return
+    _require(not v["use_dpo"], "use_distillation=true and use_dpo=true were both set; a run has one objective. "
+                               "Distill first, then run DPO from its checkpoint with load_parameters_path=<that run>")
+    _require(bool(v["distill_teacher_path"]), "use_distillation=true needs a teacher: set distill_teacher_path=<a "
+                                              "checkpoint step dir or run dir> (scripts/convert_hf.py imports a "
+                                              "Hugging Face model as one)")
+    _require(_ways(v, "stage") in (1, None), "use_distillation=true does not run with pipeline parallelism yet; set "
+                                             "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
+
+
+CHECKS += (_distillation_settings,)
+
+
 def _divisor_hint(n: int, near: int) -> int:
     divisors = [d for d in range(1, min(n, 100_000) + 1) if n % d == 0]
     return min(divisors, key=lambda d: (abs(d - near), d))

@@ -9,6 +9,7 @@
     moe.py        the mixture-of-experts block: routers, dropless and capacity dispatch, experts,
                   balance losses, expert parallelism (docs/moe.md)
     decoder.py    the stack every family shares: layer types, scan over repeating groups, loss, decoding
+    distill.py    distillation's loss: KL to a frozen teacher's logits mixed with the next-token loss, tiled
     runtime.py    dtype, attention implementation, remat policy and vocab tiles resolved for a platform
     lora.py       LoRA adapters: their declarations, initialization and merge into the weights
     sampling.py   sampling with the KV cache: greedy, temperature, top-k, top-p
@@ -23,7 +24,7 @@ never training, checkpointing, data or the commands.
 
 from __future__ import annotations
 
-from maxtrain.models import decoder, moe
+from maxtrain.models import decoder, distill, moe
 from maxtrain.models import params as params_lib
 from maxtrain.models.families import FAMILIES
 from maxtrain.models.params import ParamSpec, Params, count, is_spec
@@ -47,7 +48,7 @@ MOE_KEYS = ("num_experts", "base_moe_mlp_dim", "decoder_sparse_step", "mlp_only_
             "norm_topk_prob")
 
 __all__ = ["FAMILIES", "MODEL_KEYS", "MOE_KEYS", "SHAPE_KEYS", "SETTING_KEYS", "ParamSpec", "Params", "Runtime", "REMAT_POLICIES",
-           "PROJECTION_NAMES", "family", "param_specs", "num_params", "num_active_params", "is_moe", "init_params", "forward", "loss_fn",
+           "PROJECTION_NAMES", "family", "param_specs", "num_params", "num_active_params", "is_moe", "init_params", "forward", "loss_fn", "distill_loss_fn",
            "objective", "init_cache", "forward_with_cache", "flops_per_token", "is_spec"]
 
 
@@ -91,6 +92,14 @@ def forward(params: Params, tokens, positions, segment_ids, config, rt: Runtime)
 def loss_fn(params: Params, batch: dict, config, rt: Runtime):
     """(cross-entropy sum, weight sum, aux) for a batch of inputs/targets/positions/segment_ids/loss_weights."""
     return decoder.loss_fn(family(config), params, batch, config, rt)
+
+
+def distill_loss_fn(params: Params, teacher_params: Params, batch: dict, config, teacher_config, rt: Runtime,
+                    alpha: float, temperature: float):
+    """(mixed loss sum, weight sum, aux, KL sum, next-token sum) of a student distilled from a frozen
+    teacher of the same vocabulary (models/distill.py)."""
+    return distill.loss_fn(family(config), params, family(teacher_config), teacher_params, batch, config,
+                           teacher_config, rt, alpha, temperature)
 
 
 def objective(loss_sum, weight_sum, aux: dict):

@@ -227,6 +227,12 @@ def _hidden(family, params, tokens, positions, segment_ids, config, rt):
     return x, aux
 
 
+def hidden(family, params, tokens, positions, segment_ids, config, rt):
+    """(final hidden states [B, T, D], aux) before the logits: distillation (models/distill.py) runs the
+    student and the teacher this far, then both heads a chunk at a time."""
+    return _hidden(family, params, tokens, positions, segment_ids, config, rt)
+
+
 def _forward(family, params, tokens, positions, segment_ids, config, rt):
     x, aux = _hidden(family, params, tokens, positions, segment_ids, config, rt)
     return family.logits(params, x, config, rt), aux

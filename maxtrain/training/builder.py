@@ -23,7 +23,7 @@ import optax
 from maxtrain.checkpointing import manager as checkpoint_lib
 from maxtrain import config as config_lib
 from maxtrain.checkpointing import files as checkpoint_files
-from maxtrain.training import host_memory, objectives, optimizer, train_step
+from maxtrain.training import distillation, host_memory, objectives, optimizer, train_step
 from maxtrain.observability import metrics
 from maxtrain import models, storage
 from maxtrain.parallel import sharding
@@ -35,8 +35,8 @@ from maxtrain.parallel import stages as pipeline_lib
 
 def load_config(argv: list[str], log=print):
     """The config of argv, with a checkpoint's model settings adopted where the user chose none
-    (`load_parameters_path=OUT` alone fine-tunes an imported model)."""
-    return checkpoint_files.adopt_model_settings(config_lib.load_config(argv), log)
+    (`load_parameters_path=OUT` alone fine-tunes an imported model), and a distillation teacher's."""
+    return distillation.adopt_teacher(checkpoint_files.adopt_model_settings(config_lib.load_config(argv), log), log)
 
 
 def runtime(config, platform: str, mesh) -> models.Runtime:
@@ -79,10 +79,17 @@ class Run:
     pipeline: Any = None         # models.pipeline.Schedule with pipeline stages, else None
 
     def init(self, key) -> dict:
-        """A fresh train state, created sharded on the devices."""
+        """A fresh train state, created sharded on the devices; a distillation teacher is read from its
+        checkpoint into its shardings (never initialized first)."""
+        shardings = {k: v for k, v in self.shardings.items() if k != "teacher"}
         with sharding.activation_sharding(self.mesh, self.config.logical_axis_rules):
-            return jax.jit(lambda k: train_step.init_state(self.config, self.rt, self.tx, k),
-                           out_shardings=self.shardings)(key)
+            state = jax.jit(lambda k: train_step.init_state(self.config, self.rt, self.tx, k, teacher=False),
+                            out_shardings=shardings)(key)
+        if "teacher" in self.shardings:
+            state["teacher"] = checkpoint_files.load_params(  # refused if it does not fit its recorded settings
+                self.config.distill_teacher_path, self.abstract_state["teacher"],
+                distillation.teacher_config(self.config), key="distill_teacher_path")
+        return state
 
     def model_params(self, state: dict) -> dict:
         """The weights the model computes with (LoRA adapters merged in), for sampling and heatmaps."""
@@ -118,7 +125,7 @@ def state_shardings(config, mesh, tx, abstract_state) -> dict:
     out = jax.tree.map(lambda _: replicated, {k: v for k, v in abstract_state.items() if k != "opt_state"})
     for name, specs in train_step.state_specs(config).items():
         for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=models.is_spec)[0]:
-            what = "param" if name in ("params", "reference") else name
+            what = "param" if name in ("params", "reference", "teacher") else name
             sharding.check_divisible(f"{what} " + jax.tree_util.keystr(path), spec.shape, spec.axes, mesh, rules)
         out[name] = jax.tree.map(lambda s: sharding.named_sharding(mesh, s.axes, rules), specs, is_leaf=models.is_spec)
     trainable = out[train_step.trainable_key(abstract_state)]
@@ -132,6 +139,7 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
     own them."""
     devices = list(jax.devices() if devices is None else devices)
     platform = platform or platform_of(devices[0])
+    config = distillation.adopt_teacher(config, log=lambda *_: None)  # done by load_config for a run (and logged)
     if num_processes is None:
         num_processes = len({getattr(d, "process_index", 0) for d in devices})
     config = config_lib.with_devices(config, len(devices), num_processes)
@@ -257,8 +265,8 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
     trainable = jax.tree.leaves(state[train_step.trainable_key(state)])
     n_trainable = sum(x.size for x in trainable)
     opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state["opt_state"]))
-    frozen = sum(x.size for k in ("params", "reference") if k in state and k != train_step.trainable_key(state)
-                 for x in jax.tree.leaves(state[k]))
+    frozen = sum(x.size for k in ("params", "reference", "teacher")
+                 if k in state and k != train_step.trainable_key(state) for x in jax.tree.leaves(state[k]))
     lines = [
         f"model: {config.model_name} ({config.decoder_block})  params {models.num_params(config) / 1e6:,.2f}M  "
         f"layers {config.base_num_decoder_layers}  D {config.base_emb_dim}  heads "
@@ -277,6 +285,8 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
         f"objective: {objectives.name(config)}"
         + (f" (beta {config.dpo_beta}, label smoothing {config.dpo_label_smoothing}, frozen reference)"
            if config.use_dpo else "")
+        + (f" (alpha {config.distill_alpha:g}, temperature {config.distill_temperature:g}, frozen teacher)"
+           if config.use_distillation else "")
         + (f"  LoRA rank {config.lora_rank} alpha {config.lora_alpha} on {','.join(config.lora_target_modules)}"
            if config.lora_rank else "")
         + f"  trainable {n_trainable / 1e6:,.3f}M ({100 * n_trainable / max(models.num_params(config), 1):.2f}% of the"

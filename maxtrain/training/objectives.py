@@ -1,4 +1,4 @@
-"""What training minimizes: lm, sft and dpo, each a pure function of (params, batch, reference).
+"""What training minimizes: lm, sft, dpo and distill, each a pure function of (params, batch, reference).
 
     objective = objectives.make(config, rt)
     loss_sum, weight_sum, metrics = objective(params, batch, reference)
@@ -20,6 +20,11 @@ which objective it runs. Metrics are means over the micro-batch's weight, report
               r_c = beta (log pi(chosen) - log ref(chosen))      r_r = the same for rejected
               loss = -(1 - eps) log sigmoid(r_c - r_r) - eps log sigmoid(r_r - r_c)
           summed over pairs (eps = dpo_label_smoothing); the weight is the number of pairs.
+    distill  knowledge distillation: `reference` is the frozen teacher (training/distillation.py),
+          per weighted target alpha T^2 KL(teacher || student at temperature T) + (1 - alpha) x
+          cross-entropy (models/distill.py); the weight is the number of weighted targets. Both parts
+          are reported, as means per target: distill_kl and distill_ce (the student's next-token loss,
+          comparable with an lm run's loss).
 """
 
 from __future__ import annotations
@@ -28,12 +33,13 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain import models
+from maxtrain.training import distillation
 
-OBJECTIVES = ("lm", "sft", "dpo")
+OBJECTIVES = ("lm", "sft", "dpo", "distill")
 
 
 def name(config) -> str:
-    return "dpo" if config.use_dpo else "sft" if config.use_sft else "lm"
+    return "distill" if config.use_distillation else "dpo" if config.use_dpo else "sft" if config.use_sft else "lm"
 
 
 def needs_reference(config) -> bool:
@@ -45,6 +51,9 @@ def make(config, rt: models.Runtime):
     kind = name(config)
     if kind == "dpo":
         return lambda params, batch, reference: dpo(params, batch, reference, config, rt)
+    if kind == "distill":
+        teacher_config = distillation.teacher_config(config)
+        return lambda params, batch, teacher: distill(params, batch, teacher, config, teacher_config, rt)
     return lambda params, batch, reference: lm(params, batch, config, rt)
 
 
@@ -113,3 +122,12 @@ def dpo(params, batch: dict, reference, config, rt):
         "dpo_rejected_logp": mean(pr),
     }
     return jnp.sum(loss * mask), pairs, metrics
+
+
+def distill(params, batch: dict, teacher, config, teacher_config, rt):
+    """(sum of alpha T^2 KL + (1 - alpha) CE over weighted targets, their weight, metrics); the teacher is
+    never differentiated (models/distill.py stops its gradient)."""
+    loss, weight, aux, kl_sum, ce_sum = models.distill_loss_fn(params, teacher, batch, config, teacher_config, rt,
+                                                               config.distill_alpha, config.distill_temperature)
+    per_target = jnp.maximum(weight, 1.0)
+    return loss, weight, {**aux, "distill_kl": kl_sum / per_target, "distill_ce": ce_sum / per_target}

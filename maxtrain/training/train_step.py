@@ -6,6 +6,7 @@ and, for post-training,
     "lora":      LoRA adapters (lora_rank > 0): then they alone train, and "params" stay frozen
     "reference": DPO's frozen reference model, the starting params (without LoRA; with LoRA the
                  frozen "params" are the reference)
+    "teacher":   distillation's frozen teacher, a model of its own (training/distillation.py)
 Which leaves train is `trainable_key(state)`; what the objective minimizes is objectives.make's
 choice (lm, sft or dpo). The step itself is the same for all of them.
 
@@ -28,7 +29,7 @@ import optax
 
 from maxtrain.models import lora
 from maxtrain import models
-from maxtrain.training import objectives, precision
+from maxtrain.training import distillation, objectives, precision
 from maxtrain.parallel import sharding
 from maxtrain.training.optimizer import make_schedule
 
@@ -40,6 +41,8 @@ def state_specs(config) -> dict:
         specs["lora"] = lora.adapter_specs(config)
     elif objectives.needs_reference(config):
         specs["reference"] = specs["params"]
+    if config.use_distillation:
+        specs["teacher"] = models.param_specs(distillation.teacher_config(config))
     return specs
 
 
@@ -56,11 +59,16 @@ def model_params(state: dict, config, trainable=None) -> dict:
 
 
 def reference_params(state: dict):
-    """DPO's frozen reference: its own copy, or (LoRA) the frozen params; None when the run has none."""
+    """The objective's frozen model: distillation's teacher; DPO's reference, its own copy or (LoRA) the
+    frozen params; None when the run has none."""
+    if "teacher" in state:
+        return state["teacher"]
     return state.get("reference", state["params"] if "lora" in state else None)
 
 
-def init_state(config, rt: models.Runtime, tx: optax.GradientTransformation, key) -> dict:
+def init_state(config, rt: models.Runtime, tx: optax.GradientTransformation, key, teacher: bool = True) -> dict:
+    """A fresh state; a distillation teacher is randomly initialized here (its shapes; `teacher=False`
+    leaves it out for the caller to load: builder.Run.init)."""
     init_key, rng = jax.random.split(key)
     state = {
         "step": jnp.asarray(0, jnp.int32),
@@ -73,6 +81,8 @@ def init_state(config, rt: models.Runtime, tx: optax.GradientTransformation, key
         state["lora"] = lora.init(config, jax.random.fold_in(init_key, 0x10A))
     if "reference" in specs:
         state["reference"] = jax.tree.map(jnp.copy, state["params"])
+    if "teacher" in specs and teacher:
+        state["teacher"] = models.init_params(distillation.teacher_config(config), jax.random.fold_in(init_key, 0x7EAC))
     state["opt_state"] = tx.init(state[trainable_key(state)])
     return state
 
