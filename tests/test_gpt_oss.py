@@ -1,0 +1,151 @@
+"""What is particular to gpt-oss: attention sinks, the clamped SwiGLU experts with biases, the same loss
+and gradients on a mesh as on one device, the kernels' refusal of sinks, and its config errors.
+
+Parity with transformers is in test_families.py, parameter counts and FLOPs in test_presets.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import BASE_YML, TINY
+from maxtrain import models
+from maxtrain.config import ConfigError, load_config, with_overrides
+from maxtrain.models import attention, moe
+from maxtrain.parallel import sharding
+from maxtrain.training import builder
+from test_sharding import GLOBAL_BATCH, batches
+
+GPT_OSS = ["decoder_block=gpt_oss", "num_experts=4", "num_experts_per_tok=2", "sliding_window_size=8",
+           "mlp_activations_limit=1.0"]
+
+
+def _reference_with_sink_column(q, k, v, mask, sinks, scale):
+    """transformers' formulation: the sink as a concatenated column of the scores, dropped after the softmax."""
+    b, t, n, h = q.shape
+    r = n // k.shape[2]
+    k, v = jnp.repeat(k, r, axis=2), jnp.repeat(v, r, axis=2)
+    scores = jnp.einsum("btnh,bsnh->bnts", q, k) * scale
+    scores = jnp.where(mask[:, None], scores, -1e30)
+    column = jnp.broadcast_to(sinks[None, :, None, None], (b, n, t, 1))
+    probs = jax.nn.softmax(jnp.concatenate([scores, column], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bnts,bsnh->btnh", probs, v)
+
+
+@pytest.mark.parametrize("form", ["reference", "heads_major", "causal_chunks"])
+def test_sinks_are_one_more_softmax_column(form):
+    b, t, n, g, h = 2, 40, 4, 2, 8
+    keys = jax.random.split(jax.random.key(0), 5)
+    q, k, v = (jax.random.normal(keys[i], (b, t, n if i == 0 else g, h)) for i in range(3))
+    sinks = 2.0 * jax.random.normal(keys[3], (n,))
+    segments = jnp.ones((b, t), jnp.int32).at[1, 15:].set(2)
+    mask = attention.make_attention_mask(segments, segments, sliding_window=12)
+
+    def ours(q, k, v, sinks):
+        if form == "causal_chunks":  # two chunks of 20 queries
+            return attention.causal_chunks(q, k, v, segments, sliding_window=12, scale=0.3, min_chunk=16, sinks=sinks)
+        return attention.dot_product_attention(q, k, v, mask, scale=0.3, heads_major=form == "heads_major",
+                                               sinks=sinks)
+
+    def reference(q, k, v, sinks):
+        return _reference_with_sink_column(q, k, v, mask, sinks, 0.3)
+
+    cotangent = jax.random.normal(keys[4], (b, t, n, h))
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(np.asarray(jax.jit(ours)(q, k, v, sinks)),
+                                   np.asarray(jax.jit(reference)(q, k, v, sinks)), rtol=1e-5, atol=1e-5)
+        got, want = (jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cotangent), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+                     for f in (ours, reference))
+        for a, e in zip(got, want):  # the sinks' gradient included
+            np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(e))))
+        # A sink far below every score takes nothing: plain attention.
+        plain = attention.dot_product_attention(q, k, v, mask, scale=0.3)
+        np.testing.assert_allclose(np.asarray(jax.jit(ours)(q, k, v, jnp.full((n,), -1e4))), np.asarray(plain),
+                                   atol=1e-6)
+
+
+def test_the_kernels_refuse_sinks_and_autoselected_runs_dot_product():
+    for platform in ("cpu", "gpu", "tpu"):
+        assert attention.resolve_implementation("autoselected", platform, sinks=True) == "dot_product"
+    with pytest.raises(ValueError, match=r"attention=flash does not implement sinks=True, which this model uses\. "
+                                         r"Use attention=dot_product or autoselected"):
+        attention.resolve_implementation("flash", "gpu", sinks=True)
+    with pytest.raises(ValueError, match=r"attention=cudnn does not implement sinks=True.*attention=dot_product"):
+        attention.resolve_implementation("cudnn", "gpu", dtype=jnp.bfloat16, sinks=True)
+    config = load_config([BASE_YML, *TINY, *GPT_OSS, "attention=flash"])
+    with pytest.raises(ValueError, match="attention=flash does not implement sinks"):
+        models.Runtime.from_config(config, "tpu")
+    q = jnp.zeros((1, 16, 2, 16))
+    with pytest.raises(ValueError, match="does not implement sinks=True; use attention=dot_product"):
+        attention.attention(q, q, q, jnp.ones((1, 16), jnp.int32), implementation="flash", platform="cpu",
+                            sinks=jnp.zeros(2))
+
+
+def test_clamped_swiglu_is_gpt_oss_activation():
+    s = moe.Settings(num_experts=2, top_k=1, router="topk_softmax", norm_topk_prob=True, dispatch="dropless",
+                     capacity_factor=1.0, load_balance_loss_weight=0.0, router_z_loss_weight=0.0, num_moe_layers=1,
+                     dtype=jnp.float32, activation="clamped_swiglu", alpha=1.702, limit=7.0)
+    gate = np.array([-9.0, -1.0, 0.5, 6.0, 9.0], np.float32)
+    up = np.array([-9.0, 3.0, -0.5, 8.0, 2.0], np.float32)
+    g, u = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
+    want = g / (1 + np.exp(-1.702 * g)) * (u + 1)
+    np.testing.assert_allclose(np.asarray(moe.gated(jnp.asarray(gate), jnp.asarray(up), s)), want, rtol=1e-6)
+
+
+def _random_biases(params, key):
+    """Every bias and sink drawn at random (they start at zero), so that the mesh test exercises them."""
+    def draw(path, a):
+        name = jax.tree_util.keystr(path[-1:])
+        if any(b in name for b in ("'b", "sinks")):
+            return 0.5 * jax.random.normal(jax.random.fold_in(key, hash(name) % 1000), a.shape, a.dtype)
+        return a
+    return jax.tree_util.tree_map_with_path(draw, params)
+
+
+def tiny(*overrides):
+    return load_config(with_overrides(with_overrides([BASE_YML, *TINY], *GPT_OSS), *overrides))
+
+
+def _loss_and_grads(n_devices, *overrides):
+    config = tiny(f"per_device_batch_size={GLOBAL_BATCH // n_devices}", *overrides)
+    run = builder.build(config, devices=tuple(jax.devices()[:n_devices]))
+    batch = jax.tree.map(lambda a: a[0], next(batches(run.config)))
+    with sharding.activation_sharding(run.mesh, run.config.logical_axis_rules):
+        params = run.init(jax.random.key(0))["params"]
+        params = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding),
+                              _random_biases(jax.device_get(params), jax.random.key(1)), params)
+        batch = jax.device_put(batch, run.eval_batch_sharding)
+
+        def mean_loss(p):
+            loss, weight, aux = models.loss_fn(p, batch, run.config, run.rt)
+            return models.objective(loss, weight, aux) / weight
+        loss, grads = jax.jit(jax.value_and_grad(mean_loss))(params)
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+@pytest.mark.slow
+def test_context_expert_and_tensor_parallel_mesh_gives_one_device_loss_and_gradients():
+    """Sinks under context parallelism, expert biases on experts split over `expert` and their hidden
+    axis over `tensor` (b_down added once, after the tensor sum): the loss and every gradient of one device.
+    One device dispatches by capacity with room for every token, the mesh dropless: both add the biases alike."""
+    ref_loss, ref_grads = _loss_and_grads(1, "ici_fsdp_parallelism=1", "moe_dispatch=capacity", "capacity_factor=2.0")
+    loss, grads = _loss_and_grads(8, "ici_fsdp_parallelism=1", "ici_context_parallelism=2", "ici_expert_parallelism=2",
+                                  "ici_tensor_parallelism=2", "moe_dispatch=dropless")
+    assert loss == pytest.approx(ref_loss, rel=1e-5)
+    for (path, ref), got in zip(jax.tree_util.tree_flatten_with_path(ref_grads)[0], jax.tree.leaves(grads)):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-5 * np.max(np.abs(ref)), err_msg=jax.tree_util.keystr(path))
+    assert np.max(np.abs(ref_grads["layers"]["moe"]["sinks"])) > 0 and np.max(np.abs(ref_grads["layers"]["moe"]["b_down"])) > 0
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["mlp_only_layers=[1]"], "decoder_block=gpt_oss has experts in every layer"),
+    (["norm_topk_prob=false"], "decoder_block=gpt_oss always renormalizes"),
+    (["mlp_activations_limit=0"], "mlp_activations_limit"),
+    (["num_experts_per_tok=5"], "num_experts_per_tok=5 is more than num_experts=4"),
+])
+def test_impossible_settings_are_clear_errors(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        tiny(*overrides)
