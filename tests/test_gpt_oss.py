@@ -1,5 +1,6 @@
-"""What is particular to gpt-oss: attention sinks, the clamped SwiGLU experts with biases, the same loss
-and gradients on a mesh as on one device, the kernels' refusal of sinks, and its config errors.
+"""What is particular to gpt-oss: attention sinks (dot_product, the flash and splash kernels, cuDNN's
+refusal), the clamped SwiGLU experts with biases, the same loss and gradients on a mesh as on one
+device, and its config errors.
 
 Parity with transformers is in test_families.py, parameter counts and FLOPs in test_presets.py.
 """
@@ -35,8 +36,9 @@ def _reference_with_sink_column(q, k, v, mask, sinks, scale):
     return jnp.einsum("bnts,bsnh->btnh", probs, v)
 
 
-@pytest.mark.parametrize("form", ["reference", "heads_major", "causal_chunks"])
-def test_sinks_are_one_more_softmax_column(form):
+def test_sinks_are_one_more_softmax_column():
+    """dot_product_attention in both layouts and the CPU's causal chunks, values and gradients (the sinks'
+    included), against transformers' formulation."""
     b, t, n, g, h = 2, 40, 4, 2, 8
     keys = jax.random.split(jax.random.key(0), 5)
     q, k, v = (jax.random.normal(keys[i], (b, t, n if i == 0 else g, h)) for i in range(3))
@@ -44,43 +46,72 @@ def test_sinks_are_one_more_softmax_column(form):
     segments = jnp.ones((b, t), jnp.int32).at[1, 15:].set(2)
     mask = attention.make_attention_mask(segments, segments, sliding_window=12)
 
-    def ours(q, k, v, sinks):
-        if form == "causal_chunks":  # two chunks of 20 queries
-            return attention.causal_chunks(q, k, v, segments, sliding_window=12, scale=0.3, min_chunk=16, sinks=sinks)
-        return attention.dot_product_attention(q, k, v, mask, scale=0.3, heads_major=form == "heads_major",
-                                               sinks=sinks)
+    def forms(q, k, v, sinks):
+        return (attention.dot_product_attention(q, k, v, mask, scale=0.3, sinks=sinks),
+                attention.dot_product_attention(q, k, v, mask, scale=0.3, heads_major=True, sinks=sinks),
+                # two chunks of 20 queries
+                attention.causal_chunks(q, k, v, segments, sliding_window=12, scale=0.3, min_chunk=16, sinks=sinks))
 
     def reference(q, k, v, sinks):
         return _reference_with_sink_column(q, k, v, mask, sinks, 0.3)
 
+    def values_and_grads(f):
+        def one(*args):
+            out, pull = jax.vjp(f, *args)
+            return out, pull(cotangent)
+        return jax.jit(one)(q, k, v, sinks)
+
     cotangent = jax.random.normal(keys[4], (b, t, n, h))
     with jax.default_matmul_precision("highest"):
-        np.testing.assert_allclose(np.asarray(jax.jit(ours)(q, k, v, sinks)),
-                                   np.asarray(jax.jit(reference)(q, k, v, sinks)), rtol=1e-5, atol=1e-5)
-        got, want = (jax.jit(jax.grad(lambda *a, f=f: jnp.sum(f(*a) * cotangent), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
-                     for f in (ours, reference))
-        for a, e in zip(got, want):  # the sinks' gradient included
-            np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-4 * float(jnp.max(jnp.abs(e))))
+        want_out, want_grads = values_and_grads(reference)
+        for i in range(3):
+            out, grads = values_and_grads(lambda *a, i=i: forms(*a)[i])
+            np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), rtol=1e-5, atol=1e-5)
+            for a, e in zip(grads, want_grads):  # the sinks' gradient included
+                np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4,
+                                           atol=1e-4 * float(jnp.max(jnp.abs(e))))
         # A sink far below every score takes nothing: plain attention.
         plain = attention.dot_product_attention(q, k, v, mask, scale=0.3)
-        np.testing.assert_allclose(np.asarray(jax.jit(ours)(q, k, v, jnp.full((n,), -1e4))), np.asarray(plain),
+        np.testing.assert_allclose(np.asarray(jax.jit(forms)(q, k, v, jnp.full((n,), -1e4))[1]), np.asarray(plain),
                                    atol=1e-6)
 
 
-def test_the_kernels_refuse_sinks_and_autoselected_runs_dot_product():
-    for platform in ("cpu", "gpu", "tpu"):
-        assert attention.resolve_implementation("autoselected", platform, sinks=True) == "dot_product"
-    with pytest.raises(ValueError, match=r"attention=flash does not implement sinks=True, which this model uses\. "
-                                         r"Use attention=dot_product or autoselected"):
-        attention.resolve_implementation("flash", "gpu", sinks=True)
-    with pytest.raises(ValueError, match=r"attention=cudnn does not implement sinks=True.*attention=dot_product"):
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+def test_the_flash_kernels_add_the_sinks_exactly(platform):
+    """The Triton kernel (sinks applied to its output and log-sum-exp) and the splash kernel (which has
+    them), interpreted on CPU: output and gradients of q, k, v and the sinks, against dot_product."""
+    b, t, n, g, h = 1, 64, 4, 2, 32
+    keys = jax.random.split(jax.random.key(0), 5)
+    q, k, v = (jax.random.normal(keys[i], (b, t, n if i == 0 else g, h)) for i in range(3))
+    sinks, cotangent = 2.0 * jax.random.normal(keys[3], (n,)), jax.random.normal(keys[4], (b, t, n, h))
+    segments = jnp.ones((b, t), jnp.int32).at[0, 40:].set(2)
+    block = 32 if platform == "gpu" else 128  # splash's blocks are multiples of 128
+
+    def run(implementation):
+        def f(q, k, v, sinks):
+            return attention.attention(q, k, v, segments, implementation=implementation, platform=platform,
+                                       sliding_window=20, scale=0.3, sinks=sinks, interpret=True, block_q=block,
+                                       block_kv=block)
+        return jax.jit(lambda *a: (lambda o, pull: (o, *pull(cotangent)))(*jax.vjp(f, *a)))(q, k, v, sinks)
+
+    with jax.default_matmul_precision("highest"):
+        for name, got, want in zip(("out", "dq", "dk", "dv", "dsinks"), run("flash"), run("dot_product")):
+            assert got.dtype == jnp.float32, name
+            assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * float(jnp.max(jnp.abs(want))), name
+
+
+def test_autoselected_keeps_the_kernels_and_cudnn_refuses_sinks():
+    assert attention.resolve_implementation("autoselected", "cpu", sinks=True) == "dot_product"
+    for platform in ("gpu", "tpu"):
+        assert attention.resolve_implementation("autoselected", platform, sinks=True) == "flash"
+    with pytest.raises(ValueError, match=r"attention=cudnn does not implement sinks=True, which this model uses\. "
+                                         r"Use attention=flash, dot_product or autoselected"):
         attention.resolve_implementation("cudnn", "gpu", dtype=jnp.bfloat16, sinks=True)
-    config = load_config([BASE_YML, *TINY, *GPT_OSS, "attention=flash"])
-    with pytest.raises(ValueError, match="attention=flash does not implement sinks"):
-        models.Runtime.from_config(config, "tpu")
+    with pytest.raises(ValueError, match="attention=cudnn does not implement sinks=True"):
+        models.Runtime.from_config(tiny("attention=cudnn", "dtype=bfloat16"), "gpu")
     q = jnp.zeros((1, 16, 2, 16))
     with pytest.raises(ValueError, match="does not implement sinks=True; use attention=dot_product"):
-        attention.attention(q, q, q, jnp.ones((1, 16), jnp.int32), implementation="flash", platform="cpu",
+        attention.attention(q, q, q, jnp.ones((1, 16), jnp.int32), implementation="cudnn", platform="gpu",
                             sinks=jnp.zeros(2))
 
 

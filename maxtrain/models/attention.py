@@ -182,9 +182,9 @@ _probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
 
 # What the kernels do not implement: a model that needs one of these runs dot_product under
 # `autoselected`, and an explicit `attention=flash|cudnn` is refused with this reason.
-# (jax.nn.dot_product_attention's cuDNN path has local_window_size but no logit soft-capping; neither
-# it, the Pallas flash kernel nor the splash kernel has attention sinks, gpt-oss's extra softmax column.)
-KERNEL_LIMITS = {"flash": ("sinks",), "cudnn": ("logits_soft_cap", "sinks")}
+# (jax.nn.dot_product_attention's cuDNN path has local_window_size but no logit soft-capping and no
+# attention sinks, gpt-oss's extra softmax column; the flash and splash kernels have both.)
+KERNEL_LIMITS = {"cudnn": ("logits_soft_cap", "sinks")}
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 
@@ -216,8 +216,7 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
                                                                                   <= 256, no logits_soft_cap
         tpu       flash          yes           Pallas splash kernel (Mosaic)      no
 
-    A model with attention sinks (gpt-oss) runs dot_product only: `autoselected` resolves to it on
-    every platform, and flash or cudnn are refused (KERNEL_LIMITS).
+    Attention sinks (gpt-oss) run in dot_product and flash (both kernels); cudnn refuses them.
 
     With context parallelism (context_parallel > 1 ways) attention is context_parallel_attention, the
     gathered reference: `autoselected` resolves to dot_product, and an explicit kernel is refused (it
@@ -296,8 +295,8 @@ _KV_AXES = ("batch", None, "kv_heads", None)
 _SEGMENT_AXES = ("batch", None)
 
 
-def _per_shard(kernel, q, k, v, segment_ids):
-    """kernel(q, k, v, segment_ids) on each device's batch rows and heads, inside shard_map.
+def _per_shard(kernel, q, k, v, segment_ids, sinks=None):
+    """kernel(q, k, v, segment_ids[, sinks]) on each device's batch rows and heads, inside shard_map.
 
     GSPMD cannot partition a Pallas or cuDNN custom call (it would gather the inputs, or, for a
     TPU kernel, refuse), so every kernel runs on local shards and its inputs are never gathered.
@@ -309,6 +308,9 @@ def _per_shard(kernel, q, k, v, segment_ids):
             f"logical_axis_rules put 'heads' on {q_spec[2]} but 'kv_heads' on {kv_spec[2]}: attention kernels "
             "need both on the same mesh axes, so that each device holds whole groups of query heads with "
             "their kv head. Map them to the same axes, or use attention=dot_product.")
+    if sinks is not None:  # [N]: split over the heads like q
+        return sharding.run_in_shards(kernel, (q, k, v, segment_ids, sinks),
+                                      (_Q_AXES, _KV_AXES, _KV_AXES, _SEGMENT_AXES, ("heads",)), _Q_AXES)
     return sharding.run_in_shards(kernel, (q, k, v, segment_ids), (_Q_AXES, _KV_AXES, _KV_AXES, _SEGMENT_AXES),
                                   _Q_AXES)
 
@@ -335,7 +337,7 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
     `interpret=True` interprets the target's kernel on this CPU instead (tests). Under
     sharding.activation_sharding every kernel runs inside shard_map over the batch and head mesh
     axes. scale defaults to H ** -0.5; block_q and block_kv are the kernels' largest tiles. sinks [N]:
-    attention sinks (dot_product_attention), which only dot_product implements.
+    attention sinks (dot_product_attention; the flash and splash kernels implement them too).
     """
     features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap, "sinks": sinks is not None}
     if _unsupported(implementation, features):
@@ -368,9 +370,10 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
         # deferred: the Pallas kernels' imports (0.12 s flash, 0.16 s splash, measured) that dot_product runs never use
         from maxtrain.kernels import splash_attention  # pylint: disable=import-outside-toplevel
 
-        kernel = functools.partial(splash_attention.splash_attention, causal=causal, sliding_window=sliding_window,
-                                   logits_soft_cap=logits_soft_cap, scale=scale, block_q=block_q,
-                                   block_kv=block_kv, interpret=interpret)
+        def kernel(q, k, v, segment_ids, sinks=None):
+            return splash_attention.splash_attention(
+                q, k, v, segment_ids, causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                scale=scale, block_q=block_q, block_kv=block_kv, interpret=interpret, sinks=sinks)
     else:
         # deferred: as splash_attention above
         from maxtrain.kernels import flash_attention  # pylint: disable=import-outside-toplevel
@@ -378,12 +381,12 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
         devices = sharding.active_devices() or _local_devices(platform)
         shared_memory = gpu_shared_memory(devices) if platform == "gpu" else flash_attention.DEFAULT_SHARED_MEMORY
 
-        def kernel(q, k, v, segment_ids):
+        def kernel(q, k, v, segment_ids, sinks=None):
             return flash_attention.flash_attention(
                 q, k, v, segment_ids, segment_ids, causal=causal, sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap, sm_scale=scale, block_q=block_q, block_k=block_kv,
-                shared_memory=shared_memory, interpret=interpret)
-    return _per_shard(kernel, q, k, v, segment_ids)
+                shared_memory=shared_memory, interpret=interpret, sinks=sinks)
+    return _per_shard(kernel, q, k, v, segment_ids, sinks)
 
 
 def context_parallel_attention(q, k, v, segment_ids, *, causal: bool = True, sliding_window: int = 0,
