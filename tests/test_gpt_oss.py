@@ -140,6 +140,24 @@ def tiny(*overrides):
     return load_config(with_overrides(with_overrides([BASE_YML, *TINY], *GPT_OSS), *overrides))
 
 
+def test_expert_biases_cut_with_the_hidden_chunks_compute_the_same_model():
+    """num_moe_hidden_tiling=4: the gate and up biases are cut with the experts' hidden axis, the down
+    bias added once."""
+    config = tiny("max_target_length=16")
+    params = jax.jit(lambda key: _random_biases(models.init_params(config, key), jax.random.fold_in(key, 1)))(
+        jax.random.key(3))
+    rt = models.Runtime.from_config(config)
+
+    def forward(config, ids):
+        positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
+        with jax.default_matmul_precision("highest"):
+            return jax.jit(lambda p: models.forward(p, ids, positions, jnp.ones_like(ids), config, rt)[0])(params)
+
+    ids = jax.random.randint(jax.random.key(5), (2, 16), 0, config.vocab_size)
+    np.testing.assert_allclose(np.asarray(forward(config.replace(num_moe_hidden_tiling=4), ids)),
+                               np.asarray(forward(config, ids)), rtol=1e-5, atol=1e-5)
+
+
 def _loss_and_grads(n_devices, *overrides):
     config = tiny(f"per_device_batch_size={GLOBAL_BATCH // n_devices}", *overrides)
     run = builder.build(config, devices=tuple(jax.devices()[:n_devices]))
@@ -147,7 +165,7 @@ def _loss_and_grads(n_devices, *overrides):
     with sharding.activation_sharding(run.mesh, run.config.logical_axis_rules):
         params = run.init(jax.random.key(0))["params"]
         params = jax.tree.map(lambda new, old: jax.device_put(new, old.sharding),
-                              _random_biases(jax.device_get(params), jax.random.key(1)), params)
+                              jax.jit(_random_biases)(jax.device_get(params), jax.random.key(1)), params)
         batch = jax.device_put(batch, run.eval_batch_sharding)
 
         def mean_loss(p):
