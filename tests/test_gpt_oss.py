@@ -14,6 +14,7 @@ import pytest
 
 from conftest import BASE_YML, TINY
 from maxtrain import models
+from maxtrain.checkpointing import convert
 from maxtrain.config import ConfigError, load_config, with_overrides
 from maxtrain.models import attention, moe
 from maxtrain.parallel import sharding
@@ -198,3 +199,22 @@ def test_context_expert_and_tensor_parallel_mesh_gives_one_device_loss_and_gradi
 def test_impossible_settings_are_clear_errors(overrides, message):
     with pytest.raises(ConfigError, match=message):
         tiny(*overrides)
+
+
+def test_the_released_config_json_imports_as_the_preset():
+    """gpt-oss-20b's config.json as published (MXFP4 quantization, rope_scaling, layer_types) reads as the
+    gpt-oss-20b preset, key for key."""
+    released = {
+        "architectures": ["GptOssForCausalLM"], "attention_bias": True, "experts_per_token": 4, "head_dim": 64,
+        "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096, "intermediate_size": 2880,
+        "layer_types": ["sliding_attention", "full_attention"] * 12, "max_position_embeddings": 131072,
+        "model_type": "gpt_oss", "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24,
+        "num_key_value_heads": 8, "num_local_experts": 32, "quantization_config": {"quant_method": "mxfp4"},
+        "rms_norm_eps": 1e-05, "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0,
+                                                "original_max_position_embeddings": 4096, "rope_type": "yarn",
+                                                "truncate": False},
+        "rope_theta": 150000, "sliding_window": 128, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+        "vocab_size": 201088}
+    preset = load_config([BASE_YML, "model_name=gpt-oss-20b"])
+    keys = convert.model_keys(released)
+    assert {k: keys[k] for k in models.MODEL_KEYS} == {k: getattr(preset, k) for k in models.MODEL_KEYS}
