@@ -11,8 +11,9 @@ evaluation and ends below THRESHOLD.
 Threshold = the eval loss measured on CPU (jax 0.10.2, Python 3.11's standard library as the corpus)
 + a margin, as end_to_end/cpu/default_loss.py's:
     steps  measured  threshold
-    100    5.1766    5.5
-The loss at initialization is about ln(4096) = 8.3.
+    50     6.0722    6.4
+The eval loss at initialization is 8.94 (ln(4096) = 8.3 and the initial logit scale); measured curve, every
+10 steps: 8.9403, 7.7170, 7.3317, 6.4416, 6.1660, 6.0722 (880 s on the 2-core CPU, shared).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402  pylint: disable=wrong-import-position
 
-STEPS, THRESHOLD = 50, 6.0
+STEPS, THRESHOLD = 50, 6.4
 GPT_OSS = ["decoder_block=gpt_oss", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=384",
            "moe_dispatch=capacity", "per_device_batch_size=8",
            "sliding_window_size=64", "rope_type=yarn", "rope_factor=4", "original_max_position_embeddings=64",
