@@ -42,6 +42,8 @@ run decode "$PYTHON" end_to_end/cpu/decode.py --checkpoint "$E2E_OUT/default_los
 run kill_resume "$PYTHON" end_to_end/cpu/kill_resume.py
 run preempt_multiprocess "$PYTHON" end_to_end/cpu/preempt_multiprocess.py
 run disk_full "$PYTHON" end_to_end/cpu/disk_full.py
+# gpt-oss's layers (sinks, biases, clamped experts) train on the default corpus.
+run gpt_oss "$PYTHON" end_to_end/cpu/gpt_oss.py
 # Post-training: SFT, LoRA and DPO on generated instructions, export checked against transformers.
 run post_training "$PYTHON" end_to_end/cpu/post_training.py
 

@@ -3,7 +3,8 @@
 For each family, a random tiny transformers model that exercises the family's particular features
 (GQA with head_dim != D / N, random norm weights, a sequence longer than the sliding window, tied and
 untied embeddings, RoPE scaling with a short original context, soft-caps, biases, qk-norm, experts
-with a dense layer among MoE layers and unnormalized top-k router weights) is saved,
+with a dense layer among MoE layers and unnormalized top-k router weights, attention sinks and
+clamped experts) is saved,
 imported with `scripts/convert_hf.py import`, and checked with `scripts/check_logits.py --hf`
 (float32, <= 1e-5 relative). A negative control changes the feature the case exercises and shows
 the same comparison failing, so the test can fail. Then the import is exported, every tensor is
@@ -65,6 +66,14 @@ CASES = {
         "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
         dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40, mlp_only_layers=[1],
              norm_topk_prob=False), {"norm_topk_prob": True}),
+    # Sinks, q/k/v/o, router and expert biases, the clamped SwiGLU at a limit the activations reach and a
+    # non-default alpha, alternating windows, YaRN without truncation.
+    "gpt_oss-sinks-biases-clamped_experts": (
+        "GptOssConfig", "GptOssForCausalLM",
+        dict(intermediate_size=40, num_local_experts=4, num_experts_per_tok=2, sliding_window=6, swiglu_limit=0.5,
+             swiglu_alpha=1.3, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                "original_max_position_embeddings": 16, "truncate": False}),
+        {"mlp_activations_limit": 100.0}),
     "gemma3-local_global-scaled_rope": (
         "Gemma3TextConfig", "Gemma3ForCausalLM",
         dict(COMMON, num_hidden_layers=8, sliding_window=6, query_pre_attn_scalar=20, final_logit_softcapping=5.0,

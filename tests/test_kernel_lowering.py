@@ -46,11 +46,11 @@ needs_tpu_compiler = _needs(targets.compiler_missing("tpu"))
 
 
 def compile_attention(devices, mesh_shape, platform, *, head_dim, dtype, implementation=None, batch=4, length=1024,
-                      heads=16, kv_heads=4, sliding_window=0, logits_soft_cap=0.0):
-    """Compiles d(sum(attention * w))/d(q, k, v) for `platform` on a (data, fsdp, tensor) mesh of `devices`."""
+                      heads=16, kv_heads=4, sliding_window=0, logits_soft_cap=0.0, sinks=False):
+    """Compiles d(sum(attention * w))/d(q, k, v[, sinks]) for `platform` on a (data, fsdp, tensor) mesh of `devices`."""
     implementation = implementation or attention.resolve_implementation(
         "autoselected", platform, dtype=dtype, head_dim=head_dim, sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap)
+        logits_soft_cap=logits_soft_cap, sinks=sinks)
     mesh = sharding.mesh_of(devices, **dict(zip(("data", "fsdp", "tensor"), mesh_shape)))
 
     def arg(shape, axes, dt=dtype):
@@ -59,17 +59,18 @@ def compile_attention(devices, mesh_shape, platform, *, head_dim, dtype, impleme
     q = arg((batch, length, heads, head_dim), Q_AXES)
     kv = arg((batch, length, kv_heads, head_dim), KV_AXES)
     seg = arg((batch, length), SEG_AXES, jnp.int32)
+    sink = arg((heads,), ("heads",), jnp.float32) if sinks else None
 
-    def grads(q, k, v, seg, w):
-        def loss(q, k, v):
+    def grads(q, k, v, seg, w, sink):
+        def loss(q, k, v, sink):
             out = attention.attention(q, k, v, seg, implementation=implementation, platform=platform,
                                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                                      block_q=DEFAULTS.sa_block_q, block_kv=DEFAULTS.sa_block_kv)
+                                      block_q=DEFAULTS.sa_block_q, block_kv=DEFAULTS.sa_block_kv, sinks=sink)
             return jnp.sum((out * w).astype(jnp.float32))
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+        return jax.grad(loss, argnums=(0, 1, 2, 3) if sinks else (0, 1, 2))(q, k, v, sink)
 
     with sharding.activation_sharding(mesh, RULES):
-        lowered = jax.jit(grads).trace(q, kv, kv, seg, q).lower(
+        lowered = jax.jit(grads).trace(q, kv, kv, seg, q, sink).lower(
             lowering_platforms=("cuda" if platform == "gpu" else platform,))
     compiled = lowered.compile()
     hlo = compiled.as_text()
@@ -100,6 +101,13 @@ def test_flash_with_gemma_window_and_soft_cap_compiles_for_h100(h100s):
     """Gemma 2's local layers: head_dim 256, sliding window 4096 over 8192 tokens, soft-cap 50."""
     compile_attention(h100s, (8, 1, 1), "gpu", head_dim=256, dtype=jnp.bfloat16, batch=8, length=8192, heads=8,
                       kv_heads=4, sliding_window=4096, logits_soft_cap=50.0)
+
+
+@needs_gpu_compiler
+def test_flash_with_gpt_oss_sinks_compiles_for_h100(h100s):
+    """gpt-oss's layers: head_dim 64, a 128-token window, a learned sink per head (and its gradient)."""
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=64, dtype=jnp.bfloat16, sliding_window=128, sinks=True)
+    assert "flash_attention_fwd" in hlo
 
 
 @needs_gpu_compiler
@@ -136,6 +144,14 @@ def test_cudnn_compiles_for_h100_under_shard_map(h100s):
 def test_splash_compiles_for_tpu(topology, head_dim, sliding_window, logits_soft_cap):
     hlo = compile_attention(targets.parse(topology).devices(), (2, 1, 2), "tpu", head_dim=head_dim, dtype=jnp.bfloat16,
                             length=2048, heads=8, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    assert "tpu_custom_call" in hlo
+
+
+@needs_tpu_compiler
+def test_splash_with_gpt_oss_sinks_compiles_for_tpu():
+    """gpt-oss's layers: head_dim 64, a 128-token window, a learned sink per head (and its gradient)."""
+    hlo = compile_attention(targets.parse("v5e-4").devices(), (2, 1, 2), "tpu", head_dim=64, dtype=jnp.bfloat16,
+                            length=2048, heads=8, sliding_window=128, sinks=True)
     assert "tpu_custom_call" in hlo
 
 

@@ -38,11 +38,15 @@ PUBLISHED = {
     "gemma3-4b": 3_880_263_168,
     "mixtral-8x7b": 46_702_792_704,  # 12.88B active per token (tests/test_moe.py)
     "qwen3-30b-a3b": 30_532_122_624,  # 3.35B active per token (tests/test_moe.py)
+    "gpt-oss-20b": 20_914_757_184,   # model card: 20.9B, 3.6B active (below)
+    "gpt-oss-120b": 116_829_156_672,  # model card: 116.8B, 5.1B active
     "gpt2-small": 123_587_328,      # GPT-2 small's shape as a Llama (124M with GPT-2's own layers)
     "default": 5_507_328,
 }
 # The rounded figures the model cards state, checked as well.
 MODEL_CARD = {"qwen3-0.6b": (0.6e9, 0.44e9), "qwen3-8b": (8.2e9, 6.95e9)}
+# gpt-oss's model card: active parameters per token, counted without the input embedding table.
+ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b": 3.6e9, "gpt-oss-120b": 5.1e9}
 
 
 def preset(name, *overrides):
@@ -62,6 +66,10 @@ def test_preset_parameter_count_is_the_published_one(name):
         embeddings = cfg.vocab_size * cfg.base_emb_dim * (1 if cfg.logits_via_embedding else 2)
         assert round(models.num_params(cfg) / 1e8) == round(total / 1e8)
         assert round((models.num_params(cfg) - embeddings) / 1e7) == round(non_embedding / 1e7)
+    if name in ACTIVE_WITHOUT_EMBEDDING:
+        assert round(models.num_params(cfg) / 1e8) == round(PUBLISHED[name] / 1e8)
+        active = models.num_active_params(cfg) - cfg.vocab_size * cfg.base_emb_dim
+        assert round(active / 1e8) == round(ACTIVE_WITHOUT_EMBEDDING[name] / 1e8)
 
 
 @pytest.mark.parametrize("name", sorted(set(PUBLISHED) - {"default", "gpt2-small"}))
@@ -89,7 +97,8 @@ FLOPS_MODEL = ["base_emb_dim=128", "base_num_query_heads=4", "base_num_kv_heads=
 # elementwise work as small a share of the step as in the dense models.
 MOE_FLOPS = ["num_experts=4", "num_experts_per_tok=2", "moe_dispatch=capacity", "capacity_factor=1.0",
              "per_device_batch_size=16"]
-FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers=[1]", "base_moe_mlp_dim=192"]}
+FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers=[1]", "base_moe_mlp_dim=192"],
+                "gpt_oss": MOE_FLOPS}
 
 
 @pytest.mark.slow

@@ -33,7 +33,7 @@ from maxtrain.checkpointing import manager as checkpoint
 from maxtrain.config import registry
 from maxtrain.data import default_corpus, tokenizer_hf
 from maxtrain.data import tokenizer as tokenizer_lib
-from maxtrain.models.hf import ConversionError
+from maxtrain.models.hf import ConversionError, Interleaved
 from maxtrain.models.params import is_spec
 
 # Buffers some older checkpoints carry; recomputed, never needed.
@@ -143,6 +143,9 @@ def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) ->
 
         def read(hf_name, shape=shape, path=path, n_in=n_in):
             if hf_name not in tensors:
+                if hf_name + "_blocks" in tensors:  # a pair is read as one tensor (dequantize.Dequantized)
+                    raise ConversionError(f"the checkpoint holds {hf_name}_blocks (MXFP4) but no {hf_name}_scales; "
+                                          "copy the checkpoint's files again, or import a dequantized copy")
                 raise ConversionError(f"the checkpoint has no tensor {hf_name} (for maxtrain's {'/'.join(path)})")
             w = np.asarray(tensors[hf_name])
             expected = _hf_shape(shape, n_in)
@@ -150,6 +153,8 @@ def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) ->
                 raise ConversionError(f"{hf_name} has shape {list(w.shape)}, but the config implies {list(expected)} "
                                       f"(for maxtrain's {'/'.join(path)} {list(shape)})")
             used.add(hf_name)
+            if isinstance(n_in, Interleaved):
+                return np.ascontiguousarray(w[..., n_in.part::n_in.parts]).astype(dtype)
             return (w.reshape(shape) if n_in in (None, "flat") else w.T.reshape(shape)).astype(dtype)
 
         def per_layer(i, name=name, experts=experts):
@@ -186,6 +191,10 @@ def to_hf(params: dict, keys: dict, dtype) -> dict[str, np.ndarray]:
         for i, per_layer in zip(layers if layers is not None else [None], value if layers is not None else [value]):
             for j, w in zip(range(experts) if experts is not None else [None],
                             per_layer if experts is not None else [per_layer]):
+                if isinstance(n_in, Interleaved):  # its columns of the tensor it shares
+                    whole = out.setdefault(name.format(i=i, j=j), np.zeros(_hf_shape(w.shape, n_in), dtype))
+                    whole[..., n_in.part::n_in.parts] = w
+                    continue
                 w = w.reshape(_hf_shape(w.shape, n_in)) if n_in in (None, "flat") else \
                     w.reshape(math.prod(w.shape[:n_in]), -1).T
                 out[name.format(i=i, j=j)] = np.ascontiguousarray(w).astype(dtype)
@@ -196,6 +205,8 @@ def _hf_shape(shape: tuple, n_in) -> tuple:
     """The Hugging Face shape of a maxtrain parameter of one layer (see models/hf.py on layouts)."""
     if n_in is None:
         return tuple(shape)
+    if isinstance(n_in, Interleaved):
+        return tuple(shape[:-1]) + (shape[-1] * n_in.parts,)
     if n_in == "flat":
         return (math.prod(shape),)
     return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))

@@ -137,11 +137,11 @@ def _moe_layers_of_the_family(v):
     if block not in MOE_FAMILIES:
         _require(e == 1, f"decoder_block={block} has no experts, but num_experts={e}; use decoder_block="
                          f"{' or '.join(MOE_FAMILIES)} for a mixture of experts, or num_experts=1")
-    if block == "mixtral":
+    if block in MOE_FAMILIES and block != "qwen3_moe":  # experts in every layer (Mixtral, gpt-oss)
         _require(v["decoder_sparse_step"] == 1 and not layers,
-                 "decoder_block=mixtral has experts in every layer; decoder_sparse_step and mlp_only_layers are "
+                 f"decoder_block={block} has experts in every layer; decoder_sparse_step and mlp_only_layers are "
                  "qwen3_moe settings (use decoder_block=qwen3_moe to mix dense and MoE layers)")
-        _require(v["norm_topk_prob"], "decoder_block=mixtral always renormalizes its top-k router weights; "
+        _require(v["norm_topk_prob"], f"decoder_block={block} always renormalizes its top-k router weights; "
                                       "norm_topk_prob=false is a qwen3_moe setting")
 
 

@@ -25,6 +25,7 @@ class Family:
     hf_model_types: tuple[str, ...]  # config.json model_type values imported as this family; the first is exported
     hf_architecture: str          # config.json architectures[0] on export
     moe: bool = False             # its layers may be mixtures of experts (num_experts, decoder_sparse_step, ...)
+    attention_sinks: bool = False  # a learned per-head logit in each softmax's denominator (only dot_product has it)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
@@ -36,6 +37,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma3", ("gemma3_text", "gemma3"), "Gemma3ForCausalLM"),
     Family("mixtral", ("mixtral",), "MixtralForCausalLM", moe=True),
     Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", moe=True),
+    Family("gpt_oss", ("gpt_oss",), "GptOssForCausalLM", moe=True, attention_sinks=True),
 )}
 
 MOE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.moe)

@@ -17,6 +17,11 @@ Backward (P = exp(s - lse) is recomputed from the saved lse, never stored):
                                one program per (b, g, key block), loop over the R query heads
                                of kv head g and over query blocks
 K and V are never repeated for grouped-query attention: the BlockSpec index maps pick the kv head.
+Attention sinks (a logit per query head in each softmax's denominator, gpt-oss) are applied to the
+kernel's results, exactly, outside it:
+    lse' = logaddexp(lse, sink),  out' = out * exp(lse - lse')
+and the backward above, run with out' and lse', gives the gradients of q, k and v with sinks (the sink
+column has no value row, so dS keeps its form); d sink = -sum_t exp(sink - lse') * delta.
 
 Masking (same rule as maxtrain.models.attention.make_attention_mask): query t sees key s when their
 segment ids are equal, if causal s <= t, and with a sliding window W > 0 t - s < W. Programs only
@@ -330,20 +335,34 @@ def _backward(q, k, v, q_seg, kv_seg, out, lse, do, cfg):
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, q_seg, kv_seg, cfg):
-    return forward_call(q, k, v, q_seg, kv_seg, cfg)[0]
+def _with_sinks(out, lse, sinks):
+    """(out, lse) of softmaxes that also have the sink logit of their head [N] in the denominator."""
+    if sinks is None:
+        return out, lse
+    lse_sinks = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])  # [B, N, T]
+    scale = jnp.exp(lse - lse_sinks).transpose(0, 2, 1)[..., None]  # [B, T, N, 1], at most 1
+    return (out.astype(jnp.float32) * scale).astype(out.dtype), lse_sinks
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, cfg):
-    out, lse = forward_call(q, k, v, q_seg, kv_seg, cfg)
-    return out, (q, k, v, q_seg, kv_seg, out, lse)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _flash(q, k, v, q_seg, kv_seg, sinks, cfg):
+    return _with_sinks(*forward_call(q, k, v, q_seg, kv_seg, cfg), sinks)[0]
+
+
+def _flash_fwd(q, k, v, q_seg, kv_seg, sinks, cfg):
+    out, lse = _with_sinks(*forward_call(q, k, v, q_seg, kv_seg, cfg), sinks)
+    return out, (q, k, v, q_seg, kv_seg, sinks, out, lse)
 
 
 def _flash_bwd(cfg, residuals, do):
-    q, k, v, q_seg, kv_seg, out, lse = residuals
+    q, k, v, q_seg, kv_seg, sinks, out, lse = residuals
     dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, out, lse, do, cfg)
-    return dq, dk, dv, None, None  # segment ids are integers: no cotangent
+    dsinks = None
+    if sinks is not None:  # the sink's probability exp(sink - lse) times -delta, summed over rows
+        delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32))
+        p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
+        dsinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
+    return dq, dk, dv, None, None, dsinks  # segment ids are integers: no cotangent
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -374,7 +393,7 @@ def _pad_axis(x, axis, size):
 
 def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, causal=True, sliding_window=0,
                     logits_soft_cap=0.0, sm_scale=None, block_q=128, block_k=128,
-                    shared_memory=DEFAULT_SHARED_MEMORY, tuning=None, interpret=False):
+                    shared_memory=DEFAULT_SHARED_MEMORY, tuning=None, interpret=False, sinks=None):
     """Flash attention with grouped-query heads, packed segments, a causal mask and a sliding window.
 
     q: [B, T, N, H]; k, v: [B, S, G, H] with N % G == 0. q_segment_ids [B, T] and
@@ -384,8 +403,9 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, causal=
     when logits_soft_cap > 0. block_q and block_k (powers of two >= 16) are the largest tiles to
     use: `default_tuning` shrinks them to fit `shared_memory` bytes per thread block (the target
     GPU's opt-in limit) and they are clamped for short sequences; `tuning` ({"fwd", "dq", "dkv"}
-    -> Tuning) overrides the choice. Returns [B, T, N, H] in q.dtype; differentiable in q, k, v.
-    interpret=True runs the Pallas kernels on CPU.
+    -> Tuning) overrides the choice. sinks [N] (or None): a logit per query head in the denominator of
+    its softmaxes (module docstring). Returns [B, T, N, H] in q.dtype; differentiable in q, k, v and
+    sinks. interpret=True runs the Pallas kernels on CPU.
     """
     batch, q_len, num_heads, head_dim = q.shape
     kv_batch, kv_len, num_kv_heads, kv_head_dim = k.shape
@@ -418,5 +438,7 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, causal=
     cfg = KernelConfig(causal=bool(causal), sliding_window=int(sliding_window), soft_cap=float(logits_soft_cap),
                   scale=float(head_dim**-0.5 if sm_scale is None else sm_scale), kv_len=kv_len,
                   kv_padded=kv_pad != kv_len, interpret=bool(interpret), **tuning)
-    out = _flash(q, k, v, q_segment_ids, kv_segment_ids, cfg)
+    if sinks is not None and sinks.shape != (num_heads,):
+        raise ValueError(f"sinks {sinks.shape} must be one logit per query head, [{num_heads}]")
+    out = _flash(q, k, v, q_segment_ids, kv_segment_ids, sinks, cfg)
     return out[:, :q_len, :, :head_dim]

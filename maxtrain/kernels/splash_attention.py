@@ -55,12 +55,22 @@ def block_sizes(length: int, block_q: int, block_kv: int) -> splash.BlockSizes:
                              block_q_dq=bq, block_kv_dq=bkv)
 
 
+@jax.custom_vjp
+def _float32_gradient(x):
+    """x unchanged; its gradient cast to float32 (splash returns the sinks' gradient in q's dtype)."""
+    return x
+
+
+_float32_gradient.defvjp(lambda x: (x, None), lambda _, g: (g.astype(jnp.float32),))
+
+
 def splash_attention(q, k, v, segment_ids=None, *, causal=True, sliding_window=0, logits_soft_cap=0.0,
-                     scale=None, block_q=512, block_kv=512, interpret=False):
+                     scale=None, block_q=512, block_kv=512, interpret=False, sinks=None):
     """Self-attention of q [B, T, N, H] over k, v [B, T, G, H] (N % G == 0) with TPU splash kernels.
 
     segment_ids [B, T] (int32) or None; masking as maxtrain.models.attention.make_attention_mask.
-    Returns [B, T, N, H] in q.dtype; differentiable in q, k, v.
+    sinks [N] (or None): a logit per query head in each softmax's denominator (gpt-oss), which the
+    splash kernel implements. Returns [B, T, N, H] in q.dtype; differentiable in q, k, v and sinks.
     """
     batch, length, num_heads, head_dim = q.shape
     if k.shape != v.shape or k.shape[:2] != (batch, length) or k.shape[3] != head_dim:
@@ -85,7 +95,8 @@ def splash_attention(q, k, v, segment_ids=None, *, causal=True, sliding_window=0
 
     def one_row(q, k, v, seg):  # q [T, N, H] -> splash's head-major [N, T, H]
         out = kernel(q.swapaxes(0, 1), k.swapaxes(0, 1), v.swapaxes(0, 1),
-                     segment_ids=splash.SegmentIds(q=seg, kv=seg))
+                     segment_ids=splash.SegmentIds(q=seg, kv=seg),
+                     sinks=None if sinks is None else _float32_gradient(sinks.astype(jnp.float32)))
         return out.swapaxes(0, 1)
 
     out = jax.vmap(one_row)(q, k, v, segment_ids)

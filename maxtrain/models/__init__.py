@@ -15,7 +15,7 @@
     sampling.py   sampling with the KV cache: greedy, temperature, top-k, top-p
     hf.py         what the families share about Hugging Face names and config.json fields
     families/     one module per family of config/registry.py (llama, mistral, qwen2, qwen3, gemma2,
-                  gemma3, mixtral, qwen3_moe): declarations, layer composition, HF mapping, FLOPs
+                  gemma3, mixtral, qwen3_moe, gpt_oss): declarations, layer composition, HF mapping, FLOPs
 
 `decoder_block` (MaxText's key; presets set it) picks the family. Every function here is a pure
 function of (params, inputs, config, runtime). May import config, parallel and kernels (and errors);
@@ -40,12 +40,13 @@ SETTING_KEYS = ("decoder_block", "normalization_layer_epsilon", "rope_max_timesc
                 "rope_low_freq_factor", "rope_high_freq_factor", "original_max_position_embeddings",
                 "rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_truncate",
                 "local_rope_max_timescale", "sliding_window_size", "attention_layer_types", "attn_logits_soft_cap",
-                "final_logits_soft_cap", "query_pre_attn_scalar", "num_experts_per_tok", "norm_topk_prob")
+                "final_logits_soft_cap", "query_pre_attn_scalar", "num_experts_per_tok", "norm_topk_prob",
+                "mlp_activations_limit", "swiglu_alpha")
 MODEL_KEYS = SHAPE_KEYS + SETTING_KEYS
-# Model keys added with the mixture-of-experts families: a checkpoint written before them is a dense
-# model, which their base.yml defaults describe.
+# Model keys added with the mixture-of-experts families (and gpt-oss's expert activation): a checkpoint
+# written before them is a dense model, which their base.yml defaults describe.
 MOE_KEYS = ("num_experts", "base_moe_mlp_dim", "decoder_sparse_step", "mlp_only_layers", "num_experts_per_tok",
-            "norm_topk_prob")
+            "norm_topk_prob", "mlp_activations_limit", "swiglu_alpha")
 
 __all__ = ["FAMILIES", "MODEL_KEYS", "MOE_KEYS", "SHAPE_KEYS", "SETTING_KEYS", "ParamSpec", "Params", "Runtime", "REMAT_POLICIES",
            "PROJECTION_NAMES", "family", "param_specs", "num_params", "num_active_params", "is_moe", "init_params", "forward", "loss_fn", "distill_loss_fn",

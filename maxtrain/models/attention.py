@@ -48,11 +48,15 @@ def soft_cap(x, cap: float):
 
 
 def dot_product_attention(q, k, v, mask, *, scale: float | None = None, logits_soft_cap: float = 0.0,
-                          compact_scores: bool = False, heads_major: bool = False):
+                          compact_scores: bool = False, heads_major: bool = False, sinks=None):
     """Reference attention in plain jnp; softmax in float32, output in q.dtype.
 
     mask: boolean, broadcastable to [B, T, S]. scores = soft_cap(q.k * scale, logits_soft_cap) with
     scale defaulting to H ** -0.5 (Gemma's query_pre_attn_scalar changes it).
+
+    sinks [N] (gpt-oss): a learned logit per query head, one more column of each softmax that no
+    value row follows, p_s = exp(x_s) / (exp(sink) + sum_s' exp(x_s')): a query may give part of its
+    attention to nothing. Computed with float32 scores (compact_scores is not used with sinks).
 
     Memory: the [B, G, R, T, S] scores and probabilities are the largest arrays of a training step
     at long sequences. compact_scores=True with bfloat16 or float16 inputs: the q.k matmul
@@ -86,14 +90,19 @@ def dot_product_attention(q, k, v, mask, *, scale: float | None = None, logits_s
     else:
         q, mask = q.reshape(b, t, g, r, h), mask[:, None, None, :, :]
         scores_eq, out_eq = "BTGRH,BSGH->BGRTS", "BGRTS,BSGH->BTGRH"
-    compact = compact_scores and dtype in (jnp.bfloat16, jnp.float16)
+    compact = compact_scores and dtype in (jnp.bfloat16, jnp.float16) and sinks is None
     if compact:
         scores = jnp.einsum(scores_eq, q, k, preferred_element_type=dtype)
         probs = _probabilities(scores, mask, scale, logits_soft_cap)
     else:
         scores = jnp.einsum(scores_eq, q, k, preferred_element_type=jnp.float32)
         scores = soft_cap(scores * scale, logits_soft_cap)
-        probs = jax.nn.softmax(jnp.where(mask, scores, _MASK_VALUE), axis=-1)
+        if sinks is None:
+            probs = jax.nn.softmax(jnp.where(mask, scores, _MASK_VALUE), axis=-1)
+        else:  # the sink of query head n = g * R + r, as a column beside each row of scores
+            sink = sinks.astype(jnp.float32).reshape(g, r)
+            sink = jnp.repeat(sink, t, axis=1)[None, :, :, None] if heads_major else sink[None, :, :, None, None]
+            probs = softmax_with_sink(jnp.where(mask, scores, _MASK_VALUE), sink)
     # With compact scores the product is written in the 16-bit dtype (it accumulates in float32 and is
     # rounded once, as the .astype below would): its gradient with respect to the probabilities is
     # then a 16-bit T x S array too, not a float32 one.
@@ -103,8 +112,16 @@ def dot_product_attention(q, k, v, mask, *, scale: float | None = None, logits_s
     return out.reshape(b, t, n, h).astype(dtype)
 
 
+def softmax_with_sink(logits, sink):
+    """softmax over the last axis of logits with one more logit `sink` (broadcast to logits[..., :1])
+    in the denominator only: exp(x_s) / (exp(sink) + sum_s' exp(x_s'))."""
+    peak = jax.lax.stop_gradient(jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink))
+    e = jnp.exp(logits - peak)
+    return e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - peak))
+
+
 def causal_chunks(q, k, v, segment_ids, *, sliding_window: int = 0, scale: float | None = None,
-                  logits_soft_cap: float = 0.0, max_chunks: int = 8, min_chunk: int = 128):
+                  logits_soft_cap: float = 0.0, max_chunks: int = 8, min_chunk: int = 128, sinks=None):
     """Causal self-attention in query chunks, each against only the keys its queries can see.
 
     The T queries are cut into n = min(max_chunks, T // min_chunk) chunks (at least one) of near-equal
@@ -127,7 +144,7 @@ def causal_chunks(q, k, v, segment_ids, *, sliding_window: int = 0, scale: float
         mask = make_attention_mask(segment_ids[:, start:end], segment_ids[:, first:end], q_offset=start - first,
                                    sliding_window=sliding_window)
         outs.append(dot_product_attention(q[:, start:end], k[:, first:end], v[:, first:end], mask, scale=scale,
-                                          logits_soft_cap=logits_soft_cap, heads_major=True))
+                                          logits_soft_cap=logits_soft_cap, heads_major=True, sinks=sinks))
     return outs[0] if n == 1 else jnp.concatenate(outs, axis=1)
 
 
@@ -165,8 +182,9 @@ _probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
 
 # What the kernels do not implement: a model that needs one of these runs dot_product under
 # `autoselected`, and an explicit `attention=flash|cudnn` is refused with this reason.
-# (jax.nn.dot_product_attention's cuDNN path has local_window_size but no logit soft-capping.)
-KERNEL_LIMITS = {"cudnn": ("logits_soft_cap",)}
+# (jax.nn.dot_product_attention's cuDNN path has local_window_size but no logit soft-capping and no
+# attention sinks, gpt-oss's extra softmax column; the flash and splash kernels have both.)
+KERNEL_LIMITS = {"cudnn": ("logits_soft_cap", "sinks")}
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 
@@ -184,7 +202,8 @@ def _unsupported(name: str, features: dict) -> list[str]:
 
 
 def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: int | None = None,
-                           sliding_window: int = 0, logits_soft_cap: float = 0.0, context_parallel: int = 1) -> str:
+                           sliding_window: int = 0, logits_soft_cap: float = 0.0, sinks: bool = False,
+                           context_parallel: int = 1) -> str:
     """Turns `attention` from the config into a concrete implementation for the target platform.
 
     `platform` is where the step will run (the Runtime's backend, or the target of an ahead-of-time
@@ -196,6 +215,8 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
         gpu       flash          yes           Pallas Triton kernel               bfloat16/float16, head_dim % 8 == 0,
                                                                                   <= 256, no logits_soft_cap
         tpu       flash          yes           Pallas splash kernel (Mosaic)      no
+
+    Attention sinks (gpt-oss) run in dot_product and flash (both kernels); cudnn refuses them.
 
     With context parallelism (context_parallel > 1 ways) attention is context_parallel_attention, the
     gathered reference: `autoselected` resolves to dot_product, and an explicit kernel is refused (it
@@ -210,7 +231,7 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     platform = canonical_platform(platform)
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"attention={name!r} is not one of {', '.join(IMPLEMENTATIONS)}")
-    features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
+    features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap, "sinks": sinks}
     if context_parallel > 1 and name not in ("autoselected", "dot_product"):
         raise ValueError(f"attention={name} does not run with context parallelism ({context_parallel} ways) yet: the "
                          "kernels attend within one device's piece of the sequence. Use attention=dot_product (or "
@@ -220,8 +241,9 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     if name == "autoselected":
         return "flash" if platform in ("gpu", "tpu") and not _unsupported("flash", features) else "dot_product"
     if _unsupported(name, features):
+        others = [n for n in ("flash", "dot_product") if n != name and not _unsupported(n, features)]
         raise ValueError(f"attention={name} does not implement {' and '.join(_unsupported(name, features))}, "
-                         "which this model uses. Use attention=flash, dot_product or autoselected.")
+                         f"which this model uses. Use attention={', '.join(others)} or autoselected.")
     if name == "cudnn":
         if platform != "gpu":
             raise ValueError(
@@ -273,8 +295,8 @@ _KV_AXES = ("batch", None, "kv_heads", None)
 _SEGMENT_AXES = ("batch", None)
 
 
-def _per_shard(kernel, q, k, v, segment_ids):
-    """kernel(q, k, v, segment_ids) on each device's batch rows and heads, inside shard_map.
+def _per_shard(kernel, q, k, v, segment_ids, sinks=None):
+    """kernel(q, k, v, segment_ids[, sinks]) on each device's batch rows and heads, inside shard_map.
 
     GSPMD cannot partition a Pallas or cuDNN custom call (it would gather the inputs, or, for a
     TPU kernel, refuse), so every kernel runs on local shards and its inputs are never gathered.
@@ -286,6 +308,9 @@ def _per_shard(kernel, q, k, v, segment_ids):
             f"logical_axis_rules put 'heads' on {q_spec[2]} but 'kv_heads' on {kv_spec[2]}: attention kernels "
             "need both on the same mesh axes, so that each device holds whole groups of query heads with "
             "their kv head. Map them to the same axes, or use attention=dot_product.")
+    if sinks is not None:  # [N]: split over the heads like q
+        return sharding.run_in_shards(kernel, (q, k, v, segment_ids, sinks),
+                                      (_Q_AXES, _KV_AXES, _KV_AXES, _SEGMENT_AXES, ("heads",)), _Q_AXES)
     return sharding.run_in_shards(kernel, (q, k, v, segment_ids), (_Q_AXES, _KV_AXES, _KV_AXES, _SEGMENT_AXES),
                                   _Q_AXES)
 
@@ -302,7 +327,8 @@ def _cudnn_attention(q, k, v, segment_ids, *, causal, sliding_window, scale):
 
 def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", platform: str | None = None,
               causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0,
-              scale: float | None = None, block_q: int = 128, block_kv: int = 128, interpret: bool | None = None):
+              scale: float | None = None, block_q: int = 128, block_kv: int = 128, interpret: bool | None = None,
+              sinks=None):
     """Self-attention over one (possibly packed) sequence; dispatches on `implementation`.
 
     `implementation` must already be resolved (see resolve_implementation). The kernels (flash,
@@ -310,25 +336,27 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
     splash kernel on tpu and the Triton kernel on gpu and cpu; on cpu it is interpreted.
     `interpret=True` interprets the target's kernel on this CPU instead (tests). Under
     sharding.activation_sharding every kernel runs inside shard_map over the batch and head mesh
-    axes. scale defaults to H ** -0.5; block_q and block_kv are the kernels' largest tiles.
+    axes. scale defaults to H ** -0.5; block_q and block_kv are the kernels' largest tiles. sinks [N]:
+    attention sinks (dot_product_attention; the flash and splash kernels implement them too).
     """
-    features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap}
+    features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap, "sinks": sinks is not None}
     if _unsupported(implementation, features):
-        raise ValueError(f"attention={implementation} does not implement {_unsupported(implementation, features)}")
+        raise ValueError(f"attention={implementation} does not implement {' and '.join(_unsupported(implementation, features))}; "
+                         "use attention=dot_product")
     if sharding.ways("length") > 1:  # the sequence is split over devices: parallel/context.py
         if implementation != "dot_product":
             raise ValueError(f"attention={implementation} does not run with context parallelism yet; "
                              "use attention=dot_product (or autoselected)")
         return context_parallel_attention(q, k, v, segment_ids, causal=causal, sliding_window=sliding_window,
-                                          logits_soft_cap=logits_soft_cap, scale=scale)
+                                          logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks)
     if implementation == "dot_product":
         on_cpu = platform is not None and canonical_platform(platform) == "cpu"
         if on_cpu and causal:
             return causal_chunks(q, k, v, segment_ids, sliding_window=sliding_window, scale=scale,
-                                 logits_soft_cap=logits_soft_cap)
+                                 logits_soft_cap=logits_soft_cap, sinks=sinks)
         mask = make_attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
         return dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap,
-                                     compact_scores=platform == "tpu", heads_major=on_cpu)
+                                     compact_scores=platform == "tpu", heads_major=on_cpu, sinks=sinks)
     if implementation not in ("flash", "cudnn"):
         raise ValueError(f"unresolved attention implementation {implementation!r}")
     if platform is None:
@@ -342,9 +370,10 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
         # deferred: the Pallas kernels' imports (0.12 s flash, 0.16 s splash, measured) that dot_product runs never use
         from maxtrain.kernels import splash_attention  # pylint: disable=import-outside-toplevel
 
-        kernel = functools.partial(splash_attention.splash_attention, causal=causal, sliding_window=sliding_window,
-                                   logits_soft_cap=logits_soft_cap, scale=scale, block_q=block_q,
-                                   block_kv=block_kv, interpret=interpret)
+        def kernel(q, k, v, segment_ids, sinks=None):
+            return splash_attention.splash_attention(
+                q, k, v, segment_ids, causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                scale=scale, block_q=block_q, block_kv=block_kv, interpret=interpret, sinks=sinks)
     else:
         # deferred: as splash_attention above
         from maxtrain.kernels import flash_attention  # pylint: disable=import-outside-toplevel
@@ -352,16 +381,16 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
         devices = sharding.active_devices() or _local_devices(platform)
         shared_memory = gpu_shared_memory(devices) if platform == "gpu" else flash_attention.DEFAULT_SHARED_MEMORY
 
-        def kernel(q, k, v, segment_ids):
+        def kernel(q, k, v, segment_ids, sinks=None):
             return flash_attention.flash_attention(
                 q, k, v, segment_ids, segment_ids, causal=causal, sliding_window=sliding_window,
                 logits_soft_cap=logits_soft_cap, sm_scale=scale, block_q=block_q, block_k=block_kv,
-                shared_memory=shared_memory, interpret=interpret)
-    return _per_shard(kernel, q, k, v, segment_ids)
+                shared_memory=shared_memory, interpret=interpret, sinks=sinks)
+    return _per_shard(kernel, q, k, v, segment_ids, sinks)
 
 
 def context_parallel_attention(q, k, v, segment_ids, *, causal: bool = True, sliding_window: int = 0,
-                               logits_soft_cap: float = 0.0, scale: float | None = None):
+                               logits_soft_cap: float = 0.0, scale: float | None = None, sinks=None):
     """Attention with the sequence split over the context mesh axes (parallel/context.py): queries
     [B, T, N, H] in the load-balanced layout, sharded along T, attend to all keys.
 
@@ -383,5 +412,5 @@ def context_parallel_attention(q, k, v, segment_ids, *, causal: bool = True, sli
     if sliding_window > 0:
         mask = mask & (t - s < sliding_window)[None]
     mask = sharding.shard(mask, ("batch", "length", None))
-    out = dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap)
+    out = dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks)
     return sharding.shard(out, ("batch", "length", "heads", None))

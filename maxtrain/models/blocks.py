@@ -2,7 +2,8 @@
 
 Each block is a pure function of (params, inputs, settings). What a block needs from its parameter
 dict it reads by name, so a family switches a feature on by declaring the parameter: q/k/v biases
-("bq", "bk", "bv"), qk-norm ("q_norm", "k_norm").
+("bq", "bk", "bv"), the output projection's bias ("bo"), qk-norm ("q_norm", "k_norm"), attention
+sinks ("sinks", one logit per query head; models/attention.py).
 
 Einsum letters (as everywhere in maxtrain): B batch, T query length, S key length, D embed,
 N query heads, G kv heads, R = N // G, H head dim, F mlp width, V vocab, L layers.
@@ -40,7 +41,8 @@ class LayerInputs(NamedTuple):
 # --------------------------------------------------------------------------------------------
 
 
-def attention_specs(config, *, qkv_bias: bool = False, qk_norm: str | None = None) -> dict[str, ParamSpec]:
+def attention_specs(config, *, qkv_bias: bool = False, qk_norm: str | None = None, out_bias: bool = False,
+                    sinks: bool = False) -> dict[str, ParamSpec]:
     """One layer's attention weights; qk_norm is None, "ones" (RMSNorm scale) or "zeros" (the 1 + scale form)."""
     d, n, g, h = config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim
     specs = {
@@ -55,6 +57,10 @@ def attention_specs(config, *, qkv_bias: bool = False, qk_norm: str | None = Non
                      bv=ParamSpec((g, h), ("kv_heads", "head_dim"), "zeros"))
     if qk_norm:
         specs.update(q_norm=ParamSpec((h,), ("head_dim",), qk_norm), k_norm=ParamSpec((h,), ("head_dim",), qk_norm))
+    if out_bias:
+        specs["bo"] = ParamSpec((d,), ("embed",), "zeros")
+    if sinks:
+        specs["sinks"] = ParamSpec((n,), ("heads",), "zeros")
     return specs
 
 
@@ -146,10 +152,11 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", sl
     cos, sin = inputs.rope[rope]
     q, k = rope_lib.apply(q, cos, sin), rope_lib.apply(k, cos, sin)
     q = shard(q, ("batch", "length", "heads", "head_dim"))
+    sinks = p.get("sinks")  # [N], float32 in the softmax
     if inputs.cache is None:
         out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=rt.attention, platform=rt.backend,
                                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
-                                      block_q=config.sa_block_q, block_kv=config.sa_block_kv)
+                                      block_q=config.sa_block_q, block_kv=config.sa_block_kv, sinks=sinks)
         aux = {}
     else:
         # Decoding: write this step's k, v at `index` and attend to the filled cache slots.
@@ -162,9 +169,11 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", sl
         if sliding_window > 0:
             mask = mask & (t - slots < sliding_window)
         out = attention_lib.dot_product_attention(q, cache_k.astype(dt), cache_v.astype(dt), mask, scale=scale,
-                                                  logits_soft_cap=logits_soft_cap)
+                                                  logits_soft_cap=logits_soft_cap, sinks=sinks)
         aux = {"cache": (cache_k, cache_v)}
     out = ops.dense(out, p["wo"].astype(dt), 2, backend=rt.backend)  # "BTNH,NHD->BTD"
+    if "bo" in p:
+        out = out + p["bo"].astype(dt)
     return checkpoint_name(out, "out_proj"), aux
 
 

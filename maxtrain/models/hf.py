@@ -4,7 +4,8 @@ Tensor layouts. torch's Linear stores weight [out, in]; maxtrain keeps [in..., o
 split out. A family's HF_NAMES maps each maxtrain parameter path to (HF tensor name, n_in): n_in is
 the number of leading maxtrain dims that form torch's "in" dimension (None: the same shape;
 "flat": the same values as one 1-D tensor, as biases [N, H] are [N*H]), e.g. q_proj.weight [N*H, D] -> wq [D, N, H] has n_in 1; o_proj.weight [D, N*H] -> wo
-[N, H, D] has n_in 2. "{i}" in a name is the layer's index within its stack. Both sides use the
+[N, H, D] has n_in 2; an `Interleaved` n_in: every other column of the tensor's last axis (gpt-oss's
+fused gate_up_proj). "{i}" in a name is the layer's index within its stack. Both sides use the
 "rotate half" RoPE layout, so q and k need no permutation.
 
 config.json. Where a config states one thing twice, the reading of transformers 5 is followed
@@ -15,6 +16,7 @@ config.json. Where a config states one thing twice, the reading of transformers 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from maxtrain.errors import UserError
@@ -44,6 +46,16 @@ MLP_NAMES = {
     "layers/decoder/w_up": ("model.layers.{i}.mlp.up_proj.weight", 1),
     "layers/decoder/w_down": ("model.layers.{i}.mlp.down_proj.weight", 1),
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class Interleaved:
+    """The n_in of a maxtrain parameter that is columns part, part + parts, part + 2 parts, ... of the last
+    axis of a Hugging Face tensor whose other axes are as maxtrain stores them: gpt-oss's experts keep gate
+    and up in one gate_up_proj [E, D, 2F], gate in the even columns and up in the odd ones."""
+
+    part: int
+    parts: int = 2
 
 
 class ConversionError(UserError, ValueError):

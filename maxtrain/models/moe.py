@@ -1,9 +1,14 @@
 """The mixture-of-experts feed-forward block any family can use: router, dispatch, SwiGLU experts, balance.
 
-    logits = x W_router                          [n, E], float32
+    logits = x W_router (+ b_router)             [n, E], float32
     router "topk_softmax" (Mixtral):   w, e = softmax(top_k(logits))                over the K chosen
     router "softmax_topk" (Qwen3-MoE): w, e = top_k(softmax(logits)), w / sum(w) when norm_topk_prob
     y      = sum_k w_k expert_{e_k}(x),          expert_e(x) = down_e(silu(gate_e(x)) * up_e(x))
+
+Activation "clamped_swiglu" (gpt-oss), with a = swiglu_alpha and l = mlp_activations_limit:
+    g, u = min(gate_e(x), l), clip(up_e(x), -l, l);   expert_e(x) = down_e(g * sigmoid(a g) * (u + 1))
+With `specs(config, biases=True)` the router and each expert's gate, up and down projections add a
+bias (gpt-oss): b_router [E], b_gate and b_up [E, F], b_down [E, D].
 
 (The two routers give the same weights when the top-k are renormalized; they differ in where the
 softmax is taken, and Qwen3-MoE without renormalization keeps the full-softmax probabilities.)
@@ -64,6 +69,7 @@ from maxtrain.models.decoder import PER_LAYER
 from maxtrain.models.params import ParamSpec, dense, is_spec
 
 ROUTERS = ("topk_softmax", "softmax_topk")
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
 def expert_dim(config) -> int:
@@ -71,15 +77,20 @@ def expert_dim(config) -> int:
     return config.base_moe_mlp_dim if config.base_moe_mlp_dim > 0 else config.base_mlp_dim
 
 
-def specs(config) -> dict[str, ParamSpec]:
-    """One MoE layer's feed-forward weights: the router [D, E] and E SwiGLU experts ("exp" axis first).
+def specs(config, biases: bool = False) -> dict[str, ParamSpec]:
+    """One MoE layer's feed-forward weights: the router [D, E] and E SwiGLU experts ("exp" axis first),
+    and with `biases` their biases (zeros at initialization).
 
     The router's expert axis is not "exp": every device routes its tokens over all E experts."""
     d, e, f = config.base_emb_dim, config.num_experts, expert_dim(config)
-    return {"router": dense((d, e), ("embed", None), d),
-            "w_gate": dense((e, d, f), ("exp", "embed", "mlp"), d),
-            "w_up": dense((e, d, f), ("exp", "embed", "mlp"), d),
-            "w_down": dense((e, f, d), ("exp", "mlp", "embed"), f)}
+    out = {"router": dense((d, e), ("embed", None), d),
+           "w_gate": dense((e, d, f), ("exp", "embed", "mlp"), d),
+           "w_up": dense((e, d, f), ("exp", "embed", "mlp"), d),
+           "w_down": dense((e, f, d), ("exp", "mlp", "embed"), f)}
+    if biases:
+        out.update(b_router=ParamSpec((e,), (None,), "zeros"), b_gate=ParamSpec((e, f), ("exp", "mlp"), "zeros"),
+                   b_up=ParamSpec((e, f), ("exp", "mlp"), "zeros"), b_down=ParamSpec((e, d), ("exp", "embed"), "zeros"))
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,14 +108,20 @@ class Settings:
     num_moe_layers: int
     dtype: object
     hidden_tiling: int = -1  # num_moe_hidden_tiling as set (-1: autoselected in block(), where the mesh is known)
+    activation: str = "swiglu"  # or "clamped_swiglu" (gpt-oss), with alpha and limit
+    alpha: float = 1.702
+    limit: float = 7.0
 
     @classmethod
-    def of(cls, config, rt, router: str, num_moe_layers: int) -> "Settings":
+    def of(cls, config, rt, router: str, num_moe_layers: int, activation: str = "swiglu") -> "Settings":
         if router not in ROUTERS:
             raise ValueError(f"router {router!r} is not one of {ROUTERS}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not one of {ACTIVATIONS}")
         return cls(config.num_experts, config.num_experts_per_tok, router, config.norm_topk_prob, config.moe_dispatch,
                    config.capacity_factor, config.load_balance_loss_weight, config.router_z_loss_weight,
-                   max(num_moe_layers, 1), rt.dtype, config.num_moe_hidden_tiling)
+                   max(num_moe_layers, 1), rt.dtype, config.num_moe_hidden_tiling, activation, config.swiglu_alpha,
+                   config.mlp_activations_limit)
 
     def capacity(self, length: int) -> int:
         return capacity(self.num_experts, self.top_k, self.capacity_factor, length)
@@ -137,28 +154,34 @@ class Axes:
 # --------------------------------------------------------------------------------------------
 
 
-def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int):
+def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int, activation: str = "swiglu"):
     """Mixture of experts over x [B, T, D] (already normed) -> ([B, T, D], aux)."""
-    s = Settings.of(config, rt, router, num_moe_layers)
+    s = Settings.of(config, rt, router, num_moe_layers, activation)
     # The experts enter shard_map in the compute dtype: their gradients leave it in that dtype too.
     weights = (p["router"], *(p[name].astype(s.dtype) for name in ("w_gate", "w_up", "w_down")))
+    biases = {name: p["b_" + name] for name in ("router", "gate", "up", "down") if "b_" + name in p}
+    biases = {k: v if k == "router" else v.astype(s.dtype) for k, v in biases.items()}  # the router's: float32
     valid = segment_ids > 0
     active = sharding_lib.active_mesh()
     unsharded = Axes(hidden_chunks=hidden_chunks(s, weights[1].shape, s.dtype.itemsize, False))
     if active is None:
-        return _local(x, valid, *weights, s=s, axes=unsharded)
+        return _local(x, valid, *weights, biases, s=s, axes=unsharded)
     mesh, rules = active
     axes = mesh_axes(s, mesh, rules, weights[1].shape)
     batch, exp, tensor, embed = axes.batch, axes.expert, axes.tensor, axes.embed
     if x.shape[0] % math.prod(mesh.shape[a] for a in batch):
         # A batch the token axes do not divide (decoding one prompt on many devices): computed whole,
         # with XLA moving the expert weights as it needs. Training batches always divide.
-        return _local(x, valid, *weights, s=s, axes=unsharded)
+        return _local(x, valid, *weights, biases, s=s, axes=unsharded)
     tokens, experts = P(batch or None), P(exp or None, embed or None, tensor or None)
-    in_specs = (P(batch or None, None, None), tokens, P(), experts, experts, P(exp or None, tensor or None, embed or None))
+    # Biases: b_down whole along D (added once, after the sum over the tensor axes).
+    bias_specs = {"router": P(), "gate": P(exp or None, tensor or None), "up": P(exp or None, tensor or None),
+                  "down": P(exp or None, None)}
+    in_specs = (P(batch or None, None, None), tokens, P(), experts, experts, P(exp or None, tensor or None, embed or None),
+                {k: bias_specs[k] for k in biases})
     fn = jax.shard_map(functools.partial(_local, s=s, axes=axes), mesh=mesh, in_specs=in_specs,
                        out_specs=(P(batch or None, None, None), P()))
-    return fn(x, valid, *weights)
+    return fn(x, valid, *weights, biases)
 
 
 def mesh_axes(s: Settings, mesh, rules, expert_shape: tuple[int, int, int]) -> Axes:
@@ -215,18 +238,24 @@ def route(logits, s: Settings):
     return top, experts
 
 
-def _local(x, valid, w_router, w_gate, w_up, w_down, *, s: Settings, axes: Axes):
-    """The block on one device's tokens x [b, T, D] (all tokens, outside a mesh)."""
+def _local(x, valid, w_router, w_gate, w_up, w_down, biases, *, s: Settings, axes: Axes):
+    """The block on one device's tokens x [b, T, D] (all tokens, outside a mesh); biases: {} or b_router,
+    b_gate, b_up, b_down by their suffix."""
     b, t, d = x.shape
     dt = s.dtype
     logits = ops.dense(x, w_router.astype(dt), 1, jnp.float32)  # "BTD,DE->BTE"
+    if "router" in biases:
+        logits = logits + biases["router"].astype(jnp.float32)
     weights, experts = route(logits, s)
     weights = jnp.where(valid[..., None], weights, 0.0)
-    experts_w = (w_gate, w_up, w_down)  # block() cast them to the compute dtype; still FSDP-sharded
+    # block() cast them to the compute dtype; still FSDP-sharded. The gate and up biases go with their weights.
+    experts_w = (w_gate, w_up, w_down, *(biases[k] for k in ("gate", "up") if k in biases))
+    down_bias = biases.get("down")
     if s.dispatch == "capacity":
-        y, dropped = _capacity(x, weights, experts, valid, experts_w, s, axes)
+        y, dropped = _capacity(x, weights, experts, valid, experts_w, s, axes, down_bias)
     else:
-        y = _dropless(x.reshape(b * t, d), weights.reshape(b * t, -1), experts.reshape(b * t, -1), experts_w, s, axes)
+        y = _dropless(x.reshape(b * t, d), weights.reshape(b * t, -1), experts.reshape(b * t, -1), experts_w, s, axes,
+                      down_bias)
         y, dropped = y.reshape(b, t, d), None
     return y.astype(x.dtype), _aux(logits, experts, valid, dropped, s, axes)
 
@@ -237,26 +266,28 @@ def _local(x, valid, w_router, w_gate, w_up, w_down, *, s: Settings, axes: Axes)
 
 
 def _experts(swiglu, rows, experts_w, axes: Axes):
-    """swiglu(rows, w_gate, w_up, w_down) -> out like rows, on the experts as each device holds them
+    """swiglu(rows, w_gate, w_up, w_down[, b_gate, b_up]) -> out like rows, on the experts as each device holds them
     (FSDP-sharded on their embed axis, `axes.embed`): gathered here in the compute dtype, so that their
     gradients are reduce-scattered. With axes.hidden_chunks = n > 1 the hidden axis F is cut into n
     chunks that run in turn (a scan), each gathering only its own F / n columns of w_gate and w_up and
     rows of w_down; their outputs add up, in float32, to the whole (SwiGLU is elementwise over F). The
     backward pass gathers each chunk again rather than keeping it, so one chunk of the gathered experts
     is live at a time; the chunk's gate and up activations are kept, so nothing is computed twice."""
-    def gathered(w_gate, w_up, w_down):
+    def gathered(w_gate, w_up, w_down, *gate_up_biases):
         if not axes.embed:
-            return w_gate, w_up, w_down
-        return _gather(w_gate, 1, axes.embed), _gather(w_up, 1, axes.embed), _gather(w_down, 2, axes.embed)
+            return w_gate, w_up, w_down, *gate_up_biases
+        return (_gather(w_gate, 1, axes.embed), _gather(w_up, 1, axes.embed), _gather(w_down, 2, axes.embed),
+                *gate_up_biases)
 
     n = axes.hidden_chunks
     if n == 1:
         out = swiglu(rows, *gathered(*experts_w))
     else:
-        w_gate, w_up, w_down = experts_w
+        w_gate, w_up, w_down, *gate_up_biases = experts_w
         (e, d, f), d_down = w_gate.shape, w_down.shape[2]
         chunks = (jnp.moveaxis(w_gate.reshape(e, d, n, f // n), 2, 0), jnp.moveaxis(w_up.reshape(e, d, n, f // n), 2, 0),
-                  jnp.moveaxis(w_down.reshape(e, n, f // n, d_down), 1, 0))
+                  jnp.moveaxis(w_down.reshape(e, n, f // n, d_down), 1, 0),
+                  *(jnp.moveaxis(b.reshape(e, n, f // n), 1, 0) for b in gate_up_biases))
 
         @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names("mlp_gate", "mlp_up"))
         def one(chunk_w):
@@ -274,22 +305,37 @@ def _gather(w, axis, names):
     return jnp.moveaxis(w, 0, axis)
 
 
-def _swiglu_grouped(xs, w_gate, w_up, w_down, *, group_sizes):
-    """Rows xs [M, D] sorted by expert, group_sizes [E] rows each -> [M, D] (rows past the groups: 0)."""
+def gated(gate, up, s: Settings):
+    """The experts' activation of their gate and up projections (see the module docstring)."""
+    if s.activation == "clamped_swiglu":
+        gate, up = jnp.minimum(gate, s.limit), jnp.clip(up, -s.limit, s.limit)
+        return gate * jax.nn.sigmoid(s.alpha * gate) * (up + 1)
+    return jax.nn.silu(gate) * up
+
+
+def _swiglu_grouped(xs, w_gate, w_up, w_down, b_gate=None, b_up=None, *, group_sizes, row_experts, s: Settings):
+    """Rows xs [M, D] sorted by expert, group_sizes [E] rows each, row_experts [M] each row's expert
+    (for the biases) -> [M, D] (rows past the groups: 0, or the activation of the biases)."""
     def mm(a, w):  # written in a's dtype, and so are its gradients (ops.dense explains why)
         return jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=a.dtype)
-    gate = checkpoint_name(mm(xs, w_gate), "mlp_gate")  # per row m of expert e: "MD,DF->MF" with W_e
-    up = checkpoint_name(mm(xs, w_up), "mlp_up")
-    return mm(jax.nn.silu(gate) * up, w_down)
+    gate = mm(xs, w_gate)  # per row m of expert e: "MD,DF->MF" with W_e
+    up = mm(xs, w_up)
+    if b_gate is not None:
+        gate, up = gate + jnp.take(b_gate, row_experts, axis=0), up + jnp.take(b_up, row_experts, axis=0)
+    gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
+    return mm(gated(gate, up, s), w_down)
 
 
-def _swiglu_batched(xe, w_gate, w_up, w_down):
+def _swiglu_batched(xe, w_gate, w_up, w_down, b_gate=None, b_up=None, *, s: Settings):
     """Slots xe [E, C, D] -> [E, C, D], each expert on its own C slots."""
     def mm(a, w, spec):
         return jnp.einsum(spec, a, w, preferred_element_type=a.dtype)
-    gate = checkpoint_name(mm(xe, w_gate, "ECD,EDF->ECF"), "mlp_gate")
-    up = checkpoint_name(mm(xe, w_up, "ECD,EDF->ECF"), "mlp_up")
-    return mm(jax.nn.silu(gate) * up, w_down, "ECF,EFD->ECD")
+    gate = mm(xe, w_gate, "ECD,EDF->ECF")
+    up = mm(xe, w_up, "ECD,EDF->ECF")
+    if b_gate is not None:
+        gate, up = gate + b_gate[:, None, :], up + b_up[:, None, :]
+    gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
+    return mm(gated(gate, up, s), w_down, "ECF,EFD->ECD")
 
 
 def _psum(x, names):
@@ -301,7 +347,7 @@ def _psum(x, names):
 # --------------------------------------------------------------------------------------------
 
 
-def _dropless(x, weights, experts, experts_w, s: Settings, axes: Axes):
+def _dropless(x, weights, experts, experts_w, s: Settings, axes: Axes, down_bias=None):
     """x [n, D], weights / experts [n, K] -> y [n, D], every (token, choice) pair computed."""
     n, k = experts.shape
     local_experts = s.num_experts // axes.expert_ways
@@ -314,7 +360,11 @@ def _dropless(x, weights, experts, experts_w, s: Settings, axes: Axes):
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.zeros(local_experts + 1, jnp.int32).at[key].add(1)[:local_experts]
     xs = jnp.take(x, order // k, axis=0)
-    ys = _experts(functools.partial(_swiglu_grouped, group_sizes=group_sizes), xs, experts_w, axes)
+    row_experts = jnp.minimum(jnp.take(key, order), local_experts - 1)  # other devices' pairs: any, masked below
+    ys = _experts(functools.partial(_swiglu_grouped, group_sizes=group_sizes, row_experts=row_experts, s=s), xs,
+                  experts_w, axes)
+    if down_bias is not None:
+        ys = ys + jnp.take(down_bias, row_experts, axis=0)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     y = jnp.take(ys, inverse, axis=0).reshape(x.shape[0], k, -1)
     y = jnp.where(ours[..., None], y, 0.0)
@@ -346,7 +396,7 @@ def capacity_slots(experts, valid, s: Settings):
     return jnp.swapaxes(slot.reshape(b, k, t), 1, 2), jnp.swapaxes(kept.reshape(b, k, t), 1, 2)
 
 
-def _capacity(x, weights, experts, valid, experts_w, s: Settings, axes: Axes):
+def _capacity(x, weights, experts, valid, experts_w, s: Settings, axes: Axes, down_bias=None):
     """x [b, T, D] -> (y [b, T, D], number of real pairs dropped), through fixed [E, C] slots per sequence."""
     b, t, d = x.shape
     k, e, c = s.top_k, s.num_experts, s.capacity(t)
@@ -360,7 +410,9 @@ def _capacity(x, weights, experts, valid, experts_w, s: Settings, axes: Axes):
     xe = jnp.swapaxes(xe.reshape(b, e, c, d), 0, 1).reshape(e, b * c, d)
     if axes.expert_ways > 1:  # each expert's slots to the device that holds it: [E / ep, ep * b * C, D]
         xe = jax.lax.all_to_all(xe, axes.expert, 0, 1, tiled=True)
-    ye = _experts(_swiglu_batched, xe, experts_w, axes)
+    ye = _experts(functools.partial(_swiglu_batched, s=s), xe, experts_w, axes)
+    if down_bias is not None:
+        ye = ye + down_bias[:, None, :]
     if axes.expert_ways > 1:
         ye = jax.lax.all_to_all(ye, axes.expert, 1, 0, tiled=True)
     ye = jnp.swapaxes(ye.reshape(e, b, c, d), 0, 1).reshape(b, e * c, d)

@@ -11,6 +11,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from maxtrain.config import registry
 from maxtrain.models import attention as attention_lib
 
 # Names of the projection (matmul) outputs inside a layer; `minimal` saves exactly these, which are
@@ -124,6 +125,7 @@ class Runtime:
         attention = attention_lib.resolve_implementation(
             config.attention, backend, dtype=dtype, head_dim=config.head_dim,
             sliding_window=config.sliding_window_size, logits_soft_cap=config.attn_logits_soft_cap,
+            sinks=getattr(registry.FAMILIES.get(config.decoder_block), "attention_sinks", False),
             context_parallel=context_parallel)
         remat_policy, scan_layers = resolve_layer_plan(config, backend)
         return cls(dtype=dtype, attention=attention, remat_policy=remat_policy, backend=backend,

@@ -40,8 +40,10 @@ def layer(x, p, inputs, layer_type: LayerType, config, rt):
     return moe_decoder_layer(x, p, inputs, layer_type, config, rt, ROUTER, layer_types(config))
 
 
-def moe_decoder_layer(x, p, inputs, layer_type: LayerType, config, rt, router: str, types: list[LayerType]):
-    """attention then a mixture of experts (kind "moe") or a gated MLP (any other kind), each pre-normed."""
+def moe_decoder_layer(x, p, inputs, layer_type: LayerType, config, rt, router: str, types: list[LayerType],
+                      activation: str = "swiglu"):
+    """attention then a mixture of experts (kind "moe") or a gated MLP (any other kind), each pre-normed;
+    `activation`: the experts' (models/moe.py)."""
     eps = config.normalization_layer_epsilon
     window = config.sliding_window_size if layer_type.attention == "sliding" else 0
     h, aux = blocks.attention(blocks.rms_norm(x, p["attn_norm"], eps), p, inputs, config, rt,
@@ -50,7 +52,7 @@ def moe_decoder_layer(x, p, inputs, layer_type: LayerType, config, rt, router: s
     normed = blocks.rms_norm(x, p["mlp_norm"], eps)
     if layer_type.kind == "moe":
         h, moe_aux = moe.block(normed, p, inputs.segment_ids, config, rt, router=router,
-                               num_moe_layers=sum(t.kind == "moe" for t in types))
+                               num_moe_layers=sum(t.kind == "moe" for t in types), activation=activation)
         aux = {**aux, **moe_aux}
     else:
         h = blocks.mlp(normed, p, rt, "silu")

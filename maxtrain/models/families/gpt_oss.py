@@ -1,0 +1,111 @@
+"""gpt-oss (OpenAI 2025): biased attention with sinks, alternating sliding-window and full layers, and a
+mixture of clamped-SwiGLU experts with biases in every layer.
+
+    x = x + attention(rmsnorm(x))     q, k, v = x W + b; out = o W_o + b_o; each head's softmax has one
+                                      more logit, its learned sink, in the denominator:
+                                      p_s = exp(x_s) / (exp(sink) + sum_s' exp(x_s'))   (models/attention.py)
+                                      RoPE with YaRN scaling; layer i attends over a sliding window when i
+                                      is even (sliding, full, sliding, ...)
+    x = x + moe(rmsnorm(x))           logits = x W_r + b_r; w, e = softmax(top_k(logits)) over the K chosen;
+                                      expert(x) = down(g * sigmoid(alpha g) * (u + 1)) + b_down with
+                                      g = min(x W_g + b_g, limit), u = clip(x W_u + b_u, -limit, limit)
+                                      (models/moe.py, activation "clamped_swiglu")
+    out = rmsnorm(x) @ W_out          untied
+
+Every layer is of kind "moe". Sinks exist only in dot_product attention: `autoselected` picks it on
+every platform and the kernels (flash, cudnn) are refused (models/attention.py KERNEL_LIMITS).
+Hugging Face stores each layer's experts fused: gate_up_proj [E, D, 2F] with gate and up interleaved
+column by column, down_proj [E, F, D], and their biases; the released checkpoints quantize the experts to
+MXFP4, which is imported from a dequantized copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from maxtrain.config import registry
+from maxtrain.models import blocks, hf, moe
+from maxtrain.models.decoder import LayerType, default_layer_types
+from maxtrain.models.families import llama, mixtral
+from maxtrain.models.params import stacked
+
+FAMILY = registry.FAMILIES["gpt_oss"]  # its Hugging Face model_type and architecture
+ROUTER = "topk_softmax"
+ACTIVATION = "clamped_swiglu"
+PATTERN = ["sliding", "full"]  # repeated over the stack
+# transformers' GptOssConfig defaults, read where config.json omits the field
+DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
+DEFAULT_THETA = 150000.0
+
+embed = llama.embed
+logits = llama.logits
+
+
+def param_specs(config):
+    layer_specs = {"attn_norm": blocks.norm_spec(config),
+                   **blocks.attention_specs(config, qkv_bias=True, out_bias=True, sinks=FAMILY.attention_sinks),
+                   "mlp_norm": blocks.norm_spec(config), **moe.specs(config, biases=True)}
+    return {**blocks.embedding_specs(config), "layers": {"moe": stacked(layer_specs, config.base_num_decoder_layers)}}
+
+
+def _pattern(num_layers: int) -> list[str]:
+    return [PATTERN[i % len(PATTERN)] for i in range(num_layers)]
+
+
+def layer_types(config) -> list[LayerType]:
+    return [dataclasses.replace(t, kind="moe")
+            for t in default_layer_types(config, _pattern(config.base_num_decoder_layers))]
+
+
+def layer(x, p, inputs, layer_type: LayerType, config, rt):
+    return mixtral.moe_decoder_layer(x, p, inputs, layer_type, config, rt, ROUTER, layer_types(config), ACTIVATION)
+
+
+def flops_per_token(config, dense_attention: bool = False) -> float:
+    return moe.flops_per_token(config, layer_types(config), dense_attention)
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face
+# --------------------------------------------------------------------------------------------
+
+_EXPERTS = "model.layers.{i}.mlp.experts."
+HF_NAMES = {
+    **hf.EMBEDDING_NAMES,
+    "layers/moe/attn_norm": ("model.layers.{i}.input_layernorm.weight", None),
+    "layers/moe/mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
+    **mixtral.for_kind({**hf.ATTENTION_NAMES, **hf.QKV_BIAS_NAMES}, "moe"),
+    "layers/moe/bo": ("model.layers.{i}.self_attn.o_proj.bias", None),
+    "layers/moe/sinks": ("model.layers.{i}.self_attn.sinks", None),
+    "layers/moe/router": ("model.layers.{i}.mlp.router.weight", 1),
+    "layers/moe/b_router": ("model.layers.{i}.mlp.router.bias", None),
+    "layers/moe/w_gate": (_EXPERTS + "gate_up_proj", hf.Interleaved(0)),
+    "layers/moe/w_up": (_EXPERTS + "gate_up_proj", hf.Interleaved(1)),
+    "layers/moe/b_gate": (_EXPERTS + "gate_up_proj_bias", hf.Interleaved(0)),
+    "layers/moe/b_up": (_EXPERTS + "gate_up_proj_bias", hf.Interleaved(1)),
+    "layers/moe/w_down": (_EXPERTS + "down_proj", None),
+    "layers/moe/b_down": (_EXPERTS + "down_proj_bias", None),
+}
+
+
+def from_hf_config(config: dict, notes: list | None = None) -> dict:
+    hf.refuse(config, {"attention_bias": True})
+    if not (config.get("rope_scaling") or config.get("rope_parameters")):
+        config = {**config, "rope_parameters": {**DEFAULT_ROPE, "rope_theta": config.get("rope_theta", DEFAULT_THETA)}}
+    keys = {**hf.common_keys(config, rms_norm_eps=1e-5),
+            **hf.rope_keys(config, notes, default_theta=DEFAULT_THETA)}
+    window = config.get("sliding_window", 128)
+    return {**keys, **hf.sliding_keys(config, _pattern(config["num_hidden_layers"]), window),
+            **mixtral.experts_keys(config), "base_moe_mlp_dim": -1, "norm_topk_prob": True,
+            "mlp_activations_limit": float(config.get("swiglu_limit", 7.0)),
+            "swiglu_alpha": float(config.get("swiglu_alpha", 1.702))}
+
+
+def to_hf_config(keys: dict) -> dict:
+    return {**hf.common_config(keys, FAMILY), **hf.rope_config(keys),
+            **hf.layer_types_config(keys, _pattern(keys["base_num_decoder_layers"])),
+            "intermediate_size": keys["base_moe_mlp_dim"] if keys["base_moe_mlp_dim"] > 0 else keys["base_mlp_dim"],
+            "attention_bias": True, "hidden_act": "silu", "num_local_experts": keys["num_experts"],
+            "num_experts_per_tok": keys["num_experts_per_tok"], "swiglu_limit": keys["mlp_activations_limit"],
+            "swiglu_alpha": keys["swiglu_alpha"]}
