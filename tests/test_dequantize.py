@@ -127,3 +127,37 @@ def test_quantised_pairs_read_through_the_import_hook(tmp_path):
     imported = checkpoint_files.read_params(str(tmp_path / "out"))
     expected = convert.to_maxtrain(hf, keys)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, imported), expected)
+
+
+def test_a_gpt_oss_checkpoint_with_mxfp4_experts_imports_as_its_dequantised_weights(tmp_path):
+    """gpt-oss as released: the experts' gate_up_proj and down_proj stored as MXFP4 blocks and scales, with the
+    layout transformers reads ([E, out, in / 32, 16] blocks of the [E, in, out] weight); the import equals the
+    import of the same model written with the dequantised weights."""
+    rng = np.random.default_rng(2)
+    config = config_lib.load_config([str(REPO / "configs" / "base.yml"), "decoder_block=gpt_oss", "num_experts=4",
+                                     "num_experts_per_tok=2", "base_emb_dim=64", "base_num_query_heads=2",
+                                     "base_num_kv_heads=1", "head_dim=16", "base_mlp_dim=32",
+                                     "base_num_decoder_layers=2", "vocab_size=128", "sliding_window_size=8"])
+    keys = {k: getattr(config, k) for k in models.MODEL_KEYS}
+    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), models.param_specs(
+        convert.spec_config(keys)), is_leaf=models.is_spec)
+    hf, quantised = convert.to_hf(params, keys, np.float32), {}
+    for name, w in hf.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            experts, n_in, n_out = w.shape
+            blocks = rng.integers(0, 256, (experts, n_out, n_in // 32, 16), dtype=np.uint8)
+            scales = rng.integers(122, 130, (experts, n_out, n_in // 32), dtype=np.uint8)
+            quantised[name + "_blocks"], quantised[name + "_scales"] = blocks, scales
+            hf[name] = np.swapaxes(reference_mxfp4(blocks, scales), 1, 2)
+        else:
+            quantised[name] = w
+    assert sum(n.endswith("_blocks") for n in quantised) == 4  # 2 layers x (gate_up, down)
+    hf_dir = tmp_path / "mxfp4_gpt_oss"
+    hf_dir.mkdir()
+    safetensors_files.write(str(hf_dir / "model.safetensors"), quantised)
+    (hf_dir / "config.json").write_text(json.dumps(convert.hf_config(keys, None, "float32")))
+    notes = []
+    convert.import_hf(str(hf_dir), str(tmp_path / "out"), log=notes.append)
+    assert "note: dequantised 4 mxfp4 tensors" in notes
+    imported = checkpoint_files.read_params(str(tmp_path / "out"))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, imported), convert.to_maxtrain(hf, keys))

@@ -12,11 +12,11 @@ mixture of clamped-SwiGLU experts with biases in every layer.
                                       (models/moe.py, activation "clamped_swiglu")
     out = rmsnorm(x) @ W_out          untied
 
-Every layer is of kind "moe". Sinks exist only in dot_product attention: `autoselected` picks it on
-every platform and the kernels (flash, cudnn) are refused (models/attention.py KERNEL_LIMITS).
+Every layer is of kind "moe". Sinks are computed by dot_product attention and the flash and splash
+kernels; cuDNN refuses them (models/attention.py KERNEL_LIMITS).
 Hugging Face stores each layer's experts fused: gate_up_proj [E, D, 2F] with gate and up interleaved
 column by column, down_proj [E, F, D], and their biases; the released checkpoints quantize the experts to
-MXFP4, which is imported from a dequantized copy.
+MXFP4, which the import dequantizes (checkpointing/dequantize.py).
 """
 
 from __future__ import annotations
