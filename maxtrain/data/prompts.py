@@ -16,7 +16,8 @@ every file is checked before any work). The iterator is a checkpointable Grain i
 resumed run reads the prompts it would have read.
 
 `stop_ids` are the tokens that end a completion: the tokenizer's end-of-sequence ids and the
-template's end-of-turn token (`<|im_end|>`, `<|eot_id|>`).
+template's end-of-turn token (`<|im_end|>`, `<|eot_id|>`: the first token the template writes after
+an assistant reply that is not white space; `\n` for the plain template).
 """
 
 from __future__ import annotations
@@ -81,8 +82,10 @@ def stop_ids(template: chat.Template) -> tuple[int, ...]:
     text = template.render([{"role": "assistant", "content": marker}])
     tail = text[text.index(marker) + len(marker):] if marker in text else ""
     ids = list(tok.eos_ids)
-    after = tok.encode(tail)[:1] if tail else []
-    return tuple(dict.fromkeys(ids + after))
+    after = tok.encode(tail) if tail else []
+    # the first piece that writes something (a sentencepiece model starts with a bare "▁"); else the last
+    marker_ids = [i for i in after if tok.decode([i]).strip()] or after[-1:]
+    return tuple(dict.fromkeys(ids + marker_ids[:1]))
 
 
 def columns(config, split: str) -> list[str]:
