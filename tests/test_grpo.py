@@ -190,3 +190,12 @@ def test_builtin_rewards():
     assert rewards.exact_match([""] * 3, ["42", " <think>4+2</think><answer>6</answer>", "7"], ["42", "6", "8"]) == [1, 1, 0]
     assert rewards.format_reward([""] * 2, ["<think>a</think> <answer>b</answer>", "b"], ["", ""]) == [1.0, 0.0]
     assert set(rewards.BUILTIN) == set(config_lib.checks.GRPO_REWARDS)
+
+
+def test_completions_stop_at_eos_and_the_templates_end_of_turn(dataset):
+    from maxtrain.data import chat, prompts  # pylint: disable=import-outside-toplevel
+    from maxtrain.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+
+    tok = tokenizer_lib.load(dataset["tokenizer"])
+    stops = prompts.stop_ids(chat.template_for(tok, "chatml"))
+    assert [tok.piece(i) for i in stops] == [tok.piece(tok.eos_id), "<|im_end|>"]  # not the bare "▁" before it

@@ -61,7 +61,7 @@ class Inputs:
         return self.prompts.eval_prompts
 
     def close(self) -> None:
-        pass
+        """Nothing runs in the background (train.py closes every run's inputs)."""
 
 
 def prompts_per_step(config) -> int:
@@ -98,12 +98,8 @@ def completion_length(config) -> int:
     return config.max_target_length - config.max_prefill_predict_length
 
 
-def sampling_settings(config) -> dict:
-    return sampling.sampling_settings(config)
-
-
 def describe_sampling(config) -> str:
-    return ", ".join(f"{k} {v:g}" for k, v in sampling_settings(config).items())
+    return ", ".join(f"{k} {v:g}" for k, v in sampling.sampling_settings(config).items())
 
 
 def rollout_key(config, step: int):
@@ -168,7 +164,7 @@ class Step:
         self.group = config.num_generations
         self.sample = jax.jit(lambda params, prompt, first, key: sampling.sample_completions(
             params, prompt, first, key, config=config, rt=run.rt, max_new_tokens=completion_length(config),
-            **sampling_settings(config)))
+            **sampling.sampling_settings(config)))
 
     def rollout(self, state, batch: dict, step: int):
         """(update batch [A, b, T] on the host, host metrics) for one prompt batch."""
