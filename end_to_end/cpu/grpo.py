@@ -87,6 +87,7 @@ def main(argv: list[str]) -> int:
     if options.reuse_sft:
         out = Path(os.environ.get("E2E_OUT", common.ROOT / "outputs" / "end_to_end")).resolve() / "grpo"
         shutil.rmtree(out / "grpo", ignore_errors=True)
+        (out / "grpo_metrics.jsonl").unlink(missing_ok=True)
     else:
         out = common.out_dir("grpo")
     with common.errors.user_paths():
