@@ -35,7 +35,7 @@ from maxtrain.errors import run_cli
 from maxtrain.models import sampling
 from maxtrain.observability import metrics
 from maxtrain.parallel import distributed, sharding
-from maxtrain.training import builder, host_memory, loop
+from maxtrain.training import builder, grpo, host_memory, loop
 from maxtrain.training.loop import RunResult, TrainingError  # noqa: F401 (TrainingError: the run's own errors)
 from maxtrain.training.preemption import Preemption
 
@@ -71,7 +71,8 @@ def main(argv: list[str]) -> RunResult:
             f"(e.g. steps={start.step + config.steps}) to train on")
         checkpointer.close()
         return RunResult(config, nothing_to_train=True)
-    inputs = data_lib.make_inputs(config, log=log)
+    # GRPO reads prompts and imports its reward functions (training/grpo.py); checked here, before compiling
+    inputs = grpo.make_inputs(config, log=log) if config.use_grpo else data_lib.make_inputs(config, log=log)
     task_evals = evals.from_config(config, inputs.tokenizer, mesh, run.rt, log=log)  # data checked, requests packed
     compile_started = time.time()
     step_fn = run.compile() if compiled_step is None else compiled_step  # from the state's shapes and shardings
@@ -85,13 +86,17 @@ def main(argv: list[str]) -> RunResult:
     with sharding.activation_sharding(mesh, rules):
         state = checkpoint_lib.initial_state(start, checkpointer, run.abstract_state, run.init,
                                              jax.random.key(config.seed), inputs.train_iterator, log=log)
-        batches = (pipeline.to_global(batch, mesh, rules) for batch in inputs.train_iterator)
-        evaluation = loop.EvalLoss(config, run.eval_step, lambda: eval_batches(run, inputs), writer, log)
+        if config.use_grpo:  # each step samples completions of a prompt batch, then updates on them
+            step_fn, batches = grpo.Step(run, step_fn, inputs), iter(inputs.train_iterator)
+            evaluation = grpo.HeldOut(run, inputs, writer, log)
+        else:
+            batches = (pipeline.to_global(batch, mesh, rules) for batch in inputs.train_iterator)
+            evaluation = loop.EvalLoss(config, run.eval_step, lambda: eval_batches(run, inputs), writer, log)
         hooks = [loop.Profile(config, log)]
         hooks += [loop.Checkpoint(config, checkpointer, inputs.train_iterator, metadata)] if checkpointer else []
         hooks += [evaluation] if len(inputs.eval_batches) > 0 else []
         hooks += [loop.TaskEval(task_evals, run.model_params, writer)] if task_evals else []
-        if len(inputs.eval_batches) > 0 and inputs.tokenizer is not None and config.viz_period > 0:
+        if len(inputs.eval_batches) > 0 and inputs.tokenizer is not None and config.viz_period > 0 and not config.use_grpo:
             viz_batch = pipeline.to_global(inputs.eval_batches[0], mesh, rules, pipeline.EVAL_BATCH_AXES)
             hooks.append(loop.Heatmap(config, run.rt, viz_batch, inputs.tokenizer, run.model_params, writer, log))
         reporter = loop.Reporter(config, writer, peak_tflops(config), loss_scaled=run.rt.dtype == jnp.float16)

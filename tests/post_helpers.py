@@ -84,3 +84,19 @@ def dpo_args(paths: dict) -> list[str]:
             f"tokenizer_path={paths['tokenizer']}", "use_dpo=true", "train_data_columns=[prompt,chosen,rejected]",
             "eval_data_columns=[prompt,chosen,rejected]", "chat_template=chatml", "vocab_size=320",
             "max_target_length=64"]
+
+
+def grpo_rows(convs: list[dict]) -> list[dict]:
+    """Prompt/answer rows of the conversations (GRPO)."""
+    return [{"prompt": c["messages"][0]["content"], "answer": c["messages"][1]["content"]} for c in convs]
+
+
+def grpo_args(paths: dict, directory: str) -> list[str]:
+    """A tiny GRPO run on the dataset's sums: 2 prompts x 4 completions of 8 tokens per step."""
+    train = write_jsonl(os.path.join(directory, "grpo.jsonl"), grpo_rows(conversations(64, seed=0)))
+    held_out = write_jsonl(os.path.join(directory, "grpo_eval.jsonl"), grpo_rows(conversations(8, seed=1)))
+    return ["dataset_type=jsonl", f"grain_train_files={train}", f"grain_eval_files={held_out}",
+            f"tokenizer_path={paths['tokenizer']}", "use_grpo=true", "train_data_columns=[prompt,answer]",
+            "eval_data_columns=[prompt,answer]", "chat_template=chatml", "vocab_size=320", "max_target_length=24",
+            "max_prefill_predict_length=16", "num_generations=4", "decode_sampling_strategy=weighted",
+            "per_device_batch_size=1", "ici_fsdp_parallelism=8", "eval_steps=1"]

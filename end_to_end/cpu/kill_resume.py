@@ -1,7 +1,7 @@
 """Kill training at random moments (SIGKILL, some of them during an async save; one SIGTERM) and
 restart the same command until it finishes; the result must equal an uninterrupted run bitwise.
 
-    python end_to_end/cpu/kill_resume.py [--kills 6] [--steps 300] [--seed 0] [--out DIR]
+    python end_to_end/cpu/kill_resume.py [--kills 6] [--steps 300] [--seed 0] [--out DIR] [--grpo]
 
 Checked, and printed with PASS/FAIL:
   - every restart resumes from the latest complete checkpoint on disk at that moment (never from a
@@ -9,7 +9,9 @@ Checked, and printed with PASS/FAIL:
   - every step that was logged, including steps re-run after a kill, has the loss and grad norm of
     the uninterrupted run, bitwise;
   - the final params equal the uninterrupted run's, bitwise.
-Runs the tiny model on the default corpus over 4 simulated CPU devices (FSDP 2 x tensor 2).
+Runs the tiny model on the default corpus over 4 simulated CPU devices (FSDP 2 x tensor 2). With
+--grpo the runs are GRPO on generated sums (rollouts sampled in every step, exact-match and
+completion-length rewards): the rollouts after a restart must be the uninterrupted run's too.
 """
 
 from __future__ import annotations
@@ -41,15 +43,44 @@ TINY = ["base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2", "bas
 TMP_MARK = ".orbax-checkpoint-tmp"
 
 
-def command(out: str, run_name: str, steps: int, period: int) -> list[str]:
+def command(out: str, run_name: str, steps: int, period: int, extra: tuple = ()) -> list[str]:
     return [sys.executable, "-m", "maxtrain.train", os.path.join(REPO, "configs", "base.yml"), *TINY,
             f"steps={steps}", f"checkpoint_period={period}", "max_num_checkpoints_to_keep=2",
             f"base_output_directory={out}", f"run_name={run_name}", f"dataset_cache_dir={out}/cache",
-            f"metrics_file={out}/{run_name}.jsonl"]
+            f"metrics_file={out}/{run_name}.jsonl", *extra]
 
 
-def env() -> dict:
-    return {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONUNBUFFERED": "1"}
+def grpo_settings(out: str) -> list[str]:
+    """GRPO on generated sums: prompts, a sentencepiece tokenizer and a reward module under `out`."""
+    import io  # pylint: disable=import-outside-toplevel
+
+    import sentencepiece as spm  # pylint: disable=import-outside-toplevel
+
+    rng = random.Random(0)
+    sums = [(rng.randint(0, 99), rng.randint(0, 99)) for _ in range(500)]
+    with open(os.path.join(out, "prompts.jsonl"), "w") as f:
+        f.writelines(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) + "\n" for a, b in sums)
+    with open(os.path.join(out, "kill_resume_rewards.py"), "w") as f:
+        f.write("def length(prompts, completions, answers):\n    return [len(c) / 10 for c in completions]\n")
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter([f"<|im_start|>user\n{a}+{b}=<|im_end|>\n<|im_start|>assistant\n{a + b}<|im_end|>\n"
+                                for a, b in sums]), model_writer=model, vocab_size=40, hard_vocab_limit=False,
+        model_type="bpe", normalization_rule_name="identity", remove_extra_whitespaces=False, split_digits=True,
+        user_defined_symbols=["\n", "<|im_start|>", "<|im_end|>"], pad_id=0, bos_id=1, eos_id=2, unk_id=3,
+        minloglevel=2)
+    with open(os.path.join(out, "tok.model"), "wb") as f:
+        f.write(model.getvalue())
+    return ["use_grpo=true", "dataset_type=jsonl", f"grain_train_files={out}/prompts.jsonl",
+            f"tokenizer_path={out}/tok.model", "train_data_columns=[prompt,answer]", "chat_template=chatml",
+            "eval_data_columns=[prompt,answer]", "max_prefill_predict_length=32", "num_generations=4",
+            "decode_sampling_strategy=weighted", "grpo_reward_functions=[exact_match,kill_resume_rewards:length]"]
+
+
+def env(extra_path: str = "") -> dict:
+    path = os.pathsep.join(p for p in (extra_path, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": path}
 
 
 def logged(path: str) -> list[dict]:
@@ -71,10 +102,10 @@ def saving_now(ckpts: str) -> bool:
     return os.path.isdir(ckpts) and any(TMP_MARK in name for name in os.listdir(ckpts))
 
 
-def run_until_killed(cmd, log_path, plan, ckpts, metrics, steps, rng, run_seconds):
+def run_until_killed(cmd, log_path, plan, ckpts, metrics, steps, rng, run_seconds, environment=None):
     """Starts the run and interrupts it as `plan` says. Returns (exit code, what happened)."""
     with open(log_path, "w") as log:
-        process = subprocess.Popen(cmd, cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(cmd, cwd=REPO, env=environment or env(), stdout=log, stderr=subprocess.STDOUT)
     start_lines = len(logged(metrics))
     target_step = None
     if plan in ("mid_training", "sigterm"):  # a step after the restart point, well before the end
@@ -112,6 +143,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--checkpoint_period", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     parser.add_argument("--out", default="", help="working directory (default: a temporary one, removed)")
+    parser.add_argument("--grpo", action="store_true", help="GRPO runs (rollouts in every step) instead of pre-training")
     args = parser.parse_args(argv)
     if min(args.kills, args.steps, args.checkpoint_period) < 1:
         parser.error("--kills, --steps and --checkpoint_period must be >= 1")
@@ -127,11 +159,13 @@ def kill_and_resume(args) -> int:
     os.makedirs(out, exist_ok=True)
     rng = random.Random(args.seed)
     failures = []
+    extra = grpo_settings(out) if args.grpo else []
+    environment = env(out if args.grpo else "")  # --grpo: its reward module is in `out`
 
-    print(f"reference: {args.steps} steps uninterrupted -> {out}/reference", flush=True)
+    print(f"reference: {args.steps} steps uninterrupted{' of GRPO' if args.grpo else ''} -> {out}/reference", flush=True)
     t0 = time.time()
-    ref = subprocess.run(command(out, "reference", args.steps, args.checkpoint_period), cwd=REPO, env=env(),
-                         capture_output=True, text=True)
+    ref = subprocess.run(command(out, "reference", args.steps, args.checkpoint_period, extra), cwd=REPO,
+                         env=environment, capture_output=True, text=True)
     if ref.returncode != 0:
         print(ref.stdout[-3000:], ref.stderr[-3000:])
         print("FAIL kill_resume: the reference run failed")
@@ -143,7 +177,7 @@ def kill_and_resume(args) -> int:
     kinds = ["during_save", "mid_training", "sigterm", "random_time", "during_save"]
     plans = kinds[:min(args.kills, 5)] + [rng.choice(["during_save", "during_save", "mid_training", "random_time"])
                                           for _ in range(args.kills - 5)]
-    cmd = command(out, "victim", args.steps, args.checkpoint_period)
+    cmd = command(out, "victim", args.steps, args.checkpoint_period, extra)
     ckpts = os.path.join(out, "victim", "checkpoints")
     metrics = os.path.join(out, "victim.jsonl")
     partial_left, resumes_checked, attempt, outcomes = 0, 0, 0, []
@@ -151,7 +185,7 @@ def kill_and_resume(args) -> int:
         plan = plans[attempt] if attempt < len(plans) else "none"
         expected = (checkpoint_files.complete_steps(ckpts) or [None])[-1]
         log_path = os.path.join(out, f"victim_attempt{attempt}.log")
-        code, what = run_until_killed(cmd, log_path, plan, ckpts, metrics, args.steps, rng, run_seconds)
+        code, what = run_until_killed(cmd, log_path, plan, ckpts, metrics, args.steps, rng, run_seconds, environment)
         with open(log_path) as f:
             text = f.read()
         resumed = re.search(r"Resuming from .*/(\d+)\n", text)

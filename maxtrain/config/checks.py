@@ -73,6 +73,8 @@ def _one_objective(v):
 
 def _data_columns(v):
     """One text field for pre-training; SFT and DPO name the fields of their records (docs/post_training.md)."""
+    if v["use_grpo"]:
+        return  # _grpo_settings checks GRPO's [prompt, answer]
     wanted = {"sft": (["messages"], ["prompt", "completion"]), "dpo": (["prompt", "chosen", "rejected"],)}
     kind = "sft" if v["use_sft"] else "dpo" if v["use_dpo"] else None
     for key in ("train_data_columns", "eval_data_columns"):
@@ -103,6 +105,44 @@ def _lora_targets_known(v):
     _require(len(targets) > 0 and all(t in LORA_TARGETS for t in targets) and len(set(targets)) == len(targets),
              f"lora_target_modules={targets!r} must list distinct projections among {', '.join(LORA_TARGETS)} "
              "(q, k, v, o: attention; gate, up, down: MLP)")
+
+
+GRPO_REWARDS = ("exact_match", "format")  # maxtrain/training/rewards.py: built-in rewards
+
+
+def _grpo_settings(v):
+    """GRPO's settings against one another (docs/post_training.md); the reward functions are imported at start."""
+    if not v["use_grpo"]:
+        return
+    other = "sft" if v["use_sft"] else "dpo" if v["use_dpo"] else "distillation" if v["use_distillation"] else None
+    _require(other is None, f"use_grpo=true and use_{other}=true were both set; a run has one objective. "
+             "Run SFT first, then GRPO from its checkpoint with load_parameters_path=<the SFT run>")
+    _require(v["num_generations"] >= 2,
+             f"num_generations={v['num_generations']}: GRPO's advantage is a completion's reward minus its group's "
+             "mean, always 0 in a group of one; sample 2 or more completions per prompt (4 to 16 are usual)")
+    for key in ("train_data_columns", "eval_data_columns"):
+        _require(len(v[key]) == 2 and all(isinstance(c, str) and c for c in v[key]),
+                 f"use_grpo=true reads prompts and their answers, but {key}={v[key]!r}; set {key}=[prompt,answer] "
+                 "(the names of your fields, in that order)")
+    _require(v["dataset_type"] in ("jsonl", "parquet"),
+             f"use_grpo=true reads jsonl or parquet files, but dataset_type={v['dataset_type']}; set dataset_type=jsonl "
+             "(or parquet) and grain_train_files=<your prompts>")
+    _require(v["max_prefill_predict_length"] < v["max_target_length"],
+             f"max_prefill_predict_length={v['max_prefill_predict_length']} leaves no room for a completion in "
+             f"max_target_length={v['max_target_length']} tokens (completions get the difference); raise "
+             "max_target_length or lower max_prefill_predict_length")
+    _require(v["decode_sampling_strategy"] != "greedy",
+             "use_grpo=true samples its completions with decode_sampling_strategy, which is greedy: a prompt's "
+             "completions would all be the same and teach nothing. Set decode_sampling_strategy=weighted (or "
+             "nucleus, topk) and decode_sampling_temperature")
+    _require(v["num_epoch"] == -1, f"use_grpo=true repeats its prompts (num_epoch=-1), but num_epoch={v['num_epoch']}; "
+                                   "bound the run with steps instead")
+    for name in v["grpo_reward_functions"]:
+        module, _, function = str(name).partition(":")
+        _require(name in GRPO_REWARDS or (module and function),
+                 f"grpo_reward_functions: {name!r} is neither a built-in reward ({', '.join(GRPO_REWARDS)}) nor an "
+                 "import path module:function (e.g. my_rewards:score, with my_rewards.py on PYTHONPATH)")
+    _require(len(v["grpo_reward_functions"]) > 0, "grpo_reward_functions is empty; name at least one, e.g. [exact_match]")
 
 
 def _llama3_rope_factors(v):
@@ -318,7 +358,7 @@ CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_le
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
           _run_name_is_one_directory, _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
           _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts, _hidden_tiling_divides_expert_width,
-          _eval_tasks_known)
+          _eval_tasks_known, _grpo_settings)
 
 
 def _distillation_settings(v):

@@ -116,8 +116,8 @@ def init_cache(config, batch_size: int, max_length: int, dtype) -> dict:
     return decoder.init_cache(config, batch_size, max_length, dtype)
 
 
-def forward_with_cache(params: Params, tokens, positions, cache: dict, index, config, rt: Runtime):
-    return decoder.forward_with_cache(family(config), params, tokens, positions, cache, index, config, rt)
+def forward_with_cache(params: Params, tokens, positions, cache: dict, index, config, rt: Runtime, first=None):
+    return decoder.forward_with_cache(family(config), params, tokens, positions, cache, index, config, rt, first)
 
 
 def flops_per_token(config, dense_attention: bool = False) -> float:

@@ -33,7 +33,8 @@ class LayerInputs(NamedTuple):
     positions: Any            # [B, T] int32, restarting at 0 in each packed document
     segment_ids: Any          # [B, T] int32, 0 = padding
     rope: dict                # {"global": (cos, sin), "local": (cos, sin)}, each [B, T, H/2] float32
-    cache: Any = None         # decoding only: (k [B, S, G, H], v [B, S, G, H], index of the first new slot)
+    cache: Any = None         # decoding only: (k [B, S, G, H], v [B, S, G, H], index of the first new slot,
+                              # first slot each row attends to [B] or None: left-padded prompts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -160,12 +161,14 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", sl
         aux = {}
     else:
         # Decoding: write this step's k, v at `index` and attend to the filled cache slots.
-        cache_k, cache_v, index = inputs.cache
+        cache_k, cache_v, index, first = inputs.cache
         cache_k = jax.lax.dynamic_update_slice_in_dim(cache_k, k.astype(cache_k.dtype), index, axis=1)
         cache_v = jax.lax.dynamic_update_slice_in_dim(cache_v, v.astype(cache_v.dtype), index, axis=1)
         slots = jnp.arange(cache_k.shape[1])[None, None, :]
-        t = inputs.positions[:, :, None]
-        mask = slots <= t  # [B, T, S]: causal over absolute positions
+        t = (index + jnp.arange(q.shape[1]))[None, :, None]  # the queries' slots
+        mask = slots <= t  # [B, T, S]: causal over the slots
+        if first is not None:  # a left-padded row: its slots before `first` hold padding
+            mask = mask & (slots >= first[:, None, None])
         if sliding_window > 0:
             mask = mask & (t - slots < sliding_window)
         out = attention_lib.dot_product_attention(q, cache_k.astype(dt), cache_v.astype(dt), mask, scale=scale,

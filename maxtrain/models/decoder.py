@@ -156,7 +156,7 @@ def _run_group(family, period, x, group_params, group_cache, inputs: LayerInputs
         one = sum(t.kind == lt.kind for t in period) == 1  # its parameters come without a per-group axis
         p = group_params[lt.kind] if one else jax.tree.map(lambda a, i=i: a[i], group_params[lt.kind])
         layer_inputs = inputs if group_cache is None else inputs._replace(
-            cache=(group_cache[0][j], group_cache[1][j], inputs.cache[2]))
+            cache=(group_cache[0][j], group_cache[1][j], *inputs.cache[2:]))
         x, aux = _layer_fn(family, lt, config, rt, scan)(x, p, layer_inputs)
         if "cache" in aux:
             new_caches.append(aux.pop("cache"))
@@ -308,13 +308,17 @@ def init_cache(config, batch_size: int, max_length: int, dtype) -> dict:
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def forward_with_cache(family, params, tokens, positions, cache: dict, index, config, rt) -> tuple[Any, dict]:
+def forward_with_cache(family, params, tokens, positions, cache: dict, index, config, rt,
+                       first=None) -> tuple[Any, dict]:
     """Runs tokens [B, T] at cache slots [index, index + T); returns (logits [B, T, V], new cache).
 
-    positions must equal index + arange(T) (one sequence per row, no packing while decoding).
+    One sequence per row, no packing while decoding. Without `first`, positions must equal
+    index + arange(T). With first [B] (left-padded prompts: row b's sequence starts at slot first[b])
+    the slots before first[b] are never attended to, and positions are slot - first[b] (RoPE sees
+    each sequence from 0, as in training).
     """
     x = family.embed(params, tokens, config, rt)
     inputs = LayerInputs(positions, jnp.ones_like(tokens), rope_tables(positions, config),
-                         (cache["k"], cache["v"], index))
+                         (cache["k"], cache["v"], index, first))
     x, _, (k, v) = run_layers(family, params["layers"], x, inputs, config, rt, scan=True)
     return family.logits(params, x, config, rt), {"k": k, "v": v}

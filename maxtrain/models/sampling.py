@@ -3,7 +3,8 @@
     new_ids = sampling.generate(params, prompt_ids, config, rt, max_new_tokens=48, eos_id=tokenizer.eos_ids)
 
 `generate_tokens` is the jitted loop on a batch of prompts [B, P]: one forward over the prompt fills
-the cache, then one token per step (`sample_token`). decode_sampling_strategy picks the sampler
+the cache, then one token per step (`sample_token`). `sample_completions` does the same for prompts
+of different lengths (left-padded) and returns each sampled token's log-probability (GRPO's rollouts). decode_sampling_strategy picks the sampler
 (greedy | weighted | topk | nucleus, as in MaxText; `sampling_settings`).
 """
 
@@ -76,6 +77,37 @@ def generate_tokens(params, prompt, key, *, config, rt, max_new_tokens, temperat
     out = jnp.zeros((batch, max_new_tokens), jnp.int32)
     _, _, out, _ = jax.lax.fori_loop(0, max_new_tokens, step, (cache, logits[:, -1], out, key))
     return out
+
+
+@functools.partial(jax.jit, static_argnames=("config", "rt", "max_new_tokens", "temperature", "top_k", "top_p"))
+def sample_completions(params, prompt, first, key, *, config, rt, max_new_tokens, temperature, top_k, top_p):
+    """Completions of left-padded prompts: prompt [B, P] holds row b's prompt in slots [first[b], P).
+
+    Returns (tokens [B, max_new_tokens], log-probabilities [B, max_new_tokens] float32 of each sampled
+    token under the model's own distribution, softmax(logits) at temperature 1: what the training
+    forward pass recomputes). No end-of-sequence stop: the caller cuts each row at its first stop token.
+    """
+    batch, prompt_len = prompt.shape
+    cache = models.init_cache(config, batch, prompt_len + max_new_tokens, rt.dtype)
+    positions = jnp.maximum(jnp.arange(prompt_len)[None, :] - first[:, None], 0)
+    logits, cache = models.forward_with_cache(params, prompt, positions, cache, 0, config, rt, first)
+    rows = jnp.arange(batch)
+
+    def step(i, carry):
+        cache, last_logits, out, log_probs, key = carry
+        key, sub = jax.random.split(key)
+        token = sample_token(last_logits, sub, temperature=temperature, top_k=top_k, top_p=top_p)
+        log_p = jax.nn.log_softmax(last_logits.astype(jnp.float32), axis=-1)[rows, token]
+        out, log_probs = out.at[:, i].set(token), log_probs.at[:, i].set(log_p)
+        slot = prompt_len + i
+        logits, cache = models.forward_with_cache(params, token[:, None], (slot - first)[:, None], cache, slot,
+                                                 config, rt, first)
+        return cache, logits[:, -1], out, log_probs, key
+
+    out = jnp.zeros((batch, max_new_tokens), jnp.int32)
+    log_probs = jnp.zeros((batch, max_new_tokens), jnp.float32)
+    _, _, out, log_probs, _ = jax.lax.fori_loop(0, max_new_tokens, step, (cache, logits[:, -1], out, log_probs, key))
+    return out, log_probs
 
 
 def generate(params, prompt_ids: list[int], config, rt: Runtime, *, max_new_tokens: int,

@@ -102,8 +102,9 @@ class Run:
         """ShapeDtypeStructs of one training batch [accumulation, micro batch, T], sharded."""
         c = self.config
         shape = (c.gradient_accumulation_steps, c.micro_batch_size, c.max_target_length)
-        return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_weights" else jnp.int32,
-                                        sharding=self.batch_sharding) for k in hosts.KEYS}
+        floats = ("loss_weights", *objectives.batch_keys(c))
+        return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k in floats else jnp.int32,
+                                        sharding=self.batch_sharding) for k in hosts.KEYS + objectives.batch_keys(c)}
 
     def lower(self, state=None, batch=None):
         """The lowered train step (jax.stages.Lowered), for the given (or abstract) state and batch."""

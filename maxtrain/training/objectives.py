@@ -25,6 +25,16 @@ which objective it runs. Metrics are means over the micro-batch's weight, report
           cross-entropy (models/distill.py); the weight is the number of weighted targets. Both parts
           are reported, as means per target: distill_kl and distill_ce (the student's next-token loss,
           comparable with an lm run's loss).
+    grpo  group relative policy optimization (Shao et al. 2024, DeepSeek-R1) on completions the
+          policy sampled (training/grpo.py). A row is prompt + one completion; loss_weights are 1 on
+          the completion's tokens (through its stop token) and 0 on the prompt and padding;
+          `advantages` holds the row's group-normalized reward A on every token, `old_log_probs`
+          the sampler's log pi_old(token). Per completion token, with r = pi / pi_old,
+              loss = -min(r A, clip(r, 1 - eps, 1 + eps) A) + beta k3,
+              k3 = ref / pi - log(ref / pi) - 1      (Schulman's unbiased estimator of KL(pi || ref))
+          (eps = grpo_epsilon, beta = grpo_beta), summed over completion tokens; the weight is their
+          number, so the batch's loss is the mean over all its completion tokens (DAPO's and TRL's
+          normalization: a long completion counts per token, not as one sequence).
 """
 
 from __future__ import annotations
@@ -35,15 +45,23 @@ import jax.numpy as jnp
 from maxtrain import models
 from maxtrain.training import distillation
 
-OBJECTIVES = ("lm", "sft", "dpo", "distill")
+OBJECTIVES = ("lm", "sft", "dpo", "distill", "grpo")
+GRPO_BATCH_KEYS = ("advantages", "old_log_probs")  # float32 [A, b, T] beside the usual keys (grpo)
 
 
 def name(config) -> str:
+    if config.use_grpo:
+        return "grpo"
     return "distill" if config.use_distillation else "dpo" if config.use_dpo else "sft" if config.use_sft else "lm"
 
 
 def needs_reference(config) -> bool:
-    return config.use_dpo
+    return config.use_dpo or (config.use_grpo and config.grpo_beta > 0)
+
+
+def batch_keys(config) -> tuple[str, ...]:
+    """The float32 batch entries the objective reads beyond data/hosts.KEYS."""
+    return GRPO_BATCH_KEYS if config.use_grpo else ()
 
 
 def make(config, rt: models.Runtime):
@@ -54,6 +72,8 @@ def make(config, rt: models.Runtime):
     if kind == "distill":
         teacher_config = distillation.teacher_config(config)
         return lambda params, batch, teacher: distill(params, batch, teacher, config, teacher_config, rt)
+    if kind == "grpo":
+        return lambda params, batch, reference: grpo(params, batch, reference, config, rt)
     return lambda params, batch, reference: lm(params, batch, config, rt)
 
 
@@ -131,3 +151,35 @@ def distill(params, batch: dict, teacher, config, teacher_config, rt):
                                                                config.distill_alpha, config.distill_temperature)
     per_target = jnp.maximum(weight, 1.0)
     return loss, weight, {**aux, "distill_kl": kl_sum / per_target, "distill_ce": ce_sum / per_target}
+def grpo_token_loss(log_probs, old_log_probs, ref_log_probs, advantages, beta: float, epsilon: float):
+    """Per-token GRPO loss [..., T] and its parts (the policy term's clipped flag, k3); ref_log_probs
+    is None when beta is 0."""
+    ratio = jnp.exp(log_probs - old_log_probs)
+    unclipped = ratio * advantages
+    clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon) * advantages
+    loss = -jnp.minimum(unclipped, clipped)
+    k3 = jnp.zeros_like(loss)
+    if ref_log_probs is not None:
+        log_ratio = ref_log_probs - log_probs
+        k3 = jnp.exp(log_ratio) - log_ratio - 1.0
+        loss = loss + beta * k3
+    return loss, clipped < unclipped, k3
+
+
+def grpo(params, batch: dict, reference, config, rt):
+    """(sum over completion tokens of the GRPO loss, their number, metrics)."""
+    log_probs, aux = target_log_probs(params, batch, config, rt)
+    ref_log_probs = None
+    if config.grpo_beta > 0:
+        ref_log_probs = jax.lax.stop_gradient(target_log_probs(jax.lax.stop_gradient(reference), batch, config, rt)[0])
+    weights = batch["loss_weights"].astype(jnp.float32)
+    loss, clipped, k3 = grpo_token_loss(log_probs, batch["old_log_probs"], ref_log_probs, batch["advantages"],
+                                        config.grpo_beta, config.grpo_epsilon)
+    tokens = jnp.sum(weights)
+
+    def mean(x):
+        return jnp.sum(jnp.where(weights > 0, x, 0.0) * weights) / jnp.maximum(tokens, 1.0)
+
+    metrics = {**aux, "grpo_kl": mean(k3), "grpo_clip_fraction": mean(clipped.astype(jnp.float32)),
+               "grpo_log_ratio": mean(log_probs - batch["old_log_probs"])}
+    return jnp.sum(loss * weights), tokens, metrics

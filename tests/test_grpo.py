@@ -1,0 +1,202 @@
+"""GRPO: the loss and its gradient against numpy, the sampler's log-probabilities against the training
+forward pass, rollouts into update batches, a run under FSDP x TP resumed bitwise, and bad inputs."""
+
+import json
+import shutil
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from ckpt_helpers import assert_bitwise_equal
+from conftest import BASE_YML, TINY
+from maxtrain import config as config_lib
+from maxtrain import models, train
+from maxtrain.data import DataError
+from maxtrain.models import sampling
+from maxtrain.training import grpo, objectives, rewards, train_step
+from post_helpers import compose, grpo_args, make_dataset, write_jsonl
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("grpo")
+    paths = make_dataset(str(directory), n=64)
+    paths["dir"] = str(directory)
+    return paths
+
+
+def _numpy_grpo(log_p, old, ref, adv, w, beta, eps):
+    """The loss (mean over weighted tokens) and its gradient in log_p, written out by hand."""
+    r = np.exp(log_p - old)
+    unclipped, clipped = r * adv, np.clip(r, 1 - eps, 1 + eps) * adv
+    d = ref - log_p
+    loss = -np.minimum(unclipped, clipped) + beta * (np.exp(d) - d - 1)
+    # d/dlog_p: -r A where the unclipped term is the minimum (the clipped one is flat there), and
+    # beta (1 - exp(ref - log_p)) from k3
+    grad = np.where(unclipped <= clipped, -r * adv, 0.0) + beta * (1 - np.exp(d))
+    return (loss * w).sum() / w.sum(), grad * w / w.sum()
+
+
+def test_grpo_loss_and_gradient_equal_numpy():
+    rng = np.random.default_rng(0)
+    shape = (3, 7)
+    log_p = rng.normal(-2.0, 0.5, shape)
+    old = log_p + rng.normal(0.0, 0.3, shape)  # ratios on both sides of the clip range
+    ref = log_p + rng.normal(0.0, 0.5, shape)
+    adv = np.repeat(rng.normal(0.0, 1.0, (3, 1)), 7, axis=1)
+    w = (rng.random(shape) > 0.3).astype(np.float64)
+    beta, eps = 0.04, 0.2
+
+    def mean_loss(lp):
+        loss, _, _ = objectives.grpo_token_loss(lp, jnp.asarray(old, jnp.float32), jnp.asarray(ref, jnp.float32),
+                                                jnp.asarray(adv, jnp.float32), beta, eps)
+        return jnp.sum(loss * w) / jnp.sum(w)
+
+    value, grad = jax.value_and_grad(mean_loss)(jnp.asarray(log_p, jnp.float32))
+    want, want_grad = _numpy_grpo(log_p, old, ref, adv, w, beta, eps)
+    np.testing.assert_allclose(float(value), want, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), want_grad, rtol=1e-4, atol=1e-7)
+    assert 0 < np.mean(np.abs(log_p - old) > 0.2) < 1  # the batch hits the clipped and the unclipped branches
+
+
+def _tiny(tmp_path, *extra):
+    return config_lib.with_devices(config_lib.load_config(compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}",
+                                                                   "vocab_size=64", *extra)), 1)
+
+
+def test_sampled_log_probs_equal_the_training_forward_pass(tmp_path):
+    """Left-padded prompts of different lengths: the sampler's log p(token) = the training pass's, to 1e-5."""
+    config = _tiny(tmp_path)
+    rt = models.Runtime.from_config(config, "cpu")
+    params = models.init_params(config, jax.random.key(1))
+    prompts = [np.array([1, 5, 9, 12, 7], np.int32), np.array([1, 30], np.int32), np.array([1, 4, 4], np.int32)]
+    length, new = 6, 8
+    ids, first = grpo.left_padded([grpo.prompts_lib.Prompt(p, "", "") for p in prompts], length)
+    tokens, log_probs = jax.device_get(sampling.sample_completions(
+        params, ids, first, jax.random.key(3), config=config, rt=rt, max_new_tokens=new, temperature=1.0, top_k=0,
+        top_p=1.0))
+    kept = np.full(3, new, np.int32)
+    batch = grpo.assemble(prompts, tokens, log_probs, kept, np.ones(3, np.float32), 16, (1, 3))
+    batch = {k: jnp.asarray(v[0]) for k, v in batch.items()}
+    recomputed, _ = jax.jit(lambda p, b: objectives.target_log_probs(p, b, config, rt))(params, batch)
+    w = np.asarray(batch["loss_weights"]) > 0
+    assert w.sum() == 3 * new
+    np.testing.assert_allclose(np.asarray(recomputed)[w], np.asarray(batch["old_log_probs"])[w], atol=1e-5)
+    # the same key and prompts sample the same completions (rollouts are a function of the seed and step)
+    again, _ = sampling.sample_completions(params, ids, first, jax.random.key(3), config=config, rt=rt,
+                                           max_new_tokens=new, temperature=1.0, top_k=0, top_p=1.0)
+    np.testing.assert_array_equal(np.asarray(again), tokens)
+
+
+def test_completions_are_cut_at_their_stop_and_masked_into_update_rows():
+    tokens = np.array([[5, 6, 2, 9], [5, 5, 5, 5], [7, 3, 8, 8]], np.int32)  # stop ids 2 and 3
+    kept, stopped = grpo.cut(tokens, (2, 3))
+    assert kept.tolist() == [3, 4, 2] and stopped.tolist() == [True, False, True]
+    adv = grpo.advantages(np.array([1.0, 0.0, 0.0, 1.0, 1.0, 1.0]), 3)
+    np.testing.assert_allclose(adv[:3], np.array([2, -1, -1]) / (np.sqrt(2) + grpo.ADVANTAGE_EPS / np.std([1, 0, 0])),
+                               rtol=1e-4)
+    np.testing.assert_array_equal(adv[3:], 0.0)  # a group that scored alike teaches nothing
+    prompt = [np.array([1, 4], np.int32)] * 3
+    batch = grpo.assemble(prompt, tokens, np.full(tokens.shape, -0.5, np.float32), kept, adv[:3], 8, (1, 3))
+    w = batch["loss_weights"][0]
+    assert w.tolist()[0] == [0, 1, 1, 1, 0, 0, 0, 0]   # prompt 1 4 -> targets 4 (prompt), 5 6 2 (completion)
+    assert w.tolist()[2] == [0, 1, 1, 0, 0, 0, 0, 0]
+    assert batch["inputs"][0, 0].tolist()[:5] == [1, 4, 5, 6, 0] and batch["targets"][0, 0].tolist()[:4] == [4, 5, 6, 2]
+    assert (batch["old_log_probs"][0][w == 0] == 0).all() and (batch["old_log_probs"][0][w > 0] == -0.5).all()
+
+
+def test_lora_keeps_no_second_copy_of_the_weights(tmp_path):
+    with_lora = _tiny(tmp_path, "use_grpo=true", "lora_rank=4", "train_data_columns=[prompt,answer]",
+                      "eval_data_columns=[prompt,answer]", "dataset_type=jsonl", "grain_train_files=x.jsonl",
+                      "decode_sampling_strategy=weighted", "max_prefill_predict_length=16")
+    assert set(train_step.state_specs(with_lora)) == {"params", "lora"}  # the reference is the frozen base
+    state = {"params": {"w": 1}, "lora": {"a": 2}}
+    assert train_step.reference_params(state) is state["params"]
+    without = _tiny(tmp_path, "use_grpo=true", "train_data_columns=[prompt,answer]", "eval_data_columns=[prompt,answer]",
+                    "dataset_type=jsonl", "grain_train_files=x.jsonl", "decode_sampling_strategy=weighted",
+                    "max_prefill_predict_length=16")
+    assert set(train_step.state_specs(without)) == {"params", "reference"}
+
+
+def test_grpo_under_fsdp_and_tp_resumes_bitwise(dataset, tmp_path, monkeypatch):
+    """2 steps straight, and the second again from the first's checkpoint: the same rollouts, metrics and state.
+    The reward (a user function: the completion's length in characters) differs within groups, so the model moves."""
+    (tmp_path / "grpo_test_rewards.py").write_text(
+        "def length(prompts, completions, answers):\n    return [len(c) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    common = [*grpo_args(dataset, dataset["dir"]), "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2",
+              "eval_interval=-1", "learning_rate_schedule_steps=2", "checkpoint_period=1", "learning_rate=1e-2",
+              "grpo_reward_functions=[exact_match,grpo_test_rewards:length]"]
+
+    def run(name, steps):
+        return train.main(compose(BASE_YML, *TINY, *common, f"base_output_directory={tmp_path}", f"run_name={name}",
+                                  f"steps={steps}", f"metrics_file={tmp_path}/{name}.jsonl"))
+
+    def logged(name):
+        lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+        return {m["step"]: (m["learning/loss"], m["learning/grpo_reward"], m["learning/grpo_completion_length"],
+                            m["learning/grpo_kl"]) for m in lines if "learning/loss" in m}
+
+    a = run("a", 2)
+    # run b starts where a stood after step 1 (its checkpoint: params, optimizer, the prompts read so far)
+    shutil.copytree(tmp_path / "a" / "checkpoints" / "1", tmp_path / "b" / "checkpoints" / "1")
+    b = run("b", 2)
+    assert sorted(logged("b")) == [2]  # b resumed: it ran step 2 only
+    assert_bitwise_equal(a.state, b.state, "final GRPO state")
+
+    assert logged("a")[2] == logged("b")[2]
+    assert all(np.isfinite(v).all() for v in logged("a").values())
+    assert "reference" in a.state  # grpo_beta > 0 without LoRA: the frozen starting model
+    assert logged("a")[1][0] != 0 and logged("a")[2][3] > 0  # a policy loss; step 2 has moved away from the reference
+
+
+def _run(dataset, tmp_path, *extra):
+    return train.main(compose(BASE_YML, *TINY, *grpo_args(dataset, dataset["dir"]), f"base_output_directory={tmp_path}",
+                              "run_name=bad", "steps=1", *extra))
+
+
+@pytest.mark.parametrize("extra, error, match", [
+    (["num_generations=1"], config_lib.ConfigError, "num_generations=1: GRPO's advantage"),
+    (["decode_sampling_strategy=greedy"], config_lib.ConfigError, "would all be the same"),
+    (["train_data_columns=[prompt]"], config_lib.ConfigError, r"set train_data_columns=\[prompt,answer\]"),
+    (["use_sft=true"], config_lib.ConfigError, "a run has one objective"),
+    (["use_distillation=true"], config_lib.ConfigError, "use_grpo=true and use_distillation=true"),
+    (["max_prefill_predict_length=24"], config_lib.ConfigError, "leaves no room for a completion"),
+    (["max_prefill_predict_length=4"], DataError, "more than max_prefill_predict_length=4"),
+    (["grpo_reward_functions=[no_such_module_xyz:score]"], rewards.RewardError, "cannot be imported"),
+    (["grpo_reward_functions=[grpo_bad_rewards:missing]"], rewards.RewardError, "has no function 'missing'"),
+    (["grpo_reward_functions=[grpo_bad_rewards:scalar]"], rewards.RewardError, r"returned shape \(\) for 1 completions"),
+    (["grpo_reward_functions=[exact]"], config_lib.ConfigError, "neither a built-in reward"),
+    (["num_generations=3"], config_lib.ConfigError,
+     "not a multiple of num_generations=3"),
+])
+def test_bad_inputs_stop_before_any_work(dataset, tmp_path, monkeypatch, extra, error, match):
+    (tmp_path / "grpo_bad_rewards.py").write_text("def scalar(prompts, completions, answers):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(error, match=match):
+        _run(dataset, tmp_path, *extra)
+    sys.modules.pop("grpo_bad_rewards", None)
+
+
+def test_a_missing_answer_names_the_record(dataset, tmp_path):
+    bad = write_jsonl(str(tmp_path / "bad.jsonl"), [{"prompt": "1+1="}])
+    with pytest.raises(DataError, match=r"bad.jsonl line 1: a GRPO row needs 'prompt' and 'answer'"):
+        _run(dataset, tmp_path, f"grain_train_files={bad}")
+
+
+def test_builtin_rewards():
+    assert rewards.exact_match([""] * 3, ["42", " <think>4+2</think><answer>6</answer>", "7"], ["42", "6", "8"]) == [1, 1, 0]
+    assert rewards.format_reward([""] * 2, ["<think>a</think> <answer>b</answer>", "b"], ["", ""]) == [1.0, 0.0]
+    assert set(rewards.BUILTIN) == set(config_lib.checks.GRPO_REWARDS)
+
+
+def test_completions_stop_at_eos_and_the_templates_end_of_turn(dataset):
+    from maxtrain.data import chat, prompts  # pylint: disable=import-outside-toplevel
+    from maxtrain.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
+
+    tok = tokenizer_lib.load(dataset["tokenizer"])
+    stops = prompts.stop_ids(chat.template_for(tok, "chatml"))
+    assert [tok.piece(i) for i in stops] == [tok.piece(tok.eos_id), "<|im_end|>"]  # not the bare "▁" before it
