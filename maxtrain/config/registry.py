@@ -36,6 +36,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma3", ("gemma3_text", "gemma3"), "Gemma3ForCausalLM"),
     Family("mixtral", ("mixtral",), "MixtralForCausalLM", moe=True),
     Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", moe=True),
+    Family("deepseek", ("deepseek_v3",), "DeepseekV3ForCausalLM", moe=True),
 )}
 
 MOE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.moe)

@@ -45,10 +45,20 @@ MODEL_KEYS = SHAPE_KEYS + SETTING_KEYS
 # model, which their base.yml defaults describe.
 MOE_KEYS = ("num_experts", "base_moe_mlp_dim", "decoder_sparse_step", "mlp_only_layers", "num_experts_per_tok",
             "norm_topk_prob")
+# Model keys added with the deepseek family (MLA, shared experts, its router): a checkpoint written before
+# them has neither, which their base.yml defaults describe.
+DEEPSEEK_SHAPE_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                       "first_num_dense_layers", "shared_experts", "routed_bias")
+DEEPSEEK_SETTING_KEYS = ("rope_interleave", "rope_mscale_all_dim", "n_routing_groups", "topk_routing_group",
+                         "routed_scaling_factor")
+SHAPE_KEYS += DEEPSEEK_SHAPE_KEYS
+SETTING_KEYS += DEEPSEEK_SETTING_KEYS
+MODEL_KEYS = SHAPE_KEYS + SETTING_KEYS
+DEEPSEEK_KEYS = DEEPSEEK_SHAPE_KEYS + DEEPSEEK_SETTING_KEYS
 
-__all__ = ["FAMILIES", "MODEL_KEYS", "MOE_KEYS", "SHAPE_KEYS", "SETTING_KEYS", "ParamSpec", "Params", "Runtime", "REMAT_POLICIES",
+__all__ = ["FAMILIES", "MODEL_KEYS", "MOE_KEYS", "DEEPSEEK_KEYS", "SHAPE_KEYS", "SETTING_KEYS", "ParamSpec", "Params", "Runtime", "REMAT_POLICIES",
            "PROJECTION_NAMES", "family", "param_specs", "num_params", "num_active_params", "is_moe", "init_params", "forward", "loss_fn",
-           "objective", "init_cache", "forward_with_cache", "flops_per_token", "is_spec"]
+           "objective", "update_outside_gradient", "split_step_stats", "init_cache", "forward_with_cache", "flops_per_token", "is_spec"]
 
 
 def family(config):
@@ -102,8 +112,20 @@ def objective(loss_sum, weight_sum, aux: dict):
     return loss_sum
 
 
+def update_outside_gradient(params: Params, old_params: Params, step_stats: dict, config) -> Params:
+    """The state a train step changes outside the gradient, after the optimizer's update: the MoE router's
+    selection bias (models/moe.py), from the step's statistics (aux entries named decoder.STEP_STATS)."""
+    return moe.update_router_bias(params, old_params, step_stats, config, family(config).layer_types(config))
+
+
+def split_step_stats(aux: dict) -> tuple[dict, dict]:
+    """(the aux metrics, the step statistics for update_outside_gradient) of one forward's aux."""
+    stats = {k: v for k, v in aux.items() if k.startswith(decoder.STEP_STATS)}
+    return {k: v for k, v in aux.items() if k not in stats}, stats
+
+
 def init_cache(config, batch_size: int, max_length: int, dtype) -> dict:
-    return decoder.init_cache(config, batch_size, max_length, dtype)
+    return decoder.init_cache(config, batch_size, max_length, dtype, family(config))
 
 
 def forward_with_cache(params: Params, tokens, positions, cache: dict, index, config, rt: Runtime):

@@ -98,9 +98,10 @@ def dot_product_attention(q, k, v, mask, *, scale: float | None = None, logits_s
     # rounded once, as the .astype below would): its gradient with respect to the probabilities is
     # then a 16-bit T x S array too, not a float32 one.
     out = jnp.einsum(out_eq, probs.astype(v.dtype), v, preferred_element_type=dtype if compact else jnp.float32)
+    hv = v.shape[-1]  # the value head dim may differ from the query/key one (MLA)
     if heads_major:
-        out = out.reshape(b, g, r, t, h).transpose(0, 3, 1, 2, 4)
-    return out.reshape(b, t, n, h).astype(dtype)
+        out = out.reshape(b, g, r, t, hv).transpose(0, 3, 1, 2, 4)
+    return out.reshape(b, t, n, hv).astype(dtype)
 
 
 def causal_chunks(q, k, v, segment_ids, *, sliding_window: int = 0, scale: float | None = None,
