@@ -559,7 +559,7 @@ def update_router_bias(params: dict, old_params: dict, stats: dict, config, laye
         return params
     bias = old_params["layers"]["moe"]["router_bias"]
     moe_layers = [i for i, t in enumerate(layer_types) if t.kind == "moe"]
-    names = [_counts_name(i, len(layer_types)) for i in moe_layers]
+    names = [expert_counts_name(i, len(layer_types)) for i in moe_layers]
     if config.routed_bias_update_rate > 0 and all(n in stats for n in names):
         counts = jnp.stack([stats[n] for n in names])                                  # [L_moe, E]
         step = jnp.sign(jnp.mean(counts, axis=-1, keepdims=True) - counts)
@@ -568,5 +568,5 @@ def update_router_bias(params: dict, old_params: dict, stats: dict, config, laye
     return {**params, "layers": {**layers, "moe": moe_params}}
 
 
-def _counts_name(layer: int, num_layers: int) -> str:
+def expert_counts_name(layer: int, num_layers: int) -> str:
     return per_layer_name(PER_LAYER + STEP_STATS + "moe_expert_counts", layer, num_layers)
