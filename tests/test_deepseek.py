@@ -20,11 +20,12 @@ from maxtrain.config import ConfigError, load_config, with_overrides
 from maxtrain.models import moe, sampling
 
 # 2 layers (1 dense, 1 MoE) of 8 experts in 4 groups, 2 chosen from the best 2 groups, 1 shared expert;
-# MLA with low-rank queries, v_head_dim 12 != 8 + 4.
-DEEPSEEK = ["decoder_block=deepseek", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=16", "first_num_dense_layers=1", "shared_experts=1", "n_routing_groups=4",
-            "topk_routing_group=2", "routed_scaling_factor=2.5", "routed_bias=true", "q_lora_rank=24",
-            "kv_lora_rank=16", "qk_nope_head_dim=8", "qk_rope_head_dim=4", "v_head_dim=12", "rope_interleave=true",
-            "load_balance_loss_weight=0"]
+# MLA with low-rank queries, v_head_dim 10 != 8 + 4; 4 heads (the kv heads are the query heads).
+DEEPSEEK = ["decoder_block=deepseek", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=16",
+            "first_num_dense_layers=1", "shared_experts=1", "n_routing_groups=4", "topk_routing_group=2",
+            "routed_scaling_factor=2.5", "routed_bias=true", "base_num_query_heads=4", "base_num_kv_heads=4",
+            "q_lora_rank=24", "kv_lora_rank=16", "qk_nope_head_dim=8", "qk_rope_head_dim=4", "head_dim=12",
+            "v_head_dim=10", "rope_interleave=true", "load_balance_loss_weight=0"]
 
 
 def tiny(*overrides):
@@ -129,6 +130,8 @@ def test_mla_decoding_from_the_latent_cache_equals_the_full_forward():
     (["routed_bias=false", "routed_bias_update_rate=0.001"], "routed_bias_update_rate=0.001 updates the router's"),
     (["first_num_dense_layers=3"], "first_num_dense_layers=3 leaves no layer of experts"),
     (["qk_rope_head_dim=5"], "qk_rope_head_dim=5 must be even"),
+    (["qk_rope_head_dim=6"], "head_dim=12 must be the query/key head width .* = 14 .* set head_dim=14"),
+    (["base_num_kv_heads=2"], "base_num_kv_heads=2 must equal base_num_query_heads=4"),
     (["decoder_block=mixtral", "n_routing_groups=-1", "topk_routing_group=-1", "first_num_dense_layers=0",
       "routed_scaling_factor=2.0"], "routed_scaling_factor=2.0 is a setting of the deepseek family's router"),
     (["decoder_block=llama", "num_experts=1", "num_experts_per_tok=1", "n_routing_groups=-1", "topk_routing_group=-1",
@@ -137,3 +140,41 @@ def test_mla_decoding_from_the_latent_cache_equals_the_full_forward():
 def test_bad_deepseek_settings_are_refused_with_the_fix(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):
         tiny(*overrides)
+
+
+@pytest.mark.parametrize("implementation, platform", [("dot_product", "cpu"), ("dot_product", "gpu"),
+                                                      ("flash", "gpu"), ("flash", "tpu"), ("cudnn_padding", None)])
+def test_attention_takes_a_value_head_dim_of_its_own(implementation, platform):
+    """MLA's values are narrower than its queries and keys (12 < 20 here): every implementation gives the
+    reference's output [B, T, N, Hv] and gradients. flash: the GPU (Triton) and TPU (splash) kernels,
+    interpreted on this CPU; cudnn runs only on a GPU, so its zero-padding of v (pad_head_dims) is checked
+    around the reference."""
+    from maxtrain.models import attention  # pylint: disable=import-outside-toplevel
+
+    rng = np.random.default_rng(0)
+    q, k = (jnp.asarray(rng.normal(size=(2, 32, 4, 20)).astype(np.float32)) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(2, 32, 2, 12)).astype(np.float32))
+    segments = jnp.ones((2, 32), jnp.int32).at[1, 20:].set(2)
+    k = k[:, :, :2]  # 2 kv heads: grouped-query layout too
+    w = jnp.asarray(rng.normal(size=(2, 32, 4, 12)).astype(np.float32))
+    mask = attention.make_attention_mask(segments, segments)
+
+    def reference(q, k, v):
+        return jnp.sum(attention.dot_product_attention(q, k, v, mask, scale=0.3) * w)
+
+    def ours(q, k, v):
+        if implementation == "cudnn_padding":
+            qp, kp, vp, scale, hv = attention.pad_head_dims(q, k, v, 0.3)
+            return jnp.sum(attention.dot_product_attention(qp, kp, vp, mask, scale=scale)[..., :hv] * w)
+        blocks = 128 if platform == "tpu" else 16  # splash: multiples of 128 (32 tokens padded inside)
+        out = attention.attention(q, k, v, segments, implementation=implementation, platform=platform, scale=0.3,
+                                  block_q=blocks, block_kv=blocks, interpret=True)
+        assert out.shape == (2, 32, 4, 12)
+        return jnp.sum(out * w)
+
+    with jax.default_matmul_precision("highest"):
+        want, want_grads = jax.jit(jax.value_and_grad(reference, argnums=(0, 1, 2)))(q, k, v)
+        got, got_grads = jax.jit(jax.value_and_grad(ours, argnums=(0, 1, 2)))(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    for g, r in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, r, atol=2e-4, rtol=1e-3)

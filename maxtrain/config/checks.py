@@ -361,6 +361,13 @@ def _mla_head_dims(v):
         return
     _require(v["qk_rope_head_dim"] % 2 == 0,
              f"qk_rope_head_dim={v['qk_rope_head_dim']} must be even (RoPE rotates pairs of features)")
+    qk = v["qk_nope_head_dim"] + v["qk_rope_head_dim"]
+    _require(v["head_dim"] == qk, f"head_dim={v['head_dim']} must be the query/key head width qk_nope_head_dim + "
+                                  f"qk_rope_head_dim = {qk} for decoder_block=deepseek (MLA); set head_dim={qk}")
+    _require(v["base_num_kv_heads"] == v["base_num_query_heads"],
+             f"base_num_kv_heads={v['base_num_kv_heads']} must equal base_num_query_heads={v['base_num_query_heads']} "
+             "for decoder_block=deepseek: MLA expands every head's keys and values from the latent; set "
+             f"base_num_kv_heads={v['base_num_query_heads']}")
 
 
 DEEPSEEK_CHECKS = (_routing_groups, _expert_balancing_needs_experts, _dense_layers_first, _mla_head_dims)

@@ -385,11 +385,13 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, causal=
     use: `default_tuning` shrinks them to fit `shared_memory` bytes per thread block (the target
     GPU's opt-in limit) and they are clamped for short sequences; `tuning` ({"fwd", "dq", "dkv"}
     -> Tuning) overrides the choice. Returns [B, T, N, H] in q.dtype; differentiable in q, k, v.
-    interpret=True runs the Pallas kernels on CPU.
+    interpret=True runs the Pallas kernels on CPU. v may have its own head dim Hv (MLA): [B, S, G, Hv]
+    gives [B, T, N, Hv]; q, k and v are zero-padded to one power-of-two head dim as always.
     """
     batch, q_len, num_heads, head_dim = q.shape
     kv_batch, kv_len, num_kv_heads, kv_head_dim = k.shape
-    if v.shape != k.shape or kv_batch != batch or kv_head_dim != head_dim:
+    v_head_dim = v.shape[3]
+    if v.shape[:3] != k.shape[:3] or kv_batch != batch or kv_head_dim != head_dim:
         raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
@@ -401,7 +403,7 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, causal=
     _check_block(block_q, "block_q")
     _check_block(block_k, "block_k")
     # Triton loads need power-of-two tiles: zero-pad the head dim (q.k and the output unchanged).
-    head_pad = max(MIN_BLOCK, pl.next_power_of_2(head_dim))
+    head_pad = max(MIN_BLOCK, pl.next_power_of_2(max(head_dim, v_head_dim)))
     if tuning is None:
         tuning = default_tuning(head_pad, q.dtype, block_q, block_k, shared_memory)
     tuning = {name: _clamp(t, q_len, kv_len) for name, t in tuning.items()}
@@ -419,4 +421,4 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, causal=
                   scale=float(head_dim**-0.5 if sm_scale is None else sm_scale), kv_len=kv_len,
                   kv_padded=kv_pad != kv_len, interpret=bool(interpret), **tuning)
     out = _flash(q, k, v, q_segment_ids, kv_segment_ids, cfg)
-    return out[:, :q_len, :, :head_dim]
+    return out[:, :q_len, :, :v_head_dim]
