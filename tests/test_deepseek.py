@@ -142,8 +142,8 @@ def test_bad_deepseek_settings_are_refused_with_the_fix(overrides, fragment):
         tiny(*overrides)
 
 
-@pytest.mark.parametrize("implementation, platform", [("dot_product", "cpu"), ("dot_product", "gpu"),
-                                                      ("flash", "gpu"), ("flash", "tpu"), ("cudnn_padding", None)])
+@pytest.mark.parametrize("implementation, platform", [("dot_product", "cpu"), ("flash", "gpu"), ("flash", "tpu"),
+                                                      ("cudnn_padding", None)])
 def test_attention_takes_a_value_head_dim_of_its_own(implementation, platform):
     """MLA's values are narrower than its queries and keys (12 < 20 here): every implementation gives the
     reference's output [B, T, N, Hv] and gradients. flash: the GPU (Triton) and TPU (splash) kernels,
@@ -178,3 +178,38 @@ def test_attention_takes_a_value_head_dim_of_its_own(implementation, platform):
     np.testing.assert_allclose(got, want, rtol=1e-4)
     for g, r in zip(got_grads, want_grads):
         np.testing.assert_allclose(g, r, atol=2e-4, rtol=1e-3)
+
+
+def _three_steps(devices, dispatch, *overrides):
+    """(per-step loss, grad norm, balance losses; the state) of 3 AdamW steps (test_moe_sharding's batches)."""
+    from maxtrain.parallel import sharding  # pylint: disable=import-outside-toplevel
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+    from test_sharding import GLOBAL_BATCH, batches  # pylint: disable=import-outside-toplevel
+
+    config = load_config(with_overrides(with_overrides([BASE_YML, *TINY], *DEEPSEEK), "routed_bias_update_rate=0.01",
+                                        "seq_balance_loss_weight=0.01", "load_balance_loss_weight=0.01",
+                                        "base_moe_mlp_dim=32", f"per_device_batch_size={GLOBAL_BATCH // len(devices)}",
+                                        f"moe_dispatch={dispatch}", "capacity_factor=1.0", *overrides))
+    r = builder.build(config, devices=devices)
+    history = []
+    with sharding.activation_sharding(r.mesh, r.config.logical_axis_rules):
+        state = r.init(jax.random.key(0))
+        for batch in batches(r.config):
+            state, m = r.train_step(state, jax.device_put(batch, r.batch_sharding))
+            history.append([float(m[k]) for k in ("loss", "grad_norm", "aux/moe_lb_loss", "aux/moe_seq_balance_loss")])
+    return np.array(history), state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dispatch", ["dropless"])  # capacity passes too (checked 2026-11-26), at another ~18 s
+def test_expert_parallelism_trains_deepseek_like_one_device(dispatch):
+    """EP 4 x FSDP 2 against one device, 3 steps: shared experts, the group-limited router, the bias updated
+    from the counts of all devices (params compared, router_bias included), the sequence-wise loss."""
+    ref_history, ref_state = _three_steps(tuple(jax.devices()[:1]), dispatch, "ici_fsdp_parallelism=1")
+    history, state = _three_steps(tuple(jax.devices()), dispatch, "ici_expert_parallelism=4", "ici_fsdp_parallelism=2")
+    np.testing.assert_allclose(history, ref_history, rtol=1e-5)
+    for ref, got in zip(jax.tree.leaves(ref_state["params"]), jax.tree.leaves(state["params"])):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-6)
+    bias = np.asarray(state["params"]["layers"]["moe"]["router_bias"])
+    assert np.any(bias != 0) and np.all(history[:, 3] > 0)
+    np.testing.assert_array_equal(bias, np.asarray(ref_state["params"]["layers"]["moe"]["router_bias"]))

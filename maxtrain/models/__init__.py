@@ -5,6 +5,7 @@
     ops.py        the matmul (`dense`) and small array helpers, with their CPU formulations
     attention.py  masks, the plain-jnp reference, the kernels' dispatch, the context-parallel form
     attention_check.py  implementations against the float32 reference; attention FLOPs (gpu_report.py)
+    mla.py        multi-head latent attention (DeepSeek): low-rank queries, a cached latent for keys and values
     blocks.py     norms, embedding, attention, gated MLPs, logits; FLOPs helpers
     moe.py        the mixture-of-experts block: routers, dropless and capacity dispatch, experts,
                   balance losses, expert parallelism (docs/moe.md)
@@ -14,7 +15,7 @@
     sampling.py   sampling with the KV cache: greedy, temperature, top-k, top-p
     hf.py         what the families share about Hugging Face names and config.json fields
     families/     one module per family of config/registry.py (llama, mistral, qwen2, qwen3, gemma2,
-                  gemma3, mixtral, qwen3_moe): declarations, layer composition, HF mapping, FLOPs
+                  gemma3, mixtral, qwen3_moe, deepseek): declarations, layer composition, HF mapping, FLOPs
 
 `decoder_block` (MaxText's key; presets set it) picks the family. Every function here is a pure
 function of (params, inputs, config, runtime). May import config, parallel and kernels (and errors);
