@@ -215,6 +215,21 @@ def _text_tensors(tensors: dict, notes: list) -> dict:
     return out
 
 
+def _without_prediction_layers(tensors: dict, hf: dict, keys: dict, notes: list) -> dict:
+    """Without the multi-token-prediction modules (num_nextn_predict_layers, DeepSeek-V3), which checkpoints
+    store as the layers after num_hidden_layers ("model.layers.61.*"); transformers leaves them out too."""
+    mtp = int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0)
+    if not mtp:
+        return tensors
+    layers = keys["base_num_decoder_layers"]
+    extra = tuple(f"model.layers.{i}." for i in range(layers, layers + mtp))
+    out = {n: t for n, t in tensors.items() if not n.startswith(extra)}
+    if len(out) < len(tensors):
+        notes.append(f"left out the {len(tensors) - len(out)} tensors of the multi-token-prediction layers "
+                     f"(model.layers.{layers}.* on)")
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Import and export
 # --------------------------------------------------------------------------------------------
@@ -229,7 +244,8 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
     if checkpoint_files.complete_steps(ckpt_dir):
         raise ConversionError(f"{ckpt_dir} already holds a checkpoint; choose an empty output directory")
     try:
-        tensors = _text_tensors(safetensors_files.read_model_dir(hf_dir), notes)
+        tensors = _without_prediction_layers(_text_tensors(safetensors_files.read_model_dir(hf_dir), notes), hf, keys,
+                                             notes)
     except safetensors_files.FormatError as e:
         raise ConversionError(str(e)) from None
     source_dtypes = sorted({str(t.dtype) for t in tensors.values()})

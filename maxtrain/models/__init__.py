@@ -9,6 +9,8 @@
     blocks.py     norms, embedding, attention, gated MLPs, logits; FLOPs helpers
     moe.py        the mixture-of-experts block: routers, dropless and capacity dispatch, experts,
                   balance losses, expert parallelism (docs/moe.md)
+    moe_deepseek.py  DeepSeek's parts of it: sigmoid group-limited router, the selection bias and its
+                  update outside the gradient, shared experts (docs/deepseek.md)
     decoder.py    the stack every family shares: layer types, scan over repeating groups, loss, decoding
     runtime.py    dtype, attention implementation, remat policy and vocab tiles resolved for a platform
     lora.py       LoRA adapters: their declarations, initialization and merge into the weights
@@ -24,7 +26,7 @@ never training, checkpointing, data or the commands.
 
 from __future__ import annotations
 
-from maxtrain.models import decoder, moe
+from maxtrain.models import decoder, moe, moe_deepseek
 from maxtrain.models import params as params_lib
 from maxtrain.models.families import FAMILIES
 from maxtrain.models.params import ParamSpec, Params, count, is_spec
@@ -116,7 +118,7 @@ def objective(loss_sum, weight_sum, aux: dict):
 def update_outside_gradient(params: Params, old_params: Params, step_stats: dict, config) -> Params:
     """The state a train step changes outside the gradient, after the optimizer's update: the MoE router's
     selection bias (models/moe.py), from the step's statistics (aux entries named decoder.STEP_STATS)."""
-    return moe.update_router_bias(params, old_params, step_stats, config, family(config).layer_types(config))
+    return moe_deepseek.update_router_bias(params, old_params, step_stats, config, family(config).layer_types(config))
 
 
 def split_step_stats(aux: dict) -> tuple[dict, dict]:

@@ -11,15 +11,13 @@ experts with shared experts, a sigmoid group-limited router and aux-loss-free ba
 
 The selection bias (`router_bias`, Hugging Face's e_score_correction_bias) is a parameter the optimizer
 never changes; with routed_bias_update_rate > 0 the train step moves it after each step by the sign rule
-(moe.update_router_bias). Two layer kinds, "dense" then "moe", as qwen3_moe's.
+(moe_deepseek.update_router_bias). Two layer kinds, "dense" then "moe", as qwen3_moe's.
 
 Multi-token prediction (num_nextn_predict_layers) is not built yet: its weights (the layers after
 num_hidden_layers in a Hugging Face checkpoint) are left out of an import, with a note.
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 from maxtrain.config import registry
 from maxtrain.models import blocks, hf, mla, moe
@@ -104,26 +102,31 @@ HF_NAMES = {**hf.EMBEDDING_NAMES, **_names("dense", _ATTENTION), **_names("moe",
 
 
 def from_hf_config(config: dict, notes: list | None = None) -> dict:
+    """maxtrain's keys from config.json; a field the file omits takes transformers' DeepseekV3Config default
+    (n_group 8, topk_group 4, routed_scaling_factor 2.5, q_lora_rank 1536, ...), as transformers reads it."""
     hf.refuse(config, {"hidden_act": "silu", "attention_bias": False})
-    if notes is not None and int(config.get("num_nextn_predict_layers") or 0) > 0:
-        notes.append(f"num_nextn_predict_layers={config['num_nextn_predict_layers']}: multi-token prediction is not "
-                     "built yet; its layers' weights are not imported (inference is unaffected)")
+    mtp = int(config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0)
+    if notes is not None and mtp > 0:
+        notes.append(f"num_nextn_predict_layers={mtp}: multi-token prediction is not built yet; its layers' "
+                     "weights are not imported (inference is unaffected)")
     rope = hf.rope_dict(config, notes)
     heads = hf.require(config, "num_attention_heads")
     nope, rope_dim = int(hf.require(config, "qk_nope_head_dim")), int(hf.require(config, "qk_rope_head_dim"))
-    groups = int(config.get("n_group") or 1)
+    groups = int(config.get("n_group", 8) or 1)
+    top_groups = int(config.get("topk_group", 4) or groups)
     return {**hf.common_keys(config), **hf.rope_keys(config, notes, rope=rope),
             "base_num_kv_heads": heads, "head_dim": nope + rope_dim,
             "num_experts": int(hf.require(config, "n_routed_experts")),
             "num_experts_per_tok": int(hf.require(config, "num_experts_per_tok")),
             "base_moe_mlp_dim": int(hf.require(config, "moe_intermediate_size")),
-            "shared_experts": int(config.get("n_shared_experts") or 0),
+            "shared_experts": int(config.get("n_shared_experts", 1) or 0),
             "n_routing_groups": groups if groups > 1 else -1,
-            "topk_routing_group": int(config.get("topk_group") or groups) if groups > 1 else -1,
-            "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
+            "topk_routing_group": top_groups if groups > 1 else -1,
+            "routed_scaling_factor": float(config.get("routed_scaling_factor", 2.5)),
             "norm_topk_prob": bool(config.get("norm_topk_prob", True)), "routed_bias": True,
-            "first_num_dense_layers": int(config.get("first_k_dense_replace") or 0),
-            "q_lora_rank": int(config.get("q_lora_rank") or 0), "kv_lora_rank": int(hf.require(config, "kv_lora_rank")),
+            "first_num_dense_layers": int(config.get("first_k_dense_replace", 3) or 0),
+            "q_lora_rank": int(config.get("q_lora_rank", 1536) or 0),
+            "kv_lora_rank": int(hf.require(config, "kv_lora_rank")),
             "qk_nope_head_dim": nope, "qk_rope_head_dim": rope_dim, "v_head_dim": int(hf.require(config, "v_head_dim")),
             "rope_interleave": bool(config.get("rope_interleave", True)),
             "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0)}
