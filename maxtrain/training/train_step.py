@@ -137,7 +137,8 @@ def make_train_step(config, rt: models.Runtime, tx: optax.GradientTransformation
                      "loss_scale": loss_scale}
         # State outside the gradient (the MoE selection bias), from the step's statistics of all micro-batches.
         stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
-        new_state["params"] = models.update_outside_gradient(new_state["params"], state["params"], stats, config)
+        updated = models.update_outside_gradient(new_state["params"], state["params"], stats, config)
+        new_state["params"] = precision.select_tree(finite, updated, new_state["params"]) if scaling else updated
         metrics = {
             "loss": loss_sum / denom,
             "grad_norm": jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))),
