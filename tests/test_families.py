@@ -80,6 +80,17 @@ CASES = {
              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                               "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
         {"local_rope_max_timescale": 100000.0}),
+    # MLA (low-rank queries, v_head_dim != qk head dim, interleaved YaRN RoPE with mscale), a dense layer
+    # first, shared experts, the sigmoid router over 4 groups (best 2) with a random selection bias.
+    "deepseek-mla-groups-bias": (
+        "DeepseekV3Config", "DeepseekV3ForCausalLM",
+        dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=20, n_shared_experts=2, n_group=4,
+             topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=20,
+             qk_nope_head_dim=12, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, num_key_value_heads=4,
+             rope_interleave=True, rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                    "original_max_position_embeddings": 16, "mscale": 0.9,
+                                                    "mscale_all_dim": 0.7}),
+        {"rope_interleave": False}),
 }
 
 
@@ -92,6 +103,9 @@ def make_hf_model(config_class: str, model_class: str, fields: dict, seed: int =
         for name, p in model.named_parameters():
             p.copy_((0.0 if plus_one else 1.0) + 0.3 * torch.randn_like(p) if "norm" in name
                     else 0.2 * torch.randn_like(p))
+        for name, b in model.named_buffers():  # DeepSeek-V3's selection bias: a buffer, saved with the weights
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.3 * torch.randn_like(b))
     return model
 
 

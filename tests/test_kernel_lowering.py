@@ -46,7 +46,7 @@ needs_tpu_compiler = _needs(targets.compiler_missing("tpu"))
 
 
 def compile_attention(devices, mesh_shape, platform, *, head_dim, dtype, implementation=None, batch=4, length=1024,
-                      heads=16, kv_heads=4, sliding_window=0, logits_soft_cap=0.0, sinks=False):
+                      heads=16, kv_heads=4, sliding_window=0, logits_soft_cap=0.0, sinks=False, v_head_dim=None):
     """Compiles d(sum(attention * w))/d(q, k, v[, sinks]) for `platform` on a (data, fsdp, tensor) mesh of `devices`."""
     implementation = implementation or attention.resolve_implementation(
         "autoselected", platform, dtype=dtype, head_dim=head_dim, sliding_window=sliding_window,
@@ -58,6 +58,7 @@ def compile_attention(devices, mesh_shape, platform, *, head_dim, dtype, impleme
 
     q = arg((batch, length, heads, head_dim), Q_AXES)
     kv = arg((batch, length, kv_heads, head_dim), KV_AXES)
+    v = arg((batch, length, kv_heads, v_head_dim or head_dim), KV_AXES)  # MLA: its own value head dim
     seg = arg((batch, length), SEG_AXES, jnp.int32)
     sink = arg((heads,), ("heads",), jnp.float32) if sinks else None
 
@@ -70,7 +71,8 @@ def compile_attention(devices, mesh_shape, platform, *, head_dim, dtype, impleme
         return jax.grad(loss, argnums=(0, 1, 2, 3) if sinks else (0, 1, 2))(q, k, v, sink)
 
     with sharding.activation_sharding(mesh, RULES):
-        lowered = jax.jit(grads).trace(q, kv, kv, seg, q, sink).lower(
+        w = arg((batch, length, heads, v_head_dim or head_dim), Q_AXES)
+        lowered = jax.jit(grads).trace(q, kv, v, seg, w, sink).lower(
             lowering_platforms=("cuda" if platform == "gpu" else platform,))
     compiled = lowered.compile()
     hlo = compiled.as_text()
@@ -127,6 +129,16 @@ def test_cudnn_compiles_for_h100_under_shard_map(h100s):
     assert "cudnn" in hlo.lower()
 
 
+@needs_gpu_compiler
+def test_flash_compiles_mla_head_dims_for_h100(h100s):
+    """DeepSeek-V3's MLA: queries and keys of 192 features, values of 128 (all padded to 256 in the kernel).
+    (cudnn pads v to 192 too, but without a GPU JAX checks cuDNN as pre-Hopper, head_dim <= 128: not lowerable here.)"""
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=192, v_head_dim=128, dtype=jnp.bfloat16,
+                            heads=64, kv_heads=64)
+    for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
+        assert kernel in hlo
+
+
 # ----------------------------------------------------------------------------------------------
 # TPU: splash attention through Mosaic, 4 chips (data 2 x tensor 2).
 
@@ -152,6 +164,14 @@ def test_splash_with_gpt_oss_sinks_compiles_for_tpu():
     """gpt-oss's layers: head_dim 64, a 128-token window, a learned sink per head (and its gradient)."""
     hlo = compile_attention(targets.parse("v5e-4").devices(), (2, 1, 2), "tpu", head_dim=64, dtype=jnp.bfloat16,
                             length=2048, heads=8, sliding_window=128, sinks=True)
+    assert "tpu_custom_call" in hlo
+
+
+@needs_tpu_compiler
+def test_splash_compiles_mla_head_dims_for_tpu():
+    """MLA's queries/keys of 192 features and values of 128 (zero-padded to 192 for the kernel)."""
+    hlo = compile_attention(targets.parse("v5p-8").devices(), (2, 1, 2), "tpu", head_dim=192, v_head_dim=128,
+                            dtype=jnp.bfloat16, length=2048, heads=8, kv_heads=8)
     assert "tpu_custom_call" in hlo
 
 

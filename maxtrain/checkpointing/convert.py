@@ -228,6 +228,21 @@ def _text_tensors(tensors: dict, notes: list) -> dict:
     return out
 
 
+def _without_prediction_layers(tensors: dict, hf: dict, keys: dict, notes: list) -> dict:
+    """Without the multi-token-prediction modules (num_nextn_predict_layers, DeepSeek-V3), which checkpoints
+    store as the layers after num_hidden_layers ("model.layers.61.*"); transformers leaves them out too."""
+    mtp = int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0)
+    if not mtp:
+        return tensors
+    layers = keys["base_num_decoder_layers"]
+    extra = tuple(f"model.layers.{i}." for i in range(layers, layers + mtp))
+    out = {n: t for n, t in tensors.items() if not n.startswith(extra)}
+    if len(out) < len(tensors):
+        notes.append(f"left out the {len(tensors) - len(out)} tensors of the multi-token-prediction layers "
+                     f"(model.layers.{layers}.* on)")
+    return out
+
+
 # --------------------------------------------------------------------------------------------
 # Import and export
 # --------------------------------------------------------------------------------------------
@@ -244,7 +259,7 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
     try:
         stored = safetensors_files.read_model_dir(hf_dir)
         readable = dequantize.Dequantized(stored)  # fp8 / MXFP4 pairs as one tensor, dequantised when read
-        tensors = _text_tensors(readable, notes)
+        tensors = _without_prediction_layers(_text_tensors(readable, notes), hf, keys, notes)
     except safetensors_files.FormatError as e:
         raise ConversionError(str(e)) from None
     source_dtypes = sorted({str(t.dtype) for t in stored.values()})
@@ -299,7 +314,7 @@ def export_hf(checkpoint_path: str, out_dir: str, dtype: str = "float32", max_sh
     step_dir = checkpoint_files.find_step_dir(checkpoint_path)
     meta = checkpoint_files.read_metadata(step_dir)
     saved = meta.get("config", {})
-    missing = [k for k in models.MODEL_KEYS if k not in saved and k not in models.MOE_KEYS]
+    missing = [k for k in models.MODEL_KEYS if k not in saved and k not in models.MOE_KEYS + models.DEEPSEEK_KEYS]
     if missing:
         raise ConversionError(f"the checkpoint {step_dir} has no model settings {missing} in its metadata; it was "
                               "written by an older maxtrain")

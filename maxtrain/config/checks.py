@@ -351,6 +351,68 @@ def _known_profiler(v):
                                                "(a jax.profiler trace, as MaxText) or leave it empty")
 
 
+# --- DeepSeek-V3: its router, balancing and MLA ---------------------------------------------------
+
+
+def _routing_groups(v):
+    e, k, groups, top = v["num_experts"], v["num_experts_per_tok"], v["n_routing_groups"], v["topk_routing_group"]
+    if groups == -1:
+        _require(top == -1, f"topk_routing_group={top} needs n_routing_groups (the experts' groups to choose "
+                            "among); set n_routing_groups, or topk_routing_group=-1")
+        return
+    _require(v["decoder_block"] == "deepseek", f"n_routing_groups={groups} is a setting of the deepseek family's "
+                                               "sigmoid router; use decoder_block=deepseek, or n_routing_groups=-1")
+    _require(e % groups == 0, f"n_routing_groups={groups} must divide num_experts={e} (the groups are equal); "
+                              f"e.g. n_routing_groups={_divisor_hint(e, groups)}")
+    top = groups if top == -1 else top
+    _require(top <= groups, f"topk_routing_group={top} is more than n_routing_groups={groups}: a token chooses "
+                            f"among at most all the groups; use topk_routing_group <= {groups}")
+    allowed = top * (e // groups)
+    _require(k <= allowed, f"num_experts_per_tok={k} is more than the {allowed} experts that topk_routing_group={top} "
+                           f"groups of {e // groups} hold; use num_experts_per_tok <= {allowed}, or more groups")
+
+
+def _expert_balancing_needs_experts(v):
+    moe = v["decoder_block"] in MOE_FAMILIES
+    for key, off in (("shared_experts", 0), ("routed_bias", False), ("routed_bias_update_rate", 0.0),
+                     ("seq_balance_loss_weight", 0.0)):
+        _require(moe or v[key] == off, f"{key}={v[key]} needs a mixture of experts, but decoder_block="
+                                       f"{v['decoder_block']} has none; use one of {', '.join(MOE_FAMILIES)}")
+    _require(v["routed_bias"] or v["routed_bias_update_rate"] == 0,
+             f"routed_bias_update_rate={v['routed_bias_update_rate']} updates the router's selection bias, but "
+             "routed_bias=false: set routed_bias=true (aux-loss-free balancing), or routed_bias_update_rate=0")
+    _require(v["decoder_block"] == "deepseek" or v["routed_scaling_factor"] == 1.0,
+             f"routed_scaling_factor={v['routed_scaling_factor']} is a setting of the deepseek family's router; "
+             "use decoder_block=deepseek, or routed_scaling_factor=1")
+
+
+def _dense_layers_first(v):
+    n, layers = v["first_num_dense_layers"], v["base_num_decoder_layers"]
+    if n == 0:
+        return
+    _require(v["decoder_block"] == "deepseek", f"first_num_dense_layers={n} is a deepseek setting; use "
+                                               "decoder_block=deepseek (qwen3_moe: mlp_only_layers)")
+    _require(n < layers, f"first_num_dense_layers={n} leaves no layer of experts among base_num_decoder_layers="
+                         f"{layers}; use first_num_dense_layers < {layers}")
+
+
+def _mla_head_dims(v):
+    if v["decoder_block"] != "deepseek":
+        return
+    _require(v["qk_rope_head_dim"] % 2 == 0,
+             f"qk_rope_head_dim={v['qk_rope_head_dim']} must be even (RoPE rotates pairs of features)")
+    qk = v["qk_nope_head_dim"] + v["qk_rope_head_dim"]
+    _require(v["head_dim"] == qk, f"head_dim={v['head_dim']} must be the query/key head width qk_nope_head_dim + "
+                                  f"qk_rope_head_dim = {qk} for decoder_block=deepseek (MLA); set head_dim={qk}")
+    _require(v["base_num_kv_heads"] == v["base_num_query_heads"],
+             f"base_num_kv_heads={v['base_num_kv_heads']} must equal base_num_query_heads={v['base_num_query_heads']} "
+             "for decoder_block=deepseek: MLA expands every head's keys and values from the latent; set "
+             f"base_num_kv_heads={v['base_num_query_heads']}")
+
+
+DEEPSEEK_CHECKS = (_routing_groups, _expert_balancing_needs_experts, _dense_layers_first, _mla_head_dims)
+
+
 CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
           _flash_blocks_powers_of_two, _one_objective, _data_columns, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
@@ -358,7 +420,7 @@ CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_le
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
           _run_name_is_one_directory, _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
           _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts, _hidden_tiling_divides_expert_width,
-          _eval_tasks_known, _grpo_settings)
+          _eval_tasks_known, _grpo_settings) + DEEPSEEK_CHECKS
 
 
 def _distillation_settings(v):

@@ -38,6 +38,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("mixtral", ("mixtral",), "MixtralForCausalLM", moe=True),
     Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", moe=True),
     Family("gpt_oss", ("gpt_oss",), "GptOssForCausalLM", moe=True, attention_sinks=True),
+    Family("deepseek", ("deepseek_v3",), "DeepseekV3ForCausalLM", moe=True),
 )}
 
 MOE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.moe)

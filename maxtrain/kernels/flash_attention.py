@@ -405,11 +405,13 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, causal=
     GPU's opt-in limit) and they are clamped for short sequences; `tuning` ({"fwd", "dq", "dkv"}
     -> Tuning) overrides the choice. sinks [N] (or None): a logit per query head in the denominator of
     its softmaxes (module docstring). Returns [B, T, N, H] in q.dtype; differentiable in q, k, v and
-    sinks. interpret=True runs the Pallas kernels on CPU.
+    sinks. interpret=True runs the Pallas kernels on CPU. v may have its own head dim Hv (MLA):
+    [B, S, G, Hv] gives [B, T, N, Hv]; q, k and v are zero-padded to one power-of-two head dim as always.
     """
     batch, q_len, num_heads, head_dim = q.shape
     kv_batch, kv_len, num_kv_heads, kv_head_dim = k.shape
-    if v.shape != k.shape or kv_batch != batch or kv_head_dim != head_dim:
+    v_head_dim = v.shape[3]
+    if v.shape[:3] != k.shape[:3] or kv_batch != batch or kv_head_dim != head_dim:
         raise ValueError(f"incompatible shapes q {q.shape}, k {k.shape}, v {v.shape}")
     if num_heads % num_kv_heads:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({num_kv_heads})")
@@ -421,7 +423,7 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, causal=
     _check_block(block_q, "block_q")
     _check_block(block_k, "block_k")
     # Triton loads need power-of-two tiles: zero-pad the head dim (q.k and the output unchanged).
-    head_pad = max(MIN_BLOCK, pl.next_power_of_2(head_dim))
+    head_pad = max(MIN_BLOCK, pl.next_power_of_2(max(head_dim, v_head_dim)))
     if tuning is None:
         tuning = default_tuning(head_pad, q.dtype, block_q, block_k, shared_memory)
     tuning = {name: _clamp(t, q_len, kv_len) for name, t in tuning.items()}
@@ -441,4 +443,4 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, causal=
     if sinks is not None and sinks.shape != (num_heads,):
         raise ValueError(f"sinks {sinks.shape} must be one logit per query head, [{num_heads}]")
     out = _flash(q, k, v, q_segment_ids, kv_segment_ids, sinks, cfg)
-    return out[:, :q_len, :, :head_dim]
+    return out[:, :q_len, :, :v_head_dim]

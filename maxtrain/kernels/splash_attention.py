@@ -66,16 +66,21 @@ _float32_gradient.defvjp(lambda x: (x, None), lambda _, g: (g.astype(jnp.float32
 
 def splash_attention(q, k, v, segment_ids=None, *, causal=True, sliding_window=0, logits_soft_cap=0.0,
                      scale=None, block_q=512, block_kv=512, interpret=False, sinks=None):
-    """Self-attention of q [B, T, N, H] over k, v [B, T, G, H] (N % G == 0) with TPU splash kernels.
+    """Self-attention of q [B, T, N, H] over k [B, T, G, H], v [B, T, G, Hv] (N % G == 0) with TPU splash
+    kernels.
 
     segment_ids [B, T] (int32) or None; masking as maxtrain.models.attention.make_attention_mask.
     sinks [N] (or None): a logit per query head in each softmax's denominator (gpt-oss), which the
-    splash kernel implements. Returns [B, T, N, H] in q.dtype; differentiable in q, k, v and sinks.
+    splash kernel implements. Returns [B, T, N, Hv] in q.dtype; differentiable in q, k, v and sinks. A
+    value head dim Hv != H (MLA) runs with the narrower side zero-padded to the wider (q.k and the
+    output unchanged; scale from H).
     """
     batch, length, num_heads, head_dim = q.shape
-    if k.shape != v.shape or k.shape[:2] != (batch, length) or k.shape[3] != head_dim:
-        raise ValueError(f"splash attention is self-attention: q {q.shape} needs k and v of shape "
-                         f"[{batch}, {length}, G, {head_dim}], got k {k.shape}, v {v.shape}")
+    v_head_dim = v.shape[3]
+    if k.shape[:3] != v.shape[:3] or k.shape[:2] != (batch, length) or k.shape[3] != head_dim:
+        raise ValueError(f"splash attention is self-attention: q {q.shape} needs k of shape "
+                         f"[{batch}, {length}, G, {head_dim}] and v [{batch}, {length}, G, Hv], got k {k.shape}, "
+                         f"v {v.shape}")
     if num_heads % k.shape[2]:
         raise ValueError(f"query heads ({num_heads}) must be a multiple of kv heads ({k.shape[2]})")
     if block_q % 8 or block_q <= 0 or block_kv <= 0:
@@ -86,8 +91,11 @@ def splash_attention(q, k, v, segment_ids=None, *, causal=True, sliding_window=0
         segment_ids = jnp.zeros((batch, length), jnp.int32)
     pad = [(0, 0), (0, padded - length)]
     segment_ids = jnp.pad(segment_ids.astype(jnp.int32), pad, constant_values=_PAD_SEGMENT)
-    q = jnp.pad(q * jnp.asarray(head_dim**-0.5 if scale is None else scale, q.dtype), pad + [(0, 0)] * 2)
-    k, v = (jnp.pad(x, pad + [(0, 0)] * 2) for x in (k, v))
+    width = max(head_dim, v_head_dim)  # the kernels take one head dim: pad the narrower side with zeros
+    q = jnp.pad(q * jnp.asarray(head_dim**-0.5 if scale is None else scale, q.dtype),
+                pad + [(0, 0), (0, width - head_dim)])
+    k = jnp.pad(k, pad + [(0, 0), (0, width - head_dim)])
+    v = jnp.pad(v, pad + [(0, 0), (0, width - v_head_dim)])
 
     kernel = splash.make_splash_mha_single_device(
         masks.MultiHeadMask([_mask(padded, causal, sliding_window)] * num_heads), block_sizes=sizes,
@@ -100,4 +108,4 @@ def splash_attention(q, k, v, segment_ids=None, *, causal=True, sliding_window=0
         return out.swapaxes(0, 1)
 
     out = jax.vmap(one_row)(q, k, v, segment_ids)
-    return out[:, :length].astype(q.dtype)
+    return out[:, :length, :, :v_head_dim].astype(q.dtype)

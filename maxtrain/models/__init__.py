@@ -5,9 +5,12 @@
     ops.py        the matmul (`dense`) and small array helpers, with their CPU formulations
     attention.py  masks, the plain-jnp reference, the kernels' dispatch, the context-parallel form
     attention_check.py  implementations against the float32 reference; attention FLOPs (gpu_report.py)
+    mla.py        multi-head latent attention (DeepSeek): low-rank queries, a cached latent for keys and values
     blocks.py     norms, embedding, attention, gated MLPs, logits; FLOPs helpers
     moe.py        the mixture-of-experts block: routers, dropless and capacity dispatch, experts,
                   balance losses, expert parallelism (docs/moe.md)
+    moe_deepseek.py  DeepSeek's parts of it: sigmoid group-limited router, the selection bias and its
+                  update outside the gradient, shared experts (docs/deepseek.md)
     decoder.py    the stack every family shares: layer types, scan over repeating groups, loss, decoding
     distill.py    distillation's loss: KL to a frozen teacher's logits mixed with the next-token loss, tiled
     runtime.py    dtype, attention implementation, remat policy and vocab tiles resolved for a platform
@@ -15,7 +18,8 @@
     sampling.py   sampling with the KV cache: greedy, temperature, top-k, top-p
     hf.py         what the families share about Hugging Face names and config.json fields
     families/     one module per family of config/registry.py (llama, mistral, qwen2, qwen3, gemma2,
-                  gemma3, mixtral, qwen3_moe, gpt_oss): declarations, layer composition, HF mapping, FLOPs
+                  gemma3, mixtral, qwen3_moe, gpt_oss, deepseek): declarations, layer composition, HF mapping,
+                  FLOPs
 
 `decoder_block` (MaxText's key; presets set it) picks the family. Every function here is a pure
 function of (params, inputs, config, runtime). May import config, parallel and kernels (and errors);
@@ -24,7 +28,7 @@ never training, checkpointing, data or the commands.
 
 from __future__ import annotations
 
-from maxtrain.models import decoder, distill, moe
+from maxtrain.models import decoder, distill, moe, moe_deepseek
 from maxtrain.models import params as params_lib
 from maxtrain.models.families import FAMILIES
 from maxtrain.models.params import ParamSpec, Params, count, is_spec
@@ -47,10 +51,21 @@ MODEL_KEYS = SHAPE_KEYS + SETTING_KEYS
 # written before them is a dense model, which their base.yml defaults describe.
 MOE_KEYS = ("num_experts", "base_moe_mlp_dim", "decoder_sparse_step", "mlp_only_layers", "num_experts_per_tok",
             "norm_topk_prob", "mlp_activations_limit", "swiglu_alpha")
+# Model keys added with the deepseek family (MLA, shared experts, its router): a checkpoint written before
+# them has neither, which their base.yml defaults describe.
+DEEPSEEK_SHAPE_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                       "first_num_dense_layers", "shared_experts", "routed_bias")
+DEEPSEEK_SETTING_KEYS = ("rope_interleave", "rope_mscale_all_dim", "n_routing_groups", "topk_routing_group",
+                         "routed_scaling_factor")
+SHAPE_KEYS += DEEPSEEK_SHAPE_KEYS
+SETTING_KEYS += DEEPSEEK_SETTING_KEYS
+MODEL_KEYS = SHAPE_KEYS + SETTING_KEYS
+DEEPSEEK_KEYS = DEEPSEEK_SHAPE_KEYS + DEEPSEEK_SETTING_KEYS
 
-__all__ = ["FAMILIES", "MODEL_KEYS", "MOE_KEYS", "SHAPE_KEYS", "SETTING_KEYS", "ParamSpec", "Params", "Runtime", "REMAT_POLICIES",
-           "PROJECTION_NAMES", "family", "param_specs", "num_params", "num_active_params", "is_moe", "init_params", "forward", "loss_fn", "distill_loss_fn",
-           "objective", "init_cache", "forward_with_cache", "flops_per_token", "is_spec"]
+__all__ = ["FAMILIES", "MODEL_KEYS", "MOE_KEYS", "DEEPSEEK_KEYS", "SHAPE_KEYS", "SETTING_KEYS", "ParamSpec", "Params",
+           "Runtime", "REMAT_POLICIES", "PROJECTION_NAMES", "family", "param_specs", "num_params", "num_active_params",
+           "is_moe", "init_params", "forward", "loss_fn", "distill_loss_fn", "objective", "update_outside_gradient",
+           "split_step_stats", "init_cache", "forward_with_cache", "flops_per_token", "is_spec"]
 
 
 def family(config):
@@ -112,8 +127,20 @@ def objective(loss_sum, weight_sum, aux: dict):
     return loss_sum
 
 
+def update_outside_gradient(params: Params, old_params: Params, step_stats: dict, config) -> Params:
+    """The state a train step changes outside the gradient, after the optimizer's update: the MoE router's
+    selection bias (models/moe.py), from the step's statistics (aux entries named decoder.STEP_STATS)."""
+    return moe_deepseek.update_router_bias(params, old_params, step_stats, config, family(config).layer_types(config))
+
+
+def split_step_stats(aux: dict) -> tuple[dict, dict]:
+    """(the aux metrics, the step statistics for update_outside_gradient) of one forward's aux."""
+    stats = {k: v for k, v in aux.items() if k.startswith(decoder.STEP_STATS)}
+    return {k: v for k, v in aux.items() if k not in stats}, stats
+
+
 def init_cache(config, batch_size: int, max_length: int, dtype) -> dict:
-    return decoder.init_cache(config, batch_size, max_length, dtype)
+    return decoder.init_cache(config, batch_size, max_length, dtype, family(config))
 
 
 def forward_with_cache(params: Params, tokens, positions, cache: dict, index, config, rt: Runtime, first=None):

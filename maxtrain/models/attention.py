@@ -107,9 +107,10 @@ def dot_product_attention(q, k, v, mask, *, scale: float | None = None, logits_s
     # rounded once, as the .astype below would): its gradient with respect to the probabilities is
     # then a 16-bit T x S array too, not a float32 one.
     out = jnp.einsum(out_eq, probs.astype(v.dtype), v, preferred_element_type=dtype if compact else jnp.float32)
+    hv = v.shape[-1]  # the value head dim may differ from the query/key one (MLA)
     if heads_major:
-        out = out.reshape(b, g, r, t, h).transpose(0, 3, 1, 2, 4)
-    return out.reshape(b, t, n, h).astype(dtype)
+        out = out.reshape(b, g, r, t, hv).transpose(0, 3, 1, 2, 4)
+    return out.reshape(b, t, n, hv).astype(dtype)
 
 
 def softmax_with_sink(logits, sink):
@@ -321,8 +322,23 @@ def _cudnn_attention(q, k, v, segment_ids, *, causal, sliding_window, scale):
     window = None
     if sliding_window > 0:
         window = (sliding_window - 1, 0 if causal else k.shape[1])
-    return jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal,
-                                        local_window_size=window, implementation="cudnn")
+    q, k, v, scale, v_head_dim = pad_head_dims(q, k, v, scale)
+    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal,
+                                       local_window_size=window, implementation="cudnn")
+    return out[..., :v_head_dim]
+
+
+def pad_head_dims(q, k, v, scale):
+    """(q, k, v, scale, Hv) with one head dim for a kernel that takes one: a value head dim Hv != H (MLA)
+    zero-padded to H, or q and k zero-padded to Hv; q.k, the output's first Hv features and (with the
+    scale fixed from H) the scores are unchanged."""
+    h, hv = q.shape[-1], v.shape[-1]
+    scale = h**-0.5 if scale is None else scale
+    width = max(h, hv)
+
+    def pad(x):
+        return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+    return pad(q), pad(k), pad(v), scale, hv
 
 
 def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", platform: str | None = None,

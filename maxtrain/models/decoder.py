@@ -44,6 +44,10 @@ from maxtrain.models.blocks import LayerInputs
 from maxtrain.models.runtime import REMAT_POLICIES
 
 PER_LAYER = "per_layer/"  # aux entries named with this prefix are reported per layer, not summed
+# Aux entries named with this prefix (after PER_LAYER) are arrays, not metrics: statistics of the step
+# that training reads to update state outside the gradient (models/moe.py: the expert counts that move
+# the router's selection bias). The train step takes them out of the metrics; nothing else reports them.
+STEP_STATS = "step_stats/"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,15 +203,22 @@ def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, s
     return x, aux_total, new_cache
 
 
-def rope_tables(positions, config, num_positions: int | None = None) -> dict:
+def rope_tables(positions, config, num_positions: int | None = None, head_dim: int | None = None) -> dict:
     """cos/sin tables for the global RoPE and, where it differs, the local one (computed once per pass;
-    num_positions: read from a host table, models/rope.py)."""
+    num_positions: read from a host table, models/rope.py), over head_dim features (config.head_dim)."""
+    head_dim = config.head_dim if head_dim is None else head_dim
     global_rope = rope_lib.Rope.from_config(config)
     local_rope = rope_lib.Rope.from_config(config, local=True)
-    tables = {"global": rope_lib.tables(positions, global_rope, config.head_dim, num_positions)}
+    tables = {"global": rope_lib.tables(positions, global_rope, head_dim, num_positions)}
     tables["local"] = tables["global"] if local_rope == global_rope else rope_lib.tables(
-        positions, local_rope, config.head_dim, num_positions)
+        positions, local_rope, head_dim, num_positions)
     return tables
+
+
+def rope_head_dim(family, config) -> int:
+    """The features a family's RoPE rotates: its `rope_head_dim(config)` where it declares one (MLA's
+    qk_rope_head_dim), else head_dim."""
+    return family.rope_head_dim(config) if hasattr(family, "rope_head_dim") else config.head_dim
 
 
 # --------------------------------------------------------------------------------------------
@@ -219,8 +230,9 @@ def _hidden(family, params, tokens, positions, segment_ids, config, rt):
     """(final hidden states [B, T, D], aux): the embedding and every layer, in pipeline stages when
     the mesh has them (parallel/stages.py)."""
     x = family.embed(params, tokens, config, rt)
-    table = rope_lib.table_positions(tokens.shape[1], config.head_dim, rt.backend)  # positions < T
-    inputs = LayerInputs(positions, segment_ids, rope_tables(positions, config, table))
+    rope_dim = rope_head_dim(family, config)
+    table = rope_lib.table_positions(tokens.shape[1], rope_dim, rt.backend)  # positions < T
+    inputs = LayerInputs(positions, segment_ids, rope_tables(positions, config, table, rope_dim))
     if sharding.ways("layers") > 1:
         return pipeline.run_stages(run_layers, family, params["layers"], x, inputs, config, rt)
     x, aux, _ = run_layers(family, params["layers"], x, inputs, config, rt, rt.scan_layers(config))
@@ -302,10 +314,14 @@ def _head_for_chunks(head: dict, specs: dict, rt):
     return sharding.gather_params(cast, specs, "embed"), sharded
 
 
-def init_cache(config, batch_size: int, max_length: int, dtype) -> dict:
-    """An empty KV cache: k and v [L, B, S, G, H]."""
-    shape = (config.base_num_decoder_layers, batch_size, max_length, config.base_num_kv_heads, config.head_dim)
-    return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+def init_cache(config, batch_size: int, max_length: int, dtype, family=None) -> dict:
+    """An empty KV cache: k and v [L, B, S, G, H], or the layout the family declares with
+    `cache_heads(config)` -> ((heads, width) of k, (heads, width) of v) (MLA: its latent and RoPE key)."""
+    heads = ((config.base_num_kv_heads, config.head_dim),) * 2
+    if family is not None and hasattr(family, "cache_heads"):
+        heads = family.cache_heads(config)
+    lead = (config.base_num_decoder_layers, batch_size, max_length)
+    return {"k": jnp.zeros(lead + heads[0], dtype), "v": jnp.zeros(lead + heads[1], dtype)}
 
 
 def forward_with_cache(family, params, tokens, positions, cache: dict, index, config, rt,
@@ -318,7 +334,8 @@ def forward_with_cache(family, params, tokens, positions, cache: dict, index, co
     each sequence from 0, as in training).
     """
     x = family.embed(params, tokens, config, rt)
-    inputs = LayerInputs(positions, jnp.ones_like(tokens), rope_tables(positions, config),
+    inputs = LayerInputs(positions, jnp.ones_like(tokens),
+                         rope_tables(positions, config, head_dim=rope_head_dim(family, config)),
                          (cache["k"], cache["v"], index, first))
     x, _, (k, v) = run_layers(family, params["layers"], x, inputs, config, rt, scan=True)
     return family.logits(params, x, config, rt), {"k": k, "v": v}

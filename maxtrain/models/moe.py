@@ -5,12 +5,15 @@
     router "softmax_topk" (Qwen3-MoE): w, e = top_k(softmax(logits)), w / sum(w) when norm_topk_prob
     y      = sum_k w_k expert_{e_k}(x),          expert_e(x) = down_e(silu(gate_e(x)) * up_e(x))
 
+    router "sigmoid_group_topk" (DeepSeek-V3): sigmoid scores, group-limited top-k, scaled weights,
+               with shared experts beside the routed ones and a selection-only bias (models/moe_deepseek.py)
+
 Activation "clamped_swiglu" (gpt-oss), with a = swiglu_alpha and l = mlp_activations_limit:
     g, u = min(gate_e(x), l), clip(up_e(x), -l, l);   expert_e(x) = down_e(g * sigmoid(a g) * (u + 1))
 With `specs(config, biases=True)` the router and each expert's gate, up and down projections add a
 bias (gpt-oss): b_router [E], b_gate and b_up [E, F], b_down [E, D].
 
-(The two routers give the same weights when the top-k are renormalized; they differ in where the
+(The two softmax routers give the same weights when the top-k are renormalized; they differ in where the
 softmax is taken, and Qwen3-MoE without renormalization keeps the full-softmax probabilities.)
 
 Dispatch (`moe_dispatch`) decides how the (token, choice) pairs reach their experts:
@@ -65,10 +68,11 @@ from jax.sharding import PartitionSpec as P
 from maxtrain.models import ops
 from maxtrain.parallel import sharding as sharding_lib
 from maxtrain.models import blocks
-from maxtrain.models.decoder import PER_LAYER
+from maxtrain.models import moe_deepseek
+from maxtrain.models.decoder import PER_LAYER, STEP_STATS
 from maxtrain.models.params import ParamSpec, dense, is_spec
 
-ROUTERS = ("topk_softmax", "softmax_topk")
+ROUTERS = ("topk_softmax", "softmax_topk", "sigmoid_group_topk")
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
@@ -90,7 +94,7 @@ def specs(config, biases: bool = False) -> dict[str, ParamSpec]:
     if biases:
         out.update(b_router=ParamSpec((e,), (None,), "zeros"), b_gate=ParamSpec((e, f), ("exp", "mlp"), "zeros"),
                    b_up=ParamSpec((e, f), ("exp", "mlp"), "zeros"), b_down=ParamSpec((e, d), ("exp", "embed"), "zeros"))
-    return out
+    return {**out, **moe_deepseek.bias_and_shared_specs(config, expert_dim(config))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,6 +115,12 @@ class Settings:
     activation: str = "swiglu"  # or "clamped_swiglu" (gpt-oss), with alpha and limit
     alpha: float = 1.702
     limit: float = 7.0
+    # DeepSeek's router and balancing (sigmoid_group_topk; the selection bias with any router)
+    groups: int = 1                    # n_routing_groups (-1 in base.yml: one group)
+    topk_groups: int = 1               # topk_routing_group: the groups a token's experts may come from
+    scaling: float = 1.0               # routed_scaling_factor: multiplies the K weights
+    count_experts: bool = False        # report each expert's routed pairs for the bias update (STEP_STATS)
+    seq_balance_loss_weight: float = 0.0
 
     @classmethod
     def of(cls, config, rt, router: str, num_moe_layers: int, activation: str = "swiglu") -> "Settings":
@@ -121,7 +131,9 @@ class Settings:
         return cls(config.num_experts, config.num_experts_per_tok, router, config.norm_topk_prob, config.moe_dispatch,
                    config.capacity_factor, config.load_balance_loss_weight, config.router_z_loss_weight,
                    max(num_moe_layers, 1), rt.dtype, config.num_moe_hidden_tiling, activation, config.swiglu_alpha,
-                   config.mlp_activations_limit)
+                   config.mlp_activations_limit,
+                   max(config.n_routing_groups, 1), max(config.topk_routing_group, 1), config.routed_scaling_factor,
+                   config.routed_bias and config.routed_bias_update_rate > 0, config.seq_balance_loss_weight)
 
     def capacity(self, length: int) -> int:
         return capacity(self.num_experts, self.top_k, self.capacity_factor, length)
@@ -157,8 +169,17 @@ class Axes:
 def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int, activation: str = "swiglu"):
     """Mixture of experts over x [B, T, D] (already normed) -> ([B, T, D], aux)."""
     s = Settings.of(config, rt, router, num_moe_layers, activation)
+    y, aux = _routed(x, p, segment_ids, s)
+    if "shared_gate" in p:  # always-on shared experts beside the routed ones (DeepSeek)
+        y = y + moe_deepseek.shared_experts(x, p, rt)
+    return y, aux
+
+
+def _routed(x, p, segment_ids, s: Settings):
+    """The routed experts' sum over x [B, T, D] -> ([B, T, D], aux)."""
     # The experts enter shard_map in the compute dtype: their gradients leave it in that dtype too.
-    weights = (p["router"], *(p[name].astype(s.dtype) for name in ("w_gate", "w_up", "w_down")))
+    router = (p["router"], p["router_bias"] if "router_bias" in p else None)
+    weights = (router, *(p[name].astype(s.dtype) for name in ("w_gate", "w_up", "w_down")))
     biases = {name: p["b_" + name] for name in ("router", "gate", "up", "down") if "b_" + name in p}
     biases = {k: v if k == "router" else v.astype(s.dtype) for k, v in biases.items()}  # the router's: float32
     valid = segment_ids > 0
@@ -227,26 +248,35 @@ def hidden_chunks(s: Settings, local_shape: tuple[int, int, int], itemsize: int,
     return next((n for n in divisors if n == 1 or (f // n) % 128 == 0), divisors[0])
 
 
-def route(logits, s: Settings):
-    """(weights [..., K] float32, experts [..., K] int32) from router logits [..., E] float32."""
+def route(logits, s: Settings, bias=None):
+    """(weights [..., K] float32, experts [..., K] int32) from router logits [..., E] float32.
+
+    bias [E] (routed_bias), when given, is added to the scores the experts are chosen by, and to
+    nothing else: the weights are the unbiased scores of the chosen experts."""
+    if s.router == "sigmoid_group_topk":
+        return moe_deepseek.route_sigmoid_groups(logits, s, bias)
     if s.router == "topk_softmax":
-        top, experts = jax.lax.top_k(logits, s.top_k)
-        return jax.nn.softmax(top, axis=-1), experts
-    top, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), s.top_k)
+        chosen = logits if bias is None else logits + bias
+        experts = jax.lax.top_k(chosen, s.top_k)[1]
+        return jax.nn.softmax(jnp.take_along_axis(logits, experts, axis=-1), axis=-1), experts
+    probs = jax.nn.softmax(logits, axis=-1)
+    experts = jax.lax.top_k(probs if bias is None else probs + bias, s.top_k)[1]
+    top = jnp.take_along_axis(probs, experts, axis=-1)
     if s.norm_topk_prob:
         top = top / jnp.sum(top, axis=-1, keepdims=True)
     return top, experts
 
 
-def _local(x, valid, w_router, w_gate, w_up, w_down, biases, *, s: Settings, axes: Axes):
-    """The block on one device's tokens x [b, T, D] (all tokens, outside a mesh); biases: {} or b_router,
-    b_gate, b_up, b_down by their suffix."""
+def _local(x, valid, router, w_gate, w_up, w_down, biases, *, s: Settings, axes: Axes):
+    """The block on one device's tokens x [b, T, D] (all tokens, outside a mesh); router: (W_router, the
+    selection bias or None); biases: {} or b_router, b_gate, b_up, b_down by their suffix."""
     b, t, d = x.shape
     dt = s.dtype
+    w_router, bias = router
     logits = ops.dense(x, w_router.astype(dt), 1, jnp.float32)  # "BTD,DE->BTE"
     if "router" in biases:
         logits = logits + biases["router"].astype(jnp.float32)
-    weights, experts = route(logits, s)
+    weights, experts = route(logits, s, None if bias is None else jax.lax.stop_gradient(bias).astype(jnp.float32))
     weights = jnp.where(valid[..., None], weights, 0.0)
     # block() cast them to the compute dtype; still FSDP-sharded. The gate and up biases go with their weights.
     experts_w = (w_gate, w_up, w_down, *(biases[k] for k in ("gate", "up") if k in biases))
@@ -432,13 +462,15 @@ def _aux(logits, experts, valid, dropped, s: Settings, axes: Axes) -> dict:
     """The losses and statistics over the micro-batch's real tokens (summed over the token axes)."""
     e, k = s.num_experts, s.top_k
     real = valid.astype(jnp.float32)
-    probs = jax.nn.softmax(logits, axis=-1)
+    probs = moe_deepseek.router_probabilities(logits, s)
     counts = jnp.zeros(e, jnp.float32).at[experts.reshape(-1)].add(jnp.repeat(real.reshape(-1), k))
     sums = {"tokens": jnp.sum(real), "counts": counts,
             "probs": jnp.einsum("...e,...->e", probs, real),
             "z": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * real)}
     if dropped is not None:
         sums["dropped"] = dropped.astype(jnp.float32)
+    if s.seq_balance_loss_weight > 0:
+        sums.update(moe_deepseek.sequence_balance_sums(probs, experts, real, s))
     if axes.batch:
         sums = jax.lax.psum(sums, axes.batch)
     tokens = jnp.maximum(sums["tokens"], 1.0)
@@ -450,6 +482,11 @@ def _aux(logits, experts, valid, dropped, s: Settings, axes: Axes) -> dict:
            PER_LAYER + "moe_load_min": jnp.min(load), PER_LAYER + "moe_load_max": jnp.max(load)}
     if dropped is not None:
         aux["moe_dropped_fraction"] = sums["dropped"] / (tokens * k) * per_layer
+    if s.seq_balance_loss_weight > 0:
+        aux["moe_seq_balance_loss"] = (s.seq_balance_loss_weight * sums["seq_balance"]
+                                       / jnp.maximum(sums["sequences"], 1.0) * per_layer)
+    if s.count_experts:  # the routed pairs of each expert, for the selection bias's update (moe_deepseek)
+        aux[PER_LAYER + STEP_STATS + "moe_expert_counts"] = sums["counts"]
     return aux
 
 

@@ -112,23 +112,24 @@ def make_train_step(config, rt: models.Runtime, tx: optax.GradientTransformation
 
             grads, (loss, weight, aux) = jax.grad(scaled_loss, has_aux=True)(params)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), constrain(grads))
-            return grads, loss, weight, aux
+            return grads, loss, weight, models.split_step_stats(aux)
 
         def micro_step(carry, micro_batch):
             grad_sum, loss_sum, weight_sum = carry
-            grads, loss, weight, aux = micro_gradients(micro_batch)
+            grads, loss, weight, (aux, stats) = micro_gradients(micro_batch)
             grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
-            return (grad_sum, loss_sum + loss, weight_sum + weight), (aux, weight)
+            return (grad_sum, loss_sum + loss, weight_sum + weight), (aux, stats, weight)
 
         if batch["inputs"].shape[0] == 1:
             # One micro-batch: its sums without the loop. Starting a sum from zeros costs a
             # zero-filled float32 copy of the model and a pass adding the gradients to it, which
             # XLA does not remove (docs/notes/2026-11-performance-log.md, "a second profile").
-            grad_sum, loss_sum, weight_sum, aux = micro_gradients(jax.tree.map(lambda a: a[0], batch))
-            aux, weights = jax.tree.map(lambda a: a[None], aux), weight_sum[None]
+            grad_sum, loss_sum, weight_sum, (aux, stats) = micro_gradients(jax.tree.map(lambda a: a[0], batch))
+            (aux, stats), weights = jax.tree.map(lambda a: a[None], (aux, stats)), weight_sum[None]
         else:
             zeros = constrain(jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params))
-            (grad_sum, loss_sum, weight_sum), (aux, weights) = jax.lax.scan(micro_step, (zeros, 0.0, 0.0), batch)
+            (grad_sum, loss_sum, weight_sum), (aux, stats, weights) = jax.lax.scan(micro_step, (zeros, 0.0, 0.0),
+                                                                                  batch)
         denom = jnp.maximum(weight_sum, 1.0)
         grads = jax.tree.map(lambda g: g / (denom * unit), grad_sum)
 
@@ -144,6 +145,10 @@ def make_train_step(config, rt: models.Runtime, tx: optax.GradientTransformation
 
         new_state = {**state, "step": state["step"] + 1, key: new_params, "opt_state": opt_state,
                      "loss_scale": loss_scale}
+        # State outside the gradient (the MoE selection bias), from the step's statistics of all micro-batches.
+        stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
+        updated = models.update_outside_gradient(new_state["params"], state["params"], stats, config)
+        new_state["params"] = precision.select_tree(finite, updated, new_state["params"]) if scaling else updated
         metrics = {
             "loss": loss_sum / denom,
             "grad_norm": jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))),
@@ -171,6 +176,7 @@ def make_eval_step(config, rt: models.Runtime):
 
     def eval_step(state, batch):
         """(loss sum, weight sum, metrics) of the objective for one eval batch [B, T]."""
-        return objective(model_params(state, config), batch, reference_params(state))
+        loss, weight, metrics = objective(model_params(state, config), batch, reference_params(state))
+        return loss, weight, models.split_step_stats(metrics)[0]
 
     return eval_step
