@@ -61,6 +61,7 @@ from maxtrain.models import ops
 from maxtrain.parallel import sharding as sharding_lib
 from maxtrain.models import blocks
 from maxtrain.models.decoder import PER_LAYER
+from maxtrain.models.fp8 import fp8_dot_general
 from maxtrain.models.params import ParamSpec, dense, is_spec
 
 ROUTERS = ("topk_softmax", "softmax_topk")
@@ -97,6 +98,7 @@ class Settings:
     num_moe_layers: int
     dtype: object
     hidden_tiling: int = -1  # num_moe_hidden_tiling as set (-1: autoselected in block(), where the mesh is known)
+    fp8: bool = False  # the experts' matmuls in float8 (quantization; capacity dispatch only, runtime.FP8_PLACES)
 
     @classmethod
     def of(cls, config, rt, router: str, num_moe_layers: int) -> "Settings":
@@ -104,7 +106,8 @@ class Settings:
             raise ValueError(f"router {router!r} is not one of {ROUTERS}")
         return cls(config.num_experts, config.num_experts_per_tok, router, config.norm_topk_prob, config.moe_dispatch,
                    config.capacity_factor, config.load_balance_loss_weight, config.router_z_loss_weight,
-                   max(num_moe_layers, 1), rt.dtype, config.num_moe_hidden_tiling)
+                   max(num_moe_layers, 1), rt.dtype, config.num_moe_hidden_tiling,
+                   "experts" in rt.fp8 and config.moe_dispatch == "capacity")
 
     def capacity(self, length: int) -> int:
         return capacity(self.num_experts, self.top_k, self.capacity_factor, length)
@@ -283,9 +286,11 @@ def _swiglu_grouped(xs, w_gate, w_up, w_down, *, group_sizes):
     return mm(jax.nn.silu(gate) * up, w_down)
 
 
-def _swiglu_batched(xe, w_gate, w_up, w_down):
-    """Slots xe [E, C, D] -> [E, C, D], each expert on its own C slots."""
+def _swiglu_batched(xe, w_gate, w_up, w_down, fp8: bool = False):
+    """Slots xe [E, C, D] -> [E, C, D], each expert on its own C slots; fp8: float8 matmuls (models/fp8.py)."""
     def mm(a, w, spec):
+        if fp8:  # "ECD,EDF->ECF" and "ECF,EFD->ECD": contract a's last axis with w's middle one, batched over E
+            return fp8_dot_general(a, w, (((2,), (1,)), ((0,), (0,))))
         return jnp.einsum(spec, a, w, preferred_element_type=a.dtype)
     gate = checkpoint_name(mm(xe, w_gate, "ECD,EDF->ECF"), "mlp_gate")
     up = checkpoint_name(mm(xe, w_up, "ECD,EDF->ECF"), "mlp_up")
@@ -360,7 +365,7 @@ def _capacity(x, weights, experts, valid, experts_w, s: Settings, axes: Axes):
     xe = jnp.swapaxes(xe.reshape(b, e, c, d), 0, 1).reshape(e, b * c, d)
     if axes.expert_ways > 1:  # each expert's slots to the device that holds it: [E / ep, ep * b * C, D]
         xe = jax.lax.all_to_all(xe, axes.expert, 0, 1, tiled=True)
-    ye = _experts(_swiglu_batched, xe, experts_w, axes)
+    ye = _experts(functools.partial(_swiglu_batched, fp8=s.fp8), xe, experts_w, axes)
     if axes.expert_ways > 1:
         ye = jax.lax.all_to_all(ye, axes.expert, 1, 0, tiled=True)
     ye = jnp.swapaxes(ye.reshape(e, b, c, d), 0, 1).reshape(b, e * c, d)

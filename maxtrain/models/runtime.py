@@ -26,6 +26,19 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 }
 
 
+# quantization: where the decoder's matmuls take float8 operands (models/fp8.py). The MoE experts' are
+# float8 with capacity dispatch only; dropless dispatch's grouped matmuls (ragged_dot) stay 16-bit (no
+# float8 grouped matmul in XLA). quantize_output_head adds the vocabulary projection ("head").
+FP8_PLACES = {"": (), "fp8": ("attention", "mlp", "experts"), "fp8_mlp": ("mlp", "experts")}
+
+
+def resolve_fp8(config) -> frozenset:
+    """The places quantization (and quantize_output_head) put in float8: a subset of attention, mlp,
+    experts, head."""
+    places = FP8_PLACES[config.quantization]
+    return frozenset(places + (("head",) if places and config.quantize_output_head else ()))
+
+
 # On CPU a small dense model's step is fastest with nothing recomputed and its layers unrolled
 # (docs/notes/2026-11-performance-log.md, "An eighth round": 5% on the reference configuration, 9% on the
 # default model).
@@ -106,6 +119,7 @@ class Runtime:
     autoselected: tuple[str, ...] = ()  # which of dtype, attention, remat_policy, num_vocab_tiling were left to us
     unroll_layers: bool = False  # the CPU plan above unrolls the layers although config.scan_layers is true
     vocab_tiles: int = 1  # the loss head's sequence chunks (num_vocab_tiling, resolved)
+    fp8: frozenset = frozenset()  # where matmuls take float8 operands (resolve_fp8): attention, mlp, experts, head
 
     @classmethod
     def from_config(cls, config, backend: str | None = None, logits_bytes: float | None = None,
@@ -127,7 +141,8 @@ class Runtime:
             context_parallel=context_parallel)
         remat_policy, scan_layers = resolve_layer_plan(config, backend)
         return cls(dtype=dtype, attention=attention, remat_policy=remat_policy, backend=backend,
-                   autoselected=auto, vocab_tiles=tiles, unroll_layers=config.scan_layers and not scan_layers)
+                   autoselected=auto, vocab_tiles=tiles, unroll_layers=config.scan_layers and not scan_layers,
+                   fp8=resolve_fp8(config))
 
     def scan_layers(self, config) -> bool:
         """Whether the layers run as a lax.scan: config.scan_layers, unless this runtime unrolls them."""
@@ -142,4 +157,5 @@ class Runtime:
                 f"attention {attention_lib.describe(self.attention, self.backend)}{tag('attention')}  "
                 f"remat {self.remat_policy}{tag('remat_policy')}  "
                 + (f"layers unrolled (autoselected for {self.backend})  " if self.unroll_layers else "")
-                + f"vocab tiles {self.vocab_tiles}{tag('num_vocab_tiling')}")
+                + f"vocab tiles {self.vocab_tiles}{tag('num_vocab_tiling')}"
+                + (f"  float8 matmuls: {', '.join(sorted(self.fp8))}" if self.fp8 else ""))

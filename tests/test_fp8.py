@@ -1,0 +1,108 @@
+"""quantization=fp8 (models/fp8.py) on CPU, where XLA emulates float8: the matmul and its gradients against
+a plain numpy float8 reference (ml_dtypes' e4m3fn and e5m2, quantized and dequantized with the same
+scales), tensors that could make a scale 0 or inf, and the model with its matmuls in float8.
+tests/test_fp8_compile.py checks that the H100 compiler makes them float8 cuBLASLt matmuls."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from conftest import BASE_YML, TINY
+from maxtrain import models
+from maxtrain.config import load_config, with_overrides
+from maxtrain.models import fp8, ops
+
+E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
+
+
+def reference_round(a, largest, fp8_dtype):
+    """numpy: a rounded to fp8_dtype at the scale amax|a| / largest (float32 compute dtype)."""
+    amax = np.float32(np.abs(a).max())
+    s = np.float32(amax / np.float32(largest)) if amax > 0 else np.float32(1.0)
+    return np.clip(a / s, -largest, largest).astype(fp8_dtype).astype(np.float32) * s
+
+
+def test_matmul_and_its_gradients_match_a_numpy_float8_reference():
+    rng = np.random.default_rng(0)
+    x, w, g = (rng.standard_normal(shape).astype(np.float32) * scale
+               for shape, scale in (((2, 8, 48), 3.0), ((48, 40), 0.05), ((2, 8, 40), 1e-3)))
+    y, vjp = jax.vjp(lambda a, b: ops.dense(a, b, fp8=True), jnp.asarray(x), jnp.asarray(w))
+    dx, dw = vjp(jnp.asarray(g))
+
+    xq, wq, gq = reference_round(x, 448.0, E4M3), reference_round(w, 448.0, E4M3), reference_round(g, 57344.0, E5M2)
+    np.testing.assert_allclose(np.asarray(y), xq @ wq, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dx), gq @ wq.T, rtol=1e-5, atol=1e-9)
+    np.testing.assert_allclose(np.asarray(dw), np.einsum("btk,btn->kn", xq, gq), rtol=1e-5, atol=1e-9)
+    # float8 does round: the result is not the float32 product
+    assert np.abs(np.asarray(y) - x @ w).max() > 1e-3
+    # the rounding is what e4m3 allows: 3 mantissa bits, a relative step of at most 2**-3 per operand
+    assert np.abs(xq - x).max() <= 2**-4 * np.abs(x).max()
+
+
+def test_scale_round_trip_uses_one_value_in_the_compute_dtype():
+    a = jnp.asarray(np.random.default_rng(1).standard_normal((64,)) * 7.0, jnp.bfloat16)
+    s = fp8.scale(a, fp8.E4M3, jnp.bfloat16)
+    assert s == s.astype(jnp.bfloat16).astype(jnp.float32)  # representable in the compute dtype
+    q = fp8.quantize(a, s, fp8.E4M3)
+    assert q.dtype == jnp.float8_e4m3fn and float(jnp.max(jnp.abs(q.astype(jnp.float32)))) <= 448.0
+    expected = (np.asarray(a, np.float32) / np.float32(s)).clip(-448, 448).astype(E4M3).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(q, np.float32), expected)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("case", ["zeros", "huge", "huge_gradient", "tiny"])
+def test_zero_huge_and_tiny_tensors_stay_finite(dtype, case):
+    """Each product's exact value is finite (|x| 1e30 meets a 1e-3 gradient, a 1e30 gradient |x| ~ 1)."""
+    rng = np.random.default_rng(2)
+    x = rng.standard_normal((16, 32)).astype(np.float32)
+    w = rng.standard_normal((32, 8)).astype(np.float32) * 1e-3
+    x = {"zeros": np.zeros_like(x), "huge": x * 1e30, "huge_gradient": x, "tiny": x * 1e-30}[case]
+    g = np.ones((16, 8), np.float32) * {"zeros": 0.0, "huge": 1e-3, "huge_gradient": 1e30, "tiny": 1e-30}[case]
+    y, vjp = jax.vjp(lambda a, b: ops.dense(a, b, fp8=True), jnp.asarray(x, dtype), jnp.asarray(w, dtype))
+    dx, dw = vjp(jnp.asarray(g, dtype))
+    for a in (y, dx, dw):
+        assert bool(jnp.all(jnp.isfinite(a.astype(jnp.float32)))), case
+    if case == "zeros":
+        assert not np.any(np.asarray(y, np.float32)) and not np.any(np.asarray(dw, np.float32))
+    if case == "huge":  # the product keeps its size: no overflow, no flush to zero
+        np.testing.assert_allclose(np.asarray(y, np.float32), x @ w, rtol=0.2, atol=0.05 * np.abs(x @ w).max())
+
+
+def test_batched_expert_matmul_matches_the_einsum_up_to_float8_rounding():
+    rng = np.random.default_rng(3)
+    xe, we = rng.standard_normal((3, 5, 16)).astype(np.float32), rng.standard_normal((3, 16, 8)).astype(np.float32)
+    y = fp8.fp8_dot_general(jnp.asarray(xe), jnp.asarray(we), (((2,), (1,)), ((0,), (0,))))
+    np.testing.assert_allclose(np.asarray(y), np.einsum("ecd,edf->ecf", reference_round(xe, 448.0, E4M3),
+                                                        reference_round(we, 448.0, E4M3)), rtol=1e-5, atol=1e-5)
+
+
+def config_with(*overrides):
+    return load_config(with_overrides([BASE_YML, *TINY], "dtype=bfloat16", *overrides))
+
+
+def test_runtime_places_float8_where_the_key_names():
+    assert models.Runtime.from_config(config_with(), "cpu").fp8 == frozenset()
+    assert models.Runtime.from_config(config_with("quantization=fp8"), "cpu").fp8 == {"attention", "mlp", "experts"}
+    rt = models.Runtime.from_config(config_with("quantization=fp8_mlp", "quantize_output_head=true"), "gpu")
+    assert rt.fp8 == {"mlp", "experts", "head"} and "float8 matmuls: experts, head, mlp" in rt.describe()
+
+
+def test_model_loss_and_gradients_in_float8_stay_close_to_bfloat16():
+    losses, grads = {}, {}
+    tokens = np.random.default_rng(4).integers(0, 512, (2, 32)).astype(np.int32)
+    ones = jnp.ones(tokens.shape, jnp.int32)
+    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, 1), "segment_ids": ones, "loss_weights": ones.astype(jnp.float32),
+             "positions": jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), tokens.shape)}
+    for q in ("", "fp8"):
+        config = config_with(f"quantization={q}", *(["quantize_output_head=true"] if q else []))
+        rt = models.Runtime.from_config(config, "cpu")
+        params = models.init_params(config, jax.random.key(0))
+        mean = lambda p: (lambda s, w, _: s / w)(*models.loss_fn(p, batch, config, rt))  # noqa: E731
+        losses[q], grads[q] = jax.jit(jax.value_and_grad(mean))(params)
+    assert abs(float(losses["fp8"]) / float(losses[""]) - 1) < 0.01
+    for a, b in zip(jax.tree.leaves(grads[""]), jax.tree.leaves(grads["fp8"])):
+        assert bool(jnp.all(jnp.isfinite(b)))
+        cos = float(jnp.vdot(a, b) / (jnp.linalg.norm(a) * jnp.linalg.norm(b) + 1e-30))
+        assert cos > 0.95 or float(jnp.linalg.norm(a)) < 1e-6, cos
