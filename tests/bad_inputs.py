@@ -312,10 +312,6 @@ ROWS = [
     Row("fp8-unknown-recipe", T, [B, "quantization=int8"], r"quantization='int8' is not supported; use quantization=fp8"),
     Row("fp8-head-without-quantization", T, [B, "quantize_output_head=true"],
         r"quantize_output_head=true only applies with quantization=fp8 or fp8_mlp"),
-    Row("fp8-on-a100", T, [B, "quantization=fp8", "compile_topology=a100-8"],
-        r"quantization=fp8 cannot run on compile_topology=a100-8: an A100 .* has no float8 tensor cores"),
-    Row("fp8-on-tpu-v5p", T, [B, "quantization=fp8_mlp", "compile_topology=v5p-128"],
-        r"quantization=fp8_mlp cannot run on compile_topology=v5p-128: TPU v5p has no float8 matrix unit"),
     Row("key-twice-on-command-line", T, [B, "steps=3", "steps=5"], r"the command line sets steps twice \(argument 2: "
         r"'steps=3' and argument 3: 'steps=5'\)"),
     Row("override-without-equals", T, [B, "steps"], r"cannot read argument 'steps': overrides are key=value"),

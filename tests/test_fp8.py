@@ -3,6 +3,9 @@ a plain numpy float8 reference (ml_dtypes' e4m3fn and e5m2, quantized and dequan
 scales), tensors that could make a scale 0 or inf, and the model with its matmuls in float8.
 tests/test_fp8_compile.py checks that the H100 compiler makes them float8 cuBLASLt matmuls."""
 
+import dataclasses
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -11,8 +14,9 @@ import pytest
 
 from conftest import BASE_YML, TINY
 from maxtrain import models
-from maxtrain.config import load_config, with_overrides
+from maxtrain.config import ConfigError, load_config, with_overrides
 from maxtrain.models import fp8, ops
+from maxtrain.training import builder
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
 
@@ -106,3 +110,19 @@ def test_model_loss_and_gradients_in_float8_stay_close_to_bfloat16():
         assert bool(jnp.all(jnp.isfinite(b)))
         cos = float(jnp.vdot(a, b) / (jnp.linalg.norm(a) * jnp.linalg.norm(b) + 1e-30))
         assert cos > 0.95 or float(jnp.linalg.norm(a)) < 1e-6, cos
+
+
+@pytest.mark.parametrize("backend, kind, capability, refused", [
+    ("gpu", "NVIDIA A100-SXM4-80GB", "8.0", True), ("gpu", "NVIDIA H100 80GB HBM3", "9.0", False),
+    ("gpu", "NVIDIA L4", "8.9", False), ("tpu", "TPU v5 lite", None, True), ("tpu", "TPU v6 lite", None, True),
+    ("tpu", "TPU v4", None, True), ("cpu", "cpu", None, False)])
+def test_devices_without_float8_matmuls_are_refused_before_compiling(backend, kind, capability, refused):
+    config = config_with("quantization=fp8")
+    rt = dataclasses.replace(models.Runtime.from_config(config, "cpu"), backend=backend)
+    device = SimpleNamespace(device_kind=kind, compute_capability=capability)
+    builder.check_float8_devices(config_with(), models.Runtime.from_config(config_with(), "cpu"), device)  # off: fine
+    if refused:
+        with pytest.raises(ConfigError, match=f"quantization=fp8 cannot run on {kind}: .*leave quantization empty"):
+            builder.check_float8_devices(config, rt, device)
+    else:
+        builder.check_float8_devices(config, rt, device)

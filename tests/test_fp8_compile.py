@@ -10,9 +10,12 @@ fusions (Triton takes the float8 pattern as a 16-bit matmul of the dequantized o
 import collections
 import re
 
+import pytest
+
 from conftest import BASE_YML
 from maxtrain import train_compile
 from maxtrain.compile import targets as topologies
+from maxtrain.config import ConfigError
 from maxtrain.training import builder
 from test_train_compile_targets import need
 
@@ -40,3 +43,14 @@ def test_every_decoder_matmul_is_a_float8_cublaslt_call_on_h100():
     assert calls["__cublas$lt$matmul$f8"] >= 3 * 15, calls
     # What stays 16-bit: the router of layer 1 (forward and its two gradients), nothing else.
     assert sum(n for name, n in calls.items() if name != "__cublas$lt$matmul$f8") == 3, calls
+
+
+def test_compile_targets_without_float8_are_refused_before_compiling():
+    """train_compile's targets: an A100 (compute capability 8.0) and a TPU v5e, in builder.build (no compile)."""
+    for name, platform, message in (("a100-1", "gpu", "compute capability 8.0 has no float8 tensor cores"),
+                                    ("v5e-4", "tpu", "TPU v5 lite: it has no float8 matrix unit")):
+        need(platform)
+        config = builder.load_config([BASE_YML, *MIXED[:-3], f"compile_topology={name}", "quantization=fp8"])
+        target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
+        with pytest.raises(ConfigError, match=message):
+            builder.build(config, devices=target.devices(), platform=target.platform, num_processes=1)

@@ -21,7 +21,7 @@ from typing import Any
 
 from maxtrain.config import settings as settings_lib
 from maxtrain.config.registry import EVAL_TASKS, MOE_FAMILIES
-from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, parallelism_key, table
+from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, QUANTIZATION_PLACES, parallelism_key, table
 from maxtrain.errors import ConfigError
 
 
@@ -312,18 +312,10 @@ def _known_profiler(v):
 
 
 
-# quantization (models/fp8.py): float8 matmuls need float8 tensor cores; libtpu compiles float8 matmuls for
-# TPU v4, v5e, v5p and v6e as bfloat16 matmuls (checked with libtpu 0.0.42.1: no float8 MXU on those chips).
-FP8_QUANTIZATIONS = ("fp8", "fp8_mlp")
-FP8_REFUSED_CHIPS = {"a100": "an A100 (compute capability 8.0) has no float8 tensor cores; H100 and H200 have",
-                     "v4": "TPU v4 has no float8 matrix unit: libtpu compiles its float8 matmuls as bfloat16 ones",
-                     "v5p": "TPU v5p has no float8 matrix unit: libtpu compiles its float8 matmuls as bfloat16 ones",
-                     "v5e": "TPU v5e has no float8 matrix unit: libtpu compiles its float8 matmuls as bfloat16 ones",
-                     "v6e": "TPU v6e has no float8 matrix unit: libtpu compiles its float8 matmuls as bfloat16 ones"}
-
-
+# quantization (models/fp8.py). Whether the devices have float8 matmuls is checked with the devices, before
+# compiling (training/builder.check_float8_devices): compile_topology's chips are known by compile/targets.py.
 def _quantization_known(v):
-    _require(v["quantization"] in ("",) + FP8_QUANTIZATIONS,
+    _require(v["quantization"] in QUANTIZATION_PLACES,
              f"quantization={v['quantization']!r} is not supported; use quantization=fp8 (attention projections, MLP and "
              "experts in float8), quantization=fp8_mlp (MLP and experts only), or leave it empty")
     _require(not v["quantize_output_head"] or v["quantization"],
@@ -336,14 +328,6 @@ def _fp8_not_with_float16(v):
              "float16's loss scaling would scale the gradients a second time; use dtype=bfloat16 (no loss scaling needed)")
 
 
-def _fp8_target_has_float8(v):
-    kind = v["compile_topology"].lower().split("-")[0]
-    chip = {"v5litepod": "v5e", "v5": "v5p", "v6": "v6e"}.get(kind, kind)
-    _require(not v["quantization"] or chip not in FP8_REFUSED_CHIPS,
-             f"quantization={v['quantization']} cannot run on compile_topology={v['compile_topology']}: {FP8_REFUSED_CHIPS.get(chip)}; "
-             "compile for h100-N, h200-N or a3, or leave quantization empty")
-
-
 CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
           _flash_blocks_powers_of_two, _one_objective, _data_columns, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
@@ -351,7 +335,7 @@ CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_le
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
           _run_name_is_one_directory, _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
           _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts, _hidden_tiling_divides_expert_width,
-          _eval_tasks_known, _quantization_known, _fp8_not_with_float16, _fp8_target_has_float8)
+          _eval_tasks_known, _quantization_known, _fp8_not_with_float16)
 
 
 def _divisor_hint(n: int, near: int) -> int:

@@ -98,7 +98,7 @@ class Settings:
     num_moe_layers: int
     dtype: object
     hidden_tiling: int = -1  # num_moe_hidden_tiling as set (-1: autoselected in block(), where the mesh is known)
-    fp8: bool = False  # the experts' matmuls in float8 (quantization; capacity dispatch only, runtime.FP8_PLACES)
+    fp8: bool = False  # the experts' matmuls in float8 (quantization; capacity dispatch only: config/schema.QUANTIZATION_PLACES)
 
     @classmethod
     def of(cls, config, rt, router: str, num_moe_layers: int) -> "Settings":

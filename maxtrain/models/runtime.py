@@ -11,6 +11,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from maxtrain.config.schema import QUANTIZATION_PLACES
 from maxtrain.models import attention as attention_lib
 
 # Names of the projection (matmul) outputs inside a layer; `minimal` saves exactly these, which are
@@ -26,16 +27,10 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 }
 
 
-# quantization: where the decoder's matmuls take float8 operands (models/fp8.py). The MoE experts' are
-# float8 with capacity dispatch only; dropless dispatch's grouped matmuls (ragged_dot) stay 16-bit (no
-# float8 grouped matmul in XLA). quantize_output_head adds the vocabulary projection ("head").
-FP8_PLACES = {"": (), "fp8": ("attention", "mlp", "experts"), "fp8_mlp": ("mlp", "experts")}
-
-
 def resolve_fp8(config) -> frozenset:
-    """The places quantization (and quantize_output_head) put in float8: a subset of attention, mlp,
-    experts, head."""
-    places = FP8_PLACES[config.quantization]
+    """Where quantization (config/schema.QUANTIZATION_PLACES) and quantize_output_head put float8 matmuls
+    (models/fp8.py): a subset of attention, mlp, experts, head."""
+    places = QUANTIZATION_PLACES[config.quantization]
     return frozenset(places + (("head",) if places and config.quantize_output_head else ()))
 
 

@@ -69,8 +69,9 @@ def check_float8_devices(config, rt, device) -> None:
     old_gpu = rt.backend == "gpu" and capability is not None and tuple(map(int, str(capability).split(".")[:2])) < (8, 9)
     old_tpu = rt.backend == "tpu" and any(f"v{n}" in kind.lower() for n in (4, 5, 6))
     if old_gpu or old_tpu:
-        why = (f"compute capability {capability} has no float8 tensor cores (8.9 and newer: H100, H200, L4, L40)"
-               if old_gpu else "it has no float8 matrix unit: libtpu compiles float8 matmuls as bfloat16 ones")
+        why = (f"compute capability {capability} has no float8 tensor cores (8.9 and newer have: H100, H200, L4, L40S)"
+               if old_gpu else "it has no float8 matrix unit, and libtpu compiles float8 matmuls as bfloat16 ones "
+               "(seen for TPU v4, v5e, v5p and v6e)")
         raise config_lib.ConfigError(f"quantization={config.quantization} cannot run on {kind}: {why}; "
                                      "leave quantization empty")
 
