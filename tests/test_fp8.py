@@ -115,7 +115,7 @@ def test_model_loss_and_gradients_in_float8_stay_close_to_bfloat16():
 @pytest.mark.parametrize("backend, kind, capability, refused", [
     ("gpu", "NVIDIA A100-SXM4-80GB", "8.0", True), ("gpu", "NVIDIA H100 80GB HBM3", "9.0", False),
     ("gpu", "NVIDIA L4", "8.9", False), ("tpu", "TPU v5 lite", None, True), ("tpu", "TPU v6 lite", None, True),
-    ("tpu", "TPU v4", None, True), ("cpu", "cpu", None, False)])
+    ("tpu", "TPU v4", None, True), ("tpu", "TPU7x", None, True), ("cpu", "cpu", None, False)])
 def test_devices_without_float8_matmuls_are_refused_before_compiling(backend, kind, capability, refused):
     config = config_with("quantization=fp8")
     rt = dataclasses.replace(models.Runtime.from_config(config, "cpu"), backend=backend)

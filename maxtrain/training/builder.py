@@ -59,19 +59,18 @@ def runtime(config, platform: str, mesh) -> models.Runtime:
 
 
 def check_float8_devices(config, rt, device) -> None:
-    """quantization on a device without float8 matmuls is a config error, before any compile (for
-    compile_topology, config/checks.py refuses the same chips by name): an NVIDIA GPU below compute
-    capability 8.9, or a TPU v4, v5e, v5p or v6e (libtpu compiles float8 matmuls there as bfloat16 ones)."""
+    """quantization on a device without float8 matmuls is a config error, before any compile (train.py's
+    devices and train_compile's targets alike): an NVIDIA GPU below compute capability 8.9, or a TPU
+    (libtpu compiles these float8 matmuls as bfloat16 ones: docs/scale.md, "float8 matmuls")."""
     if not rt.fp8:
         return
     kind = getattr(device, "device_kind", "")
     capability = getattr(device, "compute_capability", None)
     old_gpu = rt.backend == "gpu" and capability is not None and tuple(map(int, str(capability).split(".")[:2])) < (8, 9)
-    old_tpu = rt.backend == "tpu" and any(f"v{n}" in kind.lower() for n in (4, 5, 6))
-    if old_gpu or old_tpu:
+    if old_gpu or rt.backend == "tpu":
         why = (f"compute capability {capability} has no float8 tensor cores (8.9 and newer have: H100, H200, L4, L40S)"
-               if old_gpu else "it has no float8 matrix unit, and libtpu compiles float8 matmuls as bfloat16 ones "
-               "(seen for TPU v4, v5e, v5p and v6e)")
+               if old_gpu else "libtpu compiles maxtrain's float8 matmuls (dequantized operands, then the matmul) as "
+               "bfloat16 ones (seen for TPU v4, v5e, v5p, v6e and v7x), so they would cost and not pay")
         raise config_lib.ConfigError(f"quantization={config.quantization} cannot run on {kind}: {why}; "
                                      "leave quantization empty")
 
