@@ -88,9 +88,13 @@ def config_with(*overrides):
 
 def test_runtime_places_float8_where_the_key_names():
     assert models.Runtime.from_config(config_with(), "cpu").fp8 == frozenset()
-    assert models.Runtime.from_config(config_with("quantization=fp8"), "cpu").fp8 == {"attention", "mlp", "experts"}
+    assert models.Runtime.from_config(config_with("quantization=fp8"), "cpu").fp8 == {"attention", "mlp"}
     rt = models.Runtime.from_config(config_with("quantization=fp8_mlp", "quantize_output_head=true"), "gpu")
-    assert rt.fp8 == {"mlp", "experts", "head"} and "float8 matmuls: experts, head, mlp" in rt.describe()
+    assert rt.fp8 == {"mlp", "head"} and "float8 matmuls: head, mlp" in rt.describe()
+    moe = ["decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2"]
+    assert models.Runtime.from_config(config_with("quantization=fp8", *moe, "moe_dispatch=capacity"), "cpu").fp8 == {
+        "attention", "mlp", "experts"}
+    assert models.Runtime.from_config(config_with("quantization=fp8", *moe), "cpu").fp8 == {"attention", "mlp"}  # dropless
 
 
 def test_model_loss_and_gradients_in_float8_stay_close_to_bfloat16():

@@ -107,7 +107,7 @@ class Settings:
         return cls(config.num_experts, config.num_experts_per_tok, router, config.norm_topk_prob, config.moe_dispatch,
                    config.capacity_factor, config.load_balance_loss_weight, config.router_z_loss_weight,
                    max(num_moe_layers, 1), rt.dtype, config.num_moe_hidden_tiling,
-                   "experts" in rt.fp8 and config.moe_dispatch == "capacity")
+                   "experts" in rt.fp8)
 
     def capacity(self, length: int) -> int:
         return capacity(self.num_experts, self.top_k, self.capacity_factor, length)

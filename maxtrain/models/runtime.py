@@ -29,9 +29,14 @@ REMAT_POLICIES: dict[str, Callable | None] = {
 
 def resolve_fp8(config) -> frozenset:
     """Where quantization (config/schema.QUANTIZATION_PLACES) and quantize_output_head put float8 matmuls
-    (models/fp8.py): a subset of attention, mlp, experts, head."""
-    places = QUANTIZATION_PLACES[config.quantization]
-    return frozenset(places + (("head",) if places and config.quantize_output_head else ()))
+    (models/fp8.py): a subset of attention, mlp, experts, head; experts only where there are experts
+    and they run with capacity dispatch."""
+    places = set(QUANTIZATION_PLACES[config.quantization])
+    if config.num_experts == 1 or config.moe_dispatch != "capacity":  # no experts, or dropless ones: 16-bit
+        places.discard("experts")
+    if places and config.quantize_output_head:
+        places.add("head")
+    return frozenset(places)
 
 
 # On CPU a small dense model's step is fastest with nothing recomputed and its layers unrolled
