@@ -311,7 +311,6 @@ def _known_profiler(v):
                                                "(a jax.profiler trace, as MaxText) or leave it empty")
 
 
-
 # quantization (models/fp8.py). Whether the devices have float8 matmuls is checked with the devices, before
 # compiling (training/builder.check_float8_devices): compile_topology's chips are known by compile/targets.py.
 def _quantization_known(v):
