@@ -15,7 +15,7 @@ import pytest
 from conftest import BASE_YML, TINY
 from maxtrain import models
 from maxtrain.config import ConfigError, load_config, with_overrides
-from maxtrain.models import fp8, ops
+from maxtrain.models import blocks, fp8, ops
 from maxtrain.training import builder
 
 E4M3, E5M2 = ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2
@@ -97,23 +97,21 @@ def test_runtime_places_float8_where_the_key_names():
     assert models.Runtime.from_config(config_with("quantization=fp8", *moe), "cpu").fp8 == {"attention", "mlp"}  # dropless
 
 
-def test_model_loss_and_gradients_in_float8_stay_close_to_bfloat16():
-    losses, grads = {}, {}
-    tokens = np.random.default_rng(4).integers(0, 512, (2, 32)).astype(np.int32)
-    ones = jnp.ones(tokens.shape, jnp.int32)
-    batch = {"inputs": tokens, "targets": np.roll(tokens, -1, 1), "segment_ids": ones, "loss_weights": ones.astype(jnp.float32),
-             "positions": jnp.broadcast_to(jnp.arange(32, dtype=jnp.int32), tokens.shape)}
-    for q in ("", "fp8"):
-        config = config_with(f"quantization={q}", *(["quantize_output_head=true"] if q else []))
-        rt = models.Runtime.from_config(config, "cpu")
-        params = models.init_params(config, jax.random.key(0))
-        mean = lambda p: (lambda s, w, _: s / w)(*models.loss_fn(p, batch, config, rt))  # noqa: E731
-        losses[q], grads[q] = jax.jit(jax.value_and_grad(mean))(params)
-    assert abs(float(losses["fp8"]) / float(losses[""]) - 1) < 0.01
-    for a, b in zip(jax.tree.leaves(grads[""]), jax.tree.leaves(grads["fp8"])):
-        assert bool(jnp.all(jnp.isfinite(b)))
-        cos = float(jnp.vdot(a, b) / (jnp.linalg.norm(a) * jnp.linalg.norm(b) + 1e-30))
-        assert cos > 0.95 or float(jnp.linalg.norm(a)) < 1e-6, cos
+def test_the_mlp_block_runs_in_float8_where_the_runtime_says():
+    """Eagerly (no compile): blocks.mlp with the runtime's "mlp" place on and off; the whole model's
+    matmuls are checked on the H100 compile (tests/test_fp8_compile.py) and over 300 CPU steps
+    (end_to_end/cpu/fp8_loss.py)."""
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((2, 4, 32)), jnp.float32)
+    p = {name: jnp.asarray(rng.standard_normal(shape) * 0.2, jnp.float32)
+         for name, shape in (("w_gate", (32, 64)), ("w_up", (32, 64)), ("w_down", (64, 32)))}
+    rt = models.Runtime.from_config(load_config([BASE_YML, *TINY]), "cpu")  # float32
+    plain, quantized = (blocks.mlp(x, p, dataclasses.replace(rt, fp8=places)) for places in (frozenset(), {"mlp"}))
+    gate = ops.dense(x, p["w_gate"], fp8=True)
+    up = ops.dense(x, p["w_up"], fp8=True)
+    expected = ops.dense(jax.nn.silu(gate) * up, p["w_down"], fp8=True)
+    np.testing.assert_array_equal(np.asarray(quantized), np.asarray(expected))
+    assert 0 < float(jnp.max(jnp.abs(quantized - plain))) < 0.1 * float(jnp.max(jnp.abs(plain)))
 
 
 @pytest.mark.parametrize("backend, kind, capability, refused", [
