@@ -307,6 +307,11 @@ ROWS = [
     Row("moe-capacity-factor-zero", T, [B, "decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2",
                                         "moe_dispatch=capacity", "capacity_factor=0"],
         r"capacity_factor=0.0 is not allowed: it must be > 0 .*moe_dispatch=dropless"),
+    Row("fp8-with-float16", T, [B, "quantization=fp8", "dtype=float16"],
+        r"quantization=fp8 with dtype=float16 is not supported: .* use dtype=bfloat16"),
+    Row("fp8-unknown-recipe", T, [B, "quantization=int8"], r"quantization='int8' is not supported; use quantization=fp8"),
+    Row("fp8-head-without-quantization", T, [B, "quantize_output_head=true"],
+        r"quantize_output_head=true only applies with quantization=fp8 or fp8_mlp"),
     Row("key-twice-on-command-line", T, [B, "steps=3", "steps=5"], r"the command line sets steps twice \(argument 2: "
         r"'steps=3' and argument 3: 'steps=5'\)"),
     Row("override-without-equals", T, [B, "steps"], r"cannot read argument 'steps': overrides are key=value"),

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SHELL_SCRIPTS = sorted(ROOT.glob("end_to_end/**/*.sh"))
 PYTHON_SCRIPTS = sorted(ROOT.glob("end_to_end/**/*.py"))
-WITH_HELP = {"default_loss.py", "save_restore.py", "determinism.py", "multiprocess.py", "decode.py", "check.py"}
+WITH_HELP = {"default_loss.py", "fp8_loss.py", "save_restore.py", "determinism.py", "multiprocess.py", "decode.py", "check.py"}
 
 
 def test_the_suite_has_its_scripts():

@@ -21,7 +21,7 @@ from typing import Any
 
 from maxtrain.config import settings as settings_lib
 from maxtrain.config.registry import EVAL_TASKS, MOE_FAMILIES
-from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, parallelism_key, table
+from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, QUANTIZATION_PLACES, parallelism_key, table
 from maxtrain.errors import ConfigError
 
 
@@ -413,6 +413,22 @@ def _mla_head_dims(v):
 DEEPSEEK_CHECKS = (_routing_groups, _expert_balancing_needs_experts, _dense_layers_first, _mla_head_dims)
 
 
+# quantization (models/fp8.py). Whether the devices have float8 matmuls is checked with the devices, before
+# compiling (training/builder.check_float8_devices): compile_topology's chips are known by compile/targets.py.
+def _quantization_known(v):
+    _require(v["quantization"] in QUANTIZATION_PLACES,
+             f"quantization={v['quantization']!r} is not supported; use quantization=fp8 (attention projections, MLP and "
+             "experts in float8), quantization=fp8_mlp (MLP and experts only), or leave it empty")
+    _require(not v["quantize_output_head"] or v["quantization"],
+             "quantize_output_head=true only applies with quantization=fp8 or fp8_mlp; set one, or drop quantize_output_head")
+
+
+def _fp8_not_with_float16(v):
+    _require(not v["quantization"] or v["dtype"] != "float16",
+             f"quantization={v['quantization']} with dtype=float16 is not supported: float8 scales each tensor itself, and "
+             "float16's loss scaling would scale the gradients a second time; use dtype=bfloat16 (no loss scaling needed)")
+
+
 CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
           _flash_blocks_powers_of_two, _one_objective, _data_columns, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
@@ -420,7 +436,7 @@ CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_le
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
           _run_name_is_one_directory, _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
           _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts, _hidden_tiling_divides_expert_width,
-          _eval_tasks_known, _grpo_settings) + DEEPSEEK_CHECKS
+          _eval_tasks_known, _quantization_known, _fp8_not_with_float16, _grpo_settings) + DEEPSEEK_CHECKS
 
 
 def _distillation_settings(v):

@@ -32,6 +32,11 @@ from maxtrain.config import settings as settings_lib
 MESH_AXES = {"data": "data", "stage": "pipeline", "fsdp": "fsdp", "context": "context", "expert": "expert",
              "tensor": "tensor"}
 
+# quantization's values and where each puts float8 matmuls (models/fp8.py; models/runtime.resolve_fp8 adds the
+# output head for quantize_output_head). The MoE experts' matmuls are float8 with capacity dispatch only:
+# dropless dispatch's grouped matmuls (ragged_dot) have no float8 form in XLA and stay 16-bit.
+QUANTIZATION_PLACES = {"": (), "fp8": ("attention", "mlp", "experts"), "fp8_mlp": ("mlp", "experts")}
+
 # The logical axes model code names (logical_axis_rules map them onto MESH_AXES).
 LOGICAL_AXES = ("batch", "length", "embed", "heads", "kv_heads", "head_dim", "mlp", "vocab", "layers", "exp")
 

@@ -138,10 +138,10 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", sl
     aux is {} in training; when decoding (inputs.cache set) it carries the updated cache as
     {"cache": (k, v)} for the stack to collect.
     """
-    dt = rt.dtype
-    q = ops.dense(x, p["wq"].astype(dt), backend=rt.backend)  # "BTD,DNH->BTNH": queries per head
-    k = ops.dense(x, p["wk"].astype(dt), backend=rt.backend)  # "BTD,DGH->BTGH": keys per kv head
-    v = ops.dense(x, p["wv"].astype(dt), backend=rt.backend)  # "BTD,DGH->BTGH": values per kv head
+    dt, fp8 = rt.dtype, "attention" in rt.fp8
+    q = ops.dense(x, p["wq"].astype(dt), backend=rt.backend, fp8=fp8)  # "BTD,DNH->BTNH": queries per head
+    k = ops.dense(x, p["wk"].astype(dt), backend=rt.backend, fp8=fp8)  # "BTD,DGH->BTGH": keys per kv head
+    v = ops.dense(x, p["wv"].astype(dt), backend=rt.backend, fp8=fp8)  # "BTD,DGH->BTGH": values per kv head
     if "bq" in p:
         q, k, v = q + p["bq"].astype(dt), k + p["bk"].astype(dt), v + p["bv"].astype(dt)
     q = checkpoint_name(q, "query_proj")
@@ -174,7 +174,7 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", sl
         out = attention_lib.dot_product_attention(q, cache_k.astype(dt), cache_v.astype(dt), mask, scale=scale,
                                                   logits_soft_cap=logits_soft_cap, sinks=sinks)
         aux = {"cache": (cache_k, cache_v)}
-    out = ops.dense(out, p["wo"].astype(dt), 2, backend=rt.backend)  # "BTNH,NHD->BTD"
+    out = ops.dense(out, p["wo"].astype(dt), 2, backend=rt.backend, fp8=fp8)  # "BTNH,NHD->BTD"
     if "bo" in p:
         out = out + p["bo"].astype(dt)
     return checkpoint_name(out, "out_proj"), aux
@@ -185,11 +185,11 @@ ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": lambda x: jax.nn.gelu(x, approx
 
 def mlp(x, p, rt, activation: str = "silu"):
     """Gated MLP: down(act(gate(x)) * up(x)); silu gives SwiGLU (Llama), gelu_tanh GeGLU (Gemma)."""
-    dt = rt.dtype
-    gate = checkpoint_name(ops.dense(x, p["w_gate"].astype(dt), backend=rt.backend), "mlp_gate")  # "BTD,DF->BTF"
-    up = checkpoint_name(ops.dense(x, p["w_up"].astype(dt), backend=rt.backend), "mlp_up")  # "BTD,DF->BTF"
+    dt, fp8 = rt.dtype, "mlp" in rt.fp8
+    gate = checkpoint_name(ops.dense(x, p["w_gate"].astype(dt), backend=rt.backend, fp8=fp8), "mlp_gate")  # "BTD,DF->BTF"
+    up = checkpoint_name(ops.dense(x, p["w_up"].astype(dt), backend=rt.backend, fp8=fp8), "mlp_up")  # "BTD,DF->BTF"
     hidden = shard(ACTIVATIONS[activation](gate) * up, ("batch", "length", "mlp"))
-    down = ops.dense(hidden, p["w_down"].astype(dt), backend=rt.backend)  # "BTF,FD->BTD"
+    down = ops.dense(hidden, p["w_down"].astype(dt), backend=rt.backend, fp8=fp8)  # "BTF,FD->BTD"
     return checkpoint_name(down, "mlp_down")
 
 
@@ -200,7 +200,8 @@ def logits(params, x, config, rt, *, norm_plus_one: bool = False):
         w = params["token_embedding"].astype(rt.dtype).T      # "BTD,VD->BTV"
     else:
         w = params["output"].astype(rt.dtype)                 # "BTD,DV->BTV"
-    out = attention_lib.soft_cap(ops.dense(x, w, 1, jnp.float32, rt.backend), config.final_logits_soft_cap)
+    out = attention_lib.soft_cap(ops.dense(x, w, 1, jnp.float32, rt.backend, fp8="head" in rt.fp8),
+                                 config.final_logits_soft_cap)
     return shard(out, ("batch", "length", "vocab"))
 
 

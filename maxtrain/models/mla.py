@@ -82,14 +82,15 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global"):
     """MLA of x [B, T, D] (already normed) -> ([B, T, D], aux); aux carries the updated cache (c, k_r)
     when decoding, as blocks.attention does."""
     dt, eps, backend = rt.dtype, config.normalization_layer_epsilon, rt.backend
+    fp8 = "attention" in rt.fp8  # quantization: the five projections take float8 operands (models/fp8.py)
     hn, c_rank = config.qk_nope_head_dim, config.kv_lora_rank
     if "wq_a" in p:
-        q = rms_norm(ops.dense(x, p["wq_a"].astype(dt), backend=backend), p["q_a_norm"], eps)  # "BTD,DQ->BTQ"
-        q = ops.dense(q, p["wq_b"].astype(dt), backend=backend)                                  # "BTQ,QNH->BTNH"
+        q = rms_norm(ops.dense(x, p["wq_a"].astype(dt), backend=backend, fp8=fp8), p["q_a_norm"], eps)  # "BTD,DQ->BTQ"
+        q = ops.dense(q, p["wq_b"].astype(dt), backend=backend, fp8=fp8)                                  # "BTQ,QNH->BTNH"
     else:
-        q = ops.dense(x, p["wq"].astype(dt), backend=backend)                                    # "BTD,DNH->BTNH"
+        q = ops.dense(x, p["wq"].astype(dt), backend=backend, fp8=fp8)                                    # "BTD,DNH->BTNH"
     q = checkpoint_name(q, "query_proj")
-    latent = ops.dense(x, p["wkv_a"].astype(dt), backend=backend)                                # "BTD,DC->BTC"
+    latent = ops.dense(x, p["wkv_a"].astype(dt), backend=backend, fp8=fp8)                                # "BTD,DC->BTC"
     c, k_rope = rms_norm(latent[..., :c_rank], p["kv_a_norm"], eps), latent[..., None, c_rank:]
     cos, sin = inputs.rope[rope]
     q = jnp.concatenate([q[..., :hn], _rope(q[..., hn:], cos, sin, config.rope_interleave)], axis=-1)
@@ -102,7 +103,7 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global"):
         cache_r = jax.lax.dynamic_update_slice_in_dim(cache_r, k_rope.astype(cache_r.dtype), index, axis=1)
         aux = {"cache": (cache_c, cache_r)}
         c, k_rope = cache_c[:, :, 0].astype(dt), cache_r.astype(dt)
-    kv = ops.dense(c, p["wkv_b"].astype(dt), backend=backend)                                    # "BSC,CNH->BSNH"
+    kv = ops.dense(c, p["wkv_b"].astype(dt), backend=backend, fp8=fp8)                                    # "BSC,CNH->BSNH"
     k_nope, v = kv[..., :hn], kv[..., hn:]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:-1] + k_rope.shape[-1:])], axis=-1)
     k, v = checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
@@ -116,7 +117,7 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global"):
         if first is not None:  # a left-padded row (GRPO's rollouts): its slots before `first` hold padding
             mask = mask & (slots >= first[:, None, None])
         out = attention_lib.dot_product_attention(q, k, v, mask, scale=scale)
-    out = ops.dense(out, p["wo"].astype(dt), 2, backend=backend)                                 # "BTNH,NHD->BTD"
+    out = ops.dense(out, p["wo"].astype(dt), 2, backend=backend, fp8=fp8)                                 # "BTNH,NHD->BTD"
     return checkpoint_name(out, "out_proj"), aux
 
 

@@ -70,6 +70,7 @@ from maxtrain.parallel import sharding as sharding_lib
 from maxtrain.models import blocks
 from maxtrain.models import moe_deepseek
 from maxtrain.models.decoder import PER_LAYER, STEP_STATS
+from maxtrain.models.fp8 import fp8_dot_general
 from maxtrain.models.params import ParamSpec, dense, is_spec
 
 ROUTERS = ("topk_softmax", "softmax_topk", "sigmoid_group_topk")
@@ -121,6 +122,7 @@ class Settings:
     scaling: float = 1.0               # routed_scaling_factor: multiplies the K weights
     count_experts: bool = False        # report each expert's routed pairs for the bias update (STEP_STATS)
     seq_balance_loss_weight: float = 0.0
+    fp8: bool = False  # the experts' matmuls in float8 (quantization; capacity dispatch only: config/schema.QUANTIZATION_PLACES)
 
     @classmethod
     def of(cls, config, rt, router: str, num_moe_layers: int, activation: str = "swiglu") -> "Settings":
@@ -133,7 +135,8 @@ class Settings:
                    max(num_moe_layers, 1), rt.dtype, config.num_moe_hidden_tiling, activation, config.swiglu_alpha,
                    config.mlp_activations_limit,
                    max(config.n_routing_groups, 1), max(config.topk_routing_group, 1), config.routed_scaling_factor,
-                   config.routed_bias and config.routed_bias_update_rate > 0, config.seq_balance_loss_weight)
+                   config.routed_bias and config.routed_bias_update_rate > 0, config.seq_balance_loss_weight,
+                   "experts" in rt.fp8)
 
     def capacity(self, length: int) -> int:
         return capacity(self.num_experts, self.top_k, self.capacity_factor, length)
@@ -357,8 +360,10 @@ def _swiglu_grouped(xs, w_gate, w_up, w_down, b_gate=None, b_up=None, *, group_s
 
 
 def _swiglu_batched(xe, w_gate, w_up, w_down, b_gate=None, b_up=None, *, s: Settings):
-    """Slots xe [E, C, D] -> [E, C, D], each expert on its own C slots."""
+    """Slots xe [E, C, D] -> [E, C, D], each expert on its own C slots; s.fp8: float8 matmuls (models/fp8.py)."""
     def mm(a, w, spec):
+        if s.fp8:  # "ECD,EDF->ECF" and "ECF,EFD->ECD": contract a's last axis with w's middle one, batched over E
+            return fp8_dot_general(a, w, (((2,), (1,)), ((0,), (0,))))
         return jnp.einsum(spec, a, w, preferred_element_type=a.dtype)
     gate = mm(xe, w_gate, "ECD,EDF->ECF")
     up = mm(xe, w_up, "ECD,EDF->ECF")

@@ -46,11 +46,14 @@ import math
 import jax
 import jax.numpy as jnp
 
+from maxtrain.models.fp8 import fp8_dot_general
 
-def dense(x, w, n: int = 1, out_dtype=None, backend: str | None = None):
+
+def dense(x, w, n: int = 1, out_dtype=None, backend: str | None = None, fp8: bool = False):
     """x [..., K1..Kn] . w [K1..Kn, ...] -> [..., w's remaining axes], in out_dtype (default x.dtype).
     backend: the platform the step is compiled for; "cpu" computes a float32 weight gradient from an
-    explicitly transposed x (module docstring).
+    explicitly transposed x (module docstring). fp8: the matmul and its two gradient matmuls take
+    float8 operands (`fp8_dot_general`, quantization=fp8).
 
     Computed as one 2-D matmul [M, K] . [K, N] (M = the product of x's leading axes). Products
     accumulate in float32 (TPUs and GPUs do so for 16-bit operands; XLA:CPU computes them in
@@ -66,7 +69,9 @@ def dense(x, w, n: int = 1, out_dtype=None, backend: str | None = None):
     k = math.prod(w.shape[:n])
     x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
-    if x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float16):
+    if fp8:
+        out = fp8_dot_general(*_vary_alike(x2, w2), dimension_numbers=(((1,), (0,)), ((), ())), out_dtype=out_dtype)
+    elif x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float16):
         out = _product(*_vary_alike(x2, w2), False) if out_dtype == jnp.float32 else jnp.dot(x2, w2).astype(out_dtype)
     elif backend == "cpu" and x.dtype == w.dtype == out_dtype == jnp.float32:
         out = _product(*_vary_alike(x2, w2), True)

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.config import registry
+from maxtrain.config.schema import QUANTIZATION_PLACES
 from maxtrain.models import attention as attention_lib
 
 # Names of the projection (matmul) outputs inside a layer; `minimal` saves exactly these, which are
@@ -25,6 +26,18 @@ REMAT_POLICIES: dict[str, Callable | None] = {
     "save_out_proj": jax.checkpoint_policies.save_only_these_names("out_proj"),
     "none": None,
 }
+
+
+def resolve_fp8(config) -> frozenset:
+    """Where quantization (config/schema.QUANTIZATION_PLACES) and quantize_output_head put float8 matmuls
+    (models/fp8.py): a subset of attention, mlp, experts, head; experts only where there are experts
+    and they run with capacity dispatch."""
+    places = set(QUANTIZATION_PLACES[config.quantization])
+    if config.num_experts == 1 or config.moe_dispatch != "capacity":  # no experts, or dropless ones: 16-bit
+        places.discard("experts")
+    if places and config.quantize_output_head:
+        places.add("head")
+    return frozenset(places)
 
 
 # On CPU a small dense model's step is fastest with nothing recomputed and its layers unrolled
@@ -107,6 +120,7 @@ class Runtime:
     autoselected: tuple[str, ...] = ()  # which of dtype, attention, remat_policy, num_vocab_tiling were left to us
     unroll_layers: bool = False  # the CPU plan above unrolls the layers although config.scan_layers is true
     vocab_tiles: int = 1  # the loss head's sequence chunks (num_vocab_tiling, resolved)
+    fp8: frozenset = frozenset()  # where matmuls take float8 operands (resolve_fp8): attention, mlp, experts, head
 
     @classmethod
     def from_config(cls, config, backend: str | None = None, logits_bytes: float | None = None,
@@ -129,7 +143,8 @@ class Runtime:
             context_parallel=context_parallel)
         remat_policy, scan_layers = resolve_layer_plan(config, backend)
         return cls(dtype=dtype, attention=attention, remat_policy=remat_policy, backend=backend,
-                   autoselected=auto, vocab_tiles=tiles, unroll_layers=config.scan_layers and not scan_layers)
+                   autoselected=auto, vocab_tiles=tiles, unroll_layers=config.scan_layers and not scan_layers,
+                   fp8=resolve_fp8(config))
 
     def scan_layers(self, config) -> bool:
         """Whether the layers run as a lax.scan: config.scan_layers, unless this runtime unrolls them."""
@@ -144,4 +159,5 @@ class Runtime:
                 f"attention {attention_lib.describe(self.attention, self.backend)}{tag('attention')}  "
                 f"remat {self.remat_policy}{tag('remat_policy')}  "
                 + (f"layers unrolled (autoselected for {self.backend})  " if self.unroll_layers else "")
-                + f"vocab tiles {self.vocab_tiles}{tag('num_vocab_tiling')}")
+                + f"vocab tiles {self.vocab_tiles}{tag('num_vocab_tiling')}"
+                + (f"  float8 matmuls: {', '.join(sorted(self.fp8))}" if self.fp8 else ""))

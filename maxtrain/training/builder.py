@@ -29,7 +29,7 @@ from maxtrain import models, storage
 from maxtrain.parallel import sharding
 from maxtrain.compile import fit as memory_lib
 from maxtrain.data import hosts, pipeline
-from maxtrain.models import moe
+from maxtrain.models import fp8, moe
 from maxtrain.parallel import stages as pipeline_lib
 
 
@@ -56,6 +56,23 @@ def runtime(config, platform: str, mesh) -> models.Runtime:
         if isinstance(e, config_lib.ConfigError):
             raise
         raise config_lib.ConfigError(str(e)) from e
+
+
+def check_float8_devices(config, rt, device) -> None:
+    """quantization on a device without float8 matmuls is a config error, before any compile (train.py's
+    devices and train_compile's targets alike): an NVIDIA GPU below compute capability 8.9, or a TPU
+    (libtpu compiles these float8 matmuls as bfloat16 ones: docs/scale.md, "float8 matmuls")."""
+    if not rt.fp8:
+        return
+    kind = getattr(device, "device_kind", "")
+    capability = getattr(device, "compute_capability", None)
+    old_gpu = rt.backend == "gpu" and capability is not None and tuple(map(int, str(capability).split(".")[:2])) < (8, 9)
+    if old_gpu or rt.backend == "tpu":
+        why = (f"compute capability {capability} has no float8 tensor cores (8.9 and newer have: H100, H200, L4, L40S)"
+               if old_gpu else "libtpu compiles maxtrain's float8 matmuls (dequantized operands, then the matmul) as "
+               "bfloat16 ones (seen for TPU v4, v5e, v5p, v6e and v7x), so they would cost and not pay")
+        raise config_lib.ConfigError(f"quantization={config.quantization} cannot run on {kind}: {why}; "
+                                     "leave quantization empty")
 
 
 def platform_of(device) -> str:
@@ -146,6 +163,7 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
     config = config_lib.with_devices(config, len(devices), num_processes)
     mesh = sharding.create_mesh(config, devices)
     rt = runtime(config, platform, mesh)  # the attention implementation, dtype and remat: resolved here, once
+    check_float8_devices(config, rt, devices[0])
     if config.num_experts % mesh.shape["expert"]:
         raise sharding.MeshError(
             f"expert parallelism {mesh.shape['expert']} (the mesh's expert axis, from ici_expert_parallelism and "
@@ -158,9 +176,10 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
     abstract = jax.eval_shape(lambda k: train_step.init_state(config, rt, tx, k), jax.random.key(0))
     shardings = state_shardings(config, mesh, tx, abstract)
     batch_sharding = sharding.named_sharding(mesh, pipeline.BATCH_AXES, rules)
+    options = fp8.compiler_options(platform) if rt.fp8 else None  # quantization: float8 matmuls (models/fp8.py)
     step = jax.jit(train_step.make_train_step(config, rt, tx), in_shardings=(shardings, batch_sharding),
-                   out_shardings=(shardings, None), donate_argnums=0)
-    eval_step = jax.jit(train_step.make_eval_step(config, rt))
+                   out_shardings=(shardings, None), donate_argnums=0, compiler_options=options)
+    eval_step = jax.jit(train_step.make_eval_step(config, rt), compiler_options=options)
     return Run(config=config, rt=rt, mesh=mesh, tx=tx, shardings=shardings,
                abstract_state=checkpoint_lib.abstract_like(abstract, shardings), batch_sharding=batch_sharding,
                eval_batch_sharding=sharding.named_sharding(mesh, pipeline.EVAL_BATCH_AXES, rules),

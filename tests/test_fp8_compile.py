@@ -1,0 +1,56 @@
+"""quantization=fp8 compiled for an H100 on this CPU: every decoder matmul must become a cuBLASLt float8 matmul
+(`__cublas$lt$matmul$f8`) in the optimized HLO, so that a compiler that silently falls back to 16-bit matmuls
+fails here. Needs the [cuda] extra (skipped without it, as tests/test_train_compile_targets.py).
+
+What it took (models/fp8.py): the target config's CUDA runtime version (compile/gpu_targets/h100_sxm.txtpb;
+without it XLA's gemm rewriter makes no float8 call) and, in the step's compiler options, no Triton matmul
+fusions (Triton takes the float8 pattern as a 16-bit matmul of the dequantized operands) and no dot merging
+(merging the q, k and v projections, which share their input, concatenates weights of different scales)."""
+
+import collections
+import re
+
+import pytest
+
+from conftest import BASE_YML
+from maxtrain import train_compile
+from maxtrain.compile import targets as topologies
+from maxtrain.config import ConfigError
+from maxtrain.training import builder
+from test_train_compile_targets import need
+
+# Two unrolled layers: layer 0 has a dense MLP, layer 1 four experts (capacity dispatch).
+MIXED = ["dataset_type=synthetic", "decoder_block=qwen3_moe", "base_emb_dim=256", "base_num_query_heads=8",
+         "base_num_kv_heads=4", "head_dim=32", "base_mlp_dim=512", "base_num_decoder_layers=2", "vocab_size=1024",
+         "max_target_length=256", "per_device_batch_size=1", "dtype=bfloat16", "num_experts=4",
+         "num_experts_per_tok=2", "moe_dispatch=capacity", "decoder_sparse_step=2", "compile_topology=h100-1",
+         "quantization=fp8", "quantize_output_head=true"]
+
+
+def cublas_calls(*overrides) -> collections.Counter:
+    config = builder.load_config([BASE_YML, *MIXED, *overrides])
+    target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
+    _, _, compiled, _ = train_compile.compile_for_target(config, target)
+    return collections.Counter(re.findall(r'custom_call_target="(__cublas[^"]*)"', compiled.as_text()))
+
+
+def test_every_decoder_matmul_is_a_float8_cublaslt_call_on_h100():
+    need("gpu")
+    calls = cublas_calls()
+    # Forward matmuls: layer 0 q, k, v, o, gate, up, down (7); layer 1 q, k, v, o and the experts' gate, up,
+    # down (7); the output head (1). Each has two gradient matmuls; the recomputed forward ones of the
+    # unrolled layers are the forward pass's own after XLA's CSE: 3 x 15 float8 calls.
+    assert calls["__cublas$lt$matmul$f8"] >= 3 * 15, calls
+    # What stays 16-bit: the router of layer 1 (forward and its two gradients), nothing else.
+    assert sum(n for name, n in calls.items() if name != "__cublas$lt$matmul$f8") == 3, calls
+
+
+def test_compile_targets_without_float8_are_refused_before_compiling():
+    """train_compile's targets: an A100 (compute capability 8.0) and a TPU v5e, in builder.build (no compile)."""
+    for name, platform, message in (("a100-1", "gpu", "compute capability 8.0 has no float8 tensor cores"),
+                                    ("v5e-4", "tpu", "TPU v5 lite: libtpu compiles maxtrain's float8 matmuls .* as bfloat16 ones")):
+        need(platform)
+        config = builder.load_config([BASE_YML, *MIXED[:-3], f"compile_topology={name}", "quantization=fp8"])
+        target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
+        with pytest.raises(ConfigError, match=message):
+            builder.build(config, devices=target.devices(), platform=target.platform, num_processes=1)
