@@ -331,6 +331,8 @@ ROWS = [
     Row("dpo-beta-zero", T, [B, "dpo_beta=0"], r"dpo_beta=0.0 is not allowed: it must be > 0"),
     Row("lora-target-unknown", T, [B, "lora_rank=4", "lora_target_modules=[q_proj,v_proj]"],
         r"lora_target_modules=\['q_proj', 'v_proj'\] must list distinct projections among q, k, v, o, gate, up, down"),
+    Row("muon-with-lora", T, [B, "opt_type=muon", "lora_rank=4"],
+        r"opt_type=muon trains whole weight matrices, but lora_rank=4 trains low-rank adapters: set opt_type=adamw"),
     Row("chat-template-unknown", T, [B, "chat_template=vicuna"], r"chat_template='vicuna' is not a built-in template"),
     Row("sft-no-chat-template", T, [B, "use_sft=true", "dataset_type=jsonl", "tokenizer_path={tok}",
                                     "grain_train_files={scratch}/rows.jsonl", "train_data_columns=[messages]",
@@ -479,6 +481,10 @@ ROWS = [
     Row("load-parameters-does-not-fit", T, [B, "load_parameters_path={run}", "run_name=new", "base_emb_dim=64",
                                             "base_output_directory={scratch}", "dataset_cache_dir={cache}"],
         r"the checkpoint .*/run/checkpoints/4 \(load_parameters_path\) does not fit the configured model", tiny=True),
+    Row("load-full-state-other-optimizer", T, [B, "load_full_state_path={run}", "opt_type=muon", "run_name=new",
+                                               "base_output_directory={scratch}", "dataset_cache_dir={cache}"],
+        r"/run/checkpoints/4 \(load_full_state_path\) holds the optimizer state of opt_type=adamw, not of "
+        r"opt_type=muon: continue it with opt_type=adamw", tiny=True),
     Row("moe-preset-dense-checkpoint", T, [B, "model_name=mixtral-8x7b", "load_parameters_path={run}", "run_name=new",
                                            "base_output_directory={scratch}", "dataset_cache_dir={cache}"],
         r"holds a dense llama model \(no experts\), but this run's model is a mixture of experts \(mixtral, 8 experts, "

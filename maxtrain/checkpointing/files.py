@@ -287,6 +287,7 @@ def check_fits(step_dir: str, expected: dict[str, tuple[tuple[int, ...], str]], 
         return
     if config is not None:
         _check_experts(step_dir, config, key)
+        _check_optimizer(step_dir, config, key, shapes, missing + extra)
     lines = [f"the checkpoint {step_dir} ({key}) does not fit the configured model:"]
     lines += [f"  shape differs  {s}" for s in shapes]
     missing_lines, extra_lines = _grouped(missing, expected), _grouped(extra, saved)
@@ -305,6 +306,16 @@ def check_fits(step_dir: str, expected: dict[str, tuple[tuple[int, ...], str]], 
     lines.append("Use the model settings the checkpoint was written with (see `python -m maxtrain.checkpoint "
                  f"inspect {step_dir}`)" + (", or a new run_name for a different model." if key == "resume" else "."))
     raise CheckpointError("\n".join(lines))
+
+
+def _check_optimizer(step_dir: str, config, key: str, shapes: list, differing: list[str]) -> None:
+    """One line when only the optimizer state differs because the checkpoint was trained with another opt_type."""
+    saved = read_metadata(step_dir).get("config", {}).get("opt_type", "adamw")
+    if saved != config.opt_type and not shapes and all(p.startswith("opt_state/") for p in differing):
+        raise CheckpointError(
+            f"the checkpoint {step_dir} ({key}) holds the optimizer state of opt_type={saved}, not of "
+            f"opt_type={config.opt_type}: continue it with opt_type={saved}, or start {config.opt_type} from its "
+            "params with a fresh optimizer (load_parameters_path=<its step directory> and a new run_name)")
 
 
 def _check_experts(step_dir: str, config, key: str) -> None:

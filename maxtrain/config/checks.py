@@ -429,6 +429,12 @@ def _fp8_not_with_float16(v):
              "float16's loss scaling would scale the gradients a second time; use dtype=bfloat16 (no loss scaling needed)")
 
 
+def _muon_without_lora(v):
+    _require(v["opt_type"] != "muon" or v["lora_rank"] == 0,
+             f"opt_type=muon trains whole weight matrices, but lora_rank={v['lora_rank']} trains low-rank adapters: "
+             "set opt_type=adamw for LoRA (or lora_rank=0 for Muon)")
+
+
 CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
           _flash_blocks_powers_of_two, _one_objective, _data_columns, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
@@ -436,7 +442,8 @@ CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_le
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
           _run_name_is_one_directory, _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
           _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts, _hidden_tiling_divides_expert_width,
-          _eval_tasks_known, _quantization_known, _fp8_not_with_float16, _grpo_settings) + DEEPSEEK_CHECKS
+          _eval_tasks_known, _quantization_known, _fp8_not_with_float16, _grpo_settings,
+          _muon_without_lora) + DEEPSEEK_CHECKS
 
 
 def _distillation_settings(v):

@@ -134,7 +134,7 @@ class Run:
         return self.lower(state, batch).compile()
 
 
-def state_shardings(config, mesh, tx, abstract_state) -> dict:
+def state_shardings(config, mesh, abstract_state) -> dict:
     """Shardings for every leaf of the train state: entries declared with ParamSpecs (params, LoRA
     adapters, a frozen reference: train_step.state_specs) by their logical axes and the rules, the
     optimizer state like the leaves it trains, everything else replicated."""
@@ -147,7 +147,7 @@ def state_shardings(config, mesh, tx, abstract_state) -> dict:
             sharding.check_divisible(f"{what} " + jax.tree_util.keystr(path), spec.shape, spec.axes, mesh, rules)
         out[name] = jax.tree.map(lambda s: sharding.named_sharding(mesh, s.axes, rules), specs, is_leaf=models.is_spec)
     trainable = out[train_step.trainable_key(abstract_state)]
-    out["opt_state"] = optimizer.opt_state_shardings(tx, abstract_state["opt_state"], trainable, replicated)
+    out["opt_state"] = optimizer.opt_state_shardings(abstract_state["opt_state"], trainable, replicated)
     return out
 
 
@@ -174,7 +174,7 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
     schedule = pipeline_lib.check(config, mesh, models.family(config), config.micro_batch_size)
     tx = optimizer.make_optimizer(config)
     abstract = jax.eval_shape(lambda k: train_step.init_state(config, rt, tx, k), jax.random.key(0))
-    shardings = state_shardings(config, mesh, tx, abstract)
+    shardings = state_shardings(config, mesh, abstract)
     batch_sharding = sharding.named_sharding(mesh, pipeline.BATCH_AXES, rules)
     options = fp8.compiler_options(platform) if rt.fp8 else None  # quantization: float8 matmuls (models/fp8.py)
     step = jax.jit(train_step.make_train_step(config, rt, tx), in_shardings=(shardings, batch_sharding),

@@ -1,4 +1,5 @@
-"""The optimizer: gradient clipping -> AdamW with masked weight decay, driven by a schedule.
+"""The optimizer: gradient clipping -> AdamW with masked weight decay (or, opt_type=muon, Muon on the
+hidden weight matrices and that AdamW on the rest: training/muon.py), driven by a schedule.
 
 Gradient accumulation happens in the train step (a scan over micro-batches that sums gradients
 weighted by real tokens), so the optimizer sees exactly one update per step.
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import jax
 import optax
+
+from maxtrain.training import muon
 
 
 def make_schedule(config) -> optax.Schedule:
@@ -56,12 +59,34 @@ def make_optimizer(config) -> optax.GradientTransformation:
         weight_decay=config.adam_weight_decay,
         mask=lambda params: weight_decay_mask(params, config),
     )
+    tx = muon.partitioned(config, make_schedule(config), adamw) if config.opt_type == "muon" else adamw
     if config.gradient_clipping_threshold > 0:
-        return optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), adamw)
-    return adamw
+        return optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), tx)
+    return tx
 
 
-def opt_state_shardings(tx: optax.GradientTransformation, abstract_opt_state, param_shardings, replicated):
-    """Optimizer-state shardings: moments follow their parameter, scalars (counts) are replicated."""
-    return optax.tree_map_params(tx, lambda _, sharding: sharding, abstract_opt_state, param_shardings,
-                                 transform_non_params=lambda _: replicated)
+def opt_state_shardings(abstract_opt_state, param_shardings, replicated):
+    """Optimizer-state shardings: a leaf at a parameter's path (AdamW's moments, Muon's momentum) is sharded
+    like that parameter; the rest (counts, Newton-Schulz coefficients) is replicated.
+
+    A parameter's path is the run of dict keys that ends the leaf's path (optax's states are tuples and
+    named tuples; only the parameter trees in them are dicts). optax.tree_map_params cannot be used:
+    it inits the optimizer with one placeholder for all the params, and Muon's partition into Muon and
+    AdamW parameters needs the params' tree.
+    """
+    by_path = {_dict_keys(path): s for path, s in jax.tree_util.tree_flatten_with_path(param_shardings)[0]}
+
+    def sharding(path, _):
+        return by_path.get(_dict_keys(path), replicated)
+
+    return jax.tree_util.tree_map_with_path(sharding, abstract_opt_state)
+
+
+def _dict_keys(path) -> tuple:
+    """The dict keys that end a key path."""
+    keys = []
+    for entry in reversed(path):
+        if not isinstance(entry, jax.tree_util.DictKey):
+            break
+        keys.append(entry.key)
+    return tuple(reversed(keys))
