@@ -155,3 +155,22 @@ def test_low_precision_training_has_no_nan(dtype, float16_step):
         assert skipped < 5  # updates were applied, not all skipped
     else:
         assert skipped == 0 and float(state["loss_scale"]["scale"]) == 1.0
+
+
+def test_bfloat16_weights_keep_their_state_types_step_after_step():
+    """weight_dtype=bfloat16: the optimizer's moments are created bfloat16 and stay so (computed from float32
+    gradients they came back float32, and the compiled step then refused its own output at step 2)."""
+    run = builder.build(load_config([BASE_YML, *with_overrides(TINY, "weight_dtype=bfloat16")]),
+                        devices=jax.devices()[:1])
+    cfg, state = run.config, run.init(jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 1, cfg.max_target_length + 1)).astype(np.int32)
+    shape = (1, 1, cfg.max_target_length)
+    batch = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "segment_ids": np.ones(shape, np.int32),
+             "positions": np.broadcast_to(np.arange(shape[-1], dtype=np.int32), shape).copy(),
+             "loss_weights": np.ones(shape, np.float32)}
+    step = jax.jit(run.train_step.__wrapped__)
+    types = jax.tree.map(lambda a: a.dtype, state)
+    for _ in range(2):
+        state, metrics = step(state, batch)
+        assert jax.tree.map(lambda a: a.dtype, state) == types
+    assert np.isfinite(float(metrics["loss"]))

@@ -136,6 +136,9 @@ def make_train_step(config, rt: models.Runtime, tx: optax.GradientTransformation
         updates, opt_state = tx.update(grads, state["opt_state"], params)
         new_params = optax.apply_updates(params, updates)
         new_params = jax.tree.map(lambda new, old: new.astype(old.dtype), new_params, params)
+        # The optimizer's moments keep the dtype they were created in (weight_dtype): computed from float32
+        # gradients they come back float32, which would change the state's types after the first step.
+        opt_state = jax.tree.map(lambda new, old: new.astype(old.dtype), opt_state, state["opt_state"])
         loss_scale = state["loss_scale"]
         if scaling:
             finite = precision.all_finite(grads)
