@@ -99,6 +99,7 @@ class Settings:
     dtype: object
     hidden_tiling: int = -1  # num_moe_hidden_tiling as set (-1: autoselected in block(), where the mesh is known)
     fp8: bool = False  # the experts' matmuls in float8 (quantization; capacity dispatch only: config/schema.QUANTIZATION_PLACES)
+    platform: str = "cpu"  # where the step is compiled for (the runtime's backend): picks fp8.py's TPU form
 
     @classmethod
     def of(cls, config, rt, router: str, num_moe_layers: int) -> "Settings":
@@ -107,7 +108,7 @@ class Settings:
         return cls(config.num_experts, config.num_experts_per_tok, router, config.norm_topk_prob, config.moe_dispatch,
                    config.capacity_factor, config.load_balance_loss_weight, config.router_z_loss_weight,
                    max(num_moe_layers, 1), rt.dtype, config.num_moe_hidden_tiling,
-                   "experts" in rt.fp8)
+                   "experts" in rt.fp8, rt.backend)
 
     def capacity(self, length: int) -> int:
         return capacity(self.num_experts, self.top_k, self.capacity_factor, length)
@@ -286,11 +287,12 @@ def _swiglu_grouped(xs, w_gate, w_up, w_down, *, group_sizes):
     return mm(jax.nn.silu(gate) * up, w_down)
 
 
-def _swiglu_batched(xe, w_gate, w_up, w_down, fp8: bool = False):
-    """Slots xe [E, C, D] -> [E, C, D], each expert on its own C slots; fp8: float8 matmuls (models/fp8.py)."""
+def _swiglu_batched(xe, w_gate, w_up, w_down, fp8: bool = False, platform: str = "cpu"):
+    """Slots xe [E, C, D] -> [E, C, D], each expert on its own C slots; fp8: float8 matmuls (models/fp8.py,
+    in its form for `platform`)."""
     def mm(a, w, spec):
         if fp8:  # "ECD,EDF->ECF" and "ECF,EFD->ECD": contract a's last axis with w's middle one, batched over E
-            return fp8_dot_general(a, w, (((2,), (1,)), ((0,), (0,))))
+            return fp8_dot_general(a, w, (((2,), (1,)), ((0,), (0,))), platform=platform)
         return jnp.einsum(spec, a, w, preferred_element_type=a.dtype)
     gate = checkpoint_name(mm(xe, w_gate, "ECD,EDF->ECF"), "mlp_gate")
     up = checkpoint_name(mm(xe, w_up, "ECD,EDF->ECF"), "mlp_up")
@@ -365,7 +367,7 @@ def _capacity(x, weights, experts, valid, experts_w, s: Settings, axes: Axes):
     xe = jnp.swapaxes(xe.reshape(b, e, c, d), 0, 1).reshape(e, b * c, d)
     if axes.expert_ways > 1:  # each expert's slots to the device that holds it: [E / ep, ep * b * C, D]
         xe = jax.lax.all_to_all(xe, axes.expert, 0, 1, tiled=True)
-    ye = _experts(functools.partial(_swiglu_batched, fp8=s.fp8), xe, experts_w, axes)
+    ye = _experts(functools.partial(_swiglu_batched, fp8=s.fp8, platform=s.platform), xe, experts_w, axes)
     if axes.expert_ways > 1:
         ye = jax.lax.all_to_all(ye, axes.expert, 1, 0, tiled=True)
     ye = jnp.swapaxes(ye.reshape(e, b, c, d), 0, 1).reshape(b, e * c, d)
