@@ -45,6 +45,36 @@ def test_matmul_and_its_gradients_match_a_numpy_float8_reference():
     assert np.abs(xq - x).max() <= 2**-4 * np.abs(x).max()
 
 
+@pytest.mark.parametrize("dimension_numbers, x_shape, w_shape", [
+    ((((1,), (0,)), ((), ())), (16, 48), (48, 40)), ((((2,), (1,)), ((0,), (0,))), (3, 8, 16), (3, 16, 8)),
+    ((((0,), (1,)), ((), ())), (24, 7), (9, 24))])
+def test_the_tpu_form_matches_the_numpy_float8_reference(dimension_numbers, x_shape, w_shape):
+    """The TPU form (float8 x float8 matmul, scales applied to its float32 result) evaluated on CPU, forward
+    and both gradients, against the same reference as the form above, the gradients' transposes included."""
+    rng = np.random.default_rng(5)
+    x, w = rng.standard_normal(x_shape).astype(np.float32) * 3.0, rng.standard_normal(w_shape).astype(np.float32) * 0.05
+    fn = lambda a, b: fp8.fp8_dot_general(a, b, dimension_numbers, platform="tpu")  # noqa: E731
+    y, vjp = jax.vjp(fn, jnp.asarray(x), jnp.asarray(w))
+    g = rng.standard_normal(y.shape).astype(np.float32) * 1e-3
+    dx, dw = vjp(jnp.asarray(g))
+    xq, wq, gq = reference_round(x, 448.0, E4M3), reference_round(w, 448.0, E4M3), reference_round(g, 57344.0, E5M2)
+    _, reference_vjp = jax.vjp(lambda a, b: jax.lax.dot_general(a, b, dimension_numbers), xq, wq)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(jax.lax.dot_general(xq, wq, dimension_numbers)),
+                               rtol=1e-5, atol=1e-6)
+    for got, expected in zip((dx, dw), reference_vjp(gq)):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=1e-5, atol=1e-9)
+
+
+def test_the_tpu_form_keeps_the_float8_operands_in_its_matmuls():
+    """Forward and both gradients: dot_generals of float8 arrays (e5m2 against e4m3 backward), in float32."""
+    x, w = jnp.ones((8, 16), jnp.bfloat16), jnp.ones((16, 4), jnp.bfloat16)
+    text = jax.jit(jax.value_and_grad(lambda a, b: fp8.fp8_dot_general(a, b, (((1,), (0,)), ((), ())), jnp.float32, "tpu").sum(),
+                            argnums=(0, 1))).lower(x, w).as_text()
+    products = [line for line in text.splitlines() if "dot_general" in line]
+    assert len(products) == 3 and all("f8E4M3FN" in line and "-> tensor<" in line for line in products), products
+    assert sum("f8E5M2" in line for line in products) == 2, products
+
+
 def test_scale_round_trip_uses_one_value_in_the_compute_dtype():
     a = jnp.asarray(np.random.default_rng(1).standard_normal((64,)) * 7.0, jnp.bfloat16)
     s = fp8.scale(a, fp8.E4M3, jnp.bfloat16)
@@ -117,7 +147,8 @@ def test_the_mlp_block_runs_in_float8_where_the_runtime_says():
 @pytest.mark.parametrize("backend, kind, capability, refused", [
     ("gpu", "NVIDIA A100-SXM4-80GB", "8.0", True), ("gpu", "NVIDIA H100 80GB HBM3", "9.0", False),
     ("gpu", "NVIDIA L4", "8.9", False), ("tpu", "TPU v5 lite", None, True), ("tpu", "TPU v6 lite", None, True),
-    ("tpu", "TPU v4", None, True), ("tpu", "TPU7x", None, True), ("cpu", "cpu", None, False)])
+    ("tpu", "TPU v4", None, True), ("tpu", "TPU v5", None, True), ("tpu", "TPU7x", None, False),
+    ("cpu", "cpu", None, False)])
 def test_devices_without_float8_matmuls_are_refused_before_compiling(backend, kind, capability, refused):
     config = config_with("quantization=fp8")
     rt = dataclasses.replace(models.Runtime.from_config(config, "cpu"), backend=backend)

@@ -1,13 +1,16 @@
-"""quantization=fp8 compiled for an H100 on this CPU: every decoder matmul must become a cuBLASLt float8 matmul
+"""quantization=fp8 compiled for a TPU v7x and an H100 on this CPU: every decoder matmul must become a cuBLASLt float8 matmul
 (`__cublas$lt$matmul$f8`) in the optimized HLO, so that a compiler that silently falls back to 16-bit matmuls
 fails here. Needs the [cuda] extra (skipped without it, as tests/test_train_compile_targets.py).
 
 What it took (models/fp8.py): the target config's CUDA runtime version (compile/gpu_targets/h100_sxm.txtpb;
 without it XLA's gemm rewriter makes no float8 call) and, in the step's compiler options, no Triton matmul
 fusions (Triton takes the float8 pattern as a 16-bit matmul of the dequantized operands) and no dot merging
-(merging the q, k and v projections, which share their input, concatenates weights of different scales)."""
+(merging the q, k and v projections, which share their input, concatenates weights of different scales).
+On TPU, models/fp8.py's TPU form: every decoder matmul must be a convolution of float8 operands (libtpu, the
+[tpu] extra)."""
 
 import collections
+import os
 import re
 
 import pytest
@@ -45,10 +48,36 @@ def test_every_decoder_matmul_is_a_float8_cublaslt_call_on_h100():
     assert sum(n for name, n in calls.items() if name != "__cublas$lt$matmul$f8") == 3, calls
 
 
+def float8_convolutions(hlo: str) -> collections.Counter:
+    """Operand dtypes of each convolution / dot of optimized TPU HLO, e.g. {"f8e5m2 x f8e4m3fn": 6}."""
+    dtypes = dict(re.findall(r"(%[\w.\-]+) = (\w+)\[", hlo))
+    return collections.Counter(f"{dtypes.get(a)} x {dtypes.get(b)}"
+                               for a, b in re.findall(r" (?:convolution|dot)\((%[\w.\-]+), (%[\w.\-]+)\)", hlo))
+
+
+def test_every_decoder_matmul_has_float8_operands_on_tpu_v7x():
+    """One layer on a 2x2x1 v7x (8 TensorCores), compiled through builder.build (compile/targets.py has no v7x)."""
+    need("tpu")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    topologies.quiet_libtpu_without_chips()
+    from jax.experimental import topologies as jax_topologies  # pylint: disable=import-outside-toplevel
+    devices = jax_topologies.get_topology_desc(platform="tpu", topology_name="tpu7x:2x2x1",
+                                               chip_config_name="default").devices
+    config = builder.load_config([BASE_YML, MIXED[0], *MIXED[2:7], "base_num_decoder_layers=1", *MIXED[8:11], "quantization=fp8",
+                                  "quantize_output_head=true"])
+    run = builder.build(config, devices=list(devices), platform="tpu", num_processes=1)
+    operands = float8_convolutions(run.lower().compile().as_text())
+    # q, k, v, o, gate, up, down and the head (8 forward matmuls), each with two gradient matmuls: the forward
+    # ones e4m3 x e4m3, the gradient ones e5m2 against e4m3; a matmul computed in bfloat16 fails the second check.
+    assert sum(n for pair, n in operands.items() if pair.startswith("f8")) >= 3 * 8, operands
+    assert all(pair in ("f8e4m3fn x f8e4m3fn", "f8e5m2 x f8e4m3fn", "f8e4m3fn x f8e5m2") for pair in operands), operands
+
+
 def test_compile_targets_without_float8_are_refused_before_compiling():
     """train_compile's targets: an A100 (compute capability 8.0) and a TPU v5e, in builder.build (no compile)."""
     for name, platform, message in (("a100-1", "gpu", "compute capability 8.0 has no float8 tensor cores"),
-                                    ("v5e-4", "tpu", "TPU v5 lite: libtpu compiles maxtrain's float8 matmuls .* as bfloat16 ones")):
+                                    ("v5e-4", "tpu", "TPU v5 lite: TPUs have float8 matmuls only on v7x"),
+                                    ("v6e-4", "tpu", "TPU v6 lite: TPUs have float8 matmuls only on v7x")):
         need(platform)
         config = builder.load_config([BASE_YML, *MIXED[:-3], f"compile_topology={name}", "quantization=fp8"])
         target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)

@@ -19,6 +19,12 @@ XLA's GPU gemm rewriter turns into one cuBLASLt float8 matmul (`__cublas$lt$matm
 passed to cuBLASLt) on compute capability 8.9 and newer; cuBLASLt takes at most one e5m2 operand, so
 each gradient matmul pairs the e5m2 gradient with an e4m3 operand. Elsewhere (XLA:CPU) the same
 program computes the rounding exactly, in the compute dtype (float8 emulated).
+
+On TPU (platform="tpu") libtpu turns that pattern into a bfloat16 matmul, so there each matmul is the
+product of the float8 arrays themselves, accumulated in float32, with the two scales applied to it:
+y = (q(x) . q(w)) s_x s_w, and alike dx = (q(g) . q(w)^T) s_g s_w and dw = (q(x)^T . q(g)) s_x s_g, the
+e5m2 gradient against e4m3 operands. libtpu keeps those operands float8 (docs/scale.md, "float8
+matmuls", says on which chips). The same values as the form above, up to float32 rounding.
 """
 
 from __future__ import annotations
@@ -51,11 +57,14 @@ def dequantize(q, s, dtype):
     return q.astype(dtype) * s.astype(dtype)
 
 
-def fp8_dot_general(x, w, dimension_numbers, out_dtype=None):
+def fp8_dot_general(x, w, dimension_numbers, out_dtype=None, platform: str | None = None):
     """jax.lax.dot_general(x, w, dimension_numbers) with e4m3 operands and e5m2 gradients (module
     docstring), accumulated in float32 and written in out_dtype (default x.dtype); the gradients come
-    back in x's and w's dtypes."""
-    return _fp8_dot(x, w, dimension_numbers, jnp.dtype(out_dtype or x.dtype))
+    back in x's and w's dtypes. platform: where the step is compiled for; "tpu" takes the TPU form."""
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if platform == "tpu":
+        return _fp8_dot_scaled(x, w, dimension_numbers, out_dtype)
+    return _fp8_dot(x, w, dimension_numbers, out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -86,6 +95,60 @@ def _fp8_dot_bwd(dimension_numbers, out_dtype, residuals, g):
 
 
 _fp8_dot.defvjp(_fp8_dot_fwd, _fp8_dot_bwd)
+
+
+def scaled_product(a, b, dimension_numbers, s_a, s_b, dtype):
+    """(a . b) s_a s_b in dtype: the float8 arrays' matmul accumulated in float32, then scaled (the
+    scales one after the other, so that their product cannot underflow or overflow float32)."""
+    acc = jax.lax.dot_general(a, b, dimension_numbers, preferred_element_type=jnp.float32)
+    return (acc * s_a * s_b).astype(dtype)
+
+
+def transposed_products(g, a, b, dimension_numbers):
+    """For y = dot_general(a, b, dimension_numbers) and an incoming gradient g: the operands and
+    dimension numbers of da = dot_general(g, b, ...) and db = dot_general(g, a, ...), and the axis
+    permutations that put da in a's layout and db in b's (as autodiff of dot_general does)."""
+    (a_con, b_con), (a_bat, b_bat) = dimension_numbers
+    a_free = [i for i in range(a.ndim) if i not in a_con and i not in a_bat]
+    b_free = [i for i in range(b.ndim) if i not in b_con and i not in b_bat]
+    batch = list(range(len(a_bat)))  # g's axes: batch, a's free axes, b's free axes
+    g_a = list(range(len(batch), len(batch) + len(a_free)))
+    g_b = list(range(len(batch) + len(a_free), g.ndim))
+    # da's axes: batch, a's free, then b's contracting axes in b's order (each paired with one of a's)
+    da_axes = list(a_bat) + a_free + [a_con[k] for k in sorted(range(len(b_con)), key=lambda k: b_con[k])]
+    db_axes = list(b_bat) + b_free + [b_con[k] for k in sorted(range(len(a_con)), key=lambda k: a_con[k])]
+    da_dims = ((g_b, b_free), (batch, list(b_bat)))
+    db_dims = ((g_a, a_free), (batch, list(a_bat)))
+    return da_dims, _inverse(da_axes), db_dims, _inverse(db_axes)
+
+
+def _inverse(axes):
+    return tuple(sorted(range(len(axes)), key=lambda i: axes[i]))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _fp8_dot_scaled(x, w, dimension_numbers, out_dtype):
+    return _fp8_dot_scaled_fwd(x, w, dimension_numbers, out_dtype)[0]
+
+
+def _fp8_dot_scaled_fwd(x, w, dimension_numbers, out_dtype):
+    s_x, s_w = scale(x, E4M3, x.dtype), scale(w, E4M3, w.dtype)
+    q_x, q_w = quantize(x, s_x, E4M3), quantize(w, s_w, E4M3)
+    y = scaled_product(q_x, q_w, dimension_numbers, s_x, s_w, out_dtype)
+    return y, (q_x, s_x, q_w, s_w, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
+
+
+def _fp8_dot_scaled_bwd(dimension_numbers, out_dtype, residuals, g):
+    q_x, s_x, q_w, s_w, x_like, w_like = residuals
+    s_g = scale(g, E5M2, x_like.dtype)
+    q_g = quantize(g, s_g, E5M2)
+    dx_dims, dx_axes, dw_dims, dw_axes = transposed_products(g, q_x, q_w, dimension_numbers)
+    dx = scaled_product(q_g, q_w, dx_dims, s_g, s_w, x_like.dtype).transpose(dx_axes)
+    dw = scaled_product(q_g, q_x, dw_dims, s_g, s_x, w_like.dtype).transpose(dw_axes)
+    return dx, dw
+
+
+_fp8_dot_scaled.defvjp(_fp8_dot_scaled_fwd, _fp8_dot_scaled_bwd)
 
 
 def compiler_options(platform: str) -> dict:

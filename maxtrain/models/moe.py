@@ -123,6 +123,7 @@ class Settings:
     count_experts: bool = False        # report each expert's routed pairs for the bias update (STEP_STATS)
     seq_balance_loss_weight: float = 0.0
     fp8: bool = False  # the experts' matmuls in float8 (quantization; capacity dispatch only: config/schema.QUANTIZATION_PLACES)
+    platform: str = "cpu"  # where the step is compiled for (the runtime's backend): picks fp8.py's TPU form
 
     @classmethod
     def of(cls, config, rt, router: str, num_moe_layers: int, activation: str = "swiglu") -> "Settings":
@@ -136,7 +137,7 @@ class Settings:
                    config.mlp_activations_limit,
                    max(config.n_routing_groups, 1), max(config.topk_routing_group, 1), config.routed_scaling_factor,
                    config.routed_bias and config.routed_bias_update_rate > 0, config.seq_balance_loss_weight,
-                   "experts" in rt.fp8)
+                   "experts" in rt.fp8, rt.backend)
 
     def capacity(self, length: int) -> int:
         return capacity(self.num_experts, self.top_k, self.capacity_factor, length)
@@ -360,10 +361,11 @@ def _swiglu_grouped(xs, w_gate, w_up, w_down, b_gate=None, b_up=None, *, group_s
 
 
 def _swiglu_batched(xe, w_gate, w_up, w_down, b_gate=None, b_up=None, *, s: Settings):
-    """Slots xe [E, C, D] -> [E, C, D], each expert on its own C slots; s.fp8: float8 matmuls (models/fp8.py)."""
+    """Slots xe [E, C, D] -> [E, C, D], each expert on its own C slots; s.fp8: float8 matmuls (models/fp8.py,
+    in its form for s.platform)."""
     def mm(a, w, spec):
         if s.fp8:  # "ECD,EDF->ECF" and "ECF,EFD->ECD": contract a's last axis with w's middle one, batched over E
-            return fp8_dot_general(a, w, (((2,), (1,)), ((0,), (0,))))
+            return fp8_dot_general(a, w, (((2,), (1,)), ((0,), (0,))), platform=s.platform)
         return jnp.einsum(spec, a, w, preferred_element_type=a.dtype)
     gate = mm(xe, w_gate, "ECD,EDF->ECF")
     up = mm(xe, w_up, "ECD,EDF->ECF")

@@ -53,7 +53,7 @@ def dense(x, w, n: int = 1, out_dtype=None, backend: str | None = None, fp8: boo
     """x [..., K1..Kn] . w [K1..Kn, ...] -> [..., w's remaining axes], in out_dtype (default x.dtype).
     backend: the platform the step is compiled for; "cpu" computes a float32 weight gradient from an
     explicitly transposed x (module docstring). fp8: the matmul and its two gradient matmuls take
-    float8 operands (`fp8_dot_general`, quantization=fp8).
+    float8 operands (`fp8_dot_general`, quantization=fp8; "tpu" takes its TPU form).
 
     Computed as one 2-D matmul [M, K] . [K, N] (M = the product of x's leading axes). Products
     accumulate in float32 (TPUs and GPUs do so for 16-bit operands; XLA:CPU computes them in
@@ -70,7 +70,8 @@ def dense(x, w, n: int = 1, out_dtype=None, backend: str | None = None, fp8: boo
     x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     if fp8:
-        out = fp8_dot_general(*_vary_alike(x2, w2), dimension_numbers=(((1,), (0,)), ((), ())), out_dtype=out_dtype)
+        out = fp8_dot_general(*_vary_alike(x2, w2), dimension_numbers=(((1,), (0,)), ((), ())), out_dtype=out_dtype,
+                              platform=backend)
     elif x.dtype == w.dtype and x.dtype in (jnp.bfloat16, jnp.float16):
         out = _product(*_vary_alike(x2, w2), False) if out_dtype == jnp.float32 else jnp.dot(x2, w2).astype(out_dtype)
     elif backend == "cpu" and x.dtype == w.dtype == out_dtype == jnp.float32:
