@@ -67,27 +67,32 @@ def _tiny(tmp_path, *extra):
                                                                    "vocab_size=64", *extra)), 1)
 
 
-def test_sampled_log_probs_equal_the_training_forward_pass(tmp_path):
-    """Left-padded prompts of different lengths: the sampler's log p(token) = the training pass's, to 1e-5."""
-    config = _tiny(tmp_path)
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_sampled_log_probs_equal_the_training_forward_pass(tmp_path, temperature):
+    """Left-padded prompts of different lengths: the sampler's log p(token) = the training pass's, to 1e-5,
+    both softmax(logits / T) at the sampling temperature T (else the update would be off-policy)."""
+    config = _tiny(tmp_path, "decode_sampling_strategy=weighted", f"decode_sampling_temperature={temperature}")
     rt = models.Runtime.from_config(config, "cpu")
     params = models.init_params(config, jax.random.key(1))
     prompts = [np.array([1, 5, 9, 12, 7], np.int32), np.array([1, 30], np.int32), np.array([1, 4, 4], np.int32)]
     length, new = 6, 8
     ids, first = grpo.left_padded([grpo.prompts_lib.Prompt(p, "", "") for p in prompts], length)
     tokens, log_probs = jax.device_get(sampling.sample_completions(
-        params, ids, first, jax.random.key(3), config=config, rt=rt, max_new_tokens=new, temperature=1.0, top_k=0,
-        top_p=1.0))
+        params, ids, first, jax.random.key(3), config=config, rt=rt, max_new_tokens=new,
+        **sampling.sampling_settings(config)))
     kept = np.full(3, new, np.int32)
     batch = grpo.assemble(prompts, tokens, log_probs, kept, np.ones(3, np.float32), 16, (1, 3))
     batch = {k: jnp.asarray(v[0]) for k, v in batch.items()}
-    recomputed, _ = jax.jit(lambda p, b: objectives.target_log_probs(p, b, config, rt))(params, batch)
+    recomputed, _ = jax.jit(lambda p, b: objectives.target_log_probs(p, b, config, rt, temperature))(params, batch)
     w = np.asarray(batch["loss_weights"]) > 0
     assert w.sum() == 3 * new
     np.testing.assert_allclose(np.asarray(recomputed)[w], np.asarray(batch["old_log_probs"])[w], atol=1e-5)
+    # the objective scores the completions at the sampling temperature: the ratio pi / pi_old is 1
+    _, _, metrics = objectives.grpo(params, batch, params, config, rt)
+    assert abs(float(metrics["grpo_log_ratio"])) < 1e-5 and abs(float(metrics["grpo_kl"])) < 1e-6
     # the same key and prompts sample the same completions (rollouts are a function of the seed and step)
     again, _ = sampling.sample_completions(params, ids, first, jax.random.key(3), config=config, rt=rt,
-                                           max_new_tokens=new, temperature=1.0, top_k=0, top_p=1.0)
+                                           max_new_tokens=new, **sampling.sampling_settings(config))
     np.testing.assert_array_equal(np.asarray(again), tokens)
 
 

@@ -1,21 +1,21 @@
 """GRPO end to end on CPU: SFT warms a small model on two-digit addition, GRPO's exact-match reward improves it.
 
-    python end_to_end/cpu/grpo.py [--sft-steps 150] [--grpo-steps 100] [--margin 0.05] [--reuse-sft]
+    python end_to_end/cpu/grpo.py [--sft-steps 300] [--grpo-steps 150] [--margin 0.05] [--reuse-sft]
 
-1. Generates sums "a+b=" (a, b in 0..99) with their answers: a training set, and 200 held-out
-   prompts never trained on; a sentencepiece tokenizer (digits split, ChatML markers as tokens).
+1. Generates sums "a+b=" (a, b in 0..99) with their answers: 500 held-out prompts never trained
+   on, and the other 9,500 as the training set; a sentencepiece tokenizer (digits split, ChatML
+   markers as tokens).
 2. SFT (use_sft, chat_template=chatml) from scratch on [prompt, completion] rows, packed about five
-   to a row: a small model (4 layers, D 128) that answers some of the held-out sums right.
-3. GRPO (use_grpo) from the SFT checkpoint on [prompt, answer] rows: num_generations completions per
-   prompt sampled at temperature 1, the exact_match reward, grpo_beta 0.04. Its held-out evaluation
-   (greedy answers to the 200 prompts, eval/grpo_accuracy) runs at step 0, which is the SFT model,
-   and at the end.
+   to a row: a small model (4 layers, D 128) that answers about a third of the held-out sums right.
+3. GRPO (use_grpo) from the SFT checkpoint on [prompt, answer] rows: 32 prompts x 16 completions
+   per step sampled at temperature 1, the exact_match reward, grpo_beta 0.04, learning rate 1e-4
+   (10% warm-up, then constant). Its held-out evaluation (greedy answers to the 500 prompts,
+   eval/grpo_accuracy) runs at step 0, which is the SFT model, every quarter and at the end.
 
 PASS when GRPO's held-out accuracy is at least --margin above the SFT model's. The script prints
-both accuracies, and per GRPO step the mean time of the rollouts (sampling + rewards) and of the
-update, from the run's metrics. Measured with the defaults (2026-11-26, shared 2-core CPU, 518 s):
-SFT 0.715 -> GRPO 0.735 held-out, training reward 0.48 -> 0.59, so FAIL at margin 0.05;
-rollout 0.35 s and update 0.87 s per step (docs/post_training.md).
+both accuracies with their binomial standard errors, and per GRPO step the median time of the
+rollouts (sampling + rewards) and of the update, from the run's metrics. Measured figures:
+docs/post_training.md, "GRPO end to end on CPU".
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ MODEL = ["base_emb_dim=128", "base_num_query_heads=4", "base_num_kv_heads=4", "h
 SYMBOLS = ["\n", "<|im_start|>", "<|im_end|>"]
 
 
-def make_data(out: Path, n: int, held_out: int = 200, seed: int = 0, keep_tokenizer: bool = False) -> dict:
+def make_data(out: Path, n: int, held_out: int = 500, seed: int = 0, keep_tokenizer: bool = False) -> dict:
     """SFT and GRPO rows of the same training sums, the held-out sums, and the tokenizer."""
     import io  # pylint: disable=import-outside-toplevel
 
@@ -73,10 +73,13 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="grpo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sft-steps", type=int, default=300, help="SFT steps (32 rows of about 5 sums)")
     parser.add_argument("--grpo-steps", type=int, default=150, help="GRPO steps")
-    parser.add_argument("--examples", type=int, default=9800, help="training sums (of the 10,000; the other 200 are held out)")
+    parser.add_argument("--examples", type=int, default=9500, help="training sums (of the 10,000 less the held-out ones)")
     parser.add_argument("--margin", type=float, default=0.05, help="accuracy GRPO must add to SFT's to PASS")
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per GRPO step (8 completions each)")
-    parser.add_argument("--grpo-lr", type=float, default=1e-4, help="GRPO's learning rate (constant)")
+    parser.add_argument("--prompts", type=int, default=32, help="prompts per GRPO step")
+    parser.add_argument("--generations", type=int, default=16, help="completions sampled per prompt (num_generations)")
+    parser.add_argument("--grpo-beta", type=float, default=0.04, help="weight of GRPO's KL penalty (grpo_beta)")
+    parser.add_argument("--held-out", type=int, default=500, help="held-out sums (never trained on) for the accuracy")
+    parser.add_argument("--grpo-lr", type=float, default=1e-4, help="GRPO's learning rate (10%% warm-up, then constant)")
     parser.add_argument("--reuse-sft", action="store_true",
                         help="keep the SFT model already in $E2E_OUT/grpo (re-run GRPO only)")
     options = parser.parse_args(argv)
@@ -84,6 +87,10 @@ def main(argv: list[str]) -> int:
     common.positive(parser, "--grpo-steps", options.grpo_steps)
     common.positive(parser, "--examples", options.examples)
     common.positive(parser, "--prompts", options.prompts)
+    common.positive(parser, "--generations", options.generations)
+    common.positive(parser, "--held-out", options.held_out)
+    if options.examples + options.held_out > 10_000:
+        parser.error(f"--examples {options.examples} and --held-out {options.held_out} add up to more than the 10,000 sums")
     if options.reuse_sft:
         out = Path(os.environ.get("E2E_OUT", common.ROOT / "outputs" / "end_to_end")).resolve() / "grpo"
         shutil.rmtree(out / "grpo", ignore_errors=True)
@@ -91,7 +98,7 @@ def main(argv: list[str]) -> int:
     else:
         out = common.out_dir("grpo")
     with common.errors.user_paths():
-        data = make_data(out, options.examples, keep_tokenizer=options.reuse_sft)  # the same seed: the same files
+        data = make_data(out, options.examples, options.held_out, keep_tokenizer=options.reuse_sft)  # the same seed: the same files
     base = [*MODEL, f"base_output_directory={out}", f"tokenizer_path={data['tokenizer']}"]
     if options.reuse_sft and (out / "sft" / "checkpoints").is_dir():
         print(f"reusing the SFT model in {out / 'sft'}", flush=True)
@@ -105,10 +112,10 @@ def main(argv: list[str]) -> int:
     common.run("maxtrain.train", compose(
         *base, "run_name=grpo", "use_grpo=true", "train_data_columns=[prompt,answer]", "eval_data_columns=[prompt,answer]",
         f"grain_train_files={data['grpo']}", f"grain_eval_files={data['held_out']}", "eval_steps=-1",
-        f"eval_interval={max(options.grpo_steps // 4, 1)}", f"load_parameters_path={out / 'sft'}", f"per_device_batch_size={8 * options.prompts}",
-        "num_generations=8", "max_prefill_predict_length=16", "decode_sampling_strategy=weighted",
-        "decode_sampling_temperature=1.0", "grpo_beta=0.04", "grpo_epsilon=0.2", f"learning_rate={options.grpo_lr:g}",
-        "warmup_steps_fraction=0.0", "lr_schedule_type=constant", f"steps={options.grpo_steps}",
+        f"eval_interval={max(options.grpo_steps // 4, 1)}", f"load_parameters_path={out / 'sft'}", f"per_device_batch_size={options.generations * options.prompts}",
+        f"num_generations={options.generations}", "max_prefill_predict_length=16", "decode_sampling_strategy=weighted",
+        "decode_sampling_temperature=1.0", f"grpo_beta={options.grpo_beta:g}", "grpo_epsilon=0.2", f"learning_rate={options.grpo_lr:g}",
+        "warmup_steps_fraction=0.1", "lr_schedule_type=constant", f"steps={options.grpo_steps}",
         f"metrics_file={metrics_file}"), out / "grpo.log")
     lines = common.metrics(metrics_file)
     accuracy = {m["step"]: m["eval/grpo_accuracy"] for m in lines if "eval/grpo_accuracy" in m}
@@ -123,7 +130,10 @@ def main(argv: list[str]) -> int:
     print(f"per GRPO step (median after the first): rollout {rollout:.3f}s, update {update:.3f}s")
     print(f"held-out greedy accuracy ({out / 'held_out.jsonl'}) by GRPO step: "
           + ", ".join(f"{step} {value:.3f}" for step, value in sorted(accuracy.items())))
-    print(f"held-out greedy accuracy: SFT {accuracy[first]:.3f} -> GRPO {accuracy[last]:.3f}")
+    n = options.held_out
+    se = lambda p: (p * (1 - p) / n) ** 0.5  # noqa: E731  the binomial standard error on n prompts
+    print(f"held-out greedy accuracy on {n} sums: SFT {accuracy[first]:.3f} (± {se(accuracy[first]):.3f}) -> "
+          f"GRPO {accuracy[last]:.3f} (± {se(accuracy[last]):.3f}), +{accuracy[last] - accuracy[first]:.3f}")
     ok = accuracy[last] >= accuracy[first] + options.margin
     return common.verdict("grpo", ok, f"held-out exact-match accuracy SFT {accuracy[first]:.3f} -> GRPO "
                                       f"{accuracy[last]:.3f} after {options.grpo_steps} steps (margin "

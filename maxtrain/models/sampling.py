@@ -84,9 +84,12 @@ def sample_completions(params, prompt, first, key, *, config, rt, max_new_tokens
     """Completions of left-padded prompts: prompt [B, P] holds row b's prompt in slots [first[b], P).
 
     Returns (tokens [B, max_new_tokens], log-probabilities [B, max_new_tokens] float32 of each sampled
-    token under the model's own distribution, softmax(logits) at temperature 1: what the training
-    forward pass recomputes). No end-of-sequence stop: the caller cuts each row at its first stop token.
+    token under the distribution it was drawn from, softmax(logits / temperature) (softmax(logits) when
+    greedy; before any top-k / top-p cut, as TRL scores them): what GRPO's training forward pass
+    recomputes, objectives.target_log_probs at the same temperature). No end-of-sequence stop: the
+    caller cuts each row at its first stop token.
     """
+    scale = 1.0 / temperature if temperature > 0 else 1.0
     batch, prompt_len = prompt.shape
     cache = models.init_cache(config, batch, prompt_len + max_new_tokens, rt.dtype)
     positions = jnp.maximum(jnp.arange(prompt_len)[None, :] - first[:, None], 0)
@@ -97,7 +100,7 @@ def sample_completions(params, prompt, first, key, *, config, rt, max_new_tokens
         cache, last_logits, out, log_probs, key = carry
         key, sub = jax.random.split(key)
         token = sample_token(last_logits, sub, temperature=temperature, top_k=top_k, top_p=top_p)
-        log_p = jax.nn.log_softmax(last_logits.astype(jnp.float32), axis=-1)[rows, token]
+        log_p = jax.nn.log_softmax(last_logits.astype(jnp.float32) * scale, axis=-1)[rows, token]
         out, log_probs = out.at[:, i].set(token), log_probs.at[:, i].set(log_p)
         slot = prompt_len + i
         logits, cache = models.forward_with_cache(params, token[:, None], (slot - first)[:, None], cache, slot,

@@ -29,7 +29,8 @@ which objective it runs. Metrics are means over the micro-batch's weight, report
           policy sampled (training/grpo.py). A row is prompt + one completion; loss_weights are 1 on
           the completion's tokens (through its stop token) and 0 on the prompt and padding;
           `advantages` holds the row's group-normalized reward A on every token, `old_log_probs`
-          the sampler's log pi_old(token). Per completion token, with r = pi / pi_old,
+          the sampler's log pi_old(token); pi, pi_old and ref are softmax(logits / T) at the
+          sampling temperature T. Per completion token, with r = pi / pi_old,
               loss = -min(r A, clip(r, 1 - eps, 1 + eps) A) + beta k3,
               k3 = ref / pi - log(ref / pi) - 1      (Schulman's unbiased estimator of KL(pi || ref))
           (eps = grpo_epsilon, beta = grpo_beta), summed over completion tokens; the weight is their
@@ -43,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain import models
+from maxtrain.models import sampling
 from maxtrain.training import distillation
 
 OBJECTIVES = ("lm", "sft", "dpo", "distill", "grpo")
@@ -85,9 +87,11 @@ def lm(params, batch: dict, config, rt):
 sft = lm  # SFT is the LM objective on weights that the chat template set
 
 
-def target_log_probs(params, batch: dict, config, rt):
-    """(log p(target) [B, T] float32, aux) under `params`."""
+def target_log_probs(params, batch: dict, config, rt, temperature: float = 1.0):
+    """(log p(target) [B, T] float32, aux) under `params`, p = softmax(logits / temperature)."""
     logits, aux = models.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"], config, rt)
+    if temperature != 1.0:
+        logits = logits.astype(jnp.float32) / temperature
     log_z = jax.nn.logsumexp(logits, axis=-1)
     target = jnp.take_along_axis(logits, batch["targets"][..., None], axis=-1)[..., 0]
     return target - log_z, aux
@@ -167,11 +171,15 @@ def grpo_token_loss(log_probs, old_log_probs, ref_log_probs, advantages, beta: f
 
 
 def grpo(params, batch: dict, reference, config, rt):
-    """(sum over completion tokens of the GRPO loss, their number, metrics)."""
-    log_probs, aux = target_log_probs(params, batch, config, rt)
+    """(sum over completion tokens of the GRPO loss, their number, metrics); pi, pi_old and ref are all
+    softmax(logits / T) at the rollouts' sampling temperature T, the distribution the completions were
+    drawn from (else the update is off-policy for every T != 1)."""
+    temperature = sampling.sampling_settings(config)["temperature"]
+    log_probs, aux = target_log_probs(params, batch, config, rt, temperature)
     ref_log_probs = None
     if config.grpo_beta > 0:
-        ref_log_probs = jax.lax.stop_gradient(target_log_probs(jax.lax.stop_gradient(reference), batch, config, rt)[0])
+        ref_log_probs = jax.lax.stop_gradient(
+            target_log_probs(jax.lax.stop_gradient(reference), batch, config, rt, temperature)[0])
     weights = batch["loss_weights"].astype(jnp.float32)
     loss, clipped, k3 = grpo_token_loss(log_probs, batch["old_log_probs"], ref_log_probs, batch["advantages"],
                                         config.grpo_beta, config.grpo_epsilon)
