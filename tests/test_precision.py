@@ -36,12 +36,16 @@ def float16_step():
                                      "loss_scale_min=1.0", "learning_rate=1e-2", "warmup_steps_fraction=0")]),
                         devices=jax.devices()[:1])
     cfg, state = run.config, run.init(jax.random.key(0))
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 2, cfg.max_target_length + 1)).astype(np.int32)
-    shape = (1, 2, cfg.max_target_length)
-    batch = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "segment_ids": np.ones(shape, np.int32),
-             "positions": np.broadcast_to(np.arange(shape[-1], dtype=np.int32), shape).copy(),
-             "loss_weights": np.ones(shape, np.float32)}
-    return cfg, state, jax.jit(run.train_step.__wrapped__), batch  # not donating: the tests reuse states
+    return cfg, state, jax.jit(run.train_step.__wrapped__), random_batch(cfg, 2)  # not donating: the tests reuse states
+
+
+def random_batch(cfg, rows: int) -> dict:
+    """One micro-batch of `rows` random sequences, every token real."""
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, rows, cfg.max_target_length + 1)).astype(np.int32)
+    shape = (1, rows, cfg.max_target_length)
+    return {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "segment_ids": np.ones(shape, np.int32),
+            "positions": np.broadcast_to(np.arange(shape[-1], dtype=np.int32), shape).copy(),
+            "loss_weights": np.ones(shape, np.float32)}
 
 
 def test_update_loss_scale_rules():
@@ -163,12 +167,7 @@ def test_bfloat16_weights_keep_their_state_types_step_after_step():
     run = builder.build(load_config([BASE_YML, *with_overrides(TINY, "weight_dtype=bfloat16")]),
                         devices=jax.devices()[:1])
     cfg, state = run.config, run.init(jax.random.key(0))
-    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 1, cfg.max_target_length + 1)).astype(np.int32)
-    shape = (1, 1, cfg.max_target_length)
-    batch = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "segment_ids": np.ones(shape, np.int32),
-             "positions": np.broadcast_to(np.arange(shape[-1], dtype=np.int32), shape).copy(),
-             "loss_weights": np.ones(shape, np.float32)}
-    step = jax.jit(run.train_step.__wrapped__)
+    batch, step = random_batch(cfg, 1), jax.jit(run.train_step.__wrapped__)
     types = jax.tree.map(lambda a: a.dtype, state)
     for _ in range(2):
         state, metrics = step(state, batch)
