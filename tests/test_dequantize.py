@@ -117,16 +117,21 @@ def test_quantised_pairs_read_through_the_import_hook(tmp_path):
             hf[name] = reference_fp8(quantised[name], scale_inv)
         else:
             quantised[name] = w
-    hf_dir = tmp_path / "fp8_llama"
+    assert "note: dequantised 7 fp8 tensors" in import_and_compare(tmp_path / "fp8_llama", keys, quantised, hf)
+
+
+def import_and_compare(hf_dir, keys, quantised, dequantised) -> list[str]:
+    """Writes `quantised` as a Hugging Face model, imports it, checks the import equals `dequantised`
+    (the same tensors, dequantised by the reference) converted to maxtrain; returns the import's notes."""
     hf_dir.mkdir()
     safetensors_files.write(str(hf_dir / "model.safetensors"), quantised)
     (hf_dir / "config.json").write_text(json.dumps(convert.hf_config(keys, None, "float32")))
     notes = []
-    convert.import_hf(str(hf_dir), str(tmp_path / "out"), log=notes.append)
-    assert "note: dequantised 7 fp8 tensors" in notes
-    imported = checkpoint_files.read_params(str(tmp_path / "out"))
-    expected = convert.to_maxtrain(hf, keys)
-    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, imported), expected)
+    out = hf_dir.parent / (hf_dir.name + "_out")
+    convert.import_hf(str(hf_dir), str(out), log=notes.append)
+    imported = checkpoint_files.read_params(str(out))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, imported), convert.to_maxtrain(dequantised, keys))
+    return notes
 
 
 def test_a_gpt_oss_checkpoint_with_mxfp4_experts_imports_as_its_dequantised_weights(tmp_path):
@@ -152,12 +157,4 @@ def test_a_gpt_oss_checkpoint_with_mxfp4_experts_imports_as_its_dequantised_weig
         else:
             quantised[name] = w
     assert sum(n.endswith("_blocks") for n in quantised) == 4  # 2 layers x (gate_up, down)
-    hf_dir = tmp_path / "mxfp4_gpt_oss"
-    hf_dir.mkdir()
-    safetensors_files.write(str(hf_dir / "model.safetensors"), quantised)
-    (hf_dir / "config.json").write_text(json.dumps(convert.hf_config(keys, None, "float32")))
-    notes = []
-    convert.import_hf(str(hf_dir), str(tmp_path / "out"), log=notes.append)
-    assert "note: dequantised 4 mxfp4 tensors" in notes
-    imported = checkpoint_files.read_params(str(tmp_path / "out"))
-    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, imported), convert.to_maxtrain(hf, keys))
+    assert "note: dequantised 4 mxfp4 tensors" in import_and_compare(tmp_path / "mxfp4_gpt_oss", keys, quantised, hf)
