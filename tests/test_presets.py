@@ -40,6 +40,7 @@ PUBLISHED = {
     "qwen3-30b-a3b": 30_532_122_624,  # 3.35B active per token (tests/test_moe.py)
     "gpt-oss-20b": 20_914_757_184,   # model card: 20.9B, 3.6B active (below)
     "gpt-oss-120b": 116_829_156_672,  # model card: 116.8B, 5.1B active
+    "deepseek3-671b": 671_026_419_200,  # 671B, 37B active (below); the released 685B adds the MTP module
     "gpt2-small": 123_587_328,      # GPT-2 small's shape as a Llama (124M with GPT-2's own layers)
     "default": 5_507_328,
 }
@@ -47,6 +48,8 @@ PUBLISHED = {
 MODEL_CARD = {"qwen3-0.6b": (0.6e9, 0.44e9), "qwen3-8b": (8.2e9, 6.95e9)}
 # gpt-oss's model card: active parameters per token, counted without the input embedding table.
 ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b": 3.6e9, "gpt-oss-120b": 5.1e9}
+# DeepSeek-V3's paper: 37B activated per token (counted, like gpt-oss's, without the input embedding table).
+ACTIVE_BILLIONS_WITHOUT_EMBEDDING = {"deepseek3-671b": 37}
 
 
 def preset(name, *overrides):
@@ -70,6 +73,9 @@ def test_preset_parameter_count_is_the_published_one(name):
         assert round(models.num_params(cfg) / 1e8) == round(PUBLISHED[name] / 1e8)
         active = models.num_active_params(cfg) - cfg.vocab_size * cfg.base_emb_dim
         assert round(active / 1e8) == round(ACTIVE_WITHOUT_EMBEDDING[name] / 1e8)
+    if name in ACTIVE_BILLIONS_WITHOUT_EMBEDDING:
+        active = models.num_active_params(cfg) - cfg.vocab_size * cfg.base_emb_dim
+        assert round(active / 1e9) == ACTIVE_BILLIONS_WITHOUT_EMBEDDING[name]
 
 
 @pytest.mark.parametrize("name", sorted(set(PUBLISHED) - {"default", "gpt2-small"}))
@@ -82,7 +88,9 @@ def test_transformers_counts_the_same_architecture_the_same(name):
     config = transformers.AutoConfig.for_model(**hf_config)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    assert sum(p.numel() for p in model.parameters()) == models.num_params(cfg)
+    # DeepSeek's selection bias is a buffer in transformers, a tensor of the checkpoint all the same
+    bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert sum(p.numel() for p in model.parameters()) + bias == models.num_params(cfg)
 
 
 # Small unrolled models per family: XLA's cost analysis counts a scanned body once, and dense
