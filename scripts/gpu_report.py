@@ -17,6 +17,8 @@ Parts, in order, each within its share of the budget (compiles included; docs/gp
                  bf16, head_dim 128 at 2k, 8k and 16k tokens, head_dim 64 and 256 at 8k (16k tokens per batch)
     training     llama3.2-1b at sequence 4096, bf16, synthetic data, for several (per-device batch, remat)
                  choices: step time, tokens/s, TFLOP/s, MFU, compiled and peak memory; the default model's step
+    frontier     (only when named in --parts) the same figures for a DeepSeek-V3-shaped and a gpt-oss-shaped
+                 model that fit one GPU, and llama3.2-1b with float8 matmuls and with Muon
 
 A part runs until the end of its share (time a part leaves passes to the next); an item whose estimated
 cost exceeds what its part has left is skipped and listed. DIR/report.json and DIR/report.md are
@@ -58,7 +60,8 @@ START = time.monotonic()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Budget shares, from the first run on an H200 (2026-11-26, docs/gpu.md): environment 4 s, kernels 118 s,
 # model 102 s, speed 56 s, training 80 s (compiles included) of a 420 s budget.
-PARTS = {"environment": 0.03, "kernels": 0.28, "model": 0.25, "speed": 0.15, "training": 0.29}
+PARTS = {"environment": 0.03, "kernels": 0.28, "model": 0.25, "speed": 0.15, "training": 0.29, "frontier": 0.3}
+DEFAULT_PARTS = ("environment", "kernels", "model", "speed", "training")
 WATCHDOG_GRACE_SECONDS = 45
 BUDGET_SECONDS = 420
 # The `device` tool call (docs/gpu.md shows it; tests/test_gpu_report.py checks the copy): the wheels the GPU
@@ -92,6 +95,7 @@ class Plan:
     speed_shapes: list             # (head_dim, length)
     speed_iters: tuple             # (warm-up, timed)
     training: list                 # (label, overrides)
+    frontier: list                 # (label, overrides): the new families, float8 and Muon
     train_steps: tuple             # (warm-up, timed)
     estimates: dict                # kind -> seconds an item is expected to take at first
 
@@ -128,6 +132,7 @@ def make_plan(dry_run: bool) -> Plan:
     default = ["model_name=default", "dtype=bfloat16", "dataset_type=synthetic"]
     training.append(("default model", default + (["max_target_length=64", "per_device_batch_size=2"] if dry_run
                                                   else [])))
+    frontier = frontier_runs(llama[:], dry_run)
     model = ["base_num_decoder_layers=2", "dataset_type=synthetic", "remat_policy=full"] + (
         ["base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=1", "head_dim=16", "base_mlp_dim=128",
          "vocab_size=256", "max_target_length=48", "per_device_batch_size=1"] if dry_run else
@@ -142,8 +147,50 @@ def make_plan(dry_run: bool) -> Plan:
         speed_heads=(4, 1) if dry_run else (32, 8), speed_tokens=128 if dry_run else 16384,
         speed_shapes=[(16, 32), (16, 64), (16, 128), (8, 64), (32, 64)] if dry_run else
         [(128, 2048), (128, 8192), (128, 16384), (64, 8192), (256, 8192)],
-        speed_iters=(1, 2) if dry_run else (2, 10), training=training, train_steps=(1, 2) if dry_run else (2, 8),
-        estimates={} if dry_run else {"kernels": 8, "model": 15, "speed": 6, "llama": 80, "default": 20})
+        speed_iters=(1, 2) if dry_run else (2, 10), training=training, frontier=frontier,
+        train_steps=(1, 2) if dry_run else (2, 8),
+        estimates={} if dry_run else {"kernels": 8, "model": 15, "speed": 6, "llama": 80, "default": 20, "moe": 60})
+
+
+# DeepSeek-V3's architecture at a width one GPU trains with AdamW (2.5B parameters, 0.9B active): its MLA
+# head dims (q rank 1536, latent 512, q/k 128 + 64, values 128), a dense first layer, 64 routed experts of
+# width 1408 (6 per token from 4 of 8 groups, sigmoid, selection bias) and 2 shared ones, its 129,280 vocabulary.
+DEEPSEEK_SHAPED = ["model_name=deepseek3-671b", "base_emb_dim=2048", "base_num_query_heads=16",
+                   "base_num_kv_heads=16", "base_mlp_dim=10944", "base_moe_mlp_dim=1408", "base_num_decoder_layers=4",
+                   "first_num_dense_layers=1", "num_experts=64", "num_experts_per_tok=6", "shared_experts=2"]
+# gpt-oss-20b's layers (width 2880, 64/8 heads of 64, sinks, 128-token windows every other layer, clamped
+# SwiGLU experts with biases, 4 per token) with 4 layers and 16 of its 32 experts (2.8B parameters).
+GPT_OSS_SHAPED = ["model_name=gpt-oss-20b", "base_num_decoder_layers=4", "num_experts=16"]
+TINY_MOE = ["base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=4", "base_mlp_dim=128",
+            "base_moe_mlp_dim=32", "num_experts=8", "vocab_size=512", "max_target_length=64", "base_num_decoder_layers=2"]
+
+
+def frontier_runs(llama: list, dry_run: bool) -> list:
+    """(label, overrides) of the frontier part: the MoE families at sequence 4096 and llama3.2-1b b8 (remat
+    full, the training part's first row) with float8 matmuls and with Muon."""
+    common = ["max_target_length=4096", "dtype=bfloat16", "dataset_type=synthetic", "remat_policy=full"]
+    deepseek, gpt_oss = [*DEEPSEEK_SHAPED, *common], [*GPT_OSS_SHAPED, *common]
+    if dry_run:
+        deepseek = config_lib.with_overrides(
+            deepseek, *TINY_MOE, "head_dim=24", "q_lora_rank=32", "kv_lora_rank=16", "qk_nope_head_dim=16",
+            "qk_rope_head_dim=8", "v_head_dim=16", "num_experts_per_tok=2", "n_routing_groups=4",
+            "topk_routing_group=2")
+        gpt_oss = config_lib.with_overrides(gpt_oss, *TINY_MOE, "head_dim=16", "num_experts_per_tok=2",
+                                            "sliding_window_size=16")
+    b = 1 if dry_run else 8
+    dense = [*llama, f"per_device_batch_size={b}", "remat_policy=full"]
+    # capacity dispatch first: XLA:GPU computes dropless's ragged_dot over every expert (compiled for one H100,
+    # the DeepSeek-shaped step needs 118 GiB dropless at batch 4, 41 GiB with capacity)
+    big, small = (1, 1) if dry_run else (4, 1)
+    gpt_big = 1 if dry_run else 2
+    return [(f"deepseek-shaped b{big} capacity", [*deepseek, f"per_device_batch_size={big}", "moe_dispatch=capacity"]),
+            (f"gpt-oss-shaped b{gpt_big} capacity", [*gpt_oss, f"per_device_batch_size={gpt_big}",
+                                                      "moe_dispatch=capacity"]),
+            (f"llama3.2-1b b{b} remat full fp8", [*dense, "quantization=fp8"]),
+            (f"llama3.2-1b b{b} remat full muon", [*dense, "opt_type=muon"]),
+            (f"deepseek-shaped b{small} dropless", [*deepseek, f"per_device_batch_size={small}"]),
+            (f"gpt-oss-shaped b{small} dropless", [*gpt_oss, f"per_device_batch_size={small}"]),
+            (f"llama3.2-1b b{b} remat full fp8_mlp", [*dense, "quantization=fp8_mlp"])]
 
 
 def load(overrides: list, steps: int = 1):
@@ -342,6 +389,7 @@ COLUMNS = {
                  ("compiled_gib", "compiled GiB", "{:.2f}"), ("peak_gib", "peak GiB", "{:.2f}"),
                  ("loss", "loss", "{}")],
 }
+COLUMNS["frontier"] = COLUMNS["training"]
 NOTES = {
     "kernels": "Relative Frobenius error of out, dq, dk, dv (the largest shown) against the float32 reference at "
                "full matmul precision; GQA 4:1, fresh random normal inputs per case.",
@@ -349,6 +397,9 @@ NOTES = {
              "params, against dot_product in float32 at full matmul precision.",
     "speed": "Causal, bf16, no segment ids; TFLOP/s = 2.5 x 4*B*T*S*N*H/2 / time (useful matmul work).",
     "training": "Synthetic data; model FLOPs (remat not counted); MFU against the dense bf16 peak.",
+    "frontier": "As training; MoE FLOPs count the active experts only (6 of 64, 4 of 16), MFU against the dense "
+                "bf16 peak (float8 too: the dense fp8 peak is twice it). Compare fp8 and muon with the training "
+                "part's 'llama3.2-1b b8 remat full' row (bf16, AdamW).",
 }
 
 
@@ -382,9 +433,9 @@ def run_part(report: Report, plan: Plan, name: str, share: float) -> None:
                     continue
                 part.run(label, lambda i=impl, h=head_dim, t=length: speed(plan, i, h, t), kind="speed",
                          estimate=estimate("speed", 0))
-    elif name == "training":
-        for label, overrides in plan.training:
-            kind = "default" if label.startswith("default") else "llama"
+    elif name in ("training", "frontier"):
+        for label, overrides in plan.training if name == "training" else plan.frontier:
+            kind = "default" if label.startswith("default") else "llama" if label.startswith("llama") else "moe"
             part.run(label, lambda o=overrides: training(plan, o), kind=kind, estimate=estimate(kind, 0))
 
 
@@ -394,7 +445,8 @@ def parse_args(argv):
     parser.add_argument("--budget", type=float, default=BUDGET_SECONDS,
                         help=f"wall seconds for all parts, compiles included (default {BUDGET_SECONDS})")
     parser.add_argument("--dry-run", action="store_true", help="run on this CPU with tiny shapes (interpret mode)")
-    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, in order (default {','.join(PARTS)})")
+    parser.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                        help=f"comma-separated, in order, of {', '.join(PARTS)} (default {','.join(DEFAULT_PARTS)})")
     parser.add_argument("--print-device-call", action="store_true", help="print the `device` tool call and exit")
     args = parser.parse_args(argv)
     args.parts = [p for p in args.parts.split(",") if p]

