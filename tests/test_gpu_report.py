@@ -205,7 +205,7 @@ def test_dry_run_runs_every_part_on_the_cpu(tmp_path):
     done = _run_script(tmp_path, "--dry-run", "--out", str(tmp_path), "--budget", "2000", timeout=2400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads((tmp_path / "report.json").read_text())
-    assert [p["name"] for p in data["parts"]] == list(gpu_report.PARTS) and data["finished"]
+    assert [p["name"] for p in data["parts"]] == list(gpu_report.DEFAULT_PARTS) and data["finished"]
     for part in data["parts"]:
         assert all("error" not in r for r in part["rows"]), (part["name"], part["rows"])
         assert all("cuDNN" in s["reason"] for s in part["skipped"]), part["skipped"]
@@ -215,7 +215,7 @@ def test_dry_run_runs_every_part_on_the_cpu(tmp_path):
     assert counts == {"environment": 3, "kernels": len(plan.kernel_cases), "model": len(plan.model_variants) - 1,
                       "speed": 2 * len(plan.speed_shapes), "training": len(plan.training)}
     markdown = (tmp_path / "report.md").read_text()
-    assert sum(line.startswith("| --- ") for line in markdown.splitlines()) == len(gpu_report.PARTS)  # one table each
+    assert sum(line.startswith("| --- ") for line in markdown.splitlines()) == len(gpu_report.DEFAULT_PARTS)  # one each
 
 
 def test_the_checks_catch_a_wrong_mask_and_never_pass_nan():
