@@ -178,3 +178,13 @@ def test_the_summary_names_the_hidden_chunks_the_block_runs(layout, line):
     r = builder.build(load_config(with_overrides([BASE_YML, *TINY], "per_device_batch_size=1", *MOE,
                                                  *LAYOUTS[layout])), devices=tuple(jax.devices()[:8]))
     assert line in builder.moe_line(r)
+
+
+@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
+def test_the_summary_says_where_dropless_computes_every_expert(dispatch):
+    """XLA:CPU (and XLA:GPU) compute ragged_dot over every expert: the summary says so, and names the fix."""
+    r = builder.build(load_config(with_overrides([BASE_YML, *TINY], "per_device_batch_size=1", *MOE,
+                                                 f"moe_dispatch={dispatch}")), devices=tuple(jax.devices()[:1]))
+    assert r.rt.backend == "cpu"
+    said = "XLA:CPU computes its grouped matmul over all" in builder.moe_line(r)
+    assert said == (dispatch == "dropless") and (not said or "moe_dispatch=capacity" in builder.moe_line(r))

@@ -249,6 +249,10 @@ def load_model(config, *, devices=None, read_params: bool = True, log=print) -> 
     return model
 
 
+# Backends whose XLA lowers jax.lax.ragged_dot densely, every row against every expert (jax 0.10 to 0.12).
+DENSE_RAGGED_DOT = ("cpu", "gpu")
+
+
 def moe_line(run: Run) -> str:
     """The start-up summary's line about the experts."""
     config = run.config
@@ -262,6 +266,10 @@ def moe_line(run: Run) -> str:
     experts = (config.num_experts, config.base_emb_dim, moe.expert_dim(config))
     chunks = moe.mesh_axes(settings, run.mesh, config.logical_axis_rules, experts).hidden_chunks
     auto = " (autoselected)" if config.num_moe_hidden_tiling == -1 else ""
+    if config.moe_dispatch == "dropless" and run.rt.backend in DENSE_RAGGED_DOT:
+        # measured: docs/moe.md (CPU 3x, an H100 10x slower per token than capacity)
+        capacity = (f" (XLA:{run.rt.backend.upper()} computes its grouped matmul over all {config.num_experts} "
+                    "experts; moe_dispatch=capacity computes the chosen ones)")
     return (f"experts: {config.num_experts} x F {moe.expert_dim(config)}, {config.num_experts_per_tok} per token, in "
             f"{moe_layers} of {config.base_num_decoder_layers} layers  active params "
             f"{models.num_active_params(config) / 1e6:,.2f}M  dispatch {config.moe_dispatch}{capacity}  "
