@@ -101,7 +101,8 @@ def test_quantised_pairs_read_through_the_import_hook(tmp_path):
     np.testing.assert_array_equal(read["experts.gate_up_proj"], np.swapaxes(gate_up, 1, 2))  # [E, in 64, out 6]
     assert read["norm.weight"].tobytes() == stored["norm.weight"].tobytes() and "a.weight_scale_inv" not in read
 
-    # A Llama whose projections are stored as fp8 in 128x128 blocks (the embedding and norms stay as they are).
+    # A Llama whose projections are stored as fp8 in 64x32 blocks, as its config.json's quantization_config says
+    # (the embedding and norms stay as they are).
     config = config_lib.load_config([str(REPO / "configs" / "base.yml"), "base_emb_dim=160", "base_num_query_heads=2",
                                      "base_num_kv_heads=1", "head_dim=32", "base_mlp_dim=136",
                                      "base_num_decoder_layers=1", "vocab_size=256"])
@@ -111,21 +112,25 @@ def test_quantised_pairs_read_through_the_import_hook(tmp_path):
     hf, quantised = convert.to_hf(params, keys, np.float32), {}
     for name, w in hf.items():
         if name.endswith("proj.weight"):
-            scale_inv = rng.uniform(0.05, 0.2, (-(-w.shape[0] // 128), -(-w.shape[1] // 128))).astype(np.float32)
+            scale_inv = rng.uniform(0.05, 0.2, (-(-w.shape[0] // 64), -(-w.shape[1] // 32))).astype(np.float32)
             quantised[name] = random_fp8(rng, w.shape)
             quantised[name + "_scale_inv"] = scale_inv
-            hf[name] = reference_fp8(quantised[name], scale_inv)
+            hf[name] = reference_fp8(quantised[name], scale_inv, block=(64, 32))
         else:
             quantised[name] = w
-    assert "note: dequantised 7 fp8 tensors" in import_and_compare(tmp_path / "fp8_llama", keys, quantised, hf)
+    blocks = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [64, 32]}
+    assert "note: dequantised 7 fp8 tensors" in import_and_compare(tmp_path / "fp8_llama", keys, quantised, hf,
+                                                                    quantization_config=blocks)
+    with pytest.raises(safetensors_files.FormatError, match=r"weight_block_size is \[64\]; fp8 block scales need"):
+        dequantize.fp8_block({"quantization_config": {"weight_block_size": [64]}})
 
 
-def import_and_compare(hf_dir, keys, quantised, dequantised) -> list[str]:
+def import_and_compare(hf_dir, keys, quantised, dequantised, **config_extra) -> list[str]:
     """Writes `quantised` as a Hugging Face model, imports it, checks the import equals `dequantised`
     (the same tensors, dequantised by the reference) converted to maxtrain; returns the import's notes."""
     hf_dir.mkdir()
     safetensors_files.write(str(hf_dir / "model.safetensors"), quantised)
-    (hf_dir / "config.json").write_text(json.dumps(convert.hf_config(keys, None, "float32")))
+    (hf_dir / "config.json").write_text(json.dumps({**convert.hf_config(keys, None, "float32"), **config_extra}))
     notes = []
     out = hf_dir.parent / (hf_dir.name + "_out")
     convert.import_hf(str(hf_dir), str(out), log=notes.append)

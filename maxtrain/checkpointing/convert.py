@@ -258,7 +258,8 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
         raise ConversionError(f"{ckpt_dir} already holds a checkpoint; choose an empty output directory")
     try:
         stored = safetensors_files.read_model_dir(hf_dir)
-        readable = dequantize.Dequantized(stored)  # fp8 / MXFP4 pairs as one tensor, dequantised when read
+        # fp8 / MXFP4 pairs as one tensor, dequantised when read
+        readable = dequantize.Dequantized(stored, dequantize.fp8_block(hf))
         tensors = _without_prediction_layers(_text_tensors(readable, notes), hf, keys, notes)
     except safetensors_files.FormatError as e:
         raise ConversionError(str(e)) from None

@@ -11,7 +11,8 @@
     Dequantized(tensors)
         a checkpoint's tensors with every quantised pair read as one tensor under the name of the
         unquantised checkpoint, dequantised when it is read (a Mapping; nothing is computed up front):
-          X.weight + X.weight_scale_inv  ->  X.weight                   (fp8 blocks of 128 x 128)
+          X.weight + X.weight_scale_inv  ->  X.weight                   (fp8 blocks of 128 x 128, or config.json's
+                                                                         quantization_config.weight_block_size)
           X_blocks + X_scales            ->  X, its last two axes swapped (MXFP4: gpt-oss stores its experts
                                              [E, out, in] quantised along `in`; transformers' gate_up_proj and
                                              down_proj are [E, in, out])
@@ -67,11 +68,25 @@ def dequantize_mxfp4(blocks, scales, name: str = ""):
     return values.reshape(*b.shape[:-2], b.shape[-2] * MXFP4_GROUP)
 
 
-class Dequantized(Mapping):
-    """`tensors` with each quantised pair as one tensor (see the module docstring), dequantised when read."""
+def fp8_block(hf_config: Mapping) -> tuple[int, int]:
+    """The fp8 tile of a checkpoint's config.json: quantization_config.weight_block_size ([128, 128] for
+    DeepSeek-V3), (128, 128) where the config does not say."""
+    block = (hf_config.get("quantization_config") or {}).get("weight_block_size")
+    if block is None:
+        return (128, 128)
+    if (not isinstance(block, (list, tuple)) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise FormatError(f"config.json: quantization_config.weight_block_size is {block!r}; fp8 block scales need "
+                          "two positive integers (rows, columns), e.g. [128, 128]")
+    return (block[0], block[1])
 
-    def __init__(self, tensors: Mapping):
-        self.tensors, self.pairs = tensors, {}
+
+class Dequantized(Mapping):
+    """`tensors` with each quantised pair as one tensor (see the module docstring), dequantised when read;
+    fp8 weights in `fp8_block` tiles (fp8_block(config.json))."""
+
+    def __init__(self, tensors: Mapping, fp8_block: tuple[int, int] = (128, 128)):
+        self.tensors, self.pairs, self.fp8_block = tensors, {}, fp8_block
         for name in tensors:
             if name.endswith(".weight" + FP8_SCALE_SUFFIX):
                 weight = name[:-len(FP8_SCALE_SUFFIX)]
@@ -92,7 +107,7 @@ class Dequantized(Mapping):
             return self.tensors[name]
         kind, first, second = self.pairs[name]
         if kind == "fp8":
-            return dequantize_fp8_blocks(self.tensors[first], self.tensors[second], name=name)
+            return dequantize_fp8_blocks(self.tensors[first], self.tensors[second], self.fp8_block, name=name)
         return np.swapaxes(dequantize_mxfp4(self.tensors[first], self.tensors[second], name=name), -1, -2)
 
     def __iter__(self):
