@@ -10,7 +10,6 @@ On TPU, models/fp8.py's TPU form: every decoder matmul must be a convolution of 
 [tpu] extra)."""
 
 import collections
-import os
 import re
 
 import pytest
@@ -56,13 +55,10 @@ def float8_convolutions(hlo: str) -> collections.Counter:
 
 
 def test_every_decoder_matmul_has_float8_operands_on_tpu_v7x():
-    """One layer on a 2x2x1 v7x (8 TensorCores), compiled through builder.build (compile/targets.py has no v7x)."""
+    """One layer on a v7x-8 (4 chips, 2x2x1, 8 TensorCores each a device), compiled through builder.build."""
     need("tpu")
-    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-    topologies.quiet_libtpu_without_chips()
-    from jax.experimental import topologies as jax_topologies  # pylint: disable=import-outside-toplevel
-    devices = jax_topologies.get_topology_desc(platform="tpu", topology_name="tpu7x:2x2x1",
-                                               chip_config_name="default").devices
+    devices = topologies.parse("v7x-8").devices()
+    assert len(devices) == 8 and devices[0].device_kind == "TPU7x"
     config = builder.load_config([BASE_YML, MIXED[0], *MIXED[2:7], "base_num_decoder_layers=1", *MIXED[8:11], "quantization=fp8",
                                   "quantize_output_head=true"])
     run = builder.build(config, devices=list(devices), platform="tpu", num_processes=1)

@@ -40,11 +40,14 @@ from conftest import BASE_YML, REPO
     ("v5e-128", 2, "v5e", 256, (8, 16)),
     ("v6e-64", 1, "v6e", 64, (8, 8)),
     ("v6e-8", 1, "v6e", 8, (2, 4)),
+    ("v7x-8", 1, "v7x", 4, (2, 2, 1)),         # v7x counts TensorCores, each a device: 8 devices
+    ("tpu7x-128", 1, "v7x", 64, (4, 4, 4)),
 ])
 def test_tpu_names_follow_maxtext(name, slices, chip, chips, shape):
     target = topologies.parse(name, slices)
     assert (target.platform, target.chip, target.num_chips, target.shape) == ("tpu", chip, chips, shape)
-    assert target.memory_bytes == {"v4": 32, "v5p": 95, "v5e": 16, "v6e": 32}[chip] * 2**30
+    assert target.memory_bytes == {"v4": 32, "v5p": 95, "v5e": 16, "v6e": 32, "v7x": 96}[chip] * 2**30
+    assert target.num_devices == chips * (2 if chip == "v7x" else 1)
 
 
 @pytest.mark.parametrize("name, wrap", [

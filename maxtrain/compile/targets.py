@@ -7,6 +7,8 @@ Names (`compile_topology`, with `compile_topology_num_slices`):
 
     v4-N, v5p-N        N TensorCores, two per chip (v5p-128 = 64 chips as a 4x4x4 torus)
     v5e-N, v6e-N       N chips (v5e-256 = a 16x16 pod); v5litepod-N is v5e-N
+    v7x-N              N TensorCores, two per chip and each its own device (v7x-8 = 4 chips, 2x2x1, 8 devices);
+                       tpu7x-N is v7x-N
     a3                 one host of 8 H100s (MaxText's name); compile_topology_num_slices = hosts
     h100-N, h200-N     N GPUs, 8 per host; compile_topology_num_slices = copies joined over the network
     a100-N             likewise (kernel lowering tests: the pre-Hopper shared-memory limit)
@@ -39,14 +41,17 @@ GIB = 2**30
 # TPU v4 and v5p chips hold two TensorCores presented as one device (megacore).
 # libtpu's chip config "megacore" presents a v4 chip's two TensorCores as one device; its
 # "default" already does so for v5p, and v5e and v6e chips have one TensorCore.
+# TPU v7x (Ironwood) chips hold two TensorCores presented as two devices, each with half the chip's 192 GiB.
 TPU_CHIPS = {
-    #       topology prefix, chip config, torus dims, memory bytes, cores per chip
+    #       topology prefix, chip config, torus dims, memory bytes per device, cores per chip
     "v4": ("v4", "megacore", 3, 32 * GIB, 2),
     "v5p": ("v5p", "default", 3, 95 * GIB, 2),
     "v5e": ("v5e", "default", 2, 16 * GIB, 1),
     "v6e": ("v6e", "default", 2, 32 * GIB, 1),
+    "v7x": ("tpu7x", "default", 3, 96 * GIB, 2),
 }
-TPU_ALIASES = {"v5litepod": "v5e", "v6": "v6e", "v5": "v5p"}
+TPU_DEVICES_PER_CHIP = {"v7x": 2}  # the others present one device per chip
+TPU_ALIASES = {"v5litepod": "v5e", "v6": "v6e", "v5": "v5p", "tpu7x": "v7x"}
 
 # GPU kinds: the target config file in maxtrain/compile/gpu_targets/ (which also gives the memory a
 # fit is judged against: the device_memory_size XLA is given).
@@ -70,11 +75,16 @@ class Target:
     num_slices: int
     chips_per_slice: int
     shape: tuple[int, ...]    # TPU: chips per torus dimension; GPU: (hosts per slice, GPUs per host)
-    memory_bytes: int | None  # per chip
+    memory_bytes: int | None  # per device (a chip, but half a v7x chip)
+    devices_per_chip: int = 1
 
     @property
     def num_chips(self) -> int:
         return self.num_slices * self.chips_per_slice
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_chips * self.devices_per_chip
 
     @property
     def wrap(self) -> tuple[bool, bool, bool]:
@@ -93,7 +103,9 @@ class Target:
             return f"this machine: {self.num_chips} {self.chip} device(s)"
         slices = f" x {self.num_slices} slices" if self.num_slices > 1 else ""
         if self.platform == "tpu":
-            return f"{self.name}{slices}: {self.num_chips} chips ({self.chip} {'x'.join(map(str, self.shape))} per slice)"
+            each = f", {self.devices_per_chip} devices each" if self.devices_per_chip > 1 else ""
+            return (f"{self.name}{slices}: {self.num_chips} chips ({self.chip} {'x'.join(map(str, self.shape))} per "
+                    f"slice{each})")
         hosts = self.shape[0] * self.num_slices
         return f"{self.name}{slices}: {self.num_chips} GPUs ({self.chip}, {hosts} host(s) x {self.shape[1]})"
 
@@ -123,8 +135,8 @@ class Target:
                 platform="cuda", topology_name=self.chip, target_config=gpu_target_config(self.chip),
                 topology=f"{self.num_slices}x{hosts}x{per_host}")
         devices = list(desc.devices)
-        if len(devices) != self.num_chips:
-            raise TargetError(f"compile_topology={self.name} gave {len(devices)} devices, expected {self.num_chips} "
+        if len(devices) != self.num_devices:
+            raise TargetError(f"compile_topology={self.name} gave {len(devices)} devices, expected {self.num_devices} "
                               "(a libtpu or CUDA plugin other than the pinned one?)")
         return devices
 
@@ -207,7 +219,7 @@ def torus_shape(chips: int, dims: int) -> tuple[int, ...] | None:
     return (y, z, x) if x == 1 else (x, y, z)
 
 
-_TPU_NAME = re.compile(r"^(v4|v5p|v5e|v6e|v5litepod|v5|v6)-(\d+)$")
+_TPU_NAME = re.compile(r"^(v4|v5p|v5e|v6e|v7x|v5litepod|v5|v6|tpu7x)-(\d+)$")
 _GPU_NAME = re.compile(r"^(" + "|".join(GPU_TARGET_FILES) + r")-(\d+)$")
 
 
@@ -239,7 +251,7 @@ def parse(name: str, num_slices: int = 1) -> Target:
             examples = ", ".join(f"{chip}-{n * cores}" for n in ((4, 16, 64, 256) if dims == 2 else (4, 8, 64, 512)))
             raise TargetError(f"compile_topology={name}: {chips} {chip} chips do not form a Cloud TPU slice "
                               f"({'powers of two' if dims == 2 else 'sides of 1, 2 or multiples of 4'}); e.g. {examples}")
-        return Target(name, "tpu", chip, num_slices, chips, shape, memory)
+        return Target(name, "tpu", chip, num_slices, chips, shape, memory, TPU_DEVICES_PER_CHIP.get(chip, 1))
     if key == "a3":
         return Target(name, "gpu", "h100", num_slices, GPUS_PER_HOST, (1, GPUS_PER_HOST), gpu_memory_bytes("h100"))
     match = _GPU_NAME.match(key)
@@ -252,6 +264,7 @@ def parse(name: str, num_slices: int = 1) -> Target:
         return Target(name, "gpu", chip, num_slices, count, (hosts, per_host), gpu_memory_bytes(chip))
     raise TargetError(
         f"compile_topology={name!r} is not a target this compiler knows. Use a TPU slice by MaxText's name "
-        "(v4-8, v5p-128, v5e-256, v6e-64, ...: v4 and v5p count TensorCores, v5e and v6e chips), a3 (8 H100s; "
+        "(v4-8, v5p-128, v5e-256, v6e-64, v7x-8, ...: v4, v5p and v7x count TensorCores, v5e and v6e chips), a3 "
+        "(8 H100s; "
         "compile_topology_num_slices=hosts), h100-N, h200-N or a100-N (N GPUs, 8 per host), or '' for this machine.")
 

@@ -46,6 +46,7 @@ PEAK_TFLOPS = {
     "TPU v5": 459.0,
     "TPU v6 lite": 918.0,    # Trillium (v6e)
     "TPU v6e": 918.0,
+    "TPU7x": 1153.5,         # Ironwood (v7x): 2,307 a chip, whose two TensorCores are two devices
 }
 
 
