@@ -54,7 +54,7 @@ MOE_KEYS = ("num_experts", "base_moe_mlp_dim", "decoder_sparse_step", "mlp_only_
 # Model keys added with the deepseek family (MLA, shared experts, its router): a checkpoint written before
 # them has neither, which their base.yml defaults describe.
 DEEPSEEK_SHAPE_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                       "first_num_dense_layers", "shared_experts", "routed_bias")
+                       "first_num_dense_layers", "shared_experts", "routed_bias", "mtp_num_layers")
 DEEPSEEK_SETTING_KEYS = ("rope_interleave", "rope_mscale_all_dim", "n_routing_groups", "topk_routing_group",
                          "routed_scaling_factor")
 SHAPE_KEYS += DEEPSEEK_SHAPE_KEYS
