@@ -19,20 +19,19 @@ from maxtrain.checkpointing import convert, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.models import mtp
 from maxtrain.parallel import sharding
-from maxtrain.training import builder
 from test_deepseek import DEEPSEEK, tiny
 
 T = 32
 
 
-def packed(docs: list[list[int]], rows: int | None = None) -> dict:
-    """A batch of rows of T tokens: `docs` packed into one row, or one document per row (rows=len(docs)),
+def packed(docs: list[list[int]], rows: int = 1, apart: bool = False) -> dict:
+    """A batch of `rows` rows of T tokens: `docs` packed into the first row, or one document per row (apart),
     each document's last token with no target (weight 0), the rest padding (segment 0, weight 0)."""
-    out = {k: np.zeros((rows or 1, T), np.int32) for k in ("inputs", "targets", "positions", "segment_ids")}
-    out["loss_weights"] = np.zeros((rows or 1, T), np.float32)
+    out = {k: np.zeros((rows, T), np.int32) for k in ("inputs", "targets", "positions", "segment_ids")}
+    out["loss_weights"] = np.zeros((rows, T), np.float32)
     start = 0
     for d, doc in enumerate(docs):
-        r, start = (d, 0) if rows else (0, start)
+        r, start = (d, 0) if apart else (0, start)
         n = len(doc)
         out["inputs"][r, start:start + n] = doc
         out["targets"][r, start:start + n - 1] = doc[1:]
@@ -41,6 +40,14 @@ def packed(docs: list[list[int]], rows: int | None = None) -> dict:
         out["loss_weights"][r, start:start + n - 1] = 1.0
         start += n
     return {k: jnp.asarray(v) for k, v in out.items()}
+
+
+def numpy_params(config, seed: int = 0) -> dict:
+    """Params drawn as their specs say, in numpy (initializing the ~60 tiny arrays through XLA costs seconds)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: np.full(s.shape, {"ones": 1.0, "zeros": 0.0}.get(s.init, 0.0), np.float32)
+                        + (s.stddev * rng.normal(size=s.shape)).astype(np.float32),
+                        models.param_specs(config), is_leaf=models.is_spec)
 
 
 def test_the_shifted_targets_stay_in_their_document():
@@ -57,12 +64,12 @@ def test_a_packed_row_gives_the_mtp_loss_of_its_documents_run_apart():
     same MTP cross-entropy (two modules), so no module reads or predicts across the document boundary."""
     config = tiny("mtp_num_layers=2", "mtp_loss_scaling_factor=0.3")
     rt = models.Runtime.from_config(config)
-    params = models.init_params(config, jax.random.key(0))
+    params = numpy_params(config)
     rng = np.random.default_rng(0)
     docs = [list(rng.integers(1, 512, 12)), list(rng.integers(1, 512, 15))]
     fn = jax.jit(lambda p, b: models.loss_fn(p, b, config, rt))
-    loss_p, weight_p, aux_p = fn(params, packed(docs))
-    loss_s, weight_s, aux_s = fn(params, packed(docs, rows=2))
+    loss_p, weight_p, aux_p = fn(params, packed(docs, rows=2))  # the second row all padding: one compilation
+    loss_s, weight_s, aux_s = fn(params, packed(docs, rows=2, apart=True))
     assert float(weight_p) == float(weight_s) == 25.0
     np.testing.assert_allclose(float(loss_p), float(loss_s), rtol=2e-6)
     np.testing.assert_allclose(float(aux_p["mtp_ce"]), float(aux_s["mtp_ce"]), rtol=2e-6)
@@ -71,32 +78,29 @@ def test_a_packed_row_gives_the_mtp_loss_of_its_documents_run_apart():
 
 
 def test_the_mtp_loss_on_a_mesh_equals_one_device():
-    """The loss, mtp_loss and the MTP modules' gradients with params and activations sharded as a run shards
-    them (the modules' experts on the expert axis), against one device."""
+    """The loss, mtp_loss and the balance loss with params and activations sharded as a run shards them (the
+    modules' experts on the expert axis) on fsdp 2 x tensor 2 x expert 2, against one device. (The MoE
+    block's gradients under expert parallelism: test_deepseek.py and test_moe_sharding.py.)"""
     config = tiny("mtp_num_layers=1", "seq_balance_loss_weight=0.1", "num_experts_per_tok=2")
+    rt, specs, rules = models.Runtime.from_config(config), models.param_specs(config), config.logical_axis_rules
+    params = numpy_params(config)
     rng = np.random.default_rng(1)
-    docs = [list(rng.integers(1, 512, n)) for n in (20, 9, 30, 32, 5, 17, 25, 11)]
-    batch = packed(docs, rows=8)
+    batch = packed([list(rng.integers(1, 512, n)) for n in (20, 9, 30, 32, 5, 17, 25, 11)], rows=8, apart=True)
 
-    def run(devices, **sizes):
-        r = builder.build(config.replace(**{f"ici_{a}_parallelism": n for a, n in sizes.items()}), devices=devices)
-        state = r.init(jax.random.key(0))
-        with sharding.activation_sharding(r.mesh, r.config.logical_axis_rules):
-            def objective(p):
-                loss, weight, aux = models.loss_fn(p, batch, r.config, r.rt)
-                return models.objective(loss, weight, aux) / weight, (loss / weight, aux)
-            grads, (loss, aux) = jax.jit(jax.grad(objective, has_aux=True))(state["params"])
-        return float(loss), {k: float(v) for k, v in aux.items() if k.startswith(("mtp", "moe_seq"))}, \
-            jax.device_get(grads["mtp"])
+    def run(mesh):
+        with sharding.activation_sharding(mesh, rules):
+            placed = jax.tree.map(lambda a, s: jax.device_put(a, sharding.named_sharding(mesh, s.axes, rules)),
+                                  params, specs, is_leaf=models.is_spec)
+            loss, weight, aux = jax.jit(lambda p: models.loss_fn(p, batch, config, rt))(placed)
+        assert mesh.size == 1 or placed["mtp"]["w_up"].sharding.spec[1] == "expert"  # the modules' experts
+        return float(loss / weight), {k: float(v) for k, v in aux.items() if k.startswith(("mtp", "moe_seq"))}
 
-    want = run(jax.devices()[:1])
-    got = run(jax.devices()[:8], fsdp=2, tensor=2, expert=2)
+    want = run(sharding.mesh_of(jax.devices()[:1]))
+    got = run(sharding.mesh_of(jax.devices(), fsdp=2, tensor=2, expert=2))
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     assert want[1]["mtp_loss"] > 0 and want[1]["moe_seq_balance_loss"] > 0
     for name in want[1]:
         np.testing.assert_allclose(got[1][name], want[1][name], rtol=1e-5, err_msg=name)
-    for (path, g), r in zip(jax.tree_util.tree_flatten_with_path(got[2])[0], jax.tree.leaves(want[2])):
-        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(r))), err_msg=str(path))
 
 
 @pytest.mark.slow
