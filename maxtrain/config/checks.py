@@ -418,9 +418,6 @@ def _multi_token_prediction(v):
         return
     _require(v["decoder_block"] == "deepseek", f"mtp_num_layers={n} is a deepseek setting (its multi-token "
                                                "prediction modules); use decoder_block=deepseek, or mtp_num_layers=0")
-    _require(v["first_num_dense_layers"] < v["base_num_decoder_layers"],
-             f"mtp_num_layers={n}: an MTP module is a MoE block like the model's last layer, but all "
-             f"{v['base_num_decoder_layers']} layers are dense; set first_num_dense_layers below base_num_decoder_layers")
     for key in ("use_dpo", "use_grpo", "use_distillation"):
         _require(not v[key], f"mtp_num_layers={n} with {key}=true: multi-token prediction is a loss of the next-token "
                              "objectives (pre-training, SFT); set mtp_num_layers=0")
