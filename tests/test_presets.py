@@ -107,20 +107,18 @@ MOE_FLOPS = ["num_experts=4", "num_experts_per_tok=2", "moe_dispatch=capacity", 
              "per_device_batch_size=16"]
 FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers=[1]", "base_moe_mlp_dim=192"],
                 "gpt_oss": MOE_FLOPS,
-                # MLA (q/k 24 + 8 features, values 40), a dense first layer, one shared expert
+                # MLA (q/k 24 + 8 features, values 40), a dense first layer, one shared expert, one MTP module
                 "deepseek": [*MOE_FLOPS, "base_num_kv_heads=4", "q_lora_rank=48", "kv_lora_rank=32",
                              "qk_nope_head_dim=24", "qk_rope_head_dim=8", "v_head_dim=40", "first_num_dense_layers=1",
-                             "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true"]}
-FAMILY_FLOPS["deepseek-mtp"] = [*FAMILY_FLOPS["deepseek"], "mtp_num_layers=1"]  # one MTP module (models/mtp.py)
+                             "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true", "mtp_num_layers=1"]}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", [*models.FAMILIES, "deepseek-mtp"])
+@pytest.mark.parametrize("family", list(models.FAMILIES))
 def test_flops_formula_matches_xla_count(family):
     """Within 5%: XLA also counts the elementwise work the formula leaves out (norms, softmax,
     activations, soft-caps, AdamW)."""
-    cfg = load_config(with_overrides([BASE_YML, *FLOPS_MODEL], f"decoder_block={family.split('-')[0]}",
-                                     *FAMILY_FLOPS.get(family, [])))
+    cfg = load_config(with_overrides([BASE_YML, *FLOPS_MODEL], f"decoder_block={family}", *FAMILY_FLOPS.get(family, [])))
     run = builder.build(cfg, devices=jax.devices()[:1])
     cost = run.compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
