@@ -153,6 +153,12 @@ def test_hugging_face_import_reads_the_modules_with_keep_mtp_and_export_leaves_t
     np.testing.assert_array_equal(got["router_bias"][0], module["model.layers.2.mlp.gate.e_score_correction_bias"])
     assert not any("multi-token" in n for n in notes)
 
+    bare = tmp_path / "bare"  # as transformers saves it: the field, no modules
+    bare.mkdir()
+    safetensors_files.write(str(bare / "model.safetensors"), main)
+    (bare / "config.json").write_text(json.dumps(hf_config))
+    with pytest.raises(convert.ConversionError, match=r"no model\.layers\.2\.\* tensors.*import without --keep_mtp"):
+        convert.import_hf(str(bare), str(tmp_path / "bad"), log=notes.append, keep_mtp=True)
     notes = []
     assert convert.import_hf(str(hf_dir), str(tmp_path / "without"), log=notes.append)["mtp_num_layers"] == 0
     assert "mtp" not in checkpoint_files.read_params(str(tmp_path / "without"))
@@ -162,4 +168,5 @@ def test_hugging_face_import_reads_the_modules_with_keep_mtp_and_export_leaves_t
     convert.export_hf(str(tmp_path / "with"), str(tmp_path / "exported"), log=notes.append)
     exported = safetensors_files.read_model_dir(str(tmp_path / "exported"))
     assert sorted(exported) == sorted(main) and any("not exported" in n for n in notes)
-    assert json.loads((tmp_path / "exported" / "config.json").read_text())["num_nextn_predict_layers"] == 0
+    # the imported original's config.json, as transformers reads it (it builds no MTP and ignores the field)
+    assert json.loads((tmp_path / "exported" / "config.json").read_text())["num_nextn_predict_layers"] == 1

@@ -267,6 +267,9 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
     keys = model_keys(hf, notes)
     if keep_mtp:
         keys["mtp_num_layers"] = prediction_layers(hf)
+        if not keys["mtp_num_layers"]:
+            raise ConversionError(f"--keep_mtp: {hf_dir}/config.json declares no multi-token-prediction modules "
+                                  "(num_nextn_predict_layers); import without --keep_mtp")
     ckpt_dir = os.path.join(os.path.abspath(out_dir), "checkpoints")
     if checkpoint_files.complete_steps(ckpt_dir):
         raise ConversionError(f"{ckpt_dir} already holds a checkpoint; choose an empty output directory")
@@ -274,6 +277,10 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
         stored = safetensors_files.read_model_dir(hf_dir)
         readable = dequantize.Dequantized(stored)  # fp8 / MXFP4 pairs as one tensor, dequantised when read
         tensors = _without_prediction_layers(_text_tensors(readable, notes), hf, keys, notes)
+        first = f"model.layers.{keys['base_num_decoder_layers']}."
+        if keep_mtp and not any(n.startswith(first) for n in tensors):
+            raise ConversionError(f"--keep_mtp: the checkpoint holds no {first}* tensors, the multi-token-prediction "
+                                  "modules config.json declares (transformers saves none); import without --keep_mtp")
     except safetensors_files.FormatError as e:
         raise ConversionError(str(e)) from None
     source_dtypes = sorted({str(t.dtype) for t in stored.values()})
@@ -399,8 +406,6 @@ def hf_config(keys: dict, original: dict | None, dtype: str) -> dict:
                 out.update(architectures=[family.FAMILY.hf_architecture], model_type=family.FAMILY.hf_model_types[0])
                 out.pop("vision_config", None)
             out.update(torch_dtype=dtype, dtype=dtype)
-            if out.get("num_nextn_predict_layers"):  # DeepSeek's MTP modules are never exported (export_hf)
-                out["num_nextn_predict_layers"] = 0
             return out
     base = {k: v for k, v in (original or {}).items()
             if k in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "initializer_range")}
