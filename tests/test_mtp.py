@@ -144,7 +144,8 @@ def test_hugging_face_import_reads_the_modules_with_keep_mtp_and_export_leaves_t
     (hf_dir / "config.json").write_text(json.dumps(hf_config))
 
     notes = []
-    assert convert.import_hf(str(hf_dir), str(tmp_path / "with"), log=notes.append, keep_mtp=True)["mtp_num_layers"] == 1
+    keys = convert.import_hf(str(hf_dir), str(tmp_path / "with"), log=notes.append, keep_mtp=True)
+    assert keys["mtp_num_layers"] == 1
     got = checkpoint_files.read_params(str(tmp_path / "with"))["mtp"]
     np.testing.assert_array_equal(got["eh_proj"][0], module["model.layers.2.eh_proj.weight"].T)
     np.testing.assert_array_equal(got["final_norm"][0], module["model.layers.2.shared_head.norm.weight"])

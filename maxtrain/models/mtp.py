@@ -52,7 +52,8 @@ def depth_batch(batch: dict, k: int) -> dict:
     """Module k's tokens, targets and weights at each position i (the packing rule above)."""
     same = shifted(batch["segment_ids"], k, -1) == batch["segment_ids"]
     weights = jnp.where(same, shifted(batch["loss_weights"].astype(jnp.float32), k, 0), 0.0)
-    return {"inputs": shifted(batch["inputs"], k, 0), "targets": shifted(batch["targets"], k, 0), "loss_weights": weights}
+    return {"inputs": shifted(batch["inputs"], k, 0), "targets": shifted(batch["targets"], k, 0),
+            "loss_weights": weights}
 
 
 def loss(x, mtp_params: dict, batch: dict, config, rt, *, embed, block, head_loss) -> dict:
