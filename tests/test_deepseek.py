@@ -7,6 +7,8 @@ Parity with transformers' DeepseekV3 is in test_families.py; expert parallelism 
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,15 +96,22 @@ def test_the_bias_update_alone_balances_a_skewed_router():
 def test_the_train_step_moves_the_bias_by_the_sign_rule_and_a_resumed_run_continues_from_it(tmp_path, cache_dir):  # noqa: F811
     """The bias changes only by +-rate or 0 per step (the optimizer's update, weight decay included, is
     discarded); it is saved with the params, and a resumed run continues from the saved bias. (That a
-    resumed run is bitwise a straight one, params included, is test_checkpoint_resume.py's.)"""
+    resumed run is bitwise a straight one, params included, is test_checkpoint_resume.py's.) With one MTP
+    module: its params are saved and resumed, and its loss is logged beside the main loss (models/mtp.py)."""
     rate = 2.0**-7  # a power of two: bias + rate x sign is exact in float32
     common = [*DEEPSEEK, f"routed_bias_update_rate={rate}", "adam_weight_decay=0.5", "checkpoint_period=2",
-              "learning_rate_schedule_steps=3"]
+              "learning_rate_schedule_steps=3", "mtp_num_layers=1", f"metrics_file={tmp_path / 'm.jsonl'}"]
     first = train(tmp_path, "b", cache_dir, *common, "steps=2")
     saved = checkpoint_files.read_params(str(tmp_path / "b" / "checkpoints" / "2"))
-    assert_bitwise_equal(saved, first.state["params"], "saved params (router bias included)")
+    assert_bitwise_equal(saved, first.state["params"], "saved params (router bias and MTP module included)")
     resumed = train(tmp_path, "b", cache_dir, *common, "steps=3")
     assert int(resumed.state["step"]) == 3
+    # the MTP module (models/mtp.py) resumed from its saved params and trained on; its loss is logged apart
+    resumed_mtp = jax.device_get(resumed.state["params"]["mtp"])
+    assert resumed_mtp.keys() == saved["mtp"].keys() and np.any(resumed_mtp["eh_proj"] != saved["mtp"]["eh_proj"])
+    logged = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == [1, 2, 3]
+    assert all(m["learning/mtp_ce"] > m["learning/mtp_loss"] > 0 for m in logged)
     at_2 = np.asarray(saved["layers"]["moe"]["router_bias"])
     at_3 = np.asarray(resumed.state["params"]["layers"]["moe"]["router_bias"])
     for bias, steps in ((at_2, 2), (at_3, 3)):  # whole multiples of the rate: no other update reached it
