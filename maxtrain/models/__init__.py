@@ -12,6 +12,7 @@
     moe_deepseek.py  DeepSeek's parts of it: sigmoid group-limited router, the selection bias and its
                   update outside the gradient, shared experts (docs/deepseek.md)
     decoder.py    the stack every family shares: layer types, scan over repeating groups, loss, decoding
+    mtp.py        multi-token prediction (DeepSeek-V3): modules after the stack, predicting tokens further ahead
     distill.py    distillation's loss: KL to a frozen teacher's logits mixed with the next-token loss, tiled
     runtime.py    dtype, attention implementation, remat policy and vocab tiles resolved for a platform
     lora.py       LoRA adapters: their declarations, initialization and merge into the weights

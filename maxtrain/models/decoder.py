@@ -271,7 +271,8 @@ def loss_fn(family, params, batch: dict, config, rt):
     """(sum of per-token cross-entropy x weight, sum of weights, aux), float32.
 
     Returning sums, not a mean, lets gradient accumulation and multi-host eval weight every real
-    token equally; padding has weight 0. Training adds the aux losses (models.objective). With
+    token equally; padding has weight 0. Training adds the aux losses (models.objective), among them the
+    multi-token-prediction loss with mtp_num_layers > 0 (models/mtp.py: blocks like the last layer). With
     num_vocab_tiling > 1 the output projection and the loss run a chunk of the sequence at a time,
     so the [B, T, V] logits never exist in full (ops.tiled_cross_entropy). A sum over tokens does
     not depend on their order: with context parallelism the whole batch goes into the
