@@ -40,6 +40,9 @@ def main(argv: list[str]) -> int:
     imp.add_argument("out_dir")
     imp.add_argument("--weight_dtype", default="float32", choices=["float32", "bfloat16"],
                      help="dtype of the saved params (maxtrain's weight_dtype)")
+    imp.add_argument("--keep_mtp", action="store_true",
+                     help="DeepSeek-V3: also import the multi-token-prediction modules (num_nextn_predict_layers), "
+                          "for training with them (mtp_num_layers; docs/deepseek.md)")
     exp = commands.add_parser("export", help="maxtrain checkpoint -> Hugging Face directory")
     exp.add_argument("checkpoint", help="a step directory, or a run / checkpoints directory (latest step)")
     exp.add_argument("out_dir")
@@ -55,7 +58,7 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     with errors.user_paths():  # an output directory that cannot be written, a full disk
         if args.command == "import":
-            keys = convert.import_hf(args.hf_dir, args.out_dir, args.weight_dtype)
+            keys = convert.import_hf(args.hf_dir, args.out_dir, args.weight_dtype, keep_mtp=args.keep_mtp)
             out = os.path.abspath(args.out_dir)
             print(f"wrote {out}/checkpoints/0, {out}/model.yml and {out}/{convert.ASSETS}/")
             print(f"model: {keys['decoder_block']} " + " ".join(

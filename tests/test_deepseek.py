@@ -7,6 +7,8 @@ Parity with transformers' DeepseekV3 is in test_families.py; expert parallelism 
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -94,15 +96,22 @@ def test_the_bias_update_alone_balances_a_skewed_router():
 def test_the_train_step_moves_the_bias_by_the_sign_rule_and_a_resumed_run_continues_from_it(tmp_path, cache_dir):  # noqa: F811
     """The bias changes only by +-rate or 0 per step (the optimizer's update, weight decay included, is
     discarded); it is saved with the params, and a resumed run continues from the saved bias. (That a
-    resumed run is bitwise a straight one, params included, is test_checkpoint_resume.py's.)"""
+    resumed run is bitwise a straight one, params included, is test_checkpoint_resume.py's.) With one MTP
+    module: its params are saved and resumed, and its loss is logged beside the main loss (models/mtp.py)."""
     rate = 2.0**-7  # a power of two: bias + rate x sign is exact in float32
     common = [*DEEPSEEK, f"routed_bias_update_rate={rate}", "adam_weight_decay=0.5", "checkpoint_period=2",
-              "learning_rate_schedule_steps=3"]
+              "learning_rate_schedule_steps=3", "mtp_num_layers=1", f"metrics_file={tmp_path / 'm.jsonl'}"]
     first = train(tmp_path, "b", cache_dir, *common, "steps=2")
     saved = checkpoint_files.read_params(str(tmp_path / "b" / "checkpoints" / "2"))
-    assert_bitwise_equal(saved, first.state["params"], "saved params (router bias included)")
+    assert_bitwise_equal(saved, first.state["params"], "saved params (router bias and MTP module included)")
     resumed = train(tmp_path, "b", cache_dir, *common, "steps=3")
     assert int(resumed.state["step"]) == 3
+    # the MTP module (models/mtp.py) resumed from its saved params and trained on; its loss is logged apart
+    resumed_mtp = jax.device_get(resumed.state["params"]["mtp"])
+    assert resumed_mtp.keys() == saved["mtp"].keys() and np.any(resumed_mtp["eh_proj"] != saved["mtp"]["eh_proj"])
+    logged = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged] == [1, 2, 3]
+    assert all(m["learning/mtp_ce"] > m["learning/mtp_loss"] > 0 for m in logged)
     at_2 = np.asarray(saved["layers"]["moe"]["router_bias"])
     at_3 = np.asarray(resumed.state["params"]["layers"]["moe"]["router_bias"])
     for bias, steps in ((at_2, 2), (at_3, 3)):  # whole multiples of the rate: no other update reached it
@@ -139,6 +148,14 @@ def test_mla_decoding_from_the_latent_cache_equals_the_full_forward():
       "routed_scaling_factor=2.0"], "routed_scaling_factor=2.0 is a setting of the deepseek family's router"),
     (["decoder_block=llama", "num_experts=1", "num_experts_per_tok=1", "n_routing_groups=-1", "topk_routing_group=-1",
       "first_num_dense_layers=0", "routed_scaling_factor=1"], "shared_experts=1 needs a mixture of experts"),
+    (["mtp_num_layers=1", "decoder_block=mixtral", "n_routing_groups=-1", "topk_routing_group=-1",
+      "first_num_dense_layers=0", "routed_scaling_factor=1", "shared_experts=0"],
+     "mtp_num_layers=1 is a deepseek setting .* or mtp_num_layers=0"),
+    (["mtp_num_layers=1", "use_distillation=true"],
+     "mtp_num_layers=1 with use_distillation=true: .* set mtp_num_layers=0"),
+    (["mtp_num_layers=1", "lora_rank=4"], "LoRA would leave the MTP modules untrained"),
+    (["mtp_num_layers=1", "ici_context_parallelism=2"], "does not run with context parallelism 2 yet; set "
+                                                        "ici_context_parallelism=1"),
 ])
 def test_bad_deepseek_settings_are_refused_with_the_fix(overrides, fragment):
     with pytest.raises(ConfigError, match=fragment):

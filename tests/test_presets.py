@@ -108,10 +108,10 @@ MOE_FLOPS = ["num_experts=4", "num_experts_per_tok=2", "moe_dispatch=capacity", 
              "per_device_batch_size=16"]
 FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers=[1]", "base_moe_mlp_dim=192"],
                 "gpt_oss": MOE_FLOPS,
-                # MLA (q/k 24 + 8 features, values 40), a dense first layer, one shared expert
+                # MLA (q/k 24 + 8 features, values 40), a dense first layer, one shared expert, one MTP module
                 "deepseek": [*MOE_FLOPS, "base_num_kv_heads=4", "q_lora_rank=48", "kv_lora_rank=32",
                              "qk_nope_head_dim=24", "qk_rope_head_dim=8", "v_head_dim=40", "first_num_dense_layers=1",
-                             "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true"]}
+                             "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true", "mtp_num_layers=1"]}
 
 
 @pytest.mark.slow

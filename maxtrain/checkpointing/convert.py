@@ -121,7 +121,9 @@ def _entries(keys: dict):
             raise ConversionError(f"the {family.FAMILY.name} family declares {path} but has no Hugging Face name for it")
         name, n_in = family.HF_NAMES[path]
         layers = experts = None
-        if "{i}" in name:
+        if "{i}" in name and path.startswith("mtp/"):  # the MTP modules follow the layers (models/mtp.py)
+            layers = [len(layer_types) + k for k in range(spec.shape[0])]
+        elif "{i}" in name:
             kind = path.split("/")[1]
             layers = [i for i, t in enumerate(layer_types) if t.kind == kind]
         if "{j}" in name:
@@ -228,18 +230,27 @@ def _text_tensors(tensors: dict, notes: list) -> dict:
     return out
 
 
+def prediction_layers(hf: dict) -> int:
+    """The multi-token-prediction modules a config.json declares (num_nextn_predict_layers, DeepSeek-V3)."""
+    return int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0)
+
+
 def _without_prediction_layers(tensors: dict, hf: dict, keys: dict, notes: list) -> dict:
-    """Without the multi-token-prediction modules (num_nextn_predict_layers, DeepSeek-V3), which checkpoints
-    store as the layers after num_hidden_layers ("model.layers.61.*"); transformers leaves them out too."""
-    mtp = int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0)
+    """Without the multi-token-prediction modules, which checkpoints store as the layers after num_hidden_layers
+    ("model.layers.61.*"; transformers leaves them out too), or with keys' mtp_num_layers > 0 (keep_mtp)
+    without only their copies of the embedding and the output head, which maxtrain's modules share."""
+    mtp = prediction_layers(hf)
     if not mtp:
         return tensors
     layers = keys["base_num_decoder_layers"]
     extra = tuple(f"model.layers.{i}." for i in range(layers, layers + mtp))
+    if keys.get("mtp_num_layers", 0) > 0:
+        copies = tuple(p + c for p in extra for c in models.family(spec_config(keys)).MTP_COPIES)
+        return {n: t for n, t in tensors.items() if not n.endswith(copies)}
     out = {n: t for n, t in tensors.items() if not n.startswith(extra)}
     if len(out) < len(tensors):
         notes.append(f"left out the {len(tensors) - len(out)} tensors of the multi-token-prediction layers "
-                     f"(model.layers.{layers}.* on)")
+                     f"(model.layers.{layers}.* on); scripts/convert_hf.py import --keep_mtp keeps them")
     return out
 
 
@@ -248,11 +259,17 @@ def _without_prediction_layers(tensors: dict, hf: dict, keys: dict, notes: list)
 # --------------------------------------------------------------------------------------------
 
 
-def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=print) -> dict:
-    """Writes out/checkpoints/0 (params only), out/model.yml and out/hf/; returns the model keys."""
+def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=print, keep_mtp: bool = False) -> dict:
+    """Writes out/checkpoints/0 (params only), out/model.yml and out/hf/; returns the model keys. keep_mtp:
+    the multi-token-prediction modules too (mtp_num_layers = the checkpoint's num_nextn_predict_layers)."""
     hf = read_hf_config(hf_dir)
     notes: list[str] = []
     keys = model_keys(hf, notes)
+    if keep_mtp:
+        keys["mtp_num_layers"] = prediction_layers(hf)
+        if not keys["mtp_num_layers"]:
+            raise ConversionError(f"--keep_mtp: {hf_dir}/config.json declares no multi-token-prediction modules "
+                                  "(num_nextn_predict_layers); import without --keep_mtp")
     ckpt_dir = os.path.join(os.path.abspath(out_dir), "checkpoints")
     if checkpoint_files.complete_steps(ckpt_dir):
         raise ConversionError(f"{ckpt_dir} already holds a checkpoint; choose an empty output directory")
@@ -261,6 +278,10 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
         # fp8 / MXFP4 pairs as one tensor, dequantised when read
         readable = dequantize.Dequantized(stored, dequantize.fp8_block(hf))
         tensors = _without_prediction_layers(_text_tensors(readable, notes), hf, keys, notes)
+        first = f"model.layers.{keys['base_num_decoder_layers']}."
+        if keep_mtp and not any(n.startswith(first) for n in tensors):
+            raise ConversionError(f"--keep_mtp: the checkpoint holds no {first}* tensors, the multi-token-prediction "
+                                  "modules config.json declares (transformers saves none); import without --keep_mtp")
     except safetensors_files.FormatError as e:
         raise ConversionError(str(e)) from None
     source_dtypes = sorted({str(t.dtype) for t in stored.values()})
@@ -324,6 +345,10 @@ def export_hf(checkpoint_path: str, out_dir: str, dtype: str = "float32", max_sh
     names = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
     if dtype not in names:
         raise ConversionError(f"export dtype {dtype!r} is not one of {', '.join(names)}")
+    if keys["mtp_num_layers"] > 0:  # transformers has no multi-token prediction: its modules stay behind
+        log(f"note: the {keys['mtp_num_layers']} multi-token-prediction modules are not exported "
+            "(transformers does not load them)")
+        keys["mtp_num_layers"] = 0
     tensors = to_hf(checkpoint_files.read_params(step_dir), keys, np.dtype(safetensors_files.DTYPES[names[dtype]]))
     source = meta.get("source") or {}
     tok = run_tokenizer(meta, tokenizer, log)

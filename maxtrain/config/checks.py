@@ -410,7 +410,28 @@ def _mla_head_dims(v):
              f"base_num_kv_heads={v['base_num_query_heads']}")
 
 
-DEEPSEEK_CHECKS = (_routing_groups, _expert_balancing_needs_experts, _dense_layers_first, _mla_head_dims)
+def _multi_token_prediction(v):
+    """MTP (models/mtp.py): DeepSeek's modules after its MoE layers, on the next-token objectives, in one program
+    without pipeline stages, context parallelism or LoRA (none is wired through the MTP modules)."""
+    n = v["mtp_num_layers"]
+    if n == 0:
+        return
+    _require(v["decoder_block"] == "deepseek", f"mtp_num_layers={n} is a deepseek setting (its multi-token "
+                                               "prediction modules); use decoder_block=deepseek, or mtp_num_layers=0")
+    for key in ("use_dpo", "use_grpo", "use_distillation"):
+        _require(not v[key], f"mtp_num_layers={n} with {key}=true: multi-token prediction is a loss of the next-token "
+                             "objectives (pre-training, SFT); set mtp_num_layers=0")
+    _require(v["lora_rank"] == 0, f"mtp_num_layers={n} with lora_rank={v['lora_rank']}: LoRA would leave the MTP "
+                                  "modules untrained; set mtp_num_layers=0 (or lora_rank=0)")
+    for axis, keys in (("stage", "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1"),
+                       ("context", "ici_context_parallelism=1 and dcn_context_parallelism=1")):
+        ways = _ways(v, axis)
+        _require(ways in (1, None), f"mtp_num_layers={n} does not run with {axis} parallelism {ways} yet; set {keys} "
+                                    "(use fsdp, tensor or expert parallelism), or mtp_num_layers=0")
+
+
+DEEPSEEK_CHECKS = (_routing_groups, _expert_balancing_needs_experts, _dense_layers_first, _mla_head_dims,
+                   _multi_token_prediction)
 
 
 # quantization (models/fp8.py). Whether the devices have float8 matmuls is checked with the devices, before

@@ -12,6 +12,7 @@
     moe_deepseek.py  DeepSeek's parts of it: sigmoid group-limited router, the selection bias and its
                   update outside the gradient, shared experts (docs/deepseek.md)
     decoder.py    the stack every family shares: layer types, scan over repeating groups, loss, decoding
+    mtp.py        multi-token prediction (DeepSeek-V3): modules after the stack, predicting tokens further ahead
     distill.py    distillation's loss: KL to a frozen teacher's logits mixed with the next-token loss, tiled
     runtime.py    dtype, attention implementation, remat policy and vocab tiles resolved for a platform
     lora.py       LoRA adapters: their declarations, initialization and merge into the weights
@@ -54,7 +55,7 @@ MOE_KEYS = ("num_experts", "base_moe_mlp_dim", "decoder_sparse_step", "mlp_only_
 # Model keys added with the deepseek family (MLA, shared experts, its router): a checkpoint written before
 # them has neither, which their base.yml defaults describe.
 DEEPSEEK_SHAPE_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                       "first_num_dense_layers", "shared_experts", "routed_bias")
+                       "first_num_dense_layers", "shared_experts", "routed_bias", "mtp_num_layers")
 DEEPSEEK_SETTING_KEYS = ("rope_interleave", "rope_mscale_all_dim", "n_routing_groups", "topk_routing_group",
                          "routed_scaling_factor")
 SHAPE_KEYS += DEEPSEEK_SHAPE_KEYS

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 
 from maxtrain.parallel import context as context_parallel
 from maxtrain.parallel import sharding
-from maxtrain.models import ops
+from maxtrain.models import mtp, ops
 from maxtrain.parallel import stages as pipeline
 from maxtrain.models import rope as rope_lib
 from maxtrain.models.blocks import LayerInputs
@@ -230,13 +230,17 @@ def _hidden(family, params, tokens, positions, segment_ids, config, rt):
     """(final hidden states [B, T, D], aux): the embedding and every layer, in pipeline stages when
     the mesh has them (parallel/stages.py)."""
     x = family.embed(params, tokens, config, rt)
-    rope_dim = rope_head_dim(family, config)
-    table = rope_lib.table_positions(tokens.shape[1], rope_dim, rt.backend)  # positions < T
-    inputs = LayerInputs(positions, segment_ids, rope_tables(positions, config, table, rope_dim))
+    inputs = _layer_inputs(family, tokens, positions, segment_ids, config, rt)
     if sharding.ways("layers") > 1:
         return pipeline.run_stages(run_layers, family, params["layers"], x, inputs, config, rt)
     x, aux, _ = run_layers(family, params["layers"], x, inputs, config, rt, rt.scan_layers(config))
     return x, aux
+
+
+def _layer_inputs(family, tokens, positions, segment_ids, config, rt) -> LayerInputs:
+    rope_dim = rope_head_dim(family, config)
+    table = rope_lib.table_positions(tokens.shape[1], rope_dim, rt.backend)  # positions < T
+    return LayerInputs(positions, segment_ids, rope_tables(positions, config, table, rope_dim))
 
 
 def hidden(family, params, tokens, positions, segment_ids, config, rt):
@@ -267,7 +271,8 @@ def loss_fn(family, params, batch: dict, config, rt):
     """(sum of per-token cross-entropy x weight, sum of weights, aux), float32.
 
     Returning sums, not a mean, lets gradient accumulation and multi-host eval weight every real
-    token equally; padding has weight 0. Training adds the aux losses (models.objective). With
+    token equally; padding has weight 0. Training adds the aux losses (models.objective), among them the
+    multi-token-prediction loss with mtp_num_layers > 0 (models/mtp.py: blocks like the last layer). With
     num_vocab_tiling > 1 the output projection and the loss run a chunk of the sequence at a time,
     so the [B, T, V] logits never exist in full (ops.tiled_cross_entropy). A sum over tokens does
     not depend on their order: with context parallelism the whole batch goes into the
@@ -278,19 +283,43 @@ def loss_fn(family, params, batch: dict, config, rt):
         batch = context_parallel.to_layout(batch, cp)
     weights = batch["loss_weights"].astype(jnp.float32)
     x, aux = _hidden(family, params, batch["inputs"], batch["positions"], batch["segment_ids"], config, rt)
-    head = {k: v for k, v in params.items() if k != "layers"}  # what family.logits reads
+    head = {k: v for k, v in params.items() if k not in ("layers", "mtp")}  # what family.logits reads
+    head, layout = _head_for_loss(family, head, config, rt)
+    loss = _head_loss(family, head, layout, x, batch["targets"], weights, config, rt)
+    if config.mtp_num_layers > 0:  # multi-token prediction (models/mtp.py): its loss joins the aux losses
+        aux = {**aux, **_mtp_loss(family, params, head, layout, x, batch, config, rt)}
+    return loss, jnp.sum(weights), aux
 
+
+def _head_for_loss(family, head: dict, config, rt):
+    """(the head's weights as the loss reads them, the chunks' gradient layout or None)."""
+    if rt.vocab_tiles > 1 and rt.backend == "gpu":
+        return _head_for_chunks(head, family.param_specs(config), rt)
+    return head, None
+
+
+def _head_loss(family, head: dict, layout, x, targets, weights, config, rt):
+    """Sum of weight x cross-entropy of the logits of x [B, T, D]."""
     def logits_fn(h, x):
         return family.logits(h, x, config, rt)
 
     if rt.vocab_tiles > 1:  # num_vocab_tiling, resolved (autoselected: by the size of the logits)
-        layout = None
-        if rt.backend == "gpu":
-            head, layout = _head_for_chunks(head, family.param_specs(config), rt)
-        loss = ops.tiled_cross_entropy(logits_fn, head, x, batch["targets"], weights, rt.vocab_tiles, layout)
-    else:
-        loss = ops.cross_entropy(logits_fn(head, x), batch["targets"], weights)
-    return loss, jnp.sum(weights), aux
+        return ops.tiled_cross_entropy(logits_fn, head, x, targets, weights, rt.vocab_tiles, layout)
+    return ops.cross_entropy(logits_fn(head, x), targets, weights)
+
+
+def _mtp_loss(family, params, head: dict, layout, x, batch: dict, config, rt) -> dict:
+    """The MTP modules' aux entries (models/mtp.py): blocks of the last layer's type, the shared embedding and
+    head with each module's own final norm."""
+    lt = family.layer_types(config)[-1]
+    inputs = _layer_inputs(family, batch["inputs"], batch["positions"], batch["segment_ids"], config, rt)
+    layer = _layer_fn(family, lt, config, rt, scan=False)
+
+    def head_loss(final_norm, h, targets, weights):
+        return _head_loss(family, {**head, "final_norm": final_norm}, layout, h, targets, weights, config, rt)
+
+    return mtp.loss(x, params["mtp"], batch, config, rt, embed=lambda t: family.embed(params, t, config, rt),
+                    block=lambda h, p: layer(h, p, inputs), head_loss=head_loss)
 
 
 def _head_for_chunks(head: dict, specs: dict, rt):

@@ -207,6 +207,8 @@ def format_line(step: int, m: dict, loss_scaled: bool = False) -> str:
         parts.append(f"loss_scale {m['learning/loss_scale']:g} skipped {m['learning/skipped_steps']}")
     if "learning/moe_lb_loss" in m:
         parts.append(moe_summary(m))
+    if "learning/mtp_ce" in m:  # multi-token prediction (models/mtp.py): the modules' mean cross-entropy
+        parts.append(f"mtp_ce {m['learning/mtp_ce']:.4f} mtp_loss {m['learning/mtp_loss']:.4f}")
     if "learning/grpo_reward" in m:  # GRPO (training/grpo.py): the rollouts' figures and the step's two parts
         parts.append(f"reward {m['learning/grpo_reward']:.3f} kl {m.get('learning/grpo_kl', 0.0):.4f} "
                      f"completion {m['learning/grpo_completion_length']:.1f} tok  rollout "

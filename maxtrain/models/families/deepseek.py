@@ -13,14 +13,15 @@ The selection bias (`router_bias`, Hugging Face's e_score_correction_bias) is a 
 never changes; with routed_bias_update_rate > 0 the train step moves it after each step by the sign rule
 (moe_deepseek.update_router_bias). Two layer kinds, "dense" then "moe", as qwen3_moe's.
 
-Multi-token prediction (num_nextn_predict_layers) is not built yet: its weights (the layers after
-num_hidden_layers in a Hugging Face checkpoint) are left out of an import, with a note.
+Multi-token prediction (mtp_num_layers; Hugging Face's num_nextn_predict_layers): models/mtp.py, its modules'
+blocks of the "moe" kind; their weights are params["mtp"], the layers after num_hidden_layers in a Hugging Face
+checkpoint (read by an import with keep_mtp, never written by an export: transformers has no MTP).
 """
 
 from __future__ import annotations
 
 from maxtrain.config import registry
-from maxtrain.models import blocks, hf, mla, moe
+from maxtrain.models import blocks, hf, mla, moe, mtp
 from maxtrain.models.decoder import LayerType
 from maxtrain.models.families import llama, mixtral
 from maxtrain.models.params import stacked
@@ -44,8 +45,11 @@ def param_specs(config):
     attention = {"attn_norm": blocks.norm_spec(config), **mla.specs(config), "mlp_norm": blocks.norm_spec(config)}
     per_kind = {"dense": {**attention, **blocks.mlp_specs(config)}, "moe": {**attention, **moe.specs(config)}}
     counts = {kind: sum(t.kind == kind for t in layer_types(config)) for kind in per_kind}
-    return {**blocks.embedding_specs(config),
-            "layers": {kind: stacked(specs, counts[kind]) for kind, specs in per_kind.items() if counts[kind]}}
+    out = {**blocks.embedding_specs(config),
+           "layers": {kind: stacked(specs, counts[kind]) for kind, specs in per_kind.items() if counts[kind]}}
+    if config.mtp_num_layers > 0:
+        out["mtp"] = mtp.specs(config, per_kind["moe"])
+    return out
 
 
 def layer(x, p, inputs, layer_type: LayerType, config, rt):
@@ -69,7 +73,9 @@ def flops_per_token(config, dense_attention: bool = False) -> float:
     routed = d * config.num_experts + (config.num_experts_per_tok + config.shared_experts) * 3 * d * f_e
     mlps = [routed if t.kind == "moe" else 3 * d * config.base_mlp_dim for t in layer_types(config)]
     matmul = sum(mla.matmul_params(config) + m for m in mlps) + d * config.vocab_size
-    return 3.0 * (2 * matmul + mla.attention_flops(config, config.base_num_decoder_layers, dense_attention))
+    depth = config.mtp_num_layers  # each MTP module: eh_proj, one MoE block and the shared head (models/mtp.py)
+    matmul += depth * (2 * d * d + mla.matmul_params(config) + routed + d * config.vocab_size)
+    return 3.0 * (2 * matmul + mla.attention_flops(config, config.base_num_decoder_layers + depth, dense_attention))
 
 
 # --------------------------------------------------------------------------------------------
@@ -97,18 +103,21 @@ def _names(kind: str, table: dict) -> dict:
             else (f"model.layers.{{i}}.{v[0]}", v[1]) for name, v in table.items()}
 
 
+# The MTP modules (params["mtp"]); "{i}" is num_hidden_layers + the module's index (checkpointing/convert.py).
+# Their embed_tokens and shared_head.head are copies of the model's, which maxtrain shares instead.
+_MTP = {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "eh_proj": ("eh_proj.weight", 1),
+        "final_norm": "shared_head.norm.weight", **_ATTENTION, **_MOE}
+MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
 HF_NAMES = {**hf.EMBEDDING_NAMES, **_names("dense", _ATTENTION), **_names("moe", _ATTENTION), **_names("moe", _MOE),
-            **mixtral.for_kind(hf.MLP_NAMES, "dense")}
+            **mixtral.for_kind(hf.MLP_NAMES, "dense"),
+            **{k.replace("layers/mtp/", "mtp/"): v for k, v in _names("mtp", _MTP).items()}}
 
 
 def from_hf_config(config: dict, notes: list | None = None) -> dict:
     """maxtrain's keys from config.json; a field the file omits takes transformers' DeepseekV3Config default
     (n_group 8, topk_group 4, routed_scaling_factor 2.5, q_lora_rank 1536, ...), as transformers reads it."""
     hf.refuse(config, {"hidden_act": "silu", "attention_bias": False})
-    mtp = int(config.get("num_nextn_predict_layers", config.get("num_mtp_layers")) or 0)
-    if notes is not None and mtp > 0:
-        notes.append(f"num_nextn_predict_layers={mtp}: multi-token prediction is not built yet; its layers' "
-                     "weights are not imported (inference is unaffected)")
     rope = hf.rope_dict(config, notes)
     heads = hf.require(config, "num_attention_heads")
     nope, rope_dim = int(hf.require(config, "qk_nope_head_dim")), int(hf.require(config, "qk_rope_head_dim"))
