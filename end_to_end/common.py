@@ -123,3 +123,22 @@ def eval_losses(path: Path) -> dict[int, float]:
 def verdict(check: str, ok: bool, figure: str) -> int:
     print(f"{'PASS' if ok else 'FAIL'} {check}: {figure}", flush=True)
     return 0 if ok else 1
+
+
+def eval_loss_falls_below(name: str, overrides: list[str], steps: int, threshold: float, every: int = 10) -> int:
+    """Trains `steps` steps with `overrides`, evaluating every `every`; PASS when the eval loss falls at every
+    evaluation and ends below `threshold` (the tiny-family scripts' check)."""
+    out = out_dir(name)
+    log = run("maxtrain.train", [f"base_output_directory={out}", f"run_name={name}", f"steps={steps}",
+                                 f"eval_interval={every}", f"metrics_file={out}/metrics.jsonl", *overrides],
+              out / "train.log")
+    evals = eval_losses(out / "metrics.jsonl")
+    curve = [evals[s] for s in sorted(evals)]
+    print(f"eval losses: {', '.join(f'{s}: {v:.4f}' for s, v in sorted(evals.items()))}; last lines:\n"
+          + "\n".join(log.splitlines()[-4:]), flush=True)
+    loss = evals.get(steps)
+    falling = len(curve) >= 2 and all(b < a for a, b in zip(curve, curve[1:]))
+    ok = loss is not None and loss < threshold and falling
+    return verdict(name, ok, f"eval loss {loss:.4f} at step {steps} (threshold < {threshold}), "
+                   f"{'falling' if falling else 'not falling'} at every evaluation"
+                   if loss is not None else f"no eval loss at step {steps}")

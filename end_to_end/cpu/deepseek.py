@@ -31,20 +31,7 @@ DEEPSEEK = ["model_name=deepseek3-tiny", "moe_dispatch=capacity", "per_device_ba
 def main(argv: list[str]) -> int:
     argparse.ArgumentParser(prog="deepseek", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
-    out = common.out_dir("deepseek")
-    log = common.run("maxtrain.train", [f"base_output_directory={out}", "run_name=deepseek", f"steps={STEPS}",
-                                        "eval_interval=10", f"metrics_file={out}/metrics.jsonl", *DEEPSEEK],
-                     out / "train.log")
-    evals = common.eval_losses(out / "metrics.jsonl")
-    curve = [evals[s] for s in sorted(evals)]
-    print(f"eval losses: {', '.join(f'{s}: {v:.4f}' for s, v in sorted(evals.items()))}; last lines:\n"
-          + "\n".join(log.splitlines()[-4:]), flush=True)
-    loss = evals.get(STEPS)
-    falling = len(curve) >= 2 and all(b < a for a, b in zip(curve, curve[1:]))
-    ok = loss is not None and loss < THRESHOLD and falling
-    return common.verdict("deepseek", ok, f"eval loss {loss:.4f} at step {STEPS} (threshold < {THRESHOLD}), "
-                          f"{'falling' if falling else 'not falling'} at every evaluation"
-                          if loss is not None else f"no eval loss at step {STEPS}")
+    return common.eval_loss_falls_below("deepseek", DEEPSEEK, STEPS, THRESHOLD)
 
 
 if __name__ == "__main__":

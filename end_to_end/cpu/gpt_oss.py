@@ -35,20 +35,7 @@ GPT_OSS = ["decoder_block=gpt_oss", "num_experts=4", "num_experts_per_tok=2", "b
 def main(argv: list[str]) -> int:
     argparse.ArgumentParser(prog="gpt_oss", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
                             ).parse_args(argv)
-    out = common.out_dir("gpt_oss")
-    log = common.run("maxtrain.train", [f"base_output_directory={out}", "run_name=gpt_oss", f"steps={STEPS}",
-                                        "eval_interval=10", f"metrics_file={out}/metrics.jsonl", *GPT_OSS],
-                     out / "train.log")
-    evals = common.eval_losses(out / "metrics.jsonl")
-    curve = [evals[s] for s in sorted(evals)]
-    print(f"eval losses: {', '.join(f'{s}: {v:.4f}' for s, v in sorted(evals.items()))}; last lines:\n"
-          + "\n".join(log.splitlines()[-4:]), flush=True)
-    loss = evals.get(STEPS)
-    falling = len(curve) >= 2 and all(b < a for a, b in zip(curve, curve[1:]))
-    ok = loss is not None and loss < THRESHOLD and falling
-    return common.verdict("gpt_oss", ok, f"eval loss {loss:.4f} at step {STEPS} (threshold < {THRESHOLD}), "
-                          f"{'falling' if falling else 'not falling'} at every evaluation"
-                          if loss is not None else f"no eval loss at step {STEPS}")
+    return common.eval_loss_falls_below("gpt_oss", GPT_OSS, STEPS, THRESHOLD)
 
 
 if __name__ == "__main__":
