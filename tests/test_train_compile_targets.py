@@ -187,3 +187,27 @@ def test_autoselected_vocab_tiling_makes_that_step_fit(tmp_path):
     run, _, compiled, seconds = train_compile.compile_for_target(config, target)
     rep = train_compile.report(run, compiled, target, seconds)
     assert run.rt.vocab_tiles == 32 and train_compile.fits(rep), rep["memory"]
+
+
+# DeepSeek-V3's shape, small: MLA with low-rank queries, 1 MoE layer of 8 experts (2 per token,
+# from 2 of 4 groups) and a shared expert. Every weight's dimensions split 8 ways.
+DEEPSEEK_SMALL = ["model_name=deepseek3-671b", "dataset_type=synthetic", "base_emb_dim=128", "base_num_query_heads=4",
+                  "base_num_kv_heads=4", "q_lora_rank=64", "kv_lora_rank=32", "qk_nope_head_dim=16",
+                  "qk_rope_head_dim=16", "head_dim=32", "v_head_dim=16", "base_mlp_dim=256", "base_moe_mlp_dim=64",
+                  "num_experts=8", "num_experts_per_tok=2", "n_routing_groups=4", "topk_routing_group=2",
+                  "base_num_decoder_layers=1", "first_num_dense_layers=0", "vocab_size=512",
+                  "max_target_length=128", "per_device_batch_size=1", "dtype=bfloat16", "attention=dot_product"]
+
+
+def test_deepseek_step_compiles_for_8_h100s_with_experts_and_fsdp_split():
+    """docs/scale.md's DeepSeek-V3 mesh, small: expert parallelism 4 x FSDP 2 with capacity dispatch. The
+    tokens reach their experts by all-to-alls, and each GPU holds an eighth of the state (nothing whole: the
+    MLA up-projections once were)."""
+    need("gpu")
+    run, compiled, rep = compile_report(*DEEPSEEK_SMALL, "compile_topology=h100-8", "ici_expert_parallelism=4",
+                                        "ici_fsdp_parallelism=2", "moe_dispatch=capacity")
+    assert rep["mesh"]["expert"] == 4 and rep["mesh"]["fsdp"] == 2
+    assert rep["collective_counts"]["all-to-all"] >= 2
+    expected = state_bytes(run) / 8
+    batch = sum(math.prod(x.shape) * x.dtype.itemsize for x in run.abstract_batch().values()) / 8
+    assert abs(rep["memory"]["arguments"] - batch - expected) <= 0.05 * expected, (rep["memory"], expected)

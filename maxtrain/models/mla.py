@@ -44,17 +44,18 @@ def qk_head_dim(config) -> int:
 
 
 def specs(config) -> dict[str, ParamSpec]:
-    """One layer's MLA weights."""
+    """One layer's MLA weights. The latent ranks are the up-projections' input axes and shard as `embed`
+    does (FSDP): named nothing, wq_b and wkv_b would stay whole on every device under FSDP."""
     d, n, c = config.base_emb_dim, config.base_num_query_heads, config.kv_lora_rank
     hn, hr, hv, q = config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim, config.q_lora_rank
     out = {}
     if q > 0:
         out.update(wq_a=dense((d, q), ("embed", None), d), q_a_norm=ParamSpec((q,), (None,), "ones"),
-                   wq_b=dense((q, n, hn + hr), (None, "heads", "head_dim"), q))
+                   wq_b=dense((q, n, hn + hr), ("embed", "heads", "head_dim"), q))
     else:
         out["wq"] = dense((d, n, hn + hr), ("embed", "heads", "head_dim"), d)
     out.update(wkv_a=dense((d, c + hr), ("embed", None), d), kv_a_norm=ParamSpec((c,), (None,), "ones"),
-               wkv_b=dense((c, n, hn + hv), (None, "heads", "head_dim"), c),
+               wkv_b=dense((c, n, hn + hv), ("embed", "heads", "head_dim"), c),
                wo=dense((n, hv, d), ("heads", "head_dim", "embed"), n * hv))
     return out
 
