@@ -68,8 +68,9 @@ def test_heads_major_with_compact_16_bit_scores():
                   _values_and_grads(fn(False), q, k, v, cotangent), rtol=2e-2)
 
 
-@pytest.mark.parametrize("t,window", [(64, 0), (100, 0), (100, 7), (100, 30), (100, 500), (13, 0)])
-@pytest.mark.parametrize("n,g,cap", [(4, 2, 0.0), (2, 2, 3.0)])
+@pytest.mark.parametrize("t,window,n,g,cap", [  # each length and window once, the two head layouts alternating
+    (64, 0, 4, 2, 0.0), (100, 0, 2, 2, 3.0), (100, 7, 4, 2, 0.0), (100, 30, 2, 2, 3.0), (100, 500, 4, 2, 0.0),
+    (13, 0, 2, 2, 3.0)])
 def test_causal_chunks_match_one_masked_call(t, window, n, g, cap):
     b, h = 2, 16
     q, k, v, cotangent = _qkv(b, t, n, g, h, seed=t + window)
