@@ -72,9 +72,14 @@ def _fp8_dot(x, w, dimension_numbers, out_dtype):
     return _fp8_dot_fwd(x, w, dimension_numbers, out_dtype)[0]
 
 
-def _fp8_dot_fwd(x, w, dimension_numbers, out_dtype):
+def _quantized_operands(x, w):
+    """(q_x, s_x, q_w, s_w): both operands in e4m3 with their per-tensor scales (both forms' forward)."""
     s_x, s_w = scale(x, E4M3, x.dtype), scale(w, E4M3, w.dtype)
-    q_x, q_w = quantize(x, s_x, E4M3), quantize(w, s_w, E4M3)
+    return quantize(x, s_x, E4M3), s_x, quantize(w, s_w, E4M3), s_w
+
+
+def _fp8_dot_fwd(x, w, dimension_numbers, out_dtype):
+    q_x, s_x, q_w, s_w = _quantized_operands(x, w)
     y = jax.lax.dot_general(dequantize(q_x, s_x, x.dtype), dequantize(q_w, s_w, w.dtype), dimension_numbers,
                             preferred_element_type=out_dtype)
     return y, (q_x, s_x, q_w, s_w, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
@@ -132,8 +137,7 @@ def _fp8_dot_scaled(x, w, dimension_numbers, out_dtype):
 
 
 def _fp8_dot_scaled_fwd(x, w, dimension_numbers, out_dtype):
-    s_x, s_w = scale(x, E4M3, x.dtype), scale(w, E4M3, w.dtype)
-    q_x, q_w = quantize(x, s_x, E4M3), quantize(w, s_w, E4M3)
+    q_x, s_x, q_w, s_w = _quantized_operands(x, w)
     y = scaled_product(q_x, q_w, dimension_numbers, s_x, s_w, out_dtype)
     return y, (q_x, s_x, q_w, s_w, jnp.zeros((), x.dtype), jnp.zeros((), w.dtype))
 
