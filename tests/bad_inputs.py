@@ -256,9 +256,40 @@ def jsonl_file(rows: list[dict]):
     return setup
 
 
+def _header(entries: dict, data: bytes = b"") -> bytes:
+    """A safetensors file of a JSON header `entries` and the bytes `data`."""
+    header = json.dumps(entries).encode()
+    return len(header).to_bytes(8, "little") + header + data
+
+
+def hf_model(config: dict, mutate: Callable | None = None):
+    """A Hugging Face directory of `config` and its tensors (zeros), `mutate(tensors)` applied before writing."""
+    def setup(world, scratch):
+        import jax  # pylint: disable=import-outside-toplevel
+        import numpy as np  # pylint: disable=import-outside-toplevel
+
+        from maxtrain import models  # pylint: disable=import-outside-toplevel
+        from maxtrain.checkpointing import convert, safetensors_files  # pylint: disable=import-outside-toplevel
+
+        keys = convert.model_keys(config)
+        specs = models.family(convert.spec_config(keys)).param_specs(convert.spec_config(keys))
+        params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), specs, is_leaf=models.is_spec)
+        tensors = convert.to_hf(params, keys, np.float32)
+        if mutate:
+            mutate(tensors)
+        hf_dir(config)(world, scratch)
+        safetensors_files.write(os.path.join(scratch, "hf", "model.safetensors"), tensors)
+    return setup
+
+
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
          "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 64,
          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
+
+DEEPSEEK = {**LLAMA, "model_type": "deepseek_v3", "num_attention_heads": 4, "num_key_value_heads": 4,
+            "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+            "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "q_lora_rank": 24, "kv_lora_rank": 16,
+            "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 10}
 
 
 # --------------------------------------------------------------------------------------------
@@ -638,6 +669,45 @@ ROWS = [
     Row("convert-index-malformed", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r".*/hf/model.safetensors.index.json is not valid JSON",
         setup=hf_dir(LLAMA, {"model.safetensors.index.json": "{oops"})),
+    Row("convert-config-size-not-a-count", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json: num_attention_heads=0 is not a positive integer", setup=hf_dir({**LLAMA,
+                                                                                             "num_attention_heads": 0})),
+    Row("convert-config-field-malformed", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json is missing or has a malformed field for a llama model",
+        setup=hf_dir({**LLAMA, "rope_scaling": "yarn"})),
+    Row("convert-config-unbuildable", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json describes a llama model that maxtrain's llama family cannot build: .*base_num_kv_heads=3",
+        setup=hf_dir({**LLAMA, "num_key_value_heads": 3})),
+    Row("convert-deepseek-softmax-router", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json: cannot convert this checkpoint without changing its outputs: scoring_func='softmax'",
+        setup=hf_dir({**DEEPSEEK, "scoring_func": "softmax"})),
+    Row("convert-safetensors-entry-malformed", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/model.safetensors: the header entry of tensor x is .*, not \{dtype, shape, data_offsets\}",
+        setup=hf_dir(LLAMA, {"model.safetensors": _header({"x": {"dtype": "F32", "shape": [2]}})})),
+    Row("convert-safetensors-truncated", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/model.safetensors: tensor x has data_offsets \[0, 16\], which do not hold its shape",
+        setup=hf_dir(LLAMA, {"model.safetensors": _header({"x": {"dtype": "F32", "shape": [4],
+                                                                  "data_offsets": [0, 16]}}, bytes(8))})),
+    Row("convert-tensor-wrong-shape", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/model.safetensors: model.layers.1.mlp.up_proj.weight has shape \[3, 3\], but config.json implies "
+        r"\[64, 32\]", setup=hf_model(LLAMA, lambda t: t.update({"model.layers.1.mlp.up_proj.weight":
+                                                                   t["lm_head.weight"][:3, :3]}))),
+    Row("convert-fp8-scales-wrong-shape", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/model.safetensors: model.layers.0.mlp.up_proj.weight_scale_inv has shape \[5, 5\]",
+        setup=hf_model(LLAMA, lambda t: t.update({"model.layers.0.mlp.up_proj.weight_scale_inv":
+                                                  t["lm_head.weight"][:5, :5]}))),
+    Row("convert-index-shard-missing", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/model.safetensors.index.json names model-00002-of-00002.safetensors, which .*/hf does not hold",
+        setup=hf_dir(LLAMA, {"model.safetensors.index.json": json.dumps(
+            {"weight_map": {"x": "model-00001-of-00002.safetensors", "y": "model-00002-of-00002.safetensors"}}),
+            "model-00001-of-00002.safetensors": _header({"x": {"dtype": "F32", "shape": [2],
+                                                              "data_offsets": [0, 8]}}, bytes(8))})),
+    Row("convert-index-entry-not-in-its-shard", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/model.safetensors.index.json maps y to model-00001-of-00001.safetensors, but no shard holds it",
+        setup=hf_dir(LLAMA, {"model.safetensors.index.json": json.dumps(
+            {"weight_map": {"x": "model-00001-of-00001.safetensors", "y": "model-00001-of-00001.safetensors"}}),
+            "model-00001-of-00001.safetensors": _header({"x": {"dtype": "F32", "shape": [2],
+                                                              "data_offsets": [0, 8]}}, bytes(8))})),
     Row("convert-model-type-unsupported", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r"model_type='gpt2' is not supported", setup=hf_dir({**LLAMA, "model_type": "gpt2"})),
     Row("convert-export-missing", "convert_hf", ["export", "{scratch}/none", "{scratch}/out"],

@@ -30,6 +30,7 @@ from maxtrain import models
 from maxtrain.checkpointing import checksums, dequantize, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.checkpointing import manager as checkpoint
+from maxtrain.config import checks as config_checks
 from maxtrain.config import registry
 from maxtrain.data import default_corpus, tokenizer_hf
 from maxtrain.data import tokenizer as tokenizer_lib
@@ -70,7 +71,7 @@ def read_hf_config(hf_dir: str) -> dict:
 def family_for(hf: dict):
     """(family module, the text model's config) for a config.json."""
     model_type = hf.get("model_type")
-    entry = registry.family_of_hf_model_type(model_type)
+    entry = registry.family_of_hf_model_type(model_type) if isinstance(model_type, str) else None
     if entry is None:
         known = sorted(t for f in registry.FAMILIES.values() for t in f.hf_model_types)
         raise ConversionError(f"model_type={model_type!r} is not supported; maxtrain converts {', '.join(known)}")
@@ -80,19 +81,29 @@ def family_for(hf: dict):
     return models.FAMILIES[entry.name], hf
 
 
-def model_keys(hf: dict, notes: list | None = None) -> dict:
-    """Every maxtrain model key (MODEL_KEYS) for a config.json: the family's reading over base.yml's defaults."""
+def model_keys(hf: dict, notes: list | None = None, where: str = "config.json") -> dict:
+    """Every maxtrain model key (MODEL_KEYS) for a config.json (`where`, for messages): the family's reading
+    over base.yml's defaults, checked as a config is (a model maxtrain cannot build is a ConversionError)."""
     family, text = family_for(hf)
+    name = family.FAMILY.name
     try:
         keys = family.from_hf_config(text, notes)
-    except (KeyError, TypeError, ValueError) as e:
-        if isinstance(e, ConversionError):
-            raise
-        raise ConversionError(f"config.json is missing or has a malformed field for a {family.FAMILY.name} "
-                              f"model: {type(e).__name__}: {e}") from None
+    except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
+        if isinstance(e, ConversionError):  # the family's own message, said of this file
+            text = str(e)
+            raise ConversionError(where + text[len("config.json"):] if text.startswith("config.json")
+                                  else f"{where}: {text}") from None
+        raise ConversionError(f"{where} is missing or has a malformed field for a {name} model "
+                              f"({type(e).__name__}: {e}); use the config.json that came with the weights") from None
     defaults = config_lib.defaults()
     out = {k: defaults[k] for k in models.MODEL_KEYS}
-    out.update(keys, decoder_block=family.FAMILY.name)
+    out.update(keys, decoder_block=name)
+    try:
+        config_checks.validate({**defaults, **out})
+    except config_lib.ConfigError as e:
+        raise ConversionError(f"{where} describes a {name} model that maxtrain's {name} family cannot build: its "
+                              f"fields read as {e}. Check that it is the model's own config.json; otherwise this "
+                              "checkpoint cannot be converted") from None
     return out
 
 
@@ -138,8 +149,13 @@ def _one_shape(spec, layers, experts) -> tuple:
 
 
 def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) -> dict:
-    """maxtrain params (nested dict of numpy arrays) from Hugging Face tensors."""
+    """maxtrain params (nested dict of numpy arrays) from Hugging Face tensors (a mapping with `file_of(name)`,
+    as safetensors_files.read_model_dir returns, names each tensor's file in messages)."""
     used, params = set(), {}
+    file_of = getattr(tensors, "file_of", lambda _: None)
+
+    def where(hf_name: str) -> str:
+        return f"{file_of(hf_name)}: " if file_of(hf_name) else ""
     for path, spec, name, n_in, layers, experts in _entries(keys):
         shape = _one_shape(spec, layers, experts)
 
@@ -149,11 +165,15 @@ def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) ->
                     raise ConversionError(f"the checkpoint holds {hf_name}_blocks (MXFP4) but no {hf_name}_scales; "
                                           "copy the checkpoint's files again, or import a dequantized copy")
                 raise ConversionError(f"the checkpoint has no tensor {hf_name} (for maxtrain's {'/'.join(path)})")
-            w = np.asarray(tensors[hf_name])
+            try:
+                w = np.asarray(tensors[hf_name])  # a quantised pair is dequantised here
+            except safetensors_files.FormatError as e:
+                raise ConversionError(f"{where(hf_name)}{e}") from None
             expected = _hf_shape(shape, n_in)
             if tuple(w.shape) != expected:
-                raise ConversionError(f"{hf_name} has shape {list(w.shape)}, but the config implies {list(expected)} "
-                                      f"(for maxtrain's {'/'.join(path)} {list(shape)})")
+                raise ConversionError(f"{where(hf_name)}{hf_name} has shape {list(w.shape)}, but config.json implies "
+                                      f"{list(expected)} (for maxtrain's {'/'.join(path)} {list(shape)}); use the "
+                                      "config.json that came with these weights")
             used.add(hf_name)
             if isinstance(n_in, Interleaved):
                 return np.ascontiguousarray(w[..., n_in.part::n_in.parts]).astype(dtype)
@@ -230,9 +250,13 @@ def _text_tensors(tensors: dict, notes: list) -> dict:
     return out
 
 
-def prediction_layers(hf: dict) -> int:
+def prediction_layers(hf: dict, where: str = "config.json") -> int:
     """The multi-token-prediction modules a config.json declares (num_nextn_predict_layers, DeepSeek-V3)."""
-    return int(hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0)
+    value = hf.get("num_nextn_predict_layers", hf.get("num_mtp_layers")) or 0
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        raise ConversionError(f"{where}: num_nextn_predict_layers={value!r} is not a count of modules (an integer "
+                              ">= 0); use the config.json that came with the weights")
+    return value
 
 
 def _without_prediction_layers(tensors: dict, hf: dict, keys: dict, notes: list) -> dict:
@@ -263,10 +287,12 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
     """Writes out/checkpoints/0 (params only), out/model.yml and out/hf/; returns the model keys. keep_mtp:
     the multi-token-prediction modules too (mtp_num_layers = the checkpoint's num_nextn_predict_layers)."""
     hf = read_hf_config(hf_dir)
+    where = os.path.join(hf_dir, "config.json")
     notes: list[str] = []
-    keys = model_keys(hf, notes)
+    keys = model_keys(hf, notes, where)
+    modules = prediction_layers(hf, where)
     if keep_mtp:
-        keys["mtp_num_layers"] = prediction_layers(hf)
+        keys["mtp_num_layers"] = modules
         if not keys["mtp_num_layers"]:
             raise ConversionError(f"--keep_mtp: {hf_dir}/config.json declares no multi-token-prediction modules "
                                   "(num_nextn_predict_layers); import without --keep_mtp")
@@ -276,7 +302,7 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
     try:
         stored = safetensors_files.read_model_dir(hf_dir)
         # fp8 / MXFP4 pairs as one tensor, dequantised when read
-        readable = dequantize.Dequantized(stored, dequantize.fp8_block(hf))
+        readable = dequantize.Dequantized(stored, dequantize.fp8_block(hf, where))
         tensors = _without_prediction_layers(_text_tensors(readable, notes), hf, keys, notes)
         first = f"model.layers.{keys['base_num_decoder_layers']}."
         if keep_mtp and not any(n.startswith(first) for n in tensors):

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from maxtrain.checkpointing.safetensors_files import FormatError
+from maxtrain.checkpointing.safetensors_files import REDOWNLOAD, FormatError
 
 FP8_SCALE_SUFFIX = "_scale_inv"              # X.weight_scale_inv scales X.weight
 MXFP4_SUFFIXES = ("_blocks", "_scales")      # X_blocks and X_scales are X
@@ -45,7 +45,7 @@ def dequantize_fp8_blocks(weight, weight_scale_inv, block: tuple[int, int] = (12
     grid = (-(-rows // block[0]), -(-cols // block[1]))
     if w.ndim < 2 or s.shape != (*w.shape[:-2], *grid):
         raise FormatError(f"{name}{FP8_SCALE_SUFFIX} has shape {list(s.shape)}, but {name} {list(w.shape)} in "
-                          f"{block[0]}x{block[1]} blocks needs {[*w.shape[:-2], *grid]}")
+                          f"{block[0]}x{block[1]} blocks needs {[*w.shape[:-2], *grid]}; {REDOWNLOAD}")
     out = w.astype(np.float32)
     for i in range(grid[0]):  # one block row at a time: no weight-sized array of scales
         tile_rows = slice(i * block[0], (i + 1) * block[0])
@@ -60,7 +60,7 @@ def dequantize_mxfp4(blocks, scales, name: str = ""):
     if b.dtype != np.uint8 or s.dtype != np.uint8 or b.ndim < 2 or b.shape[-1] != MXFP4_GROUP // 2 \
             or b.shape[:-1] != s.shape:
         raise FormatError(f"{name}_blocks {b.dtype}{list(b.shape)} and {name}_scales {s.dtype}{list(s.shape)} are not "
-                          f"MXFP4: blocks uint8 [..., G, {MXFP4_GROUP // 2}] and scales uint8 [..., G]")
+                          f"MXFP4: blocks uint8 [..., G, {MXFP4_GROUP // 2}] and scales uint8 [..., G]; {REDOWNLOAD}")
     values = np.empty((*b.shape[:-1], MXFP4_GROUP), np.float32)
     values[..., 0::2] = E2M1_VALUES[b & 0x0F]
     values[..., 1::2] = E2M1_VALUES[b >> 4]
@@ -68,15 +68,19 @@ def dequantize_mxfp4(blocks, scales, name: str = ""):
     return values.reshape(*b.shape[:-2], b.shape[-2] * MXFP4_GROUP)
 
 
-def fp8_block(hf_config: Mapping) -> tuple[int, int]:
-    """The fp8 tile of a checkpoint's config.json: quantization_config.weight_block_size ([128, 128] for
-    DeepSeek-V3), (128, 128) where the config does not say."""
-    block = (hf_config.get("quantization_config") or {}).get("weight_block_size")
+def fp8_block(hf_config: Mapping, where: str = "config.json") -> tuple[int, int]:
+    """The fp8 tile of a checkpoint's config.json (`where`, for messages): quantization_config.weight_block_size
+    ([128, 128] for DeepSeek-V3), (128, 128) where the config does not say."""
+    quantization = hf_config.get("quantization_config") or {}
+    if not isinstance(quantization, Mapping):
+        raise FormatError(f"{where}: quantization_config is {quantization!r}, not an object of its fields; use the "
+                          "config.json that came with the weights")
+    block = quantization.get("weight_block_size")
     if block is None:
         return (128, 128)
     if (not isinstance(block, (list, tuple)) or len(block) != 2
             or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
-        raise FormatError(f"config.json: quantization_config.weight_block_size is {block!r}; fp8 block scales need "
+        raise FormatError(f"{where}: quantization_config.weight_block_size is {block!r}; fp8 block scales need "
                           "two positive integers (rows, columns), e.g. [128, 128]")
     return (block[0], block[1])
 
@@ -91,7 +95,7 @@ class Dequantized(Mapping):
             if name.endswith(".weight" + FP8_SCALE_SUFFIX):
                 weight = name[:-len(FP8_SCALE_SUFFIX)]
                 if weight not in tensors:
-                    raise FormatError(f"the checkpoint has {name} but no {weight}: fp8 weights come with their scales")
+                    raise FormatError(f"the checkpoint has {name} but no {weight}: fp8 weights come with their scales; {REDOWNLOAD}")
                 self.pairs[weight] = ("fp8", weight, name)
             elif name.endswith(MXFP4_SUFFIXES[1]) and name[:-len(MXFP4_SUFFIXES[1])] + MXFP4_SUFFIXES[0] in tensors:
                 base = name[:-len(MXFP4_SUFFIXES[1])]
@@ -118,6 +122,11 @@ class Dequantized(Mapping):
 
     def __contains__(self, name) -> bool:
         return name in self.name_set
+
+    def file_of(self, name: str) -> str | None:
+        """The file a tensor (or the first of its quantised pair) was read from, where the tensors say."""
+        first = self.pairs[name][1] if name in self.pairs else name
+        return getattr(self.tensors, "file_of", lambda _: None)(first)
 
     def quantized(self) -> dict[str, str]:
         """{name: "fp8" | "mxfp4"} of the tensors read from a quantised pair."""

@@ -14,6 +14,8 @@ import os
 import ml_dtypes
 import numpy as np
 
+from maxtrain.errors import UserError
+
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,  # fp8 checkpoints (dequantize.py)
           "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
@@ -21,8 +23,11 @@ _NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
 
-class FormatError(ValueError):
-    """A file that is not what it claims to be; the message names it."""
+class FormatError(UserError, ValueError):
+    """A file that is not what it claims to be; the message names it and what to do."""
+
+
+REDOWNLOAD = "download the model's files again (a partial download, or a file from another model?)"
 
 
 def read(path: str) -> dict[str, np.ndarray]:
@@ -31,26 +36,44 @@ def read(path: str) -> dict[str, np.ndarray]:
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         if size < 8 or n > size - 8:
-            raise FormatError(f"{path} is not a safetensors file (header length {n}, file size {size})")
+            raise FormatError(f"{path} is not a safetensors file (header length {n}, file size {size}); {REDOWNLOAD}")
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise FormatError(f"{path} is not a safetensors file (its header is not JSON: {e})") from None
+            raise FormatError(f"{path} is not a safetensors file (its header is not JSON: {e}); {REDOWNLOAD}") from None
         if not isinstance(header, dict):
-            raise FormatError(f"{path} is not a safetensors file (its header is not a JSON object)")
+            raise FormatError(f"{path} is not a safetensors file (its header is not a JSON object); {REDOWNLOAD}")
     data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if size > 8 + n else np.zeros(0, np.uint8)
     out = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        if info["dtype"] not in DTYPES:
-            raise FormatError(f"{path}: tensor {name} has dtype {info['dtype']}, which maxtrain does not read")
-        dtype = np.dtype(DTYPES[info["dtype"]])
-        begin, end = info["data_offsets"]
-        if end - begin != math.prod(info["shape"]) * dtype.itemsize or end > len(data):
-            raise FormatError(f"{path}: tensor {name} has inconsistent offsets {info['data_offsets']}")
-        out[name] = data[begin:end].view(dtype).reshape(info["shape"])
+        dtype, shape, (begin, end) = _entry(path, name, info, len(data))
+        out[name] = data[begin:end].view(dtype).reshape(shape)
     return out
+
+
+def _entry(path: str, name: str, info, data_bytes: int) -> tuple[np.dtype, tuple[int, ...], tuple[int, int]]:
+    """(dtype, shape, (begin, end)) of one header entry, or a FormatError naming the file and the tensor."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        raise FormatError(f"{path}: the header entry of tensor {name} is {info!r}, not {{dtype, shape, data_offsets}}; "
+                          f"{REDOWNLOAD}")
+    if info["dtype"] not in DTYPES:
+        raise FormatError(f"{path}: tensor {name} has dtype {info['dtype']!r}, which maxtrain does not read (it reads "
+                          f"{', '.join(DTYPES)}); convert the checkpoint to one of them first")
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not (isinstance(shape, list) and all(_count(s) for s in shape)):
+        raise FormatError(f"{path}: tensor {name} has shape {shape!r}, not a list of sizes >= 0; {REDOWNLOAD}")
+    dtype = np.dtype(DTYPES[info["dtype"]])
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)
+            and offsets[0] <= offsets[1] <= data_bytes and offsets[1] - offsets[0] == math.prod(shape) * dtype.itemsize):
+        raise FormatError(f"{path}: tensor {name} has data_offsets {offsets!r}, which do not hold its shape {shape} of "
+                          f"{info['dtype']} within the file's {data_bytes} data bytes (a truncated file?); {REDOWNLOAD}")
+    return dtype, tuple(shape), (offsets[0], offsets[1])
+
+
+def _count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> None:
@@ -72,19 +95,30 @@ def write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | 
     os.replace(tmp, path)
 
 
-def read_model_dir(hf_dir: str) -> dict[str, np.ndarray]:
+class Tensors(dict):
+    """Tensor name -> array, and `file_of(name)`: the file it was read from (for messages)."""
+
+    def __init__(self):
+        super().__init__()
+        self.files: dict[str, str] = {}
+
+    def file_of(self, name: str) -> str | None:
+        return self.files.get(name)
+
+
+def read_model_dir(hf_dir: str) -> Tensors:
     """The tensors of a Hugging Face model directory: model.safetensors or a sharded index."""
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     single = os.path.join(hf_dir, "model.safetensors")
+    weight_map = None
     if os.path.isfile(index):
-        try:
-            with open(index, encoding="utf-8") as f:
-                weight_map = json.load(f).get("weight_map")
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
-            raise FormatError(f"{index} is not valid JSON ({e}); re-download it") from None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise FormatError(f"{index} has no \"weight_map\" of tensor names to files; re-download it")
-        files = sorted(set(map(str, weight_map.values())))
+        weight_map = _weight_map(index)
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not os.path.isfile(os.path.join(hf_dir, f))]
+        if missing:
+            raise FormatError(f"{index} names {missing[0]}" + (f" and {len(missing) - 1} more shards" if len(missing) > 1
+                                                               else "") + f", which {hf_dir} does not hold; download "
+                              "every shard the index lists")
     elif os.path.isfile(single):
         files = ["model.safetensors"]
     else:
@@ -94,10 +128,37 @@ def read_model_dir(hf_dir: str) -> dict[str, np.ndarray]:
             + (f"; it has {pickles}, which are pickle files and are never loaded (loading a pickle can run "
                "arbitrary code). Convert them to safetensors first in an environment you trust, e.g. "
                "transformers' save_pretrained(..., safe_serialization=True)." if pickles else "."))
-    tensors = {}
+    tensors = Tensors()
     for name in files:
-        tensors.update(read(os.path.join(hf_dir, name)))
+        path = os.path.join(hf_dir, name)
+        for tensor, array in read(path).items():
+            if tensor in tensors:
+                raise FormatError(f"tensor {tensor} is in both {tensors.files[tensor]} and {path}; {REDOWNLOAD}")
+            tensors[tensor], tensors.files[tensor] = array, path
+    for tensor, name in (weight_map or {}).items():
+        if tensors.file_of(tensor) != os.path.join(hf_dir, name):
+            where = tensors.file_of(tensor)
+            raise FormatError(f"{index} maps {tensor} to {name}, but " + (f"it is in {where}" if where else
+                                                                          "no shard holds it")
+                              + "; download the index and its shards again (from the same revision)")
     return tensors
+
+
+def _weight_map(index: str) -> dict[str, str]:
+    """model.safetensors.index.json's weight_map (tensor name -> shard file name)."""
+    try:
+        with open(index, encoding="utf-8") as f:
+            data = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise FormatError(f"{index} is not valid JSON ({e}); re-download it") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise FormatError(f"{index} has no \"weight_map\" of tensor names to files; re-download it")
+    bad = next((f for f in weight_map.values() if not isinstance(f, str) or not f.endswith(".safetensors")), None)
+    if bad is not None:
+        raise FormatError(f"{index} maps tensors to {bad!r}, not to a .safetensors file; re-download it (only "
+                          "safetensors are read)")
+    return weight_map
 
 
 def write_model_dir(out_dir: str, tensors: dict[str, np.ndarray], metadata: dict[str, str],

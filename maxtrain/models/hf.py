@@ -71,10 +71,15 @@ def refuse(config: dict, implemented: dict) -> None:
         raise ConversionError("cannot convert this checkpoint without changing its outputs: " + "; ".join(problems))
 
 
-def require(config: dict, key: str):
-    if config.get(key) is None:
+def require(config: dict, key: str) -> int:
+    """A size config.json must state (a head count, a width): a positive integer."""
+    value = config.get(key)
+    if value is None:
         raise ConversionError(f"config.json has no {key!r}, which the model's shape needs")
-    return config[key]
+    if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+        raise ConversionError(f"config.json: {key}={value!r} is not a positive integer, which the model's shape needs; "
+                              "use the config.json that came with the weights")
+    return value
 
 
 def common_keys(config: dict, *, rms_norm_eps: float = 1e-6, tie_word_embeddings: bool = False) -> dict:

@@ -117,7 +117,9 @@ HF_NAMES = {**hf.EMBEDDING_NAMES, **_names("dense", _ATTENTION), **_names("moe",
 def from_hf_config(config: dict, notes: list | None = None) -> dict:
     """maxtrain's keys from config.json; a field the file omits takes transformers' DeepseekV3Config default
     (n_group 8, topk_group 4, routed_scaling_factor 2.5, q_lora_rank 1536, ...), as transformers reads it."""
-    hf.refuse(config, {"hidden_act": "silu", "attention_bias": False})
+    # DeepSeek-V3's router: sigmoid scores, top-k within the best groups by the biased scores (noaux_tc)
+    hf.refuse(config, {"hidden_act": "silu", "attention_bias": False, "scoring_func": "sigmoid",
+                       "topk_method": "noaux_tc"})
     rope = hf.rope_dict(config, notes)
     heads = hf.require(config, "num_attention_heads")
     nope, rope_dim = int(hf.require(config, "qk_nope_head_dim")), int(hf.require(config, "qk_rope_head_dim"))
