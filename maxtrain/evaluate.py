@@ -3,8 +3,8 @@
     python -m maxtrain.evaluate configs/base.yml load_parameters_path=<run>/checkpoints/300 \\
         eval_tasks=hellaswag,arc_easy,mmlu:5 [eval_tasks_max_examples=1000] [run_name=...]
 
-The same code as in training (maxtrain/evals). With no model chosen in the config (no model_name or
-model key), the checkpoint's model settings are adopted, and its tokenizer when tokenizer_path is
+The same code as in training (maxtrain/evals). With no model_name in the config, the checkpoint's model
+settings are adopted (all but the model keys the config sets), and its tokenizer when tokenizer_path is
 unset (an imported Hugging Face model: python -m maxtrain.evaluate configs/base.yml
 load_parameters_path=OUT eval_tasks=..., see scripts/convert_hf.py); for dataset_type=default runs
 the tokenizer is the default corpus' tokenizer. The evaluation data is checked and every request
@@ -34,7 +34,8 @@ KEYS = ("load_parameters_path", "eval_tasks", "eval_tasks_max_examples", "eval_t
 
 def main(argv: list[str]) -> dict:
     started = time.time()
-    config = config_lib.load_config(argv)
+    # the checks see the checkpoint's model settings (read again below, and said, once the data is found)
+    config = config_lib.load_config(argv, adopt=lambda values: checkpoint_files.settings_to_adopt(values, True)[0])
     if not config.eval_tasks.strip():
         raise config_lib.ConfigError("name the tasks to score: eval_tasks=hellaswag,arc_easy,... (tasks: "
                                      f"{', '.join(config_lib.EVAL_TASKS)})")

@@ -282,6 +282,16 @@ def hf_model(config: dict, mutate: Callable | None = None):
     return setup
 
 
+def imported(config: dict):
+    """{scratch}/ds: scripts/convert_hf.py import of hf_model(config)."""
+    def setup(world, scratch):
+        from maxtrain.checkpointing import convert  # pylint: disable=import-outside-toplevel
+
+        hf_model(config)(world, scratch)
+        convert.import_hf(os.path.join(scratch, "hf"), os.path.join(scratch, "ds"), log=lambda *_: None)
+    return setup
+
+
 LLAMA = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
          "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 512, "max_position_embeddings": 64,
          "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False, "hidden_act": "silu"}
@@ -542,6 +552,18 @@ ROWS = [
         r"no usable checkpoint is left in .*/run/checkpoints: every step was damaged \(step 2: .*: its contents "
         r"changed since it was saved \(checksum mismatch\)\) and was moved to .*/run/damaged_checkpoints",
         tiny=True, setup=every_step_flipped),
+    # train: the checks see the model a checkpoint's settings make (adopted where the command sets no model_name)
+    Row("imported-deepseek-expert-parallelism", T, [B, "load_parameters_path={scratch}/ds", "ici_expert_parallelism=3",
+                                                    "dataset_type=synthetic"],
+        r"expert parallelism 3 .* must divide num_experts=8", setup=imported(DEEPSEEK)),
+    Row("imported-deepseek-routing-key", T, [B, "load_parameters_path={scratch}/ds", "topk_routing_group=8",
+                                             "dataset_type=synthetic"],
+        r"topk_routing_group=8 is more than n_routing_groups=4", setup=imported(DEEPSEEK)),
+    Row("imported-deepseek-mtp-key", T, [B, "load_parameters_path={scratch}/ds", "mtp_num_layers=1",
+                                         "dataset_type=synthetic", "max_target_length=32", "per_device_batch_size=1",
+                                         "run_name=new", "base_output_directory={scratch}"],
+        r"the checkpoint .*/ds/checkpoints/0 \(load_parameters_path\) does not fit the configured model",
+        setup=imported(DEEPSEEK)),
     Row("attention-cudnn-on-cpu", T, [B, "attention=cudnn"], r"attention=cudnn needs an NVIDIA GPU", tiny=True),
     Row("mesh-does-not-fit-devices", T, [B, "ici_data_parallelism=3"], r"ici_data_parallelism|devices", tiny=True),
     # decode

@@ -376,28 +376,50 @@ def source_of(step_dir: str) -> dict | None:
     return read_metadata(step_dir).get("source")
 
 
-def adopt_model_settings(config, log=print):
-    """With load_parameters_path / load_full_state_path and no model chosen by the user (no model_name and
-    no model key in their YAML or overrides), the checkpoint's model settings, and its tokenizer when
-    tokenizer_path is unset. Otherwise config unchanged (the fit and settings checks compare them later)."""
-    key = "load_parameters_path" if config.load_parameters_path else "load_full_state_path"
-    path = getattr(config, key)
-    given = set(config.given_keys)
-    if not path or given & (set(models.MODEL_KEYS) | {"model_name"}):
-        return config
-    step_dir = find_step_dir(path, key)
-    meta = read_metadata(step_dir)
+def settings_to_adopt(values, missing_ok: bool = False) -> tuple[dict, str | None]:
+    """(changes, step_dir): what a config of `values` (a dict, before its checks) takes from the checkpoint it
+    starts from (load_parameters_path / load_full_state_path): every model setting the user did not choose
+    (in their YAML or overrides), and its tokenizer when tokenizer_path is unset. Nothing when the user chose
+    a model_name (the preset is the model), when no checkpoint is named, or (missing_ok) when it cannot be
+    read now. The model keys the user did set stay theirs: the fit and settings checks compare them later."""
+    key = "load_parameters_path" if values["load_parameters_path"] else "load_full_state_path"
+    path = values[key]
+    given = set(values["given_keys"])
+    if not path or "model_name" in given:
+        return {}, None
+    try:
+        step_dir = find_step_dir(path, key)
+        meta = read_metadata(step_dir)
+    except UserError:
+        if missing_ok:
+            return {}, None
+        raise
     saved = meta.get("config", {})
-    keys = {k: saved[k] for k in models.MODEL_KEYS if k in saved}
+    keys = {k: saved[k] for k in models.MODEL_KEYS if k in saved and k not in given}
     if not keys:
-        return config
+        return {}, step_dir
     changes = dict(keys, model_name=saved.get("model_name") or os.path.basename(os.path.dirname(os.path.dirname(step_dir))))
     tokenizer = saved.get("tokenizer_path") or (meta.get("source") or {}).get("assets_dir")
     if "tokenizer_path" not in given and tokenizer and os.path.exists(tokenizer):
         changes["tokenizer_path"] = tokenizer
+    return changes, step_dir
+
+
+def adoption_line(config, step_dir: str, changes: dict) -> str:
+    """What was adopted, for the log: `using the model settings of STEP (llama, 12.3M params) ...`."""
+    kept = sorted(k for k in config.given_keys if k in models.MODEL_KEYS)
+    return (f"using the model settings of {step_dir} ({config.decoder_block}, {models.num_params(config) / 1e6:,.1f}M "
+            "params)" + (f" with this command's {', '.join(f'{k}={getattr(config, k)}' for k in kept)}" if kept else "")
+            + (f" and its tokenizer {changes['tokenizer_path']}" if "tokenizer_path" in changes else ""))
+
+
+def adopt_model_settings(config, log=print):
+    """config with settings_to_adopt's changes (revalidated), saying what was adopted; unchanged without them."""
+    changes, step_dir = settings_to_adopt(config.to_dict())
+    if not changes:
+        return config
     config = config_lib.revalidate(config.replace(**changes))
-    log(f"using the model settings of {step_dir} ({config.decoder_block}, {models.num_params(config) / 1e6:,.1f}M "
-        "params)" + (f" and its tokenizer {changes['tokenizer_path']}" if "tokenizer_path" in changes else ""))
+    log(adoption_line(config, step_dir, changes))
     return config
 
 

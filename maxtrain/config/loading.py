@@ -24,14 +24,14 @@ import datetime
 import difflib
 import os
 import sys
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import yaml
 
 from maxtrain.config import checks
 from maxtrain.config import settings as settings_lib
 from maxtrain.config.schema import BASE_CONFIG, packaged_configs_dir, preset_names, table
-from maxtrain.errors import ConfigError
+from maxtrain.errors import ConfigError, UserError
 
 # Keys that are not settings: added by load_config and _derive, ignored when runs are compared.
 _DERIVED = ("config_path", "run_name_was_generated", "given_keys", "run_dir", "checkpoint_dir", "tensorboard_dir", "metadata_dir",
@@ -197,10 +197,14 @@ def _process_id_hint(values: dict, overrides: dict) -> int:
     return values.get("process_id", -1)
 
 
-def load_config(argv: list[str], log=None) -> Config:
+def load_config(argv: list[str], log=None, adopt: Callable[[dict], dict] | None = None) -> Config:
     """argv: [yaml_path, key=value, ...]. Returns the validated, frozen config (no device facts yet).
 
     `log` receives the notes (e.g. a YAML file without base_config); default: stderr, process 0 only.
+    `adopt(values) -> changes`: settings taken from elsewhere before the checks (a checkpoint's model settings,
+    checkpointing.files.settings_to_adopt), so that every check sees the model the run will have. When the
+    values alone fail a check and adopting cannot be done (a checkpoint that cannot be read), that failure
+    is the one raised: the config's own problem comes first.
     """
     if not argv:
         raise ConfigError("usage: python -m maxtrain.train configs/base.yml [key=value ...]")
@@ -222,15 +226,37 @@ def load_config(argv: list[str], log=None) -> Config:
     values["config_path"] = os.path.abspath(_find_config(argv[0]))
     values["run_name_was_generated"] = not values["run_name"]
     # Keys the user chose (their YAML or the command line) rather than base.yml's defaults: a checkpoint's
-    # model settings are adopted only where none of the model keys were chosen (checkpointing.files.adopt_model_settings).
+    # model settings are adopted where the user chose none (checkpointing.files.settings_to_adopt).
     values["given_keys"] = sorted(set(chain) | set(overrides))
-    checks.validate(values)
+    _validate(values, adopt)
     if notes:
         if log is None and _process_id_hint(values, overrides) <= 0:
             log = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
         for note in notes:
             (log or (lambda _: None))(note)
     return Config(_derive(values))
+
+
+def _validate(values: dict, adopt: Callable[[dict], dict] | None) -> None:
+    """checks.validate of the values with what `adopt` returns for them (see load_config)."""
+    try:
+        checks.validate(values)
+        problem = None
+    except ConfigError as e:
+        problem = e
+    if adopt is not None:
+        try:
+            changes = adopt(values)
+        except UserError:
+            if problem is not None:
+                raise problem from None
+            raise
+        if changes:
+            values.update(changes)
+            checks.validate(values)
+            return
+    if problem is not None:
+        raise problem
 
 
 def _load_preset(model_name: str, schema: dict, config_dir: str) -> dict[str, Any]:

@@ -35,8 +35,19 @@ from maxtrain.parallel import stages as pipeline_lib
 
 def load_config(argv: list[str], log=print):
     """The config of argv, with a checkpoint's model settings adopted where the user chose none
-    (`load_parameters_path=OUT` alone fine-tunes an imported model), and a distillation teacher's."""
-    return distillation.adopt_teacher(checkpoint_files.adopt_model_settings(config_lib.load_config(argv), log), log)
+    (`load_parameters_path=OUT` alone fine-tunes an imported model; a model key on the command line changes
+    only that key), and a distillation teacher's. The checks see the adopted model."""
+    adopted = {}
+
+    def adopt(values: dict) -> dict:
+        changes, step_dir = checkpoint_files.settings_to_adopt(values)
+        adopted.update(changes=changes, step_dir=step_dir)
+        return changes
+
+    config = config_lib.load_config(argv, adopt=adopt)
+    if adopted.get("changes"):
+        log(checkpoint_files.adoption_line(config, adopted["step_dir"], adopted["changes"]))
+    return distillation.adopt_teacher(config, log)
 
 
 def runtime(config, platform: str, mesh) -> models.Runtime:
