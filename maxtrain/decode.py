@@ -30,10 +30,11 @@ def main(argv: list[str]) -> str:
     config = builder.load_config(argv)
     builder.require_checkpoint_path(config, "maxtrain.decode")
     tokenizer = data_lib.tokenizer_for(config)
-    prompt_ids = tokenizer_lib.prompt_ids(tokenizer, config.prompt)
-    if not prompt_ids:
-        raise config_lib.ConfigError(f"prompt={config.prompt!r} gives no tokens and the tokenizer {tokenizer.path} has "
-                                     "no BOS token to start from; give a prompt")
+    # the prompt and the count are refused before the model is read
+    prompt_ids = tokenizer_lib.checked_prompt_ids(tokenizer, config.prompt, max_length=config.max_target_length)
+    if config.max_new_tokens < 1:
+        raise config_lib.ConfigError(f"max_new_tokens={config.max_new_tokens}: maxtrain.decode has no token to "
+                                     "generate; set max_new_tokens=48 (or any number >= 1)")
     model = builder.load_model(config)
     settings = sampling.sampling_settings(config)
     started = time.time()

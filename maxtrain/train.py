@@ -74,6 +74,7 @@ def main(argv: list[str]) -> RunResult:
     # GRPO reads prompts and imports its reward functions (training/grpo.py); checked here, before compiling
     inputs = grpo.make_inputs(config, log=log) if config.use_grpo else data_lib.make_inputs(config, log=log)
     task_evals = evals.from_config(config, inputs.tokenizer, mesh, run.rt, log=log)  # data checked, requests packed
+    sample_prompt = sample_prompt_ids(config, inputs.tokenizer)  # the end-of-run sample's prompt, checked now
     compile_started = time.time()
     step_fn = run.compile() if compiled_step is None else compiled_step  # from the state's shapes and shardings
     log(builder.summarize(run, step_fn, time.time() - compile_started, start))
@@ -104,7 +105,7 @@ def main(argv: list[str]) -> RunResult:
                                       hooks, reporter, Preemption(), log)
         writer.close()
         inputs.close()  # stops background cache building; finished shards stay
-        sample = None if preempted else greedy_sample(run, state, inputs.tokenizer)
+        sample = None if preempted else greedy_sample(run, state, inputs.tokenizer, sample_prompt)
     log(f"done in {time.time() - started:.1f}s")
     return RunResult(config, state, evaluation.losses, evaluation.metrics, sample, preempted)
 
@@ -123,11 +124,22 @@ def peak_tflops(config) -> float | None:
     return peak
 
 
-def greedy_sample(run, state, tokenizer) -> str | None:
-    """max_new_tokens greedy tokens after `prompt` (None when there is no tokenizer, prompt or token to make)."""
+def sample_prompt_ids(config, tokenizer) -> list[int]:
+    """The ids of `prompt` for the end-of-run sample ([] when none is made: max_new_tokens=0 or no tokenizer);
+    a prompt that gives no tokens or is longer than max_target_length is refused before training."""
+    if config.max_new_tokens <= 0 or tokenizer is None:
+        return []
+    try:
+        return tokenizer_lib.checked_prompt_ids(tokenizer, config.prompt, max_length=config.max_target_length)
+    except config_lib.ConfigError as e:
+        raise config_lib.ConfigError(f"{e} (it is the prompt of the greedy sample after training; max_new_tokens=0 "
+                                     "skips the sample)") from None
+
+
+def greedy_sample(run, state, tokenizer, prompt: list[int]) -> str | None:
+    """max_new_tokens greedy tokens after `prompt`'s ids (None when no sample is made: no ids)."""
     config = run.config
-    prompt = tokenizer_lib.prompt_ids(tokenizer, config.prompt) if tokenizer is not None else []
-    if config.max_new_tokens <= 0 or not prompt:
+    if not prompt:
         return None
     new = sampling.generate(run.model_params(state), prompt, config, run.rt, max_new_tokens=config.max_new_tokens,
                             eos_id=tokenizer.eos_ids)

@@ -29,8 +29,11 @@ KEYS = ("load_parameters_path", "viz_num_samples", "dataset_type", "grain_eval_f
 def main(argv: list[str]) -> str:
     config = builder.load_config(argv)
     step_dir = builder.require_checkpoint_path(config, "maxtrain.viz")
-    if config.dataset_type != "default" and not config.grain_eval_files:
-        raise config_lib.ConfigError("maxtrain.viz shows eval samples: use dataset_type=default or set grain_eval_files")
+    if config.dataset_type == "synthetic" or not (config.dataset_type == "default" or config.grain_eval_files):
+        raise config_lib.ConfigError(
+            "maxtrain.viz shows eval samples: use dataset_type=default or set grain_eval_files"
+            + (" with the dataset_type of those files (dataset_type=synthetic makes random tokens, no samples)"
+               if config.dataset_type == "synthetic" else ""))
     step = int(os.path.basename(step_dir)) if os.path.basename(step_dir).isdigit() else 0
     run_dir = os.path.dirname(os.path.dirname(step_dir))  # <run>/checkpoints/<step> -> <run>
     config = config.replace(run_name=os.path.basename(run_dir), run_dir=run_dir,
@@ -38,8 +41,9 @@ def main(argv: list[str]) -> str:
     config = config_lib.with_devices(config, jax.device_count(), jax.process_count())  # the global eval batch
     inputs = data_lib.make_inputs(config)  # the data and tokenizer are checked before the params are read
     inputs.close()  # only eval batches are needed: no background cache building
-    if not inputs.eval_batches or inputs.tokenizer is None:
-        raise config_lib.ConfigError("this configuration has no eval samples with a tokenizer to show")
+    if not inputs.eval_batches:  # (make_inputs refuses eval data that gives no batches; a tokenizer comes with them)
+        raise config_lib.ConfigError(f"grain_eval_files={config.grain_eval_files!r} gives no eval samples to show; "
+                                     "check the files")
     model = builder.load_model(config.replace(load_parameters_path=step_dir))
     with sharding.activation_sharding(model.mesh, config.logical_axis_rules):
         batch = pipeline.to_global(inputs.eval_batches[0], model.mesh, config.logical_axis_rules,

@@ -212,3 +212,33 @@ def test_load_params_places_arrays_on_the_mesh(tiny, step_dir):
     assert sorted(restored) == sorted(tiny[2])
     assert restored["token_embedding"].sharding.mesh.shape == mesh.shape
     np.testing.assert_array_equal(np.asarray(restored["output"]), np.asarray(tiny[2]["output"]))
+
+
+def test_no_new_tokens_is_an_empty_result_not_an_index_error(tiny):
+    """max_new_tokens=0 traced a loop body that indexes an empty array (a raw IndexError in maxtrain.decode)."""
+    config, rt, params = tiny
+    assert sampling.generate(params, [1, 17], config, rt, max_new_tokens=0) == []
+    assert sampling.generate_tokens(params, jnp.asarray([[1, 17]], jnp.int32), jax.random.key(0), config=config,
+                                    rt=rt, max_new_tokens=0, temperature=0.0, top_k=0, top_p=1.0).shape == (1, 0)
+
+
+class _Tokenizer:
+    """What checked_prompt_ids reads: encode (white space dropped, as some sentencepiece models do), bos_id, path."""
+
+    def __init__(self, bos_id):
+        self.bos_id, self.path = bos_id, "tok.model"
+
+    def encode(self, text):
+        return [ord(c) for c in text if not c.isspace()]
+
+
+@pytest.mark.parametrize("bos_id", [None, 1])
+def test_a_prompt_without_tokens_of_its_own_is_refused_naming_its_key_whatever_the_bos(bos_id):
+    tok = _Tokenizer(bos_id)
+    with pytest.raises(config_lib.ConfigError, match=r"^prompt='' is empty: .* give a prompt with some text"):
+        tokenizer_lib.checked_prompt_ids(tok, "")
+    with pytest.raises(config_lib.ConfigError, match=r"^prompt=' \\n' gives no tokens with the tokenizer tok.model"):
+        tokenizer_lib.checked_prompt_ids(tok, " \n")  # a BOS alone is no prompt
+    assert tokenizer_lib.checked_prompt_ids(tok, "ab") == ([] if bos_id is None else [1]) + [97, 98]
+    with pytest.raises(config_lib.ConfigError, match=r"prompt='abcd' is \d tokens, more than max_target_length=3"):
+        tokenizer_lib.checked_prompt_ids(tok, "abcd", max_length=3)

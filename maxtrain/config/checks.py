@@ -77,7 +77,7 @@ def _data_columns(v):
         return  # _grpo_settings checks GRPO's [prompt, answer]
     wanted = {"sft": (["messages"], ["prompt", "completion"]), "dpo": (["prompt", "chosen", "rejected"],)}
     kind = "sft" if v["use_sft"] else "dpo" if v["use_dpo"] else None
-    for key in ("train_data_columns", "eval_data_columns"):
+    for key in _columns_keys(v):
         columns = v[key]
         _require(all(isinstance(c, str) and c for c in columns),
                  f"{key}={columns!r} must be a list of field names, e.g. {key}=[text]")
@@ -92,6 +92,11 @@ def _data_columns(v):
         _require(v["dataset_type"] in ("jsonl", "parquet"),
                  f"use_{kind}=true reads jsonl or parquet files, but dataset_type={v['dataset_type']}; set "
                  f"dataset_type=jsonl (or parquet) and grain_train_files=<your files>")
+
+
+def _columns_keys(v) -> tuple[str, ...]:
+    """The *_data_columns keys a run reads: eval_data_columns only with eval files."""
+    return ("train_data_columns", "eval_data_columns") if v["grain_eval_files"] else ("train_data_columns",)
 
 
 def _chat_template_known(v):
@@ -120,7 +125,7 @@ def _grpo_settings(v):
     _require(v["num_generations"] >= 2,
              f"num_generations={v['num_generations']}: GRPO's advantage is a completion's reward minus its group's "
              "mean, always 0 in a group of one; sample 2 or more completions per prompt (4 to 16 are usual)")
-    for key in ("train_data_columns", "eval_data_columns"):
+    for key in _columns_keys(v):
         _require(len(v[key]) == 2 and all(isinstance(c, str) and c for c in v[key]),
                  f"use_grpo=true reads prompts and their answers, but {key}={v[key]!r}; set {key}=[prompt,answer] "
                  "(the names of your fields, in that order)")

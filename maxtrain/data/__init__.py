@@ -53,8 +53,9 @@ def make_inputs(config, log=print, process_index: int | None = None, process_cou
 
     index = jax.process_index() if process_index is None else process_index
     count = jax.process_count() if process_count is None else process_count
-    if config.dataset_type == "synthetic":
-        return Inputs(None, pipeline.synthetic_iterator(config, index), [])
+    if config.dataset_type == "synthetic":  # random tokens; a tokenizer_path is still the model's (samples, eval_tasks)
+        return Inputs(tokenizer_for(config, log) if config.tokenizer_path else None,
+                      pipeline.synthetic_iterator(config, index), [])
     if config.use_sft or config.use_dpo:  # conversations / preference pairs through the chat template
         from maxtrain.data import conversations  # pylint: disable=import-outside-toplevel  (deferred: as above)
 

@@ -110,6 +110,7 @@ class TextCache:
     def job(self, unit: int, staging: str) -> dict:
         """prepare.process_unit's job for one unit (written locally, then published here if remote)."""
         return {"index": unit, "count": self.count, "unit": self.units[unit], "settings": self.settings,
+                "field_key": "train_data_columns",  # a cache is a training source's
                 "output_dir": staging if self.remote else self.directory, "marker": self.marker_path(unit),
                 "publish_dir": self.directory if self.remote else None}
 

@@ -172,13 +172,14 @@ def _as_messages(value, role: str, where: str, column: str) -> list[dict]:
                     f"{'nothing' if value is None else type(value).__name__}")
 
 
-def conversation(record: dict, columns: list[str], where: str) -> list[dict]:
-    """The messages of an SFT record: columns [messages] or [prompt, completion]."""
+def conversation(record: dict, columns: list[str], where: str, key: str = "train_data_columns") -> list[dict]:
+    """The messages of an SFT record: columns [messages] or [prompt, completion] (`key` names them: the
+    train_data_columns or eval_data_columns of the record's split)."""
     missing = [c for c in columns if c not in record or record[c] is None]
     if missing:
-        raise DataError(f"{where}: no {missing} field (the record has: {', '.join(map(str, record)) or 'no fields'}). "
-                        "Name the fields with train_data_columns=[messages] or [prompt,completion] (and "
-                        "eval_data_columns)")
+        raise DataError(f"{where}: no {', '.join(map(repr, missing))} field (the record has: "
+                        f"{', '.join(map(str, record)) or 'no fields'}). Name the fields with {key}=[messages] or "
+                        f"{key}=[prompt,completion] (your names), or fix the record")
     if len(columns) == 1:
         return check_messages(record[columns[0]], where)
     prompt = _as_messages(record[columns[0]], "user", where, columns[0])
@@ -186,14 +187,16 @@ def conversation(record: dict, columns: list[str], where: str) -> list[dict]:
     return check_messages(prompt + completion, where)
 
 
-def preference(record: dict, columns: list[str], where: str) -> tuple[list[dict], list[dict], list[dict]]:
-    """(prompt messages, chosen messages, rejected messages) of a DPO record [prompt, chosen, rejected]."""
+def preference(record: dict, columns: list[str], where: str,
+               key: str = "train_data_columns") -> tuple[list[dict], list[dict], list[dict]]:
+    """(prompt messages, chosen messages, rejected messages) of a DPO record [prompt, chosen, rejected]
+    (`key`: as conversation's)."""
     missing = [c for c in columns if c not in record or record[c] is None]
     if missing:
         raise DataError(f"{where}: a DPO row needs {columns[0]!r}, {columns[1]!r} and {columns[2]!r}, but "
                         f"{', '.join(map(repr, missing))} {'is' if len(missing) == 1 else 'are'} missing (the record has:"
                         f" {', '.join(map(str, record)) or 'no fields'}). Fix the row, or name the fields with "
-                        "train_data_columns=[prompt,chosen,rejected]")
+                        f"{key}=[prompt,chosen,rejected] (your names)")
     prompt = _as_messages(record[columns[0]], "user", where, columns[0])
     chosen = _as_messages(record[columns[1]], "assistant", where, columns[1])
     rejected = _as_messages(record[columns[2]], "assistant", where, columns[2])

@@ -39,8 +39,9 @@ FEATURES = ("tokens", "weights", "parts", "positions")
 # --------------------------------------------------------------------------------------------
 
 
-def read_records(path: str, skip: int = 0):
-    """(location, record dict) of every record of a jsonl or parquet file, after `skip` records."""
+def read_records(path: str, skip: int = 0, key: str = "train_data_columns"):
+    """(location, record dict) of every record of a jsonl or parquet file, after `skip` records (`key`: the
+    setting that names the record's columns, for messages)."""
     fmt, compression = text_files.file_format(path)
     if fmt == "parquet":
         pf = text_files.open_parquet(path)  # local or gs://; not parquet: a DataError naming the file
@@ -74,7 +75,7 @@ def read_records(path: str, skip: int = 0):
                                 "must be one JSON object; fix or remove the line.") from None
             if not isinstance(record, dict):
                 raise DataError(f"{where}: a {type(record).__name__}, not a JSON object with the columns "
-                                "train_data_columns names")
+                                f"{key} names; fix or remove the line")
             yield where, record
 
 
@@ -97,7 +98,7 @@ class _RecordsIterator(grain.DatasetIterator):
         ds = self._ds
         while ds.files and (ds.num_epochs is None or self._epoch < ds.num_epochs):
             if self._records is None:
-                self._records = read_records(self._path(), skip=self._record)
+                self._records = read_records(self._path(), skip=self._record, key=self._ds.key)
             for where, record in self._records:
                 self._record += 1
                 if record is not None:
@@ -122,9 +123,10 @@ class _RecordsIterator(grain.DatasetIterator):
 class RecordsIterDataset(grain.IterDataset):
     """(location, record) of `files`, file after file, for num_epochs (None: forever)."""
 
-    def __init__(self, files, num_epochs, seed: int, shuffle_files: bool, what: str):
+    def __init__(self, files, num_epochs, seed: int, shuffle_files: bool, what: str, key: str = "train_data_columns"):
         super().__init__()
         self.files, self.num_epochs, self.seed, self.shuffle_files, self.what = files, num_epochs, seed, shuffle_files, what
+        self.key = key  # the setting that names the columns, for messages
 
     def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
         del sequential_slice
@@ -142,17 +144,18 @@ class RecordsIterDataset(grain.IterDataset):
 class ToElement:
     """(location, record) -> a packing element of at most length tokens (picklable, for Grain workers)."""
 
-    def __init__(self, template: chat.Template, config, columns: list[str], length: int, log=print):
-        self.template, self.columns, self.length, self.log = template, columns, length, log
+    def __init__(self, template: chat.Template, config, columns: list[str], length: int, log=print,
+                 key: str = "train_data_columns"):
+        self.template, self.columns, self.length, self.log, self.key = template, columns, length, log, key
         self.dpo, self.completion_only = config.use_dpo, config.sft_train_on_completion_only
         self.truncated, self.passes = 0, 0  # passes > 1: the same data again (eval), counted once
 
     def __call__(self, located) -> dict:
         where, record = located
         if self.dpo:
-            element = chat.dpo_element(self.template, *chat.preference(record, self.columns, where), where)
+            element = chat.dpo_element(self.template, *chat.preference(record, self.columns, where, self.key), where)
         else:
-            element = chat.sft_element(self.template, chat.conversation(record, self.columns, where),
+            element = chat.sft_element(self.template, chat.conversation(record, self.columns, where, self.key),
                                        self.completion_only, where)
         element, cut = chat.truncate(element, self.length)
         if cut and self.passes <= 1:
@@ -208,10 +211,12 @@ def open_template(config, tokenizer) -> chat.Template:
 
 def check_first_records(components, template: chat.Template, config, split: str) -> None:
     """Renders the first record of every file now, so bad data fails before any training step."""
-    convert = ToElement(template, config, columns(config, split), config.max_target_length + 1, log=lambda *_: None)
+    key = f"{split}_data_columns"
+    convert = ToElement(template, config, columns(config, split), config.max_target_length + 1, log=lambda *_: None,
+                        key=key)
     for component in components:
         for path in component.files:
-            first = next((r for r in read_records(path) if r[1] is not None), None)
+            first = next((r for r in read_records(path, key=key) if r[1] is not None), None)
             if first is None:
                 raise DataError(f"{path} holds no records: an empty shard. Delete it or narrow the glob.")
             convert(first)
@@ -221,15 +226,17 @@ def elements(files, config, template, split: str, num_epochs, seed: int, shuffle
     ds = RecordsIterDataset(files, num_epochs, seed, shuffle, what)
     if shuffle and split == "train" and config.grain_shuffle_window > 1:
         ds = sources.WindowShuffleIterDataset(ds, config.grain_shuffle_window, sources.data_seed(config, "window/0"))
-    return ds.map(ToElement(template, config, columns(config, split), config.max_target_length + 1, log))
+    return ds.map(ToElement(template, config, columns(config, split), config.max_target_length + 1, log,
+                            f"{split}_data_columns"))
 
 
 def make_inputs(config, index: int, count: int, log=print):
     """(tokenizer, train iterator, eval batches, sources) for use_sft / use_dpo."""
     tokenizer = sources.load_tokenizer(config, None, None)
     template = open_template(config, tokenizer)
-    train = sources.parse_files(config.grain_train_files, "grain_train_files")
-    evals = sources.parse_files(config.grain_eval_files, "grain_eval_files") if config.grain_eval_files else []
+    train = sources.parse_files(config.grain_train_files, "grain_train_files", config.dataset_type)
+    evals = (sources.parse_files(config.grain_eval_files, "grain_eval_files", config.dataset_type)
+             if config.grain_eval_files else [])
     for key, components in (("grain_train_files", train), ("grain_eval_files", evals)):
         for c in components:
             for path in c.files:
@@ -256,10 +263,12 @@ def make_inputs(config, index: int, count: int, log=print):
     if evals and config.eval_interval != -1:
         eval_files = hosts.file_shards([f for c in evals for f in c.files], index, count)
 
-        to_element = ToElement(template, config, columns(config, "eval"), config.max_target_length + 1, log)
+        to_element = ToElement(template, config, columns(config, "eval"), config.max_target_length + 1, log,
+                               "eval_data_columns")
 
         def make():  # one ToElement for every pass, so truncations are counted (and warned about) once
-            ds = RecordsIterDataset(eval_files, 1, 0, False, f"grain_eval_files on host {index}").map(to_element)
+            ds = RecordsIterDataset(eval_files, 1, 0, False, f"grain_eval_files on host {index}",
+                                    "eval_data_columns").map(to_element)
             to_element.passes += 1
             batches = rows(ds, config, micro).batch(micro, drop_remainder=False)
             return iter(batches.map(functools.partial(hosts.fill_rows, rows=micro)))

@@ -44,8 +44,10 @@ def expand_inputs(patterns: list[str]) -> list[str]:
         matched = sorted(os.path.abspath(p) for p in glob.glob(os.path.expanduser(pattern), recursive=True)
                          if os.path.isfile(p))
         if not matched:
-            raise DataError(f"--input {pattern!r} matches no files. Check the path (quote globs so the shell does "
-                            "not expand them).")
+            problem = text_files.unmatched(pattern)
+            fix = "" if os.path.isdir(os.path.expanduser(pattern)) else \
+                ". Check the path (quote globs so the shell does not expand them)."
+            raise DataError(f"--input {pattern!r} {problem}{fix}")
         files.extend(matched)
     seen = set()
     return [f for f in files if not (f in seen or seen.add(f))]
@@ -128,7 +130,7 @@ def process_unit(job: dict) -> dict:
     pending = []
     for text in text_files.read_texts(unit["path"], settings["text_field"], settings["txt_documents"],
                                       byte_range=unit.get("byte_range"), row_groups=unit.get("row_groups"),
-                                      progress=_report):
+                                      progress=_report, field_key=job.get("field_key", "--text-field")):
         if not text.strip():
             empty += 1
             continue

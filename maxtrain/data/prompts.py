@@ -42,8 +42,8 @@ class Prompt:
 class ToPrompt:
     """(location, record) -> a Prompt of at most `length` tokens, else a DataError naming the record."""
 
-    def __init__(self, template: chat.Template, columns: list[str], length: int):
-        self.template, self.columns, self.length = template, columns, length
+    def __init__(self, template: chat.Template, columns: list[str], length: int, key: str = "train_data_columns"):
+        self.template, self.columns, self.length, self.key = template, columns, length, key  # key: names the columns
 
     def prompt(self, located) -> Prompt:
         where, record = located
@@ -52,14 +52,20 @@ class ToPrompt:
             raise DataError(f"{where}: a GRPO row needs {self.columns[0]!r} and {self.columns[1]!r}, but "
                             f"{', '.join(map(repr, missing))} {'is' if len(missing) == 1 else 'are'} missing (the record "
                             f"has: {', '.join(map(str, record)) or 'no fields'}). Fix the row, or name the fields with "
-                            "train_data_columns=[prompt,answer]")
+                            f"{self.key}=[prompt,answer] (your names)")
         value = record[self.columns[0]]
         if isinstance(value, str):
             messages = [{"role": "user", "content": value}]
         else:
             messages = chat.check_messages(value, f"{where} column {self.columns[0]!r}", need_assistant=False)
+        if not any(m["content"].strip() for m in messages):
+            raise DataError(f"{where}: the prompt (column {self.columns[0]!r}) is empty, so there is nothing to answer; "
+                            "fix or remove the row")
         text = self.template.render(messages, add_generation_prompt=True)
         ids, _ = chat.encode_parts(self.template, [(text, False)])
+        if len(ids) == 0:
+            raise DataError(f"{where}: the prompt (column {self.columns[0]!r}) renders to no tokens with the chat "
+                            f"template {self.template.describe()}; fix the row, or use another chat_template")
         if len(ids) > self.length:
             raise DataError(f"{where}: the prompt is {len(ids)} tokens, more than max_prefill_predict_length="
                             f"{self.length}; raise max_prefill_predict_length (and max_target_length with it: the "
@@ -107,17 +113,19 @@ def make_inputs(config, rows: int, index: int = 0, count: int = 1, log=print) ->
     tokenizer = sources.load_tokenizer(config, None, None)
     template = conversations.open_template(config, tokenizer)
     length = config.max_prefill_predict_length
-    train = sources.parse_files(config.grain_train_files, "grain_train_files")
-    evals = sources.parse_files(config.grain_eval_files, "grain_eval_files") if config.grain_eval_files else []
+    train = sources.parse_files(config.grain_train_files, "grain_train_files", config.dataset_type)
+    evals = (sources.parse_files(config.grain_eval_files, "grain_eval_files", config.dataset_type)
+             if config.grain_eval_files else [])
     first = []
     for key, components, split in (("grain_train_files", train, "train"), ("grain_eval_files", evals, "eval")):
-        to_prompt = ToPrompt(template, columns(config, split), length)
+        to_prompt = ToPrompt(template, columns(config, split), length, f"{split}_data_columns")
         for c in components:
             for path in c.files:
                 fmt, _ = text_files.file_format(path)
                 if fmt != config.dataset_type:
                     raise DataError(f"{key}: {path} is a {fmt} file but dataset_type={config.dataset_type}")
-                record = next((r for r in conversations.read_records(path) if r[1] is not None), None)
+                record = next((r for r in conversations.read_records(path, key=f"{split}_data_columns")
+                               if r[1] is not None), None)
                 if record is None:
                     raise DataError(f"{path} holds no records: an empty shard. Delete it or narrow the glob.")
                 checked = to_prompt.prompt(record)
@@ -131,8 +139,9 @@ def make_inputs(config, rows: int, index: int = 0, count: int = 1, log=print) ->
     batches = ds.map(ToPrompt(template, columns(config, "train"), length)).batch(rows, drop_remainder=True)
     eval_prompts = []
     if evals and config.eval_interval != -1:
-        to_prompt = ToPrompt(template, columns(config, "eval"), length)
-        located = (r for c in evals for path in c.files for r in conversations.read_records(path) if r[1] is not None)
+        to_prompt = ToPrompt(template, columns(config, "eval"), length, "eval_data_columns")
+        located = (r for c in evals for path in c.files for r in conversations.read_records(path, key="eval_data_columns")
+                   if r[1] is not None)
         limit = None if config.eval_steps <= 0 else config.eval_steps * rows * config.num_generations
         eval_prompts = [to_prompt.prompt(r) for r in itertools.islice(located, limit)]
     stops = stop_ids(template)

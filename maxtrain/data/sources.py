@@ -103,8 +103,9 @@ def _split_weight(part: str, key: str) -> tuple[str, float]:
     return head, weight
 
 
-def parse_files(spec: str, key: str) -> list[Component]:
-    """"a/*,b/x:0.7;c/*:0.3" -> components with their files (sorted, duplicates removed)."""
+def parse_files(spec: str, key: str, dataset_type: str = "") -> list[Component]:
+    """"a/*,b/x:0.7;c/*:0.3" -> components with their files (sorted, duplicates removed). `dataset_type`: the
+    files' format, for the glob suggested when a pattern names a directory."""
     components = []
     for part in (p.strip() for p in spec.split(";")):
         if not part:
@@ -118,10 +119,13 @@ def parse_files(spec: str, key: str) -> list[Component]:
                 raise DataError(f"{key}: cannot list {one!r} ({type(e).__name__}: {e}). Check the bucket name and "
                                 "your credentials (gcloud auth application-default login).") from None
             if not matched:
-                where = os.path.dirname(one) or "."
-                hint = "" if storage.isdir(where) else f" (the directory {where} does not exist)"
-                raise DataError(f"{key}: {one!r} matches no files{hint}. Check the path, or prepare the data with "
-                                "scripts/prepare_data.py --output-dir DIR and use DIR/train-*.arrayrecord.")
+                formats = (dataset_type,) if dataset_type in (*SEQUENTIAL, "arrayrecord") else ()
+                prefix = "eval-" if key == "grain_eval_files" else "train-"
+                problem = text_files.unmatched(one, formats, prefix)
+                fix = "" if storage.isdir(one.rstrip("/") or one) else (
+                    ". Check the path, or prepare the data with scripts/prepare_data.py --output-dir DIR and use "
+                    f"DIR/{prefix}*.arrayrecord.")
+                raise DataError(f"{key}: {one!r} {problem}{fix}")
             files.extend(m for m in matched if m not in files)
         components.append(Component(pattern, weight, files))
     if not components:
@@ -151,7 +155,7 @@ def load_tokenizer(config, prepared_with: dict | None, prepared_dir: str | None,
     return tok
 
 
-def _check_text_files(components: list[Component], dataset_type: str, key: str, field: str) -> None:
+def _check_text_files(components: list[Component], dataset_type: str, key: str, field: str, field_key: str) -> None:
     for component in components:
         for path in component.files:
             fmt, _ = text_files.file_format(path)
@@ -160,7 +164,7 @@ def _check_text_files(components: list[Component], dataset_type: str, key: str, 
                                 f"{dataset_type} files (or set dataset_type={fmt})")
             if storage.size(path) == 0:
                 raise DataError(f"{path} is empty: an empty shard. Delete it or narrow the glob in {key}.")
-            text_files.check(path, field)  # a missing field or bad first line fails now, not mid-run
+            text_files.check(path, field, field_key)  # a missing field or bad first line fails now, not mid-run
 
 
 def _column(config, split: str) -> str:
@@ -178,8 +182,8 @@ def open_sources(config, log=print) -> Sources:
         tok, train_docs, eval_docs = default_corpus.documents(config, log=log)
         return Sources(kind, tok, [Component("<default corpus>", 1.0, [], train_docs)],
                        [Component("<default corpus, held out>", 1.0, [], eval_docs)], eval_docs)
-    train = parse_files(config.grain_train_files, "grain_train_files")
-    evals = parse_files(config.grain_eval_files, "grain_eval_files") if config.grain_eval_files else []
+    train = parse_files(config.grain_train_files, "grain_train_files", kind)
+    evals = parse_files(config.grain_eval_files, "grain_eval_files", kind) if config.grain_eval_files else []
     if kind == "arrayrecord":
         remote = [f for c in train + evals for f in c.files if storage.is_remote(f)]
         if remote:
@@ -201,8 +205,9 @@ def open_sources(config, log=print) -> Sources:
         return Sources(kind, tok, train, evals, pool)
     if kind in SEQUENTIAL:
         tok = load_tokenizer(config, None, None, log)
-        _check_text_files(train, kind, "grain_train_files", _column(config, "train"))
-        _check_text_files(evals, kind, "grain_eval_files", _column(config, "eval"))
+        _check_text_files(train, kind, "grain_train_files", _column(config, "train"), "train_data_columns")
+        if evals:  # eval_data_columns matters only with eval files
+            _check_text_files(evals, kind, "grain_eval_files", _column(config, "eval"), "eval_data_columns")
         if config.dataset_cache_dir:  # tokenize once into a cache, in the background (cache.py)
             for c in train:
                 try:
@@ -240,7 +245,7 @@ class _TextFilesIterator(grain.DatasetIterator):
         ds = self._ds
         while ds.files and (ds.num_epochs is None or self._epoch < ds.num_epochs):
             if self._texts is None:
-                self._texts = text_files.read_texts(self._path(), ds.field, skip=self._record)
+                self._texts = text_files.read_texts(self._path(), ds.field, skip=self._record, field_key=ds.field_key)
             for text in self._texts:
                 self._record += 1
                 if text.strip():
@@ -267,10 +272,11 @@ class TextFilesIterDataset(grain.IterDataset):
     """The non-empty documents of `files` (jsonl or parquet), file after file, for num_epochs (None: forever)."""
 
     def __init__(self, files: list[str], field: str, num_epochs: int | None, seed: int, shuffle_files: bool,
-                 what: str):
+                 what: str, field_key: str = "train_data_columns"):
         super().__init__()
         self.files, self.field, self.num_epochs, self.seed, self.shuffle_files, self.what = (
             files, field, num_epochs, seed, shuffle_files, what)
+        self.field_key = field_key  # the setting that names `field`, for messages
 
     def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
         """Grain worker processes (grain_worker_count) each read a slice of the files."""
@@ -421,8 +427,8 @@ def eval_documents(sources: Sources, config, index: int, count: int) -> grain.It
         return grain.MapDataset.source(sources.eval_pool)[index::count].to_iter_dataset(READ_OPTIONS)
     files = [f for c in sources.eval for f in c.files]
     mine = hosts.file_shards(files, index, count)  # a host without files only pads
-    return TextFilesIterDataset(mine, _column(config, "eval"), 1, 0, False, f"grain_eval_files on host {index}").map(
-        _Encode(sources.tokenizer))
+    return TextFilesIterDataset(mine, _column(config, "eval"), 1, 0, False, f"grain_eval_files on host {index}",
+                                "eval_data_columns").map(_Encode(sources.tokenizer))
 
 
 # --------------------------------------------------------------------------------------------

@@ -14,9 +14,11 @@ preparation workers import this module.
 
 from __future__ import annotations
 
+import collections
 import gzip
 import io
 import json
+import os
 from typing import Callable, Iterator
 
 from maxtrain import storage
@@ -44,6 +46,56 @@ def file_format(path: str) -> tuple[str, str | None]:
             return fmt, compression
     raise DataError(f"{path}: unknown file type. Name text files .txt, .jsonl or .parquet (.txt and .jsonl may "
                     "be compressed: .txt.gz, .jsonl.zst)")
+
+
+def _format_of(name: str) -> str | None:
+    """A file's format by its name (txt, jsonl, parquet, or arrayrecord: prepared data), None for any other."""
+    if name.lower().endswith(".arrayrecord"):
+        return "arrayrecord"
+    try:
+        return file_format(name)[0]
+    except DataError:
+        return None
+
+
+def _extension(name: str) -> str:
+    """'.jsonl.gz', '.arrayrecord', '.json': what a glob's `*` leaves to name such files."""
+    lower = name.lower()
+    compression = next((s for s in COMPRESSIONS if lower.endswith(s)), "")
+    return os.path.splitext(lower[:len(lower) - len(compression)])[1] + compression
+
+
+def unmatched(pattern: str, formats: tuple[str, ...] = (), prefix: str = "") -> str:
+    """Why a glob matched no file, and the glob to write: a directory is said to be one, with a glob of its
+    files (`DIR/train-*.arrayrecord`) and what it holds. `formats`: the formats wanted (txt, jsonl, parquet,
+    arrayrecord; empty: raw text, as prepare_data and train_tokenizer read); `prefix`: a file-name prefix to
+    suggest when such files have it."""
+    wanted = formats or ("txt", "jsonl", "parquet")
+    directory = pattern.rstrip("/") or pattern
+    if not storage.isdir(directory):
+        parent = os.path.dirname(pattern) or "."
+        return "matches no files" + ("" if storage.isdir(parent) else f" (the directory {parent} does not exist)")
+    names = [os.path.basename(p) for p in storage.glob(storage.join(directory, "*"))]
+    deeper = [] if names else [p for p in storage.glob(storage.join(directory, "**", "*")) if _format_of(p) in wanted]
+    held = collections.Counter(_extension(n) or "(no extension)" for n in names)
+    holds = ("it holds " + ", ".join(f"{count} {ext}" for ext, count in held.most_common()) + " files" if names
+             else "its files are in subdirectories" if deeper else "it holds no files")
+    if "arrayrecord" not in wanted and any(_format_of(n) == "arrayrecord" for n in names):
+        return ("is a directory of prepared (tokenized) data, " + (
+            "not text: give the raw text files (.txt, .jsonl, .parquet)" if not formats else
+            f"not {' or '.join(formats)} files: read it with dataset_type=arrayrecord and "
+            f"'{storage.join(directory, prefix + '*.arrayrecord')}'"))
+    fitting = [n for n in names if _format_of(n) in wanted]
+    if fitting:
+        ext = collections.Counter(_extension(n) for n in fitting).most_common(1)[0][0]
+        stem = prefix if prefix and any(n.startswith(prefix) and _extension(n) == ext for n in fitting) else ""
+        glob = storage.join(directory, f"{stem}*{ext}")
+    elif deeper:
+        glob = storage.join(directory, "**", f"*{_extension(deeper[0])}")
+    else:
+        return (f"is a directory without {' or '.join(wanted)} files ({holds}); give a glob of the data "
+                f"files, e.g. '{storage.join(directory, '*.' + wanted[0])}'")
+    return f"is a directory, not a glob of files: name its files, e.g. '{glob}' ({holds})"
 
 
 def _zstandard():
@@ -119,7 +171,12 @@ def _lines(stream, path: str, start: int, end: int | None, skip: int, progress, 
             progress(raw.tell())
 
 
-def _jsonl(path, field, start, end, skip, progress, raw, stream) -> Iterator[str]:
+def naming(field_key: str) -> str:
+    """How the user names the text field: `train_data_columns=[NAME]` (a config key) or `--text-field NAME`."""
+    return f"{field_key}=[NAME]" if field_key.endswith("_columns") else f"{field_key} NAME"
+
+
+def _jsonl(path, field, start, end, skip, progress, raw, stream, field_key) -> Iterator[str]:
     for (number, offset), line in _lines(stream, path, start, end, skip, progress, raw):
         where = _where(path, number, offset, start)
         text = decode_text(line, where).strip()
@@ -134,8 +191,7 @@ def _jsonl(path, field, start, end, skip, progress, raw, stream) -> Iterator[str
         if not isinstance(record, dict) or field not in record:
             fields = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
             raise DataError(f"{where}: no {field!r} field (the line has: {fields or 'no fields'}). Name the text "
-                            f"field with train_data_columns=[NAME] / eval_data_columns=[NAME] (training) or "
-                            f"--text-field NAME (prepare_data.py), or fix the line.")
+                            f"field with {naming(field_key)}, or fix the line.")
         value = record[field]
         if value is None:
             yield ""
@@ -167,12 +223,12 @@ def _txt(path, mode, start, end, skip, progress, raw, stream) -> Iterator[str]:
         yield "\n".join(paragraph)
 
 
-def _parquet(path, field, row_groups, skip, progress) -> Iterator[str]:
+def _parquet(path, field, row_groups, skip, progress, field_key) -> Iterator[str]:
     pf = open_parquet(path)
     names = pf.schema_arrow.names
     if field not in names:
         raise DataError(f"{path}: no column {field!r} (columns: {', '.join(names)}). Name the text column with "
-                        "train_data_columns=[NAME] / eval_data_columns=[NAME] or --text-field NAME.")
+                        f"{naming(field_key)}.")
     groups = range(pf.num_row_groups) if row_groups is None else row_groups
     row = 0
     for group in groups:
@@ -195,8 +251,10 @@ def _parquet(path, field, row_groups, skip, progress) -> Iterator[str]:
 
 def read_texts(path: str, field: str = "text", txt_documents: str = "file", skip: int = 0,
                byte_range: tuple[int, int | None] | None = None, row_groups: list[int] | None = None,
-               progress: Callable[[int], None] | None = None) -> Iterator[str]:
+               progress: Callable[[int], None] | None = None, field_key: str = "--text-field") -> Iterator[str]:
     """The documents of one file, one string per record ("" for empty ones), after `skip` records.
+    `field_key` is the setting that names `field` (train_data_columns, eval_data_columns, --text-field), for
+    the message when a record lacks it.
 
     byte_range = (start, end) reads only the lines that start in [start, end) (uncompressed jsonl
     and line-mode txt); row_groups restricts a parquet file. `progress(bytes)` is called now and
@@ -204,7 +262,7 @@ def read_texts(path: str, field: str = "text", txt_documents: str = "file", skip
     """
     fmt, compression = file_format(path)
     if fmt == "parquet":
-        yield from _parquet(path, field, row_groups, skip, progress)
+        yield from _parquet(path, field, row_groups, skip, progress, field_key)
         return
     if txt_documents not in TXT_DOCUMENTS:
         raise DataError(f"txt_documents={txt_documents!r}; use one of {', '.join(TXT_DOCUMENTS)}")
@@ -220,15 +278,16 @@ def read_texts(path: str, field: str = "text", txt_documents: str = "file", skip
         progress = advanced
     with raw:
         if fmt == "jsonl":
-            yield from _jsonl(path, field, start, end, skip, progress, raw, stream)
+            yield from _jsonl(path, field, start, end, skip, progress, raw, stream, field_key)
         else:
             yield from _txt(path, txt_documents, start, end, skip, progress, raw, stream)
         if progress:
             progress(raw.tell())
 
 
-def check(path: str, field: str) -> None:
-    """Fails now, before training, if `path` is empty or its first document cannot be read."""
+def check(path: str, field: str, field_key: str = "--text-field") -> None:
+    """Fails now, before training, if `path` is empty or its first document cannot be read (`field_key`: as
+    read_texts)."""
     fmt, _ = file_format(path)
     if fmt == "parquet":
         pf = open_parquet(path)
@@ -237,12 +296,12 @@ def check(path: str, field: str) -> None:
         names = pf.schema_arrow.names
         if field not in names:
             raise DataError(f"{path}: no column {field!r} (columns: {', '.join(names)}). Name the text column with "
-                            "train_data_columns=[NAME] / eval_data_columns=[NAME] or --text-field NAME.")
+                            f"{naming(field_key)}.")
         kind = str(pf.schema_arrow.field(field).type)
         if kind not in ("string", "large_string", "binary", "large_binary"):
             raise DataError(f"{path}: column {field!r} has type {kind}, not string; name a text column")
         return
-    texts = read_texts(path, field)
+    texts = read_texts(path, field, field_key=field_key)
     try:
         for text in texts:
             if text.strip():

@@ -36,6 +36,7 @@ import os
 import re
 
 from maxtrain.data.errors import DataError
+from maxtrain.errors import ConfigError
 
 SP_MODEL = "tokenizer.model"
 TOKENIZER_JSON = "tokenizer.json"
@@ -349,6 +350,24 @@ def document(tok: Tokenizer, ids: list[int]) -> list[int]:
 def prompt_ids(tok: Tokenizer, text: str) -> list[int]:
     """A prompt as the model saw documents start: [bos, tokens of text...]."""
     return ([] if tok.bos_id is None else [tok.bos_id]) + tok.encode(text)
+
+
+def checked_prompt_ids(tok: Tokenizer, text: str, key: str = "prompt", max_length: int | None = None,
+                       length_key: str = "max_target_length") -> list[int]:
+    """prompt_ids, or a ConfigError naming `key` and the fix: when the text gives no tokens of its own (empty,
+    or white space this tokenizer drops: a BOS alone is no prompt), or when the prompt (BOS included) is
+    longer than max_length (`length_key`, the setting that bounds it)."""
+    tokens = tok.encode(text)
+    if not tokens:
+        what = "is empty" if not text else f"gives no tokens with the tokenizer {tok.path}"
+        raise ConfigError(f"{key}={text!r} {what}: there is nothing to continue; give a prompt with some text, e.g. "
+                          f"{key}='def main('")
+    ids = ([] if tok.bos_id is None else [tok.bos_id]) + tokens
+    if max_length is not None and len(ids) > max_length:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise ConfigError(f"{key}={shown!r} is {len(ids)} tokens, more than {length_key}={max_length} (the longest "
+                          f"sequence the model is run on); shorten the prompt or raise {length_key}")
+    return ids
 
 
 def check_vocab(tok: Tokenizer, vocab_size: int) -> None:

@@ -23,6 +23,8 @@ import dataclasses
 
 import numpy as np
 
+from maxtrain.errors import ConfigError
+
 
 @dataclasses.dataclass
 class Packed:
@@ -74,13 +76,21 @@ def tokenize(requests: list[tuple[str, str]], tokenizer) -> list[tuple[list[int]
     out = []
     for context, continuation in moved:
         if not context:  # nothing to condition on: the continuation follows BOS (or EOS) alone
+            if not bos and tokenizer.eos_id is None:
+                raise ConfigError(f"eval_tasks: the tokenizer {tokenizer.path} has neither a BOS nor an EOS token, so "
+                                  f"a request without context ({continuation[:40]!r}) has nothing to follow; use the "
+                                  "model's tokenizer with its config files (tokenizer_config.json names them)")
             start = bos or [int(tokenizer.eos_id)]
             cont = list(encoded[continuation])
             out.append((start, cont) if cont[:1] != start else (start, cont[1:]))
-            continue
-        ctx = bos + list(encoded[context])
-        whole = bos + list(encoded[context + continuation])
-        out.append((ctx, whole[len(ctx):]))
+        else:
+            ctx = bos + list(encoded[context])
+            whole = bos + list(encoded[context + continuation])
+            out.append((ctx, whole[len(ctx):]))
+        if not out[-1][1]:
+            raise ConfigError(f"eval_tasks: the continuation {continuation!r} (after {context[-40:]!r}) gives no tokens "
+                              f"of its own with the tokenizer {tokenizer.path}, so it cannot be scored; use the "
+                              "model's own tokenizer (tokenizer_path)")
     return out
 
 
@@ -121,7 +131,7 @@ def pack(tokenized: list[tuple[list[int], list[int]]], length: int, what: str = 
         if not cont:
             raise ValueError(f"{what}: request {i} has an empty continuation after tokenization")
         if len(cont) > length:
-            raise ValueError(f"{what}: a continuation of {len(cont)} tokens does not fit a scoring row of {length}; "
+            raise ConfigError(f"{what}: a continuation of {len(cont)} tokens does not fit a scoring row of {length}; "
                              f"raise eval_tasks_max_target_length to at least {len(cont)}")
         seq = ctx + cont
         if len(seq) > length + 1:

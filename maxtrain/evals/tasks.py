@@ -30,6 +30,7 @@ import dataclasses
 import random
 import re
 
+from maxtrain import config as config_lib
 from maxtrain.evals import data as data_lib
 
 MULTIPLE_CHOICE, LOGLIKELIHOOD = "multiple_choice", "loglikelihood"
@@ -162,8 +163,8 @@ def _mmlu_examples(files: dict[str, str], shots: int, max_examples: int) -> list
     for subject in data_lib.MMLU_SUBJECTS:
         dev = data_lib.read_rows(files[f"{subject}/dev"])
         if shots > len(dev):
-            raise ValueError(f"mmlu:{shots} asks for {shots} few-shot examples, but {subject}'s dev split has "
-                             f"{len(dev)}; use at most mmlu:{len(dev)}")
+            raise config_lib.ConfigError(f"mmlu:{shots} asks for {shots} few-shot examples, but {subject}'s dev split "
+                                         f"has {len(dev)}; use at most mmlu:{len(dev)}")
         prefix = mmlu_description(subject) + "".join(_shot("mmlu", r) for r in dev[:shots])
         per_subject[subject] = (prefix, data_lib.read_rows(files[f"{subject}/test"]))
     order = [(s, i) for i in range(max(len(rows) for _, rows in per_subject.values()))
@@ -181,7 +182,7 @@ def load_examples(task: str, files: dict[str, str], shots: int, max_examples: in
     (split, path), = files.items()
     rows = data_lib.read_rows(path)
     if shots >= len(rows):
-        raise ValueError(f"{task}:{shots} asks for {shots} few-shot examples but {task}'s {split} split has "
-                         f"{len(rows)} rows")
+        raise config_lib.ConfigError(f"{task}:{shots} asks for {shots} few-shot examples but {task}'s {split} split "
+                                     f"has {len(rows)} rows; use at most {task}:{len(rows) - 1}")
     count = len(rows) if max_examples <= 0 else min(max_examples, len(rows))
     return [_example(task, i, rows[i], _sampled_prefix(task, rows, i, shots), str(i)) for i in range(count)]

@@ -60,6 +60,8 @@ def sampling_settings(config) -> dict:
 def generate_tokens(params, prompt, key, *, config, rt, max_new_tokens, temperature, top_k, top_p):
     """New tokens [B, max_new_tokens] after prompts [B, P] (every row as long; no end-of-sequence stop)."""
     batch, prompt_len = prompt.shape
+    if max_new_tokens == 0:  # the loop's body would index an empty array
+        return jnp.zeros((batch, 0), jnp.int32)
     cache = models.init_cache(config, batch, prompt_len + max_new_tokens, rt.dtype)
     positions = jnp.broadcast_to(jnp.arange(prompt_len), prompt.shape)
     logits, cache = models.forward_with_cache(params, prompt, positions, cache, 0, config, rt)
@@ -91,6 +93,8 @@ def sample_completions(params, prompt, first, key, *, config, rt, max_new_tokens
     """
     scale = 1.0 / temperature if temperature > 0 else 1.0
     batch, prompt_len = prompt.shape
+    if max_new_tokens == 0:  # the loop's body would index an empty array
+        return jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0), jnp.float32)
     cache = models.init_cache(config, batch, prompt_len + max_new_tokens, rt.dtype)
     positions = jnp.maximum(jnp.arange(prompt_len)[None, :] - first[:, None], 0)
     logits, cache = models.forward_with_cache(params, prompt, positions, cache, 0, config, rt, first)
@@ -118,6 +122,10 @@ def generate(params, prompt_ids: list[int], config, rt: Runtime, *, max_new_toke
              eos_id: int | Iterable[int] | None = None) -> list[int]:
     """Continues `prompt_ids`; returns the new tokens, cut before the first end-of-sequence id when eos_id
     (one id, or several: a tokenizer's eos_ids) is given."""
+    if not prompt_ids:
+        raise ValueError("generate needs at least one prompt token (a BOS at least) to start from")
+    if max_new_tokens < 1:
+        return []
     prompt = jnp.asarray([prompt_ids], jnp.int32)
     out = generate_tokens(params, prompt, jax.random.key(seed), config=config, rt=rt,
                           max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
