@@ -131,7 +131,7 @@ def test_template_that_rewrites_earlier_turns_is_refused():
     ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant turn"),
     ({"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "yo"}]}, "unknown role 'human'"),
     ({"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "yo"}]}, "content of type int"),
-    ({"text": "hi"}, r"no \['messages'\] field"),
+    ({"text": "hi"}, r"no 'messages' field \(the record has: text\)\. Name the fields with train_data_columns="),
     ({"messages": []}, "non-empty list"),
 ])
 def test_bad_conversations_name_the_record_and_the_fix(record, match):

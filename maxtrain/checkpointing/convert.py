@@ -411,9 +411,10 @@ def run_tokenizer(meta: dict, given: str | None, log=print):
             return None
         tok = default_corpus.tokenizer(spec_config(saved), log=log)
     if recorded.get("checksum") not in (None, tok.checksum):
-        raise ConversionError(f"the tokenizer {tok.path} (checksum {tok.checksum}) is not the one the run trained "
-                              f"with ({recorded.get('path')}, checksum {recorded['checksum']}); pass that tokenizer "
-                              "with --tokenizer PATH")
+        found = f"--tokenizer {given}" if given else f"the tokenizer found for it, {tok.path},"
+        raise ConversionError(f"{found} (checksum {tok.checksum}) is not the one the run trained with "
+                              f"({recorded.get('path')}, checksum {recorded['checksum']}); pass that tokenizer with "
+                              "--tokenizer PATH")
     return tok
 
 

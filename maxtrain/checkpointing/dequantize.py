@@ -95,7 +95,8 @@ class Dequantized(Mapping):
             if name.endswith(".weight" + FP8_SCALE_SUFFIX):
                 weight = name[:-len(FP8_SCALE_SUFFIX)]
                 if weight not in tensors:
-                    raise FormatError(f"the checkpoint has {name} but no {weight}: fp8 weights come with their scales; {REDOWNLOAD}")
+                    raise FormatError(f"the checkpoint has {name} but no {weight}: fp8 weights come with their scales; "
+                                      f"{REDOWNLOAD}")
                 self.pairs[weight] = ("fp8", weight, name)
             elif name.endswith(MXFP4_SUFFIXES[1]) and name[:-len(MXFP4_SUFFIXES[1])] + MXFP4_SUFFIXES[0] in tensors:
                 base = name[:-len(MXFP4_SUFFIXES[1])]

@@ -65,10 +65,12 @@ def _entry(path: str, name: str, info, data_bytes: int) -> tuple[np.dtype, tuple
     if not (isinstance(shape, list) and all(_count(s) for s in shape)):
         raise FormatError(f"{path}: tensor {name} has shape {shape!r}, not a list of sizes >= 0; {REDOWNLOAD}")
     dtype = np.dtype(DTYPES[info["dtype"]])
+    size = math.prod(shape) * dtype.itemsize
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_count(o) for o in offsets)
-            and offsets[0] <= offsets[1] <= data_bytes and offsets[1] - offsets[0] == math.prod(shape) * dtype.itemsize):
+            and offsets[0] <= offsets[1] <= data_bytes and offsets[1] - offsets[0] == size):
         raise FormatError(f"{path}: tensor {name} has data_offsets {offsets!r}, which do not hold its shape {shape} of "
-                          f"{info['dtype']} within the file's {data_bytes} data bytes (a truncated file?); {REDOWNLOAD}")
+                          f"{info['dtype']} within the file's {data_bytes} data bytes (a truncated file?); "
+                          f"{REDOWNLOAD}")
     return dtype, tuple(shape), (offsets[0], offsets[1])
 
 
@@ -116,9 +118,9 @@ def read_model_dir(hf_dir: str) -> Tensors:
         files = sorted(set(weight_map.values()))
         missing = [f for f in files if not os.path.isfile(os.path.join(hf_dir, f))]
         if missing:
-            raise FormatError(f"{index} names {missing[0]}" + (f" and {len(missing) - 1} more shards" if len(missing) > 1
-                                                               else "") + f", which {hf_dir} does not hold; download "
-                              "every shard the index lists")
+            more = f" and {len(missing) - 1} more shards" if len(missing) > 1 else ""
+            raise FormatError(f"{index} names {missing[0]}{more}, which {hf_dir} does not hold; download every shard "
+                              "the index lists")
     elif os.path.isfile(single):
         files = ["model.safetensors"]
     else:

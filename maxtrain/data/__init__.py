@@ -20,6 +20,7 @@ parallel, config and the base modules.
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from maxtrain.data import default_corpus
@@ -77,6 +78,12 @@ def tokenizer_for(config, log=print):
         return tokenizer
     if config.dataset_type == "default":
         return default_corpus.tokenizer(config, log=log)
+    if config.dataset_type == "arrayrecord" and config.grain_train_files:  # prepared data keeps its tokenizer's copy
+        from maxtrain.data import prepared, sources  # pylint: disable=import-outside-toplevel  (deferred: Grain)
+
+        first = sources.parse_files(config.grain_train_files, "grain_train_files", "arrayrecord")[0].files[0]
+        directory = os.path.dirname(first)
+        return sources.load_tokenizer(config, prepared.read_metadata(directory)["tokenizer"], directory, log)
     raise ConfigError(f"dataset_type={config.dataset_type} has no tokenizer of its own; pass "
                       "tokenizer_path=<the tokenizer the checkpoint was trained with: a sentencepiece .model, "
                       "a Hugging Face tokenizer.json or model directory>")

@@ -59,8 +59,8 @@ class ToPrompt:
         else:
             messages = chat.check_messages(value, f"{where} column {self.columns[0]!r}", need_assistant=False)
         if not any(m["content"].strip() for m in messages):
-            raise DataError(f"{where}: the prompt (column {self.columns[0]!r}) is empty, so there is nothing to answer; "
-                            "fix or remove the row")
+            raise DataError(f"{where}: the prompt (column {self.columns[0]!r}) is empty, so there is nothing to "
+                            "answer; fix or remove the row")
         text = self.template.render(messages, add_generation_prompt=True)
         ids, _ = chat.encode_parts(self.template, [(text, False)])
         if len(ids) == 0:
@@ -140,8 +140,8 @@ def make_inputs(config, rows: int, index: int = 0, count: int = 1, log=print) ->
     eval_prompts = []
     if evals and config.eval_interval != -1:
         to_prompt = ToPrompt(template, columns(config, "eval"), length, "eval_data_columns")
-        located = (r for c in evals for path in c.files for r in conversations.read_records(path, key="eval_data_columns")
-                   if r[1] is not None)
+        located = (r for c in evals for path in c.files
+                   for r in conversations.read_records(path, key="eval_data_columns") if r[1] is not None)
         limit = None if config.eval_steps <= 0 else config.eval_steps * rows * config.num_generations
         eval_prompts = [to_prompt.prompt(r) for r in itertools.islice(located, limit)]
     stops = stop_ids(template)

@@ -88,9 +88,9 @@ def tokenize(requests: list[tuple[str, str]], tokenizer) -> list[tuple[list[int]
             whole = bos + list(encoded[context + continuation])
             out.append((ctx, whole[len(ctx):]))
         if not out[-1][1]:
-            raise ConfigError(f"eval_tasks: the continuation {continuation!r} (after {context[-40:]!r}) gives no tokens "
-                              f"of its own with the tokenizer {tokenizer.path}, so it cannot be scored; use the "
-                              "model's own tokenizer (tokenizer_path)")
+            raise ConfigError(f"eval_tasks: the continuation {continuation!r} (after {context[-40:]!r}) gives no "
+                              f"tokens of its own with the tokenizer {tokenizer.path}, so it cannot be scored; use "
+                              "the model's own tokenizer (tokenizer_path)")
     return out
 
 

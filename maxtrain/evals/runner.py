@@ -46,9 +46,9 @@ def settings(config) -> dict:
 class TaskEvaluator:
     def __init__(self, config, tokenizer, mesh, rt, log=print):
         if tokenizer is None:  # only where tokenizer_path is unset: data.make_inputs loads a set one
-            raise config_lib.ConfigError(f"eval_tasks needs the model's tokenizer, and dataset_type={config.dataset_type}"
-                                         " has none of its own; set tokenizer_path=<the tokenizer the model is trained "
-                                         "with>")
+            raise config_lib.ConfigError(f"eval_tasks needs the model's tokenizer, and dataset_type="
+                                         f"{config.dataset_type} has none of its own; set tokenizer_path=<the "
+                                         "tokenizer the model is trained with>")
         started = time.time()
         self.config, self.mesh, self.rt, self.log = config, mesh, rt, log
         self.settings = settings(config)
