@@ -3,7 +3,8 @@
     python -m maxtrain.decode configs/base.yml load_parameters_path=<run>/checkpoints/<step> prompt="def "
 
 The model is the checkpoint's (its saved model settings are adopted when the command names no
-model_name, all but the model keys it sets; a model that differs from the checkpoint's is refused); only the params
+model_name or decoder_block, all but the model keys it sets; a model that differs from the checkpoint's is
+refused); only the params
 are read from the checkpoint. decode_sampling_strategy picks the sampler (greedy | weighted | topk |
 nucleus, as in MaxText), seeded by `seed`; max_new_tokens tokens are generated (fewer when the model
 emits end-of-sequence). The tokenizer is tokenizer_path, or for dataset_type=default the default

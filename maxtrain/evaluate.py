@@ -3,8 +3,8 @@
     python -m maxtrain.evaluate configs/base.yml load_parameters_path=<run>/checkpoints/300 \\
         eval_tasks=hellaswag,arc_easy,mmlu:5 [eval_tasks_max_examples=1000] [run_name=...]
 
-The same code as in training (maxtrain/evals). With no model_name in the config, the checkpoint's model
-settings are adopted (all but the model keys the config sets), and its tokenizer when tokenizer_path is
+The same code as in training (maxtrain/evals). With no model_name or decoder_block in the config, the
+checkpoint's model settings are adopted (all but the model keys it sets), and its tokenizer when tokenizer_path is
 unset (an imported Hugging Face model: python -m maxtrain.evaluate configs/base.yml
 load_parameters_path=OUT eval_tasks=..., see scripts/convert_hf.py); for dataset_type=default runs
 the tokenizer is the default corpus' tokenizer. The evaluation data is checked and every request

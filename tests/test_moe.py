@@ -411,5 +411,5 @@ def test_an_moe_preset_refuses_a_dense_checkpoint_and_an_moe_checkpoint_a_dense_
     train.main(with_overrides(run, *MOE, "run_name=moe2"))
     with pytest.raises(checkpoint_files.CheckpointError, match=r"holds a mixture of experts \(mixtral, 4 experts, 2 per "
                                                          r"token\), but this run's model is a dense llama model"):
-        train.main(with_overrides(run, "run_name=dense2", "base_num_decoder_layers=3",
+        train.main(with_overrides(run, "run_name=dense2", "decoder_block=llama", "base_num_decoder_layers=3",
                                   f"load_parameters_path={tmp_path / 'moe2' / 'checkpoints' / '1'}"))

@@ -380,16 +380,16 @@ def settings_to_adopt(values, missing_ok: bool = False) -> tuple[dict, str | Non
     """(changes, step_dir): what a config of `values` (a dict, before its checks) takes from the checkpoint it
     starts from (load_parameters_path / load_full_state_path): every model setting the user did not choose
     (in their YAML or overrides), and its tokenizer when tokenizer_path is unset. Nothing when the user chose
-    a model_name (the preset is the model), when no checkpoint is named, or (missing_ok) when it cannot be
-    read now. The model keys the user did set stay theirs: the fit and settings checks compare them later."""
+    the model (a model_name, or a family: decoder_block), when no checkpoint is named, or (missing_ok) when it
+    cannot be read now. The model keys the user did set stay theirs: the fit and settings checks compare them
+    later, naming each that differs from the checkpoint's."""
     key = "load_parameters_path" if values["load_parameters_path"] else "load_full_state_path"
     path = values[key]
     given = set(values["given_keys"])
-    if not path or "model_name" in given:
+    if not path or given & {"model_name", "decoder_block"}:
         return {}, None
     try:
-        step_dir = find_step_dir(path, key)
-        meta = read_metadata(step_dir)
+        step_dir, meta = _settings_step(path, key)
     except UserError:
         if missing_ok:
             return {}, None
@@ -405,11 +405,31 @@ def settings_to_adopt(values, missing_ok: bool = False) -> tuple[dict, str | Non
     return changes, step_dir
 
 
+def _settings_step(path: str, key: str) -> tuple[str, dict]:
+    """(step directory, its metadata) whose model settings a config adopts, found without touching JAX (configs
+    load before distributed.initialize): the step `path` names, or the newest complete step of a run or
+    checkpoints directory whose metadata reads. Its files are checked when its params are read (find_step_dir);
+    a path that names no such step is refused by find_step_dir now, saying why."""
+    full = storage.abspath(os.path.expanduser(path)).rstrip("/")
+    if storage.isdir(os.path.join(full, "state")):
+        candidates = [full]
+    else:
+        candidates = [os.path.join(d, str(s)) for d in (full, os.path.join(full, "checkpoints")) if storage.isdir(d)
+                      for s in reversed(complete_steps(d))]
+    for step_dir in candidates:
+        try:
+            return step_dir, read_metadata(step_dir)
+        except CheckpointError:
+            continue
+    step_dir = find_step_dir(path, key)
+    return step_dir, read_metadata(step_dir)
+
+
 def adoption_line(config, step_dir: str, changes: dict) -> str:
     """What was adopted, for the log: `using the model settings of STEP (llama, 12.3M params) ...`."""
     kept = sorted(k for k in config.given_keys if k in models.MODEL_KEYS)
     return (f"using the model settings of {step_dir} ({config.decoder_block}, {models.num_params(config) / 1e6:,.1f}M "
-            "params)" + (f" with this command's {', '.join(f'{k}={getattr(config, k)}' for k in kept)}" if kept else "")
+            "params)" + (f" but this command's {', '.join(kept)}" if kept else "")
             + (f" and its tokenizer {changes['tokenizer_path']}" if "tokenizer_path" in changes else ""))
 
 
