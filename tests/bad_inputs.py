@@ -282,12 +282,15 @@ def hf_model(config: dict, mutate: Callable | None = None):
     return setup
 
 
-def imported(config: dict):
-    """{scratch}/ds: scripts/convert_hf.py import of hf_model(config)."""
+def imported(config: dict, tokenizer: bool = False):
+    """{scratch}/ds: scripts/convert_hf.py import of hf_model(config) (with a tokenizer.model of its own)."""
     def setup(world, scratch):
         from maxtrain.checkpointing import convert  # pylint: disable=import-outside-toplevel
 
         hf_model(config)(world, scratch)
+        if tokenizer:
+            _other_tokenizer(world, scratch)
+            shutil.copyfile(os.path.join(scratch, "other.model"), os.path.join(scratch, "hf", "tokenizer.model"))
         convert.import_hf(os.path.join(scratch, "hf"), os.path.join(scratch, "ds"), log=lambda *_: None)
     return setup
 
@@ -601,6 +604,13 @@ ROWS = [
                                          "run_name=new", "base_output_directory={scratch}"],
         r"the checkpoint .*/ds/checkpoints/0 \(load_parameters_path\) does not fit the configured model",
         setup=imported(DEEPSEEK)),
+    Row("imported-tokenizer-other-than-the-prepared-data", T, [B, "load_parameters_path={scratch}/ds",
+                                                               "dataset_type=arrayrecord", "max_target_length=32",
+                                                               "grain_train_files={prepared}/train-*.arrayrecord",
+                                                               "per_device_batch_size=1", "run_name=new",
+                                                               "base_output_directory={scratch}"],
+        r"but the model's tokenizer, .*/ds/hf \(adopted from its checkpoint\), has checksum \w+: .* Prepare the data "
+        r"again with prepare_data.py --tokenizer .*/ds/hf", setup=imported(LLAMA, tokenizer=True)),
     Row("attention-cudnn-on-cpu", T, [B, "attention=cudnn"], r"attention=cudnn needs an NVIDIA GPU", tiny=True),
     Row("mesh-does-not-fit-devices", T, [B, "ici_data_parallelism=3"], r"ici_data_parallelism|devices", tiny=True),
     # decode

@@ -28,6 +28,7 @@ from etils import epath
 from maxtrain import config as config_lib
 from maxtrain import models, storage
 from maxtrain.checkpointing import checksums
+from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.errors import UserError
 from maxtrain.models import lora
 from maxtrain.parallel import distributed
@@ -400,9 +401,16 @@ def settings_to_adopt(values, missing_ok: bool = False) -> tuple[dict, str | Non
         return {}, step_dir
     changes = dict(keys, model_name=saved.get("model_name") or os.path.basename(os.path.dirname(os.path.dirname(step_dir))))
     tokenizer = saved.get("tokenizer_path") or (meta.get("source") or {}).get("assets_dir")
-    if "tokenizer_path" not in given and tokenizer and os.path.exists(tokenizer):
+    if "tokenizer_path" not in given and tokenizer and _holds_a_tokenizer(tokenizer):
         changes["tokenizer_path"] = tokenizer
     return changes, step_dir
+
+
+def _holds_a_tokenizer(path: str) -> bool:
+    """A tokenizer file, or a directory with one (an import's assets hold none when the model came without)."""
+    if os.path.isdir(path):
+        return bool({tokenizer_lib.TOKENIZER_JSON, tokenizer_lib.SP_MODEL} & set(os.listdir(path)))
+    return os.path.isfile(path)
 
 
 def _settings_step(path: str, key: str) -> tuple[str, dict]:

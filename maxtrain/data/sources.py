@@ -137,11 +137,18 @@ def load_tokenizer(config, prepared_with: dict | None, prepared_dir: str | None,
     copy = os.path.join(prepared_dir, prepared_with.get("file", prepared.TOKENIZER)) if prepared_with else None
     if config.tokenizer_path:
         tok = tokenizer_lib.load(config.tokenizer_path)
-        if prepared_with and tok.checksum != prepared_with["checksum"]:
+        given = "tokenizer_path" in getattr(config, "given_keys", ["tokenizer_path"])
+        if prepared_with and tok.checksum != prepared_with["checksum"] and given:
             raise DataError(f"the prepared data in {prepared_dir} was tokenized with tokenizer {prepared_with['checksum']}"
                             f" ({prepared_with.get('prepared_with')}), but tokenizer_path={config.tokenizer_path!r} "
                             f"has checksum {tok.checksum}. Set tokenizer_path={copy} "
                             "(or leave it empty to use that one), or re-run prepare_data.py with this tokenizer.")
+        if prepared_with and tok.checksum != prepared_with["checksum"]:  # the checkpoint's, adopted with its model
+            raise DataError(f"the prepared data in {prepared_dir} was tokenized with tokenizer {prepared_with['checksum']}"
+                            f" ({prepared_with.get('prepared_with')}), but the model's tokenizer, {config.tokenizer_path} "
+                            f"(adopted from its checkpoint), has checksum {tok.checksum}: its token ids would mean "
+                            f"other words to the model. Prepare the data again with prepare_data.py --tokenizer "
+                            f"{config.tokenizer_path}")
     elif prepared_with:
         tok = tokenizer_lib.load(copy)
         if tok.checksum != prepared_with["checksum"]:
