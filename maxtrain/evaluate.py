@@ -22,7 +22,7 @@ import jax
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
 from maxtrain import evals
-from maxtrain.checkpointing import files as checkpoint_files
+from maxtrain.checkpointing import adoption
 from maxtrain.config import checks as config_checks
 from maxtrain.errors import run_cli
 from maxtrain.parallel import distributed, sharding
@@ -35,7 +35,7 @@ KEYS = ("load_parameters_path", "eval_tasks", "eval_tasks_max_examples", "eval_t
 def main(argv: list[str]) -> dict:
     started = time.time()
     # the checks see the checkpoint's model settings (read again below, and said, once the data is found)
-    config = config_lib.load_config(argv, adopt=lambda values: checkpoint_files.settings_to_adopt(values, True)[0])
+    config = config_lib.load_config(argv, adopt=lambda values: adoption.settings_to_adopt(values, True)[0])
     if not config.eval_tasks.strip():
         raise config_lib.ConfigError("name the tasks to score: eval_tasks=hellaswag,arc_easy,... (tasks: "
                                      f"{', '.join(config_lib.EVAL_TASKS)})")
@@ -44,7 +44,7 @@ def main(argv: list[str]) -> dict:
                                      "(an imported Hugging Face model: the OUT directory of scripts/convert_hf.py)")
     # the data first (cheap, and the likeliest to be missing), then the checkpoint's settings, tokenizer, params
     evals.data.open_cache(evals.data.cache_dir_for(config), config_checks.parse_eval_tasks(config.eval_tasks))
-    config = checkpoint_files.adopt_model_settings(config)  # an imported model's settings come from its checkpoint
+    config = adoption.adopt_model_settings(config)  # an imported model's settings come from its checkpoint
     distributed.initialize(config)
     log = print if jax.process_index() == 0 else (lambda *_: None)
     model = builder.load_model(config, read_params=False, log=log)

@@ -25,7 +25,8 @@ import pytest
 
 from ckpt_helpers import REPO
 from maxtrain import check_logits, models
-from maxtrain.checkpointing import files as checkpoint_files, convert, safetensors_files
+from maxtrain.checkpointing import adoption, convert, safetensors_files
+from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain import config as config_lib
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -124,7 +125,7 @@ def relative_error(ours, theirs) -> float:
 
 def ours_with(out_dir, tokens, **changes) -> np.ndarray:
     """maxtrain's float32 logits for the imported checkpoint, with model settings changed."""
-    config = checkpoint_files.adopt_model_settings(config_lib.load_config(
+    config = adoption.adopt_model_settings(config_lib.load_config(
         [str(REPO / "configs" / "base.yml"), f"load_parameters_path={out_dir}", "attention=dot_product",
          "dtype=float32"]), log=lambda *a: None)
     config = config.replace(**changes)

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from ckpt_helpers import REPO
-from maxtrain.checkpointing import files as checkpoint_files, convert, safetensors_files
+from maxtrain.checkpointing import adoption, convert, safetensors_files
+from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain import models, train
 from maxtrain import config as config_lib
 from maxtrain.data import tokenizer as tokenizer_lib
@@ -110,5 +111,5 @@ def test_resuming_with_a_changed_setting_is_refused(imported, tmp_path):
     saved = config_lib.load_config(common)
     with pytest.raises(checkpoint_files.CheckpointError, match="rope_max_timescale: checkpoint 10000.0, this run 5.0"):
         train.main(config_lib.with_overrides(common, "steps=4", "rope_max_timescale=5.0", *[
-            f"{k}={convert.yaml_value(getattr(checkpoint_files.adopt_model_settings(saved, log=lambda *a: None), k))}"
+            f"{k}={convert.yaml_value(getattr(adoption.adopt_model_settings(saved, log=lambda *a: None), k))}"
             for k in models.MODEL_KEYS if k != "rope_max_timescale"]))

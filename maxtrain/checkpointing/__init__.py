@@ -2,6 +2,7 @@
 
     manager.py      Orbax: saving and resuming this run's checkpoints; where a run starts; run metadata
     files.py        finding, checking and reading checkpoints (this run's or another's); CheckpointError
+    adoption.py     a checkpoint's model settings (and tokenizer), taken by a run that starts from it
     checksums.py    per-file checksums written after each save, verified before a resume
     inspect.py      what `python -m maxtrain.checkpoint inspect` prints
     convert.py      Hugging Face safetensors <-> maxtrain params, for every family (scripts/convert_hf.py)

@@ -28,7 +28,6 @@ from etils import epath
 from maxtrain import config as config_lib
 from maxtrain import models, storage
 from maxtrain.checkpointing import checksums
-from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.errors import UserError
 from maxtrain.models import lora
 from maxtrain.parallel import distributed
@@ -375,80 +374,6 @@ def check_settings(step_dir: str, config, key: str) -> None:
 def source_of(step_dir: str) -> dict | None:
     """Where a checkpoint's model came from (a Hugging Face import: its config and assets), if recorded."""
     return read_metadata(step_dir).get("source")
-
-
-def settings_to_adopt(values, missing_ok: bool = False) -> tuple[dict, str | None]:
-    """(changes, step_dir): what a config of `values` (a dict, before its checks) takes from the checkpoint it
-    starts from (load_parameters_path / load_full_state_path): every model setting the user did not choose
-    (in their YAML or overrides), and its tokenizer when tokenizer_path is unset. Nothing when the user chose
-    the model (a model_name, or a family: decoder_block), when no checkpoint is named, or (missing_ok) when it
-    cannot be read now. The model keys the user did set stay theirs: the fit and settings checks compare them
-    later, naming each that differs from the checkpoint's."""
-    key = "load_parameters_path" if values["load_parameters_path"] else "load_full_state_path"
-    path = values[key]
-    given = set(values["given_keys"])
-    if not path or given & {"model_name", "decoder_block"}:
-        return {}, None
-    try:
-        step_dir, meta = _settings_step(path, key)
-    except UserError:
-        if missing_ok:
-            return {}, None
-        raise
-    saved = meta.get("config", {})
-    keys = {k: saved[k] for k in models.MODEL_KEYS if k in saved and k not in given}
-    if not keys:
-        return {}, step_dir
-    changes = dict(keys, model_name=saved.get("model_name") or os.path.basename(os.path.dirname(os.path.dirname(step_dir))))
-    tokenizer = saved.get("tokenizer_path") or (meta.get("source") or {}).get("assets_dir")
-    if "tokenizer_path" not in given and tokenizer and _holds_a_tokenizer(tokenizer):
-        changes["tokenizer_path"] = tokenizer
-    return changes, step_dir
-
-
-def _holds_a_tokenizer(path: str) -> bool:
-    """A tokenizer file, or a directory with one (an import's assets hold none when the model came without)."""
-    if os.path.isdir(path):
-        return bool({tokenizer_lib.TOKENIZER_JSON, tokenizer_lib.SP_MODEL} & set(os.listdir(path)))
-    return os.path.isfile(path)
-
-
-def _settings_step(path: str, key: str) -> tuple[str, dict]:
-    """(step directory, its metadata) whose model settings a config adopts, found without touching JAX (configs
-    load before distributed.initialize): the step `path` names, or the newest complete step of a run or
-    checkpoints directory whose metadata reads. Its files are checked when its params are read (find_step_dir);
-    a path that names no such step is refused by find_step_dir now, saying why."""
-    full = storage.abspath(os.path.expanduser(path)).rstrip("/")
-    if storage.isdir(os.path.join(full, "state")):
-        candidates = [full]
-    else:
-        candidates = [os.path.join(d, str(s)) for d in (full, os.path.join(full, "checkpoints")) if storage.isdir(d)
-                      for s in reversed(complete_steps(d))]
-    for step_dir in candidates:
-        try:
-            return step_dir, read_metadata(step_dir)
-        except CheckpointError:
-            continue
-    step_dir = find_step_dir(path, key)
-    return step_dir, read_metadata(step_dir)
-
-
-def adoption_line(config, step_dir: str, changes: dict) -> str:
-    """What was adopted, for the log: `using the model settings of STEP (llama, 12.3M params) ...`."""
-    kept = sorted(k for k in config.given_keys if k in models.MODEL_KEYS)
-    return (f"using the model settings of {step_dir} ({config.decoder_block}, {models.num_params(config) / 1e6:,.1f}M "
-            "params)" + (f" but this command's {', '.join(kept)}" if kept else "")
-            + (f" and its tokenizer {changes['tokenizer_path']}" if "tokenizer_path" in changes else ""))
-
-
-def adopt_model_settings(config, log=print):
-    """config with settings_to_adopt's changes (revalidated), saying what was adopted; unchanged without them."""
-    changes, step_dir = settings_to_adopt(config.to_dict())
-    if not changes:
-        return config
-    config = config_lib.revalidate(config.replace(**changes))
-    log(adoption_line(config, step_dir, changes))
-    return config
 
 
 def load_params(path: str, abstract_params: dict, config=None, key: str = "load_parameters_path") -> dict:

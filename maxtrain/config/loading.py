@@ -202,7 +202,7 @@ def load_config(argv: list[str], log=None, adopt: Callable[[dict], dict] | None 
 
     `log` receives the notes (e.g. a YAML file without base_config); default: stderr, process 0 only.
     `adopt(values) -> changes`: settings taken from elsewhere before the checks (a checkpoint's model settings,
-    checkpointing.files.settings_to_adopt), so that every check sees the model the run will have. When the
+    checkpointing.adoption.settings_to_adopt), so that every check sees the model the run will have. When the
     values alone fail a check and adopting cannot be done (a checkpoint that cannot be read), that failure
     is the one raised: the config's own problem comes first.
     """
@@ -226,7 +226,7 @@ def load_config(argv: list[str], log=None, adopt: Callable[[dict], dict] | None 
     values["config_path"] = os.path.abspath(_find_config(argv[0]))
     values["run_name_was_generated"] = not values["run_name"]
     # Keys the user chose (their YAML or the command line) rather than base.yml's defaults: a checkpoint's
-    # model settings are adopted where the user chose none (checkpointing.files.settings_to_adopt).
+    # model settings are adopted where the user chose none (checkpointing.adoption.settings_to_adopt).
     values["given_keys"] = sorted(set(chain) | set(overrides))
     _validate(values, adopt)
     if notes:

@@ -22,6 +22,7 @@ import optax
 
 from maxtrain.checkpointing import manager as checkpoint_lib
 from maxtrain import config as config_lib
+from maxtrain.checkpointing import adoption
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.training import distillation, host_memory, objectives, optimizer, train_step
 from maxtrain.observability import metrics
@@ -40,13 +41,13 @@ def load_config(argv: list[str], log=print):
     adopted = {}
 
     def adopt(values: dict) -> dict:
-        changes, step_dir = checkpoint_files.settings_to_adopt(values)
+        changes, step_dir = adoption.settings_to_adopt(values)
         adopted.update(changes=changes, step_dir=step_dir)
         return changes
 
     config = config_lib.load_config(argv, adopt=adopt)
     if adopted.get("changes"):
-        log(checkpoint_files.adoption_line(config, adopted["step_dir"], adopted["changes"]))
+        log(adoption.adoption_line(config, adopted["step_dir"], adopted["changes"]))
     return distillation.adopt_teacher(config, log)
 
 
