@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ckpt_helpers import assert_bitwise_equal
-from conftest import BASE_YML, TINY
+from conftest import BASE_YML, TINY, slow_params
 from maxtrain import config as config_lib
 from maxtrain import models, train
 from maxtrain.data import DataError
@@ -67,7 +67,7 @@ def _tiny(tmp_path, *extra):
                                                                    "vocab_size=64", *extra)), 1)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.5])
+@pytest.mark.parametrize("temperature", slow_params([1.0, 0.5], {"1.0"}))
 def test_sampled_log_probs_equal_the_training_forward_pass(tmp_path, temperature):
     """Left-padded prompts of different lengths: the sampler's log p(token) = the training pass's, to 1e-5,
     both softmax(logits / T) at the sampling temperature T (else the update would be off-policy)."""
@@ -126,6 +126,7 @@ def test_lora_keeps_no_second_copy_of_the_weights(tmp_path):
     assert set(train_step.state_specs(without)) == {"params", "reference"}
 
 
+@pytest.mark.slow
 def test_grpo_under_fsdp_and_tp_resumes_bitwise(dataset, tmp_path, monkeypatch):
     """2 steps straight, and the second again from the first's checkpoint: the same rollouts, metrics and state.
     The reward (a user function: the completion's length in characters) differs within groups, so the model moves."""

@@ -113,6 +113,7 @@ def read_metrics(path):
     return [json.loads(line) for line in path.read_text().splitlines() if "learning/loss" in line]
 
 
+@pytest.mark.slow
 def test_loss_scale_is_logged_checkpointed_and_resumed(tiny_args, tmp_path, capsys):
     metrics_file = tmp_path / "m.jsonl"
     args = with_overrides(tiny_args, "dataset_type=synthetic", "dtype=float16", f"loss_scale_initial={2.0**100}",

@@ -297,6 +297,7 @@ def _run(args: list[str], tmp_path, **env) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": REPO, **env})
 
 
+@pytest.mark.slow
 def test_as_real_commands(tmp_path):
     (tmp_path / "afile").write_text("x")
     done = _run(["scripts/prepare_eval_data.py", "--output-dir", str(tmp_path / "afile")], tmp_path)

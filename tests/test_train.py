@@ -11,6 +11,7 @@ from maxtrain.config import with_overrides
 CORPUS = ["default_corpus_max_mb=0.3", "eval_steps=2", "log_period=5"]
 
 
+@pytest.mark.slow
 def test_trains_evaluates_checkpoints_and_resumes(tiny_args, tmp_path, capsys):
     metrics_file = tmp_path / "m.jsonl"
     args = with_overrides(tiny_args, *CORPUS, "learning_rate=1e-2", "eval_interval=10", "checkpoint_period=10",
@@ -35,6 +36,7 @@ def test_trains_evaluates_checkpoints_and_resumes(tiny_args, tmp_path, capsys):
     assert int(second.state["step"]) == 25
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_with_advice(tiny_args):
     with pytest.raises(train.TrainingError, match=r"the loss became (nan|inf) at step \d+.*learning_rate"):
         train.main(with_overrides(tiny_args, "dataset_type=synthetic", "steps=10", "learning_rate=1e30",
