@@ -150,6 +150,9 @@ def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) ->
                                           "copy the checkpoint's files again, or import a dequantized copy")
                 raise ConversionError(f"the checkpoint has no tensor {hf_name} (for maxtrain's {'/'.join(path)})")
             w = np.asarray(tensors[hf_name])
+            if w.dtype not in dequantize.FULL_PRECISION:  # Dequantized refuses these first, naming the file
+                raise ConversionError(f"{hf_name} is stored as {w.dtype}, not as float weights (a quantised tensor "
+                                      "without its scales?); import a copy with bfloat16 or float32 weights")
             expected = _hf_shape(shape, n_in)
             if tuple(w.shape) != expected:
                 raise ConversionError(f"{hf_name} has shape {list(w.shape)}, but the config implies {list(expected)} "
@@ -274,9 +277,10 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
     if checkpoint_files.complete_steps(ckpt_dir):
         raise ConversionError(f"{ckpt_dir} already holds a checkpoint; choose an empty output directory")
     try:
-        stored = safetensors_files.read_model_dir(hf_dir)
-        # fp8 / MXFP4 pairs as one tensor, dequantised when read
-        readable = dequantize.Dequantized(stored, dequantize.fp8_block(hf))
+        origins: dict[str, str] = {}
+        stored = safetensors_files.read_model_dir(hf_dir, origins)
+        # fp8 / MXFP4 pairs as one tensor, dequantised when read; a quantised tensor without its scale is refused
+        readable = dequantize.Dequantized(stored, dequantize.fp8_block(hf), dequantize.declared_method(hf), origins)
         tensors = _without_prediction_layers(_text_tensors(readable, notes), hf, keys, notes)
         first = f"model.layers.{keys['base_num_decoder_layers']}."
         if keep_mtp and not any(n.startswith(first) for n in tensors):
