@@ -262,7 +262,8 @@ def user_rewards(tmp_path, monkeypatch):
 def test_a_reward_that_maxtrain_cannot_call_is_refused_when_imported(user_rewards, function, match):
     with pytest.raises(rewards.RewardError, match=match):
         rewards.load([f"grpo_user_rewards:{function}"])
-    assert list(rewards.load(["exact_match", "grpo_user_rewards:length"])) == ["exact_match", "grpo_user_rewards:length"]
+    names = ["exact_match", "grpo_user_rewards:length"]
+    assert list(rewards.load(names)) == names
 
 
 @pytest.mark.parametrize("function, match", [
@@ -295,8 +296,8 @@ def test_a_reward_that_raises_in_training_names_itself_the_completion_and_the_li
         rewards.score(functions, ["p"] * 4, ["abc", "a", "", "b"], ["a"] * 4, context=" at step 7")
     line = str(caught.value)
     assert re.fullmatch(r"grpo_reward_functions: 'grpo_user_rewards:per_character' raised ZeroDivisionError: float "
-                        rf"division by zero at {re.escape(user_rewards)}:\d+ in (<listcomp>|per_character) on completion "
-                        r"2 of 4 \(''\) at step 7\. Fix the function .*", line), line
+                        rf"division by zero at {re.escape(user_rewards)}:\d+ in (<listcomp>|per_character) on "
+                        r"completion 2 of 4 \(''\) at step 7\. Fix the function .*", line), line
     assert isinstance(caught.value.__cause__, ZeroDivisionError)
 
 

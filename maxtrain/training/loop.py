@@ -229,9 +229,9 @@ class Checkpoint(Hook):
 
 
 def finish_saves(hooks: list[Hook], log) -> None:
-    """After the training loop failed: the checkpoint saves under way are finished (and their checksums written), so that
-    the run stops with every step it saved usable; a save that fails now is reported, not raised over the
-    loop's own error."""
+    """After the training loop failed: the checkpoint saves under way are finished (and their checksums
+    written), so that the run stops with every step it saved usable; a save that fails now is reported, not
+    raised over the loop's own error."""
     for hook in hooks:
         if isinstance(hook, Checkpoint) and not hook.failed:  # a save that failed has said so itself
             try:
