@@ -26,7 +26,7 @@ import numpy as np
 import yaml
 
 from maxtrain import config as config_lib
-from maxtrain import models
+from maxtrain import models, storage
 from maxtrain.checkpointing import checksums, dequantize, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.checkpointing import manager as checkpoint
@@ -265,6 +265,7 @@ def _without_prediction_layers(tensors: dict, hf: dict, keys: dict, notes: list)
 def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=print, keep_mtp: bool = False) -> dict:
     """Writes out/checkpoints/0 (params only), out/model.yml and out/hf/; returns the model keys. keep_mtp:
     the multi-token-prediction modules too (mtp_num_layers = the checkpoint's num_nextn_predict_layers)."""
+    storage.check_output(out_dir, False, f"OUT {out_dir}")  # refused before the weights are read
     hf = read_hf_config(hf_dir)
     notes: list[str] = []
     keys = model_keys(hf, notes)
@@ -337,6 +338,7 @@ def _copy_assets(hf_dir: str, assets: str) -> list[str]:
 def export_hf(checkpoint_path: str, out_dir: str, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
               tokenizer: str | None = None, log=print) -> str:
     """Writes a directory transformers loads; returns it."""
+    storage.check_output(out_dir, False, f"HF_OUT {out_dir}")  # refused before the params are read
     step_dir = checkpoint_files.find_step_dir(checkpoint_path)
     meta = checkpoint_files.read_metadata(step_dir)
     saved = meta.get("config", {})
