@@ -219,6 +219,15 @@ BROKEN = {  # id -> (files {file: tensors}, config.json's quantization_config, w
                                       {"quant_method": "gptq", "bits": 4},
                                       r"a.qweight is stored as int32 \(config.json: quantization_config.quant_method="
                                       r"gptq\) with a.scales: a quantisation scheme maxtrain does not dequantise"),
+    "a-layer-cast-without-its-scale": ({"model.safetensors": {
+        "m.layers.0.up.weight": fp8_weight(), "m.layers.0.up.weight_scale_inv": scale(),
+        "m.layers.1.up.weight": np.ones((4, 6), ml_dtypes.bfloat16)}}, None,
+        r"m.layers.1.up.weight is stored as bfloat16 without scales, but m.layers.0.up.weight of another layer is "
+        r"quantised"),
+    "declared-but-nothing-quantised": ({"model.safetensors": {"a.weight": np.ones((4, 6), ml_dtypes.bfloat16)}},
+                                       {"quant_method": "fp8", "weight_block_size": [128, 128]},
+                                       r"config.json declares quantization_config \(quant_method=fp8\), but no tensor "
+                                       r"of the checkpoint is quantised .* remove quantization_config"),
     "fp8-with-per-channel-scales": ({"model.safetensors": {"a.weight": fp8_weight(), "a.weight_scale": scale((4, 1))}},
                                     {"quant_method": "compressed-tensors"},
                                     r"a.weight is stored as float8_e4m3fn .* with a.weight_scale: a quantisation "
@@ -250,7 +259,18 @@ def test_a_quantised_tensor_is_never_read_without_its_scale(case, tmp_path):
     with pytest.raises(safetensors_files.FormatError, match=expected) as caught:
         dequantize.Dequantized(stored, (128, 128), dequantize.declared_method({"quantization_config": quantization}),
                                origins)
-    assert "\n" not in str(caught.value) and str(tmp_path / "hf") in str(caught.value)
+    assert "\n" not in str(caught.value)
+    assert str(tmp_path / "hf") in str(caught.value) or case == "declared-but-nothing-quantised"
+
+
+def test_an_export_of_an_imported_quantised_model_declares_no_quantisation():
+    """Its weights are written dequantized: config.json must not say otherwise (transformers would read them as
+    quantised, and an import would refuse them)."""
+    original = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+                "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 64, "rms_norm_eps": 1e-5,
+                "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    exported = convert.hf_config(convert.model_keys(original), original, "bfloat16")
+    assert "quantization_config" not in exported and exported["hidden_size"] == 32
 
 
 def test_the_import_refuses_a_quantised_tensor_without_its_scale_and_writes_nothing(tmp_path):

@@ -413,6 +413,7 @@ def hf_config(keys: dict, original: dict | None, dtype: str) -> dict:
                 out.update(architectures=[family.FAMILY.hf_architecture], model_type=family.FAMILY.hf_model_types[0])
                 out.pop("vision_config", None)
             out.update(torch_dtype=dtype, dtype=dtype)
+            out.pop("quantization_config", None)  # the weights are written dequantized
             return out
     base = {k: v for k, v in (original or {}).items()
             if k in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "initializer_range")}

@@ -29,6 +29,7 @@ the fix.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import ml_dtypes
@@ -123,6 +124,11 @@ def declared_method(hf_config: Mapping) -> str | None:
     return str(declared.get("quant_method") or "unnamed") if isinstance(declared, Mapping) else "unnamed"
 
 
+def _layer_pattern(name: str) -> str:
+    """The name with its layer and expert indices as "*": the same tensor in every layer."""
+    return re.sub(r"(?<=\.)\d+(?=\.|$)", "*", name)
+
+
 class Dequantized(Mapping):
     """`tensors` with each quantised pair as one tensor (see the module docstring), dequantised when read;
     fp8 weights in `fp8_block` tiles (fp8_block(config.json)). Every quantised tensor is checked against its
@@ -149,9 +155,16 @@ class Dequantized(Mapping):
                 raise FormatError(f"{self._where(name)}: {name} (uint8) is the MXFP4 scale of {base}_blocks, which no "
                                   f"file of the checkpoint holds; {FIX}")
         used = {n for _, first, second in self.pairs.values() for n in (first, second)}
+        quantised_elsewhere = {_layer_pattern(n): n for n in self.pairs}
         for name in tensors:
             if name not in used:
-                self._check_unpaired(name)
+                self._check_unpaired(name, quantised_elsewhere.get(_layer_pattern(name)))
+        if quantization and not self.pairs and not any(is_float8(t.dtype) for t in tensors.values()):
+            raise FormatError(
+                f"config.json declares quantization_config (quant_method={quantization}), but no tensor of the "
+                "checkpoint is quantised (no float8 weights, no scales): if its weights were dequantized, remove "
+                "quantization_config from config.json; if they were cast without their scales, they are off by "
+                f"them: {FIX}")
         self.names = [n for n in tensors if n not in used] + list(self.pairs)
         self.name_set = set(self.names)
 
@@ -186,10 +199,15 @@ class Dequantized(Mapping):
             mismatch = _mxfp4_mismatch(base, self.tensors[blocks], self.tensors[scales])
             raise FormatError(f"{self._where(blocks)}: {mismatch}; {FIX}")
 
-    def _check_unpaired(self, name: str) -> None:
+    def _check_unpaired(self, name: str, quantised_sibling: str | None = None) -> None:
         """A tensor with no scale must not be stored quantised: float8 always, integers where config.json
-        declares quantisation (packed int4, int8, bitsandbytes' uint8)."""
+        declares quantisation (packed int4, int8, bitsandbytes' uint8); nor be one whose counterpart in the
+        other layers (`quantised_sibling`) is quantised."""
         dtype = np.dtype(self.tensors[name].dtype)
+        if quantised_sibling is not None:
+            raise FormatError(f"{self._where(name)}: {name} is stored as {dtype} without scales, but "
+                              f"{quantised_sibling} of another layer is quantised: the checkpoint says this one is "
+                              f"quantised too, and read as it is its values may be off by its scale; {FIX}")
         if not is_float8(dtype) and not (dtype.kind in "iu" and self.quantization):
             return
         module = name.rsplit(".", 1)[0] + "." if "." in name else name
