@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import types
 
 import pytest
 
@@ -76,3 +77,19 @@ def test_the_commands_outputs_under_a_file_are_refused_before_any_work(tmp_path,
     assert f"base_output_directory='{afile}'" not in line  # evaluate names its own output, the results directory
     assert re.search(rf"the results directory '{afile}/[^']+' cannot be created: {afile} is a file", line), line
     assert afile.read_text() == "x" and sorted(os.listdir(tmp_path)) == ["afile"]
+
+
+def test_the_default_corpus_cache_under_a_file_is_refused_before_training_a_tokenizer(tmp_path, monkeypatch):
+    """Every command that reads the default corpus (train, decode, viz, evaluate, inspect_data) caches its
+    tokenizer and tokens under dataset_cache_dir: refused before the tokenizer is trained."""
+    from maxtrain.data import default_corpus, tokenizer_training  # pylint: disable=import-outside-toplevel
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    monkeypatch.setattr(tokenizer_training, "train_sentencepiece", lambda *a: pytest.fail("trained a tokenizer"))
+    config = types.SimpleNamespace(tokenizer_path="", default_corpus_max_mb=0.3, eval_split_fraction=0.1,
+                                   cache_dir=str(afile / "cache"), vocab_size=512)
+    with pytest.raises(errors.PathError, match=rf"the default corpus' cache file {afile}/cache/default-.*\.model cannot "
+                                               rf"be created: {afile} is a file, not a directory.*; set "
+                                               r"dataset_cache_dir"):
+        default_corpus.tokenizer(config, log=lambda *a: None)

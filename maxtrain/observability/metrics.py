@@ -233,7 +233,7 @@ def moe_summary(m: dict) -> str:
 
 def check_outputs(config) -> None:
     """Fails before any work when an output of the run could not be written (storage.check_output): the
-    run directory (base_output_directory/run_name), metrics_file, dataset_cache_dir."""
+    run directory (base_output_directory/run_name), metrics_file, the data cache (dataset_cache_dir)."""
     storage.check_output(config.base_output_directory, False,
                          f"base_output_directory={storage.abspath(config.base_output_directory)!r}")
     storage.check_output(config.run_dir, False, f"the run directory {storage.abspath(config.run_dir)!r}",
@@ -242,9 +242,9 @@ def check_outputs(config) -> None:
         path = storage.abspath(config.metrics_file)
         hint = f", e.g. metrics_file={os.path.join(path, 'metrics.jsonl')}" if os.path.isdir(path) else ""
         storage.check_output(config.metrics_file, True, f"metrics_file={path!r}", hint)
-    if config.dataset_cache_dir:
-        storage.check_output(config.dataset_cache_dir, False,
-                             f"dataset_cache_dir={storage.abspath(config.dataset_cache_dir)!r}")
+    if config.dataset_cache_dir or config.dataset_type == "default":  # the default corpus caches its tokens
+        storage.check_output(config.cache_dir, False, f"dataset_cache_dir={storage.abspath(config.cache_dir)!r}",
+                             "" if config.dataset_cache_dir else " (the default: <base_output_directory>/cache)")
 
 
 class JsonLines:
