@@ -247,6 +247,17 @@ def hf_dir(config=None, files=None):
     return setup
 
 
+def safetensors_bytes(tensors: dict[str, tuple[str, list, bytes]]) -> bytes:
+    """A .safetensors file written by hand (any checkout can read the table): {name: (dtype, shape, raw bytes)}."""
+    header, offset = {}, 0
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + b"".join(raw for _, _, raw in tensors.values())
+
+
 def jsonl_file(rows: list[dict]):
     """A jsonl file {scratch}/rows.jsonl of `rows`, then good conversations (the bad row comes first)."""
     good = {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}
@@ -403,6 +414,10 @@ ROWS = [
     Row("metrics-file-is-a-directory", T, [B, "metrics_file={scratch}"], r"metrics_file='.*' is a directory"),
     Row("output-under-a-file", T, [B, "base_output_directory={scratch}/afile"],
         r"base_output_directory='.*/afile' .*is a file", setup=a_file),
+    Row("run-directory-is-a-file", T, [B, "base_output_directory={scratch}", "run_name=afile"],
+        r"the run directory '.*/afile' is a file, not a directory.* choose another run_name", setup=a_file),
+    Row("dataset-cache-dir-under-a-file", T, [B, "dataset_cache_dir={scratch}/afile/cache"],
+        r"dataset_cache_dir='.*/afile/cache' cannot be created: .*/afile is a file", setup=a_file),
     Row("run-name-escapes-the-output-directory", T, [B, "base_output_directory={scratch}", "run_name=../../x"],
         r"run_name='../../x' must be one directory name .* set base_output_directory; e.g. "
         r"base_output_directory=.* run_name=x"),
@@ -640,6 +655,15 @@ ROWS = [
         setup=hf_dir(LLAMA, {"model.safetensors.index.json": "{oops"})),
     Row("convert-model-type-unsupported", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r"model_type='gpt2' is not supported", setup=hf_dir({**LLAMA, "model_type": "gpt2"})),
+    Row("convert-output-under-a-file", "convert_hf", ["import", "{scratch}/hf", "{scratch}/afile/out"],
+        r"OUT .*/afile/out cannot be created: .*/afile is a file, not a directory",
+        setup=lambda world, scratch: (a_file(world, scratch), hf_dir(LLAMA)(world, scratch))),
+    Row("convert-fp8-weight-without-scale", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/model.safetensors: model.embed_tokens.weight is stored as float8_e4m3fn .*but has no scale \(expected "
+        r"model.embed_tokens.weight_scale_inv beside it\)",
+        setup=hf_dir({**LLAMA, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+                     {"model.safetensors": safetensors_bytes({"model.embed_tokens.weight": ("F8_E4M3", [512, 32],
+                                                                                            b"\x40" * 512 * 32)})})),
     Row("convert-export-missing", "convert_hf", ["export", "{scratch}/none", "{scratch}/out"],
         r"'.*/none' does not exist"),
     Row("convert-export-bit-flipped", "convert_hf", ["export", "{scratch}/run/checkpoints/4", "{scratch}/out"],

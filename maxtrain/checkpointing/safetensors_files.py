@@ -16,7 +16,9 @@ import numpy as np
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,  # fp8 checkpoints (dequantize.py)
-          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+          "F8_E8M0": ml_dtypes.float8_e8m0fnu,  # microscaling exponents: read so that a lone one is named
+          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+          "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_}
 _NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
@@ -44,7 +46,8 @@ def read(path: str) -> dict[str, np.ndarray]:
         if name == "__metadata__":
             continue
         if info["dtype"] not in DTYPES:
-            raise FormatError(f"{path}: tensor {name} has dtype {info['dtype']}, which maxtrain does not read")
+            raise FormatError(f"{path}: tensor {name} has dtype {info['dtype']}, which maxtrain does not read (a "
+                              "quantised format?); import a copy with bfloat16 or float32 weights")
         dtype = np.dtype(DTYPES[info["dtype"]])
         begin, end = info["data_offsets"]
         if end - begin != math.prod(info["shape"]) * dtype.itemsize or end > len(data):
@@ -72,8 +75,9 @@ def write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | 
     os.replace(tmp, path)
 
 
-def read_model_dir(hf_dir: str) -> dict[str, np.ndarray]:
-    """The tensors of a Hugging Face model directory: model.safetensors or a sharded index."""
+def read_model_dir(hf_dir: str, origins: dict | None = None) -> dict[str, np.ndarray]:
+    """The tensors of a Hugging Face model directory: model.safetensors or a sharded index. `origins`, when
+    given, is filled with {tensor name: the path of its file}."""
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     single = os.path.join(hf_dir, "model.safetensors")
     if os.path.isfile(index):
@@ -96,7 +100,11 @@ def read_model_dir(hf_dir: str) -> dict[str, np.ndarray]:
                "transformers' save_pretrained(..., safe_serialization=True)." if pickles else "."))
     tensors = {}
     for name in files:
-        tensors.update(read(os.path.join(hf_dir, name)))
+        path = os.path.join(hf_dir, name)
+        part = read(path)
+        tensors.update(part)
+        if origins is not None:
+            origins.update(dict.fromkeys(part, path))
     return tensors
 
 
