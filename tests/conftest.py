@@ -85,6 +85,7 @@ def pytest_sessionfinish(session):
         cache.set("maxtrain/durations", {k: round(v, 3) for k, v in sorted(_DURATIONS.items())})
         cache.set("maxtrain/session", {"wall_s": round(time.monotonic() - _STARTED, 1),
                                        "markexpr": session.config.getoption("markexpr", ""),
+                                       "keyword": session.config.getoption("keyword", ""),
                                        "args": [str(a) for a in session.config.args],
                                        "workers": getattr(session.config.option, "numprocesses", None)})
 

@@ -58,9 +58,11 @@ def main(argv=None) -> int:
 
     session = _read(args.cache, "session")
     durations = _read(args.cache, "durations")
-    if session.get("markexpr") not in ("", "not slow") or session.get("args") not in ([], ["tests"]):
+    if session.get("markexpr") not in ("", "not slow") or session.get("args") not in ([], ["tests"]) \
+            or session.get("keyword"):
         print(f"suite_budget: error: the last pytest session was not the default run (-m {session.get('markexpr')!r}, "
-              f"paths {session.get('args')}); run the README's `pytest` first", file=sys.stderr)
+              f"-k {session.get('keyword')!r}, paths {session.get('args')}); run the README's `pytest` first",
+              file=sys.stderr)
         return 2
     slowest = sorted(durations.items(), key=lambda kv: -kv[1])[:25]
     print(f"default run: {len(durations)} tests, {session['wall_s']:.0f} s wall time "
