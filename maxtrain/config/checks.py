@@ -21,7 +21,7 @@ from typing import Any
 
 from maxtrain.config import settings as settings_lib
 from maxtrain.config.registry import EVAL_TASKS, MOE_FAMILIES
-from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, QUANTIZATION_PLACES, parallelism_key, table
+from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, QUANTIZATION_PLACES, parallelism_key, table, ways
 from maxtrain.errors import ConfigError
 
 
@@ -224,16 +224,10 @@ def _one_filled_mesh_axis(v):
         _require(len(fills) <= 1, f"only one {prefix}_*_parallelism may be -1, got {', '.join(fills)}")
 
 
-def _ways(v: dict[str, Any], axis: str) -> int | None:
-    """How many ways `axis` splits (ici x dcn), or None while one of them is -1 (known with the devices)."""
-    ici, dcn = v[parallelism_key("ici", axis)], v[parallelism_key("dcn", axis)]
-    return None if -1 in (ici, dcn) else ici * dcn
-
-
 def _stages_divide_layers(v):
     """Each pipeline stage holds the same number of layers (sharding.create_mesh checks again once -1 is
     resolved)."""
-    stages, layers = _ways(v, "stage"), v["base_num_decoder_layers"]
+    stages, layers = ways(v, "stage"), v["base_num_decoder_layers"]
     if stages and stages > 1:
         _require(layers % stages == 0,
                  f"pipeline parallelism {stages} (ici_pipeline_parallelism x dcn_pipeline_parallelism) must divide "
@@ -244,7 +238,7 @@ def _stages_divide_layers(v):
 def _no_pipeline_stages_with_experts(v):
     """Mixture-of-experts layers run their own shard_map over the expert axis, and report per-layer
     figures; neither is wired through a pipeline stage yet."""
-    stages = _ways(v, "stage")
+    stages = ways(v, "stage")
     _require(v["decoder_block"] not in MOE_FAMILIES or stages == 1,
              f"decoder_block={v['decoder_block']} (mixture of experts) does not run with pipeline parallelism yet; "
              "set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1 (use expert, fsdp or tensor parallelism)")
@@ -252,7 +246,7 @@ def _no_pipeline_stages_with_experts(v):
 
 def _context_chunks_divide_length(v):
     """Context parallelism cuts each sequence into 2 chunks per device (one early, one late)."""
-    cp, length = _ways(v, "context"), v["max_target_length"]
+    cp, length = ways(v, "context"), v["max_target_length"]
     if cp and cp > 1:
         _require(length % (2 * cp) == 0,
                  f"context parallelism {cp} (ici_context_parallelism x dcn_context_parallelism) splits each sequence "
@@ -425,8 +419,8 @@ def _multi_token_prediction(v):
                                   "modules untrained; set mtp_num_layers=0 (or lora_rank=0)")
     for axis, keys in (("stage", "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1"),
                        ("context", "ici_context_parallelism=1 and dcn_context_parallelism=1")):
-        ways = _ways(v, axis)
-        _require(ways in (1, None), f"mtp_num_layers={n} does not run with {axis} parallelism {ways} yet; set {keys} "
+        split = ways(v, axis)
+        _require(split in (1, None), f"mtp_num_layers={n} does not run with {axis} parallelism {split} yet; set {keys} "
                                     "(use fsdp, tensor or expert parallelism), or mtp_num_layers=0")
 
 
@@ -476,7 +470,7 @@ def _distillation_settings(v):
     _require(bool(v["distill_teacher_path"]), "use_distillation=true needs a teacher: set distill_teacher_path=<a "
                                               "checkpoint step dir or run dir> (scripts/convert_hf.py imports a "
                                               "Hugging Face model as one)")
-    _require(_ways(v, "stage") in (1, None), "use_distillation=true does not run with pipeline parallelism yet; set "
+    _require(ways(v, "stage") in (1, None), "use_distillation=true does not run with pipeline parallelism yet; set "
                                              "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
 
 
