@@ -8,8 +8,11 @@ axis filled with -1, tensor parallelism dividing heads/mlp/vocab, ...), each a f
 resolved values that raises ConfigError. loading.load_config and loading.revalidate call it. Two
 settings' parsers live here too, because a rule checks them and the run uses them again:
 `parse_eval_tasks` (evaluate.py, evals/runner.py) and `split_address` (parallel/distributed.py).
+CHECKS ends with the rules of features.py (a setting of a feature that is off, a family's defining
+setting left at a default that turns it off).
 
-Imports the schema and the registry (what the rules check against), the settings table and the error types.
+Imports the schema and the registry (what the rules check against), the settings table, features.py
+and the error types.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import importlib.util
 import os
 from typing import Any
 
+from maxtrain.config import features
 from maxtrain.config import settings as settings_lib
 from maxtrain.config.registry import EVAL_TASKS, MOE_FAMILIES
 from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, QUANTIZATION_PLACES, parallelism_key, table, ways
@@ -158,11 +162,11 @@ def _attention_layer_types(v):
         _require(len(types) == v["base_num_decoder_layers"] and all(t in ("full", "sliding") for t in types),
                  f"attention_layer_types must list \"full\" or \"sliding\" for each of the "
                  f"{v['base_num_decoder_layers']} layers (or be [] for the family's pattern), got {types}")
-        _require("sliding" not in types or v["sliding_window_size"] > 0,
-                 "attention_layer_types has sliding layers but sliding_window_size=0; set sliding_window_size")
 
 
 def _experts_per_token_at_most_experts(v):
+    if v["decoder_block"] not in MOE_FAMILIES:
+        return  # features.py: num_experts_per_tok does nothing without experts
     e, k = v["num_experts"], v["num_experts_per_tok"]
     _require(k <= e, f"num_experts_per_tok={k} is more than num_experts={e}: each token is routed to "
                      f"num_experts_per_tok distinct experts; use num_experts_per_tok <= {e}")
@@ -474,7 +478,7 @@ def _distillation_settings(v):
                                              "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
 
 
-CHECKS += (_distillation_settings,)
+CHECKS += (_distillation_settings,) + features.CHECKS  # last: the rules above name the more particular mistakes
 
 
 def _divisor_hint(n: int, near: int) -> int:
