@@ -6,7 +6,7 @@ import pytest
 from conftest import BASE_YML, REPO
 from maxtrain import config as config_lib
 from maxtrain import models
-from maxtrain.config import ConfigError, features, load_config, registry, with_devices
+from maxtrain.config import ConfigError, features, limits, load_config, registry, with_devices
 
 
 def load(*overrides):
@@ -242,3 +242,56 @@ def test_sliding_layers_without_a_window_are_refused_and_full_attention_is_a_cho
         load("attention_layer_types=[sliding,full,sliding,full]")
     full = ",".join(["full"] * 24)
     assert load("model_name=gpt-oss-20b", "sliding_window_size=0", f"attention_layer_types=[{full}]").num_experts == 32
+
+
+GRPO = ["use_grpo=true", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]",
+        "eval_data_columns=[prompt,answer]"]
+
+
+@pytest.mark.parametrize("sampling, fragment", [
+    (["decode_sampling_strategy=greedy"], "greedy"),
+    (["decode_sampling_strategy=topk", "decode_sampling_top_k=1"], "decode_sampling_top_k=1"),
+    (["decode_sampling_strategy=nucleus", "decode_sampling_nucleus_p=0.0002"], r"decode_sampling_nucleus_p=0.0002 <= "
+                                                                               "1/vocab_size"),
+    (["decode_sampling_strategy=weighted", "decode_sampling_temperature=1e-6"], "decode_sampling_temperature=1e-06"),
+    (["decode_sampling_strategy=nucleus", "decode_sampling_temperature=0.001"], "decode_sampling_temperature=0.001"),
+    (["decode_sampling_strategy=weighted", "vocab_size=1"], "vocab_size=1"),
+])
+def test_grpo_refuses_a_sampler_that_can_draw_one_token(sampling, fragment):
+    with pytest.raises(ConfigError, match=f"use_grpo=true samples each prompt's completions with .*{fragment}.*would "
+                                          "all be the same"):
+        load(*GRPO, *sampling)
+    for fine in (["decode_sampling_strategy=weighted"], ["decode_sampling_strategy=topk", "decode_sampling_top_k=2"],
+                 ["decode_sampling_strategy=nucleus", "decode_sampling_nucleus_p=0.0003"]):  # > 1/4096
+        assert load(*GRPO, *fine).use_grpo
+
+
+def test_multi_token_prediction_needs_a_longer_sequence_than_its_modules():
+    with pytest.raises(ConfigError, match=r"mtp_num_layers=4 needs max_target_length >= 5, but max_target_length=4: "
+                                          r"multi-token prediction module k predicts token i \+ k \+ 1"):
+        load("model_name=deepseek3-tiny", "mtp_num_layers=4", "max_target_length=4")
+    assert load("model_name=deepseek3-tiny", "mtp_num_layers=3", "max_target_length=4").mtp_num_layers == 3
+
+
+def test_an_empty_output_directory_or_a_blank_path_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"base_output_directory is empty \(an unset shell variable, as in "
+                                          r"base_output_directory=\$OUT\?\): the run would be written into the current "
+                                          "directory"):
+        load("base_output_directory=")
+    mine = tmp_path / "mine.yml"
+    mine.write_text(f"base_config: {BASE_YML}\nbase_output_directory:\n")  # null: an unset value
+    with pytest.raises(ConfigError, match="base_output_directory is empty"):
+        load_config([str(mine)])
+    for key in limits.PATH_KEYS:
+        with pytest.raises(ConfigError, match=f"{key}=' ' is only white space"):
+            load(f"{key}= ")
+    for key in (k for k, empty in limits.PATH_KEYS.items() if empty and k != "run_name"):  # "" keeps its meaning
+        assert getattr(load(f"{key}="), key) == ""
+    assert load("run_name=").run_name_was_generated
+    assert load("base_output_directory=.").run_dir.startswith(".")
+
+
+def test_every_path_key_says_what_its_empty_value_means():
+    named_like_paths = {k for k, s in config_lib.table().items() if isinstance(s.default, str)
+                        and k.endswith(("_path", "_dir", "_directory", "_file", "_files"))}
+    assert named_like_paths <= set(limits.PATH_KEYS) <= set(config_lib.table())

@@ -8,11 +8,12 @@ axis filled with -1, tensor parallelism dividing heads/mlp/vocab, ...), each a f
 resolved values that raises ConfigError. loading.load_config and loading.revalidate call it. Two
 settings' parsers live here too, because a rule checks them and the run uses them again:
 `parse_eval_tasks` (evaluate.py, evals/runner.py) and `split_address` (parallel/distributed.py).
-CHECKS ends with the rules of features.py (a setting of a feature that is off, a family's defining
+CHECKS ends with two tables' rules: limits.py (a sampler with one choice, a sequence too short for a
+setting, an empty path) and features.py (a setting of a feature that is off, a family's defining
 setting left at a default that turns it off).
 
-Imports the schema and the registry (what the rules check against), the settings table, features.py
-and the error types.
+Imports the schema and the registry (what the rules check against), the settings table, the two tables'
+modules and the error types.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import importlib.util
 import os
 from typing import Any
 
-from maxtrain.config import features
+from maxtrain.config import features, limits
 from maxtrain.config import settings as settings_lib
 from maxtrain.config.registry import EVAL_TASKS, MOE_FAMILIES
 from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, QUANTIZATION_PLACES, parallelism_key, table, ways
@@ -135,10 +136,6 @@ def _grpo_settings(v):
              f"max_prefill_predict_length={v['max_prefill_predict_length']} leaves no room for a completion in "
              f"max_target_length={v['max_target_length']} tokens (completions get the difference); raise "
              "max_target_length or lower max_prefill_predict_length")
-    _require(v["decode_sampling_strategy"] != "greedy",
-             "use_grpo=true samples its completions with decode_sampling_strategy, which is greedy: a prompt's "
-             "completions would all be the same and teach nothing. Set decode_sampling_strategy=weighted (or "
-             "nucleus, topk) and decode_sampling_temperature")
     _require(v["num_epoch"] == -1, f"use_grpo=true repeats its prompts (num_epoch=-1), but num_epoch={v['num_epoch']}; "
                                    "bound the run with steps instead")
     for name in v["grpo_reward_functions"]:
@@ -478,7 +475,9 @@ def _distillation_settings(v):
                                              "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
 
 
-CHECKS += (_distillation_settings,) + features.CHECKS  # last: the rules above name the more particular mistakes
+# limits.py: samplers with one choice, lengths, paths; features.py last: the rules above name the more particular
+# mistakes of a setting that does nothing
+CHECKS += (_distillation_settings,) + limits.CHECKS + features.CHECKS
 
 
 def _divisor_hint(n: int, near: int) -> int:
