@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from maxtrain.config.registry import FAMILIES, MOE_FAMILIES
+from maxtrain.config.registry import FAMILIES, MOE_FAMILIES, Family
 from maxtrain.config.schema import table, ways
 from maxtrain.errors import ConfigError
 
@@ -56,10 +56,14 @@ def _family_features() -> tuple[Feature, ...]:
                          tuple(keys), state="decoder_block") for names, keys in groups.items())
 
 
+def family(v: dict[str, Any]) -> Family:
+    """The configured family's registry row (a plain one for a family only a test has added)."""
+    return FAMILIES.get(v["decoder_block"]) or Family(v["decoder_block"], (), "")
+
+
 def layer_attention(v: dict[str, Any]) -> list[str]:
     """"full" or "sliding" for each layer of the configured model (its family's layer_types agree)."""
-    return FAMILIES[v["decoder_block"]].attention_plan(v["base_num_decoder_layers"], v["sliding_window_size"],
-                                                       v["attention_layer_types"])
+    return family(v).attention_plan(v["base_num_decoder_layers"], v["sliding_window_size"], v["attention_layer_types"])
 
 
 SLIDING_FAMILIES = tuple(n for n, f in FAMILIES.items() if "sliding" in f.attention_pattern or f.window_everywhere)
@@ -105,7 +109,7 @@ FEATURES: tuple[Feature, ...] = (
             ("sliding_window_size", "local_rope_max_timescale"),
             fix="give layers a window with attention_layer_types (\"sliding\" or \"full\" per layer), or use a family "
                 "whose layers slide (decoder_block=" + ", ".join(SLIDING_FAMILIES) + ")", state="decoder_block"),
-    Feature("per-layer attention types", lambda v: FAMILIES[v["decoder_block"]].per_layer_attention,
+    Feature("per-layer attention types", lambda v: family(v).per_layer_attention,
             ("attention_layer_types",), fix="use a family other than " + ", ".join(
                 n for n, f in FAMILIES.items() if not f.per_layer_attention), state="decoder_block"),
     Feature("rope_type=linear, llama3 or yarn", lambda v: v["rope_type"] != "default", ("rope_factor",),
@@ -173,12 +177,11 @@ def settings_of_features_that_are_off(v: dict[str, Any]) -> None:
 
 def what_the_family_is(v: dict[str, Any]) -> None:
     """A family's defining settings (registry.Family.usual) left at a shared default that turns them off."""
-    block = v["decoder_block"]
-    family, usual = FAMILIES[block], dict(FAMILIES[block].usual)
-    layers = layer_attention(v)
-    if "sliding" in layers and v["sliding_window_size"] == 0:
+    block, usual = v["decoder_block"], dict(family(v).usual)
+    if "sliding" in layer_attention(v) and v["sliding_window_size"] == 0:
         source = ("attention_layer_types has sliding layers" if v["attention_layer_types"] else
-                  f"decoder_block={block} has sliding-window layers ({' '.join(family.attention_pattern)}, repeated)")
+                  f"decoder_block={block} has sliding-window layers ({' '.join(family(v).attention_pattern)}, "
+                  "repeated)")
         window = usual.get("sliding_window_size", 4096)
         raise ConfigError(f"{source}, but sliding_window_size=0 would give them full attention; set sliding_window_size"
                           f"={window} ({block}'s usual window), or attention_layer_types=[full, ...] for full attention "
