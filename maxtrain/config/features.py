@@ -47,8 +47,8 @@ def _reading(key: str) -> tuple[str, ...]:
 def _family_features() -> tuple[Feature, ...]:
     """One row per set of families that read the same family settings (registry.Family.settings)."""
     groups: dict[tuple[str, ...], list[str]] = {}
-    for family in FAMILIES.values():
-        for key in family.settings:
+    for row in FAMILIES.values():
+        for key in row.settings:
             groups.setdefault(_reading(key), [])
             if key not in groups[_reading(key)]:
                 groups[_reading(key)].append(key)
