@@ -132,10 +132,6 @@ def _grpo_settings(v):
     _require(v["dataset_type"] in ("jsonl", "parquet"),
              f"use_grpo=true reads jsonl or parquet files, but dataset_type={v['dataset_type']}; set dataset_type=jsonl "
              "(or parquet) and grain_train_files=<your prompts>")
-    _require(v["max_prefill_predict_length"] < v["max_target_length"],
-             f"max_prefill_predict_length={v['max_prefill_predict_length']} leaves no room for a completion in "
-             f"max_target_length={v['max_target_length']} tokens (completions get the difference); raise "
-             "max_target_length or lower max_prefill_predict_length")
     _require(v["num_epoch"] == -1, f"use_grpo=true repeats its prompts (num_epoch=-1), but num_epoch={v['num_epoch']}; "
                                    "bound the run with steps instead")
     for name in v["grpo_reward_functions"]:

@@ -12,8 +12,8 @@ Three rules, each over what the code does with the settings:
   categorical draw's Gumbel noise never lifts another token over the best one) gives identical
   completions and a zero gradient.
 - lengths: a setting that needs more tokens than max_target_length holds fails inside JAX with a shape
-  error, or trains nothing (LENGTH_NEEDS; checks.py holds the older rules of the same kind: num_vocab_tiling
-  and context parallelism must divide the sequence, GRPO's prompts must leave room for a completion).
+  error, or trains nothing (LENGTH_NEEDS: GRPO's prompt length, multi-token prediction's depth; checks.py
+  holds the divisibility rules of the same kind: num_vocab_tiling and context parallelism must divide it).
 - paths: a value of only white space is no path, and an empty base_output_directory (an unset shell
   variable in `base_output_directory=$OUT`) would write the run into the current directory. Keys whose
   empty value is documented ("" = none or the default: tokenizer_path, load_parameters_path, ...) keep it,
@@ -67,6 +67,9 @@ def _grpo_samples_different_completions(v):
 
 # What a sequence of max_target_length tokens must hold: (key, whether it applies, the least length, why).
 LENGTH_NEEDS = (
+    ("max_prefill_predict_length", lambda v: v["use_grpo"], lambda v: v["max_prefill_predict_length"] + 1,
+     "GRPO's prompts are left-padded to max_prefill_predict_length tokens and completions get the rest of the "
+     "sequence, so this leaves no room for a completion"),
     ("mtp_num_layers", lambda v: v["mtp_num_layers"] > 0, lambda v: v["mtp_num_layers"] + 1,
      "multi-token prediction module k predicts token i + k + 1 from position i (models/mtp.py): with fewer tokens "
      "the last module has no position to learn from (and past that, no shape to compute)"),
