@@ -169,6 +169,11 @@ def test_every_feature_key_is_a_base_key_owned_by_one_row():
     for family in registry.FAMILIES.values():  # the family rows are the registry's, and only theirs
         assert all(features.owner(k).state == "decoder_block" for k in family.settings)
         assert {k for k, _ in family.usual} <= set(config_lib.table())
+    rule = "does nothing without"  # the rule itself lives in features.py alone
+    package = os.path.join(REPO, "maxtrain")
+    owners = {os.path.relpath(os.path.join(d, n), REPO) for d, _, names in os.walk(package) for n in names
+              if n.endswith(".py") and rule in open(os.path.join(d, n), encoding="utf-8").read()}
+    assert owners == {os.path.join("maxtrain", "config", "features.py")}, owners
 
 
 @pytest.mark.parametrize("feature, key", FEATURE_KEYS, ids=[k for _, k in FEATURE_KEYS])

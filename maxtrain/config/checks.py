@@ -159,7 +159,7 @@ def _attention_layer_types(v):
 
 def _experts_per_token_at_most_experts(v):
     if v["decoder_block"] not in MOE_FAMILIES:
-        return  # features.py: num_experts_per_tok does nothing without experts
+        return  # features.py refuses num_experts_per_tok where there are no experts
     e, k = v["num_experts"], v["num_experts_per_tok"]
     _require(k <= e, f"num_experts_per_tok={k} is more than num_experts={e}: each token is routed to "
                      f"num_experts_per_tok distinct experts; use num_experts_per_tok <= {e}")
