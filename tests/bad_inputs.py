@@ -330,6 +330,29 @@ ROWS = [
     Row("no-arguments", T, [], r"usage: python -m maxtrain.train configs/base.yml"),
     Row("eval-split-zero-default-corpus", T, [B, "eval_split_fraction=0"], r"eval_split_fraction=0.0 must be "
         r"strictly between 0 and 1"),
+    # train: nothing silent (issue 44): a setting of a feature that is off, a family's defining setting left off,
+    # a sampler with one choice, a sequence too short for a setting, an empty output directory
+    Row("feature-off-distillation-key", T, [B, "distill_alpha=0.3"], r"distill_alpha=0.3 does nothing without "
+        r"use_distillation=true: set use_distillation=true .*, or drop distill_alpha"),
+    Row("feature-off-muon-key", T, [B, "muon_beta=0.9"], r"muon_beta=0.9 does nothing without opt_type=muon"),
+    Row("feature-off-moe-key-on-dense", T, [B, "num_experts_per_tok=2"], r"num_experts_per_tok=2 does nothing without "
+        r"a mixture-of-experts family \(here decoder_block=llama\)"),
+    Row("feature-off-window-on-llama", T, [B, "sliding_window_size=4096"], r"sliding_window_size=4096 does nothing "
+        r"without sliding-window layers"),
+    Row("family-gpt-oss-without-window", T, [B, "model_name=gpt-oss-20b", "sliding_window_size=0"],
+        r"decoder_block=gpt_oss has sliding-window layers .* set sliding_window_size=128"),
+    Row("family-moe-with-one-expert", T, [B, "decoder_block=mixtral"], r"decoder_block=mixtral is a mixture of experts, "
+        r"but num_experts=1 .* set num_experts=8"),
+    Row("grpo-top-k-of-one", T, [B, "use_grpo=true", "dataset_type=jsonl", "grain_train_files=x.jsonl",
+                                 "train_data_columns=[prompt,answer]", "eval_data_columns=[prompt,answer]",
+                                 "decode_sampling_strategy=topk", "decode_sampling_top_k=1"],
+        r"use_grpo=true samples .*decode_sampling_top_k=1.* would all be the same"),
+    Row("mtp-modules-beyond-the-sequence", T, [B, "model_name=deepseek3-tiny", "mtp_num_layers=4", "max_target_length=4"],
+        r"mtp_num_layers=4 needs max_target_length >= 5, but max_target_length=4"),
+    Row("output-directory-empty", T, [B, "base_output_directory="], r"base_output_directory is empty .* the run would "
+        r"be written into the current directory"),
+    Row("decode-top-k-without-topk", D, [B, "decode_sampling_top_k=5"], r"decode_sampling_top_k=5 does nothing without "
+        r"decode_sampling_strategy=topk"),
     # train: post-training (SFT, DPO, LoRA; docs/post_training.md)
     Row("sft-and-dpo", T, [B, "use_sft=true", "use_dpo=true"], r"use_sft=true and use_dpo=true were both set; a run "
         r"has one objective"),

@@ -49,7 +49,7 @@ def random_batch(cfg, rows: int) -> dict:
 
 
 def test_update_loss_scale_rules():
-    cfg = load_config([BASE_YML, "loss_scale_period=3", "loss_scale_min=4.0"])
+    cfg = load_config([BASE_YML, "dtype=float16", "loss_scale_period=3", "loss_scale_min=4.0"])
     s = {"scale": jnp.float32(16.0), "good_steps": jnp.int32(0), "skipped_steps": jnp.int32(0)}
     s = precision.update_loss_scale(s, jnp.bool_(False), cfg)
     assert (float(s["scale"]), int(s["good_steps"]), int(s["skipped_steps"])) == (8.0, 0, 1)
