@@ -11,7 +11,6 @@ from maxtrain.config import with_overrides
 CORPUS = ["default_corpus_max_mb=0.3", "eval_steps=2", "log_period=5"]
 
 
-@pytest.mark.slow
 def test_trains_evaluates_checkpoints_and_resumes(tiny_args, tmp_path, capsys):
     metrics_file = tmp_path / "m.jsonl"
     args = with_overrides(tiny_args, *CORPUS, "learning_rate=1e-2", "eval_interval=10", "checkpoint_period=10",
