@@ -35,9 +35,7 @@ def main(prog: str, function) -> None:
 def out_dir(name: str) -> Path:
     base = Path(os.environ.get("E2E_OUT", ROOT / "outputs" / "end_to_end")).resolve()
     path = base / name
-    problem = storage.place_problem(str(path), is_file=False)
-    if problem:
-        raise errors.PathError(f"E2E_OUT={base}: {path} {problem}; set E2E_OUT to a writable directory")
+    storage.check_output(str(path), False, f"E2E_OUT={base}: {path}", "; set E2E_OUT to a writable directory")
     with errors.user_paths("E2E_OUT"):
         shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True)

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain import config as config_lib
-from maxtrain import errors, models
+from maxtrain import errors, models, storage
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.errors import UserError, run_cli
 from maxtrain.parallel import sharding
@@ -100,6 +100,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if not args.golden and not args.hf:
         parser.error("give --golden FILE.npz, or --hf HF_DIR to compute the golden logits")
+    if args.hf and args.golden:  # written after the transformers run: refused before it
+        storage.check_output(args.golden, True, f"--golden {args.golden}")
     if args.hf:
         vocab = int(checkpoint_files.read_metadata(checkpoint_files.find_step_dir(args.checkpoint)).get(
             "config", {}).get("vocab_size", 0)) or None

@@ -21,7 +21,7 @@ import jax
 
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
-from maxtrain import evals
+from maxtrain import evals, storage
 from maxtrain.checkpointing import adoption
 from maxtrain.config import checks as config_checks
 from maxtrain.errors import run_cli
@@ -42,6 +42,8 @@ def main(argv: list[str]) -> dict:
     if not config.load_parameters_path:
         raise config_lib.ConfigError("set load_parameters_path=<run>/checkpoints/<step>: the checkpoint to score "
                                      "(an imported Hugging Face model: the OUT directory of scripts/convert_hf.py)")
+    storage.check_output(config.run_dir, False, f"the results directory {storage.abspath(config.run_dir)!r}",
+                         " (it is base_output_directory/run_name)")
     # the data first (cheap, and the likeliest to be missing), then the checkpoint's settings, tokenizer, params
     evals.data.open_cache(evals.data.cache_dir_for(config), config_checks.parse_eval_tasks(config.eval_tasks))
     config = adoption.adopt_model_settings(config)  # an imported model's settings come from its checkpoint

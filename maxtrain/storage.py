@@ -4,6 +4,8 @@
     with storage.open(path, "rb") as f: ...        a local file or a GCS object (seekable when read)
     storage.write_bytes(path, data)               whole-file writes: atomic locally (temp + rename),
                                                   atomic on GCS by nature (an object appears whole)
+    storage.check_output(path, is_file, name)     an output that could not be written, refused before any
+                                                  work (every tool's outputs go through it)
 
 A local path goes to `os` and `glob`; a gs:// path to gcsfs (the optional `gcs` extra:
 pip install 'maxtrain[gcs]'). Orbax (checkpoints) and tensorboardX reach GCS on their own and
@@ -29,7 +31,7 @@ import os
 import shutil
 import tempfile
 
-from maxtrain.errors import UserError, install_hint
+from maxtrain.errors import PathError, UserError, install_hint
 
 GCS = "gs://"
 
@@ -135,9 +137,20 @@ def place_problem(path: str, is_file: bool) -> str | None:
     if not os.path.isdir(existing):
         return f"cannot be created: {existing} is a file, not a directory. Choose a path inside a directory"
     target = path if os.path.exists(path) else existing
-    if not os.access(target, os.W_OK):
+    if not os.access(target, os.W_OK | (os.X_OK if os.path.isdir(target) else 0)):
         return f"cannot be written: no write permission on {target}. Choose a writable path"
     return None
+
+
+def check_output(path: str, is_file: bool, name: str | None = None, hint: str = "") -> None:
+    """Refuses now, before any work, an output that could not be written at `path`, a file (is_file) or a
+    directory: a PathError "<name> <problem and fix><hint>", where `name` is the path as the user gave it
+    ("--output-dir out", "metrics_file='/x/m.jsonl'"; the path itself by default). The one check of every
+    tool's outputs (place_problem: a file in the way, a directory where a file goes or the reverse, no
+    permission); gs:// paths are left to their first write."""
+    problem = place_problem(path, is_file)
+    if problem:
+        raise PathError(f"{name or path} {problem}{hint}")
 
 
 def makedirs(path: str) -> None:

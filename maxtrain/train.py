@@ -35,7 +35,7 @@ from maxtrain.errors import run_cli
 from maxtrain.models import sampling
 from maxtrain.observability import metrics
 from maxtrain.parallel import distributed, sharding
-from maxtrain.training import builder, grpo, host_memory, loop
+from maxtrain.training import builder, grpo, host_memory, loop, rewards
 from maxtrain.training.loop import RunResult, TrainingError  # noqa: F401 (TrainingError: the run's own errors)
 from maxtrain.training.preemption import Preemption
 
@@ -54,6 +54,8 @@ def main(argv: list[str]) -> RunResult:
     config = builder.load_config(argv, log=log)
     host_memory.keep_step_buffers(config)  # a small CPU step's buffers kept between steps; before JAX starts
     metrics.check_outputs(config)  # a metrics_file or run directory that cannot be written: refused now
+    # GRPO's reward functions: imported and their signatures checked now (called on made-up completions below)
+    reward_functions = rewards.load(config.grpo_reward_functions) if config.use_grpo else None
     distributed.initialize(config)
     distributed.agree_on_config(config)  # one agreed view: the same settings and code on every process
     run = builder.build(config)  # mesh, model, optimizer, state shardings and the jitted steps
@@ -72,7 +74,8 @@ def main(argv: list[str]) -> RunResult:
         checkpointer.close()
         return RunResult(config, nothing_to_train=True)
     # GRPO reads prompts and imports its reward functions (training/grpo.py); checked here, before compiling
-    inputs = grpo.make_inputs(config, log=log) if config.use_grpo else data_lib.make_inputs(config, log=log)
+    inputs = (grpo.make_inputs(config, log=log, functions=reward_functions) if config.use_grpo
+              else data_lib.make_inputs(config, log=log))
     task_evals = evals.from_config(config, inputs.tokenizer, mesh, run.rt, log=log)  # data checked, requests packed
     sample_prompt = sample_prompt_ids(config, inputs.tokenizer)  # the end-of-run sample's prompt, checked now
     compile_started = time.time()

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain import config as config_lib
-from maxtrain import models
+from maxtrain import models, storage
 from maxtrain.compile import executable, hlo_stats
 from maxtrain.compile import targets as topologies
 from maxtrain.errors import run_cli
@@ -182,6 +182,9 @@ def overshoot_message(rep: dict, config) -> str:
 
 def main(argv: list[str]) -> int:
     config = builder.load_config(argv, log=lambda *a: print(*a, file=sys.stderr))
+    if config.compiled_trainstep_file:  # refused now, not after the compile
+        storage.check_output(config.compiled_trainstep_file, True,
+                             f"compiled_trainstep_file={storage.abspath(config.compiled_trainstep_file)!r}")
     target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
     if target.platform != "cpu":
         # Compiling for another target needs no accelerator here; keep JAX from probing for one.

@@ -16,6 +16,7 @@ import jax
 
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
+from maxtrain import storage
 from maxtrain.data import pipeline
 from maxtrain.errors import run_cli
 from maxtrain.observability import heatmap
@@ -36,6 +37,7 @@ def main(argv: list[str]) -> str:
                if config.dataset_type == "synthetic" else ""))
     step = int(os.path.basename(step_dir)) if os.path.basename(step_dir).isdigit() else 0
     run_dir = os.path.dirname(os.path.dirname(step_dir))  # <run>/checkpoints/<step> -> <run>
+    storage.check_output(os.path.join(run_dir, "viz"), False, hint=" (the heatmap goes beside the checkpoint's run)")
     config = config.replace(run_name=os.path.basename(run_dir), run_dir=run_dir,
                             eval_steps=1, eval_interval=max(config.eval_interval, 1))
     config = config_lib.with_devices(config, jax.device_count(), jax.process_count())  # the global eval batch

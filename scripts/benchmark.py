@@ -93,9 +93,8 @@ def parse_args(argv: list[str]):
                          "--compare \"remat_policy=none\" (an empty string is the common settings alone)")
         if args.measure_peak or args.profile:
             parser.error("--compare times variants against each other; run --measure-peak or --profile without it")
-    problem = args.json and storage.place_problem(args.json, is_file=True)  # refused now, not after the timing
-    if problem:
-        raise errors.PathError(f"--json {args.json} {problem}")
+    if args.json:  # refused now, not after the timing
+        storage.check_output(args.json, True, f"--json {args.json}")
     return args
 
 

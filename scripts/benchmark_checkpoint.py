@@ -64,9 +64,7 @@ def drop_caches() -> bool:
 
 def check_dir(path: str) -> None:
     """--dir is emptied first and removed at the end: refuse one that holds anything but this benchmark's steps."""
-    problem = storage.place_problem(path, is_file=False)
-    if problem:
-        raise errors.PathError(f"--dir {path} {problem}")
+    storage.check_output(path, False, f"--dir {path}")
     others = [n for n in (sorted(os.listdir(path)) if os.path.isdir(path) else [])
               if not n.split(".", 1)[0].isdigit()]  # its steps: "3", "3.orbax-checkpoint-tmp-..."
     if others:

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from maxtrain.checkpointing import convert, peft  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain.checkpointing import files as checkpoint_files  # noqa: E402  pylint: disable=wrong-import-position
-from maxtrain import errors  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain import errors, storage  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def main(argv: list[str]) -> int:
@@ -67,7 +67,9 @@ def main(argv: list[str]) -> int:
             print(f"check it:     python scripts/check_logits.py {out} --hf {os.path.abspath(args.hf_dir)}")
             print(f"fine-tune it: python -m maxtrain.train base.yml load_parameters_path={out}")
         else:
-            # --peft on a run without adapters is refused before anything is written
+            # --peft on a run without adapters, or where it cannot be written, is refused before anything is written
+            if args.peft:
+                storage.check_output(args.peft, False, f"--peft {args.peft}")
             adapters, saved = checkpoint_files.read_adapters(args.checkpoint) if args.peft else (None, None)
             out = convert.export_hf(args.checkpoint, args.out_dir, args.dtype, int(args.max_shard_mb * 2**20),
                                     tokenizer=args.tokenizer)

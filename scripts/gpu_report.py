@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain import config as config_lib
+from maxtrain import storage
 from maxtrain.compile import fit
 from maxtrain.errors import UserError, run_cli
 from maxtrain.models import attention_check
@@ -459,6 +460,8 @@ def parse_args(argv):
         parser.error("--out DIR is required (on the device machine: --out $OUT)")
     if args.budget <= 0:
         parser.error("--budget must be > 0 seconds")
+    if args.out:  # the report is written as the parts finish: refused before the first
+        storage.check_output(args.out, False, f"--out {args.out}")
     return args
 
 

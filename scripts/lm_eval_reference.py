@@ -110,9 +110,7 @@ def check_inputs(args) -> None:
                                    f"{', '.join((*STOCK, 'lambada', 'mmlu'))}")
     if args.limit is not None and args.limit < 1:
         raise errors.ToolError(f"--limit {args.limit} must be >= 1 (or left out for every example)")
-    problem = storage.place_problem(args.output, is_file=True)
-    if problem:
-        raise errors.PathError(f"--output {args.output} {problem}")
+    storage.check_output(args.output, True, f"--output {args.output}")
 
 
 def main(argv: list[str]) -> int:

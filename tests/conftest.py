@@ -4,6 +4,7 @@ import atexit
 import os
 import shutil
 import tempfile
+import time
 
 # Compile at a low XLA optimization level: the tiny test models are compile-bound (8.6 s -> 3.5 s a run).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
@@ -59,9 +60,17 @@ def without_compilation_cache():
 _SKIPPED: list[str] = []
 
 
+# Each test's time (setup + call + teardown, in seconds) and the session's wall time, kept beside the skipped ids
+# (.pytest_cache/v/maxtrain/durations and .../session): tests/suite_budget.py reads them to hold the default run to
+# its budget (README, "Tests").
+_DURATIONS: dict[str, float] = {}
+_STARTED = time.monotonic()
+
+
 def pytest_runtest_logreport(report):
     if report.skipped and not hasattr(report, "wasxfail"):
         _SKIPPED.append(report.nodeid)
+    _DURATIONS[report.nodeid] = _DURATIONS.get(report.nodeid, 0.0) + report.duration
 
 
 def pytest_collectreport(report):
@@ -73,3 +82,24 @@ def pytest_sessionfinish(session):
     cache = getattr(session.config, "cache", None)
     if cache is not None and not hasattr(session.config, "workerinput"):
         cache.set("maxtrain/skipped", sorted(set(_SKIPPED)))
+        cache.set("maxtrain/durations", {k: round(v, 3) for k, v in sorted(_DURATIONS.items())})
+        cache.set("maxtrain/session", {"wall_s": round(time.monotonic() - _STARTED, 1),
+                                       "markexpr": session.config.getoption("markexpr", ""),
+                                       "keyword": session.config.getoption("keyword", ""),
+                                       "args": [str(a) for a in session.config.args],
+                                       "workers": getattr(session.config.option, "numprocesses", None)})
+
+
+def slow_params(cases, slow_ids, ids=None):
+    """`@pytest.mark.parametrize(names, slow_params(cases, {...}))`: the cases as pytest.param, those whose id is in
+    slow_ids marked `slow` (measured over the default run's budget: tests/suite_budget.py). `cases` are values (one
+    name) or tuples (several names); ids default to the cases themselves (a dict's keys). A slow id that names no
+    case is an error, so that a renamed case cannot leave the default run by accident."""
+    cases = list(cases)
+    ids = list(ids) if ids is not None else [str(c) for c in cases]
+    unknown = set(slow_ids) - set(ids)
+    if unknown:
+        raise ValueError(f"slow_params: {sorted(unknown)} name no case (ids: {ids})")
+    return [pytest.param(*(c if isinstance(c, tuple) else (c,)), id=i,
+                         marks=[pytest.mark.slow] if i in slow_ids else [])
+            for c, i in zip(cases, ids)]

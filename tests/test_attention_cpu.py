@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import REPO, slow_params
 from maxtrain.models import attention
 
 
@@ -68,9 +68,13 @@ def test_heads_major_with_compact_16_bit_scores():
                   _values_and_grads(fn(False), q, k, v, cotangent), rtol=2e-2)
 
 
-@pytest.mark.parametrize("t,window,n,g,cap", [  # each length and window once, the two head layouts alternating
+_CHUNK_CASES = [  # each length and window once, the two head layouts alternating
     (64, 0, 4, 2, 0.0), (100, 0, 2, 2, 3.0), (100, 7, 4, 2, 0.0), (100, 30, 2, 2, 3.0), (100, 500, 4, 2, 0.0),
-    (13, 0, 2, 2, 3.0)])
+    (13, 0, 2, 2, 3.0)]
+
+
+@pytest.mark.parametrize("t,window,n,g,cap", slow_params(
+    _CHUNK_CASES, {"100-0-2-2-3.0", "100-500-4-2-0.0"}, ids=["-".join(map(str, c)) for c in _CHUNK_CASES]))
 def test_causal_chunks_match_one_masked_call(t, window, n, g, cap):
     b, h = 2, 16
     q, k, v, cotangent = _qkv(b, t, n, g, h, seed=t + window)

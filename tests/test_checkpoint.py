@@ -12,7 +12,7 @@ from ckpt_helpers import REPO, assert_bitwise_equal, cache_dir, train  # noqa: F
 from maxtrain import checkpoint as checkpoint_command
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.checkpointing import manager as checkpoint
-from maxtrain.config import ConfigError
+from maxtrain.errors import PathError
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +105,7 @@ def test_unwritable_checkpoint_directory_fails_at_start(cache_dir, tmp_path):  #
     # cannot be created by anyone.
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    with pytest.raises(ConfigError) as error:  # the run's outputs are checked first, before any work
+    with pytest.raises(PathError) as error:  # the run's outputs are checked first, before any work
         train(blocker / "outputs", "r", cache_dir, "steps=2")
     assert str(error.value) == (f"base_output_directory='{blocker}/outputs' cannot be created: {blocker} is a file, "
                                 "not a directory. Choose a path inside a directory")

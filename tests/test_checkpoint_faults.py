@@ -58,6 +58,7 @@ def wait_until(condition, process, timeout=240):
         time.sleep(0.005)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_then_a_failing_save_stops_the_run_and_keeps_earlier_checkpoints(tmp_path, cache_dir):  # noqa: F811
     ckpts = tmp_path / "r" / "checkpoints"
     run = ["steps=5000", "checkpoint_period=50", "max_num_checkpoints_to_keep=1", f"metrics_file={tmp_path}/m.jsonl"]

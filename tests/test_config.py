@@ -6,7 +6,7 @@ import pytest
 from conftest import BASE_YML, REPO
 from maxtrain import config as config_lib
 from maxtrain import models
-from maxtrain.config import ConfigError, load_config, with_devices
+from maxtrain.config import ConfigError, features, limits, load_config, registry, with_devices
 
 
 def load(*overrides):
@@ -123,3 +123,193 @@ def test_config_is_frozen():
     with pytest.raises(AttributeError, match="did you mean steps"):
         _ = cfg.stepss
     assert config_lib.Config.replace(cfg, steps=3).steps == 3
+
+
+# --------------------------------------------------------------------------------------------
+# Nothing silent (issue 44): features.py and limits.py
+# --------------------------------------------------------------------------------------------
+
+# A baseline that turns each feature off where base.yml's defaults have it on.
+OFF = {"packing=true": ["packing=false"], "lr_schedule_type=cosine": ["lr_schedule_type=constant"],
+       "per-layer attention types": ["model_name=deepseek3-tiny"]}
+VALUES = {"chat_template": "chatml", "grain_packing_type": "first_fit", "moe_dispatch": "capacity",
+          "lora_target_modules": ["q"], "grpo_reward_functions": ["format"], "mlp_only_layers": [0],
+          "attention_layer_types": ["full"] * 4}
+
+
+def _text(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "[" + ",".join(map(str, value)) + "]" if isinstance(value, list) else str(value)
+
+
+def _another_value(key: str):
+    """A value of `key` its allowed values admit, other than its default."""
+    setting = config_lib.table()[key]
+    d = setting.default
+    if key in VALUES or isinstance(d, str):
+        return VALUES.get(key, "somewhere")
+    if isinstance(d, bool):
+        return not d
+    for candidate in (2 * d, d / 2, d + 1, d - 1, 0.5, 1, 2, 0.25):
+        if candidate != d and (not isinstance(d, int) or float(candidate).is_integer()):
+            candidate = int(candidate) if isinstance(d, int) else float(candidate)
+            if setting.allowed.admits(candidate):
+                return candidate
+    raise AssertionError(f"no other allowed value of {key}")
+
+
+FEATURE_KEYS = [(f, k) for f in features.FEATURES for k in f.keys]
+
+
+def test_every_feature_key_is_a_base_key_owned_by_one_row():
+    keys = [k for f in features.FEATURES for k in f.keys]
+    assert set(keys) <= set(config_lib.table()), set(keys) - set(config_lib.table())
+    assert len(keys) == len(set(keys)), [k for k in keys if keys.count(k) > 1]
+    for family in registry.FAMILIES.values():  # the family rows are the registry's, and only theirs
+        assert all(features.owner(k).state == "decoder_block" for k in family.settings)
+        assert {k for k, _ in family.usual} <= set(config_lib.table())
+    rule = "does nothing without"  # the rule itself lives in features.py alone
+    package = os.path.join(REPO, "maxtrain")
+    owners = {os.path.relpath(os.path.join(d, n), REPO) for d, _, names in os.walk(package) for n in names
+              if n.endswith(".py") and rule in open(os.path.join(d, n), encoding="utf-8").read()}
+    assert owners == {os.path.join("maxtrain", "config", "features.py")}, owners
+
+
+@pytest.mark.parametrize("feature, key", FEATURE_KEYS, ids=[k for _, k in FEATURE_KEYS])
+def test_a_setting_of_a_feature_that_is_off_is_refused(feature, key):
+    """Every key of the table, set to another allowed value while its feature is off: refused, naming the key
+    (by the table's rule, or an older rule of checks.py that names it first)."""
+    baseline = OFF.get(feature.needs, [])
+    assert not feature.on(load(*baseline).to_dict()), f"{feature.needs} is on with {baseline}"
+    with pytest.raises(ConfigError, match=re.escape(f"{key}=")) as e:
+        load(*baseline, f"{key}={_text(_another_value(key))}")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["distill_alpha=0.3"], "distill_alpha=0.3 does nothing without use_distillation=true: set use_distillation=true "
+                            ".*, or drop distill_alpha"),
+    (["muon_beta=0.9"], r"muon_beta=0.9 does nothing without opt_type=muon \(here opt_type=adamw\): set opt_type=muon"),
+    (["grpo_beta=0.1"], "grpo_beta=0.1 does nothing without use_grpo=true"),
+    (["lora_alpha=8"], "lora_alpha=8.0 does nothing without lora_rank > 0: set lora_rank"),
+    (["num_experts_per_tok=2"], "num_experts_per_tok=2 does nothing without a mixture-of-experts family"),
+    (["decode_sampling_top_k=5"], "decode_sampling_top_k=5 does nothing without decode_sampling_strategy=topk"),
+    (["sliding_window_size=4096"], r"sliding_window_size=4096 does nothing without sliding-window layers \(here "
+                                   r"decoder_block=llama\): .*attention_layer_types"),
+    (["model_name=llama3.1-8b", "rope_type=default", "rope_factor=4"], "rope_factor=4.0 does nothing without rope_type"),
+])
+def test_the_refusal_names_the_key_the_switch_and_the_fix(overrides, fragment):
+    with pytest.raises(ConfigError, match=fragment):
+        load(*overrides)
+
+
+def test_a_presets_values_are_the_models_defaults_and_the_users_are_checked(tmp_path):
+    assert load("model_name=llama3.1-8b", "rope_type=default").rope_factor == 8.0  # the preset's, switched off
+    assert load("model_name=gemma3-1b", f"attention_layer_types=[{','.join(['full'] * 26)}]").sliding_window_size == 512
+    assert load("use_distillation=true", "distill_teacher_path=t", "distill_alpha=0.3").distill_alpha == 0.3
+    assert load("opt_type=muon", "muon_beta=0.9").muon_beta == 0.9
+    assert load("distill_alpha=0.5").distill_alpha == 0.5  # the default, given: does nothing and says nothing
+    mine = tmp_path / "mine.yml"
+    mine.write_text(f"base_config: {BASE_YML}\ndpo_beta: 0.3\n")
+    with pytest.raises(ConfigError, match="dpo_beta=0.3 does nothing without use_dpo=true"):
+        load_config([str(mine)])
+
+
+def test_the_registry_plans_each_layers_attention_as_the_family_builds_it():
+    for preset in config_lib.preset_names():
+        for extra in ([], ["sliding_window_size=8"], ["attention_layer_types=[]"]):
+            try:
+                cfg = load(f"model_name={preset}", *extra)
+            except ConfigError:
+                continue  # a window where no layer slides
+            built = [t.attention for t in models.family(cfg).layer_types(cfg)]
+            assert built == features.layer_attention(cfg.to_dict()), preset
+
+
+@pytest.mark.parametrize("family", [n for n, f in registry.FAMILIES.items() if f.usual])
+def test_a_familys_defining_setting_left_at_the_shared_default_is_refused(family):
+    """Each defining setting at the shared default that turns it off (the others at the family's usual value)."""
+    usual = dict(registry.FAMILIES[family].usual)
+    model = [f"decoder_block={family}"] + (["head_dim=192"] if family == "deepseek" else [])  # MLA's q/k width
+    load(*model, *(f"{k}={v}" for k, v in usual.items()))
+    for key, value in usual.items():
+        off = {**usual, key: {"sliding_window_size": 0, "num_experts": 1}[key]}
+        with pytest.raises(ConfigError, match=f"set {key}={value} "):
+            load(*model, *(f"{k}={v}" for k, v in off.items()))
+
+
+def test_sliding_layers_without_a_window_are_refused_and_full_attention_is_a_choice():
+    with pytest.raises(ConfigError, match=r"decoder_block=gpt_oss has sliding-window layers .* sliding_window_size=0 "
+                                          r"would give them full attention; set sliding_window_size=128"):
+        load("model_name=gpt-oss-20b", "sliding_window_size=0")
+    with pytest.raises(ConfigError, match="attention_layer_types has sliding layers, but sliding_window_size=0"):
+        load("attention_layer_types=[sliding,full,sliding,full]")
+    full = ",".join(["full"] * 24)
+    assert load("model_name=gpt-oss-20b", "sliding_window_size=0", f"attention_layer_types=[{full}]").num_experts == 32
+
+
+GRPO = ["use_grpo=true", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]",
+        "eval_data_columns=[prompt,answer]"]
+
+
+@pytest.mark.parametrize("sampling, fragment", [
+    (["decode_sampling_strategy=greedy"], "greedy"),
+    (["decode_sampling_strategy=topk", "decode_sampling_top_k=1"], "decode_sampling_top_k=1"),
+    (["decode_sampling_strategy=nucleus", "decode_sampling_nucleus_p=0.0002"], r"decode_sampling_nucleus_p=0.0002 <= "
+                                                                               "1/vocab_size"),
+    (["decode_sampling_strategy=weighted", "decode_sampling_temperature=1e-6"], "decode_sampling_temperature=1e-06"),
+    (["decode_sampling_strategy=nucleus", "decode_sampling_temperature=0.001"], "decode_sampling_temperature=0.001"),
+    (["decode_sampling_strategy=weighted", "vocab_size=1"], "vocab_size=1"),
+])
+def test_grpo_refuses_a_sampler_that_can_draw_one_token(sampling, fragment):
+    with pytest.raises(ConfigError, match=f"use_grpo=true samples each prompt's completions with .*{fragment}.*would "
+                                          "all be the same"):
+        load(*GRPO, *sampling)
+    for fine in (["decode_sampling_strategy=weighted"], ["decode_sampling_strategy=topk", "decode_sampling_top_k=2"],
+                 ["decode_sampling_strategy=nucleus", "decode_sampling_nucleus_p=0.0003"]):  # > 1/4096
+        assert load(*GRPO, *fine).use_grpo
+
+
+def test_multi_token_prediction_needs_a_longer_sequence_than_its_modules():
+    with pytest.raises(ConfigError, match=r"mtp_num_layers=4 needs max_target_length >= 5, but max_target_length=4: "
+                                          r"multi-token prediction module k predicts token i \+ k \+ 1"):
+        load("model_name=deepseek3-tiny", "mtp_num_layers=4", "max_target_length=4")
+    assert load("model_name=deepseek3-tiny", "mtp_num_layers=3", "max_target_length=4").mtp_num_layers == 3
+
+
+@pytest.mark.parametrize("key, on", [("mtp_num_layers", ["model_name=deepseek3-tiny", "mtp_num_layers=3"]),
+                                     ("max_prefill_predict_length", [*GRPO, "decode_sampling_strategy=weighted",
+                                                                     "max_prefill_predict_length=16"])])
+def test_every_length_need_refuses_one_token_less(key, on):
+    row = next(r for r in limits.LENGTH_NEEDS if r[0] == key)
+    least = row[2](load(*on).to_dict())
+    with pytest.raises(ConfigError, match=f"{key}=.* needs max_target_length >= {least}, but max_target_length="
+                                          f"{least - 1}"):
+        load(*on, f"max_target_length={least - 1}")
+    assert load(*on, f"max_target_length={least}").max_target_length == least
+    assert {r[0] for r in limits.LENGTH_NEEDS} == {"mtp_num_layers", "max_prefill_predict_length"}
+
+
+def test_an_empty_output_directory_or_a_blank_path_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"base_output_directory is empty \(an unset shell variable, as in "
+                                          r"base_output_directory=\$OUT\?\): the run would be written into the current "
+                                          "directory"):
+        load("base_output_directory=")
+    mine = tmp_path / "mine.yml"
+    mine.write_text(f"base_config: {BASE_YML}\nbase_output_directory:\n")  # null: an unset value
+    with pytest.raises(ConfigError, match="base_output_directory is empty"):
+        load_config([str(mine)])
+    for key in limits.PATH_KEYS:
+        with pytest.raises(ConfigError, match=f"{key}=' ' is only white space"):
+            load(f"{key}= ")
+    for key in (k for k, empty in limits.PATH_KEYS.items() if empty and k != "run_name"):  # "" keeps its meaning
+        assert getattr(load(f"{key}="), key) == ""
+    assert load("run_name=").run_name_was_generated
+    assert load("base_output_directory=.").run_dir.startswith(".")
+
+
+def test_every_path_key_says_what_its_empty_value_means():
+    named_like_paths = {k for k, s in config_lib.table().items() if isinstance(s.default, str)
+                        and k.endswith(("_path", "_dir", "_directory", "_file", "_files"))}
+    assert named_like_paths <= set(limits.PATH_KEYS) <= set(config_lib.table())

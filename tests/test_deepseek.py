@@ -121,6 +121,7 @@ def test_the_train_step_moves_the_bias_by_the_sign_rule_and_a_resumed_run_contin
     assert np.any(at_2 != 0)
 
 
+@pytest.mark.slow
 def test_mla_decoding_from_the_latent_cache_equals_the_full_forward():
     config = tiny("max_target_length=16")
     rt = models.Runtime.from_config(config)

@@ -163,3 +163,136 @@ def test_a_gpt_oss_checkpoint_with_mxfp4_experts_imports_as_its_dequantised_weig
             quantised[name] = w
     assert sum(n.endswith("_blocks") for n in quantised) == 4  # 2 layers x (gate_up, down)
     assert "note: dequantised 4 mxfp4 tensors" in import_and_compare(tmp_path / "mxfp4_gpt_oss", keys, quantised, hf)
+
+
+# --------------------------------------------------------------------------------------------
+# Nothing quantised is imported as its raw values
+# --------------------------------------------------------------------------------------------
+
+FP8 = ml_dtypes.float8_e4m3fn
+
+
+def fp8_weight(shape=(4, 6)) -> np.ndarray:
+    return np.full(shape, 2.0, np.float32).astype(FP8)
+
+
+def scale(shape=(1, 1)) -> np.ndarray:
+    return np.full(shape, 0.01, np.float32)
+
+
+BROKEN = {  # id -> (files {file: tensors}, config.json's quantization_config, what the message must say)
+    "fp8-weight-without-scale": ({"model.safetensors": {"a.weight": fp8_weight(), "b.weight": scale((6,))}}, None,
+                                 r"model.safetensors: a.weight is stored as float8_e4m3fn but has no scale \(expected "
+                                 r"a.weight_scale_inv beside it\).*copy the checkpoint's files again"),
+    "e5m2-weight-without-scale": ({"model.safetensors": {"a.weight": fp8_weight().astype(ml_dtypes.float8_e5m2)}},
+                                  {"quant_method": "fp8"},
+                                  r"a.weight is stored as float8_e5m2 \(config.json: quantization_config.quant_method="
+                                  r"fp8\) but has no scale"),
+    "scale-without-weight": ({"model-00001-of-00002.safetensors": {"b.weight": scale((6,))},
+                              "model-00002-of-00002.safetensors": {"a.weight_scale_inv": scale()}}, None,
+                             r"model-00002-of-00002.safetensors: a.weight_scale_inv is a block scale of a.weight, "
+                             r"which no file of the checkpoint holds"),
+    "scale-does-not-tile": ({"model.safetensors": {"a.weight": fp8_weight((130, 6)), "a.weight_scale_inv": scale()}},
+                            None, r"model.safetensors: a.weight_scale_inv has shape \[1, 1\], but a.weight \[130, 6\] "
+                                  r"in 128x128 blocks needs \[2, 1\]; set config.json's quantization_config."
+                                  r"weight_block_size"),
+    "scale-of-a-dequantized-weight": ({"model.safetensors": {"a.weight": np.ones((4, 6), ml_dtypes.bfloat16),
+                                                             "a.weight_scale_inv": scale()}}, None,
+                                      r"a.weight is bfloat16, not float8, yet a.weight_scale_inv scales it"),
+    "mxfp4-blocks-without-scales": ({"model.safetensors": {"e.down_proj_blocks": np.zeros((2, 1, 16), np.uint8)}},
+                                    {"quant_method": "mxfp4"},
+                                    r"e.down_proj_blocks \(MXFP4\) has no scales: no file of the checkpoint holds "
+                                    r"e.down_proj_scales"),
+    "mxfp4-scales-without-blocks": ({"model.safetensors": {"e.down_proj_scales": np.zeros((2, 1), np.uint8)}}, None,
+                                    r"e.down_proj_scales \(uint8\) is the MXFP4 scale of e.down_proj_blocks, which no "
+                                    r"file"),
+    "mxfp4-scales-do-not-tile": ({"model.safetensors": {"e.down_proj_blocks": np.zeros((2, 1, 16), np.uint8),
+                                                        "e.down_proj_scales": np.zeros((2, 2), np.uint8)}}, None,
+                                 r"e.down_proj_blocks uint8\[2, 1, 16\] and e.down_proj_scales uint8\[2, 2\] are not "
+                                 r"MXFP4"),
+    "int8-where-quantization-is-declared": ({"model.safetensors": {"a.weight": np.ones((4, 6), np.int8)}},
+                                            {"quant_method": "bitsandbytes", "load_in_8bit": True},
+                                            r"a.weight is stored as int8 \(config.json: quantization_config."
+                                            r"quant_method=bitsandbytes\) but has no scale"),
+    "packed-int4-of-another-scheme": ({"model.safetensors": {"a.qweight": np.ones((4, 6), np.int32),
+                                                             "a.scales": np.ones((1, 6), np.float16)}},
+                                      {"quant_method": "gptq", "bits": 4},
+                                      r"a.qweight is stored as int32 \(config.json: quantization_config.quant_method="
+                                      r"gptq\) with a.scales: a quantisation scheme maxtrain does not dequantise"),
+    "a-layer-cast-without-its-scale": ({"model.safetensors": {
+        "m.layers.0.up.weight": fp8_weight(), "m.layers.0.up.weight_scale_inv": scale(),
+        "m.layers.1.up.weight": np.ones((4, 6), ml_dtypes.bfloat16)}}, None,
+        r"m.layers.1.up.weight is stored as bfloat16 without scales, but m.layers.0.up.weight of another layer is "
+        r"quantised"),
+    "declared-but-nothing-quantised": ({"model.safetensors": {"a.weight": np.ones((4, 6), ml_dtypes.bfloat16)}},
+                                       {"quant_method": "fp8", "weight_block_size": [128, 128]},
+                                       r"config.json declares quantization_config \(quant_method=fp8\), but no tensor "
+                                       r"of the checkpoint is quantised .* remove quantization_config"),
+    "fp8-with-per-channel-scales": ({"model.safetensors": {"a.weight": fp8_weight(), "a.weight_scale": scale((4, 1))}},
+                                    {"quant_method": "compressed-tensors"},
+                                    r"a.weight is stored as float8_e4m3fn .* with a.weight_scale: a quantisation "
+                                    r"scheme maxtrain does not dequantise"),
+}
+
+
+def write_checkpoint(directory, files: dict, quantization: dict | None = None) -> str:
+    directory.mkdir()
+    for name, tensors in files.items():
+        safetensors_files.write(str(directory / name), tensors)
+    if len(files) > 1:
+        (directory / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {t: name for name, tensors in files.items() for t in tensors}}))
+    llama = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+             "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 64, "rms_norm_eps": 1e-5}
+    (directory / "config.json").write_text(json.dumps({**llama, **({"quantization_config": quantization}
+                                                                    if quantization else {})}))
+    return str(directory)
+
+
+@pytest.mark.parametrize("case", BROKEN, ids=list(BROKEN))
+def test_a_quantised_tensor_is_never_read_without_its_scale(case, tmp_path):
+    """Each is refused when the checkpoint is opened, before any tensor is read, naming the tensor and its file."""
+    files, quantization, expected = BROKEN[case]
+    hf_dir = write_checkpoint(tmp_path / "hf", files, quantization)
+    origins = {}
+    stored = safetensors_files.read_model_dir(hf_dir, origins)
+    with pytest.raises(safetensors_files.FormatError, match=expected) as caught:
+        dequantize.Dequantized(stored, (128, 128), dequantize.declared_method({"quantization_config": quantization}),
+                               origins)
+    assert "\n" not in str(caught.value)
+    assert str(tmp_path / "hf") in str(caught.value) or case == "declared-but-nothing-quantised"
+
+
+def test_an_export_of_an_imported_quantised_model_declares_no_quantisation():
+    """Its weights are written dequantized: config.json must not say otherwise (transformers would read them as
+    quantised, and an import would refuse them)."""
+    original = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2,
+                "num_key_value_heads": 2, "num_hidden_layers": 1, "vocab_size": 64, "rms_norm_eps": 1e-5,
+                "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]}}
+    exported = convert.hf_config(convert.model_keys(original), original, "bfloat16")
+    assert "quantization_config" not in exported and exported["hidden_size"] == 32
+
+
+def test_the_import_refuses_a_quantised_tensor_without_its_scale_and_writes_nothing(tmp_path):
+    """Through the command: one line, exit status 2, no output directory; an int8 tensor of a checkpoint that
+    declares no quantisation is refused where it would be read as a float weight."""
+    import importlib.util  # pylint: disable=import-outside-toplevel
+
+    spec = importlib.util.spec_from_file_location("convert_hf_script", str(REPO / "scripts" / "convert_hf.py"))
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    from maxtrain import errors  # pylint: disable=import-outside-toplevel
+
+    embedding = {"model.embed_tokens.weight": fp8_weight((64, 32))}
+    hf_dir = write_checkpoint(tmp_path / "hf", {"model.safetensors": embedding})
+    with pytest.raises(SystemExit) as exit_:
+        errors.run_cli("convert_hf", script.main, ["import", hf_dir, str(tmp_path / "out")])
+    assert exit_.value.code == 2 and not (tmp_path / "out").exists()
+
+    keys = convert.model_keys(convert.read_hf_config(hf_dir))
+    tensors = convert.to_hf(jax.tree.map(lambda s: np.zeros(s.shape, np.float32), models.param_specs(
+        convert.spec_config(keys)), is_leaf=models.is_spec), keys, np.float32)
+    tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].astype(np.int8)
+    with pytest.raises(convert.ConversionError, match=r"model.layers.0.mlp.up_proj.weight is stored as int8, not as "
+                                                      r"float weights"):
+        convert.to_maxtrain(tensors, keys)

@@ -72,6 +72,7 @@ def _batch(config, rows=2):
             "positions": np.where(seg == 1, np.arange(t), np.arange(t) - 20).astype(np.int32)}
 
 
+@pytest.mark.slow
 def test_model_loss_matches_the_formula_tiled_or_not_and_the_teacher_gets_no_gradient():
     student, teacher = _configs()
     params, teacher_params = models.init_params(student, jax.random.key(0)), models.init_params(teacher, jax.random.key(1))
@@ -114,6 +115,7 @@ def teacher_run(tmp_path_factory):
     return str(out / "teacher")
 
 
+@pytest.mark.slow
 def test_teacher_from_a_checkpoint_is_sharded_like_the_student_and_frozen(teacher_run):
     config = builder.load_config([BASE_YML, *with_overrides(TINY, "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
                                   "use_distillation=true", f"distill_teacher_path={teacher_run}"], log=lambda *_: None)

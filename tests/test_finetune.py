@@ -47,6 +47,7 @@ def imported(tmp_path_factory):
     return tmp / "out", keys
 
 
+@pytest.mark.slow
 def test_load_parameters_path_alone_adopts_the_model_and_trains(imported, tmp_path, capsys):
     out, keys = imported
     result = train.main([str(REPO / "configs" / "base.yml"), *RUN, f"load_parameters_path={out}",

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import BASE_YML, TINY
+from conftest import BASE_YML, TINY, slow_params
 from maxtrain import models
 from maxtrain.checkpointing import convert
 from maxtrain.config import ConfigError, load_config, with_overrides
@@ -37,6 +37,7 @@ def _reference_with_sink_column(q, k, v, mask, sinks, scale):
     return jnp.einsum("bnts,bsnh->btnh", probs, v)
 
 
+@pytest.mark.slow
 def test_sinks_are_one_more_softmax_column():
     """dot_product_attention in both layouts and the CPU's causal chunks, values and gradients (the sinks'
     included), against transformers' formulation."""
@@ -77,7 +78,7 @@ def test_sinks_are_one_more_softmax_column():
                                    atol=1e-6)
 
 
-@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+@pytest.mark.parametrize("platform", slow_params(["gpu", "tpu"], {"gpu"}))
 def test_the_flash_kernels_add_the_sinks_exactly(platform):
     """The Triton kernel (sinks applied to its output and log-sum-exp) and the splash kernel (which has
     them), interpreted on CPU: output and gradients of q, k, v and the sinks, against dot_product."""
@@ -141,6 +142,7 @@ def tiny(*overrides):
     return load_config(with_overrides(with_overrides([BASE_YML, *TINY], *GPT_OSS), *overrides))
 
 
+@pytest.mark.slow
 def test_expert_biases_cut_with_the_hidden_chunks_compute_the_same_model():
     """num_moe_hidden_tiling=4: the gate and up biases are cut with the experts' hidden axis, the down
     bias added once."""

@@ -2,8 +2,10 @@
 forward pass, rollouts into update batches, a run under FSDP x TP resumed bitwise, and bad inputs."""
 
 import json
+import re
 import shutil
 import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -11,12 +13,12 @@ import numpy as np
 import pytest
 
 from ckpt_helpers import assert_bitwise_equal
-from conftest import BASE_YML, TINY
+from conftest import BASE_YML, TINY, slow_params
 from maxtrain import config as config_lib
 from maxtrain import models, train
 from maxtrain.data import DataError
 from maxtrain.models import sampling
-from maxtrain.training import grpo, objectives, rewards, train_step
+from maxtrain.training import grpo, loop, objectives, rewards, train_step
 from post_helpers import compose, grpo_args, make_dataset, write_jsonl
 
 
@@ -67,7 +69,7 @@ def _tiny(tmp_path, *extra):
                                                                    "vocab_size=64", *extra)), 1)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.5])
+@pytest.mark.parametrize("temperature", slow_params([1.0, 0.5], {"1.0"}))
 def test_sampled_log_probs_equal_the_training_forward_pass(tmp_path, temperature):
     """Left-padded prompts of different lengths: the sampler's log p(token) = the training pass's, to 1e-5,
     both softmax(logits / T) at the sampling temperature T (else the update would be off-policy)."""
@@ -126,6 +128,7 @@ def test_lora_keeps_no_second_copy_of_the_weights(tmp_path):
     assert set(train_step.state_specs(without)) == {"params", "reference"}
 
 
+@pytest.mark.slow
 def test_grpo_under_fsdp_and_tp_resumes_bitwise(dataset, tmp_path, monkeypatch):
     """2 steps straight, and the second again from the first's checkpoint: the same rollouts, metrics and state.
     The reward (a user function: the completion's length in characters) differs within groups, so the model moves."""
@@ -173,13 +176,16 @@ def _run(dataset, tmp_path, *extra):
     (["max_prefill_predict_length=4"], DataError, "more than max_prefill_predict_length=4"),
     (["grpo_reward_functions=[no_such_module_xyz:score]"], rewards.RewardError, "cannot be imported"),
     (["grpo_reward_functions=[grpo_bad_rewards:missing]"], rewards.RewardError, "has no function 'missing'"),
-    (["grpo_reward_functions=[grpo_bad_rewards:scalar]"], rewards.RewardError, r"returned shape \(\) for 1 completions"),
+    (["grpo_reward_functions=[grpo_bad_rewards:scalar]"], rewards.RewardError,
+     r"'grpo_bad_rewards:scalar' returned one number \(1.0\) for \d+ completions \(made-up completions"),
+    (["grpo_reward_functions=[grpo_bad_rewards:trl]"], rewards.RewardError, r"looks written for TRL's GRPOTrainer"),
     (["grpo_reward_functions=[exact]"], config_lib.ConfigError, "neither a built-in reward"),
     (["num_generations=3"], config_lib.ConfigError,
      "not a multiple of num_generations=3"),
 ])
 def test_bad_inputs_stop_before_any_work(dataset, tmp_path, monkeypatch, extra, error, match):
-    (tmp_path / "grpo_bad_rewards.py").write_text("def scalar(prompts, completions, answers):\n    return 1.0\n")
+    (tmp_path / "grpo_bad_rewards.py").write_text("def scalar(prompts, completions, answers):\n    return 1.0\n\n\n"
+                                                  "def trl(completions, answer, **kwargs):\n    return [1.0]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(error, match=match):
         _run(dataset, tmp_path, *extra)
@@ -190,6 +196,171 @@ def test_a_missing_answer_names_the_record(dataset, tmp_path):
     bad = write_jsonl(str(tmp_path / "bad.jsonl"), [{"prompt": "1+1="}])
     with pytest.raises(DataError, match=r"bad.jsonl line 1: a GRPO row needs 'prompt' and 'answer'"):
         _run(dataset, tmp_path, f"grain_train_files={bad}")
+
+
+USER_REWARDS = """
+def trl(completions, answer, **kwargs):
+    return [float(c == a) for c, a in zip(completions, answer)]
+
+
+def trl_kwargs(prompts, completions, **kwargs):
+    return [float(c == a) for c, a in zip(completions, kwargs["answer"])]
+
+
+def positional(p, c, a):
+    return [0.0] * len(c)
+
+
+def scalar(prompts, completions, answers):
+    return 1.0
+
+
+def first_only(prompts, completions, answers):
+    return [float(completions[0] == answers[0])]
+
+
+def one_short(prompts, completions, answers):
+    return [1.0] * (len(completions) - 1)
+
+
+def nothing(prompts, completions, answers):
+    pass
+
+
+def not_a_number(prompts, completions, answers):
+    return [float("nan")] * len(completions)
+
+
+def text(prompts, completions, answers):
+    return ["1"] * len(completions)
+
+
+def per_character(prompts, completions, answers):
+    return [1.0 / len(c) for c in completions]
+
+
+def length(prompts, completions, answers, **kwargs):
+    return [len(c) for c in completions]
+"""
+
+
+@pytest.fixture
+def user_rewards(tmp_path, monkeypatch):
+    """A module of reward functions, grpo_user_rewards, importable for the test."""
+    (tmp_path / "grpo_user_rewards.py").write_text(USER_REWARDS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield str(tmp_path / "grpo_user_rewards.py")
+    sys.modules.pop("grpo_user_rewards", None)
+
+
+@pytest.mark.parametrize("function, match", [
+    ("trl", r"'grpo_user_rewards:trl' is trl\(completions, answer, \*\*kwargs\), which maxtrain cannot call as "
+            r"fn\(prompts=\[...\], completions=\[...\], answers=\[...\]\) .* It looks written for TRL's GRPOTrainer.* "
+            r"define it as def score\(prompts, completions, answers, \*\*kwargs\)"),
+    ("positional", r"'grpo_user_rewards:positional' is positional\(p, c, a\), which maxtrain cannot call .* Define it "
+                   r"as def score\(prompts, completions, answers, \*\*kwargs\)"),
+])
+def test_a_reward_that_maxtrain_cannot_call_is_refused_when_imported(user_rewards, function, match):
+    with pytest.raises(rewards.RewardError, match=match):
+        rewards.load([f"grpo_user_rewards:{function}"])
+    names = ["exact_match", "grpo_user_rewards:length"]
+    assert list(rewards.load(names)) == names
+
+
+@pytest.mark.parametrize("function, match", [
+    ("scalar", r"returned one number \(1.0\) for 8 completions \(made-up completions .*\); it must return 8 numbers"),
+    ("first_only", r"returned 1 number for 8 completions"),
+    ("one_short", r"returned 7 numbers for 8 completions"),
+    ("nothing", r"returned None for 8 completions"),
+    ("not_a_number", r"returned a non-finite reward \(nan\) for completion 0 of 8"),
+    ("text", r"returned \['1', '1', .*\] \(a list of str\) for 8 completions"),
+    ("trl_kwargs", r"raised KeyError: 'answer' at .*grpo_user_rewards.py:7 in trl_kwargs on completion 0 of 8 .* It "
+                   r"looks written for TRL's GRPOTrainer"),
+    ("per_character", r"raised ZeroDivisionError: float division by zero at .*grpo_user_rewards.py:\d+ in "
+                      r"(<listcomp>|per_character) on completion 3 of 8 \(''\)"),
+])
+def test_the_check_before_compiling_calls_each_reward_on_several_made_up_completions(user_rewards, function, match):
+    """Two prompts, four distinct made-up completions each: every way of not returning one number per completion
+    is refused with the reward's name and what it returned."""
+    functions = rewards.load([f"grpo_user_rewards:{function}"])
+    with pytest.raises(rewards.RewardError, match=rf"grpo_reward_functions: 'grpo_user_rewards:{function}' {match}") \
+            as caught:
+        rewards.check(functions, ["1+1=", "2+2="], ["2", "4"])
+    assert "\n" not in str(caught.value)
+    rewards.check(rewards.load(["exact_match", "format", "grpo_user_rewards:length"]), ["1+1="], [""])
+
+
+def test_a_reward_that_raises_in_training_names_itself_the_completion_and_the_line(user_rewards):
+    """One line with the reward, the user's exception and the line of their file; the exception stays chained."""
+    functions = rewards.load(["exact_match", "grpo_user_rewards:per_character"])
+    with pytest.raises(rewards.RewardError) as caught:
+        rewards.score(functions, ["p"] * 4, ["abc", "a", "", "b"], ["a"] * 4, context=" at step 7")
+    line = str(caught.value)
+    assert re.fullmatch(r"grpo_reward_functions: 'grpo_user_rewards:per_character' raised ZeroDivisionError: float "
+                        rf"division by zero at {re.escape(user_rewards)}:\d+ in (<listcomp>|per_character) on "
+                        r"completion 2 of 4 \(''\) at step 7\. Fix the function .*", line), line
+    assert isinstance(caught.value.__cause__, ZeroDivisionError)
+
+
+def test_a_failed_step_or_hook_finishes_the_checkpoint_saves_under_way():
+    """A step that raises (a reward during a GRPO rollout) or a hook that does (the held-out rewards) stops the
+    loop with its own error once the saves under way are finished: the steps saved so far stay usable. A save
+    that failed itself is not waited for again."""
+    events = []
+
+    class Checkpointer:
+        def save(self, *args):
+            events.append("save")
+
+        def poll(self):
+            raise RuntimeError("the save failed")
+
+        def close(self):
+            events.append("saves finished")
+
+    class Reporter:
+        pending = None
+
+        def restart_clock(self):
+            pass
+
+        def dispatched(self, step, metrics):
+            pass
+
+        def flush(self):
+            pass
+
+    class Preemption:
+        def reached(self, step):
+            return False
+
+    class HeldOut(loop.Hook):
+        def due(self, at):
+            return True
+
+        def run(self, at, state):
+            raise rewards.RewardError("the held-out reward raised")
+
+    def failing_step(state, batch):
+        raise rewards.RewardError("the reward raised")
+
+    def step(state, batch):
+        return state, {}
+
+    config = types.SimpleNamespace(checkpoint_period=1)
+    for step_fn, hooks, error in [(failing_step, [], "the reward raised"),
+                                  (step, [HeldOut()], "the held-out reward raised")]:
+        events.clear()
+        checkpoint = loop.Checkpoint(config, Checkpointer(), None, {})
+        with pytest.raises(rewards.RewardError, match=error):
+            loop.train(step_fn, {}, iter([{}] * 3), 0, 3, [checkpoint, *hooks], Reporter(), Preemption(), events.append)
+        assert events == (["saves finished"] if step_fn is failing_step else ["save", "saves finished"])
+    events.clear()
+    with pytest.raises(RuntimeError, match="the save failed"):
+        loop.train(step, {}, iter([{}] * 3), 0, 3, [loop.Checkpoint(types.SimpleNamespace(checkpoint_period=2),
+                                                                    Checkpointer(), None, {})],
+                   Reporter(), Preemption(), events.append)
+    assert events == []
 
 
 def test_builtin_rewards():

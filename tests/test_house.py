@@ -11,6 +11,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import os
 import shutil
 import subprocess
@@ -299,15 +300,29 @@ SCRIPTS = sorted(os.path.relpath(p, REPO) for p in python_files("scripts", "end_
                  if os.path.basename(p) not in ("common.py", "__init__.py"))
 
 
-@pytest.mark.parametrize("argv", [["-m", f"maxtrain.{c}"] for c in COMMANDS] + [[s] for s in SCRIPTS],
-                         ids=lambda argv: argv[-1])
-def test_every_command_answers_help(argv, tmp_path):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    done = subprocess.run([sys.executable, *argv, "--help"], cwd=tmp_path if argv[0] == "-m" else REPO, env=env,
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    text = done.stdout
-    assert "usage" in text.lower() or "python" in text, text[:500]
-    assert "error" not in text.lower().split("\n")[0]
-    if argv[0] == "-m" and argv[1] not in ("maxtrain.check_logits", "maxtrain.checkpoint"):
-        assert "base.yml" in text and "Settings it reads most" in text, text[-1500:]
+def test_every_command_answers_help(tmp_path):
+    """`python CMD --help` for every command: exit 0 and a usage text, and the maxtrain commands name base.yml and
+    the settings they read (run from another directory, so the packaged configs are found). All in one child
+    process (tests/help_child.py: one start-up of Python and JAX instead of one per command)."""
+    commands = [["-m", f"maxtrain.{c}"] for c in COMMANDS] + [[s] for s in SCRIPTS]
+    # MAXTRAIN_HUGEPAGES=0: an entry point that re-executes itself for huge pages would re-run the child
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MAXTRAIN_HOST_HUGEPAGES": "0"}
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tests", "help_child.py"), str(tmp_path)],
+                          input=json.dumps(commands), env=env, cwd=tmp_path, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    answers = json.loads(done.stdout.splitlines()[-1])
+    assert [a["argv"] for a in answers] == commands
+    failures = []
+    for a in answers:
+        name, text = a["argv"][-1], a["stdout"]
+        if a["returncode"] != 0:
+            failures.append(f"{name}: exit {a['returncode']}: {a['stderr'][-1500:]}")
+        elif not ("usage" in text.lower() or "python" in text):
+            failures.append(f"{name}: no usage text: {text[:500]!r}")
+        elif "error" in text.lower().split("\n")[0]:
+            failures.append(f"{name}: its first line is an error: {text[:300]!r}")
+        elif a["argv"][0] == "-m" and name not in ("maxtrain.check_logits", "maxtrain.checkpoint") and \
+                not ("base.yml" in text and "Settings it reads most" in text):
+            failures.append(f"{name}: the help does not name base.yml and the settings it reads: {text[-800:]!r}")
+    assert not failures, "\n".join(failures)

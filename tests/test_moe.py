@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import BASE_YML, REPO, TINY
+from conftest import BASE_YML, REPO, TINY, slow_params
 from maxtrain.training import builder, optimizer, train_step
 from maxtrain import models
 from maxtrain.models import sampling
@@ -94,7 +94,7 @@ def test_capacity_slots_rank_first_choices_then_earlier_tokens():
     assert np.asarray(slot).tolist() == [[[0, 3], [6, 6], [2, 6], [1, 6]]]
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("family", slow_params(["mixtral", "qwen3_moe"], {"qwen3_moe"}))
 def test_dropless_and_capacity_agree_when_nothing_is_dropped(family):
     """Capacity factor E / K gives every expert room for a whole sequence: both strategies compute the same
     logits, aux and gradients (padding included: it is routed nowhere in both)."""
@@ -393,6 +393,7 @@ def test_the_cli_prints_one_line_and_exits_2():
         "num_experts_per_tok distinct experts; use num_experts_per_tok <= 8"]
 
 
+@pytest.mark.slow
 def test_an_moe_preset_refuses_a_dense_checkpoint_and_an_moe_checkpoint_a_dense_model(tiny_args, tmp_path):
     """Before any work: mixtral-8x7b's 46.7B parameters are never allocated (this machine could not hold
     them); the message says which model is which and what to do."""

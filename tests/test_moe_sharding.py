@@ -162,6 +162,7 @@ def test_a_16_bit_product_with_a_replicated_weight_has_its_gradient_summed_insid
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=2e-2, atol=0.1)
 
 
+@pytest.mark.slow
 def test_a_bfloat16_mixtral_trains_on_an_expert_and_fsdp_mesh_like_one_device():
     """The same 3 steps in bfloat16 on EP 4 x FSDP 2 and on one device: losses within bfloat16's
     rounding (2e-2 relative; a missing reduction of the router's gradient moves them further)."""

@@ -46,8 +46,7 @@ def matrices(name: str, x: np.ndarray) -> list[np.ndarray]:
 
 def first_update(*overrides):
     config = load_config(with_overrides([BASE_YML, *TINY], "lr_schedule_type=constant", "warmup_steps_fraction=0",
-                                        f"learning_rate={LR}", f"muon_weight_decay={WD}",
-                                        "gradient_clipping_threshold=0", *overrides))
+                                        f"learning_rate={LR}", "gradient_clipping_threshold=0", *overrides))
     params = jax.jit(models.init_params, static_argnums=0)(config, jax.random.key(0))
     leaves, treedef = jax.tree.flatten(params)
     grads = treedef.unflatten([jax.random.normal(jax.random.key(i + 1), x.shape, x.dtype) for i, x in enumerate(leaves)])
@@ -58,7 +57,8 @@ def first_update(*overrides):
 
 @pytest.mark.parametrize("family, rms", [([], 0.2), (MOE, -1)], ids=["dense", "moe-keller-scale"])
 def test_update_is_newton_schulz_of_each_layer_and_expert(family, rms):
-    params, grads, updates = first_update("opt_type=muon", f"muon_consistent_rms={rms}", *family)
+    params, grads, updates = first_update("opt_type=muon", f"muon_weight_decay={WD}", f"muon_consistent_rms={rms}",
+                                          *family)
     layer = "moe" if family else "decoder"
     for name in MUON_MATRICES:
         for w, g, u in zip(*(matrices(name, t["layers"][layer][name]) for t in (params, grads, updates))):

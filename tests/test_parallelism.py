@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import BASE_YML, TINY
+from conftest import BASE_YML, TINY, slow_params
 from maxtrain.training import builder
 from maxtrain.parallel import context as context_parallel
 from maxtrain.parallel import sharding
@@ -92,7 +92,7 @@ def test_layout_gives_the_loss_and_gradients_of_one_device(name):
     assert_same_loss_and_grads(n_devices, overrides)
 
 
-@pytest.mark.parametrize("name", ["cp2xfsdp2xtp2", "pp2xfsdp4"])
+@pytest.mark.parametrize("name", slow_params(["cp2xfsdp2xtp2", "pp2xfsdp4"], {"pp2xfsdp4"}))
 def test_training_steps_match_one_device(name):
     n_devices, overrides = LAYOUTS[name]
     ref_losses, ref_params = train_losses(1, "ici_fsdp_parallelism=1")
@@ -102,6 +102,7 @@ def test_training_steps_match_one_device(name):
         np.testing.assert_allclose(got, ref, rtol=GRAD_RTOL, atol=GRAD_ATOL)
 
 
+@pytest.mark.slow
 def test_multi_slice_hybrid_mesh_trains_like_the_flat_mesh():
     """dcn_data_parallelism=2 x ici_fsdp_parallelism=4 over 2 simulated slices of 4 devices."""
     hybrid = ("num_slices=2", "dcn_data_parallelism=2", "ici_fsdp_parallelism=4")

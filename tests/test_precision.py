@@ -49,7 +49,7 @@ def random_batch(cfg, rows: int) -> dict:
 
 
 def test_update_loss_scale_rules():
-    cfg = load_config([BASE_YML, "loss_scale_period=3", "loss_scale_min=4.0"])
+    cfg = load_config([BASE_YML, "dtype=float16", "loss_scale_period=3", "loss_scale_min=4.0"])
     s = {"scale": jnp.float32(16.0), "good_steps": jnp.int32(0), "skipped_steps": jnp.int32(0)}
     s = precision.update_loss_scale(s, jnp.bool_(False), cfg)
     assert (float(s["scale"]), int(s["good_steps"]), int(s["skipped_steps"])) == (8.0, 0, 1)
@@ -113,6 +113,7 @@ def read_metrics(path):
     return [json.loads(line) for line in path.read_text().splitlines() if "learning/loss" in line]
 
 
+@pytest.mark.slow
 def test_loss_scale_is_logged_checkpointed_and_resumed(tiny_args, tmp_path, capsys):
     metrics_file = tmp_path / "m.jsonl"
     args = with_overrides(tiny_args, "dataset_type=synthetic", "dtype=float16", f"loss_scale_initial={2.0**100}",

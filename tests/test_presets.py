@@ -17,7 +17,7 @@ from maxtrain.models import attention
 from maxtrain.training import builder
 from maxtrain import config as config_lib, models
 from maxtrain.observability import metrics
-from maxtrain.config import load_config, with_overrides
+from maxtrain.config import features, load_config, with_overrides
 from maxtrain.models import blocks
 
 # Published parameter counts (exact totals of the released checkpoints; Gemma 3 4B: its text decoder,
@@ -99,7 +99,8 @@ def test_transformers_counts_the_same_architecture_the_same(name):
 FLOPS_MODEL = ["base_emb_dim=128", "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=32", "base_mlp_dim=384",
                "base_num_decoder_layers=4", "vocab_size=512", "max_target_length=64", "per_device_batch_size=4",
                "scan_layers=false", "remat_policy=none", "dtype=float32", "attention=dot_product",
-               "ici_fsdp_parallelism=1", "sliding_window_size=16"]
+               "ici_fsdp_parallelism=1"]
+WINDOW = ["sliding_window_size=16"]  # the families whose layers slide (a window is refused where none does)
 # Mixtures of experts with experts to route among; capacity dispatch at factor 1 computes exactly the active
 # experts' FLOPs (XLA:CPU computes dropless's grouped matmul densely, over every expert; docs/moe.md). AdamW
 # and the gradient sums run over every expert, twice the active parameters here: 4x the tokens keeps that
@@ -119,7 +120,9 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
 def test_flops_formula_matches_xla_count(family):
     """Within 5%: XLA also counts the elementwise work the formula leaves out (norms, softmax,
     activations, soft-caps, AdamW)."""
-    cfg = load_config(with_overrides([BASE_YML, *FLOPS_MODEL], f"decoder_block={family}", *FAMILY_FLOPS.get(family, [])))
+    window = WINDOW if family in features.SLIDING_FAMILIES else []
+    cfg = load_config(with_overrides([BASE_YML, *FLOPS_MODEL, *window], f"decoder_block={family}",
+                                     *FAMILY_FLOPS.get(family, [])))
     run = builder.build(cfg, devices=jax.devices()[:1])
     cost = run.compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost

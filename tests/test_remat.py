@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import BASE_YML, TINY
+from conftest import BASE_YML, TINY, slow_params
 from maxtrain import models
 from maxtrain.config import load_config, with_overrides
 from maxtrain.models import runtime as runtime_lib
@@ -39,7 +39,7 @@ def reference():
 CASES = [(p, True) for p in models.REMAT_POLICIES if p != "none"] + [("none", False), ("full", False)]
 
 
-@pytest.mark.parametrize("policy, scan", CASES)
+@pytest.mark.parametrize("policy, scan", slow_params(CASES, {"save_qkv_proj-True"}, ids=[f"{p}-{s}" for p, s in CASES]))
 def test_every_policy_gives_the_same_loss_and_grads(policy, scan, reference):
     params, (ref_loss, ref_grads) = reference
     fn, _, data, _ = loss_and_grad(f"remat_policy={policy}", f"scan_layers={str(scan).lower()}")
@@ -56,6 +56,7 @@ def temp_bytes(policy):
     return fn.lower(params, data).compile().memory_analysis().temp_size_in_bytes
 
 
+@pytest.mark.slow
 def test_full_remat_needs_less_temporary_memory_than_none():
     """4 layers x [4 x 256] tokens: 'none' keeps every layer's activations (attention probabilities
     [B, N, T, T] among them) for the backward pass; 'full' keeps each layer's input and recomputes."""

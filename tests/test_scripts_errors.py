@@ -39,6 +39,7 @@ TOOLS = {  # tool -> (its file, the program name in its error lines)
     "lm_eval_reference": ("scripts/lm_eval_reference.py", "lm_eval_reference"),
     "matmul_rates": ("scripts/matmul_rates.py", "matmul_rates"),
     "scale_table": ("scripts/scale_table.py", "scale_table"),
+    "gpu_report": ("scripts/gpu_report.py", "gpu_report"),
     "check": ("end_to_end/check.py", "check"),
     "default_loss": ("end_to_end/cpu/default_loss.py", "default_loss"),
     "save_restore": ("end_to_end/cpu/save_restore.py", "save_restore"),
@@ -102,6 +103,18 @@ ROWS = [
         r"--output .*/afile/tok cannot be created: .*/afile is a file, not a directory",
         lambda s: (a_file(s), _write(os.path.join(s, "t.jsonl"), '{"text": "hello world"}\n'))),
     Row("convert-export-missing", "convert_hf", ["export", "{scratch}/none", "{scratch}/out"], r"'.*/none' does not exist"),
+    Row("convert-import-out-under-a-file", "convert_hf", ["import", "{scratch}/hf", "{scratch}/afile/out"],
+        r"OUT .*/afile/out cannot be created: .*/afile is a file, not a directory", a_file),
+    Row("convert-export-out-is-a-file", "convert_hf", ["export", "{scratch}/none", "{scratch}/afile"],
+        r"HF_OUT .*/afile is a file, not a directory; choose a directory", a_file),
+    Row("convert-export-peft-under-a-file", "convert_hf", ["export", "{scratch}/none", "{scratch}/out", "--peft",
+                                                           "{scratch}/afile/adapter"],
+        r"--peft .*/afile/adapter cannot be created: .*/afile is a file", a_file),
+    Row("check-logits-golden-under-a-file", "check_logits", ["{scratch}/none", "--hf", "{scratch}/hf", "--golden",
+                                                             "{scratch}/afile/golden.npz"],
+        r"--golden .*/afile/golden.npz cannot be created: .*/afile is a file", a_file),
+    Row("gpu-report-out-under-a-file", "gpu_report", ["--out", "{scratch}/afile/report", "--dry-run"],
+        r"--out .*/afile/report cannot be created: .*/afile is a file", a_file),
     Row("check-logits-golden-missing", "check_logits", ["{scratch}/none", "--golden", "{scratch}/none.npz"],
         r"--golden .*/none.npz does not exist"),
     Row("check-logits-golden-not-npz", "check_logits", ["{scratch}/none", "--golden", "{scratch}/bad.jsonl"],
@@ -171,6 +184,7 @@ def _load(tool: str, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))  # scripts put their directories first
     spec = importlib.util.spec_from_file_location(f"tool_{tool}", path)
     module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
@@ -297,6 +311,7 @@ def _run(args: list[str], tmp_path, **env) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": REPO, **env})
 
 
+@pytest.mark.slow
 def test_as_real_commands(tmp_path):
     (tmp_path / "afile").write_text("x")
     done = _run(["scripts/prepare_eval_data.py", "--output-dir", str(tmp_path / "afile")], tmp_path)

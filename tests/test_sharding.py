@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from conftest import BASE_YML, TINY
+from conftest import BASE_YML, TINY, slow_params
 from maxtrain.training import builder
 from maxtrain import models
 from maxtrain.parallel import sharding
@@ -58,12 +58,12 @@ def single_device():
 # Different meshes reduce in different orders; float32 results agree to ~1e-6 relative.
 # 1e-5 on the loss and 1e-4 on the params after 3 AdamW steps leaves margin while catching any real error
 # (a wrong sharding or a missing reduction changes the loss at the 1e-2 level).
-@pytest.mark.parametrize("overrides", [
+@pytest.mark.parametrize("overrides", slow_params([
     ["ici_data_parallelism=8", "ici_fsdp_parallelism=1"],
     ["ici_fsdp_parallelism=8"],
     ["ici_tensor_parallelism=2", "ici_fsdp_parallelism=1", "ici_data_parallelism=4"],
     ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"],
-], ids=["dp8", "fsdp8", "dp4xtp2", "fsdp4xtp2"])
+], {"dp8"}, ids=["dp8", "fsdp8", "dp4xtp2", "fsdp4xtp2"]))
 def test_parallelism_matches_single_device(single_device, overrides):
     ref_losses, ref_state = single_device
     losses, state = run(tuple(jax.devices()), *overrides)
@@ -111,6 +111,7 @@ def test_a_mesh_that_does_not_fit_the_devices_or_model():
         sharding.check_divisible("wq", spec.shape, spec.axes, mesh, cfg.logical_axis_rules)
 
 
+@pytest.mark.slow
 def test_gradient_accumulation_matches_one_big_batch(single_device):
     """4 micro-batches of 2 give the same update as one batch of 8 (losses are token-weighted sums)."""
     ref_losses, ref_state = single_device

@@ -438,6 +438,7 @@ def test_train_tokenizer_script_refuses_a_file_name_for_a_directory(tmp_path):
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_training_on_the_default_corpus_with_a_hugging_face_tokenizer(tiny_args, hf_path, capsys):
     """320 pieces under a 512-id model: training, eval and the closing sample (whose ids may be past the tokenizer)
     work; a tokenizer larger than vocab_size is refused before the first step."""

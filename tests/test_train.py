@@ -35,6 +35,7 @@ def test_trains_evaluates_checkpoints_and_resumes(tiny_args, tmp_path, capsys):
     assert int(second.state["step"]) == 25
 
 
+@pytest.mark.slow
 def test_non_finite_loss_stops_with_advice(tiny_args):
     with pytest.raises(train.TrainingError, match=r"the loss became (nan|inf) at step \d+.*learning_rate"):
         train.main(with_overrides(tiny_args, "dataset_type=synthetic", "steps=10", "learning_rate=1e30",

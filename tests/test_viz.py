@@ -132,6 +132,7 @@ def run(tmp_path_factory):
     return {"argv": argv, "result": result, "config": result.config}
 
 
+@pytest.mark.slow
 def test_token_logprobs_match_the_loss(run):
     config, params = run["config"], run["result"].state["params"]
     rt = models.Runtime.from_config(config)

@@ -7,7 +7,7 @@ import jax.extend
 import numpy as np
 import pytest
 
-from conftest import BASE_YML, TINY
+from conftest import BASE_YML, TINY, slow_params
 from maxtrain.training import builder
 from maxtrain import models
 from maxtrain.config import ConfigError, load_config, with_overrides
@@ -30,10 +30,13 @@ def loss_and_grads(*overrides):
 
 # float32 with full-precision matmuls: tiling changes only the order of some sums. Tolerance: the loss to
 # 1e-6 relative; each gradient to 1e-5 relative or 1e-6 of its largest entry (rounding noise of the sums).
-@pytest.mark.parametrize("model", [[], ["logits_via_embedding=true"],
-                                   ["decoder_block=gemma2", "final_logits_soft_cap=3.0", "sliding_window_size=8"]],
-                         ids=["untied", "tied", "gemma2-softcap"])
-@pytest.mark.parametrize("tiles", [4, 32])
+_MODELS = {"untied": [], "tied": ["logits_via_embedding=true"],
+           "gemma2-softcap": ["decoder_block=gemma2", "final_logits_soft_cap=3.0", "sliding_window_size=8"]}
+
+
+@pytest.mark.parametrize("model, tiles", slow_params(
+    [(m, t) for t in (4, 32) for m in _MODELS.values()], {"4-untied", "4-gemma2-softcap"},
+    ids=[f"{t}-{name}" for t in (4, 32) for name in _MODELS]))
 def test_tiled_loss_and_gradients_equal_the_untiled_ones(model, tiles):
     loss, grads = loss_and_grads(*model, "num_vocab_tiling=1")
     tiled_loss, tiled_grads = loss_and_grads(*model, f"num_vocab_tiling={tiles}")
@@ -92,6 +95,7 @@ def test_autoselected_tiling_follows_the_devices_share_of_the_logits():
 
 
 
+@pytest.mark.slow
 def test_the_head_gathered_once_gives_the_same_loss_and_gradients_on_a_sharded_mesh():
     """FSDP over the 8 CPU devices, the GPU path of the tiled loss (the head cast and gathered once,
     ahead of the chunk loop, its gradient accumulated sharded like the parameters) against the untiled

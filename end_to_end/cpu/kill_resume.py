@@ -147,9 +147,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     if min(args.kills, args.steps, args.checkpoint_period) < 1:
         parser.error("--kills, --steps and --checkpoint_period must be >= 1")
-    problem = args.out and storage.place_problem(args.out, is_file=False)
-    if problem:
-        raise errors.PathError(f"--out {args.out} {problem}")
+    if args.out:
+        storage.check_output(args.out, False, f"--out {args.out}")
     with errors.user_paths("--out"):
         return kill_and_resume(args)
 

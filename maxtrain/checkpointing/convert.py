@@ -26,7 +26,7 @@ import numpy as np
 import yaml
 
 from maxtrain import config as config_lib
-from maxtrain import models
+from maxtrain import models, storage
 from maxtrain.checkpointing import checksums, dequantize, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.checkpointing import manager as checkpoint
@@ -150,7 +150,7 @@ def _one_shape(spec, layers, experts) -> tuple:
 
 def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) -> dict:
     """maxtrain params (nested dict of numpy arrays) from Hugging Face tensors (a mapping with `file_of(name)`,
-    as safetensors_files.read_model_dir returns, names each tensor's file in messages)."""
+    as dequantize.Dequantized, names each tensor's file in messages)."""
     used, params = set(), {}
     file_of = getattr(tensors, "file_of", lambda _: None)
 
@@ -169,6 +169,10 @@ def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) ->
                 w = np.asarray(tensors[hf_name])  # a quantised pair is dequantised here
             except safetensors_files.FormatError as e:
                 raise ConversionError(f"{where(hf_name)}{e}") from None
+            if w.dtype not in dequantize.FULL_PRECISION:  # Dequantized refuses these first, naming the file
+                raise ConversionError(f"{where(hf_name)}{hf_name} is stored as {w.dtype}, not as float weights (a "
+                                      "quantised tensor without its scales?); import a copy with bfloat16 or float32 "
+                                      "weights")
             expected = _hf_shape(shape, n_in)
             if tuple(w.shape) != expected:
                 raise ConversionError(f"{where(hf_name)}{hf_name} has shape {list(w.shape)}, but config.json implies "
@@ -286,6 +290,7 @@ def _without_prediction_layers(tensors: dict, hf: dict, keys: dict, notes: list)
 def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=print, keep_mtp: bool = False) -> dict:
     """Writes out/checkpoints/0 (params only), out/model.yml and out/hf/; returns the model keys. keep_mtp:
     the multi-token-prediction modules too (mtp_num_layers = the checkpoint's num_nextn_predict_layers)."""
+    storage.check_output(out_dir, False, f"OUT {out_dir}")  # refused before the weights are read
     hf = read_hf_config(hf_dir)
     where = os.path.join(hf_dir, "config.json")
     notes: list[str] = []
@@ -300,9 +305,11 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
     if checkpoint_files.complete_steps(ckpt_dir):
         raise ConversionError(f"{ckpt_dir} already holds a checkpoint; choose an empty output directory")
     try:
-        stored = safetensors_files.read_model_dir(hf_dir)
-        # fp8 / MXFP4 pairs as one tensor, dequantised when read
-        readable = dequantize.Dequantized(stored, dequantize.fp8_block(hf, where))
+        origins: dict[str, str] = {}
+        stored = safetensors_files.read_model_dir(hf_dir, origins)
+        # fp8 / MXFP4 pairs as one tensor, dequantised when read; a quantised tensor without its scale is refused
+        readable = dequantize.Dequantized(stored, dequantize.fp8_block(hf, where), dequantize.declared_method(hf),
+                                          origins)
         tensors = _without_prediction_layers(_text_tensors(readable, notes), hf, keys, notes)
         first = f"model.layers.{keys['base_num_decoder_layers']}."
         if keep_mtp and not any(n.startswith(first) for n in tensors):
@@ -359,6 +366,7 @@ def _copy_assets(hf_dir: str, assets: str) -> list[str]:
 def export_hf(checkpoint_path: str, out_dir: str, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
               tokenizer: str | None = None, log=print) -> str:
     """Writes a directory transformers loads; returns it."""
+    storage.check_output(out_dir, False, f"HF_OUT {out_dir}")  # refused before the params are read
     step_dir = checkpoint_files.find_step_dir(checkpoint_path)
     meta = checkpoint_files.read_metadata(step_dir)
     saved = meta.get("config", {})
@@ -434,6 +442,7 @@ def hf_config(keys: dict, original: dict | None, dtype: str) -> dict:
                 out.update(architectures=[family.FAMILY.hf_architecture], model_type=family.FAMILY.hf_model_types[0])
                 out.pop("vision_config", None)
             out.update(torch_dtype=dtype, dtype=dtype)
+            out.pop("quantization_config", None)  # the weights are written dequantized
             return out
     base = {k: v for k, v in (original or {}).items()
             if k in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "initializer_range")}

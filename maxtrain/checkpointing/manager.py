@@ -327,7 +327,7 @@ def initial_state(start: Start, checkpointer, abstract_state: dict, init, key, d
 
 def _log_config_changes(step_dir: str, config, log) -> None:
     saved = read_metadata(step_dir).get("config", {})
-    ignore = {"run_name_was_generated", "config_path", "given_keys"}
+    ignore = {"run_name_was_generated", "config_path", "given_keys", "preset_keys"}
     changed = [f"{k}: {saved[k]!r} -> {v!r}" for k, v in config.to_dict().items()
                if k in saved and k not in ignore and saved[k] != v]
     if changed:

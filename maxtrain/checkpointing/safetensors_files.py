@@ -18,7 +18,9 @@ from maxtrain.errors import UserError
 
 DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
           "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,  # fp8 checkpoints (dequantize.py)
-          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_}
+          "F8_E8M0": ml_dtypes.float8_e8m0fnu,  # microscaling exponents: read so that a lone one is named
+          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8,
+          "U64": np.uint64, "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_}
 _NAMES = {np.dtype(v): k for k, v in DTYPES.items()}
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
 
@@ -59,8 +61,8 @@ def _entry(path: str, name: str, info, data_bytes: int) -> tuple[np.dtype, tuple
         raise FormatError(f"{path}: the header entry of tensor {name} is {info!r}, not {{dtype, shape, data_offsets}}; "
                           f"{REDOWNLOAD}")
     if info["dtype"] not in DTYPES:
-        raise FormatError(f"{path}: tensor {name} has dtype {info['dtype']!r}, which maxtrain does not read (it reads "
-                          f"{', '.join(DTYPES)}); convert the checkpoint to one of them first")
+        raise FormatError(f"{path}: tensor {name} has dtype {info['dtype']!r}, which maxtrain does not read (a "
+                          "quantised format?); import a copy with bfloat16 or float32 weights")
     shape, offsets = info["shape"], info["data_offsets"]
     if not (isinstance(shape, list) and all(_count(s) for s in shape)):
         raise FormatError(f"{path}: tensor {name} has shape {shape!r}, not a list of sizes >= 0; {REDOWNLOAD}")
@@ -97,19 +99,9 @@ def write(path: str, tensors: dict[str, np.ndarray], metadata: dict[str, str] | 
     os.replace(tmp, path)
 
 
-class Tensors(dict):
-    """Tensor name -> array, and `file_of(name)`: the file it was read from (for messages)."""
-
-    def __init__(self):
-        super().__init__()
-        self.files: dict[str, str] = {}
-
-    def file_of(self, name: str) -> str | None:
-        return self.files.get(name)
-
-
-def read_model_dir(hf_dir: str) -> Tensors:
-    """The tensors of a Hugging Face model directory: model.safetensors or a sharded index."""
+def read_model_dir(hf_dir: str, origins: dict | None = None) -> dict[str, np.ndarray]:
+    """The tensors of a Hugging Face model directory: model.safetensors or a sharded index. `origins`, when
+    given, is filled with {tensor name: the path of its file}."""
     index = os.path.join(hf_dir, "model.safetensors.index.json")
     single = os.path.join(hf_dir, "model.safetensors")
     weight_map = None
@@ -130,16 +122,16 @@ def read_model_dir(hf_dir: str) -> Tensors:
             + (f"; it has {pickles}, which are pickle files and are never loaded (loading a pickle can run "
                "arbitrary code). Convert them to safetensors first in an environment you trust, e.g. "
                "transformers' save_pretrained(..., safe_serialization=True)." if pickles else "."))
-    tensors = Tensors()
+    tensors, origins = {}, ({} if origins is None else origins)
     for name in files:
         path = os.path.join(hf_dir, name)
         for tensor, array in read(path).items():
             if tensor in tensors:
-                raise FormatError(f"tensor {tensor} is in both {tensors.files[tensor]} and {path}; {REDOWNLOAD}")
-            tensors[tensor], tensors.files[tensor] = array, path
+                raise FormatError(f"tensor {tensor} is in both {origins[tensor]} and {path}; {REDOWNLOAD}")
+            tensors[tensor], origins[tensor] = array, path
     for tensor, name in (weight_map or {}).items():
-        if tensors.file_of(tensor) != os.path.join(hf_dir, name):
-            where = tensors.file_of(tensor)
+        if origins.get(tensor) != os.path.join(hf_dir, name):
+            where = origins.get(tensor)
             raise FormatError(f"{index} maps {tensor} to {name}, but " + (f"it is in {where}" if where else
                                                                           "no shard holds it")
                               + "; download the index and its shards again (from the same revision)")

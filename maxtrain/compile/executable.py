@@ -46,7 +46,7 @@ _PICKLE_PROTOCOL_OPCODE = 0x80
 # Keys that do not change the compiled step: where a run writes, what it reads, how often it logs.
 # A difference in any other key is reported as a likely cause when the fingerprints differ.
 _IRRELEVANT = ("run_name", "run_dir", "checkpoint_dir", "tensorboard_dir", "metadata_dir", "cache_dir",
-               "base_output_directory", "config_path", "given_keys", "run_name_was_generated",
+               "base_output_directory", "config_path", "given_keys", "preset_keys", "run_name_was_generated",
                "compiled_trainstep_file", "compile_topology", "compile_topology_num_slices")
 
 

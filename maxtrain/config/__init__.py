@@ -7,6 +7,8 @@
     registry.py   the model families and downstream tasks, declared once
     schema.py     base.yml as the table, the mesh and logical axes, the presets
     checks.py     the named rules that relate several keys
+    features.py   each feature's switch and the settings it owns; what each family is
+    limits.py     samplers with one choice, settings the sequence cannot hold, empty paths
     loading.py    YAML chain, presets, overrides, coercion, derived values -> Config
 
 Owns every fact about what a setting may be. May import only `maxtrain.errors` (and PyYAML):

@@ -8,8 +8,12 @@ axis filled with -1, tensor parallelism dividing heads/mlp/vocab, ...), each a f
 resolved values that raises ConfigError. loading.load_config and loading.revalidate call it. Two
 settings' parsers live here too, because a rule checks them and the run uses them again:
 `parse_eval_tasks` (evaluate.py, evals/runner.py) and `split_address` (parallel/distributed.py).
+CHECKS ends with two tables' rules: limits.py (a sampler with one choice, a sequence too short for a
+setting, an empty path) and features.py (a setting of a feature that is off, a family's defining
+setting left at a default that turns it off).
 
-Imports the schema and the registry (what the rules check against), the settings table and the error types.
+Imports the schema and the registry (what the rules check against), the settings table, the two tables'
+modules and the error types.
 """
 
 from __future__ import annotations
@@ -19,9 +23,10 @@ import importlib.util
 import os
 from typing import Any
 
+from maxtrain.config import features, limits
 from maxtrain.config import settings as settings_lib
 from maxtrain.config.registry import EVAL_TASKS, MOE_FAMILIES
-from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, QUANTIZATION_PLACES, parallelism_key, table
+from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, QUANTIZATION_PLACES, parallelism_key, table, ways
 from maxtrain.errors import ConfigError
 
 
@@ -132,14 +137,6 @@ def _grpo_settings(v):
     _require(v["dataset_type"] in ("jsonl", "parquet"),
              f"use_grpo=true reads jsonl or parquet files, but dataset_type={v['dataset_type']}; set dataset_type=jsonl "
              "(or parquet) and grain_train_files=<your prompts>")
-    _require(v["max_prefill_predict_length"] < v["max_target_length"],
-             f"max_prefill_predict_length={v['max_prefill_predict_length']} leaves no room for a completion in "
-             f"max_target_length={v['max_target_length']} tokens (completions get the difference); raise "
-             "max_target_length or lower max_prefill_predict_length")
-    _require(v["decode_sampling_strategy"] != "greedy",
-             "use_grpo=true samples its completions with decode_sampling_strategy, which is greedy: a prompt's "
-             "completions would all be the same and teach nothing. Set decode_sampling_strategy=weighted (or "
-             "nucleus, topk) and decode_sampling_temperature")
     _require(v["num_epoch"] == -1, f"use_grpo=true repeats its prompts (num_epoch=-1), but num_epoch={v['num_epoch']}; "
                                    "bound the run with steps instead")
     for name in v["grpo_reward_functions"]:
@@ -163,11 +160,11 @@ def _attention_layer_types(v):
         _require(len(types) == v["base_num_decoder_layers"] and all(t in ("full", "sliding") for t in types),
                  f"attention_layer_types must list \"full\" or \"sliding\" for each of the "
                  f"{v['base_num_decoder_layers']} layers (or be [] for the family's pattern), got {types}")
-        _require("sliding" not in types or v["sliding_window_size"] > 0,
-                 "attention_layer_types has sliding layers but sliding_window_size=0; set sliding_window_size")
 
 
 def _experts_per_token_at_most_experts(v):
+    if v["decoder_block"] not in MOE_FAMILIES:
+        return  # features.py refuses num_experts_per_tok where there are no experts
     e, k = v["num_experts"], v["num_experts_per_tok"]
     _require(k <= e, f"num_experts_per_tok={k} is more than num_experts={e}: each token is routed to "
                      f"num_experts_per_tok distinct experts; use num_experts_per_tok <= {e}")
@@ -229,16 +226,10 @@ def _one_filled_mesh_axis(v):
         _require(len(fills) <= 1, f"only one {prefix}_*_parallelism may be -1, got {', '.join(fills)}")
 
 
-def _ways(v: dict[str, Any], axis: str) -> int | None:
-    """How many ways `axis` splits (ici x dcn), or None while one of them is -1 (known with the devices)."""
-    ici, dcn = v[parallelism_key("ici", axis)], v[parallelism_key("dcn", axis)]
-    return None if -1 in (ici, dcn) else ici * dcn
-
-
 def _stages_divide_layers(v):
     """Each pipeline stage holds the same number of layers (sharding.create_mesh checks again once -1 is
     resolved)."""
-    stages, layers = _ways(v, "stage"), v["base_num_decoder_layers"]
+    stages, layers = ways(v, "stage"), v["base_num_decoder_layers"]
     if stages and stages > 1:
         _require(layers % stages == 0,
                  f"pipeline parallelism {stages} (ici_pipeline_parallelism x dcn_pipeline_parallelism) must divide "
@@ -249,7 +240,7 @@ def _stages_divide_layers(v):
 def _no_pipeline_stages_with_experts(v):
     """Mixture-of-experts layers run their own shard_map over the expert axis, and report per-layer
     figures; neither is wired through a pipeline stage yet."""
-    stages = _ways(v, "stage")
+    stages = ways(v, "stage")
     _require(v["decoder_block"] not in MOE_FAMILIES or stages == 1,
              f"decoder_block={v['decoder_block']} (mixture of experts) does not run with pipeline parallelism yet; "
              "set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1 (use expert, fsdp or tensor parallelism)")
@@ -257,7 +248,7 @@ def _no_pipeline_stages_with_experts(v):
 
 def _context_chunks_divide_length(v):
     """Context parallelism cuts each sequence into 2 chunks per device (one early, one late)."""
-    cp, length = _ways(v, "context"), v["max_target_length"]
+    cp, length = ways(v, "context"), v["max_target_length"]
     if cp and cp > 1:
         _require(length % (2 * cp) == 0,
                  f"context parallelism {cp} (ici_context_parallelism x dcn_context_parallelism) splits each sequence "
@@ -430,8 +421,8 @@ def _multi_token_prediction(v):
                                   "modules untrained; set mtp_num_layers=0 (or lora_rank=0)")
     for axis, keys in (("stage", "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1"),
                        ("context", "ici_context_parallelism=1 and dcn_context_parallelism=1")):
-        ways = _ways(v, axis)
-        _require(ways in (1, None), f"mtp_num_layers={n} does not run with {axis} parallelism {ways} yet; set {keys} "
+        split = ways(v, axis)
+        _require(split in (1, None), f"mtp_num_layers={n} does not run with {axis} parallelism {split} yet; set {keys} "
                                     "(use fsdp, tensor or expert parallelism), or mtp_num_layers=0")
 
 
@@ -481,11 +472,13 @@ def _distillation_settings(v):
     _require(bool(v["distill_teacher_path"]), "use_distillation=true needs a teacher: set distill_teacher_path=<a "
                                               "checkpoint step dir or run dir> (scripts/convert_hf.py imports a "
                                               "Hugging Face model as one)")
-    _require(_ways(v, "stage") in (1, None), "use_distillation=true does not run with pipeline parallelism yet; set "
+    _require(ways(v, "stage") in (1, None), "use_distillation=true does not run with pipeline parallelism yet; set "
                                              "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
 
 
-CHECKS += (_distillation_settings,)
+# limits.py: samplers with one choice, lengths, paths; features.py last: the rules above name the more particular
+# mistakes of a setting that does nothing
+CHECKS += (_distillation_settings,) + limits.CHECKS + features.CHECKS
 
 
 def _divisor_hint(n: int, near: int) -> int:

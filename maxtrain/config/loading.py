@@ -34,7 +34,7 @@ from maxtrain.config.schema import BASE_CONFIG, packaged_configs_dir, preset_nam
 from maxtrain.errors import ConfigError, UserError
 
 # Keys that are not settings: added by load_config and _derive, ignored when runs are compared.
-_DERIVED = ("config_path", "run_name_was_generated", "given_keys", "run_dir", "checkpoint_dir", "tensorboard_dir", "metadata_dir",
+_DERIVED = ("config_path", "run_name_was_generated", "given_keys", "preset_keys", "run_dir", "checkpoint_dir", "tensorboard_dir", "metadata_dir",
             "cache_dir", "schedule_steps", "warmup_steps", "tokens_per_sequence")
 
 
@@ -220,7 +220,8 @@ def load_config(argv: list[str], log=None, adopt: Callable[[dict], dict] | None 
     values = {k: s.default for k, s in schema.items()}
     values.update({k: _coerce(k, v, schema[k].default, argv[0]) for k, v in chain.items()})
     model_name = _coerce("model_name", overrides.get("model_name", values["model_name"]), "", "override")
-    values.update(_load_preset(model_name, schema, os.path.dirname(os.path.abspath(_find_config(argv[0])))))
+    preset = _load_preset(model_name, schema, os.path.dirname(os.path.abspath(_find_config(argv[0]))))
+    values.update(preset)
     for key, raw in overrides.items():
         values[key] = _coerce(key, raw, schema[key].default, "command line")
     values["config_path"] = os.path.abspath(_find_config(argv[0]))
@@ -228,6 +229,9 @@ def load_config(argv: list[str], log=None, adopt: Callable[[dict], dict] | None 
     # Keys the user chose (their YAML or the command line) rather than base.yml's defaults: a checkpoint's
     # model settings are adopted where the user chose none (checkpointing.adoption.settings_to_adopt).
     values["given_keys"] = sorted(set(chain) | set(overrides))
+    # Keys whose value is the model preset's (no override replaced it): what the preset says is the model's
+    # default, so a setting of a feature that is off is refused only where the user chose it (features.py).
+    values["preset_keys"] = sorted(set(preset) - set(overrides))
     _validate(values, adopt)
     if notes:
         if log is None and _process_id_hint(values, overrides) <= 0:

@@ -26,19 +26,52 @@ class Family:
     hf_architecture: str          # config.json architectures[0] on export
     moe: bool = False             # its layers may be mixtures of experts (num_experts, decoder_sparse_step, ...)
     attention_sinks: bool = False  # a learned per-head logit in each softmax's denominator (only dot_product has it)
+    attention_pattern: tuple[str, ...] = ("full",)  # "full" / "sliding" attention of its layers, repeated over the stack
+    window_everywhere: bool = False  # sliding_window_size > 0 makes every layer a sliding-window layer (Mistral)
+    per_layer_attention: bool = True  # reads attention_layer_types (deepseek's MLA layers all attend fully)
+    # What the family is, and the settings whose shared default would silently turn it off: the family's usual
+    # value of each (sliding_window_size 0 = full attention in its sliding layers; num_experts 1 = a dense MLP).
+    usual: tuple[tuple[str, int], ...] = ()
+    settings: tuple[str, ...] = ()  # the settings of base.yml that only some families' modules read: those it reads
+
+    def pattern(self, num_layers: int) -> list[str]:
+        """Its layers' attention without attention_layer_types: attention_pattern repeated over num_layers."""
+        return [self.attention_pattern[i % len(self.attention_pattern)] for i in range(num_layers)]
+
+    def attention_plan(self, num_layers: int, sliding_window_size: int, attention_layer_types: list) -> list[str]:
+        """"full" or "sliding" for each layer, as its module's layer_types builds them (tests/test_config.py
+        checks that they agree)."""
+        if not self.per_layer_attention:
+            return ["full"] * num_layers
+        if attention_layer_types:
+            return list(attention_layer_types)
+        if self.window_everywhere:
+            return ["sliding" if sliding_window_size > 0 else "full"] * num_layers
+        return self.pattern(num_layers)
 
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", ("llama",), "LlamaForCausalLM"),
-    Family("mistral", ("mistral",), "MistralForCausalLM"),
+    Family("mistral", ("mistral",), "MistralForCausalLM", window_everywhere=True),
     Family("qwen2", ("qwen2",), "Qwen2ForCausalLM"),
     Family("qwen3", ("qwen3",), "Qwen3ForCausalLM"),
-    Family("gemma2", ("gemma2",), "Gemma2ForCausalLM"),
-    Family("gemma3", ("gemma3_text", "gemma3"), "Gemma3ForCausalLM"),
-    Family("mixtral", ("mixtral",), "MixtralForCausalLM", moe=True),
-    Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", moe=True),
-    Family("gpt_oss", ("gpt_oss",), "GptOssForCausalLM", moe=True, attention_sinks=True),
-    Family("deepseek", ("deepseek_v3",), "DeepseekV3ForCausalLM", moe=True),
+    Family("gemma2", ("gemma2",), "Gemma2ForCausalLM", attention_pattern=("sliding", "full"),
+           usual=(("sliding_window_size", 4096),), settings=("attn_logits_soft_cap", "query_pre_attn_scalar")),
+    Family("gemma3", ("gemma3_text", "gemma3"), "Gemma3ForCausalLM", attention_pattern=("sliding",) * 5 + ("full",),
+           usual=(("sliding_window_size", 1024),),  # 512 in Gemma 3 1B
+           settings=("attn_logits_soft_cap", "query_pre_attn_scalar")),
+    Family("mixtral", ("mixtral",), "MixtralForCausalLM", moe=True, window_everywhere=True,
+           usual=(("num_experts", 8),)),
+    Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", moe=True, window_everywhere=True,
+           usual=(("num_experts", 128),), settings=("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")),
+    Family("gpt_oss", ("gpt_oss",), "GptOssForCausalLM", moe=True, attention_sinks=True,
+           attention_pattern=("sliding", "full"), usual=(("sliding_window_size", 128), ("num_experts", 32)),
+           settings=("mlp_activations_limit", "swiglu_alpha")),
+    Family("deepseek", ("deepseek_v3",), "DeepseekV3ForCausalLM", moe=True, per_layer_attention=False,
+           usual=(("num_experts", 256),),
+           settings=("norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+                     "v_head_dim", "rope_interleave", "first_num_dense_layers", "n_routing_groups",
+                     "topk_routing_group", "routed_scaling_factor", "mtp_num_layers")),
 )}
 
 MOE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.moe)

@@ -46,6 +46,13 @@ def parallelism_key(prefix: str, axis: str) -> str:
     return f"{prefix}_{MESH_AXES[axis]}_parallelism"
 
 
+def ways(values: dict[str, Any], axis: str) -> int | None:
+    """How many ways `axis` splits (ici x dcn) in resolved config values, or None while one of them is -1
+    (known with the devices)."""
+    ici, dcn = values[parallelism_key("ici", axis)], values[parallelism_key("dcn", axis)]
+    return None if -1 in (ici, dcn) else ici * dcn
+
+
 def packaged_configs_dir() -> str:
     """configs/ of the installed package (a wheel puts it at maxtrain/configs; a source checkout has it
     beside the maxtrain/ package)."""

@@ -105,6 +105,12 @@ def tokenizer_file(config, fingerprint: str) -> str:
     return os.path.join(config.cache_dir, f"default-{fingerprint}-v{config.vocab_size}.model")
 
 
+def _check_cache_file(path: str) -> None:
+    """Refuses, before the training or tokenizing it would keep, a cache file that could not be written."""
+    storage.check_output(path, True, f"the default corpus' cache file {path}",
+                         "; set dataset_cache_dir (default: <base_output_directory>/cache) to a writable directory")
+
+
 def tokenizer(config, log=print, corpus: tuple[list[str], str] | None = None):
     """The tokenizer a default-corpus run uses: tokenizer_path, else the one trained on the corpus (read from
     config.cache_dir; trained and cached there when missing). `corpus`: (train texts, fingerprint), when read."""
@@ -117,6 +123,7 @@ def tokenizer(config, log=print, corpus: tuple[list[str], str] | None = None):
             train_texts, fingerprint = corpus
         path = tokenizer_file(config, fingerprint)
         if not storage.isfile(path):
+            _check_cache_file(path)
             log(f"Training a {config.vocab_size}-piece tokenizer on the default corpus -> {path}")
             trained = tokenizer_training.train_sentencepiece(train_texts, config.vocab_size)
             _atomic_write(path, lambda f: f.write(trained.files[tokenizer_lib.SP_MODEL]))
@@ -137,6 +144,7 @@ def documents(config, log=print):
     for split, texts in (("train", train_texts), ("eval", eval_texts)):
         path = os.path.join(config.cache_dir, f"default-{fingerprint}-{tok.checksum}-{split}.npz")
         if not storage.isfile(path):
+            _check_cache_file(path)
             log(f"Tokenizing the default corpus ({split}: {len(texts)} documents) -> {path}")
             encoded = _encode_documents(tok, texts)
             _atomic_write(path, lambda f, encoded=encoded: _save_docs(f, encoded))

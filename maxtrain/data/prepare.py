@@ -245,9 +245,6 @@ def _clear(out: str) -> None:
 
 
 def _check_output_dir(out: str, settings: dict, tokenizer_path: str, overwrite: bool) -> None:
-    problem = storage.place_problem(out, is_file=False)
-    if problem:
-        raise DataError(f"--output-dir {out} {problem}")
     previous = _previous_settings(out) if os.path.isdir(out) else None
     if previous is None:
         return
@@ -276,6 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
         raise DataError(f"--shard-mb={args.shard_mb} must be a number > 0 (input megabytes per shard)")
     if args.workers < 1:
         raise DataError(f"--workers={args.workers} must be at least 1")
+    storage.check_output(args.output_dir, False, f"--output-dir {args.output_dir}")  # before any input is read
     tok = tokenizer_lib.load(args.tokenizer, "--tokenizer")
     tokenizer_lib.warn_if_no_eos(tok, lambda line: print(f"prepare_data: {line}", file=sys.stderr))
     files = expand_inputs(args.input)

@@ -23,7 +23,6 @@ import time
 import jax
 
 from maxtrain import models, storage
-from maxtrain.errors import ConfigError
 from maxtrain.observability.wandb_logger import WandbLogger
 
 # Dense (no sparsity) bfloat16 peak TFLOP/s per device, from the vendors' data sheets.
@@ -232,22 +231,20 @@ def moe_summary(m: dict) -> str:
     return text
 
 
-def _writable_place(path: str, key: str, is_file: bool) -> None:
-    """ConfigError naming `key` when `path` could not be created or written (checked before any work).
-    gs:// paths are checked when first written (checkpoint.check_writable probes the bucket)."""
-    if is_file and not storage.is_remote(path) and os.path.isdir(path):
-        raise ConfigError(f"{key}={os.path.abspath(path)!r} is a directory; give a file path, e.g. "
-                          f"{key}={os.path.join(os.path.abspath(path), 'metrics.jsonl')}")
-    problem = storage.place_problem(path, is_file)
-    if problem:
-        raise ConfigError(f"{key}={os.path.abspath(path)!r} {problem}")
-
-
 def check_outputs(config) -> None:
-    """Fails before any work when an output of the run could not be written."""
-    _writable_place(config.base_output_directory, "base_output_directory", is_file=False)
+    """Fails before any work when an output of the run could not be written (storage.check_output): the
+    run directory (base_output_directory/run_name), metrics_file, the data cache (dataset_cache_dir)."""
+    storage.check_output(config.base_output_directory, False,
+                         f"base_output_directory={storage.abspath(config.base_output_directory)!r}")
+    storage.check_output(config.run_dir, False, f"the run directory {storage.abspath(config.run_dir)!r}",
+                         " (it is base_output_directory/run_name: or choose another run_name)")
     if config.metrics_file:
-        _writable_place(config.metrics_file, "metrics_file", is_file=True)
+        path = storage.abspath(config.metrics_file)
+        hint = f", e.g. metrics_file={os.path.join(path, 'metrics.jsonl')}" if os.path.isdir(path) else ""
+        storage.check_output(config.metrics_file, True, f"metrics_file={path!r}", hint)
+    if config.dataset_cache_dir or config.dataset_type == "default":  # the default corpus caches its tokens
+        storage.check_output(config.cache_dir, False, f"dataset_cache_dir={storage.abspath(config.cache_dir)!r}",
+                             "" if config.dataset_cache_dir else " (the default: <base_output_directory>/cache)")
 
 
 class JsonLines:

@@ -78,13 +78,14 @@ def _divisor(n: int, near: int) -> int:
     return min((d for d in range(2, n + 1) if n % d == 0), key=lambda d: abs(d - near), default=n)
 
 
-def make_inputs(config, log=print) -> Inputs:
-    """The reward functions imported, the prompts opened and the first of every file checked, both
-    functions called on them: every mistake here stops the run before any compilation."""
+def make_inputs(config, log=print, functions: dict | None = None) -> Inputs:
+    """The reward functions imported (or `functions`, rewards.load's), the prompts opened and the first of every
+    file checked, the functions called on made-up completions of them: every mistake here stops the run before
+    any compilation."""
     if jax.process_count() > 1:
         raise ConfigError("use_grpo runs in one process for now (its rollouts are gathered on one host); run it "
                           "without a coordinator, on one machine's devices")
-    functions = rewards.load(config.grpo_reward_functions)
+    functions = rewards.load(config.grpo_reward_functions) if functions is None else functions
     inputs = prompts_lib.make_inputs(config, prompts_per_step(config), log=log)
     first = inputs.first_records
     rewards.check(functions, [p.text for p in first], [p.answer for p in first])
@@ -177,7 +178,10 @@ class Step:
         completions = decode(self.inputs.tokenizer, tokens, kept, stopped)
         texts = [t.decode() for t in np.repeat(batch["text"], g)]
         answers = [a.decode() for a in np.repeat(batch["answer"], g)]
-        total, parts = rewards.score(self.inputs.functions, texts, completions, answers)
+        saved = (" (the checkpoints saved so far are kept; re-run the same command to resume from the latest)"
+                 if config.enable_checkpointing else "")
+        total, parts = rewards.score(self.inputs.functions, texts, completions, answers,
+                                     context=f" at step {step + 1}{saved}")
         adv = advantages(total, g)
         prompt_ids = [row[f:] for row, f in zip(prompt, first)]
         update = assemble(prompt_ids, tokens, log_probs, kept, adv, config.max_target_length,
@@ -226,7 +230,7 @@ class HeldOut(loop.Hook):
     def run(self, at, state):
         self.run_eval(at.done, state)
 
-    def scores(self, params) -> tuple[float, dict]:
+    def scores(self, params, done: int = 0) -> tuple[float, dict]:
         """(mean summed reward, {name: mean}) of greedy answers to the held-out prompts."""
         config, held_out = self.built.config, self.inputs.eval_batches
         rows = config.global_batch_size
@@ -240,11 +244,12 @@ class HeldOut(loop.Hook):
             completions += decode(self.inputs.tokenizer, tokens, kept, stopped)
             texts += [p.text for p in chunk]
             answers += [p.answer for p in chunk]
-        total, parts = rewards.score(self.inputs.functions, texts, completions, answers)
+        total, parts = rewards.score(self.inputs.functions, texts, completions, answers,
+                                     context=f" on the held-out prompts at step {done}")
         return float(total.mean()), {name: float(v.mean()) for name, v in parts.items()}
 
     def run_eval(self, done: int, state) -> None:
-        reward, parts = self.scores(self.built.model_params(state))
+        reward, parts = self.scores(self.built.model_params(state), done)
         out = {"grpo_reward": reward}
         if "exact_match" in parts:
             out["grpo_accuracy"] = parts["exact_match"]

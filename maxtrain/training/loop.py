@@ -209,26 +209,59 @@ class Checkpoint(Hook):
 
     def __init__(self, config, checkpointer, data_iterator, metadata: dict):
         self.config, self.checkpointer, self.data_iterator, self.metadata = config, checkpointer, data_iterator, metadata
+        self.failed = False  # a save failed: nothing more is asked of the checkpointer
 
     def due(self, at):
         return True  # after every step: it saves when it is time, else surfaces a failed background save
 
     def run(self, at, state):
-        if at.done % self.config.checkpoint_period == 0 or at.last or at.stopping:
-            self.checkpointer.save(at.done, state, self.data_iterator, self.metadata)
-        else:
-            self.checkpointer.poll()
+        try:
+            if at.done % self.config.checkpoint_period == 0 or at.last or at.stopping:
+                self.checkpointer.save(at.done, state, self.data_iterator, self.metadata)
+            else:
+                self.checkpointer.poll()
+        except Exception:
+            self.failed = True
+            raise
 
     def close(self, state):
         self.checkpointer.close()
 
 
+def finish_saves(hooks: list[Hook], log) -> None:
+    """After the training loop failed: the checkpoint saves under way are finished (and their checksums
+    written), so that the run stops with every step it saved usable; a save that fails now is reported, not
+    raised over the loop's own error."""
+    for hook in hooks:
+        if isinstance(hook, Checkpoint) and not hook.failed:  # a save that failed has said so itself
+            try:
+                hook.checkpointer.close()
+            except Exception as error:  # pylint: disable=broad-except  (the loop's error is the one to raise)
+                log(f"warning: the checkpoint save under way failed too: {error}")
+
+
 def train(step_fn, state, batches, start_step: int, steps: int, hooks: list[Hook], reporter: Reporter,
           preemption, log) -> tuple[Any, bool]:
-    """Runs steps [start_step, steps); returns (the final state, whether a preemption stopped it)."""
+    """Runs steps [start_step, steps); returns (the final state, whether a preemption stopped it). When anything
+    fails on the way (a step, a GRPO reward, an evaluation, the data), the checkpoint saves under way are
+    finished before the error goes on."""
     for hook in hooks:
         hook.start(start_step, state)
     reporter.restart_clock()
+    try:
+        state, preempted = _steps(step_fn, state, batches, start_step, steps, hooks, reporter, preemption, log)
+        preemption.close()
+        reporter.flush()
+    except Exception:
+        finish_saves(hooks, log)
+        raise
+    for hook in hooks:
+        hook.close(state)
+    return state, preempted
+
+
+def _steps(step_fn, state, batches, start_step: int, steps: int, hooks: list[Hook], reporter: Reporter,
+           preemption, log) -> tuple[Any, bool]:
     preempted = False
     for step in range(start_step, steps):
         batch = next(batches)
@@ -256,8 +289,4 @@ def train(step_fn, state, batches, start_step: int, steps: int, hooks: list[Hook
             reporter.restart_clock()  # the hooks' time is not a train step's
         if preempted:
             break
-    preemption.close()
-    reporter.flush()
-    for hook in hooks:
-        hook.close(state)
     return state, preempted

@@ -18,8 +18,7 @@ from maxtrain.models.decoder import LayerType, default_layer_types
 from maxtrain.models.params import stacked
 from maxtrain.parallel.sharding import shard
 
-FAMILY = registry.FAMILIES["gemma2"]  # its Hugging Face model_type and architecture
-PATTERN = ["sliding", "full"]  # repeated over the stack
+FAMILY = registry.FAMILIES["gemma2"]  # its Hugging Face model_type and architecture, its attention pattern
 
 
 def param_specs(config, qk_norm: str | None = None):
@@ -32,7 +31,7 @@ def param_specs(config, qk_norm: str | None = None):
 
 def layer_types(config) -> list[LayerType]:
     n = config.base_num_decoder_layers
-    return default_layer_types(config, [PATTERN[i % len(PATTERN)] for i in range(n)])
+    return default_layer_types(config, FAMILY.pattern(n))
 
 
 def embed(params, tokens, config, rt):
@@ -77,7 +76,7 @@ HF_NAMES = {
 def from_hf_config(config: dict, notes: list | None = None) -> dict:
     hf.refuse(config, {"hidden_activation": "gelu_pytorch_tanh", "attention_bias": False})
     keys = {**hf.common_keys(config, tie_word_embeddings=True), **hf.rope_keys(config, notes)}
-    default = [PATTERN[i % len(PATTERN)] for i in range(config["num_hidden_layers"])]
+    default = FAMILY.pattern(config["num_hidden_layers"])
     return {**keys, **hf.sliding_keys(config, default, config.get("sliding_window", 4096)),
             "query_pre_attn_scalar": float(config.get("query_pre_attn_scalar", 256)),
             "attn_logits_soft_cap": float(config.get("attn_logit_softcapping", 50.0) or 0.0),
@@ -85,7 +84,7 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
 
 
 def to_hf_config(keys: dict) -> dict:
-    default = [PATTERN[i % len(PATTERN)] for i in range(keys["base_num_decoder_layers"])]
+    default = FAMILY.pattern(keys["base_num_decoder_layers"])
     return {**hf.common_config(keys, FAMILY), **hf.rope_config(keys),
             **hf.layer_types_config(keys, default), "hidden_activation": "gelu_pytorch_tanh",
             "query_pre_attn_scalar": hf.whole(keys["query_pre_attn_scalar"] if keys["query_pre_attn_scalar"] > 0 else keys["head_dim"]),

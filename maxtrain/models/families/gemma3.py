@@ -18,7 +18,8 @@ from maxtrain.models.families import gemma2
 from maxtrain.models.decoder import LayerType, default_layer_types
 
 FAMILY = registry.FAMILIES["gemma3"]  # its Hugging Face model_type and architecture
-PERIOD = 6  # one global layer closes every group of six
+PERIOD = len(FAMILY.attention_pattern)  # one global layer closes every group of six (registry.py)
+_pattern = FAMILY.pattern
 
 embed = gemma2.embed
 layer = gemma2.layer  # the attention block applies qk-norm because q_norm and k_norm exist
@@ -27,10 +28,6 @@ logits = gemma2.logits
 
 def param_specs(config):
     return gemma2.param_specs(config, qk_norm="zeros")
-
-
-def _pattern(num_layers: int) -> list[str]:
-    return ["sliding" if (i + 1) % PERIOD else "full" for i in range(num_layers)]
 
 
 def layer_types(config) -> list[LayerType]:

@@ -32,7 +32,7 @@ from maxtrain.models.params import stacked
 FAMILY = registry.FAMILIES["gpt_oss"]  # its Hugging Face model_type and architecture
 ROUTER = "topk_softmax"
 ACTIVATION = "clamped_swiglu"
-PATTERN = ["sliding", "full"]  # repeated over the stack
+_pattern = FAMILY.pattern  # sliding, full, sliding, ... (registry.py)
 # transformers' GptOssConfig defaults, read where config.json omits the field
 DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 4096}
@@ -47,10 +47,6 @@ def param_specs(config):
                    **blocks.attention_specs(config, qkv_bias=True, out_bias=True, sinks=FAMILY.attention_sinks),
                    "mlp_norm": blocks.norm_spec(config), **moe.specs(config, biases=True)}
     return {**blocks.embedding_specs(config), "layers": {"moe": stacked(layer_specs, config.base_num_decoder_layers)}}
-
-
-def _pattern(num_layers: int) -> list[str]:
-    return [PATTERN[i % len(PATTERN)] for i in range(num_layers)]
 
 
 def layer_types(config) -> list[LayerType]:

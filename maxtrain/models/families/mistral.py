@@ -23,8 +23,7 @@ HF_NAMES = llama.HF_NAMES
 
 
 def layer_types(config) -> list[LayerType]:
-    attention = "sliding" if config.sliding_window_size > 0 else "full"
-    return default_layer_types(config, [attention] * config.base_num_decoder_layers)
+    return default_layer_types(config, FAMILY.attention_plan(config.base_num_decoder_layers, config.sliding_window_size, []))
 
 
 def flops_per_token(config, dense_attention: bool = False) -> float:

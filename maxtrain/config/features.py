@@ -1,0 +1,195 @@
+"""Which settings belong to which feature, and what a family is: nothing a user sets is silently ignored.
+
+    features.FEATURES                  # Feature(needs, on, keys): a switch, its predicate, the keys it owns
+    features.owner("distill_alpha")    # the Feature whose keys include it
+    features.layer_attention(values)   # ["sliding", "full", ...]: each layer's attention, as the model builds it
+
+Two rules, each over one declared table:
+
+- `FEATURES` (the features with a switch: distillation, GRPO, DPO, SFT, LoRA, Muon, float16 loss scaling,
+  fp8, multi-token prediction, mixtures of experts, each family's own settings, RoPE scaling, sliding
+  windows, sampling, the profiler, ...): a key of a feature that is off, set by the user to anything but
+  its base.yml default, is refused, naming the key, the switch and the fix. A model preset's values are
+  the model's defaults (loading.py records them as `preset_keys`), so a preset that sets a feature's keys
+  loads, and turning the preset's feature off (rope_type=default on llama3.1-8b) refuses nothing.
+- each family's defining settings (registry.Family.usual): a family whose layers slide (its pattern, or
+  attention_layer_types) with sliding_window_size=0, or a mixture-of-experts family with num_experts=1,
+  would silently be another model (full attention, a dense MLP); refused with the family's usual value.
+
+Every key of the table is declared once (tests/test_config.py checks each is a base.yml key of one row).
+Imports the registry, the schema (the mesh's ways) and the error type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from maxtrain.config.registry import FAMILIES, MOE_FAMILIES, Family
+from maxtrain.config.schema import table, ways
+from maxtrain.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Feature:
+    needs: str                          # what turns it on, as the error says it: "use_distillation=true"
+    on: Callable[[dict], bool]          # whether resolved values have it on
+    keys: tuple[str, ...]               # the settings only it reads
+    fix: str = ""                       # how to turn it on, where that is more than "set <needs>"
+    state: str = ""                     # the switch's key, whose value the error shows (decoder_block, ...)
+
+
+def _reading(key: str) -> tuple[str, ...]:
+    """The families whose modules read `key` (registry.Family.settings)."""
+    return tuple(name for name, f in FAMILIES.items() if key in f.settings)
+
+
+def _family_features() -> tuple[Feature, ...]:
+    """One row per set of families that read the same family settings (registry.Family.settings)."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for row in FAMILIES.values():
+        for key in row.settings:
+            groups.setdefault(_reading(key), [])
+            if key not in groups[_reading(key)]:
+                groups[_reading(key)].append(key)
+    return tuple(Feature("decoder_block=" + " or ".join(names), lambda v, names=names: v["decoder_block"] in names,
+                         tuple(keys), state="decoder_block") for names, keys in groups.items())
+
+
+def family(v: dict[str, Any]) -> Family:
+    """The configured family's registry row (a plain one for a family only a test has added)."""
+    return FAMILIES.get(v["decoder_block"]) or Family(v["decoder_block"], (), "")
+
+
+def layer_attention(v: dict[str, Any]) -> list[str]:
+    """"full" or "sliding" for each layer of the configured model (its family's layer_types agree)."""
+    return family(v).attention_plan(v["base_num_decoder_layers"], v["sliding_window_size"], v["attention_layer_types"])
+
+
+SLIDING_FAMILIES = tuple(n for n, f in FAMILIES.items() if "sliding" in f.attention_pattern or f.window_everywhere)
+MOE = "a mixture-of-experts family"
+USE_MOE = "set decoder_block to one of " + ", ".join(MOE_FAMILIES)
+
+FEATURES: tuple[Feature, ...] = (
+    # objectives and adapters
+    Feature("use_distillation=true", lambda v: v["use_distillation"],
+            ("distill_teacher_path", "distill_alpha", "distill_temperature"),
+            fix="set use_distillation=true (with distill_teacher_path=<the teacher's checkpoint>)"),
+    Feature("use_grpo=true", lambda v: v["use_grpo"],
+            ("num_generations", "grpo_beta", "grpo_epsilon", "grpo_reward_functions", "max_prefill_predict_length")),
+    Feature("use_dpo=true", lambda v: v["use_dpo"], ("dpo_beta", "dpo_label_smoothing")),
+    Feature("use_sft=true", lambda v: v["use_sft"], ("sft_train_on_completion_only",)),
+    Feature("use_sft, use_dpo or use_grpo (records rendered with a chat template)",
+            lambda v: v["use_sft"] or v["use_dpo"] or v["use_grpo"], ("chat_template",),
+            fix="set use_sft=true (or use_dpo=true, use_grpo=true)"),
+    Feature("lora_rank > 0", lambda v: v["lora_rank"] > 0, ("lora_alpha", "lora_target_modules"),
+            fix="set lora_rank (e.g. lora_rank=8)"),
+    # optimizer and precision
+    Feature("opt_type=muon", lambda v: v["opt_type"] == "muon",
+            ("muon_beta", "muon_weight_decay", "muon_consistent_rms", "muon_ns_steps"), state="opt_type"),
+    Feature("dtype=float16", lambda v: v["dtype"] == "float16",
+            ("loss_scale_initial", "loss_scale_period", "loss_scale_min"), state="dtype"),  # its loss scaling
+    Feature("lr_schedule_type=cosine", lambda v: v["lr_schedule_type"] == "cosine",
+            ("cosine_learning_rate_final_fraction",), state="lr_schedule_type"),
+    Feature("lr_schedule_type=wsd", lambda v: v["lr_schedule_type"] == "wsd", ("wsd_decay_steps_fraction",),
+            state="lr_schedule_type"),
+    Feature("quantization=fp8 or fp8_mlp", lambda v: bool(v["quantization"]), ("quantize_output_head",),
+            fix="set quantization=fp8 (or fp8_mlp)"),
+    # the model
+    # (capacity_factor belongs to the experts, not only to moe_dispatch=capacity: a comparison of the two
+    # dispatches keeps one capacity_factor, as tests/test_moe.py does)
+    Feature(MOE, lambda v: v["decoder_block"] in MOE_FAMILIES,
+            ("num_experts", "num_experts_per_tok", "base_moe_mlp_dim", "moe_dispatch", "capacity_factor",
+             "load_balance_loss_weight", "router_z_loss_weight", "num_moe_hidden_tiling", "shared_experts",
+             "routed_bias", "routed_bias_update_rate", "seq_balance_loss_weight"), fix=USE_MOE, state="decoder_block"),
+    Feature("mtp_num_layers > 0", lambda v: v["mtp_num_layers"] > 0, ("mtp_loss_scaling_factor",),
+            fix="set mtp_num_layers (e.g. mtp_num_layers=1, decoder_block=deepseek)"),
+    *_family_features(),
+    Feature("sliding-window layers", lambda v: "sliding" in layer_attention(v),
+            ("sliding_window_size", "local_rope_max_timescale"),
+            fix="give layers a window with attention_layer_types (\"sliding\" or \"full\" per layer), or use a family "
+                "whose layers slide (decoder_block=" + ", ".join(SLIDING_FAMILIES) + ")", state="decoder_block"),
+    Feature("per-layer attention types", lambda v: family(v).per_layer_attention,
+            ("attention_layer_types",), fix="use a family other than " + ", ".join(
+                n for n, f in FAMILIES.items() if not f.per_layer_attention), state="decoder_block"),
+    Feature("rope_type=linear, llama3 or yarn", lambda v: v["rope_type"] != "default", ("rope_factor",),
+            fix="set rope_type (linear, llama3 or yarn)", state="rope_type"),
+    Feature("rope_type=llama3 or yarn", lambda v: v["rope_type"] in ("llama3", "yarn"),
+            ("original_max_position_embeddings",), fix="set rope_type=llama3 (or yarn)", state="rope_type"),
+    Feature("rope_type=llama3", lambda v: v["rope_type"] == "llama3", ("rope_low_freq_factor", "rope_high_freq_factor"),
+            state="rope_type"),
+    Feature("rope_type=yarn", lambda v: v["rope_type"] == "yarn",
+            ("rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_truncate"), state="rope_type"),
+    Feature("decoder_block=deepseek with rope_type=yarn", lambda v: v["decoder_block"] == "deepseek"
+            and v["rope_type"] != "default", ("rope_mscale_all_dim",),
+            fix="set rope_type=yarn with decoder_block=deepseek", state="rope_type"),
+    # sampling (maxtrain.decode, GRPO's completions), the profiler, the data, compilation, the pipeline
+    Feature("decode_sampling_strategy=weighted, topk or nucleus", lambda v: v["decode_sampling_strategy"] != "greedy",
+            ("decode_sampling_temperature",), fix="set decode_sampling_strategy=weighted (or topk, nucleus)",
+            state="decode_sampling_strategy"),
+    Feature("decode_sampling_strategy=topk", lambda v: v["decode_sampling_strategy"] == "topk",
+            ("decode_sampling_top_k",), state="decode_sampling_strategy"),
+    Feature("decode_sampling_strategy=nucleus", lambda v: v["decode_sampling_strategy"] == "nucleus",
+            ("decode_sampling_nucleus_p",), state="decode_sampling_strategy"),
+    Feature("profiler=xplane", lambda v: bool(v["profiler"]), ("skip_first_n_steps_for_profiler", "profiler_steps")),
+    Feature("packing=true", lambda v: v["packing"], ("grain_packing_type",)),
+    Feature("compile_topology=<a target>", lambda v: bool(v["compile_topology"]), ("compile_topology_num_slices",),
+            fix="set compile_topology (e.g. compile_topology=v5p-128) and run maxtrain.train_compile"),
+    Feature("pipeline parallelism", lambda v: ways(v, "stage") != 1, ("num_pipeline_microbatches",),
+            fix="set ici_pipeline_parallelism (or dcn_pipeline_parallelism) > 1"),
+)
+
+
+def owner(key: str) -> Feature | None:
+    """The feature whose keys include `key`, or None."""
+    return next((f for f in FEATURES if key in f.keys), None)
+
+
+def shown(value: Any) -> str:
+    """A value as the user writes it on the command line (true, 0.3, 'text', [q, v])."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return repr(value)
+
+
+def _chosen_by_the_user(v: dict[str, Any]) -> Callable[[str], bool]:
+    """Whether a key's value is the user's (their YAML or the command line), not base.yml's or the preset's.
+    Values without that record (a config built in code) all count as the user's."""
+    if "given_keys" not in v:
+        return lambda key: True
+    given, preset = set(v["given_keys"]), set(v.get("preset_keys", ()))
+    return lambda key: key in given and key not in preset
+
+
+def settings_of_features_that_are_off(v: dict[str, Any]) -> None:
+    """A key of a feature that is off, set by the user to other than its default: refused with the switch."""
+    chosen, settings = _chosen_by_the_user(v), table()
+    for feature in FEATURES:
+        if feature.on(v):
+            continue
+        for key in feature.keys:
+            default = settings[key].default
+            if v[key] != default and chosen(key):
+                here = f" (here {feature.state}={v[feature.state]})" if feature.state else ""  # a checked choice
+                raise ConfigError(f"{key}={shown(v[key])} does nothing without {feature.needs}{here}: "
+                                  f"{feature.fix or 'set ' + feature.needs}, or drop {key} (default {shown(default)})")
+
+
+def what_the_family_is(v: dict[str, Any]) -> None:
+    """A family's defining settings (registry.Family.usual) left at a shared default that turns them off."""
+    block, usual = v["decoder_block"], dict(family(v).usual)
+    if "sliding" in layer_attention(v) and v["sliding_window_size"] == 0:
+        source = ("attention_layer_types has sliding layers" if v["attention_layer_types"] else
+                  f"decoder_block={block} has sliding-window layers ({' '.join(family(v).attention_pattern)}, "
+                  "repeated)")
+        window = usual.get("sliding_window_size", 4096)
+        raise ConfigError(f"{source}, but sliding_window_size=0 would give them full attention; set sliding_window_size"
+                          f"={window} ({block}'s usual window), or attention_layer_types=[full, ...] for full attention "
+                          "in every layer")
+    if block in MOE_FAMILIES and v["num_experts"] == 1:
+        raise ConfigError(f"decoder_block={block} is a mixture of experts, but num_experts=1 (the default) makes each "
+                          f"MoE layer one dense MLP; set num_experts={usual.get('num_experts', 8)} ({block}'s usual "
+                          "count) and num_experts_per_tok, or use a dense family (e.g. decoder_block=llama)")
+
+
+CHECKS = (what_the_family_is, settings_of_features_that_are_off)
