@@ -434,7 +434,7 @@ ROWS = [
         r"eval_data_columns=\[messages\]", tiny=True, setup=jsonl_file([])),
     Row("grpo-columns-without-eval-files", T, [B, "use_grpo=true", "dataset_type=jsonl", "grain_train_files=x.jsonl",
                                                "train_data_columns=[prompt,answer]"],
-        r"use_grpo=true samples its completions with decode_sampling_strategy, which is greedy"),
+        r"use_grpo=true samples each prompt's completions with decode_sampling_strategy=greedy"),
     Row("dpo-row-without-rejected", T, [B, "use_dpo=true", "dataset_type=jsonl", "tokenizer_path={tok}",
                                         "chat_template=plain", "grain_train_files={scratch}/rows.jsonl",
                                         "train_data_columns=[prompt,chosen,rejected]",
