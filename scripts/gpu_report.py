@@ -7,7 +7,7 @@
 Parts, in order, each within its share of the budget (compiles included; docs/gpu.md):
 
     environment  device, memory, driver, CUDA, cuDNN, JAX and dependency versions; the dense bf16 peak used
-                 for MFU (metrics.PEAK_TFLOPS) and what a large bf16 matmul reaches
+                 for MFU (the chip records, config/chips.py) and what a large bf16 matmul reaches
     kernels      the flash kernel's output and gradients against the float32 jnp reference (bf16 and float32,
                  GQA 4:1, packed segment ids, causal and not, length 1000 (not a multiple of the 128 block),
                  head_dim 64, 128 and 256), cuDNN and bf16 dot_product beside it
@@ -214,7 +214,7 @@ def describe_device() -> dict:
                      f"{info.get('compute_capability')}; driver {info.get('smi_driver_version', 'n/a')}, CUDA "
                      f"runtime {info.get('cuda_runtime', 'n/a')}, cuDNN {info.get('cudnn', 'n/a')}, jax {info['jax']} "
                      f"(jaxlib {info['jaxlib']}), Python {info['python']}; MFU peak "
-                     f"{info['peak_tflops_bf16_dense']} TFLOP/s (dense bf16, metrics.PEAK_TFLOPS)")
+                     f"{info['peak_tflops_bf16_dense']} TFLOP/s (dense bf16, the chip records, config/chips.py)")
     return info
 
 

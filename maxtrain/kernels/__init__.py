@@ -3,8 +3,8 @@ attention (TPU, Mosaic).
 
     flash_attention.py   forward and backward kernels with GQA, segment ids, causal and sliding-window
                          masks, logit soft-capping; checked against models/attention.py's jnp reference
-    flash_tiles.py       block sizes that fit a GPU's shared memory (per compute capability)
+    flash_tiles.py       block sizes that fit a GPU's shared memory (config/chips.py's, per compute capability)
     splash_attention.py  JAX's splash kernel behind the same signature
 
-Called only from maxtrain/models/attention.py (inside shard_map). Imports nothing else of maxtrain.
+Called only from maxtrain/models/attention.py (inside shard_map). Imports nothing else of maxtrain but the chip records (config/chips.py).
 """
