@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import re
 import sys
 import time
@@ -28,7 +29,8 @@ import jax.numpy as jnp
 
 from maxtrain import config as config_lib
 from maxtrain import models, storage
-from maxtrain.compile import executable, hlo_stats
+from maxtrain.config import chips
+from maxtrain.compile import executable, hlo_stats, predict
 from maxtrain.compile import targets as topologies
 from maxtrain.errors import run_cli
 from maxtrain.observability import metrics
@@ -36,7 +38,7 @@ from maxtrain.training import builder
 
 EXIT_DOES_NOT_FIT = 3
 KEYS = ("compile_topology", "compile_topology_num_slices", "model_name", "per_device_batch_size", "max_target_length",
-        "remat_policy", "dtype", "attention", "ici_fsdp_parallelism", "ici_tensor_parallelism", "compiled_trainstep_file")
+        "remat_policy", "dtype", "attention", "ici_fsdp_parallelism", "ici_tensor_parallelism", "compiled_trainstep_file", "compile_report_file")
 
 
 def compile_for_target(config, target: topologies.Target):
@@ -74,7 +76,23 @@ def report(run, compiled, target: topologies.Target, seconds: float) -> dict:
         "unknown_trip_counts": stats.unknown_trip_counts,
         "model_tflops_per_chip": metrics.flops_per_token(config) * config.tokens_per_step / len(devices) / 1e12,
         "compile_seconds": seconds,
+        **prediction_figures(run, compiled, target),
     }
+
+
+def prediction_figures(run, compiled, target: topologies.Target) -> dict:
+    """The predicted step time and cost (compile/predict.py) and the compiler's own estimate, for report().
+    A target without a chip record (this machine's CPU) gets none; a record missing a figure is a one-line error."""
+    config = run.config
+    chip = chips.by_device_kind(target.chip) if target.platform == "cpu" else topologies.chip_record(target)
+    if chip is None:
+        return {"prediction": None, "compiler_estimate": predict.compiler_estimate(compiled)}
+    devices = list(run.mesh.devices.flat)
+    costs = predict.program_costs(compiled.as_text(), devices=devices, mesh_shape=dict(run.mesh.shape))
+    prediction = predict.predict(
+        costs, chip, model_flops_per_step=metrics.flops_per_token(config) * config.tokens_per_step / len(devices),
+        tokens_per_step=config.tokens_per_step, num_chips=len(devices), steps=config.steps)
+    return {"prediction": prediction, "compiler_estimate": predict.compiler_estimate(compiled)}
 
 
 # libtpu releases before this one count more temporaries than the program's heap holds: the chip's
@@ -128,6 +146,7 @@ def format_report(rep: dict) -> str:
     lines += [f"model TFLOPs per chip per step   {rep['model_tflops_per_chip']:.2f} (3 x forward matmuls, causal "
               "attention counted once; not XLA's cost analysis)",
               f"compiled in {rep['compile_seconds']:.1f} s"]
+    lines += format_prediction_section(rep)
     if rep["platform"] == "tpu" and overcounting_libtpu(rep.get("libtpu")):
         lines.append(f"note: libtpu {rep['libtpu']} counts the chip's VMEM and part of the scanned layers' buffers as "
                      "temporaries too; libtpu 0.0.52 counts 1.1 to 6.3 GiB less per chip for the same programs in "
@@ -137,6 +156,17 @@ def format_report(rep: dict) -> str:
         lines.append("note: compiled without a GPU, so XLA did not autotune matmuls or build cuDNN graphs; memory on "
                      "the GPU itself can differ somewhat")
     return "\n".join(lines)
+
+
+def format_prediction_section(rep: dict) -> list[str]:
+    """The predicted time and cost under the memory, and the compiler's own estimate where it gives one."""
+    lines = predict.format_prediction(rep["prediction"]) if rep.get("prediction") else [
+        "predicted step time              none (no chip record for this device: config/chips.py)"]
+    estimate = rep.get("compiler_estimate")
+    if estimate:
+        lines.append("compiler's cost analysis         " + ", ".join(
+            f"{k} {v / 1e12:.2f} T" if k in ("flops", "bytes accessed") else f"{k} {v:.4g}" for k, v in estimate.items()))
+    return lines
 
 
 def out_of_memory(error: Exception) -> tuple[float, float] | None:
@@ -182,7 +212,10 @@ def overshoot_message(rep: dict, config) -> str:
 
 def main(argv: list[str]) -> int:
     config = builder.load_config(argv, log=lambda *a: print(*a, file=sys.stderr))
-    if config.compiled_trainstep_file:  # refused now, not after the compile
+    if config.compile_report_file:  # refused now, not after the compile
+        storage.check_output(config.compile_report_file, True,
+                             f"compile_report_file={storage.abspath(config.compile_report_file)!r}")
+    if config.compiled_trainstep_file:
         storage.check_output(config.compiled_trainstep_file, True,
                              f"compiled_trainstep_file={storage.abspath(config.compiled_trainstep_file)!r}")
     target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
@@ -208,6 +241,9 @@ def main(argv: list[str]) -> int:
         return EXIT_DOES_NOT_FIT
     rep = report(run, compiled, target, seconds)
     print(format_report(rep), flush=True)
+    if config.compile_report_file:
+        storage.write_text(config.compile_report_file, json.dumps(rep, indent=1, default=str))
+        print(f"wrote the figures to {config.compile_report_file} (JSON)", flush=True)
     if not fits(rep):
         print(f"maxtrain.train_compile: error: {overshoot_message(rep, config)}", file=sys.stderr, flush=True)
         return EXIT_DOES_NOT_FIT
