@@ -164,8 +164,10 @@ def format_prediction_section(rep: dict) -> list[str]:
         "predicted step time              none (no chip record for this device: config/chips.py)"]
     estimate = rep.get("compiler_estimate")
     if estimate:
+        units = {"flops": (1e12, "TFLOP"), "bytes accessed": (2**30, "GiB"), "optimal_seconds": (1e-3, "ms")}
         lines.append("compiler's cost analysis         " + ", ".join(
-            f"{k} {v / 1e12:.2f} T" if k in ("flops", "bytes accessed") else f"{k} {v:.4g}" for k, v in estimate.items()))
+            f"{k} {v / units[k][0]:.4g} {units[k][1]}" if k in units else f"{k} {v:.4g}" for k, v in estimate.items())
+            + " per chip (its own estimate, beside the prediction above)")
     return lines
 
 

@@ -67,7 +67,7 @@ FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after
         "opt-barrier", "add-dependency", "iota", "domain", "copy-done", "send-done", "recv-done"}
 ATTENTION_KERNELS = (("flash_attention_fwd", "flash", 2), ("flash_attention_dq", "flash", 3),
                      ("flash_attention_dkv", "flash", 4), ("flash_attention", "flash", 5),
-                     ("splash", "splash", 0), ("fmhaSoftmaxBackward", "cudnn", 5), ("fmhaSoftmax", "cudnn", 2),
+                     ("splash_mha", "splash", 0), ("fmhaSoftmaxBackward", "cudnn", 5), ("fmhaSoftmax", "cudnn", 2),
                      ("fmha", "cudnn", 2))
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
 _OPERAND = re.compile(r"%([\w.\-]+)")
@@ -161,6 +161,17 @@ class _Program:
         out = _arrays(rtype)
         if not lhs or not out:
             return 0.0, False
+        labels = re.search(r"dim_labels=(\w+)_", attrs)
+        if labels and "f" in labels.group(1):  # a convolution (the TPU's matmuls): input features x window
+            # positions, a window position counting only where the input has rows (XLA's batch-as-window form)
+            lhs_labels, lhs_dims = labels.group(1), lhs[0][1]
+            window = re.search(r"window=\{size=([\dx]+)", attrs)
+            sizes = [int(x) for x in window.group(1).split("x")] if window else []
+            spatial = [lhs_dims[lhs_labels.index(str(i))] for i in range(len(sizes)) if str(i) in lhs_labels]
+            groups = re.search(r"feature_group_count=(\d+)", attrs)
+            size = lhs_dims[lhs_labels.index("f")] * math.prod(min(w, n) for w, n in zip(sizes, spatial)) // int(
+                groups.group(1) if groups else 1)
+            return 2.0 * math.prod(out[0][1]) * size, lhs[0][0].startswith("f8")
         dims = dict(_DIMS.findall(attrs))
         contracting = [int(x) for x in dims.get("lhs_contracting_dims", "").split(",") if x]
         if not contracting:  # cuBLAS custom calls: "lhs_contracting_dimensions":["1"]
@@ -214,22 +225,24 @@ class _Program:
         return sum(sizes) + out
 
 
-def _attention(attrs: str, target: str) -> tuple[str, int] | None:
+def _attention(name: str, attrs: str, target: str) -> tuple[str, int] | None:
     op_name = _OP_NAME.search(attrs)
-    text = f"{op_name.group(1) if op_name else ''} {target}"
+    text = f"{name} {op_name.group(1) if op_name else ''} {target}"
     for key, impl, units in ATTENTION_KERNELS:
         if key in text:
             return impl, units
     return None
 
 
-def _attention_flops(shapes: list[tuple[int, ...]], units: int) -> float:
-    """units x 2 x B x Hq x T x S x D / 2 (causal) from the operands [B, T, H, D] (q the most heads, k the fewest)."""
-    four = [s for s in shapes if len(s) == 4]
-    if not four or not units:
+def _attention_flops(arrays: list[tuple[str, tuple[int, ...]]], units: int, heads_first: bool = False) -> float:
+    """units x 2 x B x Hq x T x S x D / 2 (causal). q is the kernel's first floating operand ([B, T, H, D], or
+    splash's [B, H, T, D] and per-shard [H, T, D]: heads_first), k the one of its head dim with the fewest heads."""
+    floats = [(1, s[1], s[0], s[2]) if len(s) == 3 else (s[0], s[2], s[1], s[3]) if heads_first else s
+              for d, s in arrays if d.startswith(("bf16", "f16", "f32", "f8")) and len(s) in (3, 4)]
+    if not floats or not units:
         return 0.0
-    q = max(four, key=lambda s: s[2] * s[3])
-    k = min(four, key=lambda s: s[2])
+    q = floats[0]
+    k = min((s for s in floats if s[3] == q[3]), key=lambda s: s[2])
     b, t, h, d = q
     return units * 2.0 * b * h * t * k[1] * d / 2
 
@@ -353,13 +366,13 @@ def cost_kernel(prog: _Program, comp: str, name: str, rtype: str, opcode: str, o
     if opcode == "custom-call":
         target = _TARGET.search(attrs)
         target = target.group(1) if target else ""
-        attention = _attention(attrs, target)
+        attention = _attention(name, attrs, target)
         if attention:
             impl, units = attention
-            shapes = [s for o in operands for _, s in _arrays(types.get(o, ""))]
-            if impl == "splash":
-                units = 2 if "fwd" in attrs[:4000] else 5
-            return Kernel(name, _attention_flops(shapes, units), operand_bytes + _bytes(rtype), count,
+            shapes = [a for o in operands for a in _arrays(types.get(o, ""))]
+            if impl == "splash":  # splash_mha_fwd, splash_mha_dq, splash_mha_dkv (dq fused in: 5)
+                units = 2 if "fwd" in name else 3 if "_dq" in name else 5
+            return Kernel(name, _attention_flops(shapes, units, impl == "splash"), operand_bytes + _bytes(rtype), count,
                           f"attention:{impl}")
         if "gemm" in target or "matmul" in target or "cublas" in target:
             flops, fp8 = prog.dot_flops(comp, rtype, operands, attrs)
