@@ -48,11 +48,14 @@ class PredictionError(UserError, ValueError):
 @dataclasses.dataclass(frozen=True)
 class Calibration:
     """Efficiencies fitted against measured steps (scripts/predict_check.py; docs/scale.md lists the rows)."""
-    matmul: float = 0.62         # of the bf16 (or fp8) peak, for XLA's and cuBLAS's matmuls
-    memory: float = 0.80         # of the HBM bandwidth, for memory-bound kernels
-    flash: float = 0.22          # of the bf16 peak, for the Pallas flash kernels (GPU)
-    cudnn: float = 0.37          # of the bf16 peak, for cuDNN's attention
-    splash: float = 0.50         # of the bf16 peak, for TPU splash attention (not yet checked: no TPU rows)
+    matmul: float = 0.83         # of the bf16 (or fp8) peak, for XLA's and cuBLAS's matmuls
+    memory: float = 1.0          # of the HBM bandwidth, for memory-bound kernels (1.0: the byte count errs high)
+    # The attention kernels' rates by head_dim, of the bf16 peak: docs/gpu.md's kernel speed rows (H200, 8k tokens,
+    # causal, GQA 4:1), whose useful TFLOP/s count 5 matmul units where this model counts flash's 9 (fwd 2, dq 3,
+    # dkv 4) and cuDNN's 7: flash 76.1, 201.2, 155.3 and cuDNN 272.4, 349.3, 285.4 at head_dim 64, 128, 256.
+    flash: tuple = ((64, 0.139), (128, 0.366), (256, 0.283))
+    cudnn: tuple = ((64, 0.386), (128, 0.494), (256, 0.404))
+    splash: tuple = ((128, 0.50),)   # TPU splash attention: not yet checked (no TPU rows measured)
     link: float = 0.75           # of the ICI / NVLink bandwidth
     network: float = 0.60        # of the DCN / network bandwidth
     launch_seconds: float = 4e-6   # per kernel (GPU launch and tail); TPU kernels are not launched: 1 us
@@ -60,8 +63,9 @@ class Calibration:
     source: str = ""
 
 
-CALIBRATION = Calibration(source="fitted on 3 rows of docs/gpu.md (H100: llama3.2-1b b8 remat full, the default "
-                                 "model, deepseek-shaped b4 capacity); docs/scale.md lists every row")
+CALIBRATION = Calibration(source="matmul, memory and launch fitted on 3 H100 rows of docs/gpu.md (llama3.2-1b b8 "
+                                 "remat full, the default model, deepseek-shaped b4 capacity; scripts/predict_check.py "
+                                 "--fit), attention from its kernel speed rows; collectives not yet checked")
 
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id",
         "opt-barrier", "add-dependency", "iota", "domain", "copy-done", "send-done", "recv-done"}
@@ -87,6 +91,7 @@ class Kernel:
     count: int
     kind: str = "fusion"      # fusion | matmul | attention:flash|cudnn|splash | other
     fp8: bool = False
+    head_dim: int = 0         # attention kernels
 
 
 @dataclasses.dataclass
@@ -234,17 +239,18 @@ def _attention(name: str, attrs: str, target: str) -> tuple[str, int] | None:
     return None
 
 
-def _attention_flops(arrays: list[tuple[str, tuple[int, ...]]], units: int, heads_first: bool = False) -> float:
+def _attention_flops(arrays: list[tuple[str, tuple[int, ...]]], units: int,
+                     heads_first: bool = False) -> tuple[float, int]:
     """units x 2 x B x Hq x T x S x D / 2 (causal). q is the kernel's first floating operand ([B, T, H, D], or
     splash's [B, H, T, D] and per-shard [H, T, D]: heads_first), k the one of its head dim with the fewest heads."""
     floats = [(1, s[1], s[0], s[2]) if len(s) == 3 else (s[0], s[2], s[1], s[3]) if heads_first else s
               for d, s in arrays if d.startswith(("bf16", "f16", "f32", "f8")) and len(s) in (3, 4)]
     if not floats or not units:
-        return 0.0
+        return 0.0, 0
     q = floats[0]
     k = min((s for s in floats if s[3] == q[3]), key=lambda s: s[2])
     b, t, h, d = q
-    return units * 2.0 * b * h * t * k[1] * d / 2
+    return units * 2.0 * b * h * t * k[1] * d / 2, d
 
 
 def _group_of(attrs: str, total: int) -> list[list[int]] | None:
@@ -372,8 +378,8 @@ def cost_kernel(prog: _Program, comp: str, name: str, rtype: str, opcode: str, o
             shapes = [a for o in operands for a in _arrays(types.get(o, ""))]
             if impl == "splash":  # splash_mha_fwd, splash_mha_dq, splash_mha_dkv (dq fused in: 5)
                 units = 2 if "fwd" in name else 3 if "_dq" in name else 5
-            return Kernel(name, _attention_flops(shapes, units, impl == "splash"), operand_bytes + _bytes(rtype), count,
-                          f"attention:{impl}")
+            flops, head_dim = _attention_flops(shapes, units, impl == "splash")
+            return Kernel(name, flops, operand_bytes + _bytes(rtype), count, f"attention:{impl}", head_dim=head_dim)
         if "gemm" in target or "matmul" in target or "cublas" in target:
             flops, fp8 = prog.dot_flops(comp, rtype, operands, attrs)
             return Kernel(name, flops, operand_bytes + _bytes(rtype), count, "matmul", fp8 or "f8" in target)
@@ -393,8 +399,9 @@ def kernel_seconds(k: Kernel, chip: chips_lib.Chip, cal: Calibration, launch: fl
     peak = _need(chip, "fp8_flops", "a float8 matmul") if k.fp8 else _need(chip, "bf16_flops", "the prediction")
     hbm = _need(chip, "hbm_bytes_per_s", "the prediction")
     efficiency = cal.matmul
-    if k.kind.startswith("attention:"):
-        efficiency = getattr(cal, k.kind.split(":")[1])
+    if k.kind.startswith("attention:"):  # the rate measured at the nearest head_dim
+        rates = getattr(cal, k.kind.split(":")[1])
+        efficiency = min(rates, key=lambda r: abs(math.log2(max(k.head_dim, 1) / r[0])))[1]
     compute = k.flops / (peak * efficiency)
     memory = k.bytes / (hbm * cal.memory)
     part = ("attention" if k.kind.startswith("attention") else "matmul") if compute >= memory and k.flops else "memory"
