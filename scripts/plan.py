@@ -97,7 +97,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--json", help="also write every cell's figures here")
     args = parser.parse_args(argv)
     if args.json:
-        storage.check_output(args.json, True, f"--json {args.json!r}")
+        storage.check_output(args.json, True, f"--json {args.json}")
     config = builder.load_config(args.settings, log=lambda *a: None)
     if not config.compile_topology:
         raise ToolError("plan.py needs a target: add compile_topology=v5p-128 (or h100-64, ...) to the settings")

@@ -211,3 +211,34 @@ def test_deepseek_step_compiles_for_8_h100s_with_experts_and_fsdp_split():
     expected = state_bytes(run) / 8
     batch = sum(math.prod(x.shape) * x.dtype.itemsize for x in run.abstract_batch().values()) / 8
     assert abs(rep["memory"]["arguments"] - batch - expected) <= 0.05 * expected, (rep["memory"], expected)
+
+
+def test_the_prediction_reads_an_h100_step_and_its_fsdp_collectives():
+    """compile/predict.py on a real H100 program: FSDP's gathers run over the fsdp axis inside one host (NVLink), the
+    flash kernels count as attention, the HLO's matmul FLOPs are near the family's formula (remat full: x 4/3)."""
+    need("gpu")
+    run, compiled, rep = compile_report(*SMALL, "compile_topology=h100-8", "attention=flash", "remat_policy=full")
+    p = rep["prediction"]
+    assert p["chip"] == "h100" and 0 < p["parts"]["collectives_hidden"] <= p["parts"]["collectives"]
+    assert set(p["collectives_by_axis"]) == {"fsdp"} and p["parts"]["attention"] > 0
+    model = rep["model_tflops_per_chip"] * 1e12
+    assert 0.9 * model < p["hlo_flops_per_chip"] < 1.6 * model
+    assert p["step_seconds"] == pytest.approx(p["compute_seconds"] + p["parts"]["collectives_exposed"])
+    assert "predicted step time" in train_compile.format_report(rep)
+
+
+def test_plan_sorts_the_cells_that_fit_and_names_the_best_command(capsys):
+    need("gpu")
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import plan  # pylint: disable=import-outside-toplevel  # scripts/plan.py, not a package
+
+    plan.main([BASE_YML, *SMALL, "compile_topology=h100-8", "--tensor", "1,2", "--batch", "1", "--remat", "full"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
+    speeds = [float(r.split("|")[2].replace(",", "")) for r in rows]
+    assert len(rows) == 2 and speeds == sorted(speeds, reverse=True)
+    assert re.search(r"train the best: python -m maxtrain.train .* ici_tensor_parallelism=[12] ", out)
+    with pytest.raises(plan.ToolError, match=r"no cell of the grid fits h100-8: the smallest needs [\d.]+ GiB per chip "
+                                             r"\(.*per_device_batch_size=4096.*\), the chip has 79.1; try"):
+        plan.main([BASE_YML, *with_overrides(SMALL, "max_target_length=4096"), "compile_topology=h100-8", "--tensor",
+                   "1", "--batch", "4096", "--remat", "minimal"])
