@@ -135,8 +135,8 @@ def test_a_record_without_a_needed_figure_is_one_line():
 def test_a_real_cpu_step_counts_the_models_matmuls():
     """The HLO's matmul FLOPs of a compiled CPU step against the family's formula (3 x the forward matmuls):
     remat none and dense attention, so the program computes what the formula counts, plus the full T x T scores."""
-    config = builder.load_config([BASE_YML, "base_num_decoder_layers=2", "base_emb_dim=128", "base_mlp_dim=512",
-                                  "vocab_size=1024", "max_target_length=64", "per_device_batch_size=2",
+    config = builder.load_config([BASE_YML, "base_num_decoder_layers=2", "base_emb_dim=64", "base_mlp_dim=256",
+                                  "vocab_size=512", "max_target_length=32", "per_device_batch_size=2",
                                   "dataset_type=synthetic", "remat_policy=none", "attention=dot_product"])
     run = builder.build(config)
     costs = predict.program_costs(run.compile().as_text(), list(run.mesh.devices.flat), dict(run.mesh.shape))

@@ -312,19 +312,27 @@ def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict |
         if comp not in prog.insts or depth > 20:
             return
         pending: dict[str, CollectiveRun] = {}
+        alias: dict[str, str] = {}  # a get-tuple-element or bitcast -> what it reads (a done reads its start so)
         for name, rtype, opcode, operands, attrs in prog.insts[comp]:
-            if name in by_name:
-                c = by_name[name]
-                size, used, leaves = describe_group(attrs, c)
-                run = CollectiveRun(name, c.kind, c.bytes, count, size, used, leaves,
-                                    asynchronous=opcode.endswith("-start") or "Start" in attrs[:200])
-                runs.append(run)
-                if run.asynchronous:
-                    pending[name] = run
+            if opcode in ("get-tuple-element", "bitcast") and operands:
+                alias[name] = alias.get(operands[0], operands[0])
+            callee = _CALLS.search(attrs) if opcode == "fusion" else None
+            inner = [row for row in prog.insts.get(callee.group(1), ()) if row[0] in by_name] if callee else []
+            if name in by_name or inner:  # a collective; on TPUs, a fusion around one (AsyncCollectiveStart)
+                started = opcode.endswith("-start") or (callee is not None and any(
+                    "AsyncCollectiveStart" in line for line in prog.raw[callee.group(1)]))
+                for inst, _, _, _, inst_attrs in inner or [(name, rtype, opcode, operands, attrs)]:
+                    c = by_name[inst]
+                    size, used, leaves = describe_group(inst_attrs, c)
+                    run = CollectiveRun(inst, c.kind, c.bytes, count, size, used, leaves, asynchronous=started)
+                    runs.append(run)
+                    if started:
+                        pending[name] = run
                 continue
-            if opcode.endswith("-done") or "AsyncCollectiveDone" in attrs:
+            done = callee is not None and any("AsyncCollectiveDone" in line for line in prog.raw[callee.group(1)])
+            if opcode.endswith("-done") or done:
                 for o in operands:
-                    pending.pop(o, None)
+                    pending.pop(alias.get(o, o), None)
                 continue
             if opcode in FREE or opcode.endswith("-start") and not opcode.startswith("copy"):
                 continue
