@@ -38,7 +38,8 @@ from maxtrain.training import builder
 
 EXIT_DOES_NOT_FIT = 3
 KEYS = ("compile_topology", "compile_topology_num_slices", "model_name", "per_device_batch_size", "max_target_length",
-        "remat_policy", "dtype", "attention", "ici_fsdp_parallelism", "ici_tensor_parallelism", "compiled_trainstep_file", "compile_report_file")
+        "remat_policy", "dtype", "attention", "ici_fsdp_parallelism", "ici_tensor_parallelism", "compiled_trainstep_file",
+        "compile_report_file")
 
 
 def compile_for_target(config, target: topologies.Target):

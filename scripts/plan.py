@@ -2,7 +2,8 @@
 
     python scripts/plan.py configs/base.yml compile_topology=v5p-128 model_name=llama3-8b max_target_length=8192
     python scripts/plan.py configs/base.yml compile_topology=h100-64 model_name=llama3-8b --batch 1,2 --tensor 1,8
-    python scripts/plan.py configs/base.yml compile_topology=v5p-512 model_name=deepseek3-671b --expert 1,8 --json p.json
+    python scripts/plan.py configs/base.yml compile_topology=v5p-512 model_name=deepseek3-671b --expert 8,64 \
+        --json plan.json
 
 Every cell is `python -m maxtrain.train_compile` of the config with one choice of each axis of the grid: the
 tensor (--tensor) and expert (--expert, MoE models only) splits that divide the target's devices, FSDP taking the
@@ -78,7 +79,8 @@ def compile_cell(argv: list[str], cell: dict, target: targets.Target) -> dict:
 
 
 def format_rows(rows: list[dict]) -> list[str]:
-    lines = ["| rank | tokens/s per chip | step ms | MFU | GiB per chip | settings |", "| --- | --- | --- | --- | --- | --- |"]
+    lines = ["| rank | tokens/s per chip | step ms | MFU | GiB per chip | settings |",
+             "| --- | --- | --- | --- | --- | --- |"]
     for i, row in enumerate(rows, 1):
         p = row["prediction"]
         lines.append(f"| {i} | {p['tokens_per_second_per_chip']:,.0f} | {p['step_seconds'] * 1e3:,.1f} | "

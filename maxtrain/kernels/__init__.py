@@ -6,5 +6,6 @@ attention (TPU, Mosaic).
     flash_tiles.py       block sizes that fit a GPU's shared memory (config/chips.py's, per compute capability)
     splash_attention.py  JAX's splash kernel behind the same signature
 
-Called only from maxtrain/models/attention.py (inside shard_map). Imports nothing else of maxtrain but the chip records (config/chips.py).
+Called only from maxtrain/models/attention.py (inside shard_map). Imports nothing else of maxtrain but the
+chip records (config/chips.py).
 """
