@@ -225,6 +225,9 @@ def main(argv: list[str]) -> int:
     if target.platform != "cpu":
         # Compiling for another target needs no accelerator here; keep JAX from probing for one.
         jax.config.update("jax_platforms", "cpu")
+    if target.platform != "cpu":  # a chip record missing a figure the prediction needs: said before the compile
+        domains = target.num_slices * (target.shape[0] if target.platform == "gpu" else 1)
+        predict.check_record(topologies.chip_record(target), target.num_devices, domains)
     print(f"compiling the train step for {target.describe()} ...", flush=True)
     try:
         with executable.compiled_afresh() if config.compiled_trainstep_file else contextlib.nullcontext():

@@ -132,6 +132,13 @@ def test_a_record_without_a_needed_figure_is_one_line():
         predict.predict(costs, chips.by_name("jetson-orin"), model_flops_per_step=1, tokens_per_step=1, num_chips=1)
 
 
+def test_a_record_is_checked_before_the_compile():
+    predict.check_record(chips.by_name("v5p"), 64, 2)
+    with pytest.raises(predict.PredictionError, match="has no network_bytes_per_s, which a collective across"):
+        predict.check_record(dataclasses.replace(chips.by_name("h100"), network_bytes_per_s=None), 16, 2)
+    predict.check_record(dataclasses.replace(chips.by_name("h100"), network_bytes_per_s=None), 8, 1)
+
+
 def test_a_real_cpu_step_counts_the_models_matmuls():
     """The HLO's matmul FLOPs of a compiled CPU step against the family's formula (3 x the forward matmuls):
     remat none and dense attention, so the program computes what the formula counts, plus the full T x T scores."""

@@ -402,6 +402,16 @@ def _need(chip: chips_lib.Chip, field: str, what: str) -> float:
     return float(value)
 
 
+def check_record(chip: chips_lib.Chip, devices: int, domains: int) -> None:
+    """A PredictionError now, before any compile, if the chip record lacks a figure this target's prediction needs."""
+    _need(chip, "bf16_flops", "the prediction")
+    _need(chip, "hbm_bytes_per_s", "the prediction")
+    if devices > 1:
+        _need(chip, "link_bytes_per_s", "a collective")
+    if domains > 1:
+        _need(chip, "network_bytes_per_s", "a collective across slices or hosts")
+
+
 def kernel_seconds(k: Kernel, chip: chips_lib.Chip, cal: Calibration, launch: float) -> tuple[float, str]:
     """(seconds for one run of the kernel, the part it counts to: matmul | attention | memory)."""
     peak = _need(chip, "fp8_flops", "a float8 matmul") if k.fp8 else _need(chip, "bf16_flops", "the prediction")
