@@ -133,7 +133,8 @@ def main(argv: list[str]) -> None:
                         "--batch, --remat full, more chips (compile_topology) or a shorter max_target_length")
     print("\n".join(["", *format_rows(fitting), ""]))
     best = " ".join(fitting[0]["overrides"])
-    print(f"train the best: python -m maxtrain.train {' '.join(args.settings)} {best}")
+    settings = " ".join(a for a in args.settings if not a.startswith("compile_topology"))  # train.py's devices
+    print(f"train the best, on {target.name}: python -m maxtrain.train {settings} {best}")
     sys.stdout.flush()
 
 

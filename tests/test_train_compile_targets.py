@@ -237,7 +237,7 @@ def test_plan_sorts_the_cells_that_fit_and_names_the_best_command(capsys):
     rows = [line for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
     speeds = [float(r.split("|")[2].replace(",", "")) for r in rows]
     assert len(rows) == 2 and speeds == sorted(speeds, reverse=True)
-    assert re.search(r"train the best: python -m maxtrain.train .* ici_tensor_parallelism=[12] ", out)
+    assert re.search(r"train the best, on h100-8: python -m maxtrain.train .* ici_tensor_parallelism=[12] ", out)
     with pytest.raises(plan.ToolError, match=r"no cell of the grid fits h100-8: the smallest needs [\d.]+ GiB per chip "
                                              r"\(.*per_device_batch_size=4096.*\), the chip has 79.1; try"):
         plan.main([BASE_YML, *with_overrides(SMALL, "max_target_length=4096"), "compile_topology=h100-8", "--tensor",
