@@ -474,32 +474,6 @@ def predict(costs: ProgramCosts, chip: chips_lib.Chip, *, model_flops_per_step: 
     }
 
 
-def format_prediction(p: dict) -> list[str]:
-    """The summary lines train_compile prints under the memory."""
-    ms = 1e3
-    parts = p["parts"]
-    axes = ", ".join(f"{a} {s * ms:.1f}" for a, s in sorted(p["collectives_by_axis"].items())) or "none"
-
-    def duration(seconds: float) -> str:
-        return f"{seconds / 86400:.1f} days" if seconds >= 86400 else f"{seconds / 3600:.1f} h"
-
-    lines = [f"predicted step time (ms)         {p['step_seconds'] * ms:.1f}  (roofline over {p['kernels']} kernel "
-             f"runs and the collectives, against the {p['chip']} record; error: docs/scale.md)",
-             f"  matmul compute               {parts['matmul'] * ms:9.1f}",
-             f"  attention kernels            {parts['attention'] * ms:9.1f}",
-             f"  memory-bound work            {parts['memory'] * ms:9.1f}",
-             f"  collectives                  {parts['collectives'] * ms:9.1f}  (per axis: {axes}), hidden behind "
-             f"compute {parts['collectives_hidden'] * ms:.1f}, exposed {parts['collectives_exposed'] * ms:.1f}",
-             f"tokens/s per chip               {p['tokens_per_second_per_chip']:,.0f}  (all chips "
-             f"{p['tokens_per_second']:,.0f}); MFU {p['mfu']:.1%}",
-             f"per billion tokens              {duration(p['seconds_per_billion_tokens'])}, "
-             f"{p['chip_hours_per_billion_tokens']:,.0f} chip-hours"]
-    if p["run_steps"]:
-        lines.append(f"for steps={p['run_steps']:,}                {duration(p['run_seconds'])}, "
-                     f"{p['run_chip_hours']:,.0f} chip-hours")
-    return lines
-
-
 def compiler_estimate(compiled) -> dict | None:
     """What the compiler's own cost analysis says (TPU: FLOPs, bytes and, where libtpu gives it, seconds);
     None where it says nothing (XLA:GPU without a GPU)."""
