@@ -320,7 +320,7 @@ def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict |
             inner = [row for row in prog.insts.get(callee.group(1), ()) if row[0] in by_name] if callee else []
             if name in by_name or inner:  # a collective; on TPUs, a fusion around one (AsyncCollectiveStart)
                 started = opcode.endswith("-start") or (callee is not None and any(
-                    "AsyncCollectiveStart" in line for line in prog.raw[callee.group(1)]))
+                    "AsyncCollectiveStart" in line for line in prog.raw.get(callee.group(1), ())))
                 for inst, _, _, _, inst_attrs in inner or [(name, rtype, opcode, operands, attrs)]:
                     c = by_name[inst]
                     size, used, leaves = describe_group(inst_attrs, c)
@@ -329,7 +329,7 @@ def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict |
                     if started:
                         pending[name] = run
                 continue
-            done = callee is not None and any("AsyncCollectiveDone" in line for line in prog.raw[callee.group(1)])
+            done = callee is not None and any("AsyncCollectiveDone" in line for line in prog.raw.get(callee.group(1), ()))
             if opcode.endswith("-done") or done:
                 for o in operands:
                     pending.pop(alias.get(o, o), None)
