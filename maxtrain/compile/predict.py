@@ -329,7 +329,8 @@ def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict |
                     if started:
                         pending[name] = run
                 continue
-            done = callee is not None and any("AsyncCollectiveDone" in line for line in prog.raw.get(callee.group(1), ()))
+            done = callee is not None and any("AsyncCollectiveDone" in line
+                                              for line in prog.raw.get(callee.group(1), ()))
             if opcode.endswith("-done") or done:
                 for o in operands:
                     pending.pop(alias.get(o, o), None)
