@@ -7,6 +7,9 @@
     attention_check.py  implementations against the float32 reference; attention FLOPs (gpu_report.py)
     mla.py        multi-head latent attention (DeepSeek): low-rank queries, a cached latent for keys and values
     blocks.py     norms, embedding, attention, gated MLPs, logits; FLOPs helpers
+    layers.py     a layer's kind as data (LayerType): its parameter stack, mixer, attention, RoPE, head dim, MLP
+    contract.py   the family contract (FamilyModel): everything the rest of maxtrain uses from a family
+    standard_layers.py  the decoder layers several families share (pre-norm, Gemma's sandwich), embed, heads
     moe.py        the mixture-of-experts block: routers, dropless and capacity dispatch, experts,
                   balance losses, expert parallelism (docs/moe.md)
     moe_deepseek.py  DeepSeek's parts of it: sigmoid group-limited router, the selection bias and its
