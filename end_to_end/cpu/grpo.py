@@ -104,13 +104,13 @@ def main(argv: list[str]) -> int:
         print(f"reusing the SFT model in {out / 'sft'}", flush=True)
     else:
         common.run("maxtrain.train", compose(
-            *base, "run_name=sft", "use_sft=true", "train_data_columns=[prompt,completion]",
+            *base, "run_name=sft", "objective=sft", "train_data_columns=[prompt,completion]",
             f"grain_train_files={data['sft']}", "eval_interval=-1", "per_device_batch_size=32",
             "max_target_length=96",  # about 5 sums packed per row
             f"steps={options.sft_steps}", "learning_rate=3e-3", "warmup_steps_fraction=0.05"), out / "sft.log")
     metrics_file = out / "grpo_metrics.jsonl"
     common.run("maxtrain.train", compose(
-        *base, "run_name=grpo", "use_grpo=true", "train_data_columns=[prompt,answer]", "eval_data_columns=[prompt,answer]",
+        *base, "run_name=grpo", "objective=grpo", "train_data_columns=[prompt,answer]", "eval_data_columns=[prompt,answer]",
         f"grain_train_files={data['grpo']}", f"grain_eval_files={data['held_out']}", "eval_steps=-1",
         f"eval_interval={max(options.grpo_steps // 4, 1)}", f"load_parameters_path={out / 'sft'}", f"per_device_batch_size={options.generations * options.prompts}",
         f"num_generations={options.generations}", "max_prefill_predict_length=16", "decode_sampling_strategy=weighted",
