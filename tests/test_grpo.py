@@ -365,7 +365,7 @@ def test_a_failed_step_or_hook_finishes_the_checkpoint_saves_under_way():
 def test_builtin_rewards():
     assert rewards.exact_match([""] * 3, ["42", " <think>4+2</think><answer>6</answer>", "7"], ["42", "6", "8"]) == [1, 1, 0]
     assert rewards.format_reward([""] * 2, ["<think>a</think> <answer>b</answer>", "b"], ["", ""]) == [1.0, 0.0]
-    assert set(rewards.BUILTIN) == set(config_lib.checks.GRPO_REWARDS)
+    assert set(rewards.BUILTIN) == set(config_lib.objectives.GRPO_REWARDS)
 
 
 def test_completions_stop_at_eos_and_the_templates_end_of_turn(dataset):
