@@ -10,7 +10,7 @@ busy 2-core CPU).
    steps.
 2. Trains the student (2 layers, D 128, 2 heads of 64) on the same data for --steps steps twice, from
    the same initialization and batches: on the data alone (the next-token loss), and distilled from
-   the teacher (use_distillation=true, distill_alpha, distill_temperature).
+   the teacher (objective=distill, distill_alpha, distill_temperature).
 3. Prints both students' eval curves: the next-token eval loss (the lm run's eval loss, the distilled
    run's distill_ce), measured on the same eval batches every 25 steps.
 

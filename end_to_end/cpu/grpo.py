@@ -5,9 +5,9 @@
 1. Generates sums "a+b=" (a, b in 0..99) with their answers: 500 held-out prompts never trained
    on, and the other 9,500 as the training set; a sentencepiece tokenizer (digits split, ChatML
    markers as tokens).
-2. SFT (use_sft, chat_template=chatml) from scratch on [prompt, completion] rows, packed about five
+2. SFT (objective=sft, chat_template=chatml) from scratch on [prompt, completion] rows, packed about five
    to a row: a small model (4 layers, D 128) that answers about a third of the held-out sums right.
-3. GRPO (use_grpo) from the SFT checkpoint on [prompt, answer] rows: 32 prompts x 16 completions
+3. GRPO (objective=grpo) from the SFT checkpoint on [prompt, answer] rows: 32 prompts x 16 completions
    per step sampled at temperature 1, the exact_match reward, grpo_beta 0.04, learning rate 1e-4
    (10% warm-up, then constant). Its held-out evaluation (greedy answers to the 500 prompts,
    eval/grpo_accuracy) runs at step 0, which is the SFT model, every quarter and at the end.

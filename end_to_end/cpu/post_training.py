@@ -7,10 +7,10 @@
    sentencepiece tokenizer with the ChatML markers as single tokens.
 2. Pre-trains a small base model (LM objective) on the same facts written as plain sentences
    ("add 12 and 34: 46"), never in the chat format.
-3. SFT (use_sft, chat_template=chatml, loss on assistant tokens) from the base, and the same with
+3. SFT (objective=sft, chat_template=chatml, loss on assistant tokens) from the base, and the same with
    LoRA (lora_rank=8); the held-out exact-answer rate (greedy, the answer up to <|im_end|>) is
    measured for the base, the SFT model and the LoRA model.
-4. DPO (use_dpo) from the SFT model, LoRA adapters on a frozen reference; the held-out reward
+4. DPO (objective=dpo) from the SFT model, LoRA adapters on a frozen reference; the held-out reward
    accuracy (chosen reward > rejected reward) comes from the run's eval metrics.
 5. Exports the SFT model (scripts/convert_hf.py export) and checks that transformers' greedy
    generation from the exported model gives the same tokens as `python -m maxtrain.decode`. That
