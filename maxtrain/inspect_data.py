@@ -101,7 +101,8 @@ def main(argv: list[str]) -> None:
         print("shard assignment:")
         for line in sources.describe(inputs.sources, config, hosts):
             print("  " + line)
-    print(f"eval: {len(inputs.eval_batches)} batches per evaluation" if len(inputs.eval_batches) else "eval: none")
+    what = "held-out prompts" if inputs.prompts is not None else "batches per evaluation"
+    print(f"eval: {len(inputs.eval_batches)} {what}" if len(inputs.eval_batches) else "eval: none")
 
     if inputs.prompts is not None:  # objective=grpo: prompt batches (the completions are sampled as it trains)
         for b in range(opts.batches):
