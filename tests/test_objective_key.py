@@ -122,6 +122,15 @@ def test_make_inputs_reads_the_data_kind_of_the_row(dataset, tmp_path):
         np.testing.assert_array_equal(distilled[key], sft[key])
 
 
+def test_inspect_data_shows_the_prompts_of_grpo(dataset, capsys):
+    from maxtrain import inspect_data  # pylint: disable=import-outside-toplevel
+
+    inspect_data.main([*compose(BASE_YML, *TINY, *grpo_args(dataset, dataset["dir"])), "--batches", "1", "--rows", "1"])
+    out = capsys.readouterr().out
+    assert "eval: 8 held-out prompts" in out and "2 prompts, left-padded to 16 tokens" in out
+    assert "<|im_start|>assistant⏎' -> answer '" in out
+
+
 def test_a_saved_config_with_the_old_switches_reads_as_its_objective():
     off = {"use_sft": False, "use_dpo": False, "use_grpo": False, "use_distillation": False}
     assert rows.saved_objective({**off, "steps": 3}) == {"objective": "lm", "steps": 3}
