@@ -13,6 +13,7 @@ from maxtrain import config as config_lib
 from maxtrain import data as data_lib
 from maxtrain import models, train
 from maxtrain.checkpointing import checksums
+from maxtrain.checkpointing import inspect as checkpoint_inspect
 from maxtrain.config import objectives as rows
 from maxtrain.errors import ConfigError
 from maxtrain.training import distillation, objectives, train_step
@@ -153,6 +154,7 @@ def test_a_checkpoint_written_with_the_old_switches_resumes(dataset, tmp_path, c
     with open(path, "w") as f:
         json.dump(meta, f)
     checksums.write(os.path.dirname(os.path.dirname(path)))  # the step as that maxtrain saved it, checksums and all
+    assert "dataset_type=jsonl objective=dpo" in checkpoint_inspect.describe(os.path.dirname(os.path.dirname(path)))
     capsys.readouterr()
     resumed = train.main(_old([*common, "steps=2"]))
     out = capsys.readouterr()
