@@ -107,8 +107,8 @@ def main(argv: list[str]) -> None:
     if inputs.prompts is not None:  # objective=grpo: prompt batches (the completions are sampled as it trains)
         for b in range(opts.batches):
             batch = next(inputs.train_iterator)
-            print(f"\nbatch {b} of host {host}: {len(batch['text'])} prompts, left-padded to {batch['prompt'].shape[1]} "
-                  "tokens")
+            print(f"\nbatch {b} of host {host}: {len(batch['text'])} prompts, left-padded to "
+                  f"{batch['prompt'].shape[1]} tokens")
             for r in range(min(opts.rows, len(batch["text"]))):
                 print(f"  row {r}  {_elide(batch['text'][r].decode(), opts.chars)!r} -> answer "
                       f"{_elide(batch['answer'][r].decode(), opts.chars)!r}")

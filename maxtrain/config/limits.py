@@ -60,9 +60,9 @@ def sampler_choices(v: dict[str, Any]) -> str | None:
 def _grpo_samples_different_completions(v):
     why = sampler_choices(v) if objectives.of(v).samples else None
     if why:
-        raise ConfigError(f"objective={v['objective']} samples each prompt's completions with {why}; a prompt's completions would "
-                          "all be the same and teach nothing (zero advantage). Set decode_sampling_strategy=weighted "
-                          "(or topk with decode_sampling_top_k >= 2, nucleus with decode_sampling_nucleus_p near 1) "
+        raise ConfigError(f"objective={v['objective']} samples each prompt's completions with {why}; a prompt's "
+                          "completions would all be the same and teach nothing (zero advantage). Set "
+                          "decode_sampling_strategy=weighted (or topk with decode_sampling_top_k >= 2, nucleus with decode_sampling_nucleus_p near 1) "
                           f"and decode_sampling_temperature >= {MIN_SAMPLING_TEMPERATURE} (1.0 is usual)")
 
 

@@ -67,14 +67,15 @@ def _grpo_settings(v):
     _require(v["num_generations"] >= 2,
              f"num_generations={v['num_generations']}: GRPO's advantage is a completion's reward minus its group's "
              "mean, always 0 in a group of one; sample 2 or more completions per prompt (4 to 16 are usual)")
-    _require(v["num_epoch"] == -1, f"objective=grpo repeats its prompts (num_epoch=-1), but num_epoch={v['num_epoch']}; "
-                                   "bound the run with steps instead")
+    _require(v["num_epoch"] == -1, f"objective=grpo repeats its prompts (num_epoch=-1), but num_epoch="
+                                   f"{v['num_epoch']}; bound the run with steps instead")
     for name in v["grpo_reward_functions"]:
         module, _, function = str(name).partition(":")
         _require(name in GRPO_REWARDS or (module and function),
                  f"grpo_reward_functions: {name!r} is neither a built-in reward ({', '.join(GRPO_REWARDS)}) nor an "
                  "import path module:function (e.g. my_rewards:score, with my_rewards.py on PYTHONPATH)")
-    _require(len(v["grpo_reward_functions"]) > 0, "grpo_reward_functions is empty; name at least one, e.g. [exact_match]")
+    _require(len(v["grpo_reward_functions"]) > 0,
+             "grpo_reward_functions is empty; name at least one, e.g. [exact_match]")
 
 
 def _distillation_settings(v):
@@ -216,8 +217,8 @@ def from_old_keys(old: dict[str, bool], objective: str | None) -> tuple[dict[str
     elif len(true) > 1:
         first, second = true[:2]
         raise ConfigError(f"{first}=true and {second}=true were both set; a run has one objective: set objective="
-                          f"{OLD_KEYS[first]} or objective={OLD_KEYS[second]} (the use_* keys will be removed). Run one "
-                          "first, then the other from its checkpoint with load_parameters_path=<that run>")
+                          f"{OLD_KEYS[first]} or objective={OLD_KEYS[second]} (the use_* keys will be removed). Run "
+                          "one first, then the other from its checkpoint with load_parameters_path=<that run>")
     elif true:
         changes = {"objective": OLD_KEYS[true[0]]}
     if objective is not None and changes and changes["objective"] != objective:

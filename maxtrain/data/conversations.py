@@ -249,10 +249,12 @@ def make_inputs(config, index: int, count: int, log=print):
     check_first_records(evals, template, config, "eval")
     pairs = objectives.data_kind(config) == objectives.PAIRS
     log(f"{'preference pairs' if pairs else 'conversations'} rendered with the chat template {template.describe()}"
-        + ("" if pairs else f"; loss on {'assistant tokens only' if config.sft_train_on_completion_only else 'every token'}"))
+        + ("" if pairs else "; loss on " + ("assistant tokens only" if config.sft_train_on_completion_only
+                                             else "every token")))
     if config.dataset_cache_dir:
-        log(f"note: dataset_cache_dir={config.dataset_cache_dir!r} is not used with objective={config.objective}: records "
-            "are rendered and tokenized as they are read (the chat template decides the tokens and their weights)")
+        log(f"note: dataset_cache_dir={config.dataset_cache_dir!r} is not used with objective={config.objective}: "
+            "records are rendered and tokenized as they are read (the chat template decides the tokens and their "
+            "weights)")
 
     epochs = None if config.num_epoch == -1 else config.num_epoch
     files = [f for c in train for f in sources.host_files(

@@ -26,7 +26,8 @@ KEY = "distill_teacher_model"  # the config's derived entry: the teacher's model
 
 def adopt_teacher(config, log=print):
     """config with the teacher's model settings (from its checkpoint's metadata) as `distill_teacher_model`;
-    unchanged when the objective holds no teacher (objective=distill's row does) or when already adopted. Refused before any other work when the
+    unchanged when the objective holds no teacher (objective=distill's row does) or when already adopted.
+    Refused before any other work when the
     teacher is missing, unreadable, or predicts another vocabulary than the student."""
     if config_lib.objectives.of(config).frozen != "teacher" or KEY in config:
         return config
