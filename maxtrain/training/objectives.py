@@ -6,8 +6,9 @@
 Which one runs is the `objective` key (config/objectives.py: its row declares the data it reads, the
 frozen model the state holds and the extra batch entries; `LOSSES` below is each row's loss). The train
 step divides the summed loss of all its micro-batches by their summed weight and adds every metric named
-`*_loss` (already a mean, times the weight: models.objective); it never asks which objective it runs. Metrics are means over the micro-batch's weight, reported as
-`learning/<name>` (training) and `eval/<name>` (evaluation).
+`*_loss` (already a mean, times the weight: models.objective); it never asks which objective it runs.
+Metrics are means over the micro-batch's weight, reported as `learning/<name>` (training) and
+`eval/<name>` (evaluation).
 
     lm    next-token cross-entropy: sum over targets of loss_weight x (-log p(target)); the weight
           is the number of weighted targets. Pre-training data weights every real token.
