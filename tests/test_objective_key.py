@@ -164,3 +164,17 @@ def test_a_checkpoint_written_with_the_old_switches_resumes(dataset, tmp_path, c
     assert int(resumed.state["step"]) == 2
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed.state["reference"]),
                  jax.device_get(first.state["reference"]))  # the checkpoint's frozen reference, loaded
+
+
+@pytest.mark.slow  # two tiny runs on conversations, the teacher's and the student's (~25 s idle)
+def test_distillation_on_conversations_trains_towards_the_teacher(dataset, tmp_path):
+    common = [BASE_YML, *TINY, f"base_output_directory={tmp_path}", "viz_period=-1", *sft_args(dataset),
+              "eval_steps=1", "learning_rate=0.01", "warmup_steps_fraction=0"]
+    train.main(compose(*common, "base_emb_dim=48", "base_num_decoder_layers=3", "run_name=teacher", "steps=2",
+                       "eval_interval=-1"))
+    student = train.main(compose(*common, "run_name=student", "steps=4", "eval_interval=4", "objective=distill",
+                                 "distill_data=conversations", f"distill_teacher_path={tmp_path / 'teacher'}"))
+    assert student.config.objective == "distill" and "teacher" in student.state
+    first, last = student.eval_metrics[0], student.eval_metrics[4]
+    assert first["distill_kl"] > 0 and last["distill_kl"] < first["distill_kl"]  # towards the teacher
+    assert last["distill_ce"] < first["distill_ce"]  # and the conversations' assistant tokens
