@@ -101,6 +101,7 @@ def test_every_row_has_a_loss_and_declares_what_its_state_and_batches_hold(datas
         frozen = {row.frozen} if rows.holds_frozen(config) else set()
         assert set(train_step.state_specs(config)) == {"params"} | frozen, (name, extra)
         assert objectives.batch_keys(config) == row.batch_keys
+        assert set(row.shown) <= set(row.keys) and set(row.data) == set(row.columns)
     assert not rows.holds_frozen(_load(*_args(dataset, "grpo"), "grpo_beta=0"))
 
 

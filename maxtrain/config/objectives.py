@@ -98,6 +98,7 @@ class Objective:
     next_token: bool = True         # its loss is next-token cross-entropy (multi-token prediction adds to it)
     pipeline: bool = True           # runs with pipeline stages
     keys: tuple[str, ...] = ()      # the settings only it reads (refused under another objective: features.py)
+    shown: tuple[str, ...] = ()     # those the start-up summary shows beside its name
     fix: str = ""                   # how to turn it on, where that is more than objective=<name>
     checks: tuple[Callable[[dict], None], ...] = ()  # its own rules on resolved values
     data_key: str = ""              # the key that picks among several data kinds
@@ -114,18 +115,21 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
               "supervised fine-tuning on conversations rendered with the chat template", old_key="use_sft"),
     Objective("dpo", (PAIRS,), {PAIRS: (("prompt", "chosen", "rejected"),)},
               "direct preference optimization against the frozen starting model", frozen="reference",
-              next_token=False, keys=("dpo_beta", "dpo_label_smoothing"), old_key="use_dpo"),
+              next_token=False, keys=("dpo_beta", "dpo_label_smoothing"), shown=("dpo_beta", "dpo_label_smoothing"),
+              old_key="use_dpo"),
     Objective("grpo", (PROMPTS,), {PROMPTS: (("prompt", "answer"),)},
               "reinforcement learning from verifiable rewards on completions sampled as it trains",
               frozen="reference", frozen_unless_zero="grpo_beta", batch_keys=("advantages", "old_log_probs"),
               samples=True, next_token=False,
               keys=("num_generations", "grpo_beta", "grpo_epsilon", "grpo_reward_functions",
-                    "max_prefill_predict_length"), checks=(_grpo_settings,), old_key="use_grpo"),
+                    "max_prefill_predict_length"), shown=("num_generations", "grpo_beta", "grpo_epsilon"),
+              checks=(_grpo_settings,), old_key="use_grpo"),
     Objective("distill", (TEXT, CONVERSATIONS), {TEXT: ONE_TEXT_FIELD,
                                                  CONVERSATIONS: (("messages",), ("prompt", "completion"))},
               "towards a frozen teacher's next-token distributions, mixed with next-token prediction",
               frozen="teacher", next_token=False, pipeline=False,
               keys=("distill_teacher_path", "distill_alpha", "distill_temperature", "distill_data"),
+              shown=("distill_alpha", "distill_temperature"),
               fix="set objective=distill (with distill_teacher_path=<the teacher's checkpoint>)",
               checks=(_distillation_settings,), data_key="distill_data", old_key="use_distillation"),
 )}

@@ -268,12 +268,9 @@ DENSE_RAGGED_DOT = ("cpu", "gpu")
 def objective_details(config) -> str:
     """The summary's words after the objective's name: its settings, its data kind and its frozen model."""
     row = config_lib.objectives.of(config)
-    settings = {"dpo": f"beta {config.dpo_beta}, label smoothing {config.dpo_label_smoothing}",
-                "grpo": f"beta {config.grpo_beta:g}, epsilon {config.grpo_epsilon:g}",
-                "distill": f"alpha {config.distill_alpha:g}, temperature {config.distill_temperature:g}"}
-    parts = [settings.get(row.name, ""), config_lib.objectives.data_kind(config),
-             f"frozen {row.frozen}" if config_lib.objectives.holds_frozen(config) else ""]
-    return " (" + ", ".join(p for p in parts if p) + ")"
+    parts = [f"{key} {getattr(config, key):g}" for key in row.shown] + [config_lib.objectives.data_kind(config)]
+    parts += [f"frozen {row.frozen}"] if config_lib.objectives.holds_frozen(config) else []
+    return " (" + ", ".join(parts) + ")"
 
 
 def moe_line(run: Run) -> str:
