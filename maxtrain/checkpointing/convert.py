@@ -85,7 +85,7 @@ def model_keys(hf: dict, notes: list | None = None, where: str = "config.json") 
     """Every maxtrain model key (MODEL_KEYS) for a config.json (`where`, for messages): the family's reading
     over base.yml's defaults, checked as a config is (a model maxtrain cannot build is a ConversionError)."""
     family, text = family_for(hf)
-    name = family.FAMILY.name
+    name = family.row.name
     try:
         keys = family.from_hf_config(text, notes)
     except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
@@ -128,9 +128,9 @@ def _entries(keys: dict):
     flat = {"/".join(str(getattr(k, "key", k)) for k in path): spec for path, spec in
             jax.tree_util.tree_flatten_with_path(family.param_specs(cfg), is_leaf=is_spec)[0]}
     for path, spec in flat.items():
-        if path not in family.HF_NAMES:
-            raise ConversionError(f"the {family.FAMILY.name} family declares {path} but has no Hugging Face name for it")
-        name, n_in = family.HF_NAMES[path]
+        if path not in family.hf_names:
+            raise ConversionError(f"the {family.row.name} family declares {path} but has no Hugging Face name for it")
+        name, n_in = family.hf_names[path]
         layers = experts = None
         if "{i}" in name and path.startswith("mtp/"):  # the MTP modules follow the layers (models/mtp.py)
             layers = [len(layer_types) + k for k in range(spec.shape[0])]
@@ -273,7 +273,7 @@ def _without_prediction_layers(tensors: dict, hf: dict, keys: dict, notes: list)
     layers = keys["base_num_decoder_layers"]
     extra = tuple(f"model.layers.{i}." for i in range(layers, layers + mtp))
     if keys.get("mtp_num_layers", 0) > 0:
-        copies = tuple(p + c for p in extra for c in models.family(spec_config(keys)).MTP_COPIES)
+        copies = tuple(p + c for p in extra for c in models.family(spec_config(keys)).mtp_copies)
         return {n: t for n, t in tensors.items() if not n.endswith(copies)}
     out = {n: t for n, t in tensors.items() if not n.startswith(extra)}
     if len(out) < len(tensors):
@@ -370,7 +370,7 @@ def export_hf(checkpoint_path: str, out_dir: str, dtype: str = "float32", max_sh
     step_dir = checkpoint_files.find_step_dir(checkpoint_path)
     meta = checkpoint_files.read_metadata(step_dir)
     saved = meta.get("config", {})
-    missing = [k for k in models.MODEL_KEYS if k not in saved and k not in models.MOE_KEYS + models.DEEPSEEK_KEYS]
+    missing = [k for k in models.MODEL_KEYS if k not in saved and k not in models.LATER_KEYS]
     if missing:
         raise ConversionError(f"the checkpoint {step_dir} has no model settings {missing} in its metadata; it was "
                               "written by an older maxtrain")
@@ -439,7 +439,7 @@ def hf_config(keys: dict, original: dict | None, dtype: str) -> dict:
             out = dict(original)
             if isinstance(out.get("text_config"), dict):  # exported as the text-only model
                 out = {**out, **out.pop("text_config")}
-                out.update(architectures=[family.FAMILY.hf_architecture], model_type=family.FAMILY.hf_model_types[0])
+                out.update(architectures=[family.row.hf_architecture], model_type=family.row.hf_model_types[0])
                 out.pop("vision_config", None)
             out.update(torch_dtype=dtype, dtype=dtype)
             out.pop("quantization_config", None)  # the weights are written dequantized

@@ -116,12 +116,6 @@ def _moe_layers_of_the_family(v):
     if block not in MOE_FAMILIES:
         _require(e == 1, f"decoder_block={block} has no experts, but num_experts={e}; use decoder_block="
                          f"{' or '.join(MOE_FAMILIES)} for a mixture of experts, or num_experts=1")
-    if block in MOE_FAMILIES and block != "qwen3_moe":  # experts in every layer (Mixtral, gpt-oss)
-        _require(v["decoder_sparse_step"] == 1 and not layers,
-                 f"decoder_block={block} has experts in every layer; decoder_sparse_step and mlp_only_layers are "
-                 "qwen3_moe settings (use decoder_block=qwen3_moe to mix dense and MoE layers)")
-        _require(v["norm_topk_prob"], f"decoder_block={block} always renormalizes its top-k router weights; "
-                                      "norm_topk_prob=false is a qwen3_moe setting")
 
 
 def _expert_parallelism_divides_experts(v):
@@ -293,8 +287,6 @@ def _routing_groups(v):
         _require(top == -1, f"topk_routing_group={top} needs n_routing_groups (the experts' groups to choose "
                             "among); set n_routing_groups, or topk_routing_group=-1")
         return
-    _require(v["decoder_block"] == "deepseek", f"n_routing_groups={groups} is a setting of the deepseek family's "
-                                               "sigmoid router; use decoder_block=deepseek, or n_routing_groups=-1")
     _require(e % groups == 0, f"n_routing_groups={groups} must divide num_experts={e} (the groups are equal); "
                               f"e.g. n_routing_groups={_divisor_hint(e, groups)}")
     top = groups if top == -1 else top
@@ -314,32 +306,27 @@ def _expert_balancing_needs_experts(v):
     _require(v["routed_bias"] or v["routed_bias_update_rate"] == 0,
              f"routed_bias_update_rate={v['routed_bias_update_rate']} updates the router's selection bias, but "
              "routed_bias=false: set routed_bias=true (aux-loss-free balancing), or routed_bias_update_rate=0")
-    _require(v["decoder_block"] == "deepseek" or v["routed_scaling_factor"] == 1.0,
-             f"routed_scaling_factor={v['routed_scaling_factor']} is a setting of the deepseek family's router; "
-             "use decoder_block=deepseek, or routed_scaling_factor=1")
 
 
 def _dense_layers_first(v):
     n, layers = v["first_num_dense_layers"], v["base_num_decoder_layers"]
     if n == 0:
         return
-    _require(v["decoder_block"] == "deepseek", f"first_num_dense_layers={n} is a deepseek setting; use "
-                                               "decoder_block=deepseek (qwen3_moe: mlp_only_layers)")
     _require(n < layers, f"first_num_dense_layers={n} leaves no layer of experts among base_num_decoder_layers="
                          f"{layers}; use first_num_dense_layers < {layers}")
 
 
 def _mla_head_dims(v):
-    if v["decoder_block"] != "deepseek":
+    if features.family(v).mixer != "mla":
         return
     _require(v["qk_rope_head_dim"] % 2 == 0,
              f"qk_rope_head_dim={v['qk_rope_head_dim']} must be even (RoPE rotates pairs of features)")
     qk = v["qk_nope_head_dim"] + v["qk_rope_head_dim"]
     _require(v["head_dim"] == qk, f"head_dim={v['head_dim']} must be the query/key head width qk_nope_head_dim + "
-                                  f"qk_rope_head_dim = {qk} for decoder_block=deepseek (MLA); set head_dim={qk}")
+                                  f"qk_rope_head_dim = {qk} for MLA (decoder_block={v['decoder_block']}); set head_dim={qk}")
     _require(v["base_num_kv_heads"] == v["base_num_query_heads"],
              f"base_num_kv_heads={v['base_num_kv_heads']} must equal base_num_query_heads={v['base_num_query_heads']} "
-             "for decoder_block=deepseek: MLA expands every head's keys and values from the latent; set "
+             f"for decoder_block={v['decoder_block']}: MLA expands every head's keys and values from the latent; set "
              f"base_num_kv_heads={v['base_num_query_heads']}")
 
 
@@ -349,8 +336,6 @@ def _multi_token_prediction(v):
     n = v["mtp_num_layers"]
     if n == 0:
         return
-    _require(v["decoder_block"] == "deepseek", f"mtp_num_layers={n} is a deepseek setting (its multi-token "
-                                               "prediction modules); use decoder_block=deepseek, or mtp_num_layers=0")
     _require(objectives.of(v).next_token, f"mtp_num_layers={n} with objective={v['objective']}: multi-token prediction "
              "is a loss of the next-token objectives (lm, sft); set mtp_num_layers=0")
     _require(v["lora_rank"] == 0, f"mtp_num_layers={n} with lora_rank={v['lora_rank']}: LoRA would leave the MTP "

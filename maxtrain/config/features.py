@@ -85,6 +85,7 @@ def layer_attention(v: dict[str, Any]) -> list[str]:
     return family(v).attention_plan(v["base_num_decoder_layers"], v["sliding_window_size"], v["attention_layer_types"])
 
 
+MLA_FAMILIES = tuple(n for n, f in FAMILIES.items() if f.mixer == "mla")
 SLIDING_FAMILIES = tuple(n for n, f in FAMILIES.items() if "sliding" in f.attention_pattern or f.window_everywhere)
 MOE = "a mixture-of-experts family"
 USE_MOE = "set decoder_block to one of " + ", ".join(MOE_FAMILIES)
@@ -130,9 +131,9 @@ FEATURES: tuple[Feature, ...] = (
             state="rope_type"),
     Feature("rope_type=yarn", lambda v: v["rope_type"] == "yarn",
             ("rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_truncate"), state="rope_type"),
-    Feature("decoder_block=deepseek with rope_type=yarn", lambda v: v["decoder_block"] == "deepseek"
-            and v["rope_type"] != "default", ("rope_mscale_all_dim",),
-            fix="set rope_type=yarn with decoder_block=deepseek", state="rope_type"),
+    Feature(f"decoder_block={' or '.join(MLA_FAMILIES)} with rope_type=yarn",
+            lambda v: family(v).mixer == "mla" and v["rope_type"] != "default", ("rope_mscale_all_dim",),
+            fix=f"set rope_type=yarn with decoder_block={' or '.join(MLA_FAMILIES)}", state="rope_type"),
     # sampling (maxtrain.decode, GRPO's completions), the profiler, the data, compilation, the pipeline
     Feature("decode_sampling_strategy=weighted, topk or nucleus", lambda v: v["decode_sampling_strategy"] != "greedy",
             ("decode_sampling_temperature",), fix="set decode_sampling_strategy=weighted (or topk, nucleus)",

@@ -33,6 +33,12 @@ class Family:
     # value of each (sliding_window_size 0 = full attention in its sliding layers; num_experts 1 = a dense MLP).
     usual: tuple[tuple[str, int], ...] = ()
     settings: tuple[str, ...] = ()  # the settings of base.yml that only some families' modules read: those it reads
+    mixer: str = "attention"      # how its layers mix tokens: "attention" (q, k, v heads), "mla" (latent attention)
+    # Model keys beyond the shared ones (models/__init__.py) that a checkpoint of this family is checked against:
+    # those that fix its parameters' shapes, and those that change what the same parameters compute. Each of its
+    # `settings` is a model key, shared or its own (tests/test_house.py).
+    shape_keys: tuple[str, ...] = ()
+    setting_keys: tuple[str, ...] = ()
 
     def pattern(self, num_layers: int) -> list[str]:
         """Its layers' attention without attention_layer_types: attention_pattern repeated over num_layers."""
@@ -66,12 +72,17 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            usual=(("num_experts", 128),), settings=("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")),
     Family("gpt_oss", ("gpt_oss",), "GptOssForCausalLM", moe=True, attention_sinks=True,
            attention_pattern=("sliding", "full"), usual=(("sliding_window_size", 128), ("num_experts", 32)),
-           settings=("mlp_activations_limit", "swiglu_alpha")),
+           settings=("mlp_activations_limit", "swiglu_alpha"), setting_keys=("mlp_activations_limit", "swiglu_alpha")),
     Family("deepseek", ("deepseek_v3",), "DeepseekV3ForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 256),),
            settings=("norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                      "v_head_dim", "rope_interleave", "first_num_dense_layers", "n_routing_groups",
-                     "topk_routing_group", "routed_scaling_factor", "mtp_num_layers")),
+                     "topk_routing_group", "routed_scaling_factor", "mtp_num_layers"),
+           mixer="mla",
+           shape_keys=("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                       "first_num_dense_layers", "shared_experts", "routed_bias", "mtp_num_layers"),
+           setting_keys=("rope_interleave", "rope_mscale_all_dim", "n_routing_groups", "topk_routing_group",
+                         "routed_scaling_factor")),
 )}
 
 MOE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.moe)

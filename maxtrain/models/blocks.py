@@ -21,8 +21,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.models import attention as attention_lib
-from maxtrain.models import ops
+from maxtrain.models import layers, ops
 from maxtrain.models import rope as rope_lib
+from maxtrain.models.layers import LayerType
 from maxtrain.models.params import ParamSpec, dense
 from maxtrain.parallel.sharding import shard, shard_for_table, shard_like_params
 
@@ -131,9 +132,10 @@ def embed(table, tokens, dtype, multiplier: float | None = None):
     return shard(x, ("batch", "length", "embed"))
 
 
-def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", sliding_window: int = 0,
-              scale: float | None = None, logits_soft_cap: float = 0.0, norm_plus_one: bool = False):
-    """Self-attention of x [B, T, D] (already normed) -> ([B, T, D], aux).
+def attention(x, p, inputs: LayerInputs, config, rt, layer: LayerType, *, scale: float | None = None,
+              logits_soft_cap: float = 0.0, norm_plus_one: bool = False):
+    """Self-attention of x [B, T, D] (already normed) -> ([B, T, D], aux), attending as `layer` says
+    (full, a sliding window; RoPE's table and the fraction of each head it rotates, or none).
 
     aux is {} in training; when decoding (inputs.cache set) it carries the updated cache as
     {"cache": (k, v)} for the stack to collect.
@@ -150,8 +152,12 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", sl
     if "q_norm" in p:  # qk-norm: RMSNorm over each head's H features, before RoPE
         eps = config.normalization_layer_epsilon
         q, k = rms_norm(q, p["q_norm"], eps, norm_plus_one), rms_norm(k, p["k_norm"], eps, norm_plus_one)
-    cos, sin = inputs.rope[rope]
-    q, k = rope_lib.apply(q, cos, sin), rope_lib.apply(k, cos, sin)
+    if layer.rope is not None:
+        cos, sin = inputs.rope[layer.rope]
+        q, k = rope_lib.apply(q, cos, sin), rope_lib.apply(k, cos, sin)
+    if layer.attention not in ("full", "sliding"):
+        raise ValueError(f"the attention block has no {layer.attention!r} attention (layer {layer})")
+    sliding_window = layer.sliding_window()
     q = shard(q, ("batch", "length", "heads", "head_dim"))
     sinks = p.get("sinks")  # [N], float32 in the softmax
     if inputs.cache is None:
@@ -211,19 +217,18 @@ def logits(params, x, config, rt, *, norm_plus_one: bool = False):
 
 
 def attended_keys(length: int, sliding_window: int = 0, dense: bool = False) -> float:
-    """Mean number of keys a query attends to in a causal sequence of `length`: (T + 1) / 2 for full
-    attention, fewer with a sliding window. dense=True: all T, what a dense implementation computes."""
-    if dense:
-        return float(length)
-    w = sliding_window if 0 < sliding_window < length else length
-    return (w * (w + 1) / 2 + (length - w) * w) / length
+    """Mean number of keys a query attends to in a causal sequence of `length` with a sliding window
+    (0: full attention); layers.attended_keys has every attention kind."""
+    window = sliding_window if sliding_window > 0 else 0
+    return layers.attended_keys(length, LayerType(attention="sliding" if window else "full", window=window), dense)
 
 
-def attention_flops(config, windows: list[int], dense: bool = False) -> float:
-    """Forward FLOPs per token of the scores (q.k) and the weighted values (p.v), summed over layers
-    whose sliding windows (0 = full) are `windows`."""
-    n, h, t = config.base_num_query_heads, config.head_dim, config.max_target_length
-    return sum(2 * 2 * n * h * attended_keys(t, w, dense) for w in windows)
+def attention_flops(config, layer_types, dense: bool = False) -> float:
+    """Forward FLOPs per token of the scores (q.k) and the weighted values (p.v), summed over the layers
+    `layer_types` (each attends as its type says: full, a sliding window, chunks, or not at all)."""
+    n, t = config.base_num_query_heads, config.max_target_length
+    return sum(2 * 2 * n * (lt.head_dim or config.head_dim) * layers.attended_keys(t, lt, dense)
+               for lt in layer_types)
 
 
 def dense_layer_matmul_params(config) -> int:
@@ -242,6 +247,5 @@ def decoder_flops(config, layer_types, dense_attention: bool = False) -> float:
 
     Norms, softmax, activations, the embedding lookup and the optimizer are elementwise and left out
     (a few percent of XLA's count for tiny models, far less for large ones)."""
-    windows = [config.sliding_window_size if t.attention == "sliding" else 0 for t in layer_types]
     matmul = config.base_num_decoder_layers * dense_layer_matmul_params(config) + config.base_emb_dim * config.vocab_size
-    return 3.0 * (2 * matmul + attention_flops(config, windows, dense_attention))
+    return 3.0 * (2 * matmul + attention_flops(config, layer_types, dense_attention))

@@ -1,13 +1,14 @@
 """The decoder stack every family shares: embed -> layers -> logits, the loss, and KV-cache decoding.
 
-A family (maxtrain/models/<family>.py) supplies its parameter declarations, the type of each layer
-and the functions `embed`, `layer` and `logits`; this module runs them.
+A family (models/contract.FamilyModel) supplies its parameter declarations, the type of each layer
+and the functions `embed`, `layer` and `logits`; this module runs them, and calls nothing else of it.
 
-Layers. `family.layer_types(config)` gives one LayerType per layer. Its `kind` names the stack of
-parameters the layer reads, `params["layers"][kind]`, each stacked on a leading "layers" axis in
-layer order; its `attention` ("full" or "sliding") and `rope` ("global" or "local") are static
-settings the family's `layer` function reads. Layers may differ within a stack (Gemma 3: five
-sliding-window layers then one global, repeated; later, dense and mixture-of-experts layers).
+Layers. `family.layer_types(config)` gives one LayerType per layer (models/layers.py: a layer's kind as
+data). Its `kind` names the stack of parameters the layer reads, `params["layers"][kind]`, each stacked
+on a leading "layers" axis in layer order; how it attends (full, a sliding window, chunks, none), its
+RoPE table and its MLP are static settings the family's `layer` function and the blocks read. Layers
+may differ within a stack (Gemma 3: five sliding-window layers then one global, repeated; dense and
+mixture-of-experts layers).
 
 Scan. The sequence of layer types is cut into segments, each a group of p layers repeated r times
 (`plan_segments`); a segment runs as one `lax.scan` over its r groups, the p layers of a group
@@ -41,6 +42,7 @@ from maxtrain.models import mtp, ops
 from maxtrain.parallel import stages as pipeline
 from maxtrain.models import rope as rope_lib
 from maxtrain.models.blocks import LayerInputs
+from maxtrain.models.layers import LayerType
 from maxtrain.models.runtime import REMAT_POLICIES
 
 PER_LAYER = "per_layer/"  # aux entries named with this prefix are reported per layer, not summed
@@ -48,22 +50,6 @@ PER_LAYER = "per_layer/"  # aux entries named with this prefix are reported per 
 # that training reads to update state outside the gradient (models/moe.py: the expert counts that move
 # the router's selection bias). The train step takes them out of the metrics; nothing else reports them.
 STEP_STATS = "step_stats/"
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerType:
-    """What is static about one layer: which parameter stack it reads and how it attends."""
-
-    kind: str = "decoder"      # params["layers"][kind] holds this layer's parameters
-    attention: str = "full"    # "full" | "sliding" (a sliding window of config.sliding_window_size)
-    rope: str = "global"       # "global" | "local" (config.local_rope_max_timescale, Gemma 3)
-
-
-def default_layer_types(config, family_default: list[str]) -> list[LayerType]:
-    """Layer types from `attention_layer_types` ("full"/"sliding" per layer) when set, else from the
-    family's default pattern; sliding layers use the local RoPE."""
-    names = list(config.attention_layer_types) or family_default
-    return [LayerType(attention=a, rope="local" if a == "sliding" else "global") for a in names]
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,22 +189,31 @@ def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, s
     return x, aux_total, new_cache
 
 
-def rope_tables(positions, config, num_positions: int | None = None, head_dim: int | None = None) -> dict:
-    """cos/sin tables for the global RoPE and, where it differs, the local one (computed once per pass;
-    num_positions: read from a host table, models/rope.py), over head_dim features (config.head_dim)."""
-    head_dim = config.head_dim if head_dim is None else head_dim
-    global_rope = rope_lib.Rope.from_config(config)
-    local_rope = rope_lib.Rope.from_config(config, local=True)
-    tables = {"global": rope_lib.tables(positions, global_rope, head_dim, num_positions)}
-    tables["local"] = tables["global"] if local_rope == global_rope else rope_lib.tables(
-        positions, local_rope, head_dim, num_positions)
+def rope_widths(family, config) -> dict[str, int]:
+    """{RoPE table name: the features it rotates} over the layers that use RoPE: the family's RoPE width
+    (head_dim; MLA: qk_rope_head_dim), or the layer's own head dim, times the layer's rope_fraction."""
+    base = family.rope_head_dim(config)
+    widths = {}
+    for lt in family.layer_types(config):
+        if lt.rope is not None:
+            width = int((lt.head_dim or base) * lt.rope_fraction)
+            if widths.setdefault(lt.rope, width) != width:
+                raise ValueError(f"layers sharing the RoPE table {lt.rope!r} rotate {widths[lt.rope]} and {width} "
+                                 "features; give them tables of their own names")
+    return widths
+
+
+def rope_tables(positions, config, widths: dict[str, int], num_positions: int | None = None) -> dict:
+    """cos/sin tables {name: (cos, sin)} of each RoPE the layers use (`widths`: rope_widths), computed once
+    per pass (num_positions: read from a host table, models/rope.py). "local" is Gemma 3's local-frequency
+    RoPE; a table equal to another is computed once."""
+    made, tables = {}, {}
+    for name, width in widths.items():
+        rope = rope_lib.Rope.from_config(config, local=name == "local")
+        if (rope, width) not in made:
+            made[(rope, width)] = rope_lib.tables(positions, rope, width, num_positions)
+        tables[name] = made[(rope, width)]
     return tables
-
-
-def rope_head_dim(family, config) -> int:
-    """The features a family's RoPE rotates: its `rope_head_dim(config)` where it declares one (MLA's
-    qk_rope_head_dim), else head_dim."""
-    return family.rope_head_dim(config) if hasattr(family, "rope_head_dim") else config.head_dim
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,9 +233,9 @@ def _hidden(family, params, tokens, positions, segment_ids, config, rt):
 
 
 def _layer_inputs(family, tokens, positions, segment_ids, config, rt) -> LayerInputs:
-    rope_dim = rope_head_dim(family, config)
-    table = rope_lib.table_positions(tokens.shape[1], rope_dim, rt.backend)  # positions < T
-    return LayerInputs(positions, segment_ids, rope_tables(positions, config, table, rope_dim))
+    widths = rope_widths(family, config)
+    table = rope_lib.table_positions(tokens.shape[1], max(widths.values(), default=0), rt.backend)  # positions < T
+    return LayerInputs(positions, segment_ids, rope_tables(positions, config, widths, table))
 
 
 def hidden(family, params, tokens, positions, segment_ids, config, rt):
@@ -343,12 +338,11 @@ def _head_for_chunks(head: dict, specs: dict, rt):
     return sharding.gather_params(cast, specs, "embed"), sharded
 
 
-def init_cache(config, batch_size: int, max_length: int, dtype, family=None) -> dict:
-    """An empty KV cache: k and v [L, B, S, G, H], or the layout the family declares with
-    `cache_heads(config)` -> ((heads, width) of k, (heads, width) of v) (MLA: its latent and RoPE key)."""
-    heads = ((config.base_num_kv_heads, config.head_dim),) * 2
-    if family is not None and hasattr(family, "cache_heads"):
-        heads = family.cache_heads(config)
+def init_cache(config, batch_size: int, max_length: int, dtype, family) -> dict:
+    """An empty KV cache: k and v [L, B, S, heads, width] in the layout the family declares with
+    `cache_heads(config)` -> ((heads, width) of k, (heads, width) of v) (attention: G kv heads of head_dim;
+    MLA: its latent and RoPE key)."""
+    heads = family.cache_heads(config)
     lead = (config.base_num_decoder_layers, batch_size, max_length)
     return {"k": jnp.zeros(lead + heads[0], dtype), "v": jnp.zeros(lead + heads[1], dtype)}
 
@@ -364,7 +358,7 @@ def forward_with_cache(family, params, tokens, positions, cache: dict, index, co
     """
     x = family.embed(params, tokens, config, rt)
     inputs = LayerInputs(positions, jnp.ones_like(tokens),
-                         rope_tables(positions, config, head_dim=rope_head_dim(family, config)),
+                         rope_tables(positions, config, rope_widths(family, config)),
                          (cache["k"], cache["v"], index, first))
     x, _, (k, v) = run_layers(family, params["layers"], x, inputs, config, rt, scan=True)
     return family.logits(params, x, config, rt), {"k": k, "v": v}

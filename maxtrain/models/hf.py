@@ -47,6 +47,27 @@ MLP_NAMES = {
     "layers/decoder/w_down": ("model.layers.{i}.mlp.down_proj.weight", 1),
 }
 
+# A pre-norm decoder layer (Llama and the families built like it) and Gemma's pre- and post-normed one.
+DECODER_NAMES = {
+    **EMBEDDING_NAMES,
+    "layers/decoder/attn_norm": ("model.layers.{i}.input_layernorm.weight", None),
+    "layers/decoder/mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
+    **ATTENTION_NAMES, **MLP_NAMES,
+}
+SANDWICH_NAMES = {
+    **EMBEDDING_NAMES,
+    "layers/decoder/attn_norm": ("model.layers.{i}.input_layernorm.weight", None),
+    "layers/decoder/post_attn_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
+    "layers/decoder/mlp_norm": ("model.layers.{i}.pre_feedforward_layernorm.weight", None),
+    "layers/decoder/post_mlp_norm": ("model.layers.{i}.post_feedforward_layernorm.weight", None),
+    **ATTENTION_NAMES, **MLP_NAMES,
+}
+
+
+def for_kind(names: dict, kind: str) -> dict:
+    """Names written for the layer kind "decoder", for the layers of another kind."""
+    return {k.replace("layers/decoder/", f"layers/{kind}/"): v for k, v in names.items()}
+
 
 @dataclasses.dataclass(frozen=True)
 class Interleaved:
@@ -236,3 +257,32 @@ def layer_types_config(keys: dict, family_default: list[str]) -> dict:
     types = keys["attention_layer_types"] or family_default
     return {"layer_types": [f"{t}_attention" for t in types],
             "sliding_window": keys["sliding_window_size"] or None}
+
+
+def experts_keys(config: dict) -> dict:
+    """num_experts and num_experts_per_tok from config.json (num_local_experts, or num_experts as the
+    Qwen3-MoE checkpoints name it)."""
+    experts = config.get("num_local_experts") if config.get("num_local_experts") is not None \
+        else config.get("num_experts")
+    if experts is None:
+        raise ConversionError("config.json has no 'num_local_experts' (or 'num_experts'), which the model's "
+                              "shape needs")
+    return {"num_experts": int(experts), "num_experts_per_tok": int(require(config, "num_experts_per_tok"))}
+
+
+def qwen_window_keys(config: dict) -> dict:
+    """Qwen 2/3's sliding windows (use_sliding_window, off in the released models): the layers at or above
+    max_window_layers when config.json has no layer_types (transformers' rule), as attention_layer_types."""
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    if window and config.get("layer_types") is None:
+        first = config.get("max_window_layers", 28)
+        config = {**config, "layer_types": ["sliding_attention" if i >= first else "full_attention"
+                                            for i in range(config["num_hidden_layers"])]}
+    return sliding_keys(config, ["full"] * config["num_hidden_layers"], window)
+
+
+def qwen_window_config(keys: dict) -> dict:
+    types = keys["attention_layer_types"] or ["full"] * keys["base_num_decoder_layers"]
+    return {"use_sliding_window": "sliding" in types and keys["sliding_window_size"] > 0,
+            "sliding_window": keys["sliding_window_size"] or None, "max_window_layers": keys["base_num_decoder_layers"],
+            "layer_types": [f"{t}_attention" for t in types]}

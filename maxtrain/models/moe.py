@@ -526,7 +526,6 @@ def flops_per_token(config, layer_types, dense_attention: bool = False) -> float
     attention = 2 * d * n * h + 2 * d * g * h
     moe = d * config.num_experts + config.num_experts_per_tok * 3 * d * expert_dim(config)
     dense_mlp = 3 * d * config.base_mlp_dim
-    matmul = sum(attention + (moe if t.kind == "moe" else dense_mlp) for t in layer_types)
+    matmul = sum(attention + (moe if t.is_moe else dense_mlp) for t in layer_types)
     matmul += d * config.vocab_size
-    windows = [config.sliding_window_size if t.attention == "sliding" else 0 for t in layer_types]
-    return 3.0 * (2 * matmul + blocks.attention_flops(config, windows, dense_attention))
+    return 3.0 * (2 * matmul + blocks.attention_flops(config, layer_types, dense_attention))

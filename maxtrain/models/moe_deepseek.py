@@ -102,7 +102,7 @@ def update_router_bias(params: dict, old_params: dict, stats: dict, config, laye
     if "router_bias" not in layers.get("moe", {}):
         return params
     bias = old_params["layers"]["moe"]["router_bias"]
-    moe_layers = [i for i, t in enumerate(layer_types) if t.kind == "moe"]
+    moe_layers = [i for i, t in enumerate(layer_types) if t.is_moe]
     names = [expert_counts_name(i, len(layer_types)) for i in moe_layers]
     if config.routed_bias_update_rate > 0 and all(n in stats for n in names):
         counts = jnp.stack([stats[n] for n in names])                                  # [L_moe, E]

@@ -133,7 +133,11 @@ def tables(positions, rope: Rope, head_dim: int, num_positions: int | None = Non
 
 
 def apply(x, cos, sin):
-    """Rotates x [B, T, heads, H] by the angles of (cos, sin) [B, T, H/2]; computed in float32."""
+    """Rotates x [B, T, heads, H] by the angles of (cos, sin) [B, T, R/2]; computed in float32. With R < H
+    (partial RoPE: GLM-4.5, Qwen3-Next) the leading R features rotate and the rest pass unchanged."""
+    rotated = 2 * cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return jnp.concatenate([apply(x[..., :rotated], cos, sin), x[..., rotated:]], axis=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

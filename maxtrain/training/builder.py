@@ -276,7 +276,7 @@ def objective_details(config) -> str:
 def moe_line(run: Run) -> str:
     """The start-up summary's line about the experts."""
     config = run.config
-    moe_layers = sum(t.kind == "moe" for t in models.family(config).layer_types(config))
+    moe_layers = sum(t.is_moe for t in models.family(config).layer_types(config))
     slots = moe.capacity(config.num_experts, config.num_experts_per_tok, config.capacity_factor,
                          config.max_target_length)
     capacity = (f" capacity_factor {config.capacity_factor:g} ({slots} slots per expert and sequence)"
