@@ -62,7 +62,8 @@ def runtime(config, platform: str, mesh) -> models.Runtime:
     ways = math.prod(mesh.shape[a] for a in axes)
     logits_bytes = config.micro_batch_size * config.max_target_length * config.vocab_size * 4 / ways
     try:
-        return models.Runtime.from_config(config, platform, logits_bytes,
+        capability = getattr(mesh.devices.flat[0], "compute_capability", None) if platform == "gpu" else None
+        return models.Runtime.from_config(config, platform, logits_bytes, capability=capability,
                                           context_parallel=sharding.ways_on(mesh, "length", rules))
     except ValueError as e:  # attention / dtype choices the platform lacks (attention.resolve_implementation)
         if isinstance(e, config_lib.ConfigError):
