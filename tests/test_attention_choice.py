@@ -144,3 +144,12 @@ def test_tokamax_wrapper_against_the_float32_reference(case):
 def test_dataclass_shape_features_are_the_kernel_limits_keys():
     keys = {key for limits in attention_choice.KERNEL_LIMITS.values() for key in limits}
     assert keys <= set(attention_choice.Shape().features()) and dataclasses.is_dataclass(attention_choice.Shape)
+
+
+def test_compiled_without_the_gpu_the_choice_is_one_that_lowers_here(without_tokamax):
+    """train_compile on a CPU: JAX lowers cuDNN attention as for pre-Hopper (head_dim <= 128), and tokamax's
+    Mosaic GPU kernel not at all; on the GPU itself cuDNN takes head_dim 256 (Gemma 3)."""
+    assert choose(head_dim=256, length=4096).implementation == "cudnn"
+    choice = choose(head_dim=256, length=4096, gpu_present=False)
+    assert choice.implementation == "flash" and "cudnn cannot be compiled here for head_dim 256" in choice.reason
+    assert choose(head_dim=128, length=4096, gpu_present=False).implementation == "cudnn"

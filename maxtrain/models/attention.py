@@ -203,7 +203,7 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
                            sliding_window: int = 0, logits_soft_cap: float = 0.0, sinks: bool = False,
                            context_parallel: int = 1, v_head_dim: int | None = None, length: int = 0,
                            gqa: int = 1, packed: bool = True, capability: str | None = None,
-                           with_reason: bool = False):
+                           gpu_present: bool = True, with_reason: bool = False):
     """Turns `attention` from the config into a concrete implementation for the target platform (with
     with_reason=True, an attention_choice.Choice: the implementation and why).
 
@@ -235,7 +235,7 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     shape = attention_choice.Shape(
         dtype=jnp.dtype(dtype).name if dtype is not None else "bfloat16", head_dim=head_dim, v_head_dim=v_head_dim,
         length=length, gqa=gqa, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
-        packed=packed, capability=capability)
+        packed=packed, capability=capability, gpu_present=gpu_present)
     if context_parallel > 1 and name not in ("autoselected", "dot_product"):
         raise ValueError(f"attention={name} does not run with context parallelism ({context_parallel} ways) yet: the "
                          "kernels attend within one device's piece of the sequence. Use attention=dot_product (or "

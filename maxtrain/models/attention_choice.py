@@ -75,6 +75,7 @@ class Shape:
     sinks: bool = False
     packed: bool = True
     capability: str | None = None      # "9.0"; None: unknown (a target the table assumes is sm90)
+    gpu_present: bool = True           # False: compiled ahead of time on a machine without the GPU
 
     def features(self) -> dict:
         return {"sliding_window": self.sliding_window, "logits_soft_cap": self.logits_soft_cap, "sinks": self.sinks}
@@ -122,12 +123,17 @@ def unsupported(name: str, platform: str, shape: Shape) -> str | None:
         if width % 8 or width > limit:
             return (f"needs head_dim to be a multiple of 8 and at most {limit} (256 from Hopper on, 128 before), "
                     f"got head_dim={width}")
+        if width > 128 and not shape.gpu_present:  # JAX checks the cuDNN of the machine that lowers the step
+            return (f"cannot be compiled here for head_dim {width}: without a GPU JAX takes the target for "
+                    "pre-Hopper (head_dim <= 128); on the GPU itself it can")
         return None
     if name == "tokamax":
         if not tokamax_installed():
             return "is not installed (pip install 'maxtrain[gpu]')"
         if arch(shape.capability) not in ("sm90", "sm100"):
             return f"runs its Mosaic GPU kernel on sm90 and sm100 only, not {arch(shape.capability)}"
+        if not shape.gpu_present:
+            return "cannot be compiled without the GPU (its Mosaic GPU kernel asks the local device which it is)"
         if dtype not in ("bfloat16", "float16"):
             return f"needs dtype=bfloat16 or float16, got {dtype}"
         if width % 64 or width > 256:

@@ -125,11 +125,14 @@ class Runtime:
 
     @classmethod
     def from_config(cls, config, backend: str | None = None, logits_bytes: float | None = None,
-                    context_parallel: int = 1, capability: str | None = None) -> "Runtime":
+                    context_parallel: int = 1, capability: str | None = None,
+                    gpu_present: bool = True) -> "Runtime":
         """logits_bytes: one device's share of a micro-batch's float32 [B, T, V] logits, as the mesh
         splits them; by default per_device_batch_size whole sequences, unsplit. context_parallel: the
         ways the mesh splits each sequence. capability: the target GPU's compute capability ("9.0"), which
-        the attention choice reads (None: unknown, taken as the measured sm90). A run resolves its runtime once, in training/builder.py
+        the attention choice reads (None: unknown, taken as the measured sm90); gpu_present=False: the step is
+        compiled ahead of time on a machine without that GPU (JAX then lowers cuDNN attention as for
+        pre-Hopper). A run resolves its runtime once, in training/builder.py
         (`runtime`), from its mesh; tests call this directly."""
         backend = backend or jax.default_backend()
         dtype = resolve_dtype(config.dtype, backend)
@@ -145,7 +148,7 @@ class Runtime:
             sinks=getattr(registry.FAMILIES.get(config.decoder_block), "attention_sinks", False),
             context_parallel=context_parallel, v_head_dim=config.v_head_dim if mla else None,
             length=config.max_target_length, gqa=config.base_num_query_heads // max(config.base_num_kv_heads, 1),
-            packed=config.packing, capability=capability, with_reason=True)
+            packed=config.packing, capability=capability, gpu_present=gpu_present, with_reason=True)
         remat_policy, scan_layers = resolve_layer_plan(config, backend)
         return cls(dtype=dtype, attention=choice.implementation, remat_policy=remat_policy, backend=backend,
                    attention_reason=choice.reason,
