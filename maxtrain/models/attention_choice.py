@@ -21,6 +21,8 @@ import math
 
 import jax.numpy as jnp
 
+from maxtrain import errors
+
 # Features a kernel does not implement: a model that uses one cannot run there (an explicit choice is
 # refused with this reason; autoselected passes over it). cuDNN (jax.nn.dot_product_attention) has
 # local_window_size but no logit soft-capping and no attention sinks (gpt-oss's extra softmax column);
@@ -129,7 +131,7 @@ def unsupported(name: str, platform: str, shape: Shape) -> str | None:
         return None
     if name == "tokamax":
         if not tokamax_installed():
-            return "is not installed (pip install 'maxtrain[gpu]')"
+            return f"is not installed ({errors.install_hint(TOKAMAX)})"
         if arch(shape.capability) not in ("sm90", "sm100"):
             return f"runs its Mosaic GPU kernel on sm90 and sm100 only, not {arch(shape.capability)}"
         if not shape.gpu_present:
