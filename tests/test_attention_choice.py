@@ -49,7 +49,7 @@ def test_cudnn_is_chosen_where_it_was_measured_fastest(without_tokamax):
 def test_flash_where_cudnn_cannot_run_the_model(without_tokamax, kwargs, lacking):
     choice = choose(length=8192, **kwargs)
     assert choice.implementation == "flash" and lacking in choice.reason
-    assert choice.reason.startswith("flash: the only kernel that supports this model")
+    assert choice.reason.startswith("flash: the only kernel that supports this model (head_dim")
 
 
 def test_a_faster_measured_tokamax_row_wins_and_unsupported_ones_are_passed_over(monkeypatch):
@@ -66,7 +66,7 @@ def test_a_faster_measured_tokamax_row_wins_and_unsupported_ones_are_passed_over
     assert choose(head_dim=128, length=8192, capability="7.0").implementation == "cudnn"
     monkeypatch.setattr(attention_choice, "MEASURED", ())  # nothing measured: our kernel, the tie-break
     choice = choose(head_dim=128, length=8192)
-    assert choice.implementation == "flash" and "cudnn, tokamax not measured yet" in choice.reason
+    assert choice.implementation == "flash" and "no measured row compares flash and cudnn and tokamax" in choice.reason
 
 
 def test_the_measured_table_names_its_device_date_and_source():
@@ -153,3 +153,12 @@ def test_compiled_without_the_gpu_the_choice_is_one_that_lowers_here(without_tok
     choice = choose(head_dim=256, length=4096, gpu_present=False)
     assert choice.implementation == "flash" and "cudnn cannot be compiled here for head_dim 256" in choice.reason
     assert choose(head_dim=128, length=4096, gpu_present=False).implementation == "cudnn"
+
+
+def test_long_packed_sequences_keep_their_segment_ids_in_a_kernel(without_tokamax):
+    """cuDNN takes the segment ids (documents, padding) as a [B, 1, T, S] mask: 2 GiB a sequence at 32k tokens
+    in bf16; flash keeps them as ids."""
+    assert choose(head_dim=128, length=16384).implementation == "cudnn"
+    choice = choose(head_dim=128, length=32768)
+    assert choice.implementation == "flash" and "[B, 1, T, S] mask, 2.0 GiB a sequence at 32768 tokens" in choice.reason
+    assert choose(head_dim=128, length=32768, packed=False).implementation == "cudnn"

@@ -33,6 +33,11 @@ KERNEL_LIMITS = {"cudnn": ("logits_soft_cap", "sinks"), "tokamax": ("sinks",)}
 # our kernel first, since it implements every feature and runs everywhere.
 GPU_CANDIDATES = ("flash", "cudnn", "tokamax")
 
+# Segment ids (packed documents, padding) reach cuDNN as a [B, 1, T, S] mask that XLA materializes (T^2 per
+# sequence, and its bias in the compute dtype); beyond this many tokens, the longest measured, a kernel that
+# keeps them as segment ids is taken instead (the measured rows had no segment ids).
+CUDNN_PACKED_MAX_LENGTH = 16384
+
 # The optional kernel library (`pip install 'maxtrain[gpu]'`); never imported where it is not used.
 TOKAMAX = "tokamax"
 
@@ -71,11 +76,11 @@ class Shape:
     head_dim: int | None = None
     v_head_dim: int | None = None      # None: head_dim
     length: int = 0                    # tokens per sequence
-    gqa: int = 1                       # query heads per kv head
+    gqa: int = 1                       # query heads per kv head (every candidate runs GQA; the rows are 4:1)
     sliding_window: int = 0
     logits_soft_cap: float = 0.0
     sinks: bool = False
-    packed: bool = True
+    packed: bool = True                # segment ids given (the model always gives them: documents, padding)
     capability: str | None = None      # "9.0"; None: unknown (a target the table assumes is sm90)
     gpu_present: bool = True           # False: compiled ahead of time on a machine without the GPU
 
@@ -125,6 +130,9 @@ def unsupported(name: str, platform: str, shape: Shape) -> str | None:
         if width % 8 or width > limit:
             return (f"needs head_dim to be a multiple of 8 and at most {limit} (256 from Hopper on, 128 before), "
                     f"got head_dim={width}")
+        if shape.packed and shape.length > CUDNN_PACKED_MAX_LENGTH:
+            return (f"takes segment ids as a [B, 1, T, S] mask, {2 * shape.length ** 2 / 2**30:.1f} GiB a "
+                    f"sequence at {shape.length} tokens in bf16 (over {CUDNN_PACKED_MAX_LENGTH} tokens: not chosen)")
         if width > 128 and not shape.gpu_present:  # JAX checks the cuDNN of the machine that lowers the step
             return (f"cannot be compiled here for head_dim {width}: without a GPU JAX takes the target for "
                     "pre-Hopper (head_dim <= 128); on the GPU itself it can")
@@ -174,9 +182,12 @@ def choose(platform: str, shape: Shape, context_parallel: int = 1) -> Choice:
     row = _nearest_row(shape.head_dim, shape.length, arch(shape.capability), able)
     speeds = dict(row.tflops) if row else {}
     measured = [n for n in able if n in speeds]
-    if len(measured) < 2:
+    if len(able) == 1:
+        best = able[0]
+        reason = f"{best}: the only kernel that supports this model ({where})"
+    elif len(measured) < 2:  # nothing to compare: our kernel, which implements every feature (GPU_CANDIDATES)
         best = measured[0] if measured else able[0]
-        reason = f"{best}: the only {'measured ' if measured else ''}kernel that supports this model ({where})"
+        reason = f"{best}: no measured row compares {' and '.join(able)} for {where}"
     else:
         best = max(measured, key=lambda n: speeds[n])
         figures = ", ".join(f"{n} {speeds[n]:.0f}" for n in sorted(measured, key=lambda n: -speeds[n]))

@@ -148,7 +148,7 @@ class Runtime:
             sinks=getattr(registry.FAMILIES.get(config.decoder_block), "attention_sinks", False),
             context_parallel=context_parallel, v_head_dim=config.v_head_dim if mla else None,
             length=config.max_target_length, gqa=config.base_num_query_heads // max(config.base_num_kv_heads, 1),
-            packed=config.packing, capability=capability, gpu_present=gpu_present, with_reason=True)
+            capability=capability, gpu_present=gpu_present, with_reason=True)
         remat_policy, scan_layers = resolve_layer_plan(config, backend)
         return cls(dtype=dtype, attention=choice.implementation, remat_policy=remat_policy, backend=backend,
                    attention_reason=choice.reason,
