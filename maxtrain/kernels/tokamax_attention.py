@@ -22,14 +22,14 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from maxtrain import errors
-
 
 def tokamax_attention(q, k, v, segment_ids, *, causal: bool = True, sliding_window: int = 0,
                       logits_soft_cap: float = 0.0, scale: float | None = None, implementation: str = "mosaic"):
     """Attention of q over k, v within each segment (segment_ids [B, T], self-attention; None: one
     document per row), causal and windowed as models/attention.make_attention_mask; out [B, T, N, Hv]."""
-    tokamax = errors.require("tokamax", "attention=tokamax")  # the optional extra, imported only where asked for
+    # the optional [gpu] extra, imported only where asked for (models/attention_choice.py refuses attention=tokamax
+    # where it is not installed, saying how to install it)
+    import tokamax  # pylint: disable=import-outside-toplevel
     from absl import flags  # pylint: disable=import-outside-toplevel  # tokamax's dependency, as tokamax
 
     # tokamax reads its options from absl flags and, if nobody parsed them, parses sys.argv itself: a
