@@ -138,7 +138,7 @@ def test_tokamax_mosaic_gpu_cannot_lower_without_a_gpu(h100s):
     it. (If this starts to lower, turn it into a compile test like cuDNN's above.)"""
     if targets.compiler_missing("gpu") or not attention_choice.tokamax_installed():
         pytest.skip("needs the [cuda] and [gpu] extras")
-    with pytest.raises(NotImplementedError, match="Mosaic GPU|Not supported on cpu"):
+    with pytest.raises(NotImplementedError, match="(?i)mosaic|not supported"):  # "mosaic" resolves by the local device
         compile_attention(h100s, (2, 1, 4), "gpu", head_dim=128, dtype=jnp.bfloat16, implementation="tokamax")
 
 
