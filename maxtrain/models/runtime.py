@@ -141,11 +141,12 @@ class Runtime:
         if logits_bytes is None:
             logits_bytes = config.per_device_batch_size * config.max_target_length * config.vocab_size * 4
         tiles = resolve_vocab_tiles(config.num_vocab_tiling, config.max_target_length, logits_bytes)
-        mla = config.decoder_block == "deepseek"  # MLA: a value head dim of its own
+        family = registry.FAMILIES.get(config.decoder_block)
+        mla = getattr(family, "mixer", "") == "mla"  # latent attention: a value head dim of its own
         choice = attention_lib.resolve_implementation(
             config.attention, backend, dtype=dtype, head_dim=config.head_dim,
             sliding_window=config.sliding_window_size, logits_soft_cap=config.attn_logits_soft_cap,
-            sinks=getattr(registry.FAMILIES.get(config.decoder_block), "attention_sinks", False),
+            sinks=getattr(family, "attention_sinks", False),
             context_parallel=context_parallel, v_head_dim=config.v_head_dim if mla else None,
             length=config.max_target_length, gqa=config.base_num_query_heads // max(config.base_num_kv_heads, 1),
             capability=capability, gpu_present=gpu_present, with_reason=True)
