@@ -659,6 +659,7 @@ ROWS = [
         r"but the model's tokenizer, .*/ds/hf \(adopted from its checkpoint\), has checksum \w+: .* Prepare the data "
         r"again with prepare_data.py --tokenizer .*/ds/hf", setup=imported(LLAMA, tokenizer=True)),
     Row("attention-cudnn-on-cpu", T, [B, "attention=cudnn"], r"attention=cudnn needs an NVIDIA GPU", tiny=True),
+    Row("attention-tokamax-on-cpu", T, [B, "attention=tokamax"], r"attention=tokamax needs an NVIDIA GPU", tiny=True),
     Row("mesh-does-not-fit-devices", T, [B, "ici_data_parallelism=3"], r"ici_data_parallelism|devices", tiny=True),
     # decode
     Row("decode-no-checkpoint", D, [B], r"maxtrain.decode needs a checkpoint: set load_parameters_path="),

@@ -62,7 +62,9 @@ def runtime(config, platform: str, mesh) -> models.Runtime:
     ways = math.prod(mesh.shape[a] for a in axes)
     logits_bytes = config.micro_batch_size * config.max_target_length * config.vocab_size * 4 / ways
     try:
-        return models.Runtime.from_config(config, platform, logits_bytes,
+        capability = getattr(mesh.devices.flat[0], "compute_capability", None) if platform == "gpu" else None
+        return models.Runtime.from_config(config, platform, logits_bytes, capability=capability,
+                                          gpu_present=platform != "gpu" or has_local_gpu(),
                                           context_parallel=sharding.ways_on(mesh, "length", rules))
     except ValueError as e:  # attention / dtype choices the platform lacks (attention.resolve_implementation)
         if isinstance(e, config_lib.ConfigError):
@@ -92,6 +94,14 @@ def check_float8_devices(config, rt, device) -> None:
                "at the bfloat16 rate on v4, v5e, v5p and v6e)")
         raise config_lib.ConfigError(f"quantization={config.quantization} cannot run on {kind}: {why}; "
                                      "leave quantization empty")
+
+
+def has_local_gpu() -> bool:
+    """Whether this machine has a GPU JAX can use (train_compile compiles for one on a CPU)."""
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
 
 
 def platform_of(device) -> str:
