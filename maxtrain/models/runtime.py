@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from maxtrain.config import registry
 from maxtrain.config.schema import QUANTIZATION_PLACES
 from maxtrain.models import attention as attention_lib
+from maxtrain.models import moe_experts
 
 # Names of the projection (matmul) outputs inside a layer; `minimal` saves exactly these, which are
 # the matmuls without batch dimensions (the attention score and value matmuls are recomputed).
@@ -122,6 +123,7 @@ class Runtime:
     vocab_tiles: int = 1  # the loss head's sequence chunks (num_vocab_tiling, resolved)
     fp8: frozenset = frozenset()  # where matmuls take float8 operands (resolve_fp8): attention, mlp, experts, head
     attention_reason: str = ""  # why this attention (models/attention_choice.py), printed where it was autoselected
+    grouped_matmul: str = "xla"  # dropless experts' grouped matmul (moe_experts.resolve_grouped_matmul): xla or pallas
 
     @classmethod
     def from_config(cls, config, backend: str | None = None, logits_bytes: float | None = None,
@@ -154,7 +156,8 @@ class Runtime:
         return cls(dtype=dtype, attention=choice.implementation, remat_policy=remat_policy, backend=backend,
                    attention_reason=choice.reason,
                    autoselected=auto, vocab_tiles=tiles, unroll_layers=config.scan_layers and not scan_layers,
-                   fp8=resolve_fp8(config))
+                   fp8=resolve_fp8(config),
+                   grouped_matmul=moe_experts.resolve_grouped_matmul(config.moe_grouped_matmul, backend))
 
     def scan_layers(self, config) -> bool:
         """Whether the layers run as a lax.scan: config.scan_layers, unless this runtime unrolls them."""

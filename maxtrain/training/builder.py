@@ -30,7 +30,7 @@ from maxtrain import models, storage
 from maxtrain.parallel import sharding
 from maxtrain.compile import fit as memory_lib
 from maxtrain.data import hosts, pipeline
-from maxtrain.models import fp8, moe
+from maxtrain.models import fp8, moe, moe_experts
 from maxtrain.parallel import stages as pipeline_lib
 
 
@@ -271,10 +271,6 @@ def load_model(config, *, devices=None, read_params: bool = True, log=print) -> 
     return model
 
 
-# Backends whose XLA lowers jax.lax.ragged_dot densely, every row against every expert (jax 0.10 to 0.12).
-DENSE_RAGGED_DOT = ("cpu", "gpu")
-
-
 def objective_details(config) -> str:
     """The summary's words after the objective's name: its settings, its data kind and its frozen model."""
     row = config_lib.objectives.of(config)
@@ -296,10 +292,8 @@ def moe_line(run: Run) -> str:
     experts = (config.num_experts, config.base_emb_dim, moe.expert_dim(config))
     chunks = moe.mesh_axes(settings, run.mesh, config.logical_axis_rules, experts).hidden_chunks
     auto = " (autoselected)" if config.num_moe_hidden_tiling == -1 else ""
-    if config.moe_dispatch == "dropless" and run.rt.backend in DENSE_RAGGED_DOT:
-        # measured: docs/moe.md (CPU 3x, an H100 10x slower per token than capacity)
-        capacity = (f" (XLA:{run.rt.backend.upper()} computes its grouped matmul over all {config.num_experts} "
-                    "experts; moe_dispatch=capacity computes the chosen ones)")
+    if config.moe_dispatch == "dropless":
+        capacity = f" ({moe_experts.describe_grouped_matmul(run.rt.grouped_matmul, run.rt.backend)})"
     return (f"experts: {config.num_experts} x F {moe.expert_dim(config)}, {config.num_experts_per_tok} per token, in "
             f"{moe_layers} of {config.base_num_decoder_layers} layers  active params "
             f"{models.num_active_params(config) / 1e6:,.2f}M  dispatch {config.moe_dispatch}{capacity}  "
