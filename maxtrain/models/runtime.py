@@ -128,14 +128,15 @@ class Runtime:
     @classmethod
     def from_config(cls, config, backend: str | None = None, logits_bytes: float | None = None,
                     context_parallel: int = 1, capability: str | None = None,
-                    gpu_present: bool = True) -> "Runtime":
+                    gpu_present: bool = True, layer_plan: tuple[str, bool] | None = None) -> "Runtime":
         """logits_bytes: one device's share of a micro-batch's float32 [B, T, V] logits, as the mesh
         splits them; by default per_device_batch_size whole sequences, unsplit. context_parallel: the
         ways the mesh splits each sequence. capability: the target GPU's compute capability ("9.0"), which
         the attention choice reads (None: unknown, taken as the measured sm90); gpu_present=False: the step is
         compiled ahead of time on a machine without that GPU (JAX then lowers cuDNN attention as for
-        pre-Hopper). A run resolves its runtime once, in training/builder.py
-        (`runtime`), from its mesh; tests call this directly."""
+        pre-Hopper). layer_plan: (remat policy, scan the layers?) chosen by the caller
+        (training/layer_choice.py, by compiled memory) in place of resolve_layer_plan's. A run resolves its
+        runtime once, in training/builder.py (`runtime`), from its mesh; tests call this directly."""
         backend = backend or jax.default_backend()
         dtype = resolve_dtype(config.dtype, backend)
         auto = tuple(k for k in ("dtype", "attention", "remat_policy") if getattr(config, k) == "autoselected")
@@ -152,7 +153,7 @@ class Runtime:
             context_parallel=context_parallel, v_head_dim=config.v_head_dim if mla else None,
             length=config.max_target_length, gqa=config.base_num_query_heads // max(config.base_num_kv_heads, 1),
             capability=capability, gpu_present=gpu_present, with_reason=True)
-        remat_policy, scan_layers = resolve_layer_plan(config, backend)
+        remat_policy, scan_layers = layer_plan or resolve_layer_plan(config, backend)
         return cls(dtype=dtype, attention=choice.implementation, remat_policy=remat_policy, backend=backend,
                    attention_reason=choice.reason,
                    autoselected=auto, vocab_tiles=tiles, unroll_layers=config.scan_layers and not scan_layers,
