@@ -120,6 +120,32 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
+# Inside shard_map (check_vma): the operands are made to vary over the same manual mesh axes, and the output is
+# declared to vary over them too (the tokens vary over the batch axes, the experts over the expert axes).
+
+
+def _varying(a) -> frozenset:
+    aval = jax.typeof(a)
+    axis_type = getattr(aval, "manual_axis_type", None)
+    return axis_type.varying if axis_type is not None else frozenset(getattr(aval, "vma", ()))
+
+
+def _same_varying(*arrays):
+    union = frozenset().union(*(_varying(a) for a in arrays))
+    return [jax.lax.pcast(a, tuple(sorted(union - _varying(a))), to="varying") if union - _varying(a) else a
+            for a in arrays]
+
+
+def _out_struct(shape, dtype, like):
+    """A ShapeDtypeStruct varying over the manual axes `like` varies over (jax 0.10: manual_axis_type; else vma)."""
+    aval = jax.typeof(like)
+    axis_type = getattr(aval, "manual_axis_type", None)
+    if axis_type is not None:
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=axis_type)
+    return jax.ShapeDtypeStruct(shape, dtype, vma=frozenset(getattr(aval, "vma", ())))
+
+
+# ----------------------------------------------------------------------------------------------
 # Forward: [M, K] x [G, K, N] -> [M, N]
 
 
@@ -172,11 +198,11 @@ def _forward(x, w, group_sizes, tiles: Tiles, interpret: bool):
     bk, bn = _block(kp, tiles.block_k), _block(np_, tiles.block_n)
     x = jnp.pad(x, ((0, mp - m), (0, kp - k)))
     w = jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n)))
-    table = tile_table(group_sizes, mp, bm)
+    *table, x, w = _same_varying(*tile_table(group_sizes, mp, bm), x, w)
     out = pl.pallas_call(
         functools.partial(_forward_kernel, block_m=bm, block_k=bk, block_n=bn, num_groups=g),
         grid=(table[0].shape[0], np_ // bn),
-        out_shape=jax.ShapeDtypeStruct((mp, np_), x.dtype),
+        out_shape=_out_struct((mp, np_), x.dtype, x),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
         interpret=interpret,
         name="grouped_matmul",
@@ -217,12 +243,12 @@ def _weight_grad(x, dy, group_sizes, num_groups: int, tiles: Tiles, interpret: b
     x = jnp.pad(x, ((0, mp - m), (0, kp - k)))
     dy = jnp.pad(dy, ((0, mp - m), (0, np_ - n)))
     ends = jnp.cumsum(group_sizes).astype(jnp.int32)
-    starts = ends - group_sizes
+    starts, ends, x, dy = _same_varying(ends - group_sizes, ends, x, dy)
     out = pl.pallas_call(
         functools.partial(_weight_grad_kernel, block_m=bm, block_k=bk, block_n=bn),
         grid=(num_groups, kp // bk, np_ // bn),
         out_specs=pl.BlockSpec((None, bk, bn), lambda g, i, j: (g, i, j)),
-        out_shape=jax.ShapeDtypeStruct((num_groups, kp, np_), x.dtype),
+        out_shape=_out_struct((num_groups, kp, np_), x.dtype, x),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.t_warps, num_stages=tiles.t_stages),
         interpret=interpret,
         name="grouped_matmul_weight_grad",
