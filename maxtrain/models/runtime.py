@@ -69,7 +69,8 @@ def resolve_layer_plan(config, backend: str | None = None) -> tuple[str, bool]:
     """(remat policy, scan the layers?) for this run.
 
     An explicit remat_policy is kept, with scan_layers as configured. `autoselected` is `full` (the
-    least memory) with scan_layers as configured, except on CPU for a small dense model whose user set
+    least memory) with scan_layers as configured (on GPU and TPU train.py and train_compile then choose
+    by compiled memory instead: training/layer_choice.py), except on CPU for a small dense model whose user set
     neither key: there `none` with the layers unrolled, the faster step (CPU_UNROLL_* above). A model
     with experts or pipeline stages keeps `full` (not measured there); so does a model whose saved
     activations could exceed CPU_UNROLL_MAX_ACTIVATION_BYTES, where `full` also saves the memory."""
