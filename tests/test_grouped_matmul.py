@@ -48,7 +48,7 @@ def test_kernel_matches_ragged_dot_forward_and_both_gradients(sizes, m, k, n):
     assert np.abs(np.asarray(dw)[sizes.index(0)]).max() == 0.0  # an empty group's gradient
 
 
-def testtile_table_covers_every_row_once_per_group():
+def test_tile_table_covers_every_row_once_per_group():
     sizes = jnp.asarray([5, 0, 40, 3], jnp.int32)
     group, block, lo, hi = (np.asarray(a) for a in grouped_matmul.tile_table(sizes, 64, 16))
     covered = np.zeros(64, int)
@@ -63,6 +63,7 @@ MOE = ["decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2", "base_
        "base_num_decoder_layers=2", "per_device_batch_size=1"]
 
 
+@pytest.mark.slow  # 7 s; the kernel's own checks above run by default
 def test_moe_model_with_the_kernel_matches_xla_loss_and_gradients():
     """The whole model (two MoE layers, padding tokens) with moe_grouped_matmul=pallas, in interpret mode: loss
     and every parameter's gradient as with XLA's ragged_dot."""

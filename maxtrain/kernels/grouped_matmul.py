@@ -7,7 +7,7 @@ the same function as `jax.lax.ragged_dot(x, w, group_sizes)`, which XLA:GPU (wit
 XLA:CPU lower as a dense masked matmul over every group: G times the work (docs/moe.md). Gradients
 (a custom VJP, both grouped):
 
-    dx = grouped_matmul(dy, w^T)                          ("MN,GNK->MK" per group)
+    dx = grouped_matmul(dy, w^T)                          (the forward kernel reading w transposed)
     dw[g] = x[rows of g]^T dy[rows of g]   [G, K, N]      (transposed grouped matmul; an empty group: 0)
 
 Forward kernel: the rows are cut into tiles of block_m; a tile that holds rows of several groups runs
@@ -97,7 +97,10 @@ def grouped_matmul(x, w, group_sizes, *, implementation: str = "pallas", interpr
     docstring. implementation "xla": jax.lax.ragged_dot, the reference."""
     if implementation == "xla":
         return lax.ragged_dot(x, w, group_sizes, preferred_element_type=x.dtype)
-    return _gmm(x, w.astype(x.dtype), group_sizes.astype(jnp.int32), tiles, bool(interpret))
+    # Inside shard_map the operands are first made to vary alike (the weights' gradient then sums over the token
+    # axes in the transpose of that cast, outside the custom VJP, whose cotangents must vary as its inputs do).
+    x, w, group_sizes = _same_varying(x, w.astype(x.dtype), group_sizes.astype(jnp.int32))
+    return _gmm(x, w, group_sizes, tiles, bool(interpret))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
@@ -111,7 +114,7 @@ def _gmm_fwd(x, w, group_sizes, tiles, interpret):
 
 def _gmm_bwd(tiles, interpret, residuals, dy):
     x, w, group_sizes = residuals
-    dx = _forward(dy.astype(x.dtype), jnp.swapaxes(w, 1, 2), group_sizes, tiles, interpret)
+    dx = _forward(dy.astype(x.dtype), w, group_sizes, tiles, interpret, transpose_w=True)
     dw = _weight_grad(x, dy.astype(x.dtype), group_sizes, w.shape[0], tiles, interpret)
     return dx, dw.astype(w.dtype), None
 
@@ -170,7 +173,7 @@ def tile_table(group_sizes, num_rows: int, block_m: int):
 
 
 def _forward_kernel(group_ref, block_ref, lo_ref, hi_ref, x_ref, w_ref, o_ref, *, block_m, block_k, block_n,
-                    num_groups):
+                    num_groups, transpose_w):
     tile, col = pl.program_id(0), pl.program_id(1)
     group, lo, hi = group_ref[tile], lo_ref[tile], hi_ref[tile]
     row0 = pl.multiple_of(block_ref[tile] * block_m, block_m)
@@ -180,6 +183,9 @@ def _forward_kernel(group_ref, block_ref, lo_ref, hi_ref, x_ref, w_ref, o_ref, *
     def body(kb, acc):
         k0 = pl.multiple_of(kb * block_k, block_k)
         a = x_ref[pl.ds(row0, block_m), pl.ds(k0, block_k)]
+        if transpose_w:  # w [G, N, K]: a @ w[g]^T, read as stored (no transposed copy of the weights)
+            b = w_ref[w_group, pl.ds(col0, block_n), pl.ds(k0, block_k)]
+            return acc + lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         b = w_ref[w_group, pl.ds(k0, block_k), pl.ds(col0, block_n)]
         return acc + lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -190,17 +196,18 @@ def _forward_kernel(group_ref, block_ref, lo_ref, hi_ref, x_ref, w_ref, o_ref, *
                 mask=(rows >= lo) & (rows < hi))
 
 
-def _forward(x, w, group_sizes, tiles: Tiles, interpret: bool):
+def _forward(x, w, group_sizes, tiles: Tiles, interpret: bool, transpose_w: bool = False):
+    """x [M, K] with w [G, K, N] (or, transpose_w, w [G, N, K] used as its transpose) -> [M, N]."""
     m, k = x.shape
-    g, _, n = w.shape
+    g, n = w.shape[0], w.shape[1 if transpose_w else 2]
     bm = tiles.block_m
     mp, kp, np_ = _round_up(m, bm), _round_up(k, MIN_BLOCK), _round_up(n, MIN_BLOCK)
     bk, bn = _block(kp, tiles.block_k), _block(np_, tiles.block_n)
     x = jnp.pad(x, ((0, mp - m), (0, kp - k)))
-    w = jnp.pad(w, ((0, 0), (0, kp - k), (0, np_ - n)))
+    w = jnp.pad(w, ((0, 0), (0, np_ - n), (0, kp - k)) if transpose_w else ((0, 0), (0, kp - k), (0, np_ - n)))
     *table, x, w = _same_varying(*tile_table(group_sizes, mp, bm), x, w)
     out = pl.pallas_call(
-        functools.partial(_forward_kernel, block_m=bm, block_k=bk, block_n=bn, num_groups=g),
+        functools.partial(_forward_kernel, block_m=bm, block_k=bk, block_n=bn, num_groups=g, transpose_w=transpose_w),
         grid=(table[0].shape[0], np_ // bn),
         out_shape=_out_struct((mp, np_), x.dtype, x),
         compiler_params=plgpu.CompilerParams(num_warps=tiles.warps, num_stages=tiles.stages),
