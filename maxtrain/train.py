@@ -35,7 +35,7 @@ from maxtrain.errors import run_cli
 from maxtrain.models import sampling
 from maxtrain.observability import metrics
 from maxtrain.parallel import distributed, sharding
-from maxtrain.training import builder, grpo, host_memory, loop, rewards
+from maxtrain.training import builder, grpo, host_memory, layer_choice, loop, rewards
 from maxtrain.training.loop import RunResult, TrainingError  # noqa: F401 (TrainingError: the run's own errors)
 from maxtrain.training.preemption import Preemption
 
@@ -80,6 +80,9 @@ def main(argv: list[str]) -> RunResult:
     task_evals = evals.from_config(config, inputs.tokenizer, mesh, run.rt, log=log)  # data checked, requests packed
     sample_prompt = sample_prompt_ids(config, inputs.tokenizer)  # the end-of-run sample's prompt, checked now
     compile_started = time.time()
+    if compiled_step is None and layer_choice.applies(config, run.rt.backend):  # remat by compiled memory (GPU, TPU)
+        choice = layer_choice.choose_on_devices(run, lambda plan: builder.build(config, layer_plan=plan))
+        run, compiled_step = choice.run, choice.compiled
     step_fn = run.compile() if compiled_step is None else compiled_step  # from the state's shapes and shardings
     log(builder.summarize(run, step_fn, time.time() - compile_started, start))
     fit.check_fits(run, step_fn)  # a step the devices cannot hold is refused before the state takes memory

@@ -196,6 +196,36 @@ def test_missing_compilers_name_the_extra():
 
 
 # ----------------------------------------------------------------------------------------------
+# Dropless MoE's grouped GEMM (kernels/grouped_matmul.py; its numbers: tests/test_grouped_matmul.py), forward and
+# both gradients, at the frontier models' expert shapes on one H100 (scripts/gpu_report.py runs them).
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("rows, experts, d, f", [
+    (4 * 4096 * 6, 64, 2048, 1408),    # DeepSeek-shaped: batch 4 x 4096 tokens, 6 of 64 experts, width 1408
+    (2 * 4096 * 4, 16, 2880, 2880),    # gpt-oss-shaped: batch 2, 4 of 16 experts, D = F = 2880 (blocks of 64)
+], ids=["deepseek", "gpt-oss"])
+def test_grouped_matmul_compiles_for_h100(h100s, rows, experts, d, f):
+    from maxtrain.kernels import grouped_matmul  # pylint: disable=import-outside-toplevel
+
+    mesh = sharding.mesh_of(h100s[:1], data=1)
+
+    def arg(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+    def grads(x, w, group_sizes, dy):
+        def loss(x, w):
+            return jnp.sum((grouped_matmul.grouped_matmul(x, w, group_sizes) * dy).astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # jax 0.12: Pallas Triton takes the GPU from the mesh
+        lowered = jax.jit(grads).trace(arg((rows, d)), arg((experts, d, f)), arg((experts,), jnp.int32),
+                                       arg((rows, f))).lower(lowering_platforms=("cuda",))
+    hlo = lowered.compile().as_text()
+    assert "grouped_matmul_weight_grad" in hlo and hlo.count("__gpu$xla.gpu.triton") == 2  # dx and dw (the loss is linear in y)
+
+
+# ----------------------------------------------------------------------------------------------
 # The whole training step (builder.build, as train.py runs it) with attention=autoselected.
 
 SMALL = ["base_emb_dim=256", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=512",
@@ -238,6 +268,20 @@ def test_llama_train_step_with_autoselected_cudnn_compiles_for_one_h100():
     """A Llama-shaped step (head_dim 64, GQA 2:1, bf16): autoselected takes cuDNN on an H100 (models/attention_choice.py)."""
     hlo = compile_train_step(targets.parse("h100-1").devices(), ["head_dim=64"], expected="cudnn")
     assert "cudnn" in hlo.lower() and "flash_attention_fwd" not in hlo  # cuDNN, not our Triton kernel
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_dropless_moe_train_step_compiles_for_8_h100s_with_the_grouped_gemm(h100s):
+    """Dropless experts split 4 ways (expert parallelism) x FSDP 2: the grouped GEMM inside the block's shard_map,
+    its operands varying over different mesh axes (tokens over the batch axes, experts over `expert`)."""
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    run = builder.build(load_config([BASE_YML, *SMALL, "decoder_block=mixtral", "num_experts=8", "num_experts_per_tok=2",
+                                     "base_moe_mlp_dim=256", "ici_expert_parallelism=4", "ici_fsdp_parallelism=2"]),
+                        devices=h100s)
+    assert run.rt.grouped_matmul == "pallas"
+    assert "grouped_matmul_weight_grad" in run.compile().as_text()
 
 
 # ----------------------------------------------------------------------------------------------
