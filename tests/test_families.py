@@ -81,6 +81,21 @@ CASES = {
              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                               "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
         {"local_rope_max_timescale": 100000.0}),
+    # OLMo 3: post-norms only, qk-norm over all heads' features together (one scale of N*H / G*H), three
+    # sliding layers per full one (5 layers: the pattern cut short), YaRN on the full layers only, an
+    # unscaled RoPE of another theta on the sliding ones.
+    "olmo3-postnorm-qknorm_over_heads-windows-yarn": (
+        "Olmo3Config", "Olmo3ForCausalLM",
+        dict(num_hidden_layers=5, sliding_window=6,
+             rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 16},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
+        {"sliding_window_size": 0}),
+    "olmo3-tied-layer_types": (
+        "Olmo3Config", "Olmo3ForCausalLM",
+        dict(tie_word_embeddings=True, sliding_window=5, layer_types=["full_attention", "sliding_attention",
+                                                                      "full_attention"]),
+        {"local_rope_max_timescale": 10000.0}),
     # MLA (low-rank queries, v_head_dim != qk head dim, interleaved YaRN RoPE with mscale), a dense layer
     # first, shared experts, the sigmoid router over 4 groups (best 2) with a random selection bias.
     "deepseek-mla-groups-bias": (
