@@ -83,7 +83,9 @@ def to_hf_config(keys: dict) -> dict:
     return {**hf.common_config(keys, FAMILY), **types,
             "rope_parameters": {"full_attention": hf.rope_parameters(keys), "sliding_attention": {
                 "rope_type": "default", "rope_theta": local if local > 0 else keys["rope_max_timescale"]}},
-            "hidden_act": "silu", "attention_bias": False}
+            "hidden_act": "silu", "attention_bias": False,
+            **({"max_position_embeddings": hf.whole(keys["rope_factor"] * keys["original_max_position_embeddings"])}
+               if keys["rope_type"] == "yarn" else {})}  # the context YaRN extends to (65,536 in OLMo 3)
 
 
 MODEL = contract.FamilyModel(
