@@ -48,6 +48,7 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
     num_layers = config["num_hidden_layers"]
     names = config.get("layer_types") or [f"{t}_attention" for t in _pattern(num_layers)]
     if "sliding_attention" not in names:  # every layer attends fully: no window, no local RoPE
+        # (a window of 1 only makes sliding_keys read and check layer_types)
         return {**keys, **hf.sliding_keys(config, _pattern(num_layers), 1), "sliding_window_size": 0}
     if not config.get("sliding_window", 4096):  # transformers' sliding mask needs a size
         raise hf.ConversionError(f"sliding_window={config['sliding_window']!r} with sliding_attention layers; "
