@@ -84,12 +84,12 @@ def test_cached_logits_match_full_forward_with_post_norms_qk_norm_over_heads_and
     params = jax.jit(models.init_params, static_argnums=0)(config, jax.random.key(1))
     params["layers"]["decoder"]["q_norm"] = 1.0 + jax.random.normal(jax.random.key(3), params["layers"]["decoder"][
         "q_norm"].shape)  # per-feature scales, so that normalizing over the wrong features would show
-    tokens = jax.random.randint(jax.random.key(2), (2, 12), 4, config.vocab_size)
-    positions = jnp.broadcast_to(jnp.arange(12), tokens.shape)
+    tokens = jax.random.randint(jax.random.key(2), (2, 9), 4, config.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(9), tokens.shape)
     full = forward(params, tokens, positions, jnp.ones_like(tokens), config, rt)
     step = jax.jit(lambda p, t, pos, c, i: models.forward_with_cache(p, t, pos, c, i, config, rt))
-    cache, pieces = models.init_cache(config, 2, 12, rt.dtype), []
-    for index, length in ((0, 6), (6, 1), (7, 5)):  # a prefill longer than the window, a token, a chunk
+    cache, pieces = models.init_cache(config, 2, 9, rt.dtype), []
+    for index, length in ((0, 7), (7, 1), (8, 1)):  # a prefill longer than the window, then single tokens
         logits, cache = step(params, tokens[:, index:index + length], positions[:, index:index + length], cache, index)
         pieces.append(logits)
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=1e-4, rtol=0)
