@@ -314,6 +314,7 @@ DEEPSEEK = {**LLAMA, "model_type": "deepseek_v3", "num_attention_heads": 4, "num
             "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
             "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "q_lora_rank": 24, "kv_lora_rank": 16,
             "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 10}
+OLMO3 = {**LLAMA, "model_type": "olmo3", "sliding_window": 8}
 
 
 # --------------------------------------------------------------------------------------------
@@ -388,6 +389,9 @@ ROWS = [
         r"without sliding-window layers"),
     Row("family-gpt-oss-without-window", T, [B, "model_name=gpt-oss-20b", "sliding_window_size=0"],
         r"decoder_block=gpt_oss has sliding-window layers .* set sliding_window_size=128"),
+    Row("family-olmo3-without-window", T, [B, "model_name=olmo3-7b", "sliding_window_size=0"],
+        r"decoder_block=olmo3 has sliding-window layers \(sliding sliding sliding full, repeated\), but "
+        r"sliding_window_size=0 .* set sliding_window_size=4096"),
     Row("family-moe-with-one-expert", T, [B, "decoder_block=mixtral"], r"decoder_block=mixtral is a mixture of experts, "
         r"but num_experts=1 .* set num_experts=8"),
     Row("grpo-top-k-of-one", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl",
@@ -822,6 +826,14 @@ ROWS = [
     Row("convert-deepseek-softmax-router", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r".*/hf/config.json: cannot convert this checkpoint without changing its outputs: scoring_func='softmax'",
         setup=hf_dir({**DEEPSEEK, "scoring_func": "softmax"})),
+    Row("convert-olmo3-scaled-sliding-rope", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json: rope_parameters.sliding_attention=.*'yarn'.* \(maxtrain's sliding-window layers rotate by "
+        r"an unscaled RoPE\)", setup=hf_dir({**OLMO3, "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "sliding_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}})),
+    Row("convert-olmo3-sliding-layers-without-window", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json: sliding_window=None with sliding_attention layers; set the window size",
+        setup=hf_dir({**OLMO3, "sliding_window": None, "layer_types": ["sliding_attention", "full_attention"]})),
     Row("convert-safetensors-entry-malformed", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r".*/hf/model.safetensors: the header entry of tensor x is .*, not \{dtype, shape, data_offsets\}",
         setup=hf_dir(LLAMA, {"model.safetensors": _header({"x": {"dtype": "F32", "shape": [2]}})})),

@@ -81,6 +81,21 @@ CASES = {
              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                               "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
         {"local_rope_max_timescale": 100000.0}),
+    # OLMo 3: post-norms only, qk-norm over all heads' features together (one scale of N*H / G*H), three
+    # sliding layers per full one (5 layers: the pattern cut short), YaRN on the full layers only, an
+    # unscaled RoPE of another theta on the sliding ones.
+    "olmo3-postnorm-qknorm_over_heads-windows-yarn": (
+        "Olmo3Config", "Olmo3ForCausalLM",
+        dict(num_hidden_layers=5, sliding_window=6,
+             rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 16},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
+        {"sliding_window_size": 0}),
+    "olmo3-tied-layer_types": (
+        "Olmo3Config", "Olmo3ForCausalLM",
+        dict(tie_word_embeddings=True, sliding_window=5, layer_types=["full_attention", "sliding_attention",
+                                                                      "full_attention"]),
+        {"local_rope_max_timescale": 10000.0}),
     # MLA (low-rank queries, v_head_dim != qk head dim, interleaved YaRN RoPE with mscale), a dense layer
     # first, shared experts, the sigmoid router over 4 groups (best 2) with a random selection bias.
     "deepseek-mla-groups-bias": (
@@ -265,6 +280,9 @@ def test_conversion_errors_name_the_field(tmp_path):
         ({k: v for k, v in base.items() if k != "hidden_size"}, "no 'hidden_size'"),
         ({**base, "model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({**base, "model_type": "mistral", "layer_types": ["full_attention"] * 2}, "Ministral"),
+        ({**base, "model_type": "olmo3", "attention_bias": True}, "attention_bias=True"),
+        ({**base, "model_type": "olmo3", "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+         "not split by layer type"),
     ]
     for hf, message in cases:
         with pytest.raises(convert.ConversionError, match=message):
@@ -272,3 +290,39 @@ def test_conversion_errors_name_the_field(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(convert.ConversionError, match="cannot read .*config.json"):
         convert.read_hf_config(str(tmp_path))
+
+
+def test_olmo3_reads_rope_theta_as_transformers_does_and_export_keeps_sliding_rope_unscaled():
+    """A top-level rope_theta sets only the full layers' RoPE (transformers' Olmo3Config); the sliding layers'
+    stays 500,000, and the import says so. An export whose sliding layers would inherit the global scaling
+    (local_rope_max_timescale=-1 with YaRN) is refused, naming the key."""
+    olmo3 = models.FAMILIES["olmo3"]
+    hf_config = {"model_type": "olmo3", "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96,
+                 "num_hidden_layers": 4, "vocab_size": 300, "rope_theta": 1000.0}
+    notes = []
+    keys = olmo3.from_hf_config(hf_config, notes)
+    assert (keys["rope_max_timescale"], keys["local_rope_max_timescale"]) == (1000.0, 500000.0)
+    assert keys["sliding_window_size"] == 4096 and keys["attention_layer_types"] == []  # transformers' defaults
+    assert any("only the full-attention layers" in n for n in notes), notes
+    assert transformers.Olmo3Config(num_hidden_layers=4, rope_theta=1000.0).rope_parameters == {
+        "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}
+    model = {k: getattr(config_lib.load_config([str(REPO / "configs" / "base.yml"), "model_name=olmo3-7b"]), k)
+             for k in models.MODEL_KEYS}
+    with pytest.raises(convert.ConversionError, match="local_rope_max_timescale=-1.0"):
+        olmo3.to_hf_config({**model, "local_rope_max_timescale": -1.0})
+
+
+def test_qk_norm_over_heads_normalizes_all_heads_features_together():
+    """q_norm [N, H] (OLMo 2/3) is torch's RMSNorm over the flattened N * H features, not one per head."""
+    from maxtrain.models import blocks  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(0)
+    q, scale = rng.normal(size=(2, 5, 4, 6)).astype(np.float32), rng.normal(size=(4, 6)).astype(np.float32)
+    norm = torch.nn.RMSNorm(24, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.from_numpy(scale.reshape(24)))
+        theirs = norm(torch.from_numpy(q.reshape(2, 5, 24))).numpy().reshape(q.shape)
+    np.testing.assert_allclose(np.asarray(blocks.rms_norm(jnp.asarray(q), jnp.asarray(scale), 1e-6)), theirs,
+                               rtol=1e-5, atol=1e-6)
+    per_head = q / np.sqrt(np.mean(q**2, axis=-1, keepdims=True) + 1e-6) * scale  # each head normed alone
+    assert np.max(np.abs(per_head - theirs)) > 1e-2

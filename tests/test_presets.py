@@ -40,6 +40,8 @@ PUBLISHED = {
     "qwen3-30b-a3b": 30_532_122_624,  # 3.35B active per token (tests/test_moe.py)
     "gpt-oss-20b": 20_914_757_184,   # model card: 20.9B, 3.6B active (below)
     "gpt-oss-120b": 116_829_156_672,  # model card: 116.8B, 5.1B active
+    "olmo3-7b": 7_298_011_136,       # transformers' count of Olmo-3-1025-7B's config (the model card: 7B)
+    "olmo3-32b": 32_233_522_176,     # transformers' count of OLMo 3 32B's config (the model card: 32B)
     "deepseek3-671b": 671_026_419_200,  # 671B, 37B active (below); the released 685B adds the MTP module
     "deepseek3-tiny": 8_166_320,     # DeepSeek-V3's architecture at the default model's sizes (not released)
     "gpt2-small": 123_587_328,      # GPT-2 small's shape as a Llama (124M with GPT-2's own layers)

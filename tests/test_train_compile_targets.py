@@ -95,6 +95,19 @@ def test_step_compiles_for_8_h100s_with_autoselected_attention():
     assert 0 < rep["memory"]["total"] < rep["memory"]["chip"]
 
 
+def test_olmo3_step_compiles_for_a_tpu_pod_with_windows_and_heads_split():
+    """OLMo 3's layers on 16 TPU chips with the heads split 4 ways: its qk-norm spans all heads' features, so
+    the tensor axis splits what each layer's norm reduces over; the sliding layers run in the autoselected kernel."""
+    need("tpu")
+    run, _, rep = compile_report(*with_overrides(SMALL, "base_num_decoder_layers=4"), "decoder_block=olmo3",
+                                 "sliding_window_size=64", "local_rope_max_timescale=10000.0",
+                                 "compile_topology=v5e-16", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=4",
+                                 "attention=autoselected")
+    assert rep["mesh"]["tensor"] == 4 and run.rt.backend == "tpu"
+    assert [t.attention for t in models.family(run.config).layer_types(run.config)] == ["sliding"] * 3 + ["full"]
+    assert 0 < rep["memory"]["total"] < rep["memory"]["chip"]
+
+
 # --------------------------------------------------------------------------------------------
 # FSDP and tensor parallelism at 64 chips
 # --------------------------------------------------------------------------------------------

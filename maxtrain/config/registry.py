@@ -73,6 +73,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gpt_oss", ("gpt_oss",), "GptOssForCausalLM", moe=True, attention_sinks=True,
            attention_pattern=("sliding", "full"), usual=(("sliding_window_size", 128), ("num_experts", 32)),
            settings=("mlp_activations_limit", "swiglu_alpha"), setting_keys=("mlp_activations_limit", "swiglu_alpha")),
+    Family("olmo3", ("olmo3",), "Olmo3ForCausalLM", attention_pattern=("sliding",) * 3 + ("full",),
+           usual=(("sliding_window_size", 4096),)),
     Family("deepseek", ("deepseek_v3",), "DeepseekV3ForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 256),),
            settings=("norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",

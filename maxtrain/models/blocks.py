@@ -2,7 +2,8 @@
 
 Each block is a pure function of (params, inputs, settings). What a block needs from its parameter
 dict it reads by name, so a family switches a feature on by declaring the parameter: q/k/v biases
-("bq", "bk", "bv"), the output projection's bias ("bo"), qk-norm ("q_norm", "k_norm"), attention
+("bq", "bk", "bv"), the output projection's bias ("bo"), qk-norm ("q_norm", "k_norm": of shape [H], a norm
+over each head's features; of shape [N, H] / [G, H], one norm over all heads' features together, OLMo 2/3), attention
 sinks ("sinks", one logit per query head; models/attention.py).
 
 Einsum letters (as everywhere in maxtrain): B batch, T query length, S key length, D embed,
@@ -44,8 +45,9 @@ class LayerInputs(NamedTuple):
 
 
 def attention_specs(config, *, qkv_bias: bool = False, qk_norm: str | None = None, out_bias: bool = False,
-                    sinks: bool = False) -> dict[str, ParamSpec]:
-    """One layer's attention weights; qk_norm is None, "ones" (RMSNorm scale) or "zeros" (the 1 + scale form)."""
+                    sinks: bool = False, qk_norm_over_heads: bool = False) -> dict[str, ParamSpec]:
+    """One layer's attention weights; qk_norm is None, "ones" (RMSNorm scale) or "zeros" (the 1 + scale form);
+    qk_norm_over_heads: the q and k norms span all heads' features ([N, H], [G, H]), not each head's ([H])."""
     d, n, g, h = config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim
     specs = {
         "wq": dense((d, n, h), ("embed", "heads", "head_dim"), d),
@@ -57,7 +59,10 @@ def attention_specs(config, *, qkv_bias: bool = False, qk_norm: str | None = Non
         specs.update(bq=ParamSpec((n, h), ("heads", "head_dim"), "zeros"),
                      bk=ParamSpec((g, h), ("kv_heads", "head_dim"), "zeros"),
                      bv=ParamSpec((g, h), ("kv_heads", "head_dim"), "zeros"))
-    if qk_norm:
+    if qk_norm and qk_norm_over_heads:
+        specs.update(q_norm=ParamSpec((n, h), ("heads", "head_dim"), qk_norm),
+                     k_norm=ParamSpec((g, h), ("kv_heads", "head_dim"), qk_norm))
+    elif qk_norm:
         specs.update(q_norm=ParamSpec((h,), ("head_dim",), qk_norm), k_norm=ParamSpec((h,), ("head_dim",), qk_norm))
     if out_bias:
         specs["bo"] = ParamSpec((d,), ("embed",), "zeros")
@@ -94,9 +99,11 @@ def embedding_specs(config, norm_init: str = "ones") -> dict[str, ParamSpec]:
 
 
 def rms_norm(x, scale, eps: float, plus_one: bool = False):
-    """x / rms(x) * scale, in float32; returns x's dtype. plus_one: scale is stored as (scale - 1) (Gemma)."""
+    """x / rms(x) * scale, in float32; returns x's dtype. plus_one: scale is stored as (scale - 1) (Gemma).
+    The rms is over x's last scale.ndim axes: a scale [N, H] normalizes [..., N, H] over all N * H features."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    axes = tuple(range(-scale.ndim, 0))
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axes, keepdims=True) + eps)
     scale = scale.astype(jnp.float32)
     return (x32 * (1.0 + scale if plus_one else scale)).astype(x.dtype)
 
@@ -149,7 +156,7 @@ def attention(x, p, inputs: LayerInputs, config, rt, layer: LayerType, *, scale:
     q = checkpoint_name(q, "query_proj")
     k = checkpoint_name(k, "key_proj")
     v = checkpoint_name(v, "value_proj")
-    if "q_norm" in p:  # qk-norm: RMSNorm over each head's H features, before RoPE
+    if "q_norm" in p:  # qk-norm before RoPE: RMSNorm over each head's H features (or all heads', q_norm [N, H])
         eps = config.normalization_layer_epsilon
         q, k = rms_norm(q, p["q_norm"], eps, norm_plus_one), rms_norm(k, p["k_norm"], eps, norm_plus_one)
     if layer.rope is not None:

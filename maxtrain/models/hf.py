@@ -63,6 +63,16 @@ SANDWICH_NAMES = {
     **ATTENTION_NAMES, **MLP_NAMES,
 }
 
+# OLMo 2 and 3: no norm before a sublayer, one after each; qk-norm over all heads' features ([N*H] in torch).
+POSTNORM_NAMES = {
+    **EMBEDDING_NAMES,
+    "layers/decoder/post_attn_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
+    "layers/decoder/post_mlp_norm": ("model.layers.{i}.post_feedforward_layernorm.weight", None),
+    "layers/decoder/q_norm": ("model.layers.{i}.self_attn.q_norm.weight", "flat"),
+    "layers/decoder/k_norm": ("model.layers.{i}.self_attn.k_norm.weight", "flat"),
+    **ATTENTION_NAMES, **MLP_NAMES,
+}
+
 
 def for_kind(names: dict, kind: str) -> dict:
     """Names written for the layer kind "decoder", for the layers of another kind."""
