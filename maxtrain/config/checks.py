@@ -255,8 +255,8 @@ def _context_chunks_divide_length(v):
 def _chunked_attention_without_context_parallelism(v):
     cp, chunk = ways(v, "context"), v["chunk_attn_window_size"]
     _require(not (chunk > 0 and cp and cp > 1),
-             f"chunk_attn_window_size={chunk} (chunked attention) does not run with context parallelism {cp} yet "
-             "(models/attention.py); set ici_context_parallelism=1 and dcn_context_parallelism=1")
+             f"chunk_attn_window_size={chunk} (chunked attention) does not run with context parallelism {cp} yet; "
+             "set ici_context_parallelism=1 and dcn_context_parallelism=1")
 
 
 def _tensor_parallelism_divides(v):
