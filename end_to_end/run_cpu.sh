@@ -44,6 +44,8 @@ run preempt_multiprocess "$PYTHON" end_to_end/cpu/preempt_multiprocess.py
 run disk_full "$PYTHON" end_to_end/cpu/disk_full.py
 # gpt-oss's layers (sinks, biases, clamped experts) train on the default corpus.
 run gpt_oss "$PYTHON" end_to_end/cpu/gpt_oss.py
+# Llama 4's layers (chunked attention, NoPE layers with temperature, L2 qk-norm, input-weighted experts) train.
+run llama4 "$PYTHON" end_to_end/cpu/llama4.py
 # Post-training: SFT, LoRA and DPO on generated instructions, export checked against transformers.
 run post_training "$PYTHON" end_to_end/cpu/post_training.py
 

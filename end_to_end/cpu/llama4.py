@@ -10,7 +10,11 @@ beside one shared expert; capacity dispatch at factor 2 (on CPU dropless compute
 that the eval loss falls at every evaluation and ends below THRESHOLD.
 
 Threshold = the eval loss measured on CPU (jax 0.10.2, Python 3.11's standard library as the corpus)
-+ a margin, as end_to_end/cpu/gpt_oss.py's (the measurement: docs/models.md, Llama 4).
++ a margin, as end_to_end/cpu/gpt_oss.py's:
+    steps  measured  threshold
+    50     5.8944    6.3
+The eval loss at initialization is 8.83; measured curve, every 10 steps: 8.8316, 7.7944, 6.9597, 6.4544,
+5.9938, 5.8944 (328 s on the 2-core CPU, shared).
 """
 
 from __future__ import annotations
@@ -22,11 +26,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402  pylint: disable=wrong-import-position
 
-STEPS, THRESHOLD = 50, 7.0
+STEPS, THRESHOLD = 50, 6.3
 LLAMA4 = ["decoder_block=llama4_text", "num_experts=4", "num_experts_per_tok=1", "base_moe_mlp_dim=384",
           "shared_experts=1", "decoder_sparse_step=2", "nope_layer_interval=2", "chunk_attn_window_size=64",
           "use_qk_norm=true", "temperature_tuning=true", "temperature_tuning_floor_scale=32",
-          "moe_dispatch=capacity", "capacity_factor=2.0", "per_device_batch_size=8", "normalization_layer_epsilon=1.0e-05"]
+          "moe_dispatch=capacity", "capacity_factor=2.0", "per_device_batch_size=8",
+          "normalization_layer_epsilon=1.0e-05"]
 
 
 def main(argv: list[str]) -> int:

@@ -452,7 +452,8 @@ def _capacity(x, weights, experts, valid, experts_w, s: Settings, axes: Axes, do
     x_pad = jnp.concatenate([x, jnp.zeros((b, 1, d), x.dtype)], axis=1)
     xe = jnp.take_along_axis(x_pad, source[:, :e * c, None], axis=1)  # [b, E*C, D]
     if moe_llama4.weights_inputs(s):  # each slot's row scaled by its pair's weight; the outputs add unweighted
-        slot_w = jnp.zeros((b, e * c + 1), weights.dtype).at[rows, slot.reshape(b, t * k)].set(weights.reshape(b, t * k))
+        slot_w = jnp.zeros((b, e * c + 1), weights.dtype).at[rows, slot.reshape(b, t * k)].set(
+            weights.reshape(b, t * k))
         xe = xe * slot_w[:, :e * c, None].astype(xe.dtype)
         weights = jnp.ones_like(weights)
     xe = jnp.swapaxes(xe.reshape(b, e, c, d), 0, 1).reshape(e, b * c, d)
