@@ -18,7 +18,7 @@ import pytest
 from conftest import BASE_YML
 from maxtrain import models
 from maxtrain.config import load_config
-from maxtrain.models import attention, attention_check, moe
+from maxtrain.models import attention, attention_check, layers, moe
 
 CHUNK = 8
 
@@ -66,6 +66,14 @@ def test_chunked_attention_is_causal_only():
     seg = jnp.ones((1, 8), jnp.int32)
     with pytest.raises(ValueError, match="chunked attention is causal"):
         attention.attention(q, q, q, seg, causal=False, chunk=4, positions=jnp.arange(8)[None])
+
+
+@pytest.mark.parametrize("length, chunk", [(64, 16), (64, 64), (50, 16), (7, 3)])
+def test_flops_count_the_keys_a_chunked_layer_attends(length, chunk):
+    seg = jnp.ones((1, length), jnp.int32)
+    mask = attention.make_attention_mask(seg, seg, chunk=chunk)
+    chunked = layers.LayerType(attention="chunked", window=chunk)
+    assert layers.attended_keys(length, chunked) * length == pytest.approx(float(np.sum(mask)))
 
 
 def tiny(*extra):
