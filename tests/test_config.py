@@ -281,7 +281,9 @@ def test_multi_token_prediction_needs_a_longer_sequence_than_its_modules():
 
 @pytest.mark.parametrize("key, on", [("mtp_num_layers", ["model_name=deepseek3-tiny", "mtp_num_layers=3"]),
                                      ("max_prefill_predict_length", [*GRPO, "decode_sampling_strategy=weighted",
-                                                                     "max_prefill_predict_length=16"])])
+                                                                     "max_prefill_predict_length=16"]),
+                                     ("chunk_attn_window_size", ["decoder_block=llama4_text", "num_experts=4",
+                                                                 "chunk_attn_window_size=64"])])
 def test_every_length_need_refuses_one_token_less(key, on):
     row = next(r for r in limits.LENGTH_NEEDS if r[0] == key)
     least = row[2](load(*on).to_dict())
@@ -289,7 +291,8 @@ def test_every_length_need_refuses_one_token_less(key, on):
                                           f"{least - 1}"):
         load(*on, f"max_target_length={least - 1}")
     assert load(*on, f"max_target_length={least}").max_target_length == least
-    assert {r[0] for r in limits.LENGTH_NEEDS} == {"mtp_num_layers", "max_prefill_predict_length"}
+    assert {r[0] for r in limits.LENGTH_NEEDS} == {"mtp_num_layers", "max_prefill_predict_length",
+                                                   "chunk_attn_window_size"}
 
 
 def test_an_empty_output_directory_or_a_blank_path_is_refused(tmp_path):
