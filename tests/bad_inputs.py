@@ -400,6 +400,17 @@ ROWS = [
         r"objective=grpo samples .*decode_sampling_top_k=1.* would all be the same"),
     Row("mtp-modules-beyond-the-sequence", T, [B, "model_name=deepseek3-tiny", "mtp_num_layers=4", "max_target_length=4"],
         r"mtp_num_layers=4 needs max_target_length >= 5, but max_target_length=4"),
+    Row("llama4-chunk-longer-than-the-sequence", T, [B, "model_name=llama4-scout", "max_target_length=4096"],
+        r"chunk_attn_window_size=8192 needs max_target_length >= 8192, but max_target_length=4096: .* raise "
+        r"max_target_length or lower chunk_attn_window_size"),
+    Row("llama4-nope-interval-zero", T, [B, "decoder_block=llama4_text", "num_experts=4", "nope_layer_interval=0"],
+        r"nope_layer_interval=0 is not allowed: it must be -1 or >= 1"),
+    Row("llama4-chunks-with-context-parallelism", T, [B, "decoder_block=llama4_text", "num_experts=4",
+                                                      "chunk_attn_window_size=64", "ici_context_parallelism=2"],
+        r"chunk_attn_window_size=64 \(chunked attention\) does not run with context parallelism 2 yet; set "
+        r"ici_context_parallelism=1"),
+    Row("feature-off-llama4-key-on-llama", T, [B, "use_qk_norm=true"], r"use_qk_norm=true does nothing without "
+        r"decoder_block=llama4_text"),
     Row("output-directory-empty", T, [B, "base_output_directory="], r"base_output_directory is empty .* the run would "
         r"be written into the current directory"),
     Row("decode-top-k-without-topk", D, [B, "decode_sampling_top_k=5"], r"decode_sampling_top_k=5 does nothing without "

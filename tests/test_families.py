@@ -4,7 +4,7 @@ For each family, a random tiny transformers model that exercises the family's pa
 (GQA with head_dim != D / N, random norm weights, a sequence longer than the sliding window, tied and
 untied embeddings, RoPE scaling with a short original context, soft-caps, biases, qk-norm, experts
 with a dense layer among MoE layers and unnormalized top-k router weights, attention sinks and
-clamped experts) is saved,
+clamped experts, chunked attention, no-RoPE layers and attention temperature) is saved,
 imported with `scripts/convert_hf.py import`, and checked with `scripts/check_logits.py --hf`
 (float32, <= 1e-5 relative). A negative control changes the feature the case exercises and shows
 the same comparison failing, so the test can fail. Then the import is exported, every tensor is
@@ -107,6 +107,15 @@ CASES = {
                                                     "original_max_position_embeddings": 16, "mscale": 0.9,
                                                     "mscale_all_dim": 0.7}),
         {"rope_interleave": False}),
+    # Chunks of 8 in the RoPE layers 0, 1, 3 (L2 qk-norm), NoPE layer 2 with attention temperature (floor scale 4,
+    # so it changes within the 40 tokens), experts in layers 1 and 3 (2 of 4 per token, sigmoid weights on their
+    # inputs, a shared expert), dense layers of another width, llama3 RoPE with Scout's equal frequency factors.
+    "llama4_text-chunked-nope-l2norm-temperature-interleaved_moe": (
+        "Llama4TextConfig", "Llama4ForCausalLM",
+        dict(intermediate_size=40, intermediate_size_mlp=96, num_hidden_layers=4, num_local_experts=4,
+             num_experts_per_tok=2, interleave_moe_layer_step=2, no_rope_layer_interval=3, attention_chunk_size=8,
+             floor_scale=4, attn_scale=0.3, rope_parameters={**LLAMA3_ROPE, "high_freq_factor": 1.0}),
+        {"chunk_attn_window_size": 0}),
 }
 
 

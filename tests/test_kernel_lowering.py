@@ -46,8 +46,10 @@ needs_tpu_compiler = _needs(targets.compiler_missing("tpu"))
 
 
 def compile_attention(devices, mesh_shape, platform, *, head_dim, dtype, implementation=None, batch=4, length=1024,
-                      heads=16, kv_heads=4, sliding_window=0, logits_soft_cap=0.0, sinks=False, v_head_dim=None):
-    """Compiles d(sum(attention * w))/d(q, k, v[, sinks]) for `platform` on a (data, fsdp, tensor) mesh of `devices`."""
+                      heads=16, kv_heads=4, sliding_window=0, logits_soft_cap=0.0, sinks=False, v_head_dim=None,
+                      chunk=0):
+    """Compiles d(sum(attention * w))/d(q, k, v[, sinks]) for `platform` on a (data, fsdp, tensor) mesh of `devices`
+    (chunk > 0: Llama 4's chunked attention, the segment ids refined by the positions' chunks)."""
     implementation = implementation or attention.resolve_implementation(
         "autoselected", platform, dtype=dtype, head_dim=head_dim, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap, sinks=sinks)
@@ -61,18 +63,20 @@ def compile_attention(devices, mesh_shape, platform, *, head_dim, dtype, impleme
     v = arg((batch, length, kv_heads, v_head_dim or head_dim), KV_AXES)  # MLA: its own value head dim
     seg = arg((batch, length), SEG_AXES, jnp.int32)
     sink = arg((heads,), ("heads",), jnp.float32) if sinks else None
+    positions = arg((batch, length), SEG_AXES, jnp.int32) if chunk else None
 
-    def grads(q, k, v, seg, w, sink):
+    def grads(q, k, v, seg, w, sink, positions):
         def loss(q, k, v, sink):
             out = attention.attention(q, k, v, seg, implementation=implementation, platform=platform,
                                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                                      block_q=DEFAULTS.sa_block_q, block_kv=DEFAULTS.sa_block_kv, sinks=sink)
+                                      block_q=DEFAULTS.sa_block_q, block_kv=DEFAULTS.sa_block_kv, sinks=sink,
+                                      chunk=chunk, positions=positions)
             return jnp.sum((out * w).astype(jnp.float32))
         return jax.grad(loss, argnums=(0, 1, 2, 3) if sinks else (0, 1, 2))(q, k, v, sink)
 
     with sharding.activation_sharding(mesh, RULES):
         w = arg((batch, length, heads, v_head_dim or head_dim), Q_AXES)
-        lowered = jax.jit(grads).trace(q, kv, v, seg, w, sink).lower(
+        lowered = jax.jit(grads).trace(q, kv, v, seg, w, sink, positions).lower(
             lowering_platforms=("cuda" if platform == "gpu" else platform,))
     compiled = lowered.compile()
     hlo = compiled.as_text()
@@ -111,6 +115,14 @@ def test_flash_with_gpt_oss_sinks_compiles_for_h100(h100s):
     """gpt-oss's layers: head_dim 64, a 128-token window, a learned sink per head (and its gradient)."""
     hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=64, dtype=jnp.bfloat16, sliding_window=128, sinks=True)
     assert "flash_attention_fwd" in hlo
+
+
+@needs_gpu_compiler
+def test_flash_with_llama4_chunks_compiles_for_h100(h100s):
+    """Llama 4's RoPE layers: head_dim 128, chunks of 512 positions over 2048 tokens (refined segment ids)."""
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=128, dtype=jnp.bfloat16, length=2048, chunk=512)
+    for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
+        assert kernel in hlo
 
 
 @needs_gpu_compiler
@@ -177,6 +189,14 @@ def test_splash_with_gpt_oss_sinks_compiles_for_tpu():
     """gpt-oss's layers: head_dim 64, a 128-token window, a learned sink per head (and its gradient)."""
     hlo = compile_attention(targets.parse("v5e-4").devices(), (2, 1, 2), "tpu", head_dim=64, dtype=jnp.bfloat16,
                             length=2048, heads=8, sliding_window=128, sinks=True)
+    assert "tpu_custom_call" in hlo
+
+
+@needs_tpu_compiler
+def test_splash_with_llama4_chunks_compiles_for_tpu():
+    """Llama 4's RoPE layers: head_dim 128, chunks of 512 positions over 2048 tokens (refined segment ids)."""
+    hlo = compile_attention(targets.parse("v5p-8").devices(), (2, 1, 2), "tpu", head_dim=128, dtype=jnp.bfloat16,
+                            length=2048, heads=8, chunk=512)
     assert "tpu_custom_call" in hlo
 
 

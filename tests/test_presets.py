@@ -44,6 +44,10 @@ PUBLISHED = {
     "olmo3-32b": 32_233_522_176,     # transformers' count of OLMo 3 32B's config (the model card: 32B)
     "deepseek3-671b": 671_026_419_200,  # 671B, 37B active (below); the released 685B adds the MTP module
     "deepseek3-tiny": 8_166_320,     # DeepSeek-V3's architecture at the default model's sizes (not released)
+    # Llama 4's text decoders: transformers' count of the same architecture (the published 109B and 400B
+    # totals, 17B active, include the vision encoder)
+    "llama4-scout": 107_769_861_120,
+    "llama4-maverick": 400_711_848_960,
     "gpt2-small": 123_587_328,      # GPT-2 small's shape as a Llama (124M with GPT-2's own layers)
     "default": 5_507_328,
 }
@@ -114,7 +118,11 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
                 # MLA (q/k 24 + 8 features, values 40), a dense first layer, one shared expert, one MTP module
                 "deepseek": [*MOE_FLOPS, "base_num_kv_heads=4", "q_lora_rank=48", "kv_lora_rank=32",
                              "qk_nope_head_dim=24", "qk_rope_head_dim=8", "v_head_dim=40", "first_num_dense_layers=1",
-                             "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true", "mtp_num_layers=1"]}
+                             "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true", "mtp_num_layers=1"],
+                # chunks of 16 in the RoPE layers, NoPE layers 1 and 3, experts in layers 1 and 3 with a shared one
+                "llama4_text": [*MOE_FLOPS, "decoder_sparse_step=2", "nope_layer_interval=2",
+                                "chunk_attn_window_size=16", "shared_experts=1", "base_moe_mlp_dim=192",
+                                "use_qk_norm=true", "temperature_tuning=true"]}
 
 
 @pytest.mark.slow

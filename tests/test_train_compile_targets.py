@@ -244,3 +244,23 @@ def test_h100_target_gets_remat_chosen_by_memory_and_the_grouped_gemm_for_drople
     assert "grouped_matmul_weight_grad" in compiled.as_text()
     assert (run.rt.remat_policy, run.rt.scan_layers(run.config)) == ("none", False)
     assert "of 79.1 GiB, one h100's memory): tried none scanned" in remat and "-> none, layers unrolled" in remat
+
+
+# Llama 4's shape, small: chunked RoPE layers (flash/splash on the chunk-refined segment ids), NoPE layers with
+# temperature, experts with a shared one in every other layer, dense layers between.
+LLAMA4_SMALL = ["model_name=llama4-scout", "dataset_type=synthetic", "base_emb_dim=256", "base_num_query_heads=8",
+                "base_num_kv_heads=4", "head_dim=64", "base_mlp_dim=512", "base_moe_mlp_dim=128", "num_experts=8",
+                "decoder_sparse_step=2", "base_num_decoder_layers=4", "vocab_size=1024", "max_target_length=1024",
+                "chunk_attn_window_size=256", "per_device_batch_size=1", "dtype=bfloat16", "attention=autoselected",
+                "moe_dispatch=capacity"]
+
+
+@pytest.mark.parametrize("target, mesh", [("h100-8", ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2"]),
+                                          ("v5p-8", ["ici_expert_parallelism=2", "ici_fsdp_parallelism=2"])])
+def test_llama4_step_compiles_with_chunked_flash_attention_and_experts(target, mesh):
+    need("gpu" if target.startswith("h100") else "tpu")
+    run, compiled, rep = compile_report(*LLAMA4_SMALL, f"compile_topology={target}", *mesh)
+    assert rep["attention"] == "flash" and rep["collective_counts"]["all-to-all"] >= 2
+    text = compiled.as_text()
+    assert ("triton" in text.lower()) if target.startswith("h100") else ("tpu_custom_call" in text)
+    assert 0 < rep["memory"]["total"] < rep["memory"]["chip"]

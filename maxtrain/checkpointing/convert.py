@@ -34,7 +34,7 @@ from maxtrain.config import checks as config_checks
 from maxtrain.config import registry
 from maxtrain.data import default_corpus, tokenizer_hf
 from maxtrain.data import tokenizer as tokenizer_lib
-from maxtrain.models.hf import ConversionError, Interleaved
+from maxtrain.models.hf import ConversionError, Interleaved, PairedRope, rope_halves, rope_pairs
 from maxtrain.models.params import is_spec
 
 # Buffers some older checkpoints carry; recomputed, never needed.
@@ -180,7 +180,9 @@ def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) ->
                                       "config.json that came with these weights")
             used.add(hf_name)
             if isinstance(n_in, Interleaved):
-                return np.ascontiguousarray(w[..., n_in.part::n_in.parts]).astype(dtype)
+                return np.ascontiguousarray(w[..., n_in.columns(w.shape[-1])]).astype(dtype)
+            if isinstance(n_in, PairedRope):
+                return rope_halves(w.T.reshape(shape)).astype(dtype)
             return (w.reshape(shape) if n_in in (None, "flat") else w.T.reshape(shape)).astype(dtype)
 
         def per_layer(i, name=name, experts=experts):
@@ -219,10 +221,13 @@ def to_hf(params: dict, keys: dict, dtype) -> dict[str, np.ndarray]:
                             per_layer if experts is not None else [per_layer]):
                 if isinstance(n_in, Interleaved):  # its columns of the tensor it shares
                     whole = out.setdefault(name.format(i=i, j=j), np.zeros(_hf_shape(w.shape, n_in), dtype))
-                    whole[..., n_in.part::n_in.parts] = w
+                    whole[..., n_in.columns(whole.shape[-1])] = w
                     continue
-                w = w.reshape(_hf_shape(w.shape, n_in)) if n_in in (None, "flat") else \
-                    w.reshape(math.prod(w.shape[:n_in]), -1).T
+                lead = n_in.n_in if isinstance(n_in, PairedRope) else n_in
+                if isinstance(n_in, PairedRope):
+                    w = rope_pairs(w)
+                w = w.reshape(_hf_shape(w.shape, lead)) if lead in (None, "flat") else \
+                    w.reshape(math.prod(w.shape[:lead]), -1).T
                 out[name.format(i=i, j=j)] = np.ascontiguousarray(w).astype(dtype)
     return out
 
@@ -233,6 +238,8 @@ def _hf_shape(shape: tuple, n_in) -> tuple:
         return tuple(shape)
     if isinstance(n_in, Interleaved):
         return tuple(shape[:-1]) + (shape[-1] * n_in.parts,)
+    if isinstance(n_in, PairedRope):
+        n_in = n_in.n_in
     if n_in == "flat":
         return (math.prod(shape),)
     return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))

@@ -86,9 +86,10 @@ def _lora_targets_known(v):
 
 def _llama3_rope_factors(v):
     if v["rope_type"] == "llama3":
-        _require(v["rope_high_freq_factor"] > v["rope_low_freq_factor"] > 0,
-                 f"rope_type=llama3 needs rope_high_freq_factor > rope_low_freq_factor > 0, got "
-                 f"{v['rope_high_freq_factor']} and {v['rope_low_freq_factor']} (Llama 3.1 uses 4.0 and 1.0)")
+        _require(v["rope_high_freq_factor"] >= v["rope_low_freq_factor"] > 0,
+                 f"rope_type=llama3 needs rope_high_freq_factor >= rope_low_freq_factor > 0, got "
+                 f"{v['rope_high_freq_factor']} and {v['rope_low_freq_factor']} (Llama 3.1 uses 4.0 and 1.0, "
+                 "Llama 4 Scout 1.0 and 1.0)")
 
 
 def _attention_layer_types(v):
@@ -186,6 +187,13 @@ def _context_chunks_divide_length(v):
                  f"into {2 * cp} chunks (two per device, one early and one late, so that causal attention's work is "
                  f"even), so max_target_length={length} must be a multiple of {2 * cp}; e.g. max_target_length="
                  f"{max(2 * cp, length // (2 * cp) * 2 * cp)}")
+
+
+def _chunked_attention_without_context_parallelism(v):
+    cp, chunk = ways(v, "context"), v["chunk_attn_window_size"]
+    _require(not (chunk > 0 and cp and cp > 1),
+             f"chunk_attn_window_size={chunk} (chunked attention) does not run with context parallelism {cp} yet; "
+             "set ici_context_parallelism=1 and dcn_context_parallelism=1")
 
 
 def _tensor_parallelism_divides(v):
@@ -377,6 +385,7 @@ CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_le
           _flash_blocks_powers_of_two, *objectives.CHECKS, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           _stages_divide_layers, _no_pipeline_stages_with_experts, _context_chunks_divide_length,
+          _chunked_attention_without_context_parallelism,
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
           _run_name_is_one_directory, _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
           _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts, _hidden_tiling_divides_expert_width,

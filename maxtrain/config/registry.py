@@ -85,6 +85,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                        "first_num_dense_layers", "shared_experts", "routed_bias", "mtp_num_layers"),
            setting_keys=("rope_interleave", "rope_mscale_all_dim", "n_routing_groups", "topk_routing_group",
                          "routed_scaling_factor")),
+    Family("llama4_text", ("llama4_text", "llama4"), "Llama4ForCausalLM", moe=True, per_layer_attention=False,
+           usual=(("num_experts", 16),),
+           settings=("decoder_sparse_step", "chunk_attn_window_size", "nope_layer_interval", "use_qk_norm",
+                     "temperature_tuning", "temperature_tuning_scale", "temperature_tuning_floor_scale"),
+           shape_keys=("shared_experts",),
+           setting_keys=("chunk_attn_window_size", "nope_layer_interval", "use_qk_norm", "temperature_tuning",
+                         "temperature_tuning_scale", "temperature_tuning_floor_scale")),
 )}
 
 MOE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.moe)

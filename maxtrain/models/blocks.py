@@ -140,9 +140,13 @@ def embed(table, tokens, dtype, multiplier: float | None = None):
 
 
 def attention(x, p, inputs: LayerInputs, config, rt, layer: LayerType, *, scale: float | None = None,
-              logits_soft_cap: float = 0.0, norm_plus_one: bool = False):
+              logits_soft_cap: float = 0.0, norm_plus_one: bool = False, qk_l2_norm: bool = False,
+              query_scales=None):
     """Self-attention of x [B, T, D] (already normed) -> ([B, T, D], aux), attending as `layer` says
-    (full, a sliding window; RoPE's table and the fraction of each head it rotates, or none).
+    (full, a sliding window, chunks; RoPE's table and the fraction of each head it rotates, or none).
+
+    Llama 4's options: qk_l2_norm normalizes q and k per head after RoPE, x / rms(x) with no scale (its
+    "L2 norm"); query_scales [B, T] multiply each token's queries after that (attention temperature).
 
     aux is {} in training; when decoding (inputs.cache set) it carries the updated cache as
     {"cache": (k, v)} for the stack to collect.
@@ -162,15 +166,21 @@ def attention(x, p, inputs: LayerInputs, config, rt, layer: LayerType, *, scale:
     if layer.rope is not None:
         cos, sin = inputs.rope[layer.rope]
         q, k = rope_lib.apply(q, cos, sin), rope_lib.apply(k, cos, sin)
-    if layer.attention not in ("full", "sliding"):
+    if qk_l2_norm:
+        eps = config.normalization_layer_epsilon
+        q, k = rms_norm(q, jnp.ones((), jnp.float32), eps), rms_norm(k, jnp.ones((), jnp.float32), eps)
+    if query_scales is not None:
+        q = (q.astype(jnp.float32) * query_scales[:, :, None, None]).astype(q.dtype)
+    if layer.attention not in ("full", "sliding", "chunked"):
         raise ValueError(f"the attention block has no {layer.attention!r} attention (layer {layer})")
-    sliding_window = layer.sliding_window()
+    sliding_window, chunk = layer.sliding_window(), layer.chunk()
     q = shard(q, ("batch", "length", "heads", "head_dim"))
     sinks = p.get("sinks")  # [N], float32 in the softmax
     if inputs.cache is None:
         out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=rt.attention, platform=rt.backend,
                                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
-                                      block_q=config.sa_block_q, block_kv=config.sa_block_kv, sinks=sinks)
+                                      block_q=config.sa_block_q, block_kv=config.sa_block_kv, sinks=sinks,
+                                      chunk=chunk, positions=inputs.positions)
         aux = {}
     else:
         # Decoding: write this step's k, v at `index` and attend to the filled cache slots.
@@ -184,6 +194,9 @@ def attention(x, p, inputs: LayerInputs, config, rt, layer: LayerType, *, scale:
             mask = mask & (slots >= first[:, None, None])
         if sliding_window > 0:
             mask = mask & (t - slots < sliding_window)
+        if chunk > 0:  # the slots' positions: slot - first (forward_with_cache), as the queries' positions
+            slot_positions = slots - (0 if first is None else first[:, None, None])
+            mask = mask & (inputs.positions[:, :, None] // chunk == slot_positions // chunk)
         out = attention_lib.dot_product_attention(q, cache_k.astype(dt), cache_v.astype(dt), mask, scale=scale,
                                                   logits_soft_cap=logits_soft_cap, sinks=sinks)
         aux = {"cache": (cache_k, cache_v)}

@@ -5,8 +5,10 @@ split out. A family's HF_NAMES maps each maxtrain parameter path to (HF tensor n
 the number of leading maxtrain dims that form torch's "in" dimension (None: the same shape;
 "flat": the same values as one 1-D tensor, as biases [N, H] are [N*H]), e.g. q_proj.weight [N*H, D] -> wq [D, N, H] has n_in 1; o_proj.weight [D, N*H] -> wo
 [N, H, D] has n_in 2; an `Interleaved` n_in: every other column of the tensor's last axis (gpt-oss's
-fused gate_up_proj). "{i}" in a name is the layer's index within its stack. Both sides use the
-"rotate half" RoPE layout, so q and k need no permutation.
+fused gate_up_proj; `Halves`: the part-th block of its columns, Llama 4's gate_up_proj); a `PairedRope`
+n_in: q or k whose heads keep RoPE's pairs side by side (Llama 4), de-interleaved to maxtrain's layout.
+"{i}" in a name is the layer's index within its stack. Both sides use the "rotate half" RoPE layout
+for every other family, so their q and k need no permutation.
 
 config.json. Where a config states one thing twice, the reading of transformers 5 is followed
 (and a note says what was ignored): `rope_scaling`, when set, replaces `rope_parameters`;
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+import numpy as np
 
 from maxtrain.errors import UserError
 
@@ -87,6 +91,42 @@ class Interleaved:
 
     part: int
     parts: int = 2
+
+    def columns(self, width: int) -> slice:
+        """This part's columns of a tensor whose last axis has `width` columns."""
+        return slice(self.part, None, self.parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Halves(Interleaved):
+    """As Interleaved, but the part-th of `parts` equal blocks of the columns: Llama 4's experts keep gate
+    and up in one gate_up_proj [E, D, 2F], gate in the first F columns and up in the last F."""
+
+    def columns(self, width: int) -> slice:
+        size = width // self.parts
+        return slice(self.part * size, (self.part + 1) * size)
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedRope:
+    """The n_in of a q or k projection (n_in leading maxtrain dims, as an int n_in) whose heads hold RoPE's
+    pairs side by side, (x_2i, x_2i+1) (Llama 4's checkpoints, rotated as complex numbers), where maxtrain
+    rotates halves, (x_i, x_i+H/2): each head's features are de-interleaved on import (evens, then odds)
+    and interleaved again on export. q and k are permuted alike, so q.k is unchanged (as are the L2 norm
+    and the NoPE layers, which read no pairs)."""
+
+    n_in: int = 1
+
+
+def rope_halves(w):
+    """[..., H] with RoPE's pairs side by side -> the rotate-half layout (PairedRope's import)."""
+    return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1)
+
+
+def rope_pairs(w):
+    """The rotate-half layout [..., H] -> pairs side by side (PairedRope's export)."""
+    half = w.shape[-1] // 2
+    return np.stack([w[..., :half], w[..., half:]], axis=-1).reshape(w.shape)
 
 
 class ConversionError(UserError, ValueError):

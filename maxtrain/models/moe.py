@@ -7,6 +7,8 @@
 
     router "sigmoid_group_topk" (DeepSeek-V3): sigmoid scores, group-limited top-k, scaled weights,
                with shared experts beside the routed ones and a selection-only bias (models/moe_deepseek.py)
+    router "topk_sigmoid" (Llama 4): w = sigmoid(top_k(logits)), multiplying each expert's input:
+               y = sum_k expert_{e_k}(w_k x) (models/moe_llama4.py)
 
 Activation "clamped_swiglu" (gpt-oss), with a = swiglu_alpha and l = mlp_activations_limit:
     g, u = min(gate_e(x), l), clip(up_e(x), -l, l);   expert_e(x) = down_e(g * sigmoid(a g) * (u + 1))
@@ -68,11 +70,11 @@ from jax.sharding import PartitionSpec as P
 from maxtrain.models import ops
 from maxtrain.parallel import sharding as sharding_lib
 from maxtrain.models import blocks
-from maxtrain.models import moe_deepseek, moe_experts
+from maxtrain.models import moe_deepseek, moe_experts, moe_llama4
 from maxtrain.models.decoder import PER_LAYER, STEP_STATS
 from maxtrain.models.params import ParamSpec, dense, is_spec
 
-ROUTERS = ("topk_softmax", "softmax_topk", "sigmoid_group_topk")
+ROUTERS = ("topk_softmax", "softmax_topk", "sigmoid_group_topk", moe_llama4.ROUTER)
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
@@ -262,6 +264,8 @@ def route(logits, s: Settings, bias=None):
     nothing else: the weights are the unbiased scores of the chosen experts."""
     if s.router == "sigmoid_group_topk":
         return moe_deepseek.route_sigmoid_groups(logits, s, bias)
+    if s.router == moe_llama4.ROUTER:
+        return moe_llama4.route_topk_sigmoid(logits, s, bias)
     if s.router == "topk_softmax":
         chosen = logits if bias is None else logits + bias
         experts = jax.lax.top_k(chosen, s.top_k)[1]
@@ -315,6 +319,9 @@ def _dropless(x, weights, experts, experts_w, s: Settings, axes: Axes, down_bias
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.zeros(local_experts + 1, jnp.int32).at[key].add(1)[:local_experts]
     xs = jnp.take(x, order // k, axis=0)
+    if moe_llama4.weights_inputs(s):  # each pair's row scaled by its weight; the outputs then add unweighted
+        xs = xs * jnp.take(weights.reshape(-1), order)[:, None].astype(xs.dtype)
+        weights = jnp.ones_like(weights)
     row_experts = jnp.minimum(jnp.take(key, order), local_experts - 1)  # other devices' pairs: any, masked below
     ys = moe_experts.experts(functools.partial(moe_experts.swiglu_grouped, group_sizes=group_sizes,
                                            row_experts=row_experts, s=s), xs, experts_w, axes)
@@ -362,6 +369,11 @@ def _capacity(x, weights, experts, valid, experts_w, s: Settings, axes: Axes, do
     source = source.at[rows, slot.reshape(b, t * k)].set(jnp.repeat(jnp.arange(t, dtype=jnp.int32), k)[None])
     x_pad = jnp.concatenate([x, jnp.zeros((b, 1, d), x.dtype)], axis=1)
     xe = jnp.take_along_axis(x_pad, source[:, :e * c, None], axis=1)  # [b, E*C, D]
+    if moe_llama4.weights_inputs(s):  # each slot's row scaled by its pair's weight; the outputs add unweighted
+        slot_w = jnp.zeros((b, e * c + 1), weights.dtype).at[rows, slot.reshape(b, t * k)].set(
+            weights.reshape(b, t * k))
+        xe = xe * slot_w[:, :e * c, None].astype(xe.dtype)
+        weights = jnp.ones_like(weights)
     xe = jnp.swapaxes(xe.reshape(b, e, c, d), 0, 1).reshape(e, b * c, d)
     if axes.expert_ways > 1:  # each expert's slots to the device that holds it: [E / ep, ep * b * C, D]
         xe = jax.lax.all_to_all(xe, axes.expert, 0, 1, tiled=True)
