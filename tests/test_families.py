@@ -92,6 +92,17 @@ CASES = {
                                                     "original_max_position_embeddings": 16, "mscale": 0.9,
                                                     "mscale_all_dim": 0.7}),
         {"rope_interleave": False}),
+    # Gated delta-net layers beside gated full attention (cycle 2), 2 key heads serving 4 value heads, a 3-tap
+    # convolution, partial RoPE (half of each head), experts with a gated shared expert twice their width and a
+    # dense layer among them.
+    "qwen3_next-hybrid-gated_attention-partial_rope": (
+        "Qwen3NextConfig", "Qwen3NextForCausalLM",
+        dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=20, shared_expert_intermediate_size=40, mlp_only_layers=[2],
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+             linear_conv_kernel_dim=3,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        {"partial_rotary_factor": 1.0}),
 }
 
 
@@ -99,7 +110,7 @@ def make_hf_model(config_class: str, model_class: str, fields: dict, seed: int =
     config = getattr(transformers, config_class)(**{**COMMON, **fields})
     model = getattr(transformers, model_class)(config).eval()
     torch.manual_seed(seed)
-    plus_one = "Gemma" in model_class  # Gemma stores norm scales as (scale - 1)
+    plus_one = "Gemma" in model_class or "Qwen3Next" in model_class  # norm scales stored as (scale - 1)
     with torch.no_grad():  # random everything, norms included, at a scale that gives lively logits
         for name, p in model.named_parameters():
             p.copy_((0.0 if plus_one else 1.0) + 0.3 * torch.randn_like(p) if "norm" in name

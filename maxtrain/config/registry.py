@@ -39,6 +39,9 @@ class Family:
     # `settings` is a model key, shared or its own (tests/test_house.py).
     shape_keys: tuple[str, ...] = ()
     setting_keys: tuple[str, ...] = ()
+    # Of its `settings`, those that change how, not what, it computes (a kernel's chunk): no model keys.
+    kernel_settings: tuple[str, ...] = ()
+    decodes: bool = True          # decoding with a cache is implemented (maxtrain.decode, the end-of-run sample)
 
     def pattern(self, num_layers: int) -> list[str]:
         """Its layers' attention without attention_layer_types: attention_pattern repeated over num_layers."""
@@ -73,6 +76,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gpt_oss", ("gpt_oss",), "GptOssForCausalLM", moe=True, attention_sinks=True,
            attention_pattern=("sliding", "full"), usual=(("sliding_window_size", 128), ("num_experts", 32)),
            settings=("mlp_activations_limit", "swiglu_alpha"), setting_keys=("mlp_activations_limit", "swiglu_alpha")),
+    Family("qwen3_next", ("qwen3_next",), "Qwen3NextForCausalLM", moe=True, window_everywhere=False,
+           per_layer_attention=False, usual=(("num_experts", 512),), decodes=False,
+           settings=("partial_rotary_factor", "inhomogeneous_layer_cycle_interval", "gdn_num_key_heads",
+                     "gdn_num_value_heads", "gdn_key_head_dim", "gdn_value_head_dim", "gdn_conv_kernel_dim",
+                     "gdn_chunk_size", "decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"),
+           shape_keys=("inhomogeneous_layer_cycle_interval", "gdn_num_key_heads", "gdn_num_value_heads",
+                       "gdn_key_head_dim", "gdn_value_head_dim", "gdn_conv_kernel_dim", "shared_experts"),
+           setting_keys=("partial_rotary_factor",), kernel_settings=("gdn_chunk_size",)),
     Family("deepseek", ("deepseek_v3",), "DeepseekV3ForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 256),),
            settings=("norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
