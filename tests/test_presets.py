@@ -42,6 +42,7 @@ PUBLISHED = {
     "gpt-oss-120b": 116_829_156_672,  # model card: 116.8B, 5.1B active
     "deepseek3-671b": 671_026_419_200,  # 671B, 37B active (below); the released 685B adds the MTP module
     "deepseek3-tiny": 8_166_320,     # DeepSeek-V3's architecture at the default model's sizes (not released)
+    "qwen3-next-80b-a3b": 79_674_391_296,  # model card: 80B total, 3B activated (3.56B here without the embedding)
     "gpt2-small": 123_587_328,      # GPT-2 small's shape as a Llama (124M with GPT-2's own layers)
     "default": 5_507_328,
 }
@@ -112,7 +113,11 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
                 # MLA (q/k 24 + 8 features, values 40), a dense first layer, one shared expert, one MTP module
                 "deepseek": [*MOE_FLOPS, "base_num_kv_heads=4", "q_lora_rank=48", "kv_lora_rank=32",
                              "qk_nope_head_dim=24", "qk_rope_head_dim=8", "v_head_dim=40", "first_num_dense_layers=1",
-                             "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true", "mtp_num_layers=1"]}
+                             "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true", "mtp_num_layers=1"],
+                # gated delta-net and full attention alternating, 2 key heads serving 4 value heads, partial RoPE
+                "qwen3_next": [*MOE_FLOPS, "shared_experts=1", "base_moe_mlp_dim=96", "inhomogeneous_layer_cycle_interval=2",
+                               "gdn_num_key_heads=2", "gdn_num_value_heads=4", "gdn_key_head_dim=32",
+                               "gdn_value_head_dim=32", "gdn_chunk_size=16", "partial_rotary_factor=0.25"]}
 
 
 @pytest.mark.slow
