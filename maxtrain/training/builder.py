@@ -265,6 +265,14 @@ def load_model(config, *, devices=None, read_params: bool = True, log=print) -> 
 DENSE_RAGGED_DOT = ("cpu", "gpu")
 
 
+def objective_details(config) -> str:
+    """The summary's words after the objective's name: its settings, its data kind and its frozen model."""
+    row = config_lib.objectives.of(config)
+    parts = [f"{key} {getattr(config, key):g}" for key in row.shown] + [config_lib.objectives.data_kind(config)]
+    parts += [f"frozen {row.frozen}"] if config_lib.objectives.holds_frozen(config) else []
+    return " (" + ", ".join(parts) + ")"
+
+
 def moe_line(run: Run) -> str:
     """The start-up summary's line about the experts."""
     config = run.config
@@ -329,11 +337,7 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
         f"batch: global {config.global_batch_size} sequences x {config.max_target_length} tokens = "
         f"{config.tokens_per_step:,} tokens/step (per device {config.per_device_batch_size}, "
         f"accumulation {config.gradient_accumulation_steps})",
-        f"objective: {objectives.name(config)}"
-        + (f" (beta {config.dpo_beta}, label smoothing {config.dpo_label_smoothing}, frozen reference)"
-           if config.use_dpo else "")
-        + (f" (alpha {config.distill_alpha:g}, temperature {config.distill_temperature:g}, frozen teacher)"
-           if config.use_distillation else "")
+        f"objective: {objectives.name(config)}" + objective_details(config)
         + (f"  LoRA rank {config.lora_rank} alpha {config.lora_alpha} on {','.join(config.lora_target_modules)}"
            if config.lora_rank else "")
         + f"  trainable {n_trainable / 1e6:,.3f}M ({100 * n_trainable / max(models.num_params(config), 1):.2f}% of the"
