@@ -62,6 +62,8 @@ def test_the_mixed_stack_scans_as_it_runs_unrolled():
     (["gdn_conv_kernel_dim=0"], "gdn_conv_kernel_dim=0 is not allowed"),
     (["inhomogeneous_layer_cycle_interval=5"], "inhomogeneous_layer_cycle_interval=5 leaves no full-attention layer"),
     (["partial_rotary_factor=0.05"], "partial_rotary_factor=0.05 rotates 0 of head_dim=16 features"),
+    (["ici_context_parallelism=2"], "gated delta-net layers do not run with context parallelism 2 yet"),
+    (["ici_pipeline_parallelism=2"], "gated delta-net layers do not run with stage parallelism 2 yet"),
     (["objective=grpo"], "objective=grpo samples completions with a KV cache, which decoder_block=qwen3_next"),
 ])
 def test_impossible_settings_are_refused(overrides, fragment):

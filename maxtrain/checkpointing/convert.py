@@ -141,10 +141,12 @@ def _entries(keys: dict):
             experts = spec.shape[spec.axes.index("exp")]
         if isinstance(n_in, Grouped):  # resolved against the shapes of the parameters it is fused with
             prefix = path.rsplit("/", 1)[0]
-            shapes = {p: _one_shape(flat[f"{prefix}/{p}"], layers, experts) for p in n_in.parts + (n_in.groups_of,)}
-            groups = shapes[n_in.groups_of][1]
-            sizes = [math.prod(shapes[p][1:]) // groups for p in n_in.parts]
-            n_in = GroupRows(groups, sum(sizes[:n_in.part]), sizes[n_in.part], sum(sizes))
+            named = n_in.parts + ((n_in.groups_of,) if n_in.groups_of else ())
+            shapes = {p: _one_shape(flat[f"{prefix}/{p}"], layers, experts) for p in named}
+            lead = n_in.lead
+            groups = shapes[n_in.groups_of][lead + 1] if n_in.groups_of else 1
+            sizes = [math.prod(shapes[p][lead + 1:]) // groups for p in n_in.parts]
+            n_in = GroupRows(groups, sum(sizes[:n_in.part]), sizes[n_in.part], sum(sizes), lead)
         yield tuple(path.split("/")), spec, name, n_in, layers, experts
 
 
@@ -188,8 +190,10 @@ def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) ->
             if isinstance(n_in, Interleaved):
                 return np.ascontiguousarray(w[..., n_in.part::n_in.parts]).astype(dtype)
             if isinstance(n_in, GroupRows):
-                rows = w.reshape(n_in.groups, n_in.total, -1)[:, n_in.offset:n_in.offset + n_in.size]
-                return rows.reshape(n_in.groups * n_in.size, -1).T.reshape(shape).astype(dtype)
+                lead = w.shape[:n_in.lead]
+                rows = w.reshape(*lead, n_in.groups, n_in.total, -1)[..., n_in.offset:n_in.offset + n_in.size, :]
+                rows = rows.reshape(*lead, n_in.groups * n_in.size, -1)
+                return np.swapaxes(rows, -1, -2).reshape(shape).astype(dtype)
             if isinstance(n_in, DepthwiseConv):
                 return w.reshape(w.shape[0], -1).T.reshape(shape).astype(dtype)
             return (w.reshape(shape) if n_in in (None, "flat") else w.T.reshape(shape)).astype(dtype)
@@ -234,8 +238,10 @@ def to_hf(params: dict, keys: dict, dtype) -> dict[str, np.ndarray]:
                     continue
                 if isinstance(n_in, GroupRows):  # its rows of each group of the tensor it shares
                     whole = out.setdefault(name.format(i=i, j=j), np.zeros(_hf_shape(w.shape, n_in), dtype))
-                    rows = w.reshape(w.shape[0], -1).T.reshape(n_in.groups, n_in.size, -1)
-                    whole.reshape(n_in.groups, n_in.total, -1)[:, n_in.offset:n_in.offset + n_in.size] = rows
+                    lead = w.shape[:n_in.lead]
+                    rows = np.swapaxes(w.reshape(*lead, w.shape[n_in.lead], -1), -1, -2)
+                    rows = rows.reshape(*lead, n_in.groups, n_in.size, -1)
+                    whole.reshape(*lead, n_in.groups, n_in.total, -1)[..., n_in.offset:n_in.offset + n_in.size, :] = rows
                     continue
                 if isinstance(n_in, DepthwiseConv):
                     out[name.format(i=i, j=j)] = np.ascontiguousarray(w.T.reshape(w.shape[1], 1, w.shape[0])).astype(dtype)
@@ -253,7 +259,7 @@ def _hf_shape(shape: tuple, n_in) -> tuple:
     if isinstance(n_in, Interleaved):
         return tuple(shape[:-1]) + (shape[-1] * n_in.parts,)
     if isinstance(n_in, GroupRows):
-        return (n_in.groups * n_in.total, shape[0])
+        return (*shape[:n_in.lead], n_in.groups * n_in.total, shape[n_in.lead])
     if isinstance(n_in, DepthwiseConv):
         return (shape[1], 1, shape[0])
     if n_in == "flat":

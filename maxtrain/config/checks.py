@@ -340,6 +340,15 @@ def _gated_deltanet(v):
     cycle, layers = v["inhomogeneous_layer_cycle_interval"], v["base_num_decoder_layers"]
     _require(cycle <= layers, f"inhomogeneous_layer_cycle_interval={cycle} leaves no full-attention layer among "
                               f"base_num_decoder_layers={layers}; use inhomogeneous_layer_cycle_interval <= {layers}")
+    # The recurrent state runs along the whole sequence and through every layer in order: splitting either
+    # would need the state handed from shard to shard, which the gated delta-net does not do yet.
+    for axis, keys in (("context", "ici_context_parallelism=1 and dcn_context_parallelism=1"),
+                       ("stage", "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")):
+        split = ways(v, axis)
+        _require(split in (1, None), f"decoder_block={v['decoder_block']}'s gated delta-net layers do not run with "
+                                     f"{axis} parallelism {split} yet (their state would pass from shard to shard); set "
+                                     f"{keys}, and split the model with ici_fsdp_parallelism or "
+                                     "ici_tensor_parallelism instead")
 
 
 def _partial_rotary_factor(v):

@@ -1,192 +1,48 @@
-"""Qwen3-Next (Qwen Team 2025): a hybrid of gated delta-net layers and gated full attention, with a mixture of
-experts and a gated shared expert.
+"""Qwen3-Next (Qwen Team 2025): gated delta-net layers beside gated full attention, a mixture of experts with a
+gated shared expert (models/hybrid.py has the stack, which Qwen3.5 shares).
 
-    x = x + mixer(rmsnorm(x))        layer i with (i + 1) % inhomogeneous_layer_cycle_interval == 0: attention
-                                     with qk-norm, RoPE on the leading partial_rotary_factor of each head, and
-                                     its output gated per feature by sigmoid(x W_g) (blocks.attention, "wg");
-                                     the other layers: the gated delta-net (models/gated_deltanet.py)
-    x = x + moe(rmsnorm(x))          softmax over the E router logits, top K (renormalized with norm_topk_prob),
-                                     plus a shared expert of shared_experts x base_moe_mlp_dim scaled by
-                                     sigmoid(x . w) (moe_deepseek.shared_experts); dense where
-                                     mlp_only_layers / decoder_sparse_step say so (Qwen3-MoE's rule)
-
-Norms are in the (1 + scale) form, scale 0 at initialization (the final norm and qk-norm too). Layer kinds
-(parameter stacks): "full_moe", "linear_moe", "full_dense", "linear_dense". Decoding is not implemented yet:
-the gated delta-net layers would need their state and convolution window in the cache (registry:
-decodes=False, refused with max_new_tokens > 0).
+Hugging Face fuses, per key head, its query, key, and the values and gates z of the value heads it serves in
+in_proj_qkvz, and b and a in in_proj_ba (hf.Grouped); q_proj holds each head's query then its output gate.
 """
 
 from __future__ import annotations
 
 from maxtrain.config import registry
-from maxtrain.models import blocks, contract, gated_deltanet, hf, moe
-from maxtrain.models.layers import LayerType
-from maxtrain.models.params import ParamSpec, dense
-from maxtrain.models.standard_layers import stacks
-from maxtrain.parallel.sharding import shard
+from maxtrain.models import contract, hf, hybrid
 
 FAMILY = registry.FAMILIES["qwen3_next"]
-ROUTER = "softmax_topk"
-
-
-def is_moe_layer(config, i: int) -> bool:
-    return i not in config.mlp_only_layers and config.num_experts > 1 and (i + 1) % config.decoder_sparse_step == 0
-
-
-def is_full_layer(config, i: int) -> bool:
-    return (i + 1) % config.inhomogeneous_layer_cycle_interval == 0
-
-
-def layer_types(config) -> list[LayerType]:
-    out = []
-    for i in range(config.base_num_decoder_layers):
-        mlp = "moe+shared" if is_moe_layer(config, i) and config.shared_experts else (
-            "moe" if is_moe_layer(config, i) else "dense")
-        kind = ("full" if is_full_layer(config, i) else "linear") + ("_moe" if mlp != "dense" else "_dense")
-        if is_full_layer(config, i):
-            out.append(LayerType(kind=kind, rope_fraction=config.partial_rotary_factor, mlp=mlp))
-        else:
-            out.append(LayerType(kind=kind, mixer="linear", attention="none", rope=None, mlp=mlp))
-    return out
-
-
-def _norm(config) -> ParamSpec:
-    return blocks.norm_spec(config, "zeros")
-
-
-def param_specs(config):
-    attention = blocks.attention_specs(config, qk_norm="zeros", out_gate=True)
-    mlps = {"moe": {**moe.specs(config), "shared_expert_gate": dense((config.base_emb_dim, 1), ("embed", None),
-                                                                     config.base_emb_dim)},
-            "dense": blocks.mlp_specs(config)}
-    per_kind = {f"{mixer}_{mlp}": {"attn_norm": _norm(config), **mixer_specs, "mlp_norm": _norm(config), **mlp_specs}
-                for mixer, mixer_specs in (("full", attention), ("linear", gated_deltanet.specs(config)))
-                for mlp, mlp_specs in mlps.items()}
-    return {**blocks.embedding_specs(config, norm_init="zeros"),
-            "layers": stacks(config, layer_types(config), per_kind)}
-
-
-def embed(params, tokens, config, rt):
-    return blocks.embed(params["token_embedding"], tokens, rt.dtype)
-
-
-def layer(x, p, inputs, layer_type: LayerType, config, rt):
-    eps = config.normalization_layer_epsilon
-    normed = blocks.rms_norm(x, p["attn_norm"], eps, plus_one=True)
-    if layer_type.mixer == "linear":
-        if inputs.cache is not None:
-            raise ValueError("qwen3_next's gated delta-net layers keep no decoding cache yet (registry: decodes=False)")
-        h, aux = gated_deltanet.mixer(normed, p, inputs.segment_ids, config, rt), {}
-    else:
-        h, aux = blocks.attention(normed, p, inputs, config, rt, layer_type, norm_plus_one=True)
-    x = shard(x + h, ("batch", "length", "embed"))
-    normed = blocks.rms_norm(x, p["mlp_norm"], eps, plus_one=True)
-    if layer_type.is_moe:
-        h, moe_aux = moe.block(normed, p, inputs.segment_ids, config, rt, router=ROUTER,
-                               num_moe_layers=sum(t.is_moe for t in layer_types(config)))
-        aux = {**aux, **moe_aux}
-    else:
-        h = blocks.mlp(normed, p, rt, "silu")
-    return shard(x + h, ("batch", "length", "embed")), aux
-
-
-def norm_logits(params, x, config, rt):
-    return blocks.logits(params, x, config, rt, norm_plus_one=True)
-
-
-def flops_per_token(config, dense_attention: bool = False) -> float:
-    """Training FLOPs per token: 3 x (2 x the weights a token multiplies + attention's scores and the delta rule)."""
-    d, n, g, h = config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim
-    types = layer_types(config)
-    f_e, shared = moe.expert_dim(config), config.shared_experts * moe.expert_dim(config)
-    moe_mlp = d * config.num_experts + config.num_experts_per_tok * 3 * d * f_e + 3 * d * shared + d
-    matmul = d * config.vocab_size
-    for t in types:
-        mixer = 3 * d * n * h + 2 * d * g * h if t.mixer == "attention" else gated_deltanet.matmul_params(config)
-        matmul += mixer + (moe_mlp if t.is_moe else 3 * d * config.base_mlp_dim)
-    rules = sum(gated_deltanet.rule_flops(config) for t in types if t.mixer == "linear")
-    full = [t for t in types if t.mixer == "attention"]
-    return 3.0 * (2 * matmul + blocks.attention_flops(config, full, dense_attention) + rules)
 
 
 # --------------------------------------------------------------------------------------------
 # Hugging Face
 # --------------------------------------------------------------------------------------------
 
-_FULL = {"wk": ("self_attn.k_proj.weight", 1), "wv": ("self_attn.v_proj.weight", 1),
-         "wo": ("self_attn.o_proj.weight", 2), "q_norm": ("self_attn.q_norm.weight", None),
-         "k_norm": ("self_attn.k_norm.weight", None),
-         "wq": ("self_attn.q_proj.weight", hf.Grouped(0, ("wq", "wg"), "wq")),
-         "wg": ("self_attn.q_proj.weight", hf.Grouped(1, ("wq", "wg"), "wq"))}
 _QKVZ = ("lin_wq", "lin_wk", "lin_wv", "lin_wz")
-_LINEAR = {**{p: ("linear_attn.in_proj_qkvz.weight", hf.Grouped(i, _QKVZ, "lin_wq")) for i, p in enumerate(_QKVZ)},
-           "lin_wb": ("linear_attn.in_proj_ba.weight", hf.Grouped(0, ("lin_wb", "lin_wa"), "lin_wq")),
-           "lin_wa": ("linear_attn.in_proj_ba.weight", hf.Grouped(1, ("lin_wb", "lin_wa"), "lin_wq")),
-           "conv": ("linear_attn.conv1d.weight", hf.DepthwiseConv()), "dt_bias": ("linear_attn.dt_bias", None),
-           "a_log": ("linear_attn.A_log", None), "lin_norm": ("linear_attn.norm.weight", None),
-           "lin_wo": ("linear_attn.out_proj.weight", 2)}
-_MOE = {"router": ("mlp.gate.weight", 1), "w_gate": ("mlp.experts.{j}.gate_proj.weight", 1),
-        "w_up": ("mlp.experts.{j}.up_proj.weight", 1), "w_down": ("mlp.experts.{j}.down_proj.weight", 1),
-        "shared_gate": ("mlp.shared_expert.gate_proj.weight", 1), "shared_up": ("mlp.shared_expert.up_proj.weight", 1),
-        "shared_down": ("mlp.shared_expert.down_proj.weight", 1), "shared_expert_gate": ("mlp.shared_expert_gate.weight", 1)}
-_DENSE = {"w_gate": ("mlp.gate_proj.weight", 1), "w_up": ("mlp.up_proj.weight", 1), "w_down": ("mlp.down_proj.weight", 1)}
-_NORMS = {"attn_norm": ("input_layernorm.weight", None), "mlp_norm": ("post_attention_layernorm.weight", None)}
-
-HF_NAMES = {**hf.EMBEDDING_NAMES,
-            **{f"layers/{mixer}_{mlp}/{name}": (f"model.layers.{{i}}.{hf_name}", n_in)
-               for mixer, mixer_names in (("full", _FULL), ("linear", _LINEAR))
-               for mlp, mlp_names in (("moe", _MOE), ("dense", _DENSE))
-               for name, (hf_name, n_in) in {**_NORMS, **mixer_names, **mlp_names}.items()}}
+HF_NAMES = hybrid.hf_names(
+    linear={**{p: ("linear_attn.in_proj_qkvz.weight", hf.Grouped(i, _QKVZ, "lin_wq")) for i, p in enumerate(_QKVZ)},
+            "lin_wb": ("linear_attn.in_proj_ba.weight", hf.Grouped(0, ("lin_wb", "lin_wa"), "lin_wq")),
+            "lin_wa": ("linear_attn.in_proj_ba.weight", hf.Grouped(1, ("lin_wb", "lin_wa"), "lin_wq"))},
+    experts={"w_gate": ("mlp.experts.{j}.gate_proj.weight", 1), "w_up": ("mlp.experts.{j}.up_proj.weight", 1),
+             "w_down": ("mlp.experts.{j}.down_proj.weight", 1)})
 
 
 def from_hf_config(config: dict, notes: list | None = None) -> dict:
-    hf.refuse(config, {"hidden_act": "silu", "attention_bias": False})
-    layers = int(hf.require(config, "num_hidden_layers"))
-    types = config.get("layer_types") or ["linear_attention"] * 3 + ["full_attention"]
-    cycle = next((i + 1 for i, t in enumerate(types) if t == "full_attention"), 0)
-    expected = ["full_attention" if cycle and (i + 1) % cycle == 0 else "linear_attention" for i in range(layers)]
-    if not cycle or list(types)[:layers] != expected:
-        raise hf.ConversionError(f"layer_types {types} is not a repeating cycle of linear_attention layers closed by a "
-                                 "full_attention layer, the only layout maxtrain's qwen3_next implements")
-    experts = int(config.get("num_experts") or 0)
-    if experts < 2:
-        raise hf.ConversionError(f"num_experts={experts}: a Qwen3-Next without a mixture of experts is not implemented")
-    moe_width = int(hf.require(config, "moe_intermediate_size"))
-    shared_width = int(config.get("shared_expert_intermediate_size") or 0)
-    if shared_width % moe_width:
-        raise hf.ConversionError(f"shared_expert_intermediate_size={shared_width} is not a multiple of "
-                                 f"moe_intermediate_size={moe_width}, which maxtrain's shared experts are made of")
-    rope = dict(hf.rope_dict(config, notes))
-    partial = float(rope.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
-    return {**hf.common_keys(config), **hf.rope_keys(config, notes, rope=rope), **hf.experts_keys(config),
-            "partial_rotary_factor": partial, "inhomogeneous_layer_cycle_interval": cycle,
-            "base_moe_mlp_dim": moe_width, "shared_experts": shared_width // moe_width,
+    if int(config.get("num_experts") or 0) < 2:
+        raise hf.ConversionError(f"num_experts={config.get('num_experts')}: a Qwen3-Next without a mixture of experts "
+                                 "is not implemented")
+    return {**hybrid.hf_keys(config, notes), **hybrid.experts_hf_keys(config),
             "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
             "decoder_sparse_step": int(config.get("decoder_sparse_step") or 1),
-            "mlp_only_layers": [int(i) for i in (config.get("mlp_only_layers") or [])],
-            "gdn_num_key_heads": int(hf.require(config, "linear_num_key_heads")),
-            "gdn_num_value_heads": int(hf.require(config, "linear_num_value_heads")),
-            "gdn_key_head_dim": int(hf.require(config, "linear_key_head_dim")),
-            "gdn_value_head_dim": int(hf.require(config, "linear_value_head_dim")),
-            "gdn_conv_kernel_dim": int(hf.require(config, "linear_conv_kernel_dim"))}
+            "mlp_only_layers": [int(i) for i in (config.get("mlp_only_layers") or [])]}
 
 
 def to_hf_config(keys: dict) -> dict:
-    layers, cycle = keys["base_num_decoder_layers"], keys["inhomogeneous_layer_cycle_interval"]
-    rope = {**hf.rope_parameters(keys), "partial_rotary_factor": keys["partial_rotary_factor"]}
-    moe_width = keys["base_moe_mlp_dim"] if keys["base_moe_mlp_dim"] > 0 else keys["base_mlp_dim"]
-    return {**hf.common_config(keys, FAMILY), "rope_parameters": rope, "rope_theta": keys["rope_max_timescale"],
-            "hidden_act": "silu", "attention_bias": False,
-            "layer_types": ["full_attention" if (i + 1) % cycle == 0 else "linear_attention" for i in range(layers)],
-            "num_experts": keys["num_experts"], "num_experts_per_tok": keys["num_experts_per_tok"],
-            "moe_intermediate_size": moe_width, "shared_expert_intermediate_size": keys["shared_experts"] * moe_width,
+    return {**hybrid.hf_config(keys, FAMILY), **hybrid.experts_hf_config(keys),
             "norm_topk_prob": keys["norm_topk_prob"], "decoder_sparse_step": keys["decoder_sparse_step"],
-            "mlp_only_layers": list(keys["mlp_only_layers"]),
-            "linear_num_key_heads": keys["gdn_num_key_heads"], "linear_num_value_heads": keys["gdn_num_value_heads"],
-            "linear_key_head_dim": keys["gdn_key_head_dim"], "linear_value_head_dim": keys["gdn_value_head_dim"],
-            "linear_conv_kernel_dim": keys["gdn_conv_kernel_dim"]}
+            "mlp_only_layers": list(keys["mlp_only_layers"])}
 
 
 MODEL = contract.FamilyModel(
-    row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=embed, layer=layer, logits=norm_logits,
-    flops_per_token=flops_per_token, hf_names=HF_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config)
+    row=FAMILY, param_specs=hybrid.param_specs, layer_types=hybrid.layer_types, embed=hybrid.embed, layer=hybrid.layer,
+    logits=hybrid.logits, flops_per_token=hybrid.flops_per_token, hf_names=HF_NAMES, from_hf_config=from_hf_config,
+    to_hf_config=to_hf_config)
