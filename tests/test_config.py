@@ -230,7 +230,8 @@ def test_the_registry_plans_each_layers_attention_as_the_family_builds_it():
                 cfg = load(f"model_name={preset}", *extra)
             except ConfigError:
                 continue  # a window where no layer slides
-            # the plan says which layers slide; the others attend fully, or in Llama 4's chunks
+            # the plan says which layers slide; the others attend fully, in Llama 4's chunks, or not at all (a
+            # recurrent layer, which has no window either)
             built = [t.attention if t.attention == "sliding" else "full" for t in models.family(cfg).layer_types(cfg)]
             assert built == features.layer_attention(cfg.to_dict()), preset
 

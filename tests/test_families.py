@@ -116,6 +116,32 @@ CASES = {
              num_experts_per_tok=2, interleave_moe_layer_step=2, no_rope_layer_interval=3, attention_chunk_size=8,
              floor_scale=4, attn_scale=0.3, rope_parameters={**LLAMA3_ROPE, "high_freq_factor": 1.0}),
         {"chunk_attn_window_size": 0}),
+    # Gated delta-net layers beside gated full attention (cycle 2), 2 key heads serving 4 value heads, a 3-tap
+    # convolution, partial RoPE (half of each head), experts with a gated shared expert twice their width and a
+    # dense layer among them.
+    "qwen3_next-hybrid-gated_attention-partial_rope": (
+        "Qwen3NextConfig", "Qwen3NextForCausalLM",
+        dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=20, shared_expert_intermediate_size=40, mlp_only_layers=[2],
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+             linear_conv_kernel_dim=3,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        {"partial_rotary_factor": 1.0}),
+    # Qwen3.5: the same stack with q, k, v in one projection and z, b, a in their own; dense, and with experts.
+    "qwen3_5_text-hybrid-dense": (
+        "Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+        dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        {"partial_rotary_factor": 1.0}),
+    "qwen3_5_moe_text-hybrid-experts": (
+        "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+        dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=20, shared_expert_intermediate_size=20,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+             linear_conv_kernel_dim=3,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        {"num_experts_per_tok": 1}),
 }
 
 
@@ -123,7 +149,7 @@ def make_hf_model(config_class: str, model_class: str, fields: dict, seed: int =
     config = getattr(transformers, config_class)(**{**COMMON, **fields})
     model = getattr(transformers, model_class)(config).eval()
     torch.manual_seed(seed)
-    plus_one = "Gemma" in model_class  # Gemma stores norm scales as (scale - 1)
+    plus_one = any(n in model_class for n in ("Gemma", "Qwen3Next", "Qwen3_5"))  # norm scales stored as (scale - 1)
     with torch.no_grad():  # random everything, norms included, at a scale that gives lively logits
         for name, p in model.named_parameters():
             p.copy_((0.0 if plus_one else 1.0) + 0.3 * torch.randn_like(p) if "norm" in name

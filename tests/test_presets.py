@@ -48,6 +48,7 @@ PUBLISHED = {
     # totals, 17B active, include the vision encoder)
     "llama4-scout": 107_769_861_120,
     "llama4-maverick": 400_711_848_960,
+    "qwen3-next-80b-a3b": 79_674_391_296,  # model card: 80B total, 3B activated (3.56B here without the embedding)
     "gpt2-small": 123_587_328,      # GPT-2 small's shape as a Llama (124M with GPT-2's own layers)
     "default": 5_507_328,
 }
@@ -122,7 +123,11 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
                 # chunks of 16 in the RoPE layers, NoPE layers 1 and 3, experts in layers 1 and 3 with a shared one
                 "llama4_text": [*MOE_FLOPS, "decoder_sparse_step=2", "nope_layer_interval=2",
                                 "chunk_attn_window_size=16", "shared_experts=1", "base_moe_mlp_dim=192",
-                                "use_qk_norm=true", "temperature_tuning=true"]}
+                                "use_qk_norm=true", "temperature_tuning=true"],
+                # gated delta-net and full attention alternating, 2 key heads serving 4 value heads, partial RoPE
+                "qwen3_next": [*MOE_FLOPS, "shared_experts=1", "base_moe_mlp_dim=96", "inhomogeneous_layer_cycle_interval=2",
+                               "gdn_num_key_heads=2", "gdn_num_value_heads=4", "gdn_key_head_dim=32",
+                               "gdn_value_head_dim=32", "gdn_chunk_size=16", "partial_rotary_factor=0.25"]}
 
 
 @pytest.mark.slow

@@ -338,6 +338,42 @@ def _mla_head_dims(v):
              f"base_num_kv_heads={v['base_num_query_heads']}")
 
 
+def _gated_deltanet(v):
+    """The gated delta-net layers' shapes, for a family that has them (its registry row reads their settings)."""
+    if "gdn_num_key_heads" not in features.family(v).settings:
+        return
+    nk, nv = v["gdn_num_key_heads"], v["gdn_num_value_heads"]
+    _require(nv % nk == 0, f"gdn_num_value_heads={nv} must be a multiple of gdn_num_key_heads={nk} (each key head "
+                           f"serves a whole group of value heads); e.g. gdn_num_value_heads={nk * max(1, nv // nk)}")
+    cycle, layers = v["inhomogeneous_layer_cycle_interval"], v["base_num_decoder_layers"]
+    _require(cycle <= layers, f"inhomogeneous_layer_cycle_interval={cycle} leaves no full-attention layer among "
+                              f"base_num_decoder_layers={layers}; use inhomogeneous_layer_cycle_interval <= {layers}")
+    # The recurrent state runs along the whole sequence and through every layer in order: splitting either
+    # would need the state handed from shard to shard, which the gated delta-net does not do yet.
+    for axis, keys in (("context", "ici_context_parallelism=1 and dcn_context_parallelism=1"),
+                       ("stage", "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")):
+        split = ways(v, axis)
+        _require(split in (1, None), f"decoder_block={v['decoder_block']}'s gated delta-net layers do not run with "
+                                     f"{axis} parallelism {split} yet (their state would pass from shard to shard); set "
+                                     f"{keys}, and split the model with ici_fsdp_parallelism or "
+                                     "ici_tensor_parallelism instead")
+
+
+def _partial_rotary_factor(v):
+    rotated = int(v["head_dim"] * v["partial_rotary_factor"])
+    _require(rotated >= 2 and rotated % 2 == 0,
+             f"partial_rotary_factor={v['partial_rotary_factor']} rotates {rotated} of head_dim={v['head_dim']} "
+             "features, but RoPE rotates an even number of them (at least 2); choose a factor that gives one")
+
+
+def _decoding_implemented(v):
+    """GRPO samples its completions with the cache (the end-of-run sample is skipped with a notice instead:
+    train.sample_prompt_ids; maxtrain.decode refuses)."""
+    _require(features.family(v).decodes or not objectives.of(v).samples,
+             f"objective={v['objective']} samples completions with a KV cache, which decoder_block={v['decoder_block']} "
+             "does not implement yet; train it with another objective")
+
+
 def _multi_token_prediction(v):
     """MTP (models/mtp.py): DeepSeek's modules after its MoE layers, on the next-token objectives, in one program
     without pipeline stages, context parallelism or LoRA (none is wired through the MTP modules)."""
@@ -382,7 +418,8 @@ def _muon_without_lora(v):
 
 
 CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
-          _flash_blocks_powers_of_two, *objectives.CHECKS, _chat_template_known, _lora_targets_known,
+          _flash_blocks_powers_of_two, _gated_deltanet, _partial_rotary_factor, _decoding_implemented,
+          *objectives.CHECKS, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           _stages_divide_layers, _no_pipeline_stages_with_experts, _context_chunks_divide_length,
           _chunked_attention_without_context_parallelism,

@@ -39,6 +39,9 @@ class Family:
     # `settings` is a model key, shared or its own (tests/test_house.py).
     shape_keys: tuple[str, ...] = ()
     setting_keys: tuple[str, ...] = ()
+    # Of its `settings`, those that change how, not what, it computes (a kernel's chunk): no model keys.
+    kernel_settings: tuple[str, ...] = ()
+    decodes: bool = True          # decoding with a cache is implemented (maxtrain.decode, the end-of-run sample)
 
     def pattern(self, num_layers: int) -> list[str]:
         """Its layers' attention without attention_layer_types: attention_pattern repeated over num_layers."""
@@ -55,6 +58,12 @@ class Family:
             return ["sliding" if sliding_window_size > 0 else "full"] * num_layers
         return self.pattern(num_layers)
 
+
+# The settings of the gated delta-net hybrids (Qwen3-Next, Qwen3.5: models/hybrid.py), and those of them that fix
+# the parameters' shapes.
+HYBRID_SHAPE_KEYS = ("inhomogeneous_layer_cycle_interval", "gdn_num_key_heads", "gdn_num_value_heads",
+                     "gdn_key_head_dim", "gdn_value_head_dim", "gdn_conv_kernel_dim")
+HYBRID_SETTINGS = ("partial_rotary_factor", *HYBRID_SHAPE_KEYS, "gdn_chunk_size")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", ("llama",), "LlamaForCausalLM"),
@@ -75,6 +84,18 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            settings=("mlp_activations_limit", "swiglu_alpha"), setting_keys=("mlp_activations_limit", "swiglu_alpha")),
     Family("olmo3", ("olmo3",), "Olmo3ForCausalLM", attention_pattern=("sliding",) * 3 + ("full",),
            usual=(("sliding_window_size", 4096),)),
+    Family("qwen3_next", ("qwen3_next",), "Qwen3NextForCausalLM", moe=True, per_layer_attention=False,
+           usual=(("num_experts", 512),), decodes=False,
+           settings=HYBRID_SETTINGS + ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"),
+           shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts",), setting_keys=("partial_rotary_factor",),
+           kernel_settings=("gdn_chunk_size",)),
+    Family("qwen3_5_text", ("qwen3_5_text", "qwen3_5"), "Qwen3_5ForCausalLM", per_layer_attention=False,
+           decodes=False, settings=HYBRID_SETTINGS, shape_keys=HYBRID_SHAPE_KEYS,
+           setting_keys=("partial_rotary_factor",), kernel_settings=("gdn_chunk_size",)),
+    Family("qwen3_5_moe_text", ("qwen3_5_moe_text", "qwen3_5_moe"), "Qwen3_5MoeForCausalLM", moe=True,
+           per_layer_attention=False, usual=(("num_experts", 256),), decodes=False, settings=HYBRID_SETTINGS,
+           shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts",), setting_keys=("partial_rotary_factor",),
+           kernel_settings=("gdn_chunk_size",)),
     Family("deepseek", ("deepseek_v3",), "DeepseekV3ForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 256),),
            settings=("norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",

@@ -4,7 +4,8 @@ Each block is a pure function of (params, inputs, settings). What a block needs 
 dict it reads by name, so a family switches a feature on by declaring the parameter: q/k/v biases
 ("bq", "bk", "bv"), the output projection's bias ("bo"), qk-norm ("q_norm", "k_norm": of shape [H], a norm
 over each head's features; of shape [N, H] / [G, H], one norm over all heads' features together, OLMo 2/3), attention
-sinks ("sinks", one logit per query head; models/attention.py).
+sinks ("sinks", one logit per query head; models/attention.py), an output gate ("wg": each head's output
+times sigmoid(x W_g) before the output projection, Qwen3-Next's gated attention).
 
 Einsum letters (as everywhere in maxtrain): B batch, T query length, S key length, D embed,
 N query heads, G kv heads, R = N // G, H head dim, F mlp width, V vocab, L layers.
@@ -45,9 +46,11 @@ class LayerInputs(NamedTuple):
 
 
 def attention_specs(config, *, qkv_bias: bool = False, qk_norm: str | None = None, out_bias: bool = False,
-                    sinks: bool = False, qk_norm_over_heads: bool = False) -> dict[str, ParamSpec]:
+                    sinks: bool = False, qk_norm_over_heads: bool = False,
+                    out_gate: bool = False) -> dict[str, ParamSpec]:
     """One layer's attention weights; qk_norm is None, "ones" (RMSNorm scale) or "zeros" (the 1 + scale form);
-    qk_norm_over_heads: the q and k norms span all heads' features ([N, H], [G, H]), not each head's ([H])."""
+    qk_norm_over_heads: the q and k norms span all heads' features ([N, H], [G, H]), not each head's ([H]);
+    out_gate: a sigmoid gate on each head's output (Qwen3-Next)."""
     d, n, g, h = config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim
     specs = {
         "wq": dense((d, n, h), ("embed", "heads", "head_dim"), d),
@@ -68,6 +71,8 @@ def attention_specs(config, *, qkv_bias: bool = False, qk_norm: str | None = Non
         specs["bo"] = ParamSpec((d,), ("embed",), "zeros")
     if sinks:
         specs["sinks"] = ParamSpec((n,), ("heads",), "zeros")
+    if out_gate:
+        specs["wg"] = dense((d, n, h), ("embed", "heads", "head_dim"), d)
     return specs
 
 
@@ -200,6 +205,9 @@ def attention(x, p, inputs: LayerInputs, config, rt, layer: LayerType, *, scale:
         out = attention_lib.dot_product_attention(q, cache_k.astype(dt), cache_v.astype(dt), mask, scale=scale,
                                                   logits_soft_cap=logits_soft_cap, sinks=sinks)
         aux = {"cache": (cache_k, cache_v)}
+    if "wg" in p:  # gated attention: "BTD,DNH->BTNH", each output feature times its sigmoid gate
+        gate = ops.dense(x, p["wg"].astype(dt), backend=rt.backend, fp8=fp8)
+        out = (out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(out.dtype)
     out = ops.dense(out, p["wo"].astype(dt), 2, backend=rt.backend, fp8=fp8)  # "BTNH,NHD->BTD"
     if "bo" in p:
         out = out + p["bo"].astype(dt)

@@ -129,6 +129,40 @@ def rope_pairs(w):
     return np.stack([w[..., :half], w[..., half:]], axis=-1).reshape(w.shape)
 
 
+@dataclasses.dataclass(frozen=True)
+class Grouped:
+    """The n_in of maxtrain parameters fused, group by group, in the rows of one torch Linear weight
+    [groups x group width, D] (maxtrain: [D, ...]): each group holds every part's slice in the order `parts`
+    (maxtrain parameter names of the same layer), `groups` counted by the axis after D of the parameter
+    `groups_of` (its heads; None: one group, the parts one after another). `lead` axes come first on both sides
+    (experts stacked in one tensor: [E, rows, D] against maxtrain's [E, D, ...]). Qwen3-Next's in_proj_qkvz holds,
+    per key head, its q, k, and the v and z of the value heads it serves; its q_proj holds, per head, the query
+    and the output gate; Qwen3.5's experts keep gate and up in one gate_up_proj [E, 2F, D].
+    checkpointing/convert.py resolves it to GroupRows."""
+
+    part: int
+    parts: tuple[str, ...]
+    groups_of: str | None = None
+    lead: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupRows:
+    """A Grouped n_in resolved against the parameters' shapes: rows [offset, offset + size) of each of the
+    `groups` groups of `total` rows."""
+
+    groups: int
+    offset: int
+    size: int
+    total: int
+    lead: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthwiseConv:
+    """The n_in of a depthwise Conv1d weight [C, 1, K] kept as [K, C] (Qwen3-Next's conv1d)."""
+
+
 class ConversionError(UserError, ValueError):
     """A checkpoint or config that cannot be converted; the message names the tensor or field."""
 
