@@ -105,9 +105,10 @@ def embedding_specs(config, norm_init: str = "ones") -> dict[str, ParamSpec]:
 
 def rms_norm(x, scale, eps: float, plus_one: bool = False):
     """x / rms(x) * scale, in float32; returns x's dtype. plus_one: scale is stored as (scale - 1) (Gemma).
-    The rms is over x's last scale.ndim axes: a scale [N, H] normalizes [..., N, H] over all N * H features."""
+    The rms is over x's last scale.ndim axes (at least one): a scale [N, H] normalizes [..., N, H] over all N * H
+    features; a scalar scale (no learned one, Llama 4's L2 qk-norm) over the last axis."""
     x32 = x.astype(jnp.float32)
-    axes = tuple(range(-scale.ndim, 0))
+    axes = tuple(range(-max(jnp.ndim(scale), 1), 0))
     x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axes, keepdims=True) + eps)
     scale = scale.astype(jnp.float32)
     return (x32 * (1.0 + scale if plus_one else scale)).astype(x.dtype)
