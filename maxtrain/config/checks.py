@@ -55,6 +55,14 @@ def _head_dim_even(v):
 
 
 
+def _rotated_features_even(v):
+    rotated = int(v["head_dim"] * v["partial_rotary_factor"])
+    _require(v["partial_rotary_factor"] == 1.0 or (rotated >= 2 and rotated % 2 == 0),
+             f"partial_rotary_factor={v['partial_rotary_factor']} rotates int(head_dim={v['head_dim']} x "
+             f"{v['partial_rotary_factor']}) = {rotated} features of each head, but RoPE rotates pairs: choose a "
+             "factor that gives an even number >= 2 (e.g. 0.5 with head_dim a multiple of 4)")
+
+
 def _vocab_tiling_divides_length(v):
     _require(v["num_vocab_tiling"] == -1 or v["max_target_length"] % v["num_vocab_tiling"] == 0,
              f"num_vocab_tiling={v['num_vocab_tiling']} must divide max_target_length={v['max_target_length']} "
@@ -437,7 +445,7 @@ def _muon_without_lora(v):
              "set opt_type=adamw for LoRA (or lora_rank=0 for Muon)")
 
 
-CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
+CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _rotated_features_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
           _flash_blocks_powers_of_two, _one_objective, _data_columns, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           _stages_divide_layers, _no_pipeline_stages_with_experts, _context_chunks_divide_length,

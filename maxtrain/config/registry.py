@@ -83,6 +83,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                        "first_num_dense_layers", "shared_experts", "routed_bias", "mtp_num_layers"),
            setting_keys=("rope_interleave", "rope_mscale_all_dim", "n_routing_groups", "topk_routing_group",
                          "routed_scaling_factor")),
+    Family("glm4_moe", ("glm4_moe",), "Glm4MoeForCausalLM", moe=True, per_layer_attention=False,
+           usual=(("num_experts", 128),),
+           settings=("norm_topk_prob", "first_num_dense_layers", "n_routing_groups", "topk_routing_group",
+                     "routed_scaling_factor", "mtp_num_layers", "partial_rotary_factor", "use_qk_norm", "attention_bias"),
+           shape_keys=("first_num_dense_layers", "shared_experts", "routed_bias", "mtp_num_layers", "use_qk_norm",
+                       "attention_bias"),
+           setting_keys=("n_routing_groups", "topk_routing_group", "routed_scaling_factor", "partial_rotary_factor")),
 )}
 
 MOE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.moe)

@@ -516,7 +516,7 @@ def flops_per_token(config, layer_types, dense_attention: bool = False) -> float
 
         forward  = 2 x (sum over layers of the weights a token multiplies + D*V)  +  attention scores
         layer    = D*N*H + 2*D*G*H + N*H*D      (attention)
-                   + D*E + K * 3*D*F_e          (MoE: the router and the token's K experts)
+                   + D*E + (K + S) * 3*D*F_e    (MoE: the router, the token's K experts and the S shared ones)
                    or 3*D*F                     (a dense layer)
         training = 3 x forward
 
@@ -524,7 +524,7 @@ def flops_per_token(config, layer_types, dense_attention: bool = False) -> float
     dispatch computes empty slots too, which this does not count)."""
     d, n, g, h = config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim
     attention = 2 * d * n * h + 2 * d * g * h
-    moe = d * config.num_experts + config.num_experts_per_tok * 3 * d * expert_dim(config)
+    moe = d * config.num_experts + (config.num_experts_per_tok + config.shared_experts) * 3 * d * expert_dim(config)
     dense_mlp = 3 * d * config.base_mlp_dim
     matmul = sum(attention + (moe if t.is_moe else dense_mlp) for t in layer_types)
     matmul += d * config.vocab_size
