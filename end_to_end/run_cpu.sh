@@ -44,6 +44,7 @@ run preempt_multiprocess "$PYTHON" end_to_end/cpu/preempt_multiprocess.py
 run disk_full "$PYTHON" end_to_end/cpu/disk_full.py
 # gpt-oss's layers (sinks, biases, clamped experts) train on the default corpus.
 run gpt_oss "$PYTHON" end_to_end/cpu/gpt_oss.py
+run glm4_moe "$PYTHON" end_to_end/cpu/glm4_moe.py
 # Post-training: SFT, LoRA and DPO on generated instructions, export checked against transformers.
 run post_training "$PYTHON" end_to_end/cpu/post_training.py
 

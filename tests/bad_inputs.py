@@ -315,6 +315,10 @@ DEEPSEEK = {**LLAMA, "model_type": "deepseek_v3", "num_attention_heads": 4, "num
             "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "q_lora_rank": 24, "kv_lora_rank": 16,
             "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 10}
 
+GLM4_MOE = {**LLAMA, "model_type": "glm4_moe", "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+            "first_k_dense_replace": 1, "partial_rotary_factor": 0.5, "use_qk_norm": True, "attention_bias": True}
+
 
 # --------------------------------------------------------------------------------------------
 # The table
@@ -393,6 +397,13 @@ ROWS = [
         r"use_grpo=true samples .*decode_sampling_top_k=1.* would all be the same"),
     Row("mtp-modules-beyond-the-sequence", T, [B, "model_name=deepseek3-tiny", "mtp_num_layers=4", "max_target_length=4"],
         r"mtp_num_layers=4 needs max_target_length >= 5, but max_target_length=4"),
+    Row("glm4_moe-rotated-features-odd", T, [B, "model_name=glm-4.5-air", "partial_rotary_factor=0.01"],
+        r"partial_rotary_factor=0.01 rotates int\(head_dim=128 x 0.01\) = 1 features of each head, but RoPE rotates "
+        r"pairs"),
+    Row("feature-off-partial-rope-on-llama", T, [B, "partial_rotary_factor=0.5"],
+        r"partial_rotary_factor=0.5 does nothing without decoder_block=glm4_moe \(here decoder_block=llama\)"),
+    Row("glm4_moe-dense-layers-leave-no-experts", T, [B, "model_name=glm-4.5-air", "first_num_dense_layers=46"],
+        r"first_num_dense_layers=46 leaves no layer of experts among base_num_decoder_layers=46"),
     Row("output-directory-empty", T, [B, "base_output_directory="], r"base_output_directory is empty .* the run would "
         r"be written into the current directory"),
     Row("decode-top-k-without-topk", D, [B, "decode_sampling_top_k=5"], r"decode_sampling_top_k=5 does nothing without "
@@ -809,6 +820,13 @@ ROWS = [
     Row("convert-deepseek-softmax-router", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r".*/hf/config.json: cannot convert this checkpoint without changing its outputs: scoring_func='softmax'",
         setup=hf_dir({**DEEPSEEK, "scoring_func": "softmax"})),
+    Row("convert-glm4_moe-no-rotated-features", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json describes a glm4_moe model that maxtrain's glm4_moe family cannot build: .*"
+        r"partial_rotary_factor=0.1 rotates .* = 0 features",
+        setup=hf_dir({**GLM4_MOE, "partial_rotary_factor": 0.1})),
+    Row("convert-glm4_moe-gelu", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json: cannot convert this checkpoint without changing its outputs: hidden_act='gelu'",
+        setup=hf_dir({**GLM4_MOE, "hidden_act": "gelu"})),
     Row("convert-safetensors-entry-malformed", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r".*/hf/model.safetensors: the header entry of tensor x is .*, not \{dtype, shape, data_offsets\}",
         setup=hf_dir(LLAMA, {"model.safetensors": _header({"x": {"dtype": "F32", "shape": [2]}})})),
