@@ -43,7 +43,7 @@ PUBLISHED = {
     "deepseek3-671b": 671_026_419_200,  # 671B, 37B active (below); the released 685B adds the MTP module
     "deepseek3-tiny": 8_166_320,     # DeepSeek-V3's architecture at the default model's sizes (not released)
     "glm-4.5-air": 106_852_251_264,  # transformers' count; model card: 106B, 12B active (below), without the MTP layer
-    "glm-4.5": 352_797_829_024,      # transformers' count; model card: 355B, 32B active, without the MTP layer
+    "glm-4.5": 352_797_829_024,      # transformers' count, without the MTP layer; model card: 355B, 32B active
     "gpt2-small": 123_587_328,      # GPT-2 small's shape as a Llama (124M with GPT-2's own layers)
     "default": 5_507_328,
 }

@@ -9,7 +9,11 @@ and 1 shared expert, and one next-token-prediction (MTP) module; capacity dispat
 every expert; docs/moe.md). Checks that the eval loss falls at every evaluation and ends below THRESHOLD.
 
 Threshold = the eval loss measured on CPU (jax 0.10.2, Python 3.11's standard library as the corpus)
-+ a margin, as end_to_end/cpu/deepseek.py's (docs/models.md has the measured curve).
++ a margin, as end_to_end/cpu/deepseek.py's:
+    steps  measured  threshold
+    50     5.8775    6.2
+The eval loss at initialization is 8.76; measured curve, every 10 steps: 8.7641, 7.6947, 6.9870, 6.2982, 5.9471,
+5.8775 (the MTP module's cross-entropy 6.13 at the end; 328 s on the 2-core CPU, shared, 2026-11-28).
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402  pylint: disable=wrong-import-position
 
-STEPS, THRESHOLD = 50, 6.4
+STEPS, THRESHOLD = 50, 6.2
 GLM4_MOE = ["decoder_block=glm4_moe", "partial_rotary_factor=0.5", "use_qk_norm=true", "attention_bias=true",
             "first_num_dense_layers=1", "num_experts=16", "num_experts_per_tok=4", "base_moe_mlp_dim=128",
             "shared_experts=1", "n_routing_groups=4", "topk_routing_group=2", "routed_scaling_factor=2.5",
