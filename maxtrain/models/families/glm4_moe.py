@@ -85,7 +85,8 @@ MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 HF_NAMES = {**hf.EMBEDDING_NAMES, **hf.for_kind(_ATTENTION, "dense"), **hf.for_kind(_ATTENTION, "moe"),
             **hf.for_kind(hf.MLP_NAMES, "dense"), **_MOE_NAMES,
-            **{k.replace("layers/moe/", "mtp/"): v for k, v in {**hf.for_kind(_ATTENTION, "moe"), **_MOE_NAMES}.items()},
+            **{k.replace("layers/moe/", "mtp/"): v
+               for k, v in {**hf.for_kind(_ATTENTION, "moe"), **_MOE_NAMES}.items()},
             **{f"mtp/{k}": (f"model.layers.{{i}}.{name}", n_in) for k, (name, n_in) in _MTP_OWN.items()}}
 
 
