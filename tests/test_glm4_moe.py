@@ -110,3 +110,23 @@ def test_decoding_with_partial_rope_from_the_cache_equals_the_full_forward():
     ids = jnp.asarray([prompt + new])  # the full forward over prompt + generated: each token its argmax
     logits = jax.jit(lambda p: models.forward(p, ids, jnp.arange(10)[None], jnp.ones_like(ids), config, rt)[0])(params)
     assert [int(t) for t in jnp.argmax(logits[0, len(prompt) - 1:-1], axis=-1)] == new
+
+
+# zai-org/GLM-4.5-Air's config.json (transformers 4.54's form: partial_rotary_factor and rope_theta at the top
+# level, rope_scaling null), as published.
+AIR_CONFIG = {"architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "attention_dropout": 0.0,
+              "pad_token_id": 151329, "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu",
+              "hidden_size": 4096, "partial_rotary_factor": 0.5, "initializer_range": 0.02,
+              "intermediate_size": 10944, "max_position_embeddings": 131072, "model_type": "glm4_moe",
+              "moe_intermediate_size": 1408, "norm_topk_prob": True, "num_attention_heads": 96, "n_group": 1,
+              "topk_group": 1, "n_routed_experts": 128, "n_shared_experts": 1, "routed_scaling_factor": 1.0,
+              "num_experts_per_tok": 8, "first_k_dense_replace": 1, "num_hidden_layers": 46,
+              "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000,
+              "num_nextn_predict_layers": 1, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+              "use_cache": True, "use_qk_norm": False, "vocab_size": 151552}
+
+
+def test_the_released_air_config_reads_as_the_preset():
+    preset = load_config([BASE_YML, "model_name=glm-4.5-air"])
+    keys = convert.model_keys(AIR_CONFIG)
+    assert {k: keys[k] for k in models.MODEL_KEYS} == {k: getattr(preset, k) for k in models.MODEL_KEYS}
