@@ -62,7 +62,8 @@ def report(run, compiled, target: topologies.Target, seconds: float) -> dict:
         "device_kind": devices[0].device_kind, "num_devices": len(devices),
         "hosts": len({getattr(d, "process_index", 0) for d in devices}),
         "mesh": dict(run.mesh.shape), "model_name": config.model_name, "params": models.num_params(config),
-        "attention": run.rt.attention, "remat_policy": run.rt.remat_policy, "dtype": jnp.dtype(run.rt.dtype).name,
+        "attention": run.rt.attention, "attention_reason": run.rt.attention_reason,
+        "remat_policy": run.rt.remat_policy, "dtype": jnp.dtype(run.rt.dtype).name,
         "global_batch": config.global_batch_size, "max_target_length": config.max_target_length,
         "per_device_batch_size": config.per_device_batch_size,
         "gradient_accumulation_steps": config.gradient_accumulation_steps,
@@ -112,6 +113,7 @@ def format_report(rep: dict) -> str:
         f"mesh        {mesh}",
         f"model       {rep['model_name']} {rep['params'] / 1e9:.2f}B params, {rep['dtype']}, attention {rep['attention']}, "
         f"remat {rep['remat_policy']}",
+        *([f"attention   {rep['attention_reason']}"] if rep.get("attention_reason") else []),
         f"batch       {rep['global_batch']} x {rep['max_target_length']} tokens per step (per device "
         f"{rep['per_device_batch_size']}, accumulation {rep['gradient_accumulation_steps']})",
         "memory per chip (GiB)",

@@ -152,8 +152,8 @@ def test_mla_decoding_from_the_latent_cache_equals_the_full_forward():
     (["mtp_num_layers=1", "decoder_block=mixtral", "n_routing_groups=-1", "topk_routing_group=-1",
       "first_num_dense_layers=0", "routed_scaling_factor=1", "shared_experts=0"],
      r"does nothing without decoder_block=deepseek \(here decoder_block=mixtral\)"),
-    (["mtp_num_layers=1", "use_distillation=true"],
-     "mtp_num_layers=1 with use_distillation=true: .* set mtp_num_layers=0"),
+    (["mtp_num_layers=1", "objective=distill", "distill_teacher_path=t"],
+     "mtp_num_layers=1 with objective=distill: .* set mtp_num_layers=0"),
     (["mtp_num_layers=1", "lora_rank=4"], "LoRA would leave the MTP modules untrained"),
     (["mtp_num_layers=1", "ici_context_parallelism=2"], "does not run with context parallelism 2 yet; set "
                                                         "ici_context_parallelism=1"),

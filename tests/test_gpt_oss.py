@@ -194,7 +194,7 @@ def test_context_expert_and_tensor_parallel_mesh_gives_one_device_loss_and_gradi
 
 @pytest.mark.parametrize("overrides, message", [
     (["mlp_only_layers=[1]"], r"mlp_only_layers=\[1\] does nothing without decoder_block=qwen3_moe"),
-    (["norm_topk_prob=false"], "decoder_block=gpt_oss always renormalizes"),
+    (["norm_topk_prob=false"], r"norm_topk_prob=false does nothing without decoder_block=qwen3_moe"),
     (["mlp_activations_limit=0"], "mlp_activations_limit"),
     (["num_experts_per_tok=5"], "num_experts_per_tok=5 is more than num_experts=4"),
 ])

@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from conftest import BASE_YML
-from maxtrain.models import attention
+from maxtrain.models import attention, attention_choice
 from maxtrain.parallel import sharding
 from maxtrain.config import load_config
 from maxtrain.compile import targets
@@ -93,7 +93,7 @@ def h100s():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 def test_flash_compiles_for_h100(h100s, head_dim, dtype):
-    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=head_dim, dtype=dtype)
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=head_dim, dtype=dtype, implementation="flash")
     for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
         assert kernel in hlo
 
@@ -101,8 +101,9 @@ def test_flash_compiles_for_h100(h100s, head_dim, dtype):
 @needs_gpu_compiler
 def test_flash_with_gemma_window_and_soft_cap_compiles_for_h100(h100s):
     """Gemma 2's local layers: head_dim 256, sliding window 4096 over 8192 tokens, soft-cap 50."""
-    compile_attention(h100s, (8, 1, 1), "gpu", head_dim=256, dtype=jnp.bfloat16, batch=8, length=8192, heads=8,
-                      kv_heads=4, sliding_window=4096, logits_soft_cap=50.0)
+    hlo = compile_attention(h100s, (8, 1, 1), "gpu", head_dim=256, dtype=jnp.bfloat16, batch=8, length=8192, heads=8,
+                            kv_heads=4, sliding_window=4096, logits_soft_cap=50.0)
+    assert "flash_attention_dkv" in hlo  # autoselected: cuDNN has no soft-cap
 
 
 @needs_gpu_compiler
@@ -117,16 +118,28 @@ def test_flash_with_gpt_oss_sinks_compiles_for_h100(h100s):
 def test_flash_compiles_for_a100(head_dim):
     """An A100 has 163 KiB of shared memory per block (an H100 227 KiB): the tiles shrink to fit."""
     compile_attention(targets.parse("a100-4").devices(), (2, 1, 2), "gpu", head_dim=head_dim,
-                      dtype=jnp.bfloat16)
+                      dtype=jnp.bfloat16, implementation="flash")
 
 
 @needs_gpu_compiler
-def test_cudnn_compiles_for_h100_under_shard_map(h100s):
-    """cuDNN's fused attention (a custom call GSPMD cannot partition either) runs per shard too.
-    (Without a GPU, XLA does not build the cuDNN graph: this shows the program partitions and lowers.)"""
-    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=128, dtype=jnp.bfloat16, implementation="cudnn",
-                            sliding_window=256)
+@pytest.mark.parametrize("head_dim, sliding_window", [(128, 256), (64, 0)])
+def test_cudnn_compiles_for_h100_under_shard_map(h100s, head_dim, sliding_window):
+    """cuDNN's fused attention (a custom call GSPMD cannot partition either) runs per shard too, as
+    autoselected picks it for these shapes (models/attention_choice.py). (Without a GPU, XLA does not build
+    the cuDNN graph: this shows the program partitions and lowers.)"""
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=head_dim, dtype=jnp.bfloat16,
+                            sliding_window=sliding_window)
     assert "cudnn" in hlo.lower()
+
+
+def test_tokamax_mosaic_gpu_cannot_lower_without_a_gpu(h100s):
+    """tokamax's Mosaic GPU attention asks the local device whether it is sm90 or sm100 when it is traced, so
+    it does not lower for an H100 target on a CPU: only scripts/gpu_report.py, on a GPU, compiles and checks
+    it. (If this starts to lower, turn it into a compile test like cuDNN's above.)"""
+    if targets.compiler_missing("gpu") or not attention_choice.tokamax_installed():
+        pytest.skip("needs the [cuda] and [gpu] extras")
+    with pytest.raises(NotImplementedError, match="(?i)mosaic|not supported"):  # "mosaic" resolves by the local device
+        compile_attention(h100s, (2, 1, 4), "gpu", head_dim=128, dtype=jnp.bfloat16, implementation="tokamax")
 
 
 @needs_gpu_compiler
@@ -193,11 +206,11 @@ GEMMA = ["decoder_block=gemma2", "head_dim=256", "sliding_window_size=128", "att
          "final_logits_soft_cap=30.0", "query_pre_attn_scalar=256", "logits_via_embedding=true"]
 
 
-def compile_train_step(devices, overrides):
+def compile_train_step(devices, overrides, expected="flash"):
     from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
 
     run = builder.build(load_config([BASE_YML, *SMALL, *overrides]), devices=devices)
-    assert run.rt.attention == "flash"
+    assert run.rt.attention == expected, run.rt.attention_reason
     return run.compile().as_text()
 
 
@@ -217,6 +230,14 @@ def test_gemma_train_step_compiles_for_8_h100s(h100s):
     """Gemma 2 (head_dim 256, window, soft-caps): the step every Gemma user on H100s would run."""
     hlo = compile_train_step(h100s, GEMMA + ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
     assert "flash_attention_dkv" in hlo
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_llama_train_step_with_autoselected_cudnn_compiles_for_one_h100():
+    """A Llama-shaped step (head_dim 64, GQA 2:1, bf16): autoselected takes cuDNN on an H100 (models/attention_choice.py)."""
+    hlo = compile_train_step(targets.parse("h100-1").devices(), ["head_dim=64"], expected="cudnn")
+    assert "cudnn" in hlo.lower() and "flash_attention_fwd" not in hlo  # cuDNN, not our Triton kernel
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,11 +8,12 @@ axis filled with -1, tensor parallelism dividing heads/mlp/vocab, ...), each a f
 resolved values that raises ConfigError. loading.load_config and loading.revalidate call it. Two
 settings' parsers live here too, because a rule checks them and the run uses them again:
 `parse_eval_tasks` (evaluate.py, evals/runner.py) and `split_address` (parallel/distributed.py).
-CHECKS ends with two tables' rules: limits.py (a sampler with one choice, a sequence too short for a
+The objective's rules are its row's (objectives.CHECKS: its data settings, its own rules). CHECKS ends with
+two tables' rules: limits.py (a sampler with one choice, a sequence too short for a
 setting, an empty path) and features.py (a setting of a feature that is off, a family's defining
 setting left at a default that turns it off).
 
-Imports the schema and the registry (what the rules check against), the settings table, the two tables'
+Imports the schema and the registry (what the rules check against), the settings table, the three tables'
 modules and the error types.
 """
 
@@ -23,7 +24,7 @@ import importlib.util
 import os
 from typing import Any
 
-from maxtrain.config import features, limits
+from maxtrain.config import features, limits, objectives
 from maxtrain.config import settings as settings_lib
 from maxtrain.config.registry import EVAL_TASKS, MOE_FAMILIES
 from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, QUANTIZATION_PLACES, parallelism_key, table, ways
@@ -78,40 +79,6 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 CHAT_TEMPLATES = ("chatml", "llama3", "plain")  # maxtrain/data/chat.py: built-in templates
 
 
-def _one_objective(v):
-    _require(not (v["use_sft"] and v["use_dpo"]),
-             "use_sft=true and use_dpo=true were both set; a run has one objective. Run SFT first, then DPO from its "
-             "checkpoint with load_parameters_path=<the SFT run>")
-
-
-def _data_columns(v):
-    """One text field for pre-training; SFT and DPO name the fields of their records (docs/post_training.md)."""
-    if v["use_grpo"]:
-        return  # _grpo_settings checks GRPO's [prompt, answer]
-    wanted = {"sft": (["messages"], ["prompt", "completion"]), "dpo": (["prompt", "chosen", "rejected"],)}
-    kind = "sft" if v["use_sft"] else "dpo" if v["use_dpo"] else None
-    for key in _columns_keys(v):
-        columns = v[key]
-        _require(all(isinstance(c, str) and c for c in columns),
-                 f"{key}={columns!r} must be a list of field names, e.g. {key}=[text]")
-        if kind is None:
-            _require(len(columns) == 1, f"{key}={columns!r} must name exactly one text field, e.g. {key}=[text]")
-            continue
-        shapes = ["[" + ",".join(c) + "]" for c in wanted[kind]]
-        _require(len(columns) in {len(c) for c in wanted[kind]},
-                 f"use_{kind}=true reads {'conversations' if kind == 'sft' else 'preference pairs'}, but {key}="
-                 f"{columns!r}; set {key}={shapes[0]} (the names of your fields, in that order)"
-                 + (f", or {shapes[1]}" if kind == "sft" else ""))
-        _require(v["dataset_type"] in ("jsonl", "parquet"),
-                 f"use_{kind}=true reads jsonl or parquet files, but dataset_type={v['dataset_type']}; set "
-                 f"dataset_type=jsonl (or parquet) and grain_train_files=<your files>")
-
-
-def _columns_keys(v) -> tuple[str, ...]:
-    """The *_data_columns keys a run reads: eval_data_columns only with eval files."""
-    return ("train_data_columns", "eval_data_columns") if v["grain_eval_files"] else ("train_data_columns",)
-
-
 def _chat_template_known(v):
     _require(v["chat_template"] in ("",) + CHAT_TEMPLATES,
              f"chat_template={v['chat_template']!r} is not a built-in template; use one of {', '.join(CHAT_TEMPLATES)}, "
@@ -123,36 +90,6 @@ def _lora_targets_known(v):
     _require(len(targets) > 0 and all(t in LORA_TARGETS for t in targets) and len(set(targets)) == len(targets),
              f"lora_target_modules={targets!r} must list distinct projections among {', '.join(LORA_TARGETS)} "
              "(q, k, v, o: attention; gate, up, down: MLP)")
-
-
-GRPO_REWARDS = ("exact_match", "format")  # maxtrain/training/rewards.py: built-in rewards
-
-
-def _grpo_settings(v):
-    """GRPO's settings against one another (docs/post_training.md); the reward functions are imported at start."""
-    if not v["use_grpo"]:
-        return
-    other = "sft" if v["use_sft"] else "dpo" if v["use_dpo"] else "distillation" if v["use_distillation"] else None
-    _require(other is None, f"use_grpo=true and use_{other}=true were both set; a run has one objective. "
-             "Run SFT first, then GRPO from its checkpoint with load_parameters_path=<the SFT run>")
-    _require(v["num_generations"] >= 2,
-             f"num_generations={v['num_generations']}: GRPO's advantage is a completion's reward minus its group's "
-             "mean, always 0 in a group of one; sample 2 or more completions per prompt (4 to 16 are usual)")
-    for key in _columns_keys(v):
-        _require(len(v[key]) == 2 and all(isinstance(c, str) and c for c in v[key]),
-                 f"use_grpo=true reads prompts and their answers, but {key}={v[key]!r}; set {key}=[prompt,answer] "
-                 "(the names of your fields, in that order)")
-    _require(v["dataset_type"] in ("jsonl", "parquet"),
-             f"use_grpo=true reads jsonl or parquet files, but dataset_type={v['dataset_type']}; set dataset_type=jsonl "
-             "(or parquet) and grain_train_files=<your prompts>")
-    _require(v["num_epoch"] == -1, f"use_grpo=true repeats its prompts (num_epoch=-1), but num_epoch={v['num_epoch']}; "
-                                   "bound the run with steps instead")
-    for name in v["grpo_reward_functions"]:
-        module, _, function = str(name).partition(":")
-        _require(name in GRPO_REWARDS or (module and function),
-                 f"grpo_reward_functions: {name!r} is neither a built-in reward ({', '.join(GRPO_REWARDS)}) nor an "
-                 "import path module:function (e.g. my_rewards:score, with my_rewards.py on PYTHONPATH)")
-    _require(len(v["grpo_reward_functions"]) > 0, "grpo_reward_functions is empty; name at least one, e.g. [exact_match]")
 
 
 def _llama3_rope_factors(v):
@@ -407,9 +344,8 @@ def _multi_token_prediction(v):
     n = v["mtp_num_layers"]
     if n == 0:
         return
-    for key in ("use_dpo", "use_grpo", "use_distillation"):
-        _require(not v[key], f"mtp_num_layers={n} with {key}=true: multi-token prediction is a loss of the next-token "
-                             "objectives (pre-training, SFT); set mtp_num_layers=0")
+    _require(objectives.of(v).next_token, f"mtp_num_layers={n} with objective={v['objective']}: multi-token prediction "
+             "is a loss of the next-token objectives (lm, sft); set mtp_num_layers=0")
     _require(v["lora_rank"] == 0, f"mtp_num_layers={n} with lora_rank={v['lora_rank']}: LoRA would leave the MTP "
                                   "modules untrained; set mtp_num_layers=0 (or lora_rank=0)")
     for axis, keys in (("stage", "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1"),
@@ -445,33 +381,27 @@ def _muon_without_lora(v):
              "set opt_type=adamw for LoRA (or lora_rank=0 for Muon)")
 
 
-CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _rotated_features_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
-          _flash_blocks_powers_of_two, _one_objective, _data_columns, _chat_template_known, _lora_targets_known,
+CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _rotated_features_even, _vocab_tiling_divides_length,
+          _llama3_rope_factors, _attention_layer_types,
+          _flash_blocks_powers_of_two, *objectives.CHECKS, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           _stages_divide_layers, _no_pipeline_stages_with_experts, _context_chunks_divide_length,
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
           _run_name_is_one_directory, _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
           _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts, _hidden_tiling_divides_expert_width,
-          _eval_tasks_known, _quantization_known, _fp8_not_with_float16, _grpo_settings,
-          _muon_without_lora) + DEEPSEEK_CHECKS
+          _eval_tasks_known, _quantization_known, _fp8_not_with_float16, _muon_without_lora) + DEEPSEEK_CHECKS
 
 
-def _distillation_settings(v):
-    """Distillation needs its teacher, and has the run's one objective; the teacher runs no pipeline stages."""
-    if not v["use_distillation"]:
-        return
-    _require(not v["use_dpo"], "use_distillation=true and use_dpo=true were both set; a run has one objective. "
-                               "Distill first, then run DPO from its checkpoint with load_parameters_path=<that run>")
-    _require(bool(v["distill_teacher_path"]), "use_distillation=true needs a teacher: set distill_teacher_path=<a "
-                                              "checkpoint step dir or run dir> (scripts/convert_hf.py imports a "
-                                              "Hugging Face model as one)")
-    _require(ways(v, "stage") in (1, None), "use_distillation=true does not run with pipeline parallelism yet; set "
-                                             "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
+def _objective_with_pipeline_stages(v):
+    """An objective whose frozen model is not wired through pipeline stages (objectives.Objective.pipeline)."""
+    _require(objectives.of(v).pipeline or ways(v, "stage") in (1, None),
+             f"objective={v['objective']} does not run with pipeline parallelism yet; set ici_pipeline_parallelism=1 "
+             "and dcn_pipeline_parallelism=1")
 
 
 # limits.py: samplers with one choice, lengths, paths; features.py last: the rules above name the more particular
 # mistakes of a setting that does nothing
-CHECKS += (_distillation_settings,) + limits.CHECKS + features.CHECKS
+CHECKS += (_objective_with_pipeline_stages,) + limits.CHECKS + features.CHECKS
 
 
 def _divisor_hint(n: int, near: int) -> int:

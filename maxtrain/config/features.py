@@ -6,7 +6,7 @@
 
 Two rules, each over one declared table:
 
-- `FEATURES` (the features with a switch: distillation, GRPO, DPO, SFT, LoRA, Muon, float16 loss scaling,
+- `FEATURES` (the features with a switch: each objective's keys and its data kind's, LoRA, Muon, float16 loss scaling,
   fp8, multi-token prediction, mixtures of experts, each family's own settings, RoPE scaling, sliding
   windows, sampling, the profiler, ...): a key of a feature that is off, set by the user to anything but
   its base.yml default, is refused, naming the key, the switch and the fix. A model preset's values are
@@ -17,7 +17,7 @@ Two rules, each over one declared table:
   would silently be another model (full attention, a dense MLP); refused with the family's usual value.
 
 Every key of the table is declared once (tests/test_config.py checks each is a base.yml key of one row).
-Imports the registry, the schema (the mesh's ways) and the error type.
+Imports the registry, the objectives' table, the schema (the mesh's ways) and the error type.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from maxtrain.config import objectives
 from maxtrain.config.registry import FAMILIES, MOE_FAMILIES, Family
 from maxtrain.config.schema import table, ways
 from maxtrain.errors import ConfigError
@@ -32,7 +33,7 @@ from maxtrain.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class Feature:
-    needs: str                          # what turns it on, as the error says it: "use_distillation=true"
+    needs: str                          # what turns it on, as the error says it: "objective=distill"
     on: Callable[[dict], bool]          # whether resolved values have it on
     keys: tuple[str, ...]               # the settings only it reads
     fix: str = ""                       # how to turn it on, where that is more than "set <needs>"
@@ -56,6 +57,24 @@ def _family_features() -> tuple[Feature, ...]:
                          tuple(keys), state="decoder_block") for names, keys in groups.items())
 
 
+def _objective_features() -> tuple[Feature, ...]:
+    """One row per objective with keys of its own, then the keys of the data kinds read through a chat template."""
+    rows = [Feature(f"objective={o.name}", lambda v, name=o.name: v["objective"] == name, o.keys, fix=o.fix,
+                    state="objective") for o in objectives.OBJECTIVES.values() if o.keys]
+    def reading(kinds):  # "sft, dpo or distill with distill_data=conversations": the objectives that read these kinds
+        names = [o.name + ("" if o.data[0] in kinds else f" with {o.data_key}={next(k for k in o.data if k in kinds)}")
+                 for o in objectives.OBJECTIVES.values() if set(o.data) & set(kinds)]
+        return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+    conversations = reading((objectives.CONVERSATIONS,))
+    templated = reading((objectives.CONVERSATIONS, objectives.PAIRS, objectives.PROMPTS))
+    return (*rows,
+            Feature(f"conversations (objective={conversations})",
+                    lambda v: objectives.data_kind(v) == objectives.CONVERSATIONS, ("sft_train_on_completion_only",),
+                    fix="set objective=sft", state="objective"),
+            Feature(f"records rendered with a chat template (objective={templated})", objectives.templated,
+                    ("chat_template",), fix="set objective=sft (or dpo, grpo)", state="objective"))
+
+
 def family(v: dict[str, Any]) -> Family:
     """The configured family's registry row (a plain one for a family only a test has added)."""
     return FAMILIES.get(v["decoder_block"]) or Family(v["decoder_block"], (), "")
@@ -72,17 +91,8 @@ MOE = "a mixture-of-experts family"
 USE_MOE = "set decoder_block to one of " + ", ".join(MOE_FAMILIES)
 
 FEATURES: tuple[Feature, ...] = (
-    # objectives and adapters
-    Feature("use_distillation=true", lambda v: v["use_distillation"],
-            ("distill_teacher_path", "distill_alpha", "distill_temperature"),
-            fix="set use_distillation=true (with distill_teacher_path=<the teacher's checkpoint>)"),
-    Feature("use_grpo=true", lambda v: v["use_grpo"],
-            ("num_generations", "grpo_beta", "grpo_epsilon", "grpo_reward_functions", "max_prefill_predict_length")),
-    Feature("use_dpo=true", lambda v: v["use_dpo"], ("dpo_beta", "dpo_label_smoothing")),
-    Feature("use_sft=true", lambda v: v["use_sft"], ("sft_train_on_completion_only",)),
-    Feature("use_sft, use_dpo or use_grpo (records rendered with a chat template)",
-            lambda v: v["use_sft"] or v["use_dpo"] or v["use_grpo"], ("chat_template",),
-            fix="set use_sft=true (or use_dpo=true, use_grpo=true)"),
+    # objectives (config/objectives.py: each row's keys; the keys of the data kinds that read records) and adapters
+    *_objective_features(),
     Feature("lora_rank > 0", lambda v: v["lora_rank"] > 0, ("lora_alpha", "lora_target_modules"),
             fix="set lora_rank (e.g. lora_rank=8)"),
     # optimizer and precision

@@ -5,6 +5,8 @@ attention (TPU, Mosaic).
                          masks, logit soft-capping; checked against models/attention.py's jnp reference
     flash_tiles.py       block sizes that fit a GPU's shared memory (per compute capability)
     splash_attention.py  JAX's splash kernel behind the same signature
+    tokamax_attention.py tokamax's Mosaic GPU flash attention (the optional [gpu] extra) behind the same
+                         signature; tokamax is imported when first traced, never on a run that does not use it
 
 Called only from maxtrain/models/attention.py (inside shard_map). Imports nothing else of maxtrain.
 """

@@ -5,8 +5,12 @@
     ops.py        the matmul (`dense`) and small array helpers, with their CPU formulations
     attention.py  masks, the plain-jnp reference, the kernels' dispatch, the context-parallel form
     attention_check.py  implementations against the float32 reference; attention FLOPs (gpu_report.py)
+    attention_choice.py what each attention implementation supports, the measured speeds, autoselected's choice
     mla.py        multi-head latent attention (DeepSeek): low-rank queries, a cached latent for keys and values
     blocks.py     norms, embedding, attention, gated MLPs, logits; FLOPs helpers
+    layers.py     a layer's kind as data (LayerType): its parameter stack, mixer, attention, RoPE, head dim, MLP
+    contract.py   the family contract (FamilyModel): everything the rest of maxtrain uses from a family
+    standard_layers.py  the decoder layers several families share (pre-norm, Gemma's sandwich), embed, heads
     moe.py        the mixture-of-experts block: routers, dropless and capacity dispatch, experts,
                   balance losses, expert parallelism (docs/moe.md)
     moe_deepseek.py  DeepSeek's parts of it: sigmoid group-limited router, the selection bias and its

@@ -62,7 +62,9 @@ def runtime(config, platform: str, mesh) -> models.Runtime:
     ways = math.prod(mesh.shape[a] for a in axes)
     logits_bytes = config.micro_batch_size * config.max_target_length * config.vocab_size * 4 / ways
     try:
-        return models.Runtime.from_config(config, platform, logits_bytes,
+        capability = getattr(mesh.devices.flat[0], "compute_capability", None) if platform == "gpu" else None
+        return models.Runtime.from_config(config, platform, logits_bytes, capability=capability,
+                                          gpu_present=platform != "gpu" or has_local_gpu(),
                                           context_parallel=sharding.ways_on(mesh, "length", rules))
     except ValueError as e:  # attention / dtype choices the platform lacks (attention.resolve_implementation)
         if isinstance(e, config_lib.ConfigError):
@@ -92,6 +94,14 @@ def check_float8_devices(config, rt, device) -> None:
                "at the bfloat16 rate on v4, v5e, v5p and v6e)")
         raise config_lib.ConfigError(f"quantization={config.quantization} cannot run on {kind}: {why}; "
                                      "leave quantization empty")
+
+
+def has_local_gpu() -> bool:
+    """Whether this machine has a GPU JAX can use (train_compile compiles for one on a CPU)."""
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
 
 
 def platform_of(device) -> str:
@@ -265,6 +275,14 @@ def load_model(config, *, devices=None, read_params: bool = True, log=print) -> 
 DENSE_RAGGED_DOT = ("cpu", "gpu")
 
 
+def objective_details(config) -> str:
+    """The summary's words after the objective's name: its settings, its data kind and its frozen model."""
+    row = config_lib.objectives.of(config)
+    parts = [f"{key} {getattr(config, key):g}" for key in row.shown] + [config_lib.objectives.data_kind(config)]
+    parts += [f"frozen {row.frozen}"] if config_lib.objectives.holds_frozen(config) else []
+    return " (" + ", ".join(parts) + ")"
+
+
 def moe_line(run: Run) -> str:
     """The start-up summary's line about the experts."""
     config = run.config
@@ -329,11 +347,7 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
         f"batch: global {config.global_batch_size} sequences x {config.max_target_length} tokens = "
         f"{config.tokens_per_step:,} tokens/step (per device {config.per_device_batch_size}, "
         f"accumulation {config.gradient_accumulation_steps})",
-        f"objective: {objectives.name(config)}"
-        + (f" (beta {config.dpo_beta}, label smoothing {config.dpo_label_smoothing}, frozen reference)"
-           if config.use_dpo else "")
-        + (f" (alpha {config.distill_alpha:g}, temperature {config.distill_temperature:g}, frozen teacher)"
-           if config.use_distillation else "")
+        f"objective: {objectives.name(config)}" + objective_details(config)
         + (f"  LoRA rank {config.lora_rank} alpha {config.lora_alpha} on {','.join(config.lora_target_modules)}"
            if config.lora_rank else "")
         + f"  trainable {n_trainable / 1e6:,.3f}M ({100 * n_trainable / max(models.num_params(config), 1):.2f}% of the"
