@@ -28,6 +28,7 @@ from maxtrain import data as data_lib
 from maxtrain import evals
 from maxtrain.checkpointing import manager as checkpoint_lib
 from maxtrain.checkpointing.files import CheckpointError
+from maxtrain.config import registry
 from maxtrain.compile import executable, fit
 from maxtrain.data import pipeline
 from maxtrain.data import tokenizer as tokenizer_lib
@@ -35,7 +36,7 @@ from maxtrain.errors import run_cli
 from maxtrain.models import sampling
 from maxtrain.observability import metrics
 from maxtrain.parallel import distributed, sharding
-from maxtrain.training import builder, grpo, host_memory, loop, rewards
+from maxtrain.training import builder, grpo, host_memory, layer_choice, loop, rewards
 from maxtrain.training.loop import RunResult, TrainingError  # noqa: F401 (TrainingError: the run's own errors)
 from maxtrain.training.preemption import Preemption
 
@@ -80,6 +81,9 @@ def main(argv: list[str]) -> RunResult:
     task_evals = evals.from_config(config, inputs.tokenizer, mesh, run.rt, log=log)  # data checked, requests packed
     sample_prompt = sample_prompt_ids(config, inputs.tokenizer)  # the end-of-run sample's prompt, checked now
     compile_started = time.time()
+    if compiled_step is None and layer_choice.applies(config, run.rt.backend):  # remat by compiled memory (GPU, TPU)
+        choice = layer_choice.choose_on_devices(run, lambda plan: builder.build(config, layer_plan=plan))
+        run, compiled_step = choice.run, choice.compiled
     step_fn = run.compile() if compiled_step is None else compiled_step  # from the state's shapes and shardings
     log(builder.summarize(run, step_fn, time.time() - compile_started, start))
     fit.check_fits(run, step_fn)  # a step the devices cannot hold is refused before the state takes memory
@@ -132,6 +136,10 @@ def sample_prompt_ids(config, tokenizer) -> list[int]:
     """The ids of `prompt` for the end-of-run sample ([] when none is made: max_new_tokens=0 or no tokenizer);
     a prompt that gives no tokens or is longer than max_target_length is refused before training."""
     if config.max_new_tokens <= 0 or tokenizer is None:
+        return []
+    if not registry.FAMILIES[config.decoder_block].decodes:
+        log(f"no greedy sample after training: decoder_block={config.decoder_block} does not decode with a cache yet "
+            "(max_new_tokens=0 says so without this line)")
         return []
     try:
         return tokenizer_lib.checked_prompt_ids(tokenizer, config.prompt, max_length=config.max_target_length)

@@ -32,7 +32,7 @@ from maxtrain.compile import executable, hlo_stats
 from maxtrain.compile import targets as topologies
 from maxtrain.errors import run_cli
 from maxtrain.observability import metrics
-from maxtrain.training import builder
+from maxtrain.training import builder, layer_choice
 
 EXIT_DOES_NOT_FIT = 3
 KEYS = ("compile_topology", "compile_topology_num_slices", "model_name", "per_device_batch_size", "max_target_length",
@@ -40,13 +40,41 @@ KEYS = ("compile_topology", "compile_topology_num_slices", "model_name", "per_de
 
 
 def compile_for_target(config, target: topologies.Target):
-    """(run, lowered, compiled, seconds): the train step of `config` compiled for `target`'s devices."""
+    """(run, lowered, compiled, seconds): the train step of `config` compiled for `target`'s devices; with
+    remat_policy=autoselected the least recomputation that fits the target chip (`choose_layers`)."""
     devices = target.devices()
+    t0 = time.time()
+    choice = choose_layers(config, target, devices)
+    if choice is not None:
+        return choice.run, choice.lowered, choice.compiled, time.time() - t0
     run = builder.build(config, devices=devices, platform=target.platform, num_processes=1)
     t0 = time.time()
     lowered = run.lower()
     compiled = lowered.compile()
     return run, lowered, compiled, time.time() - t0
+
+
+def choose_layers(config, target: topologies.Target, devices):
+    """remat_policy=autoselected on a GPU or TPU target: training/layer_choice.py's choice (the least
+    recomputation whose step fits the target chip's memory), the one train.py makes on the chips themselves, so
+    that a user sees it before renting them; None where it does not apply."""
+    if not layer_choice.applies(config, target.platform) or not target.memory_bytes:
+        return None
+    return layer_choice.choose(
+        config, lambda plan: builder.build(config, devices=devices, platform=target.platform, num_processes=1,
+                                           layer_plan=plan),
+        target.memory_bytes, f"one {target.chip}'s memory")
+
+
+def choice_report(run) -> dict:
+    """The choices made for the target beside report()'s figures: the experts' line (an MoE model: which form
+    dropless dispatch runs) and the remat candidates tried (training/layer_choice.py)."""
+    return {"experts": builder.moe_line(run) if models.is_moe(run.config) else None,
+            "remat_choice": run.remat_choice or None}
+
+
+def format_choices(rep: dict) -> list[str]:
+    return [line for line in (rep.get("experts"), rep.get("remat_choice")) if line]
 
 
 def report(run, compiled, target: topologies.Target, seconds: float) -> dict:
@@ -208,8 +236,8 @@ def main(argv: list[str]) -> int:
               f"{needed - available:.2f} GiB more than the {available:.2f} GiB a {target.chip} chip leaves them. Try " + "; ".join(knobs(config, mesh, len(target.devices()), run.rt.attention,
                                                         target.platform)), file=sys.stderr, flush=True)
         return EXIT_DOES_NOT_FIT
-    rep = report(run, compiled, target, seconds)
-    print(format_report(rep), flush=True)
+    rep = {**report(run, compiled, target, seconds), **choice_report(run)}
+    print("\n".join([format_report(rep), *format_choices(rep)]), flush=True)
     if not fits(rep):
         print(f"maxtrain.train_compile: error: {overshoot_message(rep, config)}", file=sys.stderr, flush=True)
         return EXIT_DOES_NOT_FIT

@@ -314,6 +314,7 @@ DEEPSEEK = {**LLAMA, "model_type": "deepseek_v3", "num_attention_heads": 4, "num
             "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
             "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "q_lora_rank": 24, "kv_lora_rank": 16,
             "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 10}
+OLMO3 = {**LLAMA, "model_type": "olmo3", "sliding_window": 8}
 
 GLM4_MOE = {**LLAMA, "model_type": "glm4_moe", "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
             "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
@@ -366,6 +367,9 @@ ROWS = [
     Row("moe-capacity-factor-zero", T, [B, "decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2",
                                         "moe_dispatch=capacity", "capacity_factor=0"],
         r"capacity_factor=0.0 is not allowed: it must be > 0 .*moe_dispatch=dropless"),
+    Row("moe-grouped-matmul-unknown", T, [B, "decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2",
+                                          "moe_grouped_matmul=triton"],
+        r"moe_grouped_matmul='triton' is not allowed: it must be one of: autoselected, xla, pallas"),
     Row("fp8-with-float16", T, [B, "quantization=fp8", "dtype=float16"],
         r"quantization=fp8 with dtype=float16 is not supported: .* use dtype=bfloat16"),
     Row("fp8-unknown-recipe", T, [B, "quantization=int8"], r"quantization='int8' is not supported; use quantization=fp8"),
@@ -389,6 +393,9 @@ ROWS = [
         r"without sliding-window layers"),
     Row("family-gpt-oss-without-window", T, [B, "model_name=gpt-oss-20b", "sliding_window_size=0"],
         r"decoder_block=gpt_oss has sliding-window layers .* set sliding_window_size=128"),
+    Row("family-olmo3-without-window", T, [B, "model_name=olmo3-7b", "sliding_window_size=0"],
+        r"decoder_block=olmo3 has sliding-window layers \(sliding sliding sliding full, repeated\), but "
+        r"sliding_window_size=0 .* set sliding_window_size=4096"),
     Row("family-moe-with-one-expert", T, [B, "decoder_block=mixtral"], r"decoder_block=mixtral is a mixture of experts, "
         r"but num_experts=1 .* set num_experts=8"),
     Row("grpo-top-k-of-one", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl",
@@ -397,11 +404,24 @@ ROWS = [
         r"objective=grpo samples .*decode_sampling_top_k=1.* would all be the same"),
     Row("mtp-modules-beyond-the-sequence", T, [B, "model_name=deepseek3-tiny", "mtp_num_layers=4", "max_target_length=4"],
         r"mtp_num_layers=4 needs max_target_length >= 5, but max_target_length=4"),
+    Row("llama4-chunk-longer-than-the-sequence", T, [B, "model_name=llama4-scout", "max_target_length=4096"],
+        r"chunk_attn_window_size=8192 needs max_target_length >= 8192, but max_target_length=4096: .* raise "
+        r"max_target_length or lower chunk_attn_window_size"),
+    Row("llama4-nope-interval-zero", T, [B, "decoder_block=llama4_text", "num_experts=4", "nope_layer_interval=0"],
+        r"nope_layer_interval=0 is not allowed: it must be -1 or >= 1"),
+    Row("llama4-chunks-with-context-parallelism", T, [B, "decoder_block=llama4_text", "num_experts=4",
+                                                      "chunk_attn_window_size=64", "ici_context_parallelism=2"],
+        r"chunk_attn_window_size=64 \(chunked attention\) does not run with context parallelism 2 yet; set "
+        r"ici_context_parallelism=1"),
+    Row("feature-off-llama4-key-on-llama", T, [B, "use_qk_norm=true"], r"use_qk_norm=true does nothing without "
+        r"decoder_block=llama4_text"),
     Row("glm4_moe-rotated-features-odd", T, [B, "model_name=glm-4.5-air", "partial_rotary_factor=0.01"],
-        r"partial_rotary_factor=0.01 rotates int\(head_dim=128 x 0.01\) = 1 features of each head, but RoPE rotates "
-        r"pairs"),
+        r"partial_rotary_factor=0.01 rotates 1 of head_dim=128 features, but RoPE rotates an even number of them "
+        r"\(at least 2\)"),
     Row("feature-off-partial-rope-on-llama", T, [B, "partial_rotary_factor=0.5"],
-        r"partial_rotary_factor=0.5 does nothing without decoder_block=glm4_moe \(here decoder_block=llama\)"),
+        r"partial_rotary_factor=0.5 does nothing without decoder_block=.*glm4_moe \(here decoder_block=llama\)"),
+    Row("feature-off-attention-bias-on-llama", T, [B, "attention_bias=true"],
+        r"attention_bias=true does nothing without decoder_block=glm4_moe \(here decoder_block=llama\)"),
     Row("glm4_moe-dense-layers-leave-no-experts", T, [B, "model_name=glm-4.5-air", "first_num_dense_layers=46"],
         r"first_num_dense_layers=46 leaves no layer of experts among base_num_decoder_layers=46"),
     Row("output-directory-empty", T, [B, "base_output_directory="], r"base_output_directory is empty .* the run would "
@@ -830,9 +850,17 @@ ROWS = [
     Row("convert-deepseek-softmax-router", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r".*/hf/config.json: cannot convert this checkpoint without changing its outputs: scoring_func='softmax'",
         setup=hf_dir({**DEEPSEEK, "scoring_func": "softmax"})),
+    Row("convert-olmo3-scaled-sliding-rope", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json: rope_parameters.sliding_attention=.*'yarn'.* \(maxtrain's sliding-window layers rotate by "
+        r"an unscaled RoPE\)", setup=hf_dir({**OLMO3, "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "sliding_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}})),
+    Row("convert-olmo3-sliding-layers-without-window", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json: sliding_window=None with sliding_attention layers; set the window size",
+        setup=hf_dir({**OLMO3, "sliding_window": None, "layer_types": ["sliding_attention", "full_attention"]})),
     Row("convert-glm4_moe-no-rotated-features", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r".*/hf/config.json describes a glm4_moe model that maxtrain's glm4_moe family cannot build: .*"
-        r"partial_rotary_factor=0.1 rotates .* = 0 features",
+        r"partial_rotary_factor=0.1 rotates 0 of head_dim=8 features",
         setup=hf_dir({**GLM4_MOE, "partial_rotary_factor": 0.1})),
     Row("convert-glm4_moe-gelu", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r".*/hf/config.json: cannot convert this checkpoint without changing its outputs: hidden_act='gelu'",

@@ -230,7 +230,9 @@ def test_the_registry_plans_each_layers_attention_as_the_family_builds_it():
                 cfg = load(f"model_name={preset}", *extra)
             except ConfigError:
                 continue  # a window where no layer slides
-            built = [t.attention for t in models.family(cfg).layer_types(cfg)]
+            # the plan says which layers slide; the others attend fully, in Llama 4's chunks, or not at all (a
+            # recurrent layer, which has no window either)
+            built = [t.attention if t.attention == "sliding" else "full" for t in models.family(cfg).layer_types(cfg)]
             assert built == features.layer_attention(cfg.to_dict()), preset
 
 
@@ -287,7 +289,9 @@ def test_multi_token_prediction_needs_a_longer_sequence_than_its_modules():
 
 @pytest.mark.parametrize("key, on", [("mtp_num_layers", ["model_name=deepseek3-tiny", "mtp_num_layers=3"]),
                                      ("max_prefill_predict_length", [*GRPO, "decode_sampling_strategy=weighted",
-                                                                     "max_prefill_predict_length=16"])])
+                                                                     "max_prefill_predict_length=16"]),
+                                     ("chunk_attn_window_size", ["decoder_block=llama4_text", "num_experts=4",
+                                                                 "chunk_attn_window_size=64"])])
 def test_every_length_need_refuses_one_token_less(key, on):
     row = next(r for r in limits.LENGTH_NEEDS if r[0] == key)
     least = row[2](load(*on).to_dict())
@@ -295,7 +299,8 @@ def test_every_length_need_refuses_one_token_less(key, on):
                                           f"{least - 1}"):
         load(*on, f"max_target_length={least - 1}")
     assert load(*on, f"max_target_length={least}").max_target_length == least
-    assert {r[0] for r in limits.LENGTH_NEEDS} == {"mtp_num_layers", "max_prefill_predict_length"}
+    assert {r[0] for r in limits.LENGTH_NEEDS} == {"mtp_num_layers", "max_prefill_predict_length",
+                                                   "chunk_attn_window_size"}
 
 
 def test_an_empty_output_directory_or_a_blank_path_is_refused(tmp_path):

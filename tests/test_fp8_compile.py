@@ -25,8 +25,8 @@ from test_train_compile_targets import need
 MIXED = ["dataset_type=synthetic", "decoder_block=qwen3_moe", "base_emb_dim=256", "base_num_query_heads=8",
          "base_num_kv_heads=4", "head_dim=32", "base_mlp_dim=512", "base_num_decoder_layers=2", "vocab_size=1024",
          "max_target_length=256", "per_device_batch_size=1", "dtype=bfloat16", "num_experts=4",
-         "num_experts_per_tok=2", "moe_dispatch=capacity", "decoder_sparse_step=2", "compile_topology=h100-1",
-         "quantization=fp8", "quantize_output_head=true"]
+         "num_experts_per_tok=2", "moe_dispatch=capacity", "decoder_sparse_step=2", "remat_policy=full",
+         "compile_topology=h100-1", "quantization=fp8", "quantize_output_head=true"]
 
 
 def custom_calls(*overrides) -> collections.Counter:

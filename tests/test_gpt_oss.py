@@ -16,7 +16,7 @@ from conftest import BASE_YML, TINY, slow_params
 from maxtrain import models
 from maxtrain.checkpointing import convert
 from maxtrain.config import ConfigError, load_config, with_overrides
-from maxtrain.models import attention, moe
+from maxtrain.models import attention, moe, moe_experts
 from maxtrain.parallel import sharding
 from maxtrain.training import builder
 from test_sharding import GLOBAL_BATCH, batches
@@ -125,7 +125,7 @@ def test_clamped_swiglu_is_gpt_oss_activation():
     up = np.array([-9.0, 3.0, -0.5, 8.0, 2.0], np.float32)
     g, u = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
     want = g / (1 + np.exp(-1.702 * g)) * (u + 1)
-    np.testing.assert_allclose(np.asarray(moe.gated(jnp.asarray(gate), jnp.asarray(up), s)), want, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(moe_experts.gated(jnp.asarray(gate), jnp.asarray(up), s)), want, rtol=1e-6)
 
 
 def _random_biases(params, key):

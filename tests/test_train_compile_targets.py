@@ -33,7 +33,7 @@ def need(platform: str):
 
 SMALL = ["dataset_type=synthetic", "base_emb_dim=256", "base_num_query_heads=8", "base_num_kv_heads=4", "head_dim=32",
          "base_mlp_dim=512", "base_num_decoder_layers=2", "vocab_size=1024", "max_target_length=256",
-         "per_device_batch_size=1", "dtype=bfloat16"]
+         "per_device_batch_size=1", "dtype=bfloat16", "remat_policy=full"]  # one compile (autoselected tries several)
 
 
 def compile_report(*overrides):
@@ -95,6 +95,19 @@ def test_step_compiles_for_8_h100s_with_autoselected_attention():
     assert 0 < rep["memory"]["total"] < rep["memory"]["chip"]
 
 
+def test_olmo3_step_compiles_for_a_tpu_pod_with_windows_and_heads_split():
+    """OLMo 3's layers on 16 TPU chips with the heads split 4 ways: its qk-norm spans all heads' features, so
+    the tensor axis splits what each layer's norm reduces over; the sliding layers run in the autoselected kernel."""
+    need("tpu")
+    run, _, rep = compile_report(*with_overrides(SMALL, "base_num_decoder_layers=4"), "decoder_block=olmo3",
+                                 "sliding_window_size=64", "local_rope_max_timescale=10000.0",
+                                 "compile_topology=v5e-16", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=4",
+                                 "attention=autoselected")
+    assert rep["mesh"]["tensor"] == 4 and run.rt.backend == "tpu"
+    assert [t.attention for t in models.family(run.config).layer_types(run.config)] == ["sliding"] * 3 + ["full"]
+    assert 0 < rep["memory"]["total"] < rep["memory"]["chip"]
+
+
 # --------------------------------------------------------------------------------------------
 # FSDP and tensor parallelism at 64 chips
 # --------------------------------------------------------------------------------------------
@@ -104,7 +117,8 @@ def test_step_compiles_for_8_h100s_with_autoselected_attention():
 # would occupy a [16, 128] tile).
 WIDE = ["dataset_type=synthetic", "base_emb_dim=8192", "base_num_query_heads=32", "base_num_kv_heads=32",
         "head_dim=128", "base_mlp_dim=2048", "base_num_decoder_layers=4", "vocab_size=4096", "max_target_length=512",
-        "per_device_batch_size=1", "dtype=bfloat16", "attention=dot_product", "compile_topology=v5p-128"]
+        "per_device_batch_size=1", "dtype=bfloat16", "attention=dot_product", "compile_topology=v5p-128",
+        "remat_policy=full"]
 
 
 def state_bytes(run) -> int:
@@ -197,7 +211,8 @@ DEEPSEEK_SMALL = ["model_name=deepseek3-671b", "dataset_type=synthetic", "base_e
                   "qk_rope_head_dim=16", "head_dim=32", "v_head_dim=16", "base_mlp_dim=256", "base_moe_mlp_dim=64",
                   "num_experts=8", "num_experts_per_tok=2", "n_routing_groups=4", "topk_routing_group=2",
                   "base_num_decoder_layers=1", "first_num_dense_layers=0", "vocab_size=512",
-                  "max_target_length=128", "per_device_batch_size=1", "dtype=bfloat16", "attention=dot_product"]
+                  "max_target_length=128", "per_device_batch_size=1", "dtype=bfloat16", "attention=dot_product",
+                  "remat_policy=full"]
 
 
 def test_deepseek_step_compiles_for_8_h100s_with_experts_and_fsdp_split():
@@ -212,6 +227,42 @@ def test_deepseek_step_compiles_for_8_h100s_with_experts_and_fsdp_split():
     expected = state_bytes(run) / 8
     batch = sum(math.prod(x.shape) * x.dtype.itemsize for x in run.abstract_batch().values()) / 8
     assert abs(rep["memory"]["arguments"] - batch - expected) <= 0.05 * expected, (rep["memory"], expected)
+
+
+def test_h100_target_gets_remat_chosen_by_memory_and_the_grouped_gemm_for_dropless_experts():
+    """remat_policy=autoselected for an H100 target: the candidates compiled, the least recomputation that fits
+    (this small model: none, layers unrolled) taken; dropless experts run the Pallas grouped GEMM, and the summary
+    says both."""
+    need("gpu")
+    config = builder.load_config(with_overrides(
+        [BASE_YML, *SMALL], "remat_policy=autoselected", "decoder_block=mixtral", "num_experts=4",
+        "num_experts_per_tok=2", "base_moe_mlp_dim=128", "compile_topology=h100-1"))
+    target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
+    run, _, compiled, _ = train_compile.compile_for_target(config, target)
+    experts, remat = train_compile.format_choices(train_compile.choice_report(run))
+    assert run.rt.grouped_matmul == "pallas" and "grouped matmul pallas (Triton grouped GEMM" in experts
+    assert "grouped_matmul_weight_grad" in compiled.as_text()
+    assert (run.rt.remat_policy, run.rt.scan_layers(run.config)) == ("none", False)
+    assert "of 79.1 GiB, one h100's memory): tried none scanned" in remat and "-> none, layers unrolled" in remat
+
+
+# Llama 4's shape, small: chunked RoPE layers (flash/splash on the chunk-refined segment ids), NoPE layers with
+# temperature, experts with a shared one in every other layer, dense layers between.
+LLAMA4_SMALL = ["model_name=llama4-scout", "dataset_type=synthetic", "base_emb_dim=256", "base_num_query_heads=8",
+                "base_num_kv_heads=4", "head_dim=64", "base_mlp_dim=512", "base_moe_mlp_dim=128", "num_experts=8",
+                "decoder_sparse_step=2", "base_num_decoder_layers=4", "vocab_size=1024", "max_target_length=1024",
+                "chunk_attn_window_size=256", "per_device_batch_size=1", "dtype=bfloat16", "attention=autoselected",
+                "moe_dispatch=capacity"]
+
+
+@pytest.mark.parametrize("target, mesh", [("h100-8", ["ici_expert_parallelism=4", "ici_fsdp_parallelism=2"]),
+                                          ("v5p-8", ["ici_expert_parallelism=2", "ici_fsdp_parallelism=2"])])
+def test_llama4_step_compiles_with_chunked_flash_attention_and_experts(target, mesh):
+    need("gpu" if target.startswith("h100") else "tpu")
+    run, compiled, rep = compile_report(*LLAMA4_SMALL, f"compile_topology={target}", *mesh)
+    assert rep["attention"] == "flash" and rep["collective_counts"]["all-to-all"] >= 2
+    text = compiled.as_text()
+    assert ("triton" in text.lower()) if target.startswith("h100") else ("tpu_custom_call" in text)
 
 
 # GLM-4.5's shape, small: 128-wide heads with RoPE on half of each, qk-norm, q/k/v biases, a dense layer then an

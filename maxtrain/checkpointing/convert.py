@@ -34,7 +34,8 @@ from maxtrain.config import checks as config_checks
 from maxtrain.config import registry
 from maxtrain.data import default_corpus, tokenizer_hf
 from maxtrain.data import tokenizer as tokenizer_lib
-from maxtrain.models.hf import ConversionError, Interleaved
+from maxtrain.models.hf import (ConversionError, DepthwiseConv, Grouped, GroupRows, Interleaved, PairedRope,
+                                 rope_halves, rope_pairs)
 from maxtrain.models.params import is_spec
 
 # Buffers some older checkpoints carry; recomputed, never needed.
@@ -139,6 +140,14 @@ def _entries(keys: dict):
             layers = [i for i, t in enumerate(layer_types) if t.kind == kind]
         if "{j}" in name:
             experts = spec.shape[spec.axes.index("exp")]
+        if isinstance(n_in, Grouped):  # resolved against the shapes of the parameters it is fused with
+            prefix = path.rsplit("/", 1)[0]
+            named = n_in.parts + ((n_in.groups_of,) if n_in.groups_of else ())
+            shapes = {p: _one_shape(flat[f"{prefix}/{p}"], layers, experts) for p in named}
+            lead = n_in.lead
+            groups = shapes[n_in.groups_of][lead + 1] if n_in.groups_of else 1
+            sizes = [math.prod(shapes[p][lead + 1:]) // groups for p in n_in.parts]
+            n_in = GroupRows(groups, sum(sizes[:n_in.part]), sizes[n_in.part], sum(sizes), lead)
         yield tuple(path.split("/")), spec, name, n_in, layers, experts
 
 
@@ -180,7 +189,16 @@ def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) ->
                                       "config.json that came with these weights")
             used.add(hf_name)
             if isinstance(n_in, Interleaved):
-                return np.ascontiguousarray(w[..., n_in.part::n_in.parts]).astype(dtype)
+                return np.ascontiguousarray(w[..., n_in.columns(w.shape[-1])]).astype(dtype)
+            if isinstance(n_in, PairedRope):
+                return rope_halves(w.T.reshape(shape)).astype(dtype)
+            if isinstance(n_in, GroupRows):
+                lead = w.shape[:n_in.lead]
+                rows = w.reshape(*lead, n_in.groups, n_in.total, -1)[..., n_in.offset:n_in.offset + n_in.size, :]
+                rows = rows.reshape(*lead, n_in.groups * n_in.size, -1)
+                return np.swapaxes(rows, -1, -2).reshape(shape).astype(dtype)
+            if isinstance(n_in, DepthwiseConv):
+                return w.reshape(w.shape[0], -1).T.reshape(shape).astype(dtype)
             return (w.reshape(shape) if n_in in (None, "flat") else w.T.reshape(shape)).astype(dtype)
 
         def per_layer(i, name=name, experts=experts):
@@ -219,10 +237,23 @@ def to_hf(params: dict, keys: dict, dtype) -> dict[str, np.ndarray]:
                             per_layer if experts is not None else [per_layer]):
                 if isinstance(n_in, Interleaved):  # its columns of the tensor it shares
                     whole = out.setdefault(name.format(i=i, j=j), np.zeros(_hf_shape(w.shape, n_in), dtype))
-                    whole[..., n_in.part::n_in.parts] = w
+                    whole[..., n_in.columns(whole.shape[-1])] = w
                     continue
-                w = w.reshape(_hf_shape(w.shape, n_in)) if n_in in (None, "flat") else \
-                    w.reshape(math.prod(w.shape[:n_in]), -1).T
+                if isinstance(n_in, GroupRows):  # its rows of each group of the tensor it shares
+                    whole = out.setdefault(name.format(i=i, j=j), np.zeros(_hf_shape(w.shape, n_in), dtype))
+                    lead = w.shape[:n_in.lead]
+                    rows = np.swapaxes(w.reshape(*lead, w.shape[n_in.lead], -1), -1, -2)
+                    rows = rows.reshape(*lead, n_in.groups, n_in.size, -1)
+                    whole.reshape(*lead, n_in.groups, n_in.total, -1)[..., n_in.offset:n_in.offset + n_in.size, :] = rows
+                    continue
+                if isinstance(n_in, DepthwiseConv):
+                    out[name.format(i=i, j=j)] = np.ascontiguousarray(w.T.reshape(w.shape[1], 1, w.shape[0])).astype(dtype)
+                    continue
+                lead = n_in.n_in if isinstance(n_in, PairedRope) else n_in
+                if isinstance(n_in, PairedRope):
+                    w = rope_pairs(w)
+                w = w.reshape(_hf_shape(w.shape, lead)) if lead in (None, "flat") else \
+                    w.reshape(math.prod(w.shape[:lead]), -1).T
                 out[name.format(i=i, j=j)] = np.ascontiguousarray(w).astype(dtype)
     return out
 
@@ -233,6 +264,12 @@ def _hf_shape(shape: tuple, n_in) -> tuple:
         return tuple(shape)
     if isinstance(n_in, Interleaved):
         return tuple(shape[:-1]) + (shape[-1] * n_in.parts,)
+    if isinstance(n_in, GroupRows):
+        return (*shape[:n_in.lead], n_in.groups * n_in.total, shape[n_in.lead])
+    if isinstance(n_in, DepthwiseConv):
+        return (shape[1], 1, shape[0])
+    if isinstance(n_in, PairedRope):
+        n_in = n_in.n_in
     if n_in == "flat":
         return (math.prod(shape),)
     return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))

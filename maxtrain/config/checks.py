@@ -56,14 +56,6 @@ def _head_dim_even(v):
 
 
 
-def _rotated_features_even(v):
-    rotated = int(v["head_dim"] * v["partial_rotary_factor"])
-    _require(v["partial_rotary_factor"] == 1.0 or (rotated >= 2 and rotated % 2 == 0),
-             f"partial_rotary_factor={v['partial_rotary_factor']} rotates int(head_dim={v['head_dim']} x "
-             f"{v['partial_rotary_factor']}) = {rotated} features of each head, but RoPE rotates pairs: choose a "
-             "factor that gives an even number >= 2 (e.g. 0.5 with head_dim a multiple of 4)")
-
-
 def _vocab_tiling_divides_length(v):
     _require(v["num_vocab_tiling"] == -1 or v["max_target_length"] % v["num_vocab_tiling"] == 0,
              f"num_vocab_tiling={v['num_vocab_tiling']} must divide max_target_length={v['max_target_length']} "
@@ -94,9 +86,10 @@ def _lora_targets_known(v):
 
 def _llama3_rope_factors(v):
     if v["rope_type"] == "llama3":
-        _require(v["rope_high_freq_factor"] > v["rope_low_freq_factor"] > 0,
-                 f"rope_type=llama3 needs rope_high_freq_factor > rope_low_freq_factor > 0, got "
-                 f"{v['rope_high_freq_factor']} and {v['rope_low_freq_factor']} (Llama 3.1 uses 4.0 and 1.0)")
+        _require(v["rope_high_freq_factor"] >= v["rope_low_freq_factor"] > 0,
+                 f"rope_type=llama3 needs rope_high_freq_factor >= rope_low_freq_factor > 0, got "
+                 f"{v['rope_high_freq_factor']} and {v['rope_low_freq_factor']} (Llama 3.1 uses 4.0 and 1.0, "
+                 "Llama 4 Scout 1.0 and 1.0)")
 
 
 def _attention_layer_types(v):
@@ -194,6 +187,13 @@ def _context_chunks_divide_length(v):
                  f"into {2 * cp} chunks (two per device, one early and one late, so that causal attention's work is "
                  f"even), so max_target_length={length} must be a multiple of {2 * cp}; e.g. max_target_length="
                  f"{max(2 * cp, length // (2 * cp) * 2 * cp)}")
+
+
+def _chunked_attention_without_context_parallelism(v):
+    cp, chunk = ways(v, "context"), v["chunk_attn_window_size"]
+    _require(not (chunk > 0 and cp and cp > 1),
+             f"chunk_attn_window_size={chunk} (chunked attention) does not run with context parallelism {cp} yet; "
+             "set ici_context_parallelism=1 and dcn_context_parallelism=1")
 
 
 def _tensor_parallelism_divides(v):
@@ -338,6 +338,42 @@ def _mla_head_dims(v):
              f"base_num_kv_heads={v['base_num_query_heads']}")
 
 
+def _gated_deltanet(v):
+    """The gated delta-net layers' shapes, for a family that has them (its registry row reads their settings)."""
+    if "gdn_num_key_heads" not in features.family(v).settings:
+        return
+    nk, nv = v["gdn_num_key_heads"], v["gdn_num_value_heads"]
+    _require(nv % nk == 0, f"gdn_num_value_heads={nv} must be a multiple of gdn_num_key_heads={nk} (each key head "
+                           f"serves a whole group of value heads); e.g. gdn_num_value_heads={nk * max(1, nv // nk)}")
+    cycle, layers = v["inhomogeneous_layer_cycle_interval"], v["base_num_decoder_layers"]
+    _require(cycle <= layers, f"inhomogeneous_layer_cycle_interval={cycle} leaves no full-attention layer among "
+                              f"base_num_decoder_layers={layers}; use inhomogeneous_layer_cycle_interval <= {layers}")
+    # The recurrent state runs along the whole sequence and through every layer in order: splitting either
+    # would need the state handed from shard to shard, which the gated delta-net does not do yet.
+    for axis, keys in (("context", "ici_context_parallelism=1 and dcn_context_parallelism=1"),
+                       ("stage", "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")):
+        split = ways(v, axis)
+        _require(split in (1, None), f"decoder_block={v['decoder_block']}'s gated delta-net layers do not run with "
+                                     f"{axis} parallelism {split} yet (their state would pass from shard to shard); set "
+                                     f"{keys}, and split the model with ici_fsdp_parallelism or "
+                                     "ici_tensor_parallelism instead")
+
+
+def _partial_rotary_factor(v):
+    rotated = int(v["head_dim"] * v["partial_rotary_factor"])
+    _require(rotated >= 2 and rotated % 2 == 0,
+             f"partial_rotary_factor={v['partial_rotary_factor']} rotates {rotated} of head_dim={v['head_dim']} "
+             "features, but RoPE rotates an even number of them (at least 2); choose a factor that gives one")
+
+
+def _decoding_implemented(v):
+    """GRPO samples its completions with the cache (the end-of-run sample is skipped with a notice instead:
+    train.sample_prompt_ids; maxtrain.decode refuses)."""
+    _require(features.family(v).decodes or not objectives.of(v).samples,
+             f"objective={v['objective']} samples completions with a KV cache, which decoder_block={v['decoder_block']} "
+             "does not implement yet; train it with another objective")
+
+
 def _multi_token_prediction(v):
     """MTP (models/mtp.py): DeepSeek's modules after its MoE layers, on the next-token objectives, in one program
     without pipeline stages, context parallelism or LoRA (none is wired through the MTP modules)."""
@@ -381,11 +417,12 @@ def _muon_without_lora(v):
              "set opt_type=adamw for LoRA (or lora_rank=0 for Muon)")
 
 
-CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _rotated_features_even, _vocab_tiling_divides_length,
-          _llama3_rope_factors, _attention_layer_types,
-          _flash_blocks_powers_of_two, *objectives.CHECKS, _chat_template_known, _lora_targets_known,
+CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
+          _flash_blocks_powers_of_two, _gated_deltanet, _partial_rotary_factor, _decoding_implemented,
+          *objectives.CHECKS, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           _stages_divide_layers, _no_pipeline_stages_with_experts, _context_chunks_divide_length,
+          _chunked_attention_without_context_parallelism,
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
           _run_name_is_one_directory, _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
           _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts, _hidden_tiling_divides_expert_width,

@@ -111,8 +111,9 @@ FEATURES: tuple[Feature, ...] = (
     # dispatches keeps one capacity_factor, as tests/test_moe.py does)
     Feature(MOE, lambda v: v["decoder_block"] in MOE_FAMILIES,
             ("num_experts", "num_experts_per_tok", "base_moe_mlp_dim", "moe_dispatch", "capacity_factor",
-             "load_balance_loss_weight", "router_z_loss_weight", "num_moe_hidden_tiling", "shared_experts",
-             "routed_bias", "routed_bias_update_rate", "seq_balance_loss_weight"), fix=USE_MOE, state="decoder_block"),
+             "moe_grouped_matmul", "load_balance_loss_weight", "router_z_loss_weight", "num_moe_hidden_tiling",
+             "shared_experts", "routed_bias", "routed_bias_update_rate", "seq_balance_loss_weight"), fix=USE_MOE,
+            state="decoder_block"),
     Feature("mtp_num_layers > 0", lambda v: v["mtp_num_layers"] > 0, ("mtp_loss_scaling_factor",),
             fix="set mtp_num_layers (e.g. mtp_num_layers=1, decoder_block=deepseek)"),
     *_family_features(),

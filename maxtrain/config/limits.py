@@ -74,6 +74,9 @@ LENGTH_NEEDS = (
     ("mtp_num_layers", lambda v: v["mtp_num_layers"] > 0, lambda v: v["mtp_num_layers"] + 1,
      "multi-token prediction module k predicts token i + k + 1 from position i (models/mtp.py): with fewer tokens "
      "the last module has no position to learn from (and past that, no shape to compute)"),
+    ("chunk_attn_window_size", lambda v: v["chunk_attn_window_size"] > 0, lambda v: v["chunk_attn_window_size"],
+     "chunked layers attend within blocks of chunk_attn_window_size positions, and a block longer than the "
+     "sequence is full attention, so the chunks would do nothing"),
 )
 
 

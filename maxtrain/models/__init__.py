@@ -15,6 +15,7 @@
                   balance losses, expert parallelism (docs/moe.md)
     moe_deepseek.py  DeepSeek's parts of it: sigmoid group-limited router, the selection bias and its
                   update outside the gradient, shared experts (docs/deepseek.md)
+    moe_llama4.py Llama 4's router: sigmoid weights of the top-k logits on the experts' inputs
     decoder.py    the stack every family shares: layer types, scan over repeating groups, loss, decoding
     mtp.py        multi-token prediction (DeepSeek-V3): modules after the stack, predicting tokens further ahead
     distill.py    distillation's loss: KL to a frozen teacher's logits mixed with the next-token loss, tiled
@@ -23,8 +24,8 @@
     sampling.py   sampling with the KV cache: greedy, temperature, top-k, top-p
     hf.py         what the families share about Hugging Face names and config.json fields
     families/     one module per family of config/registry.py (llama, mistral, qwen2, qwen3, gemma2,
-                  gemma3, mixtral, qwen3_moe, gpt_oss, deepseek, glm4_moe): declarations, layer composition, HF mapping,
-                  FLOPs
+                  gemma3, mixtral, qwen3_moe, gpt_oss, deepseek, llama4_text, glm4_moe): declarations, layer
+                  composition, HF mapping, FLOPs
 
 `decoder_block` (MaxText's key; presets set it) picks the family. Every function here is a pure
 function of (params, inputs, config, runtime). May import config, parallel and kernels (and errors);

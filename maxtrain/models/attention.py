@@ -7,6 +7,13 @@ Masking rule, shared by every implementation: query t may attend to key s when b
 to the same segment (`segment_ids` equal; packed rows hold several documents) and, when causal,
 s <= t. Padding has segment id 0, so a padding query attends to padding keys only and no row of
 the softmax is ever empty. Padding is kept out of the loss by the loss weights, not here.
+
+Chunked attention (Llama 4): with `chunk` = C > 0 a query also sees only the keys of its own block of C
+positions (positions restart at 0 in each document, so the blocks do too): position p is in block p // C.
+Every implementation computes it the same way, by splitting each segment into its chunks
+(`chunk_segment_ids`): same refined segment and causal is exactly same document, same chunk and causal,
+so the kernels (flash, splash, cuDNN), which mask by segment ids, need nothing more. The context-parallel
+form does not take chunks (its tokens arrive in the load-balanced order).
 """
 
 from __future__ import annotations
@@ -26,12 +33,15 @@ IMPLEMENTATIONS = ("autoselected", "dot_product", "flash", "cudnn", "tokamax")
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def make_attention_mask(q_segment_ids, kv_segment_ids, *, causal: bool = True, q_offset=0, sliding_window: int = 0):
+def make_attention_mask(q_segment_ids, kv_segment_ids, *, causal: bool = True, q_offset=0, sliding_window: int = 0,
+                        chunk: int = 0, q_positions=None, kv_positions=None):
     """Boolean mask [B, T, S]: True where query t may attend to key s.
 
     q_offset shifts query indices (a query block that starts at q_offset in the key sequence).
     sliding_window > 0 also hides keys that are sliding_window or more positions back: t - s < W
     (as Hugging Face's sliding-window masks), so each query sees at most W keys, itself included.
+    chunk > 0 also hides keys of another block of `chunk` positions (q_positions [B, T] and
+    kv_positions [B, S]; the indices when not given): the direct form of chunked attention.
     """
     mask = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
     t = jnp.arange(q_segment_ids.shape[1])[:, None] + q_offset
@@ -40,7 +50,21 @@ def make_attention_mask(q_segment_ids, kv_segment_ids, *, causal: bool = True, q
         mask = mask & (s <= t)[None]
     if sliding_window > 0:
         mask = mask & (t - s < sliding_window)[None]
+    if chunk > 0:
+        qp = t[None, :, 0] if q_positions is None else q_positions
+        kp = s[None, 0, :] if kv_positions is None else kv_positions
+        mask = mask & (qp[:, :, None] // chunk == kp[:, None, :] // chunk)
     return mask
+
+
+def chunk_segment_ids(segment_ids, positions, chunk: int):
+    """Segment ids [B, T] refined so that each block of `chunk` positions of a segment is a segment of its
+    own: a new id starts where the segment changes or a position is a multiple of `chunk`. Masking by
+    them (same id, causal) is chunked attention (the module docstring); ids stay non-decreasing along T."""
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], dtype=bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    starts = starts | (positions % chunk == 0)
+    return jnp.cumsum(starts.astype(jnp.int32), axis=1)
 
 
 def soft_cap(x, cap: float):
@@ -336,7 +360,7 @@ def pad_head_dims(q, k, v, scale):
 def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", platform: str | None = None,
               causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0,
               scale: float | None = None, block_q: int = 128, block_kv: int = 128, interpret: bool | None = None,
-              sinks=None):
+              sinks=None, chunk: int = 0, positions=None):
     """Self-attention over one (possibly packed) sequence; dispatches on `implementation`.
 
     `implementation` must already be resolved (see resolve_implementation). The kernels (flash,
@@ -346,8 +370,16 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
     GPU kernel has no CPU mode, it runs tokamax's XLA reference through the same wrapper). Under
     sharding.activation_sharding every kernel runs inside shard_map over the batch and head mesh
     axes. scale defaults to H ** -0.5; block_q and block_kv are the kernels' largest tiles. sinks [N]:
-    attention sinks (dot_product_attention; the flash and splash kernels implement them too).
+    attention sinks (dot_product_attention; the flash and splash kernels implement them too). chunk > 0:
+    chunked attention over blocks of `chunk` of the tokens' `positions` [B, T] (the module docstring).
     """
+    if chunk > 0:
+        if sharding.ways("length") > 1:
+            raise ValueError(f"chunked attention (chunk_attn_window_size={chunk}) does not run with context "
+                             "parallelism yet; use ici_context_parallelism=1")
+        if not causal:
+            raise ValueError("chunked attention is causal; pass causal=True")
+        segment_ids = chunk_segment_ids(segment_ids, positions, chunk)
     features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap, "sinks": sinks is not None}
     if _unsupported(implementation, features):
         raise ValueError(f"attention={implementation} does not implement {' and '.join(_unsupported(implementation, features))}; "

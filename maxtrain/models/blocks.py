@@ -2,8 +2,10 @@
 
 Each block is a pure function of (params, inputs, settings). What a block needs from its parameter
 dict it reads by name, so a family switches a feature on by declaring the parameter: q/k/v biases
-("bq", "bk", "bv"), the output projection's bias ("bo"), qk-norm ("q_norm", "k_norm"), attention
-sinks ("sinks", one logit per query head; models/attention.py).
+("bq", "bk", "bv"), the output projection's bias ("bo"), qk-norm ("q_norm", "k_norm": of shape [H], a norm
+over each head's features; of shape [N, H] / [G, H], one norm over all heads' features together, OLMo 2/3), attention
+sinks ("sinks", one logit per query head; models/attention.py), an output gate ("wg": each head's output
+times sigmoid(x W_g) before the output projection, Qwen3-Next's gated attention).
 
 Einsum letters (as everywhere in maxtrain): B batch, T query length, S key length, D embed,
 N query heads, G kv heads, R = N // G, H head dim, F mlp width, V vocab, L layers.
@@ -44,8 +46,11 @@ class LayerInputs(NamedTuple):
 
 
 def attention_specs(config, *, qkv_bias: bool = False, qk_norm: str | None = None, out_bias: bool = False,
-                    sinks: bool = False) -> dict[str, ParamSpec]:
-    """One layer's attention weights; qk_norm is None, "ones" (RMSNorm scale) or "zeros" (the 1 + scale form)."""
+                    sinks: bool = False, qk_norm_over_heads: bool = False,
+                    out_gate: bool = False) -> dict[str, ParamSpec]:
+    """One layer's attention weights; qk_norm is None, "ones" (RMSNorm scale) or "zeros" (the 1 + scale form);
+    qk_norm_over_heads: the q and k norms span all heads' features ([N, H], [G, H]), not each head's ([H]);
+    out_gate: a sigmoid gate on each head's output (Qwen3-Next)."""
     d, n, g, h = config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim
     specs = {
         "wq": dense((d, n, h), ("embed", "heads", "head_dim"), d),
@@ -57,12 +62,17 @@ def attention_specs(config, *, qkv_bias: bool = False, qk_norm: str | None = Non
         specs.update(bq=ParamSpec((n, h), ("heads", "head_dim"), "zeros"),
                      bk=ParamSpec((g, h), ("kv_heads", "head_dim"), "zeros"),
                      bv=ParamSpec((g, h), ("kv_heads", "head_dim"), "zeros"))
-    if qk_norm:
+    if qk_norm and qk_norm_over_heads:
+        specs.update(q_norm=ParamSpec((n, h), ("heads", "head_dim"), qk_norm),
+                     k_norm=ParamSpec((g, h), ("kv_heads", "head_dim"), qk_norm))
+    elif qk_norm:
         specs.update(q_norm=ParamSpec((h,), ("head_dim",), qk_norm), k_norm=ParamSpec((h,), ("head_dim",), qk_norm))
     if out_bias:
         specs["bo"] = ParamSpec((d,), ("embed",), "zeros")
     if sinks:
         specs["sinks"] = ParamSpec((n,), ("heads",), "zeros")
+    if out_gate:
+        specs["wg"] = dense((d, n, h), ("embed", "heads", "head_dim"), d)
     return specs
 
 
@@ -94,9 +104,11 @@ def embedding_specs(config, norm_init: str = "ones") -> dict[str, ParamSpec]:
 
 
 def rms_norm(x, scale, eps: float, plus_one: bool = False):
-    """x / rms(x) * scale, in float32; returns x's dtype. plus_one: scale is stored as (scale - 1) (Gemma)."""
+    """x / rms(x) * scale, in float32; returns x's dtype. plus_one: scale is stored as (scale - 1) (Gemma).
+    The rms is over x's last scale.ndim axes: a scale [N, H] normalizes [..., N, H] over all N * H features."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    axes = tuple(range(-scale.ndim, 0))
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axes, keepdims=True) + eps)
     scale = scale.astype(jnp.float32)
     return (x32 * (1.0 + scale if plus_one else scale)).astype(x.dtype)
 
@@ -133,9 +145,13 @@ def embed(table, tokens, dtype, multiplier: float | None = None):
 
 
 def attention(x, p, inputs: LayerInputs, config, rt, layer: LayerType, *, scale: float | None = None,
-              logits_soft_cap: float = 0.0, norm_plus_one: bool = False):
+              logits_soft_cap: float = 0.0, norm_plus_one: bool = False, qk_l2_norm: bool = False,
+              query_scales=None):
     """Self-attention of x [B, T, D] (already normed) -> ([B, T, D], aux), attending as `layer` says
-    (full, a sliding window; RoPE's table and the fraction of each head it rotates, or none).
+    (full, a sliding window, chunks; RoPE's table and the fraction of each head it rotates, or none).
+
+    Llama 4's options: qk_l2_norm normalizes q and k per head after RoPE, x / rms(x) with no scale (its
+    "L2 norm"); query_scales [B, T] multiply each token's queries after that (attention temperature).
 
     aux is {} in training; when decoding (inputs.cache set) it carries the updated cache as
     {"cache": (k, v)} for the stack to collect.
@@ -149,21 +165,27 @@ def attention(x, p, inputs: LayerInputs, config, rt, layer: LayerType, *, scale:
     q = checkpoint_name(q, "query_proj")
     k = checkpoint_name(k, "key_proj")
     v = checkpoint_name(v, "value_proj")
-    if "q_norm" in p:  # qk-norm: RMSNorm over each head's H features, before RoPE
+    if "q_norm" in p:  # qk-norm before RoPE: RMSNorm over each head's H features (or all heads', q_norm [N, H])
         eps = config.normalization_layer_epsilon
         q, k = rms_norm(q, p["q_norm"], eps, norm_plus_one), rms_norm(k, p["k_norm"], eps, norm_plus_one)
     if layer.rope is not None:
         cos, sin = inputs.rope[layer.rope]
         q, k = rope_lib.apply(q, cos, sin), rope_lib.apply(k, cos, sin)
-    if layer.attention not in ("full", "sliding"):
+    if qk_l2_norm:
+        eps = config.normalization_layer_epsilon
+        q, k = rms_norm(q, jnp.ones((), jnp.float32), eps), rms_norm(k, jnp.ones((), jnp.float32), eps)
+    if query_scales is not None:
+        q = (q.astype(jnp.float32) * query_scales[:, :, None, None]).astype(q.dtype)
+    if layer.attention not in ("full", "sliding", "chunked"):
         raise ValueError(f"the attention block has no {layer.attention!r} attention (layer {layer})")
-    sliding_window = layer.sliding_window()
+    sliding_window, chunk = layer.sliding_window(), layer.chunk()
     q = shard(q, ("batch", "length", "heads", "head_dim"))
     sinks = p.get("sinks")  # [N], float32 in the softmax
     if inputs.cache is None:
         out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=rt.attention, platform=rt.backend,
                                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
-                                      block_q=config.sa_block_q, block_kv=config.sa_block_kv, sinks=sinks)
+                                      block_q=config.sa_block_q, block_kv=config.sa_block_kv, sinks=sinks,
+                                      chunk=chunk, positions=inputs.positions)
         aux = {}
     else:
         # Decoding: write this step's k, v at `index` and attend to the filled cache slots.
@@ -177,9 +199,15 @@ def attention(x, p, inputs: LayerInputs, config, rt, layer: LayerType, *, scale:
             mask = mask & (slots >= first[:, None, None])
         if sliding_window > 0:
             mask = mask & (t - slots < sliding_window)
+        if chunk > 0:  # the slots' positions: slot - first (forward_with_cache), as the queries' positions
+            slot_positions = slots - (0 if first is None else first[:, None, None])
+            mask = mask & (inputs.positions[:, :, None] // chunk == slot_positions // chunk)
         out = attention_lib.dot_product_attention(q, cache_k.astype(dt), cache_v.astype(dt), mask, scale=scale,
                                                   logits_soft_cap=logits_soft_cap, sinks=sinks)
         aux = {"cache": (cache_k, cache_v)}
+    if "wg" in p:  # gated attention: "BTD,DNH->BTNH", each output feature times its sigmoid gate
+        gate = ops.dense(x, p["wg"].astype(dt), backend=rt.backend, fp8=fp8)
+        out = (out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(out.dtype)
     out = ops.dense(out, p["wo"].astype(dt), 2, backend=rt.backend, fp8=fp8)  # "BTNH,NHD->BTD"
     if "bo" in p:
         out = out + p["bo"].astype(dt)

@@ -78,7 +78,9 @@ def _llama3(base: np.ndarray, rope: Rope) -> np.ndarray:
     context = rope.original_max_position_embeddings
     long = wavelength > context / rope.low_freq_factor
     short = wavelength < context / rope.high_freq_factor
-    smooth = (context / wavelength - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    # equal factors (Llama 4 Scout: 1 and 1) leave no band between long and short: nothing is blended
+    band = max(rope.high_freq_factor - rope.low_freq_factor, 1e-12)
+    smooth = (context / wavelength - rope.low_freq_factor) / band
     blended = (1 - smooth) * base / rope.factor + smooth * base
     return np.where(long, base / rope.factor, np.where(short, base, blended))
 

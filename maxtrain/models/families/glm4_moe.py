@@ -51,14 +51,16 @@ def layer(x, p, inputs, layer_type: LayerType, config, rt):
 
 
 def flops_per_token(config, dense_attention: bool = False) -> float:
-    """moe.flops_per_token's (attention, the router, a token's K routed and the shared experts, dense first
-    layers, the head), plus each MTP module's eh_proj [2D, D], its MoE block and the shared head."""
+    """moe.flops_per_token's (attention, the router, a token's K routed experts, dense first layers, the head),
+    plus the shared experts of each MoE layer (3 x 2 x 3 x D x shared_experts x F_e a token), and each MTP
+    module's eh_proj [2D, D], its MoE block (shared experts included) and the shared head."""
     types = layer_types(config)
-    total = moe.flops_per_token(config, types, dense_attention)
+    d = config.base_emb_dim
+    shared = 3.0 * 2 * 3 * d * config.shared_experts * moe.expert_dim(config)
+    total = moe.flops_per_token(config, types, dense_attention) + shared * sum(t.is_moe for t in types)
     if config.mtp_num_layers > 0:
         block = moe.flops_per_token(config, types[-1:], dense_attention) - moe.flops_per_token(config, [], False)
-        d = config.base_emb_dim
-        total += config.mtp_num_layers * (block + 3.0 * 2 * (2 * d * d + d * config.vocab_size))
+        total += config.mtp_num_layers * (block + shared + 3.0 * 2 * (2 * d * d + d * config.vocab_size))
     return total
 
 
