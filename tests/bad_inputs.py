@@ -316,6 +316,10 @@ DEEPSEEK = {**LLAMA, "model_type": "deepseek_v3", "num_attention_heads": 4, "num
             "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 10}
 OLMO3 = {**LLAMA, "model_type": "olmo3", "sliding_window": 8}
 
+GLM4_MOE = {**LLAMA, "model_type": "glm4_moe", "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+            "first_k_dense_replace": 1, "partial_rotary_factor": 0.5, "use_qk_norm": True, "attention_bias": True}
+
 
 # --------------------------------------------------------------------------------------------
 # The table
@@ -411,6 +415,15 @@ ROWS = [
         r"ici_context_parallelism=1"),
     Row("feature-off-llama4-key-on-llama", T, [B, "use_qk_norm=true"], r"use_qk_norm=true does nothing without "
         r"decoder_block=llama4_text"),
+    Row("glm4_moe-rotated-features-odd", T, [B, "model_name=glm-4.5-air", "partial_rotary_factor=0.01"],
+        r"partial_rotary_factor=0.01 rotates 1 of head_dim=128 features, but RoPE rotates an even number of them "
+        r"\(at least 2\)"),
+    Row("feature-off-partial-rope-on-llama", T, [B, "partial_rotary_factor=0.5"],
+        r"partial_rotary_factor=0.5 does nothing without decoder_block=.*glm4_moe \(here decoder_block=llama\)"),
+    Row("feature-off-attention-bias-on-llama", T, [B, "attention_bias=true"],
+        r"attention_bias=true does nothing without decoder_block=glm4_moe \(here decoder_block=llama\)"),
+    Row("glm4_moe-dense-layers-leave-no-experts", T, [B, "model_name=glm-4.5-air", "first_num_dense_layers=46"],
+        r"first_num_dense_layers=46 leaves no layer of experts among base_num_decoder_layers=46"),
     Row("output-directory-empty", T, [B, "base_output_directory="], r"base_output_directory is empty .* the run would "
         r"be written into the current directory"),
     Row("decode-top-k-without-topk", D, [B, "decode_sampling_top_k=5"], r"decode_sampling_top_k=5 does nothing without "
@@ -845,6 +858,13 @@ ROWS = [
     Row("convert-olmo3-sliding-layers-without-window", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r".*/hf/config.json: sliding_window=None with sliding_attention layers; set the window size",
         setup=hf_dir({**OLMO3, "sliding_window": None, "layer_types": ["sliding_attention", "full_attention"]})),
+    Row("convert-glm4_moe-no-rotated-features", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json describes a glm4_moe model that maxtrain's glm4_moe family cannot build: .*"
+        r"partial_rotary_factor=0.1 rotates 0 of head_dim=8 features",
+        setup=hf_dir({**GLM4_MOE, "partial_rotary_factor": 0.1})),
+    Row("convert-glm4_moe-gelu", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json: cannot convert this checkpoint without changing its outputs: hidden_act='gelu'",
+        setup=hf_dir({**GLM4_MOE, "hidden_act": "gelu"})),
     Row("convert-safetensors-entry-malformed", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r".*/hf/model.safetensors: the header entry of tensor x is .*, not \{dtype, shape, data_offsets\}",
         setup=hf_dir(LLAMA, {"model.safetensors": _header({"x": {"dtype": "F32", "shape": [2]}})})),

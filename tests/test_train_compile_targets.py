@@ -263,4 +263,24 @@ def test_llama4_step_compiles_with_chunked_flash_attention_and_experts(target, m
     assert rep["attention"] == "flash" and rep["collective_counts"]["all-to-all"] >= 2
     text = compiled.as_text()
     assert ("triton" in text.lower()) if target.startswith("h100") else ("tpu_custom_call" in text)
+
+
+# GLM-4.5's shape, small: 128-wide heads with RoPE on half of each, qk-norm, q/k/v biases, a dense layer then an
+# MoE layer of 8 experts (2 per token) with a shared expert, and one MTP module.
+GLM4_MOE_SMALL = ["model_name=glm-4.5", "dataset_type=synthetic", "base_emb_dim=256", "base_num_query_heads=4",
+                  "base_num_kv_heads=2", "head_dim=128", "base_mlp_dim=512", "base_moe_mlp_dim=64", "num_experts=8",
+                  "num_experts_per_tok=2", "base_num_decoder_layers=2", "first_num_dense_layers=1",
+                  "vocab_size=512", "max_target_length=256", "per_device_batch_size=1", "dtype=bfloat16",
+                  "mtp_num_layers=1"]
+
+
+def test_glm4_moe_step_compiles_for_a_tpu_pod_with_splash_attention_and_experts():
+    """docs/scale.md's GLM-4.5 mesh, small, on 8 v5p chips: expert parallelism 4 x FSDP 2 with capacity dispatch,
+    the splash kernel on the partially rotated heads; the tokens reach their experts by all-to-alls."""
+    need("tpu")
+    run, compiled, rep = compile_report(*GLM4_MOE_SMALL, "compile_topology=v5p-16", "attention=flash",
+                                        "ici_expert_parallelism=4", "ici_fsdp_parallelism=2", "moe_dispatch=capacity")
+    assert rep["num_devices"] == 8 and rep["mesh"]["expert"] == 4 and rep["mesh"]["fsdp"] == 2
+    assert run.rt.attention == "flash" and "tpu_custom_call" in compiled.as_text()  # splash
+    assert rep["collective_counts"]["all-to-all"] >= 2
     assert 0 < rep["memory"]["total"] < rep["memory"]["chip"]

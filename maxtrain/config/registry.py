@@ -113,6 +113,15 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            shape_keys=("shared_experts",),
            setting_keys=("chunk_attn_window_size", "nope_layer_interval", "use_qk_norm", "temperature_tuning",
                          "temperature_tuning_scale", "temperature_tuning_floor_scale")),
+    Family("glm4_moe", ("glm4_moe",), "Glm4MoeForCausalLM", moe=True, per_layer_attention=False,
+           usual=(("num_experts", 128),),
+           settings=("norm_topk_prob", "first_num_dense_layers", "n_routing_groups", "topk_routing_group",
+                     "routed_scaling_factor", "mtp_num_layers", "partial_rotary_factor", "use_qk_norm",
+                     "attention_bias"),
+           shape_keys=("first_num_dense_layers", "shared_experts", "routed_bias", "mtp_num_layers", "attention_bias"),
+           # use_qk_norm fixes its shapes (q_norm, k_norm) but is llama4_text's setting key too: one list holds it
+           setting_keys=("n_routing_groups", "topk_routing_group", "routed_scaling_factor", "partial_rotary_factor",
+                         "use_qk_norm")),
 )}
 
 MOE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.moe)
