@@ -59,25 +59,35 @@ def test_the_mixed_stack_scans_as_it_runs_unrolled():
     assert [t.kind for t in models.family(cfg).layer_types(cfg)] == ["linear_moe", "full_moe"] * 2
 
 
-def test_decoding_from_the_cache_computes_the_full_forward():
-    """A prefill over two chunks, single tokens (the recurrent step), then a chunk again: the logits are the full
-    forward's; a left-padded row (garbage in its padding) gives its unpadded logits; the gated delta-net's cache is
-    a fixed size whatever the length, and greedy decoding picks the full forward's argmax."""
-    cfg, rt, params = setup()
-    cache = models.init_cache(cfg, 2, 30, rt.dtype)
-    assert {k: v.shape for k, v in cache.items()} == {"state": (2, 2, 4, 8, 8), "conv": (2, 2, 3, 64),
-                                                      "k": (2, 2, 30, 2, 16), "v": (2, 2, 30, 2, 16)}
+def decode_setup(*overrides):
+    cfg, rt, params = setup(*overrides)
     tokens = jnp.asarray(np.random.default_rng(2).integers(4, cfg.vocab_size, (2, 30)))
     full = forward(cfg, rt, params, np.asarray(tokens), np.ones((2, 30), np.int32))
     step = jax.jit(lambda p, t, pos, c, i, first: models.forward_with_cache(p, t, pos, c, i, cfg, rt, first))
+    return cfg, rt, params, tokens, full, step
+
+
+def test_decoding_from_the_cache_computes_the_full_forward():
+    """A prefill over two chunks, single tokens (the recurrent step), then a chunk again from the carried state:
+    the logits are the full forward's; the gated delta-net's cache is a fixed size whatever the length."""
+    cfg, rt, params, tokens, full, step = decode_setup("base_num_decoder_layers=2")  # one layer of each kind
+    cache = models.init_cache(cfg, 2, 30, rt.dtype)
+    assert {k: v.shape for k, v in cache.items()} == {"state": (1, 2, 4, 8, 8), "conv": (1, 2, 3, 64),
+                                                      "k": (1, 2, 30, 2, 16), "v": (1, 2, 30, 2, 16)}
     pieces, index = [], 0
-    for length in (13, 1, 1, 15):
+    for length in (13, 1, 16):
         positions = jnp.broadcast_to(jnp.arange(index, index + length), (2, length))
         logits, cache = step(params, tokens[:, index:index + length], positions, cache, index, None)
         pieces.append(logits)
         index += length
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=1e-4, rtol=0)
 
+
+@pytest.mark.slow
+def test_left_padded_rows_and_greedy_decoding_give_the_full_forwards_choices():
+    """A left-padded row (garbage in its padding) gives its unpadded logits: the padding neither writes the state
+    nor enters the window; greedy decoding picks the full forward's argmax at every step."""
+    cfg, rt, params, tokens, full, step = decode_setup()
     first = jnp.asarray([0, 5])  # row 1: 5 slots of padding, then tokens[1, :25]
     padded = tokens.at[1, 5:].set(tokens[1, :25])
     cache, pieces = models.init_cache(cfg, 2, 30, rt.dtype), []
