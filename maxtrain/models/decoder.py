@@ -117,7 +117,7 @@ def _layer_params(layers: dict, types: list[LayerType], index: int) -> dict:
 
 def _cache_names(family, config, lt: LayerType) -> tuple[str, ...]:
     """The names of one layer's decoding cache entries, in the order the layer receives them."""
-    return tuple(family.cache_of(config, lt, 1, 1))
+    return tuple(family.layer_cache(config, lt, 1, 1, family.cache_heads(config)))
 
 
 def _segment_cache(family, cache, types: list[LayerType], seg: Segment, config):
@@ -364,7 +364,8 @@ def init_cache(config, batch_size: int, max_length: int, dtype, family) -> dict:
     convolution window), stacked over the layers that have them in layer order (dtype None: `dtype`)."""
     stacks: dict[str, list] = {}
     for lt in family.layer_types(config):
-        for name, (shape, entry_dtype) in family.cache_of(config, lt, batch_size, max_length).items():
+        for name, (shape, entry_dtype) in family.layer_cache(config, lt, batch_size, max_length,
+                                                             family.cache_heads(config)).items():
             stacks.setdefault(name, []).append((tuple(shape), entry_dtype or dtype))
     for name, entries in stacks.items():
         if len(set(entries)) > 1:

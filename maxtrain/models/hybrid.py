@@ -51,11 +51,11 @@ def layer_types(config) -> list[LayerType]:
     return out
 
 
-def layer_cache(config, layer_type: LayerType, batch: int, max_length: int) -> dict:
+def layer_cache(config, layer_type: LayerType, batch: int, max_length: int, kv_heads) -> dict:
     """A layer's decoding cache (the family contract's `layer_cache`): attention's k, v or the gated delta-net's."""
     if layer_type.mixer == "linear":
         return gated_deltanet.cache_spec(config, batch)
-    return contract.kv_layer_cache(config, layer_type, batch, max_length)
+    return contract.kv_layer_cache(config, layer_type, batch, max_length, kv_heads)
 
 
 def _norm(config) -> ParamSpec:
