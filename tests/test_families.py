@@ -322,6 +322,30 @@ def test_gemma3_multimodal_checkpoint_imports_its_text_decoder(tmp_path, capsys)
     assert rel <= 1e-5, rel
 
 
+@pytest.mark.slow
+def test_qwen3_5_multimodal_checkpoint_imports_its_language_model(tmp_path, capsys):
+    """Qwen3.5's released checkpoints are vision-language models: the import reads the language model's weights
+    (model.language_model.*), says it left the vision tower out, and gives the text model's logits."""
+    arch, _, kwargs, _ = CASES["qwen3_5_text-hybrid-dense"]
+    text = getattr(transformers, arch)(**{**COMMON, **kwargs})
+    vision = transformers.Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                              out_hidden_size=COMMON["hidden_size"], num_position_embeddings=16)
+    config = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "hf")
+    assert any(n.startswith("model.visual.") for n, _ in model.named_parameters())
+    keys = convert.import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
+    printed = capsys.readouterr().out
+    assert keys["decoder_block"] == "qwen3_5_text" and "text decoder" in printed and "left out" in printed, printed
+    tokens = ids(COMMON["vocab_size"])
+    rel = relative_error(ours_with(tmp_path / "out", tokens), hf_logits(model, tokens))
+    assert rel <= 1e-4, rel
+
+
 def test_conversion_errors_name_the_field(tmp_path):
     base = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96,
             "num_hidden_layers": 2, "vocab_size": 300}

@@ -36,8 +36,9 @@ class LayerInputs(NamedTuple):
     positions: Any            # [B, T] int32, restarting at 0 in each packed document
     segment_ids: Any          # [B, T] int32, 0 = padding
     rope: dict                # {"global": (cos, sin), "local": (cos, sin)}, each [B, T, H/2] float32
-    cache: Any = None         # decoding only: (k [B, S, G, H], v [B, S, G, H], index of the first new slot,
-                              # first slot each row attends to [B] or None: left-padded prompts)
+    cache: Any = None         # decoding only: (the layer's cache entries as its family declares them (attention:
+                              # k [B, S, G, H], v [B, S, G, H]), index of the first new slot, first slot each
+                              # row attends to [B] or None: left-padded prompts)
 
 
 # --------------------------------------------------------------------------------------------
