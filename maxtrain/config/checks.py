@@ -366,14 +366,6 @@ def _partial_rotary_factor(v):
              "features, but RoPE rotates an even number of them (at least 2); choose a factor that gives one")
 
 
-def _decoding_implemented(v):
-    """GRPO samples its completions with the cache (the end-of-run sample is skipped with a notice instead:
-    train.sample_prompt_ids; maxtrain.decode refuses)."""
-    _require(features.family(v).decodes or not objectives.of(v).samples,
-             f"objective={v['objective']} samples completions with a KV cache, which decoder_block={v['decoder_block']} "
-             "does not implement yet; train it with another objective")
-
-
 def _multi_token_prediction(v):
     """MTP (models/mtp.py): DeepSeek's modules after its MoE layers, on the next-token objectives, in one program
     without pipeline stages, context parallelism or LoRA (none is wired through the MTP modules)."""
@@ -418,7 +410,7 @@ def _muon_without_lora(v):
 
 
 CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
-          _flash_blocks_powers_of_two, _gated_deltanet, _partial_rotary_factor, _decoding_implemented,
+          _flash_blocks_powers_of_two, _gated_deltanet, _partial_rotary_factor,
           *objectives.CHECKS, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           _stages_divide_layers, _no_pipeline_stages_with_experts, _context_chunks_divide_length,

@@ -41,7 +41,6 @@ class Family:
     setting_keys: tuple[str, ...] = ()
     # Of its `settings`, those that change how, not what, it computes (a kernel's chunk): no model keys.
     kernel_settings: tuple[str, ...] = ()
-    decodes: bool = True          # decoding with a cache is implemented (maxtrain.decode, the end-of-run sample)
 
     def pattern(self, num_layers: int) -> list[str]:
         """Its layers' attention without attention_layer_types: attention_pattern repeated over num_layers."""
