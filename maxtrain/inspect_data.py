@@ -5,7 +5,7 @@ decoded back to text, each packed segment marked with its id and positions:
 
     row 0  ⟦1 @0-118⟧'def main():⏎    ...'  ⟦2 @0-136⟧'import os⏎...'  ⟦pad x3⟧
 
-With use_sft / use_dpo the tokens that carry loss are marked «like this» (DPO's rejected side «-so»):
+With objective=sft or dpo the tokens that carry loss are marked «like this» (DPO's rejected side «-so»):
 
     row 0  ⟦1 @0-14⟧'<|im_start|>user⏎12+5=<|im_end|>⏎<|im_start|>assistant⏎«17<|im_end|>⏎»'
 
@@ -29,7 +29,7 @@ from maxtrain.data import pipeline, sources
 from maxtrain.errors import run_cli
 
 KEYS = ("dataset_type", "grain_train_files", "grain_eval_files", "tokenizer_path", "max_target_length",
-        "per_device_batch_size", "use_sft", "use_dpo", "num_processes", "process_id")
+        "per_device_batch_size", "objective", "num_processes", "process_id")
 
 
 def _elide(text: str, chars: int) -> str:
@@ -101,15 +101,25 @@ def main(argv: list[str]) -> None:
         print("shard assignment:")
         for line in sources.describe(inputs.sources, config, hosts):
             print("  " + line)
-    print(f"eval: {len(inputs.eval_batches)} batches per evaluation" if len(inputs.eval_batches) else "eval: none")
+    what = "held-out prompts" if inputs.prompts is not None else "batches per evaluation"
+    print(f"eval: {len(inputs.eval_batches)} {what}" if len(inputs.eval_batches) else "eval: none")
 
+    if inputs.prompts is not None:  # objective=grpo: prompt batches (the completions are sampled as it trains)
+        for b in range(opts.batches):
+            batch = next(inputs.train_iterator)
+            print(f"\nbatch {b} of host {host}: {len(batch['text'])} prompts, left-padded to "
+                  f"{batch['prompt'].shape[1]} tokens")
+            for r in range(min(opts.rows, len(batch["text"]))):
+                print(f"  row {r}  {_elide(batch['text'][r].decode(), opts.chars)!r} -> answer "
+                      f"{_elide(batch['answer'][r].decode(), opts.chars)!r}")
+        return
     for b in range(opts.batches):
         batch = next(inputs.train_iterator)
         weights = batch["loss_weights"]
         print(f"\nbatch {b} of host {host}: {int(weights.sum()):,} of {weights.size:,} targets count in the loss")
         flat = {k: v.reshape((-1, v.shape[-1])) for k, v in batch.items()}
         for r in range(min(opts.rows, flat["inputs"].shape[0])):
-            marks = flat["loss_weights"][r] if (config.use_sft or config.use_dpo) else None
+            marks = flat["loss_weights"][r] if config_lib.objectives.templated(config) else None
             print(f"  row {r}  " + render_row(flat["inputs"][r], flat["segment_ids"][r], flat["positions"][r], tok,
                                               opts.chars, marks))
     inputs.close()  # stops background cache building (dataset_cache_dir), if any

@@ -35,7 +35,7 @@ from maxtrain.errors import run_cli
 from maxtrain.models import sampling
 from maxtrain.observability import metrics
 from maxtrain.parallel import distributed, sharding
-from maxtrain.training import builder, grpo, host_memory, loop, rewards
+from maxtrain.training import builder, grpo, host_memory, layer_choice, loop, rewards
 from maxtrain.training.loop import RunResult, TrainingError  # noqa: F401 (TrainingError: the run's own errors)
 from maxtrain.training.preemption import Preemption
 
@@ -55,7 +55,8 @@ def main(argv: list[str]) -> RunResult:
     host_memory.keep_step_buffers(config)  # a small CPU step's buffers kept between steps; before JAX starts
     metrics.check_outputs(config)  # a metrics_file or run directory that cannot be written: refused now
     # GRPO's reward functions: imported and their signatures checked now (called on made-up completions below)
-    reward_functions = rewards.load(config.grpo_reward_functions) if config.use_grpo else None
+    sampled = config_lib.objectives.of(config).samples  # GRPO: completions sampled and scored as it trains
+    reward_functions = rewards.load(config.grpo_reward_functions) if sampled else None
     distributed.initialize(config)
     distributed.agree_on_config(config)  # one agreed view: the same settings and code on every process
     run = builder.build(config)  # mesh, model, optimizer, state shardings and the jitted steps
@@ -73,12 +74,15 @@ def main(argv: list[str]) -> RunResult:
             f"(e.g. steps={start.step + config.steps}) to train on")
         checkpointer.close()
         return RunResult(config, nothing_to_train=True)
-    # GRPO reads prompts and imports its reward functions (training/grpo.py); checked here, before compiling
-    inputs = (grpo.make_inputs(config, log=log, functions=reward_functions) if config.use_grpo
-              else data_lib.make_inputs(config, log=log))
+    inputs = data_lib.make_inputs(config, log=log)  # the data kind of the objective's row; checked before compiling
+    if sampled:  # GRPO's reward functions called on made-up completions of its first prompts (training/grpo.py)
+        inputs = grpo.with_rewards(config, inputs, reward_functions, log=log)
     task_evals = evals.from_config(config, inputs.tokenizer, mesh, run.rt, log=log)  # data checked, requests packed
     sample_prompt = sample_prompt_ids(config, inputs.tokenizer)  # the end-of-run sample's prompt, checked now
     compile_started = time.time()
+    if compiled_step is None and layer_choice.applies(config, run.rt.backend):  # remat by compiled memory (GPU, TPU)
+        choice = layer_choice.choose_on_devices(run, lambda plan: builder.build(config, layer_plan=plan))
+        run, compiled_step = choice.run, choice.compiled
     step_fn = run.compile() if compiled_step is None else compiled_step  # from the state's shapes and shardings
     log(builder.summarize(run, step_fn, time.time() - compile_started, start))
     fit.check_fits(run, step_fn)  # a step the devices cannot hold is refused before the state takes memory
@@ -90,7 +94,7 @@ def main(argv: list[str]) -> RunResult:
     with sharding.activation_sharding(mesh, rules):
         state = checkpoint_lib.initial_state(start, checkpointer, run.abstract_state, run.init,
                                              jax.random.key(config.seed), inputs.train_iterator, log=log)
-        if config.use_grpo:  # each step samples completions of a prompt batch, then updates on them
+        if sampled:  # each step samples completions of a prompt batch, then updates on them
             step_fn, batches = grpo.Step(run, step_fn, inputs), iter(inputs.train_iterator)
             evaluation = grpo.HeldOut(run, inputs, writer, log)
         else:
@@ -100,7 +104,7 @@ def main(argv: list[str]) -> RunResult:
         hooks += [loop.Checkpoint(config, checkpointer, inputs.train_iterator, metadata)] if checkpointer else []
         hooks += [evaluation] if len(inputs.eval_batches) > 0 else []
         hooks += [loop.TaskEval(task_evals, run.model_params, writer)] if task_evals else []
-        if len(inputs.eval_batches) > 0 and inputs.tokenizer is not None and config.viz_period > 0 and not config.use_grpo:
+        if len(inputs.eval_batches) > 0 and inputs.tokenizer is not None and config.viz_period > 0 and not sampled:
             viz_batch = pipeline.to_global(inputs.eval_batches[0], mesh, rules, pipeline.EVAL_BATCH_AXES)
             hooks.append(loop.Heatmap(config, run.rt, viz_batch, inputs.tokenizer, run.model_params, writer, log))
         reporter = loop.Reporter(config, writer, peak_tflops(config), loss_scaled=run.rt.dtype == jnp.float16)

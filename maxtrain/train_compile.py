@@ -34,7 +34,7 @@ from maxtrain.compile import executable, hlo_stats, predict
 from maxtrain.compile import targets as topologies
 from maxtrain.errors import run_cli
 from maxtrain.observability import metrics
-from maxtrain.training import builder
+from maxtrain.training import builder, layer_choice
 
 EXIT_DOES_NOT_FIT = 3
 KEYS = ("compile_topology", "compile_topology_num_slices", "model_name", "per_device_batch_size", "max_target_length",
@@ -43,13 +43,41 @@ KEYS = ("compile_topology", "compile_topology_num_slices", "model_name", "per_de
 
 
 def compile_for_target(config, target: topologies.Target):
-    """(run, lowered, compiled, seconds): the train step of `config` compiled for `target`'s devices."""
+    """(run, lowered, compiled, seconds): the train step of `config` compiled for `target`'s devices; with
+    remat_policy=autoselected the least recomputation that fits the target chip (`choose_layers`)."""
     devices = target.devices()
+    t0 = time.time()
+    choice = choose_layers(config, target, devices)
+    if choice is not None:
+        return choice.run, choice.lowered, choice.compiled, time.time() - t0
     run = builder.build(config, devices=devices, platform=target.platform, num_processes=1)
     t0 = time.time()
     lowered = run.lower()
     compiled = lowered.compile()
     return run, lowered, compiled, time.time() - t0
+
+
+def choose_layers(config, target: topologies.Target, devices):
+    """remat_policy=autoselected on a GPU or TPU target: training/layer_choice.py's choice (the least
+    recomputation whose step fits the target chip's memory), the one train.py makes on the chips themselves, so
+    that a user sees it before renting them; None where it does not apply."""
+    if not layer_choice.applies(config, target.platform) or not target.memory_bytes:
+        return None
+    return layer_choice.choose(
+        config, lambda plan: builder.build(config, devices=devices, platform=target.platform, num_processes=1,
+                                           layer_plan=plan),
+        target.memory_bytes, f"one {target.chip}'s memory")
+
+
+def choice_report(run) -> dict:
+    """The choices made for the target beside report()'s figures: the experts' line (an MoE model: which form
+    dropless dispatch runs) and the remat candidates tried (training/layer_choice.py)."""
+    return {"experts": builder.moe_line(run) if models.is_moe(run.config) else None,
+            "remat_choice": run.remat_choice or None}
+
+
+def format_choices(rep: dict) -> list[str]:
+    return [line for line in (rep.get("experts"), rep.get("remat_choice")) if line]
 
 
 def report(run, compiled, target: topologies.Target, seconds: float) -> dict:
@@ -65,7 +93,8 @@ def report(run, compiled, target: topologies.Target, seconds: float) -> dict:
         "device_kind": devices[0].device_kind, "num_devices": len(devices),
         "hosts": len({getattr(d, "process_index", 0) for d in devices}),
         "mesh": dict(run.mesh.shape), "model_name": config.model_name, "params": models.num_params(config),
-        "attention": run.rt.attention, "remat_policy": run.rt.remat_policy, "dtype": jnp.dtype(run.rt.dtype).name,
+        "attention": run.rt.attention, "attention_reason": run.rt.attention_reason,
+        "remat_policy": run.rt.remat_policy, "dtype": jnp.dtype(run.rt.dtype).name,
         "global_batch": config.global_batch_size, "max_target_length": config.max_target_length,
         "per_device_batch_size": config.per_device_batch_size,
         "gradient_accumulation_steps": config.gradient_accumulation_steps,
@@ -131,6 +160,7 @@ def format_report(rep: dict) -> str:
         f"mesh        {mesh}",
         f"model       {rep['model_name']} {rep['params'] / 1e9:.2f}B params, {rep['dtype']}, attention {rep['attention']}, "
         f"remat {rep['remat_policy']}",
+        *([f"attention   {rep['attention_reason']}"] if rep.get("attention_reason") else []),
         f"batch       {rep['global_batch']} x {rep['max_target_length']} tokens per step (per device "
         f"{rep['per_device_batch_size']}, accumulation {rep['gradient_accumulation_steps']})",
         "memory per chip (GiB)",
@@ -271,8 +301,8 @@ def main(argv: list[str]) -> int:
               f"{needed - available:.2f} GiB more than the {available:.2f} GiB a {target.chip} chip leaves them. Try " + "; ".join(knobs(config, mesh, len(target.devices()), run.rt.attention,
                                                         target.platform)), file=sys.stderr, flush=True)
         return EXIT_DOES_NOT_FIT
-    rep = report(run, compiled, target, seconds)
-    print(format_report(rep), flush=True)
+    rep = {**report(run, compiled, target, seconds), **choice_report(run)}
+    print("\n".join([format_report(rep), *format_choices(rep)]), flush=True)
     if config.compile_report_file:
         storage.write_text(config.compile_report_file, json.dumps(rep, indent=1, default=str))
         print(f"wrote the figures to {config.compile_report_file} (JSON)", flush=True)

@@ -8,15 +8,19 @@ Parts, in order, each within its share of the budget (compiles included; docs/gp
 
     environment  device, memory, driver, CUDA, cuDNN, JAX and dependency versions; the dense bf16 peak used
                  for MFU (the chip records, config/chips.py) and what a large bf16 matmul reaches
-    kernels      the flash kernel's output and gradients against the float32 jnp reference (bf16 and float32,
-                 GQA 4:1, packed segment ids, causal and not, length 1000 (not a multiple of the 128 block),
-                 head_dim 64, 128 and 256), cuDNN and bf16 dot_product beside it
-    model        loss and gradients of a 2-layer model with attention=dot_product|flash|cudnn against
-                 dot_product in float32 at full matmul precision
-    speed        forward+backward TFLOP/s of flash, cudnn and dot_product: causal, GQA 4:1 (32/8 heads),
-                 bf16, head_dim 128 at 2k, 8k and 16k tokens, head_dim 64 and 256 at 8k (16k tokens per batch)
-    training     llama3.2-1b at sequence 4096, bf16, synthetic data, for several (per-device batch, remat)
-                 choices: step time, tokens/s, TFLOP/s, MFU, compiled and peak memory; the default model's step
+    kernels      every attention autoselected can choose, against the float32 jnp reference, output and
+                 gradients (bf16 and float32, GQA 4:1, packed segment ids, causal and not, length 1000 (not a
+                 multiple of the 128 block), head_dim 64, 128 and 256): flash always; in bf16 cuDNN, tokamax
+                 (the [gpu] extra, where installed) and bf16 dot_product (the yardstick) beside it
+    model        loss and gradients of a 2-layer model with attention=dot_product|flash|cudnn|tokamax|autoselected
+                 against dot_product in float32 at full matmul precision
+    speed        forward+backward TFLOP/s of every candidate (flash, cudnn, tokamax; dot_product at 2k tokens):
+                 causal, GQA 4:1 (32/8 heads), bf16, head_dim 64, 128 and 256 at 2k, 8k and 16k tokens (16k
+                 tokens per batch): the rows of models/attention_choice.MEASURED
+    training     llama3.2-1b at sequence 4096, bf16, synthetic data: the user's command as typed (USER_COMMAND,
+                 no tuning keys), the best bf16 configuration measured (BEST_BF16), it with quantization=fp8
+                 (tokens/s over the best bf16), the former default (flash, remat full); step time, tokens/s,
+                 TFLOP/s, MFU, compiled and peak memory; the default model's step
     frontier     (only when named in --parts) the same figures for a DeepSeek-V3-shaped and a gpt-oss-shaped
                  model that fit one GPU, and llama3.2-1b with float8 matmuls and with Muon
 
@@ -38,6 +42,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import importlib.metadata
 import json
 import time
 import tomllib
@@ -51,7 +56,7 @@ from maxtrain import storage
 from maxtrain.compile import fit, predict
 from maxtrain.config import chips
 from maxtrain.errors import UserError, run_cli
-from maxtrain.models import attention_check
+from maxtrain.models import attention_check, attention_choice
 from maxtrain.models.attention_check import Case
 from maxtrain.observability import environment, metrics
 from maxtrain.observability.report import Report
@@ -61,8 +66,14 @@ from maxtrain.training import builder, measure
 START = time.monotonic()
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Budget shares, from the first run on an H200 (2026-11-26, docs/gpu.md): environment 4 s, kernels 118 s,
-# model 102 s, speed 56 s, training 80 s (compiles included) of a 420 s budget.
-PARTS = {"environment": 0.03, "kernels": 0.28, "model": 0.25, "speed": 0.15, "training": 0.29, "frontier": 0.3}
+# model 102 s, speed 56 s, training 80 s (compiles included) of a 420 s budget; since then the speed part's grid
+# grew from 15 to 30 items and the training part's llama rows from 3 to 4 (an estimate: not yet run on a GPU).
+PARTS = {"environment": 0.03, "kernels": 0.22, "model": 0.18, "speed": 0.24, "training": 0.33, "frontier": 0.3}
+# The command a user types (issue 45), no tuning keys: the training part runs it as it stands.
+USER_COMMAND = ["model_name=llama3.2-1b", "max_target_length=4096", "dtype=bfloat16", "per_device_batch_size=8",
+                "dataset_type=synthetic"]
+# The fastest bf16 llama3.2-1b step measured (docs/gpu.md, H200 2026-11-26: 45.3% MFU); fp8 is measured against it.
+BEST_BF16 = ["remat_policy=minimal", "attention=cudnn", "scan_layers=false"]
 DEFAULT_PARTS = ("environment", "kernels", "model", "speed", "training")
 WATCHDOG_GRACE_SECONDS = 45
 BUDGET_SECONDS = 420
@@ -122,17 +133,30 @@ def kernel_cases(dry_run: bool) -> list:
     return cases
 
 
+def training_runs(dry_run: bool) -> list:
+    """(label, overrides) of the training part's llama3.2-1b rows: the user's command, the best bf16
+    configuration, it with fp8 (compared with it: run_part), the former default; compiled for one H100
+    (tests/test_gpu_report_lowering.py): 23.6, 43.4, 42.6 and 23.3 GiB. The dry run shrinks the model and runs
+    the first row only, with CPU attention (no cuDNN there)."""
+    user = USER_COMMAND[:]
+    if dry_run:
+        user = config_lib.with_overrides(user, "base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=1",
+                                         "head_dim=16", "base_mlp_dim=128", "base_num_decoder_layers=2",
+                                         "vocab_size=512", "max_target_length=64", "per_device_batch_size=2")
+        return [("llama3.2-1b user's command", user)]
+    return [("llama3.2-1b user's command", user),
+            ("llama3.2-1b best bf16", [*user, *BEST_BF16]),
+            ("llama3.2-1b best bf16 fp8", [*user, *BEST_BF16, "quantization=fp8"]),
+            ("llama3.2-1b b8 remat full flash (former default)", [*user, "remat_policy=full", "attention=flash"])]
+
+
 def make_plan(dry_run: bool) -> Plan:
     llama = ["model_name=llama3.2-1b", "max_target_length=4096", "dtype=bfloat16", "dataset_type=synthetic"]
-    # Compiled for one H100 (tests/test_gpu_report_lowering.py): 23.3, 44.2 and 28.2 GiB per GPU, in this order.
-    choices = [(8, "full"), (8, "minimal"), (16, "full")]
     if dry_run:
         llama = config_lib.with_overrides(llama, "base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=1",
                                           "head_dim=16", "base_mlp_dim=128", "base_num_decoder_layers=2",
                                           "vocab_size=512", "max_target_length=64")
-        choices = [(2, "minimal")]  # the CPU is slow: one llama run (the default model's follows)
-    training = [(f"llama3.2-1b b{b} remat {r}", [*llama, f"per_device_batch_size={b}", f"remat_policy={r}"])
-                for b, r in choices]
+    training = training_runs(dry_run)
     default = ["model_name=default", "dtype=bfloat16", "dataset_type=synthetic"]
     training.append(("default model", default + (["max_target_length=64", "per_device_batch_size=2"] if dry_run
                                                   else [])))
@@ -144,13 +168,14 @@ def make_plan(dry_run: bool) -> Plan:
          "vocab_size=4096", "max_target_length=1024", "per_device_batch_size=2"])
     variants = [("dot_product float32 (reference)", "dot_product", "float32"),
                 ("dot_product bf16", "dot_product", "bfloat16"), ("flash bf16", "flash", "bfloat16"),
-                ("cudnn bf16", "cudnn", "bfloat16"), ("flash float32", "flash", "float32")]
+                ("cudnn bf16", "cudnn", "bfloat16"), ("tokamax bf16", "tokamax", "bfloat16"),
+                ("autoselected bf16", "autoselected", "bfloat16"), ("flash float32", "flash", "float32")]
     return Plan(
         dry_run=dry_run, platform="cpu" if dry_run else "gpu", matmul_n=256 if dry_run else 8192,
         kernel_cases=kernel_cases(dry_run), model_overrides=model, model_variants=variants,
         speed_heads=(4, 1) if dry_run else (32, 8), speed_tokens=128 if dry_run else 16384,
         speed_shapes=[(16, 128), (32, 64)] if dry_run else
-        [(128, 2048), (128, 8192), (128, 16384), (64, 8192), (256, 8192)],
+        [(h, t) for h in (128, 64, 256) for t in (2048, 8192, 16384)],
         speed_iters=(1, 2) if dry_run else (2, 10), training=training, frontier=frontier,
         train_steps=(1, 2) if dry_run else (2, 8),
         estimates={} if dry_run else {"kernels": 8, "model": 15, "speed": 6, "llama": 80, "default": 20, "moe": 60})
@@ -183,17 +208,18 @@ def frontier_runs(llama: list, dry_run: bool) -> list:
                                             "sliding_window_size=16")
     b = 1 if dry_run else 8
     dense = [*llama, f"per_device_batch_size={b}", "remat_policy=full"]
-    # capacity dispatch first: XLA:GPU computes dropless's ragged_dot over every expert (compiled for one H100,
-    # the DeepSeek-shaped step needs 118 GiB dropless at batch 4, 41 GiB with capacity)
-    big, small = (1, 1) if dry_run else (4, 1)
+    # dropless at capacity's batch: on a GPU its experts run the Pallas grouped GEMM (moe_grouped_matmul=
+    # autoselected), computing only the routed rows. (XLA's ragged_dot, the form before it, computed every expert:
+    # the DeepSeek-shaped step needed 118 GiB at batch 4, and ran at 0.10x capacity's tokens/s at batch 1.)
+    big = 1 if dry_run else 4
     gpt_big = 1 if dry_run else 2
     return [(f"deepseek-shaped b{big} capacity", [*deepseek, f"per_device_batch_size={big}", "moe_dispatch=capacity"]),
             (f"gpt-oss-shaped b{gpt_big} capacity", [*gpt_oss, f"per_device_batch_size={gpt_big}",
                                                       "moe_dispatch=capacity"]),
             (f"llama3.2-1b b{b} remat full fp8", [*dense, "quantization=fp8"]),
             (f"llama3.2-1b b{b} remat full muon", [*dense, "opt_type=muon"]),
-            (f"deepseek-shaped b{small} dropless", [*deepseek, f"per_device_batch_size={small}"]),
-            (f"gpt-oss-shaped b{small} dropless", [*gpt_oss, f"per_device_batch_size={small}"]),
+            (f"deepseek-shaped b{big} dropless", [*deepseek, f"per_device_batch_size={big}"]),
+            (f"gpt-oss-shaped b{gpt_big} dropless", [*gpt_oss, f"per_device_batch_size={gpt_big}"]),
             (f"llama3.2-1b b{b} remat full fp8_mlp", [*dense, "quantization=fp8_mlp"])]
 
 
@@ -227,6 +253,16 @@ def dependencies() -> dict:
     return {"packages": rows, "value": "all in pyproject.toml's ranges" if not off else "outside: " + ", ".join(off)}
 
 
+def kernel_library() -> dict:
+    """Whether the [gpu] extra's tokamax is here, its version, and what autoselected chooses among."""
+    if not attention_choice.tokamax_installed():
+        return {"tokamax": None, "value": "tokamax not installed: attention=autoselected chooses among cudnn and "
+                                          "flash (dot_product where neither runs the model)"}
+    version = importlib.metadata.version("tokamax")
+    return {"tokamax": version, "value": f"tokamax {version}: a candidate of attention=autoselected where "
+                                         "models/attention_choice.MEASURED has its rows"}
+
+
 MATMUL = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
 
 
@@ -238,11 +274,31 @@ def matmul(n: int) -> dict:
     return {"tflops": tflops, "value": f"bf16 {n}^3 on random data: {tflops:.1f} TFLOP/s (median of 10)"}
 
 
+def tokamax_missing(plan: Plan) -> str | None:
+    """Why tokamax is not checked or timed here, or None: it needs the [gpu] extra, and an sm90 or sm100 GPU
+    (the dry run checks the wrapper with tokamax's XLA reference, where installed)."""
+    if not attention_choice.tokamax_installed():
+        return "tokamax is not installed (the [gpu] extra; scripts/gpu_wheels.sh carries it)"
+    if plan.platform == "gpu":
+        return attention_choice.unsupported("tokamax", "gpu", attention_choice.Shape(
+            head_dim=128, capability=getattr(jax.devices()[0], "compute_capability", None)))
+    return None
+
+
 def kernel_impls(plan: Plan, case: Case) -> list:
-    """flash always; for bf16 also cuDNN (GPU only) and the plain jnp attention in bf16 (the yardstick)."""
+    """flash always; for bf16 also cuDNN (GPU only), tokamax (where installed) and the plain jnp attention in
+    bf16 (the yardstick)."""
     if case.dtype != "bfloat16":
         return ["flash"]
-    return ["flash", "dot_product"] + (["cudnn"] if plan.platform == "gpu" else [])
+    return (["flash", "dot_product"] + (["cudnn"] if plan.platform == "gpu" else [])
+            + (["tokamax"] if tokamax_missing(plan) is None else []))
+
+
+def speed_impls(plan: Plan, length: int) -> list:
+    """The candidates autoselected chooses among, and dot_product at the shortest length (its [B, N, T, S]
+    scores: a yardstick, not a candidate where a kernel runs)."""
+    return [i for i in attention_check.IMPLEMENTATIONS
+            if i != "dot_product" or length == min(t for _, t in plan.speed_shapes)]
 
 
 def kernel_programs(plan: Plan, case: Case, devices=None) -> dict:
@@ -264,6 +320,8 @@ def kernel_check(plan: Plan, case: Case, seed: int) -> dict:
     row, failed = {"tolerance": tolerance}, []
     if case.dtype == "bfloat16" and "cudnn" not in programs:
         row["cudnn"] = "not run: needs an NVIDIA GPU"
+    if case.dtype == "bfloat16" and "tokamax" not in programs:
+        row["tokamax"] = f"not run: {tokamax_missing(plan)}"
     for name, program in programs.items():
         try:
             errors = attention_check.relative_errors(program(q, k, v, seg, do), expected)
@@ -363,7 +421,8 @@ def training(plan: Plan, overrides: list) -> dict:
     exact = figures["measured_peak_is"] != "device peak_bytes_in_use" or before is None or \
         figures["measured_peak_bytes"] > before
     return {"model": c.model_name, "per_device_batch": c.per_device_batch_size, "length": c.max_target_length,
-            "remat": run.rt.remat_policy, "attention": run.rt.attention, "compile_seconds": compile_seconds,
+            "remat": run.rt.remat_policy, "attention": run.rt.attention, "attention_reason": run.rt.attention_reason,
+            "scan_layers": run.rt.scan_layers(c), "quantization": c.quantization, "compile_seconds": compile_seconds,
             **figures, "step_ms": figures["step_seconds_median"] * 1e3,
             "mfu_percent": None if figures["mfu"] is None else 100 * figures["mfu"],
             "predicted_ms": predicted,
@@ -391,7 +450,8 @@ def predicted_step_ms(run, step_fn) -> float | None:
 COLUMNS = {
     "environment": [("value", "value", "{}")],
     "kernels": [("flash", "flash max rel. error", "{:.2e}"),
-                ("cudnn", "cudnn", "{:.2e}"), ("dot_product", "jnp in the dtype (yardstick)", "{:.2e}"),
+                ("cudnn", "cudnn", "{:.2e}"), ("tokamax", "tokamax", "{:.2e}"),
+                ("dot_product", "jnp in the dtype (yardstick)", "{:.2e}"),
                 ("tolerance", "tolerance", "{:g}"), ("verdict", "verdict", "{}")],
     "model": [("attention", "attention", "{}"), ("dtype", "dtype", "{}"), ("loss_value", "loss", "{:.5f}"),
               ("loss", "loss rel. diff", "{:.1e}"), ("grads", "grads rel. L2", "{:.1e}"),
@@ -409,13 +469,17 @@ COLUMNS = {
                  ("loss", "loss", "{}")],
 }
 COLUMNS["frontier"] = COLUMNS["training"]
+COLUMNS["training"] = [*COLUMNS["training"][:4], ("scan_layers", "scanned", "{}"), *COLUMNS["training"][4:],
+                       ("vs_best_bf16", "x best bf16", "{:.3f}")]
 NOTES = {
     "kernels": "Relative Frobenius error of out, dq, dk, dv (the largest shown) against the float32 reference at "
                "full matmul precision; GQA 4:1, fresh random normal inputs per case.",
     "model": "Loss and gradients of one micro-batch (packed: three documents per row) from the same float32 "
              "params, against dot_product in float32 at full matmul precision.",
     "speed": "Causal, bf16, no segment ids; TFLOP/s = 2.5 x 4*B*T*S*N*H/2 / time (useful matmul work).",
-    "training": "Synthetic data; model FLOPs (remat not counted); MFU against the dense bf16 peak; predicted ms: "
+    "training": "Synthetic data; model FLOPs (remat not counted); MFU against the dense bf16 peak. The user's "
+                "command: " + " ".join(USER_COMMAND) + " (its attention's reason: report.json, log.txt); best bf16: "
+                "+ " + " ".join(BEST_BF16) + "; x best bf16: tokens/s over the best bf16 row's. Predicted ms: "
                 "compile/predict.py on this compiled step and the chip's record (a held-out check: docs/scale.md).",
     "frontier": "As training; MoE FLOPs count the active experts only (6 of 64, 4 of 16), MFU against the dense "
                 "bf16 peak (float8 too: the dense fp8 peak is twice it). Compare fp8 and muon with the training "
@@ -429,6 +493,7 @@ def run_part(report: Report, plan: Plan, name: str, share: float) -> None:
     if name == "environment":
         part.run("device and software", describe_device)
         part.run("dependencies", dependencies)
+        part.run("kernel library", kernel_library)
         part.run("large matmul", lambda: matmul(plan.matmul_n))
     elif name == "kernels":
         for seed, case in enumerate(plan.kernel_cases):
@@ -439,6 +504,8 @@ def run_part(report: Report, plan: Plan, name: str, share: float) -> None:
         for label, attention, dtype in plan.model_variants:
             if attention == "cudnn" and plan.platform != "gpu":
                 part.skip(label, "cuDNN attention needs an NVIDIA GPU")
+            elif attention == "tokamax" and (plan.platform != "gpu" or tokamax_missing(plan)):
+                part.skip(label, tokamax_missing(plan) or "tokamax's Mosaic GPU kernel needs an NVIDIA GPU")
             elif reference or label == plan.model_variants[0][0]:
                 part.run(label, lambda a=attention, d=dtype: model_check(plan, a, d, reference), kind="model",
                          estimate=estimate("model", 0))
@@ -446,17 +513,31 @@ def run_part(report: Report, plan: Plan, name: str, share: float) -> None:
                 part.skip(label, "the reference did not run")
     elif name == "speed":
         for head_dim, length in plan.speed_shapes:
-            for impl in attention_check.IMPLEMENTATIONS:
+            for impl in speed_impls(plan, length):
                 label = f"{impl} h{head_dim} T{length}"
                 if impl == "cudnn" and plan.platform != "gpu":
                     part.skip(label, "cuDNN attention needs an NVIDIA GPU")
                     continue
+                if impl == "tokamax" and tokamax_missing(plan):
+                    part.skip(label, tokamax_missing(plan))
+                    continue
                 part.run(label, lambda i=impl, h=head_dim, t=length: speed(plan, i, h, t), kind="speed",
                          estimate=estimate("speed", 0))
     elif name in ("training", "frontier"):
+        rows: dict = {}
         for label, overrides in plan.training if name == "training" else plan.frontier:
             kind = "default" if label.startswith("default") else "llama" if label.startswith("llama") else "moe"
-            part.run(label, lambda o=overrides: training(plan, o), kind=kind, estimate=estimate(kind, 0))
+            part.run(label, lambda label=label, o=overrides: against_best_bf16(rows, label, training(plan, o)),
+                     kind=kind, estimate=estimate(kind, 0))
+
+
+def against_best_bf16(rows: dict, label: str, row: dict) -> dict:
+    """The row, kept by label; an fp8 row of the best bf16 configuration gets its tokens/s over that row's."""
+    rows[label] = row
+    best = rows.get(label.removesuffix(" fp8"))
+    if label.endswith(" fp8") and best and best.get("tokens_per_second_per_device"):
+        row["vs_best_bf16"] = row["tokens_per_second_per_device"] / best["tokens_per_second_per_device"]
+    return row
 
 
 def parse_args(argv):

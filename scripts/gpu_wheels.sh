@@ -12,9 +12,20 @@
 # protobuf, array-record and portpicker; array-record absl-py and etils; tensorboardX numpy, packaging and
 # protobuf; portpicker psutil. The versions are the ones maxtrain is tested with (inside pyproject.toml's
 # ranges; tests/test_gpu_report.py checks that). About 4.5 MB in all.
+#
+# Then the [gpu] extra (tokamax: attention=tokamax, a candidate of autoselected) with what it needs beyond the
+# image, as installed beside jax 0.12.0.1 on Python 3.12 here: qwix and flax (qwix imports flax), flax's
+# treescope, rich and its markdown-it-py, mdurl and pygments (the image's orbax may have them: carried anyway),
+# jaxtyping and wadler-lindig, pydantic with pydantic-core, annotated-types and typing-inspection, einshape,
+# immutabledict, typeguard 2.13.3 (tokamax pins it), tqdm. About 10 MB more.
 set -euo pipefail
 
 WHEELS=(grain==0.2.18 array-record==0.8.6 tensorboardX==2.6.5 portpicker==1.6.0)
+GPU_WHEELS=(tokamax==0.0.12 qwix==0.1.8 flax==0.12.12 treescope==0.1.10 rich==15.0.0 markdown-it-py==4.3.0
+            mdurl==0.1.2 pygments==2.21.0 jaxtyping==0.3.11 wadler-lindig==0.1.8 pydantic==2.14.4
+            pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 einshape==1.0
+            immutabledict==4.3.1 typeguard==2.13.3 tqdm==4.70.1)
+WHEELS+=("${GPU_WHEELS[@]}")
 
 if [[ "${1:-}" == "--list" ]]; then
   printf '%s\n' "${WHEELS[@]}"

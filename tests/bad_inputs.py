@@ -314,6 +314,11 @@ DEEPSEEK = {**LLAMA, "model_type": "deepseek_v3", "num_attention_heads": 4, "num
             "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
             "n_group": 4, "topk_group": 2, "first_k_dense_replace": 1, "q_lora_rank": 24, "kv_lora_rank": 16,
             "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 10}
+OLMO3 = {**LLAMA, "model_type": "olmo3", "sliding_window": 8}
+
+GLM4_MOE = {**LLAMA, "model_type": "glm4_moe", "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+            "first_k_dense_replace": 1, "partial_rotary_factor": 0.5, "use_qk_norm": True, "attention_bias": True}
 
 
 # --------------------------------------------------------------------------------------------
@@ -362,6 +367,9 @@ ROWS = [
     Row("moe-capacity-factor-zero", T, [B, "decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2",
                                         "moe_dispatch=capacity", "capacity_factor=0"],
         r"capacity_factor=0.0 is not allowed: it must be > 0 .*moe_dispatch=dropless"),
+    Row("moe-grouped-matmul-unknown", T, [B, "decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2",
+                                          "moe_grouped_matmul=triton"],
+        r"moe_grouped_matmul='triton' is not allowed: it must be one of: autoselected, xla, pallas"),
     Row("fp8-with-float16", T, [B, "quantization=fp8", "dtype=float16"],
         r"quantization=fp8 with dtype=float16 is not supported: .* use dtype=bfloat16"),
     Row("fp8-unknown-recipe", T, [B, "quantization=int8"], r"quantization='int8' is not supported; use quantization=fp8"),
@@ -377,7 +385,7 @@ ROWS = [
     # train: nothing silent (issue 44): a setting of a feature that is off, a family's defining setting left off,
     # a sampler with one choice, a sequence too short for a setting, an empty output directory
     Row("feature-off-distillation-key", T, [B, "distill_alpha=0.3"], r"distill_alpha=0.3 does nothing without "
-        r"use_distillation=true: set use_distillation=true .*, or drop distill_alpha"),
+        r"objective=distill \(here objective=lm\): set objective=distill .*, or drop distill_alpha"),
     Row("feature-off-muon-key", T, [B, "muon_beta=0.9"], r"muon_beta=0.9 does nothing without opt_type=muon"),
     Row("feature-off-moe-key-on-dense", T, [B, "num_experts_per_tok=2"], r"num_experts_per_tok=2 does nothing without "
         r"a mixture-of-experts family \(here decoder_block=llama\)"),
@@ -385,26 +393,55 @@ ROWS = [
         r"without sliding-window layers"),
     Row("family-gpt-oss-without-window", T, [B, "model_name=gpt-oss-20b", "sliding_window_size=0"],
         r"decoder_block=gpt_oss has sliding-window layers .* set sliding_window_size=128"),
+    Row("family-olmo3-without-window", T, [B, "model_name=olmo3-7b", "sliding_window_size=0"],
+        r"decoder_block=olmo3 has sliding-window layers \(sliding sliding sliding full, repeated\), but "
+        r"sliding_window_size=0 .* set sliding_window_size=4096"),
     Row("family-moe-with-one-expert", T, [B, "decoder_block=mixtral"], r"decoder_block=mixtral is a mixture of experts, "
         r"but num_experts=1 .* set num_experts=8"),
-    Row("grpo-top-k-of-one", T, [B, "use_grpo=true", "dataset_type=jsonl", "grain_train_files=x.jsonl",
+    Row("grpo-top-k-of-one", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl",
                                  "train_data_columns=[prompt,answer]", "eval_data_columns=[prompt,answer]",
                                  "decode_sampling_strategy=topk", "decode_sampling_top_k=1"],
-        r"use_grpo=true samples .*decode_sampling_top_k=1.* would all be the same"),
+        r"objective=grpo samples .*decode_sampling_top_k=1.* would all be the same"),
     Row("mtp-modules-beyond-the-sequence", T, [B, "model_name=deepseek3-tiny", "mtp_num_layers=4", "max_target_length=4"],
         r"mtp_num_layers=4 needs max_target_length >= 5, but max_target_length=4"),
+    Row("llama4-chunk-longer-than-the-sequence", T, [B, "model_name=llama4-scout", "max_target_length=4096"],
+        r"chunk_attn_window_size=8192 needs max_target_length >= 8192, but max_target_length=4096: .* raise "
+        r"max_target_length or lower chunk_attn_window_size"),
+    Row("llama4-nope-interval-zero", T, [B, "decoder_block=llama4_text", "num_experts=4", "nope_layer_interval=0"],
+        r"nope_layer_interval=0 is not allowed: it must be -1 or >= 1"),
+    Row("llama4-chunks-with-context-parallelism", T, [B, "decoder_block=llama4_text", "num_experts=4",
+                                                      "chunk_attn_window_size=64", "ici_context_parallelism=2"],
+        r"chunk_attn_window_size=64 \(chunked attention\) does not run with context parallelism 2 yet; set "
+        r"ici_context_parallelism=1"),
+    Row("feature-off-llama4-key-on-llama", T, [B, "use_qk_norm=true"], r"use_qk_norm=true does nothing without "
+        r"decoder_block=llama4_text"),
+    Row("glm4_moe-rotated-features-odd", T, [B, "model_name=glm-4.5-air", "partial_rotary_factor=0.01"],
+        r"partial_rotary_factor=0.01 rotates 1 of head_dim=128 features, but RoPE rotates an even number of them "
+        r"\(at least 2\)"),
+    Row("feature-off-partial-rope-on-llama", T, [B, "partial_rotary_factor=0.5"],
+        r"partial_rotary_factor=0.5 does nothing without decoder_block=.*glm4_moe \(here decoder_block=llama\)"),
+    Row("feature-off-attention-bias-on-llama", T, [B, "attention_bias=true"],
+        r"attention_bias=true does nothing without decoder_block=glm4_moe \(here decoder_block=llama\)"),
+    Row("glm4_moe-dense-layers-leave-no-experts", T, [B, "model_name=glm-4.5-air", "first_num_dense_layers=46"],
+        r"first_num_dense_layers=46 leaves no layer of experts among base_num_decoder_layers=46"),
     Row("output-directory-empty", T, [B, "base_output_directory="], r"base_output_directory is empty .* the run would "
         r"be written into the current directory"),
     Row("decode-top-k-without-topk", D, [B, "decode_sampling_top_k=5"], r"decode_sampling_top_k=5 does nothing without "
         r"decode_sampling_strategy=topk"),
     # train: post-training (SFT, DPO, LoRA; docs/post_training.md)
+    # the old switches (use_sft, use_dpo, use_grpo, use_distillation) still work with a notice; two of them, or one
+    # against objective, are refused naming both keys
     Row("sft-and-dpo", T, [B, "use_sft=true", "use_dpo=true"], r"use_sft=true and use_dpo=true were both set; a run "
-        r"has one objective"),
-    Row("sft-default-corpus", T, [B, "use_sft=true", "train_data_columns=[messages]", "eval_data_columns=[messages]"],
-        r"use_sft=true reads jsonl or parquet files, but dataset_type=default"),
-    Row("dpo-two-columns", T, [B, "use_dpo=true", "dataset_type=jsonl", "grain_train_files=x.jsonl",
+        r"has one objective: set objective=sft or objective=dpo"),
+    Row("old-key-contradicts-objective", T, [B, "objective=sft", "use_dpo=true"], r"use_dpo=true contradicts "
+        r"objective=sft: a run has one objective; drop use_dpo"),
+    Row("objective-unknown", T, [B, "objective=ppo"], r"objective='ppo' is not allowed: it must be one of: lm, sft, dpo, "
+        r"grpo, distill"),
+    Row("sft-default-corpus", T, [B, "objective=sft", "train_data_columns=[messages]", "eval_data_columns=[messages]"],
+        r"objective=sft reads jsonl or parquet files, but dataset_type=default"),
+    Row("dpo-two-columns", T, [B, "objective=dpo", "dataset_type=jsonl", "grain_train_files=x.jsonl",
                                "train_data_columns=[prompt,chosen]"],
-        r"use_dpo=true reads preference pairs, but train_data_columns=\['prompt', 'chosen'\]; set "
+        r"objective=dpo reads preference pairs, but train_data_columns=\['prompt', 'chosen'\]; set "
         r"train_data_columns=\[prompt,chosen,rejected\]"),
     Row("dpo-beta-zero", T, [B, "dpo_beta=0"], r"dpo_beta=0.0 is not allowed: it must be > 0"),
     Row("lora-target-unknown", T, [B, "lora_rank=4", "lora_target_modules=[q_proj,v_proj]"],
@@ -412,37 +449,37 @@ ROWS = [
     Row("muon-with-lora", T, [B, "opt_type=muon", "lora_rank=4"],
         r"opt_type=muon trains whole weight matrices, but lora_rank=4 trains low-rank adapters: set opt_type=adamw"),
     Row("chat-template-unknown", T, [B, "chat_template=vicuna"], r"chat_template='vicuna' is not a built-in template"),
-    Row("sft-no-chat-template", T, [B, "use_sft=true", "dataset_type=jsonl", "tokenizer_path={tok}",
+    Row("sft-no-chat-template", T, [B, "objective=sft", "dataset_type=jsonl", "tokenizer_path={tok}",
                                     "grain_train_files={scratch}/rows.jsonl", "train_data_columns=[messages]",
                                     "eval_data_columns=[messages]"],
         r"the tokenizer .*tok.model has no chat template.* chat_template.* chatml", tiny=True, setup=jsonl_file([])),
-    Row("sft-no-assistant-turn", T, [B, "use_sft=true", "dataset_type=jsonl", "tokenizer_path={tok}",
+    Row("sft-no-assistant-turn", T, [B, "objective=sft", "dataset_type=jsonl", "tokenizer_path={tok}",
                                      "chat_template=plain", "grain_train_files={scratch}/rows.jsonl",
                                      "train_data_columns=[messages]", "eval_data_columns=[messages]"],
         r"rows.jsonl line 1: the conversation has no assistant turn", tiny=True,
         setup=jsonl_file([{"messages": [{"role": "user", "content": "hi"}]}])),
-    Row("sft-unknown-role", T, [B, "use_sft=true", "dataset_type=jsonl", "tokenizer_path={tok}",
+    Row("sft-unknown-role", T, [B, "objective=sft", "dataset_type=jsonl", "tokenizer_path={tok}",
                                 "chat_template=plain", "grain_train_files={scratch}/rows.jsonl",
                                 "train_data_columns=[messages]", "eval_data_columns=[messages]"],
         r"rows.jsonl line 1: message 0 has an unknown role 'human'", tiny=True,
         setup=jsonl_file([{"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "x"}]}])),
-    Row("sft-eval-file-without-the-column", T, [B, "use_sft=true", "dataset_type=jsonl", "tokenizer_path={tok}",
+    Row("sft-eval-file-without-the-column", T, [B, "objective=sft", "dataset_type=jsonl", "tokenizer_path={tok}",
                                                 "chat_template=plain", "grain_train_files={scratch}/rows.jsonl",
                                                 "grain_eval_files={data}/good.jsonl", "train_data_columns=[messages]",
                                                 "eval_data_columns=[messages]"],
         r"good.jsonl line 1: no 'messages' field \(the record has: text\)\. Name the fields with "
         r"eval_data_columns=\[messages\]", tiny=True, setup=jsonl_file([])),
-    Row("grpo-columns-without-eval-files", T, [B, "use_grpo=true", "dataset_type=jsonl", "grain_train_files=x.jsonl",
+    Row("grpo-columns-without-eval-files", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl",
                                                "train_data_columns=[prompt,answer]"],
-        r"use_grpo=true samples each prompt's completions with decode_sampling_strategy=greedy"),
-    Row("dpo-row-without-rejected", T, [B, "use_dpo=true", "dataset_type=jsonl", "tokenizer_path={tok}",
+        r"objective=grpo samples each prompt's completions with decode_sampling_strategy=greedy"),
+    Row("dpo-row-without-rejected", T, [B, "objective=dpo", "dataset_type=jsonl", "tokenizer_path={tok}",
                                         "chat_template=plain", "grain_train_files={scratch}/rows.jsonl",
                                         "train_data_columns=[prompt,chosen,rejected]",
                                         "eval_data_columns=[prompt,chosen,rejected]"],
         r"rows.jsonl line 1: a DPO row needs 'prompt', 'chosen' and 'rejected', but 'rejected' is missing", tiny=True,
         setup=jsonl_file([{"prompt": "1+1=", "chosen": "2"}])),
     # train: distillation (docs/post_training.md, "Distillation"); refused before any data or compile work
-    Row("distill-no-teacher", T, [B, "use_distillation=true"], r"use_distillation=true needs a teacher: set "
+    Row("distill-no-teacher", T, [B, "objective=distill"], r"objective=distill needs a teacher: set "
         r"distill_teacher_path="),
     Row("distill-alpha-above-one", T, [B, "distill_alpha=1.5"], r"distill_alpha=1.5 is not allowed: it must be in "
         r"\[0, 1\]"),
@@ -452,10 +489,13 @@ ROWS = [
                                "dataset_type=jsonl", "grain_train_files=x.jsonl",
                                "train_data_columns=[prompt,chosen,rejected]", "eval_data_columns=[prompt,chosen,rejected]"],
         r"use_distillation=true and use_dpo=true were both set; a run has one objective"),
-    Row("distill-teacher-missing", T, [B, "use_distillation=true", "distill_teacher_path={scratch}/none",
+    Row("distill-pipeline-stages", T, [B, "objective=distill", "distill_teacher_path={run}",
+                                       "ici_pipeline_parallelism=2"],
+        r"objective=distill does not run with pipeline parallelism yet; set ici_pipeline_parallelism=1"),
+    Row("distill-teacher-missing", T, [B, "objective=distill", "distill_teacher_path={scratch}/none",
                                        "run_name=new", "base_output_directory={scratch}"],
         r"distill_teacher_path='.*/none' does not exist", tiny=True),
-    Row("distill-teacher-other-vocab", T, [B, "use_distillation=true", "distill_teacher_path={run}", "vocab_size=256",
+    Row("distill-teacher-other-vocab", T, [B, "objective=distill", "distill_teacher_path={run}", "vocab_size=256",
                                            "run_name=new", "base_output_directory={scratch}"],
         r"the teacher .*/run/checkpoints/4 predicts a vocabulary of 512 tokens and the student 256; .* same tokenizer",
         tiny=True),
@@ -650,6 +690,7 @@ ROWS = [
         r"but the model's tokenizer, .*/ds/hf \(adopted from its checkpoint\), has checksum \w+: .* Prepare the data "
         r"again with prepare_data.py --tokenizer .*/ds/hf", setup=imported(LLAMA, tokenizer=True)),
     Row("attention-cudnn-on-cpu", T, [B, "attention=cudnn"], r"attention=cudnn needs an NVIDIA GPU", tiny=True),
+    Row("attention-tokamax-on-cpu", T, [B, "attention=tokamax"], r"attention=tokamax needs an NVIDIA GPU", tiny=True),
     Row("mesh-does-not-fit-devices", T, [B, "ici_data_parallelism=3"], r"ici_data_parallelism|devices", tiny=True),
     # decode
     Row("decode-no-checkpoint", D, [B], r"maxtrain.decode needs a checkpoint: set load_parameters_path="),
@@ -809,6 +850,21 @@ ROWS = [
     Row("convert-deepseek-softmax-router", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r".*/hf/config.json: cannot convert this checkpoint without changing its outputs: scoring_func='softmax'",
         setup=hf_dir({**DEEPSEEK, "scoring_func": "softmax"})),
+    Row("convert-olmo3-scaled-sliding-rope", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json: rope_parameters.sliding_attention=.*'yarn'.* \(maxtrain's sliding-window layers rotate by "
+        r"an unscaled RoPE\)", setup=hf_dir({**OLMO3, "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "sliding_attention": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}}})),
+    Row("convert-olmo3-sliding-layers-without-window", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json: sliding_window=None with sliding_attention layers; set the window size",
+        setup=hf_dir({**OLMO3, "sliding_window": None, "layer_types": ["sliding_attention", "full_attention"]})),
+    Row("convert-glm4_moe-no-rotated-features", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json describes a glm4_moe model that maxtrain's glm4_moe family cannot build: .*"
+        r"partial_rotary_factor=0.1 rotates 0 of head_dim=8 features",
+        setup=hf_dir({**GLM4_MOE, "partial_rotary_factor": 0.1})),
+    Row("convert-glm4_moe-gelu", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json: cannot convert this checkpoint without changing its outputs: hidden_act='gelu'",
+        setup=hf_dir({**GLM4_MOE, "hidden_act": "gelu"})),
     Row("convert-safetensors-entry-malformed", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r".*/hf/model.safetensors: the header entry of tensor x is .*, not \{dtype, shape, data_offsets\}",
         setup=hf_dir(LLAMA, {"model.safetensors": _header({"x": {"dtype": "F32", "shape": [2]}})})),

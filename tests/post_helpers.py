@@ -75,13 +75,13 @@ def compose(*args: str) -> list[str]:
 
 def sft_args(paths: dict) -> list[str]:
     return ["dataset_type=jsonl", f"grain_train_files={paths['sft']}", f"grain_eval_files={paths['sft_eval']}",
-            f"tokenizer_path={paths['tokenizer']}", "use_sft=true", "train_data_columns=[messages]",
+            f"tokenizer_path={paths['tokenizer']}", "objective=sft", "train_data_columns=[messages]",
             "eval_data_columns=[messages]", "chat_template=chatml", "vocab_size=320"]
 
 
 def dpo_args(paths: dict) -> list[str]:
     return ["dataset_type=jsonl", f"grain_train_files={paths['dpo']}", f"grain_eval_files={paths['dpo_eval']}",
-            f"tokenizer_path={paths['tokenizer']}", "use_dpo=true", "train_data_columns=[prompt,chosen,rejected]",
+            f"tokenizer_path={paths['tokenizer']}", "objective=dpo", "train_data_columns=[prompt,chosen,rejected]",
             "eval_data_columns=[prompt,chosen,rejected]", "chat_template=chatml", "vocab_size=320",
             "max_target_length=64"]
 
@@ -96,7 +96,7 @@ def grpo_args(paths: dict, directory: str) -> list[str]:
     train = write_jsonl(os.path.join(directory, "grpo.jsonl"), grpo_rows(conversations(64, seed=0)))
     held_out = write_jsonl(os.path.join(directory, "grpo_eval.jsonl"), grpo_rows(conversations(8, seed=1)))
     return ["dataset_type=jsonl", f"grain_train_files={train}", f"grain_eval_files={held_out}",
-            f"tokenizer_path={paths['tokenizer']}", "use_grpo=true", "train_data_columns=[prompt,answer]",
+            f"tokenizer_path={paths['tokenizer']}", "objective=grpo", "train_data_columns=[prompt,answer]",
             "eval_data_columns=[prompt,answer]", "chat_template=chatml", "vocab_size=320", "max_target_length=24",
             "max_prefill_predict_length=16", "num_generations=4", "decode_sampling_strategy=weighted",
             "per_device_batch_size=1", "ici_fsdp_parallelism=8", "eval_steps=1"]

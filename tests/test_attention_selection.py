@@ -11,7 +11,7 @@ from maxtrain import models
 from maxtrain.config import load_config, with_overrides
 
 
-@pytest.mark.parametrize("backend, expected", [("cpu", "dot_product"), ("gpu", "flash"), ("cuda", "flash"),
+@pytest.mark.parametrize("backend, expected", [("cpu", "dot_product"), ("gpu", "cudnn"), ("cuda", "cudnn"),
                                                ("tpu", "flash")])
 def test_autoselected_picks_per_backend(backend, expected):
     assert attention.resolve_implementation("autoselected", backend) == expected
@@ -46,7 +46,9 @@ def test_kernels_need_an_explicit_platform():
     ("cudnn", "gpu", {"dtype": jnp.float32}, r"attention=cudnn needs dtype=bfloat16 or float16.*float32"),
     ("cudnn", "gpu", {"dtype": jnp.bfloat16, "head_dim": 12}, r"multiple of 8 .*head_dim=12"),
     ("cudnn", "gpu", {"dtype": jnp.bfloat16, "head_dim": 512}, r"at most 256"),
-    ("splash", "cpu", {}, r"attention='splash' is not one of autoselected, dot_product, flash, cudnn"),
+    ("splash", "cpu", {}, r"attention='splash' is not one of autoselected, dot_product, flash, cudnn, tokamax"),
+    ("tokamax", "cpu", {}, r"attention=tokamax needs an NVIDIA GPU, but the platform is 'cpu'"),
+    ("tokamax", "gpu", {"sinks": True}, r"attention=tokamax does not implement sinks=True"),
 ])
 def test_invalid_choice_for_backend_is_a_clear_error(name, backend, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -69,20 +69,22 @@ def test_the_gpu_target_files_agree_with_the_records(name):
 
 
 def chip_literals(tree: ast.AST) -> list[tuple[int, object]]:
-    """(line, value) of the literals in `tree` that restate a chip record: a device_kind pattern as a string,
-    a memory or shared-memory figure as an integer, a bf16 or fp8 peak in TFLOP/s as a float."""
+    """(line, value) of the literals in `tree` that restate a chip record: a device_kind pattern as a dict key (a
+    table keyed by chip; naming the device a measurement ran on is no table), a memory or shared-memory figure as
+    an integer, a bf16 or fp8 peak in TFLOP/s as a float."""
     kinds = {p for c in chips.CHIPS for p in c.device_kinds}  # as JAX spells them; "h100" is a target name
     numbers = {v for c in chips.CHIPS for v in (c.memory_bytes, c.shared_memory_per_block) if v}
     peaks = {round(v / chips.TERA, 1) for c in chips.CHIPS for v in (c.bf16_flops, c.fp8_flops) if v}
     docs = {id(n.body[0].value) for n in ast.walk(tree)
             if isinstance(n, (ast.Module, ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)) and n.body
             and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    keys = {id(k) for n in ast.walk(tree) if isinstance(n, ast.Dict) for k in n.keys if k is not None}
     found = []
     for node in ast.walk(tree):
         if not isinstance(node, ast.Constant) or id(node) in docs or isinstance(node.value, bool):
             continue
         value = node.value
-        if (isinstance(value, str) and value in kinds or isinstance(value, int) and value in numbers
+        if (isinstance(value, str) and value in kinds and id(node) in keys or isinstance(value, int) and value in numbers
                 or isinstance(value, float) and value in peaks):
             found.append((node.lineno, value))
     return found

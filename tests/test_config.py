@@ -188,10 +188,17 @@ def test_a_setting_of_a_feature_that_is_off_is_refused(feature, key):
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    (["distill_alpha=0.3"], "distill_alpha=0.3 does nothing without use_distillation=true: set use_distillation=true "
-                            ".*, or drop distill_alpha"),
+    (["distill_alpha=0.3"], r"distill_alpha=0.3 does nothing without objective=distill \(here objective=lm\): set "
+                            "objective=distill .*, or drop distill_alpha"),
     (["muon_beta=0.9"], r"muon_beta=0.9 does nothing without opt_type=muon \(here opt_type=adamw\): set opt_type=muon"),
-    (["grpo_beta=0.1"], "grpo_beta=0.1 does nothing without use_grpo=true"),
+    (["grpo_beta=0.1"], "grpo_beta=0.1 does nothing without objective=grpo"),
+    (["objective=sft", "dataset_type=jsonl", "grain_train_files=x.jsonl", "dpo_beta=0.3"],
+     r"dpo_beta=0.3 does nothing without objective=dpo \(here objective=sft\)"),
+    (["chat_template=chatml"], r"chat_template='chatml' does nothing without records rendered with a chat template "
+                               r"\(objective=sft, dpo, grpo or distill with distill_data=conversations\) \(here objective=lm\)"),
+    (["objective=distill", "distill_teacher_path=t", "sft_train_on_completion_only=false"],
+     r"sft_train_on_completion_only=false does nothing without conversations \(objective=sft or distill with "
+     r"distill_data=conversations\) \(here objective=distill\)"),
     (["lora_alpha=8"], "lora_alpha=8.0 does nothing without lora_rank > 0: set lora_rank"),
     (["num_experts_per_tok=2"], "num_experts_per_tok=2 does nothing without a mixture-of-experts family"),
     (["decode_sampling_top_k=5"], "decode_sampling_top_k=5 does nothing without decode_sampling_strategy=topk"),
@@ -207,12 +214,12 @@ def test_the_refusal_names_the_key_the_switch_and_the_fix(overrides, fragment):
 def test_a_presets_values_are_the_models_defaults_and_the_users_are_checked(tmp_path):
     assert load("model_name=llama3.1-8b", "rope_type=default").rope_factor == 8.0  # the preset's, switched off
     assert load("model_name=gemma3-1b", f"attention_layer_types=[{','.join(['full'] * 26)}]").sliding_window_size == 512
-    assert load("use_distillation=true", "distill_teacher_path=t", "distill_alpha=0.3").distill_alpha == 0.3
+    assert load("objective=distill", "distill_teacher_path=t", "distill_alpha=0.3").distill_alpha == 0.3
     assert load("opt_type=muon", "muon_beta=0.9").muon_beta == 0.9
     assert load("distill_alpha=0.5").distill_alpha == 0.5  # the default, given: does nothing and says nothing
     mine = tmp_path / "mine.yml"
     mine.write_text(f"base_config: {BASE_YML}\ndpo_beta: 0.3\n")
-    with pytest.raises(ConfigError, match="dpo_beta=0.3 does nothing without use_dpo=true"):
+    with pytest.raises(ConfigError, match="dpo_beta=0.3 does nothing without objective=dpo"):
         load_config([str(mine)])
 
 
@@ -223,7 +230,9 @@ def test_the_registry_plans_each_layers_attention_as_the_family_builds_it():
                 cfg = load(f"model_name={preset}", *extra)
             except ConfigError:
                 continue  # a window where no layer slides
-            built = [t.attention for t in models.family(cfg).layer_types(cfg)]
+            # the plan says which layers slide; the others attend fully, in Llama 4's chunks, or not at all (a
+            # recurrent layer, which has no window either)
+            built = [t.attention if t.attention == "sliding" else "full" for t in models.family(cfg).layer_types(cfg)]
             assert built == features.layer_attention(cfg.to_dict()), preset
 
 
@@ -249,7 +258,7 @@ def test_sliding_layers_without_a_window_are_refused_and_full_attention_is_a_cho
     assert load("model_name=gpt-oss-20b", "sliding_window_size=0", f"attention_layer_types=[{full}]").num_experts == 32
 
 
-GRPO = ["use_grpo=true", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]",
+GRPO = ["objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]",
         "eval_data_columns=[prompt,answer]"]
 
 
@@ -263,12 +272,12 @@ GRPO = ["use_grpo=true", "dataset_type=jsonl", "grain_train_files=x.jsonl", "tra
     (["decode_sampling_strategy=weighted", "vocab_size=1"], "vocab_size=1"),
 ])
 def test_grpo_refuses_a_sampler_that_can_draw_one_token(sampling, fragment):
-    with pytest.raises(ConfigError, match=f"use_grpo=true samples each prompt's completions with .*{fragment}.*would "
+    with pytest.raises(ConfigError, match=f"objective=grpo samples each prompt's completions with .*{fragment}.*would "
                                           "all be the same"):
         load(*GRPO, *sampling)
     for fine in (["decode_sampling_strategy=weighted"], ["decode_sampling_strategy=topk", "decode_sampling_top_k=2"],
                  ["decode_sampling_strategy=nucleus", "decode_sampling_nucleus_p=0.0003"]):  # > 1/4096
-        assert load(*GRPO, *fine).use_grpo
+        assert load(*GRPO, *fine).objective == "grpo"
 
 
 def test_multi_token_prediction_needs_a_longer_sequence_than_its_modules():
@@ -280,7 +289,9 @@ def test_multi_token_prediction_needs_a_longer_sequence_than_its_modules():
 
 @pytest.mark.parametrize("key, on", [("mtp_num_layers", ["model_name=deepseek3-tiny", "mtp_num_layers=3"]),
                                      ("max_prefill_predict_length", [*GRPO, "decode_sampling_strategy=weighted",
-                                                                     "max_prefill_predict_length=16"])])
+                                                                     "max_prefill_predict_length=16"]),
+                                     ("chunk_attn_window_size", ["decoder_block=llama4_text", "num_experts=4",
+                                                                 "chunk_attn_window_size=64"])])
 def test_every_length_need_refuses_one_token_less(key, on):
     row = next(r for r in limits.LENGTH_NEEDS if r[0] == key)
     least = row[2](load(*on).to_dict())
@@ -288,7 +299,8 @@ def test_every_length_need_refuses_one_token_less(key, on):
                                           f"{least - 1}"):
         load(*on, f"max_target_length={least - 1}")
     assert load(*on, f"max_target_length={least}").max_target_length == least
-    assert {r[0] for r in limits.LENGTH_NEEDS} == {"mtp_num_layers", "max_prefill_predict_length"}
+    assert {r[0] for r in limits.LENGTH_NEEDS} == {"mtp_num_layers", "max_prefill_predict_length",
+                                                   "chunk_attn_window_size"}
 
 
 def test_an_empty_output_directory_or_a_blank_path_is_refused(tmp_path):

@@ -74,6 +74,27 @@ def test_cached_logits_match_full_forward(tiny):
     np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=1e-4, rtol=0)
 
 
+def test_cached_logits_match_full_forward_with_post_norms_qk_norm_over_heads_and_windows():
+    """OLMo 3's layers decode from the cache as the full forward computes: qk-norm over all heads' features
+    of each new token, a 4-token window in three layers of four, another RoPE theta on the sliding layers."""
+    config = config_lib.load_config(with_overrides(["configs/base.yml", *TINY], "decoder_block=olmo3",
+                                                   "base_num_decoder_layers=4", "sliding_window_size=4",
+                                                   "local_rope_max_timescale=100.0"))
+    rt = models.Runtime.from_config(config)
+    params = jax.jit(models.init_params, static_argnums=0)(config, jax.random.key(1))
+    params["layers"]["decoder"]["q_norm"] = 1.0 + jax.random.normal(jax.random.key(3), params["layers"]["decoder"][
+        "q_norm"].shape)  # per-feature scales, so that normalizing over the wrong features would show
+    tokens = jax.random.randint(jax.random.key(2), (2, 9), 4, config.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(9), tokens.shape)
+    full = forward(params, tokens, positions, jnp.ones_like(tokens), config, rt)
+    step = jax.jit(lambda p, t, pos, c, i: models.forward_with_cache(p, t, pos, c, i, config, rt))
+    cache, pieces = models.init_cache(config, 2, 9, rt.dtype), []
+    for index, length in ((0, 7), (7, 1), (8, 1)):  # a prefill longer than the window, then single tokens
+        logits, cache = step(params, tokens[:, index:index + length], positions[:, index:index + length], cache, index)
+        pieces.append(logits)
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=1e-4, rtol=0)
+
+
 def test_seeded_sampling_is_deterministic(tiny):
     config, rt, params = tiny
     settings = {"temperature": 0.8, "top_k": 100, "top_p": 0.95}  # every sampling stage on

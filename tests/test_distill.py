@@ -118,7 +118,7 @@ def teacher_run(tmp_path_factory):
 @pytest.mark.slow
 def test_teacher_from_a_checkpoint_is_sharded_like_the_student_and_frozen(teacher_run):
     config = builder.load_config([BASE_YML, *with_overrides(TINY, "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"),
-                                  "use_distillation=true", f"distill_teacher_path={teacher_run}"], log=lambda *_: None)
+                                  "objective=distill", f"distill_teacher_path={teacher_run}"], log=lambda *_: None)
     assert distillation.teacher_config(config).base_emb_dim == 48
     run = builder.build(config, devices=jax.devices()[:8])
     state = run.init(jax.random.key(0))

@@ -4,7 +4,7 @@ For each family, a random tiny transformers model that exercises the family's pa
 (GQA with head_dim != D / N, random norm weights, a sequence longer than the sliding window, tied and
 untied embeddings, RoPE scaling with a short original context, soft-caps, biases, qk-norm, experts
 with a dense layer among MoE layers and unnormalized top-k router weights, attention sinks and
-clamped experts) is saved,
+clamped experts, chunked attention, no-RoPE layers and attention temperature) is saved,
 imported with `scripts/convert_hf.py import`, and checked with `scripts/check_logits.py --hf`
 (float32, <= 1e-5 relative). A negative control changes the feature the case exercises and shows
 the same comparison failing, so the test can fail. Then the import is exported, every tensor is
@@ -81,6 +81,21 @@ CASES = {
              rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                               "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
         {"local_rope_max_timescale": 100000.0}),
+    # OLMo 3: post-norms only, qk-norm over all heads' features together (one scale of N*H / G*H), three
+    # sliding layers per full one (5 layers: the pattern cut short), YaRN on the full layers only, an
+    # unscaled RoPE of another theta on the sliding ones.
+    "olmo3-postnorm-qknorm_over_heads-windows-yarn": (
+        "Olmo3Config", "Olmo3ForCausalLM",
+        dict(num_hidden_layers=5, sliding_window=6,
+             rope_parameters={"full_attention": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 16},
+                              "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
+        {"sliding_window_size": 0}),
+    "olmo3-tied-layer_types": (
+        "Olmo3Config", "Olmo3ForCausalLM",
+        dict(tie_word_embeddings=True, sliding_window=5, layer_types=["full_attention", "sliding_attention",
+                                                                      "full_attention"]),
+        {"local_rope_max_timescale": 10000.0}),
     # MLA (low-rank queries, v_head_dim != qk head dim, interleaved YaRN RoPE with mscale), a dense layer
     # first, shared experts, the sigmoid router over 4 groups (best 2) with a random selection bias.
     "deepseek-mla-groups-bias": (
@@ -92,6 +107,59 @@ CASES = {
                                                     "original_max_position_embeddings": 16, "mscale": 0.9,
                                                     "mscale_all_dim": 0.7}),
         {"rope_interleave": False}),
+    # Chunks of 8 in the RoPE layers 0, 1, 3 (L2 qk-norm), NoPE layer 2 with attention temperature (floor scale 4,
+    # so it changes within the 40 tokens), experts in layers 1 and 3 (2 of 4 per token, sigmoid weights on their
+    # inputs, a shared expert), dense layers of another width, llama3 RoPE with Scout's equal frequency factors.
+    "llama4_text-chunked-nope-l2norm-temperature-interleaved_moe": (
+        "Llama4TextConfig", "Llama4ForCausalLM",
+        dict(intermediate_size=40, intermediate_size_mlp=96, num_hidden_layers=4, num_local_experts=4,
+             num_experts_per_tok=2, interleave_moe_layer_step=2, no_rope_layer_interval=3, attention_chunk_size=8,
+             floor_scale=4, attn_scale=0.3, rope_parameters={**LLAMA3_ROPE, "high_freq_factor": 1.0}),
+        {"chunk_attn_window_size": 0}),
+    # Gated delta-net layers beside gated full attention (cycle 2), 2 key heads serving 4 value heads, a 3-tap
+    # convolution, partial RoPE (half of each head), experts with a gated shared expert twice their width and a
+    # dense layer among them.
+    "qwen3_next-hybrid-gated_attention-partial_rope": (
+        "Qwen3NextConfig", "Qwen3NextForCausalLM",
+        dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=20, shared_expert_intermediate_size=40, mlp_only_layers=[2],
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+             linear_conv_kernel_dim=3,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        {"partial_rotary_factor": 1.0}),
+    # Qwen3.5: the same stack with q, k, v in one projection and z, b, a in their own; dense, and with experts.
+    "qwen3_5_text-hybrid-dense": (
+        "Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
+        dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
+             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12, linear_conv_kernel_dim=3,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        {"partial_rotary_factor": 1.0}),
+    "qwen3_5_moe_text-hybrid-experts": (
+        "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+        dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=20, shared_expert_intermediate_size=20,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+             linear_conv_kernel_dim=3,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        {"num_experts_per_tok": 1}),
+    # GLM-4.5: partial RoPE (a quarter of each head here, with YaRN over the rotated features), qk-norm, q/k/v
+    # biases, a dense layer first, two shared experts beside the sigmoid router over 4 groups (best 2) with a
+    # random selection bias, scaled weights.
+    "glm4_moe-partial_yarn_rope-qknorm-biases-groups": (
+        "Glm4MoeConfig", "Glm4MoeForCausalLM",
+        dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=20, n_shared_experts=2, n_group=4,
+             topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 16, "partial_rotary_factor": 0.25},
+             num_nextn_predict_layers=0),
+        {"partial_rotary_factor": 1.0}),
+    # GLM-4.5-Air's choices: no qk-norm, biases, one group, transformers' default half-head RoPE (config.json's
+    # rope_parameters carry it), two dense layers first, unnormalized top-k weights; the MTP field left at 1.
+    "glm4_moe-air-dense_first-raw_topk": (
+        "Glm4MoeConfig", "Glm4MoeForCausalLM",
+        dict(n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+             first_k_dense_replace=2, attention_bias=True, norm_topk_prob=False, routed_scaling_factor=1.5),
+        {"norm_topk_prob": True}),
 }
 
 
@@ -99,7 +167,7 @@ def make_hf_model(config_class: str, model_class: str, fields: dict, seed: int =
     config = getattr(transformers, config_class)(**{**COMMON, **fields})
     model = getattr(transformers, model_class)(config).eval()
     torch.manual_seed(seed)
-    plus_one = "Gemma" in model_class  # Gemma stores norm scales as (scale - 1)
+    plus_one = any(n in model_class for n in ("Gemma", "Qwen3Next", "Qwen3_5"))  # norm scales stored as (scale - 1)
     with torch.no_grad():  # random everything, norms included, at a scale that gives lively logits
         for name, p in model.named_parameters():
             p.copy_((0.0 if plus_one else 1.0) + 0.3 * torch.randn_like(p) if "norm" in name
@@ -254,6 +322,30 @@ def test_gemma3_multimodal_checkpoint_imports_its_text_decoder(tmp_path, capsys)
     assert rel <= 1e-5, rel
 
 
+@pytest.mark.slow
+def test_qwen3_5_multimodal_checkpoint_imports_its_language_model(tmp_path, capsys):
+    """Qwen3.5's released checkpoints are vision-language models: the import reads the language model's weights
+    (model.language_model.*), says it left the vision tower out, and gives the text model's logits."""
+    arch, _, kwargs, _ = CASES["qwen3_5_text-hybrid-dense"]
+    text = getattr(transformers, arch)(**{**COMMON, **kwargs})
+    vision = transformers.Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                              out_hidden_size=COMMON["hidden_size"], num_position_embeddings=16)
+    config = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "hf")
+    assert any(n.startswith("model.visual.") for n, _ in model.named_parameters())
+    keys = convert.import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
+    printed = capsys.readouterr().out
+    assert keys["decoder_block"] == "qwen3_5_text" and "text decoder" in printed and "left out" in printed, printed
+    tokens = ids(COMMON["vocab_size"])
+    rel = relative_error(ours_with(tmp_path / "out", tokens), hf_logits(model, tokens))
+    assert rel <= 1e-4, rel
+
+
 def test_conversion_errors_name_the_field(tmp_path):
     base = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96,
             "num_hidden_layers": 2, "vocab_size": 300}
@@ -265,6 +357,9 @@ def test_conversion_errors_name_the_field(tmp_path):
         ({k: v for k, v in base.items() if k != "hidden_size"}, "no 'hidden_size'"),
         ({**base, "model_type": "gemma3_text", "use_bidirectional_attention": True}, "use_bidirectional_attention"),
         ({**base, "model_type": "mistral", "layer_types": ["full_attention"] * 2}, "Ministral"),
+        ({**base, "model_type": "olmo3", "attention_bias": True}, "attention_bias=True"),
+        ({**base, "model_type": "olmo3", "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}},
+         "not split by layer type"),
     ]
     for hf, message in cases:
         with pytest.raises(convert.ConversionError, match=message):
@@ -272,3 +367,39 @@ def test_conversion_errors_name_the_field(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(convert.ConversionError, match="cannot read .*config.json"):
         convert.read_hf_config(str(tmp_path))
+
+
+def test_olmo3_reads_rope_theta_as_transformers_does_and_export_keeps_sliding_rope_unscaled():
+    """A top-level rope_theta sets only the full layers' RoPE (transformers' Olmo3Config); the sliding layers'
+    stays 500,000, and the import says so. An export whose sliding layers would inherit the global scaling
+    (local_rope_max_timescale=-1 with YaRN) is refused, naming the key."""
+    olmo3 = models.FAMILIES["olmo3"]
+    hf_config = {"model_type": "olmo3", "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96,
+                 "num_hidden_layers": 4, "vocab_size": 300, "rope_theta": 1000.0}
+    notes = []
+    keys = olmo3.from_hf_config(hf_config, notes)
+    assert (keys["rope_max_timescale"], keys["local_rope_max_timescale"]) == (1000.0, 500000.0)
+    assert keys["sliding_window_size"] == 4096 and keys["attention_layer_types"] == []  # transformers' defaults
+    assert any("only the full-attention layers" in n for n in notes), notes
+    assert transformers.Olmo3Config(num_hidden_layers=4, rope_theta=1000.0).rope_parameters == {
+        "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}
+    model = {k: getattr(config_lib.load_config([str(REPO / "configs" / "base.yml"), "model_name=olmo3-7b"]), k)
+             for k in models.MODEL_KEYS}
+    with pytest.raises(convert.ConversionError, match="local_rope_max_timescale=-1.0"):
+        olmo3.to_hf_config({**model, "local_rope_max_timescale": -1.0})
+
+
+def test_qk_norm_over_heads_normalizes_all_heads_features_together():
+    """q_norm [N, H] (OLMo 2/3) is torch's RMSNorm over the flattened N * H features, not one per head."""
+    from maxtrain.models import blocks  # pylint: disable=import-outside-toplevel
+    rng = np.random.default_rng(0)
+    q, scale = rng.normal(size=(2, 5, 4, 6)).astype(np.float32), rng.normal(size=(4, 6)).astype(np.float32)
+    norm = torch.nn.RMSNorm(24, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(torch.from_numpy(scale.reshape(24)))
+        theirs = norm(torch.from_numpy(q.reshape(2, 5, 24))).numpy().reshape(q.shape)
+    np.testing.assert_allclose(np.asarray(blocks.rms_norm(jnp.asarray(q), jnp.asarray(scale), 1e-6)), theirs,
+                               rtol=1e-5, atol=1e-6)
+    per_head = q / np.sqrt(np.mean(q**2, axis=-1, keepdims=True) + 1e-6) * scale  # each head normed alone
+    assert np.max(np.abs(per_head - theirs)) > 1e-2

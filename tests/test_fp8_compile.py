@@ -25,20 +25,24 @@ from test_train_compile_targets import need
 MIXED = ["dataset_type=synthetic", "decoder_block=qwen3_moe", "base_emb_dim=256", "base_num_query_heads=8",
          "base_num_kv_heads=4", "head_dim=32", "base_mlp_dim=512", "base_num_decoder_layers=2", "vocab_size=1024",
          "max_target_length=256", "per_device_batch_size=1", "dtype=bfloat16", "num_experts=4",
-         "num_experts_per_tok=2", "moe_dispatch=capacity", "decoder_sparse_step=2", "compile_topology=h100-1",
-         "quantization=fp8", "quantize_output_head=true"]
+         "num_experts_per_tok=2", "moe_dispatch=capacity", "decoder_sparse_step=2", "remat_policy=full",
+         "compile_topology=h100-1", "quantization=fp8", "quantize_output_head=true"]
 
 
-def cublas_calls(*overrides) -> collections.Counter:
+def custom_calls(*overrides) -> collections.Counter:
     config = builder.load_config([BASE_YML, *MIXED, *overrides])
     target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
     _, _, compiled, _ = train_compile.compile_for_target(config, target)
-    return collections.Counter(re.findall(r'custom_call_target="(__cublas[^"]*)"', compiled.as_text()))
+    return collections.Counter(re.findall(r'custom_call_target="(__cu[^"]*)"', compiled.as_text()))
 
 
 def test_every_decoder_matmul_is_a_float8_cublaslt_call_on_h100():
+    """With the attention autoselected for an H100, cuDNN's fused attention (models/attention_choice.py): fp8
+    composes with it (the projections around it are float8, the attention itself 16-bit)."""
     need("gpu")
-    calls = cublas_calls()
+    calls = custom_calls()
+    assert any(name.startswith("__cudnn$fmha") for name in calls), calls  # forward and backward
+    calls = collections.Counter({name: n for name, n in calls.items() if name.startswith("__cublas")})
     # Forward matmuls: layer 0 q, k, v, o, gate, up, down (7); layer 1 q, k, v, o and the experts' gate, up,
     # down (7); the output head (1). Each has two gradient matmuls; the recomputed forward ones of the
     # unrolled layers are the forward pass's own after XLA's CSE: 3 x 15 float8 calls.

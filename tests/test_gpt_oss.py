@@ -16,7 +16,7 @@ from conftest import BASE_YML, TINY, slow_params
 from maxtrain import models
 from maxtrain.checkpointing import convert
 from maxtrain.config import ConfigError, load_config, with_overrides
-from maxtrain.models import attention, moe
+from maxtrain.models import attention, moe, moe_experts
 from maxtrain.parallel import sharding
 from maxtrain.training import builder
 from test_sharding import GLOBAL_BATCH, batches
@@ -125,7 +125,7 @@ def test_clamped_swiglu_is_gpt_oss_activation():
     up = np.array([-9.0, 3.0, -0.5, 8.0, 2.0], np.float32)
     g, u = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
     want = g / (1 + np.exp(-1.702 * g)) * (u + 1)
-    np.testing.assert_allclose(np.asarray(moe.gated(jnp.asarray(gate), jnp.asarray(up), s)), want, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(moe_experts.gated(jnp.asarray(gate), jnp.asarray(up), s)), want, rtol=1e-6)
 
 
 def _random_biases(params, key):
@@ -193,8 +193,8 @@ def test_context_expert_and_tensor_parallel_mesh_gives_one_device_loss_and_gradi
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["mlp_only_layers=[1]"], "decoder_block=gpt_oss has experts in every layer"),
-    (["norm_topk_prob=false"], "decoder_block=gpt_oss always renormalizes"),
+    (["mlp_only_layers=[1]"], r"mlp_only_layers=\[1\] does nothing without decoder_block=qwen3_moe"),
+    (["norm_topk_prob=false"], r"norm_topk_prob=false does nothing without decoder_block=qwen3_moe"),
     (["mlp_activations_limit=0"], "mlp_activations_limit"),
     (["num_experts_per_tok=5"], "num_experts_per_tok=5 is more than num_experts=4"),
 ])

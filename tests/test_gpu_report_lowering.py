@@ -7,7 +7,8 @@ failure shows on a CPU, not in lent GPU minutes.
 What a GPU-less compile cannot check (/work/shared/notes/aot-compile.md): no matmul autotuning (temporary
 memory can differ a little), no cuDNN graph is built (a configuration cuDNN refuses is not caught), and
 JAX's cuDNN capability check sees no GPU and takes the target for pre-Hopper, so cuDNN at head_dim 256
-(which Hopper runs) is refused here and skipped. Without the CUDA compiler these tests skip, saying which
+(which Hopper runs) is refused here and skipped; tokamax's Mosaic GPU kernel asks the local device which GPU it
+is, so it does not lower here at all (kernels/tokamax_attention.py) and is skipped. Without the CUDA compiler these tests skip, saying which
 extra to install; MAXTRAIN_REQUIRE_COMPILERS=1 (.ci/run's lowering venv) makes that a failure.
 """
 
@@ -25,10 +26,11 @@ from test_kernel_lowering import needs_gpu_compiler
 from maxtrain.compile import fit, targets
 from maxtrain.data import hosts
 from maxtrain.parallel import sharding
-from maxtrain.training import builder, measure
+from maxtrain.training import builder, layer_choice, measure
 
 PLAN = gpu_report.make_plan(dry_run=False)
 pytestmark = [pytest.mark.slow, needs_gpu_compiler]
+TOKAMAX_NEEDS_GPU = "tokamax's Mosaic GPU kernel lowers only where the GPU is (it asks the local device)"
 CUDNN_PRE_HOPPER = "a GPU-less compile takes the target for pre-Hopper: cuDNN attention at head_dim > 128 is " \
                    "refused here (an H100 runs it)"
 
@@ -68,6 +70,8 @@ def test_matmul_compiles_for_h100(h100):
 def test_kernel_check_compiles_for_h100(h100, case, name):
     if name == "cudnn" and case.head_dim > 128:
         pytest.skip(CUDNN_PRE_HOPPER)
+    if name == "tokamax":
+        pytest.skip(TOKAMAX_NEEDS_GPU)
     hlo = _compile(gpu_report.kernel_programs(PLAN, case, devices=h100)[name], _attention_args(h100, case))
     if name == "flash":
         assert all(kernel in hlo for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"))
@@ -77,16 +81,20 @@ def test_kernel_check_compiles_for_h100(h100, case, name):
 
 @pytest.mark.parametrize("impl, head_dim, length", [pytest.param(i, h, t, id=f"{i}-h{h}-T{t}")
                                                     for h, t in PLAN.speed_shapes
-                                                    for i in ("flash", "cudnn", "dot_product")])
+                                                    for i in gpu_report.speed_impls(PLAN, t)])
 def test_timed_attention_compiles_for_h100(h100, impl, head_dim, length):
     if impl == "cudnn" and head_dim > 128:
         pytest.skip(CUDNN_PRE_HOPPER)
+    if impl == "tokamax":
+        pytest.skip(TOKAMAX_NEEDS_GPU)
     case = gpu_report.speed_case(PLAN, head_dim, length)
     _compile(gpu_report.speed_program(PLAN, impl, devices=h100), _attention_args(h100, case))
 
 
 @pytest.mark.parametrize("label, attention, dtype", PLAN.model_variants, ids=[v[0] for v in PLAN.model_variants])
 def test_model_check_compiles_for_h100(h100, label, attention, dtype):
+    if attention == "tokamax":
+        pytest.skip(TOKAMAX_NEEDS_GPU)
     run = gpu_report.model_run(PLAN, attention, dtype, devices=h100)
     c = run.config
     batch = {k: jax.ShapeDtypeStruct((c.global_batch_size, c.max_target_length),
@@ -95,17 +103,25 @@ def test_model_check_compiles_for_h100(h100, label, attention, dtype):
     highest = jax.default_matmul_precision("highest") if label == PLAN.model_variants[0][0] else contextlib.nullcontext()
     with sharding.activation_sharding(run.mesh, c.logical_axis_rules), highest:
         hlo = _compile(measure.loss_and_grads(run), [run.abstract_state["params"], batch])
-    assert run.rt.attention == attention
+    # autoselected: cuDNN, measured fastest at head_dim 128 on sm90 (models/attention_choice.py)
+    assert run.rt.attention == ("cudnn" if attention == "autoselected" else attention), run.rt.attention_reason
     if attention == "flash":
         assert "flash_attention_dkv" in hlo
 
 
 @pytest.mark.parametrize("label, overrides", PLAN.training + PLAN.frontier, ids=[t[0] for t in PLAN.training + PLAN.frontier])
 def test_training_step_compiles_for_h100_and_fits(h100, label, overrides):
-    run = builder.build(gpu_report.load(overrides, sum(PLAN.train_steps)), devices=h100)
-    compiled = run.compile()
-    total = fit.compiled_bytes(compiled)
+    config = gpu_report.load(overrides, sum(PLAN.train_steps))
     memory = targets.parse("h100-1").memory_bytes
+    if layer_choice.applies(config, "gpu"):  # remat autoselected: chosen by compiled memory, as measure.build does
+        choice = layer_choice.choose(config, lambda plan: builder.build(config, devices=h100, layer_plan=plan),
+                                     int(0.92 * memory), "the report's 92% of one H100")
+        run, compiled = choice.run, choice.compiled
+        print(choice.describe())
+    else:
+        run = builder.build(config, devices=h100)
+        compiled = run.compile()
+    total = fit.compiled_bytes(compiled)
     print(f"{label}: {total / 2**30:.2f} GiB of {memory / 2**30:.1f} GiB per GPU ({run.rt.attention}, "
           f"remat {run.rt.remat_policy})")
     # the report gives JAX 92% of the GPU (XLA_PYTHON_CLIENT_MEM_FRACTION); leave room for autotuned temporaries

@@ -116,13 +116,13 @@ def test_completions_are_cut_at_their_stop_and_masked_into_update_rows():
 
 
 def test_lora_keeps_no_second_copy_of_the_weights(tmp_path):
-    with_lora = _tiny(tmp_path, "use_grpo=true", "lora_rank=4", "train_data_columns=[prompt,answer]",
+    with_lora = _tiny(tmp_path, "objective=grpo", "lora_rank=4", "train_data_columns=[prompt,answer]",
                       "eval_data_columns=[prompt,answer]", "dataset_type=jsonl", "grain_train_files=x.jsonl",
                       "decode_sampling_strategy=weighted", "max_prefill_predict_length=16")
     assert set(train_step.state_specs(with_lora)) == {"params", "lora"}  # the reference is the frozen base
     state = {"params": {"w": 1}, "lora": {"a": 2}}
     assert train_step.reference_params(state) is state["params"]
-    without = _tiny(tmp_path, "use_grpo=true", "train_data_columns=[prompt,answer]", "eval_data_columns=[prompt,answer]",
+    without = _tiny(tmp_path, "objective=grpo", "train_data_columns=[prompt,answer]", "eval_data_columns=[prompt,answer]",
                     "dataset_type=jsonl", "grain_train_files=x.jsonl", "decode_sampling_strategy=weighted",
                     "max_prefill_predict_length=16")
     assert set(train_step.state_specs(without)) == {"params", "reference"}
@@ -170,8 +170,7 @@ def _run(dataset, tmp_path, *extra):
     (["num_generations=1"], config_lib.ConfigError, "num_generations=1: GRPO's advantage"),
     (["decode_sampling_strategy=greedy"], config_lib.ConfigError, "would all be the same"),
     (["train_data_columns=[prompt]"], config_lib.ConfigError, r"set train_data_columns=\[prompt,answer\]"),
-    (["use_sft=true"], config_lib.ConfigError, "a run has one objective"),
-    (["use_distillation=true"], config_lib.ConfigError, "use_grpo=true and use_distillation=true"),
+    (["use_sft=true"], config_lib.ConfigError, "use_sft=true contradicts objective=grpo: a run has one objective"),
     (["max_prefill_predict_length=24"], config_lib.ConfigError, "leaves no room for a completion"),
     (["max_prefill_predict_length=4"], DataError, "more than max_prefill_predict_length=4"),
     (["grpo_reward_functions=[no_such_module_xyz:score]"], rewards.RewardError, "cannot be imported"),
@@ -366,7 +365,7 @@ def test_a_failed_step_or_hook_finishes_the_checkpoint_saves_under_way():
 def test_builtin_rewards():
     assert rewards.exact_match([""] * 3, ["42", " <think>4+2</think><answer>6</answer>", "7"], ["42", "6", "8"]) == [1, 1, 0]
     assert rewards.format_reward([""] * 2, ["<think>a</think> <answer>b</answer>", "b"], ["", ""]) == [1.0, 0.0]
-    assert set(rewards.BUILTIN) == set(config_lib.checks.GRPO_REWARDS)
+    assert set(rewards.BUILTIN) == set(config_lib.objectives.GRPO_REWARDS)
 
 
 def test_completions_stop_at_eos_and_the_templates_end_of_turn(dataset):

@@ -11,6 +11,8 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
+import importlib
 import json
 import os
 import shutil
@@ -176,8 +178,9 @@ def test_the_family_registry_is_the_one_list_of_families():
         line = next(l for l in f if l.startswith("decoder_block:"))
     assert "{$families}" in line, "base.yml's decoder_block lists no families of its own"
     assert set(models.FAMILIES) == names
-    for name, module in models.FAMILIES.items():
-        assert module.FAMILY is registry.FAMILIES[name]
+    for name, model in models.FAMILIES.items():
+        assert model.row is registry.FAMILIES[name]
+        module = importlib.import_module(f"maxtrain.models.families.{name}")
         for attribute in ("DECODER_BLOCK", "HF_MODEL_TYPES", "HF_ARCHITECTURE"):
             assert not hasattr(module, attribute), f"{name}.{attribute}: the registry owns it"
     assert config_lib.MOE_FAMILIES == tuple(n for n, f in registry.FAMILIES.items() if f.moe)
@@ -326,3 +329,70 @@ def test_every_command_answers_help(tmp_path):
                 not ("base.yml" in text and "Settings it reads most" in text):
             failures.append(f"{name}: the help does not name base.yml and the settings it reads: {text[-800:]!r}")
     assert not failures, "\n".join(failures)
+
+# --------------------------------------------------------------------------------------------
+# The family contract (models/contract.py): what a family is, written down once
+# --------------------------------------------------------------------------------------------
+
+
+def _imported_modules(path: str) -> set[str]:
+    with open(path, encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+            out.update(f"{node.module}.{a.name}" for a in node.names)
+    return out
+
+
+def test_no_family_module_imports_another_family():
+    """What families share lives in models/ (standard_layers, blocks, moe, mla, hf), never in a family."""
+    from maxtrain.config import registry  # pylint: disable=import-outside-toplevel
+
+    root = os.path.join(REPO, "maxtrain", "models", "families")
+    for name in registry.FAMILIES:
+        imported = _imported_modules(os.path.join(root, f"{name}.py"))
+        others = sorted(m for m in imported if m.startswith("maxtrain.models.families"))
+        assert not others, f"models/families/{name}.py imports {others}: move what it shares into models/"
+
+
+def test_no_family_is_named_in_the_shared_checks():
+    """A family's rules are its registry row's (settings, usual values, mixer, ...): the shared checks read the
+    row, and never compare decoder_block with a family's name."""
+    from maxtrain.config import registry  # pylint: disable=import-outside-toplevel
+
+    names = set(registry.FAMILIES) | {t for f in registry.FAMILIES.values() for t in f.hf_model_types}
+    for module in ("checks", "features", "limits"):
+        with open(os.path.join(REPO, "maxtrain", "config", f"{module}.py"), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        named = sorted({n.value for n in ast.walk(tree) if isinstance(n, ast.Constant) and n.value in names})
+        assert not named, f"config/{module}.py names the families {named}: declare the rule in their registry rows"
+
+
+def test_every_family_setting_is_a_checked_model_key():
+    """A checkpoint is checked against the model keys (models.SHAPE_KEYS, SETTING_KEYS): a setting a family
+    reads that is not among them would let a checkpoint written with another value load unchecked."""
+    from maxtrain import models  # pylint: disable=import-outside-toplevel
+    from maxtrain.config import registry  # pylint: disable=import-outside-toplevel
+
+    for name, row in registry.FAMILIES.items():
+        missing = sorted(set(row.settings) - set(row.kernel_settings) - set(models.MODEL_KEYS))
+        assert not missing, f"{name}'s settings {missing} are no model keys: add them to its shape_keys or setting_keys"
+        assert models.FAMILIES[name].row is row
+
+
+def test_the_decoder_calls_only_the_contract():
+    """models/decoder.py uses a family through its FamilyModel's fields alone: no attribute is probed."""
+    from maxtrain.models import contract  # pylint: disable=import-outside-toplevel
+
+    fields = {f.name for f in dataclasses.fields(contract.FamilyModel)}
+    with open(os.path.join(REPO, "maxtrain", "models", "decoder.py"), encoding="utf-8") as f:
+        tree = ast.parse(f.read())
+    used = {n.attr for n in ast.walk(tree)
+            if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name) and n.value.id == "family"}
+    assert used and used <= fields, f"decoder.py uses family.{sorted(used - fields)}, which the contract lacks"
+    probes = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") in ("hasattr", "getattr")]
+    assert not probes, "decoder.py probes attributes with hasattr/getattr: add the field to models/contract.py"

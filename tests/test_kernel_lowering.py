@@ -22,7 +22,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from conftest import BASE_YML
-from maxtrain.models import attention
+from maxtrain.models import attention, attention_choice
 from maxtrain.parallel import sharding
 from maxtrain.config import load_config
 from maxtrain.compile import targets
@@ -46,8 +46,10 @@ needs_tpu_compiler = _needs(targets.compiler_missing("tpu"))
 
 
 def compile_attention(devices, mesh_shape, platform, *, head_dim, dtype, implementation=None, batch=4, length=1024,
-                      heads=16, kv_heads=4, sliding_window=0, logits_soft_cap=0.0, sinks=False, v_head_dim=None):
-    """Compiles d(sum(attention * w))/d(q, k, v[, sinks]) for `platform` on a (data, fsdp, tensor) mesh of `devices`."""
+                      heads=16, kv_heads=4, sliding_window=0, logits_soft_cap=0.0, sinks=False, v_head_dim=None,
+                      chunk=0):
+    """Compiles d(sum(attention * w))/d(q, k, v[, sinks]) for `platform` on a (data, fsdp, tensor) mesh of `devices`
+    (chunk > 0: Llama 4's chunked attention, the segment ids refined by the positions' chunks)."""
     implementation = implementation or attention.resolve_implementation(
         "autoselected", platform, dtype=dtype, head_dim=head_dim, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap, sinks=sinks)
@@ -61,18 +63,20 @@ def compile_attention(devices, mesh_shape, platform, *, head_dim, dtype, impleme
     v = arg((batch, length, kv_heads, v_head_dim or head_dim), KV_AXES)  # MLA: its own value head dim
     seg = arg((batch, length), SEG_AXES, jnp.int32)
     sink = arg((heads,), ("heads",), jnp.float32) if sinks else None
+    positions = arg((batch, length), SEG_AXES, jnp.int32) if chunk else None
 
-    def grads(q, k, v, seg, w, sink):
+    def grads(q, k, v, seg, w, sink, positions):
         def loss(q, k, v, sink):
             out = attention.attention(q, k, v, seg, implementation=implementation, platform=platform,
                                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                                      block_q=DEFAULTS.sa_block_q, block_kv=DEFAULTS.sa_block_kv, sinks=sink)
+                                      block_q=DEFAULTS.sa_block_q, block_kv=DEFAULTS.sa_block_kv, sinks=sink,
+                                      chunk=chunk, positions=positions)
             return jnp.sum((out * w).astype(jnp.float32))
         return jax.grad(loss, argnums=(0, 1, 2, 3) if sinks else (0, 1, 2))(q, k, v, sink)
 
     with sharding.activation_sharding(mesh, RULES):
         w = arg((batch, length, heads, v_head_dim or head_dim), Q_AXES)
-        lowered = jax.jit(grads).trace(q, kv, v, seg, w, sink).lower(
+        lowered = jax.jit(grads).trace(q, kv, v, seg, w, sink, positions).lower(
             lowering_platforms=("cuda" if platform == "gpu" else platform,))
     compiled = lowered.compile()
     hlo = compiled.as_text()
@@ -93,7 +97,7 @@ def h100s():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
 def test_flash_compiles_for_h100(h100s, head_dim, dtype):
-    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=head_dim, dtype=dtype)
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=head_dim, dtype=dtype, implementation="flash")
     for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
         assert kernel in hlo
 
@@ -101,8 +105,9 @@ def test_flash_compiles_for_h100(h100s, head_dim, dtype):
 @needs_gpu_compiler
 def test_flash_with_gemma_window_and_soft_cap_compiles_for_h100(h100s):
     """Gemma 2's local layers: head_dim 256, sliding window 4096 over 8192 tokens, soft-cap 50."""
-    compile_attention(h100s, (8, 1, 1), "gpu", head_dim=256, dtype=jnp.bfloat16, batch=8, length=8192, heads=8,
-                      kv_heads=4, sliding_window=4096, logits_soft_cap=50.0)
+    hlo = compile_attention(h100s, (8, 1, 1), "gpu", head_dim=256, dtype=jnp.bfloat16, batch=8, length=8192, heads=8,
+                            kv_heads=4, sliding_window=4096, logits_soft_cap=50.0)
+    assert "flash_attention_dkv" in hlo  # autoselected: cuDNN has no soft-cap
 
 
 @needs_gpu_compiler
@@ -113,20 +118,40 @@ def test_flash_with_gpt_oss_sinks_compiles_for_h100(h100s):
 
 
 @needs_gpu_compiler
+def test_flash_with_llama4_chunks_compiles_for_h100(h100s):
+    """Llama 4's RoPE layers: head_dim 128, chunks of 512 positions over 2048 tokens (refined segment ids)."""
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=128, dtype=jnp.bfloat16, length=2048, chunk=512)
+    for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
+        assert kernel in hlo
+
+
+@needs_gpu_compiler
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_flash_compiles_for_a100(head_dim):
     """An A100 has 163 KiB of shared memory per block (an H100 227 KiB): the tiles shrink to fit."""
     compile_attention(targets.parse("a100-4").devices(), (2, 1, 2), "gpu", head_dim=head_dim,
-                      dtype=jnp.bfloat16)
+                      dtype=jnp.bfloat16, implementation="flash")
 
 
 @needs_gpu_compiler
-def test_cudnn_compiles_for_h100_under_shard_map(h100s):
-    """cuDNN's fused attention (a custom call GSPMD cannot partition either) runs per shard too.
-    (Without a GPU, XLA does not build the cuDNN graph: this shows the program partitions and lowers.)"""
-    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=128, dtype=jnp.bfloat16, implementation="cudnn",
-                            sliding_window=256)
+@pytest.mark.parametrize("head_dim, sliding_window", [(128, 256), (64, 0)])
+def test_cudnn_compiles_for_h100_under_shard_map(h100s, head_dim, sliding_window):
+    """cuDNN's fused attention (a custom call GSPMD cannot partition either) runs per shard too, as
+    autoselected picks it for these shapes (models/attention_choice.py). (Without a GPU, XLA does not build
+    the cuDNN graph: this shows the program partitions and lowers.)"""
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=head_dim, dtype=jnp.bfloat16,
+                            sliding_window=sliding_window)
     assert "cudnn" in hlo.lower()
+
+
+def test_tokamax_mosaic_gpu_cannot_lower_without_a_gpu(h100s):
+    """tokamax's Mosaic GPU attention asks the local device whether it is sm90 or sm100 when it is traced, so
+    it does not lower for an H100 target on a CPU: only scripts/gpu_report.py, on a GPU, compiles and checks
+    it. (If this starts to lower, turn it into a compile test like cuDNN's above.)"""
+    if targets.compiler_missing("gpu") or not attention_choice.tokamax_installed():
+        pytest.skip("needs the [cuda] and [gpu] extras")
+    with pytest.raises(NotImplementedError, match="(?i)mosaic|not supported"):  # "mosaic" resolves by the local device
+        compile_attention(h100s, (2, 1, 4), "gpu", head_dim=128, dtype=jnp.bfloat16, implementation="tokamax")
 
 
 @needs_gpu_compiler
@@ -168,6 +193,14 @@ def test_splash_with_gpt_oss_sinks_compiles_for_tpu():
 
 
 @needs_tpu_compiler
+def test_splash_with_llama4_chunks_compiles_for_tpu():
+    """Llama 4's RoPE layers: head_dim 128, chunks of 512 positions over 2048 tokens (refined segment ids)."""
+    hlo = compile_attention(targets.parse("v5p-8").devices(), (2, 1, 2), "tpu", head_dim=128, dtype=jnp.bfloat16,
+                            length=2048, heads=8, chunk=512)
+    assert "tpu_custom_call" in hlo
+
+
+@needs_tpu_compiler
 def test_splash_compiles_mla_head_dims_for_tpu():
     """MLA's queries/keys of 192 features and values of 128 (zero-padded to 192 for the kernel)."""
     hlo = compile_attention(targets.parse("v5p-8").devices(), (2, 1, 2), "tpu", head_dim=192, v_head_dim=128,
@@ -183,6 +216,36 @@ def test_missing_compilers_name_the_extra():
 
 
 # ----------------------------------------------------------------------------------------------
+# Dropless MoE's grouped GEMM (kernels/grouped_matmul.py; its numbers: tests/test_grouped_matmul.py), forward and
+# both gradients, at the frontier models' expert shapes on one H100 (scripts/gpu_report.py runs them).
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("rows, experts, d, f", [
+    (4 * 4096 * 6, 64, 2048, 1408),    # DeepSeek-shaped: batch 4 x 4096 tokens, 6 of 64 experts, width 1408
+    (2 * 4096 * 4, 16, 2880, 2880),    # gpt-oss-shaped: batch 2, 4 of 16 experts, D = F = 2880 (blocks of 64)
+], ids=["deepseek", "gpt-oss"])
+def test_grouped_matmul_compiles_for_h100(h100s, rows, experts, d, f):
+    from maxtrain.kernels import grouped_matmul  # pylint: disable=import-outside-toplevel
+
+    mesh = sharding.mesh_of(h100s[:1], data=1)
+
+    def arg(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+    def grads(x, w, group_sizes, dy):
+        def loss(x, w):
+            return jnp.sum((grouped_matmul.grouped_matmul(x, w, group_sizes) * dy).astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # jax 0.12: Pallas Triton takes the GPU from the mesh
+        lowered = jax.jit(grads).trace(arg((rows, d)), arg((experts, d, f)), arg((experts,), jnp.int32),
+                                       arg((rows, f))).lower(lowering_platforms=("cuda",))
+    hlo = lowered.compile().as_text()
+    assert "grouped_matmul_weight_grad" in hlo and hlo.count("__gpu$xla.gpu.triton") == 2  # dx and dw (the loss is linear in y)
+
+
+# ----------------------------------------------------------------------------------------------
 # The whole training step (builder.build, as train.py runs it) with attention=autoselected.
 
 SMALL = ["base_emb_dim=256", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=512",
@@ -193,11 +256,11 @@ GEMMA = ["decoder_block=gemma2", "head_dim=256", "sliding_window_size=128", "att
          "final_logits_soft_cap=30.0", "query_pre_attn_scalar=256", "logits_via_embedding=true"]
 
 
-def compile_train_step(devices, overrides):
+def compile_train_step(devices, overrides, expected="flash"):
     from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
 
     run = builder.build(load_config([BASE_YML, *SMALL, *overrides]), devices=devices)
-    assert run.rt.attention == "flash"
+    assert run.rt.attention == expected, run.rt.attention_reason
     return run.compile().as_text()
 
 
@@ -217,6 +280,28 @@ def test_gemma_train_step_compiles_for_8_h100s(h100s):
     """Gemma 2 (head_dim 256, window, soft-caps): the step every Gemma user on H100s would run."""
     hlo = compile_train_step(h100s, GEMMA + ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
     assert "flash_attention_dkv" in hlo
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_llama_train_step_with_autoselected_cudnn_compiles_for_one_h100():
+    """A Llama-shaped step (head_dim 64, GQA 2:1, bf16): autoselected takes cuDNN on an H100 (models/attention_choice.py)."""
+    hlo = compile_train_step(targets.parse("h100-1").devices(), ["head_dim=64"], expected="cudnn")
+    assert "cudnn" in hlo.lower() and "flash_attention_fwd" not in hlo  # cuDNN, not our Triton kernel
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_dropless_moe_train_step_compiles_for_8_h100s_with_the_grouped_gemm(h100s):
+    """Dropless experts split 4 ways (expert parallelism) x FSDP 2: the grouped GEMM inside the block's shard_map,
+    its operands varying over different mesh axes (tokens over the batch axes, experts over `expert`)."""
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    run = builder.build(load_config([BASE_YML, *SMALL, "decoder_block=mixtral", "num_experts=8", "num_experts_per_tok=2",
+                                     "base_moe_mlp_dim=256", "ici_expert_parallelism=4", "ici_fsdp_parallelism=2"]),
+                        devices=h100s)
+    assert run.rt.grouped_matmul == "pallas"
+    assert "grouped_matmul_weight_grad" in run.compile().as_text()
 
 
 # ----------------------------------------------------------------------------------------------

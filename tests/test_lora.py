@@ -132,7 +132,7 @@ def test_reference_and_adapters_are_sharded_from_their_declarations():
     from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
 
     mesh_args = ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2", "dataset_type=jsonl", "grain_train_files=x",
-                 "use_dpo=true", "train_data_columns=[prompt,chosen,rejected]",
+                 "objective=dpo", "train_data_columns=[prompt,chosen,rejected]",
                  "eval_data_columns=[prompt,chosen,rejected]")
     dpo = builder.build(config_lib.load_config(compose(BASE_YML, *TINY, *mesh_args)))
     assert jax.tree.structure(dpo.shardings["reference"]) == jax.tree.structure(dpo.shardings["params"])

@@ -152,17 +152,18 @@ def test_loss_ignores_zero_weight_tokens():
 # --------------------------------------------------------------------------------------------
 
 from maxtrain.models import decoder  # noqa: E402
+from maxtrain.models.layers import LayerType  # noqa: E402
 
 
 def test_segments_scan_repeating_groups():
-    s, f = decoder.LayerType("decoder", "sliding", "local"), decoder.LayerType()
+    s, f = LayerType(attention="sliding", window=4, rope="local"), LayerType()
     gemma3_1b = [s if (i + 1) % 6 else f for i in range(26)]
     plan = [(seg.start, len(seg.period), seg.repeats) for seg in decoder.plan_segments(gemma3_1b)]
     assert plan == [(0, 6, 4), (24, 1, 2)]
     assert [(seg.start, len(seg.period), seg.repeats) for seg in decoder.plan_segments([f] * 16)] == [(0, 1, 16)]
     alternating = [s, f] * 5 + [s]
     assert [(seg.start, len(seg.period), seg.repeats) for seg in decoder.plan_segments(alternating)] == [(0, 2, 5), (10, 1, 1)]
-    dense_first = [decoder.LayerType("dense")] + [decoder.LayerType("moe")] * 7
+    dense_first = [LayerType("dense")] + [LayerType("moe", mlp="moe")] * 7
     assert [(seg.start, len(seg.period), seg.repeats) for seg in decoder.plan_segments(dense_first)] == [(0, 1, 1), (1, 1, 7)]
 
 
@@ -191,13 +192,11 @@ def test_aux_losses_reach_the_objective_and_the_metrics(monkeypatch):
     from maxtrain.models.families import llama
 
     def layer(x, p, inputs, layer_type, config, rt):
-        x, aux = llama.layer(x, p, inputs, layer_type, config, rt)
+        x, aux = llama.MODEL.layer(x, p, inputs, layer_type, config, rt)
         energy = jnp.mean(jnp.square(x.astype(jnp.float32)))
         return x, {**aux, "toy_loss": 0.01 * energy, "toy_energy": energy}
 
-    toy = types.SimpleNamespace(**{k: getattr(llama, k) for k in ("param_specs", "layer_types", "embed", "logits",
-                                                                  "flops_per_token")},
-                                layer=layer, DECODER_BLOCK="toy")
+    toy = dataclasses.replace(llama.MODEL, layer=layer)  # the family contract, with one layer of its own
     monkeypatch.setitem(models_lib.FAMILIES, "toy", toy)
     block = config_lib.table()["decoder_block"]  # the settings table admits the new family too
     monkeypatch.setitem(config_lib.table(), "decoder_block", dataclasses.replace(
@@ -210,8 +209,9 @@ def test_aux_losses_reach_the_objective_and_the_metrics(monkeypatch):
     micro = {k: v[0] for k, v in batch.items()}
     ce, weight, aux = models.loss_fn(params, micro, cfg, rt)
     per_layer = []  # the energies layer by layer, unrolled by hand
-    x = llama.embed(params, micro["inputs"], cfg, rt)
-    inputs = blocks.LayerInputs(micro["positions"], micro["segment_ids"], decoder.rope_tables(micro["positions"], cfg))
+    x = llama.MODEL.embed(params, micro["inputs"], cfg, rt)
+    inputs = blocks.LayerInputs(micro["positions"], micro["segment_ids"],
+                                decoder.rope_tables(micro["positions"], cfg, decoder.rope_widths(toy, cfg)))
     for i, lt in enumerate(llama.layer_types(cfg)):
         x, layer_aux = layer(x, jax.tree.map(lambda a, i=i: a[i], params["layers"]["decoder"]), inputs, lt, cfg, rt)
         per_layer.append(float(layer_aux["toy_energy"]))
@@ -265,3 +265,14 @@ def test_cpu_dense_weight_gradient_is_a_plain_matmul():
         return re.findall(r" dot\(.*lhs_contracting_dims=\{0\}", grads(backend).lower(x, w).compile().as_text())
 
     assert transposed_lhs_dots(None) and not transposed_lhs_dots("cpu")
+
+
+def test_rms_norm_spans_the_scale_s_axes_and_a_scalar_scale_the_last():
+    """[N, H] scales normalize over all heads' features (OLMo 3), [H] over each head's, and a scalar scale (no learned
+    one, Llama 4's L2 qk-norm) over the last axis, never over none."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 4, 8)), jnp.float32)
+    per_head = blocks.rms_norm(x, jnp.ones((8,)), 1e-6)
+    np.testing.assert_allclose(blocks.rms_norm(x, jnp.ones(()), 1e-6), per_head, rtol=1e-6)
+    np.testing.assert_allclose(jnp.mean(jnp.square(per_head), axis=-1), 1.0, rtol=1e-4)
+    over_heads = blocks.rms_norm(x, jnp.ones((4, 8)), 1e-6)
+    np.testing.assert_allclose(jnp.mean(jnp.square(over_heads), axis=(-2, -1)), 1.0, rtol=1e-4)

@@ -366,7 +366,7 @@ def test_flops_count_active_parameters_and_match_xla():
     (["capacity_factor=-1"], "capacity_factor=-1.0 is not allowed: it must be > 0"),
     (["moe_dispatch=sorted"], "moe_dispatch='sorted' is not allowed: it must be one of: dropless, capacity"),
     (["decoder_block=llama"], "decoder_block=llama has no experts, but num_experts=4"),
-    (["mlp_only_layers=[0]"], "decoder_block=mixtral has experts in every layer"),
+    (["mlp_only_layers=[0]"], r"mlp_only_layers=\[0\] does nothing without decoder_block=qwen3_moe"),
     (["decoder_block=qwen3_moe", "mlp_only_layers=[7]"], r"mlp_only_layers=\[7\] must list layer indices in \[0, 2\]"),
     (["load_balance_loss_weight=-0.1"], "load_balance_loss_weight=-0.1 is not allowed: it must be >= 0"),
     (["num_moe_hidden_tiling=5"], r"num_moe_hidden_tiling=5 must divide the experts' hidden width 24 .* e.g. "

@@ -13,7 +13,7 @@ from post_helpers import compose
 
 
 def _config(*extra):
-    return config_lib.load_config(compose(BASE_YML, *TINY, "dataset_type=jsonl", "grain_train_files=x.jsonl", "use_dpo=true",
+    return config_lib.load_config(compose(BASE_YML, *TINY, "dataset_type=jsonl", "grain_train_files=x.jsonl", "objective=dpo",
                                           "train_data_columns=[prompt,chosen,rejected]",
                                           "eval_data_columns=[prompt,chosen,rejected]", *extra))
 

@@ -62,9 +62,9 @@ def test_inspect_data_marks_the_tokens_that_carry_loss(dataset, tmp_path, capsys
 
 
 @pytest.mark.parametrize("extra, match", [
-    (["use_dpo=true"], "use_sft=true and use_dpo=true were both set"),
-    (["train_data_columns=[a,b,c]"], r"use_sft=true reads conversations.*train_data_columns=\[messages\]"),
-    (["dataset_type=default"], "use_sft=true reads jsonl or parquet"),
+    (["use_dpo=true"], "use_dpo=true contradicts objective=sft: a run has one objective; drop use_dpo"),
+    (["train_data_columns=[a,b,c]"], r"objective=sft reads conversations.*train_data_columns=\[messages\]"),
+    (["dataset_type=default"], "objective=sft reads jsonl or parquet"),
     (["chat_template=vicuna"], "not a built-in template"),
 ])
 def test_bad_settings_are_config_errors(dataset, tmp_path, extra, match):

@@ -40,8 +40,17 @@ PUBLISHED = {
     "qwen3-30b-a3b": 30_532_122_624,  # 3.35B active per token (tests/test_moe.py)
     "gpt-oss-20b": 20_914_757_184,   # model card: 20.9B, 3.6B active (below)
     "gpt-oss-120b": 116_829_156_672,  # model card: 116.8B, 5.1B active
+    "olmo3-7b": 7_298_011_136,       # transformers' count of Olmo-3-1025-7B's config (the model card: 7B)
+    "olmo3-32b": 32_233_522_176,     # transformers' count of OLMo 3 32B's config (the model card: 32B)
     "deepseek3-671b": 671_026_419_200,  # 671B, 37B active (below); the released 685B adds the MTP module
     "deepseek3-tiny": 8_166_320,     # DeepSeek-V3's architecture at the default model's sizes (not released)
+    "glm-4.5-air": 106_852_251_264,  # transformers' count; model card: 106B, 12B active (below), without the MTP layer
+    "glm-4.5": 352_797_829_024,      # transformers' count, without the MTP layer; model card: 355B, 32B active
+    # Llama 4's text decoders: transformers' count of the same architecture (the published 109B and 400B
+    # totals, 17B active, include the vision encoder)
+    "llama4-scout": 107_769_861_120,
+    "llama4-maverick": 400_711_848_960,
+    "qwen3-next-80b-a3b": 79_674_391_296,  # model card: 80B total, 3B activated (3.56B here without the embedding)
     "gpt2-small": 123_587_328,      # GPT-2 small's shape as a Llama (124M with GPT-2's own layers)
     "default": 5_507_328,
 }
@@ -51,6 +60,8 @@ MODEL_CARD = {"qwen3-0.6b": (0.6e9, 0.44e9), "qwen3-8b": (8.2e9, 6.95e9)}
 ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b": 3.6e9, "gpt-oss-120b": 5.1e9}
 # DeepSeek-V3's paper: 37B activated per token (counted, like gpt-oss's, without the input embedding table).
 ACTIVE_BILLIONS_WITHOUT_EMBEDDING = {"deepseek3-671b": 37}
+# GLM-4.5's model card: 12B (Air) and 32B active, counted without the embedding table and the output head.
+ACTIVE_BILLIONS_WITHOUT_EMBEDDING_AND_HEAD = {"glm-4.5-air": 12, "glm-4.5": 32}
 
 
 def preset(name, *overrides):
@@ -77,6 +88,9 @@ def test_preset_parameter_count_is_the_published_one(name):
     if name in ACTIVE_BILLIONS_WITHOUT_EMBEDDING:
         active = models.num_active_params(cfg) - cfg.vocab_size * cfg.base_emb_dim
         assert round(active / 1e9) == ACTIVE_BILLIONS_WITHOUT_EMBEDDING[name]
+    if name in ACTIVE_BILLIONS_WITHOUT_EMBEDDING_AND_HEAD:
+        active = models.num_active_params(cfg) - 2 * cfg.vocab_size * cfg.base_emb_dim
+        assert round(active / 1e9) == ACTIVE_BILLIONS_WITHOUT_EMBEDDING_AND_HEAD[name]
 
 
 @pytest.mark.parametrize("name", sorted(set(PUBLISHED) - {"default", "gpt2-small"}))
@@ -112,7 +126,19 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
                 # MLA (q/k 24 + 8 features, values 40), a dense first layer, one shared expert, one MTP module
                 "deepseek": [*MOE_FLOPS, "base_num_kv_heads=4", "q_lora_rank=48", "kv_lora_rank=32",
                              "qk_nope_head_dim=24", "qk_rope_head_dim=8", "v_head_dim=40", "first_num_dense_layers=1",
-                             "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true", "mtp_num_layers=1"]}
+                             "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true", "mtp_num_layers=1"],
+                # chunks of 16 in the RoPE layers, NoPE layers 1 and 3, experts in layers 1 and 3 with a shared one
+                "llama4_text": [*MOE_FLOPS, "decoder_sparse_step=2", "nope_layer_interval=2",
+                                "chunk_attn_window_size=16", "shared_experts=1", "base_moe_mlp_dim=192",
+                                "use_qk_norm=true", "temperature_tuning=true"],
+                # gated delta-net and full attention alternating, 2 key heads serving 4 value heads, partial RoPE
+                "qwen3_next": [*MOE_FLOPS, "shared_experts=1", "base_moe_mlp_dim=96", "inhomogeneous_layer_cycle_interval=2",
+                               "gdn_num_key_heads=2", "gdn_num_value_heads=4", "gdn_key_head_dim=32",
+                               "gdn_value_head_dim=32", "gdn_chunk_size=16", "partial_rotary_factor=0.25"],
+                # half-head RoPE, qk-norm, q/k/v biases, a dense first layer, one shared expert, one MTP module
+                "glm4_moe": [*MOE_FLOPS, "partial_rotary_factor=0.5", "use_qk_norm=true", "attention_bias=true",
+                             "first_num_dense_layers=1", "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true",
+                             "mtp_num_layers=1"]}
 
 
 @pytest.mark.slow

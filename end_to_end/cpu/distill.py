@@ -10,7 +10,7 @@ busy 2-core CPU).
    steps.
 2. Trains the student (2 layers, D 128, 2 heads of 64) on the same data for --steps steps twice, from
    the same initialization and batches: on the data alone (the next-token loss), and distilled from
-   the teacher (use_distillation=true, distill_alpha, distill_temperature).
+   the teacher (objective=distill, distill_alpha, distill_temperature).
 3. Prints both students' eval curves: the next-token eval loss (the lm run's eval loss, the distilled
    run's distill_ce), measured on the same eval batches every 25 steps.
 
@@ -63,7 +63,7 @@ def memory() -> int:
     for tiles in (1, 4):
         for distilled in (False, True):
             config = config_lib.load_config([*base, *STUDENT, f"num_vocab_tiling={tiles}"] + (
-                ["use_distillation=true", "distill_teacher_path=none"] if distilled else []))
+                ["objective=distill", "distill_teacher_path=none"] if distilled else []))
             if distilled:  # the teacher's settings, as adopt_teacher records them from its checkpoint
                 config = config_lib.Config({**config.to_dict(),
                                             distillation.KEY: {k: getattr(teacher, k) for k in models.MODEL_KEYS}})
@@ -98,7 +98,7 @@ def main(argv: list[str]) -> int:
     alone_log = common.run("maxtrain.train", [*student, "run_name=alone", f"metrics_file={out}/alone.jsonl"],
                            out / "alone.log")
     distilled_log = common.run("maxtrain.train", [
-        *student, "run_name=distilled", f"metrics_file={out}/distilled.jsonl", "use_distillation=true",
+        *student, "run_name=distilled", f"metrics_file={out}/distilled.jsonl", "objective=distill",
         f"distill_teacher_path={out}/teacher", f"distill_alpha={args.alpha}", f"distill_temperature={args.temperature}"],
         out / "distilled.log")
 

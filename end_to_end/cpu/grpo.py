@@ -5,9 +5,9 @@
 1. Generates sums "a+b=" (a, b in 0..99) with their answers: 500 held-out prompts never trained
    on, and the other 9,500 as the training set; a sentencepiece tokenizer (digits split, ChatML
    markers as tokens).
-2. SFT (use_sft, chat_template=chatml) from scratch on [prompt, completion] rows, packed about five
+2. SFT (objective=sft, chat_template=chatml) from scratch on [prompt, completion] rows, packed about five
    to a row: a small model (4 layers, D 128) that answers about a third of the held-out sums right.
-3. GRPO (use_grpo) from the SFT checkpoint on [prompt, answer] rows: 32 prompts x 16 completions
+3. GRPO (objective=grpo) from the SFT checkpoint on [prompt, answer] rows: 32 prompts x 16 completions
    per step sampled at temperature 1, the exact_match reward, grpo_beta 0.04, learning rate 1e-4
    (10% warm-up, then constant). Its held-out evaluation (greedy answers to the 500 prompts,
    eval/grpo_accuracy) runs at step 0, which is the SFT model, every quarter and at the end.
@@ -104,13 +104,13 @@ def main(argv: list[str]) -> int:
         print(f"reusing the SFT model in {out / 'sft'}", flush=True)
     else:
         common.run("maxtrain.train", compose(
-            *base, "run_name=sft", "use_sft=true", "train_data_columns=[prompt,completion]",
+            *base, "run_name=sft", "objective=sft", "train_data_columns=[prompt,completion]",
             f"grain_train_files={data['sft']}", "eval_interval=-1", "per_device_batch_size=32",
             "max_target_length=96",  # about 5 sums packed per row
             f"steps={options.sft_steps}", "learning_rate=3e-3", "warmup_steps_fraction=0.05"), out / "sft.log")
     metrics_file = out / "grpo_metrics.jsonl"
     common.run("maxtrain.train", compose(
-        *base, "run_name=grpo", "use_grpo=true", "train_data_columns=[prompt,answer]", "eval_data_columns=[prompt,answer]",
+        *base, "run_name=grpo", "objective=grpo", "train_data_columns=[prompt,answer]", "eval_data_columns=[prompt,answer]",
         f"grain_train_files={data['grpo']}", f"grain_eval_files={data['held_out']}", "eval_steps=-1",
         f"eval_interval={max(options.grpo_steps // 4, 1)}", f"load_parameters_path={out / 'sft'}", f"per_device_batch_size={options.generations * options.prompts}",
         f"num_generations={options.generations}", "max_prefill_predict_length=16", "decode_sampling_strategy=weighted",

@@ -71,7 +71,7 @@ def grpo_settings(out: str) -> list[str]:
         minloglevel=2)
     with open(os.path.join(out, "tok.model"), "wb") as f:
         f.write(model.getvalue())
-    return ["use_grpo=true", "dataset_type=jsonl", f"grain_train_files={out}/prompts.jsonl",
+    return ["objective=grpo", "dataset_type=jsonl", f"grain_train_files={out}/prompts.jsonl",
             f"tokenizer_path={out}/tok.model", "train_data_columns=[prompt,answer]", "chat_template=chatml",
             "eval_data_columns=[prompt,answer]", "max_prefill_predict_length=32", "num_generations=4",
             "decode_sampling_strategy=weighted", "grpo_reward_functions=[exact_match,kill_resume_rewards:length]"]

@@ -7,10 +7,10 @@
    sentencepiece tokenizer with the ChatML markers as single tokens.
 2. Pre-trains a small base model (LM objective) on the same facts written as plain sentences
    ("add 12 and 34: 46"), never in the chat format.
-3. SFT (use_sft, chat_template=chatml, loss on assistant tokens) from the base, and the same with
+3. SFT (objective=sft, chat_template=chatml, loss on assistant tokens) from the base, and the same with
    LoRA (lora_rank=8); the held-out exact-answer rate (greedy, the answer up to <|im_end|>) is
    measured for the base, the SFT model and the LoRA model.
-4. DPO (use_dpo) from the SFT model, LoRA adapters on a frozen reference; the held-out reward
+4. DPO (objective=dpo) from the SFT model, LoRA adapters on a frozen reference; the held-out reward
    accuracy (chosen reward > rejected reward) comes from the run's eval metrics.
 5. Exports the SFT model (scripts/convert_hf.py export) and checks that transformers' greedy
    generation from the exported model gives the same tokens as `python -m maxtrain.decode`. That
@@ -39,7 +39,7 @@ import common  # noqa: E402  pylint: disable=wrong-import-position
 MODEL = ["base_emb_dim=128", "base_num_query_heads=4", "base_num_kv_heads=4", "head_dim=32", "base_mlp_dim=384",
          "base_num_decoder_layers=4", "vocab_size=384", "max_target_length=64", "per_device_batch_size=32",
          "dtype=float32", "enable_tensorboard=false", "viz_period=-1", "max_new_tokens=0", "checkpoint_period=10000"]
-CHAT = ["use_sft=true", "train_data_columns=[messages]", "eval_data_columns=[messages]", "chat_template=chatml"]
+CHAT = ["objective=sft", "train_data_columns=[messages]", "eval_data_columns=[messages]", "chat_template=chatml"]
 SYMBOLS = ["\n", "<|im_start|>", "<|im_end|>"]
 
 
@@ -212,7 +212,7 @@ def main(argv: list[str]) -> int:
     train("sft", [*base, *sft_data, f"steps={steps}", start, "eval_interval=100000"])
     train("lora", [*base, *sft_data, f"steps={steps}", start, "lora_rank=8", "lora_alpha=16", "learning_rate=1e-2",
                    "eval_interval=100000"])
-    dpo_data = ["use_dpo=true", "train_data_columns=[prompt,chosen,rejected]",
+    dpo_data = ["objective=dpo", "train_data_columns=[prompt,chosen,rejected]",
                 "eval_data_columns=[prompt,chosen,rejected]", "chat_template=chatml", f"grain_train_files={data['dpo']}",
                 f"grain_eval_files={data['dpo_eval']}", "eval_steps=-1", "per_device_batch_size=16"]
     dpo_log = train("dpo", [*base, *dpo_data, f"steps={max(steps // 3, 1)}", f"load_parameters_path={out / 'sft'}",

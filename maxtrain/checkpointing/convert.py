@@ -34,7 +34,8 @@ from maxtrain.config import checks as config_checks
 from maxtrain.config import registry
 from maxtrain.data import default_corpus, tokenizer_hf
 from maxtrain.data import tokenizer as tokenizer_lib
-from maxtrain.models.hf import ConversionError, Interleaved
+from maxtrain.models.hf import (ConversionError, DepthwiseConv, Grouped, GroupRows, Interleaved, PairedRope,
+                                 rope_halves, rope_pairs)
 from maxtrain.models.params import is_spec
 
 # Buffers some older checkpoints carry; recomputed, never needed.
@@ -85,7 +86,7 @@ def model_keys(hf: dict, notes: list | None = None, where: str = "config.json") 
     """Every maxtrain model key (MODEL_KEYS) for a config.json (`where`, for messages): the family's reading
     over base.yml's defaults, checked as a config is (a model maxtrain cannot build is a ConversionError)."""
     family, text = family_for(hf)
-    name = family.FAMILY.name
+    name = family.row.name
     try:
         keys = family.from_hf_config(text, notes)
     except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
@@ -128,9 +129,9 @@ def _entries(keys: dict):
     flat = {"/".join(str(getattr(k, "key", k)) for k in path): spec for path, spec in
             jax.tree_util.tree_flatten_with_path(family.param_specs(cfg), is_leaf=is_spec)[0]}
     for path, spec in flat.items():
-        if path not in family.HF_NAMES:
-            raise ConversionError(f"the {family.FAMILY.name} family declares {path} but has no Hugging Face name for it")
-        name, n_in = family.HF_NAMES[path]
+        if path not in family.hf_names:
+            raise ConversionError(f"the {family.row.name} family declares {path} but has no Hugging Face name for it")
+        name, n_in = family.hf_names[path]
         layers = experts = None
         if "{i}" in name and path.startswith("mtp/"):  # the MTP modules follow the layers (models/mtp.py)
             layers = [len(layer_types) + k for k in range(spec.shape[0])]
@@ -139,6 +140,14 @@ def _entries(keys: dict):
             layers = [i for i, t in enumerate(layer_types) if t.kind == kind]
         if "{j}" in name:
             experts = spec.shape[spec.axes.index("exp")]
+        if isinstance(n_in, Grouped):  # resolved against the shapes of the parameters it is fused with
+            prefix = path.rsplit("/", 1)[0]
+            named = n_in.parts + ((n_in.groups_of,) if n_in.groups_of else ())
+            shapes = {p: _one_shape(flat[f"{prefix}/{p}"], layers, experts) for p in named}
+            lead = n_in.lead
+            groups = shapes[n_in.groups_of][lead + 1] if n_in.groups_of else 1
+            sizes = [math.prod(shapes[p][lead + 1:]) // groups for p in n_in.parts]
+            n_in = GroupRows(groups, sum(sizes[:n_in.part]), sizes[n_in.part], sum(sizes), lead)
         yield tuple(path.split("/")), spec, name, n_in, layers, experts
 
 
@@ -180,7 +189,16 @@ def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) ->
                                       "config.json that came with these weights")
             used.add(hf_name)
             if isinstance(n_in, Interleaved):
-                return np.ascontiguousarray(w[..., n_in.part::n_in.parts]).astype(dtype)
+                return np.ascontiguousarray(w[..., n_in.columns(w.shape[-1])]).astype(dtype)
+            if isinstance(n_in, PairedRope):
+                return rope_halves(w.T.reshape(shape)).astype(dtype)
+            if isinstance(n_in, GroupRows):
+                lead = w.shape[:n_in.lead]
+                rows = w.reshape(*lead, n_in.groups, n_in.total, -1)[..., n_in.offset:n_in.offset + n_in.size, :]
+                rows = rows.reshape(*lead, n_in.groups * n_in.size, -1)
+                return np.swapaxes(rows, -1, -2).reshape(shape).astype(dtype)
+            if isinstance(n_in, DepthwiseConv):
+                return w.reshape(w.shape[0], -1).T.reshape(shape).astype(dtype)
             return (w.reshape(shape) if n_in in (None, "flat") else w.T.reshape(shape)).astype(dtype)
 
         def per_layer(i, name=name, experts=experts):
@@ -219,10 +237,23 @@ def to_hf(params: dict, keys: dict, dtype) -> dict[str, np.ndarray]:
                             per_layer if experts is not None else [per_layer]):
                 if isinstance(n_in, Interleaved):  # its columns of the tensor it shares
                     whole = out.setdefault(name.format(i=i, j=j), np.zeros(_hf_shape(w.shape, n_in), dtype))
-                    whole[..., n_in.part::n_in.parts] = w
+                    whole[..., n_in.columns(whole.shape[-1])] = w
                     continue
-                w = w.reshape(_hf_shape(w.shape, n_in)) if n_in in (None, "flat") else \
-                    w.reshape(math.prod(w.shape[:n_in]), -1).T
+                if isinstance(n_in, GroupRows):  # its rows of each group of the tensor it shares
+                    whole = out.setdefault(name.format(i=i, j=j), np.zeros(_hf_shape(w.shape, n_in), dtype))
+                    lead = w.shape[:n_in.lead]
+                    rows = np.swapaxes(w.reshape(*lead, w.shape[n_in.lead], -1), -1, -2)
+                    rows = rows.reshape(*lead, n_in.groups, n_in.size, -1)
+                    whole.reshape(*lead, n_in.groups, n_in.total, -1)[..., n_in.offset:n_in.offset + n_in.size, :] = rows
+                    continue
+                if isinstance(n_in, DepthwiseConv):
+                    out[name.format(i=i, j=j)] = np.ascontiguousarray(w.T.reshape(w.shape[1], 1, w.shape[0])).astype(dtype)
+                    continue
+                lead = n_in.n_in if isinstance(n_in, PairedRope) else n_in
+                if isinstance(n_in, PairedRope):
+                    w = rope_pairs(w)
+                w = w.reshape(_hf_shape(w.shape, lead)) if lead in (None, "flat") else \
+                    w.reshape(math.prod(w.shape[:lead]), -1).T
                 out[name.format(i=i, j=j)] = np.ascontiguousarray(w).astype(dtype)
     return out
 
@@ -233,6 +264,12 @@ def _hf_shape(shape: tuple, n_in) -> tuple:
         return tuple(shape)
     if isinstance(n_in, Interleaved):
         return tuple(shape[:-1]) + (shape[-1] * n_in.parts,)
+    if isinstance(n_in, GroupRows):
+        return (*shape[:n_in.lead], n_in.groups * n_in.total, shape[n_in.lead])
+    if isinstance(n_in, DepthwiseConv):
+        return (shape[1], 1, shape[0])
+    if isinstance(n_in, PairedRope):
+        n_in = n_in.n_in
     if n_in == "flat":
         return (math.prod(shape),)
     return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
@@ -273,7 +310,7 @@ def _without_prediction_layers(tensors: dict, hf: dict, keys: dict, notes: list)
     layers = keys["base_num_decoder_layers"]
     extra = tuple(f"model.layers.{i}." for i in range(layers, layers + mtp))
     if keys.get("mtp_num_layers", 0) > 0:
-        copies = tuple(p + c for p in extra for c in models.family(spec_config(keys)).MTP_COPIES)
+        copies = tuple(p + c for p in extra for c in models.family(spec_config(keys)).mtp_copies)
         return {n: t for n, t in tensors.items() if not n.endswith(copies)}
     out = {n: t for n, t in tensors.items() if not n.startswith(extra)}
     if len(out) < len(tensors):
@@ -370,7 +407,7 @@ def export_hf(checkpoint_path: str, out_dir: str, dtype: str = "float32", max_sh
     step_dir = checkpoint_files.find_step_dir(checkpoint_path)
     meta = checkpoint_files.read_metadata(step_dir)
     saved = meta.get("config", {})
-    missing = [k for k in models.MODEL_KEYS if k not in saved and k not in models.MOE_KEYS + models.DEEPSEEK_KEYS]
+    missing = [k for k in models.MODEL_KEYS if k not in saved and k not in models.LATER_KEYS]
     if missing:
         raise ConversionError(f"the checkpoint {step_dir} has no model settings {missing} in its metadata; it was "
                               "written by an older maxtrain")
@@ -439,7 +476,7 @@ def hf_config(keys: dict, original: dict | None, dtype: str) -> dict:
             out = dict(original)
             if isinstance(out.get("text_config"), dict):  # exported as the text-only model
                 out = {**out, **out.pop("text_config")}
-                out.update(architectures=[family.FAMILY.hf_architecture], model_type=family.FAMILY.hf_model_types[0])
+                out.update(architectures=[family.row.hf_architecture], model_type=family.row.hf_model_types[0])
                 out.pop("vision_config", None)
             out.update(torch_dtype=dtype, dtype=dtype)
             out.pop("quantization_config", None)  # the weights are written dequantized

@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 
+from maxtrain import config as config_lib
 from maxtrain import models
 from maxtrain.checkpointing import checksums
 from maxtrain.checkpointing.files import (check_step, complete_steps, damaged_root, find_step_dir,
@@ -56,7 +57,8 @@ def describe(path: str) -> str:
             lines.append("  model: " + " ".join(f"{k}={config[k]}" for k in models.MODEL_KEYS if k in config))
         if "run_name" in config:
             lines.append(f"  run: run_name={config['run_name']} steps={config.get('steps')} "
-                         f"seed={config.get('seed')} dataset_type={config.get('dataset_type')}")
+                         f"seed={config.get('seed')} dataset_type={config.get('dataset_type')} "
+                         f"objective={config_lib.objectives.saved_objective(config).get('objective', 'lm')}")
         if "packages" in meta:
             lines.append(f"  packages: {len(meta['packages'])} (" + ", ".join(
                 p for p in meta["packages"] if p.split("==")[0].lower() in ("jax", "orbax-checkpoint", "grain", "optax"))

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 import yaml
 
+from maxtrain import config as config_lib
 from maxtrain import models, storage
 from maxtrain.checkpointing import checksums
 from maxtrain.checkpointing.files import (CheckpointError, all_values, check_fits, check_settings, check_step,
@@ -326,7 +327,7 @@ def initial_state(start: Start, checkpointer, abstract_state: dict, init, key, d
 
 
 def _log_config_changes(step_dir: str, config, log) -> None:
-    saved = read_metadata(step_dir).get("config", {})
+    saved = config_lib.objectives.saved_objective(read_metadata(step_dir).get("config", {}))  # use_* -> objective
     ignore = {"run_name_was_generated", "config_path", "given_keys", "preset_keys"}
     changed = [f"{k}: {saved[k]!r} -> {v!r}" for k, v in config.to_dict().items()
                if k in saved and k not in ignore and saved[k] != v]

@@ -27,7 +27,7 @@ def peft_tensors(adapters: dict, family, layer_types) -> dict[str, np.ndarray]:
     for kind, targets in adapters.get("layers", {}).items():
         indices = [i for i, t in enumerate(layer_types) if t.kind == kind]
         for pname, ab in targets.items():
-            hf_name, _ = family.HF_NAMES[f"layers/{kind}/{pname}"]
+            hf_name, _ = family.hf_names[f"layers/{kind}/{pname}"]
             module = hf_name.removesuffix(".weight")
             a, b = np.asarray(ab["a"], np.float32), np.asarray(ab["b"], np.float32)
             for j, i in enumerate(indices):

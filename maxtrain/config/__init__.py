@@ -5,6 +5,7 @@
 
     settings.py   the settings table's format: one line of base.yml declares a key, its type, allowed values
     registry.py   the model families and downstream tasks, declared once
+    objectives.py the objective key's rows: data kind, frozen model, extra state, owned keys, checks
     schema.py     base.yml as the table, the mesh and logical axes, the presets
     checks.py     the named rules that relate several keys
     features.py   each feature's switch and the settings it owns; what each family is
@@ -18,6 +19,7 @@ everything else in maxtrain reads its settings from here, before JAX starts.
 
 from maxtrain.config.loading import (Config, load_config, parse_overrides, revalidate, with_devices,  # noqa: F401
                                      with_overrides)
+from maxtrain.config import objectives  # noqa: F401
 from maxtrain.config.registry import EVAL_TASKS, MOE_FAMILIES  # noqa: F401
 from maxtrain.config.schema import (BASE_CONFIG, LOGICAL_AXES, MESH_AXES, command_help, defaults,  # noqa: F401
                                     packaged_configs_dir, parallelism_key, preset_names, table)

@@ -8,11 +8,12 @@ axis filled with -1, tensor parallelism dividing heads/mlp/vocab, ...), each a f
 resolved values that raises ConfigError. loading.load_config and loading.revalidate call it. Two
 settings' parsers live here too, because a rule checks them and the run uses them again:
 `parse_eval_tasks` (evaluate.py, evals/runner.py) and `split_address` (parallel/distributed.py).
-CHECKS ends with two tables' rules: limits.py (a sampler with one choice, a sequence too short for a
+The objective's rules are its row's (objectives.CHECKS: its data settings, its own rules). CHECKS ends with
+two tables' rules: limits.py (a sampler with one choice, a sequence too short for a
 setting, an empty path) and features.py (a setting of a feature that is off, a family's defining
 setting left at a default that turns it off).
 
-Imports the schema and the registry (what the rules check against), the settings table, the two tables'
+Imports the schema and the registry (what the rules check against), the settings table, the three tables'
 modules and the error types.
 """
 
@@ -23,7 +24,7 @@ import importlib.util
 import os
 from typing import Any
 
-from maxtrain.config import features, limits
+from maxtrain.config import features, limits, objectives
 from maxtrain.config import settings as settings_lib
 from maxtrain.config.registry import EVAL_TASKS, MOE_FAMILIES
 from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, QUANTIZATION_PLACES, parallelism_key, table, ways
@@ -70,40 +71,6 @@ LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down")
 CHAT_TEMPLATES = ("chatml", "llama3", "plain")  # maxtrain/data/chat.py: built-in templates
 
 
-def _one_objective(v):
-    _require(not (v["use_sft"] and v["use_dpo"]),
-             "use_sft=true and use_dpo=true were both set; a run has one objective. Run SFT first, then DPO from its "
-             "checkpoint with load_parameters_path=<the SFT run>")
-
-
-def _data_columns(v):
-    """One text field for pre-training; SFT and DPO name the fields of their records (docs/post_training.md)."""
-    if v["use_grpo"]:
-        return  # _grpo_settings checks GRPO's [prompt, answer]
-    wanted = {"sft": (["messages"], ["prompt", "completion"]), "dpo": (["prompt", "chosen", "rejected"],)}
-    kind = "sft" if v["use_sft"] else "dpo" if v["use_dpo"] else None
-    for key in _columns_keys(v):
-        columns = v[key]
-        _require(all(isinstance(c, str) and c for c in columns),
-                 f"{key}={columns!r} must be a list of field names, e.g. {key}=[text]")
-        if kind is None:
-            _require(len(columns) == 1, f"{key}={columns!r} must name exactly one text field, e.g. {key}=[text]")
-            continue
-        shapes = ["[" + ",".join(c) + "]" for c in wanted[kind]]
-        _require(len(columns) in {len(c) for c in wanted[kind]},
-                 f"use_{kind}=true reads {'conversations' if kind == 'sft' else 'preference pairs'}, but {key}="
-                 f"{columns!r}; set {key}={shapes[0]} (the names of your fields, in that order)"
-                 + (f", or {shapes[1]}" if kind == "sft" else ""))
-        _require(v["dataset_type"] in ("jsonl", "parquet"),
-                 f"use_{kind}=true reads jsonl or parquet files, but dataset_type={v['dataset_type']}; set "
-                 f"dataset_type=jsonl (or parquet) and grain_train_files=<your files>")
-
-
-def _columns_keys(v) -> tuple[str, ...]:
-    """The *_data_columns keys a run reads: eval_data_columns only with eval files."""
-    return ("train_data_columns", "eval_data_columns") if v["grain_eval_files"] else ("train_data_columns",)
-
-
 def _chat_template_known(v):
     _require(v["chat_template"] in ("",) + CHAT_TEMPLATES,
              f"chat_template={v['chat_template']!r} is not a built-in template; use one of {', '.join(CHAT_TEMPLATES)}, "
@@ -117,41 +84,12 @@ def _lora_targets_known(v):
              "(q, k, v, o: attention; gate, up, down: MLP)")
 
 
-GRPO_REWARDS = ("exact_match", "format")  # maxtrain/training/rewards.py: built-in rewards
-
-
-def _grpo_settings(v):
-    """GRPO's settings against one another (docs/post_training.md); the reward functions are imported at start."""
-    if not v["use_grpo"]:
-        return
-    other = "sft" if v["use_sft"] else "dpo" if v["use_dpo"] else "distillation" if v["use_distillation"] else None
-    _require(other is None, f"use_grpo=true and use_{other}=true were both set; a run has one objective. "
-             "Run SFT first, then GRPO from its checkpoint with load_parameters_path=<the SFT run>")
-    _require(v["num_generations"] >= 2,
-             f"num_generations={v['num_generations']}: GRPO's advantage is a completion's reward minus its group's "
-             "mean, always 0 in a group of one; sample 2 or more completions per prompt (4 to 16 are usual)")
-    for key in _columns_keys(v):
-        _require(len(v[key]) == 2 and all(isinstance(c, str) and c for c in v[key]),
-                 f"use_grpo=true reads prompts and their answers, but {key}={v[key]!r}; set {key}=[prompt,answer] "
-                 "(the names of your fields, in that order)")
-    _require(v["dataset_type"] in ("jsonl", "parquet"),
-             f"use_grpo=true reads jsonl or parquet files, but dataset_type={v['dataset_type']}; set dataset_type=jsonl "
-             "(or parquet) and grain_train_files=<your prompts>")
-    _require(v["num_epoch"] == -1, f"use_grpo=true repeats its prompts (num_epoch=-1), but num_epoch={v['num_epoch']}; "
-                                   "bound the run with steps instead")
-    for name in v["grpo_reward_functions"]:
-        module, _, function = str(name).partition(":")
-        _require(name in GRPO_REWARDS or (module and function),
-                 f"grpo_reward_functions: {name!r} is neither a built-in reward ({', '.join(GRPO_REWARDS)}) nor an "
-                 "import path module:function (e.g. my_rewards:score, with my_rewards.py on PYTHONPATH)")
-    _require(len(v["grpo_reward_functions"]) > 0, "grpo_reward_functions is empty; name at least one, e.g. [exact_match]")
-
-
 def _llama3_rope_factors(v):
     if v["rope_type"] == "llama3":
-        _require(v["rope_high_freq_factor"] > v["rope_low_freq_factor"] > 0,
-                 f"rope_type=llama3 needs rope_high_freq_factor > rope_low_freq_factor > 0, got "
-                 f"{v['rope_high_freq_factor']} and {v['rope_low_freq_factor']} (Llama 3.1 uses 4.0 and 1.0)")
+        _require(v["rope_high_freq_factor"] >= v["rope_low_freq_factor"] > 0,
+                 f"rope_type=llama3 needs rope_high_freq_factor >= rope_low_freq_factor > 0, got "
+                 f"{v['rope_high_freq_factor']} and {v['rope_low_freq_factor']} (Llama 3.1 uses 4.0 and 1.0, "
+                 "Llama 4 Scout 1.0 and 1.0)")
 
 
 def _attention_layer_types(v):
@@ -179,12 +117,6 @@ def _moe_layers_of_the_family(v):
     if block not in MOE_FAMILIES:
         _require(e == 1, f"decoder_block={block} has no experts, but num_experts={e}; use decoder_block="
                          f"{' or '.join(MOE_FAMILIES)} for a mixture of experts, or num_experts=1")
-    if block in MOE_FAMILIES and block != "qwen3_moe":  # experts in every layer (Mixtral, gpt-oss)
-        _require(v["decoder_sparse_step"] == 1 and not layers,
-                 f"decoder_block={block} has experts in every layer; decoder_sparse_step and mlp_only_layers are "
-                 "qwen3_moe settings (use decoder_block=qwen3_moe to mix dense and MoE layers)")
-        _require(v["norm_topk_prob"], f"decoder_block={block} always renormalizes its top-k router weights; "
-                                      "norm_topk_prob=false is a qwen3_moe setting")
 
 
 def _expert_parallelism_divides_experts(v):
@@ -255,6 +187,13 @@ def _context_chunks_divide_length(v):
                  f"into {2 * cp} chunks (two per device, one early and one late, so that causal attention's work is "
                  f"even), so max_target_length={length} must be a multiple of {2 * cp}; e.g. max_target_length="
                  f"{max(2 * cp, length // (2 * cp) * 2 * cp)}")
+
+
+def _chunked_attention_without_context_parallelism(v):
+    cp, chunk = ways(v, "context"), v["chunk_attn_window_size"]
+    _require(not (chunk > 0 and cp and cp > 1),
+             f"chunk_attn_window_size={chunk} (chunked attention) does not run with context parallelism {cp} yet; "
+             "set ici_context_parallelism=1 and dcn_context_parallelism=1")
 
 
 def _tensor_parallelism_divides(v):
@@ -356,8 +295,6 @@ def _routing_groups(v):
         _require(top == -1, f"topk_routing_group={top} needs n_routing_groups (the experts' groups to choose "
                             "among); set n_routing_groups, or topk_routing_group=-1")
         return
-    _require(v["decoder_block"] == "deepseek", f"n_routing_groups={groups} is a setting of the deepseek family's "
-                                               "sigmoid router; use decoder_block=deepseek, or n_routing_groups=-1")
     _require(e % groups == 0, f"n_routing_groups={groups} must divide num_experts={e} (the groups are equal); "
                               f"e.g. n_routing_groups={_divisor_hint(e, groups)}")
     top = groups if top == -1 else top
@@ -377,33 +314,56 @@ def _expert_balancing_needs_experts(v):
     _require(v["routed_bias"] or v["routed_bias_update_rate"] == 0,
              f"routed_bias_update_rate={v['routed_bias_update_rate']} updates the router's selection bias, but "
              "routed_bias=false: set routed_bias=true (aux-loss-free balancing), or routed_bias_update_rate=0")
-    _require(v["decoder_block"] == "deepseek" or v["routed_scaling_factor"] == 1.0,
-             f"routed_scaling_factor={v['routed_scaling_factor']} is a setting of the deepseek family's router; "
-             "use decoder_block=deepseek, or routed_scaling_factor=1")
 
 
 def _dense_layers_first(v):
     n, layers = v["first_num_dense_layers"], v["base_num_decoder_layers"]
     if n == 0:
         return
-    _require(v["decoder_block"] == "deepseek", f"first_num_dense_layers={n} is a deepseek setting; use "
-                                               "decoder_block=deepseek (qwen3_moe: mlp_only_layers)")
     _require(n < layers, f"first_num_dense_layers={n} leaves no layer of experts among base_num_decoder_layers="
                          f"{layers}; use first_num_dense_layers < {layers}")
 
 
 def _mla_head_dims(v):
-    if v["decoder_block"] != "deepseek":
+    if features.family(v).mixer != "mla":
         return
     _require(v["qk_rope_head_dim"] % 2 == 0,
              f"qk_rope_head_dim={v['qk_rope_head_dim']} must be even (RoPE rotates pairs of features)")
     qk = v["qk_nope_head_dim"] + v["qk_rope_head_dim"]
     _require(v["head_dim"] == qk, f"head_dim={v['head_dim']} must be the query/key head width qk_nope_head_dim + "
-                                  f"qk_rope_head_dim = {qk} for decoder_block=deepseek (MLA); set head_dim={qk}")
+                                  f"qk_rope_head_dim = {qk} for MLA (decoder_block={v['decoder_block']}); set head_dim={qk}")
     _require(v["base_num_kv_heads"] == v["base_num_query_heads"],
              f"base_num_kv_heads={v['base_num_kv_heads']} must equal base_num_query_heads={v['base_num_query_heads']} "
-             "for decoder_block=deepseek: MLA expands every head's keys and values from the latent; set "
+             f"for decoder_block={v['decoder_block']}: MLA expands every head's keys and values from the latent; set "
              f"base_num_kv_heads={v['base_num_query_heads']}")
+
+
+def _gated_deltanet(v):
+    """The gated delta-net layers' shapes, for a family that has them (its registry row reads their settings)."""
+    if "gdn_num_key_heads" not in features.family(v).settings:
+        return
+    nk, nv = v["gdn_num_key_heads"], v["gdn_num_value_heads"]
+    _require(nv % nk == 0, f"gdn_num_value_heads={nv} must be a multiple of gdn_num_key_heads={nk} (each key head "
+                           f"serves a whole group of value heads); e.g. gdn_num_value_heads={nk * max(1, nv // nk)}")
+    cycle, layers = v["inhomogeneous_layer_cycle_interval"], v["base_num_decoder_layers"]
+    _require(cycle <= layers, f"inhomogeneous_layer_cycle_interval={cycle} leaves no full-attention layer among "
+                              f"base_num_decoder_layers={layers}; use inhomogeneous_layer_cycle_interval <= {layers}")
+    # The recurrent state runs along the whole sequence and through every layer in order: splitting either
+    # would need the state handed from shard to shard, which the gated delta-net does not do yet.
+    for axis, keys in (("context", "ici_context_parallelism=1 and dcn_context_parallelism=1"),
+                       ("stage", "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")):
+        split = ways(v, axis)
+        _require(split in (1, None), f"decoder_block={v['decoder_block']}'s gated delta-net layers do not run with "
+                                     f"{axis} parallelism {split} yet (their state would pass from shard to shard); set "
+                                     f"{keys}, and split the model with ici_fsdp_parallelism or "
+                                     "ici_tensor_parallelism instead")
+
+
+def _partial_rotary_factor(v):
+    rotated = int(v["head_dim"] * v["partial_rotary_factor"])
+    _require(rotated >= 2 and rotated % 2 == 0,
+             f"partial_rotary_factor={v['partial_rotary_factor']} rotates {rotated} of head_dim={v['head_dim']} "
+             "features, but RoPE rotates an even number of them (at least 2); choose a factor that gives one")
 
 
 def _multi_token_prediction(v):
@@ -412,11 +372,8 @@ def _multi_token_prediction(v):
     n = v["mtp_num_layers"]
     if n == 0:
         return
-    _require(v["decoder_block"] == "deepseek", f"mtp_num_layers={n} is a deepseek setting (its multi-token "
-                                               "prediction modules); use decoder_block=deepseek, or mtp_num_layers=0")
-    for key in ("use_dpo", "use_grpo", "use_distillation"):
-        _require(not v[key], f"mtp_num_layers={n} with {key}=true: multi-token prediction is a loss of the next-token "
-                             "objectives (pre-training, SFT); set mtp_num_layers=0")
+    _require(objectives.of(v).next_token, f"mtp_num_layers={n} with objective={v['objective']}: multi-token prediction "
+             "is a loss of the next-token objectives (lm, sft); set mtp_num_layers=0")
     _require(v["lora_rank"] == 0, f"mtp_num_layers={n} with lora_rank={v['lora_rank']}: LoRA would leave the MTP "
                                   "modules untrained; set mtp_num_layers=0 (or lora_rank=0)")
     for axis, keys in (("stage", "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1"),
@@ -453,32 +410,27 @@ def _muon_without_lora(v):
 
 
 CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
-          _flash_blocks_powers_of_two, _one_objective, _data_columns, _chat_template_known, _lora_targets_known,
+          _flash_blocks_powers_of_two, _gated_deltanet, _partial_rotary_factor,
+          *objectives.CHECKS, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           _stages_divide_layers, _no_pipeline_stages_with_experts, _context_chunks_divide_length,
+          _chunked_attention_without_context_parallelism,
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
           _run_name_is_one_directory, _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
           _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts, _hidden_tiling_divides_expert_width,
-          _eval_tasks_known, _quantization_known, _fp8_not_with_float16, _grpo_settings,
-          _muon_without_lora) + DEEPSEEK_CHECKS
+          _eval_tasks_known, _quantization_known, _fp8_not_with_float16, _muon_without_lora) + DEEPSEEK_CHECKS
 
 
-def _distillation_settings(v):
-    """Distillation needs its teacher, and has the run's one objective; the teacher runs no pipeline stages."""
-    if not v["use_distillation"]:
-        return
-    _require(not v["use_dpo"], "use_distillation=true and use_dpo=true were both set; a run has one objective. "
-                               "Distill first, then run DPO from its checkpoint with load_parameters_path=<that run>")
-    _require(bool(v["distill_teacher_path"]), "use_distillation=true needs a teacher: set distill_teacher_path=<a "
-                                              "checkpoint step dir or run dir> (scripts/convert_hf.py imports a "
-                                              "Hugging Face model as one)")
-    _require(ways(v, "stage") in (1, None), "use_distillation=true does not run with pipeline parallelism yet; set "
-                                             "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
+def _objective_with_pipeline_stages(v):
+    """An objective whose frozen model is not wired through pipeline stages (objectives.Objective.pipeline)."""
+    _require(objectives.of(v).pipeline or ways(v, "stage") in (1, None),
+             f"objective={v['objective']} does not run with pipeline parallelism yet; set ici_pipeline_parallelism=1 "
+             "and dcn_pipeline_parallelism=1")
 
 
 # limits.py: samplers with one choice, lengths, paths; features.py last: the rules above name the more particular
 # mistakes of a setting that does nothing
-CHECKS += (_distillation_settings,) + limits.CHECKS + features.CHECKS
+CHECKS += (_objective_with_pipeline_stages,) + limits.CHECKS + features.CHECKS
 
 
 def _divisor_hint(n: int, near: int) -> int:

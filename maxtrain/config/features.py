@@ -6,7 +6,7 @@
 
 Two rules, each over one declared table:
 
-- `FEATURES` (the features with a switch: distillation, GRPO, DPO, SFT, LoRA, Muon, float16 loss scaling,
+- `FEATURES` (the features with a switch: each objective's keys and its data kind's, LoRA, Muon, float16 loss scaling,
   fp8, multi-token prediction, mixtures of experts, each family's own settings, RoPE scaling, sliding
   windows, sampling, the profiler, ...): a key of a feature that is off, set by the user to anything but
   its base.yml default, is refused, naming the key, the switch and the fix. A model preset's values are
@@ -17,7 +17,7 @@ Two rules, each over one declared table:
   would silently be another model (full attention, a dense MLP); refused with the family's usual value.
 
 Every key of the table is declared once (tests/test_config.py checks each is a base.yml key of one row).
-Imports the registry, the schema (the mesh's ways) and the error type.
+Imports the registry, the objectives' table, the schema (the mesh's ways) and the error type.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from maxtrain.config import objectives
 from maxtrain.config.registry import FAMILIES, MOE_FAMILIES, Family
 from maxtrain.config.schema import table, ways
 from maxtrain.errors import ConfigError
@@ -32,7 +33,7 @@ from maxtrain.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class Feature:
-    needs: str                          # what turns it on, as the error says it: "use_distillation=true"
+    needs: str                          # what turns it on, as the error says it: "objective=distill"
     on: Callable[[dict], bool]          # whether resolved values have it on
     keys: tuple[str, ...]               # the settings only it reads
     fix: str = ""                       # how to turn it on, where that is more than "set <needs>"
@@ -56,6 +57,24 @@ def _family_features() -> tuple[Feature, ...]:
                          tuple(keys), state="decoder_block") for names, keys in groups.items())
 
 
+def _objective_features() -> tuple[Feature, ...]:
+    """One row per objective with keys of its own, then the keys of the data kinds read through a chat template."""
+    rows = [Feature(f"objective={o.name}", lambda v, name=o.name: v["objective"] == name, o.keys, fix=o.fix,
+                    state="objective") for o in objectives.OBJECTIVES.values() if o.keys]
+    def reading(kinds):  # "sft, dpo or distill with distill_data=conversations": the objectives that read these kinds
+        names = [o.name + ("" if o.data[0] in kinds else f" with {o.data_key}={next(k for k in o.data if k in kinds)}")
+                 for o in objectives.OBJECTIVES.values() if set(o.data) & set(kinds)]
+        return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]
+    conversations = reading((objectives.CONVERSATIONS,))
+    templated = reading((objectives.CONVERSATIONS, objectives.PAIRS, objectives.PROMPTS))
+    return (*rows,
+            Feature(f"conversations (objective={conversations})",
+                    lambda v: objectives.data_kind(v) == objectives.CONVERSATIONS, ("sft_train_on_completion_only",),
+                    fix="set objective=sft", state="objective"),
+            Feature(f"records rendered with a chat template (objective={templated})", objectives.templated,
+                    ("chat_template",), fix="set objective=sft (or dpo, grpo)", state="objective"))
+
+
 def family(v: dict[str, Any]) -> Family:
     """The configured family's registry row (a plain one for a family only a test has added)."""
     return FAMILIES.get(v["decoder_block"]) or Family(v["decoder_block"], (), "")
@@ -66,22 +85,14 @@ def layer_attention(v: dict[str, Any]) -> list[str]:
     return family(v).attention_plan(v["base_num_decoder_layers"], v["sliding_window_size"], v["attention_layer_types"])
 
 
+MLA_FAMILIES = tuple(n for n, f in FAMILIES.items() if f.mixer == "mla")
 SLIDING_FAMILIES = tuple(n for n, f in FAMILIES.items() if "sliding" in f.attention_pattern or f.window_everywhere)
 MOE = "a mixture-of-experts family"
 USE_MOE = "set decoder_block to one of " + ", ".join(MOE_FAMILIES)
 
 FEATURES: tuple[Feature, ...] = (
-    # objectives and adapters
-    Feature("use_distillation=true", lambda v: v["use_distillation"],
-            ("distill_teacher_path", "distill_alpha", "distill_temperature"),
-            fix="set use_distillation=true (with distill_teacher_path=<the teacher's checkpoint>)"),
-    Feature("use_grpo=true", lambda v: v["use_grpo"],
-            ("num_generations", "grpo_beta", "grpo_epsilon", "grpo_reward_functions", "max_prefill_predict_length")),
-    Feature("use_dpo=true", lambda v: v["use_dpo"], ("dpo_beta", "dpo_label_smoothing")),
-    Feature("use_sft=true", lambda v: v["use_sft"], ("sft_train_on_completion_only",)),
-    Feature("use_sft, use_dpo or use_grpo (records rendered with a chat template)",
-            lambda v: v["use_sft"] or v["use_dpo"] or v["use_grpo"], ("chat_template",),
-            fix="set use_sft=true (or use_dpo=true, use_grpo=true)"),
+    # objectives (config/objectives.py: each row's keys; the keys of the data kinds that read records) and adapters
+    *_objective_features(),
     Feature("lora_rank > 0", lambda v: v["lora_rank"] > 0, ("lora_alpha", "lora_target_modules"),
             fix="set lora_rank (e.g. lora_rank=8)"),
     # optimizer and precision
@@ -100,8 +111,9 @@ FEATURES: tuple[Feature, ...] = (
     # dispatches keeps one capacity_factor, as tests/test_moe.py does)
     Feature(MOE, lambda v: v["decoder_block"] in MOE_FAMILIES,
             ("num_experts", "num_experts_per_tok", "base_moe_mlp_dim", "moe_dispatch", "capacity_factor",
-             "load_balance_loss_weight", "router_z_loss_weight", "num_moe_hidden_tiling", "shared_experts",
-             "routed_bias", "routed_bias_update_rate", "seq_balance_loss_weight"), fix=USE_MOE, state="decoder_block"),
+             "moe_grouped_matmul", "load_balance_loss_weight", "router_z_loss_weight", "num_moe_hidden_tiling",
+             "shared_experts", "routed_bias", "routed_bias_update_rate", "seq_balance_loss_weight"), fix=USE_MOE,
+            state="decoder_block"),
     Feature("mtp_num_layers > 0", lambda v: v["mtp_num_layers"] > 0, ("mtp_loss_scaling_factor",),
             fix="set mtp_num_layers (e.g. mtp_num_layers=1, decoder_block=deepseek)"),
     *_family_features(),
@@ -120,9 +132,9 @@ FEATURES: tuple[Feature, ...] = (
             state="rope_type"),
     Feature("rope_type=yarn", lambda v: v["rope_type"] == "yarn",
             ("rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_truncate"), state="rope_type"),
-    Feature("decoder_block=deepseek with rope_type=yarn", lambda v: v["decoder_block"] == "deepseek"
-            and v["rope_type"] != "default", ("rope_mscale_all_dim",),
-            fix="set rope_type=yarn with decoder_block=deepseek", state="rope_type"),
+    Feature(f"decoder_block={' or '.join(MLA_FAMILIES)} with rope_type=yarn",
+            lambda v: family(v).mixer == "mla" and v["rope_type"] != "default", ("rope_mscale_all_dim",),
+            fix=f"set rope_type=yarn with decoder_block={' or '.join(MLA_FAMILIES)}", state="rope_type"),
     # sampling (maxtrain.decode, GRPO's completions), the profiler, the data, compilation, the pipeline
     Feature("decode_sampling_strategy=weighted, topk or nucleus", lambda v: v["decode_sampling_strategy"] != "greedy",
             ("decode_sampling_temperature",), fix="set decode_sampling_strategy=weighted (or topk, nucleus)",

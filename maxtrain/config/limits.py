@@ -19,13 +19,14 @@ Three rules, each over what the code does with the settings:
   empty value is documented ("" = none or the default: tokenizer_path, load_parameters_path, ...) keep it,
   so `grain_eval_files=` still clears a YAML file's eval files.
 
-Imports the settings table (defaults) and the error type.
+Imports the settings table (defaults), the objectives' table (which objective samples) and the error type.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from maxtrain.config import objectives
 from maxtrain.config.schema import table
 from maxtrain.errors import ConfigError
 
@@ -57,22 +58,25 @@ def sampler_choices(v: dict[str, Any]) -> str | None:
 
 
 def _grpo_samples_different_completions(v):
-    why = sampler_choices(v) if v["use_grpo"] else None
+    why = sampler_choices(v) if objectives.of(v).samples else None
     if why:
-        raise ConfigError(f"use_grpo=true samples each prompt's completions with {why}; a prompt's completions would "
-                          "all be the same and teach nothing (zero advantage). Set decode_sampling_strategy=weighted "
-                          "(or topk with decode_sampling_top_k >= 2, nucleus with decode_sampling_nucleus_p near 1) "
+        raise ConfigError(f"objective={v['objective']} samples each prompt's completions with {why}; a prompt's "
+                          "completions would all be the same and teach nothing (zero advantage). Set "
+                          "decode_sampling_strategy=weighted (or topk with decode_sampling_top_k >= 2, nucleus with decode_sampling_nucleus_p near 1) "
                           f"and decode_sampling_temperature >= {MIN_SAMPLING_TEMPERATURE} (1.0 is usual)")
 
 
 # What a sequence of max_target_length tokens must hold: (key, whether it applies, the least length, why).
 LENGTH_NEEDS = (
-    ("max_prefill_predict_length", lambda v: v["use_grpo"], lambda v: v["max_prefill_predict_length"] + 1,
+    ("max_prefill_predict_length", lambda v: objectives.of(v).samples, lambda v: v["max_prefill_predict_length"] + 1,
      "GRPO's prompts are left-padded to max_prefill_predict_length tokens and completions get the rest of the "
      "sequence, so this leaves no room for a completion"),
     ("mtp_num_layers", lambda v: v["mtp_num_layers"] > 0, lambda v: v["mtp_num_layers"] + 1,
      "multi-token prediction module k predicts token i + k + 1 from position i (models/mtp.py): with fewer tokens "
      "the last module has no position to learn from (and past that, no shape to compute)"),
+    ("chunk_attn_window_size", lambda v: v["chunk_attn_window_size"] > 0, lambda v: v["chunk_attn_window_size"],
+     "chunked layers attend within blocks of chunk_attn_window_size positions, and a block longer than the "
+     "sequence is full attention, so the chunks would do nothing"),
 )
 
 

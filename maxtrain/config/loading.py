@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
-from maxtrain.config import checks
+from maxtrain.config import checks, objectives
 from maxtrain.config import settings as settings_lib
 from maxtrain.config.schema import BASE_CONFIG, packaged_configs_dir, preset_names, table
 from maxtrain.errors import ConfigError, UserError
@@ -95,7 +95,7 @@ def _load_chain(path: str, schema: dict, seen: tuple[str, ...] = ()) -> tuple[di
     data, _ = settings_lib.read_mapping(path)
     base = data.pop("base_config", None)
     for key in data:
-        if key not in schema:
+        if key not in schema and key not in objectives.OLD_KEYS:
             raise ConfigError(f"{path}: " + _unknown_key_message(key, schema))
     if base is None:
         note = (f"note: {path} has no base_config, so it is applied over {BASE_CONFIG} (add "
@@ -213,9 +213,11 @@ def load_config(argv: list[str], log=None, adopt: Callable[[dict], dict] | None 
     schema = table()
     overrides = parse_overrides(argv[1:])
     for key in overrides:
-        if key not in schema:
+        if key not in schema and key not in objectives.OLD_KEYS:
             raise ConfigError(_unknown_key_message(key, schema))
     chain, notes = _load_chain(argv[0], schema)
+    objective, note = _old_objective_keys(chain, overrides, argv[0])  # use_dpo=true -> objective=dpo, said once
+    notes += [note] if note else []
 
     values = {k: s.default for k, s in schema.items()}
     values.update({k: _coerce(k, v, schema[k].default, argv[0]) for k, v in chain.items()})
@@ -224,11 +226,12 @@ def load_config(argv: list[str], log=None, adopt: Callable[[dict], dict] | None 
     values.update(preset)
     for key, raw in overrides.items():
         values[key] = _coerce(key, raw, schema[key].default, "command line")
+    values.update(objective)
     values["config_path"] = os.path.abspath(_find_config(argv[0]))
     values["run_name_was_generated"] = not values["run_name"]
     # Keys the user chose (their YAML or the command line) rather than base.yml's defaults: a checkpoint's
     # model settings are adopted where the user chose none (checkpointing.adoption.settings_to_adopt).
-    values["given_keys"] = sorted(set(chain) | set(overrides))
+    values["given_keys"] = sorted(set(chain) | set(overrides) | set(objective))
     # Keys whose value is the model preset's (no override replaced it): what the preset says is the model's
     # default, so a setting of a feature that is off is refused only where the user chose it (features.py).
     values["preset_keys"] = sorted(set(preset) - set(overrides))
@@ -239,6 +242,21 @@ def load_config(argv: list[str], log=None, adopt: Callable[[dict], dict] | None 
         for note in notes:
             (log or (lambda _: None))(note)
     return Config(_derive(values))
+
+
+def _old_objective_keys(chain: dict, overrides: dict, path: str) -> tuple[dict[str, Any], str]:
+    """The use_* booleans of the YAML chain and the command line taken out of both: (the settings they stand
+    for, the one line of notice) by objectives.from_old_keys; ({}, "") without them."""
+    old = {}
+    for source, where in ((chain, path), (overrides, "command line")):
+        for key in [k for k in source if k in objectives.OLD_KEYS]:
+            old.pop(key, None)  # the command line's value replaces the YAML file's, in its place
+            old[key] = _coerce(key, source.pop(key), False, where)
+    if not old:
+        return {}, ""
+    given = overrides.get("objective", chain.get("objective"))
+    given = None if given is None else _coerce("objective", given, "", "command line")
+    return objectives.from_old_keys(old, given)
 
 
 def _validate(values: dict, adopt: Callable[[dict], dict] | None) -> None:

@@ -33,6 +33,14 @@ class Family:
     # value of each (sliding_window_size 0 = full attention in its sliding layers; num_experts 1 = a dense MLP).
     usual: tuple[tuple[str, int], ...] = ()
     settings: tuple[str, ...] = ()  # the settings of base.yml that only some families' modules read: those it reads
+    mixer: str = "attention"      # how its layers mix tokens: "attention" (q, k, v heads), "mla" (latent attention)
+    # Model keys beyond the shared ones (models/__init__.py) that a checkpoint of this family is checked against:
+    # those that fix its parameters' shapes, and those that change what the same parameters compute. Each of its
+    # `settings` is a model key, shared or its own (tests/test_house.py).
+    shape_keys: tuple[str, ...] = ()
+    setting_keys: tuple[str, ...] = ()
+    # Of its `settings`, those that change how, not what, it computes (a kernel's chunk): no model keys.
+    kernel_settings: tuple[str, ...] = ()
 
     def pattern(self, num_layers: int) -> list[str]:
         """Its layers' attention without attention_layer_types: attention_pattern repeated over num_layers."""
@@ -50,6 +58,12 @@ class Family:
         return self.pattern(num_layers)
 
 
+# The settings of the gated delta-net hybrids (Qwen3-Next, Qwen3.5: models/hybrid.py), and those of them that fix
+# the parameters' shapes.
+HYBRID_SHAPE_KEYS = ("inhomogeneous_layer_cycle_interval", "gdn_num_key_heads", "gdn_num_value_heads",
+                     "gdn_key_head_dim", "gdn_value_head_dim", "gdn_conv_kernel_dim")
+HYBRID_SETTINGS = ("partial_rotary_factor", *HYBRID_SHAPE_KEYS, "gdn_chunk_size")
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", ("llama",), "LlamaForCausalLM"),
     Family("mistral", ("mistral",), "MistralForCausalLM", window_everywhere=True),
@@ -66,12 +80,47 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            usual=(("num_experts", 128),), settings=("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob")),
     Family("gpt_oss", ("gpt_oss",), "GptOssForCausalLM", moe=True, attention_sinks=True,
            attention_pattern=("sliding", "full"), usual=(("sliding_window_size", 128), ("num_experts", 32)),
-           settings=("mlp_activations_limit", "swiglu_alpha")),
+           settings=("mlp_activations_limit", "swiglu_alpha"), setting_keys=("mlp_activations_limit", "swiglu_alpha")),
+    Family("olmo3", ("olmo3",), "Olmo3ForCausalLM", attention_pattern=("sliding",) * 3 + ("full",),
+           usual=(("sliding_window_size", 4096),)),
+    Family("qwen3_next", ("qwen3_next",), "Qwen3NextForCausalLM", moe=True, per_layer_attention=False,
+           usual=(("num_experts", 512),),
+           settings=HYBRID_SETTINGS + ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"),
+           shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts",), setting_keys=("partial_rotary_factor",),
+           kernel_settings=("gdn_chunk_size",)),
+    Family("qwen3_5_text", ("qwen3_5_text", "qwen3_5"), "Qwen3_5ForCausalLM", per_layer_attention=False,
+           settings=HYBRID_SETTINGS, shape_keys=HYBRID_SHAPE_KEYS,
+           setting_keys=("partial_rotary_factor",), kernel_settings=("gdn_chunk_size",)),
+    Family("qwen3_5_moe_text", ("qwen3_5_moe_text", "qwen3_5_moe"), "Qwen3_5MoeForCausalLM", moe=True,
+           per_layer_attention=False, usual=(("num_experts", 256),), settings=HYBRID_SETTINGS,
+           shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts",), setting_keys=("partial_rotary_factor",),
+           kernel_settings=("gdn_chunk_size",)),
     Family("deepseek", ("deepseek_v3",), "DeepseekV3ForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 256),),
            settings=("norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                      "v_head_dim", "rope_interleave", "first_num_dense_layers", "n_routing_groups",
-                     "topk_routing_group", "routed_scaling_factor", "mtp_num_layers")),
+                     "topk_routing_group", "routed_scaling_factor", "mtp_num_layers"),
+           mixer="mla",
+           shape_keys=("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                       "first_num_dense_layers", "shared_experts", "routed_bias", "mtp_num_layers"),
+           setting_keys=("rope_interleave", "rope_mscale_all_dim", "n_routing_groups", "topk_routing_group",
+                         "routed_scaling_factor")),
+    Family("llama4_text", ("llama4_text", "llama4"), "Llama4ForCausalLM", moe=True, per_layer_attention=False,
+           usual=(("num_experts", 16),),
+           settings=("decoder_sparse_step", "chunk_attn_window_size", "nope_layer_interval", "use_qk_norm",
+                     "temperature_tuning", "temperature_tuning_scale", "temperature_tuning_floor_scale"),
+           shape_keys=("shared_experts",),
+           setting_keys=("chunk_attn_window_size", "nope_layer_interval", "use_qk_norm", "temperature_tuning",
+                         "temperature_tuning_scale", "temperature_tuning_floor_scale")),
+    Family("glm4_moe", ("glm4_moe",), "Glm4MoeForCausalLM", moe=True, per_layer_attention=False,
+           usual=(("num_experts", 128),),
+           settings=("norm_topk_prob", "first_num_dense_layers", "n_routing_groups", "topk_routing_group",
+                     "routed_scaling_factor", "mtp_num_layers", "partial_rotary_factor", "use_qk_norm",
+                     "attention_bias"),
+           shape_keys=("first_num_dense_layers", "shared_experts", "routed_bias", "mtp_num_layers", "attention_bias"),
+           # use_qk_norm fixes its shapes (q_norm, k_norm) but is llama4_text's setting key too: one list holds it
+           setting_keys=("n_routing_groups", "topk_routing_group", "routed_scaling_factor", "partial_rotary_factor",
+                         "use_qk_norm")),
 )}
 
 MOE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.moe)

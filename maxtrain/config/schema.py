@@ -7,7 +7,7 @@ maxtrain's own `configs/base.yml` is the schema (settings.py reads it as the set
 configs ship inside the package (maxtrain/configs after `pip install .`, configs/ beside the
 package in a source checkout).
 
-Imports only the settings table's reader, the registry and the error types.
+Imports only the settings table's reader, the registry, the objectives' table and the error types.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from maxtrain.config import registry
+from maxtrain.config import objectives, registry
 from maxtrain.config import settings as settings_lib
 
 # The device mesh's axes, declared once, outermost first (the last axis gets the closest devices): each
@@ -68,10 +68,11 @@ _TABLES: dict[str, dict[str, settings_lib.Setting]] = {}
 
 
 def table(path: str = BASE_CONFIG) -> dict[str, settings_lib.Setting]:
-    """The settings table of base.yml (read once per process); `{$families}` names the registry's families."""
+    """The settings table of base.yml (read once per process); `{$families}` names the registry's families,
+    `{$objectives}` the objectives' rows."""
     path = os.path.realpath(path)
     if path not in _TABLES:
-        _TABLES[path] = settings_lib.read_table(path, registry.NAMED_CHOICES)
+        _TABLES[path] = settings_lib.read_table(path, {**registry.NAMED_CHOICES, "objectives": objectives.NAMES})
     return _TABLES[path]
 
 

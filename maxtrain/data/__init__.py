@@ -7,7 +7,8 @@
     tokenizer.py    load(path): sentencepiece models and Hugging Face tokenizer.json / model directories
     tokenizer_training.py  training either kind (scripts/train_tokenizer.py, the default corpus)
     chat.py         chat templates; conversations and preference pairs -> ids with loss weights
-    conversations.py  use_sft / use_dpo records -> packed rows (whole conversations)
+    conversations.py  conversations / preference pairs (objective=sft, dpo) -> packed rows (whole conversations)
+    prompts.py      prompts and their answers (objective=grpo) -> left-padded prompt batches
     packing.py      documents -> rows with segment ids and positions
     hosts.py        host sharding, padding batches, host batch -> global jax.Array
     eval_batches.py eval batches: first N, or exactly one epoch, the same count on every host
@@ -23,6 +24,7 @@ import dataclasses
 import os
 from typing import Any
 
+from maxtrain.config import objectives
 from maxtrain.data import default_corpus
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.data.errors import DataError  # noqa: F401 (re-exported)
@@ -38,6 +40,7 @@ class Inputs:
     train_iterator: Any            # checkpointable Grain DatasetIterator of host batches [A, b, T]
     eval_batches: Any              # re-iterable: the same len(eval_batches) host batches [b, T] each pass
     sources: Any = None            # sources.Sources: what was opened (for inspect_data)
+    prompts: Any = None            # prompts.PromptInputs of a run that reads prompts (GRPO): stop ids, first records
 
     def close(self) -> None:
         """Stops background work (cache building); call when training ends."""
@@ -46,7 +49,9 @@ class Inputs:
 
 
 def make_inputs(config, log=print, process_index: int | None = None, process_count: int | None = None) -> Inputs:
-    """This process' inputs. All files are listed and checked here, before any training step."""
+    """This process' inputs, of the data kind the objective's row declares (config/objectives.py): text documents,
+    conversations or preference pairs through the chat template, or prompts (GRPO; eval_batches are then the
+    held-out prompts). All files are listed and checked here, before any training step."""
     import jax  # pylint: disable=import-outside-toplevel
 
     # deferred: Grain and JAX (see above)
@@ -57,7 +62,13 @@ def make_inputs(config, log=print, process_index: int | None = None, process_cou
     if config.dataset_type == "synthetic":  # random tokens; a tokenizer_path is still the model's (samples, eval_tasks)
         return Inputs(tokenizer_for(config, log) if config.tokenizer_path else None,
                       pipeline.synthetic_iterator(config, index), [])
-    if config.use_sft or config.use_dpo:  # conversations / preference pairs through the chat template
+    kind = objectives.data_kind(config)  # what the objective's row reads
+    if kind == objectives.PROMPTS:  # GRPO's prompts and answers, left-padded (training/grpo.py adds the rewards)
+        from maxtrain.data import prompts  # pylint: disable=import-outside-toplevel  (deferred: as above)
+
+        read = prompts.make_inputs(config, prompts.per_step(config), index, count, log)
+        return Inputs(read.tokenizer, read.train_iterator, read.eval_prompts, prompts=read)
+    if kind in (objectives.CONVERSATIONS, objectives.PAIRS):  # through the chat template
         from maxtrain.data import conversations  # pylint: disable=import-outside-toplevel  (deferred: as above)
 
         return Inputs(*conversations.make_inputs(config, index, count, log))

@@ -1,4 +1,4 @@
-"""Post-training input: jsonl/parquet records of conversations (use_sft) or preference pairs (use_dpo)
+"""Post-training input: jsonl/parquet records of conversations (objective=sft) or preference pairs (objective=dpo)
 -> rendered, tokenized elements with loss weights -> packed rows -> host batches.
 
 Records. `train_data_columns` names the fields: [messages] (a list of {role, content}) or
@@ -28,6 +28,7 @@ import grain
 import numpy as np
 from grain import experimental as grain_exp
 
+from maxtrain.config import objectives
 from maxtrain.data import chat, eval_batches, hosts, pipeline, sources, text_files
 from maxtrain.data.errors import DataError
 
@@ -57,7 +58,7 @@ def read_records(path: str, skip: int = 0, key: str = "train_data_columns"):
             row += rows
         return
     if fmt != "jsonl":
-        raise DataError(f"{path}: use_sft / use_dpo read .jsonl or .parquet files, not {fmt}")
+        raise DataError(f"{path}: conversations and preference pairs are read from .jsonl or .parquet files, not {fmt}")
     stream, raw = text_files.open_text(path, compression)
     with raw:
         for number, line in enumerate(stream, start=1):
@@ -147,7 +148,8 @@ class ToElement:
     def __init__(self, template: chat.Template, config, columns: list[str], length: int, log=print,
                  key: str = "train_data_columns"):
         self.template, self.columns, self.length, self.log, self.key = template, columns, length, log, key
-        self.dpo, self.completion_only = config.use_dpo, config.sft_train_on_completion_only
+        self.dpo = objectives.data_kind(config) == objectives.PAIRS
+        self.completion_only = config.sft_train_on_completion_only
         self.truncated, self.passes = 0, 0  # passes > 1: the same data again (eval), counted once
 
     def __call__(self, located) -> dict:
@@ -231,7 +233,7 @@ def elements(files, config, template, split: str, num_epochs, seed: int, shuffle
 
 
 def make_inputs(config, index: int, count: int, log=print):
-    """(tokenizer, train iterator, eval batches, sources) for use_sft / use_dpo."""
+    """(tokenizer, train iterator, eval batches, sources) for conversations and preference pairs."""
     tokenizer = sources.load_tokenizer(config, None, None)
     template = open_template(config, tokenizer)
     train = sources.parse_files(config.grain_train_files, "grain_train_files", config.dataset_type)
@@ -245,11 +247,14 @@ def make_inputs(config, index: int, count: int, log=print):
                     raise DataError(f"{key}: {path} is a {fmt} file but dataset_type={config.dataset_type}")
     check_first_records(train, template, config, "train")
     check_first_records(evals, template, config, "eval")
-    log(f"{'DPO' if config.use_dpo else 'SFT'} data rendered with the chat template {template.describe()}"
-        + ("" if config.use_dpo else f"; loss on {'assistant tokens only' if config.sft_train_on_completion_only else 'every token'}"))
+    pairs = objectives.data_kind(config) == objectives.PAIRS
+    log(f"{'preference pairs' if pairs else 'conversations'} rendered with the chat template {template.describe()}"
+        + ("" if pairs else "; loss on " + ("assistant tokens only" if config.sft_train_on_completion_only
+                                             else "every token")))
     if config.dataset_cache_dir:
-        log(f"note: dataset_cache_dir={config.dataset_cache_dir!r} is not used with use_sft / use_dpo: conversations "
-            "are rendered and tokenized as they are read (the chat template decides the tokens and their weights)")
+        log(f"note: dataset_cache_dir={config.dataset_cache_dir!r} is not used with objective={config.objective}: "
+            "records are rendered and tokenized as they are read (the chat template decides the tokens and their "
+            "weights)")
 
     epochs = None if config.num_epoch == -1 else config.num_epoch
     files = [f for c in train for f in sources.host_files(

@@ -30,6 +30,7 @@ import numpy as np
 
 from maxtrain.data import chat, conversations, sources, text_files
 from maxtrain.data.errors import DataError
+from maxtrain.errors import ConfigError
 
 
 @dataclasses.dataclass
@@ -106,6 +107,17 @@ class PromptInputs:
     eval_prompts: list            # held-out Prompts (grain_eval_files), [] without them
     stop_ids: tuple
     first_records: list           # the first record of every training file, as Prompts (reward checks)
+
+
+def per_step(config) -> int:
+    """Prompts per step: global_batch_size / num_generations (a ConfigError when it does not divide)."""
+    rows, g = config.global_batch_size, config.num_generations
+    if rows % g:
+        near = min((d for d in range(2, rows + 1) if rows % d == 0), key=lambda d: abs(d - g), default=rows)
+        raise ConfigError(f"objective=grpo: a step's {rows} completions (global_batch_size = per_device_batch_size x "
+                          f"devices x gradient_accumulation_steps) are not a multiple of num_generations={g}; set "
+                          f"per_device_batch_size so that they are (e.g. num_generations={near})")
+    return rows // g
 
 
 def make_inputs(config, rows: int, index: int = 0, count: int = 1, log=print) -> PromptInputs:

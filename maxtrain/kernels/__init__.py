@@ -1,11 +1,15 @@
-"""Pallas attention kernels: flash attention (GPU, Triton; runs on CPU in interpret mode) and splash
-attention (TPU, Mosaic).
+"""Pallas kernels: flash attention (GPU, Triton; runs on CPU in interpret mode), splash attention (TPU,
+Mosaic) and the grouped GEMM of dropless MoE (GPU, Triton; interpret mode on CPU).
 
     flash_attention.py   forward and backward kernels with GQA, segment ids, causal and sliding-window
                          masks, logit soft-capping; checked against models/attention.py's jnp reference
     flash_tiles.py       block sizes that fit a GPU's shared memory (config/chips.py's, per compute capability)
     splash_attention.py  JAX's splash kernel behind the same signature
+    tokamax_attention.py tokamax's Mosaic GPU flash attention (the optional [gpu] extra) behind the same
+                         signature; tokamax is imported when first traced, never on a run that does not use it
+    grouped_matmul.py    rows sorted by expert times each expert's weights, only the routed rows, with a
+                         custom VJP (both gradients grouped); checked against jax.lax.ragged_dot
 
-Called only from maxtrain/models/attention.py (inside shard_map). Imports nothing else of maxtrain but the
-chip records (config/chips.py).
+Called only from the model: maxtrain/models/attention.py (inside shard_map) and models/moe_experts.py.
+Imports nothing else of maxtrain but the chip records (config/chips.py).
 """

@@ -5,12 +5,17 @@
     ops.py        the matmul (`dense`) and small array helpers, with their CPU formulations
     attention.py  masks, the plain-jnp reference, the kernels' dispatch, the context-parallel form
     attention_check.py  implementations against the float32 reference; attention FLOPs (gpu_report.py)
+    attention_choice.py what each attention implementation supports, the measured speeds, autoselected's choice
     mla.py        multi-head latent attention (DeepSeek): low-rank queries, a cached latent for keys and values
     blocks.py     norms, embedding, attention, gated MLPs, logits; FLOPs helpers
+    layers.py     a layer's kind as data (LayerType): its parameter stack, mixer, attention, RoPE, head dim, MLP
+    contract.py   the family contract (FamilyModel): everything the rest of maxtrain uses from a family
+    standard_layers.py  the decoder layers several families share (pre-norm, Gemma's sandwich), embed, heads
     moe.py        the mixture-of-experts block: routers, dropless and capacity dispatch, experts,
                   balance losses, expert parallelism (docs/moe.md)
     moe_deepseek.py  DeepSeek's parts of it: sigmoid group-limited router, the selection bias and its
                   update outside the gradient, shared experts (docs/deepseek.md)
+    moe_llama4.py Llama 4's router: sigmoid weights of the top-k logits on the experts' inputs
     decoder.py    the stack every family shares: layer types, scan over repeating groups, loss, decoding
     mtp.py        multi-token prediction (DeepSeek-V3): modules after the stack, predicting tokens further ahead
     distill.py    distillation's loss: KL to a frozen teacher's logits mixed with the next-token loss, tiled
@@ -19,8 +24,8 @@
     sampling.py   sampling with the KV cache: greedy, temperature, top-k, top-p
     hf.py         what the families share about Hugging Face names and config.json fields
     families/     one module per family of config/registry.py (llama, mistral, qwen2, qwen3, gemma2,
-                  gemma3, mixtral, qwen3_moe, gpt_oss, deepseek): declarations, layer composition, HF mapping,
-                  FLOPs
+                  gemma3, mixtral, qwen3_moe, gpt_oss, deepseek, llama4_text, glm4_moe): declarations, layer
+                  composition, HF mapping, FLOPs
 
 `decoder_block` (MaxText's key; presets set it) picks the family. Every function here is a pure
 function of (params, inputs, config, runtime). May import config, parallel and kernels (and errors);
@@ -29,6 +34,7 @@ never training, checkpointing, data or the commands.
 
 from __future__ import annotations
 
+from maxtrain.config import registry
 from maxtrain.models import decoder, distill, moe, moe_deepseek
 from maxtrain.models import params as params_lib
 from maxtrain.models.families import FAMILIES
@@ -37,33 +43,36 @@ from maxtrain.models.runtime import PROJECTION_NAMES, REMAT_POLICIES, Runtime
 
 # The config keys that describe a model. SHAPE_KEYS fix the parameters' shapes (a checkpoint that
 # differs does not fit); SETTING_KEYS change what the same parameters compute (a checkpoint written
-# with other values would load and silently compute something else, so loading one is refused).
-SHAPE_KEYS = ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "base_num_decoder_layers",
-              "head_dim", "vocab_size", "logits_via_embedding", "num_experts", "base_moe_mlp_dim",
-              "decoder_sparse_step", "mlp_only_layers")
-SETTING_KEYS = ("decoder_block", "normalization_layer_epsilon", "rope_max_timescale", "rope_type", "rope_factor",
-                "rope_low_freq_factor", "rope_high_freq_factor", "original_max_position_embeddings",
-                "rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_truncate",
-                "local_rope_max_timescale", "sliding_window_size", "attention_layer_types", "attn_logits_soft_cap",
-                "final_logits_soft_cap", "query_pre_attn_scalar", "num_experts_per_tok", "norm_topk_prob",
-                "mlp_activations_limit", "swiglu_alpha")
-MODEL_KEYS = SHAPE_KEYS + SETTING_KEYS
-# Model keys added with the mixture-of-experts families (and gpt-oss's expert activation): a checkpoint
-# written before them is a dense model, which their base.yml defaults describe.
-MOE_KEYS = ("num_experts", "base_moe_mlp_dim", "decoder_sparse_step", "mlp_only_layers", "num_experts_per_tok",
-            "norm_topk_prob", "mlp_activations_limit", "swiglu_alpha")
-# Model keys added with the deepseek family (MLA, shared experts, its router): a checkpoint written before
-# them has neither, which their base.yml defaults describe.
-DEEPSEEK_SHAPE_KEYS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                       "first_num_dense_layers", "shared_experts", "routed_bias", "mtp_num_layers")
-DEEPSEEK_SETTING_KEYS = ("rope_interleave", "rope_mscale_all_dim", "n_routing_groups", "topk_routing_group",
-                         "routed_scaling_factor")
-SHAPE_KEYS += DEEPSEEK_SHAPE_KEYS
-SETTING_KEYS += DEEPSEEK_SETTING_KEYS
-MODEL_KEYS = SHAPE_KEYS + SETTING_KEYS
-DEEPSEEK_KEYS = DEEPSEEK_SHAPE_KEYS + DEEPSEEK_SETTING_KEYS
+# with other values would load and silently compute something else, so loading one is refused). The
+# keys every family shares are listed here; each family adds its own in its registry row
+# (registry.Family.shape_keys, .setting_keys), and a family's `settings` are all model keys (test_house).
+SHARED_SHAPE_KEYS = ("base_emb_dim", "base_num_query_heads", "base_num_kv_heads", "base_mlp_dim",
+                     "base_num_decoder_layers", "head_dim", "vocab_size", "logits_via_embedding", "num_experts",
+                     "base_moe_mlp_dim", "decoder_sparse_step", "mlp_only_layers")
+SHARED_SETTING_KEYS = ("decoder_block", "normalization_layer_epsilon", "rope_max_timescale", "rope_type",
+                       "rope_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                       "original_max_position_embeddings", "rope_beta_fast", "rope_beta_slow",
+                       "rope_attention_factor", "rope_truncate", "local_rope_max_timescale", "sliding_window_size",
+                       "attention_layer_types", "attn_logits_soft_cap", "final_logits_soft_cap",
+                       "query_pre_attn_scalar", "num_experts_per_tok", "norm_topk_prob")
 
-__all__ = ["FAMILIES", "MODEL_KEYS", "MOE_KEYS", "DEEPSEEK_KEYS", "SHAPE_KEYS", "SETTING_KEYS", "ParamSpec", "Params",
+
+def _families_keys(field: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(k for row in registry.FAMILIES.values() for k in getattr(row, field)))
+
+
+FAMILY_KEYS = tuple(dict.fromkeys(_families_keys("shape_keys") + _families_keys("setting_keys")))
+SHAPE_KEYS = SHARED_SHAPE_KEYS + tuple(k for k in _families_keys("shape_keys") if k not in SHARED_SHAPE_KEYS)
+SETTING_KEYS = SHARED_SETTING_KEYS + tuple(k for k in _families_keys("setting_keys") if k not in SHARED_SETTING_KEYS)
+MODEL_KEYS = SHAPE_KEYS + SETTING_KEYS
+# Model keys a checkpoint written before them may lack, which their base.yml defaults then describe: those
+# added with the mixture-of-experts families (such a checkpoint is a dense model) and every family's own keys
+# (a checkpoint of another family never reads them).
+MOE_KEYS = ("num_experts", "base_moe_mlp_dim", "decoder_sparse_step", "mlp_only_layers", "num_experts_per_tok",
+            "norm_topk_prob")
+LATER_KEYS = MOE_KEYS + tuple(k for k in FAMILY_KEYS if k not in MOE_KEYS)
+
+__all__ = ["FAMILIES", "MODEL_KEYS", "MOE_KEYS", "LATER_KEYS", "SHAPE_KEYS", "SETTING_KEYS", "ParamSpec", "Params",
            "Runtime", "REMAT_POLICIES", "PROJECTION_NAMES", "family", "param_specs", "num_params", "num_active_params",
            "is_moe", "init_params", "forward", "loss_fn", "distill_loss_fn", "objective", "update_outside_gradient",
            "split_step_stats", "init_cache", "forward_with_cache", "flops_per_token", "is_spec"]
@@ -94,7 +103,7 @@ def num_active_params(config) -> int:
 
 def is_moe(config) -> bool:
     """Whether some layer of the model is a mixture of experts."""
-    return any(t.kind == "moe" for t in family(config).layer_types(config))
+    return any(t.is_moe for t in family(config).layer_types(config))
 
 
 def init_params(config, key) -> Params:

@@ -7,6 +7,13 @@ Masking rule, shared by every implementation: query t may attend to key s when b
 to the same segment (`segment_ids` equal; packed rows hold several documents) and, when causal,
 s <= t. Padding has segment id 0, so a padding query attends to padding keys only and no row of
 the softmax is ever empty. Padding is kept out of the loss by the loss weights, not here.
+
+Chunked attention (Llama 4): with `chunk` = C > 0 a query also sees only the keys of its own block of C
+positions (positions restart at 0 in each document, so the blocks do too): position p is in block p // C.
+Every implementation computes it the same way, by splitting each segment into its chunks
+(`chunk_segment_ids`): same refined segment and causal is exactly same document, same chunk and causal,
+so the kernels (flash, splash, cuDNN), which mask by segment ids, need nothing more. The context-parallel
+form does not take chunks (its tokens arrive in the load-balanced order).
 """
 
 from __future__ import annotations
@@ -17,20 +24,24 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.config import chips
+from maxtrain.models import attention_choice
 from maxtrain.parallel import context, sharding
 
-IMPLEMENTATIONS = ("autoselected", "dot_product", "flash", "cudnn")
+IMPLEMENTATIONS = ("autoselected", "dot_product", "flash", "cudnn", "tokamax")
 
 # Finite "minus infinity": keeps exp() at exactly 0 without producing NaN in fully masked rows.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def make_attention_mask(q_segment_ids, kv_segment_ids, *, causal: bool = True, q_offset=0, sliding_window: int = 0):
+def make_attention_mask(q_segment_ids, kv_segment_ids, *, causal: bool = True, q_offset=0, sliding_window: int = 0,
+                        chunk: int = 0, q_positions=None, kv_positions=None):
     """Boolean mask [B, T, S]: True where query t may attend to key s.
 
     q_offset shifts query indices (a query block that starts at q_offset in the key sequence).
     sliding_window > 0 also hides keys that are sliding_window or more positions back: t - s < W
     (as Hugging Face's sliding-window masks), so each query sees at most W keys, itself included.
+    chunk > 0 also hides keys of another block of `chunk` positions (q_positions [B, T] and
+    kv_positions [B, S]; the indices when not given): the direct form of chunked attention.
     """
     mask = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
     t = jnp.arange(q_segment_ids.shape[1])[:, None] + q_offset
@@ -39,7 +50,21 @@ def make_attention_mask(q_segment_ids, kv_segment_ids, *, causal: bool = True, q
         mask = mask & (s <= t)[None]
     if sliding_window > 0:
         mask = mask & (t - s < sliding_window)[None]
+    if chunk > 0:
+        qp = t[None, :, 0] if q_positions is None else q_positions
+        kp = s[None, 0, :] if kv_positions is None else kv_positions
+        mask = mask & (qp[:, :, None] // chunk == kp[:, None, :] // chunk)
     return mask
+
+
+def chunk_segment_ids(segment_ids, positions, chunk: int):
+    """Segment ids [B, T] refined so that each block of `chunk` positions of a segment is a segment of its
+    own: a new id starts where the segment changes or a position is a multiple of `chunk`. Masking by
+    them (same id, causal) is chunked attention (the module docstring); ids stay non-decreasing along T."""
+    starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], dtype=bool),
+                              segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    starts = starts | (positions % chunk == 0)
+    return jnp.cumsum(starts.astype(jnp.int32), axis=1)
 
 
 def soft_cap(x, cap: float):
@@ -181,11 +206,7 @@ def _probabilities_bwd(scale, cap, residuals, g):
 _probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
 
 
-# What the kernels do not implement: a model that needs one of these runs dot_product under
-# `autoselected`, and an explicit `attention=flash|cudnn` is refused with this reason.
-# (jax.nn.dot_product_attention's cuDNN path has local_window_size but no logit soft-capping and no
-# attention sinks, gpt-oss's extra softmax column; the flash and splash kernels have both.)
-KERNEL_LIMITS = {"cudnn": ("logits_soft_cap", "sinks")}
+KERNEL_LIMITS = attention_choice.KERNEL_LIMITS  # owned there, beside the measured speeds
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 
@@ -204,20 +225,25 @@ def _unsupported(name: str, features: dict) -> list[str]:
 
 def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: int | None = None,
                            sliding_window: int = 0, logits_soft_cap: float = 0.0, sinks: bool = False,
-                           context_parallel: int = 1) -> str:
-    """Turns `attention` from the config into a concrete implementation for the target platform.
+                           context_parallel: int = 1, v_head_dim: int | None = None, length: int = 0,
+                           gqa: int = 1, packed: bool = True, capability: str | None = None,
+                           gpu_present: bool = True, with_reason: bool = False):
+    """Turns `attention` from the config into a concrete implementation for the target platform (with
+    with_reason=True, an attention_choice.Choice: the implementation and why).
 
     `platform` is where the step will run (the Runtime's backend, or the target of an ahead-of-time
     compile), never guessed from the machine doing the compiling. What may run where (an invalid
     choice is a ValueError that says what to use):
 
-        platform  autoselected   dot_product   flash                              cudnn
-        cpu       dot_product    yes           yes, Pallas interpret mode         no
-        gpu       flash          yes           Pallas Triton kernel               bfloat16/float16, head_dim % 8 == 0,
-                                                                                  <= 256, no logits_soft_cap
-        tpu       flash          yes           Pallas splash kernel (Mosaic)      no
+        platform  autoselected          dot_product  flash                          cudnn, tokamax
+        cpu       dot_product           yes          yes, Pallas interpret mode     no
+        gpu       the fastest measured  yes          Pallas Triton kernel           bfloat16/float16, head_dim
+                  that supports it                                                  limits (attention_choice)
+        tpu       flash                 yes          Pallas splash kernel (Mosaic)  no
 
-    Attention sinks (gpt-oss) run in dot_product and flash (both kernels); cudnn refuses them.
+    On a GPU autoselected takes, among cudnn, tokamax (the optional [gpu] extra) and flash, the one that
+    attention_choice.MEASURED found fastest at the nearest measured shape, among those that support the
+    model (soft-caps: not cudnn; sinks: neither cudnn nor tokamax), and dot_product only where none does.
 
     With context parallelism (context_parallel > 1 ways) attention is context_parallel_attention, the
     gathered reference: `autoselected` resolves to dot_product, and an explicit kernel is refused (it
@@ -225,44 +251,34 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
 
     On CPU the XLA einsum (dot_product) is the fastest; `flash` is allowed there only because
     Pallas can interpret the kernel on CPU (every grid program emulated with XLA ops: orders of
-    magnitude slower, for testing the kernel, never for training speed). On GPU and TPU
-    `autoselected` picks the flash kernel: O(T) memory instead of the [B, N, T, S] scores, packed
-    segment ids without a materialized mask, sliding windows that skip whole blocks, and soft-caps.
+    magnitude slower, for testing the kernel, never for training speed).
     """
     platform = canonical_platform(platform)
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"attention={name!r} is not one of {', '.join(IMPLEMENTATIONS)}")
-    features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap, "sinks": sinks}
+    shape = attention_choice.Shape(
+        dtype=jnp.dtype(dtype).name if dtype is not None else "bfloat16", head_dim=head_dim, v_head_dim=v_head_dim,
+        length=length, gqa=gqa, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
+        packed=packed, capability=capability, gpu_present=gpu_present)
     if context_parallel > 1 and name not in ("autoselected", "dot_product"):
         raise ValueError(f"attention={name} does not run with context parallelism ({context_parallel} ways) yet: the "
                          "kernels attend within one device's piece of the sequence. Use attention=dot_product (or "
                          "autoselected), or ici_context_parallelism=1.")
-    if context_parallel > 1:
-        return "dot_product"
     if name == "autoselected":
-        return "flash" if platform in ("gpu", "tpu") and not _unsupported("flash", features) else "dot_product"
-    if _unsupported(name, features):
-        others = [n for n in ("flash", "dot_product") if n != name and not _unsupported(n, features)]
-        raise ValueError(f"attention={name} does not implement {' and '.join(_unsupported(name, features))}, "
-                         f"which this model uses. Use attention={', '.join(others)} or autoselected.")
-    if name == "cudnn":
-        if platform != "gpu":
-            raise ValueError(
-                f"attention=cudnn needs an NVIDIA GPU, but the platform is {platform!r}. "
-                "Use attention=flash, dot_product or autoselected.")
-        if dtype is not None and jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
-            raise ValueError(
-                f"attention=cudnn needs dtype=bfloat16 or float16 (cuDNN's fused attention has no "
-                f"{jnp.dtype(dtype).name} kernel). Set dtype=bfloat16, or use attention=flash or dot_product.")
-        if head_dim is not None and (head_dim % 8 or head_dim > 256):
-            raise ValueError(
-                f"attention=cudnn needs head_dim to be a multiple of 8 and at most 256 (128 before Hopper), "
-                f"got head_dim={head_dim}. Use attention=flash or dot_product.")
-    return name
+        choice = attention_choice.choose(platform, shape, context_parallel)
+    else:
+        why = attention_choice.unsupported(name, platform, shape)
+        if why is not None:
+            others = [n for n in ("flash", "dot_product") if n != name and not _unsupported(n, shape.features())]
+            raise ValueError(f"attention={name} {why}. Use attention={', '.join(others)} or autoselected.")
+        choice = attention_choice.Choice(name, f"{name}: set in the config")
+    return choice if with_reason else choice.implementation
 
 
 def describe(implementation: str, platform: str) -> str:
     """The implementation's name as the start-up summary prints it."""
+    if implementation == "tokamax":
+        return "tokamax (Mosaic GPU)"
     if implementation != "flash":
         return implementation
     return {"cpu": "flash (Pallas interpret mode: slow, for testing the kernel)",
@@ -344,17 +360,26 @@ def pad_head_dims(q, k, v, scale):
 def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", platform: str | None = None,
               causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0,
               scale: float | None = None, block_q: int = 128, block_kv: int = 128, interpret: bool | None = None,
-              sinks=None):
+              sinks=None, chunk: int = 0, positions=None):
     """Self-attention over one (possibly packed) sequence; dispatches on `implementation`.
 
     `implementation` must already be resolved (see resolve_implementation). The kernels (flash,
-    cudnn) need `platform`, the target the step is compiled for (cpu, gpu or tpu): flash is the
+    cudnn, tokamax) need `platform`, the target the step is compiled for (cpu, gpu or tpu): flash is the
     splash kernel on tpu and the Triton kernel on gpu and cpu; on cpu it is interpreted.
-    `interpret=True` interprets the target's kernel on this CPU instead (tests). Under
+    `interpret=True` interprets the target's kernel on this CPU instead (tests; for tokamax, whose Mosaic
+    GPU kernel has no CPU mode, it runs tokamax's XLA reference through the same wrapper). Under
     sharding.activation_sharding every kernel runs inside shard_map over the batch and head mesh
     axes. scale defaults to H ** -0.5; block_q and block_kv are the kernels' largest tiles. sinks [N]:
-    attention sinks (dot_product_attention; the flash and splash kernels implement them too).
+    attention sinks (dot_product_attention; the flash and splash kernels implement them too). chunk > 0:
+    chunked attention over blocks of `chunk` of the tokens' `positions` [B, T] (the module docstring).
     """
+    if chunk > 0:
+        if sharding.ways("length") > 1:
+            raise ValueError(f"chunked attention (chunk_attn_window_size={chunk}) does not run with context "
+                             "parallelism yet; use ici_context_parallelism=1")
+        if not causal:
+            raise ValueError("chunked attention is causal; pass causal=True")
+        segment_ids = chunk_segment_ids(segment_ids, positions, chunk)
     features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap, "sinks": sinks is not None}
     if _unsupported(implementation, features):
         raise ValueError(f"attention={implementation} does not implement {' and '.join(_unsupported(implementation, features))}; "
@@ -373,7 +398,7 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
         mask = make_attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
         return dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap,
                                      compact_scores=platform == "tpu", heads_major=on_cpu, sinks=sinks)
-    if implementation not in ("flash", "cudnn"):
+    if implementation not in ("flash", "cudnn", "tokamax"):
         raise ValueError(f"unresolved attention implementation {implementation!r}")
     if platform is None:
         raise ValueError(f"attention={implementation} needs platform= (cpu, gpu or tpu: the target the step is "
@@ -382,6 +407,13 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
     interpret = platform == "cpu" if interpret is None else interpret
     if implementation == "cudnn":
         kernel = functools.partial(_cudnn_attention, causal=causal, sliding_window=sliding_window, scale=scale)
+    elif implementation == "tokamax":
+        # deferred: the optional [gpu] extra's wrapper, imported only where tokamax was chosen
+        from maxtrain.kernels import tokamax_attention  # pylint: disable=import-outside-toplevel
+
+        kernel = functools.partial(tokamax_attention.tokamax_attention, causal=causal, sliding_window=sliding_window,
+                                   logits_soft_cap=logits_soft_cap, scale=scale,
+                                   implementation="xla" if interpret else "mosaic")
     elif platform == "tpu":
         # deferred: the Pallas kernels' imports (0.12 s flash, 0.16 s splash, measured) that dot_product runs never use
         from maxtrain.kernels import splash_attention  # pylint: disable=import-outside-toplevel

@@ -3,7 +3,7 @@ scripts/gpu_report.py, scripts/benchmark_attention.py and tests/test_gpu.py chec
 
     Case                one shape: batch, length, heads, kv heads, head dim, dtype, causal, packed
     inputs(case, seed)  fresh random q, k, v, dO (and packed segment ids)
-    implementation()    (q, k, v, segment_ids or None) -> out for flash | cudnn | dot_product
+    implementation()    (q, k, v, segment_ids or None) -> out for flash | cudnn | tokamax | dot_product
     fwd_bwd(fn)         the jitted (q, k, v, segment_ids, dO) -> (out, dq, dk, dv)
     reference           the float32 reference at full matmul precision, under fwd_bwd
     relative_errors     ||x - ref|| / ||ref|| of out, dq, dk, dv; inf when x is not finite
@@ -32,7 +32,7 @@ from maxtrain.kernels.flash_tiles import DEFAULT_SHARED_MEMORY
 from maxtrain.models import attention
 
 TOLERANCE = {"float32": 2e-3, "bfloat16": 2e-2}
-IMPLEMENTATIONS = ("flash", "cudnn", "dot_product")
+IMPLEMENTATIONS = ("flash", "cudnn", "tokamax", "dot_product")
 OUTPUTS = ("out", "dq", "dk", "dv")
 
 
@@ -91,7 +91,9 @@ def implementation(name: str, *, causal: bool, platform: str, block_q: int = 128
 
     flash: the Pallas kernel (Triton on `platform` gpu; interpret=True on a CPU), with tiles fitted to
     the shared memory of `devices` (default: this machine's). cudnn: jax.nn.dot_product_attention's
-    cuDNN kernel (segment ids as a [B, 1, T, S] mask, as the model passes them). dot_product: the
+    cuDNN kernel (segment ids as a [B, 1, T, S] mask, as the model passes them). tokamax: its Mosaic GPU
+    kernel (the optional [gpu] extra; interpret=True: tokamax's XLA reference through the same wrapper,
+    on a CPU). dot_product: the
     plain jnp attention in the inputs' dtype (float32 scores and softmax), as the model runs it on
     GPU and TPU.
     """
@@ -109,6 +111,13 @@ def implementation(name: str, *, causal: bool, platform: str, block_q: int = 128
             mask = None if seg is None else (seg[:, :, None] == seg[:, None, :])[:, None]
             return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=causal, implementation="cudnn")
         return cudnn
+    if name == "tokamax":
+        # deferred: the optional [gpu] extra's wrapper (it imports tokamax when traced)
+        from maxtrain.kernels.tokamax_attention import tokamax_attention  # pylint: disable=import-outside-toplevel
+
+        def tokamax(q, k, v, seg):
+            return tokamax_attention(q, k, v, seg, causal=causal, implementation="xla" if interpret else "mosaic")
+        return tokamax
     if name == "dot_product":
         def dot_product(q, k, v, seg):
             seg = jnp.ones(q.shape[:2], jnp.int32) if seg is None else seg

@@ -2,8 +2,10 @@
 
 Each block is a pure function of (params, inputs, settings). What a block needs from its parameter
 dict it reads by name, so a family switches a feature on by declaring the parameter: q/k/v biases
-("bq", "bk", "bv"), the output projection's bias ("bo"), qk-norm ("q_norm", "k_norm"), attention
-sinks ("sinks", one logit per query head; models/attention.py).
+("bq", "bk", "bv"), the output projection's bias ("bo"), qk-norm ("q_norm", "k_norm": of shape [H], a norm
+over each head's features; of shape [N, H] / [G, H], one norm over all heads' features together, OLMo 2/3), attention
+sinks ("sinks", one logit per query head; models/attention.py), an output gate ("wg": each head's output
+times sigmoid(x W_g) before the output projection, Qwen3-Next's gated attention).
 
 Einsum letters (as everywhere in maxtrain): B batch, T query length, S key length, D embed,
 N query heads, G kv heads, R = N // G, H head dim, F mlp width, V vocab, L layers.
@@ -21,8 +23,9 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.models import attention as attention_lib
-from maxtrain.models import ops
+from maxtrain.models import layers, ops
 from maxtrain.models import rope as rope_lib
+from maxtrain.models.layers import LayerType
 from maxtrain.models.params import ParamSpec, dense
 from maxtrain.parallel.sharding import shard, shard_for_table, shard_like_params
 
@@ -33,8 +36,9 @@ class LayerInputs(NamedTuple):
     positions: Any            # [B, T] int32, restarting at 0 in each packed document
     segment_ids: Any          # [B, T] int32, 0 = padding
     rope: dict                # {"global": (cos, sin), "local": (cos, sin)}, each [B, T, H/2] float32
-    cache: Any = None         # decoding only: (k [B, S, G, H], v [B, S, G, H], index of the first new slot,
-                              # first slot each row attends to [B] or None: left-padded prompts)
+    cache: Any = None         # decoding only: (the layer's cache entries as its family declares them (attention:
+                              # k [B, S, G, H], v [B, S, G, H]), index of the first new slot, first slot each
+                              # row attends to [B] or None: left-padded prompts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -43,8 +47,11 @@ class LayerInputs(NamedTuple):
 
 
 def attention_specs(config, *, qkv_bias: bool = False, qk_norm: str | None = None, out_bias: bool = False,
-                    sinks: bool = False) -> dict[str, ParamSpec]:
-    """One layer's attention weights; qk_norm is None, "ones" (RMSNorm scale) or "zeros" (the 1 + scale form)."""
+                    sinks: bool = False, qk_norm_over_heads: bool = False,
+                    out_gate: bool = False) -> dict[str, ParamSpec]:
+    """One layer's attention weights; qk_norm is None, "ones" (RMSNorm scale) or "zeros" (the 1 + scale form);
+    qk_norm_over_heads: the q and k norms span all heads' features ([N, H], [G, H]), not each head's ([H]);
+    out_gate: a sigmoid gate on each head's output (Qwen3-Next)."""
     d, n, g, h = config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim
     specs = {
         "wq": dense((d, n, h), ("embed", "heads", "head_dim"), d),
@@ -56,12 +63,17 @@ def attention_specs(config, *, qkv_bias: bool = False, qk_norm: str | None = Non
         specs.update(bq=ParamSpec((n, h), ("heads", "head_dim"), "zeros"),
                      bk=ParamSpec((g, h), ("kv_heads", "head_dim"), "zeros"),
                      bv=ParamSpec((g, h), ("kv_heads", "head_dim"), "zeros"))
-    if qk_norm:
+    if qk_norm and qk_norm_over_heads:
+        specs.update(q_norm=ParamSpec((n, h), ("heads", "head_dim"), qk_norm),
+                     k_norm=ParamSpec((g, h), ("kv_heads", "head_dim"), qk_norm))
+    elif qk_norm:
         specs.update(q_norm=ParamSpec((h,), ("head_dim",), qk_norm), k_norm=ParamSpec((h,), ("head_dim",), qk_norm))
     if out_bias:
         specs["bo"] = ParamSpec((d,), ("embed",), "zeros")
     if sinks:
         specs["sinks"] = ParamSpec((n,), ("heads",), "zeros")
+    if out_gate:
+        specs["wg"] = dense((d, n, h), ("embed", "heads", "head_dim"), d)
     return specs
 
 
@@ -93,9 +105,12 @@ def embedding_specs(config, norm_init: str = "ones") -> dict[str, ParamSpec]:
 
 
 def rms_norm(x, scale, eps: float, plus_one: bool = False):
-    """x / rms(x) * scale, in float32; returns x's dtype. plus_one: scale is stored as (scale - 1) (Gemma)."""
+    """x / rms(x) * scale, in float32; returns x's dtype. plus_one: scale is stored as (scale - 1) (Gemma).
+    The rms is over x's last scale.ndim axes (at least one): a scale [N, H] normalizes [..., N, H] over all N * H
+    features; a scalar scale (no learned one, Llama 4's L2 qk-norm) over the last axis."""
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    axes = tuple(range(-max(jnp.ndim(scale), 1), 0))
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axes, keepdims=True) + eps)
     scale = scale.astype(jnp.float32)
     return (x32 * (1.0 + scale if plus_one else scale)).astype(x.dtype)
 
@@ -131,9 +146,14 @@ def embed(table, tokens, dtype, multiplier: float | None = None):
     return shard(x, ("batch", "length", "embed"))
 
 
-def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", sliding_window: int = 0,
-              scale: float | None = None, logits_soft_cap: float = 0.0, norm_plus_one: bool = False):
-    """Self-attention of x [B, T, D] (already normed) -> ([B, T, D], aux).
+def attention(x, p, inputs: LayerInputs, config, rt, layer: LayerType, *, scale: float | None = None,
+              logits_soft_cap: float = 0.0, norm_plus_one: bool = False, qk_l2_norm: bool = False,
+              query_scales=None):
+    """Self-attention of x [B, T, D] (already normed) -> ([B, T, D], aux), attending as `layer` says
+    (full, a sliding window, chunks; RoPE's table and the fraction of each head it rotates, or none).
+
+    Llama 4's options: qk_l2_norm normalizes q and k per head after RoPE, x / rms(x) with no scale (its
+    "L2 norm"); query_scales [B, T] multiply each token's queries after that (attention temperature).
 
     aux is {} in training; when decoding (inputs.cache set) it carries the updated cache as
     {"cache": (k, v)} for the stack to collect.
@@ -147,17 +167,27 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", sl
     q = checkpoint_name(q, "query_proj")
     k = checkpoint_name(k, "key_proj")
     v = checkpoint_name(v, "value_proj")
-    if "q_norm" in p:  # qk-norm: RMSNorm over each head's H features, before RoPE
+    if "q_norm" in p:  # qk-norm before RoPE: RMSNorm over each head's H features (or all heads', q_norm [N, H])
         eps = config.normalization_layer_epsilon
         q, k = rms_norm(q, p["q_norm"], eps, norm_plus_one), rms_norm(k, p["k_norm"], eps, norm_plus_one)
-    cos, sin = inputs.rope[rope]
-    q, k = rope_lib.apply(q, cos, sin), rope_lib.apply(k, cos, sin)
+    if layer.rope is not None:
+        cos, sin = inputs.rope[layer.rope]
+        q, k = rope_lib.apply(q, cos, sin), rope_lib.apply(k, cos, sin)
+    if qk_l2_norm:
+        eps = config.normalization_layer_epsilon
+        q, k = rms_norm(q, jnp.ones((), jnp.float32), eps), rms_norm(k, jnp.ones((), jnp.float32), eps)
+    if query_scales is not None:
+        q = (q.astype(jnp.float32) * query_scales[:, :, None, None]).astype(q.dtype)
+    if layer.attention not in ("full", "sliding", "chunked"):
+        raise ValueError(f"the attention block has no {layer.attention!r} attention (layer {layer})")
+    sliding_window, chunk = layer.sliding_window(), layer.chunk()
     q = shard(q, ("batch", "length", "heads", "head_dim"))
     sinks = p.get("sinks")  # [N], float32 in the softmax
     if inputs.cache is None:
         out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=rt.attention, platform=rt.backend,
                                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
-                                      block_q=config.sa_block_q, block_kv=config.sa_block_kv, sinks=sinks)
+                                      block_q=config.sa_block_q, block_kv=config.sa_block_kv, sinks=sinks,
+                                      chunk=chunk, positions=inputs.positions)
         aux = {}
     else:
         # Decoding: write this step's k, v at `index` and attend to the filled cache slots.
@@ -171,9 +201,15 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", sl
             mask = mask & (slots >= first[:, None, None])
         if sliding_window > 0:
             mask = mask & (t - slots < sliding_window)
+        if chunk > 0:  # the slots' positions: slot - first (forward_with_cache), as the queries' positions
+            slot_positions = slots - (0 if first is None else first[:, None, None])
+            mask = mask & (inputs.positions[:, :, None] // chunk == slot_positions // chunk)
         out = attention_lib.dot_product_attention(q, cache_k.astype(dt), cache_v.astype(dt), mask, scale=scale,
                                                   logits_soft_cap=logits_soft_cap, sinks=sinks)
         aux = {"cache": (cache_k, cache_v)}
+    if "wg" in p:  # gated attention: "BTD,DNH->BTNH", each output feature times its sigmoid gate
+        gate = ops.dense(x, p["wg"].astype(dt), backend=rt.backend, fp8=fp8)
+        out = (out.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))).astype(out.dtype)
     out = ops.dense(out, p["wo"].astype(dt), 2, backend=rt.backend, fp8=fp8)  # "BTNH,NHD->BTD"
     if "bo" in p:
         out = out + p["bo"].astype(dt)
@@ -211,19 +247,18 @@ def logits(params, x, config, rt, *, norm_plus_one: bool = False):
 
 
 def attended_keys(length: int, sliding_window: int = 0, dense: bool = False) -> float:
-    """Mean number of keys a query attends to in a causal sequence of `length`: (T + 1) / 2 for full
-    attention, fewer with a sliding window. dense=True: all T, what a dense implementation computes."""
-    if dense:
-        return float(length)
-    w = sliding_window if 0 < sliding_window < length else length
-    return (w * (w + 1) / 2 + (length - w) * w) / length
+    """Mean number of keys a query attends to in a causal sequence of `length` with a sliding window
+    (0: full attention); layers.attended_keys has every attention kind."""
+    window = sliding_window if sliding_window > 0 else 0
+    return layers.attended_keys(length, LayerType(attention="sliding" if window else "full", window=window), dense)
 
 
-def attention_flops(config, windows: list[int], dense: bool = False) -> float:
-    """Forward FLOPs per token of the scores (q.k) and the weighted values (p.v), summed over layers
-    whose sliding windows (0 = full) are `windows`."""
-    n, h, t = config.base_num_query_heads, config.head_dim, config.max_target_length
-    return sum(2 * 2 * n * h * attended_keys(t, w, dense) for w in windows)
+def attention_flops(config, layer_types, dense: bool = False) -> float:
+    """Forward FLOPs per token of the scores (q.k) and the weighted values (p.v), summed over the layers
+    `layer_types` (each attends as its type says: full, a sliding window, chunks, or not at all)."""
+    n, t = config.base_num_query_heads, config.max_target_length
+    return sum(2 * 2 * n * (lt.head_dim or config.head_dim) * layers.attended_keys(t, lt, dense)
+               for lt in layer_types)
 
 
 def dense_layer_matmul_params(config) -> int:
@@ -242,6 +277,5 @@ def decoder_flops(config, layer_types, dense_attention: bool = False) -> float:
 
     Norms, softmax, activations, the embedding lookup and the optimizer are elementwise and left out
     (a few percent of XLA's count for tiny models, far less for large ones)."""
-    windows = [config.sliding_window_size if t.attention == "sliding" else 0 for t in layer_types]
     matmul = config.base_num_decoder_layers * dense_layer_matmul_params(config) + config.base_emb_dim * config.vocab_size
-    return 3.0 * (2 * matmul + attention_flops(config, windows, dense_attention))
+    return 3.0 * (2 * matmul + attention_flops(config, layer_types, dense_attention))

@@ -1,13 +1,14 @@
 """The decoder stack every family shares: embed -> layers -> logits, the loss, and KV-cache decoding.
 
-A family (maxtrain/models/<family>.py) supplies its parameter declarations, the type of each layer
-and the functions `embed`, `layer` and `logits`; this module runs them.
+A family (models/contract.FamilyModel) supplies its parameter declarations, the type of each layer
+and the functions `embed`, `layer` and `logits`; this module runs them, and calls nothing else of it.
 
-Layers. `family.layer_types(config)` gives one LayerType per layer. Its `kind` names the stack of
-parameters the layer reads, `params["layers"][kind]`, each stacked on a leading "layers" axis in
-layer order; its `attention` ("full" or "sliding") and `rope` ("global" or "local") are static
-settings the family's `layer` function reads. Layers may differ within a stack (Gemma 3: five
-sliding-window layers then one global, repeated; later, dense and mixture-of-experts layers).
+Layers. `family.layer_types(config)` gives one LayerType per layer (models/layers.py: a layer's kind as
+data). Its `kind` names the stack of parameters the layer reads, `params["layers"][kind]`, each stacked
+on a leading "layers" axis in layer order; how it attends (full, a sliding window, chunks, none), its
+RoPE table and its MLP are static settings the family's `layer` function and the blocks read. Layers
+may differ within a stack (Gemma 3: five sliding-window layers then one global, repeated; dense and
+mixture-of-experts layers).
 
 Scan. The sequence of layer types is cut into segments, each a group of p layers repeated r times
 (`plan_segments`); a segment runs as one `lax.scan` over its r groups, the p layers of a group
@@ -23,8 +24,9 @@ be a mean over some layers divides by their number (models/moe.py does, over the
 Entries named PER_LAYER + name ("per_layer/moe_load_max") are not summed: the stack returns one
 scalar per layer that has them, as "<name>/layer_<i>" with i the layer's index in the whole stack
 ("moe_load_max/layer_03"), so per-layer figures reach the metrics like any other entry. When
-decoding, the attention block also puts the layer's updated KV cache in aux under "cache"; the
-stack collects it per layer instead of summing.
+decoding, a layer gets its own cache entries (LayerInputs.cache: the entries the family declares for it,
+then the index and `first`) and puts them back updated, in the same order, in aux under "cache" (the
+attention block: its k and v); the stack collects them per layer instead of summing.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from maxtrain.models import mtp, ops
 from maxtrain.parallel import stages as pipeline
 from maxtrain.models import rope as rope_lib
 from maxtrain.models.blocks import LayerInputs
+from maxtrain.models.layers import LayerType
 from maxtrain.models.runtime import REMAT_POLICIES
 
 PER_LAYER = "per_layer/"  # aux entries named with this prefix are reported per layer, not summed
@@ -48,22 +51,6 @@ PER_LAYER = "per_layer/"  # aux entries named with this prefix are reported per 
 # that training reads to update state outside the gradient (models/moe.py: the expert counts that move
 # the router's selection bias). The train step takes them out of the metrics; nothing else reports them.
 STEP_STATS = "step_stats/"
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerType:
-    """What is static about one layer: which parameter stack it reads and how it attends."""
-
-    kind: str = "decoder"      # params["layers"][kind] holds this layer's parameters
-    attention: str = "full"    # "full" | "sliding" (a sliding window of config.sliding_window_size)
-    rope: str = "global"       # "global" | "local" (config.local_rope_max_timescale, Gemma 3)
-
-
-def default_layer_types(config, family_default: list[str]) -> list[LayerType]:
-    """Layer types from `attention_layer_types` ("full"/"sliding" per layer) when set, else from the
-    family's default pattern; sliding layers use the local RoPE."""
-    names = list(config.attention_layer_types) or family_default
-    return [LayerType(attention=a, rope="local" if a == "sliding" else "global") for a in names]
 
 
 # --------------------------------------------------------------------------------------------
@@ -128,13 +115,24 @@ def _layer_params(layers: dict, types: list[LayerType], index: int) -> dict:
     return {kind: jax.tree.map(lambda t: t[i], layers[kind], is_leaf=lambda t: isinstance(t, tuple))}
 
 
-def _segment_cache(cache, seg: Segment):
-    """The segment's (k, v) cache slots [repeats, period, B, S, G, H], or None when not decoding."""
+def _cache_names(family, config, lt: LayerType) -> tuple[str, ...]:
+    """The names of one layer's decoding cache entries, in the order the layer receives them."""
+    return tuple(family.layer_cache(config, lt, 1, 1, family.cache_heads(config)))
+
+
+def _segment_cache(family, cache, types: list[LayerType], seg: Segment, config):
+    """{name: the segment's slots of that cache entry [repeats, layers having it per group, B, ...]}, or None
+    when not decoding: each name's stack holds the layers that have it, in order (init_cache)."""
     if cache is None:
         return None
-    size = len(seg.period) * seg.repeats
-    return tuple(a[seg.start:seg.start + size].reshape((seg.repeats, len(seg.period)) + a.shape[1:])
-                 for a in cache[:2])
+    out = {}
+    for name, stacked in cache.items():
+        first = sum(name in _cache_names(family, config, t) for t in types[:seg.start])
+        per_group = sum(name in _cache_names(family, config, t) for t in seg.period)
+        if per_group:
+            part = stacked[first:first + per_group * seg.repeats]
+            out[name] = part.reshape((seg.repeats, per_group) + stacked.shape[1:])
+    return out
 
 
 def _layer_fn(family, lt: LayerType, config, rt, scan: bool):
@@ -153,27 +151,33 @@ def per_layer_name(name: str, layer: int, num_layers: int) -> str:
 def _run_group(family, period, x, group_params, group_cache, inputs: LayerInputs, config, rt, scan):
     """The layers of one group, unrolled: (x, (aux summed over them, their PER_LAYER entries as
     {(position in the group, name): value}, their new caches stacked or None))."""
-    aux_sum, per_layer, new_caches, taken = {}, {}, [], {}
+    aux_sum, per_layer, new_caches, taken, cached = {}, {}, {}, {}, {}
     for j, lt in enumerate(period):
         i = taken.get(lt.kind, 0)
         taken[lt.kind] = i + 1
         one = sum(t.kind == lt.kind for t in period) == 1  # its parameters come without a per-group axis
         p = group_params[lt.kind] if one else jax.tree.map(lambda a, i=i: a[i], group_params[lt.kind])
-        layer_inputs = inputs if group_cache is None else inputs._replace(
-            cache=(group_cache[0][j], group_cache[1][j], *inputs.cache[2:]))
+        layer_inputs = inputs
+        if group_cache is not None:  # the layer's entries (its k, v; a gated delta-net's state, window), in order
+            names = _cache_names(family, config, lt)
+            slots = [cached.get(name, 0) for name in names]
+            cached.update({name: n + 1 for name, n in zip(names, slots)})
+            layer_inputs = inputs._replace(
+                cache=(*(group_cache[name][n] for name, n in zip(names, slots)), *inputs.cache[1:]))
         x, aux = _layer_fn(family, lt, config, rt, scan)(x, p, layer_inputs)
         if "cache" in aux:
-            new_caches.append(aux.pop("cache"))
+            for name, value in zip(_cache_names(family, config, lt), aux.pop("cache")):
+                new_caches.setdefault(name, []).append(value)
         per_layer.update({(j, k): aux.pop(k) for k in [k for k in aux if k.startswith(PER_LAYER)]})
         aux_sum = _sum_aux(aux_sum, aux)
-    stacked = tuple(jnp.stack(parts) for parts in zip(*new_caches)) if new_caches else None
+    stacked = {name: jnp.stack(parts) for name, parts in new_caches.items()} if new_caches else None
     return x, (aux_sum, per_layer, stacked)
 
 
 def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, scan: bool, types=None):
     """Runs every layer (or the layers `types` of one pipeline stage, whose parameters layer_params
-    then holds). Returns (x, aux summed over layers plus the per-layer entries, per-layer caches (k, v)
-    [L, ...] or None)."""
+    then holds). Returns (x, aux summed over layers plus the per-layer entries, the new decoding cache
+    {name: [layers having it, ...]} or None)."""
     types = family.layer_types(config) if types is None else types
     segments = plan_segments(types) if scan else [Segment(i, (t,), 1) for i, t in enumerate(types)]
     # Unrolled, each kind's stacks are cut into layers once (ops.unstack: their gradients stacked, not padded).
@@ -181,7 +185,7 @@ def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, s
     aux_total, caches = {}, []
     for seg in segments:
         params = _segment_params(layer_params, types, seg) if scan else _layer_params(layers, types, seg.start)
-        xs = (params, _segment_cache(inputs.cache, seg))
+        xs = (params, _segment_cache(family, None if inputs.cache is None else inputs.cache[0], types, seg, config))
 
         def group(x, xs, period=seg.period):
             return _run_group(family, period, x, *xs, inputs, config, rt, scan)
@@ -198,27 +202,37 @@ def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, s
             for r in range(seg.repeats):
                 aux_total[per_layer_name(name, seg.start + r * len(seg.period) + j, len(types))] = values[r]
         if cache is not None:
-            caches.append(tuple(a.reshape((-1,) + a.shape[2:]) for a in cache))
-    new_cache = tuple(jnp.concatenate(parts) for parts in zip(*caches)) if caches else None
+            caches.append({name: a.reshape((-1,) + a.shape[2:]) for name, a in cache.items()})
+    names = dict.fromkeys(name for c in caches for name in c)  # in order of first appearance
+    new_cache = {name: jnp.concatenate([c[name] for c in caches if name in c]) for name in names} if caches else None
     return x, aux_total, new_cache
 
 
-def rope_tables(positions, config, num_positions: int | None = None, head_dim: int | None = None) -> dict:
-    """cos/sin tables for the global RoPE and, where it differs, the local one (computed once per pass;
-    num_positions: read from a host table, models/rope.py), over head_dim features (config.head_dim)."""
-    head_dim = config.head_dim if head_dim is None else head_dim
-    global_rope = rope_lib.Rope.from_config(config)
-    local_rope = rope_lib.Rope.from_config(config, local=True)
-    tables = {"global": rope_lib.tables(positions, global_rope, head_dim, num_positions)}
-    tables["local"] = tables["global"] if local_rope == global_rope else rope_lib.tables(
-        positions, local_rope, head_dim, num_positions)
+def rope_widths(family, config) -> dict[str, int]:
+    """{RoPE table name: the features it rotates} over the layers that use RoPE: the family's RoPE width
+    (head_dim; MLA: qk_rope_head_dim), or the layer's own head dim, times the layer's rope_fraction."""
+    base = family.rope_head_dim(config)
+    widths = {}
+    for lt in family.layer_types(config):
+        if lt.rope is not None:
+            width = int((lt.head_dim or base) * lt.rope_fraction)
+            if widths.setdefault(lt.rope, width) != width:
+                raise ValueError(f"layers sharing the RoPE table {lt.rope!r} rotate {widths[lt.rope]} and {width} "
+                                 "features; give them tables of their own names")
+    return widths
+
+
+def rope_tables(positions, config, widths: dict[str, int], num_positions: int | None = None) -> dict:
+    """cos/sin tables {name: (cos, sin)} of each RoPE the layers use (`widths`: rope_widths), computed once
+    per pass (num_positions: read from a host table, models/rope.py). "local" is Gemma 3's local-frequency
+    RoPE; a table equal to another is computed once."""
+    made, tables = {}, {}
+    for name, width in widths.items():
+        rope = rope_lib.Rope.from_config(config, local=name == "local")
+        if (rope, width) not in made:
+            made[(rope, width)] = rope_lib.tables(positions, rope, width, num_positions)
+        tables[name] = made[(rope, width)]
     return tables
-
-
-def rope_head_dim(family, config) -> int:
-    """The features a family's RoPE rotates: its `rope_head_dim(config)` where it declares one (MLA's
-    qk_rope_head_dim), else head_dim."""
-    return family.rope_head_dim(config) if hasattr(family, "rope_head_dim") else config.head_dim
 
 
 # --------------------------------------------------------------------------------------------
@@ -238,9 +252,9 @@ def _hidden(family, params, tokens, positions, segment_ids, config, rt):
 
 
 def _layer_inputs(family, tokens, positions, segment_ids, config, rt) -> LayerInputs:
-    rope_dim = rope_head_dim(family, config)
-    table = rope_lib.table_positions(tokens.shape[1], rope_dim, rt.backend)  # positions < T
-    return LayerInputs(positions, segment_ids, rope_tables(positions, config, table, rope_dim))
+    widths = rope_widths(family, config)
+    table = rope_lib.table_positions(tokens.shape[1], max(widths.values(), default=0), rt.backend)  # positions < T
+    return LayerInputs(positions, segment_ids, rope_tables(positions, config, widths, table))
 
 
 def hidden(family, params, tokens, positions, segment_ids, config, rt):
@@ -343,14 +357,21 @@ def _head_for_chunks(head: dict, specs: dict, rt):
     return sharding.gather_params(cast, specs, "embed"), sharded
 
 
-def init_cache(config, batch_size: int, max_length: int, dtype, family=None) -> dict:
-    """An empty KV cache: k and v [L, B, S, G, H], or the layout the family declares with
-    `cache_heads(config)` -> ((heads, width) of k, (heads, width) of v) (MLA: its latent and RoPE key)."""
-    heads = ((config.base_num_kv_heads, config.head_dim),) * 2
-    if family is not None and hasattr(family, "cache_heads"):
-        heads = family.cache_heads(config)
-    lead = (config.base_num_decoder_layers, batch_size, max_length)
-    return {"k": jnp.zeros(lead + heads[0], dtype), "v": jnp.zeros(lead + heads[1], dtype)}
+def init_cache(config, batch_size: int, max_length: int, dtype, family) -> dict:
+    """An empty decoding cache {name: [layers having it, B, ...]}: each layer's entries as the family declares
+    them (contract `layer_cache`; by default k and v [B, S, heads, width] of `cache_heads(config)`: attention's
+    G kv heads of head_dim, MLA's latent and RoPE key; a gated delta-net layer's recurrent state and
+    convolution window), stacked over the layers that have them in layer order (dtype None: `dtype`)."""
+    stacks: dict[str, list] = {}
+    for lt in family.layer_types(config):
+        for name, (shape, entry_dtype) in family.layer_cache(config, lt, batch_size, max_length,
+                                                             family.cache_heads(config)).items():
+            stacks.setdefault(name, []).append((tuple(shape), entry_dtype or dtype))
+    for name, entries in stacks.items():
+        if len(set(entries)) > 1:
+            raise ValueError(f"the layers' decoding cache entries {name!r} differ in shape or dtype ({set(entries)}); "
+                             "give each layout a name of its own")
+    return {name: jnp.zeros((len(entries),) + entries[0][0], entries[0][1]) for name, entries in stacks.items()}
 
 
 def forward_with_cache(family, params, tokens, positions, cache: dict, index, config, rt,
@@ -359,12 +380,11 @@ def forward_with_cache(family, params, tokens, positions, cache: dict, index, co
 
     One sequence per row, no packing while decoding. Without `first`, positions must equal
     index + arange(T). With first [B] (left-padded prompts: row b's sequence starts at slot first[b])
-    the slots before first[b] are never attended to, and positions are slot - first[b] (RoPE sees
-    each sequence from 0, as in training).
+    the slots before first[b] are never attended to (a gated delta-net layer's state and window skip
+    them), and positions are slot - first[b] (RoPE sees each sequence from 0, as in training).
     """
     x = family.embed(params, tokens, config, rt)
     inputs = LayerInputs(positions, jnp.ones_like(tokens),
-                         rope_tables(positions, config, head_dim=rope_head_dim(family, config)),
-                         (cache["k"], cache["v"], index, first))
-    x, _, (k, v) = run_layers(family, params["layers"], x, inputs, config, rt, scan=True)
-    return family.logits(params, x, config, rt), {"k": k, "v": v}
+                         rope_tables(positions, config, rope_widths(family, config)), (cache, index, first))
+    x, _, new_cache = run_layers(family, params["layers"], x, inputs, config, rt, scan=True)
+    return family.logits(params, x, config, rt), new_cache

@@ -5,8 +5,10 @@ split out. A family's HF_NAMES maps each maxtrain parameter path to (HF tensor n
 the number of leading maxtrain dims that form torch's "in" dimension (None: the same shape;
 "flat": the same values as one 1-D tensor, as biases [N, H] are [N*H]), e.g. q_proj.weight [N*H, D] -> wq [D, N, H] has n_in 1; o_proj.weight [D, N*H] -> wo
 [N, H, D] has n_in 2; an `Interleaved` n_in: every other column of the tensor's last axis (gpt-oss's
-fused gate_up_proj). "{i}" in a name is the layer's index within its stack. Both sides use the
-"rotate half" RoPE layout, so q and k need no permutation.
+fused gate_up_proj; `Halves`: the part-th block of its columns, Llama 4's gate_up_proj); a `PairedRope`
+n_in: q or k whose heads keep RoPE's pairs side by side (Llama 4), de-interleaved to maxtrain's layout.
+"{i}" in a name is the layer's index within its stack. Both sides use the "rotate half" RoPE layout
+for every other family, so their q and k need no permutation.
 
 config.json. Where a config states one thing twice, the reading of transformers 5 is followed
 (and a note says what was ignored): `rope_scaling`, when set, replaces `rope_parameters`;
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+
+import numpy as np
 
 from maxtrain.errors import UserError
 
@@ -47,6 +51,37 @@ MLP_NAMES = {
     "layers/decoder/w_down": ("model.layers.{i}.mlp.down_proj.weight", 1),
 }
 
+# A pre-norm decoder layer (Llama and the families built like it) and Gemma's pre- and post-normed one.
+DECODER_NAMES = {
+    **EMBEDDING_NAMES,
+    "layers/decoder/attn_norm": ("model.layers.{i}.input_layernorm.weight", None),
+    "layers/decoder/mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
+    **ATTENTION_NAMES, **MLP_NAMES,
+}
+SANDWICH_NAMES = {
+    **EMBEDDING_NAMES,
+    "layers/decoder/attn_norm": ("model.layers.{i}.input_layernorm.weight", None),
+    "layers/decoder/post_attn_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
+    "layers/decoder/mlp_norm": ("model.layers.{i}.pre_feedforward_layernorm.weight", None),
+    "layers/decoder/post_mlp_norm": ("model.layers.{i}.post_feedforward_layernorm.weight", None),
+    **ATTENTION_NAMES, **MLP_NAMES,
+}
+
+# OLMo 2 and 3: no norm before a sublayer, one after each; qk-norm over all heads' features ([N*H] in torch).
+POSTNORM_NAMES = {
+    **EMBEDDING_NAMES,
+    "layers/decoder/post_attn_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
+    "layers/decoder/post_mlp_norm": ("model.layers.{i}.post_feedforward_layernorm.weight", None),
+    "layers/decoder/q_norm": ("model.layers.{i}.self_attn.q_norm.weight", "flat"),
+    "layers/decoder/k_norm": ("model.layers.{i}.self_attn.k_norm.weight", "flat"),
+    **ATTENTION_NAMES, **MLP_NAMES,
+}
+
+
+def for_kind(names: dict, kind: str) -> dict:
+    """Names written for the layer kind "decoder", for the layers of another kind."""
+    return {k.replace("layers/decoder/", f"layers/{kind}/"): v for k, v in names.items()}
+
 
 @dataclasses.dataclass(frozen=True)
 class Interleaved:
@@ -56,6 +91,76 @@ class Interleaved:
 
     part: int
     parts: int = 2
+
+    def columns(self, width: int) -> slice:
+        """This part's columns of a tensor whose last axis has `width` columns."""
+        return slice(self.part, None, self.parts)
+
+
+@dataclasses.dataclass(frozen=True)
+class Halves(Interleaved):
+    """As Interleaved, but the part-th of `parts` equal blocks of the columns: Llama 4's experts keep gate
+    and up in one gate_up_proj [E, D, 2F], gate in the first F columns and up in the last F."""
+
+    def columns(self, width: int) -> slice:
+        size = width // self.parts
+        return slice(self.part * size, (self.part + 1) * size)
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedRope:
+    """The n_in of a q or k projection (n_in leading maxtrain dims, as an int n_in) whose heads hold RoPE's
+    pairs side by side, (x_2i, x_2i+1) (Llama 4's checkpoints, rotated as complex numbers), where maxtrain
+    rotates halves, (x_i, x_i+H/2): each head's features are de-interleaved on import (evens, then odds)
+    and interleaved again on export. q and k are permuted alike, so q.k is unchanged (as are the L2 norm
+    and the NoPE layers, which read no pairs)."""
+
+    n_in: int = 1
+
+
+def rope_halves(w):
+    """[..., H] with RoPE's pairs side by side -> the rotate-half layout (PairedRope's import)."""
+    return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1)
+
+
+def rope_pairs(w):
+    """The rotate-half layout [..., H] -> pairs side by side (PairedRope's export)."""
+    half = w.shape[-1] // 2
+    return np.stack([w[..., :half], w[..., half:]], axis=-1).reshape(w.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grouped:
+    """The n_in of maxtrain parameters fused, group by group, in the rows of one torch Linear weight
+    [groups x group width, D] (maxtrain: [D, ...]): each group holds every part's slice in the order `parts`
+    (maxtrain parameter names of the same layer), `groups` counted by the axis after D of the parameter
+    `groups_of` (its heads; None: one group, the parts one after another). `lead` axes come first on both sides
+    (experts stacked in one tensor: [E, rows, D] against maxtrain's [E, D, ...]). Qwen3-Next's in_proj_qkvz holds,
+    per key head, its q, k, and the v and z of the value heads it serves; its q_proj holds, per head, the query
+    and the output gate; Qwen3.5's experts keep gate and up in one gate_up_proj [E, 2F, D].
+    checkpointing/convert.py resolves it to GroupRows."""
+
+    part: int
+    parts: tuple[str, ...]
+    groups_of: str | None = None
+    lead: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupRows:
+    """A Grouped n_in resolved against the parameters' shapes: rows [offset, offset + size) of each of the
+    `groups` groups of `total` rows."""
+
+    groups: int
+    offset: int
+    size: int
+    total: int
+    lead: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthwiseConv:
+    """The n_in of a depthwise Conv1d weight [C, 1, K] kept as [K, C] (Qwen3-Next's conv1d)."""
 
 
 class ConversionError(UserError, ValueError):
@@ -236,3 +341,32 @@ def layer_types_config(keys: dict, family_default: list[str]) -> dict:
     types = keys["attention_layer_types"] or family_default
     return {"layer_types": [f"{t}_attention" for t in types],
             "sliding_window": keys["sliding_window_size"] or None}
+
+
+def experts_keys(config: dict) -> dict:
+    """num_experts and num_experts_per_tok from config.json (num_local_experts, or num_experts as the
+    Qwen3-MoE checkpoints name it)."""
+    experts = config.get("num_local_experts") if config.get("num_local_experts") is not None \
+        else config.get("num_experts")
+    if experts is None:
+        raise ConversionError("config.json has no 'num_local_experts' (or 'num_experts'), which the model's "
+                              "shape needs")
+    return {"num_experts": int(experts), "num_experts_per_tok": int(require(config, "num_experts_per_tok"))}
+
+
+def qwen_window_keys(config: dict) -> dict:
+    """Qwen 2/3's sliding windows (use_sliding_window, off in the released models): the layers at or above
+    max_window_layers when config.json has no layer_types (transformers' rule), as attention_layer_types."""
+    window = config.get("sliding_window") if config.get("use_sliding_window") else None
+    if window and config.get("layer_types") is None:
+        first = config.get("max_window_layers", 28)
+        config = {**config, "layer_types": ["sliding_attention" if i >= first else "full_attention"
+                                            for i in range(config["num_hidden_layers"])]}
+    return sliding_keys(config, ["full"] * config["num_hidden_layers"], window)
+
+
+def qwen_window_config(keys: dict) -> dict:
+    types = keys["attention_layer_types"] or ["full"] * keys["base_num_decoder_layers"]
+    return {"use_sliding_window": "sliding" in types and keys["sliding_window_size"] > 0,
+            "sliding_window": keys["sliding_window_size"] or None, "max_window_layers": keys["base_num_decoder_layers"],
+            "layer_types": [f"{t}_attention" for t in types]}

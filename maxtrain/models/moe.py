@@ -7,6 +7,8 @@
 
     router "sigmoid_group_topk" (DeepSeek-V3): sigmoid scores, group-limited top-k, scaled weights,
                with shared experts beside the routed ones and a selection-only bias (models/moe_deepseek.py)
+    router "topk_sigmoid" (Llama 4): w = sigmoid(top_k(logits)), multiplying each expert's input:
+               y = sum_k expert_{e_k}(w_k x) (models/moe_llama4.py)
 
 Activation "clamped_swiglu" (gpt-oss), with a = swiglu_alpha and l = mlp_activations_limit:
     g, u = min(gate_e(x), l), clip(up_e(x), -l, l);   expert_e(x) = down_e(g * sigmoid(a g) * (u + 1))
@@ -19,7 +21,8 @@ softmax is taken, and Qwen3-MoE without renormalization keeps the full-softmax p
 Dispatch (`moe_dispatch`) decides how the (token, choice) pairs reach their experts:
 
     dropless   every pair is computed: pairs are sorted by expert and each expert's rows multiplied
-               by its weights with grouped matmuls (`jax.lax.ragged_dot`).
+               by its weights with grouped matmuls (XLA's ragged_dot, or on GPUs a Pallas grouped
+               GEMM that computes only the routed rows: models/moe_experts.py).
     capacity   each expert takes at most C = ceil(capacity_factor * T * K / E) pairs of a sequence
                (first choices before second ones, earlier tokens first); the rest are dropped: the
                token keeps its other experts' outputs and, through the residual, its input. The
@@ -62,18 +65,16 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from maxtrain.models import ops
 from maxtrain.parallel import sharding as sharding_lib
 from maxtrain.models import blocks
-from maxtrain.models import moe_deepseek
+from maxtrain.models import moe_deepseek, moe_experts, moe_llama4
 from maxtrain.models.decoder import PER_LAYER, STEP_STATS
-from maxtrain.models.fp8 import fp8_dot_general
 from maxtrain.models.params import ParamSpec, dense, is_spec
 
-ROUTERS = ("topk_softmax", "softmax_topk", "sigmoid_group_topk")
+ROUTERS = ("topk_softmax", "softmax_topk", "sigmoid_group_topk", moe_llama4.ROUTER)
 ACTIVATIONS = ("swiglu", "clamped_swiglu")
 
 
@@ -124,6 +125,7 @@ class Settings:
     seq_balance_loss_weight: float = 0.0
     fp8: bool = False  # the experts' matmuls in float8 (quantization; capacity dispatch only: config/schema.QUANTIZATION_PLACES)
     platform: str = "cpu"  # where the step is compiled for (the runtime's backend): picks fp8.py's TPU form
+    grouped_matmul: str = "xla"  # dropless dispatch's grouped matmul, resolved (moe_experts.py): xla or pallas
 
     @classmethod
     def of(cls, config, rt, router: str, num_moe_layers: int, activation: str = "swiglu") -> "Settings":
@@ -137,7 +139,7 @@ class Settings:
                    config.mlp_activations_limit,
                    max(config.n_routing_groups, 1), max(config.topk_routing_group, 1), config.routed_scaling_factor,
                    config.routed_bias and config.routed_bias_update_rate > 0, config.seq_balance_loss_weight,
-                   "experts" in rt.fp8, rt.backend)
+                   "experts" in rt.fp8, rt.backend, rt.grouped_matmul)
 
     def capacity(self, length: int) -> int:
         return capacity(self.num_experts, self.top_k, self.capacity_factor, length)
@@ -204,8 +206,11 @@ def _routed(x, p, segment_ids, s: Settings):
                   "down": P(exp or None, None)}
     in_specs = (P(batch or None, None, None), tokens, P(), experts, experts, P(exp or None, tensor or None, embed or None),
                 {k: bias_specs[k] for k in biases})
+    # Pallas' interpret mode (the grouped GEMM off a GPU: tests) cannot trace under check_vma (its slices mix
+    # varying refs with invariant program ids); on a GPU the kernel declares how its outputs vary.
+    interpreted = s.grouped_matmul == "pallas" and s.platform != "gpu"
     fn = jax.shard_map(functools.partial(_local, s=s, axes=axes), mesh=mesh, in_specs=in_specs,
-                       out_specs=(P(batch or None, None, None), P()))
+                       out_specs=(P(batch or None, None, None), P()), check_vma=not interpreted)
     return fn(x, valid, *weights, biases)
 
 
@@ -259,6 +264,8 @@ def route(logits, s: Settings, bias=None):
     nothing else: the weights are the unbiased scores of the chosen experts."""
     if s.router == "sigmoid_group_topk":
         return moe_deepseek.route_sigmoid_groups(logits, s, bias)
+    if s.router == moe_llama4.ROUTER:
+        return moe_llama4.route_topk_sigmoid(logits, s, bias)
     if s.router == "topk_softmax":
         chosen = logits if bias is None else logits + bias
         experts = jax.lax.top_k(chosen, s.top_k)[1]
@@ -295,91 +302,6 @@ def _local(x, valid, router, w_gate, w_up, w_down, biases, *, s: Settings, axes:
 
 
 # --------------------------------------------------------------------------------------------
-# Experts
-# --------------------------------------------------------------------------------------------
-
-
-def _experts(swiglu, rows, experts_w, axes: Axes):
-    """swiglu(rows, w_gate, w_up, w_down[, b_gate, b_up]) -> out like rows, on the experts as each device holds them
-    (FSDP-sharded on their embed axis, `axes.embed`): gathered here in the compute dtype, so that their
-    gradients are reduce-scattered. With axes.hidden_chunks = n > 1 the hidden axis F is cut into n
-    chunks that run in turn (a scan), each gathering only its own F / n columns of w_gate and w_up and
-    rows of w_down; their outputs add up, in float32, to the whole (SwiGLU is elementwise over F). The
-    backward pass gathers each chunk again rather than keeping it, so one chunk of the gathered experts
-    is live at a time; the chunk's gate and up activations are kept, so nothing is computed twice."""
-    def gathered(w_gate, w_up, w_down, *gate_up_biases):
-        if not axes.embed:
-            return w_gate, w_up, w_down, *gate_up_biases
-        return (_gather(w_gate, 1, axes.embed), _gather(w_up, 1, axes.embed), _gather(w_down, 2, axes.embed),
-                *gate_up_biases)
-
-    n = axes.hidden_chunks
-    if n == 1:
-        out = swiglu(rows, *gathered(*experts_w))
-    else:
-        w_gate, w_up, w_down, *gate_up_biases = experts_w
-        (e, d, f), d_down = w_gate.shape, w_down.shape[2]
-        chunks = (jnp.moveaxis(w_gate.reshape(e, d, n, f // n), 2, 0), jnp.moveaxis(w_up.reshape(e, d, n, f // n), 2, 0),
-                  jnp.moveaxis(w_down.reshape(e, n, f // n, d_down), 1, 0),
-                  *(jnp.moveaxis(b.reshape(e, n, f // n), 1, 0) for b in gate_up_biases))
-
-        @functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.save_only_these_names("mlp_gate", "mlp_up"))
-        def one(chunk_w):
-            return swiglu(rows, *gathered(*chunk_w)).astype(jnp.float32)
-
-        first = one(tuple(c[0] for c in chunks))  # outside the scan: the sum starts with the type its terms have
-        out = jax.lax.scan(lambda total, chunk_w: (total + one(chunk_w), None), first, tuple(c[1:] for c in chunks))[0]
-        out = out.astype(rows.dtype)
-    return checkpoint_name(_psum(out, axes.tensor), "mlp_down")
-
-
-def _gather(w, axis, names):
-    """all_gather of w's `axis` over `names`, done on a leading axis."""
-    w = jax.lax.all_gather(jnp.moveaxis(w, axis, 0), names, axis=0, tiled=True)
-    return jnp.moveaxis(w, 0, axis)
-
-
-def gated(gate, up, s: Settings):
-    """The experts' activation of their gate and up projections (see the module docstring)."""
-    if s.activation == "clamped_swiglu":
-        gate, up = jnp.minimum(gate, s.limit), jnp.clip(up, -s.limit, s.limit)
-        return gate * jax.nn.sigmoid(s.alpha * gate) * (up + 1)
-    return jax.nn.silu(gate) * up
-
-
-def _swiglu_grouped(xs, w_gate, w_up, w_down, b_gate=None, b_up=None, *, group_sizes, row_experts, s: Settings):
-    """Rows xs [M, D] sorted by expert, group_sizes [E] rows each, row_experts [M] each row's expert
-    (for the biases) -> [M, D] (rows past the groups: 0, or the activation of the biases)."""
-    def mm(a, w):  # written in a's dtype, and so are its gradients (ops.dense explains why)
-        return jax.lax.ragged_dot(a, w, group_sizes, preferred_element_type=a.dtype)
-    gate = mm(xs, w_gate)  # per row m of expert e: "MD,DF->MF" with W_e
-    up = mm(xs, w_up)
-    if b_gate is not None:
-        gate, up = gate + jnp.take(b_gate, row_experts, axis=0), up + jnp.take(b_up, row_experts, axis=0)
-    gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
-    return mm(gated(gate, up, s), w_down)
-
-
-def _swiglu_batched(xe, w_gate, w_up, w_down, b_gate=None, b_up=None, *, s: Settings):
-    """Slots xe [E, C, D] -> [E, C, D], each expert on its own C slots; s.fp8: float8 matmuls (models/fp8.py,
-    in its form for s.platform)."""
-    def mm(a, w, spec):
-        if s.fp8:  # "ECD,EDF->ECF" and "ECF,EFD->ECD": contract a's last axis with w's middle one, batched over E
-            return fp8_dot_general(a, w, (((2,), (1,)), ((0,), (0,))), platform=s.platform)
-        return jnp.einsum(spec, a, w, preferred_element_type=a.dtype)
-    gate = mm(xe, w_gate, "ECD,EDF->ECF")
-    up = mm(xe, w_up, "ECD,EDF->ECF")
-    if b_gate is not None:
-        gate, up = gate + b_gate[:, None, :], up + b_up[:, None, :]
-    gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
-    return mm(gated(gate, up, s), w_down, "ECF,EFD->ECD")
-
-
-def _psum(x, names):
-    return jax.lax.psum(x, names) if names else x
-
-
-# --------------------------------------------------------------------------------------------
 # Dispatch
 # --------------------------------------------------------------------------------------------
 
@@ -397,9 +319,12 @@ def _dropless(x, weights, experts, experts_w, s: Settings, axes: Axes, down_bias
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.zeros(local_experts + 1, jnp.int32).at[key].add(1)[:local_experts]
     xs = jnp.take(x, order // k, axis=0)
+    if moe_llama4.weights_inputs(s):  # each pair's row scaled by its weight; the outputs then add unweighted
+        xs = xs * jnp.take(weights.reshape(-1), order)[:, None].astype(xs.dtype)
+        weights = jnp.ones_like(weights)
     row_experts = jnp.minimum(jnp.take(key, order), local_experts - 1)  # other devices' pairs: any, masked below
-    ys = _experts(functools.partial(_swiglu_grouped, group_sizes=group_sizes, row_experts=row_experts, s=s), xs,
-                  experts_w, axes)
+    ys = moe_experts.experts(functools.partial(moe_experts.swiglu_grouped, group_sizes=group_sizes,
+                                           row_experts=row_experts, s=s), xs, experts_w, axes)
     if down_bias is not None:
         ys = ys + jnp.take(down_bias, row_experts, axis=0)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
@@ -444,10 +369,15 @@ def _capacity(x, weights, experts, valid, experts_w, s: Settings, axes: Axes, do
     source = source.at[rows, slot.reshape(b, t * k)].set(jnp.repeat(jnp.arange(t, dtype=jnp.int32), k)[None])
     x_pad = jnp.concatenate([x, jnp.zeros((b, 1, d), x.dtype)], axis=1)
     xe = jnp.take_along_axis(x_pad, source[:, :e * c, None], axis=1)  # [b, E*C, D]
+    if moe_llama4.weights_inputs(s):  # each slot's row scaled by its pair's weight; the outputs add unweighted
+        slot_w = jnp.zeros((b, e * c + 1), weights.dtype).at[rows, slot.reshape(b, t * k)].set(
+            weights.reshape(b, t * k))
+        xe = xe * slot_w[:, :e * c, None].astype(xe.dtype)
+        weights = jnp.ones_like(weights)
     xe = jnp.swapaxes(xe.reshape(b, e, c, d), 0, 1).reshape(e, b * c, d)
     if axes.expert_ways > 1:  # each expert's slots to the device that holds it: [E / ep, ep * b * C, D]
         xe = jax.lax.all_to_all(xe, axes.expert, 0, 1, tiled=True)
-    ye = _experts(functools.partial(_swiglu_batched, s=s), xe, experts_w, axes)
+    ye = moe_experts.experts(functools.partial(moe_experts.swiglu_batched, s=s), xe, experts_w, axes)
     if down_bias is not None:
         ye = ye + down_bias[:, None, :]
     if axes.expert_ways > 1:
@@ -526,7 +456,6 @@ def flops_per_token(config, layer_types, dense_attention: bool = False) -> float
     attention = 2 * d * n * h + 2 * d * g * h
     moe = d * config.num_experts + config.num_experts_per_tok * 3 * d * expert_dim(config)
     dense_mlp = 3 * d * config.base_mlp_dim
-    matmul = sum(attention + (moe if t.kind == "moe" else dense_mlp) for t in layer_types)
+    matmul = sum(attention + (moe if t.is_moe else dense_mlp) for t in layer_types)
     matmul += d * config.vocab_size
-    windows = [config.sliding_window_size if t.attention == "sliding" else 0 for t in layer_types]
-    return 3.0 * (2 * matmul + blocks.attention_flops(config, windows, dense_attention))
+    return 3.0 * (2 * matmul + blocks.attention_flops(config, layer_types, dense_attention))

@@ -43,8 +43,14 @@ def bias_and_shared_specs(config, f: int) -> dict[str, ParamSpec]:
 
 
 def shared_experts(x, p, rt):
-    """The shared experts, as one dense SwiGLU every token goes through: [B, T, D] -> [B, T, D]."""
-    return blocks.mlp(x, {"w_gate": p["shared_gate"], "w_up": p["shared_up"], "w_down": p["shared_down"]}, rt)
+    """The shared experts, as one dense SwiGLU every token goes through: [B, T, D] -> [B, T, D]; where the
+    layer declares `shared_expert_gate` [D, 1] (Qwen3-Next), each token's output is scaled by
+    sigmoid(x . shared_expert_gate)."""
+    out = blocks.mlp(x, {"w_gate": p["shared_gate"], "w_up": p["shared_up"], "w_down": p["shared_down"]}, rt)
+    if "shared_expert_gate" in p:
+        gate = jnp.einsum("btd,dk->btk", x.astype(jnp.float32), p["shared_expert_gate"].astype(jnp.float32))
+        out = (out.astype(jnp.float32) * jax.nn.sigmoid(gate)).astype(out.dtype)
+    return out
 
 
 def route_sigmoid_groups(logits, s, bias=None):
@@ -102,7 +108,7 @@ def update_router_bias(params: dict, old_params: dict, stats: dict, config, laye
     if "router_bias" not in layers.get("moe", {}):
         return params
     bias = old_params["layers"]["moe"]["router_bias"]
-    moe_layers = [i for i, t in enumerate(layer_types) if t.kind == "moe"]
+    moe_layers = [i for i, t in enumerate(layer_types) if t.is_moe]
     names = [expert_counts_name(i, len(layer_types)) for i in moe_layers]
     if config.routed_bias_update_rate > 0 and all(n in stats for n in names):
         counts = jnp.stack([stats[n] for n in names])                                  # [L_moe, E]

@@ -78,7 +78,9 @@ def _llama3(base: np.ndarray, rope: Rope) -> np.ndarray:
     context = rope.original_max_position_embeddings
     long = wavelength > context / rope.low_freq_factor
     short = wavelength < context / rope.high_freq_factor
-    smooth = (context / wavelength - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    # equal factors (Llama 4 Scout: 1 and 1) leave no band between long and short: nothing is blended
+    band = max(rope.high_freq_factor - rope.low_freq_factor, 1e-12)
+    smooth = (context / wavelength - rope.low_freq_factor) / band
     blended = (1 - smooth) * base / rope.factor + smooth * base
     return np.where(long, base / rope.factor, np.where(short, base, blended))
 
@@ -133,7 +135,11 @@ def tables(positions, rope: Rope, head_dim: int, num_positions: int | None = Non
 
 
 def apply(x, cos, sin):
-    """Rotates x [B, T, heads, H] by the angles of (cos, sin) [B, T, H/2]; computed in float32."""
+    """Rotates x [B, T, heads, H] by the angles of (cos, sin) [B, T, R/2]; computed in float32. With R < H
+    (partial RoPE: GLM-4.5, Qwen3-Next) the leading R features rotate and the rest pass unchanged."""
+    rotated = 2 * cos.shape[-1]
+    if rotated < x.shape[-1]:
+        return jnp.concatenate([apply(x[..., :rotated], cos, sin), x[..., rotated:]], axis=-1)
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)

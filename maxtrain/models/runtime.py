@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from maxtrain.config import registry
 from maxtrain.config.schema import QUANTIZATION_PLACES
 from maxtrain.models import attention as attention_lib
+from maxtrain.models import moe_experts
 
 # Names of the projection (matmul) outputs inside a layer; `minimal` saves exactly these, which are
 # the matmuls without batch dimensions (the attention score and value matmuls are recomputed).
@@ -68,7 +69,8 @@ def resolve_layer_plan(config, backend: str | None = None) -> tuple[str, bool]:
     """(remat policy, scan the layers?) for this run.
 
     An explicit remat_policy is kept, with scan_layers as configured. `autoselected` is `full` (the
-    least memory) with scan_layers as configured, except on CPU for a small dense model whose user set
+    least memory) with scan_layers as configured (on GPU and TPU train.py and train_compile then choose
+    by compiled memory instead: training/layer_choice.py), except on CPU for a small dense model whose user set
     neither key: there `none` with the layers unrolled, the faster step (CPU_UNROLL_* above). A model
     with experts or pipeline stages keeps `full` (not measured there); so does a model whose saved
     activations could exceed CPU_UNROLL_MAX_ACTIVATION_BYTES, where `full` also saves the memory."""
@@ -121,14 +123,21 @@ class Runtime:
     unroll_layers: bool = False  # the CPU plan above unrolls the layers although config.scan_layers is true
     vocab_tiles: int = 1  # the loss head's sequence chunks (num_vocab_tiling, resolved)
     fp8: frozenset = frozenset()  # where matmuls take float8 operands (resolve_fp8): attention, mlp, experts, head
+    attention_reason: str = ""  # why this attention (models/attention_choice.py), printed where it was autoselected
+    grouped_matmul: str = "xla"  # dropless experts' grouped matmul (moe_experts.resolve_grouped_matmul): xla or pallas
 
     @classmethod
     def from_config(cls, config, backend: str | None = None, logits_bytes: float | None = None,
-                    context_parallel: int = 1) -> "Runtime":
+                    context_parallel: int = 1, capability: str | None = None,
+                    gpu_present: bool = True, layer_plan: tuple[str, bool] | None = None) -> "Runtime":
         """logits_bytes: one device's share of a micro-batch's float32 [B, T, V] logits, as the mesh
         splits them; by default per_device_batch_size whole sequences, unsplit. context_parallel: the
-        ways the mesh splits each sequence. A run resolves its runtime once, in training/builder.py
-        (`runtime`), from its mesh; tests call this directly."""
+        ways the mesh splits each sequence. capability: the target GPU's compute capability ("9.0"), which
+        the attention choice reads (None: unknown, taken as the measured sm90); gpu_present=False: the step is
+        compiled ahead of time on a machine without that GPU (JAX then lowers cuDNN attention as for
+        pre-Hopper). layer_plan: (remat policy, scan the layers?) chosen by the caller
+        (training/layer_choice.py, by compiled memory) in place of resolve_layer_plan's. A run resolves its
+        runtime once, in training/builder.py (`runtime`), from its mesh; tests call this directly."""
         backend = backend or jax.default_backend()
         dtype = resolve_dtype(config.dtype, backend)
         auto = tuple(k for k in ("dtype", "attention", "remat_policy") if getattr(config, k) == "autoselected")
@@ -136,15 +145,21 @@ class Runtime:
         if logits_bytes is None:
             logits_bytes = config.per_device_batch_size * config.max_target_length * config.vocab_size * 4
         tiles = resolve_vocab_tiles(config.num_vocab_tiling, config.max_target_length, logits_bytes)
-        attention = attention_lib.resolve_implementation(
+        family = registry.FAMILIES.get(config.decoder_block)
+        mla = getattr(family, "mixer", "") == "mla"  # latent attention: a value head dim of its own
+        choice = attention_lib.resolve_implementation(
             config.attention, backend, dtype=dtype, head_dim=config.head_dim,
             sliding_window=config.sliding_window_size, logits_soft_cap=config.attn_logits_soft_cap,
-            sinks=getattr(registry.FAMILIES.get(config.decoder_block), "attention_sinks", False),
-            context_parallel=context_parallel)
-        remat_policy, scan_layers = resolve_layer_plan(config, backend)
-        return cls(dtype=dtype, attention=attention, remat_policy=remat_policy, backend=backend,
+            sinks=getattr(family, "attention_sinks", False),
+            context_parallel=context_parallel, v_head_dim=config.v_head_dim if mla else None,
+            length=config.max_target_length, gqa=config.base_num_query_heads // max(config.base_num_kv_heads, 1),
+            capability=capability, gpu_present=gpu_present, with_reason=True)
+        remat_policy, scan_layers = layer_plan or resolve_layer_plan(config, backend)
+        return cls(dtype=dtype, attention=choice.implementation, remat_policy=remat_policy, backend=backend,
+                   attention_reason=choice.reason,
                    autoselected=auto, vocab_tiles=tiles, unroll_layers=config.scan_layers and not scan_layers,
-                   fp8=resolve_fp8(config))
+                   fp8=resolve_fp8(config),
+                   grouped_matmul=moe_experts.resolve_grouped_matmul(config.moe_grouped_matmul, backend))
 
     def scan_layers(self, config) -> bool:
         """Whether the layers run as a lax.scan: config.scan_layers, unless this runtime unrolls them."""
@@ -156,7 +171,9 @@ class Runtime:
             return f" (autoselected for {self.backend})" if key in self.autoselected else ""
 
         return (f"dtype {jnp.dtype(self.dtype).name}{tag('dtype')}  "
-                f"attention {attention_lib.describe(self.attention, self.backend)}{tag('attention')}  "
+                f"attention {attention_lib.describe(self.attention, self.backend)}{tag('attention')}"
+                + (f" [{self.attention_reason}]" if "attention" in self.autoselected and self.attention_reason else "")
+                + "  "
                 f"remat {self.remat_policy}{tag('remat_policy')}  "
                 + (f"layers unrolled (autoselected for {self.backend})  " if self.unroll_layers else "")
                 + f"vocab tiles {self.vocab_tiles}{tag('num_vocab_tiling')}"

@@ -31,7 +31,7 @@ from maxtrain import models, storage
 from maxtrain.parallel import sharding
 from maxtrain.compile import fit as memory_lib
 from maxtrain.data import hosts, pipeline
-from maxtrain.models import fp8, moe
+from maxtrain.models import fp8, moe, moe_experts
 from maxtrain.parallel import stages as pipeline_lib
 
 
@@ -52,10 +52,11 @@ def load_config(argv: list[str], log=print):
     return distillation.adopt_teacher(config, log)
 
 
-def runtime(config, platform: str, mesh) -> models.Runtime:
+def runtime(config, platform: str, mesh, layer_plan: tuple[str, bool] | None = None) -> models.Runtime:
     """The choices resolved for `platform` and `mesh`, once per run (build, load_model): compute dtype,
     attention implementation, remat policy, and the vocab tiling chosen for one device's share of the
-    logits. A choice this platform or mesh cannot run is a config error."""
+    logits; layer_plan: (remat policy, scan?) chosen by compiled memory (training/layer_choice.py). A choice
+    this platform or mesh cannot run is a config error."""
     rules = config.logical_axis_rules
     # the micro-batch's [B, T, V] logits, split as shard(logits, ("batch", "length", "vocab"))
     spec = sharding.activation_spec(("batch", "length", "vocab"), rules)
@@ -63,8 +64,11 @@ def runtime(config, platform: str, mesh) -> models.Runtime:
     ways = math.prod(mesh.shape[a] for a in axes)
     logits_bytes = config.micro_batch_size * config.max_target_length * config.vocab_size * 4 / ways
     try:
-        return models.Runtime.from_config(config, platform, logits_bytes,
-                                          context_parallel=sharding.ways_on(mesh, "length", rules))
+        capability = getattr(mesh.devices.flat[0], "compute_capability", None) if platform == "gpu" else None
+        return models.Runtime.from_config(config, platform, logits_bytes, capability=capability,
+                                          gpu_present=platform != "gpu" or has_local_gpu(),
+                                          context_parallel=sharding.ways_on(mesh, "length", rules),
+                                          layer_plan=layer_plan)
     except ValueError as e:  # attention / dtype choices the platform lacks (attention.resolve_implementation)
         if isinstance(e, config_lib.ConfigError):
             raise
@@ -92,6 +96,14 @@ def check_float8_devices(config, rt, device) -> None:
                                      "leave quantization empty")
 
 
+def has_local_gpu() -> bool:
+    """Whether this machine has a GPU JAX can use (train_compile compiles for one on a CPU)."""
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
 def platform_of(device) -> str:
     """'cpu', 'gpu' or 'tpu' for a device (also a topology's device that this machine cannot run)."""
     name = getattr(device, "platform", "cpu").lower()
@@ -111,6 +123,7 @@ class Run:
     train_step: Any              # jax.jit of train_step.make_train_step, sharded, state donated
     eval_step: Any               # jax.jit of (state, batch) -> (loss sum, weight sum, metrics) of the objective
     pipeline: Any = None         # models.pipeline.Schedule with pipeline stages, else None
+    remat_choice: str = ""       # the remat candidates tried, where training/layer_choice.py chose by compiled memory
 
     def init(self, key) -> dict:
         """A fresh train state, created sharded on the devices; a distillation teacher is read from its
@@ -168,10 +181,11 @@ def state_shardings(config, mesh, abstract_state) -> dict:
     return out
 
 
-def build(config, *, devices=None, platform: str | None = None, num_processes: int | None = None) -> Run:
+def build(config, *, devices=None, platform: str | None = None, num_processes: int | None = None,
+          layer_plan: tuple[str, bool] | None = None) -> Run:
     """The pieces of a run of `config` (from config_lib.load_config) on `devices` (default: all of
     this job's devices). platform defaults to the devices' own; num_processes to the processes that
-    own them."""
+    own them; layer_plan (remat policy, scan the layers?) to the runtime's own (models/runtime.py)."""
     devices = list(jax.devices() if devices is None else devices)
     platform = platform or platform_of(devices[0])
     config = distillation.adopt_teacher(config, log=lambda *_: None)  # done by load_config for a run (and logged)
@@ -179,7 +193,7 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
         num_processes = len({getattr(d, "process_index", 0) for d in devices})
     config = config_lib.with_devices(config, len(devices), num_processes)
     mesh = sharding.create_mesh(config, devices)
-    rt = runtime(config, platform, mesh)  # the attention implementation, dtype and remat: resolved here, once
+    rt = runtime(config, platform, mesh, layer_plan)  # the attention implementation, dtype and remat: resolved here, once
     check_float8_devices(config, rt, devices[0])
     if config.num_experts % mesh.shape["expert"]:
         raise sharding.MeshError(
@@ -259,14 +273,18 @@ def load_model(config, *, devices=None, read_params: bool = True, log=print) -> 
     return model
 
 
-# Backends whose XLA lowers jax.lax.ragged_dot densely, every row against every expert (jax 0.10 to 0.12).
-DENSE_RAGGED_DOT = ("cpu", "gpu")
+def objective_details(config) -> str:
+    """The summary's words after the objective's name: its settings, its data kind and its frozen model."""
+    row = config_lib.objectives.of(config)
+    parts = [f"{key} {getattr(config, key):g}" for key in row.shown] + [config_lib.objectives.data_kind(config)]
+    parts += [f"frozen {row.frozen}"] if config_lib.objectives.holds_frozen(config) else []
+    return " (" + ", ".join(parts) + ")"
 
 
 def moe_line(run: Run) -> str:
     """The start-up summary's line about the experts."""
     config = run.config
-    moe_layers = sum(t.kind == "moe" for t in models.family(config).layer_types(config))
+    moe_layers = sum(t.is_moe for t in models.family(config).layer_types(config))
     slots = moe.capacity(config.num_experts, config.num_experts_per_tok, config.capacity_factor,
                          config.max_target_length)
     capacity = (f" capacity_factor {config.capacity_factor:g} ({slots} slots per expert and sequence)"
@@ -276,10 +294,8 @@ def moe_line(run: Run) -> str:
     experts = (config.num_experts, config.base_emb_dim, moe.expert_dim(config))
     chunks = moe.mesh_axes(settings, run.mesh, config.logical_axis_rules, experts).hidden_chunks
     auto = " (autoselected)" if config.num_moe_hidden_tiling == -1 else ""
-    if config.moe_dispatch == "dropless" and run.rt.backend in DENSE_RAGGED_DOT:
-        # measured: docs/moe.md (CPU 3x, an H100 10x slower per token than capacity)
-        capacity = (f" (XLA:{run.rt.backend.upper()} computes its grouped matmul over all {config.num_experts} "
-                    "experts; moe_dispatch=capacity computes the chosen ones)")
+    if config.moe_dispatch == "dropless":
+        capacity = f" ({moe_experts.describe_grouped_matmul(run.rt.grouped_matmul, run.rt.backend)})"
     return (f"experts: {config.num_experts} x F {moe.expert_dim(config)}, {config.num_experts_per_tok} per token, in "
             f"{moe_layers} of {config.base_num_decoder_layers} layers  active params "
             f"{models.num_active_params(config) / 1e6:,.2f}M  dispatch {config.moe_dispatch}{capacity}  "
@@ -302,8 +318,9 @@ def parallelism_lines(run: Run) -> list[str]:
 
 
 def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
-    """The start-up summary: model, compute choices, mesh, batch, schedule, FLOPs, compiled memory, and
-    (given checkpoint.plan_start's Start) whether the run resumes elastically."""
+    """The start-up summary: model, compute choices (with the remat candidates tried, where the remat policy was
+    chosen by compiled memory), mesh, batch, schedule, FLOPs, compiled memory, and (given checkpoint.plan_start's
+    Start) whether the run resumes elastically."""
     config, rt = run.config, run.rt
     flops = metrics.flops_per_token(config)
     state = run.abstract_state
@@ -319,6 +336,7 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
         *([moe_line(run)] if models.is_moe(config) else []),
         f"compute: {rt.describe()}  weights {config.weight_dtype}  scan_layers {rt.scan_layers(config)}  "
         f"platform {rt.backend}",
+        *([run.remat_choice] if run.remat_choice else []),
         host_memory.describe(),
         f"mesh: {dict(run.mesh.shape)} over {config.num_devices} devices in {config.num_processes} process(es)"
         + (f", {len(sharding.slices_of(run.mesh.devices.flat, config.num_slices))} slices"
@@ -327,11 +345,7 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
         f"batch: global {config.global_batch_size} sequences x {config.max_target_length} tokens = "
         f"{config.tokens_per_step:,} tokens/step (per device {config.per_device_batch_size}, "
         f"accumulation {config.gradient_accumulation_steps})",
-        f"objective: {objectives.name(config)}"
-        + (f" (beta {config.dpo_beta}, label smoothing {config.dpo_label_smoothing}, frozen reference)"
-           if config.use_dpo else "")
-        + (f" (alpha {config.distill_alpha:g}, temperature {config.distill_temperature:g}, frozen teacher)"
-           if config.use_distillation else "")
+        f"objective: {objectives.name(config)}" + objective_details(config)
         + (f"  LoRA rank {config.lora_rank} alpha {config.lora_alpha} on {','.join(config.lora_target_modules)}"
            if config.lora_rank else "")
         + f"  trainable {n_trainable / 1e6:,.3f}M ({100 * n_trainable / max(models.num_params(config), 1):.2f}% of the"

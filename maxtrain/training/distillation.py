@@ -26,9 +26,10 @@ KEY = "distill_teacher_model"  # the config's derived entry: the teacher's model
 
 def adopt_teacher(config, log=print):
     """config with the teacher's model settings (from its checkpoint's metadata) as `distill_teacher_model`;
-    unchanged without use_distillation or when already adopted. Refused before any other work when the
+    unchanged when the objective holds no teacher (objective=distill's row does) or when already adopted.
+    Refused before any other work when the
     teacher is missing, unreadable, or predicts another vocabulary than the student."""
-    if not config.use_distillation or KEY in config:
+    if config_lib.objectives.of(config).frozen != "teacher" or KEY in config:
         return config
     step_dir = checkpoint_files.find_step_dir(config.distill_teacher_path, "distill_teacher_path")
     saved = checkpoint_files.read_metadata(step_dir).get("config", {})

@@ -1,6 +1,6 @@
 """GRPO (Shao et al. 2024; DeepSeek-R1): rollouts and one policy update on every step.
 
-    inputs = grpo.make_inputs(config, log)       # prompts, reward functions: checked before any work
+    inputs = grpo.with_rewards(config, data.make_inputs(config), functions)  # checked before any work
     step = grpo.Step(run, train_step, inputs)    # what loop.train calls for each prompt batch
     state, metrics = step(state, prompt_batch)
 
@@ -33,6 +33,7 @@ import time
 import jax
 import numpy as np
 
+from maxtrain import data as data_lib
 from maxtrain.data import pipeline, prompts as prompts_lib
 from maxtrain.errors import ConfigError
 from maxtrain.models import sampling
@@ -44,52 +45,41 @@ ROLLOUT_SALT = 0x6C7A  # the rollout key: fold_in(key(seed), ROLLOUT_SALT), apar
 
 @dataclasses.dataclass
 class Inputs:
-    """What train.py reads from any run's inputs, and GRPO's own."""
-    prompts: prompts_lib.PromptInputs
+    """A GRPO run's inputs: data.make_inputs' (the prompts) with the reward functions; what train.py reads from
+    any run's inputs, and GRPO's own."""
+    data: data_lib.Inputs
     functions: dict                   # reward name -> function
 
     @property
+    def prompts(self) -> prompts_lib.PromptInputs:
+        return self.data.prompts
+
+    @property
     def tokenizer(self):
-        return self.prompts.tokenizer
+        return self.data.tokenizer
 
     @property
     def train_iterator(self):
-        return self.prompts.train_iterator
+        return self.data.train_iterator
 
     @property
     def eval_batches(self):           # the held-out prompts (HeldOut answers them)
-        return self.prompts.eval_prompts
+        return self.data.eval_batches
 
     def close(self) -> None:
-        """Nothing runs in the background (train.py closes every run's inputs)."""
+        self.data.close()
 
 
-def prompts_per_step(config) -> int:
-    """Prompts per step: global_batch_size / num_generations (a ConfigError when it does not divide)."""
-    rows, g = config.global_batch_size, config.num_generations
-    if rows % g:
-        raise ConfigError(f"use_grpo: a step's {rows} completions (global_batch_size = per_device_batch_size x "
-                          f"devices x gradient_accumulation_steps) are not a multiple of num_generations={g}; set "
-                          f"per_device_batch_size so that they are (e.g. num_generations={_divisor(rows, g)})")
-    return rows // g
-
-
-def _divisor(n: int, near: int) -> int:
-    return min((d for d in range(2, n + 1) if n % d == 0), key=lambda d: abs(d - near), default=n)
-
-
-def make_inputs(config, log=print, functions: dict | None = None) -> Inputs:
-    """The reward functions imported (or `functions`, rewards.load's), the prompts opened and the first of every
-    file checked, the functions called on made-up completions of them: every mistake here stops the run before
-    any compilation."""
+def with_rewards(config, inputs: data_lib.Inputs, functions: dict, log=print) -> Inputs:
+    """The prompts of data.make_inputs (whose first record of every file it checked) with the reward functions
+    (rewards.load's), which are called on made-up completions of those records here: every mistake stops the
+    run before any compilation."""
     if jax.process_count() > 1:
-        raise ConfigError("use_grpo runs in one process for now (its rollouts are gathered on one host); run it "
-                          "without a coordinator, on one machine's devices")
-    functions = rewards.load(config.grpo_reward_functions) if functions is None else functions
-    inputs = prompts_lib.make_inputs(config, prompts_per_step(config), log=log)
-    first = inputs.first_records
+        raise ConfigError("objective=grpo runs in one process for now (its rollouts are gathered on one host); run "
+                          "it without a coordinator, on one machine's devices")
+    first = inputs.prompts.first_records
     rewards.check(functions, [p.text for p in first], [p.answer for p in first])
-    log(f"GRPO: {prompts_per_step(config)} prompts x {config.num_generations} completions of at most "
+    log(f"GRPO: {prompts_lib.per_step(config)} prompts x {config.num_generations} completions of at most "
         f"{completion_length(config)} tokens per step; rewards {', '.join(functions)}; beta {config.grpo_beta:g}, "
         f"epsilon {config.grpo_epsilon:g}; sampling {describe_sampling(config)}")
     return Inputs(inputs, functions)

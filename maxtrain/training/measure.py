@@ -25,7 +25,7 @@ from maxtrain.compile import fit as memory_lib
 from maxtrain.data import pipeline
 from maxtrain.observability import metrics
 from maxtrain.parallel import sharding
-from maxtrain.training import builder, objectives
+from maxtrain.training import builder, layer_choice, objectives
 
 # What a measured run leaves out: checkpoints, TensorBoard, evaluation, sampling and the metrics file.
 MEASURE_OVERRIDES = ["enable_checkpointing=false", "enable_tensorboard=false", "eval_interval=-1",
@@ -34,8 +34,16 @@ MEASURE_OVERRIDES = ["enable_checkpointing=false", "enable_tensorboard=false", "
 
 def build(config, log=print):
     """What train.py builds: (run, compiled step, initial state, up to 4 batches on the devices, compile
-    seconds); logs the run's summary."""
+    seconds); logs the run's summary. On a GPU or TPU with remat_policy=autoselected the remat policy is
+    chosen by compiled memory as train.py chooses it (training/layer_choice.py; its compiles counted in the
+    compile seconds)."""
     run = builder.build(config)
+    t0 = time.perf_counter()
+    chosen = None
+    if layer_choice.applies(config, run.rt.backend):
+        chosen = layer_choice.choose_on_devices(run, lambda plan: builder.build(config, layer_plan=plan))
+        run = chosen.run
+    choice_seconds = time.perf_counter() - t0
     mesh, rules = run.mesh, run.config.logical_axis_rules
     inputs = data_lib.make_inputs(run.config, log=log)
     with sharding.activation_sharding(mesh, rules):
@@ -43,8 +51,8 @@ def build(config, log=print):
         batches = [pipeline.to_global(next(inputs.train_iterator), mesh, rules)
                    for _ in range(min(run.config.steps, 4))]
         t0 = time.perf_counter()
-        step_fn = run.compile(state, batches[0])
-        compile_seconds = time.perf_counter() - t0
+        step_fn = chosen.compiled if chosen is not None else run.compile(state, batches[0])
+        compile_seconds = time.perf_counter() - t0 + choice_seconds
         log(builder.summarize(run, step_fn, compile_seconds))
     inputs.close()
     return run, step_fn, state, batches, compile_seconds

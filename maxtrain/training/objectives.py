@@ -1,12 +1,14 @@
-"""What training minimizes: lm, sft, dpo and distill, each a pure function of (params, batch, reference).
+"""What training minimizes: lm, sft, dpo, distill and grpo, each a pure function of (params, batch, reference).
 
     objective = objectives.make(config, rt)
     loss_sum, weight_sum, metrics = objective(params, batch, reference)
 
-The train step divides the summed loss of all its micro-batches by their summed weight and adds
-every metric named `*_loss` (already a mean, times the weight: models.objective); it never asks
-which objective it runs. Metrics are means over the micro-batch's weight, reported as
-`learning/<name>` (training) and `eval/<name>` (evaluation).
+Which one runs is the `objective` key (config/objectives.py: its row declares the data it reads, the
+frozen model the state holds and the extra batch entries; `LOSSES` below is each row's loss). The train
+step divides the summed loss of all its micro-batches by their summed weight and adds every metric named
+`*_loss` (already a mean, times the weight: models.objective); it never asks which objective it runs.
+Metrics are means over the micro-batch's weight, reported as `learning/<name>` (training) and
+`eval/<name>` (evaluation).
 
     lm    next-token cross-entropy: sum over targets of loss_weight x (-log p(target)); the weight
           is the number of weighted targets. Pre-training data weights every real token.
@@ -43,40 +45,33 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from maxtrain import config as config_lib
 from maxtrain import models
 from maxtrain.models import sampling
 from maxtrain.training import distillation
 
-OBJECTIVES = ("lm", "sft", "dpo", "distill", "grpo")
-GRPO_BATCH_KEYS = ("advantages", "old_log_probs")  # float32 [A, b, T] beside the usual keys (grpo)
-
-
 def name(config) -> str:
-    if config.use_grpo:
-        return "grpo"
-    return "distill" if config.use_distillation else "dpo" if config.use_dpo else "sft" if config.use_sft else "lm"
+    return config.objective
 
 
 def needs_reference(config) -> bool:
-    return config.use_dpo or (config.use_grpo and config.grpo_beta > 0)
+    """Whether the state holds a frozen reference model (the starting params): DPO's, GRPO's KL term's."""
+    return config_lib.objectives.of(config).frozen == "reference" and config_lib.objectives.holds_frozen(config)
 
 
 def batch_keys(config) -> tuple[str, ...]:
-    """The float32 batch entries the objective reads beyond data/hosts.KEYS."""
-    return GRPO_BATCH_KEYS if config.use_grpo else ()
+    """The float32 batch entries the objective reads beyond data/hosts.KEYS (its row's batch_keys)."""
+    return config_lib.objectives.of(config).batch_keys
 
 
 def make(config, rt: models.Runtime):
     """The run's objective: fn(params, batch, reference) -> (loss sum, weight sum, metrics)."""
     kind = name(config)
-    if kind == "dpo":
-        return lambda params, batch, reference: dpo(params, batch, reference, config, rt)
     if kind == "distill":
         teacher_config = distillation.teacher_config(config)
         return lambda params, batch, teacher: distill(params, batch, teacher, config, teacher_config, rt)
-    if kind == "grpo":
-        return lambda params, batch, reference: grpo(params, batch, reference, config, rt)
-    return lambda params, batch, reference: lm(params, batch, config, rt)
+    loss = LOSSES[kind]
+    return lambda params, batch, reference: loss(params, batch, reference, config, rt)
 
 
 def lm(params, batch: dict, config, rt):
@@ -85,6 +80,11 @@ def lm(params, batch: dict, config, rt):
 
 
 sft = lm  # SFT is the LM objective on weights that the chat template set
+
+
+def _next_token(params, batch: dict, reference, config, rt):
+    """lm and sft in the signature of the others (no frozen model)."""
+    return lm(params, batch, config, rt)
 
 
 def target_log_probs(params, batch: dict, config, rt, temperature: float = 1.0):
@@ -191,3 +191,8 @@ def grpo(params, batch: dict, reference, config, rt):
     metrics = {**aux, "grpo_kl": mean(k3), "grpo_clip_fraction": mean(clipped.astype(jnp.float32)),
                "grpo_log_ratio": mean(log_probs - batch["old_log_probs"])}
     return jnp.sum(loss * weights), tokens, metrics
+
+
+# Each objective row's loss (config/objectives.py declares the rows; tests/test_objectives.py checks that every
+# row has one). distill's also needs the teacher's config: make builds it.
+LOSSES = {"lm": _next_token, "sft": _next_token, "dpo": dpo, "grpo": grpo, "distill": distill}

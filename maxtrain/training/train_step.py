@@ -8,7 +8,7 @@ and, for post-training,
                  frozen "params" are the reference)
     "teacher":   distillation's frozen teacher, a model of its own (training/distillation.py)
 Which leaves train is `trainable_key(state)`; what the objective minimizes is objectives.make's
-choice (lm, sft or dpo). The step itself is the same for all of them.
+choice (the `objective` key's row). The step itself is the same for all of them.
 
 A batch holds `inputs`, `targets`, `positions`, `segment_ids` and `loss_weights`, each
 [accumulation steps, micro batch, T]. Gradients from the micro-batches are summed in float32 and
@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from maxtrain import config as config_lib
 from maxtrain.models import lora
 from maxtrain import models
 from maxtrain.training import distillation, objectives, precision
@@ -41,7 +42,7 @@ def state_specs(config) -> dict:
         specs["lora"] = lora.adapter_specs(config)
     elif objectives.needs_reference(config):
         specs["reference"] = specs["params"]
-    if config.use_distillation:
+    if config_lib.objectives.of(config).frozen == "teacher":  # the objective's row: its frozen model is a teacher
         specs["teacher"] = models.param_specs(distillation.teacher_config(config))
     return specs
 

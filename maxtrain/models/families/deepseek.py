@@ -21,32 +21,29 @@ checkpoint (read by an import with keep_mtp, never written by an export: transfo
 from __future__ import annotations
 
 from maxtrain.config import registry
-from maxtrain.models import blocks, hf, mla, moe, mtp
-from maxtrain.models.decoder import LayerType
-from maxtrain.models.families import llama, mixtral
-from maxtrain.models.params import stacked
+from maxtrain.models import blocks, contract, hf, mla, moe, mtp, standard_layers
+from maxtrain.models.layers import LayerType
 from maxtrain.parallel.sharding import shard
 
 FAMILY = registry.FAMILIES["deepseek"]  # its Hugging Face model_type and architecture
 ROUTER = "sigmoid_group_topk"
 
-embed = llama.embed
-logits = llama.logits
-rope_head_dim = lambda config: config.qk_rope_head_dim  # noqa: E731  (decoder.rope_head_dim)
-cache_heads = mla.cache_heads                            # the KV cache holds MLA's latent and RoPE key
-
 
 def layer_types(config) -> list[LayerType]:
-    return [LayerType(kind="dense" if i < config.first_num_dense_layers else "moe")
+    return [LayerType(kind="dense", mixer="mla") if i < config.first_num_dense_layers else
+            LayerType(kind="moe", mixer="mla", mlp="moe+shared" if config.shared_experts else "moe")
             for i in range(config.base_num_decoder_layers)]
+
+
+def rope_head_dim(config) -> int:
+    """RoPE rotates MLA's qk_rope_head_dim features (one key shared by every head), not the whole head."""
+    return config.qk_rope_head_dim
 
 
 def param_specs(config):
     attention = {"attn_norm": blocks.norm_spec(config), **mla.specs(config), "mlp_norm": blocks.norm_spec(config)}
     per_kind = {"dense": {**attention, **blocks.mlp_specs(config)}, "moe": {**attention, **moe.specs(config)}}
-    counts = {kind: sum(t.kind == kind for t in layer_types(config)) for kind in per_kind}
-    out = {**blocks.embedding_specs(config),
-           "layers": {kind: stacked(specs, counts[kind]) for kind, specs in per_kind.items() if counts[kind]}}
+    out = {**blocks.embedding_specs(config), "layers": standard_layers.stacks(config, layer_types(config), per_kind)}
     if config.mtp_num_layers > 0:
         out["mtp"] = mtp.specs(config, per_kind["moe"])
     return out
@@ -57,7 +54,7 @@ def layer(x, p, inputs, layer_type: LayerType, config, rt):
     h, aux = mla.attention(blocks.rms_norm(x, p["attn_norm"], eps), p, inputs, config, rt)
     x = shard(x + h, ("batch", "length", "embed"))
     normed = blocks.rms_norm(x, p["mlp_norm"], eps)
-    if layer_type.kind == "moe":
+    if layer_type.is_moe:
         h, moe_aux = moe.block(normed, p, inputs.segment_ids, config, rt, router=ROUTER,
                                num_moe_layers=config.base_num_decoder_layers - config.first_num_dense_layers)
         aux = {**aux, **moe_aux}
@@ -71,7 +68,7 @@ def flops_per_token(config, dense_attention: bool = False) -> float:
     a token's K routed experts, the shared experts and the router in MoE layers (moe.flops_per_token)."""
     d, f_e = config.base_emb_dim, moe.expert_dim(config)
     routed = d * config.num_experts + (config.num_experts_per_tok + config.shared_experts) * 3 * d * f_e
-    mlps = [routed if t.kind == "moe" else 3 * d * config.base_mlp_dim for t in layer_types(config)]
+    mlps = [routed if t.is_moe else 3 * d * config.base_mlp_dim for t in layer_types(config)]
     matmul = sum(mla.matmul_params(config) + m for m in mlps) + d * config.vocab_size
     depth = config.mtp_num_layers  # each MTP module: eh_proj, one MoE block and the shared head (models/mtp.py)
     matmul += depth * (2 * d * d + mla.matmul_params(config) + routed + d * config.vocab_size)
@@ -110,7 +107,7 @@ _MTP = {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "eh_proj": ("eh_proj.w
 MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 HF_NAMES = {**hf.EMBEDDING_NAMES, **_names("dense", _ATTENTION), **_names("moe", _ATTENTION), **_names("moe", _MOE),
-            **mixtral.for_kind(hf.MLP_NAMES, "dense"),
+            **hf.for_kind(hf.MLP_NAMES, "dense"),
             **{k.replace("layers/mtp/", "mtp/"): v for k, v in _names("mtp", _MTP).items()}}
 
 
@@ -160,3 +157,10 @@ def to_hf_config(keys: dict) -> dict:
            "rope_interleave": keys["rope_interleave"], "num_nextn_predict_layers": 0}
     out["head_dim"] = keys["qk_rope_head_dim"]  # transformers' DeepseekV3Config: the RoPE width
     return out
+
+
+MODEL = contract.FamilyModel(
+    row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=standard_layers.embed, layer=layer,
+    logits=standard_layers.logits, flops_per_token=flops_per_token, hf_names=HF_NAMES,
+    from_hf_config=from_hf_config, to_hf_config=to_hf_config, rope_head_dim=rope_head_dim,
+    cache_heads=mla.cache_heads, mtp_copies=MTP_COPIES)

@@ -13,64 +13,27 @@ Layers alternate: sliding-window attention (even layers), then global attention 
 from __future__ import annotations
 
 from maxtrain.config import registry
-from maxtrain.models import blocks, hf
-from maxtrain.models.decoder import LayerType, default_layer_types
+from maxtrain.models import blocks, contract, hf, standard_layers
+from maxtrain.models.layers import LayerType, attention_types
 from maxtrain.models.params import stacked
-from maxtrain.parallel.sharding import shard
 
 FAMILY = registry.FAMILIES["gemma2"]  # its Hugging Face model_type and architecture, its attention pattern
 
 
-def param_specs(config, qk_norm: str | None = None):
-    norm = blocks.norm_spec(config, "zeros")  # the (1 + scale) form: scale 0 is the identity
-    layer_specs = {"attn_norm": norm, **blocks.attention_specs(config, qk_norm=qk_norm), "post_attn_norm": norm,
-                   "mlp_norm": norm, **blocks.mlp_specs(config), "post_mlp_norm": norm}
+def param_specs(config):
     return {**blocks.embedding_specs(config, norm_init="zeros"),
-            "layers": {"decoder": stacked(layer_specs, config.base_num_decoder_layers)}}
+            "layers": {"decoder": stacked(standard_layers.sandwich_specs(config), config.base_num_decoder_layers)}}
 
 
 def layer_types(config) -> list[LayerType]:
-    n = config.base_num_decoder_layers
-    return default_layer_types(config, FAMILY.pattern(n))
-
-
-def embed(params, tokens, config, rt):
-    return blocks.embed(params["token_embedding"], tokens, rt.dtype, multiplier=config.base_emb_dim**0.5)
-
-
-def attention_scale(config) -> float:
-    scalar = config.query_pre_attn_scalar if config.query_pre_attn_scalar > 0 else config.head_dim
-    return scalar**-0.5
-
-
-def layer(x, p, inputs, layer_type: LayerType, config, rt):
-    eps = config.normalization_layer_epsilon
-    window = config.sliding_window_size if layer_type.attention == "sliding" else 0
-    h, aux = blocks.attention(blocks.rms_norm(x, p["attn_norm"], eps, plus_one=True), p, inputs, config, rt,
-                              rope=layer_type.rope, sliding_window=window, scale=attention_scale(config),
-                              logits_soft_cap=config.attn_logits_soft_cap, norm_plus_one=True)
-    x = shard(x + blocks.rms_norm(h, p["post_attn_norm"], eps, plus_one=True), ("batch", "length", "embed"))
-    h = blocks.mlp(blocks.rms_norm(x, p["mlp_norm"], eps, plus_one=True), p, rt, "gelu_tanh")
-    x = x + blocks.rms_norm(h, p["post_mlp_norm"], eps, plus_one=True)
-    return shard(x, ("batch", "length", "embed")), aux
-
-
-def logits(params, x, config, rt):
-    return blocks.logits(params, x, config, rt, norm_plus_one=True)
+    return attention_types(config, FAMILY.pattern(config.base_num_decoder_layers))
 
 
 def flops_per_token(config, dense_attention: bool = False) -> float:
     return blocks.decoder_flops(config, layer_types(config), dense_attention)
 
 
-HF_NAMES = {
-    **hf.EMBEDDING_NAMES,
-    "layers/decoder/attn_norm": ("model.layers.{i}.input_layernorm.weight", None),
-    "layers/decoder/post_attn_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
-    "layers/decoder/mlp_norm": ("model.layers.{i}.pre_feedforward_layernorm.weight", None),
-    "layers/decoder/post_mlp_norm": ("model.layers.{i}.post_feedforward_layernorm.weight", None),
-    **hf.ATTENTION_NAMES, **hf.MLP_NAMES,
-}
+HF_NAMES = hf.SANDWICH_NAMES
 
 
 def from_hf_config(config: dict, notes: list | None = None) -> dict:
@@ -90,3 +53,9 @@ def to_hf_config(keys: dict) -> dict:
             "query_pre_attn_scalar": hf.whole(keys["query_pre_attn_scalar"] if keys["query_pre_attn_scalar"] > 0 else keys["head_dim"]),
             "attn_logit_softcapping": keys["attn_logits_soft_cap"] or None,
             "final_logit_softcapping": keys["final_logits_soft_cap"] or None}
+
+
+MODEL = contract.FamilyModel(
+    row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=standard_layers.scaled_embed,
+    layer=standard_layers.sandwich_layer, logits=standard_layers.plus_one_logits, flops_per_token=flops_per_token,
+    hf_names=HF_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config)

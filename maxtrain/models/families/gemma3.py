@@ -13,32 +13,30 @@ logits are soft-capped only when final_logits_soft_cap is set.
 from __future__ import annotations
 
 from maxtrain.config import registry
-from maxtrain.models import blocks, hf
-from maxtrain.models.families import gemma2
-from maxtrain.models.decoder import LayerType, default_layer_types
+from maxtrain.models import blocks, contract, hf, standard_layers
+from maxtrain.models.layers import LayerType, attention_types
+from maxtrain.models.params import stacked
 
 FAMILY = registry.FAMILIES["gemma3"]  # its Hugging Face model_type and architecture
 PERIOD = len(FAMILY.attention_pattern)  # one global layer closes every group of six (registry.py)
 _pattern = FAMILY.pattern
 
-embed = gemma2.embed
-layer = gemma2.layer  # the attention block applies qk-norm because q_norm and k_norm exist
-logits = gemma2.logits
 
-
-def param_specs(config):
-    return gemma2.param_specs(config, qk_norm="zeros")
+def param_specs(config):  # the attention block applies qk-norm because q_norm and k_norm exist
+    layer_specs = standard_layers.sandwich_specs(config, qk_norm="zeros")
+    return {**blocks.embedding_specs(config, norm_init="zeros"),
+            "layers": {"decoder": stacked(layer_specs, config.base_num_decoder_layers)}}
 
 
 def layer_types(config) -> list[LayerType]:
-    return default_layer_types(config, _pattern(config.base_num_decoder_layers))
+    return attention_types(config, _pattern(config.base_num_decoder_layers))
 
 
 def flops_per_token(config, dense_attention: bool = False) -> float:
     return blocks.decoder_flops(config, layer_types(config), dense_attention)
 
 
-HF_NAMES = {**gemma2.HF_NAMES, **hf.QK_NORM_NAMES}
+HF_NAMES = {**hf.SANDWICH_NAMES, **hf.QK_NORM_NAMES}
 
 
 def from_hf_config(config: dict, notes: list | None = None) -> dict:
@@ -94,3 +92,9 @@ def to_hf_config(keys: dict) -> dict:
            "query_pre_attn_scalar": hf.whole(keys["query_pre_attn_scalar"] if keys["query_pre_attn_scalar"] > 0 else keys["head_dim"]),
            "attn_logit_softcapping": None, "final_logit_softcapping": keys["final_logits_soft_cap"] or None}
     return out
+
+
+MODEL = contract.FamilyModel(
+    row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=standard_layers.scaled_embed,
+    layer=standard_layers.sandwich_layer, logits=standard_layers.plus_one_logits, flops_per_token=flops_per_token,
+    hf_names=HF_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config)

@@ -21,12 +21,9 @@ MXFP4, which the import dequantizes (checkpointing/dequantize.py).
 
 from __future__ import annotations
 
-import dataclasses
-
 from maxtrain.config import registry
-from maxtrain.models import blocks, hf, moe
-from maxtrain.models.decoder import LayerType, default_layer_types
-from maxtrain.models.families import llama, mixtral
+from maxtrain.models import blocks, contract, hf, moe, standard_layers
+from maxtrain.models.layers import LayerType, attention_types
 from maxtrain.models.params import stacked
 
 FAMILY = registry.FAMILIES["gpt_oss"]  # its Hugging Face model_type and architecture
@@ -38,24 +35,20 @@ DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
                 "original_max_position_embeddings": 4096}
 DEFAULT_THETA = 150000.0
 
-embed = llama.embed
-logits = llama.logits
-
 
 def param_specs(config):
-    layer_specs = {"attn_norm": blocks.norm_spec(config),
-                   **blocks.attention_specs(config, qkv_bias=True, out_bias=True, sinks=FAMILY.attention_sinks),
-                   "mlp_norm": blocks.norm_spec(config), **moe.specs(config, biases=True)}
+    layer_specs = standard_layers.decoder_specs(config, mlp=moe.specs(config, biases=True), qkv_bias=True,
+                                                out_bias=True, sinks=FAMILY.attention_sinks)
     return {**blocks.embedding_specs(config), "layers": {"moe": stacked(layer_specs, config.base_num_decoder_layers)}}
 
 
 def layer_types(config) -> list[LayerType]:
-    return [dataclasses.replace(t, kind="moe")
-            for t in default_layer_types(config, _pattern(config.base_num_decoder_layers))]
+    return attention_types(config, _pattern(config.base_num_decoder_layers), kind="moe", mlp="moe")
 
 
 def layer(x, p, inputs, layer_type: LayerType, config, rt):
-    return mixtral.moe_decoder_layer(x, p, inputs, layer_type, config, rt, ROUTER, layer_types(config), ACTIVATION)
+    return standard_layers.prenorm_layer(x, p, inputs, layer_type, config, rt, router=ROUTER,
+                                         num_moe_layers=config.base_num_decoder_layers, activation=ACTIVATION)
 
 
 def flops_per_token(config, dense_attention: bool = False) -> float:
@@ -71,7 +64,7 @@ HF_NAMES = {
     **hf.EMBEDDING_NAMES,
     "layers/moe/attn_norm": ("model.layers.{i}.input_layernorm.weight", None),
     "layers/moe/mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
-    **mixtral.for_kind({**hf.ATTENTION_NAMES, **hf.QKV_BIAS_NAMES}, "moe"),
+    **hf.for_kind({**hf.ATTENTION_NAMES, **hf.QKV_BIAS_NAMES}, "moe"),
     "layers/moe/bo": ("model.layers.{i}.self_attn.o_proj.bias", None),
     "layers/moe/sinks": ("model.layers.{i}.self_attn.sinks", None),
     "layers/moe/router": ("model.layers.{i}.mlp.router.weight", 1),
@@ -93,7 +86,7 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
             **hf.rope_keys(config, notes, default_theta=DEFAULT_THETA)}
     window = config.get("sliding_window", 128)
     return {**keys, **hf.sliding_keys(config, _pattern(config["num_hidden_layers"]), window),
-            **mixtral.experts_keys(config), "base_moe_mlp_dim": -1, "norm_topk_prob": True,
+            **hf.experts_keys(config), "base_moe_mlp_dim": -1, "norm_topk_prob": True,
             "mlp_activations_limit": float(config.get("swiglu_limit", 7.0)),
             "swiglu_alpha": float(config.get("swiglu_alpha", 1.702))}
 
@@ -105,3 +98,9 @@ def to_hf_config(keys: dict) -> dict:
             "attention_bias": True, "hidden_act": "silu", "num_local_experts": keys["num_experts"],
             "num_experts_per_tok": keys["num_experts_per_tok"], "swiglu_limit": keys["mlp_activations_limit"],
             "swiglu_alpha": keys["swiglu_alpha"]}
+
+
+MODEL = contract.FamilyModel(
+    row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=standard_layers.embed, layer=layer,
+    logits=standard_layers.logits, flops_per_token=flops_per_token, hf_names=HF_NAMES,
+    from_hf_config=from_hf_config, to_hf_config=to_hf_config)

@@ -11,40 +11,20 @@ Every layer is the same ("decoder"); a sliding window (Mistral) or biases (Qwen 
 from __future__ import annotations
 
 from maxtrain.config import registry
-from maxtrain.models import blocks, hf
-from maxtrain.models.decoder import LayerType, default_layer_types
+from maxtrain.models import blocks, contract, hf, standard_layers
+from maxtrain.models.layers import LayerType, attention_types
 from maxtrain.models.params import stacked
-from maxtrain.parallel.sharding import shard
 
 FAMILY = registry.FAMILIES["llama"]  # its Hugging Face model_type and architecture
 
 
 def param_specs(config):
-    layer = {"attn_norm": blocks.norm_spec(config), **blocks.attention_specs(config),
-             "mlp_norm": blocks.norm_spec(config), **blocks.mlp_specs(config)}
+    layer = standard_layers.decoder_specs(config)
     return {**blocks.embedding_specs(config), "layers": {"decoder": stacked(layer, config.base_num_decoder_layers)}}
 
 
 def layer_types(config) -> list[LayerType]:
-    return default_layer_types(config, ["full"] * config.base_num_decoder_layers)
-
-
-def embed(params, tokens, config, rt):
-    return blocks.embed(params["token_embedding"], tokens, rt.dtype)
-
-
-def layer(x, p, inputs, layer_type: LayerType, config, rt):
-    eps = config.normalization_layer_epsilon
-    window = config.sliding_window_size if layer_type.attention == "sliding" else 0
-    h, aux = blocks.attention(blocks.rms_norm(x, p["attn_norm"], eps), p, inputs, config, rt,
-                              rope=layer_type.rope, sliding_window=window)
-    x = shard(x + h, ("batch", "length", "embed"))
-    x = x + blocks.mlp(blocks.rms_norm(x, p["mlp_norm"], eps), p, rt, "silu")
-    return shard(x, ("batch", "length", "embed")), aux
-
-
-def logits(params, x, config, rt):
-    return blocks.logits(params, x, config, rt)
+    return attention_types(config, ["full"] * config.base_num_decoder_layers)
 
 
 def flops_per_token(config, dense_attention: bool = False) -> float:
@@ -56,12 +36,7 @@ def flops_per_token(config, dense_attention: bool = False) -> float:
 # --------------------------------------------------------------------------------------------
 
 # maxtrain parameter path -> Hugging Face tensor name ("{i}": layer index); see hf.py for the layouts.
-HF_NAMES = {
-    **hf.EMBEDDING_NAMES,
-    "layers/decoder/attn_norm": ("model.layers.{i}.input_layernorm.weight", None),
-    "layers/decoder/mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
-    **hf.ATTENTION_NAMES, **hf.MLP_NAMES,
-}
+HF_NAMES = hf.DECODER_NAMES
 
 
 def from_hf_config(config: dict, notes: list | None = None) -> dict:
@@ -72,3 +47,9 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
 def to_hf_config(keys: dict) -> dict:
     return {**hf.common_config(keys, FAMILY), **hf.rope_config(keys),
             "hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
+
+
+MODEL = contract.FamilyModel(
+    row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=standard_layers.embed,
+    layer=standard_layers.prenorm_layer, logits=standard_layers.logits, flops_per_token=flops_per_token,
+    hf_names=HF_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config)

@@ -9,21 +9,20 @@ With sliding_window_size 0 (Mistral v0.2 onwards) it is exactly Llama.
 from __future__ import annotations
 
 from maxtrain.config import registry
-from maxtrain.models import blocks, hf
-from maxtrain.models.families import llama
-from maxtrain.models.decoder import LayerType, default_layer_types
+from maxtrain.models import blocks, contract, hf, standard_layers
+from maxtrain.models.layers import LayerType, attention_types
+from maxtrain.models.params import stacked
 
 FAMILY = registry.FAMILIES["mistral"]  # its Hugging Face model_type and architecture
 
-param_specs = llama.param_specs
-embed = llama.embed
-layer = llama.layer
-logits = llama.logits
-HF_NAMES = llama.HF_NAMES
+
+def param_specs(config):
+    layer = standard_layers.decoder_specs(config)
+    return {**blocks.embedding_specs(config), "layers": {"decoder": stacked(layer, config.base_num_decoder_layers)}}
 
 
 def layer_types(config) -> list[LayerType]:
-    return default_layer_types(config, FAMILY.attention_plan(config.base_num_decoder_layers, config.sliding_window_size, []))
+    return attention_types(config, FAMILY.attention_plan(config.base_num_decoder_layers, config.sliding_window_size, []))
 
 
 def flops_per_token(config, dense_attention: bool = False) -> float:
@@ -42,3 +41,9 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
 def to_hf_config(keys: dict) -> dict:
     return {**hf.common_config(keys, FAMILY), **hf.rope_config(keys), "hidden_act": "silu",
             "sliding_window": keys["sliding_window_size"] or None}
+
+
+MODEL = contract.FamilyModel(
+    row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=standard_layers.embed,
+    layer=standard_layers.prenorm_layer, logits=standard_layers.logits, flops_per_token=flops_per_token,
+    hf_names=hf.DECODER_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config)

@@ -4,59 +4,33 @@
     x = x + moe(rmsnorm(x))                    sum over the token's top-K experts of w_k expert_k(x),
                                                w = softmax over the K largest router logits (models/moe.py)
 
-Every layer is of kind "moe" (params["layers"]["moe"]). qwen3_moe reuses this layer with its own
-router and qk-norm, and mixes in dense layers.
+Every layer is of kind "moe" (params["layers"]["moe"]).
 """
 
 from __future__ import annotations
 
-import dataclasses
-
 from maxtrain.config import registry
-from maxtrain.models import blocks, hf, moe
-from maxtrain.models.families import llama, mistral
-from maxtrain.models.decoder import LayerType
+from maxtrain.models import blocks, contract, hf, moe, standard_layers
+from maxtrain.models.layers import LayerType, attention_types
 from maxtrain.models.params import stacked
-from maxtrain.parallel.sharding import shard
 
 FAMILY = registry.FAMILIES["mixtral"]  # its Hugging Face model_type and architecture
 ROUTER = "topk_softmax"
 
-embed = llama.embed
-logits = llama.logits
-
 
 def param_specs(config):
-    layer_specs = {"attn_norm": blocks.norm_spec(config), **blocks.attention_specs(config),
-                   "mlp_norm": blocks.norm_spec(config), **moe.specs(config)}
+    layer_specs = standard_layers.decoder_specs(config, mlp=moe.specs(config))
     return {**blocks.embedding_specs(config), "layers": {"moe": stacked(layer_specs, config.base_num_decoder_layers)}}
 
 
 def layer_types(config) -> list[LayerType]:
-    return [dataclasses.replace(t, kind="moe") for t in mistral.layer_types(config)]
+    pattern = FAMILY.attention_plan(config.base_num_decoder_layers, config.sliding_window_size, [])
+    return attention_types(config, pattern, kind="moe", mlp="moe")
 
 
 def layer(x, p, inputs, layer_type: LayerType, config, rt):
-    return moe_decoder_layer(x, p, inputs, layer_type, config, rt, ROUTER, layer_types(config))
-
-
-def moe_decoder_layer(x, p, inputs, layer_type: LayerType, config, rt, router: str, types: list[LayerType],
-                      activation: str = "swiglu"):
-    """attention then a mixture of experts (kind "moe") or a gated MLP (any other kind), each pre-normed;
-    `activation`: the experts' (models/moe.py)."""
-    eps = config.normalization_layer_epsilon
-    window = config.sliding_window_size if layer_type.attention == "sliding" else 0
-    h, aux = blocks.attention(blocks.rms_norm(x, p["attn_norm"], eps), p, inputs, config, rt,
-                              rope=layer_type.rope, sliding_window=window)
-    x = shard(x + h, ("batch", "length", "embed"))
-    normed = blocks.rms_norm(x, p["mlp_norm"], eps)
-    if layer_type.kind == "moe":
-        h, moe_aux = moe.block(normed, p, inputs.segment_ids, config, rt, router=router,
-                               num_moe_layers=sum(t.kind == "moe" for t in types), activation=activation)
-        aux = {**aux, **moe_aux}
-    else:
-        h = blocks.mlp(normed, p, rt, "silu")
-    return shard(x + h, ("batch", "length", "embed")), aux
+    return standard_layers.prenorm_layer(x, p, inputs, layer_type, config, rt, router=ROUTER,
+                                         num_moe_layers=config.base_num_decoder_layers)
 
 
 def flops_per_token(config, dense_attention: bool = False) -> float:
@@ -68,16 +42,11 @@ def flops_per_token(config, dense_attention: bool = False) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def for_kind(names: dict, kind: str) -> dict:
-    """Shared HF_NAMES written for kind "decoder", for the layers of another kind."""
-    return {k.replace("layers/decoder/", f"layers/{kind}/"): v for k, v in names.items()}
-
-
 HF_NAMES = {
     **hf.EMBEDDING_NAMES,
     "layers/moe/attn_norm": ("model.layers.{i}.input_layernorm.weight", None),
     "layers/moe/mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
-    **for_kind(hf.ATTENTION_NAMES, "moe"),
+    **hf.for_kind(hf.ATTENTION_NAMES, "moe"),
     "layers/moe/router": ("model.layers.{i}.block_sparse_moe.gate.weight", 1),
     "layers/moe/w_gate": ("model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", 1),
     "layers/moe/w_up": ("model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight", 1),
@@ -85,29 +54,28 @@ HF_NAMES = {
 }
 
 
-def experts_keys(config: dict) -> dict:
-    """num_experts and num_experts_per_tok from config.json (num_local_experts, or num_experts as the
-    Qwen3-MoE checkpoints name it)."""
-    experts = config.get("num_local_experts") if config.get("num_local_experts") is not None \
-        else config.get("num_experts")
-    if experts is None:
-        raise hf.ConversionError("config.json has no 'num_local_experts' (or 'num_experts'), which the model's "
-                                 "shape needs")
-    return {"num_experts": int(experts), "num_experts_per_tok": int(hf.require(config, "num_experts_per_tok"))}
-
-
 def from_hf_config(config: dict, notes: list | None = None) -> dict:
     hf.refuse(config, {"hidden_act": "silu"})
     if notes is not None and float(config.get("router_jitter_noise") or 0.0) > 0:
         notes.append(f"router_jitter_noise={config['router_jitter_noise']} (training-time noise on the router "
                      "input) is not implemented; inference is unaffected")
-    return {**mistral.from_hf_config(config, notes), **experts_keys(config),
-            "base_moe_mlp_dim": -1, "norm_topk_prob": True}
+    if config.get("layer_types") is not None:
+        raise hf.ConversionError("a Mixtral config with layer_types (alternating attention) is not implemented")
+    window = config.get("sliding_window") or 0
+    return {**hf.common_keys(config), **hf.rope_keys(config, notes), "sliding_window_size": int(window),
+            **hf.experts_keys(config), "base_moe_mlp_dim": -1, "norm_topk_prob": True}
 
 
 def to_hf_config(keys: dict) -> dict:
-    out = {**mistral.to_hf_config(keys), "architectures": [FAMILY.hf_architecture], "model_type": FAMILY.hf_model_types[0],
+    out = {**hf.common_config(keys, FAMILY), **hf.rope_config(keys), "hidden_act": "silu",
+           "sliding_window": keys["sliding_window_size"] or None,
            "num_local_experts": keys["num_experts"], "num_experts_per_tok": keys["num_experts_per_tok"]}
     if keys["base_moe_mlp_dim"] > 0:
         out["intermediate_size"] = keys["base_moe_mlp_dim"]  # the experts' width; Mixtral has no dense MLP
     return out
+
+
+MODEL = contract.FamilyModel(
+    row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=standard_layers.embed, layer=layer,
+    logits=standard_layers.logits, flops_per_token=flops_per_token, hf_names=HF_NAMES,
+    from_hf_config=from_hf_config, to_hf_config=to_hf_config)

@@ -8,33 +8,41 @@ No q/k/v biases (Qwen 2 had them).
 from __future__ import annotations
 
 from maxtrain.config import registry
-from maxtrain.models import blocks, hf
-from maxtrain.models.families import llama, qwen2
+from maxtrain.models import blocks, contract, hf, standard_layers
+from maxtrain.models.layers import LayerType, attention_types
 from maxtrain.models.params import stacked
 
 FAMILY = registry.FAMILIES["qwen3"]  # its Hugging Face model_type and architecture
 
-embed = llama.embed
-layer = llama.layer  # the attention block applies qk-norm because q_norm and k_norm exist
-logits = llama.logits
-layer_types = qwen2.layer_types
-flops_per_token = qwen2.flops_per_token
-
 
 def param_specs(config):
-    layer_specs = {"attn_norm": blocks.norm_spec(config), **blocks.attention_specs(config, qk_norm="ones"),
-                   "mlp_norm": blocks.norm_spec(config), **blocks.mlp_specs(config)}
+    layer_specs = standard_layers.decoder_specs(config, qk_norm="ones")  # the attention block applies qk-norm
     return {**blocks.embedding_specs(config),
             "layers": {"decoder": stacked(layer_specs, config.base_num_decoder_layers)}}
 
 
-HF_NAMES = {**llama.HF_NAMES, **hf.QK_NORM_NAMES}
+def layer_types(config) -> list[LayerType]:
+    return attention_types(config, ["full"] * config.base_num_decoder_layers)
+
+
+def flops_per_token(config, dense_attention: bool = False) -> float:
+    return blocks.decoder_flops(config, layer_types(config), dense_attention)
+
+
+HF_NAMES = {**hf.DECODER_NAMES, **hf.QK_NORM_NAMES}
 
 
 def from_hf_config(config: dict, notes: list | None = None) -> dict:
-    hf.refuse(config, {"attention_bias": False})
-    return qwen2.from_hf_config(config, notes)
+    hf.refuse(config, {"hidden_act": "silu", "attention_bias": False})
+    return {**hf.common_keys(config), **hf.rope_keys(config, notes), **hf.qwen_window_keys(config)}
 
 
 def to_hf_config(keys: dict) -> dict:
-    return {**qwen2.to_hf_config(keys, FAMILY), "attention_bias": False}
+    return {**hf.common_config(keys, FAMILY), **hf.rope_config(keys), "hidden_act": "silu",
+            **hf.qwen_window_config(keys), "attention_bias": False}
+
+
+MODEL = contract.FamilyModel(
+    row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=standard_layers.embed,
+    layer=standard_layers.prenorm_layer, logits=standard_layers.logits, flops_per_token=flops_per_token,
+    hf_names=HF_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config)

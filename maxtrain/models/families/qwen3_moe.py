@@ -17,16 +17,11 @@ from __future__ import annotations
 import dataclasses
 
 from maxtrain.config import registry
-from maxtrain.models import blocks, hf, moe
-from maxtrain.models.families import llama, mistral, mixtral
-from maxtrain.models.decoder import LayerType
-from maxtrain.models.params import stacked
+from maxtrain.models import blocks, contract, hf, moe, standard_layers
+from maxtrain.models.layers import LayerType, attention_types
 
 FAMILY = registry.FAMILIES["qwen3_moe"]  # its Hugging Face model_type and architecture
 ROUTER = "softmax_topk"
-
-embed = llama.embed
-logits = llama.logits
 
 
 def is_moe_layer(config, i: int) -> bool:
@@ -35,21 +30,20 @@ def is_moe_layer(config, i: int) -> bool:
 
 
 def layer_types(config) -> list[LayerType]:
-    return [dataclasses.replace(t, kind="moe" if is_moe_layer(config, i) else "dense")
-            for i, t in enumerate(mistral.layer_types(config))]
+    pattern = FAMILY.attention_plan(config.base_num_decoder_layers, config.sliding_window_size, [])
+    return [dataclasses.replace(t, kind="moe", mlp="moe") if is_moe_layer(config, i) else
+            dataclasses.replace(t, kind="dense") for i, t in enumerate(attention_types(config, pattern))]
 
 
 def param_specs(config):
-    attention = {"attn_norm": blocks.norm_spec(config), **blocks.attention_specs(config, qk_norm="ones"),
-                 "mlp_norm": blocks.norm_spec(config)}
-    per_kind = {"moe": {**attention, **moe.specs(config)}, "dense": {**attention, **blocks.mlp_specs(config)}}
-    counts = {kind: sum(t.kind == kind for t in layer_types(config)) for kind in per_kind}
-    return {**blocks.embedding_specs(config),
-            "layers": {kind: stacked(specs, counts[kind]) for kind, specs in per_kind.items() if counts[kind]}}
+    per_kind = {"moe": standard_layers.decoder_specs(config, mlp=moe.specs(config), qk_norm="ones"),
+                "dense": standard_layers.decoder_specs(config, qk_norm="ones")}
+    return {**blocks.embedding_specs(config), "layers": standard_layers.stacks(config, layer_types(config), per_kind)}
 
 
 def layer(x, p, inputs, layer_type: LayerType, config, rt):
-    return mixtral.moe_decoder_layer(x, p, inputs, layer_type, config, rt, ROUTER, layer_types(config))
+    return standard_layers.prenorm_layer(x, p, inputs, layer_type, config, rt, router=ROUTER,
+                                         num_moe_layers=sum(t.is_moe for t in layer_types(config)))
 
 
 def flops_per_token(config, dense_attention: bool = False) -> float:
@@ -68,8 +62,8 @@ HF_NAMES = {
     **hf.EMBEDDING_NAMES,
     **{f"layers/{kind}/{name}": v for kind in ("moe", "dense") for name, v in _LAYER.items()},
     **{k: v for kind in ("moe", "dense")
-       for k, v in mixtral.for_kind({**hf.ATTENTION_NAMES, **hf.QK_NORM_NAMES}, kind).items()},
-    **mixtral.for_kind(hf.MLP_NAMES, "dense"),
+       for k, v in hf.for_kind({**hf.ATTENTION_NAMES, **hf.QK_NORM_NAMES}, kind).items()},
+    **hf.for_kind(hf.MLP_NAMES, "dense"),
     "layers/moe/router": ("model.layers.{i}.mlp.gate.weight", 1),
     "layers/moe/w_gate": ("model.layers.{i}.mlp.experts.{j}.gate_proj.weight", 1),
     "layers/moe/w_up": ("model.layers.{i}.mlp.experts.{j}.up_proj.weight", 1),
@@ -81,7 +75,7 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
     hf.refuse(config, {"hidden_act": "silu", "attention_bias": False})
     window = config.get("sliding_window") if config.get("use_sliding_window") else None  # then every layer
     return {**hf.common_keys(config), **hf.rope_keys(config, notes), "sliding_window_size": int(window or 0),
-            **mixtral.experts_keys(config), "base_moe_mlp_dim": int(hf.require(config, "moe_intermediate_size")),
+            **hf.experts_keys(config), "base_moe_mlp_dim": int(hf.require(config, "moe_intermediate_size")),
             "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
             "decoder_sparse_step": int(config.get("decoder_sparse_step") or 1),
             "mlp_only_layers": [int(i) for i in (config.get("mlp_only_layers") or [])]}
@@ -98,3 +92,9 @@ def to_hf_config(keys: dict) -> dict:
             "moe_intermediate_size": keys["base_moe_mlp_dim"] if keys["base_moe_mlp_dim"] > 0 else keys["base_mlp_dim"],
             "norm_topk_prob": keys["norm_topk_prob"], "decoder_sparse_step": keys["decoder_sparse_step"],
             "mlp_only_layers": list(keys["mlp_only_layers"])}
+
+
+MODEL = contract.FamilyModel(
+    row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=standard_layers.embed, layer=layer,
+    logits=standard_layers.logits, flops_per_token=flops_per_token, hf_names=HF_NAMES,
+    from_hf_config=from_hf_config, to_hf_config=to_hf_config)

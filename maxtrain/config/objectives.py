@@ -1,0 +1,252 @@
+"""What a run trains for: the `objective` key's rows, each declared once (data kind, frozen model, state, keys, checks).
+
+    objectives.of(config).frozen        # "reference": DPO's frozen starting model ("" when it holds none)
+    objectives.data_kind(config)        # "text" | "conversations" | "preference pairs" | "prompts"
+    objectives.holds_frozen(config)     # whether the state holds the frozen model (GRPO with grpo_beta=0 does not)
+
+`objective` (configs/base.yml) names one row of `OBJECTIVES`; a run has one objective because it is one
+key. Every reader asks the row, never the objective's name: config/features.py (the keys a row owns are
+refused under another objective; the chat template and SFT's weighting belong to the data kinds that use
+them), config/checks.py (`CHECKS`: the data settings against the row's data kind and columns, then each
+row's own rules; MTP and pipeline stages against `next_token` and `pipeline`), config/limits.py (a
+sampled objective's sampler and prompt length), data.make_inputs (the data kind: text documents,
+conversations and preference pairs through the chat template, GRPO's prompts), training/train_step.py
+(the frozen model the state holds), training/builder.py (the batch's extra entries, the summary line)
+and training/objectives.py (the loss: `make` looks the loss function up by the row's name).
+
+The old switches `use_sft`, `use_dpo`, `use_grpo` and `use_distillation` are read by config/loading.py
+through `from_old_keys`: mapped to `objective=...` with one line of notice; two of them true, or one
+contradicting `objective`, is refused naming both keys. A checkpoint's saved config that has them is read
+through `saved_objective` (what `objective` it ran).
+
+Adding an objective: a row here (with its keys in base.yml and its rules above the table), its loss in
+training/objectives.py (`LOSSES`), its data kind if it reads a new one (data.make_inputs), and a test.
+
+Plain data and rules on resolved values: imports only the error type (no JAX).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from maxtrain.errors import ConfigError
+
+# The data kinds: what a run's records are, and so how data.make_inputs reads them.
+TEXT = "text"                      # documents (default corpus, arrayrecord, jsonl, parquet), packed
+CONVERSATIONS = "conversations"    # chat records rendered with the chat template, weights on the assistant turns
+PAIRS = "preference pairs"         # prompt, chosen and rejected completions, rendered with the chat template
+PROMPTS = "prompts"                # prompts and their answers; completions are sampled as the run trains
+RECORD_FILES = ("jsonl", "parquet")  # the dataset types that hold records with fields (all but text)
+
+
+def _get(v, key: str) -> Any:
+    """A value of resolved config values (a dict) or of a Config."""
+    return v[key] if isinstance(v, dict) else getattr(v, key)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def _columns_keys(v) -> tuple[str, ...]:
+    """The *_data_columns keys a run reads: eval_data_columns only with eval files."""
+    return ("train_data_columns", "eval_data_columns") if v["grain_eval_files"] else ("train_data_columns",)
+
+
+# --------------------------------------------------------------------------------------------
+# The rules of each objective (its row's `checks`); the shared ones below the table
+# --------------------------------------------------------------------------------------------
+
+GRPO_REWARDS = ("exact_match", "format")  # maxtrain/training/rewards.py: built-in rewards
+
+
+def _grpo_settings(v):
+    """GRPO's settings against one another (docs/post_training.md); the reward functions are imported at start."""
+    _require(v["num_generations"] >= 2,
+             f"num_generations={v['num_generations']}: GRPO's advantage is a completion's reward minus its group's "
+             "mean, always 0 in a group of one; sample 2 or more completions per prompt (4 to 16 are usual)")
+    _require(v["num_epoch"] == -1, f"objective=grpo repeats its prompts (num_epoch=-1), but num_epoch="
+                                   f"{v['num_epoch']}; bound the run with steps instead")
+    for name in v["grpo_reward_functions"]:
+        module, _, function = str(name).partition(":")
+        _require(name in GRPO_REWARDS or (module and function),
+                 f"grpo_reward_functions: {name!r} is neither a built-in reward ({', '.join(GRPO_REWARDS)}) nor an "
+                 "import path module:function (e.g. my_rewards:score, with my_rewards.py on PYTHONPATH)")
+    _require(len(v["grpo_reward_functions"]) > 0,
+             "grpo_reward_functions is empty; name at least one, e.g. [exact_match]")
+
+
+def _distillation_settings(v):
+    """Distillation needs its teacher (its checkpoint is read later: training/distillation.adopt_teacher)."""
+    _require(bool(v["distill_teacher_path"]), "objective=distill needs a teacher: set distill_teacher_path=<a "
+                                              "checkpoint step dir or run dir> (scripts/convert_hf.py imports a "
+                                              "Hugging Face model as one)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Objective:
+    name: str                       # objective=<name>: TRL's trainer names (sft, dpo, grpo), lm, distill
+    data: tuple[str, ...]           # the data kinds it reads (TEXT, ...); the first unless `data_key` picks another
+    columns: dict                   # data kind -> the *_data_columns shapes it reads, with their usual names
+    does: str                       # what it trains, for base.yml's readers and the summary
+    frozen: str = ""                # the frozen model its state holds beside the params: "reference", "teacher"
+    frozen_unless_zero: str = ""    # a key whose value 0 leaves the frozen model out (grpo_beta: no KL term)
+    batch_keys: tuple[str, ...] = ()  # float32 batch entries it reads beyond the data's (made by its own step)
+    samples: bool = False           # its batches are completions sampled from the policy as it trains
+    next_token: bool = True         # its loss is next-token cross-entropy (multi-token prediction adds to it)
+    pipeline: bool = True           # runs with pipeline stages
+    keys: tuple[str, ...] = ()      # the settings only it reads (refused under another objective: features.py)
+    shown: tuple[str, ...] = ()     # those the start-up summary shows beside its name
+    fix: str = ""                   # how to turn it on, where that is more than objective=<name>
+    checks: tuple[Callable[[dict], None], ...] = ()  # its own rules on resolved values
+    data_key: str = ""              # the key that picks among several data kinds
+    old_key: str = ""               # the boolean it replaces (read with a notice; the use_* keys will be removed)
+
+    def data_kind(self, v) -> str:
+        return _get(v, self.data_key) if self.data_key else self.data[0]
+
+
+ONE_TEXT_FIELD = (("text",),)
+OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
+    Objective("lm", (TEXT,), {TEXT: ONE_TEXT_FIELD}, "next-token prediction on documents (pre-training)"),
+    Objective("sft", (CONVERSATIONS,), {CONVERSATIONS: (("messages",), ("prompt", "completion"))},
+              "supervised fine-tuning on conversations rendered with the chat template", old_key="use_sft"),
+    Objective("dpo", (PAIRS,), {PAIRS: (("prompt", "chosen", "rejected"),)},
+              "direct preference optimization against the frozen starting model", frozen="reference",
+              next_token=False, keys=("dpo_beta", "dpo_label_smoothing"), shown=("dpo_beta", "dpo_label_smoothing"),
+              old_key="use_dpo"),
+    Objective("grpo", (PROMPTS,), {PROMPTS: (("prompt", "answer"),)},
+              "reinforcement learning from verifiable rewards on completions sampled as it trains",
+              frozen="reference", frozen_unless_zero="grpo_beta", batch_keys=("advantages", "old_log_probs"),
+              samples=True, next_token=False,
+              keys=("num_generations", "grpo_beta", "grpo_epsilon", "grpo_reward_functions",
+                    "max_prefill_predict_length"), shown=("num_generations", "grpo_beta", "grpo_epsilon"),
+              checks=(_grpo_settings,), old_key="use_grpo"),
+    Objective("distill", (TEXT, CONVERSATIONS), {TEXT: ONE_TEXT_FIELD,
+                                                 CONVERSATIONS: (("messages",), ("prompt", "completion"))},
+              "towards a frozen teacher's next-token distributions, mixed with next-token prediction",
+              frozen="teacher", next_token=False, pipeline=False,
+              keys=("distill_teacher_path", "distill_alpha", "distill_temperature", "distill_data"),
+              shown=("distill_alpha", "distill_temperature"),
+              fix="set objective=distill (with distill_teacher_path=<the teacher's checkpoint>)",
+              checks=(_distillation_settings,), data_key="distill_data", old_key="use_distillation"),
+)}
+NAMES = tuple(OBJECTIVES)  # base.yml's `{$objectives}`
+OLD_KEYS = {o.old_key: o.name for o in OBJECTIVES.values() if o.old_key}
+
+
+def of(v) -> Objective:
+    """The configured objective's row (config values or a Config)."""
+    return OBJECTIVES[_get(v, "objective")]
+
+
+def data_kind(v) -> str:
+    """What the run reads: TEXT, CONVERSATIONS, PAIRS or PROMPTS."""
+    return of(v).data_kind(v)
+
+
+def holds_frozen(v) -> bool:
+    """Whether the run's state holds its objective's frozen model (a reference or a teacher)."""
+    row = of(v)
+    return bool(row.frozen) and not (row.frozen_unless_zero and _get(v, row.frozen_unless_zero) == 0)
+
+
+def templated(v) -> bool:
+    """Whether the run's records are rendered with a chat template (every data kind but text)."""
+    return data_kind(v) != TEXT
+
+
+# --------------------------------------------------------------------------------------------
+# The rules every objective shares: the data settings fit its data kind
+# --------------------------------------------------------------------------------------------
+
+def _shape(columns) -> str:
+    return "[" + ",".join(columns) + "]"
+
+
+def _data_fits_the_objective(v):
+    """The *_data_columns and dataset_type against the data kind (docs/post_training.md)."""
+    row, kind = of(v), data_kind(v)
+    shapes = row.columns[kind]
+    for key in _columns_keys(v):
+        columns = v[key]
+        _require(all(isinstance(c, str) and c for c in columns),
+                 f"{key}={columns!r} must be a list of field names, e.g. {key}={_shape(shapes[0])}")
+        if kind == TEXT:
+            _require(len(columns) == 1, f"{key}={columns!r} must name exactly one text field, e.g. {key}=[text]")
+            continue
+        what = "prompts and their answers" if kind == PROMPTS else kind
+        _require(len(columns) in {len(s) for s in shapes},
+                 f"{running(v)} reads {what}, but {key}={columns!r}; set {key}={_shape(shapes[0])} (the names of your "
+                 "fields, in that order)" + "".join(f", or {_shape(s)}" for s in shapes[1:]))
+    if kind != TEXT:
+        _require(v["dataset_type"] in RECORD_FILES,
+                 f"{running(v)} reads jsonl or parquet files, but dataset_type={v['dataset_type']}; set "
+                 f"dataset_type=jsonl (or parquet) and grain_train_files=<your files>")
+
+
+def running(v) -> str:
+    """The objective as a message names it: objective=sft, objective=distill with distill_data=conversations."""
+    row = of(v)
+    more = f" with {row.data_key}={_get(v, row.data_key)}" if row.data_key and data_kind(v) != row.data[0] else ""
+    return f"objective={row.name}{more}"
+
+
+def _the_row_s_own_rules(v):
+    for check in of(v).checks:
+        check(v)
+
+
+CHECKS = (_data_fits_the_objective, _the_row_s_own_rules)
+
+
+# --------------------------------------------------------------------------------------------
+# The old switches (config/loading.py) and saved configs that have them (checkpoints)
+# --------------------------------------------------------------------------------------------
+
+CHAT_DISTILLATION = ("use_sft", "use_distillation")  # both true: distillation on conversations
+
+
+def from_old_keys(old: dict[str, bool], objective: str | None) -> tuple[dict[str, Any], str]:
+    """(the settings that the use_* booleans `old` (in the order given) stand for, the one line of notice).
+
+    `objective` is the objective key's value where the user set it (None: not set). Two true, or one
+    contradicting `objective`, is a ConfigError naming both keys."""
+    true = [k for k, on in old.items() if on]
+    changes: dict[str, Any] = {}
+    if sorted(true) == sorted(CHAT_DISTILLATION):  # distilling on SFT's data was the pair of them
+        changes = {"objective": "distill", "distill_data": CONVERSATIONS}
+    elif len(true) > 1:
+        first, second = true[:2]
+        raise ConfigError(f"{first}=true and {second}=true were both set; a run has one objective: set objective="
+                          f"{OLD_KEYS[first]} or objective={OLD_KEYS[second]} (the use_* keys will be removed). Run "
+                          "one first, then the other from its checkpoint with load_parameters_path=<that run>")
+    elif true:
+        changes = {"objective": OLD_KEYS[true[0]]}
+    if objective is not None and changes and changes["objective"] != objective:
+        raise ConfigError(f"{' and '.join(k + '=true' for k in true)} contradicts objective={objective}: a run has one "
+                          f"objective; drop {' and '.join(true)} (the use_* keys will be removed)")
+    for key, on in old.items():
+        if not on and OLD_KEYS[key] == changes.get("objective", objective):
+            raise ConfigError(f"{key}=false contradicts objective={OLD_KEYS[key]}; drop {key} (the use_* keys will be "
+                              "removed)")
+    given = " ".join(f"{k}={str(on).lower()}" for k, on in old.items())
+    now = " ".join(f"{k}={value}" for k, value in changes.items()) or f"objective={objective or 'lm'}"
+    verb = "are" if len(old) > 1 else "is"
+    return changes, f"maxtrain: {given} {verb} now {now} (the use_* keys will be removed)"
+
+
+def saved_objective(saved: dict) -> dict[str, Any]:
+    """A checkpoint's saved config with its objective as `objective` (and distill_data): its use_* booleans,
+    where it was written before the objective key, read as from_old_keys reads them."""
+    old = {k: bool(saved[k]) for k in OLD_KEYS if k in saved}
+    rest = {k: value for k, value in saved.items() if k not in OLD_KEYS}
+    if "objective" in saved or not old:
+        return rest
+    try:
+        changes, _ = from_old_keys(old, None)
+    except ConfigError:
+        return rest  # a config no run could have been started with: nothing to say about its objective
+    return {**rest, "objective": "lm", **changes}

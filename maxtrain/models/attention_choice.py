@@ -1,0 +1,199 @@
+"""`attention=autoselected` on a GPU: which implementations can run the model, and which of them was
+measured fastest at its shape. This module owns both facts: what each implementation supports
+(KERNEL_LIMITS and `unsupported`) and the measured speeds (MEASURED), one row per measurement, with
+its device, date and source.
+
+    choose(platform, shape)  ->  Choice(implementation, reason)
+
+The reason is what the start-up summary and train_compile's summary print after the choice, e.g.
+`cudnn: fastest measured for head_dim 128 at 4096 tokens on sm90 (nearest row: head_dim 128 at 8192
+tokens, cudnn 349, flash 201 TFLOP/s; H200, docs/gpu.md 2026-11-26)`.
+
+Every implementation keeps packed documents exact: cudnn takes the segment ids as a [B, 1, T, S] mask,
+tokamax as a [B, 1, T, S] mask too, flash as segment ids inside the kernel, dot_product as a mask.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import math
+
+import jax.numpy as jnp
+
+from maxtrain import errors
+
+# Features a kernel does not implement: a model that uses one cannot run there (an explicit choice is
+# refused with this reason; autoselected passes over it). cuDNN (jax.nn.dot_product_attention) has
+# local_window_size but no logit soft-capping and no attention sinks (gpt-oss's extra softmax column);
+# tokamax has soft-caps and windows but no sinks; the flash and splash kernels have all three.
+KERNEL_LIMITS = {"cudnn": ("logits_soft_cap", "sinks"), "tokamax": ("sinks",)}
+
+# The GPU candidates of autoselected, in the order ties (or a shape nothing was measured at) are broken:
+# our kernel first, since it implements every feature and runs everywhere.
+GPU_CANDIDATES = ("flash", "cudnn", "tokamax")
+
+# Segment ids (packed documents, padding) reach cuDNN as a [B, 1, T, S] mask that XLA materializes (T^2 per
+# sequence, and its bias in the compute dtype); beyond this many tokens, the longest measured, a kernel that
+# keeps them as segment ids is taken instead (the measured rows had no segment ids).
+CUDNN_PACKED_MAX_LENGTH = 16384
+
+# The optional kernel library (`pip install 'maxtrain[gpu]'`); never imported where it is not used.
+TOKAMAX = "tokamax"
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One measured forward+backward: causal, bf16, GQA 4:1 (32/8 heads), no segment ids, 16k tokens
+    per batch; TFLOP/s of the useful matmul work (attention_check.attention_flops)."""
+    arch: str           # "sm90": compute capability 9.0 (H100, H200)
+    head_dim: int
+    tokens: int         # sequence length
+    tflops: tuple       # ((implementation, TFLOP/s), ...)
+    device: str
+    date: str
+    source: str
+
+
+_H200 = ("H200", "2026-11-26", "docs/gpu.md, scripts/gpu_report.py speed part (jax 0.11.2, cuDNN 9.19)")
+# The measured table (docs/gpu.md "Measured"). tokamax has no row yet: it is a candidate the report times
+# (scripts/gpu_report.py), chosen by autoselected once a row here shows it faster.
+MEASURED = (
+    Row("sm90", 128, 2048, (("cudnn", 227.6), ("flash", 162.9), ("dot_product", 24.0)), *_H200),
+    Row("sm90", 128, 8192, (("cudnn", 349.3), ("flash", 201.2), ("dot_product", 25.08)), *_H200),
+    Row("sm90", 128, 16384, (("cudnn", 365.1), ("flash", 214.0), ("dot_product", 27.19)), *_H200),
+    Row("sm90", 64, 8192, (("cudnn", 272.4), ("flash", 76.1), ("dot_product", 13.82)), *_H200),
+    Row("sm90", 256, 8192, (("cudnn", 285.4), ("flash", 155.3), ("dot_product", 40.95)), *_H200),
+    Row("sm90", 128, 8192, (("cudnn", 358.7), ("flash", 199.9)), "H100", "2026-11-26",
+        "docs/gpu.md, scripts/gpu_report.py speed part (jax 0.11.2, cuDNN 9.19)"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What of a model decides which attention can run it and how fast."""
+    dtype: str = "bfloat16"
+    head_dim: int | None = None
+    v_head_dim: int | None = None      # None: head_dim
+    length: int = 0                    # tokens per sequence
+    gqa: int = 1                       # query heads per kv head (every candidate runs GQA; the rows are 4:1)
+    sliding_window: int = 0
+    logits_soft_cap: float = 0.0
+    sinks: bool = False
+    packed: bool = True                # segment ids given (the model always gives them: documents, padding)
+    capability: str | None = None      # "9.0"; None: unknown (a target the table assumes is sm90)
+    gpu_present: bool = True           # False: compiled ahead of time on a machine without the GPU
+
+    def features(self) -> dict:
+        return {"sliding_window": self.sliding_window, "logits_soft_cap": self.logits_soft_cap, "sinks": self.sinks}
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    implementation: str
+    reason: str
+
+
+def tokamax_installed() -> bool:
+    """Whether the optional kernel library can be imported here (looked up, not imported)."""
+    return importlib.util.find_spec(TOKAMAX) is not None
+
+
+def capability_tuple(capability: str | None) -> tuple[int, int]:
+    """(9, 0) for compute capability "9.0"; (9, 0) where unknown (an ahead-of-time target without one)."""
+    if capability is None:
+        return 9, 0
+    major, minor = (int(x) for x in str(capability).split(".")[:2])
+    return major, minor
+
+
+def arch(capability: str | None) -> str:
+    """'sm90' for compute capability 9.0 (see capability_tuple)."""
+    return "sm%d%d" % capability_tuple(capability)
+
+
+def unsupported(name: str, platform: str, shape: Shape) -> str | None:
+    """Why `name` cannot run this shape on `platform` (cpu, gpu, tpu), or None when it can."""
+    lacking = [f"{key}={value}" for key, value in shape.features().items() if value and key in KERNEL_LIMITS.get(name, ())]
+    if lacking:
+        return f"does not implement {' and '.join(lacking)}, which this model uses"
+    if name in ("dot_product", "flash"):
+        return None
+    if platform != "gpu":
+        return f"needs an NVIDIA GPU, but the platform is {platform!r}"
+    dtype = jnp.dtype(shape.dtype).name
+    width = max(shape.head_dim or 0, shape.v_head_dim or 0)  # a value head dim of its own is padded to one
+    if name == "cudnn":
+        limit = 256 if capability_tuple(shape.capability) >= (9, 0) else 128
+        if dtype not in ("bfloat16", "float16"):
+            return f"needs dtype=bfloat16 or float16 (cuDNN's fused attention has no {dtype} kernel)"
+        if width % 8 or width > limit:
+            return (f"needs head_dim to be a multiple of 8 and at most {limit} (256 from Hopper on, 128 before), "
+                    f"got head_dim={width}")
+        if shape.packed and shape.length > CUDNN_PACKED_MAX_LENGTH:
+            return (f"takes segment ids as a [B, 1, T, S] mask, {2 * shape.length ** 2 / 2**30:.1f} GiB a "
+                    f"sequence at {shape.length} tokens in bf16 (over {CUDNN_PACKED_MAX_LENGTH} tokens: not chosen)")
+        if width > 128 and not shape.gpu_present:  # JAX checks the cuDNN of the machine that lowers the step
+            return (f"cannot be compiled here for head_dim {width}: without a GPU JAX takes the target for "
+                    "pre-Hopper (head_dim <= 128); on the GPU itself it can")
+        return None
+    if name == "tokamax":
+        if not tokamax_installed():
+            return f"is not installed ({errors.install_hint(TOKAMAX)})"
+        if arch(shape.capability) not in ("sm90", "sm100"):
+            return f"runs its Mosaic GPU kernel on sm90 and sm100 only, not {arch(shape.capability)}"
+        if not shape.gpu_present:
+            return "cannot be compiled without the GPU (its Mosaic GPU kernel asks the local device which it is)"
+        if dtype not in ("bfloat16", "float16"):
+            return f"needs dtype=bfloat16 or float16, got {dtype}"
+        if width % 64 or width > 256:
+            return f"needs head_dim to be a multiple of 64 and at most 256, got {width}"
+        return None
+    raise ValueError(f"unknown attention implementation {name!r}")
+
+
+def _nearest_row(head_dim: int | None, length: int, arch_name: str, names) -> Row | None:
+    """The measured row nearest this shape (head_dim first, then log-distance in tokens) that times at
+    least two of `names`; rows of this arch, else sm90's."""
+    for wanted in (arch_name, "sm90"):
+        rows = [r for r in MEASURED if r.arch == wanted and len({n for n, _ in r.tflops} & set(names)) >= 2]
+        if rows:
+            return min(rows, key=lambda r: (abs(r.head_dim - (head_dim or r.head_dim)),  # ties: the first row
+                                            abs(math.log2(r.tokens) - math.log2(max(length, 1)))))
+    return None
+
+
+def choose(platform: str, shape: Shape, context_parallel: int = 1) -> Choice:
+    """The implementation `attention=autoselected` runs, and why (see the module docstring)."""
+    if context_parallel > 1:
+        return Choice("dot_product", f"dot_product: context parallelism ({context_parallel} ways) needs the "
+                      "gathered reference; the kernels attend within one device's piece of the sequence")
+    if platform == "cpu":
+        return Choice("dot_product", "dot_product: the fastest on CPU (a kernel runs there only interpreted)")
+    if platform == "tpu":
+        return Choice("flash", "flash: the splash kernel, O(T) memory, every feature (cudnn and tokamax's Mosaic "
+                      "GPU kernel need an NVIDIA GPU)")
+    why_not = {n: unsupported(n, platform, shape) for n in GPU_CANDIDATES}
+    able = [n for n in GPU_CANDIDATES if why_not[n] is None]
+    skipped = "; ".join(f"{n} {why}" for n, why in why_not.items() if why)
+    if not able:
+        return Choice("dot_product", f"dot_product: nothing else supports this model ({skipped})")
+    where = f"head_dim {shape.head_dim} at {shape.length} tokens on {arch(shape.capability)}"
+    row = _nearest_row(shape.head_dim, shape.length, arch(shape.capability), able)
+    speeds = dict(row.tflops) if row else {}
+    measured = [n for n in able if n in speeds]
+    if len(able) == 1:
+        best = able[0]
+        reason = f"{best}: the only kernel that supports this model ({where})"
+    elif len(measured) < 2:  # nothing to compare: our kernel, which implements every feature (GPU_CANDIDATES)
+        best = measured[0] if measured else able[0]
+        reason = f"{best}: no measured row compares {' and '.join(able)} for {where}"
+    else:
+        best = max(measured, key=lambda n: speeds[n])
+        figures = ", ".join(f"{n} {speeds[n]:.0f}" for n in sorted(measured, key=lambda n: -speeds[n]))
+        reason = (f"{best}: fastest measured for {where} (nearest row: head_dim {row.head_dim} at {row.tokens} tokens, "
+                  f"{figures} TFLOP/s fwd+bwd; {row.device} {row.date}, {row.source.split(',')[0]})")
+    unmeasured = [n for n in able if n not in speeds and n != best]
+    if unmeasured:
+        reason += f"; {', '.join(unmeasured)} not measured yet"
+    return Choice(best, reason + (f"; {skipped}" if skipped else ""))

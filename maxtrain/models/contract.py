@@ -1,0 +1,85 @@
+"""The family contract: everything the rest of maxtrain uses from a model family, written down as a type.
+
+    MODEL = contract.FamilyModel(row=FAMILY, param_specs=param_specs, layer_types=layer_types, ...)
+
+Each module of `models/families/` ends by building one FamilyModel from its functions;
+`models.families.FAMILIES` maps decoder_block to it. The decoder, decoding, the checkpoint checks,
+Hugging Face conversion and FLOPs call these fields and nothing else of a family: no attribute is
+probed with `hasattr`, and a family that lacks a required one fails when its module is imported, not
+in the middle of a run. What every family declares:
+
+    row              its registry row (config/registry.py): decoder_block name, Hugging Face model_type
+                     and architecture, attention pattern, its own settings and rules
+    param_specs      config -> nested dict of ParamSpec: every parameter, declared once
+    layer_types      config -> [LayerType] per layer, resolved once (models/layers.py)
+    embed            (params, tokens [B, T], config, rt) -> x [B, T, D]
+    layer            (x, p, inputs, layer_type, config, rt) -> (x, aux): one layer of the stack
+    logits           (params, x, config, rt) -> float32 logits [B, T, V]
+    flops_per_token  (config, dense_attention) -> training FLOPs per token (model FLOPs)
+    hf_names         maxtrain parameter path -> (Hugging Face tensor name, layout) (models/hf.py)
+    from_hf_config   (config.json dict, notes) -> maxtrain's model keys
+    to_hf_config     model keys -> config.json dict
+
+and what it may override (the defaults serve every family with multi-head attention):
+
+    rope_head_dim    config -> the features RoPE's tables cover (head_dim; MLA: qk_rope_head_dim)
+    cache_heads      config -> ((heads, width) of the k cache, (heads, width) of the v cache)
+    layer_cache      (config, layer_type, batch, max_length, kv_heads) -> {name: (shape, dtype or None)}: one
+                     layer's decoding cache (dtype None: the cache's). The default is attention's k and v
+                     [B, S, heads, width] of kv_heads = cache_heads(config); a layer kind that keeps something
+                     else declares it (the gated delta-net: its rule state and convolution window,
+                     models/hybrid.py). The decoder stacks each name over the layers that have it, in layer
+                     order, and hands a layer its entries in the declared order (models/decoder.py)
+    mtp_copies       Hugging Face tensors of the MTP modules that copy the model's own (DeepSeek)
+
+Settings a family reads beyond the shared ones, and its rules, live in its registry row (config/ reads
+them before JAX starts); which config keys a checkpoint is checked against come from there too
+(models/__init__.py: SHAPE_KEYS, SETTING_KEYS, `model_keys`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from maxtrain.config import registry
+
+
+def full_head_dim(config) -> int:
+    """RoPE's table width for a family that rotates whole heads (the rotated fraction is per layer)."""
+    return config.head_dim
+
+
+def kv_cache_heads(config) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The KV cache of grouped-query attention: k and v of base_num_kv_heads heads of head_dim each."""
+    return (config.base_num_kv_heads, config.head_dim), (config.base_num_kv_heads, config.head_dim)
+
+
+def kv_layer_cache(config, layer_type, batch: int, max_length: int, kv_heads) -> dict:
+    """An attention layer's decoding cache: k and v [B, S, heads, width] (kv_heads: the family's cache_heads)."""
+    (k_heads, k_width), (v_heads, v_width) = kv_heads
+    return {"k": ((batch, max_length, k_heads, k_width), None), "v": ((batch, max_length, v_heads, v_width), None)}
+
+
+@dataclasses.dataclass(frozen=True)
+class FamilyModel:
+    """One model family, as the decoder, decoding, checkpoints, HF conversion and FLOPs see it."""
+
+    row: registry.Family
+    param_specs: Callable[[Any], dict]
+    layer_types: Callable[[Any], list]
+    embed: Callable[..., Any]
+    layer: Callable[..., Any]
+    logits: Callable[..., Any]
+    flops_per_token: Callable[[Any, bool], float]
+    hf_names: dict
+    from_hf_config: Callable[..., dict]
+    to_hf_config: Callable[[dict], dict]
+    rope_head_dim: Callable[[Any], int] = full_head_dim
+    cache_heads: Callable[[Any], tuple] = kv_cache_heads
+    mtp_copies: tuple[str, ...] = ()
+    layer_cache: Callable[..., dict] = kv_layer_cache
+
+    @property
+    def name(self) -> str:
+        return self.row.name

@@ -1,0 +1,41 @@
+"""Qwen3.5 mixture-of-experts models (Qwen Team 2026), their text decoder: Qwen3-Next's hybrid stack
+(models/hybrid.py) with experts in every layer (softmax top K, always renormalized) and a gated shared expert.
+transformers keeps each layer's experts stacked in memory but writes (and reads) one tensor per expert and
+projection, as Qwen3-Next's; a checkpoint with the stacked tensors (mlp.experts.gate_up_proj) is refused by name
+(every expected tensor is named in the error). The released checkpoints are multimodal: the import reads the language model's weights and
+says it left the vision tower out.
+"""
+
+from __future__ import annotations
+
+from maxtrain.config import registry
+from maxtrain.models import contract, hf, hybrid
+
+FAMILY = registry.FAMILIES["qwen3_5_moe_text"]
+
+def _linear_names() -> dict:
+    """Qwen3.5 keeps q, k and v of every head in one in_proj_qkv (all queries, then keys, then values), and z,
+    b and a in projections of their own."""
+    qkv = ("lin_wq", "lin_wk", "lin_wv")
+    return {**{p: ("linear_attn.in_proj_qkv.weight", hf.Grouped(i, qkv)) for i, p in enumerate(qkv)},
+            "lin_wz": ("linear_attn.in_proj_z.weight", 1), "lin_wb": ("linear_attn.in_proj_b.weight", 1),
+            "lin_wa": ("linear_attn.in_proj_a.weight", 1)}
+
+
+HF_NAMES = hybrid.hf_names(_linear_names(), experts={
+    "w_gate": ("mlp.experts.{j}.gate_proj.weight", 1), "w_up": ("mlp.experts.{j}.up_proj.weight", 1),
+    "w_down": ("mlp.experts.{j}.down_proj.weight", 1)})
+
+
+def from_hf_config(config: dict, notes: list | None = None) -> dict:
+    return {**hybrid.hf_keys(config, notes), **hybrid.experts_hf_keys(config), "norm_topk_prob": True}
+
+
+def to_hf_config(keys: dict) -> dict:
+    return {**hybrid.hf_config(keys, FAMILY), **hybrid.experts_hf_config(keys)}
+
+
+MODEL = contract.FamilyModel(
+    row=FAMILY, param_specs=hybrid.param_specs, layer_types=hybrid.layer_types, embed=hybrid.embed, layer=hybrid.layer,
+    logits=hybrid.logits, flops_per_token=hybrid.flops_per_token, hf_names=HF_NAMES, from_hf_config=from_hf_config,
+    to_hf_config=to_hf_config, layer_cache=hybrid.layer_cache)
