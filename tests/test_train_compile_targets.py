@@ -288,7 +288,8 @@ def test_the_prediction_reads_an_h100_step_and_its_fsdp_collectives():
     """compile/predict.py on a real H100 program: FSDP's gathers run over the fsdp axis inside one host (NVLink), the
     flash kernels count as attention, the HLO's matmul FLOPs are near the family's formula (remat full: x 4/3)."""
     need("gpu")
-    run, compiled, rep = compile_report(*SMALL, "compile_topology=h100-8", "attention=flash", "remat_policy=full")
+    run, compiled, rep = compile_report(*with_overrides(SMALL, "compile_topology=h100-8", "attention=flash",
+                                                        "remat_policy=full"))
     p = rep["prediction"]
     assert p["chip"] == "h100" and 0 < p["parts"]["collectives_hidden"] <= p["parts"]["collectives"]
     assert set(p["collectives_by_axis"]) == {"fsdp"} and p["parts"]["attention"] > 0
