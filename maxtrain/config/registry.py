@@ -66,6 +66,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma3", ("gemma3_text", "gemma3"), "Gemma3ForCausalLM", attention_pattern=("sliding",) * 5 + ("full",),
            usual=(("sliding_window_size", 1024),),  # 512 in Gemma 3 1B
            settings=("attn_logits_soft_cap", "query_pre_attn_scalar")),
+    Family("gemma4_text", ("gemma4_text",), "Gemma4ForCausalLM", attention_pattern=("sliding",) * 5 + ("full",),
+           usual=(("sliding_window_size", 512),),
+           settings=("global_head_dim", "global_num_kv_heads", "attention_k_eq_v", "per_layer_input_dim"),
+           shape_keys=("global_head_dim", "global_num_kv_heads", "attention_k_eq_v", "per_layer_input_dim"),
+           setting_keys=("rope_proportion",)),
     Family("mixtral", ("mixtral",), "MixtralForCausalLM", moe=True, window_everywhere=True,
            usual=(("num_experts", 8),)),
     Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", moe=True, window_everywhere=True,

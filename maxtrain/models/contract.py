@@ -25,6 +25,9 @@ and what it may override (the defaults serve every family with multi-head attent
     rope_head_dim    config -> the features RoPE's tables cover (head_dim; MLA: qk_rope_head_dim)
     cache_heads      config -> ((heads, width) of the k cache, (heads, width) of the v cache)
     mtp_copies       Hugging Face tensors of the MTP modules that copy the model's own (DeepSeek)
+    per_layer_inputs (params, tokens [B, T], x [B, T, D] the embedding, config, rt) -> [L, B, T, ...]: an
+                     input of each layer beside x, which its `layer` reads as inputs.per_layer (Gemma 4's
+                     per-layer input embeddings); None: none
 
 Settings a family reads beyond the shared ones, and its rules, live in its registry row (config/ reads
 them before JAX starts); which config keys a checkpoint is checked against come from there too
@@ -66,6 +69,7 @@ class FamilyModel:
     rope_head_dim: Callable[[Any], int] = full_head_dim
     cache_heads: Callable[[Any], tuple] = kv_cache_heads
     mtp_copies: tuple[str, ...] = ()
+    per_layer_inputs: Callable[..., Any] | None = None
 
     @property
     def name(self) -> str:

@@ -123,6 +123,14 @@ def _segment_cache(cache, seg: Segment):
                  for a in cache[:2])
 
 
+def _segment_per_layer(per_layer, seg: Segment):
+    """The segment's per-layer inputs [repeats, period, ...] (of [L, ...]), or None when the family has none."""
+    if per_layer is None:
+        return None
+    size = len(seg.period) * seg.repeats
+    return per_layer[seg.start:seg.start + size].reshape((seg.repeats, len(seg.period)) + per_layer.shape[1:])
+
+
 def _layer_fn(family, lt: LayerType, config, rt, scan: bool):
     def fn(x, p, inputs):
         return family.layer(x, p, inputs, lt, config, rt)
@@ -136,7 +144,7 @@ def per_layer_name(name: str, layer: int, num_layers: int) -> str:
     return f"{name[len(PER_LAYER):]}/layer_{layer:0{len(str(num_layers - 1))}d}"
 
 
-def _run_group(family, period, x, group_params, group_cache, inputs: LayerInputs, config, rt, scan):
+def _run_group(family, period, x, group_params, group_cache, group_per_layer, inputs: LayerInputs, config, rt, scan):
     """The layers of one group, unrolled: (x, (aux summed over them, their PER_LAYER entries as
     {(position in the group, name): value}, their new caches stacked or None))."""
     aux_sum, per_layer, new_caches, taken = {}, {}, [], {}
@@ -147,6 +155,8 @@ def _run_group(family, period, x, group_params, group_cache, inputs: LayerInputs
         p = group_params[lt.kind] if one else jax.tree.map(lambda a, i=i: a[i], group_params[lt.kind])
         layer_inputs = inputs if group_cache is None else inputs._replace(
             cache=(group_cache[0][j], group_cache[1][j], *inputs.cache[2:]))
+        if group_per_layer is not None:
+            layer_inputs = layer_inputs._replace(per_layer=group_per_layer[j])
         x, aux = _layer_fn(family, lt, config, rt, scan)(x, p, layer_inputs)
         if "cache" in aux:
             new_caches.append(aux.pop("cache"))
@@ -160,6 +170,9 @@ def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, s
     """Runs every layer (or the layers `types` of one pipeline stage, whose parameters layer_params
     then holds). Returns (x, aux summed over layers plus the per-layer entries, per-layer caches (k, v)
     [L, ...] or None)."""
+    if inputs.per_layer is not None and types is not None:
+        raise ValueError(f"{family.name}'s per-layer inputs do not run in pipeline stages yet; "
+                         "set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
     types = family.layer_types(config) if types is None else types
     segments = plan_segments(types) if scan else [Segment(i, (t,), 1) for i, t in enumerate(types)]
     # Unrolled, each kind's stacks are cut into layers once (ops.unstack: their gradients stacked, not padded).
@@ -167,14 +180,14 @@ def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, s
     aux_total, caches = {}, []
     for seg in segments:
         params = _segment_params(layer_params, types, seg) if scan else _layer_params(layers, types, seg.start)
-        xs = (params, _segment_cache(inputs.cache, seg))
+        xs = (params, _segment_cache(inputs.cache, seg), _segment_per_layer(inputs.per_layer, seg))
 
         def group(x, xs, period=seg.period):
             return _run_group(family, period, x, *xs, inputs, config, rt, scan)
 
         if seg.repeats == 1:  # the group alone; unrolled layers' parameters come without the leading axis
             first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
-            x, (aux, per_layer, cache) = group(x, (first(params) if scan else params, first(xs[1])))
+            x, (aux, per_layer, cache) = group(x, (first(params) if scan else params, first(xs[1]), first(xs[2])))
             per_layer, cache = jax.tree.map(lambda a: a[None], (per_layer, cache))
         else:
             x, (aux, per_layer, cache) = jax.lax.scan(group, x, xs)
@@ -226,6 +239,8 @@ def _hidden(family, params, tokens, positions, segment_ids, config, rt):
     the mesh has them (parallel/stages.py)."""
     x = family.embed(params, tokens, config, rt)
     inputs = _layer_inputs(family, tokens, positions, segment_ids, config, rt)
+    if family.per_layer_inputs is not None:
+        inputs = inputs._replace(per_layer=family.per_layer_inputs(params, tokens, x, config, rt))
     if sharding.ways("layers") > 1:
         return pipeline.run_stages(run_layers, family, params["layers"], x, inputs, config, rt)
     x, aux, _ = run_layers(family, params["layers"], x, inputs, config, rt, rt.scan_layers(config))
@@ -360,5 +375,7 @@ def forward_with_cache(family, params, tokens, positions, cache: dict, index, co
     inputs = LayerInputs(positions, jnp.ones_like(tokens),
                          rope_tables(positions, config, rope_widths(family, config)),
                          (cache["k"], cache["v"], index, first))
+    if family.per_layer_inputs is not None:
+        inputs = inputs._replace(per_layer=family.per_layer_inputs(params, tokens, x, config, rt))
     x, _, (k, v) = run_layers(family, params["layers"], x, inputs, config, rt, scan=True)
     return family.logits(params, x, config, rt), {"k": k, "v": v}

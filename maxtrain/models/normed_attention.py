@@ -1,0 +1,72 @@
+"""Attention with q, k and v RMS-normed per head, and layers of several head shapes (Gemma 4).
+
+    q = rope(rmsnorm(x W_q) * s_q)        k = rope(rmsnorm(x W_k) * s_k)        v = rmsnorm(x W_v)
+    out = softmax(q . k) v W_o            (scores not scaled: the norms fix the queries' and keys' size)
+
+The values are normed without a scale. With `keys_are_values` (Gemma 4's attention_k_eq_v, in its
+full-attention layers) the layer has no W_v: the values are the key projection x W_k, normed as values
+(no scale, no RoPE). A layer's head dim and kv heads are its parameters' (a family gives its full and
+sliding layers stacks of their own shapes, models/layers.LayerType.head_dim); RoPE is the layer type's
+table (a "proportional" table leaves the pairs past its fraction unrotated, models/rope.py).
+
+Training only: the KV cache of decoding holds one head shape for every layer (decoder.init_cache), so a
+family with layers of several shapes refuses decoding (contract.FamilyModel.cache_heads).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
+
+from maxtrain.models import attention as attention_lib
+from maxtrain.models import ops
+from maxtrain.models import rope as rope_lib
+from maxtrain.models.layers import LayerType
+from maxtrain.models.params import ParamSpec, dense
+from maxtrain.parallel.sharding import shard
+
+
+def specs(config, head_dim: int, kv_heads: int, values: bool = True) -> dict[str, ParamSpec]:
+    """One layer's weights: q/k/v/o projections of `head_dim` wide heads (kv_heads of them for k and v; no
+    wv when values=False: the keys are the values) and the q and k norm scales (RMSNorm scale form)."""
+    d, n, h = config.base_emb_dim, config.base_num_query_heads, head_dim
+    out = {"wq": dense((d, n, h), ("embed", "heads", "head_dim"), d),
+           "wk": dense((d, kv_heads, h), ("embed", "kv_heads", "head_dim"), d),
+           "wo": dense((n, h, d), ("heads", "head_dim", "embed"), n * h),
+           "q_norm": ParamSpec((h,), ("head_dim",), "ones"), "k_norm": ParamSpec((h,), ("head_dim",), "ones")}
+    if values:
+        out["wv"] = dense((d, kv_heads, h), ("embed", "kv_heads", "head_dim"), d)
+    return out
+
+
+def rms(x, eps: float, scale=None):
+    """x / rms(x) over the last axis (times `scale` when given), in float32; returns x's dtype."""
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jnp.power(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps, -0.5)
+    if scale is not None:
+        x32 = x32 * scale.astype(jnp.float32)
+    return x32.astype(x.dtype)
+
+
+def attention(x, p, inputs, config, rt, layer: LayerType):
+    """Self-attention of x [B, T, D] (already normed) -> ([B, T, D], {}), as the module docstring says."""
+    if inputs.cache is not None:
+        raise ValueError(f"{config.decoder_block}: decoding with a KV cache is not implemented for its layers of "
+                         "several head shapes; score or train the model instead")
+    dt, fp8, eps = rt.dtype, "attention" in rt.fp8, config.normalization_layer_epsilon
+    q = ops.dense(x, p["wq"].astype(dt), backend=rt.backend, fp8=fp8)  # "BTD,DNH->BTNH"
+    k = ops.dense(x, p["wk"].astype(dt), backend=rt.backend, fp8=fp8)  # "BTD,DGH->BTGH"
+    v = ops.dense(x, p["wv"].astype(dt), backend=rt.backend, fp8=fp8) if "wv" in p else k
+    q, k, v = checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
+    q, k, v = rms(q, eps, p["q_norm"]), rms(k, eps, p["k_norm"]), rms(v, eps)
+    if layer.rope is not None:
+        cos, sin = inputs.rope[layer.rope]
+        q, k = rope_lib.apply(q, cos, sin), rope_lib.apply(k, cos, sin)
+    if layer.attention not in ("full", "sliding"):
+        raise ValueError(f"the normed attention block has no {layer.attention!r} attention (layer {layer})")
+    q = shard(q, ("batch", "length", "heads", "head_dim"))
+    out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=rt.attention, platform=rt.backend,
+                                  sliding_window=layer.sliding_window(), scale=1.0,
+                                  block_q=config.sa_block_q, block_kv=config.sa_block_kv)
+    out = ops.dense(out, p["wo"].astype(dt), 2, backend=rt.backend, fp8=fp8)  # "BTNH,NHD->BTD"
+    return checkpoint_name(out, "out_proj"), {}
