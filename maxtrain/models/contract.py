@@ -28,6 +28,9 @@ and what it may override (the defaults serve every family with multi-head attent
     per_layer_inputs (params, tokens [B, T], x [B, T, D] the embedding, config, rt) -> [L, B, T, ...]: an
                      input of each layer beside x, which its `layer` reads as inputs.per_layer (Gemma 4's
                      per-layer input embeddings); None: none
+    layer_state      (x [B, T, D], config, rt) -> the initial value of a pytree the layers hand on, each reading
+                     it as inputs.state and replacing it by returning aux["state"] (Gemma 4's shared-KV
+                     layers read the keys and values an earlier layer left there); None: none
 
 Settings a family reads beyond the shared ones, and its rules, live in its registry row (config/ reads
 them before JAX starts); which config keys a checkpoint is checked against come from there too
@@ -70,6 +73,7 @@ class FamilyModel:
     cache_heads: Callable[[Any], tuple] = kv_cache_heads
     mtp_copies: tuple[str, ...] = ()
     per_layer_inputs: Callable[..., Any] | None = None
+    layer_state: Callable[..., Any] | None = None
 
     @property
     def name(self) -> str:

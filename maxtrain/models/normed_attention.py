@@ -26,15 +26,18 @@ from maxtrain.models.params import ParamSpec, dense
 from maxtrain.parallel.sharding import shard
 
 
-def specs(config, head_dim: int, kv_heads: int, values: bool = True) -> dict[str, ParamSpec]:
+def specs(config, head_dim: int, kv_heads: int, values: bool = True, keys: bool = True) -> dict[str, ParamSpec]:
     """One layer's weights: q/k/v/o projections of `head_dim` wide heads (kv_heads of them for k and v; no
-    wv when values=False: the keys are the values) and the q and k norm scales (RMSNorm scale form)."""
+    wv when values=False: the keys are the values; no wk, wv, k_norm when keys=False: a shared-KV layer)
+    and the q and k norm scales (RMSNorm scale form)."""
     d, n, h = config.base_emb_dim, config.base_num_query_heads, head_dim
     out = {"wq": dense((d, n, h), ("embed", "heads", "head_dim"), d),
-           "wk": dense((d, kv_heads, h), ("embed", "kv_heads", "head_dim"), d),
            "wo": dense((n, h, d), ("heads", "head_dim", "embed"), n * h),
-           "q_norm": ParamSpec((h,), ("head_dim",), "ones"), "k_norm": ParamSpec((h,), ("head_dim",), "ones")}
-    if values:
+           "q_norm": ParamSpec((h,), ("head_dim",), "ones")}
+    if keys:
+        out.update(wk=dense((d, kv_heads, h), ("embed", "kv_heads", "head_dim"), d),
+                   k_norm=ParamSpec((h,), ("head_dim",), "ones"))
+    if keys and values:
         out["wv"] = dense((d, kv_heads, h), ("embed", "kv_heads", "head_dim"), d)
     return out
 
@@ -48,20 +51,28 @@ def rms(x, eps: float, scale=None):
     return x32.astype(x.dtype)
 
 
-def attention(x, p, inputs, config, rt, layer: LayerType):
-    """Self-attention of x [B, T, D] (already normed) -> ([B, T, D], {}), as the module docstring says."""
+def attention(x, p, inputs, config, rt, layer: LayerType, shared_kv=None):
+    """Self-attention of x [B, T, D] (already normed) -> ([B, T, D], (k, v)), as the module docstring says:
+    k and v as attended (normed, k rotated), for a later layer to share. A layer without W_k (a shared-KV
+    layer) attends to `shared_kv`, another layer's (k, v)."""
     if inputs.cache is not None:
         raise ValueError(f"{config.decoder_block}: decoding with a KV cache is not implemented for its layers of "
                          "several head shapes; score or train the model instead")
     dt, fp8, eps = rt.dtype, "attention" in rt.fp8, config.normalization_layer_epsilon
     q = ops.dense(x, p["wq"].astype(dt), backend=rt.backend, fp8=fp8)  # "BTD,DNH->BTNH"
-    k = ops.dense(x, p["wk"].astype(dt), backend=rt.backend, fp8=fp8)  # "BTD,DGH->BTGH"
-    v = ops.dense(x, p["wv"].astype(dt), backend=rt.backend, fp8=fp8) if "wv" in p else k
-    q, k, v = checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
-    q, k, v = rms(q, eps, p["q_norm"]), rms(k, eps, p["k_norm"]), rms(v, eps)
+    q = rms(checkpoint_name(q, "query_proj"), eps, p["q_norm"])
+    cos, sin = inputs.rope[layer.rope] if layer.rope is not None else (None, None)
     if layer.rope is not None:
-        cos, sin = inputs.rope[layer.rope]
-        q, k = rope_lib.apply(q, cos, sin), rope_lib.apply(k, cos, sin)
+        q = rope_lib.apply(q, cos, sin)
+    if "wk" in p:
+        k = ops.dense(x, p["wk"].astype(dt), backend=rt.backend, fp8=fp8)  # "BTD,DGH->BTGH"
+        v = ops.dense(x, p["wv"].astype(dt), backend=rt.backend, fp8=fp8) if "wv" in p else k
+        k, v = checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
+        k, v = rms(k, eps, p["k_norm"]), rms(v, eps)
+        if layer.rope is not None:
+            k = rope_lib.apply(k, cos, sin)
+    else:
+        k, v = shared_kv
     if layer.attention not in ("full", "sliding"):
         raise ValueError(f"the normed attention block has no {layer.attention!r} attention (layer {layer})")
     q = shard(q, ("batch", "length", "heads", "head_dim"))
@@ -69,4 +80,4 @@ def attention(x, p, inputs, config, rt, layer: LayerType):
                                   sliding_window=layer.sliding_window(), scale=1.0,
                                   block_q=config.sa_block_q, block_kv=config.sa_block_kv)
     out = ops.dense(out, p["wo"].astype(dt), 2, backend=rt.backend, fp8=fp8)  # "BTNH,NHD->BTD"
-    return checkpoint_name(out, "out_proj"), {}
+    return checkpoint_name(out, "out_proj"), (k, v)

@@ -11,8 +11,11 @@ five sliding-window layers per full-attention one, with
     norms in the plain scale form (not Gemma 2/3's 1 + scale); each layer's output times a fixed
     layer_scalar (a buffer in transformers: a parameter here that no gradient reaches)
 
-Not implemented, refused at import naming the field: shared-KV layers (num_kv_shared_layers > 0), the
-MoE block (enable_moe_block), use_double_wide_mlp, attention biases, bidirectional attention, a
+    shared-KV layers: the last num_kv_shared_layers layers (kinds "sliding_shared", "full_shared") have no
+        key/value projections and attend to those of the last earlier layer of their attention type,
+        handed on through the decoder's layer state; with double_wide_mlp their MLP is twice as wide
+
+Not implemented, refused at import naming the field: the MoE block (enable_moe_block), attention biases, bidirectional attention, a
 per-layer vocabulary other than the main one. Decoding with a KV cache is refused (layers of two head
 shapes), training and scoring run.
 """
@@ -26,7 +29,7 @@ import jax
 from maxtrain.config import registry
 from maxtrain.models import blocks, contract, hf, normed_attention, per_layer_embed, standard_layers
 from maxtrain.models.layers import LayerType, attention_types
-from maxtrain.models.params import ParamSpec
+from maxtrain.models.params import ParamSpec, dense
 from maxtrain.parallel.sharding import shard
 
 FAMILY = registry.FAMILIES["gemma4_text"]
@@ -41,22 +44,37 @@ def global_kv_heads(config) -> int:
     return config.global_num_kv_heads if config.global_num_kv_heads > 0 else config.base_num_kv_heads
 
 
+KINDS = ("sliding", "full", "sliding_shared", "full_shared")
+
+
 def layer_types(config) -> list[LayerType]:
-    """Kind "sliding" (head_dim, local RoPE) or "full" (global_head_dim, the global RoPE) per layer."""
+    """Kind "sliding" (head_dim, local RoPE) or "full" (global_head_dim, the global RoPE) per layer; the last
+    num_kv_shared_layers "sliding_shared" / "full_shared" (no key/value projections of their own)."""
     names = list(config.attention_layer_types) or _pattern(config.base_num_decoder_layers)
-    return [dataclasses.replace(t, kind=name, head_dim=global_head_dim(config) if name == "full" else 0)
-            for t, name in zip(attention_types(config, names), names)]
+    first_shared = len(names) - config.num_kv_shared_layers
+    return [dataclasses.replace(t, kind=name + ("_shared" if i >= first_shared else ""),
+                                head_dim=global_head_dim(config) if name == "full" else 0)
+            for i, (t, name) in enumerate(zip(attention_types(config, names), names))]
+
+
+def _shape(config, kind: str) -> tuple[int, int, int, int]:
+    """(head dim, kv heads, key/value projections 0-2, MLP width) of a layer of `kind`."""
+    full, shared = kind.startswith("full"), kind.endswith("_shared")
+    head_dim, kv_heads = (global_head_dim(config), global_kv_heads(config)) if full else (config.head_dim,
+                                                                                          config.base_num_kv_heads)
+    projections = 0 if shared else 1 if (full and config.attention_k_eq_v) else 2
+    return head_dim, kv_heads, projections, config.base_mlp_dim * (2 if shared and config.double_wide_mlp else 1)
 
 
 def _layer_specs(config, kind: str) -> dict:
-    full = kind == "full"
     norm = blocks.norm_spec(config)
-    head_dim, kv_heads = (global_head_dim(config), global_kv_heads(config)) if full else (config.head_dim,
-                                                                                          config.base_num_kv_heads)
-    specs = {"attn_norm": norm, **normed_attention.specs(config, head_dim, kv_heads,
-                                                         values=not (full and config.attention_k_eq_v)),
-             "post_attn_norm": norm, "mlp_norm": norm, **blocks.mlp_specs(config), "post_mlp_norm": norm,
-             "layer_scalar": ParamSpec((1,), (None,), "ones")}
+    head_dim, kv_heads, projections, f = _shape(config, kind)
+    d = config.base_emb_dim
+    specs = {"attn_norm": norm, **normed_attention.specs(config, head_dim, kv_heads, values=projections == 2,
+                                                         keys=projections > 0),
+             "post_attn_norm": norm, "mlp_norm": norm, "w_gate": dense((d, f), ("embed", "mlp"), d),
+             "w_up": dense((d, f), ("embed", "mlp"), d), "w_down": dense((f, d), ("mlp", "embed"), f),
+             "post_mlp_norm": norm, "layer_scalar": ParamSpec((1,), (None,), "ones")}
     if config.per_layer_input_dim > 0:
         specs.update(per_layer_embed.layer_specs(config))
     return specs
@@ -66,14 +84,17 @@ def param_specs(config):
     top = blocks.embedding_specs(config)
     if config.per_layer_input_dim > 0:
         top.update(per_layer_embed.model_specs(config))
-    per_kind = {kind: _layer_specs(config, kind) for kind in ("sliding", "full")}
+    per_kind = {kind: _layer_specs(config, kind) for kind in KINDS}
     return {**top, "layers": standard_layers.stacks(config, layer_types(config), per_kind)}
 
 
 def layer(x, p, inputs, layer_type: LayerType, config, rt):
-    eps = config.normalization_layer_epsilon
-    h, aux = normed_attention.attention(normed_attention.rms(x, eps, p["attn_norm"]), p, inputs, config, rt,
-                                        layer_type)
+    eps, attention, aux = config.normalization_layer_epsilon, layer_type.kind.split("_")[0], {}
+    shared = None if "wk" in p else inputs.state[attention]
+    h, kv = normed_attention.attention(normed_attention.rms(x, eps, p["attn_norm"]), p, inputs, config, rt,
+                                       layer_type, shared)
+    if inputs.state is not None and shared is None:  # the last layer of its type before the shared ones wins
+        aux["state"] = {**inputs.state, attention: kv}
     x = shard(x + normed_attention.rms(h, eps, p["post_attn_norm"]), ("batch", "length", "embed"))
     h = blocks.mlp(normed_attention.rms(x, eps, p["mlp_norm"]), p, rt, "gelu_tanh")
     x = x + normed_attention.rms(h, eps, p["post_mlp_norm"])
@@ -87,6 +108,16 @@ def per_layer_inputs(params, tokens, x, config, rt):
     return per_layer_embed.inputs(params, tokens, x, config, rt) if config.per_layer_input_dim > 0 else None
 
 
+def layer_state(x, config, rt):
+    """With shared-KV layers: {attention type: (k, v) [B, T, G, H]} the layers before them leave."""
+    if config.num_kv_shared_layers == 0:
+        return None
+    b, t = x.shape[:2]
+    return {kind: tuple(jax.numpy.zeros((b, t, heads, dim), rt.dtype) for _ in range(2))
+            for kind, (dim, heads) in (("sliding", (config.head_dim, config.base_num_kv_heads)),
+                                       ("full", (global_head_dim(config), global_kv_heads(config))))}
+
+
 def cache_heads(config):
     raise ValueError(f"decoder_block={FAMILY.name}: decoding with a KV cache is not implemented (its full-attention "
                      "layers have heads of another shape); score or train the model instead")
@@ -94,13 +125,11 @@ def cache_heads(config):
 
 def flops_per_token(config, dense_attention: bool = False) -> float:
     """3 x (2 x the weights a token multiplies + attention's q.k and p.v), per layer at its own head shape."""
-    d, n, f, p = config.base_emb_dim, config.base_num_query_heads, config.base_mlp_dim, config.per_layer_input_dim
+    d, n, p = config.base_emb_dim, config.base_num_query_heads, config.per_layer_input_dim
     types = layer_types(config)
     matmul = d * config.vocab_size + d * p * len(types)  # the head; the per-layer inputs' projection
     for t in types:
-        h, g = (global_head_dim(config), global_kv_heads(config)) if t.kind == "full" else (config.head_dim,
-                                                                                          config.base_num_kv_heads)
-        kv = 1 if (t.kind == "full" and config.attention_k_eq_v) else 2
+        h, g, kv, f = _shape(config, t.kind)
         matmul += 2 * d * n * h + kv * d * g * h + 3 * d * f + 2 * d * p
     return 3.0 * (2 * matmul + blocks.attention_flops(config, types, dense_attention))
 
@@ -121,11 +150,10 @@ HF_NAMES = {**hf.EMBEDDING_NAMES,
             "ple_model_proj": ("model.per_layer_model_projection.weight", 1),
             "ple_proj_norm": ("model.per_layer_projection_norm.weight", None),
             **{f"layers/{kind}/{name}": (f"model.layers.{{i}}.{hf_name}", n_in)
-               for kind in ("sliding", "full") for name, (hf_name, n_in) in _LAYER_NAMES.items()}}
+               for kind in KINDS for name, (hf_name, n_in) in _LAYER_NAMES.items()}}
 
 # config.json fields whose other values maxtrain does not compute (the field names the feature).
-_REFUSED = {"num_kv_shared_layers": 0, "enable_moe_block": False, "use_double_wide_mlp": False,
-            "attention_bias": False, "hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": None}
+_REFUSED = {"enable_moe_block": False, "attention_bias": False, "hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": None}
 
 
 def from_hf_config(config: dict, notes: list | None = None) -> dict:
@@ -148,7 +176,16 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
     return {**keys, **sliding_keys, "global_head_dim": head_dim if head_dim != keys["head_dim"] else -1,
             "global_num_kv_heads": kv_heads if kv_heads != keys["base_num_kv_heads"] else -1,
             "attention_k_eq_v": bool(config.get("attention_k_eq_v")), "per_layer_input_dim": ple,
+            **_shared_kv_keys(config, names),
             "final_logits_soft_cap": float(config.get("final_logit_softcapping") or 0.0)}
+
+
+def _shared_kv_keys(config: dict, names: list[str]) -> dict:
+    shared = int(config.get("num_kv_shared_layers") or 0)
+    if shared and not (shared < len(names) and set(names[len(names) - shared:]) <= set(names[:len(names) - shared])):
+        raise hf.ConversionError(f"num_kv_shared_layers={shared}: each shared layer needs an earlier layer of its "
+                                 "attention type to share the keys and values of")
+    return {"num_kv_shared_layers": shared, "double_wide_mlp": bool(shared and config.get("use_double_wide_mlp"))}
 
 
 def _full_layer_shape(config: dict, names: list[str]) -> tuple[int, int]:
@@ -214,7 +251,8 @@ def to_hf_config(keys: dict) -> dict:
         "rope_parameters": {"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": local}},
         "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False, "attention_k_eq_v": keys["attention_k_eq_v"],
         "hidden_size_per_layer_input": keys["per_layer_input_dim"], "vocab_size_per_layer_input": keys["vocab_size"],
-        "num_kv_shared_layers": 0, "enable_moe_block": False, "use_double_wide_mlp": False,
+        "num_kv_shared_layers": keys["num_kv_shared_layers"], "enable_moe_block": False,
+        "use_double_wide_mlp": keys["double_wide_mlp"],
         "final_logit_softcapping": keys["final_logits_soft_cap"] or None})
     return out
 
@@ -222,4 +260,4 @@ def to_hf_config(keys: dict) -> dict:
 MODEL = contract.FamilyModel(
     row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=standard_layers.scaled_embed, layer=layer,
     logits=standard_layers.logits, flops_per_token=flops_per_token, hf_names=HF_NAMES, from_hf_config=from_hf_config,
-    to_hf_config=to_hf_config, cache_heads=cache_heads, per_layer_inputs=per_layer_inputs)
+    to_hf_config=to_hf_config, cache_heads=cache_heads, per_layer_inputs=per_layer_inputs, layer_state=layer_state)
