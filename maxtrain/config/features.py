@@ -189,7 +189,7 @@ def what_the_family_is(v: dict[str, Any]) -> None:
         raise ConfigError(f"{source}, but sliding_window_size=0 would give them full attention; set sliding_window_size"
                           f"={window} ({block}'s usual window), or attention_layer_types=[full, ...] for full attention "
                           "in every layer")
-    if block in MOE_FAMILIES and v["num_experts"] == 1:
+    if block in MOE_FAMILIES and v["num_experts"] == 1 and not family(v).moe_optional:
         raise ConfigError(f"decoder_block={block} is a mixture of experts, but num_experts=1 (the default) makes each "
                           f"MoE layer one dense MLP; set num_experts={usual.get('num_experts', 8)} ({block}'s usual "
                           "count) and num_experts_per_tok, or use a dense family (e.g. decoder_block=llama)")

@@ -15,7 +15,10 @@ five sliding-window layers per full-attention one, with
         key/value projections and attend to those of the last earlier layer of their attention type,
         handed on through the decoder's layer state; with double_wide_mlp their MLP is twice as wide
 
-Not implemented, refused at import naming the field: the MoE block (enable_moe_block), attention biases, bidirectional attention, a
+    the MoE block (num_experts > 1; enable_moe_block): every layer runs experts beside its dense MLP
+        (models/moe_parallel.py)
+
+Not implemented, refused at import naming the field: attention biases, bidirectional attention, a
 per-layer vocabulary other than the main one. Decoding with a KV cache is refused (layers of two head
 shapes), training and scoring run.
 """
@@ -27,7 +30,7 @@ import dataclasses
 import jax
 
 from maxtrain.config import registry
-from maxtrain.models import blocks, contract, hf, normed_attention, per_layer_embed, standard_layers
+from maxtrain.models import blocks, contract, hf, moe, moe_parallel, normed_attention, per_layer_embed, standard_layers
 from maxtrain.models.layers import LayerType, attention_types
 from maxtrain.models.params import ParamSpec, dense
 from maxtrain.parallel.sharding import shard
@@ -52,8 +55,9 @@ def layer_types(config) -> list[LayerType]:
     num_kv_shared_layers "sliding_shared" / "full_shared" (no key/value projections of their own)."""
     names = list(config.attention_layer_types) or _pattern(config.base_num_decoder_layers)
     first_shared = len(names) - config.num_kv_shared_layers
+    mlp = "moe+shared" if config.num_experts > 1 else "dense"  # experts beside the dense MLP in every layer
     return [dataclasses.replace(t, kind=name + ("_shared" if i >= first_shared else ""),
-                                head_dim=global_head_dim(config) if name == "full" else 0)
+                                head_dim=global_head_dim(config) if name == "full" else 0, mlp=mlp)
             for i, (t, name) in enumerate(zip(attention_types(config, names), names))]
 
 
@@ -77,6 +81,8 @@ def _layer_specs(config, kind: str) -> dict:
              "post_mlp_norm": norm, "layer_scalar": ParamSpec((1,), (None,), "ones")}
     if config.per_layer_input_dim > 0:
         specs.update(per_layer_embed.layer_specs(config))
+    if config.num_experts > 1:
+        specs.update(moe_parallel.specs(config))
     return specs
 
 
@@ -97,6 +103,9 @@ def layer(x, p, inputs, layer_type: LayerType, config, rt):
         aux["state"] = {**inputs.state, attention: kv}
     x = shard(x + normed_attention.rms(h, eps, p["post_attn_norm"]), ("batch", "length", "embed"))
     h = blocks.mlp(normed_attention.rms(x, eps, p["mlp_norm"]), p, rt, "gelu_tanh")
+    if layer_type.is_moe:
+        h, moe_aux = moe_parallel.block(x, h, p, inputs.segment_ids, config, rt, config.base_num_decoder_layers)
+        aux.update(moe_aux)
     x = x + normed_attention.rms(h, eps, p["post_mlp_norm"])
     if inputs.per_layer is not None:
         x = per_layer_embed.add(x, p, inputs.per_layer, config, rt)
@@ -131,6 +140,8 @@ def flops_per_token(config, dense_attention: bool = False) -> float:
     for t in types:
         h, g, kv, f = _shape(config, t.kind)
         matmul += 2 * d * n * h + kv * d * g * h + 3 * d * f + 2 * d * p
+        if t.is_moe:  # the router and K experts
+            matmul += d * config.num_experts + 3 * config.num_experts_per_tok * d * moe.expert_dim(config)
     return 3.0 * (2 * matmul + blocks.attention_flops(config, types, dense_attention))
 
 
@@ -144,6 +155,11 @@ _LAYER_NAMES = {
     "w_up": ("mlp.up_proj.weight", 1), "w_down": ("mlp.down_proj.weight", 1), "layer_scalar": ("layer_scalar", None),
     "ple_gate": ("per_layer_input_gate.weight", 1), "ple_proj": ("per_layer_projection.weight", 1),
     "ple_norm": ("post_per_layer_input_norm.weight", None),
+    "dense_post_norm": ("post_feedforward_layernorm_1.weight", None),
+    "moe_pre_norm": ("pre_feedforward_layernorm_2.weight", None),
+    "moe_post_norm": ("post_feedforward_layernorm_2.weight", None), "router": ("router.proj.weight", 1),
+    "router_scale": ("router.scale", None), "expert_scale": ("router.per_expert_scale", None),
+    "experts_gate_up": ("experts.gate_up_proj", None), "experts_down": ("experts.down_proj", None),
 }
 HF_NAMES = {**hf.EMBEDDING_NAMES,
             "ple_embedding": ("model.embed_tokens_per_layer.weight", None),
@@ -153,7 +169,7 @@ HF_NAMES = {**hf.EMBEDDING_NAMES,
                for kind in KINDS for name, (hf_name, n_in) in _LAYER_NAMES.items()}}
 
 # config.json fields whose other values maxtrain does not compute (the field names the feature).
-_REFUSED = {"enable_moe_block": False, "attention_bias": False, "hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": None}
+_REFUSED = {"attention_bias": False, "hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": None}
 
 
 def from_hf_config(config: dict, notes: list | None = None) -> dict:
@@ -176,8 +192,15 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
     return {**keys, **sliding_keys, "global_head_dim": head_dim if head_dim != keys["head_dim"] else -1,
             "global_num_kv_heads": kv_heads if kv_heads != keys["base_num_kv_heads"] else -1,
             "attention_k_eq_v": bool(config.get("attention_k_eq_v")), "per_layer_input_dim": ple,
-            **_shared_kv_keys(config, names),
+            **_shared_kv_keys(config, names), **_moe_keys(config),
             "final_logits_soft_cap": float(config.get("final_logit_softcapping") or 0.0)}
+
+
+def _moe_keys(config: dict) -> dict:
+    if not config.get("enable_moe_block"):
+        return {"num_experts": 1}
+    return {"num_experts": hf.require(config, "num_experts"), "num_experts_per_tok": hf.require(config, "top_k_experts"),
+            "base_moe_mlp_dim": hf.require(config, "moe_intermediate_size")}
 
 
 def _shared_kv_keys(config: dict, names: list[str]) -> dict:
@@ -251,9 +274,12 @@ def to_hf_config(keys: dict) -> dict:
         "rope_parameters": {"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": local}},
         "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False, "attention_k_eq_v": keys["attention_k_eq_v"],
         "hidden_size_per_layer_input": keys["per_layer_input_dim"], "vocab_size_per_layer_input": keys["vocab_size"],
-        "num_kv_shared_layers": keys["num_kv_shared_layers"], "enable_moe_block": False,
+        "num_kv_shared_layers": keys["num_kv_shared_layers"], "enable_moe_block": keys["num_experts"] > 1,
         "use_double_wide_mlp": keys["double_wide_mlp"],
         "final_logit_softcapping": keys["final_logits_soft_cap"] or None})
+    if keys["num_experts"] > 1:
+        out.update(num_experts=keys["num_experts"], top_k_experts=keys["num_experts_per_tok"],
+                   moe_intermediate_size=keys["base_moe_mlp_dim"] if keys["base_moe_mlp_dim"] > 0 else keys["base_mlp_dim"])
     return out
 
 
