@@ -41,7 +41,8 @@ PUBLISHED = {
     "gpt-oss-20b": 20_914_757_184,   # model card: 20.9B, 3.6B active (below)
     "gpt-oss-120b": 116_829_156_672,  # model card: 116.8B, 5.1B active
     "deepseek3-671b": 671_026_419_200,  # 671B, 37B active (below); the released 685B adds the MTP module
-    "deepseek3-tiny": 8_166_320,     # DeepSeek-V3's architecture at the default model's sizes (not released)
+    "deepseek3-tiny": 8_166_320,
+    "gemma4-default": 5_077_177_886,  # transformers' default Gemma4TextConfig (no model card gives a text config)     # DeepSeek-V3's architecture at the default model's sizes (not released)
     "gpt2-small": 123_587_328,      # GPT-2 small's shape as a Llama (124M with GPT-2's own layers)
     "default": 5_507_328,
 }
@@ -89,8 +90,9 @@ def test_transformers_counts_the_same_architecture_the_same(name):
     config = transformers.AutoConfig.for_model(**hf_config)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    # DeepSeek's selection bias is a buffer in transformers, a tensor of the checkpoint all the same
-    bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    # DeepSeek's selection bias and Gemma 4's layer scalars are buffers in transformers, tensors of the
+    # checkpoint all the same
+    bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith(("e_score_correction_bias", "layer_scalar")))
     assert sum(p.numel() for p in model.parameters()) + bias == models.num_params(cfg)
 
 
@@ -112,7 +114,13 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
                 # MLA (q/k 24 + 8 features, values 40), a dense first layer, one shared expert, one MTP module
                 "deepseek": [*MOE_FLOPS, "base_num_kv_heads=4", "q_lora_rank=48", "kv_lora_rank=32",
                              "qk_nope_head_dim=24", "qk_rope_head_dim=8", "v_head_dim=40", "first_num_dense_layers=1",
-                             "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true", "mtp_num_layers=1"]}
+                             "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true", "mtp_num_layers=1"],
+                # full-attention layers of their own head shape with keys as values, per-layer inputs, two
+                # shared-KV layers with double-wide MLPs, experts beside every dense MLP
+                "gemma4_text": [*MOE_FLOPS, "attention_layer_types=[sliding,full,sliding,full]", "global_head_dim=64",
+                                "global_num_kv_heads=1", "attention_k_eq_v=true", "per_layer_input_dim=16",
+                                "num_kv_shared_layers=2", "double_wide_mlp=true", "base_moe_mlp_dim=96",
+                                "rope_type=proportional", "rope_proportion=0.25"]}
 
 
 @pytest.mark.slow
