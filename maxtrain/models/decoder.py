@@ -178,8 +178,8 @@ def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, s
     then holds). Returns (x, aux summed over layers plus the per-layer entries, per-layer caches (k, v)
     [L, ...] or None)."""
     if (inputs.per_layer is not None or inputs.state is not None) and types is not None:
-        raise ValueError(f"{family.name}'s per-layer inputs and shared layer state do not run in pipeline stages yet; "
-                         "set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
+        raise ValueError(f"{family.row.name}'s per-layer inputs and shared layer state do not run in pipeline stages "
+                         "yet; set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
     types = family.layer_types(config) if types is None else types
     segments = plan_segments(types) if scan else [Segment(i, (t,), 1) for i, t in enumerate(types)]
     # Unrolled, each kind's stacks are cut into layers once (ops.unstack: their gradients stacked, not padded).
