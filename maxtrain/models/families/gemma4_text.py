@@ -184,10 +184,9 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
         raise hf.ConversionError(f"vocab_size_per_layer_input={config['vocab_size_per_layer_input']} differs from "
                                  f"vocab_size={config.get('vocab_size')} (maxtrain's per-layer table has the main "
                                  "vocabulary)")
-    keys = {**hf.common_keys({**config, "partial_rotary_factor": None}, tie_word_embeddings=True),
-            "rope_max_timescale": float(full.get("rope_theta", 1_000_000.0)),
+    keys = {**hf.common_keys(config, tie_word_embeddings=True),
+            **hf.rope_keys(config, rope=full, default_theta=1_000_000.0),
             "local_rope_max_timescale": float(sliding.get("rope_theta", 10_000.0))}
-    keys.update(_global_rope_keys(full))
     sliding_keys = hf.sliding_keys({**config, "layer_types": names}, _pattern(layers), config.get("sliding_window", 512))
     return {**keys, **sliding_keys, "global_head_dim": head_dim if head_dim != keys["head_dim"] else -1,
             "global_num_kv_heads": kv_heads if kv_heads != keys["base_num_kv_heads"] else -1,
@@ -243,35 +242,16 @@ def _rope(config: dict) -> tuple[dict, dict]:
     return dict(given["full_attention"]), sliding
 
 
-def _global_rope_keys(full: dict) -> dict:
-    kind = full.get("rope_type", "default")
-    if kind == "proportional":
-        return {"rope_type": "proportional", "rope_proportion": float(full.get("partial_rotary_factor", 1.0)),
-                "rope_factor": float(full.get("factor", 1.0))}
-    if float(full.get("partial_rotary_factor") or 1.0) != 1.0:
-        raise hf.ConversionError(f"rope_parameters.full_attention={full}: partial_rotary_factor with rope_type "
-                                 f"{kind!r} (maxtrain rotates part of a head only with rope_type proportional)")
-    return {k: v for k, v in hf.rope_keys({}, rope=full, default_theta=1_000_000.0).items()
-            if k != "rope_max_timescale"}
-
-
 def to_hf_config(keys: dict) -> dict:
     full_shape = {"head_dim": keys["global_head_dim"] if keys["global_head_dim"] > 0 else keys["head_dim"]}
     if keys["attention_k_eq_v"]:
         full_shape["num_key_value_heads"] = (keys["global_num_kv_heads"] if keys["global_num_kv_heads"] > 0
                                              else keys["base_num_kv_heads"])
     out = {**hf.common_config(keys, FAMILY), **hf.layer_types_config(keys, _pattern(keys["base_num_decoder_layers"]))}
-    if keys["rope_type"] == "proportional":
-        full = {"rope_type": "proportional", "rope_theta": keys["rope_max_timescale"],
-                "partial_rotary_factor": keys["rope_proportion"]}
-        if keys["rope_factor"] != 1.0:
-            full["factor"] = keys["rope_factor"]
-    else:
-        full = hf.rope_parameters(keys)
     local = keys["local_rope_max_timescale"] if keys["local_rope_max_timescale"] > 0 else keys["rope_max_timescale"]
     out.update({
         "per_layer_config": {str(i): full_shape for i, t in enumerate(out["layer_types"]) if t == "full_attention"},
-        "rope_parameters": {"full_attention": full, "sliding_attention": {"rope_type": "default", "rope_theta": local}},
+        "rope_parameters": {"full_attention": hf.rope_parameters(keys), "sliding_attention": {"rope_type": "default", "rope_theta": local}},
         "hidden_activation": "gelu_pytorch_tanh", "attention_bias": False, "attention_k_eq_v": keys["attention_k_eq_v"],
         "hidden_size_per_layer_input": keys["per_layer_input_dim"], "vocab_size_per_layer_input": keys["vocab_size"],
         "num_kv_shared_layers": keys["num_kv_shared_layers"], "enable_moe_block": keys["num_experts"] > 1,
