@@ -151,3 +151,22 @@ def test_conversion_refuses_what_it_cannot_compute():
     for hf, message in cases:
         with pytest.raises(convert.ConversionError, match=message):
             convert.model_keys(hf)
+
+
+@pytest.mark.slow
+def test_multimodal_checkpoint_imports_its_text_decoder(tmp_path, capsys):
+    text = transformers.Gemma4TextConfig(**{**COMMON, "hidden_size_per_layer_input": 8})
+    vision = transformers.Gemma4VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2, head_dim=16)
+    model = transformers.Gemma4ForConditionalGeneration(
+        transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(0.4 + 0.1 * torch.randn_like(p) if ("q_norm" in name or "k_norm" in name)
+                    else 1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.15 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "hf")
+    keys = convert.import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
+    assert keys["decoder_block"] == "gemma4_text" and "text decoder" in capsys.readouterr().out
+    tokens = np.random.default_rng(1).integers(0, COMMON["vocab_size"], size=(2, LENGTH)).astype(np.int32)
+    assert relative_error(ours(tmp_path / "out", tokens), hf_logits(model, tokens)) <= 1e-5

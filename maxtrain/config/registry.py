@@ -67,7 +67,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma3", ("gemma3_text", "gemma3"), "Gemma3ForCausalLM", attention_pattern=("sliding",) * 5 + ("full",),
            usual=(("sliding_window_size", 1024),),  # 512 in Gemma 3 1B
            settings=("attn_logits_soft_cap", "query_pre_attn_scalar")),
-    Family("gemma4_text", ("gemma4_text",), "Gemma4ForCausalLM", moe=True, moe_optional=True,
+    Family("gemma4_text", ("gemma4_text", "gemma4"), "Gemma4ForCausalLM", moe=True, moe_optional=True,
            attention_pattern=("sliding",) * 5 + ("full",),
            usual=(("sliding_window_size", 512),),
            settings=("global_head_dim", "global_num_kv_heads", "attention_k_eq_v", "per_layer_input_dim",
