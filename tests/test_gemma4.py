@@ -170,3 +170,29 @@ def test_multimodal_checkpoint_imports_its_text_decoder(tmp_path, capsys):
     assert keys["decoder_block"] == "gemma4_text" and "text decoder" in capsys.readouterr().out
     tokens = np.random.default_rng(1).integers(0, COMMON["vocab_size"], size=(2, LENGTH)).astype(np.int32)
     assert relative_error(ours(tmp_path / "out", tokens), hf_logits(model, tokens)) <= 1e-5
+
+
+@pytest.mark.slow  # ~50 s on the shared 2-core machine: five compiles of a 6-layer model
+def test_decoding_with_the_cache_gives_the_forward_logits():
+    """Every feature at once (two head shapes in one padded cache, shared-KV layers reading their producer's
+    slots, per-layer inputs, experts): a prompt then one token at a time equals the whole sequence's forward."""
+    config = config_lib.load_config([
+        str(REPO / "configs" / "base.yml"), "decoder_block=gemma4_text", "base_emb_dim=32", "base_num_query_heads=4",
+        "base_num_kv_heads=2", "head_dim=8", "base_mlp_dim=48", "base_num_decoder_layers=6", "vocab_size=64",
+        "attention_layer_types=[sliding,full,sliding,full,sliding,full]", "sliding_window_size=3",
+        "global_head_dim=16", "global_num_kv_heads=1", "attention_k_eq_v=true", "rope_type=proportional",
+        "rope_proportion=0.25", "per_layer_input_dim=4", "num_kv_shared_layers=2", "double_wide_mlp=true",
+        "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=16", "dtype=float32", "attention=dot_product"])
+    rt = models.Runtime.from_config(config)
+    params = models.init_params(config, jax.random.key(0))
+    tokens = np.random.default_rng(0).integers(0, 64, size=(2, 10)).astype(np.int32)
+    positions = np.broadcast_to(np.arange(10, dtype=np.int32), tokens.shape)
+    with jax.default_matmul_precision("highest"):
+        whole = models.forward(params, tokens, positions, jnp.ones_like(tokens), config, rt)[0]
+        cache = models.init_cache(config, 2, 10, jnp.float32)
+        steps, cache = models.forward_with_cache(params, tokens[:, :6], positions[:, :6], cache, 0, config, rt)
+        steps = [steps]
+        for i in range(6, 10):
+            out, cache = models.forward_with_cache(params, tokens[:, i:i + 1], positions[:, i:i + 1], cache, i, config, rt)
+            steps.append(out)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), whole, atol=1e-4, rtol=0)  # as tests/test_decode.py

@@ -28,7 +28,7 @@ and what it may override (the defaults serve every family with multi-head attent
     per_layer_inputs (params, tokens [B, T], x [B, T, D] the embedding, config, rt) -> [L, B, T, ...]: an
                      input of each layer beside x, which its `layer` reads as inputs.per_layer (Gemma 4's
                      per-layer input embeddings); None: none
-    layer_state      (x [B, T, D], config, rt) -> the initial value of a pytree the layers hand on, each reading
+    layer_state      (x [B, T, D], config, rt, length: T, or the cache slots when decoding) -> the initial value of a pytree the layers hand on, each reading
                      it as inputs.state and replacing it by returning aux["state"] (Gemma 4's shared-KV
                      layers read the keys and values an earlier layer left there); None: none
 

@@ -250,7 +250,7 @@ def _hidden(family, params, tokens, positions, segment_ids, config, rt):
     if family.per_layer_inputs is not None:
         inputs = inputs._replace(per_layer=family.per_layer_inputs(params, tokens, x, config, rt))
     if family.layer_state is not None:
-        inputs = inputs._replace(state=family.layer_state(x, config, rt))
+        inputs = inputs._replace(state=family.layer_state(x, config, rt, tokens.shape[1]))
     if sharding.ways("layers") > 1:
         return pipeline.run_stages(run_layers, family, params["layers"], x, inputs, config, rt)
     x, aux, _ = run_layers(family, params["layers"], x, inputs, config, rt, rt.scan_layers(config))
@@ -388,6 +388,6 @@ def forward_with_cache(family, params, tokens, positions, cache: dict, index, co
     if family.per_layer_inputs is not None:
         inputs = inputs._replace(per_layer=family.per_layer_inputs(params, tokens, x, config, rt))
     if family.layer_state is not None:
-        inputs = inputs._replace(state=family.layer_state(x, config, rt))
+        inputs = inputs._replace(state=family.layer_state(x, config, rt, cache["k"].shape[2]))
     x, _, (k, v) = run_layers(family, params["layers"], x, inputs, config, rt, scan=True)
     return family.logits(params, x, config, rt), {"k": k, "v": v}

@@ -9,8 +9,9 @@ full-attention layers) the layer has no W_v: the values are the key projection x
 sliding layers stacks of their own shapes, models/layers.LayerType.head_dim); RoPE is the layer type's
 table (a "proportional" table leaves the pairs past its fraction unrotated, models/rope.py).
 
-Training only: the KV cache of decoding holds one head shape for every layer (decoder.init_cache), so a
-family with layers of several shapes refuses decoding (contract.FamilyModel.cache_heads).
+Decoding: the KV cache holds one head shape for every layer (decoder.init_cache), the largest kv heads and
+head dim of any layer (`cache_heads`); a layer writes and reads its own [:G, :H] corner of its slots. A
+shared-KV layer writes nothing: it attends to the slots its producer filled, handed on in the layer state.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from jax.ad_checkpoint import checkpoint_name
 from maxtrain.models import attention as attention_lib
 from maxtrain.models import ops
 from maxtrain.models import rope as rope_lib
+import jax
+
 from maxtrain.models.layers import LayerType
 from maxtrain.models.params import ParamSpec, dense
 from maxtrain.parallel.sharding import shard
@@ -55,9 +58,6 @@ def attention(x, p, inputs, config, rt, layer: LayerType, shared_kv=None):
     """Self-attention of x [B, T, D] (already normed) -> ([B, T, D], (k, v)), as the module docstring says:
     k and v as attended (normed, k rotated), for a later layer to share. A layer without W_k (a shared-KV
     layer) attends to `shared_kv`, another layer's (k, v)."""
-    if inputs.cache is not None:
-        raise ValueError(f"{config.decoder_block}: decoding with a KV cache is not implemented for its layers of "
-                         "several head shapes; score or train the model instead")
     dt, fp8, eps = rt.dtype, "attention" in rt.fp8, config.normalization_layer_epsilon
     q = ops.dense(x, p["wq"].astype(dt), backend=rt.backend, fp8=fp8)  # "BTD,DNH->BTNH"
     q = rms(checkpoint_name(q, "query_proj"), eps, p["q_norm"])
@@ -76,8 +76,33 @@ def attention(x, p, inputs, config, rt, layer: LayerType, shared_kv=None):
     if layer.attention not in ("full", "sliding"):
         raise ValueError(f"the normed attention block has no {layer.attention!r} attention (layer {layer})")
     q = shard(q, ("batch", "length", "heads", "head_dim"))
+    if inputs.cache is not None:
+        return _decode(q, k, v, p, inputs, rt, layer, fresh=shared_kv is None)
     out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=rt.attention, platform=rt.backend,
                                   sliding_window=layer.sliding_window(), scale=1.0,
                                   block_q=config.sa_block_q, block_kv=config.sa_block_kv)
     out = ops.dense(out, p["wo"].astype(dt), 2, backend=rt.backend, fp8=fp8)  # "BTNH,NHD->BTD"
     return checkpoint_name(out, "out_proj"), (k, v)
+
+
+def _decode(q, k, v, p, inputs, rt, layer: LayerType, fresh: bool):
+    """Decoding: `fresh` k, v [B, T, G, H] are written into the layer's corner of its cache slots at `index`
+    and the filled slots attended to; otherwise k, v are another layer's whole slots [B, S, G, H].
+    Returns (out, (k, v) slots attended) with aux-style cache in the second element's place for the stack."""
+    cache_k, cache_v, index, first = inputs.cache
+    if fresh:
+        g, h = k.shape[2:]
+        corner_k = jax.lax.dynamic_update_slice_in_dim(cache_k[..., :g, :h], k.astype(cache_k.dtype), index, axis=1)
+        corner_v = jax.lax.dynamic_update_slice_in_dim(cache_v[..., :g, :h], v.astype(cache_v.dtype), index, axis=1)
+        cache_k, cache_v = cache_k.at[..., :g, :h].set(corner_k), cache_v.at[..., :g, :h].set(corner_v)
+        k, v = corner_k, corner_v
+    slots = jnp.arange(k.shape[1])[None, None, :]
+    t = (index + jnp.arange(q.shape[1]))[None, :, None]
+    mask = slots <= t
+    if first is not None:
+        mask = mask & (slots >= first[:, None, None])
+    if layer.sliding_window() > 0:
+        mask = mask & (t - slots < layer.sliding_window())
+    out = attention_lib.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask, scale=1.0)
+    out = ops.dense(out, p["wo"].astype(rt.dtype), 2, backend=rt.backend)  # "BTNH,NHD->BTD"
+    return out, ((k, v), (cache_k, cache_v))

@@ -19,8 +19,8 @@ five sliding-window layers per full-attention one, with
         (models/moe_parallel.py)
 
 Not implemented, refused at import naming the field: attention biases, bidirectional attention, a
-per-layer vocabulary other than the main one. Decoding with a KV cache is refused (layers of two head
-shapes), training and scoring run.
+per-layer vocabulary other than the main one. Decoding keeps one cache head shape, the largest
+(models/normed_attention.py).
 """
 
 from __future__ import annotations
@@ -99,6 +99,8 @@ def layer(x, p, inputs, layer_type: LayerType, config, rt):
     shared = None if "wk" in p else inputs.state[attention]
     h, kv = normed_attention.attention(normed_attention.rms(x, eps, p["attn_norm"]), p, inputs, config, rt,
                                        layer_type, shared)
+    if inputs.cache is not None:  # decoding: (the slots attended, this layer's cache slots)
+        kv, aux["cache"] = kv
     if inputs.state is not None and shared is None:  # the last layer of its type before the shared ones wins
         aux["state"] = {**inputs.state, attention: kv}
     x = shard(x + normed_attention.rms(h, eps, p["post_attn_norm"]), ("batch", "length", "embed"))
@@ -117,19 +119,21 @@ def per_layer_inputs(params, tokens, x, config, rt):
     return per_layer_embed.inputs(params, tokens, x, config, rt) if config.per_layer_input_dim > 0 else None
 
 
-def layer_state(x, config, rt):
-    """With shared-KV layers: {attention type: (k, v) [B, T, G, H]} the layers before them leave."""
+def layer_state(x, config, rt, length: int):
+    """With shared-KV layers: {attention type: (k, v) [B, length, G, H]} the layers before them leave (length:
+    the tokens, or when decoding the cache slots)."""
     if config.num_kv_shared_layers == 0:
         return None
-    b, t = x.shape[:2]
+    b, t = x.shape[0], length
     return {kind: tuple(jax.numpy.zeros((b, t, heads, dim), rt.dtype) for _ in range(2))
             for kind, (dim, heads) in (("sliding", (config.head_dim, config.base_num_kv_heads)),
                                        ("full", (global_head_dim(config), global_kv_heads(config))))}
 
 
 def cache_heads(config):
-    raise ValueError(f"decoder_block={FAMILY.name}: decoding with a KV cache is not implemented (its full-attention "
-                     "layers have heads of another shape); score or train the model instead")
+    """One head shape for every layer's slots: the larger kv heads and head dim (normed_attention._decode)."""
+    shape = (max(config.base_num_kv_heads, global_kv_heads(config)), max(config.head_dim, global_head_dim(config)))
+    return shape, shape
 
 
 def flops_per_token(config, dense_attention: bool = False) -> float:
