@@ -16,15 +16,15 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from maxtrain.models import blocks, ops
-from maxtrain.models.params import ParamSpec, dense
-
 from maxtrain.models.normed_attention import rms
+from maxtrain.models.params import ParamSpec, dense
 
 
 def model_specs(config) -> dict[str, ParamSpec]:
     """The table, the projection of the embedding and its norm (outside the layers)."""
     d, v, width = config.base_emb_dim, config.vocab_size, config.base_num_decoder_layers * config.per_layer_input_dim
-    return {"ple_embedding": ParamSpec((v, width), ("vocab", "embed"), "normal"),
+    # Rows start at stddev P ** -0.5: times sqrt(P), each layer's slice is of the size of the normed projection.
+    return {"ple_embedding": ParamSpec((v, width), ("vocab", "embed"), "normal", config.per_layer_input_dim**-0.5),
             "ple_model_proj": dense((d, width), ("embed", "mlp"), d),
             "ple_proj_norm": ParamSpec((config.per_layer_input_dim,), (None,), "ones")}
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 from maxtrain.config import registry
 from maxtrain.models import blocks, contract, hf, moe, moe_parallel, normed_attention, per_layer_embed, standard_layers
@@ -125,7 +126,7 @@ def layer_state(x, config, rt, length: int):
     if config.num_kv_shared_layers == 0:
         return None
     b, t = x.shape[0], length
-    return {kind: tuple(jax.numpy.zeros((b, t, heads, dim), rt.dtype) for _ in range(2))
+    return {kind: tuple(jnp.zeros((b, t, heads, dim), rt.dtype) for _ in range(2))
             for kind, (dim, heads) in (("sliding", (config.head_dim, config.base_num_kv_heads)),
                                        ("full", (global_head_dim(config), global_kv_heads(config))))}
 
