@@ -113,6 +113,13 @@ def test_flash_with_gpt_oss_sinks_compiles_for_h100(h100s):
 
 
 @needs_gpu_compiler
+def test_flash_with_gemma4_global_heads_compiles_for_h100(h100s):
+    """Gemma 4's full-attention layers: head_dim 512 (global_head_dim), 8 query heads on 4 kv heads."""
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=512, dtype=jnp.bfloat16, heads=8)
+    assert "flash_attention_fwd" in hlo
+
+
+@needs_gpu_compiler
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_flash_compiles_for_a100(head_dim):
     """An A100 has 163 KiB of shared memory per block (an H100 227 KiB): the tiles shrink to fit."""
@@ -164,6 +171,14 @@ def test_splash_with_gpt_oss_sinks_compiles_for_tpu():
     """gpt-oss's layers: head_dim 64, a 128-token window, a learned sink per head (and its gradient)."""
     hlo = compile_attention(targets.parse("v5e-4").devices(), (2, 1, 2), "tpu", head_dim=64, dtype=jnp.bfloat16,
                             length=2048, heads=8, sliding_window=128, sinks=True)
+    assert "tpu_custom_call" in hlo
+
+
+@needs_tpu_compiler
+def test_splash_compiles_gemma4_global_heads_for_tpu():
+    """Gemma 4's full-attention layers: head_dim 512 (global_head_dim), 8 query heads on 4 kv heads."""
+    hlo = compile_attention(targets.parse("v5p-8").devices(), (2, 1, 2), "tpu", head_dim=512, dtype=jnp.bfloat16,
+                            length=2048, heads=8)
     assert "tpu_custom_call" in hlo
 
 

@@ -12,7 +12,9 @@ dispatch: on CPU dropless computes every expert; docs/moe.md) beside each dense 
 Threshold = the eval loss measured on CPU (jax 0.10.2, Python 3.11's standard library as the corpus)
 + a margin, as end_to_end/cpu/default_loss.py's:
     steps  measured  threshold
-    50     MEASURED  THRESHOLD_TEXT
+    50     6.0797    6.4
+The eval loss at initialization is 8.70; measured curve, every 10 steps: 8.6959, 8.0044, 7.3896, 6.5785, 6.1741,
+6.0797 (183 s on the 2-core CPU, shared; 2026-11-28). The run ends with a greedy sample through the KV cache.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402  pylint: disable=wrong-import-position
 
-STEPS, THRESHOLD = 50, 7.0
+STEPS, THRESHOLD = 50, 6.4
 GEMMA4 = ["decoder_block=gemma4_text", "attention_layer_types=[sliding,full,sliding,full]", "sliding_window_size=64",
           "global_head_dim=128", "global_num_kv_heads=1", "attention_k_eq_v=true", "rope_type=proportional",
           "rope_proportion=0.25", "rope_max_timescale=1000000", "local_rope_max_timescale=10000",
