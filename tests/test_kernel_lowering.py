@@ -207,11 +207,19 @@ SMALL = ["base_emb_dim=256", "base_num_query_heads=4", "base_num_kv_heads=2", "b
 GEMMA = ["decoder_block=gemma2", "head_dim=256", "sliding_window_size=128", "attn_logits_soft_cap=50.0",
          "final_logits_soft_cap=30.0", "query_pre_attn_scalar=256", "logits_via_embedding=true"]
 
+# Gemma 4 with every feature: 512-wide full-attention heads with keys as values, proportional RoPE, per-layer
+# inputs, two shared-KV layers, experts beside each dense MLP.
+GEMMA4 = ["decoder_block=gemma4_text", "base_num_decoder_layers=4", "head_dim=256", "global_head_dim=512", "sliding_window_size=128",
+          "attention_layer_types=[sliding,full,sliding,full]", "attention_k_eq_v=true", "rope_type=proportional",
+          "rope_proportion=0.25", "per_layer_input_dim=64", "num_kv_shared_layers=2", "logits_via_embedding=true",
+          "final_logits_soft_cap=30.0", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=256"]
 
 def compile_train_step(devices, overrides):
     from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
 
-    run = builder.build(load_config([BASE_YML, *SMALL, *overrides]), devices=devices)
+    given = {o.split("=")[0] for o in overrides}  # the overrides replace SMALL's keys
+    run = builder.build(load_config([BASE_YML, *(o for o in SMALL if o.split("=")[0] not in given), *overrides]),
+                        devices=devices)
     assert run.rt.attention == "flash"
     return run.compile().as_text()
 
@@ -221,6 +229,7 @@ def compile_train_step(devices, overrides):
 @pytest.mark.parametrize("topology, overrides", [
     ("v5p-8", ["head_dim=64", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]),
     ("v5e-4", GEMMA + ["ici_fsdp_parallelism=4"]),
+    ("v5p-8", GEMMA4 + ["ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]),
 ])
 def test_train_step_compiles_for_tpu(topology, overrides):
     assert "tpu_custom_call" in compile_train_step(targets.parse(topology).devices(), overrides)
@@ -231,6 +240,14 @@ def test_train_step_compiles_for_tpu(topology, overrides):
 def test_gemma_train_step_compiles_for_8_h100s(h100s):
     """Gemma 2 (head_dim 256, window, soft-caps): the step every Gemma user on H100s would run."""
     hlo = compile_train_step(h100s, GEMMA + ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
+    assert "flash_attention_dkv" in hlo
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_gemma4_train_step_compiles_for_8_h100s(h100s):
+    """Gemma 4 with every feature (512-wide heads in the flash kernel, shared KV, per-layer inputs, experts)."""
+    hlo = compile_train_step(h100s, GEMMA4 + ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
     assert "flash_attention_dkv" in hlo
 
 
