@@ -196,3 +196,22 @@ def test_decoding_with_the_cache_gives_the_forward_logits():
             out, cache = models.forward_with_cache(params, tokens[:, i:i + 1], positions[:, i:i + 1], cache, i, config, rt)
             steps.append(out)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), whole, atol=1e-4, rtol=0)  # as tests/test_decode.py
+
+
+@pytest.mark.parametrize("overrides", [
+    ["global_num_kv_heads=1"],  # kv heads of their own without keys as values
+    ["attention_k_eq_v=true", "per_layer_input_dim=8", "num_kv_shared_layers=2", "double_wide_mlp=true",
+     "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=24", "logits_via_embedding=false"],
+], ids=["global_kv_heads", "every_feature"])
+def test_transformers_counts_the_exported_architecture_the_same(overrides):
+    """The exported config.json builds, in transformers (on the meta device), a model of as many parameters."""
+    config = config_lib.load_config([
+        str(REPO / "configs" / "base.yml"), "decoder_block=gemma4_text", "base_emb_dim=64", "base_num_query_heads=4",
+        "base_num_kv_heads=2", "head_dim=16", "global_head_dim=32", "base_mlp_dim=96", "base_num_decoder_layers=6",
+        "vocab_size=300", "attention_layer_types=[sliding,full,sliding,full,sliding,full]", "sliding_window_size=6",
+        *overrides])
+    hf_config = models.family(config).to_hf_config({k: getattr(config, k) for k in models.MODEL_KEYS})
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf_config))
+    scalars = sum(b.numel() for n, b in model.named_buffers() if n.endswith("layer_scalar"))
+    assert sum(p.numel() for p in model.parameters()) + scalars == models.num_params(config)

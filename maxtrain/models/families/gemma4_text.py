@@ -249,9 +249,8 @@ def _rope(config: dict) -> tuple[dict, dict]:
 
 def to_hf_config(keys: dict) -> dict:
     full_shape = {"head_dim": keys["global_head_dim"] if keys["global_head_dim"] > 0 else keys["head_dim"]}
-    if keys["attention_k_eq_v"]:
-        full_shape["num_key_value_heads"] = (keys["global_num_kv_heads"] if keys["global_num_kv_heads"] > 0
-                                             else keys["base_num_kv_heads"])
+    if keys["global_num_kv_heads"] > 0:  # transformers reads per_layer_config as given
+        full_shape["num_key_value_heads"] = keys["global_num_kv_heads"]
     out = {**hf.common_config(keys, FAMILY), **hf.layer_types_config(keys, _pattern(keys["base_num_decoder_layers"]))}
     local = keys["local_rope_max_timescale"] if keys["local_rope_max_timescale"] > 0 else keys["rope_max_timescale"]
     out.update({
