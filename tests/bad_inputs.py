@@ -326,6 +326,7 @@ GLM4_MOE = {**LLAMA, "model_type": "glm4_moe", "num_attention_heads": 4, "num_ke
 # --------------------------------------------------------------------------------------------
 
 B = "{base}"
+G4 = [B, "decoder_block=gemma4_text", "sliding_window_size=8"]  # a tiny Gemma 4 (four sliding-window layers)
 T, D, R, K = "train", "decode", "viz", "inspect"
 ROWS = [
     # train: config keys and values
@@ -398,6 +399,23 @@ ROWS = [
         r"sliding_window_size=0 .* set sliding_window_size=4096"),
     Row("family-moe-with-one-expert", T, [B, "decoder_block=mixtral"], r"decoder_block=mixtral is a mixture of experts, "
         r"but num_experts=1 .* set num_experts=8"),
+    # Gemma 4 (gemma4_text): layers of their own head shape, shared keys and values
+    Row("gemma4-shared-kv-without-producer", T, [*G4, "attention_layer_types=[sliding,sliding,sliding,full]",
+                                                 "num_kv_shared_layers=1"],
+        r"num_kv_shared_layers=1: each of the last 1 layers shares the keys and values of an earlier layer .* "
+        r"leave none for \['full'\]"),
+    Row("gemma4-shared-kv-all-layers", T, [*G4, "num_kv_shared_layers=4"], r"num_kv_shared_layers=4: .* use fewer"),
+    Row("gemma4-global-head-dim-odd", T, [*G4, "global_head_dim=33"], r"global_head_dim=33 must be even"),
+    Row("gemma4-global-kv-heads-not-dividing", T, [*G4, "global_num_kv_heads=3"],
+        r"base_num_query_heads=4 must be a multiple of global_num_kv_heads=3"),
+    Row("gemma4-cudnn-wide-heads", T, [*G4, "global_head_dim=512", "attention=cudnn"],
+        r"attention=cudnn takes heads of at most 256 features, but global_head_dim=512"),
+    Row("gemma4-double-wide-without-shared", T, [*G4, "double_wide_mlp=true"],
+        r"double_wide_mlp=true widens the shared-KV layers' MLP, but num_kv_shared_layers=0"),
+    Row("gemma4-key-on-another-family", T, [B, "global_head_dim=128"],
+        r"global_head_dim=128 does nothing without decoder_block=gemma4_text"),
+    Row("rope-proportion-without-proportional", T, [B, "rope_proportion=0.5"],
+        r"rope_proportion=0.5 does nothing without rope_type=proportional"),
     Row("grpo-top-k-of-one", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl",
                                  "train_data_columns=[prompt,answer]", "eval_data_columns=[prompt,answer]",
                                  "decode_sampling_strategy=topk", "decode_sampling_top_k=1"],

@@ -25,6 +25,7 @@ class Family:
     hf_model_types: tuple[str, ...]  # config.json model_type values imported as this family; the first is exported
     hf_architecture: str          # config.json architectures[0] on export
     moe: bool = False             # its layers may be mixtures of experts (num_experts, decoder_sparse_step, ...)
+    moe_optional: bool = False    # num_experts=1 is a dense model of the family (Gemma 4), not a mistake
     attention_sinks: bool = False  # a learned per-head logit in each softmax's denominator (only dot_product has it)
     attention_pattern: tuple[str, ...] = ("full",)  # "full" / "sliding" attention of its layers, repeated over the stack
     window_everywhere: bool = False  # sliding_window_size > 0 makes every layer a sliding-window layer (Mistral)
@@ -74,6 +75,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma3", ("gemma3_text", "gemma3"), "Gemma3ForCausalLM", attention_pattern=("sliding",) * 5 + ("full",),
            usual=(("sliding_window_size", 1024),),  # 512 in Gemma 3 1B
            settings=("attn_logits_soft_cap", "query_pre_attn_scalar")),
+    Family("gemma4_text", ("gemma4_text", "gemma4"), "Gemma4ForCausalLM", moe=True, moe_optional=True,
+           attention_pattern=("sliding",) * 5 + ("full",),
+           usual=(("sliding_window_size", 512),),
+           settings=("global_head_dim", "global_num_kv_heads", "attention_k_eq_v", "per_layer_input_dim",
+                     "num_kv_shared_layers", "double_wide_mlp"),
+           shape_keys=("global_head_dim", "global_num_kv_heads", "attention_k_eq_v", "per_layer_input_dim",
+                       "num_kv_shared_layers", "double_wide_mlp"),
+           setting_keys=("rope_proportion",)),
     Family("mixtral", ("mixtral",), "MixtralForCausalLM", moe=True, window_everywhere=True,
            usual=(("num_experts", 8),)),
     Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", moe=True, window_everywhere=True,

@@ -39,6 +39,8 @@ class LayerInputs(NamedTuple):
     cache: Any = None         # decoding only: (the layer's cache entries as its family declares them (attention:
                               # k [B, S, G, H], v [B, S, G, H]), index of the first new slot, first slot each
                               # row attends to [B] or None: left-padded prompts)
+    per_layer: Any = None     # this layer's own input beside x (contract.FamilyModel.per_layer_inputs), or None
+    state: Any = None         # what earlier layers handed on (contract.FamilyModel.layer_state), or None
 
 
 # --------------------------------------------------------------------------------------------

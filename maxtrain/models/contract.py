@@ -31,6 +31,12 @@ and what it may override (the defaults serve every family with multi-head attent
                      models/hybrid.py). The decoder stacks each name over the layers that have it, in layer
                      order, and hands a layer its entries in the declared order (models/decoder.py)
     mtp_copies       Hugging Face tensors of the MTP modules that copy the model's own (DeepSeek)
+    per_layer_inputs (params, tokens [B, T], x [B, T, D] the embedding, config, rt) -> [L, B, T, ...]: an
+                     input of each layer beside x, which its `layer` reads as inputs.per_layer (Gemma 4's
+                     per-layer input embeddings); None: none
+    layer_state      (x [B, T, D], config, rt, length: T, or the cache slots when decoding) -> the initial value of a pytree the layers hand on, each reading
+                     it as inputs.state and replacing it by returning aux["state"] (Gemma 4's shared-KV
+                     layers read the keys and values an earlier layer left there); None: none
 
 Settings a family reads beyond the shared ones, and its rules, live in its registry row (config/ reads
 them before JAX starts); which config keys a checkpoint is checked against come from there too
@@ -79,6 +85,8 @@ class FamilyModel:
     cache_heads: Callable[[Any], tuple] = kv_cache_heads
     mtp_copies: tuple[str, ...] = ()
     layer_cache: Callable[..., dict] = kv_layer_cache
+    per_layer_inputs: Callable[..., Any] | None = None
+    layer_state: Callable[..., Any] | None = None
 
     @property
     def name(self) -> str:

@@ -135,6 +135,14 @@ def _segment_cache(family, cache, types: list[LayerType], seg: Segment, config):
     return out
 
 
+def _segment_per_layer(per_layer, seg: Segment):
+    """The segment's per-layer inputs [repeats, period, ...] (of [L, ...]), or None when the family has none."""
+    if per_layer is None:
+        return None
+    size = len(seg.period) * seg.repeats
+    return per_layer[seg.start:seg.start + size].reshape((seg.repeats, len(seg.period)) + per_layer.shape[1:])
+
+
 def _layer_fn(family, lt: LayerType, config, rt, scan: bool):
     def fn(x, p, inputs):
         return family.layer(x, p, inputs, lt, config, rt)
@@ -148,9 +156,13 @@ def per_layer_name(name: str, layer: int, num_layers: int) -> str:
     return f"{name[len(PER_LAYER):]}/layer_{layer:0{len(str(num_layers - 1))}d}"
 
 
-def _run_group(family, period, x, group_params, group_cache, inputs: LayerInputs, config, rt, scan):
-    """The layers of one group, unrolled: (x, (aux summed over them, their PER_LAYER entries as
-    {(position in the group, name): value}, their new caches stacked or None))."""
+def _run_group(family, period, carry, group_params, group_cache, group_per_layer, inputs: LayerInputs, config, rt,
+               scan):
+    """The layers of one group, unrolled: ((x, state), (aux summed over them, their PER_LAYER entries as
+    {(position in the group, name): value}, their new caches stacked or None)). `state`: what the layers
+    hand on to later ones (contract.FamilyModel.layer_state; None without), read as inputs.state and
+    replaced by a layer's aux["state"]."""
+    x, state = carry
     aux_sum, per_layer, new_caches, taken, cached = {}, {}, {}, {}, {}
     for j, lt in enumerate(period):
         i = taken.get(lt.kind, 0)
@@ -164,38 +176,48 @@ def _run_group(family, period, x, group_params, group_cache, inputs: LayerInputs
             cached.update({name: n + 1 for name, n in zip(names, slots)})
             layer_inputs = inputs._replace(
                 cache=(*(group_cache[name][n] for name, n in zip(names, slots)), *inputs.cache[1:]))
+        if group_per_layer is not None:
+            layer_inputs = layer_inputs._replace(per_layer=group_per_layer[j])
+        if state is not None:
+            layer_inputs = layer_inputs._replace(state=state)
         x, aux = _layer_fn(family, lt, config, rt, scan)(x, p, layer_inputs)
+        state = aux.pop("state", state)
         if "cache" in aux:
             for name, value in zip(_cache_names(family, config, lt), aux.pop("cache")):
                 new_caches.setdefault(name, []).append(value)
         per_layer.update({(j, k): aux.pop(k) for k in [k for k in aux if k.startswith(PER_LAYER)]})
         aux_sum = _sum_aux(aux_sum, aux)
     stacked = {name: jnp.stack(parts) for name, parts in new_caches.items()} if new_caches else None
-    return x, (aux_sum, per_layer, stacked)
+    return (x, state), (aux_sum, per_layer, stacked)
 
 
 def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, scan: bool, types=None):
     """Runs every layer (or the layers `types` of one pipeline stage, whose parameters layer_params
     then holds). Returns (x, aux summed over layers plus the per-layer entries, the new decoding cache
     {name: [layers having it, ...]} or None)."""
+    if (inputs.per_layer is not None or inputs.state is not None) and types is not None:
+        raise ValueError(f"{family.row.name}'s per-layer inputs and shared layer state do not run in pipeline stages "
+                         "yet; set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
     types = family.layer_types(config) if types is None else types
     segments = plan_segments(types) if scan else [Segment(i, (t,), 1) for i, t in enumerate(types)]
     # Unrolled, each kind's stacks are cut into layers once (ops.unstack: their gradients stacked, not padded).
     layers = None if scan else {k: jax.tree.map(ops.unstack, v) for k, v in layer_params.items()}
-    aux_total, caches = {}, []
+    aux_total, caches, state = {}, [], inputs.state
     for seg in segments:
         params = _segment_params(layer_params, types, seg) if scan else _layer_params(layers, types, seg.start)
-        xs = (params, _segment_cache(family, None if inputs.cache is None else inputs.cache[0], types, seg, config))
+        xs = (params, _segment_cache(family, None if inputs.cache is None else inputs.cache[0], types, seg, config),
+              _segment_per_layer(inputs.per_layer, seg))
 
-        def group(x, xs, period=seg.period):
-            return _run_group(family, period, x, *xs, inputs, config, rt, scan)
+        def group(carry, xs, period=seg.period):
+            return _run_group(family, period, carry, *xs, inputs, config, rt, scan)
 
         if seg.repeats == 1:  # the group alone; unrolled layers' parameters come without the leading axis
             first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
-            x, (aux, per_layer, cache) = group(x, (first(params) if scan else params, first(xs[1])))
+            (x, state), (aux, per_layer, cache) = group((x, state), (first(params) if scan else params, first(xs[1]),
+                                                                       first(xs[2])))
             per_layer, cache = jax.tree.map(lambda a: a[None], (per_layer, cache))
         else:
-            x, (aux, per_layer, cache) = jax.lax.scan(group, x, xs)
+            (x, state), (aux, per_layer, cache) = jax.lax.scan(group, (x, state), xs)
             aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
         aux_total = _sum_aux(aux_total, aux)
         for (j, name), values in per_layer.items():  # values [repeats]: layer start + r * period + j
@@ -245,6 +267,10 @@ def _hidden(family, params, tokens, positions, segment_ids, config, rt):
     the mesh has them (parallel/stages.py)."""
     x = family.embed(params, tokens, config, rt)
     inputs = _layer_inputs(family, tokens, positions, segment_ids, config, rt)
+    if family.per_layer_inputs is not None:
+        inputs = inputs._replace(per_layer=family.per_layer_inputs(params, tokens, x, config, rt))
+    if family.layer_state is not None:
+        inputs = inputs._replace(state=family.layer_state(x, config, rt, tokens.shape[1]))
     if sharding.ways("layers") > 1:
         return pipeline.run_stages(run_layers, family, params["layers"], x, inputs, config, rt)
     x, aux, _ = run_layers(family, params["layers"], x, inputs, config, rt, rt.scan_layers(config))
@@ -386,5 +412,9 @@ def forward_with_cache(family, params, tokens, positions, cache: dict, index, co
     x = family.embed(params, tokens, config, rt)
     inputs = LayerInputs(positions, jnp.ones_like(tokens),
                          rope_tables(positions, config, rope_widths(family, config)), (cache, index, first))
+    if family.per_layer_inputs is not None:
+        inputs = inputs._replace(per_layer=family.per_layer_inputs(params, tokens, x, config, rt))
+    if family.layer_state is not None:
+        inputs = inputs._replace(state=family.layer_state(x, config, rt, cache["k"].shape[2]))
     x, _, new_cache = run_layers(family, params["layers"], x, inputs, config, rt, scan=True)
     return family.logits(params, x, config, rt), new_cache
