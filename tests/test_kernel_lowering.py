@@ -125,6 +125,7 @@ def test_flash_with_llama4_chunks_compiles_for_h100(h100s):
         assert kernel in hlo
 
 
+@needs_gpu_compiler
 def test_flash_with_gemma4_global_heads_compiles_for_h100(h100s):
     """Gemma 4's full-attention layers: head_dim 512 (global_head_dim), 8 query heads on 4 kv heads."""
     hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=512, dtype=jnp.bfloat16, heads=8)
@@ -150,6 +151,7 @@ def test_cudnn_compiles_for_h100_under_shard_map(h100s, head_dim, sliding_window
     assert "cudnn" in hlo.lower()
 
 
+@needs_gpu_compiler
 def test_tokamax_mosaic_gpu_cannot_lower_without_a_gpu(h100s):
     """tokamax's Mosaic GPU attention asks the local device whether it is sm90 or sm100 when it is traced, so
     it does not lower for an H100 target on a CPU: only scripts/gpu_report.py, on a GPU, compiles and checks
@@ -205,6 +207,7 @@ def test_splash_with_llama4_chunks_compiles_for_tpu():
                             length=2048, heads=8, chunk=512)
 
 
+@needs_tpu_compiler
 def test_splash_compiles_gemma4_global_heads_for_tpu():
     """Gemma 4's full-attention layers: head_dim 512 (global_head_dim), 8 query heads on 4 kv heads."""
     hlo = compile_attention(targets.parse("v5p-8").devices(), (2, 1, 2), "tpu", head_dim=512, dtype=jnp.bfloat16,
@@ -325,6 +328,8 @@ def test_dropless_moe_train_step_compiles_for_8_h100s_with_the_grouped_gemm(h100
     assert "grouped_matmul_weight_grad" in run.compile().as_text()
 
 
+@pytest.mark.slow
+@needs_gpu_compiler
 def test_gemma4_train_step_compiles_for_8_h100s(h100s):
     """Gemma 4 with every feature (512-wide heads in the flash kernel, shared KV, per-layer inputs, experts)."""
     hlo = compile_train_step(h100s, GEMMA4 + ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
