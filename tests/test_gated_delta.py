@@ -110,3 +110,13 @@ def test_the_chunked_program_holds_no_length_by_length_array():
                     walk(p.jaxpr if hasattr(p.jaxpr, "eqns") else p.jaxpr.jaxpr)
     walk(jaxpr.jaxpr)
     assert seen and not [s for s in seen if sum(d >= t for d in s) >= 2]
+
+
+def test_the_solve_is_the_triangular_solve(x64):
+    """unit_lower_solve's matmul product equals LAPACK's triangular solve (which deadlocked XLA:CPU in a scan)."""
+    rng = np.random.default_rng(4)
+    for c in (1, 5, 16):
+        lmat = jnp.asarray(np.tril(rng.normal(size=(3, c, c)) * 0.5, -1))
+        rhs = jnp.asarray(rng.normal(size=(3, c, 7)))
+        want = jax.scipy.linalg.solve_triangular(jnp.eye(c) + lmat, rhs, lower=True, unit_diagonal=True)
+        np.testing.assert_allclose(gated_delta.unit_lower_solve(lmat, rhs), want, atol=1e-10)

@@ -17,12 +17,11 @@ triangular system and everything else is a matmul:
     O   = (Gamma Q) S0 + (Q K^T * D) U              D[t, j] = Gamma_t / Gamma_j,  j <= t
     S_C = Gamma_C S0 + (K * Gamma_C / Gamma)^T U
 
-The per-chunk parts that do not need S0 (the triangular solve, T V and T K) run for all chunks at once; a
-scan over the chunks carries the state. Memory is O(T C) per head: no [T, T] array exists.
+The per-chunk parts that do not need S0 (the solve, T V and T K: `unit_lower_solve`, matmuls only) run for
+all chunks at once; a scan over the chunks carries the state. Memory is O(T C) per head: no [T, T] array.
 
 Packed documents. `segment_ids` [B, T] (one contiguous run of ids per document, as packing makes them)
-restart the state at every document boundary, exactly: pairs (t, j)
-of different documents are masked out of L and D, and S0 reaches only the tokens whose document began
+restart the state at every document boundary, exactly: pairs (t, j) of different documents are masked out of L and D, and S0 reaches only the tokens whose document began
 before the chunk. A padding id (0) is a document of its own; its outputs are garbage that the loss masks.
 
 Precision: the decays are cumulated and compared in log space (Gamma_t / Gamma_j = exp(a-sums), masked
@@ -33,6 +32,8 @@ Einsum letters: B batch, T length, N heads, K key dim (Dk), V value dim (Dv), C 
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -106,10 +107,9 @@ def chunked(q, k, v, log_decay, beta, segment_ids=None, chunk_size: int = 64, in
     kk = jnp.einsum("bmntk,bmnsk->bmnts", k, k)
     strict = decay * (1.0 - jnp.eye(c, dtype=wide))
     lmat = beta[..., :, None] * strict * kk                               # L
-    eye = jnp.broadcast_to(jnp.eye(c, dtype=wide), lmat.shape)
-    # T = (I + L)^-1 applied to [beta V, beta Gamma K]: one unit-lower-triangular solve for all chunks
+    # T = (I + L)^-1 applied to [beta V, beta Gamma K], for all chunks at once
     rhs = jnp.concatenate([beta[..., None] * v, (beta * gamma)[..., None] * k], axis=-1)
-    solved = jax.scipy.linalg.solve_triangular(eye + lmat, rhs, lower=True, unit_diagonal=True)
+    solved = unit_lower_solve(lmat, rhs)
     tv, tk = solved[..., :dv], solved[..., dv:]                           # U = tv - tk S0
     qk = jnp.einsum("bmntk,bmnsk->bmnts", q, k) * decay                   # (Q K^T) * D
     last = cum[..., -1:]                                                  # log Gamma_C [B, M, N, 1]
@@ -131,10 +131,27 @@ def chunked(q, k, v, log_decay, beta, segment_ids=None, chunk_size: int = 64, in
     return o.astype(dtype), state
 
 
+def unit_lower_solve(lmat, rhs):
+    """(I + L)^-1 rhs for strictly lower-triangular L [..., C, C]: L is nilpotent (L^C = 0), so
+    (I + L)^-1 = (I - L)(I + L^2)(I + L^4) ... up to the power 2^m >= C, exactly: log2(C) squarings of L and as
+    many products with rhs, all matmuls. (jax.scipy's triangular solve is a LAPACK call on CPU whose batched form
+    deadlocked XLA:CPU's two intra-op threads inside the layer scan at 8k tokens; accelerators prefer matmuls.)"""
+    power, out, size = -lmat, rhs, 1
+    while size < lmat.shape[-1]:
+        out = out + jnp.einsum("...ts,...sv->...tv", power, out)
+        size *= 2
+        if size < lmat.shape[-1]:
+            power = jnp.einsum("...ts,...su->...tu", power, power)
+    return out
+
+
 def flops_per_token(num_heads: int, key_dim: int, value_dim: int, chunk_size: int) -> float:
     """Forward matmul FLOPs per token of `chunked`, per layer (2 per multiply-add). Per head and token:
-    the K K^T and Q K^T scores of its chunk (2 C K), the triangular solve on the V and K columns (C (V + K) / 2),
-    (Q K^T D) U (C V), and the state's three products: T K S0, Q S0 and the update (3 K V)."""
+    the K K^T and Q K^T scores of its chunk (2 C K), the solve (unit_lower_solve: log2(C) products of L's powers
+    with the V and K columns, C (V + K) each, and log2(C) - 1 squarings of L, C^2 each), (Q K^T D) U (C V), and
+    the state's three products: T K S0, Q S0 and the update (3 K V)."""
     c = chunk_size
-    per_head = 2 * c * key_dim + c * (value_dim + key_dim) / 2 + c * value_dim + 3 * key_dim * value_dim
+    steps = max(1, math.ceil(math.log2(c)))
+    solve = steps * c * (value_dim + key_dim) + (steps - 1) * c * c
+    per_head = 2 * c * key_dim + solve + c * value_dim + 3 * key_dim * value_dim
     return 2.0 * num_heads * per_head
