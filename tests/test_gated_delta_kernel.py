@@ -90,3 +90,29 @@ def test_autoselected_is_the_kernel_on_gpu_and_tpu_and_jnp_on_cpu():
         ["pallas", "pallas", "jnp"]
     assert "Pallas Triton" in gated_deltanet.describe_kernel("pallas", "gpu")
     assert "Mosaic" in gated_deltanet.describe_kernel("pallas", "tpu")
+
+
+@pytest.mark.slow  # ~15 s: the whole model twice, the kernel in interpret mode
+def test_the_mixer_runs_the_kernel_when_configured():
+    """A tiny Qwen3.5-shaped model (packed row) with gdn_kernel=pallas (interpret mode here) gives jnp's logits,
+    and the start-up summary says which runs."""
+    from conftest import BASE_YML, TINY  # pylint: disable=import-outside-toplevel
+    from maxtrain import models  # pylint: disable=import-outside-toplevel
+    from maxtrain.config import load_config, with_overrides  # pylint: disable=import-outside-toplevel
+
+    hybrid = ["decoder_block=qwen3_5_text", "base_num_decoder_layers=2", "inhomogeneous_layer_cycle_interval=2",
+              "gdn_num_key_heads=1", "gdn_num_value_heads=2", "gdn_key_head_dim=16", "gdn_value_head_dim=16",
+              "gdn_chunk_size=16", "partial_rotary_factor=0.5", "max_new_tokens=0"]
+    tokens = jnp.asarray(np.random.default_rng(0).integers(4, 256, (1, 40)))
+    segments = jnp.asarray(SEGMENTS[:1])
+    positions = jnp.asarray(np.concatenate([np.arange(n) for n in (9, 21, 10)])[None])
+    logits = {}
+    for choice in ("jnp", "pallas"):
+        cfg = load_config([BASE_YML, *with_overrides(with_overrides(TINY, *hybrid), f"gdn_kernel={choice}")])
+        rt = models.Runtime.from_config(cfg, backend="cpu")
+        assert rt.gdn_kernel == choice
+        assert ("interpret mode on cpu" in rt.describe()) == (choice == "pallas")
+        params = models.init_params(cfg, jax.random.key(0))
+        logits[choice] = jax.jit(lambda p, cfg=cfg, rt=rt: models.forward(p, tokens, positions, segments, cfg, rt)[0])(
+            params)
+    np.testing.assert_allclose(logits["pallas"], logits["jnp"], atol=2e-5, rtol=2e-5)
