@@ -10,7 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain import errors
+from conftest import BASE_YML, TINY
+from maxtrain import errors, models
+from maxtrain.config import load_config, with_overrides
 from maxtrain.kernels import gated_delta as kernel
 from maxtrain.models import gated_delta, gated_deltanet
 
@@ -96,10 +98,6 @@ def test_autoselected_is_the_kernel_on_gpu_and_tpu_and_jnp_on_cpu():
 def test_the_mixer_runs_the_kernel_when_configured():
     """A tiny Qwen3.5-shaped model (packed row) with gdn_kernel=pallas (interpret mode here) gives jnp's logits,
     and the start-up summary says which runs."""
-    from conftest import BASE_YML, TINY  # pylint: disable=import-outside-toplevel
-    from maxtrain import models  # pylint: disable=import-outside-toplevel
-    from maxtrain.config import load_config, with_overrides  # pylint: disable=import-outside-toplevel
-
     hybrid = ["decoder_block=qwen3_5_text", "base_num_decoder_layers=2", "inhomogeneous_layer_cycle_interval=2",
               "gdn_num_key_heads=1", "gdn_num_value_heads=2", "gdn_key_head_dim=16", "gdn_value_head_dim=16",
               "gdn_chunk_size=16", "partial_rotary_factor=0.5", "max_new_tokens=0"]

@@ -43,35 +43,36 @@ def check_chunk_size(chunk_size: int) -> None:
                          f"two >= {MIN_CHUNK} (the hardware tile); set gdn_chunk_size={good} or gdn_kernel=jnp")
 
 
-def _dot(a, b, ta=False, tb=False):
-    """a @ b in float32 (a^T or b^T where asked), at full precision."""
+def _matmul(a, b, ta=False, tb=False, precision=_HIGHEST):
+    """a @ b in float32 (a^T or b^T where asked)."""
     dims = (((0,) if ta else (1,)), ((1,) if tb else (0,)))
-    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=_HIGHEST, preferred_element_type=jnp.float32)
+    return jax.lax.dot_general(a, b, (dims, ((), ())), precision=precision, preferred_element_type=jnp.float32)
 
 
-def _chunk(s, q, k, v, cum_col, cum_row, seg_col, seg_row, beta, gamma, to_end):
+def _chunk(s, q, k, v, cum_col, cum_row, seg_col, seg_row, beta, gamma, to_end, precision=_HIGHEST):
     """One chunk: (new state [K, V], output [C, V]) from state s and the chunk's q, k [C, K], v [C, V], cum (log
     Gamma, cumulative in the chunk) as a column [C, 1] and a row [1, C], segment ids likewise, and columns
     [C, 1]: beta, gamma (Gamma_t where the entering state reaches t, else 0) and to_end (Gamma_C / Gamma_t where
     t is of the chunk's last document, else 0)."""
+    dot = functools.partial(_matmul, precision=precision)
     c = q.shape[0]
     row = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
     keep = (row >= col) & (seg_col == seg_row)
     decay = jnp.where(keep, jnp.exp(jnp.where(keep, cum_col - cum_row, 0.0)), 0.0)  # D; no overflow off the mask
-    lmat = jnp.where(row > col, decay, 0.0) * _dot(k, k, tb=True) * beta            # L (strictly lower)
+    lmat = jnp.where(row > col, decay, 0.0) * dot(k, k, tb=True) * beta            # L (strictly lower)
     eye = jnp.where(row == col, 1.0, 0.0)
     inv, power = eye - lmat, lmat                                                    # (I + L)^-1 by doubling
     for _ in range(c.bit_length() - 2):
-        power = _dot(power, power)
-        inv = inv + _dot(inv, power)
-    tv = _dot(inv, beta * v)
-    tk = _dot(inv, (beta * gamma) * k)
-    u = tv - _dot(tk, s)
-    o = _dot(gamma * q, s) + _dot(_dot(q, k, tb=True) * decay, u)
+        power = dot(power, power)
+        inv = inv + dot(inv, power)
+    tv = dot(inv, beta * v)
+    tk = dot(inv, (beta * gamma) * k)
+    u = tv - dot(tk, s)
+    o = dot(gamma * q, s) + dot(dot(q, k, tb=True) * decay, u)
     last = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
     end_gamma = jnp.sum(jnp.where(last, gamma, 0.0))                  # Gamma_C if S0 reaches the end
-    s = end_gamma * s + _dot(to_end * k, u, ta=True)
+    s = end_gamma * s + dot(to_end * k, u, ta=True)
     return s, o
 
 
@@ -99,12 +100,12 @@ def _tpu_kernel(q_ref, k_ref, v_ref, cc_ref, cr_ref, sc_ref, sr_ref, b_ref, g_re
 
 
 def _gpu_kernel(q_ref, k_ref, v_ref, cc_ref, cr_ref, sc_ref, sr_ref, b_ref, g_ref, e_ref, s0_ref,
-                o_ref, sout_ref, *, chunk: int, chunks: int):
+                o_ref, sout_ref, *, chunk: int, chunks: int, precision):
     def body(i, s):
         rows = pl.ds(i * chunk, chunk)
         q, k, v = _f32(q_ref[rows, :], k_ref[rows, :], v_ref[rows, :])
         s, o = _chunk(s, q, k, v, cc_ref[rows, :], cr_ref[:, rows], sc_ref[rows, :], sr_ref[:, rows],
-                      b_ref[rows, :], g_ref[rows, :], e_ref[rows, :])
+                      b_ref[rows, :], g_ref[rows, :], e_ref[rows, :], precision)
         o_ref[rows, :] = o.astype(o_ref.dtype)
         return s
 
@@ -170,7 +171,9 @@ def forward(q, k, v, log_decay, beta, segment_ids, initial_state, *, chunk_size:
         from jax.experimental.pallas import triton as plgpu  # the Triton backend's module: only for a GPU kernel
 
         whole = lambda *shape: pl.BlockSpec((None, None) + shape, lambda i, j: (i, j) + (0,) * len(shape))
-        kernel = functools.partial(_gpu_kernel, chunk=c, chunks=m)
+        # Tensor cores at about float32's accuracy (three TF32 passes); Triton's IEEE float32 dot has none
+        precision = _HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+        kernel = functools.partial(_gpu_kernel, chunk=c, chunks=m, precision=precision)
         in_specs = [whole(tp, dk), whole(tp, dk), whole(tp, dv), whole(tp, 1), whole(1, tp), whole(tp, 1),
                     whole(1, tp), whole(tp, 1), whole(tp, 1), whole(tp, 1), whole(dk, dv)]
         o, s = pl.pallas_call(kernel, grid=(b, n), out_shape=out_shape, in_specs=in_specs,
