@@ -383,3 +383,32 @@ def test_gated_delta_kernel_compiles_for_h100(h100s):
 def test_gated_delta_kernel_compiles_for_tpu():
     hlo = compile_gated_delta(targets.parse("v5e-4").devices(), "tpu", data=2, tensor=2)
     assert "gated_delta_chunked" in hlo
+
+
+QWEN3_5 = ["decoder_block=qwen3_5_text", "inhomogeneous_layer_cycle_interval=2",
+           "gdn_num_key_heads=2", "gdn_num_value_heads=4", "gdn_key_head_dim=128", "gdn_value_head_dim=128",
+           "head_dim=64", "partial_rotary_factor=0.25"]
+
+
+@pytest.mark.slow
+@needs_tpu_compiler
+def test_qwen3_5_train_step_compiles_for_tpu_with_the_gated_delta_kernel():
+    """A Qwen3.5-shaped step (one gated delta-net layer, one full-attention layer) with gdn_kernel=autoselected on
+    TPUs: the Mosaic kernel inside the mixer's shard_map (FSDP 2 x tensor 2)."""
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    run = builder.build(load_config([BASE_YML, *SMALL, *QWEN3_5, "ici_fsdp_parallelism=2",
+                                     "ici_tensor_parallelism=2"]), devices=targets.parse("v5e-4").devices())
+    assert run.rt.gdn_kernel == "pallas" and "Pallas Mosaic" in run.rt.describe()
+    assert "gated_delta_chunked" in run.compile().as_text()
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_qwen3_5_train_step_compiles_for_h100_with_the_gated_delta_kernel():
+    """The same step on one H100: the Triton kernel in the mixer."""
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    run = builder.build(load_config([BASE_YML, *SMALL, *QWEN3_5]), devices=targets.parse("h100-1").devices())
+    assert run.rt.gdn_kernel == "pallas" and "Pallas Triton" in run.rt.describe()
+    assert "gated_delta_chunked" in run.compile().as_text()
