@@ -33,13 +33,16 @@ def _inputs(seed=0):
     return q, k, v, log_decay, beta, jnp.asarray(SEGMENTS), s0, w
 
 
-@pytest.mark.parametrize("platform, packed", [("gpu", True), ("tpu", True), pytest.param("gpu", False, marks=pytest.mark.slow),
-                                              pytest.param("tpu", False, marks=pytest.mark.slow)])
-def test_forward_matches_the_recurrent_rule(platform, packed):
-    """packed: three documents in a row and an initial state; else one document from zeros."""
+@pytest.mark.parametrize("platform, packed, block_v", [
+    ("gpu", True, 16), ("tpu", True, None), pytest.param("gpu", False, None, marks=pytest.mark.slow),
+    pytest.param("tpu", False, None, marks=pytest.mark.slow)])
+def test_forward_matches_the_recurrent_rule(platform, packed, block_v):
+    """packed: three documents in a row and an initial state; else one document from zeros. block_v 16: the GPU
+    grid splits the 32 value columns in two."""
     q, k, v, a, beta, seg, s0, _ = _inputs()
     for segments, state in ([(seg, s0)] if packed else [(None, None)]):
-        run = jax.jit(lambda *xs: kernel.forward(*xs, chunk_size=C, platform=platform, interpret=True))
+        run = jax.jit(lambda *xs: kernel.forward(*xs, chunk_size=C, platform=platform, interpret=True,
+                                                 block_v=block_v))
         o, s = run(q, k, v, a, beta, segments, state)
         ro, rs = gated_delta.recurrent(q, k, v, a, beta, segments, state)
         np.testing.assert_allclose(o, ro, atol=2e-5, rtol=2e-5)

@@ -10,7 +10,7 @@ What stays outside the kernel is O(T) per head and elementwise: the within-chunk
 padding to whole chunks, and the per-token masks of packed documents (which tokens the entering state
 reaches, which reach the chunk's end). So memory is O(T): no [T, T] and no [T, C] array is stored.
 
-    GPU  grid (B, N); a loop over the chunks in the kernel, the state in registers.
+    GPU  grid (B, N, V / block_v); a loop over the chunks in the kernel, the state's columns in registers.
     TPU  grid (B, N, M), the chunk axis sequential ("arbitrary"), the state in a VMEM scratch.
 
 The backward is a custom_vjp that recomputes through the jnp chunked form (models/gated_delta.py, passed in
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 MIN_CHUNK = 16
+GPU_BLOCK_V = 64  # value columns per GPU program: a [128, 64] float32 state is 64 registers a thread at 4 warps
 _HIGHEST = jax.lax.Precision.HIGHEST
 
 
@@ -143,9 +144,13 @@ def _prepare(q, k, v, log_decay, beta, segment_ids, chunk, has_state):
 
 
 def forward(q, k, v, log_decay, beta, segment_ids, initial_state, *, chunk_size: int, platform: str,
-            interpret: bool = False):
+            interpret: bool = False, block_v: int | None = None):
     """(o [B, T, N, V], final state [B, N, K, V] float32) of the chunked rule in the kernel of `platform`
-    (gpu or tpu; interpret=True runs it on CPU). Same arguments as models/gated_delta.chunked."""
+    (gpu or tpu; interpret=True runs it on CPU). Same arguments as models/gated_delta.chunked.
+
+    block_v (GPU): the value columns one program keeps (its state [K, block_v] in registers); every step of the
+    rule is column by column in V, so the grid splits V (B, N, V / block_v); the [C, C] work repeats per block.
+    Default min(V, GPU_BLOCK_V). The TPU kernel keeps the whole state in VMEM."""
     check_chunk_size(chunk_size)
     b, t, n, dk = k.shape
     dv = v.shape[-1]
@@ -170,14 +175,18 @@ def forward(q, k, v, log_decay, beta, segment_ids, initial_state, *, chunk_size:
     elif platform == "gpu":
         from jax.experimental.pallas import triton as plgpu  # the Triton backend's module: only for a GPU kernel
 
-        whole = lambda *shape: pl.BlockSpec((None, None) + shape, lambda i, j: (i, j) + (0,) * len(shape))
+        bv = block_v or min(dv, GPU_BLOCK_V)
+        if dv % bv:
+            raise ValueError(f"block_v={bv} must divide the value head width {dv}")
+        whole = lambda *shape: pl.BlockSpec((None, None) + shape, lambda i, j, h: (i, j) + (0,) * len(shape))
+        cols = lambda rows: pl.BlockSpec((None, None, rows, bv), lambda i, j, h: (i, j, 0, h))
         # Tensor cores at about float32's accuracy (three TF32 passes); Triton's IEEE float32 dot has none
         precision = _HIGHEST if interpret else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
         kernel = functools.partial(_gpu_kernel, chunk=c, chunks=m, precision=precision)
-        in_specs = [whole(tp, dk), whole(tp, dk), whole(tp, dv), whole(tp, 1), whole(1, tp), whole(tp, 1),
-                    whole(1, tp), whole(tp, 1), whole(tp, 1), whole(tp, 1), whole(dk, dv)]
-        o, s = pl.pallas_call(kernel, grid=(b, n), out_shape=out_shape, in_specs=in_specs,
-                              out_specs=[whole(tp, dv), whole(dk, dv)], interpret=interpret,
+        in_specs = [whole(tp, dk), whole(tp, dk), cols(tp), whole(tp, 1), whole(1, tp), whole(tp, 1),
+                    whole(1, tp), whole(tp, 1), whole(tp, 1), whole(tp, 1), cols(dk)]
+        o, s = pl.pallas_call(kernel, grid=(b, n, dv // bv), out_shape=out_shape, in_specs=in_specs,
+                              out_specs=[cols(tp), cols(dk)], interpret=interpret,
                               compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
                               name="gated_delta_chunked")(*ins, s0)
     else:
