@@ -117,3 +117,11 @@ def test_the_mixer_runs_the_kernel_when_configured():
         logits[choice] = jax.jit(lambda p, cfg=cfg, rt=rt: models.forward(p, tokens, positions, segments, cfg, rt)[0])(
             params)
     np.testing.assert_allclose(logits["pallas"], logits["jnp"], atol=2e-5, rtol=2e-5)
+
+
+def test_head_widths_the_gpu_kernel_cannot_take():
+    """Triton wants powers of two >= 16: autoselected keeps jnp on such a GPU model, pallas is refused; TPU takes any."""
+    assert gated_deltanet.resolve_kernel("autoselected", "gpu", 64, 96, 128) == "jnp"
+    assert gated_deltanet.resolve_kernel("autoselected", "tpu", 64, 96, 128) == "pallas"
+    with pytest.raises(errors.ConfigError, match="gdn_key_head_dim=96 must be powers of two >= 16 .*gdn_kernel=jnp"):
+        gated_deltanet.resolve_kernel("pallas", "gpu", 64, 96, 128)

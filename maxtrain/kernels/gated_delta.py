@@ -44,6 +44,16 @@ def check_chunk_size(chunk_size: int) -> None:
                          f"two >= {MIN_CHUNK} (the hardware tile); set gdn_chunk_size={good} or gdn_kernel=jnp")
 
 
+def head_width_problem(platform: str, key_dim: int, value_dim: int) -> str | None:
+    """Why the kernel of `platform` cannot take these head widths, or None: Triton's blocks are powers of two and
+    its dots at least 16 wide; the TPU kernel's blocks span the whole head (any width)."""
+    if platform != "gpu":
+        return None
+    bad = [f"{name}={w}" for name, w in (("gdn_key_head_dim", key_dim), ("gdn_value_head_dim", value_dim))
+           if w < 16 or w & (w - 1)]
+    return f"{' and '.join(bad)} must be powers of two >= 16 for the GPU kernel" if bad else None
+
+
 def _matmul(a, b, ta=False, tb=False, precision=_HIGHEST):
     """a @ b in float32 (a^T or b^T where asked)."""
     dims = (((0,) if ta else (1,)), ((1,) if tb else (0,)))

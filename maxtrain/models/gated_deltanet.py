@@ -37,14 +37,17 @@ KERNELS = ("jnp", "pallas")
 _TOKEN_AXES, _GATE_AXES = ("batch", None, "heads", None), ("batch", None, "heads")
 
 
-def resolve_kernel(setting: str, backend: str, chunk_size: int) -> str:
-    """gdn_kernel for a backend: `autoselected` is the Pallas kernel on GPUs and TPUs, jnp on CPU (where
-    `pallas` runs in interpret mode: slow, for tests). A chunk size the kernel cannot take is refused here,
-    at start-up (a ConfigError naming gdn_chunk_size)."""
+def resolve_kernel(setting: str, backend: str, chunk_size: int, key_dim: int = 128, value_dim: int = 128) -> str:
+    """gdn_kernel for a backend: `autoselected` is the Pallas kernel on GPUs and TPUs (on a GPU only for head widths
+    its Triton kernel takes), jnp on CPU (where `pallas` runs in interpret mode: slow, for tests). A chunk size or
+    head width the kernel cannot take is refused here, at start-up (a ConfigError naming the setting)."""
+    widths = gated_delta_kernel.head_width_problem("gpu" if backend == "cpu" else backend, key_dim, value_dim)
     if setting == "autoselected":
-        setting = "pallas" if backend in ("gpu", "tpu") else "jnp"
+        setting = "pallas" if backend in ("gpu", "tpu") and not widths else "jnp"
     if setting not in KERNELS:
         raise errors.ConfigError(f"gdn_kernel={setting!r} is not one of autoselected, {', '.join(KERNELS)}")
+    if setting == "pallas" and widths:  # on CPU the interpret-mode kernel is the GPU's
+        raise errors.ConfigError(f"gdn_kernel=pallas: {widths}; use gdn_kernel=jnp")
     if setting == "pallas":
         try:
             gated_delta_kernel.check_chunk_size(chunk_size)

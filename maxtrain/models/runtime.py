@@ -162,7 +162,8 @@ class Runtime:
                    autoselected=auto, vocab_tiles=tiles, unroll_layers=config.scan_layers and not scan_layers,
                    fp8=resolve_fp8(config),
                    grouped_matmul=moe_experts.resolve_grouped_matmul(config.moe_grouped_matmul, backend),
-                   gdn_kernel=gated_deltanet.resolve_kernel(config.gdn_kernel, backend, config.gdn_chunk_size)
+                   gdn_kernel=gated_deltanet.resolve_kernel(config.gdn_kernel, backend, config.gdn_chunk_size,
+                                                            config.gdn_key_head_dim, config.gdn_value_head_dim)
                    if "gdn_kernel" in getattr(family, "settings", ()) else "")
 
     def scan_layers(self, config) -> bool:
