@@ -48,6 +48,8 @@ run gpt_oss "$PYTHON" end_to_end/cpu/gpt_oss.py
 run olmo3 "$PYTHON" end_to_end/cpu/olmo3.py
 # Llama 4's layers (chunked attention, NoPE layers with temperature, L2 qk-norm, input-weighted experts) train.
 run llama4 "$PYTHON" end_to_end/cpu/llama4.py
+# GLM-4.5's layers (partial RoPE, qk-norm, biases, dense-first, sigmoid-routed and shared experts, MTP) train.
+run glm4_moe "$PYTHON" end_to_end/cpu/glm4_moe.py
 # Post-training: SFT, LoRA and DPO on generated instructions, export checked against transformers.
 run post_training "$PYTHON" end_to_end/cpu/post_training.py
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 
 from maxtrain import config as config_lib
-from maxtrain.config import registry
 from maxtrain import data as data_lib
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.errors import run_cli
@@ -34,9 +33,6 @@ def main(argv: list[str]) -> str:
     tokenizer = data_lib.tokenizer_for(config)
     # the prompt and the count are refused before the model is read
     prompt_ids = tokenizer_lib.checked_prompt_ids(tokenizer, config.prompt, max_length=config.max_target_length)
-    if not registry.FAMILIES[config.decoder_block].decodes:
-        raise config_lib.ConfigError(f"decoder_block={config.decoder_block} does not decode with a cache yet "
-                                     "(maxtrain.decode needs one); evaluate it with maxtrain.evaluate instead")
     if config.max_new_tokens < 1:
         raise config_lib.ConfigError(f"max_new_tokens={config.max_new_tokens}: maxtrain.decode has no token to "
                                      "generate; set max_new_tokens=48 (or any number >= 1)")

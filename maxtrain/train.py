@@ -28,7 +28,6 @@ from maxtrain import data as data_lib
 from maxtrain import evals
 from maxtrain.checkpointing import manager as checkpoint_lib
 from maxtrain.checkpointing.files import CheckpointError
-from maxtrain.config import registry
 from maxtrain.compile import executable, fit
 from maxtrain.data import pipeline
 from maxtrain.data import tokenizer as tokenizer_lib
@@ -136,10 +135,6 @@ def sample_prompt_ids(config, tokenizer) -> list[int]:
     """The ids of `prompt` for the end-of-run sample ([] when none is made: max_new_tokens=0 or no tokenizer);
     a prompt that gives no tokens or is longer than max_target_length is refused before training."""
     if config.max_new_tokens <= 0 or tokenizer is None:
-        return []
-    if not registry.FAMILIES[config.decoder_block].decodes:
-        log(f"no greedy sample after training: decoder_block={config.decoder_block} does not decode with a cache yet "
-            "(max_new_tokens=0 says so without this line)")
         return []
     try:
         return tokenizer_lib.checked_prompt_ids(tokenizer, config.prompt, max_length=config.max_target_length)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import re
 import sys
 import time
@@ -28,7 +29,8 @@ import jax.numpy as jnp
 
 from maxtrain import config as config_lib
 from maxtrain import models, storage
-from maxtrain.compile import executable, hlo_stats
+from maxtrain.config import chips
+from maxtrain.compile import executable, hlo_stats, predict
 from maxtrain.compile import targets as topologies
 from maxtrain.errors import run_cli
 from maxtrain.observability import metrics
@@ -36,7 +38,8 @@ from maxtrain.training import builder, layer_choice
 
 EXIT_DOES_NOT_FIT = 3
 KEYS = ("compile_topology", "compile_topology_num_slices", "model_name", "per_device_batch_size", "max_target_length",
-        "remat_policy", "dtype", "attention", "ici_fsdp_parallelism", "ici_tensor_parallelism", "compiled_trainstep_file")
+        "remat_policy", "dtype", "attention", "ici_fsdp_parallelism", "ici_tensor_parallelism", "compiled_trainstep_file",
+        "compile_report_file")
 
 
 def compile_for_target(config, target: topologies.Target):
@@ -103,7 +106,23 @@ def report(run, compiled, target: topologies.Target, seconds: float) -> dict:
         "unknown_trip_counts": stats.unknown_trip_counts,
         "model_tflops_per_chip": metrics.flops_per_token(config) * config.tokens_per_step / len(devices) / 1e12,
         "compile_seconds": seconds,
+        **prediction_figures(run, compiled, target),
     }
+
+
+def prediction_figures(run, compiled, target: topologies.Target) -> dict:
+    """The predicted step time and cost (compile/predict.py) and the compiler's own estimate, for report().
+    A target without a chip record (this machine's CPU) gets none; a record missing a figure is a one-line error."""
+    config = run.config
+    chip = chips.by_device_kind(target.chip) if target.platform == "cpu" else topologies.chip_record(target)
+    if chip is None:
+        return {"prediction": None, "compiler_estimate": predict.compiler_estimate(compiled)}
+    devices = list(run.mesh.devices.flat)
+    costs = predict.program_costs(compiled.as_text(), devices=devices, mesh_shape=dict(run.mesh.shape))
+    prediction = predict.predict(
+        costs, chip, model_flops_per_step=metrics.flops_per_token(config) * config.tokens_per_step / len(devices),
+        tokens_per_step=config.tokens_per_step, num_chips=len(devices), steps=config.steps)
+    return {"prediction": prediction, "compiler_estimate": predict.compiler_estimate(compiled)}
 
 
 # libtpu releases before this one count more temporaries than the program's heap holds: the chip's
@@ -158,6 +177,7 @@ def format_report(rep: dict) -> str:
     lines += [f"model TFLOPs per chip per step   {rep['model_tflops_per_chip']:.2f} (3 x forward matmuls, causal "
               "attention counted once; not XLA's cost analysis)",
               f"compiled in {rep['compile_seconds']:.1f} s"]
+    lines += format_prediction_section(rep)
     if rep["platform"] == "tpu" and overcounting_libtpu(rep.get("libtpu")):
         lines.append(f"note: libtpu {rep['libtpu']} counts the chip's VMEM and part of the scanned layers' buffers as "
                      "temporaries too; libtpu 0.0.52 counts 1.1 to 6.3 GiB less per chip for the same programs in "
@@ -167,6 +187,45 @@ def format_report(rep: dict) -> str:
         lines.append("note: compiled without a GPU, so XLA did not autotune matmuls or build cuDNN graphs; memory on "
                      "the GPU itself can differ somewhat")
     return "\n".join(lines)
+
+
+def format_prediction(p: dict) -> list[str]:
+    """The prediction's lines under the memory (compile/predict.py's figures)."""
+    ms = 1e3
+    parts = p["parts"]
+    axes = ", ".join(f"{a} {s * ms:.1f}" for a, s in sorted(p["collectives_by_axis"].items())) or "none"
+
+    def duration(seconds: float) -> str:
+        return f"{seconds / 86400:.1f} days" if seconds >= 86400 else f"{seconds / 3600:.1f} h"
+
+    lines = [f"predicted step time (ms)         {p['step_seconds'] * ms:.1f}  (roofline over {p['kernels']} kernel "
+             f"runs and the collectives, against the {p['chip']} record; error: docs/scale.md)",
+             f"  matmul compute               {parts['matmul'] * ms:9.1f}",
+             f"  attention kernels            {parts['attention'] * ms:9.1f}",
+             f"  memory-bound work            {parts['memory'] * ms:9.1f}",
+             f"  collectives                  {parts['collectives'] * ms:9.1f}  (per axis: {axes}), hidden behind "
+             f"compute {parts['collectives_hidden'] * ms:.1f}, exposed {parts['collectives_exposed'] * ms:.1f}",
+             f"tokens/s per chip               {p['tokens_per_second_per_chip']:,.0f}  (all chips "
+             f"{p['tokens_per_second']:,.0f}); MFU {p['mfu']:.1%}",
+             f"per billion tokens              {duration(p['seconds_per_billion_tokens'])}, "
+             f"{p['chip_hours_per_billion_tokens']:,.0f} chip-hours"]
+    if p["run_steps"]:
+        lines.append(f"for steps={p['run_steps']:,}                {duration(p['run_seconds'])}, "
+                     f"{p['run_chip_hours']:,.0f} chip-hours")
+    return lines
+
+
+def format_prediction_section(rep: dict) -> list[str]:
+    """The predicted time and cost under the memory, and the compiler's own estimate where it gives one."""
+    lines = format_prediction(rep["prediction"]) if rep.get("prediction") else [
+        "predicted step time              none (no chip record for this device: config/chips.py)"]
+    estimate = rep.get("compiler_estimate")
+    if estimate:
+        units = {"flops": (1e12, "TFLOP"), "bytes accessed": (2**30, "GiB"), "optimal_seconds": (1e-3, "ms")}
+        lines.append("compiler's cost analysis         " + ", ".join(
+            f"{k} {v / units[k][0]:.4g} {units[k][1]}" if k in units else f"{k} {v:.4g}" for k, v in estimate.items())
+            + " per chip (its own estimate, beside the prediction above)")
+    return lines
 
 
 def out_of_memory(error: Exception) -> tuple[float, float] | None:
@@ -212,13 +271,19 @@ def overshoot_message(rep: dict, config) -> str:
 
 def main(argv: list[str]) -> int:
     config = builder.load_config(argv, log=lambda *a: print(*a, file=sys.stderr))
-    if config.compiled_trainstep_file:  # refused now, not after the compile
+    if config.compile_report_file:  # refused now, not after the compile
+        storage.check_output(config.compile_report_file, True,
+                             f"compile_report_file={storage.abspath(config.compile_report_file)!r}")
+    if config.compiled_trainstep_file:
         storage.check_output(config.compiled_trainstep_file, True,
                              f"compiled_trainstep_file={storage.abspath(config.compiled_trainstep_file)!r}")
     target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
     if target.platform != "cpu":
         # Compiling for another target needs no accelerator here; keep JAX from probing for one.
         jax.config.update("jax_platforms", "cpu")
+    if target.platform != "cpu":  # a chip record missing a figure the prediction needs: said before the compile
+        domains = target.num_slices * (target.shape[0] if target.platform == "gpu" else 1)
+        predict.check_record(topologies.chip_record(target), target.num_devices, domains)
     print(f"compiling the train step for {target.describe()} ...", flush=True)
     try:
         with executable.compiled_afresh() if config.compiled_trainstep_file else contextlib.nullcontext():
@@ -238,6 +303,9 @@ def main(argv: list[str]) -> int:
         return EXIT_DOES_NOT_FIT
     rep = {**report(run, compiled, target, seconds), **choice_report(run)}
     print("\n".join([format_report(rep), *format_choices(rep)]), flush=True)
+    if config.compile_report_file:
+        storage.write_text(config.compile_report_file, json.dumps(rep, indent=1, default=str))
+        print(f"wrote the figures to {config.compile_report_file} (JSON)", flush=True)
     if not fits(rep):
         print(f"maxtrain.train_compile: error: {overshoot_message(rep, config)}", file=sys.stderr, flush=True)
         return EXIT_DOES_NOT_FIT

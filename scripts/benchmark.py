@@ -11,7 +11,7 @@ and prints
     tokens/s/device       tokens per step / devices / median step time
     TFLOP/s/device, MFU   model FLOPs (metrics.flops_per_token: causal attention counted once,
                           remat recomputation not counted) / median step time; MFU against the
-                          device's peak (metrics.PEAK_TFLOPS or peak_tflops_per_device=...; a CPU
+                          device's peak (the chip records, config/chips.py or peak_tflops_per_device=...; a CPU
                           has no table entry, see docs/performance.md for how to measure one)
     CPU seconds/step      median process CPU time (all threads) per timed step: the work a step
                           costs, less sensitive than wall time to other load on a shared machine

@@ -7,7 +7,7 @@
 Parts, in order, each within its share of the budget (compiles included; docs/gpu.md):
 
     environment  device, memory, driver, CUDA, cuDNN, JAX and dependency versions; the dense bf16 peak used
-                 for MFU (metrics.PEAK_TFLOPS) and what a large bf16 matmul reaches
+                 for MFU (the chip records, config/chips.py) and what a large bf16 matmul reaches
     kernels      every attention autoselected can choose, against the float32 jnp reference, output and
                  gradients (bf16 and float32, GQA 4:1, packed segment ids, causal and not, length 1000 (not a
                  multiple of the 128 block), head_dim 64, 128 and 256): flash always; in bf16 cuDNN, tokamax
@@ -53,7 +53,8 @@ import numpy as np
 
 from maxtrain import config as config_lib
 from maxtrain import storage
-from maxtrain.compile import fit
+from maxtrain.compile import fit, predict
+from maxtrain.config import chips
 from maxtrain.errors import UserError, run_cli
 from maxtrain.models import attention_check, attention_choice
 from maxtrain.models.attention_check import Case
@@ -240,7 +241,7 @@ def describe_device() -> dict:
                      f"{info.get('compute_capability')}; driver {info.get('smi_driver_version', 'n/a')}, CUDA "
                      f"runtime {info.get('cuda_runtime', 'n/a')}, cuDNN {info.get('cudnn', 'n/a')}, jax {info['jax']} "
                      f"(jaxlib {info['jaxlib']}), Python {info['python']}; MFU peak "
-                     f"{info['peak_tflops_bf16_dense']} TFLOP/s (dense bf16, metrics.PEAK_TFLOPS)")
+                     f"{info['peak_tflops_bf16_dense']} TFLOP/s (dense bf16, the chip records, config/chips.py)")
     return info
 
 
@@ -413,6 +414,7 @@ def training(plan: Plan, overrides: list) -> dict:
         for i in range(warmup + steps):
             state = measure.timed_step(step_fn, state, batches[i % len(batches)], timings, timed=i >= warmup)
     figures = measure.step_figures(run.config, timings["times"], step_fn)
+    predicted = predicted_step_ms(run, step_fn)
     c = run.config
     del state, step_fn, batches
     gc.collect()
@@ -423,10 +425,22 @@ def training(plan: Plan, overrides: list) -> dict:
             "scan_layers": run.rt.scan_layers(c), "quantization": c.quantization, "compile_seconds": compile_seconds,
             **figures, "step_ms": figures["step_seconds_median"] * 1e3,
             "mfu_percent": None if figures["mfu"] is None else 100 * figures["mfu"],
+            "predicted_ms": predicted,
+            "predicted_error_percent": predicted and 100 * (predicted / 1e3 / figures["step_seconds_median"] - 1),
             "compiled_gib": (figures["compiled_memory_bytes"] or 0) / 2**30,
             "peak_gib": figures["measured_peak_bytes"] / 2**30 if exact else None,
             "peak_note": "" if exact else "the process' high-water mark was set earlier (not this step's)",
             "loss": f"{timings['losses'][0]:.3f} -> {timings['losses'][-1]:.3f}"}
+
+
+def predicted_step_ms(run, step_fn) -> float | None:
+    """compile/predict.py's step time for this compiled step on the device's chip record (ms; None on a CPU)."""
+    chip, devices, c = chips.by_device_kind(jax.devices()[0].device_kind), list(run.mesh.devices.flat), run.config
+    if chip is None or not (chip.bf16_flops and chip.hbm_bytes_per_s):
+        return None
+    return 1e3 * predict.predict(predict.program_costs(step_fn.as_text(), devices, dict(run.mesh.shape)), chip,
+                                 model_flops_per_step=metrics.flops_per_token(c) * c.tokens_per_step / len(devices),
+                                 tokens_per_step=c.tokens_per_step, num_chips=len(devices))["step_seconds"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -447,7 +461,9 @@ COLUMNS = {
               ("ms", "fwd+bwd ms", "{:.3f}"), ("tflops", "TFLOP/s", "{:.4g}"), ("compile_seconds", "compile s", "{:.1f}")],
     "training": [("per_device_batch", "batch", "{}"), ("length", "T", "{}"), ("remat", "remat", "{}"),
                  ("attention", "attention", "{}"), ("compile_seconds", "compile s", "{:.1f}"),
-                 ("step_ms", "step ms", "{:.1f}"), ("tokens_per_second_per_device", "tokens/s", "{:,.0f}"),
+                 ("step_ms", "step ms", "{:.1f}"), ("predicted_ms", "predicted ms", "{:.1f}"),
+                 ("predicted_error_percent", "pred. error %", "{:+.0f}"),
+                 ("tokens_per_second_per_device", "tokens/s", "{:,.0f}"),
                  ("tflops_per_second_per_device", "TFLOP/s", "{:.4g}"), ("mfu_percent", "MFU %", "{:.1f}"),
                  ("compiled_gib", "compiled GiB", "{:.2f}"), ("peak_gib", "peak GiB", "{:.2f}"),
                  ("loss", "loss", "{}")],
@@ -463,7 +479,8 @@ NOTES = {
     "speed": "Causal, bf16, no segment ids; TFLOP/s = 2.5 x 4*B*T*S*N*H/2 / time (useful matmul work).",
     "training": "Synthetic data; model FLOPs (remat not counted); MFU against the dense bf16 peak. The user's "
                 "command: " + " ".join(USER_COMMAND) + " (its attention's reason: report.json, log.txt); best bf16: "
-                "+ " + " ".join(BEST_BF16) + "; x best bf16: tokens/s over the best bf16 row's.",
+                "+ " + " ".join(BEST_BF16) + "; x best bf16: tokens/s over the best bf16 row's. Predicted ms: "
+                "compile/predict.py on this compiled step and the chip's record (a held-out check: docs/scale.md).",
     "frontier": "As training; MoE FLOPs count the active experts only (6 of 64, 4 of 16), MFU against the dense "
                 "bf16 peak (float8 too: the dense fp8 peak is twice it). Compare fp8 and muon with the training "
                 "part's 'llama3.2-1b b8 remat full' row (bf16, AdamW).",

@@ -316,12 +316,17 @@ DEEPSEEK = {**LLAMA, "model_type": "deepseek_v3", "num_attention_heads": 4, "num
             "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 10}
 OLMO3 = {**LLAMA, "model_type": "olmo3", "sliding_window": 8}
 
+GLM4_MOE = {**LLAMA, "model_type": "glm4_moe", "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8,
+            "moe_intermediate_size": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+            "first_k_dense_replace": 1, "partial_rotary_factor": 0.5, "use_qk_norm": True, "attention_bias": True}
+
 
 # --------------------------------------------------------------------------------------------
 # The table
 # --------------------------------------------------------------------------------------------
 
 B = "{base}"
+G4 = [B, "decoder_block=gemma4_text", "sliding_window_size=8"]  # a tiny Gemma 4 (four sliding-window layers)
 T, D, R, K = "train", "decode", "viz", "inspect"
 ROWS = [
     # train: config keys and values
@@ -398,6 +403,23 @@ ROWS = [
         r"sliding_window_size=0 .* set sliding_window_size=4096"),
     Row("family-moe-with-one-expert", T, [B, "decoder_block=mixtral"], r"decoder_block=mixtral is a mixture of experts, "
         r"but num_experts=1 .* set num_experts=8"),
+    # Gemma 4 (gemma4_text): layers of their own head shape, shared keys and values
+    Row("gemma4-shared-kv-without-producer", T, [*G4, "attention_layer_types=[sliding,sliding,sliding,full]",
+                                                 "num_kv_shared_layers=1"],
+        r"num_kv_shared_layers=1: each of the last 1 layers shares the keys and values of an earlier layer .* "
+        r"leave none for \['full'\]"),
+    Row("gemma4-shared-kv-all-layers", T, [*G4, "num_kv_shared_layers=4"], r"num_kv_shared_layers=4: .* use fewer"),
+    Row("gemma4-global-head-dim-odd", T, [*G4, "global_head_dim=33"], r"global_head_dim=33 must be even"),
+    Row("gemma4-global-kv-heads-not-dividing", T, [*G4, "global_num_kv_heads=3"],
+        r"base_num_query_heads=4 must be a multiple of global_num_kv_heads=3"),
+    Row("gemma4-cudnn-wide-heads", T, [*G4, "global_head_dim=512", "attention=cudnn"],
+        r"attention=cudnn takes heads of at most 256 features, but global_head_dim=512"),
+    Row("gemma4-double-wide-without-shared", T, [*G4, "double_wide_mlp=true"],
+        r"double_wide_mlp=true widens the shared-KV layers' MLP, but num_kv_shared_layers=0"),
+    Row("gemma4-key-on-another-family", T, [B, "global_head_dim=128"],
+        r"global_head_dim=128 does nothing without decoder_block=gemma4_text"),
+    Row("rope-proportion-without-proportional", T, [B, "rope_proportion=0.5"],
+        r"rope_proportion=0.5 does nothing without rope_type=proportional"),
     Row("grpo-top-k-of-one", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl",
                                  "train_data_columns=[prompt,answer]", "eval_data_columns=[prompt,answer]",
                                  "decode_sampling_strategy=topk", "decode_sampling_top_k=1"],
@@ -415,6 +437,15 @@ ROWS = [
         r"ici_context_parallelism=1"),
     Row("feature-off-llama4-key-on-llama", T, [B, "use_qk_norm=true"], r"use_qk_norm=true does nothing without "
         r"decoder_block=llama4_text"),
+    Row("glm4_moe-rotated-features-odd", T, [B, "model_name=glm-4.5-air", "partial_rotary_factor=0.01"],
+        r"partial_rotary_factor=0.01 rotates 1 of head_dim=128 features, but RoPE rotates an even number of them "
+        r"\(at least 2\)"),
+    Row("feature-off-partial-rope-on-llama", T, [B, "partial_rotary_factor=0.5"],
+        r"partial_rotary_factor=0.5 does nothing without decoder_block=.*glm4_moe \(here decoder_block=llama\)"),
+    Row("feature-off-attention-bias-on-llama", T, [B, "attention_bias=true"],
+        r"attention_bias=true does nothing without decoder_block=glm4_moe \(here decoder_block=llama\)"),
+    Row("glm4_moe-dense-layers-leave-no-experts", T, [B, "model_name=glm-4.5-air", "first_num_dense_layers=46"],
+        r"first_num_dense_layers=46 leaves no layer of experts among base_num_decoder_layers=46"),
     Row("output-directory-empty", T, [B, "base_output_directory="], r"base_output_directory is empty .* the run would "
         r"be written into the current directory"),
     Row("decode-top-k-without-topk", D, [B, "decode_sampling_top_k=5"], r"decode_sampling_top_k=5 does nothing without "
@@ -849,6 +880,13 @@ ROWS = [
     Row("convert-olmo3-sliding-layers-without-window", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r".*/hf/config.json: sliding_window=None with sliding_attention layers; set the window size",
         setup=hf_dir({**OLMO3, "sliding_window": None, "layer_types": ["sliding_attention", "full_attention"]})),
+    Row("convert-glm4_moe-no-rotated-features", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json describes a glm4_moe model that maxtrain's glm4_moe family cannot build: .*"
+        r"partial_rotary_factor=0.1 rotates 0 of head_dim=8 features",
+        setup=hf_dir({**GLM4_MOE, "partial_rotary_factor": 0.1})),
+    Row("convert-glm4_moe-gelu", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
+        r".*/hf/config.json: cannot convert this checkpoint without changing its outputs: hidden_act='gelu'",
+        setup=hf_dir({**GLM4_MOE, "hidden_act": "gelu"})),
     Row("convert-safetensors-entry-malformed", "convert_hf", ["import", "{scratch}/hf", "{scratch}/out"],
         r".*/hf/model.safetensors: the header entry of tensor x is .*, not \{dtype, shape, data_offsets\}",
         setup=hf_dir(LLAMA, {"model.safetensors": _header({"x": {"dtype": "F32", "shape": [2]}})})),

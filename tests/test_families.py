@@ -142,6 +142,24 @@ CASES = {
              linear_conv_kernel_dim=3,
              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
         {"num_experts_per_tok": 1}),
+    # GLM-4.5: partial RoPE (a quarter of each head here, with YaRN over the rotated features), qk-norm, q/k/v
+    # biases, a dense layer first, two shared experts beside the sigmoid router over 4 groups (best 2) with a
+    # random selection bias, scaled weights.
+    "glm4_moe-partial_yarn_rope-qknorm-biases-groups": (
+        "Glm4MoeConfig", "Glm4MoeForCausalLM",
+        dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=20, n_shared_experts=2, n_group=4,
+             topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, use_qk_norm=True, attention_bias=True,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 16, "partial_rotary_factor": 0.25},
+             num_nextn_predict_layers=0),
+        {"partial_rotary_factor": 1.0}),
+    # GLM-4.5-Air's choices: no qk-norm, biases, one group, transformers' default half-head RoPE (config.json's
+    # rope_parameters carry it), two dense layers first, unnormalized top-k weights; the MTP field left at 1.
+    "glm4_moe-air-dense_first-raw_topk": (
+        "Glm4MoeConfig", "Glm4MoeForCausalLM",
+        dict(n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+             first_k_dense_replace=2, attention_bias=True, norm_topk_prob=False, routed_scaling_factor=1.5),
+        {"norm_topk_prob": True}),
 }
 
 
@@ -302,6 +320,30 @@ def test_gemma3_multimodal_checkpoint_imports_its_text_decoder(tmp_path, capsys)
     tokens = ids(COMMON["vocab_size"])
     rel = relative_error(ours_with(tmp_path / "out", tokens), hf_logits(model, tokens))
     assert rel <= 1e-5, rel
+
+
+@pytest.mark.slow
+def test_qwen3_5_multimodal_checkpoint_imports_its_language_model(tmp_path, capsys):
+    """Qwen3.5's released checkpoints are vision-language models: the import reads the language model's weights
+    (model.language_model.*), says it left the vision tower out, and gives the text model's logits."""
+    arch, _, kwargs, _ = CASES["qwen3_5_text-hybrid-dense"]
+    text = getattr(transformers, arch)(**{**COMMON, **kwargs})
+    vision = transformers.Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
+                                              out_hidden_size=COMMON["hidden_size"], num_position_embeddings=16)
+    config = transformers.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision.to_dict())
+    model = transformers.Qwen3_5ForConditionalGeneration(config).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
+    model.save_pretrained(tmp_path / "hf")
+    assert any(n.startswith("model.visual.") for n, _ in model.named_parameters())
+    keys = convert.import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
+    printed = capsys.readouterr().out
+    assert keys["decoder_block"] == "qwen3_5_text" and "text decoder" in printed and "left out" in printed, printed
+    tokens = ids(COMMON["vocab_size"])
+    rel = relative_error(ours_with(tmp_path / "out", tokens), hf_logits(model, tokens))
+    assert rel <= 1e-4, rel
 
 
 def test_conversion_errors_name_the_field(tmp_path):

@@ -125,6 +125,12 @@ def test_flash_with_llama4_chunks_compiles_for_h100(h100s):
         assert kernel in hlo
 
 
+def test_flash_with_gemma4_global_heads_compiles_for_h100(h100s):
+    """Gemma 4's full-attention layers: head_dim 512 (global_head_dim), 8 query heads on 4 kv heads."""
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=512, dtype=jnp.bfloat16, heads=8)
+    assert "flash_attention_fwd" in hlo
+
+
 @needs_gpu_compiler
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_flash_compiles_for_a100(head_dim):
@@ -197,6 +203,12 @@ def test_splash_with_llama4_chunks_compiles_for_tpu():
     """Llama 4's RoPE layers: head_dim 128, chunks of 512 positions over 2048 tokens (refined segment ids)."""
     hlo = compile_attention(targets.parse("v5p-8").devices(), (2, 1, 2), "tpu", head_dim=128, dtype=jnp.bfloat16,
                             length=2048, heads=8, chunk=512)
+
+
+def test_splash_compiles_gemma4_global_heads_for_tpu():
+    """Gemma 4's full-attention layers: head_dim 512 (global_head_dim), 8 query heads on 4 kv heads."""
+    hlo = compile_attention(targets.parse("v5p-8").devices(), (2, 1, 2), "tpu", head_dim=512, dtype=jnp.bfloat16,
+                            length=2048, heads=8)
     assert "tpu_custom_call" in hlo
 
 
@@ -255,11 +267,19 @@ SMALL = ["base_emb_dim=256", "base_num_query_heads=4", "base_num_kv_heads=2", "b
 GEMMA = ["decoder_block=gemma2", "head_dim=256", "sliding_window_size=128", "attn_logits_soft_cap=50.0",
          "final_logits_soft_cap=30.0", "query_pre_attn_scalar=256", "logits_via_embedding=true"]
 
+# Gemma 4 with every feature: 512-wide full-attention heads with keys as values, proportional RoPE, per-layer
+# inputs, two shared-KV layers, experts beside each dense MLP.
+GEMMA4 = ["decoder_block=gemma4_text", "base_num_decoder_layers=4", "head_dim=256", "global_head_dim=512", "sliding_window_size=128",
+          "attention_layer_types=[sliding,full,sliding,full]", "attention_k_eq_v=true", "rope_type=proportional",
+          "rope_proportion=0.25", "per_layer_input_dim=64", "num_kv_shared_layers=2", "logits_via_embedding=true",
+          "final_logits_soft_cap=30.0", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=256"]
 
 def compile_train_step(devices, overrides, expected="flash"):
     from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
 
-    run = builder.build(load_config([BASE_YML, *SMALL, *overrides]), devices=devices)
+    given = {o.split("=")[0] for o in overrides}  # the overrides replace SMALL's keys
+    run = builder.build(load_config([BASE_YML, *(o for o in SMALL if o.split("=")[0] not in given), *overrides]),
+                        devices=devices)
     assert run.rt.attention == expected, run.rt.attention_reason
     return run.compile().as_text()
 
@@ -269,6 +289,7 @@ def compile_train_step(devices, overrides, expected="flash"):
 @pytest.mark.parametrize("topology, overrides", [
     ("v5p-8", ["head_dim=64", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]),
     ("v5e-4", GEMMA + ["ici_fsdp_parallelism=4"]),
+    ("v5p-8", GEMMA4 + ["ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]),
 ])
 def test_train_step_compiles_for_tpu(topology, overrides):
     assert "tpu_custom_call" in compile_train_step(targets.parse(topology).devices(), overrides)
@@ -302,6 +323,12 @@ def test_dropless_moe_train_step_compiles_for_8_h100s_with_the_grouped_gemm(h100
                         devices=h100s)
     assert run.rt.grouped_matmul == "pallas"
     assert "grouped_matmul_weight_grad" in run.compile().as_text()
+
+
+def test_gemma4_train_step_compiles_for_8_h100s(h100s):
+    """Gemma 4 with every feature (512-wide heads in the flash kernel, shared KV, per-layer inputs, experts)."""
+    hlo = compile_train_step(h100s, GEMMA4 + ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
+    assert "flash_attention_dkv" in hlo
 
 
 # ----------------------------------------------------------------------------------------------

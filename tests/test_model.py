@@ -265,3 +265,14 @@ def test_cpu_dense_weight_gradient_is_a_plain_matmul():
         return re.findall(r" dot\(.*lhs_contracting_dims=\{0\}", grads(backend).lower(x, w).compile().as_text())
 
     assert transposed_lhs_dots(None) and not transposed_lhs_dots("cpu")
+
+
+def test_rms_norm_spans_the_scale_s_axes_and_a_scalar_scale_the_last():
+    """[N, H] scales normalize over all heads' features (OLMo 3), [H] over each head's, and a scalar scale (no learned
+    one, Llama 4's L2 qk-norm) over the last axis, never over none."""
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 4, 8)), jnp.float32)
+    per_head = blocks.rms_norm(x, jnp.ones((8,)), 1e-6)
+    np.testing.assert_allclose(blocks.rms_norm(x, jnp.ones(()), 1e-6), per_head, rtol=1e-6)
+    np.testing.assert_allclose(jnp.mean(jnp.square(per_head), axis=-1), 1.0, rtol=1e-4)
+    over_heads = blocks.rms_norm(x, jnp.ones((4, 8)), 1e-6)
+    np.testing.assert_allclose(jnp.mean(jnp.square(over_heads), axis=(-2, -1)), 1.0, rtol=1e-4)

@@ -44,6 +44,9 @@ PUBLISHED = {
     "olmo3-32b": 32_233_522_176,     # transformers' count of OLMo 3 32B's config (the model card: 32B)
     "deepseek3-671b": 671_026_419_200,  # 671B, 37B active (below); the released 685B adds the MTP module
     "deepseek3-tiny": 8_166_320,     # DeepSeek-V3's architecture at the default model's sizes (not released)
+    "gemma4-default": 5_077_177_886,  # transformers' default Gemma4TextConfig (no model card gives a text config)
+    "glm-4.5-air": 106_852_251_264,  # transformers' count; model card: 106B, 12B active (below), without the MTP layer
+    "glm-4.5": 352_797_829_024,      # transformers' count, without the MTP layer; model card: 355B, 32B active
     # Llama 4's text decoders: transformers' count of the same architecture (the published 109B and 400B
     # totals, 17B active, include the vision encoder)
     "llama4-scout": 107_769_861_120,
@@ -58,6 +61,8 @@ MODEL_CARD = {"qwen3-0.6b": (0.6e9, 0.44e9), "qwen3-8b": (8.2e9, 6.95e9)}
 ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b": 3.6e9, "gpt-oss-120b": 5.1e9}
 # DeepSeek-V3's paper: 37B activated per token (counted, like gpt-oss's, without the input embedding table).
 ACTIVE_BILLIONS_WITHOUT_EMBEDDING = {"deepseek3-671b": 37}
+# GLM-4.5's model card: 12B (Air) and 32B active, counted without the embedding table and the output head.
+ACTIVE_BILLIONS_WITHOUT_EMBEDDING_AND_HEAD = {"glm-4.5-air": 12, "glm-4.5": 32}
 
 
 def preset(name, *overrides):
@@ -84,6 +89,9 @@ def test_preset_parameter_count_is_the_published_one(name):
     if name in ACTIVE_BILLIONS_WITHOUT_EMBEDDING:
         active = models.num_active_params(cfg) - cfg.vocab_size * cfg.base_emb_dim
         assert round(active / 1e9) == ACTIVE_BILLIONS_WITHOUT_EMBEDDING[name]
+    if name in ACTIVE_BILLIONS_WITHOUT_EMBEDDING_AND_HEAD:
+        active = models.num_active_params(cfg) - 2 * cfg.vocab_size * cfg.base_emb_dim
+        assert round(active / 1e9) == ACTIVE_BILLIONS_WITHOUT_EMBEDDING_AND_HEAD[name]
 
 
 @pytest.mark.parametrize("name", sorted(set(PUBLISHED) - {"default", "gpt2-small"}))
@@ -96,8 +104,9 @@ def test_transformers_counts_the_same_architecture_the_same(name):
     config = transformers.AutoConfig.for_model(**hf_config)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    # DeepSeek's selection bias is a buffer in transformers, a tensor of the checkpoint all the same
-    bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    # DeepSeek's selection bias and Gemma 4's layer scalars are buffers in transformers, tensors of the
+    # checkpoint all the same
+    bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith(("e_score_correction_bias", "layer_scalar")))
     assert sum(p.numel() for p in model.parameters()) + bias == models.num_params(cfg)
 
 
@@ -127,7 +136,17 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
                 # gated delta-net and full attention alternating, 2 key heads serving 4 value heads, partial RoPE
                 "qwen3_next": [*MOE_FLOPS, "shared_experts=1", "base_moe_mlp_dim=96", "inhomogeneous_layer_cycle_interval=2",
                                "gdn_num_key_heads=2", "gdn_num_value_heads=4", "gdn_key_head_dim=32",
-                               "gdn_value_head_dim=32", "gdn_chunk_size=16", "partial_rotary_factor=0.25"]}
+                               "gdn_value_head_dim=32", "gdn_chunk_size=16", "partial_rotary_factor=0.25"],
+                # half-head RoPE, qk-norm, q/k/v biases, a dense first layer, one shared expert, one MTP module
+                "glm4_moe": [*MOE_FLOPS, "partial_rotary_factor=0.5", "use_qk_norm=true", "attention_bias=true",
+                             "first_num_dense_layers=1", "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true",
+                             "mtp_num_layers=1"],
+                # full-attention layers of their own head shape with keys as values, per-layer inputs, two
+                # shared-KV layers with double-wide MLPs, experts beside every dense MLP
+                "gemma4_text": [*MOE_FLOPS, "attention_layer_types=[sliding,full,sliding,full]", "global_head_dim=64",
+                                "global_num_kv_heads=1", "attention_k_eq_v=true", "per_layer_input_dim=16",
+                                "num_kv_shared_layers=2", "double_wide_mlp=true", "base_moe_mlp_dim=96",
+                                "rope_type=proportional", "rope_proportion=0.25"]}
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """Qwen3-Next's hybrid stack (models/families/qwen3_next.py, models/gated_deltanet.py) beyond its parity with
 transformers (tests/test_families.py): packed documents give what the documents give apart, the mixed stack
-scans as it runs unrolled, a tiny model learns, decoding is refused with the reason, bad shapes are refused."""
+scans as it runs unrolled, a tiny model learns, decoding from the cache (the delta rule's state and the convolution's
+window beside attention's k and v) computes the full forward's logits, bad shapes are refused."""
 
 import json
 
@@ -13,6 +14,7 @@ from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
 from maxtrain import models
 from maxtrain.config import load_config, with_overrides
+from maxtrain.models import sampling
 
 # Two cycles of (gated delta-net, full attention), experts with a gated shared expert, 2 key heads for 4 value heads.
 HYBRID = ["decoder_block=qwen3_next", "base_num_decoder_layers=4", "inhomogeneous_layer_cycle_interval=2",
@@ -57,6 +59,51 @@ def test_the_mixed_stack_scans_as_it_runs_unrolled():
     assert [t.kind for t in models.family(cfg).layer_types(cfg)] == ["linear_moe", "full_moe"] * 2
 
 
+def decode_setup(*overrides):
+    cfg, rt, params = setup(*overrides)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(4, cfg.vocab_size, (2, 30)))
+    full = forward(cfg, rt, params, np.asarray(tokens), np.ones((2, 30), np.int32))
+    step = jax.jit(lambda p, t, pos, c, i, first: models.forward_with_cache(p, t, pos, c, i, cfg, rt, first))
+    return cfg, rt, params, tokens, full, step
+
+
+def test_decoding_from_the_cache_computes_the_full_forward():
+    """A prefill over two chunks, a single token (the recurrent step), a chunk again from the carried state, a token:
+    the logits are the full forward's; the gated delta-net's cache is a fixed size whatever the length."""
+    cfg, rt, params, tokens, full, step = decode_setup("base_num_decoder_layers=2")  # one layer of each kind
+    cache = models.init_cache(cfg, 2, 30, rt.dtype)
+    assert {k: v.shape for k, v in cache.items()} == {"state": (1, 2, 4, 8, 8), "conv": (1, 2, 3, 64),
+                                                      "k": (1, 2, 30, 2, 16), "v": (1, 2, 30, 2, 16)}
+    pieces, index = [], 0
+    for length in (14, 1, 14, 1):  # two shapes to compile
+        positions = jnp.broadcast_to(jnp.arange(index, index + length), (2, length))
+        logits, cache = step(params, tokens[:, index:index + length], positions, cache, index, None)
+        pieces.append(logits)
+        index += length
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1), full, atol=1e-4, rtol=0)
+
+
+@pytest.mark.slow
+def test_left_padded_rows_and_greedy_decoding_give_the_full_forwards_choices():
+    """A left-padded row (garbage in its padding) gives its unpadded logits: the padding neither writes the state
+    nor enters the window; greedy decoding picks the full forward's argmax at every step."""
+    cfg, rt, params, tokens, full, step = decode_setup()
+    first = jnp.asarray([0, 5])  # row 1: 5 slots of padding, then tokens[1, :25]
+    padded = tokens.at[1, 5:].set(tokens[1, :25])
+    cache, pieces = models.init_cache(cfg, 2, 30, rt.dtype), []
+    for index, length in ((0, 13), (13, 1), (14, 16)):
+        slots = jnp.arange(index, index + length)[None, :]
+        logits, cache = step(params, padded[:, index:index + length], jnp.maximum(slots - first[:, None], 0), cache,
+                             index, first)
+        pieces.append(logits)
+    np.testing.assert_allclose(np.concatenate(pieces, axis=1)[1, 5:], full[1, :25], atol=1e-4, rtol=0)
+
+    prompt = [int(t) for t in tokens[0, :6]]
+    new = sampling.generate(params, prompt, cfg, rt, max_new_tokens=8)
+    logits = forward(cfg, rt, params, np.asarray([prompt + new]), np.ones((1, 14), np.int32))[0]
+    assert new == np.asarray(jnp.argmax(logits[5:-1], axis=-1)).tolist()
+
+
 @pytest.mark.parametrize("overrides, fragment", [
     (["gdn_num_value_heads=3"], "gdn_num_value_heads=3 must be a multiple of gdn_num_key_heads=2"),
     (["gdn_conv_kernel_dim=0"], "gdn_conv_kernel_dim=0 is not allowed"),
@@ -64,7 +111,6 @@ def test_the_mixed_stack_scans_as_it_runs_unrolled():
     (["partial_rotary_factor=0.05"], "partial_rotary_factor=0.05 rotates 0 of head_dim=16 features"),
     (["ici_context_parallelism=2"], "gated delta-net layers do not run with context parallelism 2 yet"),
     (["ici_pipeline_parallelism=2"], "gated delta-net layers do not run with stage parallelism 2 yet"),
-    (["objective=grpo"], "objective=grpo samples completions with a KV cache, which decoder_block=qwen3_next"),
 ])
 def test_impossible_settings_are_refused(overrides, fragment):
     with pytest.raises(config_lib.ConfigError, match=fragment):
@@ -78,7 +124,7 @@ def test_gated_deltanet_settings_need_the_family():
 
 @pytest.mark.slow
 def test_a_tiny_hybrid_learns_the_default_corpus(tmp_path):
-    """The user's command on the default corpus: the loss falls, and the run ends without a sample (one line)."""
+    """The user's command on the default corpus: the loss falls, and the run ends with a greedy sample."""
     from maxtrain import train  # pylint: disable=import-outside-toplevel
 
     hybrid = [o for o in HYBRID if not o.startswith("max_new_tokens")]
@@ -90,4 +136,4 @@ def test_a_tiny_hybrid_learns_the_default_corpus(tmp_path):
     losses = [json.loads(line)["learning/loss"] for line in metrics_file.read_text().splitlines()
               if "learning/loss" in line]
     assert len(losses) == 40 and np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.5, losses
-    assert result.sample is None
+    assert isinstance(result.sample, str)

@@ -263,4 +263,54 @@ def test_llama4_step_compiles_with_chunked_flash_attention_and_experts(target, m
     assert rep["attention"] == "flash" and rep["collective_counts"]["all-to-all"] >= 2
     text = compiled.as_text()
     assert ("triton" in text.lower()) if target.startswith("h100") else ("tpu_custom_call" in text)
+
+
+# GLM-4.5's shape, small: 128-wide heads with RoPE on half of each, qk-norm, q/k/v biases, a dense layer then an
+# MoE layer of 8 experts (2 per token) with a shared expert, and one MTP module.
+GLM4_MOE_SMALL = ["model_name=glm-4.5", "dataset_type=synthetic", "base_emb_dim=256", "base_num_query_heads=4",
+                  "base_num_kv_heads=2", "head_dim=128", "base_mlp_dim=512", "base_moe_mlp_dim=64", "num_experts=8",
+                  "num_experts_per_tok=2", "base_num_decoder_layers=2", "first_num_dense_layers=1",
+                  "vocab_size=512", "max_target_length=256", "per_device_batch_size=1", "dtype=bfloat16",
+                  "mtp_num_layers=1"]
+
+
+def test_glm4_moe_step_compiles_for_a_tpu_pod_with_splash_attention_and_experts():
+    """docs/scale.md's GLM-4.5 mesh, small, on 8 v5p chips: expert parallelism 4 x FSDP 2 with capacity dispatch,
+    the splash kernel on the partially rotated heads; the tokens reach their experts by all-to-alls."""
+    need("tpu")
+    run, compiled, rep = compile_report(*GLM4_MOE_SMALL, "compile_topology=v5p-16", "attention=flash",
+                                        "ici_expert_parallelism=4", "ici_fsdp_parallelism=2", "moe_dispatch=capacity")
+    assert rep["num_devices"] == 8 and rep["mesh"]["expert"] == 4 and rep["mesh"]["fsdp"] == 2
+    assert run.rt.attention == "flash" and "tpu_custom_call" in compiled.as_text()  # splash
+    assert rep["collective_counts"]["all-to-all"] >= 2
     assert 0 < rep["memory"]["total"] < rep["memory"]["chip"]
+def test_the_prediction_reads_an_h100_step_and_its_fsdp_collectives():
+    """compile/predict.py on a real H100 program: FSDP's gathers run over the fsdp axis inside one host (NVLink), the
+    flash kernels count as attention, the HLO's matmul FLOPs are near the family's formula (remat full: x 4/3)."""
+    need("gpu")
+    run, compiled, rep = compile_report(*with_overrides(SMALL, "compile_topology=h100-8", "attention=flash",
+                                                        "remat_policy=full"))
+    p = rep["prediction"]
+    assert p["chip"] == "h100" and 0 < p["parts"]["collectives_hidden"] <= p["parts"]["collectives"]
+    assert set(p["collectives_by_axis"]) == {"fsdp"} and p["parts"]["attention"] > 0
+    model = rep["model_tflops_per_chip"] * 1e12
+    assert 0.9 * model < p["hlo_flops_per_chip"] < 1.6 * model
+    assert p["step_seconds"] == pytest.approx(p["compute_seconds"] + p["parts"]["collectives_exposed"])
+    assert "predicted step time" in train_compile.format_report(rep)
+
+
+def test_plan_sorts_the_cells_that_fit_and_names_the_best_command(capsys):
+    need("gpu")
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    import plan  # pylint: disable=import-outside-toplevel  # scripts/plan.py, not a package
+
+    plan.main([BASE_YML, *SMALL, "compile_topology=h100-8", "--tensor", "1,2", "--batch", "1", "--remat", "full"])
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
+    speeds = [float(r.split("|")[2].replace(",", "")) for r in rows]
+    assert len(rows) == 2 and speeds == sorted(speeds, reverse=True)
+    assert re.search(r"train the best, on h100-8: python -m maxtrain.train .* ici_tensor_parallelism=[12] ", out)
+    with pytest.raises(plan.ToolError, match=r"no cell of the grid fits h100-8: the smallest needs [\d.]+ GiB per chip "
+                                             r"\(.*per_device_batch_size=4096.*\), the chip has 79.1; try"):
+        plan.main([BASE_YML, *with_overrides(SMALL, "max_target_length=4096"), "compile_topology=h100-8", "--tensor",
+                   "1", "--batch", "4096", "--remat", "minimal"])

@@ -33,28 +33,26 @@ import importlib.util
 import os
 import re
 
+from maxtrain.config import chips
 from maxtrain.errors import UserError
 
-GIB = 2**30
 
-# Per-chip memory and peak (dense bfloat16 TFLOP/s) of each chip kind: the vendors' data sheets.
-# TPU v4 and v5p chips hold two TensorCores presented as one device (megacore).
-# libtpu's chip config "megacore" presents a v4 chip's two TensorCores as one device; its
-# "default" already does so for v5p, and v5e and v6e chips have one TensorCore.
-# TPU v7x (Ironwood) chips hold two TensorCores presented as two devices, each with half the chip's 192 GiB.
+# How each TPU kind is named and laid out for the compiler; its memory, peaks and bandwidths are its chip
+# record's (config/chips.py, the one record per chip). libtpu's chip config "megacore" presents a v4 chip's two
+# TensorCores as one device; its "default" already does so for v5p, and v5e and v6e chips have one TensorCore.
+# TPU v7x (Ironwood) chips hold two TensorCores presented as two devices (chips.by_name("v7x").devices_per_chip).
 TPU_CHIPS = {
-    #       topology prefix, chip config, torus dims, memory bytes per device, cores per chip
-    "v4": ("v4", "megacore", 3, 32 * GIB, 2),
-    "v5p": ("v5p", "default", 3, 95 * GIB, 2),
-    "v5e": ("v5e", "default", 2, 16 * GIB, 1),
-    "v6e": ("v6e", "default", 2, 32 * GIB, 1),
-    "v7x": ("tpu7x", "default", 3, 96 * GIB, 2),
+    #       topology prefix, chip config, torus dims, cores per chip
+    "v4": ("v4", "megacore", 3, 2),
+    "v5p": ("v5p", "default", 3, 2),
+    "v5e": ("v5e", "default", 2, 1),
+    "v6e": ("v6e", "default", 2, 1),
+    "v7x": ("tpu7x", "default", 3, 2),
 }
-TPU_DEVICES_PER_CHIP = {"v7x": 2}  # the others present one device per chip
 TPU_ALIASES = {"v5litepod": "v5e", "v6": "v6e", "v5": "v5p", "tpu7x": "v7x"}
 
-# GPU kinds: the target config file in maxtrain/compile/gpu_targets/ (which also gives the memory a
-# fit is judged against: the device_memory_size XLA is given).
+# GPU kinds: the target config file in maxtrain/compile/gpu_targets/ (its device_memory_size, the memory XLA is
+# given, is the chip record's memory_bytes: tests/test_chips.py checks that they agree).
 GPU_TARGET_FILES = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb", "a100": "a100_sxm.txtpb"}
 _GPU_TARGET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
 GPUS_PER_HOST = 8
@@ -179,35 +177,40 @@ def gpu_target_config(chip: str) -> str:
         return f.read()
 
 
-def gpu_memory_bytes(chip: str) -> int:
-    """device_memory_size from the GPU kind's target config."""
-    match = re.search(r"device_memory_size:\s*(\d+)", gpu_target_config(chip))
+def gpu_config_figure(chip: str, field: str) -> int:
+    """An integer field of the GPU kind's target config (device_memory_size, shared_memory_per_block_optin, ...)."""
+    match = re.search(rf"\b{field}:\s*(\d+)", gpu_target_config(chip))
     if not match:
-        raise TargetError(f"the {chip} target config has no device_memory_size")
+        raise TargetError(f"the {chip} target config has no {field}")
     return int(match.group(1))
 
 
-def torus_shape(chips: int, dims: int) -> tuple[int, ...] | None:
-    """Chips per dimension of a TPU slice of `chips` chips, as Cloud TPU lays them out, or None.
+def chip_record(target: Target) -> chips.Chip:
+    """The chip record (config/chips.py) of a TPU or GPU target: memory, peaks, bandwidths."""
+    return chips.by_name(target.chip)
+
+
+def torus_shape(count: int, dims: int) -> tuple[int, ...] | None:
+    """Chips per dimension of a TPU slice of `count` chips, as Cloud TPU lays them out, or None.
 
     2-D (v5e, v6e): powers of two, the longer side at most twice the shorter (8x16, 16x16).
     3-D (v4, v5p): each side 1, 2 or a multiple of 4, as near a cube as possible (4x4x4, 4x4x8,
     4x4x12), the 1 of a single host last (2x2x1).
     """
-    if chips < 1:
+    if count < 1:
         return None
     if dims == 2:
-        if chips & (chips - 1):
+        if count & (count - 1):
             return None
-        side = 1 << (chips.bit_length() - 1) // 2
-        return (side, chips // side)
+        side = 1 << (count.bit_length() - 1) // 2
+        return (side, count // side)
     best = None
-    allowed = [n for n in range(1, chips + 1) if chips % n == 0 and (n <= 2 or n % 4 == 0)]
+    allowed = [n for n in range(1, count + 1) if count % n == 0 and (n <= 2 or n % 4 == 0)]
     for x in allowed:
         for y in allowed:
-            if y < x or chips % (x * y):
+            if y < x or count % (x * y):
                 continue
-            z = chips // (x * y)
+            z = count // (x * y)
             if z < y or z not in allowed:
                 continue
             key = (z, -x)  # the shortest longest side, then the fattest
@@ -240,20 +243,22 @@ def parse(name: str, num_slices: int = 1) -> Target:
     match = _TPU_NAME.match(key)
     if match:
         chip = TPU_ALIASES.get(match.group(1), match.group(1))
-        _, _, dims, memory, cores = TPU_CHIPS[chip]
+        _, _, dims, cores = TPU_CHIPS[chip]
+        record = chips.by_name(chip)
         count = int(match.group(2))
         if count % cores:
             raise TargetError(f"compile_topology={name}: {chip} names count TensorCores, {cores} per chip, so the "
                               f"number must be even (e.g. {chip}-{max(cores, count - count % cores)})")
-        chips = count // cores
-        shape = torus_shape(chips, dims)
+        chips_count = count // cores
+        shape = torus_shape(chips_count, dims)
         if shape is None:
             examples = ", ".join(f"{chip}-{n * cores}" for n in ((4, 16, 64, 256) if dims == 2 else (4, 8, 64, 512)))
-            raise TargetError(f"compile_topology={name}: {chips} {chip} chips do not form a Cloud TPU slice "
+            raise TargetError(f"compile_topology={name}: {chips_count} {chip} chips do not form a Cloud TPU slice "
                               f"({'powers of two' if dims == 2 else 'sides of 1, 2 or multiples of 4'}); e.g. {examples}")
-        return Target(name, "tpu", chip, num_slices, chips, shape, memory, TPU_DEVICES_PER_CHIP.get(chip, 1))
+        return Target(name, "tpu", chip, num_slices, chips_count, shape, record.memory_bytes, record.devices_per_chip)
     if key == "a3":
-        return Target(name, "gpu", "h100", num_slices, GPUS_PER_HOST, (1, GPUS_PER_HOST), gpu_memory_bytes("h100"))
+        return Target(name, "gpu", "h100", num_slices, GPUS_PER_HOST, (1, GPUS_PER_HOST),
+                      chips.by_name("h100").memory_bytes)
     match = _GPU_NAME.match(key)
     if match:
         chip, count = match.group(1), int(match.group(2))
@@ -261,7 +266,7 @@ def parse(name: str, num_slices: int = 1) -> Target:
             raise TargetError(f"compile_topology={name}: {chip} hosts hold {GPUS_PER_HOST} GPUs, so N must be 1, 2, "
                               f"4, 8 or a multiple of 8 (e.g. {chip}-{max(8, count - count % 8)})")
         hosts, per_host = max(1, count // GPUS_PER_HOST), min(count, GPUS_PER_HOST)
-        return Target(name, "gpu", chip, num_slices, count, (hosts, per_host), gpu_memory_bytes(chip))
+        return Target(name, "gpu", chip, num_slices, count, (hosts, per_host), chips.by_name(chip).memory_bytes)
     raise TargetError(
         f"compile_topology={name!r} is not a target this compiler knows. Use a TPU slice by MaxText's name "
         "(v4-8, v5p-128, v5e-256, v6e-64, v7x-8, ...: v4, v5p and v7x count TensorCores, v5e and v6e chips), a3 "

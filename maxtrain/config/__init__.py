@@ -11,6 +11,7 @@
     features.py   each feature's switch and the settings it owns; what each family is
     limits.py     samplers with one choice, settings the sequence cannot hold, empty paths
     loading.py    YAML chain, presets, overrides, coercion, derived values -> Config
+    chips.py      one record per accelerator chip (memory, peaks, bandwidths, shared memory, float8)
 
 Owns every fact about what a setting may be. May import only `maxtrain.errors` (and PyYAML):
 everything else in maxtrain reads its settings from here, before JAX starts.

@@ -56,6 +56,27 @@ def _head_dim_even(v):
 
 
 
+def _layer_head_shapes(v):
+    """Layers of their own head shape (global_head_dim, global_num_kv_heads) and shared-KV layers (their keys
+    and values from an earlier layer of their attention type): what makes each possible."""
+    h, g, n = v["global_head_dim"], v["global_num_kv_heads"], v["base_num_query_heads"]
+    _require(h == -1 or h % 2 == 0, f"global_head_dim={h} must be even (RoPE rotates pairs of features)")
+    _require(g == -1 or n % g == 0, f"base_num_query_heads={n} must be a multiple of global_num_kv_heads={g}; "
+                                    f"e.g. global_num_kv_heads={_divisor_hint(n, max(g, 1))}")
+    _require(not (v["attention"] == "cudnn" and max(h, v["head_dim"]) > 256),
+             f"attention=cudnn takes heads of at most 256 features, but global_head_dim={h}; use attention=flash "
+             "(or autoselected)")
+    shared, layers = v["num_kv_shared_layers"], v["base_num_decoder_layers"]
+    kinds = features.layer_attention(v)
+    _require(shared == 0 or (shared < layers and set(kinds[layers - shared:]) <= set(kinds[:layers - shared])),
+             f"num_kv_shared_layers={shared}: each of the last {shared} layers shares the keys and values of an "
+             f"earlier layer of its attention type, and the {layers - shared} before them ({kinds[:layers - shared]}) "
+             f"leave none for {sorted(set(kinds[layers - shared:]))}; use fewer shared layers")
+    _require(shared > 0 or not v["double_wide_mlp"],
+             "double_wide_mlp=true widens the shared-KV layers' MLP, but num_kv_shared_layers=0; set "
+             "num_kv_shared_layers, or drop double_wide_mlp")
+
+
 def _vocab_tiling_divides_length(v):
     _require(v["num_vocab_tiling"] == -1 or v["max_target_length"] % v["num_vocab_tiling"] == 0,
              f"num_vocab_tiling={v['num_vocab_tiling']} must divide max_target_length={v['max_target_length']} "
@@ -366,14 +387,6 @@ def _partial_rotary_factor(v):
              "features, but RoPE rotates an even number of them (at least 2); choose a factor that gives one")
 
 
-def _decoding_implemented(v):
-    """GRPO samples its completions with the cache (the end-of-run sample is skipped with a notice instead:
-    train.sample_prompt_ids; maxtrain.decode refuses)."""
-    _require(features.family(v).decodes or not objectives.of(v).samples,
-             f"objective={v['objective']} samples completions with a KV cache, which decoder_block={v['decoder_block']} "
-             "does not implement yet; train it with another objective")
-
-
 def _multi_token_prediction(v):
     """MTP (models/mtp.py): DeepSeek's modules after its MoE layers, on the next-token objectives, in one program
     without pipeline stages, context parallelism or LoRA (none is wired through the MTP modules)."""
@@ -417,8 +430,8 @@ def _muon_without_lora(v):
              "set opt_type=adamw for LoRA (or lora_rank=0 for Muon)")
 
 
-CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _vocab_tiling_divides_length, _llama3_rope_factors, _attention_layer_types,
-          _flash_blocks_powers_of_two, _gated_deltanet, _partial_rotary_factor, _decoding_implemented,
+CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _layer_head_shapes, _vocab_tiling_divides_length, _llama3_rope_factors,
+          _attention_layer_types, _flash_blocks_powers_of_two, _gated_deltanet, _partial_rotary_factor,
           *objectives.CHECKS, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           _stages_divide_layers, _no_pipeline_stages_with_experts, _context_chunks_divide_length,

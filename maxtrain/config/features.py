@@ -124,11 +124,13 @@ FEATURES: tuple[Feature, ...] = (
     Feature("per-layer attention types", lambda v: family(v).per_layer_attention,
             ("attention_layer_types",), fix="use a family other than " + ", ".join(
                 n for n, f in FAMILIES.items() if not f.per_layer_attention), state="decoder_block"),
-    Feature("rope_type=linear, llama3 or yarn", lambda v: v["rope_type"] != "default", ("rope_factor",),
-            fix="set rope_type (linear, llama3 or yarn)", state="rope_type"),
+    Feature("rope_type=linear, llama3, yarn or proportional", lambda v: v["rope_type"] != "default", ("rope_factor",),
+            fix="set rope_type (linear, llama3, yarn or proportional)", state="rope_type"),
     Feature("rope_type=llama3 or yarn", lambda v: v["rope_type"] in ("llama3", "yarn"),
             ("original_max_position_embeddings",), fix="set rope_type=llama3 (or yarn)", state="rope_type"),
     Feature("rope_type=llama3", lambda v: v["rope_type"] == "llama3", ("rope_low_freq_factor", "rope_high_freq_factor"),
+            state="rope_type"),
+    Feature("rope_type=proportional", lambda v: v["rope_type"] == "proportional", ("rope_proportion",),
             state="rope_type"),
     Feature("rope_type=yarn", lambda v: v["rope_type"] == "yarn",
             ("rope_beta_fast", "rope_beta_slow", "rope_attention_factor", "rope_truncate"), state="rope_type"),
@@ -198,7 +200,7 @@ def what_the_family_is(v: dict[str, Any]) -> None:
         raise ConfigError(f"{source}, but sliding_window_size=0 would give them full attention; set sliding_window_size"
                           f"={window} ({block}'s usual window), or attention_layer_types=[full, ...] for full attention "
                           "in every layer")
-    if block in MOE_FAMILIES and v["num_experts"] == 1:
+    if block in MOE_FAMILIES and v["num_experts"] == 1 and not family(v).moe_optional:
         raise ConfigError(f"decoder_block={block} is a mixture of experts, but num_experts=1 (the default) makes each "
                           f"MoE layer one dense MLP; set num_experts={usual.get('num_experts', 8)} ({block}'s usual "
                           "count) and num_experts_per_tok, or use a dense family (e.g. decoder_block=llama)")

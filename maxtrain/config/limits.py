@@ -103,6 +103,7 @@ PATH_KEYS = {
     "load_full_state_path": "no starting checkpoint",
     "distill_teacher_path": "no teacher",
     "eval_tasks_cache_dir": "the default evaluation data cache",
+    "compile_report_file": "no JSON report",
     "compiled_trainstep_file": "compile the step",
 }
 

@@ -25,6 +25,7 @@ class Family:
     hf_model_types: tuple[str, ...]  # config.json model_type values imported as this family; the first is exported
     hf_architecture: str          # config.json architectures[0] on export
     moe: bool = False             # its layers may be mixtures of experts (num_experts, decoder_sparse_step, ...)
+    moe_optional: bool = False    # num_experts=1 is a dense model of the family (Gemma 4), not a mistake
     attention_sinks: bool = False  # a learned per-head logit in each softmax's denominator (only dot_product has it)
     attention_pattern: tuple[str, ...] = ("full",)  # "full" / "sliding" attention of its layers, repeated over the stack
     window_everywhere: bool = False  # sliding_window_size > 0 makes every layer a sliding-window layer (Mistral)
@@ -41,7 +42,6 @@ class Family:
     setting_keys: tuple[str, ...] = ()
     # Of its `settings`, those that change how, not what, it computes (a kernel's chunk): no model keys.
     kernel_settings: tuple[str, ...] = ()
-    decodes: bool = True          # decoding with a cache is implemented (maxtrain.decode, the end-of-run sample)
 
     def pattern(self, num_layers: int) -> list[str]:
         """Its layers' attention without attention_layer_types: attention_pattern repeated over num_layers."""
@@ -76,6 +76,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma3", ("gemma3_text", "gemma3"), "Gemma3ForCausalLM", attention_pattern=("sliding",) * 5 + ("full",),
            usual=(("sliding_window_size", 1024),),  # 512 in Gemma 3 1B
            settings=("attn_logits_soft_cap", "query_pre_attn_scalar")),
+    Family("gemma4_text", ("gemma4_text", "gemma4"), "Gemma4ForCausalLM", moe=True, moe_optional=True,
+           attention_pattern=("sliding",) * 5 + ("full",),
+           usual=(("sliding_window_size", 512),),
+           settings=("global_head_dim", "global_num_kv_heads", "attention_k_eq_v", "per_layer_input_dim",
+                     "num_kv_shared_layers", "double_wide_mlp"),
+           shape_keys=("global_head_dim", "global_num_kv_heads", "attention_k_eq_v", "per_layer_input_dim",
+                       "num_kv_shared_layers", "double_wide_mlp"),
+           setting_keys=("rope_proportion",)),
     Family("mixtral", ("mixtral",), "MixtralForCausalLM", moe=True, window_everywhere=True,
            usual=(("num_experts", 8),)),
     Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", moe=True, window_everywhere=True,
@@ -86,15 +94,15 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("olmo3", ("olmo3",), "Olmo3ForCausalLM", attention_pattern=("sliding",) * 3 + ("full",),
            usual=(("sliding_window_size", 4096),)),
     Family("qwen3_next", ("qwen3_next",), "Qwen3NextForCausalLM", moe=True, per_layer_attention=False,
-           usual=(("num_experts", 512),), decodes=False,
+           usual=(("num_experts", 512),),
            settings=HYBRID_SETTINGS + ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"),
            shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts",), setting_keys=("partial_rotary_factor",),
            kernel_settings=HYBRID_KERNEL_SETTINGS),
     Family("qwen3_5_text", ("qwen3_5_text", "qwen3_5"), "Qwen3_5ForCausalLM", per_layer_attention=False,
-           decodes=False, settings=HYBRID_SETTINGS, shape_keys=HYBRID_SHAPE_KEYS,
+           settings=HYBRID_SETTINGS, shape_keys=HYBRID_SHAPE_KEYS,
            setting_keys=("partial_rotary_factor",), kernel_settings=HYBRID_KERNEL_SETTINGS),
     Family("qwen3_5_moe_text", ("qwen3_5_moe_text", "qwen3_5_moe"), "Qwen3_5MoeForCausalLM", moe=True,
-           per_layer_attention=False, usual=(("num_experts", 256),), decodes=False, settings=HYBRID_SETTINGS,
+           per_layer_attention=False, usual=(("num_experts", 256),), settings=HYBRID_SETTINGS,
            shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts",), setting_keys=("partial_rotary_factor",),
            kernel_settings=HYBRID_KERNEL_SETTINGS),
     Family("deepseek", ("deepseek_v3",), "DeepseekV3ForCausalLM", moe=True, per_layer_attention=False,
@@ -114,6 +122,15 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            shape_keys=("shared_experts",),
            setting_keys=("chunk_attn_window_size", "nope_layer_interval", "use_qk_norm", "temperature_tuning",
                          "temperature_tuning_scale", "temperature_tuning_floor_scale")),
+    Family("glm4_moe", ("glm4_moe",), "Glm4MoeForCausalLM", moe=True, per_layer_attention=False,
+           usual=(("num_experts", 128),),
+           settings=("norm_topk_prob", "first_num_dense_layers", "n_routing_groups", "topk_routing_group",
+                     "routed_scaling_factor", "mtp_num_layers", "partial_rotary_factor", "use_qk_norm",
+                     "attention_bias"),
+           shape_keys=("first_num_dense_layers", "shared_experts", "routed_bias", "mtp_num_layers", "attention_bias"),
+           # use_qk_norm fixes its shapes (q_norm, k_norm) but is llama4_text's setting key too: one list holds it
+           setting_keys=("n_routing_groups", "topk_routing_group", "routed_scaling_factor", "partial_rotary_factor",
+                         "use_qk_norm")),
 )}
 
 MOE_FAMILIES = tuple(name for name, f in FAMILIES.items() if f.moe)

@@ -4,7 +4,7 @@ rule (GPU Triton and TPU Mosaic; interpret mode on CPU).
 
     flash_attention.py   forward and backward kernels with GQA, segment ids, causal and sliding-window
                          masks, logit soft-capping; checked against models/attention.py's jnp reference
-    flash_tiles.py       block sizes that fit a GPU's shared memory (per compute capability)
+    flash_tiles.py       block sizes that fit a GPU's shared memory (config/chips.py's, per compute capability)
     splash_attention.py  JAX's splash kernel behind the same signature
     tokamax_attention.py tokamax's Mosaic GPU flash attention (the optional [gpu] extra) behind the same
                          signature; tokamax is imported when first traced, never on a run that does not use it
@@ -16,5 +16,5 @@ rule (GPU Triton and TPU Mosaic; interpret mode on CPU).
 
 Called only from the model: maxtrain/models/attention.py (inside shard_map), models/moe_experts.py and
 models/gated_deltanet.py (inside shard_map).
-Imports nothing else of maxtrain.
+Imports nothing else of maxtrain but the chip records (config/chips.py).
 """

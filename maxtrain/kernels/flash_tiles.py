@@ -2,7 +2,8 @@
 
 A Triton program keeps its tiles in the streaming multiprocessor's shared memory, whose per-block limit depends on
 the GPU: `default_tuning` shrinks the requested blocks until `shared_memory_bytes`, a model of what Triton asks for,
-fits the target's limit (`SHARED_MEMORY_BY_CAPABILITY`, looked up by maxtrain/models/attention.py from the devices).
+fits the target's limit (the chip records' shared memory per block, config/chips.py, looked up by
+maxtrain/models/attention.py from the devices' compute capability).
 scripts/kernel_shared_memory.py compares the model with what Triton reports.
 """
 
@@ -12,21 +13,12 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from maxtrain.config import chips
+
 MIN_BLOCK = 16  # Triton's dot needs every dimension >= 16.
 
-# Shared memory one thread block may use (opt-in maximum), by CUDA compute capability.
-# From NVIDIA's CUDA C++ Programming Guide, "Technical Specifications per Compute Capability".
-SHARED_MEMORY_BY_CAPABILITY = {
-    (8, 0): 166912,  # A100
-    (8, 6): 101376,  # RTX 30xx, A40, A10
-    (8, 7): 166912,  # Jetson Orin
-    (8, 9): 101376,  # L4, L40, RTX 40xx
-    (9, 0): 232448,  # H100, H200
-    (10, 0): 232448,  # B200
-    (12, 0): 101376,  # RTX 50xx
-}
-# When the target is not known: the smallest limit of the GPUs above, so the kernel compiles on all.
-DEFAULT_SHARED_MEMORY = 101376
+# When the target is not known: the smallest opt-in limit of the GPUs with chip records, so the kernel compiles on all.
+DEFAULT_SHARED_MEMORY = chips.DEFAULT_SHARED_MEMORY
 
 
 @dataclasses.dataclass(frozen=True)

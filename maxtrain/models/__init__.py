@@ -24,8 +24,8 @@
     sampling.py   sampling with the KV cache: greedy, temperature, top-k, top-p
     hf.py         what the families share about Hugging Face names and config.json fields
     families/     one module per family of config/registry.py (llama, mistral, qwen2, qwen3, gemma2,
-                  gemma3, mixtral, qwen3_moe, gpt_oss, deepseek, llama4_text): declarations, layer composition,
-                  HF mapping, FLOPs
+                  gemma3, mixtral, qwen3_moe, gpt_oss, deepseek, llama4_text, glm4_moe): declarations, layer
+                  composition, HF mapping, FLOPs
 
 `decoder_block` (MaxText's key; presets set it) picks the family. Every function here is a pure
 function of (params, inputs, config, runtime). May import config, parallel and kernels (and errors);

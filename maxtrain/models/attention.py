@@ -23,7 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from maxtrain.kernels import flash_tiles
+from maxtrain.config import chips
 from maxtrain.models import attention_choice
 from maxtrain.parallel import context, sharding
 
@@ -293,8 +293,8 @@ def gpu_shared_memory(devices) -> int:
             major, minor = (int(x) for x in str(device.compute_capability).split("."))
         except (AttributeError, ValueError):
             continue
-        limits.append(flash_tiles.SHARED_MEMORY_BY_CAPABILITY.get((major, minor), flash_tiles.DEFAULT_SHARED_MEMORY))
-    return min(limits, default=flash_tiles.DEFAULT_SHARED_MEMORY)
+        limits.append(chips.shared_memory_per_block((major, minor)))
+    return min(limits, default=chips.DEFAULT_SHARED_MEMORY)
 
 
 def _local_devices(platform: str):

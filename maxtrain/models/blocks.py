@@ -36,8 +36,11 @@ class LayerInputs(NamedTuple):
     positions: Any            # [B, T] int32, restarting at 0 in each packed document
     segment_ids: Any          # [B, T] int32, 0 = padding
     rope: dict                # {"global": (cos, sin), "local": (cos, sin)}, each [B, T, H/2] float32
-    cache: Any = None         # decoding only: (k [B, S, G, H], v [B, S, G, H], index of the first new slot,
-                              # first slot each row attends to [B] or None: left-padded prompts)
+    cache: Any = None         # decoding only: (the layer's cache entries as its family declares them (attention:
+                              # k [B, S, G, H], v [B, S, G, H]), index of the first new slot, first slot each
+                              # row attends to [B] or None: left-padded prompts)
+    per_layer: Any = None     # this layer's own input beside x (contract.FamilyModel.per_layer_inputs), or None
+    state: Any = None         # what earlier layers handed on (contract.FamilyModel.layer_state), or None
 
 
 # --------------------------------------------------------------------------------------------
@@ -105,9 +108,10 @@ def embedding_specs(config, norm_init: str = "ones") -> dict[str, ParamSpec]:
 
 def rms_norm(x, scale, eps: float, plus_one: bool = False):
     """x / rms(x) * scale, in float32; returns x's dtype. plus_one: scale is stored as (scale - 1) (Gemma).
-    The rms is over x's last scale.ndim axes: a scale [N, H] normalizes [..., N, H] over all N * H features."""
+    The rms is over x's last scale.ndim axes (at least one): a scale [N, H] normalizes [..., N, H] over all N * H
+    features; a scalar scale (no learned one, Llama 4's L2 qk-norm) over the last axis."""
     x32 = x.astype(jnp.float32)
-    axes = tuple(range(-scale.ndim, 0))
+    axes = tuple(range(-max(jnp.ndim(scale), 1), 0))
     x32 = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=axes, keepdims=True) + eps)
     scale = scale.astype(jnp.float32)
     return (x32 * (1.0 + scale if plus_one else scale)).astype(x.dtype)

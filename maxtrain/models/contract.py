@@ -24,7 +24,19 @@ and what it may override (the defaults serve every family with multi-head attent
 
     rope_head_dim    config -> the features RoPE's tables cover (head_dim; MLA: qk_rope_head_dim)
     cache_heads      config -> ((heads, width) of the k cache, (heads, width) of the v cache)
+    layer_cache      (config, layer_type, batch, max_length, kv_heads) -> {name: (shape, dtype or None)}: one
+                     layer's decoding cache (dtype None: the cache's). The default is attention's k and v
+                     [B, S, heads, width] of kv_heads = cache_heads(config); a layer kind that keeps something
+                     else declares it (the gated delta-net: its rule state and convolution window,
+                     models/hybrid.py). The decoder stacks each name over the layers that have it, in layer
+                     order, and hands a layer its entries in the declared order (models/decoder.py)
     mtp_copies       Hugging Face tensors of the MTP modules that copy the model's own (DeepSeek)
+    per_layer_inputs (params, tokens [B, T], x [B, T, D] the embedding, config, rt) -> [L, B, T, ...]: an
+                     input of each layer beside x, which its `layer` reads as inputs.per_layer (Gemma 4's
+                     per-layer input embeddings); None: none
+    layer_state      (x [B, T, D], config, rt, length: T, or the cache slots when decoding) -> the initial value of a pytree the layers hand on, each reading
+                     it as inputs.state and replacing it by returning aux["state"] (Gemma 4's shared-KV
+                     layers read the keys and values an earlier layer left there); None: none
 
 Settings a family reads beyond the shared ones, and its rules, live in its registry row (config/ reads
 them before JAX starts); which config keys a checkpoint is checked against come from there too
@@ -49,6 +61,12 @@ def kv_cache_heads(config) -> tuple[tuple[int, int], tuple[int, int]]:
     return (config.base_num_kv_heads, config.head_dim), (config.base_num_kv_heads, config.head_dim)
 
 
+def kv_layer_cache(config, layer_type, batch: int, max_length: int, kv_heads) -> dict:
+    """An attention layer's decoding cache: k and v [B, S, heads, width] (kv_heads: the family's cache_heads)."""
+    (k_heads, k_width), (v_heads, v_width) = kv_heads
+    return {"k": ((batch, max_length, k_heads, k_width), None), "v": ((batch, max_length, v_heads, v_width), None)}
+
+
 @dataclasses.dataclass(frozen=True)
 class FamilyModel:
     """One model family, as the decoder, decoding, checkpoints, HF conversion and FLOPs see it."""
@@ -66,6 +84,9 @@ class FamilyModel:
     rope_head_dim: Callable[[Any], int] = full_head_dim
     cache_heads: Callable[[Any], tuple] = kv_cache_heads
     mtp_copies: tuple[str, ...] = ()
+    layer_cache: Callable[..., dict] = kv_layer_cache
+    per_layer_inputs: Callable[..., Any] | None = None
+    layer_state: Callable[..., Any] | None = None
 
     @property
     def name(self) -> str:

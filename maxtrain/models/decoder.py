@@ -24,8 +24,9 @@ be a mean over some layers divides by their number (models/moe.py does, over the
 Entries named PER_LAYER + name ("per_layer/moe_load_max") are not summed: the stack returns one
 scalar per layer that has them, as "<name>/layer_<i>" with i the layer's index in the whole stack
 ("moe_load_max/layer_03"), so per-layer figures reach the metrics like any other entry. When
-decoding, the attention block also puts the layer's updated KV cache in aux under "cache"; the
-stack collects it per layer instead of summing.
+decoding, a layer gets its own cache entries (LayerInputs.cache: the entries the family declares for it,
+then the index and `first`) and puts them back updated, in the same order, in aux under "cache" (the
+attention block: its k and v); the stack collects them per layer instead of summing.
 """
 
 from __future__ import annotations
@@ -114,13 +115,32 @@ def _layer_params(layers: dict, types: list[LayerType], index: int) -> dict:
     return {kind: jax.tree.map(lambda t: t[i], layers[kind], is_leaf=lambda t: isinstance(t, tuple))}
 
 
-def _segment_cache(cache, seg: Segment):
-    """The segment's (k, v) cache slots [repeats, period, B, S, G, H], or None when not decoding."""
+def _cache_names(family, config, lt: LayerType) -> tuple[str, ...]:
+    """The names of one layer's decoding cache entries, in the order the layer receives them."""
+    return tuple(family.layer_cache(config, lt, 1, 1, family.cache_heads(config)))
+
+
+def _segment_cache(family, cache, types: list[LayerType], seg: Segment, config):
+    """{name: the segment's slots of that cache entry [repeats, layers having it per group, B, ...]}, or None
+    when not decoding: each name's stack holds the layers that have it, in order (init_cache)."""
     if cache is None:
         return None
+    out = {}
+    for name, stacked in cache.items():
+        first = sum(name in _cache_names(family, config, t) for t in types[:seg.start])
+        per_group = sum(name in _cache_names(family, config, t) for t in seg.period)
+        if per_group:
+            part = stacked[first:first + per_group * seg.repeats]
+            out[name] = part.reshape((seg.repeats, per_group) + stacked.shape[1:])
+    return out
+
+
+def _segment_per_layer(per_layer, seg: Segment):
+    """The segment's per-layer inputs [repeats, period, ...] (of [L, ...]), or None when the family has none."""
+    if per_layer is None:
+        return None
     size = len(seg.period) * seg.repeats
-    return tuple(a[seg.start:seg.start + size].reshape((seg.repeats, len(seg.period)) + a.shape[1:])
-                 for a in cache[:2])
+    return per_layer[seg.start:seg.start + size].reshape((seg.repeats, len(seg.period)) + per_layer.shape[1:])
 
 
 def _layer_fn(family, lt: LayerType, config, rt, scan: bool):
@@ -136,56 +156,77 @@ def per_layer_name(name: str, layer: int, num_layers: int) -> str:
     return f"{name[len(PER_LAYER):]}/layer_{layer:0{len(str(num_layers - 1))}d}"
 
 
-def _run_group(family, period, x, group_params, group_cache, inputs: LayerInputs, config, rt, scan):
-    """The layers of one group, unrolled: (x, (aux summed over them, their PER_LAYER entries as
-    {(position in the group, name): value}, their new caches stacked or None))."""
-    aux_sum, per_layer, new_caches, taken = {}, {}, [], {}
+def _run_group(family, period, carry, group_params, group_cache, group_per_layer, inputs: LayerInputs, config, rt,
+               scan):
+    """The layers of one group, unrolled: ((x, state), (aux summed over them, their PER_LAYER entries as
+    {(position in the group, name): value}, their new caches stacked or None)). `state`: what the layers
+    hand on to later ones (contract.FamilyModel.layer_state; None without), read as inputs.state and
+    replaced by a layer's aux["state"]."""
+    x, state = carry
+    aux_sum, per_layer, new_caches, taken, cached = {}, {}, {}, {}, {}
     for j, lt in enumerate(period):
         i = taken.get(lt.kind, 0)
         taken[lt.kind] = i + 1
         one = sum(t.kind == lt.kind for t in period) == 1  # its parameters come without a per-group axis
         p = group_params[lt.kind] if one else jax.tree.map(lambda a, i=i: a[i], group_params[lt.kind])
-        layer_inputs = inputs if group_cache is None else inputs._replace(
-            cache=(group_cache[0][j], group_cache[1][j], *inputs.cache[2:]))
+        layer_inputs = inputs
+        if group_cache is not None:  # the layer's entries (its k, v; a gated delta-net's state, window), in order
+            names = _cache_names(family, config, lt)
+            slots = [cached.get(name, 0) for name in names]
+            cached.update({name: n + 1 for name, n in zip(names, slots)})
+            layer_inputs = inputs._replace(
+                cache=(*(group_cache[name][n] for name, n in zip(names, slots)), *inputs.cache[1:]))
+        if group_per_layer is not None:
+            layer_inputs = layer_inputs._replace(per_layer=group_per_layer[j])
+        if state is not None:
+            layer_inputs = layer_inputs._replace(state=state)
         x, aux = _layer_fn(family, lt, config, rt, scan)(x, p, layer_inputs)
+        state = aux.pop("state", state)
         if "cache" in aux:
-            new_caches.append(aux.pop("cache"))
+            for name, value in zip(_cache_names(family, config, lt), aux.pop("cache")):
+                new_caches.setdefault(name, []).append(value)
         per_layer.update({(j, k): aux.pop(k) for k in [k for k in aux if k.startswith(PER_LAYER)]})
         aux_sum = _sum_aux(aux_sum, aux)
-    stacked = tuple(jnp.stack(parts) for parts in zip(*new_caches)) if new_caches else None
-    return x, (aux_sum, per_layer, stacked)
+    stacked = {name: jnp.stack(parts) for name, parts in new_caches.items()} if new_caches else None
+    return (x, state), (aux_sum, per_layer, stacked)
 
 
 def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, scan: bool, types=None):
     """Runs every layer (or the layers `types` of one pipeline stage, whose parameters layer_params
-    then holds). Returns (x, aux summed over layers plus the per-layer entries, per-layer caches (k, v)
-    [L, ...] or None)."""
+    then holds). Returns (x, aux summed over layers plus the per-layer entries, the new decoding cache
+    {name: [layers having it, ...]} or None)."""
+    if (inputs.per_layer is not None or inputs.state is not None) and types is not None:
+        raise ValueError(f"{family.row.name}'s per-layer inputs and shared layer state do not run in pipeline stages "
+                         "yet; set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
     types = family.layer_types(config) if types is None else types
     segments = plan_segments(types) if scan else [Segment(i, (t,), 1) for i, t in enumerate(types)]
     # Unrolled, each kind's stacks are cut into layers once (ops.unstack: their gradients stacked, not padded).
     layers = None if scan else {k: jax.tree.map(ops.unstack, v) for k, v in layer_params.items()}
-    aux_total, caches = {}, []
+    aux_total, caches, state = {}, [], inputs.state
     for seg in segments:
         params = _segment_params(layer_params, types, seg) if scan else _layer_params(layers, types, seg.start)
-        xs = (params, _segment_cache(inputs.cache, seg))
+        xs = (params, _segment_cache(family, None if inputs.cache is None else inputs.cache[0], types, seg, config),
+              _segment_per_layer(inputs.per_layer, seg))
 
-        def group(x, xs, period=seg.period):
-            return _run_group(family, period, x, *xs, inputs, config, rt, scan)
+        def group(carry, xs, period=seg.period):
+            return _run_group(family, period, carry, *xs, inputs, config, rt, scan)
 
         if seg.repeats == 1:  # the group alone; unrolled layers' parameters come without the leading axis
             first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
-            x, (aux, per_layer, cache) = group(x, (first(params) if scan else params, first(xs[1])))
+            (x, state), (aux, per_layer, cache) = group((x, state), (first(params) if scan else params, first(xs[1]),
+                                                                       first(xs[2])))
             per_layer, cache = jax.tree.map(lambda a: a[None], (per_layer, cache))
         else:
-            x, (aux, per_layer, cache) = jax.lax.scan(group, x, xs)
+            (x, state), (aux, per_layer, cache) = jax.lax.scan(group, (x, state), xs)
             aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
         aux_total = _sum_aux(aux_total, aux)
         for (j, name), values in per_layer.items():  # values [repeats]: layer start + r * period + j
             for r in range(seg.repeats):
                 aux_total[per_layer_name(name, seg.start + r * len(seg.period) + j, len(types))] = values[r]
         if cache is not None:
-            caches.append(tuple(a.reshape((-1,) + a.shape[2:]) for a in cache))
-    new_cache = tuple(jnp.concatenate(parts) for parts in zip(*caches)) if caches else None
+            caches.append({name: a.reshape((-1,) + a.shape[2:]) for name, a in cache.items()})
+    names = dict.fromkeys(name for c in caches for name in c)  # in order of first appearance
+    new_cache = {name: jnp.concatenate([c[name] for c in caches if name in c]) for name in names} if caches else None
     return x, aux_total, new_cache
 
 
@@ -226,6 +267,10 @@ def _hidden(family, params, tokens, positions, segment_ids, config, rt):
     the mesh has them (parallel/stages.py)."""
     x = family.embed(params, tokens, config, rt)
     inputs = _layer_inputs(family, tokens, positions, segment_ids, config, rt)
+    if family.per_layer_inputs is not None:
+        inputs = inputs._replace(per_layer=family.per_layer_inputs(params, tokens, x, config, rt))
+    if family.layer_state is not None:
+        inputs = inputs._replace(state=family.layer_state(x, config, rt, tokens.shape[1]))
     if sharding.ways("layers") > 1:
         return pipeline.run_stages(run_layers, family, params["layers"], x, inputs, config, rt)
     x, aux, _ = run_layers(family, params["layers"], x, inputs, config, rt, rt.scan_layers(config))
@@ -339,12 +384,20 @@ def _head_for_chunks(head: dict, specs: dict, rt):
 
 
 def init_cache(config, batch_size: int, max_length: int, dtype, family) -> dict:
-    """An empty KV cache: k and v [L, B, S, heads, width] in the layout the family declares with
-    `cache_heads(config)` -> ((heads, width) of k, (heads, width) of v) (attention: G kv heads of head_dim;
-    MLA: its latent and RoPE key)."""
-    heads = family.cache_heads(config)
-    lead = (config.base_num_decoder_layers, batch_size, max_length)
-    return {"k": jnp.zeros(lead + heads[0], dtype), "v": jnp.zeros(lead + heads[1], dtype)}
+    """An empty decoding cache {name: [layers having it, B, ...]}: each layer's entries as the family declares
+    them (contract `layer_cache`; by default k and v [B, S, heads, width] of `cache_heads(config)`: attention's
+    G kv heads of head_dim, MLA's latent and RoPE key; a gated delta-net layer's recurrent state and
+    convolution window), stacked over the layers that have them in layer order (dtype None: `dtype`)."""
+    stacks: dict[str, list] = {}
+    for lt in family.layer_types(config):
+        for name, (shape, entry_dtype) in family.layer_cache(config, lt, batch_size, max_length,
+                                                             family.cache_heads(config)).items():
+            stacks.setdefault(name, []).append((tuple(shape), entry_dtype or dtype))
+    for name, entries in stacks.items():
+        if len(set(entries)) > 1:
+            raise ValueError(f"the layers' decoding cache entries {name!r} differ in shape or dtype ({set(entries)}); "
+                             "give each layout a name of its own")
+    return {name: jnp.zeros((len(entries),) + entries[0][0], entries[0][1]) for name, entries in stacks.items()}
 
 
 def forward_with_cache(family, params, tokens, positions, cache: dict, index, config, rt,
@@ -353,12 +406,15 @@ def forward_with_cache(family, params, tokens, positions, cache: dict, index, co
 
     One sequence per row, no packing while decoding. Without `first`, positions must equal
     index + arange(T). With first [B] (left-padded prompts: row b's sequence starts at slot first[b])
-    the slots before first[b] are never attended to, and positions are slot - first[b] (RoPE sees
-    each sequence from 0, as in training).
+    the slots before first[b] are never attended to (a gated delta-net layer's state and window skip
+    them), and positions are slot - first[b] (RoPE sees each sequence from 0, as in training).
     """
     x = family.embed(params, tokens, config, rt)
     inputs = LayerInputs(positions, jnp.ones_like(tokens),
-                         rope_tables(positions, config, rope_widths(family, config)),
-                         (cache["k"], cache["v"], index, first))
-    x, _, (k, v) = run_layers(family, params["layers"], x, inputs, config, rt, scan=True)
-    return family.logits(params, x, config, rt), {"k": k, "v": v}
+                         rope_tables(positions, config, rope_widths(family, config)), (cache, index, first))
+    if family.per_layer_inputs is not None:
+        inputs = inputs._replace(per_layer=family.per_layer_inputs(params, tokens, x, config, rt))
+    if family.layer_state is not None:
+        inputs = inputs._replace(state=family.layer_state(x, config, rt, cache["k"].shape[2]))
+    x, _, new_cache = run_layers(family, params["layers"], x, inputs, config, rt, scan=True)
+    return family.logits(params, x, config, rt), new_cache

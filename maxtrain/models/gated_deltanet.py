@@ -14,6 +14,9 @@
 Packed documents stay apart: the convolution reads only its own document's tokens and the rule's state
 restarts at each boundary (segment ids), so a packed row computes what its documents would alone.
 
+Decoding keeps, per layer, the rule's state and the convolution's last K-1 inputs (`cache_spec`): the
+prefill runs the chunked rule from them, each new token the recurrent step.
+
 Parameters (one layer): lin_wq, lin_wk [D, Nk, Hk], lin_wv, lin_wz [D, Nv, Hv], lin_wb, lin_wa [D, Nv],
 conv [K, 2 Nk Hk + Nv Hv] (the q, k, v channels in that order), dt_bias, a_log [Nv], lin_norm [Hv],
 lin_wo [Nv, Hv, D].
@@ -118,8 +121,13 @@ def l2norm(x, eps: float = 1e-6):
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def mixer(x, p, segment_ids, config, rt):
-    """The gated delta-net of x [B, T, D] (already normed) -> [B, T, D]."""
+def mixer(x, p, segment_ids, config, rt, cache=None):
+    """The gated delta-net of x [B, T, D] (already normed) -> [B, T, D].
+
+    Decoding (cache = (state [B, Nv, Hk, Hv] float32, window [B, K-1, C], valid [B, T] bool)): x continues the
+    sequence whose rule state and last K-1 convolution inputs the cache holds (zeros: nothing before); tokens
+    that are not `valid` (left padding) leave both untouched. A single token runs the recurrent step, more
+    tokens the chunked rule. Returns (out, (new state, new window)) then."""
     dt, backend = rt.dtype, rt.backend
     nk, nv, hk, hv = (config.gdn_num_key_heads, config.gdn_num_value_heads, config.gdn_key_head_dim,
                       config.gdn_value_head_dim)
@@ -131,7 +139,13 @@ def mixer(x, p, segment_ids, config, rt):
     beta_logits = ops.dense(x, p["lin_wb"].astype(dt), backend=backend)   # "BTD,DN->BTN"
     a = ops.dense(x, p["lin_wa"].astype(dt), backend=backend)
     qkv = jnp.concatenate([q.reshape(b, t, nk * hk), k.reshape(b, t, nk * hk), v.reshape(b, t, nv * hv)], axis=-1)
-    qkv = jax.nn.silu(causal_conv(qkv, p["conv"], segment_ids))
+    if cache is None:
+        qkv = jax.nn.silu(causal_conv(qkv, p["conv"], segment_ids))
+    else:  # the window's inputs precede x's; padding enters as zeros, as a document's start sees them
+        state, window, valid = cache
+        qkv = jnp.concatenate([window, jnp.where(valid[..., None], qkv, 0).astype(window.dtype)], axis=1)
+        window = qkv[:, t:]                                           # the last K-1 inputs, for the next call
+        qkv = jax.nn.silu(causal_conv(qkv, p["conv"], jnp.ones(qkv.shape[:2], jnp.int32))[:, -t:])
     q, k, v = jnp.split(qkv, [nk * hk, 2 * nk * hk], axis=-1)
     q = l2norm(q.reshape(b, t, nk, hk)) * hk**-0.5
     k = l2norm(k.reshape(b, t, nk, hk))
@@ -141,13 +155,30 @@ def mixer(x, p, segment_ids, config, rt):
     beta = jax.nn.sigmoid(beta_logits.astype(jnp.float32))
     log_decay = -jnp.exp(p["a_log"].astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
-    o = rule(q, k, v, log_decay, beta, segment_ids, chunk_size=config.gdn_chunk_size,
-             implementation=rt.gdn_kernel, backend=backend)
+    if cache is None:
+        o = rule(q, k, v, log_decay, beta, segment_ids, chunk_size=config.gdn_chunk_size,
+                 implementation=rt.gdn_kernel, backend=backend)
+    else:  # padding writes nothing (beta 0) and decays nothing (log g 0): the state passes it unchanged
+        beta, log_decay = jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], log_decay, 0.0)
+        if t == 1:
+            o, state = gated_delta.recurrent(q, k, v, log_decay, beta, initial_state=state)
+        else:
+            o, state = gated_delta.chunked(q, k, v, log_decay, beta, chunk_size=config.gdn_chunk_size,
+                                           initial_state=state)
     o = shard(o, ("batch", "length", "heads", "head_dim"))
     o32 = o.astype(jnp.float32)
     normed = o32 * jax.lax.rsqrt(jnp.mean(o32 * o32, axis=-1, keepdims=True) + config.normalization_layer_epsilon)
     gated = normed * p["lin_norm"].astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
-    return ops.dense(gated.astype(dt), p["lin_wo"].astype(dt), 2, backend=backend)   # "BTNH,NHD->BTD"
+    out = ops.dense(gated.astype(dt), p["lin_wo"].astype(dt), 2, backend=backend)   # "BTNH,NHD->BTD"
+    return out if cache is None else (out, (state.astype(jnp.float32), window))
+
+
+def cache_spec(config, batch: int) -> dict:
+    """One layer's decoding cache: the rule's state [B, Nv, Hk, Hv] (float32) and the convolution's window, the
+    last K-1 inputs [B, K-1, C] (the cache's dtype): a fixed size, whatever the sequence's length."""
+    nv, hk, hv = config.gdn_num_value_heads, config.gdn_key_head_dim, config.gdn_value_head_dim
+    return {"state": ((batch, nv, hk, hv), jnp.float32),
+            "conv": ((batch, config.gdn_conv_kernel_dim - 1, conv_channels(config)), None)}
 
 
 def matmul_params(config) -> int:

@@ -235,12 +235,17 @@ def rope_keys(config: dict, notes: list | None = None, *, rope: dict | None = No
     if theta is None:
         theta = config.get("rope_theta", default_theta)
     keys = {"rope_max_timescale": float(theta), "rope_type": rope_type}
+    if rope_type == "proportional":  # Gemma 4: partial_rotary_factor of the pairs rotate (models/rope.py)
+        return {**keys, "rope_proportion": float(rope.get("partial_rotary_factor") or 1.0),
+                "rope_factor": float(rope.get("factor") or 1.0)}
+    if float(rope.get("partial_rotary_factor") or 1.0) != 1.0:
+        raise ConversionError(f"partial_rotary_factor={rope['partial_rotary_factor']} with rope_type={rope_type!r} "
+                              "(maxtrain rotates part of a head only with rope_type proportional)")
     if rope_type == "default":
         return keys
     if rope_type not in ("linear", "llama3", "yarn"):
-        raise ConversionError(f"rope_type={rope_type!r} is not implemented (maxtrain has default, linear, llama3, yarn)")
-    if float(rope.get("partial_rotary_factor") or 1.0) != 1.0:
-        raise ConversionError(f"partial_rotary_factor={rope['partial_rotary_factor']} (maxtrain rotates whole heads)")
+        raise ConversionError(f"rope_type={rope_type!r} is not implemented (maxtrain has default, linear, llama3, yarn, "
+                              "proportional)")
     original = config.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") \
         or config.get("max_position_embeddings")
     factor = rope.get("factor")
@@ -319,8 +324,11 @@ def rope_parameters(keys: dict, local: bool = False) -> dict:
     if local:
         return {"rope_type": "default", "rope_theta": keys["local_rope_max_timescale"]}
     out = {"rope_type": keys["rope_type"], "rope_theta": keys["rope_max_timescale"]}
-    if keys["rope_type"] in ("linear", "llama3", "yarn"):
+    if keys["rope_type"] in ("linear", "llama3", "yarn") or (keys["rope_type"] == "proportional"
+                                                             and keys["rope_factor"] != 1.0):
         out["factor"] = keys["rope_factor"]
+    if keys["rope_type"] == "proportional":
+        out["partial_rotary_factor"] = keys["rope_proportion"]
     if keys["rope_type"] == "llama3":
         out.update(low_freq_factor=keys["rope_low_freq_factor"], high_freq_factor=keys["rope_high_freq_factor"],
                    original_max_position_embeddings=keys["original_max_position_embeddings"])

@@ -12,13 +12,15 @@
 
 Norms are in the (1 + scale) form, scale 0 at initialization (the final norm and qk-norm too). Layer kinds
 (parameter stacks): "full_moe", "linear_moe", "full_dense", "linear_dense". The families (qwen3_next,
-qwen3_5_text, qwen3_5_moe_text) differ in their Hugging Face layouts only. Decoding is not implemented yet: the
-gated delta-net layers would need their state and convolution window in the cache (registry: decodes=False).
+qwen3_5_text, qwen3_5_moe_text) differ in their Hugging Face layouts only. Decoding (`layer_cache`): the
+attention layers keep k and v, the gated delta-net layers their rule state and convolution window.
 """
 
 from __future__ import annotations
 
-from maxtrain.models import blocks, gated_deltanet, hf, moe
+import jax.numpy as jnp
+
+from maxtrain.models import blocks, contract, gated_deltanet, hf, moe
 from maxtrain.models.layers import LayerType
 from maxtrain.models.params import ParamSpec, dense
 from maxtrain.models.standard_layers import stacks
@@ -49,6 +51,13 @@ def layer_types(config) -> list[LayerType]:
     return out
 
 
+def layer_cache(config, layer_type: LayerType, batch: int, max_length: int, kv_heads) -> dict:
+    """A layer's decoding cache (the family contract's `layer_cache`): attention's k, v or the gated delta-net's."""
+    if layer_type.mixer == "linear":
+        return gated_deltanet.cache_spec(config, batch)
+    return contract.kv_layer_cache(config, layer_type, batch, max_length, kv_heads)
+
+
 def _norm(config) -> ParamSpec:
     return blocks.norm_spec(config, "zeros")
 
@@ -73,10 +82,14 @@ def layer(x, p, inputs, layer_type: LayerType, config, rt):
     eps = config.normalization_layer_epsilon
     normed = blocks.rms_norm(x, p["attn_norm"], eps, plus_one=True)
     if layer_type.mixer == "linear":
-        if inputs.cache is not None:
-            raise ValueError(f"{config.decoder_block}'s gated delta-net layers keep no decoding cache yet (registry: "
-                             "decodes=False)")
-        h, aux = gated_deltanet.mixer(normed, p, inputs.segment_ids, config, rt), {}
+        if inputs.cache is None:
+            h, aux = gated_deltanet.mixer(normed, p, inputs.segment_ids, config, rt), {}
+        else:  # decoding: the slots from `index`, those before a left-padded row's `first` skipped
+            state, window, index, first = inputs.cache
+            slots = index + jnp.arange(x.shape[1])[None, :]
+            valid = jnp.ones(x.shape[:2], bool) if first is None else slots >= first[:, None]
+            h, new = gated_deltanet.mixer(normed, p, inputs.segment_ids, config, rt, cache=(state, window, valid))
+            aux = {"cache": new}
     else:
         h, aux = blocks.attention(normed, p, inputs, config, rt, layer_type, norm_plus_one=True)
     x = shard(x + h, ("batch", "length", "embed"))

@@ -10,6 +10,7 @@
     router "topk_sigmoid" (Llama 4): w = sigmoid(top_k(logits)), multiplying each expert's input:
                y = sum_k expert_{e_k}(w_k x) (models/moe_llama4.py)
 
+Activation "geglu" (Gemma 4): expert_e(x) = down_e(gelu_tanh(gate_e(x)) * up_e(x)).
 Activation "clamped_swiglu" (gpt-oss), with a = swiglu_alpha and l = mlp_activations_limit:
     g, u = min(gate_e(x), l), clip(up_e(x), -l, l);   expert_e(x) = down_e(g * sigmoid(a g) * (u + 1))
 With `specs(config, biases=True)` the router and each expert's gate, up and down projections add a
@@ -75,7 +76,7 @@ from maxtrain.models.decoder import PER_LAYER, STEP_STATS
 from maxtrain.models.params import ParamSpec, dense, is_spec
 
 ROUTERS = ("topk_softmax", "softmax_topk", "sigmoid_group_topk", moe_llama4.ROUTER)
-ACTIVATIONS = ("swiglu", "clamped_swiglu")
+ACTIVATIONS = ("swiglu", "clamped_swiglu", "geglu")
 
 
 def expert_dim(config) -> int:
@@ -172,16 +173,18 @@ class Axes:
 # --------------------------------------------------------------------------------------------
 
 
-def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int, activation: str = "swiglu"):
-    """Mixture of experts over x [B, T, D] (already normed) -> ([B, T, D], aux)."""
+def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int, activation: str = "swiglu",
+          router_x=None):
+    """Mixture of experts over x [B, T, D] (already normed) -> ([B, T, D], aux); router_x [B, T, D]: what the
+    router reads, when not x (Gemma 4 routes the un-normed residual, scaled, and feeds the experts x)."""
     s = Settings.of(config, rt, router, num_moe_layers, activation)
-    y, aux = _routed(x, p, segment_ids, s)
+    y, aux = _routed(x, p, segment_ids, s, x if router_x is None else router_x)
     if "shared_gate" in p:  # always-on shared experts beside the routed ones (DeepSeek)
         y = y + moe_deepseek.shared_experts(x, p, rt)
     return y, aux
 
 
-def _routed(x, p, segment_ids, s: Settings):
+def _routed(x, p, segment_ids, s: Settings, router_x):
     """The routed experts' sum over x [B, T, D] -> ([B, T, D], aux)."""
     # The experts enter shard_map in the compute dtype: their gradients leave it in that dtype too.
     router = (p["router"], p["router_bias"] if "router_bias" in p else None)
@@ -192,26 +195,26 @@ def _routed(x, p, segment_ids, s: Settings):
     active = sharding_lib.active_mesh()
     unsharded = Axes(hidden_chunks=hidden_chunks(s, weights[1].shape, s.dtype.itemsize, False))
     if active is None:
-        return _local(x, valid, *weights, biases, s=s, axes=unsharded)
+        return _local(x, router_x, valid, *weights, biases, s=s, axes=unsharded)
     mesh, rules = active
     axes = mesh_axes(s, mesh, rules, weights[1].shape)
     batch, exp, tensor, embed = axes.batch, axes.expert, axes.tensor, axes.embed
     if x.shape[0] % math.prod(mesh.shape[a] for a in batch):
         # A batch the token axes do not divide (decoding one prompt on many devices): computed whole,
         # with XLA moving the expert weights as it needs. Training batches always divide.
-        return _local(x, valid, *weights, biases, s=s, axes=unsharded)
+        return _local(x, router_x, valid, *weights, biases, s=s, axes=unsharded)
     tokens, experts = P(batch or None), P(exp or None, embed or None, tensor or None)
     # Biases: b_down whole along D (added once, after the sum over the tensor axes).
     bias_specs = {"router": P(), "gate": P(exp or None, tensor or None), "up": P(exp or None, tensor or None),
                   "down": P(exp or None, None)}
-    in_specs = (P(batch or None, None, None), tokens, P(), experts, experts, P(exp or None, tensor or None, embed or None),
+    in_specs = (P(batch or None, None, None), P(batch or None, None, None), tokens, P(), experts, experts, P(exp or None, tensor or None, embed or None),
                 {k: bias_specs[k] for k in biases})
     # Pallas' interpret mode (the grouped GEMM off a GPU: tests) cannot trace under check_vma (its slices mix
     # varying refs with invariant program ids); on a GPU the kernel declares how its outputs vary.
     interpreted = s.grouped_matmul == "pallas" and s.platform != "gpu"
     fn = jax.shard_map(functools.partial(_local, s=s, axes=axes), mesh=mesh, in_specs=in_specs,
                        out_specs=(P(batch or None, None, None), P()), check_vma=not interpreted)
-    return fn(x, valid, *weights, biases)
+    return fn(x, router_x, valid, *weights, biases)
 
 
 def mesh_axes(s: Settings, mesh, rules, expert_shape: tuple[int, int, int]) -> Axes:
@@ -278,13 +281,13 @@ def route(logits, s: Settings, bias=None):
     return top, experts
 
 
-def _local(x, valid, router, w_gate, w_up, w_down, biases, *, s: Settings, axes: Axes):
-    """The block on one device's tokens x [b, T, D] (all tokens, outside a mesh); router: (W_router, the
-    selection bias or None); biases: {} or b_router, b_gate, b_up, b_down by their suffix."""
+def _local(x, router_x, valid, router, w_gate, w_up, w_down, biases, *, s: Settings, axes: Axes):
+    """The block on one device's tokens x [b, T, D] (all tokens, outside a mesh), routed by router_x; router:
+    (W_router, the selection bias or None); biases: {} or b_router, b_gate, b_up, b_down by their suffix."""
     b, t, d = x.shape
     dt = s.dtype
     w_router, bias = router
-    logits = ops.dense(x, w_router.astype(dt), 1, jnp.float32)  # "BTD,DE->BTE"
+    logits = ops.dense(router_x, w_router.astype(dt), 1, jnp.float32)  # "BTD,DE->BTE"
     if "router" in biases:
         logits = logits + biases["router"].astype(jnp.float32)
     weights, experts = route(logits, s, None if bias is None else jax.lax.stop_gradient(bias).astype(jnp.float32))

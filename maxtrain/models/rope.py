@@ -10,6 +10,9 @@ RoPE rotates each pair (x_i, x_{i + H/2}) of a query or key by the angle positio
     yarn     per-frequency blend of interpolation (inv_freq / factor) and extrapolation (inv_freq)
              over the band set by beta_fast and beta_slow, and cos/sin multiplied by an attention
              factor (0.1 ln(factor) + 1 unless given)
+    proportional  the first floor(proportion x H / 2) pairs rotate at the default frequencies of the
+             whole head (theta ** (-2i / H), not of the rotated part), the rest have frequency 0 (they
+             pass unrotated); all divided by factor (Gemma 4's global layers: proportion 0.25)
 
 The frequencies are computed once on the host (float64, then float32), the angles per step in float32.
 
@@ -28,7 +31,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "proportional")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Rope:
     beta_slow: float = 1.0                # yarn
     attention_factor: float = -1.0        # yarn: multiplies cos and sin; -1 = 0.1 ln(factor) + 1
     truncate: bool = True                 # yarn: round the correction band to whole dimensions
+    proportion: float = 1.0               # proportional: the fraction of the head's frequency pairs that rotate
 
     @classmethod
     def from_config(cls, config, local: bool = False) -> "Rope":
@@ -56,7 +60,8 @@ class Rope:
                    low_freq_factor=config.rope_low_freq_factor, high_freq_factor=config.rope_high_freq_factor,
                    original_max_position_embeddings=config.original_max_position_embeddings,
                    beta_fast=config.rope_beta_fast, beta_slow=config.rope_beta_slow,
-                   attention_factor=config.rope_attention_factor, truncate=config.rope_truncate)
+                   attention_factor=config.rope_attention_factor, truncate=config.rope_truncate,
+                   proportion=config.rope_proportion)
 
 
 def inv_freq(rope: Rope, head_dim: int) -> tuple[np.ndarray, float]:
@@ -70,6 +75,9 @@ def inv_freq(rope: Rope, head_dim: int) -> tuple[np.ndarray, float]:
         return _llama3(base, rope).astype(np.float32), 1.0
     if rope.type == "yarn":
         return _yarn(base, rope, head_dim)
+    if rope.type == "proportional":
+        rotated = int(rope.proportion * head_dim // 2)
+        return (np.where(np.arange(head_dim // 2) < rotated, base, 0.0) / rope.factor).astype(np.float32), 1.0
     raise ValueError(f"rope_type={rope.type!r} is not one of {', '.join(ROPE_TYPES)}")
 
 

@@ -23,30 +23,8 @@ import time
 import jax
 
 from maxtrain import models, storage
+from maxtrain.config import chips
 from maxtrain.observability.wandb_logger import WandbLogger
-
-# Dense (no sparsity) bfloat16 peak TFLOP/s per device, from the vendors' data sheets.
-# Matched against jax.Device.device_kind, longest key first.
-PEAK_TFLOPS = {
-    "H200": 989.0,
-    "H100 PCIe": 756.0,
-    "H100": 989.0,           # SXM
-    "GH200": 989.0,
-    "B200": 2250.0,
-    "A100": 312.0,
-    "L40S": 362.0,
-    "L4": 121.0,
-    "A10G": 70.0,
-    "V100": 125.0,
-    "TPU v4": 275.0,
-    "TPU v5 lite": 197.0,    # v5e
-    "TPU v5e": 197.0,
-    "TPU v5p": 459.0,
-    "TPU v5": 459.0,
-    "TPU v6 lite": 918.0,    # Trillium (v6e)
-    "TPU v6e": 918.0,
-    "TPU7x": 1153.5,         # Ironwood (v7x): 2,307 a chip, whose two TensorCores are two devices
-}
 
 
 def flops_per_token(config, dense_attention: bool = False) -> float:
@@ -84,12 +62,9 @@ def peak_tflops(config, device=None, log=None) -> float | None:
 
 
 def table_peak_tflops(device=None) -> float | None:
-    """The device's dense bfloat16 peak from PEAK_TFLOPS (its device_kind, longest key first), or None."""
-    kind = (device or jax.devices()[0]).device_kind.lower()
-    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
-        if key.lower() in kind:
-            return PEAK_TFLOPS[key]
-    return None
+    """The device's dense bfloat16 peak in TFLOP/s from its chip record (config/chips.py, by device_kind), or None."""
+    chip = chips.by_device_kind((device or jax.devices()[0]).device_kind)
+    return chip.bf16_flops / chips.TERA if chip and chip.bf16_flops else None
 
 
 def median_seconds(fn, *args, warmup: int = 2, iters: int = 10) -> float:

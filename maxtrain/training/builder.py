@@ -22,6 +22,7 @@ import optax
 
 from maxtrain.checkpointing import manager as checkpoint_lib
 from maxtrain import config as config_lib
+from maxtrain.config import chips
 from maxtrain.checkpointing import adoption
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.training import distillation, host_memory, objectives, optimizer, train_step
@@ -74,26 +75,23 @@ def runtime(config, platform: str, mesh, layer_plan: tuple[str, bool] | None = N
         raise config_lib.ConfigError(str(e)) from e
 
 
-# TPU chips (device_kind) with float8 matmuls, by the name users know them: libtpu 0.0.52 keeps the float8
-# operands of fp8.py's TPU form on v4, v5e, v5p, v6e and v7x alike, but its cost model prices a float8
-# matmul below a bfloat16 one only on v7x (docs/scale.md, "float8 matmuls"); elsewhere it would cost and not pay.
-FLOAT8_TPUS = {"TPU7x": "v7x"}
-
-
 def check_float8_devices(config, rt, device) -> None:
     """quantization on a device without float8 matmuls is a config error, before any compile (train.py's
-    devices and train_compile's targets alike): an NVIDIA GPU below compute capability 8.9, or a TPU
-    other than FLOAT8_TPUS."""
+    devices and train_compile's targets alike): an NVIDIA GPU below compute capability 8.9, or a TPU whose
+    chip record (config/chips.py) says its float8 matmuls do not pay: libtpu 0.0.52 keeps the float8 operands of
+    fp8.py's TPU form on v4, v5e, v5p, v6e and v7x alike, but its cost model prices a float8 matmul below a
+    bfloat16 one only on v7x (docs/scale.md, "float8 matmuls"); elsewhere it would cost and not pay."""
     if not rt.fp8:
         return
     kind = getattr(device, "device_kind", "")
     capability = getattr(device, "compute_capability", None)
     old_gpu = rt.backend == "gpu" and capability is not None and tuple(map(int, str(capability).split(".")[:2])) < (8, 9)
-    old_tpu = rt.backend == "tpu" and kind not in FLOAT8_TPUS
+    chip = chips.by_device_kind(kind)
+    old_tpu = rt.backend == "tpu" and not (chip and chip.float8)
     if old_gpu or old_tpu:
         why = (f"compute capability {capability} has no float8 tensor cores (8.9 and newer have: H100, H200, L4, L40S)"
-               if old_gpu else f"TPUs have float8 matmuls only on {', '.join(FLOAT8_TPUS.values())} (libtpu runs them "
-               "at the bfloat16 rate on v4, v5e, v5p and v6e)")
+               if old_gpu else f"TPUs have float8 matmuls only on {', '.join(c.name for c in chips.float8_tpus())} "
+               "(libtpu runs them at the bfloat16 rate on v4, v5e, v5p and v6e)")
         raise config_lib.ConfigError(f"quantization={config.quantization} cannot run on {kind}: {why}; "
                                      "leave quantization empty")
 

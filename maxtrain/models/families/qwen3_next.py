@@ -45,4 +45,4 @@ def to_hf_config(keys: dict) -> dict:
 MODEL = contract.FamilyModel(
     row=FAMILY, param_specs=hybrid.param_specs, layer_types=hybrid.layer_types, embed=hybrid.embed, layer=hybrid.layer,
     logits=hybrid.logits, flops_per_token=hybrid.flops_per_token, hf_names=HF_NAMES, from_hf_config=from_hf_config,
-    to_hf_config=to_hf_config)
+    to_hf_config=to_hf_config, layer_cache=hybrid.layer_cache)

@@ -1,0 +1,491 @@
+"""A compiled step's predicted time, read from its optimized HLO against the chip's record: a roofline with overlap.
+
+    costs = predict.program_costs(compiled.as_text(), devices=list(mesh.devices.flat), mesh_shape=dict(mesh.shape))
+    pred = predict.predict(costs, chips.by_name("h100"), model_flops_per_step=..., tokens_per_step=...)
+    pred["step_seconds"], pred["parts"], pred["mfu"]
+
+What is read. The optimized HLO is the program each chip runs, in the order it runs (XLA's schedule), with every
+loop's trip count (the scan over layers, gradient accumulation). Each kernel the chip launches is one top-level
+instruction of a scheduled computation: a fusion, a library call (cuBLAS, cuDNN), a Pallas kernel or a lone op.
+Per kernel: its matmul FLOPs (2 x the output's elements x the contracted size of every `dot` it holds; fp8 when
+the operands are float8) and the bytes it moves from and to HBM (its operands and results at the fusion's
+boundary; an operand the kernel only slices counts the slice, a buffer updated in place counts the update).
+Attention kernels (Pallas flash, splash, cuDNN) hide their matmuls: their FLOPs come from their operands' shapes
+(q [B, T, Hq, D], k [B, S, Hk, D]; causal, so half of T x S): 2 matmuls forward, 3 for dq and 4 for dk/dv when
+split, 5 for one backward kernel. Collectives come from compile/hlo_stats.py (bytes per chip, how often) with
+their replica groups, which name the mesh axes they run over and whether they leave a slice (TPU) or host (GPU).
+
+The model. A kernel takes max(FLOPs / (peak x e_matmul), bytes / (HBM bandwidth x e_memory)) + a launch
+overhead; an attention kernel's compute runs at its own efficiency (e_flash, e_cudnn: measured kernel rates,
+docs/gpu.md). A collective of B bytes over a group of n chips moves (n-1)/n x B (all-gather, reduce-scatter,
+all-to-all), 2(n-1)/n x B (all-reduce) or B (a permute) at the link bandwidth (ICI, NVLink) or, when the group
+leaves a slice or host, the network's (DCN, InfiniBand). An asynchronous collective is hidden behind the kernels
+the schedule puts between its start and its done; a synchronous one, and what outlasts its kernels, is exposed.
+step = kernels + exposed collectives. The efficiencies are CALIBRATION (fitted on stated rows, docs/scale.md,
+"How far to trust the prediction"); the peaks and bandwidths are the chip record's (config/chips.py).
+
+Not modelled: the host (input pipeline, Python dispatch), so an input-bound or host-bound step is predicted
+too fast; contention between a collective and the kernels it overlaps; matmul shapes too small for the peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+import numpy as np
+
+from maxtrain.compile import hlo_stats
+from maxtrain.config import chips as chips_lib
+from maxtrain.errors import UserError
+
+
+class PredictionError(UserError, ValueError):
+    """A step time that cannot be predicted here (a chip record without a figure it needs)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """Efficiencies fitted against measured steps (scripts/predict_check.py; docs/scale.md lists the rows)."""
+    matmul: float = 0.83         # of the bf16 (or fp8) peak, for XLA's and cuBLAS's matmuls
+    memory: float = 1.0          # of the HBM bandwidth, for memory-bound kernels (1.0: the byte count errs high)
+    # The attention kernels' rates by head_dim, of the bf16 peak: docs/gpu.md's kernel speed rows (H200, 8k tokens,
+    # causal, GQA 4:1), whose useful TFLOP/s count 5 matmul units where this model counts flash's 9 (fwd 2, dq 3,
+    # dkv 4) and cuDNN's 7: flash 76.1, 201.2, 155.3 and cuDNN 272.4, 349.3, 285.4 at head_dim 64, 128, 256.
+    flash: tuple = ((64, 0.139), (128, 0.366), (256, 0.283))
+    cudnn: tuple = ((64, 0.386), (128, 0.494), (256, 0.404))
+    splash: tuple = ((128, 0.50),)   # TPU splash attention: not yet checked (no TPU rows measured)
+    link: float = 0.75           # of the ICI / NVLink bandwidth
+    network: float = 0.60        # of the DCN / network bandwidth
+    launch_seconds: float = 4e-6   # per kernel (GPU launch and tail); TPU kernels are not launched: 1 us
+    collective_seconds: float = 15e-6  # per collective (latency)
+    source: str = ""
+
+
+CALIBRATION = Calibration(source="matmul, memory and launch fitted on 3 H100 rows of docs/gpu.md (llama3.2-1b b8 "
+                                 "remat full, the default model, deepseek-shaped b4 capacity; scripts/predict_check.py "
+                                 "--fit), attention from its kernel speed rows; collectives not yet checked")
+
+FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id",
+        "opt-barrier", "add-dependency", "iota", "domain", "copy-done", "send-done", "recv-done"}
+ATTENTION_KERNELS = (("flash_attention_fwd", "flash", 2), ("flash_attention_dq", "flash", 3),
+                     ("flash_attention_dkv", "flash", 4), ("flash_attention", "flash", 5),
+                     ("splash_mha", "splash", 0), ("fmhaSoftmaxBackward", "cudnn", 5), ("fmhaSoftmax", "cudnn", 2),
+                     ("fmha", "cudnn", 2))
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
+_OPERAND = re.compile(r"%([\w.\-]+)")
+_DIMS = re.compile(r"(lhs_contracting_dims|lhs_batch_dims)=\{([\d,]*)\}")
+_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+@dataclasses.dataclass
+class Kernel:
+    name: str
+    flops: float
+    bytes: float
+    count: int
+    kind: str = "fusion"      # fusion | matmul | attention:flash|cudnn|splash | other
+    fp8: bool = False
+    head_dim: int = 0         # attention kernels
+
+
+@dataclasses.dataclass
+class CollectiveRun:
+    name: str
+    kind: str
+    bytes: float
+    count: int
+    group: int
+    axes: tuple[str, ...]
+    leaves_domain: bool        # crosses slices (TPU) or hosts (GPU): the network's bandwidth
+    asynchronous: bool = False
+    overlap: list[int] = dataclasses.field(default_factory=list)  # the kernels scheduled between start and done
+
+
+@dataclasses.dataclass
+class ProgramCosts:
+    kernels: list[Kernel]
+    collectives: list[CollectiveRun]
+    unknown_trip_counts: int
+
+    @property
+    def flops(self) -> float:
+        return sum(k.flops * k.count for k in self.kernels)
+
+
+def _split_operands(rest: str) -> tuple[list[str], str]:
+    """The operand names of an instruction (the text up to its closing parenthesis) and the attributes after it."""
+    depth = 1
+    for i, ch in enumerate(rest):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return _OPERAND.findall(rest[:i]), rest[i + 1:]
+    return _OPERAND.findall(rest), ""
+
+
+def _bytes(type_text: str) -> float:
+    return float(sum(hlo_stats.array_bytes(d, s) for d, s in _arrays(type_text)))
+
+
+def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
+    return [(m.group(1), tuple(int(x) for x in m.group(2).split(",") if x))
+            for m in re.finditer(r"\b(" + "|".join(sorted(hlo_stats.DTYPE_BYTES, key=len, reverse=True))
+                                 + r")\[([\d,]*)\]", type_text)]
+
+
+class _Program:
+    """The parsed HLO: each computation's instructions as (name, type, opcode, operands, attributes)."""
+
+    def __init__(self, hlo_text: str):
+        raw, self.entry = hlo_stats.parse_computations(hlo_text)
+        self.raw = raw
+        self.insts: dict[str, list[tuple[str, str, str, list[str], str]]] = {}
+        self.types: dict[str, dict[str, str]] = {}
+        for comp, lines in raw.items():
+            rows = []
+            for line in lines:
+                m = _INSTRUCTION.match(line)
+                if m:
+                    name, rtype, opcode, rest = m.groups()
+                    operands, attrs = _split_operands(rest)
+                    if opcode == "parameter":  # its number, not an operand
+                        attrs = rest.split(")", 1)[0]
+                    rows.append((name, rtype, opcode, operands, attrs))
+            self.insts[comp] = rows
+            self.types[comp] = {r[0]: r[1] for r in rows}
+        self._fused: dict[str, tuple[float, bool]] = {}
+
+    def dot_flops(self, comp: str, rtype: str, operands: list[str], attrs: str) -> tuple[float, bool]:
+        """2 x output elements x contracted size of a dot (or a cuBLAS call described like one)."""
+        lhs = _arrays(self.types[comp].get(operands[0], "")) if operands else []
+        out = _arrays(rtype)
+        if not lhs or not out:
+            return 0.0, False
+        labels = re.search(r"dim_labels=(\w+)_", attrs)
+        if labels and "f" in labels.group(1):  # a convolution (the TPU's matmuls): input features x window
+            # positions, a window position counting only where the input has rows (XLA's batch-as-window form)
+            lhs_labels, lhs_dims = labels.group(1), lhs[0][1]
+            window = re.search(r"window=\{size=([\dx]+)", attrs)
+            sizes = [int(x) for x in window.group(1).split("x")] if window else []
+            spatial = [lhs_dims[lhs_labels.index(str(i))] for i in range(len(sizes)) if str(i) in lhs_labels]
+            groups = re.search(r"feature_group_count=(\d+)", attrs)
+            size = lhs_dims[lhs_labels.index("f")] * math.prod(min(w, n) for w, n in zip(sizes, spatial)) // int(
+                groups.group(1) if groups else 1)
+            return 2.0 * math.prod(out[0][1]) * size, lhs[0][0].startswith("f8")
+        dims = dict(_DIMS.findall(attrs))
+        contracting = [int(x) for x in dims.get("lhs_contracting_dims", "").split(",") if x]
+        if not contracting:  # cuBLAS custom calls: "lhs_contracting_dimensions":["1"]
+            m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', attrs)
+            contracting = [int(x) for x in re.findall(r"\d+", m.group(1))] if m else [len(lhs[0][1]) - 1]
+        size = math.prod(lhs[0][1][d] for d in contracting if d < len(lhs[0][1]))
+        return 2.0 * math.prod(out[0][1]) * size, lhs[0][0].startswith("f8")
+
+    def fused_flops(self, comp: str) -> tuple[float, bool]:
+        """Matmul FLOPs inside a fused computation (nested fusions included), and whether they are float8."""
+        if comp not in self._fused:
+            flops, fp8 = 0.0, False
+            for name, rtype, opcode, operands, attrs in self.insts.get(comp, ()):
+                if opcode in ("dot", "convolution"):
+                    f, is8 = self.dot_flops(comp, rtype, operands, attrs)
+                    flops, fp8 = flops + f, fp8 or is8
+                elif opcode == "fusion":
+                    callee = _CALLS.search(attrs)
+                    if callee:
+                        f, is8 = self.fused_flops(callee.group(1))
+                        flops, fp8 = flops + f, fp8 or is8
+            self._fused[comp] = (flops, fp8)
+        return self._fused[comp]
+
+    def fusion_bytes(self, comp: str, rtype: str, operands: list[str], callee: str | None) -> float:
+        """HBM bytes of a fusion: operands and results, a sliced operand counting its slices, an in-place update
+        its update."""
+        types = self.types[comp]
+        sizes = [_bytes(types.get(o, "")) for o in operands]
+        out = _bytes(rtype)
+        body = self.insts.get(callee or "", [])
+        if body:
+            params = {}
+            for name, _, opcode, _, attrs in body:
+                if opcode == "parameter":
+                    params[name] = int(attrs) if attrs.strip().isdigit() else None
+            users: dict[str, list[tuple[str, int, str, list[str]]]] = {}
+            for name, t, opcode, ops, _ in body:
+                for pos, o in enumerate(ops):
+                    users.setdefault(o, []).append((opcode, pos, t, ops))
+            for pname, index in params.items():
+                if index is None or index >= len(sizes):
+                    continue
+                uses = users.get(pname, [])
+                if uses and all(op in ("dynamic-slice", "slice", "gather") and pos == 0 for op, pos, _, _ in uses):
+                    sizes[index] = min(sizes[index], sum(_bytes(t) for _, _, t, _ in uses))
+                elif uses and all(op == "dynamic-update-slice" and pos == 0 for op, pos, _, _ in uses):
+                    update = sum(_bytes(self.types[callee].get(ops[1], "")) for _, _, _, ops in uses)
+                    sizes[index] = 0.0
+                    out = max(0.0, out - _bytes(self.types[callee].get(pname, "")) + update)
+        return sum(sizes) + out
+
+
+def _attention(name: str, attrs: str, target: str) -> tuple[str, int] | None:
+    op_name = _OP_NAME.search(attrs)
+    text = f"{name} {op_name.group(1) if op_name else ''} {target}"
+    for key, impl, units in ATTENTION_KERNELS:
+        if key in text:
+            return impl, units
+    return None
+
+
+def _attention_flops(arrays: list[tuple[str, tuple[int, ...]]], units: int,
+                     heads_first: bool = False) -> tuple[float, int]:
+    """units x 2 x B x Hq x T x S x D / 2 (causal). q is the kernel's first floating operand ([B, T, H, D], or
+    splash's [B, H, T, D] and per-shard [H, T, D]: heads_first), k the one of its head dim with the fewest heads."""
+    floats = [(1, s[1], s[0], s[2]) if len(s) == 3 else (s[0], s[2], s[1], s[3]) if heads_first else s
+              for d, s in arrays if d.startswith(("bf16", "f16", "f32", "f8")) and len(s) in (3, 4)]
+    if not floats or not units:
+        return 0.0, 0
+    q = floats[0]
+    k = min((s for s in floats if s[3] == q[3]), key=lambda s: s[2])
+    b, t, h, d = q
+    return units * 2.0 * b * h * t * k[1] * d / 2, d
+
+
+def _group_of(attrs: str, total: int) -> list[list[int]] | None:
+    """The replica groups of a collective as lists of partition ids, from XLA's explicit or iota spellings."""
+    listed = re.search(r"replica_groups=\{(\{[\d,]*\}(?:,\{[\d,]*\})*)\}", attrs)
+    if listed:
+        return [[int(x) for x in g.split(",") if x] for g in re.findall(r"\{([\d,]*)\}", listed.group(1))]
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", attrs)
+    if mesh:  # mesh['axis_0'=4,'axis_1'=16] {'axis_1'}: ids laid out row-major over the axes, the listed ones vary
+        sizes = [(a, int(n)) for a, n in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))]
+        vary = [i for i, (a, _) in enumerate(sizes) if f"'{a}'" in mesh.group(2)]
+        ids = np.arange(math.prod(n for _, n in sizes)).reshape([n for _, n in sizes] or [1])
+        ids = ids.transpose([i for i in range(len(sizes)) if i not in vary] + vary)
+        return ids.reshape(-1, math.prod(sizes[i][1] for i in vary)).tolist()
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
+    if iota:
+        groups, size = int(iota.group(1)), int(iota.group(2))
+        dims = [int(x) for x in iota.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(4):
+            ids = ids.transpose([int(x) for x in iota.group(4).split(",")])
+        return ids.reshape(groups, size).tolist()
+    pairs = re.search(r"source_target_pairs=\{(.*?)\}\}", attrs)
+    if pairs:
+        return [[int(a), int(b)] for a, b in re.findall(r"\{(\d+),(\d+)\}", pairs.group(1) + "}")]
+    if "replica_groups={}" in attrs and total:
+        return [list(range(total))]
+    return None
+
+
+def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict | None = None) -> ProgramCosts:
+    """Every kernel and collective the compiled program runs per step, with how often (see the module docstring).
+    `devices` are the mesh's devices in order (partition id i is devices[i]) and `mesh_shape` its axes."""
+    prog = _Program(hlo_text)
+    stats = hlo_stats.collectives(hlo_text)
+    by_name = {c.name: c for c in stats.collectives}
+    kernels: list[Kernel] = []
+    runs: list[CollectiveRun] = []
+    devices = devices or []
+    shape = list((mesh_shape or {}).values())
+    axes = list((mesh_shape or {}).keys())
+    gpu = bool(devices) and getattr(devices[0], "platform", "").lower() in ("gpu", "cuda", "rocm")
+    domain = [getattr(d, "process_index", 0) if gpu else getattr(d, "slice_index", 0) for d in devices]
+
+    def describe_group(attrs: str, collective) -> tuple[int, tuple[str, ...], bool]:
+        groups = _group_of(attrs, len(devices))
+        if not groups:
+            return hlo_stats.group_size(attrs) or 1, (), False
+        first = groups[0]
+        leaves = any(len({domain[i] for i in g if i < len(domain)}) > 1 for g in groups) if domain else False
+        used: tuple[str, ...] = ()
+        if shape and math.prod(shape) == len(devices) and all(i < len(devices) for i in first):
+            coords = np.array([np.unravel_index(i, shape) for i in first])
+            used = tuple(a for j, a in enumerate(axes) if len(set(coords[:, j])) > 1)
+        size = len(first) if collective.kind != "collective-permute" else max(2, len(first))
+        return size, used, leaves
+
+    def visit(comp: str, count: int, depth: int = 0):
+        if comp not in prog.insts or depth > 20:
+            return
+        pending: dict[str, CollectiveRun] = {}
+        alias: dict[str, str] = {}  # a get-tuple-element or bitcast -> what it reads (a done reads its start so)
+        for name, rtype, opcode, operands, attrs in prog.insts[comp]:
+            if opcode in ("get-tuple-element", "bitcast") and operands:
+                alias[name] = alias.get(operands[0], operands[0])
+            callee = _CALLS.search(attrs) if opcode == "fusion" else None
+            inner = [row for row in prog.insts.get(callee.group(1), ()) if row[0] in by_name] if callee else []
+            if name in by_name or inner:  # a collective; on TPUs, a fusion around one (AsyncCollectiveStart)
+                started = opcode.endswith("-start") or (callee is not None and any(
+                    "AsyncCollectiveStart" in line for line in prog.raw.get(callee.group(1), ())))
+                for inst, _, _, _, inst_attrs in inner or [(name, rtype, opcode, operands, attrs)]:
+                    c = by_name[inst]
+                    size, used, leaves = describe_group(inst_attrs, c)
+                    run = CollectiveRun(inst, c.kind, c.bytes, count, size, used, leaves, asynchronous=started)
+                    runs.append(run)
+                    if started:
+                        pending[name] = run
+                continue
+            done = callee is not None and any("AsyncCollectiveDone" in line
+                                              for line in prog.raw.get(callee.group(1), ()))
+            if opcode.endswith("-done") or done:
+                for o in operands:
+                    pending.pop(alias.get(o, o), None)
+                continue
+            if opcode in FREE or opcode.endswith("-start") and not opcode.startswith("copy"):
+                continue
+            if opcode == "while":
+                body = _BODY.search(attrs)
+                trips = hlo_stats.trip_count(attrs, prog.raw)
+                if body:
+                    visit(body.group(1), count * (trips or 1), depth + 1)
+                continue
+            if opcode in ("call", "async-start"):
+                callee = _CALLS.search(attrs) or re.search(r"to_apply=%?([\w.\-]+)", attrs)
+                if callee:
+                    visit(callee.group(1), count, depth + 1)
+                continue
+            if opcode == "conditional":
+                branches = _BRANCHES.search(attrs)
+                names = [b.strip().lstrip("%") for b in branches.group(1).split(",")] if branches else \
+                    re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", attrs)
+                if names:
+                    visit(names[0], count, depth + 1)  # the first branch stands for all
+                continue
+            kernel = cost_kernel(prog, comp, name, rtype, opcode, operands, attrs, count)
+            kernels.append(kernel)
+            for run in pending.values():
+                run.overlap.append(len(kernels) - 1)
+
+    if prog.entry:
+        visit(prog.entry, 1)
+    return ProgramCosts(kernels, runs, stats.unknown_trip_counts)
+
+
+def cost_kernel(prog: _Program, comp: str, name: str, rtype: str, opcode: str, operands: list[str], attrs: str,
+                count: int) -> Kernel:
+    """One launched kernel's FLOPs and HBM bytes."""
+    types = prog.types[comp]
+    operand_bytes = sum(_bytes(types.get(o, "")) for o in operands)
+    if opcode == "fusion":
+        callee = _CALLS.search(attrs)
+        flops, fp8 = prog.fused_flops(callee.group(1)) if callee else (0.0, False)
+        moved = prog.fusion_bytes(comp, rtype, operands, callee.group(1) if callee else None)
+        return Kernel(name, flops, moved, count, "matmul" if flops else "fusion", fp8)
+    if opcode in ("dot", "convolution"):
+        flops, fp8 = prog.dot_flops(comp, rtype, operands, attrs)
+        return Kernel(name, flops, operand_bytes + _bytes(rtype), count, "matmul", fp8)
+    if opcode == "custom-call":
+        target = _TARGET.search(attrs)
+        target = target.group(1) if target else ""
+        attention = _attention(name, attrs, target)
+        if attention:
+            impl, units = attention
+            shapes = [a for o in operands for a in _arrays(types.get(o, ""))]
+            if impl == "splash":  # splash_mha_fwd, splash_mha_dq, splash_mha_dkv (dq fused in: 5)
+                units = 2 if "fwd" in name else 3 if "_dq" in name else 5
+            flops, head_dim = _attention_flops(shapes, units, impl == "splash")
+            return Kernel(name, flops, operand_bytes + _bytes(rtype), count, f"attention:{impl}", head_dim=head_dim)
+        if "gemm" in target or "matmul" in target or "cublas" in target:
+            flops, fp8 = prog.dot_flops(comp, rtype, operands, attrs)
+            return Kernel(name, flops, operand_bytes + _bytes(rtype), count, "matmul", fp8 or "f8" in target)
+    return Kernel(name, 0.0, operand_bytes + _bytes(rtype), count, "other")
+
+
+def _need(chip: chips_lib.Chip, field: str, what: str) -> float:
+    value = getattr(chip, field)
+    if not value:
+        raise PredictionError(f"the {chip.name} chip record (config/chips.py) has no {field}, which {what} needs; "
+                              "add it with its source, or compile without the prediction")
+    return float(value)
+
+
+def check_record(chip: chips_lib.Chip, devices: int, domains: int) -> None:
+    """A PredictionError now, before any compile, if the chip record lacks a figure this target's prediction needs."""
+    _need(chip, "bf16_flops", "the prediction")
+    _need(chip, "hbm_bytes_per_s", "the prediction")
+    if devices > 1:
+        _need(chip, "link_bytes_per_s", "a collective")
+    if domains > 1:
+        _need(chip, "network_bytes_per_s", "a collective across slices or hosts")
+
+
+def kernel_seconds(k: Kernel, chip: chips_lib.Chip, cal: Calibration, launch: float) -> tuple[float, str]:
+    """(seconds for one run of the kernel, the part it counts to: matmul | attention | memory)."""
+    peak = _need(chip, "fp8_flops", "a float8 matmul") if k.fp8 else _need(chip, "bf16_flops", "the prediction")
+    hbm = _need(chip, "hbm_bytes_per_s", "the prediction")
+    efficiency = cal.matmul
+    if k.kind.startswith("attention:"):  # the rate measured at the nearest head_dim
+        rates = getattr(cal, k.kind.split(":")[1])
+        efficiency = min(rates, key=lambda r: abs(math.log2(max(k.head_dim, 1) / r[0])))[1]
+    compute = k.flops / (peak * efficiency)
+    memory = k.bytes / (hbm * cal.memory)
+    part = ("attention" if k.kind.startswith("attention") else "matmul") if compute >= memory and k.flops else "memory"
+    return max(compute, memory) + launch, part
+
+
+def collective_seconds(c: CollectiveRun, chip: chips_lib.Chip, cal: Calibration) -> float:
+    n = max(c.group, 1)
+    factor = {"all-reduce": 2 * (n - 1) / n, "collective-permute": 1.0}.get(c.kind, (n - 1) / n)
+    if n == 1:
+        return 0.0
+    bandwidth = (_need(chip, "network_bytes_per_s", "a collective across slices or hosts") * cal.network
+                 if c.leaves_domain else _need(chip, "link_bytes_per_s", "a collective") * cal.link)
+    return factor * c.bytes / bandwidth + cal.collective_seconds
+
+
+def predict(costs: ProgramCosts, chip: chips_lib.Chip, *, model_flops_per_step: float, tokens_per_step: float,
+            num_chips: int, steps: int = 0, cal: Calibration = CALIBRATION) -> dict:
+    """The step time with its parts, tokens/s per chip, MFU and cost, as plain values (see the module docstring).
+    model_flops_per_step is per chip (the family's formula, as MFU counts it); tokens_per_step is the global batch's."""
+    launch = cal.launch_seconds if chip.kind == "gpu" else 1e-6
+    parts = {"matmul": 0.0, "attention": 0.0, "memory": 0.0}
+    each = []
+    for k in costs.kernels:
+        seconds, part = kernel_seconds(k, chip, cal, launch)
+        parts[part] += seconds * k.count
+        each.append(seconds)
+    compute = sum(parts.values())
+    by_axis: dict[str, float] = {}
+    hidden = total = 0.0
+    for c in costs.collectives:
+        seconds = collective_seconds(c, chip, cal)
+        hide = min(seconds, sum(each[i] for i in c.overlap)) if c.asynchronous else 0.0
+        key = "+".join(c.axes) or ("network" if c.leaves_domain else "unknown")
+        by_axis[key] = by_axis.get(key, 0.0) + seconds * c.count
+        total += seconds * c.count
+        hidden += hide * c.count
+    step = compute + total - hidden
+    bf16 = _need(chip, "bf16_flops", "MFU")
+    tokens_per_chip = tokens_per_step / num_chips / step if step else 0.0
+    per_billion = 1e9 / (tokens_per_step / step) if step else 0.0
+    return {
+        "chip": chip.name, "step_seconds": step, "compute_seconds": compute,
+        "parts": {**parts, "collectives": total, "collectives_hidden": hidden, "collectives_exposed": total - hidden},
+        "collectives_by_axis": by_axis, "hlo_flops_per_chip": costs.flops,
+        "tokens_per_second_per_chip": tokens_per_chip, "tokens_per_second": tokens_per_step / step if step else 0.0,
+        "mfu": model_flops_per_step / (step * bf16) if step else 0.0,
+        "seconds_per_billion_tokens": per_billion, "chip_hours_per_billion_tokens": per_billion * num_chips / 3600,
+        "run_steps": steps, "run_seconds": step * steps, "run_chip_hours": step * steps * num_chips / 3600,
+        "kernels": sum(k.count for k in costs.kernels), "unknown_trip_counts": costs.unknown_trip_counts,
+        "calibration": cal.source,
+    }
+
+
+def compiler_estimate(compiled) -> dict | None:
+    """What the compiler's own cost analysis says (TPU: FLOPs, bytes and, where libtpu gives it, seconds);
+    None where it says nothing (XLA:GPU without a GPU)."""
+    try:
+        analysis = compiled.cost_analysis()
+    except Exception:  # pylint: disable=broad-except  # backends without one raise various errors
+        return None
+    if isinstance(analysis, list):
+        analysis = analysis[0] if analysis else None
+    if not analysis:
+        return None
+    keep = {k: float(v) for k, v in analysis.items()
+            if k in ("flops", "bytes accessed", "transcendentals") or "second" in k}
+    return keep or None

@@ -1,0 +1,142 @@
+"""The fastest layout for a target: compile a small grid ahead of time and sort what fits by predicted tokens/s.
+
+    python scripts/plan.py configs/base.yml compile_topology=v5p-128 model_name=llama3-8b max_target_length=8192
+    python scripts/plan.py configs/base.yml compile_topology=h100-64 model_name=llama3-8b --batch 1,2 --tensor 1,8
+    python scripts/plan.py configs/base.yml compile_topology=v5p-512 model_name=deepseek3-671b --expert 8,64 \
+        --json plan.json
+
+Every cell is `python -m maxtrain.train_compile` of the config with one choice of each axis of the grid: the
+tensor (--tensor) and expert (--expert, MoE models only) splits that divide the target's devices, FSDP taking the
+rest; the per-device batch (--batch); the remat policy (--remat); the attention implementation (--attention). It
+prints the cells that fit the chip's memory, fastest first by the predicted tokens/s (compile/predict.py; how far
+to trust it: docs/scale.md), with the command to train the best, and the cells that did not fit or compile. The
+grid is small by default (compiles for a pod take 15-110 s each on a CPU): widen it with the flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+
+import jax
+
+from maxtrain import config as config_lib
+from maxtrain import storage, train_compile
+from maxtrain.compile import targets
+from maxtrain.errors import ConfigError, ToolError, run_cli
+from maxtrain.training import builder
+
+GIB = 2**30
+
+
+def ints(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x]
+    except ValueError as e:
+        raise ToolError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def grid(config, target: targets.Target, args) -> list[dict]:
+    """The cells: {key: value} overrides, the splits only where they divide the devices and the model."""
+    devices = target.num_devices // target.num_slices
+    moe = config.num_experts > 1
+    heads = math.gcd(config.base_num_query_heads, config.base_num_kv_heads or config.base_num_query_heads)
+    cells = []
+    for tensor, expert, batch, remat, attention in itertools.product(
+            ints(args.tensor), ints(args.expert) if moe else [1], ints(args.batch), args.remat.split(","),
+            args.attention.split(",")):
+        if devices % (tensor * expert) or heads % tensor or (moe and config.num_experts % expert):
+            continue
+        cells.append({"ici_tensor_parallelism": tensor, "ici_expert_parallelism": expert,
+                      "ici_fsdp_parallelism": devices // (tensor * expert), "per_device_batch_size": batch,
+                      "remat_policy": remat, "attention": attention})
+    return cells
+
+
+def compile_cell(argv: list[str], cell: dict, target: targets.Target) -> dict:
+    """One train_compile of the config with the cell's settings: its report, or why it failed."""
+    overrides = [f"{k}={v}" for k, v in cell.items()]
+    row = {"cell": cell, "overrides": overrides}
+    try:
+        config = builder.load_config(config_lib.with_overrides(argv, *overrides), log=lambda *a: None)
+        run, _, compiled, seconds = train_compile.compile_for_target(config, target)
+    except ConfigError as e:
+        return {**row, "error": str(e).splitlines()[0]}
+    except jax.errors.JaxRuntimeError as e:
+        refused = train_compile.out_of_memory(e)
+        if refused is None:
+            return {**row, "error": str(e).splitlines()[0][:200]}
+        return {**row, "fits": False, "memory_gib": refused[0], "chip_gib": refused[1]}
+    rep = train_compile.report(run, compiled, target, seconds)
+    jax.clear_caches()
+    return {**row, "fits": train_compile.fits(rep), "memory_gib": rep["memory"]["total"] / GIB,
+            "chip_gib": (rep["memory"]["chip"] or 0) / GIB, "prediction": rep["prediction"],
+            "compile_seconds": seconds}
+
+
+def format_rows(rows: list[dict]) -> list[str]:
+    lines = ["| rank | tokens/s per chip | step ms | MFU | GiB per chip | settings |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for i, row in enumerate(rows, 1):
+        p = row["prediction"]
+        lines.append(f"| {i} | {p['tokens_per_second_per_chip']:,.0f} | {p['step_seconds'] * 1e3:,.1f} | "
+                     f"{p['mfu']:.1%} | {row['memory_gib']:.1f} | {' '.join(row['overrides'])} |")
+    return lines
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0], usage="%(prog)s CONFIG key=value ...")
+    parser.add_argument("settings", nargs="+", help="a config file, then key=value overrides (compile_topology=...)")
+    parser.add_argument("--tensor", default="1,4", help="ici_tensor_parallelism choices (default 1,4)")
+    parser.add_argument("--expert", default="1,8", help="ici_expert_parallelism choices, MoE models (default 1,8)")
+    parser.add_argument("--batch", default="1,2,4", help="per_device_batch_size choices (default 1,2,4)")
+    parser.add_argument("--remat", default="full,minimal", help="remat_policy choices (default full,minimal)")
+    parser.add_argument("--attention", default="autoselected", help="attention choices (default autoselected)")
+    parser.add_argument("--json", help="also write every cell's figures here")
+    args = parser.parse_args(argv)
+    if args.json:
+        storage.check_output(args.json, True, f"--json {args.json}")
+    config = builder.load_config(args.settings, log=lambda *a: None)
+    if not config.compile_topology:
+        raise ToolError("plan.py needs a target: add compile_topology=v5p-128 (or h100-64, ...) to the settings")
+    target = targets.parse(config.compile_topology, config.compile_topology_num_slices)
+    jax.config.update("jax_platforms", "cpu")  # compiling for another target needs no accelerator here
+    cells = grid(config, target, args)
+    if not cells:
+        raise ToolError(f"no cell of the grid divides {target.describe()} and the model's heads and experts: "
+                        "choose --tensor and --expert values that do")
+    print(f"planning {config.model_name} on {target.describe()}: {len(cells)} cells", flush=True)
+    rows = []
+    for cell in cells:
+        t = time.time()
+        row = compile_cell(args.settings, cell, target)
+        rows.append(row)
+        verdict = row.get("error") or (
+            f"{row['prediction']['tokens_per_second_per_chip']:,.0f} tokens/s per chip, {row['memory_gib']:.1f} GiB"
+            if row.get("fits") else f"does not fit: {row['memory_gib']:.1f} GiB of {row['chip_gib']:.1f}")
+        print(f"  {' '.join(row['overrides'])}: {verdict} ({time.time() - t:.0f} s)", flush=True)
+    if args.json:
+        storage.write_text(args.json, json.dumps(rows, indent=1, default=str))
+    fitting = sorted((r for r in rows if r.get("fits") and r.get("prediction")),
+                     key=lambda r: -r["prediction"]["tokens_per_second_per_chip"])
+    if not fitting:
+        sized = [r for r in rows if "memory_gib" in r]
+        if not sized:
+            raise ToolError(f"no cell of the grid compiled for {target.name}: {rows[0].get('error')}")
+        least = min(sized, key=lambda r: r["memory_gib"])
+        raise ToolError(f"no cell of the grid fits {target.name}: the smallest needs {least['memory_gib']:.1f} GiB per "
+                        f"chip ({' '.join(least['overrides'])}), the chip has {least['chip_gib']:.1f}; try a smaller "
+                        "--batch, --remat full, more chips (compile_topology) or a shorter max_target_length")
+    print("\n".join(["", *format_rows(fitting), ""]))
+    best = " ".join(fitting[0]["overrides"])
+    settings = " ".join(a for a in args.settings if not a.startswith("compile_topology"))  # train.py's devices
+    print(f"train the best, on {target.name}: python -m maxtrain.train {settings} {best}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    run_cli("plan", main)

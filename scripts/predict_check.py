@@ -1,0 +1,148 @@
+"""The step-time prediction (maxtrain/compile/predict.py) against every GPU training step measured in docs/gpu.md.
+
+    pip install -e '.[cuda]'                     # the H100/H200 compiler; no GPU needed
+    python scripts/predict_check.py --cache /tmp/predict-cache            # the table for docs/scale.md
+    python scripts/predict_check.py --cache /tmp/predict-cache --fit      # refit the calibration on CALIBRATION_ROWS
+
+Each row is compiled ahead of time for one H100 or H200 (`compile_topology=h100-1`, the settings of the measured run:
+scripts/gpu_report.py's plan, or scripts/benchmark.py's variants), its kernels and collectives read from the optimized
+HLO, and its step time predicted against the chip's record. Rows marked `calibration` are the ones the efficiencies
+of predict.CALIBRATION were fitted on (`--fit` searches them again and prints what it finds); the others are held out.
+The error is (predicted - measured) / measured. `--cache` keeps each row's kernel list, so a refit or a new
+calibration does not compile again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import os
+import pickle
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import gpu_report  # noqa: E402  (scripts/gpu_report.py: the measured runs' settings)
+
+import jax  # noqa: E402
+
+from maxtrain import train_compile  # noqa: E402
+from maxtrain.compile import predict, targets  # noqa: E402
+from maxtrain.config import chips  # noqa: E402
+from maxtrain.errors import ToolError, run_cli  # noqa: E402
+from maxtrain.observability import metrics  # noqa: E402
+
+LLAMA = ["model_name=llama3.2-1b", "max_target_length=4096", "dtype=bfloat16", "dataset_type=synthetic"]
+# Measured step times, ms (docs/gpu.md "Measured": one H200 and one H100, 2026-11-26, jax 0.11.2; the H100's
+# frontier rows are its first call's). The labels are gpu_report.py's; "bench:" rows are scripts/benchmark.py's.
+MEASURED = [
+    ("h100", "llama3.2-1b b8 remat full", 889.9), ("h100", "llama3.2-1b b8 remat minimal", 842.5),
+    ("h100", "llama3.2-1b b16 remat full", 1774.8), ("h100", "default model", 2.1),
+    ("h100", "deepseek-shaped b4 capacity", 243.5), ("h100", "gpt-oss-shaped b2 capacity", 222.8),
+    ("h100", "llama3.2-1b b8 remat full fp8", 788.2), ("h100", "llama3.2-1b b8 remat full muon", 1098.8),
+    ("h100", "deepseek-shaped b1 dropless", 592.5), ("h100", "gpt-oss-shaped b1 dropless", 954.7),
+    ("h200", "llama3.2-1b b8 remat full", 848.9), ("h200", "llama3.2-1b b8 remat minimal", 805.3),
+    ("h200", "llama3.2-1b b16 remat full", 1711.1), ("h200", "default model", 2.1),
+    ("h200", "bench: per_device_batch_size=8 remat_policy=full attention=cudnn", 678.2),
+    ("h200", "bench: per_device_batch_size=4 remat_policy=none attention=cudnn", 333.7),
+    ("h200", "bench: per_device_batch_size=8 remat_policy=minimal attention=cudnn", 626.1),
+    ("h200", "bench: per_device_batch_size=16 remat_policy=minimal attention=cudnn", 1241.9),
+    ("h200", "bench: per_device_batch_size=8 remat_policy=minimal attention=cudnn scan_layers=false", 601.3),
+    ("h200", "bench: per_device_batch_size=8 remat_policy=minimal attention=flash scan_layers=false", 781.2),
+]
+CALIBRATION_ROWS = {("h100", "llama3.2-1b b8 remat full"), ("h100", "default model"),
+                    ("h100", "deepseek-shaped b4 capacity")}
+
+
+def overrides_of(label: str) -> list[str]:
+    if label.startswith("bench: "):
+        return [*LLAMA, *label.removeprefix("bench: ").split()]
+    plan = gpu_report.make_plan(dry_run=False)
+    for name, overrides in plan.training + plan.frontier:
+        if name == label:
+            return list(overrides)
+    raise ToolError(f"no measured run is labelled {label!r} in scripts/gpu_report.py")
+
+
+def row_costs(chip: str, label: str, cache: str | None):
+    """(costs, model FLOPs per step, tokens per step): compiled now, or read from the cache."""
+    path = os.path.join(cache, f"{chip}-{label.replace(' ', '_').replace('=', '-')}.pkl") if cache else None
+    if path and os.path.exists(path):
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    config = gpu_report.load([*overrides_of(label), f"compile_topology={chip}-1"])
+    target = targets.parse(config.compile_topology)
+    t = time.time()
+    run, _, compiled, _ = train_compile.compile_for_target(config, target)
+    costs = predict.program_costs(compiled.as_text(), list(run.mesh.devices.flat), dict(run.mesh.shape))
+    c = run.config  # with the devices: the global batch
+    result = (costs, metrics.flops_per_token(c) * c.tokens_per_step, c.tokens_per_step)
+    print(f"  compiled {chip} {label} in {time.time() - t:.0f} s", file=sys.stderr, flush=True)
+    if path:
+        os.makedirs(cache, exist_ok=True)
+        with open(path, "wb") as f:
+            pickle.dump(result, f)
+    return result
+
+
+def errors_of(rows, cal: predict.Calibration) -> list[tuple[str, str, float, float, float]]:
+    out = []
+    for chip, label, measured, (costs, model_flops, tokens) in rows:
+        p = predict.predict(costs, chips.by_name(chip), model_flops_per_step=model_flops, tokens_per_step=tokens,
+                            num_chips=1, cal=cal)
+        ms = p["step_seconds"] * 1e3
+        out.append((chip, label, measured, ms, (ms - measured) / measured))
+    return out
+
+
+def fit(rows) -> predict.Calibration:
+    """The matmul and memory efficiencies and the launch overhead that minimize the worst error on the calibration
+    rows (a grid: 0.30-0.95, 0.40-1.00, 1-12 us), then the median."""
+    calibration = [r for r in rows if (r[0], r[1]) in CALIBRATION_ROWS]
+    best = None
+    for matmul, memory, launch in itertools.product([x / 100 for x in range(30, 96, 1)],
+                                                    [x / 100 for x in range(40, 101, 5)], [1e-6, 2e-6, 4e-6, 8e-6]):
+        cal = dataclasses.replace(predict.CALIBRATION, matmul=matmul, memory=memory, launch_seconds=launch)
+        errs = [abs(e[4]) for e in errors_of(calibration, cal)]
+        key = (round(max(errs), 3), statistics.median(errs))
+        if best is None or key < best[0]:
+            best = (key, cal)
+    return best[1]
+
+
+def table(results) -> str:
+    lines = ["| chip | row | measured ms | predicted ms | error | set |", "| --- | --- | --- | --- | --- | --- |"]
+    for chip, label, measured, ms, err in results:
+        kind = "calibration" if (chip, label) in CALIBRATION_ROWS else "held out"
+        lines.append(f"| {chip.upper()} | {label} | {measured:,.1f} | {ms:,.1f} | {err:+.0%} | {kind} |")
+    held = [abs(r[4]) for r in results if (r[0], r[1]) not in CALIBRATION_ROWS]
+    if held:
+        lines.append(f"\nheld out: {len(held)} rows, median absolute error {statistics.median(held):.0%}, "
+                     f"worst {max(held):.0%}, {sum(e <= 0.30 for e in held)} within 30%")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--cache", help="a directory keeping each row's compiled kernel list")
+    parser.add_argument("--fit", action="store_true", help="refit the calibration on CALIBRATION_ROWS")
+    parser.add_argument("--rows", default="", help="only rows whose label contains this text")
+    args = parser.parse_args(argv)
+    missing = targets.compiler_missing("gpu")
+    if missing:
+        raise ToolError(f"predict_check compiles for H100 and H200 targets: {missing}")
+    jax.config.update("jax_platforms", "cpu")  # compiling for the GPU targets needs no accelerator here
+    rows = [(chip, label, ms, row_costs(chip, label, args.cache)) for chip, label, ms in MEASURED
+            if args.rows in label]
+    cal = predict.CALIBRATION
+    if args.fit:
+        cal = fit(rows)
+        print(f"fitted: matmul {cal.matmul}, memory {cal.memory}, launch {cal.launch_seconds * 1e6:.0f} us")
+    print(table(errors_of(rows, cal)))
+
+
+if __name__ == "__main__":
+    run_cli("predict_check", main)

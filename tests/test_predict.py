@@ -1,0 +1,153 @@
+"""The step-time prediction (maxtrain/compile/predict.py): FLOPs, bytes and collectives read from HLO, the roofline with
+overlap, and the figures train_compile prints. Compiles for H100 and TPU targets: tests/test_train_compile_targets.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from conftest import BASE_YML
+from maxtrain import train_compile
+from maxtrain.compile import predict
+from maxtrain.config import chips
+from maxtrain.observability import metrics
+from maxtrain.training import builder
+
+# One layer's matmul in a loop of 4, its weights sliced out of the stacked [4, 256, 512] ones, an all-gather over
+# 4 of 8 devices started before the matmul and done after it, an in-place update of a [4, 128, 512] buffer, and a
+# flash attention kernel (GPU Pallas) on q [2, 64, 8, 32], k and v [2, 64, 2, 32].
+HLO = """HloModule m, is_scheduled=true
+
+%fused_dot (param_0: bf16[128,256], param_1: bf16[256,512]) -> bf16[128,512] {
+  %param_0 = bf16[128,256]{1,0} parameter(0)
+  %param_1 = bf16[256,512]{1,0} parameter(1)
+  ROOT %d = bf16[128,512]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%fused_slice (param_0.1: bf16[4,256,512], param_1.1: s32[]) -> bf16[256,512] {
+  %param_0.1 = bf16[4,256,512]{2,1,0} parameter(0)
+  %param_1.1 = s32[] parameter(1)
+  %c = s32[] constant(0)
+  %ds = bf16[1,256,512]{2,1,0} dynamic-slice(%param_0.1, %param_1.1, %c, %c), dynamic_slice_sizes={1,256,512}
+  ROOT %b = bf16[256,512]{1,0} bitcast(%ds)
+}
+
+%fused_update (param_0.2: bf16[4,128,512], param_1.2: bf16[1,128,512], param_2.2: s32[]) -> bf16[4,128,512] {
+  %param_0.2 = bf16[4,128,512]{2,1,0} parameter(0)
+  %param_1.2 = bf16[1,128,512]{2,1,0} parameter(1)
+  %param_2.2 = s32[] parameter(2)
+  %c.1 = s32[] constant(0)
+  ROOT %u = bf16[4,128,512]{2,1,0} dynamic-update-slice(%param_0.2, %param_1.2, %param_2.2, %c.1, %c.1)
+}
+
+%body (p: (s32[], bf16[128,256], bf16[4,256,512], bf16[4,128,512], bf16[32,256])) -> (s32[], bf16[128,256], bf16[4,256,512], bf16[4,128,512], bf16[32,256]) {
+  %p = (s32[], bf16[128,256]{1,0}, bf16[4,256,512]{2,1,0}, bf16[4,128,512]{2,1,0}, bf16[32,256]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = bf16[128,256]{1,0} get-tuple-element(%p), index=1
+  %w = bf16[4,256,512]{2,1,0} get-tuple-element(%p), index=2
+  %buf = bf16[4,128,512]{2,1,0} get-tuple-element(%p), index=3
+  %shard = bf16[32,256]{1,0} get-tuple-element(%p), index=4
+  %ags = (bf16[32,256]{1,0}, bf16[128,256]{1,0}) all-gather-start(%shard), channel_id=1, replica_groups=[2,4]<=[8], dimensions={0}
+  %slice = bf16[256,512]{1,0} fusion(%w, %i), kind=kLoop, calls=%fused_slice
+  %mm = bf16[128,512]{1,0} fusion(%x, %slice), kind=kCustom, calls=%fused_dot
+  %agd = bf16[128,256]{1,0} all-gather-done(%ags)
+  %r = bf16[1,128,512]{2,1,0} bitcast(%mm)
+  %new = bf16[4,128,512]{2,1,0} fusion(%buf, %r, %i), kind=kLoop, calls=%fused_update
+  ROOT %t = (s32[], bf16[128,256]{1,0}, bf16[4,256,512]{2,1,0}, bf16[4,128,512]{2,1,0}, bf16[32,256]{1,0}) tuple(%i, %agd, %w, %new, %shard)
+}
+
+%cond (p.1: (s32[], bf16[128,256], bf16[4,256,512], bf16[4,128,512], bf16[32,256])) -> pred[] {
+  %p.1 = (s32[], bf16[128,256]{1,0}, bf16[4,256,512]{2,1,0}, bf16[4,128,512]{2,1,0}, bf16[32,256]{1,0}) parameter(0)
+  %j = s32[] get-tuple-element(%p.1), index=0
+  %n = s32[] constant(4)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}
+
+ENTRY %main (a: (s32[], bf16[128,256], bf16[4,256,512], bf16[4,128,512], bf16[32,256]), q: bf16[2,64,8,32], k: bf16[2,64,2,32]) -> bf16[2,64,8,32] {
+  %a = (s32[], bf16[128,256]{1,0}, bf16[4,256,512]{2,1,0}, bf16[4,128,512]{2,1,0}, bf16[32,256]{1,0}) parameter(0)
+  %q = bf16[2,64,8,32]{3,2,1,0} parameter(1)
+  %k = bf16[2,64,2,32]{3,2,1,0} parameter(2)
+  %loop = (s32[], bf16[128,256]{1,0}, bf16[4,256,512]{2,1,0}, bf16[4,128,512]{2,1,0}, bf16[32,256]{1,0}) while(%a), condition=%cond, body=%body
+  ROOT %att = bf16[2,64,8,32]{3,2,1,0} custom-call(%q, %k, %k), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(train_step)/flash_attention_fwd/pallas_call"}
+}
+"""
+
+
+class Device:
+    def __init__(self, i):
+        self.id, self.platform, self.process_index = i, "gpu", i // 4  # two "hosts" of 4
+
+
+def test_flops_bytes_and_counts_come_from_the_hlo():
+    costs = predict.program_costs(HLO)
+    by = {k.name: k for k in costs.kernels}
+    assert set(by) == {"slice", "mm", "new", "att"}
+    assert by["mm"].flops == 2 * 128 * 512 * 256 and by["mm"].count == 4 and by["mm"].kind == "matmul"
+    assert by["mm"].bytes == (128 * 256 + 256 * 512 + 128 * 512) * 2
+    assert by["slice"].bytes == 2 * 256 * 512 * 2 + 4          # reads one layer's slice (and the index), not the stack
+    assert by["new"].bytes == 2 * 128 * 512 * 2 + 4            # in place: the update read and written, not the buffer
+    assert by["att"].kind == "attention:flash" and by["att"].count == 1
+    assert by["att"].flops == 2 * 2 * 2 * 8 * 64 * 64 * 32 / 2  # 2 matmuls, causal: half of T x S
+    assert costs.flops == 4 * by["mm"].flops + by["att"].flops
+
+
+def test_collectives_know_their_axis_domain_and_what_hides_them():
+    devices = [Device(i) for i in range(8)]
+    costs = predict.program_costs(HLO, devices=devices, mesh_shape={"data": 2, "fsdp": 4})
+    (gather,) = costs.collectives
+    assert gather.kind == "all-gather" and gather.count == 4 and gather.group == 4
+    assert gather.axes == ("fsdp",) and not gather.leaves_domain and gather.asynchronous
+    assert [costs.kernels[i].name for i in gather.overlap] == ["slice", "mm"]
+    crossing = predict.program_costs(HLO.replace("[2,4]<=[8]", "[4,2]<=[2,4]T(1,0)"), devices=devices,
+                                     mesh_shape={"data": 2, "fsdp": 4})
+    assert crossing.collectives[0].axes == ("data",) and crossing.collectives[0].leaves_domain
+
+
+def test_the_roofline_adds_what_the_schedule_does_not_hide():
+    h100 = chips.by_name("h100")
+    costs = predict.program_costs(HLO, devices=[Device(i) for i in range(8)], mesh_shape={"data": 2, "fsdp": 4})
+    cal = predict.Calibration()
+    p = predict.predict(costs, h100, model_flops_per_step=costs.flops, tokens_per_step=1000, num_chips=8, steps=10,
+                        cal=cal)
+    kernels = sum(predict.kernel_seconds(k, h100, cal, cal.launch_seconds)[0] * k.count for k in costs.kernels)
+    gather = predict.collective_seconds(costs.collectives[0], h100, cal)
+    assert gather == pytest.approx(3 / 4 * 128 * 256 * 2 / (h100.link_bytes_per_s * cal.link) + cal.collective_seconds)
+    assert p["compute_seconds"] == pytest.approx(kernels)
+    assert p["parts"]["collectives_hidden"] <= p["parts"]["collectives"] == pytest.approx(4 * gather)
+    assert p["step_seconds"] == pytest.approx(kernels + p["parts"]["collectives_exposed"])
+    assert p["mfu"] == pytest.approx(costs.flops / (p["step_seconds"] * h100.bf16_flops))
+    assert p["run_seconds"] == pytest.approx(10 * p["step_seconds"])
+    text = "\n".join(train_compile.format_prediction(p))
+    assert "predicted step time" in text and "fsdp" in text and "chip-hours" in text
+    slow_links = predict.predict(costs, dataclasses.replace(h100, link_bytes_per_s=1e6), model_flops_per_step=1,
+                                 tokens_per_step=1000, num_chips=8, cal=cal)
+    assert slow_links["parts"]["collectives_exposed"] > p["parts"]["collectives_exposed"]
+
+
+def test_a_record_without_a_needed_figure_is_one_line():
+    costs = predict.program_costs(HLO)
+    with pytest.raises(predict.PredictionError, match=r"^the jetson-orin chip record \(config/chips.py\) has no "
+                                                      r"bf16_flops, which the prediction needs; add it"):
+        predict.predict(costs, chips.by_name("jetson-orin"), model_flops_per_step=1, tokens_per_step=1, num_chips=1)
+
+
+def test_a_record_is_checked_before_the_compile():
+    predict.check_record(chips.by_name("v5p"), 64, 2)
+    with pytest.raises(predict.PredictionError, match="has no network_bytes_per_s, which a collective across"):
+        predict.check_record(dataclasses.replace(chips.by_name("h100"), network_bytes_per_s=None), 16, 2)
+    predict.check_record(dataclasses.replace(chips.by_name("h100"), network_bytes_per_s=None), 8, 1)
+
+
+def test_a_real_cpu_step_counts_the_models_matmuls():
+    """The HLO's matmul FLOPs of a compiled CPU step against the family's formula (3 x the forward matmuls):
+    remat none and dense attention, so the program computes what the formula counts, plus the full T x T scores."""
+    config = builder.load_config([BASE_YML, "base_num_decoder_layers=2", "base_emb_dim=64", "base_mlp_dim=256",
+                                  "vocab_size=512", "max_target_length=32", "per_device_batch_size=2",
+                                  "dataset_type=synthetic", "remat_policy=none", "attention=dot_product"])
+    run = builder.build(config)
+    costs = predict.program_costs(run.compile().as_text(), list(run.mesh.devices.flat), dict(run.mesh.shape))
+    model = metrics.flops_per_token(run.config, dense_attention=True) * run.config.tokens_per_step / run.mesh.size
+    assert costs.flops == pytest.approx(model, rel=0.1)
+    assert costs.collectives and all(c.axes for c in costs.collectives)
