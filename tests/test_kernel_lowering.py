@@ -367,3 +367,80 @@ def test_cpu_attention_formulation_compiles_for_h100(h100s):
 @needs_tpu_compiler
 def test_cpu_attention_formulation_compiles_for_tpu():
     assert _compile_causal_chunks(targets.parse("v5e-4").devices(), "tpu", data=2).memory_analysis() is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# The gated delta rule's kernel (kernels/gated_delta.py, Qwen3-Next's shapes: head widths 128, chunks of 64),
+# forward and backward (the backward recomputes through the jnp chunked form), per shard in shard_map.
+
+
+def compile_gated_delta(devices, platform, *, data, tensor, batch=2, length=4096, heads=8, chunk=64, width=128):
+    from maxtrain.models import gated_delta  # pylint: disable=import-outside-toplevel
+    from maxtrain.kernels import gated_delta as kernel  # pylint: disable=import-outside-toplevel
+
+    mesh = sharding.mesh_of(devices[:data * tensor], data=data, tensor=tensor)
+    P = jax.sharding.PartitionSpec
+    tok, gate, seg_spec, state = P("data", None, "tensor", None), P("data", None, "tensor"), P("data", None), \
+        P("data", "tensor", None, None)
+    rule = kernel.make(gated_delta.chunked, chunk_size=chunk, platform=platform)
+
+    def arg(shape, spec, dt=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
+
+    def grads(q, k, v, a, beta, seg, s0, w):
+        def loss(q, k, v, a, beta, s0):
+            local = jax.shard_map(rule, mesh=mesh, in_specs=(tok, tok, tok, gate, gate, seg_spec, state),
+                                  out_specs=(tok, state), check_vma=False)
+            o, s = local(q, k, v, a, beta, seg, s0)
+            return jnp.sum((o * w).astype(jnp.float32)) + jnp.sum(s)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))(q, k, v, a, beta, s0)  # the loss: else no kernel
+
+    x = arg((batch, length, heads, width), tok)
+    args = (x, x, x, arg((batch, length, heads), gate, jnp.float32), arg((batch, length, heads), gate, jnp.float32),
+            arg((batch, length), seg_spec, jnp.int32), arg((batch, heads, width, width), state, jnp.float32), x)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        lowered = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda" if platform == "gpu" else platform,))
+    hlo = lowered.compile().as_text()
+    assert "all-gather" not in hlo, "q, k or v gathered around the kernel"
+    return hlo
+
+
+@needs_gpu_compiler
+def test_gated_delta_kernel_compiles_for_h100(h100s):
+    hlo = compile_gated_delta(h100s, "gpu", data=2, tensor=4)
+    assert "gated_delta_chunked" in hlo and "__gpu$xla.gpu.triton" in hlo
+
+
+@needs_tpu_compiler
+def test_gated_delta_kernel_compiles_for_tpu():
+    hlo = compile_gated_delta(targets.parse("v5e-4").devices(), "tpu", data=2, tensor=2)
+    assert "gated_delta_chunked" in hlo
+
+
+QWEN3_5 = ["decoder_block=qwen3_5_text", "inhomogeneous_layer_cycle_interval=2",
+           "gdn_num_key_heads=2", "gdn_num_value_heads=4", "gdn_key_head_dim=128", "gdn_value_head_dim=128",
+           "head_dim=64", "partial_rotary_factor=0.25"]
+
+
+@pytest.mark.slow
+@needs_tpu_compiler
+def test_qwen3_5_train_step_compiles_for_tpu_with_the_gated_delta_kernel():
+    """A Qwen3.5-shaped step (one gated delta-net layer, one full-attention layer) with gdn_kernel=autoselected on
+    TPUs: the Mosaic kernel inside the mixer's shard_map (FSDP 2 x tensor 2)."""
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    run = builder.build(load_config([BASE_YML, *SMALL, *QWEN3_5, "ici_fsdp_parallelism=2",
+                                     "ici_tensor_parallelism=2"]), devices=targets.parse("v5e-4").devices())
+    assert run.rt.gdn_kernel == "pallas" and "Pallas Mosaic" in run.rt.describe()
+    assert "gated_delta_chunked" in run.compile().as_text()
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_qwen3_5_train_step_compiles_for_h100_with_the_gated_delta_kernel():
+    """The same step on one H100: the Triton kernel in the mixer."""
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    run = builder.build(load_config([BASE_YML, *SMALL, *QWEN3_5]), devices=targets.parse("h100-1").devices())
+    assert run.rt.gdn_kernel == "pallas" and "Pallas Triton" in run.rt.describe()
+    assert "gated_delta_chunked" in run.compile().as_text()

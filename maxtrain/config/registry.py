@@ -63,7 +63,8 @@ class Family:
 # the parameters' shapes.
 HYBRID_SHAPE_KEYS = ("inhomogeneous_layer_cycle_interval", "gdn_num_key_heads", "gdn_num_value_heads",
                      "gdn_key_head_dim", "gdn_value_head_dim", "gdn_conv_kernel_dim")
-HYBRID_SETTINGS = ("partial_rotary_factor", *HYBRID_SHAPE_KEYS, "gdn_chunk_size")
+HYBRID_KERNEL_SETTINGS = ("gdn_chunk_size", "gdn_kernel")  # how, not what, the gated delta rule computes
+HYBRID_SETTINGS = ("partial_rotary_factor", *HYBRID_SHAPE_KEYS, *HYBRID_KERNEL_SETTINGS)
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", ("llama",), "LlamaForCausalLM"),
@@ -96,14 +97,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            usual=(("num_experts", 512),),
            settings=HYBRID_SETTINGS + ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"),
            shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts",), setting_keys=("partial_rotary_factor",),
-           kernel_settings=("gdn_chunk_size",)),
+           kernel_settings=HYBRID_KERNEL_SETTINGS),
     Family("qwen3_5_text", ("qwen3_5_text", "qwen3_5"), "Qwen3_5ForCausalLM", per_layer_attention=False,
            settings=HYBRID_SETTINGS, shape_keys=HYBRID_SHAPE_KEYS,
-           setting_keys=("partial_rotary_factor",), kernel_settings=("gdn_chunk_size",)),
+           setting_keys=("partial_rotary_factor",), kernel_settings=HYBRID_KERNEL_SETTINGS),
     Family("qwen3_5_moe_text", ("qwen3_5_moe_text", "qwen3_5_moe"), "Qwen3_5MoeForCausalLM", moe=True,
            per_layer_attention=False, usual=(("num_experts", 256),), settings=HYBRID_SETTINGS,
            shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts",), setting_keys=("partial_rotary_factor",),
-           kernel_settings=("gdn_chunk_size",)),
+           kernel_settings=HYBRID_KERNEL_SETTINGS),
     Family("deepseek", ("deepseek_v3",), "DeepseekV3ForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 256),),
            settings=("norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",

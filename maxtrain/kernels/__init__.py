@@ -1,5 +1,6 @@
 """Pallas kernels: flash attention (GPU, Triton; runs on CPU in interpret mode), splash attention (TPU,
-Mosaic) and the grouped GEMM of dropless MoE (GPU, Triton; interpret mode on CPU).
+Mosaic), the grouped GEMM of dropless MoE (GPU, Triton; interpret mode on CPU) and the chunked gated delta
+rule (GPU Triton and TPU Mosaic; interpret mode on CPU).
 
     flash_attention.py   forward and backward kernels with GQA, segment ids, causal and sliding-window
                          masks, logit soft-capping; checked against models/attention.py's jnp reference
@@ -9,7 +10,11 @@ Mosaic) and the grouped GEMM of dropless MoE (GPU, Triton; interpret mode on CPU
                          signature; tokamax is imported when first traced, never on a run that does not use it
     grouped_matmul.py    rows sorted by expert times each expert's weights, only the routed rows, with a
                          custom VJP (both gradients grouped); checked against jax.lax.ragged_dot
+    gated_delta.py       the chunked gated delta rule (Qwen3-Next, Qwen3.5), one fused kernel per (batch, head)
+                         sweeping the chunks, the state on chip; backward through the jnp chunked form;
+                         checked against models/gated_delta.py
 
-Called only from the model: maxtrain/models/attention.py (inside shard_map) and models/moe_experts.py.
+Called only from the model: maxtrain/models/attention.py (inside shard_map), models/moe_experts.py and
+models/gated_deltanet.py (inside shard_map).
 Imports nothing else of maxtrain but the chip records (config/chips.py).
 """

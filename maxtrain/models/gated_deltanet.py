@@ -7,7 +7,8 @@
                                                    tokens of the same document, per channel
     q, k       = l2norm(q) * Hk ** -0.5, l2norm(k)
     beta       = sigmoid(b);  log g = -exp(A_log) softplus(a + dt_bias)
-    o          = gated_delta(q, k, v, log g, beta) (models/gated_delta.py: chunks of gdn_chunk_size)
+    o          = gated_delta(q, k, v, log g, beta) (models/gated_delta.py: chunks of gdn_chunk_size; gdn_kernel
+                                                   picks the jnp form or kernels/gated_delta.py's Pallas kernel)
     out        = (rmsnorm_Hv(o) * silu(z)) W_o      the norm over each value head, gated by z
 
 Packed documents stay apart: the convolution reads only its own document's tokens and the rule's state
@@ -28,9 +29,54 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from maxtrain import errors
+from maxtrain.kernels import gated_delta as gated_delta_kernel
 from maxtrain.models import gated_delta, ops
 from maxtrain.models.params import ParamSpec, dense
+from maxtrain.parallel import sharding
 from maxtrain.parallel.sharding import shard
+
+KERNELS = ("jnp", "pallas")
+_TOKEN_AXES, _GATE_AXES = ("batch", None, "heads", None), ("batch", None, "heads")
+
+
+def resolve_kernel(setting: str, backend: str, chunk_size: int, key_dim: int = 128, value_dim: int = 128) -> str:
+    """gdn_kernel for a backend: `autoselected` is the Pallas kernel on GPUs and TPUs (on a GPU only for head widths
+    its Triton kernel takes), jnp on CPU (where `pallas` runs in interpret mode: slow, for tests). A chunk size or
+    head width the kernel cannot take is refused here, at start-up (a ConfigError naming the setting)."""
+    widths = gated_delta_kernel.head_width_problem("gpu" if backend == "cpu" else backend, key_dim, value_dim)
+    if setting == "autoselected":
+        setting = "pallas" if backend in ("gpu", "tpu") and not widths else "jnp"
+    if setting not in KERNELS:
+        raise errors.ConfigError(f"gdn_kernel={setting!r} is not one of autoselected, {', '.join(KERNELS)}")
+    if setting == "pallas" and widths:  # on CPU the interpret-mode kernel is the GPU's
+        raise errors.ConfigError(f"gdn_kernel=pallas: {widths}; use gdn_kernel=jnp")
+    if setting == "pallas":
+        try:
+            gated_delta_kernel.check_chunk_size(chunk_size)
+        except ValueError as e:
+            raise errors.ConfigError(str(e)) from None
+    return setting
+
+
+def describe_kernel(implementation: str, backend: str) -> str:
+    """How the gated delta rule runs, for the start-up summary."""
+    if implementation == "jnp":
+        return "jnp chunked"
+    kind = {"gpu": "Pallas Triton", "tpu": "Pallas Mosaic"}.get(backend, f"Pallas, interpret mode on {backend}")
+    return f"{kind} kernel (backward: jnp chunked)"
+
+
+def rule(q, k, v, log_decay, beta, segment_ids, *, chunk_size: int, implementation: str, backend: str):
+    """The rule's output [B, T, N, V] by the chosen implementation; the kernel runs per shard (shard_map)."""
+    if implementation == "jnp":
+        return gated_delta.chunked(q, k, v, log_decay, beta, segment_ids, chunk_size=chunk_size)[0]
+    on_chip = backend in ("gpu", "tpu")
+    kernel = gated_delta_kernel.make(gated_delta.chunked, chunk_size=chunk_size,
+                                     platform=backend if on_chip else "gpu", interpret=not on_chip)
+    local = lambda q, k, v, a, b, seg: kernel(q, k, v, a, b, seg, None)[0]
+    return sharding.run_in_shards(local, (q, k, v, log_decay, beta, segment_ids),
+                                  (_TOKEN_AXES,) * 3 + (_GATE_AXES,) * 2 + (("batch", None),), _TOKEN_AXES)
 
 
 def conv_channels(config) -> int:
@@ -110,7 +156,8 @@ def mixer(x, p, segment_ids, config, rt, cache=None):
     log_decay = -jnp.exp(p["a_log"].astype(jnp.float32)) * jax.nn.softplus(
         a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
     if cache is None:
-        o, _ = gated_delta.chunked(q, k, v, log_decay, beta, segment_ids, chunk_size=config.gdn_chunk_size)
+        o = rule(q, k, v, log_decay, beta, segment_ids, chunk_size=config.gdn_chunk_size,
+                 implementation=rt.gdn_kernel, backend=backend)
     else:  # padding writes nothing (beta 0) and decays nothing (log g 0): the state passes it unchanged
         beta, log_decay = jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], log_decay, 0.0)
         if t == 1:

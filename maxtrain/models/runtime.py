@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from maxtrain.config import registry
 from maxtrain.config.schema import QUANTIZATION_PLACES
 from maxtrain.models import attention as attention_lib
+from maxtrain.models import gated_deltanet
 from maxtrain.models import moe_experts
 
 # Names of the projection (matmul) outputs inside a layer; `minimal` saves exactly these, which are
@@ -125,6 +126,7 @@ class Runtime:
     fp8: frozenset = frozenset()  # where matmuls take float8 operands (resolve_fp8): attention, mlp, experts, head
     attention_reason: str = ""  # why this attention (models/attention_choice.py), printed where it was autoselected
     grouped_matmul: str = "xla"  # dropless experts' grouped matmul (moe_experts.resolve_grouped_matmul): xla or pallas
+    gdn_kernel: str = "jnp"  # the gated delta rule (gated_deltanet.resolve_kernel): jnp or pallas; "" without one
 
     @classmethod
     def from_config(cls, config, backend: str | None = None, logits_bytes: float | None = None,
@@ -159,7 +161,10 @@ class Runtime:
                    attention_reason=choice.reason,
                    autoselected=auto, vocab_tiles=tiles, unroll_layers=config.scan_layers and not scan_layers,
                    fp8=resolve_fp8(config),
-                   grouped_matmul=moe_experts.resolve_grouped_matmul(config.moe_grouped_matmul, backend))
+                   grouped_matmul=moe_experts.resolve_grouped_matmul(config.moe_grouped_matmul, backend),
+                   gdn_kernel=gated_deltanet.resolve_kernel(config.gdn_kernel, backend, config.gdn_chunk_size,
+                                                            config.gdn_key_head_dim, config.gdn_value_head_dim)
+                   if "gdn_kernel" in getattr(family, "settings", ()) else "")
 
     def scan_layers(self, config) -> bool:
         """Whether the layers run as a lax.scan: config.scan_layers, unless this runtime unrolls them."""
@@ -177,4 +182,6 @@ class Runtime:
                 f"remat {self.remat_policy}{tag('remat_policy')}  "
                 + (f"layers unrolled (autoselected for {self.backend})  " if self.unroll_layers else "")
                 + f"vocab tiles {self.vocab_tiles}{tag('num_vocab_tiling')}"
-                + (f"  float8 matmuls: {', '.join(sorted(self.fp8))}" if self.fp8 else ""))
+                + (f"  float8 matmuls: {', '.join(sorted(self.fp8))}" if self.fp8 else "")
+                + (f"  gated delta rule {gated_deltanet.describe_kernel(self.gdn_kernel, self.backend)}"
+                   if self.gdn_kernel else ""))
