@@ -19,6 +19,9 @@ quadratic, after a single row). Lengths run in the order given: smallest first.
 
     python scripts/benchmark_long_context.py --seq 2048 8192 32768 65536 --steps 2 --warmup 0 \
         --max-step-seconds 200
+
+On the 2-core development machine (2026-11-28, docs/models.md) the hybrid's step hung at 8,192 tokens: two
+LAPACK triangular solves of the chunked delta rule each held one of XLA:CPU's two intra-op threads.
 """
 
 from __future__ import annotations
