@@ -2,7 +2,8 @@
 every layer, at long contexts, on this machine's first device (meant for CPU).
 
 The models: the default model's sizes (configs/models/default.yml: width 256, 4 layers, 4 heads of 64, MLP
-768, vocabulary 4096) in the qwen3_5_text family (--family: qwen3_5_text or qwen3_next). "hybrid" is the
+768, vocabulary 4096) in the qwen3_5_text family (--family: qwen3_5_text, or qwen3_next with 4 experts of
+384, 2 per token). "hybrid" is the
 family's stack with inhomogeneous_layer_cycle_interval=4: layers 0-2 gated delta-net (--gdn-heads query/key
 and value heads of 64; the chunked delta rule, models/gated_delta.py), layer 3 gated full attention. "full"
 is the same model with inhomogeneous_layer_cycle_interval=1: every layer full attention. Attention is
@@ -50,8 +51,8 @@ def model_config(family: str, cycle: int, seq: int, gdn_heads: int, chunk: int):
                  "gdn_value_head_dim=64", f"gdn_chunk_size={chunk}", f"max_target_length={seq}",
                  "per_device_batch_size=1", "dtype=float32", "remat_policy=full", "attention=dot_product",
                  "enable_tensorboard=false", "max_new_tokens=0"]
-    if family == "qwen3_next":  # its default is a mixture of experts; the benchmark's model is dense
-        overrides.append("num_experts=1")
+    if family == "qwen3_next":  # a mixture of experts: 4 of width 384, 2 per token (the default MLP's 768 active)
+        overrides += ["num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=384"]
     return config_lib.load_config([os.path.join(REPO, "configs", "base.yml"), "model_name=default", *overrides])
 
 
