@@ -123,6 +123,8 @@ WINDOW = ["sliding_window_size=16"]  # the families whose layers slide (a window
 # elementwise work as small a share of the step as in the dense models.
 MOE_FLOPS = ["num_experts=4", "num_experts_per_tok=2", "moe_dispatch=capacity", "capacity_factor=1.0",
              "per_device_batch_size=16"]
+HYBRID_FLOPS = ["inhomogeneous_layer_cycle_interval=2", "gdn_num_key_heads=2", "gdn_num_value_heads=4",
+                "gdn_key_head_dim=32", "gdn_value_head_dim=32", "gdn_chunk_size=16", "partial_rotary_factor=0.25"]
 FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers=[1]", "base_moe_mlp_dim=192"],
                 "gpt_oss": MOE_FLOPS,
                 # MLA (q/k 24 + 8 features, values 40), a dense first layer, one shared expert, one MTP module
@@ -134,9 +136,9 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
                                 "chunk_attn_window_size=16", "shared_experts=1", "base_moe_mlp_dim=192",
                                 "use_qk_norm=true", "temperature_tuning=true"],
                 # gated delta-net and full attention alternating, 2 key heads serving 4 value heads, partial RoPE
-                "qwen3_next": [*MOE_FLOPS, "shared_experts=1", "base_moe_mlp_dim=96", "inhomogeneous_layer_cycle_interval=2",
-                               "gdn_num_key_heads=2", "gdn_num_value_heads=4", "gdn_key_head_dim=32",
-                               "gdn_value_head_dim=32", "gdn_chunk_size=16", "partial_rotary_factor=0.25"],
+                "qwen3_next": [*MOE_FLOPS, "shared_experts=1", "base_moe_mlp_dim=96", *HYBRID_FLOPS],
+                "qwen3_5_text": HYBRID_FLOPS,  # the same stack with a gated MLP in every layer
+                "qwen3_5_moe_text": [*MOE_FLOPS, "shared_experts=1", "base_moe_mlp_dim=96", *HYBRID_FLOPS],
                 # half-head RoPE, qk-norm, q/k/v biases, a dense first layer, one shared expert, one MTP module
                 "glm4_moe": [*MOE_FLOPS, "partial_rotary_factor=0.5", "use_qk_norm=true", "attention_bias=true",
                              "first_num_dense_layers=1", "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true",
