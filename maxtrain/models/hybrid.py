@@ -138,6 +138,12 @@ HF_LINEAR = {"conv": ("linear_attn.conv1d.weight", hf.DepthwiseConv()), "dt_bias
 HF_SHARED = {"shared_gate": ("mlp.shared_expert.gate_proj.weight", 1), "shared_up": ("mlp.shared_expert.up_proj.weight", 1),
              "shared_down": ("mlp.shared_expert.down_proj.weight", 1),
              "shared_expert_gate": ("mlp.shared_expert_gate.weight", 1), "router": ("mlp.gate.weight", 1)}
+# Qwen3.5 keeps q, k and v of every head in one in_proj_qkv (all queries, then keys, then values), and z, b and a in
+# projections of their own (Qwen3-Next fuses them per key head: its module has its own).
+_QKV = ("lin_wq", "lin_wk", "lin_wv")
+QWEN3_5_LINEAR = {**{p: ("linear_attn.in_proj_qkv.weight", hf.Grouped(i, _QKV)) for i, p in enumerate(_QKV)},
+                  "lin_wz": ("linear_attn.in_proj_z.weight", 1), "lin_wb": ("linear_attn.in_proj_b.weight", 1),
+                  "lin_wa": ("linear_attn.in_proj_a.weight", 1)}
 HF_DENSE = {"w_gate": ("mlp.gate_proj.weight", 1), "w_up": ("mlp.up_proj.weight", 1),
             "w_down": ("mlp.down_proj.weight", 1)}
 

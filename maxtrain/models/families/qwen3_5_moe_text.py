@@ -9,20 +9,12 @@ says it left the vision tower out.
 from __future__ import annotations
 
 from maxtrain.config import registry
-from maxtrain.models import contract, hf, hybrid
+from maxtrain.models import contract, hybrid
 
 FAMILY = registry.FAMILIES["qwen3_5_moe_text"]
 
-def _linear_names() -> dict:
-    """Qwen3.5 keeps q, k and v of every head in one in_proj_qkv (all queries, then keys, then values), and z,
-    b and a in projections of their own."""
-    qkv = ("lin_wq", "lin_wk", "lin_wv")
-    return {**{p: ("linear_attn.in_proj_qkv.weight", hf.Grouped(i, qkv)) for i, p in enumerate(qkv)},
-            "lin_wz": ("linear_attn.in_proj_z.weight", 1), "lin_wb": ("linear_attn.in_proj_b.weight", 1),
-            "lin_wa": ("linear_attn.in_proj_a.weight", 1)}
 
-
-HF_NAMES = hybrid.hf_names(_linear_names(), experts={
+HF_NAMES = hybrid.hf_names(hybrid.QWEN3_5_LINEAR, experts={
     "w_gate": ("mlp.experts.{j}.gate_proj.weight", 1), "w_up": ("mlp.experts.{j}.up_proj.weight", 1),
     "w_down": ("mlp.experts.{j}.down_proj.weight", 1)})
 
