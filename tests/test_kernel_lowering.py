@@ -120,7 +120,8 @@ def test_flash_with_gpt_oss_sinks_compiles_for_h100(h100s):
 @needs_gpu_compiler
 def test_flash_with_llama4_chunks_compiles_for_h100(h100s):
     """Llama 4's RoPE layers: head_dim 128, chunks of 512 positions over 2048 tokens (refined segment ids)."""
-    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=128, dtype=jnp.bfloat16, length=2048, chunk=512)
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=128, dtype=jnp.bfloat16, length=2048, chunk=512,
+                            implementation="flash")
     for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
         assert kernel in hlo
 
@@ -128,7 +129,7 @@ def test_flash_with_llama4_chunks_compiles_for_h100(h100s):
 @needs_gpu_compiler
 def test_flash_with_gemma4_global_heads_compiles_for_h100(h100s):
     """Gemma 4's full-attention layers: head_dim 512 (global_head_dim), 8 query heads on 4 kv heads."""
-    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=512, dtype=jnp.bfloat16, heads=8)
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=512, dtype=jnp.bfloat16, heads=8, implementation="flash")
     assert "flash_attention_fwd" in hlo
 
 
@@ -167,7 +168,7 @@ def test_flash_compiles_mla_head_dims_for_h100(h100s):
     """DeepSeek-V3's MLA: queries and keys of 192 features, values of 128 (all padded to 256 in the kernel).
     (cudnn pads v to 192 too, but without a GPU JAX checks cuDNN as pre-Hopper, head_dim <= 128: not lowerable here.)"""
     hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=192, v_head_dim=128, dtype=jnp.bfloat16,
-                            heads=64, kv_heads=64)
+                            heads=64, kv_heads=64, implementation="flash")
     for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
         assert kernel in hlo
 
