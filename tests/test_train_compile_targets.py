@@ -251,7 +251,7 @@ def test_h100_target_gets_remat_chosen_by_memory_and_the_grouped_gemm_for_drople
 LLAMA4_SMALL = ["model_name=llama4-scout", "dataset_type=synthetic", "base_emb_dim=256", "base_num_query_heads=8",
                 "base_num_kv_heads=4", "head_dim=64", "base_mlp_dim=512", "base_moe_mlp_dim=128", "num_experts=8",
                 "decoder_sparse_step=2", "base_num_decoder_layers=4", "vocab_size=1024", "max_target_length=1024",
-                "chunk_attn_window_size=256", "per_device_batch_size=1", "dtype=bfloat16", "attention=autoselected",
+                "chunk_attn_window_size=256", "per_device_batch_size=1", "dtype=bfloat16", "attention=flash",
                 "moe_dispatch=capacity"]
 
 
