@@ -52,6 +52,12 @@ PUBLISHED = {
     "llama4-scout": 107_769_861_120,
     "llama4-maverick": 400_711_848_960,
     "qwen3-next-80b-a3b": 79_674_391_296,  # model card: 80B total, 3B activated (3.56B here without the embedding)
+    # Qwen3.5's text decoders: transformers' count of the same architecture (the released checkpoints are
+    # multimodal: their 27B, 35B, 122B and 397B include the vision tower); active per token below
+    "qwen3.5-27b": 26_895_998_464,
+    "qwen3.5-35b-a3b": 34_660_610_688,
+    "qwen3.5-122b-a10b": 122_111_526_912,
+    "qwen3.5-397b-a17b": 396_346_350_336,
     "gpt2-small": 123_587_328,      # GPT-2 small's shape as a Llama (124M with GPT-2's own layers)
     "default": 5_507_328,
 }
@@ -63,6 +69,8 @@ ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b": 3.6e9, "gpt-oss-120b": 5.1e9}
 ACTIVE_BILLIONS_WITHOUT_EMBEDDING = {"deepseek3-671b": 37}
 # GLM-4.5's model card: 12B (Air) and 32B active, counted without the embedding table and the output head.
 ACTIVE_BILLIONS_WITHOUT_EMBEDDING_AND_HEAD = {"glm-4.5-air": 12, "glm-4.5": 32}
+# Qwen3.5's names: A3B, A10B, A17B activated per token (3.45B, 9.77B and 17.35B counted with the embeddings).
+ACTIVE_BILLIONS = {"qwen3.5-35b-a3b": 3, "qwen3.5-122b-a10b": 10, "qwen3.5-397b-a17b": 17}
 
 
 def preset(name, *overrides):
@@ -92,6 +100,8 @@ def test_preset_parameter_count_is_the_published_one(name):
     if name in ACTIVE_BILLIONS_WITHOUT_EMBEDDING_AND_HEAD:
         active = models.num_active_params(cfg) - 2 * cfg.vocab_size * cfg.base_emb_dim
         assert round(active / 1e9) == ACTIVE_BILLIONS_WITHOUT_EMBEDDING_AND_HEAD[name]
+    if name in ACTIVE_BILLIONS:
+        assert round(models.num_active_params(cfg) / 1e9) == ACTIVE_BILLIONS[name]
 
 
 @pytest.mark.parametrize("name", sorted(set(PUBLISHED) - {"default", "gpt2-small"}))
