@@ -73,14 +73,16 @@ def make_batch(seq: int, vocab: int) -> dict:
             "segment_ids": jnp.ones((1, seq), jnp.int32), "loss_weights": jnp.ones((1, seq), jnp.float32)}
 
 
-def measure(cfg, seq: int, warmup: int, steps: int) -> tuple[float, float]:
-    """(compile seconds, median step seconds) of one model at one length."""
+def measure(cfg, seq: int, warmup: int, steps: int) -> tuple[float, float, float]:
+    """(compile seconds, median step seconds, compiled temporaries in GB) of one model at one length."""
     params = models.init_params(cfg, jax.random.key(0))
     batch = make_batch(seq, cfg.vocab_size)
     start = time.perf_counter()
     compiled = step_program(cfg).lower(params, batch).compile()
     compile_seconds = time.perf_counter() - start
-    return compile_seconds, metrics.median_seconds(compiled, params, batch, warmup=warmup, iters=steps)
+    temp_gb = compiled.memory_analysis().temp_size_in_bytes / 1e9
+    print(f"        {seq:>7} compiled in {compile_seconds:.1f} s, temporaries {temp_gb:.2f} GB", flush=True)
+    return compile_seconds, metrics.median_seconds(compiled, params, batch, warmup=warmup, iters=steps), temp_gb
 
 
 def predict(measured: list, seq: int) -> float:
@@ -130,7 +132,7 @@ def main(argv: list[str]):
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.2f}; {args.family}, default model sizes, float32, remat full, batch 1; "
           f"fwd+bwd median of {args.steps} after {args.warmup} warm-up")
-    header = f"{'model':<7} {'tokens':>7} {'compile s':>9} {'step s':>9} {'ms/1k tok':>9} {'x prev':>7}"
+    header = f"{'model':<7} {'tokens':>7} {'compile s':>9} {'temp GB':>7} {'step s':>9} {'ms/1k tok':>9} {'x prev':>7}"
     print(header)
     print("-" * len(header))
     for variant in args.variants:
@@ -139,18 +141,18 @@ def main(argv: list[str]):
             cfg = configs[(variant, seq)]
             predicted = predict(measured, seq)
             if args.max_step_seconds and predicted > args.max_step_seconds:
-                print(f"{variant:<7} {seq:>7} {'':>9} {'skipped':>9}  predicted ~{predicted:.0f} s "
+                print(f"{variant:<7} {seq:>7} {'':>9} {'':>7} {'skipped':>9}  predicted ~{predicted:.0f} s "
                       f"(> --max-step-seconds {args.max_step_seconds:g})", flush=True)
                 continue
             try:
-                compile_s, step_s = measure(cfg, seq, args.warmup, args.steps)
+                compile_s, step_s, temp_gb = measure(cfg, seq, args.warmup, args.steps)
             except Exception as e:  # pylint: disable=broad-except  # e.g. out of memory at the largest sizes
                 print(f"{variant:<7} {seq:>7}  failed: {type(e).__name__}: {str(e).splitlines()[0][:80]}",
                       flush=True)
                 continue
             ratio = f"{step_s / measured[-1][1]:>7.2f}" if measured else f"{'':>7}"
-            print(f"{variant:<7} {seq:>7} {compile_s:>9.1f} {step_s:>9.2f} {step_s / seq * 1e6:>9.2f} {ratio}",
-                  flush=True)
+            print(f"{variant:<7} {seq:>7} {compile_s:>9.1f} {temp_gb:>7.2f} {step_s:>9.2f} "
+                  f"{step_s / seq * 1e6:>9.2f} {ratio}", flush=True)
             measured.append((seq, step_s))
 
 

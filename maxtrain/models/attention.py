@@ -147,7 +147,8 @@ def softmax_with_sink(logits, sink):
 
 
 def causal_chunks(q, k, v, segment_ids, *, sliding_window: int = 0, scale: float | None = None,
-                  logits_soft_cap: float = 0.0, max_chunks: int = 8, min_chunk: int = 128, sinks=None):
+                  logits_soft_cap: float = 0.0, max_chunks: int = 8, min_chunk: int = 128, long_from: int = 8192,
+                  long_chunk: int = 512, sinks=None):
     """Causal self-attention in query chunks, each against only the keys its queries can see.
 
     The T queries are cut into n = min(max_chunks, T // min_chunk) chunks (at least one) of near-equal
@@ -160,8 +161,18 @@ def causal_chunks(q, k, v, segment_ids, *, sliding_window: int = 0, scale: float
     reference model was within the noise of heads-major alone (-4% and +1% in two comparisons); at
     8,192 tokens the two together took the default model's step from 48 to 11.5 s and its compiled
     memory from 4.5 to 2.2 GiB.
+
+    Long sequences (T > long_from): each of the max_chunks chunks runs as a lax.scan over
+    sub-chunks of long_chunk queries (all against the chunk's keys), its body under jax.checkpoint, so the
+    backward recomputes one sub-chunk's scores and probabilities at a time instead of keeping every chunk's
+    (about T^2 / 2 values a head: 31 GB at 32k tokens for the default model's 4 heads in float32): memory
+    O(long_chunk x T) a head, for one more q.k matmul and softmax. Exact: the same values and gradients
+    (tests/test_attention_cpu.py).
     """
     t = q.shape[1]
+    if t > long_from:
+        return _long_causal_chunks(q, k, v, segment_ids, sliding_window=sliding_window, scale=scale,
+                                   logits_soft_cap=logits_soft_cap, chunks=max_chunks, sub=long_chunk, sinks=sinks)
     n = max(1, min(max_chunks, t // min_chunk))
     bounds = [round(i * t / n) for i in range(n + 1)]
     outs = []
@@ -172,6 +183,43 @@ def causal_chunks(q, k, v, segment_ids, *, sliding_window: int = 0, scale: float
         outs.append(dot_product_attention(q[:, start:end], k[:, first:end], v[:, first:end], mask, scale=scale,
                                           logits_soft_cap=logits_soft_cap, heads_major=True, sinks=sinks))
     return outs[0] if n == 1 else jnp.concatenate(outs, axis=1)
+
+
+def _long_causal_chunks(q, k, v, segment_ids, *, sliding_window, scale, logits_soft_cap, chunks: int, sub: int,
+                        sinks):
+    """causal_chunks for long sequences (its docstring): `chunks` chunks whose bounds are multiples of `sub`
+    (the queries padded at the end to a multiple of it; the padding's rows are dropped), each a scan of
+    checkpointed sub-chunks against the keys [first, end) the chunk's queries can see."""
+    b, t = q.shape[:2]
+    m = -(-t // sub)  # sub-chunks in all
+    pad = m * sub - t
+    q_pad = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    seg_pad = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)  # padded queries see nothing
+    bounds = [round(i * m / chunks) * sub for i in range(chunks + 1)]
+    outs = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if end == start:
+            continue
+        first = max(0, start - sliding_window + 1) if sliding_window > 0 else 0
+        k_end = min(end, t)
+        k_c, v_c, kv_seg = k[:, first:k_end], v[:, first:k_end], segment_ids[:, first:k_end]
+        n_sub = (end - start) // sub
+        q_subs = q_pad[:, start:end].reshape(b, n_sub, sub, *q.shape[2:]).swapaxes(0, 1)
+        seg_subs = seg_pad[:, start:end].reshape(b, n_sub, sub).swapaxes(0, 1)
+        offsets = start - first + sub * jnp.arange(n_sub)
+
+        @jax.checkpoint
+        def one(k_c, v_c, kv_seg, sinks, q_sub, seg_sub, offset):
+            mask = make_attention_mask(seg_sub, kv_seg, q_offset=offset, sliding_window=sliding_window)
+            return dot_product_attention(q_sub, k_c, v_c, mask, scale=scale, logits_soft_cap=logits_soft_cap,
+                                         heads_major=True, sinks=sinks)
+
+        def body(carry, xs, k_c=k_c, v_c=v_c, kv_seg=kv_seg, one=one):
+            return carry, one(k_c, v_c, kv_seg, sinks, *xs)
+
+        _, out = jax.lax.scan(body, None, (q_subs, seg_subs, offsets))  # [n_sub, B, sub, N, Hv]
+        outs.append(out.swapaxes(0, 1).reshape(b, end - start, *out.shape[3:]))
+    return jnp.concatenate(outs, axis=1)[:, :t]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
