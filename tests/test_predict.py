@@ -151,3 +151,56 @@ def test_a_real_cpu_step_counts_the_models_matmuls():
     model = metrics.flops_per_token(run.config, dense_attention=True) * run.config.tokens_per_step / run.mesh.size
     assert costs.flops == pytest.approx(model, rel=0.1)
     assert costs.collectives and all(c.axes for c in costs.collectives)
+
+
+# MaxText's TPU step (scripts/maxtext_rows.py): a saved activation stacked over 4 layers that a fusion reads only
+# through a nested fusion's dynamic-slice, and an all-gather over 4 of 8 devices offloaded to the SparseCore (a
+# custom-call-start calling it, a custom-call-update feeding it, a custom-call-done), across a matmul.
+TPU_HLO = """HloModule t, is_scheduled=true
+
+%inner (p0: bf16[4,64,128], p1: s32[]) -> bf16[64,128] {
+  %p0 = bf16[4,64,128]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %p1 = s32[]{:T(128)} parameter(1)
+  %z = s32[]{:T(128)} constant(0)
+  %ds = bf16[1,64,128]{2,1,0:T(8,128)(2,1)} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,64,128}
+  ROOT %b = bf16[64,128]{1,0:T(8,128)(2,1)} bitcast(%ds)
+}
+
+%outer (q0: bf16[4,64,128], q1: s32[], q2: bf16[128,256]) -> bf16[64,256] {
+  %q0 = bf16[4,64,128]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %q1 = s32[]{:T(128)} parameter(1)
+  %q2 = bf16[128,256]{1,0:T(8,128)(2,1)} parameter(2)
+  %f = bf16[64,128]{1,0:T(8,128)(2,1)} fusion(%q0, %q1), kind=kLoop, calls=%inner
+  ROOT %d = bf16[64,256]{1,0:T(8,128)(2,1)} dot(%f, %q2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%gathered (g0: bf16[16,256]) -> bf16[64,256] {
+  %g0 = bf16[16,256]{1,0} parameter(0)
+  ROOT %ag = bf16[64,256]{1,0} all-gather(%g0), channel_id=3, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+}, execution_thread="sparsecore"
+
+ENTRY %main (acts: bf16[4,64,128], i: s32[], w: bf16[128,256], shard: bf16[16,256]) -> bf16[64,256] {
+  %acts = bf16[4,64,128]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %i = s32[]{:T(128)} parameter(1)
+  %w = bf16[128,256]{1,0:T(8,128)(2,1)} parameter(2)
+  %shard = bf16[16,256]{1,0} parameter(3)
+  %ag.call-start = ((), (), (s32[8]{0})) custom-call-start(), async_execution_thread="sparsecore", custom_call_target="TODO(b/522284627)", called_computations={%gathered}
+  %ag.call-update = ((bf16[16,256]{1,0}), bf16[64,256]{1,0}, (s32[8]{0})) custom-call-update(%ag.call-start, %shard)
+  %mm = bf16[64,256]{1,0:T(8,128)(2,1)} fusion(%acts, %i, %w), kind=kOutput, calls=%outer
+  %ag.call-done = bf16[64,256]{1,0} custom-call-done(%ag.call-update)
+  ROOT %sum = bf16[64,256]{1,0} add(%mm, %ag.call-done)
+}
+"""
+
+
+def test_tpu_reader_slices_through_nested_fusions_and_counts_sparsecore_collectives():
+    devices = [predict.DeviceRecord("tpu", slice_index=i // 4) for i in range(8)]
+    costs = predict.program_costs(TPU_HLO, devices=devices, mesh_shape={"data": 2, "fsdp": 4})
+    by = {k.name: k for k in costs.kernels}
+    assert set(by) == {"mm", "sum"}                             # the offloaded collective's parts are no kernels
+    assert by["mm"].flops == 2 * 64 * 256 * 128
+    assert by["mm"].bytes == (64 * 128 + 128 * 256 + 64 * 256) * 2 + 4  # one layer's slice of the stack
+    (gather,) = costs.collectives
+    assert gather.kind == "all-gather" and gather.bytes == 64 * 256 * 2 and gather.group == 4
+    assert gather.axes == ("fsdp",) and not gather.leaves_domain and gather.asynchronous
+    assert [costs.kernels[i].name for i in gather.overlap] == ["mm"]

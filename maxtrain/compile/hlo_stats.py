@@ -12,7 +12,9 @@ compiler's loops count from 0); a loop with neither counts once and is reported.
 An instruction's bytes are those of the arrays one chip exchanges: the gathered results of an
 all-gather, the inputs of a reduce-scatter, the buffers of an all-reduce, all-to-all or
 collective-permute (a combined collective sums its arrays). Asynchronous pairs count once: at
-`*-start` (GPU), and at the TPU's AsyncCollectiveStart (its AsyncCollectiveDone repeats the op).
+`*-start` (GPU), and at the TPU's AsyncCollectiveStart (its AsyncCollectiveDone repeats the op). A collective
+the TPU offloads to its SparseCore sits in a computation a `custom-call-start` calls (called_computations):
+it counts there, once.
 """
 
 from __future__ import annotations
@@ -31,8 +33,9 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)
 _ARRAY = re.compile(r"\b(" + "|".join(sorted(DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLEE = re.compile(r"\b(body|calls|to_apply|condition|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_BRANCHES = re.compile(r"(?:branch|called)_computations=\{([^}]*)\}")
 _CONSTANT = re.compile(r"\b[su]\d+\[\][^=]*?\bconstant\((\d+)\)")
+_END = re.compile(r"^\}(,\s*execution_thread=\S*)?\s*$")
 _ASYNC_DONE = 'custom_call_target="AsyncCollectiveDone"'
 
 
@@ -93,7 +96,7 @@ def parse_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]
                 if match.group(1):
                     entry = current
             continue
-        if line.strip() == "}":
+        if _END.match(line):  # "}" or, after a SparseCore computation, '}, execution_thread="sparsecore"'
             current = None
         else:
             computations[current].append(line)

@@ -66,6 +66,23 @@ class Calibration:
 CALIBRATION = Calibration(source="matmul, memory and launch fitted on 3 H100 rows of docs/gpu.md (llama3.2-1b b8 "
                                  "remat full, the default model, deepseek-shaped b4 capacity; scripts/predict_check.py "
                                  "--fit), attention from its kernel speed rows; collectives not yet checked")
+TPU_CALIBRATION = CALIBRATION
+CALIBRATIONS = {"gpu": CALIBRATION, "tpu": TPU_CALIBRATION}
+
+
+def calibration_for(chip: chips_lib.Chip) -> Calibration:
+    """The efficiencies fitted on the chip's kind (GPU rows for GPUs, MaxText's TPU rows for TPUs)."""
+    return CALIBRATIONS[chip.kind]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRecord:
+    """What program_costs reads of a device (a jax.Device has the same attributes), for a program compiled
+    elsewhere: its platform, its slice (TPU) and its process (GPU host)."""
+    platform: str
+    slice_index: int = 0
+    process_index: int = 0
+
 
 FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id",
         "opt-barrier", "add-dependency", "iota", "domain", "copy-done", "send-done", "recv-done"}
@@ -79,6 +96,7 @@ _DIMS = re.compile(r"(lhs_contracting_dims|lhs_batch_dims)=\{([\d,]*)\}")
 _CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 _BODY = re.compile(r"\bbody=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_CALLED = re.compile(r"called_computations=\{([^}]*)\}")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
@@ -159,6 +177,7 @@ class _Program:
             self.insts[comp] = rows
             self.types[comp] = {r[0]: r[1] for r in rows}
         self._fused: dict[str, tuple[float, bool]] = {}
+        self._user_maps: dict[str, dict[str, list[tuple[str, str, int, str, str]]]] = {}
 
     def dot_flops(self, comp: str, rtype: str, operands: list[str], attrs: str) -> tuple[float, bool]:
         """2 x output elements x contracted size of a dot (or a cuBLAS call described like one)."""
@@ -201,30 +220,60 @@ class _Program:
             self._fused[comp] = (flops, fp8)
         return self._fused[comp]
 
+    def _users(self, comp: str) -> dict[str, list[tuple[str, str, int, str, str]]]:
+        """{instruction: [(user name, user opcode, operand position, user type, user attributes)]} of a computation."""
+        if comp not in self._user_maps:
+            users: dict[str, list[tuple[str, str, int, str, str]]] = {}
+            for name, t, opcode, ops, attrs in self.insts.get(comp, ()):
+                for pos, o in enumerate(ops):
+                    users.setdefault(o, []).append((name, opcode, pos, t, attrs))
+            self._user_maps[comp] = users
+        return self._user_maps[comp]
+
+    def _params(self, comp: str) -> dict[int, str]:
+        return {int(attrs): name for name, _, opcode, _, attrs in self.insts.get(comp, ())
+                if opcode == "parameter" and attrs.strip().isdigit()}
+
+    def sliced_bytes(self, comp: str, value: str, depth: int = 0) -> float | None:
+        """The bytes a fused computation reads of `value` when it only slices it (directly, through bitcasts or
+        inside nested fusions: the TPU's stacked layer buffers), else None (it reads all of it)."""
+        uses = self._users(comp).get(value, [])
+        if not uses or depth > 8:
+            return None
+        total = 0.0
+        for user, opcode, pos, rtype, attrs in uses:
+            inner = None
+            if opcode in ("dynamic-slice", "slice", "gather") and pos == 0:
+                inner = _bytes(rtype)
+            elif opcode == "bitcast":
+                inner = self.sliced_bytes(comp, user, depth + 1)
+            elif opcode == "fusion" and _CALLS.search(attrs):
+                callee = _CALLS.search(attrs).group(1)
+                param = self._params(callee).get(pos)
+                inner = self.sliced_bytes(callee, param, depth + 1) if param else None
+            if inner is None:
+                return None
+            total += inner
+        return total
+
     def fusion_bytes(self, comp: str, rtype: str, operands: list[str], callee: str | None) -> float:
         """HBM bytes of a fusion: operands and results, a sliced operand counting its slices, an in-place update
         its update."""
         types = self.types[comp]
         sizes = [_bytes(types.get(o, "")) for o in operands]
         out = _bytes(rtype)
-        body = self.insts.get(callee or "", [])
-        if body:
-            params = {}
-            for name, _, opcode, _, attrs in body:
-                if opcode == "parameter":
-                    params[name] = int(attrs) if attrs.strip().isdigit() else None
-            users: dict[str, list[tuple[str, int, str, list[str]]]] = {}
-            for name, t, opcode, ops, _ in body:
-                for pos, o in enumerate(ops):
-                    users.setdefault(o, []).append((opcode, pos, t, ops))
-            for pname, index in params.items():
-                if index is None or index >= len(sizes):
+        if callee in self.insts:
+            users = self._users(callee)
+            for index, pname in self._params(callee).items():
+                if index >= len(sizes):
                     continue
                 uses = users.get(pname, [])
-                if uses and all(op in ("dynamic-slice", "slice", "gather") and pos == 0 for op, pos, _, _ in uses):
-                    sizes[index] = min(sizes[index], sum(_bytes(t) for _, _, t, _ in uses))
-                elif uses and all(op == "dynamic-update-slice" and pos == 0 for op, pos, _, _ in uses):
-                    update = sum(_bytes(self.types[callee].get(ops[1], "")) for _, _, _, ops in uses)
+                sliced = self.sliced_bytes(callee, pname)
+                if sliced is not None:
+                    sizes[index] = min(sizes[index], sliced)
+                elif uses and all(op == "dynamic-update-slice" and pos == 0 for _, op, pos, _, _ in uses):
+                    update = sum(_bytes(self.types[callee].get(row[3][1], "")) for row in self.insts[callee]
+                                 if row[0] in {u for u, _, _, _, _ in uses})
                     sizes[index] = 0.0
                     out = max(0.0, out - _bytes(self.types[callee].get(pname, "")) + update)
         return sum(sizes) + out
@@ -316,9 +365,17 @@ def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict |
         for name, rtype, opcode, operands, attrs in prog.insts[comp]:
             if opcode in ("get-tuple-element", "bitcast") and operands:
                 alias[name] = alias.get(operands[0], operands[0])
+            if opcode == "custom-call-update" and operands:  # feeds an offloaded collective (below) its input
+                alias[name] = alias.get(operands[0], operands[0])
+                continue
             callee = _CALLS.search(attrs) if opcode == "fusion" else None
-            inner = [row for row in prog.insts.get(callee.group(1), ()) if row[0] in by_name] if callee else []
-            if name in by_name or inner:  # a collective; on TPUs, a fusion around one (AsyncCollectiveStart)
+            called = _CALLED.search(attrs) if opcode == "custom-call-start" else None
+            inner = [row for row in prog.insts.get(callee.group(1), ()) if row[0] in by_name] if callee else [
+                row for c in (called.group(1).split(",") if called else ()) for row in prog.insts.get(
+                    c.strip().lstrip("%"), ()) if row[0] in by_name]
+            # a collective; on TPUs, a fusion around one (AsyncCollectiveStart), or one offloaded to the SparseCore
+            # (a custom-call-start calling it, its custom-call-update giving the input, its custom-call-done)
+            if name in by_name or inner:
                 started = opcode.endswith("-start") or (callee is not None and any(
                     "AsyncCollectiveStart" in line for line in prog.raw.get(callee.group(1), ())))
                 for inst, _, _, _, inst_attrs in inner or [(name, rtype, opcode, operands, attrs)]:
@@ -438,9 +495,11 @@ def collective_seconds(c: CollectiveRun, chip: chips_lib.Chip, cal: Calibration)
 
 
 def predict(costs: ProgramCosts, chip: chips_lib.Chip, *, model_flops_per_step: float, tokens_per_step: float,
-            num_chips: int, steps: int = 0, cal: Calibration = CALIBRATION) -> dict:
+            num_chips: int, steps: int = 0, cal: Calibration | None = None) -> dict:
     """The step time with its parts, tokens/s per chip, MFU and cost, as plain values (see the module docstring).
-    model_flops_per_step is per chip (the family's formula, as MFU counts it); tokens_per_step is the global batch's."""
+    model_flops_per_step is per chip (the family's formula, as MFU counts it); tokens_per_step is the global batch's.
+    `cal` defaults to the chip kind's calibration (calibration_for)."""
+    cal = cal or calibration_for(chip)
     launch = cal.launch_seconds if chip.kind == "gpu" else 1e-6
     parts = {"matmul": 0.0, "attention": 0.0, "memory": 0.0}
     each = []
