@@ -8,8 +8,8 @@ Each row is compiled ahead of time for one H100 or H200 (`compile_topology=h100-
 MEASURED_RUNS: scripts/gpu_report.py's plan of the time, or scripts/benchmark.py's variants), its kernels and collectives read from the optimized
 HLO, and its step time predicted against the chip's record. Rows marked `calibration` are the ones the efficiencies
 of predict.CALIBRATION were fitted on (`--fit` searches them again and prints what it finds); the others are held out.
-The error is (predicted - measured) / measured. `--cache` keeps each row's kernel list, so a refit or a new
-calibration does not compile again.
+The error is (predicted - measured) / measured. `--cache` keeps each row's compiled HLO, so a refit, a new calibration
+or a change to the reader does not compile again.
 """
 
 from __future__ import annotations
@@ -90,24 +90,28 @@ def overrides_of(label: str) -> list[str]:
 
 
 def row_costs(chip: str, label: str, cache: str | None):
-    """(costs, model FLOPs per step, tokens per step): compiled now, or read from the cache."""
-    path = os.path.join(cache, f"{chip}-{label.replace(' ', '_').replace('=', '-')}.pkl") if cache else None
+    """(costs, model FLOPs per step, tokens per step): compiled now, or read from the cache, which keeps the
+    compiled step's HLO text (so a change to the reader needs no compile)."""
+    path = os.path.join(cache, f"{chip}-{label.replace(' ', '_').replace('=', '-')}.hlo.pkl") if cache else None
     if path and os.path.exists(path):
         with open(path, "rb") as f:
-            return pickle.load(f)
-    config = gpu_report.load([*overrides_of(label), f"compile_topology={chip}-1"])
-    target = targets.parse(config.compile_topology)
-    t = time.time()
-    run, _, compiled, _ = train_compile.compile_for_target(config, target)
-    costs = predict.program_costs(compiled.as_text(), list(run.mesh.devices.flat), dict(run.mesh.shape))
-    c = run.config  # with the devices: the global batch
-    result = (costs, metrics.flops_per_token(c) * c.tokens_per_step, c.tokens_per_step)
-    print(f"  compiled {chip} {label} in {time.time() - t:.0f} s", file=sys.stderr, flush=True)
-    if path:
-        os.makedirs(cache, exist_ok=True)
-        with open(path, "wb") as f:
-            pickle.dump(result, f)
-    return result
+            hlo, devices, mesh_shape, model_flops, tokens = pickle.load(f)
+    else:
+        config = gpu_report.load([*overrides_of(label), f"compile_topology={chip}-1"])
+        target = targets.parse(config.compile_topology)
+        t = time.time()
+        run, _, compiled, _ = train_compile.compile_for_target(config, target)
+        hlo, mesh_shape = compiled.as_text(), dict(run.mesh.shape)
+        devices = [predict.DeviceRecord(d.platform, getattr(d, "slice_index", 0) or 0, d.process_index)
+                   for d in run.mesh.devices.flat]
+        c = run.config  # with the devices: the global batch
+        model_flops, tokens = metrics.flops_per_token(c) * c.tokens_per_step, c.tokens_per_step
+        print(f"  compiled {chip} {label} in {time.time() - t:.0f} s", file=sys.stderr, flush=True)
+        if path:
+            os.makedirs(cache, exist_ok=True)
+            with open(path, "wb") as f:
+                pickle.dump((hlo, devices, mesh_shape, model_flops, tokens), f)
+    return predict.program_costs(hlo, devices, mesh_shape), model_flops, tokens
 
 
 def errors_of(rows, cal: predict.Calibration) -> list[tuple[str, str, float, float, float]]:
@@ -149,7 +153,7 @@ def table(results) -> str:
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
-    parser.add_argument("--cache", help="a directory keeping each row's compiled kernel list")
+    parser.add_argument("--cache", help="a directory keeping each row's compiled HLO")
     parser.add_argument("--fit", action="store_true", help="refit the calibration on CALIBRATION_ROWS")
     parser.add_argument("--rows", default="", help="only rows whose label contains this text")
     args = parser.parse_args(argv)

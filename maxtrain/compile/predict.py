@@ -378,11 +378,21 @@ def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict |
             if name in by_name or inner:
                 started = opcode.endswith("-start") or (callee is not None and any(
                     "AsyncCollectiveStart" in line for line in prog.raw.get(callee.group(1), ())))
+                # a TPU async collective fusion that also computes (the next layer's weights gathered during this
+                # layer's matmul): the matmul is a kernel, and the collective runs behind it
+                computes = callee is not None and prog.fused_flops(callee.group(1))[0] > 0
+                if computes:
+                    kernels.append(cost_kernel(prog, comp, name, rtype, opcode, operands, attrs, count))
+                    for run in pending.values():
+                        run.overlap.append(len(kernels) - 1)
                 for inst, _, _, _, inst_attrs in inner or [(name, rtype, opcode, operands, attrs)]:
                     c = by_name[inst]
                     size, used, leaves = describe_group(inst_attrs, c)
-                    run = CollectiveRun(inst, c.kind, c.bytes, count, size, used, leaves, asynchronous=started)
+                    run = CollectiveRun(inst, c.kind, c.bytes, count, size, used, leaves,
+                                        asynchronous=started or computes)
                     runs.append(run)
+                    if computes:
+                        run.overlap.append(len(kernels) - 1)
                     if started:
                         pending[name] = run
                 continue
