@@ -155,8 +155,18 @@ def test_a_real_cpu_step_counts_the_models_matmuls():
 
 # MaxText's TPU step (scripts/maxtext_rows.py): a saved activation stacked over 4 layers that a fusion reads only
 # through a nested fusion's dynamic-slice, and an all-gather over 4 of 8 devices offloaded to the SparseCore (a
-# custom-call-start calling it, a custom-call-update feeding it, a custom-call-done), across a matmul.
+# custom-call-start calling it, a custom-call-update feeding it, a custom-call-done), across a matmul; then an
+# async collective fusion that computes a matmul while it all-gathers (the next layer's weights).
 TPU_HLO = """HloModule t, is_scheduled=true
+
+%async_collective_fusion (a0: bf16[64,128], a1: bf16[128,256], a2: bf16[8,256]) -> (bf16[64,256], bf16[32,256]) {
+  %a0 = bf16[64,128]{1,0} parameter(0)
+  %a1 = bf16[128,256]{1,0} parameter(1)
+  %a2 = bf16[8,256]{1,0} parameter(2)
+  %dd = bf16[64,256]{1,0} dot(%a0, %a1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ag2 = bf16[32,256]{1,0} all-gather(%a2), channel_id=5, replica_groups=[2,4]<=[8], dimensions={0}
+  ROOT %tt = (bf16[64,256]{1,0}, bf16[32,256]{1,0}) tuple(%dd, %ag2)
+}
 
 %inner (p0: bf16[4,64,128], p1: s32[]) -> bf16[64,128] {
   %p0 = bf16[4,64,128]{2,1,0:T(8,128)(2,1)} parameter(0)
@@ -179,7 +189,7 @@ TPU_HLO = """HloModule t, is_scheduled=true
   ROOT %ag = bf16[64,256]{1,0} all-gather(%g0), channel_id=3, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
 }, execution_thread="sparsecore"
 
-ENTRY %main (acts: bf16[4,64,128], i: s32[], w: bf16[128,256], shard: bf16[16,256]) -> bf16[64,256] {
+ENTRY %main (acts: bf16[4,64,128], i: s32[], w: bf16[128,256], shard: bf16[16,256], x: bf16[64,128], next: bf16[8,256]) -> (bf16[64,256], bf16[64,256], bf16[32,256]) {
   %acts = bf16[4,64,128]{2,1,0:T(8,128)(2,1)} parameter(0)
   %i = s32[]{:T(128)} parameter(1)
   %w = bf16[128,256]{1,0:T(8,128)(2,1)} parameter(2)
@@ -188,7 +198,13 @@ ENTRY %main (acts: bf16[4,64,128], i: s32[], w: bf16[128,256], shard: bf16[16,25
   %ag.call-update = ((bf16[16,256]{1,0}), bf16[64,256]{1,0}, (s32[8]{0})) custom-call-update(%ag.call-start, %shard)
   %mm = bf16[64,256]{1,0:T(8,128)(2,1)} fusion(%acts, %i, %w), kind=kOutput, calls=%outer
   %ag.call-done = bf16[64,256]{1,0} custom-call-done(%ag.call-update)
-  ROOT %sum = bf16[64,256]{1,0} add(%mm, %ag.call-done)
+  %sum = bf16[64,256]{1,0} add(%mm, %ag.call-done)
+  %x = bf16[64,128]{1,0} parameter(4)
+  %next = bf16[8,256]{1,0} parameter(5)
+  %acf = (bf16[64,256]{1,0}, bf16[32,256]{1,0}) fusion(%x, %w, %next), kind=kOutput, calls=%async_collective_fusion
+  %acf.0 = bf16[64,256]{1,0} get-tuple-element(%acf), index=0
+  %acf.1 = bf16[32,256]{1,0} get-tuple-element(%acf), index=1
+  ROOT %out = (bf16[64,256]{1,0}, bf16[64,256]{1,0}, bf16[32,256]{1,0}) tuple(%sum, %acf.0, %acf.1)
 }
 """
 
@@ -197,10 +213,12 @@ def test_tpu_reader_slices_through_nested_fusions_and_counts_sparsecore_collecti
     devices = [predict.DeviceRecord("tpu", slice_index=i // 4) for i in range(8)]
     costs = predict.program_costs(TPU_HLO, devices=devices, mesh_shape={"data": 2, "fsdp": 4})
     by = {k.name: k for k in costs.kernels}
-    assert set(by) == {"mm", "sum"}                             # the offloaded collective's parts are no kernels
-    assert by["mm"].flops == 2 * 64 * 256 * 128
+    assert set(by) == {"mm", "sum", "acf"}                      # the offloaded collective's parts are no kernels
+    assert by["mm"].flops == by["acf"].flops == 2 * 64 * 256 * 128
     assert by["mm"].bytes == (64 * 128 + 128 * 256 + 64 * 256) * 2 + 4  # one layer's slice of the stack
-    (gather,) = costs.collectives
+    gather, fused = costs.collectives
     assert gather.kind == "all-gather" and gather.bytes == 64 * 256 * 2 and gather.group == 4
     assert gather.axes == ("fsdp",) and not gather.leaves_domain and gather.asynchronous
     assert [costs.kernels[i].name for i in gather.overlap] == ["mm"]
+    assert fused.name == "ag2" and fused.bytes == 32 * 256 * 2 and fused.asynchronous
+    assert [costs.kernels[i].name for i in fused.overlap] == ["acf"]
