@@ -10,7 +10,7 @@ Each row of ROWS is one published figure (TFLOP/s per chip, from the README name
 produced it (`script`, in MaxText's configs/). Its flags and LIBTPU_INIT_ARGS are read from that script, the
 run-only ones dropped (steps, output paths, metrics uploads, checkpointing), and the row's target given as
 compile_topology (and compile_topology_num_slices for a multi-slice row). Each row compiles in a process of its own
-(libtpu reads LIBTPU_INIT_ARGS once) that calls MaxText's train_compile.main, keeping the compiled step it builds.
+(libtpu reads LIBTPU_INIT_ARGS once; on v5p, V5P_LIBTPU_FIX) that calls MaxText's train_compile.main, keeping the compiled step it builds.
 Written per row into OUT/ROW/: step.hlo (the optimized HLO, `compiled.as_text()`) and row.json: MaxText's TFLOPs per
 device per step (calculate_tflops_training_per_device, what its train loop divides by the step time to report
 TFLOP/s/chip), the global tokens per step, the chip kind, the number of chips, the mesh (axis names and sizes) with
@@ -46,6 +46,9 @@ ROWS = [
     ("v5e-128b", "v5e", "configs/tpu/v5e/128b.sh", "v5e-256", 1, 110, V5E),
     ("v5e-16b-2x", "v5e", "configs/tpu/v5e/16b.sh", "v5e-256", 2, 117, V5E),
 ]
+# libtpu 0.0.52 refuses all-gather continuation fusion on v5p ("not supported/recommended on platforms other than
+# TPU v5e"): the v5p scripts other than 32b.sh (which already ends with it) get this appended, as 32b.sh does.
+V5P_LIBTPU_FIX = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=false"
 # Flags of the scripts that only matter to a run (or name its outputs), not to the compiled step.
 RUN_ONLY = {"steps", "base_output_directory", "run_name", "gcs_metrics", "enable_checkpointing", "reuse_example_batch",
             "dataset_path", "metrics_file", "profiler", "upload_all_profiler_results", "skip_first_n_steps_for_profiler"}
@@ -107,7 +110,7 @@ def compile_one(row: tuple, out: str) -> None:
     devices = list(mesh.devices.flat)
     record = {
         "row": name, "chip": chip, "script": script, "compile_topology": topology, "slices": slices,
-        "flags": flags, "published_tflops_per_chip": published, "published_source": source,
+        "flags": flags, "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""), "published_tflops_per_chip": published, "published_source": source,
         "maxtext_tflops_per_device": total, "maxtext_tflops_weights": weights,
         "maxtext_tflops_attention": attention,
         "tokens_per_step": int(config.global_batch_size_to_train_on * config.max_target_length),
@@ -144,7 +147,10 @@ def main(argv: list[str]) -> None:
             print(f"maxtext_rows: {name}: already in {args.out}", flush=True)
             continue
         _, libtpu = script_settings(maxtext_dir, by_name[name][2])
-        env = {**os.environ, "LIBTPU_INIT_ARGS": libtpu, "JAX_PLATFORMS": "cpu"}
+        if by_name[name][1] == "v5p" and not libtpu.rstrip().endswith(V5P_LIBTPU_FIX):
+            libtpu = f"{libtpu} {V5P_LIBTPU_FIX}"
+        # another compile may hold libtpu (no chips are touched): allow a second process to load it
+        env = {**os.environ, "LIBTPU_INIT_ARGS": libtpu, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
         t = time.time()
         result = subprocess.run([sys.executable, __file__, "--out", args.out, "--one", name], env=env, check=False)
         print(f"maxtext_rows: {name}: exit {result.returncode} after {time.time() - t:.0f} s", flush=True)
