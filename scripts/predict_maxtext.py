@@ -71,7 +71,7 @@ def fit(rows) -> predict.Calibration:
     calibration = [r for r in rows if r[0]["row"] in CALIBRATION_ROWS]
     best = None
     for matmul, memory, link in itertools.product([x / 100 for x in range(40, 101, 1)],
-                                                  [x / 100 for x in range(40, 101, 10)], [0.5, 0.75, 1.0]):
+                                                  [x / 100 for x in range(40, 101, 10)], [0.5, 0.75, 1.0, 1.5, 2.0]):
         cal = dataclasses.replace(predict.TPU_CALIBRATION, matmul=matmul, memory=memory, link=link)
         errs = [abs(e[3]) for e in errors_of(calibration, cal)]
         key = (round(max(errs), 3), statistics.median(errs))
