@@ -222,3 +222,17 @@ def test_tpu_reader_slices_through_nested_fusions_and_counts_sparsecore_collecti
     assert [costs.kernels[i].name for i in gather.overlap] == ["mm"]
     assert fused.name == "ag2" and fused.bytes == 32 * 256 * 2 and fused.asynchronous
     assert [costs.kernels[i].name for i in fused.overlap] == ["acf"]
+
+
+def test_a_cudnn_backward_with_bias_counts_five_matmuls():
+    """cuDNN's backward kernel under each of its names (with or without scale and bias)."""
+    hlo = """HloModule c, is_scheduled=true
+
+ENTRY %main (q: bf16[2,64,8,32], k: bf16[2,64,2,32]) -> bf16[2,64,8,32] {
+  %q = bf16[2,64,8,32]{3,2,1,0} parameter(0)
+  %k = bf16[2,64,2,32]{3,2,1,0} parameter(1)
+  ROOT %bwd = bf16[2,64,8,32]{3,2,1,0} custom-call(%q, %k, %k), custom_call_target="__cudnn$fmhaScaleBiasSoftmaxBackward"
+}
+"""
+    (kernel,) = predict.program_costs(hlo).kernels
+    assert kernel.kind == "attention:cudnn" and kernel.flops == 5 * 2 * 2 * 8 * 64 * 64 * 32 / 2

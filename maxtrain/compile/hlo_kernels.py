@@ -23,7 +23,7 @@ FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after
         "opt-barrier", "add-dependency", "iota", "domain", "copy-done", "send-done", "recv-done"}
 ATTENTION_KERNELS = (("flash_attention_fwd", "flash", 2), ("flash_attention_dq", "flash", 3),
                      ("flash_attention_dkv", "flash", 4), ("flash_attention", "flash", 5),
-                     ("splash_mha", "splash", 0), ("fmhaSoftmaxBackward", "cudnn", 5), ("fmhaSoftmax", "cudnn", 2),
+                     ("splash_mha", "splash", 0), ("SoftmaxBackward", "cudnn", 5), ("fmhaSoftmax", "cudnn", 2),
                      ("fmha", "cudnn", 2))
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
 _OPERAND = re.compile(r"%([\w.\-]+)")
