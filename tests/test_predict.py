@@ -236,3 +236,35 @@ ENTRY %main (q: bf16[2,64,8,32], k: bf16[2,64,2,32]) -> bf16[2,64,8,32] {
 """
     (kernel,) = predict.program_costs(hlo).kernels
     assert kernel.kind == "attention:cudnn" and kernel.flops == 5 * 2 * 2 * 8 * 64 * 64 * 32 / 2
+
+
+def test_a_loop_counting_in_steps_of_two_runs_half_as_often():
+    """A TPU windowed einsum's loop (`counter < 8`, the body adding 2 to a copy of the counter) runs 4 times."""
+    hlo = """HloModule w, is_scheduled=true
+
+%body (p: (u32[], f32[8])) -> (u32[], f32[8]) {
+  %p = (u32[], f32[8]{0}) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %c = u32[] copy(%i)
+  %two = u32[] constant(2)
+  %next = u32[] add(%c, %two)
+  %y = f32[8]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%sum
+  ROOT %t = (u32[], f32[8]{0}) tuple(%next, %y)
+}
+
+%cond (q: (u32[], f32[8])) -> pred[] {
+  %q = (u32[], f32[8]{0}) parameter(0)
+  %j = u32[] get-tuple-element(%q), index=0
+  %n = u32[] constant(8)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}
+
+ENTRY %main (a: (u32[], f32[8])) -> (u32[], f32[8]) {
+  %a = (u32[], f32[8]{0}) parameter(0)
+  ROOT %w = (u32[], f32[8]{0}) while(%a), condition=%cond, body=%body
+}
+"""
+    (reduce,) = predict.program_costs(hlo).collectives
+    assert reduce.count == 4
+    assert predict.program_costs(hlo.replace("constant(2)", "constant(1)")).collectives[0].count == 8

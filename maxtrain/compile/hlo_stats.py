@@ -113,8 +113,37 @@ def trip_count(while_rest: str, computations: dict[str, list[str]]) -> int | Non
     root = [line for line in lines if line.lstrip().startswith("ROOT")]
     constants = [int(m.group(1)) for line in lines for m in [_CONSTANT.search(line)] if m]
     if len(root) == 1 and "compare(" in root[0] and "direction=LT" in root[0] and len(constants) == 1:
-        return constants[0]
+        counter = [int(m.group(1)) for line in lines for m in [re.search(r"get-tuple-element\(.*index=(\d+)", line)]
+                   if m]
+        body = re.search(r"\bbody=%?([\w.\-]+)", while_rest)
+        step = _step(computations.get(body.group(1), []) if body else [], counter[0]) if len(counter) == 1 else 1
+        return -(-constants[0] // step)
     return None
+
+
+def _step(body: list[str], index: int) -> int:
+    """How much a loop body adds to its counter (tuple element `index`): k of `counter + k`, else 1 (a TPU
+    windowed einsum's loop, which does two shards an iteration, counts in steps of 2)."""
+    defs = {m.group(1): line for line in body for m in [_INSTRUCTION.match(line)] if m}
+    root = [line for line in body if line.lstrip().startswith("ROOT") and " tuple(" in line]
+    if len(root) != 1:
+        return 1
+    elements = re.findall(r"%([\w.\-]+)", root[0].split(" tuple(", 1)[1])
+    update = defs.get(elements[index], "") if index < len(elements) else ""
+    if " add(" not in update:
+        return 1
+    operands = re.findall(r"%([\w.\-]+)", update.split(" add(", 1)[1].split(")", 1)[0])
+    def source(name: str) -> str:  # through copies and bitcasts to what they read
+        for _ in range(4):
+            m = re.search(r" (?:copy|bitcast)\(%([\w.\-]+)\)", defs.get(name, ""))
+            if not m:
+                break
+            name = m.group(1)
+        return defs.get(name, "")
+
+    read = [o for o in operands if f"index={index}" in source(o) and "get-tuple-element(" in source(o)]
+    steps = [int(m.group(1)) for o in operands for m in [_CONSTANT.search(defs.get(o, ""))] if m]
+    return steps[0] if read and len(steps) == 1 and steps[0] > 0 else 1
 
 
 def group_size(rest: str) -> int | None:
