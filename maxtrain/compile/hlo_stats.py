@@ -14,7 +14,8 @@ all-gather, the inputs of a reduce-scatter, the buffers of an all-reduce, all-to
 collective-permute (a combined collective sums its arrays). Asynchronous pairs count once: at
 `*-start` (GPU), and at the TPU's AsyncCollectiveStart (its AsyncCollectiveDone repeats the op). A collective
 the TPU offloads to its SparseCore sits in a computation a `custom-call-start` calls (called_computations):
-it counts there, once.
+it counts there, once. A collective between TPU slices may be a `send` to the megascale runtime (DCN), its
+kind and slices in its frontend attributes; it counts at the send (the matching recv repeats it).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLEE = re.compile(r"\b(body|calls|to_apply|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _BRANCHES = re.compile(r"(?:branch|called)_computations=\{([^}]*)\}")
 _CONSTANT = re.compile(r"\b[su]\d+\[\][^=]*?\bconstant\((\d+)\)")
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _END = re.compile(r"^\}(,\s*execution_thread=\S*)?\s*$")
 _ASYNC_DONE = 'custom_call_target="AsyncCollectiveDone"'
 
@@ -78,9 +80,21 @@ def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)) for m in _ARRAY.finditer(text)]
 
 
-def _kind(opcode: str) -> str | None:
+def _kind(opcode: str, rest: str = "") -> str | None:
     base = opcode.removesuffix("-start")
+    if opcode == "send":  # a collective between TPU slices: a send to MaxText's megascale runtime (DCN)
+        megascale = _MEGASCALE.search(rest)
+        base = megascale.group(1).lower().replace("_", "-") if megascale else ""
     return base if base in KINDS else None
+
+
+def megascale_slices(rest: str) -> int | None:
+    """The slices a collective between TPU slices spans (`_xla_megascale_target="{1,2}x{0:63}"`: slices 1 and 2)."""
+    target = re.search(r'_xla_megascale_target="\{([^}]*)\}', rest)
+    if not target:
+        return None
+    ranges = [part.split(":") for part in target.group(1).split(",") if part]
+    return sum(int(r[-1]) - int(r[0]) + 1 for r in ranges)
 
 
 def parse_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
@@ -193,7 +207,7 @@ def collectives(hlo_text: str) -> ProgramStats:
             if not match:
                 continue
             inst, result_type, opcode, rest = match.groups()
-            kind = _kind(opcode)
+            kind = _kind(opcode, rest)
             if kind and not repeats_a_start:
                 arrays = _exchanged(kind, opcode, result_type, rest)
                 dtype, dims = max(arrays, key=lambda a: array_bytes(*a), default=("u8", ()))

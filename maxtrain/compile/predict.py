@@ -155,6 +155,9 @@ def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict |
     domain = [getattr(d, "process_index", 0) if gpu else getattr(d, "slice_index", 0) for d in devices]
 
     def describe_group(attrs: str, collective) -> tuple[int, tuple[str, ...], bool]:
+        slices = hlo_stats.megascale_slices(attrs)
+        if slices:  # between slices, over DCN
+            return slices, (), True
         groups = _group_of(attrs, len(devices))
         if not groups:
             return hlo_stats.group_size(attrs) or 1, (), False
@@ -186,7 +189,7 @@ def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict |
             # a collective; on TPUs, a fusion around one (AsyncCollectiveStart), or one offloaded to the SparseCore
             # (a custom-call-start calling it, its custom-call-update giving the input, its custom-call-done)
             if name in by_name or inner:
-                started = opcode.endswith("-start") or (callee is not None and any(
+                started = opcode.endswith("-start") or opcode == "send" or (callee is not None and any(
                     "AsyncCollectiveStart" in line for line in prog.raw.get(callee.group(1), ())))
                 # a TPU async collective fusion that also computes (the next layer's weights gathered during this
                 # layer's matmul): the matmul is a kernel, and the collective runs behind it
@@ -212,7 +215,8 @@ def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict |
                 for o in operands:
                     pending.pop(alias.get(o, o), None)
                 continue
-            if opcode in hlo_kernels.FREE or opcode.endswith("-start") and not opcode.startswith("copy"):
+            if opcode in hlo_kernels.FREE or opcode.endswith("-start") and not opcode.startswith("copy") or (
+                    opcode == "recv" and "_xla_megascale_" in attrs):  # the recv half of a collective between slices
                 continue
             if opcode == "while":
                 body = _BODY.search(attrs)
