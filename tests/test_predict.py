@@ -215,6 +215,7 @@ def test_tpu_reader_slices_through_nested_fusions_and_counts_sparsecore_collecti
     by = {k.name: k for k in costs.kernels}
     assert set(by) == {"mm", "sum", "acf"}                      # the offloaded collective's parts are no kernels
     assert by["mm"].flops == by["acf"].flops == 2 * 64 * 256 * 128
+    assert by["acf"].bytes == (64 * 128 + 128 * 256 + 64 * 256) * 2  # the gather's buffers are the collective's
     assert by["mm"].bytes == (64 * 128 + 128 * 256 + 64 * 256) * 2 + 4  # one layer's slice of the stack
     gather, fused = costs.collectives
     assert gather.kind == "all-gather" and gather.bytes == 64 * 256 * 2 and gather.group == 4

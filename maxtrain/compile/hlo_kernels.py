@@ -164,12 +164,24 @@ class Program:
             total += inner
         return total
 
-    def fusion_bytes(self, comp: str, rtype: str, operands: list[str], callee: str | None) -> float:
+    def fusion_bytes(self, comp: str, rtype: str, operands: list[str], callee: str | None,
+                     collectives: frozenset = frozenset()) -> float:
         """HBM bytes of a fusion: operands and results, a sliced operand counting its slices, an in-place update
-        its update."""
+        its update. In a TPU async collective fusion that also computes, the `collectives` it holds move their own
+        buffers (costed as collectives): their operands, their results and what passes through are left out."""
         types = self.types[comp]
         sizes = [_bytes(types.get(o, "")) for o in operands]
         out = _bytes(rtype)
+        body = self.insts.get(callee or "", [])
+        if collectives and body and body[-1][2] == "tuple":
+            kinds = {row[0]: row[2] for row in body}
+            out = sum(_bytes(self.types[callee].get(o, "")) for o in body[-1][3]
+                      if o not in collectives and kinds.get(o) not in ("parameter", "get-tuple-element"))
+            users = self._users(callee)
+            for index, pname in self._params(callee).items():
+                uses = users.get(pname, [])
+                if index < len(sizes) and all(u in collectives or u == body[-1][0] for u, _, _, _, _ in uses):
+                    sizes[index] = 0.0
         if callee in self.insts:
             users = self._users(callee)
             for index, pname in self._params(callee).items():
@@ -211,14 +223,14 @@ def _attention_flops(arrays: list[tuple[str, tuple[int, ...]]], units: int,
 
 
 def cost_kernel(prog: Program, comp: str, name: str, rtype: str, opcode: str, operands: list[str], attrs: str,
-                count: int) -> Kernel:
-    """One launched kernel's FLOPs and HBM bytes."""
+                count: int, collectives: frozenset = frozenset()) -> Kernel:
+    """One launched kernel's FLOPs and HBM bytes (`collectives`: those a fusion holds, see fusion_bytes)."""
     types = prog.types[comp]
     operand_bytes = sum(_bytes(types.get(o, "")) for o in operands)
     if opcode == "fusion":
         callee = CALLS.search(attrs)
         flops, fp8 = prog.fused_flops(callee.group(1)) if callee else (0.0, False)
-        moved = prog.fusion_bytes(comp, rtype, operands, callee.group(1) if callee else None)
+        moved = prog.fusion_bytes(comp, rtype, operands, callee.group(1) if callee else None, collectives)
         return Kernel(name, flops, moved, count, "matmul" if flops else "fusion", fp8)
     if opcode in ("dot", "convolution"):
         flops, fp8 = prog.dot_flops(comp, rtype, operands, attrs)

@@ -195,7 +195,8 @@ def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict |
                 # layer's matmul): the matmul is a kernel, and the collective runs behind it
                 computes = callee is not None and prog.fused_flops(callee.group(1))[0] > 0
                 if computes:
-                    kernels.append(hlo_kernels.cost_kernel(prog, comp, name, rtype, opcode, operands, attrs, count))
+                    kernels.append(hlo_kernels.cost_kernel(prog, comp, name, rtype, opcode, operands, attrs, count,
+                                                           frozenset(row[0] for row in inner)))
                     for run in pending.values():
                         run.overlap.append(len(kernels) - 1)
                 for inst, _, _, _, inst_attrs in inner or [(name, rtype, opcode, operands, attrs)]:
