@@ -88,7 +88,7 @@ def table(results) -> str:
         chip = f"{row['slices']}x {row['compile_topology']}" if row["slices"] > 1 else row["compile_topology"]
         lines.append(f"| {row['row']} | {chip} ({row['num_chips']}) | {row['published_tflops_per_chip']} "
                      f"| {measured:.3f} | {predicted:.3f} | {err:+.0%} | {p['parts']['collectives_exposed']:.3f} "
-                     f"| {kind} | MaxText {row['published_source']} |")
+                     f"| {kind} | maxtext/{row['published_source']} |")
     held = [abs(r[3]) for r in results if r[0]["row"] not in CALIBRATION_ROWS]
     if held:
         lines.append(f"\nheld out: {len(held)} rows, median absolute error {statistics.median(held):.0%}, "
