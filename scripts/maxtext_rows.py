@@ -9,13 +9,14 @@ Run with a Python 3.12 virtualenv holding MaxText 0.2.5 and its TPU compiler (no
 Each row of ROWS is one published figure (TFLOP/s per chip, from the README named in `source`) with the script that
 produced it (`script`, in MaxText's configs/). Its flags and LIBTPU_INIT_ARGS are read from that script, the
 run-only ones dropped (steps, output paths, metrics uploads, checkpointing), and the row's target given as
-compile_topology (and compile_topology_num_slices for a multi-slice row). Each row compiles in a process of its own
-(libtpu reads LIBTPU_INIT_ARGS once; on v5p, V5P_LIBTPU_FIX) that calls MaxText's train_compile.main, keeping the compiled step it builds.
+compile_topology (and compile_topology_num_slices for a multi-slice row). Each row compiles in a process of its
+own (libtpu reads LIBTPU_INIT_ARGS once; on v5p with V5P_LIBTPU_FIX) that calls MaxText's train_compile.main,
+keeping the compiled step it builds (the published rows on H100s are not here: see docs/scale.md).
 Written per row into OUT/ROW/: step.hlo (the optimized HLO, `compiled.as_text()`) and row.json: MaxText's TFLOPs per
 device per step (calculate_tflops_training_per_device, what its train loop divides by the step time to report
 TFLOP/s/chip), the global tokens per step, the chip kind, the number of chips, the mesh (axis names and sizes) with
 each device's slice_index and process_index in mesh order (partition id i is the i-th), the compile seconds and
-libtpu's cost analysis. scripts/predict_check.py --maxtext OUT predicts each row's step from these.
+libtpu's cost analysis. scripts/predict_maxtext.py OUT predicts each row's step from these.
 """
 
 from __future__ import annotations
