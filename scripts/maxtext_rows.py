@@ -46,6 +46,11 @@ ROWS = [
     ("v5e-64b", "v5e", "configs/tpu/v5e/64b.sh", "v5e-256", 1, 118, V5E),
     ("v5e-128b", "v5e", "configs/tpu/v5e/128b.sh", "v5e-256", 1, 110, V5E),
     ("v5e-16b-2x", "v5e", "configs/tpu/v5e/16b.sh", "v5e-256", 2, 117, V5E),
+    ("v5e-32b-2x", "v5e", "configs/tpu/v5e/32b.sh", "v5e-256", 2, 128, V5E),
+    ("v5e-64b-2x", "v5e", "configs/tpu/v5e/64b.sh", "v5e-256", 2, 112, V5E),
+    ("v5e-128b-2x", "v5e", "configs/tpu/v5e/128b.sh", "v5e-256", 2, 110, V5E),
+    ("v5p-128b-2x", "v5p", "configs/tpu/v5p/128b.sh", "v5p-256", 2, 305, V5P),
+    ("v5e-16b-4x", "v5e", "configs/tpu/v5e/16b.sh", "v5e-256", 4, 117, V5E),
 ]
 # libtpu 0.0.52 refuses all-gather continuation fusion on v5p ("not supported/recommended on platforms other than
 # TPU v5e"): the v5p scripts other than 32b.sh (which already ends with it) get this appended, as 32b.sh does.
