@@ -151,3 +151,121 @@ def test_a_real_cpu_step_counts_the_models_matmuls():
     model = metrics.flops_per_token(run.config, dense_attention=True) * run.config.tokens_per_step / run.mesh.size
     assert costs.flops == pytest.approx(model, rel=0.1)
     assert costs.collectives and all(c.axes for c in costs.collectives)
+
+
+# MaxText's TPU step (scripts/maxtext_rows.py): a saved activation stacked over 4 layers that a fusion reads only
+# through a nested fusion's dynamic-slice, and an all-gather over 4 of 8 devices offloaded to the SparseCore (a
+# custom-call-start calling it, a custom-call-update feeding it, a custom-call-done), across a matmul; then an
+# async collective fusion that computes a matmul while it all-gathers (the next layer's weights).
+TPU_HLO = """HloModule t, is_scheduled=true
+
+%async_collective_fusion (a0: bf16[64,128], a1: bf16[128,256], a2: bf16[8,256]) -> (bf16[64,256], bf16[32,256]) {
+  %a0 = bf16[64,128]{1,0} parameter(0)
+  %a1 = bf16[128,256]{1,0} parameter(1)
+  %a2 = bf16[8,256]{1,0} parameter(2)
+  %dd = bf16[64,256]{1,0} dot(%a0, %a1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %ag2 = bf16[32,256]{1,0} all-gather(%a2), channel_id=5, replica_groups=[2,4]<=[8], dimensions={0}
+  ROOT %tt = (bf16[64,256]{1,0}, bf16[32,256]{1,0}) tuple(%dd, %ag2)
+}
+
+%inner (p0: bf16[4,64,128], p1: s32[]) -> bf16[64,128] {
+  %p0 = bf16[4,64,128]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %p1 = s32[]{:T(128)} parameter(1)
+  %z = s32[]{:T(128)} constant(0)
+  %ds = bf16[1,64,128]{2,1,0:T(8,128)(2,1)} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,64,128}
+  ROOT %b = bf16[64,128]{1,0:T(8,128)(2,1)} bitcast(%ds)
+}
+
+%outer (q0: bf16[4,64,128], q1: s32[], q2: bf16[128,256]) -> bf16[64,256] {
+  %q0 = bf16[4,64,128]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %q1 = s32[]{:T(128)} parameter(1)
+  %q2 = bf16[128,256]{1,0:T(8,128)(2,1)} parameter(2)
+  %f = bf16[64,128]{1,0:T(8,128)(2,1)} fusion(%q0, %q1), kind=kLoop, calls=%inner
+  ROOT %d = bf16[64,256]{1,0:T(8,128)(2,1)} dot(%f, %q2), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%gathered (g0: bf16[16,256]) -> bf16[64,256] {
+  %g0 = bf16[16,256]{1,0} parameter(0)
+  ROOT %ag = bf16[64,256]{1,0} all-gather(%g0), channel_id=3, replica_groups=[2,4]<=[8], dimensions={0}, use_global_device_ids=true
+}, execution_thread="sparsecore"
+
+ENTRY %main (acts: bf16[4,64,128], i: s32[], w: bf16[128,256], shard: bf16[16,256], x: bf16[64,128], next: bf16[8,256]) -> (bf16[64,256], bf16[64,256], bf16[32,256]) {
+  %acts = bf16[4,64,128]{2,1,0:T(8,128)(2,1)} parameter(0)
+  %i = s32[]{:T(128)} parameter(1)
+  %w = bf16[128,256]{1,0:T(8,128)(2,1)} parameter(2)
+  %shard = bf16[16,256]{1,0} parameter(3)
+  %ag.call-start = ((), (), (s32[8]{0})) custom-call-start(), async_execution_thread="sparsecore", custom_call_target="TODO(b/522284627)", called_computations={%gathered}
+  %ag.call-update = ((bf16[16,256]{1,0}), bf16[64,256]{1,0}, (s32[8]{0})) custom-call-update(%ag.call-start, %shard)
+  %mm = bf16[64,256]{1,0:T(8,128)(2,1)} fusion(%acts, %i, %w), kind=kOutput, calls=%outer
+  %ag.call-done = bf16[64,256]{1,0} custom-call-done(%ag.call-update)
+  %sum = bf16[64,256]{1,0} add(%mm, %ag.call-done)
+  %x = bf16[64,128]{1,0} parameter(4)
+  %next = bf16[8,256]{1,0} parameter(5)
+  %acf = (bf16[64,256]{1,0}, bf16[32,256]{1,0}) fusion(%x, %w, %next), kind=kOutput, calls=%async_collective_fusion
+  %acf.0 = bf16[64,256]{1,0} get-tuple-element(%acf), index=0
+  %acf.1 = bf16[32,256]{1,0} get-tuple-element(%acf), index=1
+  ROOT %out = (bf16[64,256]{1,0}, bf16[64,256]{1,0}, bf16[32,256]{1,0}) tuple(%sum, %acf.0, %acf.1)
+}
+"""
+
+
+def test_tpu_reader_slices_through_nested_fusions_and_counts_sparsecore_collectives():
+    devices = [predict.DeviceRecord("tpu", slice_index=i // 4) for i in range(8)]
+    costs = predict.program_costs(TPU_HLO, devices=devices, mesh_shape={"data": 2, "fsdp": 4})
+    by = {k.name: k for k in costs.kernels}
+    assert set(by) == {"mm", "sum", "acf"}                      # the offloaded collective's parts are no kernels
+    assert by["mm"].flops == by["acf"].flops == 2 * 64 * 256 * 128
+    assert by["acf"].bytes == (64 * 128 + 128 * 256 + 64 * 256) * 2  # the gather's buffers are the collective's
+    assert by["mm"].bytes == (64 * 128 + 128 * 256 + 64 * 256) * 2 + 4  # one layer's slice of the stack
+    gather, fused = costs.collectives
+    assert gather.kind == "all-gather" and gather.bytes == 64 * 256 * 2 and gather.group == 4
+    assert gather.axes == ("fsdp",) and not gather.leaves_domain and gather.asynchronous
+    assert [costs.kernels[i].name for i in gather.overlap] == ["mm"]
+    assert fused.name == "ag2" and fused.bytes == 32 * 256 * 2 and fused.asynchronous
+    assert [costs.kernels[i].name for i in fused.overlap] == ["acf"]
+
+
+def test_a_cudnn_backward_with_bias_counts_five_matmuls():
+    """cuDNN's backward kernel under each of its names (with or without scale and bias)."""
+    hlo = """HloModule c, is_scheduled=true
+
+ENTRY %main (q: bf16[2,64,8,32], k: bf16[2,64,2,32]) -> bf16[2,64,8,32] {
+  %q = bf16[2,64,8,32]{3,2,1,0} parameter(0)
+  %k = bf16[2,64,2,32]{3,2,1,0} parameter(1)
+  ROOT %bwd = bf16[2,64,8,32]{3,2,1,0} custom-call(%q, %k, %k), custom_call_target="__cudnn$fmhaScaleBiasSoftmaxBackward"
+}
+"""
+    (kernel,) = predict.program_costs(hlo).kernels
+    assert kernel.kind == "attention:cudnn" and kernel.flops == 5 * 2 * 2 * 8 * 64 * 64 * 32 / 2
+
+
+def test_a_loop_counting_in_steps_of_two_runs_half_as_often():
+    """A TPU windowed einsum's loop (`counter < 8`, the body adding 2 to a copy of the counter) runs 4 times."""
+    hlo = """HloModule w, is_scheduled=true
+
+%body (p: (u32[], f32[8])) -> (u32[], f32[8]) {
+  %p = (u32[], f32[8]{0}) parameter(0)
+  %i = u32[] get-tuple-element(%p), index=0
+  %x = f32[8]{0} get-tuple-element(%p), index=1
+  %c = u32[] copy(%i)
+  %two = u32[] constant(2)
+  %next = u32[] add(%c, %two)
+  %y = f32[8]{0} all-reduce(%x), replica_groups={{0,1}}, to_apply=%sum
+  ROOT %t = (u32[], f32[8]{0}) tuple(%next, %y)
+}
+
+%cond (q: (u32[], f32[8])) -> pred[] {
+  %q = (u32[], f32[8]{0}) parameter(0)
+  %j = u32[] get-tuple-element(%q), index=0
+  %n = u32[] constant(8)
+  ROOT %lt = pred[] compare(%j, %n), direction=LT
+}
+
+ENTRY %main (a: (u32[], f32[8])) -> (u32[], f32[8]) {
+  %a = (u32[], f32[8]{0}) parameter(0)
+  ROOT %w = (u32[], f32[8]{0}) while(%a), condition=%cond, body=%body
+}
+"""
+    (reduce,) = predict.program_costs(hlo).collectives
+    assert reduce.count == 4
+    assert predict.program_costs(hlo.replace("constant(2)", "constant(1)")).collectives[0].count == 8

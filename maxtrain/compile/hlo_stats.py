@@ -12,7 +12,10 @@ compiler's loops count from 0); a loop with neither counts once and is reported.
 An instruction's bytes are those of the arrays one chip exchanges: the gathered results of an
 all-gather, the inputs of a reduce-scatter, the buffers of an all-reduce, all-to-all or
 collective-permute (a combined collective sums its arrays). Asynchronous pairs count once: at
-`*-start` (GPU), and at the TPU's AsyncCollectiveStart (its AsyncCollectiveDone repeats the op).
+`*-start` (GPU), and at the TPU's AsyncCollectiveStart (its AsyncCollectiveDone repeats the op). A collective
+the TPU offloads to its SparseCore sits in a computation a `custom-call-start` calls (called_computations):
+it counts there, once. A collective between TPU slices may be a `send` to the megascale runtime (DCN), its
+kind and slices in its frontend attributes; it counts at the send (the matching recv repeats it).
 """
 
 from __future__ import annotations
@@ -31,8 +34,10 @@ _INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)
 _ARRAY = re.compile(r"\b(" + "|".join(sorted(DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLEE = re.compile(r"\b(body|calls|to_apply|condition|true_computation|false_computation)=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_BRANCHES = re.compile(r"(?:branch|called)_computations=\{([^}]*)\}")
 _CONSTANT = re.compile(r"\b[su]\d+\[\][^=]*?\bconstant\((\d+)\)")
+_MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
+_END = re.compile(r"^\}(,\s*execution_thread=\S*)?\s*$")
 _ASYNC_DONE = 'custom_call_target="AsyncCollectiveDone"'
 
 
@@ -75,9 +80,21 @@ def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
     return [(m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)) for m in _ARRAY.finditer(text)]
 
 
-def _kind(opcode: str) -> str | None:
+def _kind(opcode: str, rest: str = "") -> str | None:
     base = opcode.removesuffix("-start")
+    if opcode == "send":  # a collective between TPU slices: a send to MaxText's megascale runtime (DCN)
+        megascale = _MEGASCALE.search(rest)
+        base = megascale.group(1).lower().replace("_", "-") if megascale else ""
     return base if base in KINDS else None
+
+
+def megascale_slices(rest: str) -> int | None:
+    """The slices a collective between TPU slices spans (`_xla_megascale_target="{1,2}x{0:63}"`: slices 1 and 2)."""
+    target = re.search(r'_xla_megascale_target="\{([^}]*)\}', rest)
+    if not target:
+        return None
+    ranges = [part.split(":") for part in target.group(1).split(",") if part]
+    return sum(int(r[-1]) - int(r[0]) + 1 for r in ranges)
 
 
 def parse_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
@@ -93,7 +110,7 @@ def parse_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]
                 if match.group(1):
                     entry = current
             continue
-        if line.strip() == "}":
+        if _END.match(line):  # "}" or, after a SparseCore computation, '}, execution_thread="sparsecore"'
             current = None
         else:
             computations[current].append(line)
@@ -110,8 +127,37 @@ def trip_count(while_rest: str, computations: dict[str, list[str]]) -> int | Non
     root = [line for line in lines if line.lstrip().startswith("ROOT")]
     constants = [int(m.group(1)) for line in lines for m in [_CONSTANT.search(line)] if m]
     if len(root) == 1 and "compare(" in root[0] and "direction=LT" in root[0] and len(constants) == 1:
-        return constants[0]
+        counter = [int(m.group(1)) for line in lines for m in [re.search(r"get-tuple-element\(.*index=(\d+)", line)]
+                   if m]
+        body = re.search(r"\bbody=%?([\w.\-]+)", while_rest)
+        step = _step(computations.get(body.group(1), []) if body else [], counter[0]) if len(counter) == 1 else 1
+        return -(-constants[0] // step)
     return None
+
+
+def _step(body: list[str], index: int) -> int:
+    """How much a loop body adds to its counter (tuple element `index`): k of `counter + k`, else 1 (a TPU
+    windowed einsum's loop, which does two shards an iteration, counts in steps of 2)."""
+    defs = {m.group(1): line for line in body for m in [_INSTRUCTION.match(line)] if m}
+    root = [line for line in body if line.lstrip().startswith("ROOT") and " tuple(" in line]
+    if len(root) != 1:
+        return 1
+    elements = re.findall(r"%([\w.\-]+)", root[0].split(" tuple(", 1)[1])
+    update = defs.get(elements[index], "") if index < len(elements) else ""
+    if " add(" not in update:
+        return 1
+    operands = re.findall(r"%([\w.\-]+)", update.split(" add(", 1)[1].split(")", 1)[0])
+    def source(name: str) -> str:  # through copies and bitcasts to what they read
+        for _ in range(4):
+            m = re.search(r" (?:copy|bitcast)\(%([\w.\-]+)\)", defs.get(name, ""))
+            if not m:
+                break
+            name = m.group(1)
+        return defs.get(name, "")
+
+    read = [o for o in operands if f"index={index}" in source(o) and "get-tuple-element(" in source(o)]
+    steps = [int(m.group(1)) for o in operands for m in [_CONSTANT.search(defs.get(o, ""))] if m]
+    return steps[0] if read and len(steps) == 1 and steps[0] > 0 else 1
 
 
 def group_size(rest: str) -> int | None:
@@ -161,7 +207,7 @@ def collectives(hlo_text: str) -> ProgramStats:
             if not match:
                 continue
             inst, result_type, opcode, rest = match.groups()
-            kind = _kind(opcode)
+            kind = _kind(opcode, rest)
             if kind and not repeats_a_start:
                 arrays = _exchanged(kind, opcode, result_type, rest)
                 dtype, dims = max(arrays, key=lambda a: array_bytes(*a), default=("u8", ()))

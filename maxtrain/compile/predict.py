@@ -5,15 +5,11 @@
     pred["step_seconds"], pred["parts"], pred["mfu"]
 
 What is read. The optimized HLO is the program each chip runs, in the order it runs (XLA's schedule), with every
-loop's trip count (the scan over layers, gradient accumulation). Each kernel the chip launches is one top-level
-instruction of a scheduled computation: a fusion, a library call (cuBLAS, cuDNN), a Pallas kernel or a lone op.
-Per kernel: its matmul FLOPs (2 x the output's elements x the contracted size of every `dot` it holds; fp8 when
-the operands are float8) and the bytes it moves from and to HBM (its operands and results at the fusion's
-boundary; an operand the kernel only slices counts the slice, a buffer updated in place counts the update).
-Attention kernels (Pallas flash, splash, cuDNN) hide their matmuls: their FLOPs come from their operands' shapes
-(q [B, T, Hq, D], k [B, S, Hk, D]; causal, so half of T x S): 2 matmuls forward, 3 for dq and 4 for dk/dv when
-split, 5 for one backward kernel. Collectives come from compile/hlo_stats.py (bytes per chip, how often) with
-their replica groups, which name the mesh axes they run over and whether they leave a slice (TPU) or host (GPU).
+loop's trip count (the scan over layers, gradient accumulation). Each kernel's matmul FLOPs and HBM bytes come from
+compile/hlo_kernels.py; collectives from compile/hlo_stats.py (bytes per chip, how often) with their replica groups,
+which name the mesh axes they run over and whether they leave a slice (TPU) or host (GPU). On TPUs a collective
+may be an async collective fusion (started in one fusion, done in a later one, or computing a matmul while it
+runs) or offloaded to the SparseCore (a custom-call-start calling it).
 
 The model. A kernel takes max(FLOPs / (peak x e_matmul), bytes / (HBM bandwidth x e_memory)) + a launch
 overhead; an attention kernel's compute runs at its own efficiency (e_flash, e_cudnn: measured kernel rates,
@@ -21,8 +17,8 @@ docs/gpu.md). A collective of B bytes over a group of n chips moves (n-1)/n x B 
 all-to-all), 2(n-1)/n x B (all-reduce) or B (a permute) at the link bandwidth (ICI, NVLink) or, when the group
 leaves a slice or host, the network's (DCN, InfiniBand). An asynchronous collective is hidden behind the kernels
 the schedule puts between its start and its done; a synchronous one, and what outlasts its kernels, is exposed.
-step = kernels + exposed collectives. The efficiencies are CALIBRATION (fitted on stated rows, docs/scale.md,
-"How far to trust the prediction"); the peaks and bandwidths are the chip record's (config/chips.py).
+step = kernels + exposed collectives. The efficiencies are per chip kind (CALIBRATIONS: fitted on stated rows,
+docs/scale.md, "How far to trust the prediction"); the peaks and bandwidths are the chip record's (config/chips.py).
 
 Not modelled: the host (input pipeline, Python dispatch), so an input-bound or host-bound step is predicted
 too fast; contention between a collective and the kernels it overlaps; matmul shapes too small for the peak.
@@ -36,9 +32,14 @@ import re
 
 import numpy as np
 
-from maxtrain.compile import hlo_stats
+from maxtrain.compile import hlo_kernels, hlo_stats
 from maxtrain.config import chips as chips_lib
 from maxtrain.errors import UserError
+
+
+_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_CALLED = re.compile(r"called_computations=\{([^}]*)\}")
 
 
 class PredictionError(UserError, ValueError):
@@ -66,32 +67,25 @@ class Calibration:
 CALIBRATION = Calibration(source="matmul, memory and launch fitted on 3 H100 rows of docs/gpu.md (llama3.2-1b b8 "
                                  "remat full, the default model, deepseek-shaped b4 capacity; scripts/predict_check.py "
                                  "--fit), attention from its kernel speed rows; collectives not yet checked")
-
-FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id", "replica-id",
-        "opt-barrier", "add-dependency", "iota", "domain", "copy-done", "send-done", "recv-done"}
-ATTENTION_KERNELS = (("flash_attention_fwd", "flash", 2), ("flash_attention_dq", "flash", 3),
-                     ("flash_attention_dkv", "flash", 4), ("flash_attention", "flash", 5),
-                     ("splash_mha", "splash", 0), ("fmhaSoftmaxBackward", "cudnn", 5), ("fmhaSoftmax", "cudnn", 2),
-                     ("fmha", "cudnn", 2))
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
-_OPERAND = re.compile(r"%([\w.\-]+)")
-_DIMS = re.compile(r"(lhs_contracting_dims|lhs_batch_dims)=\{([\d,]*)\}")
-_CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
-_BODY = re.compile(r"\bbody=%?([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
-_TARGET = re.compile(r'custom_call_target="([^"]*)"')
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
+TPU_CALIBRATION = Calibration(matmul=0.95, memory=0.5, link=2.0, source=(
+    "matmul, memory and link fitted on 2 of MaxText's published TPU rows (v5p-32b on v5p-128, v5e-16b on v5e-256; "
+    "scripts/predict_maxtext.py --fit; link 2.0, the grid's top: a collective uses more than the record's one "
+    "direction, and two rows do not pin link and memory apart); splash attention and the network not yet checked"))
+CALIBRATIONS = {"gpu": CALIBRATION, "tpu": TPU_CALIBRATION}
 
 
-@dataclasses.dataclass
-class Kernel:
-    name: str
-    flops: float
-    bytes: float
-    count: int
-    kind: str = "fusion"      # fusion | matmul | attention:flash|cudnn|splash | other
-    fp8: bool = False
-    head_dim: int = 0         # attention kernels
+def calibration_for(chip: chips_lib.Chip) -> Calibration:
+    """The efficiencies fitted on the chip's kind (GPU rows for GPUs, MaxText's TPU rows for TPUs)."""
+    return CALIBRATIONS[chip.kind]
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceRecord:
+    """What program_costs reads of a device (a jax.Device has the same attributes), for a program compiled
+    elsewhere: its platform, its slice (TPU) and its process (GPU host)."""
+    platform: str
+    slice_index: int = 0
+    process_index: int = 0
 
 
 @dataclasses.dataclass
@@ -109,148 +103,13 @@ class CollectiveRun:
 
 @dataclasses.dataclass
 class ProgramCosts:
-    kernels: list[Kernel]
+    kernels: list[hlo_kernels.Kernel]
     collectives: list[CollectiveRun]
     unknown_trip_counts: int
 
     @property
     def flops(self) -> float:
         return sum(k.flops * k.count for k in self.kernels)
-
-
-def _split_operands(rest: str) -> tuple[list[str], str]:
-    """The operand names of an instruction (the text up to its closing parenthesis) and the attributes after it."""
-    depth = 1
-    for i, ch in enumerate(rest):
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        if depth == 0:
-            return _OPERAND.findall(rest[:i]), rest[i + 1:]
-    return _OPERAND.findall(rest), ""
-
-
-def _bytes(type_text: str) -> float:
-    return float(sum(hlo_stats.array_bytes(d, s) for d, s in _arrays(type_text)))
-
-
-def _arrays(type_text: str) -> list[tuple[str, tuple[int, ...]]]:
-    return [(m.group(1), tuple(int(x) for x in m.group(2).split(",") if x))
-            for m in re.finditer(r"\b(" + "|".join(sorted(hlo_stats.DTYPE_BYTES, key=len, reverse=True))
-                                 + r")\[([\d,]*)\]", type_text)]
-
-
-class _Program:
-    """The parsed HLO: each computation's instructions as (name, type, opcode, operands, attributes)."""
-
-    def __init__(self, hlo_text: str):
-        raw, self.entry = hlo_stats.parse_computations(hlo_text)
-        self.raw = raw
-        self.insts: dict[str, list[tuple[str, str, str, list[str], str]]] = {}
-        self.types: dict[str, dict[str, str]] = {}
-        for comp, lines in raw.items():
-            rows = []
-            for line in lines:
-                m = _INSTRUCTION.match(line)
-                if m:
-                    name, rtype, opcode, rest = m.groups()
-                    operands, attrs = _split_operands(rest)
-                    if opcode == "parameter":  # its number, not an operand
-                        attrs = rest.split(")", 1)[0]
-                    rows.append((name, rtype, opcode, operands, attrs))
-            self.insts[comp] = rows
-            self.types[comp] = {r[0]: r[1] for r in rows}
-        self._fused: dict[str, tuple[float, bool]] = {}
-
-    def dot_flops(self, comp: str, rtype: str, operands: list[str], attrs: str) -> tuple[float, bool]:
-        """2 x output elements x contracted size of a dot (or a cuBLAS call described like one)."""
-        lhs = _arrays(self.types[comp].get(operands[0], "")) if operands else []
-        out = _arrays(rtype)
-        if not lhs or not out:
-            return 0.0, False
-        labels = re.search(r"dim_labels=(\w+)_", attrs)
-        if labels and "f" in labels.group(1):  # a convolution (the TPU's matmuls): input features x window
-            # positions, a window position counting only where the input has rows (XLA's batch-as-window form)
-            lhs_labels, lhs_dims = labels.group(1), lhs[0][1]
-            window = re.search(r"window=\{size=([\dx]+)", attrs)
-            sizes = [int(x) for x in window.group(1).split("x")] if window else []
-            spatial = [lhs_dims[lhs_labels.index(str(i))] for i in range(len(sizes)) if str(i) in lhs_labels]
-            groups = re.search(r"feature_group_count=(\d+)", attrs)
-            size = lhs_dims[lhs_labels.index("f")] * math.prod(min(w, n) for w, n in zip(sizes, spatial)) // int(
-                groups.group(1) if groups else 1)
-            return 2.0 * math.prod(out[0][1]) * size, lhs[0][0].startswith("f8")
-        dims = dict(_DIMS.findall(attrs))
-        contracting = [int(x) for x in dims.get("lhs_contracting_dims", "").split(",") if x]
-        if not contracting:  # cuBLAS custom calls: "lhs_contracting_dimensions":["1"]
-            m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', attrs)
-            contracting = [int(x) for x in re.findall(r"\d+", m.group(1))] if m else [len(lhs[0][1]) - 1]
-        size = math.prod(lhs[0][1][d] for d in contracting if d < len(lhs[0][1]))
-        return 2.0 * math.prod(out[0][1]) * size, lhs[0][0].startswith("f8")
-
-    def fused_flops(self, comp: str) -> tuple[float, bool]:
-        """Matmul FLOPs inside a fused computation (nested fusions included), and whether they are float8."""
-        if comp not in self._fused:
-            flops, fp8 = 0.0, False
-            for name, rtype, opcode, operands, attrs in self.insts.get(comp, ()):
-                if opcode in ("dot", "convolution"):
-                    f, is8 = self.dot_flops(comp, rtype, operands, attrs)
-                    flops, fp8 = flops + f, fp8 or is8
-                elif opcode == "fusion":
-                    callee = _CALLS.search(attrs)
-                    if callee:
-                        f, is8 = self.fused_flops(callee.group(1))
-                        flops, fp8 = flops + f, fp8 or is8
-            self._fused[comp] = (flops, fp8)
-        return self._fused[comp]
-
-    def fusion_bytes(self, comp: str, rtype: str, operands: list[str], callee: str | None) -> float:
-        """HBM bytes of a fusion: operands and results, a sliced operand counting its slices, an in-place update
-        its update."""
-        types = self.types[comp]
-        sizes = [_bytes(types.get(o, "")) for o in operands]
-        out = _bytes(rtype)
-        body = self.insts.get(callee or "", [])
-        if body:
-            params = {}
-            for name, _, opcode, _, attrs in body:
-                if opcode == "parameter":
-                    params[name] = int(attrs) if attrs.strip().isdigit() else None
-            users: dict[str, list[tuple[str, int, str, list[str]]]] = {}
-            for name, t, opcode, ops, _ in body:
-                for pos, o in enumerate(ops):
-                    users.setdefault(o, []).append((opcode, pos, t, ops))
-            for pname, index in params.items():
-                if index is None or index >= len(sizes):
-                    continue
-                uses = users.get(pname, [])
-                if uses and all(op in ("dynamic-slice", "slice", "gather") and pos == 0 for op, pos, _, _ in uses):
-                    sizes[index] = min(sizes[index], sum(_bytes(t) for _, _, t, _ in uses))
-                elif uses and all(op == "dynamic-update-slice" and pos == 0 for op, pos, _, _ in uses):
-                    update = sum(_bytes(self.types[callee].get(ops[1], "")) for _, _, _, ops in uses)
-                    sizes[index] = 0.0
-                    out = max(0.0, out - _bytes(self.types[callee].get(pname, "")) + update)
-        return sum(sizes) + out
-
-
-def _attention(name: str, attrs: str, target: str) -> tuple[str, int] | None:
-    op_name = _OP_NAME.search(attrs)
-    text = f"{name} {op_name.group(1) if op_name else ''} {target}"
-    for key, impl, units in ATTENTION_KERNELS:
-        if key in text:
-            return impl, units
-    return None
-
-
-def _attention_flops(arrays: list[tuple[str, tuple[int, ...]]], units: int,
-                     heads_first: bool = False) -> tuple[float, int]:
-    """units x 2 x B x Hq x T x S x D / 2 (causal). q is the kernel's first floating operand ([B, T, H, D], or
-    splash's [B, H, T, D] and per-shard [H, T, D]: heads_first), k the one of its head dim with the fewest heads."""
-    floats = [(1, s[1], s[0], s[2]) if len(s) == 3 else (s[0], s[2], s[1], s[3]) if heads_first else s
-              for d, s in arrays if d.startswith(("bf16", "f16", "f32", "f8")) and len(s) in (3, 4)]
-    if not floats or not units:
-        return 0.0, 0
-    q = floats[0]
-    k = min((s for s in floats if s[3] == q[3]), key=lambda s: s[2])
-    b, t, h, d = q
-    return units * 2.0 * b * h * t * k[1] * d / 2, d
 
 
 def _group_of(attrs: str, total: int) -> list[list[int]] | None:
@@ -284,10 +143,10 @@ def _group_of(attrs: str, total: int) -> list[list[int]] | None:
 def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict | None = None) -> ProgramCosts:
     """Every kernel and collective the compiled program runs per step, with how often (see the module docstring).
     `devices` are the mesh's devices in order (partition id i is devices[i]) and `mesh_shape` its axes."""
-    prog = _Program(hlo_text)
+    prog = hlo_kernels.Program(hlo_text)
     stats = hlo_stats.collectives(hlo_text)
     by_name = {c.name: c for c in stats.collectives}
-    kernels: list[Kernel] = []
+    kernels: list[hlo_kernels.Kernel] = []
     runs: list[CollectiveRun] = []
     devices = devices or []
     shape = list((mesh_shape or {}).values())
@@ -296,6 +155,9 @@ def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict |
     domain = [getattr(d, "process_index", 0) if gpu else getattr(d, "slice_index", 0) for d in devices]
 
     def describe_group(attrs: str, collective) -> tuple[int, tuple[str, ...], bool]:
+        slices = hlo_stats.megascale_slices(attrs)
+        if slices:  # between slices, over DCN
+            return slices, (), True
         groups = _group_of(attrs, len(devices))
         if not groups:
             return hlo_stats.group_size(attrs) or 1, (), False
@@ -316,16 +178,35 @@ def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict |
         for name, rtype, opcode, operands, attrs in prog.insts[comp]:
             if opcode in ("get-tuple-element", "bitcast") and operands:
                 alias[name] = alias.get(operands[0], operands[0])
-            callee = _CALLS.search(attrs) if opcode == "fusion" else None
-            inner = [row for row in prog.insts.get(callee.group(1), ()) if row[0] in by_name] if callee else []
-            if name in by_name or inner:  # a collective; on TPUs, a fusion around one (AsyncCollectiveStart)
-                started = opcode.endswith("-start") or (callee is not None and any(
+            if opcode == "custom-call-update" and operands:  # feeds an offloaded collective (below) its input
+                alias[name] = alias.get(operands[0], operands[0])
+                continue
+            callee = hlo_kernels.CALLS.search(attrs) if opcode == "fusion" else None
+            called = _CALLED.search(attrs) if opcode == "custom-call-start" else None
+            inner = [row for row in prog.insts.get(callee.group(1), ()) if row[0] in by_name] if callee else [
+                row for c in (called.group(1).split(",") if called else ()) for row in prog.insts.get(
+                    c.strip().lstrip("%"), ()) if row[0] in by_name]
+            # a collective; on TPUs, a fusion around one (AsyncCollectiveStart), or one offloaded to the SparseCore
+            # (a custom-call-start calling it, its custom-call-update giving the input, its custom-call-done)
+            if name in by_name or inner:
+                started = opcode.endswith("-start") or opcode == "send" or (callee is not None and any(
                     "AsyncCollectiveStart" in line for line in prog.raw.get(callee.group(1), ())))
+                # a TPU async collective fusion that also computes (the next layer's weights gathered during this
+                # layer's matmul): the matmul is a kernel, and the collective runs behind it
+                computes = callee is not None and prog.fused_flops(callee.group(1))[0] > 0
+                if computes:
+                    kernels.append(hlo_kernels.cost_kernel(prog, comp, name, rtype, opcode, operands, attrs, count,
+                                                           frozenset(row[0] for row in inner)))
+                    for run in pending.values():
+                        run.overlap.append(len(kernels) - 1)
                 for inst, _, _, _, inst_attrs in inner or [(name, rtype, opcode, operands, attrs)]:
                     c = by_name[inst]
                     size, used, leaves = describe_group(inst_attrs, c)
-                    run = CollectiveRun(inst, c.kind, c.bytes, count, size, used, leaves, asynchronous=started)
+                    run = CollectiveRun(inst, c.kind, c.bytes, count, size, used, leaves,
+                                        asynchronous=started or computes)
                     runs.append(run)
+                    if computes:
+                        run.overlap.append(len(kernels) - 1)
                     if started:
                         pending[name] = run
                 continue
@@ -335,7 +216,8 @@ def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict |
                 for o in operands:
                     pending.pop(alias.get(o, o), None)
                 continue
-            if opcode in FREE or opcode.endswith("-start") and not opcode.startswith("copy"):
+            if opcode in hlo_kernels.FREE or opcode.endswith("-start") and not opcode.startswith("copy") or (
+                    opcode == "recv" and "_xla_megascale_" in attrs):  # the recv half of a collective between slices
                 continue
             if opcode == "while":
                 body = _BODY.search(attrs)
@@ -344,7 +226,7 @@ def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict |
                     visit(body.group(1), count * (trips or 1), depth + 1)
                 continue
             if opcode in ("call", "async-start"):
-                callee = _CALLS.search(attrs) or re.search(r"to_apply=%?([\w.\-]+)", attrs)
+                callee = hlo_kernels.CALLS.search(attrs) or re.search(r"to_apply=%?([\w.\-]+)", attrs)
                 if callee:
                     visit(callee.group(1), count, depth + 1)
                 continue
@@ -355,7 +237,7 @@ def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict |
                 if names:
                     visit(names[0], count, depth + 1)  # the first branch stands for all
                 continue
-            kernel = cost_kernel(prog, comp, name, rtype, opcode, operands, attrs, count)
+            kernel = hlo_kernels.cost_kernel(prog, comp, name, rtype, opcode, operands, attrs, count)
             kernels.append(kernel)
             for run in pending.values():
                 run.overlap.append(len(kernels) - 1)
@@ -363,36 +245,6 @@ def program_costs(hlo_text: str, devices: list | None = None, mesh_shape: dict |
     if prog.entry:
         visit(prog.entry, 1)
     return ProgramCosts(kernels, runs, stats.unknown_trip_counts)
-
-
-def cost_kernel(prog: _Program, comp: str, name: str, rtype: str, opcode: str, operands: list[str], attrs: str,
-                count: int) -> Kernel:
-    """One launched kernel's FLOPs and HBM bytes."""
-    types = prog.types[comp]
-    operand_bytes = sum(_bytes(types.get(o, "")) for o in operands)
-    if opcode == "fusion":
-        callee = _CALLS.search(attrs)
-        flops, fp8 = prog.fused_flops(callee.group(1)) if callee else (0.0, False)
-        moved = prog.fusion_bytes(comp, rtype, operands, callee.group(1) if callee else None)
-        return Kernel(name, flops, moved, count, "matmul" if flops else "fusion", fp8)
-    if opcode in ("dot", "convolution"):
-        flops, fp8 = prog.dot_flops(comp, rtype, operands, attrs)
-        return Kernel(name, flops, operand_bytes + _bytes(rtype), count, "matmul", fp8)
-    if opcode == "custom-call":
-        target = _TARGET.search(attrs)
-        target = target.group(1) if target else ""
-        attention = _attention(name, attrs, target)
-        if attention:
-            impl, units = attention
-            shapes = [a for o in operands for a in _arrays(types.get(o, ""))]
-            if impl == "splash":  # splash_mha_fwd, splash_mha_dq, splash_mha_dkv (dq fused in: 5)
-                units = 2 if "fwd" in name else 3 if "_dq" in name else 5
-            flops, head_dim = _attention_flops(shapes, units, impl == "splash")
-            return Kernel(name, flops, operand_bytes + _bytes(rtype), count, f"attention:{impl}", head_dim=head_dim)
-        if "gemm" in target or "matmul" in target or "cublas" in target:
-            flops, fp8 = prog.dot_flops(comp, rtype, operands, attrs)
-            return Kernel(name, flops, operand_bytes + _bytes(rtype), count, "matmul", fp8 or "f8" in target)
-    return Kernel(name, 0.0, operand_bytes + _bytes(rtype), count, "other")
 
 
 def _need(chip: chips_lib.Chip, field: str, what: str) -> float:
@@ -413,7 +265,7 @@ def check_record(chip: chips_lib.Chip, devices: int, domains: int) -> None:
         _need(chip, "network_bytes_per_s", "a collective across slices or hosts")
 
 
-def kernel_seconds(k: Kernel, chip: chips_lib.Chip, cal: Calibration, launch: float) -> tuple[float, str]:
+def kernel_seconds(k: hlo_kernels.Kernel, chip: chips_lib.Chip, cal: Calibration, launch: float) -> tuple[float, str]:
     """(seconds for one run of the kernel, the part it counts to: matmul | attention | memory)."""
     peak = _need(chip, "fp8_flops", "a float8 matmul") if k.fp8 else _need(chip, "bf16_flops", "the prediction")
     hbm = _need(chip, "hbm_bytes_per_s", "the prediction")
@@ -438,9 +290,11 @@ def collective_seconds(c: CollectiveRun, chip: chips_lib.Chip, cal: Calibration)
 
 
 def predict(costs: ProgramCosts, chip: chips_lib.Chip, *, model_flops_per_step: float, tokens_per_step: float,
-            num_chips: int, steps: int = 0, cal: Calibration = CALIBRATION) -> dict:
+            num_chips: int, steps: int = 0, cal: Calibration | None = None) -> dict:
     """The step time with its parts, tokens/s per chip, MFU and cost, as plain values (see the module docstring).
-    model_flops_per_step is per chip (the family's formula, as MFU counts it); tokens_per_step is the global batch's."""
+    model_flops_per_step is per chip (the family's formula, as MFU counts it); tokens_per_step is the global batch's.
+    `cal` defaults to the chip kind's calibration (calibration_for)."""
+    cal = cal or calibration_for(chip)
     launch = cal.launch_seconds if chip.kind == "gpu" else 1e-6
     parts = {"matmul": 0.0, "attention": 0.0, "memory": 0.0}
     each = []

@@ -1,0 +1,114 @@
+"""The step-time prediction (maxtrain/compile/predict.py) against MaxText's published step times (issue 48).
+
+    /work/venv-maxtext/bin/python scripts/maxtext_rows.py --out /tmp/maxtext-rows    # MaxText's own compiles
+    python scripts/predict_maxtext.py /tmp/maxtext-rows                              # the table for docs/scale.md
+    python scripts/predict_maxtext.py /tmp/maxtext-rows --fit                        # refit on CALIBRATION_ROWS
+
+Each row is one figure MaxText publishes for its performance configs (TFLOP/s per chip: its configs/tpu/*/README.md),
+whose script scripts/maxtext_rows.py compiled ahead of time with MaxText 0.2.5's own train_compile for the
+published target (the same program, the same compiler). The published figure is MaxText's own count of a step's
+FLOPs per device (calculate_tflops_training_per_device) divided by the measured step time, so the measured step
+time is that count over the figure: measured seconds = MaxText's TFLOPs per device per step / published TFLOP/s per
+chip. The prediction reads the row's optimized HLO (its kernels, and its collectives with their replica groups
+over the row's mesh and slices) against the chip's record (config/chips.py). Rows in CALIBRATION_ROWS are the ones
+predict.TPU_CALIBRATION was fitted on; the others are held out. The error is (predicted - measured) / measured.
+Needs no compiler: the rows' HLO text is read as it is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import os
+import statistics
+
+from maxtrain.compile import predict
+from maxtrain.config import chips
+from maxtrain.errors import ToolError, run_cli
+
+CALIBRATION_ROWS = {"v5p-32b", "v5e-16b"}
+
+
+def load_rows(directory: str, only: str = "") -> list[tuple[dict, predict.ProgramCosts]]:
+    """Each row's record (row.json) and its program's costs (step.hlo)."""
+    if not os.path.isdir(directory):
+        raise ToolError(f"no directory {directory}: write it with scripts/maxtext_rows.py --out {directory}")
+    rows = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        if only not in name or not os.path.exists(os.path.join(path, "row.json")):
+            continue
+        with open(os.path.join(path, "row.json")) as f:
+            row = json.load(f)
+        with open(os.path.join(path, "step.hlo")) as f:
+            hlo = f.read()
+        devices = [predict.DeviceRecord(**d) for d in row["devices"]]
+        costs = predict.program_costs(hlo, devices, dict(zip(row["mesh_axes"], row["mesh_shape"])))
+        rows.append((row, costs))
+    if not rows:
+        raise ToolError(f"{directory} holds no rows (row.json and step.hlo): run scripts/maxtext_rows.py --out "
+                        f"{directory}")
+    return rows
+
+
+def errors_of(rows, cal: predict.Calibration | None = None) -> list[tuple[dict, float, float, float, dict]]:
+    """(row, measured s, predicted s, error, the prediction) per row."""
+    out = []
+    for row, costs in rows:
+        measured = row["maxtext_tflops_per_device"] / row["published_tflops_per_chip"]
+        p = predict.predict(costs, chips.by_name(row["chip"]), tokens_per_step=row["tokens_per_step"],
+                            model_flops_per_step=row["maxtext_tflops_per_device"] * 1e12, num_chips=row["num_chips"],
+                            cal=cal)
+        out.append((row, measured, p["step_seconds"], (p["step_seconds"] - measured) / measured, p))
+    return out
+
+
+def fit(rows) -> predict.Calibration:
+    """The matmul, memory and link efficiencies that minimize the worst error on the calibration rows (a grid),
+    then the median."""
+    calibration = [r for r in rows if r[0]["row"] in CALIBRATION_ROWS]
+    best = None
+    for matmul, memory, link in itertools.product([x / 100 for x in range(40, 101, 1)],
+                                                  [x / 100 for x in range(40, 101, 10)], [0.5, 0.75, 1.0, 1.5, 2.0]):
+        cal = dataclasses.replace(predict.TPU_CALIBRATION, matmul=matmul, memory=memory, link=link)
+        errs = [abs(e[3]) for e in errors_of(calibration, cal)]
+        key = (round(max(errs), 3), statistics.median(errs))
+        if best is None or key < best[0]:
+            best = (key, cal)
+    return best[1]
+
+
+def table(results) -> str:
+    lines = ["| row | chips | published TFLOP/s/chip | measured s | predicted s | error | exposed collectives s "
+             "| set | source |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row, measured, predicted, err, p in results:
+        kind = "calibration" if row["row"] in CALIBRATION_ROWS else "held out"
+        chip = f"{row['slices']}x {row['compile_topology']}" if row["slices"] > 1 else row["compile_topology"]
+        lines.append(f"| {row['row']} | {chip} ({row['num_chips']}) | {row['published_tflops_per_chip']} "
+                     f"| {measured:.3f} | {predicted:.3f} | {err:+.0%} | {p['parts']['collectives_exposed']:.3f} "
+                     f"| {kind} | maxtext/{row['published_source']} |")
+    held = [abs(r[3]) for r in results if r[0]["row"] not in CALIBRATION_ROWS]
+    if held:
+        lines.append(f"\nheld out: {len(held)} rows, median absolute error {statistics.median(held):.0%}, "
+                     f"worst {max(held):.0%}, {sum(e <= 0.30 for e in held)} within 30%")
+    return "\n".join(lines)
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("directory", help="scripts/maxtext_rows.py's output directory")
+    parser.add_argument("--fit", action="store_true", help="refit the TPU calibration on CALIBRATION_ROWS")
+    parser.add_argument("--rows", default="", help="only rows whose name contains this text")
+    args = parser.parse_args(argv)
+    rows = load_rows(args.directory, args.rows)
+    cal = None
+    if args.fit:
+        cal = fit(rows)
+        print(f"fitted: matmul {cal.matmul}, memory {cal.memory}, link {cal.link}")
+    print(table(errors_of(rows, cal)))
+
+
+if __name__ == "__main__":
+    run_cli("predict_maxtext", main)
