@@ -50,6 +50,8 @@ run olmo3 "$PYTHON" end_to_end/cpu/olmo3.py
 run llama4 "$PYTHON" end_to_end/cpu/llama4.py
 # GLM-4.5's layers (partial RoPE, qk-norm, biases, dense-first, sigmoid-routed and shared experts, MTP) train.
 run glm4_moe "$PYTHON" end_to_end/cpu/glm4_moe.py
+# Qwen3.5's hybrid (gated delta-net layers, gated full attention, routed and gated shared experts) trains.
+run qwen3_5 "$PYTHON" end_to_end/cpu/qwen3_5.py
 # Post-training: SFT, LoRA and DPO on generated instructions, export checked against transformers.
 run post_training "$PYTHON" end_to_end/cpu/post_training.py
 

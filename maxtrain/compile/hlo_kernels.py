@@ -100,9 +100,13 @@ class Program:
             window = re.search(r"window=\{size=([\dx]+)", attrs)
             sizes = [int(x) for x in window.group(1).split("x")] if window else []
             spatial = [lhs_dims[lhs_labels.index(str(i))] for i in range(len(sizes)) if str(i) in lhs_labels]
+            # an input dilated by d (lhs_dilate: d - 1 holes between rows, ragged_dot's weight gradient on TPU)
+            # has only ceil(w / d) of its rows under a window of w
+            dilate = re.search(r"lhs_dilate=([\dx]+)", attrs)
+            dilations = [int(x) for x in dilate.group(1).split("x")] if dilate else [1] * len(sizes)
             groups = re.search(r"feature_group_count=(\d+)", attrs)
-            size = lhs_dims[lhs_labels.index("f")] * math.prod(min(w, n) for w, n in zip(sizes, spatial)) // int(
-                groups.group(1) if groups else 1)
+            size = lhs_dims[lhs_labels.index("f")] * math.prod(
+                min(-(-w // d), n) for w, d, n in zip(sizes, dilations, spatial)) // int(groups.group(1) if groups else 1)
             return 2.0 * math.prod(out[0][1]) * size, lhs[0][0].startswith("f8")
         dims = dict(_DIMS.findall(attrs))
         contracting = [int(x) for x in dims.get("lhs_contracting_dims", "").split(",") if x]
