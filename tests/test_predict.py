@@ -269,3 +269,25 @@ ENTRY %main (a: (u32[], f32[8])) -> (u32[], f32[8]) {
     (reduce,) = predict.program_costs(hlo).collectives
     assert reduce.count == 4
     assert predict.program_costs(hlo.replace("constant(2)", "constant(1)")).collectives[0].count == 8
+
+
+def test_a_dilated_convolution_counts_only_the_rows_under_its_window():
+    """ragged_dot's weight gradient on TPU: per expert g, the tokens' activations [G, T, D] against the output
+    gradients [G, T, F], as a convolution over a base-dilated group axis (window 4, lhs_dilate 4): one real row
+    of the 4 under each window position, so 2 x G x D x F x T FLOPs, not 4 times that."""
+    hlo = """HloModule r, is_scheduled=true
+
+%conv (a: bf16[4,64,32], b: bf16[4,64,16]) -> bf16[4,32,16] {
+  %a = bf16[4,64,32]{2,1,0} parameter(0)
+  %b = bf16[4,64,16]{2,1,0} parameter(1)
+  ROOT %c = bf16[4,32,16]{2,1,0} convolution(%a, %b), window={size=4 stride=3 lhs_dilate=4}, dim_labels=0fb_0io->0bf
+}
+
+ENTRY %main (a: bf16[4,64,32], b: bf16[4,64,16]) -> bf16[4,32,16] {
+  %a = bf16[4,64,32]{2,1,0} parameter(0)
+  %b = bf16[4,64,16]{2,1,0} parameter(1)
+  ROOT %f = bf16[4,32,16]{2,1,0} fusion(%a, %b), kind=kOutput, calls=%conv
+}
+"""
+    (kernel,) = predict.program_costs(hlo).kernels
+    assert kernel.flops == 2 * 4 * 32 * 16 * 64
