@@ -30,6 +30,10 @@ import subprocess
 import sys
 import time
 
+# maxtrain's error handling only (maxtrain/errors.py needs the standard library alone): this runs in MaxText's venv
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from maxtrain.errors import ToolError, run_cli  # noqa: E402  pylint: disable=wrong-import-position
+
 # (row, chip, MaxText script, compile_topology, slices, published TFLOP/s/chip, source of the figure)
 V5P, V5E = "configs/tpu/v5p/README.md", "configs/tpu/v5e/README.md"
 ROWS = [
@@ -68,7 +72,7 @@ def script_settings(maxtext_dir: str, script: str) -> tuple[list[str], str]:
     command = re.search(r"python3 -m maxtext\.trainers\.pre_train\.\S+\s+\S*base\.yml\s*\\?\n(.*?)(?:\n\s*\n|\Z)",
                         text, re.S)
     if not command:
-        raise SystemExit(f"maxtext_rows: no train command found in {script}")
+        raise ToolError(f"no train command found in {script}")
     flags = []
     for token in shlex.split(command.group(1).replace("\\\n", " ")):
         key, _, value = token.partition("=")
@@ -145,8 +149,12 @@ def main(argv: list[str]) -> None:
     names = [n for n in args.rows.split(",") if n] or list(by_name)
     unknown = [n for n in names if n not in by_name]
     if unknown:
-        raise SystemExit(f"maxtext_rows: unknown rows {unknown}; choose from {', '.join(by_name)}")
-    import maxtext  # deferred: the parent only needs MaxText's directory, to read the scripts
+        raise ToolError(f"unknown rows {unknown}; choose from {', '.join(by_name)}")
+    try:
+        import maxtext  # deferred: the parent only needs MaxText's directory, to read the scripts
+    except ImportError as e:
+        raise ToolError("MaxText is not installed in this Python; run this script with a Python 3.12 virtualenv "
+                        "holding it: pip install 'maxtext[tpu]==0.2.5' (the module docstring)") from e
     maxtext_dir = os.path.dirname(maxtext.__file__)
     for name in names:
         if os.path.exists(os.path.join(args.out, name, "row.json")):
@@ -163,4 +171,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_cli("maxtext_rows", main)
