@@ -25,7 +25,6 @@ ATTENTION_KERNELS = (("flash_attention_fwd", "flash", 2), ("flash_attention_dq",
                      ("flash_attention_dkv", "flash", 4), ("flash_attention", "flash", 5),
                      ("splash_mha", "splash", 0), ("SoftmaxBackward", "cudnn", 5), ("fmhaSoftmax", "cudnn", 2),
                      ("fmha", "cudnn", 2))
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _DIMS = re.compile(r"(lhs_contracting_dims|lhs_batch_dims)=\{([\d,]*)\}")
 CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
@@ -75,7 +74,7 @@ class Program:
         for comp, lines in raw.items():
             rows = []
             for line in lines:
-                m = _INSTRUCTION.match(line)
+                m = hlo_stats.INSTRUCTION.match(line)
                 if m:
                     name, rtype, opcode, rest = m.groups()
                     operands, attrs = _split_operands(rest)

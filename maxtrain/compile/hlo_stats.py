@@ -30,7 +30,7 @@ DTYPE_BYTES = {"pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "f8e4m3fn": 1,
                "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 
 _COMPUTATION = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?\s*->.*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
+INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s+([\w\-]+)\((.*)$")
 _ARRAY = re.compile(r"\b(" + "|".join(sorted(DTYPE_BYTES, key=len, reverse=True)) + r")\[([\d,]*)\]")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"\}')
 _CALLEE = re.compile(r"\b(body|calls|to_apply|condition|true_computation|false_computation)=%?([\w.\-]+)")
@@ -138,7 +138,7 @@ def trip_count(while_rest: str, computations: dict[str, list[str]]) -> int | Non
 def _step(body: list[str], index: int) -> int:
     """How much a loop body adds to its counter (tuple element `index`): k of `counter + k`, else 1 (a TPU
     windowed einsum's loop, which does two shards an iteration, counts in steps of 2)."""
-    defs = {m.group(1): line for line in body for m in [_INSTRUCTION.match(line)] if m}
+    defs = {m.group(1): line for line in body for m in [INSTRUCTION.match(line)] if m}
     root = [line for line in body if line.lstrip().startswith("ROOT") and " tuple(" in line]
     if len(root) != 1:
         return 1
@@ -203,7 +203,7 @@ def collectives(hlo_text: str) -> ProgramStats:
         lines = computations[name]
         repeats_a_start = any(_ASYNC_DONE in line for line in lines)
         for line in lines:
-            match = _INSTRUCTION.match(line)
+            match = INSTRUCTION.match(line)
             if not match:
                 continue
             inst, result_type, opcode, rest = match.groups()
