@@ -342,8 +342,10 @@ def test_gemma4_train_step_compiles_for_8_h100s(h100s):
 # CPU, but it is plain jnp and must compile, forward and backward, for the accelerators too.
 
 
-def _compile_causal_chunks(devices, platform, data):
-    """Compiles d(sum(causal_chunks(q, k, v)))/d(q, k, v) (8 chunks, a 300-token window) for `platform`."""
+def _compile_causal_chunks(devices, platform, data, long: bool = False):
+    """Compiles d(sum(causal_chunks(q, k, v)))/d(q, k, v) (8 chunks, a 300-token window) for `platform`; long:
+    the long-sequence mode (each chunk a scan of checkpointed 64-query sub-chunks)."""
+    modes = {"long_from": 512, "long_chunk": 64} if long else {}
     mesh = sharding.mesh_of(devices, data=data, tensor=len(devices) // data)
 
     def arg(shape, axes, dt=jnp.bfloat16):
@@ -351,7 +353,7 @@ def _compile_causal_chunks(devices, platform, data):
 
     def grads(q, k, v, seg):
         def loss(q, k, v):
-            return jnp.sum(attention.causal_chunks(q, k, v, seg, sliding_window=300).astype(jnp.float32))
+            return jnp.sum(attention.causal_chunks(q, k, v, seg, sliding_window=300, **modes).astype(jnp.float32))
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
     q, kv, seg = arg((4, 1024, 8, 128), Q_AXES), arg((4, 1024, 4, 128), KV_AXES), arg((4, 1024), SEG_AXES, jnp.int32)
@@ -361,13 +363,16 @@ def _compile_causal_chunks(devices, platform, data):
 
 
 @needs_gpu_compiler
-def test_cpu_attention_formulation_compiles_for_h100(h100s):
-    assert _compile_causal_chunks(h100s, "cuda", data=2).memory_analysis() is not None
+@pytest.mark.parametrize("long", [False, True], ids=["chunks", "long"])
+def test_cpu_attention_formulation_compiles_for_h100(h100s, long):
+    assert _compile_causal_chunks(h100s, "cuda", data=2, long=long).memory_analysis() is not None
 
 
 @needs_tpu_compiler
-def test_cpu_attention_formulation_compiles_for_tpu():
-    assert _compile_causal_chunks(targets.parse("v5e-4").devices(), "tpu", data=2).memory_analysis() is not None
+@pytest.mark.parametrize("long", [False, True], ids=["chunks", "long"])
+def test_cpu_attention_formulation_compiles_for_tpu(long):
+    devices = targets.parse("v5e-4").devices()
+    assert _compile_causal_chunks(devices, "tpu", data=2, long=long).memory_analysis() is not None
 
 
 # ----------------------------------------------------------------------------------------------
