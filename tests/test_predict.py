@@ -291,3 +291,8 @@ ENTRY %main (a: bf16[4,64,32], b: bf16[4,64,16]) -> bf16[4,32,16] {
 """
     (kernel,) = predict.program_costs(hlo).kernels
     assert kernel.flops == 2 * 4 * 32 * 16 * 64
+
+
+def test_the_held_out_summary_counts_absolute_errors():
+    assert predict.held_out_summary([0.1, -0.5, 0.02]) == ("held out: 3 rows, median absolute error 10%, worst 50%, "
+                                                          "2 within 30%")

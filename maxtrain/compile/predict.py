@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 import re
 
 import numpy as np
@@ -327,6 +328,14 @@ def predict(costs: ProgramCosts, chip: chips_lib.Chip, *, model_flops_per_step: 
         "kernels": sum(k.count for k in costs.kernels), "unknown_trip_counts": costs.unknown_trip_counts,
         "calibration": cal.source,
     }
+
+
+def held_out_summary(errors: list[float]) -> str:
+    """The check scripts' last line: how many held-out rows, their median and worst absolute error, and how many
+    are within 30% (the goal of docs/scale.md); errors are (predicted - measured) / measured."""
+    held = [abs(e) for e in errors]
+    return (f"held out: {len(held)} rows, median absolute error {statistics.median(held):.0%}, worst {max(held):.0%}, "
+            f"{sum(e <= 0.30 for e in held)} within 30%")
 
 
 def compiler_estimate(compiled) -> dict | None:

@@ -162,12 +162,9 @@ def causal_chunks(q, k, v, segment_ids, *, sliding_window: int = 0, scale: float
     8,192 tokens the two together took the default model's step from 48 to 11.5 s and its compiled
     memory from 4.5 to 2.2 GiB.
 
-    Long sequences (T > long_from): each of the max_chunks chunks runs as a lax.scan over
-    sub-chunks of long_chunk queries (all against the chunk's keys), its body under jax.checkpoint, so the
-    backward recomputes one sub-chunk's scores and probabilities at a time instead of keeping every chunk's
-    (about T^2 / 2 values a head: 31 GB at 32k tokens for the default model's 4 heads in float32): memory
-    O(long_chunk x T) a head, for one more q.k matmul and softmax. Exact: the same values and gradients
-    (tests/test_attention_cpu.py).
+    Past long_from tokens each chunk is a lax.scan of checkpointed sub-chunks of long_chunk queries, so the
+    backward recomputes one sub-chunk's scores at a time instead of keeping all (31 GB at 32k tokens for the
+    default model): memory O(long_chunk x T) a head, for one more q.k and softmax; exact.
     """
     t = q.shape[1]
     if t > long_from:
@@ -187,9 +184,8 @@ def causal_chunks(q, k, v, segment_ids, *, sliding_window: int = 0, scale: float
 
 def _long_causal_chunks(q, k, v, segment_ids, *, sliding_window, scale, logits_soft_cap, chunks: int, sub: int,
                         sinks):
-    """causal_chunks for long sequences (its docstring): `chunks` chunks whose bounds are multiples of `sub`
-    (the queries padded at the end to a multiple of it; the padding's rows are dropped), each a scan of
-    checkpointed sub-chunks against the keys [first, end) the chunk's queries can see."""
+    """causal_chunks past long_from: chunk bounds at multiples of `sub` (the queries padded to one; padded rows
+    see nothing and are dropped), each chunk a scan of checkpointed sub-chunks against the keys it can see."""
     b, t = q.shape[:2]
     m = -(-t // sub)  # sub-chunks in all
     pad = m * sub - t
@@ -208,14 +204,12 @@ def _long_causal_chunks(q, k, v, segment_ids, *, sliding_window, scale, logits_s
         seg_subs = seg_pad[:, start:end].reshape(b, n_sub, sub).swapaxes(0, 1)
         offsets = start - first + sub * jnp.arange(n_sub)
 
-        @jax.checkpoint
-        def one(k_c, v_c, kv_seg, sinks, q_sub, seg_sub, offset):
+        @jax.checkpoint  # traced here, in this iteration: the closure's k_c, v_c and kv_seg are this chunk's
+        def body(carry, xs):
+            q_sub, seg_sub, offset = xs
             mask = make_attention_mask(seg_sub, kv_seg, q_offset=offset, sliding_window=sliding_window)
-            return dot_product_attention(q_sub, k_c, v_c, mask, scale=scale, logits_soft_cap=logits_soft_cap,
-                                         heads_major=True, sinks=sinks)
-
-        def body(carry, xs, k_c=k_c, v_c=v_c, kv_seg=kv_seg, one=one):
-            return carry, one(k_c, v_c, kv_seg, sinks, *xs)
+            return carry, dot_product_attention(q_sub, k_c, v_c, mask, scale=scale,
+                                                logits_soft_cap=logits_soft_cap, heads_major=True, sinks=sinks)
 
         _, out = jax.lax.scan(body, None, (q_subs, seg_subs, offsets))  # [n_sub, B, sub, N, Hv]
         outs.append(out.swapaxes(0, 1).reshape(b, end - start, *out.shape[3:]))
