@@ -55,6 +55,20 @@ ROWS = [
     ("v5e-128b-2x", "v5e", "configs/tpu/v5e/128b.sh", "v5e-256", 2, 110, V5E),
     ("v5p-128b-2x", "v5p", "configs/tpu/v5p/128b.sh", "v5p-256", 2, 305, V5P),
     ("v5e-16b-4x", "v5e", "configs/tpu/v5e/16b.sh", "v5e-256", 4, 117, V5E),
+    # Rows added on 2026-11-28 after TPU_CALIBRATION's memory and link were fixed (commit "predict: TPU memory and
+    # link fixed"): compiled after that change, so they are the rows that change was never seen against.
+    ("v5p-1024b", "v5p", "configs/tpu/v5p/1024b.sh", "v5p-2048", 1, 254, V5P),
+    ("v5p-1024b-4096", "v5p", "configs/tpu/v5p/1024b.sh", "v5p-4096", 1, 297, V5P),
+    ("v5p-128b-512-2x", "v5p", "configs/tpu/v5p/128b.sh", "v5p-512", 2, 274, V5P),
+    ("v5p-256b-2x", "v5p", "configs/tpu/v5p/256b.sh", "v5p-1024", 2, 289, V5P),
+    ("v5p-512b-2x", "v5p", "configs/tpu/v5p/512b.sh", "v5p-1024", 2, 282, V5P),
+    ("v5e-32b-4x", "v5e", "configs/tpu/v5e/32b.sh", "v5e-256", 4, 126, V5E),
+    ("v5e-64b-4x", "v5e", "configs/tpu/v5e/64b.sh", "v5e-256", 4, 110, V5E),
+    ("v5e-128b-4x", "v5e", "configs/tpu/v5e/128b.sh", "v5e-256", 4, 108, V5E),
+    ("v5e-16b-8x", "v5e", "configs/tpu/v5e/16b.sh", "v5e-256", 8, 115, V5E),
+    ("v5e-32b-8x", "v5e", "configs/tpu/v5e/32b.sh", "v5e-256", 8, 125, V5E),
+    ("v5e-64b-8x", "v5e", "configs/tpu/v5e/64b.sh", "v5e-256", 8, 108, V5E),
+    ("v5e-128b-8x", "v5e", "configs/tpu/v5e/128b.sh", "v5e-256", 8, 104, V5E),
 ]
 # libtpu 0.0.52 refuses all-gather continuation fusion on v5p ("not supported/recommended on platforms other than
 # TPU v5e"): the v5p scripts other than 32b.sh (which already ends with it) get this appended, as 32b.sh does.

@@ -68,10 +68,11 @@ class Calibration:
 CALIBRATION = Calibration(source="matmul, memory and launch fitted on 3 H100 rows of docs/gpu.md (llama3.2-1b b8 "
                                  "remat full, the default model, deepseek-shaped b4 capacity; scripts/predict_check.py "
                                  "--fit), attention from its kernel speed rows; collectives not yet checked")
-TPU_CALIBRATION = Calibration(matmul=0.95, memory=0.5, link=2.0, source=(
-    "matmul, memory and link fitted on 2 of MaxText's published TPU rows (v5p-32b on v5p-128, v5e-16b on v5e-256; "
-    "scripts/predict_maxtext.py --fit; link 2.0, the grid's top: a collective uses more than the record's one "
-    "direction, and two rows do not pin link and memory apart); splash attention and the network not yet checked"))
+TPU_CALIBRATION = Calibration(matmul=0.86, memory=1.0, link=2.0, source=(
+    "matmul fitted on 2 of MaxText's published TPU rows (v5p-32b on v5p-128, v5e-16b on v5e-256; "
+    "scripts/predict_maxtext.py --fit); memory and link fixed, not fitted (two rows cannot tell them apart): memory "
+    "1.0 of HBM, the roofline, as on GPUs; link 2.0 of the record's one-direction ICI figure, the chip's published "
+    "total; splash attention and the network not yet checked"))
 CALIBRATIONS = {"gpu": CALIBRATION, "tpu": TPU_CALIBRATION}
 
 
