@@ -113,16 +113,33 @@ def report(run, compiled, target: topologies.Target, seconds: float) -> dict:
 def prediction_figures(run, compiled, target: topologies.Target) -> dict:
     """The predicted step time and cost (compile/predict.py) and the compiler's own estimate, for report().
     A target without a chip record (this machine's CPU) gets none; a record missing a figure is a one-line error."""
+    inputs = prediction_inputs(run, target)
+    prediction = predict_from_hlo(compiled.as_text(), inputs) if inputs else None
+    return {"prediction": prediction, "compiler_estimate": predict.compiler_estimate(compiled)}
+
+
+def prediction_inputs(run, target: topologies.Target) -> dict | None:
+    """What the prediction reads besides the compiled program, as plain values (scripts/plan.py keeps them with the
+    program's HLO, so that a new calibration re-predicts without compiling); None without a chip record."""
     config = run.config
     chip = chips.by_device_kind(target.chip) if target.platform == "cpu" else topologies.chip_record(target)
     if chip is None:
-        return {"prediction": None, "compiler_estimate": predict.compiler_estimate(compiled)}
+        return None
     devices = list(run.mesh.devices.flat)
-    costs = predict.program_costs(compiled.as_text(), devices=devices, mesh_shape=dict(run.mesh.shape))
-    prediction = predict.predict(
-        costs, chip, model_flops_per_step=metrics.flops_per_token(config) * config.tokens_per_step / len(devices),
-        tokens_per_step=config.tokens_per_step, num_chips=len(devices), steps=config.steps)
-    return {"prediction": prediction, "compiler_estimate": predict.compiler_estimate(compiled)}
+    return {"chip": chip.name, "mesh_shape": dict(run.mesh.shape),
+            "devices": [{"platform": d.platform, "slice_index": int(getattr(d, "slice_index", 0) or 0),
+                         "process_index": int(d.process_index)} for d in devices],
+            "model_flops_per_step": metrics.flops_per_token(config) * config.tokens_per_step / len(devices),
+            "tokens_per_step": config.tokens_per_step, "num_chips": len(devices), "steps": config.steps}
+
+
+def predict_from_hlo(hlo_text: str, inputs: dict) -> dict:
+    """The prediction of a compiled program's HLO text with prediction_inputs' figures."""
+    devices = [predict.DeviceRecord(**d) for d in inputs["devices"]]
+    costs = predict.program_costs(hlo_text, devices=devices, mesh_shape=inputs["mesh_shape"])
+    return predict.predict(costs, chips.by_name(inputs["chip"]), model_flops_per_step=inputs["model_flops_per_step"],
+                           tokens_per_step=inputs["tokens_per_step"], num_chips=inputs["num_chips"],
+                           steps=inputs["steps"])
 
 
 # libtpu releases before this one count more temporaries than the program's heap holds: the chip's

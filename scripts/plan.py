@@ -10,15 +10,19 @@ tensor (--tensor) and expert (--expert, MoE models only) splits that divide the 
 rest; the per-device batch (--batch); the remat policy (--remat); the attention implementation (--attention). It
 prints the cells that fit the chip's memory, fastest first by the predicted tokens/s (compile/predict.py; how far
 to trust it: docs/scale.md), with the command to train the best, and the cells that did not fit or compile. The
-grid is small by default (compiles for a pod take 15-110 s each on a CPU): widen it with the flags.
+grid is small by default (compiles for a pod take 15-110 s each on a CPU): widen it with the flags. `--cache DIR`
+keeps each cell's compiled program (its HLO text and memory), so a second run with the same cells, after a change to
+the prediction or its calibration, re-predicts them without compiling.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import itertools
 import json
 import math
+import os
 import sys
 import time
 
@@ -57,10 +61,19 @@ def grid(config, target: targets.Target, args) -> list[dict]:
     return cells
 
 
-def compile_cell(argv: list[str], cell: dict, target: targets.Target) -> dict:
-    """One train_compile of the config with the cell's settings: its report, or why it failed."""
+def compile_cell(argv: list[str], cell: dict, target: targets.Target, cache: str | None = None) -> dict:
+    """One train_compile of the config with the cell's settings: its report, or why it failed. With `cache`, a cell
+    compiled before (same settings, target, jax and libtpu) is re-predicted from its kept HLO instead."""
     overrides = [f"{k}={v}" for k, v in cell.items()]
     row = {"cell": cell, "overrides": overrides}
+    path = os.path.join(cache, cell_key(argv, overrides, target)) if cache else None
+    if path and os.path.exists(path + ".json"):
+        with open(path + ".json") as f:
+            kept = json.load(f)
+        if "inputs" in kept:
+            with open(path + ".hlo") as f:
+                kept["prediction"] = train_compile.predict_from_hlo(f.read(), kept.pop("inputs"))
+        return {**kept, "cached": True}
     try:
         config = builder.load_config(config_lib.with_overrides(argv, *overrides), log=lambda *a: None)
         run, _, compiled, seconds = train_compile.compile_for_target(config, target)
@@ -70,12 +83,35 @@ def compile_cell(argv: list[str], cell: dict, target: targets.Target) -> dict:
         refused = train_compile.out_of_memory(e)
         if refused is None:
             return {**row, "error": str(e).splitlines()[0][:200]}
-        return {**row, "fits": False, "memory_gib": refused[0], "chip_gib": refused[1]}
+        return keep(path, {**row, "fits": False, "memory_gib": refused[0], "chip_gib": refused[1]})
     rep = train_compile.report(run, compiled, target, seconds)
+    inputs, hlo = train_compile.prediction_inputs(run, target), compiled.as_text()
     jax.clear_caches()
-    return {**row, "fits": train_compile.fits(rep), "memory_gib": rep["memory"]["total"] / GIB,
-            "chip_gib": (rep["memory"]["chip"] or 0) / GIB, "prediction": rep["prediction"],
-            "compile_seconds": seconds}
+    return keep(path, {**row, "fits": train_compile.fits(rep), "memory_gib": rep["memory"]["total"] / GIB,
+                       "chip_gib": (rep["memory"]["chip"] or 0) / GIB, "prediction": rep["prediction"],
+                       "compile_seconds": seconds}, inputs, hlo)
+
+
+def cell_key(argv: list[str], overrides: list[str], target: targets.Target) -> str:
+    """The cache's name for a cell: its settings, the target and the compiler that compiled it."""
+    compiler = [jax.__version__, train_compile.libtpu_version() if target.platform == "tpu" else None]
+    return hashlib.sha256(json.dumps([argv, overrides, target.describe(), compiler]).encode()).hexdigest()[:20]
+
+
+def keep(path: str | None, row: dict, inputs: dict | None = None, hlo: str | None = None) -> dict:
+    """Write a compiled cell to the cache (its figures; its HLO and the prediction's inputs when it has them)."""
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        kept = {k: v for k, v in row.items() if k != "prediction"}
+        if inputs and hlo and row.get("prediction"):
+            with open(path + ".hlo", "w") as f:
+                f.write(hlo)
+            kept["inputs"] = inputs
+        else:
+            kept["prediction"] = row.get("prediction")
+        with open(path + ".json", "w") as f:
+            json.dump(kept, f, default=str)
+    return row
 
 
 def format_rows(rows: list[dict]) -> list[str]:
@@ -97,9 +133,16 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--remat", default="full,minimal", help="remat_policy choices (default full,minimal)")
     parser.add_argument("--attention", default="autoselected", help="attention choices (default autoselected)")
     parser.add_argument("--json", help="also write every cell's figures here")
+    parser.add_argument("--cache", help="a directory keeping each compiled cell, to re-predict without compiling")
     args = parser.parse_args(argv)
     if args.json:
         storage.check_output(args.json, True, f"--json {args.json}")
+    if args.cache:
+        try:
+            os.makedirs(args.cache, exist_ok=True)
+        except OSError as e:
+            raise ToolError(f"--cache {args.cache}: cannot make that directory ({e.strerror}); name a directory "
+                            "this user can write") from e
     config = builder.load_config(args.settings, log=lambda *a: None)
     if not config.compile_topology:
         raise ToolError("plan.py needs a target: add compile_topology=v5p-128 (or h100-64, ...) to the settings")
@@ -113,12 +156,13 @@ def main(argv: list[str]) -> None:
     rows = []
     for cell in cells:
         t = time.time()
-        row = compile_cell(args.settings, cell, target)
+        row = compile_cell(args.settings, cell, target, args.cache)
         rows.append(row)
         verdict = row.get("error") or (
             f"{row['prediction']['tokens_per_second_per_chip']:,.0f} tokens/s per chip, {row['memory_gib']:.1f} GiB"
             if row.get("fits") else f"does not fit: {row['memory_gib']:.1f} GiB of {row['chip_gib']:.1f}")
-        print(f"  {' '.join(row['overrides'])}: {verdict} ({time.time() - t:.0f} s)", flush=True)
+        took = "from the cache" if row.get("cached") else f"{time.time() - t:.0f} s"
+        print(f"  {' '.join(row['overrides'])}: {verdict} ({took})", flush=True)
     if args.json:
         storage.write_text(args.json, json.dumps(rows, indent=1, default=str))
     fitting = sorted((r for r in rows if r.get("fits") and r.get("prediction")),
