@@ -329,7 +329,7 @@ def _dropless(x, weights, experts, experts_w, s: Settings, axes: Axes, down_bias
     ys = moe_experts.experts(functools.partial(moe_experts.swiglu_grouped, group_sizes=group_sizes,
                                            row_experts=row_experts, s=s), xs, experts_w, axes)
     if down_bias is not None:
-        ys = ys + jnp.take(down_bias, row_experts, axis=0)
+        ys = ys + moe_experts.expert_rows(down_bias, row_experts)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     y = jnp.take(ys, inverse, axis=0).reshape(x.shape[0], k, -1)
     y = jnp.where(ours[..., None], y, 0.0)
