@@ -271,6 +271,33 @@ ENTRY %main (a: (u32[], f32[8])) -> (u32[], f32[8]) {
     assert predict.program_costs(hlo.replace("constant(2)", "constant(1)")).collectives[0].count == 8
 
 
+def test_gpu_async_collectives_as_jax_0_12_prints_them_count_each_buffer_once():
+    """MaxText's H100 step (jax 0.12): an all-reduce-start's result is ((operands), outputs) and a combined
+    reduce-scatter-start's ((inputs), (outputs)), both over mesh-spelled replica groups; a gradient all-reduce over
+    the 'data' axis crosses hosts (2 hosts of 4 here) and a reduce-scatter over 'fsdp' stays in one."""
+    hlo = """HloModule g, is_scheduled=true
+
+ENTRY %main (x: bf16[1024], a: bf16[64,32], b: f32[16]) -> (bf16[1024], bf16[16,32], f32[4]) {
+  %x = bf16[1024]{0} parameter(0)
+  %a = bf16[64,32]{1,0} parameter(1)
+  %b = f32[16]{0} parameter(2)
+  %ars = ((bf16[1024]{0}), bf16[1024]{0}) all-reduce-start(%x), channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_0'}, use_global_device_ids=true, to_apply=%add
+  %rss = ((bf16[64,32]{1,0}, f32[16]{0}), (bf16[16,32]{1,0}, f32[4]{0})) reduce-scatter-start(%a, %b), channel_id=2, replica_groups=mesh['axis_0'=2,'axis_1'=4] {'axis_1'}, dimensions={0}, to_apply=%add
+  %ard = bf16[1024]{0} all-reduce-done(%ars)
+  %rsd = (bf16[16,32]{1,0}, f32[4]{0}) reduce-scatter-done(%rss)
+  %rs0 = bf16[16,32]{1,0} get-tuple-element(%rsd), index=0
+  %rs1 = f32[4]{0} get-tuple-element(%rsd), index=1
+  ROOT %t = (bf16[1024]{0}, bf16[16,32]{1,0}, f32[4]{0}) tuple(%ard, %rs0, %rs1)
+}
+"""
+    devices = [predict.DeviceRecord("gpu", process_index=i // 4) for i in range(8)]
+    reduce, scatter = predict.program_costs(hlo, devices=devices, mesh_shape={"data": 2, "fsdp": 4}).collectives
+    assert reduce.kind == "all-reduce" and reduce.bytes == 1024 * 2 and reduce.group == 2
+    assert reduce.axes == ("data",) and reduce.leaves_domain and reduce.asynchronous
+    assert scatter.kind == "reduce-scatter" and scatter.bytes == 64 * 32 * 2 + 16 * 4 and scatter.group == 4
+    assert scatter.axes == ("fsdp",) and not scatter.leaves_domain
+
+
 def test_a_dilated_convolution_counts_only_the_rows_under_its_window():
     """ragged_dot's weight gradient on TPU: per expert g, the tokens' activations [G, T, D] against the output
     gradients [G, T, F], as a convolution over a base-dilated group axis (window 4, lhs_dilate 4): one real row

@@ -175,12 +175,43 @@ def group_size(rest: str) -> int | None:
     return None
 
 
+def _tuple_elements(result_type: str) -> list[str]:
+    """The top-level elements of a tuple type "(a, (b, c), d)" (a layout's braces, which may hold parentheses
+    such as TPU tiles T(8,128), are skipped); [] for an array type."""
+    text = result_type.strip()
+    if not text.startswith("("):
+        return []
+    elements, depth, braces, start = [], 0, 0, 1
+    for i, ch in enumerate(text):
+        if ch == "{":
+            braces += 1
+        elif ch == "}":
+            braces -= 1
+        elif braces:
+            continue
+        elif ch == "(":
+            depth += 1
+        elif ch == ")":
+            depth -= 1
+            if depth == 0:
+                elements.append(text[start:i].strip())
+                break
+        elif ch == "," and depth == 1:
+            elements.append(text[start:i].strip())
+            start = i + 1
+    return [e for e in elements if e]
+
+
 def _exchanged(kind: str, opcode: str, result_type: str, rest: str) -> list[tuple[str, tuple[int, ...]]]:
     """The arrays one chip exchanges in a collective (see the module docstring). Only the result
     type is read: TPU programs print operands without their shapes."""
     start = opcode.endswith("-start")
+    elements = _tuple_elements(result_type)
+    if start and len(elements) >= 2 and elements[0].startswith("("):  # ((inputs...), outputs[, context])
+        # an all-reduce-start too, as XLA prints it since jax 0.12 ((bf16[n]), bf16[n]): its outputs, not both
+        return _arrays(elements[0] if kind == "reduce-scatter" else elements[1])
     results = [a for a in _arrays(result_type) if a[1] or not start]
-    if start and kind != "all-reduce" and len(results) % 2 == 0:  # ((inputs...), (outputs...)[, context])
+    if start and kind != "all-reduce" and len(results) % 2 == 0:  # (inputs..., outputs...)
         half = len(results) // 2
         return results[:half] if kind == "reduce-scatter" else results[half:]
     if kind == "reduce-scatter":  # each chip gets 1/group of the reduced inputs
