@@ -11,7 +11,16 @@ produced it (`script`, in MaxText's configs/). Its flags and LIBTPU_INIT_ARGS ar
 run-only ones dropped (steps, output paths, metrics uploads, checkpointing), and the row's target given as
 compile_topology (and compile_topology_num_slices for a multi-slice row). Each row compiles in a process of its
 own (libtpu reads LIBTPU_INIT_ARGS once; on v5p with V5P_LIBTPU_FIX) that calls MaxText's train_compile.main,
-keeping the compiled step it builds (the published rows on H100s are not here: see docs/scale.md).
+keeping the compiled step it builds.
+GPU rows (MaxText's A3 rows: Llama 2 7B on 1-16 hosts of 8 H100s, configs/gpu/a3/llama_2_7b/) take the script's model
+config and XLA_FLAGS (less --xla_dump_to) and need the CUDA plugin for MaxText's jax on PYTHONPATH:
+
+    PYTHONPATH=/work/extra-maxtext-cuda /work/venv-maxtext/bin/python scripts/maxtext_rows.py \
+        --out /tmp/maxtext-gpu-rows --rows h100-7b-1x
+
+MaxText's GPU train_compile takes its devices from jax.devices() under mock_num_gpu_processes, which needs a CUDA
+driver; the child gives it the H100 topology's devices instead (gpu_topology_mesh below). Its attention,
+Transformer Engine's cudnn_flash_te, is replaced by JAX's cuDNN attention (GPU_DEVIATION): TE has no jax wheel.
 Written per row into OUT/ROW/: step.hlo (the optimized HLO, `compiled.as_text()`) and row.json: MaxText's TFLOPs per
 device per step (calculate_tflops_training_per_device, what its train loop divides by the step time to report
 TFLOP/s/chip), the global tokens per step, the chip kind, the number of chips, the mesh (axis names and sizes) with
@@ -36,6 +45,7 @@ from maxtrain.errors import ToolError, run_cli  # noqa: E402  pylint: disable=wr
 
 # (row, chip, MaxText script, compile_topology, slices, published TFLOP/s/chip, source of the figure)
 V5P, V5E = "configs/tpu/v5p/README.md", "configs/tpu/v5e/README.md"
+A3 = "configs/gpu/a3/llama_2_7b/README.md"
 ROWS = [
     ("v5p-32b", "v5p", "configs/tpu/v5p/32b.sh", "v5p-128", 1, 328, V5P),
     ("v5p-64b", "v5p", "configs/tpu/v5p/64b.sh", "v5p-128", 1, 323, V5P),
@@ -69,7 +79,19 @@ ROWS = [
     ("v5e-32b-8x", "v5e", "configs/tpu/v5e/32b.sh", "v5e-256", 8, 125, V5E),
     ("v5e-64b-8x", "v5e", "configs/tpu/v5e/64b.sh", "v5e-256", 8, 108, V5E),
     ("v5e-128b-8x", "v5e", "configs/tpu/v5e/128b.sh", "v5e-256", 8, 104, V5E),
+    # MaxText's A3 rows (2026-11-28): compile_topology a3 with one slice per host, as MaxText's GPU train_compile
+    # counts hosts (mock_num_gpu_processes); held out from the GPU calibration, which maxtrain's own steps fixed.
+    ("h100-7b-1x", "h100", "configs/gpu/a3/llama_2_7b/1vm.sh", "a3", 1, 492, A3),
+    ("h100-7b-2x", "h100", "configs/gpu/a3/llama_2_7b/2vm.sh", "a3", 2, 422, A3),
+    ("h100-7b-4x", "h100", "configs/gpu/a3/llama_2_7b/4vm.sh", "a3", 4, 407, A3),
+    ("h100-7b-8x", "h100", "configs/gpu/a3/llama_2_7b/8vm.sh", "a3", 8, 409, A3),
+    ("h100-7b-16x", "h100", "configs/gpu/a3/llama_2_7b/16vm.sh", "a3", 16, 375, A3),
 ]
+GPU_CHIPS = {"h100"}
+# Transformer Engine (cudnn_flash_te, the scripts' attention) publishes no binary wheel for jax (its jax library is a
+# source build against a CUDA toolkit), so the GPU rows compile with JAX's own cuDNN fused attention, the cuDNN
+# flash kernels TE calls too: the one way their program differs from the measured one.
+GPU_DEVIATION = {"attention": "cudnn_flash_jax"}
 # libtpu 0.0.52 refuses all-gather continuation fusion on v5p ("not supported/recommended on platforms other than
 # TPU v5e"): the v5p scripts other than 32b.sh (which already ends with it) get this appended, as 32b.sh does.
 V5P_LIBTPU_FIX = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=false"
@@ -78,22 +100,59 @@ RUN_ONLY = {"steps", "base_output_directory", "run_name", "gcs_metrics", "enable
             "dataset_path", "metrics_file", "profiler", "upload_all_profiler_results", "skip_first_n_steps_for_profiler"}
 
 
-def script_settings(maxtext_dir: str, script: str) -> tuple[list[str], str]:
-    """The key=value flags of the script's train command and its LIBTPU_INIT_ARGS."""
+def script_settings(maxtext_dir: str, script: str) -> tuple[list[str], str, str]:
+    """The key=value flags of the script's train command, its LIBTPU_INIT_ARGS (TPU) or XLA_FLAGS (GPU, less the
+    dump flag naming an output), and its config file (base.yml, or the GPU scripts' model config)."""
     with open(os.path.join(maxtext_dir, script)) as f:
         text = f.read()
     libtpu = re.search(r'export LIBTPU_INIT_ARGS="([^"]*)"', text)
-    command = re.search(r"python3 -m maxtext\.trainers\.pre_train\.\S+\s+\S*base\.yml\s*\\?\n(.*?)(?:\n\s*\n|\Z)",
+    xla = re.search(r'export XLA_FLAGS="([^"]*)"', text)
+    command = re.search(r'python3 -m maxtext\.trainers\.pre_train\.\S+\s+\S*configs\}"/+(\S+?\.yml)\\?\s*(.*?)(?:\n\s*\n|\Z)',
                         text, re.S)
     if not command:
         raise ToolError(f"no train command found in {script}")
+    # the GPU scripts name MaxText's repository layout (configs/models/gpu/X.yml); the wheel has configs/gpu/models
+    config = command.group(1).replace("models/gpu/", "gpu/models/")
+    env = libtpu.group(1) if libtpu else ""
+    if xla:
+        env = " ".join(f for f in xla.group(1).split() if not f.startswith("--xla_dump_to"))
     flags = []
-    for token in shlex.split(command.group(1).replace("\\\n", " ")):
+    for token in shlex.split(command.group(2).replace("\\\n", " ")):
         key, _, value = token.partition("=")
         if key in RUN_ONLY or "$" in value or not _:
             continue
         flags.append(f"{key}={value}")
-    return flags, libtpu.group(1) if libtpu else ""
+    return flags, env, config
+
+
+def gpu_topology_mesh(original, chip: str, hosts: int):
+    """MaxText's get_topology_mesh with the GPU devices taken from the chip's topology rather than jax.devices().
+
+    MaxText's GPU train_compile sets mock_num_gpu_processes to the number of hosts and builds its mesh from
+    jax.devices(), which needs a CUDA driver (cuInit fails without a GPU). This changes where the devices come
+    from, not the program: jax.experimental.topologies gives the same 8-per-host H100 devices (one process per host,
+    as the mock does) from the GPU description maxtrain compiles for (maxtrain/compile/gpu_targets/), and
+    get_topology_mesh runs unchanged on them. On several hosts MaxText splits dcn_* axes over the hosts with
+    create_hybrid_device_mesh, which groups devices by slice_index: XLA gives each real A3 host a slice_index of its
+    own, but the topology's devices tell hosts apart by process_index alone (slice_index 0), so the hybrid mesh is
+    told to group by process (process_is_granule), the same grouping."""
+    import jax  # deferred: the child process's, after the parent set XLA_FLAGS
+    from jax.experimental import mesh_utils, topologies
+
+    from maxtrain.compile.targets import GPUS_PER_HOST, gpu_target_config  # deferred: jax is this process's
+
+    devices = topologies.get_topology_desc(platform="cuda", topology_name=chip, target_config=gpu_target_config(chip),
+                                           topology=f"1x{hosts}x{GPUS_PER_HOST}").devices
+
+    def topology_mesh(config):
+        real, hybrid = jax.devices, mesh_utils.create_hybrid_device_mesh
+        jax.devices = lambda *a, **k: list(devices)
+        mesh_utils.create_hybrid_device_mesh = lambda *a, **k: hybrid(*a, **{**k, "process_is_granule": True})
+        try:
+            return original(config)
+        finally:
+            jax.devices, mesh_utils.create_hybrid_device_mesh = real, hybrid
+    return topology_mesh
 
 
 def compile_one(row: tuple, out: str) -> None:
@@ -105,7 +164,17 @@ def compile_one(row: tuple, out: str) -> None:
 
     name, chip, script, topology, slices, published, source = row
     maxtext_dir = os.path.dirname(maxtext.__file__)
-    flags, _ = script_settings(maxtext_dir, script)
+    flags, _, config_file = script_settings(maxtext_dir, script)
+    deviation = {}
+    if chip in GPU_CHIPS:
+        train_compile.get_topology_mesh = gpu_topology_mesh(train_compile.get_topology_mesh, chip, slices)
+        with open(os.path.join(maxtext_dir, "configs", config_file)) as f:
+            measured = dict(re.findall(r'^(\w+):\s*"?([^"\n#]*)"?', f.read(), re.M))
+        measured.update(f.split("=", 1) for f in flags)
+        deviation = {k: f"compiled with {k}={v}; the measured run used {k}={measured.get(k, '?')}"
+                     for k, v in GPU_DEVIATION.items()}
+        flags = [f for f in flags if f.split("=", 1)[0] not in GPU_DEVIATION]
+        flags += [f"{k}={v}" for k, v in GPU_DEVIATION.items()]
     kept = {}
     original = train_compile.jit_and_compile
 
@@ -116,7 +185,7 @@ def compile_one(row: tuple, out: str) -> None:
         return compiled
 
     train_compile.jit_and_compile = keep
-    argv = ["train_compile", os.path.join(maxtext_dir, "configs", "base.yml"), *flags,
+    argv = ["train_compile", os.path.join(maxtext_dir, "configs", config_file), *flags,
             f"compile_topology={topology}", f"compile_topology_num_slices={slices}", "run_name=maxtext_rows"]
     train_compile.main(argv)
     compiled, mesh, config = kept["compiled"], kept["mesh"], kept["config"]
@@ -134,7 +203,10 @@ def compile_one(row: tuple, out: str) -> None:
     devices = list(mesh.devices.flat)
     record = {
         "row": name, "chip": chip, "script": script, "compile_topology": topology, "slices": slices,
-        "flags": flags, "libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", ""), "published_tflops_per_chip": published, "published_source": source,
+        "flags": flags, "config_file": config_file, "deviation": deviation,
+        **({"xla_flags": os.environ.get("XLA_FLAGS", "")} if chip in GPU_CHIPS else
+           {"libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", "")}),
+        "published_tflops_per_chip": published, "published_source": source,
         "maxtext_tflops_per_device": total, "maxtext_tflops_weights": weights,
         "maxtext_tflops_attention": attention,
         "tokens_per_step": int(config.global_batch_size_to_train_on * config.max_target_length),
@@ -174,11 +246,14 @@ def main(argv: list[str]) -> None:
         if os.path.exists(os.path.join(args.out, name, "row.json")):
             print(f"maxtext_rows: {name}: already in {args.out}", flush=True)
             continue
-        _, libtpu = script_settings(maxtext_dir, by_name[name][2])
-        if by_name[name][1] == "v5p" and not libtpu.rstrip().endswith(V5P_LIBTPU_FIX):
-            libtpu = f"{libtpu} {V5P_LIBTPU_FIX}"
-        # another compile may hold libtpu (no chips are touched): allow a second process to load it
-        env = {**os.environ, "LIBTPU_INIT_ARGS": libtpu, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+        _, settings, _ = script_settings(maxtext_dir, by_name[name][2])
+        if by_name[name][1] in GPU_CHIPS:  # the script's XLA_FLAGS, read by the child's XLA
+            env = {**os.environ, "XLA_FLAGS": settings, "JAX_PLATFORMS": "cpu"}
+        else:
+            if by_name[name][1] == "v5p" and not settings.rstrip().endswith(V5P_LIBTPU_FIX):
+                settings = f"{settings} {V5P_LIBTPU_FIX}"
+            # another compile may hold libtpu (no chips are touched): allow a second process to load it
+            env = {**os.environ, "LIBTPU_INIT_ARGS": settings, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
         t = time.time()
         result = subprocess.run([sys.executable, __file__, "--out", args.out, "--one", name], env=env, check=False)
         print(f"maxtext_rows: {name}: exit {result.returncode} after {time.time() - t:.0f} s", flush=True)
