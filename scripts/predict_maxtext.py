@@ -3,6 +3,9 @@
     /work/venv-maxtext/bin/python scripts/maxtext_rows.py --out /tmp/maxtext-rows    # MaxText's own compiles
     python scripts/predict_maxtext.py /tmp/maxtext-rows                              # the table for docs/scale.md
     python scripts/predict_maxtext.py /tmp/maxtext-rows --fit                        # refit on CALIBRATION_ROWS
+    PYTHONPATH=/work/extra-maxtext-cuda /work/venv-maxtext/bin/python scripts/maxtext_rows.py \
+        --out /tmp/maxtext-gpu-rows --rows h100-7b-1x,h100-7b-2x,h100-7b-4x,h100-7b-8x,h100-7b-16x
+    python scripts/predict_maxtext.py /tmp/maxtext-gpu-rows --parts                  # H100 rows, with their parts
 
 Each row is one figure MaxText publishes for its performance configs (TFLOP/s per chip: its configs/tpu/*/README.md),
 whose script scripts/maxtext_rows.py compiled ahead of time with MaxText 0.2.5's own train_compile for the
@@ -13,8 +16,9 @@ chip. The prediction reads the row's optimized HLO (its kernels, and its collect
 over the row's mesh and slices) against the chip's record (config/chips.py). Rows in CALIBRATION_ROWS are the ones
 predict.TPU_CALIBRATION was fitted on; the others are held out. Of those, SEEN_ROWS were predicted, and their errors
 read, before TPU_CALIBRATION's memory and link were fixed (2026-11-28); the rest were compiled after that change
-and are the rows it was never seen against: the table's last lines summarize both. The error is
-(predicted - measured) / measured.
+and are the rows it was never seen against: the table's last lines summarize both. The GPU rows (MaxText's A3
+Llama 2 7B, configs/gpu/a3/llama_2_7b/README.md) are predicted with the GPU calibration, fitted on maxtrain's own
+H100 steps: all held out, and summarized on a line of their own. The error is (predicted - measured) / measured.
 Needs no compiler: the rows' HLO text is read as it is.
 """
 
@@ -59,13 +63,15 @@ def load_rows(directory: str, only: str = "") -> list[tuple[dict, predict.Progra
 
 
 def errors_of(rows, cal: predict.Calibration | None = None) -> list[tuple[dict, float, float, float, dict]]:
-    """(row, measured s, predicted s, error, the prediction) per row."""
+    """(row, measured s, predicted s, error, the prediction) per row; `cal` (a TPU one) for the TPU rows, the GPU
+    rows keep the GPU calibration."""
     out = []
     for row, costs in rows:
         measured = row["maxtext_tflops_per_device"] / row["published_tflops_per_chip"]
-        p = predict.predict(costs, chips.by_name(row["chip"]), tokens_per_step=row["tokens_per_step"],
+        chip = chips.by_name(row["chip"])
+        p = predict.predict(costs, chip, tokens_per_step=row["tokens_per_step"],
                             model_flops_per_step=row["maxtext_tflops_per_device"] * 1e12, num_chips=row["num_chips"],
-                            cal=cal)
+                            cal=cal if chip.kind == "tpu" else None)
         out.append((row, measured, p["step_seconds"], (p["step_seconds"] - measured) / measured, p))
     return out
 
@@ -96,12 +102,31 @@ def table(results) -> str:
         lines.append(f"| {row['row']} | {chip} ({row['num_chips']}) | {row['published_tflops_per_chip']} "
                      f"| {measured:.3f} | {predicted:.3f} | {err:+.0%} | {p['parts']['collectives_exposed']:.3f} "
                      f"| {kind} | maxtext/{row['published_source']} |")
-    held = [r[3] for r in results if r[0]["row"] not in CALIBRATION_ROWS]
-    new = [r[3] for r in results if r[0]["row"] not in CALIBRATION_ROWS | SEEN_ROWS]
+    tpu = [r for r in results if chips.by_name(r[0]["chip"]).kind == "tpu"]
+    held = [r[3] for r in tpu if r[0]["row"] not in CALIBRATION_ROWS]
+    new = [r[3] for r in tpu if r[0]["row"] not in CALIBRATION_ROWS | SEEN_ROWS]
+    gpu = [r[3] for r in results if chips.by_name(r[0]["chip"]).kind == "gpu"]
     if held:
         lines.append("\n" + predict.held_out_summary(held))
     if new:
         lines.append("new (compiled after the calibration was fixed): " + predict.held_out_summary(new))
+    if gpu:
+        lines.append(("\n" if not held else "") + "GPU rows (the GPU calibration, fitted on maxtrain's steps): "
+                     + predict.held_out_summary(gpu))
+    return "\n".join(lines)
+
+
+def parts_table(results) -> str:
+    """Each row's predicted parts in seconds: kernels by what bounds them, collectives by mesh axis, and of those
+    how much the schedule hides."""
+    lines = ["| row | matmul | attention | memory | collectives by axis | hidden | exposed |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for row, _, _, _, p in results:
+        parts = p["parts"]
+        axes = ", ".join(f"{axis} {seconds:.3f}" for axis, seconds in sorted(p["collectives_by_axis"].items())
+                         if seconds >= 5e-4)
+        lines.append(f"| {row['row']} | {parts['matmul']:.3f} | {parts['attention']:.3f} | {parts['memory']:.3f} "
+                     f"| {axes} | {parts['collectives_hidden']:.3f} | {parts['collectives_exposed']:.3f} |")
     return "\n".join(lines)
 
 
@@ -110,13 +135,17 @@ def main(argv: list[str]) -> None:
     parser.add_argument("directory", help="scripts/maxtext_rows.py's output directory")
     parser.add_argument("--fit", action="store_true", help="refit the TPU matmul efficiency on CALIBRATION_ROWS")
     parser.add_argument("--rows", default="", help="only rows whose name contains this text")
+    parser.add_argument("--parts", action="store_true", help="also print each row's predicted parts")
     args = parser.parse_args(argv)
     rows = load_rows(args.directory, args.rows)
     cal = None
     if args.fit:
         cal = fit(rows)
         print(f"fitted: matmul {cal.matmul} (memory {cal.memory}, link {cal.link} fixed)")
-    print(table(errors_of(rows, cal)))
+    results = errors_of(rows, cal)
+    print(table(results))
+    if args.parts:
+        print("\n" + parts_table(results))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,96 @@
+"""scripts/maxtext_rows.py's reading of MaxText's scripts, and scripts/predict_maxtext.py's GPU rows (issue 48).
+MaxText itself is not needed: the scripts here are written as MaxText 0.2.5's are laid out."""
+
+import importlib.util
+import json
+import os
+
+import pytest
+
+from maxtrain.compile import predict
+from maxtrain.config import chips
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+A3_SCRIPT = '''export OUTPUT_PATH="gs://bucket"
+export RUN_NAME="llama-2-2vm-$(date +%Y-%m-%d-%H-%M)"
+
+export XLA_FLAGS="--xla_dump_to=$OUTPUT_PATH/$RUN_NAME/HLO_dumps/
+--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_command_buffer=''
+--xla_disable_hlo_passes=rematerialization"
+
+
+# 2 nodes
+python3 -m maxtext.trainers.pre_train.train "${MAXTEXT_CONFIGS_DIR:-${MAXTEXT_REPO_ROOT:-$PWD}/src/maxtext/configs}"/models/gpu/llama2_7b.yml run_name=$RUN_NAME \\
+   dcn_data_parallelism=2 ici_fsdp_parallelism=8 base_output_directory=$OUTPUT_PATH profiler=xplane
+'''
+
+TPU_SCRIPT = '''export LIBTPU_INIT_ARGS="--xla_enable_async_all_gather=true"
+python3 -m maxtext.trainers.pre_train.$EXECUTABLE "${MAXTEXT_CONFIGS_DIR:-${MAXTEXT_REPO_ROOT:-$PWD}/src/maxtext/configs}"//base.yml\\
+    steps=15 per_device_batch_size=6 enable_checkpointing=false remat_policy=full attention=flash\\
+    base_output_directory=$OUTPUT_PATH dataset_path=$DATA_PATH
+'''
+
+# A 32 MB bf16 gradient all-reduced across the two hosts, as MaxText's 2x A3 step prints it (jax 0.12), and
+# one matmul.
+HLO = """HloModule r, is_scheduled=true
+
+ENTRY %main (x: bf16[16777216], a: bf16[256,512], b: bf16[512,256]) -> (bf16[16777216], bf16[256,256]) {
+  %x = bf16[16777216]{0} parameter(0)
+  %a = bf16[256,512]{1,0} parameter(1)
+  %b = bf16[512,256]{1,0} parameter(2)
+  %ars = ((bf16[16777216]{0}), bf16[16777216]{0}) all-reduce-start(%x), channel_id=1, replica_groups=mesh['axis_0'=2,'axis_1'=8] {'axis_0'}, to_apply=%add
+  %mm = bf16[256,256]{1,0} custom-call(%a, %b), custom_call_target="__cublas$lt$matmul"
+  %ard = bf16[16777216]{0} all-reduce-done(%ars)
+  ROOT %t = (bf16[16777216]{0}, bf16[256,256]{1,0}) tuple(%ard, %mm)
+}
+"""
+
+
+def _script(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return _script("maxtext_rows")
+
+
+def test_a_gpu_script_gives_its_model_config_flags_and_xla_flags_less_the_dump(rows, tmp_path):
+    (tmp_path / "a3.sh").write_text(A3_SCRIPT)
+    (tmp_path / "v5e.sh").write_text(TPU_SCRIPT)
+    flags, xla, config = rows.script_settings(str(tmp_path), "a3.sh")
+    assert flags == ["dcn_data_parallelism=2", "ici_fsdp_parallelism=8"]   # run_name, outputs, profiler dropped
+    assert config == "gpu/models/llama2_7b.yml"                             # the wheel's layout of the config
+    assert xla == ("--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_command_buffer='' "
+                   "--xla_disable_hlo_passes=rematerialization")
+    flags, libtpu, config = rows.script_settings(str(tmp_path), "v5e.sh")
+    assert flags == ["per_device_batch_size=6", "remat_policy=full", "attention=flash"] and config == "base.yml"
+    assert libtpu == "--xla_enable_async_all_gather=true"
+    a3 = [r for r in rows.ROWS if r[1] in rows.GPU_CHIPS]
+    assert [(r[4], r[5]) for r in a3] == [(1, 492), (2, 422), (4, 407), (8, 409), (16, 375)]  # hosts, TFLOP/s/chip
+
+
+def test_a_gpu_row_is_predicted_with_the_gpu_calibration_and_summarized_apart(tmp_path):
+    predict_maxtext = _script("predict_maxtext")
+    row = {"row": "h100-7b-2x", "chip": "h100", "compile_topology": "a3", "slices": 2, "num_chips": 16,
+           "published_tflops_per_chip": 400, "published_source": "configs/gpu/a3/llama_2_7b/README.md",
+           "maxtext_tflops_per_device": 2 * 256 * 512 * 256 / 1e12, "tokens_per_step": 4096,
+           "mesh_axes": ["data", "fsdp"], "mesh_shape": [2, 8],
+           "devices": [{"platform": "gpu", "slice_index": 0, "process_index": i // 8} for i in range(16)]}
+    (tmp_path / "h100-7b-2x").mkdir()
+    (tmp_path / "h100-7b-2x" / "row.json").write_text(json.dumps(row))
+    (tmp_path / "h100-7b-2x" / "step.hlo").write_text(HLO)
+    loaded = predict_maxtext.load_rows(str(tmp_path))
+    (reduce,) = loaded[0][1].collectives
+    assert reduce.leaves_domain and reduce.axes == ("data",) and reduce.bytes == 16777216 * 2
+    tpu_cal = predict.TPU_CALIBRATION
+    ((_, measured, predicted, _, p),) = predict_maxtext.errors_of(loaded, tpu_cal)  # a TPU fit leaves GPU rows be
+    assert p["calibration"] == predict.calibration_for(chips.by_name("h100")).source != tpu_cal.source
+    assert measured == pytest.approx(2 * 256 * 512 * 256 / 400e12) and predicted > 0
+    text = predict_maxtext.table(predict_maxtext.errors_of(loaded))
+    assert "| h100-7b-2x | 2x a3 (16) | 400 |" in text and "GPU rows" in text and "\nnew" not in text
+    assert "data " in predict_maxtext.parts_table(predict_maxtext.errors_of(loaded))
