@@ -13,7 +13,8 @@ compile_topology (and compile_topology_num_slices for a multi-slice row). Each r
 own (libtpu reads LIBTPU_INIT_ARGS once; on v5p with V5P_LIBTPU_FIX) that calls MaxText's train_compile.main,
 keeping the compiled step it builds.
 GPU rows (MaxText's A3 rows: Llama 2 7B on 1-16 hosts of 8 H100s, configs/gpu/a3/llama_2_7b/) take the script's model
-config and XLA_FLAGS (less --xla_dump_to) and need the CUDA plugin for MaxText's jax on PYTHONPATH:
+config and XLA_FLAGS (less --xla_dump_to) and need the CUDA plugin for MaxText's jax on PYTHONPATH (installed
+with pip install --target DIR 'jax-cuda12-plugin[with-cuda]==0.12.0.1'; here DIR is /work/extra-maxtext-cuda):
 
     PYTHONPATH=/work/extra-maxtext-cuda /work/venv-maxtext/bin/python scripts/maxtext_rows.py \
         --out /tmp/maxtext-gpu-rows --rows h100-7b-1x
@@ -39,9 +40,10 @@ import subprocess
 import sys
 import time
 
-# maxtrain's error handling only (maxtrain/errors.py needs the standard library alone): this runs in MaxText's venv
+# maxtrain's error handling and compiler check (the standard library alone, no JAX): this runs in MaxText's venv
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from maxtrain.errors import ToolError, run_cli  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain.compile.targets import compiler_missing  # noqa: E402  pylint: disable=wrong-import-position
 
 # (row, chip, MaxText script, compile_topology, slices, published TFLOP/s/chip, source of the figure)
 V5P, V5E = "configs/tpu/v5p/README.md", "configs/tpu/v5e/README.md"
@@ -90,7 +92,8 @@ ROWS = [
 GPU_CHIPS = {"h100"}
 # Transformer Engine (cudnn_flash_te, the scripts' attention) publishes no binary wheel for jax (its jax library is a
 # source build against a CUDA toolkit), so the GPU rows compile with JAX's own cuDNN fused attention, the cuDNN
-# flash kernels TE calls too: the one way their program differs from the measured one.
+# flash kernels TE calls too: the one change made to their program (a GPU-less compile also skips autotuning, so
+# cuBLAS and cuDNN may pick other algorithms than on the GPUs: docs/scale.md).
 GPU_DEVIATION = {"attention": "cudnn_flash_jax"}
 # libtpu 0.0.52 refuses all-gather continuation fusion on v5p ("not supported/recommended on platforms other than
 # TPU v5e"): the v5p scripts other than 32b.sh (which already ends with it) get this appended, as 32b.sh does.
@@ -107,8 +110,8 @@ def script_settings(maxtext_dir: str, script: str) -> tuple[list[str], str, str]
         text = f.read()
     libtpu = re.search(r'export LIBTPU_INIT_ARGS="([^"]*)"', text)
     xla = re.search(r'export XLA_FLAGS="([^"]*)"', text)
-    command = re.search(r'python3 -m maxtext\.trainers\.pre_train\.\S+\s+\S*configs\}"/+(\S+?\.yml)\\?\s*(.*?)(?:\n\s*\n|\Z)',
-                        text, re.S)
+    command = re.search(r'python3 -m maxtext\.trainers\.pre_train\.\S+\s+\S*configs\}"/+(\S+?\.yml)\\?\s*'
+                        r'(.*?)(?:\n\s*\n|\Z)', text, re.S)
     if not command:
         raise ToolError(f"no train command found in {script}")
     # the GPU scripts name MaxText's repository layout (configs/models/gpu/X.yml); the wheel has configs/gpu/models
@@ -210,7 +213,8 @@ def compile_one(row: tuple, out: str) -> None:
         "maxtext_tflops_per_device": total, "maxtext_tflops_weights": weights,
         "maxtext_tflops_attention": attention,
         "tokens_per_step": int(config.global_batch_size_to_train_on * config.max_target_length),
-        "num_chips": len(devices), "mesh_axes": list(mesh.axis_names), "mesh_shape": [int(n) for n in mesh.devices.shape],
+        "num_chips": len(devices), "mesh_axes": list(mesh.axis_names),
+        "mesh_shape": [int(n) for n in mesh.devices.shape],
         "devices": [{"slice_index": int(getattr(d, "slice_index", 0) or 0), "process_index": int(d.process_index),
                      "platform": d.platform} for d in devices],
         "device_kind": devices[0].device_kind, "compile_seconds": kept["seconds"], "libtpu_cost_analysis": cost,
@@ -242,6 +246,9 @@ def main(argv: list[str]) -> None:
         raise ToolError("MaxText is not installed in this Python; run this script with a Python 3.12 virtualenv "
                         "holding it: pip install 'maxtext[tpu]==0.2.5' (the module docstring)") from e
     maxtext_dir = os.path.dirname(maxtext.__file__)
+    if any(by_name[n][1] in GPU_CHIPS for n in names) and compiler_missing("gpu"):
+        raise ToolError("the GPU rows need JAX's CUDA 12 plugin for MaxText's jax: pip install --target DIR "
+                        "'jax-cuda12-plugin[with-cuda]==0.12.0.1' and put DIR on PYTHONPATH (the module docstring)")
     for name in names:
         if os.path.exists(os.path.join(args.out, name, "row.json")):
             print(f"maxtext_rows: {name}: already in {args.out}", flush=True)
@@ -253,7 +260,8 @@ def main(argv: list[str]) -> None:
             if by_name[name][1] == "v5p" and not settings.rstrip().endswith(V5P_LIBTPU_FIX):
                 settings = f"{settings} {V5P_LIBTPU_FIX}"
             # another compile may hold libtpu (no chips are touched): allow a second process to load it
-            env = {**os.environ, "LIBTPU_INIT_ARGS": settings, "JAX_PLATFORMS": "cpu", "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
+            env = {**os.environ, "LIBTPU_INIT_ARGS": settings, "JAX_PLATFORMS": "cpu",
+                   "ALLOW_MULTIPLE_LIBTPU_LOAD": "1"}
         t = time.time()
         result = subprocess.run([sys.executable, __file__, "--out", args.out, "--one", name], env=env, check=False)
         print(f"maxtext_rows: {name}: exit {result.returncode} after {time.time() - t:.0f} s", flush=True)
