@@ -127,13 +127,13 @@ def errors_of(rows, cal: predict.Calibration) -> list[tuple[str, str, float, flo
 
 
 def fit(rows) -> predict.Calibration:
-    """The matmul and memory efficiencies and the launch overhead that minimize the worst error on the calibration
-    rows (a grid: 0.30-0.95, 0.40-1.00, 1-12 us), then the median."""
+    """The memory efficiency and the launch overhead that minimize the worst error on the calibration rows (a grid:
+    0.40-1.00, 1-8 us), then the median. The matmul efficiency is not fitted: it is the measured bf16 8192^3
+    matmul's share of the peak (predict.CALIBRATION), as the attention rates are their kernels' measured rates."""
     calibration = [r for r in rows if (r[0], r[1]) in CALIBRATION_ROWS]
     best = None
-    for matmul, memory, launch in itertools.product([x / 100 for x in range(30, 96, 1)],
-                                                    [x / 100 for x in range(40, 101, 5)], [1e-6, 2e-6, 4e-6, 8e-6]):
-        cal = dataclasses.replace(predict.CALIBRATION, matmul=matmul, memory=memory, launch_seconds=launch)
+    for memory, launch in itertools.product([x / 100 for x in range(40, 101, 5)], [1e-6, 2e-6, 4e-6, 8e-6]):
+        cal = dataclasses.replace(predict.CALIBRATION, memory=memory, launch_seconds=launch)
         errs = [abs(e[4]) for e in errors_of(calibration, cal)]
         key = (round(max(errs), 3), statistics.median(errs))
         if best is None or key < best[0]:
@@ -167,7 +167,7 @@ def main(argv: list[str]) -> None:
     cal = predict.CALIBRATION
     if args.fit:
         cal = fit(rows)
-        print(f"fitted: matmul {cal.matmul}, memory {cal.memory}, launch {cal.launch_seconds * 1e6:.0f} us")
+        print(f"fitted: memory {cal.memory}, launch {cal.launch_seconds * 1e6:.0f} us (matmul {cal.matmul}: measured)")
     print(table(errors_of(rows, cal)))
 
 

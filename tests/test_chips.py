@@ -7,6 +7,7 @@ maxtrain/ or scripts/ is a second table of the same fact: the house rule (docs/a
 from __future__ import annotations
 
 import ast
+import dataclasses
 import os
 
 import pytest
@@ -107,3 +108,13 @@ def test_chip_facts_are_written_only_in_their_records():
                     tree = ast.parse(f.read())
                 found += [f"{os.path.relpath(path, REPO)}:{line}: {value!r}" for line, value in chip_literals(tree)]
     assert not found, f"chip facts outside {OWNER}: {found}"
+
+
+def test_the_a3_target_is_an_h100_with_a3_highs_network():
+    """MaxText's `a3` is Google Cloud's A3 High: H100s whose 8 share 1,000 Gbps, not one 400 Gb/s port each."""
+    record, h100 = targets.chip_record(targets.parse("a3", 2)), chips.by_name("h100")
+    assert record.name == "h100-a3" and record.network_bytes_per_s == 1000e9 / 8 / 8 < h100.network_bytes_per_s
+    assert dataclasses.replace(record, name="h100", device_kinds=h100.device_kinds, source=h100.source,
+                               network_bytes_per_s=h100.network_bytes_per_s) == h100
+    assert chips.by_device_kind("NVIDIA H100 80GB HBM3") is h100  # a device is never taken for the machine
+    assert targets.chip_record(targets.parse("h100-16")) is h100

@@ -9,7 +9,8 @@ Names (`compile_topology`, with `compile_topology_num_slices`):
     v5e-N, v6e-N       N chips (v5e-256 = a 16x16 pod); v5litepod-N is v5e-N
     v7x-N              N TensorCores, two per chip and each its own device (v7x-8 = 4 chips, 2x2x1, 8 devices);
                        tpu7x-N is v7x-N
-    a3                 one host of 8 H100s (MaxText's name); compile_topology_num_slices = hosts
+    a3                 one host of 8 H100s (MaxText's name: Google Cloud A3 High, with its network);
+                       compile_topology_num_slices = hosts
     h100-N, h200-N     N GPUs, 8 per host; compile_topology_num_slices = copies joined over the network
     a100-N             likewise (kernel lowering tests: the pre-Hopper shared-memory limit)
 
@@ -75,6 +76,7 @@ class Target:
     shape: tuple[int, ...]    # TPU: chips per torus dimension; GPU: (hosts per slice, GPUs per host)
     memory_bytes: int | None  # per device (a chip, but half a v7x chip)
     devices_per_chip: int = 1
+    record: str = ""          # the chip record's name where the machine's differs from the chip's (a3: "h100-a3")
 
     @property
     def num_chips(self) -> int:
@@ -187,7 +189,7 @@ def gpu_config_figure(chip: str, field: str) -> int:
 
 def chip_record(target: Target) -> chips.Chip:
     """The chip record (config/chips.py) of a TPU or GPU target: memory, peaks, bandwidths."""
-    return chips.by_name(target.chip)
+    return chips.by_name(target.record or target.chip)
 
 
 def torus_shape(count: int, dims: int) -> tuple[int, ...] | None:
@@ -258,7 +260,7 @@ def parse(name: str, num_slices: int = 1) -> Target:
         return Target(name, "tpu", chip, num_slices, chips_count, shape, record.memory_bytes, record.devices_per_chip)
     if key == "a3":
         return Target(name, "gpu", "h100", num_slices, GPUS_PER_HOST, (1, GPUS_PER_HOST),
-                      chips.by_name("h100").memory_bytes)
+                      chips.by_name("h100").memory_bytes, record=chips.A3_HIGH.name)
     match = _GPU_NAME.match(key)
     if match:
         chip, count = match.group(1), int(match.group(2))

@@ -92,6 +92,15 @@ CHIPS = (
          "(docs/scale.md, \"float8 matmuls\")", devices_per_chip=2),
 )
 
+# A machine whose network differs from its chip's usual one, for the targets that name it (compile/targets.py):
+# Google Cloud's A3 High (`compile_topology=a3`, MaxText's A3 rows) shares 1,000 Gbps among its eight H100s.
+A3_HIGH = dataclasses.replace(
+    next(c for c in CHIPS if c.name == "h100"), name="h100-a3", device_kinds=(),
+    network_bytes_per_s=1000 * GIGA / 8 / 8,
+    source="the h100 record, but the network: Google Cloud A3 High (a3-highgpu-8g), 1,000 Gbps a machine "
+           "(GPUDirect-TCPX) shared by its 8 GPUs (Compute Engine docs, \"Networking and GPU machines\")")
+CHIPS = (*CHIPS, A3_HIGH)
+
 _BY_NAME = {c.name: c for c in CHIPS}
 
 
