@@ -325,10 +325,10 @@ def test_plan_sorts_the_cells_that_fit_and_names_the_best_command(capsys, tmp_pa
     monkeypatch.setitem(predict.CALIBRATIONS, "gpu", slow)
     plan.main(grid)
 
-    def steps(lines):  # settings -> predicted step ms
-        return {r.split("|")[6]: float(r.split("|")[3].replace(",", "")) for r in lines}
-    slower = steps(line for line in capsys.readouterr().out.splitlines() if re.match(r"\| \d+ \|", line))
-    assert slower.keys() == steps(rows).keys() and all(slower[k] > v for k, v in steps(rows).items())
+    def speeds_of(lines):  # settings -> predicted tokens/s per chip
+        return {r.split("|")[6]: float(r.split("|")[2].replace(",", "")) for r in lines}
+    slower = speeds_of(line for line in capsys.readouterr().out.splitlines() if re.match(r"\| \d+ \|", line))
+    assert slower.keys() == speeds_of(rows).keys() and all(slower[k] < v for k, v in speeds_of(rows).items())
     monkeypatch.undo()
     with pytest.raises(plan.ToolError, match=r"no cell of the grid fits h100-8: the smallest needs [\d.]+ GiB per chip "
                                              r"\(.*per_device_batch_size=4096.*\), the chip has 79.1; try"):
