@@ -323,3 +323,12 @@ ENTRY %main (a: bf16[4,64,32], b: bf16[4,64,16]) -> bf16[4,32,16] {
 def test_the_held_out_summary_counts_absolute_errors():
     assert predict.held_out_summary([0.1, -0.5, 0.02]) == ("held out: 3 rows, median absolute error 10%, worst 50%, "
                                                           "2 within 30%")
+
+
+def test_attention_rates_are_the_measured_kernel_rows_in_the_models_units():
+    """One owner: the rates come from attention_choice.MEASURED (H200, 8k tokens), scaled from the useful work's 5
+    matmul units to the kernel's own (flash 9, cuDNN 7), over the bf16 peak."""
+    flash, cudnn = dict(predict.CALIBRATION.flash), dict(predict.CALIBRATION.cudnn)
+    assert set(flash) == set(cudnn) == {64, 128, 256}
+    assert flash[128] == pytest.approx(201.2 * 9 / 5 / 989.0) and cudnn[64] == pytest.approx(272.4 * 7 / 5 / 989.0)
+    assert predict.TPU_CALIBRATION.cudnn == predict.CALIBRATION.cudnn

@@ -35,6 +35,7 @@ import numpy as np
 
 from maxtrain.compile import hlo_kernels, hlo_stats
 from maxtrain.config import chips as chips_lib
+from maxtrain.models import attention_choice
 from maxtrain.errors import UserError
 
 
@@ -52,17 +53,26 @@ class Calibration:
     """Efficiencies fitted against measured steps (scripts/predict_check.py; docs/scale.md lists the rows)."""
     matmul: float = 0.66         # of the bf16 (or fp8) peak, for XLA's and cuBLAS's matmuls
     memory: float = 0.7          # of the HBM bandwidth, for memory-bound kernels
-    # The attention kernels' rates by head_dim, of the bf16 peak: docs/gpu.md's kernel speed rows (H200, 8k tokens,
-    # causal, GQA 4:1), whose useful TFLOP/s count 5 matmul units where this model counts flash's 9 (fwd 2, dq 3,
-    # dkv 4) and cuDNN's 7: flash 76.1, 201.2, 155.3 and cuDNN 272.4, 349.3, 285.4 at head_dim 64, 128, 256.
-    flash: tuple = ((64, 0.139), (128, 0.366), (256, 0.283))
-    cudnn: tuple = ((64, 0.386), (128, 0.494), (256, 0.404))
+    # The attention kernels' rates by head_dim, of the bf16 peak (attention_rates: the measured kernel rows)
+    flash: tuple = dataclasses.field(default_factory=lambda: attention_rates("flash", 9))
+    cudnn: tuple = dataclasses.field(default_factory=lambda: attention_rates("cudnn", 7))
     splash: tuple = ((128, 0.50),)   # TPU splash attention: not yet checked (no TPU rows measured)
     link: float = 0.75           # of the ICI / NVLink bandwidth
     network: float = 0.60        # of the DCN / network bandwidth
     launch_seconds: float = 2e-6   # per kernel (GPU launch and tail); TPU kernels are not launched: 1 us
     collective_seconds: float = 15e-6  # per collective (latency)
     source: str = ""
+
+
+def attention_rates(implementation: str, units: int) -> tuple[tuple[int, float], ...]:
+    """((head_dim, share of the bf16 peak), ...) of an attention kernel, from its measured rows at 8k tokens on the
+    H200 (models/attention_choice.MEASURED, docs/gpu.md's kernel speed rows: causal, GQA 4:1). Those TFLOP/s count
+    the useful work, 5 matmul units (forward 2, backward 3); this model counts the kernels' own, flash's 9 (fwd 2,
+    dq 3, dkv 4) and cuDNN's 7, so a row's rate is its TFLOP/s x units / 5 over the peak."""
+    peak = chips_lib.by_name("h200").bf16_flops
+    return tuple(sorted((r.head_dim, dict(r.tflops)[implementation] * 1e12 * units / 5 / peak)
+                        for r in attention_choice.MEASURED
+                        if r.device == "H200" and r.tokens == 8192 and implementation in dict(r.tflops)))
 
 
 CALIBRATION = Calibration(matmul=0.66, memory=0.7, launch_seconds=2e-6, source=(
