@@ -432,3 +432,16 @@ def test_expert_biases_are_gathered_so_their_gradient_sums_in_float32():
     assert error < 0.004 < 0.02 < float(jnp.abs(gathered.astype(jnp.float32) - exact).max()) / scale
     table32 = table.astype(jnp.float32) + 1e-3  # float32 tables are gathered exactly too (no bfloat16 matmul passes)
     assert bool((moe_experts.expert_rows(table32, rows) == jnp.take(table32, rows, axis=0)).all())
+
+
+def test_the_scatter_benchmark_times_both_gradients(tmp_path):
+    """scripts/benchmark_scatter.py (the GPU check of the scatter-add suspected in docs/scale.md), tiny, on CPU."""
+    sys.path.insert(0, f"{REPO}/scripts")
+    import benchmark_scatter  # pylint: disable=import-outside-toplevel  # a script, not a package
+
+    benchmark_scatter.main(["--rows", "64", "--experts", "4", "--width", "8", "--repeats", "1", "--json",
+                            str(tmp_path / "s.json")])
+    rows = json.loads((tmp_path / "s.json").read_text())
+    assert [(r["dtype"], r["way"].split()[0]) for r in rows] == [
+        ("bfloat16", "gather"), ("bfloat16", "one-hot"), ("float32", "gather"), ("float32", "one-hot")]
+    assert all(r["ms"] > 0 and r["predicted_ms"] is None for r in rows)  # no chip record for this CPU

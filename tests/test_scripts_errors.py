@@ -40,6 +40,7 @@ TOOLS = {  # tool -> (its file, the program name in its error lines)
     "gated_delta_memory": ("scripts/gated_delta_memory.py", "gated_delta_memory"),
     "lm_eval_reference": ("scripts/lm_eval_reference.py", "lm_eval_reference"),
     "matmul_rates": ("scripts/matmul_rates.py", "matmul_rates"),
+    "benchmark_scatter": ("scripts/benchmark_scatter.py", "benchmark_scatter"),
     "scale_table": ("scripts/scale_table.py", "scale_table"),
     "gpu_report": ("scripts/gpu_report.py", "gpu_report"),
     "plan": ("scripts/plan.py", "plan"),
@@ -172,6 +173,9 @@ ROWS = [
                                                        "--tasks", "hellaswag", "--output", "{scratch}/o.json"],
         r"lm_eval_reference.py needs the (torch|transformers|lm_eval) package: pip install torch==2.13.0 "
         r"lm-eval==0.4.13 transformers", hf_and_cache_dirs, hide=("lm_eval",)),
+    Row("scatter-rows-zero", "benchmark_scatter", ["--rows", "0"], r"--rows 0 must be >= 1", usage=True),
+    Row("scatter-dtype", "benchmark_scatter", ["--dtypes", "int8"],
+        r"--dtypes: int8; choose from bfloat16, float16, float32", usage=True),
     Row("matmul-shape", "matmul_rates", ["--shapes", "abc"], r"--shapes: 'abc' must be MxKxN", usage=True),
     Row("scale-results-under-a-file", "scale_table", ["--results", "{scratch}/afile/r.jsonl", "--table-only"],
         r"--results .*/afile/r.jsonl cannot be created: .*/afile is a file", a_file),
