@@ -12,7 +12,8 @@ prints the cells that fit the chip's memory, fastest first by the predicted toke
 to trust it: docs/scale.md), with the command to train the best, and the cells that did not fit or compile. The
 grid is small by default (compiles for a pod take 15-110 s each on a CPU): widen it with the flags. `--cache DIR`
 keeps each cell's compiled program (its HLO text and memory), so a second run with the same cells, after a change to
-the prediction or its calibration, re-predicts them without compiling.
+the prediction or its calibration (PREDICTION_FILES), re-predicts them without compiling; any other change to
+maxtrain's code, or another jax or libtpu, compiles them again.
 """
 
 from __future__ import annotations
@@ -92,10 +93,24 @@ def compile_cell(argv: list[str], cell: dict, target: targets.Target, cache: str
                        "compile_seconds": seconds}, inputs, hlo)
 
 
+# The prediction's own code and figures: a change to them re-predicts a cached cell; any other change to maxtrain
+# (the model, the step, the sharding) makes a new program, so the cell compiles again.
+PREDICTION_FILES = ("compile/predict.py", "compile/hlo_kernels.py", "compile/hlo_stats.py", "config/chips.py")
+
+
 def cell_key(argv: list[str], overrides: list[str], target: targets.Target) -> str:
-    """The cache's name for a cell: its settings, the target and the compiler that compiled it."""
+    """The cache's name for a cell: its settings, the target, the compiler, and maxtrain's code but the prediction's."""
+    root = os.path.dirname(os.path.abspath(train_compile.__file__))
+    code = hashlib.sha256()
+    for folder, _, files in sorted(os.walk(root)):
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            if os.path.relpath(path, root) not in PREDICTION_FILES:
+                with open(path, "rb") as f:
+                    code.update(f.read())
     compiler = [jax.__version__, train_compile.libtpu_version() if target.platform == "tpu" else None]
-    return hashlib.sha256(json.dumps([argv, overrides, target.describe(), compiler]).encode()).hexdigest()[:20]
+    key = [argv, overrides, target.describe(), compiler, code.hexdigest()]
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:20]
 
 
 def keep(path: str | None, row: dict, inputs: dict | None = None, hlo: str | None = None) -> dict:

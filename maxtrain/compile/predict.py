@@ -17,8 +17,9 @@ docs/gpu.md). A collective of B bytes over a group of n chips moves (n-1)/n x B 
 all-to-all), 2(n-1)/n x B (all-reduce) or B (a permute) at the link bandwidth (ICI, NVLink) or, when the group
 leaves a slice or host, the network's (DCN, InfiniBand). An asynchronous collective is hidden behind the kernels
 the schedule puts between its start and its done; a synchronous one, and what outlasts its kernels, is exposed.
-step = kernels + exposed collectives. The efficiencies are per chip kind (CALIBRATIONS: fitted on stated rows,
-docs/scale.md, "How far to trust the prediction"); the peaks and bandwidths are the chip record's (config/chips.py).
+step = kernels + exposed collectives. The efficiencies are per chip kind (CALIBRATIONS: measured kernel rates or
+fitted on stated rows, docs/scale.md, "How far to trust it"); the peaks and bandwidths are the chip record's
+(config/chips.py; a machine's where its network differs, e.g. the a3 target's).
 
 Not modelled: the host (input pipeline, Python dispatch), so an input-bound or host-bound step is predicted
 too fast; contention between a collective and the kernels it overlaps; matmul shapes too small for the peak.
@@ -50,7 +51,8 @@ class PredictionError(UserError, ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Calibration:
-    """Efficiencies fitted against measured steps (scripts/predict_check.py; docs/scale.md lists the rows)."""
+    """Efficiencies: a kernel's measured rate where one is measured (GPU matmuls, attention), else fitted against
+    measured steps (scripts/predict_check.py, scripts/predict_maxtext.py; docs/scale.md lists the rows)."""
     matmul: float = 0.66         # of the bf16 (or fp8) peak, for XLA's and cuBLAS's matmuls
     memory: float = 0.7          # of the HBM bandwidth, for memory-bound kernels
     # The attention kernels' rates by head_dim, of the bf16 peak (attention_rates: the measured kernel rows)
