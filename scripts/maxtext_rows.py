@@ -10,7 +10,7 @@ Each row of ROWS is one published figure (TFLOP/s per chip, from the README name
 produced it (`script`, in MaxText's configs/). Its flags and LIBTPU_INIT_ARGS are read from that script, the
 run-only ones dropped (steps, output paths, metrics uploads, checkpointing), and the row's target given as
 compile_topology (and compile_topology_num_slices for a multi-slice row). Each row compiles in a process of its
-own (libtpu reads LIBTPU_INIT_ARGS once; on v5p with V5P_LIBTPU_FIX) that calls MaxText's train_compile.main,
+own (libtpu reads LIBTPU_INIT_ARGS once; on v5p and v6e with V5P_LIBTPU_FIX) that calls MaxText's train_compile.main,
 keeping the compiled step it builds.
 GPU rows (MaxText's A3 rows: Llama 2 7B on 1-16 hosts of 8 H100s, configs/gpu/a3/llama_2_7b/) take the script's model
 config and XLA_FLAGS (less --xla_dump_to) and need the CUDA plugin for MaxText's jax on PYTHONPATH (installed
@@ -89,6 +89,68 @@ ROWS = [
     ("h100-7b-8x", "h100", "configs/gpu/a3/llama_2_7b/8vm.sh", "a3", 8, 409, A3),
     ("h100-7b-16x", "h100", "configs/gpu/a3/llama_2_7b/16vm.sh", "a3", 16, 375, A3),
 ]
+# MaxText's v6e (Trillium) rows (2026-11-28): the Gold rows of MaxText's docs/reference/models/tiering.md, which
+# publishes MFU and approximate tokens/s per device (not TFLOP/s per chip), each with a recipe naming a config of
+# MaxText's benchmarks/maxtext_trillium_model_configs.py. The config (its tuning_params and its xla_flags, the
+# xla_flags_library pieces expanded) is written out below as it stands at the commit the recipe pins; "script" names
+# it. Held out: TPU_CALIBRATION was fitted on v5p and v5e rows before these were compiled.
+TIERING = "docs/reference/models/tiering.md (Trillium, Gold)"
+ROWS += [
+    ("v6e-llama2-70b", "v6e", "trillium:llama2_70b_4096_sc", "v6e-256", 1, 900, TIERING),
+    ("v6e-llama3.1-8b", "v6e", "trillium:llama3_1_8b_8192", "v6e-256", 1, 7207, TIERING),
+    ("v6e-llama3.1-70b", "v6e", "trillium:llama3_1_70b_8192", "v6e-256", 1, 960, TIERING),
+]
+_VMEM = "--xla_tpu_scoped_vmem_limit_kib=98304"  # xla_flags_library.DENSE_VMEM_LIMIT_FLAG
+_CF_AG = ("--xla_tpu_enable_async_collective_fusion=true --xla_tpu_enable_async_collective_fusion_fuse_all_gather=true "
+          "--xla_tpu_enable_async_collective_fusion_multiple_steps=true --xla_tpu_overlap_compute_collective_tc=true "
+          "--xla_enable_async_all_gather=true")  # CF_FOR_ALL_GATHER
+_SC_AR = ("--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=false "
+          "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true --xla_tpu_enable_all_reduce_offload_tracing=true "
+          "--xla_tpu_use_tc_device_shape_on_sc=true --xla_sc_enable_instruction_fusion=false "
+          "--xla_sc_disjoint_spmem=false --xla_sc_disable_megacore_partitioning=true "
+          "--2a886c8_chip_config_name=megachip_tccontrol")  # ENABLE_SPARSECORE_OFFLOADING_FOR_ALL_REDUCE
+_LAYOUT = ("--xla_tpu_use_minor_sharding_for_major_trivial_input=true "
+           "--xla_tpu_relayout_group_size_threshold_for_reduce_scatter=1 "
+           "--xla_tpu_assign_all_reduce_scatter_layout=true")  # LAYOUT_FOR_ALL_REDUCE_SCATTER
+_DP = ("--xla_tpu_enable_data_parallel_all_reduce_opt=true "
+       "--xla_tpu_data_parallel_opt_different_sized_ops=true")  # DATA_PARALLEL_OVERLAP
+_HOST = ("--xla_tpu_enable_all_experimental_scheduler_features=true "
+         "--xla_tpu_enable_scheduler_memory_pressure_tracking=true --xla_tpu_host_transfer_overlap_limit=24 "
+         "--xla_tpu_aggressive_opt_barrier_removal=ENABLED --xla_lhs_prioritize_async_depth_over_stall=ENABLED "
+         "--xla_tpu_enable_ag_backward_pipelining=true --xla_should_allow_loop_variant_parameter_in_chain=ENABLED "
+         "--xla_should_add_loop_invariant_op_in_chain=ENABLED --xla_max_concurrent_host_send_recv=100 "
+         "--xla_tpu_scheduler_percent_shared_memory_limit=100 --xla_latency_hiding_scheduler_rerun=2")  # HOST_OFFLOAD_FLAGS
+_SA_2048 = [f"sa_{k}=2048" for k in ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
+                                     "block_kv_dkv_compute", "block_q_dq", "block_kv_dq")] + ["sa_use_fused_bwd_kernel=true"]
+_OFFLOAD = ["remat_policy=custom", "decoder_layer_input=offload", "query_proj=offload", "key_proj=offload",
+            "value_proj=offload"]
+# name: (MaxText flags, LIBTPU_INIT_ARGS, published MFU, where the config is (commit, recipe)); the run-only
+# tuning_params (dataset_path, enable_checkpointing, profiler*, gcs_metrics) are left out as RUN_ONLY leaves them.
+TRILLIUM = {
+    "llama2_70b_4096_sc": (
+        ["model_name=llama2-70b", "per_device_batch_size=3", "ici_fsdp_parallelism=1",
+         "ici_fsdp_transpose_parallelism=-1", "ici_tensor_parallelism=1", "remat_policy=qkv_proj_offloaded",
+         "max_target_length=4096", "attention=flash", "use_iota_embed=true", "dataset_type=synthetic",
+         "sa_block_q=1024", "sa_block_q_dkv=2048", "sa_block_q_dq=2048"],
+        f"{_VMEM} {_CF_AG} {_SC_AR}", 0.438,
+        "maxtext@tpu-recipes-v0.1.2 (14b5876e) benchmarks/maxtext_trillium_model_configs.py:412, recipe "
+        "tpu-recipes training/trillium/Llama2-70B-MaxText"),
+    "llama3_1_8b_8192": (
+        ["model_name=llama3.1-8b", "per_device_batch_size=4", "ici_fsdp_parallelism=-1", *_OFFLOAD, "out_proj=offload",
+         "max_target_length=8192", "attention=flash", "use_iota_embed=true", "dataset_type=synthetic", *_SA_2048],
+        f"{_VMEM} {_LAYOUT} {_DP} {_CF_AG} {_SC_AR} {_HOST}", 0.4546,
+        "maxtext@tpu-recipes-v0.1.4 (9f1820b4) benchmarks/maxtext_trillium_model_configs.py:812, recipe "
+        "tpu-recipes training/trillium/Llama3.1-8B-MaxText/v6e-256"),
+    "llama3_1_70b_8192": (
+        ["model_name=llama3.1-70b", "per_device_batch_size=5", "ici_fsdp_parallelism=-1", *_OFFLOAD,
+         "max_target_length=8192", "attention=flash", "use_iota_embed=true", "dataset_type=synthetic", *_SA_2048],
+        f"{_VMEM} {_LAYOUT} {_DP} {_CF_AG} {_HOST}", 0.5033,
+        "maxtext@92e59fdf benchmarks/maxtext_trillium_model_configs.py:959 (tiering.md's link)"),
+}
+# libtpu 0.0.52 does not know this flag of the SparseCore all-reduce offload ("Unknown command line flag
+# '2a886c8_chip_config_name'"), so it is dropped; MaxText's own configs drop it for Pathways runs too
+# (pathways_xla_flag_options REMOVE). What it selected on the measured run's libtpu is not published: a deviation.
+TRILLIUM_DROPPED = "--2a886c8_chip_config_name=megachip_tccontrol"
 GPU_CHIPS = {"h100"}
 # Transformer Engine (cudnn_flash_te, the scripts' attention) publishes no binary wheel for jax (its jax library is a
 # source build against a CUDA toolkit), so the GPU rows compile with JAX's own cuDNN fused attention, the cuDNN
@@ -98,6 +160,9 @@ GPU_DEVIATION = {"attention": "cudnn_flash_jax"}
 # libtpu 0.0.52 refuses all-gather continuation fusion on v5p ("not supported/recommended on platforms other than
 # TPU v5e"): the v5p scripts other than 32b.sh (which already ends with it) get this appended, as 32b.sh does.
 V5P_LIBTPU_FIX = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=false"
+# v6e too ("enabled on platform ghostlite ... not supported/recommended on platforms other than TPU v5e"): the v6e
+# configs ask for it (CF_FOR_ALL_GATHER), so their rows are compiled with it off, a deviation their row.json records.
+LIBTPU_FIX_CHIPS = {"v5p", "v6e"}
 # Flags of the scripts that only matter to a run (or name its outputs), not to the compiled step.
 RUN_ONLY = {"steps", "base_output_directory", "run_name", "gcs_metrics", "enable_checkpointing", "reuse_example_batch",
             "dataset_path", "metrics_file", "profiler", "upload_all_profiler_results", "skip_first_n_steps_for_profiler"}
@@ -126,6 +191,14 @@ def script_settings(maxtext_dir: str, script: str) -> tuple[list[str], str, str]
             continue
         flags.append(f"{key}={value}")
     return flags, env, config
+
+
+def row_settings(maxtext_dir: str, script: str) -> tuple[list[str], str, str]:
+    """script_settings for a script of MaxText's configs/, or a Trillium config of TRILLIUM ("trillium:NAME")."""
+    if script.startswith("trillium:"):
+        flags, libtpu, _, _ = TRILLIUM[script.split(":", 1)[1]]
+        return list(flags), " ".join(f for f in libtpu.split() if f != TRILLIUM_DROPPED), "base.yml"
+    return script_settings(maxtext_dir, script)
 
 
 def gpu_topology_mesh(original, chip: str, hosts: int):
@@ -167,7 +240,7 @@ def compile_one(row: tuple, out: str) -> None:
 
     name, chip, script, topology, slices, published, source = row
     maxtext_dir = os.path.dirname(maxtext.__file__)
-    flags, _, config_file = script_settings(maxtext_dir, script)
+    flags, _, config_file = row_settings(maxtext_dir, script)
     deviation = {}
     if chip in GPU_CHIPS:
         train_compile.get_topology_mesh = gpu_topology_mesh(train_compile.get_topology_mesh, chip, slices)
@@ -178,6 +251,12 @@ def compile_one(row: tuple, out: str) -> None:
                      for k, v in GPU_DEVIATION.items()}
         flags = [f for f in flags if f.split("=", 1)[0] not in GPU_DEVIATION]
         flags += [f"{k}={v}" for k, v in GPU_DEVIATION.items()]
+    if script.startswith("trillium:") and TRILLIUM_DROPPED in TRILLIUM[script.split(":", 1)[1]][1]:
+        deviation["libtpu_init_args"] = (f"compiled without {TRILLIUM_DROPPED}, which the measured run had (libtpu "
+                                         "0.0.52 does not know it)")
+    if script.startswith("trillium:") and "fuse_all_gather=true" in TRILLIUM[script.split(":", 1)[1]][1]:
+        deviation["all_gather_fusion"] = (f"compiled with {V5P_LIBTPU_FIX} appended (libtpu 0.0.52 refuses all-gather "
+                                          "continuation fusion on v6e); the measured run asked for it")
     kept = {}
     original = train_compile.jit_and_compile
 
@@ -209,7 +288,10 @@ def compile_one(row: tuple, out: str) -> None:
         "flags": flags, "config_file": config_file, "deviation": deviation,
         **({"xla_flags": os.environ.get("XLA_FLAGS", "")} if chip in GPU_CHIPS else
            {"libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", "")}),
-        "published_tflops_per_chip": published, "published_source": source,
+        **({"published_tflops_per_chip": None, "published_tokens_per_s_per_device": published,
+            "published_mfu": TRILLIUM[script.split(":", 1)[1]][2], "config_source": TRILLIUM[script.split(":", 1)[1]][3]}
+           if script.startswith("trillium:") else {"published_tflops_per_chip": published}),
+        "published_source": source,
         "maxtext_tflops_per_device": total, "maxtext_tflops_weights": weights,
         "maxtext_tflops_attention": attention,
         "tokens_per_step": int(config.global_batch_size_to_train_on * config.max_target_length),
@@ -253,11 +335,11 @@ def main(argv: list[str]) -> None:
         if os.path.exists(os.path.join(args.out, name, "row.json")):
             print(f"maxtext_rows: {name}: already in {args.out}", flush=True)
             continue
-        _, settings, _ = script_settings(maxtext_dir, by_name[name][2])
+        _, settings, _ = row_settings(maxtext_dir, by_name[name][2])
         if by_name[name][1] in GPU_CHIPS:  # the script's XLA_FLAGS, read by the child's XLA
             env = {**os.environ, "XLA_FLAGS": settings, "JAX_PLATFORMS": "cpu"}
         else:
-            if by_name[name][1] == "v5p" and not settings.rstrip().endswith(V5P_LIBTPU_FIX):
+            if by_name[name][1] in LIBTPU_FIX_CHIPS and not settings.rstrip().endswith(V5P_LIBTPU_FIX):
                 settings = f"{settings} {V5P_LIBTPU_FIX}"
             # another compile may hold libtpu (no chips are touched): allow a second process to load it
             env = {**os.environ, "LIBTPU_INIT_ARGS": settings, "JAX_PLATFORMS": "cpu",

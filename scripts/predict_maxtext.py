@@ -66,12 +66,38 @@ def load_rows(directory: str, only: str = "") -> list[tuple[dict, predict.Progra
     return rows
 
 
+def measured_seconds(row: dict) -> float:
+    """The measured step: MaxText's TFLOPs per device over the published TFLOP/s per chip, or (MaxText's v6e rows,
+    which publish approximate tokens/s per device) the global tokens per step over tokens/s per device x chips."""
+    if row.get("published_tokens_per_s_per_device"):
+        return row["tokens_per_step"] / (row["published_tokens_per_s_per_device"] * row["num_chips"])
+    return row["maxtext_tflops_per_device"] / row["published_tflops_per_chip"]
+
+
+def mfu_step_disagreement(row: dict) -> float | None:
+    """For a row publishing tokens/s and MFU: (MaxText 0.2.5's TFLOPs per device / (MFU x the chip's bf16 peak)) /
+    the tokens/s step - 1, how far the two readings of the published row disagree (None for the other rows). MaxText
+    changed its FLOP count (causal attention halved, its PR 1988), so an MFU published before that reads a
+    different step from the count MaxText 0.2.5 computes."""
+    if not row.get("published_mfu"):
+        return None
+    peak = chips.by_name(row["chip"]).bf16_flops
+    return row["maxtext_tflops_per_device"] * 1e12 / (row["published_mfu"] * peak) / measured_seconds(row) - 1
+
+
+def published(row: dict) -> str:
+    """The published figure as the table prints it."""
+    if row.get("published_tokens_per_s_per_device"):
+        return f"{row['published_tokens_per_s_per_device']:,} tokens/s/chip, MFU {row['published_mfu']:.2%}"
+    return str(row["published_tflops_per_chip"])
+
+
 def errors_of(rows, cal: predict.Calibration | None = None) -> list[tuple[dict, float, float, float, dict]]:
     """(row, measured s, predicted s, error, the prediction) per row; `cal` (a TPU one) for the TPU rows, the GPU
     rows keep the GPU calibration."""
     out = []
     for row, costs in rows:
-        measured = row["maxtext_tflops_per_device"] / row["published_tflops_per_chip"]
+        measured = measured_seconds(row)
         chip = targets.chip_record(targets.parse(row["compile_topology"], row["slices"]))  # a3: A3 High's network
         p = predict.predict(costs, chip, tokens_per_step=row["tokens_per_step"],
                             model_flops_per_step=row["maxtext_tflops_per_device"] * 1e12, num_chips=row["num_chips"],
@@ -103,13 +129,18 @@ def table(results) -> str:
         kind = ("calibration" if row["row"] in CALIBRATION_ROWS else "held out, seen" if row["row"] in SEEN_ROWS
                 else "held out, new")
         chip = f"{row['slices']}x {row['compile_topology']}" if row["slices"] > 1 else row["compile_topology"]
-        lines.append(f"| {row['row']} | {chip} ({row['num_chips']}) | {row['published_tflops_per_chip']} "
+        lines.append(f"| {row['row']} | {chip} ({row['num_chips']}) | {published(row)} "
                      f"| {measured:.3f} | {predicted:.3f} | {err:+.0%} | {p['parts']['collectives_exposed']:.3f} "
                      f"| {kind} | maxtext/{row['published_source']} |")
     tpu = [r for r in results if chips.by_name(r[0]["chip"]).kind == "tpu"]
     held = [r[3] for r in tpu if r[0]["row"] not in CALIBRATION_ROWS]
     new = [r[3] for r in tpu if r[0]["row"] not in CALIBRATION_ROWS | SEEN_ROWS]
     gpu = [r[3] for r in results if chips.by_name(r[0]["chip"]).kind == "gpu"]
+    for row, measured, *_ in results:
+        gap = mfu_step_disagreement(row)
+        if gap is not None:
+            lines.append(f"{row['row']}: the published MFU reads a {measured * (1 + gap):.3f} s step from MaxText "
+                         f"0.2.5's FLOPs ({gap:+.0%} from the tokens/s step{'; more than 10%' if abs(gap) > 0.1 else ''})")
     if held:
         lines.append("\n" + predict.held_out_summary(held))
     if new:

@@ -94,3 +94,30 @@ def test_a_gpu_row_is_predicted_with_the_gpu_calibration_and_summarized_apart(tm
     text = predict_maxtext.table(predict_maxtext.errors_of(loaded))
     assert "| h100-7b-2x | 2x a3 (16) | 400 |" in text and "GPU rows" in text and "\nnew" not in text
     assert "data " in predict_maxtext.parts_table(predict_maxtext.errors_of(loaded))
+
+
+def test_a_row_publishing_tokens_per_second_measures_its_step_from_tokens(tmp_path):
+    """MaxText's v6e rows publish approximate tokens/s per device and MFU: the measured step is the global tokens
+    per step over tokens/s x chips, and the MFU's reading of the step (MaxText's FLOPs / (MFU x peak)) is printed
+    beside it with its disagreement."""
+    predict_maxtext = _script("predict_maxtext")
+    flops = 2 * 256 * 512 * 256 / 1e12
+    row = {"row": "v6e-x", "chip": "v6e", "compile_topology": "v6e-256", "slices": 1, "num_chips": 256,
+           "published_tflops_per_chip": None, "published_tokens_per_s_per_device": 2000, "published_mfu": 0.5,
+           "published_source": "docs/reference/models/tiering.md", "maxtext_tflops_per_device": flops,
+           "tokens_per_step": 256 * 4096, "mesh_axes": ["fsdp"], "mesh_shape": [256],
+           "devices": [{"platform": "tpu", "slice_index": 0, "process_index": i // 4} for i in range(256)]}
+    (tmp_path / "v6e-x").mkdir()
+    (tmp_path / "v6e-x" / "row.json").write_text(json.dumps(row))
+    (tmp_path / "v6e-x" / "step.hlo").write_text(HLO.replace("'axis_0'=2,'axis_1'=8", "'axis_0'=256"))
+    ((_, measured, _, _, _),) = results = predict_maxtext.errors_of(predict_maxtext.load_rows(str(tmp_path)))
+    assert measured == pytest.approx(4096 / 2000)                  # 256 x 4096 tokens / (2000 tokens/s x 256 chips)
+    mfu_step = flops * 1e12 / (0.5 * chips.by_name("v6e").bf16_flops)
+    assert predict_maxtext.mfu_step_disagreement(row) == pytest.approx(mfu_step / measured - 1)
+    text = predict_maxtext.table(results)
+    assert "| v6e-x | v6e-256 (256) | 2,000 tokens/s/chip, MFU 50.00% |" in text
+    assert f"the published MFU reads a {mfu_step:.3f} s step" in text and "more than 10%" in text
+    rows = _script("maxtext_rows")
+    flags, libtpu, config = rows.row_settings("/nonexistent", "trillium:llama3_1_8b_8192")
+    assert config == "base.yml" and "model_name=llama3.1-8b" in flags and "per_device_batch_size=4" in flags
+    assert rows.TRILLIUM_DROPPED not in libtpu and "--xla_tpu_scoped_vmem_limit_kib=98304" in libtpu
