@@ -7,7 +7,8 @@ Run with a Python 3.12 virtualenv holding MaxText 0.2.5 and its TPU compiler (no
     /work/venv-maxtext/bin/python scripts/maxtext_rows.py --out /tmp/maxtext-rows [--rows v5p-32b]
 
 Each row of ROWS is one published figure (TFLOP/s per chip, from the README named in `source`) with the script that
-produced it (`script`, in MaxText's configs/). Its flags and LIBTPU_INIT_ARGS are read from that script, the
+produced it (`script`, in MaxText's configs/); a v6e row's figure is tokens/s per device and MFU (MaxText's
+tiering.md) and its settings a Trillium benchmark config written out in TRILLIUM. Its flags and LIBTPU_INIT_ARGS are read from that script, the
 run-only ones dropped (steps, output paths, metrics uploads, checkpointing), and the row's target given as
 compile_topology (and compile_topology_num_slices for a multi-slice row). Each row compiles in a process of its
 own (libtpu reads LIBTPU_INIT_ARGS once; on v5p and v6e with V5P_LIBTPU_FIX) that calls MaxText's train_compile.main,
@@ -128,13 +129,14 @@ _OFFLOAD = ["remat_policy=custom", "decoder_layer_input=offload", "query_proj=of
 # tuning_params (dataset_path, enable_checkpointing, profiler*, gcs_metrics) are left out as RUN_ONLY leaves them.
 TRILLIUM = {
     "llama2_70b_4096_sc": (
-        ["model_name=llama2-70b", "per_device_batch_size=3", "ici_fsdp_parallelism=1",
+        ["model_name=llama2-70b", "per_device_batch_size=2", "ici_fsdp_parallelism=1",
          "ici_fsdp_transpose_parallelism=-1", "ici_tensor_parallelism=1", "remat_policy=qkv_proj_offloaded",
          "max_target_length=4096", "attention=flash", "use_iota_embed=true", "dataset_type=synthetic",
          "sa_block_q=1024", "sa_block_q_dkv=2048", "sa_block_q_dq=2048"],
         f"{_VMEM} {_CF_AG} {_SC_AR}", 0.438,
-        "maxtext@tpu-recipes-v0.1.2 (14b5876e) benchmarks/maxtext_trillium_model_configs.py:412, recipe "
-        "tpu-recipes training/trillium/Llama2-70B-MaxText"),
+        "maxtext@140addcb benchmarks/maxtext_trillium_model_configs.py:414, the config of the run the recipe "
+        "(tpu-recipes training/trillium/Llama2-70B-MaxText) logs: 905 tokens/s/device, 8,192 tokens a device, "
+        "so per-device batch 2; its tag tpu-recipes-v0.1.2 has batch 3 (maxtext 93392c54, the same config else)"),
     "llama3_1_8b_8192": (
         ["model_name=llama3.1-8b", "per_device_batch_size=4", "ici_fsdp_parallelism=-1", *_OFFLOAD, "out_proj=offload",
          "max_target_length=8192", "attention=flash", "use_iota_embed=true", "dataset_type=synthetic", *_SA_2048],

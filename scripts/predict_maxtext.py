@@ -6,6 +6,9 @@
     PYTHONPATH=/work/extra-maxtext-cuda /work/venv-maxtext/bin/python scripts/maxtext_rows.py \
         --out /tmp/maxtext-gpu-rows --rows h100-7b-1x,h100-7b-2x,h100-7b-4x,h100-7b-8x,h100-7b-16x
     python scripts/predict_maxtext.py /tmp/maxtext-gpu-rows --parts                  # H100 rows, with their parts
+    /work/venv-maxtext/bin/python scripts/maxtext_rows.py --out /tmp/maxtext-v6e-rows \
+        --rows v6e-llama3.1-8b,v6e-llama3.1-70b,v6e-llama2-70b                        # MaxText's v6e Gold rows
+    python scripts/predict_maxtext.py /tmp/maxtext-v6e-rows --parts
 
 Each row is one figure MaxText publishes for its performance configs (TFLOP/s per chip: its configs/tpu/*/README.md),
 whose script scripts/maxtext_rows.py compiled ahead of time with MaxText 0.2.5's own train_compile for the
@@ -19,7 +22,9 @@ read, before TPU_CALIBRATION's memory and link were fixed (2026-11-28); the rest
 and are the rows it was never seen against: the table's last lines summarize both. The GPU rows (MaxText's A3
 Llama 2 7B, configs/gpu/a3/llama_2_7b/README.md) are predicted with the GPU calibration (fitted on maxtrain's own
 H100 steps) against the a3 target's record (A3 High's network): held out, but seen (SEEN_ROWS), and summarized on a
-line of their own. The error is (predicted - measured) / measured.
+line of their own. MaxText's v6e rows (its docs/reference/models/tiering.md) publish approximate tokens/s per device
+and MFU instead: their measured step is the global tokens per step / (tokens/s per device x chips), and the step
+the MFU reads from MaxText 0.2.5's FLOP count is printed beside it. The error is (predicted - measured) / measured.
 Needs no compiler: the rows' HLO text is read as it is.
 """
 
