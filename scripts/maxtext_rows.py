@@ -8,8 +8,9 @@ Run with a Python 3.12 virtualenv holding MaxText 0.2.5 and its TPU compiler (no
 
 Each row of ROWS is one published figure (TFLOP/s per chip, from the README named in `source`) with the script that
 produced it (`script`, in MaxText's configs/); a v6e row's figure is tokens/s per device and MFU (MaxText's
-tiering.md) and its settings a Trillium benchmark config written out in TRILLIUM. Its flags and LIBTPU_INIT_ARGS are read from that script, the
-run-only ones dropped (steps, output paths, metrics uploads, checkpointing), and the row's target given as
+tiering.md) and its settings a Trillium benchmark config written out in TRILLIUM. Its flags and LIBTPU_INIT_ARGS
+are read from that script, the run-only ones dropped (steps, output paths, metrics uploads, checkpointing), and the
+row's target given as
 compile_topology (and compile_topology_num_slices for a multi-slice row). Each row compiles in a process of its
 own (libtpu reads LIBTPU_INIT_ARGS once; on v5p and v6e with V5P_LIBTPU_FIX) that calls MaxText's train_compile.main,
 keeping the compiled step it builds.
@@ -106,7 +107,8 @@ _CF_AG = ("--xla_tpu_enable_async_collective_fusion=true --xla_tpu_enable_async_
           "--xla_tpu_enable_async_collective_fusion_multiple_steps=true --xla_tpu_overlap_compute_collective_tc=true "
           "--xla_enable_async_all_gather=true")  # CF_FOR_ALL_GATHER
 _SC_AR = ("--xla_tpu_enable_async_collective_fusion_fuse_all_reduce=false "
-          "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true --xla_tpu_enable_all_reduce_offload_tracing=true "
+          "--xla_tpu_enable_sparse_core_collective_offload_all_reduce=true "
+          "--xla_tpu_enable_all_reduce_offload_tracing=true "
           "--xla_tpu_use_tc_device_shape_on_sc=true --xla_sc_enable_instruction_fusion=false "
           "--xla_sc_disjoint_spmem=false --xla_sc_disable_megacore_partitioning=true "
           "--2a886c8_chip_config_name=megachip_tccontrol")  # ENABLE_SPARSECORE_OFFLOADING_FOR_ALL_REDUCE
@@ -120,9 +122,10 @@ _HOST = ("--xla_tpu_enable_all_experimental_scheduler_features=true "
          "--xla_tpu_aggressive_opt_barrier_removal=ENABLED --xla_lhs_prioritize_async_depth_over_stall=ENABLED "
          "--xla_tpu_enable_ag_backward_pipelining=true --xla_should_allow_loop_variant_parameter_in_chain=ENABLED "
          "--xla_should_add_loop_invariant_op_in_chain=ENABLED --xla_max_concurrent_host_send_recv=100 "
-         "--xla_tpu_scheduler_percent_shared_memory_limit=100 --xla_latency_hiding_scheduler_rerun=2")  # HOST_OFFLOAD_FLAGS
+         "--xla_tpu_scheduler_percent_shared_memory_limit=100 --xla_latency_hiding_scheduler_rerun=2")  # HOST_OFFLOAD
 _SA_2048 = [f"sa_{k}=2048" for k in ("block_q", "block_kv", "block_kv_compute", "block_q_dkv", "block_kv_dkv",
-                                     "block_kv_dkv_compute", "block_q_dq", "block_kv_dq")] + ["sa_use_fused_bwd_kernel=true"]
+                                     "block_kv_dkv_compute", "block_q_dq", "block_kv_dq")]
+_SA_2048.append("sa_use_fused_bwd_kernel=true")
 _OFFLOAD = ["remat_policy=custom", "decoder_layer_input=offload", "query_proj=offload", "key_proj=offload",
             "value_proj=offload"]
 # name: (MaxText flags, LIBTPU_INIT_ARGS, published MFU, where the config is (commit, recipe)); the run-only
@@ -285,14 +288,15 @@ def compile_one(row: tuple, out: str) -> None:
     with open(os.path.join(out, name, "step.hlo"), "w") as f:
         f.write(compiled.as_text())
     devices = list(mesh.devices.flat)
+    trillium = TRILLIUM[script.split(":", 1)[1]] if script.startswith("trillium:") else None
     record = {
         "row": name, "chip": chip, "script": script, "compile_topology": topology, "slices": slices,
         "flags": flags, "config_file": config_file, "deviation": deviation,
         **({"xla_flags": os.environ.get("XLA_FLAGS", "")} if chip in GPU_CHIPS else
            {"libtpu_init_args": os.environ.get("LIBTPU_INIT_ARGS", "")}),
         **({"published_tflops_per_chip": None, "published_tokens_per_s_per_device": published,
-            "published_mfu": TRILLIUM[script.split(":", 1)[1]][2], "config_source": TRILLIUM[script.split(":", 1)[1]][3]}
-           if script.startswith("trillium:") else {"published_tflops_per_chip": published}),
+            "published_mfu": trillium[2], "config_source": trillium[3]}
+           if trillium else {"published_tflops_per_chip": published}),
         "published_source": source,
         "maxtext_tflops_per_device": total, "maxtext_tflops_weights": weights,
         "maxtext_tflops_attention": attention,
