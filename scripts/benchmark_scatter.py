@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -26,16 +24,7 @@ from maxtrain.compile import predict
 from maxtrain.config import chips
 from maxtrain.errors import run_cli
 from maxtrain.models import moe_experts
-
-
-def median_seconds(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+from maxtrain.observability import metrics
 
 
 def predicted_seconds(compiled, device) -> float | None:
@@ -57,7 +46,7 @@ def measure(rows: int, experts: int, width: int, dtype: str, repeats: int) -> li
     out = []
     for name, forward in ways.items():
         gradient = jax.jit(lambda t, g, forward=forward: jax.vjp(forward, t)[1](g)[0])
-        seconds = median_seconds(gradient, (table, dy), repeats)
+        seconds = metrics.median_seconds(gradient, table, dy, warmup=1, iters=repeats)
         predicted = predicted_seconds(gradient.lower(table, dy).compile(), jax.devices()[0])
         out.append({"way": name, "dtype": dtype, "rows": rows, "experts": experts, "width": width,
                     "ms": seconds * 1e3, "ns_per_update": seconds / (rows * width) * 1e9,

@@ -15,6 +15,7 @@ step (builder.build, as train.py runs it) with attention=autoselected compiles f
 from __future__ import annotations
 
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -450,3 +451,33 @@ def test_qwen3_5_train_step_compiles_for_h100_with_the_gated_delta_kernel():
     run = builder.build(load_config([BASE_YML, *SMALL, *QWEN3_5]), devices=targets.parse("h100-1").devices())
     assert run.rt.gdn_kernel == "pallas" and "Pallas Triton" in run.rt.describe()
     assert "gated_delta_chunked" in run.compile().as_text()
+
+
+# gpt-oss's dropless experts with their biases: each row's expert bias comes from moe_experts.expert_rows, a
+# one-hot matmul, so no bias gradient is a scatter-add into the [experts, width] table (a contended bfloat16 one
+# on GPUs, docs/scale.md); compiled forward and backward, with the grouped GEMM (H100) and ragged_dot (TPU).
+GPT_OSS = ["decoder_block=gpt_oss", "head_dim=64", "sliding_window_size=128", "num_experts=4", "num_experts_per_tok=2",
+           "base_moe_mlp_dim=256", "moe_dispatch=dropless"]
+BIAS_SCATTER = re.compile(r"= \w+\[4,256\]\{[^}]*\} scatter\(")  # [experts, width]: a bias table
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_gpt_oss_dropless_biases_compile_for_h100_without_a_scatter():
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    run = builder.build(load_config([BASE_YML, *SMALL, *GPT_OSS]), devices=targets.parse("h100-1").devices())
+    hlo = run.compile().as_text()
+    assert run.rt.grouped_matmul == "pallas" and "grouped_matmul_weight_grad" in hlo
+    assert not BIAS_SCATTER.search(hlo)
+
+
+@pytest.mark.slow
+@needs_tpu_compiler
+def test_gpt_oss_dropless_biases_compile_for_tpu_without_a_scatter():
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    run = builder.build(load_config([BASE_YML, *SMALL, *GPT_OSS, "ici_fsdp_parallelism=4"]),
+                        devices=targets.parse("v5e-4").devices())
+    hlo = run.compile().as_text()
+    assert run.rt.grouped_matmul == "xla" and not BIAS_SCATTER.search(hlo)
