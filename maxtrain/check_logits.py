@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain import config as config_lib
-from maxtrain import errors, models, storage
+from maxtrain import errors, storage
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.errors import UserError, run_cli
 from maxtrain.parallel import sharding
@@ -83,7 +83,7 @@ def maxtrain_logits(checkpoint: str, ids: np.ndarray, log=print) -> np.ndarray:
     model = builder.load_model(config, devices=jax.devices()[:1], log=log)
     positions = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
     with jax.default_matmul_precision("highest"), sharding.activation_sharding(model.mesh, config.logical_axis_rules):
-        forward = jax.jit(lambda p, t: models.forward(p, t, positions, jnp.ones_like(t), model.config, model.rt)[0])
+        forward = jax.jit(lambda p, t: model.model.forward(p, t, positions, jnp.ones_like(t), model.rt)[0])
         return np.asarray(forward(model.params, ids))
 
 

@@ -40,7 +40,7 @@ def main(argv: list[str]) -> str:
     settings = sampling.sampling_settings(config)
     started = time.time()
     with sharding.activation_sharding(model.mesh, config.logical_axis_rules):
-        new = sampling.generate(model.params, prompt_ids, model.config, model.rt, max_new_tokens=config.max_new_tokens,
+        new = sampling.generate(model.params, prompt_ids, model.model, model.rt, max_new_tokens=config.max_new_tokens,
                                 seed=config.seed, eos_id=tokenizer.eos_ids, **settings)
     seconds = time.time() - started
     text = config.prompt + tokenizer.decode(new)

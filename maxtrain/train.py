@@ -106,8 +106,10 @@ def main(argv: list[str]) -> RunResult:
         hooks += [loop.TaskEval(task_evals, run.model_params, writer)] if task_evals else []
         if len(inputs.eval_batches) > 0 and inputs.tokenizer is not None and config.viz_period > 0 and not sampled:
             viz_batch = pipeline.to_global(inputs.eval_batches[0], mesh, rules, pipeline.EVAL_BATCH_AXES)
-            hooks.append(loop.Heatmap(config, run.rt, viz_batch, inputs.tokenizer, run.model_params, writer, log))
-        reporter = loop.Reporter(config, writer, peak_tflops(config), loss_scaled=run.rt.dtype == jnp.float16)
+            hooks.append(loop.Heatmap(config, run.model, run.rt, viz_batch, inputs.tokenizer, run.model_params, writer,
+                                      log))
+        reporter = loop.Reporter(config, writer, metrics.flops_per_token(run.model), peak_tflops(config),
+                                 loss_scaled=run.rt.dtype == jnp.float16)
         state, preempted = loop.train(step_fn, state, batches, int(jax.device_get(state["step"])), config.steps,
                                       hooks, reporter, Preemption(), log)
         writer.close()
@@ -148,7 +150,7 @@ def greedy_sample(run, state, tokenizer, prompt: list[int]) -> str | None:
     config = run.config
     if not prompt:
         return None
-    new = sampling.generate(run.model_params(state), prompt, config, run.rt, max_new_tokens=config.max_new_tokens,
+    new = sampling.generate(run.model_params(state), prompt, run.model, run.rt, max_new_tokens=config.max_new_tokens,
                             eos_id=tokenizer.eos_ids)
     sample = sampling.trim_sample(config.prompt + tokenizer.decode(new))  # not the blank lines after its end
     log(f"greedy sample from {config.prompt!r}:\n{sample}")

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain import config as config_lib
-from maxtrain import models, storage
+from maxtrain import storage
 from maxtrain.config import chips
 from maxtrain.compile import executable, hlo_stats, predict
 from maxtrain.compile import targets as topologies
@@ -72,7 +72,7 @@ def choose_layers(config, target: topologies.Target, devices):
 def choice_report(run) -> dict:
     """The choices made for the target beside report()'s figures: the experts' line (an MoE model: which form
     dropless dispatch runs) and the remat candidates tried (training/layer_choice.py)."""
-    return {"experts": builder.moe_line(run) if models.is_moe(run.config) else None,
+    return {"experts": builder.moe_line(run) if run.model.is_moe else None,
             "remat_choice": run.remat_choice or None}
 
 
@@ -92,7 +92,7 @@ def report(run, compiled, target: topologies.Target, seconds: float) -> dict:
         "target": target.describe(), "platform": target.platform, "chip": target.chip,
         "device_kind": devices[0].device_kind, "num_devices": len(devices),
         "hosts": len({getattr(d, "process_index", 0) for d in devices}),
-        "mesh": dict(run.mesh.shape), "model_name": config.model_name, "params": models.num_params(config),
+        "mesh": dict(run.mesh.shape), "model_name": config.model_name, "params": run.model.num_params,
         "attention": run.rt.attention, "attention_reason": run.rt.attention_reason,
         "remat_policy": run.rt.remat_policy, "dtype": jnp.dtype(run.rt.dtype).name,
         "global_batch": config.global_batch_size, "max_target_length": config.max_target_length,
@@ -104,7 +104,7 @@ def report(run, compiled, target: topologies.Target, seconds: float) -> dict:
         "libtpu": libtpu_version() if target.platform == "tpu" else None,
         "collective_bytes": stats.bytes_by_kind, "collective_counts": stats.count_by_kind,
         "unknown_trip_counts": stats.unknown_trip_counts,
-        "model_tflops_per_chip": metrics.flops_per_token(config) * config.tokens_per_step / len(devices) / 1e12,
+        "model_tflops_per_chip": metrics.flops_per_token(run.model) * config.tokens_per_step / len(devices) / 1e12,
         "compile_seconds": seconds,
         **prediction_figures(run, compiled, target),
     }
@@ -129,7 +129,7 @@ def prediction_inputs(run, target: topologies.Target) -> dict | None:
     return {"chip": chip.name, "mesh_shape": dict(run.mesh.shape),
             "devices": [{"platform": d.platform, "slice_index": int(getattr(d, "slice_index", 0) or 0),
                          "process_index": int(d.process_index)} for d in devices],
-            "model_flops_per_step": metrics.flops_per_token(config) * config.tokens_per_step / len(devices),
+            "model_flops_per_step": metrics.flops_per_token(run.model) * config.tokens_per_step / len(devices),
             "tokens_per_step": config.tokens_per_step, "num_chips": len(devices), "steps": config.steps}
 
 

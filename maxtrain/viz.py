@@ -50,7 +50,7 @@ def main(argv: list[str]) -> str:
     with sharding.activation_sharding(model.mesh, config.logical_axis_rules):
         batch = pipeline.to_global(inputs.eval_batches[0], model.mesh, config.logical_axis_rules,
                                    pipeline.EVAL_BATCH_AXES)
-        path = heatmap.write_heatmap(step, model.params, batch, config, model.rt, inputs.tokenizer)
+        path = heatmap.write_heatmap(step, model.params, batch, model.model, model.rt, inputs.tokenizer)
     print(f"wrote {path} (and {path[:-5]}.png)", flush=True)
     return path
 

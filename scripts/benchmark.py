@@ -64,7 +64,7 @@ import jax
 from maxtrain.training import builder, host_memory, measure
 from maxtrain.parallel import distributed, sharding
 from maxtrain.observability import metrics
-from maxtrain import errors, models, storage, train
+from maxtrain import errors, storage, train
 from maxtrain import config as config_lib
 from maxtrain.compile import fit as memory_lib
 
@@ -130,9 +130,9 @@ def run(argv: list[str]) -> dict:
             state = profile_steps(step_fn, state, batches, args.profile)
 
     result = {
-        **run_fields(argv, config, rt), "params_millions": models.num_params(config) / 1e6,
+        **run_fields(argv, config, rt), "params_millions": run.model.num_params / 1e6,
         "compile_seconds": compile_seconds, "warmup_steps": args.warmup,
-        **measure.step_figures(config, timings["times"], step_fn),
+        **measure.step_figures(run, timings["times"], step_fn),
         "cpu_seconds_per_step_median": statistics.median(timings["cpu_times"]),
         "first_loss": timings["losses"][0], "last_loss": timings["losses"][-1],
         "load_average_1min": os.getloadavg()[0],

@@ -28,7 +28,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402  pylint: disable=wrong-import-position
 
 from maxtrain import config as config_lib  # noqa: E402  pylint: disable=wrong-import-position
-from maxtrain import decode, evals, models  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain import decode, evals  # noqa: E402  pylint: disable=wrong-import-position
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
+from maxtrain.models.params import is_spec
 from maxtrain.errors import run_cli  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain.parallel import sharding  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain.data import hosts  # noqa: E402  pylint: disable=wrong-import-position
@@ -64,21 +67,21 @@ def main(argv: list[str]) -> None:
     args, overrides = parser.parse_known_args(argv)
     load_before = load_average()
     config = config_lib.with_devices(config_lib.load_config(overrides), jax.device_count())
-    mesh, rt = sharding.create_mesh(config), models.Runtime.from_config(config)
+    mesh, rt = sharding.create_mesh(config), Runtime.from_config(config)
     with Timer() as setup:
         evaluator = evals.TaskEvaluator(config, decode.tokenizer_for(config, log=lambda *_: None), mesh, rt,
                                         log=lambda *_: None)
     shardings = jax.tree.map(lambda s: sharding.named_sharding(mesh, s.axes, config.logical_axis_rules),
-                             models.param_specs(config), is_leaf=models.is_spec)
+                             Model.bind(config).param_specs, is_leaf=is_spec)
     key = jax.random.key(config.seed)
     if args.init_per_leaf:  # peak memory: the params and one leaf, not the whole init's temporaries twice over
-        shapes = jax.eval_shape(lambda k: models.init_params(config, k), key)
+        shapes = jax.eval_shape(lambda k: Model.bind(config).init_params(k), key)
         leaves, treedef = jax.tree.flatten(shapes)
         params = jax.tree.unflatten(treedef, [
             jax.jit(lambda k, leaf=leaf: 0.02 * jax.random.normal(k, leaf.shape, leaf.dtype), out_shardings=s)(
                 jax.random.fold_in(key, i)) for i, (leaf, s) in enumerate(zip(leaves, jax.tree.leaves(shardings)))])
     else:
-        params = jax.jit(lambda k: models.init_params(config, k), out_shardings=shardings)(key)
+        params = jax.jit(lambda k: Model.bind(config).init_params(k), out_shardings=shardings)(key)
     packed, rules = evaluator.packed, config.logical_axis_rules
     batches = evaluator.num_batches if args.max_batches <= 0 else min(args.max_batches, evaluator.num_batches)
     with sharding.activation_sharding(mesh, rules):
@@ -100,7 +103,7 @@ def main(argv: list[str]) -> None:
     scored_tokens = int((packed.segment_ids[:scored_rows] > 0).sum())
     line = (f"examples {len(evaluator.examples)}  requests {sum(evaluator.request_counts)}  tokens {tokens:,}  rows "
             f"{packed.num_rows} x {evaluator.settings['length']} in {evaluator.num_batches} batches of "
-            f"{evaluator.rows_per_batch}  params {models.num_params(config) / 1e6:.1f}M  devices {jax.device_count()}  "
+            f"{evaluator.rows_per_batch}  params {Model.bind(config).num_params / 1e6:.1f}M  devices {jax.device_count()}  "
             f"set-up {setup.wall:.1f}s  compile+1 batch {compiling.wall:.1f}s  ")
     if batches == evaluator.num_batches:
         line += (f"scoring {best.wall:.1f}s wall, {best.cpu:.1f}s CPU ({tokens / best.wall:,.0f} tokens/s)  ")

@@ -23,7 +23,9 @@ import shlex  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from maxtrain import models  # noqa: E402
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
+from maxtrain.models.params import is_spec
 from maxtrain.models import ops  # noqa: E402
 from maxtrain.parallel import sharding  # noqa: E402
 from maxtrain.config import load_config, with_devices  # noqa: E402
@@ -43,12 +45,12 @@ def compile_step(args, mesh_shape, with_shard_map: bool):
         f"per_device_batch_size={args.batch / 8}", "dtype=float32", "remat_policy=full", "attention=flash",
         "sa_block_q=64", "sa_block_kv=64", f"ici_data_parallelism={data}", f"ici_fsdp_parallelism={fsdp}",
         f"ici_tensor_parallelism={tensor}"]), 8)
-    rt = models.Runtime.from_config(cfg, "cpu")
+    rt = Runtime.from_config(cfg, "cpu")
     mesh = sharding.create_mesh(cfg, jax.devices())
     rules = cfg.logical_axis_rules
-    param_shardings = jax.tree.map(lambda s: sharding.named_sharding(mesh, s.axes, rules), models.param_specs(cfg),
-                                   is_leaf=models.is_spec)
-    params = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+    param_shardings = jax.tree.map(lambda s: sharding.named_sharding(mesh, s.axes, rules), Model.bind(cfg).param_specs,
+                                   is_leaf=is_spec)
+    params = jax.eval_shape(lambda: Model.bind(cfg).init_params(jax.random.key(0)))
     batch_sharding = sharding.named_sharding(mesh, ("batch", "length"), rules)
     shape = (args.batch, args.length)
     batch = {k: jax.ShapeDtypeStruct(shape, dt) for k, dt in (("inputs", np.int32), ("targets", np.int32),
@@ -56,7 +58,7 @@ def compile_step(args, mesh_shape, with_shard_map: bool):
                                                              ("loss_weights", np.float32))}
 
     def loss(p, b):
-        logits, _ = models.forward(p, b["inputs"], b["positions"], b["segment_ids"], cfg, rt)
+        logits, _ = Model.bind(cfg).forward(p, b["inputs"], b["positions"], b["segment_ids"], rt)
         return ops.cross_entropy(logits, b["targets"], b["loss_weights"])
 
     original = sharding.run_in_shards

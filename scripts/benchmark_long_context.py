@@ -37,7 +37,9 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain import config as config_lib
-from maxtrain import models
+
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
 from maxtrain.errors import run_cli
 from maxtrain.observability import metrics
 
@@ -58,10 +60,10 @@ def model_config(family: str, cycle: int, seq: int, gdn_heads: int, chunk: int):
 
 def step_program(cfg):
     """jit of (params, batch) -> (mean loss, grads): what a train step computes, without the optimizer."""
-    rt = models.Runtime.from_config(cfg, backend=jax.default_backend())
+    rt = Runtime.from_config(cfg, backend=jax.default_backend())
 
     def mean_loss(params, batch):
-        loss, weight, _ = models.loss_fn(params, batch, cfg, rt)
+        loss, weight, _ = Model.bind(cfg).loss_fn(params, batch, rt)
         return loss / jnp.maximum(weight, 1.0)
 
     return jax.jit(jax.value_and_grad(mean_loss))
@@ -75,7 +77,7 @@ def make_batch(seq: int, vocab: int) -> dict:
 
 def measure(cfg, seq: int, warmup: int, steps: int) -> tuple[float, float, float]:
     """(compile seconds, median step seconds, compiled temporaries in GB) of one model at one length."""
-    params = models.init_params(cfg, jax.random.key(0))
+    params = Model.bind(cfg).init_params(jax.random.key(0))
     batch = make_batch(seq, cfg.vocab_size)
     start = time.perf_counter()
     compiled = step_program(cfg).lower(params, batch).compile()

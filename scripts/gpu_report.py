@@ -413,7 +413,7 @@ def training(plan: Plan, overrides: list) -> dict:
     with sharding.activation_sharding(run.mesh, run.config.logical_axis_rules):
         for i in range(warmup + steps):
             state = measure.timed_step(step_fn, state, batches[i % len(batches)], timings, timed=i >= warmup)
-    figures = measure.step_figures(run.config, timings["times"], step_fn)
+    figures = measure.step_figures(run, timings["times"], step_fn)
     predicted = predicted_step_ms(run, step_fn)
     c = run.config
     del state, step_fn, batches
@@ -439,7 +439,7 @@ def predicted_step_ms(run, step_fn) -> float | None:
     if chip is None or not (chip.bf16_flops and chip.hbm_bytes_per_s):
         return None
     return 1e3 * predict.predict(predict.program_costs(step_fn.as_text(), devices, dict(run.mesh.shape)), chip,
-                                 model_flops_per_step=metrics.flops_per_token(c) * c.tokens_per_step / len(devices),
+                                 model_flops_per_step=metrics.flops_per_token(run.model) * c.tokens_per_step / len(devices),
                                  tokens_per_step=c.tokens_per_step, num_chips=len(devices))["step_seconds"]
 
 

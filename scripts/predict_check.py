@@ -107,7 +107,7 @@ def row_costs(chip: str, label: str, cache: str | None):
         devices = [predict.DeviceRecord(d.platform, getattr(d, "slice_index", 0) or 0, d.process_index)
                    for d in run.mesh.devices.flat]
         c = run.config  # with the devices: the global batch
-        model_flops, tokens = metrics.flops_per_token(c) * c.tokens_per_step, c.tokens_per_step
+        model_flops, tokens = metrics.flops_per_token(run.model) * c.tokens_per_step, c.tokens_per_step
         print(f"  compiled {chip} {label} in {time.time() - t:.0f} s", file=sys.stderr, flush=True)
         if path:
             os.makedirs(cache, exist_ok=True)

@@ -279,12 +279,13 @@ def hf_model(config: dict, mutate: Callable | None = None):
         import jax  # pylint: disable=import-outside-toplevel
         import numpy as np  # pylint: disable=import-outside-toplevel
 
-        from maxtrain import models  # pylint: disable=import-outside-toplevel
+        from maxtrain.models.model import Model  # pylint: disable=import-outside-toplevel
+        from maxtrain.models.params import is_spec  # pylint: disable=import-outside-toplevel
         from maxtrain.checkpointing import convert, safetensors_files  # pylint: disable=import-outside-toplevel
 
         keys = convert.model_keys(config)
-        specs = models.family(convert.spec_config(keys)).param_specs(convert.spec_config(keys))
-        params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), specs, is_leaf=models.is_spec)
+        specs = Model.bind(convert.spec_config(keys)).param_specs
+        params = jax.tree.map(lambda s: np.zeros(s.shape, np.float32), specs, is_leaf=is_spec)
         tensors = convert.to_hf(params, keys, np.float32)
         if mutate:
             mutate(tensors)

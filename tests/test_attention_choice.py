@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import BASE_YML, TINY
-from maxtrain import models
+from maxtrain.models.runtime import Runtime
 from maxtrain.config import load_config, with_overrides
 from maxtrain.models import attention, attention_choice, attention_check
 
@@ -78,10 +78,10 @@ def test_the_measured_table_names_its_device_date_and_source():
 
 def test_the_start_up_summary_names_the_choice_and_the_reason(without_tokamax):
     cfg = load_config([BASE_YML, *with_overrides(TINY, "attention=autoselected", "dtype=bfloat16")])
-    text = models.Runtime.from_config(cfg, "gpu", capability="9.0").describe()
+    text = Runtime.from_config(cfg, "gpu", capability="9.0").describe()
     assert f"attention cudnn (autoselected for gpu) [cudnn: fastest measured for head_dim {cfg.head_dim} at " \
            f"{cfg.max_target_length} tokens on sm90" in text
-    text = models.Runtime.from_config(cfg.replace(attention="flash"), "gpu").describe()
+    text = Runtime.from_config(cfg.replace(attention="flash"), "gpu").describe()
     assert "attention flash (Pallas Triton)  " in text  # chosen by the user: no reason
 
 

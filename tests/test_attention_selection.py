@@ -7,7 +7,8 @@ import pytest
 
 from conftest import BASE_YML, TINY
 from maxtrain.models import attention
-from maxtrain import models
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
 from maxtrain.config import load_config, with_overrides
 
 
@@ -66,29 +67,29 @@ def test_valid_explicit_choices_pass_through():
 def test_runtime_describes_what_was_autoselected():
     cfg = load_config([BASE_YML, *with_overrides(TINY, "attention=autoselected", "dtype=autoselected",
                                                  "remat_policy=autoselected")])
-    text = models.Runtime.from_config(cfg, "cpu").describe()
+    text = Runtime.from_config(cfg, "cpu").describe()
     assert "attention dot_product (autoselected for cpu)" in text
     assert "dtype float32 (autoselected for cpu)" in text
     # A small dense model on CPU: nothing recomputed, layers unrolled (measured faster, docs/performance.md).
     assert "remat none (autoselected for cpu)  layers unrolled (autoselected for cpu)" in text
-    assert "remat full (autoselected for tpu)" in models.Runtime.from_config(cfg, "tpu").describe()
-    assert models.Runtime.from_config(cfg, "gpu").dtype == jnp.bfloat16
-    text = models.Runtime.from_config(cfg.replace(remat_policy="none", dtype="bfloat16"), "cpu").describe()
+    assert "remat full (autoselected for tpu)" in Runtime.from_config(cfg, "tpu").describe()
+    assert Runtime.from_config(cfg, "gpu").dtype == jnp.bfloat16
+    text = Runtime.from_config(cfg.replace(remat_policy="none", dtype="bfloat16"), "cpu").describe()
     assert "remat none" in text and "remat none (" not in text  # chosen by the user: no tag
     assert "unrolled" not in text
     assert "dtype bfloat16  " in text
     cfg = load_config([BASE_YML, *TINY, "attention=flash"])
-    assert "flash (Pallas interpret mode: slow" in models.Runtime.from_config(cfg, "cpu").describe()
+    assert "flash (Pallas interpret mode: slow" in Runtime.from_config(cfg, "cpu").describe()
     # The config error surfaces at start-up, before anything is built.
     with pytest.raises(ValueError, match="attention=cudnn needs an NVIDIA GPU"):
-        models.Runtime.from_config(load_config([BASE_YML, *TINY, "attention=cudnn"]), "cpu")
+        Runtime.from_config(load_config([BASE_YML, *TINY, "attention=cudnn"]), "cpu")
 
 
 def test_flash_on_cpu_runs_the_kernel_in_interpret_mode_and_matches_dot_product():
     """The model's dispatch really reaches the Pallas kernel (interpreted) and gives the same loss."""
     overrides = with_overrides(TINY, "base_num_decoder_layers=1", "max_target_length=16")
     cfg = load_config([BASE_YML, *overrides, "attention=flash", "sa_block_q=16", "sa_block_kv=16"])
-    params = models.init_params(cfg, jax.random.key(0))
+    params = Model.bind(cfg).init_params(jax.random.key(0))
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 17)), jnp.int32)
     segments = jnp.asarray([[1] * 10 + [2] * 6, [1] * 16], jnp.int32)  # a packed row and a plain one
@@ -97,8 +98,8 @@ def test_flash_on_cpu_runs_the_kernel_in_interpret_mode_and_matches_dot_product(
              "loss_weights": jnp.ones((2, 16), jnp.float32)}
     losses = {}
     for name in ("flash", "dot_product"):
-        rt = models.Runtime.from_config(cfg.replace(attention=name), "cpu")
-        losses[name] = jax.jit(lambda p, rt=rt: models.loss_fn(p, batch, cfg, rt)[0])(params)
+        rt = Runtime.from_config(cfg.replace(attention=name), "cpu")
+        losses[name] = jax.jit(lambda p, rt=rt: Model.bind(cfg).loss_fn(p, batch, rt)[0])(params)
     np.testing.assert_allclose(losses["flash"], losses["dot_product"], rtol=1e-5)
 
 
@@ -112,7 +113,7 @@ def test_gemma_with_flash_matches_dot_product(family):
     if family == "gemma2":
         overrides += ["attn_logits_soft_cap=20.0", "final_logits_soft_cap=30.0"]
     cfg = load_config([BASE_YML, *overrides, "attention=flash"])
-    params = models.init_params(cfg, jax.random.key(1))
+    params = Model.bind(cfg).init_params(jax.random.key(1))
     rng = np.random.default_rng(1)
     length = cfg.max_target_length
     tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, length + 1)), jnp.int32)
@@ -123,8 +124,8 @@ def test_gemma_with_flash_matches_dot_product(family):
              "positions": jnp.asarray(positions, jnp.int32), "loss_weights": jnp.ones((2, length), jnp.float32)}
     results = {}
     for name in ("flash", "dot_product"):
-        rt = models.Runtime.from_config(cfg.replace(attention=name), "cpu")
-        results[name] = jax.jit(jax.value_and_grad(lambda p, rt=rt: models.loss_fn(p, batch, cfg, rt)[0]))(params)
+        rt = Runtime.from_config(cfg.replace(attention=name), "cpu")
+        results[name] = jax.jit(jax.value_and_grad(lambda p, rt=rt: Model.bind(cfg).loss_fn(p, batch, rt)[0]))(params)
     np.testing.assert_allclose(results["flash"][0], results["dot_product"][0], rtol=1e-5)
     for got, want in zip(jax.tree.leaves(results["flash"][1]), jax.tree.leaves(results["dot_product"][1])):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

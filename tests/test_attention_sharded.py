@@ -21,7 +21,9 @@ from maxtrain.config import with_overrides
 
 from conftest import BASE_YML, TINY
 from maxtrain.models import attention, ops
-from maxtrain import models
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
+from maxtrain.models.params import is_spec
 from maxtrain.parallel import sharding
 from maxtrain.config import load_config, with_devices
 
@@ -58,20 +60,20 @@ def _batch(cfg):
 
 def _loss(params, batch, cfg, rt):
     """Mean token loss; the only call into the model."""
-    logits, _ = models.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"], cfg, rt)
+    logits, _ = Model.bind(cfg).forward(params, batch["inputs"], batch["positions"], batch["segment_ids"], rt)
     return ops.cross_entropy(logits, batch["targets"], batch["loss_weights"]) / GLOBAL_BATCH / LENGTH
 
 
 def _compile(mesh_name, attention_name, devices):
     """(compiled loss-and-grad step, params, batch) on `devices` with the named mesh."""
     cfg = _config(len(devices), MESHES[mesh_name] if len(devices) > 1 else (1, 1, 1), attention_name)
-    rt = models.Runtime.from_config(cfg, "cpu")
+    rt = Runtime.from_config(cfg, "cpu")
     mesh = sharding.create_mesh(cfg, devices)
     rules = cfg.logical_axis_rules
-    param_shardings = jax.tree.map(lambda s: sharding.named_sharding(mesh, s.axes, rules), models.param_specs(cfg),
-                                   is_leaf=models.is_spec)
+    param_shardings = jax.tree.map(lambda s: sharding.named_sharding(mesh, s.axes, rules), Model.bind(cfg).param_specs,
+                                   is_leaf=is_spec)
     batch_sharding = sharding.named_sharding(mesh, ("batch", "length"), rules)
-    params = jax.device_put(models.init_params(cfg, jax.random.key(0)), param_shardings)
+    params = jax.device_put(Model.bind(cfg).init_params(jax.random.key(0)), param_shardings)
     batch = jax.device_put(_batch(cfg), batch_sharding)
     with sharding.activation_sharding(mesh, rules):
         step = jax.jit(jax.value_and_grad(lambda p, b: _loss(p, b, cfg, rt)),

@@ -5,7 +5,7 @@ import pytest
 
 from conftest import BASE_YML, REPO
 from maxtrain import config as config_lib
-from maxtrain import models
+from maxtrain.models.model import Model
 from maxtrain.config import ConfigError, features, limits, load_config, registry, with_devices
 
 
@@ -69,7 +69,7 @@ def test_every_base_key_has_a_comment():
 ])
 def test_presets_have_the_published_sizes(name, expected_millions):
     cfg = load(f"model_name={name}")
-    assert abs(models.num_params(cfg) / 1e6 - expected_millions) / expected_millions < 0.01
+    assert abs(Model.bind(cfg).num_params / 1e6 - expected_millions) / expected_millions < 0.01
 
 
 def test_preset_then_override_precedence():
@@ -232,7 +232,7 @@ def test_the_registry_plans_each_layers_attention_as_the_family_builds_it():
                 continue  # a window where no layer slides
             # the plan says which layers slide; the others attend fully, in Llama 4's chunks, or not at all (a
             # recurrent layer, which has no window either)
-            built = [t.attention if t.attention == "sliding" else "full" for t in models.family(cfg).layer_types(cfg)]
+            built = [t.attention if t.attention == "sliding" else "full" for t in Model.bind(cfg).layer_types]
             assert built == features.layer_attention(cfg.to_dict()), preset
 
 

@@ -15,7 +15,9 @@ import pytest
 
 from ckpt_helpers import REPO, args, cache_dir  # noqa: F401  (cache_dir is a fixture)
 from maxtrain.checkpointing import files as checkpoint_files, convert, safetensors_files
-from maxtrain import models
+from maxtrain.models.model import Model
+from maxtrain.models import model_keys
+from maxtrain.models.params import is_spec
 from maxtrain.parallel import sharding
 from maxtrain import config as config_lib
 
@@ -58,11 +60,11 @@ def test_imported_checkpoint_loads_into_a_sharded_model_and_refuses_full_state(t
                  "normalization_layer_epsilon": 1e-5, "logits_via_embedding": False}
     config = maxtrain_config(overrides)
     rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), models.param_specs(config),
-                          is_leaf=models.is_spec)
+    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), Model.bind(config).param_specs,
+                          is_leaf=is_spec)
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
-    keys = {k: getattr(config, k) for k in models.MODEL_KEYS}
+    keys = {k: getattr(config, k) for k in model_keys.MODEL_KEYS}
     safetensors_files.write(str(hf_dir / "model.safetensors"), convert.to_hf(params, keys, np.float32))
     (hf_dir / "config.json").write_text(json.dumps(convert.hf_config(keys, None, "float32")))
     convert.import_hf(str(hf_dir), str(tmp_path / "mt"))
@@ -70,7 +72,7 @@ def test_imported_checkpoint_loads_into_a_sharded_model_and_refuses_full_state(t
     config = config_lib.with_devices(config.replace(ici_fsdp_parallelism=4, ici_tensor_parallelism=2), 8)
     mesh = sharding.create_mesh(config)
     abstract = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32, sharding=sharding.named_sharding(
-        mesh, s.axes, config.logical_axis_rules)), models.param_specs(config), is_leaf=models.is_spec)
+        mesh, s.axes, config.logical_axis_rules)), Model.bind(config).param_specs, is_leaf=is_spec)
     loaded = checkpoint_files.load_params(str(tmp_path / "mt"), abstract, config)
     assert loaded["layers"]["decoder"]["wq"].sharding == abstract["layers"]["decoder"]["wq"].sharding
     assert np.asarray(loaded["layers"]["decoder"]["wq"]).tobytes() == params["layers"]["decoder"]["wq"].tobytes()

@@ -12,7 +12,8 @@ import jax
 import numpy as np
 import pytest
 
-from maxtrain import models
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
 from maxtrain.data import packing
 
 T = 32
@@ -102,10 +103,10 @@ def test_concat_then_split_rows_are_the_document_stream_without_padding():
 @functools.cache
 def _tiny_model():
     cfg = h.config(*h.TINY_MODEL, f"max_target_length={T}")
-    rt = models.Runtime.from_config(cfg)
-    forward = jax.jit(lambda p, tokens, positions, segments: models.forward(p, tokens, positions, segments, cfg, rt)[0])
-    loss = jax.jit(lambda p, batch: models.loss_fn(p, batch, cfg, rt)[:2])
-    return forward, loss, models.init_params(cfg, jax.random.key(3))
+    rt = Runtime.from_config(cfg)
+    forward = jax.jit(lambda p, tokens, positions, segments: Model.bind(cfg).forward(p, tokens, positions, segments, rt)[0])
+    loss = jax.jit(lambda p, batch: Model.bind(cfg).loss_fn(p, batch, rt)[:2])
+    return forward, loss, Model.bind(cfg).init_params(jax.random.key(3))
 
 
 @pytest.mark.parametrize("kind", ["first_fit", "concat_then_split"])

@@ -15,7 +15,9 @@ import pytest
 
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
-from maxtrain import decode, models
+from maxtrain import decode
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.checkpointing import manager as checkpoint
 from maxtrain.config import with_overrides
@@ -29,15 +31,16 @@ TINY = ["base_emb_dim=32", "base_num_query_heads=4", "base_num_kv_heads=2", "bas
         "base_num_decoder_layers=2", "head_dim=16", "vocab_size=512", "max_target_length=32",
         "per_device_batch_size=1", "default_corpus_max_mb=1"]
 
-forward = jax.jit(lambda *a: models.forward(*a)[0], static_argnums=(4, 5))
+forward = jax.jit(lambda p, t, pos, seg, config, rt: Model.bind(config).forward(p, t, pos, seg, rt)[0],
+                  static_argnums=(4, 5))
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     out = tmp_path_factory.mktemp("decode")
     config = config_lib.load_config(["configs/base.yml", *TINY, f"base_output_directory={out}", "run_name=r"])
-    rt = models.Runtime.from_config(config)
-    params = jax.jit(models.init_params, static_argnums=0)(config, jax.random.key(1))
+    rt = Runtime.from_config(config)
+    params = jax.jit(Model.bind(config).init_params)(jax.random.key(1))
     # Sharper logits than at initialization, so that greedy choices are far from ties.
     params["output"] = params["output"] * 8.0
     return config, rt, params
@@ -46,7 +49,7 @@ def tiny(tmp_path_factory):
 def test_greedy_with_cache_equals_argmax_of_full_forward_at_every_position(tiny):
     config, rt, params = tiny
     prompt = [1, 17, 99, 250, 3]
-    new = sampling.generate(params, prompt, config, rt, max_new_tokens=20)
+    new = sampling.generate(params, prompt, Model.bind(config), rt, max_new_tokens=20)
     assert len(new) == 20
     tokens = jnp.asarray([prompt + new], jnp.int32)
     positions = jnp.arange(tokens.shape[1])[None]
@@ -64,8 +67,8 @@ def test_cached_logits_match_full_forward(tiny):
     tokens = jax.random.randint(jax.random.key(2), (2, 24), 4, config.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(24), tokens.shape)
     full = forward(params, tokens, positions, jnp.ones_like(tokens), config, rt)
-    step = jax.jit(lambda p, t, pos, c, i: models.forward_with_cache(p, t, pos, c, i, config, rt))
-    cache = models.init_cache(config, 2, 24, rt.dtype)
+    step = jax.jit(lambda p, t, pos, c, i: Model.bind(config).forward_with_cache(p, t, pos, c, i, rt))
+    cache = Model.bind(config).init_cache(2, 24, rt.dtype)
     pieces, index = [], 0
     for length in (8, 1, 1, 1, 13):  # a prefill, single tokens, then a chunk
         logits, cache = step(params, tokens[:, index:index + length], positions[:, index:index + length], cache, index)
@@ -80,15 +83,15 @@ def test_cached_logits_match_full_forward_with_post_norms_qk_norm_over_heads_and
     config = config_lib.load_config(with_overrides(["configs/base.yml", *TINY], "decoder_block=olmo3",
                                                    "base_num_decoder_layers=4", "sliding_window_size=4",
                                                    "local_rope_max_timescale=100.0"))
-    rt = models.Runtime.from_config(config)
-    params = jax.jit(models.init_params, static_argnums=0)(config, jax.random.key(1))
+    rt = Runtime.from_config(config)
+    params = jax.jit(Model.bind(config).init_params)(jax.random.key(1))
     params["layers"]["decoder"]["q_norm"] = 1.0 + jax.random.normal(jax.random.key(3), params["layers"]["decoder"][
         "q_norm"].shape)  # per-feature scales, so that normalizing over the wrong features would show
     tokens = jax.random.randint(jax.random.key(2), (2, 9), 4, config.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(9), tokens.shape)
     full = forward(params, tokens, positions, jnp.ones_like(tokens), config, rt)
-    step = jax.jit(lambda p, t, pos, c, i: models.forward_with_cache(p, t, pos, c, i, config, rt))
-    cache, pieces = models.init_cache(config, 2, 9, rt.dtype), []
+    step = jax.jit(lambda p, t, pos, c, i: Model.bind(config).forward_with_cache(p, t, pos, c, i, rt))
+    cache, pieces = Model.bind(config).init_cache(2, 9, rt.dtype), []
     for index, length in ((0, 7), (7, 1), (8, 1)):  # a prefill longer than the window, then single tokens
         logits, cache = step(params, tokens[:, index:index + length], positions[:, index:index + length], cache, index)
         pieces.append(logits)
@@ -99,9 +102,9 @@ def test_seeded_sampling_is_deterministic(tiny):
     config, rt, params = tiny
     settings = {"temperature": 0.8, "top_k": 100, "top_p": 0.95}  # every sampling stage on
     prompt = [1, 5, 6, 7]
-    a = sampling.generate(params, prompt, config, rt, max_new_tokens=16, seed=3, **settings)
-    b = sampling.generate(params, prompt, config, rt, max_new_tokens=16, seed=3, **settings)
-    c = sampling.generate(params, prompt, config, rt, max_new_tokens=16, seed=4, **settings)
+    a = sampling.generate(params, prompt, Model.bind(config), rt, max_new_tokens=16, seed=3, **settings)
+    b = sampling.generate(params, prompt, Model.bind(config), rt, max_new_tokens=16, seed=3, **settings)
+    c = sampling.generate(params, prompt, Model.bind(config), rt, max_new_tokens=16, seed=4, **settings)
     assert a == b
     assert a != c
 
@@ -160,7 +163,7 @@ def step_dir(tiny):
     config = config_lib.with_devices(config, 1)
     # train_step.init_state's layout, around the fixture's params.
     state = {"step": jnp.asarray(7, jnp.int32), "params": params,
-             "opt_state": optimizer.make_optimizer(config).init(params),
+             "opt_state": optimizer.make_optimizer(config, Model.bind(config)).init(params),
              "loss_scale": precision.init_loss_scale(config, rt.dtype), "rng": jax.random.key_data(jax.random.key(0))}
     ckpt = checkpoint.Checkpointer(config.replace(async_checkpointing=False))
     ckpt.save(7, state, pipeline.synthetic_iterator(config, 0), {"config": {}})
@@ -179,7 +182,7 @@ def test_decode_cli_loads_params_from_a_training_checkpoint(tiny, step_dir, caps
 
     # The same continuation as greedy decoding of the in-memory params (20 tokens: compiled already).
     tokenizer = data_lib.tokenizer_for(config)
-    expected = sampling.generate(params, [tokenizer.bos_id] + tokenizer.encode("def "), config, rt, max_new_tokens=20)
+    expected = sampling.generate(params, [tokenizer.bos_id] + tokenizer.encode("def "), Model.bind(config), rt, max_new_tokens=20)
     expected = expected[:12]
     expected = expected[:expected.index(tokenizer.eos_id)] if tokenizer.eos_id in expected else expected
     assert text == "def " + tokenizer.decode(expected)
@@ -218,18 +221,18 @@ def test_decode_with_a_tokenizer_smaller_than_the_model_vocabulary(tiny, step_di
 def test_generate_stops_at_any_of_several_eos_ids(tiny):
     config, rt, params = tiny
     prompt = [1, 17, 99, 250, 3]  # the shapes of the first test: compiled already
-    new = sampling.generate(params, prompt, config, rt, max_new_tokens=20)
+    new = sampling.generate(params, prompt, Model.bind(config), rt, max_new_tokens=20)
     first, second = new[4], new[7]
-    assert sampling.generate(params, prompt, config, rt, max_new_tokens=20, eos_id=(second, first)) == \
+    assert sampling.generate(params, prompt, Model.bind(config), rt, max_new_tokens=20, eos_id=(second, first)) == \
         new[:new.index(first)]
-    assert sampling.generate(params, prompt, config, rt, max_new_tokens=20, eos_id=second) == new[:new.index(second)]
+    assert sampling.generate(params, prompt, Model.bind(config), rt, max_new_tokens=20, eos_id=second) == new[:new.index(second)]
 
 
 def test_load_params_places_arrays_on_the_mesh(tiny, step_dir):
     """Only the params are read, each with the sharding it is given (FSDP over every device)."""
     config = config_lib.with_devices(tiny[0], jax.device_count())
     mesh = sharding.create_mesh(config)
-    restored = checkpoint_files.load_params(step_dir, builder.abstract_params(config, mesh))
+    restored = checkpoint_files.load_params(step_dir, builder.abstract_params(Model.bind(config), mesh))
     assert sorted(restored) == sorted(tiny[2])
     assert restored["token_embedding"].sharding.mesh.shape == mesh.shape
     np.testing.assert_array_equal(np.asarray(restored["output"]), np.asarray(tiny[2]["output"]))
@@ -239,7 +242,7 @@ def test_no_new_tokens_is_an_empty_result_not_an_index_error(tiny):
     """max_new_tokens=0 traced a loop body that indexes an empty array (a raw IndexError in maxtrain.decode)."""
     config, rt, params = tiny
     assert sampling.generate(params, [1, 17], config, rt, max_new_tokens=0) == []
-    assert sampling.generate_tokens(params, jnp.asarray([[1, 17]], jnp.int32), jax.random.key(0), config=config,
+    assert sampling.generate_tokens(params, jnp.asarray([[1, 17]], jnp.int32), jax.random.key(0), model=Model.bind(config),
                                     rt=rt, max_new_tokens=0, temperature=0.0, top_k=0, top_p=1.0).shape == (1, 0)
 
 

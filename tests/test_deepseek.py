@@ -16,7 +16,8 @@ import pytest
 
 from ckpt_helpers import assert_bitwise_equal, cache_dir, train  # noqa: F401  (cache_dir is a fixture)
 from conftest import BASE_YML, TINY
-from maxtrain import models
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.config import ConfigError, load_config, with_overrides
 from maxtrain.models import moe, moe_deepseek, sampling
@@ -67,7 +68,7 @@ def test_the_bias_update_alone_balances_a_skewed_router():
     s = settings(num_experts=4, top_k=1, groups=1, topk_groups=1, scaling=1.0)
     config = tiny("num_experts=4", "num_experts_per_tok=1", "n_routing_groups=-1", "topk_routing_group=-1",
                   "routed_bias_update_rate=0.01")
-    types = models.family(config).layer_types(config)  # one dense layer, one MoE layer (index 1)
+    types = Model.bind(config).layer_types  # one dense layer, one MoE layer (index 1)
 
     def shares(bias):
         experts = moe.route(logits, s, bias)[1]
@@ -124,14 +125,14 @@ def test_the_train_step_moves_the_bias_by_the_sign_rule_and_a_resumed_run_contin
 @pytest.mark.slow
 def test_mla_decoding_from_the_latent_cache_equals_the_full_forward():
     config = tiny("max_target_length=16")
-    rt = models.Runtime.from_config(config)
-    params = jax.jit(lambda key: models.init_params(config, key))(jax.random.key(3))
-    cache = models.init_cache(config, 1, 10, rt.dtype)
+    rt = Runtime.from_config(config)
+    params = jax.jit(lambda key: Model.bind(config).init_params(key))(jax.random.key(3))
+    cache = Model.bind(config).init_cache(1, 10, rt.dtype)
     assert cache["k"].shape == (2, 1, 10, 1, 16) and cache["v"].shape == (2, 1, 10, 1, 4)  # latent, RoPE key
     prompt = [5, 17, 3, 99]
-    new = [int(t) for t in sampling.generate(params, prompt, config, rt, max_new_tokens=6)]
+    new = [int(t) for t in sampling.generate(params, prompt, Model.bind(config), rt, max_new_tokens=6)]
     ids = jnp.asarray([prompt + new])  # the full forward over prompt + generated: each token its argmax
-    logits = jax.jit(lambda p: models.forward(p, ids, jnp.arange(10)[None], jnp.ones_like(ids), config, rt)[0])(params)
+    logits = jax.jit(lambda p: Model.bind(config).forward(p, ids, jnp.arange(10)[None], jnp.ones_like(ids), rt)[0])(params)
     assert [int(t) for t in jnp.argmax(logits[0, len(prompt) - 1:-1], axis=-1)] == new
 
 
@@ -210,7 +211,7 @@ def test_expert_parallelism_computes_the_deepseek_block_like_one_device(dispatch
 
     config = tiny("routed_bias_update_rate=0.01", "seq_balance_loss_weight=0.1", "load_balance_loss_weight=0.01",
                   f"moe_dispatch={dispatch}", "capacity_factor=1.0")
-    rt = models.Runtime.from_config(config)
+    rt = Runtime.from_config(config)
     p = params_lib.init_params(moe.specs(config), jax.random.key(0), "float32")
     p["router_bias"] = 0.1 * jax.random.normal(jax.random.key(1), (8,))
     x = jax.random.normal(jax.random.key(2), (8, 16, config.base_emb_dim))

@@ -13,7 +13,9 @@ import pytest
 
 from ckpt_helpers import REPO
 from maxtrain import config as config_lib
-from maxtrain import models
+from maxtrain.models.model import Model
+from maxtrain.models import model_keys
+from maxtrain.models.params import is_spec
 from maxtrain.checkpointing import convert, dequantize, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
 
@@ -106,9 +108,8 @@ def test_quantised_pairs_read_through_the_import_hook(tmp_path):
     config = config_lib.load_config([str(REPO / "configs" / "base.yml"), "base_emb_dim=160", "base_num_query_heads=2",
                                      "base_num_kv_heads=1", "head_dim=32", "base_mlp_dim=136",
                                      "base_num_decoder_layers=1", "vocab_size=256"])
-    keys = {k: getattr(config, k) for k in models.MODEL_KEYS}
-    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), models.param_specs(
-        convert.spec_config(keys)), is_leaf=models.is_spec)
+    keys = {k: getattr(config, k) for k in model_keys.MODEL_KEYS}
+    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), Model.bind(convert.spec_config(keys)).param_specs, is_leaf=is_spec)
     hf, quantised = convert.to_hf(params, keys, np.float32), {}
     for name, w in hf.items():
         if name.endswith("proj.weight"):
@@ -148,9 +149,8 @@ def test_a_gpt_oss_checkpoint_with_mxfp4_experts_imports_as_its_dequantised_weig
                                      "num_experts_per_tok=2", "base_emb_dim=64", "base_num_query_heads=2",
                                      "base_num_kv_heads=1", "head_dim=16", "base_mlp_dim=32",
                                      "base_num_decoder_layers=2", "vocab_size=128", "sliding_window_size=8"])
-    keys = {k: getattr(config, k) for k in models.MODEL_KEYS}
-    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), models.param_specs(
-        convert.spec_config(keys)), is_leaf=models.is_spec)
+    keys = {k: getattr(config, k) for k in model_keys.MODEL_KEYS}
+    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), Model.bind(convert.spec_config(keys)).param_specs, is_leaf=is_spec)
     hf, quantised = convert.to_hf(params, keys, np.float32), {}
     for name, w in hf.items():
         if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
@@ -290,8 +290,7 @@ def test_the_import_refuses_a_quantised_tensor_without_its_scale_and_writes_noth
     assert exit_.value.code == 2 and not (tmp_path / "out").exists()
 
     keys = convert.model_keys(convert.read_hf_config(hf_dir))
-    tensors = convert.to_hf(jax.tree.map(lambda s: np.zeros(s.shape, np.float32), models.param_specs(
-        convert.spec_config(keys)), is_leaf=models.is_spec), keys, np.float32)
+    tensors = convert.to_hf(jax.tree.map(lambda s: np.zeros(s.shape, np.float32), Model.bind(convert.spec_config(keys)).param_specs, is_leaf=is_spec), keys, np.float32)
     tensors["model.layers.0.mlp.up_proj.weight"] = tensors["model.layers.0.mlp.up_proj.weight"].astype(np.int8)
     with pytest.raises(convert.ConversionError, match=r"model.layers.0.mlp.up_proj.weight is stored as int8, not as "
                                                       r"float weights"):

@@ -9,7 +9,9 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
-from maxtrain import models, train
+from maxtrain import train
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.config import with_overrides
 from maxtrain.models import distill
@@ -75,26 +77,26 @@ def _batch(config, rows=2):
 @pytest.mark.slow
 def test_model_loss_matches_the_formula_tiled_or_not_and_the_teacher_gets_no_gradient():
     student, teacher = _configs()
-    params, teacher_params = models.init_params(student, jax.random.key(0)), models.init_params(teacher, jax.random.key(1))
+    params, teacher_params = Model.bind(student).init_params(jax.random.key(0)), Model.bind(teacher).init_params(jax.random.key(1))
     batch = _batch(student)
     alpha, temp = 0.4, 2.0
     results = {}
     for tiles in (1, 4):
-        rt = models.Runtime.from_config(student.replace(num_vocab_tiling=tiles), "cpu")
+        rt = Runtime.from_config(student.replace(num_vocab_tiling=tiles), "cpu")
         assert rt.vocab_tiles == tiles
 
         def loss(p, t, rt=rt):
-            value, _, _, kl, ce = models.distill_loss_fn(p, t, batch, student, teacher, rt, alpha, temp)
+            value, _, _, kl, ce = distill.loss_fn(Model.bind(student), p, Model.bind(teacher), t, batch, rt, alpha, temp)
             return value, (kl, ce)
 
         results[tiles] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(params, teacher_params)
     (value, (kl, ce)), (grads, teacher_grads) = results[1]
-    rt = models.Runtime.from_config(student, "cpu")
+    rt = Runtime.from_config(student, "cpu")
 
     @jax.jit
     def logits(p, t):  # the two models' whole logits, for the formula
         tokens = (batch["inputs"], batch["positions"], batch["segment_ids"])
-        return models.forward(p, *tokens, student, rt)[0], models.forward(t, *tokens, teacher, rt)[0]
+        return Model.bind(student).forward(p, *tokens, rt)[0], Model.bind(teacher).forward(t, *tokens, rt)[0]
 
     s, u = logits(params, teacher_params)
     want, want_kl, want_ce, _ = _numpy_loss(s, u, batch["targets"], batch["loss_weights"], alpha, temp)

@@ -20,7 +20,8 @@ import pytest
 from eval_helpers import BASE, REPO, args, corpus_cache, eval_cache  # noqa: F401  (fixtures)
 from maxtrain import config as config_lib
 from maxtrain.config import checks as config_checks
-from maxtrain import models
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
 from maxtrain.parallel import sharding
 from maxtrain.data import tokenizer_training
 from maxtrain.evals import data as data_lib
@@ -165,9 +166,9 @@ def test_packed_rows_score_every_request_once_exactly_as_alone(tokenizer):
     config = config_lib.with_devices(config_lib.load_config(
         [BASE, "base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=1", "head_dim=16",
          "base_mlp_dim=64", "base_num_decoder_layers=2", "vocab_size=128", "dtype=float32"]), 1)
-    rt = models.Runtime(dtype=jnp.float32, attention="dot_product", remat_policy="none")
+    rt = Runtime(dtype=jnp.float32, attention="dot_product", remat_policy="none")
     mesh = sharding.create_mesh(config, jax.devices()[:1])
-    params = models.init_params(config, jax.random.key(3))
+    params = Model.bind(config).init_params(jax.random.key(3))
     rng = np.random.default_rng(1)
     tokenized = [(list(rng.integers(4, 128, rng.integers(1, 40))), list(rng.integers(4, 128, rng.integers(1, 6))))
                  for _ in range(24)]
@@ -195,8 +196,9 @@ def test_packed_rows_score_every_request_once_exactly_as_alone(tokenizer):
     # by hand, for one request: the sum of log-softmax at the continuation's targets
     ctx, cont = tokenized[0]
     seq = np.asarray([ctx + cont], np.int32)
-    logits = jax.jit(models.forward, static_argnums=(4, 5))(params, seq[:, :-1], np.arange(seq.shape[1] - 1)[None],
-                                                           np.ones_like(seq[:, :-1]), config, rt)[0]
+    model = Model.bind(config)
+    logits = jax.jit(lambda *a: model.forward(*a, rt))(params, seq[:, :-1], np.arange(seq.shape[1] - 1)[None],
+                                                      np.ones_like(seq[:, :-1]))[0]
     logp = jax.nn.log_softmax(logits[0, -len(cont):], axis=-1)
     assert ll[0] == pytest.approx(float(sum(logp[j, t] for j, t in enumerate(cont))), abs=1e-4)
     assert np.isfinite(ll).all() and (ll < 0).all()

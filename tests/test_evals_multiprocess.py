@@ -21,7 +21,8 @@ import pytest
 from eval_helpers import BASE, REPO, eval_cache  # noqa: F401  (fixture)
 from maxtrain import config as config_lib
 from maxtrain.checkpointing import convert, safetensors_files
-from maxtrain import models
+from maxtrain.models.model import Model
+from maxtrain.models import model_keys
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.data import tokenizer_training
 
@@ -39,8 +40,8 @@ def _checkpoint_and_tokenizer(tmp_path, cache: str) -> tuple[str, str]:
     tok_path = tmp_path / "tok.model"
     tok_path.write_bytes(tokenizer_training.train_sentencepiece(texts, vocab_size=512).files[tokenizer_lib.SP_MODEL])
     config = config_lib.load_config([BASE, *[f"{k}={convert.yaml_value(v)}" for k, v in MODEL.items()]])
-    keys = {k: getattr(config, k) for k in models.MODEL_KEYS}
-    params = jax.tree.map(np.asarray, models.init_params(config, jax.random.key(7)))
+    keys = {k: getattr(config, k) for k in model_keys.MODEL_KEYS}
+    params = jax.tree.map(np.asarray, Model.bind(config).init_params(jax.random.key(7)))
     hf = tmp_path / "hf"
     hf.mkdir()
     safetensors_files.write(str(hf / "model.safetensors"), convert.to_hf(params, keys, np.float32))

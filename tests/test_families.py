@@ -24,7 +24,11 @@ import numpy as np
 import pytest
 
 from ckpt_helpers import REPO
-from maxtrain import check_logits, models
+from maxtrain import check_logits
+from maxtrain.models.model import Model
+from maxtrain.models import model_keys
+from maxtrain.models.runtime import Runtime
+from maxtrain.models.families import FAMILIES
 from maxtrain.checkpointing import adoption, convert, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain import config as config_lib
@@ -197,12 +201,11 @@ def ours_with(out_dir, tokens, **changes) -> np.ndarray:
         [str(REPO / "configs" / "base.yml"), f"load_parameters_path={out_dir}", "attention=dot_product",
          "dtype=float32"]), log=lambda *a: None)
     config = config.replace(**changes)
-    rt = models.Runtime.from_config(config)
+    rt = Runtime.from_config(config)
     params = checkpoint_files.read_params(str(out_dir))
     positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
     with jax.default_matmul_precision("highest"):
-        return np.asarray(jax.jit(lambda p: models.forward(p, tokens, positions, jnp.ones_like(tokens), config,
-                                                           rt)[0])(params))
+        return np.asarray(jax.jit(lambda p: Model.bind(config).forward(p, tokens, positions, jnp.ones_like(tokens), rt)[0])(params))
 
 
 @pytest.mark.slow
@@ -373,7 +376,7 @@ def test_olmo3_reads_rope_theta_as_transformers_does_and_export_keeps_sliding_ro
     """A top-level rope_theta sets only the full layers' RoPE (transformers' Olmo3Config); the sliding layers'
     stays 500,000, and the import says so. An export whose sliding layers would inherit the global scaling
     (local_rope_max_timescale=-1 with YaRN) is refused, naming the key."""
-    olmo3 = models.FAMILIES["olmo3"]
+    olmo3 = FAMILIES["olmo3"]
     hf_config = {"model_type": "olmo3", "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96,
                  "num_hidden_layers": 4, "vocab_size": 300, "rope_theta": 1000.0}
     notes = []
@@ -385,7 +388,7 @@ def test_olmo3_reads_rope_theta_as_transformers_does_and_export_keeps_sliding_ro
         "full_attention": {"rope_type": "default", "rope_theta": 1000.0},
         "sliding_attention": {"rope_type": "default", "rope_theta": 500000.0}}
     model = {k: getattr(config_lib.load_config([str(REPO / "configs" / "base.yml"), "model_name=olmo3-7b"]), k)
-             for k in models.MODEL_KEYS}
+             for k in model_keys.MODEL_KEYS}
     with pytest.raises(convert.ConversionError, match="local_rope_max_timescale=-1.0"):
         olmo3.to_hf_config({**model, "local_rope_max_timescale": -1.0})
 

@@ -13,7 +13,10 @@ import pytest
 from ckpt_helpers import REPO
 from maxtrain.checkpointing import adoption, convert, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
-from maxtrain import models, train
+from maxtrain import train
+from maxtrain.models.model import Model
+from maxtrain.models import model_keys
+from maxtrain.models.params import is_spec
 from maxtrain import config as config_lib
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.data import tokenizer_training
@@ -32,10 +35,10 @@ def imported(tmp_path_factory):
                                   "attn_logits_soft_cap=20.0", "final_logits_soft_cap=15.0",
                                   "query_pre_attn_scalar=16.0", "normalization_layer_epsilon=1.0e-6",
                                   "logits_via_embedding=true"])
-    keys = {k: getattr(cfg, k) for k in models.MODEL_KEYS}
+    keys = {k: getattr(cfg, k) for k in model_keys.MODEL_KEYS}
     rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda s: (0.2 * rng.normal(size=s.shape)).astype(np.float32), models.param_specs(cfg),
-                          is_leaf=models.is_spec)
+    params = jax.tree.map(lambda s: (0.2 * rng.normal(size=s.shape)).astype(np.float32), Model.bind(cfg).param_specs,
+                          is_leaf=is_spec)
     hf_dir = tmp / "hf"
     hf_dir.mkdir()
     safetensors_files.write(str(hf_dir / "model.safetensors"), convert.to_hf(params, keys, np.float32))
@@ -55,7 +58,7 @@ def test_load_parameters_path_alone_adopts_the_model_and_trains(imported, tmp_pa
     printed = capsys.readouterr().out
     assert "using the model settings of" in printed and "(gemma2," in printed
     config = result.config
-    assert {k: getattr(config, k) for k in models.MODEL_KEYS} == keys
+    assert {k: getattr(config, k) for k in model_keys.MODEL_KEYS} == keys
     # The run's checkpoints keep the import's source, so an export writes the original config.json.
     meta = checkpoint_files.read_metadata(checkpoint_files.find_step_dir(str(tmp_path / "ft")))
     assert meta["source"]["hf_config"]["model_type"] == "gemma2"
@@ -113,4 +116,4 @@ def test_resuming_with_a_changed_setting_is_refused(imported, tmp_path):
     with pytest.raises(checkpoint_files.CheckpointError, match="rope_max_timescale: checkpoint 10000.0, this run 5.0"):
         train.main(config_lib.with_overrides(common, "steps=4", "rope_max_timescale=5.0", *[
             f"{k}={convert.yaml_value(getattr(adoption.adopt_model_settings(saved, log=lambda *a: None), k))}"
-            for k in models.MODEL_KEYS if k != "rope_max_timescale"]))
+            for k in model_keys.MODEL_KEYS if k != "rope_max_timescale"]))

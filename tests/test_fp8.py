@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY
-from maxtrain import models
+from maxtrain.models.runtime import Runtime
 from maxtrain.config import ConfigError, load_config, with_overrides
 from maxtrain.models import blocks, fp8, ops
 from maxtrain.training import builder
@@ -117,14 +117,14 @@ def config_with(*overrides):
 
 
 def test_runtime_places_float8_where_the_key_names():
-    assert models.Runtime.from_config(config_with(), "cpu").fp8 == frozenset()
-    assert models.Runtime.from_config(config_with("quantization=fp8"), "cpu").fp8 == {"attention", "mlp"}
-    rt = models.Runtime.from_config(config_with("quantization=fp8_mlp", "quantize_output_head=true"), "gpu")
+    assert Runtime.from_config(config_with(), "cpu").fp8 == frozenset()
+    assert Runtime.from_config(config_with("quantization=fp8"), "cpu").fp8 == {"attention", "mlp"}
+    rt = Runtime.from_config(config_with("quantization=fp8_mlp", "quantize_output_head=true"), "gpu")
     assert rt.fp8 == {"mlp", "head"} and "float8 matmuls: head, mlp" in rt.describe()
     moe = ["decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2"]
-    assert models.Runtime.from_config(config_with("quantization=fp8", *moe, "moe_dispatch=capacity"), "cpu").fp8 == {
+    assert Runtime.from_config(config_with("quantization=fp8", *moe, "moe_dispatch=capacity"), "cpu").fp8 == {
         "attention", "mlp", "experts"}
-    assert models.Runtime.from_config(config_with("quantization=fp8", *moe), "cpu").fp8 == {"attention", "mlp"}  # dropless
+    assert Runtime.from_config(config_with("quantization=fp8", *moe), "cpu").fp8 == {"attention", "mlp"}  # dropless
 
 
 def test_the_mlp_block_runs_in_float8_where_the_runtime_says():
@@ -135,7 +135,7 @@ def test_the_mlp_block_runs_in_float8_where_the_runtime_says():
     x = jnp.asarray(rng.standard_normal((2, 4, 32)), jnp.float32)
     p = {name: jnp.asarray(rng.standard_normal(shape) * 0.2, jnp.float32)
          for name, shape in (("w_gate", (32, 64)), ("w_up", (32, 64)), ("w_down", (64, 32)))}
-    rt = models.Runtime.from_config(load_config([BASE_YML, *TINY]), "cpu")  # float32
+    rt = Runtime.from_config(load_config([BASE_YML, *TINY]), "cpu")  # float32
     plain, quantized = (blocks.mlp(x, p, dataclasses.replace(rt, fp8=places)) for places in (frozenset(), {"mlp"}))
     gate = ops.dense(x, p["w_gate"], fp8=True)
     up = ops.dense(x, p["w_up"], fp8=True)
@@ -151,9 +151,9 @@ def test_the_mlp_block_runs_in_float8_where_the_runtime_says():
     ("cpu", "cpu", None, False)])
 def test_devices_without_float8_matmuls_are_refused_before_compiling(backend, kind, capability, refused):
     config = config_with("quantization=fp8")
-    rt = dataclasses.replace(models.Runtime.from_config(config, "cpu"), backend=backend)
+    rt = dataclasses.replace(Runtime.from_config(config, "cpu"), backend=backend)
     device = SimpleNamespace(device_kind=kind, compute_capability=capability)
-    builder.check_float8_devices(config_with(), models.Runtime.from_config(config_with(), "cpu"), device)  # off: fine
+    builder.check_float8_devices(config_with(), Runtime.from_config(config_with(), "cpu"), device)  # off: fine
     if refused:
         with pytest.raises(ConfigError, match=f"quantization=fp8 cannot run on {kind}: .*leave quantization empty"):
             builder.check_float8_devices(config, rt, device)

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY
-from maxtrain import errors, models
+from maxtrain import errors
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
 from maxtrain.config import load_config, with_overrides
 from maxtrain.kernels import gated_delta as kernel
 from maxtrain.models import gated_delta, gated_deltanet
@@ -110,11 +112,11 @@ def test_the_mixer_runs_the_kernel_when_configured():
     logits = {}
     for choice in ("jnp", "pallas"):
         cfg = load_config([BASE_YML, *with_overrides(with_overrides(TINY, *hybrid), f"gdn_kernel={choice}")])
-        rt = models.Runtime.from_config(cfg, backend="cpu")
+        rt = Runtime.from_config(cfg, backend="cpu")
         assert rt.gdn_kernel == choice
         assert ("interpret mode on cpu" in rt.describe()) == (choice == "pallas")
-        params = models.init_params(cfg, jax.random.key(0))
-        logits[choice] = jax.jit(lambda p, cfg=cfg, rt=rt: models.forward(p, tokens, positions, segments, cfg, rt)[0])(
+        params = Model.bind(cfg).init_params(jax.random.key(0))
+        logits[choice] = jax.jit(lambda p, cfg=cfg, rt=rt: Model.bind(cfg).forward(p, tokens, positions, segments, rt)[0])(
             params)
     np.testing.assert_allclose(logits["pallas"], logits["jnp"], atol=2e-5, rtol=2e-5)
 

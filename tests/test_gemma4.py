@@ -23,7 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain import check_logits, models
+from maxtrain import check_logits
+from maxtrain.models.model import Model
+from maxtrain.models import model_keys
+from maxtrain.models.runtime import Runtime
 from maxtrain import config as config_lib
 from maxtrain.checkpointing import adoption, convert, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
@@ -78,14 +81,13 @@ def ours(out_dir, tokens, scan: bool = False, **changes) -> np.ndarray:
     config = adoption.adopt_model_settings(config_lib.load_config(
         [str(REPO / "configs" / "base.yml"), f"load_parameters_path={out_dir}", "attention=dot_product",
          "dtype=float32"]), log=lambda *a: None).replace(**changes)
-    rt = models.Runtime.from_config(config)
+    rt = Runtime.from_config(config)
     if scan:
         rt = dataclasses.replace(rt, unroll_layers=False, remat_policy="full")
     params = checkpoint_files.read_params(str(out_dir))
     positions = np.broadcast_to(np.arange(tokens.shape[1], dtype=np.int32), tokens.shape)
     with jax.default_matmul_precision("highest"):
-        return np.asarray(jax.jit(lambda p: models.forward(p, tokens, positions, jnp.ones_like(tokens), config,
-                                                           rt)[0])(params))
+        return np.asarray(jax.jit(lambda p: Model.bind(config).forward(p, tokens, positions, jnp.ones_like(tokens), rt)[0])(params))
 
 
 @pytest.mark.slow
@@ -183,17 +185,17 @@ def test_decoding_with_the_cache_gives_the_forward_logits():
         "global_head_dim=16", "global_num_kv_heads=1", "attention_k_eq_v=true", "rope_type=proportional",
         "rope_proportion=0.25", "per_layer_input_dim=4", "num_kv_shared_layers=2", "double_wide_mlp=true",
         "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=16", "dtype=float32", "attention=dot_product"])
-    rt = models.Runtime.from_config(config)
-    params = models.init_params(config, jax.random.key(0))
+    rt = Runtime.from_config(config)
+    params = Model.bind(config).init_params(jax.random.key(0))
     tokens = np.random.default_rng(0).integers(0, 64, size=(2, 10)).astype(np.int32)
     positions = np.broadcast_to(np.arange(10, dtype=np.int32), tokens.shape)
     with jax.default_matmul_precision("highest"):
-        whole = models.forward(params, tokens, positions, jnp.ones_like(tokens), config, rt)[0]
-        cache = models.init_cache(config, 2, 10, jnp.float32)
-        steps, cache = models.forward_with_cache(params, tokens[:, :6], positions[:, :6], cache, 0, config, rt)
+        whole = Model.bind(config).forward(params, tokens, positions, jnp.ones_like(tokens), rt)[0]
+        cache = Model.bind(config).init_cache(2, 10, jnp.float32)
+        steps, cache = Model.bind(config).forward_with_cache(params, tokens[:, :6], positions[:, :6], cache, 0, rt)
         steps = [steps]
         for i in range(6, 10):
-            out, cache = models.forward_with_cache(params, tokens[:, i:i + 1], positions[:, i:i + 1], cache, i, config, rt)
+            out, cache = Model.bind(config).forward_with_cache(params, tokens[:, i:i + 1], positions[:, i:i + 1], cache, i, rt)
             steps.append(out)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), whole, atol=1e-4, rtol=0)  # as tests/test_decode.py
 
@@ -210,8 +212,8 @@ def test_transformers_counts_the_exported_architecture_the_same(overrides):
         "base_num_kv_heads=2", "head_dim=16", "global_head_dim=32", "base_mlp_dim=96", "base_num_decoder_layers=6",
         "vocab_size=300", "attention_layer_types=[sliding,full,sliding,full,sliding,full]", "sliding_window_size=6",
         *overrides])
-    hf_config = models.family(config).to_hf_config({k: getattr(config, k) for k in models.MODEL_KEYS})
+    hf_config = Model.bind(config).family.to_hf_config({k: getattr(config, k) for k in model_keys.MODEL_KEYS})
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**hf_config))
     scalars = sum(b.numel() for n, b in model.named_buffers() if n.endswith("layer_scalar"))
-    assert sum(p.numel() for p in model.parameters()) + scalars == models.num_params(config)
+    assert sum(p.numel() for p in model.parameters()) + scalars == Model.bind(config).num_params

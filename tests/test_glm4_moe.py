@@ -16,7 +16,11 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY
-from maxtrain import models
+
+from maxtrain.models.model import Model
+from maxtrain.models import model_keys
+from maxtrain.models.runtime import Runtime
+from maxtrain.models.params import is_spec
 from maxtrain.checkpointing import convert, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.config import load_config, with_overrides
@@ -36,7 +40,7 @@ def tiny(*overrides):
 
 
 def hf_fields(**changes) -> dict:
-    keys = {k: getattr(tiny(), k) for k in models.MODEL_KEYS}
+    keys = {k: getattr(tiny(), k) for k in model_keys.MODEL_KEYS}
     return {**glm4_moe.to_hf_config(keys), **changes}
 
 
@@ -55,7 +59,7 @@ def test_the_rotary_factor_is_read_where_transformers_reads_it(where, factor):
 
 def test_the_config_round_trips_through_config_json():
     keys = convert.model_keys(hf_fields())
-    assert {k: keys[k] for k in models.MODEL_KEYS} == {k: getattr(tiny(), k) for k in models.MODEL_KEYS}
+    assert {k: keys[k] for k in model_keys.MODEL_KEYS} == {k: getattr(tiny(), k) for k in model_keys.MODEL_KEYS}
 
 
 def test_the_next_token_prediction_layer_is_imported_with_keep_mtp_and_left_out_of_the_export(tmp_path):
@@ -64,9 +68,9 @@ def test_the_next_token_prediction_layer_is_imported_with_keep_mtp_and_left_out_
     writes only the main model's tensors."""
     config = tiny("mtp_num_layers=1")
     rng = np.random.default_rng(3)
-    keys = {k: getattr(config, k) for k in models.MODEL_KEYS}
-    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), models.param_specs(config),
-                          is_leaf=models.is_spec)
+    keys = {k: getattr(config, k) for k in model_keys.MODEL_KEYS}
+    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), Model.bind(config).param_specs,
+                          is_leaf=is_spec)
     main = convert.to_hf(params, {**keys, "mtp_num_layers": 0}, np.float32)
     d = config.base_emb_dim
     module = {n.replace("model.layers.1.", "model.layers.2."): rng.normal(size=w.shape).astype(np.float32)
@@ -103,12 +107,12 @@ def test_the_next_token_prediction_layer_is_imported_with_keep_mtp_and_left_out_
 @pytest.mark.slow  # ~18 s on the shared 2-core CPU (two compiles of the sampler and the forward)
 def test_decoding_with_partial_rope_from_the_cache_equals_the_full_forward():
     config = tiny("max_target_length=16")
-    rt = models.Runtime.from_config(config)
-    params = jax.jit(lambda key: models.init_params(config, key))(jax.random.key(3))
+    rt = Runtime.from_config(config)
+    params = jax.jit(lambda key: Model.bind(config).init_params(key))(jax.random.key(3))
     prompt = [5, 17, 3, 99]
-    new = [int(t) for t in sampling.generate(params, prompt, config, rt, max_new_tokens=6)]
+    new = [int(t) for t in sampling.generate(params, prompt, Model.bind(config), rt, max_new_tokens=6)]
     ids = jnp.asarray([prompt + new])  # the full forward over prompt + generated: each token its argmax
-    logits = jax.jit(lambda p: models.forward(p, ids, jnp.arange(10)[None], jnp.ones_like(ids), config, rt)[0])(params)
+    logits = jax.jit(lambda p: Model.bind(config).forward(p, ids, jnp.arange(10)[None], jnp.ones_like(ids), rt)[0])(params)
     assert [int(t) for t in jnp.argmax(logits[0, len(prompt) - 1:-1], axis=-1)] == new
 
 
@@ -129,4 +133,4 @@ AIR_CONFIG = {"architectures": ["Glm4MoeForCausalLM"], "attention_bias": True, "
 def test_the_released_air_config_reads_as_the_preset():
     preset = load_config([BASE_YML, "model_name=glm-4.5-air"])
     keys = convert.model_keys(AIR_CONFIG)
-    assert {k: keys[k] for k in models.MODEL_KEYS} == {k: getattr(preset, k) for k in models.MODEL_KEYS}
+    assert {k: keys[k] for k in model_keys.MODEL_KEYS} == {k: getattr(preset, k) for k in model_keys.MODEL_KEYS}

@@ -13,7 +13,10 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY, slow_params
-from maxtrain import models
+from maxtrain.models.model import Model
+from maxtrain.models import decoder
+from maxtrain.models import model_keys
+from maxtrain.models.runtime import Runtime
 from maxtrain.checkpointing import convert
 from maxtrain.config import ConfigError, load_config, with_overrides
 from maxtrain.models import attention, moe, moe_experts
@@ -110,7 +113,7 @@ def test_autoselected_keeps_the_kernels_and_cudnn_refuses_sinks():
                                          r"Use attention=flash, dot_product or autoselected"):
         attention.resolve_implementation("cudnn", "gpu", dtype=jnp.bfloat16, sinks=True)
     with pytest.raises(ValueError, match="attention=cudnn does not implement sinks=True"):
-        models.Runtime.from_config(tiny("attention=cudnn", "dtype=bfloat16"), "gpu")
+        Runtime.from_config(tiny("attention=cudnn", "dtype=bfloat16"), "gpu")
     q = jnp.zeros((1, 16, 2, 16))
     with pytest.raises(ValueError, match="does not implement sinks=True; use attention=dot_product"):
         attention.attention(q, q, q, jnp.ones((1, 16), jnp.int32), implementation="cudnn", platform="gpu",
@@ -147,14 +150,14 @@ def test_expert_biases_cut_with_the_hidden_chunks_compute_the_same_model():
     """num_moe_hidden_tiling=4: the gate and up biases are cut with the experts' hidden axis, the down
     bias added once."""
     config = tiny("max_target_length=16")
-    params = jax.jit(lambda key: _random_biases(models.init_params(config, key), jax.random.fold_in(key, 1)))(
+    params = jax.jit(lambda key: _random_biases(Model.bind(config).init_params(key), jax.random.fold_in(key, 1)))(
         jax.random.key(3))
-    rt = models.Runtime.from_config(config)
+    rt = Runtime.from_config(config)
 
     def forward(config, ids):
         positions = jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape)
         with jax.default_matmul_precision("highest"):
-            return jax.jit(lambda p: models.forward(p, ids, positions, jnp.ones_like(ids), config, rt)[0])(params)
+            return jax.jit(lambda p: Model.bind(config).forward(p, ids, positions, jnp.ones_like(ids), rt)[0])(params)
 
     ids = jax.random.randint(jax.random.key(5), (2, 16), 0, config.vocab_size)
     np.testing.assert_allclose(np.asarray(forward(config.replace(num_moe_hidden_tiling=4), ids)),
@@ -172,8 +175,8 @@ def _loss_and_grads(n_devices, *overrides):
         batch = jax.device_put(batch, run.eval_batch_sharding)
 
         def mean_loss(p):
-            loss, weight, aux = models.loss_fn(p, batch, run.config, run.rt)
-            return models.objective(loss, weight, aux) / weight
+            loss, weight, aux = Model.bind(run.config).loss_fn(p, batch, run.rt)
+            return decoder.objective(loss, weight, aux) / weight
         loss, grads = jax.jit(jax.value_and_grad(mean_loss))(params)
     return float(loss), jax.tree.map(np.asarray, grads)
 
@@ -219,4 +222,4 @@ def test_the_released_config_json_imports_as_the_preset():
         "vocab_size": 201088}
     preset = load_config([BASE_YML, "model_name=gpt-oss-20b"])
     keys = convert.model_keys(released)
-    assert {k: keys[k] for k in models.MODEL_KEYS} == {k: getattr(preset, k) for k in models.MODEL_KEYS}
+    assert {k: keys[k] for k in model_keys.MODEL_KEYS} == {k: getattr(preset, k) for k in model_keys.MODEL_KEYS}

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY
-from maxtrain import models
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
 from maxtrain.config import load_config, with_overrides
 from maxtrain.kernels import grouped_matmul
 from maxtrain.models import moe_experts
@@ -70,16 +71,16 @@ def test_moe_model_with_the_kernel_matches_xla_loss_and_gradients():
     results = []
     for implementation in ("pallas", "xla"):
         config = load_config(with_overrides([BASE_YML, *TINY], *MOE, f"moe_grouped_matmul={implementation}"))
-        rt = models.Runtime.from_config(config)
+        rt = Runtime.from_config(config)
         assert rt.grouped_matmul == implementation
-        params = models.init_params(config, jax.random.key(0))
+        params = Model.bind(config).init_params(jax.random.key(0))
         t = config.max_target_length
         tokens = jax.random.randint(jax.random.key(1), (2, t), 0, config.vocab_size)
         segment_ids = jnp.ones((2, t), jnp.int32).at[1, t - 5:].set(0)
         positions = jnp.broadcast_to(jnp.arange(t), tokens.shape)
 
         def loss(p):
-            logits = models.forward(p, tokens, positions, segment_ids, config, rt)[0]
+            logits = Model.bind(config).forward(p, tokens, positions, segment_ids, rt)[0]
             return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1) * segment_ids)
 
         with jax.default_matmul_precision("highest"):

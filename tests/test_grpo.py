@@ -15,7 +15,9 @@ import pytest
 from ckpt_helpers import assert_bitwise_equal
 from conftest import BASE_YML, TINY, slow_params
 from maxtrain import config as config_lib
-from maxtrain import models, train
+from maxtrain import train
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
 from maxtrain.data import DataError
 from maxtrain.models import sampling
 from maxtrain.training import grpo, loop, objectives, rewards, train_step
@@ -74,26 +76,26 @@ def test_sampled_log_probs_equal_the_training_forward_pass(tmp_path, temperature
     """Left-padded prompts of different lengths: the sampler's log p(token) = the training pass's, to 1e-5,
     both softmax(logits / T) at the sampling temperature T (else the update would be off-policy)."""
     config = _tiny(tmp_path, "decode_sampling_strategy=weighted", f"decode_sampling_temperature={temperature}")
-    rt = models.Runtime.from_config(config, "cpu")
-    params = models.init_params(config, jax.random.key(1))
+    rt = Runtime.from_config(config, "cpu")
+    params = Model.bind(config).init_params(jax.random.key(1))
     prompts = [np.array([1, 5, 9, 12, 7], np.int32), np.array([1, 30], np.int32), np.array([1, 4, 4], np.int32)]
     length, new = 6, 8
     ids, first = grpo.left_padded([grpo.prompts_lib.Prompt(p, "", "") for p in prompts], length)
     tokens, log_probs = jax.device_get(sampling.sample_completions(
-        params, ids, first, jax.random.key(3), config=config, rt=rt, max_new_tokens=new,
+        params, ids, first, jax.random.key(3), model=Model.bind(config), rt=rt, max_new_tokens=new,
         **sampling.sampling_settings(config)))
     kept = np.full(3, new, np.int32)
     batch = grpo.assemble(prompts, tokens, log_probs, kept, np.ones(3, np.float32), 16, (1, 3))
     batch = {k: jnp.asarray(v[0]) for k, v in batch.items()}
-    recomputed, _ = jax.jit(lambda p, b: objectives.target_log_probs(p, b, config, rt, temperature))(params, batch)
+    recomputed, _ = jax.jit(lambda p, b: objectives.target_log_probs(p, b, Model.bind(config), rt, temperature))(params, batch)
     w = np.asarray(batch["loss_weights"]) > 0
     assert w.sum() == 3 * new
     np.testing.assert_allclose(np.asarray(recomputed)[w], np.asarray(batch["old_log_probs"])[w], atol=1e-5)
     # the objective scores the completions at the sampling temperature: the ratio pi / pi_old is 1
-    _, _, metrics = objectives.grpo(params, batch, params, config, rt)
+    _, _, metrics = objectives.grpo(params, batch, params, Model.bind(config), rt)
     assert abs(float(metrics["grpo_log_ratio"])) < 1e-5 and abs(float(metrics["grpo_kl"])) < 1e-6
     # the same key and prompts sample the same completions (rollouts are a function of the seed and step)
-    again, _ = sampling.sample_completions(params, ids, first, jax.random.key(3), config=config, rt=rt,
+    again, _ = sampling.sample_completions(params, ids, first, jax.random.key(3), model=Model.bind(config), rt=rt,
                                            max_new_tokens=new, **sampling.sampling_settings(config))
     np.testing.assert_array_equal(np.asarray(again), tokens)
 
@@ -119,13 +121,13 @@ def test_lora_keeps_no_second_copy_of_the_weights(tmp_path):
     with_lora = _tiny(tmp_path, "objective=grpo", "lora_rank=4", "train_data_columns=[prompt,answer]",
                       "eval_data_columns=[prompt,answer]", "dataset_type=jsonl", "grain_train_files=x.jsonl",
                       "decode_sampling_strategy=weighted", "max_prefill_predict_length=16")
-    assert set(train_step.state_specs(with_lora)) == {"params", "lora"}  # the reference is the frozen base
+    assert set(train_step.state_specs(with_lora, Model.bind(with_lora))) == {"params", "lora"}  # the reference is the frozen base
     state = {"params": {"w": 1}, "lora": {"a": 2}}
     assert train_step.reference_params(state) is state["params"]
     without = _tiny(tmp_path, "objective=grpo", "train_data_columns=[prompt,answer]", "eval_data_columns=[prompt,answer]",
                     "dataset_type=jsonl", "grain_train_files=x.jsonl", "decode_sampling_strategy=weighted",
                     "max_prefill_predict_length=16")
-    assert set(train_step.state_specs(without)) == {"params", "reference"}
+    assert set(train_step.state_specs(without, Model.bind(without))) == {"params", "reference"}
 
 
 @pytest.mark.slow

@@ -170,15 +170,15 @@ def second_owners(names: set[str], owner: str, at_least: int = 2) -> list[str]:
 def test_the_family_registry_is_the_one_list_of_families():
     import yaml  # pylint: disable=import-outside-toplevel
 
-    from maxtrain import models  # pylint: disable=import-outside-toplevel
+    from maxtrain.models.families import FAMILIES  # pylint: disable=import-outside-toplevel
 
     names = set(registry.FAMILIES)
     assert set(config_lib.table()["decoder_block"].allowed.exact) == names  # base.yml's choices read it
     with open(BASE_YML, encoding="utf-8") as f:
         line = next(l for l in f if l.startswith("decoder_block:"))
     assert "{$families}" in line, "base.yml's decoder_block lists no families of its own"
-    assert set(models.FAMILIES) == names
-    for name, model in models.FAMILIES.items():
+    assert set(FAMILIES) == names
+    for name, model in FAMILIES.items():
         assert model.row is registry.FAMILIES[name]
         module = importlib.import_module(f"maxtrain.models.families.{name}")
         for attribute in ("DECODER_BLOCK", "HF_MODEL_TYPES", "HF_ARCHITECTURE"):
@@ -375,13 +375,14 @@ def test_no_family_is_named_in_the_shared_checks():
 def test_every_family_setting_is_a_checked_model_key():
     """A checkpoint is checked against the model keys (models.SHAPE_KEYS, SETTING_KEYS): a setting a family
     reads that is not among them would let a checkpoint written with another value load unchecked."""
-    from maxtrain import models  # pylint: disable=import-outside-toplevel
     from maxtrain.config import registry  # pylint: disable=import-outside-toplevel
+    from maxtrain.models import model_keys  # pylint: disable=import-outside-toplevel
+    from maxtrain.models.families import FAMILIES  # pylint: disable=import-outside-toplevel
 
     for name, row in registry.FAMILIES.items():
-        missing = sorted(set(row.settings) - set(row.kernel_settings) - set(models.MODEL_KEYS))
+        missing = sorted(set(row.settings) - set(row.kernel_settings) - set(model_keys.MODEL_KEYS))
         assert not missing, f"{name}'s settings {missing} are no model keys: add them to its shape_keys or setting_keys"
-        assert models.FAMILIES[name].row is row
+        assert FAMILIES[name].row is row
 
 
 def test_the_decoder_calls_only_the_contract():
@@ -396,3 +397,53 @@ def test_the_decoder_calls_only_the_contract():
     assert used and used <= fields, f"decoder.py uses family.{sorted(used - fields)}, which the contract lacks"
     probes = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") in ("hasattr", "getattr")]
     assert not probes, "decoder.py probes attributes with hasattr/getattr: add the field to models/contract.py"
+
+
+def rebinding_sites(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, what) of each place that resolves a model from its config: calls of a family's `layer_types`
+    (outside a `layer_types` definition, which may delegate to a shared one), `FAMILIES[...]` looked up by a
+    config's decoder_block (Hugging Face conversion looks one up by its model_type, before any config), and
+    `Model.bind(...)`."""
+    found = []
+
+    def visit(node, inside_layer_types: bool):
+        for child in ast.iter_child_nodes(node):
+            inside = inside_layer_types or (isinstance(child, ast.FunctionDef) and child.name == "layer_types")
+            if isinstance(child, ast.Call):
+                name = dotted(child.func)
+                if name.split(".")[-1] == "layer_types" and not inside:
+                    found.append((child.lineno, f"{name}(...)"))
+                if name.endswith("Model.bind"):
+                    found.append((child.lineno, "Model.bind(...)"))
+            if (isinstance(child, ast.Subscript) and dotted(child.value).split(".")[-1] == "FAMILIES"
+                    and any(isinstance(n, ast.Attribute) and n.attr == "decoder_block" for n in ast.walk(child.slice))):
+                found.append((child.lineno, f"{dotted(child.value)}[...]"))
+            visit(child, inside)
+
+    visit(tree, False)
+    return found
+
+
+def test_the_model_is_bound_once():
+    """Model.bind (models/model.py) is the one place in models/ that resolves the family and its layers' kinds
+    from the config; every other model function receives the bound Model. Outside models/, a command, a tool
+    or the builder binds the model of what it loads (and passes it on); nothing else looks a family up again.
+    The rule's own check: a function that re-resolves is found."""
+    assert rebinding_sites(ast.parse("def f(model, config):\n    return model.family.layer_types(config)\n"))
+    assert rebinding_sites(ast.parse("def f(config):\n    return FAMILIES[config.decoder_block]\n"))
+    assert not rebinding_sites(ast.parse("def layer_types(config):\n    return hybrid.layer_types(config)\n"))
+    binders = {"maxtrain/models/model.py"}
+    found = []
+    for path in python_files("maxtrain/models"):
+        rel = os.path.relpath(path, REPO)
+        if rel not in binders:
+            found += [f"{rel}:{line}: {what}" for line, what in rebinding_sites(parse(path))]
+    # Outside models/: only Model.bind, once where a model enters (the builder, a checkpoint's or a config's
+    # tools); never a family's layer_types or a FAMILIES lookup by the config.
+    for path in python_files("maxtrain"):
+        rel = os.path.relpath(path, REPO)
+        if not rel.startswith("maxtrain/models/"):
+            found += [f"{rel}:{line}: {what}" for line, what in rebinding_sites(parse(path))
+                      if what != "Model.bind(...)"]
+    assert not found, ("these resolve the family or the layer kinds from the config again; take the bound "
+                       "model (models/model.py) as an argument instead:\n" + "\n".join(found))

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML
-from maxtrain import models
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
 from maxtrain.config import load_config
 from maxtrain.models import attention, attention_check, layers, moe
 
@@ -89,8 +90,8 @@ def tiny(*extra):
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_topk_sigmoid_router_weights_the_experts_inputs(top_k):
     config = tiny(f"num_experts_per_tok={top_k}")
-    rt = models.Runtime.from_config(config)
-    params = models.init_params(config, jax.random.key(1))
+    rt = Runtime.from_config(config)
+    params = Model.bind(config).init_params(jax.random.key(1))
     p = jax.tree.map(lambda a: a[0], params["layers"]["moe"])
     x = jax.random.normal(jax.random.key(2), (2, 12, config.base_emb_dim), jnp.float32)
     seg = jnp.ones((2, 12), jnp.int32)
@@ -117,14 +118,14 @@ def test_topk_sigmoid_router_weights_the_experts_inputs(top_k):
 @pytest.mark.slow
 def test_cached_decoding_matches_the_full_forward():
     config = tiny()
-    rt = models.Runtime.from_config(config)
-    params = models.init_params(config, jax.random.key(1))
+    rt = Runtime.from_config(config)
+    params = Model.bind(config).init_params(jax.random.key(1))
     tokens = jax.random.randint(jax.random.key(2), (2, 24), 4, config.vocab_size)
     positions = jnp.broadcast_to(jnp.arange(24), tokens.shape)
     with jax.default_matmul_precision("highest"):
-        full = jax.jit(lambda p: models.forward(p, tokens, positions, jnp.ones_like(tokens), config, rt)[0])(params)
-        step = jax.jit(lambda p, t, pos, c, i: models.forward_with_cache(p, t, pos, c, i, config, rt))
-        cache = models.init_cache(config, 2, 24, rt.dtype)
+        full = jax.jit(lambda p: Model.bind(config).forward(p, tokens, positions, jnp.ones_like(tokens), rt)[0])(params)
+        step = jax.jit(lambda p, t, pos, c, i: Model.bind(config).forward_with_cache(p, t, pos, c, i, rt))
+        cache = Model.bind(config).init_cache(2, 24, rt.dtype)
         pieces, index = [], 0
         for length in (6, 1, 17):  # a prefill, a single token, then a piece across the chunks of 4
             logits, cache = step(params, tokens[:, index:index + length], positions[:, index:index + length], cache,

@@ -13,7 +13,11 @@ from maxtrain.checkpointing import convert, safetensors_files
 from maxtrain.checkpointing import peft as peft_export
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.models import lora
-from maxtrain import models, train
+from maxtrain import train
+from maxtrain.models.model import Model
+from maxtrain.models import model_keys
+from maxtrain.models.runtime import Runtime
+from maxtrain.models.params import ParamSpec
 from maxtrain import config as config_lib
 from post_helpers import compose
 
@@ -24,22 +28,22 @@ def _config(*extra):
 
 def test_adapters_follow_the_declarations_and_start_as_the_base_model():
     config = _config("lora_target_modules=[q,o,down]")
-    specs = lora.adapter_specs(config)
+    specs = lora.adapter_specs(Model.bind(config))
     layer = specs["layers"]["decoder"]
     assert sorted(layer) == ["w_down", "wo", "wq"]
     assert layer["wq"]["a"].shape == (2, 32, 4) and layer["wq"]["a"].axes == ("layers", "embed", None)
     assert layer["wq"]["b"].shape == (2, 4, 4, 16) and layer["wq"]["b"].axes == ("layers", None, "heads", "head_dim")
     assert layer["wo"]["a"].shape == (2, 4, 16, 4) and layer["wo"]["b"].axes == ("layers", None, "embed")
-    params = models.init_params(config, jax.random.key(0))
-    adapters = lora.init(config, jax.random.key(1))
+    params = Model.bind(config).init_params(jax.random.key(0))
+    adapters = lora.init(Model.bind(config), jax.random.key(1))
     merged = lora.merge(params, adapters, lora.scale(config))
     jax.tree.map(np.testing.assert_array_equal, merged, params)  # B starts at zero: W' = W
 
 
 def test_merge_is_w_plus_scaled_a_times_b():
     config = _config()
-    params = models.init_params(config, jax.random.key(0))
-    adapters = jax.tree.map(lambda x: jax.random.normal(jax.random.key(x.size), x.shape), lora.init(config, jax.random.key(1)))
+    params = Model.bind(config).init_params(jax.random.key(0))
+    adapters = jax.tree.map(lambda x: jax.random.normal(jax.random.key(x.size), x.shape), lora.init(Model.bind(config), jax.random.key(1)))
     merged = lora.merge(params, adapters, 2.0)
     wq, ab = params["layers"]["decoder"]["wq"], adapters["layers"]["decoder"]["wq"]
     want = wq + 2.0 * jnp.einsum("LDR,LRNH->LDNH", ab["a"], ab["b"])
@@ -49,7 +53,7 @@ def test_merge_is_w_plus_scaled_a_times_b():
                                wo + 2.0 * jnp.einsum("LNHR,LRD->LNHD", ab["a"], ab["b"]), rtol=1e-5, atol=1e-5)
     host = lora.merge_numpy(jax.device_get(params), jax.device_get(adapters), 2.0)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), host, merged)
-    assert lora.num_adapter_params(config) == sum(x.size for x in jax.tree.leaves(adapters))
+    assert lora.num_adapter_params(Model.bind(config)) == sum(x.size for x in jax.tree.leaves(adapters))
 
 
 def test_bad_lora_targets_are_refused_before_any_work():
@@ -59,15 +63,15 @@ def test_bad_lora_targets_are_refused_before_any_work():
         _config("lora_rank=-1")
 
 
-def test_targets_that_match_no_module_are_refused(monkeypatch):
+def test_targets_that_match_no_module_are_refused():
     config = _config("lora_target_modules=[q,gate]")
-    specs = models.param_specs(config)
+    model = Model.bind(config)
+    specs = model.param_specs  # computed once and kept by the model: changed here, the model sees the change
     gate = specs["layers"]["decoder"]["w_gate"]
-    experts = models.ParamSpec((2, 4) + gate.shape[1:], ("layers", "exp") + gate.axes[1:])  # a mixture of experts
+    experts = ParamSpec((2, 4) + gate.shape[1:], ("layers", "exp") + gate.axes[1:])  # a mixture of experts
     specs["layers"]["decoder"]["w_gate"] = experts
-    monkeypatch.setattr(models, "param_specs", lambda _: specs)
     with pytest.raises(lora.LoraError, match=r"\['gate'\] match no module of the llama model .*lora_target_modules=\[q\]"):
-        lora.adapter_specs(config)
+        lora.adapter_specs(model)
 
 
 def _hf_logits(model_dir_or_model, tokens):
@@ -87,18 +91,18 @@ def test_lora_run_trains_only_adapters_and_exports_merged_and_as_peft(tmp_path):
             "steps=3", "eval_interval=-1", "lora_rank=4", "lora_alpha=8", "learning_rate=0.05", "warmup_steps_fraction=0"]
     result = train.main(args)
     config, state = result.config, result.state
-    start = jax.jit(lambda k: models.init_params(config, jax.random.split(k)[0]))(jax.random.key(config.seed))
+    start = jax.jit(lambda k: Model.bind(config).init_params(jax.random.split(k)[0]))(jax.random.key(config.seed))
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(state["params"]), jax.device_get(start))  # frozen
     adapters = jax.device_get(state["lora"])
     assert any(np.abs(ab["b"]).max() > 0 for ab in adapters["layers"]["decoder"].values())  # the adapters trained
     # Optimizer state exists for the adapters only: Adam's moments have the adapters' tree and shapes.
     moments = [s for s in jax.tree.leaves(state["opt_state"]) if getattr(s, "ndim", 0) > 0]
-    assert sum(m.size for m in moments) == 2 * lora.num_adapter_params(config)
+    assert sum(m.size for m in moments) == 2 * lora.num_adapter_params(Model.bind(config))
 
     # Export merges the adapters; the base exported separately plus the PEFT adapter gives the same logits.
     run_dir = tmp_path / "lora"
     convert.export_hf(str(run_dir), str(tmp_path / "merged"))
-    keys = {k: getattr(config, k) for k in models.MODEL_KEYS}
+    keys = {k: getattr(config, k) for k in model_keys.MODEL_KEYS}
     base = tmp_path / "base"
     base.mkdir()
     with open(base / "config.json", "w") as f:
@@ -113,9 +117,7 @@ def test_lora_run_trains_only_adapters_and_exports_merged_and_as_peft(tmp_path):
     with_adapter = peft.PeftModel.from_pretrained(base_model, str(tmp_path / "adapter"))
     np.testing.assert_allclose(_hf_logits(with_adapter, tokens), merged, rtol=1e-4, atol=1e-4)
     # ... and both are what maxtrain computes with the merged weights.
-    ours, _ = models.forward(lora.merge(start, adapters, lora.scale(config)), jnp.asarray(tokens),
-                             jnp.broadcast_to(jnp.arange(12), (2, 12)), jnp.ones((2, 12), jnp.int32), config,
-                             models.Runtime.from_config(config, "cpu"))
+    ours, _ = Model.bind(config).forward(lora.merge(start, adapters, lora.scale(config)), jnp.asarray(tokens), jnp.broadcast_to(jnp.arange(12), (2, 12)), jnp.ones((2, 12), jnp.int32), Runtime.from_config(config, "cpu"))
     np.testing.assert_allclose(merged, np.asarray(ours), rtol=1e-4, atol=1e-4)
     assert not np.allclose(_hf_logits(str(base), tokens), merged, atol=1e-3)  # the adapters changed the model
     assert os.path.isfile(tmp_path / "adapter" / "adapter_config.json")
@@ -155,4 +157,4 @@ def test_reference_and_adapters_are_sharded_from_their_declarations():
     opt = [(x.shape, s.spec) for x, s in zip(jax.tree.leaves(run.abstract_state["opt_state"]),
                                              jax.tree.leaves(run.shardings["opt_state"])) if x.ndim > 0]
     assert opt and all(leaf in lora_leaves for leaf in opt)
-    assert sum(np.prod(shape) for shape, _ in opt) == 2 * lora.num_adapter_params(run.config)  # Adam's mu and nu
+    assert sum(np.prod(shape) for shape, _ in opt) == 2 * lora.num_adapter_params(Model.bind(run.config))  # Adam's mu and nu

@@ -9,6 +9,7 @@ from conftest import BASE_YML
 from maxtrain.training import builder
 from maxtrain.observability import metrics
 from maxtrain.config import load_config, with_overrides
+from maxtrain.models.model import Model
 
 
 def test_flops_formula_matches_xla_count():
@@ -27,7 +28,7 @@ def test_flops_formula_matches_xla_count():
     cost = run.compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
     cfg = run.config
-    formula = metrics.flops_per_token(cfg, dense_attention=True) * 4 * 64
+    formula = metrics.flops_per_token(Model.bind(cfg), dense_attention=True) * 4 * 64
     assert cost["flops"] == pytest.approx(formula, rel=0.05)
 
 
@@ -35,8 +36,8 @@ def test_causal_attention_is_counted_once():
     """Causal attention counts the (T + 1) / 2 keys a query attends on average, not all T."""
     t = 4096
     cfg = load_config([BASE_YML, f"max_target_length={t}"])
-    dense = metrics.flops_per_token(cfg, dense_attention=True)
-    causal = metrics.flops_per_token(cfg)
+    dense = metrics.flops_per_token(Model.bind(cfg), dense_attention=True)
+    causal = metrics.flops_per_token(Model.bind(cfg))
     attention_dense = 3 * cfg.base_num_decoder_layers * 4 * cfg.base_num_query_heads * cfg.head_dim * t
     assert dense - causal == pytest.approx(attention_dense * (1 - (t + 1) / (2 * t)))
 

@@ -7,7 +7,10 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY
-from maxtrain import models
+
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
+from maxtrain.models.params import is_spec
 from maxtrain.models import blocks
 from maxtrain.models import rope as rope_lib
 from maxtrain import config as config_lib
@@ -17,8 +20,8 @@ from maxtrain.config import load_config, with_overrides
 
 def setup(*overrides):
     cfg = load_config([BASE_YML, *with_overrides(TINY, *overrides)])
-    rt = models.Runtime.from_config(cfg)
-    params = models.init_params(cfg, jax.random.key(0))
+    rt = Runtime.from_config(cfg)
+    params = Model.bind(cfg).init_params(jax.random.key(0))
     return cfg, rt, params
 
 
@@ -26,13 +29,13 @@ def logits_of(cfg, rt, params, tokens, positions=None, segment_ids=None):
     tokens = jnp.asarray(tokens)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape) if positions is None else jnp.asarray(positions)
     segment_ids = jnp.ones_like(tokens) if segment_ids is None else jnp.asarray(segment_ids)
-    return models.forward(params, tokens, positions, segment_ids, cfg, rt)[0]
+    return Model.bind(cfg).forward(params, tokens, positions, segment_ids, rt)[0]
 
 
 def test_specs_declare_every_axis():
     for name in config_lib.preset_names():
         cfg = load_config([BASE_YML, f"model_name={name}"])
-        for spec in jax.tree.leaves(models.param_specs(cfg), is_leaf=models.is_spec):
+        for spec in jax.tree.leaves(Model.bind(cfg).param_specs, is_leaf=is_spec):
             assert len(spec.shape) == len(spec.axes)
 
 
@@ -141,9 +144,9 @@ def test_loss_ignores_zero_weight_tokens():
     tokens = rng.integers(4, cfg.vocab_size, (1, 17))
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": np.arange(16)[None],
              "segment_ids": np.ones((1, 16), np.int32), "loss_weights": np.r_[np.ones(10), np.zeros(6)][None]}
-    loss, weight, _ = models.loss_fn(params, batch, cfg, rt)
+    loss, weight, _ = Model.bind(cfg).loss_fn(params, batch, rt)
     batch2 = {**batch, "targets": np.concatenate([tokens[:, 1:11], np.full((1, 6), 5)], axis=1)}
-    loss2, _, _ = models.loss_fn(params, batch2, cfg, rt)
+    loss2, _, _ = Model.bind(cfg).loss_fn(params, batch2, rt)
     assert float(weight) == 10.0 and float(loss) == float(loss2)
 
 
@@ -187,17 +190,17 @@ def test_aux_losses_reach_the_objective_and_the_metrics(monkeypatch):
     import types
 
     from maxtrain import config as config_lib
-    from maxtrain import models as models_lib
+    from maxtrain.models import families
     from maxtrain.training import optimizer, train_step
     from maxtrain.models.families import llama
 
-    def layer(x, p, inputs, layer_type, config, rt):
-        x, aux = llama.MODEL.layer(x, p, inputs, layer_type, config, rt)
+    def layer(x, p, inputs, layer_type, model, rt):
+        x, aux = llama.MODEL.layer(x, p, inputs, layer_type, model, rt)
         energy = jnp.mean(jnp.square(x.astype(jnp.float32)))
         return x, {**aux, "toy_loss": 0.01 * energy, "toy_energy": energy}
 
     toy = dataclasses.replace(llama.MODEL, layer=layer)  # the family contract, with one layer of its own
-    monkeypatch.setitem(models_lib.FAMILIES, "toy", toy)
+    monkeypatch.setitem(families.FAMILIES, "toy", toy)
     block = config_lib.table()["decoder_block"]  # the settings table admits the new family too
     monkeypatch.setitem(config_lib.table(), "decoder_block", dataclasses.replace(
         block, allowed=settings_lib.parse_allowed(block.allowed.text + " | toy", block.default, "test")))
@@ -207,20 +210,21 @@ def test_aux_losses_reach_the_objective_and_the_metrics(monkeypatch):
     batch = {"inputs": tokens[..., :-1], "targets": tokens[..., 1:], "positions": np.tile(np.arange(16), (1, 2, 1)),
              "segment_ids": np.ones((1, 2, 16), np.int32), "loss_weights": np.ones((1, 2, 16), np.float32)}
     micro = {k: v[0] for k, v in batch.items()}
-    ce, weight, aux = models.loss_fn(params, micro, cfg, rt)
+    model = Model.bind(cfg)
+    ce, weight, aux = model.loss_fn(params, micro, rt)
     per_layer = []  # the energies layer by layer, unrolled by hand
     x = llama.MODEL.embed(params, micro["inputs"], cfg, rt)
     inputs = blocks.LayerInputs(micro["positions"], micro["segment_ids"],
-                                decoder.rope_tables(micro["positions"], cfg, decoder.rope_widths(toy, cfg)))
-    for i, lt in enumerate(llama.layer_types(cfg)):
-        x, layer_aux = layer(x, jax.tree.map(lambda a, i=i: a[i], params["layers"]["decoder"]), inputs, lt, cfg, rt)
+                                decoder.rope_tables(micro["positions"], cfg, decoder.rope_widths(model)))
+    for i, lt in enumerate(model.layer_types):
+        x, layer_aux = layer(x, jax.tree.map(lambda a, i=i: a[i], params["layers"]["decoder"]), inputs, lt, model, rt)
         per_layer.append(float(layer_aux["toy_energy"]))
     assert float(aux["toy_energy"]) == pytest.approx(sum(per_layer), rel=1e-5)  # summed over the stack
-    assert float(models.objective(ce, weight, aux)) == pytest.approx(float(ce) + float(weight) * 0.01 * sum(per_layer),
+    assert float(decoder.objective(ce, weight, aux)) == pytest.approx(float(ce) + float(weight) * 0.01 * sum(per_layer),
                                                                       rel=1e-5)
-    tx = optimizer.make_optimizer(cfg)
-    state = {**train_step.init_state(cfg, rt, tx, jax.random.key(0)), "params": params}
-    _, metrics = jax.jit(train_step.make_train_step(cfg, rt, tx))(state, batch)
+    tx = optimizer.make_optimizer(cfg, model)
+    state = {**train_step.init_state(cfg, model, rt, tx, jax.random.key(0)), "params": params}
+    _, metrics = jax.jit(train_step.make_train_step(cfg, model, rt, tx))(state, batch)
     assert float(metrics["aux/toy_energy"]) == pytest.approx(sum(per_layer), rel=1e-4)
     assert float(metrics["loss"]) == pytest.approx(float(ce) / float(weight), rel=1e-5)  # the loss stays the CE
 

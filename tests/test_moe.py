@@ -17,7 +17,9 @@ import pytest
 
 from conftest import BASE_YML, REPO, TINY, slow_params
 from maxtrain.training import builder, optimizer, train_step
-from maxtrain import models
+from maxtrain.models import decoder
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
 from maxtrain.models import sampling
 from maxtrain.observability import metrics
 from maxtrain.parallel import sharding
@@ -34,10 +36,10 @@ def tiny(*overrides):
 
 
 def forward(config, params, tokens, segment_ids):
-    rt = models.Runtime.from_config(config)
+    rt = Runtime.from_config(config)
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1]), tokens.shape)
     with jax.default_matmul_precision("highest"):
-        return jax.jit(lambda p: models.forward(p, tokens, positions, segment_ids, config, rt))(params)
+        return jax.jit(lambda p: Model.bind(config).forward(p, tokens, positions, segment_ids, rt))(params)
 
 
 def batch(config, rows=2, seed=1):
@@ -102,14 +104,14 @@ def test_dropless_and_capacity_agree_when_nothing_is_dropped(family):
     outs = {}
     for dispatch in ("dropless", "capacity"):
         config = tiny(f"decoder_block={family}", f"moe_dispatch={dispatch}", "capacity_factor=2.0", *extra)
-        params = models.init_params(config, jax.random.key(0))
+        params = Model.bind(config).init_params(jax.random.key(0))
         tokens, segment_ids = batch(config)
         logits, aux = forward(config, params, tokens, segment_ids)
-        rt = models.Runtime.from_config(config)
+        rt = Runtime.from_config(config)
         data = {"inputs": tokens, "targets": tokens, "positions": jnp.broadcast_to(jnp.arange(tokens.shape[1]),
                                                                                    tokens.shape),
                 "segment_ids": segment_ids, "loss_weights": segment_ids.astype(jnp.float32)}
-        grads = jax.jit(jax.grad(lambda p: models.objective(*models.loss_fn(p, data, config, rt))))(params)
+        grads = jax.jit(jax.grad(lambda p: decoder.objective(*Model.bind(config).loss_fn(p, data, rt))))(params)
         outs[dispatch] = (logits, aux, grads)
     (l1, a1, g1), (l2, a2, g2) = outs["dropless"], outs["capacity"]
     np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=1e-5, atol=1e-5)
@@ -128,14 +130,14 @@ def test_the_hidden_axis_in_chunks_computes_the_same_block(dispatch):
     outs = []
     for tiling in (1, 4):
         config = tiny(f"moe_dispatch={dispatch}", "capacity_factor=2.0", f"num_moe_hidden_tiling={tiling}")
-        params = models.init_params(config, jax.random.key(0))
+        params = Model.bind(config).init_params(jax.random.key(0))
         tokens, segment_ids = batch(config)
-        rt = models.Runtime.from_config(config)
+        rt = Runtime.from_config(config)
         data = {"inputs": tokens, "targets": tokens, "positions": jnp.broadcast_to(jnp.arange(tokens.shape[1]),
                                                                                    tokens.shape),
                 "segment_ids": segment_ids, "loss_weights": segment_ids.astype(jnp.float32)}
         with jax.default_matmul_precision("highest"):
-            grads = jax.jit(jax.grad(lambda p: models.objective(*models.loss_fn(p, data, config, rt))))(params)
+            grads = jax.jit(jax.grad(lambda p: decoder.objective(*Model.bind(config).loss_fn(p, data, rt))))(params)
         outs.append((*forward(config, params, tokens, segment_ids), grads))
     (l1, a1, g1), (l2, a2, g2) = outs
     np.testing.assert_allclose(np.asarray(l1), np.asarray(l2), rtol=1e-5, atol=1e-5)
@@ -173,7 +175,7 @@ def test_capacity_drops_the_overflow_and_reports_it():
     out = {}
     for dispatch in ("capacity", "dropless"):
         config = tiny(f"moe_dispatch={dispatch}", "capacity_factor=1.0", f"base_emb_dim={d}")
-        rt = models.Runtime.from_config(config)
+        rt = Runtime.from_config(config)
         out[dispatch] = moe.block(x, p, segment_ids, config, rt, router="topk_softmax", num_moe_layers=1)
     (y, aux), (y_all, aux_all) = out["capacity"], out["dropless"]
     assert moe.capacity(4, 2, 1.0, t) == 8
@@ -186,11 +188,11 @@ def test_capacity_drops_the_overflow_and_reports_it():
 def test_balance_and_z_losses_follow_their_formulas():
     config = tiny("load_balance_loss_weight=0.5", "router_z_loss_weight=0.25", "num_experts=4")
     x = jax.random.normal(jax.random.key(0), (2, 8, config.base_emb_dim))
-    experts = jax.tree.map(lambda a: a[0], models.init_params(config, jax.random.key(2))["layers"]["moe"])
+    experts = jax.tree.map(lambda a: a[0], Model.bind(config).init_params(jax.random.key(2))["layers"]["moe"])
     p = {"router": jax.random.normal(jax.random.key(1), (config.base_emb_dim, 4)),
          **{k: experts[k] for k in ("w_gate", "w_up", "w_down")}}
     segment_ids = jnp.ones((2, 8), jnp.int32).at[0, 6:].set(0)
-    _, aux = moe.block(x, p, segment_ids, config, models.Runtime.from_config(config), router="topk_softmax",
+    _, aux = moe.block(x, p, segment_ids, config, Runtime.from_config(config), router="topk_softmax",
                        num_moe_layers=2)
     logits = np.asarray(x @ p["router"]).reshape(-1, 4)[np.asarray(segment_ids).reshape(-1) > 0]
     probs = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
@@ -214,9 +216,9 @@ def _train_skewed(weight: float, steps: int = 60):
                                f"load_balance_loss_weight={weight}", "learning_rate=0.01", "warmup_steps_fraction=0",
                                "lr_schedule_type=constant", "adam_weight_decay=0", "gradient_clipping_threshold=0",
                                f"steps={steps}"), 1)
-    rt = models.Runtime.from_config(config)
-    tx = optimizer.make_optimizer(config)
-    state = train_step.init_state(config, rt, tx, jax.random.key(0))
+    rt = Runtime.from_config(config)
+    tx = optimizer.make_optimizer(config, Model.bind(config))
+    state = train_step.init_state(config, Model.bind(config), rt, tx, jax.random.key(0))
     params = state["params"]
     # Skew: every token embedding shares a direction u, and expert 0's router column is 4u: nearly every
     # token's largest logit is expert 0's.
@@ -226,7 +228,7 @@ def _train_skewed(weight: float, steps: int = 60):
     router = params["layers"]["moe"]["router"].at[0, :, 0].add(4.0 * u)
     params["layers"]["moe"] = {**params["layers"]["moe"], "router": router}
     state = {**state, "params": params, "opt_state": tx.init(params)}
-    step = jax.jit(train_step.make_train_step(config, rt, tx))
+    step = jax.jit(train_step.make_train_step(config, Model.bind(config), rt, tx))
     rng = np.random.default_rng(0)
     loads = []
     for _ in range(steps):
@@ -260,8 +262,8 @@ def test_per_layer_entries_name_their_layer_under_scan_and_unrolled():
     """qwen3_moe with dense layers 1 and 3 of 5: the layers run as scanned groups, and each MoE layer's
     load reaches aux under its own index, the same as when unrolled."""
     config = tiny("decoder_block=qwen3_moe", "base_num_decoder_layers=5", "mlp_only_layers=[1,3]")
-    assert [t.kind for t in models.family(config).layer_types(config)] == ["moe", "dense", "moe", "dense", "moe"]
-    params = models.init_params(config, jax.random.key(0))
+    assert [t.kind for t in Model.bind(config).layer_types] == ["moe", "dense", "moe", "dense", "moe"]
+    params = Model.bind(config).init_params(jax.random.key(0))
     tokens, segment_ids = batch(config)
     _, scanned = forward(config, params, tokens, segment_ids)
     _, unrolled = forward(config.replace(scan_layers=False), params, tokens, segment_ids)
@@ -299,10 +301,10 @@ def test_moe_metrics_reach_the_console_the_metrics_file_and_tensorboard(tiny_arg
 
 def test_greedy_decoding_with_the_kv_cache_matches_the_full_forward():
     config = tiny("moe_dispatch=dropless", "max_target_length=16")
-    rt = models.Runtime.from_config(config)
-    params = models.init_params(config, jax.random.key(3))
+    rt = Runtime.from_config(config)
+    params = Model.bind(config).init_params(jax.random.key(3))
     prompt = [5, 17, 3, 99]
-    new = sampling.generate(params, prompt, config, rt, max_new_tokens=6)
+    new = sampling.generate(params, prompt, Model.bind(config), rt, max_new_tokens=6)
     tokens = list(prompt)
     for _ in range(6):
         ids = jnp.asarray([tokens])
@@ -320,11 +322,10 @@ def test_greedy_decoding_with_the_kv_cache_matches_the_full_forward():
 def test_presets_have_the_published_total_and_active_parameters(name, total, active):
     """Published to 0.1B: Mixtral 46.70B / 12.88B; Qwen 30.53B / 3.35B (its model card says 3.3B)."""
     config = load_config([BASE_YML, f"model_name={name}"])
-    assert models.is_moe(config)
-    assert models.num_params(config) == pytest.approx(total, abs=0.06e9)
-    assert models.num_active_params(config) == pytest.approx(active, abs=0.06e9)
-    assert models.num_active_params(load_config([BASE_YML, "model_name=qwen3-8b"])) == models.num_params(
-        load_config([BASE_YML, "model_name=qwen3-8b"]))  # dense: every parameter is active
+    assert Model.bind(config).is_moe
+    assert Model.bind(config).num_params == pytest.approx(total, abs=0.06e9)
+    assert Model.bind(config).num_active_params == pytest.approx(active, abs=0.06e9)
+    assert Model.bind(load_config([BASE_YML, "model_name=qwen3-8b"])).num_active_params == Model.bind(load_config([BASE_YML, "model_name=qwen3-8b"])).num_params  # dense: every parameter is active
 
 
 def test_flops_count_active_parameters_and_match_xla():
@@ -339,18 +340,18 @@ def test_flops_count_active_parameters_and_match_xla():
         "mlp_only_layers=[0]", "base_num_decoder_layers=3", "vocab_size=512", "max_target_length=128",
         "per_device_batch_size=8", "scan_layers=false", "remat_policy=none", "dtype=float32",
         "attention=dot_product", "moe_dispatch=capacity", "capacity_factor=1.0"]), 1)
-    rt = models.Runtime.from_config(cfg)
-    tx = optimizer.make_optimizer(cfg)
-    state = jax.eval_shape(lambda k: train_step.init_state(cfg, rt, tx, k), jax.random.key(0))
+    rt = Runtime.from_config(cfg)
+    tx = optimizer.make_optimizer(cfg, Model.bind(cfg))
+    state = jax.eval_shape(lambda k: train_step.init_state(cfg, Model.bind(cfg), rt, tx, k), jax.random.key(0))
     shape = (1, 8, 128)
     data = {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k == "loss_weights" else jnp.int32)
             for k in ("inputs", "targets", "positions", "segment_ids", "loss_weights")}
-    cost = jax.jit(train_step.make_train_step(cfg, rt, tx)).lower(state, data).compile().cost_analysis()
+    cost = jax.jit(train_step.make_train_step(cfg, Model.bind(cfg), rt, tx)).lower(state, data).compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    formula = metrics.flops_per_token(cfg, dense_attention=True) * 8 * 128
+    formula = metrics.flops_per_token(Model.bind(cfg), dense_attention=True) * 8 * 128
     assert cost["flops"] == pytest.approx(formula, rel=0.05)
     # Counting every expert instead would be far off: the formula is about the active parameters.
-    everything = metrics.flops_per_token(cfg.replace(num_experts_per_tok=8), dense_attention=True) * 8 * 128
+    everything = metrics.flops_per_token(Model.bind(cfg.replace(num_experts_per_tok=8)), dense_attention=True) * 8 * 128
     assert everything > 1.5 * cost["flops"]
 
 

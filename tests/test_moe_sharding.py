@@ -25,7 +25,8 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import BASE_YML, TINY
 from maxtrain.training import builder
-from maxtrain import models
+from maxtrain.models import decoder
+from maxtrain.models.model import Model
 from maxtrain.parallel import sharding
 from maxtrain.config import load_config, with_overrides
 from test_sharding import GLOBAL_BATCH, batches
@@ -53,7 +54,7 @@ def run(devices, dispatch, *overrides):
             batch = jax.device_put(batch, r.batch_sharding)
             if grads is None:
                 grads = jax.device_get(jax.jit(jax.grad(
-                    lambda p, b: models.objective(*models.loss_fn(p, b, r.config, r.rt))))(
+                    lambda p, b: decoder.objective(*Model.bind(r.config).loss_fn(p, b, r.rt))))(
                         state["params"], jax.tree.map(lambda a: a[0], batch)))
                 lowered = r.train_step.lower(state, batch).as_text()
             state, m = r.train_step(state, batch)

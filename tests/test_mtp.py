@@ -13,7 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain import models
+from maxtrain.models.model import Model
+from maxtrain.models import model_keys
+from maxtrain.models.runtime import Runtime
+from maxtrain.models.params import is_spec
 from maxtrain.checkpointing import convert, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.models import mtp
@@ -46,7 +49,7 @@ def numpy_params(config, seed: int = 0) -> dict:
     rng = np.random.default_rng(seed)
     return jax.tree.map(lambda s: np.full(s.shape, {"ones": 1.0, "zeros": 0.0}.get(s.init, 0.0), np.float32)
                         + (s.stddev * rng.normal(size=s.shape)).astype(np.float32),
-                        models.param_specs(config), is_leaf=models.is_spec)
+                        Model.bind(config).param_specs, is_leaf=is_spec)
 
 
 def test_the_shifted_targets_stay_in_their_document():
@@ -62,11 +65,11 @@ def test_a_packed_row_gives_the_mtp_loss_of_its_documents_run_apart():
     """Two documents and padding packed in one row against one document per row: the same main loss and the
     same MTP cross-entropy (two modules), so no module reads or predicts across the document boundary."""
     config = tiny("mtp_num_layers=2", "mtp_loss_scaling_factor=0.3")
-    rt = models.Runtime.from_config(config)
+    rt = Runtime.from_config(config)
     params = numpy_params(config)
     rng = np.random.default_rng(0)
     docs = [list(rng.integers(1, 512, 12)), list(rng.integers(1, 512, 15))]
-    fn = jax.jit(lambda p, b: models.loss_fn(p, b, config, rt))
+    fn = jax.jit(lambda p, b: Model.bind(config).loss_fn(p, b, rt))
     loss_p, weight_p, aux_p = fn(params, packed(docs, rows=2))  # the second row all padding: one compilation
     loss_s, weight_s, aux_s = fn(params, packed(docs, rows=2, apart=True))
     assert float(weight_p) == float(weight_s) == 25.0
@@ -81,7 +84,7 @@ def test_the_mtp_loss_on_a_mesh_equals_one_device():
     modules' experts on the expert axis) on fsdp 2 x tensor 2 x expert 2, against one device. (The MoE
     block's gradients under expert parallelism: test_deepseek.py and test_moe_sharding.py.)"""
     config = tiny("mtp_num_layers=1", "seq_balance_loss_weight=0.1", "num_experts_per_tok=2")
-    rt, specs, rules = models.Runtime.from_config(config), models.param_specs(config), config.logical_axis_rules
+    rt, specs, rules = Runtime.from_config(config), Model.bind(config).param_specs, config.logical_axis_rules
     params = numpy_params(config)
     rng = np.random.default_rng(1)
     batch = packed([list(rng.integers(1, 512, n)) for n in (20, 9, 30, 32, 5, 17, 25, 11)], rows=8, apart=True)
@@ -89,8 +92,8 @@ def test_the_mtp_loss_on_a_mesh_equals_one_device():
     def run(mesh):
         with sharding.activation_sharding(mesh, rules):
             placed = jax.tree.map(lambda a, s: jax.device_put(a, sharding.named_sharding(mesh, s.axes, rules)),
-                                  params, specs, is_leaf=models.is_spec)
-            loss, weight, aux = jax.jit(lambda p: models.loss_fn(p, batch, config, rt))(placed)
+                                  params, specs, is_leaf=is_spec)
+            loss, weight, aux = jax.jit(lambda p: Model.bind(config).loss_fn(p, batch, rt))(placed)
         assert mesh.size == 1 or placed["mtp"]["w_up"].sharding.spec[1] == "expert"  # the modules' experts
         return float(loss / weight), {k: float(v) for k, v in aux.items() if k.startswith(("mtp", "moe_seq"))}
 
@@ -109,7 +112,7 @@ def test_the_modules_router_bias_stays_as_loaded():
     old = numpy_params(config)
     old["mtp"]["router_bias"] = np.full((1, 8), 0.25, np.float32)
     new = jax.tree.map(lambda a: a * 0.5, old)
-    got = models.update_outside_gradient(new, old, {}, config)
+    got = Model.bind(config).update_outside_gradient(new, old, {})
     np.testing.assert_array_equal(got["mtp"]["router_bias"], old["mtp"]["router_bias"])
     np.testing.assert_array_equal(got["mtp"]["w_up"], new["mtp"]["w_up"])
 
@@ -120,9 +123,9 @@ def test_hugging_face_import_reads_the_modules_with_keep_mtp_and_export_leaves_t
     keep_mtp into params["mtp"], else left out with a note; the export writes no model.layers.2 tensor."""
     config = tiny("mtp_num_layers=1")
     rng = np.random.default_rng(3)
-    keys = {k: getattr(config, k) for k in models.MODEL_KEYS}
-    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), models.param_specs(config),
-                          is_leaf=models.is_spec)
+    keys = {k: getattr(config, k) for k in model_keys.MODEL_KEYS}
+    params = jax.tree.map(lambda s: rng.normal(size=s.shape).astype(np.float32), Model.bind(config).param_specs,
+                          is_leaf=is_spec)
     main = convert.to_hf(params, {**keys, "mtp_num_layers": 0}, np.float32)
     d = config.base_emb_dim
     module = {n.replace("model.layers.1.", "model.layers.2."): rng.normal(size=w.shape).astype(np.float32)

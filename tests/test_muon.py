@@ -9,7 +9,7 @@ import pytest
 
 from ckpt_helpers import assert_bitwise_equal, cache_dir, train  # noqa: F401  (cache_dir is a fixture)
 from conftest import BASE_YML, TINY
-from maxtrain import models
+from maxtrain.models.model import Model
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.config import ConfigError, load_config, with_overrides
 from maxtrain.training import builder, muon, optimizer
@@ -47,10 +47,10 @@ def matrices(name: str, x: np.ndarray) -> list[np.ndarray]:
 def first_update(*overrides):
     config = load_config(with_overrides([BASE_YML, *TINY], "lr_schedule_type=constant", "warmup_steps_fraction=0",
                                         f"learning_rate={LR}", "gradient_clipping_threshold=0", *overrides))
-    params = jax.jit(models.init_params, static_argnums=0)(config, jax.random.key(0))
+    params = jax.jit(Model.bind(config).init_params)(jax.random.key(0))
     leaves, treedef = jax.tree.flatten(params)
     grads = treedef.unflatten([jax.random.normal(jax.random.key(i + 1), x.shape, x.dtype) for i, x in enumerate(leaves)])
-    tx = optimizer.make_optimizer(config)
+    tx = optimizer.make_optimizer(config, Model.bind(config))
     updates, _ = jax.jit(tx.update)(grads, tx.init(params), params)
     return jax.tree.map(np.asarray, (params, grads, updates))
 
@@ -87,8 +87,8 @@ def leaf_at(tree, path):
 def test_muon_trains_the_hidden_matrices_adamw_the_rest(model, layer):
     """Embeddings, output head, norms, biases (qwen2.5) and routers (qwen3 MoE) stay with AdamW."""
     config = load_config([BASE_YML, f"model_name={model}"])
-    specs = models.param_specs(config)
-    labels = jax.tree_util.tree_flatten_with_path(muon.labels(config)(specs))[0]
+    specs = Model.bind(config).param_specs
+    labels = jax.tree_util.tree_flatten_with_path(muon.labels(Model.bind(config))(specs))[0]
     assert sorted(jax.tree_util.keystr(p) for p, label in labels if label == "muon") == [
         f"['layers']['{layer}']['{name}']" for name in MUON_MATRICES]
     dims = muon.dimension_numbers
@@ -113,7 +113,7 @@ def muon_steps(devices, *overrides):
         return optax.apply_updates(params, updates), opt_state
 
     step = jax.jit(step, in_shardings=(p_sharding, o_sharding, p_sharding), out_shardings=(p_sharding, o_sharding))
-    params = jax.jit(models.init_params, static_argnums=0, out_shardings=p_sharding)(run.config, jax.random.key(0))
+    params = jax.jit(Model.bind(run.config).init_params, out_shardings=p_sharding)(jax.random.key(0))
     opt_state = jax.jit(run.tx.init, out_shardings=o_sharding)(params)
     rng = np.random.default_rng(0)
     for _ in range(3):

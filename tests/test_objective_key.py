@@ -11,12 +11,14 @@ import pytest
 from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
-from maxtrain import models, train
+from maxtrain import train
+from maxtrain.models import model_keys
 from maxtrain.checkpointing import checksums
 from maxtrain.checkpointing import inspect as checkpoint_inspect
 from maxtrain.config import objectives as rows
 from maxtrain.errors import ConfigError
 from maxtrain.training import distillation, objectives, train_step
+from maxtrain.models.model import Model
 from post_helpers import compose, dpo_args, grpo_args, make_dataset, sft_args
 
 
@@ -96,10 +98,10 @@ def test_every_row_has_a_loss_and_declares_what_its_state_and_batches_hold(datas
         config = _load(*_args(dataset, name), *extra)
         if name == "distill":  # the teacher's model settings, as adopt_teacher reads them from its checkpoint
             config = config_lib.Config({**config.to_dict(), distillation.KEY: {k: getattr(config, k)
-                                                                               for k in models.MODEL_KEYS}})
+                                                                               for k in model_keys.MODEL_KEYS}})
         row = rows.of(config)
         frozen = {row.frozen} if rows.holds_frozen(config) else set()
-        assert set(train_step.state_specs(config)) == {"params"} | frozen, (name, extra)
+        assert set(train_step.state_specs(config, Model.bind(config))) == {"params"} | frozen, (name, extra)
         assert objectives.batch_keys(config) == row.batch_keys
         assert set(row.shown) <= set(row.keys) and set(row.data) == set(row.columns)
     assert not rows.holds_frozen(_load(*_args(dataset, "grpo"), "grpo_beta=0"))

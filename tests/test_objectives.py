@@ -7,7 +7,8 @@ import pytest
 
 from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
-from maxtrain import models
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
 from maxtrain.training import objectives
 from post_helpers import compose
 
@@ -50,8 +51,7 @@ def _packed_batch(pairs, length):
 def _plain_logp(params, prompt, completion, config, rt):
     """log p(completion | prompt), the sequence alone in its own row, from log_softmax."""
     seq = jnp.asarray([prompt + completion], jnp.int32)
-    logits, _ = models.forward(params, seq[:, :-1], jnp.arange(seq.shape[1] - 1)[None], jnp.ones_like(seq[:, :-1]),
-                               config, rt)
+    logits, _ = Model.bind(config).forward(params, seq[:, :-1], jnp.arange(seq.shape[1] - 1)[None], jnp.ones_like(seq[:, :-1]), rt)
     logp = jax.nn.log_softmax(logits, axis=-1)[0]
     return sum(logp[t - 1, seq[0, t]] for t in range(len(prompt), seq.shape[1]))
 
@@ -71,14 +71,14 @@ def _plain_dpo(params, reference, pairs, beta, eps, config, rt):
 def test_dpo_loss_and_gradients_match_the_formula():
     eps = 0.1
     config = _config("dpo_beta=0.5", f"dpo_label_smoothing={eps}")
-    rt = models.Runtime.from_config(config, "cpu")
-    params = models.init_params(config, jax.random.key(0))
-    reference = models.init_params(config, jax.random.key(1))  # a different model, so the ratios are not 0
+    rt = Runtime.from_config(config, "cpu")
+    params = Model.bind(config).init_params(jax.random.key(0))
+    reference = Model.bind(config).init_params(jax.random.key(1))  # a different model, so the ratios are not 0
     pairs = _sequences(np.random.default_rng(0), config.vocab_size)
     batch = _packed_batch(pairs, config.max_target_length)
 
     def packed(p):
-        loss, weight, metrics = objectives.dpo(p, batch, reference, config, rt)
+        loss, weight, metrics = objectives.dpo(p, batch, reference, Model.bind(config), rt)
         return loss, (weight, metrics)
 
     (loss, (weight, metrics)), grads = jax.jit(jax.value_and_grad(packed, has_aux=True))(params)
@@ -89,7 +89,7 @@ def test_dpo_loss_and_gradients_match_the_formula():
     for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-6, err_msg=str(path))
     # The reference gets no gradient: the objective stops it.
-    ref_grads = jax.jit(jax.grad(lambda r: objectives.dpo(params, batch, r, config, rt)[0]))(reference)
+    ref_grads = jax.jit(jax.grad(lambda r: objectives.dpo(params, batch, r, Model.bind(config), rt)[0]))(reference)
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(ref_grads))
     # Metrics: the implicit rewards of the two pairs.
     chosen, rejected = np.asarray(chosen), np.asarray(rejected)
@@ -100,11 +100,11 @@ def test_dpo_loss_and_gradients_match_the_formula():
 
 def test_dpo_against_itself_is_log_2_per_pair_and_ignores_padding_rows():
     config = _config()
-    rt = models.Runtime.from_config(config, "cpu")
-    params = models.init_params(config, jax.random.key(0))
+    rt = Runtime.from_config(config, "cpu")
+    params = Model.bind(config).init_params(jax.random.key(0))
     batch = _packed_batch(_sequences(np.random.default_rng(1), config.vocab_size), config.max_target_length)
     padded = {k: jnp.concatenate([v, jnp.zeros_like(v)]) for k, v in batch.items()}  # a second, empty row
-    loss, weight, metrics = jax.jit(lambda p, b: objectives.dpo(p, b, p, config, rt))(params, padded)
+    loss, weight, metrics = jax.jit(lambda p, b: objectives.dpo(p, b, p, Model.bind(config), rt))(params, padded)
     assert float(weight) == 2.0
     np.testing.assert_allclose(float(loss), 2 * np.log(2.0), rtol=1e-6)
     assert float(metrics["dpo_reward_accuracy"]) == 0.0  # ties are not wins
@@ -112,16 +112,16 @@ def test_dpo_against_itself_is_log_2_per_pair_and_ignores_padding_rows():
 
 def test_sft_is_the_lm_objective_on_the_weights_given():
     config = config_lib.load_config([BASE_YML, *TINY])
-    rt = models.Runtime.from_config(config, "cpu")
-    params = models.init_params(config, jax.random.key(0))
+    rt = Runtime.from_config(config, "cpu")
+    params = Model.bind(config).init_params(jax.random.key(0))
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(4, config.vocab_size, size=(2, config.max_target_length + 1)), jnp.int32)
     weights = jnp.asarray(rng.integers(0, 2, size=(2, config.max_target_length)), jnp.float32)
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": jnp.broadcast_to(
         jnp.arange(config.max_target_length), (2, config.max_target_length)),
         "segment_ids": jnp.ones((2, config.max_target_length), jnp.int32), "loss_weights": weights}
-    loss, weight, _ = objectives.sft(params, batch, config, rt)
-    logits, _ = models.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"], config, rt)
+    loss, weight, _ = objectives.sft(params, batch, Model.bind(config), rt)
+    logits, _ = Model.bind(config).forward(params, batch["inputs"], batch["positions"], batch["segment_ids"], rt)
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], axis=-1)[..., 0]
     np.testing.assert_allclose(float(loss), float(jnp.sum(nll * weights)), rtol=1e-5)
     assert float(weight) == float(weights.sum())

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import BASE_YML
-from maxtrain import models
+from maxtrain.models.model import Model
 from maxtrain.training import optimizer
 from maxtrain.config import load_config, with_overrides
 
@@ -38,7 +38,7 @@ def test_constant_schedule():
 
 def test_weight_decay_skips_norms_only_by_default():
     c = cfg("base_num_decoder_layers=1", "base_emb_dim=8", "head_dim=4", "base_mlp_dim=8", "vocab_size=16")
-    params = jax.jit(models.init_params, static_argnums=0)(c, jax.random.key(0))
+    params = jax.jit(Model.bind(c).init_params)(jax.random.key(0))
     mask = optimizer.weight_decay_mask(params, c)
     assert mask["layers"]["decoder"]["wq"] and mask["token_embedding"] and mask["output"]
     assert not mask["layers"]["decoder"]["attn_norm"] and not mask["final_norm"]
@@ -49,8 +49,8 @@ def test_weight_decay_skips_norms_only_by_default():
 def test_decay_is_applied_to_masked_params_only():
     c = cfg("base_num_decoder_layers=1", "base_emb_dim=8", "head_dim=4", "base_mlp_dim=8", "vocab_size=16",
             "adam_weight_decay=0.5", "lr_schedule_type=constant", "warmup_steps_fraction=0")
-    params = jax.jit(models.init_params, static_argnums=0)(c, jax.random.key(0))
-    tx = optimizer.make_optimizer(c)
+    params = jax.jit(Model.bind(c).init_params)(jax.random.key(0))
+    tx = optimizer.make_optimizer(c, Model.bind(c))
     zero_grads = jax.tree.map(jnp.zeros_like, params)
     updates, _ = jax.jit(tx.update)(zero_grads, tx.init(params), params)
     assert float(jnp.abs(updates["final_norm"]).max()) == 0.0

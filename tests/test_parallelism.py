@@ -19,7 +19,8 @@ from conftest import BASE_YML, TINY, slow_params
 from maxtrain.training import builder
 from maxtrain.parallel import context as context_parallel
 from maxtrain.parallel import sharding
-from maxtrain import models
+
+from maxtrain.models.model import Model
 from maxtrain.config import ConfigError, load_config, with_overrides
 from maxtrain.parallel import stages as pipeline
 from test_sharding import GLOBAL_BATCH, batches
@@ -45,7 +46,7 @@ def loss_and_grads(n_devices: int, *overrides):
         batch = jax.device_put(batch, run.eval_batch_sharding)
 
         def mean_loss(p):
-            loss, weight, _ = models.loss_fn(p, batch, run.config, run.rt)
+            loss, weight, _ = Model.bind(run.config).loss_fn(p, batch, run.rt)
             return loss / weight
         loss, grads = jax.jit(jax.value_and_grad(mean_loss))(params, )
     return float(loss), jax.tree.map(np.asarray, grads)

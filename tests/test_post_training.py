@@ -168,14 +168,16 @@ def test_over_long_conversations_are_truncated_and_counted_in_a_warning(dataset,
 
 def test_a_packed_conversation_sees_only_itself(dataset, tmp_path):
     """Each conversation's logits in a packed row equal its logits when it is alone in the row."""
-    from maxtrain import models  # pylint: disable=import-outside-toplevel
+    from maxtrain.models.model import Model  # pylint: disable=import-outside-toplevel
+    from maxtrain.models.runtime import Runtime  # pylint: disable=import-outside-toplevel
 
     config = _load(tmp_path, *sft_args(dataset), "max_target_length=64")
     batch = next(data_lib.make_inputs(config, log=lambda *_: None).train_iterator)
     row = {k: np.asarray(v).reshape(-1, 64)[:1] for k, v in batch.items() if k != "loss_weights"}
-    rt = models.Runtime.from_config(config, "cpu")
-    params = models.init_params(config, jax.random.key(0))
-    forward = jax.jit(lambda p, t, pos, s: models.forward(p, t, pos, s, config, rt)[0])
+    rt = Runtime.from_config(config, "cpu")
+    model = Model.bind(config)
+    params = model.init_params(jax.random.key(0))
+    forward = jax.jit(lambda p, t, pos, s: model.forward(p, t, pos, s, rt)[0])
     packed = forward(params, row["inputs"], row["positions"], row["segment_ids"])
     segments = [s for s in np.unique(row["segment_ids"]) if s > 0]
     assert len(segments) >= 2

@@ -14,6 +14,7 @@ from maxtrain.compile import predict
 from maxtrain.config import chips
 from maxtrain.observability import metrics
 from maxtrain.training import builder
+from maxtrain.models.model import Model
 
 # One layer's matmul in a loop of 4, its weights sliced out of the stacked [4, 256, 512] ones, an all-gather over
 # 4 of 8 devices started before the matmul and done after it, an in-place update of a [4, 128, 512] buffer, and a
@@ -148,7 +149,7 @@ def test_a_real_cpu_step_counts_the_models_matmuls():
                                   "dataset_type=synthetic", "remat_policy=none", "attention=dot_product"])
     run = builder.build(config)
     costs = predict.program_costs(run.compile().as_text(), list(run.mesh.devices.flat), dict(run.mesh.shape))
-    model = metrics.flops_per_token(run.config, dense_attention=True) * run.config.tokens_per_step / run.mesh.size
+    model = metrics.flops_per_token(Model.bind(run.config), dense_attention=True) * run.config.tokens_per_step / run.mesh.size
     assert costs.flops == pytest.approx(model, rel=0.1)
     assert costs.collectives and all(c.axes for c in costs.collectives)
 

@@ -15,7 +15,10 @@ import pytest
 from conftest import BASE_YML
 from maxtrain.models import attention
 from maxtrain.training import builder
-from maxtrain import config as config_lib, models
+from maxtrain import config as config_lib
+from maxtrain.models.model import Model
+from maxtrain.models import model_keys
+from maxtrain.models.families import FAMILIES
 from maxtrain.observability import metrics
 from maxtrain.config import features, load_config, with_overrides
 from maxtrain.models import blocks
@@ -84,24 +87,24 @@ def test_every_preset_is_checked():
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_preset_parameter_count_is_the_published_one(name):
     cfg = preset(name)
-    assert models.num_params(cfg) == PUBLISHED[name]
+    assert Model.bind(cfg).num_params == PUBLISHED[name]
     if name in MODEL_CARD:
         total, non_embedding = MODEL_CARD[name]
         embeddings = cfg.vocab_size * cfg.base_emb_dim * (1 if cfg.logits_via_embedding else 2)
-        assert round(models.num_params(cfg) / 1e8) == round(total / 1e8)
-        assert round((models.num_params(cfg) - embeddings) / 1e7) == round(non_embedding / 1e7)
+        assert round(Model.bind(cfg).num_params / 1e8) == round(total / 1e8)
+        assert round((Model.bind(cfg).num_params - embeddings) / 1e7) == round(non_embedding / 1e7)
     if name in ACTIVE_WITHOUT_EMBEDDING:
-        assert round(models.num_params(cfg) / 1e8) == round(PUBLISHED[name] / 1e8)
-        active = models.num_active_params(cfg) - cfg.vocab_size * cfg.base_emb_dim
+        assert round(Model.bind(cfg).num_params / 1e8) == round(PUBLISHED[name] / 1e8)
+        active = Model.bind(cfg).num_active_params - cfg.vocab_size * cfg.base_emb_dim
         assert round(active / 1e8) == round(ACTIVE_WITHOUT_EMBEDDING[name] / 1e8)
     if name in ACTIVE_BILLIONS_WITHOUT_EMBEDDING:
-        active = models.num_active_params(cfg) - cfg.vocab_size * cfg.base_emb_dim
+        active = Model.bind(cfg).num_active_params - cfg.vocab_size * cfg.base_emb_dim
         assert round(active / 1e9) == ACTIVE_BILLIONS_WITHOUT_EMBEDDING[name]
     if name in ACTIVE_BILLIONS_WITHOUT_EMBEDDING_AND_HEAD:
-        active = models.num_active_params(cfg) - 2 * cfg.vocab_size * cfg.base_emb_dim
+        active = Model.bind(cfg).num_active_params - 2 * cfg.vocab_size * cfg.base_emb_dim
         assert round(active / 1e9) == ACTIVE_BILLIONS_WITHOUT_EMBEDDING_AND_HEAD[name]
     if name in ACTIVE_BILLIONS:
-        assert round(models.num_active_params(cfg) / 1e9) == ACTIVE_BILLIONS[name]
+        assert round(Model.bind(cfg).num_active_params / 1e9) == ACTIVE_BILLIONS[name]
 
 
 @pytest.mark.parametrize("name", sorted(set(PUBLISHED) - {"default", "gpt2-small"}))
@@ -109,15 +112,15 @@ def test_transformers_counts_the_same_architecture_the_same(name):
     torch = pytest.importorskip("torch", reason="the [hf] extra (torch, transformers) is not installed")
     transformers = pytest.importorskip("transformers", reason="the [hf] extra is not installed")
     cfg = preset(name)
-    keys = {k: getattr(cfg, k) for k in models.MODEL_KEYS}
-    hf_config = models.family(cfg).to_hf_config(keys)
+    keys = {k: getattr(cfg, k) for k in model_keys.MODEL_KEYS}
+    hf_config = Model.bind(cfg).family.to_hf_config(keys)
     config = transformers.AutoConfig.for_model(**hf_config)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
     # DeepSeek's selection bias and Gemma 4's layer scalars are buffers in transformers, tensors of the
     # checkpoint all the same
     bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith(("e_score_correction_bias", "layer_scalar")))
-    assert sum(p.numel() for p in model.parameters()) + bias == models.num_params(cfg)
+    assert sum(p.numel() for p in model.parameters()) + bias == Model.bind(cfg).num_params
 
 
 # Small unrolled models per family: XLA's cost analysis counts a scanned body once, and dense
@@ -162,7 +165,7 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", list(models.FAMILIES))
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_flops_formula_matches_xla_count(family):
     """Within 5%: XLA also counts the elementwise work the formula leaves out (norms, softmax,
     activations, soft-caps, AdamW)."""
@@ -172,7 +175,7 @@ def test_flops_formula_matches_xla_count(family):
     run = builder.build(cfg, devices=jax.devices()[:1])
     cost = run.compile().cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    formula = metrics.flops_per_token(run.config, dense_attention=True) * run.config.tokens_per_step
+    formula = metrics.flops_per_token(Model.bind(run.config), dense_attention=True) * run.config.tokens_per_step
     print(f"{family}: XLA {cost['flops']:.4g} FLOPs, formula {formula:.4g} ({cost['flops'] / formula - 1:+.1%})")
     assert cost["flops"] == pytest.approx(formula, rel=0.05)
 
@@ -188,8 +191,8 @@ def test_attended_keys_count_the_mask(length, window):
 def test_sliding_windows_count_only_the_keys_attended():
     full = preset("gemma3-1b", "max_target_length=8192", "sliding_window_size=8192")
     windowed = preset("gemma3-1b", "max_target_length=8192")  # 512-token windows in 5 of 6 layers
-    saved = metrics.flops_per_token(full) - metrics.flops_per_token(windowed)
-    sliding_layers = sum(t.attention == "sliding" for t in models.family(windowed).layer_types(windowed))
+    saved = metrics.flops_per_token(Model.bind(full)) - metrics.flops_per_token(Model.bind(windowed))
+    sliding_layers = sum(t.attention == "sliding" for t in Model.bind(windowed).layer_types)
     per_key = 3 * 2 * 2 * windowed.base_num_query_heads * windowed.head_dim
     expected = sliding_layers * per_key * (blocks.attended_keys(8192) - blocks.attended_keys(8192, 512))
     assert sliding_layers == 22 and saved == pytest.approx(expected)

@@ -12,7 +12,8 @@ import pytest
 
 from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
-from maxtrain import models
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
 from maxtrain.config import load_config, with_overrides
 from maxtrain.models import sampling
 
@@ -25,13 +26,13 @@ HYBRID = ["decoder_block=qwen3_next", "base_num_decoder_layers=4", "inhomogeneou
 
 def setup(*overrides):
     cfg = load_config([BASE_YML, *with_overrides(with_overrides(TINY, *HYBRID), *overrides)])
-    rt = models.Runtime.from_config(cfg)
-    return cfg, rt, models.init_params(cfg, jax.random.key(0))
+    rt = Runtime.from_config(cfg)
+    return cfg, rt, Model.bind(cfg).init_params(jax.random.key(0))
 
 
 def forward(cfg, rt, params, tokens, segment_ids):
     positions = np.concatenate([np.arange(n) for n in np.unique(segment_ids[0], return_counts=True)[1]])[None]
-    return models.forward(params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segment_ids), cfg, rt)[0]
+    return Model.bind(cfg).forward(params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segment_ids), rt)[0]
 
 
 def test_a_packed_row_is_its_documents_apart():
@@ -53,17 +54,17 @@ def test_the_mixed_stack_scans_as_it_runs_unrolled():
     tokens = np.random.default_rng(1).integers(4, cfg.vocab_size, (2, 16))
     segments = np.ones((2, 16), np.int32)
     scanned = forward(cfg, rt, params, tokens, segments)
-    unrolled = forward(cfg.replace(scan_layers=False), models.Runtime.from_config(cfg.replace(scan_layers=False)),
+    unrolled = forward(cfg.replace(scan_layers=False), Runtime.from_config(cfg.replace(scan_layers=False)),
                        params, tokens, segments)
     np.testing.assert_allclose(scanned, unrolled, atol=2e-5)
-    assert [t.kind for t in models.family(cfg).layer_types(cfg)] == ["linear_moe", "full_moe"] * 2
+    assert [t.kind for t in Model.bind(cfg).layer_types] == ["linear_moe", "full_moe"] * 2
 
 
 def decode_setup(*overrides):
     cfg, rt, params = setup(*overrides)
     tokens = jnp.asarray(np.random.default_rng(2).integers(4, cfg.vocab_size, (2, 30)))
     full = forward(cfg, rt, params, np.asarray(tokens), np.ones((2, 30), np.int32))
-    step = jax.jit(lambda p, t, pos, c, i, first: models.forward_with_cache(p, t, pos, c, i, cfg, rt, first))
+    step = jax.jit(lambda p, t, pos, c, i, first: Model.bind(cfg).forward_with_cache(p, t, pos, c, i, rt, first))
     return cfg, rt, params, tokens, full, step
 
 
@@ -71,7 +72,7 @@ def test_decoding_from_the_cache_computes_the_full_forward():
     """A prefill over two chunks, a single token (the recurrent step), a chunk again from the carried state, a token:
     the logits are the full forward's; the gated delta-net's cache is a fixed size whatever the length."""
     cfg, rt, params, tokens, full, step = decode_setup("base_num_decoder_layers=2")  # one layer of each kind
-    cache = models.init_cache(cfg, 2, 30, rt.dtype)
+    cache = Model.bind(cfg).init_cache(2, 30, rt.dtype)
     assert {k: v.shape for k, v in cache.items()} == {"state": (1, 2, 4, 8, 8), "conv": (1, 2, 3, 64),
                                                       "k": (1, 2, 30, 2, 16), "v": (1, 2, 30, 2, 16)}
     pieces, index = [], 0
@@ -90,7 +91,7 @@ def test_left_padded_rows_and_greedy_decoding_give_the_full_forwards_choices():
     cfg, rt, params, tokens, full, step = decode_setup()
     first = jnp.asarray([0, 5])  # row 1: 5 slots of padding, then tokens[1, :25]
     padded = tokens.at[1, 5:].set(tokens[1, :25])
-    cache, pieces = models.init_cache(cfg, 2, 30, rt.dtype), []
+    cache, pieces = Model.bind(cfg).init_cache(2, 30, rt.dtype), []
     for index, length in ((0, 13), (13, 1), (14, 16)):
         slots = jnp.arange(index, index + length)[None, :]
         logits, cache = step(params, padded[:, index:index + length], jnp.maximum(slots - first[:, None], 0), cache,
@@ -99,7 +100,7 @@ def test_left_padded_rows_and_greedy_decoding_give_the_full_forwards_choices():
     np.testing.assert_allclose(np.concatenate(pieces, axis=1)[1, 5:], full[1, :25], atol=1e-4, rtol=0)
 
     prompt = [int(t) for t in tokens[0, :6]]
-    new = sampling.generate(params, prompt, cfg, rt, max_new_tokens=8)
+    new = sampling.generate(params, prompt, Model.bind(cfg), rt, max_new_tokens=8)
     logits = forward(cfg, rt, params, np.asarray([prompt + new]), np.ones((1, 14), np.int32))[0]
     assert new == np.asarray(jnp.argmax(logits[5:-1], axis=-1)).tolist()
 

@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML, TINY, slow_params
-from maxtrain import models
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
+from maxtrain.models.runtime import REMAT_POLICIES
 from maxtrain.config import load_config, with_overrides
 from maxtrain.models import runtime as runtime_lib
 
@@ -17,26 +19,26 @@ from maxtrain.models import runtime as runtime_lib
 def loss_and_grad(*overrides, seq=32, batch=2):
     """(jitted value_and_grad of the loss, its arguments) for the tiny model with `overrides`."""
     cfg = load_config([BASE_YML, *with_overrides(TINY, f"max_target_length={seq}", *overrides)])
-    rt = models.Runtime.from_config(cfg)
-    params = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+    rt = Runtime.from_config(cfg)
+    params = jax.eval_shape(lambda: Model.bind(cfg).init_params(jax.random.key(0)))
     tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, seq + 1)).astype(np.int32)
     data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": np.ones((batch, seq), np.int32),
             "positions": np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq)).copy(),
             "loss_weights": np.ones((batch, seq), np.float32)}
-    fn = jax.jit(jax.value_and_grad(lambda p, b: models.loss_fn(p, b, cfg, rt)[0]))
+    fn = jax.jit(jax.value_and_grad(lambda p, b: Model.bind(cfg).loss_fn(p, b, rt)[0]))
     return fn, params, data, cfg
 
 
 @pytest.fixture(scope="module")
 def reference():
     fn, _, data, cfg = loss_and_grad("remat_policy=none", "scan_layers=true")
-    params = models.init_params(cfg, jax.random.key(0))  # the same for every policy
+    params = Model.bind(cfg).init_params(jax.random.key(0))  # the same for every policy
     return params, fn(params, data)
 
 
 # Every policy with scanned layers; unrolled layers (scan_layers=false, a different code path:
 # jax.checkpoint per layer with prevent_cse) with no remat and with full remat.
-CASES = [(p, True) for p in models.REMAT_POLICIES if p != "none"] + [("none", False), ("full", False)]
+CASES = [(p, True) for p in REMAT_POLICIES if p != "none"] + [("none", False), ("full", False)]
 
 
 @pytest.mark.parametrize("policy, scan", slow_params(CASES, {"save_qkv_proj-True"}, ids=[f"{p}-{s}" for p, s in CASES]))
@@ -70,7 +72,7 @@ def test_full_remat_needs_less_temporary_memory_than_none():
 
 def plan(*overrides, backend="cpu"):
     cfg = load_config([BASE_YML, *overrides])
-    rt = models.Runtime.from_config(cfg, backend)
+    rt = Runtime.from_config(cfg, backend)
     return rt.remat_policy, rt.scan_layers(cfg)
 
 

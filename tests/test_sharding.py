@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec as P
 
 from conftest import BASE_YML, TINY, slow_params
 from maxtrain.training import builder
-from maxtrain import models
+from maxtrain.models.model import Model
 from maxtrain.parallel import sharding
 from maxtrain.config import load_config, with_overrides
 
@@ -106,7 +106,7 @@ def test_a_mesh_that_does_not_fit_the_devices_or_model():
         sharding.create_mesh(cfg, jax.devices()[:1])
     cfg = load_config([BASE_YML, *with_overrides(TINY, "base_emb_dim=36", "ici_fsdp_parallelism=8")])
     mesh = sharding.create_mesh(cfg, jax.devices())
-    spec = models.param_specs(cfg)["layers"]["decoder"]["wq"]
+    spec = Model.bind(cfg).param_specs["layers"]["decoder"]["wq"]
     with pytest.raises(sharding.MeshError, match="'embed' axis .* 36 is not divisible by 8"):
         sharding.check_divisible("wq", spec.shape, spec.axes, mesh, cfg.logical_axis_rules)
 

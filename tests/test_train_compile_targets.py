@@ -16,7 +16,10 @@ import pytest
 
 from maxtrain.training import builder
 from maxtrain.compile import hlo_stats, predict, targets as topologies
-from maxtrain import models, train_compile
+from maxtrain import train_compile
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
+from maxtrain.models.params import is_spec
 from maxtrain.config import with_overrides
 
 from conftest import BASE_YML, REPO
@@ -48,7 +51,7 @@ def test_step_compiles_for_a_tpu_pod_with_autoselected_attention():
     need("tpu")
     run, _, rep = compile_report(*SMALL, "compile_topology=v5e-16", "attention=autoselected")
     assert rep["num_devices"] == 16 and rep["device_kind"].startswith("TPU v5")
-    assert run.rt.backend == "tpu" and rep["attention"] == models.Runtime.from_config(run.config, "tpu").attention
+    assert run.rt.backend == "tpu" and rep["attention"] == Runtime.from_config(run.config, "tpu").attention
     assert 0 < rep["memory"]["total"] < rep["memory"]["chip"]
     assert rep["collective_bytes"]["all-gather"] > 0  # FSDP over the 16 chips
     assert rep["libtpu"] and 0 < rep["memory"]["peak"]
@@ -105,7 +108,7 @@ def test_olmo3_step_compiles_for_a_tpu_pod_with_windows_and_heads_split():
                                  "compile_topology=v5e-16", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=4",
                                  "attention=autoselected")
     assert rep["mesh"]["tensor"] == 4 and run.rt.backend == "tpu"
-    assert [t.attention for t in models.family(run.config).layer_types(run.config)] == ["sliding"] * 3 + ["full"]
+    assert [t.attention for t in Model.bind(run.config).layer_types] == ["sliding"] * 3 + ["full"]
     assert 0 < rep["memory"]["total"] < rep["memory"]["chip"]
 
 
@@ -138,7 +141,7 @@ def test_state_is_sharded_64_ways_and_gathered_layer_by_layer(mesh):
     assert abs(rep["memory"]["arguments"] - batch - expected) <= 0.10 * expected, (rep["memory"], expected)
 
     layers = run.config.base_num_decoder_layers
-    stacked = {math.prod(s.shape) for s in jax.tree.leaves(models.param_specs(run.config)["layers"], is_leaf=models.is_spec)}
+    stacked = {math.prod(s.shape) for s in jax.tree.leaves(Model.bind(run.config).param_specs["layers"], is_leaf=is_spec)}
     stats = hlo_stats.collectives(compiled.as_text())
     assert stats.unknown_trip_counts == 0
     # libtpu may lower FSDP's gather of a weight as an all-reduce of the zero-padded shards (docs/scale.md):

@@ -18,7 +18,9 @@ from maxtrain.config import with_overrides
 from tensorboardX.proto import event_pb2
 
 from maxtrain import config as config_lib
-from maxtrain import models, train, viz
+from maxtrain import train, viz
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
 from maxtrain.observability import heatmap, png
 from maxtrain.parallel import sharding
 from maxtrain.data import DataError, pipeline
@@ -135,17 +137,17 @@ def run(tmp_path_factory):
 @pytest.mark.slow
 def test_token_logprobs_match_the_loss(run):
     config, params = run["config"], run["result"].state["params"]
-    rt = models.Runtime.from_config(config)
+    rt = Runtime.from_config(config)
     tokenizer, _, eval_docs = pipeline.default_corpus_documents(config)
     host = pipeline.eval_batches(eval_docs, config, 0, 1, 1)[0]
     mesh = sharding.create_mesh(config)
     with sharding.activation_sharding(mesh, config.logical_axis_rules):
         batch = pipeline.to_global(host, mesh, config.logical_axis_rules, pipeline.EVAL_BATCH_AXES)
-        rows = heatmap.token_logprobs(params, batch, config, rt, num_rows=3)
+        rows = heatmap.token_logprobs(params, batch, Model.bind(config), rt, num_rows=3)
     assert rows["logprobs"].shape == (3, config.max_target_length)
     np.testing.assert_array_equal(rows["targets"], host["targets"][:3])
     first3 = {k: v[:3] for k, v in host.items()}
-    loss_sum, weight_sum = jax.jit(lambda p, b: models.loss_fn(p, b, config, rt)[:2])(params, first3)
+    loss_sum, weight_sum = jax.jit(lambda p, b: Model.bind(config).loss_fn(p, b, rt)[:2])(params, first3)
     # The loss is minus the mean log-probability of the predicted tokens.
     assert -np.sum(rows["logprobs"] * rows["weights"]) == pytest.approx(float(loss_sum), rel=1e-5)
     assert np.sum(rows["weights"]) == float(weight_sum)

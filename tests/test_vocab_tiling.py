@@ -9,14 +9,16 @@ import pytest
 
 from conftest import BASE_YML, TINY, slow_params
 from maxtrain.training import builder
-from maxtrain import models
+from maxtrain.models import runtime
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
 from maxtrain.config import ConfigError, load_config, with_overrides
 
 
 def loss_and_grads(*overrides):
     cfg = load_config([BASE_YML, *with_overrides(TINY, "vocab_size=1024", *overrides)])
-    rt = models.Runtime.from_config(cfg)
-    params = models.init_params(cfg, jax.random.key(0))
+    rt = Runtime.from_config(cfg)
+    params = Model.bind(cfg).init_params(jax.random.key(0))
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, cfg.vocab_size, (2, 33)).astype(np.int32)
     seg = np.ones((2, 32), np.int32)
@@ -25,7 +27,7 @@ def loss_and_grads(*overrides):
              "positions": np.where(seg == 1, np.arange(32), np.arange(32) - 20).astype(np.int32),
              "loss_weights": (rng.random((2, 32)) > 0.2).astype(np.float32)}
     with jax.default_matmul_precision("highest"):
-        return jax.jit(jax.value_and_grad(lambda p: models.loss_fn(p, batch, cfg, rt)[0]))(params)
+        return jax.jit(jax.value_and_grad(lambda p: Model.bind(cfg).loss_fn(p, batch, rt)[0]))(params)
 
 
 # float32 with full-precision matmuls: tiling changes only the order of some sums. Tolerance: the loss to
@@ -78,8 +80,8 @@ def test_a_256k_vocabulary_at_4096_tokens_needs_a_fraction_of_the_temporaries():
     (100, 3 * 2**29, 4),                  # 3 chunks would do, but 3 does not divide 100
     (7, 100 * 2**29, 7)])                 # more chunks needed than tokens: one token at a time
 def test_autoselected_tiling_keeps_a_chunks_logits_under_512_mib(length, logits_bytes, tiles):
-    assert models.runtime.resolve_vocab_tiles(-1, length, logits_bytes) == tiles
-    assert models.runtime.resolve_vocab_tiles(2, length, logits_bytes) == 2  # a setting is kept
+    assert runtime.resolve_vocab_tiles(-1, length, logits_bytes) == tiles
+    assert runtime.resolve_vocab_tiles(2, length, logits_bytes) == 2  # a setting is kept
 
 
 def test_autoselected_tiling_follows_the_devices_share_of_the_logits():
@@ -92,7 +94,6 @@ def test_autoselected_tiling_follows_the_devices_share_of_the_logits():
     assert one.vocab_tiles == 8 and "vocab tiles 8 (autoselected for cpu)" in one.describe()
     assert builder.build(load_config([*gemma, "ici_fsdp_parallelism=2", "ici_tensor_parallelism=4"])).rt.vocab_tiles == 8
     assert builder.build(load_config([*gemma, "num_vocab_tiling=1"]), devices=jax.devices()[:1]).rt.vocab_tiles == 1
-
 
 
 @pytest.mark.slow
@@ -116,7 +117,7 @@ def test_the_head_gathered_once_gives_the_same_loss_and_gradients_on_a_sharded_m
     def loss_and_grads_with(rt):
         with sharding.activation_sharding(run.mesh, run.config.logical_axis_rules), \
                 jax.default_matmul_precision("highest"):
-            return jax.jit(jax.value_and_grad(lambda p: models.loss_fn(p, batch, run.config, rt)[0]))(params)
+            return jax.jit(jax.value_and_grad(lambda p: Model.bind(run.config).loss_fn(p, batch, rt)[0]))(params)
 
     loss, grads = loss_and_grads_with(dataclasses.replace(run.rt, vocab_tiles=1))
     gpu_loss, gpu_grads = loss_and_grads_with(dataclasses.replace(run.rt, vocab_tiles=4, backend="gpu"))

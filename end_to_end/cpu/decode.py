@@ -38,7 +38,8 @@ def cache_agrees_with_full_forward(checkpoint: str, extra: list[str]) -> tuple[i
     import jax  # pylint: disable=import-outside-toplevel
     import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
 
-    from maxtrain import config as config_lib, decode, models  # pylint: disable=import-outside-toplevel
+    from maxtrain import config as config_lib, decode  # pylint: disable=import-outside-toplevel
+    from maxtrain.models.model import Model  # pylint: disable=import-outside-toplevel
     from maxtrain.parallel import sharding  # pylint: disable=import-outside-toplevel
     from maxtrain.data import tokenizer as tokenizer_lib  # pylint: disable=import-outside-toplevel
 
@@ -51,8 +52,8 @@ def cache_agrees_with_full_forward(checkpoint: str, extra: list[str]) -> tuple[i
         new = decode.generate(params, prompt, config, rt, max_new_tokens=NEW_TOKENS)
         tokens = jnp.asarray([prompt + new], jnp.int32)
         positions = jnp.arange(tokens.shape[1])[None]
-        logits, _ = jax.jit(models.forward, static_argnums=(4, 5))(params, tokens, positions, jnp.ones_like(tokens),
-                                                                   config, rt)
+        model = Model.bind(config)
+        logits, _ = jax.jit(lambda *a: model.forward(*a, rt))(params, tokens, positions, jnp.ones_like(tokens))
     argmax = [int(t) for t in jnp.argmax(logits[0, len(prompt) - 1:-1], axis=-1)]
     return sum(a == b for a, b in zip(argmax, new)), len(new)
 

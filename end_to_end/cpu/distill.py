@@ -33,7 +33,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain import config as config_lib  # noqa: E402  pylint: disable=wrong-import-position
-from maxtrain import models  # noqa: E402  pylint: disable=wrong-import-position
+
+from maxtrain.models.model import Model
+from maxtrain.models import model_keys
 from maxtrain.training import builder, distillation  # noqa: E402  pylint: disable=wrong-import-position
 
 COMMON = ["per_device_batch_size=8", "enable_tensorboard=false", "viz_period=-1", "max_new_tokens=0", "eval_interval=25"]
@@ -57,7 +59,7 @@ def memory() -> int:
     """The compiled memory of the student's step, alone and distilled, untiled and tiled."""
     base = ["configs/base.yml", *COMMON[:1]]
     teacher = config_lib.load_config(base)
-    teacher_bytes = models.num_params(teacher) * 4
+    teacher_bytes = Model.bind(teacher).num_params * 4
     extra = {}
     print("num_vocab_tiling  run         arguments MiB  temporaries MiB  outputs MiB")
     for tiles in (1, 4):
@@ -66,7 +68,7 @@ def memory() -> int:
                 ["objective=distill", "distill_teacher_path=none"] if distilled else []))
             if distilled:  # the teacher's settings, as adopt_teacher records them from its checkpoint
                 config = config_lib.Config({**config.to_dict(),
-                                            distillation.KEY: {k: getattr(teacher, k) for k in models.MODEL_KEYS}})
+                                            distillation.KEY: {k: getattr(teacher, k) for k in model_keys.MODEL_KEYS}})
             m = builder.build(config).compile().memory_analysis()
             extra[distilled] = m.argument_size_in_bytes
             print(f"{tiles:16d}  {'distilled' if distilled else 'data alone':10s}  {m.argument_size_in_bytes / 2**20:13.2f}  "

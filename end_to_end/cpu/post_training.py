@@ -138,7 +138,7 @@ def exact_answer_rate(checkpoint: str, held_out, extra: list[str]) -> float:
     with sharding.activation_sharding(model.mesh, config.logical_axis_rules):
         for items in groups.values():
             prompts = jnp.asarray([ids for ids, _ in items], jnp.int32)
-            out = sampling.generate_tokens(model.params, prompts, jax.random.key(0), config=model.config, rt=model.rt,
+            out = sampling.generate_tokens(model.params, prompts, jax.random.key(0), model=model.model, rt=model.rt,
                                            max_new_tokens=8, temperature=0.0, top_k=0, top_p=1.0)
             for row, (_, answer) in zip(jax.device_get(out), items):
                 text = tok.decode([int(t) for t in row])

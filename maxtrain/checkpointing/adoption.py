@@ -14,7 +14,9 @@ from __future__ import annotations
 import os
 
 from maxtrain import config as config_lib
-from maxtrain import models, storage
+from maxtrain import storage
+from maxtrain.models.model import Model
+from maxtrain.models import model_keys
 from maxtrain.checkpointing import files
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.errors import UserError
@@ -39,7 +41,7 @@ def settings_to_adopt(values, missing_ok: bool = False) -> tuple[dict, str | Non
             return {}, None
         raise
     saved = meta.get("config", {})
-    keys = {k: saved[k] for k in models.MODEL_KEYS if k in saved and k not in given}
+    keys = {k: saved[k] for k in model_keys.MODEL_KEYS if k in saved and k not in given}
     if not keys:
         return {}, step_dir
     run_name = os.path.basename(os.path.dirname(os.path.dirname(step_dir)))
@@ -79,8 +81,8 @@ def _settings_step(path: str, key: str) -> tuple[str, dict]:
 
 def adoption_line(config, step_dir: str, changes: dict) -> str:
     """What was adopted, for the log: `using the model settings of STEP (llama, 12.3M params) ...`."""
-    kept = sorted(k for k in config.given_keys if k in models.MODEL_KEYS)
-    return (f"using the model settings of {step_dir} ({config.decoder_block}, {models.num_params(config) / 1e6:,.1f}M "
+    kept = sorted(k for k in config.given_keys if k in model_keys.MODEL_KEYS)
+    return (f"using the model settings of {step_dir} ({config.decoder_block}, {Model.bind(config).num_params / 1e6:,.1f}M "
             "params)" + (f" but this command's {', '.join(kept)}" if kept else "")
             + (f" and its tokenizer {changes['tokenizer_path']}" if "tokenizer_path" in changes else ""))
 

@@ -26,7 +26,10 @@ import numpy as np
 import yaml
 
 from maxtrain import config as config_lib
-from maxtrain import models, storage
+from maxtrain import storage
+from maxtrain.models.model import Model
+from maxtrain.models import model_keys
+from maxtrain.models.families import FAMILIES
 from maxtrain.checkpointing import checksums, dequantize, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.checkpointing import manager as checkpoint
@@ -79,7 +82,7 @@ def family_for(hf: dict):
     if isinstance(hf.get("text_config"), dict):  # a multimodal checkpoint: its text decoder
         hf = {**hf["text_config"], "tie_word_embeddings": hf.get("tie_word_embeddings",
                                                                   hf["text_config"].get("tie_word_embeddings", True))}
-    return models.FAMILIES[entry.name], hf
+    return FAMILIES[entry.name], hf
 
 
 def model_keys(hf: dict, notes: list | None = None, where: str = "config.json") -> dict:
@@ -97,7 +100,7 @@ def model_keys(hf: dict, notes: list | None = None, where: str = "config.json") 
         raise ConversionError(f"{where} is missing or has a malformed field for a {name} model "
                               f"({type(e).__name__}: {e}); use the config.json that came with the weights") from None
     defaults = config_lib.defaults()
-    out = {k: defaults[k] for k in models.MODEL_KEYS}
+    out = {k: defaults[k] for k in model_keys.MODEL_KEYS}
     out.update(keys, decoder_block=name)
     try:
         config_checks.validate({**defaults, **out})
@@ -123,11 +126,10 @@ def _entries(keys: dict):
 
     "{i}" in a name is the layer's index in the whole stack (through the layer kinds); "{j}" the
     expert's index along the parameter's "exp" axis (one Hugging Face tensor per expert)."""
-    cfg = spec_config(keys)
-    family = models.family(cfg)
-    layer_types = family.layer_types(cfg)
+    model = Model.bind(spec_config(keys))
+    family, layer_types = model.family, model.layer_types
     flat = {"/".join(str(getattr(k, "key", k)) for k in path): spec for path, spec in
-            jax.tree_util.tree_flatten_with_path(family.param_specs(cfg), is_leaf=is_spec)[0]}
+            jax.tree_util.tree_flatten_with_path(model.param_specs, is_leaf=is_spec)[0]}
     for path, spec in flat.items():
         if path not in family.hf_names:
             raise ConversionError(f"the {family.row.name} family declares {path} but has no Hugging Face name for it")
@@ -310,7 +312,7 @@ def _without_prediction_layers(tensors: dict, hf: dict, keys: dict, notes: list)
     layers = keys["base_num_decoder_layers"]
     extra = tuple(f"model.layers.{i}." for i in range(layers, layers + mtp))
     if keys.get("mtp_num_layers", 0) > 0:
-        copies = tuple(p + c for p in extra for c in models.family(spec_config(keys)).mtp_copies)
+        copies = tuple(p + c for p in extra for c in Model.bind(spec_config(keys)).family.mtp_copies)
         return {n: t for n, t in tensors.items() if not n.endswith(copies)}
     out = {n: t for n, t in tensors.items() if not n.startswith(extra)}
     if len(out) < len(tensors):
@@ -407,12 +409,12 @@ def export_hf(checkpoint_path: str, out_dir: str, dtype: str = "float32", max_sh
     step_dir = checkpoint_files.find_step_dir(checkpoint_path)
     meta = checkpoint_files.read_metadata(step_dir)
     saved = meta.get("config", {})
-    missing = [k for k in models.MODEL_KEYS if k not in saved and k not in models.LATER_KEYS]
+    missing = [k for k in model_keys.MODEL_KEYS if k not in saved and k not in model_keys.LATER_KEYS]
     if missing:
         raise ConversionError(f"the checkpoint {step_dir} has no model settings {missing} in its metadata; it was "
                               "written by an older maxtrain")
     defaults = config_lib.defaults()  # a checkpoint from before the MoE keys is a dense model
-    keys = {k: saved[k] if k in saved else defaults[k] for k in models.MODEL_KEYS}
+    keys = {k: saved[k] if k in saved else defaults[k] for k in model_keys.MODEL_KEYS}
     names = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
     if dtype not in names:
         raise ConversionError(f"export dtype {dtype!r} is not one of {', '.join(names)}")
@@ -466,7 +468,7 @@ def run_tokenizer(meta: dict, given: str | None, log=print):
 def hf_config(keys: dict, original: dict | None, dtype: str) -> dict:
     """config.json: the imported original when the model settings still read the same from it, else the
     family's own config over the original's other fields (bos/eos ids, max_position_embeddings, ...)."""
-    family = models.family(spec_config(keys))
+    family = Model.bind(spec_config(keys)).family
     if original is not None:
         try:
             same = model_keys(original) == keys and family_for(original)[0] is family

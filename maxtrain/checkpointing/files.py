@@ -26,7 +26,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from maxtrain import config as config_lib
-from maxtrain import models, storage
+from maxtrain import storage
+from maxtrain.models import model_keys
 from maxtrain.checkpointing import checksums
 from maxtrain.errors import UserError
 from maxtrain.models import lora
@@ -296,7 +297,7 @@ def check_fits(step_dir: str, expected: dict[str, tuple[tuple[int, ...], str]], 
     lines += [f"  not in the model  {p}" for p in extra_lines[:12]]
     lines += [f"  ... and {len(extra_lines) - 12} more not in the model"] if len(extra_lines) > 12 else []
     saved_config = read_metadata(step_dir).get("config", {}) if config is not None else {}
-    differing = [f"{k}={saved_config[k]} (this run: {getattr(config, k)})" for k in models.SHAPE_KEYS
+    differing = [f"{k}={saved_config[k]} (this run: {getattr(config, k)})" for k in model_keys.SHAPE_KEYS
                  if k in saved_config and saved_config[k] != getattr(config, k)]
     if differing:
         lines.append("  the checkpoint was written with " + ", ".join(differing))
@@ -361,7 +362,7 @@ def check_settings(step_dir: str, config, key: str) -> None:
     """Refuses a checkpoint whose model settings (family, RoPE, norm epsilon, soft-caps, window, ...)
     differ from the configured model's: its parameters would load and silently compute something else."""
     saved = read_metadata(step_dir).get("config", {})
-    differing = [f"{k}: checkpoint {saved[k]!r}, this run {getattr(config, k)!r}" for k in models.SETTING_KEYS
+    differing = [f"{k}: checkpoint {saved[k]!r}, this run {getattr(config, k)!r}" for k in model_keys.SETTING_KEYS
                  if k in saved and saved[k] != getattr(config, k)]
     if differing:
         raise CheckpointError(

@@ -9,7 +9,7 @@ import os
 import numpy as np
 
 from maxtrain import config as config_lib
-from maxtrain import models
+from maxtrain.models import model_keys
 from maxtrain.checkpointing import checksums
 from maxtrain.checkpointing.files import (check_step, complete_steps, damaged_root, find_step_dir,
                                           latest_usable_step, read_metadata, read_tree)
@@ -54,7 +54,7 @@ def describe(path: str) -> str:
             lines.append(f"  converted from: {meta['source'].get('hugging_face_dir')} "
                          f"(dtypes {meta['source'].get('dtypes')})")
         if config:
-            lines.append("  model: " + " ".join(f"{k}={config[k]}" for k in models.MODEL_KEYS if k in config))
+            lines.append("  model: " + " ".join(f"{k}={config[k]}" for k in model_keys.MODEL_KEYS if k in config))
         if "run_name" in config:
             lines.append(f"  run: run_name={config['run_name']} steps={config.get('steps')} "
                          f"seed={config.get('seed')} dataset_type={config.get('dataset_type')} "

@@ -40,7 +40,8 @@ import orbax.checkpoint as ocp
 import yaml
 
 from maxtrain import config as config_lib
-from maxtrain import models, storage
+from maxtrain import storage
+from maxtrain.models import model_keys
 from maxtrain.checkpointing import checksums
 from maxtrain.checkpointing.files import (CheckpointError, all_values, check_fits, check_settings, check_step,
                                           complete_steps, find_step_dir, leaf_shapes, load_params, load_state, read_metadata,
@@ -49,7 +50,7 @@ from maxtrain.data import elastic
 
 # Config keys that describe the model; the shape keys are named in errors when a checkpoint does not fit,
 # the setting keys (family, RoPE, epsilon, soft-caps, window) must equal the checkpoint's.
-MODEL_KEYS = models.MODEL_KEYS
+MODEL_KEYS = model_keys.MODEL_KEYS
 TOKENIZER_COPY = "tokenizer"  # <run>/metadata/tokenizer/: the files of the run's tokenizer (run_metadata)
 
 

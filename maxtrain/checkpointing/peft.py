@@ -13,7 +13,7 @@ import os
 
 import numpy as np
 
-from maxtrain import models
+from maxtrain.models.model import Model
 from maxtrain.checkpointing import convert, safetensors_files
 
 # the PEFT / Hugging Face module name of each projection
@@ -39,9 +39,8 @@ def peft_tensors(adapters: dict, family, layer_types) -> dict[str, np.ndarray]:
 
 def write_peft(out_dir: str, adapters: dict, saved_config: dict, base_model: str = "") -> str:
     """Writes adapter_config.json and adapter_model.safetensors for peft.PeftModel.from_pretrained."""
-    keys = convert.spec_config(saved_config)
-    family = models.family(keys)
-    tensors = peft_tensors(adapters, family, family.layer_types(keys))
+    model = Model.bind(convert.spec_config(saved_config))
+    tensors = peft_tensors(adapters, model.family, model.layer_types)
     modules = sorted({HF_MODULES[p] for targets in adapters.get("layers", {}).values() for p in targets})
     rank = saved_config["lora_rank"]
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": saved_config["lora_alpha"],

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain import models
+from maxtrain.models.model import Model
 from maxtrain.parallel import sharding
 from maxtrain.data import hosts
 
@@ -23,7 +23,7 @@ BATCH_AXES = ("batch", "length")
 
 def model_logits(params, tokens, positions, segment_ids, config, rt):
     """float32 logits [B, T, V]: the one place evals call the model."""
-    return models.forward(params, tokens, positions, segment_ids, config, rt)[0]
+    return Model.bind(config).forward(params, tokens, positions, segment_ids, rt)[0]
 
 
 def make_score_step(config, rt, mesh):

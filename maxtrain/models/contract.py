@@ -3,19 +3,22 @@
     MODEL = contract.FamilyModel(row=FAMILY, param_specs=param_specs, layer_types=layer_types, ...)
 
 Each module of `models/families/` ends by building one FamilyModel from its functions;
-`models.families.FAMILIES` maps decoder_block to it. The decoder, decoding, the checkpoint checks,
+`models.families.FAMILIES` maps decoder_block to it, and `models/model.Model.bind(config)` binds it to a
+config once: `layer_types` is called there and nowhere else, and the functions that need the resolved
+stack (param_specs, layer, flops_per_token) receive the bound Model (`model.config`, `model.layer_types`,
+`model.num_moe_layers`). The decoder, decoding, the checkpoint checks,
 Hugging Face conversion and FLOPs call these fields and nothing else of a family: no attribute is
 probed with `hasattr`, and a family that lacks a required one fails when its module is imported, not
 in the middle of a run. What every family declares:
 
     row              its registry row (config/registry.py): decoder_block name, Hugging Face model_type
                      and architecture, attention pattern, its own settings and rules
-    param_specs      config -> nested dict of ParamSpec: every parameter, declared once
-    layer_types      config -> [LayerType] per layer, resolved once (models/layers.py)
+    param_specs      model -> nested dict of ParamSpec: every parameter, declared once
+    layer_types      config -> [LayerType] per layer (models/layers.py), called once, by Model.bind
     embed            (params, tokens [B, T], config, rt) -> x [B, T, D]
-    layer            (x, p, inputs, layer_type, config, rt) -> (x, aux): one layer of the stack
+    layer            (x, p, inputs, layer_type, model, rt) -> (x, aux): one layer of the stack
     logits           (params, x, config, rt) -> float32 logits [B, T, V]
-    flops_per_token  (config, dense_attention) -> training FLOPs per token (model FLOPs)
+    flops_per_token  (model, dense_attention) -> training FLOPs per token (model FLOPs)
     hf_names         maxtrain parameter path -> (Hugging Face tensor name, layout) (models/hf.py)
     from_hf_config   (config.json dict, notes) -> maxtrain's model keys
     to_hf_config     model keys -> config.json dict
@@ -40,7 +43,7 @@ and what it may override (the defaults serve every family with multi-head attent
 
 Settings a family reads beyond the shared ones, and its rules, live in its registry row (config/ reads
 them before JAX starts); which config keys a checkpoint is checked against come from there too
-(models/__init__.py: SHAPE_KEYS, SETTING_KEYS, `model_keys`).
+(models/model_keys.py: SHAPE_KEYS, SETTING_KEYS).
 """
 
 from __future__ import annotations

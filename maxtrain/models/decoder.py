@@ -3,7 +3,7 @@
 A family (models/contract.FamilyModel) supplies its parameter declarations, the type of each layer
 and the functions `embed`, `layer` and `logits`; this module runs them, and calls nothing else of it.
 
-Layers. `family.layer_types(config)` gives one LayerType per layer (models/layers.py: a layer's kind as
+Layers. `model.layer_types` (models/model.py: resolved once, when the model is bound) gives one LayerType per layer (models/layers.py: a layer's kind as
 data). Its `kind` names the stack of parameters the layer reads, `params["layers"][kind]`, each stacked
 on a leading "layers" axis in layer order; how it attends (full, a sliding window, chunks, none), its
 RoPE table and its MLP are static settings the family's `layer` function and the blocks read. Layers
@@ -19,7 +19,7 @@ runs as a scan of 4 groups of 6 and a scan of 2 single layers. Every layer is wr
 Aux. Every layer returns (x, aux): aux is a dict of float32 scalars (empty for dense families; a
 mixture-of-experts layer's balance losses) summed over the stack and returned beside the logits.
 Names ending in "_loss" are losses already multiplied by their weight: training adds them to the
-objective (models.objective); every entry is reported as a metric. A layer that wants a sum to
+objective (`objective` below); every entry is reported as a metric. A layer that wants a sum to
 be a mean over some layers divides by their number (models/moe.py does, over the MoE layers).
 Entries named PER_LAYER + name ("per_layer/moe_load_max") are not summed: the stack returns one
 scalar per layer that has them, as "<name>/layer_<i>" with i the layer's index in the whole stack
@@ -120,7 +120,7 @@ def _cache_names(family, config, lt: LayerType) -> tuple[str, ...]:
     return tuple(family.layer_cache(config, lt, 1, 1, family.cache_heads(config)))
 
 
-def _segment_cache(family, cache, types: list[LayerType], seg: Segment, config):
+def _segment_cache(family, cache, types, seg: Segment, config):
     """{name: the segment's slots of that cache entry [repeats, layers having it per group, B, ...]}, or None
     when not decoding: each name's stack holds the layers that have it, in order (init_cache)."""
     if cache is None:
@@ -143,9 +143,9 @@ def _segment_per_layer(per_layer, seg: Segment):
     return per_layer[seg.start:seg.start + size].reshape((seg.repeats, len(seg.period)) + per_layer.shape[1:])
 
 
-def _layer_fn(family, lt: LayerType, config, rt, scan: bool):
+def _layer_fn(model, lt: LayerType, rt, scan: bool):
     def fn(x, p, inputs):
-        return family.layer(x, p, inputs, lt, config, rt)
+        return model.family.layer(x, p, inputs, lt, model, rt)
     if rt.remat_policy == "none":
         return fn
     return jax.checkpoint(fn, policy=REMAT_POLICIES[rt.remat_policy], prevent_cse=not scan)
@@ -156,12 +156,12 @@ def per_layer_name(name: str, layer: int, num_layers: int) -> str:
     return f"{name[len(PER_LAYER):]}/layer_{layer:0{len(str(num_layers - 1))}d}"
 
 
-def _run_group(family, period, carry, group_params, group_cache, group_per_layer, inputs: LayerInputs, config, rt,
-               scan):
+def _run_group(model, period, carry, group_params, group_cache, group_per_layer, inputs: LayerInputs, rt, scan):
     """The layers of one group, unrolled: ((x, state), (aux summed over them, their PER_LAYER entries as
     {(position in the group, name): value}, their new caches stacked or None)). `state`: what the layers
     hand on to later ones (contract.FamilyModel.layer_state; None without), read as inputs.state and
     replaced by a layer's aux["state"]."""
+    family, config = model.family, model.config
     x, state = carry
     aux_sum, per_layer, new_caches, taken, cached = {}, {}, {}, {}, {}
     for j, lt in enumerate(period):
@@ -180,7 +180,7 @@ def _run_group(family, period, carry, group_params, group_cache, group_per_layer
             layer_inputs = layer_inputs._replace(per_layer=group_per_layer[j])
         if state is not None:
             layer_inputs = layer_inputs._replace(state=state)
-        x, aux = _layer_fn(family, lt, config, rt, scan)(x, p, layer_inputs)
+        x, aux = _layer_fn(model, lt, rt, scan)(x, p, layer_inputs)
         state = aux.pop("state", state)
         if "cache" in aux:
             for name, value in zip(_cache_names(family, config, lt), aux.pop("cache")):
@@ -191,14 +191,15 @@ def _run_group(family, period, carry, group_params, group_cache, group_per_layer
     return (x, state), (aux_sum, per_layer, stacked)
 
 
-def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, scan: bool, types=None):
+def run_layers(model, layer_params: dict, x, inputs: LayerInputs, rt, scan: bool, types=None):
     """Runs every layer (or the layers `types` of one pipeline stage, whose parameters layer_params
     then holds). Returns (x, aux summed over layers plus the per-layer entries, the new decoding cache
     {name: [layers having it, ...]} or None)."""
+    family, config = model.family, model.config
     if (inputs.per_layer is not None or inputs.state is not None) and types is not None:
         raise ValueError(f"{family.row.name}'s per-layer inputs and shared layer state do not run in pipeline stages "
                          "yet; set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
-    types = family.layer_types(config) if types is None else types
+    types = model.layer_types if types is None else types
     segments = plan_segments(types) if scan else [Segment(i, (t,), 1) for i, t in enumerate(types)]
     # Unrolled, each kind's stacks are cut into layers once (ops.unstack: their gradients stacked, not padded).
     layers = None if scan else {k: jax.tree.map(ops.unstack, v) for k, v in layer_params.items()}
@@ -209,7 +210,7 @@ def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, s
               _segment_per_layer(inputs.per_layer, seg))
 
         def group(carry, xs, period=seg.period):
-            return _run_group(family, period, carry, *xs, inputs, config, rt, scan)
+            return _run_group(model, period, carry, *xs, inputs, rt, scan)
 
         if seg.repeats == 1:  # the group alone; unrolled layers' parameters come without the leading axis
             first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
@@ -230,12 +231,12 @@ def run_layers(family, layer_params: dict, x, inputs: LayerInputs, config, rt, s
     return x, aux_total, new_cache
 
 
-def rope_widths(family, config) -> dict[str, int]:
+def rope_widths(model) -> dict[str, int]:
     """{RoPE table name: the features it rotates} over the layers that use RoPE: the family's RoPE width
     (head_dim; MLA: qk_rope_head_dim), or the layer's own head dim, times the layer's rope_fraction."""
-    base = family.rope_head_dim(config)
+    base = model.family.rope_head_dim(model.config)
     widths = {}
-    for lt in family.layer_types(config):
+    for lt in model.layer_types:
         if lt.rope is not None:
             width = int((lt.head_dim or base) * lt.rope_fraction)
             if widths.setdefault(lt.rope, width) != width:
@@ -262,56 +263,58 @@ def rope_tables(positions, config, widths: dict[str, int], num_positions: int | 
 # --------------------------------------------------------------------------------------------
 
 
-def _hidden(family, params, tokens, positions, segment_ids, config, rt):
+def _hidden(model, params, tokens, positions, segment_ids, rt):
     """(final hidden states [B, T, D], aux): the embedding and every layer, in pipeline stages when
     the mesh has them (parallel/stages.py)."""
+    family, config = model.family, model.config
     x = family.embed(params, tokens, config, rt)
-    inputs = _layer_inputs(family, tokens, positions, segment_ids, config, rt)
+    inputs = _layer_inputs(model, tokens, positions, segment_ids, rt)
     if family.per_layer_inputs is not None:
         inputs = inputs._replace(per_layer=family.per_layer_inputs(params, tokens, x, config, rt))
     if family.layer_state is not None:
         inputs = inputs._replace(state=family.layer_state(x, config, rt, tokens.shape[1]))
     if sharding.ways("layers") > 1:
-        return pipeline.run_stages(run_layers, family, params["layers"], x, inputs, config, rt)
-    x, aux, _ = run_layers(family, params["layers"], x, inputs, config, rt, rt.scan_layers(config))
+        return pipeline.run_stages(run_layers, model, params["layers"], x, inputs, rt)
+    x, aux, _ = run_layers(model, params["layers"], x, inputs, rt, rt.scan_layers(config))
     return x, aux
 
 
-def _layer_inputs(family, tokens, positions, segment_ids, config, rt) -> LayerInputs:
-    widths = rope_widths(family, config)
+def _layer_inputs(model, tokens, positions, segment_ids, rt) -> LayerInputs:
+    config = model.config
+    widths = rope_widths(model)
     table = rope_lib.table_positions(tokens.shape[1], max(widths.values(), default=0), rt.backend)  # positions < T
     return LayerInputs(positions, segment_ids, rope_tables(positions, config, widths, table))
 
 
-def hidden(family, params, tokens, positions, segment_ids, config, rt):
+def hidden(model, params, tokens, positions, segment_ids, rt):
     """(final hidden states [B, T, D], aux) before the logits: distillation (models/distill.py) runs the
     student and the teacher this far, then both heads a chunk at a time."""
-    return _hidden(family, params, tokens, positions, segment_ids, config, rt)
+    return _hidden(model, params, tokens, positions, segment_ids, rt)
 
 
-def _forward(family, params, tokens, positions, segment_ids, config, rt):
-    x, aux = _hidden(family, params, tokens, positions, segment_ids, config, rt)
-    return family.logits(params, x, config, rt), aux
+def _forward(model, params, tokens, positions, segment_ids, rt):
+    x, aux = _hidden(model, params, tokens, positions, segment_ids, rt)
+    return model.family.logits(params, x, model.config, rt), aux
 
 
-def forward(family, params, tokens, positions, segment_ids, config, rt):
+def forward(model, params, tokens, positions, segment_ids, rt):
     """(logits [B, T, V] float32, aux) for tokens [B, T]; positions restart at 0 in each packed document.
 
     With context parallelism the tokens run in its load-balanced order (parallel/context.py) and
     the logits come back in the original order."""
     cp = sharding.ways("length")
     if cp == 1:
-        return _forward(family, params, tokens, positions, segment_ids, config, rt)
+        return _forward(model, params, tokens, positions, segment_ids, rt)
     tokens, positions, segment_ids = context_parallel.to_layout((tokens, positions, segment_ids), cp)
-    logits, aux = _forward(family, params, tokens, positions, segment_ids, config, rt)
+    logits, aux = _forward(model, params, tokens, positions, segment_ids, rt)
     return context_parallel.from_layout(logits, cp), aux
 
 
-def loss_fn(family, params, batch: dict, config, rt):
+def loss_fn(model, params, batch: dict, rt):
     """(sum of per-token cross-entropy x weight, sum of weights, aux), float32.
 
     Returning sums, not a mean, lets gradient accumulation and multi-host eval weight every real
-    token equally; padding has weight 0. Training adds the aux losses (models.objective), among them the
+    token equally; padding has weight 0. Training adds the aux losses (`objective`), among them the
     multi-token-prediction loss with mtp_num_layers > 0 (models/mtp.py: blocks like the last layer). With
     num_vocab_tiling > 1 the output projection and the loss run a chunk of the sequence at a time,
     so the [B, T, V] logits never exist in full (ops.tiled_cross_entropy). A sum over tokens does
@@ -322,41 +325,42 @@ def loss_fn(family, params, batch: dict, config, rt):
     if cp > 1:
         batch = context_parallel.to_layout(batch, cp)
     weights = batch["loss_weights"].astype(jnp.float32)
-    x, aux = _hidden(family, params, batch["inputs"], batch["positions"], batch["segment_ids"], config, rt)
+    x, aux = _hidden(model, params, batch["inputs"], batch["positions"], batch["segment_ids"], rt)
     head = {k: v for k, v in params.items() if k not in ("layers", "mtp")}  # what family.logits reads
-    head, layout = _head_for_loss(family, head, config, rt)
-    loss = _head_loss(family, head, layout, x, batch["targets"], weights, config, rt)
-    if config.mtp_num_layers > 0:  # multi-token prediction (models/mtp.py): its loss joins the aux losses
-        aux = {**aux, **_mtp_loss(family, params, head, layout, x, batch, config, rt)}
+    head, layout = _head_for_loss(model, head, rt)
+    loss = _head_loss(model, head, layout, x, batch["targets"], weights, rt)
+    if model.config.mtp_num_layers > 0:  # multi-token prediction (models/mtp.py): its loss joins the aux losses
+        aux = {**aux, **_mtp_loss(model, params, head, layout, x, batch, rt)}
     return loss, jnp.sum(weights), aux
 
 
-def _head_for_loss(family, head: dict, config, rt):
+def _head_for_loss(model, head: dict, rt):
     """(the head's weights as the loss reads them, the chunks' gradient layout or None)."""
     if rt.vocab_tiles > 1 and rt.backend == "gpu":
-        return _head_for_chunks(head, family.param_specs(config), rt)
+        return _head_for_chunks(head, model.param_specs, rt)
     return head, None
 
 
-def _head_loss(family, head: dict, layout, x, targets, weights, config, rt):
+def _head_loss(model, head: dict, layout, x, targets, weights, rt):
     """Sum of weight x cross-entropy of the logits of x [B, T, D]."""
     def logits_fn(h, x):
-        return family.logits(h, x, config, rt)
+        return model.family.logits(h, x, model.config, rt)
 
     if rt.vocab_tiles > 1:  # num_vocab_tiling, resolved (autoselected: by the size of the logits)
         return ops.tiled_cross_entropy(logits_fn, head, x, targets, weights, rt.vocab_tiles, layout)
     return ops.cross_entropy(logits_fn(head, x), targets, weights)
 
 
-def _mtp_loss(family, params, head: dict, layout, x, batch: dict, config, rt) -> dict:
+def _mtp_loss(model, params, head: dict, layout, x, batch: dict, rt) -> dict:
     """The MTP modules' aux entries (models/mtp.py): blocks of the last layer's type, the shared embedding and
     head with each module's own final norm."""
-    lt = family.layer_types(config)[-1]
-    inputs = _layer_inputs(family, batch["inputs"], batch["positions"], batch["segment_ids"], config, rt)
-    layer = _layer_fn(family, lt, config, rt, scan=False)
+    family, config = model.family, model.config
+    lt = model.layer_types[-1]
+    inputs = _layer_inputs(model, batch["inputs"], batch["positions"], batch["segment_ids"], rt)
+    layer = _layer_fn(model, lt, rt, scan=False)
 
     def head_loss(final_norm, h, targets, weights):
-        return _head_loss(family, {**head, "final_norm": final_norm}, layout, h, targets, weights, config, rt)
+        return _head_loss(model, {**head, "final_norm": final_norm}, layout, h, targets, weights, rt)
 
     return mtp.loss(x, params["mtp"], batch, config, rt, embed=lambda t: family.embed(params, t, config, rt),
                     block=lambda h, p: layer(h, p, inputs), head_loss=head_loss)
@@ -383,13 +387,14 @@ def _head_for_chunks(head: dict, specs: dict, rt):
     return sharding.gather_params(cast, specs, "embed"), sharded
 
 
-def init_cache(config, batch_size: int, max_length: int, dtype, family) -> dict:
+def init_cache(model, batch_size: int, max_length: int, dtype) -> dict:
     """An empty decoding cache {name: [layers having it, B, ...]}: each layer's entries as the family declares
     them (contract `layer_cache`; by default k and v [B, S, heads, width] of `cache_heads(config)`: attention's
     G kv heads of head_dim, MLA's latent and RoPE key; a gated delta-net layer's recurrent state and
     convolution window), stacked over the layers that have them in layer order (dtype None: `dtype`)."""
+    family, config = model.family, model.config
     stacks: dict[str, list] = {}
-    for lt in family.layer_types(config):
+    for lt in model.layer_types:
         for name, (shape, entry_dtype) in family.layer_cache(config, lt, batch_size, max_length,
                                                              family.cache_heads(config)).items():
             stacks.setdefault(name, []).append((tuple(shape), entry_dtype or dtype))
@@ -400,8 +405,7 @@ def init_cache(config, batch_size: int, max_length: int, dtype, family) -> dict:
     return {name: jnp.zeros((len(entries),) + entries[0][0], entries[0][1]) for name, entries in stacks.items()}
 
 
-def forward_with_cache(family, params, tokens, positions, cache: dict, index, config, rt,
-                       first=None) -> tuple[Any, dict]:
+def forward_with_cache(model, params, tokens, positions, cache: dict, index, rt, first=None) -> tuple[Any, dict]:
     """Runs tokens [B, T] at cache slots [index, index + T); returns (logits [B, T, V], new cache).
 
     One sequence per row, no packing while decoding. Without `first`, positions must equal
@@ -409,12 +413,28 @@ def forward_with_cache(family, params, tokens, positions, cache: dict, index, co
     the slots before first[b] are never attended to (a gated delta-net layer's state and window skip
     them), and positions are slot - first[b] (RoPE sees each sequence from 0, as in training).
     """
+    family, config = model.family, model.config
     x = family.embed(params, tokens, config, rt)
     inputs = LayerInputs(positions, jnp.ones_like(tokens),
-                         rope_tables(positions, config, rope_widths(family, config)), (cache, index, first))
+                         rope_tables(positions, config, rope_widths(model)), (cache, index, first))
     if family.per_layer_inputs is not None:
         inputs = inputs._replace(per_layer=family.per_layer_inputs(params, tokens, x, config, rt))
     if family.layer_state is not None:
         inputs = inputs._replace(state=family.layer_state(x, config, rt, cache["k"].shape[2]))
-    x, _, new_cache = run_layers(family, params["layers"], x, inputs, config, rt, scan=True)
+    x, _, new_cache = run_layers(model, params["layers"], x, inputs, rt, scan=True)
     return family.logits(params, x, config, rt), new_cache
+
+
+def objective(loss_sum, weight_sum, aux: dict):
+    """What training minimizes: the cross-entropy sum plus each aux loss (`*_loss`, a mean over tokens
+    already multiplied by its weight) times the weight sum."""
+    for name, value in aux.items():
+        if name.endswith("_loss"):
+            loss_sum = loss_sum + value * weight_sum
+    return loss_sum
+
+
+def split_step_stats(aux: dict) -> tuple[dict, dict]:
+    """(the aux metrics, the step statistics for Model.update_outside_gradient) of one forward's aux."""
+    stats = {k: v for k, v in aux.items() if k.startswith(STEP_STATS)}
+    return {k: v for k, v in aux.items() if k not in stats}, stats

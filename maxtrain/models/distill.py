@@ -44,26 +44,26 @@ def mix(kl_sum, ce_sum, alpha: float, temperature: float):
     return alpha * temperature ** 2 * kl_sum + (1.0 - alpha) * ce_sum
 
 
-def loss_fn(family, params, teacher_family, teacher_params, batch: dict, config, teacher_config, rt,
-            alpha: float, temperature: float):
-    """(mixed loss sum, weight sum, the student's aux, kl sum, ce sum), float32. The teacher runs with the
-    student's runtime choices; its aux (a mixture of experts' balance losses) is dropped."""
+def loss_fn(model, params, teacher, teacher_params, batch: dict, rt, alpha: float, temperature: float):
+    """(mixed loss sum, weight sum, the student's aux, kl sum, ce sum), float32, of the bound student `model`
+    and `teacher` (models/model.py). The teacher runs with the student's runtime choices; its aux (a mixture
+    of experts' balance losses) is dropped."""
     cp = sharding.ways("length")
     if cp > 1:  # sums over tokens do not depend on their order (decoder.loss_fn)
         batch = context_parallel.to_layout(batch, cp)
     weights = batch["loss_weights"].astype(jnp.float32)
     tokens = (batch["inputs"], batch["positions"], batch["segment_ids"])
-    x, aux = decoder.hidden(family, params, *tokens, config, rt)
+    x, aux = decoder.hidden(model, params, *tokens, rt)
     teacher_params = jax.lax.stop_gradient(teacher_params)
-    x_teacher, _ = decoder.hidden(teacher_family, teacher_params, *tokens, teacher_config, rt)
+    x_teacher, _ = decoder.hidden(teacher, teacher_params, *tokens, rt)
     x_teacher = jax.lax.stop_gradient(x_teacher)
     head = {k: v for k, v in params.items() if k != "layers"}
     teacher_head = {k: v for k, v in teacher_params.items() if k != "layers"}
 
     def chunk_terms(h, xs, xt, tc, wc):
-        student = family.logits(h, xs, config, rt)
-        teacher = teacher_family.logits(teacher_head, xt, teacher_config, rt)
-        return terms(student, teacher, tc, wc, temperature)
+        student_logits = model.family.logits(h, xs, model.config, rt)
+        teacher_logits = teacher.family.logits(teacher_head, xt, teacher.config, rt)
+        return terms(student_logits, teacher_logits, tc, wc, temperature)
 
     if rt.vocab_tiles > 1:
         kl_sum, ce_sum = tiled(chunk_terms, head, (x, x_teacher, batch["targets"], weights), rt.vocab_tiles)

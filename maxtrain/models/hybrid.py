@@ -62,7 +62,8 @@ def _norm(config) -> ParamSpec:
     return blocks.norm_spec(config, "zeros")
 
 
-def param_specs(config):
+def param_specs(model):
+    config = model.config
     attention = blocks.attention_specs(config, qk_norm="zeros", out_gate=True)
     mlps = {"moe": {**moe.specs(config), "shared_expert_gate": dense((config.base_emb_dim, 1), ("embed", None),
                                                                      config.base_emb_dim)},
@@ -71,14 +72,15 @@ def param_specs(config):
                 for mixer, mixer_specs in (("full", attention), ("linear", gated_deltanet.specs(config)))
                 for mlp, mlp_specs in mlps.items()}
     return {**blocks.embedding_specs(config, norm_init="zeros"),
-            "layers": stacks(config, layer_types(config), per_kind)}
+            "layers": stacks(config, model.layer_types, per_kind)}
 
 
 def embed(params, tokens, config, rt):
     return blocks.embed(params["token_embedding"], tokens, rt.dtype)
 
 
-def layer(x, p, inputs, layer_type: LayerType, config, rt):
+def layer(x, p, inputs, layer_type: LayerType, model, rt):
+    config = model.config
     eps = config.normalization_layer_epsilon
     normed = blocks.rms_norm(x, p["attn_norm"], eps, plus_one=True)
     if layer_type.mixer == "linear":
@@ -96,7 +98,7 @@ def layer(x, p, inputs, layer_type: LayerType, config, rt):
     normed = blocks.rms_norm(x, p["mlp_norm"], eps, plus_one=True)
     if layer_type.is_moe:
         h, moe_aux = moe.block(normed, p, inputs.segment_ids, config, rt, router=ROUTER,
-                               num_moe_layers=sum(t.is_moe for t in layer_types(config)))
+                               num_moe_layers=model.num_moe_layers)
         aux = {**aux, **moe_aux}
     else:
         h = blocks.mlp(normed, p, rt, "silu")
@@ -107,10 +109,11 @@ def logits(params, x, config, rt):
     return blocks.logits(params, x, config, rt, norm_plus_one=True)
 
 
-def flops_per_token(config, dense_attention: bool = False) -> float:
+def flops_per_token(model, dense_attention: bool = False) -> float:
     """Training FLOPs per token: 3 x (2 x the weights a token multiplies + attention's scores and the delta rule)."""
+    config = model.config
     d, n, g, h = config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim
-    types = layer_types(config)
+    types = model.layer_types
     f_e, shared = moe.expert_dim(config), config.shared_experts * moe.expert_dim(config)
     moe_mlp = d * config.num_experts + config.num_experts_per_tok * 3 * d * f_e + 3 * d * shared + d
     matmul = d * config.vocab_size

@@ -24,7 +24,7 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain import models
+from maxtrain.models.model import Model
 from maxtrain.models import params as params_lib
 from maxtrain.models.params import ParamSpec
 
@@ -49,13 +49,15 @@ def scale(config) -> float:
     return config.lora_alpha / config.lora_rank
 
 
-def adapter_specs(config) -> dict:
-    """{"layers": {kind: {param: {"a": ParamSpec, "b": ParamSpec}}}} for every targeted projection."""
+def adapter_specs(model: Model) -> dict:
+    """{"layers": {kind: {param: {"a": ParamSpec, "b": ParamSpec}}}} for every targeted projection of the model
+    (its config's lora_rank and lora_target_modules)."""
+    config = model.config
     wanted = {TARGETS[t] for t in config.lora_target_modules}
     r = config.lora_rank
     out: dict = {}
     found = set()
-    for kind, layer in models.param_specs(config).get("layers", {}).items():
+    for kind, layer in model.param_specs.get("layers", {}).items():
         for pname, spec in layer.items():
             if (pname not in wanted or not isinstance(spec, ParamSpec) or spec.axes[:1] != ("layers",)
                     or spec.axes[1:1 + IN_AXES[pname]] != INPUT_AXES[pname]):
@@ -71,7 +73,7 @@ def adapter_specs(config) -> dict:
             found.add(pname)
     missing = sorted(t for t in config.lora_target_modules if TARGETS[t] not in found)
     if missing:  # what the model has that LoRA can adapt, for the message
-        found |= {p for layer in models.param_specs(config).get("layers", {}).values() for p, spec in layer.items()
+        found |= {p for layer in model.param_specs.get("layers", {}).values() for p, spec in layer.items()
                   if p in INPUT_AXES and isinstance(spec, ParamSpec) and spec.axes[1:1 + IN_AXES[p]] == INPUT_AXES[p]}
     if missing:
         have = sorted(t for t, p in TARGETS.items() if p in found)
@@ -81,8 +83,8 @@ def adapter_specs(config) -> dict:
     return out
 
 
-def num_adapter_params(config) -> int:
-    return models.count(adapter_specs(config))
+def num_adapter_params(model: Model) -> int:
+    return params_lib.count(adapter_specs(model))
 
 
 def _delta(a, b, w_shape, n_in: int):
@@ -120,5 +122,5 @@ def merge_numpy(params: dict, adapters: dict, lora_scale: float) -> dict:
     return {**params, "layers": layers}
 
 
-def init(config, key) -> dict:
-    return params_lib.init_params(adapter_specs(config), key, config.weight_dtype)
+def init(model: Model, key) -> dict:
+    return params_lib.init_params(adapter_specs(model), key, model.config.weight_dtype)

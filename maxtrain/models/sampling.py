@@ -1,6 +1,6 @@
 """Sampling from a model with its KV cache: greedy, temperature, top-k and top-p (nucleus).
 
-    new_ids = sampling.generate(params, prompt_ids, config, rt, max_new_tokens=48, eos_id=tokenizer.eos_ids)
+    new_ids = sampling.generate(params, prompt_ids, model, rt, max_new_tokens=48, eos_id=tokenizer.eos_ids)
 
 `generate_tokens` is the jitted loop on a batch of prompts [B, P]: one forward over the prompt fills
 the cache, then one token per step (`sample_token`). `sample_completions` does the same for prompts
@@ -16,7 +16,7 @@ from typing import Iterable
 import jax
 import jax.numpy as jnp
 
-from maxtrain import models
+from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 
 
@@ -56,15 +56,15 @@ def sampling_settings(config) -> dict:
     return {"temperature": temperature, "top_k": 0, "top_p": config.decode_sampling_nucleus_p}
 
 
-@functools.partial(jax.jit, static_argnames=("config", "rt", "max_new_tokens", "temperature", "top_k", "top_p"))
-def generate_tokens(params, prompt, key, *, config, rt, max_new_tokens, temperature, top_k, top_p):
+@functools.partial(jax.jit, static_argnames=("model", "rt", "max_new_tokens", "temperature", "top_k", "top_p"))
+def generate_tokens(params, prompt, key, *, model, rt, max_new_tokens, temperature, top_k, top_p):
     """New tokens [B, max_new_tokens] after prompts [B, P] (every row as long; no end-of-sequence stop)."""
     batch, prompt_len = prompt.shape
     if max_new_tokens == 0:  # the loop's body would index an empty array
         return jnp.zeros((batch, 0), jnp.int32)
-    cache = models.init_cache(config, batch, prompt_len + max_new_tokens, rt.dtype)
+    cache = model.init_cache(batch, prompt_len + max_new_tokens, rt.dtype)
     positions = jnp.broadcast_to(jnp.arange(prompt_len), prompt.shape)
-    logits, cache = models.forward_with_cache(params, prompt, positions, cache, 0, config, rt)
+    logits, cache = model.forward_with_cache(params, prompt, positions, cache, 0, rt)
 
     def step(i, carry):
         cache, last_logits, out, key = carry
@@ -72,8 +72,7 @@ def generate_tokens(params, prompt, key, *, config, rt, max_new_tokens, temperat
         token = sample_token(last_logits, sub, temperature=temperature, top_k=top_k, top_p=top_p)
         out = out.at[:, i].set(token)
         position = prompt_len + i
-        logits, cache = models.forward_with_cache(params, token[:, None], jnp.full((batch, 1), position), cache,
-                                                 position, config, rt)
+        logits, cache = model.forward_with_cache(params, token[:, None], jnp.full((batch, 1), position), cache, position, rt)
         return cache, logits[:, -1], out, key
 
     out = jnp.zeros((batch, max_new_tokens), jnp.int32)
@@ -81,8 +80,8 @@ def generate_tokens(params, prompt, key, *, config, rt, max_new_tokens, temperat
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("config", "rt", "max_new_tokens", "temperature", "top_k", "top_p"))
-def sample_completions(params, prompt, first, key, *, config, rt, max_new_tokens, temperature, top_k, top_p):
+@functools.partial(jax.jit, static_argnames=("model", "rt", "max_new_tokens", "temperature", "top_k", "top_p"))
+def sample_completions(params, prompt, first, key, *, model, rt, max_new_tokens, temperature, top_k, top_p):
     """Completions of left-padded prompts: prompt [B, P] holds row b's prompt in slots [first[b], P).
 
     Returns (tokens [B, max_new_tokens], log-probabilities [B, max_new_tokens] float32 of each sampled
@@ -95,9 +94,9 @@ def sample_completions(params, prompt, first, key, *, config, rt, max_new_tokens
     batch, prompt_len = prompt.shape
     if max_new_tokens == 0:  # the loop's body would index an empty array
         return jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0), jnp.float32)
-    cache = models.init_cache(config, batch, prompt_len + max_new_tokens, rt.dtype)
+    cache = model.init_cache(batch, prompt_len + max_new_tokens, rt.dtype)
     positions = jnp.maximum(jnp.arange(prompt_len)[None, :] - first[:, None], 0)
-    logits, cache = models.forward_with_cache(params, prompt, positions, cache, 0, config, rt, first)
+    logits, cache = model.forward_with_cache(params, prompt, positions, cache, 0, rt, first)
     rows = jnp.arange(batch)
 
     def step(i, carry):
@@ -107,8 +106,7 @@ def sample_completions(params, prompt, first, key, *, config, rt, max_new_tokens
         log_p = jax.nn.log_softmax(last_logits.astype(jnp.float32) * scale, axis=-1)[rows, token]
         out, log_probs = out.at[:, i].set(token), log_probs.at[:, i].set(log_p)
         slot = prompt_len + i
-        logits, cache = models.forward_with_cache(params, token[:, None], (slot - first)[:, None], cache, slot,
-                                                 config, rt, first)
+        logits, cache = model.forward_with_cache(params, token[:, None], (slot - first)[:, None], cache, slot, rt, first)
         return cache, logits[:, -1], out, log_probs, key
 
     out = jnp.zeros((batch, max_new_tokens), jnp.int32)
@@ -117,7 +115,7 @@ def sample_completions(params, prompt, first, key, *, config, rt, max_new_tokens
     return out, log_probs
 
 
-def generate(params, prompt_ids: list[int], config, rt: Runtime, *, max_new_tokens: int,
+def generate(params, prompt_ids: list[int], model: Model, rt: Runtime, *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              eos_id: int | Iterable[int] | None = None) -> list[int]:
     """Continues `prompt_ids`; returns the new tokens, cut before the first end-of-sequence id when eos_id
@@ -127,7 +125,7 @@ def generate(params, prompt_ids: list[int], config, rt: Runtime, *, max_new_toke
     if max_new_tokens < 1:
         return []
     prompt = jnp.asarray([prompt_ids], jnp.int32)
-    out = generate_tokens(params, prompt, jax.random.key(seed), config=config, rt=rt,
+    out = generate_tokens(params, prompt, jax.random.key(seed), model=model, rt=rt,
                           max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
     tokens = [int(t) for t in jax.device_get(out)[0]]
     stops = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())

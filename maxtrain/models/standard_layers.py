@@ -51,11 +51,12 @@ def stacks(config, types: list[LayerType], per_kind: dict) -> dict:
     return {kind: stacked(specs, counts[kind]) for kind, specs in per_kind.items() if counts[kind]}
 
 
-def prenorm_layer(x, p, inputs, layer_type: LayerType, config, rt, *, router: str = "", num_moe_layers: int = 0,
+def prenorm_layer(x, p, inputs, layer_type: LayerType, model, rt, *, router: str = "", num_moe_layers: int = 0,
                   activation: str = "swiglu"):
     """attention then a gated MLP, or a mixture of experts where the layer type's `mlp` is one, each
     pre-normed; `router` and `activation`: the experts' (models/moe.py); `num_moe_layers`: over how many
     layers the balance losses are averaged."""
+    config = model.config
     eps = config.normalization_layer_epsilon
     h, aux = blocks.attention(blocks.rms_norm(x, p["attn_norm"], eps), p, inputs, config, rt, layer_type)
     x = shard(x + h, ("batch", "length", "embed"))
@@ -82,7 +83,8 @@ def query_scale(config) -> float:
     return scalar**-0.5
 
 
-def sandwich_layer(x, p, inputs, layer_type: LayerType, config, rt):
+def sandwich_layer(x, p, inputs, layer_type: LayerType, model, rt):
+    config = model.config
     eps = config.normalization_layer_epsilon
     h, aux = blocks.attention(blocks.rms_norm(x, p["attn_norm"], eps, plus_one=True), p, inputs, config, rt,
                               layer_type, scale=query_scale(config), logits_soft_cap=config.attn_logits_soft_cap,
@@ -101,7 +103,8 @@ def postnorm_specs(config, qk_norm_over_heads: bool = True) -> dict:
             "post_mlp_norm": blocks.norm_spec(config)}
 
 
-def postnorm_layer(x, p, inputs, layer_type: LayerType, config, rt):
+def postnorm_layer(x, p, inputs, layer_type: LayerType, model, rt):
+    config = model.config
     eps = config.normalization_layer_epsilon
     h, aux = blocks.attention(x, p, inputs, config, rt, layer_type)
     x = shard(x + blocks.rms_norm(h, p["post_attn_norm"], eps), ("batch", "length", "embed"))

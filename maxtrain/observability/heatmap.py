@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from maxtrain import models, storage
+from maxtrain import storage
+from maxtrain.models.model import Model
 from maxtrain.observability import png
 
 LOGPROB_FLOOR = -10.0  # log p at or below this is fully red
@@ -34,9 +35,9 @@ _UNSCORED = (221, 221, 221)  # grey: not predicted (a document's first token, pa
 
 
 @functools.lru_cache(maxsize=8)
-def _rows_fn(config, rt, mesh, num_rows: int):
+def _rows_fn(model: Model, rt, mesh, num_rows: int):
     def rows(params, batch):
-        logits, _ = models.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"], config, rt)
+        logits, _ = model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"], rt)
         logprobs = jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), batch["targets"][..., None], axis=-1)
         out = {"inputs": batch["inputs"], "targets": batch["targets"], "weights": batch["loss_weights"],
                "logprobs": logprobs[..., 0]}
@@ -46,11 +47,11 @@ def _rows_fn(config, rt, mesh, num_rows: int):
     return jax.jit(rows, out_shardings=NamedSharding(mesh, PartitionSpec()))
 
 
-def token_logprobs(params, batch: dict, config, rt, num_rows: int) -> dict:
+def token_logprobs(params, batch: dict, model: Model, rt, num_rows: int) -> dict:
     """For the first `num_rows` rows of a global eval batch: inputs, targets, weights and
     log p(targets[t] | inputs[:t + 1]), as host numpy arrays [num_rows, T]. Every process must call it."""
     mesh = batch["inputs"].sharding.mesh
-    out = _rows_fn(config, rt, mesh, min(num_rows, batch["inputs"].shape[0]))(params, batch)
+    out = _rows_fn(model, rt, mesh, min(num_rows, batch["inputs"].shape[0]))(params, batch)
     return {k: np.asarray(v) for k, v in out.items()}
 
 
@@ -171,11 +172,12 @@ def render_png(samples: list, title: str, columns: int = 100, scale: int = 2) ->
 # --------------------------------------------------------------------------------------------
 
 
-def write_heatmap(step: int, params, batch: dict, config, rt, tokenizer, writer=None) -> str | None:
+def write_heatmap(step: int, params, batch: dict, model: Model, rt, tokenizer, writer=None) -> str | None:
     """Computes the heatmap of the first viz_num_samples rows of `batch` (a global eval batch) and, on
     process 0, writes <run>/viz/step_<step>.html and .png and the TensorBoard image. Every process
     must call it. Returns the HTML path (None on other processes)."""
-    rows = token_logprobs(params, batch, config, rt, config.viz_num_samples)
+    config = model.config
+    rows = token_logprobs(params, batch, model, rt, config.viz_num_samples)
     if jax.process_index() != 0:
         return None
     samples = [sample_tokens(rows, tokenizer, i) for i in range(rows["targets"].shape[0])]

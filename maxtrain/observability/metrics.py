@@ -22,15 +22,16 @@ import time
 
 import jax
 
-from maxtrain import models, storage
+from maxtrain import storage
+from maxtrain.models.model import Model
 from maxtrain.config import chips
 from maxtrain.observability.wandb_logger import WandbLogger
 
 
-def flops_per_token(config, dense_attention: bool = False) -> float:
-    """Training FLOPs per token (the family's formula; dense_attention counts every key of the T x T
-    scores, as a dense implementation computes them)."""
-    return models.flops_per_token(config, dense_attention)
+def flops_per_token(model: Model, dense_attention: bool = False) -> float:
+    """Training FLOPs per token of the bound model (the family's formula; dense_attention counts every key of
+    the T x T scores, as a dense implementation computes them)."""
+    return model.flops_per_token(dense_attention)
 
 
 def peak_tflops(config, device=None, log=None) -> float | None:
@@ -151,10 +152,11 @@ def cpu_peak_tflops(dtype: str = "float32", measure: bool = True) -> tuple[float
     return tflops, path, True
 
 
-def step_metrics(raw: dict, step_time: float, config, peak: float | None) -> dict:
-    """MaxText-named metrics for one step from the train step's scalars and the measured time."""
+def step_metrics(raw: dict, step_time: float, config, flops: float, peak: float | None) -> dict:
+    """MaxText-named metrics for one step from the train step's scalars and the measured time (flops: the
+    model's training FLOPs per token, flops_per_token)."""
     tokens_per_device = config.tokens_per_step / config.num_devices
-    tflops_per_device = flops_per_token(config) * tokens_per_device / step_time / 1e12
+    tflops_per_device = flops * tokens_per_device / step_time / 1e12
     return {
         "learning/loss": float(raw["loss"]),
         "learning/grad_norm": float(raw["grad_norm"]),

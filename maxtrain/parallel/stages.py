@@ -87,9 +87,10 @@ def stage_types(types: list, stages: int) -> list:
     return first
 
 
-def check(config, mesh, family, rows: int, what: str = "micro-batch") -> Schedule | None:
+def check(config, mesh, layer_types, rows: int, what: str = "micro-batch") -> Schedule | None:
     """The schedule of `config` on `mesh`, after checking that it can run (None without stages).
-    `rows` is the number of sequences one forward pass takes (the train micro-batch, or eval batch)."""
+    `layer_types`: the bound model's (models/model.py); `rows` is the number of sequences one forward pass takes
+    (the train micro-batch, or eval batch)."""
     stages = mesh.shape["stage"]
     if stages == 1:
         return None
@@ -98,7 +99,7 @@ def check(config, mesh, family, rows: int, what: str = "micro-batch") -> Schedul
         raise PipelineError(f"the mesh has {stages} pipeline stages but logical_axis_rules map 'layers' to "
                             f"{list(sharding.mesh_axes_of('layers', rules))}; pipeline stages need the rule "
                             "[\"layers\", \"stage\"] (as in base.yml)")
-    stage_types(family.layer_types(config), stages)
+    stage_types(layer_types, stages)
     sched = schedule(config, stages)
     shards = sharding.ways_on(mesh, "batch", rules)
     if rows % sched.microbatches or (rows // sched.microbatches) % shards:
@@ -121,7 +122,7 @@ def _rows(a):
     return a.swapaxes(0, 1).reshape((a.shape[0] * a.shape[1],) + a.shape[2:])
 
 
-def run_stages(run_layers, family, layer_params: dict, x, inputs, config, rt):
+def run_stages(run_layers, model, layer_params: dict, x, inputs, rt):
     """Runs the layer stack as a pipeline over the active mesh's `stage` axis.
 
     run_layers is decoder.run_layers (passed in: this module is imported by decoder.py). Returns
@@ -129,7 +130,8 @@ def run_stages(run_layers, family, layer_params: dict, x, inputs, config, rt):
     """
     mesh, rules = sharding.active_mesh()
     stages = mesh.shape["stage"]
-    types = stage_types(family.layer_types(config), stages)
+    config = model.config
+    types = stage_types(model.layer_types, stages)
     sched = schedule(config, stages)
     m = sched.microbatches
     if x.shape[0] % m:
@@ -144,7 +146,7 @@ def run_stages(run_layers, family, layer_params: dict, x, inputs, config, rt):
             mb = jnp.clip(t - s, 0, m - 1)                               # this stage's micro-batch
             x_in = jnp.where(s == 0, xs[jnp.minimum(t, m - 1)], held)
             stage_inputs = jax.tree.map(lambda a: a[mb], micro_inputs)
-            y, aux, _ = run_layers(family, params, x_in, stage_inputs, config, rt, rt.scan_layers(config), types=types)
+            y, aux, _ = run_layers(model, params, x_in, stage_inputs, rt, rt.scan_layers(config), types=types)
             working = ((t - s >= 0) & (t - s < m)).astype(jnp.float32)
             aux = jax.tree.map(lambda a: a * working, aux)
             held = jax.lax.ppermute(y, "stage", [(i, (i + 1) % stages) for i in range(stages)])

@@ -27,7 +27,10 @@ from maxtrain.checkpointing import adoption
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.training import distillation, host_memory, objectives, optimizer, train_step
 from maxtrain.observability import metrics
-from maxtrain import models, storage
+from maxtrain import storage
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
+from maxtrain.models.params import is_spec
 from maxtrain.parallel import sharding
 from maxtrain.compile import fit as memory_lib
 from maxtrain.data import hosts, pipeline
@@ -52,7 +55,7 @@ def load_config(argv: list[str], log=print):
     return distillation.adopt_teacher(config, log)
 
 
-def runtime(config, platform: str, mesh, layer_plan: tuple[str, bool] | None = None) -> models.Runtime:
+def runtime(config, platform: str, mesh, layer_plan: tuple[str, bool] | None = None) -> Runtime:
     """The choices resolved for `platform` and `mesh`, once per run (build, load_model): compute dtype,
     attention implementation, remat policy, and the vocab tiling chosen for one device's share of the
     logits; layer_plan: (remat policy, scan?) chosen by compiled memory (training/layer_choice.py). A choice
@@ -65,7 +68,7 @@ def runtime(config, platform: str, mesh, layer_plan: tuple[str, bool] | None = N
     logits_bytes = config.micro_batch_size * config.max_target_length * config.vocab_size * 4 / ways
     try:
         capability = getattr(mesh.devices.flat[0], "compute_capability", None) if platform == "gpu" else None
-        return models.Runtime.from_config(config, platform, logits_bytes, capability=capability,
+        return Runtime.from_config(config, platform, logits_bytes, capability=capability,
                                           gpu_present=platform != "gpu" or has_local_gpu(),
                                           context_parallel=sharding.ways_on(mesh, "length", rules),
                                           layer_plan=layer_plan)
@@ -113,7 +116,8 @@ def platform_of(device) -> str:
 @dataclasses.dataclass
 class Run:
     config: Any                  # with the device-derived values (global batch, tokens per step)
-    rt: models.Runtime
+    model: Model                 # bound once, here (models/model.py): the family, its config, its layers' kinds
+    rt: Runtime
     mesh: Any
     tx: optax.GradientTransformation
     shardings: dict              # NamedSharding for every leaf of the train state
@@ -130,7 +134,7 @@ class Run:
         checkpoint into its shardings (never initialized first)."""
         shardings = {k: v for k, v in self.shardings.items() if k != "teacher"}
         with sharding.activation_sharding(self.mesh, self.config.logical_axis_rules):
-            state = jax.jit(lambda k: train_step.init_state(self.config, self.rt, self.tx, k, teacher=False),
+            state = jax.jit(lambda k: train_step.init_state(self.config, self.model, self.rt, self.tx, k, teacher=False),
                             out_shardings=shardings)(key)
         if "teacher" in self.shardings:
             state["teacher"] = checkpoint_files.load_params(  # refused if it does not fit its recorded settings
@@ -164,18 +168,18 @@ class Run:
         return self.lower(state, batch).compile()
 
 
-def state_shardings(config, mesh, abstract_state) -> dict:
+def state_shardings(config, model: Model, mesh, abstract_state) -> dict:
     """Shardings for every leaf of the train state: entries declared with ParamSpecs (params, LoRA
     adapters, a frozen reference: train_step.state_specs) by their logical axes and the rules, the
     optimizer state like the leaves it trains, everything else replicated."""
     rules = config.logical_axis_rules
     replicated = sharding.named_sharding(mesh, (), rules)
     out = jax.tree.map(lambda _: replicated, {k: v for k, v in abstract_state.items() if k != "opt_state"})
-    for name, specs in train_step.state_specs(config).items():
-        for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=models.is_spec)[0]:
+    for name, specs in train_step.state_specs(config, model).items():
+        for path, spec in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]:
             what = "param" if name in ("params", "reference", "teacher") else name
             sharding.check_divisible(f"{what} " + jax.tree_util.keystr(path), spec.shape, spec.axes, mesh, rules)
-        out[name] = jax.tree.map(lambda s: sharding.named_sharding(mesh, s.axes, rules), specs, is_leaf=models.is_spec)
+        out[name] = jax.tree.map(lambda s: sharding.named_sharding(mesh, s.axes, rules), specs, is_leaf=is_spec)
     trainable = out[train_step.trainable_key(abstract_state)]
     out["opt_state"] = optimizer.opt_state_shardings(abstract_state["opt_state"], trainable, replicated)
     return out
@@ -192,6 +196,7 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
     if num_processes is None:
         num_processes = len({getattr(d, "process_index", 0) for d in devices})
     config = config_lib.with_devices(config, len(devices), num_processes)
+    model = Model.bind(config)  # the family and its layers' kinds: resolved here, once, and passed on
     mesh = sharding.create_mesh(config, devices)
     rt = runtime(config, platform, mesh, layer_plan)  # the attention implementation, dtype and remat: resolved here, once
     check_float8_devices(config, rt, devices[0])
@@ -202,28 +207,29 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
             f"Set ici_expert_parallelism to a divisor of {config.num_experts}"
             + (" (or 1: a dense model has no experts to split)" if config.num_experts == 1 else ""))
     rules = config.logical_axis_rules
-    schedule = pipeline_lib.check(config, mesh, models.family(config), config.micro_batch_size)
-    tx = optimizer.make_optimizer(config)
-    abstract = jax.eval_shape(lambda k: train_step.init_state(config, rt, tx, k), jax.random.key(0))
-    shardings = state_shardings(config, mesh, abstract)
+    schedule = pipeline_lib.check(config, mesh, model.layer_types, config.micro_batch_size)
+    tx = optimizer.make_optimizer(config, model)
+    abstract = jax.eval_shape(lambda k: train_step.init_state(config, model, rt, tx, k), jax.random.key(0))
+    shardings = state_shardings(config, model, mesh, abstract)
     batch_sharding = sharding.named_sharding(mesh, pipeline.BATCH_AXES, rules)
     options = fp8.compiler_options(platform) if rt.fp8 else None  # quantization: float8 matmuls (models/fp8.py)
-    step = jax.jit(train_step.make_train_step(config, rt, tx), in_shardings=(shardings, batch_sharding),
+    step = jax.jit(train_step.make_train_step(config, model, rt, tx), in_shardings=(shardings, batch_sharding),
                    out_shardings=(shardings, None), donate_argnums=0, compiler_options=options)
-    eval_step = jax.jit(train_step.make_eval_step(config, rt), compiler_options=options)
-    return Run(config=config, rt=rt, mesh=mesh, tx=tx, shardings=shardings,
+    eval_step = jax.jit(train_step.make_eval_step(config, model, rt), compiler_options=options)
+    return Run(config=config, model=model, rt=rt, mesh=mesh, tx=tx, shardings=shardings,
                abstract_state=checkpoint_lib.abstract_like(abstract, shardings), batch_sharding=batch_sharding,
                eval_batch_sharding=sharding.named_sharding(mesh, pipeline.EVAL_BATCH_AXES, rules),
                train_step=step, eval_step=eval_step, pipeline=schedule)
 
 
 @dataclasses.dataclass
-class Model:
-    """A trained model for a tool (decode, evaluate, check_logits, viz): its checkpoint, the mesh it is
-    sharded on and the runtime resolved for it (`load_model`)."""
+class Loaded:
+    """A trained model for a tool (decode, evaluate, check_logits, viz): the model bound from its config, its
+    checkpoint, the mesh it is sharded on and the runtime resolved for it (`load_model`)."""
     config: Any                  # with the device-derived values
+    model: Model                 # bound once, by load_model
     mesh: Any
-    rt: models.Runtime
+    rt: Runtime
     step_dir: str                # the checkpoint's step directory
     params: dict | None = None   # after read_params
 
@@ -235,8 +241,8 @@ class Model:
 
     def read_params(self, log=print) -> dict:
         """The checkpoint's params, sharded on the mesh; refused when they do not fit the model."""
-        self.params = checkpoint_files.load_params(self.step_dir, abstract_params(self.config, self.mesh), self.config)
-        log(f"loaded params from {self.step_dir} ({models.num_params(self.config) / 1e6:.2f}M)")
+        self.params = checkpoint_files.load_params(self.step_dir, abstract_params(self.model, self.mesh), self.config)
+        log(f"loaded params from {self.step_dir} ({self.model.num_params / 1e6:.2f}M)")
         return self.params
 
 
@@ -249,17 +255,18 @@ def require_checkpoint_path(config, tool: str) -> str:
     return checkpoint_files.find_step_dir(config.load_parameters_path, "load_parameters_path")
 
 
-def abstract_params(config, mesh) -> dict:
-    """ShapeDtypeStructs of the params, sharded on `mesh` by the logical axis rules (nothing allocated)."""
+def abstract_params(model: Model, mesh) -> dict:
+    """ShapeDtypeStructs of the model's params, sharded on `mesh` by the logical axis rules (nothing allocated)."""
+    config = model.config
     dtype = jnp.dtype(config.weight_dtype)
     return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dtype, sharding=sharding.named_sharding(
-        mesh, s.axes, config.logical_axis_rules)), models.param_specs(config), is_leaf=models.is_spec)
+        mesh, s.axes, config.logical_axis_rules)), model.param_specs, is_leaf=is_spec)
 
 
-def load_model(config, *, devices=None, read_params: bool = True, log=print) -> Model:
+def load_model(config, *, devices=None, read_params: bool = True, log=print) -> Loaded:
     """The model at load_parameters_path for a tool, on `devices` (default: all of this job's): the one way
     decode, evaluate, check_logits and viz load a trained model. The runtime is resolved here, once, and
-    printed; read_params=False leaves the params for later (`Model.read_params`), so that a tool can
+    printed; read_params=False leaves the params for later (`Loaded.read_params`), so that a tool can
     check its other inputs before the checkpoint is read."""
     step_dir = require_checkpoint_path(config, "loading a model")
     devices = list(jax.devices() if devices is None else devices)
@@ -267,10 +274,10 @@ def load_model(config, *, devices=None, read_params: bool = True, log=print) -> 
     mesh = sharding.create_mesh(config, devices)
     rt = runtime(config, platform_of(devices[0]), mesh)
     log(f"compute: {rt.describe()}")
-    model = Model(config=config, mesh=mesh, rt=rt, step_dir=step_dir)
+    loaded = Loaded(config=config, model=Model.bind(config), mesh=mesh, rt=rt, step_dir=step_dir)
     if read_params:
-        model.read_params(log)
-    return model
+        loaded.read_params(log)
+    return loaded
 
 
 def objective_details(config) -> str:
@@ -283,8 +290,8 @@ def objective_details(config) -> str:
 
 def moe_line(run: Run) -> str:
     """The start-up summary's line about the experts."""
-    config = run.config
-    moe_layers = sum(t.is_moe for t in models.family(config).layer_types(config))
+    config, model = run.config, run.model
+    moe_layers = model.num_moe_layers
     slots = moe.capacity(config.num_experts, config.num_experts_per_tok, config.capacity_factor,
                          config.max_target_length)
     capacity = (f" capacity_factor {config.capacity_factor:g} ({slots} slots per expert and sequence)"
@@ -298,7 +305,7 @@ def moe_line(run: Run) -> str:
         capacity = f" ({moe_experts.describe_grouped_matmul(run.rt.grouped_matmul, run.rt.backend)})"
     return (f"experts: {config.num_experts} x F {moe.expert_dim(config)}, {config.num_experts_per_tok} per token, in "
             f"{moe_layers} of {config.base_num_decoder_layers} layers  active params "
-            f"{models.num_active_params(config) / 1e6:,.2f}M  dispatch {config.moe_dispatch}{capacity}  "
+            f"{model.num_active_params / 1e6:,.2f}M  dispatch {config.moe_dispatch}{capacity}  "
             f"hidden chunks {chunks}{auto}  load_balance_loss_weight {config.load_balance_loss_weight:g}  "
             f"router_z_loss_weight {config.router_z_loss_weight:g}")
 
@@ -321,8 +328,8 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
     """The start-up summary: model, compute choices (with the remat candidates tried, where the remat policy was
     chosen by compiled memory), mesh, batch, schedule, FLOPs, compiled memory, and (given checkpoint.plan_start's
     Start) whether the run resumes elastically."""
-    config, rt = run.config, run.rt
-    flops = metrics.flops_per_token(config)
+    config, model, rt = run.config, run.model, run.rt
+    flops = metrics.flops_per_token(model)
     state = run.abstract_state
     trainable = jax.tree.leaves(state[train_step.trainable_key(state)])
     n_trainable = sum(x.size for x in trainable)
@@ -330,10 +337,10 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
     frozen = sum(x.size for k in ("params", "reference", "teacher")
                  if k in state and k != train_step.trainable_key(state) for x in jax.tree.leaves(state[k]))
     lines = [
-        f"model: {config.model_name} ({config.decoder_block})  params {models.num_params(config) / 1e6:,.2f}M  "
+        f"model: {config.model_name} ({config.decoder_block})  params {model.num_params / 1e6:,.2f}M  "
         f"layers {config.base_num_decoder_layers}  D {config.base_emb_dim}  heads "
         f"{config.base_num_query_heads}/{config.base_num_kv_heads}  F {config.base_mlp_dim}  V {config.vocab_size}",
-        *([moe_line(run)] if models.is_moe(config) else []),
+        *([moe_line(run)] if model.is_moe else []),
         f"compute: {rt.describe()}  weights {config.weight_dtype}  scan_layers {rt.scan_layers(config)}  "
         f"platform {rt.backend}",
         *([run.remat_choice] if run.remat_choice else []),
@@ -348,7 +355,7 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
         f"objective: {objectives.name(config)}" + objective_details(config)
         + (f"  LoRA rank {config.lora_rank} alpha {config.lora_alpha} on {','.join(config.lora_target_modules)}"
            if config.lora_rank else "")
-        + f"  trainable {n_trainable / 1e6:,.3f}M ({100 * n_trainable / max(models.num_params(config), 1):.2f}% of the"
+        + f"  trainable {n_trainable / 1e6:,.3f}M ({100 * n_trainable / max(model.num_params, 1):.2f}% of the"
         f" model)  frozen {frozen / 1e6:,.2f}M  optimizer state {opt_bytes / 2**20:,.2f} MiB",
         f"schedule: {config.lr_schedule_type} peak lr {config.learning_rate}  warmup {config.warmup_steps}  "
         f"steps {config.steps}",

@@ -18,7 +18,8 @@ checkpointed copy (every checkpoint holds it, as DPO's holds its reference) make
 from __future__ import annotations
 
 from maxtrain import config as config_lib
-from maxtrain import models
+from maxtrain.models.model import Model
+from maxtrain.models import model_keys
 from maxtrain.checkpointing import files as checkpoint_files
 
 KEY = "distill_teacher_model"  # the config's derived entry: the teacher's model keys
@@ -33,13 +34,13 @@ def adopt_teacher(config, log=print):
         return config
     step_dir = checkpoint_files.find_step_dir(config.distill_teacher_path, "distill_teacher_path")
     saved = checkpoint_files.read_metadata(step_dir).get("config", {})
-    missing = [k for k in models.SHAPE_KEYS if k not in saved]
+    missing = [k for k in model_keys.SHAPE_KEYS if k not in saved]
     if "decoder_block" not in saved or missing:
         raise checkpoint_files.CheckpointError(
             f"distill_teacher_path={config.distill_teacher_path!r}: the checkpoint {step_dir} records no model "
             f"settings ({', '.join(missing or ['decoder_block'])} missing from its metadata); use a checkpoint "
             "written by maxtrain.train or scripts/convert_hf.py")
-    teacher = {k: saved[k] for k in models.MODEL_KEYS if k in saved}
+    teacher = {k: saved[k] for k in model_keys.MODEL_KEYS if k in saved}
     if teacher["vocab_size"] != config.vocab_size:
         raise config_lib.ConfigError(
             f"the teacher {step_dir} predicts a vocabulary of {teacher['vocab_size']} tokens and the student "
@@ -48,10 +49,15 @@ def adopt_teacher(config, log=print):
             f"tokenizer and vocab_size={teacher['vocab_size']} for the student)")
     config = config_lib.Config({**config.to_dict(), KEY: teacher})
     t = teacher_config(config)
-    log(f"distillation teacher: {step_dir} ({t.decoder_block}, {models.num_params(t) / 1e6:,.2f}M params, "
+    log(f"distillation teacher: {step_dir} ({t.decoder_block}, {Model.bind(t).num_params / 1e6:,.2f}M params, "
         f"{t.base_num_decoder_layers} layers, D {t.base_emb_dim})  alpha {config.distill_alpha:g}  "
         f"temperature {config.distill_temperature:g}")
     return config
+
+
+def teacher_model(config) -> Model:
+    """The frozen teacher, bound (models/model.py): its family and layers from its own model keys."""
+    return Model.bind(teacher_config(config))
 
 
 def teacher_config(config):

@@ -154,7 +154,7 @@ class Step:
         config = run.config
         self.group = config.num_generations
         self.sample = jax.jit(lambda params, prompt, first, key: sampling.sample_completions(
-            params, prompt, first, key, config=config, rt=run.rt, max_new_tokens=completion_length(config),
+            params, prompt, first, key, model=run.model, rt=run.rt, max_new_tokens=completion_length(config),
             **sampling.sampling_settings(config)))
 
     def rollout(self, state, batch: dict, step: int):
@@ -206,7 +206,7 @@ class HeldOut(loop.Hook):
         config = run.config
         self.losses, self.metrics = {}, {}
         self.greedy = jax.jit(lambda params, prompt, first: sampling.sample_completions(
-            params, prompt, first, jax.random.key(0), config=config, rt=run.rt,
+            params, prompt, first, jax.random.key(0), model=run.model, rt=run.rt,
             max_new_tokens=completion_length(config), temperature=0.0, top_k=0, top_p=1.0)[0])
 
     def start(self, step, state):

@@ -59,8 +59,9 @@ def check_finite(step: int, m: dict, loss_scaled: bool, loss_scale_min: float = 
 class Reporter:
     """Holds the metrics of the step dispatched last; writes them once they are on the host."""
 
-    def __init__(self, config, writer, peak: float | None, loss_scaled: bool):
+    def __init__(self, config, writer, flops: float, peak: float | None, loss_scaled: bool):
         self.config, self.writer, self.peak, self.loss_scaled = config, writer, peak, loss_scaled
+        self.flops = flops  # the model's training FLOPs per token (metrics.flops_per_token)
         self.pending = None  # (step, device metrics)
         self.last_done = time.time()
 
@@ -77,7 +78,7 @@ class Reporter:
         self.pending = None
         raw = jax.device_get(device_metrics)
         now = time.time()
-        m = metrics.step_metrics(raw, now - self.last_done, self.config, self.peak)
+        m = metrics.step_metrics(raw, now - self.last_done, self.config, self.flops, self.peak)
         self.last_done = now
         check_finite(step + 1, m, self.loss_scaled, self.config.loss_scale_min)
         self.writer.write(step + 1, m, print_line=(step + 1) % self.config.log_period == 0 or step == 0)
@@ -172,8 +173,8 @@ class TaskEval(Hook):
 class Heatmap(Hook):
     """The per-token log-probability heatmap of the first eval batch, every viz_period steps."""
 
-    def __init__(self, config, rt, batch, tokenizer, model_params, writer, log):
-        self.config, self.rt, self.batch, self.tokenizer = config, rt, batch, tokenizer
+    def __init__(self, config, model, rt, batch, tokenizer, model_params, writer, log):
+        self.config, self.model, self.rt, self.batch, self.tokenizer = config, model, rt, batch, tokenizer
         self.model_params, self.writer, self.log = model_params, writer, log
 
     def due(self, at):
@@ -181,7 +182,7 @@ class Heatmap(Hook):
 
     def run(self, at, state):
         done = at.done
-        path = heatmap.write_heatmap(done, self.model_params(state), self.batch, self.config, self.rt,
+        path = heatmap.write_heatmap(done, self.model_params(state), self.batch, self.model, self.rt,
                                      self.tokenizer, self.writer)
         self.log(f"token heatmap at step {done}: {path}")
 

@@ -86,12 +86,13 @@ def device_peak_bytes() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
-def step_figures(config, times: list[float], step_fn) -> dict:
+def step_figures(run, times: list[float], step_fn) -> dict:
     """The figures of timed steps: median (min, max) step seconds, tokens/s, model TFLOP/s and MFU per
     device, the compiled step's memory and the measured peak (the device's, else this process' RSS)."""
+    config = run.config
     median = statistics.median(times)
     tokens_per_device = config.tokens_per_step / config.num_devices
-    tflops = metrics.flops_per_token(config) * tokens_per_device / median / 1e12
+    tflops = metrics.flops_per_token(run.model) * tokens_per_device / median / 1e12
     peak = metrics.peak_tflops(config)
     measured_peak = device_peak_bytes()
     return {
@@ -108,7 +109,7 @@ def loss_and_grads(run):
     """jit of (params, micro batch [B, T]) -> (mean loss over the batch's weighted tokens, grads of it):
     the run's objective and model, as its train step computes them for one micro-batch, without the
     optimizer."""
-    objective = objectives.make(run.config, run.rt)
+    objective = objectives.make(run.config, run.model, run.rt)
 
     def mean_loss(params, batch):
         loss, weight, _ = objective(params, batch, None)

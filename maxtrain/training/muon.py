@@ -30,13 +30,15 @@ import jax
 import optax
 from optax.contrib import MuonDimensionNumbers, scale_by_muon
 
-from maxtrain import models
+from maxtrain.models.model import Model
+from maxtrain.models.params import ParamSpec
+from maxtrain.models.params import is_spec
 
 BATCH_AXES = ("layers", "exp")
 HIDDEN_AXES = ("heads", "kv_heads", "head_dim", "mlp")
 
 
-def dimension_numbers(spec: models.ParamSpec) -> MuonDimensionNumbers | None:
+def dimension_numbers(spec: ParamSpec) -> MuonDimensionNumbers | None:
     """Which axes of a parameter are its matrix's rows (reduction) and columns (output); None for AdamW."""
     axes = [i for i, name in enumerate(spec.axes) if name not in BATCH_AXES]
     names = [spec.axes[i] for i in axes]
@@ -53,14 +55,14 @@ def _is_dims(x) -> bool:
     return x is None or isinstance(x, MuonDimensionNumbers)
 
 
-def muon_dimension_numbers(config) -> dict:
+def muon_dimension_numbers(model: Model) -> dict:
     """The params tree of dimension_numbers: a MuonDimensionNumbers where Muon trains, None where AdamW does."""
-    return jax.tree.map(dimension_numbers, models.param_specs(config), is_leaf=models.is_spec)
+    return jax.tree.map(dimension_numbers, model.param_specs, is_leaf=is_spec)
 
 
-def labels(config):
+def labels(model: Model):
     """params -> the same tree of "muon" / "adamw" (optax.partition's labels)."""
-    dims = muon_dimension_numbers(config)
+    dims = muon_dimension_numbers(model)
     return lambda params: jax.tree.map(lambda d, _: "adamw" if d is None else "muon", dims, params, is_leaf=_is_dims)
 
 
@@ -83,9 +85,10 @@ def scale_by_shape(dims_of, consistent_rms: float) -> optax.GradientTransformati
     return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
 
 
-def partitioned(config, schedule: optax.Schedule, adamw: optax.GradientTransformation) -> optax.GradientTransformation:
-    """Muon on the hidden weight matrices, `adamw` on the rest."""
-    dims = muon_dimension_numbers(config)
+def partitioned(config, model: Model, schedule: optax.Schedule,
+                adamw: optax.GradientTransformation) -> optax.GradientTransformation:
+    """Muon on the hidden weight matrices of `model`, `adamw` on the rest."""
+    dims = muon_dimension_numbers(model)
 
     def dims_of(masked_updates):  # the Muon half sees the AdamW parameters as optax.MaskedNode
         return jax.tree.map(lambda d, _: optax.MaskedNode() if d is None else d, dims, masked_updates,
@@ -98,4 +101,4 @@ def partitioned(config, schedule: optax.Schedule, adamw: optax.GradientTransform
         optax.add_decayed_weights(config.muon_weight_decay),
         optax.scale_by_learning_rate(schedule),
     )
-    return optax.partition({"muon": muon, "adamw": adamw}, labels(config))
+    return optax.partition({"muon": muon, "adamw": adamw}, labels(model))

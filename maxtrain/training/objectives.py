@@ -6,7 +6,7 @@
 Which one runs is the `objective` key (config/objectives.py: its row declares the data it reads, the
 frozen model the state holds and the extra batch entries; `LOSSES` below is each row's loss). The train
 step divides the summed loss of all its micro-batches by their summed weight and adds every metric named
-`*_loss` (already a mean, times the weight: models.objective); it never asks which objective it runs.
+`*_loss` (already a mean, times the weight: models/decoder.objective); it never asks which objective it runs.
 Metrics are means over the micro-batch's weight, reported as `learning/<name>` (training) and
 `eval/<name>` (evaluation).
 
@@ -46,7 +46,10 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain import config as config_lib
-from maxtrain import models
+
+from maxtrain.models.model import Model
+from maxtrain.models import distill as distill_lib
+from maxtrain.models.runtime import Runtime
 from maxtrain.models import sampling
 from maxtrain.training import distillation
 
@@ -64,32 +67,33 @@ def batch_keys(config) -> tuple[str, ...]:
     return config_lib.objectives.of(config).batch_keys
 
 
-def make(config, rt: models.Runtime):
-    """The run's objective: fn(params, batch, reference) -> (loss sum, weight sum, metrics)."""
+def make(config, model: Model, rt: Runtime):
+    """The run's objective for `model` (the run's bound model; config: its settings, model.config with the
+    devices' values): fn(params, batch, reference) -> (loss sum, weight sum, metrics)."""
     kind = name(config)
     if kind == "distill":
-        teacher_config = distillation.teacher_config(config)
-        return lambda params, batch, teacher: distill(params, batch, teacher, config, teacher_config, rt)
+        teacher = distillation.teacher_model(config)
+        return lambda params, batch, teacher_params: distill(params, batch, teacher_params, model, teacher, rt)
     loss = LOSSES[kind]
-    return lambda params, batch, reference: loss(params, batch, reference, config, rt)
+    return lambda params, batch, reference: loss(params, batch, reference, model, rt)
 
 
-def lm(params, batch: dict, config, rt):
+def lm(params, batch: dict, model: Model, rt):
     """(sum of loss_weight x cross-entropy, sum of weights, the model's aux scalars)."""
-    return models.loss_fn(params, batch, config, rt)
+    return model.loss_fn(params, batch, rt)
 
 
 sft = lm  # SFT is the LM objective on weights that the chat template set
 
 
-def _next_token(params, batch: dict, reference, config, rt):
+def _next_token(params, batch: dict, reference, model: Model, rt):
     """lm and sft in the signature of the others (no frozen model)."""
-    return lm(params, batch, config, rt)
+    return lm(params, batch, model, rt)
 
 
-def target_log_probs(params, batch: dict, config, rt, temperature: float = 1.0):
+def target_log_probs(params, batch: dict, model: Model, rt, temperature: float = 1.0):
     """(log p(target) [B, T] float32, aux) under `params`, p = softmax(logits / temperature)."""
-    logits, aux = models.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"], config, rt)
+    logits, aux = model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"], rt)
     if temperature != 1.0:
         logits = logits.astype(jnp.float32) / temperature
     log_z = jax.nn.logsumexp(logits, axis=-1)
@@ -123,10 +127,11 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
     return loss, chosen_reward, rejected_reward
 
 
-def dpo(params, batch: dict, reference, config, rt):
+def dpo(params, batch: dict, reference, model: Model, rt):
     """(sum of per-pair DPO losses, number of pairs, metrics); `reference` is never differentiated."""
-    policy_lp, aux = target_log_probs(params, batch, config, rt)
-    ref_lp, _ = target_log_probs(jax.lax.stop_gradient(reference), batch, config, rt)
+    config = model.config
+    policy_lp, aux = target_log_probs(params, batch, model, rt)
+    ref_lp, _ = target_log_probs(jax.lax.stop_gradient(reference), batch, model, rt)
     pc, pr, whole = pair_sums(policy_lp, batch)
     rc, rr, _ = pair_sums(jax.lax.stop_gradient(ref_lp), batch)
     loss, chosen_reward, rejected_reward = dpo_loss(pc, pr, rc, rr, config.dpo_beta, config.dpo_label_smoothing)
@@ -148,11 +153,12 @@ def dpo(params, batch: dict, reference, config, rt):
     return jnp.sum(loss * mask), pairs, metrics
 
 
-def distill(params, batch: dict, teacher, config, teacher_config, rt):
+def distill(params, batch: dict, teacher_params, model: Model, teacher: Model, rt):
     """(sum of alpha T^2 KL + (1 - alpha) CE over weighted targets, their weight, metrics); the teacher is
     never differentiated (models/distill.py stops its gradient)."""
-    loss, weight, aux, kl_sum, ce_sum = models.distill_loss_fn(params, teacher, batch, config, teacher_config, rt,
-                                                               config.distill_alpha, config.distill_temperature)
+    config = model.config
+    loss, weight, aux, kl_sum, ce_sum = distill_lib.loss_fn(model, params, teacher, teacher_params, batch, rt,
+                                                            config.distill_alpha, config.distill_temperature)
     per_target = jnp.maximum(weight, 1.0)
     return loss, weight, {**aux, "distill_kl": kl_sum / per_target, "distill_ce": ce_sum / per_target}
 def grpo_token_loss(log_probs, old_log_probs, ref_log_probs, advantages, beta: float, epsilon: float):
@@ -170,16 +176,17 @@ def grpo_token_loss(log_probs, old_log_probs, ref_log_probs, advantages, beta: f
     return loss, clipped < unclipped, k3
 
 
-def grpo(params, batch: dict, reference, config, rt):
+def grpo(params, batch: dict, reference, model: Model, rt):
     """(sum over completion tokens of the GRPO loss, their number, metrics); pi, pi_old and ref are all
     softmax(logits / T) at the rollouts' sampling temperature T, the distribution the completions were
     drawn from (else the update is off-policy for every T != 1)."""
+    config = model.config
     temperature = sampling.sampling_settings(config)["temperature"]
-    log_probs, aux = target_log_probs(params, batch, config, rt, temperature)
+    log_probs, aux = target_log_probs(params, batch, model, rt, temperature)
     ref_log_probs = None
     if config.grpo_beta > 0:
         ref_log_probs = jax.lax.stop_gradient(
-            target_log_probs(jax.lax.stop_gradient(reference), batch, config, rt, temperature)[0])
+            target_log_probs(jax.lax.stop_gradient(reference), batch, model, rt, temperature)[0])
     weights = batch["loss_weights"].astype(jnp.float32)
     loss, clipped, k3 = grpo_token_loss(log_probs, batch["old_log_probs"], ref_log_probs, batch["advantages"],
                                         config.grpo_beta, config.grpo_epsilon)

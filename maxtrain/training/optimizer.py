@@ -50,7 +50,8 @@ def weight_decay_mask(params, config):
     return jax.tree_util.tree_map_with_path(decays, params)
 
 
-def make_optimizer(config) -> optax.GradientTransformation:
+def make_optimizer(config, model) -> optax.GradientTransformation:
+    """AdamW, or Muon on `model`'s hidden matrices (the bound model, models/model.py) with AdamW on the rest."""
     adamw = optax.adamw(
         learning_rate=make_schedule(config),
         b1=config.adam_b1,
@@ -59,7 +60,7 @@ def make_optimizer(config) -> optax.GradientTransformation:
         weight_decay=config.adam_weight_decay,
         mask=lambda params: weight_decay_mask(params, config),
     )
-    tx = muon.partitioned(config, make_schedule(config), adamw) if config.opt_type == "muon" else adamw
+    tx = muon.partitioned(config, model, make_schedule(config), adamw) if config.opt_type == "muon" else adamw
     if config.gradient_clipping_threshold > 0:
         return optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), tx)
     return tx

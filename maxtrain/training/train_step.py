@@ -17,7 +17,7 @@ batch is split.
 
 The objective's metrics (the model's aux scalars, summed over its layers; DPO's rewards) reach the
 train step here and nowhere else: `*_loss` entries are added to what is minimized
-(models.objective), and every entry is reported as `aux/<name>`, averaged over the micro-batches
+(models/decoder.objective), and every entry is reported as `aux/<name>`, averaged over the micro-batches
 by their weight.
 """
 
@@ -29,21 +29,25 @@ import optax
 
 from maxtrain import config as config_lib
 from maxtrain.models import lora
-from maxtrain import models
+
+from maxtrain.models.model import Model
+from maxtrain.models import decoder
+from maxtrain.models.runtime import Runtime
 from maxtrain.training import distillation, objectives, precision
 from maxtrain.parallel import sharding
 from maxtrain.training.optimizer import make_schedule
 
 
-def state_specs(config) -> dict:
-    """ParamSpec trees of the state's parameter-like entries: params, and lora / reference when present."""
-    specs = {"params": models.param_specs(config)}
+def state_specs(config, model: Model) -> dict:
+    """ParamSpec trees of the state's parameter-like entries: params (of `model`, the run's bound model), and
+    lora / reference / teacher when present."""
+    specs = {"params": model.param_specs}
     if lora.enabled(config):
-        specs["lora"] = lora.adapter_specs(config)
+        specs["lora"] = lora.adapter_specs(model)
     elif objectives.needs_reference(config):
         specs["reference"] = specs["params"]
     if config_lib.objectives.of(config).frozen == "teacher":  # the objective's row: its frozen model is a teacher
-        specs["teacher"] = models.param_specs(distillation.teacher_config(config))
+        specs["teacher"] = distillation.teacher_model(config).param_specs
     return specs
 
 
@@ -67,32 +71,33 @@ def reference_params(state: dict):
     return state.get("reference", state["params"] if "lora" in state else None)
 
 
-def init_state(config, rt: models.Runtime, tx: optax.GradientTransformation, key, teacher: bool = True) -> dict:
+def init_state(config, model: Model, rt: Runtime, tx: optax.GradientTransformation, key,
+               teacher: bool = True) -> dict:
     """A fresh state; a distillation teacher is randomly initialized here (its shapes; `teacher=False`
     leaves it out for the caller to load: builder.Run.init)."""
     init_key, rng = jax.random.split(key)
     state = {
         "step": jnp.asarray(0, jnp.int32),
-        "params": models.init_params(config, init_key),
+        "params": model.init_params(init_key),
         "loss_scale": precision.init_loss_scale(config, rt.dtype),
         "rng": jax.random.key_data(rng),
     }
-    specs = state_specs(config)
+    specs = state_specs(config, model)
     if "lora" in specs:
-        state["lora"] = lora.init(config, jax.random.fold_in(init_key, 0x10A))
+        state["lora"] = lora.init(model, jax.random.fold_in(init_key, 0x10A))
     if "reference" in specs:
         state["reference"] = jax.tree.map(jnp.copy, state["params"])
     if "teacher" in specs and teacher:
-        state["teacher"] = models.init_params(distillation.teacher_config(config), jax.random.fold_in(init_key, 0x7EAC))
+        state["teacher"] = distillation.teacher_model(config).init_params(jax.random.fold_in(init_key, 0x7EAC))
     state["opt_state"] = tx.init(state[trainable_key(state)])
     return state
 
 
-def make_train_step(config, rt: models.Runtime, tx: optax.GradientTransformation):
+def make_train_step(config, model: Model, rt: Runtime, tx: optax.GradientTransformation):
     scaling = precision.uses_loss_scaling(rt.dtype)
     lr_at = make_schedule(config)
-    objective = objectives.make(config, rt)
-    specs = models.param_specs(config)
+    objective = objectives.make(config, model, rt)
+    specs = model.param_specs
 
     def train_step(state: dict, batch: dict):
         key = trainable_key(state)
@@ -109,11 +114,11 @@ def make_train_step(config, rt: models.Runtime, tx: optax.GradientTransformation
         def micro_gradients(micro_batch):
             def scaled_loss(p):
                 loss, weight, aux = objective(model_params(state, config, p), micro_batch, reference)
-                return models.objective(loss, weight, aux) * unit, (loss, weight, aux)
+                return decoder.objective(loss, weight, aux) * unit, (loss, weight, aux)
 
             grads, (loss, weight, aux) = jax.grad(scaled_loss, has_aux=True)(params)
             grads = jax.tree.map(lambda g: g.astype(jnp.float32), constrain(grads))
-            return grads, loss, weight, models.split_step_stats(aux)
+            return grads, loss, weight, decoder.split_step_stats(aux)
 
         def micro_step(carry, micro_batch):
             grad_sum, loss_sum, weight_sum = carry
@@ -151,7 +156,7 @@ def make_train_step(config, rt: models.Runtime, tx: optax.GradientTransformation
                      "loss_scale": loss_scale}
         # State outside the gradient (the MoE selection bias), from the step's statistics of all micro-batches.
         stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
-        updated = models.update_outside_gradient(new_state["params"], state["params"], stats, config)
+        updated = model.update_outside_gradient(new_state["params"], state["params"], stats)
         new_state["params"] = precision.select_tree(finite, updated, new_state["params"]) if scaling else updated
         metrics = {
             "loss": loss_sum / denom,
@@ -175,12 +180,12 @@ def weighted_mean(values, weights):
     return jnp.where(total > 0, jnp.sum(values * weights) / jnp.maximum(total, 1e-30), jnp.mean(values))
 
 
-def make_eval_step(config, rt: models.Runtime):
-    objective = objectives.make(config, rt)
+def make_eval_step(config, model: Model, rt: Runtime):
+    objective = objectives.make(config, model, rt)
 
     def eval_step(state, batch):
         """(loss sum, weight sum, metrics) of the objective for one eval batch [B, T]."""
         loss, weight, metrics = objective(model_params(state, config), batch, reference_params(state))
-        return loss, weight, models.split_step_stats(metrics)[0]
+        return loss, weight, decoder.split_step_stats(metrics)[0]
 
     return eval_step

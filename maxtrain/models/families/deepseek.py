@@ -40,16 +40,18 @@ def rope_head_dim(config) -> int:
     return config.qk_rope_head_dim
 
 
-def param_specs(config):
+def param_specs(model):
+    config = model.config
     attention = {"attn_norm": blocks.norm_spec(config), **mla.specs(config), "mlp_norm": blocks.norm_spec(config)}
     per_kind = {"dense": {**attention, **blocks.mlp_specs(config)}, "moe": {**attention, **moe.specs(config)}}
-    out = {**blocks.embedding_specs(config), "layers": standard_layers.stacks(config, layer_types(config), per_kind)}
+    out = {**blocks.embedding_specs(config), "layers": standard_layers.stacks(config, model.layer_types, per_kind)}
     if config.mtp_num_layers > 0:
         out["mtp"] = mtp.specs(config, per_kind["moe"])
     return out
 
 
-def layer(x, p, inputs, layer_type: LayerType, config, rt):
+def layer(x, p, inputs, layer_type: LayerType, model, rt):
+    config = model.config
     eps = config.normalization_layer_epsilon
     h, aux = mla.attention(blocks.rms_norm(x, p["attn_norm"], eps), p, inputs, config, rt)
     x = shard(x + h, ("batch", "length", "embed"))
@@ -63,12 +65,13 @@ def layer(x, p, inputs, layer_type: LayerType, config, rt):
     return shard(x + h, ("batch", "length", "embed")), aux
 
 
-def flops_per_token(config, dense_attention: bool = False) -> float:
+def flops_per_token(model, dense_attention: bool = False) -> float:
     """Training FLOPs per token: 3 x (2 x the weights a token multiplies + MLA's scores and values), with
     a token's K routed experts, the shared experts and the router in MoE layers (moe.flops_per_token)."""
+    config = model.config
     d, f_e = config.base_emb_dim, moe.expert_dim(config)
     routed = d * config.num_experts + (config.num_experts_per_tok + config.shared_experts) * 3 * d * f_e
-    mlps = [routed if t.is_moe else 3 * d * config.base_mlp_dim for t in layer_types(config)]
+    mlps = [routed if t.is_moe else 3 * d * config.base_mlp_dim for t in model.layer_types]
     matmul = sum(mla.matmul_params(config) + m for m in mlps) + d * config.vocab_size
     depth = config.mtp_num_layers  # each MTP module: eh_proj, one MoE block and the shared head (models/mtp.py)
     matmul += depth * (2 * d * d + mla.matmul_params(config) + routed + d * config.vocab_size)

@@ -20,7 +20,8 @@ from maxtrain.models.params import stacked
 FAMILY = registry.FAMILIES["gemma2"]  # its Hugging Face model_type and architecture, its attention pattern
 
 
-def param_specs(config):
+def param_specs(model):
+    config = model.config
     return {**blocks.embedding_specs(config, norm_init="zeros"),
             "layers": {"decoder": stacked(standard_layers.sandwich_specs(config), config.base_num_decoder_layers)}}
 
@@ -29,8 +30,9 @@ def layer_types(config) -> list[LayerType]:
     return attention_types(config, FAMILY.pattern(config.base_num_decoder_layers))
 
 
-def flops_per_token(config, dense_attention: bool = False) -> float:
-    return blocks.decoder_flops(config, layer_types(config), dense_attention)
+def flops_per_token(model, dense_attention: bool = False) -> float:
+    config = model.config
+    return blocks.decoder_flops(config, model.layer_types, dense_attention)
 
 
 HF_NAMES = hf.SANDWICH_NAMES

@@ -22,7 +22,8 @@ PERIOD = len(FAMILY.attention_pattern)  # one global layer closes every group of
 _pattern = FAMILY.pattern
 
 
-def param_specs(config):  # the attention block applies qk-norm because q_norm and k_norm exist
+def param_specs(model):  # the attention block applies qk-norm because q_norm and k_norm exist
+    config = model.config
     layer_specs = standard_layers.sandwich_specs(config, qk_norm="zeros")
     return {**blocks.embedding_specs(config, norm_init="zeros"),
             "layers": {"decoder": stacked(layer_specs, config.base_num_decoder_layers)}}
@@ -32,8 +33,9 @@ def layer_types(config) -> list[LayerType]:
     return attention_types(config, _pattern(config.base_num_decoder_layers))
 
 
-def flops_per_token(config, dense_attention: bool = False) -> float:
-    return blocks.decoder_flops(config, layer_types(config), dense_attention)
+def flops_per_token(model, dense_attention: bool = False) -> float:
+    config = model.config
+    return blocks.decoder_flops(config, model.layer_types, dense_attention)
 
 
 HF_NAMES = {**hf.SANDWICH_NAMES, **hf.QK_NORM_NAMES}

@@ -87,15 +87,17 @@ def _layer_specs(config, kind: str) -> dict:
     return specs
 
 
-def param_specs(config):
+def param_specs(model):
+    config = model.config
     top = blocks.embedding_specs(config)
     if config.per_layer_input_dim > 0:
         top.update(per_layer_embed.model_specs(config))
     per_kind = {kind: _layer_specs(config, kind) for kind in KINDS}
-    return {**top, "layers": standard_layers.stacks(config, layer_types(config), per_kind)}
+    return {**top, "layers": standard_layers.stacks(config, model.layer_types, per_kind)}
 
 
-def layer(x, p, inputs, layer_type: LayerType, config, rt):
+def layer(x, p, inputs, layer_type: LayerType, model, rt):
+    config = model.config
     eps, attention, aux = config.normalization_layer_epsilon, layer_type.kind.split("_")[0], {}
     shared = None if "wk" in p else inputs.state[attention]
     h, kv = normed_attention.attention(normed_attention.rms(x, eps, p["attn_norm"]), p, inputs, config, rt,
@@ -137,10 +139,11 @@ def cache_heads(config):
     return shape, shape
 
 
-def flops_per_token(config, dense_attention: bool = False) -> float:
+def flops_per_token(model, dense_attention: bool = False) -> float:
     """3 x (2 x the weights a token multiplies + attention's q.k and p.v), per layer at its own head shape."""
+    config = model.config
     d, n, p = config.base_emb_dim, config.base_num_query_heads, config.per_layer_input_dim
-    types = layer_types(config)
+    types = model.layer_types
     matmul = d * config.vocab_size + d * p * len(types)  # the head; the per-layer inputs' projection
     for t in types:
         h, g, kv, f = _shape(config, t.kind)

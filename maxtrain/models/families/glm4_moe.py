@@ -35,26 +35,29 @@ def layer_types(config) -> list[LayerType]:
             for i in range(config.base_num_decoder_layers)]
 
 
-def param_specs(config):
+def param_specs(model):
+    config = model.config
     attention = dict(qkv_bias=config.attention_bias, qk_norm="ones" if config.use_qk_norm else None)
     per_kind = {"dense": standard_layers.decoder_specs(config, **attention),
                 "moe": standard_layers.decoder_specs(config, mlp=moe.specs(config), **attention)}
-    out = {**blocks.embedding_specs(config), "layers": standard_layers.stacks(config, layer_types(config), per_kind)}
+    out = {**blocks.embedding_specs(config), "layers": standard_layers.stacks(config, model.layer_types, per_kind)}
     if config.mtp_num_layers > 0:
         out["mtp"] = mtp.specs(config, per_kind["moe"])
     return out
 
 
-def layer(x, p, inputs, layer_type: LayerType, config, rt):
-    return standard_layers.prenorm_layer(x, p, inputs, layer_type, config, rt, router=ROUTER,
+def layer(x, p, inputs, layer_type: LayerType, model, rt):
+    config = model.config
+    return standard_layers.prenorm_layer(x, p, inputs, layer_type, model, rt, router=ROUTER,
                                          num_moe_layers=config.base_num_decoder_layers - config.first_num_dense_layers)
 
 
-def flops_per_token(config, dense_attention: bool = False) -> float:
+def flops_per_token(model, dense_attention: bool = False) -> float:
     """moe.flops_per_token's (attention, the router, a token's K routed experts, dense first layers, the head),
     plus the shared experts of each MoE layer (3 x 2 x 3 x D x shared_experts x F_e a token), and each MTP
     module's eh_proj [2D, D], its MoE block (shared experts included) and the shared head."""
-    types = layer_types(config)
+    config = model.config
+    types = model.layer_types
     d = config.base_emb_dim
     shared = 3.0 * 2 * 3 * d * config.shared_experts * moe.expert_dim(config)
     total = moe.flops_per_token(config, types, dense_attention) + shared * sum(t.is_moe for t in types)

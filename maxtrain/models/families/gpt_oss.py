@@ -36,7 +36,8 @@ DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_sl
 DEFAULT_THETA = 150000.0
 
 
-def param_specs(config):
+def param_specs(model):
+    config = model.config
     layer_specs = standard_layers.decoder_specs(config, mlp=moe.specs(config, biases=True), qkv_bias=True,
                                                 out_bias=True, sinks=FAMILY.attention_sinks)
     return {**blocks.embedding_specs(config), "layers": {"moe": stacked(layer_specs, config.base_num_decoder_layers)}}
@@ -46,13 +47,15 @@ def layer_types(config) -> list[LayerType]:
     return attention_types(config, _pattern(config.base_num_decoder_layers), kind="moe", mlp="moe")
 
 
-def layer(x, p, inputs, layer_type: LayerType, config, rt):
-    return standard_layers.prenorm_layer(x, p, inputs, layer_type, config, rt, router=ROUTER,
+def layer(x, p, inputs, layer_type: LayerType, model, rt):
+    config = model.config
+    return standard_layers.prenorm_layer(x, p, inputs, layer_type, model, rt, router=ROUTER,
                                          num_moe_layers=config.base_num_decoder_layers, activation=ACTIVATION)
 
 
-def flops_per_token(config, dense_attention: bool = False) -> float:
-    return moe.flops_per_token(config, layer_types(config), dense_attention)
+def flops_per_token(model, dense_attention: bool = False) -> float:
+    config = model.config
+    return moe.flops_per_token(config, model.layer_types, dense_attention)
 
 
 # --------------------------------------------------------------------------------------------

@@ -57,10 +57,11 @@ def layer_types(config) -> list[LayerType]:
     return out
 
 
-def param_specs(config):
+def param_specs(model):
+    config = model.config
     per_kind = {"moe": standard_layers.decoder_specs(config, mlp=moe.specs(config)),
                 "dense": standard_layers.decoder_specs(config)}
-    return {**blocks.embedding_specs(config), "layers": standard_layers.stacks(config, layer_types(config), per_kind)}
+    return {**blocks.embedding_specs(config), "layers": standard_layers.stacks(config, model.layer_types, per_kind)}
 
 
 def temperature(positions, config):
@@ -69,7 +70,8 @@ def temperature(positions, config):
     return 1.0 + config.temperature_tuning_scale * jnp.log1p(steps)
 
 
-def layer(x, p, inputs, layer_type: LayerType, config, rt):
+def layer(x, p, inputs, layer_type: LayerType, model, rt):
+    config = model.config
     eps = config.normalization_layer_epsilon
     rope = layer_type.rope is not None
     scales = temperature(inputs.positions, config) if config.temperature_tuning and not rope else None
@@ -79,17 +81,18 @@ def layer(x, p, inputs, layer_type: LayerType, config, rt):
     normed = blocks.rms_norm(x, p["mlp_norm"], eps)
     if layer_type.is_moe:  # the routed experts and the shared one (moe.block adds it)
         h, moe_aux = moe.block(normed, p, inputs.segment_ids, config, rt, router=ROUTER,
-                               num_moe_layers=sum(t.is_moe for t in layer_types(config)))
+                               num_moe_layers=model.num_moe_layers)
         aux = {**aux, **moe_aux}
     else:
         h = blocks.mlp(normed, p, rt, "silu")
     return shard(x + h, ("batch", "length", "embed")), aux
 
 
-def flops_per_token(config, dense_attention: bool = False) -> float:
+def flops_per_token(model, dense_attention: bool = False) -> float:
     """moe.flops_per_token's count (attention, the router and the K routed experts, dense MLPs) plus the
     shared experts of each MoE layer: 3 x 2 x 3 x D x shared_experts x F_e per token and MoE layer."""
-    types = layer_types(config)
+    config = model.config
+    types = model.layer_types
     shared = 3 * config.base_emb_dim * config.shared_experts * moe.expert_dim(config)
     return moe.flops_per_token(config, types, dense_attention) + 3.0 * 2 * shared * sum(t.is_moe for t in types)
 

@@ -16,7 +16,8 @@ from maxtrain.models.params import stacked
 FAMILY = registry.FAMILIES["mistral"]  # its Hugging Face model_type and architecture
 
 
-def param_specs(config):
+def param_specs(model):
+    config = model.config
     layer = standard_layers.decoder_specs(config)
     return {**blocks.embedding_specs(config), "layers": {"decoder": stacked(layer, config.base_num_decoder_layers)}}
 
@@ -25,8 +26,9 @@ def layer_types(config) -> list[LayerType]:
     return attention_types(config, FAMILY.attention_plan(config.base_num_decoder_layers, config.sliding_window_size, []))
 
 
-def flops_per_token(config, dense_attention: bool = False) -> float:
-    return blocks.decoder_flops(config, layer_types(config), dense_attention)
+def flops_per_token(model, dense_attention: bool = False) -> float:
+    config = model.config
+    return blocks.decoder_flops(config, model.layer_types, dense_attention)
 
 
 def from_hf_config(config: dict, notes: list | None = None) -> dict:

@@ -18,7 +18,8 @@ FAMILY = registry.FAMILIES["mixtral"]  # its Hugging Face model_type and archite
 ROUTER = "topk_softmax"
 
 
-def param_specs(config):
+def param_specs(model):
+    config = model.config
     layer_specs = standard_layers.decoder_specs(config, mlp=moe.specs(config))
     return {**blocks.embedding_specs(config), "layers": {"moe": stacked(layer_specs, config.base_num_decoder_layers)}}
 
@@ -28,13 +29,15 @@ def layer_types(config) -> list[LayerType]:
     return attention_types(config, pattern, kind="moe", mlp="moe")
 
 
-def layer(x, p, inputs, layer_type: LayerType, config, rt):
-    return standard_layers.prenorm_layer(x, p, inputs, layer_type, config, rt, router=ROUTER,
+def layer(x, p, inputs, layer_type: LayerType, model, rt):
+    config = model.config
+    return standard_layers.prenorm_layer(x, p, inputs, layer_type, model, rt, router=ROUTER,
                                          num_moe_layers=config.base_num_decoder_layers)
 
 
-def flops_per_token(config, dense_attention: bool = False) -> float:
-    return moe.flops_per_token(config, layer_types(config), dense_attention)
+def flops_per_token(model, dense_attention: bool = False) -> float:
+    config = model.config
+    return moe.flops_per_token(config, model.layer_types, dense_attention)
 
 
 # --------------------------------------------------------------------------------------------

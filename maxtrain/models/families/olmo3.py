@@ -24,7 +24,8 @@ _pattern = FAMILY.pattern
 DEFAULT_THETA = 500_000.0  # transformers' Olmo3Config.default_theta
 
 
-def param_specs(config):  # the attention block normalizes q and k over all heads: q_norm [N, H], k_norm [G, H]
+def param_specs(model):  # the attention block normalizes q and k over all heads: q_norm [N, H], k_norm [G, H]
+    config = model.config
     return {**blocks.embedding_specs(config),
             "layers": {"decoder": stacked(standard_layers.postnorm_specs(config), config.base_num_decoder_layers)}}
 
@@ -33,8 +34,9 @@ def layer_types(config) -> list[LayerType]:
     return attention_types(config, _pattern(config.base_num_decoder_layers))
 
 
-def flops_per_token(config, dense_attention: bool = False) -> float:
-    return blocks.decoder_flops(config, layer_types(config), dense_attention)
+def flops_per_token(model, dense_attention: bool = False) -> float:
+    config = model.config
+    return blocks.decoder_flops(config, model.layer_types, dense_attention)
 
 
 def from_hf_config(config: dict, notes: list | None = None) -> dict:

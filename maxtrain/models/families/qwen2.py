@@ -16,7 +16,8 @@ from maxtrain.models.params import stacked
 FAMILY = registry.FAMILIES["qwen2"]  # its Hugging Face model_type and architecture
 
 
-def param_specs(config):
+def param_specs(model):
+    config = model.config
     layer_specs = standard_layers.decoder_specs(config, qkv_bias=True)  # the attention block adds the biases
     return {**blocks.embedding_specs(config),
             "layers": {"decoder": stacked(layer_specs, config.base_num_decoder_layers)}}
@@ -26,8 +27,9 @@ def layer_types(config) -> list[LayerType]:
     return attention_types(config, ["full"] * config.base_num_decoder_layers)
 
 
-def flops_per_token(config, dense_attention: bool = False) -> float:
-    return blocks.decoder_flops(config, layer_types(config), dense_attention)
+def flops_per_token(model, dense_attention: bool = False) -> float:
+    config = model.config
+    return blocks.decoder_flops(config, model.layer_types, dense_attention)
 
 
 HF_NAMES = {**hf.DECODER_NAMES, **hf.QKV_BIAS_NAMES}

@@ -15,7 +15,8 @@ from maxtrain.models.params import stacked
 FAMILY = registry.FAMILIES["qwen3"]  # its Hugging Face model_type and architecture
 
 
-def param_specs(config):
+def param_specs(model):
+    config = model.config
     layer_specs = standard_layers.decoder_specs(config, qk_norm="ones")  # the attention block applies qk-norm
     return {**blocks.embedding_specs(config),
             "layers": {"decoder": stacked(layer_specs, config.base_num_decoder_layers)}}
@@ -25,8 +26,9 @@ def layer_types(config) -> list[LayerType]:
     return attention_types(config, ["full"] * config.base_num_decoder_layers)
 
 
-def flops_per_token(config, dense_attention: bool = False) -> float:
-    return blocks.decoder_flops(config, layer_types(config), dense_attention)
+def flops_per_token(model, dense_attention: bool = False) -> float:
+    config = model.config
+    return blocks.decoder_flops(config, model.layer_types, dense_attention)
 
 
 HF_NAMES = {**hf.DECODER_NAMES, **hf.QK_NORM_NAMES}

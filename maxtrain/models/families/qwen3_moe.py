@@ -35,19 +35,21 @@ def layer_types(config) -> list[LayerType]:
             dataclasses.replace(t, kind="dense") for i, t in enumerate(attention_types(config, pattern))]
 
 
-def param_specs(config):
+def param_specs(model):
+    config = model.config
     per_kind = {"moe": standard_layers.decoder_specs(config, mlp=moe.specs(config), qk_norm="ones"),
                 "dense": standard_layers.decoder_specs(config, qk_norm="ones")}
-    return {**blocks.embedding_specs(config), "layers": standard_layers.stacks(config, layer_types(config), per_kind)}
+    return {**blocks.embedding_specs(config), "layers": standard_layers.stacks(config, model.layer_types, per_kind)}
 
 
-def layer(x, p, inputs, layer_type: LayerType, config, rt):
-    return standard_layers.prenorm_layer(x, p, inputs, layer_type, config, rt, router=ROUTER,
-                                         num_moe_layers=sum(t.is_moe for t in layer_types(config)))
+def layer(x, p, inputs, layer_type: LayerType, model, rt):
+    return standard_layers.prenorm_layer(x, p, inputs, layer_type, model, rt, router=ROUTER,
+                                         num_moe_layers=model.num_moe_layers)
 
 
-def flops_per_token(config, dense_attention: bool = False) -> float:
-    return moe.flops_per_token(config, layer_types(config), dense_attention)
+def flops_per_token(model, dense_attention: bool = False) -> float:
+    config = model.config
+    return moe.flops_per_token(config, model.layer_types, dense_attention)
 
 
 # --------------------------------------------------------------------------------------------

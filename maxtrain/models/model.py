@@ -1,0 +1,114 @@
+"""The model, bound once: a family's contract, the config it runs with and its layers' kinds.
+
+    model = Model.bind(config)                 # the one place the family and the layer kinds are resolved
+    params = model.init_params(key)
+    logits, aux = model.forward(params, tokens, positions, segment_ids, rt)
+    loss_sum, weight_sum, aux = model.loss_fn(params, batch, rt)
+
+`Model.bind` looks `config.decoder_block` up in the families (models/families/) and asks the family for
+its `layer_types` one time; everything below it (the decoder, decoding's cache, FLOPs, the MoE router's
+update, pipeline stages, Hugging Face conversion, the summaries) reads `model.family` and
+`model.layer_types` and never resolves either from the config again (tests/test_house.py fails when a
+function does). The builder binds the run's model (training/builder.py) and passes it on; a tool binds
+the model of the checkpoint it loads.
+
+The config stays reachable as `model.config`: the blocks read their hyperparameters (eps, heads, RoPE)
+from it. A Model is frozen; its derived figures (declarations, counts) are computed on first use and kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+from maxtrain.models import decoder, moe, moe_deepseek
+from maxtrain.models import params as params_lib
+from maxtrain.models.contract import FamilyModel
+from maxtrain.models.families import FAMILIES
+from maxtrain.models.layers import LayerType
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Model:
+    """A family bound to a config: what the decoder, decoding, conversion, FLOPs and the summaries call."""
+
+    family: FamilyModel
+    config: Any
+    layer_types: tuple[LayerType, ...]
+
+    @classmethod
+    def bind(cls, config) -> "Model":
+        """The model `config.decoder_block` names, with its layers' kinds resolved from `config`."""
+        try:
+            family = FAMILIES[config.decoder_block]
+        except KeyError:
+            raise ValueError(f"decoder_block={config.decoder_block!r} is not a model family; "
+                             f"use one of {', '.join(FAMILIES)}") from None
+        return cls(family, config, tuple(family.layer_types(config)))
+
+    def __eq__(self, other) -> bool:  # the same family and the same config object: the same model
+        return isinstance(other, Model) and self.family is other.family and self.config is other.config
+
+    def __hash__(self) -> int:  # a static argument of jit: equal models share their compiled programs
+        return hash((self.family.name, id(self.config)))
+
+    @property
+    def name(self) -> str:
+        return self.family.name
+
+    @functools.cached_property
+    def param_specs(self) -> params_lib.Params:
+        """The declaration of every parameter, as a nested dict of ParamSpec."""
+        return self.family.param_specs(self)
+
+    @functools.cached_property
+    def num_params(self) -> int:
+        return params_lib.count(self.param_specs)
+
+    @functools.cached_property
+    def num_active_params(self) -> int:
+        """Parameters one token uses: all of a dense model; of a mixture of experts, K of its E experts."""
+        return moe.active_params(self.param_specs, self.config)
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether some layer of the model is a mixture of experts."""
+        return any(t.is_moe for t in self.layer_types)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(t.is_moe for t in self.layer_types)
+
+    def init_params(self, key) -> params_lib.Params:
+        return params_lib.init_params(self.param_specs, key, self.config.weight_dtype)
+
+    def forward(self, params, tokens, positions, segment_ids, rt):
+        """(logits [B, T, V] float32, aux dict of scalars) for tokens [B, T]."""
+        return decoder.forward(self, params, tokens, positions, segment_ids, rt)
+
+    def hidden(self, params, tokens, positions, segment_ids, rt):
+        """(final hidden states [B, T, D], aux) before the logits."""
+        return decoder.hidden(self, params, tokens, positions, segment_ids, rt)
+
+    def loss_fn(self, params, batch: dict, rt):
+        """(cross-entropy sum, weight sum, aux) for a batch of inputs/targets/positions/segment_ids/loss_weights."""
+        return decoder.loss_fn(self, params, batch, rt)
+
+    def init_cache(self, batch_size: int, max_length: int, dtype) -> dict:
+        return decoder.init_cache(self, batch_size, max_length, dtype)
+
+    def forward_with_cache(self, params, tokens, positions, cache: dict, index, rt, first=None):
+        return decoder.forward_with_cache(self, params, tokens, positions, cache, index, rt, first)
+
+    def flops_per_token(self, dense_attention: bool = False) -> float:
+        """Training FLOPs per token from the family's formula (causal attention counted once, sliding
+        windows counting only the keys attended; dense_attention=True counts every key, as a dense
+        implementation computes them)."""
+        return self.family.flops_per_token(self, dense_attention)
+
+    def update_outside_gradient(self, params, old_params, step_stats: dict):
+        """The state a train step changes outside the gradient, after the optimizer's update (the MoE
+        router's selection bias, models/moe_deepseek.py), from the step's statistics (aux entries named
+        decoder.STEP_STATS)."""
+        return moe_deepseek.update_router_bias(params, old_params, step_stats, self.config, self.layer_types)
