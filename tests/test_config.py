@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from conftest import BASE_YML, REPO
+from conftest import BASE_YML, REPO, TINY
 from maxtrain import config as config_lib
 from maxtrain.models.model import Model
 from maxtrain.config import ConfigError, features, limits, load_config, registry, with_devices
@@ -325,3 +325,16 @@ def test_every_path_key_says_what_its_empty_value_means():
     named_like_paths = {k for k, s in config_lib.table().items() if isinstance(s.default, str)
                         and k.endswith(("_path", "_dir", "_directory", "_file", "_files"))}
     assert named_like_paths <= set(limits.PATH_KEYS) <= set(config_lib.table())
+
+
+def test_the_config_after_the_devices_is_a_type_of_its_own():
+    """load_config gives the settings (Config); with_devices the second phase (DeviceConfig), which alone has
+    the values that follow from the devices, and says where they come from when asked too early."""
+    config = config_lib.load_config([BASE_YML, *TINY])
+    assert type(config) is config_lib.Config
+    with pytest.raises(AttributeError, match="known only once the devices are: a DeviceConfig"):
+        _ = config.global_batch_size
+    placed = config_lib.with_devices(config, num_devices=4)
+    assert isinstance(placed, config_lib.DeviceConfig)
+    assert placed.global_batch_size == 4 * config.per_device_batch_size * config.gradient_accumulation_steps
+    assert isinstance(placed.replace(steps=3), config_lib.DeviceConfig)  # a changed copy keeps its phase

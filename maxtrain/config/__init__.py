@@ -17,7 +17,7 @@ Owns every fact about what a setting may be. May import only `maxtrain.errors` (
 everything else in maxtrain reads its settings from here, before JAX starts.
 """
 
-from maxtrain.config.loading import (Config, load_config, parse_overrides, revalidate, with_devices,  # noqa: F401
+from maxtrain.config.loading import (Config, DeviceConfig, load_config, parse_overrides, revalidate, with_devices,  # noqa: F401
                                      with_overrides)
 from maxtrain.config import objectives  # noqa: F401
 from maxtrain.config.registry import EVAL_TASKS, MOE_FAMILIES  # noqa: F401

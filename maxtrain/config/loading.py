@@ -48,17 +48,21 @@ class Config:
         try:
             return self._values[name]
         except KeyError:
+            if name in DEVICE_KEYS:
+                raise AttributeError(f"config.{name} is known only once the devices are: a DeviceConfig "
+                                     "(config_lib.with_devices, which training/builder.build calls)") from None
             raise AttributeError(_unknown_key_message(name, self._values)) from None
 
     def __setattr__(self, name, value):
         raise AttributeError(f"Config is frozen; use config.replace({name}=...) for a changed copy")
 
     def replace(self, **changes) -> "Config":
-        """A copy with `changes` applied (keys must exist). Derived values are not recomputed."""
+        """A copy with `changes` applied (keys must exist), of the same phase (Config or DeviceConfig). Derived
+        values are not recomputed."""
         for key in changes:
             if key not in self._values:
                 raise ConfigError(_unknown_key_message(key, self._values))
-        return Config({**self._values, **changes})
+        return type(self)({**self._values, **changes})
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self._values)
@@ -67,7 +71,17 @@ class Config:
         return key in self._values
 
     def __repr__(self):
-        return "Config(" + ", ".join(f"{k}={v!r}" for k, v in self._values.items()) + ")"
+        return f"{type(self).__name__}(" + ", ".join(f"{k}={v!r}" for k, v in self._values.items()) + ")"
+
+
+# The values a config has only once the devices are known (with_devices).
+DEVICE_KEYS = ("num_devices", "num_processes", "micro_batch_size", "global_batch_size", "tokens_per_step")
+
+
+class DeviceConfig(Config):
+    """The second phase of a config: the settings plus what follows from the devices a run has (DEVICE_KEYS:
+    device and process counts, the micro and global batch, tokens per step). `with_devices` makes one; code
+    that needs the global batch takes a DeviceConfig, and a plain Config says where the values come from."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -330,16 +344,16 @@ def revalidate(config: Config) -> Config:
     """Checks a config again after values were replaced (e.g. a checkpoint's model settings adopted)."""
     values = config.to_dict()
     checks.validate(values)
-    return Config(values)
+    return type(config)(values)
 
 
-def with_devices(config: Config, num_devices: int, num_processes: int = 1) -> Config:
-    """Adds the values that depend on the devices: global batch and tokens per step."""
+def with_devices(config: Config, num_devices: int, num_processes: int = 1) -> DeviceConfig:
+    """The config's second phase: the values that depend on the devices added (global batch, tokens per step)."""
     if num_processes > 1 and config.run_name_was_generated:
         raise ConfigError("multi-process runs need an explicit run_name=... so that every process writes "
                           "to, and resumes from, the same run directory")
     micro_batch = config.per_device_batch_size * num_devices
     global_batch = micro_batch * config.gradient_accumulation_steps
-    return Config({**config.to_dict(), "num_devices": num_devices, "num_processes": num_processes,
+    return DeviceConfig({**config.to_dict(), "num_devices": num_devices, "num_processes": num_processes,
                    "micro_batch_size": micro_batch, "global_batch_size": global_batch,
                    "tokens_per_step": global_batch * config.max_target_length})

@@ -47,7 +47,7 @@ def adopt_teacher(config, log=print):
             f"{config.vocab_size}; distillation compares their next-token distributions token by token, so both "
             "need the same tokenizer: use a teacher trained with the student's tokenizer (or the teacher's "
             f"tokenizer and vocab_size={teacher['vocab_size']} for the student)")
-    config = config_lib.Config({**config.to_dict(), KEY: teacher})
+    config = type(config)({**config.to_dict(), KEY: teacher})
     t = teacher_config(config)
     log(f"distillation teacher: {step_dir} ({t.decoder_block}, {Model.bind(t).num_params / 1e6:,.2f}M params, "
         f"{t.base_num_decoder_layers} layers, D {t.base_emb_dim})  alpha {config.distill_alpha:g}  "
