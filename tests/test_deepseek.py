@@ -240,7 +240,7 @@ def test_every_mla_weight_matrix_is_split_by_fsdp():
     """Under the default rules each MLA projection has an axis FSDP splits; the latent up-projections
     wq_b and wkv_b once had none and stayed whole on every device (35 GiB per chip of DeepSeek-V3's
     parameters and AdamW state on v5p-256, EP 64 x FSDP 2)."""
-    from maxtrain.models import mla  # pylint: disable=import-outside-toplevel
+    from maxtrain.models.families.deepseek import mla  # pylint: disable=import-outside-toplevel
     from maxtrain.parallel import sharding  # pylint: disable=import-outside-toplevel
 
     config = tiny("q_lora_rank=16")

@@ -348,15 +348,47 @@ def _imported_modules(path: str) -> set[str]:
     return out
 
 
-def test_no_family_module_imports_another_family():
-    """What families share lives in models/ (standard_layers, blocks, moe, mla, hf), never in a family."""
+FAMILIES_DIR = os.path.join(REPO, "maxtrain", "models", "families")
+
+
+def family_imports(name: str) -> set[str]:
+    """The modules a family's folder (models/families/<name>/) imports, its own modules left out."""
+    own = f"maxtrain.models.families.{name}"
+    return {m for path in python_files(os.path.join("maxtrain", "models", "families", name))
+            for m in _imported_modules(path) if m != own and not m.startswith(own + ".")}
+
+
+def test_a_family_is_one_folder_that_imports_no_other_family():
+    """Each family is one folder, models/families/<name>/ (its module and what only it uses); what families
+    share lives in models/ (standard_layers, blocks, moe, hf, ...), never in another family's folder."""
     from maxtrain.config import registry  # pylint: disable=import-outside-toplevel
 
-    root = os.path.join(REPO, "maxtrain", "models", "families")
+    assert sorted(d for d in os.listdir(FAMILIES_DIR) if os.path.isdir(os.path.join(FAMILIES_DIR, d))
+                  and d != "__pycache__") == sorted(registry.FAMILIES)
+    assert sorted(f for f in os.listdir(FAMILIES_DIR) if f.endswith(".py")) == ["__init__.py"]
     for name in registry.FAMILIES:
-        imported = _imported_modules(os.path.join(root, f"{name}.py"))
-        others = sorted(m for m in imported if m.startswith("maxtrain.models.families"))
-        assert not others, f"models/families/{name}.py imports {others}: move what it shares into models/"
+        others = sorted(m for m in family_imports(name) if m.startswith("maxtrain.models.families"))
+        assert not others, f"models/families/{name}/ imports {others}: move what it shares into models/"
+
+
+def test_a_shared_module_used_by_one_family_lives_in_that_family():
+    """A module of models/ that exactly one family imports, and nothing else in maxtrain does, is that family's
+    own: it moves into models/families/<name>/ (so that a family touches its folder and nothing else)."""
+    from maxtrain.config import registry  # pylint: disable=import-outside-toplevel
+
+    users: dict[str, set[str]] = {}
+    for name in registry.FAMILIES:
+        for m in family_imports(name):
+            users.setdefault(m, set()).add(name)
+    outside = set()
+    for path in python_files("maxtrain"):
+        if not os.path.relpath(path, FAMILIES_DIR).startswith(".."):
+            continue
+        outside |= {m for m in _imported_modules(path) if m != module_name(path)}
+    single = sorted(f"{m} (only {sorted(names)[0]})" for m, names in users.items()
+                    if len(names) == 1 and m.startswith("maxtrain.models.") and m not in outside
+                    and os.path.exists(os.path.join(REPO, *m.split(".")) + ".py"))
+    assert not single, f"shared modules used by one family alone: {single}; move each into its family's folder"
 
 
 def test_no_family_is_named_in_the_shared_checks():

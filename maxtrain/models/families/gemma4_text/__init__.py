@@ -1,13 +1,13 @@
 """Gemma 4 text models (transformers' Gemma4ForCausalLM, model_type gemma4_text): Gemma 3's pattern of
 five sliding-window layers per full-attention one, with
 
-    q, k, v RMS-normed per head (v without a scale) and unscaled scores   (models/normed_attention.py)
+    q, k, v RMS-normed per head (v without a scale) and unscaled scores   (models/families/gemma4_text/normed_attention.py)
     full-attention layers of their own head dim (global_head_dim) and kv heads (global_num_kv_heads):
         a parameter stack of their own, kind "full" beside "sliding"
     their RoPE "proportional": the first rope_proportion (0.25) of the frequency pairs rotate, at the
         whole head's frequencies, theta 1M; the sliding layers' the default RoPE at theta 10k
     attention_k_eq_v: the full-attention layers' values are their key projection (no W_v)
-    per-layer input embeddings (per_layer_input_dim > 0, models/per_layer_embed.py)
+    per-layer input embeddings (per_layer_input_dim > 0, models/families/gemma4_text/per_layer_embed.py)
     norms in the plain scale form (not Gemma 2/3's 1 + scale); each layer's output times a fixed
     layer_scalar (a buffer in transformers: a parameter here that no gradient reaches)
 
@@ -16,11 +16,11 @@ five sliding-window layers per full-attention one, with
         handed on through the decoder's layer state; with double_wide_mlp their MLP is twice as wide
 
     the MoE block (num_experts > 1; enable_moe_block): every layer runs experts beside its dense MLP
-        (models/moe_parallel.py)
+        (models/families/gemma4_text/moe_parallel.py)
 
 Not implemented, refused at import naming the field: attention biases, bidirectional attention, a
 per-layer vocabulary other than the main one. Decoding keeps one cache head shape, the largest
-(models/normed_attention.py).
+(models/families/gemma4_text/normed_attention.py).
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.config import registry
-from maxtrain.models import blocks, contract, hf, moe, moe_parallel, normed_attention, per_layer_embed, standard_layers
+from maxtrain.models import blocks, contract, hf, moe, standard_layers
+from maxtrain.models.families.gemma4_text import moe_parallel, normed_attention, per_layer_embed
 from maxtrain.models.layers import LayerType, attention_types
 from maxtrain.models.params import ParamSpec, dense
 from maxtrain.parallel.sharding import shard

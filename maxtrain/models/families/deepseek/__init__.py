@@ -1,7 +1,7 @@
 """DeepSeek-V3 (DeepSeek-AI 2024; R1 shares its architecture): multi-head latent attention, and a mixture of
 experts with shared experts, a sigmoid group-limited router and aux-loss-free balancing.
 
-    x = x + mla(rmsnorm(x))          low-rank queries and keys/values, one RoPE key for all heads (models/mla.py)
+    x = x + mla(rmsnorm(x))          low-rank queries and keys/values, one RoPE key for all heads (models/families/deepseek/mla.py)
     x = x + moe(rmsnorm(x))          layers i >= first_num_dense_layers:
                                      s = sigmoid(router logits); experts chosen by s + bias among the
                                      topk_routing_group best of n_routing_groups groups; weights s of the
@@ -21,7 +21,8 @@ checkpoint (read by an import with keep_mtp, never written by an export: transfo
 from __future__ import annotations
 
 from maxtrain.config import registry
-from maxtrain.models import blocks, contract, hf, mla, moe, mtp, standard_layers
+from maxtrain.models import blocks, contract, hf, moe, mtp, standard_layers
+from maxtrain.models.families.deepseek import mla
 from maxtrain.models.layers import LayerType
 from maxtrain.parallel.sharding import shard
 
