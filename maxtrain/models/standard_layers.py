@@ -93,20 +93,3 @@ def sandwich_layer(x, p, inputs, layer_type: LayerType, model, rt):
     h = blocks.mlp(blocks.rms_norm(x, p["mlp_norm"], eps, plus_one=True), p, rt, "gelu_tanh")
     x = x + blocks.rms_norm(h, p["post_mlp_norm"], eps, plus_one=True)
     return shard(x, ("batch", "length", "embed")), aux
-
-
-def postnorm_specs(config, qk_norm_over_heads: bool = True) -> dict:
-    """OLMo's layer: a norm after attention and one after the MLP (none before), qk-norm over all heads'
-    features by default (OLMo 2 and 3)."""
-    return {**blocks.attention_specs(config, qk_norm="ones", qk_norm_over_heads=qk_norm_over_heads),
-            "post_attn_norm": blocks.norm_spec(config), **blocks.mlp_specs(config),
-            "post_mlp_norm": blocks.norm_spec(config)}
-
-
-def postnorm_layer(x, p, inputs, layer_type: LayerType, model, rt):
-    config = model.config
-    eps = config.normalization_layer_epsilon
-    h, aux = blocks.attention(x, p, inputs, config, rt, layer_type)
-    x = shard(x + blocks.rms_norm(h, p["post_attn_norm"], eps), ("batch", "length", "embed"))
-    x = x + blocks.rms_norm(blocks.mlp(x, p, rt, "silu"), p["post_mlp_norm"], eps)
-    return shard(x, ("batch", "length", "embed")), aux

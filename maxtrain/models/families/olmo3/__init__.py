@@ -1,6 +1,6 @@
 """OLMo 3 (Olmo Team 2025): OLMo 2's post-normed layers with sliding-window attention in three layers of four.
 
-    x = x + rmsnorm(attention(x)); x = x + rmsnorm(mlp(x))     no norm before a sublayer (standard_layers)
+    x = x + rmsnorm(attention(x)); x = x + rmsnorm(mlp(x))     no norm before a sublayer (`layer` below)
     q, k = rmsnorm_{N*H}(x W_q), rmsnorm_{G*H}(x W_k)          qk-norm over ALL heads' features together
                                                                (one scale of N*H / G*H), before RoPE
     layer i is full attention if (i + 1) % 4 == 0, else a sliding window (4,096 in the released models)
@@ -18,16 +18,34 @@ from maxtrain.config import registry
 from maxtrain.models import blocks, contract, hf, standard_layers
 from maxtrain.models.layers import LayerType, attention_types
 from maxtrain.models.params import stacked
+from maxtrain.parallel.sharding import shard
 
 FAMILY = registry.FAMILIES["olmo3"]  # its Hugging Face model_type and architecture
 _pattern = FAMILY.pattern
 DEFAULT_THETA = 500_000.0  # transformers' Olmo3Config.default_theta
 
 
+def layer_specs(config, qk_norm_over_heads: bool = True) -> dict:
+    """OLMo's layer: a norm after attention and one after the MLP (none before), qk-norm over all heads'
+    features by default (OLMo 2 and 3)."""
+    return {**blocks.attention_specs(config, qk_norm="ones", qk_norm_over_heads=qk_norm_over_heads),
+            "post_attn_norm": blocks.norm_spec(config), **blocks.mlp_specs(config),
+            "post_mlp_norm": blocks.norm_spec(config)}
+
+
+def layer(x, p, inputs, layer_type: LayerType, model, rt):
+    config = model.config
+    eps = config.normalization_layer_epsilon
+    h, aux = blocks.attention(x, p, inputs, config, rt, layer_type)
+    x = shard(x + blocks.rms_norm(h, p["post_attn_norm"], eps), ("batch", "length", "embed"))
+    x = x + blocks.rms_norm(blocks.mlp(x, p, rt, "silu"), p["post_mlp_norm"], eps)
+    return shard(x, ("batch", "length", "embed")), aux
+
+
 def param_specs(model):  # the attention block normalizes q and k over all heads: q_norm [N, H], k_norm [G, H]
     config = model.config
     return {**blocks.embedding_specs(config),
-            "layers": {"decoder": stacked(standard_layers.postnorm_specs(config), config.base_num_decoder_layers)}}
+            "layers": {"decoder": stacked(layer_specs(config), config.base_num_decoder_layers)}}
 
 
 def layer_types(config) -> list[LayerType]:
@@ -93,5 +111,5 @@ def to_hf_config(keys: dict) -> dict:
 
 MODEL = contract.FamilyModel(
     row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=standard_layers.embed,
-    layer=standard_layers.postnorm_layer, logits=standard_layers.logits, flops_per_token=flops_per_token,
+    layer=layer, logits=standard_layers.logits, flops_per_token=flops_per_token,
     hf_names=hf.POSTNORM_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config)
