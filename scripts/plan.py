@@ -30,10 +30,11 @@ import time
 import jax
 
 from maxtrain import config as config_lib
-from maxtrain import storage, train_compile
-from maxtrain.compile import targets
+import maxtrain
+from maxtrain import storage
+from maxtrain.compile import libtpu, predict, report, targets
 from maxtrain.errors import ConfigError, ToolError, run_cli
-from maxtrain.training import builder
+from maxtrain.training import ahead_of_time, builder
 
 GIB = 2**30
 
@@ -73,22 +74,22 @@ def compile_cell(argv: list[str], cell: dict, target: targets.Target, cache: str
             kept = json.load(f)
         if "inputs" in kept:
             with open(path + ".hlo") as f:
-                kept["prediction"] = train_compile.predict_from_hlo(f.read(), kept.pop("inputs"))
+                kept["prediction"] = predict.from_hlo(f.read(), kept.pop("inputs"))
         return {**kept, "cached": True}
     try:
         config = builder.load_config(config_lib.with_overrides(argv, *overrides), log=lambda *a: None)
-        run, _, compiled, seconds = train_compile.compile_for_target(config, target)
+        run, _, compiled, seconds = ahead_of_time.compile_for_target(config, target)
     except ConfigError as e:
         return {**row, "error": str(e).splitlines()[0]}
     except jax.errors.JaxRuntimeError as e:
-        refused = train_compile.out_of_memory(e)
+        refused = libtpu.out_of_memory(e)
         if refused is None:
             return {**row, "error": str(e).splitlines()[0][:200]}
         return keep(path, {**row, "fits": False, "memory_gib": refused[0], "chip_gib": refused[1]})
-    rep = train_compile.report(run, compiled, target, seconds)
-    inputs, hlo = train_compile.prediction_inputs(run, target), compiled.as_text()
+    rep = report.report(run, compiled, target, seconds)
+    inputs, hlo = predict.step_inputs(run, target), compiled.as_text()
     jax.clear_caches()
-    return keep(path, {**row, "fits": train_compile.fits(rep), "memory_gib": rep["memory"]["total"] / GIB,
+    return keep(path, {**row, "fits": report.fits(rep), "memory_gib": rep["memory"]["total"] / GIB,
                        "chip_gib": (rep["memory"]["chip"] or 0) / GIB, "prediction": rep["prediction"],
                        "compile_seconds": seconds}, inputs, hlo)
 
@@ -100,7 +101,7 @@ PREDICTION_FILES = ("compile/predict.py", "compile/hlo_kernels.py", "compile/hlo
 
 def cell_key(argv: list[str], overrides: list[str], target: targets.Target) -> str:
     """The cache's name for a cell: its settings, the target, the compiler, and maxtrain's code but the prediction's."""
-    root = os.path.dirname(os.path.abspath(train_compile.__file__))
+    root = os.path.dirname(os.path.abspath(maxtrain.__file__))
     code = hashlib.sha256()
     for folder, _, files in sorted(os.walk(root)):
         for name in sorted(f for f in files if f.endswith(".py")):
@@ -108,7 +109,7 @@ def cell_key(argv: list[str], overrides: list[str], target: targets.Target) -> s
             if os.path.relpath(path, root) not in PREDICTION_FILES:
                 with open(path, "rb") as f:
                     code.update(f.read())
-    compiler = [jax.__version__, train_compile.libtpu_version() if target.platform == "tpu" else None]
+    compiler = [jax.__version__, libtpu.version() if target.platform == "tpu" else None]
     key = [argv, overrides, target.describe(), compiler, code.hexdigest()]
     return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:20]
 

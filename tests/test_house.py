@@ -29,7 +29,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "maxtrain")
 COMMANDS = ("train", "train_compile", "decode", "evaluate", "check_logits", "viz", "inspect_data", "checkpoint")
 SUBPACKAGES = ("config", "parallel", "models", "kernels", "data", "training", "checkpointing", "compile",
-               "observability", "evals")
+               "observability", "evals", "gpu_check")
 
 
 def python_files(*roots: str):

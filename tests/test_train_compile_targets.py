@@ -14,9 +14,9 @@ import sys
 import jax
 import pytest
 
-from maxtrain.training import builder
-from maxtrain.compile import hlo_stats, predict, targets as topologies
-from maxtrain import models, train_compile
+from maxtrain.training import ahead_of_time, builder
+from maxtrain.compile import hlo_stats, libtpu, predict, report, targets
+from maxtrain import models
 from maxtrain.config import with_overrides
 
 from conftest import BASE_YML, REPO
@@ -25,7 +25,7 @@ REQUIRED = os.environ.get("MAXTRAIN_REQUIRE_COMPILERS") == "1"
 
 
 def need(platform: str):
-    missing = topologies.compiler_missing(platform)
+    missing = targets.compiler_missing(platform)
     if missing:
         if REQUIRED:
             pytest.fail(f"MAXTRAIN_REQUIRE_COMPILERS=1 but the {platform} compiler is missing: {missing}")
@@ -39,9 +39,9 @@ SMALL = ["dataset_type=synthetic", "base_emb_dim=256", "base_num_query_heads=8",
 
 def compile_report(*overrides):
     config = builder.load_config([BASE_YML, *overrides])
-    target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
-    run, _, compiled, seconds = train_compile.compile_for_target(config, target)
-    return run, compiled, train_compile.report(run, compiled, target, seconds)
+    target = targets.parse(config.compile_topology, config.compile_topology_num_slices)
+    run, _, compiled, seconds = ahead_of_time.compile_for_target(config, target)
+    return run, compiled, report.report(run, compiled, target, seconds)
 
 
 def test_step_compiles_for_a_tpu_pod_with_autoselected_attention():
@@ -54,8 +54,8 @@ def test_step_compiles_for_a_tpu_pod_with_autoselected_attention():
     assert rep["libtpu"] and 0 < rep["memory"]["peak"]
     # Python 3.11's libtpu (0.0.42.1) counts VMEM and more as temporaries: the printed total says it errs high;
     # Python 3.12's (0.0.52) counts the heap, and no note is printed.
-    note = "so this total errs high" in train_compile.format_report(rep)
-    assert note == train_compile.overcounting_libtpu(rep["libtpu"])
+    note = "so this total errs high" in report.format_report(rep)
+    assert note == libtpu.overcounts(rep["libtpu"])
 
 
 def test_embedding_gradient_stays_sharded_with_data_parallelism_over_slices():
@@ -199,10 +199,10 @@ def test_autoselected_vocab_tiling_makes_that_step_fit(tmp_path):
     config = builder.load_config(with_overrides([BASE_YML, *SMALL], "compile_topology=v5e-4", "per_device_batch_size=64",
                                                 "max_target_length=2048", "vocab_size=32768", "remat_policy=minimal",
                                                 "ici_data_parallelism=2", "ici_fsdp_parallelism=2"))
-    target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
-    run, _, compiled, seconds = train_compile.compile_for_target(config, target)
-    rep = train_compile.report(run, compiled, target, seconds)
-    assert run.rt.vocab_tiles == 32 and train_compile.fits(rep), rep["memory"]
+    target = targets.parse(config.compile_topology, config.compile_topology_num_slices)
+    run, _, compiled, seconds = ahead_of_time.compile_for_target(config, target)
+    rep = report.report(run, compiled, target, seconds)
+    assert run.rt.vocab_tiles == 32 and report.fits(rep), rep["memory"]
 
 
 # DeepSeek-V3's shape, small: MLA with low-rank queries, 1 MoE layer of 8 experts (2 per token,
@@ -238,9 +238,9 @@ def test_h100_target_gets_remat_chosen_by_memory_and_the_grouped_gemm_for_drople
     config = builder.load_config(with_overrides(
         [BASE_YML, *SMALL], "remat_policy=autoselected", "decoder_block=mixtral", "num_experts=4",
         "num_experts_per_tok=2", "base_moe_mlp_dim=128", "compile_topology=h100-1"))
-    target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
-    run, _, compiled, _ = train_compile.compile_for_target(config, target)
-    experts, remat = train_compile.format_choices(train_compile.choice_report(run))
+    target = targets.parse(config.compile_topology, config.compile_topology_num_slices)
+    run, _, compiled, _ = ahead_of_time.compile_for_target(config, target)
+    experts, remat = report.format_choices(ahead_of_time.choice_report(run))
     assert run.rt.grouped_matmul == "pallas" and "grouped matmul pallas (Triton grouped GEMM" in experts
     assert "grouped_matmul_weight_grad" in compiled.as_text()
     assert (run.rt.remat_policy, run.rt.scan_layers(run.config)) == ("none", False)
@@ -297,7 +297,7 @@ def test_the_prediction_reads_an_h100_step_and_its_fsdp_collectives():
     model = rep["model_tflops_per_chip"] * 1e12
     assert 0.9 * model < p["hlo_flops_per_chip"] < 1.6 * model
     assert p["step_seconds"] == pytest.approx(p["compute_seconds"] + p["parts"]["collectives_exposed"])
-    assert "predicted step time" in train_compile.format_report(rep)
+    assert "predicted step time" in report.format_report(rep)
 
 
 def test_plan_sorts_the_cells_that_fit_and_names_the_best_command(capsys, tmp_path, monkeypatch):
