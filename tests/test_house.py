@@ -306,19 +306,19 @@ SCRIPTS = sorted(os.path.relpath(p, REPO) for p in python_files("scripts", "end_
 def test_every_command_answers_help(tmp_path):
     """`python CMD --help` for every command: exit 0 and a usage text, and the maxtrain commands name base.yml and
     the settings they read (run from another directory, so the packaged configs are found). All in one child
-    process (tests/help_child.py: one start-up of Python and JAX instead of one per command)."""
-    commands = [["-m", f"maxtrain.{c}"] for c in COMMANDS] + [[s] for s in SCRIPTS]
+    process (tests/command_child.py: one start-up of Python and JAX instead of one per command)."""
+    commands = [["-m", f"maxtrain.{c}", "--help"] for c in COMMANDS] + [[s, "--help"] for s in SCRIPTS]
     # MAXTRAIN_HUGEPAGES=0: an entry point that re-executes itself for huge pages would re-run the child
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "MAXTRAIN_HOST_HUGEPAGES": "0"}
-    done = subprocess.run([sys.executable, os.path.join(REPO, "tests", "help_child.py"), str(tmp_path)],
-                          input=json.dumps(commands), env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tests", "command_child.py"), str(tmp_path)],
+                          input=json.dumps([{"argv": c} for c in commands]), env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     answers = json.loads(done.stdout.splitlines()[-1])
     assert [a["argv"] for a in answers] == commands
     failures = []
     for a in answers:
-        name, text = a["argv"][-1], a["stdout"]
+        name, text = a["argv"][-2], a["stdout"]
         if a["returncode"] != 0:
             failures.append(f"{name}: exit {a['returncode']}: {a['stderr'][-1500:]}")
         elif not ("usage" in text.lower() or "python" in text):
