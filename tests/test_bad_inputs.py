@@ -22,11 +22,11 @@ from maxtrain.errors import run_cli
 
 
 def _in_process():
-    from maxtrain import checkpoint, decode, inspect_data, train, viz  # pylint: disable=import-outside-toplevel
+    from maxtrain import decode, inspect_checkpoint, inspect_data, train, viz  # pylint: disable=import-outside-toplevel
     from maxtrain.data import prepare  # pylint: disable=import-outside-toplevel
 
     return {"train": train.main, "decode": decode.main, "viz": viz.main, "inspect_data": inspect_data.main,
-            "inspect": checkpoint.main, "prepare_data": prepare.main}
+            "inspect": inspect_checkpoint.main, "prepare_data": prepare.main}
 
 
 def _is_script(row: Row) -> bool:

@@ -27,7 +27,7 @@ from maxtrain.config import registry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "maxtrain")
-COMMANDS = ("train", "train_compile", "decode", "evaluate", "check_logits", "viz", "inspect_data", "checkpoint")
+COMMANDS = ("train", "train_compile", "decode", "evaluate", "check_logits", "viz", "inspect_data", "inspect_checkpoint")
 SUBPACKAGES = ("config", "parallel", "models", "kernels", "data", "training", "checkpointing", "compile",
                "observability", "evals", "gpu_check")
 
@@ -325,7 +325,7 @@ def test_every_command_answers_help(tmp_path):
             failures.append(f"{name}: no usage text: {text[:500]!r}")
         elif "error" in text.lower().split("\n")[0]:
             failures.append(f"{name}: its first line is an error: {text[:300]!r}")
-        elif a["argv"][0] == "-m" and name not in ("maxtrain.check_logits", "maxtrain.checkpoint") and \
+        elif a["argv"][0] == "-m" and name not in ("maxtrain.check_logits", "maxtrain.inspect_checkpoint") and \
                 not ("base.yml" in text and "Settings it reads most" in text):
             failures.append(f"{name}: the help does not name base.yml and the settings it reads: {text[-800:]!r}")
     assert not failures, "\n".join(failures)

@@ -286,9 +286,9 @@ def test_a_command_on_gs_without_gcsfs_is_one_line(tmp_path):
     shadow = tmp_path / "shadow" / "gcsfs"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ImportError('gcsfs is not installed here')\n")
-    done = _run(["-m", "maxtrain.checkpoint", "inspect", "gs://bucket/run"], tmp_path,
+    done = _run(["-m", "maxtrain.inspect_checkpoint", "gs://bucket/run"], tmp_path,
                 PYTHONPATH=os.pathsep.join([str(tmp_path / "shadow"), REPO]))
-    assert judge("maxtrain.checkpoint", done.returncode, done.stderr, False) == ("gs:// paths need gcsfs: "
+    assert judge("maxtrain.inspect_checkpoint", done.returncode, done.stderr, False) == ("gs:// paths need gcsfs: "
                                                                                  "pip install 'maxtrain[gcs]'")
 
 
