@@ -5,7 +5,8 @@
 - no module reaches for another module's `_private` name (the package, scripts/ and end_to_end/);
 - one owner per fact: the family registry, the compile targets, `load_model`, the attention
   implementation resolved once (in the builder), the config loaded once per command;
-- every package's `__init__` says what it owns and what it may import; train.main fits 80 lines.
+- every package's `__init__` says what it owns and what it may import; train.main fits 80 lines;
+- no test loads a script by its path (tests import the package, and run scripts as commands).
 """
 
 from __future__ import annotations
@@ -396,3 +397,21 @@ def test_the_decoder_calls_only_the_contract():
     assert used and used <= fields, f"decoder.py uses family.{sorted(used - fields)}, which the contract lacks"
     probes = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") in ("hasattr", "getattr")]
     assert not probes, "decoder.py probes attributes with hasattr/getattr: add the field to models/contract.py"
+
+
+def test_no_test_loads_a_script_by_its_path():
+    """scripts/ and end_to_end/ are commands, not libraries: a test imports the package modules that hold their
+    logic, and checks a script's own behaviour by running it (`python scripts/x.py ...`, or in the one child
+    process tests/command_child.py runs them in), never by loading its file into the test process."""
+    loaders = ("spec_from_file_location", "run_path", "SourceFileLoader", "load_source")
+    offenders = []
+    for path in python_files("tests"):
+        if os.path.basename(path) in ("command_child.py", "test_house.py"):  # a process of its own, running each
+            continue                                                     # script as `python` does; this rule
+        text = open(path, encoding="utf-8").read()
+        for number, line in enumerate(text.splitlines(), 1):
+            if any(name in line for name in loaders) or ("sys.path" in line and ("scripts" in line
+                                                                               or "end_to_end" in line)):
+                offenders.append(f"{os.path.relpath(path, REPO)}:{number}: {line.strip()}")
+    assert not offenders, "tests that load a script by its path (import the package instead, or run the script):\n" \
+        + "\n".join(offenders)

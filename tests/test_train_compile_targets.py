@@ -14,7 +14,7 @@ import sys
 import jax
 import pytest
 
-from maxtrain.training import ahead_of_time, builder
+from maxtrain.training import ahead_of_time, builder, layout_plan
 from maxtrain.compile import hlo_stats, libtpu, predict, report, targets
 from maxtrain import models
 from maxtrain.config import with_overrides
@@ -302,12 +302,9 @@ def test_the_prediction_reads_an_h100_step_and_its_fsdp_collectives():
 
 def test_plan_sorts_the_cells_that_fit_and_names_the_best_command(capsys, tmp_path, monkeypatch):
     need("gpu")
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    import plan  # pylint: disable=import-outside-toplevel  # scripts/plan.py, not a package
-
     grid = [BASE_YML, *SMALL, "compile_topology=h100-8", "--tensor", "1,2", "--batch", "1", "--remat", "full",
             "--cache", str(tmp_path / "cells")]
-    plan.main(grid)
+    layout_plan.main(grid)
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
     speeds = [float(r.split("|")[2].replace(",", "")) for r in rows]
@@ -315,22 +312,22 @@ def test_plan_sorts_the_cells_that_fit_and_names_the_best_command(capsys, tmp_pa
     assert re.search(r"train the best, on h100-8: python -m maxtrain.train .* ici_tensor_parallelism=[12] ", out)
     # the cache: the same grid again re-predicts each cell from its kept HLO, compiling nothing, to the same figures;
     # a new calibration changes them
-    monkeypatch.setattr(train_compile, "compile_for_target", lambda *a: pytest.fail("a cached cell was compiled"))
-    plan.main(grid)
+    monkeypatch.setattr(ahead_of_time, "compile_for_target", lambda *a: pytest.fail("a cached cell was compiled"))
+    layout_plan.main(grid)
     again = capsys.readouterr().out
     assert [line for line in again.splitlines() if re.match(r"\| \d+ \|", line)] == rows
     assert again.count("(from the cache)") == 2
     slow = dataclasses.replace(predict.CALIBRATION, matmul=predict.CALIBRATION.matmul / 2,
                                memory=predict.CALIBRATION.memory / 2)
     monkeypatch.setitem(predict.CALIBRATIONS, "gpu", slow)
-    plan.main(grid)
+    layout_plan.main(grid)
 
     def speeds_of(lines):  # settings -> predicted tokens/s per chip
         return {r.split("|")[6]: float(r.split("|")[2].replace(",", "")) for r in lines}
     slower = speeds_of(line for line in capsys.readouterr().out.splitlines() if re.match(r"\| \d+ \|", line))
     assert slower.keys() == speeds_of(rows).keys() and all(slower[k] < v for k, v in speeds_of(rows).items())
     monkeypatch.undo()
-    with pytest.raises(plan.ToolError, match=r"no cell of the grid fits h100-8: the smallest needs [\d.]+ GiB per chip "
+    with pytest.raises(layout_plan.ToolError, match=r"no cell of the grid fits h100-8: the smallest needs [\d.]+ GiB per chip "
                                              r"\(.*per_device_batch_size=4096.*\), the chip has 79.1; try"):
-        plan.main([BASE_YML, *with_overrides(SMALL, "max_target_length=4096"), "compile_topology=h100-8", "--tensor",
+        layout_plan.main([BASE_YML, *with_overrides(SMALL, "max_target_length=4096"), "compile_topology=h100-8", "--tensor",
                    "1", "--batch", "4096", "--remat", "minimal"])

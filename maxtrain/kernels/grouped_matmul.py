@@ -36,6 +36,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+
 @dataclasses.dataclass(frozen=True)
 class Tiles:
     """Block sizes and launch parameters. forward: rows, K, N blocks of the forward (and input-gradient)
