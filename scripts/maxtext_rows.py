@@ -46,7 +46,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from maxtrain.errors import ToolError, run_cli  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain.compile.targets import compiler_missing  # noqa: E402  pylint: disable=wrong-import-position
 from maxtrain.compile.maxtext_rows import (  # noqa: E402  pylint: disable=wrong-import-position
-    GPU_CHIPS, GPU_DEVIATION, LIBTPU_FIX_CHIPS, ROWS, TRILLIUM, TRILLIUM_DROPPED, V5P_LIBTPU_FIX, row_settings)
+    GPU_CHIPS, GPU_DEVIATION, ROWS, TRILLIUM, TRILLIUM_DROPPED, V5P_LIBTPU_FIX, row_settings)
+
+
+# libtpu 0.0.52 refuses all-gather continuation fusion on v5p (V5P_LIBTPU_FIX); on v6e too ("enabled on platform
+# ghostlite ... not supported/recommended on platforms other than TPU v5e"): the v6e configs ask for it
+# (CF_FOR_ALL_GATHER), so their rows are compiled with it off, a deviation their row.json records.
+LIBTPU_FIX_CHIPS = {"v5p", "v6e"}
 
 
 def gpu_topology_mesh(original, chip: str, hosts: int):

@@ -129,9 +129,6 @@ GPU_DEVIATION = {"attention": "cudnn_flash_jax"}
 # libtpu 0.0.52 refuses all-gather continuation fusion on v5p ("not supported/recommended on platforms other than
 # TPU v5e"): the v5p scripts other than 32b.sh (which already ends with it) get this appended, as 32b.sh does.
 V5P_LIBTPU_FIX = "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=false"
-# v6e too ("enabled on platform ghostlite ... not supported/recommended on platforms other than TPU v5e"): the v6e
-# configs ask for it (CF_FOR_ALL_GATHER), so their rows are compiled with it off, a deviation their row.json records.
-LIBTPU_FIX_CHIPS = {"v5p", "v6e"}
 # Flags of the scripts that only matter to a run (or name its outputs), not to the compiled step.
 RUN_ONLY = {"steps", "base_output_directory", "run_name", "gcs_metrics", "enable_checkpointing", "reuse_example_batch",
             "dataset_path", "metrics_file", "profiler", "upload_all_profiler_results", "skip_first_n_steps_for_profiler"}
