@@ -29,7 +29,7 @@ from maxtrain.models.params import is_spec
 from maxtrain.models import ops  # noqa: E402
 from maxtrain.parallel import sharding  # noqa: E402
 from maxtrain.config import load_config, with_devices  # noqa: E402
-from maxtrain.compile import fit as memory_lib  # noqa: E402
+from maxtrain.compile import fit  # noqa: E402
 from maxtrain.errors import run_cli  # noqa: E402
 
 BASE_YML = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "base.yml")
@@ -99,7 +99,7 @@ def main(argv):
         for with_shard_map in (True, False):
             compiled = compile_step(args, mesh_shape, with_shard_map)
             m = compiled.memory_analysis()
-            total = memory_lib.compiled_bytes(compiled)
+            total = fit.compiled_bytes(compiled)
             label = "in shard_map" if with_shard_map else "GSPMD (no shard_map)"
             print(f"| {name} {'x'.join(map(str, mesh_shape))} | {label} | {m.argument_size_in_bytes / 2**20:.2f} | "
                   f"{m.temp_size_in_bytes / 2**20:.2f} | {total / 2**20:.2f} | "

@@ -40,7 +40,7 @@ import numpy as np  # noqa: E402
 from maxtrain.training import builder  # noqa: E402
 from maxtrain.parallel import sharding  # noqa: E402
 from maxtrain import config as config_lib  # noqa: E402
-from maxtrain.compile import fit as memory_lib  # noqa: E402
+from maxtrain.compile import fit  # noqa: E402
 from maxtrain.errors import ToolError, run_cli  # noqa: E402
 
 FIXED = ["dataset_type=synthetic", "enable_checkpointing=false", "enable_tensorboard=false", "eval_interval=-1",
@@ -100,7 +100,7 @@ class Layout:
             start = time.time()
             self.step = self.run.compile(self.state, self.batch)
             self.compile_s = time.time() - start
-        self.total = memory_lib.compiled_bytes(self.step)
+        self.total = fit.compiled_bytes(self.step)
         self.temp = self.step.memory_analysis().temp_size_in_bytes
         self.wall, self.cpu, self.loss = [], [], None
 

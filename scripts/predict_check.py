@@ -23,17 +23,14 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jax
 
-import gpu_report  # noqa: E402  (scripts/gpu_report.py: its model shapes and config loader)
-
-import jax  # noqa: E402
-
-from maxtrain import train_compile  # noqa: E402
-from maxtrain.compile import predict, targets  # noqa: E402
-from maxtrain.config import chips  # noqa: E402
-from maxtrain.errors import ToolError, run_cli  # noqa: E402
-from maxtrain.observability import metrics  # noqa: E402
+from maxtrain.compile import predict, targets
+from maxtrain.config import chips
+from maxtrain.errors import ToolError, run_cli
+from maxtrain.gpu_check import plan
+from maxtrain.observability import metrics
+from maxtrain.training import ahead_of_time
 
 LLAMA = ["model_name=llama3.2-1b", "max_target_length=4096", "dtype=bfloat16", "dataset_type=synthetic"]
 # Measured step times, ms (docs/gpu.md "Measured": one H200 and one H100, 2026-11-26, jax 0.11.2; the H100's
@@ -64,7 +61,7 @@ CALIBRATION_ROWS = {("h100", "llama3.2-1b b8 remat full"), ("h100", "default mod
 # bfloat16 scatter-adds of the biases' gradients; the cache (--cache) keeps the program as measured.
 THEN_DEFAULTS = ["attention=flash", "remat_policy=full", "scan_layers=true"]
 _MOE = ["max_target_length=4096", "dtype=bfloat16", "dataset_type=synthetic", "remat_policy=full"]
-_DEEPSEEK, _GPT_OSS = [*gpu_report.DEEPSEEK_SHAPED, *_MOE], [*gpu_report.GPT_OSS_SHAPED, *_MOE]
+_DEEPSEEK, _GPT_OSS = [*plan.DEEPSEEK_SHAPED, *_MOE], [*plan.GPT_OSS_SHAPED, *_MOE]
 _RAGGED = ["per_device_batch_size=1", "moe_grouped_matmul=xla"]
 MEASURED_RUNS = {
     "llama3.2-1b b8 remat full": [*LLAMA, "per_device_batch_size=8", "remat_policy=full"],
@@ -99,10 +96,10 @@ def row_costs(chip: str, label: str, cache: str | None):
         with open(path, "rb") as f:
             hlo, devices, mesh_shape, model_flops, tokens = pickle.load(f)
     else:
-        config = gpu_report.load([*overrides_of(label), f"compile_topology={chip}-1"])
+        config = plan.load([*overrides_of(label), f"compile_topology={chip}-1"])
         target = targets.parse(config.compile_topology)
         t = time.time()
-        run, _, compiled, _ = train_compile.compile_for_target(config, target)
+        run, _, compiled, _ = ahead_of_time.compile_for_target(config, target)
         hlo, mesh_shape = compiled.as_text(), dict(run.mesh.shape)
         devices = [predict.DeviceRecord(d.platform, getattr(d, "slice_index", 0) or 0, d.process_index)
                    for d in run.mesh.devices.flat]

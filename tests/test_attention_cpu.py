@@ -2,8 +2,9 @@
 query chunks give the values and gradients of the plain [B, T, G, R, H] reference, and attention()
 uses them on CPU only."""
 
-import importlib.util
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -172,14 +173,14 @@ def test_attention_on_cpu_uses_the_chunks_and_elsewhere_one_call():
                   _values_and_grads(run("gpu"), q, k, v, cotangent), rtol=1e-5)
 
 
-def test_benchmark_attention_times_both_formulations(capsys):
+def test_benchmark_attention_times_both_formulations():
     """scripts/benchmark_attention.py --impl dot_product dot_product_cpu: one timed row for each."""
-    spec = importlib.util.spec_from_file_location("benchmark_attention",
-                                                  os.path.join(REPO, "scripts", "benchmark_attention.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    module.main(["--impl", "dot_product", "dot_product_cpu", "--dtype", "float32", "--seq", "64", "--tokens", "128",
-                 "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--iters", "2", "--warmup", "1"])
-    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("dot_product")]
+    done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "benchmark_attention.py"),
+                           "--impl", "dot_product", "dot_product_cpu", "--dtype", "float32", "--seq", "64", "--tokens",
+                           "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--iters", "2", "--warmup", "1"],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if line.startswith("dot_product")]
     assert [row[:3] for row in rows] == [["dot_product", "64", "2"], ["dot_product_cpu", "64", "2"]], rows
     assert all(float(row[3]) > 0 for row in rows), rows

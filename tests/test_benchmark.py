@@ -1,23 +1,13 @@
-"""scripts/benchmark.py --compare: variants built in one process, their steps timed alternately."""
+"""scripts/benchmark.py --compare (maxtrain/training/benchmark.py): variants built in one process, their steps timed
+alternately."""
 
-import importlib.util
 import json
-import os
 
 import pytest
 
-from conftest import BASE_YML, REPO, TINY
+from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
-
-
-def _benchmark():
-    spec = importlib.util.spec_from_file_location("benchmark", os.path.join(REPO, "scripts", "benchmark.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-benchmark = _benchmark()
+from maxtrain.training import benchmark
 COMMON = [BASE_YML, *TINY, "dataset_type=synthetic"]
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from ckpt_helpers import REPO, assert_bitwise_equal, cache_dir, train  # noqa: F401  (cache_dir is a fixture)
-from maxtrain import checkpoint as checkpoint_command
+from maxtrain import inspect_checkpoint
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.checkpointing import manager as checkpoint
 from maxtrain.errors import PathError
@@ -46,7 +46,7 @@ def test_checkpoint_holds_state_data_and_metadata(base, capsys):
     saved = checkpoint_files.read_params(str(step_dir))
     assert_bitwise_equal(saved, result.state["params"], "saved params")
 
-    assert checkpoint_command.main(["inspect", str(out / "base")]) == 0
+    assert inspect_checkpoint.main([str(out / "base")]) == 0
     shown = capsys.readouterr().out
     assert f"checkpoint: {step_dir}" in shown
     assert "params/layers/decoder/wq" in shown and "float32  [2, 32, 2, 16]" in shown

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -134,12 +136,11 @@ def test_a_default_corpus_run_exports_its_tokenizer_unasked(tmp_path, cache_dir)
 
 
 def convert_hf_main(argv: list[str]) -> int:
-    import importlib.util  # pylint: disable=import-outside-toplevel
-
-    spec = importlib.util.spec_from_file_location("convert_hf", REPO / "scripts" / "convert_hf.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    """`python scripts/convert_hf.py ARGV`, as a user runs it: its exit status (its output shown on failure)."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "convert_hf.py"), *argv], capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    return done.returncode
 
 
 def test_a_hugging_face_tokenizer_is_exported_to_add_bos_as_maxtrain_does(tmp_path):

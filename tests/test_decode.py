@@ -241,7 +241,7 @@ def test_load_params_places_arrays_on_the_mesh(tiny, step_dir):
 def test_no_new_tokens_is_an_empty_result_not_an_index_error(tiny):
     """max_new_tokens=0 traced a loop body that indexes an empty array (a raw IndexError in maxtrain.decode)."""
     config, rt, params = tiny
-    assert sampling.generate(params, [1, 17], config, rt, max_new_tokens=0) == []
+    assert sampling.generate(params, [1, 17], Model.bind(config), rt, max_new_tokens=0) == []
     assert sampling.generate_tokens(params, jnp.asarray([[1, 17]], jnp.int32), jax.random.key(0), model=Model.bind(config),
                                     rt=rt, max_new_tokens=0, temperature=0.0, top_k=0, top_p=1.0).shape == (1, 0)
 

@@ -219,7 +219,7 @@ def page_problems(name: str, text: str) -> list[str]:
 
 def test_the_pages_are_found():
     assert {"README.md", "docs/performance.md", "docs/architecture.md"} <= set(PAGES)
-    assert {"train", "decode", "checkpoint"} <= set(COMMANDS) and "errors" not in COMMANDS
+    assert {"train", "decode", "inspect_checkpoint"} <= set(COMMANDS) and "errors" not in COMMANDS
 
 
 @pytest.mark.parametrize("name", PAGES)

@@ -15,10 +15,9 @@ import re
 import pytest
 
 from conftest import BASE_YML
-from maxtrain import train_compile
-from maxtrain.compile import targets as topologies
+from maxtrain.compile import targets
 from maxtrain.config import ConfigError
-from maxtrain.training import builder
+from maxtrain.training import ahead_of_time, builder
 from test_train_compile_targets import need
 
 # Two unrolled layers: layer 0 has a dense MLP, layer 1 four experts (capacity dispatch).
@@ -31,8 +30,8 @@ MIXED = ["dataset_type=synthetic", "decoder_block=qwen3_moe", "base_emb_dim=256"
 
 def custom_calls(*overrides) -> collections.Counter:
     config = builder.load_config([BASE_YML, *MIXED, *overrides])
-    target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
-    _, _, compiled, _ = train_compile.compile_for_target(config, target)
+    target = targets.parse(config.compile_topology, config.compile_topology_num_slices)
+    _, _, compiled, _ = ahead_of_time.compile_for_target(config, target)
     return collections.Counter(re.findall(r'custom_call_target="(__cu[^"]*)"', compiled.as_text()))
 
 
@@ -61,7 +60,7 @@ def float8_convolutions(hlo: str) -> collections.Counter:
 def test_every_decoder_matmul_has_float8_operands_on_tpu_v7x():
     """One layer on a v7x-8 (4 chips, 2x2x1, 8 TensorCores each a device), compiled through builder.build."""
     need("tpu")
-    devices = topologies.parse("v7x-8").devices()
+    devices = targets.parse("v7x-8").devices()
     assert len(devices) == 8 and devices[0].device_kind == "TPU7x"
     config = builder.load_config([BASE_YML, MIXED[0], *MIXED[2:7], "base_num_decoder_layers=1", *MIXED[8:11], "quantization=fp8",
                                   "quantize_output_head=true"])
@@ -80,6 +79,6 @@ def test_compile_targets_without_float8_are_refused_before_compiling():
                                     ("v6e-4", "tpu", "TPU v6 lite: TPUs have float8 matmuls only on v7x")):
         need(platform)
         config = builder.load_config([BASE_YML, *MIXED[:-3], f"compile_topology={name}", "quantization=fp8"])
-        target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
+        target = targets.parse(config.compile_topology, config.compile_topology_num_slices)
         with pytest.raises(ConfigError, match=message):
             builder.build(config, devices=target.devices(), platform=target.platform, num_processes=1)

@@ -20,11 +20,12 @@ import os
 import jax
 import pytest
 
-from test_gpu_report import gpu_report
+from maxtrain.gpu_check import items, plan
+
 
 ON_GPU = jax.default_backend() == "gpu"
 ON_CPU_ANYWAY = os.environ.get("MAXTRAIN_GPU_TESTS_ON_CPU") == "1"
-PLAN = gpu_report.make_plan(dry_run=not ON_GPU)
+PLAN = plan.make_plan(dry_run=not ON_GPU)
 pytestmark = pytest.mark.skipif(
     not (ON_GPU or ON_CPU_ANYWAY),
     reason=f"needs an NVIDIA GPU (JAX's backend here is {jax.default_backend()}): run `JAX_PLATFORMS=cuda pytest -n 0 "
@@ -35,9 +36,9 @@ pytestmark = pytest.mark.skipif(
 def test_flash_matches_the_reference(seed, case):
     """flash, and in bf16 every other implementation autoselected can choose here (cuDNN, tokamax where
     installed): each must run (the report only records a refusal) and match."""
-    row = gpu_report.kernel_check(PLAN, case, seed)
+    row = items.kernel_check(PLAN, case, seed)
     assert row["verdict"] == "PASS", row
-    for name in gpu_report.kernel_impls(PLAN, case):
+    for name in items.kernel_impls(PLAN, case):
         assert isinstance(row.get(name), float), (name, row.get(name))
 
 
@@ -46,7 +47,7 @@ def reference():
     """The reference variant's params, loss and gradients (dot_product, float32, full matmul precision)."""
     figures: dict = {}
     _, attention, dtype = PLAN.model_variants[0]
-    row = gpu_report.model_check(PLAN, attention, dtype, figures)
+    row = items.model_check(PLAN, attention, dtype, figures)
     assert row["loss"] == 0 and row["grads"] == 0
     return figures
 
@@ -55,7 +56,7 @@ def reference():
 def test_model_loss_and_grads_agree_across_attention(reference, label, attention, dtype):
     if attention == "cudnn" and not ON_GPU:
         pytest.skip("cuDNN attention needs an NVIDIA GPU")
-    if attention == "tokamax" and (not ON_GPU or gpu_report.tokamax_missing(PLAN)):
-        pytest.skip(gpu_report.tokamax_missing(PLAN) or "tokamax's Mosaic GPU kernel needs an NVIDIA GPU")
-    row = gpu_report.model_check(PLAN, attention, dtype, reference)
+    if attention == "tokamax" and (not ON_GPU or items.tokamax_missing(PLAN)):
+        pytest.skip(items.tokamax_missing(PLAN) or "tokamax's Mosaic GPU kernel needs an NVIDIA GPU")
+    row = items.model_check(PLAN, attention, dtype, reference)
     assert row["verdict"] == "PASS", (label, row)

@@ -1,4 +1,5 @@
-"""scripts/gpu_report.py, the GPU measurement as one prepared command (docs/gpu.md), tested on a CPU:
+"""scripts/gpu_report.py, the GPU measurement as one prepared command (docs/gpu.md; its logic: maxtrain/gpu_check/),
+tested on a CPU:
 
 - the report's budget (observability/report.py): parts within their shares, unused time passed on, items that
   would not fit skipped and listed, errors kept as rows, files rewritten after every item, the watchdog;
@@ -12,7 +13,6 @@ its correctness checks for pytest on a GPU.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,21 +23,11 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import REPO
+from maxtrain.gpu_check import items, plan
 from maxtrain.models import attention_check
 from maxtrain.observability import environment
 from maxtrain.observability.report import WATCHDOG_EXIT_STATUS, Report
 from maxtrain.training import measure
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("gpu_report", os.path.join(REPO, "scripts", "gpu_report.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-gpu_report = load_script()
 
 
 class Clock:
@@ -130,16 +120,18 @@ def test_the_watchdog_writes_the_report_and_stops_the_process(tmp_path):
 # The device call and the wheels
 
 
-def test_the_device_call_is_printed_documented_and_within_the_tools_limits(capsys):
-    assert gpu_report.main(["--print-device-call"]) == 0
-    call = json.loads(capsys.readouterr().out)
-    assert call == gpu_report.DEVICE_CALL
+def test_the_device_call_is_printed_documented_and_within_the_tools_limits():
+    done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "gpu_report.py"), "--print-device-call"],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": REPO})
+    assert done.returncode == 0, done.stderr[-3000:]
+    call = json.loads(done.stdout)
+    assert call == plan.DEVICE_CALL
     assert len(call["command"]) <= 2000 and len(call["carry"]) <= 8
     assert call["timeout_s"] <= 600
     # the budget, the watchdog's grace and ~60 s for installing the wheels and starting JAX
-    assert call["timeout_s"] >= gpu_report.BUDGET_SECONDS + gpu_report.WATCHDOG_GRACE_SECONDS + 60
+    assert call["timeout_s"] >= plan.BUDGET_SECONDS + plan.WATCHDOG_GRACE_SECONDS + 60
     docs = open(os.path.join(REPO, "docs", "gpu.md"), encoding="utf-8").read()
-    assert gpu_report.device_call_text() in docs, "docs/gpu.md must show the call scripts/gpu_report.py prints"
+    assert plan.device_call_text() in docs, "docs/gpu.md must show the call scripts/gpu_report.py prints"
     assert "/.whl/" in open(os.path.join(REPO, ".gitignore"), encoding="utf-8").read().split()
 
 
@@ -208,20 +200,20 @@ def test_dry_run_runs_every_part_on_the_cpu(tmp_path):
     done = _run_script(tmp_path, "--dry-run", "--out", str(tmp_path), "--budget", "2000", timeout=2400)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     data = json.loads((tmp_path / "report.json").read_text())
-    assert [p["name"] for p in data["parts"]] == list(gpu_report.DEFAULT_PARTS) and data["finished"]
+    assert [p["name"] for p in data["parts"]] == list(plan.DEFAULT_PARTS) and data["finished"]
     for part in data["parts"]:
         assert all("error" not in r for r in part["rows"]), (part["name"], part["rows"])
         assert all("cuDNN" in s["reason"] or "tokamax" in s["reason"] for s in part["skipped"]), part["skipped"]
         assert all(r.get("verdict", "PASS") == "PASS" for r in part["rows"]), part["rows"]
-    plan = gpu_report.make_plan(dry_run=True)
+    dry = plan.make_plan(dry_run=True)
     counts = {p["name"]: len(p["rows"]) for p in data["parts"]}
-    speed = sum(len([i for i in gpu_report.speed_impls(plan, t)
-                     if i != "cudnn" and (i != "tokamax" or gpu_report.tokamax_missing(plan) is None)])
-                for _, t in plan.speed_shapes)
-    assert counts == {"environment": 4, "kernels": len(plan.kernel_cases), "model": len(plan.model_variants) - 2,
-                      "speed": speed, "training": len(plan.training)}
+    speed = sum(len([i for i in items.speed_impls(dry, t)
+                     if i != "cudnn" and (i != "tokamax" or items.tokamax_missing(dry) is None)])
+                for _, t in dry.speed_shapes)
+    assert counts == {"environment": 4, "kernels": len(dry.kernel_cases), "model": len(dry.model_variants) - 2,
+                      "speed": speed, "training": len(dry.training)}
     markdown = (tmp_path / "report.md").read_text()
-    assert sum(line.startswith("| --- ") for line in markdown.splitlines()) == len(gpu_report.DEFAULT_PARTS)  # one each
+    assert sum(line.startswith("| --- ") for line in markdown.splitlines()) == len(plan.DEFAULT_PARTS)  # one each
 
 
 def test_the_checks_catch_a_wrong_mask_and_never_pass_nan():

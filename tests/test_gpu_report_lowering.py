@@ -21,14 +21,14 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from test_gpu_report import gpu_report
 from test_kernel_lowering import needs_gpu_compiler
+from maxtrain.gpu_check import items, plan
 from maxtrain.compile import fit, targets
 from maxtrain.data import hosts
 from maxtrain.parallel import sharding
 from maxtrain.training import builder, layer_choice, measure
 
-PLAN = gpu_report.make_plan(dry_run=False)
+PLAN = plan.make_plan(dry_run=False)
 pytestmark = [pytest.mark.slow, needs_gpu_compiler]
 TOKAMAX_NEEDS_GPU = "tokamax's Mosaic GPU kernel lowers only where the GPU is (it asks the local device)"
 CUDNN_PRE_HOPPER = "a GPU-less compile takes the target for pre-Hopper: cuDNN attention at head_dim > 128 is " \
@@ -62,17 +62,17 @@ def _attention_args(devices, case):
 
 def test_matmul_compiles_for_h100(h100):
     arg = _on(h100, ((PLAN.matmul_n,) * 2, jnp.bfloat16))
-    assert "dot" in _compile(gpu_report.MATMUL, [arg, arg])
+    assert "dot" in _compile(items.MATMUL, [arg, arg])
 
 
 @pytest.mark.parametrize("case, name", [pytest.param(c, n, id=f"{c.name}-{n}") for c in PLAN.kernel_cases
-                                        for n in ("reference", *gpu_report.kernel_impls(PLAN, c))])
+                                        for n in ("reference", *items.kernel_impls(PLAN, c))])
 def test_kernel_check_compiles_for_h100(h100, case, name):
     if name == "cudnn" and case.head_dim > 128:
         pytest.skip(CUDNN_PRE_HOPPER)
     if name == "tokamax":
         pytest.skip(TOKAMAX_NEEDS_GPU)
-    hlo = _compile(gpu_report.kernel_programs(PLAN, case, devices=h100)[name], _attention_args(h100, case))
+    hlo = _compile(items.kernel_programs(PLAN, case, devices=h100)[name], _attention_args(h100, case))
     if name == "flash":
         assert all(kernel in hlo for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"))
     if name == "cudnn":
@@ -81,21 +81,21 @@ def test_kernel_check_compiles_for_h100(h100, case, name):
 
 @pytest.mark.parametrize("impl, head_dim, length", [pytest.param(i, h, t, id=f"{i}-h{h}-T{t}")
                                                     for h, t in PLAN.speed_shapes
-                                                    for i in gpu_report.speed_impls(PLAN, t)])
+                                                    for i in items.speed_impls(PLAN, t)])
 def test_timed_attention_compiles_for_h100(h100, impl, head_dim, length):
     if impl == "cudnn" and head_dim > 128:
         pytest.skip(CUDNN_PRE_HOPPER)
     if impl == "tokamax":
         pytest.skip(TOKAMAX_NEEDS_GPU)
-    case = gpu_report.speed_case(PLAN, head_dim, length)
-    _compile(gpu_report.speed_program(PLAN, impl, devices=h100), _attention_args(h100, case))
+    case = items.speed_case(PLAN, head_dim, length)
+    _compile(items.speed_program(PLAN, impl, devices=h100), _attention_args(h100, case))
 
 
 @pytest.mark.parametrize("label, attention, dtype", PLAN.model_variants, ids=[v[0] for v in PLAN.model_variants])
 def test_model_check_compiles_for_h100(h100, label, attention, dtype):
     if attention == "tokamax":
         pytest.skip(TOKAMAX_NEEDS_GPU)
-    run = gpu_report.model_run(PLAN, attention, dtype, devices=h100)
+    run = items.model_run(PLAN, attention, dtype, devices=h100)
     c = run.config
     batch = {k: jax.ShapeDtypeStruct((c.global_batch_size, c.max_target_length),
                                      jnp.float32 if k == "loss_weights" else jnp.int32,
@@ -111,10 +111,10 @@ def test_model_check_compiles_for_h100(h100, label, attention, dtype):
 
 @pytest.mark.parametrize("label, overrides", PLAN.training + PLAN.frontier, ids=[t[0] for t in PLAN.training + PLAN.frontier])
 def test_training_step_compiles_for_h100_and_fits(h100, label, overrides):
-    config = gpu_report.load(overrides, sum(PLAN.train_steps))
+    config = plan.load(overrides, sum(PLAN.train_steps))
     memory = targets.parse("h100-1").memory_bytes
     if layer_choice.applies(config, "gpu"):  # remat autoselected: chosen by compiled memory, as measure.build does
-        choice = layer_choice.choose(config, lambda plan: builder.build(config, devices=h100, layer_plan=plan),
+        choice = layer_choice.choose(config, lambda layers: builder.build(config, devices=h100, layer_plan=layers),
                                      int(0.92 * memory), "the report's 92% of one H100")
         run, compiled = choice.run, choice.compiled
         print(choice.describe())

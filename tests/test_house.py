@@ -5,7 +5,8 @@
 - no module reaches for another module's `_private` name (the package, scripts/ and end_to_end/);
 - one owner per fact: the family registry, the compile targets, `load_model`, the attention
   implementation resolved once (in the builder), the config loaded once per command;
-- every package's `__init__` says what it owns and what it may import; train.main fits 80 lines.
+- every package's `__init__` says what it owns and what it may import; train.main fits 80 lines;
+- no test loads a script by its path (tests import the package, and run scripts as commands).
 """
 
 from __future__ import annotations
@@ -27,9 +28,12 @@ from maxtrain.config import registry
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PACKAGE = os.path.join(REPO, "maxtrain")
-COMMANDS = ("train", "train_compile", "decode", "evaluate", "check_logits", "viz", "inspect_data", "checkpoint")
+COMMANDS = ("train", "train_compile", "decode", "evaluate", "check_logits", "viz", "inspect_data", "inspect_checkpoint")
+# The package modules that hold a script's logic (scripts/gpu_report.py, benchmark.py, plan.py): they load the
+# configs they build and measure, as a command does.
+SCRIPT_LOGIC = ("maxtrain/gpu_check/", "maxtrain/training/benchmark.py", "maxtrain/training/layout_plan.py")
 SUBPACKAGES = ("config", "parallel", "models", "kernels", "data", "training", "checkpointing", "compile",
-               "observability", "evals")
+               "observability", "evals", "gpu_check")
 
 
 def python_files(*roots: str):
@@ -268,14 +272,15 @@ def test_the_attention_implementation_is_resolved_once_in_the_builder(monkeypatc
 
 def test_the_config_is_loaded_once_per_command():
     """Each command loads its config once (builder.load_config or config.load_config); nothing below the
-    commands loads one."""
+    commands loads one but the scripts' logic (SCRIPT_LOGIC: a script's run, as a command's, loads the configs it
+    measures)."""
     for command in COMMANDS:
         called = [n for n in ast.walk(parse(os.path.join(PACKAGE, f"{command}.py")))
                   if isinstance(n, ast.Call) and getattr(n.func, "attr", getattr(n.func, "id", "")) == "load_config"]
         assert len(called) <= 1, command
     for path in python_files("maxtrain"):
         rel = os.path.relpath(path, REPO)
-        if rel.startswith(("maxtrain/config/", "maxtrain/training/builder.py")) or \
+        if rel.startswith(("maxtrain/config/", "maxtrain/training/builder.py", *SCRIPT_LOGIC)) or \
                 rel.removeprefix("maxtrain/").removesuffix(".py") in COMMANDS:
             continue
         assert "load_config" not in calls_of(parse(path)), rel
@@ -306,26 +311,26 @@ SCRIPTS = sorted(os.path.relpath(p, REPO) for p in python_files("scripts", "end_
 def test_every_command_answers_help(tmp_path):
     """`python CMD --help` for every command: exit 0 and a usage text, and the maxtrain commands name base.yml and
     the settings they read (run from another directory, so the packaged configs are found). All in one child
-    process (tests/help_child.py: one start-up of Python and JAX instead of one per command)."""
-    commands = [["-m", f"maxtrain.{c}"] for c in COMMANDS] + [[s] for s in SCRIPTS]
+    process (tests/command_child.py: one start-up of Python and JAX instead of one per command)."""
+    commands = [["-m", f"maxtrain.{c}", "--help"] for c in COMMANDS] + [[s, "--help"] for s in SCRIPTS]
     # MAXTRAIN_HUGEPAGES=0: an entry point that re-executes itself for huge pages would re-run the child
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "MAXTRAIN_HOST_HUGEPAGES": "0"}
-    done = subprocess.run([sys.executable, os.path.join(REPO, "tests", "help_child.py"), str(tmp_path)],
-                          input=json.dumps(commands), env=env, cwd=tmp_path, capture_output=True, text=True,
-                          timeout=600)
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tests", "command_child.py"), str(tmp_path)],
+                          input=json.dumps([{"argv": c} for c in commands]), env=env, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     answers = json.loads(done.stdout.splitlines()[-1])
     assert [a["argv"] for a in answers] == commands
     failures = []
     for a in answers:
-        name, text = a["argv"][-1], a["stdout"]
+        name, text = a["argv"][-2], a["stdout"]
         if a["returncode"] != 0:
             failures.append(f"{name}: exit {a['returncode']}: {a['stderr'][-1500:]}")
         elif not ("usage" in text.lower() or "python" in text):
             failures.append(f"{name}: no usage text: {text[:500]!r}")
         elif "error" in text.lower().split("\n")[0]:
             failures.append(f"{name}: its first line is an error: {text[:300]!r}")
-        elif a["argv"][0] == "-m" and name not in ("maxtrain.check_logits", "maxtrain.checkpoint") and \
+        elif a["argv"][0] == "-m" and name not in ("maxtrain.check_logits", "maxtrain.inspect_checkpoint") and \
                 not ("base.yml" in text and "Settings it reads most" in text):
             failures.append(f"{name}: the help does not name base.yml and the settings it reads: {text[-800:]!r}")
     assert not failures, "\n".join(failures)
@@ -479,3 +484,21 @@ def test_the_model_is_bound_once():
                       if what != "Model.bind(...)"]
     assert not found, ("these resolve the family or the layer kinds from the config again; take the bound "
                        "model (models/model.py) as an argument instead:\n" + "\n".join(found))
+
+
+def test_no_test_loads_a_script_by_its_path():
+    """scripts/ and end_to_end/ are commands, not libraries: a test imports the package modules that hold their
+    logic, and checks a script's own behaviour by running it (`python scripts/x.py ...`, or in the one child
+    process tests/command_child.py runs them in), never by loading its file into the test process."""
+    loaders = ("spec_from_file_location", "run_path", "SourceFileLoader", "load_source")
+    offenders = []
+    for path in python_files("tests"):
+        if os.path.basename(path) in ("command_child.py", "test_house.py"):  # a process of its own, running each
+            continue                                                     # script as `python` does; this rule
+        text = open(path, encoding="utf-8").read()
+        for number, line in enumerate(text.splitlines(), 1):
+            if any(name in line for name in loaders) or ("sys.path" in line and ("scripts" in line
+                                                                               or "end_to_end" in line)):
+                offenders.append(f"{os.path.relpath(path, REPO)}:{number}: {line.strip()}")
+    assert not offenders, "tests that load a script by its path (import the package instead, or run the script):\n" \
+        + "\n".join(offenders)

@@ -7,6 +7,7 @@ Expert parallelism is tested in test_moe_sharding.py, Hugging Face parity in tes
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -437,11 +438,11 @@ def test_expert_biases_are_gathered_so_their_gradient_sums_in_float32():
 
 def test_the_scatter_benchmark_times_both_gradients(tmp_path):
     """scripts/benchmark_scatter.py (the GPU check of the scatter-add suspected in docs/scale.md), tiny, on CPU."""
-    sys.path.insert(0, f"{REPO}/scripts")
-    import benchmark_scatter  # pylint: disable=import-outside-toplevel  # a script, not a package
-
-    benchmark_scatter.main(["--rows", "64", "--experts", "4", "--width", "8", "--repeats", "1", "--json",
-                            str(tmp_path / "s.json")])
+    done = subprocess.run([sys.executable, f"{REPO}/scripts/benchmark_scatter.py", "--rows", "64", "--experts", "4",
+                           "--width", "8", "--repeats", "1", "--json", str(tmp_path / "s.json")],
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(REPO), "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "s.json").read_text())
     assert [(r["dtype"], r["way"].split()[0]) for r in rows] == [
         ("bfloat16", "gather"), ("bfloat16", "one-hot"), ("float32", "gather"), ("float32", "one-hot")]

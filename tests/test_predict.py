@@ -9,8 +9,7 @@ import dataclasses
 import pytest
 
 from conftest import BASE_YML
-from maxtrain import train_compile
-from maxtrain.compile import predict
+from maxtrain.compile import predict, report
 from maxtrain.config import chips
 from maxtrain.observability import metrics
 from maxtrain.training import builder
@@ -120,7 +119,7 @@ def test_the_roofline_adds_what_the_schedule_does_not_hide():
     assert p["step_seconds"] == pytest.approx(kernels + p["parts"]["collectives_exposed"])
     assert p["mfu"] == pytest.approx(costs.flops / (p["step_seconds"] * h100.bf16_flops))
     assert p["run_seconds"] == pytest.approx(10 * p["step_seconds"])
-    text = "\n".join(train_compile.format_prediction(p))
+    text = "\n".join(report.format_prediction(p))
     assert "predicted step time" in text and "fsdp" in text and "chip-hours" in text
     slow_links = predict.predict(costs, dataclasses.replace(h100, link_bytes_per_s=1e6), model_flops_per_step=1,
                                  tokens_per_step=1000, num_chips=8, cal=cal)

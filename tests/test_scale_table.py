@@ -1,19 +1,9 @@
-"""scripts/scale_table.py's tables: from recorded cells to the docs/scale.md rows and ratios."""
-
-import importlib.util
-import os
+"""scripts/scale_table.py's tables (their logic: maxtrain/compile/scale_table.py): from recorded cells to the
+docs/scale.md rows and ratios."""
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-@pytest.fixture(scope="module")
-def scale_table():
-    spec = importlib.util.spec_from_file_location("scale_table", os.path.join(REPO, "scripts", "scale_table.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from maxtrain.compile import scale_table
 
 
 def _cell(total_gib: float, versions: dict | None = None) -> dict:
@@ -28,7 +18,7 @@ def _cell(total_gib: float, versions: dict | None = None) -> dict:
     return record
 
 
-def test_same_compiler_table_puts_each_cell_against_maxtexts(scale_table):
+def test_same_compiler_table_puts_each_cell_against_maxtexts():
     results = {("8b-v5e256", "flash", "maxtrain"): _cell(5.1),
                ("8b-v5e256", "flash", "maxtext"): {"total_gb": 4.4},
                ("8b-v5e256", "flash", scale_table.SAME_COMPILER): _cell(4.0, {"jax": "0.12.0.1", "libtpu": "0.0.52"}),
@@ -45,14 +35,14 @@ def test_same_compiler_table_puts_each_cell_against_maxtexts(scale_table):
     assert main.rstrip(" |").endswith(f"{5.1 / 4.4:.2f}")
 
 
-def test_maxtext_total_is_what_its_train_compile_adds_up(scale_table):
+def test_maxtext_total_is_what_its_train_compile_adds_up():
     line = ("Memory analysis: CompiledMemoryStats(generated_code_size_in_bytes=1, argument_size_in_bytes=1073741824, "
             "output_size_in_bytes=1073741824, alias_size_in_bytes=536870912, temp_size_in_bytes=2147483648, "
             "host_temp_size_in_bytes=0)\nmore log")
     assert scale_table.maxtext_total_gib(line) == pytest.approx(3.5)
 
 
-def test_the_main_table_also_puts_each_cell_against_maxtext_compiled_with_our_libtpu(scale_table):
+def test_the_main_table_also_puts_each_cell_against_maxtext_compiled_with_our_libtpu():
     results = {("8b-v5e256", "dot_product", "maxtrain"): {**_cell(6.2), "attention": "dot_product"},
                ("8b-v5e256", "dot_product", "maxtext"): {"total_gb": 5.4},
                ("8b-v5e256", "dot_product", scale_table.MAXTEXT_PINNED): {"total_gb": 7.1, "libtpu": "0.0.42.1"},

@@ -1,15 +1,15 @@
 """The user tools (scripts/, end_to_end/) answer like the commands: a problem with what they were given is
 one line `<tool>: error: <problem and fix>` and exit status 2, with no OS error number and no traceback;
 a missing optional package is named with the extra that installs it (or the one check that needs it is
-skipped, saying so). Rows run in this process through errors.run_cli, as the scripts' `__main__` blocks
-do; a few run as the real commands.
+skipped, saying so). The rows run as the real commands they are (`python TOOL ARGS`: their `__main__` blocks hand
+main to errors.run_cli), all in one child process (tests/command_child.py); no script is loaded here.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import errno
-import importlib.util
+import json
 import os
 import re
 import subprocess
@@ -199,18 +199,6 @@ ROWS = [
 ]
 
 
-def _load(tool: str, monkeypatch):
-    """The tool's module, loaded from its file (its environment changes undone after the test)."""
-    path = os.path.join(REPO, TOOLS[tool][0])
-    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))  # kernel_sharding appends to it on import
-    monkeypatch.setattr(sys, "path", list(sys.path))  # scripts put their directories first
-    spec = importlib.util.spec_from_file_location(f"tool_{tool}", path)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     from maxtrain.data import tokenizer_training  # pylint: disable=import-outside-toplevel
@@ -234,22 +222,30 @@ def judge(prog: str, code, err: str, usage: bool) -> str:
     return line.split(": error: ", 1)[1]
 
 
+@pytest.fixture(scope="module")
+def answers(tmp_path_factory, tokenizer) -> dict:
+    """Every row run as its real command (`python TOOL ARGS`), all in one child process (tests/command_child.py):
+    {row id: (its exit status, its stderr)}."""
+    runs = []
+    for row in ROWS:
+        scratch = str(tmp_path_factory.mktemp(row.id))
+        if row.setup:
+            row.setup(scratch)
+        argv = [a.format(scratch=scratch, base=BASE_YML, tok=tokenizer) for a in row.args]
+        env = {k: v.format(scratch=scratch) for k, v in (row.env or {}).items()}
+        runs.append({"argv": [TOOLS[row.tool][0], *argv], "env": env, "hide": list(row.hide)})
+    # MAXTRAIN_HOST_HUGEPAGES=0: benchmark.py would re-execute itself for huge pages, re-running the child
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "MAXTRAIN_HOST_HUGEPAGES": "0", "PYTHONPATH": REPO}
+    done = subprocess.run([sys.executable, os.path.join(REPO, "tests", "command_child.py"), REPO],
+                          input=json.dumps(runs), env=env, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {row.id: (a["returncode"], a["stderr"]) for row, a in zip(ROWS, json.loads(done.stdout.splitlines()[-1]))}
+
+
 @pytest.mark.parametrize("row", ROWS, ids=[r.id for r in ROWS])
-def test_bad_input_is_one_line(row: Row, tmp_path, monkeypatch, capsys, tokenizer):
-    scratch = str(tmp_path)
-    if row.setup:
-        row.setup(scratch)
-    for key, value in (row.env or {}).items():
-        monkeypatch.setenv(key, value.format(scratch=scratch))
-    for name in row.hide:
-        monkeypatch.setitem(sys.modules, name, None)  # `import name` raises ImportError
-    module = _load(row.tool, monkeypatch)
-    main = module.run if row.tool == "benchmark" else module.main
-    argv = [a.format(scratch=scratch, base=BASE_YML, tok=tokenizer) for a in row.args]
-    capsys.readouterr()
-    with pytest.raises(SystemExit) as exit_:
-        errors.run_cli(TOOLS[row.tool][1], main, argv)
-    message = judge(TOOLS[row.tool][1], exit_.value.code, capsys.readouterr().err, row.usage)
+def test_bad_input_is_one_line(row: Row, answers):
+    code, err = answers[row.id]
+    message = judge(TOOLS[row.tool][1], code, err, row.usage)
     assert re.search(row.expect, message), message
 
 
@@ -290,17 +286,10 @@ def test_a_command_on_gs_without_gcsfs_is_one_line(tmp_path):
     shadow = tmp_path / "shadow" / "gcsfs"
     shadow.mkdir(parents=True)
     (shadow / "__init__.py").write_text("raise ImportError('gcsfs is not installed here')\n")
-    done = _run(["-m", "maxtrain.checkpoint", "inspect", "gs://bucket/run"], tmp_path,
+    done = _run(["-m", "maxtrain.inspect_checkpoint", "gs://bucket/run"], tmp_path,
                 PYTHONPATH=os.pathsep.join([str(tmp_path / "shadow"), REPO]))
-    assert judge("maxtrain.checkpoint", done.returncode, done.stderr, False) == ("gs:// paths need gcsfs: "
+    assert judge("maxtrain.inspect_checkpoint", done.returncode, done.stderr, False) == ("gs:// paths need gcsfs: "
                                                                                  "pip install 'maxtrain[gcs]'")
-
-
-def test_post_training_skips_only_the_transformers_comparison(monkeypatch):
-    monkeypatch.setitem(sys.modules, "torch", None)
-    module = _load("post_training", monkeypatch)
-    assert module.transformers_missing() == ("the comparison with transformers needs the torch package: "
-                                             "pip install 'maxtrain[hf]'")
 
 
 def test_os_errors_in_words(tmp_path):

@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import BASE_YML
+from conftest import BASE_YML, REPO
 from maxtrain import config as config_lib
 from maxtrain.config import settings as settings_lib
 from maxtrain.errors import ConfigError, run_cli
@@ -27,19 +29,11 @@ TABLE = config_lib.table()
 
 def _entry_points():
     """(program name, main) of every entry point that reads config keys."""
-    import importlib.util  # pylint: disable=import-outside-toplevel
-
     from maxtrain import decode, inspect_data, train, viz  # pylint: disable=import-outside-toplevel
+    from maxtrain.training import benchmark  # pylint: disable=import-outside-toplevel
 
-    points = [("maxtrain", train.main), ("maxtrain.decode", decode.main), ("maxtrain.viz", viz.main),
-              ("maxtrain.inspect_data", inspect_data.main)]
-    for name, function in (("benchmark", "run"), ("benchmark_input", "main")):
-        spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(BASE_YML), "..", "scripts",
-                                                                         f"{name}.py"))
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        points.append((name, getattr(module, function)))
-    return points
+    return [("maxtrain", train.main), ("maxtrain.decode", decode.main), ("maxtrain.viz", viz.main),
+            ("maxtrain.inspect_data", inspect_data.main), ("benchmark", benchmark.run)]
 
 
 ENTRY_POINTS = _entry_points()
@@ -100,6 +94,16 @@ def test_values_outside_the_range_stop_every_entry_point_with_one_line(key, valu
         assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: {shown} is not allowed: it must be "), (
             prog, err)
         assert TABLE[key].allowed.describe() in lines[0]
+
+
+def test_benchmark_input_answers_a_value_outside_the_range_as_the_commands_do():
+    """scripts/benchmark_input.py (a script: run as one) reads its keys through the same table and error path."""
+    done = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "benchmark_input.py"), BASE_YML,
+                           "eval_steps=0"], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": REPO, "JAX_PLATFORMS": "cpu"})
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-3000:]
+    assert lines[0].startswith("benchmark_input: error: eval_steps=0 is not allowed: it must be "), lines[0]
 
 
 def test_range_messages_read_as_the_table_says():

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from jax._src import compiler as jax_compiler
-from maxtrain.compile import executable, hlo_stats, targets as topologies
+from maxtrain.compile import executable, hlo_stats, libtpu, targets
 from maxtrain.training import builder
 from maxtrain import train, train_compile
 from maxtrain.config import with_overrides
@@ -44,7 +44,7 @@ from conftest import BASE_YML, REPO
     ("tpu7x-128", 1, "v7x", 64, (4, 4, 4)),
 ])
 def test_tpu_names_follow_maxtext(name, slices, chip, chips, shape):
-    target = topologies.parse(name, slices)
+    target = targets.parse(name, slices)
     assert (target.platform, target.chip, target.num_chips, target.shape) == ("tpu", chip, chips, shape)
     assert target.memory_bytes == {"v4": 32, "v5p": 95, "v5e": 16, "v6e": 32, "v7x": 96}[chip] * 2**30
     assert target.num_devices == chips * (2 if chip == "v7x" else 1)
@@ -61,7 +61,7 @@ def test_tpu_names_follow_maxtext(name, slices, chip, chips, shape):
     ("v6e-64", (False, False, False)),   # 8x8
 ])
 def test_tpu_slices_wrap_around_where_the_hardware_does(name, wrap):
-    assert topologies.parse(name, 1).wrap == wrap
+    assert targets.parse(name, 1).wrap == wrap
 
 
 @pytest.mark.parametrize("name, slices, chip, gpus, shape", [
@@ -74,7 +74,7 @@ def test_tpu_slices_wrap_around_where_the_hardware_does(name, wrap):
     ("h100-2", 1, "h100", 2, (1, 2)),
 ])
 def test_gpu_names(name, slices, chip, gpus, shape):
-    target = topologies.parse(name, slices)
+    target = targets.parse(name, slices)
     assert (target.platform, target.chip, target.num_chips, target.shape) == ("gpu", chip, gpus, shape)
     # The memory a fit is judged against comes from the shipped target config.
     assert target.memory_bytes == {"h100": 84_978_434_048, "h200": 141_000_000_000}[chip]
@@ -89,28 +89,28 @@ def test_gpu_names(name, slices, chip, gpus, shape):
     ("a3", 0, "compile_topology_num_slices=0 must be >= 1"),
 ])
 def test_bad_names_say_what_to_write(name, slices, message):
-    with pytest.raises(topologies.TargetError, match=message):
-        topologies.parse(name, slices)
+    with pytest.raises(targets.TargetError, match=message):
+        targets.parse(name, slices)
 
 
 def test_torus_shapes_hold_every_chip():
     for chips in (4, 8, 16, 32, 64, 128, 192, 256, 384, 512, 1024, 2048):
-        shape = topologies.torus_shape(chips, 3)
+        shape = targets.torus_shape(chips, 3)
         assert shape is not None and np.prod(shape) == chips and all(d <= 2 or d % 4 == 0 for d in shape)
     for chips in (1, 4, 8, 16, 32, 64, 128, 256):
-        shape = topologies.torus_shape(chips, 2)
+        shape = targets.torus_shape(chips, 2)
         assert np.prod(shape) == chips and shape[1] in (shape[0], 2 * shape[0])
 
 
 def test_missing_compiler_names_the_extra(monkeypatch):
-    real = topologies.importlib.util.find_spec
-    monkeypatch.setattr(topologies.importlib.util, "find_spec",
+    real = targets.importlib.util.find_spec
+    monkeypatch.setattr(targets.importlib.util, "find_spec",
                         lambda name, *a: None if name in ("libtpu", "jax_plugins.xla_cuda12", "jax_plugins.xla_cuda13")
                         else real(name, *a))
-    with pytest.raises(topologies.TargetError, match=r"pip install -e '\.\[tpu\]'"):
-        topologies.parse("v5e-16").devices()
-    with pytest.raises(topologies.TargetError, match=r"pip install -e '\.\[cuda\]'"):
-        topologies.parse("h100-8").devices()
+    with pytest.raises(targets.TargetError, match=r"pip install -e '\.\[tpu\]'"):
+        targets.parse("v5e-16").devices()
+    with pytest.raises(targets.TargetError, match=r"pip install -e '\.\[cuda\]'"):
+        targets.parse("h100-8").devices()
 
 
 # --------------------------------------------------------------------------------------------
@@ -172,7 +172,7 @@ ENTRY %main (a: bf16[8,64], b: f32[16]) -> f32[] {
 @pytest.mark.parametrize("version, overcounts", [("0.0.42.1", True), ("0.0.51.dev20250101", True), ("0.0.52", False),
                                                  ("0.1.0", False), (None, False)])
 def test_which_libtpu_counts_more_than_the_heap(version, overcounts):
-    assert train_compile.overcounting_libtpu(version) == overcounts
+    assert libtpu.overcounts(version) == overcounts
 
 
 def test_collectives_counted_per_step_with_loops_and_async_pairs():

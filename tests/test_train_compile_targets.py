@@ -14,9 +14,8 @@ import sys
 import jax
 import pytest
 
-from maxtrain.training import builder
-from maxtrain.compile import hlo_stats, predict, targets as topologies
-from maxtrain import train_compile
+from maxtrain.training import ahead_of_time, builder, layout_plan
+from maxtrain.compile import hlo_stats, libtpu, predict, report, targets
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 from maxtrain.models.params import is_spec
@@ -28,7 +27,7 @@ REQUIRED = os.environ.get("MAXTRAIN_REQUIRE_COMPILERS") == "1"
 
 
 def need(platform: str):
-    missing = topologies.compiler_missing(platform)
+    missing = targets.compiler_missing(platform)
     if missing:
         if REQUIRED:
             pytest.fail(f"MAXTRAIN_REQUIRE_COMPILERS=1 but the {platform} compiler is missing: {missing}")
@@ -42,9 +41,9 @@ SMALL = ["dataset_type=synthetic", "base_emb_dim=256", "base_num_query_heads=8",
 
 def compile_report(*overrides):
     config = builder.load_config([BASE_YML, *overrides])
-    target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
-    run, _, compiled, seconds = train_compile.compile_for_target(config, target)
-    return run, compiled, train_compile.report(run, compiled, target, seconds)
+    target = targets.parse(config.compile_topology, config.compile_topology_num_slices)
+    run, _, compiled, seconds = ahead_of_time.compile_for_target(config, target)
+    return run, compiled, report.report(run, compiled, target, seconds)
 
 
 def test_step_compiles_for_a_tpu_pod_with_autoselected_attention():
@@ -57,8 +56,8 @@ def test_step_compiles_for_a_tpu_pod_with_autoselected_attention():
     assert rep["libtpu"] and 0 < rep["memory"]["peak"]
     # Python 3.11's libtpu (0.0.42.1) counts VMEM and more as temporaries: the printed total says it errs high;
     # Python 3.12's (0.0.52) counts the heap, and no note is printed.
-    note = "so this total errs high" in train_compile.format_report(rep)
-    assert note == train_compile.overcounting_libtpu(rep["libtpu"])
+    note = "so this total errs high" in report.format_report(rep)
+    assert note == libtpu.overcounts(rep["libtpu"])
 
 
 def test_embedding_gradient_stays_sharded_with_data_parallelism_over_slices():
@@ -202,10 +201,10 @@ def test_autoselected_vocab_tiling_makes_that_step_fit(tmp_path):
     config = builder.load_config(with_overrides([BASE_YML, *SMALL], "compile_topology=v5e-4", "per_device_batch_size=64",
                                                 "max_target_length=2048", "vocab_size=32768", "remat_policy=minimal",
                                                 "ici_data_parallelism=2", "ici_fsdp_parallelism=2"))
-    target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
-    run, _, compiled, seconds = train_compile.compile_for_target(config, target)
-    rep = train_compile.report(run, compiled, target, seconds)
-    assert run.rt.vocab_tiles == 32 and train_compile.fits(rep), rep["memory"]
+    target = targets.parse(config.compile_topology, config.compile_topology_num_slices)
+    run, _, compiled, seconds = ahead_of_time.compile_for_target(config, target)
+    rep = report.report(run, compiled, target, seconds)
+    assert run.rt.vocab_tiles == 32 and report.fits(rep), rep["memory"]
 
 
 # DeepSeek-V3's shape, small: MLA with low-rank queries, 1 MoE layer of 8 experts (2 per token,
@@ -241,9 +240,9 @@ def test_h100_target_gets_remat_chosen_by_memory_and_the_grouped_gemm_for_drople
     config = builder.load_config(with_overrides(
         [BASE_YML, *SMALL], "remat_policy=autoselected", "decoder_block=mixtral", "num_experts=4",
         "num_experts_per_tok=2", "base_moe_mlp_dim=128", "compile_topology=h100-1"))
-    target = topologies.parse(config.compile_topology, config.compile_topology_num_slices)
-    run, _, compiled, _ = train_compile.compile_for_target(config, target)
-    experts, remat = train_compile.format_choices(train_compile.choice_report(run))
+    target = targets.parse(config.compile_topology, config.compile_topology_num_slices)
+    run, _, compiled, _ = ahead_of_time.compile_for_target(config, target)
+    experts, remat = report.format_choices(ahead_of_time.choice_report(run))
     assert run.rt.grouped_matmul == "pallas" and "grouped matmul pallas (Triton grouped GEMM" in experts
     assert "grouped_matmul_weight_grad" in compiled.as_text()
     assert (run.rt.remat_policy, run.rt.scan_layers(run.config)) == ("none", False)
@@ -300,17 +299,14 @@ def test_the_prediction_reads_an_h100_step_and_its_fsdp_collectives():
     model = rep["model_tflops_per_chip"] * 1e12
     assert 0.9 * model < p["hlo_flops_per_chip"] < 1.6 * model
     assert p["step_seconds"] == pytest.approx(p["compute_seconds"] + p["parts"]["collectives_exposed"])
-    assert "predicted step time" in train_compile.format_report(rep)
+    assert "predicted step time" in report.format_report(rep)
 
 
 def test_plan_sorts_the_cells_that_fit_and_names_the_best_command(capsys, tmp_path, monkeypatch):
     need("gpu")
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    import plan  # pylint: disable=import-outside-toplevel  # scripts/plan.py, not a package
-
     grid = [BASE_YML, *SMALL, "compile_topology=h100-8", "--tensor", "1,2", "--batch", "1", "--remat", "full",
             "--cache", str(tmp_path / "cells")]
-    plan.main(grid)
+    layout_plan.main(grid)
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if re.match(r"\| \d+ \|", line)]
     speeds = [float(r.split("|")[2].replace(",", "")) for r in rows]
@@ -318,22 +314,22 @@ def test_plan_sorts_the_cells_that_fit_and_names_the_best_command(capsys, tmp_pa
     assert re.search(r"train the best, on h100-8: python -m maxtrain.train .* ici_tensor_parallelism=[12] ", out)
     # the cache: the same grid again re-predicts each cell from its kept HLO, compiling nothing, to the same figures;
     # a new calibration changes them
-    monkeypatch.setattr(train_compile, "compile_for_target", lambda *a: pytest.fail("a cached cell was compiled"))
-    plan.main(grid)
+    monkeypatch.setattr(ahead_of_time, "compile_for_target", lambda *a: pytest.fail("a cached cell was compiled"))
+    layout_plan.main(grid)
     again = capsys.readouterr().out
     assert [line for line in again.splitlines() if re.match(r"\| \d+ \|", line)] == rows
     assert again.count("(from the cache)") == 2
     slow = dataclasses.replace(predict.CALIBRATION, matmul=predict.CALIBRATION.matmul / 2,
                                memory=predict.CALIBRATION.memory / 2)
     monkeypatch.setitem(predict.CALIBRATIONS, "gpu", slow)
-    plan.main(grid)
+    layout_plan.main(grid)
 
     def speeds_of(lines):  # settings -> predicted tokens/s per chip
         return {r.split("|")[6]: float(r.split("|")[2].replace(",", "")) for r in lines}
     slower = speeds_of(line for line in capsys.readouterr().out.splitlines() if re.match(r"\| \d+ \|", line))
     assert slower.keys() == speeds_of(rows).keys() and all(slower[k] < v for k, v in speeds_of(rows).items())
     monkeypatch.undo()
-    with pytest.raises(plan.ToolError, match=r"no cell of the grid fits h100-8: the smallest needs [\d.]+ GiB per chip "
+    with pytest.raises(layout_plan.ToolError, match=r"no cell of the grid fits h100-8: the smallest needs [\d.]+ GiB per chip "
                                              r"\(.*per_device_batch_size=4096.*\), the chip has 79.1; try"):
-        plan.main([BASE_YML, *with_overrides(SMALL, "max_target_length=4096"), "compile_topology=h100-8", "--tensor",
+        layout_plan.main([BASE_YML, *with_overrides(SMALL, "max_target_length=4096"), "compile_topology=h100-8", "--tensor",
                    "1", "--batch", "4096", "--remat", "minimal"])

@@ -4,7 +4,7 @@
     files.py        finding, checking and reading checkpoints (this run's or another's); CheckpointError
     adoption.py     a checkpoint's model settings (and tokenizer), taken by a run that starts from it
     checksums.py    per-file checksums written after each save, verified before a resume
-    inspect.py      what `python -m maxtrain.checkpoint inspect` prints
+    inspect.py      what `python -m maxtrain.inspect_checkpoint` prints
     convert.py      Hugging Face safetensors <-> maxtrain params, for every family (scripts/convert_hf.py)
     safetensors_files.py  reading and writing .safetensors without torch
     peft.py         a LoRA run's adapters as a PEFT adapter directory

@@ -215,7 +215,7 @@ def find_step_dir(path: str, key: str = "path") -> str:
         health = check_step(path)
         if not health.usable:
             raise CheckpointError(f"{key}={path!r} is damaged: {health.problem}. Use another step (see python -m "
-                                  f"maxtrain.checkpoint inspect {os.path.dirname(path)}).")
+                                  f"maxtrain.inspect_checkpoint {os.path.dirname(path)}).")
         return path
     for directory in (path, os.path.join(path, "checkpoints")):
         usable, damaged = latest_usable_step(directory)
@@ -304,7 +304,7 @@ def check_fits(step_dir: str, expected: dict[str, tuple[tuple[int, ...], str]], 
     if missing and all(p.split("/")[0] != "params" for p in missing) and any(p.startswith("params/") for p in saved):
         lines.append("It holds parameters only (e.g. converted from Hugging Face): use load_parameters_path.")
         raise CheckpointError("\n".join(lines))
-    lines.append("Use the model settings the checkpoint was written with (see `python -m maxtrain.checkpoint "
+    lines.append("Use the model settings the checkpoint was written with (see `python -m maxtrain.inspect_checkpoint "
                  f"inspect {step_dir}`)" + (", or a new run_name for a different model." if key == "resume" else "."))
     raise CheckpointError("\n".join(lines))
 
@@ -368,7 +368,7 @@ def check_settings(step_dir: str, config, key: str) -> None:
         raise CheckpointError(
             f"the checkpoint {step_dir} ({key}) was written with other model settings than this run's:\n  "
             + "\n  ".join(differing) + "\nIts parameters would compute a different model. Use the checkpoint's "
-            f"settings (leave the model keys unset to adopt them, or see `python -m maxtrain.checkpoint inspect "
+            f"settings (leave the model keys unset to adopt them, or see `python -m maxtrain.inspect_checkpoint "
             f"{step_dir}`)" + (", or a new run_name to train another model." if key == "resume" else "."))
 
 

@@ -1,4 +1,4 @@
-"""What a checkpoint holds, as `python -m maxtrain.checkpoint inspect PATH` prints it: its step, health,
+"""What a checkpoint holds, as `python -m maxtrain.inspect_checkpoint PATH` prints it: its step, health,
 array tree (shapes and dtypes), data iterators and metadata, without loading any array."""
 
 from __future__ import annotations

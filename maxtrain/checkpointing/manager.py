@@ -370,7 +370,7 @@ def installed_packages() -> list[str]:
 
 
 # --------------------------------------------------------------------------------------------
-# python -m maxtrain.checkpoint inspect PATH
+# python -m maxtrain.inspect_checkpoint PATH
 # --------------------------------------------------------------------------------------------
 
 

@@ -34,7 +34,7 @@ import re
 
 import numpy as np
 
-from maxtrain.compile import hlo_kernels, hlo_stats
+from maxtrain.compile import hlo_kernels, hlo_stats, targets
 from maxtrain.config import chips as chips_lib
 from maxtrain.models import attention_choice
 from maxtrain.errors import UserError
@@ -343,6 +343,30 @@ def predict(costs: ProgramCosts, chip: chips_lib.Chip, *, model_flops_per_step: 
         "kernels": sum(k.count for k in costs.kernels), "unknown_trip_counts": costs.unknown_trip_counts,
         "calibration": cal.source,
     }
+
+
+def step_inputs(run, target: targets.Target) -> dict | None:
+    """What the prediction of a compiled train step reads besides its HLO, as plain values (scripts/plan.py keeps
+    them with the program's HLO, so that a new calibration re-predicts without compiling); None without a chip
+    record (this machine's CPU)."""
+    config = run.config
+    chip = chips_lib.by_device_kind(target.chip) if target.platform == "cpu" else targets.chip_record(target)
+    if chip is None:
+        return None
+    devices = list(run.mesh.devices.flat)
+    return {"chip": chip.name, "mesh_shape": dict(run.mesh.shape),
+            "devices": [{"platform": d.platform, "slice_index": int(getattr(d, "slice_index", 0) or 0),
+                         "process_index": int(d.process_index)} for d in devices],
+            "model_flops_per_step": run.model.flops_per_token() * config.tokens_per_step / len(devices),
+            "tokens_per_step": config.tokens_per_step, "num_chips": len(devices), "steps": config.steps}
+
+
+def from_hlo(hlo_text: str, inputs: dict) -> dict:
+    """The prediction of a compiled program's HLO text with step_inputs' figures."""
+    devices = [DeviceRecord(**d) for d in inputs["devices"]]
+    costs = program_costs(hlo_text, devices=devices, mesh_shape=inputs["mesh_shape"])
+    return predict(costs, chips_lib.by_name(inputs["chip"]), model_flops_per_step=inputs["model_flops_per_step"],
+                   tokens_per_step=inputs["tokens_per_step"], num_chips=inputs["num_chips"], steps=inputs["steps"])
 
 
 def held_out_summary(errors: list[float]) -> str:

@@ -20,7 +20,8 @@ over the group's row blocks (a dynamic trip count) with rows outside the group z
 Operands are padded to whole tiles (rows to block_m, K and N to multiples of 16 with power-of-two
 blocks), so every load stays in bounds (interpret mode on CPU clamps out-of-bounds slices, a GPU
 would read past the array). `interpret=True` runs the same kernels on CPU (tests); the GPU form is
-chosen by `resolve` and compiled for an H100 ahead of time in tests/test_kernel_lowering.py.
+chosen by models/moe_experts.resolve_grouped_matmul and compiled for an H100 ahead of time in
+tests/test_kernel_lowering.py.
 Imports nothing else of maxtrain.
 """
 
@@ -34,28 +35,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
-IMPLEMENTATIONS = ("xla", "pallas")
-
-
-def resolve(setting: str, backend: str) -> str:
-    """moe_grouped_matmul resolved for a backend: `autoselected` is the Pallas kernel on GPUs (XLA:GPU's
-    ragged_dot computes every expert for every row there) and XLA's ragged_dot elsewhere (on CPU the dense
-    form is the faster one: interpret mode is a simulator; on TPU XLA's ragged_dot is already grouped).
-    `pallas` off a GPU runs the kernel in interpret mode (exact, slow: for tests)."""
-    if setting == "autoselected":
-        return "pallas" if backend == "gpu" else "xla"
-    if setting not in IMPLEMENTATIONS:
-        raise ValueError(f"moe_grouped_matmul={setting!r} is not one of autoselected, {', '.join(IMPLEMENTATIONS)}")
-    return setting
-
-
-def describe(implementation: str, backend: str) -> str:
-    """A few words for the summaries' experts: line."""
-    if implementation == "pallas":
-        return "grouped matmul: Pallas Triton kernel (routed rows only)" + (
-            "" if backend == "gpu" else f", in interpret mode on {backend}")
-    return "grouped matmul: XLA ragged_dot"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,6 +10,9 @@
     preemption.py   SIGTERM: save the current step and stop
     host_memory.py  a CPU step's buffers on huge pages and kept between steps
     measure.py      a step as train.py builds it, timed (benchmark.py, gpu_report.py); loss and grads compared
+    ahead_of_time.py  the step compiled for a compile target (train_compile, plan.py, scale_table.py)
+    benchmark.py    scripts/benchmark.py's logic: a step timed, --compare's variants timed alternately
+    layout_plan.py  scripts/plan.py's logic: a grid of layouts compiled for a target, sorted by predicted tokens/s
 
 May import evals, checkpointing, compile, observability and everything below them; never a command.
 """

@@ -32,7 +32,7 @@ from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 from maxtrain.models.params import is_spec
 from maxtrain.parallel import sharding
-from maxtrain.compile import fit as memory_lib
+from maxtrain.compile import fit
 from maxtrain.data import hosts, pipeline
 from maxtrain.models import fp8, moe, moe_experts
 from maxtrain.parallel import stages as pipeline_lib
@@ -362,7 +362,7 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
         f"FLOPs: {flops:.4g}/token, {flops * config.tokens_per_step:.4g}/step (causal attention counted once)",
         f"compiled step in {compile_seconds:.1f}s",
     ]
-    total = memory_lib.compiled_bytes(compiled)
+    total = fit.compiled_bytes(compiled)
     if total is not None:
         m = compiled.memory_analysis()
         lines.append(f"memory per device: {total / 2**30:.3f} GiB (arguments {m.argument_size_in_bytes / 2**30:.3f}, "

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from maxtrain import data as data_lib
-from maxtrain.compile import fit as memory_lib
+from maxtrain.compile import fit
 from maxtrain.data import pipeline
 from maxtrain.observability import metrics
 from maxtrain.parallel import sharding
@@ -99,7 +99,7 @@ def step_figures(run, times: list[float], step_fn) -> dict:
         "timed_steps": len(times), "step_seconds_median": median, "step_seconds_min": min(times),
         "step_seconds_max": max(times), "tokens_per_second_per_device": tokens_per_device / median,
         "tflops_per_second_per_device": tflops, "peak_tflops_per_device": peak, "mfu": tflops / peak if peak else None,
-        "compiled_memory_bytes": memory_lib.compiled_bytes(step_fn),
+        "compiled_memory_bytes": fit.compiled_bytes(step_fn),
         "measured_peak_bytes": measured_peak if measured_peak is not None else process_peak_rss_bytes(),
         "measured_peak_is": "device peak_bytes_in_use" if measured_peak is not None else "process peak RSS",
     }

@@ -1,0 +1,38 @@
+"""What the TPU compiler (libtpu) does differently by version: its version here, whether its memory_analysis()
+counts more temporaries than the heap holds, and its refusal of a program that does not fit the chip."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+
+# libtpu releases before this one count more temporaries than the program's heap holds: the chip's
+# VMEM, and the scanned layers' buffers a second time (docs/scale.md, "The same compiler as MaxText").
+LIBTPU_COUNTS_HEAP_FROM = (0, 0, 52)
+
+
+def version() -> str | None:
+    """The installed libtpu's version, or None without one."""
+    try:
+        return importlib.metadata.version("libtpu")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def overcounts(libtpu_version: str | None) -> bool:
+    """Whether this libtpu's memory_analysis() counts temporaries beyond the heap (0.0.42.1 does)."""
+    numbers = tuple(int(n) for n in re.findall(r"\d+", libtpu_version or "")[:3])
+    return bool(numbers) and numbers < LIBTPU_COUNTS_HEAP_FROM
+
+
+def out_of_memory(error: Exception) -> tuple[float, float] | None:
+    """(needed, available) GiB when the TPU compiler refused a program for the chip's memory, else None.
+
+    libtpu stops a compile whose temporaries alone exceed the chip's HBM ("RESOURCE_EXHAUSTED: Ran
+    out of memory on HBM, the total memory required for HLO temporaries (17.21G) exceeds available
+    HBM (15.75G)"): there is no compiled program to measure then, only its figures."""
+    match = re.search(r"Ran out of memory in memory space hbm|Ran out of memory on HBM", str(error))
+    figures = re.search(r"\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", str(error))
+    if not match or not figures:
+        return None
+    return float(figures.group(1)), float(figures.group(2))
