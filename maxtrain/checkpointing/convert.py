@@ -27,7 +27,7 @@ import yaml
 from maxtrain import config as config_lib
 from maxtrain import storage
 from maxtrain.models.model import Model
-from maxtrain.models import model_keys
+from maxtrain.models.model_keys import LATER_KEYS, MODEL_KEYS
 from maxtrain.models.families import FAMILIES
 from maxtrain.checkpointing import checksums, dequantize, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
@@ -98,7 +98,7 @@ def model_keys(hf: dict, notes: list | None = None, where: str = "config.json") 
         raise ConversionError(f"{where} is missing or has a malformed field for a {name} model "
                               f"({type(e).__name__}: {e}); use the config.json that came with the weights") from None
     defaults = config_lib.defaults()
-    out = {k: defaults[k] for k in model_keys.MODEL_KEYS}
+    out = {k: defaults[k] for k in MODEL_KEYS}
     out.update(keys, decoder_block=name)
     try:
         config_checks.validate({**defaults, **out})
@@ -356,12 +356,12 @@ def export_hf(checkpoint_path: str, out_dir: str, dtype: str = "float32", max_sh
     step_dir = checkpoint_files.find_step_dir(checkpoint_path)
     meta = checkpoint_files.read_metadata(step_dir)
     saved = meta.get("config", {})
-    missing = [k for k in model_keys.MODEL_KEYS if k not in saved and k not in model_keys.LATER_KEYS]
+    missing = [k for k in MODEL_KEYS if k not in saved and k not in LATER_KEYS]
     if missing:
         raise ConversionError(f"the checkpoint {step_dir} has no model settings {missing} in its metadata; it was "
                               "written by an older maxtrain")
     defaults = config_lib.defaults()  # a checkpoint from before the MoE keys is a dense model
-    keys = {k: saved[k] if k in saved else defaults[k] for k in model_keys.MODEL_KEYS}
+    keys = {k: saved[k] if k in saved else defaults[k] for k in MODEL_KEYS}
     names = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
     if dtype not in names:
         raise ConversionError(f"export dtype {dtype!r} is not one of {', '.join(names)}")
