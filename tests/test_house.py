@@ -502,3 +502,56 @@ def test_no_test_loads_a_script_by_its_path():
                 offenders.append(f"{os.path.relpath(path, REPO)}:{number}: {line.strip()}")
     assert not offenders, "tests that load a script by its path (import the package instead, or run the script):\n" \
         + "\n".join(offenders)
+
+
+def _layout_classes() -> set[str]:
+    """The names of models/hf.py's Layout and of every layout class (the families' own included)."""
+    from maxtrain.models import families  # pylint: disable=import-outside-toplevel,unused-import  # every family
+    from maxtrain.models import hf  # pylint: disable=import-outside-toplevel
+
+    found, todo = set(), [hf.Layout]
+    while todo:
+        cls = todo.pop()
+        found.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return found
+
+
+def _switches_on(tree: ast.AST, layouts: set[str]) -> list[int]:
+    """Lines that switch on layout types: isinstance/issubclass against a layout class, a type(...) or
+    __class__ comparison that names one, a match case with a layout class pattern."""
+    def names(node) -> set[str]:
+        return {getattr(n, "id", None) or getattr(n, "attr", None) or (n.value if isinstance(n, ast.Constant)
+                                                                       and isinstance(n.value, str) else None)
+                for n in ast.walk(node)}
+
+    def is_type(node) -> bool:
+        return any((isinstance(n, ast.Call) and getattr(n.func, "id", "") == "type")
+                   or (isinstance(n, ast.Attribute) and n.attr == "__class__") for n in ast.walk(node))
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("isinstance", "issubclass") \
+                and len(node.args) == 2 and names(node.args[1]) & layouts:
+            lines.append(node.lineno)
+        elif isinstance(node, ast.Compare) and any(is_type(o) for o in [node.left, *node.comparators]) \
+                and names(node) & layouts:
+            lines.append(node.lineno)
+        elif isinstance(node, ast.MatchClass) and names(node.cls) & layouts:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_conversion_does_not_switch_on_layout_types():
+    """Each Hugging Face layout (models/hf.py's Layout) converts its own tensors: checkpointing/ calls a
+    layout's methods and never asks which layout it holds."""
+    layouts = _layout_classes()
+    assert {"Layout", "Linear", "Interleaved", "GroupRows"} <= layouts
+    switching = ("isinstance(n_in, Interleaved)", "isinstance(n_in, (hf.Grouped, int))", "type(n_in) is PairedRope",
+                 "type(n_in).__name__ == 'Halves'", "match n_in:\n    case GroupRows(groups=g): pass")
+    for source in switching:  # the rule can fail
+        assert _switches_on(ast.parse(source), layouts), source
+    assert not _switches_on(ast.parse("isinstance(value, dict)\nlayout.export(w, out, name, dtype)"), layouts)
+    offenders = [f"{os.path.relpath(path, REPO)}:{line}" for path in python_files("maxtrain/checkpointing")
+                 for line in _switches_on(parse(path), layouts)]
+    assert not offenders, f"conversion switches on layout types at {offenders}: give the layout a method instead"

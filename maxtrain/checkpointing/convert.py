@@ -16,7 +16,6 @@ model has no place for is an error, never silently dropped.
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import types
@@ -28,7 +27,7 @@ import yaml
 from maxtrain import config as config_lib
 from maxtrain import storage
 from maxtrain.models.model import Model
-from maxtrain.models import model_keys
+from maxtrain.models.model_keys import LATER_KEYS, MODEL_KEYS
 from maxtrain.models.families import FAMILIES
 from maxtrain.checkpointing import checksums, dequantize, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
@@ -37,8 +36,7 @@ from maxtrain.config import checks as config_checks
 from maxtrain.config import registry
 from maxtrain.data import default_corpus, tokenizer_hf
 from maxtrain.data import tokenizer as tokenizer_lib
-from maxtrain.models.hf import (ConversionError, DepthwiseConv, Grouped, GroupRows, Interleaved, PairedRope,
-                                 rope_halves, rope_pairs)
+from maxtrain.models.hf import ConversionError
 from maxtrain.models.params import is_spec
 
 # Buffers some older checkpoints carry; recomputed, never needed.
@@ -100,7 +98,7 @@ def model_keys(hf: dict, notes: list | None = None, where: str = "config.json") 
         raise ConversionError(f"{where} is missing or has a malformed field for a {name} model "
                               f"({type(e).__name__}: {e}); use the config.json that came with the weights") from None
     defaults = config_lib.defaults()
-    out = {k: defaults[k] for k in model_keys.MODEL_KEYS}
+    out = {k: defaults[k] for k in MODEL_KEYS}
     out.update(keys, decoder_block=name)
     try:
         config_checks.validate({**defaults, **out})
@@ -122,10 +120,11 @@ def spec_config(keys: dict):
 
 
 def _entries(keys: dict):
-    """(path tuple, spec, HF name pattern, n_in, HF layer index of each stacked entry or None, experts or None).
+    """(path tuple, spec, HF name pattern, layout, HF layer index of each stacked entry or None, experts or None).
 
     "{i}" in a name is the layer's index in the whole stack (through the layer kinds); "{j}" the
-    expert's index along the parameter's "exp" axis (one Hugging Face tensor per expert)."""
+    expert's index along the parameter's "exp" axis (one Hugging Face tensor per expert). The layout
+    (models/hf.py) is resolved against the shapes of the parameters of the same layer it is fused with."""
     model = Model.bind(spec_config(keys))
     family, layer_types = model.family, model.layer_types
     flat = {"/".join(str(getattr(k, "key", k)) for k in path): spec for path, spec in
@@ -133,7 +132,7 @@ def _entries(keys: dict):
     for path, spec in flat.items():
         if path not in family.hf_names:
             raise ConversionError(f"the {family.row.name} family declares {path} but has no Hugging Face name for it")
-        name, n_in = family.hf_names[path]
+        name, layout = family.hf_names[path]
         layers = experts = None
         if "{i}" in name and path.startswith("mtp/"):  # the MTP modules follow the layers (models/mtp.py)
             layers = [len(layer_types) + k for k in range(spec.shape[0])]
@@ -142,15 +141,10 @@ def _entries(keys: dict):
             layers = [i for i, t in enumerate(layer_types) if t.kind == kind]
         if "{j}" in name:
             experts = spec.shape[spec.axes.index("exp")]
-        if isinstance(n_in, Grouped):  # resolved against the shapes of the parameters it is fused with
-            prefix = path.rsplit("/", 1)[0]
-            named = n_in.parts + ((n_in.groups_of,) if n_in.groups_of else ())
-            shapes = {p: _one_shape(flat[f"{prefix}/{p}"], layers, experts) for p in named}
-            lead = n_in.lead
-            groups = shapes[n_in.groups_of][lead + 1] if n_in.groups_of else 1
-            sizes = [math.prod(shapes[p][lead + 1:]) // groups for p in n_in.parts]
-            n_in = GroupRows(groups, sum(sizes[:n_in.part]), sizes[n_in.part], sum(sizes), lead)
-        yield tuple(path.split("/")), spec, name, n_in, layers, experts
+        prefix = path.rsplit("/", 1)[0]
+        layout = layout.resolve(lambda part, prefix=prefix, layers=layers, experts=experts:
+                                _one_shape(flat[f"{prefix}/{part}"], layers, experts))
+        yield tuple(path.split("/")), spec, name, layout, layers, experts
 
 
 def _one_shape(spec, layers, experts) -> tuple:
@@ -167,10 +161,10 @@ def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) ->
 
     def where(hf_name: str) -> str:
         return f"{file_of(hf_name)}: " if file_of(hf_name) else ""
-    for path, spec, name, n_in, layers, experts in _entries(keys):
+    for path, spec, name, layout, layers, experts in _entries(keys):
         shape = _one_shape(spec, layers, experts)
 
-        def read(hf_name, shape=shape, path=path, n_in=n_in):
+        def read(hf_name, shape=shape, path=path, layout=layout):
             if hf_name not in tensors:
                 if hf_name + "_blocks" in tensors:  # a pair is read as one tensor (dequantize.Dequantized)
                     raise ConversionError(f"the checkpoint holds {hf_name}_blocks (MXFP4) but no {hf_name}_scales; "
@@ -184,24 +178,13 @@ def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) ->
                 raise ConversionError(f"{where(hf_name)}{hf_name} is stored as {w.dtype}, not as float weights (a "
                                       "quantised tensor without its scales?); import a copy with bfloat16 or float32 "
                                       "weights")
-            expected = _hf_shape(shape, n_in)
+            expected = layout.hf_shape(shape)
             if tuple(w.shape) != expected:
                 raise ConversionError(f"{where(hf_name)}{hf_name} has shape {list(w.shape)}, but config.json implies "
                                       f"{list(expected)} (for maxtrain's {'/'.join(path)} {list(shape)}); use the "
                                       "config.json that came with these weights")
             used.add(hf_name)
-            if isinstance(n_in, Interleaved):
-                return np.ascontiguousarray(w[..., n_in.columns(w.shape[-1])]).astype(dtype)
-            if isinstance(n_in, PairedRope):
-                return rope_halves(w.T.reshape(shape)).astype(dtype)
-            if isinstance(n_in, GroupRows):
-                lead = w.shape[:n_in.lead]
-                rows = w.reshape(*lead, n_in.groups, n_in.total, -1)[..., n_in.offset:n_in.offset + n_in.size, :]
-                rows = rows.reshape(*lead, n_in.groups * n_in.size, -1)
-                return np.swapaxes(rows, -1, -2).reshape(shape).astype(dtype)
-            if isinstance(n_in, DepthwiseConv):
-                return w.reshape(w.shape[0], -1).T.reshape(shape).astype(dtype)
-            return (w.reshape(shape) if n_in in (None, "flat") else w.T.reshape(shape)).astype(dtype)
+            return layout.to_maxtrain(w, shape).astype(dtype)
 
         def per_layer(i, name=name, experts=experts):
             if experts is None:
@@ -224,7 +207,7 @@ def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) ->
 def to_hf(params: dict, keys: dict, dtype) -> dict[str, np.ndarray]:
     """Hugging Face tensors (torch Linear layout) from maxtrain params."""
     out = {}
-    for path, spec, name, n_in, layers, experts in _entries(keys):
+    for path, spec, name, layout, layers, experts in _entries(keys):
         value = params
         for part in path:
             if not isinstance(value, dict) or part not in value:
@@ -237,44 +220,8 @@ def to_hf(params: dict, keys: dict, dtype) -> dict[str, np.ndarray]:
         for i, per_layer in zip(layers if layers is not None else [None], value if layers is not None else [value]):
             for j, w in zip(range(experts) if experts is not None else [None],
                             per_layer if experts is not None else [per_layer]):
-                if isinstance(n_in, Interleaved):  # its columns of the tensor it shares
-                    whole = out.setdefault(name.format(i=i, j=j), np.zeros(_hf_shape(w.shape, n_in), dtype))
-                    whole[..., n_in.columns(whole.shape[-1])] = w
-                    continue
-                if isinstance(n_in, GroupRows):  # its rows of each group of the tensor it shares
-                    whole = out.setdefault(name.format(i=i, j=j), np.zeros(_hf_shape(w.shape, n_in), dtype))
-                    lead = w.shape[:n_in.lead]
-                    rows = np.swapaxes(w.reshape(*lead, w.shape[n_in.lead], -1), -1, -2)
-                    rows = rows.reshape(*lead, n_in.groups, n_in.size, -1)
-                    whole.reshape(*lead, n_in.groups, n_in.total, -1)[..., n_in.offset:n_in.offset + n_in.size, :] = rows
-                    continue
-                if isinstance(n_in, DepthwiseConv):
-                    out[name.format(i=i, j=j)] = np.ascontiguousarray(w.T.reshape(w.shape[1], 1, w.shape[0])).astype(dtype)
-                    continue
-                lead = n_in.n_in if isinstance(n_in, PairedRope) else n_in
-                if isinstance(n_in, PairedRope):
-                    w = rope_pairs(w)
-                w = w.reshape(_hf_shape(w.shape, lead)) if lead in (None, "flat") else \
-                    w.reshape(math.prod(w.shape[:lead]), -1).T
-                out[name.format(i=i, j=j)] = np.ascontiguousarray(w).astype(dtype)
+                layout.export(w, out, name.format(i=i, j=j), dtype)
     return out
-
-
-def _hf_shape(shape: tuple, n_in) -> tuple:
-    """The Hugging Face shape of a maxtrain parameter of one layer (see models/hf.py on layouts)."""
-    if n_in is None:
-        return tuple(shape)
-    if isinstance(n_in, Interleaved):
-        return tuple(shape[:-1]) + (shape[-1] * n_in.parts,)
-    if isinstance(n_in, GroupRows):
-        return (*shape[:n_in.lead], n_in.groups * n_in.total, shape[n_in.lead])
-    if isinstance(n_in, DepthwiseConv):
-        return (shape[1], 1, shape[0])
-    if isinstance(n_in, PairedRope):
-        n_in = n_in.n_in
-    if n_in == "flat":
-        return (math.prod(shape),)
-    return (math.prod(shape[n_in:]), math.prod(shape[:n_in]))
 
 
 def _text_tensors(tensors: dict, notes: list) -> dict:
@@ -409,12 +356,12 @@ def export_hf(checkpoint_path: str, out_dir: str, dtype: str = "float32", max_sh
     step_dir = checkpoint_files.find_step_dir(checkpoint_path)
     meta = checkpoint_files.read_metadata(step_dir)
     saved = meta.get("config", {})
-    missing = [k for k in model_keys.MODEL_KEYS if k not in saved and k not in model_keys.LATER_KEYS]
+    missing = [k for k in MODEL_KEYS if k not in saved and k not in LATER_KEYS]
     if missing:
         raise ConversionError(f"the checkpoint {step_dir} has no model settings {missing} in its metadata; it was "
                               "written by an older maxtrain")
     defaults = config_lib.defaults()  # a checkpoint from before the MoE keys is a dense model
-    keys = {k: saved[k] if k in saved else defaults[k] for k in model_keys.MODEL_KEYS}
+    keys = {k: saved[k] if k in saved else defaults[k] for k in MODEL_KEYS}
     names = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
     if dtype not in names:
         raise ConversionError(f"export dtype {dtype!r} is not one of {', '.join(names)}")

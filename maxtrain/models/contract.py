@@ -19,7 +19,7 @@ in the middle of a run. What every family declares:
     layer            (x, p, inputs, layer_type, model, rt) -> (x, aux): one layer of the stack
     logits           (params, x, config, rt) -> float32 logits [B, T, V]
     flops_per_token  (model, dense_attention) -> training FLOPs per token (model FLOPs)
-    hf_names         maxtrain parameter path -> (Hugging Face tensor name, layout) (models/hf.py)
+    hf_names         maxtrain parameter path -> (Hugging Face tensor name, models/hf.py Layout)
     from_hf_config   (config.json dict, notes) -> maxtrain's model keys
     to_hf_config     model keys -> config.json dict
 
@@ -52,6 +52,7 @@ import dataclasses
 from typing import Any, Callable
 
 from maxtrain.config import registry
+from maxtrain.models import hf
 
 
 def full_head_dim(config) -> int:
@@ -90,6 +91,12 @@ class FamilyModel:
     layer_cache: Callable[..., dict] = kv_layer_cache
     per_layer_inputs: Callable[..., Any] | None = None
     layer_state: Callable[..., Any] | None = None
+
+    def __post_init__(self):
+        untyped = [path for path, entry in self.hf_names.items()
+                   if not (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[1], hf.Layout))]
+        if untyped:
+            raise TypeError(f"the {self.row.name} family's hf_names {untyped[:4]} are not (name, models.hf.Layout)")
 
     @property
     def name(self) -> str:

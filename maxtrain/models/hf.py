@@ -1,14 +1,10 @@
 """What the families share about Hugging Face checkpoints: tensor names, config.json fields, RoPE.
 
-Tensor layouts. torch's Linear stores weight [out, in]; maxtrain keeps [in..., out...] with heads
-split out. A family's HF_NAMES maps each maxtrain parameter path to (HF tensor name, n_in): n_in is
-the number of leading maxtrain dims that form torch's "in" dimension (None: the same shape;
-"flat": the same values as one 1-D tensor, as biases [N, H] are [N*H]), e.g. q_proj.weight [N*H, D] -> wq [D, N, H] has n_in 1; o_proj.weight [D, N*H] -> wo
-[N, H, D] has n_in 2; an `Interleaved` n_in: every other column of the tensor's last axis (gpt-oss's
-fused gate_up_proj; `Halves`: the part-th block of its columns, Llama 4's gate_up_proj); a `PairedRope`
-n_in: q or k whose heads keep RoPE's pairs side by side (Llama 4), de-interleaved to maxtrain's layout.
+Tensor layouts. A family's HF_NAMES maps each maxtrain parameter path to (HF tensor name, Layout); the
+Layout converts one layer's (one expert's) tensor both ways, so checkpointing/convert.py needs to know
+none of them. torch's Linear stores weight [out, in]; maxtrain keeps [in..., out...] with heads split out.
 "{i}" in a name is the layer's index within its stack. Both sides use the "rotate half" RoPE layout
-for every other family, so their q and k need no permutation.
+for every family but Llama 4 (PairedRope), so their q and k need no permutation.
 
 config.json. Where a config states one thing twice, the reading of transformers 5 is followed
 (and a note says what was ignored): `rope_scaling`, when set, replaces `rope_parameters`;
@@ -20,87 +16,139 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import numpy as np
 
 from maxtrain.errors import UserError
 
-EMBEDDING_NAMES = {
-    "token_embedding": ("model.embed_tokens.weight", None),
-    "final_norm": ("model.norm.weight", None),
-    "output": ("lm_head.weight", 1),
-}
-ATTENTION_NAMES = {
-    "layers/decoder/wq": ("model.layers.{i}.self_attn.q_proj.weight", 1),
-    "layers/decoder/wk": ("model.layers.{i}.self_attn.k_proj.weight", 1),
-    "layers/decoder/wv": ("model.layers.{i}.self_attn.v_proj.weight", 1),
-    "layers/decoder/wo": ("model.layers.{i}.self_attn.o_proj.weight", 2),
-}
-QKV_BIAS_NAMES = {
-    "layers/decoder/bq": ("model.layers.{i}.self_attn.q_proj.bias", "flat"),
-    "layers/decoder/bk": ("model.layers.{i}.self_attn.k_proj.bias", "flat"),
-    "layers/decoder/bv": ("model.layers.{i}.self_attn.v_proj.bias", "flat"),
-}
-QK_NORM_NAMES = {
-    "layers/decoder/q_norm": ("model.layers.{i}.self_attn.q_norm.weight", None),
-    "layers/decoder/k_norm": ("model.layers.{i}.self_attn.k_norm.weight", None),
-}
-MLP_NAMES = {
-    "layers/decoder/w_gate": ("model.layers.{i}.mlp.gate_proj.weight", 1),
-    "layers/decoder/w_up": ("model.layers.{i}.mlp.up_proj.weight", 1),
-    "layers/decoder/w_down": ("model.layers.{i}.mlp.down_proj.weight", 1),
-}
-
-# A pre-norm decoder layer (Llama and the families built like it) and Gemma's pre- and post-normed one.
-DECODER_NAMES = {
-    **EMBEDDING_NAMES,
-    "layers/decoder/attn_norm": ("model.layers.{i}.input_layernorm.weight", None),
-    "layers/decoder/mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
-    **ATTENTION_NAMES, **MLP_NAMES,
-}
-SANDWICH_NAMES = {
-    **EMBEDDING_NAMES,
-    "layers/decoder/attn_norm": ("model.layers.{i}.input_layernorm.weight", None),
-    "layers/decoder/post_attn_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
-    "layers/decoder/mlp_norm": ("model.layers.{i}.pre_feedforward_layernorm.weight", None),
-    "layers/decoder/post_mlp_norm": ("model.layers.{i}.post_feedforward_layernorm.weight", None),
-    **ATTENTION_NAMES, **MLP_NAMES,
-}
-
-# OLMo 2 and 3: no norm before a sublayer, one after each; qk-norm over all heads' features ([N*H] in torch).
-POSTNORM_NAMES = {
-    **EMBEDDING_NAMES,
-    "layers/decoder/post_attn_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
-    "layers/decoder/post_mlp_norm": ("model.layers.{i}.post_feedforward_layernorm.weight", None),
-    "layers/decoder/q_norm": ("model.layers.{i}.self_attn.q_norm.weight", "flat"),
-    "layers/decoder/k_norm": ("model.layers.{i}.self_attn.k_norm.weight", "flat"),
-    **ATTENTION_NAMES, **MLP_NAMES,
-}
+# --------------------------------------------------------------------------------------------
+# Tensor layouts and names
+# --------------------------------------------------------------------------------------------
 
 
-def for_kind(names: dict, kind: str) -> dict:
-    """Names written for the layer kind "decoder", for the layers of another kind."""
-    return {k.replace("layers/decoder/", f"layers/{kind}/"): v for k, v in names.items()}
+class Layout:
+    """How one slice of a maxtrain parameter (one layer's, one expert's: `shape`) sits in a Hugging Face tensor,
+    and its conversion; checkpointing/convert.py calls these methods and nothing else of a layout.
+    resolve(shape_of): the layout against the slice shapes of the same layer's parameters it is fused with;
+    hf_shape(shape): the Hugging Face tensor's; to_maxtrain(w, shape): the slice from the tensor w;
+    export(w, out, name, dtype): writes slice w into out[name]. A layout whose slice is a whole tensor defines
+    to_hf(w); one that shares its tensor with others (Columns, GroupRows) fills its part of out[name]."""
+
+    def resolve(self, shape_of: Callable[[str], tuple]) -> Layout:  # pylint: disable=unused-argument
+        return self
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        raise NotImplementedError(f"{type(self).__name__} has no Hugging Face shape")
+
+    def to_maxtrain(self, w: np.ndarray, shape: tuple) -> np.ndarray:
+        raise NotImplementedError(f"{type(self).__name__} does not import")
+
+    def to_hf(self, w: np.ndarray) -> np.ndarray:
+        raise NotImplementedError(f"{type(self).__name__} does not export a whole tensor")
+
+    def export(self, w: np.ndarray, out: dict, name: str, dtype) -> None:
+        out[name] = np.ascontiguousarray(self.to_hf(w)).astype(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
-class Interleaved:
-    """The n_in of a maxtrain parameter that is columns part, part + parts, part + 2 parts, ... of the last
-    axis of a Hugging Face tensor whose other axes are as maxtrain stores them: gpt-oss's experts keep gate
-    and up in one gate_up_proj [E, D, 2F], gate in the even columns and up in the odd ones."""
+class Same(Layout):
+    """The same shape on both sides (norm scales, embeddings, biases of one axis)."""
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        return tuple(shape)
+
+    def to_maxtrain(self, w: np.ndarray, shape: tuple) -> np.ndarray:
+        return w.reshape(shape)
+
+    def to_hf(self, w: np.ndarray) -> np.ndarray:
+        return w.reshape(self.hf_shape(w.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class Flat(Same):
+    """The same values as one 1-D tensor: biases [N, H] are [N*H], OLMo's qk-norm scales over all heads."""
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        return (math.prod(shape),)
+
+
+@dataclasses.dataclass(frozen=True)
+class Linear(Layout):
+    """A torch Linear weight [out, in]: the first n_in maxtrain axes form "in", the others "out"
+    (q_proj.weight [N*H, D] -> wq [D, N, H] has n_in 1; o_proj.weight [D, N*H] -> wo [N, H, D] has n_in 2)."""
+
+    n_in: int
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        return (math.prod(shape[self.n_in:]), math.prod(shape[:self.n_in]))
+
+    def to_maxtrain(self, w: np.ndarray, shape: tuple) -> np.ndarray:
+        return w.T.reshape(shape)
+
+    def to_hf(self, w: np.ndarray) -> np.ndarray:
+        return w.reshape(math.prod(w.shape[:self.n_in]), -1).T
+
+
+SAME, FLAT = Same(), Flat()
+
+
+@dataclasses.dataclass(frozen=True)
+class PairedRope(Linear):
+    """A q or k projection (a Linear of n_in leading maxtrain axes) whose heads hold RoPE's pairs side by
+    side, (x_2i, x_2i+1) (Llama 4's checkpoints, rotated as complex numbers), where maxtrain rotates halves,
+    (x_i, x_i+H/2): each head's features are de-interleaved on import (evens, then odds) and interleaved
+    again on export. q and k are permuted alike, so q.k is unchanged (as are the L2 norm and the NoPE
+    layers, which read no pairs)."""
+
+    n_in: int = 1
+
+    def to_maxtrain(self, w: np.ndarray, shape: tuple) -> np.ndarray:
+        w = super().to_maxtrain(w, shape)
+        return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1)  # evens, then odds
+
+    def to_hf(self, w: np.ndarray) -> np.ndarray:
+        half = w.shape[-1] // 2
+        return super().to_hf(np.stack([w[..., :half], w[..., half:]], axis=-1).reshape(w.shape))
+
+
+@dataclasses.dataclass(frozen=True)
+class Columns(Layout):
+    """The `columns` of the last axis of a Hugging Face tensor that `parts` maxtrain parameters share, its
+    other axes as maxtrain stores them."""
 
     part: int
     parts: int = 2
 
     def columns(self, width: int) -> slice:
         """This part's columns of a tensor whose last axis has `width` columns."""
+        raise NotImplementedError(f"{type(self).__name__} names no columns")
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        return tuple(shape[:-1]) + (shape[-1] * self.parts,)
+
+    def to_maxtrain(self, w: np.ndarray, shape: tuple) -> np.ndarray:
+        return np.ascontiguousarray(w[..., self.columns(w.shape[-1])])
+
+    def export(self, w: np.ndarray, out: dict, name: str, dtype) -> None:
+        """Its columns of the tensor it shares (created, zeroed, by the first part written)."""
+        whole = out.setdefault(name, np.zeros(self.hf_shape(w.shape), dtype))
+        whole[..., self.columns(whole.shape[-1])] = w
+
+
+@dataclasses.dataclass(frozen=True)
+class Interleaved(Columns):
+    """Columns part, part + parts, part + 2 parts, ...: gpt-oss's experts keep gate and up in one
+    gate_up_proj [E, D, 2F], gate in the even columns and up in the odd ones."""
+
+    def columns(self, width: int) -> slice:
         return slice(self.part, None, self.parts)
 
 
 @dataclasses.dataclass(frozen=True)
-class Halves(Interleaved):
-    """As Interleaved, but the part-th of `parts` equal blocks of the columns: Llama 4's experts keep gate
-    and up in one gate_up_proj [E, D, 2F], gate in the first F columns and up in the last F."""
+class Halves(Columns):
+    """The part-th of `parts` equal blocks of the columns: Llama 4's experts keep gate and up in one
+    gate_up_proj [E, D, 2F], gate in the first F columns and up in the last F."""
 
     def columns(self, width: int) -> slice:
         size = width // self.parts
@@ -108,47 +156,31 @@ class Halves(Interleaved):
 
 
 @dataclasses.dataclass(frozen=True)
-class PairedRope:
-    """The n_in of a q or k projection (n_in leading maxtrain dims, as an int n_in) whose heads hold RoPE's
-    pairs side by side, (x_2i, x_2i+1) (Llama 4's checkpoints, rotated as complex numbers), where maxtrain
-    rotates halves, (x_i, x_i+H/2): each head's features are de-interleaved on import (evens, then odds)
-    and interleaved again on export. q and k are permuted alike, so q.k is unchanged (as are the L2 norm
-    and the NoPE layers, which read no pairs)."""
-
-    n_in: int = 1
-
-
-def rope_halves(w):
-    """[..., H] with RoPE's pairs side by side -> the rotate-half layout (PairedRope's import)."""
-    return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1)
-
-
-def rope_pairs(w):
-    """The rotate-half layout [..., H] -> pairs side by side (PairedRope's export)."""
-    half = w.shape[-1] // 2
-    return np.stack([w[..., :half], w[..., half:]], axis=-1).reshape(w.shape)
-
-
-@dataclasses.dataclass(frozen=True)
-class Grouped:
-    """The n_in of maxtrain parameters fused, group by group, in the rows of one torch Linear weight
+class Grouped(Layout):
+    """Maxtrain parameters fused, group by group, in the rows of one torch Linear weight
     [groups x group width, D] (maxtrain: [D, ...]): each group holds every part's slice in the order `parts`
     (maxtrain parameter names of the same layer), `groups` counted by the axis after D of the parameter
     `groups_of` (its heads; None: one group, the parts one after another). `lead` axes come first on both sides
     (experts stacked in one tensor: [E, rows, D] against maxtrain's [E, D, ...]). Qwen3-Next's in_proj_qkvz holds,
     per key head, its q, k, and the v and z of the value heads it serves; its q_proj holds, per head, the query
     and the output gate; Qwen3.5's experts keep gate and up in one gate_up_proj [E, 2F, D].
-    checkpointing/convert.py resolves it to GroupRows."""
+    It converts once resolved against the parts' shapes, as GroupRows."""
 
     part: int
     parts: tuple[str, ...]
     groups_of: str | None = None
     lead: int = 0
 
+    def resolve(self, shape_of: Callable[[str], tuple]) -> GroupRows:
+        shapes = {p: shape_of(p) for p in self.parts + ((self.groups_of,) if self.groups_of else ())}
+        groups = shapes[self.groups_of][self.lead + 1] if self.groups_of else 1
+        sizes = [math.prod(shapes[p][self.lead + 1:]) // groups for p in self.parts]
+        return GroupRows(groups, sum(sizes[:self.part]), sizes[self.part], sum(sizes), self.lead)
+
 
 @dataclasses.dataclass(frozen=True)
-class GroupRows:
-    """A Grouped n_in resolved against the parameters' shapes: rows [offset, offset + size) of each of the
+class GroupRows(Layout):
+    """A Grouped layout resolved against the parameters' shapes: rows [offset, offset + size) of each of the
     `groups` groups of `total` rows."""
 
     groups: int
@@ -157,10 +189,95 @@ class GroupRows:
     total: int
     lead: int = 0
 
+    def hf_shape(self, shape: tuple) -> tuple:
+        return (*shape[:self.lead], self.groups * self.total, shape[self.lead])
+
+    def to_maxtrain(self, w: np.ndarray, shape: tuple) -> np.ndarray:
+        lead = w.shape[:self.lead]
+        rows = w.reshape(*lead, self.groups, self.total, -1)[..., self.offset:self.offset + self.size, :]
+        rows = rows.reshape(*lead, self.groups * self.size, -1)
+        return np.swapaxes(rows, -1, -2).reshape(shape)
+
+    def export(self, w: np.ndarray, out: dict, name: str, dtype) -> None:
+        """Its rows of each group of the tensor it shares (created, zeroed, by the first part written)."""
+        whole = out.setdefault(name, np.zeros(self.hf_shape(w.shape), dtype))
+        lead = w.shape[:self.lead]
+        rows = np.swapaxes(w.reshape(*lead, w.shape[self.lead], -1), -1, -2)
+        rows = rows.reshape(*lead, self.groups, self.size, -1)
+        whole.reshape(*lead, self.groups, self.total, -1)[..., self.offset:self.offset + self.size, :] = rows
+
 
 @dataclasses.dataclass(frozen=True)
-class DepthwiseConv:
-    """The n_in of a depthwise Conv1d weight [C, 1, K] kept as [K, C] (Qwen3-Next's conv1d)."""
+class DepthwiseConv(Layout):
+    """A depthwise Conv1d weight [C, 1, K] kept as [K, C] (Qwen3-Next's conv1d)."""
+
+    def hf_shape(self, shape: tuple) -> tuple:
+        return (shape[1], 1, shape[0])
+
+    def to_maxtrain(self, w: np.ndarray, shape: tuple) -> np.ndarray:
+        return w.reshape(w.shape[0], -1).T.reshape(shape)
+
+    def to_hf(self, w: np.ndarray) -> np.ndarray:
+        return w.T.reshape(self.hf_shape(w.shape))
+
+
+# Tensor names
+EMBEDDING_NAMES = {
+    "token_embedding": ("model.embed_tokens.weight", SAME),
+    "final_norm": ("model.norm.weight", SAME),
+    "output": ("lm_head.weight", Linear(1)),
+}
+ATTENTION_NAMES = {
+    "layers/decoder/wq": ("model.layers.{i}.self_attn.q_proj.weight", Linear(1)),
+    "layers/decoder/wk": ("model.layers.{i}.self_attn.k_proj.weight", Linear(1)),
+    "layers/decoder/wv": ("model.layers.{i}.self_attn.v_proj.weight", Linear(1)),
+    "layers/decoder/wo": ("model.layers.{i}.self_attn.o_proj.weight", Linear(2)),
+}
+QKV_BIAS_NAMES = {
+    "layers/decoder/bq": ("model.layers.{i}.self_attn.q_proj.bias", FLAT),
+    "layers/decoder/bk": ("model.layers.{i}.self_attn.k_proj.bias", FLAT),
+    "layers/decoder/bv": ("model.layers.{i}.self_attn.v_proj.bias", FLAT),
+}
+QK_NORM_NAMES = {
+    "layers/decoder/q_norm": ("model.layers.{i}.self_attn.q_norm.weight", SAME),
+    "layers/decoder/k_norm": ("model.layers.{i}.self_attn.k_norm.weight", SAME),
+}
+MLP_NAMES = {
+    "layers/decoder/w_gate": ("model.layers.{i}.mlp.gate_proj.weight", Linear(1)),
+    "layers/decoder/w_up": ("model.layers.{i}.mlp.up_proj.weight", Linear(1)),
+    "layers/decoder/w_down": ("model.layers.{i}.mlp.down_proj.weight", Linear(1)),
+}
+
+# A pre-norm decoder layer (Llama and the families built like it) and Gemma's pre- and post-normed one.
+DECODER_NAMES = {
+    **EMBEDDING_NAMES,
+    "layers/decoder/attn_norm": ("model.layers.{i}.input_layernorm.weight", SAME),
+    "layers/decoder/mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", SAME),
+    **ATTENTION_NAMES, **MLP_NAMES,
+}
+SANDWICH_NAMES = {
+    **EMBEDDING_NAMES,
+    "layers/decoder/attn_norm": ("model.layers.{i}.input_layernorm.weight", SAME),
+    "layers/decoder/post_attn_norm": ("model.layers.{i}.post_attention_layernorm.weight", SAME),
+    "layers/decoder/mlp_norm": ("model.layers.{i}.pre_feedforward_layernorm.weight", SAME),
+    "layers/decoder/post_mlp_norm": ("model.layers.{i}.post_feedforward_layernorm.weight", SAME),
+    **ATTENTION_NAMES, **MLP_NAMES,
+}
+
+# OLMo 2 and 3: no norm before a sublayer, one after each; qk-norm over all heads' features ([N*H] in torch).
+POSTNORM_NAMES = {
+    **EMBEDDING_NAMES,
+    "layers/decoder/post_attn_norm": ("model.layers.{i}.post_attention_layernorm.weight", SAME),
+    "layers/decoder/post_mlp_norm": ("model.layers.{i}.post_feedforward_layernorm.weight", SAME),
+    "layers/decoder/q_norm": ("model.layers.{i}.self_attn.q_norm.weight", FLAT),
+    "layers/decoder/k_norm": ("model.layers.{i}.self_attn.k_norm.weight", FLAT),
+    **ATTENTION_NAMES, **MLP_NAMES,
+}
+
+
+def for_kind(names: dict, kind: str) -> dict:
+    """Names written for the layer kind "decoder", for the layers of another kind."""
+    return {k.replace("layers/decoder/", f"layers/{kind}/"): v for k, v in names.items()}
 
 
 class ConversionError(UserError, ValueError):

@@ -129,26 +129,29 @@ def flops_per_token(model, dense_attention: bool = False) -> float:
 # Hugging Face names the families share ("{i}": the layer's index in the whole stack)
 # --------------------------------------------------------------------------------------------
 
-HF_NORMS = {"attn_norm": ("input_layernorm.weight", None), "mlp_norm": ("post_attention_layernorm.weight", None)}
-HF_FULL = {"wk": ("self_attn.k_proj.weight", 1), "wv": ("self_attn.v_proj.weight", 1),
-           "wo": ("self_attn.o_proj.weight", 2), "q_norm": ("self_attn.q_norm.weight", None),
-           "k_norm": ("self_attn.k_norm.weight", None),
+HF_NORMS = {"attn_norm": ("input_layernorm.weight", hf.SAME), "mlp_norm": ("post_attention_layernorm.weight", hf.SAME)}
+HF_FULL = {"wk": ("self_attn.k_proj.weight", hf.Linear(1)), "wv": ("self_attn.v_proj.weight", hf.Linear(1)),
+           "wo": ("self_attn.o_proj.weight", hf.Linear(2)), "q_norm": ("self_attn.q_norm.weight", hf.SAME),
+           "k_norm": ("self_attn.k_norm.weight", hf.SAME),
            "wq": ("self_attn.q_proj.weight", hf.Grouped(0, ("wq", "wg"), "wq")),     # per head: query, then gate
            "wg": ("self_attn.q_proj.weight", hf.Grouped(1, ("wq", "wg"), "wq"))}
-HF_LINEAR = {"conv": ("linear_attn.conv1d.weight", hf.DepthwiseConv()), "dt_bias": ("linear_attn.dt_bias", None),
-             "a_log": ("linear_attn.A_log", None), "lin_norm": ("linear_attn.norm.weight", None),
-             "lin_wo": ("linear_attn.out_proj.weight", 2)}
-HF_SHARED = {"shared_gate": ("mlp.shared_expert.gate_proj.weight", 1), "shared_up": ("mlp.shared_expert.up_proj.weight", 1),
-             "shared_down": ("mlp.shared_expert.down_proj.weight", 1),
-             "shared_expert_gate": ("mlp.shared_expert_gate.weight", 1), "router": ("mlp.gate.weight", 1)}
+HF_LINEAR = {"conv": ("linear_attn.conv1d.weight", hf.DepthwiseConv()), "dt_bias": ("linear_attn.dt_bias", hf.SAME),
+             "a_log": ("linear_attn.A_log", hf.SAME), "lin_norm": ("linear_attn.norm.weight", hf.SAME),
+             "lin_wo": ("linear_attn.out_proj.weight", hf.Linear(2))}
+HF_SHARED = {"shared_gate": ("mlp.shared_expert.gate_proj.weight", hf.Linear(1)),
+             "shared_up": ("mlp.shared_expert.up_proj.weight", hf.Linear(1)),
+             "shared_down": ("mlp.shared_expert.down_proj.weight", hf.Linear(1)),
+             "shared_expert_gate": ("mlp.shared_expert_gate.weight", hf.Linear(1)),
+             "router": ("mlp.gate.weight", hf.Linear(1))}
 # Qwen3.5 keeps q, k and v of every head in one in_proj_qkv (all queries, then keys, then values), and z, b and a in
 # projections of their own (Qwen3-Next fuses them per key head: its module has its own).
 _QKV = ("lin_wq", "lin_wk", "lin_wv")
 QWEN3_5_LINEAR = {**{p: ("linear_attn.in_proj_qkv.weight", hf.Grouped(i, _QKV)) for i, p in enumerate(_QKV)},
-                  "lin_wz": ("linear_attn.in_proj_z.weight", 1), "lin_wb": ("linear_attn.in_proj_b.weight", 1),
-                  "lin_wa": ("linear_attn.in_proj_a.weight", 1)}
-HF_DENSE = {"w_gate": ("mlp.gate_proj.weight", 1), "w_up": ("mlp.up_proj.weight", 1),
-            "w_down": ("mlp.down_proj.weight", 1)}
+                  "lin_wz": ("linear_attn.in_proj_z.weight", hf.Linear(1)),
+                  "lin_wb": ("linear_attn.in_proj_b.weight", hf.Linear(1)),
+                  "lin_wa": ("linear_attn.in_proj_a.weight", hf.Linear(1))}
+HF_DENSE = {"w_gate": ("mlp.gate_proj.weight", hf.Linear(1)), "w_up": ("mlp.up_proj.weight", hf.Linear(1)),
+            "w_down": ("mlp.down_proj.weight", hf.Linear(1))}
 
 
 def hf_names(linear: dict, experts: dict | None) -> dict:

@@ -85,28 +85,30 @@ def flops_per_token(model, dense_attention: bool = False) -> float:
 
 _ATTENTION = {
     "attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight",
-    "wq": ("self_attn.q_proj.weight", 1), "wq_a": ("self_attn.q_a_proj.weight", 1),
-    "q_a_norm": "self_attn.q_a_layernorm.weight", "wq_b": ("self_attn.q_b_proj.weight", 1),
-    "wkv_a": ("self_attn.kv_a_proj_with_mqa.weight", 1), "kv_a_norm": "self_attn.kv_a_layernorm.weight",
-    "wkv_b": ("self_attn.kv_b_proj.weight", 1), "wo": ("self_attn.o_proj.weight", 2),
+    "wq": ("self_attn.q_proj.weight", hf.Linear(1)), "wq_a": ("self_attn.q_a_proj.weight", hf.Linear(1)),
+    "q_a_norm": "self_attn.q_a_layernorm.weight", "wq_b": ("self_attn.q_b_proj.weight", hf.Linear(1)),
+    "wkv_a": ("self_attn.kv_a_proj_with_mqa.weight", hf.Linear(1)), "kv_a_norm": "self_attn.kv_a_layernorm.weight",
+    "wkv_b": ("self_attn.kv_b_proj.weight", hf.Linear(1)), "wo": ("self_attn.o_proj.weight", hf.Linear(2)),
 }
 _MOE = {
-    "router": ("mlp.gate.weight", 1), "router_bias": "mlp.gate.e_score_correction_bias",
-    "w_gate": ("mlp.experts.{j}.gate_proj.weight", 1), "w_up": ("mlp.experts.{j}.up_proj.weight", 1),
-    "w_down": ("mlp.experts.{j}.down_proj.weight", 1),
-    "shared_gate": ("mlp.shared_experts.gate_proj.weight", 1), "shared_up": ("mlp.shared_experts.up_proj.weight", 1),
-    "shared_down": ("mlp.shared_experts.down_proj.weight", 1),
+    "router": ("mlp.gate.weight", hf.Linear(1)), "router_bias": "mlp.gate.e_score_correction_bias",
+    "w_gate": ("mlp.experts.{j}.gate_proj.weight", hf.Linear(1)),
+    "w_up": ("mlp.experts.{j}.up_proj.weight", hf.Linear(1)),
+    "w_down": ("mlp.experts.{j}.down_proj.weight", hf.Linear(1)),
+    "shared_gate": ("mlp.shared_experts.gate_proj.weight", hf.Linear(1)),
+    "shared_up": ("mlp.shared_experts.up_proj.weight", hf.Linear(1)),
+    "shared_down": ("mlp.shared_experts.down_proj.weight", hf.Linear(1)),
 }
 
 
 def _names(kind: str, table: dict) -> dict:
-    return {f"layers/{kind}/{name}": (f"model.layers.{{i}}.{v}", None) if isinstance(v, str)
+    return {f"layers/{kind}/{name}": (f"model.layers.{{i}}.{v}", hf.SAME) if isinstance(v, str)
             else (f"model.layers.{{i}}.{v[0]}", v[1]) for name, v in table.items()}
 
 
 # The MTP modules (params["mtp"]); "{i}" is num_hidden_layers + the module's index (checkpointing/convert.py).
 # Their embed_tokens and shared_head.head are copies of the model's, which maxtrain shares instead.
-_MTP = {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "eh_proj": ("eh_proj.weight", 1),
+_MTP = {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "eh_proj": ("eh_proj.weight", hf.Linear(1)),
         "final_norm": "shared_head.norm.weight", **_ATTENTION, **_MOE}
 MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 

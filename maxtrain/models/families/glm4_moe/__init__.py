@@ -73,19 +73,22 @@ def flops_per_token(model, dense_attention: bool = False) -> float:
 
 _NORMS = {"attn_norm": "input_layernorm.weight", "mlp_norm": "post_attention_layernorm.weight"}
 _MOE = {
-    "router": ("mlp.gate.weight", 1), "router_bias": ("mlp.gate.e_score_correction_bias", None),
-    "w_gate": ("mlp.experts.{j}.gate_proj.weight", 1), "w_up": ("mlp.experts.{j}.up_proj.weight", 1),
-    "w_down": ("mlp.experts.{j}.down_proj.weight", 1),
-    "shared_gate": ("mlp.shared_experts.gate_proj.weight", 1), "shared_up": ("mlp.shared_experts.up_proj.weight", 1),
-    "shared_down": ("mlp.shared_experts.down_proj.weight", 1),
+    "router": ("mlp.gate.weight", hf.Linear(1)), "router_bias": ("mlp.gate.e_score_correction_bias", hf.SAME),
+    "w_gate": ("mlp.experts.{j}.gate_proj.weight", hf.Linear(1)),
+    "w_up": ("mlp.experts.{j}.up_proj.weight", hf.Linear(1)),
+    "w_down": ("mlp.experts.{j}.down_proj.weight", hf.Linear(1)),
+    "shared_gate": ("mlp.shared_experts.gate_proj.weight", hf.Linear(1)),
+    "shared_up": ("mlp.shared_experts.up_proj.weight", hf.Linear(1)),
+    "shared_down": ("mlp.shared_experts.down_proj.weight", hf.Linear(1)),
 }
 _ATTENTION = {**hf.ATTENTION_NAMES, **hf.QKV_BIAS_NAMES, **hf.QK_NORM_NAMES,
-              **{f"layers/decoder/{k}": (f"model.layers.{{i}}.{v}", None) for k, v in _NORMS.items()}}
+              **{f"layers/decoder/{k}": (f"model.layers.{{i}}.{v}", hf.SAME) for k, v in _NORMS.items()}}
 _MOE_NAMES = {f"layers/moe/{k}": (f"model.layers.{{i}}.{name}", n_in) for k, (name, n_in) in _MOE.items()}
 # The MTP modules (params["mtp"]); "{i}" is num_hidden_layers + the module's index (checkpointing/convert.py).
 # Their embed_tokens and shared_head.head are copies of the model's, which maxtrain shares instead.
-_MTP_OWN = {"enorm": ("enorm.weight", None), "hnorm": ("hnorm.weight", None), "eh_proj": ("eh_proj.weight", 1),
-            "final_norm": ("shared_head.norm.weight", None)}
+_MTP_OWN = {"enorm": ("enorm.weight", hf.SAME), "hnorm": ("hnorm.weight", hf.SAME),
+            "eh_proj": ("eh_proj.weight", hf.Linear(1)),
+            "final_norm": ("shared_head.norm.weight", hf.SAME)}
 MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 HF_NAMES = {**hf.EMBEDDING_NAMES, **hf.for_kind(_ATTENTION, "dense"), **hf.for_kind(_ATTENTION, "moe"),

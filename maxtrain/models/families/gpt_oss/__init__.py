@@ -65,19 +65,19 @@ def flops_per_token(model, dense_attention: bool = False) -> float:
 _EXPERTS = "model.layers.{i}.mlp.experts."
 HF_NAMES = {
     **hf.EMBEDDING_NAMES,
-    "layers/moe/attn_norm": ("model.layers.{i}.input_layernorm.weight", None),
-    "layers/moe/mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
+    "layers/moe/attn_norm": ("model.layers.{i}.input_layernorm.weight", hf.SAME),
+    "layers/moe/mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", hf.SAME),
     **hf.for_kind({**hf.ATTENTION_NAMES, **hf.QKV_BIAS_NAMES}, "moe"),
-    "layers/moe/bo": ("model.layers.{i}.self_attn.o_proj.bias", None),
-    "layers/moe/sinks": ("model.layers.{i}.self_attn.sinks", None),
-    "layers/moe/router": ("model.layers.{i}.mlp.router.weight", 1),
-    "layers/moe/b_router": ("model.layers.{i}.mlp.router.bias", None),
+    "layers/moe/bo": ("model.layers.{i}.self_attn.o_proj.bias", hf.SAME),
+    "layers/moe/sinks": ("model.layers.{i}.self_attn.sinks", hf.SAME),
+    "layers/moe/router": ("model.layers.{i}.mlp.router.weight", hf.Linear(1)),
+    "layers/moe/b_router": ("model.layers.{i}.mlp.router.bias", hf.SAME),
     "layers/moe/w_gate": (_EXPERTS + "gate_up_proj", hf.Interleaved(0)),
     "layers/moe/w_up": (_EXPERTS + "gate_up_proj", hf.Interleaved(1)),
     "layers/moe/b_gate": (_EXPERTS + "gate_up_proj_bias", hf.Interleaved(0)),
     "layers/moe/b_up": (_EXPERTS + "gate_up_proj_bias", hf.Interleaved(1)),
-    "layers/moe/w_down": (_EXPERTS + "down_proj", None),
-    "layers/moe/b_down": (_EXPERTS + "down_proj_bias", None),
+    "layers/moe/w_down": (_EXPERTS + "down_proj", hf.SAME),
+    "layers/moe/b_down": (_EXPERTS + "down_proj_bias", hf.SAME),
 }
 
 

@@ -103,27 +103,27 @@ def flops_per_token(model, dense_attention: bool = False) -> float:
 
 _L = "model.layers.{i}."
 _LAYER = {
-    "attn_norm": (_L + "input_layernorm.weight", None),
-    "mlp_norm": (_L + "post_attention_layernorm.weight", None),
+    "attn_norm": (_L + "input_layernorm.weight", hf.SAME),
+    "mlp_norm": (_L + "post_attention_layernorm.weight", hf.SAME),
     "wq": (_L + "self_attn.q_proj.weight", hf.PairedRope(1)),
     "wk": (_L + "self_attn.k_proj.weight", hf.PairedRope(1)),
-    "wv": (_L + "self_attn.v_proj.weight", 1),
-    "wo": (_L + "self_attn.o_proj.weight", 2),
+    "wv": (_L + "self_attn.v_proj.weight", hf.Linear(1)),
+    "wo": (_L + "self_attn.o_proj.weight", hf.Linear(2)),
 }
 _F = _L + "feed_forward."
 HF_NAMES = {
     **hf.EMBEDDING_NAMES,
     **{f"layers/{kind}/{name}": v for kind in ("moe", "dense") for name, v in _LAYER.items()},
-    "layers/dense/w_gate": (_F + "gate_proj.weight", 1),
-    "layers/dense/w_up": (_F + "up_proj.weight", 1),
-    "layers/dense/w_down": (_F + "down_proj.weight", 1),
-    "layers/moe/router": (_F + "router.weight", 1),
+    "layers/dense/w_gate": (_F + "gate_proj.weight", hf.Linear(1)),
+    "layers/dense/w_up": (_F + "up_proj.weight", hf.Linear(1)),
+    "layers/dense/w_down": (_F + "down_proj.weight", hf.Linear(1)),
+    "layers/moe/router": (_F + "router.weight", hf.Linear(1)),
     "layers/moe/w_gate": (_F + "experts.gate_up_proj", hf.Halves(0)),
     "layers/moe/w_up": (_F + "experts.gate_up_proj", hf.Halves(1)),
-    "layers/moe/w_down": (_F + "experts.down_proj", None),
-    "layers/moe/shared_gate": (_F + "shared_expert.gate_proj.weight", 1),
-    "layers/moe/shared_up": (_F + "shared_expert.up_proj.weight", 1),
-    "layers/moe/shared_down": (_F + "shared_expert.down_proj.weight", 1),
+    "layers/moe/w_down": (_F + "experts.down_proj", hf.SAME),
+    "layers/moe/shared_gate": (_F + "shared_expert.gate_proj.weight", hf.Linear(1)),
+    "layers/moe/shared_up": (_F + "shared_expert.up_proj.weight", hf.Linear(1)),
+    "layers/moe/shared_down": (_F + "shared_expert.down_proj.weight", hf.Linear(1)),
 }
 
 

@@ -47,13 +47,13 @@ def flops_per_token(model, dense_attention: bool = False) -> float:
 
 HF_NAMES = {
     **hf.EMBEDDING_NAMES,
-    "layers/moe/attn_norm": ("model.layers.{i}.input_layernorm.weight", None),
-    "layers/moe/mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
+    "layers/moe/attn_norm": ("model.layers.{i}.input_layernorm.weight", hf.SAME),
+    "layers/moe/mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", hf.SAME),
     **hf.for_kind(hf.ATTENTION_NAMES, "moe"),
-    "layers/moe/router": ("model.layers.{i}.block_sparse_moe.gate.weight", 1),
-    "layers/moe/w_gate": ("model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", 1),
-    "layers/moe/w_up": ("model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight", 1),
-    "layers/moe/w_down": ("model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight", 1),
+    "layers/moe/router": ("model.layers.{i}.block_sparse_moe.gate.weight", hf.Linear(1)),
+    "layers/moe/w_gate": ("model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", hf.Linear(1)),
+    "layers/moe/w_up": ("model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight", hf.Linear(1)),
+    "layers/moe/w_down": ("model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight", hf.Linear(1)),
 }
 
 

@@ -9,14 +9,15 @@ says it left the vision tower out.
 from __future__ import annotations
 
 from maxtrain.config import registry
-from maxtrain.models import contract, hybrid
+from maxtrain.models import contract, hf, hybrid
 
 FAMILY = registry.FAMILIES["qwen3_5_moe_text"]
 
 
 HF_NAMES = hybrid.hf_names(hybrid.QWEN3_5_LINEAR, experts={
-    "w_gate": ("mlp.experts.{j}.gate_proj.weight", 1), "w_up": ("mlp.experts.{j}.up_proj.weight", 1),
-    "w_down": ("mlp.experts.{j}.down_proj.weight", 1)})
+    "w_gate": ("mlp.experts.{j}.gate_proj.weight", hf.Linear(1)),
+    "w_up": ("mlp.experts.{j}.up_proj.weight", hf.Linear(1)),
+    "w_down": ("mlp.experts.{j}.down_proj.weight", hf.Linear(1))})
 
 
 def from_hf_config(config: dict, notes: list | None = None) -> dict:

@@ -57,8 +57,8 @@ def flops_per_token(model, dense_attention: bool = False) -> float:
 # --------------------------------------------------------------------------------------------
 
 _LAYER = {
-    "attn_norm": ("model.layers.{i}.input_layernorm.weight", None),
-    "mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", None),
+    "attn_norm": ("model.layers.{i}.input_layernorm.weight", hf.SAME),
+    "mlp_norm": ("model.layers.{i}.post_attention_layernorm.weight", hf.SAME),
 }
 HF_NAMES = {
     **hf.EMBEDDING_NAMES,
@@ -66,10 +66,10 @@ HF_NAMES = {
     **{k: v for kind in ("moe", "dense")
        for k, v in hf.for_kind({**hf.ATTENTION_NAMES, **hf.QK_NORM_NAMES}, kind).items()},
     **hf.for_kind(hf.MLP_NAMES, "dense"),
-    "layers/moe/router": ("model.layers.{i}.mlp.gate.weight", 1),
-    "layers/moe/w_gate": ("model.layers.{i}.mlp.experts.{j}.gate_proj.weight", 1),
-    "layers/moe/w_up": ("model.layers.{i}.mlp.experts.{j}.up_proj.weight", 1),
-    "layers/moe/w_down": ("model.layers.{i}.mlp.experts.{j}.down_proj.weight", 1),
+    "layers/moe/router": ("model.layers.{i}.mlp.gate.weight", hf.Linear(1)),
+    "layers/moe/w_gate": ("model.layers.{i}.mlp.experts.{j}.gate_proj.weight", hf.Linear(1)),
+    "layers/moe/w_up": ("model.layers.{i}.mlp.experts.{j}.up_proj.weight", hf.Linear(1)),
+    "layers/moe/w_down": ("model.layers.{i}.mlp.experts.{j}.down_proj.weight", hf.Linear(1)),
 }
 
 

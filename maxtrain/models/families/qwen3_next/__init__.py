@@ -22,8 +22,9 @@ HF_NAMES = hybrid.hf_names(
     linear={**{p: ("linear_attn.in_proj_qkvz.weight", hf.Grouped(i, _QKVZ, "lin_wq")) for i, p in enumerate(_QKVZ)},
             "lin_wb": ("linear_attn.in_proj_ba.weight", hf.Grouped(0, ("lin_wb", "lin_wa"), "lin_wq")),
             "lin_wa": ("linear_attn.in_proj_ba.weight", hf.Grouped(1, ("lin_wb", "lin_wa"), "lin_wq"))},
-    experts={"w_gate": ("mlp.experts.{j}.gate_proj.weight", 1), "w_up": ("mlp.experts.{j}.up_proj.weight", 1),
-             "w_down": ("mlp.experts.{j}.down_proj.weight", 1)})
+    experts={"w_gate": ("mlp.experts.{j}.gate_proj.weight", hf.Linear(1)),
+             "w_up": ("mlp.experts.{j}.up_proj.weight", hf.Linear(1)),
+             "w_down": ("mlp.experts.{j}.down_proj.weight", hf.Linear(1))})
 
 
 def from_hf_config(config: dict, notes: list | None = None) -> dict:
