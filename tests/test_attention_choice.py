@@ -12,7 +12,7 @@ import pytest
 
 from conftest import BASE_YML, TINY
 from maxtrain import models
-from maxtrain.config import load_config, with_overrides
+from maxtrain.config import attention_speeds, load_config, with_overrides
 from maxtrain.models import attention, attention_choice, attention_check
 
 BF16 = jnp.bfloat16
@@ -54,9 +54,9 @@ def test_flash_where_cudnn_cannot_run_the_model(without_tokamax, kwargs, lacking
 
 def test_a_faster_measured_tokamax_row_wins_and_unsupported_ones_are_passed_over(monkeypatch):
     monkeypatch.setattr(attention_choice, "tokamax_installed", lambda: True)
-    row = attention_choice.Row("sm90", 128, 8192, (("tokamax", 400.0), ("cudnn", 349.3), ("flash", 201.2)),
+    row = attention_speeds.Row("sm90", 128, 8192, (("tokamax", 400.0), ("cudnn", 349.3), ("flash", 201.2)),
                                "H100", "2026-12-01", "a test row")
-    monkeypatch.setattr(attention_choice, "MEASURED", (row,))
+    monkeypatch.setattr(attention_speeds, "MEASURED", (row,))
     choice = choose(head_dim=128, length=8192)
     assert choice.implementation == "tokamax" and "tokamax 400, cudnn 349, flash 201" in choice.reason
     # soft-caps: tokamax has them, cuDNN not
@@ -64,13 +64,13 @@ def test_a_faster_measured_tokamax_row_wins_and_unsupported_ones_are_passed_over
     # sinks: neither; Volta (sm70): not tokamax's Mosaic GPU kernel
     assert choose(head_dim=128, length=8192, sinks=True).implementation == "flash"
     assert choose(head_dim=128, length=8192, capability="7.0").implementation == "cudnn"
-    monkeypatch.setattr(attention_choice, "MEASURED", ())  # nothing measured: our kernel, the tie-break
+    monkeypatch.setattr(attention_speeds, "MEASURED", ())  # nothing measured: our kernel, the tie-break
     choice = choose(head_dim=128, length=8192)
     assert choice.implementation == "flash" and "no measured row compares flash and cudnn and tokamax" in choice.reason
 
 
 def test_the_measured_table_names_its_device_date_and_source():
-    for row in attention_choice.MEASURED:
+    for row in attention_speeds.MEASURED:
         assert row.date.startswith("2026-") and row.device in ("H100", "H200") and "docs/gpu.md" in row.source
         assert {name for name, _ in row.tflops} <= {"cudnn", "flash", "tokamax", "dot_product"}
         assert all(tflops > 0 for _, tflops in row.tflops)

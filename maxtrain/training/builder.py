@@ -54,7 +54,7 @@ def load_config(argv: list[str], log=print):
 
 def runtime(config, platform: str, mesh, layer_plan: tuple[str, bool] | None = None) -> models.Runtime:
     """The choices resolved for `platform` and `mesh`, once per run (build, load_model): compute dtype,
-    attention implementation, remat policy, and the vocab tiling chosen for one device's share of the
+    attention implementation (per attention kind of the model's layer types), remat policy, and the vocab tiling chosen for one device's share of the
     logits; layer_plan: (remat policy, scan?) chosen by compiled memory (training/layer_choice.py). A choice
     this platform or mesh cannot run is a config error."""
     rules = config.logical_axis_rules
@@ -68,7 +68,8 @@ def runtime(config, platform: str, mesh, layer_plan: tuple[str, bool] | None = N
         return models.Runtime.from_config(config, platform, logits_bytes, capability=capability,
                                           gpu_present=platform != "gpu" or has_local_gpu(),
                                           context_parallel=sharding.ways_on(mesh, "length", rules),
-                                          layer_plan=layer_plan)
+                                          layer_plan=layer_plan,
+                                          layer_types=models.family(config).layer_types(config))
     except ValueError as e:  # attention / dtype choices the platform lacks (attention.resolve_implementation)
         if isinstance(e, config_lib.ConfigError):
             raise
