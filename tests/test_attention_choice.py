@@ -162,3 +162,74 @@ def test_long_packed_sequences_keep_their_segment_ids_in_a_kernel(without_tokama
     choice = choose(head_dim=128, length=32768)
     assert choice.implementation == "flash" and "[B, 1, T, S] mask, 2.0 GiB a sequence at 32768 tokens" in choice.reason
     assert choose(head_dim=128, length=32768, packed=False).implementation == "cudnn"
+
+
+GEMMA4 = with_overrides(TINY, "decoder_block=gemma4_text", "head_dim=256", "global_head_dim=512",
+                        "base_num_decoder_layers=6", "sliding_window_size=64", "dtype=bfloat16",
+                        "attention=autoselected", "max_target_length=4096")
+
+
+def gemma4_runtime(*overrides, **kwargs):
+    cfg = load_config([BASE_YML, *with_overrides(GEMMA4, *overrides)])
+    return cfg, models.Runtime.from_config(cfg, "gpu", capability="9.0", layer_types=models.family(cfg).layer_types(cfg),
+                                           **kwargs)
+
+
+def test_each_layer_kind_gets_the_fastest_implementation_that_runs_it(without_tokamax):
+    """Gemma 4's shape on an H100: its sliding-window layers (head_dim 256) run cuDNN, measured fastest there; its
+    global layers' 512-wide heads are beyond cuDNN's 256, so they run our flash kernel. Each layer attends with
+    its kind's choice, and the summary says per kind what was chosen and why."""
+    cfg, rt = gemma4_runtime()
+    by_kind = {k.label(): k.implementation for k in rt.attention_kinds}
+    assert by_kind == {"sliding-window layers (head_dim 256, window 64)": "cudnn",
+                       "full-attention layers (head_dim 512)": "flash"}
+    assert rt.attention == "cudnn"  # what most layers (5 of 6) run
+    layers = models.family(cfg).layer_types(cfg)
+    assert [rt.attention_for(t, cfg.head_dim) for t in layers] == ["cudnn"] * 5 + ["flash"]
+    text = rt.describe()
+    assert ("attention cudnn for the sliding-window layers (head_dim 256, window 64), flash (Pallas Triton) for the "
+            "full-attention layers (head_dim 512) (autoselected for gpu)") in text
+    assert "full-attention layers (head_dim 512): flash: the only kernel that supports this model" in text
+    assert "got head_dim=512" in text and "cudnn: fastest measured for head_dim 256" in text
+    # compiled without the GPU (train_compile on a CPU): cuDNN lowers only up to head_dim 128 there, so flash for both
+    _, rt = gemma4_runtime(gpu_present=False)
+    assert {k.implementation for k in rt.attention_kinds} == {"flash"} and rt.attention == "flash"
+    assert "attention flash (Pallas Triton) (autoselected for gpu)" in rt.describe()
+    # one head dim for every layer: one kind per window, the same choice, said once
+    _, rt = gemma4_runtime("global_head_dim=256")
+    assert [k.implementation for k in rt.attention_kinds] == ["cudnn", "cudnn"]
+    assert rt.attention_reason.startswith("cudnn: fastest measured for head_dim 256") and " | " not in rt.attention_reason
+    # on the CPU every kind runs dot_product, as before
+    cfg, rt = gemma4_runtime()
+    cpu = models.Runtime.from_config(cfg, "cpu", layer_types=models.family(cfg).layer_types(cfg))
+    assert {k.implementation for k in cpu.attention_kinds} == {"dot_product"} and cpu.attention == "dot_product"
+
+
+def test_an_explicit_choice_one_layer_kind_cannot_run_is_refused_naming_it(monkeypatch):
+    monkeypatch.setattr(attention_choice, "tokamax_installed", lambda: True)
+    with pytest.raises(ValueError, match=r"^attention=tokamax cannot run the model's full-attention layers \(head_dim "
+                                         r"512\): tokamax needs head_dim to be a multiple of 64 and at most 256, got "
+                                         r"512\. Use attention=flash, dot_product or autoselected \(which chooses per "
+                                         r"layer kind\)\.$"):
+        gemma4_runtime("attention=tokamax")
+    _, rt = gemma4_runtime("attention=tokamax", "global_head_dim=256")  # both kinds within its limits
+    assert rt.attention == "tokamax" and {k.implementation for k in rt.attention_kinds} == {"tokamax"}
+    # a choice no kind can run: refused as for the whole model
+    with pytest.raises(ValueError, match=r"^attention=tokamax needs an NVIDIA GPU, but the platform is 'cpu'\. Use"):
+        cfg = load_config([BASE_YML, *GEMMA4])
+        models.Runtime.from_config(cfg.replace(attention="tokamax"), "cpu",
+                                   layer_types=models.family(cfg).layer_types(cfg))
+
+
+def test_the_builder_resolves_each_layer_kind_once():
+    """build() hands the model's layer types to the runtime: a tiny Gemma 4 on this CPU has two kinds (sliding
+    and full, their own head dims), each resolved, both to dot_product; the default model one."""
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    run = builder.build(load_config([BASE_YML, *with_overrides(TINY, "decoder_block=gemma4_text", "global_head_dim=32",
+                                                               "base_num_decoder_layers=6",
+                                                               "sliding_window_size=8", "dataset_type=synthetic")]))
+    assert [(k.head_dim, k.window, k.implementation) for k in run.rt.attention_kinds] == [(16, 8, "dot_product"),
+                                                                                         (32, 0, "dot_product")]
+    run = builder.build(load_config([BASE_YML, *TINY, "dataset_type=synthetic"]))
+    assert [(k.head_dim, k.window, k.implementation) for k in run.rt.attention_kinds] == [(16, 0, "dot_product")]
