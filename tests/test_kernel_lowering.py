@@ -346,7 +346,8 @@ def test_gemma4_layer_kinds_take_their_own_attention_on_8_h100s(h100s):
     beyond cuDNN's 256, our flash kernel; one step holds both."""
     from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
 
-    overrides = [*GEMMA4, "head_dim=128", "ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"]
+    overrides = [*(o for o in GEMMA4 if not o.startswith("head_dim=")), "head_dim=128", "ici_fsdp_parallelism=4",
+                 "ici_tensor_parallelism=2"]
     given = {o.split("=")[0] for o in overrides}
     run = builder.build(load_config([BASE_YML, *(o for o in SMALL if o.split("=")[0] not in given), *overrides]),
                         devices=h100s)
