@@ -1,5 +1,6 @@
 """Choices resolved once per run for the platform it runs (or is compiled) on: compute dtype,
-attention implementation, remat policy and the loss head's vocab tiling. The platform is passed
+attention implementation (one per attention kind of the model's layers: `AttentionKind`), remat policy
+and the loss head's vocab tiling. The platform is passed
 in, never guessed from the machine doing the compiling (a TPU pod's step can be compiled on a CPU)."""
 
 from __future__ import annotations
