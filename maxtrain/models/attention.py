@@ -291,9 +291,8 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     gathered reference: `autoselected` resolves to dot_product, and an explicit kernel is refused (it
     cannot see the other devices' keys).
 
-    The arguments describe one kind of attention layer (its head dim and window: models/runtime.py resolves
-    each distinct kind of the model once). `layers` names that kind ("full-attention layers (head_dim 512)")
-    in the refusal of an explicit choice it cannot run, for a model whose other kinds can.
+    The arguments describe one attention kind of the model (models/runtime.py resolves each once); `layers`
+    names it in the refusal of an explicit choice it cannot run, where the model's other kinds can.
 
     On CPU the XLA einsum (dot_product) is the fastest; `flash` is allowed there only because
     Pallas can interpret the kernel on CPU (every grid program emulated with XLA ops: orders of
@@ -316,10 +315,9 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
         why = attention_choice.unsupported(name, platform, shape)
         if why is not None:
             others = [n for n in ("flash", "dot_product") if n != name and not _unsupported(n, shape.features())]
-            if layers:
-                raise ValueError(f"attention={name} cannot run the model's {layers}: {name} {why}. Use "
-                                 f"attention={', '.join(others)} or autoselected (which chooses per layer kind).")
-            raise ValueError(f"attention={name} {why}. Use attention={', '.join(others)} or autoselected.")
+            where = f"cannot run the model's {layers}: {name} " if layers else ""
+            raise ValueError(f"attention={name} {where}{why}. Use attention={', '.join(others)} or autoselected"
+                             + (" (which chooses per layer kind)." if layers else "."))
         choice = attention_choice.Choice(name, f"{name}: set in the config")
     return choice if with_reason else choice.implementation
 
