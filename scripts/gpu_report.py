@@ -16,7 +16,7 @@ Parts, in order, each within its share of the budget (compiles included; docs/gp
                  against dot_product in float32 at full matmul precision
     speed        forward+backward TFLOP/s of every candidate (flash, cudnn, tokamax; dot_product at 2k tokens):
                  causal, GQA 4:1 (32/8 heads), bf16, head_dim 64, 128 and 256 at 2k, 8k and 16k tokens (16k
-                 tokens per batch): the rows of models/attention_choice.MEASURED
+                 tokens per batch): the rows of config/attention_speeds.MEASURED
     training     llama3.2-1b at sequence 4096, bf16, synthetic data: the user's command as typed (USER_COMMAND,
                  no tuning keys), the best bf16 configuration measured (BEST_BF16), it with quantization=fp8
                  (tokens/s over the best bf16), the former default (flash, remat full); step time, tokens/s,

@@ -11,8 +11,9 @@ import jax.numpy as jnp
 import pytest
 
 from conftest import BASE_YML, TINY
+from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
-from maxtrain.config import load_config, with_overrides
+from maxtrain.config import attention_speeds, load_config, with_overrides
 from maxtrain.models import attention, attention_choice, attention_check
 
 BF16 = jnp.bfloat16
@@ -54,9 +55,9 @@ def test_flash_where_cudnn_cannot_run_the_model(without_tokamax, kwargs, lacking
 
 def test_a_faster_measured_tokamax_row_wins_and_unsupported_ones_are_passed_over(monkeypatch):
     monkeypatch.setattr(attention_choice, "tokamax_installed", lambda: True)
-    row = attention_choice.Row("sm90", 128, 8192, (("tokamax", 400.0), ("cudnn", 349.3), ("flash", 201.2)),
+    row = attention_speeds.Row("sm90", 128, 8192, (("tokamax", 400.0), ("cudnn", 349.3), ("flash", 201.2)),
                                "H100", "2026-12-01", "a test row")
-    monkeypatch.setattr(attention_choice, "MEASURED", (row,))
+    monkeypatch.setattr(attention_speeds, "MEASURED", (row,))
     choice = choose(head_dim=128, length=8192)
     assert choice.implementation == "tokamax" and "tokamax 400, cudnn 349, flash 201" in choice.reason
     # soft-caps: tokamax has them, cuDNN not
@@ -64,13 +65,13 @@ def test_a_faster_measured_tokamax_row_wins_and_unsupported_ones_are_passed_over
     # sinks: neither; Volta (sm70): not tokamax's Mosaic GPU kernel
     assert choose(head_dim=128, length=8192, sinks=True).implementation == "flash"
     assert choose(head_dim=128, length=8192, capability="7.0").implementation == "cudnn"
-    monkeypatch.setattr(attention_choice, "MEASURED", ())  # nothing measured: our kernel, the tie-break
+    monkeypatch.setattr(attention_speeds, "MEASURED", ())  # nothing measured: our kernel, the tie-break
     choice = choose(head_dim=128, length=8192)
     assert choice.implementation == "flash" and "no measured row compares flash and cudnn and tokamax" in choice.reason
 
 
 def test_the_measured_table_names_its_device_date_and_source():
-    for row in attention_choice.MEASURED:
+    for row in attention_speeds.MEASURED:
         assert row.date.startswith("2026-") and row.device in ("H100", "H200") and "docs/gpu.md" in row.source
         assert {name for name, _ in row.tflops} <= {"cudnn", "flash", "tokamax", "dot_product"}
         assert all(tflops > 0 for _, tflops in row.tflops)
@@ -162,3 +163,74 @@ def test_long_packed_sequences_keep_their_segment_ids_in_a_kernel(without_tokama
     choice = choose(head_dim=128, length=32768)
     assert choice.implementation == "flash" and "[B, 1, T, S] mask, 2.0 GiB a sequence at 32768 tokens" in choice.reason
     assert choose(head_dim=128, length=32768, packed=False).implementation == "cudnn"
+
+
+GEMMA4 = with_overrides(TINY, "decoder_block=gemma4_text", "head_dim=256", "global_head_dim=512",
+                        "base_num_decoder_layers=6", "sliding_window_size=64", "dtype=bfloat16",
+                        "attention=autoselected", "max_target_length=4096")
+
+
+def gemma4_runtime(*overrides, **kwargs):
+    cfg = load_config([BASE_YML, *with_overrides(GEMMA4, *overrides)])
+    return cfg, Runtime.from_config(cfg, "gpu", capability="9.0", layer_types=Model.bind(cfg).layer_types,
+                                           **kwargs)
+
+
+def test_each_layer_kind_gets_the_fastest_implementation_that_runs_it(without_tokamax):
+    """Gemma 4's shape on an H100: its sliding-window layers (head_dim 256) run cuDNN, measured fastest there; its
+    global layers' 512-wide heads are beyond cuDNN's 256, so they run our flash kernel. Each layer attends with
+    its kind's choice, and the summary says per kind what was chosen and why."""
+    cfg, rt = gemma4_runtime()
+    by_kind = {k.label(): k.implementation for k in rt.attention_kinds}
+    assert by_kind == {"sliding-window layers (head_dim 256, window 64)": "cudnn",
+                       "full-attention layers (head_dim 512)": "flash"}
+    assert rt.attention == "cudnn"  # what most layers (5 of 6) run
+    layers = Model.bind(cfg).layer_types
+    assert [rt.attention_for(t, cfg.head_dim) for t in layers] == ["cudnn"] * 5 + ["flash"]
+    text = rt.describe()
+    assert ("attention cudnn for the sliding-window layers (head_dim 256, window 64), flash (Pallas Triton) for the "
+            "full-attention layers (head_dim 512) (autoselected for gpu)") in text
+    assert "full-attention layers (head_dim 512): flash: the only kernel that supports this model" in text
+    assert "got head_dim=512" in text and "cudnn: fastest measured for head_dim 256" in text
+    # compiled without the GPU (train_compile on a CPU): cuDNN lowers only up to head_dim 128 there, so flash for both
+    _, rt = gemma4_runtime(gpu_present=False)
+    assert {k.implementation for k in rt.attention_kinds} == {"flash"} and rt.attention == "flash"
+    assert "attention flash (Pallas Triton) (autoselected for gpu)" in rt.describe()
+    # one head dim for every layer: one kind per window, the same choice, said once
+    _, rt = gemma4_runtime("global_head_dim=256")
+    assert [k.implementation for k in rt.attention_kinds] == ["cudnn", "cudnn"]
+    assert rt.attention_reason.startswith("cudnn: fastest measured for head_dim 256") and " | " not in rt.attention_reason
+    # on the CPU every kind runs dot_product, as before
+    cfg, rt = gemma4_runtime()
+    cpu = Runtime.from_config(cfg, "cpu", layer_types=Model.bind(cfg).layer_types)
+    assert {k.implementation for k in cpu.attention_kinds} == {"dot_product"} and cpu.attention == "dot_product"
+
+
+def test_an_explicit_choice_one_layer_kind_cannot_run_is_refused_naming_it(monkeypatch):
+    monkeypatch.setattr(attention_choice, "tokamax_installed", lambda: True)
+    with pytest.raises(ValueError, match=r"^attention=tokamax cannot run the model's full-attention layers \(head_dim "
+                                         r"512\): tokamax needs head_dim to be a multiple of 64 and at most 256, got "
+                                         r"512\. Use attention=flash, dot_product or autoselected \(which chooses per "
+                                         r"layer kind\)\.$"):
+        gemma4_runtime("attention=tokamax")
+    _, rt = gemma4_runtime("attention=tokamax", "global_head_dim=256")  # both kinds within its limits
+    assert rt.attention == "tokamax" and {k.implementation for k in rt.attention_kinds} == {"tokamax"}
+    # a choice no kind can run: refused as for the whole model
+    with pytest.raises(ValueError, match=r"^attention=tokamax needs an NVIDIA GPU, but the platform is 'cpu'\. Use"):
+        cfg = load_config([BASE_YML, *GEMMA4])
+        Runtime.from_config(cfg.replace(attention="tokamax"), "cpu",
+                                   layer_types=Model.bind(cfg).layer_types)
+
+
+def test_the_builder_resolves_each_layer_kind_once():
+    """build() hands the model's layer types to the runtime: a tiny Gemma 4 on this CPU has two kinds (sliding
+    and full, their own head dims), each resolved, both to dot_product; the default model one."""
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    run = builder.build(load_config([BASE_YML, *with_overrides(TINY, "decoder_block=gemma4_text", "global_head_dim=32",
+                                                               "base_num_decoder_layers=6",
+                                                               "sliding_window_size=8", "dataset_type=synthetic")]))
+    assert [(k.head_dim, k.window, k.implementation) for k in run.rt.attention_kinds] == [(16, 8, "dot_product"),
+                                                                                         (32, 0, "dot_product")]
+    run = builder.build(load_config([BASE_YML, *TINY, "dataset_type=synthetic"]))
+    assert [(k.head_dim, k.window, k.implementation) for k in run.rt.attention_kinds] == [(16, 0, "dot_product")]

@@ -205,6 +205,21 @@ def test_every_registered_task_is_defined_and_no_other():
     assert set(tasks.SPECS) == set(registry.EVAL_TASKS) and set(tasks.QUESTIONS) <= set(registry.EVAL_TASKS)
 
 
+def test_the_measured_attention_speeds_have_one_table():
+    """config/attention_speeds.MEASURED is read by the attention choice and the step-time prediction; no other
+    module writes a measured row (Row("sm90", ...))."""
+    from maxtrain.models import attention_choice  # pylint: disable=import-outside-toplevel
+
+    owner = "maxtrain/config/attention_speeds.py"
+    for path in python_files("maxtrain", "scripts"):
+        if os.path.relpath(path, REPO) != owner:
+            rows = [n.lineno for n in ast.walk(parse(path)) if isinstance(n, ast.Call)
+                    and getattr(n.func, "attr", getattr(n.func, "id", "")) == "Row" and n.args
+                    and isinstance(n.args[0], ast.Constant) and str(n.args[0].value).startswith("sm")]
+            assert not rows, f"{os.path.relpath(path, REPO)}:{rows}: a measured attention row outside {owner}"
+    assert not hasattr(attention_choice, "MEASURED")
+
+
 def test_the_compile_targets_have_one_table():
     from maxtrain.compile import targets  # pylint: disable=import-outside-toplevel
 

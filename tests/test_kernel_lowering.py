@@ -338,6 +338,25 @@ def test_gemma4_train_step_compiles_for_8_h100s(h100s):
     assert "flash_attention_dkv" in hlo
 
 
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_gemma4_layer_kinds_take_their_own_attention_on_8_h100s(h100s):
+    """attention=autoselected per layer kind: Gemma 4's sliding-window layers at head_dim 128 take cuDNN (measured
+    fastest, and within what JAX lowers for an H100 without the GPU), its full-attention layers' 512-wide heads,
+    beyond cuDNN's 256, our flash kernel; one step holds both."""
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    overrides = [*(o for o in GEMMA4 if not o.startswith("head_dim=")), "head_dim=128", "ici_fsdp_parallelism=4",
+                 "ici_tensor_parallelism=2"]
+    given = {o.split("=")[0] for o in overrides}
+    run = builder.build(load_config([BASE_YML, *(o for o in SMALL if o.split("=")[0] not in given), *overrides]),
+                        devices=h100s)
+    assert {k.label(): k.implementation for k in run.rt.attention_kinds} == {
+        "sliding-window layers (head_dim 128, window 128)": "cudnn", "full-attention layers (head_dim 512)": "flash"}
+    hlo = run.compile().as_text()
+    assert "__cudnn$fmha" in hlo and "flash_attention_dkv" in hlo
+
+
 # ----------------------------------------------------------------------------------------------
 # The CPU formulation of dot_product (heads-major, causal query chunks): attention() picks it only on
 # CPU, but it is plain jnp and must compile, forward and backward, for the accelerators too.

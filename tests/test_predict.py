@@ -326,7 +326,7 @@ def test_the_held_out_summary_counts_absolute_errors():
 
 
 def test_attention_rates_are_the_measured_kernel_rows_in_the_models_units():
-    """One owner: the rates come from attention_choice.MEASURED (H200, 8k tokens), scaled from the useful work's 5
+    """One owner: the rates come from config/attention_speeds.MEASURED (H200, 8k tokens), scaled from the useful work's 5
     matmul units to the kernel's own (flash 9, cuDNN 7), over the bf16 peak."""
     flash, cudnn = dict(predict.CALIBRATION.flash), dict(predict.CALIBRATION.cudnn)
     assert set(flash) == set(cudnn) == {64, 128, 256}

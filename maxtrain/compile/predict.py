@@ -35,8 +35,8 @@ import re
 import numpy as np
 
 from maxtrain.compile import hlo_kernels, hlo_stats, targets
+from maxtrain.config import attention_speeds
 from maxtrain.config import chips as chips_lib
-from maxtrain.models import attention_choice
 from maxtrain.errors import UserError
 
 
@@ -68,12 +68,12 @@ class Calibration:
 
 def attention_rates(implementation: str, units: int) -> tuple[tuple[int, float], ...]:
     """((head_dim, share of the bf16 peak), ...) of an attention kernel, from its measured rows at 8k tokens on the
-    H200 (models/attention_choice.MEASURED, docs/gpu.md's kernel speed rows: causal, GQA 4:1). Those TFLOP/s count
+    H200 (config/attention_speeds.MEASURED, docs/gpu.md's kernel speed rows: causal, GQA 4:1). Those TFLOP/s count
     the useful work, 5 matmul units (forward 2, backward 3); this model counts the kernels' own, flash's 9 (fwd 2,
     dq 3, dkv 4) and cuDNN's 7, so a row's rate is its TFLOP/s x units / 5 over the peak."""
     peak = chips_lib.by_name("h200").bf16_flops
     return tuple(sorted((r.head_dim, dict(r.tflops)[implementation] * 1e12 * units / 5 / peak)
-                        for r in attention_choice.MEASURED
+                        for r in attention_speeds.MEASURED
                         if r.device == "H200" and r.tokens == 8192 and implementation in dict(r.tflops)))
 
 

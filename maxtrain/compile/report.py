@@ -24,6 +24,7 @@ def report(run, compiled, target: targets.Target, seconds: float) -> dict:
         "hosts": len({getattr(d, "process_index", 0) for d in devices}),
         "mesh": dict(run.mesh.shape), "model_name": config.model_name, "params": run.model.num_params,
         "attention": run.rt.attention, "attention_reason": run.rt.attention_reason,
+        "attention_kinds": {k.label(): k.implementation for k in run.rt.attention_kinds},  # per layer kind
         "remat_policy": run.rt.remat_policy, "dtype": jnp.dtype(run.rt.dtype).name,
         "global_batch": config.global_batch_size, "max_target_length": config.max_target_length,
         "per_device_batch_size": config.per_device_batch_size,

@@ -12,6 +12,7 @@
     limits.py     samplers with one choice, settings the sequence cannot hold, empty paths
     loading.py    YAML chain, presets, overrides, coercion, derived values -> Config
     chips.py      one record per accelerator chip (memory, peaks, bandwidths, shared memory, float8)
+    attention_speeds.py  the attention kernels' measured speeds (autoselected's choice, the step-time prediction)
 
 Owns every fact about what a setting may be. May import only `maxtrain.errors` (and PyYAML):
 everything else in maxtrain reads its settings from here, before JAX starts.

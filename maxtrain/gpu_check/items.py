@@ -55,7 +55,7 @@ def kernel_library() -> dict:
                                           "flash (dot_product where neither runs the model)"}
     version = importlib.metadata.version("tokamax")
     return {"tokamax": version, "value": f"tokamax {version}: a candidate of attention=autoselected where "
-                                         "models/attention_choice.MEASURED has its rows"}
+                                         "config/attention_speeds.MEASURED has its rows"}
 
 
 MATMUL = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))

@@ -5,7 +5,7 @@
     ops.py        the matmul (`dense`) and small array helpers, with their CPU formulations
     attention.py  masks, the plain-jnp reference, the kernels' dispatch, the context-parallel form
     attention_check.py  implementations against the float32 reference; attention FLOPs (gpu_report.py)
-    attention_choice.py what each attention implementation supports, the measured speeds, autoselected's choice
+    attention_choice.py what each attention implementation supports, autoselected's choice (per layer kind)
     mla.py        multi-head latent attention (DeepSeek): low-rank queries, a cached latent for keys and values
     blocks.py     norms, embedding, attention, gated MLPs, logits; FLOPs helpers
     layers.py     a layer's kind as data (LayerType): its parameter stack, mixer, attention, RoPE, head dim, MLP

@@ -269,7 +269,7 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
                            sliding_window: int = 0, logits_soft_cap: float = 0.0, sinks: bool = False,
                            context_parallel: int = 1, v_head_dim: int | None = None, length: int = 0,
                            gqa: int = 1, packed: bool = True, capability: str | None = None,
-                           gpu_present: bool = True, with_reason: bool = False):
+                           gpu_present: bool = True, with_reason: bool = False, layers: str = ""):
     """Turns `attention` from the config into a concrete implementation for the target platform (with
     with_reason=True, an attention_choice.Choice: the implementation and why).
 
@@ -284,12 +284,15 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
         tpu       flash                 yes          Pallas splash kernel (Mosaic)  no
 
     On a GPU autoselected takes, among cudnn, tokamax (the optional [gpu] extra) and flash, the one that
-    attention_choice.MEASURED found fastest at the nearest measured shape, among those that support the
+    config/attention_speeds.MEASURED found fastest at the nearest measured shape, among those that support the
     model (soft-caps: not cudnn; sinks: neither cudnn nor tokamax), and dot_product only where none does.
 
     With context parallelism (context_parallel > 1 ways) attention is context_parallel_attention, the
     gathered reference: `autoselected` resolves to dot_product, and an explicit kernel is refused (it
     cannot see the other devices' keys).
+
+    The arguments describe one attention kind of the model (models/runtime.py resolves each once); `layers`
+    names it in the refusal of an explicit choice it cannot run, where the model's other kinds can.
 
     On CPU the XLA einsum (dot_product) is the fastest; `flash` is allowed there only because
     Pallas can interpret the kernel on CPU (every grid program emulated with XLA ops: orders of
@@ -312,7 +315,9 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
         why = attention_choice.unsupported(name, platform, shape)
         if why is not None:
             others = [n for n in ("flash", "dot_product") if n != name and not _unsupported(n, shape.features())]
-            raise ValueError(f"attention={name} {why}. Use attention={', '.join(others)} or autoselected.")
+            where = f"cannot run the model's {layers}: {name} " if layers else ""
+            raise ValueError(f"attention={name} {where}{why}. Use attention={', '.join(others)} or autoselected"
+                             + (" (which chooses per layer kind)." if layers else "."))
         choice = attention_choice.Choice(name, f"{name}: set in the config")
     return choice if with_reason else choice.implementation
 

@@ -1,9 +1,12 @@
-"""`attention=autoselected` on a GPU: which implementations can run the model, and which of them was
-measured fastest at its shape. This module owns both facts: what each implementation supports
-(KERNEL_LIMITS and `unsupported`) and the measured speeds (MEASURED), one row per measurement, with
-its device, date and source.
+"""`attention=autoselected` on a GPU: which implementations can run a layer kind, and which of them was
+measured fastest at its shape. This module owns what each implementation supports (KERNEL_LIMITS and
+`unsupported`) and the choice; it reads the measured speeds from config/attention_speeds.MEASURED (one
+row per measurement, with its device, date and source), which the step-time prediction reads too.
 
     choose(platform, shape)  ->  Choice(implementation, reason)
+
+A Shape is one kind of attention layer (its head dim and window; models/runtime.py resolves one per
+distinct kind of the model: Gemma 4's 512-wide global heads and its 256-wide sliding ones choose apart).
 
 The reason is what the start-up summary and train_compile's summary print after the choice, e.g.
 `cudnn: fastest measured for head_dim 128 at 4096 tokens on sm90 (nearest row: head_dim 128 at 8192
@@ -22,6 +25,7 @@ import math
 import jax.numpy as jnp
 
 from maxtrain import errors
+from maxtrain.config import attention_speeds
 
 # Features a kernel does not implement: a model that uses one cannot run there (an explicit choice is
 # refused with this reason; autoselected passes over it). cuDNN (jax.nn.dot_product_attention) has
@@ -40,33 +44,6 @@ CUDNN_PACKED_MAX_LENGTH = 16384
 
 # The optional kernel library (`pip install 'maxtrain[gpu]'`); never imported where it is not used.
 TOKAMAX = "tokamax"
-
-
-@dataclasses.dataclass(frozen=True)
-class Row:
-    """One measured forward+backward: causal, bf16, GQA 4:1 (32/8 heads), no segment ids, 16k tokens
-    per batch; TFLOP/s of the useful matmul work (attention_check.attention_flops)."""
-    arch: str           # "sm90": compute capability 9.0 (H100, H200)
-    head_dim: int
-    tokens: int         # sequence length
-    tflops: tuple       # ((implementation, TFLOP/s), ...)
-    device: str
-    date: str
-    source: str
-
-
-_H200 = ("H200", "2026-11-26", "docs/gpu.md, scripts/gpu_report.py speed part (jax 0.11.2, cuDNN 9.19)")
-# The measured table (docs/gpu.md "Measured"). tokamax has no row yet: it is a candidate the report times
-# (scripts/gpu_report.py), chosen by autoselected once a row here shows it faster.
-MEASURED = (
-    Row("sm90", 128, 2048, (("cudnn", 227.6), ("flash", 162.9), ("dot_product", 24.0)), *_H200),
-    Row("sm90", 128, 8192, (("cudnn", 349.3), ("flash", 201.2), ("dot_product", 25.08)), *_H200),
-    Row("sm90", 128, 16384, (("cudnn", 365.1), ("flash", 214.0), ("dot_product", 27.19)), *_H200),
-    Row("sm90", 64, 8192, (("cudnn", 272.4), ("flash", 76.1), ("dot_product", 13.82)), *_H200),
-    Row("sm90", 256, 8192, (("cudnn", 285.4), ("flash", 155.3), ("dot_product", 40.95)), *_H200),
-    Row("sm90", 128, 8192, (("cudnn", 358.7), ("flash", 199.9)), "H100", "2026-11-26",
-        "docs/gpu.md, scripts/gpu_report.py speed part (jax 0.11.2, cuDNN 9.19)"),
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,11 +129,11 @@ def unsupported(name: str, platform: str, shape: Shape) -> str | None:
     raise ValueError(f"unknown attention implementation {name!r}")
 
 
-def _nearest_row(head_dim: int | None, length: int, arch_name: str, names) -> Row | None:
+def _nearest_row(head_dim: int | None, length: int, arch_name: str, names) -> attention_speeds.Row | None:
     """The measured row nearest this shape (head_dim first, then log-distance in tokens) that times at
     least two of `names`; rows of this arch, else sm90's."""
     for wanted in (arch_name, "sm90"):
-        rows = [r for r in MEASURED if r.arch == wanted and len({n for n, _ in r.tflops} & set(names)) >= 2]
+        rows = [r for r in attention_speeds.MEASURED if r.arch == wanted and len({n for n, _ in r.tflops} & set(names)) >= 2]
         if rows:
             return min(rows, key=lambda r: (abs(r.head_dim - (head_dim or r.head_dim)),  # ties: the first row
                                             abs(math.log2(r.tokens) - math.log2(max(length, 1)))))

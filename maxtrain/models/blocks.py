@@ -186,7 +186,8 @@ def attention(x, p, inputs: LayerInputs, config, rt, layer: LayerType, *, scale:
     q = shard(q, ("batch", "length", "heads", "head_dim"))
     sinks = p.get("sinks")  # [N], float32 in the softmax
     if inputs.cache is None:
-        out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=rt.attention, platform=rt.backend,
+        implementation = rt.attention_for(layer, config.head_dim)  # this layer kind's (models/runtime.py)
+        out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=implementation, platform=rt.backend,
                                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
                                       block_q=config.sa_block_q, block_kv=config.sa_block_kv, sinks=sinks,
                                       chunk=chunk, positions=inputs.positions)

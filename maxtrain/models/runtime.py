@@ -1,5 +1,6 @@
 """Choices resolved once per run for the platform it runs (or is compiled) on: compute dtype,
-attention implementation, remat policy and the loss head's vocab tiling. The platform is passed
+attention implementation (one per attention kind of the model's layers: `AttentionKind`), remat policy
+and the loss head's vocab tiling. The platform is passed
 in, never guessed from the machine doing the compiling (a TPU pod's step can be compiled on a CPU)."""
 
 from __future__ import annotations
@@ -113,6 +114,46 @@ def resolve_vocab_tiles(setting: int, length: int, logits_bytes_per_device: floa
 
 
 @dataclasses.dataclass(frozen=True)
+class AttentionKind:
+    """One kind of attention layer of a model, as the attention choice sees it: every layer of one head dim,
+    sliding window and chunk (models/layers.LayerType), with the implementation resolved for it and why."""
+
+    head_dim: int
+    window: int = 0            # the sliding window (LayerType.sliding_window); 0: none
+    chunk: int = 0             # the attention chunk (LayerType.chunk); 0: none
+    layers: int = 0            # how many of the model's layers are of this kind
+    implementation: str = ""
+    reason: str = ""
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return self.head_dim, self.window, self.chunk
+
+    def label(self) -> str:
+        """'sliding-window layers (head_dim 256, window 1024)': how the summary and the refusals name it."""
+        what = "sliding-window" if self.window else "chunked-attention" if self.chunk else "full-attention"
+        extra = f", window {self.window}" if self.window else f", chunk {self.chunk}" if self.chunk else ""
+        return f"{what} layers (head_dim {self.head_dim}{extra})"
+
+
+def attention_key(layer, head_dim: int) -> tuple[int, int, int]:
+    """(head dim, sliding window, chunk) of a LayerType: what of a layer decides its attention implementation;
+    head_dim: the config's, for a layer that has none of its own."""
+    return layer.head_dim or head_dim, layer.sliding_window(), layer.chunk()
+
+
+def attention_kinds(layer_types, head_dim: int) -> list[AttentionKind]:
+    """The distinct attention kinds of a stack, in the order of their first layer (recurrent layers have
+    none); a model of recurrent layers only gets one of the config's head dim, so that `attention` resolves."""
+    counts: dict[tuple[int, int, int], int] = {}
+    for layer in layer_types:
+        if layer.attention != "none":
+            key = attention_key(layer, head_dim)
+            counts[key] = counts.get(key, 0) + 1
+    return [AttentionKind(*key, layers=n) for key, n in counts.items()] or [AttentionKind(head_dim)]
+
+
+@dataclasses.dataclass(frozen=True)
 class Runtime:
     """Choices resolved for this backend once, at start-up, from the config."""
 
@@ -125,21 +166,26 @@ class Runtime:
     vocab_tiles: int = 1  # the loss head's sequence chunks (num_vocab_tiling, resolved)
     fp8: frozenset = frozenset()  # where matmuls take float8 operands (resolve_fp8): attention, mlp, experts, head
     attention_reason: str = ""  # why this attention (models/attention_choice.py), printed where it was autoselected
+    attention_kinds: tuple = ()  # AttentionKind per distinct attention kind of the model, each with its choice
     grouped_matmul: str = "xla"  # dropless experts' grouped matmul (moe_experts.resolve_grouped_matmul): xla or pallas
     gdn_kernel: str = "jnp"  # the gated delta rule (gated_deltanet.resolve_kernel): jnp or pallas; "" without one
 
     @classmethod
     def from_config(cls, config, backend: str | None = None, logits_bytes: float | None = None,
                     context_parallel: int = 1, capability: str | None = None,
-                    gpu_present: bool = True, layer_plan: tuple[str, bool] | None = None) -> "Runtime":
+                    gpu_present: bool = True, layer_plan: tuple[str, bool] | None = None,
+                    layer_types: list | None = None) -> "Runtime":
         """logits_bytes: one device's share of a micro-batch's float32 [B, T, V] logits, as the mesh
         splits them; by default per_device_batch_size whole sequences, unsplit. context_parallel: the
         ways the mesh splits each sequence. capability: the target GPU's compute capability ("9.0"), which
         the attention choice reads (None: unknown, taken as the measured sm90); gpu_present=False: the step is
         compiled ahead of time on a machine without that GPU (JAX then lowers cuDNN attention as for
         pre-Hopper). layer_plan: (remat policy, scan the layers?) chosen by the caller
-        (training/layer_choice.py, by compiled memory) in place of resolve_layer_plan's. A run resolves its
-        runtime once, in training/builder.py (`runtime`), from its mesh; tests call this directly."""
+        (training/layer_choice.py, by compiled memory) in place of resolve_layer_plan's. layer_types: the
+        model's LayerTypes (the builder passes its family's): the attention is resolved once per distinct kind
+        of them (attention_kinds), `attention` being the choice most layers run; without them, as for one kind
+        of the config's head_dim (a test's runtime for a model whose layers all share it). A run resolves its runtime once, in
+        training/builder.py (`runtime`), from its mesh; tests call this directly."""
         backend = backend or jax.default_backend()
         dtype = resolve_dtype(config.dtype, backend)
         auto = tuple(k for k in ("dtype", "attention", "remat_policy") if getattr(config, k) == "autoselected")
@@ -148,23 +194,27 @@ class Runtime:
             logits_bytes = config.per_device_batch_size * config.max_target_length * config.vocab_size * 4
         tiles = resolve_vocab_tiles(config.num_vocab_tiling, config.max_target_length, logits_bytes)
         family = registry.FAMILIES.get(config.decoder_block)
-        mla = getattr(family, "mixer", "") == "mla"  # latent attention: a value head dim of its own
-        choice = attention_lib.resolve_implementation(
-            config.attention, backend, dtype=dtype, head_dim=config.head_dim,
-            sliding_window=config.sliding_window_size, logits_soft_cap=config.attn_logits_soft_cap,
-            sinks=getattr(family, "attention_sinks", False),
-            context_parallel=context_parallel, v_head_dim=config.v_head_dim if mla else None,
-            length=config.max_target_length, gqa=config.base_num_query_heads // max(config.base_num_kv_heads, 1),
-            capability=capability, gpu_present=gpu_present, with_reason=True)
+        kinds = resolve_attention(config, backend, dtype, attention_kinds(layer_types or (), config.head_dim),
+                                  context_parallel=context_parallel, capability=capability, gpu_present=gpu_present)
+        main = max(kinds, key=lambda k: sum(o.layers for o in kinds if o.implementation == k.implementation))
+        reasons = {k.reason for k in kinds}
+        reason = main.reason if len(reasons) == 1 else " | ".join(f"{k.label()}: {k.reason}" for k in kinds)
         remat_policy, scan_layers = layer_plan or resolve_layer_plan(config, backend)
-        return cls(dtype=dtype, attention=choice.implementation, remat_policy=remat_policy, backend=backend,
-                   attention_reason=choice.reason,
+        return cls(dtype=dtype, attention=main.implementation, remat_policy=remat_policy, backend=backend,
+                   attention_reason=reason, attention_kinds=tuple(kinds),
                    autoselected=auto, vocab_tiles=tiles, unroll_layers=config.scan_layers and not scan_layers,
                    fp8=resolve_fp8(config),
                    grouped_matmul=moe_experts.resolve_grouped_matmul(config.moe_grouped_matmul, backend),
                    gdn_kernel=gated_deltanet.resolve_kernel(config.gdn_kernel, backend, config.gdn_chunk_size,
                                                             config.gdn_key_head_dim, config.gdn_value_head_dim)
                    if "gdn_kernel" in getattr(family, "settings", ()) else "")
+
+    def attention_for(self, layer, head_dim: int) -> str:
+        """The implementation a layer (a LayerType; head_dim: the config's) attends with: its kind's choice. A
+        runtime made by hand (attention_kinds empty), or a layer of another model run with this one (a
+        distillation teacher), takes `attention`, the choice most of the model's layers run."""
+        key = attention_key(layer, head_dim)
+        return next((k.implementation for k in self.attention_kinds if k.key == key), self.attention)
 
     def scan_layers(self, config) -> bool:
         """Whether the layers run as a lax.scan: config.scan_layers, unless this runtime unrolls them."""
@@ -175,8 +225,11 @@ class Runtime:
         def tag(key):
             return f" (autoselected for {self.backend})" if key in self.autoselected else ""
 
+        chosen = {k.implementation for k in self.attention_kinds}
+        attention = attention_lib.describe(self.attention, self.backend) if len(chosen) <= 1 else ", ".join(
+            f"{attention_lib.describe(k.implementation, self.backend)} for the {k.label()}" for k in self.attention_kinds)
         return (f"dtype {jnp.dtype(self.dtype).name}{tag('dtype')}  "
-                f"attention {attention_lib.describe(self.attention, self.backend)}{tag('attention')}"
+                f"attention {attention}{tag('attention')}"
                 + (f" [{self.attention_reason}]" if "attention" in self.autoselected and self.attention_reason else "")
                 + "  "
                 f"remat {self.remat_policy}{tag('remat_policy')}  "
@@ -185,3 +238,33 @@ class Runtime:
                 + (f"  float8 matmuls: {', '.join(sorted(self.fp8))}" if self.fp8 else "")
                 + (f"  gated delta rule {gated_deltanet.describe_kernel(self.gdn_kernel, self.backend)}"
                    if self.gdn_kernel else ""))
+
+
+def resolve_attention(config, backend: str, dtype, kinds: list[AttentionKind], *, context_parallel: int = 1,
+                      capability: str | None = None, gpu_present: bool = True) -> list[AttentionKind]:
+    """Each attention kind with `config.attention` resolved for it (attention.resolve_implementation: the
+    fastest implementation that runs it, for autoselected). An explicit choice that no kind can run is refused
+    as for the whole model; one that only some kinds cannot run, naming the first such kind."""
+    family = registry.FAMILIES.get(config.decoder_block)
+    mla = getattr(family, "mixer", "") == "mla"  # latent attention: a value head dim of its own
+    shared = dict(dtype=dtype, logits_soft_cap=config.attn_logits_soft_cap,
+                  sinks=getattr(family, "attention_sinks", False), context_parallel=context_parallel,
+                  v_head_dim=config.v_head_dim if mla else None, length=config.max_target_length,
+                  gqa=config.base_num_query_heads // max(config.base_num_kv_heads, 1), capability=capability,
+                  gpu_present=gpu_present, with_reason=True)
+    resolved, refused = [], []
+    for kind in kinds:
+        try:
+            choice = attention_lib.resolve_implementation(config.attention, backend, head_dim=kind.head_dim,
+                                                          sliding_window=kind.window, **shared)
+        except ValueError as e:
+            refused.append((kind, e))
+            continue
+        resolved.append(dataclasses.replace(kind, implementation=choice.implementation, reason=choice.reason))
+    if refused:
+        kind, error = refused[0]
+        if resolved:  # other kinds can run it: refused again, naming the first kind that cannot
+            attention_lib.resolve_implementation(config.attention, backend, head_dim=kind.head_dim,
+                                                 sliding_window=kind.window, layers=kind.label(), **shared)
+        raise error
+    return resolved

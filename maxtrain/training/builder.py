@@ -55,11 +55,12 @@ def load_config(argv: list[str], log=print):
     return distillation.adopt_teacher(config, log)
 
 
-def runtime(config, platform: str, mesh, layer_plan: tuple[str, bool] | None = None) -> Runtime:
+def runtime(model: Model, platform: str, mesh, layer_plan: tuple[str, bool] | None = None) -> Runtime:
     """The choices resolved for `platform` and `mesh`, once per run (build, load_model): compute dtype,
-    attention implementation, remat policy, and the vocab tiling chosen for one device's share of the
-    logits; layer_plan: (remat policy, scan?) chosen by compiled memory (training/layer_choice.py). A choice
+    attention implementation (per attention kind of the bound model's layer types), remat policy, and the vocab
+    tiling chosen for one device's share of the logits; layer_plan: (remat policy, scan?) chosen by compiled memory (training/layer_choice.py). A choice
     this platform or mesh cannot run is a config error."""
+    config = model.config
     rules = config.logical_axis_rules
     # the micro-batch's [B, T, V] logits, split as shard(logits, ("batch", "length", "vocab"))
     spec = sharding.activation_spec(("batch", "length", "vocab"), rules)
@@ -69,9 +70,9 @@ def runtime(config, platform: str, mesh, layer_plan: tuple[str, bool] | None = N
     try:
         capability = getattr(mesh.devices.flat[0], "compute_capability", None) if platform == "gpu" else None
         return Runtime.from_config(config, platform, logits_bytes, capability=capability,
-                                          gpu_present=platform != "gpu" or has_local_gpu(),
-                                          context_parallel=sharding.ways_on(mesh, "length", rules),
-                                          layer_plan=layer_plan)
+                                   gpu_present=platform != "gpu" or has_local_gpu(),
+                                   context_parallel=sharding.ways_on(mesh, "length", rules),
+                                   layer_plan=layer_plan, layer_types=model.layer_types)
     except ValueError as e:  # attention / dtype choices the platform lacks (attention.resolve_implementation)
         if isinstance(e, config_lib.ConfigError):
             raise
@@ -198,7 +199,7 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
     config = config_lib.with_devices(config, len(devices), num_processes)
     model = Model.bind(config)  # the family and its layers' kinds: resolved here, once, and passed on
     mesh = sharding.create_mesh(config, devices)
-    rt = runtime(config, platform, mesh, layer_plan)  # the attention implementation, dtype and remat: resolved here, once
+    rt = runtime(model, platform, mesh, layer_plan)  # the attention implementation, dtype and remat: resolved here, once
     check_float8_devices(config, rt, devices[0])
     if config.num_experts % mesh.shape["expert"]:
         raise sharding.MeshError(
@@ -271,10 +272,11 @@ def load_model(config, *, devices=None, read_params: bool = True, log=print) -> 
     step_dir = require_checkpoint_path(config, "loading a model")
     devices = list(jax.devices() if devices is None else devices)
     config = config_lib.with_devices(config, len(devices), len({getattr(d, "process_index", 0) for d in devices}))
+    model = Model.bind(config)  # the checkpoint's model, resolved once for the tool
     mesh = sharding.create_mesh(config, devices)
-    rt = runtime(config, platform_of(devices[0]), mesh)
+    rt = runtime(model, platform_of(devices[0]), mesh)
     log(f"compute: {rt.describe()}")
-    loaded = Loaded(config=config, model=Model.bind(config), mesh=mesh, rt=rt, step_dir=step_dir)
+    loaded = Loaded(config=config, model=model, mesh=mesh, rt=rt, step_dir=step_dir)
     if read_params:
         loaded.read_params(log)
     return loaded

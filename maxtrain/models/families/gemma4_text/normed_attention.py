@@ -78,7 +78,8 @@ def attention(x, p, inputs, config, rt, layer: LayerType, shared_kv=None):
     q = shard(q, ("batch", "length", "heads", "head_dim"))
     if inputs.cache is not None:
         return _decode(q, k, v, p, inputs, rt, layer, fresh=shared_kv is None)
-    out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=rt.attention, platform=rt.backend,
+    implementation = rt.attention_for(layer, config.head_dim)  # this layer kind's: Gemma 4's heads differ per kind
+    out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=implementation, platform=rt.backend,
                                   sliding_window=layer.sliding_window(), scale=1.0,
                                   block_q=config.sa_block_q, block_kv=config.sa_block_kv)
     out = ops.dense(out, p["wo"].astype(dt), 2, backend=rt.backend, fp8=fp8)  # "BTNH,NHD->BTD"

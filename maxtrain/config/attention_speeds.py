@@ -1,0 +1,43 @@
+"""The attention kernels' measured speeds: one row per measurement, with its device, date and source.
+
+    for row in attention_speeds.MEASURED: row.head_dim, row.tokens, dict(row.tflops)["cudnn"]
+
+Two readers, one table: `attention=autoselected` (models/attention_choice.py) takes the fastest kernel at the
+row nearest a layer kind's shape, and the step-time prediction (compile/predict.py) prices an attention kernel
+at its measured rate. Like config/chips.py, this is a measured fact about kernels on chips, so it lives in
+config/, the one package below both readers (compile/ sits above models/, and neither should reach into the
+other's choice logic for data); it imports nothing, so config's no-JAX contract holds. To add a row: run
+scripts/gpu_report.py's speed part on the GPU and copy all the candidates it times at one head_dim and length
+(docs/gpu.md, "How `attention=autoselected` chooses on a GPU").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One measured forward+backward: causal, bf16, GQA 4:1 (32/8 heads), no segment ids, 16k tokens
+    per batch; TFLOP/s of the useful matmul work (models/attention_check.attention_flops)."""
+    arch: str           # "sm90": compute capability 9.0 (H100, H200)
+    head_dim: int
+    tokens: int         # sequence length
+    tflops: tuple       # ((implementation, TFLOP/s), ...)
+    device: str
+    date: str
+    source: str
+
+
+_H200 = ("H200", "2026-11-26", "docs/gpu.md, scripts/gpu_report.py speed part (jax 0.11.2, cuDNN 9.19)")
+# docs/gpu.md "Measured". tokamax has no row yet: it is a candidate the report times (scripts/gpu_report.py),
+# chosen by autoselected once a row here shows it faster.
+MEASURED = (
+    Row("sm90", 128, 2048, (("cudnn", 227.6), ("flash", 162.9), ("dot_product", 24.0)), *_H200),
+    Row("sm90", 128, 8192, (("cudnn", 349.3), ("flash", 201.2), ("dot_product", 25.08)), *_H200),
+    Row("sm90", 128, 16384, (("cudnn", 365.1), ("flash", 214.0), ("dot_product", 27.19)), *_H200),
+    Row("sm90", 64, 8192, (("cudnn", 272.4), ("flash", 76.1), ("dot_product", 13.82)), *_H200),
+    Row("sm90", 256, 8192, (("cudnn", 285.4), ("flash", 155.3), ("dot_product", 40.95)), *_H200),
+    Row("sm90", 128, 8192, (("cudnn", 358.7), ("flash", 199.9)), "H100", "2026-11-26",
+        "docs/gpu.md, scripts/gpu_report.py speed part (jax 0.11.2, cuDNN 9.19)"),
+)
