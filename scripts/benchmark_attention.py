@@ -32,13 +32,14 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.errors import run_cli
-from maxtrain.models import attention, attention_check
-from maxtrain.models.attention_check import attention_flops
+from maxtrain.models import attention
+from maxtrain.models.attention import kernel_check
+from maxtrain.models.attention.kernel_check import attention_flops
 from maxtrain.observability import metrics
 
 
 def make_attention_fn(impl, args):
-    """(q, k, v) -> out for one implementation, causal, no segment ids (attention_check.implementation, and
+    """(q, k, v) -> out for one implementation, causal, no segment ids (kernel_check.implementation, and
     dot_product_cpu: the trainer's CPU formulation)."""
     if impl == "dot_product_cpu":
         def on_cpu(q, k, v):
@@ -46,14 +47,14 @@ def make_attention_fn(impl, args):
             return attention.attention(q, k, v, ones, implementation="dot_product", platform="cpu")
         return on_cpu
     platform = "cpu" if args.interpret else jax.default_backend()
-    fn = attention_check.implementation(impl, causal=True, platform=platform, block_q=args.block_q,
+    fn = kernel_check.implementation(impl, causal=True, platform=platform, block_q=args.block_q,
                                         block_k=args.block_k, interpret=args.interpret)
     return lambda q, k, v: fn(q, k, v, None)
 
 
 def time_fwd_bwd(attention_fn, q, k, v, do, warmup, iters):
     """Median seconds of one jitted forward + backward."""
-    program = attention_check.fwd_bwd(lambda q, k, v, _: attention_fn(q, k, v))
+    program = kernel_check.fwd_bwd(lambda q, k, v, _: attention_fn(q, k, v))
     return metrics.median_seconds(program, q, k, v, None, do, warmup=warmup, iters=iters)
 
 

@@ -5,9 +5,9 @@ The models: the default model's sizes (configs/models/default.yml: width 256, 4 
 768, vocabulary 4096) in the qwen3_5_text family (--family: qwen3_5_text, or qwen3_next with 4 experts of
 384, 2 per token). "hybrid" is the
 family's stack with inhomogeneous_layer_cycle_interval=4: layers 0-2 gated delta-net (--gdn-heads query/key
-and value heads of 64; the chunked delta rule, models/gated_delta.py), layer 3 gated full attention. "full"
+and value heads of 64; the chunked delta rule, models/recurrent/gated_delta.py), layer 3 gated full attention. "full"
 is the same model with inhomogeneous_layer_cycle_interval=1: every layer full attention. Attention is
-attention=dot_product, which on CPU is models/attention.py's causal_chunks (the causal query chunks, at
+attention=dot_product, which on CPU is models/attention/'s causal_chunks (the causal query chunks, at
 most 8, each against only the keys it can see: memory O(T^2 / 8) per head, no [T, T] array at once).
 remat_policy=full, dtype float32, batch 1, one document per row.
 

@@ -1,5 +1,5 @@
 """The gradient of a per-expert table gathered by row (an expert bias): a gather's scatter-add against a one-hot
-matmul (models/moe_experts.expert_rows), timed on this device beside what compile/predict.py predicts for each.
+matmul (models/expert_matmuls.expert_rows), timed on this device beside what compile/predict.py predicts for each.
 
     python scripts/benchmark_scatter.py                                   # gpt-oss-shaped: 16,384 rows, 16 experts
     python scripts/benchmark_scatter.py --rows 32768 --experts 128 --dtypes bfloat16 --json scatter.json
@@ -23,7 +23,7 @@ from maxtrain import storage
 from maxtrain.compile import predict
 from maxtrain.config import chips
 from maxtrain.errors import run_cli
-from maxtrain.models import moe_experts
+from maxtrain.models.moe import expert_matmuls
 from maxtrain.observability import metrics
 
 
@@ -42,7 +42,7 @@ def measure(rows: int, experts: int, width: int, dtype: str, repeats: int) -> li
     table = jax.random.normal(keys[1], (experts, width)).astype(dtype)
     dy = jax.random.normal(keys[2], (rows, width)).astype(dtype)
     ways = {"gather (scatter-add gradient)": lambda t: jnp.take(t, row_experts, axis=0),
-            "one-hot matmul (expert_rows)": lambda t: moe_experts.expert_rows(t, row_experts)}
+            "one-hot matmul (expert_rows)": lambda t: expert_matmuls.expert_rows(t, row_experts)}
     out = []
     for name, forward in ways.items():
         gradient = jax.jit(lambda t, g, forward=forward: jax.vjp(forward, t)[1](g)[0])

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from maxtrain.compile import targets
 from maxtrain.errors import run_cli
 from maxtrain.kernels import gated_delta as kernel
-from maxtrain.models import gated_delta
+from maxtrain.models.recurrent import gated_delta
 from maxtrain.parallel import sharding
 
 

@@ -57,7 +57,7 @@ CALIBRATION_ROWS = {("h100", "llama3.2-1b b8 remat full"), ("h100", "default mod
 # that time are spelled out (autoselected attention was flash on GPUs, remat full, scanned layers), and the dropless
 # rows ran at batch 1 with their experts in jax.lax.ragged_dot (now moe_grouped_matmul=xla; the grouped GEMM
 # did not exist yet). Since 2026-11-28 dropless adds the expert biases (gpt-oss) by a one-hot matmul, not a gather
-# (models/moe_experts.expert_rows): compiled today, gpt-oss-shaped b1 dropless lacks the measured program's 12
+# (models/expert_matmuls.expert_rows): compiled today, gpt-oss-shaped b1 dropless lacks the measured program's 12
 # bfloat16 scatter-adds of the biases' gradients; the cache (--cache) keeps the program as measured.
 THEN_DEFAULTS = ["attention=flash", "remat_policy=full", "scan_layers=true"]
 _MOE = ["max_target_length=4096", "dtype=bfloat16", "dataset_type=synthetic", "remat_policy=full"]

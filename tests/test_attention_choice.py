@@ -1,4 +1,4 @@
-"""`attention=autoselected` on a GPU (models/attention_choice.py): what each implementation supports, the
+"""`attention=autoselected` on a GPU (models/attention/kernel_choice.py): what each implementation supports, the
 fastest measured among those, the reason printed; tokamax (the optional [gpu] extra) checked on the CPU
 through its XLA reference, and never imported by a run that does not ask for it."""
 
@@ -14,7 +14,8 @@ from conftest import BASE_YML, TINY
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 from maxtrain.config import attention_speeds, load_config, with_overrides
-from maxtrain.models import attention, attention_choice, attention_check
+from maxtrain.models import attention
+from maxtrain.models.attention import kernel_choice, kernel_check
 
 BF16 = jnp.bfloat16
 
@@ -107,7 +108,7 @@ def test_a_cpu_run_does_not_import_the_kernel_library():
 
 
 def _tokamax_or_skip():
-    if not attention_choice.tokamax_installed():
+    if not kernel_choice.tokamax_installed():
         pytest.skip("tokamax (the [gpu] extra) is not installed")
 
 
@@ -120,9 +121,9 @@ def test_tokamax_wrapper_against_the_float32_reference(case):
     """Through models/attention.attention (platform gpu, interpret: tokamax's XLA reference on this CPU):
     GQA 4:1, packed documents, forward and gradients against dot_product_attention in float32."""
     _tokamax_or_skip()
-    shapes = attention_check.Case(batch=2, length=64, heads=8, kv_heads=2, head_dim=32, dtype="float32",
+    shapes = kernel_check.Case(batch=2, length=64, heads=8, kv_heads=2, head_dim=32, dtype="float32",
                                   causal=case["causal"], packed=case["packed"])
-    q, k, v, seg, do = attention_check.inputs(shapes, seed=3)
+    q, k, v, seg, do = kernel_check.inputs(shapes, seed=3)
     v = v[..., :case["hv"]]
     seg = jnp.ones(q.shape[:2], jnp.int32) if seg is None else seg
     kwargs = dict(causal=case["causal"], sliding_window=case["window"], logits_soft_cap=case["cap"], scale=0.3)
@@ -138,13 +139,13 @@ def test_tokamax_wrapper_against_the_float32_reference(case):
     (_, out), grads = run("tokamax")
     (_, ref), ref_grads = run("dot_product")
     assert out.shape == ref.shape == q.shape[:3] + (case["hv"],)
-    errors = attention_check.relative_errors((out, *grads), (ref, *ref_grads))
-    assert attention_check.passes(errors, "float32"), errors
+    errors = kernel_check.relative_errors((out, *grads), (ref, *ref_grads))
+    assert kernel_check.passes(errors, "float32"), errors
 
 
 def test_dataclass_shape_features_are_the_kernel_limits_keys():
-    keys = {key for limits in attention_choice.KERNEL_LIMITS.values() for key in limits}
-    assert keys <= set(attention_choice.Shape().features()) and dataclasses.is_dataclass(attention_choice.Shape)
+    keys = {key for limits in kernel_choice.KERNEL_LIMITS.values() for key in limits}
+    assert keys <= set(kernel_choice.Shape().features()) and dataclasses.is_dataclass(kernel_choice.Shape)
 
 
 def test_compiled_without_the_gpu_the_choice_is_one_that_lowers_here(without_tokamax):

@@ -1,4 +1,4 @@
-"""The CPU formulations of dot-product attention (maxtrain/models/attention.py): heads-major layout and causal
+"""The CPU formulations of dot-product attention (maxtrain/models/attention/): heads-major layout and causal
 query chunks give the values and gradients of the plain [B, T, G, R, H] reference, and attention()
 uses them on CPU only."""
 

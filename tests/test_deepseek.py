@@ -20,7 +20,8 @@ from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.config import ConfigError, load_config, with_overrides
-from maxtrain.models import moe, moe_deepseek, sampling
+from maxtrain.models import moe, sampling
+from maxtrain.models.moe import sigmoid_groups
 
 # 2 layers (1 dense, 1 MoE) of 8 experts in 4 groups, 2 chosen from the best 2 groups, 1 shared expert;
 # MLA with low-rank queries, v_head_dim 10 != 8 + 4; 4 heads (the kv heads are the query heads).
@@ -78,7 +79,7 @@ def test_the_bias_update_alone_balances_a_skewed_router():
     def step(bias):
         counts = shares(bias) * logits.shape[0]
         params = {"layers": {"moe": {"router_bias": bias[None]}}}
-        new = moe_deepseek.update_router_bias(params, params, {moe_deepseek.expert_counts_name(1, 2): counts},
+        new = sigmoid_groups.update_router_bias(params, params, {sigmoid_groups.expert_counts_name(1, 2): counts},
                                              config, types)
         return new["layers"]["moe"]["router_bias"][0]
 

@@ -7,7 +7,7 @@ For README.md and every docs/**/*.md page (no training, no JAX):
   with exactly those keys and values (maxtrain.config.load_config). A block that shows a command failing
   (`$ command` followed by `maxtrain: error: ...`) must fail with that message;
 - every path it names under maxtrain/, scripts/, configs/, tests/ or end_to_end/ (and every module named
-  from inside the package, e.g. `models/attention.py`) exists, and so does every page it links to, with
+  from inside the package, e.g. `models/attention/`) exists, and so does every page it links to, with
   the heading a link's #anchor names;
 - performance.md, the README and architecture.md keep to their lengths.
 
@@ -236,7 +236,7 @@ This page lets you do a thing.
 python -m maxtrain.train configs/base.yml steps=3 dataset_type=synthetic
 ```
 
-See `maxtrain/models/attention.py` and `training/loop.py`.
+See `maxtrain/models/attention/` and `training/loop.py`.
 """
 
 
@@ -250,7 +250,7 @@ See `maxtrain/models/attention.py` and `training/loop.py`.
     (GOOD.replace("configs/base.yml steps", "configs/nowhere.yml steps"), "names configs/nowhere.yml"),
     (GOOD.replace("maxtrain.train", "maxtrain.trian"), "is not a command"),
     (GOOD.replace("python -m maxtrain.train", "python scripts/benchmark_nothing.py"), "does not exist"),
-    (GOOD.replace("models/attention.py", "attention.py"), "names maxtrain/attention.py"),
+    (GOOD.replace("models/attention/", "attention.py"), "names maxtrain/attention.py"),
     (GOOD.replace("training/loop.py", "training/looop.py"), "names training/looop.py"),
     (GOOD.replace("steps=3 dataset_type=synthetic\n", "steps=3\nmaxtrain: error: something else\n"),
      "loads its config, but the page shows it failing"),

@@ -36,7 +36,7 @@ def custom_calls(*overrides) -> collections.Counter:
 
 
 def test_every_decoder_matmul_is_a_float8_cublaslt_call_on_h100():
-    """With the attention autoselected for an H100, cuDNN's fused attention (models/attention_choice.py): fp8
+    """With the attention autoselected for an H100, cuDNN's fused attention (models/attention/kernel_choice.py): fp8
     composes with it (the projections around it are float8, the attention itself 16-bit)."""
     need("gpu")
     calls = custom_calls()

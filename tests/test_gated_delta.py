@@ -1,4 +1,4 @@
-"""The gated delta rule (maxtrain/models/gated_delta.py): the chunked (WY) form against the token-by-token
+"""The gated delta rule (maxtrain/models/recurrent/gated_delta.py): the chunked (WY) form against the token-by-token
 recurrence, in float64 (forward, final state and every input's gradient), packed documents against the same
 documents run apart, an initial state, float32 against float64, and no [T, T] array in the chunked program."""
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from conftest import slow_params
-from maxtrain.models import gated_delta
+from maxtrain.models.recurrent import gated_delta
 
 
 def _inputs(rng, b=1, t=21, n=2, dk=8, dv=6, dtype=np.float64):

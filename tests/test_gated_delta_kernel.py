@@ -1,4 +1,4 @@
-"""kernels/gated_delta.py in interpret mode against models/gated_delta.py's jnp forms (float32): forward and
+"""kernels/gated_delta.py in interpret mode against models/recurrent/gated_delta.py's jnp forms (float32): forward and
 gradients, packed documents, an initial state, a ragged last chunk; GPU (Triton) and TPU (Mosaic) layouts;
 chunk sizes the kernel cannot take; the config choice gdn_kernel. Lowering for H100 and TPU targets:
 tests/test_kernel_lowering.py."""
@@ -16,7 +16,7 @@ from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 from maxtrain.config import load_config, with_overrides
 from maxtrain.kernels import gated_delta as kernel
-from maxtrain.models import gated_delta, gated_deltanet
+from maxtrain.models.recurrent import gated_delta, gated_deltanet
 
 B, T, N, DK, DV, C = 2, 40, 2, 16, 32, 16   # 40 tokens: two whole chunks of 16 and a ragged one
 SEGMENTS = np.array([[1] * 9 + [2] * 21 + [3] * 10, [4] * 40])  # boundaries inside chunks and at none

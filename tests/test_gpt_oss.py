@@ -19,7 +19,8 @@ from maxtrain.models import model_keys
 from maxtrain.models.runtime import Runtime
 from maxtrain.checkpointing import convert
 from maxtrain.config import ConfigError, load_config, with_overrides
-from maxtrain.models import attention, moe, moe_experts
+from maxtrain.models import attention, moe
+from maxtrain.models.moe import expert_matmuls
 from maxtrain.parallel import sharding
 from maxtrain.training import builder
 from test_sharding import GLOBAL_BATCH, batches
@@ -128,7 +129,7 @@ def test_clamped_swiglu_is_gpt_oss_activation():
     up = np.array([-9.0, 3.0, -0.5, 8.0, 2.0], np.float32)
     g, u = np.minimum(gate, 7.0), np.clip(up, -7.0, 7.0)
     want = g / (1 + np.exp(-1.702 * g)) * (u + 1)
-    np.testing.assert_allclose(np.asarray(moe_experts.gated(jnp.asarray(gate), jnp.asarray(up), s)), want, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(expert_matmuls.gated(jnp.asarray(gate), jnp.asarray(up), s)), want, rtol=1e-6)
 
 
 def _random_biases(params, key):

@@ -24,7 +24,7 @@ import pytest
 
 from conftest import REPO
 from maxtrain.gpu_check import items, plan
-from maxtrain.models import attention_check
+from maxtrain.models.attention import kernel_check
 from maxtrain.observability import environment
 from maxtrain.observability.report import WATCHDOG_EXIT_STATUS, Report
 from maxtrain.training import measure
@@ -219,15 +219,15 @@ def test_dry_run_runs_every_part_on_the_cpu(tmp_path):
 def test_the_checks_catch_a_wrong_mask_and_never_pass_nan():
     """The kernels part's comparison means something: attention with the wrong mask (full instead of causal)
     is far outside the tolerance, and a NaN anywhere fails; likewise for the model part's gradient trees."""
-    case = attention_check.Case(batch=1, length=24, heads=4, kv_heads=1, head_dim=16, dtype="float32")
-    q, k, v, seg, do = attention_check.inputs(case, seed=0)
-    causal = attention_check.fwd_bwd(attention_check.reference(causal=True))(q, k, v, seg, do)
-    full = attention_check.fwd_bwd(attention_check.reference(causal=False))(q, k, v, seg, do)
-    assert attention_check.passes(attention_check.relative_errors(causal, causal), "float32")
-    assert min(attention_check.relative_errors(full, causal).values()) > 10 * attention_check.TOLERANCE["bfloat16"]
+    case = kernel_check.Case(batch=1, length=24, heads=4, kv_heads=1, head_dim=16, dtype="float32")
+    q, k, v, seg, do = kernel_check.inputs(case, seed=0)
+    causal = kernel_check.fwd_bwd(kernel_check.reference(causal=True))(q, k, v, seg, do)
+    full = kernel_check.fwd_bwd(kernel_check.reference(causal=False))(q, k, v, seg, do)
+    assert kernel_check.passes(kernel_check.relative_errors(causal, causal), "float32")
+    assert min(kernel_check.relative_errors(full, causal).values()) > 10 * kernel_check.TOLERANCE["bfloat16"]
     poisoned = (causal[0].at[0, 0, 0, 0].set(jnp.nan), *causal[1:])
-    errors = attention_check.relative_errors(poisoned, causal)
-    assert errors["out"] == float("inf") and not attention_check.passes(errors, "float32")
+    errors = kernel_check.relative_errors(poisoned, causal)
+    assert errors["out"] == float("inf") and not kernel_check.passes(errors, "float32")
     tree = {"a": jnp.ones(3), "b": jnp.arange(4.0)}
     assert measure.relative_tree_errors(tree, tree)["grads"] == 0
     off = measure.relative_tree_errors({"a": jnp.ones(3), "b": jnp.arange(4.0) * 1.1}, tree)

@@ -103,7 +103,7 @@ def test_model_check_compiles_for_h100(h100, label, attention, dtype):
     highest = jax.default_matmul_precision("highest") if label == PLAN.model_variants[0][0] else contextlib.nullcontext()
     with sharding.activation_sharding(run.mesh, c.logical_axis_rules), highest:
         hlo = _compile(measure.loss_and_grads(run), [run.abstract_state["params"], batch])
-    # autoselected: cuDNN, measured fastest at head_dim 128 on sm90 (models/attention_choice.py)
+    # autoselected: cuDNN, measured fastest at head_dim 128 on sm90 (models/attention/kernel_choice.py)
     assert run.rt.attention == ("cudnn" if attention == "autoselected" else attention), run.rt.attention_reason
     if attention == "flash":
         assert "flash_attention_dkv" in hlo

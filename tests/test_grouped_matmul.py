@@ -15,7 +15,7 @@ from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 from maxtrain.config import load_config, with_overrides
 from maxtrain.kernels import grouped_matmul
-from maxtrain.models import moe_experts
+from maxtrain.models.moe import expert_matmuls
 from maxtrain.training import builder
 
 SMALL_TILES = grouped_matmul.Tiles(block_m=16, block_k=16, block_n=16, t_block_m=16, t_block_k=16, t_block_n=32)
@@ -92,9 +92,9 @@ def test_moe_model_with_the_kernel_matches_xla_loss_and_gradients():
 
 
 def test_autoselected_is_the_kernel_on_gpus_and_xla_elsewhere():
-    assert moe_experts.resolve_grouped_matmul("autoselected", "gpu") == "pallas"
-    assert moe_experts.resolve_grouped_matmul("autoselected", "cpu") == "xla"
-    assert moe_experts.resolve_grouped_matmul("autoselected", "tpu") == "xla"
-    assert moe_experts.resolve_grouped_matmul("pallas", "cpu") == "pallas"
+    assert expert_matmuls.resolve_grouped_matmul("autoselected", "gpu") == "pallas"
+    assert expert_matmuls.resolve_grouped_matmul("autoselected", "cpu") == "xla"
+    assert expert_matmuls.resolve_grouped_matmul("autoselected", "tpu") == "xla"
+    assert expert_matmuls.resolve_grouped_matmul("pallas", "cpu") == "pallas"
     run = builder.build(load_config(with_overrides([BASE_YML, *TINY], *MOE)), devices=jax.devices()[:1])
     assert "grouped matmul xla (XLA:CPU computes its ragged_dot over every expert" in builder.moe_line(run)

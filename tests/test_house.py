@@ -208,7 +208,7 @@ def test_every_registered_task_is_defined_and_no_other():
 def test_the_measured_attention_speeds_have_one_table():
     """config/attention_speeds.MEASURED is read by the attention choice and the step-time prediction; no other
     module writes a measured row (Row("sm90", ...))."""
-    from maxtrain.models import attention_choice  # pylint: disable=import-outside-toplevel
+    from maxtrain.models.attention import kernel_choice  # pylint: disable=import-outside-toplevel
 
     owner = "maxtrain/config/attention_speeds.py"
     for path in python_files("maxtrain", "scripts"):

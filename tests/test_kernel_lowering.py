@@ -23,7 +23,8 @@ import pytest
 from jax.sharding import NamedSharding
 
 from conftest import BASE_YML
-from maxtrain.models import attention, attention_choice
+from maxtrain.models import attention
+from maxtrain.models.attention import kernel_choice
 from maxtrain.parallel import sharding
 from maxtrain.config import load_config
 from maxtrain.compile import targets
@@ -146,7 +147,7 @@ def test_flash_compiles_for_a100(head_dim):
 @pytest.mark.parametrize("head_dim, sliding_window", [(128, 256), (64, 0)])
 def test_cudnn_compiles_for_h100_under_shard_map(h100s, head_dim, sliding_window):
     """cuDNN's fused attention (a custom call GSPMD cannot partition either) runs per shard too, as
-    autoselected picks it for these shapes (models/attention_choice.py). (Without a GPU, XLA does not build
+    autoselected picks it for these shapes (models/attention/kernel_choice.py). (Without a GPU, XLA does not build
     the cuDNN graph: this shows the program partitions and lowers.)"""
     hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=head_dim, dtype=jnp.bfloat16,
                             sliding_window=sliding_window)
@@ -158,7 +159,7 @@ def test_tokamax_mosaic_gpu_cannot_lower_without_a_gpu(h100s):
     """tokamax's Mosaic GPU attention asks the local device whether it is sm90 or sm100 when it is traced, so
     it does not lower for an H100 target on a CPU: only scripts/gpu_report.py, on a GPU, compiles and checks
     it. (If this starts to lower, turn it into a compile test like cuDNN's above.)"""
-    if targets.compiler_missing("gpu") or not attention_choice.tokamax_installed():
+    if targets.compiler_missing("gpu") or not kernel_choice.tokamax_installed():
         pytest.skip("needs the [cuda] and [gpu] extras")
     with pytest.raises(NotImplementedError, match="(?i)mosaic|not supported"):  # "mosaic" resolves by the local device
         compile_attention(h100s, (2, 1, 4), "gpu", head_dim=128, dtype=jnp.bfloat16, implementation="tokamax")
@@ -311,7 +312,7 @@ def test_gemma_train_step_compiles_for_8_h100s(h100s):
 @pytest.mark.slow
 @needs_gpu_compiler
 def test_llama_train_step_with_autoselected_cudnn_compiles_for_one_h100():
-    """A Llama-shaped step (head_dim 64, GQA 2:1, bf16): autoselected takes cuDNN on an H100 (models/attention_choice.py)."""
+    """A Llama-shaped step (head_dim 64, GQA 2:1, bf16): autoselected takes cuDNN on an H100 (models/attention/kernel_choice.py)."""
     hlo = compile_train_step(targets.parse("h100-1").devices(), ["head_dim=64"], expected="cudnn")
     assert "cudnn" in hlo.lower() and "flash_attention_fwd" not in hlo  # cuDNN, not our Triton kernel
 
@@ -401,7 +402,7 @@ def test_cpu_attention_formulation_compiles_for_tpu(long):
 
 
 def compile_gated_delta(devices, platform, *, data, tensor, batch=2, length=4096, heads=8, chunk=64, width=128):
-    from maxtrain.models import gated_delta  # pylint: disable=import-outside-toplevel
+    from maxtrain.models.recurrent import gated_delta  # pylint: disable=import-outside-toplevel
     from maxtrain.kernels import gated_delta as kernel  # pylint: disable=import-outside-toplevel
 
     mesh = sharding.mesh_of(devices[:data * tensor], data=data, tensor=tensor)
@@ -472,7 +473,7 @@ def test_qwen3_5_train_step_compiles_for_h100_with_the_gated_delta_kernel():
     assert "gated_delta_chunked" in run.compile().as_text()
 
 
-# gpt-oss's dropless experts with their biases: each row's expert bias comes from moe_experts.expert_rows, a
+# gpt-oss's dropless experts with their biases: each row's expert bias comes from expert_matmuls.expert_rows, a
 # one-hot matmul, so no bias gradient is a scatter-add into the [experts, width] table (a contended bfloat16 one
 # on GPUs, docs/scale.md); compiled forward and backward, with the grouped GEMM (H100) and ragged_dot (TPU).
 GPT_OSS = ["decoder_block=gpt_oss", "head_dim=64", "sliding_window_size=128", "num_experts=4", "num_experts_per_tok=2",

@@ -1,6 +1,6 @@
 """Llama 4's pieces on their own: chunked attention in every implementation, the topk_sigmoid router, decoding.
 
-Chunked attention is computed by refining the segment ids (models/attention.py); each implementation is
+Chunked attention is computed by refining the segment ids (models/attention/); each implementation is
 checked against the direct mask (same document, same chunk of positions, causal), forward and gradients,
 on packed rows whose positions restart in each document. The router against a direct per-token sum of
 expert(w x). Decoding a tiny llama4_text with the KV cache against its full forward pass (chunks, NoPE
@@ -19,7 +19,8 @@ from conftest import BASE_YML
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 from maxtrain.config import load_config
-from maxtrain.models import attention, attention_check, layers, moe
+from maxtrain.models import attention, layers, moe
+from maxtrain.models.attention import kernel_check
 
 CHUNK = 8
 
@@ -41,7 +42,7 @@ def test_chunked_attention_matches_the_direct_mask(implementation, platform):
     keys = jax.random.split(jax.random.key(0), 4)
     q, do = (jax.random.normal(k, (b, t, n, h), jnp.float32) for k in keys[:2])
     k, v = (jax.random.normal(key, (b, t, g, h), jnp.float32) for key in keys[2:])
-    seg = attention_check.packed_segment_ids(b, t, seed=3)
+    seg = kernel_check.packed_segment_ids(b, t, seed=3)
     pos = jnp.asarray(packed_positions(seg))
     seg = jnp.asarray(seg)
     mask = attention.make_attention_mask(seg, seg, chunk=CHUNK, q_positions=pos, kv_positions=pos)
@@ -56,9 +57,9 @@ def test_chunked_attention_matches_the_direct_mask(implementation, platform):
                                    positions=pos, block_q=16, block_kv=16)
 
     with jax.default_matmul_precision("highest"):
-        expected = attention_check.fwd_bwd(lambda q, k, v, s: reference(q, k, v))(q, k, v, seg, do)
-        actual = attention_check.fwd_bwd(lambda q, k, v, s: chunked(q, k, v))(q, k, v, seg, do)
-    for name, error in attention_check.relative_errors(actual, expected).items():
+        expected = kernel_check.fwd_bwd(lambda q, k, v, s: reference(q, k, v))(q, k, v, seg, do)
+        actual = kernel_check.fwd_bwd(lambda q, k, v, s: chunked(q, k, v))(q, k, v, seg, do)
+    for name, error in kernel_check.relative_errors(actual, expected).items():
         assert error < 1e-5, (name, error)
 
 

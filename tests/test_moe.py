@@ -1,4 +1,4 @@
-"""Mixture of experts (models/moe.py): routers, the two dispatch strategies, capacity and drops, balance
+"""Mixture of experts (models/moe/): routers, the two dispatch strategies, capacity and drops, balance
 losses that train, per-layer metrics, FLOPs of the active parameters, presets and bad inputs.
 
 Expert parallelism is tested in test_moe_sharding.py, Hugging Face parity in test_families.py.
@@ -25,7 +25,8 @@ from maxtrain.models import sampling
 from maxtrain.observability import metrics
 from maxtrain.parallel import sharding
 from maxtrain.config import ConfigError, load_config, with_devices, with_overrides
-from maxtrain.models import moe, moe_experts
+from maxtrain.models import moe
+from maxtrain.models.moe import expert_matmuls
 
 # 3 layers of 4 experts (2 per token) of width 24; batch and length small enough to compile in seconds.
 MOE = ["decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=24",
@@ -425,7 +426,7 @@ def test_expert_biases_are_gathered_so_their_gradient_sums_in_float32():
     rows = jnp.sort(jax.random.randint(jax.random.PRNGKey(0), (m,), 0, e))
     table = jax.random.normal(jax.random.PRNGKey(1), (e, n)).astype(jnp.bfloat16)
     dy = jax.random.normal(jax.random.PRNGKey(2), (m, n)).astype(jnp.bfloat16)
-    y, vjp = jax.vjp(lambda t: moe_experts.expert_rows(t, rows), table)
+    y, vjp = jax.vjp(lambda t: expert_matmuls.expert_rows(t, rows), table)
     assert y.dtype == jnp.bfloat16 and bool((y == jnp.take(table, rows, axis=0)).all())
     exact = jax.ops.segment_sum(dy.astype(jnp.float32), rows, e)
     scale = float(jnp.abs(exact).max())
@@ -433,7 +434,7 @@ def test_expert_biases_are_gathered_so_their_gradient_sums_in_float32():
     gathered = jax.vjp(lambda t: jnp.take(t, rows, axis=0), table)[1](dy)[0]
     assert error < 0.004 < 0.02 < float(jnp.abs(gathered.astype(jnp.float32) - exact).max()) / scale
     table32 = table.astype(jnp.float32) + 1e-3  # float32 tables are gathered exactly too (no bfloat16 matmul passes)
-    assert bool((moe_experts.expert_rows(table32, rows) == jnp.take(table32, rows, axis=0)).all())
+    assert bool((expert_matmuls.expert_rows(table32, rows) == jnp.take(table32, rows, axis=0)).all())
 
 
 def test_the_scatter_benchmark_times_both_gradients(tmp_path):

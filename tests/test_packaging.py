@@ -50,3 +50,17 @@ def test_the_wheel_trains_two_steps_from_another_directory(tmp_path):
     assert run.returncode == 0, run.stdout + run.stderr
     assert "model: gemma3-1b (gemma3)" in run.stdout and "done in" in run.stdout
     assert (elsewhere / "outputs" / "wheel" / "metadata" / "config.yml").is_file()
+
+
+def test_every_package_directory_is_listed_for_the_wheel():
+    """pyproject.toml lists the packages explicitly (configs/ installs as maxtrain.configs, which automatic
+    discovery cannot map): every directory of maxtrain/ with an __init__.py must be among them, or a
+    non-editable install lacks it (a new model family's folder, a new shared mechanism)."""
+    import tomllib  # pylint: disable=import-outside-toplevel
+
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = {os.path.relpath(d, REPO).replace(os.sep, ".") for d, _, names in os.walk(os.path.join(REPO, "maxtrain"))
+             if "__init__.py" in names}
+    assert not found - listed, f"add {sorted(found - listed)} to pyproject.toml's [tool.setuptools] packages"
+    assert not (listed - found - {"maxtrain.configs"}), f"pyproject.toml lists {sorted(listed - found)}: no such package"

@@ -1,4 +1,4 @@
-"""Qwen3-Next's hybrid stack (models/families/qwen3_next/, models/gated_deltanet.py) beyond its parity with
+"""Qwen3-Next's hybrid stack (models/families/qwen3_next/, models/recurrent/gated_deltanet.py) beyond its parity with
 transformers (tests/test_families.py): packed documents give what the documents give apart, the mixed stack
 scans as it runs unrolled, a tiny model learns, decoding from the cache (the delta rule's state and the convolution's
 window beside attention's k and v) computes the full forward's logits, bad shapes are refused."""

@@ -91,7 +91,7 @@ def test_step_compiles_for_8_h100s_with_autoselected_attention():
     need("gpu")
     run, compiled, rep = compile_report(*SMALL, "compile_topology=a3", "attention=autoselected")
     assert rep["num_devices"] == 8 and "H100" in rep["device_kind"] and run.rt.backend == "gpu"
-    # cuDNN: measured fastest at this head_dim on sm90 (models/attention_choice.py); the reason is reported
+    # cuDNN: measured fastest at this head_dim on sm90 (models/attention/kernel_choice.py); the reason is reported
     assert rep["attention"] == "cudnn"
     assert rep["attention_reason"].startswith("cudnn: fastest measured for head_dim 32 at 256 tokens on sm90")
     assert "__cudnn$fmha" in compiled.as_text()

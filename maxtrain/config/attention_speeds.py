@@ -2,7 +2,7 @@
 
     for row in attention_speeds.MEASURED: row.head_dim, row.tokens, dict(row.tflops)["cudnn"]
 
-Two readers, one table: `attention=autoselected` (models/attention_choice.py) takes the fastest kernel at the
+Two readers, one table: `attention=autoselected` (models/attention/kernel_choice.py) takes the fastest kernel at the
 row nearest a layer kind's shape, and the step-time prediction (compile/predict.py) prices an attention kernel
 at its measured rate. Like config/chips.py, this is a measured fact about kernels on chips, so it lives in
 config/, the one package below both readers (compile/ sits above models/, and neither should reach into the
@@ -19,7 +19,7 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One measured forward+backward: causal, bf16, GQA 4:1 (32/8 heads), no segment ids, 16k tokens
-    per batch; TFLOP/s of the useful matmul work (models/attention_check.attention_flops)."""
+    per batch; TFLOP/s of the useful matmul work (models/kernel_check.attention_flops)."""
     arch: str           # "sm90": compute capability 9.0 (H100, H200)
     head_dim: int
     tokens: int         # sequence length

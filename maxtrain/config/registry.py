@@ -59,7 +59,7 @@ class Family:
         return self.pattern(num_layers)
 
 
-# The settings of the gated delta-net hybrids (Qwen3-Next, Qwen3.5: models/hybrid.py), and those of them that fix
+# The settings of the gated delta-net hybrids (Qwen3-Next, Qwen3.5: models/recurrent/hybrid.py), and those of them that fix
 # the parameters' shapes.
 HYBRID_SHAPE_KEYS = ("inhomogeneous_layer_cycle_interval", "gdn_num_key_heads", "gdn_num_value_heads",
                      "gdn_key_head_dim", "gdn_value_head_dim", "gdn_conv_kernel_dim")

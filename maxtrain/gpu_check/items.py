@@ -19,8 +19,8 @@ import maxtrain
 from maxtrain.compile import fit, predict
 from maxtrain.config import chips
 from maxtrain.gpu_check.plan import Plan, load
-from maxtrain.models import attention_check, attention_choice
-from maxtrain.models.attention_check import Case
+from maxtrain.models.attention import kernel_check, kernel_choice
+from maxtrain.models.attention.kernel_check import Case
 from maxtrain.observability import environment, metrics
 from maxtrain.parallel import sharding
 from maxtrain.training import builder, measure
@@ -50,7 +50,7 @@ def dependencies() -> dict:
 
 def kernel_library() -> dict:
     """Whether the [gpu] extra's tokamax is here, its version, and what autoselected chooses among."""
-    if not attention_choice.tokamax_installed():
+    if not kernel_choice.tokamax_installed():
         return {"tokamax": None, "value": "tokamax not installed: attention=autoselected chooses among cudnn and "
                                           "flash (dot_product where neither runs the model)"}
     version = importlib.metadata.version("tokamax")
@@ -72,10 +72,10 @@ def matmul(n: int) -> dict:
 def tokamax_missing(plan: Plan) -> str | None:
     """Why tokamax is not checked or timed here, or None: it needs the [gpu] extra, and an sm90 or sm100 GPU
     (the dry run checks the wrapper with tokamax's XLA reference, where installed)."""
-    if not attention_choice.tokamax_installed():
+    if not kernel_choice.tokamax_installed():
         return "tokamax is not installed (the [gpu] extra; scripts/gpu_wheels.sh carries it)"
     if plan.platform == "gpu":
-        return attention_choice.unsupported("tokamax", "gpu", attention_choice.Shape(
+        return kernel_choice.unsupported("tokamax", "gpu", kernel_choice.Shape(
             head_dim=128, capability=getattr(jax.devices()[0], "compute_capability", None)))
     return None
 
@@ -92,15 +92,15 @@ def kernel_impls(plan: Plan, case: Case) -> list:
 def speed_impls(plan: Plan, length: int) -> list:
     """The candidates autoselected chooses among, and dot_product at the shortest length (its [B, N, T, S]
     scores: a yardstick, not a candidate where a kernel runs)."""
-    return [i for i in attention_check.IMPLEMENTATIONS
+    return [i for i in kernel_check.IMPLEMENTATIONS
             if i != "dot_product" or length == min(t for _, t in plan.speed_shapes)]
 
 
 def kernel_programs(plan: Plan, case: Case, devices=None) -> dict:
     """The jitted (q, k, v, segment_ids, do) -> (out, dq, dk, dv) of the reference and each implementation."""
-    programs = {"reference": attention_check.fwd_bwd(attention_check.reference(case.causal))}
+    programs = {"reference": kernel_check.fwd_bwd(kernel_check.reference(case.causal))}
     for name in kernel_impls(plan, case):
-        programs[name] = attention_check.fwd_bwd(attention_check.implementation(
+        programs[name] = kernel_check.fwd_bwd(kernel_check.implementation(
             name, causal=case.causal, platform=plan.platform, block_q=case.block_q, block_k=case.block_k,
             interpret=plan.interpret, devices=devices))
     return programs
@@ -108,10 +108,10 @@ def kernel_programs(plan: Plan, case: Case, devices=None) -> dict:
 
 def kernel_check(plan: Plan, case: Case, seed: int) -> dict:
     """The case's implementations against the float32 reference: relative errors of out, dq, dk, dv."""
-    q, k, v, seg, do = attention_check.inputs(case, seed)
+    q, k, v, seg, do = kernel_check.inputs(case, seed)
     programs = kernel_programs(plan, case)
     expected = programs.pop("reference")(q, k, v, seg, do)
-    tolerance = attention_check.TOLERANCE[case.dtype]
+    tolerance = kernel_check.TOLERANCE[case.dtype]
     row, failed = {"tolerance": tolerance}, []
     if case.dtype == "bfloat16" and "cudnn" not in programs:
         row["cudnn"] = "not run: needs an NVIDIA GPU"
@@ -119,13 +119,13 @@ def kernel_check(plan: Plan, case: Case, seed: int) -> dict:
         row["tokamax"] = f"not run: {tokamax_missing(plan)}"
     for name, program in programs.items():
         try:
-            errors = attention_check.relative_errors(program(q, k, v, seg, do), expected)
+            errors = kernel_check.relative_errors(program(q, k, v, seg, do), expected)
         except Exception as error:  # pylint: disable=broad-except  # e.g. cuDNN refusing a shape: reported
             row[name] = f"failed: {type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
             continue
         row[f"{name}_errors"] = errors
         row[name] = max(errors.values())
-        if name != "dot_product" and not attention_check.passes(errors, case.dtype):
+        if name != "dot_product" and not kernel_check.passes(errors, case.dtype):
             failed.append(f"{name} " + ", ".join(f"{k} {e:.2g}" for k, e in errors.items() if not e <= tolerance))
     row["verdict"] = "PASS" if not failed and isinstance(row.get("flash"), float) else "FAIL " + "; ".join(failed)
     return row
@@ -139,7 +139,7 @@ def model_batch(config, seed: int = 0) -> dict:
     b, t = config.global_batch_size, config.max_target_length
     rng = np.random.default_rng(seed)
     tokens = rng.integers(4, config.vocab_size, size=(b, t + 1), dtype=np.int32)
-    seg = attention_check.packed_segment_ids(b, t, seed)
+    seg = kernel_check.packed_segment_ids(b, t, seed)
     starts = np.maximum.accumulate(np.where(np.diff(seg, prepend=-1, axis=1) != 0, np.arange(t), 0), axis=1)
     return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
             "positions": (np.arange(t) - starts).astype(np.int32), "loss_weights": (seg > 0).astype(np.float32)}
@@ -179,13 +179,13 @@ def speed_case(plan: Plan, head_dim: int, length: int) -> Case:
 
 def speed_program(plan: Plan, impl: str, devices=None):
     """The jitted causal forward + backward the speed part times."""
-    return attention_check.fwd_bwd(attention_check.implementation(impl, causal=True, platform=plan.platform,
+    return kernel_check.fwd_bwd(kernel_check.implementation(impl, causal=True, platform=plan.platform,
                                                                   interpret=plan.interpret, devices=devices))
 
 
 def speed(plan: Plan, impl: str, head_dim: int, length: int) -> dict:
     case, (heads, _) = speed_case(plan, head_dim, length), plan.speed_heads
-    q, k, v, seg, do = attention_check.inputs(case, seed=length + head_dim)
+    q, k, v, seg, do = kernel_check.inputs(case, seed=length + head_dim)
     start = time.perf_counter()
     program = speed_program(plan, impl).lower(q, k, v, seg, do).compile()
     compile_seconds = time.perf_counter() - start
@@ -195,7 +195,7 @@ def speed(plan: Plan, impl: str, head_dim: int, length: int) -> dict:
                           f"not run (compiled in {compile_seconds:.1f} s)")
     warmup, iters = plan.speed_iters
     seconds = metrics.median_seconds(program, q, k, v, seg, do, warmup=warmup, iters=iters)
-    tflops = attention_check.attention_flops(case.batch, length, length, heads, head_dim) / seconds / 1e12
+    tflops = kernel_check.attention_flops(case.batch, length, length, heads, head_dim) / seconds / 1e12
     return {"impl": impl, "head_dim": head_dim, "length": length, "batch": case.batch,
             "compile_seconds": compile_seconds, "ms": seconds * 1e3, "tflops": tflops}
 

@@ -7,7 +7,7 @@ import dataclasses
 import json
 
 from maxtrain import config as config_lib
-from maxtrain.models.attention_check import Case
+from maxtrain.models.attention.kernel_check import Case
 from maxtrain.training import builder, measure
 
 # Budget shares, from the first run on an H200 (2026-11-26, docs/gpu.md): environment 4 s, kernels 118 s,

@@ -3,7 +3,7 @@ Mosaic), the grouped GEMM of dropless MoE (GPU, Triton; interpret mode on CPU) a
 rule (GPU Triton and TPU Mosaic; interpret mode on CPU).
 
     flash_attention.py   forward and backward kernels with GQA, segment ids, causal and sliding-window
-                         masks, logit soft-capping; checked against models/attention.py's jnp reference
+                         masks, logit soft-capping; checked against models/attention/'s jnp reference
     flash_tiles.py       block sizes that fit a GPU's shared memory (config/chips.py's, per compute capability)
     splash_attention.py  JAX's splash kernel behind the same signature
     tokamax_attention.py tokamax's Mosaic GPU flash attention (the optional [gpu] extra) behind the same
@@ -12,9 +12,9 @@ rule (GPU Triton and TPU Mosaic; interpret mode on CPU).
                          custom VJP (both gradients grouped); checked against jax.lax.ragged_dot
     gated_delta.py       the chunked gated delta rule (Qwen3-Next, Qwen3.5), one fused kernel per (batch, head)
                          sweeping the chunks, the state on chip; backward through the jnp chunked form;
-                         checked against models/gated_delta.py
+                         checked against models/recurrent/gated_delta.py
 
-Called only from the model: maxtrain/models/attention.py (inside shard_map), models/moe_experts.py and
-models/gated_deltanet.py (inside shard_map).
+Called only from the model: maxtrain/models/attention/ (inside shard_map), models/expert_matmuls.py and
+models/recurrent/gated_deltanet.py (inside shard_map).
 Imports nothing else of maxtrain but the chip records (config/chips.py).
 """

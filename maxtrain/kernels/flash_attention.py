@@ -1,7 +1,7 @@
 """Flash attention in Pallas (Triton on NVIDIA GPUs, interpret mode on CPU): online-softmax
 forward, recomputing backward, grouped-query heads, sliding windows and logit soft-capping.
 
-Letters (as in maxtrain/models/attention.py): B batch, T query length, S key length, N query heads,
+Letters (as in maxtrain/models/attention/): B batch, T query length, S key length, N query heads,
 G kv heads, H head dim, R = N // G query heads per kv head. Query head n reads kv head n // R.
 
 Forward (one program per (b, n, query block of size block_q), loop over key blocks of block_k):
@@ -55,7 +55,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from maxtrain.kernels.flash_tiles import DEFAULT_SHARED_MEMORY, MIN_BLOCK, Tuning, default_tuning
 
-# Same finite "minus infinity" as the reference (maxtrain/models/attention.py).
+# Same finite "minus infinity" as the reference (maxtrain/models/attention/).
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 

@@ -3,7 +3,7 @@
 A Triton program keeps its tiles in the streaming multiprocessor's shared memory, whose per-block limit depends on
 the GPU: `default_tuning` shrinks the requested blocks until `shared_memory_bytes`, a model of what Triton asks for,
 fits the target's limit (the chip records' shared memory per block, config/chips.py, looked up by
-maxtrain/models/attention.py from the devices' compute capability).
+maxtrain/models/attention/ from the devices' compute capability).
 scripts/kernel_shared_memory.py compares the model with what Triton reports.
 """
 

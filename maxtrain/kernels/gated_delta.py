@@ -1,6 +1,6 @@
 """The chunked gated delta rule as one Pallas kernel: GPU (Triton) and TPU (Mosaic); interpret mode on CPU.
 
-The same per-chunk algebra as models/gated_delta.py's `chunked` (the WY / UT form; see its docstring), fused:
+The same per-chunk algebra as models/recurrent/gated_delta.py's `chunked` (the WY / UT form; see its docstring), fused:
 per (batch, head) the state S [K, V] stays on chip while the chunks stream through, and each chunk does its
 matmuls and its unit-lower-triangular solve in place. The solve uses that L (strictly lower, C x C) is
 nilpotent, so (I + L)^-1 = (I - L)(I + L^2)(I + L^4) ... (I + L^(C/2)): log2(C) - 1 pairs of C x C matmuls,
@@ -13,7 +13,7 @@ reaches, which reach the chunk's end). So memory is O(T): no [T, T] and no [T, C
     GPU  grid (B, N, V / block_v); a loop over the chunks in the kernel, the state's columns in registers.
     TPU  grid (B, N, M), the chunk axis sequential ("arbitrary"), the state in a VMEM scratch.
 
-The backward is a custom_vjp that recomputes through the jnp chunked form (models/gated_delta.py, passed in
+The backward is a custom_vjp that recomputes through the jnp chunked form (models/recurrent/gated_delta.py, passed in
 as `reference` since kernels/ imports nothing of models/): the kernel computes that same function, so the
 gradients are exactly the reference's. Inputs are computed in float32 in the kernel, whatever their dtype.
 

@@ -4,7 +4,7 @@ library, whose Mosaic GPU flash attention (forward and VJP kernels for sm90 and 
     tokamax_attention(q, k, v, segment_ids, causal=..., sliding_window=..., logits_soft_cap=..., scale=...,
                       implementation="mosaic")
 
-Shapes as models/attention.py: q [B, T, N, H], k [B, S, G, H], v [B, S, G, Hv] (tokamax takes a value head
+Shapes as models/attention/: q [B, T, N, H], k [B, S, G, H], v [B, S, G, Hv] (tokamax takes a value head
 dim of its own and GQA as is). Packed documents stay exact: the segment ids become a [B, 1, T, S] mask,
 as for cuDNN. `implementation` is tokamax's: "mosaic" (its Mosaic GPU kernel on an NVIDIA GPU, the one
 maxtrain runs), "triton", or "xla" (its plain XLA reference, which runs on a CPU: the tests check this
@@ -27,7 +27,7 @@ def tokamax_attention(q, k, v, segment_ids, *, causal: bool = True, sliding_wind
                       logits_soft_cap: float = 0.0, scale: float | None = None, implementation: str = "mosaic"):
     """Attention of q over k, v within each segment (segment_ids [B, T], self-attention; None: one
     document per row), causal and windowed as models/attention.make_attention_mask; out [B, T, N, Hv]."""
-    # the optional [gpu] extra, imported only where asked for (models/attention_choice.py refuses attention=tokamax
+    # the optional [gpu] extra, imported only where asked for (models/attention/kernel_choice.py refuses attention=tokamax
     # where it is not installed, saying how to install it)
     import tokamax  # pylint: disable=import-outside-toplevel
     from absl import flags  # pylint: disable=import-outside-toplevel  # tokamax's dependency, as tokamax

@@ -1,37 +1,38 @@
-"""The model: params, RoPE, blocks, attention, MoE, the decoder stack, and the families over them.
+"""The model: one bound Model over a family's folder and the shared parts, each named by its mechanism.
 
+    model.py      the model bound once (Model.bind(config)): the family, its config and its layers' kinds, with
+                  forward, loss, decoding's cache, FLOPs and the parameter declarations; what flows below
+    model_keys.py the config keys that describe a model (a checkpoint is checked against them)
+    contract.py   the family contract (FamilyModel): everything the rest of maxtrain uses from a family
+    layers.py     a layer's kind as data (LayerType): its parameter stack, mixer, attention, RoPE, head dim, MLP
+    decoder.py    the stack every family shares: scan over repeating groups, loss, decoding; the objective's sum
+    aux_names.py  the aux entries the decoder reports per layer (and the step's statistics) rather than sums
     params.py     ParamSpec: every parameter declared once (shape, logical axes, initializer)
     rope.py       RoPE and its scaling variants (default, linear, llama3, yarn)
     ops.py        the matmul (`dense`) and small array helpers, with their CPU formulations
-    attention.py  masks, the plain-jnp reference, the kernels' dispatch, the context-parallel form
-    attention_check.py  implementations against the float32 reference; attention FLOPs (gpu_report.py)
-    attention_choice.py what each attention implementation supports, autoselected's choice (per layer kind)
-    mla.py        multi-head latent attention (DeepSeek): low-rank queries, a cached latent for keys and values
-    blocks.py     norms, embedding, attention, gated MLPs, logits; FLOPs helpers
-    layers.py     a layer's kind as data (LayerType): its parameter stack, mixer, attention, RoPE, head dim, MLP
-    contract.py   the family contract (FamilyModel): everything the rest of maxtrain uses from a family
+    blocks.py     norms, embedding, attention's projections, gated MLPs, logits; FLOPs helpers
     standard_layers.py  the decoder layers several families share (pre-norm, Gemma's sandwich), embed, heads
-    moe.py        the mixture-of-experts block: routers, dropless and capacity dispatch, experts,
-                  balance losses, expert parallelism (docs/moe.md)
-    moe_deepseek.py  DeepSeek's parts of it: sigmoid group-limited router, the selection bias and its
-                  update outside the gradient, shared experts (docs/deepseek.md)
-    moe_llama4.py Llama 4's router: sigmoid weights of the top-k logits on the experts' inputs
-    decoder.py    the stack every family shares: layer types, scan over repeating groups, loss, decoding
-    mtp.py        multi-token prediction (DeepSeek-V3): modules after the stack, predicting tokens further ahead
+    attention/    masks, the plain-jnp reference, the kernels' dispatch and the context-parallel form
+                  (__init__); kernel_check.py: implementations against the float32 reference, attention FLOPs;
+                  kernel_choice.py: what each implementation supports, autoselected's choice per layer kind
+    moe/          the mixture-of-experts block (__init__: routers, dropless and capacity dispatch, balance
+                  losses, expert parallelism; docs/moe.md); expert_matmuls.py: the experts' grouped and batched
+                  SwiGLU; sigmoid_groups.py: the sigmoid group-limited router, its selection bias and the shared
+                  experts (docs/deepseek.md); topk_sigmoid.py: sigmoid weights of the top-k on the experts' inputs
+    recurrent/    the gated delta rule, the gated delta-net layer and the hybrid stack families compose with it
+    mtp.py        multi-token prediction: modules after the stack, predicting tokens further ahead
     distill.py    distillation's loss: KL to a frozen teacher's logits mixed with the next-token loss, tiled
+    fp8.py        float8 matmuls (quantization=fp8)
     runtime.py    dtype, attention implementation, remat policy and vocab tiles resolved for a platform
     lora.py       LoRA adapters: their declarations, initialization and merge into the weights
     sampling.py   sampling with the KV cache: greedy, temperature, top-k, top-p
-    hf.py         what the families share about Hugging Face names and config.json fields
-    families/     one module per family of config/registry.py (llama, mistral, qwen2, qwen3, gemma2,
-                  gemma3, mixtral, qwen3_moe, gpt_oss, deepseek, llama4_text, glm4_moe): declarations, layer
-                  composition, HF mapping, FLOPs
+    hf.py         Hugging Face names, config.json fields and the layouts that convert a tensor (each owns its rule)
+    families/     one folder per family of config/registry.py: its module (declarations, layer composition, HF
+                  mapping, FLOPs, ending in its MODEL) and what only it uses (Gemma 4's normed attention,
+                  per-layer embeddings and parallel MoE; DeepSeek's MLA; OLMo 3's post-norm layer)
 
-    model.py      the model bound once (Model.bind(config)): the family, its config and its layers' kinds,
-                  with forward, loss, decoding's cache, FLOPs and the parameter declarations
-    model_keys.py the config keys that describe a model (a checkpoint is checked against them)
-
-`decoder_block` (MaxText's key; presets set it) picks the family, in Model.bind and nowhere else. Every
-function here is a pure function of (params, inputs, model or config, runtime). May import config, parallel and kernels (and errors);
-never training, checkpointing, data or the commands.
+A shared part used by one family alone lives in that family's folder (tests/test_house.py). `decoder_block`
+(MaxText's key; presets set it) picks the family, in Model.bind and nowhere else. Every function here is a
+pure function of (params, inputs, model or config, runtime). May import config, parallel and kernels (and
+errors); never training, checkpointing, data or the commands.
 """

@@ -4,7 +4,7 @@ Each block is a pure function of (params, inputs, settings). What a block needs 
 dict it reads by name, so a family switches a feature on by declaring the parameter: q/k/v biases
 ("bq", "bk", "bv"), the output projection's bias ("bo"), qk-norm ("q_norm", "k_norm": of shape [H], a norm
 over each head's features; of shape [N, H] / [G, H], one norm over all heads' features together, OLMo 2/3), attention
-sinks ("sinks", one logit per query head; models/attention.py), an output gate ("wg": each head's output
+sinks ("sinks", one logit per query head; models/attention/), an output gate ("wg": each head's output
 times sigmoid(x W_g) before the output projection, Qwen3-Next's gated attention).
 
 Einsum letters (as everywhere in maxtrain): B batch, T query length, S key length, D embed,

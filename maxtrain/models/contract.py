@@ -31,7 +31,7 @@ and what it may override (the defaults serve every family with multi-head attent
                      layer's decoding cache (dtype None: the cache's). The default is attention's k and v
                      [B, S, heads, width] of kv_heads = cache_heads(config); a layer kind that keeps something
                      else declares it (the gated delta-net: its rule state and convolution window,
-                     models/hybrid.py). The decoder stacks each name over the layers that have it, in layer
+                     models/recurrent/hybrid.py). The decoder stacks each name over the layers that have it, in layer
                      order, and hands a layer its entries in the declared order (models/decoder.py)
     mtp_copies       Hugging Face tensors of the MTP modules that copy the model's own (DeepSeek)
     per_layer_inputs (params, tokens [B, T], x [B, T, D] the embedding, config, rt) -> [L, B, T, ...]: an

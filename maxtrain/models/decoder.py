@@ -20,7 +20,7 @@ Aux. Every layer returns (x, aux): aux is a dict of float32 scalars (empty for d
 mixture-of-experts layer's balance losses) summed over the stack and returned beside the logits.
 Names ending in "_loss" are losses already multiplied by their weight: training adds them to the
 objective (`objective` below); every entry is reported as a metric. A layer that wants a sum to
-be a mean over some layers divides by their number (models/moe.py does, over the MoE layers).
+be a mean over some layers divides by their number (models/moe/ does, over the MoE layers).
 Entries named PER_LAYER + name ("per_layer/moe_load_max") are not summed: the stack returns one
 scalar per layer that has them, as "<name>/layer_<i>" with i the layer's index in the whole stack
 ("moe_load_max/layer_03"), so per-layer figures reach the metrics like any other entry. When
@@ -42,15 +42,11 @@ from maxtrain.parallel import sharding
 from maxtrain.models import mtp, ops
 from maxtrain.parallel import stages as pipeline
 from maxtrain.models import rope as rope_lib
+from maxtrain.models.aux_names import PER_LAYER, STEP_STATS, per_layer_name  # noqa: F401 (read as decoder.*)
 from maxtrain.models.blocks import LayerInputs
 from maxtrain.models.layers import LayerType
 from maxtrain.models.runtime import REMAT_POLICIES
 
-PER_LAYER = "per_layer/"  # aux entries named with this prefix are reported per layer, not summed
-# Aux entries named with this prefix (after PER_LAYER) are arrays, not metrics: statistics of the step
-# that training reads to update state outside the gradient (models/moe.py: the expert counts that move
-# the router's selection bias). The train step takes them out of the metrics; nothing else reports them.
-STEP_STATS = "step_stats/"
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,11 +145,6 @@ def _layer_fn(model, lt: LayerType, rt, scan: bool):
     if rt.remat_policy == "none":
         return fn
     return jax.checkpoint(fn, policy=REMAT_POLICIES[rt.remat_policy], prevent_cse=not scan)
-
-
-def per_layer_name(name: str, layer: int, num_layers: int) -> str:
-    """The aux key of a PER_LAYER entry `name` of one layer: "moe_load_max/layer_03"."""
-    return f"{name[len(PER_LAYER):]}/layer_{layer:0{len(str(num_layers - 1))}d}"
 
 
 def _run_group(model, period, carry, group_params, group_cache, group_per_layer, inputs: LayerInputs, rt, scan):

@@ -22,7 +22,8 @@ import dataclasses
 import functools
 from typing import Any
 
-from maxtrain.models import decoder, moe, moe_deepseek
+from maxtrain.models import decoder, moe
+from maxtrain.models.moe import sigmoid_groups
 from maxtrain.models import params as params_lib
 from maxtrain.models.contract import FamilyModel
 from maxtrain.models.families import FAMILIES
@@ -109,6 +110,6 @@ class Model:
 
     def update_outside_gradient(self, params, old_params, step_stats: dict):
         """The state a train step changes outside the gradient, after the optimizer's update (the MoE
-        router's selection bias, models/moe_deepseek.py), from the step's statistics (aux entries named
+        router's selection bias, models/sigmoid_groups.py), from the step's statistics (aux entries named
         decoder.STEP_STATS)."""
-        return moe_deepseek.update_router_bias(params, old_params, step_stats, self.config, self.layer_types)
+        return sigmoid_groups.update_router_bias(params, old_params, step_stats, self.config, self.layer_types)

@@ -19,7 +19,7 @@ earlier positions of its document, which are counted too, so no document sees an
 
 L_k is a mean over its counted positions. The module's MoE block adds its balance losses to the model's
 (as one more MoE layer); its per-layer load figures and expert counts are not reported, and its router's
-selection bias stays as loaded (moe_deepseek.update_router_bias: the sign rule moves the main layers' only).
+selection bias stays as loaded (sigmoid_groups.update_router_bias: the sign rule moves the main layers' only).
 """
 
 from __future__ import annotations

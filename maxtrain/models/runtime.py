@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from maxtrain.config import registry
 from maxtrain.config.schema import QUANTIZATION_PLACES
 from maxtrain.models import attention as attention_lib
-from maxtrain.models import gated_deltanet
-from maxtrain.models import moe_experts
+from maxtrain.models.recurrent import gated_deltanet
+from maxtrain.models.moe import expert_matmuls
 
 # Names of the projection (matmul) outputs inside a layer; `minimal` saves exactly these, which are
 # the matmuls without batch dimensions (the attention score and value matmuls are recomputed).
@@ -165,9 +165,9 @@ class Runtime:
     unroll_layers: bool = False  # the CPU plan above unrolls the layers although config.scan_layers is true
     vocab_tiles: int = 1  # the loss head's sequence chunks (num_vocab_tiling, resolved)
     fp8: frozenset = frozenset()  # where matmuls take float8 operands (resolve_fp8): attention, mlp, experts, head
-    attention_reason: str = ""  # why this attention (models/attention_choice.py), printed where it was autoselected
+    attention_reason: str = ""  # why this attention (models/attention/kernel_choice.py), printed where it was autoselected
     attention_kinds: tuple = ()  # AttentionKind per distinct attention kind of the model, each with its choice
-    grouped_matmul: str = "xla"  # dropless experts' grouped matmul (moe_experts.resolve_grouped_matmul): xla or pallas
+    grouped_matmul: str = "xla"  # dropless experts' grouped matmul (expert_matmuls.resolve_grouped_matmul): xla or pallas
     gdn_kernel: str = "jnp"  # the gated delta rule (gated_deltanet.resolve_kernel): jnp or pallas; "" without one
 
     @classmethod
@@ -204,7 +204,7 @@ class Runtime:
                    attention_reason=reason, attention_kinds=tuple(kinds),
                    autoselected=auto, vocab_tiles=tiles, unroll_layers=config.scan_layers and not scan_layers,
                    fp8=resolve_fp8(config),
-                   grouped_matmul=moe_experts.resolve_grouped_matmul(config.moe_grouped_matmul, backend),
+                   grouped_matmul=expert_matmuls.resolve_grouped_matmul(config.moe_grouped_matmul, backend),
                    gdn_kernel=gated_deltanet.resolve_kernel(config.gdn_kernel, backend, config.gdn_chunk_size,
                                                             config.gdn_key_head_dim, config.gdn_value_head_dim)
                    if "gdn_kernel" in getattr(family, "settings", ()) else "")

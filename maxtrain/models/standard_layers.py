@@ -2,7 +2,7 @@
 
     prenorm_layer    x = x + attention(norm(x)); x = x + mlp(norm(x))        (Llama, Mistral, Qwen 2/3,
                      the MLP a gated MLP or, in a layer whose type says so,     Mixtral, Qwen3-MoE, gpt-oss)
-                     a mixture of experts (models/moe.py)
+                     a mixture of experts (models/moe/)
     sandwich_layer   x = x + norm(attention(norm(x))); x = x + norm(mlp(norm(x)))   (Gemma 2 and 3): norms
                      in the (1 + scale) form, scores scaled by query_pre_attn_scalar ** -0.5 and soft-capped
     embed, logits    the token embedding (optionally times sqrt(D), Gemma) and the output head
@@ -54,7 +54,7 @@ def stacks(config, types: list[LayerType], per_kind: dict) -> dict:
 def prenorm_layer(x, p, inputs, layer_type: LayerType, model, rt, *, router: str = "", num_moe_layers: int = 0,
                   activation: str = "swiglu"):
     """attention then a gated MLP, or a mixture of experts where the layer type's `mlp` is one, each
-    pre-normed; `router` and `activation`: the experts' (models/moe.py); `num_moe_layers`: over how many
+    pre-normed; `router` and `activation`: the experts' (models/moe/); `num_moe_layers`: over how many
     layers the balance losses are averaged."""
     config = model.config
     eps = config.normalization_layer_epsilon

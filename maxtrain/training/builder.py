@@ -34,7 +34,8 @@ from maxtrain.models.params import is_spec
 from maxtrain.parallel import sharding
 from maxtrain.compile import fit
 from maxtrain.data import hosts, pipeline
-from maxtrain.models import fp8, moe, moe_experts
+from maxtrain.models import fp8, moe
+from maxtrain.models.moe import expert_matmuls
 from maxtrain.parallel import stages as pipeline_lib
 
 
@@ -304,7 +305,7 @@ def moe_line(run: Run) -> str:
     chunks = moe.mesh_axes(settings, run.mesh, config.logical_axis_rules, experts).hidden_chunks
     auto = " (autoselected)" if config.num_moe_hidden_tiling == -1 else ""
     if config.moe_dispatch == "dropless":
-        capacity = f" ({moe_experts.describe_grouped_matmul(run.rt.grouped_matmul, run.rt.backend)})"
+        capacity = f" ({expert_matmuls.describe_grouped_matmul(run.rt.grouped_matmul, run.rt.backend)})"
     return (f"experts: {config.num_experts} x F {moe.expert_dim(config)}, {config.num_experts_per_tok} per token, in "
             f"{moe_layers} of {config.base_num_decoder_layers} layers  active params "
             f"{model.num_active_params / 1e6:,.2f}M  dispatch {config.moe_dispatch}{capacity}  "

@@ -6,12 +6,12 @@ experts with shared experts, a sigmoid group-limited router and aux-loss-free ba
                                      s = sigmoid(router logits); experts chosen by s + bias among the
                                      topk_routing_group best of n_routing_groups groups; weights s of the
                                      chosen, normalized, x routed_scaling_factor; plus shared_experts
-                                     always-on experts (models/moe.py)
+                                     always-on experts (models/moe/)
     x = x + swiglu_mlp(rmsnorm(x))   the first first_num_dense_layers layers: a dense MLP of base_mlp_dim
 
 The selection bias (`router_bias`, Hugging Face's e_score_correction_bias) is a parameter the optimizer
 never changes; with routed_bias_update_rate > 0 the train step moves it after each step by the sign rule
-(moe_deepseek.update_router_bias). Two layer kinds, "dense" then "moe", as qwen3_moe's.
+(sigmoid_groups.update_router_bias). Two layer kinds, "dense" then "moe", as qwen3_moe's.
 
 Multi-token prediction (mtp_num_layers; Hugging Face's num_nextn_predict_layers): models/mtp.py, its modules'
 blocks of the "moe" kind; their weights are params["mtp"], the layers after num_hidden_layers in a Hugging Face

@@ -7,9 +7,9 @@
 
 x is the layer's residual stream before the MLP (the router reads it un-normed but for its own scale).
 The experts are GeGLU (gelu_tanh); their weights are kept in the Hugging Face layout, gate and up fused
-[E, 2F, D] and down [E, D, F], and turned into models/moe.py's [E, D, F] / [E, F, D] at use; the per-expert
+[E, 2F, D] and down [E, D, F], and turned into models/moe/'s [E, D, F] / [E, F, D] at use; the per-expert
 scale multiplies each expert's down projection (the same as scaling its routing weight). Routing,
-dispatch, parallelism and the balance losses are models/moe.py's ("softmax_topk" with norm_topk_prob).
+dispatch, parallelism and the balance losses are models/moe/'s ("softmax_topk" with norm_topk_prob).
 """
 
 from __future__ import annotations

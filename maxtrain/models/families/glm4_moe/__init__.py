@@ -8,7 +8,7 @@ RoPE, optional qk-norm and q/k/v biases, dense first layers, then DeepSeek-V3's 
                                      experts chosen by s + bias (e_score_correction_bias) among the
                                      topk_routing_group best of n_routing_groups groups; weights s of the
                                      chosen (normalized when norm_topk_prob) x routed_scaling_factor;
-                                     plus shared_experts always-on experts (models/moe.py, moe_deepseek.py)
+                                     plus shared_experts always-on experts (models/moe/, sigmoid_groups.py)
     x = x + swiglu_mlp(rmsnorm(x))   the first first_num_dense_layers layers: a dense MLP of base_mlp_dim
 
 Two layer kinds, "dense" then "moe" (as deepseek's). The next-token-prediction layers

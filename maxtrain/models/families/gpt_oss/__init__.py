@@ -3,17 +3,17 @@ mixture of clamped-SwiGLU experts with biases in every layer.
 
     x = x + attention(rmsnorm(x))     q, k, v = x W + b; out = o W_o + b_o; each head's softmax has one
                                       more logit, its learned sink, in the denominator:
-                                      p_s = exp(x_s) / (exp(sink) + sum_s' exp(x_s'))   (models/attention.py)
+                                      p_s = exp(x_s) / (exp(sink) + sum_s' exp(x_s'))   (models/attention/)
                                       RoPE with YaRN scaling; layer i attends over a sliding window when i
                                       is even (sliding, full, sliding, ...)
     x = x + moe(rmsnorm(x))           logits = x W_r + b_r; w, e = softmax(top_k(logits)) over the K chosen;
                                       expert(x) = down(g * sigmoid(alpha g) * (u + 1)) + b_down with
                                       g = min(x W_g + b_g, limit), u = clip(x W_u + b_u, -limit, limit)
-                                      (models/moe.py, activation "clamped_swiglu")
+                                      (models/moe/, activation "clamped_swiglu")
     out = rmsnorm(x) @ W_out          untied
 
 Every layer is of kind "moe". Sinks are computed by dot_product attention and the flash and splash
-kernels; cuDNN refuses them (models/attention.py KERNEL_LIMITS).
+kernels; cuDNN refuses them (models/attention/ KERNEL_LIMITS).
 Hugging Face stores each layer's experts fused: gate_up_proj [E, D, 2F] with gate and up interleaved
 column by column, down_proj [E, F, D], and their biases; the released checkpoints quantize the experts to
 MXFP4, which the import dequantizes (checkpointing/dequantize.py).

@@ -2,7 +2,7 @@
 
     x = x + attention(rmsnorm(x))              grouped-query attention, RoPE; optional sliding window
     x = x + moe(rmsnorm(x))                    sum over the token's top-K experts of w_k expert_k(x),
-                                               w = softmax over the K largest router logits (models/moe.py)
+                                               w = softmax over the K largest router logits (models/moe/)
 
 Every layer is of kind "moe" (params["layers"]["moe"]).
 """

@@ -1,5 +1,5 @@
 """Qwen3.5 mixture-of-experts models (Qwen Team 2026), their text decoder: Qwen3-Next's hybrid stack
-(models/hybrid.py) with experts in every layer (softmax top K, always renormalized) and a gated shared expert.
+(models/recurrent/hybrid.py) with experts in every layer (softmax top K, always renormalized) and a gated shared expert.
 transformers keeps each layer's experts stacked in memory but writes (and reads) one tensor per expert and
 projection, as Qwen3-Next's; a checkpoint with the stacked tensors (mlp.experts.gate_up_proj) is refused by name
 (every expected tensor is named in the error). The released checkpoints are multimodal: the import reads the language model's weights and
@@ -9,7 +9,8 @@ says it left the vision tower out.
 from __future__ import annotations
 
 from maxtrain.config import registry
-from maxtrain.models import contract, hf, hybrid
+from maxtrain.models import contract, hf
+from maxtrain.models.recurrent import hybrid
 
 FAMILY = registry.FAMILIES["qwen3_5_moe_text"]
 

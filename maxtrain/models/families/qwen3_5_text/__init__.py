@@ -1,4 +1,4 @@
-"""Qwen3.5 dense models (Qwen Team 2026), their text decoder: Qwen3-Next's hybrid stack (models/hybrid.py:
+"""Qwen3.5 dense models (Qwen Team 2026), their text decoder: Qwen3-Next's hybrid stack (models/recurrent/hybrid.py:
 three gated delta-net layers, then one gated full-attention layer with partial RoPE) with a gated MLP in every
 layer. The released checkpoints are multimodal: the import reads the language model's weights and says it left
 the vision tower out (checkpointing/convert.py); RoPE's multimodal sections reduce to plain RoPE for text.
@@ -7,7 +7,8 @@ the vision tower out (checkpointing/convert.py); RoPE's multimodal sections redu
 from __future__ import annotations
 
 from maxtrain.config import registry
-from maxtrain.models import contract, hybrid
+from maxtrain.models import contract
+from maxtrain.models.recurrent import hybrid
 
 FAMILY = registry.FAMILIES["qwen3_5_text"]
 

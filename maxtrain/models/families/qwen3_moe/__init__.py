@@ -5,7 +5,7 @@ layers where the config asks for them.
     x = x + moe(rmsnorm(x))              layer i when i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0:
                                          p = softmax(router logits) over all E experts, the top K kept
                                          (renormalized to sum 1 when norm_topk_prob), experts of width
-                                         base_moe_mlp_dim (models/moe.py)
+                                         base_moe_mlp_dim (models/moe/)
     x = x + swiglu_mlp(rmsnorm(x))       the other layers: a dense gated MLP of width base_mlp_dim
 
 Two layer kinds, "moe" and "dense", each with its own parameter stack; a stack that mixes them runs

@@ -1,5 +1,5 @@
 """Qwen3-Next (Qwen Team 2025): gated delta-net layers beside gated full attention, a mixture of experts with a
-gated shared expert (models/hybrid.py has the stack, which Qwen3.5 shares).
+gated shared expert (models/recurrent/hybrid.py has the stack, which Qwen3.5 shares).
 
 Hugging Face fuses, per key head, its query, key, and the values and gates z of the value heads it serves in
 in_proj_qkvz, and b and a in in_proj_ba (hf.Grouped); q_proj holds each head's query then its output gate.
@@ -8,7 +8,8 @@ in_proj_qkvz, and b and a in in_proj_ba (hf.Grouped); q_proj holds each head's q
 from __future__ import annotations
 
 from maxtrain.config import registry
-from maxtrain.models import contract, hf, hybrid
+from maxtrain.models import contract, hf
+from maxtrain.models.recurrent import hybrid
 
 FAMILY = registry.FAMILIES["qwen3_next"]
 

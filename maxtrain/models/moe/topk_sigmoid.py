@@ -1,4 +1,4 @@
-"""Llama 4's router for the mixture-of-experts block (models/moe.py calls it): sigmoid scores of the top-k
+"""Llama 4's router for the mixture-of-experts block (models/moe/ calls it): sigmoid scores of the top-k
 logits that scale the experts' inputs, not their outputs.
 
     experts = top K of the logits                                   [n, K]
@@ -8,7 +8,7 @@ logits that scale the experts' inputs, not their outputs.
                                                                      (SwiGLU is not linear)
 
 Llama 4 routes each token to one expert (K = 1), beside one always-on shared expert of the experts'
-width (moe_deepseek.shared_experts, shared_experts=1). The dispatch (dropless or capacity) multiplies
+width (sigmoid_groups.shared_experts, shared_experts=1). The dispatch (dropless or capacity) multiplies
 each (token, choice) pair's row by its weight before the experts and adds the experts' outputs
 unweighted (`weights_inputs`). The balance losses read the softmax of the logits, as for the other
 routers (transformers' Llama 4 computes no balance loss).

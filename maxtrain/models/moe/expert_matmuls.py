@@ -1,4 +1,4 @@
-"""The experts' SwiGLU matmuls for models/moe.py: gathered (FSDP) and chunked over the hidden axis, as grouped
+"""The experts' SwiGLU matmuls for models/moe/: gathered (FSDP) and chunked over the hidden axis, as grouped
 matmuls over rows sorted by expert (dropless) or batched over fixed [E, C] slots (capacity).
 
 The grouped matmul (`moe_grouped_matmul`, resolved once per run by `resolve_grouped_matmul`):
@@ -96,7 +96,7 @@ def gather(w, axis, names):
 
 
 def gated(gate, up, s):
-    """The experts' activation of their gate and up projections (models/moe.py's docstring)."""
+    """The experts' activation of their gate and up projections (models/moe/'s docstring)."""
     if s.activation == "clamped_swiglu":
         gate, up = jnp.minimum(gate, s.limit), jnp.clip(up, -s.limit, s.limit)
         return gate * jax.nn.sigmoid(s.alpha * gate) * (up + 1)

@@ -7,7 +7,7 @@
                                                    tokens of the same document, per channel
     q, k       = l2norm(q) * Hk ** -0.5, l2norm(k)
     beta       = sigmoid(b);  log g = -exp(A_log) softplus(a + dt_bias)
-    o          = gated_delta(q, k, v, log g, beta) (models/gated_delta.py: chunks of gdn_chunk_size; gdn_kernel
+    o          = gated_delta(q, k, v, log g, beta) (models/recurrent/gated_delta.py: chunks of gdn_chunk_size; gdn_kernel
                                                    picks the jnp form or kernels/gated_delta.py's Pallas kernel)
     out        = (rmsnorm_Hv(o) * silu(z)) W_o      the norm over each value head, gated by z
 
@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 from maxtrain import errors
 from maxtrain.kernels import gated_delta as gated_delta_kernel
-from maxtrain.models import gated_delta, ops
+from maxtrain.models import ops
+from maxtrain.models.recurrent import gated_delta
 from maxtrain.models.params import ParamSpec, dense
 from maxtrain.parallel import sharding
 from maxtrain.parallel.sharding import shard
@@ -189,6 +190,6 @@ def matmul_params(config) -> int:
 
 
 def rule_flops(config) -> float:
-    """Forward FLOPs per token of the gated delta rule itself (models/gated_delta.py)."""
+    """Forward FLOPs per token of the gated delta rule itself (models/recurrent/gated_delta.py)."""
     return gated_delta.flops_per_token(config.gdn_num_value_heads, config.gdn_key_head_dim, config.gdn_value_head_dim,
                                        config.gdn_chunk_size)

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.config import chips
-from maxtrain.models import attention_choice
+from maxtrain.models.attention import kernel_choice
 from maxtrain.parallel import context, sharding
 
 IMPLEMENTATIONS = ("autoselected", "dot_product", "flash", "cudnn", "tokamax")
@@ -248,7 +248,7 @@ def _probabilities_bwd(scale, cap, residuals, g):
 _probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
 
 
-KERNEL_LIMITS = attention_choice.KERNEL_LIMITS  # owned there, beside the measured speeds
+KERNEL_LIMITS = kernel_choice.KERNEL_LIMITS  # owned there, beside the measured speeds
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 
@@ -271,7 +271,7 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
                            gqa: int = 1, packed: bool = True, capability: str | None = None,
                            gpu_present: bool = True, with_reason: bool = False, layers: str = ""):
     """Turns `attention` from the config into a concrete implementation for the target platform (with
-    with_reason=True, an attention_choice.Choice: the implementation and why).
+    with_reason=True, an kernel_choice.Choice: the implementation and why).
 
     `platform` is where the step will run (the Runtime's backend, or the target of an ahead-of-time
     compile), never guessed from the machine doing the compiling. What may run where (an invalid
@@ -301,7 +301,7 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     platform = canonical_platform(platform)
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"attention={name!r} is not one of {', '.join(IMPLEMENTATIONS)}")
-    shape = attention_choice.Shape(
+    shape = kernel_choice.Shape(
         dtype=jnp.dtype(dtype).name if dtype is not None else "bfloat16", head_dim=head_dim, v_head_dim=v_head_dim,
         length=length, gqa=gqa, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
         packed=packed, capability=capability, gpu_present=gpu_present)
@@ -310,15 +310,15 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
                          "kernels attend within one device's piece of the sequence. Use attention=dot_product (or "
                          "autoselected), or ici_context_parallelism=1.")
     if name == "autoselected":
-        choice = attention_choice.choose(platform, shape, context_parallel)
+        choice = kernel_choice.choose(platform, shape, context_parallel)
     else:
-        why = attention_choice.unsupported(name, platform, shape)
+        why = kernel_choice.unsupported(name, platform, shape)
         if why is not None:
             others = [n for n in ("flash", "dot_product") if n != name and not _unsupported(n, shape.features())]
             where = f"cannot run the model's {layers}: {name} " if layers else ""
             raise ValueError(f"attention={name} {where}{why}. Use attention={', '.join(others)} or autoselected"
                              + (" (which chooses per layer kind)." if layers else "."))
-        choice = attention_choice.Choice(name, f"{name}: set in the config")
+        choice = kernel_choice.Choice(name, f"{name}: set in the config")
     return choice if with_reason else choice.implementation
 
 

@@ -3,10 +3,10 @@
     x = x + mixer(rmsnorm(x))        layer i with (i + 1) % inhomogeneous_layer_cycle_interval == 0: attention
                                      with qk-norm, RoPE on the leading partial_rotary_factor of each head, and
                                      its output gated per feature by sigmoid(x W_g) (blocks.attention, "wg");
-                                     the other layers: the gated delta-net (models/gated_deltanet.py)
+                                     the other layers: the gated delta-net (models/recurrent/gated_deltanet.py)
     x = x + mlp(rmsnorm(x))          with num_experts > 1: softmax over the E router logits, top K (renormalized
                                      with norm_topk_prob), plus a shared expert of shared_experts x
-                                     base_moe_mlp_dim scaled by sigmoid(x . w) (moe_deepseek.shared_experts);
+                                     base_moe_mlp_dim scaled by sigmoid(x . w) (sigmoid_groups.shared_experts);
                                      dense where mlp_only_layers / decoder_sparse_step say so (Qwen3-MoE's rule);
                                      without experts, a gated MLP of base_mlp_dim (Qwen3.5's dense models)
 
@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from maxtrain.models import blocks, contract, gated_deltanet, hf, moe
+from maxtrain.models import blocks, contract, hf, moe
+from maxtrain.models.recurrent import gated_deltanet
 from maxtrain.models.layers import LayerType
 from maxtrain.models.params import ParamSpec, dense
 from maxtrain.models.standard_layers import stacks

@@ -6,9 +6,9 @@
     y      = sum_k w_k expert_{e_k}(x),          expert_e(x) = down_e(silu(gate_e(x)) * up_e(x))
 
     router "sigmoid_group_topk" (DeepSeek-V3): sigmoid scores, group-limited top-k, scaled weights,
-               with shared experts beside the routed ones and a selection-only bias (models/moe_deepseek.py)
+               with shared experts beside the routed ones and a selection-only bias (models/sigmoid_groups.py)
     router "topk_sigmoid" (Llama 4): w = sigmoid(top_k(logits)), multiplying each expert's input:
-               y = sum_k expert_{e_k}(w_k x) (models/moe_llama4.py)
+               y = sum_k expert_{e_k}(w_k x) (models/topk_sigmoid.py)
 
 Activation "geglu" (Gemma 4): expert_e(x) = down_e(gelu_tanh(gate_e(x)) * up_e(x)).
 Activation "clamped_swiglu" (gpt-oss), with a = swiglu_alpha and l = mlp_activations_limit:
@@ -23,7 +23,7 @@ Dispatch (`moe_dispatch`) decides how the (token, choice) pairs reach their expe
 
     dropless   every pair is computed: pairs are sorted by expert and each expert's rows multiplied
                by its weights with grouped matmuls (XLA's ragged_dot, or on GPUs a Pallas grouped
-               GEMM that computes only the routed rows: models/moe_experts.py).
+               GEMM that computes only the routed rows: models/expert_matmuls.py).
     capacity   each expert takes at most C = ceil(capacity_factor * T * K / E) pairs of a sequence
                (first choices before second ones, earlier tokens first); the rest are dropped: the
                token keeps its other experts' outputs and, through the residual, its input. The
@@ -71,11 +71,11 @@ from jax.sharding import PartitionSpec as P
 from maxtrain.models import ops
 from maxtrain.parallel import sharding as sharding_lib
 from maxtrain.models import blocks
-from maxtrain.models import moe_deepseek, moe_experts, moe_llama4
-from maxtrain.models.decoder import PER_LAYER, STEP_STATS
+from maxtrain.models.moe import sigmoid_groups, expert_matmuls, topk_sigmoid
+from maxtrain.models.aux_names import PER_LAYER, STEP_STATS
 from maxtrain.models.params import ParamSpec, dense, is_spec
 
-ROUTERS = ("topk_softmax", "softmax_topk", "sigmoid_group_topk", moe_llama4.ROUTER)
+ROUTERS = ("topk_softmax", "softmax_topk", "sigmoid_group_topk", topk_sigmoid.ROUTER)
 ACTIVATIONS = ("swiglu", "clamped_swiglu", "geglu")
 
 
@@ -97,7 +97,7 @@ def specs(config, biases: bool = False) -> dict[str, ParamSpec]:
     if biases:
         out.update(b_router=ParamSpec((e,), (None,), "zeros"), b_gate=ParamSpec((e, f), ("exp", "mlp"), "zeros"),
                    b_up=ParamSpec((e, f), ("exp", "mlp"), "zeros"), b_down=ParamSpec((e, d), ("exp", "embed"), "zeros"))
-    return {**out, **moe_deepseek.bias_and_shared_specs(config, expert_dim(config))}
+    return {**out, **sigmoid_groups.bias_and_shared_specs(config, expert_dim(config))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ class Settings:
     seq_balance_loss_weight: float = 0.0
     fp8: bool = False  # the experts' matmuls in float8 (quantization; capacity dispatch only: config/schema.QUANTIZATION_PLACES)
     platform: str = "cpu"  # where the step is compiled for (the runtime's backend): picks fp8.py's TPU form
-    grouped_matmul: str = "xla"  # dropless dispatch's grouped matmul, resolved (moe_experts.py): xla or pallas
+    grouped_matmul: str = "xla"  # dropless dispatch's grouped matmul, resolved (expert_matmuls.py): xla or pallas
 
     @classmethod
     def of(cls, config, rt, router: str, num_moe_layers: int, activation: str = "swiglu") -> "Settings":
@@ -180,7 +180,7 @@ def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int, ac
     s = Settings.of(config, rt, router, num_moe_layers, activation)
     y, aux = _routed(x, p, segment_ids, s, x if router_x is None else router_x)
     if "shared_gate" in p:  # always-on shared experts beside the routed ones (DeepSeek)
-        y = y + moe_deepseek.shared_experts(x, p, rt)
+        y = y + sigmoid_groups.shared_experts(x, p, rt)
     return y, aux
 
 
@@ -266,9 +266,9 @@ def route(logits, s: Settings, bias=None):
     bias [E] (routed_bias), when given, is added to the scores the experts are chosen by, and to
     nothing else: the weights are the unbiased scores of the chosen experts."""
     if s.router == "sigmoid_group_topk":
-        return moe_deepseek.route_sigmoid_groups(logits, s, bias)
-    if s.router == moe_llama4.ROUTER:
-        return moe_llama4.route_topk_sigmoid(logits, s, bias)
+        return sigmoid_groups.route_sigmoid_groups(logits, s, bias)
+    if s.router == topk_sigmoid.ROUTER:
+        return topk_sigmoid.route_topk_sigmoid(logits, s, bias)
     if s.router == "topk_softmax":
         chosen = logits if bias is None else logits + bias
         experts = jax.lax.top_k(chosen, s.top_k)[1]
@@ -322,14 +322,14 @@ def _dropless(x, weights, experts, experts_w, s: Settings, axes: Axes, down_bias
     order = jnp.argsort(key, stable=True)
     group_sizes = jnp.zeros(local_experts + 1, jnp.int32).at[key].add(1)[:local_experts]
     xs = jnp.take(x, order // k, axis=0)
-    if moe_llama4.weights_inputs(s):  # each pair's row scaled by its weight; the outputs then add unweighted
+    if topk_sigmoid.weights_inputs(s):  # each pair's row scaled by its weight; the outputs then add unweighted
         xs = xs * jnp.take(weights.reshape(-1), order)[:, None].astype(xs.dtype)
         weights = jnp.ones_like(weights)
     row_experts = jnp.minimum(jnp.take(key, order), local_experts - 1)  # other devices' pairs: any, masked below
-    ys = moe_experts.experts(functools.partial(moe_experts.swiglu_grouped, group_sizes=group_sizes,
+    ys = expert_matmuls.experts(functools.partial(expert_matmuls.swiglu_grouped, group_sizes=group_sizes,
                                            row_experts=row_experts, s=s), xs, experts_w, axes)
     if down_bias is not None:
-        ys = ys + moe_experts.expert_rows(down_bias, row_experts)
+        ys = ys + expert_matmuls.expert_rows(down_bias, row_experts)
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     y = jnp.take(ys, inverse, axis=0).reshape(x.shape[0], k, -1)
     y = jnp.where(ours[..., None], y, 0.0)
@@ -372,7 +372,7 @@ def _capacity(x, weights, experts, valid, experts_w, s: Settings, axes: Axes, do
     source = source.at[rows, slot.reshape(b, t * k)].set(jnp.repeat(jnp.arange(t, dtype=jnp.int32), k)[None])
     x_pad = jnp.concatenate([x, jnp.zeros((b, 1, d), x.dtype)], axis=1)
     xe = jnp.take_along_axis(x_pad, source[:, :e * c, None], axis=1)  # [b, E*C, D]
-    if moe_llama4.weights_inputs(s):  # each slot's row scaled by its pair's weight; the outputs add unweighted
+    if topk_sigmoid.weights_inputs(s):  # each slot's row scaled by its pair's weight; the outputs add unweighted
         slot_w = jnp.zeros((b, e * c + 1), weights.dtype).at[rows, slot.reshape(b, t * k)].set(
             weights.reshape(b, t * k))
         xe = xe * slot_w[:, :e * c, None].astype(xe.dtype)
@@ -380,7 +380,7 @@ def _capacity(x, weights, experts, valid, experts_w, s: Settings, axes: Axes, do
     xe = jnp.swapaxes(xe.reshape(b, e, c, d), 0, 1).reshape(e, b * c, d)
     if axes.expert_ways > 1:  # each expert's slots to the device that holds it: [E / ep, ep * b * C, D]
         xe = jax.lax.all_to_all(xe, axes.expert, 0, 1, tiled=True)
-    ye = moe_experts.experts(functools.partial(moe_experts.swiglu_batched, s=s), xe, experts_w, axes)
+    ye = expert_matmuls.experts(functools.partial(expert_matmuls.swiglu_batched, s=s), xe, experts_w, axes)
     if down_bias is not None:
         ye = ye + down_bias[:, None, :]
     if axes.expert_ways > 1:
@@ -402,7 +402,7 @@ def _aux(logits, experts, valid, dropped, s: Settings, axes: Axes) -> dict:
     """The losses and statistics over the micro-batch's real tokens (summed over the token axes)."""
     e, k = s.num_experts, s.top_k
     real = valid.astype(jnp.float32)
-    probs = moe_deepseek.router_probabilities(logits, s)
+    probs = sigmoid_groups.router_probabilities(logits, s)
     counts = jnp.zeros(e, jnp.float32).at[experts.reshape(-1)].add(jnp.repeat(real.reshape(-1), k))
     sums = {"tokens": jnp.sum(real), "counts": counts,
             "probs": jnp.einsum("...e,...->e", probs, real),
@@ -410,7 +410,7 @@ def _aux(logits, experts, valid, dropped, s: Settings, axes: Axes) -> dict:
     if dropped is not None:
         sums["dropped"] = dropped.astype(jnp.float32)
     if s.seq_balance_loss_weight > 0:
-        sums.update(moe_deepseek.sequence_balance_sums(probs, experts, real, s))
+        sums.update(sigmoid_groups.sequence_balance_sums(probs, experts, real, s))
     if axes.batch:
         sums = jax.lax.psum(sums, axes.batch)
     tokens = jnp.maximum(sums["tokens"], 1.0)

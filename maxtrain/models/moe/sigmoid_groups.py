@@ -1,4 +1,4 @@
-"""DeepSeek-V3's parts of the mixture-of-experts block (models/moe.py calls them): the sigmoid group-limited
+"""DeepSeek-V3's parts of the mixture-of-experts block (models/moe/ calls them): the sigmoid group-limited
 router, the selection bias and its update outside the gradient, shared experts, the sequence-wise balance loss.
 
     s = sigmoid(logits)                                        [n, E] scores, float32
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.models import blocks
-from maxtrain.models.decoder import PER_LAYER, STEP_STATS, per_layer_name
+from maxtrain.models.aux_names import PER_LAYER, STEP_STATS, per_layer_name
 from maxtrain.models.params import ParamSpec, dense
 
 
