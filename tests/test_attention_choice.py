@@ -27,7 +27,7 @@ def choose(**kwargs):
 
 @pytest.fixture
 def without_tokamax(monkeypatch):
-    monkeypatch.setattr(attention_choice, "tokamax_installed", lambda: False)
+    monkeypatch.setattr(kernel_choice, "tokamax_installed", lambda: False)
 
 
 def test_cudnn_is_chosen_where_it_was_measured_fastest(without_tokamax):
@@ -55,7 +55,7 @@ def test_flash_where_cudnn_cannot_run_the_model(without_tokamax, kwargs, lacking
 
 
 def test_a_faster_measured_tokamax_row_wins_and_unsupported_ones_are_passed_over(monkeypatch):
-    monkeypatch.setattr(attention_choice, "tokamax_installed", lambda: True)
+    monkeypatch.setattr(kernel_choice, "tokamax_installed", lambda: True)
     row = attention_speeds.Row("sm90", 128, 8192, (("tokamax", 400.0), ("cudnn", 349.3), ("flash", 201.2)),
                                "H100", "2026-12-01", "a test row")
     monkeypatch.setattr(attention_speeds, "MEASURED", (row,))
@@ -88,11 +88,11 @@ def test_the_start_up_summary_names_the_choice_and_the_reason(without_tokamax):
 
 
 def test_tokamax_is_refused_cleanly_where_it_cannot_run(monkeypatch):
-    monkeypatch.setattr(attention_choice, "tokamax_installed", lambda: False)
+    monkeypatch.setattr(kernel_choice, "tokamax_installed", lambda: False)
     with pytest.raises(ValueError, match=r"attention=tokamax is not installed \(pip install 'maxtrain\[gpu\]'\)\. "
                                          r"Use attention=flash, dot_product or autoselected"):
         attention.resolve_implementation("tokamax", "gpu", dtype=BF16, head_dim=128)
-    monkeypatch.setattr(attention_choice, "tokamax_installed", lambda: True)
+    monkeypatch.setattr(kernel_choice, "tokamax_installed", lambda: True)
     assert attention.resolve_implementation("tokamax", "gpu", dtype=BF16, head_dim=128) == "tokamax"
     with pytest.raises(ValueError, match=r"attention=tokamax needs dtype=bfloat16 or float16, got float32"):
         attention.resolve_implementation("tokamax", "gpu", dtype=jnp.float32, head_dim=128)
@@ -208,7 +208,7 @@ def test_each_layer_kind_gets_the_fastest_implementation_that_runs_it(without_to
 
 
 def test_an_explicit_choice_one_layer_kind_cannot_run_is_refused_naming_it(monkeypatch):
-    monkeypatch.setattr(attention_choice, "tokamax_installed", lambda: True)
+    monkeypatch.setattr(kernel_choice, "tokamax_installed", lambda: True)
     with pytest.raises(ValueError, match=r"^attention=tokamax cannot run the model's full-attention layers \(head_dim "
                                          r"512\): tokamax needs head_dim to be a multiple of 64 and at most 256, got "
                                          r"512\. Use attention=flash, dot_product or autoselected \(which chooses per "

@@ -217,7 +217,7 @@ def test_the_measured_attention_speeds_have_one_table():
                     and getattr(n.func, "attr", getattr(n.func, "id", "")) == "Row" and n.args
                     and isinstance(n.args[0], ast.Constant) and str(n.args[0].value).startswith("sm")]
             assert not rows, f"{os.path.relpath(path, REPO)}:{rows}: a measured attention row outside {owner}"
-    assert not hasattr(attention_choice, "MEASURED")
+    assert not hasattr(kernel_choice, "MEASURED")
 
 
 def test_the_compile_targets_have_one_table():
