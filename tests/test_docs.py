@@ -9,9 +9,12 @@ For README.md and every docs/**/*.md page (no training, no JAX):
 - every path it names under maxtrain/, scripts/, configs/, tests/ or end_to_end/ (and every module named
   from inside the package, e.g. `models/attention/`) exists, and so does every page it links to, with
   the heading a link's #anchor names;
-- performance.md, the README and architecture.md keep to their lengths.
+- performance.md, the README and architecture.md keep to their lengths;
+- the README's table of families and presets lists every family of maxtrain/config/registry.py and, in each
+  family's row, exactly its presets of configs/models/ (and its counts of them in prose are those numbers).
 
-test_broken_pages_are_caught feeds the checker pages broken in each of these ways.
+test_broken_pages_are_caught and test_broken_model_tables_are_caught feed the checkers pages broken in each of
+these ways.
 """
 
 from __future__ import annotations
@@ -22,9 +25,10 @@ import re
 import shlex
 
 import pytest
+import yaml
 
-from maxtrain.config import load_config
-from maxtrain.config.schema import table
+from maxtrain.config import load_config, registry
+from maxtrain.config.schema import defaults, table
 from maxtrain.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -217,6 +221,94 @@ def page_problems(name: str, text: str) -> list[str]:
     return problems
 
 
+MODELS_HEADING = "## Families and presets"
+
+
+def preset_families() -> dict[str, str]:
+    """Each preset of configs/models/ and the family (decoder_block) it sets."""
+    found = {}
+    for path in sorted(glob.glob(os.path.join(ROOT, "configs", "models", "*.yml"))):
+        with open(path, encoding="utf-8") as f:
+            found[os.path.basename(path)[:-4]] = (yaml.safe_load(f) or {}).get("decoder_block",
+                                                                                 defaults()["decoder_block"])
+    return found
+
+
+def model_table_problems(text: str, families: tuple[str, ...], presets: dict[str, str]) -> list[str]:
+    """How the README's table under MODELS_HEADING (rows `| `family` | models | `preset`, ... |`) and its
+    counts ("17 model families", "34 presets") differ from the registry's families and the presets."""
+    lines = text.splitlines()
+    if MODELS_HEADING not in lines:
+        return [f"has no {MODELS_HEADING!r} section"]
+    start = lines.index(MODELS_HEADING) + 1
+    end = next((i for i in range(start, len(lines)) if lines[i].startswith("## ")), len(lines))
+    rows = {}
+    for line in lines[start:end]:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| `") and len(cells) >= 3:
+            family = cells[0].strip("`")
+            if family in rows:
+                return [f"lists family {family} twice"]
+            rows[family] = re.findall(r"`([^`]+)`", cells[-1])
+    problems = [f"lists no family {name} (maxtrain/config/registry.py has it)" for name in families if name not in rows]
+    problems += [f"lists family {name}, which maxtrain/config/registry.py does not have" for name in rows
+                 if name not in families]
+    listed = {p: f for f, names in rows.items() for p in names}
+    for preset, family in presets.items():
+        if preset not in listed:
+            problems.append(f"lists no preset {preset} (configs/models/{preset}.yml, family {family})")
+        elif listed[preset] != family:
+            problems.append(f"lists preset {preset} under {listed[preset]}, but its decoder_block is {family}")
+    problems += [f"lists preset {p}, which configs/models/ does not have" for p in listed if p not in presets]
+    problems += [f"lists preset {p} twice" for p in sorted(set(listed)) if sum(n.count(p) for n in rows.values()) > 1]
+    for count, what, actual in [(int(n), "model families", len(families))
+                                for n in re.findall(r"(\d+) model families", text)] + \
+                               [(int(n), "presets", len(presets)) for n in re.findall(r"(\d+) presets", text)]:
+        if count != actual:
+            problems.append(f"says {count} {what}, but there are {actual}")
+    return problems
+
+
+def test_readme_lists_every_family_and_preset():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        assert model_table_problems(f.read(), tuple(registry.FAMILIES), preset_families()) == []
+
+
+TABLE = """# maxtrain
+
+We have 2 model families and 3 presets.
+
+## Families and presets
+
+| family | models | presets |
+| --- | --- | --- |
+| `llama` | Llama | `default`, `llama3-8b` |
+| `qwen3` | Qwen 3 | `qwen3-8b` |
+
+## Next
+"""
+TABLE_FAMILIES = ("llama", "qwen3")
+TABLE_PRESETS = {"default": "llama", "llama3-8b": "llama", "qwen3-8b": "qwen3"}
+
+
+@pytest.mark.parametrize("families, presets, text, expected", [
+    (TABLE_FAMILIES + ("gemma2",), TABLE_PRESETS, TABLE, "lists no family gemma2"),
+    (("llama",), {"default": "llama", "llama3-8b": "llama"}, TABLE.replace("2 model", "1 model"),
+     "lists family qwen3, which"),
+    (TABLE_FAMILIES, {**TABLE_PRESETS, "qwen3-0.6b": "qwen3"}, TABLE, "lists no preset qwen3-0.6b"),
+    (TABLE_FAMILIES, {**TABLE_PRESETS, "llama3-8b": "qwen3"}, TABLE, "lists preset llama3-8b under llama"),
+    (TABLE_FAMILIES, {"default": "llama", "qwen3-8b": "qwen3"}, TABLE, "lists preset llama3-8b, which"),
+    (TABLE_FAMILIES, TABLE_PRESETS, TABLE.replace("`qwen3-8b` |", "`qwen3-8b`, `default` |"),
+     "lists preset default twice"),
+    (TABLE_FAMILIES, TABLE_PRESETS, TABLE.replace("3 presets", "4 presets"), "says 4 presets, but there are 3"),
+    (TABLE_FAMILIES, TABLE_PRESETS, TABLE.replace("## Families and presets", "## Models"), "has no"),
+])
+def test_broken_model_tables_are_caught(families, presets, text, expected):
+    assert model_table_problems(TABLE, TABLE_FAMILIES, TABLE_PRESETS) == []
+    problems = model_table_problems(text, families, presets)
+    assert any(expected in problem for problem in problems), problems
+
+
 def test_the_pages_are_found():
     assert {"README.md", "docs/performance.md", "docs/architecture.md"} <= set(PAGES)
     assert {"train", "decode", "inspect_checkpoint"} <= set(COMMANDS) and "errors" not in COMMANDS
@@ -272,3 +364,4 @@ def test_good_example_and_a_shown_error_pass():
 
 def test_length_limits_are_enforced():
     assert any("more than 300" in p for p in page_problems("docs/performance.md", GOOD + "x\n" * 300))
+    assert any("more than 250" in p for p in page_problems("README.md", GOOD + "x\n" * 250))
