@@ -28,7 +28,7 @@ KEYS = ("load_parameters_path", "prompt", "max_new_tokens", "decode_sampling_str
 
 
 def main(argv: list[str]) -> str:
-    config = builder.load_config(argv)
+    config = builder.load_config(argv, command="maxtrain.decode")
     builder.require_checkpoint_path(config, "maxtrain.decode")
     tokenizer = data_lib.tokenizer_for(config)
     # the prompt and the count are refused before the model is read

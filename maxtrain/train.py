@@ -51,7 +51,7 @@ def log(*args):
 
 def main(argv: list[str]) -> RunResult:
     started = time.time()
-    config = builder.load_config(argv, log=log)
+    config = builder.load_config(argv, log=log, command="maxtrain.train")
     host_memory.keep_step_buffers(config)  # a small CPU step's buffers kept between steps; before JAX starts
     metrics.check_outputs(config)  # a metrics_file or run directory that cannot be written: refused now
     # GRPO's reward functions: imported and their signatures checked now (called on made-up completions below)

@@ -426,9 +426,46 @@ ROWS = [
         r"objective=grpo samples .*decode_sampling_top_k=1.* would all be the same"),
     Row("mtp-modules-beyond-the-sequence", T, [B, "model_name=deepseek3-tiny", "mtp_num_layers=4", "max_target_length=4"],
         r"mtp_num_layers=4 needs max_target_length >= 5, but max_target_length=4"),
-    Row("llama4-chunk-longer-than-the-sequence", T, [B, "model_name=llama4-scout", "max_target_length=4096"],
-        r"chunk_attn_window_size=8192 needs max_target_length >= 8192, but max_target_length=4096: .* raise "
-        r"max_target_length or lower chunk_attn_window_size"),
+    # (a chunk of Llama 4's chunked attention at least as long as the sequence is full attention: accepted, as Llama 4
+    # Scout's 8,192 at 4,096 tokens; tests/test_config.py)
+    Row("hybrid-gdn-chunk-longer-than-the-sequence", T, [B, "model_name=qwen3-next-80b-a3b", "gdn_chunk_size=128",
+                                                         "max_target_length=64"],
+        r"gdn_chunk_size=128 needs max_target_length >= 128, but max_target_length=64: the gated delta rule pads the "
+        r"sequence to whole chunks"),
+    # the off-feature gate's second switches: a key of an active family that needs another of its switches
+    Row("feature-off-temperature-scale-without-tuning", T, [B, "decoder_block=llama4_text", "num_experts=4",
+                                                            "nope_layer_interval=4", "temperature_tuning_scale=0.2"],
+        r"temperature_tuning_scale=0.2 does nothing without temperature_tuning=true \(here temperature_tuning=false\)"),
+    Row("feature-off-chunk-without-rope-layers", T, [B, "decoder_block=llama4_text", "num_experts=4",
+                                                     "nope_layer_interval=1", "chunk_attn_window_size=64"],
+        r"chunk_attn_window_size=64 does nothing without RoPE layers \(nope_layer_interval other than 1\) \(here "
+        r"nope_layer_interval=1\)"),
+    Row("feature-off-gdn-without-linear-layers", T, [B, "model_name=qwen3-next-80b-a3b",
+                                                     "inhomogeneous_layer_cycle_interval=1", "gdn_chunk_size=32"],
+        r"gdn_chunk_size=32 does nothing without gated delta-net layers \(inhomogeneous_layer_cycle_interval >= 2\)"),
+    Row("feature-off-grouped-matmul-with-capacity", T, [B, "decoder_block=mixtral", "num_experts=4",
+                                                        "moe_dispatch=capacity", "moe_grouped_matmul=pallas"],
+        r"moe_grouped_matmul='pallas' does nothing without moe_dispatch=dropless \(here moe_dispatch=capacity\)"),
+    Row("feature-off-key-of-a-user-preset", T, [B, "model_name={scratch}/my.yml"],
+        r"model_name=.*/my.yml: temperature_tuning_scale=0.2 does nothing without temperature_tuning=true",
+        setup=yaml_file("decoder_block: llama4_text\nnum_experts: 4\nnope_layer_interval: 4\n"
+                        "temperature_tuning_scale: 0.2\n")),
+    # rules that place experts leaving none
+    Row("moe-sparse-step-leaves-no-experts", T, [B, "decoder_block=qwen3_moe", "num_experts=4",
+                                                 "decoder_sparse_step=8"],
+        r"decoder_sparse_step=8 leaves no layer of experts among base_num_decoder_layers=4: decoder_block=qwen3_moe "
+        r"would be a dense model"),
+    Row("moe-mlp-only-layers-leave-no-experts", T, [B, "decoder_block=qwen3_moe", "num_experts=4",
+                                                    "mlp_only_layers=[0,1,2,3]"],
+        r"mlp_only_layers=\[0, 1, 2, 3\] leaves no layer of experts"),
+    # keys of another command
+    Row("train-with-compile-topology", T, [B, "compile_topology=v5p-8"],
+        r"compile_topology='v5p-8' is read by maxtrain.train_compile, not by maxtrain.train"),
+    Row("train-with-compile-report-file", T, [B, "compile_report_file={scratch}/r.json"],
+        r"compile_report_file='.*/r.json' is read by maxtrain.train_compile, not by maxtrain.train"),
+    Row("decode-with-compiled-trainstep-file", D, [B, "compiled_trainstep_file={scratch}/step.bin"],
+        r"compiled_trainstep_file='.*/step.bin' is read by maxtrain.train_compile and maxtrain.train, not by "
+        r"maxtrain.decode"),
     Row("llama4-nope-interval-zero", T, [B, "decoder_block=llama4_text", "num_experts=4", "nope_layer_interval=0"],
         r"nope_layer_interval=0 is not allowed: it must be -1 or >= 1"),
     Row("llama4-chunks-with-context-parallelism", T, [B, "decoder_block=llama4_text", "num_experts=4",

@@ -58,6 +58,20 @@ class Family:
             return ["sliding" if sliding_window_size > 0 else "full"] * num_layers
         return self.pattern(num_layers)
 
+    def moe_plan(self, num_layers: int, placement: dict) -> list[bool]:
+        """Whether each layer has experts, as its module's layer_types places them: `placement` holds the values of
+        MOE_PLACEMENT_KEYS, of which only those the family reads (its `settings`) count (tests/test_config.py
+        checks that they agree)."""
+        def read(key, otherwise):
+            return placement[key] if key in self.settings else otherwise
+        first, step, only = read("first_num_dense_layers", 0), read("decoder_sparse_step", 1), read("mlp_only_layers", [])
+        return [self.moe and i >= first and (i + 1) % step == 0 and i not in only for i in range(num_layers)]
+
+
+# The settings that say which layers of a mixture-of-experts family have experts (Family.moe_plan), the others a
+# dense MLP of base_mlp_dim.
+MOE_PLACEMENT_KEYS = ("first_num_dense_layers", "decoder_sparse_step", "mlp_only_layers")
+
 
 # The settings of the gated delta-net hybrids (Qwen3-Next, Qwen3.5: models/hybrid.py), and those of them that fix
 # the parameters' shapes.
