@@ -188,6 +188,8 @@ REQUIRES: tuple[Feature, ...] = (
                                      "every layer full attention)", state="inhomogeneous_layer_cycle_interval"),
     Feature("moe_dispatch=dropless", lambda v: v["moe_dispatch"] == "dropless", ("moe_grouped_matmul",),
             state="moe_dispatch"),
+    Feature("a shared expert (shared_experts >= 1)", lambda v: v["shared_experts"] > 0, ("shared_expert_mlp_dim",),
+            fix="set shared_experts=1", state="shared_experts"),
 )
 
 
