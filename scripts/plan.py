@@ -38,11 +38,15 @@ from maxtrain.training import builder
 GIB = 2**30
 
 
-def ints(text: str) -> list[int]:
+def ints(text: str, flag: str) -> list[int]:
+    """The choices of a grid option: comma-separated whole numbers >= 1 (a split or a batch of 0 has no cell)."""
     try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError as e:
-        raise ToolError(f"expected comma-separated integers, got {text!r}") from e
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ToolError(f"{flag} {text!r} must be comma-separated whole numbers >= 1, e.g. {flag} 1,4")
+    return values
 
 
 def grid(config, target: targets.Target, args) -> list[dict]:
@@ -52,7 +56,7 @@ def grid(config, target: targets.Target, args) -> list[dict]:
     heads = math.gcd(config.base_num_query_heads, config.base_num_kv_heads or config.base_num_query_heads)
     cells = []
     for tensor, expert, batch, remat, attention in itertools.product(
-            ints(args.tensor), ints(args.expert) if moe else [1], ints(args.batch), args.remat.split(","),
+            args.tensor, args.expert if moe else [1], args.batch, args.remat.split(","),
             args.attention.split(",")):
         if devices % (tensor * expert) or heads % tensor or (moe and config.num_experts % expert):
             continue
@@ -150,6 +154,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--json", help="also write every cell's figures here")
     parser.add_argument("--cache", help="a directory keeping each compiled cell, to re-predict without compiling")
     args = parser.parse_args(argv)
+    args.tensor, args.expert, args.batch = (ints(args.tensor, "--tensor"), ints(args.expert, "--expert"),
+                                            ints(args.batch, "--batch"))
     if args.json:
         storage.check_output(args.json, True, f"--json {args.json}")
     if args.cache:
