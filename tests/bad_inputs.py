@@ -581,6 +581,10 @@ ROWS = [
         r"coordinator_address='10.0.0.1' must be host:port"),
     Row("process-id-out-of-range", T, [B, "coordinator_address=127.0.0.1:1234", "num_processes=2", "process_id=2"],
         r"process_id=2 must be in \[0, num_processes=2\)"),
+    Row("grpo-on-two-processes", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl",
+                                     "train_data_columns=[prompt,answer]", "decode_sampling_strategy=weighted",
+                                     "coordinator_address=127.0.0.1:1234", "num_processes=2", "process_id=1"],
+        r"objective=grpo runs in one process for now \(its rollouts are gathered on one host\), but num_processes=2"),
     Row("processes-without-coordinator", T, [B, "num_processes=2", "process_id=0"],
         r"num_processes=2 needs coordinator_address=host:port"),
     # train: outputs
