@@ -733,6 +733,17 @@ ROWS = [
         r"no usable checkpoint is left in .*/run/checkpoints: every step was damaged \(step 2: .*: its contents "
         r"changed since it was saved \(checksum mismatch\)\) and was moved to .*/run/damaged_checkpoints",
         tiny=True, setup=every_step_flipped),
+    Row("resume-with-another-objective", T, [B, "run_name=run", "base_output_directory={scratch}",
+                                             "dataset_cache_dir={cache}", "objective=distill",
+                                             "distill_teacher_path={run}", "steps=6"],
+        r"this run's checkpoint .*/run/checkpoints/4 was trained with objective=lm, and this run has objective=distill: "
+        r"the objective changed\. Start the new stage as a new run from its parameters \(run_name=<a new name> "
+        r"load_parameters_path=", tiny=True, setup=lambda w, s: copy_run(w, s)),
+    Row("load-full-state-of-another-objective", T, [B, "load_full_state_path={run}", "objective=distill",
+                                                    "distill_teacher_path={run}", "run_name=new",
+                                                    "base_output_directory={scratch}", "dataset_cache_dir={cache}"],
+        r"load_full_state_path=.*/run/checkpoints/4 holds the state of a run with objective=lm .* the objective "
+        r"changed\. Start the new stage from its parameters: load_parameters_path=", tiny=True),
     # train: the checks see the model a checkpoint's settings make (adopted where the command sets no model_name)
     Row("imported-deepseek-expert-parallelism", T, [B, "load_parameters_path={scratch}/ds", "ici_expert_parallelism=3",
                                                     "dataset_type=synthetic"],
