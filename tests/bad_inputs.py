@@ -788,6 +788,10 @@ ROWS = [
                                                            "tokenizer_path={tok}"],
         r"prompt='x x .*\.\.\.' is \d+ tokens, more than max_target_length=32 .* shorten the prompt or raise "
         r"max_target_length", tiny=True),
+    Row("decode-continuation-past-max-target-length", D, [B, "load_parameters_path={run}", "prompt=def ",
+                                                          "max_new_tokens=40", "tokenizer_path={tok}"],
+        r"the prompt is \d+ tokens and max_new_tokens=40: \d+ tokens, more than max_target_length=32 .* set "
+        r"max_new_tokens=\d+ or less, or raise max_target_length", tiny=True),
     Row("decode-no-new-tokens", D, [B, "load_parameters_path={run}", "tokenizer_path={tok}"],
         r"max_new_tokens=0: maxtrain.decode has no token to generate; set max_new_tokens=", tiny=True),
     Row("train-sample-prompt-empty", T, [B, "dataset_type=synthetic", "tokenizer_path={tok}", "prompt=",
