@@ -531,6 +531,14 @@ ROWS = [
     Row("grpo-columns-without-eval-files", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl",
                                                "train_data_columns=[prompt,answer]"],
         r"objective=grpo samples each prompt's completions with decode_sampling_strategy=greedy"),
+    Row("dpo-every-pair-truncated", T, [B, "objective=dpo", "dataset_type=jsonl", "tokenizer_path={tok}",
+                                        "chat_template=plain", "grain_train_files={scratch}/pairs.jsonl",
+                                        "train_data_columns=[prompt,chosen,rejected]",
+                                        "eval_data_columns=[prompt,chosen,rejected]"],
+        r"the first preference pair of every train file leaves no token to learn from at max_target_length=32 .* "
+        r"Raise max_target_length to \d+ or more", tiny=True,
+        setup=lambda w, s: _write(os.path.join(s, "pairs.jsonl"), json.dumps(
+            {"prompt": "the same long question " * 30, "chosen": "yes", "rejected": "no"}) + "\n")),
     Row("dpo-row-without-rejected", T, [B, "objective=dpo", "dataset_type=jsonl", "tokenizer_path={tok}",
                                         "chat_template=plain", "grain_train_files={scratch}/rows.jsonl",
                                         "train_data_columns=[prompt,chosen,rejected]",
