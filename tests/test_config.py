@@ -345,7 +345,8 @@ SECOND_OFF = {"temperature_tuning=true": ["decoder_block=llama4_text", "num_expe
                                                                  "nope_layer_interval=1"],
               "gated delta-net layers (inhomogeneous_layer_cycle_interval >= 2)":
                   ["model_name=qwen3-next-80b-a3b", "inhomogeneous_layer_cycle_interval=1"],
-              "moe_dispatch=dropless": ["decoder_block=mixtral", "num_experts=4", "moe_dispatch=capacity"]}
+              "moe_dispatch=dropless": ["decoder_block=mixtral", "num_experts=4", "moe_dispatch=capacity"],
+              "a shared expert (shared_experts >= 1)": ["model_name=qwen3-next-80b-a3b", "shared_experts=0"]}
 SECOND_KEYS = [(f, k) for f in features.REQUIRES for k in f.keys]
 
 

@@ -35,6 +35,7 @@ from typing import Any, Callable
 from maxtrain.config import objectives
 from maxtrain.config.registry import FAMILIES, HYBRID_SETTINGS, MOE_FAMILIES, Family
 from maxtrain.config.schema import table, ways
+from maxtrain.config.settings import check_value
 from maxtrain.errors import ConfigError
 
 
@@ -256,6 +257,7 @@ def keys_of_other_commands(v: dict[str, Any], command: str) -> None:
     chosen, settings = _chosen_by_the_user(v), table()
     for key, readers in COMMAND_KEYS.items():
         if command and command not in readers and v[key] != settings[key].default and chosen(key):
+            check_value(settings[key], v[key])  # a value no command takes: its range first
             raise ConfigError(f"{key}={shown(v[key])} is read by {' and '.join(readers)}, not by {command}: run "
                               f"python -m {readers[0]} with it, or drop {key} (default {shown(settings[key].default)})")
 
