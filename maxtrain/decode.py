@@ -28,7 +28,7 @@ KEYS = ("load_parameters_path", "prompt", "max_new_tokens", "decode_sampling_str
 
 
 def main(argv: list[str]) -> str:
-    config = builder.load_config(argv)
+    config = builder.load_config(argv, command="maxtrain.decode")
     builder.require_checkpoint_path(config, "maxtrain.decode")
     tokenizer = data_lib.tokenizer_for(config)
     # the prompt and the count are refused before the model is read
@@ -36,6 +36,12 @@ def main(argv: list[str]) -> str:
     if config.max_new_tokens < 1:
         raise config_lib.ConfigError(f"max_new_tokens={config.max_new_tokens}: maxtrain.decode has no token to "
                                      "generate; set max_new_tokens=48 (or any number >= 1)")
+    total, length = len(prompt_ids) + config.max_new_tokens, config.max_target_length
+    if total > length:  # the continuation, as the prompt, within the longest sequence the model is run on
+        raise config_lib.ConfigError(
+            f"the prompt is {len(prompt_ids)} tokens and max_new_tokens={config.max_new_tokens}: {total} tokens, more "
+            f"than max_target_length={length} (the longest sequence the model is run on); set max_new_tokens="
+            f"{length - len(prompt_ids)} or less, or raise max_target_length")
     model = builder.load_model(config)
     settings = sampling.sampling_settings(config)
     started = time.time()

@@ -35,7 +35,8 @@ KEYS = ("load_parameters_path", "eval_tasks", "eval_tasks_max_examples", "eval_t
 def main(argv: list[str]) -> dict:
     started = time.time()
     # the checks see the checkpoint's model settings (read again below, and said, once the data is found)
-    config = config_lib.load_config(argv, adopt=lambda values: adoption.settings_to_adopt(values, True)[0])
+    config = config_lib.load_config(argv, adopt=lambda values: adoption.settings_to_adopt(values, True)[0],
+                                    command="maxtrain.evaluate")
     if not config.eval_tasks.strip():
         raise config_lib.ConfigError("name the tasks to score: eval_tasks=hellaswag,arc_easy,... (tasks: "
                                      f"{', '.join(config_lib.EVAL_TASKS)})")

@@ -79,7 +79,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--chars", type=int, default=160)
     opts, rest = parser.parse_known_args(argv)
-    config = config_lib.load_config(rest)
+    config = config_lib.load_config(rest, command="maxtrain.inspect_data")
     hosts = config.num_processes if config.num_processes > 0 else 1
     host = config.process_id if config.process_id >= 0 else 0
     if not 0 <= host < hosts:

@@ -51,12 +51,15 @@ def log(*args):
 
 def main(argv: list[str]) -> RunResult:
     started = time.time()
-    config = builder.load_config(argv, log=log)
+    config = builder.load_config(argv, log=log, command="maxtrain.train")
     host_memory.keep_step_buffers(config)  # a small CPU step's buffers kept between steps; before JAX starts
     metrics.check_outputs(config)  # a metrics_file or run directory that cannot be written: refused now
     # GRPO's reward functions: imported and their signatures checked now (called on made-up completions below)
     sampled = config_lib.objectives.of(config).samples  # GRPO: completions sampled and scored as it trains
     reward_functions = rewards.load(config.grpo_reward_functions) if sampled else None
+    joining = distributed.settings(config)  # the processes the config or the environment names: None for one
+    config_lib.objectives.one_process_only(config, 1 if joining is None else joining.get("num_processes", 2),
+                                           "" if joining is None or joining else "the environment names a cluster")
     distributed.initialize(config)
     distributed.agree_on_config(config)  # one agreed view: the same settings and code on every process
     run = builder.build(config)  # mesh, model, optimizer, state shardings and the jitted steps

@@ -36,7 +36,7 @@ KEYS = ("compile_topology", "compile_topology_num_slices", "model_name", "per_de
 
 
 def main(argv: list[str]) -> int:
-    config = builder.load_config(argv, log=lambda *a: print(*a, file=sys.stderr))
+    config = builder.load_config(argv, log=lambda *a: print(*a, file=sys.stderr), command="maxtrain.train_compile")
     if config.compile_report_file:  # refused now, not after the compile
         storage.check_output(config.compile_report_file, True,
                              f"compile_report_file={storage.abspath(config.compile_report_file)!r}")

@@ -28,7 +28,7 @@ KEYS = ("load_parameters_path", "viz_num_samples", "dataset_type", "grain_eval_f
 
 
 def main(argv: list[str]) -> str:
-    config = builder.load_config(argv)
+    config = builder.load_config(argv, command="maxtrain.viz")
     step_dir = builder.require_checkpoint_path(config, "maxtrain.viz")
     if config.dataset_type == "synthetic" or not (config.dataset_type == "default" or config.grain_eval_files):
         raise config_lib.ConfigError(

@@ -120,9 +120,9 @@ def parse_args(argv):
         parser.error(f"--seq {min(args.seq)} must be >= 2 (a next-token loss needs two tokens)")
     if args.warmup < 0 or args.max_step_seconds < 0:
         parser.error("--warmup and --max-step-seconds must be >= 0")
-    if args.seq != sorted(args.seq):
-        parser.error(f"--seq {' '.join(map(str, args.seq))}: give the lengths in increasing order "
-                     "(each row's prediction comes from the one before)")
+    if any(later <= earlier for earlier, later in zip(args.seq, args.seq[1:])):
+        parser.error(f"--seq {' '.join(map(str, args.seq))}: give the lengths in increasing order, each once "
+                     "(each row's prediction comes from the one before, by the ratio of their lengths)")
     return args
 
 

@@ -52,7 +52,7 @@ START = time.monotonic()
 
 
 def parse_args(argv):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(prog="gpu_report", description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--out", help="folder for report.json and report.md (on the device machine: $OUT)")
     parser.add_argument("--budget", type=float, default=BUDGET_SECONDS,
                         help=f"wall seconds for all parts, compiles included (default {BUDGET_SECONDS})")
@@ -61,14 +61,16 @@ def parse_args(argv):
                         help=f"comma-separated, in order, of {', '.join(PARTS)} (default {','.join(DEFAULT_PARTS)})")
     parser.add_argument("--print-device-call", action="store_true", help="print the `device` tool call and exit")
     args = parser.parse_args(argv)
-    args.parts = [p for p in args.parts.split(",") if p]
+    given, args.parts = args.parts, [p for p in args.parts.split(",") if p]
+    if not args.parts:
+        parser.error(f"--parts {given!r} names no part; choose from {', '.join(PARTS)}")
     unknown = [p for p in args.parts if p not in PARTS]
     if unknown:
         parser.error(f"--parts: unknown {', '.join(unknown)}; choose from {', '.join(PARTS)}")
     if not args.print_device_call and not args.out:
         parser.error("--out DIR is required (on the device machine: --out $OUT)")
-    if args.budget <= 0:
-        parser.error("--budget must be > 0 seconds")
+    if not args.budget > 0 or args.budget == float("inf"):  # nan compares false
+        parser.error(f"--budget {args.budget} must be a finite number of seconds > 0")
     if args.out:  # the report is written as the parts finish: refused before the first
         storage.check_output(args.out, False, f"--out {args.out}")
     return args

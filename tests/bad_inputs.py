@@ -427,9 +427,46 @@ ROWS = [
         r"objective=grpo samples .*decode_sampling_top_k=1.* would all be the same"),
     Row("mtp-modules-beyond-the-sequence", T, [B, "model_name=deepseek3-tiny", "mtp_num_layers=4", "max_target_length=4"],
         r"mtp_num_layers=4 needs max_target_length >= 5, but max_target_length=4"),
-    Row("llama4-chunk-longer-than-the-sequence", T, [B, "model_name=llama4-scout", "max_target_length=4096"],
-        r"chunk_attn_window_size=8192 needs max_target_length >= 8192, but max_target_length=4096: .* raise "
-        r"max_target_length or lower chunk_attn_window_size"),
+    # (a chunk of Llama 4's chunked attention at least as long as the sequence is full attention: accepted, as Llama 4
+    # Scout's 8,192 at 4,096 tokens; tests/test_config.py)
+    Row("hybrid-gdn-chunk-longer-than-the-sequence", T, [B, "model_name=qwen3-next-80b-a3b", "gdn_chunk_size=128",
+                                                         "max_target_length=64"],
+        r"gdn_chunk_size=128 needs max_target_length >= 128, but max_target_length=64: the gated delta rule pads the "
+        r"sequence to whole chunks"),
+    # the off-feature gate's second switches: a key of an active family that needs another of its switches
+    Row("feature-off-temperature-scale-without-tuning", T, [B, "decoder_block=llama4_text", "num_experts=4",
+                                                            "nope_layer_interval=4", "temperature_tuning_scale=0.2"],
+        r"temperature_tuning_scale=0.2 does nothing without temperature_tuning=true \(here temperature_tuning=false\)"),
+    Row("feature-off-chunk-without-rope-layers", T, [B, "decoder_block=llama4_text", "num_experts=4",
+                                                     "nope_layer_interval=1", "chunk_attn_window_size=64"],
+        r"chunk_attn_window_size=64 does nothing without RoPE layers \(nope_layer_interval other than 1\) \(here "
+        r"nope_layer_interval=1\)"),
+    Row("feature-off-gdn-without-linear-layers", T, [B, "model_name=qwen3-next-80b-a3b",
+                                                     "inhomogeneous_layer_cycle_interval=1", "gdn_chunk_size=32"],
+        r"gdn_chunk_size=32 does nothing without gated delta-net layers \(inhomogeneous_layer_cycle_interval >= 2\)"),
+    Row("feature-off-grouped-matmul-with-capacity", T, [B, "decoder_block=mixtral", "num_experts=4",
+                                                        "moe_dispatch=capacity", "moe_grouped_matmul=pallas"],
+        r"moe_grouped_matmul='pallas' does nothing without moe_dispatch=dropless \(here moe_dispatch=capacity\)"),
+    Row("feature-off-key-of-a-user-preset", T, [B, "model_name={scratch}/my.yml"],
+        r"model_name=.*/my.yml: temperature_tuning_scale=0.2 does nothing without temperature_tuning=true",
+        setup=yaml_file("decoder_block: llama4_text\nnum_experts: 4\nnope_layer_interval: 4\n"
+                        "temperature_tuning_scale: 0.2\n")),
+    # rules that place experts leaving none
+    Row("moe-sparse-step-leaves-no-experts", T, [B, "decoder_block=qwen3_moe", "num_experts=4",
+                                                 "decoder_sparse_step=8"],
+        r"decoder_sparse_step=8 leaves no layer of experts among base_num_decoder_layers=4: decoder_block=qwen3_moe "
+        r"would be a dense model"),
+    Row("moe-mlp-only-layers-leave-no-experts", T, [B, "decoder_block=qwen3_moe", "num_experts=4",
+                                                    "mlp_only_layers=[0,1,2,3]"],
+        r"mlp_only_layers=\[0, 1, 2, 3\] leaves no layer of experts"),
+    # keys of another command
+    Row("train-with-compile-topology", T, [B, "compile_topology=v5p-8"],
+        r"compile_topology='v5p-8' is read by maxtrain.train_compile, not by maxtrain.train"),
+    Row("train-with-compile-report-file", T, [B, "compile_report_file={scratch}/r.json"],
+        r"compile_report_file='.*/r.json' is read by maxtrain.train_compile, not by maxtrain.train"),
+    Row("decode-with-compiled-trainstep-file", D, [B, "compiled_trainstep_file={scratch}/step.bin"],
+        r"compiled_trainstep_file='.*/step.bin' is read by maxtrain.train_compile and maxtrain.train, not by "
+        r"maxtrain.decode"),
     Row("llama4-nope-interval-zero", T, [B, "decoder_block=llama4_text", "num_experts=4", "nope_layer_interval=0"],
         r"nope_layer_interval=0 is not allowed: it must be -1 or >= 1"),
     Row("llama4-chunks-with-context-parallelism", T, [B, "decoder_block=llama4_text", "num_experts=4",
@@ -495,6 +532,14 @@ ROWS = [
     Row("grpo-columns-without-eval-files", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl",
                                                "train_data_columns=[prompt,answer]"],
         r"objective=grpo samples each prompt's completions with decode_sampling_strategy=greedy"),
+    Row("dpo-every-pair-truncated", T, [B, "objective=dpo", "dataset_type=jsonl", "tokenizer_path={tok}",
+                                        "chat_template=plain", "grain_train_files={scratch}/pairs.jsonl",
+                                        "train_data_columns=[prompt,chosen,rejected]",
+                                        "eval_data_columns=[prompt,chosen,rejected]"],
+        r"the first preference pair of every train file leaves no token to learn from at max_target_length=32 .* "
+        r"Raise max_target_length to \d+ or more", tiny=True,
+        setup=lambda w, s: _write(os.path.join(s, "pairs.jsonl"), json.dumps(
+            {"prompt": "the same long question " * 30, "chosen": "yes", "rejected": "no"}) + "\n")),
     Row("dpo-row-without-rejected", T, [B, "objective=dpo", "dataset_type=jsonl", "tokenizer_path={tok}",
                                         "chat_template=plain", "grain_train_files={scratch}/rows.jsonl",
                                         "train_data_columns=[prompt,chosen,rejected]",
@@ -545,6 +590,10 @@ ROWS = [
         r"coordinator_address='10.0.0.1' must be host:port"),
     Row("process-id-out-of-range", T, [B, "coordinator_address=127.0.0.1:1234", "num_processes=2", "process_id=2"],
         r"process_id=2 must be in \[0, num_processes=2\)"),
+    Row("grpo-on-two-processes", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl",
+                                     "train_data_columns=[prompt,answer]", "decode_sampling_strategy=weighted",
+                                     "coordinator_address=127.0.0.1:1234", "num_processes=2", "process_id=1"],
+        r"objective=grpo runs in one process for now \(its rollouts are gathered on one host\), but num_processes=2"),
     Row("processes-without-coordinator", T, [B, "num_processes=2", "process_id=0"],
         r"num_processes=2 needs coordinator_address=host:port"),
     # train: outputs
@@ -693,6 +742,17 @@ ROWS = [
         r"no usable checkpoint is left in .*/run/checkpoints: every step was damaged \(step 2: .*: its contents "
         r"changed since it was saved \(checksum mismatch\)\) and was moved to .*/run/damaged_checkpoints",
         tiny=True, setup=every_step_flipped),
+    Row("resume-with-another-objective", T, [B, "run_name=run", "base_output_directory={scratch}",
+                                             "dataset_cache_dir={cache}", "objective=distill",
+                                             "distill_teacher_path={run}", "steps=6"],
+        r"this run's checkpoint .*/run/checkpoints/4 was trained with objective=lm, and this run has objective=distill: "
+        r"the objective changed\. Start the new stage as a new run from its parameters \(run_name=<a new name> "
+        r"load_parameters_path=", tiny=True, setup=lambda w, s: copy_run(w, s)),
+    Row("load-full-state-of-another-objective", T, [B, "load_full_state_path={run}", "objective=distill",
+                                                    "distill_teacher_path={run}", "run_name=new",
+                                                    "base_output_directory={scratch}", "dataset_cache_dir={cache}"],
+        r"load_full_state_path=.*/run/checkpoints/4 holds the state of a run with objective=lm .* the objective "
+        r"changed\. Start the new stage from its parameters: load_parameters_path=", tiny=True),
     # train: the checks see the model a checkpoint's settings make (adopted where the command sets no model_name)
     Row("imported-deepseek-expert-parallelism", T, [B, "load_parameters_path={scratch}/ds", "ici_expert_parallelism=3",
                                                     "dataset_type=synthetic"],
@@ -737,6 +797,10 @@ ROWS = [
                                                            "tokenizer_path={tok}"],
         r"prompt='x x .*\.\.\.' is \d+ tokens, more than max_target_length=32 .* shorten the prompt or raise "
         r"max_target_length", tiny=True),
+    Row("decode-continuation-past-max-target-length", D, [B, "load_parameters_path={run}", "prompt=def ",
+                                                          "max_new_tokens=40", "tokenizer_path={tok}"],
+        r"the prompt is \d+ tokens and max_new_tokens=40: \d+ tokens, more than max_target_length=32 .* set "
+        r"max_new_tokens=\d+ or less, or raise max_target_length", tiny=True),
     Row("decode-no-new-tokens", D, [B, "load_parameters_path={run}", "tokenizer_path={tok}"],
         r"max_new_tokens=0: maxtrain.decode has no token to generate; set max_new_tokens=", tiny=True),
     Row("train-sample-prompt-empty", T, [B, "dataset_type=synthetic", "tokenizer_path={tok}", "prompt=",

@@ -7,6 +7,8 @@ Every logged loss and grad norm and the final params, optimizer state and step a
 
 from __future__ import annotations
 
+import os
+
 from ckpt_helpers import assert_bitwise_equal, cache_dir, logged, train  # noqa: F401  (cache_dir is a fixture)
 from maxtrain.checkpointing import files as checkpoint_files
 
@@ -34,3 +36,26 @@ def test_resume_is_bitwise_identical(tmp_path, cache_dir):  # noqa: F811
         saved = checkpoint_files.read_params(str(tmp_path / run / "checkpoints" / str(2 * N)))
         assert_bitwise_equal(saved, result.state["params"], f"run {run}: saved params")
     assert checkpoint_files.complete_steps(str(tmp_path / "b" / "checkpoints")) == [N, 2 * N]
+
+
+def test_an_objective_changed_at_resume_says_so_and_moves_no_step(tmp_path, cache_dir):  # noqa: F811
+    """Resuming an lm run as distillation (or loading its whole state into one) is a new stage, started from the
+    parameters: refused before any restore, naming both objectives and load_parameters_path; every step stays."""
+    import pytest  # pylint: disable=import-outside-toplevel
+
+    from maxtrain.checkpointing.files import CheckpointError  # pylint: disable=import-outside-toplevel
+
+    train(tmp_path, "lm", cache_dir, "steps=2", "checkpoint_period=2")
+    steps = sorted(os.listdir(tmp_path / "lm" / "checkpoints"))
+    distill = ["objective=distill", f"distill_teacher_path={tmp_path / 'lm'}", "steps=4"]
+    with pytest.raises(CheckpointError, match=r"this run's checkpoint .*/lm/checkpoints/2 was trained with objective=lm, "
+                                              r"and this run has objective=distill: the objective changed\. Start the "
+                                              r"new stage as a new run from its parameters \(run_name=<a new name> "
+                                              r"load_parameters_path=.*/lm/checkpoints/2\)"):
+        train(tmp_path, "lm", cache_dir, *distill)
+    assert sorted(os.listdir(tmp_path / "lm" / "checkpoints")) == steps  # nothing moved aside as damaged
+    assert not (tmp_path / "lm" / "damaged_checkpoints").exists()
+    with pytest.raises(CheckpointError, match=r"load_full_state_path=.*/lm/checkpoints/2 holds the state of a run with "
+                                              r"objective=lm .* Start the new stage from its parameters: "
+                                              r"load_parameters_path="):
+        train(tmp_path, "stage2", cache_dir, *distill, f"load_full_state_path={tmp_path / 'lm'}")

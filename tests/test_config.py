@@ -134,7 +134,7 @@ OFF = {"packing=true": ["packing=false"], "lr_schedule_type=cosine": ["lr_schedu
        "per-layer attention types": ["model_name=deepseek3-tiny"]}
 VALUES = {"chat_template": "chatml", "grain_packing_type": "first_fit", "moe_dispatch": "capacity",
           "lora_target_modules": ["q"], "grpo_reward_functions": ["format"], "mlp_only_layers": [0],
-          "attention_layer_types": ["full"] * 4}
+          "attention_layer_types": ["full"] * 4, "gdn_kernel": "jnp", "moe_grouped_matmul": "xla"}
 
 
 def _text(value) -> str:
@@ -290,8 +290,7 @@ def test_multi_token_prediction_needs_a_longer_sequence_than_its_modules():
 @pytest.mark.parametrize("key, on", [("mtp_num_layers", ["model_name=deepseek3-tiny", "mtp_num_layers=3"]),
                                      ("max_prefill_predict_length", [*GRPO, "decode_sampling_strategy=weighted",
                                                                      "max_prefill_predict_length=16"]),
-                                     ("chunk_attn_window_size", ["decoder_block=llama4_text", "num_experts=4",
-                                                                 "chunk_attn_window_size=64"])])
+                                     ("gdn_chunk_size", ["model_name=qwen3-next-80b-a3b", "gdn_chunk_size=128"])])
 def test_every_length_need_refuses_one_token_less(key, on):
     row = next(r for r in limits.LENGTH_NEEDS if r[0] == key)
     least = row[2](load(*on).to_dict())
@@ -299,8 +298,15 @@ def test_every_length_need_refuses_one_token_less(key, on):
                                           f"{least - 1}"):
         load(*on, f"max_target_length={least - 1}")
     assert load(*on, f"max_target_length={least}").max_target_length == least
-    assert {r[0] for r in limits.LENGTH_NEEDS} == {"mtp_num_layers", "max_prefill_predict_length",
-                                                   "chunk_attn_window_size"}
+    assert {r[0] for r in limits.LENGTH_NEEDS} == {"mtp_num_layers", "max_prefill_predict_length", "gdn_chunk_size"}
+
+
+def test_a_chunk_at_least_as_long_as_the_sequence_is_full_attention():
+    """Llama 4's chunked layers attend within blocks of chunk_attn_window_size; a block at least as long as the
+    sequence is the full attention such a model computes on a short sequence: its preset's own chunk is accepted."""
+    assert load("model_name=llama4-scout", "max_target_length=4096").chunk_attn_window_size == 8192
+    assert load("decoder_block=llama4_text", "num_experts=4", "chunk_attn_window_size=64",
+                "max_target_length=32").max_target_length == 32
 
 
 def test_an_empty_output_directory_or_a_blank_path_is_refused(tmp_path):
@@ -338,3 +344,111 @@ def test_the_config_after_the_devices_is_a_type_of_its_own():
     assert isinstance(placed, config_lib.DeviceConfig)
     assert placed.global_batch_size == 4 * config.per_device_batch_size * config.gradient_accumulation_steps
     assert isinstance(placed.replace(steps=3), config_lib.DeviceConfig)  # a changed copy keeps its phase
+
+
+# --------------------------------------------------------------------------------------------
+# Nothing silent, round four (issue 54): second switches, presets the user wrote, keys of another command, experts
+# placed nowhere
+# --------------------------------------------------------------------------------------------
+
+# Per second switch: its first switch on (the family), the second off.
+SECOND_OFF = {"temperature_tuning=true": ["decoder_block=llama4_text", "num_experts=4", "nope_layer_interval=4"],
+              "NoPE layers (nope_layer_interval >= 1)": ["decoder_block=llama4_text", "num_experts=4"],
+              "RoPE layers (nope_layer_interval other than 1)": ["decoder_block=llama4_text", "num_experts=4",
+                                                                 "nope_layer_interval=1"],
+              "gated delta-net layers (inhomogeneous_layer_cycle_interval >= 2)":
+                  ["model_name=qwen3-next-80b-a3b", "inhomogeneous_layer_cycle_interval=1"],
+              "moe_dispatch=dropless": ["decoder_block=mixtral", "num_experts=4", "moe_dispatch=capacity"],
+              "a shared expert (shared_experts >= 1)": ["model_name=qwen3-next-80b-a3b", "shared_experts=0"]}
+SECOND_KEYS = [(f, k) for f in features.REQUIRES for k in f.keys]
+
+
+def test_every_second_switch_has_a_first_and_a_baseline():
+    assert {f.needs for f in features.REQUIRES} == set(SECOND_OFF)
+    for feature, key in SECOND_KEYS:  # the key's first switch is a row of FEATURES
+        assert features.owner(key) is not None, key
+
+
+@pytest.mark.parametrize("feature, key", SECOND_KEYS, ids=[k for _, k in SECOND_KEYS])
+def test_a_key_whose_second_switch_is_off_is_refused(feature, key):
+    """The key's first switch (its family) on, its second off: the key, set to another value, is refused naming
+    the second switch; with the second switch on it loads."""
+    baseline = SECOND_OFF[feature.needs]
+    values = load(*baseline).to_dict()
+    assert features.owner(key).on(values) and not feature.on(values)
+    with pytest.raises(ConfigError, match=re.escape(f"{key}=") + ".* does nothing without " + re.escape(feature.needs)
+                       + r" \(here " + re.escape(feature.state)) as e:
+        load(*baseline, f"{key}={_text(_another_value(key))}")
+    assert "\n" not in str(e.value)
+
+
+def test_the_summary_names_the_gated_delta_rule_only_where_layers_run_it():
+    assert features.has_gated_deltanet(load("model_name=qwen3-next-80b-a3b").to_dict())
+    assert not features.has_gated_deltanet(load("model_name=qwen3-next-80b-a3b",
+                                                "inhomogeneous_layer_cycle_interval=1").to_dict())
+    runtime = models.Runtime.from_config(load("model_name=qwen3-next-80b-a3b", "inhomogeneous_layer_cycle_interval=1"),
+                                         "cpu")
+    assert runtime.gdn_kernel == "" and "gated delta" not in runtime.describe()
+
+
+def test_a_preset_the_user_wrote_names_a_key_that_does_nothing_in_its_model(tmp_path):
+    mine = tmp_path / "my-llama4.yml"
+    model = "decoder_block: llama4_text\nnum_experts: 4\nnope_layer_interval: 4\n"
+    mine.write_text(model + "temperature_tuning_scale: 0.2\n")  # temperature_tuning is off
+    with pytest.raises(ConfigError, match=re.escape(f"model_name={mine}: temperature_tuning_scale=0.2 does nothing "
+                                                    "without temperature_tuning=true")):
+        load(f"model_name={mine}")
+    other = tmp_path / "my-llama.yml"
+    other.write_text("decoder_block: llama\nglobal_head_dim: 128\n")  # a key no llama reads
+    with pytest.raises(ConfigError, match=r"global_head_dim=128 does nothing without decoder_block=gemma4_text"):
+        load(f"model_name={other}")
+    # its values are its model's defaults: a command line that turns its feature off refuses nothing
+    mine.write_text(model + "temperature_tuning: true\ntemperature_tuning_scale: 0.2\n")
+    assert load(f"model_name={mine}", "temperature_tuning=false").temperature_tuning_scale == 0.2
+    assert load("model_name=llama3.1-8b", "rope_type=default").rope_factor == 8.0  # a packaged one's too
+
+
+def test_a_key_of_another_command_is_refused_naming_the_command_that_reads_it():
+    for key, args in (("compile_topology", ["compile_topology=v5p-8"]), ("compile_report_file", ["compile_report_file=r"]),
+                      ("compile_topology_num_slices", ["compile_topology_num_slices=2"])):
+        with pytest.raises(ConfigError, match=f"{key}=.* is read by maxtrain.train_compile, not by maxtrain.train: "
+                                              "run python -m maxtrain.train_compile with it, or drop"):
+            load_config([BASE_YML, *args], command="maxtrain.train")
+    assert load_config([BASE_YML, "compile_topology=v5p-8", "compile_topology_num_slices=2", "compile_report_file=r"],
+                       command="maxtrain.train_compile").compile_topology_num_slices == 2
+    with pytest.raises(ConfigError, match="compiled_trainstep_file='s.bin' is read by maxtrain.train_compile and "
+                                          "maxtrain.train, not by maxtrain.decode"):
+        load_config([BASE_YML, "compiled_trainstep_file=s.bin"], command="maxtrain.decode")
+    assert load_config([BASE_YML, "compiled_trainstep_file=s.bin"], command="maxtrain.train")
+    assert load("compile_topology=v5p-8").compile_topology == "v5p-8"  # a library caller names no command
+
+
+@pytest.mark.parametrize("overrides, said", [
+    (["decoder_block=qwen3_moe", "num_experts=4", "decoder_sparse_step=5"], "decoder_sparse_step=5 leaves no layer "
+     "of experts among base_num_decoder_layers=4: decoder_block=qwen3_moe would be a dense model; use "
+     "decoder_sparse_step <= 4"),
+    (["decoder_block=qwen3_moe", "num_experts=4", "decoder_sparse_step=2", "mlp_only_layers=[1,3]"],
+     r"decoder_sparse_step=2 with mlp_only_layers=\[1, 3\] leaves no layer of experts"),
+    (["decoder_block=llama4_text", "num_experts=4", "decoder_sparse_step=8"], "decoder_sparse_step=8 leaves no layer"),
+    (["model_name=qwen3-next-80b-a3b", "base_num_decoder_layers=4", "mlp_only_layers=[0,1,2,3]"],
+     r"mlp_only_layers=\[0, 1, 2, 3\] leaves no layer of experts"),
+    (["model_name=glm-4.5-air", "first_num_dense_layers=46"], "first_num_dense_layers=46 leaves no layer of experts "
+     "among base_num_decoder_layers=46"),
+])
+def test_rules_that_place_experts_leaving_none_are_refused(overrides, said):
+    with pytest.raises(ConfigError, match=said):
+        load(*overrides)
+
+
+def test_the_registry_places_experts_as_each_family_builds_them():
+    for preset in config_lib.preset_names():
+        for extra in ([], ["decoder_sparse_step=2"], ["mlp_only_layers=[0]"], ["first_num_dense_layers=1"]):
+            try:
+                cfg = load(f"model_name={preset}", *extra)
+            except ConfigError:
+                continue  # a placement key the family does not read
+            row = registry.FAMILIES[cfg.decoder_block]
+            if not row.moe or cfg.num_experts <= 1:
+                continue
+            built = [t.is_moe for t in models.family(cfg).layer_types(cfg)]
+            assert built == row.moe_plan(cfg.base_num_decoder_layers, cfg.to_dict()), (preset, extra)

@@ -196,6 +196,12 @@ def test_decode_cli_loads_params_from_a_training_checkpoint(tiny, step_dir, caps
         decode.main(with_overrides(argv, f"load_parameters_path={config.checkpoint_dir}/8"))
     with pytest.raises(config_lib.ConfigError, match="load_parameters_path"):
         decode.main(argv[:-3])
+    # the continuation, as the prompt, within max_target_length: refused before the model is read
+    length = config.max_target_length
+    with pytest.raises(config_lib.ConfigError, match=rf"the prompt is (\d+) tokens and max_new_tokens={length}: \d+ "
+                                                     rf"tokens, more than max_target_length={length} .* set "
+                                                     r"max_new_tokens=\d+ or less"):
+        decode.main(with_overrides(argv, f"max_new_tokens={length}"))
 
 
 @pytest.mark.parametrize("kind", ["sentencepiece", "hf"])

@@ -44,6 +44,8 @@ LENGTH = 40
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 
+OMITTED = object()  # a field of COMMON that the case's config class does not write
+
 # case: (transformers class names, config fields, maxtrain keys that switch the case's feature off)
 CASES = {
     "llama-llama3_rope": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=LLAMA3_ROPE, rms_norm_eps=1e-5),
@@ -131,7 +133,18 @@ CASES = {
              linear_conv_kernel_dim=3,
              rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
         {"partial_rotary_factor": 1.0}),
-    # Qwen3.5: the same stack with q, k, v in one projection and z, b, a in their own; dense, and with experts.
+    # a shared expert that is not a whole multiple of the routed experts' width: one MLP of its own width (30 beside
+    # experts of 20)
+    "qwen3_next-shared_expert_of_its_own_width": (
+        "Qwen3NextConfig", "Qwen3NextForCausalLM",
+        dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], num_experts=4,
+             num_experts_per_tok=2, moe_intermediate_size=20, shared_expert_intermediate_size=30,
+             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+             linear_conv_kernel_dim=3,
+             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+        {"norm_topk_prob": False}),
+    # Qwen3.5: the same stack with q, k, v in one projection and z, b, a in their own; dense, and with experts (whose
+    # config class writes no intermediate_size: the MoE model has no dense MLP).
     "qwen3_5_text-hybrid-dense": (
         "Qwen3_5TextConfig", "Qwen3_5ForCausalLM",
         dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, linear_num_key_heads=2,
@@ -140,7 +153,7 @@ CASES = {
         {"partial_rotary_factor": 1.0}),
     "qwen3_5_moe_text-hybrid-experts": (
         "Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
-        dict(num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, num_experts=4,
+        dict(intermediate_size=OMITTED, num_hidden_layers=4, layer_types=["linear_attention", "full_attention"] * 2, num_experts=4,
              num_experts_per_tok=2, moe_intermediate_size=20, shared_expert_intermediate_size=20,
              linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
              linear_conv_kernel_dim=3,
@@ -168,7 +181,7 @@ CASES = {
 
 
 def make_hf_model(config_class: str, model_class: str, fields: dict, seed: int = 0):
-    config = getattr(transformers, config_class)(**{**COMMON, **fields})
+    config = getattr(transformers, config_class)(**{k: v for k, v in {**COMMON, **fields}.items() if v is not OMITTED})
     model = getattr(transformers, model_class)(config).eval()
     torch.manual_seed(seed)
     plus_one = any(n in model_class for n in ("Gemma", "Qwen3Next", "Qwen3_5"))  # norm scales stored as (scale - 1)
@@ -370,6 +383,26 @@ def test_conversion_errors_name_the_field(tmp_path):
     (tmp_path / "config.json").write_text("{not json")
     with pytest.raises(convert.ConversionError, match="cannot read .*config.json"):
         convert.read_hf_config(str(tmp_path))
+
+
+def test_hf_fields_used_as_sizes_divisors_or_steps_are_range_checked():
+    """A field maxtrain divides by or steps with, set to an invalid 0 (or -1), is named; never read as its default."""
+    llama4 = {"model_type": "llama4_text", "hidden_size": 64, "intermediate_size": 32, "intermediate_size_mlp": 96,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 300,
+              "num_local_experts": 4, "num_experts_per_tok": 1}
+    qwen = {"model_type": "qwen3_moe", "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+            "num_key_value_heads": 2, "num_hidden_layers": 4, "vocab_size": 300, "num_experts": 4,
+            "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+    deepseek = {**qwen, "model_type": "deepseek_v3", "num_key_value_heads": 4, "n_routed_experts": 8,
+                "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 10, "kv_lora_rank": 16}
+    for hf, field, value in ((llama4, "no_rope_layer_interval", 0), (llama4, "interleave_moe_layer_step", 0),
+                             (qwen, "decoder_sparse_step", 0), (qwen, "num_key_value_heads", 0), (qwen, "head_dim", 0),
+                             (deepseek, "n_group", 0), (deepseek, "first_k_dense_replace", -1)):
+        with pytest.raises(convert.ConversionError, match=f"config.json: {field}={value} must be an integer >= "):
+            convert.model_keys({**hf, field: value})
+    assert convert.model_keys({**qwen, "decoder_sparse_step": None})["decoder_sparse_step"] == 1  # null: the default
+    assert convert.model_keys({**deepseek, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 0,
+                               "q_lora_rank": None})["first_num_dense_layers"] == 0
 
 
 def test_olmo3_reads_rope_theta_as_transformers_does_and_export_keeps_sliding_rope_unscaled():

@@ -183,6 +183,9 @@ def _run(dataset, tmp_path, *extra):
     (["grpo_reward_functions=[exact]"], config_lib.ConfigError, "neither a built-in reward"),
     (["num_generations=3"], config_lib.ConfigError,
      "not a multiple of num_generations=3"),
+    # on every process, at config time: before joining the others or reading any data
+    (["num_processes=2", "process_id=1", "coordinator_address=127.0.0.1:1"], config_lib.ConfigError,
+     r"objective=grpo runs in one process for now .*, but num_processes=2; run it without a coordinator"),
 ])
 def test_bad_inputs_stop_before_any_work(dataset, tmp_path, monkeypatch, extra, error, match):
     (tmp_path / "grpo_bad_rewards.py").write_text("def scalar(prompts, completions, answers):\n    return 1.0\n\n\n"
@@ -191,6 +194,16 @@ def test_bad_inputs_stop_before_any_work(dataset, tmp_path, monkeypatch, extra, 
     with pytest.raises(error, match=match):
         _run(dataset, tmp_path, *extra)
     sys.modules.pop("grpo_bad_rewards", None)
+
+
+def test_grpo_over_processes_the_environment_names_is_refused_before_joining_them(dataset, tmp_path, monkeypatch):
+    """The processes set by environment variables (no config key): refused before distributed start-up, which
+    would wait for the other process at an address nobody serves."""
+    monkeypatch.setenv("MAXTRAIN_COORDINATOR_ADDRESS", "127.0.0.1:1")
+    monkeypatch.setenv("MAXTRAIN_NUM_PROCESSES", "2")
+    monkeypatch.setenv("MAXTRAIN_PROCESS_ID", "1")
+    with pytest.raises(config_lib.ConfigError, match=r"runs in one process for now .*, but num_processes=2"):
+        _run(dataset, tmp_path)
 
 
 def test_a_missing_answer_names_the_record(dataset, tmp_path):

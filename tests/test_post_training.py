@@ -190,3 +190,21 @@ def test_a_packed_conversation_sees_only_itself(dataset, tmp_path):
         alone["segment_ids"][0, :n] = 1
         logits = forward(params, alone["inputs"], alone["positions"], alone["segment_ids"])
         np.testing.assert_allclose(np.asarray(logits)[0, :n], np.asarray(packed)[0][mine], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("split", ["train", "eval"])
+def test_a_run_whose_pairs_all_lose_their_completions_is_refused_with_the_length_needed(dataset, tmp_path, split):
+    """A DPO pair truncated to half the row each, its prompt filling the half: no completion token survives, the
+    loss is 0 and the gradient 0. Where no first record keeps one, the run (or its evaluation) is refused."""
+    long = [{"prompt": " ".join(["1+1="] * 80), "chosen": "2", "rejected": "3"} for _ in range(4)]
+    path = write_jsonl(str(tmp_path / "long.jsonl"), long)
+    files = {"train": [f"grain_train_files={path}"], "eval": [f"grain_eval_files={path}"]}[split]
+    config = _load(tmp_path, *dpo_args(dataset), *files)  # max_target_length=64
+    with pytest.raises(DataError, match=rf"the first preference pair of every {split} file leaves no token to learn "
+                                        r"from at max_target_length=64 .* Raise max_target_length to (\d+) or more \(e.g. "
+                                        r".*long.jsonl line 1 needs \1\)") as e:
+        data_lib.make_inputs(config, log=lambda *_: None)
+    needed = int(str(e.value).split("Raise max_target_length to ")[1].split()[0])
+    config = _load(tmp_path, *dpo_args(dataset), *files, f"max_target_length={needed}")
+    batch = next(data_lib.make_inputs(config, log=lambda *_: None).train_iterator)  # whole at that length
+    assert np.abs(batch["loss_weights"]).sum() > 0

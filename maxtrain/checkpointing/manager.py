@@ -279,12 +279,14 @@ def plan_start(config, checkpointer: Checkpointer | None, abstract_state: dict, 
         if config.load_parameters_path or config.load_full_state_path:
             log("this run has its own checkpoints, so it resumes from them and ignores load_parameters_path / "
                 "load_full_state_path")
+        same_objective(start.step_dir, config, "resume")
         check_fits(start.step_dir, leaf_shapes(abstract_state), config, "resume")
         check_settings(start.step_dir, config, "resume")
         _log_config_changes(start.step_dir, config, log)
         return dataclasses.replace(start, elastic=_elastic_change(start.step_dir, config))
     if config.load_full_state_path:
         step_dir = find_step_dir(config.load_full_state_path, "load_full_state_path")
+        same_objective(step_dir, config, "load_full_state_path")
         check_fits(step_dir, leaf_shapes(abstract_state), config, "load_full_state_path")
         check_settings(step_dir, config, "load_full_state_path")
         return Start("full_state", step_dir)
@@ -294,6 +296,30 @@ def plan_start(config, checkpointer: Checkpointer | None, abstract_state: dict, 
         check_settings(step_dir, config, "load_parameters_path")
         return Start("parameters", step_dir)
     return Start("fresh")
+
+
+def same_objective(step_dir: str, config, source: str) -> None:
+    """A run's whole state (its optimizer's moments, its frozen model, its data position) continues only under the
+    objective that wrote it: another objective is a new stage, started from the parameters. Refused before any
+    restore, so that no healthy step is taken for a damaged one."""
+    objectives = config_lib.objectives
+    saved = objectives.saved_objective(read_metadata(step_dir).get("config", {}))  # use_* -> objective
+    saved = {"objective": "lm", "distill_data": config_lib.defaults()["distill_data"],
+             **{k: v for k, v in saved.items() if k in ("objective", "distill_data")}}
+    if saved["objective"] not in objectives.OBJECTIVES:
+        return  # an objective this version does not know: check_fits says what does not fit
+    was, now = objectives.running(saved), objectives.running(config)
+    if was == now:
+        return
+    if source == "resume":
+        raise CheckpointError(
+            f"this run's checkpoint {step_dir} was trained with {was}, and this run has {now}: the objective changed. "
+            f"Start the new stage as a new run from its parameters (run_name=<a new name> load_parameters_path="
+            f"{step_dir}), or resume this run with {was}")
+    raise CheckpointError(
+        f"load_full_state_path={step_dir} holds the state of a run with {was} (its optimizer state, frozen model and "
+        f"data position), and this run has {now}: the objective changed. Start the new stage from its parameters: "
+        f"load_parameters_path={step_dir} in place of load_full_state_path")
 
 
 def _elastic_change(step_dir: str, config) -> str:

@@ -26,7 +26,7 @@ from typing import Any
 
 from maxtrain.config import features, limits, objectives
 from maxtrain.config import settings as settings_lib
-from maxtrain.config.registry import EVAL_TASKS, MOE_FAMILIES
+from maxtrain.config.registry import EVAL_TASKS, MOE_FAMILIES, MOE_PLACEMENT_KEYS
 from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, QUANTIZATION_PLACES, parallelism_key, table, ways
 from maxtrain.errors import ConfigError
 
@@ -138,6 +138,25 @@ def _moe_layers_of_the_family(v):
     if block not in MOE_FAMILIES:
         _require(e == 1, f"decoder_block={block} has no experts, but num_experts={e}; use decoder_block="
                          f"{' or '.join(MOE_FAMILIES)} for a mixture of experts, or num_experts=1")
+
+
+def _experts_in_some_layer(v):
+    """The family's rules that place its experts (registry.MOE_PLACEMENT_KEYS) leave at least one layer of experts:
+    a mixture-of-experts family with none would silently be a dense model."""
+    family, layers = features.family(v), v["base_num_decoder_layers"]
+    if not family.moe or v["num_experts"] <= 1:
+        return  # no experts at all: what_the_family_is (features.py) names num_experts=1 where it is a mistake
+    if any(family.moe_plan(layers, v)):
+        return
+    defaults = table()
+    placing = [k for k in MOE_PLACEMENT_KEYS if k in family.settings and v[k] != defaults[k].default]
+    fixes = {"first_num_dense_layers": f"first_num_dense_layers < {layers}",
+             "decoder_sparse_step": f"decoder_sparse_step <= {layers}",
+             "mlp_only_layers": "mlp_only_layers that leave out a layer of experts"}
+    raise ConfigError(f"{' with '.join(f'{k}={features.shown(v[k])}' for k in placing)} leaves no layer of experts "
+                      f"among base_num_decoder_layers={layers}: decoder_block={v['decoder_block']} would be a dense "
+                      f"model; use {' or '.join(fixes[k] for k in placing)}, or a dense family for a dense model "
+                      "(e.g. decoder_block=llama)")
 
 
 def _expert_parallelism_divides_experts(v):
@@ -307,7 +326,7 @@ def _known_profiler(v):
                                                "(a jax.profiler trace, as MaxText) or leave it empty")
 
 
-# --- DeepSeek-V3: its router, balancing and MLA ---------------------------------------------------
+# --- Group-limited routing, aux-loss-free balancing, MLA, multi-token prediction (DeepSeek-V3, GLM-4.5) --------
 
 
 def _routing_groups(v):
@@ -335,14 +354,6 @@ def _expert_balancing_needs_experts(v):
     _require(v["routed_bias"] or v["routed_bias_update_rate"] == 0,
              f"routed_bias_update_rate={v['routed_bias_update_rate']} updates the router's selection bias, but "
              "routed_bias=false: set routed_bias=true (aux-loss-free balancing), or routed_bias_update_rate=0")
-
-
-def _dense_layers_first(v):
-    n, layers = v["first_num_dense_layers"], v["base_num_decoder_layers"]
-    if n == 0:
-        return
-    _require(n < layers, f"first_num_dense_layers={n} leaves no layer of experts among base_num_decoder_layers="
-                         f"{layers}; use first_num_dense_layers < {layers}")
 
 
 def _mla_head_dims(v):
@@ -404,8 +415,8 @@ def _multi_token_prediction(v):
                                     "(use fsdp, tensor or expert parallelism), or mtp_num_layers=0")
 
 
-DEEPSEEK_CHECKS = (_routing_groups, _expert_balancing_needs_experts, _dense_layers_first, _mla_head_dims,
-                   _multi_token_prediction)
+ROUTING_MLA_AND_MTP_CHECKS = (_routing_groups, _expert_balancing_needs_experts, _mla_head_dims,
+                              _multi_token_prediction)
 
 
 # quantization (models/fp8.py). Whether the devices have float8 matmuls is checked with the devices, before
@@ -438,8 +449,9 @@ CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _layer_head_shapes, _voc
           _chunked_attention_without_context_parallelism,
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
           _run_name_is_one_directory, _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
-          _experts_per_token_at_most_experts, _moe_layers_of_the_family, _expert_parallelism_divides_experts, _hidden_tiling_divides_expert_width,
-          _eval_tasks_known, _quantization_known, _fp8_not_with_float16, _muon_without_lora) + DEEPSEEK_CHECKS
+          _experts_per_token_at_most_experts, _moe_layers_of_the_family, _experts_in_some_layer,
+          _expert_parallelism_divides_experts, _hidden_tiling_divides_expert_width,
+          _eval_tasks_known, _quantization_known, _fp8_not_with_float16, _muon_without_lora) + ROUTING_MLA_AND_MTP_CHECKS
 
 
 def _objective_with_pipeline_stages(v):

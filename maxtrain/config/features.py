@@ -9,14 +9,21 @@ Two rules, each over one declared table:
 - `FEATURES` (the features with a switch: each objective's keys and its data kind's, LoRA, Muon, float16 loss scaling,
   fp8, multi-token prediction, mixtures of experts, each family's own settings, RoPE scaling, sliding
   windows, sampling, the profiler, ...): a key of a feature that is off, set by the user to anything but
-  its base.yml default, is refused, naming the key, the switch and the fix. A model preset's values are
-  the model's defaults (loading.py records them as `preset_keys`), so a preset that sets a feature's keys
-  loads, and turning the preset's feature off (rope_type=default on llama3.1-8b) refuses nothing.
+  its base.yml default, is refused, naming the key, the switch and the fix. `REQUIRES` holds the second
+  switches: a key of a feature that is on whose effect depends on another switch of it (Llama 4's
+  temperature_tuning_scale without temperature_tuning, the gated delta rule's settings without its layers,
+  the grouped matmul without the dropless dispatch). A packaged model preset's values are the model's
+  defaults (loading.py records them as `preset_keys`), so a preset that sets a feature's keys loads, and
+  turning the preset's feature off (rope_type=default on llama3.1-8b) refuses nothing; a preset the user
+  wrote (model_name=<path>) is checked as the model it describes (preset_settings_that_do_nothing).
+- `COMMAND_KEYS`: a key only some commands read (compile_topology: maxtrain.train_compile), set where another
+  command runs, is refused naming the command that reads it.
 - each family's defining settings (registry.Family.usual): a family whose layers slide (its pattern, or
   attention_layer_types) with sliding_window_size=0, or a mixture-of-experts family with num_experts=1,
   would silently be another model (full attention, a dense MLP); refused with the family's usual value.
 
-Every key of the table is declared once (tests/test_config.py checks each is a base.yml key of one row).
+Every key of FEATURES is declared once (tests/test_config.py checks each is a base.yml key of one row); each key
+of REQUIRES is one of a FEATURES row.
 Imports the registry, the objectives' table, the schema (the mesh's ways) and the error type.
 """
 
@@ -26,8 +33,9 @@ import dataclasses
 from typing import Any, Callable
 
 from maxtrain.config import objectives
-from maxtrain.config.registry import FAMILIES, MOE_FAMILIES, Family
+from maxtrain.config.registry import FAMILIES, HYBRID_SETTINGS, MOE_FAMILIES, Family
 from maxtrain.config.schema import table, ways
+from maxtrain.config.settings import check_value
 from maxtrain.errors import ConfigError
 
 
@@ -154,6 +162,38 @@ FEATURES: tuple[Feature, ...] = (
 )
 
 
+def has_gated_deltanet(v) -> bool:
+    """Whether the configured model (values or a Config) has gated delta-net layers: a hybrid family (it reads their
+    settings) whose inhomogeneous_layer_cycle_interval leaves layers between its full-attention ones."""
+    get = v.__getitem__ if isinstance(v, dict) else lambda key: getattr(v, key)
+    row = FAMILIES.get(get("decoder_block"))
+    return row is not None and "gdn_kernel" in row.settings and get("inhomogeneous_layer_cycle_interval") > 1
+
+
+GATED_DELTANET_KEYS = tuple(k for k in HYBRID_SETTINGS if k.startswith("gdn_"))
+
+# The second switches. Each key here belongs to a row of FEATURES (its family, its objective: the first switch),
+# and does something only where a second switch of that feature is on too: temperature tuning scales the NoPE
+# layers' queries, the chunks are the RoPE layers', the gated delta rule's settings need its layers, the grouped
+# matmul is the dropless dispatch's. The gate checks a key's first switch, then these.
+REQUIRES: tuple[Feature, ...] = (
+    Feature("temperature_tuning=true", lambda v: v["temperature_tuning"],
+            ("temperature_tuning_scale", "temperature_tuning_floor_scale"), state="temperature_tuning"),
+    Feature("NoPE layers (nope_layer_interval >= 1)", lambda v: v["nope_layer_interval"] > 0, ("temperature_tuning",),
+            fix="set nope_layer_interval (Llama 4: 4, a NoPE layer every 4th layer)", state="nope_layer_interval"),
+    Feature("RoPE layers (nope_layer_interval other than 1)", lambda v: v["nope_layer_interval"] != 1,
+            ("chunk_attn_window_size",), fix="set nope_layer_interval=4 (Llama 4's; 1 makes every layer a NoPE layer "
+                                             "attending fully) or -1", state="nope_layer_interval"),
+    Feature("gated delta-net layers (inhomogeneous_layer_cycle_interval >= 2)", has_gated_deltanet,
+            GATED_DELTANET_KEYS, fix="set inhomogeneous_layer_cycle_interval >= 2 (Qwen3-Next and Qwen3.5: 4; 1 makes "
+                                     "every layer full attention)", state="inhomogeneous_layer_cycle_interval"),
+    Feature("moe_dispatch=dropless", lambda v: v["moe_dispatch"] == "dropless", ("moe_grouped_matmul",),
+            state="moe_dispatch"),
+    Feature("a shared expert (shared_experts >= 1)", lambda v: v["shared_experts"] > 0, ("shared_expert_mlp_dim",),
+            fix="set shared_experts=1", state="shared_experts"),
+)
+
+
 def owner(key: str) -> Feature | None:
     """The feature whose keys include `key`, or None."""
     return next((f for f in FEATURES if key in f.keys), None)
@@ -175,18 +215,51 @@ def _chosen_by_the_user(v: dict[str, Any]) -> Callable[[str], bool]:
     return lambda key: key in given and key not in preset
 
 
-def settings_of_features_that_are_off(v: dict[str, Any]) -> None:
-    """A key of a feature that is off, set by the user to other than its default: refused with the switch."""
-    chosen, settings = _chosen_by_the_user(v), table()
-    for feature in FEATURES:
+def _refuse_settings_that_do_nothing(v: dict[str, Any], chosen: Callable[[str], bool], where: str = "") -> None:
+    settings = table()
+    for feature in FEATURES + REQUIRES:  # a key's first switch (FEATURES), then its second (REQUIRES)
         if feature.on(v):
             continue
         for key in feature.keys:
             default = settings[key].default
             if v[key] != default and chosen(key):
-                here = f" (here {feature.state}={v[feature.state]})" if feature.state else ""  # a checked choice
-                raise ConfigError(f"{key}={shown(v[key])} does nothing without {feature.needs}{here}: "
+                state = v[feature.state] if feature.state else None
+                here = f" (here {feature.state}={state if isinstance(state, str) else shown(state)})" if feature.state else ""
+                raise ConfigError(f"{where}{key}={shown(v[key])} does nothing without {feature.needs}{here}: "
                                   f"{feature.fix or 'set ' + feature.needs}, or drop {key} (default {shown(default)})")
+
+
+def settings_of_features_that_are_off(v: dict[str, Any]) -> None:
+    """A key of a feature that is off, set by the user to other than its default: refused with the switch."""
+    _refuse_settings_that_do_nothing(v, _chosen_by_the_user(v))
+
+
+def preset_settings_that_do_nothing(path: str, v: dict[str, Any], preset_keys) -> None:
+    """A preset the user wrote (model_name=<its path>) describes a model: each of its keys that does nothing in that
+    model (`v`: base.yml, the config file and the preset, before the command line) is refused, naming the file. (Its
+    values are the model's defaults otherwise: a command line that turns one of its features off refuses nothing.)"""
+    keys = set(preset_keys)
+    _refuse_settings_that_do_nothing(v, lambda key: key in keys, where=f"model_name={path}: ")
+
+
+# Keys that only some commands read, and the commands that read them (their module, as `python -m` runs it). A
+# command that loads a config says its name (loading.load_config's `command`); a key set for another one is refused.
+COMMAND_KEYS: dict[str, tuple[str, ...]] = {
+    "compile_topology": ("maxtrain.train_compile",),
+    "compile_topology_num_slices": ("maxtrain.train_compile",),
+    "compile_report_file": ("maxtrain.train_compile",),
+    "compiled_trainstep_file": ("maxtrain.train_compile", "maxtrain.train"),
+}
+
+
+def keys_of_other_commands(v: dict[str, Any], command: str) -> None:
+    """A key another command reads (COMMAND_KEYS), set by the user to other than its default, where `command` runs."""
+    chosen, settings = _chosen_by_the_user(v), table()
+    for key, readers in COMMAND_KEYS.items():
+        if command and command not in readers and v[key] != settings[key].default and chosen(key):
+            check_value(settings[key], v[key])  # a value no command takes: its range first
+            raise ConfigError(f"{key}={shown(v[key])} is read by {' and '.join(readers)}, not by {command}: run "
+                              f"python -m {readers[0]} with it, or drop {key} (default {shown(settings[key].default)})")
 
 
 def what_the_family_is(v: dict[str, Any]) -> None:

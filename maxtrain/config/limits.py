@@ -12,21 +12,23 @@ Three rules, each over what the code does with the settings:
   categorical draw's Gumbel noise never lifts another token over the best one) gives identical
   completions and a zero gradient.
 - lengths: a setting that needs more tokens than max_target_length holds fails inside JAX with a shape
-  error, or trains nothing (LENGTH_NEEDS: GRPO's prompt length, multi-token prediction's depth; checks.py
+  error, or trains nothing (LENGTH_NEEDS: GRPO's prompt length, multi-token prediction's depth, the gated
+  delta rule's chunk; checks.py
   holds the divisibility rules of the same kind: num_vocab_tiling and context parallelism must divide it).
 - paths: a value of only white space is no path, and an empty base_output_directory (an unset shell
   variable in `base_output_directory=$OUT`) would write the run into the current directory. Keys whose
   empty value is documented ("" = none or the default: tokenizer_path, load_parameters_path, ...) keep it,
   so `grain_eval_files=` still clears a YAML file's eval files.
 
-Imports the settings table (defaults), the objectives' table (which objective samples) and the error type.
+Imports the settings table (defaults), the objectives' table (which objective samples), the features' layer facts
+(which model has gated delta-net layers) and the error type.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from maxtrain.config import objectives
+from maxtrain.config import features, objectives
 from maxtrain.config.schema import table
 from maxtrain.errors import ConfigError
 
@@ -74,10 +76,12 @@ LENGTH_NEEDS = (
     ("mtp_num_layers", lambda v: v["mtp_num_layers"] > 0, lambda v: v["mtp_num_layers"] + 1,
      "multi-token prediction module k predicts token i + k + 1 from position i (models/mtp.py): with fewer tokens "
      "the last module has no position to learn from (and past that, no shape to compute)"),
-    ("chunk_attn_window_size", lambda v: v["chunk_attn_window_size"] > 0, lambda v: v["chunk_attn_window_size"],
-     "chunked layers attend within blocks of chunk_attn_window_size positions, and a block longer than the "
-     "sequence is full attention, so the chunks would do nothing"),
+    ("gdn_chunk_size", features.has_gated_deltanet, lambda v: v["gdn_chunk_size"],
+     "the gated delta rule pads the sequence to whole chunks (models/gated_delta.py), so a chunk longer than the "
+     "sequence computes mostly padding, at the chunk's memory"),
 )
+# (Not here: a chunk of Llama 4's chunked attention at least as long as the sequence is full attention, which is
+# what such a model computes on a short sequence: Llama 4 Scout's 8,192 positions at max_target_length=4096.)
 
 
 def _settings_fit_the_sequence(v):

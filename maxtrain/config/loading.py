@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
-from maxtrain.config import checks, objectives
+from maxtrain.config import checks, features, objectives
 from maxtrain.config import settings as settings_lib
 from maxtrain.config.schema import BASE_CONFIG, packaged_configs_dir, preset_names, table
 from maxtrain.errors import ConfigError, UserError
@@ -211,14 +211,15 @@ def _process_id_hint(values: dict, overrides: dict) -> int:
     return values.get("process_id", -1)
 
 
-def load_config(argv: list[str], log=None, adopt: Callable[[dict], dict] | None = None) -> Config:
+def load_config(argv: list[str], log=None, adopt: Callable[[dict], dict] | None = None, command: str = "") -> Config:
     """argv: [yaml_path, key=value, ...]. Returns the validated, frozen config (no device facts yet).
 
     `log` receives the notes (e.g. a YAML file without base_config); default: stderr, process 0 only.
     `adopt(values) -> changes`: settings taken from elsewhere before the checks (a checkpoint's model settings,
     checkpointing.adoption.settings_to_adopt), so that every check sees the model the run will have. When the
     values alone fail a check and adopting cannot be done (a checkpoint that cannot be read), that failure
-    is the one raised: the config's own problem comes first.
+    is the one raised: the config's own problem comes first. `command`: the module that runs
+    (maxtrain.train, ...): a key only another command reads is refused (features.COMMAND_KEYS); "" checks none.
     """
     if not argv:
         raise ConfigError("usage: python -m maxtrain.train configs/base.yml [key=value ...]")
@@ -236,8 +237,10 @@ def load_config(argv: list[str], log=None, adopt: Callable[[dict], dict] | None 
     values = {k: s.default for k, s in schema.items()}
     values.update({k: _coerce(k, v, schema[k].default, argv[0]) for k, v in chain.items()})
     model_name = _coerce("model_name", overrides.get("model_name", values["model_name"]), "", "override")
-    preset = _load_preset(model_name, schema, os.path.dirname(os.path.abspath(_find_config(argv[0]))))
+    preset, preset_path = _load_preset(model_name, schema, os.path.dirname(os.path.abspath(_find_config(argv[0]))))
     values.update(preset)
+    if not _packaged(preset_path):  # a preset the user wrote: each key it sets does something in its model
+        features.preset_settings_that_do_nothing(model_name, {**values, **objective}, preset)
     for key, raw in overrides.items():
         values[key] = _coerce(key, raw, schema[key].default, "command line")
     values.update(objective)
@@ -249,6 +252,7 @@ def load_config(argv: list[str], log=None, adopt: Callable[[dict], dict] | None 
     # Keys whose value is the model preset's (no override replaced it): what the preset says is the model's
     # default, so a setting of a feature that is off is refused only where the user chose it (features.py).
     values["preset_keys"] = sorted(set(preset) - set(overrides))
+    features.keys_of_other_commands(values, command)
     _validate(values, adopt)
     if notes:
         if log is None and _process_id_hint(values, overrides) <= 0:
@@ -295,9 +299,9 @@ def _validate(values: dict, adopt: Callable[[dict], dict] | None) -> None:
         raise problem
 
 
-def _load_preset(model_name: str, schema: dict, config_dir: str) -> dict[str, Any]:
-    """The preset `model_name` names: a path to a YAML file, else configs/models/<model_name>.yml beside
-    the config file, else the packaged one."""
+def _load_preset(model_name: str, schema: dict, config_dir: str) -> tuple[dict[str, Any], str]:
+    """(the values, the path) of the preset `model_name` names: a path to a YAML file, else
+    configs/models/<model_name>.yml beside the config file, else the packaged one."""
     if model_name.endswith((".yml", ".yaml")) or os.sep in model_name:
         path = model_name
         if not os.path.isfile(path):
@@ -316,7 +320,13 @@ def _load_preset(model_name: str, schema: dict, config_dir: str) -> dict[str, An
         if key not in schema:
             raise ConfigError(f"{path}: " + _unknown_key_message(key, schema))
         out[key] = _coerce(key, raw, schema[key].default, path)
-    return out
+    return out, path
+
+
+def _packaged(path: str) -> bool:
+    """Whether a preset file is one of maxtrain's own (configs/models/), whose values are the model's defaults."""
+    models_dir = os.path.realpath(os.path.join(packaged_configs_dir(), "models"))
+    return os.path.dirname(os.path.realpath(path)) == models_dir
 
 
 # --------------------------------------------------------------------------------------------

@@ -97,6 +97,7 @@ class Objective:
     samples: bool = False           # its batches are completions sampled from the policy as it trains
     next_token: bool = True         # its loss is next-token cross-entropy (multi-token prediction adds to it)
     pipeline: bool = True           # runs with pipeline stages
+    processes: bool = True          # runs over several processes (GRPO's rollouts are gathered on one host)
     keys: tuple[str, ...] = ()      # the settings only it reads (refused under another objective: features.py)
     shown: tuple[str, ...] = ()     # those the start-up summary shows beside its name
     fix: str = ""                   # how to turn it on, where that is more than objective=<name>
@@ -120,7 +121,7 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
     Objective("grpo", (PROMPTS,), {PROMPTS: (("prompt", "answer"),)},
               "reinforcement learning from verifiable rewards on completions sampled as it trains",
               frozen="reference", frozen_unless_zero="grpo_beta", batch_keys=("advantages", "old_log_probs"),
-              samples=True, next_token=False,
+              samples=True, next_token=False, processes=False,
               keys=("num_generations", "grpo_beta", "grpo_epsilon", "grpo_reward_functions",
                     "max_prefill_predict_length"), shown=("num_generations", "grpo_beta", "grpo_epsilon"),
               checks=(_grpo_settings,), old_key="use_grpo"),
@@ -199,7 +200,17 @@ def _the_row_s_own_rules(v):
         check(v)
 
 
-CHECKS = (_data_fits_the_objective, _the_row_s_own_rules)
+def one_process_only(v, processes: int, said: str = "") -> None:
+    """An objective that runs in one process (its row's `processes`), with `processes` > 1: refused. The config's
+    num_processes here (every process has the same); train.py asks again with the processes the environment
+    names (parallel/distributed.settings), before joining them. `said`: where the count comes from, if not the
+    config."""
+    _require(of(v).processes or processes <= 1,
+             f"{running(v)} runs in one process for now (its rollouts are gathered on one host), but "
+             f"{said or f'num_processes={processes}'}; run it without a coordinator, on one machine's devices")
+
+
+CHECKS = (_data_fits_the_objective, _the_row_s_own_rules, lambda v: one_process_only(v, v["num_processes"]))
 
 
 # --------------------------------------------------------------------------------------------

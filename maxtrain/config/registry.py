@@ -58,6 +58,20 @@ class Family:
             return ["sliding" if sliding_window_size > 0 else "full"] * num_layers
         return self.pattern(num_layers)
 
+    def moe_plan(self, num_layers: int, placement: dict) -> list[bool]:
+        """Whether each layer has experts, as its module's layer_types places them: `placement` holds the values of
+        MOE_PLACEMENT_KEYS, of which only those the family reads (its `settings`) count (tests/test_config.py
+        checks that they agree)."""
+        def read(key, otherwise):
+            return placement[key] if key in self.settings else otherwise
+        first, step, only = read("first_num_dense_layers", 0), read("decoder_sparse_step", 1), read("mlp_only_layers", [])
+        return [self.moe and i >= first and (i + 1) % step == 0 and i not in only for i in range(num_layers)]
+
+
+# The settings that say which layers of a mixture-of-experts family have experts (Family.moe_plan), the others a
+# dense MLP of base_mlp_dim.
+MOE_PLACEMENT_KEYS = ("first_num_dense_layers", "decoder_sparse_step", "mlp_only_layers")
+
 
 # The settings of the gated delta-net hybrids (Qwen3-Next, Qwen3.5: models/recurrent/hybrid.py), and those of them that fix
 # the parameters' shapes.
@@ -95,15 +109,16 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            usual=(("sliding_window_size", 4096),)),
     Family("qwen3_next", ("qwen3_next",), "Qwen3NextForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 512),),
-           settings=HYBRID_SETTINGS + ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob"),
-           shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts",), setting_keys=("partial_rotary_factor",),
+           settings=HYBRID_SETTINGS + ("decoder_sparse_step", "mlp_only_layers", "norm_topk_prob",
+                                       "shared_expert_mlp_dim"),
+           shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts", "shared_expert_mlp_dim"), setting_keys=("partial_rotary_factor",),
            kernel_settings=HYBRID_KERNEL_SETTINGS),
     Family("qwen3_5_text", ("qwen3_5_text", "qwen3_5"), "Qwen3_5ForCausalLM", per_layer_attention=False,
            settings=HYBRID_SETTINGS, shape_keys=HYBRID_SHAPE_KEYS,
            setting_keys=("partial_rotary_factor",), kernel_settings=HYBRID_KERNEL_SETTINGS),
     Family("qwen3_5_moe_text", ("qwen3_5_moe_text", "qwen3_5_moe"), "Qwen3_5MoeForCausalLM", moe=True,
-           per_layer_attention=False, usual=(("num_experts", 256),), settings=HYBRID_SETTINGS,
-           shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts",), setting_keys=("partial_rotary_factor",),
+           per_layer_attention=False, usual=(("num_experts", 256),), settings=HYBRID_SETTINGS + ("shared_expert_mlp_dim",),
+           shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts", "shared_expert_mlp_dim"), setting_keys=("partial_rotary_factor",),
            kernel_settings=HYBRID_KERNEL_SETTINGS),
     Family("deepseek", ("deepseek_v3",), "DeepseekV3ForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 256),),

@@ -152,14 +152,17 @@ class ToElement:
         self.completion_only = config.sft_train_on_completion_only
         self.truncated, self.passes = 0, 0  # passes > 1: the same data again (eval), counted once
 
-    def __call__(self, located) -> dict:
+    def unchanged(self, located) -> dict:
+        """The record's element before truncation."""
         where, record = located
         if self.dpo:
-            element = chat.dpo_element(self.template, *chat.preference(record, self.columns, where, self.key), where)
-        else:
-            element = chat.sft_element(self.template, chat.conversation(record, self.columns, where, self.key),
-                                       self.completion_only, where)
-        element, cut = chat.truncate(element, self.length)
+            return chat.dpo_element(self.template, *chat.preference(record, self.columns, where, self.key), where)
+        return chat.sft_element(self.template, chat.conversation(record, self.columns, where, self.key),
+                                self.completion_only, where)
+
+    def __call__(self, located) -> dict:
+        where = located[0]
+        element, cut = chat.truncate(self.unchanged(located), self.length)
         if cut and self.passes <= 1:
             self.truncated += 1
             if self.truncated & (self.truncated - 1) == 0:  # 1, 2, 4, 8, ...: a count, not a flood
@@ -211,17 +214,46 @@ def open_template(config, tokenizer) -> chat.Template:
     return chat.template_for(tokenizer, config.chat_template)
 
 
+def learnable(element: dict) -> bool:
+    """Whether an element (after truncation) has a token to learn from in each of its sequences (a DPO pair's chosen
+    and rejected completions both): a weighted token after the first of its sequence."""
+    return all((element["weights"][element["parts"] == part][1:] != 0).any() for part in np.unique(element["parts"]))
+
+
+def whole_length(element: dict) -> int:
+    """The least max_target_length that keeps an element whole (a DPO pair: each sequence gets half the row)."""
+    if element["parts"].max() == 1:
+        return len(element["tokens"]) - 1
+    return 2 * max(int((element["parts"] == part).sum()) for part in np.unique(element["parts"])) - 1
+
+
 def check_first_records(components, template: chat.Template, config, split: str) -> None:
-    """Renders the first record of every file now, so bad data fails before any training step."""
+    """Renders the first record of every file now, so bad data fails before any training step; where none of them
+    keeps a token to learn from once truncated to the sequence, the run (or its evaluation) would learn nothing
+    (loss 0, gradient 0): refused with the length that keeps them."""
     key = f"{split}_data_columns"
     convert = ToElement(template, config, columns(config, split), config.max_target_length + 1, log=lambda *_: None,
                         key=key)
+    firsts = []
     for component in components:
         for path in component.files:
             first = next((r for r in read_records(path, key=key) if r[1] is not None), None)
             if first is None:
                 raise DataError(f"{path} holds no records: an empty shard. Delete it or narrow the glob.")
-            convert(first)
+            element = convert(first)
+            if learnable(element):
+                return  # a usable example: the rest is counted as it is read (ToElement's warning)
+            firsts.append((first[0], whole_length(convert.unchanged(first))))
+    if firsts:
+        where, needed = min(firsts, key=lambda f: f[1])
+        what = "preference pair" if convert.dpo else "conversation"
+        raise DataError(f"the first {what} of every {split} file leaves no token to learn from at max_target_length="
+                        f"{config.max_target_length} (each is truncated to max_target_length + 1 tokens"
+                        + (", half for each sequence of a pair" if convert.dpo else "")
+                        + ", losing every completion token): the "
+                        + ("run would learn" if split == "train" else "evaluation would measure")
+                        + f" nothing (loss 0). Raise max_target_length to {needed} or more (e.g. {where} needs "
+                        f"{needed}), or shorten the prompts")
 
 
 def elements(files, config, template, split: str, num_epochs, seed: int, shuffle: bool, what: str, log):

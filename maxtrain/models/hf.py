@@ -304,9 +304,28 @@ def require(config: dict, key: str) -> int:
     return value
 
 
-def common_keys(config: dict, *, rms_norm_eps: float = 1e-6, tie_word_embeddings: bool = False) -> dict:
+def count(config: dict, key: str, default, *, least: int = 1, null=None):
+    """An integer field used as a size, a divisor or a step: `default` where config.json omits it (`null` where it
+    is null, by default the same), else an integer >= least, named when it is not. (Never `x or default`, which
+    reads an invalid 0 as the default.)"""
+    if key not in config:
+        return default
+    value = config[key]
+    if value is None:
+        return default if null is None else null
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if not (isinstance(value, int) and not isinstance(value, bool) and value >= least):
+        raise ConversionError(f"config.json: {key}={value!r} must be an integer >= {least}; use the config.json that "
+                              "came with the weights")
+    return value
+
+
+def common_keys(config: dict, *, rms_norm_eps: float = 1e-6, tie_word_embeddings: bool = False,
+                dense_mlp: bool = True) -> dict:
     """maxtrain's shape keys, norm epsilon and tying from config.json (defaults: the family's
-    transformers config class, used where the file omits the field)."""
+    transformers config class, used where the file omits the field). dense_mlp=False: the model has no dense MLP
+    (experts in every layer), so intermediate_size is not read."""
     heads = require(config, "num_attention_heads")
     hidden = require(config, "hidden_size")
     if float(config.get("partial_rotary_factor") or 1.0) != 1.0:
@@ -314,10 +333,10 @@ def common_keys(config: dict, *, rms_norm_eps: float = 1e-6, tie_word_embeddings
     return {
         "base_emb_dim": hidden,
         "base_num_query_heads": heads,
-        "base_num_kv_heads": config.get("num_key_value_heads") or heads,
-        "base_mlp_dim": require(config, "intermediate_size"),
+        "base_num_kv_heads": count(config, "num_key_value_heads", heads),
+        **({"base_mlp_dim": require(config, "intermediate_size")} if dense_mlp else {}),
         "base_num_decoder_layers": require(config, "num_hidden_layers"),
-        "head_dim": config.get("head_dim") or hidden // heads,
+        "head_dim": count(config, "head_dim", hidden // heads),
         "vocab_size": require(config, "vocab_size"),
         "normalization_layer_epsilon": float(config.get("rms_norm_eps", rms_norm_eps)),
         "logits_via_embedding": bool(config.get("tie_word_embeddings", tie_word_embeddings)),

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from maxtrain.config import registry
+from maxtrain.config import features, registry
 from maxtrain.config.schema import QUANTIZATION_PLACES
 from maxtrain.models import attention as attention_lib
 from maxtrain.models.recurrent import gated_deltanet
@@ -207,7 +207,7 @@ class Runtime:
                    grouped_matmul=expert_matmuls.resolve_grouped_matmul(config.moe_grouped_matmul, backend),
                    gdn_kernel=gated_deltanet.resolve_kernel(config.gdn_kernel, backend, config.gdn_chunk_size,
                                                             config.gdn_key_head_dim, config.gdn_value_head_dim)
-                   if "gdn_kernel" in getattr(family, "settings", ()) else "")
+                   if features.has_gated_deltanet(config) else "")
 
     def attention_for(self, layer, head_dim: int) -> str:
         """The implementation a layer (a LayerType; head_dim: the config's) attends with: its kind's choice. A

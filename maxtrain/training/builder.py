@@ -39,10 +39,11 @@ from maxtrain.models.moe import expert_matmuls
 from maxtrain.parallel import stages as pipeline_lib
 
 
-def load_config(argv: list[str], log=print):
+def load_config(argv: list[str], log=print, command: str = ""):
     """The config of argv, with a checkpoint's model settings adopted where the user chose none
     (`load_parameters_path=OUT` alone fine-tunes an imported model; a model key on the command line changes
-    only that key), and a distillation teacher's. The checks see the adopted model."""
+    only that key), and a distillation teacher's. The checks see the adopted model. `command`: the module that
+    runs (config_lib.load_config refuses a key only another command reads)."""
     adopted = {}
 
     def adopt(values: dict) -> dict:
@@ -50,7 +51,7 @@ def load_config(argv: list[str], log=print):
         adopted.update(changes=changes, step_dir=step_dir)
         return changes
 
-    config = config_lib.load_config(argv, adopt=adopt)
+    config = config_lib.load_config(argv, adopt=adopt, command=command)
     if adopted.get("changes"):
         log(adoption.adoption_line(config, adopted["step_dir"], adopted["changes"]))
     return distillation.adopt_teacher(config, log)

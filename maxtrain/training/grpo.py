@@ -35,7 +35,6 @@ import numpy as np
 
 from maxtrain import data as data_lib
 from maxtrain.data import pipeline, prompts as prompts_lib
-from maxtrain.errors import ConfigError
 from maxtrain.models import sampling
 from maxtrain.training import loop, rewards
 
@@ -74,9 +73,6 @@ def with_rewards(config, inputs: data_lib.Inputs, functions: dict, log=print) ->
     """The prompts of data.make_inputs (whose first record of every file it checked) with the reward functions
     (rewards.load's), which are called on made-up completions of those records here: every mistake stops the
     run before any compilation."""
-    if jax.process_count() > 1:
-        raise ConfigError("objective=grpo runs in one process for now (its rollouts are gathered on one host); run "
-                          "it without a coordinator, on one machine's devices")
     first = inputs.prompts.first_records
     rewards.check(functions, [p.text for p in first], [p.answer for p in first])
     log(f"GRPO: {prompts_lib.per_step(config)} prompts x {config.num_generations} completions of at most "

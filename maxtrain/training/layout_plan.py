@@ -28,11 +28,15 @@ GIB = 2**30
 DESCRIPTION = 'The fastest layout for a target: compile a small grid ahead of time and sort what fits by predicted tokens/s.'
 
 
-def ints(text: str) -> list[int]:
+def ints(text: str, flag: str) -> list[int]:
+    """The choices of a grid option: comma-separated whole numbers >= 1 (a split or a batch of 0 has no cell)."""
     try:
-        return [int(x) for x in text.split(",") if x]
-    except ValueError as e:
-        raise ToolError(f"expected comma-separated integers, got {text!r}") from e
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ToolError(f"{flag} {text!r} must be comma-separated whole numbers >= 1, e.g. {flag} 1,4")
+    return values
 
 
 def grid(config, target: targets.Target, args) -> list[dict]:
@@ -42,7 +46,7 @@ def grid(config, target: targets.Target, args) -> list[dict]:
     heads = math.gcd(config.base_num_query_heads, config.base_num_kv_heads or config.base_num_query_heads)
     cells = []
     for tensor, expert, batch, remat, attention in itertools.product(
-            ints(args.tensor), ints(args.expert) if moe else [1], ints(args.batch), args.remat.split(","),
+            args.tensor, args.expert if moe else [1], args.batch, args.remat.split(","),
             args.attention.split(",")):
         if devices % (tensor * expert) or heads % tensor or (moe and config.num_experts % expert):
             continue
@@ -140,6 +144,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--json", help="also write every cell's figures here")
     parser.add_argument("--cache", help="a directory keeping each compiled cell, to re-predict without compiling")
     args = parser.parse_args(argv)
+    args.tensor, args.expert, args.batch = (ints(args.tensor, "--tensor"), ints(args.expert, "--expert"),
+                                            ints(args.batch, "--batch"))
     if args.json:
         storage.check_output(args.json, True, f"--json {args.json}")
     if args.cache:

@@ -28,15 +28,22 @@ from maxtrain.models.aux_names import PER_LAYER, STEP_STATS, per_layer_name
 from maxtrain.models.params import ParamSpec, dense
 
 
+def shared_width(shared_experts: int, shared_expert_mlp_dim: int, f: int) -> int:
+    """The shared experts' SwiGLU width: shared_experts x F (F: one expert's width), or shared_expert_mlp_dim where
+    the shared expert is one MLP of its own width (Qwen3-Next's shared_expert_intermediate_size)."""
+    if shared_experts == 0:
+        return 0
+    return shared_expert_mlp_dim if shared_expert_mlp_dim > 0 else shared_experts * f
+
+
 def bias_and_shared_specs(config, f: int) -> dict[str, ParamSpec]:
-    """The selection bias [E] (routed_bias) and the shared experts' SwiGLU [D, shared_experts x F] (F: one
-    expert's width)."""
+    """The selection bias [E] (routed_bias) and the shared experts' SwiGLU [D, shared_width]."""
     d, e = config.base_emb_dim, config.num_experts
     out = {}
     if config.routed_bias:
         out["router_bias"] = ParamSpec((e,), (None,), "zeros")
     if config.shared_experts > 0:
-        w = config.shared_experts * f
+        w = shared_width(config.shared_experts, config.shared_expert_mlp_dim, f)
         out.update(shared_gate=dense((d, w), ("embed", "mlp"), d), shared_up=dense((d, w), ("embed", "mlp"), d),
                    shared_down=dense((w, d), ("mlp", "embed"), w))
     return out

@@ -6,7 +6,8 @@
                                      the other layers: the gated delta-net (models/recurrent/gated_deltanet.py)
     x = x + mlp(rmsnorm(x))          with num_experts > 1: softmax over the E router logits, top K (renormalized
                                      with norm_topk_prob), plus a shared expert of shared_experts x
-                                     base_moe_mlp_dim scaled by sigmoid(x . w) (sigmoid_groups.shared_experts);
+                                     base_moe_mlp_dim (or its own width, shared_expert_mlp_dim) scaled by
+                                     sigmoid(x . w) (sigmoid_groups.shared_experts);
                                      dense where mlp_only_layers / decoder_sparse_step say so (Qwen3-MoE's rule);
                                      without experts, a gated MLP of base_mlp_dim (Qwen3.5's dense models)
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from maxtrain.models import blocks, contract, hf, moe
+from maxtrain.models.moe import sigmoid_groups
 from maxtrain.models.recurrent import gated_deltanet
 from maxtrain.models.layers import LayerType
 from maxtrain.models.params import ParamSpec, dense
@@ -115,7 +117,8 @@ def flops_per_token(model, dense_attention: bool = False) -> float:
     config = model.config
     d, n, g, h = config.base_emb_dim, config.base_num_query_heads, config.base_num_kv_heads, config.head_dim
     types = model.layer_types
-    f_e, shared = moe.expert_dim(config), config.shared_experts * moe.expert_dim(config)
+    f_e = moe.expert_dim(config)
+    shared = sigmoid_groups.shared_width(config.shared_experts, config.shared_expert_mlp_dim, f_e)
     moe_mlp = d * config.num_experts + config.num_experts_per_tok * 3 * d * f_e + 3 * d * shared + d
     matmul = d * config.vocab_size
     for t in types:
@@ -177,12 +180,14 @@ def layer_cycle(config: dict) -> int:
     return cycle
 
 
-def hf_keys(config: dict, notes: list | None) -> dict:
-    """The keys every hybrid family reads from config.json: attention, partial RoPE, the gated delta-net, the cycle."""
+def hf_keys(config: dict, notes: list | None, dense_mlp: bool = True) -> dict:
+    """The keys every hybrid family reads from config.json: attention, partial RoPE, the gated delta-net, the cycle.
+    dense_mlp=False: a family whose every layer has experts, whose config class writes no intermediate_size (Qwen3.5's
+    mixtures of experts), so base_mlp_dim is not read."""
     hf.refuse(config, {"hidden_act": "silu", "attention_bias": False})
     rope = dict(hf.rope_dict(config, notes))
     partial = float(rope.pop("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
-    return {**hf.common_keys(config), **hf.rope_keys(config, notes, rope=rope),
+    return {**hf.common_keys(config, dense_mlp=dense_mlp), **hf.rope_keys(config, notes, rope=rope),
             "partial_rotary_factor": partial, "inhomogeneous_layer_cycle_interval": layer_cycle(config),
             "gdn_num_key_heads": int(hf.require(config, "linear_num_key_heads")),
             "gdn_num_value_heads": int(hf.require(config, "linear_num_value_heads")),
@@ -192,13 +197,15 @@ def hf_keys(config: dict, notes: list | None) -> dict:
 
 
 def experts_hf_keys(config: dict) -> dict:
-    """The experts and the gated shared expert (made of shared_experts experts' widths)."""
+    """The experts and the gated shared expert: one MLP of its own width (shared_expert_intermediate_size; 0 or absent:
+    none), kept as shared_experts whole experts' widths where it is a multiple of theirs, else as
+    shared_expert_mlp_dim."""
     moe_width = int(hf.require(config, "moe_intermediate_size"))
-    shared_width = int(config.get("shared_expert_intermediate_size") or 0)
-    if shared_width % moe_width:
-        raise hf.ConversionError(f"shared_expert_intermediate_size={shared_width} is not a multiple of "
-                                 f"moe_intermediate_size={moe_width}, which maxtrain's shared experts are made of")
-    return {**hf.experts_keys(config), "base_moe_mlp_dim": moe_width, "shared_experts": shared_width // moe_width}
+    shared_width = hf.count(config, "shared_expert_intermediate_size", 0, least=0)
+    whole = shared_width % moe_width == 0
+    return {**hf.experts_keys(config), "base_moe_mlp_dim": moe_width,
+            "shared_experts": shared_width // moe_width if whole else 1,
+            "shared_expert_mlp_dim": -1 if whole else shared_width}
 
 
 def hf_config(keys: dict, family) -> dict:
@@ -216,4 +223,6 @@ def hf_config(keys: dict, family) -> dict:
 def experts_hf_config(keys: dict) -> dict:
     moe_width = keys["base_moe_mlp_dim"] if keys["base_moe_mlp_dim"] > 0 else keys["base_mlp_dim"]
     return {"num_experts": keys["num_experts"], "num_experts_per_tok": keys["num_experts_per_tok"],
-            "moe_intermediate_size": moe_width, "shared_expert_intermediate_size": keys["shared_experts"] * moe_width}
+            "moe_intermediate_size": moe_width,
+            "shared_expert_intermediate_size": sigmoid_groups.shared_width(keys["shared_experts"],
+                                                                         keys["shared_expert_mlp_dim"], moe_width)}

@@ -126,20 +126,20 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
     rope = hf.rope_dict(config, notes)
     heads = hf.require(config, "num_attention_heads")
     nope, rope_dim = int(hf.require(config, "qk_nope_head_dim")), int(hf.require(config, "qk_rope_head_dim"))
-    groups = int(config.get("n_group", 8) or 1)
-    top_groups = int(config.get("topk_group", 4) or groups)
+    groups = hf.count(config, "n_group", 8, null=1)
+    top_groups = hf.count(config, "topk_group", 4, null=groups)
     return {**hf.common_keys(config), **hf.rope_keys(config, notes, rope=rope),
             "base_num_kv_heads": heads, "head_dim": nope + rope_dim,
             "num_experts": int(hf.require(config, "n_routed_experts")),
             "num_experts_per_tok": int(hf.require(config, "num_experts_per_tok")),
             "base_moe_mlp_dim": int(hf.require(config, "moe_intermediate_size")),
-            "shared_experts": int(config.get("n_shared_experts", 1) or 0),
+            "shared_experts": hf.count(config, "n_shared_experts", 1, least=0, null=0),
             "n_routing_groups": groups if groups > 1 else -1,
             "topk_routing_group": top_groups if groups > 1 else -1,
             "routed_scaling_factor": float(config.get("routed_scaling_factor", 2.5)),
             "norm_topk_prob": bool(config.get("norm_topk_prob", True)), "routed_bias": True,
-            "first_num_dense_layers": int(config.get("first_k_dense_replace", 3) or 0),
-            "q_lora_rank": int(config.get("q_lora_rank", 1536) or 0),
+            "first_num_dense_layers": hf.count(config, "first_k_dense_replace", 3, least=0, null=0),
+            "q_lora_rank": hf.count(config, "q_lora_rank", 1536, least=0, null=0),
             "kv_lora_rank": int(hf.require(config, "kv_lora_rank")),
             "qk_nope_head_dim": nope, "qk_rope_head_dim": rope_dim, "v_head_dim": int(hf.require(config, "v_head_dim")),
             "rope_interleave": bool(config.get("rope_interleave", True)),

@@ -114,8 +114,8 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
     rope = hf.rope_dict(config, notes)
     factor = rotary_factor(config, rope)
     without = {k: v for k, v in config.items() if k != "partial_rotary_factor"}  # hf refuses partial RoPE
-    groups = int(config.get("n_group", 1) or 1)
-    top_groups = int(config.get("topk_group", 1) or groups)
+    groups = hf.count(config, "n_group", 1)
+    top_groups = hf.count(config, "topk_group", 1, null=groups)
     experts = config.get("n_routed_experts", config.get("num_local_experts"))
     if experts is None:
         raise hf.ConversionError("config.json has no 'n_routed_experts', which the model's shape needs")
@@ -126,12 +126,12 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
             "attention_bias": bool(config.get("attention_bias", False)),
             "num_experts": int(experts), "num_experts_per_tok": int(config.get("num_experts_per_tok", 8)),
             "base_moe_mlp_dim": int(config.get("moe_intermediate_size", 1408)),
-            "shared_experts": int(config.get("n_shared_experts", 1) or 0),
+            "shared_experts": hf.count(config, "n_shared_experts", 1, least=0, null=0),
             "n_routing_groups": groups if groups > 1 else -1,
             "topk_routing_group": top_groups if groups > 1 else -1,
             "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.0)),
             "norm_topk_prob": bool(config.get("norm_topk_prob", True)), "routed_bias": True,
-            "first_num_dense_layers": int(config.get("first_k_dense_replace", 1) or 0)}
+            "first_num_dense_layers": hf.count(config, "first_k_dense_replace", 1, least=0, null=0)}
 
 
 def to_hf_config(keys: dict) -> dict:

@@ -143,13 +143,17 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
                      "input) is not implemented; inference is unaffected")
     c = {**DEFAULTS, **{k: v for k, v in config.items() if v is not None}}
     layers = hf.require(c, "num_hidden_layers")
-    step = int(c["interleave_moe_layer_step"])
-    moe_layers = list(c["moe_layers"]) if "moe_layers" in c else list(range(step - 1, layers, step))
+    if "moe_layers" in c:  # as transformers reads it: moe_layers, else every interleave_moe_layer_step-th layer
+        moe_layers = list(c["moe_layers"])
+    else:
+        step = hf.count(c, "interleave_moe_layer_step", DEFAULTS["interleave_moe_layer_step"])
+        moe_layers = list(range(step - 1, layers, step))
     step = _interval([int(i in moe_layers) for i in range(layers)], layers, "moe_layers", "experts")
     if step < 0:
         raise hf.ConversionError("config.json: moe_layers=[] (a Llama 4 without experts) is not implemented")
     nope = [1 - int(r) for r in c["no_rope_layers"][:layers]] if c.get("no_rope_layers") else \
-        [int((i + 1) % int(c["no_rope_layer_interval"]) == 0) for i in range(layers)]
+        [int((i + 1) % hf.count(c, "no_rope_layer_interval", DEFAULTS["no_rope_layer_interval"]) == 0)
+         for i in range(layers)]
     interval = _interval(nope, layers, "no_rope_layers", "no RoPE (0)")
     chunk = int(config.get("attention_chunk_size", DEFAULTS["attention_chunk_size"]) or 0)
     types = ["chunked_attention" if chunk and not n else "full_attention" for n in nope]

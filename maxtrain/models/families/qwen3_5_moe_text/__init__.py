@@ -22,11 +22,13 @@ HF_NAMES = hybrid.hf_names(hybrid.QWEN3_5_LINEAR, experts={
 
 
 def from_hf_config(config: dict, notes: list | None = None) -> dict:
-    return {**hybrid.hf_keys(config, notes), **hybrid.experts_hf_keys(config), "norm_topk_prob": True}
+    # experts in every layer: no dense MLP, and transformers' Qwen3_5MoeTextConfig writes no intermediate_size
+    return {**hybrid.hf_keys(config, notes, dense_mlp=False), **hybrid.experts_hf_keys(config), "norm_topk_prob": True}
 
 
 def to_hf_config(keys: dict) -> dict:
-    return {**hybrid.hf_config(keys, FAMILY), **hybrid.experts_hf_config(keys)}
+    written = {**hybrid.hf_config(keys, FAMILY), **hybrid.experts_hf_config(keys)}
+    return {k: v for k, v in written.items() if k != "intermediate_size"}  # the config class has no such field
 
 
 MODEL = contract.FamilyModel(

@@ -79,7 +79,7 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
     return {**hf.common_keys(config), **hf.rope_keys(config, notes), "sliding_window_size": int(window or 0),
             **hf.experts_keys(config), "base_moe_mlp_dim": int(hf.require(config, "moe_intermediate_size")),
             "norm_topk_prob": bool(config.get("norm_topk_prob", False)),
-            "decoder_sparse_step": int(config.get("decoder_sparse_step") or 1),
+            "decoder_sparse_step": hf.count(config, "decoder_sparse_step", 1),
             "mlp_only_layers": [int(i) for i in (config.get("mlp_only_layers") or [])]}
 
 

@@ -34,7 +34,7 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
                                  "is not implemented")
     return {**hybrid.hf_keys(config, notes), **hybrid.experts_hf_keys(config),
             "norm_topk_prob": bool(config.get("norm_topk_prob", True)),
-            "decoder_sparse_step": int(config.get("decoder_sparse_step") or 1),
+            "decoder_sparse_step": hf.count(config, "decoder_sparse_step", 1),
             "mlp_only_layers": [int(i) for i in (config.get("mlp_only_layers") or [])]}
 
 
