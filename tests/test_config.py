@@ -6,6 +6,7 @@ import pytest
 from conftest import BASE_YML, REPO, TINY
 from maxtrain import config as config_lib
 from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
 from maxtrain.config import ConfigError, features, limits, load_config, registry, with_devices
 
 
@@ -386,8 +387,7 @@ def test_the_summary_names_the_gated_delta_rule_only_where_layers_run_it():
     assert features.has_gated_deltanet(load("model_name=qwen3-next-80b-a3b").to_dict())
     assert not features.has_gated_deltanet(load("model_name=qwen3-next-80b-a3b",
                                                 "inhomogeneous_layer_cycle_interval=1").to_dict())
-    runtime = models.Runtime.from_config(load("model_name=qwen3-next-80b-a3b", "inhomogeneous_layer_cycle_interval=1"),
-                                         "cpu")
+    runtime = Runtime.from_config(load("model_name=qwen3-next-80b-a3b", "inhomogeneous_layer_cycle_interval=1"), "cpu")
     assert runtime.gdn_kernel == "" and "gated delta" not in runtime.describe()
 
 
@@ -450,5 +450,5 @@ def test_the_registry_places_experts_as_each_family_builds_them():
             row = registry.FAMILIES[cfg.decoder_block]
             if not row.moe or cfg.num_experts <= 1:
                 continue
-            built = [t.is_moe for t in models.family(cfg).layer_types(cfg)]
+            built = [t.is_moe for t in Model.bind(cfg).layer_types]
             assert built == row.moe_plan(cfg.base_num_decoder_layers, cfg.to_dict()), (preset, extra)

@@ -155,5 +155,5 @@ def test_each_feature_is_needed_to_match_transformers(tmp_path):
     for off in ({"use_qk_norm": False}, {"temperature_tuning": False}, {"nope_layer_interval": -1}):
         assert relative_error(ours_with(tmp_path / "out", tokens, **off), theirs) > 1e-3, off
     with pytest.MonkeyPatch.context() as patch:  # the router's weights on the experts' outputs, as other routers
-        patch.setattr(moe.moe_llama4, "weights_inputs", lambda s: False)
+        patch.setattr(moe.topk_sigmoid, "weights_inputs", lambda s: False)
         assert relative_error(ours_with(tmp_path / "out", tokens), theirs) > 1e-3

@@ -425,7 +425,7 @@ def _aux(logits, experts, valid, dropped, s: Settings, axes: Axes) -> dict:
     if s.seq_balance_loss_weight > 0:
         aux["moe_seq_balance_loss"] = (s.seq_balance_loss_weight * sums["seq_balance"]
                                        / jnp.maximum(sums["sequences"], 1.0) * per_layer)
-    if s.count_experts:  # the routed pairs of each expert, for the selection bias's update (moe_deepseek)
+    if s.count_experts:  # the routed pairs of each expert, for the selection bias's update (sigmoid_groups)
         aux[PER_LAYER + STEP_STATS + "moe_expert_counts"] = sums["counts"]
     return aux
 
