@@ -36,7 +36,7 @@ pytestmark = pytest.mark.skipif(
 def test_flash_matches_the_reference(seed, case):
     """flash, and in bf16 every other implementation autoselected can choose here (cuDNN, tokamax where
     installed): each must run (the report only records a refusal) and match."""
-    row = items.kernel_check(PLAN, case, seed)
+    row = items.check_kernels(PLAN, case, seed)
     assert row["verdict"] == "PASS", row
     for name in items.kernel_impls(PLAN, case):
         assert isinstance(row.get(name), float), (name, row.get(name))

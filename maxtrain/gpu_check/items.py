@@ -106,7 +106,7 @@ def kernel_programs(plan: Plan, case: Case, devices=None) -> dict:
     return programs
 
 
-def kernel_check(plan: Plan, case: Case, seed: int) -> dict:
+def check_kernels(plan: Plan, case: Case, seed: int) -> dict:
     """The case's implementations against the float32 reference: relative errors of out, dq, dk, dv."""
     q, k, v, seg, do = kernel_check.inputs(case, seed)
     programs = kernel_programs(plan, case)

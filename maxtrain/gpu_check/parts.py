@@ -61,7 +61,7 @@ def run_part(report: Report, plan: Plan, name: str, share: float) -> None:
         part.run("large matmul", lambda: items.matmul(plan.matmul_n))
     elif name == "kernels":
         for seed, case in enumerate(plan.kernel_cases):
-            part.run(case.name, lambda case=case, seed=seed: items.kernel_check(plan, case, seed), kind="kernels",
+            part.run(case.name, lambda case=case, seed=seed: items.check_kernels(plan, case, seed), kind="kernels",
                      estimate=estimate("kernels", 0))
     elif name == "model":
         reference: dict = {}

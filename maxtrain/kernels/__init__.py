@@ -14,7 +14,7 @@ rule (GPU Triton and TPU Mosaic; interpret mode on CPU).
                          sweeping the chunks, the state on chip; backward through the jnp chunked form;
                          checked against models/recurrent/gated_delta.py
 
-Called only from the model: maxtrain/models/attention/ (inside shard_map), models/expert_matmuls.py and
+Called only from the model: maxtrain/models/attention/ (inside shard_map), models/moe/expert_matmuls.py and
 models/recurrent/gated_deltanet.py (inside shard_map).
 Imports nothing else of maxtrain but the chip records (config/chips.py).
 """

@@ -6,9 +6,9 @@
     y      = sum_k w_k expert_{e_k}(x),          expert_e(x) = down_e(silu(gate_e(x)) * up_e(x))
 
     router "sigmoid_group_topk" (DeepSeek-V3): sigmoid scores, group-limited top-k, scaled weights,
-               with shared experts beside the routed ones and a selection-only bias (models/sigmoid_groups.py)
+               with shared experts beside the routed ones and a selection-only bias (models/moe/sigmoid_groups.py)
     router "topk_sigmoid" (Llama 4): w = sigmoid(top_k(logits)), multiplying each expert's input:
-               y = sum_k expert_{e_k}(w_k x) (models/topk_sigmoid.py)
+               y = sum_k expert_{e_k}(w_k x) (models/moe/topk_sigmoid.py)
 
 Activation "geglu" (Gemma 4): expert_e(x) = down_e(gelu_tanh(gate_e(x)) * up_e(x)).
 Activation "clamped_swiglu" (gpt-oss), with a = swiglu_alpha and l = mlp_activations_limit:
@@ -23,7 +23,7 @@ Dispatch (`moe_dispatch`) decides how the (token, choice) pairs reach their expe
 
     dropless   every pair is computed: pairs are sorted by expert and each expert's rows multiplied
                by its weights with grouped matmuls (XLA's ragged_dot, or on GPUs a Pallas grouped
-               GEMM that computes only the routed rows: models/expert_matmuls.py).
+               GEMM that computes only the routed rows: models/moe/expert_matmuls.py).
     capacity   each expert takes at most C = ceil(capacity_factor * T * K / E) pairs of a sequence
                (first choices before second ones, earlier tokens first); the rest are dropped: the
                token keeps its other experts' outputs and, through the residual, its input. The

@@ -10,7 +10,7 @@ mixture-of-experts layers with one shared expert and a sigmoid top-1 router.
                                        1 + scale x ln(1 + floor((p + 1) / floor_scale)) (temperature_tuning)
     x = x + mlp(rmsnorm(x))            layer i when (i + 1) % decoder_sparse_step == 0 (transformers'
                                        interleave_moe_layer_step): routed experts of width base_moe_mlp_dim,
-                                       each token's expert fed sigmoid(its logit) x x (models/topk_sigmoid.py),
+                                       each token's expert fed sigmoid(its logit) x x (models/moe/topk_sigmoid.py),
                                        plus a shared expert of the same width (shared_experts=1); the other
                                        layers: a dense SwiGLU of width base_mlp_dim (intermediate_size_mlp)
     out = rmsnorm(x) @ W_out           untied
