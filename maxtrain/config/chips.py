@@ -140,3 +140,16 @@ def shared_memory_per_block(capability: tuple[int, int]) -> int:
 def float8_tpus() -> list[Chip]:
     """TPU records whose float8 matmuls pay (the others run them at the bfloat16 rate)."""
     return [c for c in CHIPS if c.kind == "tpu" and c.float8]
+
+
+def gpu_shared_memory(devices) -> int:
+    """Shared memory per thread block (opt-in) of the GPUs in `devices` (anything with a compute_capability
+    "major.minor"); a safe default if unknown."""
+    limits = []
+    for device in devices or ():
+        try:
+            major, minor = (int(x) for x in str(device.compute_capability).split("."))
+        except (AttributeError, ValueError):
+            continue
+        limits.append(shared_memory_per_block((major, minor)))
+    return min(limits, default=DEFAULT_SHARED_MEMORY)

@@ -4,7 +4,9 @@ Tensor layouts. A family's HF_NAMES maps each maxtrain parameter path to (HF ten
 Layout converts one layer's (one expert's) tensor both ways, so checkpointing/convert.py needs to know
 none of them. torch's Linear stores weight [out, in]; maxtrain keeps [in..., out...] with heads split out.
 "{i}" in a name is the layer's index within its stack. Both sides use the "rotate half" RoPE layout
-for every family but Llama 4 (PairedRope), so their q and k need no permutation.
+for every family but Llama 4 (its PairedRope), so their q and k need no permutation. A layout one family
+alone uses lives in its folder (models/families/<name>/hf_layouts.py); the hybrid families' fused ones in
+models/recurrent/hf_layouts.py.
 
 config.json. Where a config states one thing twice, the reading of transformers 5 is followed
 (and a note says what was ignored): `rope_scaling`, when set, replaces `rope_parameters`;
@@ -94,25 +96,6 @@ SAME, FLAT = Same(), Flat()
 
 
 @dataclasses.dataclass(frozen=True)
-class PairedRope(Linear):
-    """A q or k projection (a Linear of n_in leading maxtrain axes) whose heads hold RoPE's pairs side by
-    side, (x_2i, x_2i+1) (Llama 4's checkpoints, rotated as complex numbers), where maxtrain rotates halves,
-    (x_i, x_i+H/2): each head's features are de-interleaved on import (evens, then odds) and interleaved
-    again on export. q and k are permuted alike, so q.k is unchanged (as are the L2 norm and the NoPE
-    layers, which read no pairs)."""
-
-    n_in: int = 1
-
-    def to_maxtrain(self, w: np.ndarray, shape: tuple) -> np.ndarray:
-        w = super().to_maxtrain(w, shape)
-        return np.concatenate([w[..., 0::2], w[..., 1::2]], axis=-1)  # evens, then odds
-
-    def to_hf(self, w: np.ndarray) -> np.ndarray:
-        half = w.shape[-1] // 2
-        return super().to_hf(np.stack([w[..., :half], w[..., half:]], axis=-1).reshape(w.shape))
-
-
-@dataclasses.dataclass(frozen=True)
 class Columns(Layout):
     """The `columns` of the last axis of a Hugging Face tensor that `parts` maxtrain parameters share, its
     other axes as maxtrain stores them."""
@@ -134,91 +117,6 @@ class Columns(Layout):
         """Its columns of the tensor it shares (created, zeroed, by the first part written)."""
         whole = out.setdefault(name, np.zeros(self.hf_shape(w.shape), dtype))
         whole[..., self.columns(whole.shape[-1])] = w
-
-
-@dataclasses.dataclass(frozen=True)
-class Interleaved(Columns):
-    """Columns part, part + parts, part + 2 parts, ...: gpt-oss's experts keep gate and up in one
-    gate_up_proj [E, D, 2F], gate in the even columns and up in the odd ones."""
-
-    def columns(self, width: int) -> slice:
-        return slice(self.part, None, self.parts)
-
-
-@dataclasses.dataclass(frozen=True)
-class Halves(Columns):
-    """The part-th of `parts` equal blocks of the columns: Llama 4's experts keep gate and up in one
-    gate_up_proj [E, D, 2F], gate in the first F columns and up in the last F."""
-
-    def columns(self, width: int) -> slice:
-        size = width // self.parts
-        return slice(self.part * size, (self.part + 1) * size)
-
-
-@dataclasses.dataclass(frozen=True)
-class Grouped(Layout):
-    """Maxtrain parameters fused, group by group, in the rows of one torch Linear weight
-    [groups x group width, D] (maxtrain: [D, ...]): each group holds every part's slice in the order `parts`
-    (maxtrain parameter names of the same layer), `groups` counted by the axis after D of the parameter
-    `groups_of` (its heads; None: one group, the parts one after another). `lead` axes come first on both sides
-    (experts stacked in one tensor: [E, rows, D] against maxtrain's [E, D, ...]). Qwen3-Next's in_proj_qkvz holds,
-    per key head, its q, k, and the v and z of the value heads it serves; its q_proj holds, per head, the query
-    and the output gate; Qwen3.5's experts keep gate and up in one gate_up_proj [E, 2F, D].
-    It converts once resolved against the parts' shapes, as GroupRows."""
-
-    part: int
-    parts: tuple[str, ...]
-    groups_of: str | None = None
-    lead: int = 0
-
-    def resolve(self, shape_of: Callable[[str], tuple]) -> GroupRows:
-        shapes = {p: shape_of(p) for p in self.parts + ((self.groups_of,) if self.groups_of else ())}
-        groups = shapes[self.groups_of][self.lead + 1] if self.groups_of else 1
-        sizes = [math.prod(shapes[p][self.lead + 1:]) // groups for p in self.parts]
-        return GroupRows(groups, sum(sizes[:self.part]), sizes[self.part], sum(sizes), self.lead)
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupRows(Layout):
-    """A Grouped layout resolved against the parameters' shapes: rows [offset, offset + size) of each of the
-    `groups` groups of `total` rows."""
-
-    groups: int
-    offset: int
-    size: int
-    total: int
-    lead: int = 0
-
-    def hf_shape(self, shape: tuple) -> tuple:
-        return (*shape[:self.lead], self.groups * self.total, shape[self.lead])
-
-    def to_maxtrain(self, w: np.ndarray, shape: tuple) -> np.ndarray:
-        lead = w.shape[:self.lead]
-        rows = w.reshape(*lead, self.groups, self.total, -1)[..., self.offset:self.offset + self.size, :]
-        rows = rows.reshape(*lead, self.groups * self.size, -1)
-        return np.swapaxes(rows, -1, -2).reshape(shape)
-
-    def export(self, w: np.ndarray, out: dict, name: str, dtype) -> None:
-        """Its rows of each group of the tensor it shares (created, zeroed, by the first part written)."""
-        whole = out.setdefault(name, np.zeros(self.hf_shape(w.shape), dtype))
-        lead = w.shape[:self.lead]
-        rows = np.swapaxes(w.reshape(*lead, w.shape[self.lead], -1), -1, -2)
-        rows = rows.reshape(*lead, self.groups, self.size, -1)
-        whole.reshape(*lead, self.groups, self.total, -1)[..., self.offset:self.offset + self.size, :] = rows
-
-
-@dataclasses.dataclass(frozen=True)
-class DepthwiseConv(Layout):
-    """A depthwise Conv1d weight [C, 1, K] kept as [K, C] (Qwen3-Next's conv1d)."""
-
-    def hf_shape(self, shape: tuple) -> tuple:
-        return (shape[1], 1, shape[0])
-
-    def to_maxtrain(self, w: np.ndarray, shape: tuple) -> np.ndarray:
-        return w.reshape(w.shape[0], -1).T.reshape(shape)
-
-    def to_hf(self, w: np.ndarray) -> np.ndarray:
-        return w.T.reshape(self.hf_shape(w.shape))
 
 
 # Tensor names

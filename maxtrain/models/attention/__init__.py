@@ -8,12 +8,11 @@ to the same segment (`segment_ids` equal; packed rows hold several documents) an
 s <= t. Padding has segment id 0, so a padding query attends to padding keys only and no row of
 the softmax is ever empty. Padding is kept out of the loss by the loss weights, not here.
 
-Chunked attention (Llama 4): with `chunk` = C > 0 a query also sees only the keys of its own block of C
-positions (positions restart at 0 in each document, so the blocks do too): position p is in block p // C.
-Every implementation computes it the same way, by splitting each segment into its chunks
-(`chunk_segment_ids`): same refined segment and causal is exactly same document, same chunk and causal,
-so the kernels (flash, splash, cuDNN), which mask by segment ids, need nothing more. The context-parallel
-form does not take chunks (its tokens arrive in the load-balanced order).
+Chunked attention (Llama 4): with `chunk` = C > 0 a query sees only the keys of its own block of C positions
+(p // C; positions restart in each document), computed by splitting each segment into its chunks
+(`chunk_segment_ids`), so the kernels, which mask by segment ids, need nothing more. The context-parallel form
+takes no chunks (its tokens arrive in the load-balanced order). kernel_choice.py says what each implementation
+supports and which is fastest; kernel_check.py checks them against the reference.
 """
 
 from __future__ import annotations
@@ -271,7 +270,7 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
                            gqa: int = 1, packed: bool = True, capability: str | None = None,
                            gpu_present: bool = True, with_reason: bool = False, layers: str = ""):
     """Turns `attention` from the config into a concrete implementation for the target platform (with
-    with_reason=True, an kernel_choice.Choice: the implementation and why).
+    with_reason=True, a kernel_choice.Choice: the implementation and why).
 
     `platform` is where the step will run (the Runtime's backend, or the target of an ahead-of-time
     compile), never guessed from the machine doing the compiling. What may run where (an invalid
@@ -280,7 +279,7 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
         platform  autoselected          dot_product  flash                          cudnn, tokamax
         cpu       dot_product           yes          yes, Pallas interpret mode     no
         gpu       the fastest measured  yes          Pallas Triton kernel           bfloat16/float16, head_dim
-                  that supports it                                                  limits (attention_choice)
+                  that supports it                                                  limits (kernel_choice)
         tpu       flash                 yes          Pallas splash kernel (Mosaic)  no
 
     On a GPU autoselected takes, among cudnn, tokamax (the optional [gpu] extra) and flash, the one that
@@ -291,12 +290,11 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     gathered reference: `autoselected` resolves to dot_product, and an explicit kernel is refused (it
     cannot see the other devices' keys).
 
-    The arguments describe one attention kind of the model (models/runtime.py resolves each once); `layers`
-    names it in the refusal of an explicit choice it cannot run, where the model's other kinds can.
+    The arguments describe one attention kind (models/runtime.py resolves each once); `layers` names it
+    in the refusal of an explicit choice it cannot run.
 
-    On CPU the XLA einsum (dot_product) is the fastest; `flash` is allowed there only because
-    Pallas can interpret the kernel on CPU (every grid program emulated with XLA ops: orders of
-    magnitude slower, for testing the kernel, never for training speed).
+    On CPU the XLA einsum (dot_product) is the fastest; `flash` runs there only in Pallas' interpret mode
+    (orders of magnitude slower: for testing the kernel, never for speed).
     """
     platform = canonical_platform(platform)
     if name not in IMPLEMENTATIONS:
@@ -330,18 +328,6 @@ def describe(implementation: str, platform: str) -> str:
         return implementation
     return {"cpu": "flash (Pallas interpret mode: slow, for testing the kernel)",
             "gpu": "flash (Pallas Triton)", "tpu": "flash (Pallas splash)"}[canonical_platform(platform)]
-
-
-def gpu_shared_memory(devices) -> int:
-    """Shared memory per thread block (opt-in) of the GPUs in `devices`; a safe default if unknown."""
-    limits = []
-    for device in devices or ():
-        try:
-            major, minor = (int(x) for x in str(device.compute_capability).split("."))
-        except (AttributeError, ValueError):
-            continue
-        limits.append(chips.shared_memory_per_block((major, minor)))
-    return min(limits, default=chips.DEFAULT_SHARED_MEMORY)
 
 
 def _local_devices(platform: str):
@@ -474,7 +460,7 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
         from maxtrain.kernels import flash_attention  # pylint: disable=import-outside-toplevel
 
         devices = sharding.active_devices() or _local_devices(platform)
-        shared_memory = gpu_shared_memory(devices) if platform == "gpu" else flash_attention.DEFAULT_SHARED_MEMORY
+        shared_memory = chips.gpu_shared_memory(devices) if platform == "gpu" else flash_attention.DEFAULT_SHARED_MEMORY
 
         def kernel(q, k, v, segment_ids, sinks=None):
             return flash_attention.flash_attention(

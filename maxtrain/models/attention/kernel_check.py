@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from maxtrain.config import chips
 from maxtrain.kernels.flash_attention import flash_attention
 from maxtrain.kernels.flash_tiles import DEFAULT_SHARED_MEMORY
 from maxtrain.models import attention
@@ -100,7 +101,7 @@ def implementation(name: str, *, causal: bool, platform: str, block_q: int = 128
     if name == "flash":
         shared_memory = DEFAULT_SHARED_MEMORY
         if platform == "gpu":
-            shared_memory = attention.gpu_shared_memory(devices if devices is not None else jax.devices())
+            shared_memory = chips.gpu_shared_memory(devices if devices is not None else jax.devices())
 
         def flash(q, k, v, seg):
             return flash_attention(q, k, v, seg, seg, causal=causal, block_q=block_q, block_k=block_k,

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from maxtrain.models import blocks, contract, hf, moe
 from maxtrain.models.moe import sigmoid_groups
-from maxtrain.models.recurrent import gated_deltanet
+from maxtrain.models.recurrent import gated_deltanet, hf_layouts
 from maxtrain.models.layers import LayerType
 from maxtrain.models.params import ParamSpec, dense
 from maxtrain.models.standard_layers import stacks
@@ -137,9 +137,9 @@ HF_NORMS = {"attn_norm": ("input_layernorm.weight", hf.SAME), "mlp_norm": ("post
 HF_FULL = {"wk": ("self_attn.k_proj.weight", hf.Linear(1)), "wv": ("self_attn.v_proj.weight", hf.Linear(1)),
            "wo": ("self_attn.o_proj.weight", hf.Linear(2)), "q_norm": ("self_attn.q_norm.weight", hf.SAME),
            "k_norm": ("self_attn.k_norm.weight", hf.SAME),
-           "wq": ("self_attn.q_proj.weight", hf.Grouped(0, ("wq", "wg"), "wq")),     # per head: query, then gate
-           "wg": ("self_attn.q_proj.weight", hf.Grouped(1, ("wq", "wg"), "wq"))}
-HF_LINEAR = {"conv": ("linear_attn.conv1d.weight", hf.DepthwiseConv()), "dt_bias": ("linear_attn.dt_bias", hf.SAME),
+           "wq": ("self_attn.q_proj.weight", hf_layouts.Grouped(0, ("wq", "wg"), "wq")),     # per head: query, then gate
+           "wg": ("self_attn.q_proj.weight", hf_layouts.Grouped(1, ("wq", "wg"), "wq"))}
+HF_LINEAR = {"conv": ("linear_attn.conv1d.weight", hf_layouts.DepthwiseConv()), "dt_bias": ("linear_attn.dt_bias", hf.SAME),
              "a_log": ("linear_attn.A_log", hf.SAME), "lin_norm": ("linear_attn.norm.weight", hf.SAME),
              "lin_wo": ("linear_attn.out_proj.weight", hf.Linear(2))}
 HF_SHARED = {"shared_gate": ("mlp.shared_expert.gate_proj.weight", hf.Linear(1)),
@@ -150,7 +150,7 @@ HF_SHARED = {"shared_gate": ("mlp.shared_expert.gate_proj.weight", hf.Linear(1))
 # Qwen3.5 keeps q, k and v of every head in one in_proj_qkv (all queries, then keys, then values), and z, b and a in
 # projections of their own (Qwen3-Next fuses them per key head: its module has its own).
 _QKV = ("lin_wq", "lin_wk", "lin_wv")
-QWEN3_5_LINEAR = {**{p: ("linear_attn.in_proj_qkv.weight", hf.Grouped(i, _QKV)) for i, p in enumerate(_QKV)},
+QWEN3_5_LINEAR = {**{p: ("linear_attn.in_proj_qkv.weight", hf_layouts.Grouped(i, _QKV)) for i, p in enumerate(_QKV)},
                   "lin_wz": ("linear_attn.in_proj_z.weight", hf.Linear(1)),
                   "lin_wb": ("linear_attn.in_proj_b.weight", hf.Linear(1)),
                   "lin_wa": ("linear_attn.in_proj_a.weight", hf.Linear(1))}

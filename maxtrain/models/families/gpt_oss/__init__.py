@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from maxtrain.config import registry
 from maxtrain.models import blocks, contract, hf, moe, standard_layers
+from maxtrain.models.families.gpt_oss import hf_layouts
 from maxtrain.models.layers import LayerType, attention_types
 from maxtrain.models.params import stacked
 
@@ -72,10 +73,10 @@ HF_NAMES = {
     "layers/moe/sinks": ("model.layers.{i}.self_attn.sinks", hf.SAME),
     "layers/moe/router": ("model.layers.{i}.mlp.router.weight", hf.Linear(1)),
     "layers/moe/b_router": ("model.layers.{i}.mlp.router.bias", hf.SAME),
-    "layers/moe/w_gate": (_EXPERTS + "gate_up_proj", hf.Interleaved(0)),
-    "layers/moe/w_up": (_EXPERTS + "gate_up_proj", hf.Interleaved(1)),
-    "layers/moe/b_gate": (_EXPERTS + "gate_up_proj_bias", hf.Interleaved(0)),
-    "layers/moe/b_up": (_EXPERTS + "gate_up_proj_bias", hf.Interleaved(1)),
+    "layers/moe/w_gate": (_EXPERTS + "gate_up_proj", hf_layouts.Interleaved(0)),
+    "layers/moe/w_up": (_EXPERTS + "gate_up_proj", hf_layouts.Interleaved(1)),
+    "layers/moe/b_gate": (_EXPERTS + "gate_up_proj_bias", hf_layouts.Interleaved(0)),
+    "layers/moe/b_up": (_EXPERTS + "gate_up_proj_bias", hf_layouts.Interleaved(1)),
     "layers/moe/w_down": (_EXPERTS + "down_proj", hf.SAME),
     "layers/moe/b_down": (_EXPERTS + "down_proj_bias", hf.SAME),
 }

@@ -17,7 +17,7 @@ mixture-of-experts layers with one shared expert and a sigmoid top-1 router.
 
 Two layer kinds, "moe" and "dense". Hugging Face stores q and k with RoPE's pairs side by side (it rotates
 them as complex numbers) and each layer's experts fused, gate_up_proj [E, D, 2F] (gate, then up): the
-import reorders both (models/hf.py: PairedRope, Halves).
+import reorders both (hf_layouts.py: PairedRope, Halves).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import jax.numpy as jnp
 
 from maxtrain.config import registry
 from maxtrain.models import blocks, contract, hf, moe, standard_layers
+from maxtrain.models.families.llama4_text import hf_layouts
 from maxtrain.models.layers import LayerType
 from maxtrain.parallel.sharding import shard
 
@@ -105,8 +106,8 @@ _L = "model.layers.{i}."
 _LAYER = {
     "attn_norm": (_L + "input_layernorm.weight", hf.SAME),
     "mlp_norm": (_L + "post_attention_layernorm.weight", hf.SAME),
-    "wq": (_L + "self_attn.q_proj.weight", hf.PairedRope(1)),
-    "wk": (_L + "self_attn.k_proj.weight", hf.PairedRope(1)),
+    "wq": (_L + "self_attn.q_proj.weight", hf_layouts.PairedRope(1)),
+    "wk": (_L + "self_attn.k_proj.weight", hf_layouts.PairedRope(1)),
     "wv": (_L + "self_attn.v_proj.weight", hf.Linear(1)),
     "wo": (_L + "self_attn.o_proj.weight", hf.Linear(2)),
 }
@@ -118,8 +119,8 @@ HF_NAMES = {
     "layers/dense/w_up": (_F + "up_proj.weight", hf.Linear(1)),
     "layers/dense/w_down": (_F + "down_proj.weight", hf.Linear(1)),
     "layers/moe/router": (_F + "router.weight", hf.Linear(1)),
-    "layers/moe/w_gate": (_F + "experts.gate_up_proj", hf.Halves(0)),
-    "layers/moe/w_up": (_F + "experts.gate_up_proj", hf.Halves(1)),
+    "layers/moe/w_gate": (_F + "experts.gate_up_proj", hf_layouts.Halves(0)),
+    "layers/moe/w_up": (_F + "experts.gate_up_proj", hf_layouts.Halves(1)),
     "layers/moe/w_down": (_F + "experts.down_proj", hf.SAME),
     "layers/moe/shared_gate": (_F + "shared_expert.gate_proj.weight", hf.Linear(1)),
     "layers/moe/shared_up": (_F + "shared_expert.up_proj.weight", hf.Linear(1)),

@@ -2,14 +2,14 @@
 gated shared expert (models/recurrent/hybrid.py has the stack, which Qwen3.5 shares).
 
 Hugging Face fuses, per key head, its query, key, and the values and gates z of the value heads it serves in
-in_proj_qkvz, and b and a in in_proj_ba (hf.Grouped); q_proj holds each head's query then its output gate.
+in_proj_qkvz, and b and a in in_proj_ba (hf_layouts.Grouped); q_proj holds each head's query then its output gate.
 """
 
 from __future__ import annotations
 
 from maxtrain.config import registry
 from maxtrain.models import contract, hf
-from maxtrain.models.recurrent import hybrid
+from maxtrain.models.recurrent import hf_layouts, hybrid
 
 FAMILY = registry.FAMILIES["qwen3_next"]
 
@@ -20,9 +20,9 @@ FAMILY = registry.FAMILIES["qwen3_next"]
 
 _QKVZ = ("lin_wq", "lin_wk", "lin_wv", "lin_wz")
 HF_NAMES = hybrid.hf_names(
-    linear={**{p: ("linear_attn.in_proj_qkvz.weight", hf.Grouped(i, _QKVZ, "lin_wq")) for i, p in enumerate(_QKVZ)},
-            "lin_wb": ("linear_attn.in_proj_ba.weight", hf.Grouped(0, ("lin_wb", "lin_wa"), "lin_wq")),
-            "lin_wa": ("linear_attn.in_proj_ba.weight", hf.Grouped(1, ("lin_wb", "lin_wa"), "lin_wq"))},
+    linear={**{p: ("linear_attn.in_proj_qkvz.weight", hf_layouts.Grouped(i, _QKVZ, "lin_wq")) for i, p in enumerate(_QKVZ)},
+            "lin_wb": ("linear_attn.in_proj_ba.weight", hf_layouts.Grouped(0, ("lin_wb", "lin_wa"), "lin_wq")),
+            "lin_wa": ("linear_attn.in_proj_ba.weight", hf_layouts.Grouped(1, ("lin_wb", "lin_wa"), "lin_wq"))},
     experts={"w_gate": ("mlp.experts.{j}.gate_proj.weight", hf.Linear(1)),
              "w_up": ("mlp.experts.{j}.up_proj.weight", hf.Linear(1)),
              "w_down": ("mlp.experts.{j}.down_proj.weight", hf.Linear(1))})
