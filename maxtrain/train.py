@@ -26,7 +26,7 @@ import yaml
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
 from maxtrain import evals
-from maxtrain.checkpointing import manager as checkpoint_lib
+from maxtrain.checkpointing import manager as checkpoint_manager
 from maxtrain.checkpointing.files import CheckpointError
 from maxtrain.compile import executable, fit
 from maxtrain.data import pipeline
@@ -69,8 +69,8 @@ def main(argv: list[str]) -> RunResult:
         compiled_step = executable.load(config.compiled_trainstep_file, run)
         log(f"loaded the compiled step from {config.compiled_trainstep_file}")
 
-    checkpointer = checkpoint_lib.Checkpointer(config, log=log) if config.enable_checkpointing else None
-    start = checkpoint_lib.plan_start(config, checkpointer, run.abstract_state, log=log)  # fails here if it does not fit
+    checkpointer = checkpoint_manager.Checkpointer(config, log=log) if config.enable_checkpointing else None
+    start = checkpoint_manager.plan_start(config, checkpointer, run.abstract_state, log=log)  # fails here if it does not fit
     distributed.agree_on_checkpoint_step(start.step, config.checkpoint_dir)  # every process resumes the same step
     if start.kind == "resume" and start.step >= config.steps and checkpointer.intact(start.step):
         log(f"checkpoint {start.step_dir} is at step {start.step}, steps={config.steps}: nothing to train; raise steps "
@@ -90,12 +90,12 @@ def main(argv: list[str]) -> RunResult:
     log(builder.summarize(run, step_fn, time.time() - compile_started, start))
     fit.check_fits(run, step_fn)  # a step the devices cannot hold is refused before the state takes memory
     host_memory.release_unused()  # what compiling left in malloc goes back before the state and the steps take theirs
-    metadata = checkpoint_lib.run_metadata(config, run.rt, start, inputs.tokenizer)
+    metadata = checkpoint_manager.run_metadata(config, run.rt, start, inputs.tokenizer)
     writer = metrics.MetricWriter(config, active=jax.process_index() == 0)
     writer.write_text("config", "```\n" + yaml.safe_dump(config.to_dict(), sort_keys=False) + "\n```")
 
     with sharding.activation_sharding(mesh, rules):
-        state = checkpoint_lib.initial_state(start, checkpointer, run.abstract_state, run.init,
+        state = checkpoint_manager.initial_state(start, checkpointer, run.abstract_state, run.init,
                                              jax.random.key(config.seed), inputs.train_iterator, log=log)
         if sampled:  # each step samples completions of a prompt batch, then updates on them
             step_fn, batches = grpo.Step(run, step_fn, inputs), iter(inputs.train_iterator)

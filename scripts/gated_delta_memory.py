@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxtrain.compile import targets
 from maxtrain.errors import run_cli
-from maxtrain.kernels import gated_delta as kernel
+from maxtrain.kernels import gated_delta as gated_delta_kernel
 from maxtrain.models.recurrent import gated_delta
 from maxtrain.parallel import sharding
 
@@ -34,7 +34,7 @@ def main(argv=None):
     if not all(n.isdigit() and int(n) > 0 for n in lengths):
         parser.error(f"--lengths {args.lengths!r} must be positive numbers separated by commas, e.g. 8192,32768")
     try:
-        kernel.check_chunk_size(args.chunk)
+        gated_delta_kernel.check_chunk_size(args.chunk)
     except ValueError as e:
         parser.error(f"--chunk: {e}")
     missing = targets.compiler_missing("gpu")
@@ -42,7 +42,7 @@ def main(argv=None):
         raise targets.TargetError(f"compiling the kernel for --target {args.target} needs the GPU compiler: {missing}")
     jax.config.update("jax_platforms", "cpu")  # as scripts/kernel_shared_memory.py: no GPU probing here
     mesh = sharding.mesh_of(targets.parse(f"{args.target}-1").devices(), data=1)
-    rule = kernel.make(gated_delta.chunked, chunk_size=args.chunk, platform="gpu")
+    rule = gated_delta_kernel.make(gated_delta.chunked, chunk_size=args.chunk, platform="gpu")
 
     def arg(shape, dtype=jnp.bfloat16):
         return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, PartitionSpec()))

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import topologies
 from jax.sharding import SingleDeviceSharding
 
-from maxtrain.kernels import flash_attention as fa
+from maxtrain.kernels import flash_attention as flash_attention_module
 from maxtrain.kernels import flash_tiles
 from maxtrain.compile import targets
 from maxtrain.errors import run_cli
@@ -33,7 +33,7 @@ def requested_bytes(device, kernel, head_dim, dtype, tuning, length=512, heads=4
     """Triton's reported shared memory for one kernel, or None if the compile failed otherwise."""
     small = flash_tiles.Tuning(16, 16, 4, 1)
     tunings = {"fwd": small, "dq": small, "dkv": small, kernel: tuning}
-    cfg = fa.KernelConfig(causal=True, sliding_window=0, soft_cap=0.0, scale=0.1, kv_len=length,
+    cfg = flash_attention_module.KernelConfig(causal=True, sliding_window=0, soft_cap=0.0, scale=0.1, kv_len=length,
                      kv_padded=False, interpret=False, **tunings)
     sharding = SingleDeviceSharding(device)
 
@@ -43,9 +43,9 @@ def requested_bytes(device, kernel, head_dim, dtype, tuning, length=512, heads=4
     q, kv, seg = arg((1, length, heads, head_dim)), arg((1, length, kv_heads, head_dim)), arg((1, length), jnp.int32)
     rows = arg((1, heads, length), jnp.float32)
     if kernel == "fwd":
-        fn, args = (lambda q, k, v, s: fa.forward_call(q, k, v, s, s, cfg)), (q, kv, kv, seg)
+        fn, args = (lambda q, k, v, s: flash_attention_module.forward_call(q, k, v, s, s, cfg)), (q, kv, kv, seg)
     else:
-        call = fa.dq_call if kernel == "dq" else fa.dkv_call
+        call = flash_attention_module.dq_call if kernel == "dq" else flash_attention_module.dkv_call
         fn, args = (lambda q, k, v, do, lse, d, s: call(q, k, v, do, lse, d, s, s, cfg)), (q, kv, kv, q, rows, rows, seg)
     try:
         jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).compile()

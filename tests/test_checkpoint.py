@@ -11,7 +11,7 @@ import pytest
 from ckpt_helpers import REPO, assert_bitwise_equal, cache_dir, train  # noqa: F401  (cache_dir is a fixture)
 from maxtrain import inspect_checkpoint
 from maxtrain.checkpointing import files as checkpoint_files
-from maxtrain.checkpointing import manager as checkpoint
+from maxtrain.checkpointing import manager as checkpoint_manager
 from maxtrain.errors import PathError
 
 
@@ -110,7 +110,7 @@ def test_unwritable_checkpoint_directory_fails_at_start(cache_dir, tmp_path):  #
     assert str(error.value) == (f"base_output_directory='{blocker}/outputs' cannot be created: {blocker} is a file, "
                                 "not a directory. Choose a path inside a directory")
     with pytest.raises(checkpoint_files.CheckpointError) as error:  # the checkpointer's own probe says the same
-        checkpoint.check_writable(str(blocker / "outputs" / "r" / "checkpoints"))
+        checkpoint_manager.check_writable(str(blocker / "outputs" / "r" / "checkpoints"))
     message = str(error.value)
     assert f"the checkpoint directory {blocker}/outputs/r/checkpoints is not writable" in message
     assert "Not a directory" in message and "enable_checkpointing=false" in message

@@ -19,7 +19,7 @@ from maxtrain import decode
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 from maxtrain.checkpointing import files as checkpoint_files
-from maxtrain.checkpointing import manager as checkpoint
+from maxtrain.checkpointing import manager as checkpoint_manager
 from maxtrain.config import with_overrides
 from maxtrain.data import DataError, pipeline
 from maxtrain.data import tokenizer as tokenizer_lib
@@ -165,7 +165,7 @@ def step_dir(tiny):
     state = {"step": jnp.asarray(7, jnp.int32), "params": params,
              "opt_state": optimizer.make_optimizer(config, Model.bind(config)).init(params),
              "loss_scale": precision.init_loss_scale(config, rt.dtype), "rng": jax.random.key_data(jax.random.key(0))}
-    ckpt = checkpoint.Checkpointer(config.replace(async_checkpointing=False))
+    ckpt = checkpoint_manager.Checkpointer(config.replace(async_checkpointing=False))
     ckpt.save(7, state, pipeline.synthetic_iterator(config, 0), {"config": {}})
     ckpt.close()
     return f"{config.checkpoint_dir}/7"

@@ -25,7 +25,7 @@ from maxtrain.models.runtime import Runtime
 from maxtrain.parallel import sharding
 from maxtrain.data import tokenizer_training
 from maxtrain.evals import data as data_lib
-from maxtrain.evals import task_metrics as metrics_lib
+from maxtrain.evals import task_metrics
 from maxtrain.evals import requests as requests_lib
 from maxtrain.evals import scoring
 from maxtrain.evals import tasks as tasks_lib
@@ -217,17 +217,17 @@ def test_metrics_as_lm_eval_defines_them():
     mc = [tasks_lib.Example("arc_easy", 0, (("q", " a"),) * 3, 1, (1, 10, 2), "0"),
           tasks_lib.Example("arc_easy", 1, (("q", " a"),) * 2, 0, (4, 4), "1")]
     lls = np.asarray([-3.0, -5.0, -4.0, -2.0, -2.0])  # ex 0: acc picks 0; per char: -3, -0.5, -2 -> 1
-    results = metrics_lib.example_results(mc, lls, np.zeros(5, bool))
+    results = task_metrics.example_results(mc, lls, np.zeros(5, bool))
     assert [r["pred"] for r in results] == [0, 0] and [r["pred_norm"] for r in results] == [1, 0]  # a tie: first
-    m = metrics_lib.task_metrics("arc_easy", results)
+    m = task_metrics.task_metrics("arc_easy", results)
     assert (m["acc"], m["acc_norm"], m["num_examples"]) == (0.5, 1.0, 2)
     lam = [tasks_lib.Example("lambada", i, (("c", " w"),), 0, (1,), str(i)) for i in range(2)]
-    m = metrics_lib.task_metrics("lambada", metrics_lib.example_results(lam, np.asarray([-1.0, -3.0]),
+    m = task_metrics.task_metrics("lambada", task_metrics.example_results(lam, np.asarray([-1.0, -3.0]),
                                                                         np.asarray([True, False])))
     assert m["acc"] == 0.5 and m["perplexity"] == pytest.approx(np.exp(2.0))
     mmlu = [tasks_lib.Example("mmlu", i, (("q", " A"), ("q", " B")), 0, (1, 1), f"{s}/{i}", s)
             for i, s in enumerate(["anatomy", "anatomy", "anatomy", "philosophy"])]
-    m = metrics_lib.task_metrics("mmlu", metrics_lib.example_results(
+    m = task_metrics.task_metrics("mmlu", task_metrics.example_results(
         mmlu, np.asarray([0, -1, 0, -1, -1, 0, -1, 0.0]), np.zeros(8, bool)))
     assert m["acc"] == 0.5 and m["acc_macro"] == pytest.approx((2 / 3 + 0) / 2)
     assert m["stem/acc"] == pytest.approx(2 / 3) and m["humanities/acc"] == 0.0 and "other/acc" not in m

@@ -230,17 +230,17 @@ def test_rejects_incompatible_heads():
 def test_broken_backward_fails_the_comparison(monkeypatch):
     """A kernel whose backward forgets the soft-cap's derivative (1 - tanh^2) passes the forward
     comparison but fails the gradient one: the tolerance catches a wrong backward."""
-    from maxtrain.kernels import flash_attention as module  # pylint: disable=import-outside-toplevel
+    from maxtrain.kernels import flash_attention as flash_attention_module  # pylint: disable=import-outside-toplevel
 
     case = CASES["gqa2_window24_cap5_scale_packed_len100_f32"]
     q, k, v, do, q_seg, kv_seg = _inputs(case, seed=2)
-    original = module._scores  # pylint: disable=protected-access
+    original = flash_attention_module._scores  # pylint: disable=protected-access
 
     def no_cap_slope(cfg, q, k, mask):
         s, _ = original(cfg, q, k, mask)
         return s, None
 
-    monkeypatch.setattr(module, "_scores", no_cap_slope)
+    monkeypatch.setattr(flash_attention_module, "_scores", no_cap_slope)
 
     def flash(q, k, v):
         return flash_attention(q, k, v, q_seg, kv_seg, sliding_window=24, logits_soft_cap=5.0, sm_scale=0.3,

@@ -15,7 +15,7 @@ from maxtrain import errors
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 from maxtrain.config import load_config, with_overrides
-from maxtrain.kernels import gated_delta as kernel
+from maxtrain.kernels import gated_delta as gated_delta_kernel
 from maxtrain.models.recurrent import gated_delta, gated_deltanet
 
 B, T, N, DK, DV, C = 2, 40, 2, 16, 32, 16   # 40 tokens: two whole chunks of 16 and a ragged one
@@ -43,7 +43,7 @@ def test_forward_matches_the_recurrent_rule(platform, packed, block_v):
     grid splits the 32 value columns in two."""
     q, k, v, a, beta, seg, s0, _ = _inputs()
     for segments, state in ([(seg, s0)] if packed else [(None, None)]):
-        run = jax.jit(lambda *xs: kernel.forward(*xs, chunk_size=C, platform=platform, interpret=True,
+        run = jax.jit(lambda *xs: gated_delta_kernel.forward(*xs, chunk_size=C, platform=platform, interpret=True,
                                                  block_v=block_v))
         o, s = run(q, k, v, a, beta, segments, state)
         ro, rs = gated_delta.recurrent(q, k, v, a, beta, segments, state)
@@ -61,7 +61,7 @@ def _loss(fn, seg, w):
 def test_gradients_equal_the_chunked_form():
     """The custom VJP's backward (through the jnp chunked form) at the kernel's inputs, and the loss itself."""
     q, k, v, a, beta, seg, s0, w = _inputs(1)
-    rule = kernel.make(gated_delta.chunked, chunk_size=C, platform="gpu", interpret=True)
+    rule = gated_delta_kernel.make(gated_delta.chunked, chunk_size=C, platform="gpu", interpret=True)
     reference = lambda *xs: gated_delta.chunked(*xs[:6], chunk_size=C, initial_state=xs[6])
     args = (q, k, v, a, beta, s0)
     value, grads = jax.jit(jax.value_and_grad(_loss(rule, seg, w), argnums=range(6)))(*args)
@@ -75,7 +75,7 @@ def test_gradients_equal_the_chunked_form():
 @pytest.mark.parametrize("platform", ["gpu", "tpu"])
 def test_gradients_equal_the_recurrent_rule(platform):
     q, k, v, a, beta, seg, s0, w = _inputs(2)
-    rule = kernel.make(gated_delta.chunked, chunk_size=C, platform=platform, interpret=True)
+    rule = gated_delta_kernel.make(gated_delta.chunked, chunk_size=C, platform=platform, interpret=True)
     args = (q, k, v, a, beta, s0)
     grads = jax.grad(_loss(rule, seg, w), argnums=range(6))(*args)
     recurrent_grads = jax.grad(_loss(gated_delta.recurrent, seg, w), argnums=range(6))(*args)
@@ -86,7 +86,7 @@ def test_gradients_equal_the_recurrent_rule(platform):
 @pytest.mark.parametrize("chunk", [0, 8, 24, 48])
 def test_chunk_sizes_the_kernel_cannot_take_are_refused(chunk):
     with pytest.raises(ValueError, match=f"gdn_chunk_size={chunk} cannot run .* power of two >= 16"):
-        kernel.check_chunk_size(chunk)
+        gated_delta_kernel.check_chunk_size(chunk)
     with pytest.raises(errors.ConfigError, match="gdn_chunk_size"):
         gated_deltanet.resolve_kernel("pallas", "cpu", chunk)
     assert gated_deltanet.resolve_kernel("autoselected", "cpu", chunk) == "jnp"  # the jnp form takes any size

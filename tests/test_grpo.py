@@ -20,7 +20,7 @@ from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 from maxtrain.data import DataError
 from maxtrain.models import sampling
-from maxtrain.training import grpo, loop, objectives, rewards, train_step
+from maxtrain.training import grpo, loop, losses, rewards, train_step
 from post_helpers import compose, grpo_args, make_dataset, write_jsonl
 
 
@@ -55,7 +55,7 @@ def test_grpo_loss_and_gradient_equal_numpy():
     beta, eps = 0.04, 0.2
 
     def mean_loss(lp):
-        loss, _, _ = objectives.grpo_token_loss(lp, jnp.asarray(old, jnp.float32), jnp.asarray(ref, jnp.float32),
+        loss, _, _ = losses.grpo_token_loss(lp, jnp.asarray(old, jnp.float32), jnp.asarray(ref, jnp.float32),
                                                 jnp.asarray(adv, jnp.float32), beta, eps)
         return jnp.sum(loss * w) / jnp.sum(w)
 
@@ -87,12 +87,12 @@ def test_sampled_log_probs_equal_the_training_forward_pass(tmp_path, temperature
     kept = np.full(3, new, np.int32)
     batch = grpo.assemble(prompts, tokens, log_probs, kept, np.ones(3, np.float32), 16, (1, 3))
     batch = {k: jnp.asarray(v[0]) for k, v in batch.items()}
-    recomputed, _ = jax.jit(lambda p, b: objectives.target_log_probs(p, b, Model.bind(config), rt, temperature))(params, batch)
+    recomputed, _ = jax.jit(lambda p, b: losses.target_log_probs(p, b, Model.bind(config), rt, temperature))(params, batch)
     w = np.asarray(batch["loss_weights"]) > 0
     assert w.sum() == 3 * new
     np.testing.assert_allclose(np.asarray(recomputed)[w], np.asarray(batch["old_log_probs"])[w], atol=1e-5)
     # the objective scores the completions at the sampling temperature: the ratio pi / pi_old is 1
-    _, _, metrics = objectives.grpo(params, batch, params, Model.bind(config), rt)
+    _, _, metrics = losses.grpo(params, batch, params, Model.bind(config), rt)
     assert abs(float(metrics["grpo_log_ratio"])) < 1e-5 and abs(float(metrics["grpo_kl"])) < 1e-6
     # the same key and prompts sample the same completions (rollouts are a function of the seed and step)
     again, _ = sampling.sample_completions(params, ids, first, jax.random.key(3), model=Model.bind(config), rt=rt,

@@ -570,3 +570,46 @@ def test_conversion_does_not_switch_on_layout_types():
     offenders = [f"{os.path.relpath(path, REPO)}:{line}" for path in python_files("maxtrain/checkpointing")
                  for line in _switches_on(parse(path), layouts)]
     assert not offenders, f"conversion switches on layout types at {offenders}: give the layout a method instead"
+
+
+def misnamed_imports(tree: ast.Module, is_module) -> list[tuple[int, str]]:
+    """(line, "module as alias") of each maxtrain module imported under a name that does not hold its own
+    (`stages as pipeline_lib` beside data.pipeline; `fit as memory_lib`): an alias may only qualify the name
+    (`files as checkpoint_files`, `config as config_lib`). `is_module(dotted)` says whether a name is a module."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("maxtrain"):
+            for a in node.names:
+                if a.asname and is_module(f"{node.module}.{a.name}") and a.name not in a.asname:
+                    found.append((node.lineno, f"{a.name} as {a.asname}"))
+        elif isinstance(node, ast.Import):
+            for a in node.names:
+                if a.asname and a.name.startswith("maxtrain") and a.name.split(".")[-1] not in a.asname:
+                    found.append((node.lineno, f"{a.name} as {a.asname}"))
+    return found
+
+
+def test_modules_are_imported_by_their_own_names():
+    def is_module(dotted: str) -> bool:
+        path = os.path.join(REPO, *dotted.split("."))
+        return os.path.isfile(path + ".py") or os.path.isfile(os.path.join(path, "__init__.py"))
+
+    assert misnamed_imports(ast.parse("from maxtrain.parallel import stages as pipeline_lib\n"), is_module)
+    assert not misnamed_imports(ast.parse("from maxtrain.checkpointing import files as checkpoint_files\n"), is_module)
+    found = [f"{os.path.relpath(path, REPO)}:{line}: {what}"
+             for path in python_files("maxtrain", "scripts", "tests", "end_to_end")
+             for line, what in misnamed_imports(parse(path), is_module)]
+    assert not found, "import these modules under their own names (an alias may qualify one):\n" + "\n".join(found)
+
+
+def test_no_module_hides_a_module_it_imports():
+    """A function or class named like a module the same file imports replaces the module for the whole file
+    (convert.py's model_keys() hid models/model_keys.py; gpu_check's kernel_check() hid the attention's)."""
+    found = []
+    for path in python_files("maxtrain", "scripts"):
+        tree = parse(path)
+        imported = {a.asname or a.name.split(".")[0] for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))
+                    for a in n.names}
+        defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        found += [f"{os.path.relpath(path, REPO)}: {name}" for name in sorted(imported & defined)]
+    assert not found, "these definitions hide an import of the same name: " + ", ".join(found)

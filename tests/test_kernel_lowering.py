@@ -403,13 +403,13 @@ def test_cpu_attention_formulation_compiles_for_tpu(long):
 
 def compile_gated_delta(devices, platform, *, data, tensor, batch=2, length=4096, heads=8, chunk=64, width=128):
     from maxtrain.models.recurrent import gated_delta  # pylint: disable=import-outside-toplevel
-    from maxtrain.kernels import gated_delta as kernel  # pylint: disable=import-outside-toplevel
+    from maxtrain.kernels import gated_delta as gated_delta_kernel  # pylint: disable=import-outside-toplevel
 
     mesh = sharding.mesh_of(devices[:data * tensor], data=data, tensor=tensor)
     P = jax.sharding.PartitionSpec
     tok, gate, seg_spec, state = P("data", None, "tensor", None), P("data", None, "tensor"), P("data", None), \
         P("data", "tensor", None, None)
-    rule = kernel.make(gated_delta.chunked, chunk_size=chunk, platform=platform)
+    rule = gated_delta_kernel.make(gated_delta.chunked, chunk_size=chunk, platform=platform)
 
     def arg(shape, spec, dt=jnp.bfloat16):
         return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))

@@ -1,4 +1,4 @@
-"""The `objective` key (maxtrain/config/objectives.py): one row per objective, read for the data, the state and the
+"""The `objective` key (maxtrain/config/losses.py): one row per objective, read for the data, the state and the
 loss; the old use_* switches still work with one line of notice; a checkpoint saved with them still resumes."""
 
 import json
@@ -15,9 +15,9 @@ from maxtrain import train
 from maxtrain.models import model_keys
 from maxtrain.checkpointing import checksums
 from maxtrain.checkpointing import inspect as checkpoint_inspect
-from maxtrain.config import objectives as rows
+from maxtrain.config import objectives as config_objectives
 from maxtrain.errors import ConfigError
-from maxtrain.training import distillation, objectives, train_step
+from maxtrain.training import distillation, losses, train_step
 from maxtrain.models.model import Model
 from post_helpers import compose, dpo_args, grpo_args, make_dataset, sft_args
 
@@ -36,7 +36,7 @@ def _args(dataset, name: str) -> list[str]:
 
 def _old(args: list[str]) -> list[str]:
     """`args` with objective=<name> spelled as its old switch, use_<...>=true."""
-    old = {f"objective={name}": f"{key}=true" for key, name in rows.OLD_KEYS.items()}
+    old = {f"objective={name}": f"{key}=true" for key, name in config_objectives.OLD_KEYS.items()}
     return [old.get(a, a) for a in args]
 
 
@@ -48,10 +48,10 @@ def _load(*args, log=None):
 def test_each_old_switch_is_its_objective_with_one_line_of_notice(dataset, name):
     lines = []
     old = _load(*_old(_args(dataset, name)), log=lines.append)
-    key = next(k for k, n in rows.OLD_KEYS.items() if n == name)
+    key = next(k for k, n in config_objectives.OLD_KEYS.items() if n == name)
     assert lines == [f"maxtrain: {key}=true is now objective={name} (the use_* keys will be removed)"]
     assert old.to_dict() == _load(*_args(dataset, name)).to_dict()  # the same run, whichever spelling
-    assert not set(rows.OLD_KEYS) & set(old.to_dict())  # the old switches are gone from the config
+    assert not set(config_objectives.OLD_KEYS) & set(old.to_dict())  # the old switches are gone from the config
 
 
 def test_the_old_switches_in_a_yaml_file_and_on_the_command_line(dataset, tmp_path):
@@ -70,7 +70,7 @@ def test_the_old_switches_in_a_yaml_file_and_on_the_command_line(dataset, tmp_pa
 def test_sft_and_distillation_switches_together_are_distillation_on_conversations(dataset):
     lines = []
     config = _load(*_old(sft_args(dataset)), "use_distillation=true", "distill_teacher_path=t", log=lines.append)
-    assert (config.objective, config.distill_data, rows.data_kind(config)) == ("distill", "conversations",
+    assert (config.objective, config.distill_data, config_objectives.data_kind(config)) == ("distill", "conversations",
                                                                                 "conversations")
     assert lines == ["maxtrain: use_sft=true use_distillation=true are now objective=distill distill_data=conversations "
                      "(the use_* keys will be removed)"]
@@ -93,18 +93,18 @@ def test_old_switches_that_disagree_are_refused_naming_both_keys(args, match):
 
 def test_every_row_has_a_loss_and_declares_what_its_state_and_batches_hold(dataset, tmp_path):
     allowed = config_lib.table()["objective"].allowed.describe()  # base.yml's {$objectives}
-    assert set(objectives.LOSSES) == set(rows.OBJECTIVES) == set(allowed.removeprefix("one of: ").split(", "))
-    for name, extra in [(n, []) for n in rows.OBJECTIVES] + [("grpo", ["grpo_beta=0"])]:
+    assert set(losses.LOSSES) == set(config_objectives.OBJECTIVES) == set(allowed.removeprefix("one of: ").split(", "))
+    for name, extra in [(n, []) for n in config_objectives.OBJECTIVES] + [("grpo", ["grpo_beta=0"])]:
         config = _load(*_args(dataset, name), *extra)
         if name == "distill":  # the teacher's model settings, as adopt_teacher reads them from its checkpoint
             config = config_lib.Config({**config.to_dict(), distillation.KEY: {k: getattr(config, k)
                                                                                for k in model_keys.MODEL_KEYS}})
-        row = rows.of(config)
-        frozen = {row.frozen} if rows.holds_frozen(config) else set()
+        row = config_objectives.of(config)
+        frozen = {row.frozen} if config_objectives.holds_frozen(config) else set()
         assert set(train_step.state_specs(config, Model.bind(config))) == {"params"} | frozen, (name, extra)
-        assert objectives.batch_keys(config) == row.batch_keys
+        assert losses.batch_keys(config) == row.batch_keys
         assert set(row.shown) <= set(row.keys) and set(row.data) == set(row.columns)
-    assert not rows.holds_frozen(_load(*_args(dataset, "grpo"), "grpo_beta=0"))
+    assert not config_objectives.holds_frozen(_load(*_args(dataset, "grpo"), "grpo_beta=0"))
 
 
 def test_make_inputs_reads_the_data_kind_of_the_row(dataset, tmp_path):
@@ -137,11 +137,11 @@ def test_inspect_data_shows_the_prompts_of_grpo(dataset, capsys):
 
 def test_a_saved_config_with_the_old_switches_reads_as_its_objective():
     off = {"use_sft": False, "use_dpo": False, "use_grpo": False, "use_distillation": False}
-    assert rows.saved_objective({**off, "steps": 3}) == {"objective": "lm", "steps": 3}
-    assert rows.saved_objective({**off, "use_dpo": True})["objective"] == "dpo"
-    assert rows.saved_objective({**off, "use_sft": True, "use_distillation": True}) == {
+    assert config_objectives.saved_objective({**off, "steps": 3}) == {"objective": "lm", "steps": 3}
+    assert config_objectives.saved_objective({**off, "use_dpo": True})["objective"] == "dpo"
+    assert config_objectives.saved_objective({**off, "use_sft": True, "use_distillation": True}) == {
         "objective": "distill", "distill_data": "conversations"}
-    assert rows.saved_objective({"objective": "sft", "steps": 3}) == {"objective": "sft", "steps": 3}
+    assert config_objectives.saved_objective({"objective": "sft", "steps": 3}) == {"objective": "sft", "steps": 3}
 
 
 @pytest.mark.slow  # two tiny DPO runs (~15 s idle)

@@ -9,7 +9,7 @@ from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
-from maxtrain.training import objectives
+from maxtrain.training import losses
 from post_helpers import compose
 
 
@@ -78,7 +78,7 @@ def test_dpo_loss_and_gradients_match_the_formula():
     batch = _packed_batch(pairs, config.max_target_length)
 
     def packed(p):
-        loss, weight, metrics = objectives.dpo(p, batch, reference, Model.bind(config), rt)
+        loss, weight, metrics = losses.dpo(p, batch, reference, Model.bind(config), rt)
         return loss, (weight, metrics)
 
     (loss, (weight, metrics)), grads = jax.jit(jax.value_and_grad(packed, has_aux=True))(params)
@@ -89,7 +89,7 @@ def test_dpo_loss_and_gradients_match_the_formula():
     for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(grads)[0], jax.tree.leaves(want_grads)):
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-4, atol=2e-6, err_msg=str(path))
     # The reference gets no gradient: the objective stops it.
-    ref_grads = jax.jit(jax.grad(lambda r: objectives.dpo(params, batch, r, Model.bind(config), rt)[0]))(reference)
+    ref_grads = jax.jit(jax.grad(lambda r: losses.dpo(params, batch, r, Model.bind(config), rt)[0]))(reference)
     assert all(float(jnp.abs(g).max()) == 0.0 for g in jax.tree.leaves(ref_grads))
     # Metrics: the implicit rewards of the two pairs.
     chosen, rejected = np.asarray(chosen), np.asarray(rejected)
@@ -104,7 +104,7 @@ def test_dpo_against_itself_is_log_2_per_pair_and_ignores_padding_rows():
     params = Model.bind(config).init_params(jax.random.key(0))
     batch = _packed_batch(_sequences(np.random.default_rng(1), config.vocab_size), config.max_target_length)
     padded = {k: jnp.concatenate([v, jnp.zeros_like(v)]) for k, v in batch.items()}  # a second, empty row
-    loss, weight, metrics = jax.jit(lambda p, b: objectives.dpo(p, b, p, Model.bind(config), rt))(params, padded)
+    loss, weight, metrics = jax.jit(lambda p, b: losses.dpo(p, b, p, Model.bind(config), rt))(params, padded)
     assert float(weight) == 2.0
     np.testing.assert_allclose(float(loss), 2 * np.log(2.0), rtol=1e-6)
     assert float(metrics["dpo_reward_accuracy"]) == 0.0  # ties are not wins
@@ -120,7 +120,7 @@ def test_sft_is_the_lm_objective_on_the_weights_given():
     batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "positions": jnp.broadcast_to(
         jnp.arange(config.max_target_length), (2, config.max_target_length)),
         "segment_ids": jnp.ones((2, config.max_target_length), jnp.int32), "loss_weights": weights}
-    loss, weight, _ = objectives.sft(params, batch, Model.bind(config), rt)
+    loss, weight, _ = losses.sft(params, batch, Model.bind(config), rt)
     logits, _ = Model.bind(config).forward(params, batch["inputs"], batch["positions"], batch["segment_ids"], rt)
     nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), batch["targets"][..., None], axis=-1)[..., 0]
     np.testing.assert_allclose(float(loss), float(jnp.sum(nll * weights)), rtol=1e-5)

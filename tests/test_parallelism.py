@@ -22,7 +22,7 @@ from maxtrain.parallel import sharding
 
 from maxtrain.models.model import Model
 from maxtrain.config import ConfigError, load_config, with_overrides
-from maxtrain.parallel import stages as pipeline
+from maxtrain.parallel import stages as pipeline_stages
 from test_sharding import GLOBAL_BATCH, batches
 
 LAYERS = ["base_num_decoder_layers=4"]   # 4 layers: 4 stages of 1, 2 stages of 2
@@ -140,7 +140,7 @@ def test_load_balanced_layout_gives_every_device_the_same_causal_work(cp):
 
 
 def test_pipeline_schedule_and_its_bubble():
-    sched = pipeline.Schedule(stages=4, microbatches=8, layers_per_stage=2)
+    sched = pipeline_stages.Schedule(stages=4, microbatches=8, layers_per_stage=2)
     assert sched.iterations == 11 and sched.bubble == pytest.approx(3 / 11)
     line = sched.describe(rows=16)
     assert "4 stages x 2 layers" in line and "8 micro-batches of 2 rows" in line and "bubble 3/11 = 27.3%" in line
@@ -158,7 +158,7 @@ def test_stages_must_hold_the_same_layer_types():
     """Gemma 3's pattern (5 sliding, 1 full) does not repeat within 2 stages of 3 layers."""
     overrides = ["decoder_block=gemma3", "base_num_decoder_layers=6", "sliding_window_size=8",
                  "local_rope_max_timescale=10000", "ici_pipeline_parallelism=2", "ici_fsdp_parallelism=4"]
-    with pytest.raises(pipeline.PipelineError, match="stage 0 has .*sliding.* and stage 1 has .*full"):
+    with pytest.raises(pipeline_stages.PipelineError, match="stage 0 has .*sliding.* and stage 1 has .*full"):
         builder.build(load_config(with_overrides([BASE_YML, *TINY], *overrides)), devices=tuple(jax.devices()))
 
 
@@ -177,7 +177,7 @@ def test_config_errors_name_the_fix(overrides, message):
 
 
 def test_mesh_errors_name_the_fix():
-    with pytest.raises(pipeline.PipelineError, match="micro-batch of 8 sequences .* num_pipeline_microbatches=3"):
+    with pytest.raises(pipeline_stages.PipelineError, match="micro-batch of 8 sequences .* num_pipeline_microbatches=3"):
         build(tuple(jax.devices()[:2]), ["ici_pipeline_parallelism=2", "ici_fsdp_parallelism=1",
                                          "num_pipeline_microbatches=3"])
     with pytest.raises(sharding.MeshError, match="num_slices=3 does not divide the 8 devices"):

@@ -31,7 +31,7 @@ from maxtrain.models.model_keys import LATER_KEYS, MODEL_KEYS
 from maxtrain.models.families import FAMILIES
 from maxtrain.checkpointing import checksums, dequantize, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
-from maxtrain.checkpointing import manager as checkpoint
+from maxtrain.checkpointing import manager as checkpoint_manager
 from maxtrain.config import checks as config_checks
 from maxtrain.config import registry
 from maxtrain.data import default_corpus, tokenizer_hf
@@ -318,8 +318,8 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
               "assets_dir": assets, "assets": copied, "notes": notes}
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
 
-    metadata = {"step": 0, "config": keys, "saved_at": checkpoint.now(),
-                "source": source, "git": checkpoint.git_state()}
+    metadata = {"step": 0, "config": keys, "saved_at": checkpoint_manager.now(),
+                "source": source, "git": checkpoint_manager.git_state()}
     with ocp.CheckpointManager(ckpt_dir, item_handlers={"state": ocp.StandardCheckpointHandler(),
                                                         "metadata": ocp.JsonCheckpointHandler()}) as manager:
         manager.save(0, args=ocp.args.Composite(state=ocp.args.StandardSave({"params": params}),

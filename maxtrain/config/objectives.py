@@ -12,7 +12,7 @@ row's own rules; MTP and pipeline stages against `next_token` and `pipeline`), c
 sampled objective's sampler and prompt length), data.make_inputs (the data kind: text documents,
 conversations and preference pairs through the chat template, GRPO's prompts), training/train_step.py
 (the frozen model the state holds), training/builder.py (the batch's extra entries, the summary line)
-and training/objectives.py (the loss: `make` looks the loss function up by the row's name).
+and training/losses.py (the loss: `make` looks the loss function up by the row's name).
 
 The old switches `use_sft`, `use_dpo`, `use_grpo` and `use_distillation` are read by config/loading.py
 through `from_old_keys`: mapped to `objective=...` with one line of notice; two of them true, or one
@@ -20,7 +20,7 @@ contradicting `objective`, is refused naming both keys. A checkpoint's saved con
 through `saved_objective` (what `objective` it ran).
 
 Adding an objective: a row here (with its keys in base.yml and its rules above the table), its loss in
-training/objectives.py (`LOSSES`), its data kind if it reads a new one (data.make_inputs), and a test.
+training/losses.py (`LOSSES`), its data kind if it reads a new one (data.make_inputs), and a test.
 
 Plain data and rules on resolved values: imports only the error type (no JAX).
 """

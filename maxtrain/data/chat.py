@@ -20,7 +20,7 @@ refused with a message saying so.
 
 DPO. A preference row (prompt, chosen, rejected) becomes two sequences, prompt + chosen and
 prompt + rejected, kept together as one packing element: the chosen completion's tokens carry
-weight +1, the rejected one's -1 (objectives.dpo reads the sign), prompts 0.
+weight +1, the rejected one's -1 (training/losses.dpo reads the sign), prompts 0.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from maxtrain import config as config_lib
 from maxtrain.config import checks as config_checks
 from maxtrain.data import hosts
 from maxtrain.evals import data as data_lib
-from maxtrain.evals import task_metrics as metrics_lib
+from maxtrain.evals import task_metrics
 from maxtrain.evals import requests as requests_lib
 from maxtrain.evals import scoring
 from maxtrain.evals import tasks as tasks_lib
@@ -93,12 +93,12 @@ class TaskEvaluator:
         for p, (p_ll, p_greedy) in enumerate(gathered):
             shard = self.examples[p::count]
             for i, result in zip(range(p, len(self.examples), count),
-                                 metrics_lib.example_results(shard, p_ll, p_greedy)):
+                                 task_metrics.example_results(shard, p_ll, p_greedy)):
                 per_example[i] = result
         results = {}
         for task in self.tasks:
             task_results = [r for e, r in zip(self.examples, per_example) if e.task == task]
-            results[task] = metrics_lib.task_metrics(task, task_results)
+            results[task] = task_metrics.task_metrics(task, task_results)
             results[task]["samples"] = task_results
         results["seconds"] = time.time() - started
         return results
@@ -110,7 +110,7 @@ class TaskEvaluator:
         summary = {t: {k: v for k, v in m.items() if k != "samples"} for t, m in results.items() if t in self.tasks}
         scalars = {"eval_tasks/seconds": results["seconds"]}
         for task, m in summary.items():
-            scalars.update(metrics_lib.scalars(task, m))
+            scalars.update(task_metrics.scalars(task, m))
         if jax.process_index() != 0:
             return
         for task, m in summary.items():

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 from maxtrain.parallel import context as context_parallel
 from maxtrain.parallel import sharding
 from maxtrain.models import mtp, ops
-from maxtrain.parallel import stages as pipeline
+from maxtrain.parallel import stages as pipeline_stages
 from maxtrain.models import rope as rope_lib
 from maxtrain.models.aux_names import PER_LAYER, STEP_STATS, per_layer_name  # noqa: F401 (read as decoder.*)
 from maxtrain.models.blocks import LayerInputs
@@ -265,7 +265,7 @@ def _hidden(model, params, tokens, positions, segment_ids, rt):
     if family.layer_state is not None:
         inputs = inputs._replace(state=family.layer_state(x, config, rt, tokens.shape[1]))
     if sharding.ways("layers") > 1:
-        return pipeline.run_stages(run_layers, model, params["layers"], x, inputs, rt)
+        return pipeline_stages.run_stages(run_layers, model, params["layers"], x, inputs, rt)
     x, aux, _ = run_layers(model, params["layers"], x, inputs, rt, rt.scan_layers(config))
     return x, aux
 

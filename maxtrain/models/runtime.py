@@ -193,7 +193,6 @@ class Runtime:
         if logits_bytes is None:
             logits_bytes = config.per_device_batch_size * config.max_target_length * config.vocab_size * 4
         tiles = resolve_vocab_tiles(config.num_vocab_tiling, config.max_target_length, logits_bytes)
-        family = registry.FAMILIES.get(config.decoder_block)
         kinds = resolve_attention(config, backend, dtype, attention_kinds(layer_types or (), config.head_dim),
                                   context_parallel=context_parallel, capability=capability, gpu_present=gpu_present)
         main = max(kinds, key=lambda k: sum(o.layers for o in kinds if o.implementation == k.implementation))

@@ -3,7 +3,8 @@
     builder.py      config -> mesh -> runtime -> optimizer -> state shardings -> jitted steps (`build`);
                     a trained model for the tools (`load_model`); the start-up summary
     train_step.py   the train state; objective -> grads -> (unscale, finite check) -> update -> metrics
-    objectives.py   lm | sft | dpo: (params, batch) -> (loss sum, weight sum, metrics)
+    losses.py       each objective's loss (lm | sft | dpo | grpo | distill): (params, batch, reference) ->
+                    (loss sum, weight sum, metrics); config/objectives.py holds the objectives' rows
     optimizer.py    the optax chain, schedules, which leaves train
     precision.py    the float16 loss scale
     loop.py         dispatch step n+1, report step n; hooks for checkpoints, evaluations, heatmaps, profiles

@@ -20,12 +20,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from maxtrain.checkpointing import manager as checkpoint_lib
+from maxtrain.checkpointing import manager as checkpoint_manager
 from maxtrain import config as config_lib
 from maxtrain.config import chips
 from maxtrain.checkpointing import adoption
 from maxtrain.checkpointing import files as checkpoint_files
-from maxtrain.training import distillation, host_memory, objectives, optimizer, train_step
+from maxtrain.training import distillation, host_memory, losses, optimizer, train_step
 from maxtrain.observability import metrics
 from maxtrain import storage
 from maxtrain.models.model import Model
@@ -36,7 +36,7 @@ from maxtrain.compile import fit
 from maxtrain.data import hosts, pipeline
 from maxtrain.models import fp8, moe
 from maxtrain.models.moe import expert_matmuls
-from maxtrain.parallel import stages as pipeline_lib
+from maxtrain.parallel import stages as pipeline_stages
 
 
 def load_config(argv: list[str], log=print, command: str = ""):
@@ -156,9 +156,9 @@ class Run:
         """ShapeDtypeStructs of one training batch [accumulation, micro batch, T], sharded."""
         c = self.config
         shape = (c.gradient_accumulation_steps, c.micro_batch_size, c.max_target_length)
-        floats = ("loss_weights", *objectives.batch_keys(c))
+        floats = ("loss_weights", *losses.batch_keys(c))
         return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k in floats else jnp.int32,
-                                        sharding=self.batch_sharding) for k in hosts.KEYS + objectives.batch_keys(c)}
+                                        sharding=self.batch_sharding) for k in hosts.KEYS + losses.batch_keys(c)}
 
     def lower(self, state=None, batch=None):
         """The lowered train step (jax.stages.Lowered), for the given (or abstract) state and batch."""
@@ -210,7 +210,7 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
             f"Set ici_expert_parallelism to a divisor of {config.num_experts}"
             + (" (or 1: a dense model has no experts to split)" if config.num_experts == 1 else ""))
     rules = config.logical_axis_rules
-    schedule = pipeline_lib.check(config, mesh, model.layer_types, config.micro_batch_size)
+    schedule = pipeline_stages.check(config, mesh, model.layer_types, config.micro_batch_size)
     tx = optimizer.make_optimizer(config, model)
     abstract = jax.eval_shape(lambda k: train_step.init_state(config, model, rt, tx, k), jax.random.key(0))
     shardings = state_shardings(config, model, mesh, abstract)
@@ -220,7 +220,7 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
                    out_shardings=(shardings, None), donate_argnums=0, compiler_options=options)
     eval_step = jax.jit(train_step.make_eval_step(config, model, rt), compiler_options=options)
     return Run(config=config, model=model, rt=rt, mesh=mesh, tx=tx, shardings=shardings,
-               abstract_state=checkpoint_lib.abstract_like(abstract, shardings), batch_sharding=batch_sharding,
+               abstract_state=checkpoint_manager.abstract_like(abstract, shardings), batch_sharding=batch_sharding,
                eval_batch_sharding=sharding.named_sharding(mesh, pipeline.EVAL_BATCH_AXES, rules),
                train_step=step, eval_step=eval_step, pipeline=schedule)
 
@@ -356,7 +356,7 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
         f"batch: global {config.global_batch_size} sequences x {config.max_target_length} tokens = "
         f"{config.tokens_per_step:,} tokens/step (per device {config.per_device_batch_size}, "
         f"accumulation {config.gradient_accumulation_steps})",
-        f"objective: {objectives.name(config)}" + objective_details(config)
+        f"objective: {losses.name(config)}" + objective_details(config)
         + (f"  LoRA rank {config.lora_rank} alpha {config.lora_alpha} on {','.join(config.lora_target_modules)}"
            if config.lora_rank else "")
         + f"  trainable {n_trainable / 1e6:,.3f}M ({100 * n_trainable / max(model.num_params, 1):.2f}% of the"

@@ -15,7 +15,7 @@ A step, for a batch of B / G prompts (B = global_batch_size completions, G = num
 2. Rewards (training/rewards.py) on the host, and group-normalized advantages
    A = (r - mean of its group) / (std of its group + 1e-4), the population std: a group whose
    completions all scored alike has A = 0 and teaches nothing.
-3. Update. One optimizer step of objectives.grpo on rows prompt + completion (loss on the
+3. Update. One optimizer step of losses.grpo on rows prompt + completion (loss on the
    completion's tokens only), with the sampler's log-probabilities as pi_old: the ratio is 1 in
    value, but its gradient is the policy gradient A grad log pi.
 

@@ -25,7 +25,7 @@ from maxtrain.compile import fit
 from maxtrain.data import pipeline
 from maxtrain.observability import metrics
 from maxtrain.parallel import sharding
-from maxtrain.training import builder, layer_choice, objectives
+from maxtrain.training import builder, layer_choice, losses
 
 # What a measured run leaves out: checkpoints, TensorBoard, evaluation, sampling and the metrics file.
 MEASURE_OVERRIDES = ["enable_checkpointing=false", "enable_tensorboard=false", "eval_interval=-1",
@@ -109,7 +109,7 @@ def loss_and_grads(run):
     """jit of (params, micro batch [B, T]) -> (mean loss over the batch's weighted tokens, grads of it):
     the run's objective and model, as its train step computes them for one micro-batch, without the
     optimizer."""
-    objective = objectives.make(run.config, run.model, run.rt)
+    objective = losses.make(run.config, run.model, run.rt)
 
     def mean_loss(params, batch):
         loss, weight, _ = objective(params, batch, None)

@@ -7,7 +7,7 @@ and, for post-training,
     "reference": DPO's frozen reference model, the starting params (without LoRA; with LoRA the
                  frozen "params" are the reference)
     "teacher":   distillation's frozen teacher, a model of its own (training/distillation.py)
-Which leaves train is `trainable_key(state)`; what the objective minimizes is objectives.make's
+Which leaves train is `trainable_key(state)`; what the objective minimizes is losses.make's
 choice (the `objective` key's row). The step itself is the same for all of them.
 
 A batch holds `inputs`, `targets`, `positions`, `segment_ids` and `loss_weights`, each
@@ -33,7 +33,7 @@ from maxtrain.models import lora
 from maxtrain.models.model import Model
 from maxtrain.models import decoder
 from maxtrain.models.runtime import Runtime
-from maxtrain.training import distillation, objectives, precision
+from maxtrain.training import distillation, losses, precision
 from maxtrain.parallel import sharding
 from maxtrain.training.optimizer import make_schedule
 
@@ -44,7 +44,7 @@ def state_specs(config, model: Model) -> dict:
     specs = {"params": model.param_specs}
     if lora.enabled(config):
         specs["lora"] = lora.adapter_specs(model)
-    elif objectives.needs_reference(config):
+    elif losses.needs_reference(config):
         specs["reference"] = specs["params"]
     if config_lib.objectives.of(config).frozen == "teacher":  # the objective's row: its frozen model is a teacher
         specs["teacher"] = distillation.teacher_model(config).param_specs
@@ -96,7 +96,7 @@ def init_state(config, model: Model, rt: Runtime, tx: optax.GradientTransformati
 def make_train_step(config, model: Model, rt: Runtime, tx: optax.GradientTransformation):
     scaling = precision.uses_loss_scaling(rt.dtype)
     lr_at = make_schedule(config)
-    objective = objectives.make(config, model, rt)
+    objective = losses.make(config, model, rt)
     specs = model.param_specs
 
     def train_step(state: dict, batch: dict):
@@ -181,7 +181,7 @@ def weighted_mean(values, weights):
 
 
 def make_eval_step(config, model: Model, rt: Runtime):
-    objective = objectives.make(config, model, rt)
+    objective = losses.make(config, model, rt)
 
     def eval_step(state, batch):
         """(loss sum, weight sum, metrics) of the objective for one eval batch [B, T]."""

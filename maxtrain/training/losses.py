@@ -1,9 +1,10 @@
 """What training minimizes: lm, sft, dpo, distill and grpo, each a pure function of (params, batch, reference).
 
-    objective = objectives.make(config, rt)
+    objective = losses.make(config, model, rt)
     loss_sum, weight_sum, metrics = objective(params, batch, reference)
 
-Which one runs is the `objective` key (config/objectives.py: its row declares the data it reads, the
+The objective's losses, named apart from config/objectives.py (the rows). Which one runs is the `objective`
+key (config/objectives.py: its row declares the data it reads, the
 frozen model the state holds and the extra batch entries; `LOSSES` below is each row's loss). The train
 step divides the summed loss of all its micro-batches by their summed weight and adds every metric named
 `*_loss` (already a mean, times the weight: models/decoder.objective); it never asks which objective it runs.
