@@ -1,4 +1,4 @@
-"""The bad-input table (tests/bad_inputs.py): every row gets its one clear line, no traceback, and
+"""The bad-input table (tests/bad_inputs/): every row gets its one clear line, no traceback, and
 leaves the existing run and data untouched.
 
 The commands' rows run in this process through each command's own CLI wrapper (errors.run_cli, which is all

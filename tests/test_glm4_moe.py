@@ -3,7 +3,7 @@ where it is stated, and its default), its next-token-prediction layers imported 
 an export, decoding with partial RoPE from the KV cache, and a train step with its MTP module.
 
 Parity with transformers' Glm4Moe (partial RoPE, qk-norm, biases, groups, dense-first layers) is in
-test_families.py; parameter counts and FLOPs in test_presets.py; bad settings in bad_inputs.py.
+test_families.py; parameter counts and FLOPs in test_presets.py; bad settings in bad_inputs/.
 """
 
 from __future__ import annotations

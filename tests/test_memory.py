@@ -1,5 +1,5 @@
 """maxtrain.compile.fit: a compiled step's bytes per device against what a device can hold. (The refusal
-itself, end to end, is tests/bad_inputs.py's row step-larger-than-fit.)"""
+itself, end to end, is tests/bad_inputs/'s row step-larger-than-fit.)"""
 
 import dataclasses
 

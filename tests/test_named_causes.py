@@ -1,4 +1,4 @@
-"""Errors that name their real cause, where the bad-input table (tests/bad_inputs.py) cannot reach: a GRPO row
+"""Errors that name their real cause, where the bad-input table (tests/bad_inputs/) cannot reach: a GRPO row
 whose prompt is empty, evaluation requests a tokenizer cannot encode, the glob suggested for a directory,
 and the import's checks of config.json (direct calls on tiny inputs; no model is built or trained)."""
 

@@ -1,7 +1,7 @@
 """Every output a tool writes is checked before any work (storage.check_output, the one owner): a path under a
 regular file, a directory where a file goes or the reverse, a directory that cannot be written. Each is one line
 `<prog>: error: ...` naming the path and the fix, exit status 2, and nothing was compiled, read or written.
-The scripts' rows are in tests/test_scripts_errors.py; the commands' in tests/bad_inputs.py."""
+The scripts' rows are in tests/test_scripts_errors.py; the commands' in tests/bad_inputs/."""
 
 from __future__ import annotations
 
