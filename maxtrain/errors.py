@@ -43,7 +43,7 @@ class MissingPackage(UserError):
 
 
 # Optional packages -> the extra of pyproject.toml's [project.optional-dependencies] that installs them
-# (pyproject.toml owns the lists; tests/test_scripts_errors.py checks that this table agrees with it).
+# (pyproject.toml owns the lists; tests/commands/test_scripts_errors.py checks that this table agrees with it).
 EXTRAS = {"pyarrow": "data", "zstandard": "data", "gcsfs": "gcs", "wandb": "wandb", "xprof": "profile",
           "torch": "hf", "transformers": "hf", "safetensors": "hf", "peft": "post", "tokamax": "gpu"}
 

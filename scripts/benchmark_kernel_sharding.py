@@ -1,6 +1,6 @@
 """Compiled memory of a model step with the flash kernel inside shard_map and without it (GSPMD).
 
-On 8 simulated CPU devices (the kernel in Pallas interpret mode, as in tests/test_attention_sharded.py),
+On 8 simulated CPU devices (the kernel in Pallas interpret mode, as in tests/parallel/test_attention_sharded.py),
 for each mesh: bytes per device the compiled loss-and-gradient step needs (arguments, temporaries,
 total) and the all-gathers of q, k or v it holds (results with both a sequence and a head_dim axis),
 once with the kernel inside shard_map (maxtrain's path) and once left to GSPMD. CPU figures only:

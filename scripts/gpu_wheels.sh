@@ -11,7 +11,7 @@
 # x86-64) without their dependencies, which the image has: grain needs absl-py, cloudpickle, etils, numpy,
 # protobuf, array-record and portpicker; array-record absl-py and etils; tensorboardX numpy, packaging and
 # protobuf; portpicker psutil. The versions are the ones maxtrain is tested with (inside pyproject.toml's
-# ranges; tests/test_gpu_report.py checks that). About 4.5 MB in all.
+# ranges; tests/gpu_check/test_gpu_report.py checks that). About 4.5 MB in all.
 #
 # Then the [gpu] extra (tokamax: attention=tokamax, a candidate of autoselected) with what it needs beyond the
 # image, as installed beside jax 0.12.0.1 on Python 3.12 here: qwix and flax (qwix imports flax), flax's

@@ -1,4 +1,4 @@
-"""Run by tests/test_host_memory.py as a program, as the trainer starts: re-executes itself, loads a small
+"""Run by tests/training/test_host_memory.py as a program, as the trainer starts: re-executes itself, loads a small
 config, calls host_memory.keep_step_buffers, then does from a new thread what XLA's CPU client does for
 each step's temporaries: malloc a large buffer, write every page, free it, twice. Prints one JSON line:
 the summary's host-memory line and the page faults of the second pass."""

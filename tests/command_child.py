@@ -7,8 +7,8 @@ Each run is {"argv": [...], "env": {...}, "hide": [...]}: argv is `["-m", "maxtr
 env holds environment variables set for that run only; hide names modules that fail to import during it. One
 process pays Python's and JAX's start-up once for every run (about 5 s each on 2 cores as separate processes);
 the tests still run it as a real process of their own, so nothing a command does at import reaches the test
-process, and no test loads a script itself (tests/test_house.py). Used by tests/test_house.py (every command's
---help), tests/test_scripts_errors.py and tests/test_bad_inputs/ (the tools' one-line errors).
+process, and no test loads a script itself (tests/house/test_house.py). Used by tests/house/test_house.py (every command's
+--help), tests/commands/test_scripts_errors.py and tests/test_bad_inputs/ (the tools' one-line errors).
 """
 
 import contextlib

@@ -1,4 +1,4 @@
-"""One of the two JAX processes of tests/test_data_multihost.py:
+"""One of the two JAX processes of tests/data/test_data_multihost.py:
 
     python tests/data_multihost_worker.py PROCESS_ID PORT CORPUS_DIR OUTPUT_JSON
 

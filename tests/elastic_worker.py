@@ -6,7 +6,7 @@ Runs maxtrain.train.main unchanged (jax.distributed, the mesh, Orbax checkpoints
 saved and restored with them, the elastic merge), except that make_inputs' train iterator is wrapped
 in `Tap`, a grain DatasetIterator that passes get_state/set_state through to the real iterator and
 records each batch it hands out. At exit the batches go to TAP_PREFIX-p<process>.npz (one array per
-field, stacked over the batches). tests/test_elastic_resume.py counts the documents in them.
+field, stacked over the batches). tests/checkpointing/test_elastic_resume.py counts the documents in them.
 """
 
 from __future__ import annotations

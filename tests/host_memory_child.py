@@ -1,4 +1,4 @@
-"""Run by tests/test_host_memory.py as a program: re-executes itself the way the trainer's entry points do,
+"""Run by tests/training/test_host_memory.py as a program: re-executes itself the way the trainer's entry points do,
 then mallocs and touches a 64 MiB buffer and prints one JSON line: its process id, arguments,
 GLIBC_TUNABLES, and how much of its memory the kernel backs with transparent huge pages."""
 

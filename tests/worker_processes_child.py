@@ -1,4 +1,4 @@
-"""Started by tests/test_worker_processes.py: starts the worker processes a training run starts (a dataset-cache
+"""Started by tests/data/test_worker_processes.py: starts the worker processes a training run starts (a dataset-cache
 tokenizing pool and a Grain `grain_worker_count` worker), waits until each has done some work, prints "ready" and
 sleeps until it is killed."""
 

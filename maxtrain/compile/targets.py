@@ -53,7 +53,7 @@ TPU_CHIPS = {
 TPU_ALIASES = {"v5litepod": "v5e", "v6": "v6e", "v5": "v5p", "tpu7x": "v7x"}
 
 # GPU kinds: the target config file in maxtrain/compile/gpu_targets/ (its device_memory_size, the memory XLA is
-# given, is the chip record's memory_bytes: tests/test_chips.py checks that they agree).
+# given, is the chip record's memory_bytes: tests/config/test_chips.py checks that they agree).
 GPU_TARGET_FILES = {"h100": "h100_sxm.txtpb", "h200": "h200_sxm.txtpb", "a100": "a100_sxm.txtpb"}
 _GPU_TARGET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
 GPUS_PER_HOST = 8

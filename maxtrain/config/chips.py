@@ -12,7 +12,7 @@ InfiniBand/RoCE). Figures a vendor does not publish are None, and readers say so
 
 Why here: the kernels (shared memory), models (via the kernels), observability (MFU), training (fp8's checks) and
 compile (targets, the step-time prediction) all read these facts, and config/ is the one package below all of them
-(docs/architecture.md). This module imports nothing, so config's no-JAX contract holds. tests/test_house.py fails
+(docs/architecture.md). This module imports nothing, so config's no-JAX contract holds. tests/house/test_house.py fails
 when a chip's figure or device_kind is written in another module.
 """
 

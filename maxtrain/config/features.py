@@ -22,7 +22,7 @@ Two rules, each over one declared table:
   attention_layer_types) with sliding_window_size=0, or a mixture-of-experts family with num_experts=1,
   would silently be another model (full attention, a dense MLP); refused with the family's usual value.
 
-Every key of FEATURES is declared once (tests/test_config.py checks each is a base.yml key of one row); each key
+Every key of FEATURES is declared once (tests/config/test_config.py checks each is a base.yml key of one row); each key
 of REQUIRES is one of a FEATURES row.
 Imports the registry, the objectives' table, the schema (the mesh's ways) and the error type.
 """
@@ -116,7 +116,7 @@ FEATURES: tuple[Feature, ...] = (
             fix="set quantization=fp8 (or fp8_mlp)"),
     # the model
     # (capacity_factor belongs to the experts, not only to moe_dispatch=capacity: a comparison of the two
-    # dispatches keeps one capacity_factor, as tests/test_moe.py does)
+    # dispatches keeps one capacity_factor, as tests/models/test_moe.py does)
     Feature(MOE, lambda v: v["decoder_block"] in MOE_FAMILIES,
             ("num_experts", "num_experts_per_tok", "base_moe_mlp_dim", "moe_dispatch", "capacity_factor",
              "moe_grouped_matmul", "load_balance_loss_weight", "router_z_loss_weight", "num_moe_hidden_tiling",

@@ -93,7 +93,7 @@ def _settings_fit_the_sequence(v):
 
 
 # Keys that name a place to read or write, and what their empty value means: None where "" has no meaning of
-# its own (the run would silently go to the current directory). tests/test_config.py checks that every string
+# its own (the run would silently go to the current directory). tests/config/test_config.py checks that every string
 # key of base.yml named like a path (*_path, *_dir, *_directory, *_file, *_files) is here.
 PATH_KEYS = {
     "base_output_directory": None,

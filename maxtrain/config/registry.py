@@ -6,7 +6,7 @@
 Every reader of these facts reads them here: base.yml's `decoder_block` choices (`{$families}`),
 the family checks, `maxtrain.models.families` (which imports `maxtrain/models/families/<name>.py`
 for each name), Hugging Face import and export (model_type and architecture), checkpoint checks,
-and the presets (each preset's decoder_block must be one of these; tests/test_house.py).
+and the presets (each preset's decoder_block must be one of these; tests/house/test_house.py).
 
 Adding a family: a row here, its module in maxtrain/models/families/, presets in configs/models/
 and a parity test against transformers (docs/architecture.md).
@@ -37,7 +37,7 @@ class Family:
     mixer: str = "attention"      # how its layers mix tokens: "attention" (q, k, v heads), "mla" (latent attention)
     # Model keys beyond the shared ones (models/__init__.py) that a checkpoint of this family is checked against:
     # those that fix its parameters' shapes, and those that change what the same parameters compute. Each of its
-    # `settings` is a model key, shared or its own (tests/test_house.py).
+    # `settings` is a model key, shared or its own (tests/house/test_house.py).
     shape_keys: tuple[str, ...] = ()
     setting_keys: tuple[str, ...] = ()
     # Of its `settings`, those that change how, not what, it computes (a kernel's chunk): no model keys.
@@ -48,7 +48,7 @@ class Family:
         return [self.attention_pattern[i % len(self.attention_pattern)] for i in range(num_layers)]
 
     def attention_plan(self, num_layers: int, sliding_window_size: int, attention_layer_types: list) -> list[str]:
-        """"full" or "sliding" for each layer, as its module's layer_types builds them (tests/test_config.py
+        """"full" or "sliding" for each layer, as its module's layer_types builds them (tests/config/test_config.py
         checks that they agree)."""
         if not self.per_layer_attention:
             return ["full"] * num_layers
@@ -60,7 +60,7 @@ class Family:
 
     def moe_plan(self, num_layers: int, placement: dict) -> list[bool]:
         """Whether each layer has experts, as its module's layer_types places them: `placement` holds the values of
-        MOE_PLACEMENT_KEYS, of which only those the family reads (its `settings`) count (tests/test_config.py
+        MOE_PLACEMENT_KEYS, of which only those the family reads (its `settings`) count (tests/config/test_config.py
         checks that they agree)."""
         def read(key, otherwise):
             return placement[key] if key in self.settings else otherwise

@@ -69,7 +69,7 @@ class _Synthetic:
     Each row is drawn from (seed, batch index, global row) alone, where row r of process p is global
     row p * b + r (b rows per host). Where process p's devices hold global rows p * b .. (CPU, the
     usual GPU cluster), the global batch is therefore the same for any number of processes, which is
-    what lets a 2-process run be compared with a 1-process run (tests/test_multiprocess.py).
+    what lets a 2-process run be compared with a 1-process run (tests/parallel/test_multiprocess.py).
     """
 
     def __init__(self, config, process_index: int):

@@ -22,7 +22,7 @@ BEST_BF16 = ["remat_policy=minimal", "attention=cudnn", "scan_layers=false"]
 DEFAULT_PARTS = ("environment", "kernels", "model", "speed", "training")
 WATCHDOG_GRACE_SECONDS = 45
 BUDGET_SECONDS = 420
-# The `device` tool call (docs/gpu.md shows it; tests/test_gpu_report.py checks the copy): the wheels the GPU
+# The `device` tool call (docs/gpu.md shows it; tests/gpu_check/test_gpu_report.py checks the copy): the wheels the GPU
 # image lacks (scripts/gpu_wheels.sh puts them in .whl/) go to /tmp/site, then the report runs; the log comes
 # back in $OUT even when the timeout stops the pipeline. 540 s leaves the budget, its grace, and a rerun.
 DEVICE_CALL = {
@@ -81,7 +81,7 @@ def kernel_cases(dry_run: bool) -> list:
 def training_runs(dry_run: bool) -> list:
     """(label, overrides) of the training part's llama3.2-1b rows: the user's command, the best bf16
     configuration, it with fp8 (compared with it: run_part), the former default; compiled for one H100
-    (tests/test_gpu_report_lowering.py): 23.6, 43.4, 42.6 and 23.3 GiB. The dry run shrinks the model and runs
+    (tests/gpu_check/test_gpu_report_lowering.py): 23.6, 43.4, 42.6 and 23.3 GiB. The dry run shrinks the model and runs
     the first row only, with CPU attention (no cuDNN there)."""
     user = USER_COMMAND[:]
     if dry_run:

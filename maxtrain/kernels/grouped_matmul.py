@@ -21,7 +21,7 @@ Operands are padded to whole tiles (rows to block_m, K and N to multiples of 16 
 blocks), so every load stays in bounds (interpret mode on CPU clamps out-of-bounds slices, a GPU
 would read past the array). `interpret=True` runs the same kernels on CPU (tests); the GPU form is
 chosen by models/expert_matmuls.resolve_grouped_matmul and compiled for an H100 ahead of time in
-tests/test_kernel_lowering.py.
+tests/kernels/test_kernel_lowering.py.
 Imports nothing else of maxtrain.
 """
 

@@ -12,7 +12,7 @@ module's shapes, masks and scale with it; the Mosaic GPU kernel itself is checke
 scripts/gpu_report.py).
 
 The Mosaic GPU kernel asks the local device whether it is sm90 or sm100 when it is traced, so it lowers
-only on a machine with that GPU: no ahead-of-time lowering for an H100 on a CPU (tests/test_kernel_lowering.py
+only on a machine with that GPU: no ahead-of-time lowering for an H100 on a CPU (tests/kernels/test_kernel_lowering.py
 says so), unlike cuDNN and the Triton flash kernel.
 
 tokamax is imported when this function is first traced, never by a CPU run that does not ask for it.

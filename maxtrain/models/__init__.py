@@ -31,7 +31,7 @@
                   mapping, FLOPs, ending in its MODEL) and what only it uses (Gemma 4's normed attention,
                   per-layer embeddings and parallel MoE; DeepSeek's MLA; OLMo 3's post-norm layer)
 
-A shared part used by one family alone lives in that family's folder (tests/test_house.py). `decoder_block`
+A shared part used by one family alone lives in that family's folder (tests/house/test_house.py). `decoder_block`
 (MaxText's key; presets set it) picks the family, in Model.bind and nowhere else. Every function here is a
 pure function of (params, inputs, model or config, runtime). May import config, parallel and kernels (and
 errors); never training, checkpointing, data or the commands.

@@ -161,5 +161,5 @@ def compiler_options(platform: str) -> dict:
     dequantized operands (the float8 rounding then simplified away as excess precision); only a compile
     that autotunes on the GPU itself may still pick cuBLASLt's float8 matmul. Without Triton every matmul
     goes to the gemm rewriter, which makes each float8 one a cuBLASLt float8 call (`__cublas$lt$matmul$f8`),
-    with or without a GPU at hand (tests/test_fp8_compile.py)."""
+    with or without a GPU at hand (tests/compile/test_fp8_compile.py)."""
     return {"xla_gpu_enable_triton_gemm": False, "xla_disable_hlo_passes": "dot-merger"} if platform == "gpu" else {}

@@ -8,7 +8,7 @@
 `Model.bind` looks `config.decoder_block` up in the families (models/families/) and asks the family for
 its `layer_types` one time; everything below it (the decoder, decoding's cache, FLOPs, the MoE router's
 update, pipeline stages, Hugging Face conversion, the summaries) reads `model.family` and
-`model.layer_types` and never resolves either from the config again (tests/test_house.py fails when a
+`model.layer_types` and never resolves either from the config again (tests/house/test_house.py fails when a
 function does). The builder binds the run's model (training/builder.py) and passes it on; a tool binds
 the model of the checkpoint it loads.
 

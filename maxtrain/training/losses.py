@@ -201,6 +201,6 @@ def grpo(params, batch: dict, reference, model: Model, rt):
     return jnp.sum(loss * weights), tokens, metrics
 
 
-# Each objective row's loss (config/objectives.py declares the rows; tests/test_objectives.py checks that every
+# Each objective row's loss (config/objectives.py declares the rows; tests/training/test_objectives.py checks that every
 # row has one). distill's also needs the teacher's config: make builds it.
 LOSSES = {"lm": _next_token, "sft": _next_token, "dpo": dpo, "grpo": grpo, "distill": distill}

@@ -103,7 +103,7 @@ ROWS = [
     Row("mtp-modules-beyond-the-sequence", T, [B, "model_name=deepseek3-tiny", "mtp_num_layers=4", "max_target_length=4"],
         r"mtp_num_layers=4 needs max_target_length >= 5, but max_target_length=4"),
     # (a chunk of Llama 4's chunked attention at least as long as the sequence is full attention: accepted, as Llama 4
-    # Scout's 8,192 at 4,096 tokens; tests/test_config.py)
+    # Scout's 8,192 at 4,096 tokens; tests/config/test_config.py)
     Row("hybrid-gdn-chunk-longer-than-the-sequence", T, [B, "model_name=qwen3-next-80b-a3b", "gdn_chunk_size=128",
                                                          "max_target_length=64"],
         r"gdn_chunk_size=128 needs max_target_length >= 128, but max_target_length=64: the gated delta rule pads the "

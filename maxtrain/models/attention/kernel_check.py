@@ -1,5 +1,5 @@
 """Attention implementations checked against the plain-jnp reference, and their FLOPs: what
-scripts/gpu_report.py, scripts/benchmark_attention.py and tests/test_gpu.py check and time.
+scripts/gpu_report.py, scripts/benchmark_attention.py and tests/gpu_check/test_gpu.py check and time.
 
     Case                one shape: batch, length, heads, kv heads, head dim, dtype, causal, packed
     inputs(case, seed)  fresh random q, k, v, dO (and packed segment ids)

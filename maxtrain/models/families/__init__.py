@@ -6,10 +6,10 @@ A family module holds what is particular to one family and nothing else: its par
 its `MODEL`, a models/contract.FamilyModel (the one type the rest of maxtrain sees). Its registry row
 (`FAMILY`) gives its decoder_block name, Hugging Face model_type and architecture, its settings and rules.
 A family module never imports another: what families share lives in models/ (standard_layers, blocks,
-moe, mla, hf); tests/test_house.py checks it.
+moe, mla, hf); tests/house/test_house.py checks it.
 
 Adding a family: a row in maxtrain/config/registry.py, a module here ending in its MODEL, presets in
-configs/models/ and a parity test against transformers (tests/test_families.py).
+configs/models/ and a parity test against transformers (tests/models/test_families.py).
 """
 
 from __future__ import annotations

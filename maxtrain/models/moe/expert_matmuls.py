@@ -109,7 +109,7 @@ def expert_rows(table, row_experts):
     """table [E, N] (an expert bias), row_experts [M] -> [M, N], row m = table[row_experts[m]]: a one-hot matmul,
     not a gather. The forward is the same (one 1.0 term per output); the gradient is then onehot^T @ dy, a matmul
     accumulating in float32, where a gather's is a scatter-add accumulating in the table's dtype: ~1,000 rows an
-    expert summed in bfloat16 lose ~7% (tests/test_moe.py), nondeterministically on GPUs, where XLA adds 16-bit
+    expert summed in bfloat16 lose ~7% (tests/models/test_moe.py), nondeterministically on GPUs, where XLA adds 16-bit
     floats with a compare-and-swap loop that every row of the expert contends for (openxla/xla#26371)."""
     onehot = jax.nn.one_hot(row_experts, table.shape[0], dtype=table.dtype)
     return jnp.dot(onehot, table, precision=jax.lax.Precision.HIGHEST, preferred_element_type=table.dtype)

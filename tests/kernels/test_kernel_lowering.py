@@ -1,0 +1,503 @@
+"""Every attention kernel compiles for real targets: H100 and A100 GPUs (Triton, ptxas to sm_90a /
+sm_80) and TPU v5e, v5p and v6e (Mosaic), forward and backward, inside shard_map on a multi-device
+mesh, at the tiles the default config (sa_block_q, sa_block_kv) and `autoselected` pick.
+
+No accelerator is needed: compile/targets.py describes the target's devices and JAX runs the target's
+own compiler on this CPU. The compilers come from the optional extras `.[tpu]` (libtpu) and
+`.[cuda]` (the CUDA plugin and ptxas); without them these tests skip, saying which extra to
+install. .ci/run installs both in a second virtualenv and runs this file there (where a missing
+compiler is an error). Interpret mode
+(tests/kernels/test_flash_attention.py, test_splash_attention.py) checks the numbers; this checks that the
+kernels lower and fit the target (e.g. shared memory for head_dim 256). Last, the whole training
+step (builder.build, as train.py runs it) with attention=autoselected compiles for TPUs and 8 H100s.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import NamedSharding
+
+from conftest import BASE_YML
+from maxtrain.models import attention
+from maxtrain.models.attention import kernel_choice
+from maxtrain.parallel import sharding
+from maxtrain.config import load_config
+from maxtrain.compile import targets
+
+RULES = [["batch", ["data", "fsdp"]], ["heads", "tensor"], ["kv_heads", "tensor"]]
+Q_AXES, KV_AXES, SEG_AXES = ("batch", None, "heads", None), ("batch", None, "kv_heads", None), ("batch", None)
+DEFAULTS = load_config([BASE_YML])
+
+
+
+def _needs(missing: str | None):
+    """Skip, saying which extra to install, when a compiler is missing; .ci/run's lowering venv sets
+    MAXTRAIN_REQUIRE_COMPILERS=1, where a missing compiler fails instead of hiding the tests."""
+    if missing and os.environ.get("MAXTRAIN_REQUIRE_COMPILERS") == "1":
+        raise RuntimeError(f"MAXTRAIN_REQUIRE_COMPILERS=1 but {missing}")
+    return pytest.mark.skipif(missing is not None, reason=f"{missing} (.ci/run runs these tests in a second venv)")
+
+
+needs_gpu_compiler = _needs(targets.compiler_missing("gpu"))
+needs_tpu_compiler = _needs(targets.compiler_missing("tpu"))
+
+
+def compile_attention(devices, mesh_shape, platform, *, head_dim, dtype, implementation=None, batch=4, length=1024,
+                      heads=16, kv_heads=4, sliding_window=0, logits_soft_cap=0.0, sinks=False, v_head_dim=None,
+                      chunk=0):
+    """Compiles d(sum(attention * w))/d(q, k, v[, sinks]) for `platform` on a (data, fsdp, tensor) mesh of `devices`
+    (chunk > 0: Llama 4's chunked attention, the segment ids refined by the positions' chunks)."""
+    implementation = implementation or attention.resolve_implementation(
+        "autoselected", platform, dtype=dtype, head_dim=head_dim, sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap, sinks=sinks)
+    mesh = sharding.mesh_of(devices, **dict(zip(("data", "fsdp", "tensor"), mesh_shape)))
+
+    def arg(shape, axes, dt=dtype):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, sharding.logical_to_spec(axes, RULES)))
+
+    q = arg((batch, length, heads, head_dim), Q_AXES)
+    kv = arg((batch, length, kv_heads, head_dim), KV_AXES)
+    v = arg((batch, length, kv_heads, v_head_dim or head_dim), KV_AXES)  # MLA: its own value head dim
+    seg = arg((batch, length), SEG_AXES, jnp.int32)
+    sink = arg((heads,), ("heads",), jnp.float32) if sinks else None
+    positions = arg((batch, length), SEG_AXES, jnp.int32) if chunk else None
+
+    def grads(q, k, v, seg, w, sink, positions):
+        def loss(q, k, v, sink):
+            out = attention.attention(q, k, v, seg, implementation=implementation, platform=platform,
+                                      sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                      block_q=DEFAULTS.sa_block_q, block_kv=DEFAULTS.sa_block_kv, sinks=sink,
+                                      chunk=chunk, positions=positions)
+            return jnp.sum((out * w).astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2, 3) if sinks else (0, 1, 2))(q, k, v, sink)
+
+    with sharding.activation_sharding(mesh, RULES):
+        w = arg((batch, length, heads, v_head_dim or head_dim), Q_AXES)
+        lowered = jax.jit(grads).trace(q, kv, v, seg, w, sink, positions).lower(
+            lowering_platforms=("cuda" if platform == "gpu" else platform,))
+    compiled = lowered.compile()
+    hlo = compiled.as_text()
+    assert "all-gather" not in hlo, "q, k or v gathered around the kernel"
+    return hlo
+
+
+# ----------------------------------------------------------------------------------------------
+# NVIDIA: 8 H100s of one host (data 2 x tensor 4), and A100s.
+
+
+@pytest.fixture(scope="module")
+def h100s():
+    return targets.parse("h100-8").devices()
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+def test_flash_compiles_for_h100(h100s, head_dim, dtype):
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=head_dim, dtype=dtype, implementation="flash")
+    for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
+        assert kernel in hlo
+
+
+@needs_gpu_compiler
+def test_flash_with_gemma_window_and_soft_cap_compiles_for_h100(h100s):
+    """Gemma 2's local layers: head_dim 256, sliding window 4096 over 8192 tokens, soft-cap 50."""
+    hlo = compile_attention(h100s, (8, 1, 1), "gpu", head_dim=256, dtype=jnp.bfloat16, batch=8, length=8192, heads=8,
+                            kv_heads=4, sliding_window=4096, logits_soft_cap=50.0)
+    assert "flash_attention_dkv" in hlo  # autoselected: cuDNN has no soft-cap
+
+
+@needs_gpu_compiler
+def test_flash_with_gpt_oss_sinks_compiles_for_h100(h100s):
+    """gpt-oss's layers: head_dim 64, a 128-token window, a learned sink per head (and its gradient)."""
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=64, dtype=jnp.bfloat16, sliding_window=128, sinks=True)
+    assert "flash_attention_fwd" in hlo
+
+
+@needs_gpu_compiler
+def test_flash_with_llama4_chunks_compiles_for_h100(h100s):
+    """Llama 4's RoPE layers: head_dim 128, chunks of 512 positions over 2048 tokens (refined segment ids)."""
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=128, dtype=jnp.bfloat16, length=2048, chunk=512,
+                            implementation="flash")
+    for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
+        assert kernel in hlo
+
+
+@needs_gpu_compiler
+def test_flash_with_gemma4_global_heads_compiles_for_h100(h100s):
+    """Gemma 4's full-attention layers: head_dim 512 (global_head_dim), 8 query heads on 4 kv heads."""
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=512, dtype=jnp.bfloat16, heads=8, implementation="flash")
+    assert "flash_attention_fwd" in hlo
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_flash_compiles_for_a100(head_dim):
+    """An A100 has 163 KiB of shared memory per block (an H100 227 KiB): the tiles shrink to fit."""
+    compile_attention(targets.parse("a100-4").devices(), (2, 1, 2), "gpu", head_dim=head_dim,
+                      dtype=jnp.bfloat16, implementation="flash")
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("head_dim, sliding_window", [(128, 256), (64, 0)])
+def test_cudnn_compiles_for_h100_under_shard_map(h100s, head_dim, sliding_window):
+    """cuDNN's fused attention (a custom call GSPMD cannot partition either) runs per shard too, as
+    autoselected picks it for these shapes (models/attention/kernel_choice.py). (Without a GPU, XLA does not build
+    the cuDNN graph: this shows the program partitions and lowers.)"""
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=head_dim, dtype=jnp.bfloat16,
+                            sliding_window=sliding_window)
+    assert "cudnn" in hlo.lower()
+
+
+@needs_gpu_compiler
+def test_tokamax_mosaic_gpu_cannot_lower_without_a_gpu(h100s):
+    """tokamax's Mosaic GPU attention asks the local device whether it is sm90 or sm100 when it is traced, so
+    it does not lower for an H100 target on a CPU: only scripts/gpu_report.py, on a GPU, compiles and checks
+    it. (If this starts to lower, turn it into a compile test like cuDNN's above.)"""
+    if targets.compiler_missing("gpu") or not kernel_choice.tokamax_installed():
+        pytest.skip("needs the [cuda] and [gpu] extras")
+    with pytest.raises(NotImplementedError, match="(?i)mosaic|not supported"):  # "mosaic" resolves by the local device
+        compile_attention(h100s, (2, 1, 4), "gpu", head_dim=128, dtype=jnp.bfloat16, implementation="tokamax")
+
+
+@needs_gpu_compiler
+def test_flash_compiles_mla_head_dims_for_h100(h100s):
+    """DeepSeek-V3's MLA: queries and keys of 192 features, values of 128 (all padded to 256 in the kernel).
+    (cudnn pads v to 192 too, but without a GPU JAX checks cuDNN as pre-Hopper, head_dim <= 128: not lowerable here.)"""
+    hlo = compile_attention(h100s, (2, 1, 4), "gpu", head_dim=192, v_head_dim=128, dtype=jnp.bfloat16,
+                            heads=64, kv_heads=64, implementation="flash")
+    for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
+        assert kernel in hlo
+
+
+# ----------------------------------------------------------------------------------------------
+# TPU: splash attention through Mosaic, 4 chips (data 2 x tensor 2).
+
+
+@needs_tpu_compiler
+@pytest.mark.parametrize("topology, head_dim, sliding_window, logits_soft_cap", [
+    ("v5e-4", 128, 0, 0.0),
+    ("v5e-4", 64, 0, 0.0),
+    ("v5e-4", 256, 512, 50.0),
+    ("v5p-8", 128, 0, 0.0),
+    ("v5p-8", 96, 512, 50.0),
+    ("v6e-4", 128, 0, 0.0),
+    ("v6e-4", 80, 512, 50.0),
+])
+def test_splash_compiles_for_tpu(topology, head_dim, sliding_window, logits_soft_cap):
+    hlo = compile_attention(targets.parse(topology).devices(), (2, 1, 2), "tpu", head_dim=head_dim, dtype=jnp.bfloat16,
+                            length=2048, heads=8, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    assert "tpu_custom_call" in hlo
+
+
+@needs_tpu_compiler
+def test_splash_with_gpt_oss_sinks_compiles_for_tpu():
+    """gpt-oss's layers: head_dim 64, a 128-token window, a learned sink per head (and its gradient)."""
+    hlo = compile_attention(targets.parse("v5e-4").devices(), (2, 1, 2), "tpu", head_dim=64, dtype=jnp.bfloat16,
+                            length=2048, heads=8, sliding_window=128, sinks=True)
+    assert "tpu_custom_call" in hlo
+
+
+@needs_tpu_compiler
+def test_splash_with_llama4_chunks_compiles_for_tpu():
+    """Llama 4's RoPE layers: head_dim 128, chunks of 512 positions over 2048 tokens (refined segment ids)."""
+    hlo = compile_attention(targets.parse("v5p-8").devices(), (2, 1, 2), "tpu", head_dim=128, dtype=jnp.bfloat16,
+                            length=2048, heads=8, chunk=512)
+
+
+@needs_tpu_compiler
+def test_splash_compiles_gemma4_global_heads_for_tpu():
+    """Gemma 4's full-attention layers: head_dim 512 (global_head_dim), 8 query heads on 4 kv heads."""
+    hlo = compile_attention(targets.parse("v5p-8").devices(), (2, 1, 2), "tpu", head_dim=512, dtype=jnp.bfloat16,
+                            length=2048, heads=8)
+    assert "tpu_custom_call" in hlo
+
+
+@needs_tpu_compiler
+def test_splash_compiles_mla_head_dims_for_tpu():
+    """MLA's queries/keys of 192 features and values of 128 (zero-padded to 192 for the kernel)."""
+    hlo = compile_attention(targets.parse("v5p-8").devices(), (2, 1, 2), "tpu", head_dim=192, v_head_dim=128,
+                            dtype=jnp.bfloat16, length=2048, heads=8, kv_heads=8)
+    assert "tpu_custom_call" in hlo
+
+
+def test_missing_compilers_name_the_extra():
+    for missing, extra in ((targets.compiler_missing("tpu"), ".[tpu]"), (targets.compiler_missing("gpu"), ".[cuda]")):
+        assert missing is None or extra in missing
+    with pytest.raises(targets.TargetError, match="unknown GPU target 'h300'; known: h100, h200, a100"):
+        targets.gpu_target_config("h300")
+
+
+# ----------------------------------------------------------------------------------------------
+# Dropless MoE's grouped GEMM (kernels/grouped_matmul.py; its numbers: tests/kernels/test_grouped_matmul.py), forward and
+# both gradients, at the frontier models' expert shapes on one H100 (scripts/gpu_report.py runs them).
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("rows, experts, d, f", [
+    (4 * 4096 * 6, 64, 2048, 1408),    # DeepSeek-shaped: batch 4 x 4096 tokens, 6 of 64 experts, width 1408
+    (2 * 4096 * 4, 16, 2880, 2880),    # gpt-oss-shaped: batch 2, 4 of 16 experts, D = F = 2880 (blocks of 64)
+], ids=["deepseek", "gpt-oss"])
+def test_grouped_matmul_compiles_for_h100(h100s, rows, experts, d, f):
+    from maxtrain.kernels import grouped_matmul  # pylint: disable=import-outside-toplevel
+
+    mesh = sharding.mesh_of(h100s[:1], data=1)
+
+    def arg(shape, dtype=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+    def grads(x, w, group_sizes, dy):
+        def loss(x, w):
+            return jnp.sum((grouped_matmul.grouped_matmul(x, w, group_sizes) * dy).astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1))(x, w)
+
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):  # jax 0.12: Pallas Triton takes the GPU from the mesh
+        lowered = jax.jit(grads).trace(arg((rows, d)), arg((experts, d, f)), arg((experts,), jnp.int32),
+                                       arg((rows, f))).lower(lowering_platforms=("cuda",))
+    hlo = lowered.compile().as_text()
+    assert "grouped_matmul_weight_grad" in hlo and hlo.count("__gpu$xla.gpu.triton") == 2  # dx and dw (the loss is linear in y)
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole training step (builder.build, as train.py runs it) with attention=autoselected.
+
+SMALL = ["base_emb_dim=256", "base_num_query_heads=4", "base_num_kv_heads=2", "base_mlp_dim=512",
+         "base_num_decoder_layers=2", "vocab_size=1024", "max_target_length=512", "per_device_batch_size=1",
+         "dataset_type=synthetic", "enable_checkpointing=false", "enable_tensorboard=false",
+         "attention=autoselected", "dtype=autoselected"]
+GEMMA = ["decoder_block=gemma2", "head_dim=256", "sliding_window_size=128", "attn_logits_soft_cap=50.0",
+         "final_logits_soft_cap=30.0", "query_pre_attn_scalar=256", "logits_via_embedding=true"]
+
+# Gemma 4 with every feature: 512-wide full-attention heads with keys as values, proportional RoPE, per-layer
+# inputs, two shared-KV layers, experts beside each dense MLP.
+GEMMA4 = ["decoder_block=gemma4_text", "base_num_decoder_layers=4", "head_dim=256", "global_head_dim=512", "sliding_window_size=128",
+          "attention_layer_types=[sliding,full,sliding,full]", "attention_k_eq_v=true", "rope_type=proportional",
+          "rope_proportion=0.25", "per_layer_input_dim=64", "num_kv_shared_layers=2", "logits_via_embedding=true",
+          "final_logits_soft_cap=30.0", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=256"]
+
+def compile_train_step(devices, overrides, expected="flash"):
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    given = {o.split("=")[0] for o in overrides}  # the overrides replace SMALL's keys
+    run = builder.build(load_config([BASE_YML, *(o for o in SMALL if o.split("=")[0] not in given), *overrides]),
+                        devices=devices)
+    assert run.rt.attention == expected, run.rt.attention_reason
+    return run.compile().as_text()
+
+
+@pytest.mark.slow
+@needs_tpu_compiler
+@pytest.mark.parametrize("topology, overrides", [
+    ("v5p-8", ["head_dim=64", "ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]),
+    ("v5e-4", GEMMA + ["ici_fsdp_parallelism=4"]),
+    ("v5p-8", GEMMA4 + ["ici_fsdp_parallelism=2", "ici_tensor_parallelism=2"]),
+])
+def test_train_step_compiles_for_tpu(topology, overrides):
+    assert "tpu_custom_call" in compile_train_step(targets.parse(topology).devices(), overrides)
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_gemma_train_step_compiles_for_8_h100s(h100s):
+    """Gemma 2 (head_dim 256, window, soft-caps): the step every Gemma user on H100s would run."""
+    hlo = compile_train_step(h100s, GEMMA + ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
+    assert "flash_attention_dkv" in hlo
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_llama_train_step_with_autoselected_cudnn_compiles_for_one_h100():
+    """A Llama-shaped step (head_dim 64, GQA 2:1, bf16): autoselected takes cuDNN on an H100 (models/attention/kernel_choice.py)."""
+    hlo = compile_train_step(targets.parse("h100-1").devices(), ["head_dim=64"], expected="cudnn")
+    assert "cudnn" in hlo.lower() and "flash_attention_fwd" not in hlo  # cuDNN, not our Triton kernel
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_dropless_moe_train_step_compiles_for_8_h100s_with_the_grouped_gemm(h100s):
+    """Dropless experts split 4 ways (expert parallelism) x FSDP 2: the grouped GEMM inside the block's shard_map,
+    its operands varying over different mesh axes (tokens over the batch axes, experts over `expert`)."""
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    run = builder.build(load_config([BASE_YML, *SMALL, "decoder_block=mixtral", "num_experts=8", "num_experts_per_tok=2",
+                                     "base_moe_mlp_dim=256", "ici_expert_parallelism=4", "ici_fsdp_parallelism=2"]),
+                        devices=h100s)
+    assert run.rt.grouped_matmul == "pallas"
+    assert "grouped_matmul_weight_grad" in run.compile().as_text()
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_gemma4_train_step_compiles_for_8_h100s(h100s):
+    """Gemma 4 with every feature (512-wide heads in the flash kernel, shared KV, per-layer inputs, experts)."""
+    hlo = compile_train_step(h100s, GEMMA4 + ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
+    assert "flash_attention_dkv" in hlo
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_gemma4_layer_kinds_take_their_own_attention_on_8_h100s(h100s):
+    """attention=autoselected per layer kind: Gemma 4's sliding-window layers at head_dim 128 take cuDNN (measured
+    fastest, and within what JAX lowers for an H100 without the GPU), its full-attention layers' 512-wide heads,
+    beyond cuDNN's 256, our flash kernel; one step holds both."""
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    overrides = [*(o for o in GEMMA4 if not o.startswith("head_dim=")), "head_dim=128", "ici_fsdp_parallelism=4",
+                 "ici_tensor_parallelism=2"]
+    given = {o.split("=")[0] for o in overrides}
+    run = builder.build(load_config([BASE_YML, *(o for o in SMALL if o.split("=")[0] not in given), *overrides]),
+                        devices=h100s)
+    assert {k.label(): k.implementation for k in run.rt.attention_kinds} == {
+        "sliding-window layers (head_dim 128, window 128)": "cudnn", "full-attention layers (head_dim 512)": "flash"}
+    hlo = run.compile().as_text()
+    assert "__cudnn$fmha" in hlo and "flash_attention_dkv" in hlo
+
+
+# ----------------------------------------------------------------------------------------------
+# The CPU formulation of dot_product (heads-major, causal query chunks): attention() picks it only on
+# CPU, but it is plain jnp and must compile, forward and backward, for the accelerators too.
+
+
+def _compile_causal_chunks(devices, platform, data, long: bool = False):
+    """Compiles d(sum(causal_chunks(q, k, v)))/d(q, k, v) (8 chunks, a 300-token window) for `platform`; long:
+    the long-sequence mode (each chunk a scan of checkpointed 64-query sub-chunks)."""
+    modes = {"long_from": 512, "long_chunk": 64} if long else {}
+    mesh = sharding.mesh_of(devices, data=data, tensor=len(devices) // data)
+
+    def arg(shape, axes, dt=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, sharding.logical_to_spec(axes, RULES)))
+
+    def grads(q, k, v, seg):
+        def loss(q, k, v):
+            return jnp.sum(attention.causal_chunks(q, k, v, seg, sliding_window=300, **modes).astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    q, kv, seg = arg((4, 1024, 8, 128), Q_AXES), arg((4, 1024, 4, 128), KV_AXES), arg((4, 1024), SEG_AXES, jnp.int32)
+    with sharding.activation_sharding(mesh, RULES):
+        lowered = jax.jit(grads).trace(q, kv, kv, seg).lower(lowering_platforms=(platform,))
+    return lowered.compile()
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("long", [False, True], ids=["chunks", "long"])
+def test_cpu_attention_formulation_compiles_for_h100(h100s, long):
+    assert _compile_causal_chunks(h100s, "cuda", data=2, long=long).memory_analysis() is not None
+
+
+@needs_tpu_compiler
+@pytest.mark.parametrize("long", [False, True], ids=["chunks", "long"])
+def test_cpu_attention_formulation_compiles_for_tpu(long):
+    devices = targets.parse("v5e-4").devices()
+    assert _compile_causal_chunks(devices, "tpu", data=2, long=long).memory_analysis() is not None
+
+
+# ----------------------------------------------------------------------------------------------
+# The gated delta rule's kernel (kernels/gated_delta.py, Qwen3-Next's shapes: head widths 128, chunks of 64),
+# forward and backward (the backward recomputes through the jnp chunked form), per shard in shard_map.
+
+
+def compile_gated_delta(devices, platform, *, data, tensor, batch=2, length=4096, heads=8, chunk=64, width=128):
+    from maxtrain.models.recurrent import gated_delta  # pylint: disable=import-outside-toplevel
+    from maxtrain.kernels import gated_delta as gated_delta_kernel  # pylint: disable=import-outside-toplevel
+
+    mesh = sharding.mesh_of(devices[:data * tensor], data=data, tensor=tensor)
+    P = jax.sharding.PartitionSpec
+    tok, gate, seg_spec, state = P("data", None, "tensor", None), P("data", None, "tensor"), P("data", None), \
+        P("data", "tensor", None, None)
+    rule = gated_delta_kernel.make(gated_delta.chunked, chunk_size=chunk, platform=platform)
+
+    def arg(shape, spec, dt=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, spec))
+
+    def grads(q, k, v, a, beta, seg, s0, w):
+        def loss(q, k, v, a, beta, s0):
+            local = jax.shard_map(rule, mesh=mesh, in_specs=(tok, tok, tok, gate, gate, seg_spec, state),
+                                  out_specs=(tok, state), check_vma=False)
+            o, s = local(q, k, v, a, beta, seg, s0)
+            return jnp.sum((o * w).astype(jnp.float32)) + jnp.sum(s)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5))(q, k, v, a, beta, s0)  # the loss: else no kernel
+
+    x = arg((batch, length, heads, width), tok)
+    args = (x, x, x, arg((batch, length, heads), gate, jnp.float32), arg((batch, length, heads), gate, jnp.float32),
+            arg((batch, length), seg_spec, jnp.int32), arg((batch, heads, width, width), state, jnp.float32), x)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        lowered = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda" if platform == "gpu" else platform,))
+    hlo = lowered.compile().as_text()
+    assert "all-gather" not in hlo, "q, k or v gathered around the kernel"
+    return hlo
+
+
+@needs_gpu_compiler
+def test_gated_delta_kernel_compiles_for_h100(h100s):
+    hlo = compile_gated_delta(h100s, "gpu", data=2, tensor=4)
+    assert "gated_delta_chunked" in hlo and "__gpu$xla.gpu.triton" in hlo
+
+
+@needs_tpu_compiler
+def test_gated_delta_kernel_compiles_for_tpu():
+    hlo = compile_gated_delta(targets.parse("v5e-4").devices(), "tpu", data=2, tensor=2)
+    assert "gated_delta_chunked" in hlo
+
+
+QWEN3_5 = ["decoder_block=qwen3_5_text", "inhomogeneous_layer_cycle_interval=2",
+           "gdn_num_key_heads=2", "gdn_num_value_heads=4", "gdn_key_head_dim=128", "gdn_value_head_dim=128",
+           "head_dim=64", "partial_rotary_factor=0.25"]
+
+
+@pytest.mark.slow
+@needs_tpu_compiler
+def test_qwen3_5_train_step_compiles_for_tpu_with_the_gated_delta_kernel():
+    """A Qwen3.5-shaped step (one gated delta-net layer, one full-attention layer) with gdn_kernel=autoselected on
+    TPUs: the Mosaic kernel inside the mixer's shard_map (FSDP 2 x tensor 2)."""
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    run = builder.build(load_config([BASE_YML, *SMALL, *QWEN3_5, "ici_fsdp_parallelism=2",
+                                     "ici_tensor_parallelism=2"]), devices=targets.parse("v5e-4").devices())
+    assert run.rt.gdn_kernel == "pallas" and "Pallas Mosaic" in run.rt.describe()
+    assert "gated_delta_chunked" in run.compile().as_text()
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_qwen3_5_train_step_compiles_for_h100_with_the_gated_delta_kernel():
+    """The same step on one H100: the Triton kernel in the mixer."""
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    run = builder.build(load_config([BASE_YML, *SMALL, *QWEN3_5]), devices=targets.parse("h100-1").devices())
+    assert run.rt.gdn_kernel == "pallas" and "Pallas Triton" in run.rt.describe()
+    assert "gated_delta_chunked" in run.compile().as_text()
+
+
+# gpt-oss's dropless experts with their biases: each row's expert bias comes from expert_matmuls.expert_rows, a
+# one-hot matmul, so no bias gradient is a scatter-add into the [experts, width] table (a contended bfloat16 one
+# on GPUs, docs/scale.md); compiled forward and backward, with the grouped GEMM (H100) and ragged_dot (TPU).
+GPT_OSS = ["decoder_block=gpt_oss", "head_dim=64", "sliding_window_size=128", "num_experts=4", "num_experts_per_tok=2",
+           "base_moe_mlp_dim=256", "moe_dispatch=dropless"]
+BIAS_SCATTER = re.compile(r"= \w+\[4,256\]\{[^}]*\} scatter\(")  # [experts, width]: a bias table
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_gpt_oss_dropless_biases_compile_for_h100_without_a_scatter():
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    run = builder.build(load_config([BASE_YML, *SMALL, *GPT_OSS]), devices=targets.parse("h100-1").devices())
+    hlo = run.compile().as_text()
+    assert run.rt.grouped_matmul == "pallas" and "grouped_matmul_weight_grad" in hlo
+    assert not BIAS_SCATTER.search(hlo)
+
+
+@pytest.mark.slow
+@needs_tpu_compiler
+def test_gpt_oss_dropless_biases_compile_for_tpu_without_a_scatter():
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    run = builder.build(load_config([BASE_YML, *SMALL, *GPT_OSS, "ici_fsdp_parallelism=4"]),
+                        devices=targets.parse("v5e-4").devices())
+    hlo = run.compile().as_text()
+    assert run.rt.grouped_matmul == "xla" and not BIAS_SCATTER.search(hlo)
