@@ -62,7 +62,7 @@ _SKIPPED: list[str] = []
 
 # Each test's time (setup + call + teardown, in seconds) and the session's wall time, kept beside the skipped ids
 # (.pytest_cache/v/maxtrain/durations and .../session): tests/suite_budget.py reads them to hold the default run to
-# its budget (README, "Tests").
+# its budget (README, "Testing").
 _DURATIONS: dict[str, float] = {}
 _STARTED = time.monotonic()
 

@@ -29,7 +29,7 @@ import pytest
 import data_helpers as h
 from maxtrain.config import with_overrides
 from test_elastic import documents_read, epoch_documents, joined, host_stream, is_padding
-from test_multiprocess import env_with, finish, free_port
+from processes import env_with, finish, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(Path(__file__).resolve().parents[1] / "elastic_worker.py")

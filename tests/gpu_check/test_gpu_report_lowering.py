@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from test_kernel_lowering import needs_gpu_compiler
+from compilers import needs_gpu_compiler
 from maxtrain.gpu_check import items, plan
 from maxtrain.compile import fit, targets
 from maxtrain.data import hosts

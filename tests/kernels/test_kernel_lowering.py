@@ -14,7 +14,6 @@ step (builder.build, as train.py runs it) with attention=autoselected compiles f
 
 from __future__ import annotations
 
-import os
 import re
 
 import jax
@@ -22,6 +21,7 @@ import jax.numpy as jnp
 import pytest
 from jax.sharding import NamedSharding
 
+from compilers import needs_gpu_compiler, needs_tpu_compiler
 from conftest import BASE_YML
 from maxtrain.models import attention
 from maxtrain.models.attention import kernel_choice
@@ -32,19 +32,6 @@ from maxtrain.compile import targets
 RULES = [["batch", ["data", "fsdp"]], ["heads", "tensor"], ["kv_heads", "tensor"]]
 Q_AXES, KV_AXES, SEG_AXES = ("batch", None, "heads", None), ("batch", None, "kv_heads", None), ("batch", None)
 DEFAULTS = load_config([BASE_YML])
-
-
-
-def _needs(missing: str | None):
-    """Skip, saying which extra to install, when a compiler is missing; .ci/run's lowering venv sets
-    MAXTRAIN_REQUIRE_COMPILERS=1, where a missing compiler fails instead of hiding the tests."""
-    if missing and os.environ.get("MAXTRAIN_REQUIRE_COMPILERS") == "1":
-        raise RuntimeError(f"MAXTRAIN_REQUIRE_COMPILERS=1 but {missing}")
-    return pytest.mark.skipif(missing is not None, reason=f"{missing} (.ci/run runs these tests in a second venv)")
-
-
-needs_gpu_compiler = _needs(targets.compiler_missing("gpu"))
-needs_tpu_compiler = _needs(targets.compiler_missing("tpu"))
 
 
 def compile_attention(devices, mesh_shape, platform, *, head_dim, dtype, implementation=None, batch=4, length=1024,

@@ -23,7 +23,7 @@ from maxtrain.models import attention, moe
 from maxtrain.models.moe import expert_matmuls
 from maxtrain.parallel import sharding
 from maxtrain.training import builder
-from test_sharding import GLOBAL_BATCH, batches
+from sharded_batches import GLOBAL_BATCH, batches
 
 GPT_OSS = ["decoder_block=gpt_oss", "num_experts=4", "num_experts_per_tok=2", "sliding_window_size=8",
            "mlp_activations_limit=1.0"]

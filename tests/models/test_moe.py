@@ -278,7 +278,7 @@ def test_per_layer_entries_name_their_layer_under_scan_and_unrolled():
 
 def test_moe_metrics_reach_the_console_the_metrics_file_and_tensorboard(tiny_args, tmp_path, capsys):
     from maxtrain import train  # pylint: disable=import-outside-toplevel
-    from test_metrics import read_tensorboard  # pylint: disable=import-outside-toplevel
+    from tensorboard_files import read_tensorboard  # pylint: disable=import-outside-toplevel
 
     metrics_file = tmp_path / "metrics.jsonl"
     result = train.main(with_overrides(with_overrides(tiny_args, *MOE), "moe_dispatch=capacity", "capacity_factor=1.0", "router_z_loss_weight=1e-3",

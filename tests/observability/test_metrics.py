@@ -1,11 +1,10 @@
-import glob
 import json
-import struct
 
 import jax
 import pytest
 
 from conftest import BASE_YML
+from tensorboard_files import read_tensorboard
 from maxtrain.training import builder
 from maxtrain.observability import metrics
 from maxtrain.config import load_config, with_overrides
@@ -67,27 +66,6 @@ def test_peak_table_and_override(tmp_path, monkeypatch):
     assert metrics.peak_tflops(cfg, FakeDevice()) == 989.0
     FakeDevice.device_kind = "NVIDIA H100 PCIe"
     assert metrics.peak_tflops(cfg, FakeDevice()) == 756.0
-
-
-def read_tensorboard(directory):
-    """(scalars {tag: [(step, value)]}, texts {tag: str}) from tensorboardX event files."""
-    from tensorboardX.proto import event_pb2  # pylint: disable=import-outside-toplevel
-
-    scalars, texts = {}, {}
-    for path in glob.glob(f"{directory}/events.out.tfevents.*"):
-        with open(path, "rb") as f:
-            data = f.read()
-        offset = 0
-        while offset < len(data):
-            (length,) = struct.unpack("<Q", data[offset:offset + 8])
-            event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
-            offset += 12 + length + 4
-            for value in event.summary.value:
-                if value.HasField("tensor") and value.tensor.string_val:
-                    texts[value.tag] = value.tensor.string_val[0].decode()
-                else:
-                    scalars.setdefault(value.tag, []).append((event.step, value.simple_value))
-    return scalars, texts
 
 
 def test_metrics_file_and_tensorboard_from_a_run(tiny_args, tmp_path):

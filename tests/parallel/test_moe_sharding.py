@@ -29,7 +29,7 @@ from maxtrain.models import decoder
 from maxtrain.models.model import Model
 from maxtrain.parallel import sharding
 from maxtrain.config import load_config, with_overrides
-from test_sharding import GLOBAL_BATCH, batches
+from sharded_batches import GLOBAL_BATCH, batches
 
 MOE = ["decoder_block=mixtral", "num_experts=8", "num_experts_per_tok=2", "base_moe_mlp_dim=32",
        "load_balance_loss_weight=0.01", "router_z_loss_weight=0.001", "capacity_factor=1.0"]

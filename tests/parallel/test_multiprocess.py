@@ -20,7 +20,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 import pytest
 
 from maxtrain.config import with_overrides
+from processes import env_with, finish, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 LOSS_RTOL = 1e-5
@@ -36,24 +36,6 @@ TINY = ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=1", "bas
         "base_num_decoder_layers=2", "head_dim=16", "vocab_size=256", "max_target_length=32",
         "per_device_batch_size=1", "dataset_type=synthetic", "log_period=1", "learning_rate_schedule_steps=6",
         "checkpoint_period=3", "async_checkpointing=false", "max_new_tokens=0"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env_with(devices: int, cache_dir: Path | None = None) -> dict:
-    env = dict(os.environ)
-    # Each process sees `devices` CPU devices; optimization level 0 makes XLA:CPU compile ~3x faster
-    # (the same setting on both sides of every comparison).
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} --xla_backend_optimization_level=0"
-    env["JAX_PLATFORMS"] = "cpu"
-    env["PYTHONUNBUFFERED"] = "1"
-    if cache_dir is not None:
-        env["JAX_COMPILATION_CACHE_DIR"] = str(cache_dir)
-    return env
 
 
 def start(args: list[str], env: dict, log: Path) -> subprocess.Popen:
@@ -69,18 +51,6 @@ def start_processes(args: list[str], out: Path, name: str, port: int, cache: Pat
         procs.append(start(with_overrides([*args, f"coordinator_address=127.0.0.1:{port}", "num_processes=2",
                                            f"process_id={i}"], *extra), env_with(2, cache), out / f"{name}{i}.log"))
     return procs
-
-
-def finish(procs, timeout=240) -> list[int]:
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-    return codes
 
 
 def read_metrics(path: Path) -> list[dict]:

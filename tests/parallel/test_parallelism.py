@@ -23,7 +23,7 @@ from maxtrain.parallel import sharding
 from maxtrain.models.model import Model
 from maxtrain.config import ConfigError, load_config, with_overrides
 from maxtrain.parallel import stages as pipeline_stages
-from test_sharding import GLOBAL_BATCH, batches
+from sharded_batches import GLOBAL_BATCH, batches
 
 LAYERS = ["base_num_decoder_layers=4"]   # 4 layers: 4 stages of 1, 2 stages of 2
 LOSS_RTOL, GRAD_RTOL, GRAD_ATOL = 1e-5, 1e-4, 1e-6
