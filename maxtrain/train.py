@@ -30,12 +30,10 @@ from maxtrain.checkpointing import manager as checkpoint_manager
 from maxtrain.checkpointing.files import CheckpointError
 from maxtrain.compile import executable, fit
 from maxtrain.data import pipeline
-from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.errors import run_cli
-from maxtrain.models import sampling
 from maxtrain.observability import metrics
 from maxtrain.parallel import distributed, sharding
-from maxtrain.training import builder, grpo, host_memory, layer_choice, loop, rewards
+from maxtrain.training import builder, end_sample, grpo, host_memory, layer_choice, loop, rewards
 from maxtrain.training.loop import RunResult, TrainingError  # noqa: F401 (TrainingError: the run's own errors)
 from maxtrain.training.preemption import Preemption
 
@@ -81,7 +79,7 @@ def main(argv: list[str]) -> RunResult:
     if sampled:  # GRPO's reward functions called on made-up completions of its first prompts (training/grpo.py)
         inputs = grpo.with_rewards(config, inputs, reward_functions, log=log)
     task_evals = evals.from_config(config, inputs.tokenizer, mesh, run.rt, log=log)  # data checked, requests packed
-    sample_prompt = sample_prompt_ids(config, inputs.tokenizer)  # the end-of-run sample's prompt, checked now
+    sample_prompt = end_sample.prompt_ids(config, inputs.tokenizer)  # the end-of-run sample's prompt, checked now
     compile_started = time.time()
     if compiled_step is None and layer_choice.applies(config, run.rt.backend):  # remat by compiled memory (GPU, TPU)
         choice = layer_choice.choose_on_devices(run, lambda plan: builder.build(config, layer_plan=plan))
@@ -117,7 +115,7 @@ def main(argv: list[str]) -> RunResult:
                                       hooks, reporter, Preemption(), log)
         writer.close()
         inputs.close()  # stops background cache building; finished shards stay
-        sample = None if preempted else greedy_sample(run, state, inputs.tokenizer, sample_prompt)
+        sample = None if preempted else end_sample.greedy(run, state, inputs.tokenizer, sample_prompt, log)
     log(f"done in {time.time() - started:.1f}s")
     return RunResult(config, state, evaluation.losses, evaluation.metrics, sample, preempted)
 
@@ -134,30 +132,6 @@ def peak_tflops(config) -> float | None:
     if peak is None:
         log("MFU: unknown peak for this device; set peak_tflops_per_device=<dense TFLOP/s per device> to report it")
     return peak
-
-
-def sample_prompt_ids(config, tokenizer) -> list[int]:
-    """The ids of `prompt` for the end-of-run sample ([] when none is made: max_new_tokens=0 or no tokenizer);
-    a prompt that gives no tokens or is longer than max_target_length is refused before training."""
-    if config.max_new_tokens <= 0 or tokenizer is None:
-        return []
-    try:
-        return tokenizer_lib.checked_prompt_ids(tokenizer, config.prompt, max_length=config.max_target_length)
-    except config_lib.ConfigError as e:
-        raise config_lib.ConfigError(f"{e} (it is the prompt of the greedy sample after training; max_new_tokens=0 "
-                                     "skips the sample)") from None
-
-
-def greedy_sample(run, state, tokenizer, prompt: list[int]) -> str | None:
-    """max_new_tokens greedy tokens after `prompt`'s ids (None when no sample is made: no ids)."""
-    config = run.config
-    if not prompt:
-        return None
-    new = sampling.generate(run.model_params(state), prompt, run.model, run.rt, max_new_tokens=config.max_new_tokens,
-                            eos_id=tokenizer.eos_ids)
-    sample = sampling.trim_sample(config.prompt + tokenizer.decode(new))  # not the blank lines after its end
-    log(f"greedy sample from {config.prompt!r}:\n{sample}")
-    return sample
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@
     optimizer.py    the optax chain, schedules, which leaves train
     precision.py    the float16 loss scale
     loop.py         dispatch step n+1, report step n; hooks for checkpoints, evaluations, heatmaps, profiles
+    end_sample.py   the greedy sample a run prints at its end (its prompt checked before training)
     preemption.py   SIGTERM: save the current step and stop
     host_memory.py  a CPU step's buffers on huge pages and kept between steps
     measure.py      a step as train.py builds it, timed (benchmark.py, gpu_report.py); loss and grads compared

@@ -613,3 +613,11 @@ def test_no_module_hides_a_module_it_imports():
         defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
         found += [f"{os.path.relpath(path, REPO)}: {name}" for name in sorted(imported & defined)]
     assert not found, "these definitions hide an import of the same name: " + ", ".join(found)
+
+
+def test_commands_are_thin():
+    """A command parses, builds, runs and prints: what it computes lives in the package (compile/, training/,
+    gpu_check/), so each command module stays under 150 lines."""
+    long = {c: n for c in COMMANDS
+            if (n := sum(1 for _ in open(os.path.join(PACKAGE, f"{c}.py"), encoding="utf-8"))) > 150}
+    assert not long, f"commands over 150 lines: {long}; move what they compute into the package"
