@@ -75,7 +75,7 @@ _CHUNK_CASES = [  # each length and window once, the two head layouts alternatin
 
 
 @pytest.mark.parametrize("t,window,n,g,cap", slow_params(
-    _CHUNK_CASES, {"100-0-2-2-3.0", "100-500-4-2-0.0"}, ids=["-".join(map(str, c)) for c in _CHUNK_CASES]))
+    _CHUNK_CASES, {"100-0-2-2-3.0", "100-500-4-2-0.0", "100-30-2-2-3.0", "64-0-4-2-0.0"}, ids=["-".join(map(str, c)) for c in _CHUNK_CASES]))
 def test_causal_chunks_match_one_masked_call(t, window, n, g, cap):
     b, h = 2, 16
     q, k, v, cotangent = _qkv(b, t, n, g, h, seed=t + window)

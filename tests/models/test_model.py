@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import BASE_YML, TINY
+from conftest import BASE_YML, TINY, slow_params
 
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
@@ -170,7 +170,8 @@ def test_segments_scan_repeating_groups():
     assert [(seg.start, len(seg.period), seg.repeats) for seg in decoder.plan_segments(dense_first)] == [(0, 1, 1), (1, 1, 7)]
 
 
-@pytest.mark.parametrize("family, layers", [("gemma3", 8), ("gemma2", 5), ("mistral", 3)])
+@pytest.mark.parametrize("family, layers", slow_params([("gemma3", 8), ("gemma2", 5), ("mistral", 3)], {"gemma3-8"},
+                                                  ids=["gemma3-8", "gemma2-5", "mistral-3"]))
 def test_mixed_layer_stacks_scan_like_unrolled(family, layers):
     """Sliding and global layers under scan (groups + remainder) give the unrolled stack's logits."""
     cfg, rt, params = setup(f"decoder_block={family}", f"base_num_decoder_layers={layers}", "sliding_window_size=5",

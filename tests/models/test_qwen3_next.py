@@ -35,6 +35,7 @@ def forward(cfg, rt, params, tokens, segment_ids):
     return Model.bind(cfg).forward(params, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(segment_ids), rt)[0]
 
 
+@pytest.mark.slow  # ~15 s on 2 cores (2026-11-29): over the default run's share
 def test_a_packed_row_is_its_documents_apart():
     """The convolution and the delta rule's state restart at each document, as attention's mask does."""
     cfg, rt, params = setup()
