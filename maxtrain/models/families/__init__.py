@@ -1,15 +1,17 @@
-"""The model families, one module each, named by config/registry.py: `FAMILIES["llama"]` is llama.py's MODEL.
+"""The model families, one folder each, named by config/registry.py: `FAMILIES["llama"]` is llama/'s MODEL.
 
-A family module holds what is particular to one family and nothing else: its parameter declarations
-(`param_specs`), its layer composition (`layer_types`, `layer`), its Hugging Face name mapping
-(`HF_NAMES`, `from_hf_config`, `to_hf_config`) and its FLOPs per token, and ends by writing them into
-its `MODEL`, a models/contract.FamilyModel (the one type the rest of maxtrain sees). Its registry row
-(`FAMILY`) gives its decoder_block name, Hugging Face model_type and architecture, its settings and rules.
-A family module never imports another: what families share lives in models/ (standard_layers, blocks,
-moe, mla, hf); tests/house/test_house.py checks it.
+A family's folder holds what is particular to it and nothing else. Its `__init__.py` is the family's module:
+its parameter declarations (`param_specs`), its layer composition (`layer_types`, `layer`), its Hugging Face
+name mapping (`HF_NAMES`, `from_hf_config`, `to_hf_config`) and its FLOPs per token, ending in its `MODEL`,
+a models/contract.FamilyModel (the one type the rest of maxtrain sees). Beside it: what only it uses (its own
+blocks, routers, Hugging Face layouts in `hf_layouts.py`). Its registry row (`FAMILY`) gives its decoder_block
+name, Hugging Face model_type and architecture, its settings and rules. A family never imports another: what
+families share lives in models/ (standard_layers, blocks, hf, attention/, moe/, recurrent/), and a shared
+module one family alone imports moves into it; tests/house/test_house.py checks both.
 
-Adding a family: a row in maxtrain/config/registry.py, a module here ending in its MODEL, presets in
-configs/models/ and a parity test against transformers (tests/models/test_families.py).
+Adding a family: a row in maxtrain/config/registry.py, a folder here whose __init__ ends in its MODEL (and its
+line in pyproject.toml's packages), presets in configs/models/ and a parity test against transformers
+(tests/models/test_families.py).
 """
 
 from __future__ import annotations
