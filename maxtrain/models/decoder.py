@@ -42,7 +42,7 @@ from maxtrain.parallel import sharding
 from maxtrain.models import mtp, ops
 from maxtrain.parallel import stages as pipeline_stages
 from maxtrain.models import rope as rope_lib
-from maxtrain.models.aux_names import PER_LAYER, STEP_STATS, per_layer_name  # noqa: F401 (read as decoder.*)
+from maxtrain.models.aux_names import PER_LAYER, STEP_STATS, per_layer_name
 from maxtrain.models.blocks import LayerInputs
 from maxtrain.models.layers import LayerType
 from maxtrain.models.runtime import REMAT_POLICIES

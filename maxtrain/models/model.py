@@ -111,5 +111,5 @@ class Model:
     def update_outside_gradient(self, params, old_params, step_stats: dict):
         """The state a train step changes outside the gradient, after the optimizer's update (the MoE
         router's selection bias, models/moe/sigmoid_groups.py), from the step's statistics (aux entries named
-        decoder.STEP_STATS)."""
+        models/aux_names.STEP_STATS)."""
         return sigmoid_groups.update_router_bias(params, old_params, step_stats, self.config, self.layer_types)

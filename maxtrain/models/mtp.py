@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.models import blocks, ops
+from maxtrain.models.aux_names import PER_LAYER
 from maxtrain.models.params import dense, stacked
 from maxtrain.parallel.sharding import shard
 
@@ -71,7 +72,7 @@ def loss(x, mtp_params: dict, batch: dict, config, rt, *, embed, block, head_los
         h = shard(ops.dense(both, p["eh_proj"].astype(rt.dtype), backend=rt.backend), ("batch", "length", "embed"))
         h, aux = block(h, {n: v for n, v in p.items() if n not in PER_MODULE})
         for name, value in aux.items():
-            if not name.startswith("per_layer/"):  # decoder.PER_LAYER: per-layer figures of the main stack only
+            if not name.startswith(PER_LAYER):  # per-layer figures of the main stack only
                 aux_sum[name] = aux_sum[name] + value if name in aux_sum else value
         weights = part["loss_weights"]
         ce_sum = ce_sum + head_loss(p["final_norm"], h, part["targets"], weights) / jnp.maximum(jnp.sum(weights), 1.0)

@@ -53,7 +53,7 @@ E sum_e f_e P_e (f_e: fraction of tokens routed to e among their K, P_e: mean ro
 Switch / Mixtral form, K when balanced) and `moe_z_loss` = router_z_loss_weight x mean(logsumexp(logits)^2)
 (ST-MoE), each divided by the number of MoE layers so that the stack's sum is their mean; with
 capacity dispatch `moe_dropped_fraction` (of the real pairs, also a mean over MoE layers); and per
-layer (decoder.PER_LAYER) the smallest and largest share of the routed pairs any expert took,
+layer (aux_names.PER_LAYER) the smallest and largest share of the routed pairs any expert took,
 `moe_load_min` and `moe_load_max` (1 / E each when balanced). All are statistics of the whole
 micro-batch, summed across devices.
 """

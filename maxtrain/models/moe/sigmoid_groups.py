@@ -106,7 +106,7 @@ def sequence_balance_sums(probs, experts, real, s) -> dict:
 def update_router_bias(params: dict, old_params: dict, stats: dict, config, layer_types) -> dict:
     """`params` (the optimizer's new ones) with each MoE layer's router_bias set to old_params' moved by the
     sign rule (above) from the step's expert counts, `stats` = {"step_stats/moe_expert_counts/layer_<i>": [E]}
-    (decoder.STEP_STATS, summed over the step's micro-batches). Without counts (routed_bias_update_rate =
+    (aux_names.STEP_STATS, summed over the step's micro-batches). Without counts (routed_bias_update_rate =
     0) the bias stays as old_params have it: the optimizer's update of it (weight decay) is discarded. The MTP
     modules' bias (params["mtp"]) always stays as old_params have it."""
     if "router_bias" in params.get("mtp", {}):  # the MTP modules' bias (models/mtp.py) stays as loaded
