@@ -33,7 +33,7 @@ from maxtrain.data import pipeline
 from maxtrain.errors import run_cli
 from maxtrain.observability import metrics
 from maxtrain.parallel import distributed, sharding
-from maxtrain.training import builder, end_sample, grpo, host_memory, layer_choice, loop, rewards
+from maxtrain.training import builder, end_sample, grpo, host_memory, layer_choice, loop, on_policy, rewards
 from maxtrain.training.loop import RunResult, TrainingError  # noqa: F401 (TrainingError: the run's own errors)
 from maxtrain.training.preemption import Preemption
 
@@ -53,8 +53,9 @@ def main(argv: list[str]) -> RunResult:
     host_memory.keep_step_buffers(config)  # a small CPU step's buffers kept between steps; before JAX starts
     metrics.check_outputs(config)  # a metrics_file or run directory that cannot be written: refused now
     # GRPO's reward functions: imported and their signatures checked now (called on made-up completions below)
-    sampled = config_lib.objectives.of(config).samples  # GRPO: completions sampled and scored as it trains
-    reward_functions = rewards.load(config.grpo_reward_functions) if sampled else None
+    sampled = config_lib.objectives.of(config).samples  # GRPO, distill_on_policy: completions sampled as it trains
+    rewarded = config_lib.objectives.rewarded(config)  # GRPO: and scored by reward functions
+    reward_functions = rewards.load(config.grpo_reward_functions) if rewarded else None
     joining = distributed.settings(config)  # the processes the config or the environment names: None for one
     config_lib.objectives.one_process_only(config, 1 if joining is None else joining.get("num_processes", 2),
                                            "" if joining is None or joining else "the environment names a cluster")
@@ -76,7 +77,7 @@ def main(argv: list[str]) -> RunResult:
         checkpointer.close()
         return RunResult(config, nothing_to_train=True)
     inputs = data_lib.make_inputs(config, log=log)  # the data kind of the objective's row; checked before compiling
-    if sampled:  # GRPO's reward functions called on made-up completions of its first prompts (training/grpo.py)
+    if rewarded:  # GRPO's reward functions called on made-up completions of its first prompts (training/grpo.py)
         inputs = grpo.with_rewards(config, inputs, reward_functions, log=log)
     task_evals = evals.from_config(config, inputs.tokenizer, mesh, run.rt, log=log)  # data checked, requests packed
     sample_prompt = end_sample.prompt_ids(config, inputs.tokenizer)  # the end-of-run sample's prompt, checked now
@@ -96,8 +97,9 @@ def main(argv: list[str]) -> RunResult:
         state = checkpoint_manager.initial_state(start, checkpointer, run.abstract_state, run.init,
                                              jax.random.key(config.seed), inputs.train_iterator, log=log)
         if sampled:  # each step samples completions of a prompt batch, then updates on them
-            step_fn, batches = grpo.Step(run, step_fn, inputs), iter(inputs.train_iterator)
-            evaluation = grpo.HeldOut(run, inputs, writer, log)
+            rollouts = grpo if rewarded else on_policy  # on_policy: the teacher scores them (distill_on_policy)
+            step_fn, batches = rollouts.Step(run, step_fn, inputs), iter(inputs.train_iterator)
+            evaluation = rollouts.HeldOut(run, inputs, writer, log)
         else:
             batches = (pipeline.to_global(batch, mesh, rules) for batch in inputs.train_iterator)
             evaluation = loop.EvalLoss(config, run.eval_step, lambda: eval_batches(run, inputs), writer, log)

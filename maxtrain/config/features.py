@@ -66,9 +66,18 @@ def _family_features() -> tuple[Feature, ...]:
 
 
 def _objective_features() -> tuple[Feature, ...]:
-    """One row per objective with keys of its own, then the keys of the data kinds read through a chat template."""
-    rows = [Feature(f"objective={o.name}", lambda v, name=o.name: v["objective"] == name, o.keys, fix=o.fix,
-                    state="objective") for o in objectives.OBJECTIVES.values() if o.keys]
+    """One row per set of objectives that read the same keys (most keys one objective's alone; distill_teacher_path
+    distill's and distill_on_policy's), then the keys of the data kinds read through a chat template."""
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for o in objectives.OBJECTIVES.values():
+        for key in o.keys:
+            readers = tuple(r.name for r in objectives.OBJECTIVES.values() if key in r.keys)
+            if key not in groups.setdefault(readers, []):
+                groups[readers].append(key)
+    fixes = {o.name: o.fix for o in objectives.OBJECTIVES.values()}
+    rows = [Feature("objective=" + " or ".join(names), lambda v, names=names: v["objective"] in names, tuple(keys),
+                    fix=fixes[names[0]] if len(names) == 1 else "", state="objective")
+            for names, keys in groups.items()]
     def reading(kinds):  # "sft, dpo or distill with distill_data=conversations": the objectives that read these kinds
         names = [o.name + ("" if o.data[0] in kinds else f" with {o.data_key}={next(k for k in o.data if k in kinds)}")
                  for o in objectives.OBJECTIVES.values() if set(o.data) & set(kinds)]

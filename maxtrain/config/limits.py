@@ -61,6 +61,12 @@ def sampler_choices(v: dict[str, Any]) -> str | None:
 
 def _grpo_samples_different_completions(v):
     why = sampler_choices(v) if objectives.of(v).samples else None
+    if why and not objectives.rewarded(v):  # distill_on_policy: its loss is at the sampler's temperature
+        raise ConfigError(f"objective={v['objective']} samples the student's completions with {why}; the reverse KL "
+                          "is taken between the student's and the teacher's softmax(logits / T) at the sampler's "
+                          "temperature T, the distribution the completions are drawn from. Set "
+                          "decode_sampling_strategy=weighted and decode_sampling_temperature >= "
+                          f"{MIN_SAMPLING_TEMPERATURE} (1.0 is usual)")
     if why:
         raise ConfigError(f"objective={v['objective']} samples each prompt's completions with {why}; a prompt's "
                           "completions would all be the same and teach nothing (zero advantage). Set "
@@ -71,7 +77,7 @@ def _grpo_samples_different_completions(v):
 # What a sequence of max_target_length tokens must hold: (key, whether it applies, the least length, why).
 LENGTH_NEEDS = (
     ("max_prefill_predict_length", lambda v: objectives.of(v).samples, lambda v: v["max_prefill_predict_length"] + 1,
-     "GRPO's prompts are left-padded to max_prefill_predict_length tokens and completions get the rest of the "
+     "GRPO's (and distill_on_policy's) prompts are left-padded to max_prefill_predict_length tokens and completions get the rest of the "
      "sequence, so this leaves no room for a completion"),
     ("mtp_num_layers", lambda v: v["mtp_num_layers"] > 0, lambda v: v["mtp_num_layers"] + 1,
      "multi-token prediction module k predicts token i + k + 1 from position i (models/mtp.py): with fewer tokens "

@@ -80,9 +80,15 @@ def _grpo_settings(v):
 
 def _distillation_settings(v):
     """Distillation needs its teacher (its checkpoint is read later: training/distillation.adopt_teacher)."""
-    _require(bool(v["distill_teacher_path"]), "objective=distill needs a teacher: set distill_teacher_path=<a "
+    _require(bool(v["distill_teacher_path"]), f"objective={v['objective']} needs a teacher: set distill_teacher_path=<a "
                                               "checkpoint step dir or run dir> (scripts/convert_hf.py imports a "
                                               "Hugging Face model as one)")
+
+
+def _on_policy_settings(v):
+    """On-policy distillation (training/on_policy.py) samples its prompts over and over, as GRPO does."""
+    _require(v["num_epoch"] == -1, f"objective=distill_on_policy repeats its prompts (num_epoch=-1), but num_epoch="
+                                   f"{v['num_epoch']}; bound the run with steps instead")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +139,18 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
               shown=("distill_alpha", "distill_temperature"),
               fix="set objective=distill (with distill_teacher_path=<the teacher's checkpoint>)",
               checks=(_distillation_settings,), data_key="distill_data", old_key="use_distillation"),
+    # On-policy distillation (Agarwal et al. 2024; TRL's DistillationTrainer at beta=1; Thinking Machines 2025): a row
+    # of its own rather than a switch of distill's, because every field of the row differs from distill's: the data
+    # kind (prompts, not text), sampling as it trains, the keys it reads (GRPO's prompt length and generations, not
+    # distill_alpha / distill_data / distill_temperature: the loss's temperature is the sampler's, as in TRL), so
+    # features.py refuses the keys that do nothing from the rows alone. training/on_policy.py is its step.
+    Objective("distill_on_policy", (PROMPTS,), {PROMPTS: (("prompt", "answer"), ("prompt",))},
+              "towards a frozen teacher on completions the student samples as it trains: reverse KL per token",
+              frozen="teacher", samples=True, next_token=False, pipeline=False, processes=False,
+              keys=("distill_teacher_path", "num_generations", "max_prefill_predict_length"),
+              shown=("num_generations",),
+              fix="set objective=distill_on_policy (with distill_teacher_path=<the teacher's checkpoint>)",
+              checks=(_distillation_settings, _on_policy_settings)),
 )}
 NAMES = tuple(OBJECTIVES)  # base.yml's `{$objectives}`
 OLD_KEYS = {o.old_key: o.name for o in OBJECTIVES.values() if o.old_key}
@@ -146,6 +164,11 @@ def of(v) -> Objective:
 def data_kind(v) -> str:
     """What the run reads: TEXT, CONVERSATIONS, PAIRS or PROMPTS."""
     return of(v).data_kind(v)
+
+
+def rewarded(v) -> bool:
+    """Whether the run's sampled completions are scored by reward functions (GRPO), not by a teacher."""
+    return of(v).samples and "grpo_reward_functions" in of(v).keys
 
 
 def holds_frozen(v) -> bool:

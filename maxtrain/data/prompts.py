@@ -50,10 +50,10 @@ class ToPrompt:
         where, record = located
         missing = [c for c in self.columns if c not in record or record[c] is None]
         if missing:
-            raise DataError(f"{where}: a GRPO row needs {self.columns[0]!r} and {self.columns[1]!r}, but "
+            raise DataError(f"{where}: a GRPO row needs {' and '.join(map(repr, self.columns))}, but "
                             f"{', '.join(map(repr, missing))} {'is' if len(missing) == 1 else 'are'} missing (the record "
                             f"has: {', '.join(map(str, record)) or 'no fields'}). Fix the row, or name the fields with "
-                            f"{self.key}=[prompt,answer] (your names)")
+                            f"{self.key}=[{','.join(('prompt', 'answer')[:len(self.columns)])}] (your names)")
         value = record[self.columns[0]]
         if isinstance(value, str):
             messages = [{"role": "user", "content": value}]
@@ -71,7 +71,7 @@ class ToPrompt:
             raise DataError(f"{where}: the prompt is {len(ids)} tokens, more than max_prefill_predict_length="
                             f"{self.length}; raise max_prefill_predict_length (and max_target_length with it: the "
                             "completion gets max_target_length - max_prefill_predict_length tokens) or shorten the prompt")
-        answer = record[self.columns[1]]
+        answer = record[self.columns[1]] if len(self.columns) > 1 else ""  # distill_on_policy may read prompts alone
         return Prompt(ids, text, answer if isinstance(answer, str) else json.dumps(answer))
 
     def __call__(self, located) -> dict:

@@ -9,6 +9,13 @@ at temperature T and mixing weight alpha:
     ce  = logsumexp(s) - s[target]                               the next-token loss, at temperature 1
     loss = sum_t w_t (alpha T^2 kl_t + (1 - alpha) ce_t)
 
+On-policy distillation (objective=distill_on_policy: training/on_policy.py samples the rows) minimizes
+instead, on the student's own completions, the reverse divergence over the whole vocabulary
+
+    loss = sum_t w_t sum_v q_T[v] (log q_T[v] - log p_T[v])      KL(student || teacher), `reverse_terms`
+
+with T the sampler's temperature and no T^2 (TRL's DistillationTrainer at beta=1).
+
 The T^2 keeps the KL term's gradient (alpha T (q_T - p_T) per logit) of the same size as the
 next-token loss's when T changes. alpha = 0 is the plain next-token loss; alpha = 1 learns from the
 teacher alone. The teacher never gets a gradient (stop_gradient on its logits).
@@ -44,10 +51,33 @@ def mix(kl_sum, ce_sum, alpha: float, temperature: float):
     return alpha * temperature ** 2 * kl_sum + (1.0 - alpha) * ce_sum
 
 
+def reverse_terms(student_logits, teacher_logits, targets, weights, temperature: float):
+    """(sum of w x KL(student || teacher), sum of w x the student's entropy) over tokens, float32, both models'
+    distributions softmax(logits / T) over the whole vocabulary; on-policy distillation's per-token loss
+    (objective=distill_on_policy). `targets` (the sampled tokens) are not read: the divergence is exact over the
+    vocabulary, not estimated from the sampled token. The entropy is a metric (no gradient)."""
+    del targets
+    weights = weights.astype(jnp.float32)
+    teacher_log_p = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits).astype(jnp.float32) / temperature, -1)
+    student_log_q = jax.nn.log_softmax(student_logits.astype(jnp.float32) / temperature, axis=-1)
+    q = jnp.exp(student_log_q)
+    kl = jnp.sum(q * (student_log_q - teacher_log_p), axis=-1)
+    entropy = jax.lax.stop_gradient(-jnp.sum(q * student_log_q, axis=-1))
+    return jnp.sum(kl * weights), jnp.sum(entropy * weights)
+
+
 def loss_fn(model, params, teacher, teacher_params, batch: dict, rt, alpha: float, temperature: float):
     """(mixed loss sum, weight sum, the student's aux, kl sum, ce sum), float32, of the bound student `model`
     and `teacher` (models/model.py). The teacher runs with the student's runtime choices; its aux (a mixture
     of experts' balance losses) is dropped."""
+    (kl_sum, ce_sum), weight, aux = sums(model, params, teacher, teacher_params, batch, rt,
+                                         lambda *a: terms(*a, temperature))
+    return mix(kl_sum, ce_sum, alpha, temperature), weight, aux, kl_sum, ce_sum
+
+
+def sums(model, params, teacher, teacher_params, batch: dict, rt, chunk_sums):
+    """(the two sums of chunk_sums(student logits, teacher logits, targets, weights) over the batch, weight sum,
+    the student's aux): both models' logits made chunk by chunk with num_vocab_tiling > 1 (see above)."""
     cp = sharding.ways("length")
     if cp > 1:  # sums over tokens do not depend on their order (decoder.loss_fn)
         batch = context_parallel.to_layout(batch, cp)
@@ -63,13 +93,13 @@ def loss_fn(model, params, teacher, teacher_params, batch: dict, rt, alpha: floa
     def chunk_terms(h, xs, xt, tc, wc):
         student_logits = model.family.logits(h, xs, model.config, rt)
         teacher_logits = teacher.family.logits(teacher_head, xt, teacher.config, rt)
-        return terms(student_logits, teacher_logits, tc, wc, temperature)
+        return chunk_sums(student_logits, teacher_logits, tc, wc)
 
     if rt.vocab_tiles > 1:
-        kl_sum, ce_sum = tiled(chunk_terms, head, (x, x_teacher, batch["targets"], weights), rt.vocab_tiles)
+        both = tiled(chunk_terms, head, (x, x_teacher, batch["targets"], weights), rt.vocab_tiles)
     else:
-        kl_sum, ce_sum = chunk_terms(head, x, x_teacher, batch["targets"], weights)
-    return mix(kl_sum, ce_sum, alpha, temperature), jnp.sum(weights), aux, kl_sum, ce_sum
+        both = chunk_terms(head, x, x_teacher, batch["targets"], weights)
+    return both, jnp.sum(weights), aux
 
 
 def tiled(chunk_terms, head, per_token: tuple, tiles: int):

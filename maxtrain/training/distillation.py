@@ -49,9 +49,10 @@ def adopt_teacher(config, log=print):
             f"tokenizer and vocab_size={teacher['vocab_size']} for the student)")
     config = type(config)({**config.to_dict(), KEY: teacher})
     t = teacher_config(config)
+    offline = "distill_alpha" in config_lib.objectives.of(config).keys  # distill_on_policy reads neither key
     log(f"distillation teacher: {step_dir} ({t.decoder_block}, {Model.bind(t).num_params / 1e6:,.2f}M params, "
-        f"{t.base_num_decoder_layers} layers, D {t.base_emb_dim})  alpha {config.distill_alpha:g}  "
-        f"temperature {config.distill_temperature:g}")
+        f"{t.base_num_decoder_layers} layers, D {t.base_emb_dim})"
+        + (f"  alpha {config.distill_alpha:g}  temperature {config.distill_temperature:g}" if offline else ""))
     return config
 
 

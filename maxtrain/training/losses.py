@@ -28,6 +28,11 @@ Metrics are means over the micro-batch's weight, reported as `learning/<name>` (
           cross-entropy (models/distill.py); the weight is the number of weighted targets. Both parts
           are reported, as means per target: distill_kl and distill_ce (the student's next-token loss,
           comparable with an lm run's loss).
+    distill_on_policy  on-policy distillation (Agarwal et al. 2024; Thinking Machines 2025): rows are prompt
+          + a completion the student sampled (training/on_policy.py), loss_weights 1 on the completion's tokens;
+          per weighted target KL(student || teacher) over the whole vocabulary, both at the sampler's
+          temperature (models/distill.reverse_terms); the weight is the number of completion tokens, so the
+          batch's loss is the mean over them, as TRL's DistillationTrainer (beta=1) reduces it.
     grpo  group relative policy optimization (Shao et al. 2024, DeepSeek-R1) on completions the
           policy sampled (training/grpo.py). A row is prompt + one completion; loss_weights are 1 on
           the completion's tokens (through its stop token) and 0 on the prompt and padding;
@@ -72,10 +77,10 @@ def make(config, model: Model, rt: Runtime):
     """The run's objective for `model` (the run's bound model; config: its settings, model.config with the
     devices' values): fn(params, batch, reference) -> (loss sum, weight sum, metrics)."""
     kind = name(config)
-    if kind == "distill":
-        teacher = distillation.teacher_model(config)
-        return lambda params, batch, teacher_params: distill(params, batch, teacher_params, model, teacher, rt)
     loss = LOSSES[kind]
+    if config_lib.objectives.of(config).frozen == "teacher":  # distill, distill_on_policy: a model of its own
+        teacher = distillation.teacher_model(config)
+        return lambda params, batch, teacher_params: loss(params, batch, teacher_params, model, teacher, rt)
     return lambda params, batch, reference: loss(params, batch, reference, model, rt)
 
 
@@ -162,6 +167,19 @@ def distill(params, batch: dict, teacher_params, model: Model, teacher: Model, r
                                                             config.distill_alpha, config.distill_temperature)
     per_target = jnp.maximum(weight, 1.0)
     return loss, weight, {**aux, "distill_kl": kl_sum / per_target, "distill_ce": ce_sum / per_target}
+def distill_on_policy(params, batch: dict, teacher_params, model: Model, teacher: Model, rt):
+    """(sum over the sampled completions' tokens of KL(student || teacher) over the vocabulary, their number,
+    metrics): on-policy distillation's loss (models/distill.reverse_terms), both models' logits at the sampler's
+    temperature, the distribution the student drew the completions from; the teacher is never differentiated.
+    The train step divides by the batch's completion tokens: TRL's DistillationTrainer (beta=1) normalization."""
+    temperature = sampling.sampling_settings(model.config)["temperature"]
+    (kl_sum, entropy_sum), weight, aux = distill_lib.sums(
+        model, params, teacher, teacher_params, batch, rt,
+        lambda s, u, targets, w: distill_lib.reverse_terms(s, u, targets, w, temperature))
+    per_token = jnp.maximum(weight, 1.0)
+    return kl_sum, weight, {**aux, "distill_reverse_kl": kl_sum / per_token, "distill_entropy": entropy_sum / per_token}
+
+
 def grpo_token_loss(log_probs, old_log_probs, ref_log_probs, advantages, beta: float, epsilon: float):
     """Per-token GRPO loss [..., T] and its parts (the policy term's clipped flag, k3); ref_log_probs
     is None when beta is 0."""
@@ -203,4 +221,5 @@ def grpo(params, batch: dict, reference, model: Model, rt):
 
 # Each objective row's loss (config/objectives.py declares the rows; tests/training/test_objectives.py checks that every
 # row has one). distill's also needs the teacher's config: make builds it.
-LOSSES = {"lm": _next_token, "sft": _next_token, "dpo": dpo, "grpo": grpo, "distill": distill}
+LOSSES = {"lm": _next_token, "sft": _next_token, "dpo": dpo, "grpo": grpo, "distill": distill,
+          "distill_on_policy": distill_on_policy}

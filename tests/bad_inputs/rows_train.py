@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from bad_inputs.world import *  # noqa: F401,F403  pylint: disable=wildcard-import,unused-wildcard-import
 
+# an on-policy distillation run's settings (its data files are never read: every row stops at the config)
+OPD = ["distill_teacher_path={run}", "objective=distill_on_policy", "dataset_type=jsonl", "grain_train_files=x.jsonl",
+       "train_data_columns=[prompt]", "decode_sampling_strategy=weighted"]
+
 ROWS = [
     # train: config keys and values
     Row("unknown-key", T, [B, "base_emb_dimm=64"], r"unknown config key 'base_emb_dimm': did you mean base_emb_dim\?"),
@@ -237,6 +241,26 @@ ROWS = [
                                            "run_name=new", "base_output_directory={scratch}"],
         r"the teacher .*/run/checkpoints/4 predicts a vocabulary of 512 tokens and the student 256; .* same tokenizer",
         tiny=True),
+    # train: on-policy distillation (docs/post_training.md, "On-policy distillation"): keys that do nothing there, and
+    # a run without prompt data, refused before any data or compile work
+    Row("opd-no-teacher", T, [B, *OPD[1:]], r"objective=distill_on_policy needs a teacher: set distill_teacher_path="),
+    Row("opd-distill-alpha", T, [B, *OPD, "distill_alpha=0.3"], r"distill_alpha=0.3 does nothing without "
+        r"objective=distill \(here objective=distill_on_policy\): set objective=distill .*, or drop distill_alpha"),
+    Row("opd-distill-data", T, [B, *OPD, "distill_data=conversations"], r"distill_data='conversations' does nothing "
+        r"without objective=distill \(here objective=distill_on_policy\)"),
+    Row("opd-distill-temperature", T, [B, *OPD, "distill_temperature=2"], r"distill_temperature=2.0 does nothing "
+        r"without objective=distill \(here objective=distill_on_policy\)"),
+    Row("opd-grpo-beta", T, [B, *OPD, "grpo_beta=0.1"], r"grpo_beta=0.1 does nothing without objective=grpo "
+        r"\(here objective=distill_on_policy\)"),
+    Row("opd-without-prompt-data", T, [B, "objective=distill_on_policy", "distill_teacher_path={run}",
+                                       "decode_sampling_strategy=weighted"],
+        r"objective=distill_on_policy reads jsonl or parquet files, but dataset_type=.*; set dataset_type=jsonl"),
+    Row("opd-greedy-sampler", T, [B, *OPD[:-1]], r"objective=distill_on_policy samples the student's completions with "
+        r"decode_sampling_strategy=greedy.* Set decode_sampling_strategy=weighted"),
+    Row("opd-prompt-length-under-offline-distill", T, [B, "objective=distill", "distill_teacher_path={run}",
+                                                       "max_prefill_predict_length=32"],
+        r"max_prefill_predict_length=32 does nothing without objective=grpo or distill_on_policy \(here "
+        r"objective=distill\)"),
     # train: YAML files
     Row("yaml-missing", T, ["{scratch}/none.yml"], r"config file '.*/none.yml' does not exist"),
     Row("yaml-empty", T, ["{scratch}/my.yml"], r"config file '.*/my.yml' is empty", setup=yaml_file("")),

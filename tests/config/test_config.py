@@ -196,7 +196,8 @@ def test_a_setting_of_a_feature_that_is_off_is_refused(feature, key):
     (["objective=sft", "dataset_type=jsonl", "grain_train_files=x.jsonl", "dpo_beta=0.3"],
      r"dpo_beta=0.3 does nothing without objective=dpo \(here objective=sft\)"),
     (["chat_template=chatml"], r"chat_template='chatml' does nothing without records rendered with a chat template "
-                               r"\(objective=sft, dpo, grpo or distill with distill_data=conversations\) \(here objective=lm\)"),
+                               r"\(objective=sft, dpo, grpo, distill with distill_data=conversations or distill_on_policy\) "
+                               r"\(here objective=lm\)"),
     (["objective=distill", "distill_teacher_path=t", "sft_train_on_completion_only=false"],
      r"sft_train_on_completion_only=false does nothing without conversations \(objective=sft or distill with "
      r"distill_data=conversations\) \(here objective=distill\)"),
