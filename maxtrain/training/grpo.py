@@ -137,7 +137,7 @@ def assemble(prompt_ids: list, tokens: np.ndarray, log_probs: np.ndarray, kept: 
         for i in range(n):
             m = len(prompt_ids[i]) + int(kept[i]) - 1
             batch["routed_experts"][i, :m] = routing[i][:m]
-    return {k: v.reshape(shape + (length,)) for k, v in batch.items()}
+    return {k: v.reshape(shape + v.shape[1:]) for k, v in batch.items()}
 
 
 def left_padded(prompts: list, length: int) -> tuple[np.ndarray, np.ndarray]:
