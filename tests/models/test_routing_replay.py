@@ -124,7 +124,7 @@ def test_routing_replay_gives_the_router_a_gradient(tmp_path):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-7)
 
 
-@pytest.mark.parametrize("scan", slow_params([True, False], {"True"}))
+@pytest.mark.parametrize("scan", slow_params([True, False], {"False"}))
 def test_recorded_experts_follow_the_layers_under_scan_and_unrolled(tmp_path, scan):
     """A stack of dense and MoE layers (every other layer MoE): the sampler's recording is per MoE layer in
     order, and replaying a permutation of it reaches the layer it names."""
