@@ -78,6 +78,21 @@ def _grpo_settings(v):
              "grpo_reward_functions is empty; name at least one, e.g. [exact_match]")
 
 
+GRPO_ROUTING_KEYS = ("grpo_routing_replay",)  # routing replay (models/moe/replay.py)
+
+
+def _grpo_routing_settings(v):
+    """Routing replay needs experts to replay, and runs without pipeline stages (the recorded experts are not yet
+    split over stages)."""
+    if not v["grpo_routing_replay"]:
+        return
+    _require(v["num_experts"] > 1, f"grpo_routing_replay=true replays the experts a mixture-of-experts model chose, "
+                                   f"but num_experts={v['num_experts']} (a dense model); set grpo_routing_replay=false")
+    stages = v["ici_pipeline_parallelism"] * v["dcn_pipeline_parallelism"]
+    _require(stages == 1, f"grpo_routing_replay=true does not run in pipeline stages yet, but ici_pipeline_parallelism"
+                          f" x dcn_pipeline_parallelism = {stages}; set both to 1 (or grpo_routing_replay=false)")
+
+
 def _distillation_settings(v):
     """Distillation needs its teacher (its checkpoint is read later: training/distillation.adopt_teacher)."""
     _require(bool(v["distill_teacher_path"]), f"objective={v['objective']} needs a teacher: set distill_teacher_path=<a "
@@ -129,8 +144,8 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
               frozen="reference", frozen_unless_zero="grpo_beta", batch_keys=("advantages", "old_log_probs"),
               samples=True, next_token=False, processes=False,
               keys=("num_generations", "grpo_beta", "grpo_epsilon", "grpo_reward_functions",
-                    "max_prefill_predict_length"), shown=("num_generations", "grpo_beta", "grpo_epsilon"),
-              checks=(_grpo_settings,), old_key="use_grpo"),
+                    "max_prefill_predict_length") + GRPO_ROUTING_KEYS, shown=("num_generations", "grpo_beta", "grpo_epsilon"),
+              checks=(_grpo_settings, _grpo_routing_settings), old_key="use_grpo"),
     Objective("distill", (TEXT, CONVERSATIONS), {TEXT: ONE_TEXT_FIELD,
                                                  CONVERSATIONS: (("messages",), ("prompt", "completion"))},
               "towards a frozen teacher's next-token distributions, mixed with next-token prediction",

@@ -41,6 +41,8 @@ class LayerInputs(NamedTuple):
                               # row attends to [B] or None: left-padded prompts)
     per_layer: Any = None     # this layer's own input beside x (contract.FamilyModel.per_layer_inputs), or None
     state: Any = None         # what earlier layers handed on (contract.FamilyModel.layer_state), or None
+    routing: Any = None       # a mixture-of-experts layer's replayed experts [B, T, K] int32 (moe.block's routing:
+                              # the decoder slices them per layer from the forward's [L_moe, B, T, K]), or None
 
 
 # --------------------------------------------------------------------------------------------

@@ -139,6 +139,17 @@ def _segment_per_layer(per_layer, seg: Segment):
     return per_layer[seg.start:seg.start + size].reshape((seg.repeats, len(seg.period)) + per_layer.shape[1:])
 
 
+def _segment_routing(routing, types, seg: Segment):
+    """The segment's replayed experts [repeats, MoE layers per group, B, T, K] (of [L_moe, B, T, K], the MoE layers
+    in order), or None when none are replayed or the segment has no MoE layer."""
+    per_group = sum(t.is_moe for t in seg.period)
+    if routing is None or not per_group:
+        return None
+    first = sum(t.is_moe for t in types[:seg.start])  # the MoE layers before the segment
+    part = routing[first:first + per_group * seg.repeats]
+    return part.reshape((seg.repeats, per_group) + routing.shape[1:])
+
+
 def _layer_fn(model, lt: LayerType, rt, scan: bool):
     def fn(x, p, inputs):
         return model.family.layer(x, p, inputs, lt, model, rt)
@@ -147,14 +158,18 @@ def _layer_fn(model, lt: LayerType, rt, scan: bool):
     return jax.checkpoint(fn, policy=REMAT_POLICIES[rt.remat_policy], prevent_cse=not scan)
 
 
-def _run_group(model, period, carry, group_params, group_cache, group_per_layer, inputs: LayerInputs, rt, scan):
+def _run_group(model, period, carry, group_params, group_cache, group_per_layer, group_routing, inputs: LayerInputs,
+               rt, scan):
     """The layers of one group, unrolled: ((x, state), (aux summed over them, their PER_LAYER entries as
-    {(position in the group, name): value}, their new caches stacked or None)). `state`: what the layers
+    {(position in the group, name): value}, their new caches stacked or None, the experts their MoE layers
+    chose [MoE layers, B, T, K] when recording (rt.record_routing) or None)). `state`: what the layers
     hand on to later ones (contract.FamilyModel.layer_state; None without), read as inputs.state and
-    replaced by a layer's aux["state"]."""
+    replaced by a layer's aux["state"]. group_routing [MoE layers of the group, B, T, K]: their replayed
+    experts (LayerInputs.routing), or None."""
     family, config = model.family, model.config
     x, state = carry
-    aux_sum, per_layer, new_caches, taken, cached = {}, {}, {}, {}, {}
+    aux_sum, per_layer, new_caches, taken, cached, recorded = {}, {}, {}, {}, {}, []
+    moe_index = 0
     for j, lt in enumerate(period):
         i = taken.get(lt.kind, 0)
         taken[lt.kind] = i + 1
@@ -171,45 +186,53 @@ def _run_group(model, period, carry, group_params, group_cache, group_per_layer,
             layer_inputs = layer_inputs._replace(per_layer=group_per_layer[j])
         if state is not None:
             layer_inputs = layer_inputs._replace(state=state)
+        if group_routing is not None and lt.is_moe:
+            layer_inputs = layer_inputs._replace(routing=group_routing[moe_index])
+        moe_index += lt.is_moe
         x, aux = _layer_fn(model, lt, rt, scan)(x, p, layer_inputs)
         state = aux.pop("state", state)
+        if "routing" in aux:
+            recorded.append(aux.pop("routing"))
         if "cache" in aux:
             for name, value in zip(_cache_names(family, config, lt), aux.pop("cache")):
                 new_caches.setdefault(name, []).append(value)
         per_layer.update({(j, k): aux.pop(k) for k in [k for k in aux if k.startswith(PER_LAYER)]})
         aux_sum = _sum_aux(aux_sum, aux)
     stacked = {name: jnp.stack(parts) for name, parts in new_caches.items()} if new_caches else None
-    return (x, state), (aux_sum, per_layer, stacked)
+    return (x, state), (aux_sum, per_layer, stacked, jnp.stack(recorded) if recorded else None)
 
 
 def run_layers(model, layer_params: dict, x, inputs: LayerInputs, rt, scan: bool, types=None):
     """Runs every layer (or the layers `types` of one pipeline stage, whose parameters layer_params
     then holds). Returns (x, aux summed over layers plus the per-layer entries, the new decoding cache
-    {name: [layers having it, ...]} or None)."""
+    {name: [layers having it, ...]} or None). inputs.routing [L_moe, B, T, K]: the MoE layers' replayed
+    experts, each layer handed its own; with rt.record_routing, aux["routing"] [L_moe, B, T, K] is the experts
+    each MoE layer chose."""
     family, config = model.family, model.config
-    if (inputs.per_layer is not None or inputs.state is not None) and types is not None:
-        raise ValueError(f"{family.row.name}'s per-layer inputs and shared layer state do not run in pipeline stages "
-                         "yet; set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
+    if (inputs.per_layer is not None or inputs.state is not None or inputs.routing is not None) and types is not None:
+        raise ValueError(f"{family.row.name}'s per-layer inputs, shared layer state and routing replay do not run in "
+                         "pipeline stages yet; set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
+    routing, inputs = inputs.routing, inputs._replace(routing=None)  # each layer gets its own slice, below
     types = model.layer_types if types is None else types
     segments = plan_segments(types) if scan else [Segment(i, (t,), 1) for i, t in enumerate(types)]
     # Unrolled, each kind's stacks are cut into layers once (ops.unstack: their gradients stacked, not padded).
     layers = None if scan else {k: jax.tree.map(ops.unstack, v) for k, v in layer_params.items()}
-    aux_total, caches, state = {}, [], inputs.state
+    aux_total, caches, state, recorded = {}, [], inputs.state, []
     for seg in segments:
         params = _segment_params(layer_params, types, seg) if scan else _layer_params(layers, types, seg.start)
         xs = (params, _segment_cache(family, None if inputs.cache is None else inputs.cache[0], types, seg, config),
-              _segment_per_layer(inputs.per_layer, seg))
+              _segment_per_layer(inputs.per_layer, seg), _segment_routing(routing, types, seg))
 
         def group(carry, xs, period=seg.period):
             return _run_group(model, period, carry, *xs, inputs, rt, scan)
 
         if seg.repeats == 1:  # the group alone; unrolled layers' parameters come without the leading axis
             first = lambda tree: jax.tree.map(lambda a: a[0], tree)  # noqa: E731
-            (x, state), (aux, per_layer, cache) = group((x, state), (first(params) if scan else params, first(xs[1]),
-                                                                       first(xs[2])))
-            per_layer, cache = jax.tree.map(lambda a: a[None], (per_layer, cache))
+            (x, state), (aux, per_layer, cache, chosen) = group(
+                (x, state), (first(params) if scan else params, first(xs[1]), first(xs[2]), first(xs[3])))
+            per_layer, cache, chosen = jax.tree.map(lambda a: a[None], (per_layer, cache, chosen))
         else:
-            (x, state), (aux, per_layer, cache) = jax.lax.scan(group, (x, state), xs)
+            (x, state), (aux, per_layer, cache, chosen) = jax.lax.scan(group, (x, state), xs)
             aux = jax.tree.map(lambda a: jnp.sum(a, axis=0), aux)
         aux_total = _sum_aux(aux_total, aux)
         for (j, name), values in per_layer.items():  # values [repeats]: layer start + r * period + j
@@ -217,8 +240,12 @@ def run_layers(model, layer_params: dict, x, inputs: LayerInputs, rt, scan: bool
                 aux_total[per_layer_name(name, seg.start + r * len(seg.period) + j, len(types))] = values[r]
         if cache is not None:
             caches.append({name: a.reshape((-1,) + a.shape[2:]) for name, a in cache.items()})
+        if chosen is not None:  # [repeats, MoE layers per group, B, T, K]: layer order is repeat-major
+            recorded.append(chosen.reshape((-1,) + chosen.shape[2:]))
     names = dict.fromkeys(name for c in caches for name in c)  # in order of first appearance
     new_cache = {name: jnp.concatenate([c[name] for c in caches if name in c]) for name in names} if caches else None
+    if recorded:
+        aux_total["routing"] = jnp.concatenate(recorded)
     return x, aux_total, new_cache
 
 
@@ -254,12 +281,16 @@ def rope_tables(positions, config, widths: dict[str, int], num_positions: int | 
 # --------------------------------------------------------------------------------------------
 
 
-def _hidden(model, params, tokens, positions, segment_ids, rt):
+def _hidden(model, params, tokens, positions, segment_ids, rt, routing=None):
     """(final hidden states [B, T, D], aux): the embedding and every layer, in pipeline stages when
-    the mesh has them (parallel/stages.py)."""
+    the mesh has them (parallel/stages.py); routing [B, T, L_moe, K]: the experts the MoE layers replay."""
     family, config = model.family, model.config
     x = family.embed(params, tokens, config, rt)
     inputs = _layer_inputs(model, tokens, positions, segment_ids, rt)
+    if routing is not None:
+        if routing.shape[2] != model.num_moe_layers:
+            raise ValueError(f"routing for {routing.shape[2]} MoE layers, but the model has {model.num_moe_layers}")
+        inputs = inputs._replace(routing=jnp.moveaxis(routing, 2, 0))
     if family.per_layer_inputs is not None:
         inputs = inputs._replace(per_layer=family.per_layer_inputs(params, tokens, x, config, rt))
     if family.layer_state is not None:
@@ -283,21 +314,23 @@ def hidden(model, params, tokens, positions, segment_ids, rt):
     return _hidden(model, params, tokens, positions, segment_ids, rt)
 
 
-def _forward(model, params, tokens, positions, segment_ids, rt):
-    x, aux = _hidden(model, params, tokens, positions, segment_ids, rt)
+def _forward(model, params, tokens, positions, segment_ids, rt, routing=None):
+    x, aux = _hidden(model, params, tokens, positions, segment_ids, rt, routing)
     return model.family.logits(params, x, model.config, rt), aux
 
 
-def forward(model, params, tokens, positions, segment_ids, rt):
+def forward(model, params, tokens, positions, segment_ids, rt, routing=None):
     """(logits [B, T, V] float32, aux) for tokens [B, T]; positions restart at 0 in each packed document.
+    routing [B, T, L_moe, K] int32: each token's experts in every MoE layer, replayed instead of chosen
+    (routing replay, models/moe/replay.py; what forward_with_cache recorded), or None.
 
     With context parallelism the tokens run in its load-balanced order (parallel/context.py) and
     the logits come back in the original order."""
     cp = sharding.ways("length")
     if cp == 1:
-        return _forward(model, params, tokens, positions, segment_ids, rt)
-    tokens, positions, segment_ids = context_parallel.to_layout((tokens, positions, segment_ids), cp)
-    logits, aux = _forward(model, params, tokens, positions, segment_ids, rt)
+        return _forward(model, params, tokens, positions, segment_ids, rt, routing)
+    tokens, positions, segment_ids, routing = context_parallel.to_layout((tokens, positions, segment_ids, routing), cp)
+    logits, aux = _forward(model, params, tokens, positions, segment_ids, rt, routing)
     return context_parallel.from_layout(logits, cp), aux
 
 
@@ -396,8 +429,10 @@ def init_cache(model, batch_size: int, max_length: int, dtype) -> dict:
     return {name: jnp.zeros((len(entries),) + entries[0][0], entries[0][1]) for name, entries in stacks.items()}
 
 
-def forward_with_cache(model, params, tokens, positions, cache: dict, index, rt, first=None) -> tuple[Any, dict]:
-    """Runs tokens [B, T] at cache slots [index, index + T); returns (logits [B, T, V], new cache).
+def forward_with_cache(model, params, tokens, positions, cache: dict, index, rt, first=None,
+                       record_routing: bool = False) -> tuple:
+    """Runs tokens [B, T] at cache slots [index, index + T); returns (logits [B, T, V], new cache), and with
+    record_routing the experts each MoE layer chose [B, T, L_moe, K] int32 third (routing replay's rollouts).
 
     One sequence per row, no packing while decoding. Without `first`, positions must equal
     index + arange(T). With first [B] (left-padded prompts: row b's sequence starts at slot first[b])
@@ -406,13 +441,17 @@ def forward_with_cache(model, params, tokens, positions, cache: dict, index, rt,
     """
     family, config = model.family, model.config
     x = family.embed(params, tokens, config, rt)
+    if record_routing:
+        rt = dataclasses.replace(rt, record_routing=True)
     inputs = LayerInputs(positions, jnp.ones_like(tokens),
                          rope_tables(positions, config, rope_widths(model)), (cache, index, first))
     if family.per_layer_inputs is not None:
         inputs = inputs._replace(per_layer=family.per_layer_inputs(params, tokens, x, config, rt))
     if family.layer_state is not None:
         inputs = inputs._replace(state=family.layer_state(x, config, rt, cache["k"].shape[2]))
-    x, _, new_cache = run_layers(model, params["layers"], x, inputs, rt, scan=True)
+    x, aux, new_cache = run_layers(model, params["layers"], x, inputs, rt, scan=True)
+    if record_routing:
+        return family.logits(params, x, config, rt), new_cache, jnp.moveaxis(aux["routing"], 0, 2)
     return family.logits(params, x, config, rt), new_cache
 
 

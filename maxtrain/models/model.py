@@ -84,9 +84,10 @@ class Model:
     def init_params(self, key) -> params_lib.Params:
         return params_lib.init_params(self.param_specs, key, self.config.weight_dtype)
 
-    def forward(self, params, tokens, positions, segment_ids, rt):
-        """(logits [B, T, V] float32, aux dict of scalars) for tokens [B, T]."""
-        return decoder.forward(self, params, tokens, positions, segment_ids, rt)
+    def forward(self, params, tokens, positions, segment_ids, rt, routing=None):
+        """(logits [B, T, V] float32, aux dict of scalars) for tokens [B, T]; routing [B, T, L_moe, K]: the experts
+        the MoE layers replay (routing replay), or None."""
+        return decoder.forward(self, params, tokens, positions, segment_ids, rt, routing)
 
     def hidden(self, params, tokens, positions, segment_ids, rt):
         """(final hidden states [B, T, D], aux) before the logits."""
@@ -99,8 +100,9 @@ class Model:
     def init_cache(self, batch_size: int, max_length: int, dtype) -> dict:
         return decoder.init_cache(self, batch_size, max_length, dtype)
 
-    def forward_with_cache(self, params, tokens, positions, cache: dict, index, rt, first=None):
-        return decoder.forward_with_cache(self, params, tokens, positions, cache, index, rt, first)
+    def forward_with_cache(self, params, tokens, positions, cache: dict, index, rt, first=None,
+                           record_routing: bool = False):
+        return decoder.forward_with_cache(self, params, tokens, positions, cache, index, rt, first, record_routing)
 
     def flops_per_token(self, dense_attention: bool = False) -> float:
         """Training FLOPs per token from the family's formula (causal attention counted once, sliding

@@ -169,6 +169,8 @@ class Runtime:
     attention_kinds: tuple = ()  # AttentionKind per distinct attention kind of the model, each with its choice
     grouped_matmul: str = "xla"  # dropless experts' grouped matmul (expert_matmuls.resolve_grouped_matmul): xla or pallas
     gdn_kernel: str = "jnp"  # the gated delta rule (gated_deltanet.resolve_kernel): jnp or pallas; "" without one
+    record_routing: bool = False  # decoding for routing replay: each MoE layer reports the experts it chose
+                                  # (models/decoder.forward_with_cache sets it; never a run's own)
 
     @classmethod
     def from_config(cls, config, backend: str | None = None, logits_bytes: float | None = None,

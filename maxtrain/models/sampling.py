@@ -80,8 +80,10 @@ def generate_tokens(params, prompt, key, *, model, rt, max_new_tokens, temperatu
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("model", "rt", "max_new_tokens", "temperature", "top_k", "top_p"))
-def sample_completions(params, prompt, first, key, *, model, rt, max_new_tokens, temperature, top_k, top_p):
+@functools.partial(jax.jit, static_argnames=("model", "rt", "max_new_tokens", "temperature", "top_k", "top_p",
+                                             "record_routing"))
+def sample_completions(params, prompt, first, key, *, model, rt, max_new_tokens, temperature, top_k, top_p,
+                       record_routing=False):
     """Completions of left-padded prompts: prompt [B, P] holds row b's prompt in slots [first[b], P).
 
     Returns (tokens [B, max_new_tokens], log-probabilities [B, max_new_tokens] float32 of each sampled
@@ -89,30 +91,50 @@ def sample_completions(params, prompt, first, key, *, model, rt, max_new_tokens,
     greedy; before any top-k / top-p cut, as TRL scores them): what GRPO's training forward pass
     recomputes, objectives.target_log_probs at the same temperature). No end-of-sequence stop: the
     caller cuts each row at its first stop token.
+
+    With record_routing (a mixture of experts; GRPO's routing replay) a third output: the experts each MoE
+    layer chose for every slot, routing [B, P + max_new_tokens, L_moe, K] int32 (the prompt's slots from
+    the prefill, slot P + i from the step that fed completion token i), so that the training row of
+    prompt + completion, starting at slot first[b], reads its tokens' experts from routing[b, first[b]:].
     """
     scale = 1.0 / temperature if temperature > 0 else 1.0
     batch, prompt_len = prompt.shape
     if max_new_tokens == 0:  # the loop's body would index an empty array
-        return jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0), jnp.float32)
+        empty = jnp.zeros((batch, 0), jnp.int32), jnp.zeros((batch, 0), jnp.float32)
+        if record_routing:
+            return *empty, jnp.zeros((batch, prompt_len, model.num_moe_layers, model.config.num_experts_per_tok),
+                                     jnp.int32)
+        return empty
+
+    def run(tokens, positions, cache, index):  # (logits, cache, the chosen experts or None)
+        if record_routing:
+            return model.forward_with_cache(params, tokens, positions, cache, index, rt, first, record_routing=True)
+        return (*model.forward_with_cache(params, tokens, positions, cache, index, rt, first), None)
+
     cache = model.init_cache(batch, prompt_len + max_new_tokens, rt.dtype)
     positions = jnp.maximum(jnp.arange(prompt_len)[None, :] - first[:, None], 0)
-    logits, cache = model.forward_with_cache(params, prompt, positions, cache, 0, rt, first)
+    logits, cache, routing = run(prompt, positions, cache, 0)
+    if record_routing:
+        routing = jnp.pad(routing, ((0, 0), (0, max_new_tokens), (0, 0), (0, 0)))
     rows = jnp.arange(batch)
 
     def step(i, carry):
-        cache, last_logits, out, log_probs, key = carry
+        cache, last_logits, out, log_probs, key, routing = carry
         key, sub = jax.random.split(key)
         token = sample_token(last_logits, sub, temperature=temperature, top_k=top_k, top_p=top_p)
         log_p = jax.nn.log_softmax(last_logits.astype(jnp.float32) * scale, axis=-1)[rows, token]
         out, log_probs = out.at[:, i].set(token), log_probs.at[:, i].set(log_p)
         slot = prompt_len + i
-        logits, cache = model.forward_with_cache(params, token[:, None], (slot - first)[:, None], cache, slot, rt, first)
-        return cache, logits[:, -1], out, log_probs, key
+        logits, cache, chosen = run(token[:, None], (slot - first)[:, None], cache, slot)
+        if record_routing:
+            routing = jax.lax.dynamic_update_slice_in_dim(routing, chosen, slot, axis=1)
+        return cache, logits[:, -1], out, log_probs, key, routing
 
     out = jnp.zeros((batch, max_new_tokens), jnp.int32)
     log_probs = jnp.zeros((batch, max_new_tokens), jnp.float32)
-    _, _, out, log_probs, _ = jax.lax.fori_loop(0, max_new_tokens, step, (cache, logits[:, -1], out, log_probs, key))
-    return out, log_probs
+    _, _, out, log_probs, _, routing = jax.lax.fori_loop(0, max_new_tokens, step,
+                                                         (cache, logits[:, -1], out, log_probs, key, routing))
+    return (out, log_probs, routing) if record_routing else (out, log_probs)
 
 
 def generate(params, prompt_ids: list[int], model: Model, rt: Runtime, *, max_new_tokens: int,

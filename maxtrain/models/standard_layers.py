@@ -63,7 +63,7 @@ def prenorm_layer(x, p, inputs, layer_type: LayerType, model, rt, *, router: str
     normed = blocks.rms_norm(x, p["mlp_norm"], eps)
     if layer_type.is_moe:
         h, moe_aux = moe.block(normed, p, inputs.segment_ids, config, rt, router=router,
-                               num_moe_layers=num_moe_layers, activation=activation)
+                               num_moe_layers=num_moe_layers, activation=activation, routing=inputs.routing)
         aux = {**aux, **moe_aux}
     else:
         h = blocks.mlp(normed, p, rt, "silu")

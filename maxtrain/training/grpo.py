@@ -19,6 +19,12 @@ A step, for a batch of B / G prompts (B = global_batch_size completions, G = num
    completion's tokens only), with the sampler's log-probabilities as pi_old: the ratio is 1 in
    value, but its gradient is the policy gradient A grad log pi.
 
+Routing replay (grpo_routing_replay=true, a mixture of experts): the sampler records the experts every MoE
+layer chose for each token (prefill and decode steps), the update batch carries them as `routed_experts`
+[A, b, T, L_moe, K] int32 beside `inputs`, and the update's forward runs on those experts, weighed by the
+router's current logits (models/moe/replay.py; R3, Ma et al. 2025); learning/moe_routing_mismatch is the
+fraction of tokens whose experts the trainer's router would have chosen otherwise.
+
 Each step is synchronous (the next rollout needs this update's weights); both parts are timed and
 logged: learning/grpo_rollout_seconds (sampling + rewards) and learning/grpo_update_seconds.
 Held-out prompts (grain_eval_files) are answered greedily every eval_interval steps (`HeldOut`):
@@ -109,8 +115,10 @@ def advantages(rewards_: np.ndarray, group: int) -> np.ndarray:
 
 
 def assemble(prompt_ids: list, tokens: np.ndarray, log_probs: np.ndarray, kept: np.ndarray, adv: np.ndarray,
-             length: int, shape: tuple[int, int]) -> dict:
-    """The update's batch [A, b, T]: each row prompt + its kept completion, loss weight 1 on the completion."""
+             length: int, shape: tuple[int, int], routing: list | None = None) -> dict:
+    """The update's batch [A, b, T]: each row prompt + its kept completion, loss weight 1 on the completion.
+    routing (routing replay): per row the experts the sampler chose [slots from the prompt's first, L_moe, K],
+    which become `routed_experts` [A, b, T, L_moe, K] aligned with `inputs`."""
     n = tokens.shape[0]
     batch = {k: np.zeros((n, length), np.int32) for k in ("inputs", "targets", "positions", "segment_ids")}
     for k in ("loss_weights", "advantages", "old_log_probs"):
@@ -124,7 +132,12 @@ def assemble(prompt_ids: list, tokens: np.ndarray, log_probs: np.ndarray, kept: 
         batch["loss_weights"][i, p - 1:m] = 1.0                  # targets p-1 .. : the completion's tokens
         batch["old_log_probs"][i, p - 1:m] = log_probs[i, :c]
         batch["advantages"][i, :m] = adv[i]
-    return {k: v.reshape(shape + (length,)) for k, v in batch.items()}
+    if routing is not None:
+        batch["routed_experts"] = np.zeros((n, length) + routing[0].shape[1:], np.int32)
+        for i in range(n):
+            m = len(prompt_ids[i]) + int(kept[i]) - 1
+            batch["routed_experts"][i, :m] = routing[i][:m]
+    return {k: v.reshape(shape + v.shape[1:]) for k, v in batch.items()}
 
 
 def left_padded(prompts: list, length: int) -> tuple[np.ndarray, np.ndarray]:
@@ -149,17 +162,19 @@ class Step:
         self.run, self.train_step, self.inputs = run, train_step, inputs
         config = run.config
         self.group = config.num_generations
+        record = {"record_routing": True} if config.grpo_routing_replay else {}  # else the program it always was
         self.sample = jax.jit(lambda params, prompt, first, key: sampling.sample_completions(
             params, prompt, first, key, model=run.model, rt=run.rt, max_new_tokens=completion_length(config),
-            **sampling.sampling_settings(config)))
+            **sampling.sampling_settings(config), **record))
 
     def rollout(self, state, batch: dict, step: int):
         """(update batch [A, b, T] on the host, host metrics) for one prompt batch."""
         config, g = self.run.config, self.group
         prompt = np.repeat(batch["prompt"], g, axis=0)
         first = np.repeat(batch["first"], g, axis=0)
-        tokens, log_probs = jax.device_get(self.sample(self.run.model_params(state), prompt, first,
-                                                       rollout_key(config, step)))
+        tokens, log_probs, *routing = jax.device_get(self.sample(self.run.model_params(state), prompt, first,
+                                                                 rollout_key(config, step)))
+        routing = [r[f:] for r, f in zip(routing[0], first)] if routing else None  # rows from their first slot
         kept, stopped = cut(tokens, self.inputs.prompts.stop_ids)
         completions = decode(self.inputs.tokenizer, tokens, kept, stopped)
         texts = [t.decode() for t in np.repeat(batch["text"], g)]
@@ -171,7 +186,7 @@ class Step:
         adv = advantages(total, g)
         prompt_ids = [row[f:] for row, f in zip(prompt, first)]
         update = assemble(prompt_ids, tokens, log_probs, kept, adv, config.max_target_length,
-                          (config.gradient_accumulation_steps, config.micro_batch_size))
+                          (config.gradient_accumulation_steps, config.micro_batch_size), routing)
         host = {"aux/grpo_reward": float(total.mean()),
                 "aux/grpo_reward_std": float(total.reshape(-1, g).std(axis=1).mean()),
                 "aux/grpo_completion_length": float(kept.mean()),

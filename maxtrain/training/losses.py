@@ -98,8 +98,10 @@ def _next_token(params, batch: dict, reference, model: Model, rt):
 
 
 def target_log_probs(params, batch: dict, model: Model, rt, temperature: float = 1.0):
-    """(log p(target) [B, T] float32, aux) under `params`, p = softmax(logits / temperature)."""
-    logits, aux = model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"], rt)
+    """(log p(target) [B, T] float32, aux) under `params`, p = softmax(logits / temperature); a batch that carries
+    `routed_experts` (GRPO's routing replay) runs the MoE layers on those experts (models/moe/replay.py)."""
+    logits, aux = model.forward(params, batch["inputs"], batch["positions"], batch["segment_ids"], rt,
+                                batch.get("routed_experts"))
     if temperature != 1.0:
         logits = logits.astype(jnp.float32) / temperature
     log_z = jax.nn.logsumexp(logits, axis=-1)

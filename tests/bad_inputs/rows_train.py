@@ -104,6 +104,14 @@ ROWS = [
                                  "train_data_columns=[prompt,answer]", "eval_data_columns=[prompt,answer]",
                                  "decode_sampling_strategy=topk", "decode_sampling_top_k=1"],
         r"objective=grpo samples .*decode_sampling_top_k=1.* would all be the same"),
+    # GRPO routing replay (models/moe/replay.py): experts to replay, under objective=grpo
+    Row("grpo-routing-replay-on-a-dense-model", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl",
+                                                    "train_data_columns=[prompt,answer]", "decode_sampling_strategy=weighted",
+                                                    "grpo_routing_replay=true"],
+        r"grpo_routing_replay=true replays the experts a mixture-of-experts model chose, but num_experts=1"),
+    Row("grpo-routing-replay-without-grpo", T, [B, "decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2",
+                                                "grpo_routing_replay=true"],
+        r"grpo_routing_replay=true does nothing without objective=grpo"),
     Row("mtp-modules-beyond-the-sequence", T, [B, "model_name=deepseek3-tiny", "mtp_num_layers=4", "max_target_length=4"],
         r"mtp_num_layers=4 needs max_target_length >= 5, but max_target_length=4"),
     # (a chunk of Llama 4's chunked attention at least as long as the sequence is full attention: accepted, as Llama 4

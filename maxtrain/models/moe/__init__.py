@@ -71,7 +71,7 @@ from jax.sharding import PartitionSpec as P
 from maxtrain.models import ops
 from maxtrain.parallel import sharding as sharding_lib
 from maxtrain.models import blocks
-from maxtrain.models.moe import sigmoid_groups, expert_matmuls, topk_sigmoid
+from maxtrain.models.moe import sigmoid_groups, expert_matmuls, replay, topk_sigmoid
 from maxtrain.models.aux_names import PER_LAYER, STEP_STATS
 from maxtrain.models.params import ParamSpec, dense, is_spec
 
@@ -127,6 +127,7 @@ class Settings:
     fp8: bool = False  # the experts' matmuls in float8 (quantization; capacity dispatch only: config/schema.QUANTIZATION_PLACES)
     platform: str = "cpu"  # where the step is compiled for (the runtime's backend): picks fp8.py's TPU form
     grouped_matmul: str = "xla"  # dropless dispatch's grouped matmul, resolved (expert_matmuls.py): xla or pallas
+    record: bool = False  # report the experts chosen (aux "routing"; decoding for routing replay, rt.record_routing)
 
     @classmethod
     def of(cls, config, rt, router: str, num_moe_layers: int, activation: str = "swiglu") -> "Settings":
@@ -140,7 +141,7 @@ class Settings:
                    config.mlp_activations_limit,
                    max(config.n_routing_groups, 1), max(config.topk_routing_group, 1), config.routed_scaling_factor,
                    config.routed_bias and config.routed_bias_update_rate > 0, config.seq_balance_loss_weight,
-                   "experts" in rt.fp8, rt.backend, rt.grouped_matmul)
+                   "experts" in rt.fp8, rt.backend, rt.grouped_matmul, rt.record_routing)
 
     def capacity(self, length: int) -> int:
         return capacity(self.num_experts, self.top_k, self.capacity_factor, length)
@@ -174,18 +175,22 @@ class Axes:
 
 
 def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int, activation: str = "swiglu",
-          router_x=None):
+          router_x=None, routing=None):
     """Mixture of experts over x [B, T, D] (already normed) -> ([B, T, D], aux); router_x [B, T, D]: what the
-    router reads, when not x (Gemma 4 routes the un-normed residual, scaled, and feeds the experts x)."""
+    router reads, when not x (Gemma 4 routes the un-normed residual, scaled, and feeds the experts x).
+    routing [B, T, K] int32 (the layer's LayerInputs.routing): each token's experts, replayed instead of
+    chosen (models/moe/replay.py); None: the router chooses. With rt.record_routing, aux["routing"] is the
+    experts [B, T, K] the tokens went to (models/decoder.py collects it per layer)."""
     s = Settings.of(config, rt, router, num_moe_layers, activation)
-    y, aux = _routed(x, p, segment_ids, s, x if router_x is None else router_x)
+    y, aux = _routed(x, p, segment_ids, s, x if router_x is None else router_x, routing)
     if "shared_gate" in p:  # always-on shared experts beside the routed ones (DeepSeek)
         y = y + sigmoid_groups.shared_experts(x, p, rt)
     return y, aux
 
 
-def _routed(x, p, segment_ids, s: Settings, router_x):
-    """The routed experts' sum over x [B, T, D] -> ([B, T, D], aux)."""
+def _routed(x, p, segment_ids, s: Settings, router_x, routing=None):
+    """The routed experts' sum over x [B, T, D] -> ([B, T, D], aux), the experts replayed from routing [B, T, K]
+    when given (then with aux["routing"] when s.record)."""
     # The experts enter shard_map in the compute dtype: their gradients leave it in that dtype too.
     router = (p["router"], p["router_bias"] if "router_bias" in p else None)
     weights = (router, *(p[name].astype(s.dtype) for name in ("w_gate", "w_up", "w_down")))
@@ -195,26 +200,40 @@ def _routed(x, p, segment_ids, s: Settings, router_x):
     active = sharding_lib.active_mesh()
     unsharded = Axes(hidden_chunks=hidden_chunks(s, weights[1].shape, s.dtype.itemsize, False))
     if active is None:
-        return _local(x, router_x, valid, *weights, biases, s=s, axes=unsharded)
+        return _local(x, router_x, valid, *weights, biases, routing, s=s, axes=unsharded)
     mesh, rules = active
     axes = mesh_axes(s, mesh, rules, weights[1].shape)
     batch, exp, tensor, embed = axes.batch, axes.expert, axes.tensor, axes.embed
     if x.shape[0] % math.prod(mesh.shape[a] for a in batch):
         # A batch the token axes do not divide (decoding one prompt on many devices): computed whole,
         # with XLA moving the expert weights as it needs. Training batches always divide.
-        return _local(x, router_x, valid, *weights, biases, s=s, axes=unsharded)
+        return _local(x, router_x, valid, *weights, biases, routing, s=s, axes=unsharded)
     tokens, experts = P(batch or None), P(exp or None, embed or None, tensor or None)
     # Biases: b_down whole along D (added once, after the sum over the tensor axes).
     bias_specs = {"router": P(), "gate": P(exp or None, tensor or None), "up": P(exp or None, tensor or None),
                   "down": P(exp or None, None)}
     in_specs = (P(batch or None, None, None), P(batch or None, None, None), tokens, P(), experts, experts, P(exp or None, tensor or None, embed or None),
                 {k: bias_specs[k] for k in biases})
+    local = functools.partial(_local, s=s, axes=axes)
+    out_specs = (P(batch or None, None, None), P())
+    if routing is not None:  # the replayed experts come in split as the tokens are
+        in_specs += (P(batch or None, None, None),)
+    if s.record:  # the chosen experts go out split as the tokens are
+        local, out_specs = _recording(local), out_specs + (P(batch or None, None, None),)
     # Pallas' interpret mode (the grouped GEMM off a GPU: tests) cannot trace under check_vma (its slices mix
     # varying refs with invariant program ids); on a GPU the kernel declares how its outputs vary.
     interpreted = s.grouped_matmul == "pallas" and s.platform != "gpu"
-    fn = jax.shard_map(functools.partial(_local, s=s, axes=axes), mesh=mesh, in_specs=in_specs,
-                       out_specs=(P(batch or None, None, None), P()), check_vma=not interpreted)
-    return fn(x, router_x, valid, *weights, biases)
+    fn = jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=not interpreted)
+    out = fn(x, router_x, valid, *weights, biases, *(() if routing is None else (routing,)))
+    return out if not s.record else (out[0], {**out[1], "routing": out[2]})
+
+
+def _recording(local):
+    """_local with the recorded experts as a third output (shard_map's outputs need their own specs)."""
+    def fn(*args):
+        y, aux = local(*args)
+        return y, {k: v for k, v in aux.items() if k != "routing"}, aux["routing"]
+    return fn
 
 
 def mesh_axes(s: Settings, mesh, rules, expert_shape: tuple[int, int, int]) -> Axes:
@@ -281,9 +300,10 @@ def route(logits, s: Settings, bias=None):
     return top, experts
 
 
-def _local(x, router_x, valid, router, w_gate, w_up, w_down, biases, *, s: Settings, axes: Axes):
+def _local(x, router_x, valid, router, w_gate, w_up, w_down, biases, routing=None, *, s: Settings, axes: Axes):
     """The block on one device's tokens x [b, T, D] (all tokens, outside a mesh), routed by router_x; router:
-    (W_router, the selection bias or None); biases: {} or b_router, b_gate, b_up, b_down by their suffix."""
+    (W_router, the selection bias or None); biases: {} or b_router, b_gate, b_up, b_down by their suffix;
+    routing [b, T, K]: the experts replayed (models/moe/replay.py), or None."""
     b, t, d = x.shape
     dt = s.dtype
     w_router, bias = router
@@ -291,6 +311,10 @@ def _local(x, router_x, valid, router, w_gate, w_up, w_down, biases, *, s: Setti
     if "router" in biases:
         logits = logits + biases["router"].astype(jnp.float32)
     weights, experts = route(logits, s, None if bias is None else jax.lax.stop_gradient(bias).astype(jnp.float32))
+    mismatched = None
+    if routing is not None:  # routing replay: the given experts, weighed by the router as it is now
+        mismatched = replay.mismatched(experts, routing, valid)
+        weights, experts = replay.weights(logits, routing, s)
     weights = jnp.where(valid[..., None], weights, 0.0)
     # block() cast them to the compute dtype; still FSDP-sharded. The gate and up biases go with their weights.
     experts_w = (w_gate, w_up, w_down, *(biases[k] for k in ("gate", "up") if k in biases))
@@ -301,7 +325,10 @@ def _local(x, router_x, valid, router, w_gate, w_up, w_down, biases, *, s: Setti
         y = _dropless(x.reshape(b * t, d), weights.reshape(b * t, -1), experts.reshape(b * t, -1), experts_w, s, axes,
                       down_bias)
         y, dropped = y.reshape(b, t, d), None
-    return y.astype(x.dtype), _aux(logits, experts, valid, dropped, s, axes)
+    aux = _aux(logits, experts, valid, dropped, s, axes, mismatched)
+    if s.record:
+        aux["routing"] = experts.astype(jnp.int32)
+    return y.astype(x.dtype), aux
 
 
 # --------------------------------------------------------------------------------------------
@@ -398,8 +425,9 @@ def _capacity(x, weights, experts, valid, experts_w, s: Settings, axes: Axes, do
 # --------------------------------------------------------------------------------------------
 
 
-def _aux(logits, experts, valid, dropped, s: Settings, axes: Axes) -> dict:
-    """The losses and statistics over the micro-batch's real tokens (summed over the token axes)."""
+def _aux(logits, experts, valid, dropped, s: Settings, axes: Axes, mismatched=None) -> dict:
+    """The losses and statistics over the micro-batch's real tokens (summed over the token axes); mismatched:
+    under routing replay, the real tokens whose replayed experts are not the router's own choice."""
     e, k = s.num_experts, s.top_k
     real = valid.astype(jnp.float32)
     probs = sigmoid_groups.router_probabilities(logits, s)
@@ -409,6 +437,8 @@ def _aux(logits, experts, valid, dropped, s: Settings, axes: Axes) -> dict:
             "z": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * real)}
     if dropped is not None:
         sums["dropped"] = dropped.astype(jnp.float32)
+    if mismatched is not None:
+        sums["mismatched"] = mismatched
     if s.seq_balance_loss_weight > 0:
         sums.update(sigmoid_groups.sequence_balance_sums(probs, experts, real, s))
     if axes.batch:
@@ -422,6 +452,8 @@ def _aux(logits, experts, valid, dropped, s: Settings, axes: Axes) -> dict:
            PER_LAYER + "moe_load_min": jnp.min(load), PER_LAYER + "moe_load_max": jnp.max(load)}
     if dropped is not None:
         aux["moe_dropped_fraction"] = sums["dropped"] / (tokens * k) * per_layer
+    if mismatched is not None:  # a mean over the MoE layers, as the losses are
+        aux["moe_routing_mismatch"] = sums["mismatched"] / tokens * per_layer
     if s.seq_balance_loss_weight > 0:
         aux["moe_seq_balance_loss"] = (s.seq_balance_loss_weight * sums["seq_balance"]
                                        / jnp.maximum(sums["sequences"], 1.0) * per_layer)

@@ -59,7 +59,8 @@ def layer(x, p, inputs, layer_type: LayerType, model, rt):
     normed = blocks.rms_norm(x, p["mlp_norm"], eps)
     if layer_type.is_moe:
         h, moe_aux = moe.block(normed, p, inputs.segment_ids, config, rt, router=ROUTER,
-                               num_moe_layers=config.base_num_decoder_layers - config.first_num_dense_layers)
+                               num_moe_layers=config.base_num_decoder_layers - config.first_num_dense_layers,
+                               routing=inputs.routing)
         aux = {**aux, **moe_aux}
     else:
         h = blocks.mlp(normed, p, rt, "silu")

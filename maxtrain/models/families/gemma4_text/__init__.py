@@ -110,7 +110,8 @@ def layer(x, p, inputs, layer_type: LayerType, model, rt):
     x = shard(x + normed_attention.rms(h, eps, p["post_attn_norm"]), ("batch", "length", "embed"))
     h = blocks.mlp(normed_attention.rms(x, eps, p["mlp_norm"]), p, rt, "gelu_tanh")
     if layer_type.is_moe:
-        h, moe_aux = moe_parallel.block(x, h, p, inputs.segment_ids, config, rt, config.base_num_decoder_layers)
+        h, moe_aux = moe_parallel.block(x, h, p, inputs.segment_ids, config, rt, config.base_num_decoder_layers,
+                                          inputs.routing)
         aux.update(moe_aux)
     x = x + normed_attention.rms(h, eps, p["post_mlp_norm"])
     if inputs.per_layer is not None:

@@ -31,13 +31,15 @@ def specs(config) -> dict[str, ParamSpec]:
             "experts_down": dense((e, d, f), ("exp", "embed", "mlp"), f)}
 
 
-def block(x, dense_out, p, segment_ids, config, rt, num_moe_layers: int):
-    """(y [B, T, D], aux) from the residual x [B, T, D] and the dense MLP's output dense_out."""
+def block(x, dense_out, p, segment_ids, config, rt, num_moe_layers: int, routing=None):
+    """(y [B, T, D], aux) from the residual x [B, T, D] and the dense MLP's output dense_out; routing: the experts
+    replayed (moe.block's), or None."""
     eps, f = config.normalization_layer_epsilon, moe.expert_dim(config)
     router_x = rms(x, eps) * p["router_scale"].astype(x.dtype) * jnp.asarray(config.base_emb_dim**-0.5, x.dtype)
     gate_up = jnp.swapaxes(p["experts_gate_up"], 1, 2)  # [E, D, 2F]
     down = jnp.swapaxes(p["experts_down"], 1, 2) * p["expert_scale"][:, None, None].astype(p["experts_down"].dtype)
     experts = {"router": p["router"], "w_gate": gate_up[..., :f], "w_up": gate_up[..., f:], "w_down": down}
     y, aux = moe.block(rms(x, eps, p["moe_pre_norm"]), experts, segment_ids, config, rt, router="softmax_topk",
-                       num_moe_layers=num_moe_layers, activation="geglu", router_x=router_x)
+                       num_moe_layers=num_moe_layers, activation="geglu", router_x=router_x,
+                       routing=routing)
     return rms(dense_out, eps, p["dense_post_norm"]) + rms(y, eps, p["moe_post_norm"]), aux

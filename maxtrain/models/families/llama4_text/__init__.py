@@ -82,7 +82,7 @@ def layer(x, p, inputs, layer_type: LayerType, model, rt):
     normed = blocks.rms_norm(x, p["mlp_norm"], eps)
     if layer_type.is_moe:  # the routed experts and the shared one (moe.block adds it)
         h, moe_aux = moe.block(normed, p, inputs.segment_ids, config, rt, router=ROUTER,
-                               num_moe_layers=model.num_moe_layers)
+                               num_moe_layers=model.num_moe_layers, routing=inputs.routing)
         aux = {**aux, **moe_aux}
     else:
         h = blocks.mlp(normed, p, rt, "silu")
