@@ -25,11 +25,10 @@ import pytest
 from conftest import BASE_YML, TINY, slow_params
 from maxtrain import config as config_lib
 from maxtrain.checkpointing import convert, safetensors_files
-from maxtrain.config import schema
 from maxtrain.models import model_keys
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
-from maxtrain.training import grpo, losses, policy_losses, train_step
+from maxtrain.training import grpo, losses, train_step
 from post_helpers import compose
 
 torch = pytest.importorskip("torch", reason="the [hf] extra (torch, transformers, trl) is not installed")
@@ -229,15 +228,3 @@ def test_the_loss_variants_equal_trl(world, tmp_path, case):
     for name, g in theirs_grads.items():
         np.testing.assert_allclose(ours_hf[name], g, rtol=1e-5, atol=1e-5, err_msg=name)
     assert max(np.abs(g).max() for g in theirs_grads.values()) > 1e-3  # gradients that can differ
-
-
-def test_the_settings_name_what_trl_and_the_rollout_do(tmp_path):
-    """base.yml's grpo_loss_type choices are policy_losses'; dr_grpo's constant is the sampler's completion budget;
-    grpo_epsilon_high -1 is grpo_epsilon (TRL's None)."""
-    allowed = schema.table()["grpo_loss_type"].allowed
-    assert all(allowed.admits(kind) for kind in policy_losses.LOSS_TYPES) and not allowed.admits("ppo")
-    assert allowed.describe().count("|") + allowed.describe().count(",") >= len(policy_losses.LOSS_TYPES) - 1
-    config = _config(tmp_path)
-    s = policy_losses.settings(config)
-    assert s["max_completion_length"] == grpo.completion_length(config) == 24
-    assert s["epsilon_high"] == config.grpo_epsilon
