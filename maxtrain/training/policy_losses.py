@@ -36,8 +36,7 @@ import jax
 import jax.numpy as jnp
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")    # base.yml's grpo_loss_type choices (a test checks)
-LEVELS = ("token", "sequence")
-CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo")               # the PPO-clipped losses (cispo clips the weight)
+LEVELS = ("token", "sequence")                               # grpo_importance_sampling_level's (a test checks)
 TOKEN_SUMS = ("bnpo", "dr_grpo", "dapo", "cispo")            # sum token losses: TRL warns of them at the sequence level
 
 

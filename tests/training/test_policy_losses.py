@@ -63,6 +63,8 @@ def test_the_settings_name_what_trl_and_the_rollout_do(tmp_path):
     grpo_epsilon_high -1 is grpo_epsilon (TRL's None); the sequence level's notice."""
     allowed = schema.table()["grpo_loss_type"].allowed
     assert all(allowed.admits(kind) for kind in policy_losses.LOSS_TYPES) and not allowed.admits("ppo")
+    levels = schema.table()["grpo_importance_sampling_level"].allowed
+    assert all(levels.admits(level) for level in policy_losses.LEVELS) and not levels.admits("batch")
     config = _config(tmp_path)
     s = policy_losses.settings(config)
     assert s["max_completion_length"] == grpo.completion_length(config) == 24
