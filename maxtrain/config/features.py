@@ -200,6 +200,13 @@ REQUIRES: tuple[Feature, ...] = (
             state="moe_dispatch"),
     Feature("a shared expert (shared_experts >= 1)", lambda v: v["shared_experts"] > 0, ("shared_expert_mlp_dim",),
             fix="set shared_experts=1", state="shared_experts"),
+    # GRPO's loss (objective=grpo, training/policy_losses.py): CISPO clips no ratio below (its weight has only a cap,
+    # grpo_epsilon_high); the KL's bias correction multiplies a KL term that grpo_beta=0 leaves out
+    Feature("a clipped loss (grpo_loss_type=grpo, bnpo, dr_grpo or dapo)", lambda v: v["grpo_loss_type"] != "cispo",
+            ("grpo_epsilon",), fix="cispo's weight has only an upper cap, grpo_epsilon_high; use another grpo_loss_type "
+                                   "to clip below", state="grpo_loss_type"),
+    Feature("a KL term (grpo_beta > 0)", lambda v: v["grpo_beta"] > 0, ("grpo_kl_bias_correction",),
+            fix="set grpo_beta > 0 (e.g. 0.04)", state="grpo_beta"),
 )
 
 

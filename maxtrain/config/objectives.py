@@ -93,6 +93,20 @@ def _grpo_routing_settings(v):
                           f" x dcn_pipeline_parallelism = {stages}; set both to 1 (or grpo_routing_replay=false)")
 
 
+# grpo_loss_type's keys (training/policy_losses.py): the rules TRL's GRPOConfig leaves to the user. (A key that does
+# nothing under the chosen loss is features.REQUIRES': grpo_epsilon under cispo, grpo_kl_bias_correction without a KL.)
+def _grpo_loss_settings(v):
+    """CISPO's cap: TRL falls back to grpo_epsilon (0.2), which would cap every weight far below 1."""
+    if v["grpo_loss_type"] != "cispo":
+        return
+    high = v["grpo_epsilon_high"]
+    _require(high >= 1.0,
+             "grpo_loss_type=cispo caps the importance weight pi / pi_old itself at grpo_epsilon_high, but "
+             + ("grpo_epsilon_high is unset (-1, which would cap it at grpo_epsilon, below 1)" if high < 0 else
+                f"grpo_epsilon_high={high:g} is below 1 (every on-policy token would be down-weighted)")
+             + "; set grpo_epsilon_high to CISPO's eps_max, e.g. grpo_epsilon_high=5.0 (ScaleRL's)")
+
+
 def _distillation_settings(v):
     """Distillation needs its teacher (its checkpoint is read later: training/distillation.adopt_teacher)."""
     _require(bool(v["distill_teacher_path"]), f"objective={v['objective']} needs a teacher: set distill_teacher_path=<a "
@@ -144,8 +158,11 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
               frozen="reference", frozen_unless_zero="grpo_beta", batch_keys=("advantages", "old_log_probs"),
               samples=True, next_token=False, processes=False,
               keys=("num_generations", "grpo_beta", "grpo_epsilon", "grpo_reward_functions",
-                    "max_prefill_predict_length") + GRPO_ROUTING_KEYS, shown=("num_generations", "grpo_beta", "grpo_epsilon"),
-              checks=(_grpo_settings, _grpo_routing_settings), old_key="use_grpo"),
+                    "max_prefill_predict_length",
+                    "grpo_loss_type", "grpo_epsilon_high", "grpo_importance_sampling_level", "grpo_kl_bias_correction")
+                   + GRPO_ROUTING_KEYS,
+              shown=("num_generations", "grpo_beta", "grpo_epsilon", "grpo_loss_type"),
+              checks=(_grpo_settings, _grpo_loss_settings, _grpo_routing_settings), old_key="use_grpo"),
     Objective("distill", (TEXT, CONVERSATIONS), {TEXT: ONE_TEXT_FIELD,
                                                  CONVERSATIONS: (("messages",), ("prompt", "completion"))},
               "towards a frozen teacher's next-token distributions, mixed with next-token prediction",

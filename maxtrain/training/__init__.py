@@ -5,6 +5,8 @@
     train_step.py   the train state; objective -> grads -> (unscale, finite check) -> update -> metrics
     losses.py       each objective's loss (lm | sft | dpo | grpo | distill): (params, batch, reference) ->
                     (loss sum, weight sum, metrics); config/objectives.py holds the objectives' rows
+    policy_losses.py  GRPO's loss types (grpo_loss_type: grpo | bnpo | dr_grpo | dapo | cispo), clip-higher, GSPO's
+                    sequence-level ratio, the KL's bias correction: each TRL's, as a (loss sum, weight)
     optimizer.py    the optax chain, schedules, which leaves train
     precision.py    the float16 loss scale
     loop.py         dispatch step n+1, report step n; hooks for checkpoints, evaluations, heatmaps, profiles

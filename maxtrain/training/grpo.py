@@ -42,7 +42,7 @@ import numpy as np
 from maxtrain import data as data_lib
 from maxtrain.data import pipeline, prompts as prompts_lib
 from maxtrain.models import sampling
-from maxtrain.training import loop, rewards
+from maxtrain.training import loop, policy_losses, rewards
 
 ADVANTAGE_EPS = 1e-4
 ROLLOUT_SALT = 0x6C7A  # the rollout key: fold_in(key(seed), ROLLOUT_SALT), apart from the init key
@@ -84,6 +84,8 @@ def with_rewards(config, inputs: data_lib.Inputs, functions: dict, log=print) ->
     log(f"GRPO: {prompts_lib.per_step(config)} prompts x {config.num_generations} completions of at most "
         f"{completion_length(config)} tokens per step; rewards {', '.join(functions)}; beta {config.grpo_beta:g}, "
         f"epsilon {config.grpo_epsilon:g}; sampling {describe_sampling(config)}")
+    if policy_losses.sequence_level_note(config):
+        log(policy_losses.sequence_level_note(config))
     return Inputs(inputs, functions)
 
 

@@ -42,8 +42,10 @@ Metrics are means over the micro-batch's weight, reported as `learning/<name>` (
               loss = -min(r A, clip(r, 1 - eps, 1 + eps) A) + beta k3,
               k3 = ref / pi - log(ref / pi) - 1      (Schulman's unbiased estimator of KL(pi || ref))
           (eps = grpo_epsilon, beta = grpo_beta), summed over completion tokens; the weight is their
-          number, so the batch's loss is the mean over all its completion tokens (DAPO's and TRL's
-          normalization: a long completion counts per token, not as one sequence).
+          number, so the batch's loss is the mean over all its completion tokens (grpo_loss_type=dapo,
+          the default: DAPO's and TRL's normalization, a long completion counts per token). The other
+          loss types (grpo, bnpo, dr_grpo, cispo), clip-higher, GSPO's sequence-level ratio and the KL's
+          bias correction are training/policy_losses.py's, each a (loss sum, weight) as TRL normalises it.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from maxtrain.models.model import Model
 from maxtrain.models import distill as distill_lib
 from maxtrain.models.runtime import Runtime
 from maxtrain.models import sampling
-from maxtrain.training import distillation
+from maxtrain.training import distillation, policy_losses
 
 def name(config) -> str:
     return config.objective
@@ -182,26 +184,16 @@ def distill_on_policy(params, batch: dict, teacher_params, model: Model, teacher
     return kl_sum, weight, {**aux, "distill_reverse_kl": kl_sum / per_token, "distill_entropy": entropy_sum / per_token}
 
 
-def grpo_token_loss(log_probs, old_log_probs, ref_log_probs, advantages, beta: float, epsilon: float):
-    """Per-token GRPO loss [..., T] and its parts (the policy term's clipped flag, k3); ref_log_probs
-    is None when beta is 0."""
-    ratio = jnp.exp(log_probs - old_log_probs)
-    unclipped = ratio * advantages
-    clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon) * advantages
-    loss = -jnp.minimum(unclipped, clipped)
-    k3 = jnp.zeros_like(loss)
-    if ref_log_probs is not None:
-        log_ratio = ref_log_probs - log_probs
-        k3 = jnp.exp(log_ratio) - log_ratio - 1.0
-        loss = loss + beta * k3
-    return loss, clipped < unclipped, k3
+grpo_token_loss = policy_losses.grpo_token_loss  # the clipped per-token loss (dapo's, today's default)
 
 
 def grpo(params, batch: dict, reference, model: Model, rt):
-    """(sum over completion tokens of the GRPO loss, their number, metrics); pi, pi_old and ref are all
-    softmax(logits / T) at the rollouts' sampling temperature T, the distribution the completions were
-    drawn from (else the update is off-policy for every T != 1)."""
+    """(the GRPO loss of grpo_loss_type, normalised as TRL normalises it: (loss sum, weight), metrics;
+    training/policy_losses.py); pi, pi_old and ref are all softmax(logits / T) at the rollouts' sampling
+    temperature T, the distribution the completions were drawn from (else the update is off-policy for every
+    T != 1)."""
     config = model.config
+    s = policy_losses.settings(config)
     temperature = sampling.sampling_settings(config)["temperature"]
     log_probs, aux = target_log_probs(params, batch, model, rt, temperature)
     ref_log_probs = None
@@ -209,16 +201,15 @@ def grpo(params, batch: dict, reference, model: Model, rt):
         ref_log_probs = jax.lax.stop_gradient(
             target_log_probs(jax.lax.stop_gradient(reference), batch, model, rt, temperature)[0])
     weights = batch["loss_weights"].astype(jnp.float32)
-    loss, clipped, k3 = grpo_token_loss(log_probs, batch["old_log_probs"], ref_log_probs, batch["advantages"],
-                                        config.grpo_beta, config.grpo_epsilon)
+    loss, parts = policy_losses.token_loss(log_probs, batch["old_log_probs"], ref_log_probs, batch["advantages"],
+                                           weights, s)
+    rows = policy_losses.real_rows(batch["segment_ids"])
     tokens = jnp.sum(weights)
-
-    def mean(x):
-        return jnp.sum(jnp.where(weights > 0, x, 0.0) * weights) / jnp.maximum(tokens, 1.0)
-
-    metrics = {**aux, "grpo_kl": mean(k3), "grpo_clip_fraction": mean(clipped.astype(jnp.float32)),
-               "grpo_log_ratio": mean(log_probs - batch["old_log_probs"])}
-    return jnp.sum(loss * weights), tokens, metrics
+    metrics = {**aux, **policy_losses.metrics(parts, batch["advantages"], weights, rows, s),
+               "grpo_log_ratio": jnp.sum(jnp.where(weights > 0, log_probs - batch["old_log_probs"], 0.0) * weights)
+               / jnp.maximum(tokens, 1.0)}
+    loss_sum, weight = policy_losses.normalised(loss, weights, rows, s)
+    return loss_sum, weight, metrics
 
 
 # Each objective row's loss (config/objectives.py declares the rows; tests/training/test_objectives.py checks that every

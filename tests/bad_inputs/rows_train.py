@@ -7,6 +7,8 @@ from bad_inputs.world import *  # noqa: F401,F403  pylint: disable=wildcard-impo
 # an on-policy distillation run's settings (its data files are never read: every row stops at the config)
 OPD = ["distill_teacher_path={run}", "objective=distill_on_policy", "dataset_type=jsonl", "grain_train_files=x.jsonl",
        "train_data_columns=[prompt]", "decode_sampling_strategy=weighted"]
+GRPO = ["objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]",
+        "decode_sampling_strategy=weighted", "max_prefill_predict_length=16"]  # a GRPO run's settings up to its data (the rows stop before reading it)
 
 ROWS = [
     # train: config keys and values
@@ -112,6 +114,19 @@ ROWS = [
     Row("grpo-routing-replay-without-grpo", T, [B, "decoder_block=mixtral", "num_experts=4", "num_experts_per_tok=2",
                                                 "grpo_routing_replay=true"],
         r"grpo_routing_replay=true does nothing without objective=grpo"),
+    # GRPO's loss variants (training/policy_losses.py): an unknown loss, keys that do nothing under the chosen loss
+    Row("grpo-loss-type-unknown", T, [B, *GRPO, "grpo_loss_type=ppo"],
+        r"grpo_loss_type='ppo' is not allowed: it must be .*grpo.*bnpo.*dr_grpo.*dapo.*cispo"),
+    Row("grpo-epsilon-with-cispo", T, [B, *GRPO, "grpo_loss_type=cispo", "grpo_epsilon_high=5", "grpo_epsilon=0.3"],
+        r"grpo_epsilon=0.3 does nothing without a clipped loss .*here grpo_loss_type=cispo.*grpo_epsilon_high"),
+    Row("grpo-kl-bias-correction-without-kl", T, [B, *GRPO, "grpo_beta=0", "grpo_kl_bias_correction=true"],
+        r"grpo_kl_bias_correction=true does nothing without a KL term \(grpo_beta > 0\).*set grpo_beta > 0"),
+    Row("grpo-cispo-without-its-cap", T, [B, *GRPO, "grpo_loss_type=cispo"],
+        r"grpo_loss_type=cispo caps .* grpo_epsilon_high is unset .*set grpo_epsilon_high to CISPO's eps_max"),
+    Row("grpo-cispo-cap-below-one", T, [B, *GRPO, "grpo_loss_type=cispo", "grpo_epsilon_high=0.28"],
+        r"grpo_epsilon_high=0.28 is below 1 .*e.g. grpo_epsilon_high=5.0"),
+    Row("grpo-loss-type-under-lm", T, [B, "grpo_loss_type=cispo"],
+        r"grpo_loss_type='?cispo'? does nothing without objective=grpo"),
     Row("mtp-modules-beyond-the-sequence", T, [B, "model_name=deepseek3-tiny", "mtp_num_layers=4", "max_target_length=4"],
         r"mtp_num_layers=4 needs max_target_length >= 5, but max_target_length=4"),
     # (a chunk of Llama 4's chunked attention at least as long as the sequence is full attention: accepted, as Llama 4

@@ -362,6 +362,12 @@ SECOND_OFF = {"temperature_tuning=true": ["decoder_block=llama4_text", "num_expe
                   ["model_name=qwen3-next-80b-a3b", "inhomogeneous_layer_cycle_interval=1"],
               "moe_dispatch=dropless": ["decoder_block=mixtral", "num_experts=4", "moe_dispatch=capacity"],
               "a shared expert (shared_experts >= 1)": ["model_name=qwen3-next-80b-a3b", "shared_experts=0"]}
+# GRPO's loss keys (training/policy_losses.py): objective=grpo on, the loss's second switch off
+GRPO_RUN = ["objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]",
+            "decode_sampling_strategy=weighted", "max_target_length=128"]
+SECOND_OFF.update({"a clipped loss (grpo_loss_type=grpo, bnpo, dr_grpo or dapo)":
+                       [*GRPO_RUN, "grpo_loss_type=cispo", "grpo_epsilon_high=5"],
+                   "a KL term (grpo_beta > 0)": [*GRPO_RUN, "grpo_beta=0"]})
 SECOND_KEYS = [(f, k) for f in features.REQUIRES for k in f.keys]
 
 
