@@ -200,6 +200,14 @@ REQUIRES: tuple[Feature, ...] = (
             state="moe_dispatch"),
     Feature("a shared expert (shared_experts >= 1)", lambda v: v["shared_experts"] > 0, ("shared_expert_mlp_dim",),
             fix="set shared_experts=1", state="shared_experts"),
+    # GRPO's rollout keys (training/advantages.py, grpo.py)
+    Feature("grpo_scale_rewards=group or batch", lambda v: v["grpo_scale_rewards"] != "none", ("grpo_reward_std_ddof",),
+            fix="set grpo_scale_rewards=group (or batch)", state="grpo_scale_rewards"),
+    Feature("grpo_overlong_buffer_length > 0", lambda v: v["grpo_overlong_buffer_length"] > 0,
+            ("grpo_overlong_penalty_factor",), fix="set grpo_overlong_buffer_length (DAPO: a quarter of the "
+                                                   "completion's length)", state="grpo_overlong_buffer_length"),
+    Feature("grpo_dynamic_sampling=true", lambda v: v["grpo_dynamic_sampling"], ("grpo_dynamic_sampling_max_batches",),
+            state="grpo_dynamic_sampling"),
 )
 
 
