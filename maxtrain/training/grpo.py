@@ -12,12 +12,22 @@ A step, for a batch of B / G prompts (B = global_batch_size completions, G = num
    max_prefill_predict_length tokens each, cut after the first stop token (data/prompts.stop_ids).
    The sampling key is fold_in(the run's rollout key, step): rollouts depend on the seed and the
    step alone, so a resumed run samples what the uninterrupted run did.
-2. Rewards (training/rewards.py) on the host, and group-normalized advantages
-   A = (r - mean of its group) / (std of its group + 1e-4), the population std: a group whose
-   completions all scored alike has A = 0 and teaches nothing.
+2. Rewards (training/rewards.py) on the host, DAPO's overlong shaping added (grpo_overlong_buffer_length), and
+   advantages (training/advantages.py); by default A = (r - mean of its group) / (std of its group + 1e-4), the
+   population std: a group whose completions all scored alike has A = 0 and teaches nothing. With
+   grpo_dynamic_sampling such groups are dropped and more prompt batches drawn from the train iterator (keys
+   fold_in(the step's key, draw)) until the rollout batch is full, at most grpo_dynamic_sampling_max_batches.
 3. Update. One optimizer step of losses.grpo on rows prompt + completion (loss on the
-   completion's tokens only), with the sampler's log-probabilities as pi_old: the ratio is 1 in
-   value, but its gradient is the policy gradient A grad log pi.
+   completion's tokens only; none on a completion cut without a stop with grpo_mask_truncated_completions),
+   with the sampler's log-probabilities as pi_old: the ratio is 1 in value, but its gradient is the policy
+   gradient A grad log pi.
+
+A rollout batch of grpo_steps_per_generation > 1 mini-batches, or grpo_num_iterations > 1 updates on each, is
+that many steps (every optimizer update is a step, as TRL counts them): the first samples it, the others train on
+its mini-batches held in memory (`Step.batches` hands loop.train no prompts for them), with pi_old the trainer's
+own log-probabilities under the sampling weights, computed once before the first update. No checkpoint is saved
+inside a rollout batch (config/objectives.py refuses such checkpoint_period and steps; `AtRolloutEnds` defers a
+SIGTERM's stop to its end).
 
 Each step is synchronous (the next rollout needs this update's weights); both parts are timed and
 logged: learning/grpo_rollout_seconds (sampling + rewards) and learning/grpo_update_seconds.
