@@ -1,7 +1,8 @@
 """GRPO (Shao et al. 2024; DeepSeek-R1): rollouts and one policy update on every step.
 
     inputs = grpo.with_rewards(config, data.make_inputs(config), functions)  # checked before any work
-    step = grpo.Step(run, train_step, inputs)    # what loop.train calls for each prompt batch
+    step = grpo.Step(run, train_step, inputs)    # what loop.train calls for each step
+    batches = step.batches()                     # its prompt batches (None inside a rollout batch)
     state, metrics = step(state, prompt_batch)
 
 A step, for a batch of B / G prompts (B = global_batch_size completions, G = num_generations):

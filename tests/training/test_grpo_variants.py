@@ -154,6 +154,7 @@ def test_dynamic_sampling_refills_the_batch_and_resumes_exactly(dataset, tmp_pat
     np.testing.assert_array_equal(np.asarray(a.state["step"]), np.asarray(b.state["step"]))
 
 
+@pytest.mark.slow  # ~40 s on 2 cores: the train step compiles before the first rollout
 def test_dynamic_sampling_out_of_its_budget_says_how_many_groups_scored_alike(dataset, tmp_path, on_path):
     with pytest.raises(loop.TrainingError, match=r"grpo_dynamic_sampling: at step 1, 4 of the 4 groups in 2 prompt "
                                                  r"batches had all-equal rewards, leaving 0 of the 2 groups a step "
