@@ -98,7 +98,9 @@ def main(argv: list[str]) -> RunResult:
                                              jax.random.key(config.seed), inputs.train_iterator, log=log)
         if sampled:  # each step samples completions of a prompt batch, then updates on them
             rollouts = grpo if rewarded else on_policy  # on_policy: the teacher scores them (distill_on_policy)
-            step_fn, batches = rollouts.Step(run, step_fn, inputs), iter(inputs.train_iterator)
+            step_fn = rollouts.Step(run, step_fn, inputs)
+            # GRPO: a prompt batch at each rollout batch's first step (grpo_steps_per_generation, grpo_num_iterations)
+            batches = step_fn.batches() if rewarded else iter(inputs.train_iterator)
             evaluation = rollouts.HeldOut(run, inputs, writer, log)
         else:
             batches = (pipeline.to_global(batch, mesh, rules) for batch in inputs.train_iterator)
@@ -113,8 +115,11 @@ def main(argv: list[str]) -> RunResult:
                                       log))
         reporter = loop.Reporter(config, writer, metrics.flops_per_token(run.model), peak_tflops(config),
                                  loss_scaled=run.rt.dtype == jnp.float16)
+        preemption = Preemption()
+        if rewarded:  # a SIGTERM stops the run at the end of the GRPO rollout batch under way
+            preemption = grpo.AtRolloutEnds(preemption, grpo.steps_per_rollout(config))
         state, preempted = loop.train(step_fn, state, batches, int(jax.device_get(state["step"])), config.steps,
-                                      hooks, reporter, Preemption(), log)
+                                      hooks, reporter, preemption, log)
         writer.close()
         inputs.close()  # stops background cache building; finished shards stay
         sample = None if preempted else end_sample.greedy(run, state, inputs.tokenizer, sample_prompt, log)

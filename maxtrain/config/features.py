@@ -207,6 +207,14 @@ REQUIRES: tuple[Feature, ...] = (
                                    "to clip below", state="grpo_loss_type"),
     Feature("a KL term (grpo_beta > 0)", lambda v: v["grpo_beta"] > 0, ("grpo_kl_bias_correction",),
             fix="set grpo_beta > 0 (e.g. 0.04)", state="grpo_beta"),
+    # GRPO's rollout keys (training/advantages.py, grpo.py)
+    Feature("grpo_scale_rewards=group or batch", lambda v: v["grpo_scale_rewards"] != "none", ("grpo_reward_std_ddof",),
+            fix="set grpo_scale_rewards=group (or batch)", state="grpo_scale_rewards"),
+    Feature("grpo_overlong_buffer_length > 0", lambda v: v["grpo_overlong_buffer_length"] > 0,
+            ("grpo_overlong_penalty_factor",), fix="set grpo_overlong_buffer_length (DAPO: a quarter of the "
+                                                   "completion's length)", state="grpo_overlong_buffer_length"),
+    Feature("grpo_dynamic_sampling=true", lambda v: v["grpo_dynamic_sampling"], ("grpo_dynamic_sampling_max_batches",),
+            state="grpo_dynamic_sampling"),
 )
 
 

@@ -107,6 +107,34 @@ def _grpo_loss_settings(v):
              + "; set grpo_epsilon_high to CISPO's eps_max, e.g. grpo_epsilon_high=5.0 (ScaleRL's)")
 
 
+# GRPO's advantages, reward shaping and rollout batches (training/advantages.py, training/grpo.py): rl-adv's keys
+GRPO_ROLLOUT_KEYS = ("grpo_advantage_estimator", "grpo_scale_rewards", "grpo_reward_std_ddof",
+                     "grpo_mask_truncated_completions", "grpo_overlong_buffer_length", "grpo_overlong_penalty_factor",
+                     "grpo_dynamic_sampling", "grpo_dynamic_sampling_max_batches", "grpo_num_iterations",
+                     "grpo_steps_per_generation")
+
+
+def _grpo_rollout_settings(v):
+    """The rollout batch's steps against the checkpoints and the run's length; overlong shaping within the
+    completion (its keys' second switches: features.REQUIRES)."""
+    length = v["max_target_length"] - v["max_prefill_predict_length"]
+    _require(v["grpo_overlong_buffer_length"] <= length,
+             f"grpo_overlong_buffer_length={v['grpo_overlong_buffer_length']} is longer than a completion ("
+             f"max_target_length - max_prefill_predict_length = {length} tokens); set it to at most {length} (DAPO: "
+             "a quarter of the length or less)")
+    per = v["grpo_steps_per_generation"] * v["grpo_num_iterations"]
+    if per == 1:
+        return
+    how = (f"a rollout batch trains {per} steps (grpo_steps_per_generation={v['grpo_steps_per_generation']} x "
+           f"grpo_num_iterations={v['grpo_num_iterations']}) and its completions are held in memory only")
+    _require(v["steps"] % per == 0, f"steps={v['steps']} ends inside a rollout batch: {how}; set steps to a multiple "
+                                    f"of {per} (e.g. steps={max(per, v['steps'] - v['steps'] % per)})")
+    _require(not v["enable_checkpointing"] or v["checkpoint_period"] % per == 0,
+             f"checkpoint_period={v['checkpoint_period']} would save inside a rollout batch: {how}; set "
+             f"checkpoint_period to a multiple of {per} (e.g. checkpoint_period="
+             f"{max(per, v['checkpoint_period'] - v['checkpoint_period'] % per)})")
+
+
 def _distillation_settings(v):
     """Distillation needs its teacher (its checkpoint is read later: training/distillation.adopt_teacher)."""
     _require(bool(v["distill_teacher_path"]), f"objective={v['objective']} needs a teacher: set distill_teacher_path=<a "
@@ -160,9 +188,10 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
               keys=("num_generations", "grpo_beta", "grpo_epsilon", "grpo_reward_functions",
                     "max_prefill_predict_length",
                     "grpo_loss_type", "grpo_epsilon_high", "grpo_importance_sampling_level", "grpo_kl_bias_correction")
-                   + GRPO_ROUTING_KEYS,
+                   + GRPO_ROLLOUT_KEYS + GRPO_ROUTING_KEYS,
               shown=("num_generations", "grpo_beta", "grpo_epsilon", "grpo_loss_type"),
-              checks=(_grpo_settings, _grpo_loss_settings, _grpo_routing_settings), old_key="use_grpo"),
+              checks=(_grpo_settings, _grpo_loss_settings, _grpo_rollout_settings, _grpo_routing_settings),
+              old_key="use_grpo"),
     Objective("distill", (TEXT, CONVERSATIONS), {TEXT: ONE_TEXT_FIELD,
                                                  CONVERSATIONS: (("messages",), ("prompt", "completion"))},
               "towards a frozen teacher's next-token distributions, mixed with next-token prediction",

@@ -1,7 +1,8 @@
 """GRPO (Shao et al. 2024; DeepSeek-R1): rollouts and one policy update on every step.
 
     inputs = grpo.with_rewards(config, data.make_inputs(config), functions)  # checked before any work
-    step = grpo.Step(run, train_step, inputs)    # what loop.train calls for each prompt batch
+    step = grpo.Step(run, train_step, inputs)    # what loop.train calls for each step
+    batches = step.batches()                     # its prompt batches (None inside a rollout batch)
     state, metrics = step(state, prompt_batch)
 
 A step, for a batch of B / G prompts (B = global_batch_size completions, G = num_generations):
@@ -12,12 +13,22 @@ A step, for a batch of B / G prompts (B = global_batch_size completions, G = num
    max_prefill_predict_length tokens each, cut after the first stop token (data/prompts.stop_ids).
    The sampling key is fold_in(the run's rollout key, step): rollouts depend on the seed and the
    step alone, so a resumed run samples what the uninterrupted run did.
-2. Rewards (training/rewards.py) on the host, and group-normalized advantages
-   A = (r - mean of its group) / (std of its group + 1e-4), the population std: a group whose
-   completions all scored alike has A = 0 and teaches nothing.
+2. Rewards (training/rewards.py) on the host, DAPO's overlong shaping added (grpo_overlong_buffer_length), and
+   advantages (training/advantages.py); by default A = (r - mean of its group) / (std of its group + 1e-4), the
+   population std: a group whose completions all scored alike has A = 0 and teaches nothing. With
+   grpo_dynamic_sampling such groups are dropped and more prompt batches drawn from the train iterator (keys
+   fold_in(the step's key, draw)) until the rollout batch is full, at most grpo_dynamic_sampling_max_batches.
 3. Update. One optimizer step of losses.grpo on rows prompt + completion (loss on the
-   completion's tokens only), with the sampler's log-probabilities as pi_old: the ratio is 1 in
-   value, but its gradient is the policy gradient A grad log pi.
+   completion's tokens only; none on a completion cut without a stop with grpo_mask_truncated_completions),
+   with the sampler's log-probabilities as pi_old: the ratio is 1 in value, but its gradient is the policy
+   gradient A grad log pi.
+
+A rollout batch of grpo_steps_per_generation > 1 mini-batches, or grpo_num_iterations > 1 updates on each, is
+that many steps (every optimizer update is a step, as TRL counts them): the first samples it, the others train on
+its mini-batches held in memory (`Step.batches` hands loop.train no prompts for them), with pi_old the trainer's
+own log-probabilities under the sampling weights, computed once before the first update. No checkpoint is saved
+inside a rollout batch (config/objectives.py refuses such checkpoint_period and steps; `AtRolloutEnds` defers a
+SIGTERM's stop to its end).
 
 Routing replay (grpo_routing_replay=true, a mixture of experts): the sampler records the experts every MoE
 layer chose for each token (prefill and decode steps), the update batch carries them as `routed_experts`
@@ -42,9 +53,9 @@ import numpy as np
 from maxtrain import data as data_lib
 from maxtrain.data import pipeline, prompts as prompts_lib
 from maxtrain.models import sampling
-from maxtrain.training import loop, policy_losses, rewards
+from maxtrain.training import advantages as advantages_lib, loop, losses, policy_losses, rewards
+from maxtrain.training.advantages import ADVANTAGE_EPS, advantages  # noqa: F401 (grpo.advantages: today's GRPO)
 
-ADVANTAGE_EPS = 1e-4
 ROLLOUT_SALT = 0x6C7A  # the rollout key: fold_in(key(seed), ROLLOUT_SALT), apart from the init key
 
 
@@ -109,13 +120,6 @@ def cut(tokens: np.ndarray, stops) -> tuple[np.ndarray, np.ndarray]:
     return (first + 1).astype(np.int32), stopped
 
 
-def advantages(rewards_: np.ndarray, group: int) -> np.ndarray:
-    """(r - group mean) / (group std + ADVANTAGE_EPS) for rewards [N] in consecutive groups of `group`."""
-    r = rewards_.reshape(-1, group).astype(np.float64)
-    a = (r - r.mean(axis=1, keepdims=True)) / (r.std(axis=1, keepdims=True) + ADVANTAGE_EPS)
-    return a.reshape(-1).astype(np.float32)
-
-
 def assemble(prompt_ids: list, tokens: np.ndarray, log_probs: np.ndarray, kept: np.ndarray, adv: np.ndarray,
              length: int, shape: tuple[int, int], routing: list | None = None) -> dict:
     """The update's batch [A, b, T]: each row prompt + its kept completion, loss weight 1 on the completion.
@@ -142,6 +146,13 @@ def assemble(prompt_ids: list, tokens: np.ndarray, log_probs: np.ndarray, kept: 
     return {k: v.reshape(shape + v.shape[1:]) for k, v in batch.items()}
 
 
+def mask_truncated(batch: dict, stopped: np.ndarray) -> dict:
+    """TRL's mask_truncated_completions: the rows [A, b, T] of completions that were cut by the length limit without
+    a stop token (`stopped` [A x b] false) get loss weight 0."""
+    weights = batch["loss_weights"] * stopped.reshape(batch["loss_weights"].shape[:-1] + (1,))
+    return {**batch, "loss_weights": weights.astype(np.float32)}
+
+
 def left_padded(prompts: list, length: int) -> tuple[np.ndarray, np.ndarray]:
     """(prompt ids [N, P] left-padded, first slot [N]) of Prompts."""
     ids = np.zeros((len(prompts), length), np.int32)
@@ -157,25 +168,68 @@ def decode(tokenizer, tokens: np.ndarray, kept: np.ndarray, stopped: np.ndarray)
     return [tokenizer.decode([int(t) for t in row[:k - int(s)]]) for row, k, s in zip(tokens, kept, stopped)]
 
 
+@dataclasses.dataclass
+class Draw:
+    """One prompt batch's completions on the host, scored: what the rollout keeps of each draw (whole groups)."""
+    prompt_ids: list                  # each completion's prompt ids (unpadded) [N]
+    tokens: np.ndarray                # [N, C]
+    log_probs: np.ndarray             # the sampler's log pi(token) [N, C]
+    kept: np.ndarray                  # tokens kept, the stop token included [N]
+    stopped: np.ndarray               # [N] bool
+    total: np.ndarray                 # the summed (and shaped) reward [N]
+    parts: dict                       # reward name -> [N]
+    routing: list | None = None       # routing replay: each row's experts [slots, L_moe, K] (assemble)
+
+    def groups(self, keep: np.ndarray, group: int) -> "Draw":
+        """The completions of the groups where `keep` [N / group] is true."""
+        rows = np.repeat(keep, group)
+        return Draw([p for p, k in zip(self.prompt_ids, rows) if k], self.tokens[rows], self.log_probs[rows],
+                    self.kept[rows], self.stopped[rows], self.total[rows], {n: v[rows] for n, v in self.parts.items()},
+                    None if self.routing is None else [r for r, k in zip(self.routing, rows) if k])
+
+
+def joined(draws: list) -> Draw:
+    return Draw([p for d in draws for p in d.prompt_ids], *(np.concatenate([getattr(d, f) for d in draws])
+                                                           for f in ("tokens", "log_probs", "kept", "stopped", "total")),
+                {n: np.concatenate([d.parts[n] for d in draws]) for n in draws[0].parts},
+                None if draws[0].routing is None else [r for d in draws for r in d.routing])
+
+
+def steps_per_rollout(config) -> int:
+    """Optimizer steps on one rollout batch: its mini-batches, each updated on grpo_num_iterations times."""
+    return config.grpo_steps_per_generation * config.grpo_num_iterations
+
+
 class Step:
-    """One GRPO step: rollout, rewards, update (see the module's docstring); loop.train calls it."""
+    """One GRPO step (see the module's docstring); loop.train calls it with `batches()`'s prompt batches."""
 
     def __init__(self, run, train_step, inputs: Inputs):
         self.run, self.train_step, self.inputs = run, train_step, inputs
         config = run.config
         self.group = config.num_generations
+        self.iterator = inputs.train_iterator
+        self.pending: list = []       # the rollout batch's update batches still to train on, in order
+        self.host: dict = {}          # its rollout's metrics
         record = {"record_routing": True} if config.grpo_routing_replay else {}  # else the program it always was
         self.sample = jax.jit(lambda params, prompt, first, key: sampling.sample_completions(
             params, prompt, first, key, model=run.model, rt=run.rt, max_new_tokens=completion_length(config),
             **sampling.sampling_settings(config), **record))
+        temperature = sampling.sampling_settings(config)["temperature"]
+        self.log_probs = jax.jit(lambda params, batch: losses.target_log_probs(params, batch, run.model, run.rt,
+                                                                              temperature)[0])
 
-    def rollout(self, state, batch: dict, step: int):
-        """(update batch [A, b, T] on the host, host metrics) for one prompt batch."""
+    def batches(self):
+        """The prompt batches loop.train hands each step: the train iterator's next at a rollout batch's first
+        step, None on the steps that train on its later mini-batches and iterations."""
+        while True:
+            yield None if self.pending else next(self.iterator)
+
+    def draw(self, state, batch: dict, step: int, key) -> Draw:
+        """The completions of one prompt batch, sampled with `key` and scored (overlong shaping added)."""
         config, g = self.run.config, self.group
         prompt = np.repeat(batch["prompt"], g, axis=0)
         first = np.repeat(batch["first"], g, axis=0)
-        tokens, log_probs, *routing = jax.device_get(self.sample(self.run.model_params(state), prompt, first,
-                                                                 rollout_key(config, step)))
+        tokens, log_probs, *routing = jax.device_get(self.sample(self.run.model_params(state), prompt, first, key))
         routing = [r[f:] for r, f in zip(routing[0], first)] if routing else None  # rows from their first slot
         kept, stopped = cut(tokens, self.inputs.prompts.stop_ids)
         completions = decode(self.inputs.tokenizer, tokens, kept, stopped)
@@ -185,29 +239,115 @@ class Step:
                  if config.enable_checkpointing else "")
         total, parts = rewards.score(self.inputs.functions, texts, completions, answers,
                                      context=f" at step {step + 1}{saved}")
-        adv = advantages(total, g)
-        prompt_ids = [row[f:] for row, f in zip(prompt, first)]
-        update = assemble(prompt_ids, tokens, log_probs, kept, adv, config.max_target_length,
-                          (config.gradient_accumulation_steps, config.micro_batch_size), routing)
+        if config.grpo_overlong_buffer_length > 0:
+            total = total + advantages_lib.overlong_penalty(kept, completion_length(config),
+                                                            config.grpo_overlong_buffer_length,
+                                                            config.grpo_overlong_penalty_factor)
+        return Draw([row[f:] for row, f in zip(prompt, first)], tokens, log_probs, kept, stopped, total, parts, routing)
+
+    def rollout(self, state, batch: dict, step: int):
+        """(update batches [A, b, T] on the host, one per mini-batch; host metrics) for a rollout batch: `batch`
+        and, for more mini-batches or dynamic sampling, the prompt batches drawn after it."""
+        config, g = self.run.config, self.group
+        minis = config.grpo_steps_per_generation
+        needed = minis * config.global_batch_size // g          # groups in the rollout batch
+        draws, groups, drawn, all_equal = [], 0, 0, 0
+        while groups < needed:
+            if drawn > 0:
+                limit = config.grpo_dynamic_sampling_max_batches if config.grpo_dynamic_sampling else minis
+                if drawn >= limit:
+                    raise loop.TrainingError(
+                        f"grpo_dynamic_sampling: at step {step + 1}, {all_equal} of the {drawn * batch['prompt'].shape[0]}"
+                        f" groups in {drawn} prompt batches had all-equal rewards, leaving {groups} of the {needed} "
+                        f"groups a step needs (grpo_dynamic_sampling_max_batches={limit}); raise "
+                        "grpo_dynamic_sampling_max_batches, sample more completions per prompt (num_generations), "
+                        "or use prompts and rewards whose completions score apart")
+                batch = next(self.iterator)
+            key = rollout_key(config, step) if drawn == 0 else jax.random.fold_in(rollout_key(config, step), drawn)
+            draw = self.draw(state, batch, step, key)
+            drawn += 1
+            if config.grpo_dynamic_sampling:
+                varied = advantages_lib.varied_groups(draw.total, g)
+                all_equal += int((~varied).sum())
+                varied &= np.cumsum(varied) <= needed - groups  # the groups past a full batch are not needed
+                draw = draw.groups(varied, g)
+            draws.append(draw)
+            groups += len(draw.kept) // g
+        done = draws[0] if len(draws) == 1 else joined(draws)
+        adv = advantages_lib.advantages(done.total, g, config.grpo_advantage_estimator, config.grpo_scale_rewards,
+                                        config.grpo_reward_std_ddof)
+        a, b = config.gradient_accumulation_steps, config.micro_batch_size
+        update = assemble(done.prompt_ids, done.tokens, done.log_probs, done.kept, adv, config.max_target_length,
+                          (minis * a, b), done.routing)
+        if config.grpo_mask_truncated_completions:
+            update = mask_truncated(update, done.stopped)
+        updates = [{k: v[i * a:(i + 1) * a] for k, v in update.items()} for i in range(minis)]
+        total = done.total
         host = {"aux/grpo_reward": float(total.mean()),
                 "aux/grpo_reward_std": float(total.reshape(-1, g).std(axis=1).mean()),
-                "aux/grpo_completion_length": float(kept.mean()),
-                "aux/grpo_stopped_fraction": float(stopped.mean())}
-        if "exact_match" in parts:
-            host["aux/grpo_accuracy"] = float(parts["exact_match"].mean())
-        return update, host
+                "aux/grpo_completion_length": float(done.kept.mean()),
+                "aux/grpo_stopped_fraction": float(done.stopped.mean())}
+        if "exact_match" in done.parts:
+            host["aux/grpo_accuracy"] = float(done.parts["exact_match"].mean())
+        if config.grpo_dynamic_sampling:
+            host["aux/grpo_groups_drawn"] = float(drawn * batch["prompt"].shape[0])
+            host["aux/grpo_groups_dropped"] = float(drawn * batch["prompt"].shape[0] - needed)
+        return updates, host
 
-    def __call__(self, state, batch: dict):
+    def old_log_probs(self, state, updates: list) -> None:
+        """pi_old of every mini-batch: the trainer's own log-probabilities under the weights that sampled them,
+        computed once before the rollout batch's first update (the sampler's agree only to float rounding, and a
+        ratio of 1 must be exact at that first update: tests/training/test_grpo_variants.py)."""
+        params = self.run.model_params(state)
+        for update in updates:
+            for i in range(update["inputs"].shape[0]):
+                micro = {k: update[k][i] for k in ("inputs", "targets", "positions", "segment_ids", "routed_experts")
+                         if k in update}
+                lp = np.asarray(jax.device_get(self.log_probs(params, micro)), np.float32)
+                update["old_log_probs"][i] = np.where(update["loss_weights"][i] > 0, lp, 0.0)
+
+    def __call__(self, state, batch):
         started = time.perf_counter()
         step = int(jax.device_get(state["step"]))
-        update, host = self.rollout(state, batch, step)
+        config = self.run.config
+        if not self.pending:
+            per_rollout = steps_per_rollout(config)
+            if step % per_rollout:
+                raise loop.TrainingError(
+                    f"the run resumes at step {step}, inside a rollout batch of {per_rollout} steps "
+                    f"(grpo_steps_per_generation={config.grpo_steps_per_generation} x grpo_num_iterations="
+                    f"{config.grpo_num_iterations}), whose completions no checkpoint holds; resume from a checkpoint "
+                    f"at a multiple of {per_rollout}, or with the settings that saved it")
+            updates, self.host = self.rollout(state, batch, step)
+            if per_rollout > 1:
+                self.old_log_probs(state, updates)
+            self.pending = [u for _ in range(config.grpo_num_iterations) for u in updates]
+        else:
+            started = None
+        update = self.pending.pop(0)
         rolled = time.perf_counter()
-        global_batch = pipeline.to_global(update, self.run.mesh, self.run.config.logical_axis_rules)
+        global_batch = pipeline.to_global(update, self.run.mesh, config.logical_axis_rules)
         state, metrics = self.train_step(state, global_batch)
         metrics = jax.block_until_ready(metrics)
-        host["aux/grpo_rollout_seconds"] = rolled - started
+        host = dict(self.host)
+        host["aux/grpo_rollout_seconds"] = 0.0 if started is None else rolled - started
         host["aux/grpo_update_seconds"] = time.perf_counter() - rolled
         return state, {**metrics, **host}
+
+
+class AtRolloutEnds:
+    """The run's Preemption, whose stop waits for the end of the rollout batch under way (its later mini-batches and
+    iterations are in memory only, so a checkpoint is saved at rollout batches' ends: at most
+    steps_per_rollout - 1 steps later)."""
+
+    def __init__(self, preemption, per_rollout: int):
+        self.preemption, self.per_rollout = preemption, per_rollout
+
+    def reached(self, step: int) -> bool:
+        return self.preemption.reached(step) and step % self.per_rollout == 0
+
+    def close(self) -> None:
+        self.preemption.close()
 
 
 class HeldOut(loop.Hook):

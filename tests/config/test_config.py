@@ -354,6 +354,7 @@ def test_the_config_after_the_devices_is_a_type_of_its_own():
 # --------------------------------------------------------------------------------------------
 
 # Per second switch: its first switch on (the family), the second off.
+GRPO_SAMPLED = [*GRPO, "decode_sampling_strategy=weighted"]
 SECOND_OFF = {"temperature_tuning=true": ["decoder_block=llama4_text", "num_experts=4", "nope_layer_interval=4"],
               "NoPE layers (nope_layer_interval >= 1)": ["decoder_block=llama4_text", "num_experts=4"],
               "RoPE layers (nope_layer_interval other than 1)": ["decoder_block=llama4_text", "num_experts=4",
@@ -361,7 +362,11 @@ SECOND_OFF = {"temperature_tuning=true": ["decoder_block=llama4_text", "num_expe
               "gated delta-net layers (inhomogeneous_layer_cycle_interval >= 2)":
                   ["model_name=qwen3-next-80b-a3b", "inhomogeneous_layer_cycle_interval=1"],
               "moe_dispatch=dropless": ["decoder_block=mixtral", "num_experts=4", "moe_dispatch=capacity"],
-              "a shared expert (shared_experts >= 1)": ["model_name=qwen3-next-80b-a3b", "shared_experts=0"]}
+              "a shared expert (shared_experts >= 1)": ["model_name=qwen3-next-80b-a3b", "shared_experts=0"],
+              # GRPO's rollout keys (rl-adv)
+              "grpo_scale_rewards=group or batch": [*GRPO_SAMPLED, "grpo_scale_rewards=none"],
+              "grpo_overlong_buffer_length > 0": GRPO_SAMPLED,
+              "grpo_dynamic_sampling=true": GRPO_SAMPLED}
 # GRPO's loss keys (training/policy_losses.py): objective=grpo on, the loss's second switch off
 GRPO_RUN = ["objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]",
             "decode_sampling_strategy=weighted", "max_target_length=128"]
