@@ -287,7 +287,9 @@ def load_model(config, *, devices=None, read_params: bool = True, log=print) -> 
 def objective_details(config) -> str:
     """The summary's words after the objective's name: its settings, its data kind and its frozen model."""
     row = config_lib.objectives.of(config)
-    parts = [f"{key} {getattr(config, key):g}" for key in row.shown] + [config_lib.objectives.data_kind(config)]
+    values = {key: getattr(config, key) for key in row.shown}
+    parts = [f"{key} {v if isinstance(v, str) else format(v, 'g')}" for key, v in values.items()]
+    parts.append(config_lib.objectives.data_kind(config))
     parts += [f"frozen {row.frozen}"] if config_lib.objectives.holds_frozen(config) else []
     return " (" + ", ".join(parts) + ")"
 

@@ -31,7 +31,9 @@ def dataset(tmp_path_factory):
 def _args(dataset, name: str) -> list[str]:
     """A command line's settings that run objective `name` on the test data."""
     return {"lm": [], "sft": sft_args(dataset), "dpo": dpo_args(dataset), "grpo": grpo_args(dataset, dataset["dir"]),
-            "distill": ["objective=distill", "distill_teacher_path=teacher"]}[name]
+            "distill": ["objective=distill", "distill_teacher_path=teacher"],
+            "distill_on_policy": [*(a for a in grpo_args(dataset, dataset["dir"]) if a != "objective=grpo"),
+                                  "objective=distill_on_policy", "distill_teacher_path=teacher"]}[name]
 
 
 def _old(args: list[str]) -> list[str]:
@@ -96,7 +98,7 @@ def test_every_row_has_a_loss_and_declares_what_its_state_and_batches_hold(datas
     assert set(losses.LOSSES) == set(config_objectives.OBJECTIVES) == set(allowed.removeprefix("one of: ").split(", "))
     for name, extra in [(n, []) for n in config_objectives.OBJECTIVES] + [("grpo", ["grpo_beta=0"])]:
         config = _load(*_args(dataset, name), *extra)
-        if name == "distill":  # the teacher's model settings, as adopt_teacher reads them from its checkpoint
+        if name.startswith("distill"):  # the teacher's model settings, as adopt_teacher reads them from its checkpoint
             config = config_lib.Config({**config.to_dict(), distillation.KEY: {k: getattr(config, k)
                                                                                for k in model_keys.MODEL_KEYS}})
         row = config_objectives.of(config)
