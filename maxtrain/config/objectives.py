@@ -60,6 +60,7 @@ def _columns_keys(v) -> tuple[str, ...]:
 # --------------------------------------------------------------------------------------------
 
 GRPO_REWARDS = ("exact_match", "format")  # maxtrain/training/rewards.py: built-in rewards
+GRPO_ENVIRONMENTS = ("calculator",)  # maxtrain/training/environments.py: built-in environments
 
 
 def _grpo_settings(v):
@@ -74,8 +75,22 @@ def _grpo_settings(v):
         _require(name in GRPO_REWARDS or (module and function),
                  f"grpo_reward_functions: {name!r} is neither a built-in reward ({', '.join(GRPO_REWARDS)}) nor an "
                  "import path module:function (e.g. my_rewards:score, with my_rewards.py on PYTHONPATH)")
-    _require(len(v["grpo_reward_functions"]) > 0,
-             "grpo_reward_functions is empty; name at least one, e.g. [exact_match]")
+    _require(len(v["grpo_reward_functions"]) > 0 or bool(v["grpo_environment"]),
+             "grpo_reward_functions is empty; name at least one, e.g. [exact_match] (or set grpo_environment, whose "
+             "rewards are then the episode's)")
+
+
+def _grpo_environment_settings(v):
+    """The multi-turn settings (training/episodes.py): grpo_max_turns counts an environment's turns."""
+    name = str(v["grpo_environment"])
+    module, _, cls = name.partition(":")
+    _require(not name or name in GRPO_ENVIRONMENTS or (module and cls),
+             f"grpo_environment={name!r} is neither a built-in environment ({', '.join(GRPO_ENVIRONMENTS)}) nor an "
+             "import path module:Class (e.g. my_envs:Maze, with my_envs.py on PYTHONPATH)")
+    _require(bool(name) or v["grpo_max_turns"] == -1,
+             f"grpo_max_turns={v['grpo_max_turns']} does nothing without grpo_environment: a single-turn completion "
+             "has one turn; set grpo_environment=calculator (or module:Class) for multi-turn episodes, or drop "
+             "grpo_max_turns")
 
 
 def _distillation_settings(v):
@@ -123,8 +138,9 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
               frozen="reference", frozen_unless_zero="grpo_beta", batch_keys=("advantages", "old_log_probs"),
               samples=True, next_token=False, processes=False,
               keys=("num_generations", "grpo_beta", "grpo_epsilon", "grpo_reward_functions",
-                    "max_prefill_predict_length"), shown=("num_generations", "grpo_beta", "grpo_epsilon"),
-              checks=(_grpo_settings,), old_key="use_grpo"),
+                    "max_prefill_predict_length",
+                    "grpo_environment", "grpo_max_turns"), shown=("num_generations", "grpo_beta", "grpo_epsilon"),
+              checks=(_grpo_settings, _grpo_environment_settings), old_key="use_grpo"),
     Objective("distill", (TEXT, CONVERSATIONS), {TEXT: ONE_TEXT_FIELD,
                                                  CONVERSATIONS: (("messages",), ("prompt", "completion"))},
               "towards a frozen teacher's next-token distributions, mixed with next-token prediction",

@@ -36,7 +36,7 @@ import numpy as np
 from maxtrain import data as data_lib
 from maxtrain.data import pipeline, prompts as prompts_lib
 from maxtrain.models import sampling
-from maxtrain.training import loop, rewards
+from maxtrain.training import environments, episodes, loop, rewards
 
 ADVANTAGE_EPS = 1e-4
 ROLLOUT_SALT = 0x6C7A  # the rollout key: fold_in(key(seed), ROLLOUT_SALT), apart from the init key
@@ -48,6 +48,7 @@ class Inputs:
     any run's inputs, and GRPO's own."""
     data: data_lib.Inputs
     functions: dict                   # reward name -> function
+    environment: environments.Source | None = None  # grpo_environment: multi-turn episodes (training/episodes.py)
 
     @property
     def prompts(self) -> prompts_lib.PromptInputs:
@@ -75,10 +76,16 @@ def with_rewards(config, inputs: data_lib.Inputs, functions: dict, log=print) ->
     run before any compilation."""
     first = inputs.prompts.first_records
     rewards.check(functions, [p.text for p in first], [p.answer for p in first])
+    environment = environments.load(config.grpo_environment) if config.grpo_environment else None
+    if environment is not None:  # made, reset and stepped on the first records now (training/episodes.py)
+        episodes.check(config, inputs.prompts, environment, first)
+        log(f"GRPO: multi-turn episodes with the environment {config.grpo_environment!r}, at most "
+            f"{'any' if config.grpo_max_turns < 0 else config.grpo_max_turns} model turns and "
+            f"{episodes.budget(config)} tokens each")
     log(f"GRPO: {prompts_lib.per_step(config)} prompts x {config.num_generations} completions of at most "
         f"{completion_length(config)} tokens per step; rewards {', '.join(functions)}; beta {config.grpo_beta:g}, "
         f"epsilon {config.grpo_epsilon:g}; sampling {describe_sampling(config)}")
-    return Inputs(inputs, functions)
+    return Inputs(inputs, functions, environment)
 
 
 def completion_length(config) -> int:
@@ -109,8 +116,9 @@ def advantages(rewards_: np.ndarray, group: int) -> np.ndarray:
 
 
 def assemble(prompt_ids: list, tokens: np.ndarray, log_probs: np.ndarray, kept: np.ndarray, adv: np.ndarray,
-             length: int, shape: tuple[int, int]) -> dict:
-    """The update's batch [A, b, T]: each row prompt + its kept completion, loss weight 1 on the completion."""
+             length: int, shape: tuple[int, int], model: np.ndarray | None = None) -> dict:
+    """The update's batch [A, b, T]: each row prompt + its kept completion, loss weight 1 on the completion
+    (with `model` [N, C]: that weight on each completion token, 0 on an environment's observations)."""
     n = tokens.shape[0]
     batch = {k: np.zeros((n, length), np.int32) for k in ("inputs", "targets", "positions", "segment_ids")}
     for k in ("loss_weights", "advantages", "old_log_probs"):
@@ -121,7 +129,7 @@ def assemble(prompt_ids: list, tokens: np.ndarray, log_probs: np.ndarray, kept: 
         m = len(seq) - 1
         batch["inputs"][i, :m], batch["targets"][i, :m] = seq[:-1], seq[1:]
         batch["positions"][i, :m], batch["segment_ids"][i, :m] = np.arange(m), 1
-        batch["loss_weights"][i, p - 1:m] = 1.0                  # targets p-1 .. : the completion's tokens
+        batch["loss_weights"][i, p - 1:m] = 1.0 if model is None else model[i, :c]  # targets p-1 .. : the completion
         batch["old_log_probs"][i, p - 1:m] = log_probs[i, :c]
         batch["advantages"][i, :m] = adv[i]
     return {k: v.reshape(shape + (length,)) for k, v in batch.items()}
@@ -152,9 +160,12 @@ class Step:
         self.sample = jax.jit(lambda params, prompt, first, key: sampling.sample_completions(
             params, prompt, first, key, model=run.model, rt=run.rt, max_new_tokens=completion_length(config),
             **sampling.sampling_settings(config)))
+        self.episodes = episodes.Episodes(config, inputs.prompts, inputs.environment) if inputs.environment else None
 
     def rollout(self, state, batch: dict, step: int):
         """(update batch [A, b, T] on the host, host metrics) for one prompt batch."""
+        if self.episodes is not None:  # grpo_environment: multi-turn episodes
+            return self.multi_turn(state, batch, step)
         config, g = self.run.config, self.group
         prompt = np.repeat(batch["prompt"], g, axis=0)
         first = np.repeat(batch["first"], g, axis=0)
@@ -176,6 +187,34 @@ class Step:
                 "aux/grpo_reward_std": float(total.reshape(-1, g).std(axis=1).mean()),
                 "aux/grpo_completion_length": float(kept.mean()),
                 "aux/grpo_stopped_fraction": float(stopped.mean())}
+        if "exact_match" in parts:
+            host["aux/grpo_accuracy"] = float(parts["exact_match"].mean())
+        return update, host
+
+    def multi_turn(self, state, batch: dict, step: int):
+        """rollout's (update batch, host metrics) of episodes with the environment (training/episodes.py)."""
+        config, g = self.run.config, self.group
+        texts = [t.decode() for t in np.repeat(batch["text"], g)]
+        answers = [a.decode() for a in np.repeat(batch["answer"], g)]
+        saved = (" (the checkpoints saved so far are kept; re-run the same command to resume from the latest)"
+                 if config.enable_checkpointing else "")
+        played = self.episodes.play(self.sample, self.run.model_params(state), np.repeat(batch["prompt"], g, axis=0),
+                                    np.repeat(batch["first"], g, axis=0), texts, answers, rollout_key(config, step),
+                                    context=f" at step {step + 1}{saved}")
+        total, parts = rewards.score(self.inputs.functions, texts, played.final, answers,
+                                     context=f" at step {step + 1}{saved}")
+        total = total + played.reward
+        update = assemble(played.prompt_ids, played.tokens, played.log_probs, played.kept, advantages(total, g),
+                          config.max_target_length, (config.gradient_accumulation_steps, config.micro_batch_size),
+                          played.model)
+        host = {"aux/grpo_reward": float(total.mean()),
+                "aux/grpo_reward_std": float(total.reshape(-1, g).std(axis=1).mean()),
+                "aux/grpo_completion_length": float(played.kept.mean()),
+                "aux/grpo_stopped_fraction": float(played.done.mean()),
+                "aux/grpo_environment_reward": float(played.reward.mean()),
+                "aux/grpo_turns": float(played.turns.mean()),
+                "aux/grpo_multi_turn_fraction": float((played.turns > 1).mean()),
+                "aux/grpo_model_token_fraction": float(played.model.sum() / max(played.kept.sum(), 1))}
         if "exact_match" in parts:
             host["aux/grpo_accuracy"] = float(parts["exact_match"].mean())
         return update, host
@@ -204,6 +243,10 @@ class HeldOut(loop.Hook):
         self.greedy = jax.jit(lambda params, prompt, first: sampling.sample_completions(
             params, prompt, first, jax.random.key(0), model=run.model, rt=run.rt,
             max_new_tokens=completion_length(config), temperature=0.0, top_k=0, top_p=1.0)[0])
+        self.episodes = episodes.Episodes(config, inputs.prompts, inputs.environment) if inputs.environment else None
+        self.greedy_turn = jax.jit(lambda params, prompt, first, key: sampling.sample_completions(
+            params, prompt, first, key, model=run.model, rt=run.rt, max_new_tokens=completion_length(config),
+            temperature=0.0, top_k=0, top_p=1.0))
 
     def start(self, step, state):
         if step == 0:
@@ -220,18 +263,30 @@ class HeldOut(loop.Hook):
         """(mean summed reward, {name: mean}) of greedy answers to the held-out prompts."""
         config, held_out = self.built.config, self.inputs.eval_batches
         rows = config.global_batch_size
-        texts, answers, completions = [], [], []
+        texts, answers, completions, environment, turns = [], [], [], [], []
         for start in range(0, len(held_out), rows):
             chunk = held_out[start:start + rows]
             padded = chunk + [chunk[-1]] * (rows - len(chunk))  # the last batch filled with copies (not scored)
             prompt, first = left_padded(padded, config.max_prefill_predict_length)
-            tokens = jax.device_get(self.greedy(params, prompt, first))[:len(chunk)]
-            kept, stopped = cut(tokens, self.inputs.prompts.stop_ids)
-            completions += decode(self.inputs.tokenizer, tokens, kept, stopped)
+            if self.episodes is not None:  # greedy episodes with the environment (training/episodes.py)
+                played = self.episodes.play(self.greedy_turn, params, prompt, first, [p.text for p in padded],
+                                            [p.answer for p in padded], jax.random.key(0),
+                                            context=f" on the held-out prompts at step {done}")
+                completions += played.final[:len(chunk)]
+                environment += list(played.reward[:len(chunk)])
+                turns += list(played.turns[:len(chunk)])
+            else:
+                tokens = jax.device_get(self.greedy(params, prompt, first))[:len(chunk)]
+                kept, stopped = cut(tokens, self.inputs.prompts.stop_ids)
+                completions += decode(self.inputs.tokenizer, tokens, kept, stopped)
             texts += [p.text for p in chunk]
             answers += [p.answer for p in chunk]
         total, parts = rewards.score(self.inputs.functions, texts, completions, answers,
                                      context=f" on the held-out prompts at step {done}")
+        if self.episodes is not None:
+            total = total + np.asarray(environment, np.float32)
+            parts["environment"] = np.asarray(environment, np.float32)
+            parts["multi_turn_fraction"] = (np.asarray(turns) > 1).astype(np.float32)
         return float(total.mean()), {name: float(v.mean()) for name, v in parts.items()}
 
     def run_eval(self, done: int, state) -> None:
@@ -239,6 +294,8 @@ class HeldOut(loop.Hook):
         out = {"grpo_reward": reward}
         if "exact_match" in parts:
             out["grpo_accuracy"] = parts["exact_match"]
+        if self.episodes is not None:
+            out["grpo_multi_turn_fraction"] = parts["multi_turn_fraction"]
         self.metrics[done] = out
         self.log(f"eval at step {done}: held-out greedy answers ({len(self.inputs.eval_batches)} prompts): "
                  + "  ".join(f"{k} {v:.4f}" for k, v in out.items()))
