@@ -264,6 +264,16 @@ ROWS = [
                                      "train_data_columns=[prompt,answer]", "decode_sampling_strategy=weighted",
                                      "coordinator_address=127.0.0.1:1234", "num_processes=2", "process_id=1"],
         r"objective=grpo runs in one process for now \(its rollouts are gathered on one host\), but num_processes=2"),
+    # GRPO's multi-turn environments (maxtrain/training/environments.py, episodes.py)
+    Row("grpo-environment-under-sft", T, [B, "objective=sft", "grpo_environment=calculator"],
+        r"grpo_environment='calculator' does nothing without objective=grpo"),
+    Row("grpo-max-turns-without-environment", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]", "decode_sampling_strategy=weighted", "grpo_max_turns=3"],
+        r"grpo_max_turns=3 does nothing without grpo_environment: a single-turn completion has one turn; set "
+        r"grpo_environment=calculator"),
+    Row("grpo-environment-not-a-path", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]", "decode_sampling_strategy=weighted", "grpo_environment=maze"],
+        r"grpo_environment='maze' is neither a built-in environment \(calculator\) nor an import path module:Class"),
+    Row("grpo-max-turns-zero", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]", "decode_sampling_strategy=weighted", "grpo_environment=calculator", "grpo_max_turns=0"],
+        r"grpo_max_turns=0 is not allowed"),
     Row("processes-without-coordinator", T, [B, "num_processes=2", "process_id=0"],
         r"num_processes=2 needs coordinator_address=host:port"),
     # train: outputs
