@@ -83,7 +83,7 @@ def with_rewards(config, inputs: data_lib.Inputs, functions: dict, log=print) ->
             f"{'any' if config.grpo_max_turns < 0 else config.grpo_max_turns} model turns and "
             f"{episodes.budget(config)} tokens each")
     log(f"GRPO: {prompts_lib.per_step(config)} prompts x {config.num_generations} completions of at most "
-        f"{completion_length(config)} tokens per step; rewards {', '.join(functions)}; beta {config.grpo_beta:g}, "
+        f"{completion_length(config)} tokens per step; rewards {', '.join(functions) or "the environment's"}; beta {config.grpo_beta:g}, "
         f"epsilon {config.grpo_epsilon:g}; sampling {describe_sampling(config)}")
     return Inputs(inputs, functions, environment)
 

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from bad_inputs.world import *  # noqa: F401,F403  pylint: disable=wildcard-import,unused-wildcard-import
 
+# a GRPO run's settings up to its data (the multi-turn rows add theirs)
+GRPO_PROMPTS = ["objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]",
+                "decode_sampling_strategy=weighted"]
+
 ROWS = [
     # train: config keys and values
     Row("unknown-key", T, [B, "base_emb_dimm=64"], r"unknown config key 'base_emb_dimm': did you mean base_emb_dim\?"),
@@ -265,14 +269,15 @@ ROWS = [
                                      "coordinator_address=127.0.0.1:1234", "num_processes=2", "process_id=1"],
         r"objective=grpo runs in one process for now \(its rollouts are gathered on one host\), but num_processes=2"),
     # GRPO's multi-turn environments (maxtrain/training/environments.py, episodes.py)
-    Row("grpo-environment-under-sft", T, [B, "objective=sft", "grpo_environment=calculator"],
+    Row("grpo-environment-under-sft", T, [B, "objective=sft", "dataset_type=jsonl", "grain_train_files=x.jsonl",
+                                          "train_data_columns=[messages]", "grpo_environment=calculator"],
         r"grpo_environment='calculator' does nothing without objective=grpo"),
-    Row("grpo-max-turns-without-environment", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]", "decode_sampling_strategy=weighted", "grpo_max_turns=3"],
+    Row("grpo-max-turns-without-environment", T, [B, *GRPO_PROMPTS, "grpo_max_turns=3"],
         r"grpo_max_turns=3 does nothing without grpo_environment: a single-turn completion has one turn; set "
         r"grpo_environment=calculator"),
-    Row("grpo-environment-not-a-path", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]", "decode_sampling_strategy=weighted", "grpo_environment=maze"],
+    Row("grpo-environment-not-a-path", T, [B, *GRPO_PROMPTS, "grpo_environment=maze"],
         r"grpo_environment='maze' is neither a built-in environment \(calculator\) nor an import path module:Class"),
-    Row("grpo-max-turns-zero", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]", "decode_sampling_strategy=weighted", "grpo_environment=calculator", "grpo_max_turns=0"],
+    Row("grpo-max-turns-zero", T, [B, *GRPO_PROMPTS, "grpo_environment=calculator", "grpo_max_turns=0"],
         r"grpo_max_turns=0 is not allowed"),
     Row("processes-without-coordinator", T, [B, "num_processes=2", "process_id=0"],
         r"num_processes=2 needs coordinator_address=host:port"),
