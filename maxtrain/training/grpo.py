@@ -82,8 +82,9 @@ def with_rewards(config, inputs: data_lib.Inputs, functions: dict, log=print) ->
         log(f"GRPO: multi-turn episodes with the environment {config.grpo_environment!r}, at most "
             f"{'any' if config.grpo_max_turns < 0 else config.grpo_max_turns} model turns and "
             f"{episodes.budget(config)} tokens each")
+    named = ", ".join(functions) or "the environment's"
     log(f"GRPO: {prompts_lib.per_step(config)} prompts x {config.num_generations} completions of at most "
-        f"{completion_length(config)} tokens per step; rewards {', '.join(functions) or "the environment's"}; beta {config.grpo_beta:g}, "
+        f"{completion_length(config)} tokens per step; rewards {named}; beta {config.grpo_beta:g}, "
         f"epsilon {config.grpo_epsilon:g}; sampling {describe_sampling(config)}")
     return Inputs(inputs, functions, environment)
 
