@@ -6,7 +6,8 @@ An episode (training/environments.py has the contract): the model's message eith
 `<tool>12+34</tool>`, and the calculator answers `<result>46</result>` (reward 0, the episode goes
 on), or answers: the episode ends with reward 1 when the answer (the text of its last <answer>..</answer>
 if it has one, else the whole message, without surrounding white space) equals the record's, else 0.
-A tool call it cannot evaluate answers `<result>error: ...</result>`, reward 0.
+A tool call it cannot evaluate answers `<result>error</result>`, reward 0 (short, so that it fits the
+small budgets of tiny models; `evaluate` raises `NotEvaluated` saying why).
 
 The arithmetic is parsed, never eval'ed: integers and decimals, + - * / // % ** and unary minus, with
 parentheses; numbers beyond 1e12 (and exponents beyond 64) are refused so that no call can take long.
@@ -88,6 +89,6 @@ class Calculator:
         if call is not None:
             try:
                 return f"<result>{evaluate(call.group(1))}</result>", 0.0, False
-            except NotEvaluated as e:
-                return f"<result>error: {e}</result>", 0.0, False
+            except NotEvaluated:
+                return "<result>error</result>", 0.0, False
         return "", float(rewards.completion_answer(message) == self.answer), True
