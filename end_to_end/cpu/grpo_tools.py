@@ -1,6 +1,6 @@
 """GRPO with an environment on CPU: a tiny model learns to call a calculator tool on three-digit sums.
 
-    python end_to_end/cpu/grpo_tools.py [--sft-steps 150] [--grpo-steps 40] [--tool-fraction 0.25] [--reuse-sft]
+    python end_to_end/cpu/grpo_tools.py [--sft-steps 150] [--grpo-steps 20] [--tool-fraction 0.25] [--reuse-sft]
 
 1. Generates sums "a+b=" (a, b in 100..999): held-out prompts never trained on, and the training set;
    a sentencepiece tokenizer (digits split; the ChatML markers and <tool> </tool> <result> </result>
@@ -78,7 +78,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="grpo_tools", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sft-steps", type=int, default=150, help="SFT steps (32 rows of packed transcripts)")
-    parser.add_argument("--grpo-steps", type=int, default=40, help="GRPO steps")
+    parser.add_argument("--grpo-steps", type=int, default=20, help="GRPO steps")
     parser.add_argument("--tool-fraction", type=float, default=0.25, help="SFT transcripts that call the tool")
     parser.add_argument("--examples", type=int, default=8000, help="training sums")
     parser.add_argument("--held-out", type=int, default=200, help="held-out sums (never trained on)")
