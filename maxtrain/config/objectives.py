@@ -60,6 +60,7 @@ def _columns_keys(v) -> tuple[str, ...]:
 # --------------------------------------------------------------------------------------------
 
 GRPO_REWARDS = ("exact_match", "format")  # maxtrain/training/rewards.py: built-in rewards
+GRPO_ENVIRONMENTS = ("calculator",)  # maxtrain/training/environments.py: built-in environments
 
 
 def _grpo_settings(v):
@@ -74,8 +75,22 @@ def _grpo_settings(v):
         _require(name in GRPO_REWARDS or (module and function),
                  f"grpo_reward_functions: {name!r} is neither a built-in reward ({', '.join(GRPO_REWARDS)}) nor an "
                  "import path module:function (e.g. my_rewards:score, with my_rewards.py on PYTHONPATH)")
-    _require(len(v["grpo_reward_functions"]) > 0,
-             "grpo_reward_functions is empty; name at least one, e.g. [exact_match]")
+    _require(len(v["grpo_reward_functions"]) > 0 or bool(v["grpo_environment"]),
+             "grpo_reward_functions is empty; name at least one, e.g. [exact_match] (or set grpo_environment, whose "
+             "rewards are then the episode's)")
+
+
+def _grpo_environment_settings(v):
+    """The multi-turn settings (training/episodes.py): grpo_max_turns counts an environment's turns."""
+    name = str(v["grpo_environment"])
+    module, _, cls = name.partition(":")
+    _require(not name or name in GRPO_ENVIRONMENTS or (module and cls),
+             f"grpo_environment={name!r} is neither a built-in environment ({', '.join(GRPO_ENVIRONMENTS)}) nor an "
+             "import path module:Class (e.g. my_envs:Maze, with my_envs.py on PYTHONPATH)")
+    _require(bool(name) or v["grpo_max_turns"] == -1,
+             f"grpo_max_turns={v['grpo_max_turns']} does nothing without grpo_environment: a single-turn completion "
+             "has one turn; set grpo_environment=calculator (or module:Class) for multi-turn episodes, or drop "
+             "grpo_max_turns")
 
 
 GRPO_ROUTING_KEYS = ("grpo_routing_replay",)  # routing replay (models/moe/replay.py)
@@ -91,6 +106,9 @@ def _grpo_routing_settings(v):
     stages = v["ici_pipeline_parallelism"] * v["dcn_pipeline_parallelism"]
     _require(stages == 1, f"grpo_routing_replay=true does not run in pipeline stages yet, but ici_pipeline_parallelism"
                           f" x dcn_pipeline_parallelism = {stages}; set both to 1 (or grpo_routing_replay=false)")
+    _require(not v["grpo_environment"], f"grpo_routing_replay=true does not record the experts of multi-turn episodes "
+                                        f"yet (grpo_environment={v['grpo_environment']!r}); set grpo_routing_replay=false "
+                                        "or grpo_environment=\"\"")
 
 
 # grpo_loss_type's keys (training/policy_losses.py): the rules TRL's GRPOConfig leaves to the user. (A key that does
@@ -187,10 +205,12 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
               samples=True, next_token=False, processes=False,
               keys=("num_generations", "grpo_beta", "grpo_epsilon", "grpo_reward_functions",
                     "max_prefill_predict_length",
-                    "grpo_loss_type", "grpo_epsilon_high", "grpo_importance_sampling_level", "grpo_kl_bias_correction")
+                    "grpo_loss_type", "grpo_epsilon_high", "grpo_importance_sampling_level", "grpo_kl_bias_correction",
+                    "grpo_environment", "grpo_max_turns")
                    + GRPO_ROLLOUT_KEYS + GRPO_ROUTING_KEYS,
               shown=("num_generations", "grpo_beta", "grpo_epsilon", "grpo_loss_type"),
-              checks=(_grpo_settings, _grpo_loss_settings, _grpo_rollout_settings, _grpo_routing_settings),
+              checks=(_grpo_settings, _grpo_loss_settings, _grpo_rollout_settings, _grpo_routing_settings,
+                      _grpo_environment_settings),
               old_key="use_grpo"),
     Objective("distill", (TEXT, CONVERSATIONS), {TEXT: ONE_TEXT_FIELD,
                                                  CONVERSATIONS: (("messages",), ("prompt", "completion"))},

@@ -53,7 +53,8 @@ import numpy as np
 from maxtrain import data as data_lib
 from maxtrain.data import pipeline, prompts as prompts_lib
 from maxtrain.models import sampling
-from maxtrain.training import advantages as advantages_lib, loop, losses, policy_losses, rewards
+from maxtrain.training import (advantages as advantages_lib, environments, episodes, loop, losses,
+                               policy_losses, rewards)
 from maxtrain.training.advantages import ADVANTAGE_EPS, advantages  # noqa: F401 (grpo.advantages: today's GRPO)
 
 ROLLOUT_SALT = 0x6C7A  # the rollout key: fold_in(key(seed), ROLLOUT_SALT), apart from the init key
@@ -65,6 +66,7 @@ class Inputs:
     any run's inputs, and GRPO's own."""
     data: data_lib.Inputs
     functions: dict                   # reward name -> function
+    environment: environments.Source | None = None  # grpo_environment: multi-turn episodes (training/episodes.py)
 
     @property
     def prompts(self) -> prompts_lib.PromptInputs:
@@ -92,12 +94,19 @@ def with_rewards(config, inputs: data_lib.Inputs, functions: dict, log=print) ->
     run before any compilation."""
     first = inputs.prompts.first_records
     rewards.check(functions, [p.text for p in first], [p.answer for p in first])
+    environment = environments.load(config.grpo_environment) if config.grpo_environment else None
+    if environment is not None:  # made, reset and stepped on the first records now (training/episodes.py)
+        episodes.check(config, inputs.prompts, environment, first)
+        log(f"GRPO: multi-turn episodes with the environment {config.grpo_environment!r}, at most "
+            f"{'any' if config.grpo_max_turns < 0 else config.grpo_max_turns} model turns and "
+            f"{episodes.budget(config)} tokens each")
+    named = ", ".join(functions) or "the environment's"
     log(f"GRPO: {prompts_lib.per_step(config)} prompts x {config.num_generations} completions of at most "
-        f"{completion_length(config)} tokens per step; rewards {', '.join(functions)}; beta {config.grpo_beta:g}, "
+        f"{completion_length(config)} tokens per step; rewards {named}; beta {config.grpo_beta:g}, "
         f"epsilon {config.grpo_epsilon:g}; sampling {describe_sampling(config)}")
     if policy_losses.sequence_level_note(config):
         log(policy_losses.sequence_level_note(config))
-    return Inputs(inputs, functions)
+    return Inputs(inputs, functions, environment)
 
 
 def completion_length(config) -> int:
@@ -121,8 +130,10 @@ def cut(tokens: np.ndarray, stops) -> tuple[np.ndarray, np.ndarray]:
 
 
 def assemble(prompt_ids: list, tokens: np.ndarray, log_probs: np.ndarray, kept: np.ndarray, adv: np.ndarray,
-             length: int, shape: tuple[int, int], routing: list | None = None) -> dict:
-    """The update's batch [A, b, T]: each row prompt + its kept completion, loss weight 1 on the completion.
+             length: int, shape: tuple[int, int], routing: list | None = None,
+             model: np.ndarray | None = None) -> dict:
+    """The update's batch [A, b, T]: each row prompt + its kept completion, loss weight 1 on the completion
+    (with `model` [N, C]: that weight on each completion token, 0 on an environment's observations).
     routing (routing replay): per row the experts the sampler chose [slots from the prompt's first, L_moe, K],
     which become `routed_experts` [A, b, T, L_moe, K] aligned with `inputs`."""
     n = tokens.shape[0]
@@ -135,7 +146,7 @@ def assemble(prompt_ids: list, tokens: np.ndarray, log_probs: np.ndarray, kept: 
         m = len(seq) - 1
         batch["inputs"][i, :m], batch["targets"][i, :m] = seq[:-1], seq[1:]
         batch["positions"][i, :m], batch["segment_ids"][i, :m] = np.arange(m), 1
-        batch["loss_weights"][i, p - 1:m] = 1.0                  # targets p-1 .. : the completion's tokens
+        batch["loss_weights"][i, p - 1:m] = 1.0 if model is None else model[i, :c]  # targets p-1 .. : the completion
         batch["old_log_probs"][i, p - 1:m] = log_probs[i, :c]
         batch["advantages"][i, :m] = adv[i]
     if routing is not None:
@@ -175,24 +186,40 @@ class Draw:
     tokens: np.ndarray                # [N, C]
     log_probs: np.ndarray             # the sampler's log pi(token) [N, C]
     kept: np.ndarray                  # tokens kept, the stop token included [N]
-    stopped: np.ndarray               # [N] bool
+    stopped: np.ndarray               # [N] bool (multi-turn: the episode ended before its budget)
     total: np.ndarray                 # the summed (and shaped) reward [N]
     parts: dict                       # reward name -> [N]
     routing: list | None = None       # routing replay: each row's experts [slots, L_moe, K] (assemble)
+    model: np.ndarray | None = None   # multi-turn: 1 on the model's tokens, 0 on the environment's [N, C]
+    extra: dict = dataclasses.field(default_factory=dict)  # multi-turn: per-row figures for the metrics [N]
 
     def groups(self, keep: np.ndarray, group: int) -> "Draw":
         """The completions of the groups where `keep` [N / group] is true."""
-        rows = np.repeat(keep, group)
-        return Draw([p for p, k in zip(self.prompt_ids, rows) if k], self.tokens[rows], self.log_probs[rows],
-                    self.kept[rows], self.stopped[rows], self.total[rows], {n: v[rows] for n, v in self.parts.items()},
-                    None if self.routing is None else [r for r, k in zip(self.routing, rows) if k])
+        return _select(self, np.repeat(keep, group))
+
+
+def _select(draw: Draw, rows: np.ndarray) -> Draw:
+    def part(value):
+        if value is None:
+            return None
+        if isinstance(value, dict):
+            return {n: v[rows] for n, v in value.items()}
+        if isinstance(value, list):
+            return [v for v, k in zip(value, rows) if k]
+        return value[rows]
+    return Draw(**{f.name: part(getattr(draw, f.name)) for f in dataclasses.fields(Draw)})
 
 
 def joined(draws: list) -> Draw:
-    return Draw([p for d in draws for p in d.prompt_ids], *(np.concatenate([getattr(d, f) for d in draws])
-                                                           for f in ("tokens", "log_probs", "kept", "stopped", "total")),
-                {n: np.concatenate([d.parts[n] for d in draws]) for n in draws[0].parts},
-                None if draws[0].routing is None else [r for d in draws for r in d.routing])
+    def part(values):
+        if values[0] is None:
+            return None
+        if isinstance(values[0], dict):
+            return {n: np.concatenate([v[n] for v in values]) for n in values[0]}
+        if isinstance(values[0], list):
+            return [x for v in values for x in v]
+        return np.concatenate(values)
+    return Draw(**{f.name: part([getattr(d, f.name) for d in draws]) for f in dataclasses.fields(Draw)})
 
 
 def steps_per_rollout(config) -> int:
@@ -217,6 +244,7 @@ class Step:
         temperature = sampling.sampling_settings(config)["temperature"]
         self.log_probs = jax.jit(lambda params, batch: losses.target_log_probs(params, batch, run.model, run.rt,
                                                                               temperature)[0])
+        self.episodes = episodes.Episodes(config, inputs.prompts, inputs.environment) if inputs.environment else None
 
     def batches(self):
         """The prompt batches loop.train hands each step: the train iterator's next at a rollout batch's first
@@ -226,6 +254,8 @@ class Step:
 
     def draw(self, state, batch: dict, step: int, key) -> Draw:
         """The completions of one prompt batch, sampled with `key` and scored (overlong shaping added)."""
+        if self.episodes is not None:  # grpo_environment: multi-turn episodes
+            return self.multi_turn(state, batch, step, key)
         config, g = self.run.config, self.group
         prompt = np.repeat(batch["prompt"], g, axis=0)
         first = np.repeat(batch["first"], g, axis=0)
@@ -244,6 +274,29 @@ class Step:
                                                             config.grpo_overlong_buffer_length,
                                                             config.grpo_overlong_penalty_factor)
         return Draw([row[f:] for row, f in zip(prompt, first)], tokens, log_probs, kept, stopped, total, parts, routing)
+
+    def multi_turn(self, state, batch: dict, step: int, key) -> Draw:
+        """draw's completions for episodes with the environment (training/episodes.py): the model's turns and the
+        environment's observations in one completion, the observations at loss weight 0."""
+        config, g = self.run.config, self.group
+        texts = [t.decode() for t in np.repeat(batch["text"], g)]
+        answers = [a.decode() for a in np.repeat(batch["answer"], g)]
+        saved = (" (the checkpoints saved so far are kept; re-run the same command to resume from the latest)"
+                 if config.enable_checkpointing else "")
+        played = self.episodes.play(self.sample, self.run.model_params(state), np.repeat(batch["prompt"], g, axis=0),
+                                    np.repeat(batch["first"], g, axis=0), texts, answers, key,
+                                    context=f" at step {step + 1}{saved}")
+        total, parts = rewards.score(self.inputs.functions, texts, played.final, answers,
+                                     context=f" at step {step + 1}{saved}")
+        total = total + played.reward
+        if config.grpo_overlong_buffer_length > 0:
+            total = total + advantages_lib.overlong_penalty(played.kept, completion_length(config),
+                                                            config.grpo_overlong_buffer_length,
+                                                            config.grpo_overlong_penalty_factor)
+        extra = {"environment_reward": played.reward, "turns": played.turns,
+                 "model_tokens": played.model.sum(axis=1)}
+        return Draw(played.prompt_ids, played.tokens, played.log_probs, played.kept, played.done, total, parts,
+                    model=played.model, extra=extra)
 
     def rollout(self, state, batch: dict, step: int):
         """(update batches [A, b, T] on the host, one per mini-batch; host metrics) for a rollout batch: `batch`
@@ -278,7 +331,7 @@ class Step:
                                         config.grpo_reward_std_ddof)
         a, b = config.gradient_accumulation_steps, config.micro_batch_size
         update = assemble(done.prompt_ids, done.tokens, done.log_probs, done.kept, adv, config.max_target_length,
-                          (minis * a, b), done.routing)
+                          (minis * a, b), done.routing, done.model)
         if config.grpo_mask_truncated_completions:
             update = mask_truncated(update, done.stopped)
         updates = [{k: v[i * a:(i + 1) * a] for k, v in update.items()} for i in range(minis)]
@@ -289,6 +342,11 @@ class Step:
                 "aux/grpo_stopped_fraction": float(done.stopped.mean())}
         if "exact_match" in done.parts:
             host["aux/grpo_accuracy"] = float(done.parts["exact_match"].mean())
+        if done.extra:  # multi-turn episodes
+            host["aux/grpo_environment_reward"] = float(done.extra["environment_reward"].mean())
+            host["aux/grpo_turns"] = float(done.extra["turns"].mean())
+            host["aux/grpo_multi_turn_fraction"] = float((done.extra["turns"] > 1).mean())
+            host["aux/grpo_model_token_fraction"] = float(done.extra["model_tokens"].sum() / max(done.kept.sum(), 1))
         if config.grpo_dynamic_sampling:
             host["aux/grpo_groups_drawn"] = float(drawn * batch["prompt"].shape[0])
             host["aux/grpo_groups_dropped"] = float(drawn * batch["prompt"].shape[0] - needed)
@@ -361,6 +419,10 @@ class HeldOut(loop.Hook):
         self.greedy = jax.jit(lambda params, prompt, first: sampling.sample_completions(
             params, prompt, first, jax.random.key(0), model=run.model, rt=run.rt,
             max_new_tokens=completion_length(config), temperature=0.0, top_k=0, top_p=1.0)[0])
+        self.episodes = episodes.Episodes(config, inputs.prompts, inputs.environment) if inputs.environment else None
+        self.greedy_turn = jax.jit(lambda params, prompt, first, key: sampling.sample_completions(
+            params, prompt, first, key, model=run.model, rt=run.rt, max_new_tokens=completion_length(config),
+            temperature=0.0, top_k=0, top_p=1.0))
 
     def start(self, step, state):
         if step == 0:
@@ -377,18 +439,30 @@ class HeldOut(loop.Hook):
         """(mean summed reward, {name: mean}) of greedy answers to the held-out prompts."""
         config, held_out = self.built.config, self.inputs.eval_batches
         rows = config.global_batch_size
-        texts, answers, completions = [], [], []
+        texts, answers, completions, environment, turns = [], [], [], [], []
         for start in range(0, len(held_out), rows):
             chunk = held_out[start:start + rows]
             padded = chunk + [chunk[-1]] * (rows - len(chunk))  # the last batch filled with copies (not scored)
             prompt, first = left_padded(padded, config.max_prefill_predict_length)
-            tokens = jax.device_get(self.greedy(params, prompt, first))[:len(chunk)]
-            kept, stopped = cut(tokens, self.inputs.prompts.stop_ids)
-            completions += decode(self.inputs.tokenizer, tokens, kept, stopped)
+            if self.episodes is not None:  # greedy episodes with the environment (training/episodes.py)
+                played = self.episodes.play(self.greedy_turn, params, prompt, first, [p.text for p in padded],
+                                            [p.answer for p in padded], jax.random.key(0),
+                                            context=f" on the held-out prompts at step {done}")
+                completions += played.final[:len(chunk)]
+                environment += list(played.reward[:len(chunk)])
+                turns += list(played.turns[:len(chunk)])
+            else:
+                tokens = jax.device_get(self.greedy(params, prompt, first))[:len(chunk)]
+                kept, stopped = cut(tokens, self.inputs.prompts.stop_ids)
+                completions += decode(self.inputs.tokenizer, tokens, kept, stopped)
             texts += [p.text for p in chunk]
             answers += [p.answer for p in chunk]
         total, parts = rewards.score(self.inputs.functions, texts, completions, answers,
                                      context=f" on the held-out prompts at step {done}")
+        if self.episodes is not None:
+            total = total + np.asarray(environment, np.float32)
+            parts["environment"] = np.asarray(environment, np.float32)
+            parts["multi_turn_fraction"] = (np.asarray(turns) > 1).astype(np.float32)
         return float(total.mean()), {name: float(v.mean()) for name, v in parts.items()}
 
     def run_eval(self, done: int, state) -> None:
@@ -396,6 +470,8 @@ class HeldOut(loop.Hook):
         out = {"grpo_reward": reward}
         if "exact_match" in parts:
             out["grpo_accuracy"] = parts["exact_match"]
+        if self.episodes is not None:
+            out["grpo_multi_turn_fraction"] = parts["multi_turn_fraction"]
         self.metrics[done] = out
         self.log(f"eval at step {done}: held-out greedy answers ({len(self.inputs.eval_batches)} prompts): "
                  + "  ".join(f"{k} {v:.4f}" for k, v in out.items()))

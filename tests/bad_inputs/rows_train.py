@@ -9,9 +9,6 @@ OPD = ["distill_teacher_path={run}", "objective=distill_on_policy", "dataset_typ
        "train_data_columns=[prompt]", "decode_sampling_strategy=weighted"]
 GRPO = ["objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]",
         "decode_sampling_strategy=weighted", "max_prefill_predict_length=16"]  # a GRPO run's settings up to its data (the rows stop before reading it)
-# a GRPO run's data settings (rl-adv's rows below); the files are never read: the config is refused first
-GRPO_ARGS = ["objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]",
-             "eval_data_columns=[prompt,answer]", "decode_sampling_strategy=weighted"]
 
 ROWS = [
     # train: config keys and values
@@ -132,23 +129,23 @@ ROWS = [
         r"grpo_loss_type='?cispo'? does nothing without objective=grpo"),
     # GRPO's advantages, reward shaping and rollout batches (rl-adv): a key that does nothing, a rollout batch that
     # checkpoints or ends inside itself
-    Row("grpo-std-ddof-without-scaling", T, [B, *GRPO_ARGS, "grpo_scale_rewards=none", "grpo_reward_std_ddof=1"],
+    Row("grpo-std-ddof-without-scaling", T, [B, *GRPO, "grpo_scale_rewards=none", "grpo_reward_std_ddof=1"],
         r"grpo_reward_std_ddof=1 does nothing without grpo_scale_rewards=group or batch \(here grpo_scale_rewards="
         r"none\): set grpo_scale_rewards=group"),
-    Row("grpo-overlong-factor-without-buffer", T, [B, *GRPO_ARGS, "grpo_overlong_penalty_factor=0.5"],
+    Row("grpo-overlong-factor-without-buffer", T, [B, *GRPO, "grpo_overlong_penalty_factor=0.5"],
         r"grpo_overlong_penalty_factor=0.5 does nothing without grpo_overlong_buffer_length > 0"),
-    Row("grpo-overlong-buffer-beyond-completion", T, [B, *GRPO_ARGS, "grpo_overlong_buffer_length=5000"],
+    Row("grpo-overlong-buffer-beyond-completion", T, [B, *GRPO, "grpo_overlong_buffer_length=5000"],
         r"grpo_overlong_buffer_length=5000 is longer than a completion \(max_target_length - "
         r"max_prefill_predict_length = \d+ tokens\)"),
-    Row("grpo-dynamic-budget-without-dynamic-sampling", T, [B, *GRPO_ARGS, "grpo_dynamic_sampling_max_batches=4"],
+    Row("grpo-dynamic-budget-without-dynamic-sampling", T, [B, *GRPO, "grpo_dynamic_sampling_max_batches=4"],
         r"grpo_dynamic_sampling_max_batches=4 does nothing without grpo_dynamic_sampling=true"),
     Row("grpo-iterations-under-lm", T, [B, "grpo_num_iterations=2"],
         r"grpo_num_iterations=2 does nothing without objective=grpo"),
-    Row("grpo-rollout-batch-across-checkpoints", T, [B, *GRPO_ARGS, "grpo_num_iterations=2", "steps=4",
+    Row("grpo-rollout-batch-across-checkpoints", T, [B, *GRPO, "grpo_num_iterations=2", "steps=4",
                                                      "checkpoint_period=3"],
         r"checkpoint_period=3 would save inside a rollout batch: a rollout batch trains 2 steps .*; set "
         r"checkpoint_period to a multiple of 2"),
-    Row("grpo-rollout-batch-past-the-last-step", T, [B, *GRPO_ARGS, "grpo_steps_per_generation=2", "steps=5"],
+    Row("grpo-rollout-batch-past-the-last-step", T, [B, *GRPO, "grpo_steps_per_generation=2", "steps=5"],
         r"steps=5 ends inside a rollout batch: .*; set steps to a multiple of 2 \(e.g. steps=4\)"),
     Row("mtp-modules-beyond-the-sequence", T, [B, "model_name=deepseek3-tiny", "mtp_num_layers=4", "max_target_length=4"],
         r"mtp_num_layers=4 needs max_target_length >= 5, but max_target_length=4"),
@@ -334,6 +331,22 @@ ROWS = [
                                      "train_data_columns=[prompt,answer]", "decode_sampling_strategy=weighted",
                                      "coordinator_address=127.0.0.1:1234", "num_processes=2", "process_id=1"],
         r"objective=grpo runs in one process for now \(its rollouts are gathered on one host\), but num_processes=2"),
+    # GRPO's multi-turn environments (maxtrain/training/environments.py, episodes.py)
+    Row("grpo-environment-under-sft", T, [B, "objective=sft", "dataset_type=jsonl", "grain_train_files=x.jsonl",
+                                          "train_data_columns=[messages]", "grpo_environment=calculator"],
+        r"grpo_environment='calculator' does nothing without objective=grpo"),
+    Row("grpo-max-turns-without-environment", T, [B, *GRPO, "grpo_max_turns=3"],
+        r"grpo_max_turns=3 does nothing without grpo_environment: a single-turn completion has one turn; set "
+        r"grpo_environment=calculator"),
+    Row("grpo-environment-not-a-path", T, [B, *GRPO, "grpo_environment=maze"],
+        r"grpo_environment='maze' is neither a built-in environment \(calculator\) nor an import path module:Class"),
+    Row("grpo-max-turns-zero", T, [B, *GRPO, "grpo_environment=calculator", "grpo_max_turns=0"],
+        r"grpo_max_turns=0 is not allowed"),
+    Row("grpo-routing-replay-with-environment", T, [B, *GRPO, "decoder_block=mixtral", "num_experts=4",
+                                                    "num_experts_per_tok=2", "grpo_routing_replay=true",
+                                                    "grpo_environment=calculator"],
+        r"grpo_routing_replay=true does not record the experts of multi-turn episodes yet .*set "
+        r"grpo_routing_replay=false"),
     Row("processes-without-coordinator", T, [B, "num_processes=2", "process_id=0"],
         r"num_processes=2 needs coordinator_address=host:port"),
     # train: outputs
