@@ -215,6 +215,10 @@ REQUIRES: tuple[Feature, ...] = (
                                                    "completion's length)", state="grpo_overlong_buffer_length"),
     Feature("grpo_dynamic_sampling=true", lambda v: v["grpo_dynamic_sampling"], ("grpo_dynamic_sampling_max_batches",),
             state="grpo_dynamic_sampling"),
+    # GRPO's multi-turn episodes (training/episodes.py): a single-turn completion has one turn
+    Feature("an environment (multi-turn episodes; a single-turn completion has one turn)",
+            lambda v: bool(v["grpo_environment"]), ("grpo_max_turns",),
+            fix="set grpo_environment=calculator (or module:Class)", state="grpo_environment"),
 )
 
 
@@ -248,7 +252,8 @@ def _refuse_settings_that_do_nothing(v: dict[str, Any], chosen: Callable[[str], 
             default = settings[key].default
             if v[key] != default and chosen(key):
                 state = v[feature.state] if feature.state else None
-                here = f" (here {feature.state}={state if isinstance(state, str) else shown(state)})" if feature.state else ""
+                value = (state or '""') if isinstance(state, str) else shown(state)  # an empty string shown as ""
+                here = f" (here {feature.state}={value})" if feature.state else ""
                 raise ConfigError(f"{where}{key}={shown(v[key])} does nothing without {feature.needs}{here}: "
                                   f"{feature.fix or 'set ' + feature.needs}, or drop {key} (default {shown(default)})")
 

@@ -81,16 +81,12 @@ def _grpo_settings(v):
 
 
 def _grpo_environment_settings(v):
-    """The multi-turn settings (training/episodes.py): grpo_max_turns counts an environment's turns."""
+    """The environment's name (training/episodes.py); grpo_max_turns without one: features.REQUIRES."""
     name = str(v["grpo_environment"])
     module, _, cls = name.partition(":")
     _require(not name or name in GRPO_ENVIRONMENTS or (module and cls),
              f"grpo_environment={name!r} is neither a built-in environment ({', '.join(GRPO_ENVIRONMENTS)}) nor an "
              "import path module:Class (e.g. my_envs:Maze, with my_envs.py on PYTHONPATH)")
-    _require(bool(name) or v["grpo_max_turns"] == -1,
-             f"grpo_max_turns={v['grpo_max_turns']} does nothing without grpo_environment: a single-turn completion "
-             "has one turn; set grpo_environment=calculator (or module:Class) for multi-turn episodes, or drop "
-             "grpo_max_turns")
 
 
 GRPO_ROUTING_KEYS = ("grpo_routing_replay",)  # routing replay (models/moe/replay.py)

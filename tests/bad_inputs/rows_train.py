@@ -336,8 +336,9 @@ ROWS = [
                                           "train_data_columns=[messages]", "grpo_environment=calculator"],
         r"grpo_environment='calculator' does nothing without objective=grpo"),
     Row("grpo-max-turns-without-environment", T, [B, *GRPO, "grpo_max_turns=3"],
-        r"grpo_max_turns=3 does nothing without grpo_environment: a single-turn completion has one turn; set "
-        r"grpo_environment=calculator"),
+        r"grpo_max_turns=3 does nothing without an environment \(multi-turn episodes; a single-turn completion has "
+        r"one turn\) \(here grpo_environment=\"\"\): set grpo_environment=calculator \(or module:Class\), or drop "
+        r"grpo_max_turns"),
     Row("grpo-environment-not-a-path", T, [B, *GRPO, "grpo_environment=maze"],
         r"grpo_environment='maze' is neither a built-in environment \(calculator\) nor an import path module:Class"),
     Row("grpo-max-turns-zero", T, [B, *GRPO, "grpo_environment=calculator", "grpo_max_turns=0"],

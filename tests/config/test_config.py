@@ -366,7 +366,8 @@ SECOND_OFF = {"temperature_tuning=true": ["decoder_block=llama4_text", "num_expe
               # GRPO's rollout keys (rl-adv)
               "grpo_scale_rewards=group or batch": [*GRPO_SAMPLED, "grpo_scale_rewards=none"],
               "grpo_overlong_buffer_length > 0": GRPO_SAMPLED,
-              "grpo_dynamic_sampling=true": GRPO_SAMPLED}
+              "grpo_dynamic_sampling=true": GRPO_SAMPLED,
+              "an environment (multi-turn episodes; a single-turn completion has one turn)": GRPO_SAMPLED}
 # GRPO's loss keys (training/policy_losses.py): objective=grpo on, the loss's second switch off
 GRPO_RUN = ["objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]",
             "decode_sampling_strategy=weighted", "max_target_length=128"]

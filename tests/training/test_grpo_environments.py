@@ -126,7 +126,7 @@ def test_episode_rows_hold_the_conversation_as_sft_renders_it_with_the_environme
     assert prompts.tokenizer.decode([int(played.tokens[0, differ[0]])]) == "\n"
     assert 0 < played.model[0, :n].sum() < n and (played.model[0, n:] == 0).all()
     update = grpo.assemble(played.prompt_ids, played.tokens, played.log_probs, played.kept, np.ones(1, np.float32),
-                           config.max_target_length, (1, 1), played.model)
+                           config.max_target_length, (1, 1), model=played.model)
     w, old = update["loss_weights"][0, 0], update["old_log_probs"][0, 0]
     np.testing.assert_array_equal(w[p - 1:p - 1 + n], played.model[0, :n])
     assert w.sum() == played.model.sum() and (old[w == 0] == 0).all() and (old[w > 0] == -0.25).all()
@@ -218,7 +218,7 @@ def test_a_real_models_episodes_mask_the_environment_and_keep_the_samplers_log_p
         assert played.turns.max() >= 2
     assert played.reward.tolist() == (0.5 * played.turns).tolist()
     update = grpo.assemble(played.prompt_ids, played.tokens, played.log_probs, played.kept,
-                           np.linspace(-1, 1, 4).astype(np.float32), config.max_target_length, (1, 4), played.model)
+                           np.linspace(-1, 1, 4).astype(np.float32), config.max_target_length, (1, 4), model=played.model)
     batch = {k: jnp.asarray(v[0]) for k, v in update.items()}
     w = np.asarray(batch["loss_weights"])
     assert w.sum() == played.model.sum() < played.kept.sum()  # observations are in the rows, weight 0
