@@ -2,12 +2,12 @@
 number of prompts, several seeds each.
 
     python end_to_end/cpu/grpo_variants.py [--variants grpo,dr_grpo,dapo,gspo,cispo] [--seeds 0,1,2]
-                                           [--steps 60] [--prompts 32] [--generations 8] [--reuse-sft]
+                                           [--steps 80] [--prompts 32] [--generations 16] [--reuse-sft]
 
 1. The data, tokenizer and SFT warm-up of end_to_end/cpu/grpo.py (the same files and settings; `--reuse-sft`
    keeps an SFT model this script made before in $E2E_OUT/grpo_variants).
 2. For every variant and seed, GRPO from that SFT model: --prompts x --generations completions per rollout at
-   temperature 1, the exact-match reward, learning rate 2e-4 (10% warm-up, then constant), --steps optimizer steps
+   temperature 1, the exact-match reward, learning rate 1e-4 (10% warm-up, then constant), --steps optimizer steps
    with every rollout batch split into two mini-batches (grpo_steps_per_generation=2: the second update of each
    rollout is off policy, so that the variants' clipping and importance weights act). `seed` sets the rollouts' and
    the data order's randomness (the SFT model is the same for all). The variants, each with its paper's settings:
@@ -58,11 +58,11 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one GRPO run per variant and seed")
     parser.add_argument("--sft-steps", type=int, default=300, help="SFT steps (as end_to_end/cpu/grpo.py)")
-    parser.add_argument("--steps", type=int, default=60, help="GRPO optimizer steps per run (two per rollout)")
+    parser.add_argument("--steps", type=int, default=80, help="GRPO optimizer steps per run (two per rollout)")
     parser.add_argument("--prompts", type=int, default=32, help="prompts per rollout")
-    parser.add_argument("--generations", type=int, default=8, help="completions per prompt (num_generations)")
+    parser.add_argument("--generations", type=int, default=16, help="completions per prompt (num_generations)")
     parser.add_argument("--held-out", type=int, default=500, help="held-out sums for the accuracy")
-    parser.add_argument("--lr", type=float, default=2e-4, help="GRPO's learning rate")
+    parser.add_argument("--lr", type=float, default=1e-4, help="GRPO's learning rate")
     parser.add_argument("--reuse-sft", action="store_true", help="keep the SFT model in $E2E_OUT/grpo_variants")
     options = parser.parse_args(argv)
     variants = [v for v in options.variants.split(",") if v]
