@@ -215,6 +215,10 @@ REQUIRES: tuple[Feature, ...] = (
                                                    "completion's length)", state="grpo_overlong_buffer_length"),
     Feature("grpo_dynamic_sampling=true", lambda v: v["grpo_dynamic_sampling"], ("grpo_dynamic_sampling_max_batches",),
             state="grpo_dynamic_sampling"),
+    # GRPO's rollout workers (training/rollout/): the engine, staleness, correction and chunks are the workers'
+    Feature("rollout workers (grpo_rollout_workers > 0)", lambda v: v["grpo_rollout_workers"] > 0,
+            ("grpo_rollout_engine", "grpo_off_policy_steps", "grpo_tis_cap", "grpo_rollout_chunk_tokens"),
+            fix="set grpo_rollout_workers >= 1 (pip install 'maxtrain[rl]')", state="grpo_rollout_workers"),
 )
 
 

@@ -54,6 +54,7 @@ from maxtrain import data as data_lib
 from maxtrain.data import pipeline, prompts as prompts_lib
 from maxtrain.models import sampling
 from maxtrain.training import advantages as advantages_lib, loop, losses, policy_losses, rewards
+from maxtrain.training.rollout import schedule as rollout_schedule
 from maxtrain.training.advantages import ADVANTAGE_EPS, advantages  # noqa: F401 (grpo.advantages: today's GRPO)
 
 ROLLOUT_SALT = 0x6C7A  # the rollout key: fold_in(key(seed), ROLLOUT_SALT), apart from the init key
@@ -217,19 +218,25 @@ class Step:
         temperature = sampling.sampling_settings(config)["temperature"]
         self.log_probs = jax.jit(lambda params, batch: losses.target_log_probs(params, batch, run.model, run.rt,
                                                                               temperature)[0])
+        self.rollouts = None          # grpo_rollout_workers > 0: sampled by Ray workers (training/rollout/)
+        if config.grpo_rollout_workers > 0:
+            self.rollouts = rollout_schedule.Rollouts(config, self.iterator, inputs.prompts.stop_ids, rollout_key)
 
     def batches(self):
         """The prompt batches loop.train hands each step: the train iterator's next at a rollout batch's first
         step, None on the steps that train on its later mini-batches and iterations."""
         while True:
-            yield None if self.pending else next(self.iterator)
+            yield None if self.pending or self.rollouts is not None else next(self.iterator)  # workers: Rollouts'
 
     def draw(self, state, batch: dict, step: int, key) -> Draw:
         """The completions of one prompt batch, sampled with `key` and scored (overlong shaping added)."""
         config, g = self.run.config, self.group
         prompt = np.repeat(batch["prompt"], g, axis=0)
         first = np.repeat(batch["first"], g, axis=0)
-        tokens, log_probs, *routing = jax.device_get(self.sample(self.run.model_params(state), prompt, first, key))
+        if self.rollouts is not None:
+            tokens, log_probs, routing = *self.rollouts.sample(prompt, first, key, step), None
+        else:
+            tokens, log_probs, *routing = jax.device_get(self.sample(self.run.model_params(state), prompt, first, key))
         routing = [r[f:] for r, f in zip(routing[0], first)] if routing else None  # rows from their first slot
         kept, stopped = cut(tokens, self.inputs.prompts.stop_ids)
         completions = decode(self.inputs.tokenizer, tokens, kept, stopped)
@@ -318,8 +325,12 @@ class Step:
                     f"(grpo_steps_per_generation={config.grpo_steps_per_generation} x grpo_num_iterations="
                     f"{config.grpo_num_iterations}), whose completions no checkpoint holds; resume from a checkpoint "
                     f"at a multiple of {per_rollout}, or with the settings that saved it")
+            if self.rollouts is not None:
+                batch = self.rollouts.begin(step, self.run.model_params(state))
             updates, self.host = self.rollout(state, batch, step)
-            if per_rollout > 1:
+            if self.rollouts is not None:
+                self.host.update(self.rollouts.correct(updates, lambda: self.old_log_probs(state, updates)))
+            elif per_rollout > 1:
                 self.old_log_probs(state, updates)
             self.pending = [u for _ in range(config.grpo_num_iterations) for u in updates]
         else:
@@ -332,7 +343,13 @@ class Step:
         host = dict(self.host)
         host["aux/grpo_rollout_seconds"] = 0.0 if started is None else rolled - started
         host["aux/grpo_update_seconds"] = time.perf_counter() - rolled
+        if self.rollouts is not None and started is not None:
+            host.update(self.rollouts.step_metrics())
         return state, {**metrics, **host}
+
+    def close(self) -> None:
+        if self.rollouts is not None:
+            self.rollouts.close()
 
 
 class AtRolloutEnds:
