@@ -79,7 +79,7 @@ class Controller:
                 completions, stats = self.ray.get(future)
                 break
             except self.ray.exceptions.RayActorError as e:
-                if attempt == RETRIES:
+                if attempt == RETRIES or "creation task" in str(e):  # a worker that cannot start is a bug, not a fault
                     raise
                 self.reissued += 1
                 self.log(f"rollout worker {index} died ({type(e).__name__}); Ray restarts it and its batch of "
