@@ -79,23 +79,26 @@ def test_two_workers_on_policy_give_the_colocated_losses_bitwise(dataset, tmp_pa
 def test_a_worker_killed_mid_run_is_restarted_and_its_prompts_reissued(dataset, tmp_path, colocated, capsys):
     """kill -9 of a worker's process while it generates: Ray restarts it, its batch is sent again, and the run trains
     on exactly the colocated run's prompts and completions (the same losses bitwise): none lost, none twice."""
-    from ray.util.state import list_tasks  # pylint: disable=import-outside-toplevel
     killed = []
+
+    def generating() -> list[int]:  # Ray titles a worker's process with the task it runs: ray::Worker.generate
+        pids = []
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().startswith(b"ray::Worker.generate"):
+                        pids.append(int(entry))
+            except (OSError, ValueError):
+                continue
+        return pids
 
     def kill_a_generating_worker():
         deadline = time.time() + 900
         while time.time() < deadline and not killed:
-            time.sleep(0.2)
-            try:
-                running = list_tasks(filters=[("func_or_class_name", "=", "Worker.generate"),
-                                              ("state", "=", "RUNNING")])
-            except Exception:  # pylint: disable=broad-except  (no Ray yet, or its state API not up)
-                continue
-            for task in running:
-                if task.worker_pid:
-                    os.kill(task.worker_pid, signal.SIGKILL)
-                    killed.append(task.worker_pid)
-                    return
+            time.sleep(0.05)
+            for pid in generating()[:1]:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
 
     thread = threading.Thread(target=kill_a_generating_worker, daemon=True)
     thread.start()
