@@ -118,12 +118,8 @@ def main(argv: list[str]) -> RunResult:
         preemption = Preemption()
         if rewarded:  # a SIGTERM stops the run at the end of the GRPO rollout batch under way
             preemption = grpo.AtRolloutEnds(preemption, grpo.steps_per_rollout(config))
-        try:
-            state, preempted = loop.train(step_fn, state, batches, int(jax.device_get(state["step"])), config.steps,
-                                          hooks, reporter, preemption, log)
-        finally:
-            if rewarded:  # GRPO's rollout workers, if any, stopped (training/rollout/)
-                step_fn.close()
+        state, preempted = loop.train(step_fn, state, batches, int(jax.device_get(state["step"])), config.steps,
+                                      hooks, reporter, preemption, log)
         writer.close()
         inputs.close()  # stops background cache building; finished shards stay
         sample = None if preempted else end_sample.greedy(run, state, inputs.tokenizer, sample_prompt, log)

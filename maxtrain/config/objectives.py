@@ -106,6 +106,14 @@ def _ray_address_reachable(address: str) -> bool:
         return False
 
 
+def grpo_corrects(config) -> bool:
+    """Whether GRPO's update corrects for its rollout engine (truncated importance sampling, pi_old the trainer's own;
+    training/rollout/correction.py): the tokens may come from older weights (grpo_off_policy_steps > 0) or another
+    engine's kernels. The JAX engine on policy samples with the trainer's own program and weights: the colocated run."""
+    return (config.objective == "grpo" and config.grpo_rollout_workers > 0
+            and (config.grpo_off_policy_steps > 0 or config.grpo_rollout_engine != "jax"))
+
+
 def _grpo_worker_settings(v):
     """Rollout workers: Ray installed, reachable, the workers' CPUs; what the asynchronous path does not run yet."""
     import os  # pylint: disable=import-outside-toplevel

@@ -345,11 +345,10 @@ class Step:
         host["aux/grpo_update_seconds"] = time.perf_counter() - rolled
         if self.rollouts is not None and started is not None:
             host.update(self.rollouts.step_metrics())
+        if self.rollouts is not None and step + 1 == config.steps:
+            self.rollouts.close()  # the workers stopped (and a Ray this run started)
         return state, {**metrics, **host}
 
-    def close(self) -> None:
-        if self.rollouts is not None:
-            self.rollouts.close()
 
 
 class AtRolloutEnds:

@@ -60,7 +60,6 @@ from maxtrain.models import distill as distill_lib
 from maxtrain.models.runtime import Runtime
 from maxtrain.models import sampling
 from maxtrain.training import distillation, policy_losses
-from maxtrain.training.rollout import engine as rollout_engine
 
 def name(config) -> str:
     return config.objective
@@ -73,9 +72,9 @@ def needs_reference(config) -> bool:
 
 def batch_keys(config) -> tuple[str, ...]:
     """The float32 batch entries the objective reads beyond data/hosts.KEYS (its row's batch_keys; GRPO's
-    tis_weights when its rollout workers' tokens are corrected: training/rollout/engine.corrects)."""
+    tis_weights when its rollout workers' tokens are corrected: config/objectives.grpo_corrects)."""
     keys = config_lib.objectives.of(config).batch_keys
-    return keys + ("tis_weights",) if rollout_engine.corrects(config) else keys
+    return keys + ("tis_weights",) if config_lib.objectives.grpo_corrects(config) else keys
 
 
 def make(config, model: Model, rt: Runtime):

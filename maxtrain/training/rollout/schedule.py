@@ -20,7 +20,8 @@ import time
 
 import numpy as np
 
-from maxtrain.training.rollout import correction, engine as engine_lib
+from maxtrain import config as config_lib
+from maxtrain.training.rollout import correction
 from maxtrain.training.rollout.controller import Controller
 from maxtrain.training.rollout.engine import Request
 from maxtrain.training.rollout.jax_engine import seed_of
@@ -36,7 +37,7 @@ class Rollouts:
         self.rollout_key = rollout_key
         self.group = config.num_generations
         self.controller = Controller(config, stop_ids, log)
-        self.corrects = engine_lib.corrects(config)
+        self.corrects = config_lib.objectives.grpo_corrects(config)
         self.version, self.issued_to, self.ahead, self.next_id = -1, None, {}, 0
         self.mark = time.perf_counter()
         self.stats = self.fresh()
@@ -53,7 +54,7 @@ class Rollouts:
             self.version = step
         if self.issued_to is None:
             self.issued_to = step - 1
-        while self.issued_to < step + self.k:
+        while self.issued_to < min(step + self.k, self.config.steps - 1):  # none past the run's last step
             t = self.issued_to + 1
             batch = next(self.iterator)
             self.ahead[t] = batch
@@ -96,8 +97,8 @@ class Rollouts:
 
     def correct(self, updates: list, recompute) -> dict:
         """pi_old of the update batches: recompute() writes the trainer's own log-probabilities into them. When the
-        run corrects (engine.corrects) they stay pi_old and `tis_weights` is added; otherwise (the JAX engine on
-        policy) the sampler's stay pi_old for a rollout batch of one step, as the colocated run has them. The
+        run corrects (config/objectives.grpo_corrects) they stay pi_old and `tis_weights` is added; otherwise (the JAX
+        engine on policy) the sampler's stay pi_old for a rollout batch of one step, as the colocated run has them. The
         mismatch is measured either way."""
         engine = [u["old_log_probs"].copy() for u in updates]
         recompute()
@@ -130,5 +131,6 @@ class Rollouts:
         return out
 
     def close(self) -> None:
-        self.controller.close()
+        if self.controller.workers:
+            self.controller.close()
 
