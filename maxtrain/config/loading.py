@@ -56,6 +56,9 @@ class Config:
     def __setattr__(self, name, value):
         raise AttributeError(f"Config is frozen; use config.replace({name}=...) for a changed copy")
 
+    def __reduce__(self):  # pickled by its values (a GRPO rollout worker's process receives its run's config)
+        return type(self), (self._values,)
+
     def replace(self, **changes) -> "Config":
         """A copy with `changes` applied (keys must exist), of the same phase (Config or DeviceConfig). Derived
         values are not recomputed."""

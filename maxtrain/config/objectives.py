@@ -89,7 +89,68 @@ def _grpo_environment_settings(v):
              "import path module:Class (e.g. my_envs:Maze, with my_envs.py on PYTHONPATH)")
 
 
-GRPO_ROUTING_KEYS = ("grpo_routing_replay",)  # routing replay (models/moe/replay.py)
+GRPO_ROUTING_KEYS = ("grpo_routing_replay",)
+# GRPO's rollout workers (training/rollout/): grpo_rollout_workers; the others do nothing without workers (features.py)
+GRPO_WORKER_KEYS = ("grpo_rollout_workers", "grpo_rollout_engine", "grpo_off_policy_steps", "grpo_tis_cap",
+                    "grpo_rollout_chunk_tokens")
+
+
+def _ray_installed() -> bool:
+    import importlib.util  # pylint: disable=import-outside-toplevel
+    try:
+        return importlib.util.find_spec("ray") is not None
+    except (ImportError, ValueError):  # ValueError: sys.modules holds None for it
+        return False
+
+
+def _ray_address_reachable(address: str) -> bool:
+    """Whether RAY_ADDRESS's head (host:port, ray://host:port) accepts a connection; 'auto' and 'local' are
+    Ray's own to resolve."""
+    import socket  # pylint: disable=import-outside-toplevel
+    if address in ("auto", "local"):
+        return True
+    host, _, port = address.split("://")[-1].rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=3):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
+def grpo_corrects(config) -> bool:
+    """Whether GRPO's update corrects for its rollout engine (truncated importance sampling, pi_old the trainer's own;
+    training/rollout/correction.py): the tokens may come from older weights (grpo_off_policy_steps > 0) or another
+    engine's kernels. The JAX engine on policy samples with the trainer's own program and weights: the colocated run."""
+    return (config.objective == "grpo" and config.grpo_rollout_workers > 0
+            and (config.grpo_off_policy_steps > 0 or config.grpo_rollout_engine != "jax"))
+
+
+def _grpo_worker_settings(v):
+    """Rollout workers: Ray installed, reachable, the workers' CPUs; what the asynchronous path does not run yet."""
+    import os  # pylint: disable=import-outside-toplevel
+    workers = v["grpo_rollout_workers"]
+    if workers == 0:
+        return
+    _require(_ray_installed(), f"grpo_rollout_workers={workers} runs its workers on Ray, which is not installed; "
+                               "pip install 'maxtrain[rl]' (or set grpo_rollout_workers=0 to sample in the trainer)")
+    address = os.environ.get("RAY_ADDRESS", "")
+    _require(not address or _ray_address_reachable(address),
+             f"grpo_rollout_workers={workers}: RAY_ADDRESS={address} cannot be reached (nothing answers there); "
+             "start the Ray head there (ray start --head), fix RAY_ADDRESS, or unset it for a local Ray")
+    cpus = os.cpu_count() or 1
+    _require(address or workers <= cpus, f"grpo_rollout_workers={workers} is more workers than this machine's {cpus} "
+                                         f"CPUs (each worker holds one); set grpo_rollout_workers <= {cpus}, or join "
+                                         "a Ray cluster with RAY_ADDRESS")
+    _require(not v["grpo_routing_replay"], "grpo_routing_replay=true does not run with rollout workers yet (the "
+                                           "engines do not return the experts they chose); set grpo_rollout_workers=0")
+    per = v["grpo_steps_per_generation"] * v["grpo_num_iterations"]
+    _require(v["grpo_off_policy_steps"] == 0 or per == 1,
+             f"grpo_off_policy_steps={v['grpo_off_policy_steps']} overlaps each step's update with later rollouts, "
+             f"but a rollout batch here trains {per} steps (grpo_steps_per_generation x grpo_num_iterations); set "
+             "both to 1, or grpo_off_policy_steps=0")
+    _require(not v["grpo_environment"], f"grpo_environment={v['grpo_environment']!r} plays its episodes in the trainer; "
+                                        "the rollout workers sample single-turn completions only (yet); set "
+                                        "grpo_rollout_workers=0, or grpo_environment=\"\"")
 
 
 def _grpo_routing_settings(v):
@@ -203,10 +264,10 @@ OBJECTIVES: dict[str, Objective] = {o.name: o for o in (
                     "max_prefill_predict_length",
                     "grpo_loss_type", "grpo_epsilon_high", "grpo_importance_sampling_level", "grpo_kl_bias_correction",
                     "grpo_environment", "grpo_max_turns")
-                   + GRPO_ROLLOUT_KEYS + GRPO_ROUTING_KEYS,
+                   + GRPO_ROLLOUT_KEYS + GRPO_ROUTING_KEYS + GRPO_WORKER_KEYS,
               shown=("num_generations", "grpo_beta", "grpo_epsilon", "grpo_loss_type"),
               checks=(_grpo_settings, _grpo_loss_settings, _grpo_rollout_settings, _grpo_routing_settings,
-                      _grpo_environment_settings),
+                      _grpo_environment_settings, _grpo_worker_settings),
               old_key="use_grpo"),
     Objective("distill", (TEXT, CONVERSATIONS), {TEXT: ONE_TEXT_FIELD,
                                                  CONVERSATIONS: (("messages",), ("prompt", "completion"))},

@@ -55,6 +55,7 @@ from maxtrain.data import pipeline, prompts as prompts_lib
 from maxtrain.models import sampling
 from maxtrain.training import (advantages as advantages_lib, environments, episodes, loop, losses,
                                policy_losses, rewards)
+from maxtrain.training.rollout import schedule as rollout_schedule
 from maxtrain.training.advantages import ADVANTAGE_EPS, advantages  # noqa: F401 (grpo.advantages: today's GRPO)
 
 ROLLOUT_SALT = 0x6C7A  # the rollout key: fold_in(key(seed), ROLLOUT_SALT), apart from the init key
@@ -245,12 +246,15 @@ class Step:
         self.log_probs = jax.jit(lambda params, batch: losses.target_log_probs(params, batch, run.model, run.rt,
                                                                               temperature)[0])
         self.episodes = episodes.Episodes(config, inputs.prompts, inputs.environment) if inputs.environment else None
+        self.rollouts = None          # grpo_rollout_workers > 0: sampled by Ray workers (training/rollout/)
+        if config.grpo_rollout_workers > 0:
+            self.rollouts = rollout_schedule.Rollouts(config, self.iterator, inputs.prompts.stop_ids, rollout_key)
 
     def batches(self):
         """The prompt batches loop.train hands each step: the train iterator's next at a rollout batch's first
         step, None on the steps that train on its later mini-batches and iterations."""
         while True:
-            yield None if self.pending else next(self.iterator)
+            yield None if self.pending or self.rollouts is not None else next(self.iterator)  # workers: Rollouts'
 
     def draw(self, state, batch: dict, step: int, key) -> Draw:
         """The completions of one prompt batch, sampled with `key` and scored (overlong shaping added)."""
@@ -259,7 +263,10 @@ class Step:
         config, g = self.run.config, self.group
         prompt = np.repeat(batch["prompt"], g, axis=0)
         first = np.repeat(batch["first"], g, axis=0)
-        tokens, log_probs, *routing = jax.device_get(self.sample(self.run.model_params(state), prompt, first, key))
+        if self.rollouts is not None:
+            tokens, log_probs, routing = *self.rollouts.sample(prompt, first, key, step), None
+        else:
+            tokens, log_probs, *routing = jax.device_get(self.sample(self.run.model_params(state), prompt, first, key))
         routing = [r[f:] for r, f in zip(routing[0], first)] if routing else None  # rows from their first slot
         kept, stopped = cut(tokens, self.inputs.prompts.stop_ids)
         completions = decode(self.inputs.tokenizer, tokens, kept, stopped)
@@ -376,8 +383,12 @@ class Step:
                     f"(grpo_steps_per_generation={config.grpo_steps_per_generation} x grpo_num_iterations="
                     f"{config.grpo_num_iterations}), whose completions no checkpoint holds; resume from a checkpoint "
                     f"at a multiple of {per_rollout}, or with the settings that saved it")
+            if self.rollouts is not None:
+                batch = self.rollouts.begin(step, self.run.model_params(state))
             updates, self.host = self.rollout(state, batch, step)
-            if per_rollout > 1:
+            if self.rollouts is not None:
+                self.host.update(self.rollouts.correct(updates, lambda: self.old_log_probs(state, updates)))
+            elif per_rollout > 1:
                 self.old_log_probs(state, updates)
             self.pending = [u for _ in range(config.grpo_num_iterations) for u in updates]
         else:
@@ -390,7 +401,12 @@ class Step:
         host = dict(self.host)
         host["aux/grpo_rollout_seconds"] = 0.0 if started is None else rolled - started
         host["aux/grpo_update_seconds"] = time.perf_counter() - rolled
+        if self.rollouts is not None and started is not None:
+            host.update(self.rollouts.step_metrics())
+        if self.rollouts is not None and step + 1 == config.steps:
+            self.rollouts.close()  # the workers stopped (and a Ray this run started)
         return state, {**metrics, **host}
+
 
 
 class AtRolloutEnds:

@@ -71,8 +71,10 @@ def needs_reference(config) -> bool:
 
 
 def batch_keys(config) -> tuple[str, ...]:
-    """The float32 batch entries the objective reads beyond data/hosts.KEYS (its row's batch_keys)."""
-    return config_lib.objectives.of(config).batch_keys
+    """The float32 batch entries the objective reads beyond data/hosts.KEYS (its row's batch_keys; GRPO's
+    tis_weights when its rollout workers' tokens are corrected: config/objectives.grpo_corrects)."""
+    keys = config_lib.objectives.of(config).batch_keys
+    return keys + ("tis_weights",) if config_lib.objectives.grpo_corrects(config) else keys
 
 
 def make(config, model: Model, rt: Runtime):
@@ -202,7 +204,7 @@ def grpo(params, batch: dict, reference, model: Model, rt):
             target_log_probs(jax.lax.stop_gradient(reference), batch, model, rt, temperature)[0])
     weights = batch["loss_weights"].astype(jnp.float32)
     loss, parts = policy_losses.token_loss(log_probs, batch["old_log_probs"], ref_log_probs, batch["advantages"],
-                                           weights, s)
+                                           weights, s, batch.get("tis_weights"))  # rollout workers' correction
     rows = policy_losses.real_rows(batch["segment_ids"])
     tokens = jnp.sum(weights)
     metrics = {**aux, **policy_losses.metrics(parts, batch["advantages"], weights, rows, s),

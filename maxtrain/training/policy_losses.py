@@ -74,7 +74,7 @@ def log_importance_weights(log_ratio, weights, level: str):
 
 
 def grpo_token_loss(log_probs, old_log_probs, ref_log_probs, advantages, beta: float, epsilon: float,
-                    epsilon_high: float | None = None, log_weights=None, kl_bias_correction: bool = False):
+                    epsilon_high: float | None = None, log_weights=None, kl_bias_correction: bool = False, tis=None):
     """The clipped per-token loss [..., T] and its parts (clipped: the clipped branch is the minimum; k3: the KL term
     as added; ratio: w); ref_log_probs is None when beta is 0. log_weights: log w where it is not the token's log
     ratio (GSPO's per-row weight); epsilon_high None is epsilon."""
@@ -83,15 +83,19 @@ def grpo_token_loss(log_probs, old_log_probs, ref_log_probs, advantages, beta: f
     unclipped = ratio * advantages
     clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + high) * advantages
     loss = -jnp.minimum(unclipped, clipped)
+    if tis is not None:
+        loss = loss * tis
     return _with_kl(loss, log_probs, ref_log_probs, ratio, beta, kl_bias_correction) + (
         {"clipped": clipped < unclipped, "ratio": ratio},)
 
 
 def cispo_token_loss(log_probs, old_log_probs, ref_log_probs, advantages, beta: float, cap: float, log_weights=None,
-                     kl_bias_correction: bool = False):
+                     kl_bias_correction: bool = False, tis=None):
     """CISPO's per-token loss -sg(min(w, cap)) A log pi (+ beta k3) and its parts."""
     ratio = jnp.exp(log_probs - old_log_probs if log_weights is None else log_weights)
     loss = -jax.lax.stop_gradient(jnp.minimum(ratio, cap)) * advantages * log_probs
+    if tis is not None:
+        loss = loss * tis
     return _with_kl(loss, log_probs, ref_log_probs, ratio, beta, kl_bias_correction) + ({"ratio": ratio},)
 
 
@@ -107,15 +111,16 @@ def _with_kl(loss, log_probs, ref_log_probs, ratio, beta: float, kl_bias_correct
     return loss, k3
 
 
-def token_loss(log_probs, old_log_probs, ref_log_probs, advantages, weights, s: dict):
-    """(per-token loss [B, T], parts) of the loss type `s["loss_type"]` (settings' dict)."""
+def token_loss(log_probs, old_log_probs, ref_log_probs, advantages, weights, s: dict, tis=None):
+    """(per-token loss [B, T], parts) of the loss type `s["loss_type"]` (settings' dict); tis: the truncated
+    importance weights of rollout workers' tokens (None: none, the colocated program)."""
     log_w = None if s["level"] == "token" else log_importance_weights(log_probs - old_log_probs, weights, s["level"])
     if s["loss_type"] == "cispo":
         loss, k3, parts = cispo_token_loss(log_probs, old_log_probs, ref_log_probs, advantages, s["beta"],
-                                           s["epsilon_high"], log_w, s["kl_bias_correction"])
+                                           s["epsilon_high"], log_w, s["kl_bias_correction"], tis)
     else:
         loss, k3, parts = grpo_token_loss(log_probs, old_log_probs, ref_log_probs, advantages, s["beta"],
-                                          s["epsilon"], s["epsilon_high"], log_w, s["kl_bias_correction"])
+                                          s["epsilon"], s["epsilon_high"], log_w, s["kl_bias_correction"], tis)
     return loss, {**parts, "k3": k3}
 
 

@@ -125,6 +125,18 @@ ROWS = [
         r"grpo_loss_type=cispo caps .* grpo_epsilon_high is unset .*set grpo_epsilon_high to CISPO's eps_max"),
     Row("grpo-cispo-cap-below-one", T, [B, *GRPO, "grpo_loss_type=cispo", "grpo_epsilon_high=0.28"],
         r"grpo_epsilon_high=0.28 is below 1 .*e.g. grpo_epsilon_high=5.0"),
+    # GRPO's rollout workers (training/rollout/): their keys without workers, more workers than CPUs
+    Row("grpo-off-policy-without-workers", T, [B, *GRPO, "grpo_off_policy_steps=1"],
+        r"grpo_off_policy_steps=1 does nothing without rollout workers \(grpo_rollout_workers > 0\).*pip install"),
+    Row("grpo-tis-cap-without-workers", T, [B, *GRPO, "grpo_tis_cap=2"],
+        r"grpo_tis_cap=2.0 does nothing without rollout workers"),
+    Row("grpo-rollout-engine-without-workers", T, [B, *GRPO, "grpo_rollout_engine=vllm"],
+        r"grpo_rollout_engine='?vllm'? does nothing without rollout workers"),
+    Row("grpo-more-workers-than-cpus", T, [B, *GRPO, "grpo_rollout_workers=4096"],
+        r"grpo_rollout_workers=4096 is more workers than this machine's \d+ CPUs"),
+    Row("grpo-workers-off-policy-with-mini-batches", T, [B, *GRPO, "grpo_rollout_workers=1", "grpo_off_policy_steps=1",
+                                                         "grpo_steps_per_generation=2", "steps=2"],
+        r"grpo_off_policy_steps=1 overlaps .* trains 2 steps"),
     Row("grpo-loss-type-under-lm", T, [B, "grpo_loss_type=cispo"],
         r"grpo_loss_type='?cispo'? does nothing without objective=grpo"),
     # GRPO's advantages, reward shaping and rollout batches (rl-adv): a key that does nothing, a rollout batch that
@@ -343,6 +355,9 @@ ROWS = [
         r"grpo_environment='maze' is neither a built-in environment \(calculator\) nor an import path module:Class"),
     Row("grpo-max-turns-zero", T, [B, *GRPO, "grpo_environment=calculator", "grpo_max_turns=0"],
         r"grpo_max_turns=0 is not allowed"),
+    Row("grpo-environment-with-rollout-workers", T, [B, *GRPO, "grpo_environment=calculator", "grpo_rollout_workers=1"],
+        r"grpo_environment='calculator' plays its episodes in the trainer; the rollout workers sample single-turn "
+        r"completions only \(yet\); set grpo_rollout_workers=0"),
     Row("grpo-routing-replay-with-environment", T, [B, *GRPO, "decoder_block=mixtral", "num_experts=4",
                                                     "num_experts_per_tok=2", "grpo_routing_replay=true",
                                                     "grpo_environment=calculator"],

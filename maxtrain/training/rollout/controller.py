@@ -1,0 +1,101 @@
+"""The trainer's side of the rollout workers: Ray started (or joined), N workers, weights published by version,
+prompt batches out and completions back, a dead worker's batch re-issued to its restart.
+
+    controller = Controller(config, stop_ids, log)     # ray.init (RAY_ADDRESS's cluster, else a local one), workers
+    sync = controller.publish(version, params)         # host numpy, ray.put once; every worker offered it
+    controller.submit(tag, requests)                   # to the least busy worker
+    completions, stats = controller.collect(tag)       # waits; a worker that died is restarted by Ray and asked again
+    controller.close()
+
+A worker is a Ray actor (max_restarts: Ray restarts one that dies) built from worker.Worker; it holds the engine and
+the newest weights it was offered. A batch sent to a worker that dies is sent again, with the same requests and seeds,
+to the restarted worker (which takes the newest published version): no prompt is lost, none answered twice.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import jax
+import numpy as np
+
+from maxtrain.training.rollout import worker as worker_lib
+
+MAX_RESTARTS = 8          # Ray restarts a dead worker this many times at most
+RETRIES = 8               # a batch is re-sent this many times at most
+ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH", "JAX_ENABLE_X64")  # what a worker's process needs of the trainer's
+
+
+class Controller:
+    def __init__(self, config, stop_ids, log=print):
+        import ray  # pylint: disable=import-outside-toplevel  (the [rl] extra; config/objectives.py checked it)
+        self.ray, self.log = ray, log
+        address = os.environ.get("RAY_ADDRESS", "")
+        self.started_ray = not ray.is_initialized()
+        if self.started_ray:
+            env = {k: os.environ[k] for k in ENV if k in os.environ}
+            ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
+                     runtime_env={"env_vars": env})
+        remote = ray.remote(worker_lib.Worker).options(max_restarts=MAX_RESTARTS, max_task_retries=0,
+                                                         max_concurrency=2, num_cpus=1)
+        self.workers = [remote.remote(config, tuple(stop_ids)) for _ in range(config.grpo_rollout_workers)]
+        self.busy, self.turn = [0] * len(self.workers), 0
+        self.flight: dict = {}       # tag -> (worker index, requests, future)
+        self.weights = (-1, None)    # the newest published version and its ref
+        self.reissued = 0
+        log(f"GRPO rollouts: {len(self.workers)} {config.grpo_rollout_engine} workers on Ray "
+            f"({'the cluster at ' + address if address else 'a local Ray'}), at most {config.grpo_off_policy_steps} "
+            f"versions stale")
+
+    def pids(self) -> list[int]:
+        return self.ray.get([w.pid.remote() for w in self.workers])
+
+    def publish(self, version: int, params) -> dict:
+        """Version `version` of the weights to every worker: (bytes, seconds) of the sync."""
+        started = time.perf_counter()
+        host = jax.tree.map(np.asarray, jax.device_get(params))
+        ref = self.ray.put(host)
+        self.weights = (version, ref)
+        for w in self.workers:
+            w.offer.remote(version, [ref])
+        size = sum(int(x.nbytes) for x in jax.tree.leaves(host))
+        return {"aux/grpo_sync_bytes": float(size), "aux/grpo_sync_seconds": time.perf_counter() - started}
+
+    def submit(self, tag, requests: list, index: int | None = None) -> None:
+        if index is None:  # the least busy, in turn among equals
+            order = [(self.busy[i], (i - self.turn) % len(self.workers)) for i in range(len(self.workers))]
+            index = min(range(len(self.workers)), key=order.__getitem__)
+            self.turn = index + 1
+        version, ref = self.weights
+        self.busy[index] += 1
+        self.flight[tag] = (index, requests, self.workers[index].generate.remote(requests, version, [ref]))
+
+    def collect(self, tag) -> tuple[list, dict]:
+        """(completions in the requests' order, the worker's stats) of a submitted batch."""
+        for attempt in range(RETRIES + 1):
+            index, requests, future = self.flight[tag]
+            try:
+                completions, stats = self.ray.get(future)
+                break
+            except self.ray.exceptions.RayActorError as e:
+                if attempt == RETRIES or "creation task" in str(e):  # a worker that cannot start is a bug, not a fault
+                    raise
+                self.reissued += 1
+                self.log(f"rollout worker {index} died ({type(e).__name__}); Ray restarts it and its batch of "
+                         f"{len(requests)} prompts is re-issued to it")
+                self.busy[index] -= 1
+                self.submit(tag, requests, index)
+        del self.flight[tag]
+        self.busy[index] -= 1
+        if [c.id for c in completions] != [r.id for r in requests]:
+            raise RuntimeError(f"rollout worker {index} answered requests {[c.id for c in completions]} for "
+                               f"{[r.id for r in requests]}")
+        return completions, stats
+
+    def close(self) -> None:
+        for w in self.workers:
+            self.ray.kill(w)
+        self.workers = []
+        if self.started_ray:
+            self.ray.shutdown()

@@ -1,0 +1,166 @@
+"""GRPO with rollout workers (training/rollout/): on policy with the JAX engine the colocated run's losses bitwise; a
+worker killed with SIGKILL restarted by Ray and its prompts re-issued; one step off policy with partial rollouts;
+the truncated importance weights; bad inputs."""
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from ckpt_helpers import assert_bitwise_equal
+from conftest import BASE_YML, TINY
+from maxtrain import config as config_lib
+from maxtrain import train
+from maxtrain.training.rollout import correction
+from maxtrain.training.rollout.worker import chunk_seed
+from post_helpers import compose, grpo_args, make_dataset
+
+try:
+    import ray
+except ImportError:
+    ray = None
+needs_ray = pytest.mark.skipif(ray is None, reason="Ray is not installed: pip install 'maxtrain[rl]'")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("grpo_workers")
+    paths = make_dataset(str(directory), n=64)
+    paths["dir"] = str(directory)
+    return paths
+
+
+def _run(dataset, tmp_path, name, *extra, steps=3):
+    return train.main(compose(BASE_YML, *TINY, *grpo_args(dataset, dataset["dir"]), f"base_output_directory={tmp_path}",
+                              f"run_name={name}", f"steps={steps}", "eval_interval=-1", "learning_rate=1e-2",
+                              "enable_checkpointing=false", f"metrics_file={tmp_path}/{name}.jsonl", *extra))
+
+
+def _logged(tmp_path, name) -> dict:
+    lines = [json.loads(line) for line in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    return {m["step"]: m for m in lines if "learning/loss" in m}
+
+
+@pytest.fixture(scope="module")
+def colocated(dataset, tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("colocated")
+    return _run(dataset, tmp_path, "colocated"), _logged(tmp_path, "colocated")
+
+
+def _same_steps(a: dict, b: dict) -> None:
+    assert sorted(a) == sorted(b) == [1, 2, 3]
+    for step in a:
+        for key in ("learning/loss", "learning/grpo_reward", "learning/grpo_completion_length", "learning/grpo_kl"):
+            assert a[step][key] == b[step][key], (step, key, a[step][key], b[step][key])
+
+
+@needs_ray
+@pytest.mark.slow
+def test_two_workers_on_policy_give_the_colocated_losses_bitwise(dataset, tmp_path, colocated):
+    run, logged = colocated
+    workers = _run(dataset, tmp_path, "workers", "grpo_rollout_workers=2")
+    metrics = _logged(tmp_path, "workers")
+    _same_steps(logged, metrics)
+    assert_bitwise_equal(run.state, workers.state, "GRPO state after 3 steps")
+    for m in metrics.values():
+        assert m["learning/grpo_sync_bytes"] > 0 and m["learning/grpo_staleness_max"] == 0
+        assert m["learning/grpo_logp_mismatch_max"] < 1e-4  # the same program's log p against the trainer's forward
+        assert "learning/grpo_tis_weight_mean" not in m    # on policy with the JAX engine: no correction
+    assert "learning/grpo_sync_bytes" not in logged[1]     # the colocated run syncs nothing
+
+
+@needs_ray
+@pytest.mark.slow
+def test_a_worker_killed_mid_run_is_restarted_and_its_prompts_reissued(dataset, tmp_path, colocated, capsys):
+    """kill -9 of a worker's process while it generates: Ray restarts it, its batch is sent again, and the run trains
+    on exactly the colocated run's prompts and completions (the same losses bitwise): none lost, none twice."""
+    killed = []
+
+    def generating() -> list[int]:  # Ray titles a worker's process with the task it runs: ray::Worker.generate
+        pids = []
+        for entry in os.listdir("/proc"):
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().startswith(b"ray::Worker.generate"):
+                        pids.append(int(entry))
+            except (OSError, ValueError):
+                continue
+        return pids
+
+    def kill_a_generating_worker():
+        deadline = time.time() + 900
+        while time.time() < deadline and not killed:
+            time.sleep(0.05)
+            for pid in generating()[:1]:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+
+    thread = threading.Thread(target=kill_a_generating_worker, daemon=True)
+    thread.start()
+    run = _run(dataset, tmp_path, "killed", "grpo_rollout_workers=2")
+    thread.join(timeout=5)
+    assert killed, "no worker was seen generating"
+    assert "died" in capsys.readouterr().out
+    metrics = _logged(tmp_path, "killed")
+    assert metrics[3]["learning/grpo_reissued_batches"] >= 1
+    _same_steps(colocated[1], metrics)
+    assert_bitwise_equal(colocated[0].state, run.state, "GRPO state after 3 steps")
+
+
+@needs_ray
+@pytest.mark.slow
+def test_one_step_off_policy_with_partial_rollouts(dataset, tmp_path):
+    """k = 1 and chunks of 3 tokens: the next step's rollout runs while this one trains, a completion may span two
+    versions, no token is more than one version stale, and the update is corrected by capped importance weights."""
+    _run(dataset, tmp_path, "async", "grpo_rollout_workers=2", "grpo_off_policy_steps=1",
+         "grpo_rollout_chunk_tokens=3", "grpo_tis_cap=2.0", steps=4)
+    metrics = _logged(tmp_path, "async")
+    assert sorted(metrics) == [1, 2, 3, 4]
+    for m in metrics.values():
+        assert m["learning/grpo_staleness_max"] <= 1
+        assert 0 < m["learning/grpo_tis_weight_max"] <= 2.0
+        assert 0 <= m["learning/grpo_tis_capped_fraction"] <= 1
+        assert np.isfinite(m["learning/loss"])
+    assert max(m["learning/grpo_staleness_max"] for m in metrics.values()) == 1  # later steps use older tokens
+
+
+def test_truncated_importance_weights_against_their_formula():
+    rng = np.random.default_rng(0)
+    trainer, engine = rng.normal(-2, 0.5, (2, 3, 7)), rng.normal(-2, 0.5, (2, 3, 7))
+    mask = (rng.random((2, 3, 7)) > 0.3).astype(np.float32)
+    weights, m = correction.tis_weights(trainer, engine, mask, 1.5)
+    expected = np.where(mask > 0, np.minimum(np.exp(trainer - engine), 1.5), 0.0)
+    np.testing.assert_allclose(weights, expected, rtol=1e-6)
+    on = mask > 0
+    assert m["aux/grpo_tis_capped_fraction"] == pytest.approx((np.exp(trainer - engine)[on] > 1.5).mean())
+    assert m["aux/grpo_logp_mismatch_max"] == pytest.approx(np.abs(trainer - engine)[on].max())
+    assert m["aux/grpo_tis_weight_max"] == pytest.approx(1.5)
+
+
+def test_a_chunk_seed_is_the_request_seed_first_and_differs_after():
+    assert chunk_seed(12345, 0) == 12345
+    assert len({chunk_seed(12345, c) for c in range(5)}) == 5 and all(0 <= chunk_seed(2**64 - 1, c) < 2**64
+                                                                         for c in range(5))
+
+
+def _refused(dataset, tmp_path, *extra):
+    return train.main(compose(BASE_YML, *TINY, *grpo_args(dataset, dataset["dir"]), f"base_output_directory={tmp_path}",
+                              "run_name=bad", "steps=1", *extra))
+
+
+def test_workers_without_ray_name_the_extra(dataset, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: importing it fails
+    with pytest.raises(config_lib.ConfigError, match=r"grpo_rollout_workers=2 runs its workers on Ray, which is not "
+                                                      r"installed; pip install 'maxtrain\[rl\]'"):
+        _refused(dataset, tmp_path, "grpo_rollout_workers=2")
+
+
+def test_an_unreachable_ray_address_is_named(dataset, tmp_path, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    with pytest.raises(config_lib.ConfigError, match=r"RAY_ADDRESS=127.0.0.1:1 cannot be reached"):
+        _refused(dataset, tmp_path, "grpo_rollout_workers=1")
