@@ -126,33 +126,35 @@ def grpo_corrects(config) -> bool:
 
 
 def _grpo_worker_settings(v):
-    """Rollout workers: Ray installed, reachable, the workers' CPUs; what the asynchronous path does not run yet."""
+    """Rollout workers: what the asynchronous path does not run yet (said first: it holds on any machine), then Ray
+    installed, reachable, and the workers' CPUs."""
     import os  # pylint: disable=import-outside-toplevel
     workers = v["grpo_rollout_workers"]
     if workers == 0:
         return
-    _require(_ray_installed(), f"grpo_rollout_workers={workers} runs its workers on Ray, which is not installed; "
-                               "pip install 'maxtrain[rl]' (or set grpo_rollout_workers=0 to sample in the trainer)")
-    address = os.environ.get("RAY_ADDRESS", "")
-    _require(not address or _ray_address_reachable(address),
-             f"grpo_rollout_workers={workers}: RAY_ADDRESS={address} cannot be reached (nothing answers there); "
-             "start the Ray head there (ray start --head), fix RAY_ADDRESS, or unset it for a local Ray")
-    cpus = os.cpu_count() or 1
-    _require(address or workers <= cpus, f"grpo_rollout_workers={workers} is more workers than this machine's {cpus} "
-                                         f"CPUs (each worker holds one); set grpo_rollout_workers <= {cpus}, or join "
-                                         "a Ray cluster with RAY_ADDRESS")
     _require(not v["grpo_routing_replay"], "grpo_routing_replay=true does not run with rollout workers yet (the "
                                            "engines do not return the experts they chose); set grpo_rollout_workers=0")
+    _require(not v["grpo_environment"], f"grpo_environment={v['grpo_environment']!r} plays its episodes in the trainer; "
+                                        "the rollout workers sample single-turn completions only (yet); set "
+                                        "grpo_rollout_workers=0, or grpo_environment=\"\"")
     per = v["grpo_steps_per_generation"] * v["grpo_num_iterations"]
     _require(v["grpo_off_policy_steps"] == 0 or per == 1,
              f"grpo_off_policy_steps={v['grpo_off_policy_steps']} overlaps each step's update with later rollouts, "
              f"but a rollout batch here trains {per} steps (grpo_steps_per_generation x grpo_num_iterations); set "
              "both to 1, or grpo_off_policy_steps=0")
-    _require(not v["grpo_environment"], f"grpo_environment={v['grpo_environment']!r} plays its episodes in the trainer; "
-                                        "the rollout workers sample single-turn completions only (yet); set "
-                                        "grpo_rollout_workers=0, or grpo_environment=\"\"")
+    address = os.environ.get("RAY_ADDRESS", "")
+    cpus = os.cpu_count() or 1
+    _require(address or workers <= cpus, f"grpo_rollout_workers={workers} is more workers than this machine's {cpus} "
+                                         f"CPUs (each worker holds one); set grpo_rollout_workers <= {cpus}, or join "
+                                         "a Ray cluster with RAY_ADDRESS")
+    _require(_ray_installed(), f"grpo_rollout_workers={workers} runs its workers on Ray, which is not installed; "
+                               "pip install 'maxtrain[rl]' (or set grpo_rollout_workers=0 to sample in the trainer)")
+    _require(not address or _ray_address_reachable(address),
+             f"grpo_rollout_workers={workers}: RAY_ADDRESS={address} cannot be reached (nothing answers there); "
+             "start the Ray head there (ray start --head), fix RAY_ADDRESS, or unset it for a local Ray")
 
 
+# routing replay (models/moe/replay.py)
 def _grpo_routing_settings(v):
     """Routing replay needs experts to replay, and runs without pipeline stages (the recorded experts are not yet
     split over stages)."""
