@@ -55,13 +55,6 @@ def make(config, stop_ids) -> Engine:
     return importlib.import_module(ENGINES[config.grpo_rollout_engine]).make(config, stop_ids)
 
 
-def corrects(config) -> bool:
-    """Whether the update corrects for the engine (truncated importance sampling, pi_old the trainer's own): tokens
-    may come from older weights (grpo_off_policy_steps > 0) or from another engine's kernels. The JAX engine on
-    policy samples with the trainer's own program and weights, so its run is the colocated one."""
-    return config.grpo_rollout_workers > 0 and (config.grpo_off_policy_steps > 0 or config.grpo_rollout_engine != "jax")
-
-
 def cut(tokens: np.ndarray, stops) -> tuple[int, bool]:
     """(tokens kept, the stop included; whether it stopped) of one row of tokens."""
     hits = np.flatnonzero(np.isin(tokens, np.asarray(list(stops), np.int64)))
