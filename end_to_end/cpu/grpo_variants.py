@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import time
@@ -101,6 +102,7 @@ def main(argv: list[str]) -> int:
             run = f"{variant}_seed{seed}"
             metrics_file = out / f"{run}_metrics.jsonl"
             metrics_file.unlink(missing_ok=True)
+            shutil.rmtree(out / run, ignore_errors=True)  # a fresh run, never a resume of an earlier one's checkpoints
             started = time.perf_counter()
             common.run("maxtrain.train", compose(
                 *base, f"run_name={run}", "objective=grpo", "train_data_columns=[prompt,answer]",
