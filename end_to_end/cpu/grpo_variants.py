@@ -2,7 +2,7 @@
 number of prompts, several seeds each.
 
     python end_to_end/cpu/grpo_variants.py [--variants grpo,dr_grpo,dapo,gspo,cispo] [--seeds 0,1,2]
-                                           [--steps 80] [--prompts 32] [--generations 16] [--reuse-sft]
+                                           [--steps 160] [--prompts 32] [--generations 16] [--reuse-sft]
 
 1. The data, tokenizer and SFT warm-up of end_to_end/cpu/grpo.py (the same files and settings; `--reuse-sft`
    keeps an SFT model this script made before in $E2E_OUT/grpo_variants).
@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated seeds, one GRPO run per variant and seed")
     parser.add_argument("--sft-steps", type=int, default=300, help="SFT steps (as end_to_end/cpu/grpo.py)")
-    parser.add_argument("--steps", type=int, default=80, help="GRPO optimizer steps per run (two per rollout)")
+    parser.add_argument("--steps", type=int, default=160, help="GRPO optimizer steps per run (two per rollout)")
     parser.add_argument("--prompts", type=int, default=32, help="prompts per rollout")
     parser.add_argument("--generations", type=int, default=16, help="completions per prompt (num_generations)")
     parser.add_argument("--held-out", type=int, default=500, help="held-out sums for the accuracy")
