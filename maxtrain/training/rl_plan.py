@@ -26,6 +26,11 @@ The phases of one step of B completions (sampler replicas are data-parallel copi
     one step off policy  = max(generation(1 replica on the sampler half), update(trainer half)) + sync
     speedup              = colocated / one step off policy
 
+with t_sampler taken twice: the sampler program's prediction (the JAX sampler as compiled) and the roofline of an
+engine that reads only the cache's filled slots (vLLM's paged attention). The update on all chips is FSDP over them
+on a TPU slice; on GPUs, FSDP inside each half's hosts and data parallelism between the halves (FSDP over the
+network would gather every weight over it).
+
 Not counted: the pi_old forward of the trainer's own log-probabilities (off policy; about a third of the update's
 matmuls), rewards on the host, the colocated run's switch between training and sampling layouts (and whether its
 optimizer state and KV cache fit together), and a continuous-batching engine's shorter waves.
@@ -75,7 +80,8 @@ class Shape:
 def grpo_overrides(shape: Shape) -> list[str]:
     """The GRPO run's settings that make its train step the update of `shape` (its data is never read here)."""
     return ["objective=grpo", "train_data_columns=[prompt,answer]", "dataset_type=jsonl",
-            "grain_train_files=never-read.jsonl", "decode_sampling_strategy=weighted", "decode_sampling_temperature=1.0",
+            "grain_train_files=never-read.jsonl", "decode_sampling_strategy=weighted",
+            "decode_sampling_temperature=1.0",
             f"num_generations={shape.generations}", f"max_prefill_predict_length={shape.prompt}",
             f"max_target_length={shape.prompt + shape.completion}"]
 
@@ -99,7 +105,7 @@ def load(argv: list[str], shape: Shape, target: targets.Target, extra: list[str]
     settings = with_overrides(argv, *grpo_overrides(shape), f"per_device_batch_size={per_device_batch}",
                               f"gradient_accumulation_steps={shape.completions // micro}", *extra)
     return builder.load_config(with_overrides(settings, f"compile_topology={target.name}",
-                                              "compile_topology_num_slices=1"), log=lambda *a: None)
+                                              f"compile_topology_num_slices={target.num_slices}"), log=lambda *a: None)
 
 
 def compile_trainer(config, target: targets.Target) -> dict:
@@ -142,16 +148,22 @@ def kv_bytes_per_token(run) -> int:
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache))
 
 
-def roofline(run, shape: Shape, chip: chips_lib.Chip, chips: int) -> dict:
-    """The sampler program's stated roofline (the module's docstring), seconds for one wave of R rows."""
-    weights = run.model.num_params * 2 / chips
+def shard_bytes(abstract) -> int:
+    """Bytes one device holds of abstract arrays with shardings."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(abstract))
+
+
+def roofline(run, shape: Shape, chip: chips_lib.Chip, chips: int, weights: int) -> dict:
+    """The sampler program's stated roofline (the module's docstring), seconds for one wave of R rows; `weights` are
+    the bytes of them one chip holds (and reads at every decoded token)."""
     kv = kv_bytes_per_token(run) * shape.rows / chips
     full = shape.prompt + shape.completion
     decode_full = shape.completion * (weights + kv * full) / chip.hbm_bytes_per_s
     decode_filled = shape.completion * (weights + kv * (shape.prompt + shape.completion / 2)) / chip.hbm_bytes_per_s
     prefill = 2 * run.model.num_active_params * shape.rows * shape.prompt / chips / chip.bf16_flops
     return {"decode_static_cache": decode_full, "decode_filled_cache": decode_filled, "prefill": prefill,
-            "seconds": prefill + decode_full, "kv_bytes_per_token": kv_bytes_per_token(run)}
+            "seconds": prefill + decode_full, "kv_bytes_per_token": kv_bytes_per_token(run),
+            "weight_bytes_per_chip": weights}
 
 
 def compile_sampler(config, target: targets.Target, shape: Shape) -> dict:
@@ -169,13 +181,14 @@ def compile_sampler(config, target: targets.Target, shape: Shape) -> dict:
     hlo = compiled.as_text()
     costs = predict.program_costs(hlo, devices=devices, mesh_shape=dict(run.mesh.shape))
     tokens = shape.rows * (shape.prompt + shape.completion)
-    prediction = predict.predict(costs, chip, model_flops_per_step=2 * run.model.num_active_params * tokens / len(devices),
+    inference_flops = 2 * run.model.num_active_params * tokens / len(devices)
+    prediction = predict.predict(costs, chip, model_flops_per_step=inference_flops,
                                  tokens_per_step=tokens, num_chips=len(devices))
     memory = {"arguments": m.argument_size_in_bytes, "temporaries": m.temp_size_in_bytes, "total": total,
               "chip": target.memory_bytes}
     return {"program": "sampler", "target": target.describe(), "mesh": dict(run.mesh.shape), "memory": memory,
             "fits": total <= target.memory_bytes, "seconds": prediction["step_seconds"], "compile_seconds": seconds,
-            "prediction": prediction, "roofline": roofline(run, shape, chip, len(devices)),
+            "prediction": prediction, "roofline": roofline(run, shape, chip, len(devices), shard_bytes(args[0])),
             "unknown_trip_counts": hlo_stats.collectives(hlo).unknown_trip_counts}
 
 
@@ -202,25 +215,42 @@ def phases(shape: Shape, update_half: float, update_all: float, wave: float, syn
             "speedup": colocated / off_policy}
 
 
+def both_phases(shape: Shape, on_half: dict, on_all: dict, sampler: dict, sync_seconds: float) -> dict:
+    """The phases with the sampler's wave as compiled and predicted, and as the roofline of an engine that reads
+    only the cache's filled slots and copies nothing else (what vLLM's paged attention does)."""
+    roof = sampler["roofline"]
+    return {name: phases(shape, on_half["seconds"], on_all["seconds"], wave, sync_seconds)
+            for name, wave in (("predicted", sampler["seconds"]),
+                               ("roofline", roof["prefill"] + roof["decode_filled_cache"]))}
+
+
+def format_program(prog: dict) -> list[str]:
+    """A compiled program's lines: its target, mesh, memory per chip against the chip's, predicted seconds."""
+    mem = prog["memory"]
+    lines = [f"  {prog['program']:<8} {prog['target']}, mesh {prog['mesh']}: {mem['total'] / GIB:.1f} of "
+             f"{mem['chip'] / GIB:.1f} GiB per chip ({'fits' if prog['fits'] else 'DOES NOT FIT'}), predicted "
+             f"{prog['seconds']:.2f} s (compiled in {prog['compile_seconds']:.0f} s)"]
+    if "roofline" in prog:
+        r = prog["roofline"]
+        lines.append(f"           roofline of a wave: prefill {r['prefill']:.2f} s + decode "
+                     f"{r['decode_static_cache']:.2f} s (static cache; {r['decode_filled_cache']:.2f} s reading only "
+                     "filled slots)")
+    return lines
+
+
 def format_plan(plan: dict) -> str:
-    p = plan["phases"]
     lines = [f"{plan['model']} GRPO step on {plan['cluster']}: {plan['shape']}"]
     for prog in plan["programs"]:
-        mem = prog["memory"]
-        lines.append(f"  {prog['program']:<8} {prog['target']}, mesh {prog['mesh']}: {mem['total'] / GIB:.1f} of "
-                     f"{mem['chip'] / GIB:.1f} GiB per chip ({'fits' if prog['fits'] else 'DOES NOT FIT'}), predicted "
-                     f"{prog['seconds']:.2f} s (compiled in {prog['compile_seconds']:.0f} s)")
-        if "roofline" in prog:
-            r = prog["roofline"]
-            lines.append(f"           roofline of a wave: prefill {r['prefill']:.2f} s + decode {r['decode_static_cache']:.2f} s "
-                         f"(static cache; {r['decode_filled_cache']:.2f} s reading only filled slots)")
+        lines += format_program(prog)
     s = plan["sync"]
-    lines += [f"  weight sync {s['bytes'] / GIB:.1f} GiB over {s['assumed']}: {s['seconds']:.2f} s",
-              f"  colocated            generation {p['generation_all']:.1f} s + update {p['update_all']:.1f} s "
-              f"= {p['colocated']:.1f} s",
-              f"  one step off policy  max(generation {p['generation_half']:.1f} s, update {p['update_half']:.1f} s) + "
-              f"sync {p['sync']:.2f} s = {p['off_policy']:.1f} s",
-              f"  predicted speedup    {p['speedup']:.2f}x"]
+    lines.append(f"  weight sync {s['bytes'] / GIB:.1f} GiB over {s['assumed']}: {s['seconds']:.2f} s")
+    for name, p in plan["phases"].items():
+        lines += [f"  generation by the sampler's {'predicted program' if name == 'predicted' else 'roofline'}:",
+                  f"    colocated            generation {p['generation_all']:.1f} s + update {p['update_all']:.1f} s "
+                  f"= {p['colocated']:.1f} s",
+                  f"    one step off policy  max(generation {p['generation_half']:.1f} s, update "
+                  f"{p['update_half']:.1f} s) + sync {p['sync']:.2f} s = {p['off_policy']:.1f} s",
+                  f"    predicted speedup    {p['speedup']:.2f}x"]
     return "\n".join(lines)
 
 
@@ -228,18 +258,25 @@ def plan(argv: list[str], whole: targets.Target, shape: Shape, trainer: list[str
          per_device_batch: int, log=print) -> dict:
     """Compiles the three programs (update on the half and on all chips, a sampler wave on the half) and predicts."""
     part = half(whole)
+    # On GPUs all the chips train as the two halves' hosts, FSDP inside each and data parallel between them over the
+    # network that joins them (FSDP over both gathers every weight over it); a TPU slice's ICI joins all its chips.
+    joined = [f"ici_data_parallelism={whole.num_devices // part.num_devices}",
+              f"ici_fsdp_parallelism={part.num_devices}"] if whole.platform == "gpu" else []
     programs = []
-    for target, extra, kind in ((part, trainer, "trainer"), (whole, trainer, "trainer"), (part, sampler, "sampler")):
+    for target, extra, kind in ((part, sampler, "sampler"), (part, trainer, "trainer"),
+                                (whole, joined + trainer, "trainer")):
         log(f"compiling the {kind} for {target.describe()} ...")
         config = load(argv, shape, target, extra, per_device_batch)
         programs.append(compile_trainer(config, target) if kind == "trainer" else
                         compile_sampler(config, target, shape))
-    on_half, on_all, sampler_prog = programs
+        log("\n".join(format_program(programs[-1])))
+    sampler_prog, on_half, on_all = programs
     weights = sync(on_half["params"], part, part)
-    return {"shape": f"{shape.prompts} prompts x {shape.generations} completions, prompt {shape.prompt} + completion "
+    return {"shape_values": dataclasses.asdict(shape),
+            "shape": f"{shape.prompts} prompts x {shape.generations} completions, prompt {shape.prompt} + completion "
                      f"{shape.completion} tokens, {shape.rows} rows per sampler wave",
             "programs": [on_half, sampler_prog, on_all], "sync": weights,
-            "phases": phases(shape, on_half["seconds"], on_all["seconds"], sampler_prog["seconds"], weights["seconds"])}
+            "phases": both_phases(shape, on_half, on_all, sampler_prog, weights["seconds"])}
 
 
 def main(argv: list[str]) -> None:
@@ -255,7 +292,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--trainer", default="", help="key=value settings of the trainer only, space-separated")
     parser.add_argument("--sampler", default="", help="key=value settings of the sampler only, space-separated")
     parser.add_argument("--json", help="also write the figures here")
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # settings may follow the flags
     if args.json:
         storage.check_output(args.json, True, f"--json {args.json}")
     shape = Shape(args.prompts, args.generations, args.prompt_tokens, args.completion_tokens, args.sampler_rows)

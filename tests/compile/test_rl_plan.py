@@ -34,6 +34,13 @@ def test_phases_follow_the_stated_formulas():
     assert p["speedup"] == pytest.approx(36.0 / 40.5)
 
 
+def test_generation_is_taken_as_predicted_and_as_the_roofline_of_the_filled_cache():
+    shape = rl_plan.Shape(prompts=4, generations=4, rows=16)   # one wave
+    sampler = {"seconds": 9.0, "roofline": {"prefill": 1.0, "decode_filled_cache": 2.0, "decode_static_cache": 4.0}}
+    both = rl_plan.both_phases(shape, {"seconds": 5.0}, {"seconds": 3.0}, sampler, 0.0)
+    assert both["predicted"]["generation_half"] == 9.0 and both["roofline"]["generation_half"] == 3.0
+
+
 def test_the_sampler_keeps_its_weights_whole_along_embed():
     rules = rl_plan.sampler_rules([["batch", ["data", "fsdp"]], ["embed", ["fsdp", "expert"]], ["exp", "expert"]])
     assert rules == (("batch", ["data", "fsdp"]), ("exp", "expert"))
