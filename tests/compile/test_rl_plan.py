@@ -10,7 +10,7 @@ import pytest
 from conftest import BASE_YML
 from maxtrain.compile import targets
 from maxtrain.errors import ToolError
-from maxtrain.training import builder, rl_plan
+from maxtrain.training import builder, losses, rl_plan
 from test_train_compile_targets import need
 
 TINY_MOE = [BASE_YML, "decoder_block=qwen3_moe", "base_emb_dim=256", "base_num_query_heads=8", "base_num_kv_heads=4",
@@ -56,7 +56,8 @@ def test_update_and_generation_compile_for_8_h100s_with_the_decode_loop_counted(
     config = rl_plan.load(TINY_MOE, shape, target, [], 1)
     trainer = rl_plan.compile_trainer(config, target)
     assert trainer["fits"] and trainer["seconds"] > 0 and trainer["mesh"]["fsdp"] == 8
-    assert config.objective == "grpo" and config.global_batch_size == shape.completions
+    assert config.objective == "grpo" and config.gradient_accumulation_steps * 8 == shape.completions
+    assert {"old_log_probs", "advantages"} <= set(losses.batch_keys(config))  # the GRPO update's batch
 
     sampler_config = rl_plan.load(TINY_MOE, shape, target, ["ici_expert_parallelism=8"], 1)
     run = builder.build(sampler_config, devices=target.devices(), platform="gpu", num_processes=1)
