@@ -17,6 +17,8 @@
     ahead_of_time.py  the step compiled for a compile target (train_compile, plan.py, scale_table.py)
     benchmark.py    scripts/benchmark.py's logic: a step timed, --compare's variants timed alternately
     layout_plan.py  scripts/plan.py's logic: a grid of layouts compiled for a target, sorted by predicted tokens/s
+    rl_plan.py      scripts/rl_plan.py's logic: GRPO's update and rollout compiled for a cluster's two halves, the
+                    step's phases predicted (one step off policy against colocated)
 
 May import evals, checkpointing, compile, observability and everything below them; never a command.
 """

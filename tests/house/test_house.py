@@ -31,7 +31,8 @@ PACKAGE = os.path.join(REPO, "maxtrain")
 COMMANDS = ("train", "train_compile", "decode", "evaluate", "check_logits", "viz", "inspect_data", "inspect_checkpoint")
 # The package modules that hold a script's logic (scripts/gpu_report.py, benchmark.py, plan.py): they load the
 # configs they build and measure, as a command does.
-SCRIPT_LOGIC = ("maxtrain/gpu_check/", "maxtrain/training/benchmark.py", "maxtrain/training/layout_plan.py")
+SCRIPT_LOGIC = ("maxtrain/gpu_check/", "maxtrain/training/benchmark.py", "maxtrain/training/layout_plan.py",
+                "maxtrain/training/rl_plan.py")
 SUBPACKAGES = ("config", "parallel", "models", "kernels", "data", "training", "checkpointing", "compile",
                "observability", "evals", "gpu_check")
 
