@@ -135,7 +135,8 @@ OFF = {"packing=true": ["packing=false"], "lr_schedule_type=cosine": ["lr_schedu
        "per-layer attention types": ["model_name=deepseek3-tiny"]}
 VALUES = {"chat_template": "chatml", "grain_packing_type": "first_fit", "moe_dispatch": "capacity",
           "lora_target_modules": ["q"], "grpo_reward_functions": ["format"], "mlp_only_layers": [0],
-          "attention_layer_types": ["full"] * 4, "gdn_kernel": "jnp", "moe_grouped_matmul": "xla"}
+          "attention_layer_types": ["full"] * 4, "gdn_kernel": "jnp", "moe_grouped_matmul": "xla",
+          "grpo_rollout_engine": "vllm"}
 
 
 def _text(value) -> str:
@@ -367,7 +368,8 @@ SECOND_OFF = {"temperature_tuning=true": ["decoder_block=llama4_text", "num_expe
               "grpo_scale_rewards=group or batch": [*GRPO_SAMPLED, "grpo_scale_rewards=none"],
               "grpo_overlong_buffer_length > 0": GRPO_SAMPLED,
               "grpo_dynamic_sampling=true": GRPO_SAMPLED,
-              "an environment (multi-turn episodes; a single-turn completion has one turn)": GRPO_SAMPLED}
+              "an environment (multi-turn episodes; a single-turn completion has one turn)": GRPO_SAMPLED,
+              "rollout workers (grpo_rollout_workers > 0)": GRPO_SAMPLED}
 # GRPO's loss keys (training/policy_losses.py): objective=grpo on, the loss's second switch off
 GRPO_RUN = ["objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]",
             "decode_sampling_strategy=weighted", "max_target_length=128"]
