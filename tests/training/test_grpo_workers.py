@@ -83,12 +83,23 @@ def test_a_worker_killed_mid_run_is_restarted_and_its_prompts_reissued(dataset, 
     on exactly the colocated run's prompts and completions (the same losses bitwise): none lost, none twice."""
     killed = []
 
+    def ours(pid: int) -> bool:  # under this process (the local Ray it started), not another run's worker
+        try:
+            while pid > 1:
+                with open(f"/proc/{pid}/stat") as f:
+                    pid = int(f.read().rsplit(")", 1)[1].split()[1])  # the parent's pid
+                if pid == os.getpid():
+                    return True
+        except (OSError, ValueError):
+            pass
+        return False
+
     def generating() -> list[int]:  # Ray titles a worker's process with the task it runs: ray::Worker.generate
         pids = []
         for entry in os.listdir("/proc"):
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if f.read().startswith(b"ray::Worker.generate"):
+                    if f.read().startswith(b"ray::Worker.generate") and ours(int(entry)):
                         pids.append(int(entry))
             except (OSError, ValueError):
                 continue
