@@ -1,7 +1,7 @@
 """Kill training at random moments (SIGKILL, some of them during an async save; one SIGTERM) and
 restart the same command until it finishes; the result must equal an uninterrupted run bitwise.
 
-    python end_to_end/cpu/kill_resume.py [--kills 6] [--steps 300] [--seed 0] [--out DIR] [--grpo]
+    python end_to_end/cpu/kill_resume.py [--kills 6] [--steps 300] [--seed 0] [--out DIR] [--grpo [--workers N]]
 
 Checked, and printed with PASS/FAIL:
   - every restart resumes from the latest complete checkpoint on disk at that moment (never from a
@@ -11,7 +11,11 @@ Checked, and printed with PASS/FAIL:
   - the final params equal the uninterrupted run's, bitwise.
 Runs the tiny model on the default corpus over 4 simulated CPU devices (FSDP 2 x tensor 2). With
 --grpo the runs are GRPO on generated sums (rollouts sampled in every step, exact-match and
-completion-length rewards): the rollouts after a restart must be the uninterrupted run's too.
+completion-length rewards): the rollouts after a restart must be the uninterrupted run's too. With --workers N
+(Ray installed: pip install 'maxtrain[rl]') the rollouts are sampled by N Ray workers with the JAX engine on policy
+(grpo_rollout_workers=N, grpo_off_policy_steps=0); also checked: the killed run's workers die with it (Ray fate-shares
+its processes with the trainer that started it), every restart starts new ones (new process ids) and publishes the
+restored step's weights version to them.
 """
 
 from __future__ import annotations
@@ -77,6 +81,23 @@ def grpo_settings(out: str) -> list[str]:
             "decode_sampling_strategy=weighted", "grpo_reward_functions=[exact_match,kill_resume_rewards:length]"]
 
 
+def ray_workers(marker: str) -> set[int]:
+    """The pids of the processes running a rollout worker actor (Ray titles them ray::Worker...) whose environment
+    holds `marker` (this script's working directory, on their PYTHONPATH: other runs' workers are not ours)."""
+    pids = set()
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if not f.read().startswith(b"ray::Worker"):
+                    continue
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                if marker.encode() in f.read():
+                    pids.add(int(entry))
+        except (OSError, ValueError):
+            continue
+    return pids
+
+
 def env(extra_path: str = "") -> dict:
     path = os.pathsep.join(p for p in (extra_path, os.environ.get("PYTHONPATH", "")) if p)
     return {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "PYTHONUNBUFFERED": "1",
@@ -102,8 +123,10 @@ def saving_now(ckpts: str) -> bool:
     return os.path.isdir(ckpts) and any(TMP_MARK in name for name in os.listdir(ckpts))
 
 
-def run_until_killed(cmd, log_path, plan, ckpts, metrics, steps, rng, run_seconds, environment=None):
-    """Starts the run and interrupts it as `plan` says. Returns (exit code, what happened)."""
+def run_until_killed(cmd, log_path, plan, ckpts, metrics, steps, rng, run_seconds, environment=None, workers=None,
+                     marker=""):
+    """Starts the run and interrupts it as `plan` says. Returns (exit code, what happened). `workers` (a set): the
+    pids of the rollout workers seen while it ran (ray_workers(marker)) are added to it."""
     with open(log_path, "w") as log:
         process = subprocess.Popen(cmd, cwd=REPO, env=environment or env(), stdout=log, stderr=subprocess.STDOUT)
     start_lines = len(logged(metrics))
@@ -112,8 +135,11 @@ def run_until_killed(cmd, log_path, plan, ckpts, metrics, steps, rng, run_second
         restart = (checkpoint_files.complete_steps(ckpts) or [0])[-1]
         target_step = rng.randint(restart + 5, max(restart + 5, steps - 40))
     delay = rng.uniform(1.0, 0.4 * run_seconds)  # mostly start-up: imports, data, restore, compilation
-    started = time.time()
+    started, looked = time.time(), 0.0
     while process.poll() is None:
+        if workers is not None and time.time() - looked > 0.5:
+            workers |= ray_workers(marker)
+            looked = time.time()
         now_saving = saving_now(ckpts)
         lines = logged(metrics)[start_lines:] if plan in ("mid_training", "sigterm") else []
         fire = ((plan == "random_time" and time.time() - started > delay)
@@ -144,9 +170,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the kill schedule")
     parser.add_argument("--out", default="", help="working directory (default: a temporary one, removed)")
     parser.add_argument("--grpo", action="store_true", help="GRPO runs (rollouts in every step) instead of pre-training")
+    parser.add_argument("--workers", type=int, default=0, help="with --grpo: rollouts sampled by this many Ray workers "
+                                                                "(JAX engine, on policy)")
     args = parser.parse_args(argv)
     if min(args.kills, args.steps, args.checkpoint_period) < 1:
         parser.error("--kills, --steps and --checkpoint_period must be >= 1")
+    if args.workers and not args.grpo:
+        parser.error("--workers N samples GRPO's rollouts: add --grpo")
+    if args.workers < 0:
+        parser.error("--workers must be >= 0")
     if args.out:
         storage.check_output(args.out, False, f"--out {args.out}")
     with errors.user_paths("--out"):
@@ -159,9 +191,14 @@ def kill_and_resume(args) -> int:
     rng = random.Random(args.seed)
     failures = []
     extra = grpo_settings(out) if args.grpo else []
+    if args.workers:  # on policy with the JAX engine: the colocated program, so bitwise resumable too
+        extra += [f"grpo_rollout_workers={args.workers}", "grpo_rollout_engine=jax", "grpo_off_policy_steps=0"]
+    seen_before: set[int] = set()  # the rollout workers' pids of the attempts so far
+    new_workers, published, workers_left = 0, 0, []
     environment = env(out if args.grpo else "")  # --grpo: its reward module is in `out`
 
-    print(f"reference: {args.steps} steps uninterrupted{' of GRPO' if args.grpo else ''} -> {out}/reference", flush=True)
+    what = f" of GRPO{f' with {args.workers} rollout workers' if args.workers else ''}" if args.grpo else ""
+    print(f"reference: {args.steps} steps uninterrupted{what} -> {out}/reference", flush=True)
     t0 = time.time()
     ref = subprocess.run(command(out, "reference", args.steps, args.checkpoint_period, extra), cwd=REPO,
                          env=environment, capture_output=True, text=True)
@@ -184,11 +221,18 @@ def kill_and_resume(args) -> int:
         plan = plans[attempt] if attempt < len(plans) else "none"
         expected = (checkpoint_files.complete_steps(ckpts) or [None])[-1]
         log_path = os.path.join(out, f"victim_attempt{attempt}.log")
-        code, what = run_until_killed(cmd, log_path, plan, ckpts, metrics, args.steps, rng, run_seconds, environment)
+        seen = set() if args.workers else None
+        code, what = run_until_killed(cmd, log_path, plan, ckpts, metrics, args.steps, rng, run_seconds, environment,
+                                      seen, out)
         with open(log_path) as f:
             text = f.read()
         resumed = re.search(r"Resuming from .*/(\d+)\n", text)
         started_from = int(resumed.group(1)) if resumed else None
+        if args.workers:
+            failures += check_workers(attempt, text, seen, seen_before, started_from, code, workers_left, out)
+            new_workers += bool(seen) and not seen & seen_before
+            published += bool(re.search(r"weights version \d+ \(the state's", text))
+            seen_before |= seen
         left = [n for n in os.listdir(ckpts) if TMP_MARK in n] if os.path.isdir(ckpts) else []
         partial_left += bool(left)
         outcomes.append(what)
@@ -248,6 +292,10 @@ def kill_and_resume(args) -> int:
           f"{not mismatched}")
     print(f"final params: {len(ref_leaves)} arrays, {values:,} values, bitwise equal: {not differing} "
           f"(max abs difference {max_diff})")
+    if args.workers:
+        print(f"rollout workers: attempts that started new ones {new_workers}/{attempt + 1} ({len(seen_before)} "
+              f"worker processes in all), that published the state's weights version {published}/{attempt + 1}, "
+              f"attempts whose workers outlived them by a minute {len(workers_left)}")
     if attempt < len(plans):
         print(f"note: the run finished before the planned {plans[attempt:]} happened")
     if during_save < 1:
@@ -260,6 +308,27 @@ def kill_and_resume(args) -> int:
     print(f"PASS kill_resume: {attempt} interruptions (SIGKILL during async saves included) and restarts; final params and every "
           "logged loss bitwise equal to the uninterrupted run")
     return 0
+
+
+def check_workers(attempt: int, text: str, seen: set, before: set, started_from, code: int, left: list,
+                  marker: str) -> list[str]:
+    """The rollout workers of one attempt: new processes (none of an earlier attempt's), the restored step's weights
+    version published to them when it got that far, and none of them alive a minute after it ended."""
+    failures = []
+    if seen & before:
+        failures.append(f"attempt {attempt} used rollout worker processes of an earlier attempt: {sorted(seen & before)}")
+    version = re.search(r"weights version (\d+) \(the state's", text)
+    if version and int(version.group(1)) != (started_from or 0):
+        failures.append(f"attempt {attempt} started from step {started_from or 0} but published weights version "
+                        f"{version.group(1)} to its workers")
+    deadline = time.time() + 60  # killed, stopped by SIGTERM or finished: its workers go with it
+    while seen & ray_workers(marker) and time.time() < deadline:
+        time.sleep(0.5)
+    if seen & ray_workers(marker):
+        left.append(attempt)
+        failures.append(f"attempt {attempt} ended (exit {code}) but its rollout workers "
+                        f"{sorted(seen & ray_workers(marker))} still run a minute later")
+    return failures
 
 
 def _flat(tree) -> dict:

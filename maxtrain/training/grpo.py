@@ -55,7 +55,7 @@ from maxtrain.data import pipeline, prompts as prompts_lib
 from maxtrain.models import sampling
 from maxtrain.training import (advantages as advantages_lib, environments, episodes, loop, losses,
                                policy_losses, rewards)
-from maxtrain.training.rollout import schedule as rollout_schedule
+from maxtrain.training.rollout import position as rollout_position, schedule as rollout_schedule
 from maxtrain.training.advantages import ADVANTAGE_EPS, advantages  # noqa: F401 (grpo.advantages: today's GRPO)
 
 ROLLOUT_SALT = 0x6C7A  # the rollout key: fold_in(key(seed), ROLLOUT_SALT), apart from the init key
@@ -107,6 +107,8 @@ def with_rewards(config, inputs: data_lib.Inputs, functions: dict, log=print) ->
         f"epsilon {config.grpo_epsilon:g}; sampling {describe_sampling(config)}")
     if policy_losses.sequence_level_note(config):
         log(policy_losses.sequence_level_note(config))
+    if config.grpo_rollout_workers > 0:  # batches go out before their updates: the checkpoint's position says which
+        inputs = dataclasses.replace(inputs, train_iterator=rollout_position.Position(inputs.train_iterator))
     return Inputs(inputs, functions, environment)
 
 
@@ -398,6 +400,8 @@ class Step:
         global_batch = pipeline.to_global(update, self.run.mesh, config.logical_axis_rules)
         state, metrics = self.train_step(state, global_batch)
         metrics = jax.block_until_ready(metrics)
+        if self.rollouts is not None:
+            self.rollouts.trained(step + 1)  # the checkpoint's data position: past this step's prompt batches
         host = dict(self.host)
         host["aux/grpo_rollout_seconds"] = 0.0 if started is None else rolled - started
         host["aux/grpo_update_seconds"] = time.perf_counter() - rolled

@@ -4,11 +4,13 @@ the truncated importance weights; bad inputs."""
 
 import json
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
 
+import grain
 import numpy as np
 import pytest
 
@@ -16,7 +18,7 @@ from ckpt_helpers import assert_bitwise_equal
 from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
 from maxtrain import train
-from maxtrain.training.rollout import correction
+from maxtrain.training.rollout import correction, position, schedule as rollout_schedule
 from maxtrain.training.rollout.worker import chunk_seed
 from post_helpers import compose, grpo_args, make_dataset
 
@@ -81,12 +83,23 @@ def test_a_worker_killed_mid_run_is_restarted_and_its_prompts_reissued(dataset, 
     on exactly the colocated run's prompts and completions (the same losses bitwise): none lost, none twice."""
     killed = []
 
+    def ours(pid: int) -> bool:  # under this process (the local Ray it started), not another run's worker
+        try:
+            while pid > 1:
+                with open(f"/proc/{pid}/stat") as f:
+                    pid = int(f.read().rsplit(")", 1)[1].split()[1])  # the parent's pid
+                if pid == os.getpid():
+                    return True
+        except (OSError, ValueError):
+            pass
+        return False
+
     def generating() -> list[int]:  # Ray titles a worker's process with the task it runs: ray::Worker.generate
         pids = []
         for entry in os.listdir("/proc"):
             try:
                 with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if f.read().startswith(b"ray::Worker.generate"):
+                    if f.read().startswith(b"ray::Worker.generate") and ours(int(entry)):
                         pids.append(int(entry))
             except (OSError, ValueError):
                 continue
@@ -127,6 +140,68 @@ def test_one_step_off_policy_with_partial_rollouts(dataset, tmp_path):
         assert 0 <= m["learning/grpo_tis_capped_fraction"] <= 1
         assert np.isfinite(m["learning/loss"])
     assert max(m["learning/grpo_staleness_max"] for m in metrics.values()) == 1  # later steps use older tokens
+
+
+@needs_ray
+@pytest.mark.slow
+def test_a_run_one_step_off_policy_resumes_with_the_prompts_that_were_out(dataset, tmp_path, monkeypatch, capsys):
+    """k = 1: the checkpoint at step 2 is saved while step 2's prompt batch is out (issued at step 1). The resumed run
+    issues exactly that batch again for step 2, then step 3's: each step trains on the uninterrupted run's prompts,
+    none skipped, none twice. Its step 2 is sampled by the restored version 2 (on policy), where the uninterrupted
+    run's was sampled by version 1: only the prompts are the same, not the completions."""
+    prompts = {}
+    begin = rollout_schedule.Rollouts.begin
+
+    def recording(self, step, params):  # the real begin; what it hands the step is written down
+        batch = begin(self, step, params)
+        prompts.setdefault(step, []).append([t.decode() for t in batch["text"]])
+        return batch
+
+    monkeypatch.setattr(rollout_schedule.Rollouts, "begin", recording)
+    args = ("grpo_rollout_workers=2", "grpo_off_policy_steps=1", "enable_checkpointing=true", "checkpoint_period=2",
+            "max_num_checkpoints_to_keep=3")
+    _run(dataset, tmp_path, "k1", *args, steps=4)
+    straight = {step: texts[0] for step, texts in prompts.items()}
+    assert sorted(straight) == [0, 1, 2, 3] and len({tuple(t) for t in straight.values()}) == 4
+    shutil.rmtree(tmp_path / "k1" / "checkpoints" / "4")  # as if killed after saving step 2 (step 2's batch out)
+    capsys.readouterr()
+    _run(dataset, tmp_path, "k1", *args, steps=4)
+    out = capsys.readouterr().out
+    assert "Resuming from" in out and "weights version 2 (the state's, restored) published to the 2 workers" in out
+    assert [prompts[step][1] for step in (2, 3)] == [straight[2], straight[3]]
+    metrics = [json.loads(line) for line in (tmp_path / "k1.jsonl").read_text().splitlines()]
+    resumed = [m for m in metrics if "learning/loss" in m][-2:]
+    assert [m["step"] for m in resumed] == [3, 4]
+    assert resumed[0]["learning/grpo_staleness_max"] == 0  # step 2 sampled by the restored version 2
+
+
+def test_the_checkpointed_position_is_that_of_the_first_batch_not_trained():
+    """position.Position on a Grain iterator of 0, 1, 2, ...: the state after some updates re-reads the batches that
+    were out, and passes over those read later but trained (dynamic sampling's further batches of an earlier step)."""
+    def fresh():
+        return position.Position(iter(grain.MapDataset.range(100).to_iter_dataset()))
+
+    plain = fresh()
+    assert [plain.read(0), plain.read(1), plain.read(2)] == [0, 1, 2]  # k = 2: steps 1 and 2 out after step 0
+    plain.trained(1)
+    state = plain.get_state()
+    assert state == {"next_index": 1}  # Grain's own state, as before the batch of step 1 was read
+    again = fresh()
+    again.set_state(state)
+    assert [again.read(1), again.read(2), again.read(3)] == [1, 2, 3]
+    mixed = fresh()  # k = 1 with dynamic sampling: b0 b1 e0 | b2 e1 (e: a step's further batch, read after the next's)
+    assert [mixed.read(0), mixed.read(1), mixed.read(0), mixed.read(2), mixed.read(1)] == [0, 1, 2, 3, 4]
+    mixed.trained(2)
+    state = mixed.get_state()
+    assert state == {"parent": {"next_index": 3}, "trained_reads": [1]}
+    resumed = fresh()
+    resumed.set_state(state)
+    assert resumed.get_state() == state  # saved again before reading: the same position
+    assert [resumed.read(2), resumed.read(3)] == [3, 5]
+    everything = fresh()
+    assert [everything.read(0), everything.read(0)] == [0, 1]
+    everything.trained(1)
+    assert everything.get_state() == {"next_index": 2}
 
 
 def test_truncated_importance_weights_against_their_formula():

@@ -6,4 +6,6 @@ trainer's controller.
     worker.py       the Ray actor holding an Engine: partial rollouts in chunks, newer weights swapped in between
     controller.py   the trainer's side: workers started and restarted, prompt batches out, completions back,
                     weight versions published, staleness bounded by grpo_off_policy_steps
+    schedule.py     which prompt batch goes out when, under which version; the update's correction and metrics
+    position.py     the train iterator's checkpointed position: the first prompt batch not yet trained on
 """

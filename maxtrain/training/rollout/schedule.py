@@ -1,8 +1,9 @@
 """grpo.Step's rollouts on workers (grpo_rollout_workers > 0): which prompt batch goes out when, under which weight
 version, and what the update learns of it.
 
-    rollouts = Rollouts(config, iterator, stop_ids, rollout_key)   # rollout_key(config, step): grpo's
+    rollouts = Rollouts(config, iterator, stop_ids, rollout_key)   # iterator: a position.Position; rollout_key: grpo's
     batch = rollouts.begin(step, params)        # version `step` published; prompt batches of steps .. step + k out
+    rollouts.trained(step + 1)                  # after the update: the checkpoint's data position moves past it
     tokens, log_probs = rollouts.sample(prompt, first, key, step)     # grpo.Step.draw's, from a worker
     metrics = rollouts.correct(updates, recompute)   # pi_old the trainer's; TIS weights; mismatch
     metrics = rollouts.step_metrics()           # staleness, sync, per-phase time
@@ -11,7 +12,9 @@ Version v is the weights after v updates (the state's step). With k = grpo_off_p
 t goes out once version t - k is published, so the update at step t trains on completions whose oldest token came
 from a version >= t - k (checked when they come back). k = 0: a step's rollout waits for the previous update; with
 the JAX engine it samples as the colocated run does (the same program, key and batch): the same completions, losses
-and pi_old (the sampler's). k > 0: batches of the next k steps are generated while this one trains.
+and pi_old (the sampler's). k > 0: batches of the next k steps are generated while this one trains; a checkpoint
+saves the data position of the first batch it has not trained on (position.py), so a resumed run issues those again
+(from the restored version: its first step's completions are on policy, where the uninterrupted run's were k stale).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ class Rollouts:
         self.config, self.iterator, self.k = config, iterator, config.grpo_off_policy_steps
         self.rollout_key = rollout_key
         self.group = config.num_generations
-        self.controller = Controller(config, stop_ids, log)
+        self.controller, self.log = Controller(config, stop_ids, log), log
         self.corrects = config_lib.objectives.grpo_corrects(config)
         self.version, self.issued_to, self.ahead, self.next_id = -1, None, {}, 0
         self.mark = time.perf_counter()
@@ -50,17 +53,26 @@ class Rollouts:
         """The prompt batch of `step` (issued now or k steps ago); version `step` published first (a resumed run's
         restored weights, the first time)."""
         if step > self.version:
+            if self.version < 0:
+                self.log(f"GRPO rollouts: weights version {step} (the state's{', restored' if step else ''}) "
+                         f"published to the {len(self.controller.workers)} workers")
             self.stats["sync"] = self.controller.publish(step, params)
             self.version = step
         if self.issued_to is None:
             self.issued_to = step - 1
         while self.issued_to < min(step + self.k, self.config.steps - 1):  # none past the run's last step
             t = self.issued_to + 1
-            batch = next(self.iterator)
+            batch = self.iterator.read(t)
             self.ahead[t] = batch
             self.submit((t, seed_of(self.rollout_key(self.config, t))), *self.rows(batch))
             self.issued_to = t
+        self.iterator.step = step  # the step's further prompt batches (dynamic sampling) are its own
         return self.ahead.pop(step)
+
+    def trained(self, done: int) -> None:
+        """The updates of steps < done are in the state: a checkpoint's data position is past their prompt batches
+        (rollout/position.py), before those of the steps still out."""
+        self.iterator.trained(done)
 
     def rows(self, batch) -> tuple[np.ndarray, np.ndarray]:
         return np.repeat(batch["prompt"], self.group, axis=0), np.repeat(batch["first"], self.group, axis=0)
