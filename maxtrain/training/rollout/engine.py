@@ -50,6 +50,13 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+def check(config) -> None:
+    """Refuses (one line with the fix) what grpo_rollout_engine's engine cannot do for this run: the engine not
+    installed, a model family it cannot serve. Called in the trainer before any work (grpo.with_rewards), not left
+    to the workers, each of which would fail on its own after Ray started it."""
+    importlib.import_module(ENGINES[config.grpo_rollout_engine]).check_config(config)
+
+
 def make(config, stop_ids) -> Engine:
     """grpo_rollout_engine's engine for `config` (the trainer's, its devices' values in), cutting at `stop_ids`."""
     return importlib.import_module(ENGINES[config.grpo_rollout_engine]).make(config, stop_ids)

@@ -178,8 +178,17 @@ class VllmEngine:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
+def model_of(config) -> dict:
+    return {k: getattr(config, k) for k in model_keys.MODEL_KEYS}
+
+
+def check_config(config) -> None:
+    """`check` of a run's model, and vLLM not installed refused (MissingPackage, naming scripts/make_vllm_venv.sh):
+    engine.check's, in the trainer before any work."""
+    check(model_of(config))
+
+
 def make(config, stop_ids) -> VllmEngine:
     """The engine of a run's config (rollout/engine.make's, for grpo_rollout_engine=vllm)."""
-    keys = {k: getattr(config, k) for k in model_keys.MODEL_KEYS}
-    return VllmEngine(keys, **sampling.sampling_settings(config), stop_ids=stop_ids,
+    return VllmEngine(model_of(config), **sampling.sampling_settings(config), stop_ids=stop_ids,
                       max_model_len=config.max_target_length, seed=config.seed)

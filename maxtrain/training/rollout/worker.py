@@ -34,7 +34,8 @@ class Worker:
     def __init__(self, config, stop_ids):
         self.engine = engine_lib.make(config, stop_ids)
         self.chunk = config.grpo_rollout_chunk_tokens
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()        # the offered version (offer runs while a batch generates)
+        self.generating = threading.Lock()  # one batch at a time: an engine is not re-entrant (vLLM's LLM is not)
         self.offered = (-1, None)     # the newest version the trainer published, its weights' ref boxed
         self.current = -1             # the engine's
 
@@ -59,6 +60,12 @@ class Worker:
         return time.perf_counter() - started
 
     def generate(self, requests: list[Request], version: int, boxed: list) -> tuple[list[Completion], dict]:
+        """A batch's completions (two batches sent to one worker, k >= 1 with fewer workers than batches out, are
+        generated one after the other; the actor's second thread is for `offer`)."""
+        with self.generating:
+            return self._generate(requests, version, boxed)
+
+    def _generate(self, requests: list[Request], version: int, boxed: list) -> tuple[list[Completion], dict]:
         self.offer(version, boxed)
         swap = self.swap()
         started = time.perf_counter()
