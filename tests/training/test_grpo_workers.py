@@ -246,6 +246,7 @@ def test_the_vllm_engine_without_vllm_is_refused_by_the_trainer_with_its_install
     assert not ray.is_initialized()  # refused in the trainer, before Ray started any worker
 
 
+@needs_ray  # the address is probed once Ray is known to be installed (config/objectives.py)
 def test_an_unreachable_ray_address_is_named(dataset, tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     with pytest.raises(config_lib.ConfigError, match=r"RAY_ADDRESS=127.0.0.1:1 cannot be reached"):
