@@ -7,9 +7,6 @@ import shutil
 
 import numpy as np
 import pytest
-import torch
-from trl.rewards import get_soft_overlong_punishment
-from trl.trainer.utils import nanstd
 
 from conftest import BASE_YML, TINY
 from maxtrain import train
@@ -40,11 +37,18 @@ def test_each_estimator_and_scaling_against_hand_computed_numbers():
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=f"{estimator} {scale} ddof={ddof}")
     # the defaults are GRPO's advantages as maxtrain computed them before these settings (population std)
     np.testing.assert_array_equal(advantages.advantages(r, 4), advantages.advantages(r, 4, "grpo", "group", 0))
-    # TRL's group std is the sample std (its nanstd): ddof=1; at 4 generations ddof=0's advantages are 1.155x larger
-    trl_std = nanstd(torch.tensor(r[:4]))
-    np.testing.assert_allclose(float(trl_std), 0.5)
+    # at 4 generations ddof=0's advantages are 1.155x ddof=1's (TRL's: test_trls_group_std_is_the_sample_std)
     ratio = advantages.advantages(r, 4, ddof=0)[0] / advantages.advantages(r, 4, ddof=1)[0]
     assert abs(ratio - np.sqrt(4 / 3)) < 1e-3 and round(float(ratio), 3) == 1.155
+
+
+def test_trls_group_std_is_the_sample_std():
+    """TRL's group std (its nanstd) is ddof=1's: grpo_reward_std_ddof=1 gives TRL's advantages."""
+    torch = pytest.importorskip("torch", reason="TRL needs torch (the [hf] extra)")
+    nanstd = pytest.importorskip("trl.trainer.utils", reason="trl is not installed (the [hf] extra)").nanstd
+    r = np.array([1.0, 0, 0, 0])
+    np.testing.assert_allclose(float(nanstd(torch.tensor(r))), 0.5)
+    np.testing.assert_allclose(advantages.advantages(r, 4, ddof=1), (r - 0.25) / (0.5 + EPS), rtol=1e-6)
 
 
 def test_rloo_baseline_is_the_papers_leave_one_out_mean_on_random_rewards():
@@ -56,6 +60,9 @@ def test_rloo_baseline_is_the_papers_leave_one_out_mean_on_random_rewards():
 
 
 def test_overlong_shaping_equals_trls_soft_overlong_punishment():
+    pytest.importorskip("torch", reason="TRL needs torch (the [hf] extra)")
+    get_soft_overlong_punishment = pytest.importorskip(
+        "trl.rewards", reason="trl is not installed (the [hf] extra)").get_soft_overlong_punishment
     lengths = np.arange(0, 20)  # up to past the limit: TRL's -1 beyond it
     trl = get_soft_overlong_punishment(max_completion_len=16, soft_punish_cache=4)([[7] * n for n in lengths])
     np.testing.assert_allclose(advantages.overlong_penalty(lengths, 16, 4), trl, rtol=0, atol=1e-12)
