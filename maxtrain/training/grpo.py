@@ -431,13 +431,13 @@ class AtRolloutEnds:
         self.preemption.close()
 
 
-class HeldOut(loop.Hook):
+class HeldOut(loop.Evaluation):
     """Greedy answers to the held-out prompts: at step 0 of a fresh run, every eval_interval steps and at
     the end; eval/grpo_reward and (with exact_match) eval/grpo_accuracy."""
 
     def __init__(self, run, inputs: Inputs, writer, log):
         self.built, self.inputs, self.writer, self.log = run, inputs, writer, log
-        config = run.config
+        self.config = config = run.config
         self.losses, self.metrics = {}, {}
         self.greedy = jax.jit(lambda params, prompt, first: sampling.sample_completions(
             params, prompt, first, jax.random.key(0), model=run.model, rt=run.rt,
@@ -446,17 +446,6 @@ class HeldOut(loop.Hook):
         self.greedy_turn = jax.jit(lambda params, prompt, first, key: sampling.sample_completions(
             params, prompt, first, key, model=run.model, rt=run.rt, max_new_tokens=completion_length(config),
             temperature=0.0, top_k=0, top_p=1.0))
-
-    def start(self, step, state):
-        if step == 0:
-            self.run_eval(0, state)
-
-    def due(self, at):
-        interval = self.built.config.eval_interval
-        return not at.stopping and interval > 0 and (at.done % interval == 0 or at.last)
-
-    def run(self, at, state):
-        self.run_eval(at.done, state)
 
     def scores(self, params, done: int = 0) -> tuple[float, dict]:
         """(mean summed reward, {name: mean}) of greedy answers to the held-out prompts."""
@@ -488,7 +477,7 @@ class HeldOut(loop.Hook):
             parts["multi_turn_fraction"] = (np.asarray(turns) > 1).astype(np.float32)
         return float(total.mean()), {name: float(v.mean()) for name, v in parts.items()}
 
-    def run_eval(self, done: int, state) -> None:
+    def evaluate(self, done: int, state) -> None:
         reward, parts = self.scores(self.built.model_params(state), done)
         out = {"grpo_reward": reward}
         if "exact_match" in parts:

@@ -129,23 +129,34 @@ def evaluate(eval_step, state, eval_batches) -> tuple[float, dict]:
     return float(total / denom), {k: float(v / denom) for k, v in sums.items()}
 
 
-class EvalLoss(Hook):
-    """The objective on the eval batches: at step 0 of a fresh run, every eval_interval steps and at the end."""
-
-    def __init__(self, config, eval_step, eval_batches, writer, log):
-        self.config, self.eval_step, self.eval_batches, self.writer, self.log = config, eval_step, eval_batches, writer, log
-        self.losses, self.metrics = {}, {}
+class Evaluation(Hook):
+    """An evaluation at step 0 of a fresh run, every eval_interval steps and at the end; a subclass sets
+    `self.config` and writes `evaluate(done, state)` (EvalLoss; GRPO's and on-policy distillation's `HeldOut`)."""
+    config = None
 
     def start(self, step, state):
         if step == 0:
-            self.run(Moment(0), state)
+            self.evaluate(0, state)
 
     def due(self, at):
         interval = self.config.eval_interval
         return not at.stopping and interval > 0 and (at.done % interval == 0 or at.last)
 
     def run(self, at, state):
-        done = at.done
+        self.evaluate(at.done, state)
+
+    def evaluate(self, done: int, state) -> None:
+        raise NotImplementedError
+
+
+class EvalLoss(Evaluation):
+    """The objective on the eval batches: at step 0 of a fresh run, every eval_interval steps and at the end."""
+
+    def __init__(self, config, eval_step, eval_batches, writer, log):
+        self.config, self.eval_step, self.eval_batches, self.writer, self.log = config, eval_step, eval_batches, writer, log
+        self.losses, self.metrics = {}, {}
+
+    def evaluate(self, done, state):
         loss, extra = evaluate(self.eval_step, state, self.eval_batches())
         self.losses[done], self.metrics[done] = loss, extra
         self.log(f"eval at step {done}: loss {loss:.4f}" + "".join(f"  {k} {v:.4f}" for k, v in extra.items()))

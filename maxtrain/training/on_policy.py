@@ -86,28 +86,17 @@ class Step:
         return state, {**metrics, **host}
 
 
-class HeldOut(loop.Hook):
+class HeldOut(loop.Evaluation):
     """The reverse KL of the student's greedy answers to the held-out prompts, under the teacher: at step 0 of a
     fresh run, every eval_interval steps and at the end (eval/distill_reverse_kl, a mean per answer token)."""
 
     def __init__(self, run, inputs, writer, log):
         self.built, self.inputs, self.writer, self.log = run, inputs, writer, log
-        config = run.config
+        self.config = config = run.config
         self.losses, self.metrics = {}, {}
         self.greedy = jax.jit(lambda params, prompt, first: sampling.sample_completions(
             params, prompt, first, jax.random.key(0), model=run.model, rt=run.rt,
             max_new_tokens=grpo.completion_length(config), temperature=0.0, top_k=0, top_p=1.0)[0])
-
-    def start(self, step, state):
-        if step == 0:
-            self.run_eval(0, state)
-
-    def due(self, at):
-        interval = self.built.config.eval_interval
-        return not at.stopping and interval > 0 and (at.done % interval == 0 or at.last)
-
-    def run(self, at, state):
-        self.run_eval(at.done, state)
 
     def reverse_kl(self, state) -> float:
         """The mean per-token reverse KL of greedy answers to the held-out prompts (the last batch padded with
@@ -128,7 +117,7 @@ class HeldOut(loop.Hook):
             total, tokens = total + float(loss), tokens + float(weight)
         return total / max(tokens, 1.0)
 
-    def run_eval(self, done: int, state) -> None:
+    def evaluate(self, done: int, state) -> None:
         kl = self.reverse_kl(state)
         self.losses[done] = kl
         self.metrics[done] = {"distill_reverse_kl": kl}
