@@ -27,7 +27,6 @@ mistakes stop the run before any work.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 import math
 import numbers
@@ -38,7 +37,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 import numpy as np
 
 from maxtrain.errors import UserError
-from maxtrain.training import calculator
+from maxtrain.training import calculator, rewards
 
 BUILTIN = {"calculator": calculator.Calculator}
 CONTRACT = ("reset(record) -> None | str | list of messages, then step(message) -> (observation: str, reward: "
@@ -74,19 +73,8 @@ def load(name: str) -> Source:
     """The environment grpo_environment names, imported now; its reset and step are checked to be methods."""
     if name in BUILTIN:
         return Source(name, BUILTIN[name])
-    module_name, _, attr = name.partition(":")
-    if not module_name or not attr:
-        raise BadEnvironment(f"grpo_environment: {name!r} is neither a built-in environment ({', '.join(BUILTIN)})"
-                                " nor an import path module:Class (e.g. my_envs:Maze, with my_envs.py on PYTHONPATH)")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # any failure of the user's module: ImportError, SyntaxError, its own errors
-        raise BadEnvironment(f"grpo_environment: {name!r}: module {module_name!r} cannot be imported "
-                                f"({type(e).__name__}: {e}); put it on PYTHONPATH or fix it") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise BadEnvironment(f"grpo_environment: {name!r}: module {module_name!r} has no class {attr!r}"
-                                f"{'' if factory is None else f' ({attr} is a {type(factory).__name__})'}")
+    factory = rewards.import_named("grpo_environment", name, BUILTIN, "class", "my_envs:Maze, with my_envs.py",
+                                   BadEnvironment)
     if inspect.isclass(factory):
         missing = [m for m in ("reset", "step") if not callable(getattr(factory, m, None))]
         if missing:

@@ -105,23 +105,35 @@ def check_signature(name: str, fn: Callable) -> None:
                           + ("" if _written_for_trl(fn) else f" Define it as {EXPECTED}.")) from None
 
 
-def load_one(name: str) -> Callable:
-    if name in BUILTIN:
-        return BUILTIN[name]
+def import_named(key: str, name: str, builtin: dict, kind: str, example: str, error: type):
+    """What setting `key`'s value `name` names: a built-in (`builtin[name]`), or module:attr imported now (a reward
+    function here, an environment class in training/environments.py). `error` is raised, one line naming the value
+    and the fix, for a name of neither form, a module that cannot be imported, or an attribute it lacks or that
+    cannot be called; `kind` is "function" or "class", `example` a module:attr with its module file."""
+    if name in builtin:
+        return builtin[name]
     module_name, _, attr = name.partition(":")
+    noun = "reward" if kind == "function" else "environment"
     if not module_name or not attr:
-        raise RewardError(f"grpo_reward_functions: {name!r} is neither a built-in reward ({', '.join(BUILTIN)}) nor "
-                          "an import path module:function (e.g. my_rewards:score, with my_rewards.py on PYTHONPATH)")
+        raise error(f"{key}: {name!r} is neither a built-in {noun} ({', '.join(builtin)}) nor an import path "
+                    f"module:{'function' if kind == 'function' else 'Class'} (e.g. {example} on PYTHONPATH)")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # any failure of the user's module: ImportError, SyntaxError, its own errors
-        raise RewardError(f"grpo_reward_functions: {name!r}: module {module_name!r} cannot be imported "
-                          f"({type(e).__name__}: {e}); put it on PYTHONPATH or fix it") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise RewardError(f"grpo_reward_functions: {name!r}: module {module_name!r} has no function {attr!r}"
-                          f"{'' if fn is None else f' ({attr} is a {type(fn).__name__})'}")
-    check_signature(name, fn)
+        raise error(f"{key}: {name!r}: module {module_name!r} cannot be imported ({type(e).__name__}: {e}); put it "
+                    "on PYTHONPATH or fix it") from None
+    found = getattr(module, attr, None)
+    if not callable(found):
+        raise error(f"{key}: {name!r}: module {module_name!r} has no {kind} {attr!r}"
+                    f"{'' if found is None else f' ({attr} is a {type(found).__name__})'}")
+    return found
+
+
+def load_one(name: str) -> Callable:
+    fn = import_named("grpo_reward_functions", name, BUILTIN, "function", "my_rewards:score, with my_rewards.py",
+                      RewardError)
+    if name not in BUILTIN:
+        check_signature(name, fn)
     return fn
 
 
