@@ -7,10 +7,8 @@ Runs in the virtualenv that scripts/make_vllm_venv.sh makes (vLLM's CPU build be
 
     PYTHONPATH=$PWD /work/venv-vllm/bin/python end_to_end/cpu/grpo_async.py
 
-1. The data and tokenizer of end_to_end/cpu/grpo.py (its make_data: 9,500 training sums, 500 held out) and its SFT
-   warm-up, on its model with the attention reshaped for vLLM's CPU attention, which serves head sizes 32, 64, 80, ...
-   but needs its kernels' layouts: 2 heads of 64 in place of 4 of 32 (the same widths, every other setting as
-   grpo.py's; all runs of this script use it).
+1. The data, tokenizer, model and SFT warm-up of end_to_end/cpu/grpo.py (its make_data: 9,500 training sums, 500
+   held out; 4 heads of 32, a head size vLLM's CPU attention serves).
 2. GRPO from that SFT model, each run with the same prompts and seed, `--prompts` x `--generations` completions per
    step at temperature 1, the exact-match reward, grpo.py's loss settings; the runs (`--runs`):
 
@@ -25,8 +23,8 @@ Runs in the virtualenv that scripts/make_vllm_venv.sh makes (vLLM's CPU build be
    generation, weight sync, waiting for rollouts, update, trainer and worker idle %), and for the worker runs the
    staleness and |log p_trainer - log p_vllm|.
 
-PASS when the k1 run's held-out accuracy is above the SFT model's and within --noise of the colocated run's (both
-given in --runs; otherwise PASS when every run finished). Measured figures: docs/post_training.md, "GRPO with
+PASS when the k1 run's held-out accuracy rises by at least --margin over the SFT model's and ends within --noise of
+the colocated run's (both given in --runs; otherwise PASS when every run finished). Measured figures: docs/post_training.md, "GRPO with
 rollout workers".
 """
 
@@ -46,9 +44,8 @@ import grpo as grpo_e2e  # noqa: E402  pylint: disable=wrong-import-position
 
 from post_training import compose  # noqa: E402  pylint: disable=wrong-import-position
 
-# grpo.py's model, its attention as 2 heads of 64 (vLLM's CPU attention serves head size 64, not 16; 32 is in its
-# list but the same 128 wide attention as 2 x 64 keeps the model's size)
-MODEL = compose(*grpo_e2e.MODEL, "base_num_query_heads=2", "base_num_kv_heads=2", "head_dim=64")
+# grpo.py's model as it is (4 heads of 32: a head size vLLM's CPU attention serves), so its SFT model is grpo.py's
+MODEL = grpo_e2e.MODEL
 RUNS = {
     "colocated": [],
     "k0": ["grpo_rollout_engine=vllm", "grpo_off_policy_steps=0"],
@@ -71,13 +68,15 @@ def main(argv: list[str]) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", default="colocated,k1", help=f"comma-separated, of {', '.join(RUNS)}")
     parser.add_argument("--sft-steps", type=int, default=300, help="SFT steps (as end_to_end/cpu/grpo.py)")
-    parser.add_argument("--grpo-steps", type=int, default=100, help="GRPO steps per run")
+    parser.add_argument("--grpo-steps", type=int, default=150, help="GRPO steps per run (as end_to_end/cpu/grpo.py)")
     parser.add_argument("--workers", type=int, default=2, help="vLLM rollout workers (grpo_rollout_workers)")
     parser.add_argument("--prompts", type=int, default=32, help="prompts per GRPO step")
     parser.add_argument("--generations", type=int, default=16, help="completions per prompt (num_generations)")
     parser.add_argument("--held-out", type=int, default=500, help="held-out sums (never trained on)")
     parser.add_argument("--grpo-lr", type=float, default=1e-4, help="GRPO's learning rate (10%% warm-up, constant)")
     parser.add_argument("--tis-cap", type=float, default=2.0, help="grpo_tis_cap of the worker runs")
+    parser.add_argument("--margin", type=float, default=0.03,
+                        help="how much the k1 run's held-out accuracy must rise over the SFT model's")
     parser.add_argument("--noise", type=float, default=0.05,
                         help="how far below the colocated run's final accuracy the k1 run's may end and PASS (about "
                              "two binomial standard errors on 500 sums)")
@@ -156,10 +155,10 @@ def main(argv: list[str]) -> int:
               f"{cell(r['tis'], 3)} | {r['sft']:.3f} -> {r['final']:.3f} | {r['seconds']:.0f} |")
     if "colocated" in results and "k1" in results:
         a, b = results["colocated"], results["k1"]
-        ok = b["final"] > b["sft"] and b["final"] >= a["final"] - options.noise
+        ok = b["final"] >= b["sft"] + options.margin and b["final"] >= a["final"] - options.noise
         return common.verdict("grpo_async", ok, f"held-out accuracy SFT {a['sft']:.3f} -> colocated {a['final']:.3f},"
                                                 f" {options.workers} vLLM workers one step off policy {b['final']:.3f}"
-                                                f" (noise {options.noise:g}); step {cell(a['step'])} s colocated, "
+                                                f" (margin {options.margin:g}, noise {options.noise:g}); step {cell(a['step'])} s colocated, "
                                                 f"{cell(b['step'])} s k1")
     return common.verdict("grpo_async", True, "every run finished (give --runs colocated,k1 for the comparison)")
 

@@ -105,6 +105,11 @@ class VllmEngine:
             json.dump(convert.hf_config(self.keys, None, "float32"), f, indent=2)
         with open(os.path.join(self.directory, "generation_config.json"), "w", encoding="utf-8") as f:
             json.dump({"eos_token_id": self.stops}, f, indent=2)
+        from vllm.platforms import current_platform  # pylint: disable=import-outside-toplevel
+        if current_platform.is_cpu():
+            # vLLM's CPU build binds its threads to the last core by default ("auto"): every engine on one machine,
+            # and the trainer, would share that core. Unbound, the OS spreads them (set the variable to bind).
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         self.llm = vllm.LLM(model=self.directory, skip_tokenizer_init=True, load_format="dummy", dtype="float32",
                             max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
                             kv_cache_memory_bytes=kv_cache_bytes(self.keys, max_model_len, max_num_seqs),
