@@ -221,7 +221,8 @@ REQUIRES: tuple[Feature, ...] = (
             fix="set grpo_environment=calculator (or module:Class)", state="grpo_environment"),
     # GRPO's rollout workers (training/rollout/): the engine, staleness, correction and chunks are the workers'
     Feature("rollout workers (grpo_rollout_workers > 0)", lambda v: v["grpo_rollout_workers"] > 0,
-            ("grpo_rollout_engine", "grpo_off_policy_steps", "grpo_tis_cap", "grpo_rollout_chunk_tokens"),
+            ("grpo_rollout_engine", "grpo_off_policy_steps", "grpo_tis_cap", "grpo_rollout_chunk_tokens",
+             "grpo_rollout_worker_devices"),
             fix="set grpo_rollout_workers >= 1 (pip install 'maxtrain[rl]')", state="grpo_rollout_workers"),
 )
 

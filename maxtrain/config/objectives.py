@@ -92,7 +92,7 @@ def _grpo_environment_settings(v):
 GRPO_ROUTING_KEYS = ("grpo_routing_replay",)
 # GRPO's rollout workers (training/rollout/): grpo_rollout_workers; the others do nothing without workers (features.py)
 GRPO_WORKER_KEYS = ("grpo_rollout_workers", "grpo_rollout_engine", "grpo_off_policy_steps", "grpo_tis_cap",
-                    "grpo_rollout_chunk_tokens")
+                    "grpo_rollout_chunk_tokens", "grpo_rollout_worker_devices")
 
 
 def _ray_installed() -> bool:

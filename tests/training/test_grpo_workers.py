@@ -19,7 +19,7 @@ from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
 from maxtrain import errors
 from maxtrain import train
-from maxtrain.training.rollout import correction, position, schedule as rollout_schedule
+from maxtrain.training.rollout import controller, correction, position, schedule as rollout_schedule
 from maxtrain.training.rollout.worker import chunk_seed
 from post_helpers import compose, grpo_args, make_dataset
 
@@ -251,3 +251,32 @@ def test_an_unreachable_ray_address_is_named(dataset, tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
     with pytest.raises(config_lib.ConfigError, match=r"RAY_ADDRESS=127.0.0.1:1 cannot be reached"):
         _refused(dataset, tmp_path, "grpo_rollout_workers=1")
+
+
+def test_workers_ask_ray_for_the_accelerators_the_cluster_has_and_a_cluster_too_small_is_named():
+    def options(devices, resources, workers=2):
+        config = type("C", (), {"grpo_rollout_workers": workers, "grpo_rollout_worker_devices": devices})
+        return controller.placement(config, resources, "10.0.0.1:6379")
+
+    assert options(0, {"CPU": 4.0}) == {"num_cpus": 1}
+    assert options(2, {"CPU": 64.0, "GPU": 8.0}) == {"num_cpus": 1, "num_gpus": 2}
+    assert options(4, {"CPU": 64.0, "TPU": 8.0, "memory": 1e12}) == {"num_cpus": 1, "resources": {"TPU": 4}}
+    with pytest.raises(errors.ConfigError, match=r"^grpo_rollout_worker_devices=1 asks Ray for 1 accelerators per "
+                                                 r"rollout worker, but the Ray cluster at 10.0.0.1:6379 has none "
+                                                 r"\(CPU 4\); set grpo_rollout_worker_devices=0"):
+        options(1, {"CPU": 4.0, "memory": 1e9})
+    with pytest.raises(errors.ConfigError, match=r"^grpo_rollout_workers=3 x grpo_rollout_worker_devices=4 = 12 GPUs, "
+                                                 r"but the Ray cluster at 10.0.0.1:6379 has 8; set fewer workers"):
+        options(4, {"CPU": 64.0, "GPU": 8.0}, workers=3)
+    with pytest.raises(errors.ConfigError, match=r"^grpo_rollout_workers=3 workers need one CPU each, but the Ray "
+                                                 r"cluster at 10.0.0.1:6379 has CPU 2; set grpo_rollout_workers <= 2"):
+        options(0, {"CPU": 2.0}, workers=3)
+
+
+@pytest.mark.slow  # starts a local Ray
+@needs_ray
+def test_accelerators_this_machine_lacks_are_refused_before_any_worker_starts(dataset, tmp_path):
+    with pytest.raises(errors.ConfigError, match=r"grpo_rollout_worker_devices=1 asks Ray for 1 accelerators per "
+                                                 r"rollout worker, but the local Ray \(this machine\) has none"):
+        _refused(dataset, tmp_path, "grpo_rollout_workers=1", "grpo_rollout_worker_devices=1")
+    assert not ray.is_initialized()  # the Ray the run started is stopped again

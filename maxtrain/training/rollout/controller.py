@@ -8,7 +8,10 @@ prompt batches out and completions back, a dead worker's batch re-issued to its 
     controller.close()
 
 A worker is a Ray actor (max_restarts: Ray restarts one that dies) built from worker.Worker; it holds the engine and
-the newest weights it was offered. A batch sent to a worker that dies is sent again, with the same requests and seeds,
+the newest weights it was offered. It asks Ray for one CPU, and for grpo_rollout_worker_devices accelerators
+(`placement`): GPUs where the cluster has GPUs, TPU chips where it has TPUs; Ray places it where they are free and
+makes only those visible to it. A cluster that cannot hold the workers is refused before any starts (Ray would
+otherwise wait for the resources forever). A batch sent to a worker that dies is sent again, with the same requests and seeds,
 to the restarted worker (which takes the newest published version): no prompt is lost, none answered twice.
 """
 
@@ -20,12 +23,43 @@ import time
 import jax
 import numpy as np
 
+from maxtrain import errors
 from maxtrain.training.rollout import worker as worker_lib
 
 MAX_RESTARTS = 8          # Ray restarts a dead worker this many times at most
 RETRIES = 8               # a batch is re-sent this many times at most
 RESTART_SECONDS = 1800    # how long a restarting worker may take to answer again (a vLLM engine starts in minutes)
 ENV = ("XLA_FLAGS", "JAX_PLATFORMS", "PYTHONPATH", "JAX_ENABLE_X64")  # what a worker's process needs of the trainer's
+
+
+def placement(config, resources: dict, address: str = "") -> dict:
+    """The Ray options of each rollout worker: one CPU, and grpo_rollout_worker_devices GPUs or TPU chips, whichever
+    the cluster has (`resources`: ray.cluster_resources()). A ConfigError (one line, the fix) when the cluster cannot
+    hold grpo_rollout_workers such workers."""
+    workers, devices = config.grpo_rollout_workers, config.grpo_rollout_worker_devices
+    where = f"the Ray cluster at {address}" if address else "the local Ray (this machine)"
+    has = ", ".join(f"{k} {v:g}" for k, v in sorted(resources.items()) if k in ("CPU", "GPU", "TPU")) or "nothing"
+    if workers > resources.get("CPU", 0):
+        raise errors.ConfigError(f"grpo_rollout_workers={workers} workers need one CPU each, but {where} has {has}; "
+                                 f"set grpo_rollout_workers <= {int(resources.get('CPU', 0))}, or add nodes to it")
+    if devices == 0:
+        return {"num_cpus": 1}
+    kind = next((k for k in ("GPU", "TPU") if resources.get(k, 0) > 0), None)
+    if kind is None:
+        raise errors.ConfigError(f"grpo_rollout_worker_devices={devices} asks Ray for {devices} accelerators per rollout "
+                                 f"worker, but {where} has none ({has}); set grpo_rollout_worker_devices=0 (a CPU "
+                                 "each), or join a Ray cluster with GPUs or TPUs (RAY_ADDRESS)")
+    if workers * devices > resources[kind]:
+        raise errors.ConfigError(f"grpo_rollout_workers={workers} x grpo_rollout_worker_devices={devices} = "
+                                 f"{workers * devices} {kind}s, but {where} has {resources[kind]:g}; set fewer "
+                                 "workers or devices per worker, or add nodes to it")
+    return {"num_cpus": 1, "num_gpus": devices} if kind == "GPU" else {"num_cpus": 1, "resources": {"TPU": devices}}
+
+
+def describe(options: dict) -> str:
+    devices = [f"{options['num_gpus']} GPU(s)"] if "num_gpus" in options else [
+        f"{n} {k} chip(s)" for k, n in options.get("resources", {}).items()]
+    return " and ".join(["one CPU", *devices])
 
 
 class Controller:
@@ -38,8 +72,14 @@ class Controller:
             env = {k: os.environ[k] for k in ENV if k in os.environ}
             ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
                      runtime_env={"env_vars": env})
+        self.workers = []
+        try:  # a cluster that cannot hold the workers: refused, and a Ray this run started stopped
+            options = placement(config, ray.cluster_resources(), address)
+        except errors.ConfigError:
+            self.close()
+            raise
         remote = ray.remote(worker_lib.Worker).options(max_restarts=MAX_RESTARTS, max_task_retries=0,
-                                                         max_concurrency=2, num_cpus=1)
+                                                         max_concurrency=2, **options)
         self.workers = [remote.remote(config, tuple(stop_ids)) for _ in range(config.grpo_rollout_workers)]
         self.busy, self.turn = [0] * len(self.workers), 0
         self.flight: dict = {}       # tag -> (worker index, requests, future)
@@ -47,7 +87,7 @@ class Controller:
         self.reissued = 0
         log(f"GRPO rollouts: {len(self.workers)} {config.grpo_rollout_engine} workers on Ray "
             f"({'the cluster at ' + address if address else 'a local Ray'}), at most {config.grpo_off_policy_steps} "
-            f"versions stale")
+            f"versions stale; each worker holds {describe(options)}")
 
     def pids(self) -> list[int]:
         return self.ray.get([w.pid.remote() for w in self.workers])

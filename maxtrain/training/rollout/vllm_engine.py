@@ -94,7 +94,7 @@ class VllmEngine:
     name = "vllm"
 
     def __init__(self, keys: dict, *, temperature: float, top_k: int, top_p: float, stop_ids, max_model_len: int,
-                 max_num_seqs: int = 64, seed: int = 0):
+                 max_num_seqs: int = 64, seed: int = 0, tensor_parallel_size: int = 1):
         check(keys)
         vllm = _vllm()
         self.keys, self.stops = dict(keys), [int(s) for s in stop_ids]
@@ -113,7 +113,8 @@ class VllmEngine:
         self.llm = vllm.LLM(model=self.directory, skip_tokenizer_init=True, load_format="dummy", dtype="float32",
                             max_model_len=max_model_len, max_num_seqs=max_num_seqs, seed=seed,
                             kv_cache_memory_bytes=kv_cache_bytes(self.keys, max_model_len, max_num_seqs),
-                            worker_extension_cls=LOADER, logprobs_mode="processed_logprobs")
+                            worker_extension_cls=LOADER, logprobs_mode="processed_logprobs",
+                            tensor_parallel_size=tensor_parallel_size)
 
     def set_weights(self, version: int, params: dict) -> None:
         """maxtrain's params (host arrays) -> Hugging Face tensors in memory -> vLLM's workers; the prefix cache
@@ -196,4 +197,5 @@ def check_config(config) -> None:
 def make(config, stop_ids) -> VllmEngine:
     """The engine of a run's config (rollout/engine.make's, for grpo_rollout_engine=vllm)."""
     return VllmEngine(model_of(config), **sampling.sampling_settings(config), stop_ids=stop_ids,
-                      max_model_len=config.max_target_length, seed=config.seed)
+                      max_model_len=config.max_target_length, seed=config.seed,
+                      tensor_parallel_size=max(config.grpo_rollout_worker_devices, 1))  # the worker's accelerators
