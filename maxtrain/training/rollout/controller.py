@@ -2,10 +2,14 @@
 prompt batches out and completions back, a dead worker's batch re-issued to its restart.
 
     controller = Controller(config, stop_ids, log)     # ray.init (RAY_ADDRESS's cluster, else a local one), workers
-    sync = controller.publish(version, params)         # host numpy, ray.put once; every worker offered it
+    sync = controller.publish(version, params)         # this host's shards, ray.put once; every worker offered them
     controller.submit(tag, requests)                   # to the least busy worker
     completions, stats = controller.collect(tag)       # waits; a worker that died is restarted by Ray and asked again
     controller.close()
+
+Over P trainer processes (rollout/multihost.py) process 0 is the driver: it starts the workers, named in the run's
+namespace, and alone submits and collects; the others join its Ray (its address broadcast over JAX) only to publish
+their own shards of each version to the same workers.
 
 A worker is a Ray actor (max_restarts: Ray restarts one that dies) built from worker.Worker; it holds the engine and
 the newest weights it was offered. A batch sent to a worker that dies is sent again, with the same requests and seeds,
@@ -20,7 +24,7 @@ import time
 import jax
 import numpy as np
 
-from maxtrain.training.rollout import worker as worker_lib
+from maxtrain.training.rollout import multihost, worker as worker_lib
 
 MAX_RESTARTS = 8          # Ray restarts a dead worker this many times at most
 RETRIES = 8               # a batch is re-sent this many times at most
@@ -32,36 +36,50 @@ class Controller:
     def __init__(self, config, stop_ids, log=print):
         import ray  # pylint: disable=import-outside-toplevel  (the [rl] extra; config/objectives.py checked it)
         self.ray, self.log = ray, log
+        self.index, self.hosts = jax.process_index(), jax.process_count()
         address = os.environ.get("RAY_ADDRESS", "")
         self.started_ray = not ray.is_initialized()
-        if self.started_ray:
+        namespace = f"maxtrain-{config.run_name}"  # the run's: the other trainer processes find its workers by name
+        if self.started_ray and self.index == 0:
             env = {k: os.environ[k] for k in ENV if k in os.environ}
-            ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
+            ray.init(address=address or None, include_dashboard=False, log_to_driver=False, namespace=namespace,
                      runtime_env={"env_vars": env})
-        remote = ray.remote(worker_lib.Worker).options(max_restarts=MAX_RESTARTS, max_task_retries=0,
-                                                         max_concurrency=2, num_cpus=1)
-        self.workers = [remote.remote(config, tuple(stop_ids)) for _ in range(config.grpo_rollout_workers)]
+        names = [f"rollout-worker-{i}" for i in range(config.grpo_rollout_workers)]
+        self.workers = []
+        if self.index == 0:  # the driver: starts the workers (named, in the run's namespace)
+            # a thread per batch that may be out at once, and one for `offer`
+            remote = ray.remote(worker_lib.Worker).options(max_restarts=MAX_RESTARTS, max_task_retries=0,
+                                                             max_concurrency=3 + config.grpo_off_policy_steps, num_cpus=1)
+            self.workers = [remote.options(name=n).remote(config, tuple(stop_ids), self.hosts) for n in names]
+        if self.hosts > 1:  # the others join process 0's Ray as drivers and reach the workers by name
+            gcs = multihost.text_from_zero(ray.get_runtime_context().gcs_address if self.index == 0 else "")
+            if self.index:
+                if self.started_ray:
+                    ray.init(address=gcs, include_dashboard=False, log_to_driver=False, namespace=namespace)
+                self.workers = [ray.get_actor(n, namespace=namespace) for n in names]
         self.busy, self.turn = [0] * len(self.workers), 0
         self.flight: dict = {}       # tag -> (worker index, requests, future)
-        self.weights = (-1, None)    # the newest published version and its ref
+        self.weights = (-1, None)    # the newest published version and this host's part's ref
         self.reissued = 0
         log(f"GRPO rollouts: {len(self.workers)} {config.grpo_rollout_engine} workers on Ray "
             f"({'the cluster at ' + address if address else 'a local Ray'}), at most {config.grpo_off_policy_steps} "
-            f"versions stale")
+            f"versions stale; weights published by {self.hosts} trainer process(es), each its own shards")
 
     def pids(self) -> list[int]:
         return self.ray.get([w.pid.remote() for w in self.workers])
 
     def publish(self, version: int, params) -> dict:
-        """Version `version` of the weights to every worker: (bytes, seconds) of the sync."""
+        """Version `version` of the weights to every worker, this host's replica-0 shards only (no host gathers the
+        whole model): this host's bytes and seconds of the sync, and the bytes of all hosts."""
         started = time.perf_counter()
-        host = jax.tree.map(np.asarray, jax.device_get(params))
-        ref = self.ray.put(host)
+        part, size = multihost.shards(params)
+        ref = self.ray.put(part)
         self.weights = (version, ref)
         for w in self.workers:
-            w.offer.remote(version, [ref])
-        size = sum(int(x.nbytes) for x in jax.tree.leaves(host))
-        return {"aux/grpo_sync_bytes": float(size), "aux/grpo_sync_seconds": time.perf_counter() - started}
+            w.offer.remote(version, self.index, [ref])
+        seconds = time.perf_counter() - started
+        return {"aux/grpo_sync_bytes": float(size), "aux/grpo_sync_seconds": seconds,
+                "aux/grpo_sync_bytes_total": multihost.total(size), "aux/grpo_sync_hosts": float(self.hosts)}
 
     def submit(self, tag, requests: list, index: int | None = None) -> None:
         if index is None:  # the least busy, in turn among equals
@@ -70,7 +88,7 @@ class Controller:
             self.turn = index + 1
         version, ref = self.weights
         self.busy[index] += 1
-        self.flight[tag] = (index, requests, self.workers[index].generate.remote(requests, version, [ref]))
+        self.flight[tag] = (index, requests, self.workers[index].generate.remote(requests, version, self.index, [ref]))
 
     def collect(self, tag) -> tuple[list, dict]:
         """(completions in the requests' order, the worker's stats) of a submitted batch."""
@@ -110,7 +128,7 @@ class Controller:
                 time.sleep(1.0)
 
     def close(self) -> None:
-        for w in self.workers:
+        for w in self.workers if self.index == 0 else ():  # the driver's to stop
             self.ray.kill(w)
         self.workers = []
         if self.started_ray:
