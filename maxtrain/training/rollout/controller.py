@@ -48,9 +48,11 @@ class Controller:
         self.workers = []
         if self.index == 0:  # the driver: starts the workers (named, in the run's namespace)
             # a thread per batch that may be out at once, and one for `offer`
-            remote = ray.remote(worker_lib.Worker).options(max_restarts=MAX_RESTARTS, max_task_retries=0,
-                                                             max_concurrency=3 + config.grpo_off_policy_steps, num_cpus=1)
-            self.workers = [remote.options(name=n).remote(config, tuple(stop_ids), self.hosts) for n in names]
+            actor = ray.remote(worker_lib.Worker)
+            options = {"max_restarts": MAX_RESTARTS, "max_task_retries": 0, "num_cpus": 1, "namespace": namespace,
+                       "max_concurrency": 3 + config.grpo_off_policy_steps}
+            self.workers = [actor.options(name=n, **options).remote(config, tuple(stop_ids), self.hosts)
+                            for n in names]
         if self.hosts > 1:  # the others join process 0's Ray as drivers and reach the workers by name
             gcs = multihost.text_from_zero(ray.get_runtime_context().gcs_address if self.index == 0 else "")
             if self.index:
@@ -60,7 +62,7 @@ class Controller:
         self.busy, self.turn = [0] * len(self.workers), 0
         self.flight: dict = {}       # tag -> (worker index, requests, future)
         self.weights = (-1, None)    # the newest published version and this host's part's ref
-        self.reissued = 0
+        self.reissued, self.said = 0, False
         log(f"GRPO rollouts: {len(self.workers)} {config.grpo_rollout_engine} workers on Ray "
             f"({'the cluster at ' + address if address else 'a local Ray'}), at most {config.grpo_off_policy_steps} "
             f"versions stale; weights published by {self.hosts} trainer process(es), each its own shards")
@@ -78,6 +80,10 @@ class Controller:
         for w in self.workers:
             w.offer.remote(version, self.index, [ref])
         seconds = time.perf_counter() - started
+        if not self.said:  # once per run, by every trainer process
+            self.said = True
+            self.log(f"GRPO rollouts: trainer process {self.index} of {self.hosts} publishes {size} bytes of weights "
+                     f"per version, {multihost.whole_leaves(part)} of {len(part)} leaves whole")
         return {"aux/grpo_sync_bytes": float(size), "aux/grpo_sync_seconds": seconds,
                 "aux/grpo_sync_bytes_total": multihost.total(size), "aux/grpo_sync_hosts": float(self.hosts)}
 

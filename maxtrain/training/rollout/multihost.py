@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from maxtrain.data import hosts
+from maxtrain.parallel.sharding import named_sharding
 
 
 def several() -> bool:
@@ -131,7 +132,6 @@ def to_global(update: dict, mesh, rules) -> dict:
     """The update batch every host holds whole -> global arrays; each host contributes the rows its devices hold."""
     if not several():
         return hosts.to_global(update, mesh, rules)
-    from maxtrain.parallel.sharding import named_sharding  # pylint: disable=import-outside-toplevel
     sharding = named_sharding(mesh, hosts.BATCH_AXES, rules)
     return {k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
             for k, v in update.items()}
@@ -144,6 +144,11 @@ def _path(key_path) -> tuple:
             raise TypeError(f"the params are nested dicts; {jax.tree_util.keystr(key_path)} is not a dict key")
         names.append(k.key)
     return tuple(names)
+
+
+def whole_leaves(part: list) -> int:
+    """How many leaves a host's part holds whole (every element): 0 on a host that holds only slices."""
+    return sum(sum(d.size for _, d in pieces) == int(np.prod(shape)) for _, shape, _, pieces in part)
 
 
 def shards(params) -> tuple[list, int]:
