@@ -54,8 +54,12 @@ class Controller:
             self.workers = [actor.options(name=n, **options).remote(config, tuple(stop_ids), self.hosts)
                             for n in names]
         if self.hosts > 1:  # the others join process 0's Ray as drivers and reach the workers by name
-            gcs = multihost.text_from_zero(ray.get_runtime_context().gcs_address if self.index == 0 else "")
+            said = (f"{ray.get_runtime_context().gcs_address} {os.environ.get('RAY_AUTH_MODE', '')}"
+                    if self.index == 0 else "")
+            gcs, _, mode = multihost.text_from_zero(said).partition(" ")
             if self.index:
+                if mode:  # Ray's token auth, on when process 0 started it: its token (~/.ray/auth_token, or
+                    os.environ["RAY_AUTH_MODE"] = mode  # RAY_AUTH_TOKEN) must be this machine's too, as Ray asks
                 if self.started_ray:
                     ray.init(address=gcs, include_dashboard=False, log_to_driver=False, namespace=namespace)
                 self.workers = [ray.get_actor(n, namespace=namespace) for n in names]
