@@ -58,8 +58,10 @@ class Controller:
                     if self.index == 0 else "")
             gcs, _, mode = multihost.text_from_zero(said).partition(" ")
             if self.index:
-                if mode:  # Ray's token auth, on when process 0 started it: its token (~/.ray/auth_token, or
-                    os.environ["RAY_AUTH_MODE"] = mode  # RAY_AUTH_TOKEN) must be this machine's too, as Ray asks
+                if mode and os.environ.get("RAY_AUTH_MODE") != mode:  # Ray's token auth, on where process 0
+                    os.environ["RAY_AUTH_MODE"] = mode  # started it; its token (~/.ray/auth_token, RAY_AUTH_TOKEN)
+                    from ray._raylet import Config  # pylint: disable=import-outside-toplevel  (Ray's, read at import)
+                    Config.initialize("")  # must be this machine's too
                 if self.started_ray:
                     ray.init(address=gcs, include_dashboard=False, log_to_driver=False, namespace=namespace)
                 self.workers = [ray.get_actor(n, namespace=namespace) for n in names]
