@@ -237,7 +237,7 @@ class Objective:
     samples: bool = False           # its batches are completions sampled from the policy as it trains
     next_token: bool = True         # its loss is next-token cross-entropy (multi-token prediction adds to it)
     pipeline: bool = True           # runs with pipeline stages
-    processes: bool = True          # runs over several processes (GRPO's rollouts are gathered on one host)
+    processes: bool = True          # runs over several processes (GRPO: only with rollout workers, one_process_only)
     keys: tuple[str, ...] = ()      # the settings only it reads (refused under another objective: features.py)
     shown: tuple[str, ...] = ()     # those the start-up summary shows beside its name
     fix: str = ""                   # how to turn it on, where that is more than objective=<name>
@@ -367,10 +367,21 @@ def one_process_only(v, processes: int, said: str = "") -> None:
     """An objective that runs in one process (its row's `processes`), with `processes` > 1: refused. The config's
     num_processes here (every process has the same); train.py asks again with the processes the environment
     names (parallel/distributed.settings), before joining them. `said`: where the count comes from, if not the
-    config."""
-    _require(of(v).processes or processes <= 1,
-             f"{running(v)} runs in one process for now (its rollouts are gathered on one host), but "
-             f"{said or f'num_processes={processes}'}; run it without a coordinator, on one machine's devices")
+    config. GRPO with rollout workers runs over several (training/rollout/multihost.py), less what it cannot yet."""
+    if processes <= 1 or of(v).processes:
+        return
+    said = said or f"num_processes={processes}"
+    if of(v).name == "grpo":
+        _require(_get(v, "grpo_rollout_workers") > 0,
+                 f"objective=grpo samples in the trainer's one process (grpo_rollout_workers=0), but {said}; set "
+                 "grpo_rollout_workers >= 1 (Ray rollout workers: the trainer then runs over several processes), or "
+                 "run it without a coordinator, on one machine's devices")
+        _require(not _get(v, "grpo_dynamic_sampling"),
+                 f"grpo_dynamic_sampling=true decides its further prompt draws on one host, but {said}; set "
+                 "grpo_dynamic_sampling=false, or run it without a coordinator, on one machine's devices")
+        return
+    _require(False, f"{running(v)} runs in one process for now (its rollouts are gathered on one host), but "
+                    f"{said}; run it without a coordinator, on one machine's devices")
 
 
 CHECKS = (_data_fits_the_objective, _the_row_s_own_rules, lambda v: one_process_only(v, v["num_processes"]))

@@ -66,7 +66,7 @@ def make_inputs(config, log=print, process_index: int | None = None, process_cou
     if kind == objectives.PROMPTS:  # GRPO's prompts and answers, left-padded (training/grpo.py adds the rewards)
         from maxtrain.data import prompts  # pylint: disable=import-outside-toplevel  (deferred: as above)
 
-        read = prompts.make_inputs(config, prompts.per_step(config), index, count, log)
+        read = prompts.make_inputs(config, prompts.per_host(config, count), index, count, log)
         return Inputs(read.tokenizer, read.train_iterator, read.eval_prompts, prompts=read)
     if kind in (objectives.CONVERSATIONS, objectives.PAIRS):  # through the chat template
         from maxtrain.data import conversations  # pylint: disable=import-outside-toplevel  (deferred: as above)

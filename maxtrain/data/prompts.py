@@ -120,6 +120,16 @@ def per_step(config) -> int:
     return rows // g
 
 
+def per_host(config, count: int) -> int:
+    """Prompts per step read by each of `count` hosts (GRPO's rollouts gather them: training/rollout/multihost.py)."""
+    rows = per_step(config)
+    if rows % count:
+        raise ConfigError(f"objective=grpo: a step's {rows} prompts (global_batch_size / num_generations) do not split "
+                          f"over the {count} trainer processes, each of which reads its own share; set "
+                          f"per_device_batch_size or num_generations so that the prompts are a multiple of {count}")
+    return rows // count
+
+
 def make_inputs(config, rows: int, index: int = 0, count: int = 1, log=print) -> PromptInputs:
     """The prompts of a GRPO run, `rows` per host batch; every file is listed and its first record checked here."""
     tokenizer = sources.load_tokenizer(config, None, None)

@@ -51,11 +51,11 @@ import jax
 import numpy as np
 
 from maxtrain import data as data_lib
-from maxtrain.data import pipeline, prompts as prompts_lib
+from maxtrain.data import prompts as prompts_lib
 from maxtrain.models import sampling
 from maxtrain.training import (advantages as advantages_lib, environments, episodes, loop, losses,
                                policy_losses, rewards)
-from maxtrain.training.rollout import (engine as rollout_engine, position as rollout_position,
+from maxtrain.training.rollout import (engine as rollout_engine, multihost, position as rollout_position,
                                        schedule as rollout_schedule)
 from maxtrain.training.advantages import ADVANTAGE_EPS, advantages  # noqa: F401 (grpo.advantages: today's GRPO)
 
@@ -254,6 +254,7 @@ class Step:
         self.rollouts = None          # grpo_rollout_workers > 0: sampled by Ray workers (training/rollout/)
         if config.grpo_rollout_workers > 0:
             self.rollouts = rollout_schedule.Rollouts(config, self.iterator, inputs.prompts.stop_ids, rollout_key)
+            self.iterator = self.rollouts.iterator  # several trainer processes: every host's prompt rows
 
     def batches(self):
         """The prompt batches loop.train hands each step: the train iterator's next at a rollout batch's first
@@ -373,7 +374,7 @@ class Step:
             for i in range(update["inputs"].shape[0]):
                 micro = {k: update[k][i] for k in ("inputs", "targets", "positions", "segment_ids", "routed_experts")
                          if k in update}
-                lp = np.asarray(jax.device_get(self.log_probs(params, micro)), np.float32)
+                lp = np.asarray(multihost.fetch(self.log_probs(params, micro)), np.float32)
                 update["old_log_probs"][i] = np.where(update["loss_weights"][i] > 0, lp, 0.0)
 
     def __call__(self, state, batch):
@@ -400,7 +401,7 @@ class Step:
             started = None
         update = self.pending.pop(0)
         rolled = time.perf_counter()
-        global_batch = pipeline.to_global(update, self.run.mesh, config.logical_axis_rules)
+        global_batch = multihost.to_global(update, self.run.mesh, config.logical_axis_rules)  # each host its rows
         state, metrics = self.train_step(state, global_batch)
         metrics = jax.block_until_ready(metrics)
         if self.rollouts is not None:
@@ -464,7 +465,7 @@ class HeldOut(loop.Evaluation):
                 environment += list(played.reward[:len(chunk)])
                 turns += list(played.turns[:len(chunk)])
             else:
-                tokens = jax.device_get(self.greedy(params, prompt, first))[:len(chunk)]
+                tokens = multihost.fetch(self.greedy(params, prompt, first))[:len(chunk)]
                 kept, stopped = cut(tokens, self.inputs.prompts.stop_ids)
                 completions += decode(self.inputs.tokenizer, tokens, kept, stopped)
             texts += [p.text for p in chunk]

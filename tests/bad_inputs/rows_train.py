@@ -342,7 +342,15 @@ ROWS = [
     Row("grpo-on-two-processes", T, [B, "objective=grpo", "dataset_type=jsonl", "grain_train_files=x.jsonl",
                                      "train_data_columns=[prompt,answer]", "decode_sampling_strategy=weighted",
                                      "coordinator_address=127.0.0.1:1234", "num_processes=2", "process_id=1"],
-        r"objective=grpo runs in one process for now \(its rollouts are gathered on one host\), but num_processes=2"),
+        r"objective=grpo samples in the trainer's one process \(grpo_rollout_workers=0\), but num_processes=2; set "
+        r"grpo_rollout_workers >= 1"),
+    Row("grpo-dynamic-sampling-on-two-processes", T, [B, "objective=grpo", "dataset_type=jsonl",
+                                                      "grain_train_files=x.jsonl", "train_data_columns=[prompt,answer]",
+                                                      "decode_sampling_strategy=weighted", "grpo_rollout_workers=1",
+                                                      "grpo_dynamic_sampling=true", "coordinator_address=127.0.0.1:1234",
+                                                      "num_processes=2", "process_id=1"],
+        r"grpo_dynamic_sampling=true decides its further prompt draws on one host, but num_processes=2; set "
+        r"grpo_dynamic_sampling=false"),
     # GRPO's multi-turn environments (maxtrain/training/environments.py, episodes.py)
     Row("grpo-environment-under-sft", T, [B, "objective=sft", "dataset_type=jsonl", "grain_train_files=x.jsonl",
                                           "train_data_columns=[messages]", "grpo_environment=calculator"],

@@ -185,7 +185,8 @@ def _run(dataset, tmp_path, *extra):
      "not a multiple of num_generations=3"),
     # on every process, at config time: before joining the others or reading any data
     (["num_processes=2", "process_id=1", "coordinator_address=127.0.0.1:1"], config_lib.ConfigError,
-     r"objective=grpo runs in one process for now .*, but num_processes=2; run it without a coordinator"),
+     r"objective=grpo samples in the trainer's one process \(grpo_rollout_workers=0\), but num_processes=2; set "
+     r"grpo_rollout_workers >= 1 .*or run it without a coordinator"),
 ])
 def test_bad_inputs_stop_before_any_work(dataset, tmp_path, monkeypatch, extra, error, match):
     (tmp_path / "grpo_bad_rewards.py").write_text("def scalar(prompts, completions, answers):\n    return 1.0\n\n\n"
@@ -202,7 +203,7 @@ def test_grpo_over_processes_the_environment_names_is_refused_before_joining_the
     monkeypatch.setenv("MAXTRAIN_COORDINATOR_ADDRESS", "127.0.0.1:1")
     monkeypatch.setenv("MAXTRAIN_NUM_PROCESSES", "2")
     monkeypatch.setenv("MAXTRAIN_PROCESS_ID", "1")
-    with pytest.raises(config_lib.ConfigError, match=r"runs in one process for now .*, but num_processes=2"):
+    with pytest.raises(config_lib.ConfigError, match=r"objective=grpo samples in the trainer's one process .*, but num_processes=2"):
         _run(dataset, tmp_path)
 
 

@@ -8,4 +8,5 @@ trainer's controller.
                     weight versions published, staleness bounded by grpo_off_policy_steps
     schedule.py     which prompt batch goes out when, under which version; the update's correction and metrics
     position.py     the train iterator's checkpointed position: the first prompt batch not yet trained on
+    multihost.py    several trainer processes: prompts gathered, completions broadcast, each host's weight shards
 """

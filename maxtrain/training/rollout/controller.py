@@ -2,10 +2,14 @@
 prompt batches out and completions back, a dead worker's batch re-issued to its restart.
 
     controller = Controller(config, stop_ids, log)     # ray.init (RAY_ADDRESS's cluster, else a local one), workers
-    sync = controller.publish(version, params)         # host numpy, ray.put once; every worker offered it
+    sync = controller.publish(version, params)         # this host's shards, ray.put once; every worker offered them
     controller.submit(tag, requests)                   # to the least busy worker
     completions, stats = controller.collect(tag)       # waits; a worker that died is restarted by Ray and asked again
     controller.close()
+
+Over P trainer processes (rollout/multihost.py) process 0 is the driver: it starts the workers, named in the run's
+namespace, and alone submits and collects; the others join its Ray (its address broadcast over JAX) only to publish
+their own shards of each version to the same workers.
 
 A worker is a Ray actor (max_restarts: Ray restarts one that dies) built from worker.Worker; it holds the engine and
 the newest weights it was offered. It asks Ray for one CPU, and for grpo_rollout_worker_devices accelerators
@@ -24,7 +28,7 @@ import jax
 import numpy as np
 
 from maxtrain import errors
-from maxtrain.training.rollout import worker as worker_lib
+from maxtrain.training.rollout import multihost, worker as worker_lib
 
 MAX_RESTARTS = 8          # Ray restarts a dead worker this many times at most
 RETRIES = 8               # a batch is re-sent this many times at most
@@ -66,42 +70,68 @@ class Controller:
     def __init__(self, config, stop_ids, log=print):
         import ray  # pylint: disable=import-outside-toplevel  (the [rl] extra; config/objectives.py checked it)
         self.ray, self.log = ray, log
+        self.index, self.hosts = jax.process_index(), jax.process_count()
         address = os.environ.get("RAY_ADDRESS", "")
         self.started_ray = not ray.is_initialized()
-        if self.started_ray:
+        namespace = f"maxtrain-{config.run_name}"  # the run's: the other trainer processes find its workers by name
+        if self.started_ray and self.index == 0:
             env = {k: os.environ[k] for k in ENV if k in os.environ}
-            ray.init(address=address or None, include_dashboard=False, log_to_driver=False,
+            ray.init(address=address or None, include_dashboard=False, log_to_driver=False, namespace=namespace,
                      runtime_env={"env_vars": env})
-        self.workers = []
-        try:  # a cluster that cannot hold the workers: refused, and a Ray this run started stopped
-            options = placement(config, ray.cluster_resources(), address)
-        except errors.ConfigError:
-            self.close()
-            raise
-        remote = ray.remote(worker_lib.Worker).options(max_restarts=MAX_RESTARTS, max_task_retries=0,
-                                                         max_concurrency=2, **options)
-        self.workers = [remote.remote(config, tuple(stop_ids)) for _ in range(config.grpo_rollout_workers)]
+        names = [f"rollout-worker-{i}" for i in range(config.grpo_rollout_workers)]
+        self.workers, options = [], {}
+        if self.index == 0:  # the driver: starts the workers (named, in the run's namespace)
+            try:  # a cluster that cannot hold the workers: refused, and a Ray this run started stopped
+                options = placement(config, ray.cluster_resources(), address)
+            except errors.ConfigError:
+                self.close()
+                raise
+            # a thread per batch that may be out at once, and one for `offer`
+            actor = ray.remote(worker_lib.Worker)
+            common = {"max_restarts": MAX_RESTARTS, "max_task_retries": 0, "namespace": namespace,
+                      "max_concurrency": 3 + config.grpo_off_policy_steps, **options}
+            self.workers = [actor.options(name=n, **common).remote(config, tuple(stop_ids), self.hosts)
+                            for n in names]
+        if self.hosts > 1:  # the others join process 0's Ray as drivers and reach the workers by name
+            said = (f"{ray.get_runtime_context().gcs_address} {os.environ.get('RAY_AUTH_MODE', '')}"
+                    if self.index == 0 else "")
+            gcs, _, mode = multihost.text_from_zero(said).partition(" ")
+            if self.index:
+                if mode and os.environ.get("RAY_AUTH_MODE") != mode:  # Ray's token auth, on where process 0
+                    os.environ["RAY_AUTH_MODE"] = mode  # started it; its token (~/.ray/auth_token, RAY_AUTH_TOKEN)
+                    from ray._raylet import Config  # pylint: disable=import-outside-toplevel  (Ray's, read at import)
+                    Config.initialize("")  # must be this machine's too
+                if self.started_ray:
+                    ray.init(address=gcs, include_dashboard=False, log_to_driver=False, namespace=namespace)
+                self.workers = [ray.get_actor(n, namespace=namespace) for n in names]
         self.busy, self.turn = [0] * len(self.workers), 0
         self.flight: dict = {}       # tag -> (worker index, requests, future)
-        self.weights = (-1, None)    # the newest published version and its ref
-        self.reissued = 0
+        self.weights = (-1, None)    # the newest published version and this host's part's ref
+        self.reissued, self.said = 0, False
         log(f"GRPO rollouts: {len(self.workers)} {config.grpo_rollout_engine} workers on Ray "
             f"({'the cluster at ' + address if address else 'a local Ray'}), at most {config.grpo_off_policy_steps} "
-            f"versions stale; each worker holds {describe(options)}")
+            f"versions stale; weights published by {self.hosts} trainer process(es), each its own shards"
+            + (f"; each worker holds {describe(options)}" if options else ""))
 
     def pids(self) -> list[int]:
         return self.ray.get([w.pid.remote() for w in self.workers])
 
     def publish(self, version: int, params) -> dict:
-        """Version `version` of the weights to every worker: (bytes, seconds) of the sync."""
+        """Version `version` of the weights to every worker, this host's replica-0 shards only (no host gathers the
+        whole model): this host's bytes and seconds of the sync, and the bytes of all hosts."""
         started = time.perf_counter()
-        host = jax.tree.map(np.asarray, jax.device_get(params))
-        ref = self.ray.put(host)
+        part, size = multihost.shards(params)
+        ref = self.ray.put(part)
         self.weights = (version, ref)
         for w in self.workers:
-            w.offer.remote(version, [ref])
-        size = sum(int(x.nbytes) for x in jax.tree.leaves(host))
-        return {"aux/grpo_sync_bytes": float(size), "aux/grpo_sync_seconds": time.perf_counter() - started}
+            w.offer.remote(version, self.index, [ref])
+        seconds = time.perf_counter() - started
+        if not self.said:  # once per run, by every trainer process
+            self.said = True
+            self.log(f"GRPO rollouts: trainer process {self.index} of {self.hosts} publishes {size} bytes of weights "
+                     f"per version, {multihost.whole_leaves(part)} of {len(part)} leaves whole")
+        return {"aux/grpo_sync_bytes": float(size), "aux/grpo_sync_seconds": seconds,
+                "aux/grpo_sync_bytes_total": multihost.total(size), "aux/grpo_sync_hosts": float(self.hosts)}
 
     def submit(self, tag, requests: list, index: int | None = None) -> None:
         if index is None:  # the least busy, in turn among equals
@@ -110,7 +140,7 @@ class Controller:
             self.turn = index + 1
         version, ref = self.weights
         self.busy[index] += 1
-        self.flight[tag] = (index, requests, self.workers[index].generate.remote(requests, version, [ref]))
+        self.flight[tag] = (index, requests, self.workers[index].generate.remote(requests, version, self.index, [ref]))
 
     def collect(self, tag) -> tuple[list, dict]:
         """(completions in the requests' order, the worker's stats) of a submitted batch."""
@@ -150,7 +180,7 @@ class Controller:
                 time.sleep(1.0)
 
     def close(self) -> None:
-        for w in self.workers:
+        for w in self.workers if self.index == 0 else ():  # the driver's to stop
             self.ray.kill(w)
         self.workers = []
         if self.started_ray:

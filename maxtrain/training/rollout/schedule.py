@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from maxtrain import config as config_lib
-from maxtrain.training.rollout import correction
+from maxtrain.training.rollout import correction, multihost
 from maxtrain.training.rollout.controller import Controller
 from maxtrain.training.rollout.engine import Request
 from maxtrain.training.rollout.jax_engine import seed_of
@@ -36,7 +36,8 @@ class StalenessError(RuntimeError):
 
 class Rollouts:
     def __init__(self, config, iterator, stop_ids, rollout_key, log=print):
-        self.config, self.iterator, self.k = config, iterator, config.grpo_off_policy_steps
+        self.config, self.k = config, config.grpo_off_policy_steps
+        self.iterator = multihost.prompts(iterator)  # several trainer processes: the prompt batch of all of them
         self.rollout_key = rollout_key
         self.group = config.num_generations
         self.controller, self.log = Controller(config, stop_ids, log), log
@@ -47,7 +48,7 @@ class Rollouts:
 
     @staticmethod
     def fresh() -> dict:
-        return {"wait": 0.0, "busy": 0.0, "generate": 0.0, "lags": [], "sync": {}}
+        return {"wait": 0.0, "busy": 0.0, "generate": 0.0, "assemble": 0.0, "lags": [], "sync": {}}
 
     def begin(self, step: int, params) -> dict:
         """The prompt batch of `step` (issued now or k steps ago); version `step` published first (a resumed run's
@@ -82,7 +83,8 @@ class Rollouts:
         requests = [Request(self.next_id + i, np.asarray(row[f:], np.int32), length, tag[1])
                     for i, (row, f) in enumerate(zip(prompt, first))]
         self.next_id += len(requests)
-        self.controller.submit(tag, requests)
+        if self.controller.index == 0:  # the Ray driver (rollout/multihost.py): the others only publish weights
+            self.controller.submit(tag, requests)
 
     def sample(self, prompt: np.ndarray, first: np.ndarray, key, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(tokens [N, C], the engine's log-probabilities [N, C]) of prompt rows [N, P], as grpo.Step's sampler gives
@@ -91,16 +93,21 @@ class Rollouts:
         if tag not in self.controller.flight:
             self.submit(tag, prompt, first)
         started = time.perf_counter()
-        completions, stats = self.controller.collect(tag)
-        self.stats["wait"] += time.perf_counter() - started
-        self.stats["busy"] += stats["generate_seconds"] + stats["swap_seconds"]
-        self.stats["generate"] += stats["generate_seconds"]
         length = self.config.max_target_length - self.config.max_prefill_predict_length
-        tokens = np.zeros((len(completions), length), np.int32)
-        log_probs = np.zeros((len(completions), length), np.float32)
-        for i, c in enumerate(completions):
-            tokens[i, :len(c.tokens)], log_probs[i, :len(c.tokens)] = c.tokens, c.log_probs
-            oldest = int(c.versions.min()) if len(c.versions) else step
+        got = {"tokens": np.zeros((len(prompt), length), np.int32),
+               "log_probs": np.zeros((len(prompt), length), np.float32), "oldest": np.full(len(prompt), step, np.int32)}
+        if self.controller.index == 0:
+            completions, stats = self.controller.collect(tag)
+            self.stats["busy"] += stats["generate_seconds"] + stats["swap_seconds"]
+            self.stats["generate"] += stats["generate_seconds"]
+            self.stats["assemble"] += stats["assemble_seconds"]
+            for i, c in enumerate(completions):
+                got["tokens"][i, :len(c.tokens)], got["log_probs"][i, :len(c.tokens)] = c.tokens, c.log_probs
+                got["oldest"][i] = int(c.versions.min()) if len(c.versions) else step
+        got = multihost.from_zero(got)  # the completions process 0 collected, on every trainer process
+        self.stats["wait"] += time.perf_counter() - started
+        tokens, log_probs = got["tokens"], got["log_probs"]
+        for oldest in got["oldest"].tolist():
             if oldest < step - self.k:
                 raise StalenessError(f"a completion for step {step} has tokens of version {oldest}, older than "
                                      f"grpo_off_policy_steps={self.k} allows")
@@ -112,6 +119,7 @@ class Rollouts:
         run corrects (config/objectives.grpo_corrects) they stay pi_old and `tis_weights` is added; otherwise (the JAX
         engine on policy) the sampler's stay pi_old for a rollout batch of one step, as the colocated run has them. The
         mismatch is measured either way."""
+        multihost.agree(updates, self.version)
         engine = [u["old_log_probs"].copy() for u in updates]
         recompute()
         parts = []
@@ -136,13 +144,18 @@ class Rollouts:
                "aux/grpo_trainer_idle_percent": 100.0 * s["wait"] / wall,
                "aux/grpo_worker_idle_percent": 100.0 * max(0.0, 1.0 - s["busy"] / (wall * len(
                    self.controller.workers))),
-               "aux/grpo_reissued_batches": float(self.controller.reissued)}
+               "aux/grpo_reissued_batches": float(self.controller.reissued),
+               "aux/grpo_worker_assemble_seconds": s["assemble"]}
         out.setdefault("aux/grpo_sync_bytes", 0.0)
         out.setdefault("aux/grpo_sync_seconds", 0.0)
         self.mark, self.stats = now, self.fresh()
         return out
 
     def close(self) -> None:
-        if self.controller.workers:
+        """The other trainer processes leave Ray before process 0 stops the workers (and a Ray it started)."""
+        if self.controller.index:
+            self.controller.close()
+        multihost.barrier("grpo rollouts closed")
+        if self.controller.index == 0 and self.controller.workers:
             self.controller.close()
 

@@ -1,8 +1,11 @@
 """A rollout worker: the Ray actor (controller.py starts it) that holds one Engine and answers prompt batches.
 
-    worker = Worker(config, stop_ids)            # the engine of grpo_rollout_engine, built in the worker's process
-    worker.offer(version, [weights_ref])         # the trainer published a version (the ref boxed: not fetched yet)
-    completions, stats = worker.generate(requests, version, [weights_ref])
+    worker = Worker(config, stop_ids, hosts)     # the engine of grpo_rollout_engine, built in the worker's process
+    worker.offer(version, host, [part_ref])      # trainer process `host` published its part of a version (boxed)
+    completions, stats = worker.generate(requests, version, host, [part_ref])
+
+A version is swapped in once the parts of all `hosts` trainer processes are here, assembled leaf by leaf
+(rollout/multihost.assemble): each process sends only its own shards.
 
 Partial rollouts: with grpo_rollout_chunk_tokens = c > 0 a batch is generated c tokens at a time; between chunks the
 newest offered version is swapped in and the unfinished completions continue (prompt + their tokens so far, the
@@ -19,10 +22,11 @@ import time
 
 import numpy as np
 
-from maxtrain.training.rollout import engine as engine_lib
+from maxtrain.training.rollout import engine as engine_lib, multihost
 from maxtrain.training.rollout.engine import Completion, Request
 
 GOLDEN = 0x9E3779B97F4A7C15
+PARTS_SECONDS = 600  # how long a batch waits for every trainer process's part of the version it was sent with
 
 
 def chunk_seed(seed: int, chunk: int) -> int:
@@ -31,42 +35,57 @@ def chunk_seed(seed: int, chunk: int) -> int:
 
 
 class Worker:
-    def __init__(self, config, stop_ids):
+    def __init__(self, config, stop_ids, hosts: int = 1):
         self.engine = engine_lib.make(config, stop_ids)
-        self.chunk = config.grpo_rollout_chunk_tokens
-        self.lock = threading.Lock()        # the offered version (offer runs while a batch generates)
+        self.chunk, self.hosts = config.grpo_rollout_chunk_tokens, hosts
+        self.lock = threading.Condition()   # the offered versions (offer runs while a batch generates or waits)
         self.generating = threading.Lock()  # one batch at a time: an engine is not re-entrant (vLLM's LLM is not)
-        self.offered = (-1, None)     # the newest version the trainer published, its weights' ref boxed
+        self.offered: dict = {}       # version -> {trainer process: its part's ref}, newer than the engine's
         self.current = -1             # the engine's
+        self.assembling = 0.0         # seconds spent assembling the parts since the last batch's stats
 
     def pid(self) -> int:
         return os.getpid()
 
-    def offer(self, version: int, boxed: list) -> None:
+    def offer(self, version: int, host: int, boxed: list) -> None:
+        """Trainer process `host`'s part of version `version` (the ref boxed: not fetched until swapped in)."""
         with self.lock:
-            if version > self.offered[0]:
-                self.offered = (version, boxed[0])
+            if version > self.current:
+                self.offered.setdefault(version, {})[host] = boxed[0]
+                self.lock.notify_all()
 
     def swap(self) -> float:
-        """Seconds spent swapping in the newest offered version (0 when the engine has it)."""
+        """Seconds spent swapping in the newest version whose P parts are all here (0 when the engine has it)."""
         with self.lock:
-            version, ref = self.offered
-        if ref is None or version <= self.current:
-            return 0.0
+            whole = [v for v, parts in self.offered.items() if len(parts) == self.hosts and v > self.current]
+            if not whole:
+                return 0.0
+            version = max(whole)
+            refs = [self.offered[version][h] for h in range(self.hosts)]
+            self.offered = {v: p for v, p in self.offered.items() if v > version}
         import ray  # pylint: disable=import-outside-toplevel  (only a worker started by Ray gets here)
         started = time.perf_counter()
-        self.engine.set_weights(version, ray.get(ref))
+        params = multihost.assemble(ray.get(refs))
+        self.assembling += time.perf_counter() - started
+        self.engine.set_weights(version, params)
         self.current = version
         return time.perf_counter() - started
 
-    def generate(self, requests: list[Request], version: int, boxed: list) -> tuple[list[Completion], dict]:
+    def generate(self, requests: list[Request], version: int, host: int, boxed: list) -> tuple[list[Completion], dict]:
         """A batch's completions (two batches sent to one worker, k >= 1 with fewer workers than batches out, are
         generated one after the other; the actor's second thread is for `offer`)."""
         with self.generating:
-            return self._generate(requests, version, boxed)
+            return self._generate(requests, version, host, boxed)
 
-    def _generate(self, requests: list[Request], version: int, boxed: list) -> tuple[list[Completion], dict]:
-        self.offer(version, boxed)
+    def _generate(self, requests: list[Request], version: int, host: int, boxed: list) -> tuple[list[Completion], dict]:
+        self.offer(version, host, boxed)  # the caller's part again: a restarted worker has lost what it was offered
+        with self.lock:  # the other trainer processes' parts of `version` may still be on their way
+            if not self.lock.wait_for(lambda: self.current >= version
+                                      or len(self.offered.get(version, {})) == self.hosts, timeout=PARTS_SECONDS):
+                raise RuntimeError(f"rollout worker {os.getpid()} holds {len(self.offered.get(version, {}))} of the "
+                                   f"{self.hosts} trainer processes' parts of weights version {version} after "
+                                   f"{PARTS_SECONDS} s (a worker restarted by Ray gets the other processes' parts only "
+                                   "when they publish again)")
         swap = self.swap()
         started = time.perf_counter()
         parts = {r.id: [] for r in requests}
@@ -89,8 +108,9 @@ class Worker:
         out = [Completion(r.id, *(np.concatenate([getattr(p, f) for p in parts[r.id]])
                                   for f in ("tokens", "log_probs", "versions")), parts[r.id][-1].stopped)
                for r in requests]
+        assembling, self.assembling = self.assembling, 0.0
         return out, {"generate_seconds": time.perf_counter() - started - swap, "swap_seconds": swap,
-                     "chunks": step}
+                     "assemble_seconds": assembling, "chunks": step}
 
     def close(self) -> None:
         self.engine.close()
