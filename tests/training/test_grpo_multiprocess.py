@@ -1,6 +1,6 @@
 """GRPO's trainer over 2 JAX processes (2 CPU devices each, gloo, fsdp over all 4) with 2 Ray rollout workers on the
-JAX engine, on policy: the same per-step losses as 1 process of 4 devices with 2 workers, and each trainer process
-publishes only its own shards of the weights (rollout/multihost.py).
+JAX engine, on policy: the same per-step losses as 1 process of 4 devices with 2 workers, even with one worker killed
+(SIGKILL) mid-batch, and each trainer process publishes only its own shards of the weights (rollout/multihost.py).
 
 The prompts: one file of the reference's, split row by row into two files (rows 0, 2, ... and 1, 3, ...), unshuffled,
 so that process p reads row p of every step's 2 prompts and the gathered batch is the reference's. Tolerance: the
@@ -11,7 +11,6 @@ gloo); the sampled tokens, rewards and completion lengths exactly.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import pytest
 from conftest import TINY
 from maxtrain.config import with_overrides
 from post_helpers import compose, conversations, grpo_args, grpo_rows, make_dataset, write_jsonl
-from processes import env_with, finish, free_port
+from processes import env_with, finish, free_port, kill_a_generating_worker
 
 try:
     import ray
@@ -65,8 +64,11 @@ def runs(tmp_path_factory):
                                  f"grain_train_files={out}/halves/*.jsonl", f"coordinator_address=127.0.0.1:{port}",
                                  "num_processes=2", f"process_id={i}"), {**env_with(2), **env}, out / f"mp{i}.log")
            for i in range(2)]
+    killed: list = []  # a rollout worker killed mid-batch: restarted, it fetches the other process's part (Parts)
+    thread = kill_a_generating_worker(killed)
     codes["mp"] = finish(two, timeout=900)
-    return {"out": out, "codes": codes, "logs": {p.stem: p.read_text() for p in out.glob("*.log")}}
+    thread.join(timeout=5)
+    return {"out": out, "codes": codes, "logs": {p.stem: p.read_text() for p in out.glob("*.log")}, "killed": killed}
 
 
 @pytest.mark.skipif(ray is None, reason="Ray is not installed: pip install 'maxtrain[rl]'")
@@ -83,6 +85,10 @@ def test_two_trainer_processes_with_workers_train_like_one(runs):
         assert two[step]["learning/loss"] == pytest.approx(ref[step]["learning/loss"], rel=LOSS_RTOL), step
         assert two[step]["learning/grpo_staleness_max"] == 0
     assert "over 4 devices in 2 process(es)" in logs["mp0"]
+    # one worker was killed with SIGKILL mid-batch: Ray restarted it, its batch was sent again, and it fetched the other
+    # trainer process's part of the weights from Parts (it had lost what it was offered): the same losses as above
+    assert runs["killed"], "no rollout worker was seen generating"
+    assert "died" in logs["mp0"] and max(m["learning/grpo_reissued_batches"] for m in two.values()) >= 1
 
 
 @pytest.mark.skipif(ray is None, reason="Ray is not installed: pip install 'maxtrain[rl]'")

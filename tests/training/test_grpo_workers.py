@@ -3,12 +3,8 @@ worker killed with SIGKILL restarted by Ray and its prompts re-issued; one step 
 the truncated importance weights; bad inputs."""
 
 import json
-import os
 import shutil
-import signal
 import sys
-import threading
-import time
 
 import grain
 import numpy as np
@@ -21,6 +17,7 @@ from maxtrain import errors
 from maxtrain import train
 from maxtrain.training.rollout import controller, correction, position, schedule as rollout_schedule
 from maxtrain.training.rollout.worker import chunk_seed
+import processes
 from post_helpers import compose, grpo_args, make_dataset
 
 try:
@@ -83,39 +80,7 @@ def test_a_worker_killed_mid_run_is_restarted_and_its_prompts_reissued(dataset, 
     """kill -9 of a worker's process while it generates: Ray restarts it, its batch is sent again, and the run trains
     on exactly the colocated run's prompts and completions (the same losses bitwise): none lost, none twice."""
     killed = []
-
-    def ours(pid: int) -> bool:  # under this process (the local Ray it started), not another run's worker
-        try:
-            while pid > 1:
-                with open(f"/proc/{pid}/stat") as f:
-                    pid = int(f.read().rsplit(")", 1)[1].split()[1])  # the parent's pid
-                if pid == os.getpid():
-                    return True
-        except (OSError, ValueError):
-            pass
-        return False
-
-    def generating() -> list[int]:  # Ray titles a worker's process with the task it runs: ray::Worker.generate
-        pids = []
-        for entry in os.listdir("/proc"):
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    if f.read().startswith(b"ray::Worker.generate") and ours(int(entry)):
-                        pids.append(int(entry))
-            except (OSError, ValueError):
-                continue
-        return pids
-
-    def kill_a_generating_worker():
-        deadline = time.time() + 900
-        while time.time() < deadline and not killed:
-            time.sleep(0.05)
-            for pid in generating()[:1]:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-
-    thread = threading.Thread(target=kill_a_generating_worker, daemon=True)
-    thread.start()
+    thread = processes.kill_a_generating_worker(killed)
     run = _run(dataset, tmp_path, "killed", "grpo_rollout_workers=2")
     thread.join(timeout=5)
     assert killed, "no worker was seen generating"

@@ -25,7 +25,6 @@ import os
 import time
 
 import jax
-import numpy as np
 
 from maxtrain import errors
 from maxtrain.training.rollout import multihost, worker as worker_lib
@@ -90,7 +89,11 @@ class Controller:
             actor = ray.remote(worker_lib.Worker)
             common = {"max_restarts": MAX_RESTARTS, "max_task_retries": 0, "namespace": namespace,
                       "max_concurrency": 3 + config.grpo_off_policy_steps, **options}
-            self.workers = [actor.options(name=n, **common).remote(config, tuple(stop_ids), self.hosts)
+            self.parts = None
+            if self.hosts > 1:  # every process's newest part, for a worker Ray restarts
+                self.parts = ray.remote(worker_lib.Parts).options(name="weight-parts", namespace=namespace,
+                                                                  num_cpus=0).remote()
+            self.workers = [actor.options(name=n, **common).remote(config, tuple(stop_ids), self.hosts, self.parts)
                             for n in names]
         if self.hosts > 1:  # the others join process 0's Ray as drivers and reach the workers by name
             said = (f"{ray.get_runtime_context().gcs_address} {os.environ.get('RAY_AUTH_MODE', '')}"
@@ -104,6 +107,7 @@ class Controller:
                 if self.started_ray:
                     ray.init(address=gcs, include_dashboard=False, log_to_driver=False, namespace=namespace)
                 self.workers = [ray.get_actor(n, namespace=namespace) for n in names]
+                self.parts = ray.get_actor("weight-parts", namespace=namespace)
         self.busy, self.turn = [0] * len(self.workers), 0
         self.flight: dict = {}       # tag -> (worker index, requests, future)
         self.weights = (-1, None)    # the newest published version and this host's part's ref
@@ -123,6 +127,8 @@ class Controller:
         part, size = multihost.shards(params)
         ref = self.ray.put(part)
         self.weights = (version, ref)
+        if self.hosts > 1:
+            self.parts.put.remote(version, self.index, [ref])
         for w in self.workers:
             w.offer.remote(version, self.index, [ref])
         seconds = time.perf_counter() - started
@@ -180,8 +186,9 @@ class Controller:
                 time.sleep(1.0)
 
     def close(self) -> None:
-        for w in self.workers if self.index == 0 else ():  # the driver's to stop
-            self.ray.kill(w)
+        for w in [*self.workers, getattr(self, "parts", None)] if self.index == 0 else ():  # the driver's to stop
+            if w is not None:
+                self.ray.kill(w)
         self.workers = []
         if self.started_ray:
             self.ray.shutdown()

@@ -5,7 +5,9 @@
     completions, stats = worker.generate(requests, version, host, [part_ref])
 
 A version is swapped in once the parts of all `hosts` trainer processes are here, assembled leaf by leaf
-(rollout/multihost.assemble): each process sends only its own shards.
+(rollout/multihost.assemble): each process sends only its own shards. With several, each process also leaves its
+newest part with `Parts`, a named actor: a worker that Ray restarted lost what it was offered, and fetches there the
+parts of the version its re-sent batch names.
 
 Partial rollouts: with grpo_rollout_chunk_tokens = c > 0 a batch is generated c tokens at a time; between chunks the
 newest offered version is swapped in and the unfinished completions continue (prompt + their tokens so far, the
@@ -34,10 +36,26 @@ def chunk_seed(seed: int, chunk: int) -> int:
     return seed if chunk == 0 else (seed ^ (GOLDEN * chunk)) & 0xFFFFFFFFFFFFFFFF
 
 
+class Parts:
+    """The newest published part of each trainer process (a named actor of process 0's, controller.py): where a
+    restarted worker finds the parts it missed."""
+
+    def __init__(self):
+        self.newest: dict = {}  # trainer process -> (version, its part's ref)
+
+    def put(self, version: int, host: int, boxed: list) -> None:
+        if version > self.newest.get(host, (-1, None))[0]:
+            self.newest[host] = (version, boxed[0])
+
+    def get(self, version: int) -> dict:
+        """{trainer process: [its part's ref]} of those whose newest part is of `version`."""
+        return {host: [ref] for host, (v, ref) in self.newest.items() if v == version}
+
+
 class Worker:
-    def __init__(self, config, stop_ids, hosts: int = 1):
+    def __init__(self, config, stop_ids, hosts: int = 1, parts=None):
         self.engine = engine_lib.make(config, stop_ids)
-        self.chunk, self.hosts = config.grpo_rollout_chunk_tokens, hosts
+        self.chunk, self.hosts, self.parts = config.grpo_rollout_chunk_tokens, hosts, parts  # parts: Parts' handle
         self.lock = threading.Condition()   # the offered versions (offer runs while a batch generates or waits)
         self.generating = threading.Lock()  # one batch at a time: an engine is not re-entrant (vLLM's LLM is not)
         self.offered: dict = {}       # version -> {trainer process: its part's ref}, newer than the engine's
@@ -79,13 +97,7 @@ class Worker:
 
     def _generate(self, requests: list[Request], version: int, host: int, boxed: list) -> tuple[list[Completion], dict]:
         self.offer(version, host, boxed)  # the caller's part again: a restarted worker has lost what it was offered
-        with self.lock:  # the other trainer processes' parts of `version` may still be on their way
-            if not self.lock.wait_for(lambda: self.current >= version
-                                      or len(self.offered.get(version, {})) == self.hosts, timeout=PARTS_SECONDS):
-                raise RuntimeError(f"rollout worker {os.getpid()} holds {len(self.offered.get(version, {}))} of the "
-                                   f"{self.hosts} trainer processes' parts of weights version {version} after "
-                                   f"{PARTS_SECONDS} s (a worker restarted by Ray gets the other processes' parts only "
-                                   "when they publish again)")
+        self.wait_for_parts(version)
         swap = self.swap()
         started = time.perf_counter()
         parts = {r.id: [] for r in requests}
@@ -111,6 +123,24 @@ class Worker:
         assembling, self.assembling = self.assembling, 0.0
         return out, {"generate_seconds": time.perf_counter() - started - swap, "swap_seconds": swap,
                      "assemble_seconds": assembling, "chunks": step}
+
+    def wait_for_parts(self, version: int) -> None:
+        """Until every trainer process's part of `version` is here (the other processes' may still be on their way;
+        a restarted worker fetches those it missed from Parts)."""
+        deadline = time.monotonic() + PARTS_SECONDS
+        while True:
+            with self.lock:
+                if self.lock.wait_for(lambda: self.current >= version
+                                      or len(self.offered.get(version, {})) == self.hosts, timeout=1.0):
+                    return
+                held = len(self.offered.get(version, {}))
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"rollout worker {os.getpid()} holds {held} of the {self.hosts} trainer processes' "
+                                   f"parts of weights version {version} after {PARTS_SECONDS} s")
+            if self.parts is not None:
+                import ray  # pylint: disable=import-outside-toplevel  (only a worker started by Ray gets here)
+                for host, boxed in ray.get(self.parts.get.remote(version)).items():
+                    self.offer(version, host, boxed)
 
     def close(self) -> None:
         self.engine.close()
