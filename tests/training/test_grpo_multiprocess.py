@@ -11,6 +11,7 @@ gloo); the sampled tokens, rewards and completion lengths exactly.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -52,10 +53,15 @@ def runs(tmp_path_factory):
     for p in range(2):
         write_jsonl(str(out / "halves" / f"part{p}.jsonl"), rows[p::2])
     common = compose(*TINY, *grpo_args(paths, str(out)), f"base_output_directory={out}", "steps=3",
-                     "eval_interval=-1", "learning_rate=1e-2", "enable_checkpointing=false", "num_generations=2",
-                     "ici_fsdp_parallelism=-1", "enable_data_shuffling=false", "grpo_rollout_workers=2",
-                     "grain_eval_files=")
-    env = {"RAY_ADDRESS": ""}
+                     "eval_interval=3", "learning_rate=1e-2", "enable_checkpointing=false", "num_generations=2",
+                     "ici_fsdp_parallelism=-1", "enable_data_shuffling=false", "grpo_rollout_workers=2")
+    # a graded reward (the untrained model answers no sum, so exact_match would give 0 and the loss only the KL term):
+    # the fraction of a completion's characters that are digits, so the advantages and policy loss are not zero
+    (out / "digits_reward.py").write_text(
+        "def digits(prompts, completions, answers):\n"
+        "    return [sum(c.isdigit() for c in t) / max(len(t), 1) for t in completions]\n")
+    common = [*common, "grpo_reward_functions=[digits_reward:digits]"]
+    env = {"RAY_ADDRESS": "", "PYTHONPATH": os.pathsep.join([str(ROOT), str(out)])}
     ref = _start(with_overrides([*common, "run_name=ref", f"metrics_file={out}/ref.jsonl"], f"grain_train_files={whole}"),
                  {**env_with(4), **env}, out / "ref.log")
     codes = {"ref": finish([ref], timeout=900)}
@@ -80,10 +86,16 @@ def test_two_trainer_processes_with_workers_train_like_one(runs):
     ref, two = _logged(runs["out"] / "ref.jsonl"), _logged(runs["out"] / "mp.jsonl")
     assert sorted(ref) == sorted(two) == [1, 2, 3]
     for step in ref:
+        assert ref[step]["learning/grpo_reward"] > 0  # the graded reward: advantages that are not all zero
         for key in ("learning/grpo_reward", "learning/grpo_completion_length"):
             assert two[step][key] == ref[step][key], (step, key)  # the same completions
         assert two[step]["learning/loss"] == pytest.approx(ref[step]["learning/loss"], rel=LOSS_RTOL), step
         assert two[step]["learning/grpo_staleness_max"] == 0
+    # the held-out prompts (every process reads them all) answered greedily over both processes, as by one
+    evals = [{m["step"]: m["eval/grpo_reward"] for m in map(json.loads, (runs["out"] / f"{name}.jsonl").read_text()
+                                                             .splitlines()) if "eval/grpo_reward" in m}
+             for name in ("ref", "mp")]
+    assert sorted(evals[0]) == [0, 3] and evals[0] == evals[1] and evals[0][3] > 0
     assert "over 4 devices in 2 process(es)" in logs["mp0"]
     # one worker was killed with SIGKILL mid-batch: Ray restarted it, its batch was sent again, and it fetched the other
     # trainer process's part of the weights from Parts (it had lost what it was offered): the same losses as above
