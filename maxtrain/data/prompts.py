@@ -164,7 +164,9 @@ def make_inputs(config, rows: int, index: int = 0, count: int = 1, log=print) ->
         to_prompt = ToPrompt(template, columns(config, "eval"), length, "eval_data_columns")
         located = (r for c in evals for path in c.files
                    for r in conversations.read_records(path, key="eval_data_columns") if r[1] is not None)
-        limit = None if config.eval_steps <= 0 else config.eval_steps * rows * config.num_generations
+        # HeldOut answers them global_batch_size at a time on every host (each reads them all): not `rows`, which is
+        # this host's share of a step's prompts
+        limit = None if config.eval_steps <= 0 else config.eval_steps * config.global_batch_size
         eval_prompts = [to_prompt.prompt(r) for r in itertools.islice(located, limit)]
     stops = stop_ids(template)
     log(f"GRPO prompts rendered with the chat template {template.describe()}, left-padded to "
