@@ -136,7 +136,9 @@ class Worker:
                 held = len(self.offered.get(version, {}))
             if time.monotonic() > deadline:
                 raise RuntimeError(f"rollout worker {os.getpid()} holds {held} of the {self.hosts} trainer processes' "
-                                   f"parts of weights version {version} after {PARTS_SECONDS} s")
+                                   f"parts of weights version {version} after {PARTS_SECONDS} s: a trainer process "
+                                   "stopped publishing (its log says why); the run resumes from its last checkpoint "
+                                   "once every trainer process is started again")
             if self.parts is not None:
                 import ray  # pylint: disable=import-outside-toplevel  (only a worker started by Ray gets here)
                 for host, boxed in ray.get(self.parts.get.remote(version)).items():
