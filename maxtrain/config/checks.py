@@ -219,14 +219,30 @@ def _no_pipeline_stages_with_experts(v):
 
 
 def _context_chunks_divide_length(v):
-    """Context parallelism cuts each sequence into 2 chunks per device (one early, one late)."""
+    """Context parallelism cuts each sequence into 2 chunks per device (dual_chunk_swap: one early, one late) or
+    deals its tokens round-robin (striped: T / C each)."""
     cp, length = ways(v, "context"), v["max_target_length"]
-    if cp and cp > 1:
-        _require(length % (2 * cp) == 0,
-                 f"context parallelism {cp} (ici_context_parallelism x dcn_context_parallelism) splits each sequence "
-                 f"into {2 * cp} chunks (two per device, one early and one late, so that causal attention's work is "
-                 f"even), so max_target_length={length} must be a multiple of {2 * cp}; e.g. max_target_length="
-                 f"{max(2 * cp, length // (2 * cp) * 2 * cp)}")
+    if not cp or cp == 1:
+        return
+    if v["context_parallel_reorder_strategy"] == "striped":
+        _require(length % cp == 0,
+                 f"context parallelism {cp} with context_parallel_reorder_strategy=striped deals each sequence's "
+                 f"tokens round-robin to {cp} devices, so max_target_length={length} must be a multiple of {cp}; e.g. "
+                 f"max_target_length={max(cp, length // cp * cp)}")
+        return
+    _require(length % (2 * cp) == 0,
+             f"context parallelism {cp} (ici_context_parallelism x dcn_context_parallelism) splits each sequence "
+             f"into {2 * cp} chunks (two per device, one early and one late, so that causal attention's work is "
+             f"even), so max_target_length={length} must be a multiple of {2 * cp}; e.g. max_target_length="
+             f"{max(2 * cp, length // (2 * cp) * 2 * cp)}")
+
+
+def _ring_attention_without_pipeline_stages(v):
+    """Ring attention runs its own shard_map over the context axis, not yet inside a pipeline stage's."""
+    cp, stages = ways(v, "context"), ways(v, "stage")
+    _require(not (v["context_parallel_strategy"] == "ring" and cp not in (1, None) and stages not in (1, None)),
+             "context_parallel_strategy=ring does not run with pipeline parallelism yet; set "
+             "context_parallel_strategy=all_gather, or ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
 
 
 def _chunked_attention_without_context_parallelism(v):
@@ -446,7 +462,7 @@ CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _layer_head_shapes, _voc
           *objectives.CHECKS, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           _stages_divide_layers, _no_pipeline_stages_with_experts, _context_chunks_divide_length,
-          _chunked_attention_without_context_parallelism,
+          _ring_attention_without_pipeline_stages, _chunked_attention_without_context_parallelism,
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
           _run_name_is_one_directory, _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
           _experts_per_token_at_most_experts, _moe_layers_of_the_family, _experts_in_some_layer,
