@@ -425,8 +425,15 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
         if implementation != "dot_product":
             raise ValueError(f"attention={implementation} does not run with context parallelism yet; "
                              "use attention=dot_product (or autoselected)")
+        if context_strategy == "ring":
+            # deferred: ring.py reads this module's soft_cap
+            from maxtrain.models.attention import ring  # pylint: disable=import-outside-toplevel
+
+            return ring.ring_attention(q, k, v, segment_ids, reorder=context_reorder, causal=causal,
+                                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
+                                       sinks=sinks)
         if context_strategy != "all_gather":
-            raise ValueError(f"context_parallel_strategy={context_strategy!r} is not implemented yet")
+            raise ValueError(f"context_parallel_strategy={context_strategy!r} is not one of all_gather, ring")
         return context_parallel_attention(q, k, v, segment_ids, causal=causal, sliding_window=sliding_window,
                                           logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks,
                                           reorder=context_reorder)
