@@ -12,8 +12,8 @@ Causal load balancing (context_parallel_reorder_strategy). Cut into C contiguous
 device's queries would see every key and the first device's almost none. dual_chunk_swap (the
 default) cuts the sequence into 2C chunks and device i holds chunks i and 2C - 1 - i (an early one
 and the matching late one); striped deals the tokens round-robin, token t to device t mod C. Both
-give every device the same number of (query, key) pairs under the causal mask (striped to within
-one query per device):
+give every device about the same number of (query, key) pairs under the causal mask (exactly, for
+dual_chunk_swap; striped gives each query of device i at most C - 1 keys more than device 0's):
 
     C = 2, T = 8, dual_chunk_swap:  device 0 holds [0 1, 6 7], device 1 holds [2 3, 4 5]
     C = 2, T = 8, striped:          device 0 holds [0 2 4 6], device 1 holds [1 3 5 7]

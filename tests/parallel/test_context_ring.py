@@ -100,6 +100,19 @@ def test_ring_attention_with_sinks_soft_cap_and_heads_split_over_tensor():
     _check(4, 2, "dual_chunk_swap", "bidirectional_window_softcap_sinks")
 
 
+@pytest.mark.parametrize("reorder", context.REORDER_STRATEGIES)
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_each_reorder_is_a_permutation_that_balances_the_causal_work(cp, reorder):
+    order = context.layout(64, cp, reorder)
+    tokens = np.arange(64)[None]
+    assert sorted(order) == list(range(64))
+    np.testing.assert_array_equal(context.from_layout(context.to_layout(tokens, cp, reorder=reorder), cp,
+                                                      reorder=reorder), tokens)
+    work = (order + 1).reshape(cp, -1).sum(axis=1)  # causal (query, key) pairs per device: query t sees t + 1 keys
+    # striped: a query of device i sees i keys more than the same-row query of device 0
+    assert work.max() - work.min() == (0 if reorder == "dual_chunk_swap" else (cp - 1) * (64 // cp))
+
+
 def test_a_mask_of_the_wrong_layout_would_be_seen():
     """The control: ring attention told the wrong layout (striped tokens, dual_chunk_swap's indices) is far off."""
     q, k, v, segment_ids, weights, _ = _inputs()
@@ -133,6 +146,16 @@ def _loss_and_grads(n_devices: int, *overrides):
         passes_blocks = "collective_permute" in step.lower(params).as_text()  # the ring's ppermute
         loss, grads = step(params)
     return float(loss), jax.tree.map(np.asarray, grads), passes_blocks
+
+
+def test_the_summary_says_the_strategy_and_the_reorder():
+    argv = with_overrides([BASE_YML, *TINY], "per_device_batch_size=4", "ici_context_parallelism=2",
+                          "ici_fsdp_parallelism=1", "context_parallel_strategy=ring",
+                          "context_parallel_reorder_strategy=striped")
+    run = builder.build(load_config(argv), devices=tuple(jax.devices()[:2]))
+    assert builder.parallelism_lines(run) == [
+        "context: each sequence split 2 ways (striped: token t on device t mod 2, causal work balanced); attention "
+        "ring: keys and values passed around the ring (ppermute), the softmax merged online"]
 
 
 def _assert_same(a, b):
