@@ -329,8 +329,9 @@ def parallelism_lines(run: Run) -> list[str]:
         else:
             order = (f"dual_chunk_swap: {2 * cp} chunks of {length // (2 * cp)} tokens, device i holding chunks i and "
                      f"{2 * cp - 1}-i, causal work balanced")
-        attend = ("keys and values passed around the ring (ppermute), the softmax merged online"
-                  if config.context_parallel_strategy == "ring" else "keys and values all-gathered per layer")
+        attend = {"ring": "keys and values passed around the ring (ppermute), the softmax merged online",
+                  "ulysses": f"an all-to-all trades tokens for heads (1/{cp} of the heads, every token, per device)",
+                  }.get(config.context_parallel_strategy, "keys and values all-gathered per layer")
         lines.append(f"context: each sequence split {cp} ways ({order}); attention {config.context_parallel_strategy}: "
                      f"{attend}")
     return lines

@@ -211,8 +211,12 @@ ROWS = [
     Row("cp-reorder-without-context-parallelism", T, [B, "context_parallel_reorder_strategy=striped"],
         r"context_parallel_reorder_strategy='striped' does nothing without context parallelism: set "
         r"ici_context_parallelism"),
-    Row("cp-strategy-unknown", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=ulysses"],
-        r"context_parallel_strategy='ulysses' is not allowed: it must be one of: all_gather, ring"),
+    Row("cp-strategy-unknown", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=usp"],
+        r"context_parallel_strategy='usp' is not allowed: it must be one of: all_gather, ring, ulysses"),
+    Row("cp-ulysses-heads-do-not-divide", T, [B, "ici_context_parallelism=4", "base_num_kv_heads=2",
+                                              "context_parallel_strategy=ulysses"],
+        r"context_parallel_strategy=ulysses splits the heads over the context group, but base_num_kv_heads=2 is not a "
+        r"multiple of context parallelism 4; use context_parallel_strategy=ring \(or all_gather\)"),
     Row("cp-ring-with-pipeline-stages", T, [B, "ici_context_parallelism=2", "ici_pipeline_parallelism=2",
                                             "context_parallel_strategy=ring"],
         r"context_parallel_strategy=ring does not run with pipeline parallelism yet; set "

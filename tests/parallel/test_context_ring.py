@@ -23,7 +23,7 @@ import pytest
 from conftest import BASE_YML, TINY
 from maxtrain.config import load_config, with_overrides
 from maxtrain.models import attention
-from maxtrain.models.attention import ring
+from maxtrain.models.attention import ring, ulysses
 from maxtrain.models.model import Model
 from maxtrain.parallel import context, sharding
 from maxtrain.training import builder
@@ -54,13 +54,17 @@ def _reference(q, k, v, segment_ids, weights, sinks, *, causal, sliding_window, 
     return out, grads
 
 
-def _ring(cp, tensor, reorder, q, k, v, segment_ids, weights, sinks, *, causal, sliding_window, logits_soft_cap):
+STRATEGIES = {"ring": ring.ring_attention, "ulysses": ulysses.ulysses_attention}
+
+
+def _split(strategy, cp, tensor, reorder, q, k, v, segment_ids, weights, sinks, *, causal, sliding_window,
+           logits_soft_cap):
     """The same loss with the sequence in the layout, split over cp devices (and the heads over `tensor`)."""
     mesh = sharding.mesh_of(jax.devices()[:cp * tensor], context=cp, tensor=tensor)
     q, k, v, segment_ids, weights = context.to_layout((q, k, v, segment_ids, weights), cp, reorder=reorder)
 
     def loss(q, k, v):
-        out = ring.ring_attention(q, k, v, segment_ids, reorder=reorder, causal=causal, sliding_window=sliding_window,
+        out = STRATEGIES[strategy](q, k, v, segment_ids, reorder=reorder, causal=causal, sliding_window=sliding_window,
                                   logits_soft_cap=logits_soft_cap, sinks=sinks)
         return jnp.sum(out * weights), out
     with sharding.activation_sharding(mesh, RULES):
@@ -77,13 +81,13 @@ EXTRA = {
 }
 
 
-def _check(cp, tensor, reorder, mask):
+def _check(strategy, cp, tensor, reorder, mask):
     causal, sliding_window, logits_soft_cap, with_sinks = {**MASKS, **EXTRA}[mask]
     q, k, v, segment_ids, weights, sinks = _inputs()
     sinks = sinks if with_sinks else None
     kwargs = dict(causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     ref_out, ref_grads = _reference(q, k, v, segment_ids, weights, sinks, **kwargs)
-    out, grads = _ring(cp, tensor, reorder, q, k, v, segment_ids, weights, sinks, **kwargs)
+    out, grads = _split(strategy, cp, tensor, reorder, q, k, v, segment_ids, weights, sinks, **kwargs)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=RTOL, atol=ATOL)
     for name, got, ref in zip("qkv", grads, ref_grads):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=RTOL, atol=ATOL, err_msg=f"d loss / d {name}")
@@ -93,11 +97,27 @@ def _check(cp, tensor, reorder, mask):
 @pytest.mark.parametrize("reorder", context.REORDER_STRATEGIES)
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_equals_attention_over_the_unsplit_sequence(cp, reorder, mask):
-    _check(cp, 1, reorder, mask)
+    _check("ring", cp, 1, reorder, mask)
 
 
-def test_ring_attention_with_sinks_soft_cap_and_heads_split_over_tensor():
-    _check(4, 2, "dual_chunk_swap", "bidirectional_window_softcap_sinks")
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_sinks_and_soft_cap_without_causality(strategy):
+    """The ring with the heads split over tensor 2 too; ulysses at CP 2 (G = 2 kv heads split no further)."""
+    cp, tensor = (4, 2) if strategy == "ring" else (2, 1)
+    _check(strategy, cp, tensor, "dual_chunk_swap", "bidirectional_window_softcap_sinks")
+
+
+@pytest.mark.parametrize("reorder", context.REORDER_STRATEGIES)
+def test_ulysses_attention_equals_attention_over_the_unsplit_sequence(reorder):
+    _check("ulysses", 2, 1, reorder, "causal_window")
+
+
+def test_ulysses_refuses_heads_that_do_not_split_over_the_group():
+    q, k, v, segment_ids, _, _ = _inputs()  # N = 4 query heads, G = 2 kv heads: not over 4 devices
+    with sharding.activation_sharding(sharding.mesh_of(jax.devices()[:4], context=4), RULES):
+        with pytest.raises(ValueError, match=r"query heads \(4\) and kv heads \(2\) per device must be multiples "
+                                             r"of 4"):
+            ulysses.ulysses_attention(q, k, v, segment_ids)
 
 
 @pytest.mark.parametrize("reorder", context.REORDER_STRATEGIES)
@@ -143,9 +163,10 @@ def _loss_and_grads(n_devices: int, *overrides):
             loss, weight, _ = Model.bind(run.config).loss_fn(p, batch, run.rt)
             return loss / weight
         step = jax.jit(jax.value_and_grad(mean_loss))
-        passes_blocks = "collective_permute" in step.lower(params).as_text()  # the ring's ppermute
+        text = step.lower(params).as_text()
+        collectives = " ".join(c for c in ("collective_permute", "all_to_all") if c in text)
         loss, grads = step(params)
-    return float(loss), jax.tree.map(np.asarray, grads), passes_blocks
+    return float(loss), jax.tree.map(np.asarray, grads), collectives
 
 
 def test_the_summary_says_the_strategy_and_the_reorder():
@@ -164,13 +185,15 @@ def _assert_same(a, b):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("reorder", context.REORDER_STRATEGIES)
-def test_tiny_llama_with_the_ring_gives_the_loss_and_gradients_of_all_gather_and_one_device(reorder):
+@pytest.mark.parametrize("strategy, reorder", [("ring", "dual_chunk_swap"), ("ring", "striped"),
+                                               ("ulysses", "dual_chunk_swap")])
+def test_tiny_llama_with_the_strategy_gives_the_loss_and_gradients_of_all_gather_and_one_device(strategy, reorder):
     cp = ("ici_context_parallelism=2", "ici_fsdp_parallelism=1",
           f"context_parallel_reorder_strategy={reorder}")
     one_device = _loss_and_grads(1, "ici_fsdp_parallelism=1")
     gathered = _loss_and_grads(2, *cp, "context_parallel_strategy=all_gather")
-    ringed = _loss_and_grads(2, *cp, "context_parallel_strategy=ring")
-    assert ringed[2] and not gathered[2] and not one_device[2]  # the ring ran where asked, only there
-    _assert_same(ringed, gathered)
-    _assert_same(ringed, one_device)
+    split = _loss_and_grads(2, *cp, f"context_parallel_strategy={strategy}")
+    collective = {"ring": "collective_permute", "ulysses": "all_to_all"}[strategy]
+    assert collective in split[2] and collective not in gathered[2] + one_device[2]  # it ran where asked, only there
+    _assert_same(split, gathered)
+    _assert_same(split, one_device)

@@ -406,8 +406,8 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
     axes. scale defaults to H ** -0.5; block_q and block_kv are the kernels' largest tiles. sinks [N]:
     attention sinks (dot_product_attention; the flash and splash kernels implement them too). chunk > 0:
     chunked attention over blocks of `chunk` of the tokens' `positions` [B, T] (the module docstring).
-    With the sequence split over the context mesh axes, context_strategy (all_gather or ring) says how the
-    queries meet the other devices' keys, and context_reorder names the layout the tokens arrive in
+    With the sequence split over the context mesh axes, context_strategy (all_gather, ring or ulysses) says
+    how the queries meet the other devices' keys, and context_reorder names the layout the tokens arrive in
     (parallel/context.py).
     """
     if chunk > 0:
@@ -432,8 +432,15 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
             return ring.ring_attention(q, k, v, segment_ids, reorder=context_reorder, causal=causal,
                                        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
                                        sinks=sinks)
+        if context_strategy == "ulysses":
+            # deferred: ulysses.py reads this module's dot_product_attention
+            from maxtrain.models.attention import ulysses  # pylint: disable=import-outside-toplevel
+
+            return ulysses.ulysses_attention(q, k, v, segment_ids, reorder=context_reorder, causal=causal,
+                                             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                             scale=scale, sinks=sinks)
         if context_strategy != "all_gather":
-            raise ValueError(f"context_parallel_strategy={context_strategy!r} is not one of all_gather, ring")
+            raise ValueError(f"context_parallel_strategy={context_strategy!r} is not one of all_gather, ring, ulysses")
         return context_parallel_attention(q, k, v, segment_ids, causal=causal, sliding_window=sliding_window,
                                           logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks,
                                           reorder=context_reorder)
