@@ -14,6 +14,7 @@ a wrong mask (a block's indices off by one device, a window of the wrong side) m
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -143,6 +144,23 @@ def test_a_mask_of_the_wrong_layout_would_be_seen():
         out = jax.jit(functools.partial(ring.ring_attention, reorder="dual_chunk_swap"))(q, k, v, segment_ids)
     out = context.from_layout(out, 4, reorder="striped")
     assert np.max(np.abs(np.asarray(out) - np.asarray(ref_out))) > 1e-2
+
+
+def _float_dims_of_compiled(fn, cp, length):
+    """The float32 array dims of fn's compiled per-device program at `length` tokens split over cp devices."""
+    q, k, _, segment_ids, _, _ = _inputs()
+    q, k = np.resize(q, (B, length, N, H)), np.resize(k, (B, length, G, H))
+    segment_ids = np.ones((B, length), np.int32)
+    with sharding.activation_sharding(sharding.mesh_of(jax.devices()[:cp], context=cp), RULES):
+        text = jax.jit(fn).lower(q, k, k, segment_ids).compile().as_text()
+    return {tuple(int(d) for d in dims.split(",") if d) for dims in re.findall(r"f32\[([0-9,]*)\]", text)}
+
+
+def test_the_ring_forward_holds_no_array_along_the_whole_sequence():
+    """At T = 96 over 4 devices no float array of the ring's forward program has 96 along a dim (each device holds
+    24 tokens of q, k, v and scores [24, 24] per block); all_gather's holds the gathered keys (the control)."""
+    assert not any(96 in dims for dims in _float_dims_of_compiled(ring.ring_attention, 4, 96))
+    assert (B, 96, G, H) in _float_dims_of_compiled(attention.context_parallel_attention, 4, 96)
 
 
 # --------------------------------------------------------------------------------------------
