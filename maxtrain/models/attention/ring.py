@@ -17,10 +17,13 @@ s <= t; sliding window t - s < W), so packed documents, causality and windows ar
 unsplit sequence, whichever reorder strategy made the layout. Per device there are only T / C keys and values
 at a time in the forward pass: no [T, ...] buffer.
 
-Not yet here (issue 60): the gradient is JAX's autodiff of the scan over the ring, which keeps each step's
-key/value block for the backward pass (C blocks of T / C, so T keys and values per device during the backward);
-a custom VJP that passes the blocks around the ring again in the backward pass brings that to T / C. Every
-block is computed in full, masked entries included (no skipping of blocks the causal mask hides), the
+The gradient is a custom VJP (`_Ring.backward`): the forward pass keeps only this device's q, k, v, output and
+the log of each softmax's denominator (lse), and the backward pass sends the key/value blocks round the ring
+again, each carrying its running dk and dv, recomputing each block's probabilities from lse (as flash
+attention's backward does); a last pass takes dk and dv home. So the backward pass too holds T / C keys and
+values at a time (JAX's autodiff of the scan would keep all C blocks).
+
+Not yet here (issue 60): every block is computed in full, masked entries included (no skipping of blocks the causal mask hides), the
 ppermute is not overlapped with the block's attention by hand (XLA may schedule it so), and the blocks run in
 the plain-jnp form, not the flash, cuDNN or splash kernels.
 
@@ -74,37 +77,116 @@ def ring_attention_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes: tup
                          scale: float | None = None):
     """One device's part, inside shard_map over the context mesh `axes` (a ring of `ways` devices): q [B, T, N, H],
     k [B, T, G, H], v [B, T, G, Hv], segment_ids [B, T] and q_index [T] (original token indices) of this device;
-    sinks [N] or None. Returns [B, T, N, Hv] in q.dtype."""
-    b, t, n, h = q.shape
-    g, hv = k.shape[2], v.shape[-1]
+    sinks [N] or None. Returns [B, T, N, Hv] in q.dtype. Its gradient (`_backward`) passes the blocks round the
+    ring again, each with its running dk and dv, so the backward pass too holds T / C keys and values at a time."""
+    n, g, h = q.shape[2], k.shape[2], q.shape[3]
     if n % g:
         raise ValueError(f"query heads ({n}) must be a multiple of kv heads ({g})")
-    scale = h**-0.5 if scale is None else scale
-    q5 = q.reshape(b, t, g, n // g, h)
-    state = (jnp.full((b, t, g, n // g), _NO_SCORE, jnp.float32), jnp.zeros((b, t, g, n // g), jnp.float32),
-             jnp.zeros((b, t, g, n // g, hv), jnp.float32))
-    ring = [(i, (i + 1) % ways) for i in range(ways)]
+    ring = _Ring(axes, ways, causal, sliding_window, logits_soft_cap, h**-0.5 if scale is None else scale)
+    with_sinks = sinks is not None
+    sinks = sinks if with_sinks else jnp.zeros((n,), jnp.float32)
 
-    def attend(state, block):
-        k, v, kv_segment_ids, kv_index = block
-        mask = block_mask(segment_ids, kv_segment_ids, q_index, kv_index, causal=causal, sliding_window=sliding_window)
-        return merge_block(state, q5, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap)
+    @jax.custom_vjp
+    def attend(q, k, v, sinks, segment_ids, q_index):
+        return ring.forward(q, k, v, segment_ids, q_index, sinks if with_sinks else None)[0]
 
-    def step(carry, _):
-        state, block = carry
-        block = jax.lax.ppermute(block, axes, ring)  # the previous device's block (k, v, segment ids, indices)
-        return (attend(state, block), block), None
+    def forward(q, k, v, sinks, segment_ids, q_index):
+        out, lse = ring.forward(q, k, v, segment_ids, q_index, sinks if with_sinks else None)
+        return out, (q, k, v, sinks, segment_ids, q_index, out, lse)
 
-    block = (k, v, segment_ids, q_index)
-    state = attend(state, block)  # this device's own block, then the C - 1 others as they come round
-    (state, _), _ = jax.lax.scan(step, (state, block), None, length=ways - 1)
-    m, l, acc = state
-    if sinks is not None:  # the sink of query head n = g R + r: one more column of each softmax, no value row
-        sink = sinks.astype(jnp.float32).reshape(g, n // g)[None, None]
-        m_new = jnp.maximum(m, sink)
-        alpha = jnp.exp(m - m_new)
-        l, acc = l * alpha + jnp.exp(sink - m_new), acc * alpha[..., None]
-    return (acc / l[..., None]).reshape(b, t, n, hv).astype(q.dtype)
+    def backward(residuals, d_out):
+        q, k, v, sinks, segment_ids, q_index, out, lse = residuals
+        dq, dk, dv, d_sinks = ring.backward(q, k, v, segment_ids, q_index, out, lse, d_out,
+                                            sinks if with_sinks else None)
+        return dq, dk, dv, d_sinks if with_sinks else jnp.zeros_like(sinks), None, None  # no gradient for the ids
+
+    attend.defvjp(forward, backward)
+    return attend(q, k, v, sinks, segment_ids, q_index)
+
+
+class _Ring:
+    """The ring's forward and backward passes for one device, with the settings they share."""
+
+    def __init__(self, axes, ways, causal, sliding_window, logits_soft_cap, scale):
+        self.axes, self.ways, self.causal, self.sliding_window = axes, ways, causal, sliding_window
+        self.logits_soft_cap, self.scale = logits_soft_cap, scale
+        self.pairs = [(i, (i + 1) % ways) for i in range(ways)]  # device c sends to c + 1
+
+    def pass_on(self, block):
+        return jax.lax.ppermute(block, self.axes, self.pairs)
+
+    def mask(self, segment_ids, q_index, kv_segment_ids, kv_index):
+        return block_mask(segment_ids, kv_segment_ids, q_index, kv_index, causal=self.causal,
+                          sliding_window=self.sliding_window)
+
+    def forward(self, q, k, v, segment_ids, q_index, sinks):
+        """(out [B, T, N, Hv] in q.dtype, lse [B, T, G, R] float32: the log of each softmax's denominator)."""
+        b, t, n, h = q.shape
+        g, hv = k.shape[2], v.shape[-1]
+        q5 = q.reshape(b, t, g, n // g, h)
+        state = (jnp.full((b, t, g, n // g), _NO_SCORE, jnp.float32), jnp.zeros((b, t, g, n // g), jnp.float32),
+                 jnp.zeros((b, t, g, n // g, hv), jnp.float32))
+
+        def attend(state, block):
+            k, v, kv_segment_ids, kv_index = block
+            mask = self.mask(segment_ids, q_index, kv_segment_ids, kv_index)
+            return merge_block(state, q5, k, v, mask, scale=self.scale, logits_soft_cap=self.logits_soft_cap)
+
+        def step(carry, _):
+            state, block = carry
+            block = self.pass_on(block)  # the previous device's block (k, v, segment ids, indices)
+            return (attend(state, block), block), None
+
+        block = (k, v, segment_ids, q_index)
+        state = attend(state, block)  # this device's own block, then the C - 1 others as they come round
+        (state, _), _ = jax.lax.scan(step, (state, block), None, length=self.ways - 1)
+        m, l, acc = state
+        if sinks is not None:  # the sink of query head n = g R + r: one more column of each softmax, no value row
+            sink = sinks.astype(jnp.float32).reshape(g, n // g)[None, None]
+            m_new = jnp.maximum(m, sink)
+            alpha = jnp.exp(m - m_new)
+            m, l, acc = m_new, l * alpha + jnp.exp(sink - m_new), acc * alpha[..., None]
+        return (acc / l[..., None]).reshape(b, t, n, hv).astype(q.dtype), m + jnp.log(l)
+
+    def backward(self, q, k, v, segment_ids, q_index, out, lse, d_out, sinks):
+        """(dq, dk, dv, d_sinks or None). With p = exp(score - lse) masked and D = sum_h d_out out per query:
+        dv = p^T d_out, d_score = p (d_out v^T - D) (times the soft-cap's derivative), dq = d_score k scale,
+        dk = d_score^T q scale; dk and dv travel with their block and a last pass takes them home."""
+        b, t, n, h = q.shape
+        g, hv = k.shape[2], v.shape[-1]
+        q5 = q.reshape(b, t, g, n // g, h)
+        d_out5 = d_out.reshape(b, t, g, n // g, hv).astype(jnp.float32)
+        d_rows = jnp.sum(d_out5 * out.reshape(d_out5.shape).astype(jnp.float32), axis=-1)  # D [B, T, G, R]
+
+        def attend(dq, block):
+            k, v, kv_segment_ids, kv_index, dk, dv = block
+            mask = self.mask(segment_ids, q_index, kv_segment_ids, kv_index)[:, :, None, None, :]
+            scores = soft_cap(jnp.einsum("BTGRH,BSGH->BTGRS", q5, k, preferred_element_type=jnp.float32) * self.scale,
+                              self.logits_soft_cap)
+            p = jnp.where(mask, jnp.exp(jnp.where(mask, scores, _NO_SCORE) - lse[..., None]), 0.0)
+            dv = dv + jnp.einsum("BTGRS,BTGRH->BSGH", p, d_out5)
+            d_scores = p * (jnp.einsum("BTGRH,BSGH->BTGRS", d_out5, v, preferred_element_type=jnp.float32)
+                            - d_rows[..., None])
+            if self.logits_soft_cap > 0:  # d cap tanh(x / cap) / dx = 1 - (capped / cap)^2
+                d_scores = d_scores * (1.0 - (scores / self.logits_soft_cap) ** 2)
+            d_scores = d_scores * self.scale
+            dq = dq + jnp.einsum("BTGRS,BSGH->BTGRH", d_scores, k.astype(jnp.float32))
+            dk = dk + jnp.einsum("BTGRS,BTGRH->BSGH", d_scores, q5.astype(jnp.float32))
+            return dq, (k, v, kv_segment_ids, kv_index, dk, dv)
+
+        def step(carry, _):
+            dq, block = carry
+            return attend(dq, self.pass_on(block)), None
+
+        block = (k, v, segment_ids, q_index, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+        carry = attend(jnp.zeros(q5.shape, jnp.float32), block)  # the own block first, as in the forward pass
+        (dq, block), _ = jax.lax.scan(step, carry, None, length=self.ways - 1)
+        dk, dv = self.pass_on(block[4:])  # each block's dk, dv home to the device that holds its keys
+        d_sinks = None
+        if sinks is not None:  # d out / d sink = -p_sink out: d sink = -sum over queries of p_sink D
+            p_sink = jnp.exp(sinks.astype(jnp.float32).reshape(g, n // g)[None, None] - lse)
+            d_sinks = -jnp.sum(p_sink * d_rows, axis=(0, 1)).reshape(n).astype(sinks.dtype)
+        return dq.reshape(q.shape).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), d_sinks
 
 
 def ring_attention(q, k, v, segment_ids, *, reorder: str = "dual_chunk_swap", causal: bool = True,
