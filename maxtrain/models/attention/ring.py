@@ -15,7 +15,7 @@ and an attention sink (gpt-oss) is one more column of the softmax, joined once a
 (query block, key block) pair compares the tokens' original indices and segment ids (same segment; causal
 s <= t; sliding window t - s < W), so packed documents, causality and windows are those of attention over the
 unsplit sequence, whichever reorder strategy made the layout. Per device there are only T / C keys and values
-at a time in the forward pass: no [T, ...] buffer.
+at a time: no [T, ...] buffer.
 
 The gradient is a custom VJP (`_Ring.backward`): the forward pass keeps only this device's q, k, v, output and
 the log of each softmax's denominator (lse), and the backward pass sends the key/value blocks round the ring
@@ -23,9 +23,9 @@ again, each carrying its running dk and dv, recomputing each block's probabiliti
 attention's backward does); a last pass takes dk and dv home. So the backward pass too holds T / C keys and
 values at a time (JAX's autodiff of the scan would keep all C blocks).
 
-Not yet here (issue 60): every block is computed in full, masked entries included (no skipping of blocks the causal mask hides), the
-ppermute is not overlapped with the block's attention by hand (XLA may schedule it so), and the blocks run in
-the plain-jnp form, not the flash, cuDNN or splash kernels.
+Not yet here (issue 60): every block is computed in full, masked entries included (no skipping of blocks the
+causal mask hides), the ppermute is not overlapped with the block's attention by hand (XLA may schedule it so),
+and the blocks run in the plain-jnp form, not the flash, cuDNN or splash kernels.
 
 Letters as in attention/__init__.py: B batch, T queries of this device, S keys of the block in hand, N query
 heads = G kv heads x R, H head dim (Hv the value's).
