@@ -1,9 +1,9 @@
 """Ring and ulysses attention (context_parallel_strategy) on 8 simulated CPU devices against unsplit attention.
 
 At the attention level: the sequence put into a reorder strategy's layout (dual_chunk_swap, striped), split over
-CP 2 or 4 devices, attends with models/attention/ring.py (or ulysses.py at CP 2), is taken back to the original order and compared with
-the plain-jnp reference (dot_product_attention with make_attention_mask) on one device: values, and the gradients
-of a fixed weighted sum with respect to q, k and v. The rows are packed (three documents, then padding) and the
+CP 2 or 4 devices, attends with models/attention/ring.py (or ulysses.py at CP 2), is taken back to the original
+order and compared with the plain-jnp reference (dot_product_attention with make_attention_mask) on one device:
+values, and the gradients of a fixed weighted sum with respect to q, k and v. The rows are packed (three documents, then padding) and the
 masks causal, windowed, soft-capped or with sinks (whose gradient is compared too). The ring's compiled program
 holds one block at a time, forward and backward. At the model level: a tiny Llama's loss and gradients with the
 ring (both reorders) and with ulysses equal the all_gather strategy's and one device's.
