@@ -219,14 +219,48 @@ def _no_pipeline_stages_with_experts(v):
 
 
 def _context_chunks_divide_length(v):
-    """Context parallelism cuts each sequence into 2 chunks per device (one early, one late)."""
+    """Context parallelism cuts each sequence into 2 chunks per device (dual_chunk_swap: one early, one late) or
+    deals its tokens round-robin (striped: T / C each)."""
     cp, length = ways(v, "context"), v["max_target_length"]
-    if cp and cp > 1:
-        _require(length % (2 * cp) == 0,
-                 f"context parallelism {cp} (ici_context_parallelism x dcn_context_parallelism) splits each sequence "
-                 f"into {2 * cp} chunks (two per device, one early and one late, so that causal attention's work is "
-                 f"even), so max_target_length={length} must be a multiple of {2 * cp}; e.g. max_target_length="
-                 f"{max(2 * cp, length // (2 * cp) * 2 * cp)}")
+    if not cp or cp == 1:
+        return
+    if v["context_parallel_reorder_strategy"] == "striped":
+        _require(length % cp == 0,
+                 f"context parallelism {cp} with context_parallel_reorder_strategy=striped deals each sequence's "
+                 f"tokens round-robin to {cp} devices, so max_target_length={length} must be a multiple of {cp}; e.g. "
+                 f"max_target_length={max(cp, length // cp * cp)}")
+        return
+    _require(length % (2 * cp) == 0,
+             f"context parallelism {cp} (ici_context_parallelism x dcn_context_parallelism) splits each sequence "
+             f"into {2 * cp} chunks (two per device, one early and one late, so that causal attention's work is "
+             f"even), so max_target_length={length} must be a multiple of {2 * cp}; e.g. max_target_length="
+             f"{max(2 * cp, length // (2 * cp) * 2 * cp)}")
+
+
+def _ring_attention_without_pipeline_stages(v):
+    """Ring and ulysses attention run their own shard_map over the context axis, not yet inside a pipeline stage's."""
+    cp, stages, strategy = ways(v, "context"), ways(v, "stage"), v["context_parallel_strategy"]
+    _require(not (strategy != "all_gather" and cp not in (1, None) and stages not in (1, None)),
+             f"context_parallel_strategy={strategy} does not run with pipeline parallelism yet; set "
+             "context_parallel_strategy=all_gather, or ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
+
+
+def _ulysses_heads_divide(v):
+    """Ulysses attention splits each tensor-parallel shard's query and kv heads over the context group."""
+    cp, tp = ways(v, "context"), v["ici_tensor_parallelism"] * v["dcn_tensor_parallelism"]
+    if v["context_parallel_strategy"] != "ulysses" or cp in (1, None):
+        return
+    heads = {"base_num_query_heads": v["base_num_query_heads"]}
+    if v["decoder_block"] not in features.MLA_FAMILIES:  # MLA: a key per query head
+        heads["base_num_kv_heads"] = v["base_num_kv_heads"]
+    if v["global_num_kv_heads"] > 0:
+        heads["global_num_kv_heads"] = v["global_num_kv_heads"]
+    for key, n in heads.items():
+        per_shard = f" / tensor parallelism {tp} = {n // tp}" if tp > 1 else ""
+        _require((n // tp) % cp == 0,
+                 f"context_parallel_strategy=ulysses splits the heads over the context group, but {key}={n}"
+                 f"{per_shard} is not a multiple of context parallelism {cp}; use context_parallel_strategy=ring "
+                 f"(or all_gather), or a context parallelism that divides {n // tp}")
 
 
 def _chunked_attention_without_context_parallelism(v):
@@ -446,8 +480,9 @@ CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _layer_head_shapes, _voc
           *objectives.CHECKS, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           _stages_divide_layers, _no_pipeline_stages_with_experts, _context_chunks_divide_length,
-          _chunked_attention_without_context_parallelism,
-          lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _coordinator_address,
+          _ring_attention_without_pipeline_stages, _chunked_attention_without_context_parallelism,
+          lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _ulysses_heads_divide,
+          _coordinator_address,
           _run_name_is_one_directory, _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
           _experts_per_token_at_most_experts, _moe_layers_of_the_family, _experts_in_some_layer,
           _expert_parallelism_divides_experts, _hidden_tiling_divides_expert_width,

@@ -168,6 +168,9 @@ FEATURES: tuple[Feature, ...] = (
             fix="set compile_topology (e.g. compile_topology=v5p-128) and run maxtrain.train_compile"),
     Feature("pipeline parallelism", lambda v: ways(v, "stage") != 1, ("num_pipeline_microbatches",),
             fix="set ici_pipeline_parallelism (or dcn_pipeline_parallelism) > 1"),
+    Feature("context parallelism", lambda v: ways(v, "context") != 1,
+            ("context_parallel_strategy", "context_parallel_reorder_strategy"),
+            fix="set ici_context_parallelism (or dcn_context_parallelism) > 1"),
 )
 
 

@@ -192,7 +192,9 @@ def attention(x, p, inputs: LayerInputs, config, rt, layer: LayerType, *, scale:
         out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=implementation, platform=rt.backend,
                                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
                                       block_q=config.sa_block_q, block_kv=config.sa_block_kv, sinks=sinks,
-                                      chunk=chunk, positions=inputs.positions)
+                                      chunk=chunk, positions=inputs.positions,
+                                      context_strategy=config.context_parallel_strategy,
+                                      context_reorder=config.context_parallel_reorder_strategy)
         aux = {}
     else:
         # Decoding: write this step's k, v at `index` and attend to the filled cache slots.

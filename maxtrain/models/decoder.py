@@ -329,9 +329,11 @@ def forward(model, params, tokens, positions, segment_ids, rt, routing=None):
     cp = sharding.ways("length")
     if cp == 1:
         return _forward(model, params, tokens, positions, segment_ids, rt, routing)
-    tokens, positions, segment_ids, routing = context_parallel.to_layout((tokens, positions, segment_ids, routing), cp)
+    reorder = model.config.context_parallel_reorder_strategy
+    tokens, positions, segment_ids, routing = context_parallel.to_layout((tokens, positions, segment_ids, routing), cp,
+                                                                         reorder=reorder)
     logits, aux = _forward(model, params, tokens, positions, segment_ids, rt, routing)
-    return context_parallel.from_layout(logits, cp), aux
+    return context_parallel.from_layout(logits, cp, reorder=reorder), aux
 
 
 def loss_fn(model, params, batch: dict, rt):
@@ -347,7 +349,7 @@ def loss_fn(model, params, batch: dict, rt):
     """
     cp = sharding.ways("length")
     if cp > 1:
-        batch = context_parallel.to_layout(batch, cp)
+        batch = context_parallel.to_layout(batch, cp, reorder=model.config.context_parallel_reorder_strategy)
     weights = batch["loss_weights"].astype(jnp.float32)
     x, aux = _hidden(model, params, batch["inputs"], batch["positions"], batch["segment_ids"], rt)
     head = {k: v for k, v in params.items() if k not in ("layers", "mtp")}  # what family.logits reads

@@ -80,7 +80,7 @@ def sums(model, params, teacher, teacher_params, batch: dict, rt, chunk_sums):
     the student's aux): both models' logits made chunk by chunk with num_vocab_tiling > 1 (see above)."""
     cp = sharding.ways("length")
     if cp > 1:  # sums over tokens do not depend on their order (decoder.loss_fn)
-        batch = context_parallel.to_layout(batch, cp)
+        batch = context_parallel.to_layout(batch, cp, reorder=model.config.context_parallel_reorder_strategy)
     weights = batch["loss_weights"].astype(jnp.float32)
     tokens = (batch["inputs"], batch["positions"], batch["segment_ids"])
     x, aux = decoder.hidden(model, params, *tokens, rt)

@@ -323,10 +323,17 @@ def parallelism_lines(run: Run) -> list[str]:
         lines.append(run.pipeline.describe(run.config.micro_batch_size))
     cp = sharding.ways_on(run.mesh, "length", run.config.logical_axis_rules)
     if cp > 1:
-        length = run.config.max_target_length
-        lines.append(f"context: each sequence split {cp} ways ({2 * cp} chunks of {length // (2 * cp)} tokens, "
-                     f"device i holding chunks i and {2 * cp - 1}-i: causal work balanced); keys and values "
-                     "all-gathered per layer for attention")
+        length, config = run.config.max_target_length, run.config
+        if config.context_parallel_reorder_strategy == "striped":
+            order = f"striped: token t on device t mod {cp}, causal work balanced"
+        else:
+            order = (f"dual_chunk_swap: {2 * cp} chunks of {length // (2 * cp)} tokens, device i holding chunks i and "
+                     f"{2 * cp - 1}-i, causal work balanced")
+        attend = {"ring": "keys and values passed around the ring (ppermute), the softmax merged online",
+                  "ulysses": f"an all-to-all trades tokens for heads (1/{cp} of the heads, every token, per device)",
+                  }.get(config.context_parallel_strategy, "keys and values all-gathered per layer")
+        lines.append(f"context: each sequence split {cp} ways ({order}); attention {config.context_parallel_strategy}: "
+                     f"{attend}")
     return lines
 
 

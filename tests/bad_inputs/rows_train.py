@@ -204,6 +204,27 @@ ROWS = [
                                                       "chunk_attn_window_size=64", "ici_context_parallelism=2"],
         r"chunk_attn_window_size=64 \(chunked attention\) does not run with context parallelism 2 yet; set "
         r"ici_context_parallelism=1"),
+    # context parallelism's strategies (issue 60)
+    Row("cp-strategy-without-context-parallelism", T, [B, "context_parallel_strategy=ring"],
+        r"context_parallel_strategy='ring' does nothing without context parallelism: set ici_context_parallelism "
+        r"\(or dcn_context_parallelism\) > 1, or drop context_parallel_strategy"),
+    Row("cp-reorder-without-context-parallelism", T, [B, "context_parallel_reorder_strategy=striped"],
+        r"context_parallel_reorder_strategy='striped' does nothing without context parallelism: set "
+        r"ici_context_parallelism"),
+    Row("cp-strategy-unknown", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=usp"],
+        r"context_parallel_strategy='usp' is not allowed: it must be one of: all_gather, ring, ulysses"),
+    Row("cp-ulysses-heads-do-not-divide", T, [B, "ici_context_parallelism=4", "base_num_kv_heads=2",
+                                              "context_parallel_strategy=ulysses"],
+        r"context_parallel_strategy=ulysses splits the heads over the context group, but base_num_kv_heads=2 is not a "
+        r"multiple of context parallelism 4; use context_parallel_strategy=ring \(or all_gather\)"),
+    Row("cp-ring-with-pipeline-stages", T, [B, "ici_context_parallelism=2", "ici_pipeline_parallelism=2",
+                                            "context_parallel_strategy=ring"],
+        r"context_parallel_strategy=ring does not run with pipeline parallelism yet; set "
+        r"context_parallel_strategy=all_gather, or ici_pipeline_parallelism=1"),
+    Row("cp-striped-length-does-not-divide", T, [B, "ici_context_parallelism=4", "max_target_length=34",
+                                                 "context_parallel_reorder_strategy=striped"],
+        r"context_parallel_reorder_strategy=striped deals each sequence's tokens round-robin to 4 devices, so "
+        r"max_target_length=34 must be a multiple of 4; e.g. max_target_length=32"),
     Row("feature-off-llama4-key-on-llama", T, [B, "use_qk_norm=true"], r"use_qk_norm=true does nothing without "
         r"decoder_block=llama4_text"),
     Row("glm4_moe-rotated-features-odd", T, [B, "model_name=glm-4.5-air", "partial_rotary_factor=0.01"],

@@ -393,7 +393,8 @@ def pad_head_dims(q, k, v, scale):
 def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", platform: str | None = None,
               causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0,
               scale: float | None = None, block_q: int = 128, block_kv: int = 128, interpret: bool | None = None,
-              sinks=None, chunk: int = 0, positions=None):
+              sinks=None, chunk: int = 0, positions=None, context_strategy: str = "all_gather",
+              context_reorder: str = "dual_chunk_swap"):
     """Self-attention over one (possibly packed) sequence; dispatches on `implementation`.
 
     `implementation` must already be resolved (see resolve_implementation). The kernels (flash,
@@ -405,6 +406,9 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
     axes. scale defaults to H ** -0.5; block_q and block_kv are the kernels' largest tiles. sinks [N]:
     attention sinks (dot_product_attention; the flash and splash kernels implement them too). chunk > 0:
     chunked attention over blocks of `chunk` of the tokens' `positions` [B, T] (the module docstring).
+    With the sequence split over the context mesh axes, context_strategy (all_gather, ring or ulysses) says
+    how the queries meet the other devices' keys, and context_reorder names the layout the tokens arrive in
+    (parallel/context.py).
     """
     if chunk > 0:
         if sharding.ways("length") > 1:
@@ -421,8 +425,25 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
         if implementation != "dot_product":
             raise ValueError(f"attention={implementation} does not run with context parallelism yet; "
                              "use attention=dot_product (or autoselected)")
+        if context_strategy == "ring":
+            # deferred: ring.py reads this module's soft_cap
+            from maxtrain.models.attention import ring  # pylint: disable=import-outside-toplevel
+
+            return ring.ring_attention(q, k, v, segment_ids, reorder=context_reorder, causal=causal,
+                                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
+                                       sinks=sinks)
+        if context_strategy == "ulysses":
+            # deferred: ulysses.py reads this module's dot_product_attention
+            from maxtrain.models.attention import ulysses  # pylint: disable=import-outside-toplevel
+
+            return ulysses.ulysses_attention(q, k, v, segment_ids, reorder=context_reorder, causal=causal,
+                                             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                             scale=scale, sinks=sinks)
+        if context_strategy != "all_gather":
+            raise ValueError(f"context_parallel_strategy={context_strategy!r} is not one of all_gather, ring, ulysses")
         return context_parallel_attention(q, k, v, segment_ids, causal=causal, sliding_window=sliding_window,
-                                          logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks)
+                                          logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks,
+                                          reorder=context_reorder)
     if implementation == "dot_product":
         on_cpu = platform is not None and canonical_platform(platform) == "cpu"
         if on_cpu and causal:
@@ -471,9 +492,10 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
 
 
 def context_parallel_attention(q, k, v, segment_ids, *, causal: bool = True, sliding_window: int = 0,
-                               logits_soft_cap: float = 0.0, scale: float | None = None, sinks=None):
+                               logits_soft_cap: float = 0.0, scale: float | None = None, sinks=None,
+                               reorder: str = "dual_chunk_swap"):
     """Attention with the sequence split over the context mesh axes (parallel/context.py): queries
-    [B, T, N, H] in the load-balanced layout, sharded along T, attend to all keys.
+    [B, T, N, H] in the load-balanced layout `reorder`, sharded along T, attend to all keys.
 
     The keys, values and segment ids are constrained to be whole along T (GSPMD all-gathers them
     across the context group), the queries, the mask and the output stay split along T, and the
@@ -482,7 +504,7 @@ def context_parallel_attention(q, k, v, segment_ids, *, causal: bool = True, sli
     constraints rather than shard_map, it composes with pipeline stages (already inside shard_map)
     and with every other mesh axis.
     """
-    order = jnp.asarray(context.layout(q.shape[1], sharding.ways("length")))
+    order = jnp.asarray(context.layout(q.shape[1], sharding.ways("length"), reorder))
     k = sharding.shard(k, ("batch", None, "kv_heads", None))
     v = sharding.shard(v, ("batch", None, "kv_heads", None))
     kv_segments = sharding.shard(segment_ids, ("batch", None))

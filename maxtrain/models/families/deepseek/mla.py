@@ -111,7 +111,9 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global"):
     scale = softmax_scale(config)
     if inputs.cache is None:
         out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=rt.attention, platform=backend,
-                                      scale=scale, block_q=config.sa_block_q, block_kv=config.sa_block_kv)
+                                      scale=scale, block_q=config.sa_block_q, block_kv=config.sa_block_kv,
+                                      context_strategy=config.context_parallel_strategy,
+                                      context_reorder=config.context_parallel_reorder_strategy)
     else:
         slots = jnp.arange(k.shape[1])[None, None, :]
         mask = slots <= (index + jnp.arange(q.shape[1]))[None, :, None]  # [B, T, S]: causal over the slots

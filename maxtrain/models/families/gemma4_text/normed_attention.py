@@ -81,7 +81,9 @@ def attention(x, p, inputs, config, rt, layer: LayerType, shared_kv=None):
     implementation = rt.attention_for(layer, config.head_dim)  # this layer kind's: Gemma 4's heads differ per kind
     out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=implementation, platform=rt.backend,
                                   sliding_window=layer.sliding_window(), scale=1.0,
-                                  block_q=config.sa_block_q, block_kv=config.sa_block_kv)
+                                  block_q=config.sa_block_q, block_kv=config.sa_block_kv,
+                                  context_strategy=config.context_parallel_strategy,
+                                  context_reorder=config.context_parallel_reorder_strategy)
     out = ops.dense(out, p["wo"].astype(dt), 2, backend=rt.backend, fp8=fp8)  # "BTNH,NHD->BTD"
     return checkpoint_name(out, "out_proj"), (k, v)
 

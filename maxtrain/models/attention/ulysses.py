@@ -1,0 +1,81 @@
+"""Ulysses attention: context parallelism (context_parallel_strategy=ulysses) by an all-to-all over the heads.
+
+The sequence is split over the context mesh axes in a load-balanced layout (parallel/context.py): each of the C
+devices of a context group holds T / C tokens of every head. Inside shard_map over those axes one all-to-all
+trades that for every token of N / C query heads (and G / C kv heads): the T / C-token pieces of the C devices,
+concatenated in device order, are the whole sequence in the layout's order, so the mask compares the original
+token indices `order` [T] (same segment, causal, sliding window) as all_gather's does. Each device runs the
+plain-jnp reference on its heads, and a second all-to-all gives the output back split along T with every head.
+The query heads of a kv head stay together: head n = g R + r, and the C groups of N / C query heads are those of
+the C groups of G / C kv heads. So N and G (per tensor-parallel shard) must be multiples of C
+(config/checks.py refuses other models before compiling).
+
+Per device: q, k, v of T tokens x N / C heads (as many numbers as T / C tokens x N heads) and the scores of its
+heads, [N / C, T, T]; no flash kernel per head group yet (issue 60).
+
+Letters as in attention/__init__.py: B batch, T tokens, N query heads = G kv heads x R, H head dim.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from maxtrain.models.attention import dot_product_attention
+from maxtrain.parallel import context, sharding
+
+
+def ulysses_attention_shard(q, k, v, segment_ids, order, sinks=None, *, axes: tuple[str, ...], ways: int,
+                            causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0,
+                            scale: float | None = None):
+    """One device's part, inside shard_map over the context mesh `axes` (`ways` devices): q [B, T/C, N, H],
+    k and v [B, T/C, G, H], segment_ids [B, T/C] of this device, order [T] the layout's original indices, sinks
+    [N] or None. Returns [B, T/C, N, Hv] in q.dtype."""
+    n, g = q.shape[2], k.shape[2]
+    if n % ways or g % ways:
+        raise ValueError(f"ulysses attention splits the heads {ways} ways over the context group: query heads ({n}) "
+                         f"and kv heads ({g}) per device must be multiples of {ways}")
+
+    def by_heads(x):  # [B, T/C, heads, H] -> [B, T, heads/C, H]
+        return jax.lax.all_to_all(x, axes, split_axis=2, concat_axis=1, tiled=True)
+    q, k, v = by_heads(q), by_heads(k), by_heads(v)
+    segment_ids = jax.lax.all_gather(segment_ids, axes, axis=1, tiled=True)  # [B, T], the layout's order
+    t, s = order[:, None], order[None, :]
+    mask = segment_ids[:, :, None] == segment_ids[:, None, :]
+    if causal:
+        mask = mask & (s <= t)[None]
+    if sliding_window > 0:
+        mask = mask & (t - s < sliding_window)[None]
+    if sinks is not None:  # this device's N / C heads of the sinks
+        sinks = jax.lax.dynamic_slice_in_dim(sinks, jax.lax.axis_index(axes) * (n // ways), n // ways)
+    out = dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks)
+    return jax.lax.all_to_all(out, axes, split_axis=1, concat_axis=2, tiled=True)  # back: [B, T/C, N, Hv]
+
+
+def ulysses_attention(q, k, v, segment_ids, *, reorder: str = "dual_chunk_swap", causal: bool = True,
+                      sliding_window: int = 0, logits_soft_cap: float = 0.0, scale: float | None = None, sinks=None):
+    """Attention of q [B, T, N, H] over k, v [B, T, G, H] in the load-balanced layout `reorder`, sharded along T over
+    the context mesh axes of the active mesh: heads traded for tokens by all-to-all (the module docstring). Equals
+    the reference attention over the unsplit sequence (tests/parallel/test_context_ring.py)."""
+    active = sharding.active_mesh()
+    if active is None:
+        raise ValueError("ulysses attention runs under sharding.activation_sharding (a mesh with a context axis)")
+    mesh, rules = active
+    axes = tuple(a for a in sharding.mesh_axes_of("length", rules) if mesh.shape[a] > 1)
+    ways = sharding.ways("length")
+    order = jnp.asarray(context.layout(q.shape[1], ways, reorder), jnp.int32)
+    q_axes, kv_axes = ("batch", "length", "heads", None), ("batch", "length", "kv_heads", None)
+    specs = sharding.active_specs([q_axes, kv_axes])
+    if specs is not None and specs[0][2] != specs[1][2]:
+        raise ValueError(f"logical_axis_rules put 'heads' on {specs[0][2]} but 'kv_heads' on {specs[1][2]}: ulysses "
+                         "attention needs both on the same mesh axes. Map them to the same axes, or use "
+                         "context_parallel_strategy=all_gather.")
+
+    def shard_fn(q, k, v, segment_ids, order, *rest):
+        return ulysses_attention_shard(q, k, v, segment_ids, order, *rest, axes=axes, ways=ways, causal=causal,
+                                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale)
+    args, in_axes = [q, k, v, segment_ids, order], [q_axes, kv_axes, kv_axes, ("batch", "length"), (None,)]
+    if sinks is not None:
+        args.append(sinks)
+        in_axes.append(("heads",))
+    return sharding.run_in_shards(shard_fn, args, in_axes, q_axes)
