@@ -23,8 +23,8 @@ the logits out of it (`from_layout`) only where a caller wants them in order (th
 tokens and needs no reordering). RoPE reads each token's own position and the mask compares
 original token indices (`layout`), so the result equals attention over the unsplit sequence:
 packed segment ids, causality and sliding windows hold exactly. The attention itself is
-`models.attention.context_parallel_attention` (context_parallel_strategy=all_gather) or
-`models.attention.ring.ring_attention` (ring).
+`models.attention.context_parallel.attention`, which dispatches on context_parallel_strategy (all_gather,
+ring, ulysses).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import pytest
 from conftest import BASE_YML, TINY
 from maxtrain.config import load_config, with_overrides
 from maxtrain.models import attention
-from maxtrain.models.attention import ring, ulysses
+from maxtrain.models.attention import context_parallel, ring, ulysses
 from maxtrain.models.model import Model
 from maxtrain.parallel import context, sharding
 from maxtrain.training import builder
@@ -168,7 +168,7 @@ def test_the_ring_holds_one_block_at_a_time_forward_and_backward():
     autodiff of the scan kept those: 3 x that, measured). all_gather's scores against every key are the control."""
     block_scores = B * (96 // 4) ** 2 * N
     assert _largest_float_array(ring.ring_attention, 4, 96) <= block_scores
-    assert _largest_float_array(attention.context_parallel_attention, 4, 96) >= B * (96 // 4) * 96 * N
+    assert _largest_float_array(context_parallel.context_parallel_attention, 4, 96) >= B * (96 // 4) * 96 * N
 
 
 # --------------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 
 from maxtrain.config import chips
 from maxtrain.models.attention import kernel_choice
-from maxtrain.parallel import context, sharding
+from maxtrain.parallel import sharding
 
 IMPLEMENTATIONS = ("autoselected", "dot_product", "flash", "cudnn", "tokamax")
 
@@ -286,9 +286,9 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     config/attention_speeds.MEASURED found fastest at the nearest measured shape, among those that support the
     model (soft-caps: not cudnn; sinks: neither cudnn nor tokamax), and dot_product only where none does.
 
-    With context parallelism (context_parallel > 1 ways) attention is context_parallel_attention, the
-    gathered reference: `autoselected` resolves to dot_product, and an explicit kernel is refused (it
-    cannot see the other devices' keys).
+    With context parallelism (context_parallel > 1 ways) attention is context_parallel.attention (the
+    plain-jnp blocks of the context strategy): `autoselected` resolves to dot_product, and an explicit kernel
+    is refused (it cannot see the other devices' keys).
 
     The arguments describe one attention kind (models/runtime.py resolves each once); `layers` names it
     in the refusal of an explicit choice it cannot run.
@@ -425,25 +425,12 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
         if implementation != "dot_product":
             raise ValueError(f"attention={implementation} does not run with context parallelism yet; "
                              "use attention=dot_product (or autoselected)")
-        if context_strategy == "ring":
-            # deferred: ring.py reads this module's soft_cap
-            from maxtrain.models.attention import ring  # pylint: disable=import-outside-toplevel
+        # deferred: context_parallel.py reads this module's reference attention
+        from maxtrain.models.attention import context_parallel  # pylint: disable=import-outside-toplevel
 
-            return ring.ring_attention(q, k, v, segment_ids, reorder=context_reorder, causal=causal,
-                                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
-                                       sinks=sinks)
-        if context_strategy == "ulysses":
-            # deferred: ulysses.py reads this module's dot_product_attention
-            from maxtrain.models.attention import ulysses  # pylint: disable=import-outside-toplevel
-
-            return ulysses.ulysses_attention(q, k, v, segment_ids, reorder=context_reorder, causal=causal,
-                                             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                                             scale=scale, sinks=sinks)
-        if context_strategy != "all_gather":
-            raise ValueError(f"context_parallel_strategy={context_strategy!r} is not one of all_gather, ring, ulysses")
-        return context_parallel_attention(q, k, v, segment_ids, causal=causal, sliding_window=sliding_window,
-                                          logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks,
-                                          reorder=context_reorder)
+        return context_parallel.attention(q, k, v, segment_ids, strategy=context_strategy, reorder=context_reorder,
+                                          causal=causal, sliding_window=sliding_window,
+                                          logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks)
     if implementation == "dot_product":
         on_cpu = platform is not None and canonical_platform(platform) == "cpu"
         if on_cpu and causal:
@@ -489,31 +476,3 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
                 logits_soft_cap=logits_soft_cap, sm_scale=scale, block_q=block_q, block_k=block_kv,
                 shared_memory=shared_memory, interpret=interpret, sinks=sinks)
     return _per_shard(kernel, q, k, v, segment_ids, sinks)
-
-
-def context_parallel_attention(q, k, v, segment_ids, *, causal: bool = True, sliding_window: int = 0,
-                               logits_soft_cap: float = 0.0, scale: float | None = None, sinks=None,
-                               reorder: str = "dual_chunk_swap"):
-    """Attention with the sequence split over the context mesh axes (parallel/context.py): queries
-    [B, T, N, H] in the load-balanced layout `reorder`, sharded along T, attend to all keys.
-
-    The keys, values and segment ids are constrained to be whole along T (GSPMD all-gathers them
-    across the context group), the queries, the mask and the output stay split along T, and the
-    mask compares original token indices (same segment, causal, sliding window): the plain-jnp
-    reference attention, on T / C queries per device against T keys. Written with sharding
-    constraints rather than shard_map, it composes with pipeline stages (already inside shard_map)
-    and with every other mesh axis.
-    """
-    order = jnp.asarray(context.layout(q.shape[1], sharding.ways("length"), reorder))
-    k = sharding.shard(k, ("batch", None, "kv_heads", None))
-    v = sharding.shard(v, ("batch", None, "kv_heads", None))
-    kv_segments = sharding.shard(segment_ids, ("batch", None))
-    t, s = order[:, None], order[None, :]
-    mask = segment_ids[:, :, None] == kv_segments[:, None, :]
-    if causal:
-        mask = mask & (s <= t)[None]
-    if sliding_window > 0:
-        mask = mask & (t - s < sliding_window)[None]
-    mask = sharding.shard(mask, ("batch", "length", None))
-    out = dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks)
-    return sharding.shard(out, ("batch", "length", "heads", None))

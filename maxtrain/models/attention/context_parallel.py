@@ -1,0 +1,62 @@
+"""Attention with the sequence split over the context mesh axes (parallel/context.py): the strategy's dispatch
+(context_parallel_strategy) and the all_gather form.
+
+all_gather (the default) lets GSPMD gather each layer's keys and values over the context group: T keys per device,
+written with sharding constraints, so it composes with pipeline stages and every other mesh axis. ring.py passes
+the key/value blocks round the group instead (T / C per device), ulysses.py trades tokens for heads with an
+all-to-all. All three mask by the tokens' original indices (`context.layout`), so each equals attention over the
+unsplit sequence.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from maxtrain.models.attention import dot_product_attention, ring, ulysses
+from maxtrain.parallel import context, sharding
+
+STRATEGIES = ("all_gather", "ring", "ulysses")
+
+
+def attention(q, k, v, segment_ids, *, strategy: str = "all_gather", reorder: str = "dual_chunk_swap",
+              causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0, scale: float | None = None,
+              sinks=None):
+    """q [B, T, N, H], k and v [B, T, G, H] in the layout `reorder`, sharded along T over the context axes, through
+    the context strategy `strategy`."""
+    kwargs = dict(causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
+                  sinks=sinks)
+    if strategy == "ring":
+        return ring.ring_attention(q, k, v, segment_ids, reorder=reorder, **kwargs)
+    if strategy == "ulysses":
+        return ulysses.ulysses_attention(q, k, v, segment_ids, reorder=reorder, **kwargs)
+    if strategy != "all_gather":
+        raise ValueError(f"context_parallel_strategy={strategy!r} is not one of {', '.join(STRATEGIES)}")
+    return context_parallel_attention(q, k, v, segment_ids, reorder=reorder, **kwargs)
+
+
+def context_parallel_attention(q, k, v, segment_ids, *, causal: bool = True, sliding_window: int = 0,
+                               logits_soft_cap: float = 0.0, scale: float | None = None, sinks=None,
+                               reorder: str = "dual_chunk_swap"):
+    """Attention with the sequence split over the context mesh axes (parallel/context.py): queries
+    [B, T, N, H] in the load-balanced layout `reorder`, sharded along T, attend to all keys.
+
+    The keys, values and segment ids are constrained to be whole along T (GSPMD all-gathers them
+    across the context group), the queries, the mask and the output stay split along T, and the
+    mask compares original token indices (same segment, causal, sliding window): the plain-jnp
+    reference attention, on T / C queries per device against T keys. Written with sharding
+    constraints rather than shard_map, it composes with pipeline stages (already inside shard_map)
+    and with every other mesh axis.
+    """
+    order = jnp.asarray(context.layout(q.shape[1], sharding.ways("length"), reorder))
+    k = sharding.shard(k, ("batch", None, "kv_heads", None))
+    v = sharding.shard(v, ("batch", None, "kv_heads", None))
+    kv_segments = sharding.shard(segment_ids, ("batch", None))
+    t, s = order[:, None], order[None, :]
+    mask = segment_ids[:, :, None] == kv_segments[:, None, :]
+    if causal:
+        mask = mask & (s <= t)[None]
+    if sliding_window > 0:
+        mask = mask & (t - s < sliding_window)[None]
+    mask = sharding.shard(mask, ("batch", "length", None))
+    out = dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks)
+    return sharding.shard(out, ("batch", "length", "heads", None))
