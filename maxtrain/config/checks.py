@@ -263,11 +263,29 @@ def _ulysses_heads_divide(v):
                  f"(or all_gather), or a context parallelism that divides {n // tp}")
 
 
-def _chunked_attention_without_context_parallelism(v):
-    cp, chunk = ways(v, "context"), v["chunk_attn_window_size"]
-    _require(not (chunk > 0 and cp and cp > 1),
-             f"chunk_attn_window_size={chunk} (chunked attention) does not run with context parallelism {cp} yet; "
-             "set ici_context_parallelism=1 and dcn_context_parallelism=1")
+# usp (issue 60): ulysses over the ici context devices of a slice, the ring over the dcn ones across slices
+def _usp_applies(v):
+    """usp needs both context levels (> 1 each) and the heads of each tensor-parallel shard to split over the ici
+    context devices."""
+    if v["context_parallel_strategy"] != "usp" or ways(v, "context") == 1:  # without CP: config/features.py's
+        return
+    ici, dcn = v["ici_context_parallelism"], v["dcn_context_parallelism"]
+    _require(ici > 1 and dcn > 1,
+             f"context_parallel_strategy=usp runs ulysses over ici_context_parallelism and the ring over "
+             f"dcn_context_parallelism, so both must be set > 1, but they are {ici} and {dcn}; with one context level "
+             "use context_parallel_strategy=ring or ulysses")
+    tp = v["ici_tensor_parallelism"] * v["dcn_tensor_parallelism"]
+    heads = {"base_num_query_heads": v["base_num_query_heads"]}
+    if v["decoder_block"] not in features.MLA_FAMILIES:  # MLA: a key per query head
+        heads["base_num_kv_heads"] = v["base_num_kv_heads"]
+    if v["global_num_kv_heads"] > 0:
+        heads["global_num_kv_heads"] = v["global_num_kv_heads"]
+    for key, n in heads.items():
+        per_shard = f" / tensor parallelism {tp} = {n // tp}" if tp > 1 else ""
+        _require((n // tp) % ici == 0,
+                 f"context_parallel_strategy=usp splits the heads over the ici context devices of a slice, but "
+                 f"{key}={n}{per_shard} is not a multiple of ici_context_parallelism={ici}; use "
+                 f"context_parallel_strategy=ring (or all_gather), or an ici_context_parallelism that divides {n // tp}")
 
 
 def _tensor_parallelism_divides(v):
@@ -480,7 +498,7 @@ CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _layer_head_shapes, _voc
           *objectives.CHECKS, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           _stages_divide_layers, _no_pipeline_stages_with_experts, _context_chunks_divide_length,
-          _ring_attention_without_pipeline_stages, _chunked_attention_without_context_parallelism,
+          _ring_attention_without_pipeline_stages, _usp_applies,
           lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _ulysses_heads_divide,
           _coordinator_address,
           _run_name_is_one_directory, _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,

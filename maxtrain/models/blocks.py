@@ -194,7 +194,8 @@ def attention(x, p, inputs: LayerInputs, config, rt, layer: LayerType, *, scale:
                                       block_q=config.sa_block_q, block_kv=config.sa_block_kv, sinks=sinks,
                                       chunk=chunk, positions=inputs.positions,
                                       context_strategy=config.context_parallel_strategy,
-                                      context_reorder=config.context_parallel_reorder_strategy)
+                                      context_reorder=config.context_parallel_reorder_strategy,
+                                      context_inner=config.ici_context_parallelism)
         aux = {}
     else:
         # Decoding: write this step's k, v at `index` and attend to the filled cache slots.

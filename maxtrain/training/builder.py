@@ -331,6 +331,9 @@ def parallelism_lines(run: Run) -> list[str]:
                      f"{2 * cp - 1}-i, causal work balanced")
         attend = {"ring": "keys and values passed around the ring (ppermute), the softmax merged online",
                   "ulysses": f"an all-to-all trades tokens for heads (1/{cp} of the heads, every token, per device)",
+                  "usp": (f"an all-to-all inside each slice trades tokens for heads (1/{config.ici_context_parallelism} "
+                          f"of the heads per device), the ring across the {cp // max(1, config.ici_context_parallelism)}"
+                          " slices passes keys and values (ppermute)"),
                   }.get(config.context_parallel_strategy, "keys and values all-gathered per layer")
         lines.append(f"context: each sequence split {cp} ways ({order}); attention {config.context_parallel_strategy}: "
                      f"{attend}")

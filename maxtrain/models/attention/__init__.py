@@ -10,8 +10,8 @@ the softmax is ever empty. Padding is kept out of the loss by the loss weights, 
 
 Chunked attention (Llama 4): with `chunk` = C > 0 a query sees only the keys of its own block of C positions
 (p // C; positions restart in each document), computed by splitting each segment into its chunks
-(`chunk_segment_ids`), so the kernels, which mask by segment ids, need nothing more. The context-parallel form
-takes no chunks (its tokens arrive in the load-balanced order). kernel_choice.py says what each implementation
+(`chunk_segment_ids`), so the kernels, which mask by segment ids, need nothing more. Under context parallelism the
+tokens arrive in the load-balanced order and the ids are made token by token (`chunk_ids_elementwise`). kernel_choice.py says what each implementation
 supports and which is fastest; kernel_check.py checks them against the reference.
 """
 
@@ -64,6 +64,17 @@ def chunk_segment_ids(segment_ids, positions, chunk: int):
                               segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
     starts = starts | (positions % chunk == 0)
     return jnp.cumsum(starts.astype(jnp.int32), axis=1)
+
+
+def chunk_ids_elementwise(segment_ids, positions, chunk: int):
+    """Chunked attention's segment ids token by token, for tokens in any order (context parallelism's layout, where
+    chunk_segment_ids' cumulative sum along T would not follow the documents): segment s, position p -> the pair
+    (s, p // chunk) as one int, s (max p // chunk + 1) + p // chunk. Positions restart in each document, so within a
+    row two tokens share an id exactly when they share a segment and a block of `chunk` positions: with the causal
+    mask by original index, the same mask as chunk_segment_ids' for packed rows (padding aside, whose queries see
+    only padding either way)."""
+    blocks = positions // chunk
+    return segment_ids * (jnp.max(blocks) + 1) + blocks
 
 
 def soft_cap(x, cap: float):
@@ -394,7 +405,7 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
               causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0,
               scale: float | None = None, block_q: int = 128, block_kv: int = 128, interpret: bool | None = None,
               sinks=None, chunk: int = 0, positions=None, context_strategy: str = "all_gather",
-              context_reorder: str = "dual_chunk_swap"):
+              context_reorder: str = "dual_chunk_swap", context_inner: int = 0):
     """Self-attention over one (possibly packed) sequence; dispatches on `implementation`.
 
     `implementation` must already be resolved (see resolve_implementation). The kernels (flash,
@@ -406,17 +417,17 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
     axes. scale defaults to H ** -0.5; block_q and block_kv are the kernels' largest tiles. sinks [N]:
     attention sinks (dot_product_attention; the flash and splash kernels implement them too). chunk > 0:
     chunked attention over blocks of `chunk` of the tokens' `positions` [B, T] (the module docstring).
-    With the sequence split over the context mesh axes, context_strategy (all_gather, ring or ulysses) says
-    how the queries meet the other devices' keys, and context_reorder names the layout the tokens arrive in
-    (parallel/context.py).
+    With the sequence split over the context mesh axes, context_strategy (all_gather, ring, ulysses or usp) says
+    how the queries meet the other devices' keys, context_reorder names the layout the tokens arrive in
+    (parallel/context.py), and context_inner is usp's devices of the group per slice (ici_context_parallelism).
     """
     if chunk > 0:
-        if sharding.ways("length") > 1:
-            raise ValueError(f"chunked attention (chunk_attn_window_size={chunk}) does not run with context "
-                             "parallelism yet; use ici_context_parallelism=1")
         if not causal:
             raise ValueError("chunked attention is causal; pass causal=True")
-        segment_ids = chunk_segment_ids(segment_ids, positions, chunk)
+        if sharding.ways("length") > 1:  # tokens in the layout's order: chunk ids elementwise, no scan along T
+            segment_ids = chunk_ids_elementwise(segment_ids, positions, chunk)
+        else:
+            segment_ids = chunk_segment_ids(segment_ids, positions, chunk)
     features = {"sliding_window": sliding_window, "logits_soft_cap": logits_soft_cap, "sinks": sinks is not None}
     if _unsupported(implementation, features):
         raise ValueError(f"attention={implementation} does not implement {' and '.join(_unsupported(implementation, features))}; "
@@ -430,7 +441,8 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
 
         return context_parallel.attention(q, k, v, segment_ids, strategy=context_strategy, reorder=context_reorder,
                                           causal=causal, sliding_window=sliding_window,
-                                          logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks)
+                                          logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks,
+                                          inner=context_inner)
     if implementation == "dot_product":
         on_cpu = platform is not None and canonical_platform(platform) == "cpu"
         if on_cpu and causal:

@@ -4,7 +4,7 @@
 all_gather (the default) lets GSPMD gather each layer's keys and values over the context group: T keys per device,
 written with sharding constraints, so it composes with pipeline stages and every other mesh axis. ring.py passes
 the key/value blocks round the group instead (T / C per device), ulysses.py trades tokens for heads with an
-all-to-all. All three mask by the tokens' original indices (`context.layout`), so each equals attention over the
+all-to-all, usp.py does ulysses inside each slice and the ring across slices. All three mask by the tokens' original indices (`context.layout`), so each equals attention over the
 unsplit sequence.
 """
 
@@ -12,23 +12,25 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from maxtrain.models.attention import dot_product_attention, ring, ulysses
+from maxtrain.models.attention import dot_product_attention, ring, ulysses, usp
 from maxtrain.parallel import context, sharding
 
-STRATEGIES = ("all_gather", "ring", "ulysses")
+STRATEGIES = ("all_gather", "ring", "ulysses", "usp")
 
 
 def attention(q, k, v, segment_ids, *, strategy: str = "all_gather", reorder: str = "dual_chunk_swap",
               causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0, scale: float | None = None,
-              sinks=None):
+              sinks=None, inner: int = 0):
     """q [B, T, N, H], k and v [B, T, G, H] in the layout `reorder`, sharded along T over the context axes, through
-    the context strategy `strategy`."""
+    the context strategy `strategy`; `inner`: usp's devices of the group in one slice (ici_context_parallelism)."""
     kwargs = dict(causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
                   sinks=sinks)
     if strategy == "ring":
         return ring.ring_attention(q, k, v, segment_ids, reorder=reorder, **kwargs)
     if strategy == "ulysses":
         return ulysses.ulysses_attention(q, k, v, segment_ids, reorder=reorder, **kwargs)
+    if strategy == "usp":  # ulysses inside each slice, the ring across slices (usp.py)
+        return usp.usp_attention(q, k, v, segment_ids, inner=inner, reorder=reorder, **kwargs)
     if strategy != "all_gather":
         raise ValueError(f"context_parallel_strategy={strategy!r} is not one of {', '.join(STRATEGIES)}")
     return context_parallel_attention(q, k, v, segment_ids, reorder=reorder, **kwargs)

@@ -74,15 +74,17 @@ def merge_block(state, q, k, v, mask, *, scale: float, logits_soft_cap: float):
 
 def ring_attention_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes: tuple[str, ...], ways: int,
                          causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0,
-                         scale: float | None = None):
+                         scale: float | None = None, pairs=None):
     """One device's part, inside shard_map over the context mesh `axes` (a ring of `ways` devices): q [B, T, N, H],
     k [B, T, G, H], v [B, T, G, Hv], segment_ids [B, T] and q_index [T] (original token indices) of this device;
     sinks [N] or None. Returns [B, T, N, Hv] in q.dtype. Its gradient (`_backward`) passes the blocks round the
-    ring again, each with its running dk and dv, so the backward pass too holds T / C keys and values at a time."""
+    ring again, each with its running dk and dv, so the backward pass too holds T / C keys and values at a time.
+    pairs: the ring's (source, destination) indices over `axes`, default c -> c + 1 mod `ways`; usp.py passes
+    rings of every `inner`-th device (several rings of `ways` devices at once)."""
     n, g, h = q.shape[2], k.shape[2], q.shape[3]
     if n % g:
         raise ValueError(f"query heads ({n}) must be a multiple of kv heads ({g})")
-    ring = _Ring(axes, ways, causal, sliding_window, logits_soft_cap, h**-0.5 if scale is None else scale)
+    ring = _Ring(axes, ways, causal, sliding_window, logits_soft_cap, h**-0.5 if scale is None else scale, pairs)
     with_sinks = sinks is not None
     sinks = sinks if with_sinks else jnp.zeros((n,), jnp.float32)
 
@@ -107,10 +109,10 @@ def ring_attention_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes: tup
 class _Ring:
     """The ring's forward and backward passes for one device, with the settings they share."""
 
-    def __init__(self, axes, ways, causal, sliding_window, logits_soft_cap, scale):
+    def __init__(self, axes, ways, causal, sliding_window, logits_soft_cap, scale, pairs=None):
         self.axes, self.ways, self.causal, self.sliding_window = axes, ways, causal, sliding_window
         self.logits_soft_cap, self.scale = logits_soft_cap, scale
-        self.pairs = [(i, (i + 1) % ways) for i in range(ways)]  # device c sends to c + 1
+        self.pairs = pairs if pairs is not None else [(i, (i + 1) % ways) for i in range(ways)]  # c sends to c + 1
 
     def pass_on(self, block):
         return jax.lax.ppermute(block, self.axes, self.pairs)

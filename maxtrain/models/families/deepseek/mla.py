@@ -113,7 +113,8 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global"):
         out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=rt.attention, platform=backend,
                                       scale=scale, block_q=config.sa_block_q, block_kv=config.sa_block_kv,
                                       context_strategy=config.context_parallel_strategy,
-                                      context_reorder=config.context_parallel_reorder_strategy)
+                                      context_reorder=config.context_parallel_reorder_strategy,
+                                      context_inner=config.ici_context_parallelism)
     else:
         slots = jnp.arange(k.shape[1])[None, None, :]
         mask = slots <= (index + jnp.arange(q.shape[1]))[None, :, None]  # [B, T, S]: causal over the slots

@@ -83,7 +83,8 @@ def attention(x, p, inputs, config, rt, layer: LayerType, shared_kv=None):
                                   sliding_window=layer.sliding_window(), scale=1.0,
                                   block_q=config.sa_block_q, block_kv=config.sa_block_kv,
                                   context_strategy=config.context_parallel_strategy,
-                                  context_reorder=config.context_parallel_reorder_strategy)
+                                  context_reorder=config.context_parallel_reorder_strategy,
+                                  context_inner=config.ici_context_parallelism)
     out = ops.dense(out, p["wo"].astype(dt), 2, backend=rt.backend, fp8=fp8)  # "BTNH,NHD->BTD"
     return checkpoint_name(out, "out_proj"), (k, v)
 

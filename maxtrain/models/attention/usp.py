@@ -1,0 +1,98 @@
+"""Unified sequence parallelism (context_parallel_strategy=usp): ulysses inside a slice, the ring across slices.
+
+The context group of C = Co x Ci devices spans two levels of the mesh: the `context` mesh axis is
+dcn_context_parallelism (Co, slices) x ici_context_parallelism (Ci, devices of a slice), the slice index the major
+part (sharding.hybrid_device_array), so device c of the group is device i = c mod Ci of slice d = c // Ci. As for
+ring and ulysses the sequence is in a load-balanced layout over all C devices (parallel/context.py): device c holds
+the T / C tokens at positions [c T / C, (c + 1) T / C) of the layout, every head.
+
+Inside shard_map over the context axis:
+
+1. An all-to-all within each slice's Ci devices (ulysses.py's, with axis_index_groups) trades tokens for heads:
+   device (d, i) then holds the T / Co tokens of its slice (positions [d T / Co, (d + 1) T / Co), the slice's Ci
+   pieces in device order) for the i-th group of N / Ci query heads and G / Ci kv heads. This all-to-all never
+   leaves the slice (fast links).
+2. The ring (ring.py's `ring_attention_shard`) across slices: device (d, i) passes its key/value block to
+   (d + 1 mod Co, i), which holds the same heads, Co - 1 times, the softmax merged online; masks compare the
+   original token indices of each block (the layout's `order` over the slice's positions), so packed segments,
+   causality and windows are those of the unsplit sequence. Only these ppermutes cross slices (slow links).
+3. The inverse all-to-all gives each device its T / C tokens back with every head.
+
+Per device: T / Co tokens x N / Ci heads of q, and one key/value block of as many tokens, at a time (no [T, ...]
+buffer); the gradient is the ring's custom VJP between the all-to-alls' transposes. N and G (per tensor-parallel
+shard) must be multiples of Ci (config/checks.py `_usp_applies` refuses other models before compiling).
+
+Letters as in attention/__init__.py: B batch, T tokens, N query heads = G kv heads x R, H head dim (Hv the value's).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxtrain.models.attention import ring
+from maxtrain.parallel import context, sharding
+
+
+def usp_attention_shard(q, k, v, segment_ids, order, sinks=None, *, axes: tuple[str, ...], inner: int, outer: int,
+                        causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0,
+                        scale: float | None = None):
+    """One device's part, inside shard_map over the context mesh `axes` (C = outer x inner devices, each slice's
+    `inner` consecutive): q [B, T/C, N, H], k [B, T/C, G, H], v [B, T/C, G, Hv], segment_ids [B, T/C] of this
+    device, order [T] the layout's original indices, sinks [N] or None. Returns [B, T/C, N, Hv] in q.dtype."""
+    n, g, length = q.shape[2], k.shape[2], order.shape[0]
+    if n % inner or g % inner:
+        raise ValueError(f"usp attention splits the heads {inner} ways inside each slice: query heads ({n}) and kv "
+                         f"heads ({g}) per device must be multiples of {inner}")
+    groups = [[d * inner + i for i in range(inner)] for d in range(outer)]
+
+    def by_heads(x):  # [B, T/C, heads, H] -> [B, T/Co, heads/Ci, H], within the slice
+        return jax.lax.all_to_all(x, axes, split_axis=2, concat_axis=1, tiled=True, axis_index_groups=groups)
+    q, k, v = by_heads(q), by_heads(k), by_heads(v)
+    segment_ids = jax.lax.all_gather(segment_ids, axes, axis=1, tiled=True, axis_index_groups=groups)  # [B, T/Co]
+    device = jax.lax.axis_index(axes)
+    slice_tokens = length // outer
+    q_index = jax.lax.dynamic_slice_in_dim(order, (device // inner) * slice_tokens, slice_tokens)
+    if sinks is not None:  # this device's N / Ci heads of the sinks
+        sinks = jax.lax.dynamic_slice_in_dim(sinks, (device % inner) * (n // inner), n // inner)
+    pairs = [(c, (c + inner) % (inner * outer)) for c in range(inner * outer)]  # (d, i) -> (d + 1 mod Co, i)
+    out = ring.ring_attention_shard(q, k, v, segment_ids, q_index, sinks, axes=axes, ways=outer, pairs=pairs,
+                                    causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                    scale=scale)
+    return jax.lax.all_to_all(out, axes, split_axis=1, concat_axis=2, tiled=True, axis_index_groups=groups)
+
+
+def usp_attention(q, k, v, segment_ids, *, inner: int, reorder: str = "dual_chunk_swap", causal: bool = True,
+                  sliding_window: int = 0, logits_soft_cap: float = 0.0, scale: float | None = None, sinks=None):
+    """Attention of q [B, T, N, H] over k, v [B, T, G, H] in the load-balanced layout `reorder`, sharded along T over
+    the context mesh axes of the active mesh, `inner` (ici_context_parallelism) consecutive devices of the group in
+    each slice: ulysses inside the slices, the ring across them (the module docstring). Equals the reference
+    attention over the unsplit sequence (tests/parallel/test_context_usp.py)."""
+    active = sharding.active_mesh()
+    if active is None:
+        raise ValueError("usp attention runs under sharding.activation_sharding (a mesh with a context axis)")
+    mesh, rules = active
+    axes = tuple(a for a in sharding.mesh_axes_of("length", rules) if mesh.shape[a] > 1)
+    ways = int(np.prod([mesh.shape[a] for a in axes]))
+    if inner < 2 or ways % inner or ways == inner:
+        raise ValueError(f"usp attention needs the context group ({ways} devices) to be several slices of inner={inner}"
+                         " > 1 devices each (ici_context_parallelism > 1 and dcn_context_parallelism > 1); with one "
+                         "context level use context_parallel_strategy=ring or ulysses")
+    order = jnp.asarray(context.layout(q.shape[1], ways, reorder), jnp.int32)
+    q_axes, kv_axes = ("batch", "length", "heads", None), ("batch", "length", "kv_heads", None)
+    specs = sharding.active_specs([q_axes, kv_axes])
+    if specs is not None and specs[0][2] != specs[1][2]:
+        raise ValueError(f"logical_axis_rules put 'heads' on {specs[0][2]} but 'kv_heads' on {specs[1][2]}: usp "
+                         "attention needs both on the same mesh axes. Map them to the same axes, or use "
+                         "context_parallel_strategy=all_gather.")
+
+    def shard_fn(q, k, v, segment_ids, order, *rest):
+        return usp_attention_shard(q, k, v, segment_ids, order, *rest, axes=axes, inner=inner, outer=ways // inner,
+                                   causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                                   scale=scale)
+    args, in_axes = [q, k, v, segment_ids, order], [q_axes, kv_axes, kv_axes, ("batch", "length"), (None,)]
+    if sinks is not None:
+        args.append(sinks)
+        in_axes.append(("heads",))
+    return sharding.run_in_shards(shard_fn, args, in_axes, q_axes)
