@@ -96,6 +96,7 @@ USP = ("ici_context_parallelism=2", "dcn_context_parallelism=2", "num_slices=2",
        "dcn_data_parallelism=1")
 
 
+@pytest.mark.slow
 def test_usp_mesh_keeps_the_all_to_all_inside_a_slice_and_the_ring_across():
     """On 4 devices in 2 simulated slices (devices 0, 1 and 2, 3) the compiled step's all-to-alls group the devices
     of a slice and its collective-permutes pair each device with the same device of the other slice."""
@@ -125,6 +126,7 @@ def _compiled_text(overrides):
         return step.lower(params).compile().as_text()
 
 
+@pytest.mark.slow
 def test_tiny_llama_with_usp_gives_the_loss_and_gradients_of_all_gather_and_one_device():
     one_device = _loss_and_grads(1, "ici_fsdp_parallelism=1")
     gathered = _loss_and_grads(4, *USP, "context_parallel_strategy=all_gather")
@@ -138,13 +140,16 @@ DEEPSEEK = ("decoder_block=deepseek", "num_experts=4", "num_experts_per_tok=2", 
             "q_lora_rank=24", "kv_lora_rank=16", "qk_nope_head_dim=8", "qk_rope_head_dim=4", "head_dim=12",
             "v_head_dim=10", "load_balance_loss_weight=0")  # MLA: value head dim 10, key head dim 12
 CP2 = ("ici_context_parallelism=2", "ici_fsdp_parallelism=1")
+COLLECTIVE = {"ring": "collective_permute", "ulysses": "all_to_all"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ring", "ulysses"])
 def test_tiny_deepseek_mla_with_the_strategy_gives_the_loss_and_gradients_of_all_gather_and_one_device(strategy):
     one_device = _loss_and_grads(1, *DEEPSEEK, "ici_fsdp_parallelism=1")
     gathered = _loss_and_grads(2, *DEEPSEEK, *CP2, "context_parallel_strategy=all_gather")
     split = _loss_and_grads(2, *DEEPSEEK, *CP2, f"context_parallel_strategy={strategy}")
+    assert COLLECTIVE[strategy] in split[2] and COLLECTIVE[strategy] not in gathered[2]  # it ran where asked
     _assert_same(split, gathered)
     _assert_same(split, one_device)
 
@@ -153,12 +158,14 @@ LLAMA4 = ("decoder_block=llama4_text", "base_mlp_dim=48", "num_experts=4", "base
           "decoder_sparse_step=2", "nope_layer_interval=2", "chunk_attn_window_size=8")  # chunks cross the shards
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["all_gather", "ring", "ulysses"])
 def test_tiny_llama4_chunked_attention_with_the_strategy_gives_the_loss_and_gradients_of_one_device(strategy):
     """Chunks of 8 positions in rows of two documents (20 and 12 tokens: chunks restart with each document) over CP 2
     in dual_chunk_swap (chunks of 8 tokens per device, not aligned with the documents' chunks)."""
     one_device = _loss_and_grads(1, *LLAMA4, "ici_fsdp_parallelism=1")
     split = _loss_and_grads(2, *LLAMA4, *CP2, f"context_parallel_strategy={strategy}")
+    assert strategy == "all_gather" or COLLECTIVE[strategy] in split[2]  # it ran where asked
     _assert_same(split, one_device)
     unchunked = _loss_and_grads(1, *LLAMA4[:-1], "chunk_attn_window_size=32", "ici_fsdp_parallelism=1")
     assert abs(unchunked[0] - one_device[0]) > 1e-4  # the chunks change the loss: the comparison could fail
