@@ -200,10 +200,6 @@ ROWS = [
         r"compile_report_file='.*/r.json' is read by maxtrain.train_compile, not by maxtrain.train"),
     Row("llama4-nope-interval-zero", T, [B, "decoder_block=llama4_text", "num_experts=4", "nope_layer_interval=0"],
         r"nope_layer_interval=0 is not allowed: it must be -1 or >= 1"),
-    Row("llama4-chunks-with-context-parallelism", T, [B, "decoder_block=llama4_text", "num_experts=4",
-                                                      "chunk_attn_window_size=64", "ici_context_parallelism=2"],
-        r"chunk_attn_window_size=64 \(chunked attention\) does not run with context parallelism 2 yet; set "
-        r"ici_context_parallelism=1"),
     # context parallelism's strategies (issue 60)
     Row("cp-strategy-without-context-parallelism", T, [B, "context_parallel_strategy=ring"],
         r"context_parallel_strategy='ring' does nothing without context parallelism: set ici_context_parallelism "
@@ -211,8 +207,8 @@ ROWS = [
     Row("cp-reorder-without-context-parallelism", T, [B, "context_parallel_reorder_strategy=striped"],
         r"context_parallel_reorder_strategy='striped' does nothing without context parallelism: set "
         r"ici_context_parallelism"),
-    Row("cp-strategy-unknown", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=usp"],
-        r"context_parallel_strategy='usp' is not allowed: it must be one of: all_gather, ring, ulysses"),
+    Row("cp-strategy-unknown", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=hybrid"],
+        r"context_parallel_strategy='hybrid' is not allowed: it must be one of: all_gather, ring, ulysses, usp"),
     Row("cp-ulysses-heads-do-not-divide", T, [B, "ici_context_parallelism=4", "base_num_kv_heads=2",
                                               "context_parallel_strategy=ulysses"],
         r"context_parallel_strategy=ulysses splits the heads over the context group, but base_num_kv_heads=2 is not a "
@@ -225,6 +221,15 @@ ROWS = [
                                                  "context_parallel_reorder_strategy=striped"],
         r"context_parallel_reorder_strategy=striped deals each sequence's tokens round-robin to 4 devices, so "
         r"max_target_length=34 must be a multiple of 4; e.g. max_target_length=32"),
+    # usp: ulysses over the ici context devices of a slice, the ring over the dcn ones (issue 60)
+    Row("cp-usp-one-context-level", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=usp"],
+        r"context_parallel_strategy=usp runs ulysses over ici_context_parallelism and the ring over "
+        r"dcn_context_parallelism, so both must be set > 1, but they are 2 and 1; with one context level use "
+        r"context_parallel_strategy=ring or ulysses"),
+    Row("cp-usp-heads-do-not-divide", T, [B, "ici_context_parallelism=4", "dcn_context_parallelism=2",
+                                          "base_num_kv_heads=2", "context_parallel_strategy=usp"],
+        r"context_parallel_strategy=usp splits the heads over the ici context devices of a slice, but "
+        r"base_num_kv_heads=2 is not a multiple of ici_context_parallelism=4; use context_parallel_strategy=ring"),
     Row("feature-off-llama4-key-on-llama", T, [B, "use_qk_norm=true"], r"use_qk_norm=true does nothing without "
         r"decoder_block=llama4_text"),
     Row("glm4_moe-rotated-features-odd", T, [B, "model_name=glm-4.5-air", "partial_rotary_factor=0.01"],
