@@ -24,7 +24,7 @@ tokens and needs no reordering). RoPE reads each token's own position and the ma
 original token indices (`layout`), so the result equals attention over the unsplit sequence:
 packed segment ids, causality and sliding windows hold exactly. The attention itself is
 `models.attention.context_parallel.attention`, which dispatches on context_parallel_strategy (all_gather,
-ring, ulysses).
+ring, ulysses, usp).
 """
 
 from __future__ import annotations
