@@ -20,15 +20,20 @@ STRATEGIES = ("all_gather", "ring", "ulysses")
 
 def attention(q, k, v, segment_ids, *, strategy: str = "all_gather", reorder: str = "dual_chunk_swap",
               causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0, scale: float | None = None,
-              sinks=None):
+              sinks=None, kernel=None):
     """q [B, T, N, H], k and v [B, T, G, H] in the layout `reorder`, sharded along T over the context axes, through
-    the context strategy `strategy`."""
+    the context strategy `strategy`. kernel: the attention kernel (attention.local_kernel) the strategy runs on
+    whole local sequences, or None for the plain-jnp form (kernel_choice.CONTEXT_KERNELS says which strategies take
+    one; resolve_implementation refuses the others before compiling)."""
     kwargs = dict(causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
                   sinks=sinks)
+    if kernel is not None and strategy != "ulysses":
+        raise ValueError(f"context_parallel_strategy={strategy} runs the plain-jnp attention, not a kernel; use "
+                         "attention=dot_product, or context_parallel_strategy=ulysses")
+    if strategy == "ulysses":
+        return ulysses.ulysses_attention(q, k, v, segment_ids, reorder=reorder, kernel=kernel, **kwargs)
     if strategy == "ring":
         return ring.ring_attention(q, k, v, segment_ids, reorder=reorder, **kwargs)
-    if strategy == "ulysses":
-        return ulysses.ulysses_attention(q, k, v, segment_ids, reorder=reorder, **kwargs)
     if strategy != "all_gather":
         raise ValueError(f"context_parallel_strategy={strategy!r} is not one of {', '.join(STRATEGIES)}")
     return context_parallel_attention(q, k, v, segment_ids, reorder=reorder, **kwargs)
