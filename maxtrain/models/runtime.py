@@ -250,6 +250,7 @@ def resolve_attention(config, backend: str, dtype, kinds: list[AttentionKind], *
     mla = getattr(family, "mixer", "") == "mla"  # latent attention: a value head dim of its own
     shared = dict(dtype=dtype, logits_soft_cap=config.attn_logits_soft_cap,
                   sinks=getattr(family, "attention_sinks", False), context_parallel=context_parallel,
+                  context_strategy=config.context_parallel_strategy,
                   v_head_dim=config.v_head_dim if mla else None, length=config.max_target_length,
                   gqa=config.base_num_query_heads // max(config.base_num_kv_heads, 1), capability=capability,
                   gpu_present=gpu_present, with_reason=True)

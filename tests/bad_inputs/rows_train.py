@@ -217,6 +217,10 @@ ROWS = [
                                             "context_parallel_strategy=ring"],
         r"context_parallel_strategy=ring does not run with pipeline parallelism yet; set "
         r"context_parallel_strategy=all_gather, or ici_pipeline_parallelism=1"),
+    Row("cp-kernel-with-the-plain-ring", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=ring",
+                                             "attention=flash"],
+        r"attention=flash does not run with context_parallel_strategy=ring \(2 ways\): its attention is the plain-jnp "
+        r"form. Use attention=dot_product \(or autoselected\), or context_parallel_strategy=ulysses."),
     Row("cp-striped-length-does-not-divide", T, [B, "ici_context_parallelism=4", "max_target_length=34",
                                                  "context_parallel_reorder_strategy=striped"],
         r"context_parallel_reorder_strategy=striped deals each sequence's tokens round-robin to 4 devices, so "

@@ -163,6 +163,59 @@ def test_flash_compiles_mla_head_dims_for_h100(h100s):
 
 
 # ----------------------------------------------------------------------------------------------
+# Context parallelism: the kernels under context_parallel_strategy=ulysses (models/attention/ulysses.py), on a
+# (context, tensor) mesh: an all-to-all for heads, the kernel on whole sequences per device, and back.
+
+CP_RULES = [["batch", ["data", "fsdp"]], ["length", "context"], ["heads", "tensor"], ["kv_heads", "tensor"]]
+
+
+def compile_ulysses_attention(devices, platform, implementation, *, context, tensor, head_dim=128, length=8192,
+                              heads=16, kv_heads=8, sliding_window=0):
+    """Compiles d(sum(attention * w))/d(q, k, v) with the sequence split `context` ways in the dual_chunk_swap layout
+    and the heads `tensor` ways, for `platform`."""
+    mesh = sharding.mesh_of(devices, context=context, tensor=tensor)
+
+    def arg(shape, axes, dt=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, sharding.logical_to_spec(axes, CP_RULES)))
+
+    q = arg((1, length, heads, head_dim), ("batch", "length", "heads", None))
+    kv = arg((1, length, kv_heads, head_dim), ("batch", "length", "kv_heads", None))
+    seg = arg((1, length), ("batch", "length"), jnp.int32)
+
+    def grads(q, k, v, seg, w):
+        def loss(q, k, v):
+            out = attention.attention(q, k, v, seg, implementation=implementation, platform=platform,
+                                      sliding_window=sliding_window, block_q=DEFAULTS.sa_block_q,
+                                      block_kv=DEFAULTS.sa_block_kv, context_strategy="ulysses")
+            return jnp.sum((out * w).astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    with sharding.activation_sharding(mesh, CP_RULES):
+        lowered = jax.jit(grads).trace(q, kv, kv, seg, q).lower(
+            lowering_platforms=("cuda" if platform == "gpu" else platform,))
+    hlo = lowered.compile().as_text()
+    assert "all-to-all" in hlo
+    return hlo
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("implementation, kernel", [("flash", "flash_attention_dkv"), ("cudnn", "cudnn")])
+def test_kernels_under_ulysses_compile_for_8_h100s(h100s, implementation, kernel):
+    """8 H100s as context 4 x tensor 2 at 8k tokens, a 4096-token window (flash: Triton; cuDNN's graph as far as
+    XLA builds it without a GPU)."""
+    hlo = compile_ulysses_attention(h100s, "gpu", implementation, context=4, tensor=2, sliding_window=4096)
+    assert kernel in hlo.lower()
+
+
+@needs_tpu_compiler
+def test_splash_under_ulysses_compiles_for_tpu():
+    """A v5p-8's 4 chips as context 4 at 8k tokens: splash per device on its heads' whole sequences."""
+    hlo = compile_ulysses_attention(targets.parse("v5p-8").devices(), "tpu", "flash", context=4, tensor=1, heads=8,
+                                    kv_heads=4)
+    assert "tpu_custom_call" in hlo
+
+
+# ----------------------------------------------------------------------------------------------
 # TPU: splash attention through Mosaic, 4 chips (data 2 x tensor 2).
 
 
@@ -320,17 +373,10 @@ def test_dropless_moe_train_step_compiles_for_8_h100s_with_the_grouped_gemm(h100
 
 @pytest.mark.slow
 @needs_gpu_compiler
-def test_gemma4_train_step_compiles_for_8_h100s(h100s):
-    """Gemma 4 with every feature (512-wide heads in the flash kernel, shared KV, per-layer inputs, experts)."""
-    hlo = compile_train_step(h100s, GEMMA4 + ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
-    assert "flash_attention_dkv" in hlo
-
-
-@pytest.mark.slow
-@needs_gpu_compiler
 def test_gemma4_layer_kinds_take_their_own_attention_on_8_h100s(h100s):
-    """attention=autoselected per layer kind: Gemma 4's sliding-window layers at head_dim 128 take cuDNN (measured
-    fastest, and within what JAX lowers for an H100 without the GPU), its full-attention layers' 512-wide heads,
+    """Gemma 4 with every feature (shared KV, per-layer inputs, experts) compiles for 8 H100s, and
+    attention=autoselected picks per layer kind: the sliding-window layers at head_dim 128 take cuDNN (measured
+    fastest, and within what JAX lowers for an H100 without the GPU), the full-attention layers' 512-wide heads,
     beyond cuDNN's 256, our flash kernel; one step holds both."""
     from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
 

@@ -277,7 +277,8 @@ def _unsupported(name: str, features: dict) -> list[str]:
 
 def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: int | None = None,
                            sliding_window: int = 0, logits_soft_cap: float = 0.0, sinks: bool = False,
-                           context_parallel: int = 1, v_head_dim: int | None = None, length: int = 0,
+                           context_parallel: int = 1, context_strategy: str = "all_gather",
+                           v_head_dim: int | None = None, length: int = 0,
                            gqa: int = 1, packed: bool = True, capability: str | None = None,
                            gpu_present: bool = True, with_reason: bool = False, layers: str = ""):
     """Turns `attention` from the config into a concrete implementation for the target platform (with
@@ -297,9 +298,10 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     config/attention_speeds.MEASURED found fastest at the nearest measured shape, among those that support the
     model (soft-caps: not cudnn; sinks: neither cudnn nor tokamax), and dot_product only where none does.
 
-    With context parallelism (context_parallel > 1 ways) attention is context_parallel.attention (the
-    plain-jnp blocks of the context strategy): `autoselected` resolves to dot_product, and an explicit kernel
-    is refused (it cannot see the other devices' keys).
+    With context parallelism (context_parallel > 1 ways) attention is context_parallel.attention, whose
+    strategy runs the kernels of kernel_choice.CONTEXT_KERNELS: under ulysses every kernel (autoselected chooses
+    as without context parallelism), under all_gather and ring the plain-jnp form (autoselected resolves to
+    dot_product, and an explicit kernel is refused).
 
     The arguments describe one attention kind (models/runtime.py resolves each once); `layers` names it
     in the refusal of an explicit choice it cannot run.
@@ -314,12 +316,15 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
         dtype=jnp.dtype(dtype).name if dtype is not None else "bfloat16", head_dim=head_dim, v_head_dim=v_head_dim,
         length=length, gqa=gqa, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
         packed=packed, capability=capability, gpu_present=gpu_present)
-    if context_parallel > 1 and name not in ("autoselected", "dot_product"):
-        raise ValueError(f"attention={name} does not run with context parallelism ({context_parallel} ways) yet: the "
-                         "kernels attend within one device's piece of the sequence. Use attention=dot_product (or "
-                         "autoselected), or ici_context_parallelism=1.")
+    kernels = kernel_choice.CONTEXT_KERNELS[context_strategy] if context_parallel > 1 else ()
+    if context_parallel > 1 and name not in ("autoselected", "dot_product", *kernels):
+        runs = [s for s, ks in kernel_choice.CONTEXT_KERNELS.items() if name in ks]
+        raise ValueError(f"attention={name} does not run with context_parallel_strategy={context_strategy} "
+                         f"({context_parallel} ways): its attention is the plain-jnp form. Use attention=dot_product "
+                         f"(or autoselected)" + (f", or context_parallel_strategy={' or '.join(runs)}" if runs else "")
+                         + ".")
     if name == "autoselected":
-        choice = kernel_choice.choose(platform, shape, context_parallel)
+        choice = kernel_choice.choose(platform, shape, context_parallel, context_strategy)
     else:
         why = kernel_choice.unsupported(name, platform, shape)
         if why is not None:
@@ -432,18 +437,20 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
     if _unsupported(implementation, features):
         raise ValueError(f"attention={implementation} does not implement {' and '.join(_unsupported(implementation, features))}; "
                          "use attention=dot_product")
+    kernel = None
+    if implementation != "dot_product":
+        kernel = local_kernel(implementation, platform, causal=causal, sliding_window=sliding_window,
+                              logits_soft_cap=logits_soft_cap, scale=scale, block_q=block_q, block_kv=block_kv,
+                              interpret=interpret)
     if sharding.ways("length") > 1:  # the sequence is split over devices: parallel/context.py
-        if implementation != "dot_product":
-            raise ValueError(f"attention={implementation} does not run with context parallelism yet; "
-                             "use attention=dot_product (or autoselected)")
         # deferred: context_parallel.py reads this module's reference attention
         from maxtrain.models.attention import context_parallel  # pylint: disable=import-outside-toplevel
 
         return context_parallel.attention(q, k, v, segment_ids, strategy=context_strategy, reorder=context_reorder,
                                           causal=causal, sliding_window=sliding_window,
-                                          logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks,
+                                          logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks, kernel=kernel,
                                           inner=context_inner)
-    if implementation == "dot_product":
+    if kernel is None:
         on_cpu = platform is not None and canonical_platform(platform) == "cpu"
         if on_cpu and causal:
             return causal_chunks(q, k, v, segment_ids, sliding_window=sliding_window, scale=scale,
@@ -451,6 +458,15 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
         mask = make_attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
         return dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap,
                                      compact_scores=platform == "tpu", heads_major=on_cpu, sinks=sinks)
+    return _per_shard(kernel, q, k, v, segment_ids, sinks)
+
+
+def local_kernel(implementation: str, platform: str | None, *, causal: bool = True, sliding_window: int = 0,
+                 logits_soft_cap: float = 0.0, scale: float | None = None, block_q: int = 128, block_kv: int = 128,
+                 interpret: bool | None = None):
+    """The kernel `implementation` (flash, cudnn or tokamax) for `platform` as kernel(q, k, v, segment_ids,
+    sinks=None) on whole local sequences: one device's batch rows and heads (attention() runs it per shard;
+    ulysses.py on the heads an all-to-all gave the device)."""
     if implementation not in ("flash", "cudnn", "tokamax"):
         raise ValueError(f"unresolved attention implementation {implementation!r}")
     if platform is None:
@@ -459,15 +475,15 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
     platform = canonical_platform(platform)
     interpret = platform == "cpu" if interpret is None else interpret
     if implementation == "cudnn":
-        kernel = functools.partial(_cudnn_attention, causal=causal, sliding_window=sliding_window, scale=scale)
-    elif implementation == "tokamax":
+        return functools.partial(_cudnn_attention, causal=causal, sliding_window=sliding_window, scale=scale)
+    if implementation == "tokamax":
         # deferred: the optional [gpu] extra's wrapper, imported only where tokamax was chosen
         from maxtrain.kernels import tokamax_attention  # pylint: disable=import-outside-toplevel
 
-        kernel = functools.partial(tokamax_attention.tokamax_attention, causal=causal, sliding_window=sliding_window,
-                                   logits_soft_cap=logits_soft_cap, scale=scale,
-                                   implementation="xla" if interpret else "mosaic")
-    elif platform == "tpu":
+        return functools.partial(tokamax_attention.tokamax_attention, causal=causal, sliding_window=sliding_window,
+                                 logits_soft_cap=logits_soft_cap, scale=scale,
+                                 implementation="xla" if interpret else "mosaic")
+    if platform == "tpu":
         # deferred: the Pallas kernels' imports (0.12 s flash, 0.16 s splash, measured) that dot_product runs never use
         from maxtrain.kernels import splash_attention  # pylint: disable=import-outside-toplevel
 
@@ -475,16 +491,16 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
             return splash_attention.splash_attention(
                 q, k, v, segment_ids, causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                 scale=scale, block_q=block_q, block_kv=block_kv, interpret=interpret, sinks=sinks)
-    else:
-        # deferred: as splash_attention above
-        from maxtrain.kernels import flash_attention  # pylint: disable=import-outside-toplevel
+        return kernel
+    # deferred: as splash_attention above
+    from maxtrain.kernels import flash_attention  # pylint: disable=import-outside-toplevel
 
-        devices = sharding.active_devices() or _local_devices(platform)
-        shared_memory = chips.gpu_shared_memory(devices) if platform == "gpu" else flash_attention.DEFAULT_SHARED_MEMORY
+    devices = sharding.active_devices() or _local_devices(platform)
+    shared_memory = chips.gpu_shared_memory(devices) if platform == "gpu" else flash_attention.DEFAULT_SHARED_MEMORY
 
-        def kernel(q, k, v, segment_ids, sinks=None):
-            return flash_attention.flash_attention(
-                q, k, v, segment_ids, segment_ids, causal=causal, sliding_window=sliding_window,
-                logits_soft_cap=logits_soft_cap, sm_scale=scale, block_q=block_q, block_k=block_kv,
-                shared_memory=shared_memory, interpret=interpret, sinks=sinks)
-    return _per_shard(kernel, q, k, v, segment_ids, sinks)
+    def kernel(q, k, v, segment_ids, sinks=None):
+        return flash_attention.flash_attention(
+            q, k, v, segment_ids, segment_ids, causal=causal, sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap, sm_scale=scale, block_q=block_q, block_k=block_kv,
+            shared_memory=shared_memory, interpret=interpret, sinks=sinks)
+    return kernel

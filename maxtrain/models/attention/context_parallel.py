@@ -20,15 +20,21 @@ STRATEGIES = ("all_gather", "ring", "ulysses", "usp")
 
 def attention(q, k, v, segment_ids, *, strategy: str = "all_gather", reorder: str = "dual_chunk_swap",
               causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0, scale: float | None = None,
-              sinks=None, inner: int = 0):
+              sinks=None, kernel=None, inner: int = 0):
     """q [B, T, N, H], k and v [B, T, G, H] in the layout `reorder`, sharded along T over the context axes, through
-    the context strategy `strategy`; `inner`: usp's devices of the group in one slice (ici_context_parallelism)."""
+    the context strategy `strategy`. kernel: the attention kernel (attention.local_kernel) the strategy runs on
+    whole local sequences, or None for the plain-jnp form (kernel_choice.CONTEXT_KERNELS says which strategies take
+    one; resolve_implementation refuses the others before compiling). inner: usp's devices of the group in one
+    slice (ici_context_parallelism)."""
     kwargs = dict(causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
                   sinks=sinks)
+    if kernel is not None and strategy != "ulysses":
+        raise ValueError(f"context_parallel_strategy={strategy} runs the plain-jnp attention, not a kernel; use "
+                         "attention=dot_product, or context_parallel_strategy=ulysses")
+    if strategy == "ulysses":
+        return ulysses.ulysses_attention(q, k, v, segment_ids, reorder=reorder, kernel=kernel, **kwargs)
     if strategy == "ring":
         return ring.ring_attention(q, k, v, segment_ids, reorder=reorder, **kwargs)
-    if strategy == "ulysses":
-        return ulysses.ulysses_attention(q, k, v, segment_ids, reorder=reorder, **kwargs)
     if strategy == "usp":  # ulysses inside each slice, the ring across slices (usp.py)
         return usp.usp_attention(q, k, v, segment_ids, inner=inner, reorder=reorder, **kwargs)
     if strategy != "all_gather":

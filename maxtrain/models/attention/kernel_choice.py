@@ -33,6 +33,13 @@ from maxtrain.config import attention_speeds
 # tokamax has soft-caps and windows but no sinks; the flash and splash kernels have all three.
 KERNEL_LIMITS = {"cudnn": ("logits_soft_cap", "sinks"), "tokamax": ("sinks",)}
 
+# The kernels each context_parallel_strategy can run its attention with. all_gather attends T / C queries to the
+# gathered keys in the load-balanced order, which no kernel's mask reads; ring merges blocks of the layout with the
+# plain-jnp form; ulysses gives each device every token of N / C heads, which it puts back into the original order
+# for the kernel (ulysses.py), so every kernel runs there.
+CONTEXT_KERNELS = {"all_gather": (), "ring": (), "ulysses": ("flash", "cudnn", "tokamax"),
+                   "usp": ()}  # usp (issue 60): plain-jnp blocks in its ring, as ring
+
 # The GPU candidates of autoselected, in the order ties (or a shape nothing was measured at) are broken:
 # our kernel first, since it implements every feature and runs everywhere.
 GPU_CANDIDATES = ("flash", "cudnn", "tokamax")
@@ -140,11 +147,11 @@ def _nearest_row(head_dim: int | None, length: int, arch_name: str, names) -> at
     return None
 
 
-def choose(platform: str, shape: Shape, context_parallel: int = 1) -> Choice:
+def choose(platform: str, shape: Shape, context_parallel: int = 1, context_strategy: str = "all_gather") -> Choice:
     """The implementation `attention=autoselected` runs, and why (see the module docstring)."""
-    if context_parallel > 1:
-        return Choice("dot_product", f"dot_product: context parallelism ({context_parallel} ways) needs the "
-                      "gathered reference; the kernels attend within one device's piece of the sequence")
+    if context_parallel > 1 and not CONTEXT_KERNELS[context_strategy]:
+        return Choice("dot_product", f"dot_product: context_parallel_strategy={context_strategy} ({context_parallel} "
+                      "ways) runs the plain-jnp form; the kernels run under context_parallel_strategy=ulysses")
     if platform == "cpu":
         return Choice("dot_product", "dot_product: the fastest on CPU (a kernel runs there only interpreted)")
     if platform == "tpu":

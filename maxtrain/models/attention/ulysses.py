@@ -10,8 +10,11 @@ The query heads of a kv head stay together: head n = g R + r, and the C groups o
 the C groups of G / C kv heads. So N and G (per tensor-parallel shard) must be multiples of C
 (config/checks.py refuses other models before compiling).
 
-Per device: q, k, v of T tokens x N / C heads (as many numbers as T / C tokens x N heads) and the scores of its
-heads, [N / C, T, T]; no flash kernel per head group yet (issue 60).
+Per device: q, k, v of T tokens x N / C heads (as many numbers as T / C tokens x N heads) and, with the plain-jnp
+form, the scores of its heads, [N / C, T, T]. With a kernel (attention=flash, cudnn or tokamax: attention.local_kernel)
+each device puts its whole sequences back into the original token order (a permutation within the device), runs the
+kernel on them as attention without context parallelism does, and permutes the output back to the layout: the
+kernel's masks (causal by position, windows, segment ids) then hold as they are, and no [T, T] array is made.
 
 Letters as in attention/__init__.py: B batch, T tokens, N query heads = G kv heads x R, H head dim.
 """
@@ -27,10 +30,11 @@ from maxtrain.parallel import context, sharding
 
 def ulysses_attention_shard(q, k, v, segment_ids, order, sinks=None, *, axes: tuple[str, ...], ways: int,
                             causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0,
-                            scale: float | None = None):
+                            scale: float | None = None, kernel=None):
     """One device's part, inside shard_map over the context mesh `axes` (`ways` devices): q [B, T/C, N, H],
     k and v [B, T/C, G, H], segment_ids [B, T/C] of this device, order [T] the layout's original indices, sinks
-    [N] or None. Returns [B, T/C, N, Hv] in q.dtype."""
+    [N] or None; kernel(q, k, v, segment_ids, sinks) a kernel on whole sequences in their original order, or None
+    for the plain-jnp form. Returns [B, T/C, N, Hv] in q.dtype."""
     n, g = q.shape[2], k.shape[2]
     if n % ways or g % ways:
         raise ValueError(f"ulysses attention splits the heads {ways} ways over the context group: query heads ({n}) "
@@ -40,20 +44,29 @@ def ulysses_attention_shard(q, k, v, segment_ids, order, sinks=None, *, axes: tu
         return jax.lax.all_to_all(x, axes, split_axis=2, concat_axis=1, tiled=True)
     q, k, v = by_heads(q), by_heads(k), by_heads(v)
     segment_ids = jax.lax.all_gather(segment_ids, axes, axis=1, tiled=True)  # [B, T], the layout's order
+    if sinks is not None:  # this device's N / C heads of the sinks
+        sinks = jax.lax.dynamic_slice_in_dim(sinks, jax.lax.axis_index(axes) * (n // ways), n // ways)
+    if kernel is not None:
+        inverse = jnp.argsort(order)  # position of original token t in the layout
+
+        def original(x):
+            return jnp.take(x, inverse, axis=1)
+        out = kernel(original(q), original(k), original(v), original(segment_ids), *([] if sinks is None else [sinks]))
+        out = jnp.take(out, order, axis=1)  # back into the layout's order
+        return jax.lax.all_to_all(out, axes, split_axis=1, concat_axis=2, tiled=True)
     t, s = order[:, None], order[None, :]
     mask = segment_ids[:, :, None] == segment_ids[:, None, :]
     if causal:
         mask = mask & (s <= t)[None]
     if sliding_window > 0:
         mask = mask & (t - s < sliding_window)[None]
-    if sinks is not None:  # this device's N / C heads of the sinks
-        sinks = jax.lax.dynamic_slice_in_dim(sinks, jax.lax.axis_index(axes) * (n // ways), n // ways)
     out = dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks)
     return jax.lax.all_to_all(out, axes, split_axis=1, concat_axis=2, tiled=True)  # back: [B, T/C, N, Hv]
 
 
 def ulysses_attention(q, k, v, segment_ids, *, reorder: str = "dual_chunk_swap", causal: bool = True,
-                      sliding_window: int = 0, logits_soft_cap: float = 0.0, scale: float | None = None, sinks=None):
+                      sliding_window: int = 0, logits_soft_cap: float = 0.0, scale: float | None = None, sinks=None,
+                      kernel=None):
     """Attention of q [B, T, N, H] over k, v [B, T, G, H] in the load-balanced layout `reorder`, sharded along T over
     the context mesh axes of the active mesh: heads traded for tokens by all-to-all (the module docstring). Equals
     the reference attention over the unsplit sequence (tests/parallel/test_context_ring.py)."""
@@ -73,7 +86,8 @@ def ulysses_attention(q, k, v, segment_ids, *, reorder: str = "dual_chunk_swap",
 
     def shard_fn(q, k, v, segment_ids, order, *rest):
         return ulysses_attention_shard(q, k, v, segment_ids, order, *rest, axes=axes, ways=ways, causal=causal,
-                                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale)
+                                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
+                                       kernel=kernel)
     args, in_axes = [q, k, v, segment_ids, order], [q_axes, kv_axes, kv_axes, ("batch", "length"), (None,)]
     if sinks is not None:
         args.append(sinks)
