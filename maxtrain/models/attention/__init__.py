@@ -67,12 +67,9 @@ def chunk_segment_ids(segment_ids, positions, chunk: int):
 
 
 def chunk_ids_elementwise(segment_ids, positions, chunk: int):
-    """Chunked attention's segment ids token by token, for tokens in any order (context parallelism's layout, where
-    chunk_segment_ids' cumulative sum along T would not follow the documents): segment s, position p -> the pair
-    (s, p // chunk) as one int, s (max p // chunk + 1) + p // chunk. Positions restart in each document, so within a
-    row two tokens share an id exactly when they share a segment and a block of `chunk` positions: with the causal
-    mask by original index, the same mask as chunk_segment_ids' for packed rows (padding aside, whose queries see
-    only padding either way)."""
+    """chunk_segment_ids token by token, for tokens in any order (context parallelism's layout): segment s,
+    position p -> s (max p // chunk + 1) + p // chunk. Positions restart in each document, so two tokens of a row
+    share an id exactly when they share a segment and a block of `chunk` positions (padding sees only padding)."""
     blocks = positions // chunk
     return segment_ids * (jnp.max(blocks) + 1) + blocks
 
