@@ -8,7 +8,8 @@ with respect to q, k, v (and the sinks). At the model level, on the mesh the con
 simulated slices), dcn_context_parallelism=2 and ici_context_parallelism=2: a tiny Llama's loss and gradients with
 usp equal all_gather's and one device's, and its compiled program's all-to-alls stay inside a slice while its
 collective-permutes cross them. A tiny DeepSeek (MLA: value head dim 10, key head dim 12) under ring and ulysses,
-and a tiny Llama 4 with chunked layers under every strategy, equal all_gather and one device.
+and a tiny Llama 4 with chunked layers under every strategy, equal all_gather and one device; chunked attention with
+the flash kernel (interpret mode) under ulysses equals the unsplit reference.
 
 Tolerances as test_context_ring.py's: float32 sums in another order, ~1e-7 measured; a wrong mask moves values at
 the 1e-2 level.
@@ -169,3 +170,32 @@ def test_tiny_llama4_chunked_attention_with_the_strategy_gives_the_loss_and_grad
     _assert_same(split, one_device)
     unchunked = _loss_and_grads(1, *LLAMA4[:-1], "chunk_attn_window_size=32", "ici_fsdp_parallelism=1")
     assert abs(unchunked[0] - one_device[0]) > 1e-4  # the chunks change the loss: the comparison could fail
+
+
+@pytest.mark.slow
+def test_chunked_attention_with_the_flash_kernel_under_ulysses_equals_the_unsplit_reference():
+    """Chunks of 8 positions (restarting with each document) with flash (Pallas interpret mode) under ulysses at CP 2:
+    the elementwise chunk ids reach the kernel, which masks by them in the original order; values and gradients."""
+    from maxtrain.models import attention  # pylint: disable=import-outside-toplevel
+    from test_context_ulysses_kernels import _grads, _inputs as _kernel_inputs  # pylint: disable=import-outside-toplevel
+    q, k, v, segment_ids, weights, _ = _kernel_inputs()
+    starts = np.concatenate([np.ones((2, 1), bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    first = np.maximum.accumulate(np.where(starts, np.arange(segment_ids.shape[1]), 0), axis=1)
+    positions = (np.arange(segment_ids.shape[1])[None] - first).astype(np.int32)  # restart in each document
+
+    def reference(q, k, v, sinks):
+        mask = attention.make_attention_mask(segment_ids, segment_ids, chunk=8, q_positions=positions,
+                                             kv_positions=positions)
+        return attention.dot_product_attention(q, k, v, mask, sinks=sinks)
+    ref_out, ref_grads = _grads(reference, q, k, v, weights, None)
+    lq, lk, lv, lseg, lpos, lweights = context.to_layout((q, k, v, segment_ids, positions, weights), 2)
+
+    def split(q, k, v, sinks):
+        return attention.attention(q, k, v, lseg, implementation="flash", platform="cpu", block_q=16, block_kv=16,
+                                   interpret=True, sinks=sinks, chunk=8, positions=lpos, context_strategy="ulysses")
+    with sharding.activation_sharding(sharding.mesh_of(jax.devices()[:2], context=2), RULES):
+        out, grads = jax.jit(lambda *a: _grads(split, *a))(lq, lk, lv, lweights, None)
+    np.testing.assert_allclose(np.asarray(context.from_layout(out, 2)), np.asarray(ref_out), rtol=1e-4, atol=1e-5)
+    for name, got, ref in zip("qkv", grads[:3], ref_grads[:3]):
+        np.testing.assert_allclose(np.asarray(context.from_layout(got, 2)), np.asarray(ref), rtol=1e-4, atol=1e-5,
+                                   err_msg=f"d loss / d {name}")
