@@ -32,8 +32,8 @@ from sharded_batches import GLOBAL_BATCH, batches
 
 B, T = 2, 64
 RULES = [["batch", ["data", "fsdp", "expert"]], ["length", "context"], ["heads", "tensor"], ["kv_heads", "tensor"]]
-HYBRID = ["decoder_block=qwen3_next", "base_num_decoder_layers=2", "inhomogeneous_layer_cycle_interval=2",
-          "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "shared_experts=1",
+EXPERTS = ["num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=32", "shared_experts=1"]
+HYBRID = ["decoder_block=qwen3_next", "base_num_decoder_layers=2", "inhomogeneous_layer_cycle_interval=2", *EXPERTS,
           "gdn_num_key_heads=2", "gdn_num_value_heads=4", "gdn_key_head_dim=8", "gdn_value_head_dim=8",
           "gdn_chunk_size=8", "partial_rotary_factor=0.5"]
 
@@ -110,9 +110,10 @@ def test_striped_is_refused_by_the_layer():
 
 
 @functools.lru_cache(maxsize=None)
-def _loss_and_grads(n_devices: int, *overrides):
-    argv = with_overrides(with_overrides([BASE_YML, *TINY], *HYBRID), f"per_device_batch_size={GLOBAL_BATCH // n_devices}",
-                          "ici_fsdp_parallelism=1", *overrides)
+def _loss_and_grads(n_devices: int, family: str, *overrides):
+    hybrid = HYBRID if family == "qwen3_next" else [o for o in HYBRID if o not in EXPERTS]  # qwen3_5_text: dense
+    argv = with_overrides(with_overrides([BASE_YML, *TINY], *hybrid), f"decoder_block={family}",
+                          f"per_device_batch_size={GLOBAL_BATCH // n_devices}", "ici_fsdp_parallelism=1", *overrides)
     run = builder.build(load_config(argv), devices=tuple(jax.devices()[:n_devices]))
     batch = jax.tree.map(lambda a: a[0], next(batches(run.config)))  # [B, T]: two packed documents a row
     with sharding.activation_sharding(run.mesh, run.config.logical_axis_rules):
@@ -136,8 +137,6 @@ def _assert_same(a, b):
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_text"])
 @pytest.mark.parametrize("strategy", ["all_gather", "ring"])
 def test_tiny_hybrid_under_context_parallelism_gives_the_loss_and_gradients_of_one_device(family, strategy):
-    dense = ("num_experts=1", "shared_experts=0") if family == "qwen3_5_text" else ()
-    one_device = _loss_and_grads(1, f"decoder_block={family}", *dense)
-    split = _loss_and_grads(2, f"decoder_block={family}", *dense, "ici_context_parallelism=2",
-                            f"context_parallel_strategy={strategy}")
+    one_device = _loss_and_grads(1, family)
+    split = _loss_and_grads(2, family, "ici_context_parallelism=2", f"context_parallel_strategy={strategy}")
     _assert_same(split, one_device)
