@@ -15,6 +15,7 @@ after): measured differences ~1e-6; a lost hand-over moves values at the 1e-1 le
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +39,8 @@ HYBRID = ["decoder_block=qwen3_next", "base_num_decoder_layers=2", "inhomogeneou
           "gdn_chunk_size=8", "partial_rotary_factor=0.5"]
 
 
-def _layer_setup():
-    cfg = load_config([BASE_YML, *with_overrides(TINY, *HYBRID, f"max_target_length={T}")])
+def _layer_setup(*overrides):
+    cfg = load_config([BASE_YML, *with_overrides(with_overrides(TINY, *HYBRID, f"max_target_length={T}"), *overrides)])
     rng = np.random.default_rng(0)
     params = {name: jnp.asarray(rng.normal(size=spec.shape) * (0.3 if name not in ("dt_bias", "lin_norm") else 1.0),
                                 jnp.float32) for name, spec in gated_deltanet.specs(cfg).items()}
@@ -75,6 +76,7 @@ def _assert_close(got, ref, what):
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=2e-5, err_msg=what)
 
 
+@pytest.mark.slow  # ~20 s a case on 2 shared cores (2026-11-29): compile-bound
 @pytest.mark.parametrize("cp", [2, 4])
 def test_the_layer_split_over_the_context_group_equals_one_device(cp):
     cfg, rt, params, x, segment_ids, weights = _layer_setup()
@@ -86,13 +88,25 @@ def test_the_layer_split_over_the_context_group_equals_one_device(cp):
         _assert_close(dp[name], ref_dp[name], f"d loss / d {name}")
 
 
+def test_the_layer_forward_split_four_ways_equals_one_device():
+    """The default run's share of the slow test above: values only, CP 4 (each device two chunks of 8 tokens)."""
+    cfg, rt, params, x, segment_ids, _ = _layer_setup()
+    def mixer(x, params, segment_ids):  # a new function for each jit: jit's cache does not see the mesh
+        return gated_deltanet.mixer(x, params, segment_ids, cfg, rt)
+    ref_out = jax.jit(mixer)(x, params, segment_ids)
+    x, segment_ids = context.to_layout((x, segment_ids), 4)
+    with sharding.activation_sharding(sharding.mesh_of(jax.devices()[:4], context=4), RULES):
+        out = jax.jit(lambda *args: mixer(*args))(x, params, segment_ids)
+    _assert_close(context.from_layout(out, 4), ref_out, "out")
+
+
 def test_the_hand_over_matters_for_these_rows():
     """The control: each of the 8 chunks (CP 4) cut off from the one before (a new document id at every chunk
     start: no convolution window, no entering state) is far from the reference."""
-    cfg, rt, params, x, segment_ids, weights = _layer_setup()
-    ref_out, _, _ = _one_device(cfg, rt, params, x, segment_ids, weights)
-    cut = segment_ids + 100 * (jnp.arange(T) // (T // 8))[None]
-    cut_out, _, _ = _one_device(cfg, rt, params, x, cut, weights)
+    cfg, rt, params, x, segment_ids, _ = _layer_setup()
+    mixer = jax.jit(functools.partial(gated_deltanet.mixer, config=cfg, rt=rt))
+    ref_out = mixer(x, params, segment_ids)
+    cut_out = mixer(x, params, segment_ids + 100 * (jnp.arange(T) // (T // 8))[None])
     assert np.max(np.abs(np.asarray(cut_out) - np.asarray(ref_out))) > 1e-2
 
 
@@ -102,6 +116,33 @@ def test_striped_is_refused_by_the_layer():
     with sharding.activation_sharding(sharding.mesh_of(jax.devices()[:2], context=2), RULES):
         with pytest.raises(ValueError, match="context_parallel_reorder_strategy=dual_chunk_swap, not 'striped'"):
             gated_deltanet.mixer(x, params, segment_ids, cfg, rt)
+
+
+def _largest_float_array(cp, length):
+    """The element count of the largest float32 array of the layer's compiled per-device program (value and
+    gradients) at `length` tokens, one row, split over cp devices (cp = 1: no mesh)."""
+    cfg, rt, params, _, _, _ = _layer_setup(f"max_target_length={length}")
+    x, segment_ids = jnp.ones((1, length, cfg.base_emb_dim), jnp.float32), jnp.ones((1, length), jnp.int32)
+    step = jax.jit(jax.value_and_grad(lambda x, p: jnp.sum(gated_deltanet.mixer(x, p, segment_ids, cfg, rt)),
+                                      argnums=(0, 1)))
+    if cp == 1:
+        text = step.lower(x, params).compile().as_text()
+    else:
+        with sharding.activation_sharding(sharding.mesh_of(jax.devices()[:cp], context=cp), RULES):
+            text = step.lower(x, params).compile().as_text()
+    return max(int(np.prod([int(d) for d in dims.split(",") if d])) for dims in re.findall(r"f32\[([0-9,]*)\]", text))
+
+
+@pytest.mark.slow  # ~15 s on 2 shared cores (2026-11-29)
+def test_each_device_holds_its_own_tokens_not_the_sequence():
+    """At T = 512 over 4 devices no float array of the program is larger than one device's T / 4 tokens of its
+    widest per-token array: the solve's right-hand side [N, Dv + Dk + Dk] (the values widened by Dk, and the keys)
+    or the convolution's channels. Nothing gathers the sequence: one device's program holds [T, channels]."""
+    cfg = _layer_setup()[0]
+    channels = gated_deltanet.conv_channels(cfg)
+    solve = cfg.gdn_num_value_heads * (cfg.gdn_value_head_dim + 2 * cfg.gdn_key_head_dim)
+    per_device = (512 // 4) * max(channels, solve)
+    assert _largest_float_array(4, 512) <= per_device < 512 * channels <= _largest_float_array(1, 512)
 
 
 # --------------------------------------------------------------------------------------------
@@ -140,3 +181,18 @@ def test_tiny_hybrid_under_context_parallelism_gives_the_loss_and_gradients_of_o
     one_device = _loss_and_grads(1, family)
     split = _loss_and_grads(2, family, "ici_context_parallelism=2", f"context_parallel_strategy={strategy}")
     _assert_same(split, one_device)
+
+
+@pytest.mark.slow
+def test_the_kernel_split_over_the_context_group_equals_one_device():
+    """gdn_kernel=pallas (interpret mode on CPU) at CP 2: the kernel runs on each device's chunks from the state
+    [0 | I] (its initial_state), and its backward through the jnp form."""
+    cfg, rt, params, x, segment_ids, weights = _layer_setup("gdn_kernel=pallas", "gdn_chunk_size=16",
+                                                            "gdn_key_head_dim=16", "gdn_value_head_dim=16")
+    assert rt.gdn_kernel == "pallas"
+    ref_out, ref_dx, ref_dp = _one_device(cfg, rt, params, x, segment_ids, weights)
+    out, dx, dp = _split(2, cfg, rt, params, x, segment_ids, weights)
+    _assert_close(out, ref_out, "out")
+    _assert_close(dx, ref_dx, "d loss / d x")
+    for name in ref_dp:
+        _assert_close(dp[name], ref_dp[name], f"d loss / d {name}")
