@@ -416,12 +416,11 @@ def _gated_deltanet(v):
                               f"base_num_decoder_layers={layers}; use inhomogeneous_layer_cycle_interval <= {layers}")
     # The recurrent state runs through every layer in order: pipeline stages would need it handed from stage to
     # stage, which the gated delta-net does not do yet. (Along the sequence, context parallelism hands it over.)
-    for axis, keys in (("stage", "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1"),):
-        split = ways(v, axis)
-        _require(split in (1, None), f"decoder_block={v['decoder_block']}'s gated delta-net layers do not run with "
-                                     f"{axis} parallelism {split} yet (their state would pass from shard to shard); set "
-                                     f"{keys}, and split the model with ici_fsdp_parallelism or "
-                                     "ici_tensor_parallelism instead")
+    split = ways(v, "stage")
+    _require(split in (1, None), f"decoder_block={v['decoder_block']}'s gated delta-net layers do not run with stage "
+                                 f"parallelism {split} yet (their state would pass from shard to shard); set "
+                                 "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1, and split the model with "
+                                 "ici_fsdp_parallelism or ici_tensor_parallelism instead")
     _gated_deltanet_context_chunks(v)
 
 

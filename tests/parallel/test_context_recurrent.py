@@ -185,10 +185,11 @@ def test_tiny_hybrid_under_context_parallelism_gives_the_loss_and_gradients_of_o
 
 @pytest.mark.slow
 def test_the_kernel_split_over_the_context_group_equals_one_device():
-    """gdn_kernel=pallas (interpret mode on CPU) at CP 2: the kernel runs on each device's chunks from the state
-    [0 | I] (its initial_state), and its backward through the jnp form."""
+    """gdn_kernel=pallas (interpret mode on CPU: the GPU kernel) at CP 2: the kernel runs on each device's chunks
+    from the state [0 | I] (its initial_state), the values widened to Dv + Dk = 48 columns and padded to 64 (its
+    value blocks), and its backward through the jnp form."""
     cfg, rt, params, x, segment_ids, weights = _layer_setup("gdn_kernel=pallas", "gdn_chunk_size=16",
-                                                            "gdn_key_head_dim=16", "gdn_value_head_dim=16")
+                                                            "gdn_key_head_dim=16", "gdn_value_head_dim=32")
     assert rt.gdn_kernel == "pallas"
     ref_out, ref_dx, ref_dp = _one_device(cfg, rt, params, x, segment_ids, weights)
     out, dx, dp = _split(2, cfg, rt, params, x, segment_ids, weights)

@@ -93,8 +93,21 @@ def _local_rule(chunk_size: int, implementation: str, backend: str):
     if implementation == "jnp":
         return lambda *args: gated_delta.chunked(*args[:6], chunk_size=chunk_size, initial_state=args[6])
     on_chip = backend in ("gpu", "tpu")
-    return gated_delta_kernel.make(gated_delta.chunked, chunk_size=chunk_size,
-                                   platform=backend if on_chip else "gpu", interpret=not on_chip)
+    kernel = gated_delta_kernel.make(gated_delta.chunked, chunk_size=chunk_size,
+                                     platform=backend if on_chip else "gpu", interpret=not on_chip)
+    if backend == "tpu":  # the TPU kernel's blocks span the whole value head
+        return kernel
+
+    def in_gpu_blocks(q, k, v, log_decay, beta, segment_ids, initial_state):
+        """The GPU kernel's value blocks are a power of two or whole GPU_BLOCK_V columns; context parallelism
+        widens the values to Dv + Dk (e.g. 160): zero columns (values and state) up to such a width, then cut."""
+        width, block = v.shape[-1], gated_delta_kernel.GPU_BLOCK_V
+        pad = (-(-width // block) * block if width > block else 1 << (width - 1).bit_length()) - width
+        if pad:
+            v, initial_state = (jnp.pad(x, ((0, 0),) * 3 + ((0, pad),)) for x in (v, initial_state))
+        o, state = kernel(q, k, v, log_decay, beta, segment_ids, initial_state)
+        return o[..., :width], state[..., :width]
+    return in_gpu_blocks
 
 
 def conv_channels(config) -> int:
