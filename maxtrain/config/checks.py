@@ -432,15 +432,32 @@ def _gated_deltanet(v):
     cycle, layers = v["inhomogeneous_layer_cycle_interval"], v["base_num_decoder_layers"]
     _require(cycle <= layers, f"inhomogeneous_layer_cycle_interval={cycle} leaves no full-attention layer among "
                               f"base_num_decoder_layers={layers}; use inhomogeneous_layer_cycle_interval <= {layers}")
-    # The recurrent state runs along the whole sequence and through every layer in order: splitting either
-    # would need the state handed from shard to shard, which the gated delta-net does not do yet.
-    for axis, keys in (("context", "ici_context_parallelism=1 and dcn_context_parallelism=1"),
-                       ("stage", "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")):
-        split = ways(v, axis)
-        _require(split in (1, None), f"decoder_block={v['decoder_block']}'s gated delta-net layers do not run with "
-                                     f"{axis} parallelism {split} yet (their state would pass from shard to shard); set "
-                                     f"{keys}, and split the model with ici_fsdp_parallelism or "
-                                     "ici_tensor_parallelism instead")
+    # The recurrent state runs through every layer in order: pipeline stages would need it handed from stage to
+    # stage, which the gated delta-net does not do yet. (Along the sequence, context parallelism hands it over.)
+    split = ways(v, "stage")
+    _require(split in (1, None), f"decoder_block={v['decoder_block']}'s gated delta-net layers do not run with stage "
+                                 f"parallelism {split} yet (their state would pass from shard to shard); set "
+                                 "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1, and split the model with "
+                                 "ici_fsdp_parallelism or ici_tensor_parallelism instead")
+    _gated_deltanet_context_chunks(v)
+
+
+def _gated_deltanet_context_chunks(v):
+    """Context parallelism hands the gated delta-net's state and convolution window from chunk to chunk of
+    dual_chunk_swap (models/recurrent/context_parallel.py): runs of consecutive tokens, each at least a rule chunk."""
+    cp = ways(v, "context")
+    if cp in (1, None):
+        return
+    _require(v["context_parallel_reorder_strategy"] == "dual_chunk_swap",
+             f"context_parallel_reorder_strategy={v['context_parallel_reorder_strategy']} deals the tokens "
+             f"round-robin, but decoder_block={v['decoder_block']}'s gated delta-net layers run their recurrence "
+             "over runs of consecutive tokens; set context_parallel_reorder_strategy=dual_chunk_swap")
+    piece, least = v["max_target_length"] // (2 * cp), max(v["gdn_chunk_size"], v["gdn_conv_kernel_dim"] - 1)
+    _require(piece >= least,
+             f"context parallelism {cp} cuts max_target_length={v['max_target_length']} into {2 * cp} chunks of "
+             f"{piece} tokens, but the gated delta-net needs chunks of at least {least} (gdn_chunk_size, and "
+             "gdn_conv_kernel_dim - 1 for the convolution's window); raise max_target_length, lower "
+             "gdn_chunk_size or the context parallelism")
 
 
 def _partial_rotary_factor(v):

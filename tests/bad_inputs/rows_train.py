@@ -234,6 +234,16 @@ ROWS = [
                                           "base_num_kv_heads=2", "context_parallel_strategy=usp"],
         r"context_parallel_strategy=usp splits the heads over the ici context devices of a slice, but "
         r"base_num_kv_heads=2 is not a multiple of ici_context_parallelism=4; use context_parallel_strategy=ring"),
+    # the gated delta-net under context parallelism (issue 60)
+    Row("cp-gdn-striped", T, [B, "model_name=qwen3-next-80b-a3b", "gdn_chunk_size=8", "ici_context_parallelism=2",
+                              "context_parallel_reorder_strategy=striped"],
+        r"context_parallel_reorder_strategy=striped deals the tokens round-robin, but decoder_block=qwen3_next's gated "
+        r"delta-net layers run their recurrence over runs of consecutive tokens; set "
+        r"context_parallel_reorder_strategy=dual_chunk_swap"),
+    Row("cp-gdn-chunks-shorter-than-a-rule-chunk", T, [B, "model_name=qwen3-next-80b-a3b", "gdn_chunk_size=16",
+                                                       "ici_context_parallelism=2", "max_target_length=32"],
+        r"context parallelism 2 cuts max_target_length=32 into 4 chunks of 8 tokens, but the gated delta-net needs "
+        r"chunks of at least 16 \(gdn_chunk_size"),
     Row("feature-off-llama4-key-on-llama", T, [B, "use_qk_norm=true"], r"use_qk_norm=true does nothing without "
         r"decoder_block=llama4_text"),
     Row("glm4_moe-rotated-features-odd", T, [B, "model_name=glm-4.5-air", "partial_rotary_factor=0.01"],

@@ -111,7 +111,10 @@ def test_left_padded_rows_and_greedy_decoding_give_the_full_forwards_choices():
     (["gdn_conv_kernel_dim=0"], "gdn_conv_kernel_dim=0 is not allowed"),
     (["inhomogeneous_layer_cycle_interval=5"], "inhomogeneous_layer_cycle_interval=5 leaves no full-attention layer"),
     (["partial_rotary_factor=0.05"], "partial_rotary_factor=0.05 rotates 0 of head_dim=16 features"),
-    (["ici_context_parallelism=2"], "gated delta-net layers do not run with context parallelism 2 yet"),
+    (["ici_context_parallelism=2", "context_parallel_reorder_strategy=striped"],
+     "context_parallel_reorder_strategy=striped deals the tokens round-robin"),
+    (["ici_context_parallelism=4"], "cuts max_target_length=32 into 8 chunks of 4 tokens, but the gated delta-net "
+                                    "needs chunks of at least 8"),
     (["ici_pipeline_parallelism=2"], "gated delta-net layers do not run with stage parallelism 2 yet"),
 ])
 def test_impossible_settings_are_refused(overrides, fragment):

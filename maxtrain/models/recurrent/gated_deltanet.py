@@ -14,6 +14,9 @@
 Packed documents stay apart: the convolution reads only its own document's tokens and the rule's state
 restarts at each boundary (segment ids), so a packed row computes what its documents would alone.
 
+With context parallelism (the sequence split over devices, parallel/context.py) the convolution and the rule run
+per device on its chunks with what they need of the others' (models/recurrent/context_parallel.py).
+
 Decoding keeps, per layer, the rule's state and the convolution's last K-1 inputs (`cache_spec`): the
 prefill runs the chunked rule from them, each new token the recurrent step.
 
@@ -32,7 +35,7 @@ import jax.numpy as jnp
 from maxtrain import errors
 from maxtrain.kernels import gated_delta as gated_delta_kernel
 from maxtrain.models import ops
-from maxtrain.models.recurrent import gated_delta
+from maxtrain.models.recurrent import context_parallel, gated_delta
 from maxtrain.models.params import ParamSpec, dense
 from maxtrain.parallel import sharding
 from maxtrain.parallel.sharding import shard
@@ -68,8 +71,13 @@ def describe_kernel(implementation: str, backend: str) -> str:
     return f"{kind} kernel (backward: jnp chunked)"
 
 
-def rule(q, k, v, log_decay, beta, segment_ids, *, chunk_size: int, implementation: str, backend: str):
-    """The rule's output [B, T, N, V] by the chosen implementation; the kernel runs per shard (shard_map)."""
+def rule(q, k, v, log_decay, beta, segment_ids, *, chunk_size: int, implementation: str, backend: str,
+         reorder: str = "dual_chunk_swap"):
+    """The rule's output [B, T, N, V] by the chosen implementation; the kernel runs per shard (shard_map). With
+    context parallelism (tokens in the layout `reorder`), per device on its chunks (context_parallel.rule)."""
+    if sharding.ways("length") > 1:
+        return context_parallel.rule(q, k, v, log_decay, beta, segment_ids, reorder=reorder,
+                                     local=_local_rule(chunk_size, implementation, backend))
     if implementation == "jnp":
         return gated_delta.chunked(q, k, v, log_decay, beta, segment_ids, chunk_size=chunk_size)[0]
     on_chip = backend in ("gpu", "tpu")
@@ -78,6 +86,28 @@ def rule(q, k, v, log_decay, beta, segment_ids, *, chunk_size: int, implementati
     local = lambda q, k, v, a, b, seg: kernel(q, k, v, a, b, seg, None)[0]
     return sharding.run_in_shards(local, (q, k, v, log_decay, beta, segment_ids),
                                   (_TOKEN_AXES,) * 3 + (_GATE_AXES,) * 2 + (("batch", None),), _TOKEN_AXES)
+
+
+def _local_rule(chunk_size: int, implementation: str, backend: str):
+    """f(q, k, v, log_decay, beta, segment_ids, initial_state) -> (o, final state) on one device's tokens."""
+    if implementation == "jnp":
+        return lambda *args: gated_delta.chunked(*args[:6], chunk_size=chunk_size, initial_state=args[6])
+    on_chip = backend in ("gpu", "tpu")
+    kernel = gated_delta_kernel.make(gated_delta.chunked, chunk_size=chunk_size,
+                                     platform=backend if on_chip else "gpu", interpret=not on_chip)
+    if backend == "tpu":  # the TPU kernel's blocks span the whole value head
+        return kernel
+
+    def in_gpu_blocks(q, k, v, log_decay, beta, segment_ids, initial_state):
+        """The GPU kernel's value blocks are a power of two or whole GPU_BLOCK_V columns; context parallelism
+        widens the values to Dv + Dk (e.g. 160): zero columns (values and state) up to such a width, then cut."""
+        width, block = v.shape[-1], gated_delta_kernel.GPU_BLOCK_V
+        pad = (-(-width // block) * block if width > block else 1 << (width - 1).bit_length()) - width
+        if pad:
+            v, initial_state = (jnp.pad(x, ((0, 0),) * 3 + ((0, pad),)) for x in (v, initial_state))
+        o, state = kernel(q, k, v, log_decay, beta, segment_ids, initial_state)
+        return o[..., :width], state[..., :width]
+    return in_gpu_blocks
 
 
 def conv_channels(config) -> int:
@@ -140,7 +170,10 @@ def mixer(x, p, segment_ids, config, rt, cache=None):
     beta_logits = ops.dense(x, p["lin_wb"].astype(dt), backend=backend)   # "BTD,DN->BTN"
     a = ops.dense(x, p["lin_wa"].astype(dt), backend=backend)
     qkv = jnp.concatenate([q.reshape(b, t, nk * hk), k.reshape(b, t, nk * hk), v.reshape(b, t, nv * hv)], axis=-1)
-    if cache is None:
+    if cache is None and sharding.ways("length") > 1:  # the tokens in the layout, split over the context axes
+        qkv = jax.nn.silu(context_parallel.causal_conv(qkv, p["conv"], segment_ids, local=causal_conv,
+                                                       reorder=config.context_parallel_reorder_strategy))
+    elif cache is None:
         qkv = jax.nn.silu(causal_conv(qkv, p["conv"], segment_ids))
     else:  # the window's inputs precede x's; padding enters as zeros, as a document's start sees them
         state, window, valid = cache
@@ -158,7 +191,7 @@ def mixer(x, p, segment_ids, config, rt, cache=None):
         a.astype(jnp.float32) + p["dt_bias"].astype(jnp.float32))
     if cache is None:
         o = rule(q, k, v, log_decay, beta, segment_ids, chunk_size=config.gdn_chunk_size,
-                 implementation=rt.gdn_kernel, backend=backend)
+                 implementation=rt.gdn_kernel, backend=backend, reorder=config.context_parallel_reorder_strategy)
     else:  # padding writes nothing (beta 0) and decays nothing (log g 0): the state passes it unchanged
         beta, log_decay = jnp.where(valid[..., None], beta, 0.0), jnp.where(valid[..., None], log_decay, 0.0)
         if t == 1:
