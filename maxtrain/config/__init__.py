@@ -7,7 +7,7 @@
     registry.py   the model families and downstream tasks, declared once
     objectives.py the objective key's rows: data kind, frozen model, extra state, owned keys, checks
     schema.py     base.yml as the table, the mesh and logical axes, the presets
-    checks.py     the named rules that relate several keys
+    checks.py     the named rules that relate several keys (context_checks.py: context parallelism's)
     features.py   each feature's switch and the settings it owns; what each family is
     limits.py     samplers with one choice, settings the sequence cannot hold, empty paths
     loading.py    YAML chain, presets, overrides, coercion, derived values -> Config

@@ -8,7 +8,8 @@ axis filled with -1, tensor parallelism dividing heads/mlp/vocab, ...), each a f
 resolved values that raises ConfigError. loading.load_config and loading.revalidate call it. Two
 settings' parsers live here too, because a rule checks them and the run uses them again:
 `parse_eval_tasks` (evaluate.py, evals/runner.py) and `split_address` (parallel/distributed.py).
-The objective's rules are its row's (objectives.CHECKS: its data settings, its own rules). CHECKS ends with
+The objective's rules are its row's (objectives.CHECKS: its data settings, its own rules); context
+parallelism's are context_checks.py's. CHECKS ends with
 two tables' rules: limits.py (a sampler with one choice, a sequence too short for a
 setting, an empty path) and features.py (a setting of a feature that is off, a family's defining
 setting left at a default that turns it off).
@@ -24,7 +25,7 @@ import importlib.util
 import os
 from typing import Any
 
-from maxtrain.config import features, limits, objectives
+from maxtrain.config import context_checks, features, limits, objectives
 from maxtrain.config import settings as settings_lib
 from maxtrain.config.registry import EVAL_TASKS, MOE_FAMILIES, MOE_PLACEMENT_KEYS
 from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, QUANTIZATION_PLACES, parallelism_key, table, ways
@@ -218,76 +219,6 @@ def _no_pipeline_stages_with_experts(v):
              "set ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1 (use expert, fsdp or tensor parallelism)")
 
 
-def _context_chunks_divide_length(v):
-    """Context parallelism cuts each sequence into 2 chunks per device (dual_chunk_swap: one early, one late) or
-    deals its tokens round-robin (striped: T / C each)."""
-    cp, length = ways(v, "context"), v["max_target_length"]
-    if not cp or cp == 1:
-        return
-    if v["context_parallel_reorder_strategy"] == "striped":
-        _require(length % cp == 0,
-                 f"context parallelism {cp} with context_parallel_reorder_strategy=striped deals each sequence's "
-                 f"tokens round-robin to {cp} devices, so max_target_length={length} must be a multiple of {cp}; e.g. "
-                 f"max_target_length={max(cp, length // cp * cp)}")
-        return
-    _require(length % (2 * cp) == 0,
-             f"context parallelism {cp} (ici_context_parallelism x dcn_context_parallelism) splits each sequence "
-             f"into {2 * cp} chunks (two per device, one early and one late, so that causal attention's work is "
-             f"even), so max_target_length={length} must be a multiple of {2 * cp}; e.g. max_target_length="
-             f"{max(2 * cp, length // (2 * cp) * 2 * cp)}")
-
-
-def _ring_attention_without_pipeline_stages(v):
-    """Ring and ulysses attention run their own shard_map over the context axis, not yet inside a pipeline stage's."""
-    cp, stages, strategy = ways(v, "context"), ways(v, "stage"), v["context_parallel_strategy"]
-    _require(not (strategy != "all_gather" and cp not in (1, None) and stages not in (1, None)),
-             f"context_parallel_strategy={strategy} does not run with pipeline parallelism yet; set "
-             "context_parallel_strategy=all_gather, or ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
-
-
-def _ulysses_heads_divide(v):
-    """Ulysses attention splits each tensor-parallel shard's query and kv heads over the context group."""
-    cp, tp = ways(v, "context"), v["ici_tensor_parallelism"] * v["dcn_tensor_parallelism"]
-    if v["context_parallel_strategy"] != "ulysses" or cp in (1, None):
-        return
-    heads = {"base_num_query_heads": v["base_num_query_heads"]}
-    if v["decoder_block"] not in features.MLA_FAMILIES:  # MLA: a key per query head
-        heads["base_num_kv_heads"] = v["base_num_kv_heads"]
-    if v["global_num_kv_heads"] > 0:
-        heads["global_num_kv_heads"] = v["global_num_kv_heads"]
-    for key, n in heads.items():
-        per_shard = f" / tensor parallelism {tp} = {n // tp}" if tp > 1 else ""
-        _require((n // tp) % cp == 0,
-                 f"context_parallel_strategy=ulysses splits the heads over the context group, but {key}={n}"
-                 f"{per_shard} is not a multiple of context parallelism {cp}; use context_parallel_strategy=ring "
-                 f"(or all_gather), or a context parallelism that divides {n // tp}")
-
-
-# usp (issue 60): ulysses over the ici context devices of a slice, the ring over the dcn ones across slices
-def _usp_applies(v):
-    """usp needs both context levels (> 1 each) and the heads of each tensor-parallel shard to split over the ici
-    context devices."""
-    if v["context_parallel_strategy"] != "usp" or ways(v, "context") == 1:  # without CP: config/features.py's
-        return
-    ici, dcn = v["ici_context_parallelism"], v["dcn_context_parallelism"]
-    _require(ici > 1 and dcn > 1,
-             f"context_parallel_strategy=usp runs ulysses over ici_context_parallelism and the ring over "
-             f"dcn_context_parallelism, so both must be set > 1, but they are {ici} and {dcn}; with one context level "
-             "use context_parallel_strategy=ring or ulysses")
-    tp = v["ici_tensor_parallelism"] * v["dcn_tensor_parallelism"]
-    heads = {"base_num_query_heads": v["base_num_query_heads"]}
-    if v["decoder_block"] not in features.MLA_FAMILIES:  # MLA: a key per query head
-        heads["base_num_kv_heads"] = v["base_num_kv_heads"]
-    if v["global_num_kv_heads"] > 0:
-        heads["global_num_kv_heads"] = v["global_num_kv_heads"]
-    for key, n in heads.items():
-        per_shard = f" / tensor parallelism {tp} = {n // tp}" if tp > 1 else ""
-        _require((n // tp) % ici == 0,
-                 f"context_parallel_strategy=usp splits the heads over the ici context devices of a slice, but "
-                 f"{key}={n}{per_shard} is not a multiple of ici_context_parallelism={ici}; use "
-                 f"context_parallel_strategy=ring (or all_gather), or an ici_context_parallelism that divides {n // tp}")
-
-
 def _tensor_parallelism_divides(v):
     tp = v["ici_tensor_parallelism"] * v["dcn_tensor_parallelism"]
     if tp > 1:
@@ -439,25 +370,7 @@ def _gated_deltanet(v):
                                  f"parallelism {split} yet (their state would pass from shard to shard); set "
                                  "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1, and split the model with "
                                  "ici_fsdp_parallelism or ici_tensor_parallelism instead")
-    _gated_deltanet_context_chunks(v)
-
-
-def _gated_deltanet_context_chunks(v):
-    """Context parallelism hands the gated delta-net's state and convolution window from chunk to chunk of
-    dual_chunk_swap (models/recurrent/context_parallel.py): runs of consecutive tokens, each at least a rule chunk."""
-    cp = ways(v, "context")
-    if cp in (1, None):
-        return
-    _require(v["context_parallel_reorder_strategy"] == "dual_chunk_swap",
-             f"context_parallel_reorder_strategy={v['context_parallel_reorder_strategy']} deals the tokens "
-             f"round-robin, but decoder_block={v['decoder_block']}'s gated delta-net layers run their recurrence "
-             "over runs of consecutive tokens; set context_parallel_reorder_strategy=dual_chunk_swap")
-    piece, least = v["max_target_length"] // (2 * cp), max(v["gdn_chunk_size"], v["gdn_conv_kernel_dim"] - 1)
-    _require(piece >= least,
-             f"context parallelism {cp} cuts max_target_length={v['max_target_length']} into {2 * cp} chunks of "
-             f"{piece} tokens, but the gated delta-net needs chunks of at least {least} (gdn_chunk_size, and "
-             "gdn_conv_kernel_dim - 1 for the convolution's window); raise max_target_length, lower "
-             "gdn_chunk_size or the context parallelism")
+    context_checks.gated_deltanet_chunks(v)
 
 
 def _partial_rotary_factor(v):
@@ -514,9 +427,8 @@ CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _layer_head_shapes, _voc
           _attention_layer_types, _flash_blocks_powers_of_two, _gated_deltanet, _partial_rotary_factor,
           *objectives.CHECKS, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
-          _stages_divide_layers, _no_pipeline_stages_with_experts, _context_chunks_divide_length,
-          _ring_attention_without_pipeline_stages, _usp_applies,
-          lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, _ulysses_heads_divide,
+          _stages_divide_layers, _no_pipeline_stages_with_experts,
+          lambda v: _validate_rules(v["logical_axis_rules"]), _tensor_parallelism_divides, *context_checks.CHECKS,
           _coordinator_address,
           _run_name_is_one_directory, _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
           _experts_per_token_at_most_experts, _moe_layers_of_the_family, _experts_in_some_layer,
