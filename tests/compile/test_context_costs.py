@@ -16,7 +16,7 @@ import dataclasses
 import jax
 import pytest
 
-from maxtrain.compile import context_costs, predict
+from maxtrain.compile import context_costs, libtpu, predict
 from maxtrain.compile.context_costs import Collective, Shape
 from maxtrain.config import chips
 
@@ -73,3 +73,13 @@ def test_ring_compiled_memory_at_cp4_is_a_fraction_of_all_gathers():
                                                      devices=jax.devices()[:4])
     assert ring["arguments"] == gather["arguments"]
     assert ring["temporaries"] < gather["temporaries"] / 2
+
+
+def test_the_tpu_compilers_refusal_is_read_in_terabytes_too():
+    """A 128k-token step on v5p (scripts: train_compile, docs/scale.md) was refused with its temporaries in T; the
+    refusal must still become train_compile's one-line error, not a traceback."""
+    said = ("RESOURCE_EXHAUSTED: E1000: CompileTimeHbmOom: Ran out of memory on HBM, the total memory required for "
+            "HLO temporaries (3.09T) exceeds available HBM (95.73G). HLO module: jit_train_step.")
+    assert libtpu.out_of_memory(RuntimeError(said)) == pytest.approx((3.09 * 1024, 95.73))
+    assert libtpu.out_of_memory(RuntimeError(said.replace("3.09T", "17.21G"))) == pytest.approx((17.21, 95.73))
+    assert libtpu.out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: something else")) is None
