@@ -30,9 +30,11 @@ def out_of_memory(error: Exception) -> tuple[float, float] | None:
 
     libtpu stops a compile whose temporaries alone exceed the chip's HBM ("RESOURCE_EXHAUSTED: Ran
     out of memory on HBM, the total memory required for HLO temporaries (17.21G) exceeds available
-    HBM (15.75G)"): there is no compiled program to measure then, only its figures."""
+    HBM (15.75G)"): there is no compiled program to measure then, only its figures, in G, or T past 1024 G
+    (a 128k-token step's attention scores: "(3.09T)")."""
     match = re.search(r"Ran out of memory in memory space hbm|Ran out of memory on HBM", str(error))
-    figures = re.search(r"\(([\d.]+)G\) exceeds available HBM \(([\d.]+)G\)", str(error))
+    figures = re.search(r"\(([\d.]+)([GT])\) exceeds available HBM \(([\d.]+)([GT])\)", str(error))
     if not match or not figures:
         return None
-    return float(figures.group(1)), float(figures.group(2))
+    gib = {"G": 1.0, "T": 1024.0}
+    return float(figures.group(1)) * gib[figures.group(2)], float(figures.group(3)) * gib[figures.group(4)]
