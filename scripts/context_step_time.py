@@ -34,6 +34,8 @@ def main(argv=None) -> int:
     parser.add_argument("--chips", default="h100,v5p", help="chip records (config/chips.py), comma-separated")
     parser.add_argument("--cp", type=int, default=8, help="devices in the context group")
     parser.add_argument("--lengths", default="131072,1048576", help="comma-separated token counts")
+    parser.add_argument("--usp-inner", type=int, default=0,
+                        help="usp's ulysses group (ici_context_parallelism), the ring over cp / it; 0: no usp row")
     args = parser.parse_args(argv)
     print("$ python scripts/context_step_time.py " + shlex.join(sys.argv[1:] if argv is None else argv))
     print(f"{'chip':<6}{'tokens':>9}  {'strategy':<11}{'CP comm s':>10}{'exposed s':>10}{'compute s':>10}"
@@ -51,8 +53,10 @@ def main(argv=None) -> int:
                                         kv_heads=config.base_num_kv_heads, head_dim=config.head_dim)
             rows = []
             for strategy in context_costs.STRATEGIES:
-                comm = context_costs.layer_seconds(
-                    context_costs.layer_communication(strategy, shape, args.cp, recompute=True), chip)
+                if strategy == "usp" and not args.usp_inner:
+                    continue
+                comm = context_costs.layer_seconds(context_costs.layer_communication(
+                    strategy, shape, args.cp, recompute=True, inner=args.usp_inner), chip)
                 layers = config.base_num_decoder_layers
                 rows.append((strategy, comm["total"] * layers, comm["exposed"] * layers,
                              compute + comm["exposed"] * layers))

@@ -22,6 +22,9 @@ and N query heads (per tensor-parallel shard) of H, activations of `act_bytes` (
   backward (scores recomputed, dq, dk, dv), in full (no causal skipping yet).
 - ulysses: 4 all-to-alls forward (q and the output, B (T/C) N H act_bytes each; k and v, B (T/C) G H act_bytes
   each), each device sending (C - 1) / C of each, and their 4 transposes backward. Exposed.
+- usp (C = Ci inner x Co outer): ulysses' all-to-alls among the Ci devices of a slice (each sending (Ci - 1) / Ci),
+  then the ring over the Co slices on what they give each device, T / Co tokens of G / Ci kv heads: blocks of the
+  ring's size (2 B (T/C) G H act_bytes) passed Co - 1 times, each hidden behind 4 B (T/Co)^2 (N/Ci) H FLOPs.
 A collective of b bytes takes b / (link bandwidth x the chip kind's link efficiency) + a latency (predict.py's
 Calibration: link and collective_seconds), and a block's attention FLOPs / (bf16 peak x matmul efficiency).
 Not counted: segment ids and token indices (4 bytes a token, beside 2 G H act_bytes), the parameters'
@@ -69,14 +72,25 @@ class Collective:
     overlap_flops: float = 0.0
 
 
-def layer_communication(strategy: str, s: Shape, cp: int, recompute: bool = False) -> list[Collective]:
+def layer_communication(strategy: str, s: Shape, cp: int, recompute: bool = False,
+                        inner: int | None = None) -> list[Collective]:
     """The collectives of one attention layer's forward and backward on one device (the module docstring);
     `recompute`: the forward runs again in the backward pass (remat), which all_gather pays with a second
-    gather. Empty for a context group of 1."""
+    gather; `inner`: usp's ulysses group (ici_context_parallelism), the ring running over cp / inner. Empty for
+    a context group of 1."""
     if strategy not in STRATEGIES:
         raise ValueError(f"context_parallel_strategy={strategy!r} is not one of {', '.join(STRATEGIES)}")
     if cp <= 1:
         return []
+    if strategy == "usp":
+        if not inner or inner <= 1 or cp % inner or cp == inner:
+            raise ValueError(f"usp needs inner (ici_context_parallelism) > 1 dividing cp={cp} with cp / inner > 1; "
+                             f"got inner={inner}")
+        outer = cp // inner
+        heads = dataclasses.replace(s, heads=s.heads // inner, kv_heads=s.kv_heads // inner)
+        ring = layer_communication("ring", heads, outer, recompute)  # T / Co tokens a device, N / Ci heads, over Co
+        trade = layer_communication("ulysses", dataclasses.replace(s, tokens=s.tokens // outer), inner, recompute)
+        return trade + ring
     share = (cp - 1) / cp
     local = s.tokens / cp
     kv = 2 * s.batch * s.tokens * s.kv_heads * s.head_dim * s.act_bytes  # K and V, the whole sequence

@@ -61,8 +61,23 @@ def test_ulysses_trades_tokens_for_heads_with_four_all_to_alls_each_way():
 
 def test_one_device_communicates_nothing_and_an_unknown_strategy_is_refused():
     assert context_costs.layer_communication("ring", SHAPE, 1) == []
-    with pytest.raises(ValueError, match="usp"):
+    with pytest.raises(ValueError, match="hybrid"):
+        context_costs.layer_communication("hybrid", SHAPE, 4)
+    with pytest.raises(ValueError, match="usp needs inner"):
         context_costs.layer_communication("usp", SHAPE, 4)
+
+
+def test_usp_is_ulysses_inside_and_the_ring_across():
+    """usp 2 x 2: the all-to-alls of ulysses among 2 devices on T / 2 tokens (each device's T / 4 of every head),
+    then the ring over 2 on T / 2 tokens of half the heads: its blocks are the 4-way ring's, passed once."""
+    comm = context_costs.layer_communication("usp", SHAPE, 4, inner=2)
+    ring4 = context_costs.layer_communication("ring", SHAPE, 4)
+    trade, ring = comm[:2], comm[2:]
+    assert [c.kind for c in trade] == ["all-to-all"] * 2 and [c.kind for c in ring] == ["collective-permute"] * 3
+    assert [c.count for c in ring] == [1, 1, 1]
+    assert [c.bytes for c in ring] == [c.bytes for c in ring4]
+    local_q = SHAPE.batch * (SHAPE.tokens // 4) * SHAPE.heads * SHAPE.head_dim * SHAPE.act_bytes
+    assert trade[0] == Collective("all-to-all", 4, local_q / 2)
 
 
 def test_ring_compiled_memory_at_cp4_is_a_fraction_of_all_gathers():
