@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.models.fp8 import fp8_dot_general
+from maxtrain.parallel import sharding
 
 
 def dense(x, w, n: int = 1, out_dtype=None, backend: str | None = None, fp8: bool = False):
@@ -67,8 +68,15 @@ def dense(x, w, n: int = 1, out_dtype=None, backend: str | None = None, fp8: boo
     (2 GiB for Llama 3's 128k vocabulary).
     """
     k = math.prod(w.shape[:n])
-    x2, w2 = x.reshape(-1, k), w.reshape(k, -1)
+    w2 = w.reshape(k, -1)
     out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if sharding.ways("length") > 1 and not fp8:
+        # The sequence is split over the context axes: merging it with the batch axis into M would make GSPMD
+        # gather every token of the activation onto every device (a merged axis it cannot split as both were),
+        # so the leading axes stay apart: x [..., K] . w [K, N], its weight gradient contracting them all.
+        x2 = x.reshape(x.shape[:x.ndim - n] + (k,))
+    else:
+        x2 = x.reshape(-1, k)
     if fp8:
         out = fp8_dot_general(*_vary_alike(x2, w2), dimension_numbers=(((1,), (0,)), ((), ())), out_dtype=out_dtype,
                               platform=backend)
@@ -116,6 +124,9 @@ def _product_fwd(x, w, own_transpose):
 def _product_bwd(own_transpose, residuals, g):
     x, w = residuals
     g = g.astype(x.dtype)
+    if x.ndim > 2:  # leading axes kept apart (dense under context parallelism)
+        leading = tuple(range(x.ndim - 1))
+        return jnp.dot(g, w.T), jnp.tensordot(x, g, axes=(leading, leading))
     # The barrier keeps XLA from folding the transpose back into the matmul as a transposed operand.
     x_t = jax.lax.optimization_barrier(x.T) if own_transpose else x.T
     return jnp.dot(g, w.T), jnp.dot(x_t, g)

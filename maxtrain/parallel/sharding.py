@@ -277,8 +277,9 @@ def gather_params(tree, specs, logical: str):
 
 def shard_for_table(rows, tokens):
     """Constrains the rows of a [vocab, embed] table's scatter-add (rows [B, T, D], tokens [B, T]) so that
-    D splits as the table's embed axis does and B over the batch's other mesh axes: the layout in which
-    each device adds its tokens' rows into its own shard of the table. A no-op without a mesh."""
+    D splits as the table's embed axis does, B over the batch's other mesh axes and T over the context axes (as
+    the tokens arrive: gathering them would put every token's row on every device): the layout in which each
+    device adds its tokens' rows into its own shard of the table. A no-op without a mesh."""
     active = _ACTIVE.get()
     if active is None:
         return rows, tokens
@@ -286,7 +287,8 @@ def shard_for_table(rows, tokens):
     table = _rule_axes(rules)
     embed = tuple(a for a in table.get("embed", ()) if mesh.shape[a] > 1)
     batch = tuple(a for a in table.get("batch", ()) if a not in embed and mesh.shape[a] > 1)
-    lead = [batch or None] + [None] * (tokens.ndim - 1)
+    length = tuple(a for a in table.get("length", ()) if a not in embed + batch and mesh.shape[a] > 1)
+    lead = [batch or None, length or None][:tokens.ndim] + [None] * (tokens.ndim - 2)
     return (jax.lax.with_sharding_constraint(rows, NamedSharding(mesh, PartitionSpec(*lead, embed or None))),
             jax.lax.with_sharding_constraint(tokens, NamedSharding(mesh, PartitionSpec(*lead))))
 
