@@ -268,7 +268,8 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
                            sliding_window: int = 0, logits_soft_cap: float = 0.0, sinks: bool = False,
                            context_parallel: int = 1, v_head_dim: int | None = None, length: int = 0,
                            gqa: int = 1, packed: bool = True, capability: str | None = None,
-                           gpu_present: bool = True, with_reason: bool = False, layers: str = ""):
+                           gpu_present: bool = True, with_reason: bool = False, layers: str = "",
+                           context_strategy: str = "all_gather", context_reorder: str = "dual_chunk_swap"):
     """Turns `attention` from the config into a concrete implementation for the target platform (with
     with_reason=True, a kernel_choice.Choice: the implementation and why).
 
@@ -288,7 +289,8 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
 
     With context parallelism (context_parallel > 1 ways) attention is context_parallel.attention (the
     plain-jnp blocks of the context strategy): `autoselected` resolves to dot_product, and an explicit kernel
-    is refused (it cannot see the other devices' keys).
+    is refused (it cannot see the other devices' keys), except flash with context_strategy=ring on a GPU or CPU
+    (ring_flash.py: the Triton kernel per block pair of the ring; dual_chunk_swap, no sliding window).
 
     The arguments describe one attention kind (models/runtime.py resolves each once); `layers` names it
     in the refusal of an explicit choice it cannot run.
@@ -303,6 +305,12 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
         dtype=jnp.dtype(dtype).name if dtype is not None else "bfloat16", head_dim=head_dim, v_head_dim=v_head_dim,
         length=length, gqa=gqa, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
         packed=packed, capability=capability, gpu_present=gpu_present)
+    if context_parallel > 1 and name == "flash" and context_strategy == "ring":  # ring_flash.py
+        why = _ring_flash_unsupported(platform, context_reorder, sliding_window)
+        if why:
+            raise ValueError(f"attention=flash with context_parallel_strategy=ring {why}")
+        return kernel_choice.Choice("flash", "flash: set in the config (per block pair of the ring)") \
+            if with_reason else "flash"
     if context_parallel > 1 and name not in ("autoselected", "dot_product"):
         raise ValueError(f"attention={name} does not run with context parallelism ({context_parallel} ways) yet: the "
                          "kernels attend within one device's piece of the sequence. Use attention=dot_product (or "
@@ -318,6 +326,20 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
                              + (" (which chooses per layer kind)." if layers else "."))
         choice = kernel_choice.Choice(name, f"{name}: set in the config")
     return choice if with_reason else choice.implementation
+
+
+def _ring_flash_unsupported(platform: str, reorder: str, sliding_window: int) -> str:
+    """Why attention=flash cannot run inside the ring here (ring_flash.py), as the end of a sentence; "" if it can."""
+    if platform == "tpu":
+        return ("does not run on TPUs yet (the splash kernel is not inside the ring); use attention=dot_product (or "
+                "autoselected) with the ring")
+    if reorder != "dual_chunk_swap":
+        return (f"runs the dual_chunk_swap layout only, not {reorder}; set context_parallel_reorder_strategy="
+                "dual_chunk_swap, or attention=dot_product")
+    if sliding_window > 0:
+        return (f"does not take sliding windows yet (sliding_window={sliding_window}); use attention=dot_product "
+                "with the ring")
+    return ""
 
 
 def describe(implementation: str, platform: str) -> str:
@@ -421,6 +443,16 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
     if _unsupported(implementation, features):
         raise ValueError(f"attention={implementation} does not implement {' and '.join(_unsupported(implementation, features))}; "
                          "use attention=dot_product")
+    if sharding.ways("length") > 1 and implementation == "flash" and context_strategy == "ring":
+        why = _ring_flash_unsupported(canonical_platform(platform or "cpu"), context_reorder, sliding_window)
+        if platform is None or why:
+            raise ValueError(f"attention=flash with context_parallel_strategy=ring {why or 'needs platform='}")
+        # deferred: the Pallas kernel's import, as below
+        from maxtrain.models.attention import ring_flash  # pylint: disable=import-outside-toplevel
+
+        return ring_flash.attention(q, k, v, segment_ids, platform=canonical_platform(platform), causal=causal,
+                                    logits_soft_cap=logits_soft_cap, scale=scale, block_q=block_q, block_kv=block_kv,
+                                    interpret=interpret, sinks=sinks)
     if sharding.ways("length") > 1:  # the sequence is split over devices: parallel/context.py
         if implementation != "dot_product":
             raise ValueError(f"attention={implementation} does not run with context parallelism yet; "
@@ -476,3 +508,4 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
                 logits_soft_cap=logits_soft_cap, sm_scale=scale, block_q=block_q, block_k=block_kv,
                 shared_memory=shared_memory, interpret=interpret, sinks=sinks)
     return _per_shard(kernel, q, k, v, segment_ids, sinks)
+
