@@ -16,8 +16,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import slow_params
+from conftest import BASE_YML, TINY, slow_params
+from maxtrain.config import load_config, with_overrides
 from maxtrain.models import attention
+from maxtrain.models.model import Model
+from maxtrain.training import builder
+from sharded_batches import GLOBAL_BATCH, batches
 from maxtrain.models.attention import ring_flash
 from maxtrain.parallel import context, sharding
 
@@ -81,3 +85,53 @@ def test_ring_with_the_flash_kernel_equals_attention_over_the_unsplit_sequence(c
         if ref is not None:
             np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=RTOL, atol=ATOL,
                                        err_msg=f"d loss / d {name}")
+
+
+# --------------------------------------------------------------------------------------------
+# A tiny Llama: loss and gradients with attention=flash inside the ring equal dot_product's on one device
+# --------------------------------------------------------------------------------------------
+
+
+def _loss_and_grads(n_devices: int, *overrides):
+    argv = with_overrides([BASE_YML, *TINY], "max_target_length=64", f"per_device_batch_size={GLOBAL_BATCH // n_devices}",
+                          "ici_fsdp_parallelism=1", *overrides)
+    run = builder.build(load_config(argv), devices=tuple(jax.devices()[:n_devices]))
+    batch = jax.tree.map(lambda a: a[0], next(batches(run.config)))  # [B, T]: two packed documents a row
+    with sharding.activation_sharding(run.mesh, run.config.logical_axis_rules):
+        params = run.init(jax.random.key(0))["params"]
+        batch = jax.device_put(batch, run.eval_batch_sharding)
+
+        def mean_loss(p):
+            loss, weight, _ = Model.bind(run.config).loss_fn(p, batch, run.rt)
+            return loss / weight
+        step = jax.jit(jax.value_and_grad(mean_loss))
+        kernels = str(jax.make_jaxpr(step)(params)).count("flash_attention_fwd")  # Pallas calls, by name
+        loss, grads = step(params)
+    return float(loss), jax.tree.map(np.asarray, grads), kernels, run.rt.attention
+
+
+@pytest.mark.slow
+def test_tiny_llama_with_flash_inside_the_ring_gives_the_loss_and_gradients_of_one_device():
+    one_device = _loss_and_grads(1, "attention=dot_product")
+    split = _loss_and_grads(2, "attention=flash", "ici_context_parallelism=2", "context_parallel_strategy=ring")
+    assert (split[3], one_device[3]) == ("flash", "dot_product") and split[2] > 0 and one_device[2] == 0
+    assert split[0] == pytest.approx(one_device[0], rel=1e-5)
+    for (path, ref), got in zip(jax.tree_util.tree_flatten_with_path(one_device[1])[0], jax.tree.leaves(split[1])):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+def test_flash_resolves_inside_the_ring_and_the_rest_is_refused_in_one_line():
+    ring = dict(context_parallel=2, context_strategy="ring", head_dim=16)
+    assert attention.resolve_implementation("flash", "gpu", **ring) == "flash"
+    assert attention.resolve_implementation("flash", "cpu", **ring) == "flash"
+    refusals = {  # (name, platform, extra settings): what the line must say
+        ("flash", "gpu", ("sliding_window", 8)): r"flash with context_parallel_strategy=ring does not take sliding "
+                                                 r"windows yet \(sliding_window=8\); use attention=dot_product",
+        ("flash", "tpu", ()): r"does not run on TPUs yet \(the splash kernel is not inside the ring\)",
+        ("flash", "gpu", ("context_reorder", "striped")): r"runs the dual_chunk_swap layout only, not striped",
+        ("cudnn", "gpu", ()): r"attention=cudnn does not run inside context_parallel_strategy=ring.*use attention=flash",
+        ("flash", "gpu", ("context_strategy", "all_gather")): r"attention=flash does not run with context parallelism",
+    }
+    for (name, platform, extra), message in refusals.items():
+        with pytest.raises(ValueError, match=message):
+            attention.resolve_implementation(name, platform, **{**ring, **dict([extra] if extra else [])})

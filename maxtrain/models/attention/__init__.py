@@ -311,6 +311,10 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
             raise ValueError(f"attention=flash with context_parallel_strategy=ring {why}")
         return kernel_choice.Choice("flash", "flash: set in the config (per block pair of the ring)") \
             if with_reason else "flash"
+    if context_parallel > 1 and context_strategy == "ring" and name in ("cudnn", "tokamax"):
+        raise ValueError(f"attention={name} does not run inside context_parallel_strategy=ring: its backward cannot "
+                         "take the ring's global softmax statistics; use attention=flash (the Triton kernel runs per "
+                         "block pair of the ring) or dot_product")
     if context_parallel > 1 and name not in ("autoselected", "dot_product"):
         raise ValueError(f"attention={name} does not run with context parallelism ({context_parallel} ways) yet: the "
                          "kernels attend within one device's piece of the sequence. Use attention=dot_product (or "
