@@ -470,8 +470,9 @@ def _fp8_not_with_float16(v):
 
 
 def _attention_kernels_inside_the_ring(v):
-    """attention=flash runs per block pair of the ring (models/attention/ring_flash.py): the dual_chunk_swap layout
-    only, each device's two chunks a multiple of the kernel's smallest block (16); cuDNN and tokamax do not."""
+    """attention=flash runs per block pair of the ring (models/attention/ring_flash.py), each device's runs of tokens
+    (two chunks under dual_chunk_swap, one under striped) a multiple of the kernel's smallest block (16); cuDNN and
+    tokamax do not run inside the ring."""
     cp, name = ways(v, "context"), v["attention"]
     if v["context_parallel_strategy"] != "ring" or cp in (1, None):
         return
@@ -480,12 +481,11 @@ def _attention_kernels_inside_the_ring(v):
              "ring's global softmax statistics); use attention=flash, whose kernel runs per block pair of the ring")
     if name != "flash":
         return
-    _require(v["context_parallel_reorder_strategy"] == "dual_chunk_swap",
-             "attention=flash with context_parallel_strategy=ring runs the dual_chunk_swap layout only; set "
-             "context_parallel_reorder_strategy=dual_chunk_swap, or attention=dot_product")
-    length, unit = v["max_target_length"], 2 * cp * 16
+    length = v["max_target_length"]
+    chunks = cp * (2 if v["context_parallel_reorder_strategy"] == "dual_chunk_swap" else 1)
+    unit = chunks * 16
     _require(length % unit == 0,
-             f"attention=flash with context_parallel_strategy=ring cuts each sequence into {2 * cp} chunks of a "
+             f"attention=flash with context_parallel_strategy=ring cuts each sequence into {chunks} runs of a "
              f"multiple of 16 tokens (the kernel's smallest block), so max_target_length={length} must be a multiple "
              f"of {unit}; e.g. max_target_length={max(unit, length // unit * unit)}")
 

@@ -222,13 +222,14 @@ ROWS = [
         r"context_parallel_strategy=ring does not run with pipeline parallelism yet; set "
         r"context_parallel_strategy=all_gather, or ici_pipeline_parallelism=1"),
     # attention kernels inside the ring (issue 60, ring_flash.py)
-    Row("cp-ring-flash-striped", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=ring",
-                                     "context_parallel_reorder_strategy=striped", "attention=flash"],
-        r"attention=flash with context_parallel_strategy=ring runs the dual_chunk_swap layout only; set "
-        r"context_parallel_reorder_strategy=dual_chunk_swap, or attention=dot_product"),
+    Row("cp-ring-flash-striped-runs-under-a-block", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=ring",
+                                                        "context_parallel_reorder_strategy=striped", "attention=flash",
+                                                        "max_target_length=48"],
+        r"attention=flash with context_parallel_strategy=ring cuts each sequence into 2 runs of a multiple of 16 "
+        r"tokens .*, so max_target_length=48 must be a multiple of 32; e.g. max_target_length=32"),
     Row("cp-ring-flash-chunks-under-a-block", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=ring",
                                                   "attention=flash", "max_target_length=36"],
-        r"attention=flash with context_parallel_strategy=ring cuts each sequence into 4 chunks of a multiple of 16 "
+        r"attention=flash with context_parallel_strategy=ring cuts each sequence into 4 runs of a multiple of 16 "
         r"tokens .*, so max_target_length=36 must be a multiple of 64; e.g. max_target_length=64"),
     Row("cp-ring-cudnn", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=ring", "attention=cudnn"],
         r"attention=cudnn does not run inside context_parallel_strategy=ring .*; use attention=flash"),

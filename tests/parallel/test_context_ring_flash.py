@@ -11,6 +11,8 @@ sums in another order); a pair of chunks skipped or taken wrongly moves values a
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -40,46 +42,51 @@ def _inputs():
     return q, k, v, segment_ids, weights, sinks
 
 
-def _reference(q, k, v, segment_ids, weights, sinks, *, causal, logits_soft_cap):
+def _reference(q, k, v, segment_ids, weights, sinks, *, causal, logits_soft_cap, sliding_window):
     def loss(q, k, v, sinks):
-        mask = attention.make_attention_mask(segment_ids, segment_ids, causal=causal)
+        mask = attention.make_attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
         out = attention.dot_product_attention(q, k, v, mask, logits_soft_cap=logits_soft_cap, sinks=sinks)
         return jnp.sum(out * weights), out
     (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, k, v, sinks)
     return out, grads
 
 
-def _ring(cp, q, k, v, segment_ids, weights, sinks, *, causal, logits_soft_cap, tensor=1):
+def _ring(cp, q, k, v, segment_ids, weights, sinks, *, causal, logits_soft_cap, sliding_window, reorder, tensor=1):
     mesh = sharding.mesh_of(jax.devices()[:cp * tensor], context=cp, tensor=tensor)
-    q, k, v, segment_ids, weights = context.to_layout((q, k, v, segment_ids, weights), cp)
+    q, k, v, segment_ids, weights = context.to_layout((q, k, v, segment_ids, weights), cp, reorder=reorder)
 
     def loss(q, k, v, sinks):
-        out = ring_flash.ring_flash_attention(q, k, v, segment_ids, causal=causal, logits_soft_cap=logits_soft_cap,
+        out = ring_flash.ring_flash_attention(q, k, v, segment_ids, reorder=reorder, causal=causal,
+                                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                               sinks=sinks, interpret=True, block_q=16, block_k=16)
         return jnp.sum(out * weights), out
     with sharding.activation_sharding(mesh, RULES):
         (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, sinks)
-    return context.from_layout(out, cp), [context.from_layout(g, cp) for g in grads[:3]] + [grads[3]]
+    back = functools.partial(context.from_layout, cp=cp, reorder=reorder)
+    return back(out), [back(g) for g in grads[:3]] + [grads[3]]
 
 
-CASES = {  # name: (causal, logits_soft_cap, sinks, tensor)
-    "causal": (True, 0.0, False, 1),
-    "causal_softcap_sinks": (True, 5.0, True, 1),
-    "bidirectional_heads_split": (False, 0.0, True, 2),
+CASES = {  # name: (causal, logits_soft_cap, sinks, tensor, sliding_window, reorder)
+    "causal": (True, 0.0, False, 1, 0, "dual_chunk_swap"),
+    "causal_softcap_sinks": (True, 5.0, True, 1, 0, "dual_chunk_swap"),
+    "bidirectional_heads_split": (False, 0.0, True, 2, 0, "dual_chunk_swap"),
+    "causal_window": (True, 0.0, False, 1, 21, "dual_chunk_swap"),
+    "striped_causal_window_sinks": (True, 0.0, True, 1, 21, "striped"),
+    "striped_causal_softcap": (True, 5.0, False, 1, 0, "striped"),
 }
 
 
 @pytest.mark.parametrize("cp, case", slow_params([(cp, case) for cp in (2, 4) for case in CASES],
                                                   {f"{cp}-{case}" for cp in (2, 4) for case in CASES}
-                                                  - {"4-causal_softcap_sinks"},
+                                                  - {"4-causal_softcap_sinks", "4-striped_causal_window_sinks"},
                                                   ids=[f"{cp}-{case}" for cp in (2, 4) for case in CASES]))
 def test_ring_with_the_flash_kernel_equals_attention_over_the_unsplit_sequence(cp, case):
-    causal, logits_soft_cap, with_sinks, tensor = CASES[case]
+    causal, logits_soft_cap, with_sinks, tensor, sliding_window, reorder = CASES[case]
     q, k, v, segment_ids, weights, sinks = _inputs()
     sinks = sinks if with_sinks else None
-    kwargs = dict(causal=causal, logits_soft_cap=logits_soft_cap)
+    kwargs = dict(causal=causal, logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)
     ref_out, ref_grads = _reference(q, k, v, segment_ids, weights, sinks, **kwargs)
-    out, grads = _ring(cp, q, k, v, segment_ids, weights, sinks, tensor=tensor, **kwargs)
+    out, grads = _ring(cp, q, k, v, segment_ids, weights, sinks, tensor=tensor, reorder=reorder, **kwargs)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=RTOL, atol=ATOL)
     for name, got, ref in zip(("q", "k", "v", "sinks"), grads, ref_grads):
         if ref is not None:
@@ -124,11 +131,9 @@ def test_flash_resolves_inside_the_ring_and_the_rest_is_refused_in_one_line():
     ring = dict(context_parallel=2, context_strategy="ring", head_dim=16)
     assert attention.resolve_implementation("flash", "gpu", **ring) == "flash"
     assert attention.resolve_implementation("flash", "cpu", **ring) == "flash"
+    assert attention.resolve_implementation("flash", "gpu", sliding_window=8, context_reorder="striped", **ring) == "flash"
     refusals = {  # (name, platform, extra settings): what the line must say
-        ("flash", "gpu", ("sliding_window", 8)): r"flash with context_parallel_strategy=ring does not take sliding "
-                                                 r"windows yet \(sliding_window=8\); use attention=dot_product",
         ("flash", "tpu", ()): r"does not run on TPUs yet \(the splash kernel is not inside the ring\)",
-        ("flash", "gpu", ("context_reorder", "striped")): r"runs the dual_chunk_swap layout only, not striped",
         ("cudnn", "gpu", ()): r"attention=cudnn does not run inside context_parallel_strategy=ring.*use attention=flash",
         ("flash", "gpu", ("context_strategy", "all_gather")): r"attention=flash does not run with context parallelism",
     }

@@ -290,7 +290,7 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     With context parallelism (context_parallel > 1 ways) attention is context_parallel.attention (the
     plain-jnp blocks of the context strategy): `autoselected` resolves to dot_product, and an explicit kernel
     is refused (it cannot see the other devices' keys), except flash with context_strategy=ring on a GPU or CPU
-    (ring_flash.py: the Triton kernel per block pair of the ring; dual_chunk_swap, no sliding window).
+    (ring_flash.py: the Triton kernel per block pair of the ring).
 
     The arguments describe one attention kind (models/runtime.py resolves each once); `layers` names it
     in the refusal of an explicit choice it cannot run.
@@ -306,7 +306,7 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
         length=length, gqa=gqa, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
         packed=packed, capability=capability, gpu_present=gpu_present)
     if context_parallel > 1 and name == "flash" and context_strategy == "ring":  # ring_flash.py
-        why = _ring_flash_unsupported(platform, context_reorder, sliding_window)
+        why = _ring_flash_unsupported(platform)
         if why:
             raise ValueError(f"attention=flash with context_parallel_strategy=ring {why}")
         return kernel_choice.Choice("flash", "flash: set in the config (per block pair of the ring)") \
@@ -332,17 +332,11 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     return choice if with_reason else choice.implementation
 
 
-def _ring_flash_unsupported(platform: str, reorder: str, sliding_window: int) -> str:
+def _ring_flash_unsupported(platform: str) -> str:
     """Why attention=flash cannot run inside the ring here (ring_flash.py), as the end of a sentence; "" if it can."""
     if platform == "tpu":
         return ("does not run on TPUs yet (the splash kernel is not inside the ring); use attention=dot_product (or "
                 "autoselected) with the ring")
-    if reorder != "dual_chunk_swap":
-        return (f"runs the dual_chunk_swap layout only, not {reorder}; set context_parallel_reorder_strategy="
-                "dual_chunk_swap, or attention=dot_product")
-    if sliding_window > 0:
-        return (f"does not take sliding windows yet (sliding_window={sliding_window}); use attention=dot_product "
-                "with the ring")
     return ""
 
 
@@ -448,13 +442,14 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
         raise ValueError(f"attention={implementation} does not implement {' and '.join(_unsupported(implementation, features))}; "
                          "use attention=dot_product")
     if sharding.ways("length") > 1 and implementation == "flash" and context_strategy == "ring":
-        why = _ring_flash_unsupported(canonical_platform(platform or "cpu"), context_reorder, sliding_window)
+        why = _ring_flash_unsupported(canonical_platform(platform or "cpu"))
         if platform is None or why:
             raise ValueError(f"attention=flash with context_parallel_strategy=ring {why or 'needs platform='}")
         # deferred: the Pallas kernel's import, as below
         from maxtrain.models.attention import ring_flash  # pylint: disable=import-outside-toplevel
 
-        return ring_flash.attention(q, k, v, segment_ids, platform=canonical_platform(platform), causal=causal,
+        return ring_flash.attention(q, k, v, segment_ids, platform=canonical_platform(platform),
+                                    reorder=context_reorder, causal=causal, sliding_window=sliding_window,
                                     logits_soft_cap=logits_soft_cap, scale=scale, block_q=block_q, block_kv=block_kv,
                                     interpret=interpret, sinks=sinks)
     if sharding.ways("length") > 1:  # the sequence is split over devices: parallel/context.py
