@@ -332,6 +332,10 @@ def parallelism_lines(run: Run) -> list[str]:
         attend = {"ring": "keys and values passed around the ring (ppermute), the softmax merged online",
                   "ulysses": f"an all-to-all trades tokens for heads (1/{cp} of the heads, every token, per device)",
                   }.get(config.context_parallel_strategy, "keys and values all-gathered per layer")
+        if config.context_parallel_strategy == "ring" and run.rt.attention == "flash":  # models/attention/ring_flash.py
+            attend += ", the flash kernel per block pair" + (
+                " (under the causal mask half of each other device's block pair skipped)"
+                if config.context_parallel_reorder_strategy == "dual_chunk_swap" else "")
         lines.append(f"context: each sequence split {cp} ways ({order}); attention {config.context_parallel_strategy}: "
                      f"{attend}")
     return lines
