@@ -132,11 +132,42 @@ def test_flash_resolves_inside_the_ring_and_the_rest_is_refused_in_one_line():
     assert attention.resolve_implementation("flash", "gpu", **ring) == "flash"
     assert attention.resolve_implementation("flash", "cpu", **ring) == "flash"
     assert attention.resolve_implementation("flash", "gpu", sliding_window=8, context_reorder="striped", **ring) == "flash"
+    assert attention.resolve_implementation("flash", "tpu", length=1024, **ring) == "flash"
     refusals = {  # (name, platform, extra settings): what the line must say
-        ("flash", "tpu", ()): r"does not run on TPUs yet \(the splash kernel is not inside the ring\)",
+        ("flash", "tpu", ("context_reorder", "striped")): r"on TPUs \(the splash kernel\) runs dual_chunk_swap "
+                                                         r"without a sliding window only",
+        ("flash", "tpu", ("length", 768)): r"max_target_length=768 must be a multiple of 512",
         ("cudnn", "gpu", ()): r"attention=cudnn does not run inside context_parallel_strategy=ring.*use attention=flash",
         ("flash", "gpu", ("context_strategy", "all_gather")): r"attention=flash does not run with context parallelism",
     }
     for (name, platform, extra), message in refusals.items():
         with pytest.raises(ValueError, match=message):
             attention.resolve_implementation(name, platform, **{**ring, **dict([extra] if extra else [])})
+
+
+@pytest.mark.slow
+def test_ring_with_the_splash_kernel_equals_attention_over_the_unsplit_sequence():
+    """The TPU form (ring_splash.py) in Pallas' TPU interpreter: CP 2, 512 tokens (chunks of 128, the lanes), packed,
+    soft-capped, with sinks."""
+    rng = np.random.default_rng(1)
+    t, n, g = 512, 2, 1
+    q, k, v = (rng.standard_normal((1, t, heads, H)).astype(np.float32) for heads in (n, g, g))
+    segment_ids = np.ones((1, t), np.int32)
+    segment_ids[0, 170:], segment_ids[0, 490:] = 2, 0
+    weights = rng.standard_normal((1, t, n, H)).astype(np.float32)
+    sinks = rng.standard_normal((n,)).astype(np.float32)
+    ref_out, ref_grads = _reference(q, k, v, segment_ids, weights, sinks, causal=True, logits_soft_cap=5.0,
+                                    sliding_window=0)
+    mesh = sharding.mesh_of(jax.devices()[:2], context=2)
+    ql, kl, vl, sl, wl = context.to_layout((q, k, v, segment_ids, weights), 2)
+
+    def loss(q, k, v, sinks):
+        out = ring_flash.ring_flash_attention(q, k, v, sl, logits_soft_cap=5.0, sinks=sinks, interpret=True, tpu=True)
+        return jnp.sum(out * wl), out
+    with sharding.activation_sharding(mesh, RULES):
+        (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(ql, kl, vl, sinks)
+    np.testing.assert_allclose(np.asarray(context.from_layout(out, 2)), np.asarray(ref_out), rtol=RTOL, atol=ATOL)
+    for name, got, ref in zip(("q", "k", "v"), grads[:3], ref_grads[:3]):
+        np.testing.assert_allclose(np.asarray(context.from_layout(got, 2)), np.asarray(ref), rtol=RTOL, atol=1e-5,
+                                   err_msg=f"d loss / d {name}")
+    np.testing.assert_allclose(np.asarray(grads[3]), np.asarray(ref_grads[3]), rtol=RTOL, atol=1e-5)

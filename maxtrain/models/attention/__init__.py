@@ -289,8 +289,8 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
 
     With context parallelism (context_parallel > 1 ways) attention is context_parallel.attention (the
     plain-jnp blocks of the context strategy): `autoselected` resolves to dot_product, and an explicit kernel
-    is refused (it cannot see the other devices' keys), except flash with context_strategy=ring on a GPU or CPU
-    (ring_flash.py: the Triton kernel per block pair of the ring).
+    is refused (it cannot see the other devices' keys), except flash with context_strategy=ring (ring_flash.py:
+    the Triton kernel per block pair of the ring; on TPUs the splash kernel, dual_chunk_swap without windows).
 
     The arguments describe one attention kind (models/runtime.py resolves each once); `layers` names it
     in the refusal of an explicit choice it cannot run.
@@ -306,7 +306,7 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
         length=length, gqa=gqa, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
         packed=packed, capability=capability, gpu_present=gpu_present)
     if context_parallel > 1 and name == "flash" and context_strategy == "ring":  # ring_flash.py
-        why = _ring_flash_unsupported(platform)
+        why = _ring_flash_unsupported(platform, context_reorder, sliding_window, length, context_parallel)
         if why:
             raise ValueError(f"attention=flash with context_parallel_strategy=ring {why}")
         return kernel_choice.Choice("flash", "flash: set in the config (per block pair of the ring)") \
@@ -332,11 +332,18 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     return choice if with_reason else choice.implementation
 
 
-def _ring_flash_unsupported(platform: str) -> str:
-    """Why attention=flash cannot run inside the ring here (ring_flash.py), as the end of a sentence; "" if it can."""
-    if platform == "tpu":
-        return ("does not run on TPUs yet (the splash kernel is not inside the ring); use attention=dot_product (or "
-                "autoselected) with the ring")
+def _ring_flash_unsupported(platform: str, reorder: str = "dual_chunk_swap", sliding_window: int = 0,
+                            length: int = 0, ways: int = 1) -> str:
+    """Why attention=flash cannot run inside the ring here (ring_flash.py; ring_splash.py on TPUs), as the end of a
+    sentence; "" if it can."""
+    if platform != "tpu":
+        return ""
+    if reorder != "dual_chunk_swap" or sliding_window > 0:
+        return (f"on TPUs (the splash kernel) runs dual_chunk_swap without a sliding window only (here {reorder}, "
+                f"sliding_window={sliding_window}); use attention=dot_product with the ring")
+    if length % (2 * ways * 128):
+        return (f"on TPUs (the splash kernel) needs each device's two chunks to be a multiple of 128 tokens: "
+                f"max_target_length={length} must be a multiple of {2 * ways * 128}")
     return ""
 
 
@@ -442,7 +449,8 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
         raise ValueError(f"attention={implementation} does not implement {' and '.join(_unsupported(implementation, features))}; "
                          "use attention=dot_product")
     if sharding.ways("length") > 1 and implementation == "flash" and context_strategy == "ring":
-        why = _ring_flash_unsupported(canonical_platform(platform or "cpu"))
+        why = _ring_flash_unsupported(canonical_platform(platform or "cpu"), context_reorder, sliding_window,
+                                      q.shape[1], sharding.ways("length"))
         if platform is None or why:
             raise ValueError(f"attention=flash with context_parallel_strategy=ring {why or 'needs platform='}")
         # deferred: the Pallas kernel's import, as below

@@ -33,7 +33,7 @@ positions=True, q_pos and kv_pos after the segment ids) and visits every key blo
 the calls are those above (the window only hides more); under striped each pair runs whole, masked by position
 (no pair is wholly hidden, so nothing is skipped beyond the kernel's own masking). Per-block outputs and gradients
 are rounded to the input dtype by the kernel before being merged or summed in float32 (exact for float32 inputs).
-TPUs are refused (resolve_implementation): the splash kernel is not inside the ring yet.
+On TPUs the calls are JAX's splash kernel (ring_splash.py: dual_chunk_swap without windows).
 
 Letters as in attention/__init__.py: B batch, T this device's tokens (2L), S keys of a block, N query heads, G kv
 heads, H head dim (padded to a power of two >= 16 for the kernel).
@@ -217,6 +217,11 @@ def ring_flash_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes: tuple[s
                     block_q=block_q, block_k=block_k, shared_memory=shared_memory)
     ring = _RingFlash(axes, ways, causal, reorder, sliding_window, cfgs)
     pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, head_pad - x.shape[3])])  # noqa: E731  q.k and out unchanged
+    return run_ring(ring, pad(q), pad(k), pad(v), segment_ids, q_index, sinks)[..., :hv]
+
+
+def run_ring(ring, q, k, v, segment_ids, q_index, sinks):
+    """ring.forward with ring.backward as its gradient (a custom VJP in q, k, v and sinks)."""
     with_sinks = sinks is not None
 
     @jax.custom_vjp
@@ -234,17 +239,16 @@ def ring_flash_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes: tuple[s
         return dq, dk, dv, d_sinks if with_sinks else jnp.zeros_like(sinks), None, None  # no gradient for the ids
 
     attend.defvjp(forward, backward)
-    out = attend(pad(q), pad(k), pad(v), sinks if with_sinks else jnp.zeros((n,), jnp.float32),
-                 segment_ids.astype(jnp.int32), q_index.astype(jnp.int32))
-    return out[..., :hv]
+    return attend(q, k, v, sinks if with_sinks else jnp.zeros((q.shape[2],), jnp.float32),
+                  segment_ids.astype(jnp.int32), q_index.astype(jnp.int32))
 
 
 def ring_flash_attention(q, k, v, segment_ids, *, reorder: str = "dual_chunk_swap", causal: bool = True,
                          sliding_window: int = 0, logits_soft_cap: float = 0.0, scale: float | None = None, sinks=None,
                          interpret: bool = False, block_q: int = 128, block_k: int = 128,
-                         shared_memory: int = DEFAULT_SHARED_MEMORY):
+                         shared_memory: int = DEFAULT_SHARED_MEMORY, tpu: bool = False):
     """ring.ring_attention's contract (q [B, T, N, H] in the layout `reorder`, sharded along T over the context axes
-    of the active mesh) with the flash kernel per block pair."""
+    of the active mesh) with the flash kernel per block pair; tpu=True: the splash kernel (ring_splash.py)."""
     active = sharding.active_mesh()
     if active is None:
         raise ValueError("ring attention runs under sharding.activation_sharding (a mesh with a context axis)")
@@ -255,6 +259,16 @@ def ring_flash_attention(q, k, v, segment_ids, *, reorder: str = "dual_chunk_swa
     shard_fn = functools.partial(ring_flash_shard, axes=axes, ways=ways, reorder=reorder, causal=causal,
                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
                                  interpret=interpret, block_q=block_q, block_k=block_k, shared_memory=shared_memory)
+    if tpu:
+        if reorder != "dual_chunk_swap" or sliding_window > 0:
+            raise ValueError("attention=flash with context_parallel_strategy=ring on TPUs runs dual_chunk_swap without "
+                             "a sliding window only; use attention=dot_product for the others")
+        # deferred: the TPU kernel's import, only where it runs
+        from maxtrain.models.attention import ring_splash  # pylint: disable=import-outside-toplevel
+
+        shard_fn = functools.partial(ring_splash.ring_splash_shard, axes=axes, ways=ways, causal=causal,
+                                     logits_soft_cap=logits_soft_cap, scale=scale, interpret=interpret,
+                                     block_q=block_q, block_kv=block_k)
     q_axes, kv_axes = ("batch", "length", "heads", None), ("batch", "length", "kv_heads", None)
     specs = sharding.active_specs([q_axes, kv_axes])
     if specs is not None and specs[0][2] != specs[1][2]:
@@ -271,9 +285,9 @@ def attention(q, k, v, segment_ids, *, platform: str, reorder: str, causal: bool
               logits_soft_cap: float, scale: float | None, block_q: int, block_kv: int, interpret: bool | None,
               sinks=None):
     """attention.attention's form with attention=flash and context_parallel_strategy=ring (checked there): the
-    target `platform` (gpu or cpu) sets the kernel's shared memory and, on cpu, interpret mode."""
+    target `platform` picks the kernel (splash on tpu, else Triton), its shared memory and, on cpu, interpret mode."""
     shared_memory = chips.gpu_shared_memory(sharding.active_devices()) if platform == "gpu" else DEFAULT_SHARED_MEMORY
     return ring_flash_attention(q, k, v, segment_ids, reorder=reorder, causal=causal, sliding_window=sliding_window,
                                 logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks,
                                 interpret=platform == "cpu" if interpret is None else interpret, block_q=block_q,
-                                block_k=block_kv, shared_memory=shared_memory)
+                                block_k=block_kv, shared_memory=shared_memory, tpu=platform == "tpu")
