@@ -364,6 +364,12 @@ def _backward(q, k, v, q_seg, kv_seg, out, lse, do, cfg, q_pos=None, kv_pos=None
     return dq, dk, dv
 
 
+def backward(q, k, v, q_seg, kv_seg, out, lse, do, cfg, q_pos=None, kv_pos=None):
+    """(dq, dk, dv) of one call from the out and lse it is to be differentiated at: the call's own (the custom VJP
+    below), or a whole softmax's of which the call is one part (ring attention: models/attention/ring_flash.py)."""
+    return _backward(q, k, v, q_seg, kv_seg, out, lse, do, cfg, q_pos, kv_pos)
+
+
 def _with_sinks(out, lse, sinks):
     """(out, lse) of softmaxes that also have the sink logit of their head [N] in the denominator."""
     if sinks is None:

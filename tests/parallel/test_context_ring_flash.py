@@ -24,7 +24,7 @@ from maxtrain.models import attention
 from maxtrain.models.model import Model
 from maxtrain.training import builder
 from sharded_batches import GLOBAL_BATCH, batches
-from maxtrain.models.attention import ring_flash
+from maxtrain.models.attention import ring_flash, ring_splash
 from maxtrain.parallel import context, sharding
 
 B, T, N, G, H = 1, 128, 4, 2, 16
@@ -162,7 +162,7 @@ def test_ring_with_the_splash_kernel_equals_attention_over_the_unsplit_sequence(
     ql, kl, vl, sl, wl = context.to_layout((q, k, v, segment_ids, weights), 2)
 
     def loss(q, k, v, sinks):
-        out = ring_flash.ring_flash_attention(q, k, v, sl, logits_soft_cap=5.0, sinks=sinks, interpret=True, tpu=True)
+        out = ring_splash.ring_splash_attention(q, k, v, sl, logits_soft_cap=5.0, sinks=sinks, interpret=True)
         return jnp.sum(out * wl), out
     with sharding.activation_sharding(mesh, RULES):
         (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(ql, kl, vl, sinks)

@@ -453,7 +453,14 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
                                       q.shape[1], sharding.ways("length"))
         if platform is None or why:
             raise ValueError(f"attention=flash with context_parallel_strategy=ring {why or 'needs platform='}")
-        # deferred: the Pallas kernel's import, as below
+        if canonical_platform(platform) == "tpu":
+            # deferred: the splash kernel's import (as below), only where it runs
+            from maxtrain.models.attention import ring_splash  # pylint: disable=import-outside-toplevel
+
+            return ring_splash.ring_splash_attention(q, k, v, segment_ids, causal=causal,
+                                                     logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks,
+                                                     interpret=bool(interpret), block_q=block_q, block_kv=block_kv)
+        # deferred: the flash kernel's import (as below), only where it runs
         from maxtrain.models.attention import ring_flash  # pylint: disable=import-outside-toplevel
 
         return ring_flash.attention(q, k, v, segment_ids, platform=canonical_platform(platform),

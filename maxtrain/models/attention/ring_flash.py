@@ -24,7 +24,7 @@ and the calls are merged with the online softmax,
 rows a call does not see carrying lse_b = -big (weight exactly 0). An attention sink (gpt-oss) joins once at the end
 with the global lse (as flash_attention._with_sinks). The gradient is a custom VJP: the key/value blocks go round the
 ring again with their running dk and dv, and each pair's dq, dk, dv come from the kernel's own backward
-(flash_attention._backward) given the GLOBAL out and lse (its delta = rowsum(d_out * out) is then global, as the
+(flash_attention.backward) given the GLOBAL out and lse (its delta = rowsum(d_out * out) is then global, as the
 softmax's gradient needs); a last pass takes dk and dv home. Per device the kernel holds T / C keys at a time.
 
 A sliding window, and the striped layout (token t on device t mod C: every pair is causal with a shift), need the
@@ -49,11 +49,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain.config import chips
-from maxtrain.kernels import flash_attention as flash
+from maxtrain.kernels import flash_attention
 from maxtrain.kernels.flash_tiles import DEFAULT_SHARED_MEMORY, MIN_BLOCK, default_tuning
 from maxtrain.parallel import context, sharding
 
-_NO_SCORE = flash._MASK_VALUE  # pylint: disable=protected-access  # lse of a row that sees no key of a call
+_NO_SCORE = -0.7 * float(jnp.finfo(jnp.float32).max)  # the kernel's finite "minus infinity": lse of an unseen row
 
 
 def _configs(head_pad: int, dtype, run: int, *, causal: bool, sliding_window: int, logits_soft_cap: float,
@@ -70,9 +70,9 @@ def _configs(head_pad: int, dtype, run: int, *, causal: bool, sliding_window: in
               for name, t in tuning.items()}
     common = dict(soft_cap=float(logits_soft_cap), scale=float(scale), kv_len=0, kv_padded=False,
                   interpret=bool(interpret), **tuning)
-    return {"causal": flash.KernelConfig(causal=True, sliding_window=0, **common),
-            "full": flash.KernelConfig(causal=False, sliding_window=0, **common),
-            "positions": flash.KernelConfig(causal=causal, sliding_window=sliding_window, positions=True, **common)}
+    return {"causal": flash_attention.KernelConfig(causal=True, sliding_window=0, **common),
+            "full": flash_attention.KernelConfig(causal=False, sliding_window=0, **common),
+            "positions": flash_attention.KernelConfig(causal=causal, sliding_window=sliding_window, positions=True, **common)}
 
 
 def _merge(out, lse, out_b, lse_b):
@@ -82,7 +82,7 @@ def _merge(out, lse, out_b, lse_b):
     return out * weight(lse) + out_b.astype(jnp.float32) * weight(lse_b), lse_new
 
 
-class _RingFlash:
+class RingFlash:
     """One device's ring passes (forward and backward) with the flash kernel per block pair.
 
     A block is (k, v, kv_segment_ids, kv_index); the queries' side (segment_ids, q_index) stays. `skip`: causal
@@ -112,12 +112,12 @@ class _RingFlash:
         return jnp.broadcast_to(index[None], segment_ids.shape) if self.positions else None
 
     def call_forward(self, q, k, v, segment_ids, q_index, kv_segment_ids, kv_index, cfg):
-        out, lse = flash.forward_call(q, k, v, segment_ids, kv_segment_ids, cfg, self.indices(segment_ids, q_index),
+        out, lse = flash_attention.forward_call(q, k, v, segment_ids, kv_segment_ids, cfg, self.indices(segment_ids, q_index),
                                       self.indices(kv_segment_ids, kv_index))
         return out.astype(jnp.float32), lse
 
     def call_backward(self, q, k, v, segment_ids, q_index, kv_segment_ids, kv_index, out, lse, d_out, cfg):
-        grads = flash._backward(q, k, v, segment_ids, kv_segment_ids, out, lse, d_out, cfg,  # pylint: disable=protected-access
+        grads = flash_attention.backward(q, k, v, segment_ids, kv_segment_ids, out, lse, d_out, cfg,
                                 self.indices(segment_ids, q_index), self.indices(kv_segment_ids, kv_index))
         return tuple(g.astype(jnp.float32) for g in grads)
 
@@ -152,7 +152,7 @@ class _RingFlash:
 
         block = (k, v, segment_ids, q_index)
         (out, lse, _), _ = jax.lax.scan(step, (out, lse, block), jnp.arange(1, self.ways))
-        if sinks is not None:  # one more column of each softmax, no value row (flash._with_sinks)
+        if sinks is not None:  # one more column of each softmax, no value row (flash_attention._with_sinks)
             lse_sinks = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
             out, lse = out * jnp.exp(lse - lse_sinks).transpose(0, 2, 1)[..., None], lse_sinks
         return out.astype(q.dtype), lse
@@ -193,7 +193,7 @@ class _RingFlash:
         (dq, block), _ = jax.lax.scan(step, (dq, block), jnp.arange(1, self.ways))
         dk, dv = self.pass_on(block[4:])  # each block's dk, dv home to the device that holds its keys
         d_sinks = None
-        if sinks is not None:  # d sink = -sum over queries of exp(sink - lse) delta (flash._flash_bwd)
+        if sinks is not None:  # d sink = -sum over queries of exp(sink - lse) delta (flash_attention._flash_bwd)
             delta = jnp.einsum("BTNH,BTNH->BNT", d_out.astype(jnp.float32), out.astype(jnp.float32))
             p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
             d_sinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
@@ -215,7 +215,7 @@ def ring_flash_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes: tuple[s
     cfgs = _configs(head_pad, q.dtype, run, causal=causal, sliding_window=sliding_window,
                     logits_soft_cap=logits_soft_cap, scale=h**-0.5 if scale is None else scale, interpret=interpret,
                     block_q=block_q, block_k=block_k, shared_memory=shared_memory)
-    ring = _RingFlash(axes, ways, causal, reorder, sliding_window, cfgs)
+    ring = RingFlash(axes, ways, causal, reorder, sliding_window, cfgs)
     pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, head_pad - x.shape[3])])  # noqa: E731  q.k and out unchanged
     return run_ring(ring, pad(q), pad(k), pad(v), segment_ids, q_index, sinks)[..., :hv]
 
@@ -246,9 +246,18 @@ def run_ring(ring, q, k, v, segment_ids, q_index, sinks):
 def ring_flash_attention(q, k, v, segment_ids, *, reorder: str = "dual_chunk_swap", causal: bool = True,
                          sliding_window: int = 0, logits_soft_cap: float = 0.0, scale: float | None = None, sinks=None,
                          interpret: bool = False, block_q: int = 128, block_k: int = 128,
-                         shared_memory: int = DEFAULT_SHARED_MEMORY, tpu: bool = False):
+                         shared_memory: int = DEFAULT_SHARED_MEMORY):
     """ring.ring_attention's contract (q [B, T, N, H] in the layout `reorder`, sharded along T over the context axes
-    of the active mesh) with the flash kernel per block pair; tpu=True: the splash kernel (ring_splash.py)."""
+    of the active mesh) with the flash kernel per block pair."""
+    shard_fn = functools.partial(ring_flash_shard, reorder=reorder, causal=causal, sliding_window=sliding_window,
+                                 logits_soft_cap=logits_soft_cap, scale=scale, interpret=interpret, block_q=block_q,
+                                 block_k=block_k, shared_memory=shared_memory)
+    return run_in_shards(shard_fn, q, k, v, segment_ids, sinks, reorder)
+
+
+def run_in_shards(shard_fn, q, k, v, segment_ids, sinks, reorder: str):
+    """shard_fn(q, k, v, segment_ids, q_index[, sinks], axes=, ways=) on each device's part of the sequence, inside
+    shard_map over the context axes of the active mesh (q_index: the tokens' original indices in the layout)."""
     active = sharding.active_mesh()
     if active is None:
         raise ValueError("ring attention runs under sharding.activation_sharding (a mesh with a context axis)")
@@ -256,19 +265,6 @@ def ring_flash_attention(q, k, v, segment_ids, *, reorder: str = "dual_chunk_swa
     axes = tuple(a for a in sharding.mesh_axes_of("length", rules) if mesh.shape[a] > 1)
     ways = int(np.prod([mesh.shape[a] for a in axes]))
     q_index = jnp.asarray(context.layout(q.shape[1], ways, reorder), jnp.int32)
-    shard_fn = functools.partial(ring_flash_shard, axes=axes, ways=ways, reorder=reorder, causal=causal,
-                                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
-                                 interpret=interpret, block_q=block_q, block_k=block_k, shared_memory=shared_memory)
-    if tpu:
-        if reorder != "dual_chunk_swap" or sliding_window > 0:
-            raise ValueError("attention=flash with context_parallel_strategy=ring on TPUs runs dual_chunk_swap without "
-                             "a sliding window only; use attention=dot_product for the others")
-        # deferred: the TPU kernel's import, only where it runs
-        from maxtrain.models.attention import ring_splash  # pylint: disable=import-outside-toplevel
-
-        shard_fn = functools.partial(ring_splash.ring_splash_shard, axes=axes, ways=ways, causal=causal,
-                                     logits_soft_cap=logits_soft_cap, scale=scale, interpret=interpret,
-                                     block_q=block_q, block_kv=block_k)
     q_axes, kv_axes = ("batch", "length", "heads", None), ("batch", "length", "kv_heads", None)
     specs = sharding.active_specs([q_axes, kv_axes])
     if specs is not None and specs[0][2] != specs[1][2]:
@@ -278,16 +274,16 @@ def ring_flash_attention(q, k, v, segment_ids, *, reorder: str = "dual_chunk_swa
     if sinks is not None:
         args.append(sinks)
         in_axes.append(("heads",))
-    return sharding.run_in_shards(shard_fn, args, in_axes, q_axes)
+    return sharding.run_in_shards(functools.partial(shard_fn, axes=axes, ways=ways), args, in_axes, q_axes)
 
 
 def attention(q, k, v, segment_ids, *, platform: str, reorder: str, causal: bool, sliding_window: int,
               logits_soft_cap: float, scale: float | None, block_q: int, block_kv: int, interpret: bool | None,
               sinks=None):
-    """attention.attention's form with attention=flash and context_parallel_strategy=ring (checked there): the
-    target `platform` picks the kernel (splash on tpu, else Triton), its shared memory and, on cpu, interpret mode."""
+    """attention.attention's form with attention=flash and context_parallel_strategy=ring on a GPU or CPU (checked
+    there): the target `platform` sets the kernel's shared memory and, on cpu, interpret mode."""
     shared_memory = chips.gpu_shared_memory(sharding.active_devices()) if platform == "gpu" else DEFAULT_SHARED_MEMORY
     return ring_flash_attention(q, k, v, segment_ids, reorder=reorder, causal=causal, sliding_window=sliding_window,
                                 logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks,
                                 interpret=platform == "cpu" if interpret is None else interpret, block_q=block_q,
-                                block_k=block_kv, shared_memory=shared_memory, tpu=platform == "tpu")
+                                block_k=block_kv, shared_memory=shared_memory)

@@ -14,6 +14,8 @@ Letters as in attention/__init__.py.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
@@ -24,8 +26,8 @@ from maxtrain.models.attention import ring_flash
 LANES = 128
 
 
-class _RingSplash(ring_flash._RingFlash):  # pylint: disable=protected-access
-    """_RingFlash's ring with splash calls; the kernel "configs" are the mask kinds "causal" and "full"."""
+class _RingSplash(ring_flash.RingFlash):
+    """ring_flash.RingFlash's ring with splash calls; the kernel "configs" are the mask kinds "causal" and "full"."""
 
     def __init__(self, axes, ways, causal, *, logits_soft_cap: float, block: int, interpret: bool):
         super().__init__(axes, ways, causal, "dual_chunk_swap", 0, {"causal": "causal", "full": "full",
@@ -69,6 +71,15 @@ class _RingSplash(ring_flash._RingFlash):  # pylint: disable=protected-access
             dq, dk, dv = grads[3:6]
             return tuple(heads(g).astype(jnp.float32) for g in (dq, dk, dv))
         return jax.vmap(one_row)(q, k, v, segment_ids, kv_segment_ids, out, lse, d_out)
+
+
+def ring_splash_attention(q, k, v, segment_ids, *, causal: bool = True, logits_soft_cap: float = 0.0,
+                          scale: float | None = None, sinks=None, interpret: bool = False, block_q: int = 512,
+                          block_kv: int = 512):
+    """ring_flash.ring_flash_attention's contract (dual_chunk_swap, no window) with splash kernels per block pair."""
+    shard_fn = functools.partial(ring_splash_shard, causal=causal, logits_soft_cap=logits_soft_cap, scale=scale,
+                                 interpret=interpret, block_q=block_q, block_kv=block_kv)
+    return ring_flash.run_in_shards(shard_fn, q, k, v, segment_ids, sinks, "dual_chunk_swap")
 
 
 def ring_splash_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes, ways, causal=True, logits_soft_cap=0.0,
