@@ -5,8 +5,11 @@ The sequence is put into the dual_chunk_swap layout, split over CP 2 or 4 device
 flash kernel (causal block skipping: after its own block each device runs half of each block pair), is taken back to
 the original order and compared with dot_product_attention under make_attention_mask: values, and the gradients of
 a fixed weighted sum with respect to q, k, v (and the sinks). Rows are packed (three documents, then padding).
-T = 128 tokens: 16-token chunks at CP 4, the kernel's smallest block. Tolerances as test_context_ring.py (float32
-sums in another order); a pair of chunks skipped or taken wrongly moves values at the 1e-2 level (the control).
+Windows and the striped layout go through the kernel's positions operands. T = 128 tokens: 16-token chunks at CP 4,
+the kernel's smallest block. Tolerances as test_context_ring.py (float32 sums in another order); a pair of chunks
+skipped or taken wrongly moves values at the 1e-2 level. Also: the kernel calls' shapes (half of each other block
+pair under causal dual_chunk_swap), the TPU form (ring_splash.py, splash in Pallas' TPU interpreter), a tiny Llama's
+loss and gradients against one device's dot_product, and what resolve_implementation lets through or refuses.
 """
 
 from __future__ import annotations
@@ -171,3 +174,33 @@ def test_ring_with_the_splash_kernel_equals_attention_over_the_unsplit_sequence(
         np.testing.assert_allclose(np.asarray(context.from_layout(got, 2)), np.asarray(ref), rtol=RTOL, atol=1e-5,
                                    err_msg=f"d loss / d {name}")
     np.testing.assert_allclose(np.asarray(grads[3]), np.asarray(ref_grads[3]), rtol=RTOL, atol=1e-5)
+
+
+def _forward_kernel_calls(jaxpr):
+    """(q length, k length) of every forward flash kernel call (a Pallas call giving out and lse [B, N, T]) in a
+    jaxpr, sub-jaxprs (shard_map, custom VJP, scan, cond) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        outs = eqn.params.get("out_avals", ())
+        if eqn.primitive.name == "pallas_call" and len(outs) == 2 and len(outs[1].shape) == 3:
+            found.append((eqn.invars[0].aval.shape[1], eqn.invars[1].aval.shape[1]))
+            continue
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if hasattr(inner, "eqns"):
+                    found += _forward_kernel_calls(inner)
+    return found
+
+
+def test_after_its_own_block_each_device_runs_half_of_each_block_pair():
+    """Causal dual_chunk_swap at CP 4 (32 tokens a device, chunks of 16): the forward's kernel calls are the own block
+    (32 x 32, causal) and, in the two branches of the ring step, 32 queries x 16 keys and 16 x 32: never a whole
+    32 x 32 pair of another device's block. Striped has no skipping: its ring step calls 32 x 32."""
+    q, k, v, segment_ids, _, _ = _inputs()
+    with sharding.activation_sharding(sharding.mesh_of(jax.devices()[:4], context=4), RULES):
+        calls = {reorder: _forward_kernel_calls(jax.make_jaxpr(lambda q, k, v: ring_flash.ring_flash_attention(
+            q, k, v, segment_ids, reorder=reorder, interpret=True, block_q=16, block_k=16))(q, k, v).jaxpr)
+            for reorder in ("dual_chunk_swap", "striped")}
+    assert sorted(calls["dual_chunk_swap"]) == [(16, 32), (32, 16), (32, 32)]
+    assert calls["striped"] == [(32, 32), (32, 32)]
