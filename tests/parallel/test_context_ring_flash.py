@@ -103,7 +103,8 @@ def test_ring_with_the_flash_kernel_equals_attention_over_the_unsplit_sequence(c
 
 
 def _loss_and_grads(n_devices: int, *overrides):
-    argv = with_overrides([BASE_YML, *TINY], "max_target_length=64", f"per_device_batch_size={GLOBAL_BATCH // n_devices}",
+    argv = with_overrides([BASE_YML, *TINY], "max_target_length=64",
+                          f"per_device_batch_size={GLOBAL_BATCH // n_devices}",
                           "ici_fsdp_parallelism=1", *overrides)
     run = builder.build(load_config(argv), devices=tuple(jax.devices()[:n_devices]))
     batch = jax.tree.map(lambda a: a[0], next(batches(run.config)))  # [B, T]: two packed documents a row
@@ -134,13 +135,15 @@ def test_flash_resolves_inside_the_ring_and_the_rest_is_refused_in_one_line():
     ring = dict(context_parallel=2, context_strategy="ring", head_dim=16)
     assert attention.resolve_implementation("flash", "gpu", **ring) == "flash"
     assert attention.resolve_implementation("flash", "cpu", **ring) == "flash"
-    assert attention.resolve_implementation("flash", "gpu", sliding_window=8, context_reorder="striped", **ring) == "flash"
+    assert attention.resolve_implementation("flash", "gpu", sliding_window=8, context_reorder="striped",
+                                            **ring) == "flash"
     assert attention.resolve_implementation("flash", "tpu", length=1024, **ring) == "flash"
     refusals = {  # (name, platform, extra settings): what the line must say
         ("flash", "tpu", ("context_reorder", "striped")): r"on TPUs \(the splash kernel\) runs dual_chunk_swap "
                                                          r"without a sliding window only",
         ("flash", "tpu", ("length", 768)): r"max_target_length=768 must be a multiple of 512",
-        ("cudnn", "gpu", ()): r"attention=cudnn does not run inside context_parallel_strategy=ring.*use attention=flash",
+        ("cudnn", "gpu", ()): r"attention=cudnn does not run inside context_parallel_strategy=ring.*use "
+                              r"attention=flash",
         ("flash", "gpu", ("context_strategy", "all_gather")): r"attention=flash does not run with context parallelism",
     }
     for (name, platform, extra), message in refusals.items():

@@ -72,7 +72,8 @@ def _configs(head_pad: int, dtype, run: int, *, causal: bool, sliding_window: in
                   interpret=bool(interpret), **tuning)
     return {"causal": flash_attention.KernelConfig(causal=True, sliding_window=0, **common),
             "full": flash_attention.KernelConfig(causal=False, sliding_window=0, **common),
-            "positions": flash_attention.KernelConfig(causal=causal, sliding_window=sliding_window, positions=True, **common)}
+            "positions": flash_attention.KernelConfig(causal=causal, sliding_window=sliding_window, positions=True,
+                                                      **common)}
 
 
 def _merge(out, lse, out_b, lse_b):
@@ -112,8 +113,9 @@ class RingFlash:
         return jnp.broadcast_to(index[None], segment_ids.shape) if self.positions else None
 
     def call_forward(self, q, k, v, segment_ids, q_index, kv_segment_ids, kv_index, cfg):
-        out, lse = flash_attention.forward_call(q, k, v, segment_ids, kv_segment_ids, cfg, self.indices(segment_ids, q_index),
-                                      self.indices(kv_segment_ids, kv_index))
+        out, lse = flash_attention.forward_call(q, k, v, segment_ids, kv_segment_ids, cfg,
+                                                self.indices(segment_ids, q_index),
+                                                self.indices(kv_segment_ids, kv_index))
         return out.astype(jnp.float32), lse
 
     def call_backward(self, q, k, v, segment_ids, q_index, kv_segment_ids, kv_index, out, lse, d_out, cfg):

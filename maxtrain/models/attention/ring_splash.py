@@ -58,8 +58,11 @@ class _RingSplash(ring_flash.RingFlash):
     def call_backward(self, q, k, v, segment_ids, q_index, kv_segment_ids, kv_index, out, lse, d_out, cfg):
         kernel = self.kernel(cfg, q.shape[1], k.shape[1], q.shape[2])
         kw = kernel.kwargs
-        collapse = lambda info: info if info is None or info.partial_mask_blocks is None else info._replace(  # noqa: E731
-            partial_mask_blocks=info.partial_mask_blocks.reshape(-1, *info.partial_mask_blocks.shape[-2:]))
+        def collapse(info):  # as splash's own entry point does before its custom VJP
+            if info is None or info.partial_mask_blocks is None:
+                return info
+            return info._replace(partial_mask_blocks=info.partial_mask_blocks.reshape(
+                -1, *info.partial_mask_blocks.shape[-2:]))
 
         def one_row(q, k, v, q_seg, kv_seg, out, lse, d_out):
             heads = lambda x: x.swapaxes(0, 1)  # noqa: E731
