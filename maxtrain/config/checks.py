@@ -417,6 +417,27 @@ def _fp8_not_with_float16(v):
              "float16's loss scaling would scale the gradients a second time; use dtype=bfloat16 (no loss scaling needed)")
 
 
+def _attention_kernels_inside_the_ring(v):
+    """attention=flash runs per block pair of the ring (models/attention/ring_flash.py), each device's runs of tokens
+    (two chunks under dual_chunk_swap, one under striped) a multiple of the kernel's smallest block (16); cuDNN and
+    tokamax do not run inside the ring."""
+    cp, name = ways(v, "context"), v["attention"]
+    if v["context_parallel_strategy"] != "ring" or cp in (1, None):
+        return
+    _require(name not in ("cudnn", "tokamax"),
+             f"attention={name} does not run inside context_parallel_strategy=ring (its backward cannot take the "
+             "ring's global softmax statistics); use attention=flash, whose kernel runs per block pair of the ring")
+    if name != "flash":
+        return
+    length = v["max_target_length"]
+    chunks = cp * (2 if v["context_parallel_reorder_strategy"] == "dual_chunk_swap" else 1)
+    unit = chunks * 16
+    _require(length % unit == 0,
+             f"attention=flash with context_parallel_strategy=ring cuts each sequence into {chunks} runs of a "
+             f"multiple of 16 tokens (the kernel's smallest block), so max_target_length={length} must be a multiple "
+             f"of {unit}; e.g. max_target_length={max(unit, length // unit * unit)}")
+
+
 def _muon_without_lora(v):
     _require(v["opt_type"] != "muon" or v["lora_rank"] == 0,
              f"opt_type=muon trains whole weight matrices, but lora_rank={v['lora_rank']} trains low-rank adapters: "
@@ -433,7 +454,8 @@ CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _layer_head_shapes, _voc
           _run_name_is_one_directory, _metrics_file_is_a_file_path, _optional_packages_installed, _known_profiler,
           _experts_per_token_at_most_experts, _moe_layers_of_the_family, _experts_in_some_layer,
           _expert_parallelism_divides_experts, _hidden_tiling_divides_expert_width,
-          _eval_tasks_known, _quantization_known, _fp8_not_with_float16, _muon_without_lora) + ROUTING_MLA_AND_MTP_CHECKS
+          _eval_tasks_known, _quantization_known, _fp8_not_with_float16, _muon_without_lora,
+          _attention_kernels_inside_the_ring) + ROUTING_MLA_AND_MTP_CHECKS
 
 
 def _objective_with_pipeline_stages(v):

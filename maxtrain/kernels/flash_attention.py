@@ -72,6 +72,10 @@ class KernelConfig:
     fwd: Tuning
     dq: Tuning
     dkv: Tuning
+    # True: the causal and window masks compare the tokens' positions given as operands (q_pos [B, T], kv_pos
+    # [B, S], after the segment ids) instead of their indices, and every key block is visited (ring attention's
+    # block pairs of a load-balanced layout: models/attention/ring_flash.py). False: the indices, as always.
+    positions: bool = False
 
 
 def _dot(a, b, contract_a=1, contract_b=0):
@@ -80,17 +84,19 @@ def _dot(a, b, contract_a=1, contract_b=0):
                            preferred_element_type=jnp.float32)
 
 
-def _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg):
-    """Boolean [block_q, block_k] mask of visible (query, key) pairs, or None when all are."""
+def _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg, q_tokens=None, kv_tokens=None):
+    """Boolean [block_q, block_k] mask of visible (query, key) pairs, or None when all are. q_tokens [block_q] and
+    kv_tokens [block_k] (cfg.positions): the positions the causal and window masks compare instead of indices."""
     q_pos = q_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
     k_pos = k_start + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-    conditions = []
+    conditions = [k_pos < cfg.kv_len] if cfg.kv_padded else []  # padding: by index, whatever the positions
+    if q_tokens is not None:
+        q_pos = jnp.broadcast_to(q_tokens[:, None], q_pos.shape)
+        k_pos = jnp.broadcast_to(kv_tokens[None, :], k_pos.shape)
     if cfg.causal:
         conditions.append(k_pos <= q_pos)
     if cfg.sliding_window:
         conditions.append(q_pos - k_pos < cfg.sliding_window)
-    if cfg.kv_padded:
-        conditions.append(k_pos < cfg.kv_len)
     if q_seg is not None:
         conditions.append(q_seg[:, None] == kv_seg[None, :])
     return functools.reduce(lambda a, b: a & b, conditions) if conditions else None
@@ -112,6 +118,8 @@ def _scores(cfg, q, k, mask):
 def _kv_block_range(cfg, q_start, block_q, block_k, num_kv_blocks):
     """Key blocks [lo, hi) holding some key visible (by position) to queries q_start..+block_q."""
     hi = num_kv_blocks
+    if cfg.positions:  # positions in any order: every block
+        return 0, hi
     if cfg.causal:
         hi = jnp.minimum((q_start + block_q - 1) // block_k + 1, num_kv_blocks)
     lo = 0
@@ -122,6 +130,8 @@ def _kv_block_range(cfg, q_start, block_q, block_k, num_kv_blocks):
 
 def _q_block_range(cfg, k_start, block_q, block_k, num_q_blocks):
     """Query blocks [lo, hi) holding some query that sees (by position) a key of k_start..+block_k."""
+    if cfg.positions:  # positions in any order: every block
+        return 0, num_q_blocks
     lo = k_start // block_q if cfg.causal else 0
     hi = num_q_blocks
     if cfg.sliding_window:  # the last key's newest viewer is k_start + block_k - 1 + W - 1
@@ -137,17 +147,24 @@ def _split_refs(refs, has_segments, num_inputs):
     return inputs, None, None, rest
 
 
+def _position_refs(cfg, outputs):
+    """((q_pos_ref, kv_pos_ref) or (None, None), outputs): with cfg.positions the two refs after the segment ids."""
+    return ((outputs[0], outputs[1]), outputs[2:]) if cfg.positions else ((None, None), outputs)
+
+
 # ----------------------------------------------------------------------------------------------
 # Kernels. Ref shapes are the per-program blocks; "S_pad"/"T_pad" are the padded lengths.
 
 
 def _fwd_kernel(*refs, cfg: KernelConfig, has_segments: bool):
     """Grid (B, N, T_pad // block_q). q [block_q, H], k/v [S_pad, H] -> o [block_q, H], lse."""
-    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, (o_ref, lse_ref) = _split_refs(refs, has_segments, 3)
+    (q_ref, k_ref, v_ref), q_seg_ref, kv_seg_ref, outputs = _split_refs(refs, has_segments, 3)
+    (q_pos_ref, kv_pos_ref), (o_ref, lse_ref) = _position_refs(cfg, outputs)
     block_q, block_k = cfg.fwd.block_q, cfg.fwd.block_k
     q_start = pl.program_id(2) * block_q
     q = q_ref[...]
     q_seg = q_seg_ref[...] if has_segments else None
+    q_tokens = q_pos_ref[...] if cfg.positions else None
 
     def body(kv_block, carry):
         m, l, acc = carry
@@ -155,7 +172,9 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_segments: bool):
         k = k_ref[pl.ds(k_start, block_k), :]
         v = v_ref[pl.ds(k_start, block_k), :]
         kv_seg = kv_seg_ref[pl.ds(k_start, block_k)] if has_segments else None
-        s, _ = _scores(cfg, q, k, _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg))
+        kv_tokens = kv_pos_ref[pl.ds(k_start, block_k)] if cfg.positions else None
+        s, _ = _scores(cfg, q, k, _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg, q_tokens,
+                                           kv_tokens))
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
         alpha = jnp.exp(m - m_new)
@@ -183,20 +202,23 @@ def _ds(cfg, q, k, v, do, lse, delta, mask):
 
 def _dq_kernel(*refs, cfg: KernelConfig, has_segments: bool):
     """Grid (B, N, T_pad // block_q). Loops over key blocks; writes dq [block_q, H]."""
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), q_seg_ref, kv_seg_ref, (dq_ref,) = (
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), q_seg_ref, kv_seg_ref, outputs = (
         _split_refs(refs, has_segments, 6))
+    (q_pos_ref, kv_pos_ref), (dq_ref,) = _position_refs(cfg, outputs)
     block_q, block_k = cfg.dq.block_q, cfg.dq.block_k
     q_start = pl.program_id(2) * block_q
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
     q_seg = q_seg_ref[...] if has_segments else None
+    q_tokens = q_pos_ref[...] if cfg.positions else None
 
     def body(kv_block, dq):
         k_start = pl.multiple_of(kv_block * block_k, block_k)
         k = k_ref[pl.ds(k_start, block_k), :]
         v = v_ref[pl.ds(k_start, block_k), :]
         kv_seg = kv_seg_ref[pl.ds(k_start, block_k)] if has_segments else None
-        mask = _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg)
+        kv_tokens = kv_pos_ref[pl.ds(k_start, block_k)] if cfg.positions else None
+        mask = _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg, q_tokens, kv_tokens)
         _, ds = _ds(cfg, q, k, v, do, lse, delta, mask)
         return dq + _dot(ds.astype(k.dtype), k)
 
@@ -210,12 +232,14 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_segments: bool):
 
     Accumulates dk, dv over the R query heads that share this kv head and over query blocks.
     """
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), q_seg_ref, kv_seg_ref, (dk_ref, dv_ref) = (
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), q_seg_ref, kv_seg_ref, outputs = (
         _split_refs(refs, has_segments, 6))
+    (q_pos_ref, kv_pos_ref), (dk_ref, dv_ref) = _position_refs(cfg, outputs)
     block_q, block_k = cfg.dkv.block_q, cfg.dkv.block_k
     k_start = pl.program_id(2) * block_k
     k, v = k_ref[...], v_ref[...]
     kv_seg = kv_seg_ref[...] if has_segments else None
+    kv_tokens = kv_pos_ref[...] if cfg.positions else None
     heads_per_kv = q_ref.shape[1]
 
     def q_body(q_block, carry, r):
@@ -225,7 +249,8 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_segments: bool):
         q, do = q_ref[rows, r, :], do_ref[rows, r, :]
         lse, delta = lse_ref[r, rows], delta_ref[r, rows]
         q_seg = q_seg_ref[rows] if has_segments else None
-        mask = _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg)
+        q_tokens = q_pos_ref[rows] if cfg.positions else None
+        mask = _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg, q_tokens, kv_tokens)
         p, ds = _ds(cfg, q, k, v, do, lse, delta, mask)
         dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
         dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
@@ -260,7 +285,7 @@ def _segment_specs(has_segments, q_block, kv_block, q_len, kv_len):
     return [q_spec, kv_spec]
 
 
-def forward_call(q, k, v, q_seg, kv_seg, cfg):
+def forward_call(q, k, v, q_seg, kv_seg, cfg, q_pos=None, kv_pos=None):
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
     rep = num_heads // num_kv_heads
@@ -269,10 +294,12 @@ def forward_call(q, k, v, q_seg, kv_seg, cfg):
     q_spec = pl.BlockSpec((None, block_q, None, head_dim), lambda b, n, i: (b, i, n, 0))
     kv_spec = pl.BlockSpec((None, kv_len, None, head_dim), lambda b, n, i: (b, 0, n // rep, 0))
     segs = [q_seg, kv_seg] if has_segments else []
+    segs += [q_pos, kv_pos] if cfg.positions else []
     return pl.pallas_call(
         functools.partial(_fwd_kernel, cfg=cfg, has_segments=has_segments),
         grid=(batch, num_heads, q_len // block_q),
-        in_specs=[q_spec, kv_spec, kv_spec, *_segment_specs(has_segments, block_q, None, q_len, kv_len)],
+        in_specs=[q_spec, kv_spec, kv_spec, *_segment_specs(has_segments, block_q, None, q_len, kv_len),
+                  *_segment_specs(cfg.positions, block_q, None, q_len, kv_len)],
         out_specs=[q_spec, pl.BlockSpec((None, None, block_q), lambda b, n, i: (b, n, i))],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                    jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)],
@@ -282,7 +309,7 @@ def forward_call(q, k, v, q_seg, kv_seg, cfg):
     )(q, k, v, *segs)
 
 
-def dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, cfg):
+def dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, cfg, q_pos=None, kv_pos=None):
     """dq [B, T_pad, N, H]: tiled like the forward, one program per (b, n, query block)."""
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, rep = k.shape[1], num_heads // k.shape[2]
@@ -295,16 +322,17 @@ def dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, cfg):
         functools.partial(_dq_kernel, cfg=cfg, has_segments=has_segments),
         grid=(batch, num_heads, q_len // block_q),
         in_specs=[q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec,
-                  *_segment_specs(has_segments, block_q, None, q_len, kv_len)],
+                  *_segment_specs(has_segments, block_q, None, q_len, kv_len),
+                  *_segment_specs(cfg.positions, block_q, None, q_len, kv_len)],
         out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_params(cfg.dq),
         interpret=cfg.interpret,
         name="flash_attention_dq",
-    )(q, k, v, do, lse, delta, *([q_seg, kv_seg] if has_segments else []))
+    )(q, k, v, do, lse, delta, *([q_seg, kv_seg] if has_segments else []), *([q_pos, kv_pos] if cfg.positions else []))
 
 
-def dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, cfg):
+def dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, cfg, q_pos=None, kv_pos=None):
     """(dk, dv) [B, S_pad, G, H]: one program per kv block of one kv head, over its R query heads."""
     batch, q_len, num_heads, head_dim = q.shape
     kv_len, num_kv_heads = k.shape[1], k.shape[2]
@@ -318,21 +346,28 @@ def dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, cfg):
         functools.partial(_dkv_kernel, cfg=cfg, has_segments=has_segments),
         grid=(batch, num_kv_heads, kv_len // block_k),
         in_specs=[heads_spec, kv_block_spec, kv_block_spec, heads_spec, rows_spec, rows_spec,
-                  *_segment_specs(has_segments, None, block_k, q_len, kv_len)],
+                  *_segment_specs(has_segments, None, block_k, q_len, kv_len),
+                  *_segment_specs(cfg.positions, None, block_k, q_len, kv_len)],
         out_specs=[kv_block_spec, kv_block_spec],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=_params(cfg.dkv),
         interpret=cfg.interpret,
         name="flash_attention_dkv",
-    )(q, k, v, do, lse, delta, *([q_seg, kv_seg] if has_segments else []))
+    )(q, k, v, do, lse, delta, *([q_seg, kv_seg] if has_segments else []), *([q_pos, kv_pos] if cfg.positions else []))
 
 
-def _backward(q, k, v, q_seg, kv_seg, out, lse, do, cfg):
+def _backward(q, k, v, q_seg, kv_seg, out, lse, do, cfg, q_pos=None, kv_pos=None):
     # delta[b, n, t] = sum_h dO * O: a cheap, memory-bound reduction that XLA fuses well.
     delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32))
-    dq = dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, cfg)
-    dk, dv = dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, cfg)
+    dq = dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, cfg, q_pos, kv_pos)
+    dk, dv = dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, cfg, q_pos, kv_pos)
     return dq, dk, dv
+
+
+def backward(q, k, v, q_seg, kv_seg, out, lse, do, cfg, q_pos=None, kv_pos=None):
+    """(dq, dk, dv) of one call from the out and lse it is to be differentiated at: the call's own (the custom VJP
+    below), or a whole softmax's of which the call is one part (ring attention: models/attention/ring_flash.py)."""
+    return _backward(q, k, v, q_seg, kv_seg, out, lse, do, cfg, q_pos, kv_pos)
 
 
 def _with_sinks(out, lse, sinks):

@@ -335,6 +335,10 @@ def parallelism_lines(run: Run) -> list[str]:
                           f"of the heads per device), the ring across the {cp // max(1, config.ici_context_parallelism)}"
                           " slices passes keys and values (ppermute)"),
                   }.get(config.context_parallel_strategy, "keys and values all-gathered per layer")
+        if config.context_parallel_strategy == "ring" and run.rt.attention == "flash":  # models/attention/ring_flash.py
+            attend += ", the flash kernel per block pair" + (
+                " (under the causal mask half of each other device's block pair skipped)"
+                if config.context_parallel_reorder_strategy == "dual_chunk_swap" else "")
         lines.append(f"context: each sequence split {cp} ways ({order}); attention {config.context_parallel_strategy}: "
                      f"{attend}")
     return lines

@@ -217,10 +217,21 @@ ROWS = [
                                             "context_parallel_strategy=ring"],
         r"context_parallel_strategy=ring does not run with pipeline parallelism yet; set "
         r"context_parallel_strategy=all_gather, or ici_pipeline_parallelism=1"),
-    Row("cp-kernel-with-the-plain-ring", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=ring",
-                                             "attention=flash"],
-        r"attention=flash does not run with context_parallel_strategy=ring \(2 ways\): its attention is the plain-jnp "
-        r"form. Use attention=dot_product \(or autoselected\), or context_parallel_strategy=ulysses."),
+    Row("cp-kernel-with-all-gather", T, [B, "ici_context_parallelism=2", "attention=flash"],
+        r"attention=flash does not run with context_parallel_strategy=all_gather \(2 ways\): its attention is the "
+        r"plain-jnp form. Use attention=dot_product \(or autoselected\), or context_parallel_strategy=ring or ulysses\."),
+    # attention kernels inside the ring (issue 60, ring_flash.py)
+    Row("cp-ring-flash-striped-runs-under-a-block", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=ring",
+                                                        "context_parallel_reorder_strategy=striped", "attention=flash",
+                                                        "max_target_length=48"],
+        r"attention=flash with context_parallel_strategy=ring cuts each sequence into 2 runs of a multiple of 16 "
+        r"tokens .*, so max_target_length=48 must be a multiple of 32; e.g. max_target_length=32"),
+    Row("cp-ring-flash-chunks-under-a-block", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=ring",
+                                                  "attention=flash", "max_target_length=36"],
+        r"attention=flash with context_parallel_strategy=ring cuts each sequence into 4 runs of a multiple of 16 "
+        r"tokens .*, so max_target_length=36 must be a multiple of 64; e.g. max_target_length=64"),
+    Row("cp-ring-cudnn", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=ring", "attention=cudnn"],
+        r"attention=cudnn does not run inside context_parallel_strategy=ring .*; use attention=flash"),
     Row("cp-striped-length-does-not-divide", T, [B, "ici_context_parallelism=4", "max_target_length=34",
                                                  "context_parallel_reorder_strategy=striped"],
         r"context_parallel_reorder_strategy=striped deals each sequence's tokens round-robin to 4 devices, so "

@@ -108,10 +108,10 @@ def test_the_kernel_runs_where_asked():
     assert scores in plain and scores not in flash
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "ring"])
+@pytest.mark.parametrize("strategy", ["all_gather", "usp"])
 def test_a_kernel_is_refused_where_the_strategy_runs_the_plain_form(strategy):
     with pytest.raises(ValueError, match=rf"attention=flash does not run with context_parallel_strategy={strategy} "
-                                         r"\(2 ways\).*or context_parallel_strategy=ulysses\."):
+                                         r"\(2 ways\).*or context_parallel_strategy=ring or ulysses\."):
         attention.resolve_implementation("flash", "gpu", dtype=jnp.bfloat16, head_dim=128, context_parallel=2,
                                          context_strategy=strategy)
     assert attention.resolve_implementation("autoselected", "gpu", dtype=jnp.bfloat16, head_dim=128,
@@ -129,9 +129,9 @@ def test_under_ulysses_autoselected_chooses_as_without_context_parallelism():
 
 def test_the_dispatch_refuses_a_kernel_for_the_plain_strategies():
     """The backstop behind resolve_implementation: context_parallel.attention itself says what to do."""
-    with pytest.raises(ValueError, match="context_parallel_strategy=ring runs the plain-jnp attention"):
-        context_parallel.attention(*(jnp.zeros((1, 8, 2, 4)),) * 3, jnp.ones((1, 8), jnp.int32), strategy="ring",
-                                   kernel=lambda *a: a[0])
+    with pytest.raises(ValueError, match="context_parallel_strategy=all_gather runs the plain-jnp attention"):
+        context_parallel.attention(*(jnp.zeros((1, 8, 2, 4)),) * 3, jnp.ones((1, 8), jnp.int32),
+                                   strategy="all_gather", kernel=lambda *a: a[0])
 
 
 def _tiny_llama_loss(n_devices: int, *overrides):

@@ -22,8 +22,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from maxtrain.config import chips
-from maxtrain.models.attention import kernel_choice
+from maxtrain.models.attention import kernel_choice, kernels
+from maxtrain.models.attention.kernels import (PLATFORMS, canonical_platform, local_kernel,  # noqa: F401  (API)
+                                              pad_head_dims)
 from maxtrain.parallel import sharding
 
 IMPLEMENTATIONS = ("autoselected", "dot_product", "flash", "cudnn", "tokamax")
@@ -257,16 +258,6 @@ _probabilities.defvjp(_probabilities_fwd, _probabilities_bwd)
 
 KERNEL_LIMITS = kernel_choice.KERNEL_LIMITS  # owned there, beside the measured speeds
 
-PLATFORMS = ("cpu", "gpu", "tpu")
-
-
-def canonical_platform(platform: str) -> str:
-    """cpu, gpu or tpu; "cuda" and "rocm" (device platform names) are "gpu"."""
-    name = {"cuda": "gpu", "rocm": "gpu"}.get(platform, platform)
-    if name not in PLATFORMS:
-        raise ValueError(f"unknown platform {platform!r}: attention runs on one of {', '.join(PLATFORMS)}")
-    return name
-
 
 def _unsupported(name: str, features: dict) -> list[str]:
     return [f"{key}={features[key]}" for key in KERNEL_LIMITS.get(name, ()) if features.get(key)]
@@ -274,10 +265,10 @@ def _unsupported(name: str, features: dict) -> list[str]:
 
 def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: int | None = None,
                            sliding_window: int = 0, logits_soft_cap: float = 0.0, sinks: bool = False,
-                           context_parallel: int = 1, context_strategy: str = "all_gather",
-                           v_head_dim: int | None = None, length: int = 0,
+                           context_parallel: int = 1, v_head_dim: int | None = None, length: int = 0,
                            gqa: int = 1, packed: bool = True, capability: str | None = None,
-                           gpu_present: bool = True, with_reason: bool = False, layers: str = ""):
+                           gpu_present: bool = True, with_reason: bool = False, layers: str = "",
+                           context_strategy: str = "all_gather", context_reorder: str = "dual_chunk_swap"):
     """Turns `attention` from the config into a concrete implementation for the target platform (with
     with_reason=True, a kernel_choice.Choice: the implementation and why).
 
@@ -297,8 +288,10 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
 
     With context parallelism (context_parallel > 1 ways) attention is context_parallel.attention, whose
     strategy runs the kernels of kernel_choice.CONTEXT_KERNELS: under ulysses every kernel (autoselected chooses
-    as without context parallelism), under all_gather and ring the plain-jnp form (autoselected resolves to
-    dot_product, and an explicit kernel is refused).
+    as without context parallelism); under ring flash (ring_flash.py: the Triton kernel per block pair of the
+    ring; on TPUs the splash kernel, ring_splash.py, dual_chunk_swap without windows), which autoselected takes on
+    GPUs and TPUs; under all_gather and usp the plain-jnp form (autoselected resolves to dot_product, and an
+    explicit kernel is refused).
 
     The arguments describe one attention kind (models/runtime.py resolves each once); `layers` names it
     in the refusal of an explicit choice it cannot run.
@@ -314,6 +307,19 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
         length=length, gqa=gqa, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
         packed=packed, capability=capability, gpu_present=gpu_present)
     kernels = kernel_choice.CONTEXT_KERNELS[context_strategy] if context_parallel > 1 else ()
+    if context_parallel > 1 and context_strategy == "ring" and name in ("flash", "autoselected"):  # ring_flash.py
+        why = _ring_flash_unsupported(platform, context_reorder, sliding_window, length, context_parallel)
+        if why and name == "flash":
+            raise ValueError(f"attention=flash with context_parallel_strategy=ring {why}")
+        if name == "autoselected" and platform != "cpu":
+            choice = (kernel_choice.Choice("dot_product", f"dot_product: flash inside the ring {why}") if why else
+                      kernel_choice.Choice("flash", "flash: the kernel per block pair of the ring (ring_flash.py), "
+                                           "causal blocks skipped, T / C keys per device"))
+            return choice if with_reason else choice.implementation
+    if context_parallel > 1 and context_strategy == "ring" and name in ("cudnn", "tokamax"):
+        raise ValueError(f"attention={name} does not run inside context_parallel_strategy=ring: its backward cannot "
+                         "take the ring's global softmax statistics; use attention=flash (the Triton kernel runs per "
+                         "block pair of the ring) or dot_product")
     if context_parallel > 1 and name not in ("autoselected", "dot_product", *kernels):
         runs = [s for s, ks in kernel_choice.CONTEXT_KERNELS.items() if name in ks]
         raise ValueError(f"attention={name} does not run with context_parallel_strategy={context_strategy} "
@@ -333,6 +339,21 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     return choice if with_reason else choice.implementation
 
 
+def _ring_flash_unsupported(platform: str, reorder: str = "dual_chunk_swap", sliding_window: int = 0,
+                            length: int = 0, ways: int = 1) -> str:
+    """Why attention=flash cannot run inside the ring here (ring_flash.py; ring_splash.py on TPUs), as the end of a
+    sentence; "" if it can."""
+    if platform != "tpu":
+        return ""
+    if reorder != "dual_chunk_swap" or sliding_window > 0:
+        return (f"on TPUs (the splash kernel) runs dual_chunk_swap without a sliding window only (here {reorder}, "
+                f"sliding_window={sliding_window}); use attention=dot_product with the ring")
+    if length % (2 * ways * 128):
+        return (f"on TPUs (the splash kernel) needs each device's two chunks to be a multiple of 128 tokens: "
+                f"max_target_length={length} must be a multiple of {2 * ways * 128}")
+    return ""
+
+
 def describe(implementation: str, platform: str) -> str:
     """The implementation's name as the start-up summary prints it."""
     if implementation == "tokamax":
@@ -341,66 +362,6 @@ def describe(implementation: str, platform: str) -> str:
         return implementation
     return {"cpu": "flash (Pallas interpret mode: slow, for testing the kernel)",
             "gpu": "flash (Pallas Triton)", "tpu": "flash (Pallas splash)"}[canonical_platform(platform)]
-
-
-def _local_devices(platform: str):
-    """This machine's devices of `platform`, if it has any (the target is then this machine)."""
-    try:
-        return jax.devices(platform)
-    except RuntimeError:
-        return None
-
-
-# Logical axes of the kernels' operands: split over the batch and head mesh axes, whole along the
-# sequence and head_dim (a kernel needs every key of its rows, and whole heads).
-_Q_AXES = ("batch", None, "heads", None)
-_KV_AXES = ("batch", None, "kv_heads", None)
-_SEGMENT_AXES = ("batch", None)
-
-
-def _per_shard(kernel, q, k, v, segment_ids, sinks=None):
-    """kernel(q, k, v, segment_ids[, sinks]) on each device's batch rows and heads, inside shard_map.
-
-    GSPMD cannot partition a Pallas or cuDNN custom call (it would gather the inputs, or, for a
-    TPU kernel, refuse), so every kernel runs on local shards and its inputs are never gathered.
-    """
-    specs = sharding.active_specs([_Q_AXES, _KV_AXES])
-    if specs is not None and specs[0][2] != specs[1][2]:
-        q_spec, kv_spec = specs
-        raise ValueError(
-            f"logical_axis_rules put 'heads' on {q_spec[2]} but 'kv_heads' on {kv_spec[2]}: attention kernels "
-            "need both on the same mesh axes, so that each device holds whole groups of query heads with "
-            "their kv head. Map them to the same axes, or use attention=dot_product.")
-    if sinks is not None:  # [N]: split over the heads like q
-        return sharding.run_in_shards(kernel, (q, k, v, segment_ids, sinks),
-                                      (_Q_AXES, _KV_AXES, _KV_AXES, _SEGMENT_AXES, ("heads",)), _Q_AXES)
-    return sharding.run_in_shards(kernel, (q, k, v, segment_ids), (_Q_AXES, _KV_AXES, _KV_AXES, _SEGMENT_AXES),
-                                  _Q_AXES)
-
-
-def _cudnn_attention(q, k, v, segment_ids, *, causal, sliding_window, scale):
-    # jax.nn.dot_product_attention takes BTNH and handles GQA (N a multiple of G) itself.
-    mask = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, T, S]
-    window = None
-    if sliding_window > 0:
-        window = (sliding_window - 1, 0 if causal else k.shape[1])
-    q, k, v, scale, v_head_dim = pad_head_dims(q, k, v, scale)
-    out = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=scale, is_causal=causal,
-                                       local_window_size=window, implementation="cudnn")
-    return out[..., :v_head_dim]
-
-
-def pad_head_dims(q, k, v, scale):
-    """(q, k, v, scale, Hv) with one head dim for a kernel that takes one: a value head dim Hv != H (MLA)
-    zero-padded to H, or q and k zero-padded to Hv; q.k, the output's first Hv features and (with the
-    scale fixed from H) the scores are unchanged."""
-    h, hv = q.shape[-1], v.shape[-1]
-    scale = h**-0.5 if scale is None else scale
-    width = max(h, hv)
-
-    def pad(x):
-        return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
-    return pad(q), pad(k), pad(v), scale, hv
 
 
 def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", platform: str | None = None,
@@ -434,9 +395,28 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
     if _unsupported(implementation, features):
         raise ValueError(f"attention={implementation} does not implement {' and '.join(_unsupported(implementation, features))}; "
                          "use attention=dot_product")
+    if sharding.ways("length") > 1 and implementation == "flash" and context_strategy == "ring":
+        why = _ring_flash_unsupported(canonical_platform(platform or "cpu"), context_reorder, sliding_window,
+                                      q.shape[1], sharding.ways("length"))
+        if platform is None or why:
+            raise ValueError(f"attention=flash with context_parallel_strategy=ring {why or 'needs platform='}")
+        if canonical_platform(platform) == "tpu":
+            # deferred: the splash kernel's import (as below), only where it runs
+            from maxtrain.models.attention import ring_splash  # pylint: disable=import-outside-toplevel
+
+            return ring_splash.ring_splash_attention(q, k, v, segment_ids, causal=causal,
+                                                     logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks,
+                                                     interpret=bool(interpret), block_q=block_q, block_kv=block_kv)
+        # deferred: the flash kernel's import (as below), only where it runs
+        from maxtrain.models.attention import ring_flash  # pylint: disable=import-outside-toplevel
+
+        return ring_flash.attention(q, k, v, segment_ids, platform=canonical_platform(platform),
+                                    reorder=context_reorder, causal=causal, sliding_window=sliding_window,
+                                    logits_soft_cap=logits_soft_cap, scale=scale, block_q=block_q, block_kv=block_kv,
+                                    interpret=interpret, sinks=sinks)
     kernel = None
     if implementation != "dot_product":
-        kernel = local_kernel(implementation, platform, causal=causal, sliding_window=sliding_window,
+        kernel = kernels.local_kernel(implementation, platform, causal=causal, sliding_window=sliding_window,
                               logits_soft_cap=logits_soft_cap, scale=scale, block_q=block_q, block_kv=block_kv,
                               interpret=interpret)
     if sharding.ways("length") > 1:  # the sequence is split over devices: parallel/context.py
@@ -455,49 +435,4 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
         mask = make_attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
         return dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap,
                                      compact_scores=platform == "tpu", heads_major=on_cpu, sinks=sinks)
-    return _per_shard(kernel, q, k, v, segment_ids, sinks)
-
-
-def local_kernel(implementation: str, platform: str | None, *, causal: bool = True, sliding_window: int = 0,
-                 logits_soft_cap: float = 0.0, scale: float | None = None, block_q: int = 128, block_kv: int = 128,
-                 interpret: bool | None = None):
-    """The kernel `implementation` (flash, cudnn or tokamax) for `platform` as kernel(q, k, v, segment_ids,
-    sinks=None) on whole local sequences: one device's batch rows and heads (attention() runs it per shard;
-    ulysses.py on the heads an all-to-all gave the device)."""
-    if implementation not in ("flash", "cudnn", "tokamax"):
-        raise ValueError(f"unresolved attention implementation {implementation!r}")
-    if platform is None:
-        raise ValueError(f"attention={implementation} needs platform= (cpu, gpu or tpu: the target the step is "
-                         "compiled for, e.g. the Runtime's backend)")
-    platform = canonical_platform(platform)
-    interpret = platform == "cpu" if interpret is None else interpret
-    if implementation == "cudnn":
-        return functools.partial(_cudnn_attention, causal=causal, sliding_window=sliding_window, scale=scale)
-    if implementation == "tokamax":
-        # deferred: the optional [gpu] extra's wrapper, imported only where tokamax was chosen
-        from maxtrain.kernels import tokamax_attention  # pylint: disable=import-outside-toplevel
-
-        return functools.partial(tokamax_attention.tokamax_attention, causal=causal, sliding_window=sliding_window,
-                                 logits_soft_cap=logits_soft_cap, scale=scale,
-                                 implementation="xla" if interpret else "mosaic")
-    if platform == "tpu":
-        # deferred: the Pallas kernels' imports (0.12 s flash, 0.16 s splash, measured) that dot_product runs never use
-        from maxtrain.kernels import splash_attention  # pylint: disable=import-outside-toplevel
-
-        def kernel(q, k, v, segment_ids, sinks=None):
-            return splash_attention.splash_attention(
-                q, k, v, segment_ids, causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                scale=scale, block_q=block_q, block_kv=block_kv, interpret=interpret, sinks=sinks)
-        return kernel
-    # deferred: as splash_attention above
-    from maxtrain.kernels import flash_attention  # pylint: disable=import-outside-toplevel
-
-    devices = sharding.active_devices() or _local_devices(platform)
-    shared_memory = chips.gpu_shared_memory(devices) if platform == "gpu" else flash_attention.DEFAULT_SHARED_MEMORY
-
-    def kernel(q, k, v, segment_ids, sinks=None):
-        return flash_attention.flash_attention(
-            q, k, v, segment_ids, segment_ids, causal=causal, sliding_window=sliding_window,
-            logits_soft_cap=logits_soft_cap, sm_scale=scale, block_q=block_q, block_k=block_kv,
-            shared_memory=shared_memory, interpret=interpret, sinks=sinks)
-    return kernel
+    return kernels.per_shard(kernel, q, k, v, segment_ids, sinks)

@@ -34,11 +34,11 @@ from maxtrain.config import attention_speeds
 KERNEL_LIMITS = {"cudnn": ("logits_soft_cap", "sinks"), "tokamax": ("sinks",)}
 
 # The kernels each context_parallel_strategy can run its attention with. all_gather attends T / C queries to the
-# gathered keys in the load-balanced order, which no kernel's mask reads; ring merges blocks of the layout with the
-# plain-jnp form; ulysses gives each device every token of N / C heads, which it puts back into the original order
-# for the kernel (ulysses.py), so every kernel runs there.
-CONTEXT_KERNELS = {"all_gather": (), "ring": (), "ulysses": ("flash", "cudnn", "tokamax"),
-                   "usp": ()}  # usp (issue 60): plain-jnp blocks in its ring, as ring
+# gathered keys in the load-balanced order, which no kernel's mask reads; ring runs flash per block pair
+# (ring_flash.py; splash on TPUs), whose backward takes the ring's global softmax statistics (cuDNN's and tokamax's
+# take only their own); ulysses gives each device every token of N / C heads, which it puts back into the original
+# order for the kernel (ulysses.py), so every kernel runs there; usp's ring runs plain-jnp blocks.
+CONTEXT_KERNELS = {"all_gather": (), "ring": ("flash",), "ulysses": ("flash", "cudnn", "tokamax"), "usp": ()}
 
 # The GPU candidates of autoselected, in the order ties (or a shape nothing was measured at) are broken:
 # our kernel first, since it implements every feature and runs everywhere.
@@ -149,16 +149,17 @@ def _nearest_row(head_dim: int | None, length: int, arch_name: str, names) -> at
 
 def choose(platform: str, shape: Shape, context_parallel: int = 1, context_strategy: str = "all_gather") -> Choice:
     """The implementation `attention=autoselected` runs, and why (see the module docstring)."""
-    if context_parallel > 1 and not CONTEXT_KERNELS[context_strategy]:
+    allowed = CONTEXT_KERNELS[context_strategy] if context_parallel > 1 else GPU_CANDIDATES
+    if not allowed:
         return Choice("dot_product", f"dot_product: context_parallel_strategy={context_strategy} ({context_parallel} "
-                      "ways) runs the plain-jnp form; the kernels run under context_parallel_strategy=ulysses")
+                      "ways) runs the plain-jnp form; the kernels run under context_parallel_strategy=ulysses or ring")
     if platform == "cpu":
         return Choice("dot_product", "dot_product: the fastest on CPU (a kernel runs there only interpreted)")
-    if platform == "tpu":
+    if platform == "tpu" and "flash" in allowed:
         return Choice("flash", "flash: the splash kernel, O(T) memory, every feature (cudnn and tokamax's Mosaic "
                       "GPU kernel need an NVIDIA GPU)")
-    why_not = {n: unsupported(n, platform, shape) for n in GPU_CANDIDATES}
-    able = [n for n in GPU_CANDIDATES if why_not[n] is None]
+    why_not = {n: unsupported(n, platform, shape) for n in GPU_CANDIDATES if n in allowed}
+    able = [n for n in why_not if why_not[n] is None]
     skipped = "; ".join(f"{n} {why}" for n, why in why_not.items() if why)
     if not able:
         return Choice("dot_product", f"dot_product: nothing else supports this model ({skipped})")

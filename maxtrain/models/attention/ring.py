@@ -25,7 +25,8 @@ values at a time (JAX's autodiff of the scan would keep all C blocks).
 
 Not yet here (issue 60): every block is computed in full, masked entries included (no skipping of blocks the
 causal mask hides), the ppermute is not overlapped with the block's attention by hand (XLA may schedule it so),
-and the blocks run in the plain-jnp form, not the flash, cuDNN or splash kernels.
+and the blocks run in the plain-jnp form (attention=flash runs the ring with the flash or splash kernel per block
+pair and causal block skipping instead: ring_flash.py, ring_splash.py).
 
 Letters as in attention/__init__.py: B batch, T queries of this device, S keys of the block in hand, N query
 heads = G kv heads x R, H head dim (Hv the value's).
