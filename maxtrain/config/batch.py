@@ -64,7 +64,7 @@ def check_batch_split(micro: int, ways: dict[str, int]) -> None:
     total = math.prod(ways.values())
     if micro % total:
         named = " x ".join(f"{axis} {n}" for axis, n in ways.items())
-        raise ConfigError(f"the micro-batch of {micro} row{'s' * (micro != 1)} (per_device_batch_size x devices) does not split over the "
-                          f"batch axes' {total} ways ({named}); make the micro-batch a multiple of {total} "
+        raise ConfigError(f"the micro-batch of {micro} row{'s' * (micro != 1)} (per_device_batch_size x devices) does "
+                          f"not split over the batch axes' {total} ways ({named}); make the micro-batch a multiple of {total} "
                           f"(a larger per_device_batch_size) or move those ways to context parallelism "
                           f"(ici_context_parallelism)")
