@@ -11,6 +11,7 @@ from conftest import BASE_YML, TINY
 from maxtrain.compile import report
 from maxtrain.config import ConfigError, batch, load_config, with_devices, with_overrides
 from maxtrain.data import hosts
+from maxtrain.evals import runner
 from maxtrain.training import builder, layout_plan
 
 
@@ -69,6 +70,10 @@ def test_host_rows_and_the_tools_take_a_fraction():
     assert jax.local_device_count() == 8
     cfg = with_devices(load("per_device_batch_size=0.25"), 8)
     assert hosts.host_micro_batch(cfg) == 2 and type(hosts.host_micro_batch(cfg)) is int  # pylint: disable=unidiomatic-typecheck
+    # eval_tasks_per_device_batch_size=-1 inherits the fraction; the scoring batch counts whole rows (TaskEvaluator)
+    assert runner.settings(cfg)["rows_per_device"] == 0.25 and hosts.batch_rows(0.25, 8) == 2
+    with pytest.raises(ConfigError, match=r"per_device_batch_size=0.25 x 2 devices is 0.5 rows, not a whole number"):
+        hosts.batch_rows(0.25, 2)
     # train_compile's advice halves the batch where the rows stay whole (an int as before: 5 -> 2)
     advice = lambda c: [k for k in report.knobs(c, {"fsdp": 8}, 8, "flash", "tpu") if "per_device" in k]  # noqa: E731
     assert advice(cfg) == ["per_device_batch_size=0.125 with gradient_accumulation_steps=2 (the same global batch in "
