@@ -81,5 +81,5 @@ def test_host_rows_and_the_tools_take_a_fraction():
     assert advice(with_devices(load("per_device_batch_size=0.125"), 8)) == []
     assert advice(with_devices(load("per_device_batch_size=5"), 8))[0].startswith("per_device_batch_size=2 with")
     assert layout_plan.batches("0.125,1,2") == [0.125, 1, 2] and type(layout_plan.batches("2")[0]) is int  # pylint: disable=unidiomatic-typecheck
-    with pytest.raises(Exception, match=r"--batch '0,1' must be comma-separated numbers > 0"):
+    with pytest.raises(layout_plan.ToolError, match=r"--batch '0,1' must be comma-separated numbers > 0"):
         layout_plan.batches("0,1")
