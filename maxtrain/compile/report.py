@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from maxtrain.config import batch as config_batch
 from maxtrain.compile import hlo_stats, libtpu, predict, targets
 
 
@@ -146,8 +147,10 @@ def knobs(config, mesh: dict, num_devices: int, attention: str, platform: str) -
         out.append("remat_policy=full (recompute activations)")
     if mesh.get("fsdp", 1) < num_devices // max(1, mesh.get("tensor", 1)):
         out.append("a larger ici_fsdp_parallelism (shard the parameters and optimizer state further)")
-    if config.per_device_batch_size > 1:
-        out.append(f"per_device_batch_size={config.per_device_batch_size // 2} with gradient_accumulation_steps="
+    per_device = config.per_device_batch_size
+    half = per_device // 2 if isinstance(per_device, int) else per_device / 2  # a fraction: halved where rows stay whole
+    if per_device > 1 if isinstance(per_device, int) else config_batch.is_whole(half, num_devices):
+        out.append(f"per_device_batch_size={half} with gradient_accumulation_steps="
                    f"{config.gradient_accumulation_steps * 2} (the same global batch in smaller micro-batches)")
     else:
         out.append("gradient_accumulation_steps to keep the global batch with a smaller per-device batch")

@@ -11,6 +11,7 @@
     features.py   each feature's switch and the settings it owns; what each family is
     limits.py     samplers with one choice, settings the sequence cannot hold, empty paths
     loading.py    YAML chain, presets, overrides, coercion, derived values -> Config
+    batch.py      a fractional per_device_batch_size: whole rows per micro-batch, process and batch axis
     chips.py      one record per accelerator chip (memory, peaks, bandwidths, shared memory, float8)
     attention_speeds.py  the attention kernels' measured speeds (autoselected's choice, the step-time prediction)
 

@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterable
 
 import yaml
 
-from maxtrain.config import checks, features, objectives
+from maxtrain.config import batch, checks, features, objectives
 from maxtrain.config import settings as settings_lib
 from maxtrain.config.schema import BASE_CONFIG, packaged_configs_dir, preset_names, table
 from maxtrain.errors import ConfigError, UserError
@@ -185,6 +185,8 @@ def _coerce(key: str, raw: Any, default: Any, source: str) -> Any:
             return raw
         if isinstance(raw, float) and raw.is_integer():
             return int(raw)
+        if key in batch.FRACTIONAL and isinstance(raw, float):  # a fraction of a sequence per device (batch.py)
+            return raw
     elif isinstance(default, float):
         if isinstance(raw, (int, float)) and not isinstance(raw, bool):
             return float(raw)
@@ -365,7 +367,7 @@ def with_devices(config: Config, num_devices: int, num_processes: int = 1) -> De
     if num_processes > 1 and config.run_name_was_generated:
         raise ConfigError("multi-process runs need an explicit run_name=... so that every process writes "
                           "to, and resumes from, the same run directory")
-    micro_batch = config.per_device_batch_size * num_devices
+    micro_batch = batch.micro_batch(config.per_device_batch_size, num_devices, num_processes)
     global_batch = micro_batch * config.gradient_accumulation_steps
     return DeviceConfig({**config.to_dict(), "num_devices": num_devices, "num_processes": num_processes,
                    "micro_batch_size": micro_batch, "global_batch_size": global_batch,

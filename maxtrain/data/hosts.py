@@ -18,6 +18,7 @@ import grain
 import jax
 import numpy as np
 
+from maxtrain.config.batch import rows as batch_rows
 from maxtrain.data.errors import DataError
 from maxtrain.parallel.sharding import named_sharding
 
@@ -27,8 +28,9 @@ KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_weights")
 
 
 def host_micro_batch(config) -> int:
-    """Rows per micro-batch on this host: per_device_batch_size x this process' devices."""
-    return config.per_device_batch_size * jax.local_device_count()
+    """Rows per micro-batch on this host: per_device_batch_size x this process' devices (whole: a fraction
+    that makes a part of a row is refused by config_lib.with_devices)."""
+    return batch_rows(config.per_device_batch_size, jax.local_device_count())
 
 
 def padding_batch(leading: tuple[int, ...], length: int) -> dict:

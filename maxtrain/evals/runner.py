@@ -63,7 +63,7 @@ class TaskEvaluator:
         self.request_counts = [sum(len(e.requests) for e in self.examples[p::count]) for p in range(count)]
         tokenized = requests_lib.tokenize([r for e in self.mine for r in e.requests], tokenizer)
         self.packed = requests_lib.pack(tokenized, self.settings["length"], f"eval_tasks on process {index}")
-        self.rows_per_batch = self.settings["rows_per_device"] * jax.local_device_count()
+        self.rows_per_batch = hosts.batch_rows(self.settings["rows_per_device"], jax.local_device_count())  # a fraction
         local_batches = math.ceil(self.packed.num_rows / self.rows_per_batch)
         self.num_batches = max(hosts.agree(local_batches, count))
         self.step_fn = scoring.make_score_step(config, rt, mesh)

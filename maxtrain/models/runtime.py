@@ -61,7 +61,7 @@ def saved_activation_bytes(config) -> int:
     3 [N, T] rows of dot_product attention (scores, mask, probabilities). Against the compiled step's
     extra memory over `full` (docs/performance.md): 185 MB for 193 MB on the reference configuration,
     671 MB for 563 MB on the default model."""
-    tokens = config.per_device_batch_size * config.max_target_length
+    tokens = int(config.per_device_batch_size * config.max_target_length)  # a fraction: part of a sequence
     per_token = (16 * config.base_emb_dim + 4 * config.base_mlp_dim
                  + 3 * config.base_num_query_heads * config.max_target_length)
     return 4 * config.base_num_decoder_layers * tokens * per_token
@@ -193,7 +193,7 @@ class Runtime:
         auto = tuple(k for k in ("dtype", "attention", "remat_policy") if getattr(config, k) == "autoselected")
         auto += ("num_vocab_tiling",) if config.num_vocab_tiling == -1 else ()
         if logits_bytes is None:
-            logits_bytes = config.per_device_batch_size * config.max_target_length * config.vocab_size * 4
+            logits_bytes = int(config.per_device_batch_size * config.max_target_length) * config.vocab_size * 4
         tiles = resolve_vocab_tiles(config.num_vocab_tiling, config.max_target_length, logits_bytes)
         kinds = resolve_attention(config, backend, dtype, attention_kinds(layer_types or (), config.head_dim),
                                   context_parallel=context_parallel, capability=capability, gpu_present=gpu_present)

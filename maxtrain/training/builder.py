@@ -22,7 +22,7 @@ import optax
 
 from maxtrain.checkpointing import manager as checkpoint_manager
 from maxtrain import config as config_lib
-from maxtrain.config import chips
+from maxtrain.config import batch as config_batch, chips
 from maxtrain.checkpointing import adoption
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.training import distillation, host_memory, losses, optimizer, train_step
@@ -201,6 +201,8 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
     config = config_lib.with_devices(config, len(devices), num_processes)
     model = Model.bind(config)  # the family and its layers' kinds: resolved here, once, and passed on
     mesh = sharding.create_mesh(config, devices)
+    config_batch.check_batch_split(config.micro_batch_size, {  # a fractional per_device_batch_size (config/batch.py)
+        a: mesh.shape[a] for a in sharding.mesh_axes_of("batch", config.logical_axis_rules) if mesh.shape[a] > 1})
     rt = runtime(model, platform, mesh, layer_plan)  # the attention implementation, dtype and remat: resolved here, once
     check_float8_devices(config, rt, devices[0])
     if config.num_experts % mesh.shape["expert"]:

@@ -132,7 +132,7 @@ def step_buffer_bytes(config) -> int:
     (models.runtime.saved_activation_bytes) and the float32 logits and their gradient."""
     # deferred: maxtrain.models loads JAX (~0.9 s), and this module is imported before JAX starts (reexec_with_hugepages)
     from maxtrain.models import runtime  # pylint: disable=import-outside-toplevel
-    tokens = config.per_device_batch_size * config.max_target_length
+    tokens = int(config.per_device_batch_size * config.max_target_length)  # a fraction: part of a sequence
     return runtime.saved_activation_bytes(config) + 8 * tokens * config.vocab_size
 
 

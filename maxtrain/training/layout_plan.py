@@ -39,6 +39,17 @@ def ints(text: str, flag: str) -> list[int]:
     return values
 
 
+def batches(text: str) -> list[int | float]:
+    """--batch's choices: numbers > 0, a whole one as an int, a fraction (0.125: fewer sequences than devices) kept."""
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) <= 0:
+        raise ToolError(f"--batch {text!r} must be comma-separated numbers > 0, e.g. --batch 0.5,1,2")
+    return [int(v) if v.is_integer() else v for v in values]
+
+
 def grid(config, target: targets.Target, args) -> list[dict]:
     """The cells: {key: value} overrides, the splits only where they divide the devices and the model."""
     devices = target.num_devices // target.num_slices
@@ -145,7 +156,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--cache", help="a directory keeping each compiled cell, to re-predict without compiling")
     args = parser.parse_args(argv)
     args.tensor, args.expert, args.batch = (ints(args.tensor, "--tensor"), ints(args.expert, "--expert"),
-                                            ints(args.batch, "--batch"))
+                                            batches(args.batch))
     if args.json:
         storage.check_output(args.json, True, f"--json {args.json}")
     if args.cache:

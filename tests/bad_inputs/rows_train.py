@@ -14,7 +14,7 @@ ROWS = [
     # train: config keys and values
     Row("unknown-key", T, [B, "base_emb_dimm=64"], r"unknown config key 'base_emb_dimm': did you mean base_emb_dim\?"),
     Row("wrong-type-int", T, [B, "steps=abc"], r"steps='abc' has the wrong type; steps must be an integer"),
-    Row("wrong-type-float", T, [B, "per_device_batch_size=0.5"], r"per_device_batch_size=0.5 has the wrong type"),
+    Row("wrong-type-float", T, [B, "gradient_accumulation_steps=0.5"], r"gradient_accumulation_steps=0.5 has the wrong type"),
     Row("wrong-type-bool", T, [B, "scan_layers=maybe"], r"scan_layers='maybe' has the wrong type"),
     Row("steps-zero", T, [B, "steps=0"], r"steps=0 is not allowed: it must be >= 1"),
     Row("lr-nan", T, [B, "learning_rate=nan"], r"learning_rate=nan is not allowed: it must be >= 0"),
@@ -610,4 +610,11 @@ ROWS = [
     Row("eval-tasks-with-a-set-tokenizer-path", T, [B, "dataset_type=synthetic", "tokenizer_path={tok}",
                                                     "eval_tasks=arc_easy", "eval_tasks_cache_dir={scratch}/none"],
         r"no prepared evaluation data in .*/none", tiny=True),
+    # a fractional per_device_batch_size (issue 60, config/batch.py): whole rows per micro-batch and batch axis
+    Row("batch-fraction-not-whole-rows", T, [B, "per_device_batch_size=0.1", "ici_context_parallelism=8"],
+        r"per_device_batch_size=0.1 on 8 devices makes a micro-batch of 0.8 sequences; it must be whole rows: use "
+        r"per_device_batch_size=0.125 \(1 row\)"),
+    Row("batch-fraction-batch-axes-cannot-split", T, [B, "per_device_batch_size=0.125"],
+        r"the micro-batch of 1 row \(per_device_batch_size x devices\) does not split over the batch axes' 8 ways "
+        r"\(fsdp 8\); make the micro-batch a multiple of 8"),
 ]

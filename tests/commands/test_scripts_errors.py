@@ -144,7 +144,7 @@ ROWS = [
     Row("plan-tensor-zero", "plan", ["{base}", "compile_topology=h100-8", "--tensor", "0"],
         r"--tensor '0' must be comma-separated whole numbers >= 1, e.g. --tensor 1,4"),
     Row("plan-batch-empty", "plan", ["{base}", "compile_topology=h100-8", "--batch", ","],
-        r"--batch ',' must be comma-separated whole numbers >= 1"),
+        r"--batch ',' must be comma-separated numbers > 0"),
     Row("long-context-seq-twice", "benchmark_long_context", ["--seq", "64", "64"],
         r"--seq 64 64: give the lengths in increasing order, each once", usage=True),
     Row("gpu-report-budget-nan", "gpu_report", ["--out", "{scratch}/report", "--budget", "nan"],

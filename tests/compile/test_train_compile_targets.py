@@ -333,3 +333,13 @@ def test_plan_sorts_the_cells_that_fit_and_names_the_best_command(capsys, tmp_pa
                                              r"\(.*per_device_batch_size=4096.*\), the chip has 79.1; try"):
         layout_plan.main([BASE_YML, *with_overrides(SMALL, "max_target_length=4096"), "compile_topology=h100-8", "--tensor",
                    "1", "--batch", "4096", "--remat", "minimal"])
+
+
+# a fractional per_device_batch_size (issue 60, config/batch.py): one sequence over the 4 chips' context axis
+def test_a_fractional_per_device_batch_compiles_for_a_tpu_with_context_parallelism():
+    need("tpu")
+    run, compiled, rep = compile_report(*with_overrides(SMALL, "per_device_batch_size=0.25"), "compile_topology=v5e-4",
+                                        "ici_context_parallelism=4", "attention=dot_product")
+    assert rep["mesh"]["context"] == 4 and rep["global_batch"] == 1 and rep["per_device_batch_size"] == 0.25
+    assert run.batch_sharding.shard_shape((1, 1, 256)) == (1, 1, 64) and compiled  # each chip: a quarter of the row
+    assert "batch       1 x 256 tokens per step (per device 0.25, accumulation 1)" in report.format_report(rep)

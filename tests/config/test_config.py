@@ -41,7 +41,7 @@ def test_wrong_type_names_key_and_type(override, fragment):
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    (["per_device_batch_size=-2"], "per_device_batch_size=-2 is not allowed: it must be >= 1"),
+    (["per_device_batch_size=-2"], "per_device_batch_size=-2 is not allowed: it must be > 0"),
     (["base_num_query_heads=6", "base_num_kv_heads=4"], "must be a multiple of base_num_kv_heads=4"),
     (["ici_tensor_parallelism=3"], "tensor parallelism 3 .* must divide base_num_query_heads=4"),
     (["dtype=fp8"], "dtype='fp8' is not allowed: it must be one of: autoselected, float32"),
