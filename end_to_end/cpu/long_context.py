@@ -19,11 +19,11 @@ one softmax per query chunk; the loss is summed over other shards), so they agre
 bitwise. Prints both losses, their relative difference and each run's step times (wall clock between metrics
 lines; the first includes compilation); docs/parallelism.md ("Long context") records a run.
 
-Memory: at the default 65,536 tokens cp1's compiled step needs 1.06 GiB of temporaries per device, the ring's
-28.17 GiB (XLA's memory analysis, 4 simulated devices): models/attention/ring.py computes each (query block,
-key block) pair whole, [4 rows, 16,384, 16,384] float32 scores and their probabilities, so the four devices
-need ~113 GiB. On a smaller machine give --length 16384 (1.79 GiB a device) until the ring cuts its query
-blocks as causal_chunks does.
+Memory: at the default 65,536 tokens the compiled step needs 1.06 GiB of temporaries per device with CP 1 and
+1.87 GiB with the ring (XLA's memory analysis, 4 simulated devices), which attends each key block in pieces of
+1,024 queries (ring.QUERY_CHUNK; whole, [4 rows, 16,384, 16,384] float32 scores, it needed 28.17 GiB). Time is
+the limit on a small CPU: the ring computes every block pair in full, masked entries included, so a step costs
+about (T / 8,192)^2 times the 8,192-token one (docs/parallelism.md).
 """
 
 from __future__ import annotations
