@@ -255,6 +255,14 @@ ROWS = [
                                                        "ici_context_parallelism=2", "max_target_length=32"],
         r"context parallelism 2 cuts max_target_length=32 into 4 chunks of 8 tokens, but the gated delta-net needs "
         r"chunks of at least 16 \(gdn_chunk_size"),
+    # context parallelism: the other strategy that cannot run in pipeline stages, and dual_chunk_swap's 2C chunks
+    Row("cp-ulysses-with-pipeline-stages", T, [B, "ici_context_parallelism=2", "ici_pipeline_parallelism=2",
+                                               "context_parallel_strategy=ulysses"],
+        r"context_parallel_strategy=ulysses does not run with pipeline parallelism yet; set "
+        r"context_parallel_strategy=all_gather, or ici_pipeline_parallelism=1"),
+    Row("cp-dual-chunk-swap-length-does-not-divide", T, [B, "ici_context_parallelism=4", "max_target_length=36"],
+        r"context parallelism 4 \(ici_context_parallelism x dcn_context_parallelism\) splits each sequence into 8 "
+        r"chunks .* max_target_length=36 must be a multiple of 8; e.g. max_target_length=32"),
     Row("feature-off-llama4-key-on-llama", T, [B, "use_qk_norm=true"], r"use_qk_norm=true does nothing without "
         r"decoder_block=llama4_text"),
     Row("glm4_moe-rotated-features-odd", T, [B, "model_name=glm-4.5-air", "partial_rotary_factor=0.01"],

@@ -223,3 +223,26 @@ def test_tiny_llama_with_the_strategy_gives_the_loss_and_gradients_of_all_gather
     assert collective in split[2] and collective not in gathered[2] + one_device[2]  # it ran where asked, only there
     _assert_same(split, gathered)
     _assert_same(split, one_device)
+
+
+# --------------------------------------------------------------------------------------------
+# Long context: past ring.QUERY_CHUNK queries a device attends each block in pieces of its queries
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reorder, mask", [("dual_chunk_swap", "causal_window"), ("striped", "causal"),
+                                           ("dual_chunk_swap", "bidirectional_window_softcap_sinks")])
+def test_the_ring_in_query_pieces_equals_attention_over_the_unsplit_sequence(monkeypatch, reorder, mask):
+    monkeypatch.setattr(ring, "QUERY_CHUNK", 4)  # 16 queries a device at CP 2: 4 pieces of 4
+    assert ring.query_pieces(T // 2) == 4
+    _check("ring", 2, 1, reorder, mask)
+
+
+def test_query_pieces_hold_less_than_a_block_pair_of_scores_forward_and_backward(monkeypatch):
+    """At T = 96 over 4 devices (24 queries each) the whole block pair's scores [B, 24, N, 24] are the ring's largest
+    float array; in pieces of 8 queries its largest is smaller (the device's own q, [B, 24, N, H])."""
+    block_scores = B * (96 // 4) ** 2 * N
+    assert _largest_float_array(ring.ring_attention, 4, 96) == block_scores
+    monkeypatch.setattr(ring, "QUERY_CHUNK", 8)
+    assert ring.query_pieces(96 // 4) == 3 and ring.query_pieces(8) == 1 and ring.query_pieces(4096) == 512
+    assert _largest_float_array(ring.ring_attention, 4, 96) < block_scores

@@ -23,6 +23,11 @@ again, each carrying its running dk and dv, recomputing each block's probabiliti
 attention's backward does); a last pass takes dk and dv home. So the backward pass too holds T / C keys and
 values at a time (JAX's autodiff of the scan would keep all C blocks).
 
+Long context: past QUERY_CHUNK queries a device attends each block in pieces of its queries (a lax.map forward,
+a scan carrying dk and dv backward), so a block pair's scores are [B, QUERY_CHUNK, S] at a time, not [B, T, S]:
+at 65,536 tokens, CP 4 and 4 rows the compiled step of a one-layer model needs 1.87 GiB of temporaries a device
+instead of 28.17 GiB (end_to_end/cpu/long_context.py). Shorter shards are computed whole, as before.
+
 Not yet here (issue 60): every block is computed in full, masked entries included (no skipping of blocks the
 causal mask hides), the ppermute is not overlapped with the block's attention by hand (XLA may schedule it so),
 and the blocks run in the plain-jnp form (attention=flash runs the ring with the flash or splash kernel per block
@@ -43,6 +48,33 @@ from maxtrain.parallel import context, sharding
 
 # Finite "minus infinity" (as attention/__init__.py's): exp() of a difference to it is exactly 0, never NaN.
 _NO_SCORE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+# Query rows per piece of a block pair: past this many queries a device attends its queries to each block in
+# pieces of at most this many (a lax.map / scan over them), so a block pair's scores are [B, QUERY_CHUNK, S], not
+# [B, T, S] (at 65,536 tokens, CP 4 and 4 rows: 28 GiB of temporaries a device without it). Exact: every query's
+# softmax state is its own, and dk, dv sum over the pieces.
+QUERY_CHUNK = 1024
+
+
+def query_pieces(t: int) -> int:
+    """How many equal pieces a device's t queries are attended in: 1 up to QUERY_CHUNK queries, else the fewest of
+    at most QUERY_CHUNK each (1 when t has no divisor from QUERY_CHUNK / 8 up: then the block is done whole)."""
+    chunk = QUERY_CHUNK
+    if t <= chunk:
+        return 1
+    size = next((d for d in range(chunk, max(1, chunk // 8) - 1, -1) if t % d == 0), t)
+    return t // size
+
+
+def _pieces(x, n: int, axis: int):
+    """x with its `axis` (of n * c) cut into n pieces, leading: [n, ..., c, ...]."""
+    return jnp.moveaxis(x.reshape(*x.shape[:axis], n, x.shape[axis] // n, *x.shape[axis + 1:]), axis, 0)
+
+
+def _whole(x, axis: int):
+    """The inverse of _pieces."""
+    x = jnp.moveaxis(x, 0, axis)
+    return x.reshape(*x.shape[:axis], x.shape[axis] * x.shape[axis + 1], *x.shape[axis + 2:])
 
 
 def block_mask(q_segment_ids, kv_segment_ids, q_index, kv_index, *, causal: bool, sliding_window: int):
@@ -130,10 +162,19 @@ class _Ring:
         state = (jnp.full((b, t, g, n // g), _NO_SCORE, jnp.float32), jnp.zeros((b, t, g, n // g), jnp.float32),
                  jnp.zeros((b, t, g, n // g, hv), jnp.float32))
 
-        def attend(state, block):
+        pieces = query_pieces(t)
+
+        def attend_piece(state, q5, segment_ids, q_index, block):
             k, v, kv_segment_ids, kv_index = block
             mask = self.mask(segment_ids, q_index, kv_segment_ids, kv_index)
             return merge_block(state, q5, k, v, mask, scale=self.scale, logits_soft_cap=self.logits_soft_cap)
+
+        def attend(state, block):
+            if pieces == 1:
+                return attend_piece(state, q5, segment_ids, q_index, block)
+            split = jax.tree.map(lambda a: _pieces(a, pieces, 1), (state, q5, segment_ids))
+            out = jax.lax.map(lambda xs: attend_piece(*xs[:3], xs[3], block), (*split, _pieces(q_index, pieces, 0)))
+            return jax.tree.map(lambda a: _whole(a, 1), out)
 
         def step(carry, _):
             state, block = carry
@@ -161,7 +202,21 @@ class _Ring:
         d_out5 = d_out.reshape(b, t, g, n // g, hv).astype(jnp.float32)
         d_rows = jnp.sum(d_out5 * out.reshape(d_out5.shape).astype(jnp.float32), axis=-1)  # D [B, T, G, R]
 
+        pieces = query_pieces(t)
+
         def attend(dq, block):
+            if pieces == 1:
+                return attend_piece(dq, q5, d_out5, d_rows, lse, segment_ids, q_index, block)
+            k, v, kv_segment_ids, kv_index, dk, dv = block
+
+            def one(dk_dv, xs):  # one piece of the queries; dk and dv summed over the pieces
+                dq, (*_, dk, dv) = attend_piece(*xs, (k, v, kv_segment_ids, kv_index, *dk_dv))
+                return (dk, dv), dq
+            xs = jax.tree.map(lambda a: _pieces(a, pieces, 1), (dq, q5, d_out5, d_rows, lse, segment_ids))
+            (dk, dv), dq = jax.lax.scan(one, (dk, dv), (*xs, _pieces(q_index, pieces, 0)))
+            return _whole(dq, 1), (k, v, kv_segment_ids, kv_index, dk, dv)
+
+        def attend_piece(dq, q5, d_out5, d_rows, lse, segment_ids, q_index, block):
             k, v, kv_segment_ids, kv_index, dk, dv = block
             mask = self.mask(segment_ids, q_index, kv_segment_ids, kv_index)[:, :, None, None, :]
             scores = soft_cap(jnp.einsum("BTGRH,BSGH->BTGRS", q5, k, preferred_element_type=jnp.float32) * self.scale,
