@@ -211,8 +211,9 @@ def _assert_same(a, b):
         np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.parametrize("strategy, reorder", [("ring", "dual_chunk_swap"), ("ring", "striped"),
-                                               ("ulysses", "dual_chunk_swap")])
+@pytest.mark.parametrize("strategy, reorder", [  # the default run keeps one; the rest run with the slow tests
+    ("ring", "dual_chunk_swap"), pytest.param("ring", "striped", marks=pytest.mark.slow),
+    pytest.param("ulysses", "dual_chunk_swap", marks=pytest.mark.slow)])
 def test_tiny_llama_with_the_strategy_gives_the_loss_and_gradients_of_all_gather_and_one_device(strategy, reorder):
     cp = ("ici_context_parallelism=2", "ici_fsdp_parallelism=1",
           f"context_parallel_reorder_strategy={reorder}")
