@@ -42,17 +42,23 @@ def _ring_attention_without_pipeline_stages(v):
              "context_parallel_strategy=all_gather, or ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
 
 
+def _split_heads(v) -> dict[str, int]:
+    """The head counts an all-to-all over heads splits (ulysses, usp): query heads, kv heads (not for MLA, whose
+    keys are per query head) and Gemma 4's global kv heads where set."""
+    heads = {"base_num_query_heads": v["base_num_query_heads"]}
+    if v["decoder_block"] not in features.MLA_FAMILIES:
+        heads["base_num_kv_heads"] = v["base_num_kv_heads"]
+    if v["global_num_kv_heads"] > 0:
+        heads["global_num_kv_heads"] = v["global_num_kv_heads"]
+    return heads
+
+
 def _ulysses_heads_divide(v):
     """Ulysses attention splits each tensor-parallel shard's query and kv heads over the context group."""
     cp, tp = ways(v, "context"), v["ici_tensor_parallelism"] * v["dcn_tensor_parallelism"]
     if v["context_parallel_strategy"] != "ulysses" or cp in (1, None):
         return
-    heads = {"base_num_query_heads": v["base_num_query_heads"]}
-    if v["decoder_block"] not in features.MLA_FAMILIES:  # MLA: a key per query head
-        heads["base_num_kv_heads"] = v["base_num_kv_heads"]
-    if v["global_num_kv_heads"] > 0:
-        heads["global_num_kv_heads"] = v["global_num_kv_heads"]
-    for key, n in heads.items():
+    for key, n in _split_heads(v).items():
         per_shard = f" / tensor parallelism {tp} = {n // tp}" if tp > 1 else ""
         _require((n // tp) % cp == 0,
                  f"context_parallel_strategy=ulysses splits the heads over the context group, but {key}={n}"
@@ -71,12 +77,7 @@ def _usp_applies(v):
              f"dcn_context_parallelism, so both must be set > 1, but they are {ici} and {dcn}; with one context level "
              "use context_parallel_strategy=ring or ulysses")
     tp = v["ici_tensor_parallelism"] * v["dcn_tensor_parallelism"]
-    heads = {"base_num_query_heads": v["base_num_query_heads"]}
-    if v["decoder_block"] not in features.MLA_FAMILIES:  # MLA: a key per query head
-        heads["base_num_kv_heads"] = v["base_num_kv_heads"]
-    if v["global_num_kv_heads"] > 0:
-        heads["global_num_kv_heads"] = v["global_num_kv_heads"]
-    for key, n in heads.items():
+    for key, n in _split_heads(v).items():
         per_shard = f" / tensor parallelism {tp} = {n // tp}" if tp > 1 else ""
         _require((n // tp) % ici == 0,
                  f"context_parallel_strategy=usp splits the heads over the ici context devices of a slice, but "
