@@ -28,10 +28,13 @@ a scan carrying dk and dv backward), so a block pair's scores are [B, QUERY_CHUN
 at 65,536 tokens, CP 4 and 4 rows the compiled step of a one-layer model needs 1.87 GiB of temporaries a device
 instead of 28.17 GiB (end_to_end/cpu/long_context.py). Shorter shards are computed whole, as before.
 
+Overlap: each step sends the block in hand on to the next device and attends to it, and neither depends on the
+other, so the ppermute travels while the block is computed (as ring_flash.py's); backward, k, v and the ids travel
+ahead the same way, and the block's running dk and dv follow it once this device's share is added.
+
 Not yet here (issue 60): every block is computed in full, masked entries included (no skipping of blocks the
-causal mask hides), the ppermute is not overlapped with the block's attention by hand (XLA may schedule it so),
-and the blocks run in the plain-jnp form (attention=flash runs the ring with the flash or splash kernel per block
-pair and causal block skipping instead: ring_flash.py, ring_splash.py).
+causal mask hides), and the blocks run in the plain-jnp form (attention=flash runs the ring with the flash or
+splash kernel per block pair and causal block skipping instead: ring_flash.py, ring_splash.py).
 
 Letters as in attention/__init__.py: B batch, T queries of this device, S keys of the block in hand, N query
 heads = G kv heads x R, H head dim (Hv the value's).
@@ -178,12 +181,14 @@ class _Ring:
 
         def step(carry, _):
             state, block = carry
-            block = self.pass_on(block)  # the previous device's block (k, v, segment ids, indices)
-            return (attend(state, block), block), None
+            incoming = self.pass_on(block)  # the next block travels while this one is attended (neither waits)
+            return (attend(state, block), incoming), None
 
         block = (k, v, segment_ids, q_index)
-        state = attend(state, block)  # this device's own block, then the C - 1 others as they come round
-        (state, _), _ = jax.lax.scan(step, (state, block), None, length=self.ways - 1)
+        incoming = self.pass_on(block)  # this device's own block first, then the C - 1 others as they come round
+        state = attend(state, block)
+        (state, last), _ = jax.lax.scan(step, (state, incoming), None, length=self.ways - 2)
+        state = attend(state, last)
         m, l, acc = state
         if sinks is not None:  # the sink of query head n = g R + r: one more column of each softmax, no value row
             sink = sinks.astype(jnp.float32).reshape(g, n // g)[None, None]
@@ -233,13 +238,19 @@ class _Ring:
             return dq, (k, v, kv_segment_ids, kv_index, dk, dv)
 
         def step(carry, _):
-            dq, block = carry
-            return attend(dq, self.pass_on(block)), None
+            dq, block, sums = carry
+            incoming = self.pass_on(block)  # k, v, ids of the next block travel while this one is attended
+            dq, (*_, dk, dv) = attend(dq, (*block, *sums))
+            return (dq, incoming, self.pass_on((dk, dv))), None  # the block's dk, dv follow it round
 
-        block = (k, v, segment_ids, q_index, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
-        carry = attend(jnp.zeros(q5.shape, jnp.float32), block)  # the own block first, as in the forward pass
-        (dq, block), _ = jax.lax.scan(step, carry, None, length=self.ways - 1)
-        dk, dv = self.pass_on(block[4:])  # each block's dk, dv home to the device that holds its keys
+        block = (k, v, segment_ids, q_index)
+        incoming = self.pass_on(block)  # the own block first, as in the forward pass
+        dq, (*_, dk, dv) = attend(jnp.zeros(q5.shape, jnp.float32),
+                                  (*block, jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)))
+        carry = (dq, incoming, self.pass_on((dk, dv)))
+        (dq, last, sums), _ = jax.lax.scan(step, carry, None, length=self.ways - 2)
+        dq, (*_, dk, dv) = attend(dq, (*last, *sums))
+        dk, dv = self.pass_on((dk, dv))  # each block's dk, dv home to the device that holds its keys
         d_sinks = None
         if sinks is not None:  # d out / d sink = -p_sink out: d sink = -sum over queries of p_sink D
             p_sink = jnp.exp(sinks.astype(jnp.float32).reshape(g, n // g)[None, None] - lse)
