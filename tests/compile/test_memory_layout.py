@@ -21,8 +21,8 @@ from conftest import BASE_YML, TINY
 
 def test_activation_rules_place_the_residual_stream_on_the_tensor_axis():
     rules = config_lib.load_config([BASE_YML]).logical_axis_rules
-    # Parameters: embed over fsdp (and context, expert), heads over tensor, as before.
-    assert sharding.logical_to_spec(("embed", "heads", "head_dim"), rules) == P(("fsdp", "context", "expert"), "tensor", None)
+    # Parameters: embed over fsdp (and expert), heads over tensor, as before.
+    assert sharding.logical_to_spec(("embed", "heads", "head_dim"), rules) == P(("fsdp", "expert"), "tensor", None)
     # Activations: batch takes data, fsdp and expert, length context; embed, which would stay whole, goes on tensor.
     batch = ("data", "fsdp", "expert")
     assert sharding.activation_spec(("batch", "length", "embed"), rules) == P(batch, "context", "tensor")
