@@ -244,7 +244,11 @@ def mesh_axes(s: Settings, mesh, rules, expert_shape: tuple[int, int, int]) -> A
     batch = tuple(a for a in batch if mesh.shape[a] > 1)
     exp = tuple(a for a in exp if mesh.shape[a] > 1)
     tensor = tuple(a for a in mlp if a not in exp and mesh.shape[a] > 1)
-    embed = tuple(a for a in _names(spec(("exp", "embed", "mlp"))[1]) if a not in exp + tensor and mesh.shape[a] > 1)
+    # The weights' embed axis as gathered inside the block (FSDP), less the context axes: the block takes its tokens
+    # whole along the sequence (over context they are alike), so weights split over context are gathered before it.
+    length = _names(spec(("length",))[0])
+    embed = tuple(a for a in _names(spec(("exp", "embed", "mlp"))[1])
+                  if a not in exp + tensor + length and mesh.shape[a] > 1)
     expert_ways = math.prod(mesh.shape[a] for a in exp)
     e, d, f = expert_shape
     local = (e // expert_ways, d, f // math.prod(mesh.shape[a] for a in tensor))
