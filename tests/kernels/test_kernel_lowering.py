@@ -163,16 +163,17 @@ def test_flash_compiles_mla_head_dims_for_h100(h100s):
 
 
 # ----------------------------------------------------------------------------------------------
-# Context parallelism: the kernels under context_parallel_strategy=ulysses (models/attention/ulysses.py), on a
-# (context, tensor) mesh: an all-to-all for heads, the kernel on whole sequences per device, and back.
+# Context parallelism: the kernels under context_parallel_strategy=ulysses (models/attention/ulysses.py: an
+# all-to-all for heads, the kernel on whole sequences per device, and back) and ring (ring_flash.py, ring_splash.py:
+# the kernel per block pair, blocks passed round with collective-permutes), on a (context, tensor) mesh.
 
 CP_RULES = [["batch", ["data", "fsdp"]], ["length", "context"], ["heads", "tensor"], ["kv_heads", "tensor"]]
 
 
-def compile_ulysses_attention(devices, platform, implementation, *, context, tensor, head_dim=128, length=8192,
-                              heads=16, kv_heads=8, sliding_window=0):
+def compile_context_attention(devices, platform, implementation, *, context, tensor, head_dim=128, length=8192,
+                              heads=16, kv_heads=8, sliding_window=0, strategy="ulysses"):
     """Compiles d(sum(attention * w))/d(q, k, v) with the sequence split `context` ways in the dual_chunk_swap layout
-    and the heads `tensor` ways, for `platform`."""
+    and the heads `tensor` ways, for `platform`, under context_parallel_strategy `strategy`."""
     mesh = sharding.mesh_of(devices, context=context, tensor=tensor)
 
     def arg(shape, axes, dt=jnp.bfloat16):
@@ -186,7 +187,7 @@ def compile_ulysses_attention(devices, platform, implementation, *, context, ten
         def loss(q, k, v):
             out = attention.attention(q, k, v, seg, implementation=implementation, platform=platform,
                                       sliding_window=sliding_window, block_q=DEFAULTS.sa_block_q,
-                                      block_kv=DEFAULTS.sa_block_kv, context_strategy="ulysses")
+                                      block_kv=DEFAULTS.sa_block_kv, context_strategy=strategy)
             return jnp.sum((out * w).astype(jnp.float32))
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
@@ -194,7 +195,7 @@ def compile_ulysses_attention(devices, platform, implementation, *, context, ten
         lowered = jax.jit(grads).trace(q, kv, kv, seg, q).lower(
             lowering_platforms=("cuda" if platform == "gpu" else platform,))
     hlo = lowered.compile().as_text()
-    assert "all-to-all" in hlo
+    assert {"ulysses": "all-to-all", "ring": "collective-permute"}[strategy] in hlo
     return hlo
 
 
@@ -203,15 +204,48 @@ def compile_ulysses_attention(devices, platform, implementation, *, context, ten
 def test_kernels_under_ulysses_compile_for_8_h100s(h100s, implementation, kernel):
     """8 H100s as context 4 x tensor 2 at 8k tokens, a 4096-token window (flash: Triton; cuDNN's graph as far as
     XLA builds it without a GPU)."""
-    hlo = compile_ulysses_attention(h100s, "gpu", implementation, context=4, tensor=2, sliding_window=4096)
+    hlo = compile_context_attention(h100s, "gpu", implementation, context=4, tensor=2, sliding_window=4096)
     assert kernel in hlo.lower()
 
 
 @needs_tpu_compiler
 def test_splash_under_ulysses_compiles_for_tpu():
     """A v5p-8's 4 chips as context 4 at 8k tokens: splash per device on its heads' whole sequences."""
-    hlo = compile_ulysses_attention(targets.parse("v5p-8").devices(), "tpu", "flash", context=4, tensor=1, heads=8,
+    hlo = compile_context_attention(targets.parse("v5p-8").devices(), "tpu", "flash", context=4, tensor=1, heads=8,
                                     kv_heads=4)
+    assert "tpu_custom_call" in hlo
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("sliding_window", [0, 1024])
+def test_flash_inside_the_ring_compiles_for_8_h100s(h100s, sliding_window):
+    """8 H100s as context 4 x tensor 2 at 8k tokens: the Triton kernel per block pair of the ring (causal halves
+    skipped; with a window, the kernel masks by the tokens' original positions), forward and backward."""
+    hlo = compile_context_attention(h100s, "gpu", "flash", context=4, tensor=2, sliding_window=sliding_window,
+                                    strategy="ring")
+    for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
+        assert kernel in hlo
+    assert _ring_steps_overlap(hlo), "no ring step starts its collective-permute before the block's kernel"
+
+
+def _ring_steps_overlap(hlo: str) -> bool:
+    """Whether some loop body of the compiled ring starts a collective-permute, then runs the block's kernel (a
+    conditional: the half pair the causal mask leaves) or a flash custom call, and only then waits for the permute:
+    the next block travels while this one is attended."""
+    for body in re.split(r"\n(?=\S.*\{\n)", hlo):
+        order = "".join("S" if "collective-permute-start" in line else "D" if "collective-permute-done" in line
+                        else "K" if " conditional(" in line or ("flash_attention" in line and "custom-call" in line)
+                        else "" for line in body.split("\n"))
+        if re.search(r"S[^D]*K.*D", order):
+            return True
+    return False
+
+
+@needs_tpu_compiler
+def test_splash_inside_the_ring_compiles_for_tpu():
+    """A v5p-8's 4 chips as context 4 at 8k tokens: the splash kernel per block pair (ring_splash.py)."""
+    hlo = compile_context_attention(targets.parse("v5p-8").devices(), "tpu", "flash", context=4, tensor=1, heads=8,
+                                    kv_heads=4, strategy="ring")
     assert "tpu_custom_call" in hlo
 
 

@@ -206,5 +206,7 @@ def test_after_its_own_block_each_device_runs_half_of_each_block_pair():
         calls = {reorder: _forward_kernel_calls(jax.make_jaxpr(lambda q, k, v: ring_flash.ring_flash_attention(
             q, k, v, segment_ids, reorder=reorder, interpret=True, block_q=16, block_k=16))(q, k, v).jaxpr)
             for reorder in ("dual_chunk_swap", "striped")}
-    assert sorted(calls["dual_chunk_swap"]) == [(16, 32), (32, 16), (32, 32)]
-    assert calls["striped"] == [(32, 32), (32, 32)]
+    # the own block once; the other blocks' steps (in the loop, and the last one after it) only halves
+    assert sorted(set(calls["dual_chunk_swap"])) == [(16, 32), (32, 16), (32, 32)]
+    assert calls["dual_chunk_swap"].count((32, 32)) == 1
+    assert set(calls["striped"]) == {(32, 32)} and len(calls["striped"]) >= 2
