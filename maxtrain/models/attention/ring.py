@@ -113,7 +113,7 @@ def ring_attention_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes: tup
                          scale: float | None = None, pairs=None):
     """One device's part, inside shard_map over the context mesh `axes` (a ring of `ways` devices): q [B, T, N, H],
     k [B, T, G, H], v [B, T, G, Hv], segment_ids [B, T] and q_index [T] (original token indices) of this device;
-    sinks [N] or None. Returns [B, T, N, Hv] in q.dtype. Its gradient (`_backward`) passes the blocks round the
+    sinks [N] or None. Returns [B, T, N, Hv] in q.dtype. Its gradient (`_Ring.backward`, through `run_ring`) passes the blocks round the
     ring again, each with its running dk and dv, so the backward pass too holds T / C keys and values at a time.
     pairs: the ring's (source, destination) indices over `axes`, default c -> c + 1 mod `ways`; usp.py passes
     rings of every `inner`-th device (several rings of `ways` devices at once)."""
@@ -121,8 +121,13 @@ def ring_attention_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes: tup
     if n % g:
         raise ValueError(f"query heads ({n}) must be a multiple of kv heads ({g})")
     ring = _Ring(axes, ways, causal, sliding_window, logits_soft_cap, h**-0.5 if scale is None else scale, pairs)
+    return run_ring(ring, q, k, v, segment_ids, q_index, sinks)
+
+
+def run_ring(ring, q, k, v, segment_ids, q_index, sinks):
+    """ring.forward with ring.backward as its gradient (a custom VJP in q, k, v and sinks): this module's _Ring and
+    ring_flash.py's RingFlash share it."""
     with_sinks = sinks is not None
-    sinks = sinks if with_sinks else jnp.zeros((n,), jnp.float32)
 
     @jax.custom_vjp
     def attend(q, k, v, sinks, segment_ids, q_index):
@@ -134,12 +139,13 @@ def ring_attention_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes: tup
 
     def backward(residuals, d_out):
         q, k, v, sinks, segment_ids, q_index, out, lse = residuals
-        dq, dk, dv, d_sinks = ring.backward(q, k, v, segment_ids, q_index, out, lse, d_out,
-                                            sinks if with_sinks else None)
+        dq, dk, dv, d_sinks = ring.backward(q, k, v, segment_ids, q_index, sinks if with_sinks else None, out, lse,
+                                            d_out)
         return dq, dk, dv, d_sinks if with_sinks else jnp.zeros_like(sinks), None, None  # no gradient for the ids
 
     attend.defvjp(forward, backward)
-    return attend(q, k, v, sinks, segment_ids, q_index)
+    return attend(q, k, v, sinks if with_sinks else jnp.zeros((q.shape[2],), jnp.float32),
+                  segment_ids.astype(jnp.int32), q_index.astype(jnp.int32))
 
 
 class _Ring:
@@ -197,7 +203,7 @@ class _Ring:
             m, l, acc = m_new, l * alpha + jnp.exp(sink - m_new), acc * alpha[..., None]
         return (acc / l[..., None]).reshape(b, t, n, hv).astype(q.dtype), m + jnp.log(l)
 
-    def backward(self, q, k, v, segment_ids, q_index, out, lse, d_out, sinks):
+    def backward(self, q, k, v, segment_ids, q_index, sinks, out, lse, d_out):
         """(dq, dk, dv, d_sinks or None). With p = exp(score - lse) masked and D = sum_h d_out out per query:
         dv = p^T d_out, d_score = p (d_out v^T - D) (times the soft-cap's derivative), dq = d_score k scale,
         dk = d_score^T q scale; dk and dv travel with their block and a last pass takes them home."""

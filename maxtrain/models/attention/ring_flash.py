@@ -51,6 +51,7 @@ import numpy as np
 from maxtrain.config import chips
 from maxtrain.kernels import flash_attention
 from maxtrain.kernels.flash_tiles import DEFAULT_SHARED_MEMORY, MIN_BLOCK, default_tuning
+from maxtrain.models.attention.ring import run_ring
 from maxtrain.parallel import context, sharding
 
 _NO_SCORE = -0.7 * float(jnp.finfo(jnp.float32).max)  # the kernel's finite "minus infinity": lse of an unseen row
@@ -225,29 +226,6 @@ def ring_flash_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes: tuple[s
     ring = RingFlash(axes, ways, causal, reorder, sliding_window, cfgs)
     pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, head_pad - x.shape[3])])  # noqa: E731  q.k and out unchanged
     return run_ring(ring, pad(q), pad(k), pad(v), segment_ids, q_index, sinks)[..., :hv]
-
-
-def run_ring(ring, q, k, v, segment_ids, q_index, sinks):
-    """ring.forward with ring.backward as its gradient (a custom VJP in q, k, v and sinks)."""
-    with_sinks = sinks is not None
-
-    @jax.custom_vjp
-    def attend(q, k, v, sinks, segment_ids, q_index):
-        return ring.forward(q, k, v, segment_ids, q_index, sinks if with_sinks else None)[0]
-
-    def forward(q, k, v, sinks, segment_ids, q_index):
-        out, lse = ring.forward(q, k, v, segment_ids, q_index, sinks if with_sinks else None)
-        return out, (q, k, v, sinks, segment_ids, q_index, out, lse)
-
-    def backward(residuals, d_out):
-        q, k, v, sinks, segment_ids, q_index, out, lse = residuals
-        dq, dk, dv, d_sinks = ring.backward(q, k, v, segment_ids, q_index, sinks if with_sinks else None, out, lse,
-                                            d_out)
-        return dq, dk, dv, d_sinks if with_sinks else jnp.zeros_like(sinks), None, None  # no gradient for the ids
-
-    attend.defvjp(forward, backward)
-    return attend(q, k, v, sinks if with_sinks else jnp.zeros((q.shape[2],), jnp.float32),
-                  segment_ids.astype(jnp.int32), q_index.astype(jnp.int32))
 
 
 def ring_flash_attention(q, k, v, segment_ids, *, reorder: str = "dual_chunk_swap", causal: bool = True,

@@ -22,6 +22,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ke
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
 from maxtrain.models.attention import ring_flash
+from maxtrain.models.attention.ring import run_ring
 
 LANES = 128
 
@@ -99,4 +100,4 @@ def ring_splash_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes, ways, 
     width = max(h, hv)
     pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[3])])  # noqa: E731
     q = q * jnp.asarray(h**-0.5 if scale is None else scale, q.dtype)  # splash does not scale
-    return ring_flash.run_ring(ring, pad(q), pad(k), pad(v), segment_ids, q_index, sinks)[..., :hv]
+    return run_ring(ring, pad(q), pad(k), pad(v), segment_ids, q_index, sinks)[..., :hv]
