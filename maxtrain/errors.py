@@ -151,7 +151,9 @@ def _print_last_and_exit(line: str) -> None:
     Background threads (a failed save's TensorStore callbacks) can print tracebacks to stderr at any
     moment, even between a message and its newline; from here on stderr goes to /dev/null for them,
     and the line is written to the original stderr in one write, once no thread is still inside a
-    write to it (a write blocked on a full pipe would otherwise land after the line)."""
+    write to it (a write blocked on a full pipe would otherwise land after the line). A thread may have
+    written a traceback's line and not yet its newline (Python writes them apart), so the line starts
+    with a newline of its own: the message is always a line by itself, the last one."""
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()
@@ -162,7 +164,7 @@ def _print_last_and_exit(line: str) -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
         _wait_for_writes_to_stderr()
-        os.write(original, line.encode("utf-8", "replace"))
+        os.write(original, ("\n" + line).encode("utf-8", "replace"))
     except OSError:  # no usable stderr: still end the process
         pass
     os._exit(EXIT_STATUS)  # pylint: disable=protected-access

@@ -35,6 +35,8 @@ PROGRAM = textwrap.dedent("""
         if argv == ["late"]:
             sys.stdout = LateWriter(sys.stdout)
             sys.stdout.failed = True
+        elif argv == ["partial"]:  # a traceback's line written, its newline not yet (Python writes them apart)
+            os.write(2, b"    raise RuntimeError('Event loop is closed')")
         else:
             threading.Thread(target=noisy, daemon=True).start()
             time.sleep(0.05)
@@ -68,3 +70,10 @@ def test_a_hard_exit_error_is_the_last_line_even_when_output_arrives_on_the_way_
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stdout == "training\n"
     assert result.stderr.endswith("\nprog: error: saving checkpoint 100 failed: File too large\n"), result.stderr[-500:]
+
+
+def test_a_hard_exit_error_is_a_line_of_its_own_after_another_threads_unfinished_line():
+    result = run("partial")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.endswith("closed')\nprog: error: saving checkpoint 100 failed: File too large\n"), \
+        result.stderr[-500:]
