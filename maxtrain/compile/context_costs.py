@@ -42,6 +42,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from maxtrain.compile import predict
 from maxtrain.config import chips as chips_lib
+from maxtrain.models import attention as attention_lib
 from maxtrain.models.attention import context_parallel
 from maxtrain.parallel import sharding
 
@@ -126,22 +127,28 @@ def layer_seconds(collectives: list[Collective], chip: chips_lib.Chip) -> dict:
 
 
 def compiled_attention_memory(strategy: str, cp: int, tokens: int, heads: int, head_dim: int,
-                              devices=None) -> dict:
-    """XLA's memory_analysis of one attention layer's forward + backward, compiled (not run) for `cp` of this
-    process's devices: value_and_grad of sum(attention(q, k, v) x w) for one causal sequence of `tokens` in the
-    dual_chunk_swap layout, float32, `heads` query and kv heads of `head_dim`. Bytes per device of arguments,
-    outputs and temporaries, and the compile seconds."""
+                              devices=None, *, kv_heads: int | None = None, implementation: str = "dot_product",
+                              platform: str = "cpu", dtype=jnp.float32, inner: int = 0) -> dict:
+    """XLA's memory_analysis of one attention layer's forward + backward, compiled (not run) for `cp` devices
+    (`devices`, default this process's): value_and_grad of sum(attention(q, k, v) x w) for one causal sequence
+    of `tokens` in the dual_chunk_swap layout, `heads` query heads and `kv_heads` (default `heads`) key/value
+    heads of `head_dim`, in `dtype`, through models.attention.attention with `implementation` (resolved: the
+    kernel inside the strategy, e.g. flash under the ring) for `platform` (the devices' kind: "gpu" for an
+    H100 target); `inner`: usp's ulysses group. Bytes per device of arguments, outputs and temporaries, and the compile seconds."""
     devices = list(devices or jax.devices()[:cp])
     mesh = sharding.mesh_of(devices, context=cp)
     split = NamedSharding(mesh, PartitionSpec(None, "context"))
-    x = jax.ShapeDtypeStruct((1, tokens, heads, head_dim), jnp.float32, sharding=split)
+    q = jax.ShapeDtypeStruct((1, tokens, heads, head_dim), dtype, sharding=split)
+    kv = jax.ShapeDtypeStruct((1, tokens, kv_heads or heads, head_dim), dtype, sharding=split)
     segment_ids = jax.ShapeDtypeStruct((1, tokens), jnp.int32, sharding=split)
 
     def loss(q, k, v, w, segment_ids):
-        return jnp.sum(context_parallel.attention(q, k, v, segment_ids, strategy=strategy) * w)
+        out = attention_lib.attention(q, k, v, segment_ids, implementation=implementation, platform=platform,
+                                      context_strategy=strategy, context_inner=inner)
+        return jnp.sum(out.astype(jnp.float32) * w.astype(jnp.float32))
     start = time.perf_counter()
     with sharding.activation_sharding(mesh, RULES):
-        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(x, x, x, x, segment_ids).compile()
+        compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, q, segment_ids).compile()
     m = compiled.memory_analysis()
     return {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
             "temporaries": m.temp_size_in_bytes, "seconds": time.perf_counter() - start}

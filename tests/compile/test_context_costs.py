@@ -90,6 +90,16 @@ def test_ring_compiled_memory_at_cp4_is_a_fraction_of_all_gathers():
     assert ring["temporaries"] < gather["temporaries"] / 2
 
 
+def test_the_flash_ring_holds_no_block_scores():
+    """The flash kernel inside the ring (interpret mode here), GQA: its temporaries are a fraction of the plain ring's,
+    which holds one block pair's [T / C, N, T / C] scores; the kv arguments follow kv_heads."""
+    kwargs = dict(heads=4, kv_heads=2, head_dim=8, devices=jax.devices()[:4])
+    flash = context_costs.compiled_attention_memory("ring", 4, 4096, implementation="flash", **kwargs)
+    plain = context_costs.compiled_attention_memory("ring", 4, 4096, **kwargs)
+    assert flash["arguments"] == plain["arguments"] == 4 * (2 * 4096 * 4 * 8 + 2 * 4096 * 2 * 8 + 4096) // 4
+    assert flash["temporaries"] < plain["temporaries"] / 4
+
+
 def test_the_tpu_compilers_refusal_is_read_in_terabytes_too():
     """A 128k-token step on v5p (scripts: train_compile, docs/scale.md) was refused with its temporaries in T; the
     refusal must still become train_compile's one-line error, not a traceback."""

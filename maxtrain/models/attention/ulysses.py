@@ -23,17 +23,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from maxtrain.models.attention import dot_product_attention
 from maxtrain.parallel import context, sharding
 
 
-def ulysses_attention_shard(q, k, v, segment_ids, order, sinks=None, *, axes: tuple[str, ...], ways: int,
+def ulysses_attention_shard(q, k, v, segment_ids, order, inverse, sinks=None, *, axes: tuple[str, ...], ways: int,
                             causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0,
                             scale: float | None = None, kernel=None):
     """One device's part, inside shard_map over the context mesh `axes` (`ways` devices): q [B, T/C, N, H],
-    k and v [B, T/C, G, H], segment_ids [B, T/C] of this device, order [T] the layout's original indices, sinks
-    [N] or None; kernel(q, k, v, segment_ids, sinks) a kernel on whole sequences in their original order, or None
+    k and v [B, T/C, G, H], segment_ids [B, T/C] of this device, order [T] the layout's original indices, inverse
+    [T] its inverse (the position of original token t in the layout; made on the host, as an argsort in the
+    program XLA constant-folds it: 23 s of an H100 compile at 512k tokens), sinks [N] or None; kernel(q, k, v, segment_ids, sinks) a kernel on whole sequences in their original order, or None
     for the plain-jnp form. Returns [B, T/C, N, Hv] in q.dtype."""
     n, g = q.shape[2], k.shape[2]
     if n % ways or g % ways:
@@ -47,8 +49,6 @@ def ulysses_attention_shard(q, k, v, segment_ids, order, sinks=None, *, axes: tu
     if sinks is not None:  # this device's N / C heads of the sinks
         sinks = jax.lax.dynamic_slice_in_dim(sinks, jax.lax.axis_index(axes) * (n // ways), n // ways)
     if kernel is not None:
-        inverse = jnp.argsort(order)  # position of original token t in the layout
-
         def original(x):
             return jnp.take(x, inverse, axis=1)
         out = kernel(original(q), original(k), original(v), original(segment_ids), *([] if sinks is None else [sinks]))
@@ -76,7 +76,8 @@ def ulysses_attention(q, k, v, segment_ids, *, reorder: str = "dual_chunk_swap",
     mesh, rules = active
     axes = tuple(a for a in sharding.mesh_axes_of("length", rules) if mesh.shape[a] > 1)
     ways = sharding.ways("length")
-    order = jnp.asarray(context.layout(q.shape[1], ways, reorder), jnp.int32)
+    layout = context.layout(q.shape[1], ways, reorder)
+    order, inverse = jnp.asarray(layout, jnp.int32), jnp.asarray(np.argsort(layout), jnp.int32)
     q_axes, kv_axes = ("batch", "length", "heads", None), ("batch", "length", "kv_heads", None)
     specs = sharding.active_specs([q_axes, kv_axes])
     if specs is not None and specs[0][2] != specs[1][2]:
@@ -84,11 +85,12 @@ def ulysses_attention(q, k, v, segment_ids, *, reorder: str = "dual_chunk_swap",
                          "attention needs both on the same mesh axes. Map them to the same axes, or use "
                          "context_parallel_strategy=all_gather.")
 
-    def shard_fn(q, k, v, segment_ids, order, *rest):
-        return ulysses_attention_shard(q, k, v, segment_ids, order, *rest, axes=axes, ways=ways, causal=causal,
+    def shard_fn(q, k, v, segment_ids, order, inverse, *rest):
+        return ulysses_attention_shard(q, k, v, segment_ids, order, inverse, *rest, axes=axes, ways=ways, causal=causal,
                                        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
                                        kernel=kernel)
-    args, in_axes = [q, k, v, segment_ids, order], [q_axes, kv_axes, kv_axes, ("batch", "length"), (None,)]
+    args = [q, k, v, segment_ids, order, inverse]
+    in_axes = [q_axes, kv_axes, kv_axes, ("batch", "length"), (None,), (None,)]
     if sinks is not None:
         args.append(sinks)
         in_axes.append(("heads",))
