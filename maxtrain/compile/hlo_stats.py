@@ -177,15 +177,15 @@ def group_size(rest: str) -> int | None:
 
 def _tuple_elements(result_type: str) -> list[str]:
     """The top-level elements of a tuple type "(a, (b, c), d)" (a layout's braces, which may hold parentheses
-    such as TPU tiles T(8,128), are skipped); [] for an array type."""
+    such as TPU tiles T(8,128), and an array's dims are skipped); [] for an array type."""
     text = result_type.strip()
     if not text.startswith("("):
         return []
     elements, depth, braces, start = [], 0, 0, 1
     for i, ch in enumerate(text):
-        if ch == "{":
+        if ch in "{[":  # a layout, or an array's dims (whose commas separate no elements)
             braces += 1
-        elif ch == "}":
+        elif ch in "}]":
             braces -= 1
         elif braces:
             continue

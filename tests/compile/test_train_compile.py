@@ -156,6 +156,8 @@ HLO = """HloModule jit_train_step
   %cp = (f32[16]{0}, f32[16]{0}, u32[], u32[]) collective-permute-start(f32[16]{0} %y), channel_id=4, source_target_pairs={{0,1}}
   %rss = ((bf16[64,8]{1,0}, f32[16]{0}), (bf16[8,8]{1,0}, f32[2]{0})) reduce-scatter-start(%g, %h), channel_id=7, replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add
   %rsd = (bf16[8,8]{1,0}, f32[2]{0}) reduce-scatter-done(%rss)
+  %a2as = ((bf16[4,16]{1,0}), bf16[4,16]{1,0}) all-to-all-start(%q), channel_id=8, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={1}
+  %a2ad = bf16[4,16]{1,0} all-to-all-done(%a2as)
   ROOT %t = (s32[], f32[16]{0}) tuple(%i, %agd)
 }
 
@@ -178,15 +180,16 @@ def test_which_libtpu_counts_more_than_the_heap(version, overcounts):
 def test_collectives_counted_per_step_with_loops_and_async_pairs():
     stats = hlo_stats.collectives(HLO)
     by_name = {c.name: c for c in stats.collectives}
-    assert set(by_name) == {"all-gather.1", "rs", "ag", "cp", "rss", "ar", "a2a"}  # all-gather.2 repeats all-gather.1
+    assert set(by_name) == {"all-gather.1", "rs", "ag", "cp", "rss", "ar", "a2a", "a2as"}  # all-gather.2 repeats .1
     assert by_name["all-gather.1"].loops == (4,) and by_name["all-gather.1"].bytes == 64 * 64 * 2
     assert by_name["rs"].bytes == 64 * 64 * 4 and by_name["rs"].count == 4  # the reduced input: 8 x 8 rows
     assert by_name["ag"].bytes == 16 * 4 and by_name["ag"].count == 32       # the gathered output
     assert by_name["cp"].bytes == 16 * 4                                     # one buffer, not in + out
     assert by_name["rss"].bytes == 64 * 8 * 2 + 16 * 4                       # the inputs of a combined one
     assert by_name["ar"].bytes == 4 + 256 * 4 and by_name["ar"].count == 1   # a combined all-reduce sums its arrays
+    assert by_name["a2as"].bytes == 4 * 16 * 2 and by_name["a2as"].shape == (4, 16)  # ((input), output): the output
     assert stats.bytes_by_kind == {"all-gather": 4 * 8192 + 32 * 64, "reduce-scatter": 4 * 16384 + 32 * 1088,
-                                   "all-reduce": 1028, "all-to-all": 1024, "collective-permute": 32 * 64}
+                                   "all-reduce": 1028, "all-to-all": 1024 + 32 * 128, "collective-permute": 32 * 64}
     assert stats.unknown_trip_counts == 0
 
 
