@@ -55,6 +55,11 @@ def main(argv: list[str]) -> int:
         with executable.compiled_afresh() if config.compiled_trainstep_file else contextlib.nullcontext():
             run, lowered, compiled, seconds = ahead_of_time.compile_for_target(config, target)
     except jax.errors.JaxRuntimeError as error:
+        smem = libtpu.out_of_scalar_memory(error)
+        if smem is not None:
+            print(f"maxtrain.train_compile: error: {report.scalar_memory_message(*smem, config, target.chip)}",
+                  file=sys.stderr, flush=True)
+            return EXIT_DOES_NOT_FIT
         refused = libtpu.out_of_memory(error)
         if refused is None:
             raise

@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-heads", type=int, default=0, help="key/value heads (default: --heads)")
     parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--block", type=int, default=128, help="the kernels' largest tiles (sa_block_q, sa_block_kv)")
     args = parser.parse_args(argv)
     lengths = [int(n) for n in args.lengths.split(",")]
     runs = [tuple(run.split(":", 1)) if ":" in run else (run, "dot_product") for run in args.runs.split(",")]
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
         parser.error(f"every length must be a multiple of 2 x --cp = {2 * args.cp} (dual_chunk_swap's chunks)")
     print("$ python scripts/context_memory.py " + shlex.join(sys.argv[1:] if argv is None else argv))
     print(f"one attention layer, forward + backward, B 1, heads {args.heads} q / {args.kv_heads or args.heads} kv x "
-          f"{args.head_dim}, {args.dtype}, causal, CP {args.cp} on {target.describe() if target else 'this CPU'}, "
+          f"{args.head_dim}, {args.dtype}, blocks {args.block}, causal, CP {args.cp} on {target.describe() if target else 'this CPU'}, "
           f"jax {jax.__version__}; GiB per device")
     print(f"{'strategy:kernel':<22}{'tokens':>9}{'arguments':>11}{'outputs':>10}{'temporaries':>13}{'compile s':>11}")
     for strategy, kernel in runs:
@@ -78,7 +79,8 @@ def main(argv=None) -> int:
             try:
                 m = context_costs.compiled_attention_memory(
                     strategy, args.cp, tokens, args.heads, args.head_dim, devices=devices[:args.cp],
-                    kv_heads=args.kv_heads or None, implementation=kernel, platform=platform, dtype=args.dtype)
+                    kv_heads=args.kv_heads or None, implementation=kernel, platform=platform, dtype=args.dtype,
+                    block=args.block)
             except Exception as error:  # pylint: disable=broad-except  # a compiler's refusal is a table row
                 reason = str(error).strip().splitlines()[0][:160] if str(error).strip() else type(error).__name__
                 print(f"{strategy + ':' + kernel:<22}{tokens:>9}  not compiled: {reason}", flush=True)

@@ -128,13 +128,15 @@ def layer_seconds(collectives: list[Collective], chip: chips_lib.Chip) -> dict:
 
 def compiled_attention_memory(strategy: str, cp: int, tokens: int, heads: int, head_dim: int,
                               devices=None, *, kv_heads: int | None = None, implementation: str = "dot_product",
-                              platform: str = "cpu", dtype=jnp.float32, inner: int = 0) -> dict:
+                              platform: str = "cpu", dtype=jnp.float32, inner: int = 0,
+                              block: int = 128) -> dict:
     """XLA's memory_analysis of one attention layer's forward + backward, compiled (not run) for `cp` devices
     (`devices`, default this process's): value_and_grad of sum(attention(q, k, v) x w) for one causal sequence
     of `tokens` in the dual_chunk_swap layout, `heads` query heads and `kv_heads` (default `heads`) key/value
     heads of `head_dim`, in `dtype`, through models.attention.attention with `implementation` (resolved: the
     kernel inside the strategy, e.g. flash under the ring) for `platform` (the devices' kind: "gpu" for an
-    H100 target); `inner`: usp's ulysses group. Bytes per device of arguments, outputs and temporaries, and the compile seconds."""
+    H100 target); `inner`: usp's ulysses group; `block`: the kernels' largest tiles (sa_block_q, sa_block_kv).
+    Bytes per device of arguments, outputs and temporaries, and the compile seconds."""
     devices = list(devices or jax.devices()[:cp])
     mesh = sharding.mesh_of(devices, context=cp)
     split = NamedSharding(mesh, PartitionSpec(None, "context"))
@@ -144,7 +146,7 @@ def compiled_attention_memory(strategy: str, cp: int, tokens: int, heads: int, h
 
     def loss(q, k, v, w, segment_ids):
         out = attention_lib.attention(q, k, v, segment_ids, implementation=implementation, platform=platform,
-                                      context_strategy=strategy, context_inner=inner)
+                                      context_strategy=strategy, context_inner=inner, block_q=block, block_kv=block)
         return jnp.sum(out.astype(jnp.float32) * w.astype(jnp.float32))
     start = time.perf_counter()
     with sharding.activation_sharding(mesh, RULES):

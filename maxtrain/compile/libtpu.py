@@ -25,6 +25,15 @@ def overcounts(libtpu_version: str | None) -> bool:
     return bool(numbers) and numbers < LIBTPU_COUNTS_HEAP_FROM
 
 
+def out_of_scalar_memory(error: Exception) -> tuple[str, str] | None:
+    """(used, capacity) as libtpu writes them ("1.50M", "1.00M") when the TPU compiler refused a program for its
+    scalar memory (SMEM: "Ran out of memory in memory space smem. Used 1.50M of 1.00M smem"), else None. What fills
+    SMEM is the Pallas kernels' scalar-prefetch operands, above all the splash kernels' block tables, which grow with
+    (tokens per device / block)^2."""
+    found = re.search(r"Ran out of memory in memory space smem\. Used ([\d.]+\w?) of ([\d.]+\w?) smem", str(error))
+    return (found.group(1), found.group(2)) if found else None
+
+
 def out_of_memory(error: Exception) -> tuple[float, float] | None:
     """(needed, available) GiB when the TPU compiler refused a program for the chip's memory, else None.
 

@@ -170,6 +170,15 @@ def overshoot_message(rep: dict, config) -> str:
             + "; ".join(knobs(config, rep["mesh"], rep["num_devices"], rep["attention"], rep["platform"])))
 
 
+def scalar_memory_message(used: str, capacity: str, config, chip: str) -> str:
+    """One line: the TPU compiler refused the step for its scalar memory (libtpu.out_of_scalar_memory's figures)."""
+    blocks = f"sa_block_q={config.sa_block_q} and sa_block_kv={config.sa_block_kv}"
+    return (f"the TPU compiler refused the step: its Pallas kernels' scalar operands need {used} of a {chip} chip's "
+            f"{capacity} scalar memory (SMEM). The splash attention kernels' block tables fill it, and they grow "
+            f"with (tokens per device / block)^2: raise {blocks} (e.g. to 512: tables 16 times smaller at 128), or "
+            "split the sequence over more devices (ici_context_parallelism), or shorten max_target_length")
+
+
 def refused_message(needed: float, available: float, chip: str, knob_list: list[str]) -> str:
     """One line: the TPU compiler refused the step for its temporaries (libtpu.out_of_memory's figures)."""
     return (f"the step needs {needed:.2f} GiB per chip for its temporaries alone, {needed - available:.2f} GiB more "

@@ -12,11 +12,12 @@ The chip: a link of 1e9 B/s and 1e12 FLOP/s after the GPU calibration's efficien
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import jax
 import pytest
 
-from maxtrain.compile import context_costs, libtpu, predict
+from maxtrain.compile import context_costs, libtpu, predict, report
 from maxtrain.compile.context_costs import Collective, Shape
 from maxtrain.config import chips
 
@@ -108,3 +109,16 @@ def test_the_tpu_compilers_refusal_is_read_in_terabytes_too():
     assert libtpu.out_of_memory(RuntimeError(said)) == pytest.approx((3.09 * 1024, 95.73))
     assert libtpu.out_of_memory(RuntimeError(said.replace("3.09T", "17.21G"))) == pytest.approx((17.21, 95.73))
     assert libtpu.out_of_memory(RuntimeError("RESOURCE_EXHAUSTED: something else")) is None
+
+
+def test_the_tpu_compilers_scalar_memory_refusal_becomes_one_line_naming_the_blocks():
+    """libtpu's words when the splash kernels' block tables overflow SMEM (a v5p-16 ring with flash at 1M tokens,
+    scripts/context_memory.py, 2026-11-29): read, and turned into train_compile's one line with the fix."""
+    said = ("RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space smem. Used 1.50M of "
+            "1.00M smem. Exceeded smem capacity by 513.1K.")
+    assert libtpu.out_of_scalar_memory(RuntimeError(said)) == ("1.50M", "1.00M")
+    assert libtpu.out_of_scalar_memory(RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM")) is None
+    config = types.SimpleNamespace(sa_block_q=128, sa_block_kv=256)
+    line = report.scalar_memory_message("1.50M", "1.00M", config, "v5p")
+    assert "\n" not in line and "1.50M of a v5p chip's 1.00M scalar memory (SMEM)" in line
+    assert "raise sa_block_q=128 and sa_block_kv=256" in line and "ici_context_parallelism" in line
