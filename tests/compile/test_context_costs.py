@@ -12,6 +12,10 @@ The chip: a link of 1e9 B/s and 1e12 FLOP/s after the GPU calibration's efficien
 from __future__ import annotations
 
 import dataclasses
+import os
+import re
+import subprocess
+import sys
 import types
 
 import jax
@@ -122,3 +126,13 @@ def test_the_tpu_compilers_scalar_memory_refusal_becomes_one_line_naming_the_blo
     line = report.scalar_memory_message("1.50M", "1.00M", config, "v5p")
     assert "\n" not in line and "1.50M of a v5p chip's 1.00M scalar memory (SMEM)" in line
     assert "raise sa_block_q=128 and sa_block_kv=256" in line and "ici_context_parallelism" in line
+
+
+def test_the_memory_script_prints_a_row_per_run_and_the_reason_a_run_does_not_compile():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run([sys.executable, "scripts/context_memory.py", "--cp", "4", "--lengths", "4096", "--heads", "4",
+                          "--kv-heads", "2", "--runs", "ring:flash,all_gather:flash"], capture_output=True, text=True,
+                         env=env, timeout=300, check=True).stdout
+    rows = {line.split()[0]: line for line in out.splitlines() if line.startswith(("ring:", "all_gather:"))}
+    assert re.fullmatch(r"ring:flash\s+4096(\s+[\d.]+){4}", rows["ring:flash"]), out
+    assert "not compiled: context_parallel_strategy=all_gather runs the plain-jnp attention" in rows["all_gather:flash"]
