@@ -202,18 +202,21 @@ class Program:
         return sum(sizes) + out
 
 
-def _attention(name: str, attrs: str, target: str) -> tuple[str, int] | None:
+def _attention(name: str, attrs: str, target: str) -> tuple[str, int, bool] | None:
+    """(implementation, matmul units, causal) of an attention kernel's call, None for another call. causal: it skips
+    the blocks above the diagonal (half the work); our flash kernel's calls that visit every block say so in their
+    name (kernels/flash_attention.py's KernelConfig.call_name: the ring's off-diagonal block pairs)."""
     op_name = _OP_NAME.search(attrs)
     text = f"{name} {op_name.group(1) if op_name else ''} {target}"
     for key, impl, units in ATTENTION_KERNELS:
         if key in text:
-            return impl, units
+            return impl, units, "_every_block" not in text
     return None
 
 
 def _attention_flops(arrays: list[tuple[str, tuple[int, ...]]], units: int,
-                     heads_first: bool = False) -> tuple[float, int]:
-    """units x 2 x B x Hq x T x S x D / 2 (causal). q is the kernel's first floating operand ([B, T, H, D], or
+                     heads_first: bool = False, causal: bool = True) -> tuple[float, int]:
+    """units x 2 x B x Hq x T x S x D, halved when causal. q is the kernel's first floating operand ([B, T, H, D], or
     splash's [B, H, T, D] and per-shard [H, T, D]: heads_first), k the one of its head dim with the fewest heads."""
     floats = [(1, s[1], s[0], s[2]) if len(s) == 3 else (s[0], s[2], s[1], s[3]) if heads_first else s
               for d, s in arrays if d.startswith(("bf16", "f16", "f32", "f8")) and len(s) in (3, 4)]
@@ -222,7 +225,7 @@ def _attention_flops(arrays: list[tuple[str, tuple[int, ...]]], units: int,
     q = floats[0]
     k = min((s for s in floats if s[3] == q[3]), key=lambda s: s[2])
     b, t, h, d = q
-    return units * 2.0 * b * h * t * k[1] * d / 2, d
+    return units * 2.0 * b * h * t * k[1] * d / (2 if causal else 1), d
 
 
 def cost_kernel(prog: Program, comp: str, name: str, rtype: str, opcode: str, operands: list[str], attrs: str,
@@ -243,11 +246,11 @@ def cost_kernel(prog: Program, comp: str, name: str, rtype: str, opcode: str, op
         target = target.group(1) if target else ""
         attention = _attention(name, attrs, target)
         if attention:
-            impl, units = attention
+            impl, units, causal = attention
             shapes = [a for o in operands for a in _arrays(types.get(o, ""))]
             if impl == "splash":  # splash_mha_fwd, splash_mha_dq, splash_mha_dkv (dq fused in: 5)
                 units = 2 if "fwd" in name else 3 if "_dq" in name else 5
-            flops, head_dim = _attention_flops(shapes, units, impl == "splash")
+            flops, head_dim = _attention_flops(shapes, units, impl == "splash", causal)
             return Kernel(name, flops, operand_bytes + _bytes(rtype), count, f"attention:{impl}", head_dim=head_dim)
         if "gemm" in target or "matmul" in target or "cublas" in target:
             flops, fp8 = prog.dot_flops(comp, rtype, operands, attrs)

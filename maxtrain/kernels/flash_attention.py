@@ -77,6 +77,12 @@ class KernelConfig:
     # block pairs of a load-balanced layout: models/attention/ring_flash.py). False: the indices, as always.
     positions: bool = False
 
+    def call_name(self, kernel: str) -> str:
+        """The Pallas call's name: `flash_attention_fwd` etc., with `_every_block` where the programs visit every
+        block (not causal, or masking by positions), which is how compile/hlo_kernels.py tells the work of a
+        compiled call: a causal one skips the blocks above the diagonal, half of them."""
+        return f"flash_attention_{kernel}" + ("" if self.causal and not self.positions else "_every_block")
+
 
 def _dot(a, b, contract_a=1, contract_b=0):
     """2-D matmul with float32 accumulation; contract_a=0 uses a^T, contract_b=1 uses b^T."""
@@ -305,7 +311,7 @@ def forward_call(q, k, v, q_seg, kv_seg, cfg, q_pos=None, kv_pos=None):
                    jax.ShapeDtypeStruct((batch, num_heads, q_len), jnp.float32)],
         compiler_params=_params(cfg.fwd),
         interpret=cfg.interpret,
-        name="flash_attention_fwd",
+        name=cfg.call_name("fwd"),
     )(q, k, v, *segs)
 
 
@@ -328,7 +334,7 @@ def dq_call(q, k, v, do, lse, delta, q_seg, kv_seg, cfg, q_pos=None, kv_pos=None
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=_params(cfg.dq),
         interpret=cfg.interpret,
-        name="flash_attention_dq",
+        name=cfg.call_name("dq"),
     )(q, k, v, do, lse, delta, *([q_seg, kv_seg] if has_segments else []), *([q_pos, kv_pos] if cfg.positions else []))
 
 
@@ -352,7 +358,7 @@ def dkv_call(q, k, v, do, lse, delta, q_seg, kv_seg, cfg, q_pos=None, kv_pos=Non
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=_params(cfg.dkv),
         interpret=cfg.interpret,
-        name="flash_attention_dkv",
+        name=cfg.call_name("dkv"),
     )(q, k, v, do, lse, delta, *([q_seg, kv_seg] if has_segments else []), *([q_pos, kv_pos] if cfg.positions else []))
 
 

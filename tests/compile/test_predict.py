@@ -5,12 +5,14 @@ overlap, and the figures train_compile prints. Compiles for H100 and TPU targets
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 
 from conftest import BASE_YML
 from maxtrain.compile import predict, report
 from maxtrain.config import chips
+from maxtrain.kernels import flash_attention
 from maxtrain.observability import metrics
 from maxtrain.training import builder
 from maxtrain.models.model import Model
@@ -91,6 +93,17 @@ def test_flops_bytes_and_counts_come_from_the_hlo():
     assert by["att"].kind == "attention:flash" and by["att"].count == 1
     assert by["att"].flops == 2 * 2 * 2 * 8 * 64 * 64 * 32 / 2  # 2 matmuls, causal: half of T x S
     assert costs.flops == 4 * by["mm"].flops + by["att"].flops
+    # A call that visits every block (a ring's off-diagonal pair, named so by KernelConfig.call_name): all of T x S.
+    every = predict.program_costs(HLO.replace("/flash_attention_fwd/", "/flash_attention_fwd_every_block/"))
+    assert {k.name: k for k in every.kernels}["att"].flops == 2 * by["att"].flops
+
+
+def test_the_flash_kernels_names_say_which_calls_visit_every_block():
+    cfg = functools.partial(flash_attention.KernelConfig, sliding_window=0, soft_cap=0.0, scale=1.0, kv_len=8,
+                            kv_padded=False, interpret=True, fwd=None, dq=None, dkv=None)
+    assert cfg(causal=True).call_name("fwd") == "flash_attention_fwd"
+    assert cfg(causal=False).call_name("dq") == "flash_attention_dq_every_block"
+    assert cfg(causal=True, positions=True).call_name("dkv") == "flash_attention_dkv_every_block"
 
 
 def test_collectives_know_their_axis_domain_and_what_hides_them():
