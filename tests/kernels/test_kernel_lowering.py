@@ -27,7 +27,7 @@ from maxtrain.models import attention
 from maxtrain.models.attention import kernel_choice
 from maxtrain.parallel import sharding
 from maxtrain.config import load_config
-from maxtrain.compile import targets
+from maxtrain.compile import predict, targets
 
 RULES = [["batch", ["data", "fsdp"]], ["heads", "tensor"], ["kv_heads", "tensor"]]
 Q_AXES, KV_AXES, SEG_AXES = ("batch", None, "heads", None), ("batch", None, "kv_heads", None), ("batch", None)
@@ -226,6 +226,16 @@ def test_flash_inside_the_ring_compiles_for_8_h100s(h100s, sliding_window):
     for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
         assert kernel in hlo
     assert _ring_steps_overlap(hlo), "no ring step starts its collective-permute before the block's kernel"
+    _both_kinds_of_pairs_are_counted(hlo)
+
+
+def _both_kinds_of_pairs_are_counted(hlo: str):
+    """The step-time predictor (compile/hlo_kernels.py) halves a causal call's T x S and counts a call that visits
+    every block (the ring's pairs after its own block; every pair with a window) whole: the compiled ring's calls
+    carry the mark that tells them apart."""
+    def attention_flops(text):
+        return sum(k.flops * k.count for k in predict.program_costs(text).kernels if k.kind.startswith("attention:"))
+    assert attention_flops(hlo) > attention_flops(hlo.replace("_every_block", "")) > 0
 
 
 def _ring_steps_overlap(hlo: str) -> bool:
@@ -282,6 +292,7 @@ def test_splash_with_llama4_chunks_compiles_for_tpu():
     """Llama 4's RoPE layers: head_dim 128, chunks of 512 positions over 2048 tokens (refined segment ids)."""
     hlo = compile_attention(targets.parse("v5p-8").devices(), (2, 1, 2), "tpu", head_dim=128, dtype=jnp.bfloat16,
                             length=2048, heads=8, chunk=512)
+    assert "tpu_custom_call" in hlo
 
 
 @needs_tpu_compiler
