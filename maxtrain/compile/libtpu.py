@@ -27,11 +27,19 @@ def overcounts(libtpu_version: str | None) -> bool:
 
 def out_of_scalar_memory(error: Exception) -> tuple[str, str] | None:
     """(used, capacity) as libtpu writes them ("1.50M", "1.00M") when the TPU compiler refused a program for its
-    scalar memory (SMEM: "Ran out of memory in memory space smem. Used 1.50M of 1.00M smem"), else None. What fills
+    scalar memory (SMEM: "Ran out of memory in memory space smem. Used 1.50M of 1.00M smem", or one operand's
+    allocation larger than it, in bytes, given here in M), else None. What fills
     SMEM is the Pallas kernels' scalar-prefetch operands, above all the splash kernels' block tables, which grow with
     (tokens per device / block)^2."""
     found = re.search(r"Ran out of memory in memory space smem\. Used ([\d.]+\w?) of ([\d.]+\w?) smem", str(error))
-    return (found.group(1), found.group(2)) if found else None
+    if found:
+        return found.group(1), found.group(2)
+    # One operand alone larger than SMEM: "Allocation (size=2097152) would exceed memory (size=1048576) ::
+    # #allocation6 [shape = 'u8[2097152]{0}', space=smem, ...]"
+    found = re.search(r"Allocation \(size=(\d+)\) would exceed memory \(size=(\d+)\)[^\n]*?space=smem", str(error))
+    if found:
+        return tuple(f"{int(n) / 2**20:.2f}M" for n in found.groups())
+    return None
 
 
 def out_of_memory(error: Exception) -> tuple[float, float] | None:

@@ -122,6 +122,11 @@ def test_the_tpu_compilers_scalar_memory_refusal_becomes_one_line_naming_the_blo
             "1.00M smem. Exceeded smem capacity by 513.1K.")
     assert libtpu.out_of_scalar_memory(RuntimeError(said)) == ("1.50M", "1.00M")
     assert libtpu.out_of_scalar_memory(RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory on HBM")) is None
+    one_table = ("RESOURCE_EXHAUSTED: Allocation (size=2097152) would exceed memory (size=1048576) :: #allocation6 "
+                 "[shape = 'u8[2097152]{0}', space=smem, size = 0x200000, scoped, tag = 'prefetched SMEM operand 0'] "
+                 ":: splash_mha_fwd_segmented")  # ulysses at 131,072 tokens on a v5p-16, blocks of 128
+    assert libtpu.out_of_scalar_memory(RuntimeError(one_table)) == ("2.00M", "1.00M")
+    assert libtpu.out_of_scalar_memory(RuntimeError(one_table.replace("space=smem", "space=vmem"))) is None
     config = types.SimpleNamespace(sa_block_q=128, sa_block_kv=256)
     line = report.scalar_memory_message("1.50M", "1.00M", config, "v5p")
     assert "\n" not in line and "1.50M of a v5p chip's 1.00M scalar memory (SMEM)" in line
