@@ -175,8 +175,9 @@ def scalar_memory_message(used: str, capacity: str, config, chip: str) -> str:
     blocks = f"sa_block_q={config.sa_block_q} and sa_block_kv={config.sa_block_kv}"
     return (f"the TPU compiler refused the step: its Pallas kernels' scalar operands need {used} of a {chip} chip's "
             f"{capacity} scalar memory (SMEM). The splash attention kernels' block tables fill it, and they grow "
-            f"with (tokens per device / block)^2: raise {blocks} (e.g. to 512: tables 16 times smaller at 128), or "
-            "split the sequence over more devices (ici_context_parallelism), or shorten max_target_length")
+            f"with (tokens per kernel call / block)^2: raise {blocks} (to 512: tables 16 times smaller than at "
+            "128), or give each call fewer tokens (context_parallel_strategy=ring over more devices, "
+            "ici_context_parallelism), or shorten max_target_length")
 
 
 def refused_message(needed: float, available: float, chip: str, knob_list: list[str]) -> str:

@@ -253,7 +253,8 @@ def resolve_attention(config, backend: str, dtype, kinds: list[AttentionKind], *
                   context_strategy=config.context_parallel_strategy,
                   v_head_dim=config.v_head_dim if mla else None, length=config.max_target_length,
                   gqa=config.base_num_query_heads // max(config.base_num_kv_heads, 1), capability=capability,
-                  gpu_present=gpu_present, with_reason=True, context_reorder=config.context_parallel_reorder_strategy)
+                  gpu_present=gpu_present, with_reason=True, context_reorder=config.context_parallel_reorder_strategy,
+                  context_inner=config.ici_context_parallelism)
     resolved, refused = [], []
     for kind in kinds:
         try:

@@ -171,7 +171,7 @@ CP_RULES = [["batch", ["data", "fsdp"]], ["length", "context"], ["heads", "tenso
 
 
 def compile_context_attention(devices, platform, implementation, *, context, tensor, head_dim=128, length=8192,
-                              heads=16, kv_heads=8, sliding_window=0, strategy="ulysses"):
+                              heads=16, kv_heads=8, sliding_window=0, strategy="ulysses", inner=0):
     """Compiles d(sum(attention * w))/d(q, k, v) with the sequence split `context` ways in the dual_chunk_swap layout
     and the heads `tensor` ways, for `platform`, under context_parallel_strategy `strategy`."""
     mesh = sharding.mesh_of(devices, context=context, tensor=tensor)
@@ -187,7 +187,8 @@ def compile_context_attention(devices, platform, implementation, *, context, ten
         def loss(q, k, v):
             out = attention.attention(q, k, v, seg, implementation=implementation, platform=platform,
                                       sliding_window=sliding_window, block_q=DEFAULTS.sa_block_q,
-                                      block_kv=DEFAULTS.sa_block_kv, context_strategy=strategy)
+                                      block_kv=DEFAULTS.sa_block_kv, context_strategy=strategy,
+                                      context_inner=inner)
             return jnp.sum((out * w).astype(jnp.float32))
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
@@ -195,7 +196,9 @@ def compile_context_attention(devices, platform, implementation, *, context, ten
         lowered = jax.jit(grads).trace(q, kv, kv, seg, q).lower(
             lowering_platforms=("cuda" if platform == "gpu" else platform,))
     hlo = lowered.compile().as_text()
-    assert {"ulysses": "all-to-all", "ring": "collective-permute"}[strategy] in hlo
+    for collective in {"ulysses": ["all-to-all"], "ring": ["collective-permute"],
+                       "usp": ["all-to-all", "collective-permute"]}[strategy]:
+        assert collective in hlo
     return hlo
 
 
@@ -236,6 +239,16 @@ def _both_kinds_of_pairs_are_counted(hlo: str):
     def attention_flops(text):
         return sum(k.flops * k.count for k in predict.program_costs(text).kernels if k.kind.startswith("attention:"))
     assert attention_flops(hlo) > attention_flops(hlo.replace("_every_block", "")) > 0
+
+
+@needs_gpu_compiler
+def test_flash_inside_usp_compiles_for_8_h100s(h100s):
+    """8 H100s as context 4 (2 slices' rings of 2 x ulysses over 2) x tensor 2 at 8k tokens: the Triton kernel per
+    block pair of the ring across slices, masking by position (every block visited), forward and backward."""
+    hlo = compile_context_attention(h100s, "gpu", "flash", context=4, tensor=2, strategy="usp", inner=2)
+    for kernel in ("flash_attention_fwd_every_block", "flash_attention_dq_every_block",
+                   "flash_attention_dkv_every_block"):
+        assert kernel in hlo
 
 
 def _ring_steps_overlap(hlo: str) -> bool:

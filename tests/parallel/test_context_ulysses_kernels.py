@@ -108,14 +108,32 @@ def test_the_kernel_runs_where_asked():
     assert scores in plain and scores not in flash
 
 
-@pytest.mark.parametrize("strategy", ["all_gather", "usp"])
-def test_a_kernel_is_refused_where_the_strategy_runs_the_plain_form(strategy):
-    with pytest.raises(ValueError, match=rf"attention=flash does not run with context_parallel_strategy={strategy} "
-                                         r"\(2 ways\).*or context_parallel_strategy=ring or ulysses\."):
+def test_a_kernel_is_refused_where_the_strategy_runs_the_plain_form():
+    with pytest.raises(ValueError, match=r"attention=flash does not run with context_parallel_strategy=all_gather "
+                                         r"\(2 ways\).*or context_parallel_strategy=ring or ulysses or usp\."):
         attention.resolve_implementation("flash", "gpu", dtype=jnp.bfloat16, head_dim=128, context_parallel=2,
-                                         context_strategy=strategy)
+                                         context_strategy="all_gather")
     assert attention.resolve_implementation("autoselected", "gpu", dtype=jnp.bfloat16, head_dim=128,
-                                            context_parallel=2, context_strategy=strategy) == "dot_product"
+                                            context_parallel=2, context_strategy="all_gather") == "dot_product"
+
+
+def test_under_usp_flash_runs_the_rings_block_pairs_on_gpus_and_is_refused_on_tpus():
+    usp = dict(dtype=jnp.bfloat16, head_dim=128, length=8192, context_parallel=4, context_strategy="usp",
+               context_inner=2)
+    assert attention.resolve_implementation("flash", "gpu", **usp) == "flash"
+    assert attention.resolve_implementation("autoselected", "gpu", **usp) == "flash"
+    assert attention.resolve_implementation("autoselected", "cpu", **usp) == "dot_product"
+    with pytest.raises(ValueError, match=r"attention=flash with context_parallel_strategy=usp on TPUs: .*splash "
+                                         r"kernel does not take; use attention=dot_product"):
+        attention.resolve_implementation("flash", "tpu", **usp)
+    assert attention.resolve_implementation("autoselected", "tpu", **usp) == "dot_product"
+    odd = {**usp, "length": 8200}  # 4,100 tokens a slice: not a multiple of 16
+    with pytest.raises(ValueError, match=r"max_target_length=8200 must be a multiple of 32"):
+        attention.resolve_implementation("flash", "gpu", **odd)
+    choice = attention.resolve_implementation("autoselected", "gpu", with_reason=True, **odd)
+    assert choice.implementation == "dot_product" and "multiple of 32" in choice.reason
+    with pytest.raises(ValueError, match=r"attention=cudnn does not run inside context_parallel_strategy=usp's ring"):
+        attention.resolve_implementation("cudnn", "gpu", **usp)
 
 
 def test_under_ulysses_autoselected_chooses_as_without_context_parallelism():

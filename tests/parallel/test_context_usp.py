@@ -31,6 +31,7 @@ from maxtrain.parallel import context, sharding
 from maxtrain.training import builder
 from test_context_ring import ATOL, RTOL, RULES, _assert_same, _inputs, _loss_and_grads, _reference
 
+FLASH_RTOL, FLASH_ATOL = 2e-5, 2e-6  # as test_context_ring_flash.py's: the kernel's float32 sums in its own order
 MASKS = {  # name: (causal, sliding_window, logits_soft_cap, sinks)
     "causal": (True, 0, 0.0, False),
     "causal_window": (True, 6, 0.0, False),
@@ -66,6 +67,25 @@ def test_usp_attention_equals_attention_over_the_unsplit_sequence(inner, outer, 
     for name, got, ref in zip(("q", "k", "v", "sinks"), grads, ref_grads):
         if ref is not None:
             np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=RTOL, atol=ATOL,
+                                       err_msg=f"d loss / d {name}")
+
+
+@pytest.mark.parametrize("reorder, mask", [("dual_chunk_swap", "causal"), ("striped", "causal_window"),
+                                           ("dual_chunk_swap", "bidirectional_window_softcap_sinks")])
+def test_usp_with_the_flash_kernel_per_block_pair_equals_attention_over_the_unsplit_sequence(reorder, mask):
+    """The ring across slices with the flash kernel (interpret mode) per block pair, masking by the tokens'
+    original indices: 2 slices x 2 devices, values and gradients."""
+    causal, sliding_window, logits_soft_cap, with_sinks = MASKS[mask]
+    q, k, v, segment_ids, weights, sinks = _inputs()
+    sinks = sinks if with_sinks else None
+    kwargs = dict(causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    ref_out, ref_grads = _reference(q, k, v, segment_ids, weights, sinks, **kwargs)
+    out, grads = _usp_split(2, 2, reorder, q, k, v, segment_ids, weights, sinks, **kwargs,
+                            flash={"interpret": True, "block_q": 16, "block_k": 16})
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=FLASH_RTOL, atol=FLASH_ATOL)
+    for name, got, ref in zip(("q", "k", "v", "sinks"), grads, ref_grads):
+        if ref is not None:
+            np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=FLASH_RTOL, atol=FLASH_ATOL,
                                        err_msg=f"d loss / d {name}")
 
 
@@ -134,6 +154,29 @@ def test_tiny_llama_with_usp_gives_the_loss_and_gradients_of_all_gather_and_one_
     split = _loss_and_grads(4, *USP, "context_parallel_strategy=usp")
     _assert_same(split, gathered)
     _assert_same(split, one_device)
+
+
+@pytest.mark.slow
+def test_tiny_llama_with_usp_and_the_flash_kernel_gives_the_loss_and_gradients_of_one_device():
+    """attention=flash with usp (interpret mode on CPU): the model path takes the kernel per block pair of the ring
+    across the 2 slices, and equals one device."""
+    one_device = _loss_and_grads(1, "ici_fsdp_parallelism=1")
+    split = _loss_and_grads(4, *USP, "context_parallel_strategy=usp", "attention=flash", "sa_block_q=16",
+                            "sa_block_kv=16")
+    _assert_same(split, one_device)
+    argv = with_overrides([BASE_YML, *TINY], "per_device_batch_size=2", *USP, "context_parallel_strategy=usp",
+                          "attention=flash", "sa_block_q=16", "sa_block_kv=16")
+    run = builder.build(load_config(argv), devices=tuple(jax.devices()[:4]))
+    assert run.rt.attention == "flash"
+    from maxtrain.models.model import Model  # pylint: disable=import-outside-toplevel
+    from sharded_batches import batches  # pylint: disable=import-outside-toplevel
+    batch = jax.tree.map(lambda a: a[0], next(batches(run.config)))
+    with sharding.activation_sharding(run.mesh, run.config.logical_axis_rules):
+        params = run.init(jax.random.key(0))["params"]
+        batch = jax.device_put(batch, run.eval_batch_sharding)
+        jaxpr = str(jax.make_jaxpr(jax.grad(lambda p: Model.bind(run.config).loss_fn(p, batch, run.rt)[0]))(params))
+    # the ring's calls mask by position (a slice's tokens are its devices' pieces): every block visited
+    assert jaxpr.count("flash_attention_fwd_every_block") > 0 and "flash_attention_dkv_every_block" in jaxpr
 
 
 DEEPSEEK = ("decoder_block=deepseek", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=16",

@@ -268,7 +268,8 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
                            context_parallel: int = 1, v_head_dim: int | None = None, length: int = 0,
                            gqa: int = 1, packed: bool = True, capability: str | None = None,
                            gpu_present: bool = True, with_reason: bool = False, layers: str = "",
-                           context_strategy: str = "all_gather", context_reorder: str = "dual_chunk_swap"):
+                           context_strategy: str = "all_gather", context_reorder: str = "dual_chunk_swap",
+                           context_inner: int = 0):
     """Turns `attention` from the config into a concrete implementation for the target platform (with
     with_reason=True, a kernel_choice.Choice: the implementation and why).
 
@@ -290,8 +291,8 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     strategy runs the kernels of kernel_choice.CONTEXT_KERNELS: under ulysses every kernel (autoselected chooses
     as without context parallelism); under ring flash (ring_flash.py: the Triton kernel per block pair of the
     ring; on TPUs the splash kernel, ring_splash.py, dual_chunk_swap without windows), which autoselected takes on
-    GPUs and TPUs; under all_gather and usp the plain-jnp form (autoselected resolves to dot_product, and an
-    explicit kernel is refused).
+    GPUs and TPUs; under usp flash per block pair of its ring across slices (GPUs; autoselected takes it there); under
+    all_gather the plain-jnp form (autoselected resolves to dot_product, and an explicit kernel is refused).
 
     The arguments describe one attention kind (models/runtime.py resolves each once); `layers` names it
     in the refusal of an explicit choice it cannot run.
@@ -316,8 +317,18 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
                       kernel_choice.Choice("flash", "flash: the kernel per block pair of the ring (ring_flash.py), "
                                            "causal blocks skipped, T / C keys per device"))
             return choice if with_reason else choice.implementation
-    if context_parallel > 1 and context_strategy == "ring" and name in ("cudnn", "tokamax"):
-        raise ValueError(f"attention={name} does not run inside context_parallel_strategy=ring: its backward cannot "
+    if context_parallel > 1 and context_strategy == "usp" and name in ("flash", "autoselected"):  # usp.py
+        why = _usp_flash_unsupported(platform, length, context_parallel // max(context_inner, 1))
+        if why and name == "flash":
+            raise ValueError(f"attention=flash with context_parallel_strategy=usp {why}")
+        if name == "autoselected" and platform != "cpu":
+            choice = (kernel_choice.Choice("dot_product", f"dot_product: flash inside usp's ring {why}") if why else
+                      kernel_choice.Choice("flash", "flash: the kernel per block pair of usp's ring across slices "
+                                           "(usp.py), masked by the tokens' positions"))
+            return choice if with_reason else choice.implementation
+    if context_parallel > 1 and context_strategy in ("ring", "usp") and name in ("cudnn", "tokamax"):
+        where = "ring" if context_strategy == "ring" else "usp's ring"
+        raise ValueError(f"attention={name} does not run inside context_parallel_strategy={where}: its backward cannot "
                          "take the ring's global softmax statistics; use attention=flash (the Triton kernel runs per "
                          "block pair of the ring) or dot_product")
     if context_parallel > 1 and name not in ("autoselected", "dot_product", *kernels):
@@ -351,6 +362,17 @@ def _ring_flash_unsupported(platform: str, reorder: str = "dual_chunk_swap", sli
     if length % (2 * ways * 128):
         return (f"on TPUs (the splash kernel) needs each device's two chunks to be a multiple of 128 tokens: "
                 f"max_target_length={length} must be a multiple of {2 * ways * 128}")
+    return ""
+
+
+def _usp_flash_unsupported(platform: str, length: int = 0, outer: int = 1) -> str:
+    """Why attention=flash cannot run inside usp's ring across slices here, as the end of a sentence; "" if it can."""
+    if platform == "tpu":
+        return ("on TPUs: a slice's tokens are its devices' pieces, whose masks need the tokens' positions, which the "
+                "splash kernel does not take; use attention=dot_product, or context_parallel_strategy=ring")
+    if length % (16 * outer):
+        return (f"needs each slice's {length // outer if outer else length} tokens to be a multiple of 16 (the "
+                f"kernel's smallest block): max_target_length={length} must be a multiple of {16 * outer}")
     return ""
 
 
@@ -414,6 +436,16 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
                                     reorder=context_reorder, causal=causal, sliding_window=sliding_window,
                                     logits_soft_cap=logits_soft_cap, scale=scale, block_q=block_q, block_kv=block_kv,
                                     interpret=interpret, sinks=sinks)
+    if sharding.ways("length") > 1 and implementation == "flash" and context_strategy == "usp":
+        # deferred, as below: usp.py reads this module's reference attention
+        from maxtrain.models.attention import ring_flash, usp  # pylint: disable=import-outside-toplevel
+
+        platform = canonical_platform(platform or "cpu")
+        if platform == "tpu":
+            raise ValueError(f"attention=flash with context_parallel_strategy=usp {_usp_flash_unsupported(platform)}")
+        return usp.usp_attention(q, k, v, segment_ids, inner=context_inner, reorder=context_reorder, causal=causal,
+                                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
+                                 sinks=sinks, flash=ring_flash.kernel_settings(platform, block_q, block_kv, interpret))
     kernel = None
     if implementation != "dot_product":
         kernel = kernels.local_kernel(implementation, platform, causal=causal, sliding_window=sliding_window,

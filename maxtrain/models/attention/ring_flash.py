@@ -93,13 +93,13 @@ class RingFlash:
     (the kernel's positions operands) rather than the call's own indices.
     """
 
-    def __init__(self, axes, ways, causal, reorder, sliding_window, cfgs):
+    def __init__(self, axes, ways, causal, reorder, sliding_window, cfgs, pairs=None):
         self.axes, self.ways, self.cfgs = axes, ways, cfgs
         self.skip = causal and reorder == "dual_chunk_swap"
         self.positions = sliding_window > 0 or reorder != "dual_chunk_swap"
         self.own_cfg = cfgs["positions"] if self.positions else cfgs["causal" if causal else "full"]
         self.pair_cfg = cfgs["positions"] if self.positions else cfgs["full"]
-        self.pairs = [(i, (i + 1) % ways) for i in range(ways)]  # device c sends to c + 1
+        self.pairs = pairs if pairs is not None else [(i, (i + 1) % ways) for i in range(ways)]  # c sends to c + 1
 
     def pass_on(self, block):
         return jax.lax.ppermute(block, self.axes, self.pairs)
@@ -211,10 +211,12 @@ class RingFlash:
 def ring_flash_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes: tuple[str, ...], ways: int,
                      reorder: str = "dual_chunk_swap", causal: bool = True, sliding_window: int = 0,
                      logits_soft_cap: float = 0.0, scale: float | None = None, interpret: bool = False,
-                     block_q: int = 128, block_k: int = 128, shared_memory: int = DEFAULT_SHARED_MEMORY):
+                     block_q: int = 128, block_k: int = 128, shared_memory: int = DEFAULT_SHARED_MEMORY, pairs=None):
     """One device's part inside shard_map over the context mesh `axes` (a ring of `ways` devices, the layout
     `reorder`): q [B, T, N, H], k and v [B, T, G, H] (v's head dim may differ), segment_ids [B, T], q_index [T] (the
-    tokens' original indices), sinks [N] or None. Returns [B, T, N, Hv] in q.dtype."""
+    tokens' original indices), sinks [N] or None. Returns [B, T, N, Hv] in q.dtype. `pairs`: the ring's (source,
+    destination) over `axes`, default c -> c + 1 mod `ways`; usp.py passes its ring across slices, with a `reorder`
+    other than dual_chunk_swap (its tokens are a slice's pieces: masked by position, no block skipped)."""
     n, g, h, hv = q.shape[2], k.shape[2], q.shape[3], v.shape[3]
     if n % g:
         raise ValueError(f"query heads ({n}) must be a multiple of kv heads ({g})")
@@ -223,7 +225,7 @@ def ring_flash_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes: tuple[s
     cfgs = _configs(head_pad, q.dtype, run, causal=causal, sliding_window=sliding_window,
                     logits_soft_cap=logits_soft_cap, scale=h**-0.5 if scale is None else scale, interpret=interpret,
                     block_q=block_q, block_k=block_k, shared_memory=shared_memory)
-    ring = RingFlash(axes, ways, causal, reorder, sliding_window, cfgs)
+    ring = RingFlash(axes, ways, causal, reorder, sliding_window, cfgs, pairs)
     pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, head_pad - x.shape[3])])  # noqa: E731  q.k and out unchanged
     return run_ring(ring, pad(q), pad(k), pad(v), segment_ids, q_index, sinks)[..., :hv]
 
@@ -262,13 +264,19 @@ def run_in_shards(shard_fn, q, k, v, segment_ids, sinks, reorder: str):
     return sharding.run_in_shards(functools.partial(shard_fn, axes=axes, ways=ways), args, in_axes, q_axes)
 
 
+def kernel_settings(platform: str, block_q: int, block_kv: int, interpret: bool | None) -> dict:
+    """ring_flash_shard's kernel settings for the target `platform` (gpu or cpu): its shared memory and, on cpu,
+    interpret mode."""
+    shared_memory = chips.gpu_shared_memory(sharding.active_devices()) if platform == "gpu" else DEFAULT_SHARED_MEMORY
+    return {"interpret": platform == "cpu" if interpret is None else interpret, "block_q": block_q,
+            "block_k": block_kv, "shared_memory": shared_memory}
+
+
 def attention(q, k, v, segment_ids, *, platform: str, reorder: str, causal: bool, sliding_window: int,
               logits_soft_cap: float, scale: float | None, block_q: int, block_kv: int, interpret: bool | None,
               sinks=None):
     """attention.attention's form with attention=flash and context_parallel_strategy=ring on a GPU or CPU (checked
-    there): the target `platform` sets the kernel's shared memory and, on cpu, interpret mode."""
-    shared_memory = chips.gpu_shared_memory(sharding.active_devices()) if platform == "gpu" else DEFAULT_SHARED_MEMORY
+    there)."""
     return ring_flash_attention(q, k, v, segment_ids, reorder=reorder, causal=causal, sliding_window=sliding_window,
                                 logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks,
-                                interpret=platform == "cpu" if interpret is None else interpret, block_q=block_q,
-                                block_k=block_kv, shared_memory=shared_memory)
+                                **kernel_settings(platform, block_q, block_kv, interpret))

@@ -16,6 +16,9 @@ Inside shard_map over the context axis:
    (d + 1 mod Co, i), which holds the same heads, Co - 1 times, the softmax merged online; masks compare the
    original token indices of each block (the layout's `order` over the slice's positions), so packed segments,
    causality and windows are those of the unsplit sequence. Only these ppermutes cross slices (slow links).
+   With attention=flash (GPUs; interpret mode on CPU) each block pair is ring_flash.py's flash kernel, masking by
+   the tokens' original indices (a slice's tokens are its devices' pieces, not two chunks, so no pair is skipped);
+   TPUs keep the plain-jnp blocks (splash takes no positions).
 3. The inverse all-to-all gives each device its T / C tokens back with every head.
 
 Per device: T / Co tokens x N / Ci heads of q, and one key/value block of as many tokens, at a time (no [T, ...]
@@ -31,16 +34,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain.models.attention import ring
+from maxtrain.models.attention import ring, ring_flash
 from maxtrain.parallel import context, sharding
 
 
 def usp_attention_shard(q, k, v, segment_ids, order, sinks=None, *, axes: tuple[str, ...], inner: int, outer: int,
                         causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0,
-                        scale: float | None = None):
+                        scale: float | None = None, flash: dict | None = None):
     """One device's part, inside shard_map over the context mesh `axes` (C = outer x inner devices, each slice's
     `inner` consecutive): q [B, T/C, N, H], k [B, T/C, G, H], v [B, T/C, G, Hv], segment_ids [B, T/C] of this
-    device, order [T] the layout's original indices, sinks [N] or None. Returns [B, T/C, N, Hv] in q.dtype."""
+    device, order [T] the layout's original indices, sinks [N] or None. Returns [B, T/C, N, Hv] in q.dtype.
+    flash: None for the plain-jnp ring across slices, else ring_flash_shard's kernel settings (interpret, block_q,
+    block_k, shared_memory): the flash kernel per block pair, masking by the tokens' original indices."""
     n, g, length = q.shape[2], k.shape[2], order.shape[0]
     if n % inner or g % inner:
         raise ValueError(f"usp attention splits the heads {inner} ways inside each slice: query heads ({n}) and kv "
@@ -57,18 +62,25 @@ def usp_attention_shard(q, k, v, segment_ids, order, sinks=None, *, axes: tuple[
     if sinks is not None:  # this device's N / Ci heads of the sinks
         sinks = jax.lax.dynamic_slice_in_dim(sinks, (device % inner) * (n // inner), n // inner)
     pairs = [(c, (c + inner) % (inner * outer)) for c in range(inner * outer)]  # (d, i) -> (d + 1 mod Co, i)
-    out = ring.ring_attention_shard(q, k, v, segment_ids, q_index, sinks, axes=axes, ways=outer, pairs=pairs,
-                                    causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                                    scale=scale)
+    if flash is None:
+        out = ring.ring_attention_shard(q, k, v, segment_ids, q_index, sinks, axes=axes, ways=outer, pairs=pairs,
+                                        causal=causal, sliding_window=sliding_window,
+                                        logits_soft_cap=logits_soft_cap, scale=scale)
+    else:  # a slice's tokens are its devices' pieces, not two chunks: "striped" makes the kernel mask by position
+        out = ring_flash.ring_flash_shard(q, k, v, segment_ids, q_index, sinks, axes=axes, ways=outer, pairs=pairs,
+                                          reorder="striped", causal=causal, sliding_window=sliding_window,
+                                          logits_soft_cap=logits_soft_cap, scale=scale, **flash)
     return jax.lax.all_to_all(out, axes, split_axis=1, concat_axis=2, tiled=True, axis_index_groups=groups)
 
 
 def usp_attention(q, k, v, segment_ids, *, inner: int, reorder: str = "dual_chunk_swap", causal: bool = True,
-                  sliding_window: int = 0, logits_soft_cap: float = 0.0, scale: float | None = None, sinks=None):
+                  sliding_window: int = 0, logits_soft_cap: float = 0.0, scale: float | None = None, sinks=None,
+                  flash: dict | None = None):
     """Attention of q [B, T, N, H] over k, v [B, T, G, H] in the load-balanced layout `reorder`, sharded along T over
     the context mesh axes of the active mesh, `inner` (ici_context_parallelism) consecutive devices of the group in
-    each slice: ulysses inside the slices, the ring across them (the module docstring). Equals the reference
-    attention over the unsplit sequence (tests/parallel/test_context_usp.py)."""
+    each slice: ulysses inside the slices, the ring across them (the module docstring), its block pairs in plain jnp
+    or (flash: ring_flash_shard's kernel settings) with the flash kernel. Equals the reference attention over the
+    unsplit sequence (tests/parallel/test_context_usp.py)."""
     active = sharding.active_mesh()
     if active is None:
         raise ValueError("usp attention runs under sharding.activation_sharding (a mesh with a context axis)")
@@ -90,7 +102,7 @@ def usp_attention(q, k, v, segment_ids, *, inner: int, reorder: str = "dual_chun
     def shard_fn(q, k, v, segment_ids, order, *rest):
         return usp_attention_shard(q, k, v, segment_ids, order, *rest, axes=axes, inner=inner, outer=ways // inner,
                                    causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                                   scale=scale)
+                                   scale=scale, flash=flash)
     args, in_axes = [q, k, v, segment_ids, order], [q_axes, kv_axes, kv_axes, ("batch", "length"), (None,)]
     if sinks is not None:
         args.append(sinks)
