@@ -72,8 +72,12 @@ def mesh_shape(config, num_devices: int, num_slices: int = 1) -> tuple[dict[str,
 def slices_of(devices, num_slices: int = -1) -> list[list]:
     """The devices grouped by slice. Devices that know their slice (TPU `slice_index`) are grouped by
     it; others form one slice, or, with num_slices > 1, that many simulated slices of consecutive
-    devices (ordered by process, then id: a slice never splits a host unless a host spans slices)."""
-    if any(hasattr(d, "slice_index") for d in devices):
+    devices (ordered by process, then id: a slice never splits a host unless a host spans slices). NVIDIA GPUs report
+    one slice however many hosts they span (slice_index 0): there a "slice" is a host's NVLink domain, and
+    num_slices > 1 groups them by host as for devices that report none (MaxText's DCN axes on GPUs)."""
+    gpus_in_one_slice = (num_slices > 1 and all(getattr(d, "platform", "") in ("gpu", "cuda") for d in devices)
+                         and len({getattr(d, "slice_index", 0) for d in devices}) == 1)
+    if any(hasattr(d, "slice_index") for d in devices) and not gpus_in_one_slice:
         groups: dict[int, list] = {}
         for d in devices:
             groups.setdefault(getattr(d, "slice_index", 0), []).append(d)
@@ -118,7 +122,7 @@ def create_mesh(config, devices: Sequence | None = None) -> Mesh:
     ici_shape, dcn_shape = [ici[a] for a in MESH_AXES], [dcn[a] for a in MESH_AXES]
     if len(slices) == 1:
         device_array = _slice_mesh(ici_shape, devices)
-    elif any(hasattr(d, "slice_index") for d in devices):
+    elif len({getattr(d, "slice_index", 0) for d in devices}) > 1:
         device_array = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices)
     else:
         device_array = hybrid_device_array(ici_shape, dcn_shape, slices)

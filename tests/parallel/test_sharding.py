@@ -1,6 +1,7 @@
 """DP, FSDP, TP and FSDP x TP on 8 simulated CPU devices train exactly like one device."""
 
 import functools
+import types
 
 import jax
 import numpy as np
@@ -98,3 +99,15 @@ def test_gradient_accumulation_matches_one_big_batch(single_device):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
     for ref, got in zip(jax.tree.leaves(ref_state["params"]), jax.tree.leaves(state["params"])):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-6)
+
+
+def test_gpus_that_report_one_slice_are_grouped_by_host_when_num_slices_asks():
+    """JAX's NVIDIA devices say slice_index 0 on every host; num_slices=2 makes each host's 8 a slice (the DCN axes
+    of usp and MaxText's GPU meshes), while TPU devices' own slices stay authoritative."""
+    gpus = [types.SimpleNamespace(id=i, platform="gpu", slice_index=0, process_index=i // 8) for i in range(16)]
+    slices = sharding.slices_of(list(reversed(gpus)), 2)
+    assert [[d.id for d in s] for s in slices] == [list(range(8)), list(range(8, 16))]
+    assert len(sharding.slices_of(gpus, -1)) == 1
+    tpus = [types.SimpleNamespace(id=i, platform="tpu", slice_index=0, process_index=i // 4) for i in range(16)]
+    with pytest.raises(sharding.MeshError, match="num_slices=2, but the devices report 1 slice"):
+        sharding.slices_of(tpus, 2)
