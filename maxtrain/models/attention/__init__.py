@@ -308,23 +308,20 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
         length=length, gqa=gqa, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
         packed=packed, capability=capability, gpu_present=gpu_present)
     kernels = kernel_choice.CONTEXT_KERNELS[context_strategy] if context_parallel > 1 else ()
-    if context_parallel > 1 and context_strategy == "ring" and name in ("flash", "autoselected"):  # ring_flash.py
-        why = _ring_flash_unsupported(platform, context_reorder, sliding_window, length, context_parallel)
+    if context_parallel > 1 and context_strategy in ("ring", "usp") and name in ("flash", "autoselected"):
+        if context_strategy == "ring":  # ring_flash.py
+            why = _ring_flash_unsupported(platform, context_reorder, sliding_window, length, context_parallel)
+            where, how = "the ring", ("the kernel per block pair of the ring (ring_flash.py), causal blocks skipped, "
+                                      "T / C keys per device")
+        else:  # usp.py
+            why = _usp_flash_unsupported(platform, length, context_parallel // max(context_inner, 1))
+            where, how = "usp's ring", ("the kernel per block pair of usp's ring across slices (usp.py), masked by "
+                                        "the tokens' positions")
         if why and name == "flash":
-            raise ValueError(f"attention=flash with context_parallel_strategy=ring {why}")
+            raise ValueError(f"attention=flash with context_parallel_strategy={context_strategy} {why}")
         if name == "autoselected" and platform != "cpu":
-            choice = (kernel_choice.Choice("dot_product", f"dot_product: flash inside the ring {why}") if why else
-                      kernel_choice.Choice("flash", "flash: the kernel per block pair of the ring (ring_flash.py), "
-                                           "causal blocks skipped, T / C keys per device"))
-            return choice if with_reason else choice.implementation
-    if context_parallel > 1 and context_strategy == "usp" and name in ("flash", "autoselected"):  # usp.py
-        why = _usp_flash_unsupported(platform, length, context_parallel // max(context_inner, 1))
-        if why and name == "flash":
-            raise ValueError(f"attention=flash with context_parallel_strategy=usp {why}")
-        if name == "autoselected" and platform != "cpu":
-            choice = (kernel_choice.Choice("dot_product", f"dot_product: flash inside usp's ring {why}") if why else
-                      kernel_choice.Choice("flash", "flash: the kernel per block pair of usp's ring across slices "
-                                           "(usp.py), masked by the tokens' positions"))
+            choice = (kernel_choice.Choice("dot_product", f"dot_product: flash inside {where} {why}") if why else
+                      kernel_choice.Choice("flash", f"flash: {how}"))
             return choice if with_reason else choice.implementation
     if context_parallel > 1 and context_strategy in ("ring", "usp") and name in ("cudnn", "tokamax"):
         where = "ring" if context_strategy == "ring" else "usp's ring"
