@@ -40,6 +40,12 @@ def _ring_attention_without_pipeline_stages(v):
     _require(not (strategy != "all_gather" and cp not in (1, None) and stages not in (1, None)),
              f"context_parallel_strategy={strategy} does not run with pipeline parallelism yet; set "
              "context_parallel_strategy=all_gather, or ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
+    # all_gather with the flash kernel runs a shard_map of its own too (context_parallel.all_gather_flash)
+    _require(not (strategy == "all_gather" and v["attention"] == "flash" and cp not in (1, None)
+                  and stages not in (1, None)),
+             "attention=flash with context_parallelism (all_gather) does not run with pipeline parallelism yet; set "
+             "attention=dot_product or autoselected (the plain-jnp form), or ici_pipeline_parallelism=1 and "
+             "dcn_pipeline_parallelism=1")
 
 
 def _split_heads(v) -> dict[str, int]:

@@ -385,25 +385,25 @@ def _with_sinks(out, lse, sinks):
     return (out.astype(jnp.float32) * scale).astype(out.dtype), lse_sinks
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _flash(q, k, v, q_seg, kv_seg, sinks, cfg):
-    return _with_sinks(*forward_call(q, k, v, q_seg, kv_seg, cfg), sinks)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _flash(q, k, v, q_seg, kv_seg, sinks, q_pos, kv_pos, cfg):
+    return _with_sinks(*forward_call(q, k, v, q_seg, kv_seg, cfg, q_pos, kv_pos), sinks)[0]
 
 
-def _flash_fwd(q, k, v, q_seg, kv_seg, sinks, cfg):
-    out, lse = _with_sinks(*forward_call(q, k, v, q_seg, kv_seg, cfg), sinks)
-    return out, (q, k, v, q_seg, kv_seg, sinks, out, lse)
+def _flash_fwd(q, k, v, q_seg, kv_seg, sinks, q_pos, kv_pos, cfg):
+    out, lse = _with_sinks(*forward_call(q, k, v, q_seg, kv_seg, cfg, q_pos, kv_pos), sinks)
+    return out, (q, k, v, q_seg, kv_seg, sinks, q_pos, kv_pos, out, lse)
 
 
 def _flash_bwd(cfg, residuals, do):
-    q, k, v, q_seg, kv_seg, sinks, out, lse = residuals
-    dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, out, lse, do, cfg)
+    q, k, v, q_seg, kv_seg, sinks, q_pos, kv_pos, out, lse = residuals
+    dq, dk, dv = _backward(q, k, v, q_seg, kv_seg, out, lse, do, cfg, q_pos, kv_pos)
     dsinks = None
     if sinks is not None:  # the sink's probability exp(sink - lse) times -delta, summed over rows
         delta = jnp.einsum("BTNH,BTNH->BNT", do.astype(jnp.float32), out.astype(jnp.float32))
         p_sink = jnp.exp(sinks.astype(jnp.float32)[None, :, None] - lse)
         dsinks = (-jnp.sum(p_sink * delta, axis=(0, 2))).astype(sinks.dtype)
-    return dq, dk, dv, None, None, dsinks  # segment ids are integers: no cotangent
+    return dq, dk, dv, None, None, dsinks, None, None  # segment ids and positions are integers: no cotangent
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -434,7 +434,8 @@ def _pad_axis(x, axis, size):
 
 def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, causal=True, sliding_window=0,
                     logits_soft_cap=0.0, sm_scale=None, block_q=128, block_k=128,
-                    shared_memory=DEFAULT_SHARED_MEMORY, tuning=None, interpret=False, sinks=None):
+                    shared_memory=DEFAULT_SHARED_MEMORY, tuning=None, interpret=False, sinks=None,
+                    q_positions=None, kv_positions=None):
     """Flash attention with grouped-query heads, packed segments, a causal mask and a sliding window.
 
     q: [B, T, N, H]; k, v: [B, S, G, H] with N % G == 0. q_segment_ids [B, T] and
@@ -448,6 +449,9 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, causal=
     its softmaxes (module docstring). Returns [B, T, N, H] in q.dtype; differentiable in q, k, v and
     sinks. interpret=True runs the Pallas kernels on CPU. v may have its own head dim Hv (MLA):
     [B, S, G, Hv] gives [B, T, N, Hv]; q, k and v are zero-padded to one power-of-two head dim as always.
+    q_positions [B, T] and kv_positions [B, S] (int32, with segment ids; give both or neither): the causal and window
+    masks compare these instead of the tokens' indices, and every key block is visited (context parallelism's
+    load-balanced layouts: models/attention/context_parallel.py).
     """
     batch, q_len, num_heads, head_dim = q.shape
     kv_batch, kv_len, num_kv_heads, kv_head_dim = k.shape
@@ -461,6 +465,8 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, causal=
     if sliding_window < 0 or logits_soft_cap < 0:
         raise ValueError(f"sliding_window ({sliding_window}) and logits_soft_cap ({logits_soft_cap}) "
                          "must be >= 0 (0 turns each off)")
+    if (q_positions is None) != (kv_positions is None) or (q_positions is not None and q_segment_ids is None):
+        raise ValueError("give both q_positions and kv_positions, with segment ids, or neither")
     _check_block(block_q, "block_q")
     _check_block(block_k, "block_k")
     # Triton loads need power-of-two tiles: zero-pad the head dim (q.k and the output unchanged).
@@ -478,10 +484,14 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, causal=
         # Padded keys are masked by index (s >= kv_len), so the pad value does not matter.
         q_segment_ids = _pad_axis(q_segment_ids.astype(jnp.int32), 1, q_pad)
         kv_segment_ids = _pad_axis(kv_segment_ids.astype(jnp.int32), 1, kv_pad)
+    if q_positions is not None:  # padded keys are masked by index, as above
+        q_positions = _pad_axis(q_positions.astype(jnp.int32), 1, q_pad)
+        kv_positions = _pad_axis(kv_positions.astype(jnp.int32), 1, kv_pad)
     cfg = KernelConfig(causal=bool(causal), sliding_window=int(sliding_window), soft_cap=float(logits_soft_cap),
                   scale=float(head_dim**-0.5 if sm_scale is None else sm_scale), kv_len=kv_len,
-                  kv_padded=kv_pad != kv_len, interpret=bool(interpret), **tuning)
+                  kv_padded=kv_pad != kv_len, interpret=bool(interpret), **tuning,
+                  positions=q_positions is not None)
     if sinks is not None and sinks.shape != (num_heads,):
         raise ValueError(f"sinks {sinks.shape} must be one logit per query head, [{num_heads}]")
-    out = _flash(q, k, v, q_segment_ids, kv_segment_ids, sinks, cfg)
+    out = _flash(q, k, v, q_segment_ids, kv_segment_ids, sinks, q_positions, kv_positions, cfg)
     return out[:, :q_len, :, :v_head_dim]

@@ -196,7 +196,7 @@ def compile_context_attention(devices, platform, implementation, *, context, ten
         lowered = jax.jit(grads).trace(q, kv, kv, seg, q).lower(
             lowering_platforms=("cuda" if platform == "gpu" else platform,))
     hlo = lowered.compile().as_text()
-    for collective in {"ulysses": ["all-to-all"], "ring": ["collective-permute"],
+    for collective in {"ulysses": ["all-to-all"], "ring": ["collective-permute"], "all_gather": ["all-gather"],
                        "usp": ["all-to-all", "collective-permute"]}[strategy]:
         assert collective in hlo
     return hlo
@@ -246,6 +246,17 @@ def test_flash_inside_usp_compiles_for_8_h100s(h100s):
     """8 H100s as context 4 (2 slices' rings of 2 x ulysses over 2) x tensor 2 at 8k tokens: the Triton kernel per
     block pair of the ring across slices, masking by position (every block visited), forward and backward."""
     hlo = compile_context_attention(h100s, "gpu", "flash", context=4, tensor=2, strategy="usp", inner=2)
+    for kernel in ("flash_attention_fwd_every_block", "flash_attention_dq_every_block",
+                   "flash_attention_dkv_every_block"):
+        assert kernel in hlo
+
+
+@needs_gpu_compiler
+def test_flash_under_all_gather_compiles_for_8_h100s(h100s):
+    """8 H100s as context 4 x tensor 2 at 8k tokens: the Triton kernel on each device's queries against the gathered
+    keys, masking by position (every block visited), forward and backward."""
+    hlo = compile_context_attention(h100s, "gpu", "flash", context=4, tensor=2, strategy="all_gather",
+                                    sliding_window=1024)
     for kernel in ("flash_attention_fwd_every_block", "flash_attention_dq_every_block",
                    "flash_attention_dkv_every_block"):
         assert kernel in hlo

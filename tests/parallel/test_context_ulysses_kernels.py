@@ -59,10 +59,21 @@ CASES = {  # name: (implementation, causal, sliding_window, logits_soft_cap, sin
         ("flash_causal_window", "striped"), ("flash_softcap_sinks", "dual_chunk_swap"),
         ("tokamax_causal", "dual_chunk_swap")])])
 def test_a_kernel_under_ulysses_equals_attention_over_the_unsplit_sequence(case, reorder):
+    _check_against_the_unsplit_sequence("ulysses", case, reorder)
+
+
+@pytest.mark.parametrize("case, reorder, cp", [("flash_causal_window", "dual_chunk_swap", 2),
+                                               ("flash_softcap_sinks", "striped", 4)])
+def test_flash_under_all_gather_equals_attention_over_the_unsplit_sequence(case, reorder, cp):
+    """all_gather with attention=flash (context_parallel.all_gather_flash): the kernel on the device's queries against
+    the gathered keys, masked by position; dK and dV reduce-scattered back."""
+    _check_against_the_unsplit_sequence("all_gather", case, reorder, cp)
+
+
+def _check_against_the_unsplit_sequence(strategy, case, reorder, cp=2):
     implementation, causal, window, cap, with_sinks = CASES[case]
     if implementation == "tokamax" and importlib.util.find_spec("tokamax") is None:
         pytest.skip("tokamax is the optional [gpu] extra")
-    cp = 2
     q, k, v, segment_ids, weights, sinks = _inputs()
     sinks = sinks if with_sinks else None
     options = dict(causal=causal, sliding_window=window, logits_soft_cap=cap)
@@ -77,7 +88,7 @@ def test_a_kernel_under_ulysses_equals_attention_over_the_unsplit_sequence(case,
 
     def split(q, k, v, sinks):
         return attention.attention(q, k, v, lseg, implementation=implementation, platform="cpu", block_q=16,
-                                   block_kv=16, interpret=True, sinks=sinks, context_strategy="ulysses",
+                                   block_kv=16, interpret=True, sinks=sinks, context_strategy=strategy,
                                    context_reorder=reorder, **options)
     with sharding.activation_sharding(mesh, RULES):
         out, grads = jax.jit(lambda *a: _grads(split, *a))(lq, lk, lv, lweights, sinks)
@@ -108,13 +119,16 @@ def test_the_kernel_runs_where_asked():
     assert scores in plain and scores not in flash
 
 
-def test_a_kernel_is_refused_where_the_strategy_runs_the_plain_form():
-    with pytest.raises(ValueError, match=r"attention=flash does not run with context_parallel_strategy=all_gather "
-                                         r"\(2 ways\).*or context_parallel_strategy=ring or ulysses or usp\."):
-        attention.resolve_implementation("flash", "gpu", dtype=jnp.bfloat16, head_dim=128, context_parallel=2,
-                                         context_strategy="all_gather")
-    assert attention.resolve_implementation("autoselected", "gpu", dtype=jnp.bfloat16, head_dim=128,
-                                            context_parallel=2, context_strategy="all_gather") == "dot_product"
+def test_under_all_gather_flash_runs_when_set_on_gpus_and_autoselected_keeps_the_plain_form():
+    gather = dict(dtype=jnp.bfloat16, head_dim=128, context_parallel=2, context_strategy="all_gather")
+    assert attention.resolve_implementation("flash", "gpu", **gather) == "flash"
+    assert attention.resolve_implementation("autoselected", "gpu", **gather) == "dot_product"
+    with pytest.raises(ValueError, match=r"attention=flash with context_parallel_strategy=all_gather on TPUs: .*"
+                                         r"splash kernel does not take; use attention=dot_product"):
+        attention.resolve_implementation("flash", "tpu", **gather)
+    with pytest.raises(ValueError, match=r"attention=cudnn does not run with context_parallel_strategy=all_gather "
+                                         r"\(2 ways\).*or context_parallel_strategy=ulysses\."):
+        attention.resolve_implementation("cudnn", "gpu", **gather)
 
 
 def test_under_usp_flash_runs_the_rings_block_pairs_on_gpus_and_is_refused_on_tpus():
@@ -170,9 +184,11 @@ def _tiny_llama_loss(n_devices: int, *overrides):
 
 
 @pytest.mark.slow
-def test_tiny_llama_with_flash_under_ulysses_gives_the_loss_and_gradients_of_one_device():
-    implementation, loss, grads = _tiny_llama_loss(2, "ici_context_parallelism=2", "context_parallel_strategy=ulysses",
-                                                   "attention=flash", "sa_block_q=16", "sa_block_kv=16")
+@pytest.mark.parametrize("strategy", ["ulysses", "all_gather"])
+def test_tiny_llama_with_flash_under_the_strategy_gives_the_loss_and_gradients_of_one_device(strategy):
+    implementation, loss, grads = _tiny_llama_loss(2, "ici_context_parallelism=2",
+                                                   f"context_parallel_strategy={strategy}", "attention=flash",
+                                                   "sa_block_q=16", "sa_block_kv=16")
     _, ref_loss, ref_grads = _tiny_llama_loss(1, "attention=dot_product")
     assert implementation == "flash"
     assert loss == pytest.approx(ref_loss, rel=1e-5)

@@ -308,6 +308,18 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
         length=length, gqa=gqa, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, sinks=sinks,
         packed=packed, capability=capability, gpu_present=gpu_present)
     kernels = kernel_choice.CONTEXT_KERNELS[context_strategy] if context_parallel > 1 else ()
+    if context_parallel > 1 and context_strategy == "all_gather" and name in ("flash", "autoselected"):
+        if name == "autoselected":  # the default path stays the plain form (context_parallel.py)
+            choice = kernel_choice.Choice(
+                "dot_product", f"dot_product: context_parallel_strategy=all_gather ({context_parallel} ways) runs the "
+                "plain-jnp form unless attention=flash (the kernel on the gathered keys, GPUs); the kernels run "
+                "per block under ring, ulysses and usp")
+            return choice if with_reason else choice.implementation
+        if platform == "tpu":
+            raise ValueError(f"attention=flash with context_parallel_strategy=all_gather {_NO_POSITIONS_ON_TPU}, or "
+                             "context_parallel_strategy=ring or ulysses (splash)")
+        return kernel_choice.Choice("flash", "flash: set in the config; the kernel on the gathered keys "
+                                    "(context_parallel.all_gather_flash)") if with_reason else "flash"
     if context_parallel > 1 and context_strategy in ("ring", "usp") and name in ("flash", "autoselected"):
         if context_strategy == "ring":  # ring_flash.py
             why = _ring_flash_unsupported(platform, context_reorder, sliding_window, length, context_parallel)
@@ -362,11 +374,14 @@ def _ring_flash_unsupported(platform: str, reorder: str = "dual_chunk_swap", sli
     return ""
 
 
+_NO_POSITIONS_ON_TPU = ("on TPUs: its masks need the tokens' original positions, which the splash kernel does not "
+                        "take; use attention=dot_product")
+
+
 def _usp_flash_unsupported(platform: str, length: int = 0, outer: int = 1) -> str:
     """Why attention=flash cannot run inside usp's ring across slices here, as the end of a sentence; "" if it can."""
     if platform == "tpu":
-        return ("on TPUs: a slice's tokens are its devices' pieces, whose masks need the tokens' positions, which the "
-                "splash kernel does not take; use attention=dot_product, or context_parallel_strategy=ring")
+        return (f"{_NO_POSITIONS_ON_TPU}, or context_parallel_strategy=ring")
     if length % (16 * outer):
         return (f"needs each slice's {length // outer if outer else length} tokens to be a multiple of 16 (the "
                 f"kernel's smallest block): max_target_length={length} must be a multiple of {16 * outer}")
@@ -433,6 +448,17 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
                                     reorder=context_reorder, causal=causal, sliding_window=sliding_window,
                                     logits_soft_cap=logits_soft_cap, scale=scale, block_q=block_q, block_kv=block_kv,
                                     interpret=interpret, sinks=sinks)
+    if sharding.ways("length") > 1 and implementation == "flash" and context_strategy == "all_gather":
+        # deferred, as below: context_parallel.py reads this module's reference attention
+        from maxtrain.models.attention import context_parallel, ring_flash  # pylint: disable=import-outside-toplevel
+
+        platform = canonical_platform(platform or "cpu")
+        if platform == "tpu":
+            raise ValueError(f"attention=flash with context_parallel_strategy=all_gather {_NO_POSITIONS_ON_TPU}")
+        return context_parallel.all_gather_flash(
+            q, k, v, segment_ids, reorder=context_reorder, causal=causal, sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks,
+            flash=ring_flash.kernel_settings(platform, block_q, block_kv, interpret))
     if sharding.ways("length") > 1 and implementation == "flash" and context_strategy == "usp":
         # deferred, as below: usp.py reads this module's reference attention
         from maxtrain.models.attention import ring_flash, usp  # pylint: disable=import-outside-toplevel

@@ -4,14 +4,22 @@
 all_gather (the default) lets GSPMD gather each layer's keys and values over the context group: T keys per device,
 written with sharding constraints, so it composes with pipeline stages and every other mesh axis. ring.py passes
 the key/value blocks round the group instead (T / C per device), ulysses.py trades tokens for heads with an
-all-to-all, usp.py does ulysses inside each slice and the ring across slices. All three mask by the tokens' original indices (`context.layout`), so each equals attention over the
-unsplit sequence.
+all-to-all, usp.py does ulysses inside each slice and the ring across slices. All three mask by the tokens' original
+indices (`context.layout`), so each equals attention over the unsplit sequence.
+
+all_gather with attention=flash (all_gather_flash, GPUs; interpret mode on CPU) gathers the keys and values inside
+shard_map and runs the flash kernel on the device's T / C queries against all T keys, masking by the tokens'
+original indices (the kernel's positions operands): no [T / C, T] scores, but every key block visited and T keys
+held per device. The backward pass reduce-scatters dK and dV (all_gather's transpose). TPUs keep the plain form
+(splash takes no positions).
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
+from maxtrain.kernels import flash_attention
 from maxtrain.models.attention import dot_product_attention, ring, ulysses, usp
 from maxtrain.parallel import context, sharding
 
@@ -40,6 +48,38 @@ def attention(q, k, v, segment_ids, *, strategy: str = "all_gather", reorder: st
     if strategy != "all_gather":
         raise ValueError(f"context_parallel_strategy={strategy!r} is not one of {', '.join(STRATEGIES)}")
     return context_parallel_attention(q, k, v, segment_ids, reorder=reorder, **kwargs)
+
+
+def all_gather_flash(q, k, v, segment_ids, *, reorder: str, causal: bool, sliding_window: int,
+                     logits_soft_cap: float, scale: float | None, sinks, flash: dict):
+    """all_gather's contract (q [B, T, N, H] in the layout `reorder`, sharded along T over the context axes of the
+    active mesh) with the flash kernel on the gathered keys (the module docstring). flash: the kernel's settings
+    (ring_flash.kernel_settings: interpret, block_q, block_k, shared_memory)."""
+    active = sharding.active_mesh()
+    if active is None:
+        raise ValueError("all_gather attention with the flash kernel runs under sharding.activation_sharding")
+    mesh, rules = active
+    axes = tuple(a for a in sharding.mesh_axes_of("length", rules) if mesh.shape[a] > 1)
+    order = jnp.asarray(context.layout(q.shape[1], sharding.ways("length"), reorder), jnp.int32)
+    q_axes, kv_axes = ("batch", "length", "heads", None), ("batch", "length", "kv_heads", None)
+    specs = sharding.active_specs([q_axes, kv_axes])
+    if specs is not None and specs[0][2] != specs[1][2]:
+        raise ValueError(f"logical_axis_rules put 'heads' on {specs[0][2]} but 'kv_heads' on {specs[1][2]}: the flash "
+                         "kernel needs both on the same mesh axes. Map them to the same axes.")
+
+    def shard_fn(q, k, v, segment_ids, q_index, order, *rest):
+        k, v, kv_segments = (jax.lax.all_gather(x, axes, axis=1, tiled=True) for x in (k, v, segment_ids))
+        return flash_attention.flash_attention(
+            q, k, v, segment_ids, kv_segments, causal=causal, sliding_window=sliding_window,
+            logits_soft_cap=logits_soft_cap, sm_scale=scale, sinks=rest[0] if rest else None,
+            q_positions=jnp.broadcast_to(q_index[None], segment_ids.shape),
+            kv_positions=jnp.broadcast_to(order[None], kv_segments.shape), **flash)
+    args = [q, k, v, segment_ids, order, order]
+    in_axes = [q_axes, kv_axes, kv_axes, ("batch", "length"), ("length",), (None,)]
+    if sinks is not None:
+        args.append(sinks)
+        in_axes.append(("heads",))
+    return sharding.run_in_shards(shard_fn, args, in_axes, q_axes)
 
 
 def context_parallel_attention(q, k, v, segment_ids, *, causal: bool = True, sliding_window: int = 0,

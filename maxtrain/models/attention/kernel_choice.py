@@ -34,12 +34,14 @@ from maxtrain.config import attention_speeds
 KERNEL_LIMITS = {"cudnn": ("logits_soft_cap", "sinks"), "tokamax": ("sinks",)}
 
 # The kernels each context_parallel_strategy can run its attention with. all_gather attends T / C queries to the
-# gathered keys in the load-balanced order, which no kernel's mask reads; ring runs flash per block pair
+# gathered keys in the load-balanced order: flash masks them by position when set (GPUs; autoselected keeps the
+# plain form there); ring runs flash per block pair
 # (ring_flash.py; splash on TPUs), whose backward takes the ring's global softmax statistics (cuDNN's and tokamax's
 # take only their own); ulysses gives each device every token of N / C heads, which it puts back into the original
 # order for the kernel (ulysses.py), so every kernel runs there; usp's ring across slices runs flash per block pair
 # masked by the tokens' positions (GPUs; plain-jnp blocks on TPUs, whose splash takes no positions).
-CONTEXT_KERNELS = {"all_gather": (), "ring": ("flash",), "ulysses": ("flash", "cudnn", "tokamax"), "usp": ("flash",)}
+CONTEXT_KERNELS = {"all_gather": ("flash",), "ring": ("flash",), "ulysses": ("flash", "cudnn", "tokamax"),
+                   "usp": ("flash",)}
 
 # The GPU candidates of autoselected, in the order ties (or a shape nothing was measured at) are broken:
 # our kernel first, since it implements every feature and runs everywhere.
