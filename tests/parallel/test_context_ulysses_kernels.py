@@ -161,7 +161,7 @@ def test_under_ulysses_autoselected_chooses_as_without_context_parallelism():
 
 def test_the_dispatch_refuses_a_kernel_for_the_plain_strategies():
     """The backstop behind resolve_implementation: context_parallel.attention itself says what to do."""
-    with pytest.raises(ValueError, match="context_parallel_strategy=all_gather runs the plain-jnp attention"):
+    with pytest.raises(ValueError, match="context_parallel_strategy=all_gather runs the flash kernel .* not this kernel"):
         context_parallel.attention(*(jnp.zeros((1, 8, 2, 4)),) * 3, jnp.ones((1, 8), jnp.int32),
                                    strategy="all_gather", kernel=lambda *a: a[0])
 

@@ -37,8 +37,9 @@ def attention(q, k, v, segment_ids, *, strategy: str = "all_gather", reorder: st
     kwargs = dict(causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
                   sinks=sinks)
     if kernel is not None and strategy != "ulysses":
-        raise ValueError(f"context_parallel_strategy={strategy} runs the plain-jnp attention, not a kernel; use "
-                         "attention=dot_product, or context_parallel_strategy=ulysses")
+        raise ValueError(f"context_parallel_strategy={strategy} runs the flash kernel (attention=flash) or the "
+                         "plain-jnp attention, not this kernel; use attention=flash or dot_product, or "
+                         "context_parallel_strategy=ulysses, which runs every kernel")
     if strategy == "ulysses":
         return ulysses.ulysses_attention(q, k, v, segment_ids, reorder=reorder, kernel=kernel, **kwargs)
     if strategy == "ring":
