@@ -292,7 +292,8 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     as without context parallelism); under ring flash (ring_flash.py: the Triton kernel per block pair of the
     ring; on TPUs the splash kernel, ring_splash.py, dual_chunk_swap without windows), which autoselected takes on
     GPUs and TPUs; under usp flash per block pair of its ring across slices (GPUs; autoselected takes it there); under
-    all_gather the plain-jnp form (autoselected resolves to dot_product, and an explicit kernel is refused).
+    all_gather the plain-jnp form for autoselected, and flash on the gathered keys when set (GPUs; refused on TPUs,
+    as cuDNN and tokamax are everywhere).
 
     The arguments describe one attention kind (models/runtime.py resolves each once); `layers` names it
     in the refusal of an explicit choice it cannot run.
