@@ -153,9 +153,6 @@ def _nearest_row(head_dim: int | None, length: int, arch_name: str, names) -> at
 def choose(platform: str, shape: Shape, context_parallel: int = 1, context_strategy: str = "all_gather") -> Choice:
     """The implementation `attention=autoselected` runs, and why (see the module docstring)."""
     allowed = CONTEXT_KERNELS[context_strategy] if context_parallel > 1 else GPU_CANDIDATES
-    if not allowed:
-        return Choice("dot_product", f"dot_product: context_parallel_strategy={context_strategy} ({context_parallel} "
-                      "ways) runs the plain-jnp form; the kernels run under context_parallel_strategy=ulysses or ring")
     if platform == "cpu":
         return Choice("dot_product", "dot_product: the fastest on CPU (a kernel runs there only interpreted)")
     if platform == "tpu" and "flash" in allowed:
