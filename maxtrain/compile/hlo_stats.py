@@ -38,6 +38,7 @@ _BRANCHES = re.compile(r"(?:branch|called)_computations=\{([^}]*)\}")
 _CONSTANT = re.compile(r"\b[su]\d+\[\][^=]*?\bconstant\((\d+)\)")
 _MEGASCALE = re.compile(r'_xla_megascale_transfer_type="(\w+)"')
 _END = re.compile(r"^\}(,\s*execution_thread=\S*)?\s*$")
+_STARTS = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=")  # an instruction's first line (a continuation starts otherwise)
 _ASYNC_DONE = 'custom_call_target="AsyncCollectiveDone"'
 
 
@@ -98,7 +99,8 @@ def megascale_slices(rest: str) -> int | None:
 
 
 def parse_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
-    """{computation name: its instruction lines} and the ENTRY computation's name."""
+    """{computation name: its instruction lines} and the ENTRY computation's name. An instruction printed over
+    several lines (a Mosaic call's kernel_metadata holds newlines, and its op_name follows them) is joined into one."""
     computations: dict[str, list[str]] = {}
     entry, current = None, None
     for line in hlo_text.splitlines():
@@ -112,6 +114,8 @@ def parse_computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]
             continue
         if _END.match(line):  # "}" or, after a SparseCore computation, '}, execution_thread="sparsecore"'
             current = None
+        elif computations[current] and line.strip() and not _STARTS.match(line):
+            computations[current][-1] += " " + line.strip()
         else:
             computations[current].append(line)
     return computations, entry

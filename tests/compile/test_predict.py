@@ -98,6 +98,20 @@ def test_flops_bytes_and_counts_come_from_the_hlo():
     assert {k.name: k for k in every.kernels}["att"].flops == 2 * by["att"].flops
 
 
+def test_a_call_printed_over_several_lines_keeps_its_op_name():
+    """A TPU Mosaic call prints its kernel_metadata over several lines, its op_name after them: the instruction is
+    read whole, so a splash call under the ring's `_every_block` scope (ring_splash.py) is counted whole."""
+    splash = ('custom_call_target="tpu_custom_call", frontend_attributes={kernel_metadata={\n"xprof_metadata":"{}"\n'
+              '}}, metadata={op_name="jit(train_step)/SCOPE/splash_mha_fwd_segmented_residuals/pallas_call"}')
+    hlo = HLO.replace('custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(train_step)/'
+                      'flash_attention_fwd/pallas_call"}', splash)
+    assert hlo != HLO
+    causal = {k.name: k for k in predict.program_costs(hlo.replace("SCOPE", "ring_splash_causal")).kernels}["att"]
+    every = {k.name: k for k in predict.program_costs(hlo.replace("SCOPE", "ring_splash_full_every_block")).kernels}
+    assert causal.kind == "attention:splash" and causal.flops > 0
+    assert every["att"].flops == 2 * causal.flops
+
+
 def test_the_flash_kernels_names_say_which_calls_visit_every_block():
     cfg = functools.partial(flash_attention.KernelConfig, sliding_window=0, soft_cap=0.0, scale=1.0, kv_len=8,
                             kv_padded=False, interpret=True, fwd=None, dq=None, dkv=None)

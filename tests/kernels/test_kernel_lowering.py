@@ -277,10 +277,12 @@ def _ring_steps_overlap(hlo: str) -> bool:
 
 @needs_tpu_compiler
 def test_splash_inside_the_ring_compiles_for_tpu():
-    """A v5p-8's 4 chips as context 4 at 8k tokens: the splash kernel per block pair (ring_splash.py)."""
+    """A v5p-8's 4 chips as context 4 at 8k tokens: the splash kernel per block pair (ring_splash.py); the full-mask
+    pairs' kernels carry the mark that the predictor counts whole."""
     hlo = compile_context_attention(targets.parse("v5p-8").devices(), "tpu", "flash", context=4, tensor=1, heads=8,
                                     kv_heads=4, strategy="ring")
     assert "tpu_custom_call" in hlo
+    _both_kinds_of_pairs_are_counted(hlo)
 
 
 # ----------------------------------------------------------------------------------------------
