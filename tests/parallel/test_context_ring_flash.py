@@ -97,6 +97,20 @@ def test_ring_with_the_flash_kernel_equals_attention_over_the_unsplit_sequence(c
                                        err_msg=f"d loss / d {name}")
 
 
+@pytest.mark.parametrize("case", ["causal_softcap_sinks", "striped_causal_window_sinks"])
+def test_a_ring_of_one_device_attends_its_own_block_once(case):
+    """scripts/gpu_ring_check.py runs the ring on one GPU: with no other block to pass, the own block must not be
+    merged a second time (the ring's last step assumed two devices or more)."""
+    causal, logits_soft_cap, _, _, sliding_window, reorder = CASES[case]
+    q, k, v, segment_ids, weights, sinks = _inputs()
+    kwargs = dict(causal=causal, logits_soft_cap=logits_soft_cap, sliding_window=sliding_window)
+    ref_out, ref_grads = _reference(q, k, v, segment_ids, weights, sinks, **kwargs)
+    out, grads = _ring(1, q, k, v, segment_ids, weights, sinks, reorder=reorder, **kwargs)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), rtol=RTOL, atol=ATOL)
+    for name, got, ref in zip(("q", "k", "v", "sinks"), grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=RTOL, atol=ATOL, err_msg=f"d loss / d {name}")
+
+
 # --------------------------------------------------------------------------------------------
 # A tiny Llama: loss and gradients with attention=flash inside the ring equal dot_product's on one device
 # --------------------------------------------------------------------------------------------

@@ -146,17 +146,18 @@ class RingFlash:
     def forward(self, q, k, v, segment_ids, q_index, sinks):
         """(out [B, T, N, H] in q.dtype, lse [B, N, T] float32), sinks joined."""
         block = (k, v, segment_ids, q_index)
-        incoming = self.pass_on(block)  # each block travels on while the one in hand is attended (neither waits)
         out, lse = self.call_forward(q, k, v, segment_ids, q_index, segment_ids, q_index, self.own_cfg)
+        if self.ways > 1:  # a ring of one (one device, e.g. docs/gpu.md's ring check) has only its own block
+            incoming = self.pass_on(block)  # each block travels on while the one in hand is attended (neither waits)
 
-        def step(carry, i):
-            out, lse, block = carry
-            incoming = self.pass_on(block)
-            out, lse = _merge(out, lse, *self.block_forward(q, segment_ids, q_index, block, i))
-            return (out, lse, incoming), None
+            def step(carry, i):
+                out, lse, block = carry
+                incoming = self.pass_on(block)
+                out, lse = _merge(out, lse, *self.block_forward(q, segment_ids, q_index, block, i))
+                return (out, lse, incoming), None
 
-        (out, lse, last), _ = jax.lax.scan(step, (out, lse, incoming), jnp.arange(1, self.ways - 1))
-        out, lse = _merge(out, lse, *self.block_forward(q, segment_ids, q_index, last, self.ways - 1))
+            (out, lse, last), _ = jax.lax.scan(step, (out, lse, incoming), jnp.arange(1, self.ways - 1))
+            out, lse = _merge(out, lse, *self.block_forward(q, segment_ids, q_index, last, self.ways - 1))
         if sinks is not None:  # one more column of each softmax, no value row (flash_attention._with_sinks)
             lse_sinks = jnp.logaddexp(lse, sinks.astype(jnp.float32)[None, :, None])
             out, lse = out * jnp.exp(lse - lse_sinks).transpose(0, 2, 1)[..., None], lse_sinks
@@ -185,21 +186,22 @@ class RingFlash:
     def backward(self, q, k, v, segment_ids, q_index, sinks, out, lse, d_out):
         """(dq, dk, dv, d_sinks or None) from the global out and lse (sinks joined)."""
         block = (k, v, segment_ids, q_index)
-        incoming = self.pass_on(block)  # k, v, ids travel on while the block in hand is attended
         dq, dk, dv = self.call_backward(q, k, v, segment_ids, q_index, segment_ids, q_index, out, lse, d_out,
                                         self.own_cfg)
+        if self.ways > 1:
+            incoming = self.pass_on(block)  # k, v, ids travel on while the block in hand is attended
 
-        def step(carry, i):
-            dq, block, (dk, dv) = carry  # dk, dv: the sums of the devices this block has passed, following it
-            incoming = self.pass_on(block)
-            dq_b, dk_b, dv_b = self.block_backward(q, segment_ids, q_index, out, lse, d_out, block, i)
-            return (dq + dq_b, incoming, self.pass_on((dk + dk_b, dv + dv_b))), None
+            def step(carry, i):
+                dq, block, (dk, dv) = carry  # dk, dv: the sums of the devices this block has passed, following it
+                incoming = self.pass_on(block)
+                dq_b, dk_b, dv_b = self.block_backward(q, segment_ids, q_index, out, lse, d_out, block, i)
+                return (dq + dq_b, incoming, self.pass_on((dk + dk_b, dv + dv_b))), None
 
-        (dq, last, (dk, dv)), _ = jax.lax.scan(step, (dq, incoming, self.pass_on((dk, dv))),
-                                               jnp.arange(1, self.ways - 1))
-        dq_b, dk_b, dv_b = self.block_backward(q, segment_ids, q_index, out, lse, d_out, last, self.ways - 1)
-        dq = dq + dq_b
-        dk, dv = self.pass_on((dk + dk_b, dv + dv_b))  # each block's dk, dv home to the device that holds its keys
+            (dq, last, (dk, dv)), _ = jax.lax.scan(step, (dq, incoming, self.pass_on((dk, dv))),
+                                                   jnp.arange(1, self.ways - 1))
+            dq_b, dk_b, dv_b = self.block_backward(q, segment_ids, q_index, out, lse, d_out, last, self.ways - 1)
+            dq = dq + dq_b
+            dk, dv = self.pass_on((dk + dk_b, dv + dv_b))  # each block's dk, dv home to the device holding its keys
         d_sinks = None
         if sinks is not None:  # d sink = -sum over queries of exp(sink - lse) delta (flash_attention._flash_bwd)
             delta = jnp.einsum("BTNH,BTNH->BNT", d_out.astype(jnp.float32), out.astype(jnp.float32))
