@@ -54,6 +54,9 @@ def kernel_library() -> dict:
         return {"tokamax": None, "value": "tokamax not installed: attention=autoselected chooses among cudnn and "
                                           "flash (dot_product where neither runs the model)"}
     version = importlib.metadata.version("tokamax")
+    if kernel_choice.tokamax_jax_mismatch():
+        return {"tokamax": version, "value": f"tokamax {kernel_choice.tokamax_jax_mismatch()}: not a candidate of "
+                                             "attention=autoselected; its rows are skipped"}
     return {"tokamax": version, "value": f"tokamax {version}: a candidate of attention=autoselected where "
                                          "config/attention_speeds.MEASURED has its rows"}
 
@@ -75,8 +78,9 @@ def tokamax_missing(plan: Plan) -> str | None:
     if not kernel_choice.tokamax_installed():
         return "tokamax is not installed (the [gpu] extra; scripts/gpu_wheels.sh carries it)"
     if plan.platform == "gpu":
-        return kernel_choice.unsupported("tokamax", "gpu", kernel_choice.Shape(
+        why = kernel_choice.unsupported("tokamax", "gpu", kernel_choice.Shape(
             head_dim=128, capability=getattr(jax.devices()[0], "compute_capability", None)))
+        return f"tokamax {why}" if why else None
     return None
 
 

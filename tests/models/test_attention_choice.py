@@ -56,6 +56,7 @@ def test_flash_where_cudnn_cannot_run_the_model(without_tokamax, kwargs, lacking
 
 def test_a_faster_measured_tokamax_row_wins_and_unsupported_ones_are_passed_over(monkeypatch):
     monkeypatch.setattr(kernel_choice, "tokamax_installed", lambda: True)
+    monkeypatch.setattr(kernel_choice, "tokamax_jax_mismatch", lambda: None)  # the kernel is not run here
     row = attention_speeds.Row("sm90", 128, 8192, (("tokamax", 400.0), ("cudnn", 349.3), ("flash", 201.2)),
                                "H100", "2026-12-01", "a test row")
     monkeypatch.setattr(attention_speeds, "MEASURED", (row,))
@@ -93,11 +94,29 @@ def test_tokamax_is_refused_cleanly_where_it_cannot_run(monkeypatch):
                                          r"Use attention=flash, dot_product or autoselected"):
         attention.resolve_implementation("tokamax", "gpu", dtype=BF16, head_dim=128)
     monkeypatch.setattr(kernel_choice, "tokamax_installed", lambda: True)
+    monkeypatch.setattr(kernel_choice, "tokamax_jax_mismatch", lambda: None)  # the kernel is not run here
     assert attention.resolve_implementation("tokamax", "gpu", dtype=BF16, head_dim=128) == "tokamax"
     with pytest.raises(ValueError, match=r"attention=tokamax needs dtype=bfloat16 or float16, got float32"):
         attention.resolve_implementation("tokamax", "gpu", dtype=jnp.float32, head_dim=128)
     with pytest.raises(ValueError, match=r"attention=tokamax runs its Mosaic GPU kernel on sm90 and sm100 only"):
         attention.resolve_implementation("tokamax", "gpu", dtype=BF16, head_dim=128, capability="8.0")
+
+
+def test_tokamax_is_refused_by_name_where_the_installed_jax_breaks_its_kernel(monkeypatch):
+    """tokamax 0.0.12 passes out_shape to jax's mosaic_gpu.kernel, which jax 0.10 takes and jax 0.11 on does not
+    (every call failed on an H200 with jax 0.11.2): the check reads the installed jax, so each interpreter of CI
+    checks its own side (jax 0.10.2 on Python 3.11, 0.12 on 3.12)."""
+    monkeypatch.setattr(kernel_choice, "tokamax_installed", lambda: True)
+    kernel_choice.tokamax_jax_mismatch.cache_clear()
+    if tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11):
+        assert kernel_choice.tokamax_jax_mismatch() is None
+        assert attention.resolve_implementation("tokamax", "gpu", dtype=BF16, head_dim=128) == "tokamax"
+        return
+    with pytest.raises(ValueError, match=rf"^attention=tokamax \S+ cannot run with jax {jax.__version__}: its Mosaic "
+                                         r"GPU kernel passes out_shape to .*out_type.*\. Use attention=flash"):
+        attention.resolve_implementation("tokamax", "gpu", dtype=BF16, head_dim=128)
+    choice = choose(head_dim=128, length=8192)  # autoselected passes over it, saying why once
+    assert choice.implementation == "cudnn" and choice.reason.count(f"cannot run with jax {jax.__version__}") == 1
 
 
 def test_a_cpu_run_does_not_import_the_kernel_library():
@@ -209,6 +228,7 @@ def test_each_layer_kind_gets_the_fastest_implementation_that_runs_it(without_to
 
 def test_an_explicit_choice_one_layer_kind_cannot_run_is_refused_naming_it(monkeypatch):
     monkeypatch.setattr(kernel_choice, "tokamax_installed", lambda: True)
+    monkeypatch.setattr(kernel_choice, "tokamax_jax_mismatch", lambda: None)  # the kernel is not run here
     with pytest.raises(ValueError, match=r"^attention=tokamax cannot run the model's full-attention layers \(head_dim "
                                          r"512\): tokamax needs head_dim to be a multiple of 64 and at most 256, got "
                                          r"512\. Use attention=flash, dot_product or autoselected \(which chooses per "

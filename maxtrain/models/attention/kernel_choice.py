@@ -19,9 +19,13 @@ tokamax as a [B, 1, T, S] mask too, flash as segment ids inside the kernel, dot_
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.metadata
 import importlib.util
+import inspect
 import math
 
+import jax
 import jax.numpy as jnp
 
 from maxtrain import errors
@@ -86,6 +90,27 @@ def tokamax_installed() -> bool:
     return importlib.util.find_spec(TOKAMAX) is not None
 
 
+@functools.cache
+def tokamax_jax_mismatch() -> str | None:
+    """Why the installed tokamax's Mosaic GPU kernels cannot run with this jax, or None.
+
+    tokamax 0.0.12 (the newest on PyPI in 2026-11) calls `jax.experimental.pallas.mosaic_gpu.kernel(out_shape=...)`.
+    jax 0.10 takes that argument; from jax 0.11 it is `out_type`, and `out_shape` reaches the kernel's Mesh, which
+    refuses it: on an H200 with jax 0.11.2 every tokamax call failed so (docs/gpu.md, 2026-11-30). Read from the
+    installed jax's signature, so a jax or tokamax that agree again pass."""
+    from jax.experimental.pallas import mosaic_gpu  # pylint: disable=import-outside-toplevel  # only where asked
+
+    if "out_shape" in inspect.signature(mosaic_gpu.kernel).parameters:
+        return None
+    try:
+        version = importlib.metadata.version(TOKAMAX)
+    except importlib.metadata.PackageNotFoundError:
+        version = "(not installed)"
+    return (f"{version} cannot run with jax {jax.__version__}: its Mosaic GPU kernel passes out_shape to "
+            "jax.experimental.pallas.mosaic_gpu.kernel, which since jax 0.11 takes out_type (jax 0.10.2, Python "
+            "3.11's pin, still takes out_shape)")
+
+
 def capability_tuple(capability: str | None) -> tuple[int, int]:
     """(9, 0) for compute capability "9.0"; (9, 0) where unknown (an ahead-of-time target without one)."""
     if capability is None:
@@ -127,6 +152,8 @@ def unsupported(name: str, platform: str, shape: Shape) -> str | None:
     if name == "tokamax":
         if not tokamax_installed():
             return f"is not installed ({errors.install_hint(TOKAMAX)})"
+        if tokamax_jax_mismatch():
+            return tokamax_jax_mismatch()
         if arch(shape.capability) not in ("sm90", "sm100"):
             return f"runs its Mosaic GPU kernel on sm90 and sm100 only, not {arch(shape.capability)}"
         if not shape.gpu_present:
