@@ -7,10 +7,12 @@ flash alone and cuDNN (issue 60's GPU row; docs/parallelism.md "On a GPU").
 What runs:
 - check: bf16, causal, GQA 4:1 (8 query heads, 2 kv heads), head_dim 128, one row of --tokens holding three packed
   documents. ring_flash.ring_flash_attention (the custom VJP, the kernel's (out, lse) calls and the online-softmax
-  merge; the backward from the global out and lse) on a one-device context mesh, flash alone and cuDNN: out, dq,
+  merge; the backward from the global out and lse) on a one-device context mesh, flash alone, flash masking
+  causally by positions given as operands (all_gather's and usp's form under context parallelism) and cuDNN: out, dq,
   dk, dv against a float32 reference at full matmul precision computed in query chunks (relative Frobenius error,
   kernel_check.relative_errors; tolerance kernel_check.TOLERANCE["bfloat16"]).
-- speed: forward+backward of the three at --tokens, causal, bf16, 32 query heads and 8 kv heads of 128, no
+- speed: forward+backward of these and of flash masked by position with every tile run (as before 2026-11-30's
+  tile skipping) at --tokens, causal, bf16, 32 query heads and 8 kv heads of 128, no
   segment ids: the median of --iters after 2 warm-ups, and TFLOP/s of the useful matmul work
   (kernel_check.attention_flops).
 
@@ -23,6 +25,7 @@ exit 1 if a check fails.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
@@ -35,6 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain.compile import context_costs
+from maxtrain.config import chips
+from maxtrain.kernels import flash_attention
+from maxtrain.kernels.flash_tiles import DEFAULT_SHARED_MEMORY
 from maxtrain.models.attention import kernel_check, ring_flash
 from maxtrain.parallel import sharding
 
@@ -83,6 +89,31 @@ def ring_of_one(mesh, platform: str, interpret: bool):
     return ring
 
 
+def by_position(platform: str, interpret: bool):
+    """(q, k, v, seg) -> out: the flash kernel masking causally by the tokens' positions given as operands (here
+    their indices), as all_gather and usp's ring run it under context parallelism."""
+    shared_memory = chips.gpu_shared_memory(jax.devices()) if platform == "gpu" else DEFAULT_SHARED_MEMORY
+
+    def flash(q, k, v, seg):
+        positions = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32)[None], seg.shape)
+        return flash_attention.flash_attention(q, k, v, seg, seg, causal=True, q_positions=positions,
+                                               kv_positions=positions, shared_memory=shared_memory,
+                                               interpret=interpret)
+    return flash
+
+
+@contextlib.contextmanager
+def every_tile():
+    """Within: the flash kernels traced run every tile (2026-11-30's tile skipping by position,
+    flash_attention._block_seen, turned off), as before it. Covers the forward and backward kernels' tracing."""
+    saved = flash_attention._block_seen  # pylint: disable=protected-access
+    flash_attention._block_seen = lambda cfg, q_tokens, kv_tokens: None  # pylint: disable=protected-access
+    try:
+        yield
+    finally:
+        flash_attention._block_seen = saved  # pylint: disable=protected-access
+
+
 def timed(program, args, iters: int) -> tuple[float, float]:
     """(compile + first run s, median ms of `iters` runs after 2 warm-ups)."""
     start = time.perf_counter()
@@ -117,6 +148,7 @@ def main(argv=None) -> int:
     mesh = sharding.mesh_of(jax.devices()[:1], context=1)
     impls = {"ring of one (flash)": ring_of_one(mesh, platform, interpret),
              "flash": kernel_check.implementation("flash", causal=True, platform=platform, interpret=interpret),
+             "flash masked by position": by_position(platform, interpret),
              "cudnn": kernel_check.implementation("cudnn", causal=True, platform=platform)}
     if args.dry_run:
         del impls["cudnn"]
@@ -157,9 +189,11 @@ def main(argv=None) -> int:
     k, v = (jax.random.normal(key, (1, tokens, g, head_dim), jnp.bfloat16) for key in keys[1:3])
     ones = jnp.ones((1, tokens), jnp.int32)
     flops = kernel_check.attention_flops(1, tokens, tokens, n, head_dim)
+    impls["flash masked by position, every tile"] = by_position(platform, interpret)
     for name, fn in impls.items():
         try:
-            first, ms = timed(kernel_check.fwd_bwd(fn), (q, k, v, ones, d_out), args.iters)
+            with every_tile() if name.endswith("every tile") else contextlib.nullcontext():  # the first call traces
+                first, ms = timed(kernel_check.fwd_bwd(fn), (q, k, v, ones, d_out), args.iters)
         except Exception as error:  # pylint: disable=broad-exception-caught
             report["speed"][name] = {"error": f"{type(error).__name__}: {error}"[:500]}
             print(f"speed: {name}: {report['speed'][name]['error']}", flush=True)

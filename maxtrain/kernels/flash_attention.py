@@ -73,8 +73,9 @@ class KernelConfig:
     dq: Tuning
     dkv: Tuning
     # True: the causal and window masks compare the tokens' positions given as operands (q_pos [B, T], kv_pos
-    # [B, S], after the segment ids) instead of their indices, and every key block is visited (ring attention's
-    # block pairs of a load-balanced layout: models/attention/ring_flash.py). False: the indices, as always.
+    # [B, S], after the segment ids) instead of their indices (ring attention's block pairs of a load-balanced
+    # layout: models/attention/ring_flash.py); every key block is visited, and a tile the positions' bounds hide
+    # runs no matmul (_block_seen). False: the indices, as always.
     positions: bool = False
 
     def call_name(self, kernel: str) -> str:
@@ -145,6 +146,26 @@ def _q_block_range(cfg, k_start, block_q, block_k, num_q_blocks):
     return lo, hi
 
 
+def _block_seen(cfg, q_tokens, kv_tokens):
+    """With cfg.positions, whether some query of the tile may see some key of it: the causal and window masks'
+    bounds on the tokens' positions (min and max, so padding only makes it more cautious). A tile it rules out runs
+    no matmul (exact: a tile with nothing visible adds 0 to every sum); its loads stay outside the branch, where
+    Triton pipelines them. None: every tile runs (positions without a causal mask or window; no positions)."""
+    if not cfg.positions:
+        return None
+    seen = []
+    if cfg.causal:
+        seen.append(jnp.min(kv_tokens) <= jnp.max(q_tokens))
+    if cfg.sliding_window:
+        seen.append(jnp.min(q_tokens) - jnp.max(kv_tokens) < cfg.sliding_window)
+    return functools.reduce(jnp.logical_and, seen) if seen else None
+
+
+def _maybe(seen, fn, carry):
+    """fn(carry) where the tile may hold a visible pair (`seen`: _block_seen's), else carry unchanged."""
+    return fn(carry) if seen is None else lax.cond(seen, fn, lambda c: c, carry)
+
+
 def _split_refs(refs, has_segments, num_inputs):
     """(inputs, q_seg_ref, kv_seg_ref, outputs) from the flat refs a kernel receives."""
     inputs, rest = refs[:num_inputs], refs[num_inputs:]
@@ -179,14 +200,17 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_segments: bool):
         v = v_ref[pl.ds(k_start, block_k), :]
         kv_seg = kv_seg_ref[pl.ds(k_start, block_k)] if has_segments else None
         kv_tokens = kv_pos_ref[pl.ds(k_start, block_k)] if cfg.positions else None
-        s, _ = _scores(cfg, q, k, _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg, q_tokens,
-                                           kv_tokens))
-        m_new = jnp.maximum(m, jnp.max(s, axis=1))
-        p = jnp.exp(s - m_new[:, None])
-        alpha = jnp.exp(m - m_new)
-        l_new = l * alpha + jnp.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
-        return m_new, l_new, acc
+
+        def attend(carry):
+            m, l, acc = carry
+            s, _ = _scores(cfg, q, k, _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg, q_tokens,
+                                               kv_tokens))
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            p = jnp.exp(s - m_new[:, None])
+            alpha = jnp.exp(m - m_new)
+            l_new = l * alpha + jnp.sum(p, axis=1)
+            return m_new, l_new, acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+        return _maybe(_block_seen(cfg, q_tokens, kv_tokens), attend, (m, l, acc))
 
     m = jnp.full((block_q,), 0.5 * _MASK_VALUE, jnp.float32)
     l = jnp.zeros((block_q,), jnp.float32)
@@ -224,9 +248,12 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_segments: bool):
         v = v_ref[pl.ds(k_start, block_k), :]
         kv_seg = kv_seg_ref[pl.ds(k_start, block_k)] if has_segments else None
         kv_tokens = kv_pos_ref[pl.ds(k_start, block_k)] if cfg.positions else None
-        mask = _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg, q_tokens, kv_tokens)
-        _, ds = _ds(cfg, q, k, v, do, lse, delta, mask)
-        return dq + _dot(ds.astype(k.dtype), k)
+
+        def attend(dq):
+            mask = _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg, q_tokens, kv_tokens)
+            _, ds = _ds(cfg, q, k, v, do, lse, delta, mask)
+            return dq + _dot(ds.astype(k.dtype), k)
+        return _maybe(_block_seen(cfg, q_tokens, kv_tokens), attend, dq)
 
     lo, hi = _kv_block_range(cfg, q_start, block_q, block_k, k_ref.shape[0] // block_k)
     dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
@@ -256,11 +283,13 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_segments: bool):
         lse, delta = lse_ref[r, rows], delta_ref[r, rows]
         q_seg = q_seg_ref[rows] if has_segments else None
         q_tokens = q_pos_ref[rows] if cfg.positions else None
-        mask = _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg, q_tokens, kv_tokens)
-        p, ds = _ds(cfg, q, k, v, do, lse, delta, mask)
-        dv = dv + _dot(p.astype(do.dtype), do, 0, 0)
-        dk = dk + _dot(ds.astype(q.dtype), q, 0, 0)
-        return dk, dv
+
+        def attend(carry):
+            dk, dv = carry
+            mask = _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg, q_tokens, kv_tokens)
+            p, ds = _ds(cfg, q, k, v, do, lse, delta, mask)
+            return dk + _dot(ds.astype(q.dtype), q, 0, 0), dv + _dot(p.astype(do.dtype), do, 0, 0)
+        return _maybe(_block_seen(cfg, q_tokens, kv_tokens), attend, (dk, dv))
 
     def head_body(r, carry):
         lo, hi = _q_block_range(cfg, k_start, block_q, block_k, q_ref.shape[0] // block_q)
@@ -450,8 +479,8 @@ def flash_attention(q, k, v, q_segment_ids=None, kv_segment_ids=None, *, causal=
     sinks. interpret=True runs the Pallas kernels on CPU. v may have its own head dim Hv (MLA):
     [B, S, G, Hv] gives [B, T, N, Hv]; q, k and v are zero-padded to one power-of-two head dim as always.
     q_positions [B, T] and kv_positions [B, S] (int32, with segment ids; give both or neither): the causal and window
-    masks compare these instead of the tokens' indices, and every key block is visited (context parallelism's
-    load-balanced layouts: models/attention/context_parallel.py).
+    masks compare these instead of the tokens' indices (context parallelism's load-balanced layouts:
+    models/attention/context_parallel.py); tiles their bounds hide run no matmul.
     """
     batch, q_len, num_heads, head_dim = q.shape
     kv_batch, kv_len, num_kv_heads, kv_head_dim = k.shape

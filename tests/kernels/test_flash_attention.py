@@ -251,3 +251,40 @@ def test_broken_backward_fails_the_comparison(monkeypatch):
     _assert_close("forward unaffected", out, ref_out, 1e-5)
     with pytest.raises(AssertionError):
         _assert_close("broken dq", vjp(do)[0], ref_vjp(do)[0], 1e-5)
+
+
+@pytest.mark.parametrize("sliding_window", [0, 40])
+def test_positions_skip_the_tiles_they_hide_exactly(monkeypatch, sliding_window):
+    """Masking by position (context parallelism's load-balanced layouts: kernels/flash_attention.py _block_seen),
+    the tiles that no query can see by the causal mask or the window run no matmul. Device 0's queries of a
+    dual_chunk_swap layout over 2 devices (chunks 0 and 3 of 4) against every key in that layout: equal to the
+    reference on the original order, and bitwise equal to every tile running."""
+    from maxtrain.kernels import flash_attention as kernel  # pylint: disable=import-outside-toplevel
+    from maxtrain.parallel import context  # pylint: disable=import-outside-toplevel
+
+    q, k, v, do, seg, _ = _inputs(Case(q_len=128, kv_len=128, kv_heads=2, packed=True), seed=3)
+    order = jnp.asarray(context.layout(128, 2))
+    positions = jnp.broadcast_to(order[None], seg.shape)
+    q_dev, do_dev, seg_q, q_pos = q[:, order[:64]], do[:, order[:64]], seg[:, order[:64]], positions[:, :64]
+    k_all, v_all, seg_kv = k[:, order], v[:, order], seg[:, order]
+
+    def flash(q, k, v):
+        return flash_attention(q, k, v, seg_q, seg_kv, causal=True, sliding_window=sliding_window, block_q=16,
+                               block_k=16, q_positions=q_pos, kv_positions=positions, interpret=True)
+
+    def run():
+        out, vjp = jax.vjp(flash, q_dev, k_all, v_all)
+        return (out, *vjp(do_dev))
+
+    skipped = run()
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    ref_out, ref_vjp = jax.vjp(lambda q, k, v: _reference(q, k, v, seg, seg, True, sliding_window), f32(q), f32(k),
+                               f32(v))
+    ref_dq, ref_dk, ref_dv = ref_vjp(f32(do).at[:, order[64:]].set(0.0))  # only device 0's queries' gradient
+    for label, actual, expected in zip(("out", "dq", "dk", "dv"), skipped,
+                                       (ref_out[:, order[:64]], ref_dq[:, order[:64]], ref_dk[:, order],
+                                        ref_dv[:, order])):
+        _assert_close(label, actual, expected, 1e-4)
+    monkeypatch.setattr(kernel, "_block_seen", lambda cfg, q_tokens, kv_tokens: None)  # every tile runs
+    for label, a, b in zip(("out", "dq", "dk", "dv"), skipped, run()):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=label)

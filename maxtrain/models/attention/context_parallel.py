@@ -9,7 +9,8 @@ indices (`context.layout`), so each equals attention over the unsplit sequence.
 
 all_gather with attention=flash (all_gather_flash, GPUs; interpret mode on CPU) gathers the keys and values inside
 shard_map and runs the flash kernel on the device's T / C queries against all T keys, masking by the tokens'
-original indices (the kernel's positions operands): no [T / C, T] scores, but every key block visited and T keys
+original indices (the kernel's positions operands): no [T / C, T] scores, every key block visited (the tiles the
+causal mask hides by position run no matmul, but are loaded: 1.3x, not 2x, on an H200, docs/gpu.md) and T keys
 held per device. The backward pass reduce-scatters dK and dV (all_gather's transpose). TPUs keep the plain form
 (splash takes no positions).
 """

@@ -29,7 +29,8 @@ softmax's gradient needs); a last pass takes dk and dv home. Per device the kern
 
 A sliding window, and the striped layout (token t on device t mod C: every pair is causal with a shift), need the
 tokens' original indices in the mask, not the call's own: the kernel then takes them as operands (KernelConfig
-positions=True, q_pos and kv_pos after the segment ids) and visits every key block of a call. Under dual_chunk_swap
+positions=True, q_pos and kv_pos after the segment ids), visiting every key block of a call (a tile that the
+positions' bounds hide runs no matmul: contiguous runs of tokens skip as by index, striped ones little). Under dual_chunk_swap
 the calls are those above (the window only hides more); under striped each pair runs whole, masked by position
 (no pair is wholly hidden, so nothing is skipped beyond the kernel's own masking). Per-block outputs and gradients
 are rounded to the input dtype by the kernel before being merged or summed in float32 (exact for float32 inputs).
