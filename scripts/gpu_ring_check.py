@@ -105,13 +105,13 @@ def by_position(platform: str, interpret: bool):
 @contextlib.contextmanager
 def every_tile():
     """Within: the flash kernels traced run every tile (2026-11-30's tile skipping by position,
-    flash_attention._block_seen, turned off), as before it. Covers the forward and backward kernels' tracing."""
-    saved = flash_attention._block_seen  # pylint: disable=protected-access
-    flash_attention._block_seen = lambda cfg, q_tokens, kv_tokens: None  # pylint: disable=protected-access
+    flash_attention.block_seen, turned off), as before it. Covers the forward and backward kernels' tracing."""
+    saved = flash_attention.block_seen
+    flash_attention.block_seen = lambda cfg, q_tokens, kv_tokens: None
     try:
         yield
     finally:
-        flash_attention._block_seen = saved  # pylint: disable=protected-access
+        flash_attention.block_seen = saved
 
 
 def timed(program, args, iters: int) -> tuple[float, float]:

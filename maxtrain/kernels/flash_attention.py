@@ -75,7 +75,7 @@ class KernelConfig:
     # True: the causal and window masks compare the tokens' positions given as operands (q_pos [B, T], kv_pos
     # [B, S], after the segment ids) instead of their indices (ring attention's block pairs of a load-balanced
     # layout: models/attention/ring_flash.py); every key block is visited, and a tile the positions' bounds hide
-    # runs no matmul (_block_seen). False: the indices, as always.
+    # runs no matmul (block_seen). False: the indices, as always.
     positions: bool = False
 
     def call_name(self, kernel: str) -> str:
@@ -146,7 +146,7 @@ def _q_block_range(cfg, k_start, block_q, block_k, num_q_blocks):
     return lo, hi
 
 
-def _block_seen(cfg, q_tokens, kv_tokens):
+def block_seen(cfg, q_tokens, kv_tokens):
     """With cfg.positions, whether some query of the tile may see some key of it: the causal and window masks'
     bounds on the tokens' positions (min and max, so padding only makes it more cautious). A tile it rules out runs
     no matmul (exact: a tile with nothing visible adds 0 to every sum); its loads stay outside the branch, where
@@ -162,7 +162,7 @@ def _block_seen(cfg, q_tokens, kv_tokens):
 
 
 def _maybe(seen, fn, carry):
-    """fn(carry) where the tile may hold a visible pair (`seen`: _block_seen's), else carry unchanged."""
+    """fn(carry) where the tile may hold a visible pair (`seen`: block_seen's), else carry unchanged."""
     return fn(carry) if seen is None else lax.cond(seen, fn, lambda c: c, carry)
 
 
@@ -210,7 +210,7 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_segments: bool):
             alpha = jnp.exp(m - m_new)
             l_new = l * alpha + jnp.sum(p, axis=1)
             return m_new, l_new, acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
-        return _maybe(_block_seen(cfg, q_tokens, kv_tokens), attend, (m, l, acc))
+        return _maybe(block_seen(cfg, q_tokens, kv_tokens), attend, (m, l, acc))
 
     m = jnp.full((block_q,), 0.5 * _MASK_VALUE, jnp.float32)
     l = jnp.zeros((block_q,), jnp.float32)
@@ -253,7 +253,7 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_segments: bool):
             mask = _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg, q_tokens, kv_tokens)
             _, ds = _ds(cfg, q, k, v, do, lse, delta, mask)
             return dq + _dot(ds.astype(k.dtype), k)
-        return _maybe(_block_seen(cfg, q_tokens, kv_tokens), attend, dq)
+        return _maybe(block_seen(cfg, q_tokens, kv_tokens), attend, dq)
 
     lo, hi = _kv_block_range(cfg, q_start, block_q, block_k, k_ref.shape[0] // block_k)
     dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
@@ -289,7 +289,7 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_segments: bool):
             mask = _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg, q_tokens, kv_tokens)
             p, ds = _ds(cfg, q, k, v, do, lse, delta, mask)
             return dk + _dot(ds.astype(q.dtype), q, 0, 0), dv + _dot(p.astype(do.dtype), do, 0, 0)
-        return _maybe(_block_seen(cfg, q_tokens, kv_tokens), attend, (dk, dv))
+        return _maybe(block_seen(cfg, q_tokens, kv_tokens), attend, (dk, dv))
 
     def head_body(r, carry):
         lo, hi = _q_block_range(cfg, k_start, block_q, block_k, q_ref.shape[0] // block_q)
