@@ -285,6 +285,18 @@ def test_splash_inside_the_ring_compiles_for_tpu():
     _both_kinds_of_pairs_are_counted(hlo)
 
 
+@needs_tpu_compiler
+@pytest.mark.parametrize("sliding_window", [0, 1024])
+def test_splash_under_all_gather_compiles_for_tpu(sliding_window):
+    """A v5p-8's 4 chips as context 4 at 8k tokens: splash on each query chunk's window of the gathered keys
+    (all_gather_splash.py): a Mosaic call per query chunk forward, and dq and dkv calls per chunk backward; the keys
+    gathered, their gradients summed back over the group."""
+    hlo = compile_context_attention(targets.parse("v5p-8").devices(), "tpu", "flash", context=4, tensor=1, heads=8,
+                                    kv_heads=4, strategy="all_gather", sliding_window=sliding_window)
+    assert hlo.count("tpu_custom_call") == 6
+    assert "reduce-scatter" in hlo or "all-reduce" in hlo
+
+
 # ----------------------------------------------------------------------------------------------
 # TPU: splash attention through Mosaic, 4 chips (data 2 x tensor 2).
 

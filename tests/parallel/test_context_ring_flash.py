@@ -158,8 +158,6 @@ def test_flash_resolves_inside_the_ring_and_the_rest_is_refused_in_one_line():
         ("flash", "tpu", ("length", 768)): r"max_target_length=768 must be a multiple of 512",
         ("cudnn", "gpu", ()): r"attention=cudnn does not run inside context_parallel_strategy=ring.*use "
                               r"attention=flash",
-        ("flash", "tpu", ("context_strategy", "all_gather")): r"attention=flash with context_parallel_strategy="
-                                                              r"all_gather on TPUs",
     }
     for (name, platform, extra), message in refusals.items():
         with pytest.raises(ValueError, match=message):

@@ -292,8 +292,8 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     as without context parallelism); under ring flash (ring_flash.py: the Triton kernel per block pair of the
     ring; on TPUs the splash kernel, ring_splash.py, dual_chunk_swap without windows), which autoselected takes on
     GPUs and TPUs; under usp flash per block pair of its ring across slices (GPUs; autoselected takes it there); under
-    all_gather the plain-jnp form for autoselected, and flash on the gathered keys when set (GPUs; refused on TPUs,
-    as cuDNN and tokamax are everywhere).
+    all_gather the plain-jnp form for autoselected, and flash on the gathered keys when set (GPUs; on TPUs splash on
+    each query chunk's window of them, all_gather_splash.py: dual_chunk_swap; cuDNN and tokamax refused).
 
     The arguments describe one attention kind (models/runtime.py resolves each once); `layers` names it
     in the refusal of an explicit choice it cannot run.
@@ -317,8 +317,14 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
                 "per block under ring, ulysses and usp")
             return choice if with_reason else choice.implementation
         if platform == "tpu":
-            raise ValueError(f"attention=flash with context_parallel_strategy=all_gather {_NO_POSITIONS_ON_TPU}, or "
-                             "context_parallel_strategy=ring or ulysses (splash)")
+            # deferred: the splash kernel's import, only where it runs (as in attention() below)
+            from maxtrain.models.attention import all_gather_splash  # pylint: disable=import-outside-toplevel
+
+            why = all_gather_splash.unsupported(context_reorder, True, sliding_window, length, context_parallel)
+            if why:
+                raise ValueError(f"attention=flash with context_parallel_strategy=all_gather {why}")
+            return kernel_choice.Choice("flash", "flash: set in the config; splash on each query chunk's window of "
+                                        "the gathered keys (all_gather_splash.py)") if with_reason else "flash"
         return kernel_choice.Choice("flash", "flash: set in the config; the kernel on the gathered keys "
                                     "(context_parallel.all_gather_flash)") if with_reason else "flash"
     if context_parallel > 1 and context_strategy in ("ring", "usp") and name in ("flash", "autoselected"):
@@ -455,7 +461,12 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
 
         platform = canonical_platform(platform or "cpu")
         if platform == "tpu":
-            raise ValueError(f"attention=flash with context_parallel_strategy=all_gather {_NO_POSITIONS_ON_TPU}")
+            # deferred: the splash kernel's import, only where it runs
+            from maxtrain.models.attention import all_gather_splash  # pylint: disable=import-outside-toplevel
+
+            return all_gather_splash.all_gather_splash(
+                q, k, v, segment_ids, reorder=context_reorder, causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                scale=scale, sinks=sinks, block=max(block_q, block_kv), interpret=bool(interpret))
         return context_parallel.all_gather_flash(
             q, k, v, segment_ids, reorder=context_reorder, causal=causal, sliding_window=sliding_window,
             logits_soft_cap=logits_soft_cap, scale=scale, sinks=sinks,

@@ -38,8 +38,9 @@ from maxtrain.config import attention_speeds
 KERNEL_LIMITS = {"cudnn": ("logits_soft_cap", "sinks"), "tokamax": ("sinks",)}
 
 # The kernels each context_parallel_strategy can run its attention with. all_gather attends T / C queries to the
-# gathered keys in the load-balanced order: flash masks them by position when set (GPUs; autoselected keeps the
-# plain form there); ring runs flash per block pair
+# gathered keys in the load-balanced order: flash masks them by position when set (GPUs; on TPUs splash on each
+# query chunk's window of them in the original order, all_gather_splash.py; autoselected keeps the plain form);
+# ring runs flash per block pair
 # (ring_flash.py; splash on TPUs), whose backward takes the ring's global softmax statistics (cuDNN's and tokamax's
 # take only their own); ulysses gives each device every token of N / C heads, which it puts back into the original
 # order for the kernel (ulysses.py), so every kernel runs there; usp's ring across slices runs flash per block pair
