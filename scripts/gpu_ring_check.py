@@ -39,6 +39,7 @@ import numpy as np
 
 from maxtrain.compile import context_costs
 from maxtrain.config import chips
+from maxtrain.errors import run_cli
 from maxtrain.kernels import flash_attention
 from maxtrain.kernels.flash_tiles import DEFAULT_SHARED_MEMORY
 from maxtrain.models.attention import kernel_check, ring_flash
@@ -209,4 +210,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_cli("gpu_ring_check", main))
