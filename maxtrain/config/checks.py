@@ -351,6 +351,14 @@ def _mla_head_dims(v):
              f"base_num_kv_heads={v['base_num_kv_heads']} must equal base_num_query_heads={v['base_num_query_heads']} "
              f"for decoder_block={v['decoder_block']}: MLA expands every head's keys and values from the latent; set "
              f"base_num_kv_heads={v['base_num_query_heads']}")
+    if v.get("index_n_heads", 0) > 0:  # DeepSeek-V3.2's indexer (models/families/deepseek/indexer.py)
+        _require(v["q_lora_rank"] > 0, "index_n_heads > 0 (DeepSeek-V3.2's indexer) reads MLA's query latent: set "
+                                       "q_lora_rank > 0, or index_n_heads=0")
+        _require(v["index_head_dim"] >= v["qk_rope_head_dim"],
+                 f"index_head_dim={v['index_head_dim']} must hold the qk_rope_head_dim={v['qk_rope_head_dim']} "
+                 "features the indexer rotates; set index_head_dim >= qk_rope_head_dim")
+        _require(v["mtp_num_layers"] == 0, f"mtp_num_layers={v['mtp_num_layers']} with DeepSeek-V3.2's indexer "
+                                           "(index_n_heads > 0) is not built yet; set mtp_num_layers=0")
 
 
 def _gated_deltanet(v):

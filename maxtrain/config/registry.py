@@ -35,6 +35,9 @@ class Family:
     usual: tuple[tuple[str, int], ...] = ()
     settings: tuple[str, ...] = ()  # the settings of base.yml that only some families' modules read: those it reads
     mixer: str = "attention"      # how its layers mix tokens: "attention" (q, k, v heads), "mla" (latent attention)
+    # With index_n_heads > 0 each query attends to the index_topk keys a lightning indexer scores highest (DeepSeek
+    # Sparse Attention, DeepSeek-V3.2): beyond index_topk tokens its attention is the plain form under that mask.
+    sparse_attention: bool = False
     # Model keys beyond the shared ones (models/__init__.py) that a checkpoint of this family is checked against:
     # those that fix its parameters' shapes, and those that change what the same parameters compute. Each of its
     # `settings` is a model key, shared or its own (tests/house/test_house.py).
@@ -120,16 +123,18 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            per_layer_attention=False, usual=(("num_experts", 256),), settings=HYBRID_SETTINGS + ("shared_expert_mlp_dim",),
            shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts", "shared_expert_mlp_dim"), setting_keys=("partial_rotary_factor",),
            kernel_settings=HYBRID_KERNEL_SETTINGS),
-    Family("deepseek", ("deepseek_v3",), "DeepseekV3ForCausalLM", moe=True, per_layer_attention=False,
+    Family("deepseek", ("deepseek_v3", "deepseek_v32"), "DeepseekV3ForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 256),),
            settings=("norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                      "v_head_dim", "rope_interleave", "first_num_dense_layers", "n_routing_groups",
-                     "topk_routing_group", "routed_scaling_factor", "mtp_num_layers"),
-           mixer="mla",
+                     "topk_routing_group", "routed_scaling_factor", "mtp_num_layers", "index_n_heads",
+                     "index_head_dim", "index_topk"),
+           mixer="mla", sparse_attention=True,
            shape_keys=("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
-                       "first_num_dense_layers", "shared_experts", "routed_bias", "mtp_num_layers"),
+                       "first_num_dense_layers", "shared_experts", "routed_bias", "mtp_num_layers", "index_n_heads",
+                       "index_head_dim"),
            setting_keys=("rope_interleave", "rope_mscale_all_dim", "n_routing_groups", "topk_routing_group",
-                         "routed_scaling_factor")),
+                         "routed_scaling_factor", "index_topk")),
     Family("llama4_text", ("llama4_text", "llama4"), "Llama4ForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 16),),
            settings=("decoder_sparse_step", "chunk_attn_window_size", "nope_layer_interval", "use_qk_norm",

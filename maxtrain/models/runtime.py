@@ -255,6 +255,9 @@ def resolve_attention(config, backend: str, dtype, kinds: list[AttentionKind], *
                   gqa=config.base_num_query_heads // max(config.base_num_kv_heads, 1), capability=capability,
                   gpu_present=gpu_present, with_reason=True, context_reorder=config.context_parallel_reorder_strategy,
                   context_inner=config.ici_context_parallelism)
+    if (getattr(family, "sparse_attention", False) and config.index_n_heads > 0
+            and config.max_target_length > config.index_topk):
+        return _sparse_attention(config, kinds, context_parallel)
     resolved, refused = [], []
     for kind in kinds:
         try:
@@ -271,3 +274,19 @@ def resolve_attention(config, backend: str, dtype, kinds: list[AttentionKind], *
                                                  sliding_window=kind.window, layers=kind.label(), **shared)
         raise error
     return resolved
+
+
+def _sparse_attention(config, kinds: list[AttentionKind], context_parallel: int) -> list[AttentionKind]:
+    """DeepSeek Sparse Attention beyond index_topk tokens: the plain form under the indexer's mask
+    (models/families/deepseek, index_n_heads > 0), which no kernel and no context-parallel strategy takes yet."""
+    where = f"the indexer's top-{config.index_topk} mask (max_target_length={config.max_target_length} > index_topk)"
+    if context_parallel > 1:
+        raise ValueError(f"context parallelism ({context_parallel} ways) cannot split DeepSeek Sparse Attention: "
+                         f"{where} is made over the whole sequence; use ici_context_parallelism=1, or "
+                         f"max_target_length <= index_topk (dense attention, every strategy)")
+    if config.attention not in ("autoselected", "dot_product"):
+        raise ValueError(f"attention={config.attention} cannot run DeepSeek Sparse Attention: no kernel takes {where}; "
+                         "use attention=dot_product or autoselected, or max_target_length <= index_topk (dense "
+                         "attention, every kernel)")
+    reason = f"dot_product: DeepSeek Sparse Attention, the plain form under {where}"
+    return [dataclasses.replace(kind, implementation="dot_product", reason=reason) for kind in kinds]

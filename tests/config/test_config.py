@@ -45,7 +45,7 @@ def test_wrong_type_names_key_and_type(override, fragment):
     (["base_num_query_heads=6", "base_num_kv_heads=4"], "must be a multiple of base_num_kv_heads=4"),
     (["ici_tensor_parallelism=3"], "tensor parallelism 3 .* must divide base_num_query_heads=4"),
     (["dtype=fp8"], "dtype='fp8' is not allowed: it must be one of: autoselected, float32"),
-    (["model_name=gpt5"], "model_name='gpt5' is not a preset. Presets: deepseek3-671b, deepseek3-tiny, default, gemma2-2b"),
+    (["model_name=gpt5"], "model_name='gpt5' is not a preset. Presets: deepseek3-671b, deepseek3-tiny, deepseek3.2-671b, deepseek3.2-tiny, default"),
     (["ici_fsdp_parallelism=-1", "ici_data_parallelism=-1"], "only one ici_\\*_parallelism may be -1"),
     (["logical_axis_rules=[[\"embed\", \"model\"]]"], "unknown mesh axis 'model'"),
     (["dataset_type=arrayrecord"], "needs grain_train_files"),

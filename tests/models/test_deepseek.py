@@ -137,6 +137,47 @@ def test_mla_decoding_from_the_latent_cache_equals_the_full_forward():
     assert [int(t) for t in jnp.argmax(logits[0, len(prompt) - 1:-1], axis=-1)] == new
 
 
+SPARSE = ["index_n_heads=4", "index_head_dim=8", "index_topk=3", "q_lora_rank=8"]
+
+
+def test_sparse_attention_decoding_from_the_cache_equals_the_full_forward():
+    """DeepSeek-V3.2's indexer keeping 3 keys a query: greedy decoding (the indexer's keys cached beside the latent,
+    each step selecting among the slots) gives the tokens the full forward's argmax gives; and a control that keeps
+    every key decodes other tokens, so the selection was in force."""
+    config = tiny("max_target_length=16", *SPARSE)
+    rt = Runtime.from_config(config)
+    assert rt.attention == "dot_product" and "indexer's top-3 mask" in rt.attention_reason
+    params = jax.jit(lambda key: Model.bind(config).init_params(key))(jax.random.key(3))
+    cache = Model.bind(config).init_cache(1, 10, rt.dtype)
+    assert cache["index_k"].shape == (2, 1, 10, 1, 8)
+    prompt = [5, 17, 3, 99]
+    new = [int(t) for t in sampling.generate(params, prompt, Model.bind(config), rt, max_new_tokens=6)]
+    ids = jnp.asarray([prompt + new])
+
+    def argmax(config):
+        logits = jax.jit(lambda p: Model.bind(config).forward(p, ids, jnp.arange(10)[None], jnp.ones_like(ids),
+                                                             Runtime.from_config(config))[0])(params)
+        return jnp.argmax(logits[0, len(prompt) - 1:-1], axis=-1), logits
+    tokens, sparse_logits = argmax(config)
+    assert [int(t) for t in tokens] == new
+    _, dense_logits = argmax(config.replace(index_topk=16))
+    assert float(jnp.max(jnp.abs(sparse_logits - dense_logits))) > 1e-3
+
+
+def test_sparse_attention_refuses_a_kernel_and_context_parallelism_in_one_line():
+    config = tiny("max_target_length=16", *SPARSE)
+    with pytest.raises(ValueError, match=r"attention=flash cannot run DeepSeek Sparse Attention: no kernel takes "
+                                         r"the indexer's top-3 mask .* use attention=dot_product or autoselected"):
+        Runtime.from_config(config.replace(attention="flash"))
+    assert Runtime.from_config(config.replace(attention="flash", index_topk=16)).attention == "flash"  # dense
+    with pytest.raises(ValueError, match=r"context parallelism \(2 ways\) cannot split DeepSeek Sparse Attention"):
+        Runtime.from_config(config, context_parallel=2)
+    with pytest.raises(ConfigError, match="index_head_dim=2 must hold the qk_rope_head_dim=4 features"):
+        tiny(*SPARSE[:1], "index_head_dim=2", *SPARSE[2:])
+    with pytest.raises(ConfigError, match="index_n_heads > 0 .* reads MLA's query latent: set q_lora_rank > 0"):
+        tiny(*SPARSE[:3], "q_lora_rank=0")
+
+
 @pytest.mark.parametrize("overrides, fragment", [
     (["topk_routing_group=5"], "topk_routing_group=5 is more than n_routing_groups=4"),
     (["num_experts_per_tok=5"], "num_experts_per_tok=5 is more than the 4 experts that topk_routing_group=2 groups of 2"),

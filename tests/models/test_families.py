@@ -113,6 +113,19 @@ CASES = {
                                                     "original_max_position_embeddings": 16, "mscale": 0.9,
                                                     "mscale_all_dim": 0.7}),
         {"rope_interleave": False}),
+    # DeepSeek-V3.2: the same MLA and experts with DeepSeek Sparse Attention, each query attending to the 8 keys of
+    # its 40 the lightning indexer (16 heads of 16, half-split RoPE on 8 of their features, a LayerNorm with a bias on
+    # its key) scores highest; the control keeps every key. 16 heads: a score is exactly 0 only where all 16 relus
+    # are, so no tie at the k-th score, where transformers' topk and ours may choose apart (indexer.py).
+    "deepseek-v32_sparse_attention-indexer": (
+        "DeepseekV32Config", "DeepseekV32ForCausalLM",
+        dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=20, n_shared_experts=2, n_group=4,
+             topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=20,
+             qk_nope_head_dim=12, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, num_key_value_heads=4,
+             index_n_heads=16, index_head_dim=16, index_topk=8,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 16, "mscale": 0.9, "mscale_all_dim": 0.7}),
+        {"index_topk": 64}),
     # Chunks of 8 in the RoPE layers 0, 1, 3 (L2 qk-norm), NoPE layer 2 with attention temperature (floor scale 4,
     # so it changes within the 40 tokens), experts in layers 1 and 3 (2 of 4 per token, sigmoid weights on their
     # inputs, a shared expert), dense layers of another width, llama3 RoPE with Scout's equal frequency factors.

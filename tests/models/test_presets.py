@@ -47,6 +47,10 @@ PUBLISHED = {
     "olmo3-32b": 32_233_522_176,     # transformers' count of OLMo 3 32B's config (the model card: 32B)
     "deepseek3-671b": 671_026_419_200,  # 671B, 37B active (below); the released 685B adds the MTP module
     "deepseek3-tiny": 8_166_320,     # DeepSeek-V3's architecture at the default model's sizes (not released)
+    # DeepSeek-V3.2: transformers' DeepseekV32ForCausalLM counts 671,877,929,216 parameters and keeps the 58 MoE
+    # layers' 256 selection biases (14,848) as buffers
+    "deepseek3.2-671b": 671_877_944_064,
+    "deepseek3.2-tiny": 8_252_592,   # deepseek3-tiny with a lightning indexer of 4 heads of 32
     "gemma4-default": 5_077_177_886,  # transformers' default Gemma4TextConfig (no model card gives a text config)
     "glm-4.5-air": 106_852_251_264,  # transformers' count; model card: 106B, 12B active (below), without the MTP layer
     "glm-4.5": 352_797_829_024,      # transformers' count, without the MTP layer; model card: 355B, 32B active

@@ -16,13 +16,26 @@ never changes; with routed_bias_update_rate > 0 the train step moves it after ea
 Multi-token prediction (mtp_num_layers; Hugging Face's num_nextn_predict_layers): models/mtp.py, its modules'
 blocks of the "moe" kind; their weights are params["mtp"], the layers after num_hidden_layers in a Hugging Face
 checkpoint (read by an import with keep_mtp, never written by an export: transformers has no MTP).
+
+DeepSeek-V3.2 (index_n_heads > 0; Hugging Face's deepseek_v32): DeepSeek Sparse Attention, a lightning indexer in
+front of MLA that keeps the index_topk keys each query attends to (indexer.py). Where a sequence (or the decoding
+cache) holds no more than index_topk tokens every query keeps every key it sees, and the indexer is skipped (MLA
+runs its kernels); beyond, MLA is the plain form under the indexer's mask (no kernel takes it yet: models/runtime.py
+resolves attention to dot_product and says why). Decoding caches each token's indexer key beside MLA's latent
+(layer_cache). The indexer's weights are imported and exported but not trained (indexer.py). V3.2's config.json has
+no rope_interleave: its MLA always interleaves, its indexer rotates by halves.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
+
 from maxtrain.config import registry
 from maxtrain.models import blocks, contract, hf, moe, mtp, standard_layers
-from maxtrain.models.families.deepseek import mla
+from maxtrain.models.families.deepseek import indexer, mla
 from maxtrain.models.layers import LayerType
 from maxtrain.parallel.sharding import shard
 
@@ -43,7 +56,8 @@ def rope_head_dim(config) -> int:
 
 def param_specs(model):
     config = model.config
-    attention = {"attn_norm": blocks.norm_spec(config), **mla.specs(config), "mlp_norm": blocks.norm_spec(config)}
+    attention = {"attn_norm": blocks.norm_spec(config), **mla.specs(config), "mlp_norm": blocks.norm_spec(config),
+                 **(indexer.specs(config) if config.index_n_heads > 0 else {})}
     per_kind = {"dense": {**attention, **blocks.mlp_specs(config)}, "moe": {**attention, **moe.specs(config)}}
     out = {**blocks.embedding_specs(config), "layers": standard_layers.stacks(config, model.layer_types, per_kind)}
     if config.mtp_num_layers > 0:
@@ -54,7 +68,7 @@ def param_specs(model):
 def layer(x, p, inputs, layer_type: LayerType, model, rt):
     config = model.config
     eps = config.normalization_layer_epsilon
-    h, aux = mla.attention(blocks.rms_norm(x, p["attn_norm"], eps), p, inputs, config, rt)
+    h, aux = _attention(blocks.rms_norm(x, p["attn_norm"], eps), p, inputs, config, rt)
     x = shard(x + h, ("batch", "length", "embed"))
     normed = blocks.rms_norm(x, p["mlp_norm"], eps)
     if layer_type.is_moe:
@@ -67,6 +81,60 @@ def layer(x, p, inputs, layer_type: LayerType, model, rt):
     return shard(x + h, ("batch", "length", "embed")), aux
 
 
+def _attention(normed, p, inputs, config, rt):
+    """MLA, under DeepSeek-V3.2's indexer where it has one and the keys outnumber index_topk."""
+    if config.index_n_heads <= 0:
+        return mla.attention(normed, p, inputs, config, rt)
+    index_cache = None
+    if inputs.cache is not None:  # decoding: MLA's two entries, then the indexer keys' (layer_cache)
+        cache_c, cache_r, index_cache, index, first = inputs.cache
+        inputs = inputs._replace(cache=(cache_c, cache_r, index, first))
+        new_keys = indexer.keys(normed, p, inputs.rope["global"]).astype(index_cache.dtype)
+        index_cache = jax.lax.dynamic_update_slice_in_dim(index_cache, new_keys[:, :, None], index, axis=1)
+    kept = None
+    if (index_cache.shape[1] if index_cache is not None else normed.shape[1]) > config.index_topk:  # else all kept
+        kept = functools.partial(indexer.keys_kept, p=p, segment_ids=inputs.segment_ids, topk=config.index_topk,
+                                 cached_keys=None if index_cache is None else index_cache[:, :, 0])
+    h, aux = mla.attention(normed, p, inputs, config, rt, keys_kept=kept)
+    if index_cache is not None:
+        aux = {**aux, "cache": (*aux["cache"], index_cache)}
+    return h, aux
+
+
+def layer_cache(config, layer_type, batch: int, max_length: int, kv_heads) -> dict:
+    """MLA's latent and RoPE key; with the indexer, its key [B, S, 1, index_head_dim] too (float32, as it scores)."""
+    out = contract.kv_layer_cache(config, layer_type, batch, max_length, kv_heads)
+    if config.index_n_heads > 0:
+        out["index_k"] = ((batch, max_length, 1, config.index_head_dim), jnp.float32)
+    return out
+
+
+def sparse(config) -> bool:
+    """Whether the indexer's top-k hides keys at max_target_length (models/runtime.py resolves attention by it)."""
+    return config.index_n_heads > 0 and config.max_target_length > config.index_topk
+
+
+def attended_keys(config, dense: bool = False) -> float:
+    """Mean keys a query attends to: the causal mask's, at most index_topk each where sparse."""
+    length, topk = config.max_target_length, config.index_topk
+    if not sparse(config):
+        return blocks.attended_keys(length, 0, dense)
+    return float(topk) if dense else (topk * (topk + 1) / 2 + (length - topk) * topk) / length
+
+
+def _indexer_flops(config, dense_attention: bool) -> float:
+    """Training FLOPs per token of the indexer where sparse (forward only: it takes no gradient) and the attention
+    it saves (MLA over the kept keys rather than every visible one)."""
+    if not sparse(config):
+        return 0.0
+    layers, d = config.base_num_decoder_layers, config.base_emb_dim
+    q, n, e = config.q_lora_rank, config.index_n_heads, config.index_head_dim
+    visible = blocks.attended_keys(config.max_target_length, 0, dense_attention)
+    per_key = 2 * config.base_num_query_heads * (mla.qk_head_dim(config) + config.v_head_dim)  # q.k and p.v
+    saved = 3.0 * layers * per_key * (visible - attended_keys(config, dense_attention))
+    return layers * (2 * (q * n * e + d * e + d * n) + 2 * (n * e + n) * visible) - saved
+
+
 def flops_per_token(model, dense_attention: bool = False) -> float:
     """Training FLOPs per token: 3 x (2 x the weights a token multiplies + MLA's scores and values), with
     a token's K routed experts, the shared experts and the router in MoE layers (moe.flops_per_token)."""
@@ -77,7 +145,8 @@ def flops_per_token(model, dense_attention: bool = False) -> float:
     matmul = sum(mla.matmul_params(config) + m for m in mlps) + d * config.vocab_size
     depth = config.mtp_num_layers  # each MTP module: eh_proj, one MoE block and the shared head (models/mtp.py)
     matmul += depth * (2 * d * d + mla.matmul_params(config) + routed + d * config.vocab_size)
-    return 3.0 * (2 * matmul + mla.attention_flops(config, config.base_num_decoder_layers + depth, dense_attention))
+    return (3.0 * (2 * matmul + mla.attention_flops(config, config.base_num_decoder_layers + depth, dense_attention))
+            + _indexer_flops(config, dense_attention))
 
 
 # --------------------------------------------------------------------------------------------
@@ -102,6 +171,13 @@ _MOE = {
 }
 
 
+_INDEXER = {  # DeepSeek-V3.2's
+    "index_wq": ("self_attn.indexer.wq_b.weight", hf.Linear(1)), "index_wk": ("self_attn.indexer.wk.weight", hf.Linear(1)),
+    "index_k_norm": "self_attn.indexer.k_norm.weight", "index_k_norm_bias": "self_attn.indexer.k_norm.bias",
+    "index_weights": ("self_attn.indexer.weights_proj.weight", hf.Linear(1)),
+}
+
+
 def _names(kind: str, table: dict) -> dict:
     return {f"layers/{kind}/{name}": (f"model.layers.{{i}}.{v}", hf.SAME) if isinstance(v, str)
             else (f"model.layers.{{i}}.{v[0]}", v[1]) for name, v in table.items()}
@@ -114,6 +190,7 @@ _MTP = {"enorm": "enorm.weight", "hnorm": "hnorm.weight", "eh_proj": ("eh_proj.w
 MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 HF_NAMES = {**hf.EMBEDDING_NAMES, **_names("dense", _ATTENTION), **_names("moe", _ATTENTION), **_names("moe", _MOE),
+            **_names("dense", _INDEXER), **_names("moe", _INDEXER),
             **hf.for_kind(hf.MLP_NAMES, "dense"),
             **{k.replace("layers/mtp/", "mtp/"): v for k, v in _names("mtp", _MTP).items()}}
 
@@ -127,6 +204,7 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
     rope = hf.rope_dict(config, notes)
     heads = hf.require(config, "num_attention_heads")
     nope, rope_dim = int(hf.require(config, "qk_nope_head_dim")), int(hf.require(config, "qk_rope_head_dim"))
+    v32 = config.get("model_type") == "deepseek_v32"  # MLA's RoPE always interleaved there (no such field)
     groups = hf.count(config, "n_group", 8, null=1)
     top_groups = hf.count(config, "topk_group", 4, null=groups)
     return {**hf.common_keys(config), **hf.rope_keys(config, notes, rope=rope),
@@ -143,8 +221,11 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
             "q_lora_rank": hf.count(config, "q_lora_rank", 1536, least=0, null=0),
             "kv_lora_rank": int(hf.require(config, "kv_lora_rank")),
             "qk_nope_head_dim": nope, "qk_rope_head_dim": rope_dim, "v_head_dim": int(hf.require(config, "v_head_dim")),
-            "rope_interleave": bool(config.get("rope_interleave", True)),
-            "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0)}
+            "rope_interleave": True if v32 else bool(config.get("rope_interleave", True)),
+            "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
+            **({"index_n_heads": hf.count(config, "index_n_heads", 64),
+                "index_head_dim": hf.count(config, "index_head_dim", 128, least=2),
+                "index_topk": hf.count(config, "index_topk", 2048)} if v32 else {"index_n_heads": 0})}
 
 
 def to_hf_config(keys: dict) -> dict:
@@ -163,6 +244,14 @@ def to_hf_config(keys: dict) -> dict:
            "qk_rope_head_dim": keys["qk_rope_head_dim"], "v_head_dim": keys["v_head_dim"],
            "rope_interleave": keys["rope_interleave"], "num_nextn_predict_layers": 0}
     out["head_dim"] = keys["qk_rope_head_dim"]  # transformers' DeepseekV3Config: the RoPE width
+    if keys.get("index_n_heads", 0) > 0:  # DeepSeek-V3.2: its own model_type, an interleaved RoPE with no field for it
+        if not keys["rope_interleave"]:
+            raise hf.ConversionError("DeepSeek-V3.2 (index_n_heads > 0) exports with MLA's RoPE interleaved, as "
+                                     "transformers' DeepseekV32 computes it; this model has rope_interleave=false")
+        del out["rope_interleave"], out["num_nextn_predict_layers"]
+        out.update(model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"],
+                   index_n_heads=keys["index_n_heads"], index_head_dim=keys["index_head_dim"],
+                   index_topk=keys["index_topk"])
     return out
 
 
@@ -170,4 +259,4 @@ MODEL = contract.FamilyModel(
     row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=standard_layers.embed, layer=layer,
     logits=standard_layers.logits, flops_per_token=flops_per_token, hf_names=HF_NAMES,
     from_hf_config=from_hf_config, to_hf_config=to_hf_config, rope_head_dim=rope_head_dim,
-    cache_heads=mla.cache_heads, mtp_copies=MTP_COPIES)
+    cache_heads=mla.cache_heads, mtp_copies=MTP_COPIES, layer_cache=layer_cache)

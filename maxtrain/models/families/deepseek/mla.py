@@ -79,15 +79,19 @@ def _rope(x, cos, sin, interleave: bool):
     return rope_lib.apply(x, cos, sin)
 
 
-def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global"):
+def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", keys_kept=None):
     """MLA of x [B, T, D] (already normed) -> ([B, T, D], aux); aux carries the updated cache (c, k_r)
-    when decoding, as blocks.attention does."""
+    when decoding, as blocks.attention does. keys_kept (DeepSeek-V3.2's indexer, deepseek/indexer.py):
+    (x, q_latent [B, T, Q], (cos, sin), visible) -> the keys each query attends to, [B, T, S] bool, of those
+    `visible` lets it see (decoding: the cache slots' mask; None: the causal mask and the documents); with it,
+    attention is the plain form under that mask."""
     dt, eps, backend = rt.dtype, config.normalization_layer_epsilon, rt.backend
     fp8 = "attention" in rt.fp8  # quantization: the five projections take float8 operands (models/fp8.py)
     hn, c_rank = config.qk_nope_head_dim, config.kv_lora_rank
+    q_latent = None
     if "wq_a" in p:
-        q = rms_norm(ops.dense(x, p["wq_a"].astype(dt), backend=backend, fp8=fp8), p["q_a_norm"], eps)  # "BTD,DQ->BTQ"
-        q = ops.dense(q, p["wq_b"].astype(dt), backend=backend, fp8=fp8)                                  # "BTQ,QNH->BTNH"
+        q_latent = rms_norm(ops.dense(x, p["wq_a"].astype(dt), backend=backend, fp8=fp8), p["q_a_norm"], eps)  # "BTD,DQ->BTQ"
+        q = ops.dense(q_latent, p["wq_b"].astype(dt), backend=backend, fp8=fp8)                           # "BTQ,QNH->BTNH"
     else:
         q = ops.dense(x, p["wq"].astype(dt), backend=backend, fp8=fp8)                                    # "BTD,DNH->BTNH"
     q = checkpoint_name(q, "query_proj")
@@ -109,7 +113,9 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global"):
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:-1] + k_rope.shape[-1:])], axis=-1)
     k, v = checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
     scale = softmax_scale(config)
-    if inputs.cache is None:
+    if inputs.cache is None and keys_kept is not None:
+        out = attention_lib.dot_product_attention(q, k, v, keys_kept(x, q_latent, (cos, sin), None), scale=scale)
+    elif inputs.cache is None:
         out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=rt.attention, platform=backend,
                                       scale=scale, block_q=config.sa_block_q, block_kv=config.sa_block_kv,
                                       context_strategy=config.context_parallel_strategy,
@@ -120,6 +126,8 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global"):
         mask = slots <= (index + jnp.arange(q.shape[1]))[None, :, None]  # [B, T, S]: causal over the slots
         if first is not None:  # a left-padded row (GRPO's rollouts): its slots before `first` hold padding
             mask = mask & (slots >= first[:, None, None])
+        if keys_kept is not None:
+            mask = keys_kept(x, q_latent, (cos, sin), mask)
         out = attention_lib.dot_product_attention(q, k, v, mask, scale=scale)
     out = ops.dense(out, p["wo"].astype(dt), 2, backend=backend, fp8=fp8)                                 # "BTNH,NHD->BTD"
     return checkpoint_name(out, "out_proj"), aux

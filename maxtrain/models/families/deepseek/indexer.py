@@ -1,0 +1,93 @@
+"""DeepSeek Sparse Attention's lightning indexer (DeepSeek-V3.2; index_n_heads > 0): which keys each query
+attends to.
+
+    q_I = W_Iq q_latent              [B, T, N_I, H_I]   (q_latent: MLA's normed low-rank query, rmsnorm(W_qa x))
+    k_I = layernorm(W_Ik x)          [B, S, H_I]        (one key for all indexer heads, with a bias)
+          RoPE on the first qk_rope_head_dim features of each, by halves (MLA's own RoPE interleaves)
+    w   = W_Iw x / sqrt(N_I)         [B, T, N_I]
+    I[t, s] = sum_n w[t, n] relu(q_I[t, n] . k_I[s] / sqrt(H_I))          (float32)
+
+Each query keeps the index_topk keys of highest I among those the causal mask and its document let it see;
+attention then runs over those alone (MLA's softmax under that mask). Where a query sees index_topk keys or fewer,
+it keeps them all: at a length <= index_topk the model is MLA with dense attention, and the family skips the
+indexer. The selection is a top-k, with no gradient: the language-model loss does not train the indexer (as
+Hugging Face's forward, under no_grad); DeepSeek trains it apart, towards the attention's distribution, which is not
+implemented here. Ties at the k-th score keep every tied key, where transformers' topk keeps an arbitrary k of them: a
+score is exactly 0 where every indexer head's relu is 0, so a query whose head weights are all negative (its scores
+all <= 0) can tie many keys at 0; with weights of both signs a tie needs all heads' relus at 0 at once.
+
+Memory: the per-head scores [B, T, index_n_heads, S] exist in float32 during the forward (no kernel fuses the
+heads' sum yet; they take no gradient, so nothing of them is kept for the backward pass).
+
+Hugging Face (and DeepSeek's reference) rotate the indexer's queries and keys with a Hadamard transform and score
+them in float8 for speed; the transform is orthogonal (q . k unchanged), so this bf16/float32 form is the same
+selection up to rounding, as transformers' own.
+
+Einsum letters: as blocks.py, and Q the query latent rank, I the indexer heads, E their width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from maxtrain.models import attention as attention_lib
+from maxtrain.models import rope as rope_lib
+from maxtrain.models.params import ParamSpec, dense
+
+
+def specs(config) -> dict[str, ParamSpec]:
+    d, q, n, e = config.base_emb_dim, config.q_lora_rank, config.index_n_heads, config.index_head_dim
+    return {"index_wq": dense((q, n, e), ("embed", None, None), q), "index_wk": dense((d, e), ("embed", None), d),
+            "index_k_norm": ParamSpec((e,), (None,), "ones"), "index_k_norm_bias": ParamSpec((e,), (None,), "zeros"),
+            "index_weights": dense((d, n), ("embed", None), d)}
+
+
+def _layer_norm(x, scale, bias, eps: float = 1e-6):
+    """(x - mean) / sqrt(var + eps) * scale + bias over the last axis, in float32 (Hugging Face's nn.LayerNorm)."""
+    x = x.astype(jnp.float32)
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    return (x - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
+
+
+def _frozen(p):
+    return jax.lax.stop_gradient({k: p[k] for k in ("index_wq", "index_wk", "index_k_norm", "index_k_norm_bias",
+                                                     "index_weights")})
+
+
+def keys(x, p, rope) -> jax.Array:
+    """k_I [B, S, E] float32 of the tokens x [B, S, D] (what decoding caches), with no gradient."""
+    p, cos, sin = _frozen(p), *rope
+    k = _layer_norm(jnp.einsum("BTD,DE->BTE", jax.lax.stop_gradient(x).astype(jnp.float32),
+                               p["index_wk"].astype(jnp.float32)), p["index_k_norm"], p["index_k_norm_bias"])
+    return rope_lib.apply(k[:, :, None], cos, sin)[:, :, 0]
+
+
+def scores(x, q_latent, k, p, rope) -> jax.Array:
+    """I [B, T, S] float32 of the queries' tokens x [B, T, D] (q_latent [B, T, Q]) against indexer keys k [B, S, E],
+    with no gradient."""
+    x, q_latent, p, (cos, sin) = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent), _frozen(p), rope
+    f32 = jnp.float32
+    q = rope_lib.apply(jnp.einsum("BTQ,QIE->BTIE", q_latent.astype(f32), p["index_wq"].astype(f32)), cos, sin)
+    heads, width = q.shape[2], q.shape[3]
+    per_head = jax.nn.relu(jnp.einsum("BTIE,BSE->BTIS", q, k) * width**-0.5)
+    w = jnp.einsum("BTD,DI->BTI", x.astype(f32), p["index_weights"].astype(f32)) * heads**-0.5
+    return jnp.einsum("BTI,BTIS->BTS", w, per_head)
+
+
+def top(index, visible, topk: int) -> jax.Array:
+    """[B, T, S] bool: of the visible keys, each query's topk of highest index (all of them where it sees fewer)."""
+    index = jnp.where(visible, index, -jnp.inf)
+    kth = jax.lax.top_k(index, min(topk, index.shape[-1]))[0][..., -1:]  # the k-th highest score of each query
+    return visible & (index >= kth)
+
+
+def keys_kept(x, q_latent, rope, visible, *, p, segment_ids, topk: int, cached_keys=None) -> jax.Array:
+    """[B, T, S] bool: the keys each query attends to. Training and scoring (visible None): among the causal mask's
+    and its document's, scored against the tokens' own indexer keys. Decoding: among `visible` (the cache slots'
+    mask), scored against `cached_keys` [B, S, E] (the layer's indexer-key cache, this step's written)."""
+    if visible is None:
+        visible = attention_lib.make_attention_mask(segment_ids, segment_ids, causal=True)
+        cached_keys = keys(x, p, rope)
+    return top(scores(x, q_latent, cached_keys, p, rope), visible, topk)
