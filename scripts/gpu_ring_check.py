@@ -29,7 +29,6 @@ import contextlib
 import json
 import os
 import shlex
-import statistics
 import sys
 import time
 
@@ -43,6 +42,7 @@ from maxtrain.errors import run_cli
 from maxtrain.kernels import flash_attention
 from maxtrain.kernels.flash_tiles import DEFAULT_SHARED_MEMORY
 from maxtrain.models.attention import kernel_check, ring_flash
+from maxtrain.observability import metrics
 from maxtrain.parallel import sharding
 
 
@@ -116,17 +116,11 @@ def every_tile():
 
 
 def timed(program, args, iters: int) -> tuple[float, float]:
-    """(compile + first run s, median ms of `iters` runs after 2 warm-ups)."""
+    """(compile + first run s, median ms of `iters` runs after one more warm-up: metrics.median_seconds)."""
     start = time.perf_counter()
     jax.block_until_ready(program(*args))
     first = time.perf_counter() - start
-    jax.block_until_ready(program(*args))
-    times = []
-    for _ in range(iters):
-        start = time.perf_counter()
-        jax.block_until_ready(program(*args))
-        times.append(time.perf_counter() - start)
-    return first, 1e3 * statistics.median(times)
+    return first, 1e3 * metrics.median_seconds(program, *args, warmup=1, iters=iters)
 
 
 def main(argv=None) -> int:
