@@ -123,7 +123,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            per_layer_attention=False, usual=(("num_experts", 256),), settings=HYBRID_SETTINGS + ("shared_expert_mlp_dim",),
            shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts", "shared_expert_mlp_dim"), setting_keys=("partial_rotary_factor",),
            kernel_settings=HYBRID_KERNEL_SETTINGS),
-    Family("deepseek", ("deepseek_v3", "deepseek_v32"), "DeepseekV3ForCausalLM", moe=True, per_layer_attention=False,
+    Family("deepseek", ("deepseek_v3", "deepseek_v32", "kimi_k2"), "DeepseekV3ForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 256),),
            settings=("norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                      "v_head_dim", "rope_interleave", "first_num_dense_layers", "n_routing_groups",

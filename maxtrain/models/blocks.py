@@ -24,6 +24,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.models import attention as attention_lib
 from maxtrain.models import layers, ops
+from maxtrain.models.attention import max_logits
+from maxtrain.models.aux_names import MAX_ATTENTION_LOGIT
 from maxtrain.models import rope as rope_lib
 from maxtrain.models.layers import LayerType
 from maxtrain.models.params import ParamSpec, dense
@@ -197,6 +199,10 @@ def attention(x, p, inputs: LayerInputs, config, rt, layer: LayerType, *, scale:
                                       context_reorder=config.context_parallel_reorder_strategy,
                                       context_inner=config.ici_context_parallelism)
         aux = {}
+        if config.qk_clip_threshold > 0:  # each head's largest logit, for QK-clip (models/qk_clip.py)
+            aux[MAX_ATTENTION_LOGIT] = max_logits.max_logits(
+                q, k, inputs.segment_ids, inputs.positions, scale=q.shape[-1] ** -0.5 if scale is None else scale,
+                sliding_window=sliding_window, chunk=chunk)
     else:
         # Decoding: write this step's k, v at `index` and attend to the filled cache slots.
         cache_k, cache_v, index, first = inputs.cache

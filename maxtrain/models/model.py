@@ -22,7 +22,7 @@ import dataclasses
 import functools
 from typing import Any
 
-from maxtrain.models import decoder, moe
+from maxtrain.models import decoder, moe, qk_clip
 from maxtrain.models.moe import sigmoid_groups
 from maxtrain.models import params as params_lib
 from maxtrain.models.contract import FamilyModel
@@ -112,6 +112,7 @@ class Model:
 
     def update_outside_gradient(self, params, old_params, step_stats: dict):
         """The state a train step changes outside the gradient, after the optimizer's update (the MoE
-        router's selection bias, models/moe/sigmoid_groups.py), from the step's statistics (aux entries named
-        models/aux_names.STEP_STATS)."""
-        return sigmoid_groups.update_router_bias(params, old_params, step_stats, self.config, self.layer_types)
+        router's selection bias, models/moe/sigmoid_groups.py; QK-clip's scaling of the query and key weights,
+        models/qk_clip.py), from the step's statistics (aux entries named models/aux_names.STEP_STATS)."""
+        params = sigmoid_groups.update_router_bias(params, old_params, step_stats, self.config, self.layer_types)
+        return qk_clip.clip(params, step_stats, self.config, self.layer_types)

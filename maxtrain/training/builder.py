@@ -34,7 +34,7 @@ from maxtrain.models.params import is_spec
 from maxtrain.parallel import sharding
 from maxtrain.compile import fit
 from maxtrain.data import hosts, pipeline
-from maxtrain.models import fp8, moe
+from maxtrain.models import fp8, moe, qk_clip
 from maxtrain.models.moe import expert_matmuls
 from maxtrain.parallel import stages as pipeline_stages
 
@@ -200,6 +200,7 @@ def build(config, *, devices=None, platform: str | None = None, num_processes: i
         num_processes = len({getattr(d, "process_index", 0) for d in devices})
     config = config_lib.with_devices(config, len(devices), num_processes)
     model = Model.bind(config)  # the family and its layers' kinds: resolved here, once, and passed on
+    qk_clip.check(config, model)
     mesh = sharding.create_mesh(config, devices)
     config_batch.check_batch_split(config.micro_batch_size, {  # a fractional per_device_batch_size (config/batch.py)
         a: mesh.shape[a] for a in sharding.mesh_axes_of("batch", config.logical_axis_rules) if mesh.shape[a] > 1})

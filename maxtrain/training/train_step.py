@@ -31,7 +31,7 @@ from maxtrain import config as config_lib
 from maxtrain.models import lora
 
 from maxtrain.models.model import Model
-from maxtrain.models import decoder
+from maxtrain.models import aux_names, decoder
 from maxtrain.models.runtime import Runtime
 from maxtrain.training import distillation, losses, precision
 from maxtrain.parallel import sharding
@@ -155,7 +155,7 @@ def make_train_step(config, model: Model, rt: Runtime, tx: optax.GradientTransfo
         new_state = {**state, "step": state["step"] + 1, key: new_params, "opt_state": opt_state,
                      "loss_scale": loss_scale}
         # State outside the gradient (the MoE selection bias), from the step's statistics of all micro-batches.
-        stats = jax.tree.map(lambda a: jnp.sum(a, axis=0), stats)
+        stats = {name: aux_names.reduce_over_micro_batches(name, values) for name, values in stats.items()}
         updated = model.update_outside_gradient(new_state["params"], state["params"], stats)
         new_state["params"] = precision.select_tree(finite, updated, new_state["params"]) if scaling else updated
         metrics = {
@@ -168,6 +168,9 @@ def make_train_step(config, model: Model, rt: Runtime, tx: optax.GradientTransfo
             "loss_scale": loss_scale["scale"],
             "skipped_steps": loss_scale["skipped_steps"],
             **{f"aux/{name}": weighted_mean(value, weights) for name, value in aux.items()},
+            # maxima (QK-clip's largest attention logit per layer): the step's, over its micro-batches and heads
+            **{f"aux/{name[len(aux_names.STEP_STATS):]}": jnp.max(value) for name, value in stats.items()
+               if name.startswith(aux_names.STEP_MAX)},
         }
         return new_state, metrics
 

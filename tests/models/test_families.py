@@ -375,6 +375,28 @@ def test_qwen3_5_multimodal_checkpoint_imports_its_language_model(tmp_path, caps
     assert rel <= 1e-4, rel
 
 
+@pytest.mark.slow
+def test_kimi_k2_config_imports_as_deepseek(tmp_path):
+    """Kimi K2's config.json says model_type "kimi_k2" (DeepSeek-V3's architecture; transformers reads it only with
+    remote code): the deepseek family imports it, with one routing group and 2.827's scaling as Kimi K2 has, and
+    its logits are those of transformers' DeepseekV3ForCausalLM on the same weights."""
+    fields = {**CASES["deepseek-mla-groups-bias"][2], "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827,
+              "rope_parameters": {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "beta_fast": 1.0,
+                                  "beta_slow": 1.0, "original_max_position_embeddings": 16, "mscale": 1.0,
+                                  "mscale_all_dim": 1.0}}
+    model = make_hf_model("DeepseekV3Config", "DeepseekV3ForCausalLM", fields)
+    model.save_pretrained(tmp_path / "hf")
+    _rewrite_config(tmp_path / "hf", model_type="kimi_k2", auto_map={
+        "AutoConfig": "configuration_deepseek.DeepseekV3Config",
+        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    keys = convert.import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
+    assert keys["decoder_block"] == "deepseek" and keys["n_routing_groups"] == -1  # one group: no group limit
+    assert keys["routed_scaling_factor"] == 2.827
+    tokens = ids(COMMON["vocab_size"])
+    rel = relative_error(ours_with(tmp_path / "out", tokens), hf_logits(model, tokens))
+    assert rel <= 1e-5, rel
+
+
 def test_conversion_errors_name_the_field(tmp_path):
     base = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96,
             "num_hidden_layers": 2, "vocab_size": 300}

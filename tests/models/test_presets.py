@@ -51,6 +51,9 @@ PUBLISHED = {
     # layers' 256 selection biases (14,848) as buffers
     "deepseek3.2-671b": 671_877_944_064,
     "deepseek3.2-tiny": 8_252_592,   # deepseek3-tiny with a lightning indexer of 4 heads of 32
+    # Kimi K2: transformers' DeepseekV3ForCausalLM of its config counts 1,026,408,209,408 and keeps the 60 MoE layers'
+    # 384 selection biases (23,040) as buffers; its model card: 1T total, 32B activated (below)
+    "kimi-k2-1t": 1_026_408_232_448,
     "gemma4-default": 5_077_177_886,  # transformers' default Gemma4TextConfig (no model card gives a text config)
     "glm-4.5-air": 106_852_251_264,  # transformers' count; model card: 106B, 12B active (below), without the MTP layer
     "glm-4.5": 352_797_829_024,      # transformers' count, without the MTP layer; model card: 355B, 32B active
@@ -73,7 +76,7 @@ MODEL_CARD = {"qwen3-0.6b": (0.6e9, 0.44e9), "qwen3-8b": (8.2e9, 6.95e9)}
 # gpt-oss's model card: active parameters per token, counted without the input embedding table.
 ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b": 3.6e9, "gpt-oss-120b": 5.1e9}
 # DeepSeek-V3's paper: 37B activated per token (counted, like gpt-oss's, without the input embedding table).
-ACTIVE_BILLIONS_WITHOUT_EMBEDDING = {"deepseek3-671b": 37}
+ACTIVE_BILLIONS_WITHOUT_EMBEDDING = {"deepseek3-671b": 37, "kimi-k2-1t": 32}
 # GLM-4.5's model card: 12B (Air) and 32B active, counted without the embedding table and the output head.
 ACTIVE_BILLIONS_WITHOUT_EMBEDDING_AND_HEAD = {"glm-4.5-air": 12, "glm-4.5": 32}
 # Qwen3.5's names: A3B, A10B, A17B activated per token (3.45B, 9.77B and 17.35B counted with the embeddings).

@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.models import attention as attention_lib
+from maxtrain.models.attention import max_logits
+from maxtrain.models.aux_names import MAX_ATTENTION_LOGIT
 from maxtrain.models import ops
 from maxtrain.models import rope as rope_lib
 from maxtrain.models.blocks import LayerInputs, attended_keys, rms_norm
@@ -113,8 +115,12 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", ke
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:-1] + k_rope.shape[-1:])], axis=-1)
     k, v = checkpoint_name(k, "key_proj"), checkpoint_name(v, "value_proj")
     scale = softmax_scale(config)
-    if inputs.cache is None and keys_kept is not None:
-        out = attention_lib.dot_product_attention(q, k, v, keys_kept(x, q_latent, (cos, sin), None), scale=scale)
+    kept = keys_kept(x, q_latent, (cos, sin), None) if inputs.cache is None and keys_kept is not None else None
+    if inputs.cache is None and config.qk_clip_threshold > 0:  # each head's largest logit (models/qk_clip.py)
+        aux[MAX_ATTENTION_LOGIT] = max_logits.max_logits(q, k, inputs.segment_ids, inputs.positions, scale=scale,
+                                                         kept=kept)
+    if kept is not None:
+        out = attention_lib.dot_product_attention(q, k, v, kept, scale=scale)
     elif inputs.cache is None:
         out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=rt.attention, platform=backend,
                                       scale=scale, block_q=config.sa_block_q, block_kv=config.sa_block_kv,
