@@ -203,6 +203,10 @@ REQUIRES: tuple[Feature, ...] = (
             state="moe_dispatch"),
     Feature("a shared expert (shared_experts >= 1)", lambda v: v["shared_experts"] > 0, ("shared_expert_mlp_dim",),
             fix="set shared_experts=1", state="shared_experts"),
+    # DeepSeek Sparse Attention's indexer (models/families/deepseek/indexer.py): its keys do nothing without it
+    Feature("a lightning indexer (index_n_heads > 0)", lambda v: v["index_n_heads"] > 0,
+            ("index_head_dim", "index_topk", "index_rope_interleave"),
+            fix="set index_n_heads > 0 (DeepSeek-V3.2: 64; GLM-5: 32)", state="index_n_heads"),
     # GRPO's loss (objective=grpo, training/policy_losses.py): CISPO clips no ratio below (its weight has only a cap,
     # grpo_epsilon_high); the KL's bias correction multiplies a KL term that grpo_beta=0 leaves out
     Feature("a clipped loss (grpo_loss_type=grpo, bnpo, dr_grpo or dapo)", lambda v: v["grpo_loss_type"] != "cispo",

@@ -151,3 +151,12 @@ def apply(x, cos, sin):
     cos, sin = cos[:, :, None, :], sin[:, :, None, :]
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
+def apply_interleaved(x, cos, sin):
+    """RoPE on the interleaved pairs (x_0, x_1), (x_2, x_3), ... of the leading R = 2 x cos.shape[-1] features of x
+    [B, T, heads, H] (DeepSeek's MLA checkpoints, GLM-5's indexer): they are taken apart, evens then odds, and rotated
+    by halves, so the rotated features come out in that order, the same on queries and keys, and q . k is the
+    interleaved rotation's. The features after R pass unchanged."""
+    r = 2 * cos.shape[-1]
+    return apply(jnp.concatenate([x[..., 0:r:2], x[..., 1:r:2], x[..., r:]], axis=-1), cos, sin)

@@ -140,11 +140,12 @@ def test_mla_decoding_from_the_latent_cache_equals_the_full_forward():
 SPARSE = ["index_n_heads=4", "index_head_dim=8", "index_topk=3", "q_lora_rank=8"]
 
 
-def test_sparse_attention_decoding_from_the_cache_equals_the_full_forward():
-    """DeepSeek-V3.2's indexer keeping 3 keys a query: greedy decoding (the indexer's keys cached beside the latent,
-    each step selecting among the slots) gives the tokens the full forward's argmax gives; and a control that keeps
-    every key decodes other tokens, so the selection was in force."""
-    config = tiny("max_target_length=16", *SPARSE)
+@pytest.mark.parametrize("interleave", [False, True], ids=["deepseek-v3.2", "glm-5"])
+def test_sparse_attention_decoding_from_the_cache_equals_the_full_forward(interleave):
+    """DeepSeek-V3.2's indexer keeping 3 keys a query (GLM-5's: its RoPE interleaved): greedy decoding (the indexer's
+    keys cached beside the latent, each step selecting among the slots) gives the tokens the full forward's argmax
+    gives; and a control that keeps every key decodes other tokens, so the selection was in force."""
+    config = tiny("max_target_length=16", *SPARSE, f"index_rope_interleave={str(interleave).lower()}")
     rt = Runtime.from_config(config)
     assert rt.attention == "dot_product" and "indexer's top-3 mask" in rt.attention_reason
     params = jax.jit(lambda key: Model.bind(config).init_params(key))(jax.random.key(3))

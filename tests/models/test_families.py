@@ -126,6 +126,17 @@ CASES = {
              rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                               "original_max_position_embeddings": 16, "mscale": 0.9, "mscale_all_dim": 0.7}),
         {"index_topk": 64}),
+    # GLM-5 (glm_moe_dsa): DeepSeek-V3.2's sparse attention with the indexer's RoPE on interleaved pairs; the control
+    # rotates the indexer by halves (DeepSeek-V3.2's), which changes the keys it keeps.
+    "deepseek-glm_moe_dsa-interleaved_indexer": (
+        "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",
+        dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=20, n_shared_experts=2, n_group=4,
+             topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=20,
+             qk_nope_head_dim=12, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, num_key_value_heads=4,
+             index_n_heads=16, index_head_dim=16, index_topk=8,
+             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                              "original_max_position_embeddings": 16, "mscale": 0.9, "mscale_all_dim": 0.7}),
+        {"index_rope_interleave": False}),
     # Chunks of 8 in the RoPE layers 0, 1, 3 (L2 qk-norm), NoPE layer 2 with attention temperature (floor scale 4,
     # so it changes within the 40 tokens), experts in layers 1 and 3 (2 of 4 per token, sigmoid weights on their
     # inputs, a shared expert), dense layers of another width, llama3 RoPE with Scout's equal frequency factors.
@@ -438,6 +449,23 @@ def test_hf_fields_used_as_sizes_divisors_or_steps_are_range_checked():
     assert convert.model_keys({**qwen, "decoder_sparse_step": None})["decoder_sparse_step"] == 1  # null: the default
     assert convert.model_keys({**deepseek, "n_group": 4, "topk_group": 2, "first_k_dense_replace": 0,
                                "q_lora_rank": None})["first_num_dense_layers"] == 0
+
+
+def test_glm5_layer_patterns_maxtrain_does_not_build_are_refused_naming_the_field():
+    """GLM-5's config.json: indexer layers that reuse the previous layer's top-k ("shared"), or dense and MoE layers
+    in another order than the first first_k_dense_replace dense, are refused naming the field; the usual lists
+    (every indexer "full", the first layers dense) import, with the indexer's RoPE interleaved and one group."""
+    glm = {"model_type": "glm_moe_dsa", "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
+           "num_key_value_heads": 4, "num_hidden_layers": 4, "vocab_size": 300, "n_routed_experts": 8,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 32, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+           "v_head_dim": 10, "kv_lora_rank": 16, "q_lora_rank": 24, "first_k_dense_replace": 1,
+           "index_n_heads": 4, "index_head_dim": 8, "index_topk": 16}
+    keys = convert.model_keys({**glm, "indexer_types": ["full"] * 4, "mlp_layer_types": ["dense"] + ["sparse"] * 3})
+    assert keys["index_rope_interleave"] is True and keys["n_routing_groups"] == -1 and keys["index_n_heads"] == 4
+    with pytest.raises(convert.ConversionError, match=r"indexer_types has \['shared'\] layers .* does not build yet"):
+        convert.model_keys({**glm, "indexer_types": ["full", "shared", "full", "shared"]})
+    with pytest.raises(convert.ConversionError, match=r"mlp_layer_types is not the first first_k_dense_replace=1 "):
+        convert.model_keys({**glm, "mlp_layer_types": ["sparse", "dense", "sparse", "sparse"]})
 
 
 def test_olmo3_reads_rope_theta_as_transformers_does_and_export_keeps_sliding_rope_unscaled():

@@ -24,6 +24,11 @@ runs its kernels); beyond, MLA is the plain form under the indexer's mask (no ke
 resolves attention to dot_product and says why). Decoding caches each token's indexer key beside MLA's latent
 (layer_cache). The indexer's weights are imported and exported but not trained (indexer.py). V3.2's config.json has
 no rope_interleave: its MLA always interleaves, its indexer rotates by halves.
+
+GLM-5 (Hugging Face's glm_moe_dsa) is DeepSeek-V3.2's architecture with the indexer's RoPE on interleaved pairs
+(index_rope_interleave) and one routing group; its config's "shared" indexer layers (reusing the previous layer's
+top-k) and dense/MoE patterns other than the first layers dense are refused on import. Kimi K2 (kimi_k2) is
+DeepSeek-V3's architecture at other sizes.
 """
 
 from __future__ import annotations
@@ -89,12 +94,13 @@ def _attention(normed, p, inputs, config, rt):
     if inputs.cache is not None:  # decoding: MLA's two entries, then the indexer keys' (layer_cache)
         cache_c, cache_r, index_cache, index, first = inputs.cache
         inputs = inputs._replace(cache=(cache_c, cache_r, index, first))
-        new_keys = indexer.keys(normed, p, inputs.rope["global"]).astype(index_cache.dtype)
+        new_keys = indexer.keys(normed, p, inputs.rope["global"], config.index_rope_interleave).astype(index_cache.dtype)
         index_cache = jax.lax.dynamic_update_slice_in_dim(index_cache, new_keys[:, :, None], index, axis=1)
     kept = None
     if (index_cache.shape[1] if index_cache is not None else normed.shape[1]) > config.index_topk:  # else all kept
         kept = functools.partial(indexer.keys_kept, p=p, segment_ids=inputs.segment_ids, topk=config.index_topk,
-                                 cached_keys=None if index_cache is None else index_cache[:, :, 0])
+                                 cached_keys=None if index_cache is None else index_cache[:, :, 0],
+                                 interleave=config.index_rope_interleave)
     h, aux = mla.attention(normed, p, inputs, config, rt, keys_kept=kept)
     if index_cache is not None:
         aux = {**aux, "cache": (*aux["cache"], index_cache)}
@@ -204,9 +210,12 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
     rope = hf.rope_dict(config, notes)
     heads = hf.require(config, "num_attention_heads")
     nope, rope_dim = int(hf.require(config, "qk_nope_head_dim")), int(hf.require(config, "qk_rope_head_dim"))
-    v32 = config.get("model_type") == "deepseek_v32"  # MLA's RoPE always interleaved there (no such field)
-    groups = hf.count(config, "n_group", 8, null=1)
-    top_groups = hf.count(config, "topk_group", 4, null=groups)
+    glm = config.get("model_type") == "glm_moe_dsa"
+    v32 = glm or config.get("model_type") == "deepseek_v32"  # MLA's RoPE always interleaved there (no such field)
+    if glm:
+        _refuse_glm_layer_patterns(config)
+    groups = hf.count(config, "n_group", 1 if glm else 8, null=1)
+    top_groups = hf.count(config, "topk_group", 1 if glm else 4, null=groups)
     return {**hf.common_keys(config), **hf.rope_keys(config, notes, rope=rope),
             "base_num_kv_heads": heads, "head_dim": nope + rope_dim,
             "num_experts": int(hf.require(config, "n_routed_experts")),
@@ -223,9 +232,26 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
             "qk_nope_head_dim": nope, "qk_rope_head_dim": rope_dim, "v_head_dim": int(hf.require(config, "v_head_dim")),
             "rope_interleave": True if v32 else bool(config.get("rope_interleave", True)),
             "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
-            **({"index_n_heads": hf.count(config, "index_n_heads", 64),
+            **({"index_n_heads": hf.count(config, "index_n_heads", 32 if glm else 64),
                 "index_head_dim": hf.count(config, "index_head_dim", 128, least=2),
-                "index_topk": hf.count(config, "index_topk", 2048)} if v32 else {"index_n_heads": 0})}
+                "index_topk": hf.count(config, "index_topk", 2048), "index_rope_interleave": glm}
+               if v32 else {"index_n_heads": 0})}
+
+
+def _refuse_glm_layer_patterns(config: dict) -> None:
+    """GLM-5's per-layer lists, where they say what this family does not build: an indexer layer that reuses the
+    previous layer's top-k ("shared"), or dense and MoE layers other than the first first_k_dense_replace dense."""
+    kinds = config.get("indexer_types")
+    if kinds is not None and any(k != "full" for k in kinds):
+        raise hf.ConversionError(f"config.json's indexer_types has {sorted(set(kinds) - {'full'})} layers (GLM-5's "
+                                 "indexer shared across layers: a layer reusing the previous layer's top-k), which "
+                                 "maxtrain does not build yet; every layer must run its own indexer ('full')")
+    mlp = config.get("mlp_layer_types")
+    dense = hf.count(config, "first_k_dense_replace", 3, least=0, null=0)
+    if mlp is not None and list(mlp) != ["dense"] * dense + ["sparse"] * (len(mlp) - dense):
+        raise hf.ConversionError(f"config.json's mlp_layer_types is not the first first_k_dense_replace={dense} "
+                                 "layers dense and the rest MoE ('sparse'), the one pattern maxtrain's deepseek "
+                                 "family builds")
 
 
 def to_hf_config(keys: dict) -> dict:
@@ -249,7 +275,9 @@ def to_hf_config(keys: dict) -> dict:
             raise hf.ConversionError("DeepSeek-V3.2 (index_n_heads > 0) exports with MLA's RoPE interleaved, as "
                                      "transformers' DeepseekV32 computes it; this model has rope_interleave=false")
         del out["rope_interleave"], out["num_nextn_predict_layers"]
-        out.update(model_type="deepseek_v32", architectures=["DeepseekV32ForCausalLM"],
+        glm = keys.get("index_rope_interleave", False)  # GLM-5: the indexer's RoPE interleaved
+        out.update(model_type="glm_moe_dsa" if glm else "deepseek_v32",
+                   architectures=["GlmMoeDsaForCausalLM" if glm else "DeepseekV32ForCausalLM"],
                    index_n_heads=keys["index_n_heads"], index_head_dim=keys["index_head_dim"],
                    index_topk=keys["index_topk"])
     return out

@@ -3,7 +3,8 @@ attends to.
 
     q_I = W_Iq q_latent              [B, T, N_I, H_I]   (q_latent: MLA's normed low-rank query, rmsnorm(W_qa x))
     k_I = layernorm(W_Ik x)          [B, S, H_I]        (one key for all indexer heads, with a bias)
-          RoPE on the first qk_rope_head_dim features of each, by halves (MLA's own RoPE interleaves)
+          RoPE on the first qk_rope_head_dim features of each, by halves (DeepSeek-V3.2; MLA's own RoPE
+          interleaves), or on interleaved pairs with index_rope_interleave (GLM-5)
     w   = W_Iw x / sqrt(N_I)         [B, T, N_I]
     I[t, s] = sum_n w[t, n] relu(q_I[t, n] . k_I[s] / sqrt(H_I))          (float32)
 
@@ -56,20 +57,25 @@ def _frozen(p):
                                                      "index_weights")})
 
 
-def keys(x, p, rope) -> jax.Array:
+def _rope(x, cos, sin, interleave: bool):
+    """RoPE on the first 2 x cos.shape[-1] features of x [B, T, heads, E]: by halves, or on interleaved pairs."""
+    return rope_lib.apply_interleaved(x, cos, sin) if interleave else rope_lib.apply(x, cos, sin)
+
+
+def keys(x, p, rope, interleave: bool = False) -> jax.Array:
     """k_I [B, S, E] float32 of the tokens x [B, S, D] (what decoding caches), with no gradient."""
     p, cos, sin = _frozen(p), *rope
     k = _layer_norm(jnp.einsum("BTD,DE->BTE", jax.lax.stop_gradient(x).astype(jnp.float32),
                                p["index_wk"].astype(jnp.float32)), p["index_k_norm"], p["index_k_norm_bias"])
-    return rope_lib.apply(k[:, :, None], cos, sin)[:, :, 0]
+    return _rope(k[:, :, None], cos, sin, interleave)[:, :, 0]
 
 
-def scores(x, q_latent, k, p, rope) -> jax.Array:
+def scores(x, q_latent, k, p, rope, interleave: bool = False) -> jax.Array:
     """I [B, T, S] float32 of the queries' tokens x [B, T, D] (q_latent [B, T, Q]) against indexer keys k [B, S, E],
     with no gradient."""
     x, q_latent, p, (cos, sin) = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent), _frozen(p), rope
     f32 = jnp.float32
-    q = rope_lib.apply(jnp.einsum("BTQ,QIE->BTIE", q_latent.astype(f32), p["index_wq"].astype(f32)), cos, sin)
+    q = _rope(jnp.einsum("BTQ,QIE->BTIE", q_latent.astype(f32), p["index_wq"].astype(f32)), cos, sin, interleave)
     heads, width = q.shape[2], q.shape[3]
     per_head = jax.nn.relu(jnp.einsum("BTIE,BSE->BTIS", q, k) * width**-0.5)
     w = jnp.einsum("BTD,DI->BTI", x.astype(f32), p["index_weights"].astype(f32)) * heads**-0.5
@@ -83,11 +89,13 @@ def top(index, visible, topk: int) -> jax.Array:
     return visible & (index >= kth)
 
 
-def keys_kept(x, q_latent, rope, visible, *, p, segment_ids, topk: int, cached_keys=None) -> jax.Array:
+def keys_kept(x, q_latent, rope, visible, *, p, segment_ids, topk: int, cached_keys=None,
+              interleave: bool = False) -> jax.Array:
     """[B, T, S] bool: the keys each query attends to. Training and scoring (visible None): among the causal mask's
     and its document's, scored against the tokens' own indexer keys. Decoding: among `visible` (the cache slots'
-    mask), scored against `cached_keys` [B, S, E] (the layer's indexer-key cache, this step's written)."""
+    mask), scored against `cached_keys` [B, S, E] (the layer's indexer-key cache, this step's written).
+    interleave: the indexer's RoPE on interleaved pairs (index_rope_interleave)."""
     if visible is None:
         visible = attention_lib.make_attention_mask(segment_ids, segment_ids, causal=True)
-        cached_keys = keys(x, p, rope)
-    return top(scores(x, q_latent, cached_keys, p, rope), visible, topk)
+        cached_keys = keys(x, p, rope, interleave)
+    return top(scores(x, q_latent, cached_keys, p, rope, interleave), visible, topk)

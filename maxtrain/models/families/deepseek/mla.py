@@ -76,9 +76,7 @@ def softmax_scale(config) -> float:
 
 
 def _rope(x, cos, sin, interleave: bool):
-    if interleave:
-        x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
-    return rope_lib.apply(x, cos, sin)
+    return rope_lib.apply_interleaved(x, cos, sin) if interleave else rope_lib.apply(x, cos, sin)
 
 
 def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", keys_kept=None):
