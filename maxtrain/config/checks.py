@@ -9,7 +9,7 @@ resolved values that raises ConfigError. loading.load_config and loading.revalid
 settings' parsers live here too, because a rule checks them and the run uses them again:
 `parse_eval_tasks` (evaluate.py, evals/runner.py) and `split_address` (parallel/distributed.py).
 The objective's rules are its row's (objectives.CHECKS: its data settings, its own rules); context
-parallelism's are context_checks.py's. CHECKS ends with
+parallelism's are context_checks.py's, latent attention's and its indexer's mla_checks.py's. CHECKS ends with
 two tables' rules: limits.py (a sampler with one choice, a sequence too short for a
 setting, an empty path) and features.py (a setting of a feature that is off, a family's defining
 setting left at a default that turns it off).
@@ -25,7 +25,7 @@ import importlib.util
 import os
 from typing import Any
 
-from maxtrain.config import context_checks, features, limits, objectives
+from maxtrain.config import context_checks, features, limits, mla_checks, objectives
 from maxtrain.config import settings as settings_lib
 from maxtrain.config.registry import EVAL_TASKS, MOE_FAMILIES, MOE_PLACEMENT_KEYS
 from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, QUANTIZATION_PLACES, parallelism_key, table, ways
@@ -339,28 +339,6 @@ def _expert_balancing_needs_experts(v):
              "routed_bias=false: set routed_bias=true (aux-loss-free balancing), or routed_bias_update_rate=0")
 
 
-def _mla_head_dims(v):
-    if features.family(v).mixer != "mla":
-        return
-    _require(v["qk_rope_head_dim"] % 2 == 0,
-             f"qk_rope_head_dim={v['qk_rope_head_dim']} must be even (RoPE rotates pairs of features)")
-    qk = v["qk_nope_head_dim"] + v["qk_rope_head_dim"]
-    _require(v["head_dim"] == qk, f"head_dim={v['head_dim']} must be the query/key head width qk_nope_head_dim + "
-                                  f"qk_rope_head_dim = {qk} for MLA (decoder_block={v['decoder_block']}); set head_dim={qk}")
-    _require(v["base_num_kv_heads"] == v["base_num_query_heads"],
-             f"base_num_kv_heads={v['base_num_kv_heads']} must equal base_num_query_heads={v['base_num_query_heads']} "
-             f"for decoder_block={v['decoder_block']}: MLA expands every head's keys and values from the latent; set "
-             f"base_num_kv_heads={v['base_num_query_heads']}")
-    if v.get("index_n_heads", 0) > 0:  # DeepSeek-V3.2's indexer (models/families/deepseek/indexer.py)
-        _require(v["q_lora_rank"] > 0, "index_n_heads > 0 (DeepSeek-V3.2's indexer) reads MLA's query latent: set "
-                                       "q_lora_rank > 0, or index_n_heads=0")
-        _require(v["index_head_dim"] >= v["qk_rope_head_dim"],
-                 f"index_head_dim={v['index_head_dim']} must hold the qk_rope_head_dim={v['qk_rope_head_dim']} "
-                 "features the indexer rotates; set index_head_dim >= qk_rope_head_dim")
-        _require(v["mtp_num_layers"] == 0, f"mtp_num_layers={v['mtp_num_layers']} with DeepSeek-V3.2's indexer "
-                                           "(index_n_heads > 0) is not built yet; set mtp_num_layers=0")
-
-
 def _gated_deltanet(v):
     """The gated delta-net layers' shapes, for a family that has them (its registry row reads their settings)."""
     if "gdn_num_key_heads" not in features.family(v).settings:
@@ -405,7 +383,7 @@ def _multi_token_prediction(v):
                                     "(use fsdp, tensor or expert parallelism), or mtp_num_layers=0")
 
 
-ROUTING_MLA_AND_MTP_CHECKS = (_routing_groups, _expert_balancing_needs_experts, _mla_head_dims,
+ROUTING_MLA_AND_MTP_CHECKS = (_routing_groups, _expert_balancing_needs_experts, *mla_checks.CHECKS,
                               _multi_token_prediction)
 
 

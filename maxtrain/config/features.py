@@ -112,6 +112,11 @@ FEATURES: tuple[Feature, ...] = (
     *_objective_features(),
     Feature("lora_rank > 0", lambda v: v["lora_rank"] > 0, ("lora_alpha", "lora_target_modules"),
             fix="set lora_rank (e.g. lora_rank=8)"),
+    # DeepSeek-V3.2's indexer training (models/families/deepseek/__init__.py): a deepseek model with an indexer
+    Feature("an indexer to train (decoder_block=deepseek with index_n_heads > 0)",
+            lambda v: family(v).sparse_attention and v["index_n_heads"] > 0,
+            ("indexer_training", "indexer_loss_weight"),
+            fix="set model_name=deepseek3.2-tiny, or index_n_heads > 0 on a deepseek model", state="index_n_heads"),
     # optimizer and precision
     Feature("opt_type=muon", lambda v: v["opt_type"] == "muon",
             ("muon_beta", "muon_weight_decay", "muon_consistent_rms", "muon_ns_steps"), state="opt_type"),
@@ -207,6 +212,8 @@ REQUIRES: tuple[Feature, ...] = (
     Feature("a lightning indexer (index_n_heads > 0)", lambda v: v["index_n_heads"] > 0,
             ("index_head_dim", "index_topk", "index_rope_interleave"),
             fix="set index_n_heads > 0 (DeepSeek-V3.2: 64; GLM-5: 32)", state="index_n_heads"),
+    Feature("indexer_training=dense_warmup or sparse", lambda v: v["indexer_training"] != "none", ("indexer_loss_weight",),
+            fix="set indexer_training=dense_warmup (or sparse)", state="indexer_training"),
     # GRPO's loss (objective=grpo, training/policy_losses.py): CISPO clips no ratio below (its weight has only a cap,
     # grpo_epsilon_high); the KL's bias correction multiplies a KL term that grpo_beta=0 leaves out
     Feature("a clipped loss (grpo_loss_type=grpo, bnpo, dr_grpo or dapo)", lambda v: v["grpo_loss_type"] != "cispo",

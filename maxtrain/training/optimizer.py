@@ -1,5 +1,6 @@
 """The optimizer: gradient clipping -> AdamW with masked weight decay (or, opt_type=muon, Muon on the
-hidden weight matrices and that AdamW on the rest: training/muon.py), driven by a schedule.
+hidden weight matrices and that AdamW on the rest: training/muon.py), driven by a schedule. With
+indexer_training=dense_warmup only DeepSeek-V3.2's indexer weights train (the others' updates are zero).
 
 Gradient accumulation happens in the train step (a scan over micro-batches that sums gradients
 weighted by real tokens), so the optimizer sees exactly one update per step.
@@ -62,8 +63,17 @@ def make_optimizer(config, model) -> optax.GradientTransformation:
     )
     tx = muon.partitioned(config, model, make_schedule(config), adamw) if config.opt_type == "muon" else adamw
     if config.gradient_clipping_threshold > 0:
-        return optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), tx)
+        tx = optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), tx)
+    if config.indexer_training == "dense_warmup":  # DeepSeek-V3.2's warm-up: the indexer trains, the rest is frozen
+        return optax.multi_transform({"indexer": tx, "frozen": optax.set_to_zero()}, indexer_labels)
     return tx
+
+
+def indexer_labels(params):
+    """params -> the same tree of "indexer" (DeepSeek-V3.2's indexer weights, index_*) / "frozen"."""
+    def label(path, _):
+        return "indexer" if str(getattr(path[-1], "key", "")).startswith("index_") else "frozen"
+    return jax.tree_util.tree_map_with_path(label, params)
 
 
 def opt_state_shardings(abstract_opt_state, param_shardings, replicated):

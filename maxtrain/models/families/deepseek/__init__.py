@@ -22,7 +22,8 @@ front of MLA that keeps the index_topk keys each query attends to (indexer.py). 
 cache) holds no more than index_topk tokens every query keeps every key it sees, and the indexer is skipped (MLA
 runs its kernels); beyond, MLA is the plain form under the indexer's mask (no kernel takes it yet: models/runtime.py
 resolves attention to dot_product and says why). Decoding caches each token's indexer key beside MLA's latent
-(layer_cache). The indexer's weights are imported and exported but not trained (indexer.py). V3.2's config.json has
+(layer_cache). The language-model loss does not train the indexer; indexer_training does, towards the attention's
+distribution with a KL loss, in DeepSeek's dense warm-up or sparse stage (_attention_training_the_indexer). V3.2's config.json has
 no rope_interleave: its MLA always interleaves, its indexer rotates by halves.
 
 GLM-5 (Hugging Face's glm_moe_dsa) is DeepSeek-V3.2's architecture with the indexer's RoPE on interleaved pairs
@@ -39,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.config import registry
+from maxtrain.models import attention as attention_lib
 from maxtrain.models import blocks, contract, hf, moe, mtp, standard_layers
 from maxtrain.models.families.deepseek import indexer, mla
 from maxtrain.models.layers import LayerType
@@ -90,6 +92,8 @@ def _attention(normed, p, inputs, config, rt):
     """MLA, under DeepSeek-V3.2's indexer where it has one and the keys outnumber index_topk."""
     if config.index_n_heads <= 0:
         return mla.attention(normed, p, inputs, config, rt)
+    if inputs.cache is None and config.indexer_training != "none":
+        return _attention_training_the_indexer(normed, p, inputs, config, rt)
     index_cache = None
     if inputs.cache is not None:  # decoding: MLA's two entries, then the indexer keys' (layer_cache)
         cache_c, cache_r, index_cache, index, first = inputs.cache
@@ -105,6 +109,28 @@ def _attention(normed, p, inputs, config, rt):
     if index_cache is not None:
         aux = {**aux, "cache": (*aux["cache"], index_cache)}
     return h, aux
+
+
+def _attention_training_the_indexer(normed, p, inputs, config, rt):
+    """MLA with the indexer trained as DeepSeek-V3.2's was (indexer_training): its scores I [B, T, S] computed with
+    its weights' gradient (its inputs detached); "dense_warmup": attention over every visible key, "sparse": over
+    the index_topk keys of highest I (every key at or below index_topk tokens). aux["indexer_kl"] is
+    KL(attention's head-averaged distribution || softmax(I)) over those keys, its mean over the layers, and
+    aux["indexer_loss"] that times indexer_loss_weight, which the objective adds (the distribution carries no
+    gradient, so the loss trains the indexer alone)."""
+    rope, seg = inputs.rope["global"], inputs.segment_ids
+    visible = attention_lib.make_attention_mask(seg, seg, causal=True)
+    index = indexer.scores(normed, mla.query_latent(normed, p, config, rt),
+                           indexer.keys(normed, p, rope, config.index_rope_interleave, trained=True), p, rope,
+                           config.index_rope_interleave, trained=True)
+    kept = None
+    if config.indexer_training == "sparse" and normed.shape[1] > config.index_topk:
+        kept = indexer.top(jax.lax.stop_gradient(index), visible, config.index_topk)
+    h, aux = mla.attention(normed, p, inputs, config, rt, keys_kept=None if kept is None else lambda *_: kept,
+                           attention_target=True)
+    kl = indexer.kl_to_attention(aux.pop("attention_target"), index, visible if kept is None else kept, seg)
+    kl = kl / config.base_num_decoder_layers  # summed over the layers by the decoder: their mean
+    return h, {**aux, "indexer_kl": kl, "indexer_loss": config.indexer_loss_weight * kl}
 
 
 def layer_cache(config, layer_type, batch: int, max_length: int, kv_heads) -> dict:

@@ -12,8 +12,9 @@ Each query keeps the index_topk keys of highest I among those the causal mask an
 attention then runs over those alone (MLA's softmax under that mask). Where a query sees index_topk keys or fewer,
 it keeps them all: at a length <= index_topk the model is MLA with dense attention, and the family skips the
 indexer. The selection is a top-k, with no gradient: the language-model loss does not train the indexer (as
-Hugging Face's forward, under no_grad); DeepSeek trains it apart, towards the attention's distribution, which is not
-implemented here. Ties at the k-th score keep every tied key, where transformers' topk keeps an arbitrary k of them: a
+Hugging Face's forward, under no_grad). DeepSeek trains it apart, towards the attention's distribution
+(indexer_training, models/families/deepseek/__init__.py): `kl_to_attention` with the indexer's weights `trained`
+and its inputs x and q_latent always detached. Ties at the k-th score keep every tied key, where transformers' topk keeps an arbitrary k of them: a
 score is exactly 0 where every indexer head's relu is 0, so a query whose head weights are all negative (its scores
 all <= 0) can tie many keys at 0; with weights of both signs a tie needs all heads' relus at 0 at once.
 
@@ -52,9 +53,11 @@ def _layer_norm(x, scale, bias, eps: float = 1e-6):
     return (x - mean) * jax.lax.rsqrt(var + eps) * scale.astype(jnp.float32) + bias.astype(jnp.float32)
 
 
+_NAMES = ("index_wq", "index_wk", "index_k_norm", "index_k_norm_bias", "index_weights")
+
+
 def _frozen(p):
-    return jax.lax.stop_gradient({k: p[k] for k in ("index_wq", "index_wk", "index_k_norm", "index_k_norm_bias",
-                                                     "index_weights")})
+    return jax.lax.stop_gradient({k: p[k] for k in _NAMES})
 
 
 def _rope(x, cos, sin, interleave: bool):
@@ -62,18 +65,24 @@ def _rope(x, cos, sin, interleave: bool):
     return rope_lib.apply_interleaved(x, cos, sin) if interleave else rope_lib.apply(x, cos, sin)
 
 
-def keys(x, p, rope, interleave: bool = False) -> jax.Array:
-    """k_I [B, S, E] float32 of the tokens x [B, S, D] (what decoding caches), with no gradient."""
-    p, cos, sin = _frozen(p), *rope
+def _weights(p, trained: bool):
+    """The indexer's weights: with their gradient when the indexer is trained (indexer_training), else without."""
+    return {k: p[k] for k in _NAMES} if trained else _frozen(p)
+
+
+def keys(x, p, rope, interleave: bool = False, trained: bool = False) -> jax.Array:
+    """k_I [B, S, E] float32 of the tokens x [B, S, D] (what decoding caches); no gradient reaches x, nor the
+    indexer's weights unless `trained`."""
+    p, cos, sin = _weights(p, trained), *rope
     k = _layer_norm(jnp.einsum("BTD,DE->BTE", jax.lax.stop_gradient(x).astype(jnp.float32),
                                p["index_wk"].astype(jnp.float32)), p["index_k_norm"], p["index_k_norm_bias"])
     return _rope(k[:, :, None], cos, sin, interleave)[:, :, 0]
 
 
-def scores(x, q_latent, k, p, rope, interleave: bool = False) -> jax.Array:
-    """I [B, T, S] float32 of the queries' tokens x [B, T, D] (q_latent [B, T, Q]) against indexer keys k [B, S, E],
-    with no gradient."""
-    x, q_latent, p, (cos, sin) = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent), _frozen(p), rope
+def scores(x, q_latent, k, p, rope, interleave: bool = False, trained: bool = False) -> jax.Array:
+    """I [B, T, S] float32 of the queries' tokens x [B, T, D] (q_latent [B, T, Q]) against indexer keys k [B, S, E];
+    no gradient reaches x and q_latent, nor the indexer's weights unless `trained`."""
+    x, q_latent, p, (cos, sin) = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent), _weights(p, trained), rope
     f32 = jnp.float32
     q = _rope(jnp.einsum("BTQ,QIE->BTIE", q_latent.astype(f32), p["index_wq"].astype(f32)), cos, sin, interleave)
     heads, width = q.shape[2], q.shape[3]
@@ -99,3 +108,16 @@ def keys_kept(x, q_latent, rope, visible, *, p, segment_ids, topk: int, cached_k
         visible = attention_lib.make_attention_mask(segment_ids, segment_ids, causal=True)
         cached_keys = keys(x, p, rope, interleave)
     return top(scores(x, q_latent, cached_keys, p, rope, interleave), visible, topk)
+
+
+def kl_to_attention(target, index, mask, segment_ids) -> jax.Array:
+    """DeepSeek-V3.2's indexer loss: the mean over real query tokens (segment id > 0) of
+    KL(target_t || softmax(I_t)) over the keys `mask` [B, T, S] lets query t use (the causal mask in the dense
+    warm-up; the kept keys in the sparse stage), target [B, T, S] the attention's head-averaged distribution over
+    them (no gradient) and I [B, T, S] the indexer's scores. Scalar float32."""
+    log_q = jax.nn.log_softmax(jnp.where(mask, index, -jnp.inf), axis=-1)
+    log_q = jnp.where(mask, log_q, 0.0)  # no -inf (nor NaN in the gradient) outside the mask
+    log_p = jnp.log(jnp.where(target > 0, target, 1.0))
+    per_query = jnp.sum(jnp.where(mask & (target > 0), target * (log_p - log_q), 0.0), axis=-1)    # [B, T]
+    real = (segment_ids > 0).astype(jnp.float32)
+    return jnp.sum(per_query * real) / jnp.maximum(jnp.sum(real), 1.0)

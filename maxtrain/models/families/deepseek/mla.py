@@ -79,18 +79,27 @@ def _rope(x, cos, sin, interleave: bool):
     return rope_lib.apply_interleaved(x, cos, sin) if interleave else rope_lib.apply(x, cos, sin)
 
 
-def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", keys_kept=None):
+def query_latent(x, p, config, rt):
+    """MLA's normed low-rank query rmsnorm(W_qa x) [B, T, Q] (q_lora_rank > 0), which the indexer reads too."""
+    latent = ops.dense(x, p["wq_a"].astype(rt.dtype), backend=rt.backend, fp8="attention" in rt.fp8)  # "BTD,DQ->BTQ"
+    return rms_norm(latent, p["q_a_norm"], config.normalization_layer_epsilon)
+
+
+def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", keys_kept=None,
+              attention_target: bool = False):
     """MLA of x [B, T, D] (already normed) -> ([B, T, D], aux); aux carries the updated cache (c, k_r)
     when decoding, as blocks.attention does. keys_kept (DeepSeek-V3.2's indexer, deepseek/indexer.py):
     (x, q_latent [B, T, Q], (cos, sin), visible) -> the keys each query attends to, [B, T, S] bool, of those
     `visible` lets it see (decoding: the cache slots' mask; None: the causal mask and the documents); with it,
-    attention is the plain form under that mask."""
+    attention is the plain form under that mask. attention_target (training the indexer): aux["attention_target"]
+    is the attention's distribution over the keys summed over heads and normalised, [B, T, S] float32 with no
+    gradient (`head_averaged_probabilities`)."""
     dt, eps, backend = rt.dtype, config.normalization_layer_epsilon, rt.backend
     fp8 = "attention" in rt.fp8  # quantization: the five projections take float8 operands (models/fp8.py)
     hn, c_rank = config.qk_nope_head_dim, config.kv_lora_rank
     q_latent = None
     if "wq_a" in p:
-        q_latent = rms_norm(ops.dense(x, p["wq_a"].astype(dt), backend=backend, fp8=fp8), p["q_a_norm"], eps)  # "BTD,DQ->BTQ"
+        q_latent = query_latent(x, p, config, rt)
         q = ops.dense(q_latent, p["wq_b"].astype(dt), backend=backend, fp8=fp8)                           # "BTQ,QNH->BTNH"
     else:
         q = ops.dense(x, p["wq"].astype(dt), backend=backend, fp8=fp8)                                    # "BTD,DNH->BTNH"
@@ -117,6 +126,9 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", ke
     if inputs.cache is None and config.qk_clip_threshold > 0:  # each head's largest logit (models/qk_clip.py)
         aux[MAX_ATTENTION_LOGIT] = max_logits.max_logits(q, k, inputs.segment_ids, inputs.positions, scale=scale,
                                                          kept=kept)
+    if inputs.cache is None and attention_target:
+        mask = kept if kept is not None else attention_lib.make_attention_mask(inputs.segment_ids, inputs.segment_ids)
+        aux["attention_target"] = head_averaged_probabilities(q, k, mask, scale)
     if kept is not None:
         out = attention_lib.dot_product_attention(q, k, v, kept, scale=scale)
     elif inputs.cache is None:
@@ -135,6 +147,16 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", ke
         out = attention_lib.dot_product_attention(q, k, v, mask, scale=scale)
     out = ops.dense(out, p["wo"].astype(dt), 2, backend=backend, fp8=fp8)                                 # "BTNH,NHD->BTD"
     return checkpoint_name(out, "out_proj"), aux
+
+
+def head_averaged_probabilities(q, k, mask, scale: float):
+    """[B, T, S] float32, no gradient: each query's attention probabilities over the keys `mask` [B, T, S] lets it
+    see, averaged over the heads (the heads' sum, normalised to 1 over the keys: DeepSeek-V3.2's target for its
+    indexer). Holds [B, N, T, S] float32 while it runs."""
+    q, k = jax.lax.stop_gradient(q), jax.lax.stop_gradient(k)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32) * scale
+    probs = jax.nn.softmax(jnp.where(mask[:, None], logits, -jnp.inf), axis=-1)
+    return jnp.mean(jnp.where(mask[:, None], probs, 0.0), axis=1)
 
 
 def matmul_params(config) -> int:
