@@ -46,6 +46,15 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 50000.0, "factor": 4.0, "low
 
 OMITTED = object()  # a field of COMMON that the case's config class does not write
 
+# DeepSeek-V3.2's and GLM-5's cases: MLA and experts as "deepseek-mla-groups-bias", and an indexer of 16 heads of 16
+# keeping 8 keys of each query's up to 40
+SPARSE_MLA = dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=20, n_shared_experts=2, n_group=4,
+                  topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=20,
+                  qk_nope_head_dim=12, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, num_key_value_heads=4,
+                  index_n_heads=16, index_head_dim=16, index_topk=8,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 16, "mscale": 0.9, "mscale_all_dim": 0.7})
+
 # case: (transformers class names, config fields, maxtrain keys that switch the case's feature off)
 CASES = {
     "llama-llama3_rope": ("LlamaConfig", "LlamaForCausalLM", dict(rope_parameters=LLAMA3_ROPE, rms_norm_eps=1e-5),
@@ -118,24 +127,12 @@ CASES = {
     # its key) scores highest; the control keeps every key. 16 heads: a score is exactly 0 only where all 16 relus
     # are, so no tie at the k-th score, where transformers' topk and ours may choose apart (indexer.py).
     "deepseek-v32_sparse_attention-indexer": (
-        "DeepseekV32Config", "DeepseekV32ForCausalLM",
-        dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=20, n_shared_experts=2, n_group=4,
-             topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=20,
-             qk_nope_head_dim=12, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, num_key_value_heads=4,
-             index_n_heads=16, index_head_dim=16, index_topk=8,
-             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                              "original_max_position_embeddings": 16, "mscale": 0.9, "mscale_all_dim": 0.7}),
+        "DeepseekV32Config", "DeepseekV32ForCausalLM", SPARSE_MLA,
         {"index_topk": 64}),
     # GLM-5 (glm_moe_dsa): DeepSeek-V3.2's sparse attention with the indexer's RoPE on interleaved pairs; the control
     # rotates the indexer by halves (DeepSeek-V3.2's), which changes the keys it keeps.
     "deepseek-glm_moe_dsa-interleaved_indexer": (
-        "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM",
-        dict(n_routed_experts=8, num_experts_per_tok=3, moe_intermediate_size=20, n_shared_experts=2, n_group=4,
-             topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=20,
-             qk_nope_head_dim=12, qk_rope_head_dim=8, head_dim=8, v_head_dim=16, num_key_value_heads=4,
-             index_n_heads=16, index_head_dim=16, index_topk=8,
-             rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                              "original_max_position_embeddings": 16, "mscale": 0.9, "mscale_all_dim": 0.7}),
+        "GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", SPARSE_MLA,
         {"index_rope_interleave": False}),
     # Chunks of 8 in the RoPE layers 0, 1, 3 (L2 qk-norm), NoPE layer 2 with attention temperature (floor scale 4,
     # so it changes within the 40 tokens), experts in layers 1 and 3 (2 of 4 per token, sigmoid weights on their
