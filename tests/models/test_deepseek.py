@@ -140,7 +140,7 @@ def test_mla_decoding_from_the_latent_cache_equals_the_full_forward():
 SPARSE = ["index_n_heads=4", "index_head_dim=8", "index_topk=3", "q_lora_rank=8"]
 
 
-@pytest.mark.parametrize("interleave", [False, True], ids=["deepseek-v3.2", "glm-5"])
+@pytest.mark.parametrize("interleave", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["deepseek-v3.2", "glm-5"])
 def test_sparse_attention_decoding_from_the_cache_equals_the_full_forward(interleave):
     """DeepSeek-V3.2's indexer keeping 3 keys a query (GLM-5's: its RoPE interleaved): greedy decoding (the indexer's
     keys cached beside the latent, each step selecting among the slots) gives the tokens the full forward's argmax

@@ -60,7 +60,7 @@ def is_indexer(path) -> bool:
     return str(getattr(path[-1], "key", "")).startswith("index_")
 
 
-@pytest.mark.parametrize("stage", ["dense_warmup", "sparse"])
+@pytest.mark.parametrize("stage", [pytest.param("dense_warmup", marks=pytest.mark.slow), "sparse"])
 def test_the_kl_trains_the_indexer_alone_and_the_lm_loss_never_reaches_it(stage):
     """The indexer's input is detached and its selection has no gradient: the KL's gradient is zero on every weight
     but the indexer's (and not zero there), the language-model loss's zero on the indexer's."""
@@ -99,6 +99,7 @@ def train(stage, steps, *overrides):
     return start, jax.tree.map(np.asarray, state["params"]), history
 
 
+@pytest.mark.slow  # ten steps of a compiled DeepSeek model (10 s): the slow run's
 def test_the_dense_warmup_trains_the_indexer_alone_and_its_kl_falls():
     start, end, history = train("dense_warmup", 12)
     for (path, before), after in zip(jax.tree_util.tree_flatten_with_path(start)[0], jax.tree.leaves(end)):
@@ -110,6 +111,7 @@ def test_the_dense_warmup_trains_the_indexer_alone_and_its_kl_falls():
     assert kl[-1] < 0.7 * kl[0], kl
 
 
+@pytest.mark.slow  # ten steps of a compiled DeepSeek model (10 s): the slow run's
 def test_the_sparse_stage_trains_the_model_and_the_indexer():
     start, end, history = train("sparse", 12)
     for (path, before), after in zip(jax.tree_util.tree_flatten_with_path(start)[0], jax.tree.leaves(end)):

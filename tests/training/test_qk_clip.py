@@ -87,7 +87,9 @@ def blow_up(params, layer_types, layer: int, factor: float):
     return {**params, "layers": {**params["layers"], kind: stack}}
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# The latent-attention cases compile a DeepSeek model each (10 to 20 s): the slow run's (pyproject.toml's marker)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f.startswith("mla") else f
+                                    for f in sorted(FAMILIES)])
 @pytest.mark.parametrize("layer", [0, 1])
 def test_clip_brings_each_head_past_tau_to_tau(family, layer):
     """One layer's query and key weights blown up and tau set at the median of its heads' maxima (every other
