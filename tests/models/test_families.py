@@ -78,6 +78,14 @@ CASES = {
                                     final_logit_softcapping=5.0), {"attn_logits_soft_cap": 0.0}),
     "mixtral-experts": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2),
                         {"num_experts_per_tok": 1}),
+    # MiniMax-M2: qk-norm over all heads' features, RoPE on the first 12 of each head's 24 (the released config's
+    # rotary_dim), 8 experts scored by a sigmoid with a random selection bias, 3 per token; the control rotates the
+    # whole head.
+    "minimax_m2-qk_norm_over_heads-partial_rope-sigmoid_bias": (
+        "MiniMaxM2Config", "MiniMaxM2ForCausalLM",
+        dict(num_local_experts=8, num_experts_per_tok=3, rotary_dim=12, rope_parameters={"rope_type": "default",
+                                                                                        "rope_theta": 10000.0}),
+        {"partial_rotary_factor": 1.0}),
     "qwen3_moe-mixed_layers-raw_topk": (
         "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
         dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=40, mlp_only_layers=[1],

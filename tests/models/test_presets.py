@@ -54,6 +54,9 @@ PUBLISHED = {
     # Kimi K2: transformers' DeepseekV3ForCausalLM of its config counts 1,026,408,209,408 and keeps the 60 MoE layers'
     # 384 selection biases (23,040) as buffers; its model card: 1T total, 32B activated (below)
     "kimi-k2-1t": 1_026_408_232_448,
+    # MiniMax-M2: transformers' MiniMaxM2ForCausalLM of its default config with the released rotary_dim counts
+    # 228,689,748,992 and keeps the 62 layers' 256 selection biases (15,872) as buffers; model card: 230B, 10B active
+    "minimax-m2": 228_689_764_864,
     # GLM-5: transformers' GlmMoeDsaForCausalLM of its default config (the released one) counts 743,911,199,232 and keeps
     # the 75 MoE layers' 256 selection biases (19,200) as buffers; the model card: 744B, 40B active (below)
     "glm-5": 743_911_218_432,
@@ -81,7 +84,7 @@ ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b": 3.6e9, "gpt-oss-120b": 5.1e9}
 # DeepSeek-V3's paper: 37B activated per token (counted, like gpt-oss's, without the input embedding table).
 ACTIVE_BILLIONS_WITHOUT_EMBEDDING = {"deepseek3-671b": 37, "kimi-k2-1t": 32}
 # GLM-4.5's model card: 12B (Air) and 32B active, counted without the embedding table and the output head.
-ACTIVE_BILLIONS_WITHOUT_EMBEDDING_AND_HEAD = {"glm-4.5-air": 12, "glm-4.5": 32, "glm-5": 40}
+ACTIVE_BILLIONS_WITHOUT_EMBEDDING_AND_HEAD = {"glm-4.5-air": 12, "glm-4.5": 32, "glm-5": 40, "minimax-m2": 10}
 # Qwen3.5's names: A3B, A10B, A17B activated per token (3.45B, 9.77B and 17.35B counted with the embeddings).
 ACTIVE_BILLIONS = {"qwen3.5-35b-a3b": 3, "qwen3.5-122b-a10b": 10, "qwen3.5-397b-a17b": 17}
 
