@@ -169,6 +169,8 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
                 "glm4_moe": [*MOE_FLOPS, "partial_rotary_factor=0.5", "use_qk_norm=true", "attention_bias=true",
                              "first_num_dense_layers=1", "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true",
                              "mtp_num_layers=1"],
+                # qk-norm over all heads, half-head RoPE, a selection bias
+                "minimax_m2": [*MOE_FLOPS, "partial_rotary_factor=0.5", "routed_bias=true"],
                 # full-attention layers of their own head shape with keys as values, per-layer inputs, two
                 # shared-KV layers with double-wide MLPs, experts beside every dense MLP
                 "gemma4_text": [*MOE_FLOPS, "attention_layer_types=[sliding,full,sliding,full]", "global_head_dim=64",
