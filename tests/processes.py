@@ -56,27 +56,63 @@ def _descends_from_us(pid: int) -> bool:
     return False
 
 
-def _generating() -> list[int]:
-    """Our Ray rollout workers in the middle of a batch: Ray titles a worker's process with the task it runs."""
-    pids = []
+def _cpu_ticks(pid: int) -> int:
+    """Process `pid`'s CPU time so far (user + system, in clock ticks), all its threads together."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime and stime: stat's fields 14 and 15
+
+
+def _rollout_workers() -> dict[int, bytes]:
+    """Our Ray rollout workers (pid -> the title Ray gave its process) once built (not in Worker.__init__)."""
+    titles = {}
     for entry in os.listdir("/proc"):
         try:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
-                if f.read().startswith(b"ray::Worker.generate") and _descends_from_us(int(entry)):
-                    pids.append(int(entry))
+                title = f.read().split(b"\0")[0].strip()
+            if (title == b"ray::Worker" or title.startswith(b"ray::Worker.")) and title != b"ray::Worker.__init__" \
+                    and _descends_from_us(int(entry)):
+                titles[int(entry)] = title
         except (OSError, ValueError):
             continue
-    return pids
+    return titles
+
+
+class _Generating:
+    """Which rollout workers are in the middle of a batch. Ray titles a worker's process with the task it runs
+    ("ray::Worker.generate"), but a worker runs `offer` in a second thread, and when that ends Ray sets the idle
+    title ("ray::Worker") while generate goes on. So a worker also counts as generating when it kept over a quarter
+    of a core busy (an idle actor uses next to none) through the last BUSY_POLLS polls."""
+
+    BUSY_POLLS = 3
+
+    def __init__(self, poll_seconds: float):
+        self.poll_ticks = poll_seconds * os.sysconf("SC_CLK_TCK")
+        self.ticks: dict[int, int] = {}   # pid -> its CPU ticks at the last poll
+        self.busy: dict[int, int] = {}    # pid -> how many polls in a row it was busy
+
+    def __call__(self) -> list[int]:
+        pids = []
+        for pid, title in _rollout_workers().items():
+            try:
+                ticks = _cpu_ticks(pid)
+            except (OSError, ValueError):
+                continue
+            busy = pid in self.ticks and ticks - self.ticks[pid] >= 0.25 * self.poll_ticks
+            self.ticks[pid], self.busy[pid] = ticks, self.busy.get(pid, 0) + 1 if busy else 0
+            if title == b"ray::Worker.generate" or self.busy[pid] >= self.BUSY_POLLS:
+                pids.append(pid)
+        return pids
 
 
 def kill_a_generating_worker(killed: list, seconds: float = 900) -> threading.Thread:
     """A thread that SIGKILLs the first rollout worker (GRPO's, under this process) seen generating, and appends its
     pid to `killed`."""
     def watch():
-        deadline = time.time() + seconds
+        deadline, generating = time.time() + seconds, _Generating(poll_seconds=0.1)
         while time.time() < deadline and not killed:
-            time.sleep(0.05)
-            for pid in _generating()[:1]:
+            time.sleep(0.1)
+            for pid in generating()[:1]:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
 
