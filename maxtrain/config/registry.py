@@ -36,7 +36,7 @@ class Family:
     settings: tuple[str, ...] = ()  # the settings of base.yml that only some families' modules read: those it reads
     mixer: str = "attention"      # how its layers mix tokens: "attention" (q, k, v heads), "mla" (latent attention)
     # With index_n_heads > 0 each query attends to the index_topk keys a lightning indexer scores highest (DeepSeek
-    # Sparse Attention, DeepSeek-V3.2): beyond index_topk tokens its attention is the plain form under that mask.
+    # Sparse Attention, DeepSeek-V3.2): beyond index_topk tokens its attention reads each query's chosen keys alone.
     sparse_attention: bool = False
     # Model keys beyond the shared ones (models/__init__.py) that a checkpoint of this family is checked against:
     # those that fix its parameters' shapes, and those that change what the same parameters compute. Each of its

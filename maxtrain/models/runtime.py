@@ -277,8 +277,9 @@ def resolve_attention(config, backend: str, dtype, kinds: list[AttentionKind], *
 
 
 def _sparse_attention(config, kinds: list[AttentionKind], context_parallel: int) -> list[AttentionKind]:
-    """DeepSeek Sparse Attention beyond index_topk tokens: the plain form under the indexer's mask
-    (models/families/deepseek, index_n_heads > 0), which no kernel and no context-parallel strategy takes yet."""
+    """DeepSeek Sparse Attention beyond index_topk tokens: each query reads its chosen keys in plain jnp
+    (models/families/deepseek/selected.py; index_n_heads > 0), which no kernel and no context-parallel strategy
+    takes yet."""
     where = f"the indexer's top-{config.index_topk} mask (max_target_length={config.max_target_length} > index_topk)"
     if context_parallel > 1:
         raise ValueError(f"context parallelism ({context_parallel} ways) cannot split DeepSeek Sparse Attention: "
@@ -288,5 +289,6 @@ def _sparse_attention(config, kinds: list[AttentionKind], context_parallel: int)
         raise ValueError(f"attention={config.attention} cannot run DeepSeek Sparse Attention: no kernel takes {where}; "
                          "use attention=dot_product or autoselected, or max_target_length <= index_topk (dense "
                          "attention, every kernel)")
-    reason = f"dot_product: DeepSeek Sparse Attention, the plain form under {where}"
+    reason = (f"dot_product: DeepSeek Sparse Attention under {where}, each query reading its chosen keys alone "
+              "(plain jnp by query blocks: no kernel takes them yet)")
     return [dataclasses.replace(kind, implementation="dot_product", reason=reason) for kind in kinds]

@@ -19,6 +19,7 @@ from maxtrain import config as config_lib
 from maxtrain.models.model import Model
 from maxtrain.models import model_keys
 from maxtrain.models.families import FAMILIES
+from maxtrain.models.families.deepseek import selected
 from maxtrain.observability import metrics
 from maxtrain.config import features, load_config, with_overrides
 from maxtrain.models import blocks
@@ -193,6 +194,31 @@ def test_flops_formula_matches_xla_count(family):
     formula = metrics.flops_per_token(Model.bind(run.config), dense_attention=True) * run.config.tokens_per_step
     print(f"{family}: XLA {cost['flops']:.4g} FLOPs, formula {formula:.4g} ({cost['flops'] / formula - 1:+.1%})")
     assert cost["flops"] == pytest.approx(formula, rel=0.05)
+
+
+@pytest.mark.slow
+def test_flops_formula_counts_the_kept_keys_of_sparse_attention_as_xla_does(monkeypatch):
+    """DeepSeek Sparse Attention keeping 32 of 512 keys (models/families/deepseek/selected.py, in one block of queries
+    here: XLA's cost analysis counts a loop's body once): within 5% of XLA's count, where counting every key, as
+    MLA without the indexer computes, is not (the control)."""
+    monkeypatch.setattr(selected, "QUERY_BLOCK", 512)
+    mine = {"index_n_heads": 4, "index_head_dim": 16, "index_topk": 32, "max_target_length": 512,
+            "per_device_batch_size": 2, "mtp_num_layers": 0}  # (no MTP with the indexer yet)
+    model, family = ([o for o in overrides if o.split("=")[0] not in mine]
+                     for overrides in (FLOPS_MODEL, FAMILY_FLOPS["deepseek"]))
+    cfg = load_config(with_overrides([BASE_YML, *model], "decoder_block=deepseek", *family,
+                                     *(f"{k}={v}" for k, v in mine.items())))
+    run = builder.build(cfg, devices=jax.devices()[:1])
+    assert "chosen keys alone" in run.rt.attention_reason
+    cost = run.compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    tokens = run.config.tokens_per_step
+    formula = metrics.flops_per_token(Model.bind(run.config), dense_attention=True) * tokens
+    every_key = metrics.flops_per_token(Model.bind(run.config.replace(index_topk=512)), dense_attention=True) * tokens
+    print(f"XLA {cost['flops']:.4g} FLOPs, formula {formula:.4g} ({cost['flops'] / formula - 1:+.1%}), every key "
+          f"{every_key:.4g} ({cost['flops'] / every_key - 1:+.1%})")
+    assert cost["flops"] == pytest.approx(formula, rel=0.05)
+    assert cost["flops"] != pytest.approx(every_key, rel=0.05)
 
 
 @pytest.mark.parametrize("length, window", [(64, 0), (64, 16), (64, 64), (64, 100), (7, 3)])

@@ -20,8 +20,8 @@ checkpoint (read by an import with keep_mtp, never written by an export: transfo
 DeepSeek-V3.2 (index_n_heads > 0; Hugging Face's deepseek_v32): DeepSeek Sparse Attention, a lightning indexer in
 front of MLA that keeps the index_topk keys each query attends to (indexer.py). Where a sequence (or the decoding
 cache) holds no more than index_topk tokens every query keeps every key it sees, and the indexer is skipped (MLA
-runs its kernels); beyond, MLA is the plain form under the indexer's mask (no kernel takes it yet: models/runtime.py
-resolves attention to dot_product and says why). Decoding caches each token's indexer key beside MLA's latent
+runs its kernels); beyond, each query reads its chosen keys alone (selected.py: MLA's absorbed form in plain jnp by
+query blocks; no kernel takes it yet: models/runtime.py resolves attention to dot_product and says why). Decoding caches each token's indexer key beside MLA's latent
 (layer_cache). The language-model loss does not train the indexer; indexer_training does, towards the attention's
 distribution with a KL loss, in DeepSeek's dense warm-up or sparse stage (_attention_training_the_indexer). V3.2's config.json has
 no rope_interleave: its MLA always interleaves, its indexer rotates by halves.
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from maxtrain.config import registry
 from maxtrain.models import attention as attention_lib
 from maxtrain.models import blocks, contract, hf, moe, mtp, standard_layers
-from maxtrain.models.families.deepseek import indexer, mla
+from maxtrain.models.families.deepseek import indexer, mla, selected
 from maxtrain.models.layers import LayerType
 from maxtrain.parallel.sharding import shard
 
@@ -100,15 +100,27 @@ def _attention(normed, p, inputs, config, rt):
         inputs = inputs._replace(cache=(cache_c, cache_r, index, first))
         new_keys = indexer.keys(normed, p, inputs.rope["global"], config.index_rope_interleave).astype(index_cache.dtype)
         index_cache = jax.lax.dynamic_update_slice_in_dim(index_cache, new_keys[:, :, None], index, axis=1)
-    kept = None
-    if (index_cache.shape[1] if index_cache is not None else normed.shape[1]) > config.index_topk:  # else all kept
+    kept = selected_keys = None
+    if index_cache is None and normed.shape[1] > config.index_topk:  # training, scoring: the chosen keys alone
+        selected_keys = functools.partial(_selected_keys, normed, p, inputs.segment_ids, config)
+    elif index_cache is not None and index_cache.shape[1] > config.index_topk:  # decoding: the cache slots' mask
         kept = functools.partial(indexer.keys_kept, p=p, segment_ids=inputs.segment_ids, topk=config.index_topk,
-                                 cached_keys=None if index_cache is None else index_cache[:, :, 0],
-                                 interleave=config.index_rope_interleave)
-    h, aux = mla.attention(normed, p, inputs, config, rt, keys_kept=kept)
+                                 cached_keys=index_cache[:, :, 0], interleave=config.index_rope_interleave)
+    h, aux = mla.attention(normed, p, inputs, config, rt, keys_kept=kept, selected_keys=selected_keys)
     if index_cache is not None:
         aux = {**aux, "cache": (*aux["cache"], index_cache)}
     return h, aux
+
+
+def _selected_keys(normed, p, segment_ids, config, q_nope, q_rope, c, k_rope, q_latent, rope):
+    """MLA over the index_topk keys the indexer chooses for each query, read alone (selected.py)."""
+    index_q, index_w = indexer.queries(normed, q_latent, p, rope, config.index_rope_interleave)
+    index_k = indexer.keys(normed, p, rope, config.index_rope_interleave)
+    clip = config.qk_clip_threshold > 0  # QK-clip reads each head's largest logit
+    out = selected.attention(q_nope, q_rope, c, k_rope, p["wkv_b"][..., :config.qk_nope_head_dim], index_q, index_w,
+                             index_k, segment_ids, topk=config.index_topk, scale=mla.softmax_scale(config),
+                             with_max_logits=clip)
+    return out if clip else (out, None)
 
 
 def _attention_training_the_indexer(normed, p, inputs, config, rt):
@@ -155,16 +167,22 @@ def attended_keys(config, dense: bool = False) -> float:
 
 
 def _indexer_flops(config, dense_attention: bool) -> float:
-    """Training FLOPs per token of the indexer where sparse (forward only: it takes no gradient) and the attention
-    it saves (MLA over the kept keys rather than every visible one)."""
+    """Training FLOPs per token of the indexer where sparse (forward only: it takes no gradient; it scores every key
+    of the sequence, as selected.py computes it) and what the attention over the kept keys costs against MLA's over
+    every visible key: selected.py's absorbed form spends 2 x N x (C + Hr) per kept key on the logits and 2 x N x C
+    on the latent values (the W_kvb products move from the keys and values to the queries and outputs: the same
+    count, in the matmul term), where the expanded form spends 2 x N x (Hn + Hr + Hv) per visible key."""
     if not sparse(config):
         return 0.0
     layers, d = config.base_num_decoder_layers, config.base_emb_dim
     q, n, e = config.q_lora_rank, config.index_n_heads, config.index_head_dim
     visible = blocks.attended_keys(config.max_target_length, 0, dense_attention)
-    per_key = 2 * config.base_num_query_heads * (mla.qk_head_dim(config) + config.v_head_dim)  # q.k and p.v
-    saved = 3.0 * layers * per_key * (visible - attended_keys(config, dense_attention))
-    return layers * (2 * (q * n * e + d * e + d * n) + 2 * (n * e + n) * visible) - saved
+    heads, c = config.base_num_query_heads, config.kv_lora_rank
+    per_key = 2 * heads * (mla.qk_head_dim(config) + config.v_head_dim)                  # q.k and p.v, expanded
+    per_kept_key = 2 * heads * (2 * c + config.qk_rope_head_dim)                        # absorbed (selected.py)
+    attention = 3.0 * layers * (per_kept_key * attended_keys(config, dense_attention) - per_key * visible)
+    indexer_keys = config.max_target_length  # every key scored, a block of queries at a time
+    return layers * (2 * (q * n * e + d * e + d * n) + 2 * (n * e + n) * indexer_keys) + attention
 
 
 def flops_per_token(model, dense_attention: bool = False) -> float:

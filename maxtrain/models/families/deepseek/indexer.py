@@ -14,12 +14,14 @@ it keeps them all: at a length <= index_topk the model is MLA with dense attenti
 indexer. The selection is a top-k, with no gradient: the language-model loss does not train the indexer (as
 Hugging Face's forward, under no_grad). DeepSeek trains it apart, towards the attention's distribution
 (indexer_training, models/families/deepseek/__init__.py): `kl_to_attention` with the indexer's weights `trained`
-and its inputs x and q_latent always detached. Ties at the k-th score keep every tied key, where transformers' topk keeps an arbitrary k of them: a
-score is exactly 0 where every indexer head's relu is 0, so a query whose head weights are all negative (its scores
-all <= 0) can tie many keys at 0; with weights of both signs a tie needs all heads' relus at 0 at once.
+and its inputs x and q_latent always detached. Ties at the k-th score go to the earlier keys (top_k's order), where
+transformers' topk keeps an arbitrary k of them: a score is exactly 0 where every indexer head's relu is 0, so a
+query whose head weights are all negative (its scores all <= 0) can tie many keys at 0; with weights of both signs
+a tie needs all heads' relus at 0 at once. Training and scoring beyond index_topk tokens read only the chosen keys
+(selected.py); decoding masks the cache's slots (`keys_kept`), choosing the same keys.
 
-Memory: the per-head scores [B, T, index_n_heads, S] exist in float32 during the forward (no kernel fuses the
-heads' sum yet; they take no gradient, so nothing of them is kept for the backward pass).
+Memory: `scores` holds the per-head scores [B, T, index_n_heads, S] in float32 (the indexer's training and decoding,
+where T is one token); selected.py computes them a block of queries at a time.
 
 Hugging Face (and DeepSeek's reference) rotate the indexer's queries and keys with a Hadamard transform and score
 them in float8 for speed; the transform is orthogonal (q . k unchanged), so this bf16/float32 form is the same
@@ -79,23 +81,31 @@ def keys(x, p, rope, interleave: bool = False, trained: bool = False) -> jax.Arr
     return _rope(k[:, :, None], cos, sin, interleave)[:, :, 0]
 
 
-def scores(x, q_latent, k, p, rope, interleave: bool = False, trained: bool = False) -> jax.Array:
-    """I [B, T, S] float32 of the queries' tokens x [B, T, D] (q_latent [B, T, Q]) against indexer keys k [B, S, E];
-    no gradient reaches x and q_latent, nor the indexer's weights unless `trained`."""
+def queries(x, q_latent, p, rope, interleave: bool = False, trained: bool = False) -> tuple[jax.Array, jax.Array]:
+    """(q_I [B, T, I, E], w [B, T, I]) float32 of the queries' tokens x [B, T, D] (q_latent [B, T, Q]); no gradient
+    reaches x and q_latent, nor the indexer's weights unless `trained`."""
     x, q_latent, p, (cos, sin) = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent), _weights(p, trained), rope
     f32 = jnp.float32
     q = _rope(jnp.einsum("BTQ,QIE->BTIE", q_latent.astype(f32), p["index_wq"].astype(f32)), cos, sin, interleave)
-    heads, width = q.shape[2], q.shape[3]
-    per_head = jax.nn.relu(jnp.einsum("BTIE,BSE->BTIS", q, k) * width**-0.5)
-    w = jnp.einsum("BTD,DI->BTI", x.astype(f32), p["index_weights"].astype(f32)) * heads**-0.5
+    w = jnp.einsum("BTD,DI->BTI", x.astype(f32), p["index_weights"].astype(f32)) * q.shape[2] ** -0.5
+    return q, w
+
+
+def scores(x, q_latent, k, p, rope, interleave: bool = False, trained: bool = False) -> jax.Array:
+    """I [B, T, S] float32 of the queries' tokens x [B, T, D] (q_latent [B, T, Q]) against indexer keys k [B, S, E];
+    no gradient reaches x and q_latent, nor the indexer's weights unless `trained`."""
+    q, w = queries(x, q_latent, p, rope, interleave, trained)
+    per_head = jax.nn.relu(jnp.einsum("BTIE,BSE->BTIS", q, k) * q.shape[3] ** -0.5)
     return jnp.einsum("BTI,BTIS->BTS", w, per_head)
 
 
 def top(index, visible, topk: int) -> jax.Array:
-    """[B, T, S] bool: of the visible keys, each query's topk of highest index (all of them where it sees fewer)."""
+    """[B, T, S] bool: of the visible keys, each query's topk of highest index (all of them where it sees fewer):
+    top_k's choice, ties at the k-th score going to the earlier key, as selected.attention chooses."""
     index = jnp.where(visible, index, -jnp.inf)
-    kth = jax.lax.top_k(index, min(topk, index.shape[-1]))[0][..., -1:]  # the k-th highest score of each query
-    return visible & (index >= kth)
+    idx = jax.lax.top_k(index, min(topk, index.shape[-1]))[1]                       # [B, T, k]
+    choose = jax.vmap(jax.vmap(lambda row, at: row.at[at].set(True)))              # per query: its k keys
+    return visible & choose(jnp.zeros(index.shape, bool), idx)
 
 
 def keys_kept(x, q_latent, rope, visible, *, p, segment_ids, topk: int, cached_keys=None,

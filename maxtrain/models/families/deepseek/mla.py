@@ -86,14 +86,17 @@ def query_latent(x, p, config, rt):
 
 
 def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", keys_kept=None,
-              attention_target: bool = False):
+              attention_target: bool = False, selected_keys=None):
     """MLA of x [B, T, D] (already normed) -> ([B, T, D], aux); aux carries the updated cache (c, k_r)
     when decoding, as blocks.attention does. keys_kept (DeepSeek-V3.2's indexer, deepseek/indexer.py):
     (x, q_latent [B, T, Q], (cos, sin), visible) -> the keys each query attends to, [B, T, S] bool, of those
-    `visible` lets it see (decoding: the cache slots' mask; None: the causal mask and the documents); with it,
-    attention is the plain form under that mask. attention_target (training the indexer): aux["attention_target"]
+    `visible` lets it see (decoding: the cache slots' mask; None: the causal mask and the documents, as the
+    indexer's training passes it); with it, attention is the plain form under that mask. attention_target (training the indexer): aux["attention_target"]
     is the attention's distribution over the keys summed over heads and normalised, [B, T, S] float32 with no
-    gradient (`head_averaged_probabilities`)."""
+    gradient (`head_averaged_probabilities`). selected_keys (DeepSeek-V3.2 beyond index_topk tokens, training and
+    scoring): (q_nope, q_rope, c [B, S, C], k_r [B, S, Hr], q_latent, (cos, sin)) -> (o_c [B, T, N, C], each head's
+    largest logit [N]), the attention over each query's chosen keys alone in the absorbed form (selected.py); the
+    values are then o_c W_kvb^v."""
     dt, eps, backend = rt.dtype, config.normalization_layer_epsilon, rt.backend
     fp8 = "attention" in rt.fp8  # quantization: the five projections take float8 operands (models/fp8.py)
     hn, c_rank = config.qk_nope_head_dim, config.kv_lora_rank
@@ -117,6 +120,13 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", ke
         cache_r = jax.lax.dynamic_update_slice_in_dim(cache_r, k_rope.astype(cache_r.dtype), index, axis=1)
         aux = {"cache": (cache_c, cache_r)}
         c, k_rope = cache_c[:, :, 0].astype(dt), cache_r.astype(dt)
+    if selected_keys is not None and inputs.cache is None:
+        o_c, head_max = selected_keys(q[..., :hn], q[..., hn:], c, k_rope[:, :, 0], q_latent, (cos, sin))
+        if config.qk_clip_threshold > 0:  # each head's largest logit (models/qk_clip.py)
+            aux[MAX_ATTENTION_LOGIT] = head_max
+        out = jnp.einsum("BTNC,CNV->BTNV", o_c, p["wkv_b"][..., hn:].astype(dt))
+        out = ops.dense(out, p["wo"].astype(dt), 2, backend=backend, fp8=fp8)                             # "BTNH,NHD->BTD"
+        return checkpoint_name(out, "out_proj"), aux
     kv = ops.dense(c, p["wkv_b"].astype(dt), backend=backend, fp8=fp8)                                    # "BSC,CNH->BSNH"
     k_nope, v = kv[..., :hn], kv[..., hn:]
     k = jnp.concatenate([k_nope, jnp.broadcast_to(k_rope, k_nope.shape[:-1] + k_rope.shape[-1:])], axis=-1)

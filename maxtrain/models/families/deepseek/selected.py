@@ -1,0 +1,94 @@
+"""DeepSeek Sparse Attention over the selected keys alone: MLA in its absorbed ("MQA") form, query block by query
+block, each query reading only the index_topk latent keys its indexer chose. No [T, S] array exists: per block of
+Bq queries the indexer's scores [B, Bq, I, S] and [B, Bq, S] (float32, no gradient), the chosen keys' latents
+[B, Bq, K, C + Hr] and the logits [B, Bq, N, K]; the step's attention memory and time grow as T x K, not T x S.
+
+For a block of queries (K = min(index_topk, S)):
+
+    I[t, s]    the indexer's score (indexer.py), -inf where the causal mask or the documents hide key s
+    idx, I_k   = top_k(I[t, :], K)                        [B, Bq, K]; a query that sees fewer than K keys
+                                                           gets -inf for the rest, which are masked out
+    c_k, r_k   = c[idx], RoPE(k_r)[idx]                   the chosen keys' latent [.., K, C] and RoPE key [.., K, Hr]
+    logits     = (q_c . c_k + q_r . r_k) * scale          q_c = q_nope W_kvb^k (absorbed: [B, T, N, C])
+    o_c        = softmax(logits) . c_k                    [B, Bq, N, C]
+and after the blocks out = o_c W_kvb^v [B, T, N, Hv]: W_kvb^k q_nope . c = q_nope . W_kvb^k c, the same logits as
+MLA's expanded keys (mla.attention), in another order of the same sums (float32: within ~1e-6 relative).
+
+The selection is top_k's: exactly K keys, ties at the K-th score broken towards the earlier key (indexer.top, which
+decoding and the plain form use, keeps the same ones). The gradient reaches q, c and k_r through the gathers
+(scatter-adds into the K chosen rows); the indexer takes none (its scores are computed under stop_gradient). Each
+block runs under jax.checkpoint, so the backward pass recomputes its gathers and logits rather than keeping them
+for every block: what is kept for the backward is the blocks' inputs and o_c.
+
+Ours, not a library's: no kernel library (tokamax, cuDNN, splash) takes per-query key indices for MLA's latent keys
+yet; this plain-jnp form is what a Pallas selected-key kernel will be checked against.
+
+Einsum letters: as blocks.py and mla.py (C the latent rank, R the RoPE width), K the selected keys, I the indexer's
+heads and E their width.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+QUERY_BLOCK = 128  # queries per block (the largest power of two up to it that divides T)
+
+
+def query_block(length: int, largest: int | None = None) -> int:
+    """The queries per block: the largest power of two <= `largest` (QUERY_BLOCK) that divides `length`."""
+    largest, block = largest or QUERY_BLOCK, 1
+    while block * 2 <= largest and length % (block * 2) == 0:
+        block *= 2
+    return block
+
+
+def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment_ids, *, topk: int,
+              scale: float, block: int | None = None, with_max_logits: bool = False):
+    """MLA under the indexer's top-k, reading only the chosen keys.
+
+    q_nope [B, T, N, Hn], q_rope [B, T, N, R] (after RoPE), c [B, S, C] (the normed latent), k_rope [B, S, R]
+    (after RoPE), w_k [C, N, Hn] (W_kvb's key half); index_q [B, T, I, E] (after RoPE), index_w [B, T, I] and
+    index_k [B, S, E] (indexer.queries and indexer.keys); segment_ids [B, T] (T = S: training and scoring).
+    Returns o_c [B, T, N, C] in c's dtype (times W_kvb's value half, the caller's, it is the attention's output),
+    and with with_max_logits each head's largest logit over the kept keys [N] float32 (QK-clip's statistic)."""
+    b, t, n, _ = q_nope.shape
+    s = c.shape[1]
+    k = min(topk, s)
+    bq = block or query_block(t)
+    if t % bq:
+        raise ValueError(f"the query block ({bq}) must divide the sequence ({t})")
+    q_c = jnp.einsum("BTNH,CNH->BTNC", q_nope, w_k.astype(q_nope.dtype))
+
+    def blocks(x):  # [B, T, ...] -> [T / bq, B, bq, ...]
+        return jnp.moveaxis(x.reshape(b, t // bq, bq, *x.shape[2:]), 1, 0)
+
+    key_segments = segment_ids
+    key_index = jnp.arange(s)
+
+    @jax.checkpoint
+    def one_block(q_c_blk, q_r_blk, iq_blk, iw_blk, seg_blk, start):
+        rows = start + jnp.arange(bq)
+        visible = (seg_blk[:, :, None] == key_segments[:, None, :]) & (key_index[None, None, :] <= rows[None, :, None])
+        per_head = jax.nn.relu(jnp.einsum("BTIE,BSE->BTIS", iq_blk, index_k) * iq_blk.shape[-1] ** -0.5)
+        index = jnp.einsum("BTI,BTIS->BTS", iw_blk, per_head)
+        index = jax.lax.stop_gradient(jnp.where(visible, index, -jnp.inf))
+        top, idx = jax.lax.top_k(index, k)                                        # [B, bq, K]
+        kept = top > -jnp.inf
+        gather = jax.vmap(lambda rows_of, at: rows_of[at])                        # per sequence: [S, X] by [bq, K]
+        c_k, r_k = gather(c, idx), gather(k_rope, idx)                            # [B, bq, K, C], [B, bq, K, R]
+        logits = (jnp.einsum("BTNC,BTKC->BTNK", q_c_blk, c_k.astype(q_c_blk.dtype), preferred_element_type=jnp.float32)
+                  + jnp.einsum("BTNR,BTKR->BTNK", q_r_blk, r_k.astype(q_r_blk.dtype),
+                               preferred_element_type=jnp.float32)) * scale
+        logits = jnp.where(kept[:, :, None, :], logits, -jnp.inf)
+        probs = jax.nn.softmax(logits, axis=-1)
+        probs = jnp.where(kept[:, :, None, :], probs, 0.0)  # a query with no key (none: it sees itself) gives 0
+        o_c = jnp.einsum("BTNK,BTKC->BTNC", probs.astype(c.dtype), c_k)
+        head_max = jnp.max(jnp.where(kept[:, :, None, :], jax.lax.stop_gradient(logits), -jnp.inf), axis=(0, 1, 3))
+        return o_c, head_max
+
+    starts = jnp.arange(t // bq) * bq
+    o_c, head_max = jax.lax.map(lambda xs: one_block(*xs), (blocks(q_c), blocks(q_rope), blocks(index_q),
+                                                           blocks(index_w), blocks(segment_ids), starts))
+    o_c = jnp.moveaxis(o_c, 0, 1).reshape(b, t, n, c.shape[-1])
+    return (o_c, jnp.max(head_max, axis=0)) if with_max_logits else o_c

@@ -1,0 +1,106 @@
+"""DeepSeek Sparse Attention over the chosen keys alone (models/families/deepseek/selected.py): the same values and
+gradients as MLA's plain form under the indexer's top-k mask, for any query block, with packed documents and
+padding, each head's largest logit for QK-clip, and never a key of another document."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtrain.models import attention as attention_lib
+from maxtrain.models.families.deepseek import indexer, selected
+
+B, T, N, HN, HR, HV, C, I, E = 2, 32, 3, 8, 4, 6, 10, 4, 8
+TOPK = 6
+SCALE = (HN + HR) ** -0.5
+# two documents then padding (segment 0) in the first row; one document in the second
+SEGMENTS = jnp.asarray([[1] * 11 + [2] * 15 + [0] * 6, [1] * 32])
+
+
+def _inputs(seed: int = 0):
+    keys = jax.random.split(jax.random.key(seed), 9)
+    normal = lambda key, *shape: jax.random.normal(key, shape, jnp.float32)  # noqa: E731
+    return dict(q_nope=normal(keys[0], B, T, N, HN), q_rope=normal(keys[1], B, T, N, HR), c=normal(keys[2], B, T, C),
+                k_rope=normal(keys[3], B, T, HR), w_k=normal(keys[4], C, N, HN) * C**-0.5,
+                w_v=normal(keys[5], C, N, HV) * C**-0.5, index_q=normal(keys[6], B, T, I, E),
+                index_w=normal(keys[7], B, T, I), index_k=normal(keys[8], B, T, E))
+
+
+def _kept(x):
+    """The indexer's top-k mask [B, T, S] as the plain form (and decoding) build it."""
+    per_head = jax.nn.relu(jnp.einsum("BTIE,BSE->BTIS", x["index_q"], x["index_k"]) * E**-0.5)
+    index = jnp.einsum("BTI,BTIS->BTS", x["index_w"], per_head)
+    visible = attention_lib.make_attention_mask(SEGMENTS, SEGMENTS, causal=True)
+    return indexer.top(index, visible, TOPK)
+
+
+def _plain(x):
+    """MLA's expanded form under the mask: k = [c W_k ; k_r] per head, v = c W_v (mla.attention's)."""
+    k_nope = jnp.einsum("BSC,CNH->BSNH", x["c"], x["w_k"])
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(x["k_rope"][:, :, None], (B, T, N, HR))], axis=-1)
+    v = jnp.einsum("BSC,CNV->BSNV", x["c"], x["w_v"])
+    q = jnp.concatenate([x["q_nope"], x["q_rope"]], axis=-1)
+    return attention_lib.dot_product_attention(q, k, v, _kept(x), scale=SCALE)
+
+
+def _selected(x, block=None, with_max_logits=False):
+    out = selected.attention(x["q_nope"], x["q_rope"], x["c"], x["k_rope"], x["w_k"], x["index_q"], x["index_w"],
+                             x["index_k"], SEGMENTS, topk=TOPK, scale=SCALE, block=block,
+                             with_max_logits=with_max_logits)
+    o_c, head_max = out if with_max_logits else (out, None)
+    out = jnp.einsum("BTNC,CNV->BTNV", o_c, x["w_v"])
+    return (out, head_max) if with_max_logits else out
+
+
+def test_the_top_k_really_drops_keys_here():
+    kept = _kept(_inputs())
+    visible = jnp.sum(attention_lib.make_attention_mask(SEGMENTS, SEGMENTS, causal=True), axis=-1)
+    counts = jnp.sum(kept, axis=-1)
+    assert int(jnp.max(counts)) == TOPK and bool(jnp.all(counts == jnp.minimum(visible, TOPK)))
+    assert int(jnp.sum(counts < visible)) > 20  # queries that lose keys
+
+
+@pytest.mark.parametrize("block", [1, 4, 32, None])
+def test_values_and_gradients_equal_the_plain_form_under_the_mask(block):
+    x = _inputs()
+    cotangent = jax.random.normal(jax.random.key(7), (B, T, N, HV))
+    real = (SEGMENTS > 0)[:, :, None, None]  # padding queries attend among padding: compared too
+
+    def loss(fn):
+        return lambda params: jnp.sum(fn({**x, **params}) * cotangent * real)
+
+    params = {k: x[k] for k in ("q_nope", "q_rope", "c", "k_rope", "w_k", "w_v")}
+    np.testing.assert_allclose(_selected(x, block), _plain(x), rtol=1e-5, atol=1e-5)
+    want = jax.grad(loss(_plain))(params)
+    got = jax.grad(loss(lambda y: _selected(y, block)))(params)
+    for name in params:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_a_query_never_reads_a_key_of_another_document():
+    """Changing the first document's latents and RoPE keys leaves the second document's outputs exactly as they were,
+    though its early queries see fewer than index_topk keys of their own."""
+    x = _inputs()
+    first = (SEGMENTS == 1)[:, :, None]
+    y = {**x, "c": jnp.where(first, 100.0, x["c"]), "k_rope": jnp.where(first, -100.0, x["k_rope"])}
+    second = SEGMENTS[0] == 2
+    np.testing.assert_array_equal(_selected(x)[0][second], _selected(y)[0][second])
+
+
+def test_each_heads_largest_logit_is_over_the_kept_keys():
+    x = _inputs()
+    _, head_max = _selected(x, block=8, with_max_logits=True)
+    k_nope = jnp.einsum("BSC,CNH->BSNH", x["c"], x["w_k"])
+    logits = (jnp.einsum("BTNH,BSNH->BNTS", x["q_nope"], k_nope)
+              + jnp.einsum("BTNR,BSR->BNTS", x["q_rope"], x["k_rope"])) * SCALE
+    want = jnp.max(jnp.where(_kept(x)[:, None], logits, -jnp.inf), axis=(0, 2, 3))
+    np.testing.assert_allclose(head_max, want, rtol=1e-5)
+
+
+def test_a_block_that_does_not_divide_the_sequence_is_refused():
+    x = _inputs()
+    with pytest.raises(ValueError, match=r"the query block \(5\) must divide the sequence \(32\)"):
+        _selected(x, block=5)
+    assert selected.query_block(4096) == 128 and selected.query_block(96) == 32 and selected.query_block(7) == 1
