@@ -23,6 +23,15 @@ quadratic, after a single row). Lengths run in the order given: smallest first.
 
 On the 2-core development machine (2026-11-28, docs/models.md) the hybrid's step hung at 8,192 tokens: two
 LAPACK triangular solves of the chunked delta rule each held one of XLA:CPU's two intra-op threads.
+
+--family deepseek times DeepSeek Sparse Attention instead: configs/models/deepseek3.2-tiny.yml (width 256, 4 layers
+of MLA with 4 heads, 16 experts, an indexer of 4 heads of 32). "sparse" keeps --topk keys a query
+(models/families/deepseek/selected.py: the chosen keys alone, by query blocks); "full" is the same model with
+index_topk at the sequence's length, where the indexer is skipped and MLA attends to every visible key (the causal
+chunks above):
+
+    python scripts/benchmark_long_context.py --family deepseek --variants sparse full --seq 4096 16384 65536 \
+        --topk 64 --steps 2 --warmup 0 --max-step-seconds 300
 """
 
 from __future__ import annotations
@@ -44,7 +53,15 @@ from maxtrain.errors import run_cli
 from maxtrain.observability import metrics
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-VARIANTS = {"hybrid": 4, "full": 1}  # name -> inhomogeneous_layer_cycle_interval
+VARIANTS = {"hybrid": 4, "full": 1, "sparse": 0}  # name -> inhomogeneous_layer_cycle_interval (deepseek: none)
+
+
+def sparse_config(variant: str, seq: int, topk: int):
+    """deepseek3.2-tiny keeping `topk` keys a query ("sparse"), or every key ("full": index_topk = seq)."""
+    overrides = ["model_name=deepseek3.2-tiny", f"index_topk={topk if variant == 'sparse' else seq}",
+                 f"max_target_length={seq}", "per_device_batch_size=1", "dtype=float32", "remat_policy=full",
+                 "attention=dot_product", "enable_tensorboard=false", "max_new_tokens=0"]
+    return config_lib.load_config([os.path.join(REPO, "configs", "base.yml"), *overrides])
 
 
 def model_config(family: str, cycle: int, seq: int, gdn_heads: int, chunk: int):
@@ -103,7 +120,8 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="benchmark_long_context", description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq", type=int, nargs="+", default=[2048, 8192, 32768, 65536],
                         help="tokens per sequence (batch 1), in increasing order")
-    parser.add_argument("--family", default="qwen3_5_text", choices=["qwen3_5_text", "qwen3_next"])
+    parser.add_argument("--family", default="qwen3_5_text", choices=["qwen3_5_text", "qwen3_next", "deepseek"])
+    parser.add_argument("--topk", type=int, default=64, help="deepseek: the keys each query keeps (sparse)")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--gdn-heads", type=int, default=4, help="gated delta-net query/key and value heads")
     parser.add_argument("--chunk", type=int, default=64, help="gdn_chunk_size: tokens per chunk of the delta rule")
@@ -120,6 +138,12 @@ def parse_args(argv):
         parser.error(f"--seq {min(args.seq)} must be >= 2 (a next-token loss needs two tokens)")
     if args.warmup < 0 or args.max_step_seconds < 0:
         parser.error("--warmup and --max-step-seconds must be >= 0")
+    allowed = ("sparse", "full") if args.family == "deepseek" else ("hybrid", "full")
+    if not set(args.variants) <= set(allowed):
+        parser.error(f"--variants {' '.join(args.variants)}: --family {args.family} has {' and '.join(allowed)}")
+    if args.family == "deepseek" and not 1 <= args.topk < min(args.seq):
+        parser.error(f"--topk {args.topk} must be >= 1 and below the shortest --seq ({min(args.seq)}), where the "
+                     "indexer drops keys")
     if any(later <= earlier for earlier, later in zip(args.seq, args.seq[1:])):
         parser.error(f"--seq {' '.join(map(str, args.seq))}: give the lengths in increasing order, each once "
                      "(each row's prediction comes from the one before, by the ratio of their lengths)")
@@ -128,11 +152,14 @@ def parse_args(argv):
 
 def main(argv: list[str]):
     args = parse_args(argv)
-    configs = {(v, s): model_config(args.family, VARIANTS[v], s, args.gdn_heads, args.chunk)
+    configs = {(v, s): sparse_config(v, s, args.topk) if args.family == "deepseek" else
+               model_config(args.family, VARIANTS[v], s, args.gdn_heads, args.chunk)
                for v in args.variants for s in args.seq}  # every setting checked before any timing
     print(f"command: {shlex.join(['python', 'scripts/benchmark_long_context.py', *argv])}")
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), {os.cpu_count()} CPUs, load average "
-          f"{os.getloadavg()[0]:.2f}; {args.family}, default model sizes, float32, remat full, batch 1; "
+          f"{os.getloadavg()[0]:.2f}; {args.family}, "
+          f"{'deepseek3.2-tiny, top ' + str(args.topk) if args.family == 'deepseek' else 'default model sizes'}, "
+          "float32, remat full, batch 1; "
           f"fwd+bwd median of {args.steps} after {args.warmup} warm-up")
     header = f"{'model':<7} {'tokens':>7} {'compile s':>9} {'temp GB':>7} {'step s':>9} {'ms/1k tok':>9} {'x prev':>7}"
     print(header)
