@@ -16,9 +16,9 @@ MLA's expanded keys (mla.attention), in another order of the same sums (float32:
 
 The selection is top_k's: exactly K keys, ties at the K-th score broken towards the earlier key (indexer.top, which
 decoding and the plain form use, keeps the same ones). The gradient reaches q, c and k_r through the gathers
-(scatter-adds into the K chosen rows); the indexer takes none (its scores are computed under stop_gradient). Each
-block runs under jax.checkpoint, so the backward pass recomputes its gathers and logits rather than keeping them
-for every block: what is kept for the backward is the blocks' inputs and o_c.
+(scatter-adds into the K chosen rows); the indexer takes none (its scores are computed under stop_gradient). With
+more than one block each runs under jax.checkpoint, so the backward pass recomputes its gathers and logits rather
+than keeping them for every block: what is kept for the backward is the blocks' inputs and o_c.
 
 Ours, not a library's: no kernel library (tokamax, cuDNN, splash) takes per-query key indices for MLA's latent keys
 yet; this plain-jnp form is what a Pallas selected-key kernel will be checked against.
@@ -66,7 +66,6 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
     key_segments = segment_ids
     key_index = jnp.arange(s)
 
-    @jax.checkpoint
     def one_block(q_c_blk, q_r_blk, iq_blk, iw_blk, seg_blk, start):
         rows = start + jnp.arange(bq)
         visible = (seg_blk[:, :, None] == key_segments[:, None, :]) & (key_index[None, None, :] <= rows[None, :, None])
@@ -88,7 +87,8 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
         return o_c, head_max
 
     starts = jnp.arange(t // bq) * bq
-    o_c, head_max = jax.lax.map(lambda xs: one_block(*xs), (blocks(q_c), blocks(q_rope), blocks(index_q),
+    body = jax.checkpoint(one_block) if t > bq else one_block  # one block: nothing to recompute it for
+    o_c, head_max = jax.lax.map(lambda xs: body(*xs), (blocks(q_c), blocks(q_rope), blocks(index_q),
                                                            blocks(index_w), blocks(segment_ids), starts))
     o_c = jnp.moveaxis(o_c, 0, 1).reshape(b, t, n, c.shape[-1])
     return (o_c, jnp.max(head_max, axis=0)) if with_max_logits else o_c
