@@ -122,7 +122,8 @@ def parse_args(argv):
                         help="tokens per sequence (batch 1), in increasing order")
     parser.add_argument("--family", default="qwen3_5_text", choices=["qwen3_5_text", "qwen3_next", "deepseek"])
     parser.add_argument("--topk", type=int, default=64, help="deepseek: the keys each query keeps (sparse)")
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS),
+                        help="hybrid full (the default) for the gated delta-net families, sparse full for deepseek")
     parser.add_argument("--gdn-heads", type=int, default=4, help="gated delta-net query/key and value heads")
     parser.add_argument("--chunk", type=int, default=64, help="gdn_chunk_size: tokens per chunk of the delta rule")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps after compiling")
@@ -138,7 +139,8 @@ def parse_args(argv):
         parser.error(f"--seq {min(args.seq)} must be >= 2 (a next-token loss needs two tokens)")
     if args.warmup < 0 or args.max_step_seconds < 0:
         parser.error("--warmup and --max-step-seconds must be >= 0")
-    allowed = ("sparse", "full") if args.family == "deepseek" else ("hybrid", "full")
+    allowed = ["sparse", "full"] if args.family == "deepseek" else ["hybrid", "full"]
+    args.variants = args.variants or allowed
     if not set(args.variants) <= set(allowed):
         parser.error(f"--variants {' '.join(args.variants)}: --family {args.family} has {' and '.join(allowed)}")
     if args.family == "deepseek" and not 1 <= args.topk < min(args.seq):
