@@ -21,7 +21,8 @@ DeepSeek-V3.2 (index_n_heads > 0; Hugging Face's deepseek_v32): DeepSeek Sparse 
 front of MLA that keeps the index_topk keys each query attends to (indexer.py). Where a sequence (or the decoding
 cache) holds no more than index_topk tokens every query keeps every key it sees, and the indexer is skipped (MLA
 runs its kernels); beyond, each query reads its chosen keys alone (selected.py: MLA's absorbed form in plain jnp by
-query blocks; no kernel takes it yet: models/runtime.py resolves attention to dot_product and says why). Decoding caches each token's indexer key beside MLA's latent
+query blocks; no kernel takes it yet: models/runtime.py resolves attention to dot_product and says why; W_kvb runs
+unquantized there under quantization=fp8). Decoding caches each token's indexer key beside MLA's latent
 (layer_cache). The language-model loss does not train the indexer; indexer_training does, towards the attention's
 distribution with a KL loss, in DeepSeek's dense warm-up or sparse stage (_attention_training_the_indexer). V3.2's config.json has
 no rope_interleave: its MLA always interleaves, its indexer rotates by halves.

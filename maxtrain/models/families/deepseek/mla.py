@@ -91,12 +91,12 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", ke
     when decoding, as blocks.attention does. keys_kept (DeepSeek-V3.2's indexer, deepseek/indexer.py):
     (x, q_latent [B, T, Q], (cos, sin), visible) -> the keys each query attends to, [B, T, S] bool, of those
     `visible` lets it see (decoding: the cache slots' mask; None: the causal mask and the documents, as the
-    indexer's training passes it); with it, attention is the plain form under that mask. attention_target (training the indexer): aux["attention_target"]
-    is the attention's distribution over the keys summed over heads and normalised, [B, T, S] float32 with no
-    gradient (`head_averaged_probabilities`). selected_keys (DeepSeek-V3.2 beyond index_topk tokens, training and
-    scoring): (q_nope, q_rope, c [B, S, C], k_r [B, S, Hr], q_latent, (cos, sin)) -> (o_c [B, T, N, C], each head's
-    largest logit [N]), the attention over each query's chosen keys alone in the absorbed form (selected.py); the
-    values are then o_c W_kvb^v."""
+    indexer's training passes it); with it, attention is the plain form under that mask. attention_target
+    (training the indexer): aux["attention_target"] is the attention's distribution over the keys summed over
+    heads and normalised, [B, T, S] float32 with no gradient (`head_averaged_probabilities`). selected_keys
+    (DeepSeek-V3.2 beyond index_topk tokens, training and scoring): (q_nope, q_rope, c [B, S, C], k_r [B, S, Hr],
+    q_latent, (cos, sin)) -> (o_c [B, T, N, C], each head's largest logit [N] or None), the attention over each
+    query's chosen keys alone in the absorbed form (selected.py); the values are then o_c W_kvb^v."""
     dt, eps, backend = rt.dtype, config.normalization_layer_epsilon, rt.backend
     fp8 = "attention" in rt.fp8  # quantization: the five projections take float8 operands (models/fp8.py)
     hn, c_rank = config.qk_nope_head_dim, config.kv_lora_rank
