@@ -94,7 +94,12 @@ def queries(x, q_latent, p, rope, interleave: bool = False, trained: bool = Fals
 def scores(x, q_latent, k, p, rope, interleave: bool = False, trained: bool = False) -> jax.Array:
     """I [B, T, S] float32 of the queries' tokens x [B, T, D] (q_latent [B, T, Q]) against indexer keys k [B, S, E];
     no gradient reaches x and q_latent, nor the indexer's weights unless `trained`."""
-    q, w = queries(x, q_latent, p, rope, interleave, trained)
+    return combine(*queries(x, q_latent, p, rope, interleave, trained), k)
+
+
+def combine(q, w, k) -> jax.Array:
+    """I [B, T, S] = sum_n w[t, n] relu(q[t, n] . k[s] / sqrt(E)) of queries q [B, T, I, E], head weights w [B, T, I]
+    and keys k [B, S, E] (`queries`, `keys`), float32."""
     per_head = jax.nn.relu(jnp.einsum("BTIE,BSE->BTIS", q, k) * q.shape[3] ** -0.5)
     return jnp.einsum("BTI,BTIS->BTS", w, per_head)
 

@@ -1,7 +1,8 @@
 """DeepSeek Sparse Attention over the selected keys alone: MLA in its absorbed ("MQA") form, query block by query
 block, each query reading only the index_topk latent keys its indexer chose. No [T, S] array exists: per block of
 Bq queries the indexer's scores [B, Bq, I, S] and [B, Bq, S] (float32, no gradient), the chosen keys' latents
-[B, Bq, K, C + Hr] and the logits [B, Bq, N, K]; the step's attention memory and time grow as T x K, not T x S.
+[B, Bq, K, C + Hr] and the logits [B, Bq, N, K]. The attention's memory and time grow as T x K; the indexer's
+scoring and top_k still read every key (T x S, float32: docs/performance.md measures what that costs on CPU).
 
 For a block of queries (K = min(index_topk, S)):
 
@@ -31,6 +32,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from maxtrain.models import attention as attention_lib
+from maxtrain.models.families.deepseek import indexer
 
 QUERY_BLOCK = 128  # queries per block (the largest power of two up to it that divides T)
 
@@ -63,15 +67,9 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
     def blocks(x):  # [B, T, ...] -> [T / bq, B, bq, ...]
         return jnp.moveaxis(x.reshape(b, t // bq, bq, *x.shape[2:]), 1, 0)
 
-    key_segments = segment_ids
-    key_index = jnp.arange(s)
-
     def one_block(q_c_blk, q_r_blk, iq_blk, iw_blk, seg_blk, start):
-        rows = start + jnp.arange(bq)
-        visible = (seg_blk[:, :, None] == key_segments[:, None, :]) & (key_index[None, None, :] <= rows[None, :, None])
-        per_head = jax.nn.relu(jnp.einsum("BTIE,BSE->BTIS", iq_blk, index_k) * iq_blk.shape[-1] ** -0.5)
-        index = jnp.einsum("BTI,BTIS->BTS", iw_blk, per_head)
-        index = jax.lax.stop_gradient(jnp.where(visible, index, -jnp.inf))
+        visible = attention_lib.make_attention_mask(seg_blk, segment_ids, causal=True, q_offset=start)  # [B, bq, S]
+        index = jax.lax.stop_gradient(jnp.where(visible, indexer.combine(iq_blk, iw_blk, index_k), -jnp.inf))
         top, idx = jax.lax.top_k(index, k)                                        # [B, bq, K]
         kept = top > -jnp.inf
         gather = jax.vmap(lambda rows_of, at: rows_of[at])                        # per sequence: [S, X] by [bq, K]
