@@ -73,14 +73,14 @@ def rescale_normalize(pixels: np.ndarray, rescale: float, mean=None, std=None) -
     return np.ascontiguousarray(x.transpose(2, 0, 1))
 
 
-def _positive(name: str, value, source: str) -> int:
+def positive(name: str, value, source: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise DataError(f"{source}: {name} must be a positive integer, got {value!r}; fix it in the checkpoint's "
                         "preprocessor_config.json")
     return value
 
 
-def _channels(name: str, value, source: str) -> tuple[float, float, float]:
+def channels(name: str, value, source: str) -> tuple[float, float, float]:
     if not isinstance(value, (list, tuple)) or len(value) != 3 or not all(isinstance(v, (int, float)) for v in value):
         raise DataError(f"{source}: {name} must be 3 numbers (one per RGB channel), got {value!r}; fix it in the "
                         "checkpoint's preprocessor_config.json")
@@ -89,7 +89,7 @@ def _channels(name: str, value, source: str) -> tuple[float, float, float]:
     return tuple(float(v) for v in value)
 
 
-def _resample(value, source: str) -> int:
+def resample_filter(value, source: str) -> int:
     value = int(value)
     if value not in (BICUBIC, BILINEAR):
         raise DataError(f"{source}: resample={value} is not supported (3 = bicubic, 2 = bilinear)")
@@ -140,16 +140,16 @@ class QwenVisionPreprocess:
 
     def __post_init__(self):
         for name in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
-            _positive(name, getattr(self, name), self.source)
+            positive(name, getattr(self, name), self.source)
         if self.min_pixels > self.max_pixels:
             raise DataError(f"{self.source}: min_pixels={self.min_pixels} is over max_pixels={self.max_pixels}; "
                             "make min_pixels (size.shortest_edge) at most max_pixels (size.longest_edge)")
         if self.max_pixels < self.factor ** 2:
             raise DataError(f"{self.source}: max_pixels={self.max_pixels} is under one merged patch "
                             f"({self.factor}x{self.factor}); raise it")
-        _channels("image_mean", self.image_mean, self.source)
-        _channels("image_std", self.image_std, self.source)
-        _resample(self.resample, self.source)
+        channels("image_mean", self.image_mean, self.source)
+        channels("image_std", self.image_std, self.source)
+        resample_filter(self.resample, self.source)
 
     @property
     def factor(self) -> int:
@@ -163,16 +163,16 @@ class QwenVisionPreprocess:
         kwargs = dict(min_pixels=config.get("min_pixels", size.get("shortest_edge", cls.min_pixels)),
                       max_pixels=config.get("max_pixels", size.get("longest_edge", cls.max_pixels)))
         kwargs.update({k: config[k] for k in ("patch_size", "temporal_patch_size", "merge_size") if k in config})
-        kwargs.update(_common(config, cls, source))
+        kwargs.update(common_keys(config, cls, source))
         return cls(source=source, **kwargs)
 
 
-def _common(config: dict, cls, source: str) -> dict:
+def common_keys(config: dict, cls, source: str) -> dict:
     """The rescale/normalise/resample keys every scheme shares, with the class' defaults."""
     kwargs = {}
     for name in ("image_mean", "image_std"):
         if name in config:
-            kwargs[name] = _channels(name, config[name], source)
+            kwargs[name] = channels(name, config[name], source)
     if config.get("do_rescale", True) is False:
         raise DataError(f"{source}: do_rescale=false is not supported (pixels are always rescaled); remove it")
     if "rescale_factor" in config:
@@ -180,7 +180,7 @@ def _common(config: dict, cls, source: str) -> dict:
     if "do_normalize" in config:
         kwargs["do_normalize"] = bool(config["do_normalize"])
     if "resample" in config:
-        kwargs["resample"] = _resample(config["resample"], source)
+        kwargs["resample"] = resample_filter(config["resample"], source)
     return kwargs
 
 
@@ -239,13 +239,13 @@ class Gemma4VisionPreprocess:
 
     def __post_init__(self):
         for name in ("patch_size", "max_soft_tokens", "pooling_kernel_size"):
-            _positive(name, getattr(self, name), self.source)
+            positive(name, getattr(self, name), self.source)
         if self.max_soft_tokens not in GEMMA4_SOFT_TOKENS:
             raise DataError(f"{self.source}: max_soft_tokens={self.max_soft_tokens} is not one Gemma 4 was trained "
                             f"with; choose one of {GEMMA4_SOFT_TOKENS}")
-        _channels("image_mean", self.image_mean, self.source)
-        _channels("image_std", self.image_std, self.source)
-        _resample(self.resample, self.source)
+        channels("image_mean", self.image_mean, self.source)
+        channels("image_std", self.image_std, self.source)
+        resample_filter(self.resample, self.source)
 
     @property
     def max_patches(self) -> int:
@@ -254,7 +254,7 @@ class Gemma4VisionPreprocess:
     @classmethod
     def from_config(cls, config: dict, source: str = "preprocessor_config.json") -> "Gemma4VisionPreprocess":
         kwargs = {k: config[k] for k in ("patch_size", "max_soft_tokens", "pooling_kernel_size") if k in config}
-        return cls(source=source, **kwargs, **_common(config, cls, source))
+        return cls(source=source, **kwargs, **common_keys(config, cls, source))
 
 
 def gemma4_size(height: int, width: int, spec: Gemma4VisionPreprocess) -> tuple[int, int]:
