@@ -15,7 +15,9 @@ function from a Pillow image to numpy arrays:
 
 The steps match transformers' PIL backend (`Qwen2VLImageProcessorPil`, `Gemma4ImageProcessorPil`) bit for bit in
 float32: an image becomes RGB (transparency composited onto white), is resized as uint8 by Pillow, rescaled in
-float64 then cast to float32, and normalised in float32. tests/data/test_images.py compares them.
+float64 then cast to float32, and normalised in float32. tests/data/test_images.py compares them. transformers'
+default (torchvision) backends differ from their own PIL backends where a side is upscaled (torch's bicubic is not
+Pillow's), on the same shapes, grids and token counts; the test measures by how much when torchvision is installed.
 """
 
 from __future__ import annotations
@@ -125,8 +127,9 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
 
 @dataclasses.dataclass(frozen=True)
 class QwenVisionPreprocess:
-    """Qwen2-VL's image preprocessing (Qwen3-VL and Qwen3.5: patch_size 16; Qwen2-VL: 14)."""
-    patch_size: int = 16
+    """Qwen2-VL's image preprocessing. The defaults are transformers' (Qwen2-VL's: a key missing from a config means
+    them); Qwen3-VL and Qwen3.5 checkpoints set patch_size 16 and their own pixel range and mean/std (QWEN3_VL)."""
+    patch_size: int = 14
     temporal_patch_size: int = 2
     merge_size: int = 2
     min_pixels: int = 56 * 56
@@ -165,6 +168,11 @@ class QwenVisionPreprocess:
         kwargs.update({k: config[k] for k in ("patch_size", "temporal_patch_size", "merge_size") if k in config})
         kwargs.update(common_keys(config, cls, source))
         return cls(source=source, **kwargs)
+
+
+# The keys of Qwen3-VL's preprocessor_config.json (patch 16, merge 2, 64k to 16M pixels, mean and std 0.5)
+QWEN3_VL = dict(patch_size=16, temporal_patch_size=2, merge_size=2, size={"shortest_edge": 65536,
+                "longest_edge": 16777216}, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5])
 
 
 def common_keys(config: dict, cls, source: str) -> dict:
