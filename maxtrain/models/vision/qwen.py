@@ -23,7 +23,8 @@ Qwen3.5's tower is Qwen3-VL's without deepstack (no deepstack_visual_indexes). W
 fullatt_block_indexes) belongs to neither and is not implemented.
 
 Hugging Face names: `hf_names(config)` maps each parameter path to (tensor name under the tower's prefix,
-layout); `to_maxtrain` and `to_hf` convert a state dict both ways. PREFIXES: the tower's prefix per model class.
+layout); `to_maxtrain` and `to_hf` convert a state dict both ways. PREFIXES: the tower's prefix per transformers
+class (model.visual. in the released checkpoints of Qwen3-VL, Qwen3.5 and their MoE models, whose tower is the same).
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ from maxtrain.models.params import ParamSpec, dense, is_spec, stacked
 LAYER_NORM_EPS = 1e-6  # every LayerNorm of the tower (fixed in transformers' modules)
 
 # The tower's tensor-name prefix per transformers class: the ...ForConditionalGeneration checkpoints (the released
-# ones) keep it under model.visual.; a bare ...VisionModel's state dict has none.
-PREFIXES = {"Qwen3VLForConditionalGeneration": "model.visual.", "Qwen3_5ForConditionalGeneration": "model.visual.",
-            "Qwen3VLModel": "visual.", "Qwen3_5Model": "visual.", "Qwen3VLVisionModel": "", "Qwen3_5VisionModel": ""}
+# ones, the MoE models' too: their tower is the same) keep it under model.visual.; a ...VisionModel's has none.
+_MODELS = ("Qwen3VL", "Qwen3VLMoe", "Qwen3_5", "Qwen3_5Moe")
+PREFIXES = {**{f"{m}ForConditionalGeneration": "model.visual." for m in _MODELS},
+            **{f"{m}Model": "visual." for m in _MODELS}, **{f"{m}VisionModel": "" for m in _MODELS}}
 
 ACTIVATIONS = {"gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
                "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
@@ -325,8 +327,8 @@ def hf_names(config: VisionConfig) -> dict:
     """Each parameter path -> (transformers' tensor name under the tower's prefix, Layout); "{i}" is the index
     of a block, or of a deepstack merger, along the stacked parameter's first axis."""
     kernel = (config.in_channels, config.temporal_patch_size, config.patch_size, config.patch_size)
-    names = {"patch_embed": ("patch_embed.proj.weight", PatchConv(kernel)), "patch_bias": ("patch_embed.proj.bias", SAME),
-             "pos_embed": ("pos_embed.weight", SAME)}
+    names = {"patch_embed": ("patch_embed.proj.weight", PatchConv(kernel)),
+             "patch_bias": ("patch_embed.proj.bias", SAME), "pos_embed": ("pos_embed.weight", SAME)}
     block = {"attn_norm": "norm1.weight", "attn_norm_bias": "norm1.bias", "wqkv": "attn.qkv.weight",
              "bqkv": "attn.qkv.bias", "wo": "attn.proj.weight", "bo": "attn.proj.bias", "mlp_norm": "norm2.weight",
              "mlp_norm_bias": "norm2.bias", "w_in": "mlp.linear_fc1.weight", "b_in": "mlp.linear_fc1.bias",
