@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from maxtrain.models.hf import ConversionError
-from maxtrain.models.params import init_params
+from maxtrain.models.params import is_spec
 from maxtrain.models.vision import qwen
 
 torch = pytest.importorskip("torch")
@@ -48,6 +48,14 @@ def hf_tower(kind: str, seed: int = 0):
     return model, qwen.VisionConfig.from_hf(model.config.to_dict())
 
 
+def random_params(config: qwen.VisionConfig, seed: int = 0) -> dict:
+    """Every declared parameter drawn from numpy (no compile, unlike init_params' draws; norms away from 1)."""
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: (rng.standard_normal(s.shape) * (0.2 if len(s.shape) < 2 + ("layers" in s.axes)
+                                                                   else s.shape[-2] ** -0.5)).astype(np.float32),
+                        qwen.param_specs(config), is_leaf=is_spec)
+
+
 def rel(ours, theirs) -> float:
     ours, theirs = np.asarray(ours, np.float64), theirs.detach().double().numpy()
     return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
@@ -76,7 +84,7 @@ def test_the_tower_computes_transformers_embeddings_and_deepstack_features(kind)
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_our_params_load_strictly_into_transformers_and_come_back_unchanged(kind):
     model, config = hf_tower(kind)
-    params = init_params(qwen.param_specs(config), jax.random.key(0), jnp.float32)
+    params = random_params(config)
     exported = qwen.to_hf(params, config, prefix="")
     model.load_state_dict({k: torch.from_numpy(v) for k, v in exported.items()}, strict=True)
     back = qwen.to_maxtrain({k: v.numpy() for k, v in model.state_dict().items()}, config, prefix="")
@@ -98,7 +106,7 @@ def test_the_names_are_the_released_models_under_model_visual(name):
     with torch.device("meta"):
         names = {k for k in cls(config).state_dict() if k.startswith(qwen.PREFIXES[cls.__name__])}
     ours = qwen.VisionConfig.from_hf(config.vision_config.to_dict())
-    params = init_params(qwen.param_specs(ours), jax.random.key(0), jnp.float32)
+    params = random_params(ours)
     exported = qwen.to_hf(params, ours, prefix=qwen.PREFIXES[cls.__name__])
     assert set(exported) == names
     extra = {**exported, "model.visual.blocks.9.attn.qkv.weight": exported["model.visual.blocks.0.attn.qkv.weight"],
@@ -118,3 +126,23 @@ def test_patches_come_window_by_window_and_attend_within_their_frame():
     np.testing.assert_allclose(weights.sum(1), 1, rtol=1e-6)
     with pytest.raises(ValueError, match="multiples of 2"):
         qwen.grid([[1, 3, 4]], config)
+
+
+@pytest.mark.slow  # 10-13 s on 2 cores (2026-11-30): the gradient's compile
+def test_every_parameter_gets_a_gradient_and_bfloat16_stays_close():
+    """The forward is differentiable through every parameter (deepstack mergers included), and in bfloat16
+    matmuls it stays near float32."""
+    config = qwen.VisionConfig(**{**TINY, "deepstack_visual_indexes": (1, 2)})
+    params = random_params(config)
+    grid = np.array([[1, 2, 4], [2, 2, 2]])
+    pixels = jnp.asarray(np.random.default_rng(0).standard_normal((16, config.patch_dim)), jnp.float32)
+
+    def loss(p, dtype=jnp.float32):
+        embeddings, features = qwen.forward(p, pixels, grid, config, dtype)
+        return jnp.sum(embeddings.astype(jnp.float32) ** 2) + sum(jnp.sum(f.astype(jnp.float32) ** 2) for f in features)
+    grads = jax.jit(jax.grad(loss))(params)
+    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+    dead = [jax.tree_util.keystr(k) for k, g in flat if not np.all(np.isfinite(g)) or not np.any(np.asarray(g))]
+    assert not dead, f"no gradient reaches {dead}"
+    full, half = jax.jit(loss)(params), jax.jit(lambda p: loss(p, jnp.bfloat16))(params)
+    assert abs(float(half) - float(full)) < 0.05 * abs(float(full))
