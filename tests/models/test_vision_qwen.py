@@ -115,6 +115,21 @@ def test_the_names_are_the_released_models_under_model_visual(name):
         qwen.to_maxtrain(extra, ours)
 
 
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_the_vision_config_reads_and_writes_transformers_fields(kind):
+    vision_config, _, config_cls = KINDS[kind]
+    ours = qwen.VisionConfig.from_hf(config_cls(**vision_config).to_dict())
+    assert ours.deepstack_visual_indexes == tuple(vision_config.get("deepstack_visual_indexes", ()))
+    assert qwen.VisionConfig.from_hf(config_cls(**ours.to_hf()).to_dict()) == ours
+    # A Qwen3-VL config.json that omits the deepstack indexes means transformers' default, as a real one states:
+    released = {"depth": 27, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 1152, "in_channels": 3,
+                "intermediate_size": 4304, "model_type": "qwen3_vl", "num_heads": 16, "num_position_embeddings": 2304,
+                "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2}
+    assert qwen.VisionConfig.from_hf(released).deepstack_visual_indexes == (8, 16, 24)
+    with pytest.raises(ConversionError, match="patch_size"):
+        qwen.VisionConfig.from_hf({**released, "patch_size": [16, 16]})
+
+
 def test_patches_come_window_by_window_and_attend_within_their_frame():
     config = qwen.VisionConfig(depth=1, hidden_size=32, num_heads=2, spatial_merge_size=2, num_position_embeddings=16)
     positions = qwen.patch_positions([[1, 2, 4]], config)

@@ -109,16 +109,21 @@ class VisionConfig:
         rope_parameters = vision_config.get("rope_parameters") or {}
         if rope_parameters.get("rope_type", "axial") != "axial":
             raise ConversionError(f"vision_config.rope_parameters={rope_parameters}: the tower's RoPE is axial")
+        deepstack = vision_config.get("deepstack_visual_indexes")
+        if deepstack is None and str(vision_config.get("model_type", "")).startswith("qwen3_vl"):
+            deepstack = (8, 16, 24)  # Qwen3VLVisionConfig's default where the file omits them
         try:
-            return cls(**keys, deepstack_visual_indexes=tuple(vision_config.get("deepstack_visual_indexes") or ()),
+            return cls(**keys, deepstack_visual_indexes=tuple(deepstack or ()),
                        rope_theta=float(rope_parameters.get("rope_theta", 10000.0)))
         except ValueError as e:
             raise ConversionError(f"vision_config: {e}") from None
 
     def to_hf(self) -> dict:
-        """config.json's vision_config (Qwen3.5's has no deepstack_visual_indexes: leave them empty there)."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "rope_theta"}
-        out["deepstack_visual_indexes"] = list(self.deepstack_visual_indexes)
+        """config.json's vision_config; deepstack_visual_indexes only where there are some (Qwen3.5's has none)."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.name not in ("rope_theta", "deepstack_visual_indexes")}
+        if self.deepstack_visual_indexes:
+            out["deepstack_visual_indexes"] = list(self.deepstack_visual_indexes)
         return {**out, "rope_parameters": {"rope_type": "axial", "rope_theta": self.rope_theta}}
 
 
