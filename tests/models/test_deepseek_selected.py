@@ -104,3 +104,34 @@ def test_a_block_that_does_not_divide_the_sequence_is_refused():
     with pytest.raises(ValueError, match=r"the query block \(5\) must divide the sequence \(32\)"):
         _selected(x, block=5)
     assert selected.query_block(4096) == 128 and selected.query_block(96) == 32 and selected.query_block(7) == 1
+
+
+def test_each_run_of_query_blocks_scores_only_the_keys_before_its_end():
+    """The indexer's top_k sorts, per run of blocks (selected.prefix_groups), the keys before the run's end alone:
+    at 1,024 tokens in blocks of 128, runs of one block ending at 128, 256, ..., 1,024 keys, so the queries score
+    on average 576 keys (9/16 of T), and the FLOPs formula counts that mean (selected.scored_keys)."""
+    t, k = 1024, 16
+    spec = jax.ShapeDtypeStruct
+    args = (spec((1, t, 2, 4), jnp.float32), spec((1, t, 2, 4), jnp.float32), spec((1, t, 8), jnp.float32),
+            spec((1, t, 4), jnp.float32), spec((8, 2, 4), jnp.float32), spec((1, t, 2, 4), jnp.float32),
+            spec((1, t, 2), jnp.float32), spec((1, t, 4), jnp.float32), spec((1, t), jnp.int32))
+    jaxpr = jax.make_jaxpr(lambda *a: selected.attention(*a, topk=k, scale=1.0))(*args)
+    sorted_widths = sorted(shape[-1] for shape in _top_k_operands(jaxpr.jaxpr))
+    assert selected.prefix_groups(t, 128) == [(i * 128, (i + 1) * 128) for i in range(8)]
+    assert sorted_widths == [128 * (i + 1) for i in range(8)], sorted_widths
+    assert selected.scored_keys(t) == pytest.approx(576.0)
+    assert selected.prefix_groups(96, 32) == [(0, 32), (32, 64), (64, 96)]  # fewer blocks than runs: one each
+    assert selected.scored_keys(4096) == pytest.approx(4096 * 9 / 16)
+
+
+def _top_k_operands(jaxpr) -> list[tuple]:
+    """The operand shapes of every top_k in a jaxpr, its loops' and checkpoints' bodies included."""
+    shapes = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "top_k":
+            shapes.append(eqn.invars[0].aval.shape)
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)  # a ClosedJaxpr's, or a Jaxpr
+            if hasattr(inner, "eqns"):
+                shapes += _top_k_operands(inner)
+    return shapes

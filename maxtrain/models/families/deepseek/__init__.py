@@ -168,9 +168,9 @@ def attended_keys(config, dense: bool = False) -> float:
 
 
 def _indexer_flops(config, dense_attention: bool) -> float:
-    """Training FLOPs per token of the indexer where sparse (forward only: it takes no gradient; it scores every key
-    of the sequence, as selected.py computes it) and what the attention over the kept keys costs against MLA's over
-    every visible key: selected.py's absorbed form spends 2 x N x (C + Hr) per kept key on the logits and 2 x N x C
+    """Training FLOPs per token of the indexer where sparse (forward only: it takes no gradient; it scores the keys
+    before the end of its query's run of blocks, as selected.py computes it: selected.scored_keys) and what the
+    attention over the kept keys costs against MLA's over every visible key: selected.py's absorbed form spends 2 x N x (C + Hr) per kept key on the logits and 2 x N x C
     on the latent values (the W_kvb products move from the keys and values to the queries and outputs: the same
     count, in the matmul term), where the expanded form spends 2 x N x (Hn + Hr + Hv) per visible key."""
     if not sparse(config):
@@ -182,7 +182,7 @@ def _indexer_flops(config, dense_attention: bool) -> float:
     per_key = 2 * heads * (mla.qk_head_dim(config) + config.v_head_dim)                  # q.k and p.v, expanded
     per_kept_key = 2 * heads * (2 * c + config.qk_rope_head_dim)                        # absorbed (selected.py)
     attention = 3.0 * layers * (per_kept_key * attended_keys(config, dense_attention) - per_key * visible)
-    indexer_keys = config.max_target_length  # every key scored, a block of queries at a time
+    indexer_keys = selected.scored_keys(config.max_target_length)  # a run of query blocks' prefix each
     return layers * (2 * (q * n * e + d * e + d * n) + 2 * (n * e + n) * indexer_keys) + attention
 
 

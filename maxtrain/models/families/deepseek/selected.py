@@ -2,7 +2,9 @@
 block, each query reading only the index_topk latent keys its indexer chose. No [T, S] array exists: per block of
 Bq queries the indexer's scores [B, Bq, I, S] and [B, Bq, S] (float32, no gradient), the chosen keys' latents
 [B, Bq, K, C + Hr] and the logits [B, Bq, N, K]. The attention's memory and time grow as T x K; the indexer's
-scoring and top_k still read every key (T x S, float32: docs/performance.md measures what that costs on CPU).
+scoring and top_k read, for each query, the keys up to the end of its run of blocks (the blocks are split into
+PREFIX_GROUPS runs of static length, each scoring only the keys before its end: about (G + 1) / 2G of T x S, so a
+little over half; float32, docs/performance.md measures what that costs on CPU).
 
 For a block of queries (K = min(index_topk, S)):
 
@@ -37,6 +39,7 @@ from maxtrain.models import attention as attention_lib
 from maxtrain.models.families.deepseek import indexer
 
 QUERY_BLOCK = 128  # queries per block (the largest power of two up to it that divides T)
+PREFIX_GROUPS = 8  # runs of query blocks, each scoring only the keys before its last query (a static length each)
 
 
 def query_block(length: int, largest: int | None = None) -> int:
@@ -45,6 +48,20 @@ def query_block(length: int, largest: int | None = None) -> int:
     while block * 2 <= largest and length % (block * 2) == 0:
         block *= 2
     return block
+
+
+def prefix_groups(length: int, block: int) -> list[tuple[int, int]]:
+    """The runs of query blocks, [(first query, end)]: up to PREFIX_GROUPS runs of (about) equal numbers of blocks;
+    the queries of a run see no key at or after its end (causal), so its indexer scores keys [0, end) alone."""
+    blocks = length // block
+    groups = min(PREFIX_GROUPS, blocks)
+    bounds = [round(i * blocks / groups) * block for i in range(groups + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def scored_keys(length: int) -> float:
+    """Mean keys the indexer scores per query (and top_k sorts) at `length`: its run's end (prefix_groups)."""
+    return sum((end - start) * end for start, end in prefix_groups(length, query_block(length))) / length
 
 
 def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment_ids, *, topk: int,
@@ -57,18 +74,33 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
     Returns o_c [B, T, N, C] in c's dtype (times W_kvb's value half, the caller's, it is the attention's output),
     and with with_max_logits each head's largest logit over the kept keys [N] float32 (QK-clip's statistic)."""
     b, t, n, _ = q_nope.shape
-    s = c.shape[1]
-    k = min(topk, s)
     bq = block or query_block(t)
     if t % bq:
         raise ValueError(f"the query block ({bq}) must divide the sequence ({t})")
     q_c = jnp.einsum("BTNH,CNH->BTNC", q_nope, w_k.astype(q_nope.dtype))
+    out, head_max = [], []
+    for start, end in prefix_groups(t, bq):  # each run reads the keys before its end alone
+        o_c, m = _run(q_c[:, start:end], q_rope[:, start:end], index_q[:, start:end], index_w[:, start:end],
+                      segment_ids[:, start:end], start, c[:, :end], k_rope[:, :end], index_k[:, :end],
+                      segment_ids[:, :end], topk=topk, scale=scale, block=bq, checkpointed=t > bq)
+        out.append(o_c)
+        head_max.append(m)
+    o_c = jnp.concatenate(out, axis=1) if len(out) > 1 else out[0]
+    return (o_c, jnp.max(jnp.stack(head_max), axis=0)) if with_max_logits else o_c
 
-    def blocks(x):  # [B, T, ...] -> [T / bq, B, bq, ...]
-        return jnp.moveaxis(x.reshape(b, t // bq, bq, *x.shape[2:]), 1, 0)
+
+def _run(q_c, q_rope, index_q, index_w, q_segment_ids, first, c, k_rope, index_k, k_segment_ids, *, topk, scale,
+         block, checkpointed):
+    """One run of query blocks (queries first .. first + T, T a multiple of `block`) against keys [0, S):
+    (o_c [B, T, N, C], each head's largest kept logit [N])."""
+    b, t, n, _ = q_c.shape
+    k = min(topk, c.shape[1])
+
+    def blocks(x):  # [B, T, ...] -> [T / block, B, block, ...]
+        return jnp.moveaxis(x.reshape(b, t // block, block, *x.shape[2:]), 1, 0)
 
     def one_block(q_c_blk, q_r_blk, iq_blk, iw_blk, seg_blk, start):
-        visible = attention_lib.make_attention_mask(seg_blk, segment_ids, causal=True, q_offset=start)  # [B, bq, S]
+        visible = attention_lib.make_attention_mask(seg_blk, k_segment_ids, causal=True, q_offset=start)  # [B, bq, S]
         index = jax.lax.stop_gradient(jnp.where(visible, indexer.combine(iq_blk, iw_blk, index_k), -jnp.inf))
         top, idx = jax.lax.top_k(index, k)                                        # [B, bq, K]
         kept = top > -jnp.inf
@@ -84,9 +116,8 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
         head_max = jnp.max(jnp.where(kept[:, :, None, :], jax.lax.stop_gradient(logits), -jnp.inf), axis=(0, 1, 3))
         return o_c, head_max
 
-    starts = jnp.arange(t // bq) * bq
-    body = jax.checkpoint(one_block) if t > bq else one_block  # one block: nothing to recompute it for
+    starts = first + jnp.arange(t // block) * block
+    body = jax.checkpoint(one_block) if checkpointed else one_block  # one block: nothing to recompute it for
     o_c, head_max = jax.lax.map(lambda xs: body(*xs), (blocks(q_c), blocks(q_rope), blocks(index_q),
-                                                           blocks(index_w), blocks(segment_ids), starts))
-    o_c = jnp.moveaxis(o_c, 0, 1).reshape(b, t, n, c.shape[-1])
-    return (o_c, jnp.max(head_max, axis=0)) if with_max_logits else o_c
+                                                           blocks(index_w), blocks(q_segment_ids), starts))
+    return jnp.moveaxis(o_c, 0, 1).reshape(b, t, n, c.shape[-1]), jnp.max(head_max, axis=0)
