@@ -34,11 +34,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.models import attention as attention_lib
 from maxtrain.models.families.deepseek import indexer
 
 QUERY_BLOCK = 128  # queries per block (the largest power of two up to it that divides T)
+# What a checkpointed block keeps for its backward: the chosen keys' indices and which are real ([B, bq, K] each), so
+# that the backward recomputes the gathers and logits but not the indexer's scores and top_k.
+KEEP_CHOICE = jax.checkpoint_policies.save_only_these_names("selected_keys")
 PREFIX_GROUPS = 8  # runs of query blocks, each scoring only the keys before its last query (a static length each)
 
 
@@ -103,7 +107,8 @@ def _run(q_c, q_rope, index_q, index_w, q_segment_ids, first, c, k_rope, index_k
         visible = attention_lib.make_attention_mask(seg_blk, k_segment_ids, causal=True, q_offset=start)  # [B, bq, S]
         index = jax.lax.stop_gradient(jnp.where(visible, indexer.combine(iq_blk, iw_blk, index_k), -jnp.inf))
         top, idx = jax.lax.top_k(index, k)                                        # [B, bq, K]
-        kept = top > -jnp.inf
+        kept = checkpoint_name(top > -jnp.inf, "selected_keys")
+        idx = checkpoint_name(idx, "selected_keys")  # kept for the backward: it need not score again
         gather = jax.vmap(lambda rows_of, at: rows_of[at])                        # per sequence: [S, X] by [bq, K]
         c_k, r_k = gather(c, idx), gather(k_rope, idx)                            # [B, bq, K, C], [B, bq, K, R]
         logits = (jnp.einsum("BTNC,BTKC->BTNK", q_c_blk, c_k.astype(q_c_blk.dtype), preferred_element_type=jnp.float32)
@@ -117,7 +122,7 @@ def _run(q_c, q_rope, index_q, index_w, q_segment_ids, first, c, k_rope, index_k
         return o_c, head_max
 
     starts = first + jnp.arange(t // block) * block
-    body = jax.checkpoint(one_block) if checkpointed else one_block  # one block: nothing to recompute it for
+    body = jax.checkpoint(one_block, policy=KEEP_CHOICE) if checkpointed else one_block  # one block: nothing to redo
     o_c, head_max = jax.lax.map(lambda xs: body(*xs), (blocks(q_c), blocks(q_rope), blocks(index_q),
                                                            blocks(index_w), blocks(q_segment_ids), starts))
     return jnp.moveaxis(o_c, 0, 1).reshape(b, t, n, c.shape[-1]), jnp.max(head_max, axis=0)
