@@ -3,6 +3,7 @@
     qwen.py   the vision transformer of Qwen3-VL and Qwen3.5: patch embedding over space and time, learned
               positions resampled to each image's grid, 2-D rotary positions, attention within each frame,
               the 2 x 2 patch merger and Qwen3-VL's deepstack mergers; its Hugging Face names both ways
+    llama4.py Llama 4's tile encoder (class token, paired 2-D rotary), pixel-shuffle adapter and projector; HF names
 
 A tower is declared like any block (models/params.py: shapes with logical axes) and run as a pure function of
 (params, pixels, grid, config); what depends only on the images' grid (positions, interpolation taps, the
