@@ -28,7 +28,9 @@ LAPACK triangular solves of the chunked delta rule each held one of XLA:CPU's tw
 of MLA with 4 heads, 16 experts, an indexer of 4 heads of 32). "sparse" keeps --topk keys a query
 (models/families/deepseek/selected.py: the chosen keys alone, by query blocks); "full" is the same model with
 index_topk at the sequence's length, where the indexer is skipped and MLA attends to every visible key (the causal
-chunks above):
+chunks above). Both route their experts with moe_dispatch=capacity: on CPU the dropless default's ragged_dot runs
+dense over every expert, and its T x K x E x F temporaries (~260 KB a token here: 1.0 of 1.37 GB at 4,096 tokens)
+would hide the attention's growth and keep 65,536 tokens off a 24 GB machine:
 
     python scripts/benchmark_long_context.py --family deepseek --variants sparse full --seq 4096 16384 65536 \
         --topk 64 --steps 2 --warmup 0 --max-step-seconds 300
@@ -60,7 +62,7 @@ def sparse_config(variant: str, seq: int, topk: int):
     """deepseek3.2-tiny keeping `topk` keys a query ("sparse"), or every key ("full": index_topk = seq)."""
     overrides = ["model_name=deepseek3.2-tiny", f"index_topk={topk if variant == 'sparse' else seq}",
                  f"max_target_length={seq}", "per_device_batch_size=1", "dtype=float32", "remat_policy=full",
-                 "attention=dot_product", "enable_tensorboard=false", "max_new_tokens=0"]
+                 "attention=dot_product", "enable_tensorboard=false", "max_new_tokens=0", "moe_dispatch=capacity"]
     return config_lib.load_config([os.path.join(REPO, "configs", "base.yml"), *overrides])
 
 

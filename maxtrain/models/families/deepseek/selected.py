@@ -21,7 +21,9 @@ The selection is top_k's: exactly K keys, ties at the K-th score broken towards 
 decoding and the plain form use, keeps the same ones). The gradient reaches q, c and k_r through the gathers
 (scatter-adds into the K chosen rows); the indexer takes none (its scores are computed under stop_gradient). With
 more than one block each runs under jax.checkpoint, so the backward pass recomputes its gathers and logits rather
-than keeping them for every block: what is kept for the backward is the blocks' inputs and o_c.
+than keeping them for every block: what is kept for the backward is the blocks' inputs, o_c and the chosen keys'
+indices ([B, T, K] int32 and a bool: the backward does not score again; under remat_policy=full the layer's
+recomputed forward scores once more).
 
 Ours, not a library's: no kernel library (tokamax, cuDNN, splash) takes per-query key indices for MLA's latent keys
 yet; this plain-jnp form is what a Pallas selected-key kernel will be checked against.
