@@ -1,5 +1,5 @@
 """The Gemma 4 vision encoder and projector (models/vision/gemma4.py) against transformers' Gemma4Model in float32:
-the soft-token embeddings that get_image_features returns (and Gemma4Model scatters over the image placeholders),
+the soft-token embeddings that get_image_features returns and Gemma4Model puts, unchanged, on the image placeholders,
 for two images of different sizes and aspect ratios padded as the processor pads them, from the transformers
 weights converted by the name mapping, with and without clipped linears and standardization; the mapping both ways
 (our params exported load strictly into transformers and read back unchanged; the names are the full models'
@@ -30,13 +30,15 @@ TEXT = dict(hidden_size=40, intermediate_size=48, num_hidden_layers=1, num_atten
             layer_types=["full_attention"], hidden_size_per_layer_input=0)
 # Up to 70 soft tokens (280 patches of 4 x 4) per image; a wide and a tall image become 8 x 34 and 24 x 10 patches.
 SPEC = images.Gemma4VisionPreprocess(patch_size=4, max_soft_tokens=70, pooling_kernel_size=2)
+IMAGE_TOKEN = 60  # inside the tiny vocabulary
 
 
 def hf_model(kind: str, seed: int = 0):
     """A tiny transformers Gemma4ForConditionalGeneration (no audio) with every vision parameter drawn at a scale that
     makes each part count, clipping bounds that clip some values, and the standardization away from identity."""
     config = transformers.Gemma4Config(text_config=transformers.Gemma4TextConfig(**TEXT),
-                                       vision_config=transformers.Gemma4VisionConfig(**KINDS[kind]), audio_config=None)
+                                       vision_config=transformers.Gemma4VisionConfig(**KINDS[kind]), audio_config=None,
+                                       image_token_id=IMAGE_TOKEN)
     config._attn_implementation = "eager"  # set on the sub-configs too
     model = transformers.Gemma4ForConditionalGeneration(config).float().eval()
     assert model.model.vision_tower.config._attn_implementation == "eager"
@@ -106,6 +108,28 @@ def test_the_encoder_and_projector_compute_transformers_soft_tokens(kind):
     difference = rel(np.asarray(embeddings)[np.asarray(valid)], theirs)
     assert difference < 1e-5, f"{kind}: soft tokens differ by {difference:.2e}"
     np.testing.assert_allclose(np.asarray(swapped[0])[0, :60], np.asarray(embeddings)[1, :60], rtol=1e-5, atol=1e-5)
+
+
+def test_gemma4_model_puts_the_soft_tokens_unchanged_on_the_image_tokens():
+    """What Gemma4Model hands its language model on the image placeholders is exactly the projector's output (no
+    embedding scale, no norm after it): the rows our forward marks valid, image by image."""
+    model, config = hf_model("plain")
+    params = gemma4.to_maxtrain({k: v.numpy() for k, v in model.state_dict().items()}, config)
+    pixels, positions, _ = inputs()
+    text = np.random.default_rng(2).integers(1, 50, 10)
+    ids = np.concatenate([text[:4], [IMAGE_TOKEN] * 68, text[4:7], [IMAGE_TOKEN] * 60, text[7:]])[None]
+    seen = {}
+    model.model.language_model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.update(embeds=kwargs["inputs_embeds"]), with_kwargs=True)
+    with torch.no_grad():
+        model.model(input_ids=torch.from_numpy(ids), pixel_values=torch.from_numpy(pixels),
+                    image_position_ids=torch.from_numpy(positions.astype(np.int64)))
+    with jax.default_matmul_precision("highest"):
+        embeddings, valid = jax.jit(lambda p, x, pos: gemma4.forward(p, x, pos, config))(
+            params, jnp.asarray(pixels), jnp.asarray(positions))
+    theirs = seen["embeds"][0][torch.from_numpy(ids[0] == IMAGE_TOKEN)]
+    difference = rel(np.asarray(embeddings)[np.asarray(valid)], theirs)
+    assert difference < 1e-5, f"the image tokens' embeddings differ from our soft tokens by {difference:.2e}"
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
