@@ -170,9 +170,10 @@ def test_the_vision_config_reads_and_writes_transformers_fields():
     assert (ours.text_hidden_size, ours.head_dim, ours.use_clipped_linears, ours.rope_theta) == (40, 8, True, 100.0)
     again = transformers.Gemma4VisionConfig(**ours.to_hf()).to_dict()
     assert gemma4.VisionConfig.from_hf({**config, "vision_config": again}) == ours
-    default_rope = {**VISION, "rope_parameters": {"rope_type": "default"}}
+    default_rope = {**VISION, "rope_parameters": {"rope_type": "default", "rope_theta": 50.0}}  # read as axial
+    assert gemma4.VisionConfig.from_hf({**config, "vision_config": default_rope}).rope_theta == 50.0
     with pytest.raises(ConversionError, match="axial"):
-        gemma4.VisionConfig.from_hf({**config, "vision_config": default_rope})
+        gemma4.VisionConfig.from_hf({**config, "vision_config": {**VISION, "rope_parameters": {"rope_type": "linear"}}})
     with pytest.raises(ConversionError, match="multiple of 4"):
         gemma4.VisionConfig.from_hf({**config, "vision_config": {**VISION, "head_dim": 6}})
     with pytest.raises(ConversionError, match="no vision_config"):

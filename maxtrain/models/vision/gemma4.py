@@ -103,7 +103,7 @@ class VisionConfig:
         fields = {f.name for f in dataclasses.fields(cls)} - {"rope_theta", "text_hidden_size"}
         keys = {k: vision[k] for k in fields if vision.get(k) is not None}
         rope_parameters = vision.get("rope_parameters") or {}
-        if rope_parameters.get("rope_type", "axial") != "axial":
+        if rope_parameters.get("rope_type", "axial") not in ("axial", "default"):  # transformers reads default as axial
             raise ConversionError(f"vision_config.rope_parameters={rope_parameters}: Gemma 4's vision RoPE is axial "
                                   "(transformers refuses any other)")
         if vision.get("output_proj_dims") is not None:
