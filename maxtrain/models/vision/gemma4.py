@@ -28,6 +28,10 @@ share one compilation. With use_clipped_linears every projection of the blocks c
 bounds read from the checkpoint (buffers in transformers; fixed here: no gradient reaches them, nor the
 standardize bias and scale).
 
+One difference, where transformers looks wrong: with pooling_kernel_size 1 its pooler skips the pooling and hands
+back the padding flags where the pooled path hands back the valid ones, so its tokens would be the padding rows;
+`valid` here marks the real patches for every k (the released models pool 3 x 3).
+
 Hugging Face names: `hf_names(config)` maps each parameter path to (tensor name under the model's prefix,
 layout); the tower lives under vision_tower., the projector under embed_vision.; PREFIXES gives the model's prefix
 per transformers class. `to_maxtrain` and `to_hf` convert a state dict both ways.
