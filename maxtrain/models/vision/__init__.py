@@ -4,9 +4,14 @@
               positions resampled to each image's grid, 2-D rotary positions, attention within each frame,
               the 2 x 2 patch merger and Qwen3-VL's deepstack mergers; its Hugging Face names both ways
     llama4.py Llama 4's tile encoder (class token, paired 2-D rotary), pixel-shuffle adapter and projector; HF names
+    gemma4.py Gemma 4's vision encoder over padded patches with their (column, row) positions: learned per-axis
+              position tables, 2-D rotary, sandwich-normed blocks with q/k/v norms and optional clipped
+              linears, k x k average pooling to soft tokens, standardization, and the projector into the text
+              model's width; its Hugging Face names both ways
 
 A tower is declared like any block (models/params.py: shapes with logical axes) and run as a pure function of
-(params, pixels, grid, config); what depends only on the images' grid (positions, interpolation taps, the
-attention segments) is computed on the host with numpy. May import the rest of models/, parallel, config and
-errors; never training, checkpointing, data or the commands.
+(params, pixels, layout, config). Qwen's layout is its static grid: what depends only on it (positions,
+interpolation taps, the attention segments) is computed on the host with numpy. Gemma 4's is the processor's
+position array, read in jit: images padded to one shape share one compilation. May import the rest of models/,
+parallel, config and errors; never training, checkpointing, data or the commands.
 """
