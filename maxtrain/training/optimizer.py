@@ -11,6 +11,7 @@ from __future__ import annotations
 import jax
 import optax
 
+from maxtrain.models import params as params_lib
 from maxtrain.training import muon
 
 
@@ -37,11 +38,14 @@ def make_schedule(config) -> optax.Schedule:
     return optax.join_schedules([warmup_fn, optax.constant_schedule(peak)], [warmup])
 
 
-def weight_decay_mask(params, config):
-    """True for parameters that get weight decay: everything but norm scales (and, optionally, the embedding)."""
+def weight_decay_mask(params, config, fixed: frozenset = frozenset()):
+    """True for parameters that get weight decay: everything but norm scales (and, optionally, the embedding) and
+    the model's fixed tensors (`fixed`: models/params.fixed_paths), which no gradient reaches either."""
 
     def decays(path, _):
         name = jax.tree_util.keystr(path)
+        if name in fixed:
+            return False
         if config.weight_decay_exclude_norms and "norm" in name:
             return False
         if config.weight_decay_exclude_embeddings and "token_embedding" in name:
@@ -59,7 +63,7 @@ def make_optimizer(config, model) -> optax.GradientTransformation:
         b2=config.adam_b2,
         eps=config.adam_eps,
         weight_decay=config.adam_weight_decay,
-        mask=lambda params: weight_decay_mask(params, config),
+        mask=lambda params: weight_decay_mask(params, config, params_lib.fixed_paths(model.param_specs)),
     )
     tx = muon.partitioned(config, model, make_schedule(config), adamw) if config.opt_type == "muon" else adamw
     if config.gradient_clipping_threshold > 0:

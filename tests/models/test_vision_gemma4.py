@@ -12,6 +12,7 @@ import pytest
 
 from maxtrain.data import images
 from maxtrain.models.hf import ConversionError
+from maxtrain.models import params as params_lib
 from maxtrain.models.params import is_spec
 from maxtrain.models.vision import gemma4
 
@@ -201,3 +202,18 @@ def test_every_parameter_gets_a_gradient_and_bfloat16_stays_close():
     assert not any(np.any(flat[k]) for k in fixed)
     full, half = jax.jit(loss)(params), jax.jit(lambda p: loss(p, jnp.bfloat16))(params)
     assert abs(float(half) - float(full)) < 0.05 * abs(float(full))
+
+
+def test_a_fresh_init_clips_nothing_and_marks_its_bounds_fixed():
+    """A tower initialized from scratch with use_clipped_linears (no checkpoint yet) computes what the unclipped
+    tower computes: its bounds start at the dtype's extremes; they and the standardization are fixed tensors."""
+    clipped = gemma4.VisionConfig(**VISION, use_clipped_linears=True, standardize=True, text_hidden_size=40)
+    plain = gemma4.VisionConfig(**VISION, standardize=True, text_hidden_size=40)
+    params = params_lib.init_params(gemma4.param_specs(clipped), jax.random.key(0), jnp.float32)
+    unclipped = {**params, "blocks": {k: v for k, v in params["blocks"].items() if k != "clip"}}
+    pixels, positions, _ = inputs()
+    run = jax.jit(gemma4.forward, static_argnums=3)
+    np.testing.assert_array_equal(run(params, pixels, positions, clipped)[0], run(unclipped, pixels, positions, plain)[0])
+    fixed = params_lib.fixed_paths(gemma4.param_specs(clipped))
+    assert "['blocks']['clip']['q_proj']['input_min']" in fixed and "['std_scale']" in fixed
+    assert "['blocks']['wq']" not in fixed

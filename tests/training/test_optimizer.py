@@ -55,3 +55,21 @@ def test_decay_is_applied_to_masked_params_only():
     updates, _ = jax.jit(tx.update)(zero_grads, tx.init(params), params)
     assert float(jnp.abs(updates["final_norm"]).max()) == 0.0
     assert jnp.allclose(updates["layers"]["decoder"]["wq"], -0.5 * params["layers"]["decoder"]["wq"])
+
+
+def test_a_fixed_tensor_takes_no_weight_decay_and_stays_as_loaded():
+    """Gemma 4's layer scalars are transformers' buffers (ParamSpec.fixed): no gradient reaches them and the
+    optimizer leaves them as loaded, where weight decay would shrink them every step."""
+    c = cfg("decoder_block=gemma4_text", "base_num_decoder_layers=2", "base_emb_dim=8", "base_num_query_heads=2",
+            "base_num_kv_heads=1", "head_dim=4", "global_head_dim=4", "base_mlp_dim=8", "vocab_size=16",
+            "attention_layer_types=[sliding,full]", "sliding_window_size=4", "adam_weight_decay=0.5", "lr_schedule_type=constant",
+            "warmup_steps_fraction=0")
+    model = Model.bind(c)
+    params = jax.jit(model.init_params)(jax.random.key(0))
+    tx = optimizer.make_optimizer(c, model)
+    zero_grads = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = jax.jit(tx.update)(zero_grads, tx.init(params), params)
+    flat = {jax.tree_util.keystr(k): v for k, v in jax.tree_util.tree_flatten_with_path(updates)[0]}
+    scalars = [k for k in flat if k.endswith("['layer_scalar']")]
+    assert scalars and all(float(jnp.abs(flat[k]).max()) == 0.0 for k in scalars)
+    assert any(k.endswith("['wq']") and float(jnp.abs(flat[k]).max()) > 0.0 for k in flat)  # decayed: the control

@@ -135,9 +135,9 @@ def param_specs(config: VisionConfig) -> dict:
     """D the encoder's width, N query and G key/value heads of H, F its MLP, S position_embedding_size, T the text
     model's width. patch_embed [p*p*3, D], pos_embed [2, S, D] (columns' table, rows' table); blocks, stacked over
     `layers`: four RMSNorm scales [D], wq [D, N, H], wk and wv [D, G, H], q_norm and k_norm [H], wo [N, H, D],
-    w_gate and w_up [D, F], w_down [F, D], with use_clipped_linears `clip`: each projection's four bounds (scalars;
-    their zeros init clips everything: they come from a checkpoint); with standardize std_bias and std_scale [D];
-    projection [D, T]. RMSNorm scales multiply as they are (x * scale, not 1 + scale)."""
+    w_gate and w_up [D, F], w_down [F, D], with use_clipped_linears `clip`: each projection's four bounds
+    (scalars, fixed; a fresh init clips nothing: the dtype's extremes, until a checkpoint sets them); with
+    standardize std_bias and std_scale [D] (fixed); projection [D, T]. RMSNorm scales multiply as they are (x * scale, not 1 + scale)."""
     d, n, g, h, f = (config.hidden_size, config.num_attention_heads, config.num_key_value_heads, config.head_dim,
                      config.intermediate_size)
     norm = ParamSpec((d,), ("embed",), "ones")
@@ -150,14 +150,15 @@ def param_specs(config: VisionConfig) -> dict:
              "w_gate": dense((d, f), ("embed", "mlp"), d), "w_up": dense((d, f), ("embed", "mlp"), d),
              "w_down": dense((f, d), ("mlp", "embed"), f)}
     if config.use_clipped_linears:
-        block["clip"] = {name: {b: ParamSpec((), (), "zeros") for b in BOUNDS} for name in LINEARS}
+        block["clip"] = {name: {b: ParamSpec((), (), "lowest" if b.endswith("min") else "highest", fixed=True)
+                                for b in BOUNDS} for name in LINEARS}
     specs = {"patch_embed": dense((config.patch_dim, d), (None, "embed"), config.patch_dim),
              "pos_embed": ParamSpec((2, config.position_embedding_size, d), (None, None, "embed"), "normal", 0.02),
              "blocks": stacked(block, config.num_hidden_layers),
              "projection": dense((d, config.text_hidden_size), (None, "embed"), d)}
     if config.standardize:
-        specs["std_bias"] = ParamSpec((d,), ("embed",), "zeros")
-        specs["std_scale"] = ParamSpec((d,), ("embed",), "ones")
+        specs["std_bias"] = ParamSpec((d,), ("embed",), "zeros", fixed=True)
+        specs["std_scale"] = ParamSpec((d,), ("embed",), "ones", fixed=True)
     return specs
 
 

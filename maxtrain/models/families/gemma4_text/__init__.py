@@ -9,7 +9,7 @@ five sliding-window layers per full-attention one, with
     attention_k_eq_v: the full-attention layers' values are their key projection (no W_v)
     per-layer input embeddings (per_layer_input_dim > 0, models/families/gemma4_text/per_layer_embed.py)
     norms in the plain scale form (not Gemma 2/3's 1 + scale); each layer's output times a fixed
-    layer_scalar (a buffer in transformers: a parameter here that no gradient reaches)
+    layer_scalar (a buffer in transformers: a fixed parameter here, ParamSpec.fixed: no gradient nor weight decay)
 
     shared-KV layers: the last num_kv_shared_layers layers (kinds "sliding_shared", "full_shared") have no
         key/value projections and attend to those of the last earlier layer of their attention type,
@@ -80,7 +80,7 @@ def _layer_specs(config, kind: str) -> dict:
                                                          keys=projections > 0),
              "post_attn_norm": norm, "mlp_norm": norm, "w_gate": dense((d, f), ("embed", "mlp"), d),
              "w_up": dense((d, f), ("embed", "mlp"), d), "w_down": dense((f, d), ("mlp", "embed"), f),
-             "post_mlp_norm": norm, "layer_scalar": ParamSpec((1,), (None,), "ones")}
+             "post_mlp_norm": norm, "layer_scalar": ParamSpec((1,), (None,), "ones", fixed=True)}
     if config.per_layer_input_dim > 0:
         specs.update(per_layer_embed.layer_specs(config))
     if config.num_experts > 1:
