@@ -3,6 +3,7 @@
     qwen.py   the vision transformer of Qwen3-VL and Qwen3.5: patch embedding over space and time, learned
               positions resampled to each image's grid, 2-D rotary positions, attention within each frame,
               the 2 x 2 patch merger and Qwen3-VL's deepstack mergers; its Hugging Face names both ways
+    hf_tensors.py a tower's parameters to and from transformers' tensors by its name table (every tower's)
     llama4.py Llama 4's tile encoder (class token, paired 2-D rotary), pixel-shuffle adapter and projector; HF names
     gemma4.py Gemma 4's vision encoder over padded patches with their (column, row) positions: learned per-axis
               position tables, 2-D rotary, sandwich-normed blocks with q/k/v norms and optional clipped

@@ -47,7 +47,8 @@ import numpy as np
 
 from maxtrain.models import attention, rope
 from maxtrain.models.hf import SAME, ConversionError, Linear, Same
-from maxtrain.models.params import ParamSpec, dense, is_spec, stacked
+from maxtrain.models.params import ParamSpec, dense, stacked
+from maxtrain.models.vision import hf_tensors
 from maxtrain.models.vision.qwen import ACTIVATIONS
 
 # Where the tower and the projector sit in each transformers class' state dict: PREFIXES[cls] + TOWER or PROJECTOR.
@@ -313,56 +314,18 @@ def hf_names(config: VisionConfig) -> dict:
     return names
 
 
-def _entries(config: VisionConfig):
-    """(path, spec, name pattern, layout, indices along the stacked axis or None) of every parameter."""
-    names = hf_names(config)
-    for path, spec in jax.tree_util.tree_flatten_with_path(param_specs(config), is_leaf=is_spec)[0]:
-        key = "/".join(str(k.key) for k in path)
-        name, layout = names[key]
-        yield key, spec, name, layout, (range(spec.shape[0]) if "{i}" in name else None)
+def _names(config: VisionConfig, prefix: str) -> dict:
+    """hf_names with each name under prefix (TOWER's and PROJECTOR's parts already in it)."""
+    return {key: (prefix + name, layout) for key, (name, layout) in hf_names(config).items()}
 
 
 def to_maxtrain(tensors: dict, config: VisionConfig, prefix: str = "model.", dtype=np.float32) -> dict:
     """The encoder's and projector's params (nested dict of numpy arrays) from the tensors under prefix + TOWER
     and prefix + PROJECTOR (PREFIXES); other tensors are left alone, one there with no place here is refused."""
-    params, used = {}, set()
-    for key, spec, name, layout, indices in _entries(config):
-        shape = spec.shape[1:] if indices is not None else spec.shape
-
-        def read(full, shape=shape, layout=layout, key=key):
-            if full not in tensors:
-                raise ConversionError(f"the checkpoint has no tensor {full} (for the vision encoder's {key})")
-            w = np.asarray(tensors[full])
-            if tuple(w.shape) != tuple(layout.hf_shape(shape)):
-                raise ConversionError(f"{full} has shape {list(w.shape)}, but the vision config implies "
-                                      f"{list(layout.hf_shape(shape))}")
-            used.add(full)
-            return layout.to_maxtrain(w, shape).astype(dtype)
-        value = np.stack([read(prefix + name.format(i=i)) for i in indices]) if indices is not None \
-            else read(prefix + name)
-        node = params
-        for part in key.split("/")[:-1]:
-            node = node.setdefault(part, {})
-        node[key.split("/")[-1]] = value
-    unused = sorted(n for n in tensors if n.startswith((prefix + TOWER, prefix + PROJECTOR)) and n not in used)
-    if unused:
-        raise ConversionError(f"vision tensors the encoder has no place for (does vision_config describe these "
-                              f"weights: use_clipped_linears, standardize, num_hidden_layers?): {unused[:8]}"
-                              + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
-    return params
+    return hf_tensors.read(tensors, param_specs(config), _names(config, prefix), (prefix + TOWER, prefix + PROJECTOR),
+                           "the vision encoder", "use_clipped_linears, standardize, num_hidden_layers", dtype)
 
 
 def to_hf(params: dict, config: VisionConfig, prefix: str = "model.", dtype=np.float32) -> dict:
     """transformers' tensors (numpy, under prefix + TOWER and prefix + PROJECTOR) from the params."""
-    out = {}
-    for key, spec, name, layout, indices in _entries(config):
-        value = params
-        for part in key.split("/"):
-            value = value[part]
-        value = np.asarray(value).astype(np.float32)
-        if tuple(value.shape) != tuple(spec.shape):
-            raise ConversionError(f"the vision encoder's {key} has shape {list(value.shape)}, its config declares "
-                                  f"{list(spec.shape)}")
-        for i, w in (zip(indices, value) if indices is not None else [(None, value)]):
-            layout.export(w, out, prefix + name.format(i=i), dtype)
-    return out
+    return hf_tensors.write(params, param_specs(config), _names(config, prefix), "the vision encoder", dtype)

@@ -44,7 +44,8 @@ import numpy as np
 
 from maxtrain.models import attention, rope
 from maxtrain.models.hf import FLAT, SAME, ConversionError, Linear
-from maxtrain.models.params import ParamSpec, dense, is_spec, stacked
+from maxtrain.models.params import ParamSpec, dense, stacked
+from maxtrain.models.vision import hf_tensors
 from maxtrain.models.vision.qwen import layer_norm
 
 LAYER_NORM_EPS = 1e-5  # every LayerNorm of the tower: torch's default, which transformers' modules keep
@@ -285,56 +286,21 @@ def hf_names(config: VisionConfig) -> dict:  # pylint: disable=unused-argument
     return names
 
 
-def _entries(config: VisionConfig, prefixes: tuple[str, str]):
-    """(path, spec, full name pattern, layout, indices along the stacked axis or None) of every parameter."""
-    names = hf_names(config)
-    for path, spec in jax.tree_util.tree_flatten_with_path(param_specs(config), is_leaf=is_spec)[0]:
-        key = "/".join(str(k.key) for k in path)
-        part, name, layout = names[key]
-        yield key, spec, prefixes[part] + name, layout, (range(spec.shape[0]) if "{i}" in name else None)
+def _names(config: VisionConfig, prefixes: tuple[str, str]) -> dict:
+    """hf_names with each name under its part's prefix (tower, projector)."""
+    return {key: (prefixes[part] + name, layout) for key, (part, name, layout) in hf_names(config).items()}
 
 
 def to_maxtrain(tensors: dict, config: VisionConfig, prefixes: tuple[str, str] = RELEASED,
                 dtype=np.float32) -> dict:
     """The params (nested dict of numpy arrays) from the tensors named under `prefixes` (tower, projector);
     tensors outside them are left alone, one inside them that has no place here is refused."""
-    params, used = {}, set()
-    for key, spec, name, layout, indices in _entries(config, prefixes):
-        shape = spec.shape[1:] if indices is not None else spec.shape
-
-        def read(full, shape=shape, layout=layout, key=key):
-            if full not in tensors:
-                raise ConversionError(f"the checkpoint has no tensor {full} (for the Llama 4 vision encoder's {key})")
-            w = np.asarray(tensors[full])
-            if tuple(w.shape) != tuple(layout.hf_shape(shape)):
-                raise ConversionError(f"{full} has shape {list(w.shape)}, but the vision config implies "
-                                      f"{list(layout.hf_shape(shape))}")
-            used.add(full)
-            return layout.to_maxtrain(w, shape).astype(dtype)
-        value = np.stack([read(name.format(i=i)) for i in indices]) if indices is not None else read(name)
-        node = params
-        for part in key.split("/")[:-1]:
-            node = node.setdefault(part, {})
-        node[key.split("/")[-1]] = value
-    unused = sorted(n for n in tensors if n.startswith(prefixes) and n not in used)
-    if unused:
-        raise ConversionError(f"vision tensors the encoder has no place for (does vision_config describe these "
-                              f"weights?): {unused[:8]}" + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
-    return params
+    return hf_tensors.read(tensors, param_specs(config), _names(config, prefixes), tuple(prefixes),
+                           "the Llama 4 vision encoder", dtype=dtype)
 
 
 def to_hf(params: dict, config: VisionConfig, prefixes: tuple[str, str] = RELEASED,
           dtype=np.float32) -> dict:
     """transformers' tensors (numpy, under `prefixes`: tower, projector) from the params."""
-    out = {}
-    for key, spec, name, layout, indices in _entries(config, prefixes):
-        value = params
-        for part in key.split("/"):
-            value = value[part]
-        value = np.asarray(value).astype(np.float32)
-        if tuple(value.shape) != tuple(spec.shape):
-            raise ConversionError(f"the Llama 4 vision encoder's {key} has shape {list(value.shape)}, its config "
-                                  f"declares {list(spec.shape)}")
-        for i, w in (zip(indices, value) if indices is not None else [(None, value)]):
-            layout.export(w, out, name.format(i=i), dtype)
-    return out
+    return hf_tensors.write(params, param_specs(config), _names(config, prefixes), "the Llama 4 vision encoder",
+                            dtype)
