@@ -207,3 +207,26 @@ def test_the_layout_marks_padding_and_images():
     assert list(layout.images) == [1] * 6 + [2] + [0] * 3
     with pytest.raises(ValueError, match="multiple of 4"):
         qwen.patch_layout(GRID, config, pad_to=30)
+
+
+def test_a_training_step_with_other_images_does_not_recompile(imported):
+    """The loss and its gradient (the tower's included) for batches of different images, padded to one layout
+    size: one compile serves both."""
+    _, tmp, _ = imported
+    config, params = load(tmp / "out")
+    model, rt = Model.bind(config), Runtime.from_config(config)
+    step = jax.jit(jax.grad(lambda p, b: model.loss_fn(p, b, rt)[0]))
+    rng = np.random.default_rng(3)
+    ids0, pixels0 = image_batch()
+    ids1 = rng.integers(0, 280, ids0.shape).astype(np.int32)
+    ids1[1, 2:6] = [START, IMAGE, IMAGE, END]  # one image of 2 x 4 patches: 2 merged tokens, in the other row
+    grids = (GRID, np.array([[1, 2, 4]]))
+    pixels1 = rng.standard_normal((8, pixels0.shape[1])).astype(np.float32)
+    for ids, pixels, grid in ((ids0, pixels0, grids[0]), (ids1, pixels1, grids[1])):
+        images = qwen3_vl.image_inputs(pixels, grid, config, pad_to=48)
+        positions = qwen3_vl.rope_index(ids, grid, IMAGE, 2)
+        batch = {"inputs": ids, "targets": np.roll(ids, -1, axis=1), "positions": positions,
+                 "segment_ids": np.ones_like(ids), "loss_weights": np.ones(ids.shape, np.float32), **images}
+        grads = step(params, batch)
+        assert float(np.abs(grads["vision"]["patch_embed"]).max()) > 0
+    assert step._cache_size() == 1

@@ -46,16 +46,18 @@ def _vision(text: str) -> qwen.VisionConfig:
 def vision_config(config) -> qwen.VisionConfig:
     """The tower's config from the model key vision_config (config.json's vision_config as JSON)."""
     if not config.vision_config:
-        raise ValueError("decoder_block=qwen3_vl needs vision_config (the tower's config.json vision_config, as JSON); "
-                         "import the model with scripts/convert_hf.py import")
+        raise ValueError("this qwen3_vl model has no vision tower (vision_config is empty): it reads no images; "
+                         "import a Qwen3-VL checkpoint with scripts/convert_hf.py import")
     return _vision(config.vision_config)
 
 
 def param_specs(model):
     config = model.config
     layer_specs = standard_layers.decoder_specs(config, qk_norm="ones")
-    return {**blocks.embedding_specs(config), "layers": {"decoder": stacked(layer_specs, config.base_num_decoder_layers)},
-            "vision": qwen.param_specs(vision_config(config))}
+    specs = {**blocks.embedding_specs(config), "layers": {"decoder": stacked(layer_specs, config.base_num_decoder_layers)}}
+    if config.vision_config:  # without one (a preset, a test): the text decoder alone, with M-RoPE
+        specs["vision"] = qwen.param_specs(vision_config(config))
+    return specs
 
 
 def layer_types(config) -> list[LayerType]:
@@ -240,7 +242,7 @@ def _vision_dict(vision: qwen.VisionConfig) -> dict:
 def to_hf_config(keys: dict) -> dict:
     text = {k: v for k, v in hf.common_config(keys, FAMILY).items() if k not in ("architectures", "model_type",
                                                                                  "tie_word_embeddings")}
-    vision = _vision_dict(qwen.VisionConfig.from_hf(json.loads(keys["vision_config"])))
+    vision = _vision_dict(_keys_vision(keys))
     rope = {**hf.rope_parameters(keys), "mrope_section": list(keys["mrope_section"]), "mrope_interleaved": True}
     return {"architectures": [FAMILY.hf_architecture], "model_type": FAMILY.hf_model_types[0],
             "image_token_id": keys["image_token_id"], "tie_word_embeddings": keys["logits_via_embedding"],
@@ -249,12 +251,19 @@ def to_hf_config(keys: dict) -> dict:
             "vision_config": {**vision, "model_type": "qwen3_vl", "out_hidden_size": vision["out_hidden_size"]}}
 
 
+def _keys_vision(keys: dict) -> qwen.VisionConfig:
+    if not keys.get("vision_config"):
+        raise hf.ConversionError("this qwen3_vl model has no vision tower (its vision_config is empty); Hugging Face "
+                                 "conversion needs one: import a Qwen3-VL checkpoint")
+    return _vision(keys["vision_config"])
+
+
 def vision_to_maxtrain(tensors: dict, keys: dict, dtype=np.float32) -> dict:
-    return qwen.to_maxtrain(tensors, _vision(keys["vision_config"]), PREFIX, dtype)
+    return qwen.to_maxtrain(tensors, _keys_vision(keys), PREFIX, dtype)
 
 
 def vision_to_hf(params: dict, keys: dict, dtype=np.float32) -> dict:
-    return qwen.to_hf(params, _vision(keys["vision_config"]), PREFIX, dtype)
+    return qwen.to_hf(params, _keys_vision(keys), PREFIX, dtype)
 
 
 MODEL = contract.FamilyModel(
