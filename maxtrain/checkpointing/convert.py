@@ -169,16 +169,17 @@ def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) ->
     vision = FAMILIES[keys["decoder_block"]].vision
     if vision is None:
         return _decoder_to_maxtrain(tensors, keys, dtype)
-    tower, text = {}, {}
-    for name in tensors:
-        if name.startswith(vision.prefix):
-            tower[name] = tensors[name]
-            continue
-        prefix = next((p for p in vision.text_prefixes if name.startswith(p)), None)
-        text[name if prefix is None else vision.text_prefixes[prefix] + name[len(prefix):]] = tensors[name]
+    tower = {n: tensors[n] for n in tensors if n.startswith(vision.prefix)}
+    text = {_renamed(n, vision.text_prefixes): tensors[n] for n in tensors if n not in tower}
     params = _decoder_to_maxtrain(text, keys, dtype)
     params["vision"] = vision.to_maxtrain(tower, keys, dtype)
     return params
+
+
+def _renamed(name: str, prefixes: dict) -> str:
+    """name with its first matching prefix (prefixes: old -> new) replaced; unchanged when none matches."""
+    old = next((p for p in prefixes if name.startswith(p)), None)
+    return name if old is None else prefixes[old] + name[len(old):]
 
 
 def _decoder_to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) -> dict:
@@ -239,13 +240,10 @@ def to_hf(params: dict, keys: dict, dtype) -> dict[str, np.ndarray]:
     out = _decoder_to_hf(params, keys, dtype)
     if vision is None:
         return out
-    back = {new: old for old, new in vision.text_prefixes.items()}
-    renamed = {}
-    for name, w in out.items():
-        prefix = next(p for p in back if name.startswith(p))
-        renamed[back[prefix] + name[len(prefix):]] = w
     if "vision" not in params:
         raise ConversionError("the checkpoint has no vision tower params (params['vision'])")
+    back = {new: old for old, new in vision.text_prefixes.items()}
+    renamed = {_renamed(name, back): w for name, w in out.items()}
     return {**renamed, **vision.to_hf(params["vision"], keys, dtype)}
 
 

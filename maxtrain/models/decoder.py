@@ -32,7 +32,6 @@ attention block: its k and v); the stack collects them per layer instead of summ
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +45,6 @@ from maxtrain.models.aux_names import PER_LAYER, STEP_STATS, per_layer_name
 from maxtrain.models.blocks import LayerInputs
 from maxtrain.models.layers import LayerType
 from maxtrain.models.runtime import REMAT_POLICIES
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -383,14 +381,12 @@ def loss_fn(model, params, batch: dict, rt):
 
 
 def _batch_images(model, batch: dict):
-    """The batch's image inputs (the family's Vision.input_keys), or None when it has no pixel_values."""
+    """The batch's image inputs (the family's Vision.input_keys; _hidden refuses them for a text-only family), or
+    None when it has no pixel_values."""
+    vision = model.family.vision
     if "pixel_values" not in batch:
         return None
-    vision = model.family.vision
-    if vision is None:
-        raise ValueError(f"the batch holds pixel_values but {model.family.row.name} is a text-only family; drop them, "
-                         "or use a family with a vision tower (qwen3_vl)")
-    return {k: batch[k] for k in vision.input_keys}
+    return {k: batch[k] for k in (vision.input_keys if vision is not None else ("pixel_values",))}
 
 
 def _head_for_loss(model, head: dict, rt):
