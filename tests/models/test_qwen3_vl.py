@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -230,3 +232,15 @@ def test_a_training_step_with_other_images_does_not_recompile(imported):
         grads = step(params, batch)
         assert float(np.abs(grads["vision"]["patch_embed"]).max()) > 0
     assert step._cache_size() == 1
+
+
+def test_the_import_command_keeps_the_tower_and_text_only_says_so_once(imported, tmp_path):
+    _, tmp, _ = imported
+    script = str(REPO / "scripts" / "convert_hf.py")
+    whole = subprocess.run([sys.executable, script, "import", str(tmp / "hf"), str(tmp_path / "whole")],
+                           capture_output=True, text=True, check=False)
+    assert whole.returncode == 0 and "model: qwen3_vl" in whole.stdout, whole.stdout + whole.stderr
+    text = subprocess.run([sys.executable, script, "import", str(tmp / "hf"), str(tmp_path / "text"), "--text-only"],
+                          capture_output=True, text=True, check=False)
+    assert text.returncode == 0 and "model: qwen3 " in text.stdout, text.stdout + text.stderr
+    assert text.stdout.count("text decoder") == 1, text.stdout
