@@ -314,6 +314,9 @@ def patch_layout(grid_thw, config: VisionConfig, pad_to: int | None = None) -> P
         raise ValueError(f"pad_to={pad_to} must be a multiple of {window} (spatial_merge_size^2) and at least the "
                          f"images' {total} patches")
     extra = pad_to - total
+    if not cells:  # a batch without images keeps the padded shapes: every patch padding
+        return PatchLayout(np.zeros(pad_to, np.int32), np.zeros((pad_to, 2), np.int32), np.zeros((pad_to, 4), np.int32),
+                           np.zeros((pad_to, 4), np.float32), np.zeros(pad_to // window, np.int32))
     taps, weights = position_taps(grid_thw, config)
     images = np.repeat(np.arange(1, len(cells) + 1), [t * h * w // window for t, h, w in cells])
 

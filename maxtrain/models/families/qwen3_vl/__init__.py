@@ -11,6 +11,9 @@
                 to the hidden states at the placeholders (a per-layer input, zero elsewhere)
     layers    Qwen 3's (qk-norm, SwiGLU); the tower's parameters under params["vision"]
 
+The deepstack features travel as per-layer inputs [L, B, T, D] (zero after the first len(deepstack_visual_indexes)
+layers): simple, at the cost of L copies of the activations' size; decoding with images is not wired yet.
+
 The model keys vision_config (config.json's vision_config as JSON), image_token_id and mrope_section carry what
 the text keys do not. Images enter Model.forward as `images` (`image_inputs`: pixel_values and the tower's
 PatchLayout arrays, padded to a fixed size so a training step compiles once).
