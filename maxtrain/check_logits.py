@@ -69,13 +69,16 @@ def golden_from_transformers(hf_dir: str, ids: np.ndarray) -> np.ndarray:
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise CheckError(f"--hf {hf_dir} is not a Hugging Face model directory (no config.json)")
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                                                  use_safetensors=True).eval()
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, use_safetensors=True)
+        except ValueError:  # a model with a vision tower (Qwen3-VL) is no causal LM class: its image-text one
+            model = transformers.AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32,
+                                                                             use_safetensors=True)
     except OSError as error:  # no model.safetensors (transformers says which files it looked for)
         raise CheckError(f"--hf {hf_dir}: transformers cannot load it from safetensors files "
                          f"({str(error).splitlines()[0][:300]})") from None
     with torch.no_grad():
-        return model(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
+        return model.eval()(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
 
 
 def maxtrain_logits(checkpoint: str, ids: np.ndarray, log=print, images: dict | None = None) -> np.ndarray:
