@@ -5,9 +5,10 @@
 
 CKPT is a maxtrain checkpoint (a step directory, a run or checkpoints directory, or the output
 directory of `scripts/convert_hf.py import`); its model settings are read from its metadata. The
-golden file holds `input_ids` [B, T] (integers) and `logits` [B, T, V] (float32). With --hf, the
-golden logits are computed with transformers (AutoModelForCausalLM in float32) on random ids, and
-written to --golden when that is given.
+golden file holds `input_ids` [B, T] (integers) and `logits` [B, T, V] (float32), and for a model with a vision
+tower (qwen3_vl) `pixel_values` [patches, C*t*p*p] and `image_grid_thw` [images, 3] as the processor makes
+them (positions then M-RoPE's, from the placeholders). With --hf, the golden logits are computed with
+transformers (AutoModelForCausalLM in float32) on random ids, and written to --golden when that is given.
 
 maxtrain's forward runs in float32 with full-precision matmuls, positions 0..T-1 and one segment per
 row. The last line printed is the max relative error, max |ours - golden| / max |golden|; the exit
@@ -32,12 +33,15 @@ from maxtrain.errors import UserError, run_cli
 from maxtrain.parallel import sharding
 from maxtrain.training import builder
 
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")  # a golden file's images (a model with a vision tower)
+
 
 class CheckError(UserError, ValueError):
     """Inputs that cannot be compared; the message says which and why."""
 
 
-def read_golden(path: str) -> tuple[np.ndarray, np.ndarray]:
+def read_golden(path: str) -> tuple[np.ndarray, np.ndarray, dict | None]:
+    """(input_ids, logits, the images {pixel_values, image_grid_thw} or None when the file has no pixel_values)."""
     if not os.path.isfile(path):
         raise CheckError(f"--golden {path} does not exist (make one with --hf HF_DIR --golden {path})")
     if not zipfile.is_zipfile(path):
@@ -46,6 +50,7 @@ def read_golden(path: str) -> tuple[np.ndarray, np.ndarray]:
     try:
         with np.load(path) as data:
             ids, logits = np.asarray(data["input_ids"]), np.asarray(data["logits"])
+            images = {k: np.asarray(data[k]) for k in IMAGE_KEYS} if "pixel_values" in data.files else None
     except KeyError as e:
         raise CheckError(f"{path} has no array {e}; it needs input_ids [B, T] and logits [B, T, V]") from None
     except (OSError, ValueError) as e:
@@ -53,7 +58,7 @@ def read_golden(path: str) -> tuple[np.ndarray, np.ndarray]:
     if ids.ndim != 2 or logits.ndim != 3 or logits.shape[:2] != ids.shape or not np.issubdtype(ids.dtype, np.integer):
         raise CheckError(f"{path}: input_ids {ids.shape} {ids.dtype} and logits {logits.shape} must be integer "
                          "[B, T] and [B, T, V]")
-    return ids.astype(np.int32), logits.astype(np.float32)
+    return ids.astype(np.int32), logits.astype(np.float32), images
 
 
 def golden_from_transformers(hf_dir: str, ids: np.ndarray) -> np.ndarray:
@@ -64,16 +69,20 @@ def golden_from_transformers(hf_dir: str, ids: np.ndarray) -> np.ndarray:
     if not os.path.isfile(os.path.join(hf_dir, "config.json")):
         raise CheckError(f"--hf {hf_dir} is not a Hugging Face model directory (no config.json)")
     try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                                                  use_safetensors=True).eval()
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, use_safetensors=True)
+        except ValueError:  # a model with a vision tower (Qwen3-VL) is no causal LM class: its image-text one
+            model = transformers.AutoModelForImageTextToText.from_pretrained(hf_dir, dtype=torch.float32,
+                                                                             use_safetensors=True)
     except OSError as error:  # no model.safetensors (transformers says which files it looked for)
         raise CheckError(f"--hf {hf_dir}: transformers cannot load it from safetensors files "
                          f"({str(error).splitlines()[0][:300]})") from None
     with torch.no_grad():
-        return model(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
+        return model.eval()(torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
 
 
-def maxtrain_logits(checkpoint: str, ids: np.ndarray, log=print) -> np.ndarray:
+def maxtrain_logits(checkpoint: str, ids: np.ndarray, log=print, images: dict | None = None) -> np.ndarray:
+    """Our float32 logits; images {pixel_values, image_grid_thw}: through the family's vision tower."""
     base = os.path.join(config_lib.packaged_configs_dir(), "base.yml")
     config = builder.load_config([base, f"load_parameters_path={checkpoint}", "dtype=float32", "weight_dtype=float32",
                                   "attention=dot_product", "ici_fsdp_parallelism=1"], log=log)
@@ -81,10 +90,19 @@ def maxtrain_logits(checkpoint: str, ids: np.ndarray, log=print) -> np.ndarray:
         raise CheckError(f"input_ids range over [{ids.min()}, {ids.max()}], outside the model's vocabulary of "
                          f"{config.vocab_size}")
     model = builder.load_model(config, devices=jax.devices()[:1], log=log)
-    positions = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
+    positions, inputs = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape), None
+    if images is not None:
+        vision = model.model.family.vision
+        if vision is None:
+            raise CheckError(f"the golden file holds pixel_values but {config.decoder_block} has no vision tower")
+        try:
+            positions, inputs = vision.inputs(config, ids, images["pixel_values"], images["image_grid_thw"])
+        except ValueError as e:
+            raise CheckError(f"the golden file's images: {e}") from None
     with jax.default_matmul_precision("highest"), sharding.activation_sharding(model.mesh, config.logical_axis_rules):
-        forward = jax.jit(lambda p, t: model.model.forward(p, t, positions, jnp.ones_like(t), model.rt)[0])
-        return np.asarray(forward(model.params, ids))
+        forward = jax.jit(lambda p, t, i: model.model.forward(p, t, positions, jnp.ones_like(t), model.rt,
+                                                              images=i)[0])
+        return np.asarray(forward(model.params, ids, inputs))
 
 
 def main(argv: list[str]) -> int:
@@ -113,8 +131,8 @@ def main(argv: list[str]) -> int:
             with errors.user_paths("--golden"):
                 np.savez(args.golden, input_ids=ids, logits=golden)
     else:
-        ids, golden = read_golden(args.golden)
-    ours = maxtrain_logits(args.checkpoint, ids)
+        ids, golden, images = read_golden(args.golden)
+    ours = maxtrain_logits(args.checkpoint, ids, images=None if args.hf else images)
     if ours.shape != golden.shape:
         raise CheckError(f"maxtrain's logits are {list(ours.shape)}, the golden ones {list(golden.shape)} "
                          "(a different vocabulary size?)")

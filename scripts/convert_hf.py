@@ -2,7 +2,9 @@
 
     # a Hugging Face model directory (config.json + model.safetensors or a sharded index) -> OUT:
     #   OUT/checkpoints/0 (params only), OUT/model.yml (the model preset), OUT/hf/ (config, tokenizer, license)
-    python scripts/convert_hf.py import HF_DIR OUT [--weight_dtype float32|bfloat16]
+    python scripts/convert_hf.py import HF_DIR OUT [--weight_dtype float32|bfloat16] [--text-only]
+    #   a Qwen3-VL directory (Qwen3VLForConditionalGeneration) imports with its vision tower as qwen3_vl;
+    #   --text-only imports its language model alone (as qwen3) and says once that the tower was left out
 
     # check it, then fine-tune it (the checkpoint's model settings and tokenizer are adopted)
     python scripts/check_logits.py OUT --hf HF_DIR
@@ -43,6 +45,8 @@ def main(argv: list[str]) -> int:
     imp.add_argument("--keep_mtp", action="store_true",
                      help="DeepSeek-V3: also import the multi-token-prediction modules (num_nextn_predict_layers), "
                           "for training with them (mtp_num_layers; docs/deepseek.md)")
+    imp.add_argument("--text-only", dest="text_only", action="store_true",
+                     help="a model with a vision tower (Qwen3-VL): import its text decoder alone, as its text family")
     exp = commands.add_parser("export", help="maxtrain checkpoint -> Hugging Face directory")
     exp.add_argument("checkpoint", help="a step directory, or a run / checkpoints directory (latest step)")
     exp.add_argument("out_dir")
@@ -58,7 +62,8 @@ def main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     with errors.user_paths():  # an output directory that cannot be written, a full disk
         if args.command == "import":
-            keys = convert.import_hf(args.hf_dir, args.out_dir, args.weight_dtype, keep_mtp=args.keep_mtp)
+            keys = convert.import_hf(args.hf_dir, args.out_dir, args.weight_dtype, keep_mtp=args.keep_mtp,
+                                    text_only=args.text_only)
             out = os.path.abspath(args.out_dir)
             print(f"wrote {out}/checkpoints/0, {out}/model.yml and {out}/{convert.ASSETS}/")
             print(f"model: {keys['decoder_block']} " + " ".join(

@@ -70,23 +70,30 @@ def read_hf_config(hf_dir: str) -> dict:
     return hf
 
 
-def family_for(hf: dict):
-    """(family module, the text model's config) for a config.json."""
+def family_for(hf: dict, text_only: bool = False):
+    """(family module, the config its from_hf_config reads) for a config.json: of a multimodal checkpoint, the text
+    model's config, or the whole one for a family with a vision tower (text_only: its text family's)."""
     model_type = hf.get("model_type")
     entry = registry.family_of_hf_model_type(model_type) if isinstance(model_type, str) else None
     if entry is None:
         known = sorted(t for f in registry.FAMILIES.values() for t in f.hf_model_types)
         raise ConversionError(f"model_type={model_type!r} is not supported; maxtrain converts {', '.join(known)}")
+    family = FAMILIES[entry.name]
+    if family.vision is not None and not text_only:
+        return family, hf
+    if family.vision is not None:
+        family = FAMILIES[family.vision.text_family]
     if isinstance(hf.get("text_config"), dict):  # a multimodal checkpoint: its text decoder
         hf = {**hf["text_config"], "tie_word_embeddings": hf.get("tie_word_embeddings",
                                                                   hf["text_config"].get("tie_word_embeddings", True))}
-    return FAMILIES[entry.name], hf
+    return family, hf
 
 
-def model_keys(hf: dict, notes: list | None = None, where: str = "config.json") -> dict:
+def model_keys(hf: dict, notes: list | None = None, where: str = "config.json", text_only: bool = False) -> dict:
     """Every maxtrain model key (MODEL_KEYS) for a config.json (`where`, for messages): the family's reading
-    over base.yml's defaults, checked as a config is (a model maxtrain cannot build is a ConversionError)."""
-    family, text = family_for(hf)
+    over base.yml's defaults, checked as a config is (a model maxtrain cannot build is a ConversionError).
+    text_only: a multimodal model's text decoder alone."""
+    family, text = family_for(hf, text_only)
     name = family.row.name
     try:
         keys = family.from_hf_config(text, notes)
@@ -130,6 +137,8 @@ def _entries(keys: dict):
     flat = {"/".join(str(getattr(k, "key", k)) for k in path): spec for path, spec in
             jax.tree_util.tree_flatten_with_path(model.param_specs, is_leaf=is_spec)[0]}
     for path, spec in flat.items():
+        if family.vision is not None and path.startswith("vision/"):  # the tower's own names (contract.Vision)
+            continue
         if path not in family.hf_names:
             raise ConversionError(f"the {family.row.name} family declares {path} but has no Hugging Face name for it")
         name, layout = family.hf_names[path]
@@ -154,6 +163,26 @@ def _one_shape(spec, layers, experts) -> tuple:
 
 
 def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) -> dict:
+    """maxtrain params (nested dict of numpy arrays) from Hugging Face tensors; a family with a vision tower
+    (contract.Vision) reads the tower's tensors (under its prefix) into params["vision"] and the text decoder's
+    under their text-model names."""
+    vision = FAMILIES[keys["decoder_block"]].vision
+    if vision is None:
+        return _decoder_to_maxtrain(tensors, keys, dtype)
+    tower = {n: tensors[n] for n in tensors if n.startswith(vision.prefix)}
+    text = {_renamed(n, vision.text_prefixes): tensors[n] for n in tensors if n not in tower}
+    params = _decoder_to_maxtrain(text, keys, dtype)
+    params["vision"] = vision.to_maxtrain(tower, keys, dtype)
+    return params
+
+
+def _renamed(name: str, prefixes: dict) -> str:
+    """name with its first matching prefix (prefixes: old -> new) replaced; unchanged when none matches."""
+    old = next((p for p in prefixes if name.startswith(p)), None)
+    return name if old is None else prefixes[old] + name[len(old):]
+
+
+def _decoder_to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) -> dict:
     """maxtrain params (nested dict of numpy arrays) from Hugging Face tensors (a mapping with `file_of(name)`,
     as dequantize.Dequantized, names each tensor's file in messages)."""
     used, params = set(), {}
@@ -205,7 +234,21 @@ def to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.float32) ->
 
 
 def to_hf(params: dict, keys: dict, dtype) -> dict[str, np.ndarray]:
-    """Hugging Face tensors (torch Linear layout) from maxtrain params."""
+    """Hugging Face tensors (torch Linear layout) from maxtrain params; a family with a vision tower writes the
+    text decoder's under the checkpoint's prefixes and the tower's from params["vision"]."""
+    vision = FAMILIES[keys["decoder_block"]].vision
+    out = _decoder_to_hf(params, keys, dtype)
+    if vision is None:
+        return out
+    if "vision" not in params:
+        raise ConversionError("the checkpoint has no vision tower params (params['vision'])")
+    back = {new: old for old, new in vision.text_prefixes.items()}
+    renamed = {_renamed(name, back): w for name, w in out.items()}
+    return {**renamed, **vision.to_hf(params["vision"], keys, dtype)}
+
+
+def _decoder_to_hf(params: dict, keys: dict, dtype) -> dict[str, np.ndarray]:
+    """The text decoder's tensors under the text model's names."""
     out = {}
     for path, spec, name, layout, layers, experts in _entries(keys):
         value = params
@@ -273,14 +316,17 @@ def _without_prediction_layers(tensors: dict, hf: dict, keys: dict, notes: list)
 # --------------------------------------------------------------------------------------------
 
 
-def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=print, keep_mtp: bool = False) -> dict:
+def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=print, keep_mtp: bool = False,
+              text_only: bool = False) -> dict:
     """Writes out/checkpoints/0 (params only), out/model.yml and out/hf/; returns the model keys. keep_mtp:
-    the multi-token-prediction modules too (mtp_num_layers = the checkpoint's num_nextn_predict_layers)."""
+    the multi-token-prediction modules too (mtp_num_layers = the checkpoint's num_nextn_predict_layers);
+    text_only: of a model with a vision tower (Qwen3-VL), the text decoder alone, as its text family."""
     storage.check_output(out_dir, False, f"OUT {out_dir}")  # refused before the weights are read
     hf = read_hf_config(hf_dir)
     where = os.path.join(hf_dir, "config.json")
     notes: list[str] = []
-    keys = model_keys(hf, notes, where)
+    keys = model_keys(hf, notes, where, text_only)
+    with_tower = FAMILIES[keys["decoder_block"]].vision is not None
     modules = prediction_layers(hf, where)
     if keep_mtp:
         keys["mtp_num_layers"] = modules
@@ -296,7 +342,7 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
         # fp8 / MXFP4 pairs as one tensor, dequantised when read; a quantised tensor without its scale is refused
         readable = dequantize.Dequantized(stored, dequantize.fp8_block(hf, where), dequantize.declared_method(hf),
                                           origins)
-        tensors = _without_prediction_layers(_text_tensors(readable, notes), hf, keys, notes)
+        tensors = _without_prediction_layers(readable if with_tower else _text_tensors(readable, notes), hf, keys, notes)
         first = f"model.layers.{keys['base_num_decoder_layers']}."
         if keep_mtp and not any(n.startswith(first) for n in tensors):
             raise ConversionError(f"--keep_mtp: the checkpoint holds no {first}* tensors, the multi-token-prediction "
@@ -423,7 +469,7 @@ def hf_config(keys: dict, original: dict | None, dtype: str) -> dict:
             same = False
         if same:
             out = dict(original)
-            if isinstance(out.get("text_config"), dict):  # exported as the text-only model
+            if isinstance(out.get("text_config"), dict) and family.vision is None:  # exported as the text-only model
                 out = {**out, **out.pop("text_config")}
                 out.update(architectures=[family.row.hf_architecture], model_type=family.row.hf_model_types[0])
                 out.pop("vision_config", None)

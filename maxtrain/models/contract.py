@@ -40,6 +40,11 @@ and what it may override (the defaults serve every family with multi-head attent
     layer_state      (x [B, T, D], config, rt, length: T, or the cache slots when decoding) -> the initial value of a pytree the layers hand on, each reading
                      it as inputs.state and replacing it by returning aux["state"] (Gemma 4's shared-KV
                      layers read the keys and values an earlier layer left there); None: none
+    rope_tables      (positions [B, T] or [streams, B, T], config, widths {name: features}) -> {name: (cos, sin)
+                     [B, T, H/2]}: RoPE's tables from the family's own positions (Qwen3-VL's M-RoPE: three streams
+                     t, h, w); the layers then see positions[0]. None: models/decoder.rope_tables over [B, T]
+    vision           a `Vision`: the image tower that fills the image placeholders before the layers (Qwen3-VL),
+                     its parameters under params["vision"]; None: a text-only family (images are refused)
 
 Settings a family reads beyond the shared ones, and its rules, live in its registry row (config/ reads
 them before JAX starts); which config keys a checkpoint is checked against come from there too
@@ -72,6 +77,22 @@ def kv_layer_cache(config, layer_type, batch: int, max_length: int, kv_heads) ->
 
 
 @dataclasses.dataclass(frozen=True)
+class Vision:
+    """A family's image tower (models/vision/), as the decoder and Hugging Face conversion see it."""
+
+    text_family: str                 # decoder_block of its text decoder alone (convert_hf.py import --text-only)
+    embed: Callable[..., Any]        # (params, x [B, T, D], tokens, images {input_keys: arrays}, model, rt) ->
+                                     # (x with the placeholders' rows replaced, per-layer inputs [L, B, T, D] or None)
+    input_keys: tuple[str, ...]      # the batch keys of `images` (pixel_values and the tower's layout arrays)
+    prefix: str                      # the tower's tensor-name prefix in the checkpoint (model.visual.)
+    text_prefixes: dict              # the text decoder's prefixes in the checkpoint -> in the text model's names
+    to_maxtrain: Callable[..., dict]  # (the tensors under `prefix`, model keys, dtype) -> params["vision"]
+    to_hf: Callable[..., dict]       # (params["vision"], model keys, dtype) -> tensors under `prefix`
+    inputs: Callable[..., tuple]     # (config, input_ids [B, T], pixel_values, image_grid_thw, pad_to=None) -> (positions,
+                                     # images) for Model.forward, made on the host as the processor's model does
+
+
+@dataclasses.dataclass(frozen=True)
 class FamilyModel:
     """One model family, as the decoder, decoding, checkpoints, HF conversion and FLOPs see it."""
 
@@ -91,6 +112,8 @@ class FamilyModel:
     layer_cache: Callable[..., dict] = kv_layer_cache
     per_layer_inputs: Callable[..., Any] | None = None
     layer_state: Callable[..., Any] | None = None
+    rope_tables: Callable[..., dict] | None = None
+    vision: Vision | None = None
 
     def __post_init__(self):
         untyped = [path for path, entry in self.hf_names.items()

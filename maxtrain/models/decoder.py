@@ -32,7 +32,6 @@ attention block: its k and v); the stack collects them per layer instead of summ
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +45,6 @@ from maxtrain.models.aux_names import PER_LAYER, STEP_STATS, per_layer_name
 from maxtrain.models.blocks import LayerInputs
 from maxtrain.models.layers import LayerType
 from maxtrain.models.runtime import REMAT_POLICIES
-
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,11 +279,18 @@ def rope_tables(positions, config, widths: dict[str, int], num_positions: int | 
 # --------------------------------------------------------------------------------------------
 
 
-def _hidden(model, params, tokens, positions, segment_ids, rt, routing=None):
+def _hidden(model, params, tokens, positions, segment_ids, rt, routing=None, images=None):
     """(final hidden states [B, T, D], aux): the embedding and every layer, in pipeline stages when
-    the mesh has them (parallel/stages.py); routing [B, T, L_moe, K]: the experts the MoE layers replay."""
+    the mesh has them (parallel/stages.py); routing [B, T, L_moe, K]: the experts the MoE layers replay;
+    images: the inputs of the family's vision tower (contract.Vision), which fill the image placeholders."""
     family, config = model.family, model.config
+    if images is not None and family.vision is None:
+        raise ValueError(f"images (pixel_values) given to {family.row.name}, a text-only family; drop them, or "
+                         "use a family with a vision tower (qwen3_vl)")
     x = family.embed(params, tokens, config, rt)
+    image_per_layer = None
+    if images is not None:
+        x, image_per_layer = family.vision.embed(params, x, tokens, images, model, rt)
     inputs = _layer_inputs(model, tokens, positions, segment_ids, rt)
     if routing is not None:
         if routing.shape[2] != model.num_moe_layers:
@@ -293,6 +298,8 @@ def _hidden(model, params, tokens, positions, segment_ids, rt, routing=None):
         inputs = inputs._replace(routing=jnp.moveaxis(routing, 2, 0))
     if family.per_layer_inputs is not None:
         inputs = inputs._replace(per_layer=family.per_layer_inputs(params, tokens, x, config, rt))
+    if image_per_layer is not None:  # the tower's per-layer features (Qwen3-VL's deepstack)
+        inputs = inputs._replace(per_layer=image_per_layer)
     if family.layer_state is not None:
         inputs = inputs._replace(state=family.layer_state(x, config, rt, tokens.shape[1]))
     if sharding.ways("layers") > 1:
@@ -302,8 +309,15 @@ def _hidden(model, params, tokens, positions, segment_ids, rt, routing=None):
 
 
 def _layer_inputs(model, tokens, positions, segment_ids, rt) -> LayerInputs:
-    config = model.config
+    """The layers' shared inputs; positions [B, T], or [streams, B, T] for a family with its own rope_tables
+    (Qwen3-VL's M-RoPE), whose first stream the layers see."""
+    config, family = model.config, model.family
     widths = rope_widths(model)
+    if family.rope_tables is not None:
+        return LayerInputs(positions[0] if positions.ndim == 3 else positions, segment_ids,
+                           family.rope_tables(positions, config, widths))
+    if positions.ndim != 2:
+        raise ValueError(f"positions {tuple(positions.shape)}: {family.row.name} takes positions [B, T]")
     table = rope_lib.table_positions(tokens.shape[1], max(widths.values(), default=0), rt.backend)  # positions < T
     return LayerInputs(positions, segment_ids, rope_tables(positions, config, widths, table))
 
@@ -314,21 +328,24 @@ def hidden(model, params, tokens, positions, segment_ids, rt):
     return _hidden(model, params, tokens, positions, segment_ids, rt)
 
 
-def _forward(model, params, tokens, positions, segment_ids, rt, routing=None):
-    x, aux = _hidden(model, params, tokens, positions, segment_ids, rt, routing)
+def _forward(model, params, tokens, positions, segment_ids, rt, routing=None, images=None):
+    x, aux = _hidden(model, params, tokens, positions, segment_ids, rt, routing, images)
     return model.family.logits(params, x, model.config, rt), aux
 
 
-def forward(model, params, tokens, positions, segment_ids, rt, routing=None):
+def forward(model, params, tokens, positions, segment_ids, rt, routing=None, images=None):
     """(logits [B, T, V] float32, aux) for tokens [B, T]; positions restart at 0 in each packed document.
     routing [B, T, L_moe, K] int32: each token's experts in every MoE layer, replayed instead of chosen
-    (routing replay, models/moe/replay.py; what forward_with_cache recorded), or None.
+    (routing replay, models/moe/replay.py; what forward_with_cache recorded), or None. images: the
+    inputs of the family's vision tower (contract.Vision: pixel_values and its layout arrays), or None.
 
     With context parallelism the tokens run in its load-balanced order (parallel/context.py) and
     the logits come back in the original order."""
     cp = sharding.ways("length")
     if cp == 1:
-        return _forward(model, params, tokens, positions, segment_ids, rt, routing)
+        return _forward(model, params, tokens, positions, segment_ids, rt, routing, images)
+    if images is not None:
+        raise ValueError("images do not run with context parallelism yet; set ici_context_parallelism=1")
     reorder = model.config.context_parallel_reorder_strategy
     tokens, positions, segment_ids, routing = context_parallel.to_layout((tokens, positions, segment_ids, routing), cp,
                                                                          reorder=reorder)
@@ -348,16 +365,28 @@ def loss_fn(model, params, batch: dict, rt):
     load-balanced order (parallel/context.py) and stays there.
     """
     cp = sharding.ways("length")
+    images = _batch_images(model, batch)
     if cp > 1:
+        if images is not None:
+            raise ValueError("images do not run with context parallelism yet; set ici_context_parallelism=1")
         batch = context_parallel.to_layout(batch, cp, reorder=model.config.context_parallel_reorder_strategy)
     weights = batch["loss_weights"].astype(jnp.float32)
-    x, aux = _hidden(model, params, batch["inputs"], batch["positions"], batch["segment_ids"], rt)
-    head = {k: v for k, v in params.items() if k not in ("layers", "mtp")}  # what family.logits reads
+    x, aux = _hidden(model, params, batch["inputs"], batch["positions"], batch["segment_ids"], rt, images=images)
+    head = {k: v for k, v in params.items() if k not in ("layers", "mtp", "vision")}  # what family.logits reads
     head, layout = _head_for_loss(model, head, rt)
     loss = _head_loss(model, head, layout, x, batch["targets"], weights, rt)
     if model.config.mtp_num_layers > 0:  # multi-token prediction (models/mtp.py): its loss joins the aux losses
         aux = {**aux, **_mtp_loss(model, params, head, layout, x, batch, rt)}
     return loss, jnp.sum(weights), aux
+
+
+def _batch_images(model, batch: dict):
+    """The batch's image inputs (the family's Vision.input_keys; _hidden refuses them for a text-only family), or
+    None when it has no pixel_values."""
+    vision = model.family.vision
+    if "pixel_values" not in batch:
+        return None
+    return {k: batch[k] for k in (vision.input_keys if vision is not None else ("pixel_values",))}
 
 
 def _head_for_loss(model, head: dict, rt):

@@ -14,10 +14,13 @@ window: the m x m patches that the merger joins into one token are consecutive (
            column, at inv_freq[i] = theta ** (-4i / H)
     merger LN over D, the m*m patches of a window concatenated (D m^2), fc1, exact GELU, fc2 -> out_hidden_size
     deep   Qwen3-VL: after each block of deepstack_visual_indexes, a merger of its own whose LN comes after
-           the concatenation (over D m^2); the features go into the first decoder layers (not wired here)
+           the concatenation (over D m^2); the features go into the first decoder layers (models/families/qwen3_vl/)
 
-forward(params, pixel_values, grid_thw, config) -> (embeddings [P/m^2, O], deepstack features, one per index).
-grid_thw is static (numpy or Python ints): the positions, interpolation taps and segments are made on the host.
+forward_layout(params, pixel_values, layout, config) -> (embeddings [P/m^2, O], deepstack features, one per index),
+where layout = patch_layout(grid_thw, config, pad_to) holds the per-patch arrays the grid decides (frame segments,
+rotary rows and columns, position-embedding taps and weights, each merged token's image), made in numpy on the host:
+the jitted forward sees arrays only, padded to a fixed number of patches, and does not recompile per batch.
+forward(params, pixel_values, grid_thw, config) is the same with grid_thw static and no padding.
 
 Qwen3.5's tower is Qwen3-VL's without deepstack (no deepstack_visual_indexes). Window attention (Qwen2.5-VL's
 fullatt_block_indexes) belongs to neither and is not implemented.
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -282,19 +286,69 @@ def _run_blocks(x, blocks, cos, sin, mask, config: VisionConfig):
     return jax.lax.scan(body, x, blocks)[0]
 
 
-def forward(params, pixel_values, grid_thw, config: VisionConfig, dtype=jnp.float32):
-    """(embeddings [P/m^2, out_hidden_size], deepstack features: a tuple of [P/m^2, out_hidden_size], one per
-    deepstack_visual_indexes) from pixel_values [P, C*t*p*p] of the images of grid_thw (static). Matmuls in
-    `dtype`, norms, RoPE and softmax in float32."""
-    if pixel_values.shape != (sum(t * h * w for t, h, w in grid(grid_thw, config)), config.patch_dim):
-        raise ValueError(f"pixel_values {pixel_values.shape} do not hold the patches of grid_thw "
-                         f"{grid(grid_thw, config)} ({config.patch_dim} values each)")
+class PatchLayout(NamedTuple):
+    """What the grid decides, as arrays of P patches (P padded past the images' patches: pad_to): made on the host
+    by `patch_layout`, so a jitted forward sees only their shapes and compiles once per padded size.
+
+    segments   [P] int32     1 + the frame's index over all images; 0 = a padding patch (attends only to padding)
+    positions  [P, 2] int32  each patch's (row, column) in its frame: the 2-D rotary's angles
+    taps       [P, 4] int32  the rows of pos_embed the patch's position embedding interpolates
+    weights    [P, 4] float32  their bilinear weights (0 for padding)
+    images     [P/m^2] int32 1 + the image each merged token belongs to; 0 = a padding token (comes last)
+    """
+
+    segments: Any
+    positions: Any
+    taps: Any
+    weights: Any
+    images: Any
+
+
+def patch_layout(grid_thw, config: VisionConfig, pad_to: int | None = None) -> PatchLayout:
+    """The layout of the images of grid_thw (static) in numpy, padded to pad_to patches (a multiple of m^2, at
+    least the images' P) so that batches of other images share one compiled forward; None: no padding."""
+    cells = grid(grid_thw, config)
+    total, window = sum(t * h * w for t, h, w in cells), config.spatial_merge_size**2
+    pad_to = total if pad_to is None else int(pad_to)
+    if pad_to < total or pad_to % window:
+        raise ValueError(f"pad_to={pad_to} must be a multiple of {window} (spatial_merge_size^2) and at least the "
+                         f"images' {total} patches")
+    extra = pad_to - total
+    if not cells:  # a batch without images keeps the padded shapes: every patch padding
+        return PatchLayout(np.zeros(pad_to, np.int32), np.zeros((pad_to, 2), np.int32), np.zeros((pad_to, 4), np.int32),
+                           np.zeros((pad_to, 4), np.float32), np.zeros(pad_to // window, np.int32))
+    taps, weights = position_taps(grid_thw, config)
+    images = np.repeat(np.arange(1, len(cells) + 1), [t * h * w // window for t, h, w in cells])
+
+    def pad(a, width=None):
+        return np.concatenate([a, np.zeros((extra,) + a.shape[1:], a.dtype)]) if width is None else \
+            np.concatenate([a, np.zeros((extra // window,), a.dtype)])
+    return PatchLayout(pad(segment_ids(grid_thw, config)), pad(patch_positions(grid_thw, config)), pad(taps),
+                       pad(weights), pad(images.astype(np.int32), window))
+
+
+def _rotary(positions, config: VisionConfig):
+    """(cos, sin) [P, H/2] float32 of positions [P, 2] (traced), the angles of `rotary`."""
+    half = config.head_dim // 2
+    inv_freq = (1.0 / config.rope_theta ** (np.arange(0, half, 2, dtype=np.float32) / np.float32(half)))
+    angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq.astype(np.float32))
+    angles = angles.reshape(angles.shape[0], -1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def forward_layout(params, pixel_values, layout: PatchLayout, config: VisionConfig, dtype=jnp.float32):
+    """(embeddings [P/m^2, out_hidden_size], deepstack features, one per deepstack_visual_indexes) from
+    pixel_values [P, C*t*p*p] laid out as `layout` says (arrays only: jit-friendly). The rows of padding patches
+    (layout.images == 0) come last and hold values nothing should use. Matmuls in `dtype`, norms, RoPE and
+    softmax in float32."""
+    if pixel_values.shape != (layout.segments.shape[0], config.patch_dim):
+        raise ValueError(f"pixel_values {tuple(pixel_values.shape)} do not match the layout's "
+                         f"{layout.segments.shape[0]} patches of {config.patch_dim} values each")
     x = _linear(pixel_values.astype(dtype), params["patch_embed"], params["patch_bias"])
-    rows, weights = position_taps(grid_thw, config)
     table = params["pos_embed"].astype(jnp.float32)
-    x = x + jnp.sum(table[rows] * weights[:, :, None], axis=1).astype(dtype)
-    cos, sin = (jnp.asarray(a)[None] for a in rotary(grid_thw, config))
-    segments = jnp.asarray(segment_ids(grid_thw, config))[None]
+    x = x + jnp.sum(table[layout.taps] * layout.weights[:, :, None], axis=1).astype(dtype)
+    cos, sin = (a[None] for a in _rotary(layout.positions, config))
+    segments = jnp.asarray(layout.segments)[None]
     mask = attention.make_attention_mask(segments, segments, causal=False)
     features, start = [], 0
     for i, index in enumerate(config.deepstack_visual_indexes):  # the blocks up to each index, then its merger
@@ -305,6 +359,16 @@ def forward(params, pixel_values, grid_thw, config: VisionConfig, dtype=jnp.floa
     if start < config.depth:
         x = _run_blocks(x, jax.tree.map(lambda a: a[start:], params["blocks"]), cos, sin, mask, config)
     return merge(x, params["merger"], config, postshuffle=False), tuple(features)
+
+
+def forward(params, pixel_values, grid_thw, config: VisionConfig, dtype=jnp.float32):
+    """forward_layout for the images of grid_thw (static), unpadded: (embeddings [P/m^2, out_hidden_size],
+    deepstack features: a tuple of [P/m^2, out_hidden_size], one per deepstack_visual_indexes)."""
+    if pixel_values.shape != (sum(t * h * w for t, h, w in grid(grid_thw, config)), config.patch_dim):
+        raise ValueError(f"pixel_values {pixel_values.shape} do not hold the patches of grid_thw "
+                         f"{grid(grid_thw, config)} ({config.patch_dim} values each)")
+    layout = PatchLayout(*(jnp.asarray(a) for a in patch_layout(grid_thw, config)))
+    return forward_layout(params, pixel_values, layout, config, dtype)
 
 
 # --------------------------------------------------------------------------------------------
