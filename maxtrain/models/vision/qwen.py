@@ -42,7 +42,8 @@ import numpy as np
 
 from maxtrain.models import attention, rope
 from maxtrain.models.hf import FLAT, SAME, ConversionError, Layout, Linear
-from maxtrain.models.params import ParamSpec, dense, is_spec, stacked
+from maxtrain.models.params import ParamSpec, dense, stacked
+from maxtrain.models.vision import hf_tensors
 
 LAYER_NORM_EPS = 1e-6  # every LayerNorm of the tower (fixed in transformers' modules)
 
@@ -413,55 +414,18 @@ def hf_names(config: VisionConfig) -> dict:
     return names
 
 
-def _entries(config: VisionConfig):
-    """(path, spec, name pattern, layout, indices along the stacked axis or None) of every parameter."""
-    names = hf_names(config)
-    for path, spec in jax.tree_util.tree_flatten_with_path(param_specs(config), is_leaf=is_spec)[0]:
-        key = "/".join(str(k.key) for k in path)
-        name, layout = names[key]
-        yield key, spec, name, layout, (range(spec.shape[0]) if "{i}" in name else None)
+def _names(config: VisionConfig, prefix: str) -> dict:
+    """hf_names with each name under the tower's prefix."""
+    return {key: (prefix + name, layout) for key, (name, layout) in hf_names(config).items()}
 
 
 def to_maxtrain(tensors: dict, config: VisionConfig, prefix: str = "model.visual.", dtype=np.float32) -> dict:
     """The tower's params (nested dict of numpy arrays) from the tensors named under `prefix` (PREFIXES);
     tensors outside the prefix are left alone, one inside it that the tower has no place for is refused."""
-    params, used = {}, set()
-    for key, spec, name, layout, indices in _entries(config):
-        shape = spec.shape[1:] if indices is not None else spec.shape
-
-        def read(full, shape=shape, layout=layout, key=key):
-            if full not in tensors:
-                raise ConversionError(f"the checkpoint has no tensor {full} (for the vision tower's {key})")
-            w = np.asarray(tensors[full])
-            if tuple(w.shape) != tuple(layout.hf_shape(shape)):
-                raise ConversionError(f"{full} has shape {list(w.shape)}, but the vision config implies "
-                                      f"{list(layout.hf_shape(shape))}")
-            used.add(full)
-            return layout.to_maxtrain(w, shape).astype(dtype)
-        value = np.stack([read(prefix + name.format(i=i)) for i in indices]) if indices is not None \
-            else read(prefix + name)
-        node = params
-        for part in key.split("/")[:-1]:
-            node = node.setdefault(part, {})
-        node[key.split("/")[-1]] = value
-    unused = sorted(n for n in tensors if n.startswith(prefix) and n not in used)
-    if unused:
-        raise ConversionError(f"vision tensors the tower has no place for (does vision_config describe these "
-                              f"weights?): {unused[:8]}" + (f" and {len(unused) - 8} more" if len(unused) > 8 else ""))
-    return params
+    return hf_tensors.read(tensors, param_specs(config), _names(config, prefix), (prefix,), "the vision tower",
+                           "depth, deepstack_visual_indexes", dtype)
 
 
 def to_hf(params: dict, config: VisionConfig, prefix: str = "model.visual.", dtype=np.float32) -> dict:
     """transformers' tensors (numpy, under `prefix`) from the tower's params."""
-    out = {}
-    for key, spec, name, layout, indices in _entries(config):
-        value = params
-        for part in key.split("/"):
-            value = value[part]
-        value = np.asarray(value).astype(np.float32)
-        if tuple(value.shape) != tuple(spec.shape):
-            raise ConversionError(f"the vision tower's {key} has shape {list(value.shape)}, its config declares "
-                                  f"{list(spec.shape)}")
-        for i, w in (zip(indices, value) if indices is not None else [(None, value)]):
-            layout.export(w, out, prefix + name.format(i=i), dtype)
-    return out
+    return hf_tensors.write(params, param_specs(config), _names(config, prefix), "the vision tower", dtype)
