@@ -35,7 +35,12 @@ once would be T / 128 times that). Slots that are not kept have P = dS = 0, so t
 Padding (inside `selected_attention`): heads up to a multiple of block_heads, C and R up to powers of two (Triton's
 loads are power-of-two blocks) with zeros, which change no logit; K up to a multiple of block_k with slots marked
 not kept (idx = -1 inside the kernels, read as row 0 and masked).
-Shared memory (H100: 232,448 B per block, bfloat16): see `shared_memory_bytes` and tests/kernels/test_kernel_lowering.py.
+Shared memory (an H100's 232,448 B per block; bfloat16, C 512, R 64, 2 stages, measured by compiling for sm_90a,
+tests/kernels/test_kernel_lowering.py): heads x keys tiles 16 x 64 (the default), 32 x 64, 16 x 128 and 64 x 32 fit;
+64 x 64 asks 286,976 B, 32 x 128 233,728 B, 128 x 32 352,384 B. Triton's dots need every tile side >= 16.
+
+Not yet: a TPU (Mosaic) variant: Mosaic has no vector-indexed row gather from a ref, so it would scalar-prefetch
+idx and DMA each chosen latent row (1 KB) into VMEM one copy per key, double-buffered per key block.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from maxtrain.kernels import selected_attention as kernel
+from maxtrain.kernels import selected_attention
 from maxtrain.models import attention as attention_lib
 from maxtrain.models.families.deepseek import indexer, selected
 
@@ -48,8 +48,8 @@ def _kernel(x, dtype=jnp.float32, **tiles):
     idx, kept = _choice(x)
     q_c = jnp.einsum("BTNH,CNH->BTNC", x["q_nope"], x["w_k"])
     cast = lambda a: a.astype(dtype)  # noqa: E731
-    return kernel.selected_attention(cast(q_c), cast(x["q_rope"]), cast(x["c"]), cast(x["k_rope"]), idx, kept,
-                                     scale=SCALE, interpret=True, **tiles)
+    return selected_attention.selected_attention(cast(q_c), cast(x["q_rope"]), cast(x["c"]), cast(x["k_rope"]), idx,
+                                                 kept, scale=SCALE, interpret=True, **tiles)
 
 
 def test_the_choice_drops_keys_and_reaches_the_causal_edge():
@@ -82,8 +82,8 @@ def test_max_logits_equal_the_reference():
     x = _inputs()
     idx, kept = _choice(x)
     q_c = jnp.einsum("BTNH,CNH->BTNC", x["q_nope"], x["w_k"])
-    _, got = kernel.selected_attention(q_c, x["q_rope"], x["c"], x["k_rope"], idx, kept, scale=SCALE, interpret=True,
-                                       with_max_logits=True, block_heads=2, block_k=4)
+    _, got = selected_attention.selected_attention(q_c, x["q_rope"], x["c"], x["k_rope"], idx, kept, scale=SCALE,
+                                                   interpret=True, with_max_logits=True, block_heads=2, block_k=4)
     _, want = selected.attention(x["q_nope"], x["q_rope"], x["c"], x["k_rope"], x["w_k"], x["index_q"],
                                  x["index_w"], x["index_k"], SEGMENTS, topk=TOPK, scale=SCALE, with_max_logits=True)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
