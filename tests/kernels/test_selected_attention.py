@@ -110,3 +110,19 @@ def test_bfloat16_is_close_to_the_float32_reference():
                                     .astype(jnp.float32)))(x["c"])
     want = jax.grad(lambda c: jnp.sum(_reference({**x, "c": c})))(x["c"])
     np.testing.assert_allclose(dc, want, rtol=3e-2, atol=3e-2 * float(jnp.max(jnp.abs(want))))
+
+
+def test_a_query_with_no_kept_key_gives_zero_and_no_gradient():
+    """Slots not kept are ignored even where every slot of a query is (output 0, as selected.py's masked softmax)."""
+    x = _inputs()
+    idx, kept = _choice(x)
+    kept = kept.at[1, 3].set(False)
+    q_c = jnp.einsum("BTNH,CNH->BTNC", x["q_nope"], x["w_k"])
+
+    def run(q_c, c):
+        return selected_attention.selected_attention(q_c, x["q_rope"], c, x["k_rope"], idx, kept, scale=SCALE,
+                                                     interpret=True, block_heads=2, block_k=4)
+    out = run(q_c, x["c"])
+    assert float(jnp.max(jnp.abs(out[1, 3]))) == 0.0 and float(jnp.max(jnp.abs(out[1, 4]))) > 0.0
+    dq_c, dc = jax.grad(lambda q, c: jnp.sum(run(q, c)[1, 3]), argnums=(0, 1))(q_c, x["c"])
+    assert float(jnp.max(jnp.abs(dq_c))) == 0.0 and float(jnp.max(jnp.abs(dc))) == 0.0
