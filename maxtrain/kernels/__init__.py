@@ -1,6 +1,7 @@
 """Pallas kernels: flash attention (GPU, Triton; runs on CPU in interpret mode), splash attention (TPU,
-Mosaic), the grouped GEMM of dropless MoE (GPU, Triton; interpret mode on CPU) and the chunked gated delta
-rule (GPU Triton and TPU Mosaic; interpret mode on CPU).
+Mosaic), DeepSeek-V3.2's selected-key attention (GPU, Triton; interpret mode on CPU), the grouped GEMM of dropless
+MoE (GPU, Triton; interpret mode on CPU) and the chunked gated delta rule (GPU Triton and TPU Mosaic; interpret mode
+on CPU).
 
     flash_attention.py   forward and backward kernels with GQA, segment ids, causal and sliding-window
                          masks, logit soft-capping; checked against models/attention/'s jnp reference
@@ -13,6 +14,9 @@ rule (GPU Triton and TPU Mosaic; interpret mode on CPU).
     gated_delta.py       the chunked gated delta rule (Qwen3-Next, Qwen3.5), one fused kernel per (batch, head)
                          sweeping the chunks, the state on chip; backward through the jnp chunked form;
                          checked against models/recurrent/gated_delta.py
+    selected_attention.py DeepSeek-V3.2's attention over each query's chosen latent keys (MLA absorbed), forward
+                         and backward (GPU Triton; interpret mode on CPU); checked against
+                         models/families/deepseek/selected.py (not yet called by the model)
 
 Called only from the model: maxtrain/models/attention/ (inside shard_map), models/moe/expert_matmuls.py and
 models/recurrent/gated_deltanet.py (inside shard_map).

@@ -617,3 +617,38 @@ def test_gpt_oss_dropless_biases_compile_for_tpu_without_a_scatter():
                         devices=targets.parse("v5e-4").devices())
     hlo = run.compile().as_text()
     assert run.rt.grouped_matmul == "xla" and not BIAS_SCATTER.search(hlo)
+
+
+# ----------------------------------------------------------------------------------------------
+# DeepSeek-V3.2's selected-key attention (kernels/selected_attention.py) at its head shapes: 128 heads over the
+# 512-wide latent keys and 64 RoPE dims, 2048 chosen keys per query; forward, dq and the gradient-rows kernel.
+# Tiles (heads x keys, bfloat16) measured against an H100's 232,448 B: 16 x 64 (the default), 32 x 64, 16 x 128 and
+# 64 x 32 fit; 64 x 64 asks 286,976 B, 32 x 128 233,728 B and 128 x 32 352,384 B.
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("block_heads, block_k", [(16, 64), (64, 32)])
+def test_selected_attention_compiles_for_h100(h100s, block_heads, block_k):
+    from maxtrain.kernels import selected_attention  # pylint: disable=import-outside-toplevel
+
+    batch, length, keys, heads, latent, rope, topk = 1, 256, 2048, 128, 512, 64, 2048
+    mesh = sharding.mesh_of(h100s[:1], data=1)
+    spec = NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def arg(shape, dt=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=spec)
+
+    def grads(q_c, q_r, c, k_r, idx, kept, w):
+        def loss(q_c, q_r, c, k_r):
+            o_c = selected_attention.selected_attention(q_c, q_r, c, k_r, idx, kept, scale=0.07, interpret=False,
+                                                        block_heads=block_heads, block_k=block_k)
+            return jnp.sum((o_c * w).astype(jnp.float32))
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q_c, q_r, c, k_r)
+
+    args = (arg((batch, length, heads, latent)), arg((batch, length, heads, rope)), arg((batch, keys, latent)),
+            arg((batch, keys, rope)), arg((batch, length, topk), jnp.int32), arg((batch, length, topk), jnp.bool_),
+            arg((batch, length, heads, latent)))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        hlo = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).compile().as_text()
+    for kernel in ("selected_attention_fwd", "selected_attention_dq", "selected_attention_rows"):
+        assert kernel in hlo
