@@ -1,4 +1,4 @@
-"""DeepSeek-V4's parts (maxtrain/models/families/deepseek_v4/) against transformers 5.24's modules, each built from
+"""DeepSeek-V4's parts (maxtrain/models/deepseek_v4/) against transformers 5.24's modules, each built from
 one tiny DeepseekV4Config in float32 with every weight random (transformers' init leaves the sinks, the position
 biases, the hyper-connection biases and the hash table at constants, which would hide mistakes). At T = 24 the
 sliding window (6) drops keys, CSA (rate 4: 6 entries) keeps index_topk = 2 of them, HCA (rate 8) hides the
@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from transformers import DeepseekV4Config  # noqa: E402
 
-from maxtrain.models.families.deepseek_v4 import compressed, hyper, model, routing  # noqa: E402
-from maxtrain.models.families.deepseek_v4.dims import check, dims_from_hf  # noqa: E402
+from maxtrain.models.deepseek_v4 import compressed, hyper, model, routing  # noqa: E402
+from maxtrain.models.deepseek_v4.dims import check, dims_from_hf  # noqa: E402
 
 T = 24
 LAYERS = ["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"]
@@ -242,3 +242,33 @@ def test_bad_inputs(cfg):
     with pytest.raises(ValueError, match="hash covers only 3"):
         check(d, T, hash_table_experts=3)
     check(d, T, hash_table_experts=4)
+
+
+def test_hyper_connections_under_scan_and_remat(cfg):
+    """Three layers of hyper-connections (Sinkhorn inside) stacked and run by lax.scan under jax.checkpoint give the
+    unrolled loop's streams and gradients."""
+    import jax
+
+    d = dims_from_hf(cfg)
+    hcs = [randomize(v4.DeepseekV4HyperConnection(cfg), seed=40 + i) for i in range(3)]
+    stacked = {k: jnp.stack([params(h)[k] for h in hcs]) for k in ("fn", "base", "scale")}
+    streams = jnp.asarray(np.random.default_rng(0).normal(size=(2, 8, cfg.hc_mult, cfg.hidden_size)), jnp.float32)
+    kw = dict(iters=d.hc_iters, hc_eps=d.hc_eps, rms_eps=d.rms_eps)
+
+    def block(p, s):
+        post, comb, h = hyper.hc_weights(p["fn"], p["base"], p["scale"], s, **kw)
+        return hyper.hc_merge(post, comb, jnp.tanh(h), s)
+
+    def scanned(ps, s):
+        return jax.lax.scan(lambda c, p: (jax.checkpoint(block)(p, c), None), s, ps)[0]
+
+    def unrolled(ps, s):
+        for i in range(3):
+            s = block({k: v[i] for k, v in ps.items()}, s)
+        return s
+
+    np.testing.assert_allclose(jax.jit(scanned)(stacked, streams), unrolled(stacked, streams), rtol=1e-5, atol=1e-5)
+    g1 = jax.grad(lambda ps: jnp.sum(scanned(ps, streams) ** 2))(stacked)
+    g2 = jax.grad(lambda ps: jnp.sum(unrolled(ps, streams) ** 2))(stacked)
+    for k in g1:
+        np.testing.assert_allclose(g1[k], g2[k], rtol=1e-3, atol=1e-4)   # Sinkhorn's backward: other sums' order
