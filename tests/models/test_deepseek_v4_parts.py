@@ -272,3 +272,24 @@ def test_hyper_connections_under_scan_and_remat(cfg):
     g2 = jax.grad(lambda ps: jnp.sum(unrolled(ps, streams) ** 2))(stacked)
     for k in g1:
         np.testing.assert_allclose(g1[k], g2[k], rtol=1e-3, atol=1e-4)   # Sinkhorn's backward: other sums' order
+
+
+def test_whole_model_from_save_pretrained(cfg, tmp_path):
+    """save_pretrained writes DeepSeek's own tensor names; checkpoint.from_saved reads them back to the module names
+    and the forward matches transformers' logits; transformers reloads the same files to the same logits."""
+    from safetensors.numpy import load_file
+
+    from maxtrain.models.deepseek_v4 import checkpoint
+
+    m = randomize(v4.DeepseekV4ForCausalLM(cfg).eval(), seed=50)
+    m.save_pretrained(tmp_path)
+    ids = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(51))
+    with torch.no_grad():
+        theirs = m(input_ids=ids).logits
+        again = v4.DeepseekV4ForCausalLM.from_pretrained(tmp_path).eval()(input_ids=ids).logits
+    assert rel(again.numpy(), theirs) < 1e-6
+    saved = checkpoint.from_saved(load_file(str(tmp_path / "model.safetensors")))
+    assert sorted(saved) == sorted(m.state_dict())
+    d = dims_from_hf(type(cfg).from_pretrained(tmp_path))
+    ours = model.forward({k: jnp.asarray(v) for k, v in saved.items()}, jnp.asarray(ids.numpy()), d)
+    assert rel(ours, theirs) < 1e-5
