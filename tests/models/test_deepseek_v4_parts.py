@@ -293,3 +293,30 @@ def test_whole_model_from_save_pretrained(cfg, tmp_path):
     d = dims_from_hf(type(cfg).from_pretrained(tmp_path))
     ours = model.forward({k: jnp.asarray(v) for k, v in saved.items()}, jnp.asarray(ids.numpy()), d)
     assert rel(ours, theirs) < 1e-5
+
+
+def test_export_round_trip_loads_in_transformers(cfg, tmp_path):
+    """checkpoint.to_saved writes back the very names and tensors save_pretrained wrote, and transformers loads the
+    exported file to the same logits."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from maxtrain.models.deepseek_v4 import checkpoint
+
+    m = randomize(v4.DeepseekV4ForCausalLM(cfg).eval(), seed=60)
+    m.save_pretrained(tmp_path / "hf")
+    files = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    exported = checkpoint.to_saved(checkpoint.from_saved(files))
+    assert sorted(exported) == sorted(files)
+    for k in files:
+        np.testing.assert_array_equal(exported[k], files[k])
+    (tmp_path / "out").mkdir()
+    shutil.copy(tmp_path / "hf" / "config.json", tmp_path / "out" / "config.json")
+    save_file({k: np.ascontiguousarray(v) for k, v in exported.items()}, str(tmp_path / "out" / "model.safetensors"),
+              metadata={"format": "pt"})
+    ids = torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(61))
+    with torch.no_grad():
+        theirs = m(input_ids=ids).logits
+        loaded = v4.DeepseekV4ForCausalLM.from_pretrained(tmp_path / "out").eval()(input_ids=ids).logits
+    assert rel(loaded.numpy(), theirs) == 0.0
