@@ -118,7 +118,8 @@ def test_routers_and_moe(cfg):
     mw, midx = routing.topk_route(p["weight"], p["e_score_correction_bias"], jnp.asarray(x.numpy()), top_k=d.top_k,
                                   scaling=d.routed_scaling)
     o_t, o_m = np.argsort(idx.numpy(), -1), np.argsort(np.asarray(midx), -1)   # torch's top-k is unsorted
-    np.testing.assert_array_equal(np.take_along_axis(idx.numpy(), o_t, -1), np.take_along_axis(np.asarray(midx), o_m, -1))
+    np.testing.assert_array_equal(np.take_along_axis(idx.numpy(), o_t, -1),
+                                  np.take_along_axis(np.asarray(midx), o_m, -1))
     assert rel(np.take_along_axis(np.asarray(mw), o_m, -1), np.take_along_axis(w.numpy(), o_t, -1)) < 1e-5
     h = randomize(v4.DeepseekV4HashRouter(cfg))
     with torch.no_grad():
@@ -320,3 +321,22 @@ def test_export_round_trip_loads_in_transformers(cfg, tmp_path):
         theirs = m(input_ids=ids).logits
         loaded = v4.DeepseekV4ForCausalLM.from_pretrained(tmp_path / "out").eval()(input_ids=ids).logits
     assert rel(loaded.numpy(), theirs) == 0.0
+
+
+def test_flops_count_kept_keys_not_t(cfg):
+    """The attention term counts the keys each query reads: a window as long as T is dense causal attention, a
+    shorter window, HCA's closed entries and CSA's top-k picks each change it by exactly their own count."""
+    from maxtrain.models.deepseek_v4.flops import flops_per_token
+
+    d = dims_from_hf(cfg)._replace(layer_types=("sliding_attention",))
+    per_key = 6 * 2 * d.num_heads * d.head_dim
+    wide, narrow = flops_per_token(d._replace(sliding_window=T), T), flops_per_token(d, T)
+    # window 6 at T = 24: queries 0..5 read t + 1 keys, the other 18 read 6
+    assert wide - narrow == pytest.approx(per_key * (sum(range(1, T + 1)) - (21 + 18 * 6)) / T)
+    hca = flops_per_token(d._replace(layer_types=("heavily_compressed_attention",)), T)
+    closed = sum((t + 1) // 8 for t in range(T))
+    assert hca - narrow == pytest.approx(6 * 2 * d.hidden_size * d.head_dim + per_key * closed / T)
+    csa_all = flops_per_token(d._replace(layer_types=("compressed_sparse_attention",), index_topk=99), T)
+    csa = flops_per_token(d._replace(layer_types=("compressed_sparse_attention",)), T)
+    dropped = sum((t + 1) // 4 - min(2, (t + 1) // 4) for t in range(T))
+    assert csa_all - csa == pytest.approx(per_key * dropped / T) and dropped > 0
