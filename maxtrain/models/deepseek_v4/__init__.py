@@ -8,6 +8,6 @@ top-k and hash routing, clamped SwiGLU experts), model.py (decoder layer and who
 token counting the keys really read), checkpoint.py (save_pretrained's tensor names <-> the module names, experts
 stacked and split).
 
-Not yet a family: there is no registry row, param_specs, HF_NAMES or contract import/export, so it lives here rather than
-in models/families/ (where every folder is a registered family). When the family lands, its folder takes these
-modules and its MODEL wraps them."""
+Not yet a family: there is no registry row, param_specs, HF_NAMES or contract import/export, so it lives here
+rather than in models/families/ (where every folder is a registered family). When the family lands, its folder
+takes these modules and its MODEL wraps them."""
