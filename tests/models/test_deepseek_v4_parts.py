@@ -340,3 +340,27 @@ def test_flops_count_kept_keys_not_t(cfg):
     csa = flops_per_token(d._replace(layer_types=("compressed_sparse_attention",)), T)
     dropped = sum((t + 1) // 4 - min(2, (t + 1) // 4) for t in range(T))
     assert csa_all - csa == pytest.approx(per_key * dropped / T) and dropped > 0
+
+
+def test_greedy_decode_with_cache_equals_full_forward(cfg):
+    """Decoding one token a step with the cache (decode.greedy) picks, at every step, the argmax of the full
+    forward over the tokens so far; its logits match the full forward's at every position."""
+    import jax
+
+    from maxtrain.models.deepseek_v4 import decode
+
+    m = randomize(v4.DeepseekV4ForCausalLM(cfg).eval(), seed=70)
+    p = params(m)
+    d = dims_from_hf(cfg)
+    prompt = jnp.asarray(np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    out = decode.greedy(p, prompt, T - 5, d, max_length=T)
+    assert out.shape == (2, T)
+    full = model.forward(p, out, d)                                     # [B, T, V]
+    np.testing.assert_array_equal(np.asarray(out[:, 5:]), np.asarray(jnp.argmax(full[:, 4:-1], -1)))
+    cache = decode.init_cache(d, 2, T)
+    run = jax.jit(decode.step, static_argnums=(4,))
+    worst = 0.0
+    for t in range(T):
+        logits, cache = run(p, cache, out[:, t], t, d)
+        worst = max(worst, rel(logits, np.asarray(full[:, t])))
+    assert worst < 1e-5

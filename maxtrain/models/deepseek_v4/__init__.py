@@ -3,7 +3,8 @@ reference forms checked against transformers 5.24 (tests/models/test_deepseek_v4
 
 hyper.py (hyper-connections, Sinkhorn, the hyper head), compressed.py (HCA/CSA compressors with their RoPE, the
 indexer, sliding window + compressed attention with sinks, grouped output projection), routing.py (sqrtsoftplus
-top-k and hash routing, clamped SwiGLU experts), model.py (decoder layer and whole forward, no cache), dims.py
+top-k and hash routing, clamped SwiGLU experts), model.py (decoder layer and whole forward, no cache), decode.py
+(one token a step with a cache; greedy decoding), dims.py
 (sizes from the HF config, and the checks that refuse bad inputs before compiling), flops.py (training FLOPs per
 token counting the keys really read), checkpoint.py (save_pretrained's tensor names <-> the module names, experts
 stacked and split).

@@ -52,11 +52,15 @@ def rope(x, pos, freq, sign=1.0):
 
 
 def _windows(p, x, rate):
-    b, t, _ = x.shape
+    return windows_of(p, x @ p['kv_proj.weight'].T, x @ p['gate_proj.weight'].T, rate)
+
+
+def windows_of(p, kv, gate, rate):
+    """Projections [B, T, C] -> [B, T // rate, rate, C] windows, the gate with its slot bias."""
+    b, t, _ = kv.shape
     w = t // rate
-    kv = (x @ p['kv_proj.weight'].T)[:, :w * rate].reshape(b, w, rate, -1)
-    gate = (x @ p['gate_proj.weight'].T)[:, :w * rate].reshape(b, w, rate, -1) + p['position_bias']
-    return kv, gate
+    return (kv[:, :w * rate].reshape(b, w, rate, -1),
+            gate[:, :w * rate].reshape(b, w, rate, -1) + p['position_bias'])
 
 
 def _finish(p, pooled, rate, freq, eps):
@@ -67,13 +71,19 @@ def _finish(p, pooled, rate, freq, eps):
 
 def hca_compress(p, x, *, rate, freq, eps):
     """x [B, T, D] -> [B, T // rate, Dh]."""
-    kv, gate = _windows(p, x, rate)
+    return hca_pool(p, *_windows(p, x, rate), rate=rate, freq=freq, eps=eps)
+
+
+def hca_pool(p, kv, gate, *, rate, freq, eps):
     return _finish(p, jnp.sum(kv * jax.nn.softmax(gate.astype(jnp.float32), axis=2), axis=2), rate, freq, eps)
 
 
 def csa_compress(p, x, *, rate, freq, eps):
     """x [B, T, D] -> [B, T // rate, E] (E = kv_proj rows / 2), overlapping windows of 2 rate slots."""
-    kv, gate = _windows(p, x, rate)
+    return csa_pool(p, *_windows(p, x, rate), rate=rate, freq=freq, eps=eps)
+
+
+def csa_pool(p, kv, gate, *, rate, freq, eps):
     e = kv.shape[-1] // 2
     prev_kv = jnp.pad(kv[:, :-1, :, :e], ((0, 0), (1, 0), (0, 0), (0, 0)))
     prev_gate = jnp.pad(gate[:, :-1, :, :e], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=-jnp.inf)
@@ -89,8 +99,13 @@ def causal_entries(pos, n_entries, rate):
 
 def indexer_select(p, x, q_residual, pos, *, rate, topk, n_heads, freq, eps):
     """p: the indexer's weights by transformers' names. -> [B, T, W] bool, the entries each query reads."""
-    b, t, _ = x.shape
     keys = csa_compress(p, x, rate=rate, freq=freq, eps=eps)            # [B, W, E]
+    return indexer_pick(p, keys, x, q_residual, pos, rate=rate, topk=topk, n_heads=n_heads, freq=freq)
+
+
+def indexer_pick(p, keys, x, q_residual, pos, *, rate, topk, n_heads, freq):
+    """keys [B, W, E] the indexer's compressed keys; x [B, T, D]; pos [B, T] -> [B, T, W] bool."""
+    b, t, _ = x.shape
     w_n = keys.shape[1]
     q = (q_residual @ p['q_b_proj.weight'].T).reshape(b, t, n_heads, -1)
     q = rope(q, pos, freq)
