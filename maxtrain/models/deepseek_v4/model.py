@@ -1,0 +1,45 @@
+"""DeepSeek-V4's decoder layer and whole forward (no cache) over transformers-named weights: the reference form the
+parts' tests and the model-level parity test check. Layer l reads params with keys 'model.layers.{l}.…'.
+
+    X = embed(ids) copied into hc_mult streams          [B, T, N, D]
+    per layer: (post, comb, h) = attn_hc(X); X = merge(post, comb, attention(input_layernorm(h)), X)
+               (post, comb, h) = ffn_hc(X);  X = merge(post, comb, moe(post_attention_layernorm(h), ids), X)
+    logits = lm_head(norm(hyper_head(X)))"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .compressed import attention, rms
+from .hyper import hc_merge, hc_weights, hyper_head
+from .routing import moe
+
+
+def sub(p, prefix):
+    return {k[len(prefix):]: v for k, v in p.items() if k.startswith(prefix)}
+
+
+def decoder_layer(p, streams, ids, pos, kind, mlp_kind, d):
+    hc = dict(iters=d.hc_iters, hc_eps=d.hc_eps, rms_eps=d.rms_eps)
+    post, comb, h = hc_weights(p['attn_hc.fn'], p['attn_hc.base'], p['attn_hc.scale'], streams, **hc)
+    a = attention(sub(p, 'self_attn.'), rms(h, p['input_layernorm.weight'], d.rms_eps).astype(h.dtype), pos,
+                  kind, d)
+    streams = hc_merge(post, comb, a, streams)
+    post, comb, h = hc_weights(p['ffn_hc.fn'], p['ffn_hc.base'], p['ffn_hc.scale'], streams, **hc)
+    m = moe(sub(p, 'mlp.'), rms(h, p['post_attention_layernorm.weight'], d.rms_eps).astype(h.dtype), ids,
+            is_hash=mlp_kind == 'hash_moe', top_k=d.top_k, scaling=d.routed_scaling, limit=d.swiglu_limit)
+    return hc_merge(post, comb, m, streams)
+
+
+def forward(p, ids, d):
+    """p: {transformers' name: array}; ids [B, T] -> logits [B, T, V] (float32)."""
+    b, t = ids.shape
+    x = p['model.embed_tokens.weight'][ids]
+    streams = jnp.broadcast_to(x[:, :, None, :], (b, t, d.hc_mult, x.shape[-1]))
+    pos = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+    for l, (kind, mlp_kind) in enumerate(zip(d.layer_types, d.mlp_layer_types)):
+        streams = decoder_layer(sub(p, f'model.layers.{l}.'), streams, ids, pos, kind, mlp_kind, d)
+    h = hyper_head(p['model.hc_head.hc_fn'], p['model.hc_head.hc_base'], p['model.hc_head.hc_scale'], streams,
+                   hc_eps=d.hc_eps, rms_eps=d.rms_eps)
+    h = rms(h, p['model.norm.weight'], d.rms_eps)
+    return (h @ p['lm_head.weight'].T).astype(jnp.float32)
