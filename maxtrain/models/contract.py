@@ -90,6 +90,8 @@ class Vision:
     to_hf: Callable[..., dict]       # (params["vision"], model keys, dtype) -> tensors under `prefix`
     inputs: Callable[..., tuple]     # (config, input_ids [B, T], pixel_values, image_grid_thw, pad_to=None) -> (positions,
                                      # images) for Model.forward, made on the host as the processor's model does
+    projector: tuple[str, ...] = ()  # the keys of params["vision"] that map the tower's features into the text model's
+                                     # width (vision_freeze's "projector"; the rest is the tower: training/freeze.py)
 
 
 @dataclasses.dataclass(frozen=True)
