@@ -84,12 +84,14 @@ class Vision:
     embed: Callable[..., Any]        # (params, x [B, T, D], tokens, images {input_keys: arrays}, model, rt) ->
                                      # (x with the placeholders' rows replaced, per-layer inputs [L, B, T, D] or None)
     input_keys: tuple[str, ...]      # the batch keys of `images` (pixel_values and the tower's layout arrays)
-    prefix: str                      # the tower's tensor-name prefix in the checkpoint (model.visual.)
+    prefix: str | tuple[str, ...]    # the tower's tensor-name prefix(es) in the checkpoint (model.visual.)
     text_prefixes: dict              # the text decoder's prefixes in the checkpoint -> in the text model's names
     to_maxtrain: Callable[..., dict]  # (the tensors under `prefix`, model keys, dtype) -> params["vision"]
     to_hf: Callable[..., dict]       # (params["vision"], model keys, dtype) -> tensors under `prefix`
-    inputs: Callable[..., tuple]     # (config, input_ids [B, T], pixel_values, image_grid_thw, pad_to=None) -> (positions,
-                                     # images) for Model.forward, made on the host as the processor's model does
+    inputs: Callable[..., tuple]     # (config, input_ids [B, T], pixel_values, ..., pad_to=None) -> (positions, images)
+                                     # for Model.forward, made on the host as the processor's model does; its
+                                     # arguments after input_ids are transformers' forward-argument names
+                                     # (qwen3_vl: pixel_values, image_grid_thw; llama4: pixel_values)
 
 
 @dataclasses.dataclass(frozen=True)
