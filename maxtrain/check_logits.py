@@ -5,11 +5,10 @@
 
 CKPT is a maxtrain checkpoint (a step directory, a run or checkpoints directory, or the output
 directory of `scripts/convert_hf.py import`); its model settings are read from its metadata. The
-golden file holds `input_ids` [B, T] (integers) and `logits` [B, T, V] (float32), and for a model with a vision
-tower its image inputs under transformers' forward-argument names, as the processor makes them: qwen3_vl
-`pixel_values` [patches, C*t*p*p] and `image_grid_thw` [images, 3] (positions then M-RoPE's, from the
-placeholders); llama4 `pixel_values` [tiles, C, S, S]. With --hf, the golden logits are computed with
-transformers (AutoModelForCausalLM in float32) on random ids, and written to --golden when that is given.
+golden file holds `input_ids` [B, T] (integers), `logits` [B, T, V] (float32) and, for a model with a vision tower,
+the processor's image inputs under transformers' forward-argument names (qwen3_vl: `pixel_values` [patches,
+C*t*p*p], `image_grid_thw` [images, 3]; llama4: `pixel_values` [tiles, C, S, S]). With --hf, the golden logits
+are computed with transformers (AutoModelForCausalLM in float32) on random ids, written to --golden if given.
 
 maxtrain's forward runs in float32 with full-precision matmuls, positions 0..T-1 and one segment per
 row. The last line printed is the max relative error, max |ours - golden| / max |golden|; the exit
@@ -19,7 +18,6 @@ status is 1 when it is above --rtol, 2 when the inputs cannot be read.
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import sys
 import zipfile
@@ -85,8 +83,7 @@ def golden_from_transformers(hf_dir: str, ids: np.ndarray) -> np.ndarray:
 
 
 def maxtrain_logits(checkpoint: str, ids: np.ndarray, log=print, images: dict | None = None) -> np.ndarray:
-    """Our float32 logits; images {forward-argument name: array} (pixel_values, ...): through the family's vision
-    tower."""
+    """Our float32 logits; images {forward-argument name: array}: through the family's vision tower."""
     base = os.path.join(config_lib.packaged_configs_dir(), "base.yml")
     config = builder.load_config([base, f"load_parameters_path={checkpoint}", "dtype=float32", "weight_dtype=float32",
                                   "attention=dot_product", "ici_fsdp_parallelism=1"], log=log)
@@ -99,13 +96,8 @@ def maxtrain_logits(checkpoint: str, ids: np.ndarray, log=print, images: dict | 
         vision = model.model.family.vision
         if vision is None:
             raise CheckError(f"the golden file holds pixel_values but {config.decoder_block} has no vision tower")
-        try:  # arrays the family's inputs do not take, or lack
-            inspect.signature(vision.inputs).bind(config, ids, **images)
-        except TypeError as e:
-            raise CheckError(f"the golden file's image arrays {sorted(images)} are not the inputs "
-                             f"{config.decoder_block} reads ({e}); name them as transformers' forward arguments") from None
         try:
-            positions, inputs = vision.inputs(config, ids, **images)
+            positions, inputs = vision.inputs_named(config, ids, images)
         except ValueError as e:
             raise CheckError(f"the golden file's images: {e}") from None
     with jax.default_matmul_precision("highest"), sharding.activation_sharding(model.mesh, config.logical_axis_rules):

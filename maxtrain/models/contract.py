@@ -54,6 +54,7 @@ them before JAX starts); which config keys a checkpoint is checked against come 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable
 
 from maxtrain.config import registry
@@ -92,6 +93,16 @@ class Vision:
                                      # for Model.forward, made on the host as the processor's model does; its
                                      # arguments after input_ids are transformers' forward-argument names
                                      # (qwen3_vl: pixel_values, image_grid_thw; llama4: pixel_values)
+
+    def inputs_named(self, config, input_ids, arrays: dict) -> tuple:
+        """inputs(config, input_ids, **arrays), the arrays under transformers' forward-argument names; a ValueError
+        names arrays it does not take, or lacks."""
+        try:
+            inspect.signature(self.inputs).bind(config, input_ids, **arrays)
+        except TypeError as e:
+            raise ValueError(f"the arrays {sorted(arrays)} are not the image inputs {config.decoder_block} reads ({e});"
+                             " name them as transformers' forward arguments (pixel_values, ...)") from None
+        return self.inputs(config, input_ids, **arrays)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -24,22 +24,22 @@ import numpy as np
 from maxtrain.config import registry
 from maxtrain.models import contract, hf, standard_layers
 from maxtrain.models.llama4 import decoder
-from maxtrain.models.vision import llama4 as tower
+from maxtrain.models.vision import llama4
 
 FAMILY = registry.FAMILIES["llama4"]
 TEXT_FAMILY = registry.FAMILIES["llama4_text"]
-PREFIXES = tower.PREFIXES[FAMILY.hf_architecture]  # vision_model., multi_modal_projector.
+PREFIXES = llama4.PREFIXES[FAMILY.hf_architecture]  # vision_model., multi_modal_projector.
 TEXT_PREFIXES = {"language_model.model.": "model.", "language_model.lm_head.": "lm_head."}  # checkpoint -> text model
 IMAGE_KEYS = ("pixel_values", "tile_mask")
 IMAGE_TOKEN = 200092  # transformers' Llama4Config default image_token_index (<|patch|>)
 
 
 @functools.lru_cache(maxsize=16)
-def _vision(text: str, text_hidden_size: int) -> tower.VisionConfig:
-    return tower.VisionConfig.from_hf(json.loads(text), text_hidden_size)
+def _vision(text: str, text_hidden_size: int) -> llama4.VisionConfig:
+    return llama4.VisionConfig.from_hf(json.loads(text), text_hidden_size)
 
 
-def vision_config(config) -> tower.VisionConfig:
+def vision_config(config) -> llama4.VisionConfig:
     """The tower's config from the model key vision_config (config.json's vision_config as JSON)."""
     if not config.vision_config:
         raise ValueError("this llama4 model has no vision tower (vision_config is empty): it reads no images; "
@@ -50,7 +50,7 @@ def vision_config(config) -> tower.VisionConfig:
 def param_specs(model):
     specs = decoder.param_specs(model)
     if model.config.vision_config:  # without one (a preset, a test): the text decoder alone
-        specs["vision"] = tower.param_specs(vision_config(model.config))
+        specs["vision"] = llama4.param_specs(vision_config(model.config))
     return specs
 
 
@@ -109,12 +109,12 @@ def embed_images(params, x, tokens, images: dict, model, rt):
     config = model.config
     missing = [k for k in IMAGE_KEYS if k not in images]
     if missing:
-        raise ValueError(f"images lack {missing}; make them with llama4.image_inputs(pixel_values, config)")
+        raise ValueError(f"images lack {missing}; make them with models.families.llama4.image_inputs(pixel_values, config)")
     try:  # concrete arrays are checked here; traced ones were by model_inputs, on the host
         check_placeholders(np.asarray(tokens), np.asarray(images["tile_mask"]), config)
     except jax.errors.TracerArrayConversionError:
         pass
-    rows = tower.forward(params["vision"], jnp.asarray(images["pixel_values"]), vision_config(config), rt.dtype)
+    rows = llama4.forward(params["vision"], jnp.asarray(images["pixel_values"]), vision_config(config), rt.dtype)
     mask = tokens == config.image_token_id                                   # [B, T]
     order = jnp.cumsum(mask.reshape(-1)).reshape(mask.shape) - 1             # the k-th placeholder takes row k
     index = jnp.clip(order, 0, rows.shape[0] - 1)
@@ -134,7 +134,7 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
     text = {**config["text_config"], "tie_word_embeddings": config.get(
         "tie_word_embeddings", config["text_config"].get("tie_word_embeddings", False))}
     keys = decoder.from_hf_config(text, notes)
-    vision = tower.VisionConfig.from_hf(config["vision_config"], keys["base_emb_dim"])
+    vision = llama4.VisionConfig.from_hf(config["vision_config"], keys["base_emb_dim"])
     image = config.get("image_token_index", config.get("image_token_id", IMAGE_TOKEN))
     return {**keys, "image_token_id": int(image), "vision_config": json.dumps(vision.to_hf(), sort_keys=True)}
 
@@ -147,7 +147,7 @@ def to_hf_config(keys: dict) -> dict:
             "text_config": text, "vision_config": {**_keys_vision(keys).to_hf(), "model_type": "llama4_vision_model"}}
 
 
-def _keys_vision(keys: dict) -> tower.VisionConfig:
+def _keys_vision(keys: dict) -> llama4.VisionConfig:
     if not keys.get("vision_config"):
         raise hf.ConversionError("this llama4 model has no vision tower (its vision_config is empty); Hugging Face "
                                  "conversion needs one: import a Llama4ForConditionalGeneration checkpoint")
@@ -155,11 +155,11 @@ def _keys_vision(keys: dict) -> tower.VisionConfig:
 
 
 def vision_to_maxtrain(tensors: dict, keys: dict, dtype=np.float32) -> dict:
-    return tower.to_maxtrain(tensors, _keys_vision(keys), PREFIXES, dtype)
+    return llama4.to_maxtrain(tensors, _keys_vision(keys), PREFIXES, dtype)
 
 
 def vision_to_hf(params: dict, keys: dict, dtype=np.float32) -> dict:
-    return tower.to_hf(params, _keys_vision(keys), PREFIXES, dtype)
+    return llama4.to_hf(params, _keys_vision(keys), PREFIXES, dtype)
 
 
 MODEL = contract.FamilyModel(
