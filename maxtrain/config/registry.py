@@ -83,6 +83,11 @@ HYBRID_SHAPE_KEYS = ("inhomogeneous_layer_cycle_interval", "gdn_num_key_heads", 
 HYBRID_KERNEL_SETTINGS = ("gdn_chunk_size", "gdn_kernel")  # how, not what, the gated delta rule computes
 HYBRID_SETTINGS = ("partial_rotary_factor", *HYBRID_SHAPE_KEYS, *HYBRID_KERNEL_SETTINGS)
 
+# Llama 4's decoder (models/llama4/): the settings its two families (llama4_text, llama4) read.
+LLAMA4_SETTING_KEYS = ("chunk_attn_window_size", "nope_layer_interval", "use_qk_norm", "temperature_tuning",
+                       "temperature_tuning_scale", "temperature_tuning_floor_scale")
+LLAMA4_SETTINGS = ("decoder_sparse_step",) + LLAMA4_SETTING_KEYS
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", ("llama",), "LlamaForCausalLM"),
     Family("mistral", ("mistral",), "MistralForCausalLM", window_everywhere=True),
@@ -138,13 +143,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                        "index_head_dim"),
            setting_keys=("rope_interleave", "rope_mscale_all_dim", "n_routing_groups", "topk_routing_group",
                          "routed_scaling_factor", "index_topk", "index_rope_interleave")),
-    Family("llama4_text", ("llama4_text", "llama4"), "Llama4ForCausalLM", moe=True, per_layer_attention=False,
-           usual=(("num_experts", 16),),
-           settings=("decoder_sparse_step", "chunk_attn_window_size", "nope_layer_interval", "use_qk_norm",
-                     "temperature_tuning", "temperature_tuning_scale", "temperature_tuning_floor_scale"),
-           shape_keys=("shared_experts",),
-           setting_keys=("chunk_attn_window_size", "nope_layer_interval", "use_qk_norm", "temperature_tuning",
-                         "temperature_tuning_scale", "temperature_tuning_floor_scale")),
+    Family("llama4_text", ("llama4_text",), "Llama4ForCausalLM", moe=True, per_layer_attention=False,
+           usual=(("num_experts", 16),), settings=LLAMA4_SETTINGS, shape_keys=("shared_experts",),
+           setting_keys=LLAMA4_SETTING_KEYS),
+    # Llama 4 reading images (Llama4ForConditionalGeneration): llama4_text's decoder and the vision tower
+    Family("llama4", ("llama4",), "Llama4ForConditionalGeneration", moe=True, per_layer_attention=False,
+           usual=(("num_experts", 16),), settings=LLAMA4_SETTINGS + ("vision_config", "image_token_id"),
+           shape_keys=("shared_experts", "vision_config"), setting_keys=LLAMA4_SETTING_KEYS + ("image_token_id",)),
     Family("minimax_m2", ("minimax_m2",), "MiniMaxM2ForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 256),), settings=("partial_rotary_factor",), shape_keys=("shared_experts", "routed_bias"),
            setting_keys=("partial_rotary_factor",)),
