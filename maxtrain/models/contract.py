@@ -84,12 +84,14 @@ class Vision:
     embed: Callable[..., Any]        # (params, x [B, T, D], tokens, images {input_keys: arrays}, model, rt) ->
                                      # (x with the placeholders' rows replaced, per-layer inputs [L, B, T, D] or None)
     input_keys: tuple[str, ...]      # the batch keys of `images` (pixel_values and the tower's layout arrays)
-    prefix: str                      # the tower's tensor-name prefix in the checkpoint (model.visual.)
+    prefix: str | tuple              # the tower's tensor-name prefix(es) in the checkpoint (model.visual.)
     text_prefixes: dict              # the text decoder's prefixes in the checkpoint -> in the text model's names
     to_maxtrain: Callable[..., dict]  # (the tensors under `prefix`, model keys, dtype) -> params["vision"]
     to_hf: Callable[..., dict]       # (params["vision"], model keys, dtype) -> tensors under `prefix`
     inputs: Callable[..., tuple]     # (config, input_ids [B, T], pixel_values, image_grid_thw, pad_to=None) -> (positions,
                                      # images) for Model.forward, made on the host as the processor's model does
+    hf_inputs: tuple[str, ...] = ("pixel_values", "image_grid_thw")  # transformers' forward-argument names of
+                                     # the image arrays `inputs` takes after input_ids (a golden file's keys)
 
 
 @dataclasses.dataclass(frozen=True)
