@@ -41,10 +41,13 @@ VISION = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_att
 SPEC = images_lib.Gemma4VisionPreprocess(patch_size=4, max_soft_tokens=70, pooling_kernel_size=2)
 
 
+def make_config():
+    return transformers.Gemma4Config(text_config=TEXT, vision_config=VISION, audio_config=None, image_token_id=IMAGE,
+                                     boi_token_id=BOI, eoi_token_id=EOI, video_token_id=VIDEO, audio_token_id=AUDIO)
+
+
 def make_model(seed: int = 0):
-    config = transformers.Gemma4Config(text_config=TEXT, vision_config=VISION, audio_config=None, image_token_id=IMAGE,
-                                       boi_token_id=BOI, eoi_token_id=EOI, video_token_id=VIDEO,
-                                       audio_token_id=AUDIO)
+    config = make_config()
     config._attn_implementation = "eager"
     model = transformers.Gemma4ForConditionalGeneration(config).float().eval()
     gen = torch.Generator().manual_seed(seed)
@@ -100,6 +103,7 @@ def imported(tmp_path_factory):
     return model, tmp, keys
 
 
+@pytest.mark.slow  # ~70 s on the shared 2-core machine: the import and four compiles of the model with its tower
 def test_imports_the_tower_and_check_logits_matches_transformers_with_images(imported, capsys):
     model, tmp, keys = imported
     assert keys["decoder_block"] == "gemma4" and keys["image_token_id"] == IMAGE and keys["num_experts"] == 4
@@ -135,6 +139,7 @@ def forward(config, params, ids, images):
             params, ids, images))
 
 
+@pytest.mark.slow  # the module's import fixture (~15 s)
 def test_export_loads_in_transformers_as_the_same_model(imported):
     model, tmp, _ = imported
     convert.export_hf(str(tmp / "out"), str(tmp / "export"), "float32", log=lambda *a: None)
@@ -151,6 +156,7 @@ def test_export_loads_in_transformers_as_the_same_model(imported):
     assert relative_error(hf_logits(reloaded, ids, pixels, positions), hf_logits(model, ids, pixels, positions)) == 0
 
 
+@pytest.mark.slow  # the module's import fixture (~15 s)
 def test_text_only_import_keeps_the_language_model_and_says_so_once(imported, tmp_path):
     _, tmp, _ = imported
     notes = []
@@ -158,16 +164,20 @@ def test_text_only_import_keeps_the_language_model_and_says_so_once(imported, tm
     assert keys["decoder_block"] == "gemma4_text" and sum("text decoder" in n for n in notes) == 1, notes
 
 
-def test_bad_inputs_are_refused_in_one_line(imported):
-    _, tmp, _ = imported
-    config, _ = load(tmp / "out")
+def test_bad_inputs_are_refused_in_one_line():
+    """On the host, before any compile: placeholders that do not match the images' soft tokens, arrays of the wrong
+    layout, and a checkpoint whose image tokens attend both ways."""
+    hf = make_config().to_dict()
+    config = convert.spec_config(convert.model_keys(hf))
+    assert config.decoder_block == "gemma4" and config.image_token_id == IMAGE
     ids, pixels, positions = image_batch()
+    _, images = gemma4.model_inputs(config, ids, pixels, positions, pad_to=3)
+    assert images["pixel_values"].shape == (3, 280, 48) and (images["image_position_ids"][2] == -1).all()
     ids[0, 5] = 7  # one placeholder fewer
     with pytest.raises(ValueError, match="placeholders"):
         gemma4.model_inputs(config, ids, pixels, positions)
     with pytest.raises(ValueError, match="image_position_ids"):
         gemma4.model_inputs(config, ids, pixels, positions[:, :, :1])
-    hf = json.loads((tmp / "hf" / "config.json").read_text())
     hf["text_config"]["use_bidirectional_attention"] = "vision"
     with pytest.raises(convert.ConversionError, match="use_bidirectional_attention.*--text-only"):
         convert.model_keys(hf)
