@@ -5,10 +5,9 @@
 
 CKPT is a maxtrain checkpoint (a step directory, a run or checkpoints directory, or the output
 directory of `scripts/convert_hf.py import`); its model settings are read from its metadata. The
-golden file holds `input_ids` [B, T] (integers) and `logits` [B, T, V] (float32), and for a model with a vision
-tower its image inputs under transformers' forward-argument names, as the processor makes them: qwen3_vl
-`pixel_values` [patches, C*t*p*p] and `image_grid_thw` [images, 3] (positions then M-RoPE's, from the
-placeholders); gemma4 `pixel_values` [images, patches, p*p*3] and `image_position_ids` [images, patches, 2]. With --hf, the golden logits are computed with
+golden file holds `input_ids` [B, T] (integers), `logits` [B, T, V] (float32) and a vision model's image inputs
+under transformers' names (qwen3_vl `pixel_values`, `image_grid_thw`; gemma4 `pixel_values`, `image_position_ids`)
+as its processor makes them. With --hf, the golden logits are computed with
 transformers (AutoModelForCausalLM in float32) on random ids, and written to --golden when that is given.
 
 maxtrain's forward runs in float32 with full-precision matmuls, positions 0..T-1 and one segment per
@@ -41,7 +40,7 @@ class CheckError(UserError, ValueError):
 
 
 def read_golden(path: str) -> tuple[np.ndarray, np.ndarray, dict | None]:
-    """(input_ids, logits, the images {name: array} (every other array) or None when the file has no pixel_values)."""
+    """(input_ids, logits, the images {name: its other arrays} or None when the file has no pixel_values)."""
     if not os.path.isfile(path):
         raise CheckError(f"--golden {path} does not exist (make one with --hf HF_DIR --golden {path})")
     if not zipfile.is_zipfile(path):
@@ -50,8 +49,7 @@ def read_golden(path: str) -> tuple[np.ndarray, np.ndarray, dict | None]:
     try:
         with np.load(path) as data:
             ids, logits = np.asarray(data["input_ids"]), np.asarray(data["logits"])
-            images = ({k: np.asarray(data[k]) for k in data.files if k not in ("input_ids", "logits")}
-                      if "pixel_values" in data.files else None)
+            images = {k: data[k] for k in data.files if k not in ("input_ids", "logits")}
     except KeyError as e:
         raise CheckError(f"{path} has no array {e}; it needs input_ids [B, T] and logits [B, T, V]") from None
     except (OSError, ValueError) as e:
@@ -59,7 +57,7 @@ def read_golden(path: str) -> tuple[np.ndarray, np.ndarray, dict | None]:
     if ids.ndim != 2 or logits.ndim != 3 or logits.shape[:2] != ids.shape or not np.issubdtype(ids.dtype, np.integer):
         raise CheckError(f"{path}: input_ids {ids.shape} {ids.dtype} and logits {logits.shape} must be integer "
                          "[B, T] and [B, T, V]")
-    return ids.astype(np.int32), logits.astype(np.float32), images
+    return ids.astype(np.int32), logits.astype(np.float32), images if "pixel_values" in images else None
 
 
 def golden_from_transformers(hf_dir: str, ids: np.ndarray) -> np.ndarray:
@@ -97,11 +95,9 @@ def maxtrain_logits(checkpoint: str, ids: np.ndarray, log=print, images: dict | 
         if vision is None:
             raise CheckError(f"the golden file holds pixel_values but {config.decoder_block} has no vision tower")
         try:
-            missing = [k for k in vision.hf_inputs if k not in images]
-            if missing:
-                raise CheckError(f"the golden file holds pixel_values but not {missing}, which "
-                                 f"{config.decoder_block}'s images need (transformers' forward-argument names)")
             positions, inputs = vision.inputs(config, ids, *(images[k] for k in vision.hf_inputs))
+        except KeyError as e:
+            raise CheckError(f"the golden file has no {e}, which {config.decoder_block}'s images need") from None
         except ValueError as e:
             raise CheckError(f"the golden file's images: {e}") from None
     with jax.default_matmul_precision("highest"), sharding.activation_sharding(model.mesh, config.logical_axis_rules):

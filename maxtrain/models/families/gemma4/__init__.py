@@ -29,10 +29,10 @@ import numpy as np
 from maxtrain.config import registry
 from maxtrain.models import contract, hf, standard_layers
 from maxtrain.models.gemma4 import decoder
-from maxtrain.models.vision import gemma4 as tower
+from maxtrain.models.vision import gemma4 as gemma4_vision
 
 FAMILY = registry.FAMILIES["gemma4"]
-PREFIX = tower.PREFIXES[FAMILY.hf_architecture]  # model.
+PREFIX = gemma4_vision.PREFIXES[FAMILY.hf_architecture]  # model.
 AUDIO = (PREFIX + "audio_tower.", PREFIX + "embed_audio.")
 TEXT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head."}  # checkpoint -> the text model's names
 IMAGE_KEYS = ("pixel_values", "image_position_ids")  # transformers' forward-argument names
@@ -46,7 +46,7 @@ def _stored(text: str) -> dict:
     return json.loads(text)
 
 
-def vision_config(config) -> tower.VisionConfig:
+def vision_config(config) -> gemma4_vision.VisionConfig:
     """The tower's config from the model keys (vision_config's JSON; the projector's width is base_emb_dim)."""
     if not config.vision_config:
         raise ValueError("this gemma4 model has no vision tower (vision_config is empty): it reads no images; import "
@@ -55,8 +55,8 @@ def vision_config(config) -> tower.VisionConfig:
 
 
 @functools.lru_cache(maxsize=16)
-def _tower(text: str, width: int) -> tower.VisionConfig:
-    return tower.VisionConfig.from_hf({"vision_config": _stored(text)["vision_config"],
+def _tower(text: str, width: int) -> gemma4_vision.VisionConfig:
+    return gemma4_vision.VisionConfig.from_hf({"vision_config": _stored(text)["vision_config"],
                                        "text_config": {"hidden_size": width}})
 
 
@@ -81,7 +81,7 @@ def text_ids(tokens, config):
 def param_specs(model):
     specs = decoder.param_specs(model)
     if model.config.vision_config:  # without one (a preset, a test): the text decoder alone
-        specs["vision"] = tower.param_specs(vision_config(model.config))
+        specs["vision"] = gemma4_vision.param_specs(vision_config(model.config))
     return specs
 
 
@@ -119,7 +119,7 @@ def image_inputs(pixel_values, image_position_ids, config, pad_to: int | None = 
 def check_placeholders(tokens, images: dict, config) -> None:
     """Refuses a batch whose image placeholders are not as many as the images' soft tokens (host arrays)."""
     placeholders = int(np.sum(np.asarray(tokens) == config.image_token_id))
-    soft = int(tower.soft_tokens(images["image_position_ids"], vision_config(config)).sum())
+    soft = int(gemma4_vision.soft_tokens(images["image_position_ids"], vision_config(config)).sum())
     if placeholders != soft:
         raise ValueError(f"the batch has {placeholders} image placeholders (token {config.image_token_id}) but its "
                          f"images have {soft} soft tokens; expand each image to its soft tokens' count of image "
@@ -149,7 +149,8 @@ def embed_images(params, x, tokens, images: dict, model, rt):
         pass
     vc = vision_config(config)
     positions = jnp.asarray(images["image_position_ids"])
-    embedded, _ = tower.forward(params["vision"], jnp.asarray(images["pixel_values"]), positions, vc, rt.dtype)
+    pixels = jnp.asarray(images["pixel_values"])
+    embedded, _ = gemma4_vision.forward(params["vision"], pixels, positions, vc, rt.dtype)
     real = jnp.sum(jnp.all(positions != -1, axis=-1), axis=-1) // vc.pooling_kernel_size ** 2    # [N]
     valid = jnp.arange(embedded.shape[1])[None, :] < real[:, None]                               # [N, L]
     rows = embedded.reshape(-1, embedded.shape[-1])
@@ -176,11 +177,11 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
                                  "within an image) is not implemented: maxtrain's decoders are causal; import the "
                                  "text decoder alone with --text-only")
     keys = decoder.from_hf_config(text, notes)
-    tower.VisionConfig.from_hf({"vision_config": config["vision_config"], "text_config": text})  # refusals now
+    gemma4_vision.VisionConfig.from_hf({"vision_config": config["vision_config"], "text_config": text})  # refusals now
     if config.get("audio_config") and notes is not None:
         notes.append("left out the audio tower (audio_config): maxtrain's gemma4 reads text and images")
     stored = {"vision_config": {k: v for k, v in config["vision_config"].items()
-                                if k in tower.VisionConfig.__dataclass_fields__ or k == "rope_parameters"},
+                                if k in gemma4_vision.VisionConfig.__dataclass_fields__ or k == "rope_parameters"},
               "token_ids": {k: config.get(k, v) for k, v in TOKEN_IDS.items()},
               "pad_token_id": int(text.get("pad_token_id") if text.get("pad_token_id") is not None else 0)}
     return {**keys, "image_token_id": int(config.get("image_token_id", 258_880)),
@@ -204,11 +205,11 @@ def to_hf_config(keys: dict) -> dict:
 def vision_to_maxtrain(tensors: dict, keys: dict, dtype=np.float32) -> dict:
     """params["vision"] from the tower's and projector's tensors (the audio tower's, if any, are left out)."""
     ours = {n: w for n, w in tensors.items() if not n.startswith(AUDIO)}
-    return tower.to_maxtrain(ours, _tower(keys["vision_config"], keys["base_emb_dim"]), PREFIX, dtype)
+    return gemma4_vision.to_maxtrain(ours, _tower(keys["vision_config"], keys["base_emb_dim"]), PREFIX, dtype)
 
 
 def vision_to_hf(params: dict, keys: dict, dtype=np.float32) -> dict:
-    return tower.to_hf(params, _tower(keys["vision_config"], keys["base_emb_dim"]), PREFIX, dtype)
+    return gemma4_vision.to_hf(params, _tower(keys["vision_config"], keys["base_emb_dim"]), PREFIX, dtype)
 
 
 MODEL = contract.FamilyModel(
@@ -217,6 +218,6 @@ MODEL = contract.FamilyModel(
     from_hf_config=from_hf_config, to_hf_config=to_hf_config, cache_heads=decoder.cache_heads,
     per_layer_inputs=per_layer_inputs, layer_state=decoder.layer_state,
     vision=contract.Vision(text_family="gemma4_text", embed=embed_images, input_keys=IMAGE_KEYS,
-                           prefix=(PREFIX + tower.TOWER, PREFIX + tower.PROJECTOR) + AUDIO,
+                           prefix=(PREFIX + gemma4_vision.TOWER, PREFIX + gemma4_vision.PROJECTOR) + AUDIO,
                            text_prefixes=TEXT_PREFIXES, to_maxtrain=vision_to_maxtrain, to_hf=vision_to_hf,
                            inputs=model_inputs, hf_inputs=IMAGE_KEYS))
