@@ -181,3 +181,19 @@ def test_bad_inputs_are_refused_in_one_line():
     hf["text_config"]["use_bidirectional_attention"] = "vision"
     with pytest.raises(convert.ConversionError, match="use_bidirectional_attention.*--text-only"):
         convert.model_keys(hf)
+
+
+@pytest.mark.slow  # the module's import fixture and a gradient's compile
+def test_a_training_step_reaches_the_tower(imported):
+    """The loss's gradient with images reaches the encoder's patch embedding and the projector."""
+    _, tmp, _ = imported
+    config, params = load(tmp / "out")
+    model, rt = Model.bind(config), Runtime.from_config(config)
+    ids, pixels, positions = image_batch()
+    _, images = gemma4.model_inputs(config, ids, pixels, positions, pad_to=3)
+    batch = {"inputs": ids, "targets": np.roll(ids, -1, axis=1),
+             "positions": np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape),
+             "segment_ids": np.ones_like(ids), "loss_weights": np.ones(ids.shape, np.float32), **images}
+    grads = jax.jit(jax.grad(lambda p, b: model.loss_fn(p, b, rt)[0]))(params, batch)
+    assert float(np.abs(grads["vision"]["patch_embed"]).max()) > 0
+    assert float(np.abs(grads["vision"]["projection"]).max()) > 0
