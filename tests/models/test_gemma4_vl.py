@@ -170,6 +170,8 @@ def test_bad_inputs_are_refused_in_one_line():
     hf = make_config().to_dict()
     config = convert.spec_config(convert.model_keys(hf))
     assert config.decoder_block == "gemma4" and config.image_token_id == IMAGE
+    # the config written from the model keys alone (an export after changed settings) reads back the same
+    assert convert.model_keys(transformers.Gemma4Config(**gemma4.to_hf_config(vars(config))).to_dict()) == vars(config)
     ids, pixels, positions = image_batch()
     _, images = gemma4.model_inputs(config, ids, pixels, positions, pad_to=3)
     assert images["pixel_values"].shape == (3, 280, 48) and (images["image_position_ids"][2] == -1).all()
