@@ -458,6 +458,8 @@ def hf_config(keys: dict, original: dict | None, dtype: str) -> dict:
                 out = {**out, **out.pop("text_config")}
                 out.update(architectures=[family.row.hf_architecture], model_type=family.row.hf_model_types[0])
                 out.pop("vision_config", None)
+            if family.vision is not None and out.get("audio_config"):  # an audio tower import left out
+                out["audio_config"] = None
             out.update(torch_dtype=dtype, dtype=dtype)
             out.pop("quantization_config", None)  # the weights are written dequantized
             return out

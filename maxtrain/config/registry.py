@@ -87,6 +87,9 @@ HYBRID_SETTINGS = ("partial_rotary_factor", *HYBRID_SHAPE_KEYS, *HYBRID_KERNEL_S
 LLAMA4_SETTING_KEYS = ("chunk_attn_window_size", "nope_layer_interval", "use_qk_norm", "temperature_tuning",
                        "temperature_tuning_scale", "temperature_tuning_floor_scale")
 LLAMA4_SETTINGS = ("decoder_sparse_step",) + LLAMA4_SETTING_KEYS
+# Gemma 4's text decoder's settings (gemma4_text, and gemma4 with its vision tower), all fixing parameter shapes.
+_GEMMA4_SHAPE_KEYS = ("global_head_dim", "global_num_kv_heads", "attention_k_eq_v", "per_layer_input_dim",
+                      "num_kv_shared_layers", "double_wide_mlp")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", ("llama",), "LlamaForCausalLM"),
@@ -101,14 +104,14 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("gemma3", ("gemma3_text", "gemma3"), "Gemma3ForCausalLM", attention_pattern=("sliding",) * 5 + ("full",),
            usual=(("sliding_window_size", 1024),),  # 512 in Gemma 3 1B
            settings=("attn_logits_soft_cap", "query_pre_attn_scalar")),
-    Family("gemma4_text", ("gemma4_text", "gemma4"), "Gemma4ForCausalLM", moe=True, moe_optional=True,
+    Family("gemma4_text", ("gemma4_text",), "Gemma4ForCausalLM", moe=True, moe_optional=True,
            attention_pattern=("sliding",) * 5 + ("full",),
-           usual=(("sliding_window_size", 512),),
-           settings=("global_head_dim", "global_num_kv_heads", "attention_k_eq_v", "per_layer_input_dim",
-                     "num_kv_shared_layers", "double_wide_mlp"),
-           shape_keys=("global_head_dim", "global_num_kv_heads", "attention_k_eq_v", "per_layer_input_dim",
-                       "num_kv_shared_layers", "double_wide_mlp"),
+           usual=(("sliding_window_size", 512),), settings=_GEMMA4_SHAPE_KEYS, shape_keys=_GEMMA4_SHAPE_KEYS,
            setting_keys=("rope_proportion",)),
+    Family("gemma4", ("gemma4",), "Gemma4ForConditionalGeneration", moe=True, moe_optional=True,
+           attention_pattern=("sliding",) * 5 + ("full",), usual=(("sliding_window_size", 512),),
+           settings=_GEMMA4_SHAPE_KEYS + ("vision_config", "image_token_id"),
+           shape_keys=_GEMMA4_SHAPE_KEYS + ("vision_config",), setting_keys=("rope_proportion", "image_token_id")),
     Family("mixtral", ("mixtral",), "MixtralForCausalLM", moe=True, window_everywhere=True,
            usual=(("num_experts", 8),)),
     Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", moe=True, window_everywhere=True,

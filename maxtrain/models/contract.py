@@ -92,7 +92,8 @@ class Vision:
     inputs: Callable[..., tuple]     # (config, input_ids [B, T], pixel_values, ..., pad_to=None) -> (positions, images)
                                      # for Model.forward, made on the host as the processor's model does; its
                                      # arguments after input_ids are transformers' forward-argument names
-                                     # (qwen3_vl: pixel_values, image_grid_thw; llama4: pixel_values)
+                                     # (qwen3_vl: pixel_values, image_grid_thw; llama4: pixel_values;
+                                     # gemma4: pixel_values, image_position_ids)
     projector: tuple[str, ...] = ()  # the keys of params["vision"] that map the tower's features into the text model's
                                      # width (vision_freeze's "projector"; the rest is the tower: training/freeze.py)
 

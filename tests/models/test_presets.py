@@ -179,6 +179,7 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
                                 "num_kv_shared_layers=2", "double_wide_mlp=true", "base_moe_mlp_dim=96",
                                 "rope_type=proportional", "rope_proportion=0.25"]}
 FAMILY_FLOPS["llama4"] = FAMILY_FLOPS["llama4_text"]  # the same decoder (without vision_config: no tower)
+FAMILY_FLOPS["gemma4"] = FAMILY_FLOPS["gemma4_text"]  # without a vision_config: the same text decoder
 
 
 @pytest.mark.slow

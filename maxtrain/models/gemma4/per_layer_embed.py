@@ -16,7 +16,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from maxtrain.models import blocks, ops
-from maxtrain.models.families.gemma4_text.normed_attention import rms
+from maxtrain.models.gemma4.normed_attention import rms
 from maxtrain.models.params import ParamSpec, dense
 
 
