@@ -8,8 +8,8 @@ directory of `scripts/convert_hf.py import`); its model settings are read from i
 golden file holds `input_ids` [B, T] (integers), `logits` [B, T, V] (float32) and, for a model with a vision tower,
 the processor's image inputs under transformers' forward-argument names (qwen3_vl: `pixel_values` [patches,
 C*t*p*p], `image_grid_thw` [images, 3]; llama4: `pixel_values` [tiles, C, S, S]; gemma4: `pixel_values`
-[images, M, p*p*3], `image_position_ids` [images, M, 2]). With --hf, the golden logits
-are computed with transformers (AutoModelForCausalLM in float32) on random ids, written to --golden if given.
+[images, M, p*p*3], `image_position_ids` [images, M, 2]). With --hf, the golden logits are computed with
+transformers (float32) on random ids, written to --golden if given.
 
 maxtrain's forward runs in float32 with full-precision matmuls, positions 0..T-1 and one segment per
 row. The last line printed is the max relative error, max |ours - golden| / max |golden|; the exit
@@ -60,7 +60,7 @@ def read_golden(path: str) -> tuple[np.ndarray, np.ndarray, dict | None]:
     if ids.ndim != 2 or logits.ndim != 3 or logits.shape[:2] != ids.shape or not np.issubdtype(ids.dtype, np.integer):
         raise CheckError(f"{path}: input_ids {ids.shape} {ids.dtype} and logits {logits.shape} must be integer "
                          "[B, T] and [B, T, V]")
-    return ids.astype(np.int32), logits.astype(np.float32), images if "pixel_values" in images else None
+    return ids.astype(np.int32), logits.astype(np.float32), images
 
 
 def golden_from_transformers(hf_dir: str, ids: np.ndarray) -> np.ndarray:
