@@ -94,8 +94,7 @@ def maxtrain_logits(checkpoint: str, ids: np.ndarray, log=print, images: dict | 
     model = builder.load_model(config, devices=jax.devices()[:1], log=log)
     positions, inputs = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape), None
     if images is not None:
-        vision = model.model.family.vision
-        if vision is None:
+        if (vision := model.model.family.vision) is None:
             raise CheckError(f"the golden file holds pixel_values but {config.decoder_block} has no vision tower")
         try:
             positions, inputs = vision.inputs_named(config, ids, images)
