@@ -83,13 +83,16 @@ HYBRID_SHAPE_KEYS = ("inhomogeneous_layer_cycle_interval", "gdn_num_key_heads", 
 HYBRID_KERNEL_SETTINGS = ("gdn_chunk_size", "gdn_kernel")  # how, not what, the gated delta rule computes
 HYBRID_SETTINGS = ("partial_rotary_factor", *HYBRID_SHAPE_KEYS, *HYBRID_KERNEL_SETTINGS)
 
+# The settings of the families that read images through Qwen's tower (models/vision/qwen_images.py).
+IMAGE_SETTINGS = ("vision_config", "image_token_id", "mrope_section")
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", ("llama",), "LlamaForCausalLM"),
     Family("mistral", ("mistral",), "MistralForCausalLM", window_everywhere=True),
     Family("qwen2", ("qwen2",), "Qwen2ForCausalLM"),
     Family("qwen3", ("qwen3",), "Qwen3ForCausalLM"),
     Family("qwen3_vl", ("qwen3_vl",), "Qwen3VLForConditionalGeneration",
-           settings=("vision_config", "image_token_id", "mrope_section"), shape_keys=("vision_config",),
+           settings=IMAGE_SETTINGS, shape_keys=("vision_config",),
            setting_keys=("image_token_id", "mrope_section")),
     Family("gemma2", ("gemma2",), "Gemma2ForCausalLM", attention_pattern=("sliding", "full"),
            usual=(("sliding_window_size", 4096),), settings=("attn_logits_soft_cap", "query_pre_attn_scalar")),
@@ -119,12 +122,23 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                                        "shared_expert_mlp_dim"),
            shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts", "shared_expert_mlp_dim"), setting_keys=("partial_rotary_factor",),
            kernel_settings=HYBRID_KERNEL_SETTINGS),
-    Family("qwen3_5_text", ("qwen3_5_text", "qwen3_5"), "Qwen3_5ForCausalLM", per_layer_attention=False,
+    Family("qwen3_5_text", ("qwen3_5_text",), "Qwen3_5ForCausalLM", per_layer_attention=False,
            settings=HYBRID_SETTINGS, shape_keys=HYBRID_SHAPE_KEYS,
            setting_keys=("partial_rotary_factor",), kernel_settings=HYBRID_KERNEL_SETTINGS),
-    Family("qwen3_5_moe_text", ("qwen3_5_moe_text", "qwen3_5_moe"), "Qwen3_5MoeForCausalLM", moe=True,
+    Family("qwen3_5_moe_text", ("qwen3_5_moe_text",), "Qwen3_5MoeForCausalLM", moe=True,
            per_layer_attention=False, usual=(("num_experts", 256),), settings=HYBRID_SETTINGS + ("shared_expert_mlp_dim",),
            shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts", "shared_expert_mlp_dim"), setting_keys=("partial_rotary_factor",),
+           kernel_settings=HYBRID_KERNEL_SETTINGS),
+    # Qwen3.5's released checkpoints: the text decoders above with Qwen3-VL's tower (no deepstack) and M-RoPE
+    Family("qwen3_5", ("qwen3_5",), "Qwen3_5ForConditionalGeneration", per_layer_attention=False,
+           settings=HYBRID_SETTINGS + IMAGE_SETTINGS, shape_keys=HYBRID_SHAPE_KEYS + ("vision_config",),
+           setting_keys=("partial_rotary_factor", "image_token_id", "mrope_section"),
+           kernel_settings=HYBRID_KERNEL_SETTINGS),
+    Family("qwen3_5_moe", ("qwen3_5_moe",), "Qwen3_5MoeForConditionalGeneration", moe=True,
+           per_layer_attention=False, usual=(("num_experts", 256),),
+           settings=HYBRID_SETTINGS + ("shared_expert_mlp_dim",) + IMAGE_SETTINGS,
+           shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts", "shared_expert_mlp_dim", "vision_config"),
+           setting_keys=("partial_rotary_factor", "image_token_id", "mrope_section"),
            kernel_settings=HYBRID_KERNEL_SETTINGS),
     Family("deepseek", ("deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa"), "DeepseekV3ForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 256),),
