@@ -6,7 +6,7 @@
 CKPT is a maxtrain checkpoint (a step directory, a run or checkpoints directory, or the output
 directory of `scripts/convert_hf.py import`); its model settings are read from its metadata. The
 golden file holds `input_ids` [B, T] (integers) and `logits` [B, T, V] (float32), and for a model with a vision
-tower (qwen3_vl) `pixel_values` [patches, C*t*p*p] and `image_grid_thw` [images, 3] as the processor makes
+tower (qwen3_vl, qwen3_5) `pixel_values` [patches, C*t*p*p] and `image_grid_thw` [images, 3] as the processor makes
 them (positions then M-RoPE's, from the placeholders). With --hf, the golden logits are computed with
 transformers (AutoModelForCausalLM in float32) on random ids, and written to --golden when that is given.
 

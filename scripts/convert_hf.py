@@ -4,7 +4,8 @@
     #   OUT/checkpoints/0 (params only), OUT/model.yml (the model preset), OUT/hf/ (config, tokenizer, license)
     python scripts/convert_hf.py import HF_DIR OUT [--weight_dtype float32|bfloat16] [--text-only]
     #   a Qwen3-VL directory (Qwen3VLForConditionalGeneration) imports with its vision tower as qwen3_vl;
-    #   --text-only imports its language model alone (as qwen3) and says once that the tower was left out
+    #   (Qwen3.5's, Qwen3_5[Moe]ForConditionalGeneration, as qwen3_5 / qwen3_5_moe); --text-only imports its language
+    #   model alone (as qwen3, qwen3_5_text, qwen3_5_moe_text) and says once that the tower was left out
 
     # check it, then fine-tune it (the checkpoint's model settings and tokenizer are adopted)
     python scripts/check_logits.py OUT --hf HF_DIR

@@ -464,14 +464,16 @@ def hf_config(keys: dict, original: dict | None, dtype: str) -> dict:
     family = Model.bind(spec_config(keys)).family
     if original is not None:
         try:
-            same = model_keys(original) == keys and family_for(original)[0] is family
+            text_only = family.vision is None  # of an image-text original: its text decoder (import --text-only)
+            same = model_keys(original, text_only=text_only) == keys and family_for(original, text_only)[0] is family
         except ConversionError:
             same = False
         if same:
             out = dict(original)
             if isinstance(out.get("text_config"), dict) and family.vision is None:  # exported as the text-only model
                 out = {**out, **out.pop("text_config")}
-                out.update(architectures=[family.row.hf_architecture], model_type=family.row.hf_model_types[0])
+                out.update(architectures=[family.row.hf_architecture], model_type=family.row.hf_model_types[0],
+                           tie_word_embeddings=keys["logits_via_embedding"])  # the whole model's, as imported
                 out.pop("vision_config", None)
             out.update(torch_dtype=dtype, dtype=dtype)
             out.pop("quantization_config", None)  # the weights are written dequantized
