@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -189,3 +190,20 @@ def test_text_only_import_keeps_the_text_family(imported, tmp_path):
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "export", dtype=torch.float32).eval()
     assert type(reloaded).__name__ == KINDS[kind][1].replace("ConditionalGeneration", "CausalLM")
     assert relative_error(hf_logits(reloaded, text_ids), theirs) <= 1e-6
+
+
+def test_the_multi_token_prediction_tensors_are_left_out_with_a_note(imported, tmp_path):
+    """Qwen3.5's released checkpoints hold mtp.* tensors, which transformers does not load: the import with the
+    tower leaves them out and says so once."""
+    from safetensors.numpy import load_file, save_file  # pylint: disable=import-outside-toplevel  # the [hf] extra
+
+    _, _, tmp, keys = imported
+    shutil.copytree(tmp / "hf", tmp_path / "hf")
+    tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    save_file({**tensors, "mtp.fc.weight": np.zeros((64, 128), np.float32),
+               "mtp.norm.weight": np.zeros(64, np.float32)}, str(tmp_path / "hf" / "model.safetensors"),
+              metadata={"format": "pt"})
+    notes = []
+    assert convert.import_hf(str(tmp_path / "hf"), str(tmp_path / "out"), log=notes.append) == keys
+    assert [n for n in notes if "left out" in n] == [
+        "imported the text decoder and the vision tower; 2 tensors of the other modules were left out"], notes
