@@ -2,7 +2,8 @@
 Qwen3_5MoeForConditionalGeneration in float32: tiny random models saved with save_pretrained, imported with their
 tower, run on a batch with two images of different grids (one row: text, image, text, image, text; the other text
 alone) and on text alone; the export loaded back by transformers as the same class; check_logits on a golden file
-with images; --text-only keeps the text families."""
+with images and --hf; --text-only keeps the text families (and their export loads as the causal LM class); the
+released checkpoints' mtp.* tensors are left out with a note."""
 
 from __future__ import annotations
 
