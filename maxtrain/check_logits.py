@@ -6,7 +6,7 @@
 CKPT is a maxtrain checkpoint (a step directory, a run or checkpoints directory, or the output
 directory of `scripts/convert_hf.py import`); its model settings are read from its metadata. The
 golden file holds `input_ids` [B, T] (integers), `logits` [B, T, V] (float32) and, for a model with a vision tower,
-the processor's image inputs under transformers' forward-argument names (qwen3_vl: `pixel_values` [patches,
+the processor's image inputs under transformers' forward-argument names (qwen3_vl, qwen3_5: `pixel_values` [patches,
 C*t*p*p], `image_grid_thw` [images, 3]; llama4: `pixel_values` [tiles, C, S, S]; gemma4: `pixel_values`
 [images, M, p*p*3], `image_position_ids` [images, M, 2]). With --hf, the golden logits are computed with
 transformers (float32) on random ids, written to --golden if given.

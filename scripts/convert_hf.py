@@ -3,9 +3,9 @@
     # a Hugging Face model directory (config.json + model.safetensors or a sharded index) -> OUT:
     #   OUT/checkpoints/0 (params only), OUT/model.yml (the model preset), OUT/hf/ (config, tokenizer, license)
     python scripts/convert_hf.py import HF_DIR OUT [--weight_dtype float32|bfloat16] [--text-only]
-    #   a Qwen3-VL, Llama 4 or Gemma 4 directory (Qwen3VL-, Llama4-, Gemma4ForConditionalGeneration) imports with its
-    #   vision tower (as qwen3_vl, llama4, gemma4); --text-only imports its language model alone (as qwen3,
-    #   llama4_text, gemma4_text) and says once that the tower was left out
+    #   a Qwen3-VL, Qwen3.5, Llama 4 or Gemma 4 directory (Qwen3VL-, Qwen3_5[Moe]-, Llama4-, Gemma4ForConditionalGeneration)
+    #   imports with its vision tower (as qwen3_vl, qwen3_5[_moe], llama4, gemma4); --text-only imports its language
+    #   model alone (as qwen3, qwen3_5[_moe]_text, llama4_text, gemma4_text) and says once that the tower was left out
 
     # check it, then fine-tune it (the checkpoint's model settings and tokenizer are adopted)
     python scripts/check_logits.py OUT --hf HF_DIR

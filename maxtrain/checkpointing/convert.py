@@ -266,19 +266,22 @@ def _decoder_to_hf(params: dict, keys: dict, dtype) -> dict[str, np.ndarray]:
     return out
 
 
-def _text_tensors(tensors: dict, notes: list) -> dict:
-    """A multimodal checkpoint's text-decoder tensors, renamed as in the text-only model."""
+def _text_tensors(tensors: dict, notes: list, tower: str | None = None) -> dict:
+    """A multimodal checkpoint's text-decoder tensors, renamed as in the text-only model (tower: the vision tower's
+    prefix, whose tensors are kept too; Qwen3.5's mtp.* are left out, as transformers does)."""
     if not any(n.startswith(tuple(TEXT_PREFIXES)) for n in tensors):
         return tensors
     out, dropped = {}, 0
     for name, array in tensors.items():
-        for prefix, new in {**TEXT_PREFIXES, "lm_head.": "lm_head."}.items():
+        for prefix, new in {**TEXT_PREFIXES, "lm_head.": "lm_head.", **({tower: tower} if tower else {})}.items():
             if name.startswith(prefix):
                 out[new + name[len(prefix):]] = array
                 break
         else:
             dropped += 1
-    notes.append(f"imported the text decoder; {dropped} tensors of the other modalities were left out")
+    if tower is None or dropped:
+        notes.append(f"imported the text decoder{' and the vision tower' if tower else ''}; {dropped} tensors of the "
+                     f"{'other modules' if tower else 'other modalities'} were left out")
     return out
 
 
@@ -325,7 +328,6 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
     where = os.path.join(hf_dir, "config.json")
     notes: list[str] = []
     keys = model_keys(hf, notes, where, text_only)
-    with_tower = FAMILIES[keys["decoder_block"]].vision is not None
     modules = prediction_layers(hf, where)
     if keep_mtp:
         keys["mtp_num_layers"] = modules
@@ -341,7 +343,9 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
         # fp8 / MXFP4 pairs as one tensor, dequantised when read; a quantised tensor without its scale is refused
         readable = dequantize.Dequantized(stored, dequantize.fp8_block(hf, where), dequantize.declared_method(hf),
                                           origins)
-        tensors = _without_prediction_layers(readable if with_tower else _text_tensors(readable, notes), hf, keys, notes)
+        vision = FAMILIES[keys["decoder_block"]].vision
+        tensors = _without_prediction_layers(_text_tensors(readable, notes, vision.prefix if vision else None), hf, keys,
+                                             notes)
         first = f"model.layers.{keys['base_num_decoder_layers']}."
         if keep_mtp and not any(n.startswith(first) for n in tensors):
             raise ConversionError(f"--keep_mtp: the checkpoint holds no {first}* tensors, the multi-token-prediction "
@@ -449,14 +453,16 @@ def hf_config(keys: dict, original: dict | None, dtype: str) -> dict:
     family = Model.bind(spec_config(keys)).family
     if original is not None:
         try:
-            same = model_keys(original) == keys and family_for(original)[0] is family
+            text_only = family.vision is None  # of an image-text original: its text decoder (import --text-only)
+            same = model_keys(original, text_only=text_only) == keys and family_for(original, text_only)[0] is family
         except ConversionError:
             same = False
         if same:
             out = dict(original)
             if isinstance(out.get("text_config"), dict) and family.vision is None:  # exported as the text-only model
-                out = {**out, **out.pop("text_config")}
-                out.update(architectures=[family.row.hf_architecture], model_type=family.row.hf_model_types[0])
+                out.update(out.pop("text_config"))
+                out.update(architectures=[family.row.hf_architecture], model_type=family.row.hf_model_types[0],
+                           tie_word_embeddings=keys["logits_via_embedding"])  # the whole model's, as imported
                 out.pop("vision_config", None)
             if family.vision is not None and out.get("audio_config"):  # an audio tower import left out
                 out["audio_config"] = None

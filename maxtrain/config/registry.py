@@ -90,6 +90,8 @@ LLAMA4_SETTINGS = ("decoder_sparse_step",) + LLAMA4_SETTING_KEYS
 # Gemma 4's text decoder's settings (gemma4_text, and gemma4 with its vision tower), all fixing parameter shapes.
 _GEMMA4_SHAPE_KEYS = ("global_head_dim", "global_num_kv_heads", "attention_k_eq_v", "per_layer_input_dim",
                       "num_kv_shared_layers", "double_wide_mlp")
+# The settings of the families that read images through Qwen's tower (models/vision/qwen_images.py).
+IMAGE_SETTINGS = ("vision_config", "image_token_id", "mrope_section")
 
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", ("llama",), "LlamaForCausalLM"),
@@ -97,7 +99,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("qwen2", ("qwen2",), "Qwen2ForCausalLM"),
     Family("qwen3", ("qwen3",), "Qwen3ForCausalLM"),
     Family("qwen3_vl", ("qwen3_vl",), "Qwen3VLForConditionalGeneration",
-           settings=("vision_config", "image_token_id", "mrope_section"), shape_keys=("vision_config",),
+           settings=IMAGE_SETTINGS, shape_keys=("vision_config",),
            setting_keys=("image_token_id", "mrope_section")),
     Family("gemma2", ("gemma2",), "Gemma2ForCausalLM", attention_pattern=("sliding", "full"),
            usual=(("sliding_window_size", 4096),), settings=("attn_logits_soft_cap", "query_pre_attn_scalar")),
@@ -127,12 +129,23 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                                        "shared_expert_mlp_dim"),
            shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts", "shared_expert_mlp_dim"), setting_keys=("partial_rotary_factor",),
            kernel_settings=HYBRID_KERNEL_SETTINGS),
-    Family("qwen3_5_text", ("qwen3_5_text", "qwen3_5"), "Qwen3_5ForCausalLM", per_layer_attention=False,
+    Family("qwen3_5_text", ("qwen3_5_text",), "Qwen3_5ForCausalLM", per_layer_attention=False,
            settings=HYBRID_SETTINGS, shape_keys=HYBRID_SHAPE_KEYS,
            setting_keys=("partial_rotary_factor",), kernel_settings=HYBRID_KERNEL_SETTINGS),
-    Family("qwen3_5_moe_text", ("qwen3_5_moe_text", "qwen3_5_moe"), "Qwen3_5MoeForCausalLM", moe=True,
+    Family("qwen3_5_moe_text", ("qwen3_5_moe_text",), "Qwen3_5MoeForCausalLM", moe=True,
            per_layer_attention=False, usual=(("num_experts", 256),), settings=HYBRID_SETTINGS + ("shared_expert_mlp_dim",),
            shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts", "shared_expert_mlp_dim"), setting_keys=("partial_rotary_factor",),
+           kernel_settings=HYBRID_KERNEL_SETTINGS),
+    # Qwen3.5's released checkpoints: the text decoders above with Qwen3-VL's tower (no deepstack) and M-RoPE
+    Family("qwen3_5", ("qwen3_5",), "Qwen3_5ForConditionalGeneration", per_layer_attention=False,
+           settings=HYBRID_SETTINGS + IMAGE_SETTINGS, shape_keys=HYBRID_SHAPE_KEYS + ("vision_config",),
+           setting_keys=("partial_rotary_factor", "image_token_id", "mrope_section"),
+           kernel_settings=HYBRID_KERNEL_SETTINGS),
+    Family("qwen3_5_moe", ("qwen3_5_moe",), "Qwen3_5MoeForConditionalGeneration", moe=True,
+           per_layer_attention=False, usual=(("num_experts", 256),),
+           settings=HYBRID_SETTINGS + ("shared_expert_mlp_dim",) + IMAGE_SETTINGS,
+           shape_keys=HYBRID_SHAPE_KEYS + ("shared_experts", "shared_expert_mlp_dim", "vision_config"),
+           setting_keys=("partial_rotary_factor", "image_token_id", "mrope_section"),
            kernel_settings=HYBRID_KERNEL_SETTINGS),
     Family("deepseek", ("deepseek_v3", "deepseek_v32", "kimi_k2", "glm_moe_dsa"), "DeepseekV3ForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 256),),

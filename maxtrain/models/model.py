@@ -87,7 +87,8 @@ class Model:
     def forward(self, params, tokens, positions, segment_ids, rt, routing=None, images=None):
         """(logits [B, T, V] float32, aux dict of scalars) for tokens [B, T]; routing [B, T, L_moe, K]: the experts
         the MoE layers replay (routing replay), or None; images: a family with a vision tower's image inputs
-        (pixel_values and its layout arrays, e.g. qwen3_vl.image_inputs), with positions [3, B, T] for M-RoPE."""
+        (pixel_values and its layout arrays, e.g. models/vision/qwen_images.image_inputs), with positions
+        [3, B, T] for M-RoPE."""
         return decoder.forward(self, params, tokens, positions, segment_ids, rt, routing, images)
 
     def hidden(self, params, tokens, positions, segment_ids, rt):

@@ -369,8 +369,8 @@ def test_gemma3_multimodal_checkpoint_imports_its_text_decoder(tmp_path, capsys)
 
 @pytest.mark.slow
 def test_qwen3_5_multimodal_checkpoint_imports_its_language_model(tmp_path, capsys):
-    """Qwen3.5's released checkpoints are vision-language models: the import reads the language model's weights
-    (model.language_model.*), says it left the vision tower out, and gives the text model's logits."""
+    """Qwen3.5's released checkpoints are vision-language models: the text-only import reads the language model's
+    weights (model.language_model.*), says it left the vision tower out, and gives the text model's logits."""
     arch, _, kwargs, _ = CASES["qwen3_5_text-hybrid-dense"]
     text = getattr(transformers, arch)(**{**COMMON, **kwargs})
     vision = transformers.Qwen3_5VisionConfig(depth=1, hidden_size=32, intermediate_size=64, num_heads=2,
@@ -383,7 +383,7 @@ def test_qwen3_5_multimodal_checkpoint_imports_its_language_model(tmp_path, caps
             p.copy_(0.3 * torch.randn_like(p) if "norm" in name else 0.2 * torch.randn_like(p))
     model.save_pretrained(tmp_path / "hf")
     assert any(n.startswith("model.visual.") for n, _ in model.named_parameters())
-    keys = convert.import_hf(str(tmp_path / "hf"), str(tmp_path / "out"))
+    keys = convert.import_hf(str(tmp_path / "hf"), str(tmp_path / "out"), text_only=True)  # else: qwen3_5, the tower
     printed = capsys.readouterr().out
     assert keys["decoder_block"] == "qwen3_5_text" and "text decoder" in printed and "left out" in printed, printed
     tokens = ids(COMMON["vocab_size"])

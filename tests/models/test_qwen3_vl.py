@@ -21,10 +21,10 @@ from maxtrain import check_logits
 from maxtrain import config as config_lib
 from maxtrain.checkpointing import adoption, convert, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
-from maxtrain.models.families import qwen3_vl
+from maxtrain.models.vision import qwen, qwen_images
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
-from maxtrain.models.vision import qwen
+
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch", reason="the [hf] extra (torch, transformers) is not installed")
@@ -88,7 +88,7 @@ def ours(config, params, ids, pixels=None, pad_to=None):
     """Our float32 logits (one jitted forward per model, reused across the tests' calls of the same shapes)."""
     positions, images = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape), None
     if pixels is not None:
-        positions, images = qwen3_vl.model_inputs(config, ids, pixels, GRID, pad_to)
+        positions, images = qwen_images.model_inputs(config, ids, pixels, GRID, pad_to)
     key = (config.decoder_block, config.vision_config)
     if key not in _FORWARDS:
         model, rt = Model.bind(config), Runtime.from_config(config)
@@ -135,7 +135,7 @@ def test_rope_index_is_transformers_get_rope_index(imported):
     theirs, _ = model.model.get_rope_index(torch.from_numpy(ids.astype(np.int64)),
                                            torch.from_numpy((ids == IMAGE).astype(np.int64)),
                                            image_grid_thw=torch.from_numpy(GRID))
-    np.testing.assert_array_equal(qwen3_vl.rope_index(ids, GRID, IMAGE, 2), theirs.numpy())
+    np.testing.assert_array_equal(qwen_images.rope_index(ids, GRID, IMAGE, 2), theirs.numpy())
 
 
 def test_padded_layout_gives_the_same_logits(imported):
@@ -183,7 +183,7 @@ def test_placeholders_that_do_not_match_the_images_are_refused(imported):
     ids, pixels = image_batch()
     ids[0, 5] = 7  # one placeholder fewer
     with pytest.raises(ValueError, match="placeholders"):
-        qwen3_vl.model_inputs(config, ids, pixels, GRID)
+        qwen_images.model_inputs(config, ids, pixels, GRID)
 
 
 def test_text_only_import_keeps_the_language_model(imported, tmp_path):
@@ -229,8 +229,8 @@ def test_a_training_step_with_other_images_does_not_recompile(imported):
     grids = (GRID, np.array([[1, 2, 4]]))
     pixels1 = rng.standard_normal((8, pixels0.shape[1])).astype(np.float32)
     for ids, pixels, grid in ((ids0, pixels0, grids[0]), (ids1, pixels1, grids[1])):
-        images = qwen3_vl.image_inputs(pixels, grid, config, pad_to=48)
-        positions = qwen3_vl.rope_index(ids, grid, IMAGE, 2)
+        images = qwen_images.image_inputs(pixels, grid, config, pad_to=48)
+        positions = qwen_images.rope_index(ids, grid, IMAGE, 2)
         batch = {"inputs": ids, "targets": np.roll(ids, -1, axis=1), "positions": positions,
                  "segment_ids": np.ones_like(ids), "loss_weights": np.ones(ids.shape, np.float32), **images}
         grads = step(params, batch)
@@ -255,7 +255,7 @@ def test_a_batch_without_images_keeps_the_padded_shapes(imported):
     logits are those of the text alone."""
     _, tmp, _ = imported
     config, params = load(tmp / "out")
-    images = qwen3_vl.image_inputs(np.zeros((0, 96), np.float32), np.zeros((0, 3), np.int64), config, pad_to=48)
+    images = qwen_images.image_inputs(np.zeros((0, 96), np.float32), np.zeros((0, 3), np.int64), config, pad_to=48)
     assert images["pixel_values"].shape == (48, 96) and not images["patch_images"].any()
     ids = np.random.default_rng(2).integers(0, 280, (2, 20)).astype(np.int32)
     model, rt = Model.bind(config), Runtime.from_config(config)

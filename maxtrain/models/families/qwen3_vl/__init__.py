@@ -14,53 +14,26 @@
 The deepstack features travel as per-layer inputs [L, B, T, D] (zero after the first len(deepstack_visual_indexes)
 layers): simple, at the cost of L copies of the activations' size; decoding with images is not wired yet.
 
-The model keys vision_config (config.json's vision_config as JSON), image_token_id and mrope_section carry what
-the text keys do not. Images enter Model.forward as `images` (`image_inputs`: pixel_values and the tower's
-PatchLayout arrays, padded to a fixed size so a training step compiles once).
+M-RoPE, the image inputs and the placeholder fill are models/vision/qwen_images.py's (Qwen3.5's families share them).
 """
 
 from __future__ import annotations
 
-import functools
-import json
-
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 from maxtrain.config import registry
 from maxtrain.models import blocks, contract, hf, standard_layers
-from maxtrain.models import rope as rope_lib
 from maxtrain.models.layers import LayerType, attention_types
 from maxtrain.models.params import stacked
-from maxtrain.models.vision import qwen
+from maxtrain.models.vision import qwen, qwen_images
 
 FAMILY = registry.FAMILIES["qwen3_vl"]
 PREFIX = qwen.PREFIXES[FAMILY.hf_architecture]  # model.visual.
-TEXT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head."}  # checkpoint -> the text model's names
-IMAGE_KEYS = ("pixel_values",) + tuple(f"patch_{name}" for name in qwen.PatchLayout._fields)
-
-
-@functools.lru_cache(maxsize=16)
-def _vision(text: str) -> qwen.VisionConfig:
-    return qwen.VisionConfig.from_hf(json.loads(text))
-
-
-def vision_config(config) -> qwen.VisionConfig:
-    """The tower's config from the model key vision_config (config.json's vision_config as JSON)."""
-    if not config.vision_config:
-        raise ValueError("this qwen3_vl model has no vision tower (vision_config is empty): it reads no images; "
-                         "import a Qwen3-VL checkpoint with scripts/convert_hf.py import")
-    return _vision(config.vision_config)
 
 
 def param_specs(model):
     config = model.config
     layer_specs = standard_layers.decoder_specs(config, qk_norm="ones")
-    specs = {**blocks.embedding_specs(config), "layers": {"decoder": stacked(layer_specs, config.base_num_decoder_layers)}}
-    if config.vision_config:  # without one (a preset, a test): the text decoder alone, with M-RoPE
-        specs["vision"] = qwen.param_specs(vision_config(config))
-    return specs
+    return qwen_images.with_tower({**blocks.embedding_specs(config), "layers": {
+        "decoder": stacked(layer_specs, config.base_num_decoder_layers)}}, config)
 
 
 def layer_types(config) -> list[LayerType]:
@@ -81,138 +54,6 @@ def flops_per_token(model, dense_attention: bool = False) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-# Multimodal RoPE
-# --------------------------------------------------------------------------------------------
-
-
-def mrope_streams(section, pairs: int) -> np.ndarray:
-    """[pairs] int: the position stream (0 t, 1 h, 2 w) each frequency pair turns by (interleaved layout)."""
-    i = np.arange(pairs)
-    streams = np.zeros(pairs, np.int32)
-    if section:
-        streams[(i % 3 == 1) & (i < 3 * section[1])] = 1
-        streams[(i % 3 == 2) & (i < 3 * section[2])] = 2
-    return streams
-
-
-def rope_tables(positions, config, widths: dict) -> dict:
-    """{name: (cos, sin) [B, T, H/2]} of positions [3, B, T] (or [B, T]: the three streams equal)."""
-    if positions.ndim == 2:
-        positions = jnp.broadcast_to(positions[None], (3,) + positions.shape)
-    tables = {}
-    for name, width in widths.items():
-        freq, factor = rope_lib.inv_freq(rope_lib.Rope.from_config(config), width)
-        streams = mrope_streams(config.mrope_section, width // 2)
-        chosen = jnp.moveaxis(positions.astype(jnp.float32)[streams], 0, -1)  # [B, T, H/2]: each pair's position
-        angles = chosen * jnp.asarray(freq)
-        tables[name] = (jnp.cos(angles) * factor, jnp.sin(angles) * factor)
-    return tables
-
-
-def rope_index(input_ids, image_grid_thw, image_token_id: int, spatial_merge_size: int) -> np.ndarray:
-    """M-RoPE positions [3, B, T] int32 for input_ids [B, T] (numpy, on the host), as transformers' get_rope_index
-    for images: a run of text counts on from the current position p in all three streams; a run of placeholders
-    takes the next image of image_grid_thw (over the rows in order), its tokens at (p + t, p + row, p + column)
-    of its merged grid, and p moves on by max(h, w) / m."""
-    ids = np.asarray(input_ids)
-    grids = iter([tuple(int(v) for v in row) for row in np.asarray(image_grid_thw).reshape(-1, 3)]
-                 if image_grid_thw is not None else [])
-    out = np.zeros((3,) + ids.shape, np.int32)
-    m = spatial_merge_size
-    for b, row in enumerate(ids):
-        image = row == image_token_id
-        pos, t, parts = 0, 0, []
-        while t < len(row):
-            end = t
-            while end < len(row) and image[end] == image[t]:
-                end += 1
-            if not image[t]:
-                parts.append(np.broadcast_to(np.arange(end - t) + pos, (3, end - t)))
-                pos += end - t
-            else:
-                try:
-                    gt, gh, gw = next(grids)
-                except StopIteration:
-                    raise ValueError(f"row {b} has more runs of image placeholders (id {image_token_id}) than "
-                                     "image_grid_thw has images; give one grid per image") from None
-                tt, hh, ww = np.meshgrid(np.arange(gt), np.arange(gh // m), np.arange(gw // m), indexing="ij")
-                grid_pos = np.stack([tt + pos, hh + pos, ww + pos]).reshape(3, -1)
-                if grid_pos.shape[1] != end - t:
-                    raise ValueError(f"row {b}: {end - t} image placeholders where the image of grid "
-                                     f"{(gt, gh, gw)} has {grid_pos.shape[1]} merged tokens; expand each image to "
-                                     "t*h*w / merge_size^2 <|image_pad|> tokens")
-                parts.append(grid_pos)
-                pos += max(gh, gw) // m
-            t = end
-        out[:, b] = np.concatenate(parts, axis=1)
-    return out
-
-
-# --------------------------------------------------------------------------------------------
-# Images
-# --------------------------------------------------------------------------------------------
-
-
-def image_inputs(pixel_values, image_grid_thw, config, pad_to: int | None = None) -> dict:
-    """The `images` Model.forward reads (batch keys IMAGE_KEYS): pixel_values [P, C*t*p*p] and the tower's
-    layout (qwen.patch_layout), padded with zero patches to pad_to patches."""
-    vc = vision_config(config)
-    layout = qwen.patch_layout(image_grid_thw, vc, pad_to)
-    pixels = np.asarray(pixel_values, np.float32)
-    if pixels.ndim != 2 or pixels.shape[1] != vc.patch_dim:
-        raise ValueError(f"pixel_values {pixels.shape} must be [patches, {vc.patch_dim}] (the processor's layout)")
-    pixels = np.concatenate([pixels, np.zeros((layout.segments.shape[0] - pixels.shape[0], vc.patch_dim), np.float32)])
-    return {"pixel_values": pixels, **{f"patch_{k}": v for k, v in layout._asdict().items()}}
-
-
-def model_inputs(config, input_ids, pixel_values, image_grid_thw, pad_to: int | None = None) -> tuple:
-    """(positions [3, B, T], images) of Model.forward for input_ids [B, T] whose placeholders the images fill (host)."""
-    images = image_inputs(pixel_values, image_grid_thw, config, pad_to)
-    check_placeholders(input_ids, images, config.image_token_id)
-    positions = rope_index(input_ids, image_grid_thw, config.image_token_id, vision_config(config).spatial_merge_size)
-    return positions, images
-
-
-def check_placeholders(tokens, images: dict, image_token_id: int) -> None:
-    """Refuses a batch whose placeholders are not as many as the images' merged tokens (host arrays)."""
-    placeholders = int(np.sum(np.asarray(tokens) == image_token_id))
-    merged = int(np.sum(np.asarray(images["patch_images"]) > 0))
-    if placeholders != merged:
-        raise ValueError(f"the batch has {placeholders} image placeholders (token {image_token_id}) but its images "
-                         f"have {merged} merged tokens; expand each image to t*h*w / merge_size^2 <|image_pad|> tokens")
-
-
-def embed_images(params, x, tokens, images: dict, model, rt):
-    """(x with the placeholders' rows replaced by the images' embeddings, in order; the deepstack features at the
-    placeholders as per-layer inputs [L, B, T, D], zero elsewhere and after the last feature)."""
-    config = model.config
-    missing = [k for k in IMAGE_KEYS if k not in images]
-    if missing:
-        raise ValueError(f"images lack {missing}; make them with qwen3_vl.image_inputs(pixel_values, grid_thw, config)")
-    try:  # concrete arrays are checked here; traced ones were by model_inputs, on the host
-        check_placeholders(np.asarray(tokens), {"patch_images": np.asarray(images["patch_images"])},
-                           config.image_token_id)
-    except jax.errors.TracerArrayConversionError:
-        pass
-    layout = qwen.PatchLayout(*(jnp.asarray(images[f"patch_{k}"]) for k in qwen.PatchLayout._fields))
-    merged, features = qwen.forward_layout(params["vision"], jnp.asarray(images["pixel_values"]), layout,
-                                           vision_config(config), rt.dtype)
-    mask = tokens == config.image_token_id                                   # [B, T]
-    order = jnp.cumsum(mask.reshape(-1)).reshape(mask.shape) - 1             # the k-th placeholder takes row k
-    index = jnp.clip(order, 0, merged.shape[0] - 1)
-
-    def scatter(rows, into):
-        return jnp.where(mask[..., None], rows[index].astype(into.dtype), into)
-    x = scatter(merged, x)
-    layers = config.base_num_decoder_layers
-    if not features:
-        return x, None
-    zeros = jnp.zeros_like(x)
-    per_layer = [scatter(f, zeros) for f in features[:layers]]
-    return x, jnp.stack(per_layer + [zeros] * (layers - len(per_layer)))
-
-
-# --------------------------------------------------------------------------------------------
 # Hugging Face
 # --------------------------------------------------------------------------------------------
 
@@ -222,57 +63,31 @@ HF_NAMES = {**hf.DECODER_NAMES, **hf.QK_NORM_NAMES}
 
 def from_hf_config(config: dict, notes: list | None = None) -> dict:
     """The whole Qwen3VLConfig: text_config (Qwen 3's fields, M-RoPE's mrope_section), vision_config, image_token_id."""
-    if not isinstance(config.get("text_config"), dict) or not isinstance(config.get("vision_config"), dict):
-        raise hf.ConversionError("config.json of a qwen3_vl model needs text_config and vision_config")
-    text = {**config["text_config"], "tie_word_embeddings": config.get(
-        "tie_word_embeddings", config["text_config"].get("tie_word_embeddings", False))}
+    text = qwen_images.text_config(config, FAMILY.name)
     hf.refuse(text, {"hidden_act": "silu", "attention_bias": False})
     rope = hf.rope_dict(text, notes)
     section = list(rope.get("mrope_section") or [24, 20, 20])  # transformers' default
     if len(section) != 3 or sum(section) * 2 > hf.count(text, "head_dim", text["hidden_size"] // text[
             "num_attention_heads"]):
         raise hf.ConversionError(f"mrope_section={section} must be three counts of frequency pairs within head_dim / 2")
-    vision = qwen.VisionConfig.from_hf({"model_type": "qwen3_vl", **config["vision_config"]})
     return {**hf.common_keys(text), **hf.rope_keys(text, notes), **hf.qwen_window_keys(text),
-            "mrope_section": section, "image_token_id": int(config.get("image_token_id", 151655)),
-            "vision_config": json.dumps(_vision_dict(vision), sort_keys=True)}
-
-
-def _vision_dict(vision: qwen.VisionConfig) -> dict:
-    return {**vision.to_hf(), "deepstack_visual_indexes": list(vision.deepstack_visual_indexes)}
+            **qwen_images.image_keys(config, rope, section, "qwen3_vl", 151655)}
 
 
 def to_hf_config(keys: dict) -> dict:
-    text = {k: v for k, v in hf.common_config(keys, FAMILY).items() if k not in ("architectures", "model_type",
-                                                                                 "tie_word_embeddings")}
-    vision = _vision_dict(_keys_vision(keys))
-    rope = {**hf.rope_parameters(keys), "mrope_section": list(keys["mrope_section"]), "mrope_interleaved": True}
-    return {"architectures": [FAMILY.hf_architecture], "model_type": FAMILY.hf_model_types[0],
-            "image_token_id": keys["image_token_id"], "tie_word_embeddings": keys["logits_via_embedding"],
-            "text_config": {**text, "model_type": "qwen3_vl_text", "hidden_act": "silu", "attention_bias": False,
-                            "rope_parameters": rope},
-            "vision_config": {**vision, "model_type": "qwen3_vl", "out_hidden_size": vision["out_hidden_size"]}}
+    text = {**hf.common_config(keys, FAMILY), "hidden_act": "silu", "attention_bias": False,
+            "rope_parameters": hf.rope_parameters(keys)}
+    vision = {**qwen_images.vision_dict(qwen_images.keys_vision(keys)), "model_type": "qwen3_vl"}
+    return qwen_images.hf_config(text, keys, FAMILY, "qwen3_vl_text", vision)
 
 
-def _keys_vision(keys: dict) -> qwen.VisionConfig:
-    if not keys.get("vision_config"):
-        raise hf.ConversionError("this qwen3_vl model has no vision tower (its vision_config is empty); Hugging Face "
-                                 "conversion needs one: import a Qwen3-VL checkpoint")
-    return _vision(keys["vision_config"])
-
-
-def vision_to_maxtrain(tensors: dict, keys: dict, dtype=np.float32) -> dict:
-    return qwen.to_maxtrain(tensors, _keys_vision(keys), PREFIX, dtype)
-
-
-def vision_to_hf(params: dict, keys: dict, dtype=np.float32) -> dict:
-    return qwen.to_hf(params, _keys_vision(keys), PREFIX, dtype)
-
+_TO_MAXTRAIN, _TO_HF = qwen_images.vision_converters(PREFIX)
 
 MODEL = contract.FamilyModel(
     row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=standard_layers.embed,
     layer=layer, logits=standard_layers.logits, flops_per_token=flops_per_token,
-    hf_names=HF_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config, rope_tables=rope_tables,
-    vision=contract.Vision(text_family="qwen3", embed=embed_images, input_keys=IMAGE_KEYS, prefix=PREFIX,
-                           text_prefixes=TEXT_PREFIXES, to_maxtrain=vision_to_maxtrain, to_hf=vision_to_hf,
-                           inputs=model_inputs, projector=("merger", "deepstack")))
+    hf_names=HF_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config, rope_tables=qwen_images.rope_tables,
+    vision=contract.Vision(text_family="qwen3", embed=qwen_images.embed_images, input_keys=qwen_images.IMAGE_KEYS,
+                           prefix=PREFIX, text_prefixes=qwen_images.TEXT_PREFIXES, to_maxtrain=_TO_MAXTRAIN,
+                           to_hf=_TO_HF, inputs=qwen_images.model_inputs,
+                           projector=("merger", "deepstack")))
