@@ -371,7 +371,10 @@ def loss_fn(model, params, batch: dict, rt):
             raise ValueError("images do not run with context parallelism yet; set ici_context_parallelism=1")
         batch = context_parallel.to_layout(batch, cp, reorder=model.config.context_parallel_reorder_strategy)
     weights = batch["loss_weights"].astype(jnp.float32)
-    x, aux = _hidden(model, params, batch["inputs"], batch["positions"], batch["segment_ids"], rt, images=images)
+    positions = batch["positions"]
+    if positions.ndim == 3:  # [B, T, streams] (image conversations' M-RoPE) -> [streams, B, T]
+        positions = jnp.moveaxis(positions, -1, 0)
+    x, aux = _hidden(model, params, batch["inputs"], positions, batch["segment_ids"], rt, images=images)
     head = {k: v for k, v in params.items() if k not in ("layers", "mtp", "vision")}  # what family.logits reads
     head, layout = _head_for_loss(model, head, rt)
     loss = _head_loss(model, head, layout, x, batch["targets"], weights, rt)
@@ -382,11 +385,13 @@ def loss_fn(model, params, batch: dict, rt):
 
 def _batch_images(model, batch: dict):
     """The batch's image inputs (the family's Vision.input_keys; _hidden refuses them for a text-only family), or
-    None when it has no pixel_values."""
+    None when it has no pixel_values. A batch stores each with a leading row axis [B, X, ...] (the micro batch's flat
+    layout cut into B equal parts, so it shards with the rows: data/image_conversations.py); here it is flat again."""
     vision = model.family.vision
     if "pixel_values" not in batch:
         return None
-    return {k: batch[k] for k in (vision.input_keys if vision is not None else ("pixel_values",))}
+    return {k: batch[k].reshape((-1,) + batch[k].shape[2:])
+            for k in (vision.input_keys if vision is not None else ("pixel_values",))}
 
 
 def _head_for_loss(model, head: dict, rt):
