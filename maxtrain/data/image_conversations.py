@@ -280,15 +280,18 @@ class ToImageElement:
                          f"{located[0]}); raise max_target_length to keep them whole")
         return element
 
-    def probe(self) -> None:
-        """The shapes an element's arrays have (pixel rows, position streams), from one small image, in the main
-        process (it also proves the processor works before training starts)."""
-        pixels, grid, count = self.preprocess(images_lib.pillow().new("RGB", (32, 32)))
-        positions, _ = self.vision.inputs(self.config, np.full((1, count), self.image_token_id, np.int32), pixels,
-                                          np.asarray([grid], np.int32))
-        self.pixel_shape = tuple(np.shape(pixels)[1:])
-        self.streams = np.shape(positions)[0] if np.ndim(positions) == 3 else 1
+    def probe(self) -> "ToImageElement":
+        self.pixel_shape, self.streams = probe(self.config, self.vision, self.preprocess)
         return self
+
+
+def probe(config, vision, preprocess) -> tuple[tuple, int]:
+    """(the shape of a patch's pixel row, the number of position streams) from one small image, in the main process
+    (it also proves the processor works before training starts)."""
+    pixels, grid, count = preprocess(images_lib.pillow().new("RGB", (32, 32)))
+    positions, _ = vision.inputs(config, np.full((1, count), config.image_token_id, np.int32), pixels,
+                                 np.asarray([grid], np.int32))
+    return tuple(np.shape(pixels)[1:]), (np.shape(positions)[0] if np.ndim(positions) == 3 else 1)
 
 
 # --------------------------------------------------------------------------------------------
@@ -433,3 +436,14 @@ class EvalImages:
 
     def __call__(self, batch: dict) -> dict:
         return {k: v[0] for k, v in self.finish({k: v[None] for k, v in batch.items()}).items()}
+
+
+def batch_shapes(config, shape: tuple) -> dict:
+    """{key: (shape, dtype)} of a training batch of `shape` [A, b, T] of image conversations (the compiled step's):
+    the image layout a batch without images gets, made by the code that makes the real ones."""
+    from maxtrain.data import hosts  # pylint: disable=import-outside-toplevel
+
+    vision = vision_of(config)
+    pixel_shape, streams = probe(config, vision, vision.preprocess(config, processor_config(config)))
+    batch = ToModelImages(config, vision, pixel_shape, streams)(hosts.padding_batch(shape[:2], shape[2]))
+    return {k: (v.shape, v.dtype) for k, v in batch.items()}
