@@ -9,6 +9,12 @@ With objective=sft or dpo the tokens that carry loss are marked «like this» (D
 
     row 0  ⟦1 @0-14⟧'<|im_start|>user⏎12+5=<|im_end|>⏎<|im_start|>assistant⏎«17<|im_end|>⏎»'
 
+Image conversations (a model with an image tower) show a run of image placeholders once with its count, and under
+each row where its images sit (input columns, merged grid, the M-RoPE positions t, h, w they get):
+
+    row 0  ⟦1 @0-19⟧'<|im_start|>user⏎<|image_pad|>×6⏎colour?...'
+           image 1 of segment 1: columns 5-10 (6 tokens, merged grid 2x3) at t=5 h=5-6 w=5-7
+
 Options (besides the usual key=value config overrides):
     --batches N   batches to print (default 2)        --rows N    rows per batch (default 4)
     --chars N     characters shown per segment (default 160; the middle is elided)
@@ -19,6 +25,7 @@ process_id=<host>: nothing is initialized, only the sharding is computed as thos
 from __future__ import annotations
 
 import argparse
+import re
 
 import jax
 import numpy as np
@@ -73,6 +80,25 @@ def render_row(tokens: np.ndarray, segment_ids: np.ndarray, positions: np.ndarra
     return "  ".join(parts)
 
 
+def image_spans(tokens: np.ndarray, segment_ids: np.ndarray, positions: np.ndarray, image_token_id: int) -> list[str]:
+    """Where a row's images sit: each run of image placeholders with its columns, merged grid and the positions
+    [T, 3] (t, h, w) its tokens get."""
+    image = tokens == image_token_id
+    out, count, start = [], {}, None
+    for j in range(len(tokens) + 1):
+        if j < len(tokens) and image[j] and start is None:
+            start = j
+        elif start is not None and (j == len(tokens) or not image[j]):
+            t, h, w = (positions[start:j, s] for s in range(3))
+            seg = int(segment_ids[start])
+            count[seg] = count.get(seg, 0) + 1
+            span = lambda a: f"{a.min()}" if a.min() == a.max() else f"{a.min()}-{a.max()}"  # noqa: E731
+            out.append(f"image {count[seg]} of segment {seg}: columns {start}-{j - 1} ({j - start} tokens, merged "
+                       f"grid {h.max() - h.min() + 1}x{w.max() - w.min() + 1}) at t={span(t)} h={span(h)} w={span(w)}")
+            start = None
+    return out
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(prog="python -m maxtrain.inspect_data", add_help=True)
     parser.add_argument("--batches", type=int, default=2)
@@ -117,11 +143,21 @@ def main(argv: list[str]) -> None:
         batch = next(inputs.train_iterator)
         weights = batch["loss_weights"]
         print(f"\nbatch {b} of host {host}: {int(weights.sum()):,} of {weights.size:,} targets count in the loss")
-        flat = {k: v.reshape((-1, v.shape[-1])) for k, v in batch.items()}
+        streams = batch["positions"].reshape(-1, config.max_target_length, *batch["positions"].shape[3:])
+        flat = {k: batch[k].reshape((-1, config.max_target_length)) for k in ("inputs", "segment_ids", "loss_weights")}
+        images = "pixel_values" in batch and tok is not None
         for r in range(min(opts.rows, flat["inputs"].shape[0])):
             marks = flat["loss_weights"][r] if config_lib.objectives.templated(config) else None
-            print(f"  row {r}  " + render_row(flat["inputs"][r], flat["segment_ids"][r], flat["positions"][r], tok,
-                                              opts.chars, marks))
+            positions = streams[r] if streams.ndim == 2 else streams[r][:, 0]
+            line = render_row(flat["inputs"][r], flat["segment_ids"][r], positions, tok, opts.chars, marks)
+            if images:  # a run of placeholders once, with its count
+                piece = re.escape(tok.piece(config.image_token_id))
+                line = re.sub(f"(?:{piece})+", lambda m: f"{tok.piece(config.image_token_id)}×"
+                              f"{len(re.findall(piece, m.group(0)))}", line)
+            print(f"  row {r}  " + line)
+            if images and streams.ndim == 3:
+                for span in image_spans(flat["inputs"][r], flat["segment_ids"][r], streams[r], config.image_token_id):
+                    print(f"         {span}")
     inputs.close()  # stops background cache building (dataset_cache_dir), if any
 
 
