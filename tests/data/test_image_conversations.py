@@ -119,7 +119,7 @@ def _bad(dataset, tmp_path, record_image, *extra, decoder_block=None, record=Non
     path = helpers.write_jsonl(str(directory / "bad.jsonl"), [record])
     paths = {**dataset, "train": path, "tokenizer": str(directory / "tok.model")}
     args = compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}", *helpers.model_args(paths), *extra,
-                   *([f"decoder_block={decoder_block}", "vision_config=", "mrope_section=[]"] if decoder_block else []))
+                   *([f"decoder_block={decoder_block}", "vision_config=", "mrope_section=[]", "image_token_id=-1"] if decoder_block else []))
     with pytest.raises(DataError) as e:
         data_lib.make_inputs(config_lib.with_devices(config_lib.load_config(args), 1), log=lambda *_: None)
     message = str(e.value)
