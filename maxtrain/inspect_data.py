@@ -34,6 +34,7 @@ from maxtrain import config as config_lib
 from maxtrain import data as data_lib
 from maxtrain.data import pipeline, sources
 from maxtrain.errors import run_cli
+from maxtrain.models.model import Model
 
 KEYS = ("dataset_type", "grain_train_files", "grain_eval_files", "tokenizer_path", "max_target_length",
         "per_device_batch_size", "objective", "num_processes", "process_id")
@@ -111,7 +112,8 @@ def main(argv: list[str]) -> None:
     if not 0 <= host < hosts:
         raise config_lib.ConfigError(f"process_id={host} must be in [0, num_processes={hosts})")
     config = config_lib.with_devices(config, jax.local_device_count() * hosts, 1)
-    inputs = data_lib.make_inputs(config, process_index=host, process_count=hosts)
+    vision = Model.bind(config).family.vision if config.vision_config else None  # a model with an image tower
+    inputs = data_lib.make_inputs(config, process_index=host, process_count=hosts, vision=vision)
     tok = inputs.tokenizer
 
     print(f"dataset_type={config.dataset_type}  T={config.max_target_length}  packing={config.packing}"

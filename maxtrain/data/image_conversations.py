@@ -1,5 +1,6 @@
-"""SFT on conversations whose user turns hold images (issue 59, item 4), for a family with an image tower
-(contract.Vision with `preprocess`).
+"""SFT on conversations whose user turns hold images (issue 59, item 4), for a family with an image tower: its
+contract.Vision (`vision`, handed in by the command that bound the model: data/ does not import models/) lays out
+positions and images; images.for_tower preprocesses them as the tower's processor does.
 
 Records. transformers' chat format: a message's content is a string or a list of items {"type": "text", "text": ...}
 and {"type": "image", "image": ...}, the image a path relative to the data file's folder (jsonl), raw bytes, or the
@@ -40,18 +41,22 @@ PIXELS, GRIDS = "pixel_values", "image_grids"
 TEXT_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_weights")
 
 
-def vision_of(config, log=print):
-    """The family's Vision, or a DataError when it reads no images."""
-    from maxtrain.models import families  # pylint: disable=import-outside-toplevel
-
-    family = families.FAMILIES[config.decoder_block]
-    vision = family.vision
-    if vision is None or vision.preprocess is None or not getattr(config, "vision_config", ""):
+def vision_of(config, vision):
+    """`vision` (the bound model's contract.Vision, handed in by the command that bound the model: data/ does not
+    import models/), or a DataError when the model reads no images."""
+    if vision is None or not getattr(config, "vision_config", ""):
         raise DataError(f"decoder_block={config.decoder_block} has no image tower"
                         + ("" if vision is None else " in this checkpoint (vision_config is empty)")
                         + ": it cannot read image conversations. Use a model with one (e.g. a Qwen3-VL checkpoint "
                         "imported with scripts/convert_hf.py import), or drop the images from the data")
     return vision
+
+
+def preprocessor(config):
+    """The image -> (pixel_values, grid, placeholders) map of the model's tower (images.for_tower)."""
+    import json  # pylint: disable=import-outside-toplevel
+
+    return images_lib.for_tower(json.loads(config.vision_config), processor_config(config))
 
 
 def processor_config(config) -> dict | None:
@@ -299,16 +304,14 @@ def probe(config, vision, preprocess) -> tuple[tuple, int]:
 # --------------------------------------------------------------------------------------------
 
 
-def to_example(row: dict) -> dict:
-    """A packed row (tokens T + 1, patches, grids) -> the text example [T] (positions [T, S]) with the row's
-    pixel_values [patches_per_row, ...] and image_grids [patches_per_row, 3] (rows of zeros past its images)."""
-    from maxtrain.data import conversations  # pylint: disable=import-outside-toplevel
-
-    example = conversations.to_example(row)
-    return {**example, PIXELS: row[PIXELS], GRIDS: row[GRIDS]}
+def to_example(row: dict, text_example) -> dict:
+    """A packed row (tokens T + 1, patches, grids) -> the text example [T] (text_example: conversations.to_example;
+    positions [T, S]) with the row's pixel_values [patches_per_row, ...] and image_grids [patches_per_row, 3] (rows
+    of zeros past its images)."""
+    return {**text_example(row), PIXELS: row[PIXELS], GRIDS: row[GRIDS]}
 
 
-def _single_row(element: dict, length: int, patches: int) -> dict:
+def _single_row(element: dict, length: int, patches: int, text_example) -> dict:
     n = len(element["tokens"])
     row = {}
     for k, v in element.items():
@@ -316,10 +319,10 @@ def _single_row(element: dict, length: int, patches: int) -> dict:
         row[k] = np.zeros((size,) + v.shape[1:], v.dtype)
         row[k][:len(v)] = v
     row["tokens_segment_ids"] = (np.arange(length) < n).astype(np.int32)
-    return to_example(row)
+    return to_example(row, text_example)
 
 
-def rows(elements, config, num_rows: int):
+def rows(elements, config, num_rows: int, text_example):
     """Examples of whole conversations: first-fit into `num_rows` open rows by tokens and patches at once."""
     import functools  # pylint: disable=import-outside-toplevel
 
@@ -327,12 +330,12 @@ def rows(elements, config, num_rows: int):
 
     length, patches = config.max_target_length + 1, config.image_patches_per_row
     if not config.packing:
-        return elements.map(functools.partial(_single_row, length=length, patches=patches))
+        return elements.map(functools.partial(_single_row, length=length, patches=patches, text_example=text_example))
     struct = {"tokens": length, "weights": length, "parts": length, "positions": length, PIXELS: patches,
               GRIDS: patches}
     packed = grain_exp.FirstFitPackIterDataset(elements, length_struct=struct, num_packing_bins=num_rows,
                                                shuffle_bins=False)
-    return packed.map(to_example)
+    return packed.map(functools.partial(to_example, text_example=text_example))
 
 
 class ToModelImages:
@@ -385,43 +388,41 @@ class ToModelImages:
 # --------------------------------------------------------------------------------------------
 
 
-def active(config) -> bool:
-    """Whether SFT records are read as image conversations: a family with an image tower and its vision_config."""
-    from maxtrain.config import objectives  # pylint: disable=import-outside-toplevel
-    from maxtrain.models import families  # pylint: disable=import-outside-toplevel
+def active(config, vision) -> bool:
+    """Whether SFT records are read as image conversations: the bound model's family has an image tower (`vision`)
+    and the config its vision_config."""
+    from maxtrain.config import objectives  # pylint: disable=import-outside-toplevel  (deferred: data's imports)
 
-    vision = families.FAMILIES[config.decoder_block].vision
-    return (vision is not None and vision.preprocess is not None and bool(getattr(config, "vision_config", ""))
+    return (vision is not None and bool(getattr(config, "vision_config", ""))
             and objectives.data_kind(config) != objectives.PAIRS)
 
 
-def refuse(config, where: str) -> None:
+def refuse(config, vision, where: str) -> None:
     """A record with images read by the text path: one line saying why and what to do."""
-    if not active(config):
+    if not active(config, vision):
         from maxtrain.config import objectives  # pylint: disable=import-outside-toplevel
 
         if objectives.data_kind(config) == objectives.PAIRS:
             raise DataError(f"{where}: the record holds images, but preference pairs are text only; train on image "
                             "conversations with objective=sft, or drop the images")
         try:
-            vision_of(config)
+            vision_of(config, vision)
         except DataError as e:
             raise DataError(f"{where}: the record holds images, but {e}") from None
 
 
-def converter(template, config, columns: list[str], length: int, log, key: str) -> ToImageElement:
+def converter(template, config, vision, columns: list[str], length: int, log, key: str) -> ToImageElement:
     """ToImageElement for the config's family (probed: its pixel shape and position streams are known)."""
     import jax  # pylint: disable=import-outside-toplevel
 
     if jax.process_count() > 1:
         raise DataError("image conversations are read by one process for now (each host's image layout would "
                         "interleave with the next host's); train on one host")
-    vision = vision_of(config)
+    vision = vision_of(config, vision)
     if config.image_token_id < 0:
         raise DataError("image_token_id is -1: set it to the id of the image placeholder token (<|image_pad|>), as "
                         "scripts/convert_hf.py import writes it")
-    return ToImageElement(template, config, columns, length, vision, vision.preprocess(config, processor_config(config)),
-                          key, log).probe()
+    return ToImageElement(template, config, columns, length, vision, preprocessor(config), key, log).probe()
 
 
 def finisher(config, element: ToImageElement) -> ToModelImages:
@@ -438,12 +439,12 @@ class EvalImages:
         return {k: v[0] for k, v in self.finish({k: v[None] for k, v in batch.items()}).items()}
 
 
-def batch_shapes(config, shape: tuple) -> dict:
+def batch_shapes(config, vision, shape: tuple) -> dict:
     """{key: (shape, dtype)} of a training batch of `shape` [A, b, T] of image conversations (the compiled step's):
     the image layout a batch without images gets, made by the code that makes the real ones."""
     from maxtrain.data import hosts  # pylint: disable=import-outside-toplevel
 
-    vision = vision_of(config)
-    pixel_shape, streams = probe(config, vision, vision.preprocess(config, processor_config(config)))
+    vision = vision_of(config, vision)
+    pixel_shape, streams = probe(config, vision, preprocessor(config))
     batch = ToModelImages(config, vision, pixel_shape, streams)(hosts.padding_batch(shape[:2], shape[2]))
     return {k: (v.shape, v.dtype) for k, v in batch.items()}

@@ -90,9 +90,6 @@ class Vision:
     to_hf: Callable[..., dict]       # (params["vision"], model keys, dtype) -> tensors under `prefix`
     inputs: Callable[..., tuple]     # (config, input_ids [B, T], pixel_values, image_grid_thw, pad_to=None) -> (positions,
                                      # images) for Model.forward, made on the host as the processor's model does
-    preprocess: Callable[..., Any] | None = None  # (config, preprocessor_config.json dict or None) -> a picklable
-                                     # image -> (pixel_values [P, ...], grid row, placeholder count) for the
-                                     # training data (data/image_conversations.py); None: the family reads no image data
 
 
 @dataclasses.dataclass(frozen=True)

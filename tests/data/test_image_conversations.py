@@ -30,9 +30,19 @@ def _config(dataset, tmp_path, *extra, devices: int = 1):
         BASE_YML, *TINY, f"base_output_directory={tmp_path}", *helpers.model_args(dataset), *extra)), devices)
 
 
+def _vision(config):
+    from maxtrain.models.model import Model  # pylint: disable=import-outside-toplevel
+
+    return Model.bind(config).family.vision
+
+
+def _inputs(config):
+    return data_lib.make_inputs(config, log=lambda *_: None, vision=_vision(config))
+
+
 def _element(config, located):
     template = conversations.open_template(config, data_lib.sources.load_tokenizer(config, None, None))
-    return conversations.converter(template, config, "train", log=lambda *_: None)(located)
+    return conversations.converter(template, config, "train", lambda *_: None, _vision(config))(located)
 
 
 def test_a_record_renders_with_its_image_expanded_and_loss_on_the_answer_only(dataset, tmp_path):
@@ -79,10 +89,10 @@ def test_parquet_image_bytes_in_the_items_or_as_datasets_structs(dataset, tmp_pa
 
 def test_packed_batches_keep_images_whole_positions_per_conversation_and_fixed_shapes(dataset, tmp_path):
     config = _config(dataset, tmp_path, "image_patches_per_row=32")  # 24 patches an image: one image per row
-    it = data_lib.make_inputs(config, log=lambda *_: None).train_iterator
+    it = _inputs(config).train_iterator
     batches = [next(it) for _ in range(2)]
     assert {k: v.shape for k, v in batches[0].items()} == {k: v.shape for k, v in batches[1].items()}
-    shapes = image_conversations.batch_shapes(config, batches[0]["inputs"].shape)
+    shapes = image_conversations.batch_shapes(config, _vision(config), batches[0]["inputs"].shape)
     assert {k: v[0] for k, v in shapes.items()} == {k: v.shape for k, v in batches[0].items()}
     for batch in batches:
         tokens, seg, pos = batch["inputs"][0], batch["segment_ids"][0], batch["positions"][0]
@@ -101,7 +111,7 @@ def test_packed_batches_keep_images_whole_positions_per_conversation_and_fixed_s
 @pytest.mark.slow  # ~10 s: starting a Grain worker
 def test_images_are_decoded_in_grains_workers(dataset, tmp_path, monkeypatch):
     config = _config(dataset, tmp_path, "grain_worker_count=1")
-    inputs = data_lib.make_inputs(config, log=lambda *_: None)
+    inputs = _inputs(config)
     calls = []
     opened = image_conversations.open_image
     monkeypatch.setattr(image_conversations, "open_image", lambda *a: calls.append(a) or opened(*a))
@@ -121,7 +131,7 @@ def _bad(dataset, tmp_path, record_image, *extra, decoder_block=None, record=Non
     args = compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}", *helpers.model_args(paths), *extra,
                    *([f"decoder_block={decoder_block}", "vision_config=", "mrope_section=[]", "image_token_id=-1"] if decoder_block else []))
     with pytest.raises(DataError) as e:
-        data_lib.make_inputs(config_lib.with_devices(config_lib.load_config(args), 1), log=lambda *_: None)
+        _inputs(config_lib.with_devices(config_lib.load_config(args), 1))
     message = str(e.value)
     assert "\n" not in message and f"{path} line 1" in message
     return message, directory
@@ -151,7 +161,7 @@ def test_model_loss_reads_row_split_images_as_the_flat_forward(dataset, tmp_path
     from maxtrain.models import ops  # pylint: disable=import-outside-toplevel
 
     config = _config(dataset, tmp_path, "attention=dot_product", "max_target_length=24", "base_num_decoder_layers=1")
-    batch = {k: v[0] for k, v in next(data_lib.make_inputs(config, log=lambda *_: None).train_iterator).items()}
+    batch = {k: v[0] for k, v in next(_inputs(config).train_iterator).items()}
     model = Model.bind(config)
     params = model.init_params(jax.random.PRNGKey(0))
     rt = Runtime.from_config(config)

@@ -29,7 +29,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain.config import registry
-from maxtrain.data import images as images_lib
 from maxtrain.models import blocks, contract, hf, standard_layers
 from maxtrain.models import rope as rope_lib
 from maxtrain.models.layers import LayerType, attention_types
@@ -174,20 +173,6 @@ def model_inputs(config, input_ids, pixel_values, image_grid_thw, pad_to: int | 
     return positions, images
 
 
-def _preprocessed(image, spec):
-    out = images_lib.qwen_vl(image, spec)
-    return out.pixel_values, out.grid_thw, out.num_tokens
-
-
-def preprocess(config, processor: dict | None):
-    """image -> (pixel_values, grid (t, h, w), placeholders): Qwen3-VL's processor (preprocessor_config.json's keys,
-    else Qwen3-VL's own) with the tower's patch, frame and merge sizes."""
-    vc = vision_config(config)
-    keys = {**images_lib.QWEN3_VL, **(processor or {}), "patch_size": vc.patch_size,
-            "temporal_patch_size": vc.temporal_patch_size, "merge_size": vc.spatial_merge_size}
-    return functools.partial(_preprocessed, spec=images_lib.QwenVisionPreprocess.from_config(keys))
-
-
 def check_placeholders(tokens, images: dict, image_token_id: int) -> None:
     """Refuses a batch whose placeholders are not as many as the images' merged tokens (host arrays)."""
     placeholders = int(np.sum(np.asarray(tokens) == image_token_id))
@@ -290,4 +275,4 @@ MODEL = contract.FamilyModel(
     hf_names=HF_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config, rope_tables=rope_tables,
     vision=contract.Vision(text_family="qwen3", embed=embed_images, input_keys=IMAGE_KEYS, prefix=PREFIX,
                            text_prefixes=TEXT_PREFIXES, to_maxtrain=vision_to_maxtrain, to_hf=vision_to_hf,
-                           inputs=model_inputs, preprocess=preprocess))
+                           inputs=model_inputs))
