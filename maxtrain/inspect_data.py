@@ -25,14 +25,13 @@ process_id=<host>: nothing is initialized, only the sharding is computed as thos
 from __future__ import annotations
 
 import argparse
-import re
 
 import jax
 import numpy as np
 
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
-from maxtrain.data import pipeline, sources
+from maxtrain.data import image_conversations, pipeline, sources
 from maxtrain.errors import run_cli
 from maxtrain.models.model import Model
 
@@ -79,25 +78,6 @@ def render_row(tokens: np.ndarray, segment_ids: np.ndarray, positions: np.ndarra
                 parts.append(f"⟦{seg} @{positions[start]}-{positions[end - 1]}⟧{text}")
             start = end
     return "  ".join(parts)
-
-
-def image_spans(tokens: np.ndarray, segment_ids: np.ndarray, positions: np.ndarray, image_token_id: int) -> list[str]:
-    """Where a row's images sit: each run of image placeholders with its columns, merged grid and the positions
-    [T, 3] (t, h, w) its tokens get."""
-    image = tokens == image_token_id
-    out, count, start = [], {}, None
-    for j in range(len(tokens) + 1):
-        if j < len(tokens) and image[j] and start is None:
-            start = j
-        elif start is not None and (j == len(tokens) or not image[j]):
-            t, h, w = (positions[start:j, s] for s in range(3))
-            seg = int(segment_ids[start])
-            count[seg] = count.get(seg, 0) + 1
-            span = lambda a: f"{a.min()}" if a.min() == a.max() else f"{a.min()}-{a.max()}"  # noqa: E731
-            out.append(f"image {count[seg]} of segment {seg}: columns {start}-{j - 1} ({j - start} tokens, merged "
-                       f"grid {h.max() - h.min() + 1}x{w.max() - w.min() + 1}) at t={span(t)} h={span(h)} w={span(w)}")
-            start = None
-    return out
 
 
 def main(argv: list[str]) -> None:
@@ -152,13 +132,11 @@ def main(argv: list[str]) -> None:
             marks = flat["loss_weights"][r] if config_lib.objectives.templated(config) else None
             positions = streams[r] if streams.ndim == 2 else streams[r][:, 0]
             line = render_row(flat["inputs"][r], flat["segment_ids"][r], positions, tok, opts.chars, marks)
-            if images:  # a run of placeholders once, with its count
-                piece = re.escape(tok.piece(config.image_token_id))
-                line = re.sub(f"(?:{piece})+", lambda m: f"{tok.piece(config.image_token_id)}×"
-                              f"{len(re.findall(piece, m.group(0)))}", line)
-            print(f"  row {r}  " + line)
+            print(f"  row {r}  " + (image_conversations.runs_once(line, tok.piece(config.image_token_id)) if images
+                                    else line))
             if images and streams.ndim == 3:
-                for span in image_spans(flat["inputs"][r], flat["segment_ids"][r], streams[r], config.image_token_id):
+                for span in image_conversations.image_spans(flat["inputs"][r], flat["segment_ids"][r], streams[r],
+                                                            config.image_token_id):
                     print(f"         {span}")
     inputs.close()  # stops background cache building (dataset_cache_dir), if any
 

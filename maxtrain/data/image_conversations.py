@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import warnings
 
 import numpy as np
 
-from maxtrain.data import chat, images as images_lib
+from maxtrain.config import objectives
+from maxtrain.data import chat, hosts, images as images_lib
 from maxtrain.data.errors import DataError
 
 PIXELS, GRIDS = "pixel_values", "image_grids"
@@ -103,7 +105,8 @@ def messages_and_images(record: dict, columns: list[str], where: str, key: str):
         if not isinstance(m, dict) or "role" not in m or "content" not in m:
             raise DataError(f"{where}: message {i} must be an object with 'role' and 'content', got {m!r:.80}")
         if m["role"] not in chat.ROLES:
-            raise DataError(f"{where}: message {i} has an unknown role {m['role']!r}; roles are {', '.join(chat.ROLES)}")
+            raise DataError(f"{where}: message {i} has an unknown role {m['role']!r}; roles are "
+                            f"{', '.join(chat.ROLES)}")
         content = m["content"]
         if isinstance(content, str):
             out.append({"role": m["role"], "content": content})
@@ -133,8 +136,8 @@ def messages_and_images(record: dict, columns: list[str], where: str, key: str):
                                 "...} or {'type': 'image', 'image': path or bytes}")
         out.append({"role": m["role"], "content": items})
     if not any(m["role"] == "assistant" for m in out):
-        raise DataError(f"{where}: the conversation has no assistant turn, so nothing would be learned from it. Add the "
-                        "assistant's reply, or remove the record")
+        raise DataError(f"{where}: the conversation has no assistant turn, so nothing would be learned from it. Add "
+                        "the assistant's reply, or remove the record")
     return out, sources
 
 
@@ -391,8 +394,6 @@ class ToModelImages:
 def active(config, vision) -> bool:
     """Whether SFT records are read as image conversations: the bound model's family has an image tower (`vision`)
     and the config its vision_config."""
-    from maxtrain.config import objectives  # pylint: disable=import-outside-toplevel  (deferred: data's imports)
-
     return (vision is not None and bool(getattr(config, "vision_config", ""))
             and objectives.data_kind(config) != objectives.PAIRS)
 
@@ -400,8 +401,6 @@ def active(config, vision) -> bool:
 def refuse(config, vision, where: str) -> None:
     """A record with images read by the text path: one line saying why and what to do."""
     if not active(config, vision):
-        from maxtrain.config import objectives  # pylint: disable=import-outside-toplevel
-
         if objectives.data_kind(config) == objectives.PAIRS:
             raise DataError(f"{where}: the record holds images, but preference pairs are text only; train on image "
                             "conversations with objective=sft, or drop the images")
@@ -442,9 +441,37 @@ class EvalImages:
 def batch_shapes(config, vision, shape: tuple) -> dict:
     """{key: (shape, dtype)} of a training batch of `shape` [A, b, T] of image conversations (the compiled step's):
     the image layout a batch without images gets, made by the code that makes the real ones."""
-    from maxtrain.data import hosts  # pylint: disable=import-outside-toplevel
-
     vision = vision_of(config, vision)
     pixel_shape, streams = probe(config, vision, preprocessor(config))
     batch = ToModelImages(config, vision, pixel_shape, streams)(hosts.padding_batch(shape[:2], shape[2]))
     return {k: (v.shape, v.dtype) for k, v in batch.items()}
+
+
+# --------------------------------------------------------------------------------------------
+# Showing where the images sit (inspect_data)
+# --------------------------------------------------------------------------------------------
+
+
+def runs_once(text: str, piece: str) -> str:
+    """A decoded row with each run of the image token's text shown once with its count (<|image_pad|>×6)."""
+    escaped = re.escape(piece)
+    return re.sub(f"(?:{escaped})+", lambda m: f"{piece}×{len(m.group(0)) // len(piece)}", text)
+
+
+def image_spans(tokens: np.ndarray, segment_ids: np.ndarray, positions: np.ndarray, image_token_id: int) -> list[str]:
+    """Where a row's images sit: each run of image placeholders with its columns, merged grid and the positions
+    [T, 3] (t, h, w) its tokens get."""
+    image = tokens == image_token_id
+    out, count, start = [], {}, None
+    for j in range(len(tokens) + 1):
+        if j < len(tokens) and image[j] and start is None:
+            start = j
+        elif start is not None and (j == len(tokens) or not image[j]):
+            t, h, w = (positions[start:j, s] for s in range(3))
+            seg = int(segment_ids[start])
+            count[seg] = count.get(seg, 0) + 1
+            span = lambda a: f"{a.min()}" if a.min() == a.max() else f"{a.min()}-{a.max()}"  # noqa: E731
+            out.append(f"image {count[seg]} of segment {seg}: columns {start}-{j - 1} ({j - start} tokens, merged "
+                       f"grid {h.max() - h.min() + 1}x{w.max() - w.min() + 1}) at t={span(t)} h={span(h)} w={span(w)}")
+            start = None
+    return out

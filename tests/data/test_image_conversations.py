@@ -129,7 +129,8 @@ def _bad(dataset, tmp_path, record_image, *extra, decoder_block=None, record=Non
     path = helpers.write_jsonl(str(directory / "bad.jsonl"), [record])
     paths = {**dataset, "train": path, "tokenizer": str(directory / "tok.model")}
     args = compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}", *helpers.model_args(paths), *extra,
-                   *([f"decoder_block={decoder_block}", "vision_config=", "mrope_section=[]", "image_token_id=-1"] if decoder_block else []))
+                   *([f"decoder_block={decoder_block}", "vision_config=", "mrope_section=[]", "image_token_id=-1"]
+                     if decoder_block else []))
     with pytest.raises(DataError) as e:
         _inputs(config_lib.with_devices(config_lib.load_config(args), 1))
     message = str(e.value)
@@ -186,3 +187,15 @@ def test_a_tiny_qwen3_vl_trains_on_image_conversations_through_train_main(datase
     out = capsys.readouterr().out
     losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
     assert len(losses) == 3 and all(np.isfinite(losses))
+
+
+def test_inspect_data_shows_where_the_images_sit(dataset, tmp_path, capsys):
+    from maxtrain import inspect_data  # pylint: disable=import-outside-toplevel
+
+    inspect_data.main([*compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}", *helpers.model_args(dataset)),
+                       "--batches", "1", "--rows", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.strip().startswith("row 0"))
+    assert "<|image_pad|>×6" in lines[row]
+    assert lines[row + 1].split()[:6] == ["image", "1", "of", "segment", "1:", "columns"]
+    assert "(6 tokens, merged grid" in lines[row + 1] and " at t=" in lines[row + 1]
