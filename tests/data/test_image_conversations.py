@@ -183,10 +183,13 @@ def test_a_tiny_qwen3_vl_trains_on_image_conversations_through_train_main(datase
     from maxtrain import train  # pylint: disable=import-outside-toplevel
 
     train.main(compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}", "run_name=images",
-                       *helpers.model_args(dataset), "steps=3", "log_period=1"))
+                       *helpers.model_args(dataset), "steps=3", "log_period=1", f"grain_eval_files={dataset['train']}",
+                       "eval_data_columns=[messages]", "eval_interval=3", "eval_steps=1"))
     out = capsys.readouterr().out
     losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
-    assert len(losses) == 3 and all(np.isfinite(losses))
+    evals = [float(line.split("loss ")[1]) for line in out.splitlines() if line.startswith("eval at step")]
+    assert len(losses) == 3 and all(np.isfinite(losses)) and len(evals) == 2
+    assert evals[1] < evals[0]  # the eval batches (with their images) go through the eval step too
 
 
 def test_inspect_data_shows_where_the_images_sit(dataset, tmp_path, capsys):
