@@ -202,3 +202,16 @@ def test_inspect_data_shows_where_the_images_sit(dataset, tmp_path, capsys):
     assert "<|image_pad|>×6" in lines[row]
     assert lines[row + 1].split()[:6] == ["image", "1", "of", "segment", "1:", "columns"]
     assert "(6 tokens, merged grid" in lines[row + 1] and " at t=" in lines[row + 1]
+
+
+def test_a_truncated_conversation_keeps_only_the_images_wholly_inside_its_inputs():
+    image = 9
+    tokens = np.array([1, 2, image, image, image, 3, image, image, 4, 5], np.int32)
+    element = {"tokens": tokens, "weights": np.ones(10, np.float32), "parts": np.ones(10, np.int32),
+               "positions": np.zeros((10, 3), np.int32), "pixel_values": np.arange(28, dtype=np.float32)[:, None],
+               "image_grids": np.array([[1, 4, 4], [1, 2, 6]], np.int32)}
+    kept, was_cut = image_conversations.cut(element, 8, image)  # the second image would end at the row's last token
+    assert was_cut and list(kept["tokens"]) == [1, 2, image, image, image, 3]
+    assert kept["image_grids"].tolist() == [[1, 4, 4]] and kept["pixel_values"].shape == (16, 1)
+    kept, _ = image_conversations.cut(element, 9, image)  # both whole inside the inputs
+    assert len(kept["tokens"]) == 9 and len(kept["image_grids"]) == 2 and kept["pixel_values"].shape == (28, 1)
