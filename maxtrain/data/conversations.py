@@ -14,6 +14,8 @@ two: 2k-1 chosen, 2k rejected) and positions restarting at 0, so attention never
 conversation into another. An element longer than max_target_length + 1 tokens is truncated (a
 DPO pair: each sequence to half), and the count is reported in a warning.
 
+Records whose messages hold images (a model with an image tower) are image_conversations.py's.
+
 The file reading, shuffling and host sharding are sources.py's (jsonl/parquet: by file, a window
 shuffle); the iterator is checkpointable end to end, as for pre-training.
 """
@@ -315,6 +317,9 @@ def make_inputs(config, index: int, count: int, log=print, vision=None):
     convert = converter(template, config, "train", log, vision)
     images = isinstance(convert, image_conversations.ToImageElement)
     finish = image_conversations.finisher(config, convert) if images else None
+    if images and config.grain_worker_count == 0:
+        log("note: images are decoded and preprocessed in the training process (grain_worker_count=0); set "
+            "grain_worker_count to 1 or more to do it in Grain's worker processes, beside the training steps")
     docs = elements(files, config, template, "train", epochs, sources.data_seed(config, "files/0"),
                     config.enable_data_shuffling, f"grain_train_files on host {index}", log, convert)
     train_it = pipeline.train_iterator_from_rows(packed_rows(docs, config, accum * micro, images), config, index, log,
