@@ -127,7 +127,7 @@ def main(argv: list[str]) -> None:
         print(f"\nbatch {b} of host {host}: {int(weights.sum()):,} of {weights.size:,} targets count in the loss")
         streams = batch["positions"].reshape(-1, config.max_target_length, *batch["positions"].shape[3:])
         flat = {k: batch[k].reshape((-1, config.max_target_length)) for k in ("inputs", "segment_ids", "loss_weights")}
-        images = "pixel_values" in batch and tok is not None
+        images = image_conversations.ROWS + "pixel_values" in batch and tok is not None
         for r in range(min(opts.rows, flat["inputs"].shape[0])):
             marks = flat["loss_weights"][r] if config_lib.objectives.templated(config) else None
             positions = streams[r] if streams.ndim == 2 else streams[r][:, 0]

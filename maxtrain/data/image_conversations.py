@@ -22,8 +22,8 @@ a truncated conversation keeps only the images wholly inside its inputs.
 
 Batches. Per micro batch, Vision.inputs lays out all its rows' images (padded to b x image_patches_per_row patches,
 so the step compiles once); every image array is stored with a leading row axis [b, X, ...] (a reshape of the
-micro batch's flat arrays; decoder.loss_fn flattens it back), positions [b, T, S]. One process only: each host's
-flat layout would interleave padding with the next host's images.
+micro batch's flat arrays, named rows_<key>; decoder.loss_fn flattens them back), positions [b, T, S]. One process
+only: each host's flat layout would interleave padding with the next host's images.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from maxtrain.data import chat, hosts, images as images_lib
 from maxtrain.data.errors import DataError
 
 PIXELS, GRIDS = "pixel_values", "image_grids"
+ROWS = "rows_"  # a batch's image arrays, stored by row: ROWS + the Vision's input key (models/decoder.py)
 TEXT_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_weights")
 
 
@@ -366,7 +367,7 @@ class ToModelImages:
                 raise DataError(f"image_patches_per_row={self.patches} does not split the {k} of the images' layout "
                                 f"({v.shape[0]} rows) evenly over {b} rows; make it a multiple of the tower's "
                                 "spatial_merge_size squared (e.g. a multiple of 16)")
-            out[k] = v.reshape((b, v.shape[0] // b) + v.shape[1:])
+            out[ROWS + k] = v.reshape((b, v.shape[0] // b) + v.shape[1:])
         return out
 
     def __call__(self, batch: dict) -> dict:

@@ -97,7 +97,7 @@ def test_packed_batches_keep_images_whole_positions_per_conversation_and_fixed_s
     for batch in batches:
         tokens, seg, pos = batch["inputs"][0], batch["segment_ids"][0], batch["positions"][0]
         image = tokens == config.image_token_id
-        assert image.sum() == (batch["patch_images"][0] > 0).sum() > 0  # every placeholder has its merged token
+        assert image.sum() == (batch["rows_patch_images"][0] > 0).sum() > 0  # every placeholder has its merged token
         assert (batch["loss_weights"][0][image] == 0).all()
         for r in range(tokens.shape[0]):
             runs = np.split(np.flatnonzero(image[r]), np.flatnonzero(np.diff(np.flatnonzero(image[r])) > 1) + 1)
@@ -167,7 +167,7 @@ def test_model_loss_reads_row_split_images_as_the_flat_forward(dataset, tmp_path
     params = model.init_params(jax.random.PRNGKey(0))
     rt = Runtime.from_config(config)
     loss = jax.jit(lambda p, b: model.loss_fn(p, b, rt)[0])(params, batch)
-    flat = {k: batch[k].reshape((-1,) + batch[k].shape[2:]) for k in qwen3_vl.IMAGE_KEYS}
+    flat = {k: batch["rows_" + k].reshape((-1,) + batch["rows_" + k].shape[2:]) for k in qwen3_vl.IMAGE_KEYS}
 
     def flat_loss(p, b, flat):
         logits, _ = model.forward(p, b["inputs"], jax.numpy.moveaxis(b["positions"], -1, 0), b["segment_ids"], rt,
