@@ -9,6 +9,12 @@ With objective=sft or dpo the tokens that carry loss are marked «like this» (D
 
     row 0  ⟦1 @0-14⟧'<|im_start|>user⏎12+5=<|im_end|>⏎<|im_start|>assistant⏎«17<|im_end|>⏎»'
 
+Image conversations (a model with an image tower) show a run of image placeholders once with its count, and under
+each row where its images sit (input columns, merged grid, the M-RoPE positions t, h, w they get):
+
+    row 0  ⟦1 @0-19⟧'<|im_start|>user⏎<|image_pad|>×6⏎colour?...'
+           image 1 of segment 1: columns 5-10 (6 tokens, merged grid 2x3) at t=5 h=5-6 w=5-7
+
 Options (besides the usual key=value config overrides):
     --batches N   batches to print (default 2)        --rows N    rows per batch (default 4)
     --chars N     characters shown per segment (default 160; the middle is elided)
@@ -25,8 +31,9 @@ import numpy as np
 
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
-from maxtrain.data import pipeline, sources
+from maxtrain.data import image_conversations, pipeline, sources
 from maxtrain.errors import run_cli
+from maxtrain.models.model import Model
 
 KEYS = ("dataset_type", "grain_train_files", "grain_eval_files", "tokenizer_path", "max_target_length",
         "per_device_batch_size", "objective", "num_processes", "process_id")
@@ -85,7 +92,8 @@ def main(argv: list[str]) -> None:
     if not 0 <= host < hosts:
         raise config_lib.ConfigError(f"process_id={host} must be in [0, num_processes={hosts})")
     config = config_lib.with_devices(config, jax.local_device_count() * hosts, 1)
-    inputs = data_lib.make_inputs(config, process_index=host, process_count=hosts)
+    vision = Model.bind(config).family.vision if config.vision_config else None  # a model with an image tower
+    inputs = data_lib.make_inputs(config, process_index=host, process_count=hosts, vision=vision)
     tok = inputs.tokenizer
 
     print(f"dataset_type={config.dataset_type}  T={config.max_target_length}  packing={config.packing}"
@@ -117,11 +125,19 @@ def main(argv: list[str]) -> None:
         batch = next(inputs.train_iterator)
         weights = batch["loss_weights"]
         print(f"\nbatch {b} of host {host}: {int(weights.sum()):,} of {weights.size:,} targets count in the loss")
-        flat = {k: v.reshape((-1, v.shape[-1])) for k, v in batch.items()}
+        streams = batch["positions"].reshape(-1, config.max_target_length, *batch["positions"].shape[3:])
+        flat = {k: batch[k].reshape((-1, config.max_target_length)) for k in ("inputs", "segment_ids", "loss_weights")}
+        images = image_conversations.ROWS + "pixel_values" in batch and tok is not None
         for r in range(min(opts.rows, flat["inputs"].shape[0])):
             marks = flat["loss_weights"][r] if config_lib.objectives.templated(config) else None
-            print(f"  row {r}  " + render_row(flat["inputs"][r], flat["segment_ids"][r], flat["positions"][r], tok,
-                                              opts.chars, marks))
+            positions = streams[r] if streams.ndim == 2 else streams[r][:, 0]
+            line = render_row(flat["inputs"][r], flat["segment_ids"][r], positions, tok, opts.chars, marks)
+            print(f"  row {r}  " + (image_conversations.runs_once(line, tok.piece(config.image_token_id)) if images
+                                    else line))
+            if images and streams.ndim == 3:
+                for span in image_conversations.image_spans(flat["inputs"][r], flat["segment_ids"][r], streams[r],
+                                                            config.image_token_id):
+                    print(f"         {span}")
     inputs.close()  # stops background cache building (dataset_cache_dir), if any
 
 

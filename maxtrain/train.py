@@ -76,7 +76,7 @@ def main(argv: list[str]) -> RunResult:
             f"(e.g. steps={start.step + config.steps}) to train on")
         checkpointer.close()
         return RunResult(config, nothing_to_train=True)
-    inputs = data_lib.make_inputs(config, log=log)  # the data kind of the objective's row; checked before compiling
+    inputs = data_lib.make_inputs(config, log=log, vision=run.model.family.vision)  # checked before compiling
     if rewarded:  # GRPO's reward functions called on made-up completions of its first prompts (training/grpo.py)
         inputs = grpo.with_rewards(config, inputs, reward_functions, log=log)
     task_evals = evals.from_config(config, inputs.tokenizer, mesh, run.rt, log=log)  # data checked, requests packed

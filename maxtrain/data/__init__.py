@@ -49,10 +49,13 @@ class Inputs:
             self.sources.close()
 
 
-def make_inputs(config, log=print, process_index: int | None = None, process_count: int | None = None) -> Inputs:
+def make_inputs(config, log=print, process_index: int | None = None, process_count: int | None = None,
+                vision=None) -> Inputs:
     """This process' inputs, of the data kind the objective's row declares (config/objectives.py): text documents,
     conversations or preference pairs through the chat template, or prompts (GRPO; eval_batches are then the
-    held-out prompts). All files are listed and checked here, before any training step."""
+    held-out prompts). All files are listed and checked here, before any training step. vision: the bound model's
+    image tower (its family's contract.Vision, or None), which reads image conversations
+    (image_conversations.py)."""
     import jax  # pylint: disable=import-outside-toplevel
 
     # deferred: Grain and JAX (see above)
@@ -72,7 +75,7 @@ def make_inputs(config, log=print, process_index: int | None = None, process_cou
     if kind in (objectives.CONVERSATIONS, objectives.PAIRS):  # through the chat template
         from maxtrain.data import conversations  # pylint: disable=import-outside-toplevel  (deferred: as above)
 
-        return Inputs(*conversations.make_inputs(config, index, count, log))
+        return Inputs(*conversations.make_inputs(config, index, count, log, vision))
     opened = sources.open_sources(config, log=log)
     train = pipeline.train_iterator(sources.train_documents(opened, config, index, count, log), config, index, log)
     evals = []

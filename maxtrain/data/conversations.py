@@ -14,6 +14,8 @@ two: 2k-1 chosen, 2k rejected) and positions restarting at 0, so attention never
 conversation into another. An element longer than max_target_length + 1 tokens is truncated (a
 DPO pair: each sequence to half), and the count is reported in a warning.
 
+Records whose messages hold images (a model with an image tower) are image_conversations.py's.
+
 The file reading, shuffling and host sharding are sources.py's (jsonl/parquet: by file, a window
 shuffle); the iterator is checkpointable end to end, as for pre-training.
 """
@@ -29,7 +31,7 @@ import numpy as np
 from grain import experimental as grain_exp
 
 from maxtrain.config import objectives
-from maxtrain.data import chat, eval_batches, hosts, pipeline, sources, text_files
+from maxtrain.data import chat, eval_batches, hosts, image_conversations, pipeline, sources, text_files
 from maxtrain.data.errors import DataError
 
 FEATURES = ("tokens", "weights", "parts", "positions")
@@ -146,8 +148,9 @@ class ToElement:
     """(location, record) -> a packing element of at most length tokens (picklable, for Grain workers)."""
 
     def __init__(self, template: chat.Template, config, columns: list[str], length: int, log=print,
-                 key: str = "train_data_columns"):
+                 key: str = "train_data_columns", vision=None):
         self.template, self.columns, self.length, self.log, self.key = template, columns, length, log, key
+        self.config, self.vision = config, vision  # vision: to say why a record's images cannot be read
         self.dpo = objectives.data_kind(config) == objectives.PAIRS
         self.completion_only = config.sft_train_on_completion_only
         self.truncated, self.passes = 0, 0  # passes > 1: the same data again (eval), counted once
@@ -157,6 +160,8 @@ class ToElement:
         where, record = located
         if self.dpo:
             return chat.dpo_element(self.template, *chat.preference(record, self.columns, where, self.key), where)
+        if image_conversations.has_images(record, self.columns):
+            image_conversations.refuse(self.config, self.vision, where)
         return chat.sft_element(self.template, chat.conversation(record, self.columns, where, self.key),
                                 self.completion_only, where)
 
@@ -171,6 +176,15 @@ class ToElement:
                          f"{self.length} tokens and were truncated (e.g. {where}); raise max_target_length to keep "
                          "them whole")
         return element
+
+
+def converter(template, config, split: str, log=print, vision=None):
+    """The record -> element map of a split: ToElement, or for a model with an image tower (vision: the bound
+    model's contract.Vision) image_conversations'."""
+    args = (config, columns(config, split), config.max_target_length + 1)
+    if image_conversations.active(config, vision):
+        return image_conversations.converter(template, config, vision, *args[1:], log, f"{split}_data_columns")
+    return ToElement(template, *args, log, f"{split}_data_columns", vision)
 
 
 def to_example(row: dict) -> dict:
@@ -227,13 +241,12 @@ def whole_length(element: dict) -> int:
     return 2 * max(int((element["parts"] == part).sum()) for part in np.unique(element["parts"])) - 1
 
 
-def check_first_records(components, template: chat.Template, config, split: str) -> None:
+def check_first_records(components, template: chat.Template, config, split: str, vision=None) -> None:
     """Renders the first record of every file now, so bad data fails before any training step; where none of them
     keeps a token to learn from once truncated to the sequence, the run (or its evaluation) would learn nothing
     (loss 0, gradient 0): refused with the length that keeps them."""
     key = f"{split}_data_columns"
-    convert = ToElement(template, config, columns(config, split), config.max_target_length + 1, log=lambda *_: None,
-                        key=key)
+    convert = converter(template, config, split, lambda *_: None, vision)
     firsts = []
     for component in components:
         for path in component.files:
@@ -246,26 +259,35 @@ def check_first_records(components, template: chat.Template, config, split: str)
             firsts.append((first[0], whole_length(convert.unchanged(first))))
     if firsts:
         where, needed = min(firsts, key=lambda f: f[1])
-        what = "preference pair" if convert.dpo else "conversation"
+        dpo = getattr(convert, "dpo", False)
+        what = "preference pair" if dpo else "conversation"
         raise DataError(f"the first {what} of every {split} file leaves no token to learn from at max_target_length="
                         f"{config.max_target_length} (each is truncated to max_target_length + 1 tokens"
-                        + (", half for each sequence of a pair" if convert.dpo else "")
+                        + (", half for each sequence of a pair" if dpo else "")
                         + ", losing every completion token): the "
                         + ("run would learn" if split == "train" else "evaluation would measure")
                         + f" nothing (loss 0). Raise max_target_length to {needed} or more (e.g. {where} needs "
                         f"{needed}), or shorten the prompts")
 
 
-def elements(files, config, template, split: str, num_epochs, seed: int, shuffle: bool, what: str, log):
+def elements(files, config, template, split: str, num_epochs, seed: int, shuffle: bool, what: str, log,
+             convert=None):
     ds = RecordsIterDataset(files, num_epochs, seed, shuffle, what)
     if shuffle and split == "train" and config.grain_shuffle_window > 1:
         ds = sources.WindowShuffleIterDataset(ds, config.grain_shuffle_window, sources.data_seed(config, "window/0"))
-    return ds.map(ToElement(template, config, columns(config, split), config.max_target_length + 1, log,
-                            f"{split}_data_columns"))
+    return ds.map(convert or converter(template, config, split, log))
 
 
-def make_inputs(config, index: int, count: int, log=print):
-    """(tokenizer, train iterator, eval batches, sources) for conversations and preference pairs."""
+def packed_rows(elements_ds, config, num_rows: int, images: bool = False):
+    """Packed examples: image conversations' rows (tokens and patches) or text ones."""
+    if images:
+        return image_conversations.rows(elements_ds, config, num_rows, to_example)
+    return rows(elements_ds, config, num_rows)
+
+
+def make_inputs(config, index: int, count: int, log=print, vision=None):
+    """(tokenizer, train iterator, eval batches, sources) for conversations and preference pairs; vision: the bound
+    model's contract.Vision (None: a text model), which reads image conversations."""
     tokenizer = sources.load_tokenizer(config, None, None)
     template = open_template(config, tokenizer)
     train = sources.parse_files(config.grain_train_files, "grain_train_files", config.dataset_type)
@@ -277,8 +299,8 @@ def make_inputs(config, index: int, count: int, log=print):
                 fmt, _ = text_files.file_format(path)
                 if fmt != config.dataset_type:
                     raise DataError(f"{key}: {path} is a {fmt} file but dataset_type={config.dataset_type}")
-    check_first_records(train, template, config, "train")
-    check_first_records(evals, template, config, "eval")
+    check_first_records(train, template, config, "train", vision)
+    check_first_records(evals, template, config, "eval", vision)
     pairs = objectives.data_kind(config) == objectives.PAIRS
     log(f"{'preference pairs' if pairs else 'conversations'} rendered with the chat template {template.describe()}"
         + ("" if pairs else "; loss on " + ("assistant tokens only" if config.sft_train_on_completion_only
@@ -292,23 +314,32 @@ def make_inputs(config, index: int, count: int, log=print):
     files = [f for c in train for f in sources.host_files(
         c, "grain_train_files", index, count, log, required=True)]
     accum, micro = config.gradient_accumulation_steps, hosts.host_micro_batch(config)
+    convert = converter(template, config, "train", log, vision)
+    images = isinstance(convert, image_conversations.ToImageElement)
+    finish = image_conversations.finisher(config, convert) if images else None
+    if images and config.grain_worker_count == 0:
+        log("note: images are decoded and preprocessed in the training process (grain_worker_count=0); set "
+            "grain_worker_count to 1 or more to do it in Grain's worker processes, beside the training steps")
     docs = elements(files, config, template, "train", epochs, sources.data_seed(config, "files/0"),
-                    config.enable_data_shuffling, f"grain_train_files on host {index}", log)
-    train_it = pipeline.train_iterator_from_rows(rows(docs, config, accum * micro), config, index, log)
+                    config.enable_data_shuffling, f"grain_train_files on host {index}", log, convert)
+    train_it = pipeline.train_iterator_from_rows(packed_rows(docs, config, accum * micro, images), config, index, log,
+                                                 finish)
 
     eval_input = []
     if evals and config.eval_interval != -1:
         eval_files = hosts.file_shards([f for c in evals for f in c.files], index, count)
 
-        to_element = ToElement(template, config, columns(config, "eval"), config.max_target_length + 1, log,
-                               "eval_data_columns")
+        to_element = converter(template, config, "eval", log, vision)
+        eval_finish = (image_conversations.EvalImages(image_conversations.finisher(config, to_element))
+                       if isinstance(to_element, image_conversations.ToImageElement) else None)
 
         def make():  # one ToElement for every pass, so truncations are counted (and warned about) once
             ds = RecordsIterDataset(eval_files, 1, 0, False, f"grain_eval_files on host {index}",
                                     "eval_data_columns").map(to_element)
             to_element.passes += 1
-            batches = rows(ds, config, micro).batch(micro, drop_remainder=False)
-            return iter(batches.map(functools.partial(hosts.fill_rows, rows=micro)))
+            batches = packed_rows(ds, config, micro, eval_finish is not None).batch(micro, drop_remainder=False)
+            batches = batches.map(functools.partial(hosts.fill_rows, rows=micro))
+            return iter(batches if eval_finish is None else batches.map(eval_finish))
 
         limit = config.eval_steps if config.eval_steps > 0 else None
         local = sum(1 for _ in itertools.islice(make(), limit))

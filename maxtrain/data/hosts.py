@@ -42,12 +42,18 @@ def padding_batch(leading: tuple[int, ...], length: int) -> dict:
 
 
 def fill_rows(batch: dict, rows: int) -> dict:
-    """Pads a short last batch [n < rows, T] with padding rows."""
+    """Pads a short last batch [n < rows, T] with padding rows (other keys, e.g. a row's images or positions
+    [T, streams], with zeros)."""
     n = batch["inputs"].shape[0]
     if n == rows:
         return batch
     pad = padding_batch((rows - n,), batch["inputs"].shape[-1])
-    return {k: np.concatenate([batch[k], pad[k].astype(batch[k].dtype)]) for k in batch}
+
+    def padding(k):
+        v = batch[k]
+        return pad[k].astype(v.dtype) if k in pad and pad[k].shape[1:] == v.shape[1:] else \
+            np.zeros((rows - n,) + v.shape[1:], v.dtype)
+    return {k: np.concatenate([batch[k], padding(k)]) for k in batch}
 
 
 def agree(count: int, process_count: int) -> list[int]:

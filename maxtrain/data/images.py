@@ -309,3 +309,28 @@ def gemma4(image, spec: Gemma4VisionPreprocess) -> Gemma4Image:
     patches = np.pad(patches, [(0, pad), (0, 0)])
     positions = np.pad(positions, [(0, pad), (0, 0)], constant_values=-1)
     return Gemma4Image(patches, positions, rows * columns // spec.pooling_kernel_size ** 2)
+
+
+# --- the scheme of a model's tower, for training data ------------------------------------------------------------
+
+
+def _qwen_image(image, spec: QwenVisionPreprocess):
+    out = qwen_vl(image, spec)
+    return out.pixel_values, out.grid_thw, out.num_tokens
+
+
+def for_tower(vision_config: dict, processor: dict | None):
+    """A picklable image -> (pixel_values, grid (t, h, w), placeholder count) for a tower of `vision_config`
+    (config.json's, the vision_config model key): Qwen's patches (a tower with temporal_patch_size and
+    spatial_merge_size: Qwen2-VL, Qwen3-VL, Qwen3.5), with preprocessor_config.json's keys where given, else
+    Qwen3-VL's, and the tower's own patch, frame and merge sizes."""
+    import functools  # pylint: disable=import-outside-toplevel
+
+    if not {"patch_size", "temporal_patch_size", "spatial_merge_size"} <= set(vision_config):
+        raise DataError(f"image conversations are not wired for this image tower (vision_config keys "
+                        f"{sorted(vision_config)[:6]}...): only towers with Qwen's patches (patch_size, "
+                        "temporal_patch_size, spatial_merge_size) read training images yet")
+    keys = {**QWEN3_VL, **(processor or {}), "patch_size": vision_config["patch_size"],
+            "temporal_patch_size": vision_config["temporal_patch_size"],
+            "merge_size": vision_config["spatial_merge_size"]}
+    return functools.partial(_qwen_image, spec=QwenVisionPreprocess.from_config(keys))

@@ -35,13 +35,17 @@ def train_iterator(docs: grain.IterDataset, config, process_index: int = 0, log=
 
 
 def train_iterator_from_rows(examples: grain.IterDataset, config, process_index: int = 0,
-                             log=print) -> grain.DatasetIterator:
-    """The same, from examples [T] already packed (pre-training documents, or conversations: conversations.py)."""
+                             log=print, finish=None) -> grain.DatasetIterator:
+    """The same, from examples [T] already packed (pre-training documents, or conversations: conversations.py);
+    finish: a picklable map of each host batch [A, b, ...] (run in the workers too), e.g. image conversations' image
+    layout (image_conversations.ToModelImages); it also makes the padding batches'."""
     accum, micro = config.gradient_accumulation_steps, host_micro_batch(config)
     rows = accum * micro
     batches = examples.batch(rows, drop_remainder=False)
     batches = batches.map(functools.partial(hosts.fill_rows, rows=rows))
     batches = batches.map(functools.partial(_accumulation_axis, accum=accum, micro=micro))
+    if finish is not None:
+        batches = batches.map(finish)
     if config.grain_worker_count > 0:  # each worker builds every n-th batch from its slice of the documents
         from absl import flags  # pylint: disable=import-outside-toplevel
 
@@ -53,8 +57,9 @@ def train_iterator_from_rows(examples: grain.IterDataset, config, process_index:
         batches = batches.mp_prefetch(grain.MultiprocessingOptions(num_workers=config.grain_worker_count),
                                       worker_init_fn=worker_processes.exit_with_parent)
     if config.num_epoch != -1:
+        padding = hosts.padding_batch((accum, micro), config.max_target_length)
         batches = hosts.PadWhenExhausted(
-            batches, hosts.padding_batch((accum, micro), config.max_target_length),
+            batches, padding if finish is None else finish(padding),
             allow=config.generate_padding_batch_train, process_index=process_index,
             what=f"the training data (num_epoch={config.num_epoch})", log=log,
             fix="Set steps to at most the batches available, num_epoch=-1 to repeat the data, or "

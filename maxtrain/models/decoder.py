@@ -353,6 +353,9 @@ def forward(model, params, tokens, positions, segment_ids, rt, routing=None, ima
     return context_parallel.from_layout(logits, cp, reorder=reorder), aux
 
 
+ROWS = "rows_"  # the prefix of a batch's image arrays stored by row (data/image_conversations.py)
+
+
 def loss_fn(model, params, batch: dict, rt):
     """(sum of per-token cross-entropy x weight, sum of weights, aux), float32.
 
@@ -371,7 +374,10 @@ def loss_fn(model, params, batch: dict, rt):
             raise ValueError("images do not run with context parallelism yet; set ici_context_parallelism=1")
         batch = context_parallel.to_layout(batch, cp, reorder=model.config.context_parallel_reorder_strategy)
     weights = batch["loss_weights"].astype(jnp.float32)
-    x, aux = _hidden(model, params, batch["inputs"], batch["positions"], batch["segment_ids"], rt, images=images)
+    positions = batch["positions"]
+    if ROWS + "pixel_values" in batch and positions.ndim == 3:  # the data's [B, T, streams] -> [streams, B, T]
+        positions = jnp.moveaxis(positions, -1, 0)
+    x, aux = _hidden(model, params, batch["inputs"], positions, batch["segment_ids"], rt, images=images)
     head = {k: v for k, v in params.items() if k not in ("layers", "mtp", "vision")}  # what family.logits reads
     head, layout = _head_for_loss(model, head, rt)
     loss = _head_loss(model, head, layout, x, batch["targets"], weights, rt)
@@ -382,11 +388,15 @@ def loss_fn(model, params, batch: dict, rt):
 
 def _batch_images(model, batch: dict):
     """The batch's image inputs (the family's Vision.input_keys; _hidden refuses them for a text-only family), or
-    None when it has no pixel_values."""
-    vision = model.family.vision
+    None when it has no pixel_values. The training data (data/image_conversations.py) stores each as ROWS + key
+    with a leading row axis [B, X, ...] (the micro batch's flat layout cut into B equal parts, so it shards with the
+    rows) and positions [B, T, streams]; here they are flat again."""
+    keys = model.family.vision.input_keys if model.family.vision is not None else ("pixel_values",)
+    if ROWS + "pixel_values" in batch:
+        return {k: batch[ROWS + k].reshape((-1,) + batch[ROWS + k].shape[2:]) for k in keys}
     if "pixel_values" not in batch:
         return None
-    return {k: batch[k] for k in (vision.input_keys if vision is not None else ("pixel_values",))}
+    return {k: batch[k] for k in keys}
 
 
 def _head_for_loss(model, head: dict, rt):

@@ -33,7 +33,7 @@ from maxtrain.models.runtime import Runtime
 from maxtrain.models.params import is_spec
 from maxtrain.parallel import sharding
 from maxtrain.compile import fit
-from maxtrain.data import hosts, pipeline
+from maxtrain.data import hosts, image_conversations, pipeline
 from maxtrain.models import fp8, moe, qk_clip
 from maxtrain.models.moe import expert_matmuls
 from maxtrain.parallel import stages as pipeline_stages
@@ -157,6 +157,10 @@ class Run:
         c = self.config
         shape = (c.gradient_accumulation_steps, c.micro_batch_size, c.max_target_length)
         floats = ("loss_weights", *losses.batch_keys(c))
+        vision = self.model.family.vision
+        if image_conversations.active(c, vision):  # the rows' images too (data/image_conversations.py)
+            return {k: jax.ShapeDtypeStruct(s, d, sharding=self.batch_sharding)
+                    for k, (s, d) in image_conversations.batch_shapes(c, vision, shape).items()}
         return {k: jax.ShapeDtypeStruct(shape, jnp.float32 if k in floats else jnp.int32,
                                         sharding=self.batch_sharding) for k in hosts.KEYS + losses.batch_keys(c)}
 

@@ -45,7 +45,7 @@ def build(config, log=print):
         run = chosen.run
     choice_seconds = time.perf_counter() - t0
     mesh, rules = run.mesh, run.config.logical_axis_rules
-    inputs = data_lib.make_inputs(run.config, log=log)
+    inputs = data_lib.make_inputs(run.config, log=log, vision=run.model.family.vision)
     with sharding.activation_sharding(mesh, rules):
         state = run.init(jax.random.key(run.config.seed))
         batches = [pipeline.to_global(next(inputs.train_iterator), mesh, rules)

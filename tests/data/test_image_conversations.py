@@ -1,0 +1,217 @@
+"""SFT on image conversations (data/image_conversations.py): records with image items rendered with the chat template
+and expanded to the processor's placeholder counts, loss on the assistant's tokens; parquet bytes; packing by tokens
+and patches with per-conversation M-RoPE positions; decoding in Grain's workers; the one-line errors; and a tiny
+qwen3_vl trained through train.main (slow)."""
+
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+from conftest import BASE_YML, TINY
+from maxtrain import config as config_lib
+from maxtrain import data as data_lib
+from maxtrain.data import DataError, conversations, image_conversations, images
+from maxtrain.models.families import qwen3_vl
+from post_helpers import compose
+import image_chat_helpers as helpers
+
+pytest.importorskip("PIL.Image")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory):
+    return helpers.make_dataset(str(tmp_path_factory.mktemp("images")))
+
+
+def _config(dataset, tmp_path, *extra, devices: int = 1):
+    return config_lib.with_devices(config_lib.load_config(compose(
+        BASE_YML, *TINY, f"base_output_directory={tmp_path}", *helpers.model_args(dataset), *extra)), devices)
+
+
+def _vision(config):
+    from maxtrain.models.model import Model  # pylint: disable=import-outside-toplevel
+
+    return Model.bind(config).family.vision
+
+
+def _inputs(config):
+    return data_lib.make_inputs(config, log=lambda *_: None, vision=_vision(config))
+
+
+def _element(config, located):
+    template = conversations.open_template(config, data_lib.sources.load_tokenizer(config, None, None))
+    return conversations.converter(template, config, "train", lambda *_: None, _vision(config))(located)
+
+
+def test_a_record_renders_with_its_image_expanded_and_loss_on_the_answer_only(dataset, tmp_path):
+    config = _config(dataset, tmp_path)
+    record = dataset["records"][0]
+    element = _element(config, (f"{dataset['train']} line 1", record))
+    tokens, weights, image = element["tokens"], element["weights"], element["tokens"] == config.image_token_id
+    image_path = os.path.join(dataset["dir"], record["messages"][0]["content"][0]["image"])
+    from PIL import Image  # pylint: disable=import-outside-toplevel
+
+    spec = images.QwenVisionPreprocess.from_config({**images.QWEN3_VL, **helpers.PROCESSOR, "patch_size": 4})
+    want = images.qwen_vl(Image.open(image_path), spec)
+    assert image.sum() == want.num_tokens == 6 and np.ptp(np.flatnonzero(image)) == 5  # one run of 6 placeholders
+    np.testing.assert_array_equal(element["pixel_values"], want.pixel_values)
+    assert tuple(element["image_grids"][0]) == want.grid_thw
+    tok = data_lib.sources.load_tokenizer(config, None, None)
+    assert tok.decode(tokens[weights > 0]) == record["messages"][1]["content"] + "<|im_end|>\n"
+    want_positions = qwen3_vl.rope_index(tokens[None], element["image_grids"], config.image_token_id, 2)[:, 0].T
+    np.testing.assert_array_equal(element["positions"], want_positions)
+
+
+def test_parquet_image_bytes_in_the_items_or_as_datasets_structs(dataset, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    pa = pytest.importorskip("pyarrow")
+    config = _config(dataset, tmp_path, "dataset_type=parquet")
+    png = open(os.path.join(dataset["dir"], dataset["records"][0]["messages"][0]["content"][0]["image"]), "rb").read()
+    answer = [{"type": "text", "text": "red", "image": None}]
+    in_items = [{"messages": [{"role": "user", "content": [{"type": "image", "text": None, "image": png},
+                                                          {"type": "text", "text": "colour?", "image": None}]},
+                              {"role": "assistant", "content": answer}]}]
+    structs = [{"messages": [{"role": "user", "content": [{"type": "image", "text": None},
+                                                         {"type": "text", "text": "colour?"}]},
+                             {"role": "assistant", "content": [{"type": "text", "text": "red"}]}],
+                "images": [{"bytes": png, "path": "x.png"}]}]
+    want = _element(config, (f"{dataset['train']} line 1", dataset["records"][0]))["pixel_values"]
+    for name, rows in (("items", in_items), ("structs", structs)):
+        path = str(tmp_path / f"{name}.parquet")
+        pq.write_table(pa.Table.from_pylist(rows), path)
+        located = next(conversations.read_records(path))
+        element = _element(config, located)
+        np.testing.assert_array_equal(element["pixel_values"], want)
+        assert (element["tokens"] == config.image_token_id).sum() == 6
+
+
+def test_packed_batches_keep_images_whole_positions_per_conversation_and_fixed_shapes(dataset, tmp_path):
+    config = _config(dataset, tmp_path, "image_patches_per_row=32")  # 24 patches an image: one image per row
+    it = _inputs(config).train_iterator
+    batches = [next(it) for _ in range(2)]
+    assert {k: v.shape for k, v in batches[0].items()} == {k: v.shape for k, v in batches[1].items()}
+    shapes = image_conversations.batch_shapes(config, _vision(config), batches[0]["inputs"].shape)
+    assert {k: v[0] for k, v in shapes.items()} == {k: v.shape for k, v in batches[0].items()}
+    for batch in batches:
+        tokens, seg, pos = batch["inputs"][0], batch["segment_ids"][0], batch["positions"][0]
+        image = tokens == config.image_token_id
+        assert image.sum() == (batch["rows_patch_images"][0] > 0).sum() > 0  # every placeholder has its merged token
+        assert (batch["loss_weights"][0][image] == 0).all()
+        for r in range(tokens.shape[0]):
+            runs = np.split(np.flatnonzero(image[r]), np.flatnonzero(np.diff(np.flatnonzero(image[r])) > 1) + 1)
+            assert len([run for run in runs if len(run)]) <= 1  # the patch budget holds one image per row
+            for run in runs:
+                assert len(run) in (0, 6) and len(set(seg[r][run])) <= 1  # whole, in one conversation
+            for s in set(seg[r][seg[r] > 0]):
+                assert (pos[r][seg[r] == s][0] == 0).all()  # every conversation's three streams start over
+
+
+@pytest.mark.slow  # ~10 s: starting a Grain worker
+def test_images_are_decoded_in_grains_workers(dataset, tmp_path, monkeypatch):
+    config = _config(dataset, tmp_path, "grain_worker_count=1")
+    inputs = _inputs(config)
+    calls = []
+    opened = image_conversations.open_image
+    monkeypatch.setattr(image_conversations, "open_image", lambda *a: calls.append(a) or opened(*a))
+    batch = next(inputs.train_iterator)
+    assert (batch["inputs"] == config.image_token_id).sum() > 0 and calls == []  # none opened in this process
+
+
+def _bad(dataset, tmp_path, record_image, *extra, decoder_block=None, record=None):
+    directory = tmp_path / "bad"
+    directory.mkdir(exist_ok=True)
+    shutil.copy(dataset["tokenizer"], directory / "tok.model")
+    shutil.copy(os.path.join(dataset["dir"], "preprocessor_config.json"), directory)
+    record = record or {"messages": [{"role": "user", "content": [{"type": "image", "image": record_image}]},
+                                     {"role": "assistant", "content": "red"}]}
+    path = helpers.write_jsonl(str(directory / "bad.jsonl"), [record])
+    paths = {**dataset, "train": path, "tokenizer": str(directory / "tok.model")}
+    args = compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}", *helpers.model_args(paths), *extra,
+                   *([f"decoder_block={decoder_block}", "vision_config=", "mrope_section=[]", "image_token_id=-1"]
+                     if decoder_block else []))
+    with pytest.raises(DataError) as e:
+        _inputs(config_lib.with_devices(config_lib.load_config(args), 1))
+    message = str(e.value)
+    assert "\n" not in message and f"{path} line 1" in message
+    return message, directory
+
+
+def test_bad_images_get_one_line_naming_the_record_and_the_fix(dataset, tmp_path):
+    message, _ = _bad(dataset, tmp_path, "images/none.png")
+    assert "('images/none.png') is not found" in message and "relative to the data file" in message
+    (tmp_path / "bad" / "text.png").write_text("not an image")
+    message, _ = _bad(dataset, tmp_path, "text.png")
+    assert "not an image Pillow can read" in message and "re-save it" in message
+    helpers.write_png(str(tmp_path / "bad" / "big.png"), (16, 24), (0, 0, 0))
+    message, _ = _bad(dataset, tmp_path, "big.png", "max_image_pixels=300")
+    assert "16x24 pixels, over max_image_pixels=300" in message and "raise max_image_pixels" in message
+    message, _ = _bad(dataset, tmp_path, "big.png", "image_patches_per_row=16")
+    assert "need 24 patches" in message and "raise image_patches_per_row to 24" in message
+    message, _ = _bad(dataset, tmp_path, "big.png", decoder_block="llama")
+    assert "holds images" in message and "decoder_block=llama has no image tower" in message
+
+
+@pytest.mark.slow  # ~25 s on 2 cores: two compiles of the tower and the decoder
+def test_model_loss_reads_row_split_images_as_the_flat_forward(dataset, tmp_path):
+    import jax  # pylint: disable=import-outside-toplevel
+
+    from maxtrain.models.model import Model  # pylint: disable=import-outside-toplevel
+    from maxtrain.models.runtime import Runtime  # pylint: disable=import-outside-toplevel
+    from maxtrain.models import ops  # pylint: disable=import-outside-toplevel
+
+    config = _config(dataset, tmp_path, "attention=dot_product", "max_target_length=24", "base_num_decoder_layers=1")
+    batch = {k: v[0] for k, v in next(_inputs(config).train_iterator).items()}
+    model = Model.bind(config)
+    params = model.init_params(jax.random.PRNGKey(0))
+    rt = Runtime.from_config(config)
+    loss = jax.jit(lambda p, b: model.loss_fn(p, b, rt)[0])(params, batch)
+    flat = {k: batch["rows_" + k].reshape((-1,) + batch["rows_" + k].shape[2:]) for k in qwen3_vl.IMAGE_KEYS}
+
+    def flat_loss(p, b, flat):
+        logits, _ = model.forward(p, b["inputs"], jax.numpy.moveaxis(b["positions"], -1, 0), b["segment_ids"], rt,
+                                  images=flat)
+        return ops.cross_entropy(logits, b["targets"], b["loss_weights"])
+    want = jax.jit(flat_loss)(params, batch, flat)
+    assert (batch["inputs"] == config.image_token_id).sum() >= 6
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_tiny_qwen3_vl_trains_on_image_conversations_through_train_main(dataset, tmp_path, capsys):
+    from maxtrain import train  # pylint: disable=import-outside-toplevel
+
+    train.main(compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}", "run_name=images",
+                       *helpers.model_args(dataset), "steps=3", "log_period=1", f"grain_eval_files={dataset['train']}",
+                       "eval_data_columns=[messages]", "eval_interval=3", "eval_steps=1"))
+    out = capsys.readouterr().out
+    losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
+    evals = [float(line.split("loss ")[1]) for line in out.splitlines() if line.startswith("eval at step")]
+    assert len(losses) == 3 and all(np.isfinite(losses)) and len(evals) == 2
+    assert evals[1] < evals[0]  # the eval batches (with their images) go through the eval step too
+
+
+def test_inspect_data_shows_where_the_images_sit(dataset, tmp_path, capsys):
+    from maxtrain import inspect_data  # pylint: disable=import-outside-toplevel
+
+    inspect_data.main([*compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}", *helpers.model_args(dataset)),
+                       "--batches", "1", "--rows", "1"])
+    lines = capsys.readouterr().out.splitlines()
+    row = next(i for i, line in enumerate(lines) if line.strip().startswith("row 0"))
+    assert "<|image_pad|>×6" in lines[row]
+    assert lines[row + 1].split()[:6] == ["image", "1", "of", "segment", "1:", "columns"]
+    assert "(6 tokens, merged grid" in lines[row + 1] and " at t=" in lines[row + 1]
+
+
+def test_a_truncated_conversation_keeps_only_the_images_wholly_inside_its_inputs():
+    image = 9
+    tokens = np.array([1, 2, image, image, image, 3, image, image, 4, 5], np.int32)
+    element = {"tokens": tokens, "weights": np.ones(10, np.float32), "parts": np.ones(10, np.int32),
+               "positions": np.zeros((10, 3), np.int32), "pixel_values": np.arange(28, dtype=np.float32)[:, None],
+               "image_grids": np.array([[1, 4, 4], [1, 2, 6]], np.int32)}
+    kept, was_cut = image_conversations.cut(element, 8, image)  # the second image would end at the row's last token
+    assert was_cut and list(kept["tokens"]) == [1, 2, image, image, image, 3]
+    assert kept["image_grids"].tolist() == [[1, 4, 4]] and kept["pixel_values"].shape == (16, 1)
+    kept, _ = image_conversations.cut(element, 9, image)  # both whole inside the inputs
+    assert len(kept["tokens"]) == 9 and len(kept["image_grids"]) == 2 and kept["pixel_values"].shape == (28, 1)
