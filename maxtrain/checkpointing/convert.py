@@ -203,7 +203,7 @@ def _decoder_to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.fl
                 w = np.asarray(tensors[hf_name])  # a quantised pair is dequantised here
             except safetensors_files.FormatError as e:
                 raise ConversionError(f"{where(hf_name)}{e}") from None
-            if w.dtype not in dequantize.FULL_PRECISION:  # Dequantized refuses these first, naming the file
+            if w.dtype not in dequantize.FULL_PRECISION and not (layout.integers and w.dtype.kind in "iu"):
                 raise ConversionError(f"{where(hf_name)}{hf_name} is stored as {w.dtype}, not as float weights (a "
                                       "quantised tensor without its scales?); import a copy with bfloat16 or float32 "
                                       "weights")
