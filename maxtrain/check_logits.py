@@ -85,7 +85,8 @@ def maxtrain_logits(checkpoint: str, ids: np.ndarray, log=print, images: dict | 
     """Our float32 logits; images {pixel_values, image_grid_thw}: through the family's vision tower."""
     base = os.path.join(config_lib.packaged_configs_dir(), "base.yml")
     config = builder.load_config([base, f"load_parameters_path={checkpoint}", "dtype=float32", "weight_dtype=float32",
-                                  "attention=dot_product", "ici_fsdp_parallelism=1"], log=log)
+                                  "attention=dot_product", "ici_fsdp_parallelism=1",
+                                  "packing=false", "max_new_tokens=0"], log=log)
     if int(ids.max(initial=0)) >= config.vocab_size or int(ids.min(initial=0)) < 0:
         raise CheckError(f"input_ids range over [{ids.min()}, {ids.max()}], outside the model's vocabulary of "
                          f"{config.vocab_size}")

@@ -108,7 +108,8 @@ def model_keys(hf: dict, notes: list | None = None, where: str = "config.json", 
     out = {k: defaults[k] for k in MODEL_KEYS}
     out.update(keys, decoder_block=name)
     try:
-        config_checks.validate({**defaults, **out})
+        # the model alone: no run's data (packing) or decoding (max_new_tokens), which some families refuse
+        config_checks.validate({**defaults, "packing": False, "max_new_tokens": 0, **out})
     except config_lib.ConfigError as e:
         raise ConversionError(f"{where} describes a {name} model that maxtrain's {name} family cannot build: its "
                               f"fields read as {e}. Check that it is the model's own config.json; otherwise this "

@@ -143,4 +143,7 @@ def check_config(v: dict) -> None:
     if v['packing']:
         raise ValueError("deepseek_v4: its compressors and sliding window do not keep packed documents apart; "
                          "set packing=false")
+    if v['max_new_tokens'] > 0:
+        raise ValueError(f"deepseek_v4 does not decode through maxtrain's cache yet; set max_new_tokens=0 (got "
+                         f"{v['max_new_tokens']})")
     check(dims_from_keys(v), v['max_target_length'])
