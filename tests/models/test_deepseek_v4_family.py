@@ -27,6 +27,7 @@ def _logits(model, ids):
         return model(input_ids=torch.as_tensor(ids)).logits.numpy()
 
 
+@pytest.mark.slow
 def test_import_check_logits_and_export(tmp_path, capsys):
     cfg = tiny_config()
     hf_model = randomize(v4.DeepseekV4ForCausalLM(cfg).eval(), seed=70)
