@@ -175,6 +175,13 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
                 "glm4_moe": [*MOE_FLOPS, "partial_rotary_factor=0.5", "use_qk_norm=true", "attention_bias=true",
                              "first_num_dense_layers=1", "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true",
                              "mtp_num_layers=1"],
+                # DeepSeek-V4: every kind of layer (HCA, HCA, CSA, HCA), 2 streams, one hash-routed layer; its
+                # reference experts run densely, so as many experts as each token picks
+                "deepseek_v4": ["num_experts=2", "num_experts_per_tok=2", "base_moe_mlp_dim=96", "q_lora_rank=32",
+                                "index_n_heads=2", "index_head_dim=32", "index_topk=4", "o_groups=2",
+                                "o_lora_rank=32", "hc_mult=2", "hc_sinkhorn_iters=3", "compress_rate_hca=8",
+                                "num_hash_layers=1", "partial_rotary_factor=0.5", "packing=false",
+                                "max_new_tokens=0", "per_device_batch_size=16"],
                 # qk-norm over all heads, half-head RoPE, a selection bias
                 "minimax_m2": [*MOE_FLOPS, "partial_rotary_factor=0.5", "routed_bias=true"],
                 # full-attention layers of their own head shape with keys as values, per-layer inputs, two

@@ -198,9 +198,10 @@ def logits(params, x, config, rt):
 
 
 def flops_per_token(model, dense_attention: bool = False) -> float:
-    """Counts the keys each query reads (flops.py); dense_attention changes nothing: the window and the compressed
-    entries are what the model reads."""
-    return flops.flops_per_token(dims_lib.dims_from_keys(model.config), model.config.max_target_length)
+    """Counts the keys each query reads (flops.py); dense_attention: every key and entry, as the reference form
+    computes them (the experts are counted as routed: k + 1 per token)."""
+    return flops.flops_per_token(dims_lib.dims_from_keys(model.config), model.config.max_target_length,
+                                 dense=dense_attention)
 
 
 # --------------------------------------------------------------------------------------------
