@@ -5,10 +5,10 @@
 
 CKPT is a maxtrain checkpoint (a step directory, a run or checkpoints directory, or the output
 directory of `scripts/convert_hf.py import`); its model settings are read from its metadata. The
-golden file holds `input_ids` [B, T] (integers) and `logits` [B, T, V] (float32), and for a model with a vision
-tower (qwen3_vl) `pixel_values` [patches, C*t*p*p] and `image_grid_thw` [images, 3] as the processor makes
-them (positions then M-RoPE's, from the placeholders). With --hf, the golden logits are computed with
-transformers (AutoModelForCausalLM in float32) on random ids, and written to --golden when that is given.
+golden file holds `input_ids` [B, T] (integers), `logits` [B, T, V] (float32) and, for a model with a vision tower,
+the processor's image inputs under transformers' forward-argument names (qwen3_vl: `pixel_values` [patches,
+C*t*p*p], `image_grid_thw` [images, 3]; llama4: `pixel_values` [tiles, C, S, S]). With --hf, the golden logits
+are computed with transformers (AutoModelForCausalLM in float32) on random ids, written to --golden if given.
 
 maxtrain's forward runs in float32 with full-precision matmuls, positions 0..T-1 and one segment per
 row. The last line printed is the max relative error, max |ours - golden| / max |golden|; the exit
@@ -33,7 +33,7 @@ from maxtrain.errors import UserError, run_cli
 from maxtrain.parallel import sharding
 from maxtrain.training import builder
 
-IMAGE_KEYS = ("pixel_values", "image_grid_thw")  # a golden file's images (a model with a vision tower)
+GOLDEN_KEYS = ("input_ids", "logits")  # a golden file's other arrays: the images' inputs (a model with a vision tower)
 
 
 class CheckError(UserError, ValueError):
@@ -41,7 +41,7 @@ class CheckError(UserError, ValueError):
 
 
 def read_golden(path: str) -> tuple[np.ndarray, np.ndarray, dict | None]:
-    """(input_ids, logits, the images {pixel_values, image_grid_thw} or None when the file has no pixel_values)."""
+    """(input_ids, logits, the images {forward-argument name: array} or None when the file has no pixel_values)."""
     if not os.path.isfile(path):
         raise CheckError(f"--golden {path} does not exist (make one with --hf HF_DIR --golden {path})")
     if not zipfile.is_zipfile(path):
@@ -50,7 +50,8 @@ def read_golden(path: str) -> tuple[np.ndarray, np.ndarray, dict | None]:
     try:
         with np.load(path) as data:
             ids, logits = np.asarray(data["input_ids"]), np.asarray(data["logits"])
-            images = {k: np.asarray(data[k]) for k in IMAGE_KEYS} if "pixel_values" in data.files else None
+            images = ({k: np.asarray(data[k]) for k in data.files if k not in GOLDEN_KEYS}
+                      if "pixel_values" in data.files else None)
     except KeyError as e:
         raise CheckError(f"{path} has no array {e}; it needs input_ids [B, T] and logits [B, T, V]") from None
     except (OSError, ValueError) as e:
@@ -82,7 +83,7 @@ def golden_from_transformers(hf_dir: str, ids: np.ndarray) -> np.ndarray:
 
 
 def maxtrain_logits(checkpoint: str, ids: np.ndarray, log=print, images: dict | None = None) -> np.ndarray:
-    """Our float32 logits; images {pixel_values, image_grid_thw}: through the family's vision tower."""
+    """Our float32 logits; images {forward-argument name: array}: through the family's vision tower."""
     base = os.path.join(config_lib.packaged_configs_dir(), "base.yml")
     config = builder.load_config([base, f"load_parameters_path={checkpoint}", "dtype=float32", "weight_dtype=float32",
                                   "attention=dot_product", "ici_fsdp_parallelism=1",
@@ -97,7 +98,7 @@ def maxtrain_logits(checkpoint: str, ids: np.ndarray, log=print, images: dict | 
         if vision is None:
             raise CheckError(f"the golden file holds pixel_values but {config.decoder_block} has no vision tower")
         try:
-            positions, inputs = vision.inputs(config, ids, images["pixel_values"], images["image_grid_thw"])
+            positions, inputs = vision.inputs_named(config, ids, images)
         except ValueError as e:
             raise CheckError(f"the golden file's images: {e}") from None
     with jax.default_matmul_precision("highest"), sharding.activation_sharding(model.mesh, config.logical_axis_rules):

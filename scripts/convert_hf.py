@@ -4,7 +4,8 @@
     #   OUT/checkpoints/0 (params only), OUT/model.yml (the model preset), OUT/hf/ (config, tokenizer, license)
     python scripts/convert_hf.py import HF_DIR OUT [--weight_dtype float32|bfloat16] [--text-only]
     #   a Qwen3-VL directory (Qwen3VLForConditionalGeneration) imports with its vision tower as qwen3_vl;
-    #   --text-only imports its language model alone (as qwen3) and says once that the tower was left out
+    #   and a Llama 4 one (Llama4ForConditionalGeneration) as llama4; --text-only imports its language model
+    #   alone (as qwen3, llama4_text) and says once that the tower was left out
 
     # check it, then fine-tune it (the checkpoint's model settings and tokenizer are adopted)
     python scripts/check_logits.py OUT --hf HF_DIR
@@ -46,7 +47,7 @@ def main(argv: list[str]) -> int:
                      help="DeepSeek-V3: also import the multi-token-prediction modules (num_nextn_predict_layers), "
                           "for training with them (mtp_num_layers; docs/deepseek.md)")
     imp.add_argument("--text-only", dest="text_only", action="store_true",
-                     help="a model with a vision tower (Qwen3-VL): import its text decoder alone, as its text family")
+                     help="a model with a vision tower (Qwen3-VL, Llama 4): import its text decoder alone, as its text family")
     exp = commands.add_parser("export", help="maxtrain checkpoint -> Hugging Face directory")
     exp.add_argument("checkpoint", help="a step directory, or a run / checkpoints directory (latest step)")
     exp.add_argument("out_dir")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import types
 
 import jax
@@ -29,12 +28,12 @@ from maxtrain import storage
 from maxtrain.models.model import Model
 from maxtrain.models.model_keys import LATER_KEYS, MODEL_KEYS
 from maxtrain.models.families import FAMILIES
-from maxtrain.checkpointing import checksums, dequantize, safetensors_files
+from maxtrain.checkpointing import checksums, dequantize, hf_assets, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
 from maxtrain.checkpointing import manager as checkpoint_manager
 from maxtrain.config import checks as config_checks
 from maxtrain.config import registry
-from maxtrain.data import default_corpus, tokenizer_hf
+from maxtrain.data import default_corpus
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.models.hf import ConversionError
 from maxtrain.models.params import is_spec
@@ -360,7 +359,7 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
 
     os.makedirs(out_dir, exist_ok=True)
     assets = os.path.join(os.path.abspath(out_dir), ASSETS)
-    copied = _copy_assets(hf_dir, assets)
+    copied = hf_assets.copy(hf_dir, assets)
     source = {"hugging_face_dir": os.path.abspath(hf_dir), "dtypes": source_dtypes, "hf_config": hf,
               "assets_dir": assets, "assets": copied, "notes": notes}
     import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
@@ -380,20 +379,6 @@ def import_hf(hf_dir: str, out_dir: str, weight_dtype: str = "float32", log=prin
     with open(os.path.join(out_dir, "model.yml"), "w") as f:
         f.write("\n".join(preset) + "\n")
     return keys
-
-
-def _copy_assets(hf_dir: str, assets: str) -> list[str]:
-    """Everything of the model directory but its weights: configs, tokenizer, chat template, license."""
-    os.makedirs(assets, exist_ok=True)
-    copied = []
-    for name in sorted(os.listdir(hf_dir)):
-        src = os.path.join(hf_dir, name)
-        if not os.path.isfile(src) or name.endswith(safetensors_files.WEIGHT_SUFFIXES) \
-                or name.endswith(".safetensors.index.json") or name.startswith("."):
-            continue
-        shutil.copyfile(src, os.path.join(assets, name))
-        copied.append(name)
-    return copied
 
 
 def export_hf(checkpoint_path: str, out_dir: str, dtype: str = "float32", max_shard_bytes: int = 5 * 2**30,
@@ -427,7 +412,7 @@ def export_hf(checkpoint_path: str, out_dir: str, dtype: str = "float32", max_sh
                 hf[key] = token_id
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
-    _write_tokenizer_and_generation_config(out_dir, tok, source.get("assets_dir"), log)
+    hf_assets.write(out_dir, tok, source.get("assets_dir"), log)
     safetensors_files.write_model_dir(out_dir, tensors, {"format": "pt", "maxtrain_checkpoint": step_dir},
                                       max_shard_bytes)
     return out_dir
@@ -481,31 +466,6 @@ def hf_config(keys: dict, original: dict | None, dtype: str) -> dict:
             if k in ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings", "initializer_range")}
     base.setdefault("max_position_embeddings", max(keys.get("original_max_position_embeddings", 8192), 8192))
     return {**base, **family.to_hf_config(keys), "torch_dtype": dtype, "dtype": dtype}
-
-
-def _write_tokenizer_and_generation_config(out_dir: str, tok, assets: str | None, log):
-    """The tokenizer files transformers reads to maxtrain's ids (data/tokenizer_hf.py), the original model's
-    generation config, license and readme files, or a generation config with the tokenizer's ids."""
-    if tok is not None:
-        files, notes = tokenizer_hf.hf_files(tok)
-        for name, data in files.items():
-            with open(os.path.join(out_dir, name), "wb") as f:
-                f.write(data)
-        for note in notes:
-            log(f"note: {note}")
-    if assets and os.path.isdir(assets):
-        for name in sorted(os.listdir(assets)):  # the original generation config, license and readme files
-            if name == "generation_config.json" or name == "README.md" \
-                    or name.upper().startswith(("LICENSE", "NOTICE", "USE_POLICY")):
-                shutil.copyfile(os.path.join(assets, name), os.path.join(out_dir, name))
-    if not os.path.isfile(os.path.join(out_dir, "generation_config.json")):
-        generation = {} if tok is None else {"bos_token_id": tok.bos_id, "pad_token_id": tok.pad_id, "eos_token_id":
-                                             list(tok.eos_ids) if len(tok.eos_ids) > 1 else tok.eos_id}
-        with open(os.path.join(out_dir, "generation_config.json"), "w") as f:
-            json.dump({k: v for k, v in generation.items() if v is not None}, f, indent=2)
-    if tok is None:
-        log("note: no tokenizer files were found for this checkpoint; pass --tokenizer PATH to include them "
-            "(transformers needs them to run the model on text)")
 
 
 def yaml_value(value) -> str:

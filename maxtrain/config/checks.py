@@ -25,7 +25,7 @@ import importlib.util
 import os
 from typing import Any
 
-from maxtrain.config import context_checks, features, limits, mla_checks, objectives
+from maxtrain.config import context_checks, features, limits, mla_checks, objectives, vision_checks
 from maxtrain.config import settings as settings_lib
 from maxtrain.config.registry import EVAL_TASKS, MOE_FAMILIES, MOE_PLACEMENT_KEYS
 from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, QUANTIZATION_PLACES, parallelism_key, table, ways
@@ -384,7 +384,7 @@ def _multi_token_prediction(v):
 
 
 ROUTING_MLA_AND_MTP_CHECKS = (_routing_groups, _expert_balancing_needs_experts, *mla_checks.CHECKS,
-                              _multi_token_prediction)
+                              _multi_token_prediction, *vision_checks.CHECKS)
 
 
 # quantization (models/fp8.py). Whether the devices have float8 matmuls is checked with the devices, before

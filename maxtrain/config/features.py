@@ -112,6 +112,10 @@ FEATURES: tuple[Feature, ...] = (
     *_objective_features(),
     Feature("lora_rank > 0", lambda v: v["lora_rank"] > 0, ("lora_alpha", "lora_target_modules"),
             fix="set lora_rank (e.g. lora_rank=8)"),
+    # an image-and-text model's training (training/freeze.py): a model without a tower has nothing to freeze
+    Feature("a model with a vision tower (vision_config set)", lambda v: v["vision_config"] != "", ("vision_freeze",),
+            fix="import an image-and-text checkpoint with its tower (scripts/convert_hf.py import, without --text-only)",
+            state="vision_config"),
     # DeepSeek-V3.2's indexer training (models/families/deepseek/__init__.py): a deepseek model with an indexer
     Feature("an indexer to train (decoder_block=deepseek with index_n_heads > 0)",
             lambda v: family(v).sparse_attention and v["index_n_heads"] > 0,

@@ -86,6 +86,11 @@ HYBRID_SHAPE_KEYS = ("inhomogeneous_layer_cycle_interval", "gdn_num_key_heads", 
 HYBRID_KERNEL_SETTINGS = ("gdn_chunk_size", "gdn_kernel")  # how, not what, the gated delta rule computes
 HYBRID_SETTINGS = ("partial_rotary_factor", *HYBRID_SHAPE_KEYS, *HYBRID_KERNEL_SETTINGS)
 
+# Llama 4's decoder (models/llama4/): the settings its two families (llama4_text, llama4) read.
+LLAMA4_SETTING_KEYS = ("chunk_attn_window_size", "nope_layer_interval", "use_qk_norm", "temperature_tuning",
+                       "temperature_tuning_scale", "temperature_tuning_floor_scale")
+LLAMA4_SETTINGS = ("decoder_sparse_step",) + LLAMA4_SETTING_KEYS
+
 FAMILIES: dict[str, Family] = {f.name: f for f in (
     Family("llama", ("llama",), "LlamaForCausalLM"),
     Family("mistral", ("mistral",), "MistralForCausalLM", window_everywhere=True),
@@ -152,13 +157,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            setting_keys=("index_topk", "routed_scaling_factor", "partial_rotary_factor", "mlp_activations_limit",
                          "hc_sinkhorn_iters", "hc_eps", "compress_rope_theta"),
            config_checks="maxtrain.models.families.deepseek_v4.dims"),
-    Family("llama4_text", ("llama4_text", "llama4"), "Llama4ForCausalLM", moe=True, per_layer_attention=False,
-           usual=(("num_experts", 16),),
-           settings=("decoder_sparse_step", "chunk_attn_window_size", "nope_layer_interval", "use_qk_norm",
-                     "temperature_tuning", "temperature_tuning_scale", "temperature_tuning_floor_scale"),
-           shape_keys=("shared_experts",),
-           setting_keys=("chunk_attn_window_size", "nope_layer_interval", "use_qk_norm", "temperature_tuning",
-                         "temperature_tuning_scale", "temperature_tuning_floor_scale")),
+    Family("llama4_text", ("llama4_text",), "Llama4ForCausalLM", moe=True, per_layer_attention=False,
+           usual=(("num_experts", 16),), settings=LLAMA4_SETTINGS, shape_keys=("shared_experts",),
+           setting_keys=LLAMA4_SETTING_KEYS),
+    # Llama 4 reading images (Llama4ForConditionalGeneration): llama4_text's decoder and the vision tower
+    Family("llama4", ("llama4",), "Llama4ForConditionalGeneration", moe=True, per_layer_attention=False,
+           usual=(("num_experts", 16),), settings=LLAMA4_SETTINGS + ("vision_config", "image_token_id"),
+           shape_keys=("shared_experts", "vision_config"), setting_keys=LLAMA4_SETTING_KEYS + ("image_token_id",)),
     Family("minimax_m2", ("minimax_m2",), "MiniMaxM2ForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 256),), settings=("partial_rotary_factor",), shape_keys=("shared_experts", "routed_bias"),
            setting_keys=("partial_rotary_factor",)),

@@ -20,6 +20,7 @@
                   SwiGLU; sigmoid_groups.py: the sigmoid group-limited router, its selection bias and the shared
                   experts (docs/deepseek.md); topk_sigmoid.py: sigmoid weights of the top-k on the experts' inputs
     recurrent/    the gated delta rule, the gated delta-net layer and the hybrid stack families compose with it
+    llama4/       Llama 4's text decoder (chunked attention, NoPE layers, experts), composed by llama4_text and llama4
     vision/       vision towers as blocks with their Hugging Face names (qwen.py: Qwen3-VL's and Qwen3.5's ViT;
                   gemma4.py: Gemma 4's encoder and projector; llama4.py: Llama 4's tile encoder and projector)
     mtp.py        multi-token prediction: modules after the stack, predicting tokens further ahead

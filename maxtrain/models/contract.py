@@ -54,6 +54,7 @@ them before JAX starts); which config keys a checkpoint is checked against come 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any, Callable
 
 from maxtrain.config import registry
@@ -84,12 +85,26 @@ class Vision:
     embed: Callable[..., Any]        # (params, x [B, T, D], tokens, images {input_keys: arrays}, model, rt) ->
                                      # (x with the placeholders' rows replaced, per-layer inputs [L, B, T, D] or None)
     input_keys: tuple[str, ...]      # the batch keys of `images` (pixel_values and the tower's layout arrays)
-    prefix: str                      # the tower's tensor-name prefix in the checkpoint (model.visual.)
+    prefix: str | tuple[str, ...]    # the tower's tensor-name prefix(es) in the checkpoint (model.visual.)
     text_prefixes: dict              # the text decoder's prefixes in the checkpoint -> in the text model's names
     to_maxtrain: Callable[..., dict]  # (the tensors under `prefix`, model keys, dtype) -> params["vision"]
     to_hf: Callable[..., dict]       # (params["vision"], model keys, dtype) -> tensors under `prefix`
-    inputs: Callable[..., tuple]     # (config, input_ids [B, T], pixel_values, image_grid_thw, pad_to=None) -> (positions,
-                                     # images) for Model.forward, made on the host as the processor's model does
+    inputs: Callable[..., tuple]     # (config, input_ids [B, T], pixel_values, ..., pad_to=None) -> (positions, images)
+                                     # for Model.forward, made on the host as the processor's model does; its
+                                     # arguments after input_ids are transformers' forward-argument names
+                                     # (qwen3_vl: pixel_values, image_grid_thw; llama4: pixel_values)
+    projector: tuple[str, ...] = ()  # the keys of params["vision"] that map the tower's features into the text model's
+                                     # width (vision_freeze's "projector"; the rest is the tower: training/freeze.py)
+
+    def inputs_named(self, config, input_ids, arrays: dict) -> tuple:
+        """inputs(config, input_ids, **arrays), the arrays under transformers' forward-argument names; a ValueError
+        names arrays it does not take, or lacks."""
+        try:
+            inspect.signature(self.inputs).bind(config, input_ids, **arrays)
+        except TypeError as e:
+            raise ValueError(f"the arrays {sorted(arrays)} are not the image inputs {config.decoder_block} reads ({e});"
+                             " name them as transformers' forward arguments (pixel_values, ...)") from None
+        return self.inputs(config, input_ids, **arrays)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -286,7 +286,7 @@ def _hidden(model, params, tokens, positions, segment_ids, rt, routing=None, ima
     family, config = model.family, model.config
     if images is not None and family.vision is None:
         raise ValueError(f"images (pixel_values) given to {family.row.name}, a text-only family; drop them, or "
-                         "use a family with a vision tower (qwen3_vl)")
+                         "use a family with a vision tower (qwen3_vl, llama4)")
     x = family.embed(params, tokens, config, rt)
     image_per_layer = None
     if images is not None:

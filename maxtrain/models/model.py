@@ -115,7 +115,7 @@ class Model:
         """The state a train step changes outside the gradient, after the optimizer's update (the MoE
         router's selection bias, models/moe/sigmoid_groups.py; QK-clip's scaling of the query and key weights,
         models/qk_clip.py), from the step's statistics (aux entries named models/aux_names.STEP_STATS)."""
-        if self.config.indexer_training == "dense_warmup":  # only the indexer trains: nothing else moves
-            return params
+        if self.config.indexer_training == "dense_warmup" or "language_model" in self.config.vision_freeze:
+            return params  # only the indexer trains (or, vision_freeze, not the language model): nothing else moves
         params = sigmoid_groups.update_router_bias(params, old_params, step_stats, self.config, self.layer_types)
         return qk_clip.clip(params, step_stats, self.config, self.layer_types)

@@ -25,7 +25,7 @@ from maxtrain import config as config_lib
 from maxtrain.config import batch as config_batch, chips
 from maxtrain.checkpointing import adoption
 from maxtrain.checkpointing import files as checkpoint_files
-from maxtrain.training import distillation, host_memory, losses, optimizer, train_step
+from maxtrain.training import distillation, freeze, host_memory, losses, optimizer, train_step
 from maxtrain.observability import metrics
 from maxtrain import storage
 from maxtrain.models.model import Model
@@ -354,11 +354,12 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
     config, model, rt = run.config, run.model, run.rt
     flops = metrics.flops_per_token(model)
     state = run.abstract_state
-    trainable = jax.tree.leaves(state[train_step.trainable_key(state)])
-    n_trainable = sum(x.size for x in trainable)
+    key = train_step.trainable_key(state)
+    n_trainable, frozen = freeze.counts(state[key], config, model) if key == "params" else \
+        (sum(x.size for x in jax.tree.leaves(state[key])), 0)  # vision_freeze's parts count as frozen
     opt_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state["opt_state"]))
-    frozen = sum(x.size for k in ("params", "reference", "teacher")
-                 if k in state and k != train_step.trainable_key(state) for x in jax.tree.leaves(state[k]))
+    frozen += sum(x.size for k in ("params", "reference", "teacher")
+                  if k in state and k != key for x in jax.tree.leaves(state[k]))
     lines = [
         f"model: {config.model_name} ({config.decoder_block})  params {model.num_params / 1e6:,.2f}M  "
         f"layers {config.base_num_decoder_layers}  D {config.base_emb_dim}  heads "
@@ -378,6 +379,7 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
         f"objective: {losses.name(config)}" + objective_details(config)
         + (f"  LoRA rank {config.lora_rank} alpha {config.lora_alpha} on {','.join(config.lora_target_modules)}"
            if config.lora_rank else "")
+        + (f"  vision_freeze {','.join(config.vision_freeze)}" if config.vision_freeze else "")
         + f"  trainable {n_trainable / 1e6:,.3f}M ({100 * n_trainable / max(model.num_params, 1):.2f}% of the"
         f" model)  frozen {frozen / 1e6:,.2f}M  optimizer state {opt_bytes / 2**20:,.2f} MiB",
         f"schedule: {config.lr_schedule_type} peak lr {config.learning_rate}  warmup {config.warmup_steps}  "

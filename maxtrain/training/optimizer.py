@@ -1,6 +1,7 @@
 """The optimizer: gradient clipping -> AdamW with masked weight decay (or, opt_type=muon, Muon on the
 hidden weight matrices and that AdamW on the rest: training/muon.py), driven by a schedule. With
-indexer_training=dense_warmup only DeepSeek-V3.2's indexer weights train (the others' updates are zero).
+indexer_training=dense_warmup only DeepSeek-V3.2's indexer weights train (the others' updates are zero); vision_freeze's
+parts of an image-and-text model get no update either (training/freeze.py).
 
 Gradient accumulation happens in the train step (a scan over micro-batches that sums gradients
 weighted by real tokens), so the optimizer sees exactly one update per step.
@@ -12,7 +13,7 @@ import jax
 import optax
 
 from maxtrain.models import params as params_lib
-from maxtrain.training import muon
+from maxtrain.training import freeze, muon
 
 
 def make_schedule(config) -> optax.Schedule:
@@ -70,6 +71,9 @@ def make_optimizer(config, model) -> optax.GradientTransformation:
         tx = optax.chain(optax.clip_by_global_norm(config.gradient_clipping_threshold), tx)
     if config.indexer_training == "dense_warmup":  # DeepSeek-V3.2's warm-up: the indexer trains, the rest is frozen
         return optax.multi_transform({"indexer": tx, "frozen": optax.set_to_zero()}, indexer_labels)
+    if config.vision_freeze:  # an image-and-text model's frozen parts (training/freeze.py)
+        return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()},
+                                     lambda params: freeze.labels(params, config, model))
     return tx
 
 

@@ -33,7 +33,7 @@ from maxtrain.models import lora
 from maxtrain.models.model import Model
 from maxtrain.models import aux_names, decoder
 from maxtrain.models.runtime import Runtime
-from maxtrain.training import distillation, losses, precision
+from maxtrain.training import distillation, freeze, losses, precision
 from maxtrain.parallel import sharding
 from maxtrain.training.optimizer import make_schedule
 
@@ -113,6 +113,7 @@ def make_train_step(config, model: Model, rt: Runtime, tx: optax.GradientTransfo
 
         def micro_gradients(micro_batch):
             def scaled_loss(p):
+                p = freeze.stop_gradients(p, config, model) if key == "params" else p  # vision_freeze's parts
                 loss, weight, aux = objective(model_params(state, config, p), micro_batch, reference)
                 return decoder.objective(loss, weight, aux) * unit, (loss, weight, aux)
 

@@ -190,6 +190,7 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
                                 "global_num_kv_heads=1", "attention_k_eq_v=true", "per_layer_input_dim=16",
                                 "num_kv_shared_layers=2", "double_wide_mlp=true", "base_moe_mlp_dim=96",
                                 "rope_type=proportional", "rope_proportion=0.25"]}
+FAMILY_FLOPS["llama4"] = FAMILY_FLOPS["llama4_text"]  # the same decoder (without vision_config: no tower)
 
 
 @pytest.mark.slow

@@ -13,7 +13,7 @@
 A tower is declared like any block (models/params.py: shapes with logical axes) and run as a pure function of
 (params, pixels, layout, config): what depends only on the images' grid (positions, interpolation taps, the
 attention segments) is computed on the host with numpy as a layout of arrays (Qwen's patch_layout; Gemma 4's is the
-processor's position array; Llama 4's tiles have one shape), padded: one compile for every batch. The family that
-reads images (models/families/qwen3_vl/) runs its tower through its contract.Vision.
+processor's position array; Llama 4's tiles have one shape), padded: one compile for every batch. The families that
+read images (models/families/qwen3_vl/, llama4/) run their tower through their contract.Vision.
 May import the rest of models/, parallel, config and errors; never training, checkpointing, data or the commands.
 """

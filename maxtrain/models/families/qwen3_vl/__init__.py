@@ -275,4 +275,4 @@ MODEL = contract.FamilyModel(
     hf_names=HF_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config, rope_tables=rope_tables,
     vision=contract.Vision(text_family="qwen3", embed=embed_images, input_keys=IMAGE_KEYS, prefix=PREFIX,
                            text_prefixes=TEXT_PREFIXES, to_maxtrain=vision_to_maxtrain, to_hf=vision_to_hf,
-                           inputs=model_inputs))
+                           inputs=model_inputs, projector=("merger", "deepstack")))
