@@ -79,7 +79,7 @@ PUBLISHED = {
     # counts 284,325,869,015 and keeps the 40 top-k layers' 256 selection biases (10,240) and the 3 hash layers'
     # token -> experts tables (2,327,040) as buffers; 284B total, 13B active (below)
     "deepseek4-flash": 284_328_206_295,
-    "deepseek4-tiny": 2_247_077,     # DeepSeek-V4's architecture at a laptop's size (not released)
+    "deepseek4-tiny": 2_271_653,     # DeepSeek-V4's architecture at a laptop's size (not released)
     "gpt2-small": 123_587_328,      # GPT-2 small's shape as a Llama (124M with GPT-2's own layers)
     "default": 5_507_328,
 }
@@ -175,7 +175,7 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
                 "glm4_moe": [*MOE_FLOPS, "partial_rotary_factor=0.5", "use_qk_norm=true", "attention_bias=true",
                              "first_num_dense_layers=1", "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true",
                              "mtp_num_layers=1"],
-                # DeepSeek-V4: every kind of layer (HCA, HCA, CSA, HCA), 2 streams, one hash-routed layer; its
+                # DeepSeek-V4: its default schedule (HCA, HCA, HCA, CSA), 2 streams, one hash-routed layer; its
                 # reference experts run densely, so as many experts as each token picks
                 "deepseek_v4": ["num_experts=2", "num_experts_per_tok=2", "base_moe_mlp_dim=96", "q_lora_rank=32",
                                 "index_n_heads=2", "index_head_dim=32", "index_topk=4", "o_groups=2",
