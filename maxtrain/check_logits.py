@@ -85,9 +85,9 @@ def golden_from_transformers(hf_dir: str, ids: np.ndarray) -> np.ndarray:
 
 def maxtrain_logits(checkpoint: str, ids: np.ndarray, log=print, images: dict | None = None) -> np.ndarray:
     """Our float32 logits; images {forward-argument name: array}: through the family's vision tower."""
-    base = os.path.join(config_lib.packaged_configs_dir(), "base.yml")
-    config = builder.load_config([base, f"load_parameters_path={checkpoint}", "dtype=float32", "weight_dtype=float32",
-                                  "attention=dot_product", "ici_fsdp_parallelism=1"], log=log)
+    config = builder.load_config([os.path.join(config_lib.packaged_configs_dir(), "base.yml"), "dtype=float32",
+                                  f"load_parameters_path={checkpoint}", "weight_dtype=float32", "attention=dot_product",
+                                  "ici_fsdp_parallelism=1", "packing=false", "max_new_tokens=0"], log=log)
     if int(ids.max(initial=0)) >= config.vocab_size or int(ids.min(initial=0)) < 0:
         raise CheckError(f"input_ids range over [{ids.min()}, {ids.max()}], outside the model's vocabulary of "
                          f"{config.vocab_size}")

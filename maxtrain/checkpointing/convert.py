@@ -107,7 +107,8 @@ def model_keys(hf: dict, notes: list | None = None, where: str = "config.json", 
     out = {k: defaults[k] for k in MODEL_KEYS}
     out.update(keys, decoder_block=name)
     try:
-        config_checks.validate({**defaults, **out})
+        # the model alone: no run's data (packing) or decoding (max_new_tokens), which some families refuse
+        config_checks.validate({**defaults, "packing": False, "max_new_tokens": 0, **out})
     except config_lib.ConfigError as e:
         raise ConversionError(f"{where} describes a {name} model that maxtrain's {name} family cannot build: its "
                               f"fields read as {e}. Check that it is the model's own config.json; otherwise this "
@@ -202,7 +203,7 @@ def _decoder_to_maxtrain(tensors: dict[str, np.ndarray], keys: dict, dtype=np.fl
                 w = np.asarray(tensors[hf_name])  # a quantised pair is dequantised here
             except safetensors_files.FormatError as e:
                 raise ConversionError(f"{where(hf_name)}{e}") from None
-            if w.dtype not in dequantize.FULL_PRECISION:  # Dequantized refuses these first, naming the file
+            if w.dtype not in dequantize.FULL_PRECISION and not (layout.integers and w.dtype.kind in "iu"):
                 raise ConversionError(f"{where(hf_name)}{hf_name} is stored as {w.dtype}, not as float weights (a "
                                       "quantised tensor without its scales?); import a copy with bfloat16 or float32 "
                                       "weights")

@@ -424,6 +424,16 @@ def _attention_kernels_inside_the_ring(v):
              f"of {unit}; e.g. max_target_length={max(unit, length // unit * unit)}")
 
 
+def _family_rules(v):
+    """The family's own rules (registry.Family.config_checks: a module of its folder with check_config(values))."""
+    module = features.family(v).config_checks
+    if module:
+        try:
+            importlib.import_module(module).check_config(v)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+
+
 def _muon_without_lora(v):
     _require(v["opt_type"] != "muon" or v["lora_rank"] == 0,
              f"opt_type=muon trains whole weight matrices, but lora_rank={v['lora_rank']} trains low-rank adapters: "
@@ -453,7 +463,7 @@ def _objective_with_pipeline_stages(v):
 
 # limits.py: samplers with one choice, lengths, paths; features.py last: the rules above name the more particular
 # mistakes of a setting that does nothing
-CHECKS += (_objective_with_pipeline_stages,) + limits.CHECKS + features.CHECKS
+CHECKS += (_objective_with_pipeline_stages,) + limits.CHECKS + features.CHECKS + (_family_rules,)
 
 
 def _divisor_hint(n: int, near: int) -> int:

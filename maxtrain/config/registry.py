@@ -45,6 +45,9 @@ class Family:
     setting_keys: tuple[str, ...] = ()
     # Of its `settings`, those that change how, not what, it computes (a kernel's chunk): no model keys.
     kernel_settings: tuple[str, ...] = ()
+    # A module (import path) of the family's folder whose check_config(values) refuses, with one line, what its
+    # layers cannot run (config/checks.py calls it, after the shared rules): rules the settings table cannot state.
+    config_checks: str = ""
 
     def pattern(self, num_layers: int) -> list[str]:
         """Its layers' attention without attention_layer_types: attention_pattern repeated over num_layers."""
@@ -159,6 +162,17 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                        "index_head_dim"),
            setting_keys=("rope_interleave", "rope_mscale_all_dim", "n_routing_groups", "topk_routing_group",
                          "routed_scaling_factor", "index_topk", "index_rope_interleave")),
+    Family("deepseek_v4", ("deepseek_v4",), "DeepseekV4ForCausalLM", moe=True, attention_pattern=("sliding",),
+           usual=(("num_experts", 256), ("sliding_window_size", 128)),
+           settings=("q_lora_rank", "index_n_heads", "index_head_dim", "index_topk", "routed_scaling_factor",
+                     "partial_rotary_factor", "mlp_activations_limit", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
+                     "o_groups", "o_lora_rank", "compress_rate_csa", "compress_rate_hca", "compress_rope_theta",
+                     "compress_layer_types", "num_hash_layers"),
+           shape_keys=("q_lora_rank", "index_n_heads", "index_head_dim", "hc_mult", "o_groups", "o_lora_rank",
+                       "compress_rate_csa", "compress_rate_hca", "compress_layer_types", "num_hash_layers"),
+           setting_keys=("index_topk", "routed_scaling_factor", "partial_rotary_factor", "mlp_activations_limit",
+                         "hc_sinkhorn_iters", "hc_eps", "compress_rope_theta"),
+           config_checks="maxtrain.models.families.deepseek_v4.dims"),
     Family("llama4_text", ("llama4_text",), "Llama4ForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 16),), settings=LLAMA4_SETTINGS, shape_keys=("shared_experts",),
            setting_keys=LLAMA4_SETTING_KEYS),

@@ -37,6 +37,8 @@ class Layout:
     export(w, out, name, dtype): writes slice w into out[name]. A layout whose slice is a whole tensor defines
     to_hf(w); one that shares its tensor with others (Columns, GroupRows) fills its part of out[name]."""
 
+    integers = False  # the Hugging Face tensor holds integers (an index table), read into a float parameter
+
     def resolve(self, shape_of: Callable[[str], tuple]) -> Layout:  # pylint: disable=unused-argument
         return self
 

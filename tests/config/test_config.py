@@ -45,7 +45,7 @@ def test_wrong_type_names_key_and_type(override, fragment):
     (["base_num_query_heads=6", "base_num_kv_heads=4"], "must be a multiple of base_num_kv_heads=4"),
     (["ici_tensor_parallelism=3"], "tensor parallelism 3 .* must divide base_num_query_heads=4"),
     (["dtype=fp8"], "dtype='fp8' is not allowed: it must be one of: autoselected, float32"),
-    (["model_name=gpt5"], "model_name='gpt5' is not a preset. Presets: deepseek3-671b, deepseek3-tiny, deepseek3.2-671b, deepseek3.2-tiny, default"),
+    (["model_name=gpt5"], "model_name='gpt5' is not a preset. Presets: deepseek3-671b, deepseek3-tiny, deepseek3.2-671b, deepseek3.2-tiny, deepseek4-flash, deepseek4-tiny, default"),
     (["ici_fsdp_parallelism=-1", "ici_data_parallelism=-1"], "only one ici_\\*_parallelism may be -1"),
     (["logical_axis_rules=[[\"embed\", \"model\"]]"], "unknown mesh axis 'model'"),
     (["dataset_type=arrayrecord"], "needs grain_train_files"),
@@ -136,7 +136,8 @@ OFF = {"packing=true": ["packing=false"], "lr_schedule_type=cosine": ["lr_schedu
 VALUES = {"chat_template": "chatml", "grain_packing_type": "first_fit", "moe_dispatch": "capacity",
           "lora_target_modules": ["q"], "grpo_reward_functions": ["format"], "mlp_only_layers": [0],
           "attention_layer_types": ["full"] * 4, "gdn_kernel": "jnp", "moe_grouped_matmul": "xla",
-          "grpo_rollout_engine": "vllm", "mrope_section": [24, 20, 20], "vision_freeze": ["tower"]}
+          "grpo_rollout_engine": "vllm", "mrope_section": [24, 20, 20], "vision_freeze": ["tower"],
+          "compress_layer_types": ["sliding_attention"] * 4}
 
 
 def _text(value) -> str:
@@ -243,7 +244,9 @@ def test_the_registry_plans_each_layers_attention_as_the_family_builds_it():
 def test_a_familys_defining_setting_left_at_the_shared_default_is_refused(family):
     """Each defining setting at the shared default that turns it off (the others at the family's usual value)."""
     usual = dict(registry.FAMILIES[family].usual)
-    model = [f"decoder_block={family}"] + (["head_dim=192"] if family == "deepseek" else [])  # MLA's q/k width
+    model = [f"decoder_block={family}"] + {  # MLA's q/k width; DeepSeek-V4's low-rank queries, indexer, expert width
+        "deepseek": ["head_dim=192"], "deepseek_v4": ["q_lora_rank=16", "index_n_heads=2", "base_moe_mlp_dim=32",
+                                                      "packing=false", "max_new_tokens=0"]}.get(family, [])
     load(*model, *(f"{k}={v}" for k, v in usual.items()))
     for key, value in usual.items():
         off = {**usual, key: {"sliding_window_size": 0, "num_experts": 1}[key]}

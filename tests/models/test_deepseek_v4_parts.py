@@ -1,4 +1,4 @@
-"""DeepSeek-V4's parts (maxtrain/models/deepseek_v4/) against transformers 5.24's modules, each built from
+"""DeepSeek-V4's parts (maxtrain/models/families/deepseek_v4/) against transformers 5.24's modules, each built from
 one tiny DeepseekV4Config in float32 with every weight random (transformers' init leaves the sinks, the position
 biases, the hyper-connection biases and the hash table at constants, which would hide mistakes). At T = 24 the
 sliding window (6) drops keys, CSA (rate 4: 6 entries) keeps index_topk = 2 of them, HCA (rate 8) hides the
@@ -16,8 +16,8 @@ torch = pytest.importorskip("torch")
 v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from transformers import DeepseekV4Config  # noqa: E402
 
-from maxtrain.models.deepseek_v4 import compressed, hyper, model, routing  # noqa: E402
-from maxtrain.models.deepseek_v4.dims import check, dims_from_hf  # noqa: E402
+from maxtrain.models.families.deepseek_v4 import compressed, hyper, model, routing  # noqa: E402
+from maxtrain.models.families.deepseek_v4.dims import check, dims_from_hf  # noqa: E402
 
 T = 24
 LAYERS = ["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"]
@@ -280,7 +280,7 @@ def test_whole_model_from_save_pretrained(cfg, tmp_path):
     and the forward matches transformers' logits; transformers reloads the same files to the same logits."""
     from safetensors.numpy import load_file
 
-    from maxtrain.models.deepseek_v4 import checkpoint
+    from maxtrain.models.families.deepseek_v4 import checkpoint
 
     m = randomize(v4.DeepseekV4ForCausalLM(cfg).eval(), seed=50)
     m.save_pretrained(tmp_path)
@@ -303,7 +303,7 @@ def test_export_round_trip_loads_in_transformers(cfg, tmp_path):
 
     from safetensors.numpy import load_file, save_file
 
-    from maxtrain.models.deepseek_v4 import checkpoint
+    from maxtrain.models.families.deepseek_v4 import checkpoint
 
     m = randomize(v4.DeepseekV4ForCausalLM(cfg).eval(), seed=60)
     m.save_pretrained(tmp_path / "hf")
@@ -326,7 +326,7 @@ def test_export_round_trip_loads_in_transformers(cfg, tmp_path):
 def test_flops_count_kept_keys_not_t(cfg):
     """The attention term counts the keys each query reads: a window as long as T is dense causal attention, a
     shorter window, HCA's closed entries and CSA's top-k picks each change it by exactly their own count."""
-    from maxtrain.models.deepseek_v4.flops import flops_per_token
+    from maxtrain.models.families.deepseek_v4.flops import flops_per_token
 
     d = dims_from_hf(cfg)._replace(layer_types=("sliding_attention",))
     per_key = 6 * 2 * d.num_heads * d.head_dim
@@ -347,7 +347,7 @@ def test_greedy_decode_with_cache_equals_full_forward(cfg):
     forward over the tokens so far; its logits match the full forward's at every position."""
     import jax
 
-    from maxtrain.models.deepseek_v4 import decode
+    from maxtrain.models.families.deepseek_v4 import decode
 
     m = randomize(v4.DeepseekV4ForCausalLM(cfg).eval(), seed=70)
     p = params(m)

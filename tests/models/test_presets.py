@@ -75,6 +75,11 @@ PUBLISHED = {
     "qwen3.5-35b-a3b": 34_660_610_688,
     "qwen3.5-122b-a10b": 122_111_526_912,
     "qwen3.5-397b-a17b": 396_346_350_336,
+    # DeepSeek-V4-Flash: transformers' DeepseekV4ForCausalLM of its default config (documented as V4-Flash-Base)
+    # counts 284,325,869,015 and keeps the 40 top-k layers' 256 selection biases (10,240) and the 3 hash layers'
+    # token -> experts tables (2,327,040) as buffers; 284B total, 13B active (below)
+    "deepseek4-flash": 284_328_206_295,
+    "deepseek4-tiny": 2_271_653,     # DeepSeek-V4's architecture at a laptop's size (not released)
     "gpt2-small": 123_587_328,      # GPT-2 small's shape as a Llama (124M with GPT-2's own layers)
     "default": 5_507_328,
 }
@@ -83,7 +88,7 @@ MODEL_CARD = {"qwen3-0.6b": (0.6e9, 0.44e9), "qwen3-8b": (8.2e9, 6.95e9)}
 # gpt-oss's model card: active parameters per token, counted without the input embedding table.
 ACTIVE_WITHOUT_EMBEDDING = {"gpt-oss-20b": 3.6e9, "gpt-oss-120b": 5.1e9}
 # DeepSeek-V3's paper: 37B activated per token (counted, like gpt-oss's, without the input embedding table).
-ACTIVE_BILLIONS_WITHOUT_EMBEDDING = {"deepseek3-671b": 37, "kimi-k2-1t": 32}
+ACTIVE_BILLIONS_WITHOUT_EMBEDDING = {"deepseek3-671b": 37, "kimi-k2-1t": 32, "deepseek4-flash": 13}
 # GLM-4.5's model card: 12B (Air) and 32B active, counted without the embedding table and the output head.
 ACTIVE_BILLIONS_WITHOUT_EMBEDDING_AND_HEAD = {"glm-4.5-air": 12, "glm-4.5": 32, "glm-5": 40, "minimax-m2": 10}
 # Qwen3.5's names: A3B, A10B, A17B activated per token (3.45B, 9.77B and 17.35B counted with the embeddings).
@@ -131,9 +136,9 @@ def test_transformers_counts_the_same_architecture_the_same(name):
     config = transformers.AutoConfig.for_model(**hf_config)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config)
-    # DeepSeek's selection bias and Gemma 4's layer scalars are buffers in transformers, tensors of the
-    # checkpoint all the same
-    bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith(("e_score_correction_bias", "layer_scalar")))
+    # DeepSeek's selection bias, DeepSeek-V4's hash tables and Gemma 4's layer scalars are buffers in
+    # transformers, tensors of the checkpoint all the same
+    bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith(("e_score_correction_bias", "layer_scalar", "tid2eid")))
     assert sum(p.numel() for p in model.parameters()) + bias == Model.bind(cfg).num_params
 
 
@@ -170,6 +175,13 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
                 "glm4_moe": [*MOE_FLOPS, "partial_rotary_factor=0.5", "use_qk_norm=true", "attention_bias=true",
                              "first_num_dense_layers=1", "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true",
                              "mtp_num_layers=1"],
+                # DeepSeek-V4: its default schedule (HCA, HCA, HCA, CSA), 2 streams, one hash-routed layer; its
+                # reference experts run densely, so as many experts as each token picks
+                "deepseek_v4": ["num_experts=2", "num_experts_per_tok=2", "base_moe_mlp_dim=96", "q_lora_rank=32",
+                                "index_n_heads=2", "index_head_dim=32", "index_topk=4", "o_groups=2",
+                                "o_lora_rank=32", "hc_mult=2", "hc_sinkhorn_iters=3", "compress_rate_hca=8",
+                                "num_hash_layers=1", "partial_rotary_factor=0.5", "packing=false",
+                                "max_new_tokens=0", "per_device_batch_size=16"],
                 # qk-norm over all heads, half-head RoPE, a selection bias
                 "minimax_m2": [*MOE_FLOPS, "partial_rotary_factor=0.5", "routed_bias=true"],
                 # full-attention layers of their own head shape with keys as values, per-layer inputs, two

@@ -85,3 +85,65 @@ def check(d: Dims, seq_len: int, hash_table_experts: int | None = None) -> None:
     if 'hash_moe' in d.mlp_layer_types and hash_table_experts is not None and d.n_experts > hash_table_experts:
         raise ValueError(f"deepseek_v4: a hash-routed layer has {d.n_experts} experts but the hash covers only "
                          f"{hash_table_experts}; use n_routed_experts <= {hash_table_experts} or a wider tid2eid")
+
+
+ATTENTION_KINDS = ('sliding_attention', 'compressed_sparse_attention', 'heavily_compressed_attention')
+
+
+def default_layer_types(num_layers: int) -> list[str]:
+    """transformers' default schedule: two HCA layers, then HCA and CSA alternating."""
+    rest = ['compressed_sparse_attention' if i % 2 else 'heavily_compressed_attention' for i in range(max(num_layers - 2, 0))]
+    return (['heavily_compressed_attention'] * min(num_layers, 2) + rest)[:num_layers]
+
+
+def attention_schedule(v) -> list[str]:
+    """Each layer's attention from model keys (v: a mapping or an attribute view)."""
+    get = v.get if isinstance(v, dict) else (lambda k: getattr(v, k))
+    return list(get('compress_layer_types')) or default_layer_types(get('base_num_decoder_layers'))
+
+
+def dims_from_keys(v) -> Dims:
+    """The sizes from maxtrain's model keys (v: the resolved config values, a dict, or the config's attribute view)."""
+    get = v.get if isinstance(v, dict) else (lambda k: getattr(v, k))
+    n, head_dim = get('base_num_decoder_layers'), get('head_dim')
+    return Dims(
+        hidden_size=get('base_emb_dim'), num_heads=get('base_num_query_heads'), head_dim=head_dim,
+        rope_dim=int(head_dim * get('partial_rotary_factor')), q_lora_rank=get('q_lora_rank'),
+        o_groups=get('o_groups'), o_lora_rank=get('o_lora_rank'), sliding_window=get('sliding_window_size'),
+        rms_eps=get('normalization_layer_epsilon'), rope_theta=float(get('rope_max_timescale')),
+        compress_rope_theta=float(get('compress_rope_theta')), csa_rate=get('compress_rate_csa'),
+        hca_rate=get('compress_rate_hca'), index_n_heads=get('index_n_heads'), index_head_dim=get('index_head_dim'),
+        index_topk=get('index_topk'), hc_mult=get('hc_mult'), hc_iters=get('hc_sinkhorn_iters'),
+        hc_eps=float(get('hc_eps')), n_experts=get('num_experts'), top_k=get('num_experts_per_tok'),
+        routed_scaling=float(get('routed_scaling_factor')), swiglu_limit=float(get('mlp_activations_limit')),
+        moe_intermediate=get('base_moe_mlp_dim'), vocab_size=get('vocab_size'),
+        layer_types=tuple(attention_schedule(v)),
+        mlp_layer_types=tuple('hash_moe' if i < get('num_hash_layers') else 'moe' for i in range(n)))
+
+
+def check_config(v: dict) -> None:
+    """The resolved config's checks for decoder_block=deepseek_v4 (config/checks.py runs it before anything
+    compiles): the schedule and the settings the layers need, then `check` at max_target_length."""
+    n = v['base_num_decoder_layers']
+    types = list(v['compress_layer_types'])
+    if types and (len(types) != n or any(t not in ATTENTION_KINDS for t in types)):
+        raise ValueError(f"deepseek_v4: compress_layer_types must list one of {', '.join(ATTENTION_KINDS)} for each of "
+                         f"the {n} layers (got {types}); or [] for the default schedule")
+    if v['sliding_window_size'] < 1:
+        raise ValueError("deepseek_v4: every layer attends over a sliding window; set sliding_window_size >= 1 "
+                         "(DeepSeek-V4: 128)")
+    if v['q_lora_rank'] < 1 or v['index_n_heads'] < 1:
+        raise ValueError(f"deepseek_v4: q_lora_rank={v['q_lora_rank']} and index_n_heads={v['index_n_heads']} must "
+                         "be >= 1 (low-rank queries; the CSA layers' indexer)")
+    if v['base_moe_mlp_dim'] < 1:
+        raise ValueError("deepseek_v4: set base_moe_mlp_dim, the experts' (and the shared expert's) width")
+    if v['num_experts_per_tok'] > v['num_experts']:
+        raise ValueError(f"deepseek_v4: num_experts_per_tok={v['num_experts_per_tok']} exceeds num_experts="
+                         f"{v['num_experts']}; lower it")
+    if v['packing']:
+        raise ValueError("deepseek_v4: its compressors and sliding window do not keep packed documents apart; "
+                         "set packing=false")
+    if v['max_new_tokens'] > 0:
+        raise ValueError(f"deepseek_v4 does not decode through maxtrain's cache yet; set max_new_tokens=0 (got "
+                         f"{v['max_new_tokens']})")
+    check(dims_from_keys(v), v['max_target_length'])

@@ -1,0 +1,255 @@
+"""DeepSeek-V4 (transformers' deepseek_v4): hyper-connected residual streams, compressed attention, hash routing.
+
+    X      = embed(tokens) copied into hc_mult streams                          [B, T, N, D]
+    layer  (post, comb, h) = attn_hc(X); X = merge(post, comb, attention(norm(h)), X)
+           (post, comb, h) = ffn_hc(X);  X = merge(post, comb, moe(norm(h), tokens), X)
+    logits = lm_head(norm(hyper_head(X)))
+
+Its parts are pure functions over transformers' module names, each checked against transformers 5.24
+(tests/models/test_deepseek_v4_parts.py): hyper.py (hyper-connections, Sinkhorn, the hyper head), compressed.py (HCA
+and CSA compressors, the indexer, sliding window + compressed attention with sinks, grouped output projection),
+routing.py (sqrtsoftplus top-k and hash routing, clamped SwiGLU experts), model.py (one layer and the whole
+forward), decode.py (one token a step with a cache), dims.py (the sizes, and the config checks), flops.py,
+checkpoint.py (save_pretrained's names <-> the module names, for the parts' tests).
+
+How it plugs into the shared decoder (models/decoder.py). The residual is hc_mult streams, and the decoder hands a
+layer one array x: here x is the streams flattened, [B, T, N D]. `embed` tiles the embedding into the N streams,
+`layer` reshapes x to [B, T, N, D] and back, `logits` runs the hyper head. This is the simplest form the contract
+allows: the decoder's scan, remat, segments and the tiled loss carry x without knowing its width, and no new
+contract field is needed (a `layer_state` would carry the streams beside an x no layer reads). The hash-routed
+layers read the token ids (tid2eid[token]): they reach each layer as its `per_layer_inputs` (the ids repeated per
+layer, [L, B, T] int32), the one contract input that carries something of the tokens to a layer. tid2eid is a
+fixed parameter (ParamSpec.fixed: never trained), kept as floats (exact below 2^24 experts) and read as int32.
+
+Parameters keep transformers' module names and torch's [out, in] layout, nested: layer l's
+`self_attn.q_a_proj.weight` is params["layers"][kind]["self_attn"]["q_a_proj"]["weight"][i]; the experts are
+w1, w3 (gate, up) [E, I, D] and w2 (down) [E, D, I] as save_pretrained writes them per expert. A layer's kind is
+its attention and router, "<sliding|csa|hca>_<moe|hash>": the kinds differ in their parameters.
+
+Not here yet: cached decoding through the shared decoder (decode.py decodes one token a step, alone), packed
+documents (the compressors and window would cross them: dims.check_config asks for packing=false), YaRN RoPE on
+the compressed layers (DeepSeek-V4's published configs use it), sharding annotations beyond the layer and expert
+axes, and the experts run densely (every expert on every token, then weighted), as the reference form does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from maxtrain.config import registry
+from maxtrain.models import contract, hf
+from maxtrain.models.layers import LayerType
+from maxtrain.models.params import ParamSpec, dense, stacked
+
+from . import checkpoint, dims as dims_lib, flops, hyper, model as v4_model
+from .compressed import rms
+from .hf_config import from_hf_config, to_hf_config
+
+FAMILY = registry.FAMILIES["deepseek_v4"]
+
+ATTENTION_SHORT = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
+                   "heavily_compressed_attention": "hca"}
+ATTENTION_LONG = {v: k for k, v in ATTENTION_SHORT.items()}
+
+
+def _kinds(config) -> list[str]:
+    d = dims_lib.dims_from_keys(config)
+    return [f"{ATTENTION_SHORT[a]}_{'hash' if m == 'hash_moe' else 'moe'}"
+            for a, m in zip(d.layer_types, d.mlp_layer_types)]
+
+
+def layer_types(config) -> list[LayerType]:
+    return [LayerType(kind=kind, attention="sliding", window=config.sliding_window_size, rope=None, mlp="moe+shared")
+            for kind in _kinds(config)]
+
+
+# --------------------------------------------------------------------------------------------
+# Parameters
+# --------------------------------------------------------------------------------------------
+
+
+def _w(out_dim, in_dim):
+    """A torch Linear weight [out, in]."""
+    return {"weight": dense((out_dim, in_dim), (None, None), in_dim)}
+
+
+def _norm(width):
+    return {"weight": ParamSpec((width,), (None,), "ones")}
+
+
+def _hc(d):
+    n = d.hc_mult
+    return {"fn": dense(((2 + n) * n, n * d.hidden_size), (None, None), n * d.hidden_size),
+            "base": ParamSpec(((2 + n) * n,), (None,), "zeros"), "scale": ParamSpec((3,), (None,), "ones")}
+
+
+def _compressor(width, pooled, rate, d):
+    """width: the kv/gate rows (HCA: Dh; CSA: 2 Dh, two overlapping halves; the indexer's 2 E); pooled: the entry's
+    width kv_norm scales."""
+    return {"kv_proj": _w(width, d.hidden_size), "gate_proj": _w(width, d.hidden_size),
+            "position_bias": ParamSpec((rate, width), (None, None), "zeros"), "kv_norm": _norm(pooled)}
+
+
+def _layer_specs(kind: str, d) -> dict:
+    attn, router = kind.split("_")
+    hd = d.num_heads * d.head_dim
+    self_attn = {"q_a_proj": _w(d.q_lora_rank, d.hidden_size), "q_a_norm": _norm(d.q_lora_rank),
+                 "q_b_proj": _w(hd, d.q_lora_rank), "kv_proj": _w(d.head_dim, d.hidden_size),
+                 "kv_norm": _norm(d.head_dim), "o_a_proj": _w(d.o_groups * d.o_lora_rank, hd // d.o_groups),
+                 "o_b_proj": _w(d.hidden_size, d.o_groups * d.o_lora_rank),
+                 "sinks": ParamSpec((d.num_heads,), (None,), "zeros")}
+    if attn == "hca":
+        self_attn["compressor"] = _compressor(d.head_dim, d.head_dim, d.hca_rate, d)
+    elif attn == "csa":
+        indexer = _compressor(2 * d.index_head_dim, d.index_head_dim, d.csa_rate, d)
+        indexer.update(q_b_proj=_w(d.index_n_heads * d.index_head_dim, d.q_lora_rank),
+                       scorer={"weights_proj": _w(d.index_n_heads, d.hidden_size)})
+        self_attn["compressor"] = {**_compressor(2 * d.head_dim, d.head_dim, d.csa_rate, d), "indexer": indexer}
+    e, i, hidden = d.n_experts, d.moe_intermediate, d.hidden_size
+    gate = {"weight": dense((e, hidden), (None, None), hidden)}
+    if router == "hash":
+        gate["tid2eid"] = ParamSpec((d.vocab_size, d.top_k), (None, None), "zeros", fixed=True)
+    else:
+        gate["e_score_correction_bias"] = ParamSpec((e,), (None,), "zeros", fixed=True)
+    mlp = {"gate": gate,
+           "experts": {"w1": dense((e, i, hidden), ("exp", None, None), hidden),
+                       "w3": dense((e, i, hidden), ("exp", None, None), hidden),
+                       "w2": dense((e, hidden, i), ("exp", None, None), i)},
+           "shared_experts": {"gate_proj": _w(i, hidden), "up_proj": _w(i, hidden), "down_proj": _w(hidden, i)}}
+    return {"attn_hc": _hc(d), "ffn_hc": _hc(d), "input_layernorm": _norm(hidden),
+            "post_attention_layernorm": _norm(hidden), "self_attn": self_attn, "mlp": mlp}
+
+
+def param_specs(model):
+    config = model.config
+    d = dims_lib.dims_from_keys(config)
+    kinds = [t.kind for t in model.layer_types]
+    n = d.hc_mult
+    return {"token_embedding": ParamSpec((d.vocab_size, d.hidden_size), ("vocab", "embed"), "normal", 1.0),
+            "final_norm": _norm(d.hidden_size)["weight"],
+            "lm_head": dense((d.vocab_size, d.hidden_size), ("vocab", "embed"), d.hidden_size),
+            "hc_head": {"fn": dense((n, n * d.hidden_size), (None, None), n * d.hidden_size),
+                        "base": ParamSpec((n,), (None,), "zeros"), "scale": ParamSpec((1,), (None,), "ones")},
+            "layers": {kind: stacked(_layer_specs(kind, d), kinds.count(kind)) for kind in dict.fromkeys(kinds)}}
+
+
+# --------------------------------------------------------------------------------------------
+# The stack: embed, layer, logits
+# --------------------------------------------------------------------------------------------
+
+
+def embed(params, tokens, config, rt):
+    """x [B, T, N D]: the embedding copied into the hc_mult streams, flattened."""
+    x = params["token_embedding"].astype(rt.dtype)[tokens]
+    return jnp.tile(x, (1, 1, config.hc_mult))
+
+
+def per_layer_inputs(params, tokens, x, config, rt):
+    """The token ids, for every layer ([L, B, T]): the hash-routed layers look their experts up by them."""
+    return jnp.broadcast_to(tokens.astype(jnp.int32)[None], (config.base_num_decoder_layers,) + tokens.shape)
+
+
+def _flat(tree, prefix=""):
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def _module_params(p, dtype) -> dict:
+    """One layer's nested parameters -> {transformers' module name: array} as model.decoder_layer reads them."""
+    flat = {}
+    for name, value in _flat(p).items():
+        if name.endswith(("tid2eid", "e_score_correction_bias")):
+            value = jax.lax.stop_gradient(value)
+            flat[name] = value.astype(jnp.int32) if name.endswith("tid2eid") else value.astype(jnp.float32)
+        else:
+            flat[name] = value.astype(dtype)
+    experts = "mlp.experts."
+    flat[experts + "gate_up_proj"] = jnp.concatenate([flat.pop(experts + "w1"), flat.pop(experts + "w3")], axis=1)
+    flat[experts + "down_proj"] = flat.pop(experts + "w2")
+    return flat
+
+
+def layer(x, p, inputs, layer_type, model, rt):
+    if inputs.cache is not None:
+        raise ValueError("deepseek_v4 does not decode through maxtrain's cache yet (its layers keep compressor "
+                         "buffers, not k and v); set max_new_tokens=0, or decode with models/families/deepseek_v4/decode.py")
+    config = model.config
+    d = dims_lib.dims_from_keys(config)
+    attn, router = layer_type.kind.split("_")
+    b, t, _ = x.shape
+    streams = x.reshape(b, t, d.hc_mult, d.hidden_size)
+    streams = v4_model.decoder_layer(_module_params(p, x.dtype), streams, inputs.per_layer, inputs.positions,
+                                     ATTENTION_LONG[attn], "hash_moe" if router == "hash" else "moe", d)
+    return streams.reshape(b, t, -1).astype(x.dtype), {}
+
+
+def logits(params, x, config, rt):
+    d = dims_lib.dims_from_keys(config)
+    b, t, _ = x.shape
+    streams = x.reshape(b, t, d.hc_mult, d.hidden_size)
+    head = params["hc_head"]
+    h = hyper.hyper_head(head["fn"], head["base"], head["scale"], streams, hc_eps=d.hc_eps, rms_eps=d.rms_eps)
+    h = rms(h, params["final_norm"], d.rms_eps).astype(x.dtype)
+    return (h @ params["lm_head"].astype(x.dtype).T).astype(jnp.float32)
+
+
+def flops_per_token(model, dense_attention: bool = False) -> float:
+    """Counts the keys each query reads (flops.py); dense_attention: every key and entry, as the reference form
+    computes them (the experts are counted as routed: k + 1 per token)."""
+    return flops.flops_per_token(dims_lib.dims_from_keys(model.config), model.config.max_target_length,
+                                 dense=dense_attention)
+
+
+# --------------------------------------------------------------------------------------------
+# Hugging Face
+# --------------------------------------------------------------------------------------------
+
+
+class _Ids(hf.Same):
+    """tid2eid: an int64 table in the checkpoint, a float parameter here (read back as int32)."""
+
+    integers = True
+
+    def export(self, w, out, name, dtype):
+        out[name] = np.rint(np.asarray(w, np.float64)).astype(np.int64)
+
+
+_IDS = _Ids()
+
+
+def _layer_names() -> dict:
+    """Every layer parameter of every kind: maxtrain path -> (saved name, layout)."""
+    table = {}
+    # Spec a maximal layer of each kind with throwaway sizes, only to list its parameter paths.
+    probe = dims_lib.Dims(hidden_size=2, num_heads=1, head_dim=2, rope_dim=2, q_lora_rank=2, o_groups=1,
+                          o_lora_rank=2, sliding_window=1, rms_eps=1e-6, rope_theta=1.0, compress_rope_theta=1.0,
+                          csa_rate=1, hca_rate=1, index_n_heads=1, index_head_dim=2, index_topk=1, hc_mult=1,
+                          hc_iters=1, hc_eps=1e-6, n_experts=1, top_k=1, routed_scaling=1.0, swiglu_limit=1.0,
+                          moe_intermediate=2, vocab_size=2, layer_types=(), mlp_layer_types=())
+    for attn in ATTENTION_LONG:
+        for router in ("moe", "hash"):
+            kind = f"{attn}_{router}"
+            for name in _flat(_layer_specs(kind, probe)):
+                path = f"layers/{kind}/" + name.replace(".", "/")
+                if name.startswith("mlp.experts."):
+                    saved = f"model.layers.{{i}}.ffn.experts.{{j}}.{name.rsplit('.', 1)[1]}.weight"
+                else:
+                    saved = checkpoint._back(f"model.layers.{{i}}.{name}")  # pylint: disable=protected-access
+                table[path] = (saved, _IDS if name.endswith("tid2eid") else hf.SAME)
+    return table
+
+
+HF_NAMES = {"token_embedding": ("model.embed_tokens.weight", hf.SAME), "final_norm": ("model.norm.weight", hf.SAME),
+            "lm_head": ("head.weight", hf.SAME), "hc_head/fn": ("model.hc_head.hc_fn", hf.SAME),
+            "hc_head/base": ("model.hc_head.hc_base", hf.SAME), "hc_head/scale": ("model.hc_head.hc_scale", hf.SAME),
+            **_layer_names()}
+
+
+MODEL = contract.FamilyModel(
+    row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=embed, layer=layer, logits=logits,
+    flops_per_token=flops_per_token, hf_names=HF_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config,
+    per_layer_inputs=per_layer_inputs)

@@ -1,0 +1,69 @@
+"""The deepseek_v4 family end to end: a tiny random DeepseekV4ForCausalLM (transformers 5.24, save_pretrained) is
+imported by scripts/convert_hf.py's import_hf, its logits checked by check_logits against transformers (float32,
+<= 1e-5 relative) at a length where the sliding window (6 of 24), CSA's top-k (2 of 6 entries) and HCA's closed
+entries all drop keys, and exported back to the very tensors and a config transformers loads to the same logits.
+The config checks refuse, in one line and before compiling, what its layers cannot run."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+
+from maxtrain import check_logits  # noqa: E402
+from maxtrain import config as config_lib  # noqa: E402
+from maxtrain.checkpointing import convert, safetensors_files  # noqa: E402
+from maxtrain.errors import ConfigError  # noqa: E402
+
+from test_deepseek_v4_parts import T, randomize, tiny_config  # noqa: E402  (tests/models/ is on sys.path)
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=torch.as_tensor(ids)).logits.numpy()
+
+
+@pytest.mark.slow
+def test_import_check_logits_and_export(tmp_path, capsys):
+    cfg = tiny_config()
+    hf_model = randomize(v4.DeepseekV4ForCausalLM(cfg).eval(), seed=70)
+    hf_dir, out, golden = tmp_path / "hf", tmp_path / "imported", tmp_path / "golden.npz"
+    hf_model.save_pretrained(hf_dir)
+    keys = convert.import_hf(str(hf_dir), str(out))
+    assert keys["decoder_block"] == "deepseek_v4" and keys["hc_mult"] == 3 and keys["num_hash_layers"] == 1
+
+    rc = check_logits.main([str(out), "--hf", str(hf_dir), "--golden", str(golden), "--length", str(T)])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    print(f"deepseek_v4: relative logits error {last}")
+    assert rc == 0 and float(last) <= 1e-5, last
+    theirs, ids = np.load(golden)["logits"], np.load(golden)["input_ids"]
+    assert np.std(theirs) > 0.1, "logits too flat for a meaningful comparison"
+
+    exported = tmp_path / "export"
+    convert.export_hf(str(out), str(exported), "float32")
+    original = safetensors_files.read_model_dir(str(hf_dir))
+    written = safetensors_files.read_model_dir(str(exported))
+    assert sorted(written) == sorted(original)
+    for name, array in written.items():
+        assert array.dtype == original[name].dtype and array.tobytes() == original[name].tobytes(), name
+    config = json.loads((exported / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV4ForCausalLM"] and config["model_type"] == "deepseek_v4"
+    reloaded = v4.DeepseekV4ForCausalLM.from_pretrained(exported, dtype=torch.float32).eval()
+    np.testing.assert_array_equal(_logits(reloaded, ids), _logits(hf_model, ids))
+
+
+@pytest.mark.parametrize("override, named", [
+    ("max_target_length=250", "compress rate 4 of compressed_sparse_attention does not divide"),
+    ("packing=true", "set packing=false"),
+    ("max_new_tokens=8", "set max_new_tokens=0"),
+    ("o_groups=3", "o_groups 3 does not divide"),
+    ("compress_layer_types=[sliding_attention]", "compress_layer_types must list"),
+])
+def test_config_refuses_what_the_layers_cannot_run(override, named):
+    with pytest.raises(ConfigError, match=named) as e:
+        config_lib.load_config(["configs/base.yml", "model_name=deepseek4-tiny", override])
+    assert "\n" not in str(e.value)
