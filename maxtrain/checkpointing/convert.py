@@ -267,14 +267,15 @@ def _decoder_to_hf(params: dict, keys: dict, dtype) -> dict[str, np.ndarray]:
     return out
 
 
-def _text_tensors(tensors: dict, notes: list, tower: str | None = None) -> dict:
+def _text_tensors(tensors: dict, notes: list, tower: str | tuple | None = None) -> dict:
     """A multimodal checkpoint's text-decoder tensors, renamed as in the text-only model (tower: the vision tower's
-    prefix, whose tensors are kept too; Qwen3.5's mtp.* are left out, as transformers does)."""
+    prefix or prefixes, whose tensors are kept too; Qwen3.5's mtp.* are left out, as transformers does)."""
     if not any(n.startswith(tuple(TEXT_PREFIXES)) for n in tensors):
         return tensors
+    kept = {p: p for p in ((tower,) if isinstance(tower, str) else tower or ())}
     out, dropped = {}, 0
     for name, array in tensors.items():
-        for prefix, new in {**TEXT_PREFIXES, "lm_head.": "lm_head.", **({tower: tower} if tower else {})}.items():
+        for prefix, new in {**TEXT_PREFIXES, "lm_head.": "lm_head.", **kept}.items():
             if name.startswith(prefix):
                 out[new + name[len(prefix):]] = array
                 break

@@ -61,7 +61,7 @@ def _old_reference(q, k, v, mask, scale, cap):
     q = q.reshape(b, t, g, n // g, h)
     scores = jnp.einsum("BTGRH,BSGH->BGRTS", q, k, preferred_element_type=jnp.float32)
     scores = attention.soft_cap(scores * scale, cap)
-    scores = jnp.where(mask[:, None, None], scores, attention._MASK_VALUE)
+    scores = jnp.where(mask[:, None, None], scores, attention.reference._MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("BGRTS,BSGH->BTGRH", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, t, n, h).astype(q.dtype)

@@ -13,7 +13,7 @@ from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
 from maxtrain.data import DataError, conversations, image_conversations, images
-from maxtrain.models.families import qwen3_vl
+from maxtrain.models.vision import qwen_images
 from post_helpers import compose
 import image_chat_helpers as helpers
 
@@ -60,7 +60,7 @@ def test_a_record_renders_with_its_image_expanded_and_loss_on_the_answer_only(da
     assert tuple(element["image_grids"][0]) == want.grid_thw
     tok = data_lib.sources.load_tokenizer(config, None, None)
     assert tok.decode(tokens[weights > 0]) == record["messages"][1]["content"] + "<|im_end|>\n"
-    want_positions = qwen3_vl.rope_index(tokens[None], element["image_grids"], config.image_token_id, 2)[:, 0].T
+    want_positions = qwen_images.rope_index(tokens[None], element["image_grids"], config.image_token_id, 2)[:, 0].T
     np.testing.assert_array_equal(element["positions"], want_positions)
 
 
@@ -167,7 +167,7 @@ def test_model_loss_reads_row_split_images_as_the_flat_forward(dataset, tmp_path
     params = model.init_params(jax.random.PRNGKey(0))
     rt = Runtime.from_config(config)
     loss = jax.jit(lambda p, b: model.loss_fn(p, b, rt)[0])(params, batch)
-    flat = {k: batch["rows_" + k].reshape((-1,) + batch["rows_" + k].shape[2:]) for k in qwen3_vl.IMAGE_KEYS}
+    flat = {k: batch["rows_" + k].reshape((-1,) + batch["rows_" + k].shape[2:]) for k in qwen_images.IMAGE_KEYS}
 
     def flat_loss(p, b, flat):
         logits, _ = model.forward(p, b["inputs"], jax.numpy.moveaxis(b["positions"], -1, 0), b["segment_ids"], rt,

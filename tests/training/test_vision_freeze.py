@@ -13,7 +13,7 @@ import pytest
 from conftest import BASE_YML
 from maxtrain.config import load_config, with_overrides
 from maxtrain.errors import ConfigError
-from maxtrain.models.families import qwen3_vl
+from maxtrain.models.vision import qwen_images
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 from maxtrain.training import freeze, optimizer, train_step
@@ -39,8 +39,8 @@ def batch(config):
     ids = rng.integers(0, 280, (1, 16)).astype(np.int32)
     ids[0, 3:9] = [START, IMAGE, IMAGE, IMAGE, IMAGE, END]
     pixels = rng.standard_normal((int(GRID.prod(1).sum()), 3 * 2 * 4 * 4)).astype(np.float32)
-    images = qwen3_vl.image_inputs(pixels, GRID, config, pad_to=16)
-    positions = qwen3_vl.rope_index(ids, GRID, IMAGE, 2)
+    images = qwen_images.image_inputs(pixels, GRID, config, pad_to=16)
+    positions = qwen_images.rope_index(ids, GRID, IMAGE, 2)
     one = {"inputs": ids, "targets": np.roll(ids, -1, axis=1), "positions": positions, "segment_ids": np.ones_like(ids),
            "loss_weights": np.ones(ids.shape, np.float32), **images}
     return jax.tree.map(lambda a: np.asarray(a)[None], one)  # one accumulation step
