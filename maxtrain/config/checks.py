@@ -425,11 +425,10 @@ def _attention_kernels_inside_the_ring(v):
 
 
 def _family_rules(v):
-    """The family's own rules (registry.Family.config_checks: a module of its folder with check_config(values))."""
-    module = features.family(v).config_checks
-    if module:
+    """The family's own rules (registry.Family.checks: DeepSeek-V4's sizes and schedule, ...)."""
+    for check in features.family(v).checks:
         try:
-            importlib.import_module(module).check_config(v)
+            check(v)
         except ValueError as e:
             raise ConfigError(str(e)) from None
 

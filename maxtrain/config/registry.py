@@ -17,6 +17,9 @@ Plain data: no JAX and nothing of maxtrain is imported here.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
+
+from maxtrain.config import deepseek_v4_dims
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,9 +48,9 @@ class Family:
     setting_keys: tuple[str, ...] = ()
     # Of its `settings`, those that change how, not what, it computes (a kernel's chunk): no model keys.
     kernel_settings: tuple[str, ...] = ()
-    # A module (import path) of the family's folder whose check_config(values) refuses, with one line, what its
-    # layers cannot run (config/checks.py calls it, after the shared rules): rules the settings table cannot state.
-    config_checks: str = ""
+    # Functions of the resolved values that refuse, with one line (a ValueError), what its layers cannot run:
+    # rules the settings table cannot state (config/checks.py calls them after the shared rules).
+    checks: tuple[Callable[[dict], None], ...] = ()
 
     def pattern(self, num_layers: int) -> list[str]:
         """Its layers' attention without attention_layer_types: attention_pattern repeated over num_layers."""
@@ -172,7 +175,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                        "compress_rate_csa", "compress_rate_hca", "compress_layer_types", "num_hash_layers"),
            setting_keys=("index_topk", "routed_scaling_factor", "partial_rotary_factor", "mlp_activations_limit",
                          "hc_sinkhorn_iters", "hc_eps", "compress_rope_theta"),
-           config_checks="maxtrain.models.families.deepseek_v4.dims"),
+           checks=(deepseek_v4_dims.check_config,)),
     Family("llama4_text", ("llama4_text",), "Llama4ForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 16),), settings=LLAMA4_SETTINGS, shape_keys=("shared_experts",),
            setting_keys=LLAMA4_SETTING_KEYS),

@@ -17,7 +17,7 @@ v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from transformers import DeepseekV4Config  # noqa: E402
 
 from maxtrain.models.families.deepseek_v4 import compressed, hyper, model, routing  # noqa: E402
-from maxtrain.models.families.deepseek_v4.dims import check, dims_from_hf  # noqa: E402
+from maxtrain.config.deepseek_v4_dims import check, dims_from_hf  # noqa: E402
 
 T = 24
 LAYERS = ["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"]

@@ -43,7 +43,9 @@ from maxtrain.models import contract, hf
 from maxtrain.models.layers import LayerType
 from maxtrain.models.params import ParamSpec, dense, stacked
 
-from . import checkpoint, dims as dims_lib, flops, hyper, model as v4_model
+from maxtrain.config import deepseek_v4_dims
+
+from . import checkpoint, flops, hyper, model as v4_model
 from .compressed import rms
 from .hf_config import from_hf_config, to_hf_config
 
@@ -55,7 +57,7 @@ ATTENTION_LONG = {v: k for k, v in ATTENTION_SHORT.items()}
 
 
 def _kinds(config) -> list[str]:
-    d = dims_lib.dims_from_keys(config)
+    d = deepseek_v4_dims.dims_from_keys(config)
     return [f"{ATTENTION_SHORT[a]}_{'hash' if m == 'hash_moe' else 'moe'}"
             for a, m in zip(d.layer_types, d.mlp_layer_types)]
 
@@ -124,7 +126,7 @@ def _layer_specs(kind: str, d) -> dict:
 
 def param_specs(model):
     config = model.config
-    d = dims_lib.dims_from_keys(config)
+    d = deepseek_v4_dims.dims_from_keys(config)
     kinds = [t.kind for t in model.layer_types]
     n = d.hc_mult
     return {"token_embedding": ParamSpec((d.vocab_size, d.hidden_size), ("vocab", "embed"), "normal", 1.0),
@@ -178,7 +180,7 @@ def layer(x, p, inputs, layer_type, model, rt):
         raise ValueError("deepseek_v4 does not decode through maxtrain's cache yet (its layers keep compressor "
                          "buffers, not k and v); set max_new_tokens=0, or decode with models/families/deepseek_v4/decode.py")
     config = model.config
-    d = dims_lib.dims_from_keys(config)
+    d = deepseek_v4_dims.dims_from_keys(config)
     attn, router = layer_type.kind.split("_")
     b, t, _ = x.shape
     streams = x.reshape(b, t, d.hc_mult, d.hidden_size)
@@ -188,7 +190,7 @@ def layer(x, p, inputs, layer_type, model, rt):
 
 
 def logits(params, x, config, rt):
-    d = dims_lib.dims_from_keys(config)
+    d = deepseek_v4_dims.dims_from_keys(config)
     b, t, _ = x.shape
     streams = x.reshape(b, t, d.hc_mult, d.hidden_size)
     head = params["hc_head"]
@@ -200,7 +202,7 @@ def logits(params, x, config, rt):
 def flops_per_token(model, dense_attention: bool = False) -> float:
     """Counts the keys each query reads (flops.py); dense_attention: every key and entry, as the reference form
     computes them (the experts are counted as routed: k + 1 per token)."""
-    return flops.flops_per_token(dims_lib.dims_from_keys(model.config), model.config.max_target_length,
+    return flops.flops_per_token(deepseek_v4_dims.dims_from_keys(model.config), model.config.max_target_length,
                                  dense=dense_attention)
 
 
@@ -225,7 +227,7 @@ def _layer_names() -> dict:
     """Every layer parameter of every kind: maxtrain path -> (saved name, layout)."""
     table = {}
     # Spec a maximal layer of each kind with throwaway sizes, only to list its parameter paths.
-    probe = dims_lib.Dims(hidden_size=2, num_heads=1, head_dim=2, rope_dim=2, q_lora_rank=2, o_groups=1,
+    probe = deepseek_v4_dims.Dims(hidden_size=2, num_heads=1, head_dim=2, rope_dim=2, q_lora_rank=2, o_groups=1,
                           o_lora_rank=2, sliding_window=1, rms_eps=1e-6, rope_theta=1.0, compress_rope_theta=1.0,
                           csa_rate=1, hca_rate=1, index_n_heads=1, index_head_dim=2, index_topk=1, hc_mult=1,
                           hc_iters=1, hc_eps=1e-6, n_experts=1, top_k=1, routed_scaling=1.0, swiglu_limit=1.0,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from maxtrain.config import registry
 from maxtrain.models import hf
 
-from .dims import ATTENTION_KINDS, default_layer_types
+from maxtrain.config.deepseek_v4_dims import ATTENTION_KINDS, default_layer_types
 
 _RATIO_KIND = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 
