@@ -11,7 +11,7 @@ and the presets (each preset's decoder_block must be one of these; tests/house/t
 Adding a family: a row here, its module in maxtrain/models/families/, presets in configs/models/
 and a parity test against transformers (docs/architecture.md).
 
-Plain data: no JAX and nothing of maxtrain is imported here.
+Plain data: no JAX, and of maxtrain only config/deepseek_v4_dims.py (pure Python: a family's check is a row's field).
 """
 
 from __future__ import annotations
