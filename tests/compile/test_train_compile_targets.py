@@ -117,9 +117,10 @@ def test_olmo3_step_compiles_for_a_tpu_pod_with_windows_and_heads_split():
 
 # Every parameter's shard ends in dimensions that fill TPU tiles of (8, 128) under both meshes, so
 # the chip's argument bytes are the state's bytes / 64 and not padded tiles (a [16, 64] shard
-# would occupy a [16, 128] tile).
+# would occupy a [16, 128] tile). What is checked is the weights' bytes and where they are gathered, which the
+# sequence does not change: 128 tokens, not 512, take about 40% less compile (43 s of CPU against 70 s, 2026-11-30).
 WIDE = ["dataset_type=synthetic", "base_emb_dim=8192", "base_num_query_heads=32", "base_num_kv_heads=32",
-        "head_dim=128", "base_mlp_dim=2048", "base_num_decoder_layers=4", "vocab_size=4096", "max_target_length=512",
+        "head_dim=128", "base_mlp_dim=2048", "base_num_decoder_layers=4", "vocab_size=4096", "max_target_length=128",
         "per_device_batch_size=1", "dtype=bfloat16", "attention=dot_product", "compile_topology=v5p-128",
         "remat_policy=full"]
 
