@@ -40,7 +40,7 @@ from maxtrain.data import chat, hosts, images as images_lib
 from maxtrain.data.errors import DataError
 
 PIXELS, GRIDS = "pixel_values", "image_grids"
-ROWS = "rows_"  # a batch's image arrays, stored by row: ROWS + the Vision's input key (models/decoder.py)
+ROWS = "rows_"  # a batch's image arrays, stored by row: ROWS + the Vision's input key (models/image_batch.py)
 TEXT_KEYS = ("inputs", "targets", "positions", "segment_ids", "loss_weights")
 
 

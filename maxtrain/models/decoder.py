@@ -38,7 +38,7 @@ import jax.numpy as jnp
 
 from maxtrain.parallel import context as context_parallel
 from maxtrain.parallel import sharding
-from maxtrain.models import mtp, ops
+from maxtrain.models import image_batch, mtp, ops
 from maxtrain.parallel import stages as pipeline_stages
 from maxtrain.models import rope as rope_lib
 from maxtrain.models.aux_names import PER_LAYER, STEP_STATS, per_layer_name
@@ -353,9 +353,6 @@ def forward(model, params, tokens, positions, segment_ids, rt, routing=None, ima
     return context_parallel.from_layout(logits, cp, reorder=reorder), aux
 
 
-ROWS = "rows_"  # the prefix of a batch's image arrays stored by row (data/image_conversations.py)
-
-
 def loss_fn(model, params, batch: dict, rt):
     """(sum of per-token cross-entropy x weight, sum of weights, aux), float32.
 
@@ -368,15 +365,13 @@ def loss_fn(model, params, batch: dict, rt):
     load-balanced order (parallel/context.py) and stays there.
     """
     cp = sharding.ways("length")
-    images = _batch_images(model, batch)
+    images = image_batch.images(model, batch)
     if cp > 1:
         if images is not None:
             raise ValueError("images do not run with context parallelism yet; set ici_context_parallelism=1")
         batch = context_parallel.to_layout(batch, cp, reorder=model.config.context_parallel_reorder_strategy)
     weights = batch["loss_weights"].astype(jnp.float32)
-    positions = batch["positions"]
-    if ROWS + "pixel_values" in batch and positions.ndim == 3:  # the data's [B, T, streams] -> [streams, B, T]
-        positions = jnp.moveaxis(positions, -1, 0)
+    positions = image_batch.positions(batch)
     x, aux = _hidden(model, params, batch["inputs"], positions, batch["segment_ids"], rt, images=images)
     head = {k: v for k, v in params.items() if k not in ("layers", "mtp", "vision")}  # what family.logits reads
     head, layout = _head_for_loss(model, head, rt)
@@ -384,19 +379,6 @@ def loss_fn(model, params, batch: dict, rt):
     if model.config.mtp_num_layers > 0:  # multi-token prediction (models/mtp.py): its loss joins the aux losses
         aux = {**aux, **_mtp_loss(model, params, head, layout, x, batch, rt)}
     return loss, jnp.sum(weights), aux
-
-
-def _batch_images(model, batch: dict):
-    """The batch's image inputs (the family's Vision.input_keys; _hidden refuses them for a text-only family), or
-    None when it has no pixel_values. The training data (data/image_conversations.py) stores each as ROWS + key
-    with a leading row axis [B, X, ...] (the micro batch's flat layout cut into B equal parts, so it shards with the
-    rows) and positions [B, T, streams]; here they are flat again."""
-    keys = model.family.vision.input_keys if model.family.vision is not None else ("pixel_values",)
-    if ROWS + "pixel_values" in batch:
-        return {k: batch[ROWS + k].reshape((-1,) + batch[ROWS + k].shape[2:]) for k in keys}
-    if "pixel_values" not in batch:
-        return None
-    return {k: batch[k] for k in keys}
 
 
 def _head_for_loss(model, head: dict, rt):
