@@ -22,7 +22,7 @@ a truncated conversation keeps only the images wholly inside its inputs.
 
 Batches. Per micro batch, Vision.inputs lays out all its rows' images (padded to b x image_patches_per_row patches,
 so the step compiles once); every image array is stored with a leading row axis [b, X, ...] (a reshape of the
-micro batch's flat arrays, named rows_<key>; decoder.loss_fn flattens them back), positions [b, T, S]. One process
+micro batch's flat arrays, named rows_<key>; models/image_batch.py flattens them back), positions [b, T, S]. One process
 only: each host's flat layout would interleave padding with the next host's images.
 """
 

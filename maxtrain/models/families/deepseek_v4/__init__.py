@@ -9,7 +9,8 @@ Its parts are pure functions over transformers' module names, each checked again
 (tests/models/test_deepseek_v4_parts.py): hyper.py (hyper-connections, Sinkhorn, the hyper head), compressed.py (HCA
 and CSA compressors, the indexer, sliding window + compressed attention with sinks, grouped output projection),
 routing.py (sqrtsoftplus top-k and hash routing, clamped SwiGLU experts), model.py (one layer and the whole
-forward), decode.py (one token a step with a cache), dims.py (the sizes, and the config checks), flops.py,
+forward), decode.py (one token a step with a cache), config/deepseek_v4_dims.py (the sizes, and the config checks
+its registry row runs), flops.py,
 checkpoint.py (save_pretrained's names <-> the module names, for the parts' tests).
 
 How it plugs into the shared decoder (models/decoder.py). The residual is hc_mult streams, and the decoder hands a
@@ -27,9 +28,9 @@ w1, w3 (gate, up) [E, I, D] and w2 (down) [E, D, I] as save_pretrained writes th
 its attention and router, "<sliding|csa|hca>_<moe|hash>": the kinds differ in their parameters.
 
 Not here yet: cached decoding through the shared decoder (decode.py decodes one token a step, alone), packed
-documents (the compressors and window would cross them: dims.check_config asks for packing=false), YaRN RoPE on
-the compressed layers (DeepSeek-V4's published configs use it), sharding annotations beyond the layer and expert
-axes, and the experts run densely (every expert on every token, then weighted), as the reference form does.
+documents (the compressors and window would cross them: deepseek_v4_dims.check_config asks for packing=false),
+YaRN RoPE on the compressed layers (DeepSeek-V4's published configs use it), sharding annotations beyond the layer
+and expert axes, and the experts run densely (every expert on every token, then weighted), as the reference form does.
 """
 
 from __future__ import annotations
@@ -38,12 +39,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain.config import registry
+from maxtrain.config import deepseek_v4_dims, registry
 from maxtrain.models import contract, hf
 from maxtrain.models.layers import LayerType
 from maxtrain.models.params import ParamSpec, dense, stacked
-
-from maxtrain.config import deepseek_v4_dims
 
 from . import checkpoint, flops, hyper, model as v4_model
 from .compressed import rms
