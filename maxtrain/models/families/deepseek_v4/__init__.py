@@ -9,9 +9,8 @@ Its parts are pure functions over transformers' module names, each checked again
 (tests/models/test_deepseek_v4_parts.py): hyper.py (hyper-connections, Sinkhorn, the hyper head), compressed.py (HCA
 and CSA compressors, the indexer, sliding window + compressed attention with sinks, grouped output projection),
 routing.py (sqrtsoftplus top-k and hash routing, clamped SwiGLU experts), model.py (one layer and the whole
-forward), decode.py (one token a step with a cache), config/deepseek_v4_dims.py (the sizes, and the config checks
-its registry row runs), flops.py,
-checkpoint.py (save_pretrained's names <-> the module names, for the parts' tests).
+forward), decode.py (one token a step with a cache), flops.py, checkpoint.py (save_pretrained's names <-> the module
+names, for the parts' tests); config/deepseek_v4_dims.py holds the sizes and the config checks its registry row runs.
 
 How it plugs into the shared decoder (models/decoder.py). The residual is hc_mult streams, and the decoder hands a
 layer one array x: here x is the streams flattened, [B, T, N D]. `embed` tiles the embedding into the N streams,
