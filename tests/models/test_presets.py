@@ -192,6 +192,8 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
                                 "rope_type=proportional", "rope_proportion=0.25"]}
 FAMILY_FLOPS["llama4"] = FAMILY_FLOPS["llama4_text"]  # the same decoder (without vision_config: no tower)
 FAMILY_FLOPS["gemma4"] = FAMILY_FLOPS["gemma4_text"]  # without a vision_config: the same text decoder
+FAMILY_FLOPS["qwen3_5"] = FAMILY_FLOPS["qwen3_5_text"]  # the image families: their text decoders (no vision_config)
+FAMILY_FLOPS["qwen3_5_moe"] = FAMILY_FLOPS["qwen3_5_moe_text"]
 
 
 @pytest.mark.slow
