@@ -174,7 +174,7 @@ def test_multimodal_checkpoint_imports_its_text_decoder(tmp_path, capsys):
     assert relative_error(ours(tmp_path / "out", tokens), hf_logits(model, tokens)) <= 1e-5
 
 
-@pytest.mark.slow  # ~50 s on the shared 2-core machine: five compiles of a 6-layer model
+@pytest.mark.slow  # ~20 s on the shared 2-core machine (73 s unjitted): three compiles of a 6-layer model
 def test_decoding_with_the_cache_gives_the_forward_logits():
     """Every feature at once (two head shapes in one padded cache, shared-KV layers reading their producer's
     slots, per-layer inputs, experts): a prompt then one token at a time equals the whole sequence's forward."""
@@ -189,13 +189,16 @@ def test_decoding_with_the_cache_gives_the_forward_logits():
     params = Model.bind(config).init_params(jax.random.key(0))
     tokens = np.random.default_rng(0).integers(0, 64, size=(2, 10)).astype(np.int32)
     positions = np.broadcast_to(np.arange(10, dtype=np.int32), tokens.shape)
+    model = Model.bind(config)
+    # jitted, as decode.py runs it: one compile for the prompt and one for every later token (index is traced)
+    step = jax.jit(lambda p, t, pos, c, i: model.forward_with_cache(p, t, pos, c, i, rt))
     with jax.default_matmul_precision("highest"):
-        whole = Model.bind(config).forward(params, tokens, positions, jnp.ones_like(tokens), rt)[0]
-        cache = Model.bind(config).init_cache(2, 10, jnp.float32)
-        steps, cache = Model.bind(config).forward_with_cache(params, tokens[:, :6], positions[:, :6], cache, 0, rt)
+        whole = jax.jit(lambda p, t, pos: model.forward(p, t, pos, jnp.ones_like(t), rt)[0])(params, tokens, positions)
+        cache = model.init_cache(2, 10, jnp.float32)
+        steps, cache = step(params, tokens[:, :6], positions[:, :6], cache, jnp.int32(0))
         steps = [steps]
         for i in range(6, 10):
-            out, cache = Model.bind(config).forward_with_cache(params, tokens[:, i:i + 1], positions[:, i:i + 1], cache, i, rt)
+            out, cache = step(params, tokens[:, i:i + 1], positions[:, i:i + 1], cache, jnp.int32(i))
             steps.append(out)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), whole, atol=1e-4, rtol=0)  # as tests/commands/test_decode.py
 
