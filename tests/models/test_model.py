@@ -170,6 +170,29 @@ def test_segments_scan_repeating_groups():
     assert [(seg.start, len(seg.period), seg.repeats) for seg in decoder.plan_segments(dense_first)] == [(0, 1, 1), (1, 1, 7)]
 
 
+def test_sparse_mixers_are_layer_kinds_with_their_k():
+    """DeepSeek-V3.2's indexer and DeepSeek-V4's compressor are LayerTypes of their own (mixer, compress, topk),
+    resolved once from the config; the keys a query reads follow from them; inconsistent kinds are refused."""
+    from maxtrain import config as config_lib
+    from maxtrain.models import layers
+    from maxtrain.models.model import Model
+
+    def kinds(*overrides):
+        return Model.bind(config_lib.load_config(["configs/base.yml", *overrides])).layer_types
+
+    assert {(t.mixer, t.topk) for t in kinds("model_name=deepseek3.2-tiny")} == {("dsa", 64)}
+    assert {(t.mixer, t.topk) for t in kinds("model_name=deepseek3.2-tiny", "index_n_heads=0")} == {("mla", 0)}
+    v4 = {(t.kind.split("_")[0], t.mixer, t.compress, t.topk, t.window) for t in kinds("model_name=deepseek4-tiny")}
+    assert v4 == {("sliding", "compressed", 0, 0, 32), ("csa", "compressed", 4, 8, 32), ("hca", "compressed", 16, 0, 32)}
+    dsa = LayerType(kind="moe", mixer="dsa", topk=4, mlp="moe")
+    assert layers.attended_keys(4, dsa) == 2.5  # at or under k every visible key, as full attention
+    assert layers.attended_keys(10, dsa) == (4 * 5 / 2 + 6 * 4) / 10 and layers.attended_keys(10, dsa, True) == 4.0
+    for bad in (dict(mixer="dsa"), dict(mixer="mla", topk=8), dict(mixer="attention", compress=4),
+                dict(mixer="compressed", topk=8, attention="sliding", window=4)):
+        with pytest.raises(ValueError, match="LayerType"):
+            LayerType(**bad)
+
+
 @pytest.mark.parametrize("family, layers", slow_params([("gemma3", 8), ("gemma2", 5), ("mistral", 3)], {"gemma3-8"},
                                                   ids=["gemma3-8", "gemma2-5", "mistral-3"]))
 def test_mixed_layer_stacks_scan_like_unrolled(family, layers):

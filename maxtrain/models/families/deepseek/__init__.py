@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from maxtrain.config import registry
 from maxtrain.models import attention as attention_lib
-from maxtrain.models import blocks, contract, hf, moe, mtp, standard_layers
+from maxtrain.models import blocks, contract, hf, layers, moe, mtp, standard_layers
 from maxtrain.models.families.deepseek import indexer, mla, selected
 from maxtrain.models.layers import LayerType
 from maxtrain.parallel.sharding import shard
@@ -52,8 +52,10 @@ ROUTER = "sigmoid_group_topk"
 
 
 def layer_types(config) -> list[LayerType]:
-    return [LayerType(kind="dense", mixer="mla") if i < config.first_num_dense_layers else
-            LayerType(kind="moe", mixer="mla", mlp="moe+shared" if config.shared_experts else "moe")
+    """MLA in every layer, under the indexer's top-k ("dsa") where the model has one (DeepSeek-V3.2, GLM-5)."""
+    mixer = {"mixer": "dsa", "topk": config.index_topk} if config.index_n_heads > 0 else {"mixer": "mla"}
+    return [LayerType(kind="dense", **mixer) if i < config.first_num_dense_layers else
+            LayerType(kind="moe", mlp="moe+shared" if config.shared_experts else "moe", **mixer)
             for i in range(config.base_num_decoder_layers)]
 
 
@@ -160,11 +162,8 @@ def sparse(config) -> bool:
 
 
 def attended_keys(config, dense: bool = False) -> float:
-    """Mean keys a query attends to: the causal mask's, at most index_topk each where sparse."""
-    length, topk = config.max_target_length, config.index_topk
-    if not sparse(config):
-        return blocks.attended_keys(length, 0, dense)
-    return float(topk) if dense else (topk * (topk + 1) / 2 + (length - topk) * topk) / length
+    """Mean keys a query attends to: the causal mask's, at most index_topk each where sparse (a "dsa" layer)."""
+    return layers.attended_keys(config.max_target_length, layer_types(config)[-1], dense)
 
 
 def _indexer_flops(config, dense_attention: bool) -> float:

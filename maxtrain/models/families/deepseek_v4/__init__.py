@@ -61,7 +61,13 @@ def _kinds(config) -> list[str]:
 
 
 def layer_types(config) -> list[LayerType]:
-    return [LayerType(kind=kind, attention="sliding", window=config.sliding_window_size, rope=None, mlp="moe+shared")
+    """Every layer attends a sliding window; CSA layers also the entries compressed every csa_rate tokens, of
+    which the indexer keeps index_topk per query; HCA layers every closed entry of hca_rate tokens."""
+    d = deepseek_v4_dims.dims_from_keys(config)
+    rates = {"sliding": (0, 0), "csa": (d.csa_rate, d.index_topk), "hca": (d.hca_rate, 0)}
+    return [LayerType(kind=kind, mixer="compressed", attention="sliding", window=config.sliding_window_size,
+                      rope=None, mlp="moe+shared", compress=rates[kind.split("_")[0]][0],
+                      topk=rates[kind.split("_")[0]][1])
             for kind in _kinds(config)]
 
 
