@@ -7,19 +7,15 @@ by transformers as the same class with the same logits; --text-only; one-line re
 
 from __future__ import annotations
 
-import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ckpt_helpers import REPO
+from vlm_helpers import export_and_reload, forward, import_tiny, load, relative_error, text_positions
 from maxtrain import check_logits
-from maxtrain import config as config_lib
-from maxtrain.checkpointing import adoption, convert, safetensors_files
-from maxtrain.checkpointing import files as checkpoint_files
+from maxtrain.checkpointing import convert
 from maxtrain.data import images as images_lib
 from maxtrain.models.families import gemma4
 from maxtrain.models.model import Model
@@ -79,17 +75,6 @@ def hf_logits(model, ids, pixels=None, positions=None):
         return model(input_ids=torch.from_numpy(ids.astype(np.int64)), **kwargs).logits.float().numpy()
 
 
-def load(out):
-    config = adoption.adopt_model_settings(config_lib.load_config(
-        [str(REPO / "configs" / "base.yml"), f"load_parameters_path={out}", "attention=dot_product",
-         "dtype=float32"]), log=lambda *a: None)
-    return config, checkpoint_files.read_params(str(out))
-
-
-def relative_error(ours, theirs) -> float:
-    return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
-
-
 def last_float(capsys) -> float:
     return float(capsys.readouterr().out.strip().splitlines()[-1])
 
@@ -98,9 +83,7 @@ def last_float(capsys) -> float:
 def imported(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gemma4_vl")
     model = make_model()
-    model.save_pretrained(tmp / "hf")
-    keys = convert.import_hf(str(tmp / "hf"), str(tmp / "out"), log=lambda *a: None)
-    return model, tmp, keys
+    return model, tmp, import_tiny(model, tmp)
 
 
 @pytest.mark.slow  # ~70 s on the shared 2-core machine: the import and four compiles of the model with its tower
@@ -123,35 +106,22 @@ def test_imports_the_tower_and_check_logits_matches_transformers_with_images(imp
     config, params = load(tmp / "out")
     scaled = {**params, "vision": {**params["vision"], "projection": params["vision"]["projection"] * 8.0}}
     _, images = gemma4.model_inputs(config, ids, pixels, positions)
-    assert relative_error(forward(config, scaled, ids, images), theirs) > 1e-3
+    assert relative_error(ours(config, scaled, ids, images), theirs) > 1e-3
     # padded to four images (two of them all padding): the same logits
     _, padded = gemma4.model_inputs(config, ids, pixels, positions, pad_to=4)
     assert padded["pixel_values"].shape[0] == 4
-    assert relative_error(forward(config, params, ids, padded), theirs) <= 1e-5
+    assert relative_error(ours(config, params, ids, padded), theirs) <= 1e-5
 
 
-def forward(config, params, ids, images):
+def ours(config, params, ids, images):
     """Our float32 logits for these params (check_logits' forward reads its params from the checkpoint)."""
-    model, rt = Model.bind(config), Runtime.from_config(config)
-    positions = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
-    with jax.default_matmul_precision("highest"):
-        return np.asarray(jax.jit(lambda p, t, i: model.forward(p, t, positions, jnp.ones_like(t), rt, images=i)[0])(
-            params, ids, images))
+    return forward(config, params, ids, text_positions(ids), images)
 
 
 @pytest.mark.slow  # the module's import fixture (~15 s)
 def test_export_loads_in_transformers_as_the_same_model(imported):
     model, tmp, _ = imported
-    convert.export_hf(str(tmp / "out"), str(tmp / "export"), "float32", log=lambda *a: None)
-    written = json.loads((tmp / "export" / "config.json").read_text())
-    assert written["architectures"] == ["Gemma4ForConditionalGeneration"] and "vision_config" in written
-    reloaded = transformers.Gemma4ForConditionalGeneration.from_pretrained(tmp / "export", dtype=torch.float32,
-                                                                           attn_implementation="eager").eval()
-    original = safetensors_files.read_model_dir(str(tmp / "hf"))
-    exported = safetensors_files.read_model_dir(str(tmp / "export"))
-    assert sorted(exported) == sorted(original)
-    for name, array in exported.items():
-        assert array.tobytes() == original[name].tobytes(), name
+    reloaded = export_and_reload(tmp, transformers, torch, "Gemma4ForConditionalGeneration")
     ids, pixels, positions = image_batch()
     assert relative_error(hf_logits(reloaded, ids, pixels, positions), hf_logits(model, ids, pixels, positions)) == 0
 

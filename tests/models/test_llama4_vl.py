@@ -6,22 +6,15 @@ golden file with pixel_values; the padded tiles; one-line errors; `--text-only` 
 
 from __future__ import annotations
 
-import json
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ckpt_helpers import REPO
+from vlm_helpers import export_and_reload, forward, import_tiny, load, relative_error, text_positions
 from maxtrain import check_logits
-from maxtrain import config as config_lib
-from maxtrain.checkpointing import adoption, convert, safetensors_files
-from maxtrain.checkpointing import files as checkpoint_files
+from maxtrain.checkpointing import convert
 from maxtrain.models.families import llama4
-from maxtrain.models.model import Model
-from maxtrain.models.runtime import Runtime
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch = pytest.importorskip("torch", reason="the [hf] extra (torch, transformers) is not installed")
@@ -87,40 +80,19 @@ def hf_logits(model, ids, pixels=None):
         hook.remove()
 
 
-def load(out):
-    config = adoption.adopt_model_settings(config_lib.load_config(
-        [str(REPO / "configs" / "base.yml"), f"load_parameters_path={out}", "attention=dot_product",
-         "dtype=float32"]), log=lambda *a: None)
-    return config, checkpoint_files.read_params(str(out))
-
-
-_FORWARDS: dict = {}
-
-
 def ours(config, params, ids, pixels=None, pad_to=None):
-    """Our float32 logits (one jitted forward per model, reused across the tests' calls of the same shapes)."""
-    positions, images = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape), None
+    """Our float32 logits, with the tiles' inputs where there are pixels."""
+    positions, images = text_positions(ids), None
     if pixels is not None:
         positions, images = llama4.model_inputs(config, ids, pixels, pad_to)
-    key = (config.decoder_block, config.vision_config)
-    if key not in _FORWARDS:
-        model, rt = Model.bind(config), Runtime.from_config(config)
-        _FORWARDS[key] = jax.jit(lambda p, t, pos, i: model.forward(p, t, pos, jnp.ones_like(t), rt, images=i)[0])
-    with jax.default_matmul_precision("highest"):
-        return np.asarray(_FORWARDS[key](params, ids, positions, images))
-
-
-def relative_error(ours, theirs) -> float:
-    return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
+    return forward(config, params, ids, positions, images)
 
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("llama4")
     model = make_model()
-    model.save_pretrained(tmp / "hf")
-    keys = convert.import_hf(str(tmp / "hf"), str(tmp / "out"), log=lambda *a: None)
-    return model, tmp, keys
+    return model, tmp, import_tiny(model, tmp)
 
 
 def test_imports_the_tower_and_matches_transformers_with_images_and_text_alone(imported):
@@ -153,16 +125,7 @@ def test_padded_tiles_give_the_same_logits(imported):
 
 def test_export_loads_in_transformers_as_the_same_model(imported):
     model, tmp, _ = imported
-    convert.export_hf(str(tmp / "out"), str(tmp / "export"), "float32", log=lambda *a: None)
-    written = json.loads((tmp / "export" / "config.json").read_text())
-    assert written["architectures"] == ["Llama4ForConditionalGeneration"] and "vision_config" in written
-    reloaded = transformers.Llama4ForConditionalGeneration.from_pretrained(tmp / "export", dtype=torch.float32,
-                                                                           attn_implementation="eager").eval()
-    original = safetensors_files.read_model_dir(str(tmp / "hf"))
-    exported = safetensors_files.read_model_dir(str(tmp / "export"))
-    assert sorted(exported) == sorted(original)
-    for name, array in exported.items():
-        assert array.tobytes() == original[name].tobytes(), name
+    reloaded = export_and_reload(tmp, transformers, torch, "Llama4ForConditionalGeneration")
     ids, pixels = image_batch()
     assert relative_error(hf_logits(reloaded, ids, pixels), hf_logits(model, ids, pixels)) == 0.0
 

@@ -7,22 +7,16 @@ released checkpoints' mtp.* tensors are left out with a note."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from ckpt_helpers import REPO
+from vlm_helpers import export_and_reload, forward, import_tiny, load, relative_error, text_positions
 from maxtrain import check_logits
-from maxtrain import config as config_lib
-from maxtrain.checkpointing import adoption, convert, safetensors_files
-from maxtrain.checkpointing import files as checkpoint_files
+from maxtrain.checkpointing import convert
 from maxtrain.models.model import Model
-from maxtrain.models.runtime import Runtime
 from maxtrain.models.vision import qwen_images
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -88,25 +82,12 @@ def hf_logits(model, ids, pixels=None):
         return model(input_ids=torch.from_numpy(ids.astype(np.int64)), **kwargs).logits.float().numpy()
 
 
-def load(out):
-    config = adoption.adopt_model_settings(config_lib.load_config(
-        [str(REPO / "configs" / "base.yml"), f"load_parameters_path={out}", "attention=dot_product",
-         "dtype=float32"]), log=lambda *a: None)
-    return config, checkpoint_files.read_params(str(out))
-
-
 def ours(config, params, ids, pixels=None):
-    positions, images = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape), None
+    """Our float32 logits, with M-RoPE's positions and the tower's inputs where there are pixels."""
+    positions, images = text_positions(ids), None
     if pixels is not None:
         positions, images = qwen_images.model_inputs(config, ids, pixels, GRID)
-    model, rt = Model.bind(config), Runtime.from_config(config)
-    with jax.default_matmul_precision("highest"):
-        return np.asarray(model.forward(params, jnp.asarray(ids), positions, jnp.ones_like(ids), rt,
-                                        images=images)[0])
-
-
-def relative_error(ours, theirs) -> float:
-    return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
+    return forward(config, params, ids, positions, images)
 
 
 @pytest.fixture(scope="module", params=sorted(KINDS))
@@ -114,9 +95,7 @@ def imported(request, tmp_path_factory):
     kind = request.param
     tmp = tmp_path_factory.mktemp(kind)
     model = make_model(kind, SEEDS[kind])
-    model.save_pretrained(tmp / "hf")
-    keys = convert.import_hf(str(tmp / "hf"), str(tmp / "out"), log=lambda *a: None)
-    return kind, model, tmp, keys
+    return kind, model, tmp, import_tiny(model, tmp)
 
 
 def test_imports_the_tower_and_matches_transformers_with_images_and_text_alone(imported):
@@ -132,28 +111,15 @@ def test_imports_the_tower_and_matches_transformers_with_images_and_text_alone(i
     print(f"{kind}: relative logits error with images {with_images:.2e}, text alone {text_alone:.2e}")
     assert with_images <= 1e-5 and text_alone <= 1e-5, (with_images, text_alone)
     # the controls: plain RoPE over the image positions, or no images, move the logits at and after the images
-    plain = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape)
     _, images = qwen_images.model_inputs(config, ids, pixels, GRID)
-    model_, rt = Model.bind(config), Runtime.from_config(config)
-    with jax.default_matmul_precision("highest"):
-        flat = np.asarray(model_.forward(params, jnp.asarray(ids), plain, jnp.ones_like(ids), rt, images=images)[0])
+    flat = forward(config, params, ids, text_positions(ids), images)
     assert relative_error(flat, theirs) > 1e-3 and relative_error(ours(config, params, ids), theirs) > 1e-3
 
 
 def test_export_loads_in_transformers_as_the_same_model(imported):
     kind, model, tmp, _ = imported
-    convert.export_hf(str(tmp / "out"), str(tmp / "export"), "float32", log=lambda *a: None)
-    written = json.loads((tmp / "export" / "config.json").read_text())
-    model_class = KINDS[kind][1]
-    assert written["architectures"] == [model_class] and "vision_config" in written
-    reloaded = getattr(transformers, model_class).from_pretrained(tmp / "export", dtype=torch.float32,
-                                                                  attn_implementation="eager").eval()
+    reloaded = export_and_reload(tmp, transformers, torch, KINDS[kind][1])
     assert type(reloaded) is type(model)
-    original = safetensors_files.read_model_dir(str(tmp / "hf"))
-    exported = safetensors_files.read_model_dir(str(tmp / "export"))
-    assert sorted(exported) == sorted(original)
-    for name, array in exported.items():
-        assert array.tobytes() == original[name].tobytes(), name
     ids, pixels = image_batch()
     assert relative_error(hf_logits(reloaded, ids, pixels), hf_logits(model, ids, pixels)) == 0.0
 

@@ -6,21 +6,19 @@ images; the traced (padded) image layout; one-line errors for bad image inputs."
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from ckpt_helpers import REPO
+from vlm_helpers import export_and_reload, forward, import_tiny, load, relative_error, text_positions
 from maxtrain import check_logits
 from maxtrain import config as config_lib
-from maxtrain.checkpointing import adoption, convert, safetensors_files
-from maxtrain.checkpointing import files as checkpoint_files
+from maxtrain.checkpointing import convert
 from maxtrain.models.vision import qwen, qwen_images
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
@@ -74,40 +72,19 @@ def hf_logits(model, ids, pixels=None):
         return model(input_ids=torch.from_numpy(ids.astype(np.int64)), **kwargs).logits.float().numpy()
 
 
-def load(out):
-    config = adoption.adopt_model_settings(config_lib.load_config(
-        [str(REPO / "configs" / "base.yml"), f"load_parameters_path={out}", "attention=dot_product",
-         "dtype=float32"]), log=lambda *a: None)
-    return config, checkpoint_files.read_params(str(out))
-
-
-_FORWARDS: dict = {}
-
-
 def ours(config, params, ids, pixels=None, pad_to=None):
-    """Our float32 logits (one jitted forward per model, reused across the tests' calls of the same shapes)."""
-    positions, images = np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape), None
+    """Our float32 logits, with M-RoPE's positions and the tower's inputs where there are pixels."""
+    positions, images = text_positions(ids), None
     if pixels is not None:
         positions, images = qwen_images.model_inputs(config, ids, pixels, GRID, pad_to)
-    key = (config.decoder_block, config.vision_config)
-    if key not in _FORWARDS:
-        model, rt = Model.bind(config), Runtime.from_config(config)
-        _FORWARDS[key] = jax.jit(lambda p, t, pos, i: model.forward(p, t, pos, jnp.ones_like(t), rt, images=i)[0])
-    with jax.default_matmul_precision("highest"):
-        return np.asarray(_FORWARDS[key](params, ids, positions, images))
-
-
-def relative_error(ours, theirs) -> float:
-    return float(np.max(np.abs(ours - theirs)) / np.max(np.abs(theirs)))
+    return forward(config, params, ids, positions, images)
 
 
 @pytest.fixture(scope="module")
 def imported(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("qwen3_vl")
     model = make_model()
-    model.save_pretrained(tmp / "hf")
-    keys = convert.import_hf(str(tmp / "hf"), str(tmp / "out"), log=lambda *a: None)
-    return model, tmp, keys
+    return model, tmp, import_tiny(model, tmp)
 
 
 def test_imports_the_tower_and_matches_transformers_with_images_and_text_alone(imported):
@@ -149,16 +126,7 @@ def test_padded_layout_gives_the_same_logits(imported):
 
 def test_export_loads_in_transformers_as_the_same_model(imported):
     model, tmp, _ = imported
-    convert.export_hf(str(tmp / "out"), str(tmp / "export"), "float32", log=lambda *a: None)
-    written = json.loads((tmp / "export" / "config.json").read_text())
-    assert written["architectures"] == ["Qwen3VLForConditionalGeneration"] and "vision_config" in written
-    reloaded = transformers.Qwen3VLForConditionalGeneration.from_pretrained(tmp / "export", dtype=torch.float32,
-                                                                          attn_implementation="eager").eval()
-    original = safetensors_files.read_model_dir(str(tmp / "hf"))
-    exported = safetensors_files.read_model_dir(str(tmp / "export"))
-    assert sorted(exported) == sorted(original)
-    for name, array in exported.items():
-        assert array.tobytes() == original[name].tobytes(), name
+    reloaded = export_and_reload(tmp, transformers, torch, "Qwen3VLForConditionalGeneration")
     ids, pixels = image_batch()
     difference = relative_error(hf_logits(reloaded, ids, pixels), hf_logits(model, ids, pixels))
     print(f"qwen3_vl export round trip: relative logits error {difference:.2e}")
