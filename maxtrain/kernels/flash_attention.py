@@ -53,6 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from maxtrain.kernels import flash_tiles
 from maxtrain.kernels.flash_tiles import DEFAULT_SHARED_MEMORY, MIN_BLOCK, Tuning, default_tuning
 
 # Same finite "minus infinity" as the reference (maxtrain/models/attention/).
@@ -75,7 +76,7 @@ class KernelConfig:
     # True: the causal and window masks compare the tokens' positions given as operands (q_pos [B, T], kv_pos
     # [B, S], after the segment ids) instead of their indices (ring attention's block pairs of a load-balanced
     # layout: models/attention/ring_flash.py); every key block is visited, and a tile the positions' bounds hide
-    # runs no matmul (block_seen). False: the indices, as always.
+    # runs no matmul (flash_tiles.block_seen). False: the indices, as always.
     positions: bool = False
 
     def call_name(self, kernel: str) -> str:
@@ -122,47 +123,8 @@ def _scores(cfg, q, k, mask):
     return (s if mask is None else jnp.where(mask, s, _MASK_VALUE)), slope
 
 
-def _kv_block_range(cfg, q_start, block_q, block_k, num_kv_blocks):
-    """Key blocks [lo, hi) holding some key visible (by position) to queries q_start..+block_q."""
-    hi = num_kv_blocks
-    if cfg.positions:  # positions in any order: every block
-        return 0, hi
-    if cfg.causal:
-        hi = jnp.minimum((q_start + block_q - 1) // block_k + 1, num_kv_blocks)
-    lo = 0
-    if cfg.sliding_window:  # the first query's oldest visible key is q_start - W + 1
-        lo = jnp.maximum(q_start - cfg.sliding_window + 1, 0) // block_k
-    return lo, hi
-
-
-def _q_block_range(cfg, k_start, block_q, block_k, num_q_blocks):
-    """Query blocks [lo, hi) holding some query that sees (by position) a key of k_start..+block_k."""
-    if cfg.positions:  # positions in any order: every block
-        return 0, num_q_blocks
-    lo = k_start // block_q if cfg.causal else 0
-    hi = num_q_blocks
-    if cfg.sliding_window:  # the last key's newest viewer is k_start + block_k - 1 + W - 1
-        hi = jnp.minimum((k_start + block_k + cfg.sliding_window - 2) // block_q + 1, num_q_blocks)
-    return lo, hi
-
-
-def block_seen(cfg, q_tokens, kv_tokens):
-    """With cfg.positions, whether some query of the tile may see some key of it: the causal and window masks'
-    bounds on the tokens' positions (min and max, so padding only makes it more cautious). A tile it rules out runs
-    no matmul (exact: a tile with nothing visible adds 0 to every sum); its loads stay outside the branch, where
-    Triton pipelines them. None: every tile runs (positions without a causal mask or window; no positions)."""
-    if not cfg.positions:
-        return None
-    seen = []
-    if cfg.causal:
-        seen.append(jnp.min(kv_tokens) <= jnp.max(q_tokens))
-    if cfg.sliding_window:
-        seen.append(jnp.min(q_tokens) - jnp.max(kv_tokens) < cfg.sliding_window)
-    return functools.reduce(jnp.logical_and, seen) if seen else None
-
-
 def _maybe(seen, fn, carry):
-    """fn(carry) where the tile may hold a visible pair (`seen`: block_seen's), else carry unchanged."""
+    """fn(carry) where the tile may hold a visible pair (`seen`: flash_tiles.block_seen's), else carry unchanged."""
     return fn(carry) if seen is None else lax.cond(seen, fn, lambda c: c, carry)
 
 
@@ -210,12 +172,12 @@ def _fwd_kernel(*refs, cfg: KernelConfig, has_segments: bool):
             alpha = jnp.exp(m - m_new)
             l_new = l * alpha + jnp.sum(p, axis=1)
             return m_new, l_new, acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
-        return _maybe(block_seen(cfg, q_tokens, kv_tokens), attend, (m, l, acc))
+        return _maybe(flash_tiles.block_seen(cfg, q_tokens, kv_tokens), attend, (m, l, acc))
 
     m = jnp.full((block_q,), 0.5 * _MASK_VALUE, jnp.float32)
     l = jnp.zeros((block_q,), jnp.float32)
     acc = jnp.zeros((block_q, q_ref.shape[-1]), jnp.float32)
-    lo, hi = _kv_block_range(cfg, q_start, block_q, block_k, k_ref.shape[0] // block_k)
+    lo, hi = flash_tiles.kv_block_range(cfg, q_start, block_q, block_k, k_ref.shape[0] // block_k)
     m, l, acc = lax.fori_loop(lo, hi, body, (m, l, acc))
     l = jnp.where(l == 0.0, 1.0, l)  # rows with no visible key: acc == 0, output 0
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
@@ -253,9 +215,9 @@ def _dq_kernel(*refs, cfg: KernelConfig, has_segments: bool):
             mask = _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg, q_tokens, kv_tokens)
             _, ds = _ds(cfg, q, k, v, do, lse, delta, mask)
             return dq + _dot(ds.astype(k.dtype), k)
-        return _maybe(block_seen(cfg, q_tokens, kv_tokens), attend, dq)
+        return _maybe(flash_tiles.block_seen(cfg, q_tokens, kv_tokens), attend, dq)
 
-    lo, hi = _kv_block_range(cfg, q_start, block_q, block_k, k_ref.shape[0] // block_k)
+    lo, hi = flash_tiles.kv_block_range(cfg, q_start, block_q, block_k, k_ref.shape[0] // block_k)
     dq = lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
     dq_ref[...] = (dq * cfg.scale).astype(dq_ref.dtype)
 
@@ -289,10 +251,10 @@ def _dkv_kernel(*refs, cfg: KernelConfig, has_segments: bool):
             mask = _visible(cfg, q_start, k_start, block_q, block_k, q_seg, kv_seg, q_tokens, kv_tokens)
             p, ds = _ds(cfg, q, k, v, do, lse, delta, mask)
             return dk + _dot(ds.astype(q.dtype), q, 0, 0), dv + _dot(p.astype(do.dtype), do, 0, 0)
-        return _maybe(block_seen(cfg, q_tokens, kv_tokens), attend, (dk, dv))
+        return _maybe(flash_tiles.block_seen(cfg, q_tokens, kv_tokens), attend, (dk, dv))
 
     def head_body(r, carry):
-        lo, hi = _q_block_range(cfg, k_start, block_q, block_k, q_ref.shape[0] // block_q)
+        lo, hi = flash_tiles.q_block_range(cfg, k_start, block_q, block_k, q_ref.shape[0] // block_q)
         return lax.fori_loop(lo, hi, functools.partial(q_body, r=r), carry)
 
     zeros = jnp.zeros(k.shape, jnp.float32)

@@ -5,11 +5,16 @@ the GPU: `default_tuning` shrinks the requested blocks until `shared_memory_byte
 fits the target's limit (the chip records' shared memory per block, config/chips.py, looked up by
 maxtrain/models/attention/ from the devices' compute capability).
 scripts/kernel_shared_memory.py compares the model with what Triton reports.
+
+Which tiles run: `kv_block_range` / `q_block_range` bound the loop over key (query) blocks by the causal mask and the
+sliding window; with positions in any order (context parallelism's layouts) `block_seen` tells a tile that may hold
+a visible pair from one that cannot, which then runs no matmul.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax.numpy as jnp
 
@@ -91,3 +96,42 @@ def default_tuning(head_dim: int, dtype, block_q: int = 128, block_k: int = 128,
                              "use attention=dot_product")
         out[kernel] = tuning
     return out
+
+
+def kv_block_range(cfg, q_start, block_q, block_k, num_kv_blocks):
+    """Key blocks [lo, hi) holding some key visible (by position) to queries q_start..+block_q."""
+    hi = num_kv_blocks
+    if cfg.positions:  # positions in any order: every block
+        return 0, hi
+    if cfg.causal:
+        hi = jnp.minimum((q_start + block_q - 1) // block_k + 1, num_kv_blocks)
+    lo = 0
+    if cfg.sliding_window:  # the first query's oldest visible key is q_start - W + 1
+        lo = jnp.maximum(q_start - cfg.sliding_window + 1, 0) // block_k
+    return lo, hi
+
+
+def q_block_range(cfg, k_start, block_q, block_k, num_q_blocks):
+    """Query blocks [lo, hi) holding some query that sees (by position) a key of k_start..+block_k."""
+    if cfg.positions:  # positions in any order: every block
+        return 0, num_q_blocks
+    lo = k_start // block_q if cfg.causal else 0
+    hi = num_q_blocks
+    if cfg.sliding_window:  # the last key's newest viewer is k_start + block_k - 1 + W - 1
+        hi = jnp.minimum((k_start + block_k + cfg.sliding_window - 2) // block_q + 1, num_q_blocks)
+    return lo, hi
+
+
+def block_seen(cfg, q_tokens, kv_tokens):
+    """With cfg.positions, whether some query of the tile may see some key of it: the causal and window masks'
+    bounds on the tokens' positions (min and max, so padding only makes it more cautious). A tile it rules out runs
+    no matmul (exact: a tile with nothing visible adds 0 to every sum); its loads stay outside the branch, where
+    Triton pipelines them. None: every tile runs (positions without a causal mask or window; no positions)."""
+    if not cfg.positions:
+        return None
+    seen = []
+    if cfg.causal:
+        seen.append(jnp.min(kv_tokens) <= jnp.max(q_tokens))
+    if cfg.sliding_window:
+        seen.append(jnp.min(q_tokens) - jnp.max(kv_tokens) < cfg.sliding_window)
+    return functools.reduce(jnp.logical_and, seen) if seen else None

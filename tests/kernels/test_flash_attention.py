@@ -255,11 +255,11 @@ def test_broken_backward_fails_the_comparison(monkeypatch):
 
 @pytest.mark.parametrize("sliding_window", [0, 40])
 def test_positions_skip_the_tiles_they_hide_exactly(monkeypatch, sliding_window):
-    """Masking by position (context parallelism's load-balanced layouts: kernels/flash_attention.py block_seen),
+    """Masking by position (context parallelism's load-balanced layouts: kernels/flash_tiles.py block_seen),
     the tiles that no query can see by the causal mask or the window run no matmul. Device 0's queries of a
     dual_chunk_swap layout over 2 devices (chunks 0 and 3 of 4) against every key in that layout: equal to the
     reference on the original order, and bitwise equal to every tile running."""
-    from maxtrain.kernels import flash_attention as kernels_flash_attention  # pylint: disable=import-outside-toplevel
+    from maxtrain.kernels import flash_tiles  # pylint: disable=import-outside-toplevel
     from maxtrain.parallel import context  # pylint: disable=import-outside-toplevel
 
     q, k, v, do, seg, _ = _inputs(Case(q_len=128, kv_len=128, kv_heads=2, packed=True), seed=3)
@@ -285,6 +285,6 @@ def test_positions_skip_the_tiles_they_hide_exactly(monkeypatch, sliding_window)
                                        (ref_out[:, order[:64]], ref_dq[:, order[:64]], ref_dk[:, order],
                                         ref_dv[:, order])):
         _assert_close(label, actual, expected, 1e-4)
-    monkeypatch.setattr(kernels_flash_attention, "block_seen", lambda cfg, q_tokens, kv_tokens: None)  # every tile runs
+    monkeypatch.setattr(flash_tiles, "block_seen", lambda cfg, q_tokens, kv_tokens: None)  # every tile runs
     for label, a, b in zip(("out", "dq", "dk", "dv"), skipped, run()):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=label)
