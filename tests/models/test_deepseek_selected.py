@@ -6,13 +6,13 @@ heads and in a whole model (attention=flash), and autoselected takes it on GPUs.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import BASE_YML, TINY
-from maxtrain.config import load_config, with_overrides
 from maxtrain.models import attention as attention_lib
 from maxtrain.models.families.deepseek import indexer, selected
 from maxtrain.models.model import Model
@@ -171,3 +171,57 @@ def test_the_kernel_per_shard_gives_the_plain_forms_values_gradients_and_largest
     np.testing.assert_allclose(got_max, want_max, rtol=1e-6)
     for name in params:
         np.testing.assert_allclose(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def _tiny_v32(*overrides):
+    """A DeepSeek-V3.2-shaped model (test_deepseek.py's: MLA, experts, the indexer keeping 3 keys) over 16 tokens."""
+    from test_deepseek import SPARSE, tiny  # pylint: disable=import-outside-toplevel  # tests/models/ is on sys.path
+
+    return tiny("max_target_length=16", *SPARSE, *overrides)
+
+
+def test_autoselected_takes_the_kernel_on_a_gpu_and_says_why():
+    config = _tiny_v32("attention=autoselected", "dtype=bfloat16")
+    gpu = Runtime.from_config(config, "gpu", capability="9.0")
+    assert gpu.attention == "flash"
+    assert ("attention flash (Pallas Triton) (autoselected for gpu) [flash: the selected-key Pallas kernel (Triton): "
+            "the indexer keeps index_topk=3 of 16 keys per query") in gpu.describe()
+    cpu = Runtime.from_config(config, "cpu")
+    assert cpu.attention == "dot_product"
+    assert ("[dot_product: the indexer keeps index_topk=3 of 16 keys per query, read in plain jnp by query blocks "
+            "(the selected-key Pallas kernel runs on GPUs") in cpu.describe()
+    dense = Runtime.from_config(config.replace(index_topk=16), "gpu", capability="9.0")
+    assert "selected-key" not in dense.attention_reason  # every key kept: MLA's dense kernels choose as any model's
+
+
+@pytest.mark.slow  # ~15 s of CPU: the kernel's interpreted Pallas calls in two layers, compiled
+def test_a_model_with_the_kernel_gives_the_plain_forms_logits_and_gradients():
+    """attention=flash on CPU: the selected-key kernel in interpret mode in both layers, with two documents packed in
+    one row and padding in the other, 16 tokens of which each query keeps 3: the plain form's logits (float32,
+    1e-5 relative) and gradients."""
+    config = _tiny_v32()
+    model = Model.bind(config)
+    params = jax.jit(model.init_params)(jax.random.key(0))
+    ids = jax.random.randint(jax.random.key(1), (2, 16), 0, config.vocab_size)
+    segments = jnp.asarray([[1] * 7 + [2] * 9, [1] * 13 + [0] * 3])
+    positions = jnp.asarray([list(range(7)) + list(range(9)), list(range(16))])
+    weights = jax.random.normal(jax.random.key(2), (2, 16, config.vocab_size))
+
+    def run(attention):
+        rt = Runtime.from_config(config.replace(attention=attention), "cpu")
+
+        def loss(params):
+            logits = model.forward(params, ids, positions, segments, rt)[0]
+            return jnp.sum(logits * weights), logits
+        return rt, loss
+
+    rt, kernel_loss = run("flash")
+    assert rt.attention == "flash" and "selected-key Pallas kernel (interpret mode" in rt.attention_reason
+    assert "selected_attention_fwd" in str(jax.make_jaxpr(kernel_loss)(params))  # the kernel, not the plain form
+    (_, got), got_grads = jax.jit(jax.value_and_grad(kernel_loss, has_aux=True))(params)
+    (_, want), want_grads = jax.jit(jax.value_and_grad(run("dot_product")[1], has_aux=True))(params)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    for path, g in jax.tree_util.tree_leaves_with_path(got_grads):
+        w = functools.reduce(lambda tree, key: tree[key.key], path, want_grads)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(w)) + 1e-30),
+                                   err_msg=jax.tree_util.keystr(path))
