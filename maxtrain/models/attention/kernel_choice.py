@@ -12,6 +12,11 @@ The reason is what the start-up summary and train_compile's summary print after 
 `cudnn: fastest measured for head_dim 128 at 4096 tokens on sm90 (nearest row: head_dim 128 at 8192
 tokens, cudnn 349, flash 201 TFLOP/s; H200, docs/gpu.md 2026-11-26)`.
 
+A DeepSeek Sparse Attention layer (the indexer keeping index_topk of more keys per query) chooses apart,
+`choose_selected`: autoselected takes the selected-key Pallas kernel (kernels/selected_attention.py, as `flash`) on
+GPUs, e.g. `flash: the selected-key Pallas kernel (Triton): the indexer keeps index_topk=2048 of 8192 keys per
+query, ...`, and the plain-jnp form elsewhere; cudnn and tokamax, which take no per-query key indices, are refused.
+
 Every implementation keeps packed documents exact: cudnn takes the segment ids as a [B, 1, T, S] mask,
 tokamax as a [B, 1, T, S] mask too, flash as segment ids inside the kernel, dot_product as a mask.
 """
