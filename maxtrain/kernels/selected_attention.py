@@ -33,8 +33,8 @@ queries x 2048 keys x 576 x 4 bytes = 604 MB per sequence in the batch at DeepSe
 once would be T / 128 times that). Slots that are not kept have P = dS = 0, so their rows are zero and add nothing.
 
 Padding (inside `selected_attention`): heads up to a multiple of block_heads, C and R up to powers of two (Triton's
-loads are power-of-two blocks) with zeros, which change no logit; K up to a multiple of block_k with slots marked
-not kept (idx = -1 inside the kernels, read as row 0 and masked).
+loads are power-of-two blocks; on GPUs heads, C and R at least 16: Triton's dots) with zeros, which change no logit;
+K up to a multiple of block_k with slots marked not kept (idx = -1 inside the kernels, read as row 0 and masked).
 Shared memory (an H100's 232,448 B per block; bfloat16, C 512, R 64, 2 stages, measured by compiling for sm_90a,
 tests/kernels/test_kernel_lowering.py): heads x keys tiles 16 x 64 (the default), 32 x 64, 16 x 128 and 64 x 32 fit;
 64 x 64 asks 286,976 B, 32 x 128 233,728 B, 128 x 32 352,384 B. Triton's dots need every tile side >= 16.
@@ -284,11 +284,13 @@ def selected_attention(q_c, q_r, c, k_r, idx, kept, *, scale: float, block_heads
         interpret = jax.default_backend() != "gpu"
     b, t, n, cw = q_c.shape
     rw, k = q_r.shape[-1], idx.shape[-1]
-    bn = min(block_heads, pl.next_power_of_2(n))
-    bk = min(block_k, max(16 if not interpret else 1, pl.next_power_of_2(k)))
+    least = 1 if interpret else 16  # Triton's dots: every tile side >= 16 (a small model's are padded up to it)
+    bn = min(block_heads, max(least, pl.next_power_of_2(n)))
+    bk = min(block_k, max(least, pl.next_power_of_2(k)))
     cfg = Config(scale=float(scale), block_heads=bn, block_k=bk, bwd_query_chunk=_chunk(t, bwd_query_chunk),
                  interpret=interpret, num_warps=num_warps, num_stages=num_stages)
-    n_pad, c_pad, r_pad = -(-n // bn) * bn, pl.next_power_of_2(cw), pl.next_power_of_2(rw)
+    n_pad = -(-n // bn) * bn
+    c_pad, r_pad = max(least, pl.next_power_of_2(cw)), max(least, pl.next_power_of_2(rw))
     k_pad = -(-k // bk) * bk
     qc = _pad(_pad(q_c, 2, n_pad), 3, c_pad)
     qr = _pad(_pad(q_r, 2, n_pad), 3, r_pad)

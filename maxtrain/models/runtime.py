@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from maxtrain.config import features, registry
 from maxtrain.config.schema import QUANTIZATION_PLACES
 from maxtrain.models import attention as attention_lib
+from maxtrain.models.attention import kernel_choice
 from maxtrain.models.recurrent import gated_deltanet
 from maxtrain.models.moe import expert_matmuls
 
@@ -257,7 +258,7 @@ def resolve_attention(config, backend: str, dtype, kinds: list[AttentionKind], *
                   context_inner=config.ici_context_parallelism)
     if (getattr(family, "sparse_attention", False) and config.index_n_heads > 0
             and config.max_target_length > config.index_topk):
-        return _sparse_attention(config, kinds, context_parallel)
+        return _sparse_attention(config, backend, kinds, context_parallel)
     resolved, refused = [], []
     for kind in kinds:
         try:
@@ -276,19 +277,16 @@ def resolve_attention(config, backend: str, dtype, kinds: list[AttentionKind], *
     return resolved
 
 
-def _sparse_attention(config, kinds: list[AttentionKind], context_parallel: int) -> list[AttentionKind]:
-    """DeepSeek Sparse Attention beyond index_topk tokens: each query reads its chosen keys in plain jnp
-    (models/families/deepseek/selected.py; index_n_heads > 0), which no kernel and no context-parallel strategy
-    takes yet."""
-    where = f"the indexer's top-{config.index_topk} mask (max_target_length={config.max_target_length} > index_topk)"
+def _sparse_attention(config, backend: str, kinds: list[AttentionKind],
+                      context_parallel: int) -> list[AttentionKind]:
+    """DeepSeek Sparse Attention beyond index_topk tokens: each query reads its chosen keys alone
+    (models/families/deepseek/selected.py; index_n_heads > 0), with the selected-key Pallas kernel or in plain jnp
+    (kernel_choice.choose_selected); no context-parallel strategy takes it yet."""
     if context_parallel > 1:
         raise ValueError(f"context parallelism ({context_parallel} ways) cannot split DeepSeek Sparse Attention: "
-                         f"{where} is made over the whole sequence; use ici_context_parallelism=1, or "
-                         f"max_target_length <= index_topk (dense attention, every strategy)")
-    if config.attention not in ("autoselected", "dot_product"):
-        raise ValueError(f"attention={config.attention} cannot run DeepSeek Sparse Attention: no kernel takes {where}; "
-                         "use attention=dot_product or autoselected, or max_target_length <= index_topk (dense "
-                         "attention, every kernel)")
-    reason = (f"dot_product: DeepSeek Sparse Attention under {where}, each query reading its chosen keys alone "
-              "(plain jnp by query blocks: no kernel takes them yet)")
-    return [dataclasses.replace(kind, implementation="dot_product", reason=reason) for kind in kinds]
+                         f"the indexer's top-{config.index_topk} mask (max_target_length={config.max_target_length} "
+                         "> index_topk) is made over the whole sequence; use ici_context_parallelism=1, or "
+                         "max_target_length <= index_topk (dense attention, every strategy)")
+    choice = kernel_choice.choose_selected(config.attention, attention_lib.canonical_platform(backend),
+                                           config.index_topk, config.max_target_length)
+    return [dataclasses.replace(kind, implementation=choice.implementation, reason=choice.reason) for kind in kinds]

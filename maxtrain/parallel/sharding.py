@@ -314,9 +314,9 @@ def run_in_shards(fn, args: Sequence, in_axes: Sequence[Sequence[str | None]], o
     """fn(*args) on each device's own shards: shard_map over the active mesh.
 
     Each argument is split along the mesh axes its logical axes map to (None: whole on every
-    device), and the result is assembled from `out_axes`. For what GSPMD cannot partition (Pallas
-    and cuDNN kernels): with specs that match the arrays' shardings, nothing is gathered. Inside
-    another shard_map (a pipeline stage) its manual axes are left to it. Outside
+    device), and the result is assembled from `out_axes` (a tuple of them: fn returns that many
+    arrays). For what GSPMD cannot partition (Pallas and cuDNN kernels): with specs that match the
+    arrays' shardings, nothing is gathered. Inside another shard_map (a pipeline stage) its manual axes are left to it. Outside
     activation_sharding this is fn(*args). check_vma is off by default because a Pallas call's
     output types carry no record of which mesh axes they vary over.
     """
@@ -330,6 +330,8 @@ def run_in_shards(fn, args: Sequence, in_axes: Sequence[Sequence[str | None]], o
     if manual:
         mesh, skip = inner, skip | manual
     in_specs = tuple(_without(logical_to_spec(axes, rules), skip) for axes in in_axes)
-    out_spec = _without(logical_to_spec(out_axes, rules), skip)
+    several = bool(out_axes) and isinstance(out_axes[0], (tuple, list))
+    out_spec = (tuple(_without(logical_to_spec(axes, rules), skip) for axes in out_axes) if several else
+                _without(logical_to_spec(out_axes, rules), skip))
     return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_spec,
                          axis_names=set(mesh.axis_names) - manual, check_vma=check_vma)(*args)

@@ -440,6 +440,24 @@ def test_llama_train_step_with_autoselected_cudnn_compiles_for_one_h100():
     assert "cudnn" in hlo.lower() and "flash_attention_fwd" not in hlo  # cuDNN, not our Triton kernel
 
 
+# DeepSeek-V3.2's shape at a small size: MLA (16 heads), experts, the indexer keeping 64 of 256 keys per query.
+DEEPSEEK_V32 = ["decoder_block=deepseek", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=128",
+                "first_num_dense_layers=1", "shared_experts=1", "base_num_query_heads=16", "base_num_kv_heads=16",
+                "q_lora_rank=64", "kv_lora_rank=64", "qk_nope_head_dim=32", "qk_rope_head_dim=16", "head_dim=48",
+                "v_head_dim=32", "rope_interleave=true", "index_n_heads=4", "index_head_dim=32", "index_topk=64",
+                "max_target_length=256"]
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_deepseek_v32_train_step_compiles_for_8_h100s_with_the_selected_key_kernel(h100s):
+    """autoselected takes the selected-key kernel (kernels/selected_attention.py) for the sparse layers, run per
+    device's batch rows and heads (fsdp 4 x tensor 2: 8 heads a device) inside shard_map."""
+    hlo = compile_train_step(h100s, DEEPSEEK_V32 + ["ici_fsdp_parallelism=4", "ici_tensor_parallelism=2"])
+    for kernel in ("selected_attention_fwd", "selected_attention_dq", "selected_attention_rows"):
+        assert kernel in hlo
+
+
 @pytest.mark.slow
 @needs_gpu_compiler
 def test_dropless_moe_train_step_compiles_for_8_h100s_with_the_grouped_gemm(h100s):

@@ -147,7 +147,7 @@ def test_sparse_attention_decoding_from_the_cache_equals_the_full_forward(interl
     gives; and a control that keeps every key decodes other tokens, so the selection was in force."""
     config = tiny("max_target_length=16", *SPARSE, f"index_rope_interleave={str(interleave).lower()}")
     rt = Runtime.from_config(config)
-    assert rt.attention == "dot_product" and "indexer's top-3 mask" in rt.attention_reason
+    assert rt.attention == "dot_product" and "the indexer keeps index_topk=3 of 16 keys" in rt.attention_reason
     params = jax.jit(lambda key: Model.bind(config).init_params(key))(jax.random.key(3))
     cache = Model.bind(config).init_cache(1, 10, rt.dtype)
     assert cache["index_k"].shape == (2, 1, 10, 1, 8)
@@ -167,10 +167,12 @@ def test_sparse_attention_decoding_from_the_cache_equals_the_full_forward(interl
 
 def test_sparse_attention_refuses_a_kernel_and_context_parallelism_in_one_line():
     config = tiny("max_target_length=16", *SPARSE)
-    with pytest.raises(ValueError, match=r"attention=flash cannot run DeepSeek Sparse Attention: no kernel takes "
-                                         r"the indexer's top-3 mask .* use attention=dot_product or autoselected"):
-        Runtime.from_config(config.replace(attention="flash"))
-    assert Runtime.from_config(config.replace(attention="flash", index_topk=16)).attention == "flash"  # dense
+    with pytest.raises(ValueError, match=r"^attention=cudnn cannot take each query's chosen keys, and the indexer "
+                                         r"keeps index_topk=3 of 16 keys per query .* use attention=autoselected"):
+        Runtime.from_config(config.replace(attention="cudnn"), "gpu")
+    with pytest.raises(ValueError, match=r"attention=flash has no TPU \(Mosaic\) variant of the selected-key"):
+        Runtime.from_config(config.replace(attention="flash"), "tpu")
+    assert Runtime.from_config(config.replace(attention="flash", index_topk=16), "tpu").attention == "flash"  # dense
     with pytest.raises(ValueError, match=r"context parallelism \(2 ways\) cannot split DeepSeek Sparse Attention"):
         Runtime.from_config(config, context_parallel=2)
     with pytest.raises(ConfigError, match="index_head_dim=2 must hold the qk_rope_head_dim=4 features"):

@@ -1,8 +1,12 @@
 """DeepSeek Sparse Attention over the chosen keys alone (models/families/deepseek/selected.py): the same values and
 gradients as MLA's plain form under the indexer's top-k mask, for any query block, with packed documents and
-padding, each head's largest logit for QK-clip, and never a key of another document."""
+padding, each head's largest logit for QK-clip, and never a key of another document; the selected-key Pallas kernel
+(kernels/selected_attention.py, interpret mode) in its place gives the plain form's numbers, per shard over batch and
+heads and in a whole model (attention=flash), and autoselected takes it on GPUs."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +15,9 @@ import pytest
 
 from maxtrain.models import attention as attention_lib
 from maxtrain.models.families.deepseek import indexer, selected
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
+from maxtrain.parallel import sharding
 
 B, T, N, HN, HR, HV, C, I, E = 2, 32, 3, 8, 4, 6, 10, 4, 8
 TOPK = 6
@@ -19,12 +26,13 @@ SCALE = (HN + HR) ** -0.5
 SEGMENTS = jnp.asarray([[1] * 11 + [2] * 15 + [0] * 6, [1] * 32])
 
 
-def _inputs(seed: int = 0):
+def _inputs(seed: int = 0, heads: int = N):
     keys = jax.random.split(jax.random.key(seed), 9)
     normal = lambda key, *shape: jax.random.normal(key, shape, jnp.float32)  # noqa: E731
-    return dict(q_nope=normal(keys[0], B, T, N, HN), q_rope=normal(keys[1], B, T, N, HR), c=normal(keys[2], B, T, C),
-                k_rope=normal(keys[3], B, T, HR), w_k=normal(keys[4], C, N, HN) * C**-0.5,
-                w_v=normal(keys[5], C, N, HV) * C**-0.5, index_q=normal(keys[6], B, T, I, E),
+    n = heads
+    return dict(q_nope=normal(keys[0], B, T, n, HN), q_rope=normal(keys[1], B, T, n, HR), c=normal(keys[2], B, T, C),
+                k_rope=normal(keys[3], B, T, HR), w_k=normal(keys[4], C, n, HN) * C**-0.5,
+                w_v=normal(keys[5], C, n, HV) * C**-0.5, index_q=normal(keys[6], B, T, I, E),
                 index_w=normal(keys[7], B, T, I), index_k=normal(keys[8], B, T, E))
 
 
@@ -45,10 +53,10 @@ def _plain(x):
     return attention_lib.dot_product_attention(q, k, v, _kept(x), scale=SCALE)
 
 
-def _selected(x, block=None, with_max_logits=False):
+def _selected(x, block=None, with_max_logits=False, kernel=None):
     out = selected.attention(x["q_nope"], x["q_rope"], x["c"], x["k_rope"], x["w_k"], x["index_q"], x["index_w"],
                              x["index_k"], SEGMENTS, topk=TOPK, scale=SCALE, block=block,
-                             with_max_logits=with_max_logits)
+                             with_max_logits=with_max_logits, kernel=kernel)
     o_c, head_max = out if with_max_logits else (out, None)
     out = jnp.einsum("BTNC,CNV->BTNV", o_c, x["w_v"])
     return (out, head_max) if with_max_logits else out
@@ -135,3 +143,85 @@ def _top_k_operands(jaxpr) -> list[tuple]:
             if hasattr(inner, "eqns"):
                 shapes += _top_k_operands(inner)
     return shapes
+
+
+@pytest.mark.slow  # ~15 s of CPU: the kernel's three interpreted Pallas calls, compiled
+def test_the_kernel_per_shard_gives_the_plain_forms_values_gradients_and_largest_logits():
+    """The selected-key kernel (interpret mode) on `chosen`'s keys, inside shard_map with the batch over 2 devices and
+    4 heads over 2: the plain form's o_c, gradients and per-head largest logits, with the documents and the padding,
+    in runs of 4-query blocks (the first run scores 4 keys, fewer than index_topk = 6: its last slots not kept)."""
+    x = _inputs(heads=4)
+    cotangent = jax.random.normal(jax.random.key(7), (B, T, 4, C))
+    params = {k: x[k] for k in ("q_nope", "q_rope", "c", "k_rope", "w_k")}
+
+    def loss(kernel):
+        def f(params):
+            y = {**x, **params}
+            o_c, head_max = selected.attention(y["q_nope"], y["q_rope"], y["c"], y["k_rope"], y["w_k"], y["index_q"],
+                                               y["index_w"], y["index_k"], SEGMENTS, topk=TOPK, scale=SCALE, block=4,
+                                               with_max_logits=True, kernel=kernel)
+            return jnp.sum(o_c * cotangent), (o_c, head_max)
+        return jax.jit(jax.value_and_grad(f, has_aux=True))
+
+    mesh = sharding.mesh_of(jax.devices()[:4], data=2, tensor=2)
+    with sharding.activation_sharding(mesh, [["batch", "data"], ["heads", "tensor"]]):
+        (_, (got, got_max)), got_grads = loss("cpu")(params)
+    (_, (want, want_max)), want_grads = loss(None)(params)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_max, want_max, rtol=1e-6)
+    for name in params:
+        np.testing.assert_allclose(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+def _tiny_v32(*overrides):
+    """A DeepSeek-V3.2-shaped model (test_deepseek.py's: MLA, experts, the indexer keeping 3 keys) over 16 tokens."""
+    from test_deepseek import SPARSE, tiny  # pylint: disable=import-outside-toplevel  # tests/models/ is on sys.path
+
+    return tiny("max_target_length=16", *SPARSE, *overrides)
+
+
+def test_autoselected_takes_the_kernel_on_a_gpu_and_says_why():
+    config = _tiny_v32("attention=autoselected", "dtype=bfloat16")
+    gpu = Runtime.from_config(config, "gpu", capability="9.0")
+    assert gpu.attention == "flash"
+    assert ("attention flash (Pallas Triton) (autoselected for gpu) [flash: the selected-key Pallas kernel (Triton): "
+            "the indexer keeps index_topk=3 of 16 keys per query") in gpu.describe()
+    cpu = Runtime.from_config(config, "cpu")
+    assert cpu.attention == "dot_product"
+    assert ("[dot_product: the indexer keeps index_topk=3 of 16 keys per query, read in plain jnp by query blocks "
+            "(the selected-key Pallas kernel runs on GPUs") in cpu.describe()
+    dense = Runtime.from_config(config.replace(index_topk=16), "gpu", capability="9.0")
+    assert "selected-key" not in dense.attention_reason  # every key kept: MLA's dense kernels choose as any model's
+
+
+@pytest.mark.slow  # ~15 s of CPU: the kernel's interpreted Pallas calls in two layers, compiled
+def test_a_model_with_the_kernel_gives_the_plain_forms_logits_and_gradients():
+    """attention=flash on CPU: the selected-key kernel in interpret mode in both layers, with two documents packed in
+    one row and padding in the other, 16 tokens of which each query keeps 3: the plain form's logits (float32,
+    1e-5 relative) and gradients."""
+    config = _tiny_v32()
+    model = Model.bind(config)
+    params = jax.jit(model.init_params)(jax.random.key(0))
+    ids = jax.random.randint(jax.random.key(1), (2, 16), 0, config.vocab_size)
+    segments = jnp.asarray([[1] * 7 + [2] * 9, [1] * 13 + [0] * 3])
+    positions = jnp.asarray([list(range(7)) + list(range(9)), list(range(16))])
+    weights = jax.random.normal(jax.random.key(2), (2, 16, config.vocab_size))
+
+    def run(attention):
+        rt = Runtime.from_config(config.replace(attention=attention), "cpu")
+
+        def loss(params):
+            logits = model.forward(params, ids, positions, segments, rt)[0]
+            return jnp.sum(logits * weights), logits
+        return rt, loss
+
+    rt, kernel_loss = run("flash")
+    assert rt.attention == "flash" and "selected-key Pallas kernel (interpret mode" in rt.attention_reason
+    assert "selected_attention_fwd" in str(jax.make_jaxpr(kernel_loss)(params))  # the kernel, not the plain form
+    (_, got), got_grads = jax.jit(jax.value_and_grad(kernel_loss, has_aux=True))(params)
+    (_, want), want_grads = jax.jit(jax.value_and_grad(run("dot_product")[1], has_aux=True))(params)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    for path, g in jax.tree_util.tree_leaves_with_path(got_grads):
+        w = functools.reduce(lambda tree, key: tree[key.key], path, want_grads)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(w)) + 1e-30),
+                                   err_msg=jax.tree_util.keystr(path))

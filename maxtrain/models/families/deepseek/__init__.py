@@ -20,9 +20,10 @@ checkpoint (read by an import with keep_mtp, never written by an export: transfo
 DeepSeek-V3.2 (index_n_heads > 0; Hugging Face's deepseek_v32): DeepSeek Sparse Attention, a lightning indexer in
 front of MLA that keeps the index_topk keys each query attends to (indexer.py). Where a sequence (or the decoding
 cache) holds no more than index_topk tokens every query keeps every key it sees, and the indexer is skipped (MLA
-runs its kernels); beyond, each query reads its chosen keys alone (selected.py: MLA's absorbed form in plain jnp by
-query blocks; no kernel takes it yet: models/runtime.py resolves attention to dot_product and says why; W_kvb runs
-unquantized there under quantization=fp8). Decoding caches each token's indexer key beside MLA's latent
+runs its kernels); beyond, each query reads its chosen keys alone (selected.py: MLA's absorbed form, by the selected-key Pallas kernel,
+kernels/selected_attention.py, where attention resolves to flash: autoselected on GPUs, or set; in plain jnp by
+query blocks otherwise; kernel_choice.choose_selected says why in the summary; W_kvb runs unquantized there under
+quantization=fp8). Decoding caches each token's indexer key beside MLA's latent
 (layer_cache). The language-model loss does not train the indexer; indexer_training does, towards the attention's
 distribution with a KL loss, in DeepSeek's dense warm-up or sparse stage (_attention_training_the_indexer). V3.2's config.json has
 no rope_interleave: its MLA always interleaves, its indexer rotates by halves.
@@ -105,7 +106,8 @@ def _attention(normed, p, inputs, config, rt):
         index_cache = jax.lax.dynamic_update_slice_in_dim(index_cache, new_keys[:, :, None], index, axis=1)
     kept = selected_keys = None
     if index_cache is None and normed.shape[1] > config.index_topk:  # training, scoring: the chosen keys alone
-        selected_keys = functools.partial(_selected_keys, normed, p, inputs.segment_ids, config)
+        selected_keys = functools.partial(_selected_keys, normed, p, inputs.segment_ids, config,
+                                          rt.backend if rt.attention == "flash" else None)
     elif index_cache is not None and index_cache.shape[1] > config.index_topk:  # decoding: the cache slots' mask
         kept = functools.partial(indexer.keys_kept, p=p, segment_ids=inputs.segment_ids, topk=config.index_topk,
                                  cached_keys=index_cache[:, :, 0], interleave=config.index_rope_interleave)
@@ -115,14 +117,16 @@ def _attention(normed, p, inputs, config, rt):
     return h, aux
 
 
-def _selected_keys(normed, p, segment_ids, config, q_nope, q_rope, c, k_rope, q_latent, rope):
-    """MLA over the index_topk keys the indexer chooses for each query, read alone (selected.py)."""
+def _selected_keys(normed, p, segment_ids, config, kernel, q_nope, q_rope, c, k_rope, q_latent, rope):
+    """MLA over the index_topk keys the indexer chooses for each query, read alone (selected.py): by the
+    selected-key Pallas kernel on `kernel`'s platform where the runtime resolved attention to flash, else in plain
+    jnp."""
     index_q, index_w = indexer.queries(normed, q_latent, p, rope, config.index_rope_interleave)
     index_k = indexer.keys(normed, p, rope, config.index_rope_interleave)
     clip = config.qk_clip_threshold > 0  # QK-clip reads each head's largest logit
     out = selected.attention(q_nope, q_rope, c, k_rope, p["wkv_b"][..., :config.qk_nope_head_dim], index_q, index_w,
                              index_k, segment_ids, topk=config.index_topk, scale=mla.softmax_scale(config),
-                             with_max_logits=clip)
+                             with_max_logits=clip, kernel=kernel)
     return out if clip else (out, None)
 
 

@@ -26,7 +26,9 @@ indices ([B, T, K] int32 and a bool: the backward does not score again; under re
 recomputed forward scores once more).
 
 Ours, not a library's: no kernel library (tokamax, cuDNN, splash) takes per-query key indices for MLA's latent keys
-yet; this plain-jnp form is what a Pallas selected-key kernel will be checked against.
+yet. With kernel= the same chosen keys (`chosen`: every query's idx and kept, [B, T, K]) go to our selected-key Pallas
+kernel (kernels/selected_attention.py), run per device's batch rows and heads inside shard_map; this plain form is
+what it is checked against (tests/models/test_deepseek_selected.py).
 
 Einsum letters: as blocks.py and mla.py (C the latent rank, R the RoPE width), K the selected keys, I the indexer's
 heads and E their width.
@@ -40,6 +42,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.models import attention as attention_lib
 from maxtrain.models.families.deepseek import indexer
+from maxtrain.parallel import sharding
 
 QUERY_BLOCK = 128  # queries per block (the largest power of two up to it that divides T)
 # What a checkpointed block keeps for its backward: the chosen keys' indices and which are real ([B, bq, K] each), so
@@ -71,19 +74,25 @@ def scored_keys(length: int) -> float:
 
 
 def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment_ids, *, topk: int,
-              scale: float, block: int | None = None, with_max_logits: bool = False):
+              scale: float, block: int | None = None, with_max_logits: bool = False, kernel: str | None = None):
     """MLA under the indexer's top-k, reading only the chosen keys.
 
     q_nope [B, T, N, Hn], q_rope [B, T, N, R] (after RoPE), c [B, S, C] (the normed latent), k_rope [B, S, R]
     (after RoPE), w_k [C, N, Hn] (W_kvb's key half); index_q [B, T, I, E] (after RoPE), index_w [B, T, I] and
     index_k [B, S, E] (indexer.queries and indexer.keys); segment_ids [B, T] (T = S: training and scoring).
     Returns o_c [B, T, N, C] in c's dtype (times W_kvb's value half, the caller's, it is the attention's output),
-    and with with_max_logits each head's largest logit over the kept keys [N] float32 (QK-clip's statistic)."""
+    and with with_max_logits each head's largest logit over the kept keys [N] float32 (QK-clip's statistic).
+    kernel: the platform (gpu, or cpu: interpreted) to run the selected-key Pallas kernel on, over the same keys
+    (`chosen`); None: this plain form."""
     b, t, n, _ = q_nope.shape
     bq = block or query_block(t)
     if t % bq:
         raise ValueError(f"the query block ({bq}) must divide the sequence ({t})")
     q_c = jnp.einsum("BTNH,CNH->BTNC", q_nope, w_k.astype(q_nope.dtype))
+    if kernel is not None:
+        idx, kept = chosen(index_q, index_w, index_k, segment_ids, topk=topk, block=bq)
+        return _kernel(q_c, q_rope, c, k_rope, idx, kept, scale=scale, platform=kernel,
+                       with_max_logits=with_max_logits)
     out, head_max = [], []
     for start, end in prefix_groups(t, bq):  # each run reads the keys before its end alone
         o_c, m = _run(q_c[:, start:end], q_rope[:, start:end], index_q[:, start:end], index_w[:, start:end],
@@ -106,10 +115,8 @@ def _run(q_c, q_rope, index_q, index_w, q_segment_ids, first, c, k_rope, index_k
         return jnp.moveaxis(x.reshape(b, t // block, block, *x.shape[2:]), 1, 0)
 
     def one_block(q_c_blk, q_r_blk, iq_blk, iw_blk, seg_blk, start):
-        visible = attention_lib.make_attention_mask(seg_blk, k_segment_ids, causal=True, q_offset=start)  # [B, bq, S]
-        index = jax.lax.stop_gradient(jnp.where(visible, indexer.combine(iq_blk, iw_blk, index_k), -jnp.inf))
-        top, idx = jax.lax.top_k(index, k)                                        # [B, bq, K]
-        kept = checkpoint_name(top > -jnp.inf, "selected_keys")
+        idx, kept = _choose(iq_blk, iw_blk, seg_blk, start, index_k, k_segment_ids, k)  # [B, bq, K] each
+        kept = checkpoint_name(kept, "selected_keys")
         idx = checkpoint_name(idx, "selected_keys")  # kept for the backward: it need not score again
         gather = jax.vmap(lambda rows_of, at: rows_of[at])                        # per sequence: [S, X] by [bq, K]
         c_k, r_k = gather(c, idx), gather(k_rope, idx)                            # [B, bq, K, C], [B, bq, K, R]
@@ -128,3 +135,58 @@ def _run(q_c, q_rope, index_q, index_w, q_segment_ids, first, c, k_rope, index_k
     o_c, head_max = jax.lax.map(lambda xs: body(*xs), (blocks(q_c), blocks(q_rope), blocks(index_q),
                                                            blocks(index_w), blocks(q_segment_ids), starts))
     return jnp.moveaxis(o_c, 0, 1).reshape(b, t, n, c.shape[-1]), jnp.max(head_max, axis=0)
+
+
+def _choose(iq_blk, iw_blk, seg_blk, start, index_k, k_segment_ids, k):
+    """A block of queries' chosen keys (idx [B, bq, K] int32, kept [B, bq, K] bool): top_k of the indexer's scores
+    over the keys its causal mask and documents let it see (-inf elsewhere: never chosen as kept), no gradient."""
+    visible = attention_lib.make_attention_mask(seg_blk, k_segment_ids, causal=True, q_offset=start)  # [B, bq, S]
+    index = jax.lax.stop_gradient(jnp.where(visible, indexer.combine(iq_blk, iw_blk, index_k), -jnp.inf))
+    top, idx = jax.lax.top_k(index, k)
+    return idx, top > -jnp.inf
+
+
+def chosen(index_q, index_w, index_k, segment_ids, *, topk: int, block: int):
+    """Every query's chosen keys (idx [B, T, K] int32, kept [B, T, K] bool; K = min(topk, S)), block by block and
+    run by run as the plain form chooses them (a run's queries score the keys before its end alone), for the
+    kernel: [B, T, K] int32 and bool in memory, the blocks' scores one at a time."""
+    b, t = segment_ids.shape
+    k = min(topk, index_k.shape[1])
+    idx, kept = [], []
+    for start, end in prefix_groups(t, block):
+        def blocks(x, start=start, end=end):  # [B, run, ...] -> [run / block, B, block, ...]
+            x = x[:, start:end]
+            return jnp.moveaxis(x.reshape(b, (end - start) // block, block, *x.shape[2:]), 1, 0)
+
+        run_k = min(k, end)
+        i, m = jax.lax.map(lambda xs, end=end, run_k=run_k: _choose(*xs, index_k[:, :end], segment_ids[:, :end],
+                                                                     run_k),
+                           (blocks(index_q), blocks(index_w), blocks(segment_ids),
+                            start + jnp.arange((end - start) // block) * block))
+        i, m = (jnp.moveaxis(x, 0, 1).reshape(b, end - start, run_k) for x in (i, m))
+        pad = [(0, 0), (0, 0), (0, k - run_k)]  # a run before index_topk keys: its missing slots not kept
+        idx.append(jnp.pad(i, pad))
+        kept.append(jnp.pad(m, pad, constant_values=False))
+    return jnp.concatenate(idx, axis=1), jnp.concatenate(kept, axis=1)
+
+
+# The kernel's operands split as the flash kernel's (models/attention/kernels.py): over the batch and heads, whole
+# along the sequence (each query may choose any earlier key of its row) and the latent.
+_HEADS = ("batch", None, "heads", None)
+_ROWS = ("batch", None, None)
+
+
+def _kernel(q_c, q_rope, c, k_rope, idx, kept, *, scale: float, platform: str, with_max_logits: bool):
+    """o_c [B, T, N, C] (and each head's largest kept logit [N]) from kernels/selected_attention.py, run on each
+    device's batch rows and heads inside shard_map (GSPMD cannot partition a Pallas call)."""
+    # deferred: the Pallas kernel's import, only where it runs
+    from maxtrain.kernels import selected_attention  # pylint: disable=import-outside-toplevel
+
+    def local(q_c, q_rope, c, k_rope, idx, kept):
+        o_c, head_max = selected_attention.selected_attention(q_c, q_rope, c, k_rope, idx, kept, scale=scale,
+                                                              interpret=platform == "cpu", with_max_logits=True)
+        return o_c, head_max[None]  # [1, N / heads' ways] per device: their maximum below
+
+    o_c, head_max = sharding.run_in_shards(local, (q_c, q_rope, c, k_rope, idx, kept),
+                                           (_HEADS, _HEADS, _ROWS, _ROWS, _ROWS, _ROWS), (_HEADS, ("batch", "heads")))
+    return (o_c, jnp.max(head_max, axis=0)) if with_max_logits else o_c
