@@ -79,7 +79,7 @@ def param_specs(model):
 def layer(x, p, inputs, layer_type: LayerType, model, rt):
     config = model.config
     eps = config.normalization_layer_epsilon
-    h, aux = _attention(blocks.rms_norm(x, p["attn_norm"], eps), p, inputs, config, rt)
+    h, aux = _attention(blocks.rms_norm(x, p["attn_norm"], eps), p, inputs, layer_type, config, rt)
     x = shard(x + h, ("batch", "length", "embed"))
     normed = blocks.rms_norm(x, p["mlp_norm"], eps)
     if layer_type.is_moe:
@@ -92,9 +92,9 @@ def layer(x, p, inputs, layer_type: LayerType, model, rt):
     return shard(x + h, ("batch", "length", "embed")), aux
 
 
-def _attention(normed, p, inputs, config, rt):
-    """MLA, under DeepSeek-V3.2's indexer where it has one and the keys outnumber index_topk."""
-    if config.index_n_heads <= 0:
+def _attention(normed, p, inputs, layer_type: LayerType, config, rt):
+    """MLA, under DeepSeek-V3.2's indexer where the layer has one ("dsa") and the keys outnumber its top-k."""
+    if layer_type.mixer != "dsa":
         return mla.attention(normed, p, inputs, config, rt)
     if inputs.cache is None and config.indexer_training != "none":
         return _attention_training_the_indexer(normed, p, inputs, config, rt)
