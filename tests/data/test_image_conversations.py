@@ -6,8 +6,10 @@ qwen3_vl trained through train.main (slow)."""
 import os
 import shutil
 
+import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
@@ -215,3 +217,33 @@ def test_a_truncated_conversation_keeps_only_the_images_wholly_inside_its_inputs
     assert kept["image_grids"].tolist() == [[1, 4, 4]] and kept["pixel_values"].shape == (16, 1)
     kept, _ = image_conversations.cut(element, 9, image)  # both whole inside the inputs
     assert len(kept["tokens"]) == 9 and len(kept["image_grids"]) == 2 and kept["pixel_values"].shape == (28, 1)
+
+
+@pytest.mark.slow  # two short runs on 8 simulated devices (~40 s on 2 cores)
+def test_the_tower_shards_as_the_decoder_and_fsdp_with_tensor_parallelism_trains_as_data_parallelism(
+        dataset, tmp_path, capsys):
+    """The tower's weights follow the decoder's logical-axis rules (FSDP over `embed`, TP over `heads` and `mlp`),
+    inside the same jit step: 3 steps on an fsdp 4 x tensor 2 mesh give data parallelism's losses (the weights
+    whole on every device) to float32 reduction order."""
+    from maxtrain import train  # pylint: disable=import-outside-toplevel
+    from maxtrain.parallel import sharding  # pylint: disable=import-outside-toplevel
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+
+    def losses(name, *mesh):
+        train.main(compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}", f"run_name={name}",
+                           *helpers.model_args(dataset), "steps=3", "log_period=1", *mesh))
+        out = capsys.readouterr().out
+        return np.array([float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line])
+
+    sharded = ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
+    run = builder.build(config_lib.load_config(compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}",
+                                                       *helpers.model_args(dataset), *sharded)))
+    with sharding.activation_sharding(run.mesh, run.config.logical_axis_rules):
+        vision = run.init(jax.random.key(0))["params"]["vision"]
+    assert vision["blocks"]["wqkv"].sharding.spec == P(None, "fsdp", None, "tensor", None)  # [layers, D, 3, N, H]
+    assert vision["blocks"]["w_in"].sharding.spec == P(None, "fsdp", "tensor")
+    assert vision["merger"]["w_out"].addressable_shards[0].data.shape[-1] == vision["merger"]["w_out"].shape[-1] // 4
+    want = losses("dp8", "ici_data_parallelism=8", "ici_fsdp_parallelism=1")
+    got = losses("fsdp4xtp2", *sharded)
+    assert len(want) == 3 and np.all(np.isfinite(want))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
