@@ -49,7 +49,7 @@ def layer(x, p, inputs, layer_type: LayerType, model, rt):
 
 
 def flops_per_token(model, dense_attention: bool = False) -> float:
-    """The text decoder's FLOPs per token (the tower's, per image, are not counted)."""
+    """The text decoder's FLOPs per token (the tower's, per image, are Vision.flops': Model.vision_flops)."""
     return blocks.decoder_flops(model.config, model.layer_types, dense_attention)
 
 
@@ -89,5 +89,5 @@ MODEL = contract.FamilyModel(
     hf_names=HF_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config, rope_tables=qwen_images.rope_tables,
     vision=contract.Vision(text_family="qwen3", embed=qwen_images.embed_images, input_keys=qwen_images.IMAGE_KEYS,
                            prefix=PREFIX, text_prefixes=qwen_images.TEXT_PREFIXES, to_maxtrain=_TO_MAXTRAIN,
-                           to_hf=_TO_HF, inputs=qwen_images.model_inputs,
+                           to_hf=_TO_HF, inputs=qwen_images.model_inputs, flops=qwen_images.flops,
                            projector=("merger", "deepstack")))
