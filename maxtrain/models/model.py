@@ -103,8 +103,9 @@ class Model:
         return decoder.init_cache(self, batch_size, max_length, dtype)
 
     def forward_with_cache(self, params, tokens, positions, cache: dict, index, rt, first=None,
-                           record_routing: bool = False):
-        return decoder.forward_with_cache(self, params, tokens, positions, cache, index, rt, first, record_routing)
+                           record_routing: bool = False, images=None):
+        return decoder.forward_with_cache(self, params, tokens, positions, cache, index, rt, first, record_routing,
+                                          images)
 
     def flops_per_token(self, dense_attention: bool = False) -> float:
         """Training FLOPs per token from the family's formula (causal attention counted once, sliding
