@@ -35,6 +35,7 @@ def tiny(family: str, vision: bool = True):
     return config, model, model.init_params(jax.random.PRNGKey(0)), Runtime.from_config(config)
 
 
+@pytest.mark.slow  # the jitted decoding loop and the forward compile in ~40 s on two shared cores
 def test_greedy_decode_from_an_image_prompt_is_the_full_forwards_argmax():
     config, model, params, rt = tiny("qwen3_vl")
     rng = np.random.default_rng(0)
@@ -59,3 +60,18 @@ def test_a_text_family_given_images_is_refused():
     with pytest.raises(ValueError, match="text-only family"):
         model.forward_with_cache(params, jnp.ones((1, 4), jnp.int32), jnp.arange(4)[None], cache, 0, rt,
                                  images={"pixel_values": jnp.zeros((4, 96))})
+
+
+def test_maxtrain_decode_refuses_an_image_for_a_text_family():
+    """prompt_image with a text-only family, or an image family without its tower: one line, before any reading."""
+    from maxtrain import decode  # pylint: disable=import-outside-toplevel
+    from maxtrain.errors import ConfigError  # pylint: disable=import-outside-toplevel
+
+    text = load_config([BASE_YML, "decoder_block=qwen3", "prompt_image=cat.png"], command="maxtrain.decode")
+    with pytest.raises(ConfigError, match="qwen3 is a text-only family") as e:
+        decode.check_image_family(text)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ConfigError, match="no vision tower"):
+        decode.check_image_family(text.replace(decoder_block="qwen3_vl"))
+    with pytest.raises(ConfigError, match="read by maxtrain.decode"):
+        load_config([BASE_YML, "prompt_image=cat.png"], command="maxtrain.train")
