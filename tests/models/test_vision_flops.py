@@ -37,7 +37,8 @@ def training_flops(forward, params, trains) -> float:
     return xla_flops(jax.grad(loss), trained, fixed)
 
 
-QWEN = qwen.VisionConfig(depth=1, hidden_size=64, num_heads=4, intermediate_size=128, out_hidden_size=64,
+# (wide enough that the matmuls dwarf the elementwise work XLA also counts: jax 0.12 counts more of it than 0.10)
+QWEN = qwen.VisionConfig(depth=1, hidden_size=128, num_heads=4, intermediate_size=256, out_hidden_size=128,
                          patch_size=2, temporal_patch_size=1, spatial_merge_size=2, num_position_embeddings=16,
                          deepstack_visual_indexes=(0,))
 
@@ -84,7 +85,7 @@ def test_a_frozen_tower_counts_its_forward_alone():
 
 
 # (no pixel shuffle, so that its MLP is as wide as its blocks: XLA counts each exact GELU as tens of FLOPs)
-LLAMA4 = llama4.VisionConfig(hidden_size=256, num_hidden_layers=1, num_attention_heads=4, intermediate_size=256,
+LLAMA4 = llama4.VisionConfig(hidden_size=512, num_hidden_layers=1, num_attention_heads=8, intermediate_size=512,
                              image_size=16, patch_size=2, pixel_shuffle_ratio=1.0, projector_input_dim=128,
                              projector_output_dim=128, vision_output_dim=128, text_hidden_size=64)
 GEMMA4 = gemma4.VisionConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
