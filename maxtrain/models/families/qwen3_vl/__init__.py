@@ -12,7 +12,8 @@
     layers    Qwen 3's (qk-norm, SwiGLU); the tower's parameters under params["vision"]
 
 The deepstack features travel as per-layer inputs [L, B, T, D] (zero after the first len(deepstack_visual_indexes)
-layers): simple, at the cost of L copies of the activations' size; decoding with images is not wired yet.
+layers): simple, at the cost of L copies of the activations' size. Decoding reads a prompt's images in its prefill
+(models/sampling.generate, maxtrain.decode prompt_image); M-RoPE goes on past the prompt's largest position.
 
 M-RoPE, the image inputs and the placeholder fill are models/vision/qwen_images.py's (Qwen3.5's families share them).
 """
