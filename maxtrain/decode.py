@@ -9,22 +9,43 @@ are read from the checkpoint. decode_sampling_strategy picks the sampler (greedy
 nucleus, as in MaxText), seeded by `seed`; max_new_tokens tokens are generated (fewer when the model
 emits end-of-sequence). The tokenizer is tokenizer_path, or for dataset_type=default the default
 corpus' cached tokenizer (trained on first use).
+
+prompt_image=<path> gives an image family (qwen3_vl, qwen3_5, qwen3_5_moe) an image: the prompt writes the image
+token once where it goes (prompt='<|vision_start|><|image_pad|><|vision_end|>Describe it.'), which becomes the image's
+placeholders (data/image_prompts.py); the tower runs once, on the prompt, and M-RoPE's positions go on after it.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
+from maxtrain.data import image_prompts
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.errors import run_cli
 from maxtrain.models import sampling
+from maxtrain.models.families import FAMILIES
 from maxtrain.parallel import sharding
 from maxtrain.training import builder
 
 KEYS = ("load_parameters_path", "prompt", "max_new_tokens", "decode_sampling_strategy", "decode_sampling_temperature",
-        "decode_sampling_top_k", "decode_sampling_nucleus_p", "seed", "tokenizer_path")
+        "decode_sampling_top_k", "decode_sampling_nucleus_p", "seed", "tokenizer_path", "prompt_image")
+
+
+def check_image_family(config) -> None:
+    """Refuses prompt_image for a model without an image tower, in one line, before anything is read."""
+    family = FAMILIES.get(config.decoder_block)
+    if family is not None and family.vision is None:
+        raise config_lib.ConfigError(f"prompt_image={config.prompt_image!r}: {config.decoder_block} is a text-only "
+                                     "family and reads no images; drop prompt_image, or decode an image family's "
+                                     "checkpoint (qwen3_vl, qwen3_5, qwen3_5_moe)")
+    if not config.vision_config:
+        raise config_lib.ConfigError(f"prompt_image={config.prompt_image!r}: this {config.decoder_block} model has no "
+                                     "vision tower (vision_config is empty); import an image-text checkpoint with "
+                                     "scripts/convert_hf.py import")
 
 
 def main(argv: list[str]) -> str:
@@ -33,6 +54,10 @@ def main(argv: list[str]) -> str:
     tokenizer = data_lib.tokenizer_for(config)
     # the prompt and the count are refused before the model is read
     prompt_ids = tokenizer_lib.checked_prompt_ids(tokenizer, config.prompt, max_length=config.max_target_length)
+    arrays = None
+    if config.prompt_image:
+        check_image_family(config)
+        prompt_ids, arrays = image_prompts.prompt_with_image(config, tokenizer, prompt_ids)
     if config.max_new_tokens < 1:
         raise config_lib.ConfigError(f"max_new_tokens={config.max_new_tokens}: maxtrain.decode has no token to "
                                      "generate; set max_new_tokens=48 (or any number >= 1)")
@@ -44,10 +69,14 @@ def main(argv: list[str]) -> str:
             f"{length - len(prompt_ids)} or less, or raise max_target_length")
     model = builder.load_model(config)
     settings = sampling.sampling_settings(config)
+    positions, images = None, None
+    if arrays is not None:  # the prompt's image laid out for the tower, its M-RoPE positions (host)
+        positions, images = model.model.family.vision.inputs_named(config, np.array([prompt_ids]), arrays)
     started = time.time()
     with sharding.activation_sharding(model.mesh, config.logical_axis_rules):
         new = sampling.generate(model.params, prompt_ids, model.model, model.rt, max_new_tokens=config.max_new_tokens,
-                                seed=config.seed, eos_id=tokenizer.eos_ids, **settings)
+                                seed=config.seed, eos_id=tokenizer.eos_ids, images=images, positions=positions,
+                                **settings)
     seconds = time.time() - started
     text = config.prompt + tokenizer.decode(new)
     described = ", ".join(f"{k} {v}" for k, v in settings.items())

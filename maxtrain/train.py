@@ -113,7 +113,7 @@ def main(argv: list[str]) -> RunResult:
             viz_batch = pipeline.to_global(inputs.eval_batches[0], mesh, rules, pipeline.EVAL_BATCH_AXES)
             hooks.append(loop.Heatmap(config, run.model, run.rt, viz_batch, inputs.tokenizer, run.model_params, writer,
                                       log))
-        reporter = loop.Reporter(config, writer, metrics.flops_per_token(run.model), peak_tflops(config),
+        reporter = loop.Reporter(config, writer, run.flops_per_token(), peak_tflops(config),
                                  loss_scaled=run.rt.dtype == jnp.float16)
         preemption = Preemption()
         if rewarded:  # a SIGTERM stops the run at the end of the GRPO rollout batch under way

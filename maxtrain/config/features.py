@@ -301,6 +301,7 @@ COMMAND_KEYS: dict[str, tuple[str, ...]] = {
     "compile_topology_num_slices": ("maxtrain.train_compile",),
     "compile_report_file": ("maxtrain.train_compile",),
     "compiled_trainstep_file": ("maxtrain.train_compile", "maxtrain.train"),
+    "prompt_image": ("maxtrain.decode",),
 }
 
 

@@ -44,7 +44,8 @@ and what it may override (the defaults serve every family with multi-head attent
                      [B, T, H/2]}: RoPE's tables from the family's own positions (Qwen3-VL's M-RoPE: three streams
                      t, h, w); the layers then see positions[0]. None: models/decoder.rope_tables over [B, T]
     vision           a `Vision`: the image tower that fills the image placeholders before the layers (Qwen3-VL),
-                     its parameters under params["vision"]; None: a text-only family (images are refused)
+                     its parameters under params["vision"], its FLOPs per image (Vision.flops); None: a text-only
+                     family (images are refused)
 
 Settings a family reads beyond the shared ones, and its rules, live in its registry row (config/ reads
 them before JAX starts); which config keys a checkpoint is checked against come from there too
@@ -94,6 +95,10 @@ class Vision:
                                      # arguments after input_ids are transformers' forward-argument names
                                      # (qwen3_vl: pixel_values, image_grid_thw; llama4: pixel_values;
                                      # gemma4: pixel_values, image_position_ids)
+    flops: Callable[[Any, int], dict]  # (config, patches) -> the forward pass's matmul FLOPs of one image of that many
+                                     # patches by the parts vision_freeze names, {"tower", "projector",
+                                     # "projector_entry": the projector's matmuls whose input gradient only the tower
+                                     # needs}; Model.vision_flops makes training FLOPs of them
     projector: tuple[str, ...] = ()  # the keys of params["vision"] that map the tower's features into the text model's
                                      # width (vision_freeze's "projector"; the rest is the tower: training/freeze.py)
 

@@ -453,23 +453,37 @@ def init_cache(model, batch_size: int, max_length: int, dtype) -> dict:
 
 
 def forward_with_cache(model, params, tokens, positions, cache: dict, index, rt, first=None,
-                       record_routing: bool = False) -> tuple:
+                       record_routing: bool = False, images=None) -> tuple:
     """Runs tokens [B, T] at cache slots [index, index + T); returns (logits [B, T, V], new cache), and with
     record_routing the experts each MoE layer chose [B, T, L_moe, K] int32 third (routing replay's rollouts).
 
     One sequence per row, no packing while decoding. Without `first`, positions must equal
-    index + arange(T). With first [B] (left-padded prompts: row b's sequence starts at slot first[b])
-    the slots before first[b] are never attended to (a gated delta-net layer's state and window skip
-    them), and positions are slot - first[b] (RoPE sees each sequence from 0, as in training).
+    index + arange(T) (a family with its own rope_tables, Qwen's M-RoPE: positions [3, B, T] of the prompt with
+    images, and each next token's max + 1 on). With first [B] (left-padded prompts: row b's sequence starts at
+    slot first[b]) the slots before first[b] are never attended to (a gated delta-net layer's state and window
+    skip them), and positions are slot - first[b] (RoPE sees each sequence from 0, as in training). images: the
+    prompt's image inputs (contract.Vision), read by the prefill that holds their placeholders.
     """
     family, config = model.family, model.config
+    if images is not None and family.vision is None:
+        raise ValueError(f"images given to {family.row.name}, a text-only family; drop them, or use a family with "
+                         "a vision tower (qwen3_vl, qwen3_5, qwen3_5_moe, llama4, gemma4)")
     x = family.embed(params, tokens, config, rt)
+    image_per_layer = None
+    if images is not None:
+        x, image_per_layer = family.vision.embed(params, x, tokens, images, model, rt)
     if record_routing:
         rt = dataclasses.replace(rt, record_routing=True)
-    inputs = LayerInputs(positions, jnp.ones_like(tokens),
-                         rope_tables(positions, config, rope_widths(model)), (cache, index, first))
+    if family.rope_tables is not None:
+        tables = family.rope_tables(positions, config, rope_widths(model))
+        positions = positions[0] if positions.ndim == 3 else positions
+    else:
+        tables = rope_tables(positions, config, rope_widths(model))
+    inputs = LayerInputs(positions, jnp.ones_like(tokens), tables, (cache, index, first))
     if family.per_layer_inputs is not None:
         inputs = inputs._replace(per_layer=family.per_layer_inputs(params, tokens, x, config, rt))
+    if image_per_layer is not None:  # the tower's per-layer features (Qwen3-VL's deepstack)
+        inputs = inputs._replace(per_layer=image_per_layer)
     if family.layer_state is not None:
         inputs = inputs._replace(state=family.layer_state(x, config, rt, cache["k"].shape[2]))
     x, aux, new_cache = run_layers(model, params["layers"], x, inputs, rt, scan=True)

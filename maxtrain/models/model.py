@@ -103,14 +103,33 @@ class Model:
         return decoder.init_cache(self, batch_size, max_length, dtype)
 
     def forward_with_cache(self, params, tokens, positions, cache: dict, index, rt, first=None,
-                           record_routing: bool = False):
-        return decoder.forward_with_cache(self, params, tokens, positions, cache, index, rt, first, record_routing)
+                           record_routing: bool = False, images=None):
+        return decoder.forward_with_cache(self, params, tokens, positions, cache, index, rt, first, record_routing,
+                                          images)
 
     def flops_per_token(self, dense_attention: bool = False) -> float:
         """Training FLOPs per token from the family's formula (causal attention counted once, sliding
         windows counting only the keys attended; dense_attention=True counts every key, as a dense
         implementation computes them)."""
         return self.family.flops_per_token(self, dense_attention)
+
+    def vision_flops(self, patches: int) -> float:
+        """Training FLOPs of the image tower for one image of `patches` patches (its family's Vision.flops, the
+        forward's matmuls by part): a part that trains counts 3 forwards (forward, the gradient of its input and of
+        its weights); a frozen part (vision_freeze, or LoRA: the tower and the projector stay frozen) no weight
+        gradient, and the gradient of its input only where a weight before it trains (a frozen tower: its forward
+        alone; a projector over a frozen tower: no input gradient into the tower, projector_entry). 0 for a family
+        without a tower."""
+        vision = self.family.vision
+        if vision is None or not self.config.vision_config or patches <= 0:
+            return 0.0
+        frozen = set(self.config.vision_freeze) | ({"tower", "projector"} if self.config.lora_rank else set())
+        forward = vision.flops(self.config, int(patches))
+        tower_trains, projector_trains = "tower" not in frozen, "projector" not in frozen
+        projector, entry = forward["projector"], forward["projector_entry"]
+        input_gradient = projector if tower_trains else (projector - entry) if projector_trains else 0
+        return float((3 if tower_trains else 1) * forward["tower"] + (1 + projector_trains) * projector
+                     + input_gradient)
 
     def update_outside_gradient(self, params, old_params, step_stats: dict):
         """The state a train step changes outside the gradient, after the optimizer's update (the MoE

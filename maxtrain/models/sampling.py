@@ -57,22 +57,28 @@ def sampling_settings(config) -> dict:
 
 
 @functools.partial(jax.jit, static_argnames=("model", "rt", "max_new_tokens", "temperature", "top_k", "top_p"))
-def generate_tokens(params, prompt, key, *, model, rt, max_new_tokens, temperature, top_k, top_p):
-    """New tokens [B, max_new_tokens] after prompts [B, P] (every row as long; no end-of-sequence stop)."""
+def generate_tokens(params, prompt, key, *, model, rt, max_new_tokens, temperature, top_k, top_p, images=None,
+                    positions=None):
+    """New tokens [B, max_new_tokens] after prompts [B, P] (every row as long; no end-of-sequence stop). With
+    images (the prompt's image inputs, contract.Vision.inputs) the tower runs once, in the prefill, at
+    `positions` (M-RoPE's [3, B, P]); the tokens after it take the prompt's largest position + 1 on, in every
+    stream (transformers' rope_deltas)."""
     batch, prompt_len = prompt.shape
     if max_new_tokens == 0:  # the loop's body would index an empty array
         return jnp.zeros((batch, 0), jnp.int32)
     cache = model.init_cache(batch, prompt_len + max_new_tokens, rt.dtype)
-    positions = jnp.broadcast_to(jnp.arange(prompt_len), prompt.shape)
-    logits, cache = model.forward_with_cache(params, prompt, positions, cache, 0, rt)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(prompt_len), prompt.shape)
+    logits, cache = model.forward_with_cache(params, prompt, positions, cache, 0, rt, images=images)
+    after = jnp.max(positions.reshape(-1, batch, prompt_len), axis=(0, 2)) + 1  # [B]: the first new token's
 
     def step(i, carry):
         cache, last_logits, out, key = carry
         key, sub = jax.random.split(key)
         token = sample_token(last_logits, sub, temperature=temperature, top_k=top_k, top_p=top_p)
         out = out.at[:, i].set(token)
-        position = prompt_len + i
-        logits, cache = model.forward_with_cache(params, token[:, None], jnp.full((batch, 1), position), cache, position, rt)
+        logits, cache = model.forward_with_cache(params, token[:, None], (after + i)[:, None], cache, prompt_len + i,
+                                                 rt)
         return cache, logits[:, -1], out, key
 
     out = jnp.zeros((batch, max_new_tokens), jnp.int32)
@@ -139,16 +145,18 @@ def sample_completions(params, prompt, first, key, *, model, rt, max_new_tokens,
 
 def generate(params, prompt_ids: list[int], model: Model, rt: Runtime, *, max_new_tokens: int,
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-             eos_id: int | Iterable[int] | None = None) -> list[int]:
+             eos_id: int | Iterable[int] | None = None, images=None, positions=None) -> list[int]:
     """Continues `prompt_ids`; returns the new tokens, cut before the first end-of-sequence id when eos_id
-    (one id, or several: a tokenizer's eos_ids) is given."""
+    (one id, or several: a tokenizer's eos_ids) is given. images and positions [3, 1, P]: a prompt with images
+    (its placeholders expanded), as contract.Vision.inputs makes them."""
     if not prompt_ids:
         raise ValueError("generate needs at least one prompt token (a BOS at least) to start from")
     if max_new_tokens < 1:
         return []
     prompt = jnp.asarray([prompt_ids], jnp.int32)
     out = generate_tokens(params, prompt, jax.random.key(seed), model=model, rt=rt,
-                          max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p)
+                          max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                          images=images, positions=None if positions is None else jnp.asarray(positions, jnp.int32))
     tokens = [int(t) for t in jax.device_get(out)[0]]
     stops = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     return next((tokens[:i] for i, t in enumerate(tokens) if t in stops), tokens)

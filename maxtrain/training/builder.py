@@ -152,6 +152,13 @@ class Run:
         return jax.jit(lambda s: train_step.model_params(s, self.config))({"params": state["params"],
                                                                          "lora": state["lora"]})
 
+    def flops_per_token(self) -> float:
+        """The run's training FLOPs per token (metrics.flops_per_token): with image conversations the image tower's
+        too, over each row's image_patches_per_row."""
+        patches = self.config.image_patches_per_row if image_conversations.active(self.config,
+                                                                                    self.model.family.vision) else 0
+        return metrics.flops_per_token(self.model, image_patches_per_row=patches)
+
     def abstract_batch(self) -> dict:
         """ShapeDtypeStructs of one training batch [accumulation, micro batch, T], sharded."""
         c = self.config
@@ -356,7 +363,7 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
     chosen by compiled memory), mesh, batch, schedule, FLOPs, compiled memory, and (given checkpoint.plan_start's
     Start) whether the run resumes elastically."""
     config, model, rt = run.config, run.model, run.rt
-    flops = metrics.flops_per_token(model)
+    flops = run.flops_per_token()
     state = run.abstract_state
     key = train_step.trainable_key(state)
     n_trainable, frozen = freeze.counts(state[key], config, model) if key == "params" else \
@@ -388,7 +395,9 @@ def summarize(run: Run, compiled, compile_seconds: float, start=None) -> str:
         f" model)  frozen {frozen / 1e6:,.2f}M  optimizer state {opt_bytes / 2**20:,.2f} MiB",
         f"schedule: {config.lr_schedule_type} peak lr {config.learning_rate}  warmup {config.warmup_steps}  "
         f"steps {config.steps}",
-        f"FLOPs: {flops:.4g}/token, {flops * config.tokens_per_step:.4g}/step (causal attention counted once)",
+        f"FLOPs: {flops:.4g}/token, {flops * config.tokens_per_step:.4g}/step (causal attention counted once"
+        + (", the image tower's over each row's image_patches_per_row" if flops != metrics.flops_per_token(model)
+           else "") + ")",
         f"compiled step in {compile_seconds:.1f}s",
     ]
     total = fit.compiled_bytes(compiled)

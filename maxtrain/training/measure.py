@@ -92,7 +92,7 @@ def step_figures(run, times: list[float], step_fn) -> dict:
     config = run.config
     median = statistics.median(times)
     tokens_per_device = config.tokens_per_step / config.num_devices
-    tflops = metrics.flops_per_token(run.model) * tokens_per_device / median / 1e12
+    tflops = run.flops_per_token() * tokens_per_device / median / 1e12
     peak = metrics.peak_tflops(config)
     measured_peak = device_peak_bytes()
     return {

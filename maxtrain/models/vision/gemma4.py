@@ -277,6 +277,21 @@ def soft_tokens(position_ids, config: VisionConfig) -> np.ndarray:
     return real // config.pooling_kernel_size ** 2
 
 
+def flops(config: VisionConfig, patches: int) -> dict:
+    """The forward pass's matmul FLOPs for one image of `patches` patches (the processor's padded max_patches: the
+    encoder computes the padding rows too), by part: {"tower": the patch embedding, the blocks (q, k, v, the
+    attention's scores and values, the output, the gated MLP) and the pooling's k x k averages (a matmul as
+    computed), "projector": the projection of the soft tokens, "projector_entry": the same (one matmul after an
+    unscaled norm: its input's gradient serves the tower alone)}. Norms, RoPE and softmax are not counted."""
+    d, f, h = config.hidden_size, config.intermediate_size, config.head_dim
+    n, g = config.num_attention_heads, config.num_key_value_heads
+    soft = patches // config.pooling_kernel_size**2
+    block = 2 * patches * (d * n * h + 2 * d * g * h + n * h * d + 3 * d * f) + 4 * patches * patches * n * h
+    tower = 2 * patches * config.patch_dim * d + config.num_hidden_layers * block + 2 * patches * soft * d
+    projector = 2 * soft * d * config.text_hidden_size
+    return {"tower": tower, "projector": projector, "projector_entry": projector}
+
+
 # --------------------------------------------------------------------------------------------
 # Hugging Face names
 # --------------------------------------------------------------------------------------------

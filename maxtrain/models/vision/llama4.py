@@ -259,6 +259,24 @@ def forward(params, pixel_values, config: VisionConfig, dtype=jnp.float32):
     return _linear(x.reshape(-1, x.shape[-1]), params["projector"])
 
 
+def flops(config: VisionConfig, patches: int) -> dict:
+    """The forward pass's matmul FLOPs for one image of `patches` patches (its tiles' and thumbnail's: a multiple of
+    the side^2 patches of a tile), by part: {"tower": per tile, the patch embedding, the blocks over the tile's
+    patches and class token (q, k, v, the attention's scores and values, the output, the MLP) and the adapter,
+    "projector": the projector into the text model's width, "projector_entry": the same (one matmul: its input's
+    gradient serves the tower alone)}. Norms, RoPE and softmax are not counted."""
+    per_tile = config.side**2
+    if patches % per_tile:
+        raise ValueError(f"{patches} patches are not whole tiles of {per_tile} patches ({config.side}^2)")
+    tiles, seq = patches // per_tile, per_tile + 1
+    d, f, p = config.hidden_size, config.intermediate_size, config.vision_output_dim
+    tokens = tiles * config.tokens_per_tile
+    block = 2 * seq * (4 * d * d + 2 * d * f) + 4 * seq * seq * d
+    tower = tiles * (2 * per_tile * config.num_channels * config.patch_size**2 * d + config.num_hidden_layers * block)
+    projector = 2 * tokens * p * config.text_hidden_size
+    return {"tower": tower + 2 * tokens * (f * p + p * p), "projector": projector, "projector_entry": projector}
+
+
 # --------------------------------------------------------------------------------------------
 # Hugging Face names
 # --------------------------------------------------------------------------------------------

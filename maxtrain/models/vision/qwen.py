@@ -372,6 +372,20 @@ def forward(params, pixel_values, grid_thw, config: VisionConfig, dtype=jnp.floa
     return forward_layout(params, pixel_values, layout, config, dtype)
 
 
+def flops(config: VisionConfig, patches: int) -> dict:
+    """The forward pass's matmul FLOPs for one image (one frame) of `patches` patches, by part: {"tower": the patch
+    embedding and the blocks (q, k, v, the attention's scores and values over the frame's patches, the output, the
+    MLP), "projector": the merger and the deepstack mergers, "projector_entry": 0 (the mergers' LayerNorms train
+    with them: their first matmul's input gradient is needed even under a frozen tower)}. Norms, RoPE, softmax and
+    the position embeddings' interpolation are elementwise and not counted. A video's frames each attend within
+    themselves: sum per frame."""
+    d, f, o, merged = config.hidden_size, config.intermediate_size, config.out_hidden_size, config.merged_dim
+    block = 2 * patches * (3 * d * d + d * d + 2 * d * f) + 4 * patches * patches * d
+    merger = 2 * (patches // config.spatial_merge_size**2) * merged * (merged + o)
+    return {"tower": 2 * patches * config.patch_dim * d + config.depth * block,
+            "projector": (1 + len(config.deepstack_visual_indexes)) * merger, "projector_entry": 0}
+
+
 # --------------------------------------------------------------------------------------------
 # Hugging Face names
 # --------------------------------------------------------------------------------------------

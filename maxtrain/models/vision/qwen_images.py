@@ -46,6 +46,11 @@ def vision_config(config) -> qwen.VisionConfig:
     return _vision(config.vision_config)
 
 
+def flops(config, patches: int) -> dict:
+    """The tower's forward matmul FLOPs by part for one image of `patches` patches (contract.Vision.flops)."""
+    return qwen.flops(vision_config(config), patches)
+
+
 # --------------------------------------------------------------------------------------------
 # Multimodal RoPE
 # --------------------------------------------------------------------------------------------

@@ -208,6 +208,11 @@ def vision_to_maxtrain(tensors: dict, keys: dict, dtype=np.float32) -> dict:
     return gemma4_vision.to_maxtrain(ours, _tower(keys["vision_config"], keys["base_emb_dim"]), PREFIX, dtype)
 
 
+def vision_flops(config, patches: int) -> dict:
+    """The tower's forward matmul FLOPs by part for one image of `patches` patches (contract.Vision.flops)."""
+    return gemma4_vision.flops(vision_config(config), patches)
+
+
 def vision_to_hf(params: dict, keys: dict, dtype=np.float32) -> dict:
     return gemma4_vision.to_hf(params, _tower(keys["vision_config"], keys["base_emb_dim"]), PREFIX, dtype)
 
@@ -220,4 +225,4 @@ MODEL = contract.FamilyModel(
     vision=contract.Vision(text_family="gemma4_text", embed=embed_images, input_keys=IMAGE_KEYS,
                            prefix=(PREFIX + gemma4_vision.TOWER, PREFIX + gemma4_vision.PROJECTOR) + AUDIO,
                            text_prefixes=TEXT_PREFIXES, to_maxtrain=vision_to_maxtrain, to_hf=vision_to_hf,
-                           inputs=model_inputs, projector=("projection",)))
+                           inputs=model_inputs, flops=vision_flops, projector=("projection",)))

@@ -55,7 +55,7 @@ def param_specs(model):
 
 
 def flops_per_token(model, dense_attention: bool = False) -> float:
-    """The text decoder's FLOPs per token (the tower's, per image, are not counted)."""
+    """The text decoder's FLOPs per token (the tower's, per image, are Vision.flops': Model.vision_flops)."""
     return decoder.flops_per_token(model, dense_attention)
 
 
@@ -158,6 +158,11 @@ def vision_to_maxtrain(tensors: dict, keys: dict, dtype=np.float32) -> dict:
     return llama4.to_maxtrain(tensors, _keys_vision(keys), PREFIXES, dtype)
 
 
+def vision_flops(config, patches: int) -> dict:
+    """The tower's forward matmul FLOPs by part for one image of `patches` patches (contract.Vision.flops)."""
+    return llama4.flops(vision_config(config), patches)
+
+
 def vision_to_hf(params: dict, keys: dict, dtype=np.float32) -> dict:
     return llama4.to_hf(params, _keys_vision(keys), PREFIXES, dtype)
 
@@ -168,4 +173,4 @@ MODEL = contract.FamilyModel(
     hf_names=decoder.HF_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config,
     vision=contract.Vision(text_family=TEXT_FAMILY.name, embed=embed_images, input_keys=IMAGE_KEYS, prefix=PREFIXES,
                            text_prefixes=TEXT_PREFIXES, to_maxtrain=vision_to_maxtrain, to_hf=vision_to_hf,
-                           inputs=model_inputs, projector=("projector",)))
+                           inputs=model_inputs, flops=vision_flops, projector=("projector",)))

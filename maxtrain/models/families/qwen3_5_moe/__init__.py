@@ -52,4 +52,5 @@ MODEL = contract.FamilyModel(
     to_hf_config=to_hf_config, layer_cache=hybrid.layer_cache, rope_tables=qwen_images.rope_tables,
     vision=contract.Vision(text_family="qwen3_5_moe_text", embed=qwen_images.embed_images,
                            input_keys=qwen_images.IMAGE_KEYS, prefix=PREFIX, text_prefixes=qwen_images.TEXT_PREFIXES,
-                           to_maxtrain=_TO_MAXTRAIN, to_hf=_TO_HF, inputs=qwen_images.model_inputs, projector=("merger",)))
+                           to_maxtrain=_TO_MAXTRAIN, to_hf=_TO_HF, inputs=qwen_images.model_inputs,
+                           flops=qwen_images.flops, projector=("merger",)))

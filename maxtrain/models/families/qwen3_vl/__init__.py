@@ -12,7 +12,8 @@
     layers    Qwen 3's (qk-norm, SwiGLU); the tower's parameters under params["vision"]
 
 The deepstack features travel as per-layer inputs [L, B, T, D] (zero after the first len(deepstack_visual_indexes)
-layers): simple, at the cost of L copies of the activations' size; decoding with images is not wired yet.
+layers): simple, at the cost of L copies of the activations' size. Decoding reads a prompt's images in its prefill
+(models/sampling.generate, maxtrain.decode prompt_image); M-RoPE goes on past the prompt's largest position.
 
 M-RoPE, the image inputs and the placeholder fill are models/vision/qwen_images.py's (Qwen3.5's families share them).
 """
@@ -49,7 +50,7 @@ def layer(x, p, inputs, layer_type: LayerType, model, rt):
 
 
 def flops_per_token(model, dense_attention: bool = False) -> float:
-    """The text decoder's FLOPs per token (the tower's, per image, are not counted)."""
+    """The text decoder's FLOPs per token (the tower's, per image, are Vision.flops': Model.vision_flops)."""
     return blocks.decoder_flops(model.config, model.layer_types, dense_attention)
 
 
@@ -89,5 +90,5 @@ MODEL = contract.FamilyModel(
     hf_names=HF_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config, rope_tables=qwen_images.rope_tables,
     vision=contract.Vision(text_family="qwen3", embed=qwen_images.embed_images, input_keys=qwen_images.IMAGE_KEYS,
                            prefix=PREFIX, text_prefixes=qwen_images.TEXT_PREFIXES, to_maxtrain=_TO_MAXTRAIN,
-                           to_hf=_TO_HF, inputs=qwen_images.model_inputs,
+                           to_hf=_TO_HF, inputs=qwen_images.model_inputs, flops=qwen_images.flops,
                            projector=("merger", "deepstack")))
