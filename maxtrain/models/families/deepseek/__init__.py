@@ -165,28 +165,25 @@ def sparse(config) -> bool:
     return config.index_n_heads > 0 and config.max_target_length > config.index_topk
 
 
-def attended_keys(config, dense: bool = False) -> float:
-    """Mean keys a query attends to: the causal mask's, at most index_topk each where sparse (a "dsa" layer)."""
-    return layers.attended_keys(config.max_target_length, layer_types(config)[-1], dense)
-
-
-def _indexer_flops(config, dense_attention: bool) -> float:
+def _indexer_flops(model, dense_attention: bool) -> float:
     """Training FLOPs per token of the indexer where sparse (forward only: it takes no gradient; it scores the keys
     before the end of its query's run of blocks, as selected.py computes it: selected.scored_keys) and what the
     attention over the kept keys costs against MLA's over every visible key: selected.py's absorbed form spends 2 x N x (C + Hr) per kept key on the logits and 2 x N x C
     on the latent values (the W_kvb products move from the keys and values to the queries and outputs: the same
     count, in the matmul term), where the expanded form spends 2 x N x (Hn + Hr + Hv) per visible key."""
+    config = model.config
     if not sparse(config):
         return 0.0
-    layers, d = config.base_num_decoder_layers, config.base_emb_dim
+    n_layers, d = config.base_num_decoder_layers, config.base_emb_dim
     q, n, e = config.q_lora_rank, config.index_n_heads, config.index_head_dim
     visible = blocks.attended_keys(config.max_target_length, 0, dense_attention)
     heads, c = config.base_num_query_heads, config.kv_lora_rank
     per_key = 2 * heads * (mla.qk_head_dim(config) + config.v_head_dim)                  # q.k and p.v, expanded
     per_kept_key = 2 * heads * (2 * c + config.qk_rope_head_dim)                        # absorbed (selected.py)
-    attention = 3.0 * layers * (per_kept_key * attended_keys(config, dense_attention) - per_key * visible)
+    kept = layers.attended_keys(config.max_target_length, model.layer_types[-1], dense_attention)  # at most k ("dsa")
+    attention = 3.0 * n_layers * (per_kept_key * kept - per_key * visible)
     indexer_keys = selected.scored_keys(config.max_target_length)  # a run of query blocks' prefix each
-    return layers * (2 * (q * n * e + d * e + d * n) + 2 * (n * e + n) * indexer_keys) + attention
+    return n_layers * (2 * (q * n * e + d * e + d * n) + 2 * (n * e + n) * indexer_keys) + attention
 
 
 def flops_per_token(model, dense_attention: bool = False) -> float:
@@ -200,7 +197,7 @@ def flops_per_token(model, dense_attention: bool = False) -> float:
     depth = config.mtp_num_layers  # each MTP module: eh_proj, one MoE block and the shared head (models/mtp.py)
     matmul += depth * (2 * d * d + mla.matmul_params(config) + routed + d * config.vocab_size)
     return (3.0 * (2 * matmul + mla.attention_flops(config, config.base_num_decoder_layers + depth, dense_attention))
-            + _indexer_flops(config, dense_attention))
+            + _indexer_flops(model, dense_attention))
 
 
 # --------------------------------------------------------------------------------------------
