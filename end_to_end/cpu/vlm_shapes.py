@@ -2,7 +2,7 @@
 learns a question about generated images that the text alone cannot answer: its held-out accuracy rises from chance
 to well above it; the same task with the tower frozen (vision_freeze=[tower]) is measured too.
 
-    python end_to_end/cpu/vlm_shapes.py [--steps 120] [--examples 1200]
+    python end_to_end/cpu/vlm_shapes.py [--steps 60] [--examples 1000]
 
 1. Generates (Pillow, numpy, seeded) 32 x 32 images on a noisy grey background with one shape (square, circle or
    triangle, placed and sized at random) of one of four colours (red, green, blue, yellow, jittered), and writes
@@ -12,15 +12,22 @@ to well above it; the same task with the tower frozen (vision_freeze=[tower]) is
    tokens and the colour words as single pieces) and preprocessor_config.json beside it.
 2. Trains with `python -m maxtrain.train` (objective=sft, chat_template=chatml, loss on the assistant's tokens):
    D 64, 2 layers (a gated delta-net layer, then gated full attention with M-RoPE on half of each head), a tower of
-   depth 2 (width 32, patches of 4, 2 x 2 merge: 16 image tokens per image); once with everything trained and once
-   with vision_freeze=[tower] (the projector and the language model train).
+   depth 2 (width 32, patches of 4, 2 x 2 merge: 16 image tokens per image), 0.17M parameters; once with
+   everything trained and once with vision_freeze=[tower] (the projector and the language model train).
 3. Held-out accuracy: for every held-out record, rendered by maxtrain's own data path and run through Model.forward
    with its image, the answer is the colour word with the highest log-likelihood at the answer's position (each
    colour is one token); measured for a fresh init (chance, 0.25) and for both trained checkpoints.
 
-PASS when the fully trained model's held-out accuracy is at least THRESHOLD and the frozen-tower run's is above
-FROZEN_THRESHOLD (above chance). Measured with the defaults (2-core CPU, jax 0.10.2, 2026-11-30, 120 steps of 16):
-    init 0.25 (chance), trained MEASURED_TRAINED, tower frozen MEASURED_FROZEN (both runs with the evaluations: SECONDS s).
+PASS when the fully trained model's held-out accuracy (200 records) is at least THRESHOLD and the frozen-tower
+run's at least FROZEN_THRESHOLD (0.8 and 0.6: well above chance). Measured with the defaults (60 steps of 16
+conversations, lr 3e-3; jax 0.10.2, 2-core CPU shared with other jobs, 2026-11-30): init 0.255 (chance 0.25),
+trained 1.000, tower frozen 0.970 (a random frozen tower still passes the colour on; the projector and the decoder
+learn to read it); 6 min 14 s wall, 2 min 22 s of CPU time (most of it starting up and compiling the two runs
+and the evaluations).
+A harder variant measured once (two shapes of different colours, "What colour is the square?": the colour has to be
+bound to the shape) reached only 0.420 trained and 0.370 frozen after 150 steps (picking one of the two colours in the
+image gives 0.5): this tiny model does not learn that binding in a CPU-sized run, so the script asks the one-shape
+question.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import common  # noqa: E402  pylint: disable=wrong-import-position
 
-THRESHOLD, FROZEN_THRESHOLD = 0.6, 0.4
+THRESHOLD, FROZEN_THRESHOLD = 0.8, 0.6
 SIZE = 32
 COLOURS = {"red": (210, 40, 40), "green": (40, 170, 60), "blue": (40, 60, 210), "yellow": (220, 200, 40)}
 SHAPES = ("square", "circle", "triangle")
@@ -44,13 +51,13 @@ PROCESSOR = {"min_pixels": 64, "max_pixels": SIZE * SIZE, "image_mean": [0.5, 0.
 VISION = dict(depth=2, hidden_size=32, num_heads=2, intermediate_size=64, patch_size=4, temporal_patch_size=2,
               spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=64, in_channels=3,
               model_type="qwen3_5_vision")
-MODEL = ["decoder_block=qwen3_5", "base_emb_dim=64", "base_num_decoder_layers=2", "inhomogeneous_layer_cycle_interval=2",
-         "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=16", "base_mlp_dim=128",
-         "partial_rotary_factor=0.5", "mrope_section=[2,1,1]", "gdn_num_key_heads=2", "gdn_num_value_heads=4",
-         "gdn_key_head_dim=16", "gdn_value_head_dim=16", "gdn_conv_kernel_dim=4", "gdn_chunk_size=16",
-         f"vision_config={json.dumps(VISION, separators=(',', ':'))}", "vocab_size=320", "max_target_length=48",
-         "image_patches_per_row=64", "dtype=float32", "weight_dtype=float32", "enable_tensorboard=false",
-         "viz_period=-1", "max_new_tokens=0"]
+MODEL = ["decoder_block=qwen3_5", "base_emb_dim=64", "base_num_decoder_layers=2",
+         "inhomogeneous_layer_cycle_interval=2", "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=16",
+         "base_mlp_dim=128", "partial_rotary_factor=0.5", "mrope_section=[2,1,1]", "gdn_num_key_heads=2",
+         "gdn_num_value_heads=4", "gdn_key_head_dim=16", "gdn_value_head_dim=16", "gdn_conv_kernel_dim=4",
+         "gdn_chunk_size=16", f"vision_config={json.dumps(VISION, separators=(',', ':'))}", "vocab_size=320",
+         "max_target_length=48", "image_patches_per_row=64", "dtype=float32", "weight_dtype=float32",
+         "enable_tensorboard=false", "viz_period=-1", "max_new_tokens=0"]
 CHAT = ["objective=sft", "train_data_columns=[messages]", "chat_template=chatml", "dataset_type=jsonl"]
 
 
@@ -159,8 +166,8 @@ def accuracy(args: list[str], checkpoint: str | None, held_out: str) -> float:
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="vlm_shapes", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=120, help="training steps of each run")
-    parser.add_argument("--examples", type=int, default=1200, help="training images")
+    parser.add_argument("--steps", type=int, default=60, help="training steps of each run")
+    parser.add_argument("--examples", type=int, default=1000, help="training images")
     options = parser.parse_args(argv)
     common.positive(parser, "--steps", options.steps)
     common.positive(parser, "--examples", options.examples)
@@ -181,10 +188,10 @@ def main(argv: list[str]) -> int:
         print("\n".join(log.splitlines()[-3:]), flush=True)
         figures[name] = accuracy(args, str(out / run_name), data["held_out"])
         print(f"held-out accuracy {name}: {figures[name]:.3f}", flush=True)
-    ok = figures["trained"] >= THRESHOLD and figures["tower frozen"] > FROZEN_THRESHOLD
+    ok = figures["trained"] >= THRESHOLD and figures["tower frozen"] >= FROZEN_THRESHOLD
     return common.verdict("vlm_shapes", ok, f"held-out colour accuracy init {figures['init']:.3f} -> trained "
                           f"{figures['trained']:.3f} (threshold >= {THRESHOLD}), tower frozen "
-                          f"{figures['tower frozen']:.3f} (threshold > {FROZEN_THRESHOLD}); chance 0.25")
+                          f"{figures['tower frozen']:.3f} (threshold >= {FROZEN_THRESHOLD}); chance 0.25")
 
 
 if __name__ == "__main__":
