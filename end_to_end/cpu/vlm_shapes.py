@@ -22,8 +22,8 @@ PASS when the fully trained model's held-out accuracy (200 records) is at least 
 run's at least FROZEN_THRESHOLD (0.8 and 0.6: well above chance). Measured with the defaults (60 steps of 16
 conversations, lr 3e-3; jax 0.10.2, 2-core CPU shared with other jobs, 2026-11-30): init 0.255 (chance 0.25),
 trained 1.000, tower frozen 0.970 (a random frozen tower still passes the colour on; the projector and the decoder
-learn to read it); 6 min 14 s wall, 2 min 22 s of CPU time (most of it starting up and compiling the two runs
-and the evaluations).
+learn to read it), the same figures in two runs; 4 min 13 s to 6 min 14 s wall, 2 min 12 s to 2 min 22 s of CPU
+time (most of it starting up and compiling the two runs and the evaluations).
 A harder variant measured once (two shapes of different colours, "What colour is the square?": the colour has to be
 bound to the shape) reached only 0.420 trained and 0.370 frozen after 150 steps (picking one of the two colours in the
 image gives 0.5): this tiny model does not learn that binding in a CPU-sized run, so the script asks the one-shape
