@@ -61,33 +61,3 @@ def test_check_eval_loss_uses_the_last_eval(tmp_path):
     assert missing.returncode == 1 and "no metrics file" in missing.stdout
     throughput = check("throughput", metrics, "--skip", 0)
     assert throughput.returncode == 0 and "10 tokens/s/device" in throughput.stdout and "MFU nan%" in throughput.stdout
-
-
-def test_vlm_shapes_data_is_image_conversations_whose_answer_is_in_the_image(tmp_path):
-    """vlm_shapes.py's generated set: records maxtrain's image reader takes, the answer's colour drawn in the
-    image (the text alone cannot give it), every colour word one token."""
-    import importlib.util  # pylint: disable=import-outside-toplevel
-
-    import numpy as np  # pylint: disable=import-outside-toplevel
-    import sentencepiece as spm  # pylint: disable=import-outside-toplevel
-    from PIL import Image  # pylint: disable=import-outside-toplevel
-
-    from maxtrain.data import image_conversations  # pylint: disable=import-outside-toplevel
-
-    spec = importlib.util.spec_from_file_location("vlm_shapes", ROOT / "end_to_end" / "cpu" / "vlm_shapes.py")
-    shapes = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(shapes)
-    data = shapes.make_data(tmp_path, 12, held_out=4)
-    records = [json.loads(line) for name in ("train", "held_out") for line in Path(data[name]).read_text().splitlines()]
-    assert len(records) == 16
-    answers = set()
-    for record in records:
-        messages, sources = image_conversations.messages_and_images(record, ["messages"], "x", "train_data_columns")
-        answer = messages[1]["content"]
-        pixels = np.asarray(Image.open(tmp_path / sources[0]), np.float32)
-        nearest = {c: np.linalg.norm(pixels - np.array(rgb), axis=-1).min() for c, rgb in shapes.COLOURS.items()}
-        assert min(nearest, key=nearest.get) == answer and pixels.shape == (shapes.SIZE, shapes.SIZE, 3)
-        answers.add(answer)
-    assert len(answers) >= 3
-    tok = spm.SentencePieceProcessor(model_file=data["tokenizer"])
-    assert all(len(tok.encode(c)) == 1 for c in shapes.COLOURS) and tok.piece_to_id("<|image_pad|>") > 3
