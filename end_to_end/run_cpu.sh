@@ -52,6 +52,8 @@ run llama4 "$PYTHON" end_to_end/cpu/llama4.py
 run glm4_moe "$PYTHON" end_to_end/cpu/glm4_moe.py
 # Qwen3.5's hybrid (gated delta-net layers, gated full attention, routed and gated shared experts) trains.
 run qwen3_5 "$PYTHON" end_to_end/cpu/qwen3_5.py
+# A tiny Qwen3.5 with an image tower learns the colour of a generated shape (chance 0.25), and with the tower frozen.
+run vlm_shapes "$PYTHON" end_to_end/cpu/vlm_shapes.py
 # Post-training: SFT, LoRA and DPO on generated instructions, export checked against transformers.
 run post_training "$PYTHON" end_to_end/cpu/post_training.py
 
