@@ -9,6 +9,7 @@ import jax.numpy as jnp
 
 from maxtrain.config import batch as config_batch
 from maxtrain.compile import hlo_stats, libtpu, predict, targets
+from maxtrain.data import image_conversations
 
 
 def report(run, compiled, target: targets.Target, seconds: float) -> dict:
@@ -30,6 +31,7 @@ def report(run, compiled, target: targets.Target, seconds: float) -> dict:
         "global_batch": config.global_batch_size, "max_target_length": config.max_target_length,
         "per_device_batch_size": config.per_device_batch_size,
         "gradient_accumulation_steps": config.gradient_accumulation_steps,
+        "image_pixels": image_pixels(run),
         "memory": {"arguments": args, "temporaries": temp, "outputs": outputs,
                    "total": args + temp + outputs, "chip": target.memory_bytes,
                    "peak": getattr(memory, "peak_memory_in_bytes", None)},
@@ -40,6 +42,19 @@ def report(run, compiled, target: targets.Target, seconds: float) -> dict:
         "compile_seconds": seconds,
         **prediction_figures(run, compiled, target),
     }
+
+
+def image_pixels(run) -> list | None:
+    """The shape [accumulation, micro batch, patches per row, values per patch] of the images' pixel rows the step
+    reads (SFT on image conversations: data/image_conversations.py), or None for a step without images."""
+    if not image_conversations.active(run.config, run.model.family.vision):
+        return None
+    return list(run.abstract_batch()[image_conversations.ROWS + image_conversations.PIXELS].shape)
+
+
+def images_line(pixels: list) -> str:
+    return (f"images      {pixels[2]:,} image patches per row (image_patches_per_row) of {pixels[3]:,} values, "
+            f"{pixels[1]} rows per micro-batch")
 
 
 def prediction_figures(run, compiled, target: targets.Target) -> dict:
@@ -70,6 +85,7 @@ def format_report(rep: dict) -> str:
         *([f"attention   {rep['attention_reason']}"] if rep.get("attention_reason") else []),
         f"batch       {rep['global_batch']} x {rep['max_target_length']} tokens per step (per device "
         f"{rep['per_device_batch_size']}, accumulation {rep['gradient_accumulation_steps']})",
+        *([images_line(rep["image_pixels"])] if rep.get("image_pixels") else []),
         "memory per chip (GiB)",
         f"  arguments               {mem['arguments'] / gib:9.2f}",
         f"  temporaries             {mem['temporaries'] / gib:9.2f}",

@@ -334,3 +334,24 @@ def test_cli_errors_are_one_line(tmp_path):
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("maxtrain.train_compile: error: compile_topology=v5p-127")
     assert "Traceback" not in result.stderr
+
+
+def test_the_report_names_the_images_a_step_reads(tmp_path):
+    """An image model's SFT step reads image_patches_per_row patches per row, and the report says so; a text step
+    reads none."""
+    from conftest import TINY  # pylint: disable=import-outside-toplevel
+    from image_chat_helpers import VISION  # pylint: disable=import-outside-toplevel
+    from maxtrain.compile import report  # pylint: disable=import-outside-toplevel
+    from maxtrain import config as config_lib  # pylint: disable=import-outside-toplevel
+
+    data = tmp_path / "conversations.jsonl"
+    data.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hi"}]}\n')
+    image = ["decoder_block=qwen3_vl", f"vision_config={json.dumps(VISION)}", "mrope_section=[2,3,3]",
+             "image_token_id=500", "image_patches_per_row=48", "objective=sft", "dataset_type=jsonl",
+             f"grain_train_files={data}", f"base_output_directory={tmp_path}"]
+    run = builder.build(config_lib.load_config([BASE_YML, *TINY, *image]))
+    pixels = report.image_pixels(run)
+    assert pixels == [1, jax.device_count(), 48, 3 * 2 * 4 * 4]
+    assert report.images_line(pixels).startswith("images      48 image patches per row (image_patches_per_row) of 96")
+    text = builder.build(config_lib.load_config([BASE_YML, *TINY, f"base_output_directory={tmp_path}"]))
+    assert report.image_pixels(text) is None

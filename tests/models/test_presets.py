@@ -75,6 +75,10 @@ PUBLISHED = {
     "qwen3.5-35b-a3b": 34_660_610_688,
     "qwen3.5-122b-a10b": 122_111_526_912,
     "qwen3.5-397b-a17b": 396_346_350_336,
+    # The image-text models with their towers: transformers' count of the ConditionalGeneration class (Qwen3.5-35B-A3B
+    # with transformers' default Qwen3_5MoeVisionConfig; Gemma 4 at its default Gemma4Config with a vision tower)
+    "qwen3.5-35b-a3b-vl": 35_107_181_936,
+    "gemma4-default-vl": 5_246_311_966,
     # DeepSeek-V4-Flash: transformers' DeepseekV4ForCausalLM of its default config (documented as V4-Flash-Base)
     # counts 284,325,869,015 and keeps the 40 top-k layers' 256 selection biases (10,240) and the 3 hash layers'
     # token -> experts tables (2,327,040) as buffers; 284B total, 13B active (below)
@@ -134,8 +138,9 @@ def test_transformers_counts_the_same_architecture_the_same(name):
     keys = {k: getattr(cfg, k) for k in model_keys.MODEL_KEYS}
     hf_config = Model.bind(cfg).family.to_hf_config(keys)
     config = transformers.AutoConfig.for_model(**hf_config)
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.device("meta"):  # an image-text preset (with its tower): the ConditionalGeneration class
+        model = (getattr(transformers, Model.bind(cfg).family.row.hf_architecture)(config) if cfg.vision_config
+                 else transformers.AutoModelForCausalLM.from_config(config))
     # DeepSeek's selection bias, DeepSeek-V4's hash tables and Gemma 4's layer scalars are buffers in
     # transformers, tensors of the checkpoint all the same
     bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith(("e_score_correction_bias", "layer_scalar", "tid2eid")))

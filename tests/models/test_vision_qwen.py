@@ -161,3 +161,22 @@ def test_every_parameter_gets_a_gradient_and_bfloat16_stays_close():
     assert not dead, f"no gradient reaches {dead}"
     full, half = jax.jit(loss)(params), jax.jit(lambda p: loss(p, jnp.bfloat16))(params)
     assert abs(float(half) - float(full)) < 0.05 * abs(float(full))
+
+
+@pytest.mark.slow  # two compiled backward passes: ~20 s on 2 busy cores
+def test_remat_keeps_the_gradients_and_drops_the_blocks_attention_weights():
+    """With remat the backward recomputes each block (the same gradients) and holds one block's [heads, P, P]
+    attention weights, not every block's: the compiled gradient's temporaries shrink."""
+    config = qwen.VisionConfig(**{**TINY, "depth": 4})
+    params = random_params(config)
+    grid = np.array([[1, 8, 16]])  # 128 patches: the attention weights dominate the activations
+    layout = qwen.patch_layout(grid, config)
+    pixels = jnp.asarray(np.random.default_rng(0).standard_normal((128, config.patch_dim)), jnp.float32)
+
+    def grad(remat):
+        loss = lambda p: jnp.sum(qwen.forward_layout(p, pixels, layout, config, remat=remat)[0] ** 2)  # noqa: E731
+        compiled = jax.jit(jax.grad(loss)).lower(params).compile()
+        return compiled(params), compiled.memory_analysis().temp_size_in_bytes
+    (plain, plain_temp), (remat, remat_temp) = grad(False), grad(True)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), plain, remat)
+    assert remat_temp < 0.6 * plain_temp, (remat_temp, plain_temp)

@@ -280,11 +280,13 @@ def merge(x, p, config: VisionConfig, postshuffle: bool):
     return _linear(jax.nn.gelu(_linear(x, p["w_in"], p["b_in"]), approximate=False), p["w_out"], p["b_out"])
 
 
-def _run_blocks(x, blocks, cos, sin, mask, config: VisionConfig):
-    """The blocks stacked in `blocks` (a leading layers axis), one after another under lax.scan."""
+def _run_blocks(x, blocks, cos, sin, mask, config: VisionConfig, remat: bool = False):
+    """The blocks stacked in `blocks` (a leading layers axis), one after another under lax.scan; remat: each block's
+    activations recomputed in the backward pass (only its input kept), so a training step does not hold every
+    block's [heads, P, P] attention weights at once."""
     def body(h, p):
         return block(h, p, cos, sin, mask, config), None
-    return jax.lax.scan(body, x, blocks)[0]
+    return jax.lax.scan(jax.checkpoint(body) if remat else body, x, blocks)[0]
 
 
 class PatchLayout(NamedTuple):
@@ -337,11 +339,12 @@ def _rotary(positions, config: VisionConfig):
     return jnp.cos(angles), jnp.sin(angles)
 
 
-def forward_layout(params, pixel_values, layout: PatchLayout, config: VisionConfig, dtype=jnp.float32):
+def forward_layout(params, pixel_values, layout: PatchLayout, config: VisionConfig, dtype=jnp.float32,
+                   remat: bool = False):
     """(embeddings [P/m^2, out_hidden_size], deepstack features, one per deepstack_visual_indexes) from
     pixel_values [P, C*t*p*p] laid out as `layout` says (arrays only: jit-friendly). The rows of padding patches
     (layout.images == 0) come last and hold values nothing should use. Matmuls in `dtype`, norms, RoPE and
-    softmax in float32."""
+    softmax in float32. remat: the blocks' activations recomputed in the backward pass (_run_blocks)."""
     if pixel_values.shape != (layout.segments.shape[0], config.patch_dim):
         raise ValueError(f"pixel_values {tuple(pixel_values.shape)} do not match the layout's "
                          f"{layout.segments.shape[0]} patches of {config.patch_dim} values each")
@@ -354,11 +357,11 @@ def forward_layout(params, pixel_values, layout: PatchLayout, config: VisionConf
     features, start = [], 0
     for i, index in enumerate(config.deepstack_visual_indexes):  # the blocks up to each index, then its merger
         x = _run_blocks(x, jax.tree.map(lambda a, s=start, e=index + 1: a[s:e], params["blocks"]), cos, sin, mask,
-                        config)
+                        config, remat)
         features.append(merge(x, jax.tree.map(lambda a, i=i: a[i], params["deepstack"]), config, postshuffle=True))
         start = index + 1
     if start < config.depth:
-        x = _run_blocks(x, jax.tree.map(lambda a: a[start:], params["blocks"]), cos, sin, mask, config)
+        x = _run_blocks(x, jax.tree.map(lambda a: a[start:], params["blocks"]), cos, sin, mask, config, remat)
     return merge(x, params["merger"], config, postshuffle=False), tuple(features)
 
 

@@ -171,7 +171,7 @@ def embed_images(params, x, tokens, images: dict, model, rt):
         pass
     layout = qwen.PatchLayout(*(jnp.asarray(images[f"patch_{k}"]) for k in qwen.PatchLayout._fields))
     merged, features = qwen.forward_layout(params["vision"], jnp.asarray(images["pixel_values"]), layout,
-                                           vision_config(config), rt.dtype)
+                                           vision_config(config), rt.dtype, remat=rt.remat_policy != "none")
     mask = tokens == config.image_token_id                                   # [B, T]
     order = jnp.cumsum(mask.reshape(-1)).reshape(mask.shape) - 1             # the k-th placeholder takes row k
     index = jnp.clip(order, 0, merged.shape[0] - 1)
