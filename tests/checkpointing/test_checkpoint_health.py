@@ -102,7 +102,7 @@ def test_a_step_that_does_not_restore_falls_back_the_same_way(tmp_path, cache_di
         os.rmdir(ckpts / str(step) / "checksums")
     assert checkpoint_files.check_step(str(ckpts / "4")).status == "unverified"
     victim = biggest_array_file(ckpts / "4")
-    os.truncate(victim, os.path.getsize(victim) // 2)
+    os.truncate(victim, 10)  # 10 bytes: cut to half, it restored without error in one CI run (2026-11-30)
     # The resume in a new process, as a real one is: in this process the TensorStore contexts of the first run
     # could still hold what it wrote (Orbax reads with recheck_cached_data=False) and serve it instead of the file.
     resumed = train_subprocess(tmp_path, "r", cache_dir, "steps=5", "checkpoint_period=2")
