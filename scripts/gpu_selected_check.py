@@ -250,7 +250,6 @@ def main(argv=None) -> int:
             print(f"speed: T{t}: selected kernel {kernel_ms:.1f} ms = {kernel_ms / dense_ms:.3f}x dense cuDNN's "
                   f"{dense_ms:.1f} ms; with the indexer's choice {kernel_ms + (choice_ms or 0):.1f} ms = "
                   f"{(kernel_ms + (choice_ms or 0)) / dense_ms:.3f}x", flush=True)
-        del q_c, q_r, c, k_r, do, idx, kept
     report["seconds"] = round(time.perf_counter() - began, 1)
     save()
     print(f"selected check: {'every check passed' if ok else 'a check FAILED'} on {report['device']} "
