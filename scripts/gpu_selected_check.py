@@ -8,13 +8,15 @@ docs/gpu.md "Sparse attention on a GPU").
 What runs:
 - check: bf16, one row of --check-tokens holding three packed documents and padding, 16 heads, MLA's absorbed
   shapes (latent C 512, RoPE key R 64), index_topk 1024, the keys chosen by the indexer's code
-  (models/families/deepseek/selected.chosen, at full matmul precision, once). kernels/selected_attention (Triton)
-  and the plain-jnp gather form in bf16 (the yardstick: what bf16 alone costs) against the plain-jnp gather form in
+  (models/families/deepseek/selected.chosen, at full matmul precision, once). kernels/selected_attention (Triton;
+  its default backward, and atomic=True's one kernel of atomic adds) and the plain-jnp gather form in bf16 (the yardstick: what bf16 alone costs) against the plain-jnp gather form in
   float32 at full matmul precision: o_c and the gradients of q_c, q_r, c and k_r (relative Frobenius error;
   tolerance kernel_check.TOLERANCE["bfloat16"]), and each head's largest kept logit (QK-clip's statistic).
 - speed, at each of --tokens (16k and 64k): forward+backward, bf16, causal, batch 1, 16 query heads (DeepSeek-V3.2's
   128 over tensor parallelism 8), index_topk 2048:
     selected kernel     the Pallas kernel over each query's chosen keys (random keys among those it sees)
+    ..., atomic backward    the same with atomic=True; "selected kernel forward": the forward alone; and at the
+                        first length the forward and the atomic fwd+bwd at each of --tiles
     selected plain jnp  the same keys through the gather form, 128 queries a block, checkpointed (CPU's form)
     indexer choice      selected.chosen: the indexer's scores (64 heads of 128, float32) and top_k, forward only
     dense cudnn         jax.nn.dot_product_attention(implementation="cudnn"), MLA expanded: q, k 192 wide (128 + 64),
@@ -114,9 +116,12 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", default="16384,65536", help="the speed part's lengths, comma-separated")
     parser.add_argument("--check-tokens", type=int, default=4096)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--tiles", default="16x32x4,32x64x4,16x128x4,16x64x8",
+                        help="heads x keys x warps variants timed at the first length (the default 16x64x4 beside)")
     parser.add_argument("--budget", type=float, default=240.0, help="seconds; later items are skipped past it")
     parser.add_argument("--dry-run", action="store_true", help="this CPU: tiny shapes, the kernel interpreted")
     args = parser.parse_args(argv)
+    args.tiles = [tuple(int(v) for v in tile.split("x")) for tile in args.tiles.split(",") if tile]
     print("$ python3 scripts/gpu_selected_check.py " + shlex.join(sys.argv[1:] if argv is None else argv), flush=True)
     began = time.perf_counter()
     platform = "cpu" if args.dry_run else jax.default_backend()
@@ -139,9 +144,12 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "selected.json"), "w", encoding="utf-8") as f:
             json.dump(report, f, indent=1)
 
-    def kernel(q_c, q_r, c, k_r, idx, kept):
+    def kernel(q_c, q_r, c, k_r, idx, kept, **tiles):
         return selected_attention.selected_attention(q_c, q_r, c, k_r, idx, kept, scale=scale, interpret=interpret,
-                                                     with_max_logits=True)
+                                                     with_max_logits=True, **tiles)
+
+    def forward(**tiles):
+        return jax.jit(lambda q_c, q_r, c, k_r, idx, kept, do: kernel(q_c, q_r, c, k_r, idx, kept, **tiles))
 
     # ---- check
     keys = jax.random.split(jax.random.key(0), 9)
@@ -169,6 +177,7 @@ def main(argv=None) -> int:
             lambda *x: gather_form(*x, scale=scale, dtype=jnp.float32, chunk=chunk))(q_c, q_r, c, k_r, idx, kept, do))
     print(f"check: the float32 reference {time.perf_counter() - start:.1f} s", flush=True)
     for name, fn in (("selected kernel bf16", kernel),
+                     ("selected kernel bf16, atomic backward", lambda *x: kernel(*x, atomic=True)),
                      ("plain jnp bf16 (yardstick)", lambda *x: gather_form(*x, scale=scale, dtype=bf, chunk=chunk))):
         start = time.perf_counter()
         try:
@@ -204,6 +213,9 @@ def main(argv=None) -> int:
         iters = args.iters if t <= 16384 else max(2, args.iters // 2)
         items = {
             "selected kernel": lambda: (fwd_bwd(kernel), (q_c, q_r, c, k_r, idx, kept, do), sparse_flops),
+            "selected kernel, atomic backward": lambda: (fwd_bwd(lambda *x: kernel(*x, atomic=True)),
+                                                         (q_c, q_r, c, k_r, idx, kept, do), sparse_flops),
+            "selected kernel forward": lambda: (forward(), (q_c, q_r, c, k_r, idx, kept, do), sparse_flops / 2.5),
             "selected plain jnp": lambda: (fwd_bwd(lambda *x: gather_form(*x, scale=scale, dtype=bf, chunk=128)),
                                            (q_c, q_r, c, k_r, idx, kept, do), sparse_flops),
             "indexer choice": lambda: (
@@ -221,6 +233,14 @@ def main(argv=None) -> int:
                 flops = (kernel_check.attention_flops(1, t, t, n, 192) + kernel_check.attention_flops(1, t, t, n, 128)) / 2
                 return kernel_check.fwd_bwd(dense), (q, k, v, None, d), flops
             items["dense cudnn"] = dense_item
+        if t == lengths[0]:  # tiles (heads x keys, warps): the forward, and with the atomic backward
+            for bh, bk, warps in args.tiles:
+                tiles = dict(block_heads=bh, block_k=bk, num_warps=warps)
+                items[f"forward tiles {bh}x{bk} w{warps}"] = lambda tiles=tiles: (
+                    forward(**tiles), (q_c, q_r, c, k_r, idx, kept, do), sparse_flops / 2.5)
+                items[f"fwd+bwd tiles {bh}x{bk} w{warps}"] = lambda tiles=tiles: (
+                    fwd_bwd(lambda *x: kernel(*x, atomic=True, **tiles)), (q_c, q_r, c, k_r, idx, kept, do),
+                    sparse_flops)
         for name, build in items.items():
             label = f"{name} T{t}"
             if time.perf_counter() - began > args.budget:

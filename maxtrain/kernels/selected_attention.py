@@ -21,16 +21,28 @@ one gathered load each) and runs them against the whole head block, [block_heads
 online softmax (running max m, denominator l, output accumulator [block_heads, C] in float32). It writes o_c, the
 log-sum-exp per (query, head) for the backward, and the running max (the head's largest kept logit, QK-clip's).
 
-Backward (P recomputed from the saved log-sum-exp; delta = rowsum(dO * O)):
+Backward (P recomputed from the saved log-sum-exp; delta = rowsum(dO * O)), two kernels and a scatter-add:
     dq kernel,   grid (B, T, N / block_heads), loop over key blocks:  dS = P (dO c_k^T - delta)
                  dq_c = scale dS c_k,  dq_r = scale dS r_k
     rows kernel, grid (B, Tq, K / block_k), loop over head blocks: for the (query, chosen key) pairs of its block
                  dc_rows = scale dS^T q_c + P^T dO [block_k, C], dk_r rows = scale dS^T q_r [block_k, R]
-and a jnp scatter-add of the rows into dc [B, S, C] and dk_r [B, S, R] (float32). Atomics do not run in interpret
-mode, so the rows are materialised and summed outside: per chunk of `bwd_query_chunk` queries (a scan over chunks
-of the sequence, each a rows-kernel call and a scatter-add), B x chunk x K x (C + R) float32 at a time: 128
-queries x 2048 keys x 576 x 4 bytes = 604 MB per sequence in the batch at DeepSeek-V3.2's shapes (all T queries at
-once would be T / 128 times that). Slots that are not kept have P = dS = 0, so their rows are zero and add nothing.
+and a jnp scatter-add of the rows into dc [B, S, C] and dk_r [B, S, R] (float32), per chunk of `bwd_query_chunk`
+queries (a scan over chunks of the sequence, each a rows-kernel call and a scatter-add), B x chunk x K x (C + R)
+float32 at a time: 128 queries x 2048 keys x 576 x 4 bytes = 604 MB per sequence in the batch at DeepSeek-V3.2's
+shapes. Slots that are not kept have P = dS = 0, so their rows are zero and add nothing.
+
+On an H200 (2026-12-01, docs/gpu.md "Sparse attention on a GPU") forward and backward at 16k tokens, 16 heads,
+K 2048 ran 173 ms, 15.8 TFLOP/s, 10.7x dense cuDNN's time: the backward gathers every chosen key twice and writes
+and reads every row once more (77 GB each way at 16k). `atomic=True` is the alternative, one kernel tiled like the
+forward, grid (B, T, N / block_heads), looping over its query's key blocks:
+    dq_c, dq_r as the dq kernel's (accumulated in registers), and
+    dc[idx] += scale dS^T q_c + P^T dO [bwd_block_k, C],   dk_r[idx] += scale dS^T q_r [bwd_block_k, R]
+by atomic adds into float32 dc and dk_r (Triton's; in interpret mode a scatter-add, which sums duplicate indices as
+the adds do; slot j's zeros where it is not kept go to a spare row S + j, so that no row takes every short query's
+empty slots). It gathers each chosen key once for the whole backward and writes no rows. The order of the adds
+differs from run to run, so dc and dk_r can differ in their last bits between runs (as XLA's scatter-add on GPUs
+does too). It compiles for an H100 and equals the reference in interpret mode; it has not run on a GPU yet
+(scripts/gpu_selected_check.py times both), so it is not the default.
 
 Padding (inside `selected_attention`): heads up to a multiple of block_heads, C and R up to powers of two (Triton's
 loads are power-of-two blocks; on GPUs heads, C and R at least 16: Triton's dots) with zeros, which change no logit;
@@ -53,6 +65,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+# ref_addupdate (ref[idx] += x) lowers to Triton's atomic add and, in interpret mode, to a scatter-add that adds every
+# duplicate index: Pallas' public atomic_add has no interpret rule for a gathered row index with a slice
+from jax._src.state import primitives as state_primitives  # pylint: disable=g-importing-member
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # as flash_attention's: exp(masked - running max) == 0
 
@@ -67,6 +82,8 @@ class Config:
     interpret: bool
     num_warps: int = 4
     num_stages: int = 2
+    atomic: bool = False  # the backward: one kernel adding the key rows' gradients atomically (else rows + scatter)
+    bwd_block_k: int = 32  # the atomic backward's key block (its [block_k, C] float32 rows live in shared memory)
 
 
 def _dot(a, b, contract_a=1, contract_b=0):
@@ -155,6 +172,54 @@ def _rows_kernel(qc_ref, qr_ref, c_ref, kr_ref, idx_ref, do_ref, lse_ref, delta_
     dkr_ref[...] = dkr
 
 
+def _bwd_kernel(qc_ref, qr_ref, c_ref, kr_ref, idx_ref, do_ref, lse_ref, delta_ref, dc_in_ref, dkr_in_ref,
+                dqc_ref, dqr_ref, dc_ref, dkr_ref, *, cfg: Config):
+    """Grid (B, T, N / bn), loop over key blocks, as the forward: dq_c [bn, C], dq_r [bn, R] of this head block, and
+    its share of the chosen keys' gradient rows added into dc [S + K, C] and dk_r [S + K, R] (float32; row S + j
+    takes slot j's zeros where it is not kept, so that no row is added to by every query's empty slots)."""
+    del dc_in_ref, dkr_in_ref  # aliased to dc_ref and dkr_ref: zeros when the call starts
+    qc, qr, do, lse, delta = qc_ref[...], qr_ref[...], do_ref[...], lse_ref[...], delta_ref[...]
+    bk, s = cfg.bwd_block_k, c_ref.shape[0]
+
+    def body(j, carry):
+        dqc, dqr = carry
+        start = pl.multiple_of(j * bk, bk)
+        kept, ck, kr = _gather(idx_ref, c_ref, kr_ref, start, bk)
+        p, ds = _ds(cfg, qc, qr, ck, kr, kept, do, lse, delta)
+        ds = ds.astype(ck.dtype)
+        rows = jnp.where(kept, idx_ref[pl.ds(start, bk)], s + start + lax.broadcasted_iota(jnp.int32, (bk,), 0))
+        scaled = (ds.astype(jnp.float32) * cfg.scale).astype(qc.dtype)
+        state_primitives.ref_addupdate(dc_ref, (rows, slice(None)),
+                                       _dot(scaled, qc, 0, 0) + _dot(p.astype(do.dtype), do, 0, 0))
+        state_primitives.ref_addupdate(dkr_ref, (rows, slice(None)), _dot(scaled, qr, 0, 0))
+        return dqc + _dot(ds, ck), dqr + _dot(ds, kr)
+
+    init = (jnp.zeros(qc.shape, jnp.float32), jnp.zeros(qr.shape, jnp.float32))
+    dqc, dqr = lax.fori_loop(0, idx_ref.shape[0] // bk, body, init)
+    dqc_ref[...] = (dqc * cfg.scale).astype(dqc_ref.dtype)
+    dqr_ref[...] = (dqr * cfg.scale).astype(dqr_ref.dtype)
+
+
+def bwd_call(qc, qr, c, kr, idx, do, lse, delta, cfg):
+    """(dq_c, dq_r, dc [B, S, C], dk_r [B, S, R]) of one fused kernel, tiled like the forward; dc and dk_r float32."""
+    b, t, n, cw = qc.shape
+    rw, s, k = qr.shape[-1], c.shape[1], idx.shape[-1]
+    specs = _specs(cfg, qc, qr, c, kr, idx)
+    row = pl.BlockSpec((None, None, cfg.block_heads), lambda b, t, h: (b, t, h))
+    whole = lambda width: pl.BlockSpec((None, s + k, width), lambda b, t, h: (b, 0, 0))  # noqa: E731
+    zeros = [jnp.zeros((b, s + k, width), jnp.float32) for width in (cw, rw)]
+    dqc, dqr, dc, dkr = pl.pallas_call(
+        functools.partial(_bwd_kernel, cfg=cfg), grid=(b, t, n // cfg.block_heads),
+        in_specs=[*specs, specs[0], row, row, whole(cw), whole(rw)],
+        out_specs=[*specs[:2], whole(cw), whole(rw)],
+        out_shape=[jax.ShapeDtypeStruct(qc.shape, qc.dtype), jax.ShapeDtypeStruct(qr.shape, qr.dtype),
+                   *(jax.ShapeDtypeStruct(z.shape, z.dtype) for z in zeros)],
+        input_output_aliases={8: 2, 9: 3}, compiler_params=_params(cfg), interpret=cfg.interpret,
+        name="selected_attention_bwd",
+    )(qc, qr, c, kr, idx, do, lse, delta, *zeros)
+    return dqc, dqr, dc[:, :s], dkr[:, :s]
+
+
 def _params(cfg):
     return plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
 
@@ -217,6 +282,9 @@ def rows_call(qc, qr, c, kr, idx, do, lse, delta, cfg):
 def _backward(cfg, qc, qr, c, kr, idx, o, lse, do):
     delta = jnp.einsum("BTNC,BTNC->BTN", do.astype(jnp.float32), o.astype(jnp.float32))
     do = do.astype(qc.dtype)
+    if cfg.atomic:
+        dqc, dqr, dc, dkr = bwd_call(qc, qr, c, kr, idx, do, lse, delta, cfg)
+        return dqc, dqr, dc.astype(c.dtype), dkr.astype(kr.dtype)
     dqc, dqr = dq_call(qc, qr, c, kr, idx, do, lse, delta, cfg)
     b, t = qc.shape[:2]
     chunk = cfg.bwd_query_chunk
@@ -273,13 +341,17 @@ def _chunk(length, largest):
 
 
 def selected_attention(q_c, q_r, c, k_r, idx, kept, *, scale: float, block_heads: int = 16, block_k: int = 64,
-                       bwd_query_chunk: int = 128, interpret: bool | None = None, with_max_logits: bool = False,
-                       num_warps: int = 4, num_stages: int = 2):
+                       bwd_block_k: int = 32, bwd_query_chunk: int = 128, interpret: bool | None = None,
+                       with_max_logits: bool = False, num_warps: int = 4, num_stages: int = 2, atomic: bool = False):
     """o_c [B, T, N, C] (c's dtype) of each query's heads over its chosen keys; with with_max_logits also each head's
     largest kept logit [N] float32 (no gradient; -inf for a head no query kept a key for).
 
     q_c [B, T, N, C] (the absorbed queries), q_r [B, T, N, R], c [B, S, C], k_r [B, S, R], idx [B, T, K] int32 key
-    indices into S, kept [B, T, K] bool (false: the slot is ignored). interpret: None runs interpret mode off GPUs."""
+    indices into S, kept [B, T, K] bool (false: the slot is ignored). interpret: None runs interpret mode off GPUs.
+    atomic: the backward as one kernel adding the key rows' gradients atomically, over key blocks of bwd_block_k (at
+    most block_k; heads x keys 16 x 64 asks an H100 for 276,736 B of shared memory at C 512, 16 x 32 and 32 x 32
+    fit, 64 x 32 does not); False (the default, the one measured on a GPU): the rows written per chunk of
+    bwd_query_chunk queries and scatter-added."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
     b, t, n, cw = q_c.shape
@@ -287,8 +359,9 @@ def selected_attention(q_c, q_r, c, k_r, idx, kept, *, scale: float, block_heads
     least = 1 if interpret else 16  # Triton's dots: every tile side >= 16 (a small model's are padded up to it)
     bn = min(block_heads, max(least, pl.next_power_of_2(n)))
     bk = min(block_k, max(least, pl.next_power_of_2(k)))
-    cfg = Config(scale=float(scale), block_heads=bn, block_k=bk, bwd_query_chunk=_chunk(t, bwd_query_chunk),
-                 interpret=interpret, num_warps=num_warps, num_stages=num_stages)
+    cfg = Config(scale=float(scale), block_heads=bn, block_k=bk, bwd_block_k=min(bk, max(least, bwd_block_k)),
+                 bwd_query_chunk=_chunk(t, bwd_query_chunk), interpret=interpret, num_warps=num_warps,
+                 num_stages=num_stages, atomic=atomic)
     n_pad = -(-n // bn) * bn
     c_pad, r_pad = max(least, pl.next_power_of_2(cw)), max(least, pl.next_power_of_2(rw))
     k_pad = -(-k // bk) * bk

@@ -644,14 +644,16 @@ def test_gpt_oss_dropless_biases_compile_for_tpu_without_a_scatter():
 
 # ----------------------------------------------------------------------------------------------
 # DeepSeek-V3.2's selected-key attention (kernels/selected_attention.py) at its head shapes: 128 heads over the
-# 512-wide latent keys and 64 RoPE dims, 2048 chosen keys per query; forward, dq and the gradient-rows kernel.
+# 512-wide latent keys and 64 RoPE dims, 2048 chosen keys per query; forward and backward (both backwards).
 # Tiles (heads x keys, bfloat16) measured against an H100's 232,448 B: 16 x 64 (the default), 32 x 64, 16 x 128 and
-# 64 x 32 fit; 64 x 64 asks 286,976 B, 32 x 128 233,728 B and 128 x 32 352,384 B.
+# 64 x 32 fit; 64 x 64 asks 286,976 B, 32 x 128 233,728 B and 128 x 32 352,384 B. The atomic backward (atomic=True)
+# holds a [keys, 512] float32 tile of rows too: it runs 32 keys a block (bwd_block_k); 16 x 32 and 32 x 32 fit, 64 x 32
+# asks 385,152 B, 16 x 64 276,736 B.
 
 
 @needs_gpu_compiler
-@pytest.mark.parametrize("block_heads, block_k", [(16, 64), (64, 32)])
-def test_selected_attention_compiles_for_h100(h100s, block_heads, block_k):
+@pytest.mark.parametrize("block_heads, block_k, atomic", [(16, 64, True), (32, 64, True), (64, 32, False)])
+def test_selected_attention_compiles_for_h100(h100s, block_heads, block_k, atomic):
     from maxtrain.kernels import selected_attention  # pylint: disable=import-outside-toplevel
 
     batch, length, keys, heads, latent, rope, topk = 1, 256, 2048, 128, 512, 64, 2048
@@ -664,7 +666,7 @@ def test_selected_attention_compiles_for_h100(h100s, block_heads, block_k):
     def grads(q_c, q_r, c, k_r, idx, kept, w):
         def loss(q_c, q_r, c, k_r):
             o_c = selected_attention.selected_attention(q_c, q_r, c, k_r, idx, kept, scale=0.07, interpret=False,
-                                                        block_heads=block_heads, block_k=block_k)
+                                                        block_heads=block_heads, block_k=block_k, atomic=atomic)
             return jnp.sum((o_c * w).astype(jnp.float32))
         return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q_c, q_r, c, k_r)
 
@@ -673,5 +675,6 @@ def test_selected_attention_compiles_for_h100(h100s, block_heads, block_k):
             arg((batch, length, heads, latent)))
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
         hlo = jax.jit(grads).trace(*args).lower(lowering_platforms=("cuda",)).compile().as_text()
-    for kernel in ("selected_attention_fwd", "selected_attention_dq", "selected_attention_rows"):
+    backward = ("selected_attention_bwd",) if atomic else ("selected_attention_dq", "selected_attention_rows")
+    for kernel in ("selected_attention_fwd", *backward):
         assert kernel in hlo

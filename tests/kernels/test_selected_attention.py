@@ -7,6 +7,8 @@ of the key block and heads not a multiple of the head block. Tolerances: float32
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,8 +70,11 @@ def test_values_equal_the_reference(block_heads, block_k):
                                atol=1e-5)
 
 
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "rows_and_scatter"])
 @pytest.mark.parametrize("block_heads, block_k", [(2, 4), (16, 64)], ids=["tiles_2x4", "tiles_16x64"])
-def test_gradients_equal_the_reference(block_heads, block_k):
+def test_gradients_equal_the_reference(block_heads, block_k, atomic):
+    """Both backwards: one kernel adding each key's gradient rows into dc and dk_r (atomically on a GPU; heads in two
+    blocks add to the same rows), and the rows written per chunk of queries then scatter-added."""
     x = _inputs()
     cotangent = jax.random.normal(jax.random.key(7), (B, T, N, C))
     params = {k: x[k] for k in ("q_nope", "q_rope", "c", "k_rope", "w_k")}
@@ -78,7 +83,8 @@ def test_gradients_equal_the_reference(block_heads, block_k):
         return lambda p: jnp.sum(fn({**x, **p}) * cotangent)
 
     want = jax.grad(loss(_reference))(params)
-    got = jax.grad(loss(lambda y: _kernel(y, block_heads=block_heads, block_k=block_k, bwd_query_chunk=4)))(params)
+    got = jax.grad(loss(lambda y: _kernel(y, block_heads=block_heads, block_k=block_k, bwd_query_chunk=4,
+                                          atomic=atomic)))(params)
     for name in params:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
 
@@ -115,6 +121,25 @@ def test_bfloat16_is_close_to_the_float32_reference():
                                     .astype(jnp.float32)))(x["c"])
     want = jax.grad(lambda c: jnp.sum(_reference({**x, "c": c})))(x["c"])
     np.testing.assert_allclose(dc, want, rtol=3e-2, atol=3e-2 * float(jnp.max(jnp.abs(want))))
+
+
+def test_duplicate_keys_of_one_query_add_up():
+    """A query that lists a key twice attends to it twice, and its gradient rows add up (the atomic backward's adds,
+    and in interpret mode their scatter-add, sum duplicates: top_k never chooses one twice, a caller may)."""
+    x = _inputs()
+    idx, kept = _choice(x)
+    idx = idx.at[:, 8:, 1].set(idx[:, 8:, 0])  # from query 8 on, slot 1 repeats slot 0's key
+    q_c = jnp.einsum("BTNH,CNH->BTNC", x["q_nope"], x["w_k"])
+    cotangent = jax.random.normal(jax.random.key(3), (B, T, N, C))
+
+    def loss(atomic, q_c, c):
+        out = selected_attention.selected_attention(q_c, x["q_rope"], c, x["k_rope"], idx, kept, scale=SCALE,
+                                                    interpret=True, block_heads=2, block_k=4, atomic=atomic)
+        return jnp.sum(out * cotangent)
+    want = jax.grad(functools.partial(loss, False), argnums=(0, 1))(q_c, x["c"])
+    got = jax.grad(functools.partial(loss, True), argnums=(0, 1))(q_c, x["c"])
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
 
 
 def test_a_query_with_no_kept_key_gives_zero_and_no_gradient():
