@@ -67,7 +67,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 # ref_addupdate (ref[idx] += x) lowers to Triton's atomic add and, in interpret mode, to a scatter-add that adds every
 # duplicate index: Pallas' public atomic_add has no interpret rule for a gathered row index with a slice
-from jax._src.state import primitives as state_primitives  # pylint: disable=g-importing-member
+from jax._src.state import primitives as state_primitives
 
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # as flash_attention's: exp(masked - running max) == 0
 
@@ -186,9 +186,9 @@ def _bwd_kernel(qc_ref, qr_ref, c_ref, kr_ref, idx_ref, do_ref, lse_ref, delta_r
         start = pl.multiple_of(j * bk, bk)
         kept, ck, kr = _gather(idx_ref, c_ref, kr_ref, start, bk)
         p, ds = _ds(cfg, qc, qr, ck, kr, kept, do, lse, delta)
-        ds = ds.astype(ck.dtype)
         rows = jnp.where(kept, idx_ref[pl.ds(start, bk)], s + start + lax.broadcasted_iota(jnp.int32, (bk,), 0))
-        scaled = (ds.astype(jnp.float32) * cfg.scale).astype(qc.dtype)
+        scaled = (ds * cfg.scale).astype(qc.dtype)  # as the rows kernel's
+        ds = ds.astype(ck.dtype)  # as the dq kernel's
         state_primitives.ref_addupdate(dc_ref, (rows, slice(None)),
                                        _dot(scaled, qc, 0, 0) + _dot(p.astype(do.dtype), do, 0, 0))
         state_primitives.ref_addupdate(dkr_ref, (rows, slice(None)), _dot(scaled, qr, 0, 0))
