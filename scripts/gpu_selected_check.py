@@ -11,14 +11,17 @@ What runs:
   (models/families/deepseek/selected.chosen, at full matmul precision, once). kernels/selected_attention (Triton;
   its default backward, and atomic=True's one kernel of atomic adds) and the plain-jnp gather form in bf16 (the yardstick: what bf16 alone costs) against the plain-jnp gather form in
   float32 at full matmul precision: o_c and the gradients of q_c, q_r, c and k_r (relative Frobenius error;
-  tolerance kernel_check.TOLERANCE["bfloat16"]), and each head's largest kept logit (QK-clip's statistic).
+  tolerance kernel_check.TOLERANCE["bfloat16"]), and each head's largest kept logit (QK-clip's statistic); the
+  indexer's scores from kernels/index_scores.py and from jnp at the default precision against float32 at full
+  precision.
 - speed, at each of --tokens (16k and 64k): forward+backward, bf16, causal, batch 1, 16 query heads (DeepSeek-V3.2's
   128 over tensor parallelism 8), index_topk 2048:
     selected kernel     the Pallas kernel over each query's chosen keys (random keys among those it sees)
     ..., atomic backward    the same with atomic=True; "selected kernel forward": the forward alone; and at the
                         first length the forward and the atomic fwd+bwd at each of --tiles
     selected plain jnp  the same keys through the gather form, 128 queries a block, checkpointed (CPU's form)
-    indexer choice      selected.chosen: the indexer's scores (64 heads of 128, float32) and top_k, forward only
+    indexer choice      selected.chosen: the indexer's scores (64 heads of 128, float32) and top_k, forward only;
+                        ", fused scores": the scores from kernels/index_scores.py (no per-head scores in memory)
     dense cudnn         jax.nn.dot_product_attention(implementation="cudnn"), MLA expanded: q, k 192 wide (128 + 64),
                         v padded to 192 as the model pads it, causal, no mask
   the median of --iters after a warm-up, and TFLOP/s of the useful matmul work (the selected forms: 2 x (C + R + C)
@@ -42,9 +45,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain.errors import run_cli
-from maxtrain.kernels import selected_attention
+from maxtrain.kernels import index_scores, selected_attention
 from maxtrain.models.attention import kernel_check
-from maxtrain.models.families.deepseek import selected
+from maxtrain.models.families.deepseek import indexer, selected
 from maxtrain.observability import metrics
 
 GRADS = ("o_c", "dq_c", "dq_r", "dc", "dk_r")
@@ -199,6 +202,18 @@ def main(argv=None) -> int:
               f"{kernel_check.TOLERANCE['bfloat16']}): {'PASS' if verdict else 'FAIL'}", flush=True)
         save()
     del expected
+    start = time.perf_counter()
+    with jax.default_matmul_precision("highest"):
+        want = np.asarray(jax.jit(indexer.combine)(index_q, index_w, index_k), np.float64)
+    for name, fn in (("index scores kernel", lambda *x: index_scores.index_scores(*x, interpret=interpret)),
+                     ("index scores jnp (default precision)", indexer.combine)):
+        error = relative(jax.jit(fn)(index_q, index_w, index_k), want)
+        verdict = error <= kernel_check.TOLERANCE["bfloat16"]
+        ok &= verdict
+        report["check"][name] = {"scores": error, "pass": verdict, "s": round(time.perf_counter() - start, 2)}
+        print(f"check: {name}: scores {error:.2e} against float32 at full precision (tolerance "
+              f"{kernel_check.TOLERANCE['bfloat16']}): {'PASS' if verdict else 'FAIL'}", flush=True)
+    save()
 
     # ---- speed
     for t in lengths:
@@ -218,13 +233,14 @@ def main(argv=None) -> int:
             "selected kernel forward": lambda: (forward(), (q_c, q_r, c, k_r, idx, kept, do), sparse_flops / 2.5),
             "selected plain jnp": lambda: (fwd_bwd(lambda *x: gather_form(*x, scale=scale, dtype=bf, chunk=128)),
                                            (q_c, q_r, c, k_r, idx, kept, do), sparse_flops),
-            "indexer choice": lambda: (
-                jax.jit(lambda *x: selected.chosen(*x, topk=topk, block=selected.query_block(t))),
-                (jax.random.normal(keys[5], (1, t, index_heads, index_dim), jnp.float32),
-                 jax.random.normal(keys[6], (1, t, index_heads), jnp.float32),
-                 jax.random.normal(keys[7], (1, t, index_dim), jnp.float32), jnp.ones((1, t), jnp.int32)),
-                2 * t * selected.scored_keys(t) * index_heads * index_dim),
         }
+        index_inputs = (jax.random.normal(keys[5], (1, t, index_heads, index_dim), jnp.float32),
+                        jax.random.normal(keys[6], (1, t, index_heads), jnp.float32),
+                        jax.random.normal(keys[7], (1, t, index_dim), jnp.float32), jnp.ones((1, t), jnp.int32))
+        for name, fused in (("indexer choice", False), ("indexer choice, fused scores", True)):
+            items[name] = lambda fused=fused, t=t: (
+                jax.jit(lambda *x: selected.chosen(*x, topk=topk, block=selected.query_block(t), fused=fused)),
+                index_inputs, 2 * t * selected.scored_keys(t) * index_heads * index_dim)
         if not args.dry_run:
             dense = kernel_check.implementation("cudnn", causal=True, platform=platform)
 

@@ -1,6 +1,6 @@
 """scripts/gpu_selected_check.py (issue 58's GPU row: the selected-key kernel against a float32 reference, and its
-speed against dense cuDNN) in its --dry-run: the same code path on tiny shapes with the kernel interpreted, both
-backwards checked, every speed item timed and written to selected.json."""
+speed against dense cuDNN) in its --dry-run: the same code path on tiny shapes with the kernels interpreted, both
+backwards and the fused index scores checked, every speed item timed and written to selected.json."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ def test_the_dry_run_checks_both_backwards_and_times_every_item(tmp_path):
     for name in ("selected kernel bf16", "selected kernel bf16, atomic backward"):
         check = report["check"][name]
         assert check["pass"] and max(check[key] for key in ("o_c", "dq_c", "dq_r", "dc", "dk_r")) < 2e-2, check
+    assert report["check"]["index scores kernel"]["scores"] < 1e-5
     every = ("selected kernel", "selected kernel, atomic backward", "selected kernel forward", "selected plain jnp",
-             "indexer choice")
+             "indexer choice", "indexer choice, fused scores")
     assert set(report["speed"]) == ({f"{name} T{t}" for name in every for t in (256, 512)}
                                     | {"forward tiles 4x8 w4 T256", "fwd+bwd tiles 4x8 w4 T256"})  # tiles: 1st length
     assert all(item["ms"] > 0 for item in report["speed"].values()) and not report["skipped"]

@@ -14,6 +14,7 @@ step (builder.build, as train.py runs it) with attention=autoselected compiles f
 
 from __future__ import annotations
 
+import functools
 import re
 
 import jax
@@ -649,6 +650,22 @@ def test_gpt_oss_dropless_biases_compile_for_tpu_without_a_scatter():
 # 64 x 32 fit; 64 x 64 asks 286,976 B, 32 x 128 233,728 B and 128 x 32 352,384 B. The atomic backward (atomic=True)
 # holds a [keys, 512] float32 tile of rows too: it runs 32 keys a block (bwd_block_k); 16 x 32 and 32 x 32 fit, 64 x 32
 # asks 385,152 B, 16 x 64 276,736 B.
+
+
+@needs_gpu_compiler
+def test_index_scores_compile_for_h100(h100s):
+    """The indexer's fused scores (kernels/index_scores.py) at DeepSeek-V3.2's indexer (64 heads of 128), a block of
+    128 queries against 4,096 keys, float32 operands as the indexer computes them."""
+    from maxtrain.kernels import index_scores  # pylint: disable=import-outside-toplevel
+
+    mesh = sharding.mesh_of(h100s[:1], data=1)
+    spec = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=spec)
+            for shape in ((1, 128, 64, 128), (1, 128, 64), (1, 4096, 128))]
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        hlo = jax.jit(functools.partial(index_scores.index_scores, interpret=False)).trace(*args).lower(
+            lowering_platforms=("cuda",)).compile().as_text()
+    assert "index_scores" in hlo
 
 
 @needs_gpu_compiler

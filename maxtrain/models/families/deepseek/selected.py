@@ -137,19 +137,28 @@ def _run(q_c, q_rope, index_q, index_w, q_segment_ids, first, c, k_rope, index_k
     return jnp.moveaxis(o_c, 0, 1).reshape(b, t, n, c.shape[-1]), jnp.max(head_max, axis=0)
 
 
-def _choose(iq_blk, iw_blk, seg_blk, start, index_k, k_segment_ids, k):
+def _choose(iq_blk, iw_blk, seg_blk, start, index_k, k_segment_ids, k, fused: bool = False):
     """A block of queries' chosen keys (idx [B, bq, K] int32, kept [B, bq, K] bool): top_k of the indexer's scores
-    over the keys its causal mask and documents let it see (-inf elsewhere: never chosen as kept), no gradient."""
+    over the keys its causal mask and documents let it see (-inf elsewhere: never chosen as kept), no gradient.
+    fused: the scores from kernels/index_scores.py (no [B, bq, I, S] per-head scores in memory)."""
     visible = attention_lib.make_attention_mask(seg_blk, k_segment_ids, causal=True, q_offset=start)  # [B, bq, S]
-    index = jax.lax.stop_gradient(jnp.where(visible, indexer.combine(iq_blk, iw_blk, index_k), -jnp.inf))
+    if fused:
+        # deferred: the Pallas kernel's import, only where it runs
+        from maxtrain.kernels import index_scores  # pylint: disable=import-outside-toplevel
+        scores = index_scores.index_scores(jax.lax.stop_gradient(iq_blk), jax.lax.stop_gradient(iw_blk),
+                                           jax.lax.stop_gradient(index_k))
+    else:
+        scores = indexer.combine(iq_blk, iw_blk, index_k)
+    index = jax.lax.stop_gradient(jnp.where(visible, scores, -jnp.inf))
     top, idx = jax.lax.top_k(index, k)
     return idx, top > -jnp.inf
 
 
-def chosen(index_q, index_w, index_k, segment_ids, *, topk: int, block: int):
+def chosen(index_q, index_w, index_k, segment_ids, *, topk: int, block: int, fused: bool = False):
     """Every query's chosen keys (idx [B, T, K] int32, kept [B, T, K] bool; K = min(topk, S)), block by block and
     run by run as the plain form chooses them (a run's queries score the keys before its end alone), for the
-    kernel: [B, T, K] int32 and bool in memory, the blocks' scores one at a time."""
+    kernel: [B, T, K] int32 and bool in memory, the blocks' scores one at a time. fused: each block's scores from
+    kernels/index_scores.py (timed on a GPU by scripts/gpu_selected_check.py; not yet the model's choice)."""
     b, t = segment_ids.shape
     k = min(topk, index_k.shape[1])
     idx, kept = [], []
@@ -160,7 +169,7 @@ def chosen(index_q, index_w, index_k, segment_ids, *, topk: int, block: int):
 
         run_k = min(k, end)
         i, m = jax.lax.map(lambda xs, end=end, run_k=run_k: _choose(*xs, index_k[:, :end], segment_ids[:, :end],
-                                                                     run_k),
+                                                                     run_k, fused),
                            (blocks(index_q), blocks(index_w), blocks(segment_ids),
                             start + jnp.arange((end - start) // block) * block))
         i, m = (jnp.moveaxis(x, 0, 1).reshape(b, end - start, run_k) for x in (i, m))
