@@ -21,7 +21,8 @@ What runs:
                         first length the forward and the atomic fwd+bwd at each of --tiles
     selected plain jnp  the same keys through the gather form, 128 queries a block, checkpointed (CPU's form)
     indexer choice      selected.chosen: the indexer's scores (64 heads of 128, float32) and top_k, forward only;
-                        ", fused scores": the scores from kernels/index_scores.py (no per-head scores in memory)
+                        ", fused scores": the scores from kernels/index_scores.py (no per-head scores in memory);
+                        "fused scores alone": that kernel over every key, no top_k (the rest is top_k's and masks')
     dense cudnn         jax.nn.dot_product_attention(implementation="cudnn"), MLA expanded: q, k 192 wide (128 + 64),
                         v padded to 192 as the model pads it, causal, no mask
   the median of --iters after a warm-up, and TFLOP/s of the useful matmul work (the selected forms: 2 x (C + R + C)
@@ -241,6 +242,19 @@ def main(argv=None) -> int:
             items[name] = lambda fused=fused, t=t: (
                 jax.jit(lambda *x: selected.chosen(*x, topk=topk, block=selected.query_block(t), fused=fused)),
                 index_inputs, 2 * t * selected.scored_keys(t) * index_heads * index_dim)
+
+        def scores_alone(t=t):
+            """The fused scores of every query block against all keys, each block's summed (no top_k): the
+            indexer choice's time less this is its top_k's and masks'."""
+            bq = selected.query_block(t)
+
+            def every_block(q, w, k, seg):
+                del seg  # no masks: every key
+                blocks = lambda x: jnp.moveaxis(x.reshape(1, t // bq, bq, *x.shape[2:]), 1, 0)  # noqa: E731
+                return jax.lax.map(lambda qw: jnp.sum(index_scores.index_scores(*qw, k, interpret=interpret)),
+                                   (blocks(q), blocks(w)))
+            return jax.jit(every_block), index_inputs, 2 * t * t * index_heads * index_dim
+        items["fused scores alone, every key"] = scores_alone
         if not args.dry_run:
             dense = kernel_check.implementation("cudnn", causal=True, platform=platform)
 

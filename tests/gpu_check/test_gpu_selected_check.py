@@ -26,7 +26,7 @@ def test_the_dry_run_checks_both_backwards_and_times_every_item(tmp_path):
         assert check["pass"] and max(check[key] for key in ("o_c", "dq_c", "dq_r", "dc", "dk_r")) < 2e-2, check
     assert report["check"]["index scores kernel"]["scores"] < 1e-5
     every = ("selected kernel", "selected kernel, atomic backward", "selected kernel forward", "selected plain jnp",
-             "indexer choice", "indexer choice, fused scores")
+             "indexer choice", "indexer choice, fused scores", "fused scores alone, every key")
     assert set(report["speed"]) == ({f"{name} T{t}" for name in every for t in (256, 512)}
                                     | {"forward tiles 4x8 w4 T256", "fwd+bwd tiles 4x8 w4 T256"})  # tiles: 1st length
     assert all(item["ms"] > 0 for item in report["speed"].values()) and not report["skipped"]
