@@ -133,6 +133,9 @@ def _indexer_types(v):
              f"layer full), got {types}")
     _require(types[0] == "full", f"indexer_types starts with {types[0]!r}: a shared layer reuses the previous full "
                                  "layer's chosen keys, and the first layer has none; make the first layer \"full\"")
+    _require(types[-1] == "full" or v.get("mtp_num_layers", 0) == 0,
+             "mtp_num_layers > 0 with the last layer \"shared\" in indexer_types: the MTP modules are blocks of the "
+             "last layer's kind and have no previous choice to reuse; set mtp_num_layers=0 or the last layer \"full\"")
     _require("shared" not in types or v["indexer_training"] == "none",
              f"indexer_training={v['indexer_training']} with shared indexer layers (indexer_types) is not built: "
              "set indexer_training=none, or every layer \"full\"")

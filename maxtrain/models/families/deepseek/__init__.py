@@ -29,8 +29,9 @@ distribution with a KL loss, in DeepSeek's dense warm-up or sparse stage (_atten
 no rope_interleave: its MLA always interleaves, its indexer rotates by halves.
 
 GLM-5 (Hugging Face's glm_moe_dsa) is DeepSeek-V3.2's architecture with the indexer's RoPE on interleaved pairs
-(index_rope_interleave) and one routing group; its config's "shared" indexer layers (reusing the previous layer's
-top-k) and dense/MoE patterns other than the first layers dense are refused on import. Kimi K2 (kimi_k2) is
+(index_rope_interleave) and one routing group; its config's "shared" indexer layers (indexer_types) run no indexer
+and reuse the previous full layer's top-k, carried in the decoder's layer state (shared_topk.py); dense/MoE patterns
+other than the first layers dense are refused on import. Kimi K2 (kimi_k2) is
 DeepSeek-V3's architecture at other sizes.
 """
 
