@@ -122,25 +122,6 @@ def _attention_layer_types(v):
                  f"{v['base_num_decoder_layers']} layers (or be [] for the family's pattern), got {types}")
 
 
-def _indexer_types(v):
-    """GLM-5's per-layer indexer: "full" layers choose their keys, "shared" ones reuse the previous full layer's."""
-    types = v.get("indexer_types") or []
-    if not types:
-        return
-    n = v["base_num_decoder_layers"]
-    _require(len(types) == n and all(t in ("full", "shared") for t in types),
-             f"indexer_types must list \"full\" or \"shared\" for each of the {n} layers (or be [] for every "
-             f"layer full), got {types}")
-    _require(types[0] == "full", f"indexer_types starts with {types[0]!r}: a shared layer reuses the previous full "
-                                 "layer's chosen keys, and the first layer has none; make the first layer \"full\"")
-    _require(types[-1] == "full" or v.get("mtp_num_layers", 0) == 0,
-             "mtp_num_layers > 0 with the last layer \"shared\" in indexer_types: the MTP modules are blocks of the "
-             "last layer's kind and have no previous choice to reuse; set mtp_num_layers=0 or the last layer \"full\"")
-    _require("shared" not in types or v["indexer_training"] == "none",
-             f"indexer_training={v['indexer_training']} with shared indexer layers (indexer_types) is not built: "
-             "set indexer_training=none, or every layer \"full\"")
-
-
 def _experts_per_token_at_most_experts(v):
     if v["decoder_block"] not in MOE_FAMILIES:
         return  # features.py refuses num_experts_per_tok where there are no experts
@@ -459,7 +440,7 @@ def _muon_without_lora(v):
 
 
 CHECKS = (_heads_divisible_by_kv_heads, _head_dim_even, _layer_head_shapes, _vocab_tiling_divides_length, _llama3_rope_factors,
-          _attention_layer_types, _indexer_types, _flash_blocks_powers_of_two, _gated_deltanet, _partial_rotary_factor,
+          _attention_layer_types, _flash_blocks_powers_of_two, _gated_deltanet, _partial_rotary_factor,
           *objectives.CHECKS, _chat_template_known, _lora_targets_known,
           _default_corpus_needs_eval_split, _files_for_file_datasets, _one_starting_point, _one_filled_mesh_axis,
           _stages_divide_layers, _no_pipeline_stages_with_experts,

@@ -122,8 +122,6 @@ def test_a_first_layer_shared_is_refused_in_one_line():
         tiny(*SPARSE, "base_num_decoder_layers=2", "indexer_types=[full]")
     with pytest.raises(ConfigError, match=r"^indexer_training=sparse with shared indexer layers .* is not built"):
         tiny(*SPARSE, *SHARED, "indexer_training=sparse")
-    with pytest.raises(ConfigError, match=r"^mtp_num_layers > 0 with the last layer \"shared\""):
-        tiny(*SPARSE, *SHARED, "mtp_num_layers=1")
     hf = make_hf_model("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {**SPARSE_MLA, "num_hidden_layers": 2}).config
     with pytest.raises(convert.ConversionError, match=r"indexer_types starts with \"shared\": .* make it \"full\""):
         convert.model_keys({**hf.to_dict(), "indexer_types": ["shared", "full"]})
