@@ -36,8 +36,8 @@ Fields:
                    (GLM-5's "shared" indexer layers); False: the layer chooses its own
 
 What a layer keeps per token for decoding follows from the mixer: "attention" k and v, "mla" the latent and
-the RoPE key, "dsa" those and the indexer's key (not a shared_topk layer: it has no indexer), "compressed" the window's keys and one entry per `compress`
-tokens (with the indexer's key per entry where topk > 0); "linear" a fixed-size state instead.
+the RoPE key, "dsa" those and the indexer's key (a shared_topk layer: no indexer, no indexer key),
+"compressed" the window's keys and one entry per `compress` tokens (with the indexer's key per entry where topk > 0); "linear" a fixed-size state instead.
 
 Plain data: no JAX here. models/decoder.py runs the stack; models/blocks.py reads `attention`,
 `window`, `rope` and `rope_fraction`; FLOPs read `attention`, `window`, `topk` and `mlp`.

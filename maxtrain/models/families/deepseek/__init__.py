@@ -225,9 +225,9 @@ def sparse(config) -> bool:
 
 
 def _indexer_flops(model, dense_attention: bool) -> float:
-    """Training FLOPs per token of the indexer where sparse (forward only: it takes no gradient; it scores the keys
-    before the end of its query's run of blocks, as selected.py computes it: selected.scored_keys) and what the
-    attention over the kept keys costs against MLA's over every visible key: selected.py's absorbed form spends 2 x N x (C + Hr) per kept key on the logits and 2 x N x C
+    """Training FLOPs per token of the indexer where sparse, in the layers that run one (forward only: it takes no
+    gradient; it scores the keys before the end of its query's run of blocks, as selected.py computes it:
+    selected.scored_keys) and what the attention over the kept keys costs against MLA's over every visible key: selected.py's absorbed form spends 2 x N x (C + Hr) per kept key on the logits and 2 x N x C
     on the latent values (the W_kvb products move from the keys and values to the queries and outputs: the same
     count, in the matmul term), where the expanded form spends 2 x N x (Hn + Hr + Hv) per visible key."""
     config = model.config
@@ -242,7 +242,8 @@ def _indexer_flops(model, dense_attention: bool) -> float:
     kept = layers.attended_keys(config.max_target_length, model.layer_types[-1], dense_attention)  # at most k ("dsa")
     attention = 3.0 * n_layers * (per_kept_key * kept - per_key * visible)
     indexer_keys = selected.scored_keys(config.max_target_length)  # a run of query blocks' prefix each
-    return n_layers * (2 * (q * n * e + d * e + d * n) + 2 * (n * e + n) * indexer_keys) + attention
+    choosing = sum(not t.shared_topk for t in model.layer_types)  # GLM-5's shared indexer layers run no indexer
+    return choosing * (2 * (q * n * e + d * e + d * n) + 2 * (n * e + n) * indexer_keys) + attention
 
 
 def flops_per_token(model, dense_attention: bool = False) -> float:
@@ -415,4 +416,5 @@ MODEL = contract.FamilyModel(
     row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=standard_layers.embed, layer=layer,
     logits=standard_layers.logits, flops_per_token=flops_per_token, hf_names=HF_NAMES,
     from_hf_config=from_hf_config, to_hf_config=to_hf_config, rope_head_dim=rope_head_dim,
-    cache_heads=mla.cache_heads, mtp_copies=MTP_COPIES, layer_cache=layer_cache, layer_state=shared_topk.layer_state)
+    cache_heads=mla.cache_heads, mtp_copies=MTP_COPIES, layer_cache=layer_cache,
+    layer_state=shared_topk.layer_state)
