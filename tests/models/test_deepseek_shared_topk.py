@@ -17,6 +17,7 @@ from maxtrain import check_logits
 from maxtrain.checkpointing import convert, safetensors_files
 from maxtrain.config import ConfigError
 from maxtrain.models import sampling
+from maxtrain.models.families.deepseek import selected
 from maxtrain.models.families import FAMILIES
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
@@ -74,6 +75,11 @@ def test_shared_layers_hold_no_indexer_and_cache_no_indexer_key():
     assert "index_wq" in specs["moe"] and "index_wq" not in specs["moe_shared_topk"]
     cache = model.init_cache(1, 10, jnp.float32)
     assert cache["index_k"].shape[0] == 2 and cache["k"].shape[0] == 4  # the full layers' indexer keys alone
+    every_layer = Model.bind(config.replace(indexer_types=[]))  # the FLOPs count the indexer where it runs alone
+    indexer = every_layer.family.flops_per_token(every_layer) - model.family.flops_per_token(model)
+    n, e, d, q = config.index_n_heads, config.index_head_dim, config.base_emb_dim, config.q_lora_rank
+    keys = selected.scored_keys(16)
+    assert indexer == pytest.approx(2 * (2 * (q * n * e + d * e + d * n) + 2 * (n * e + n) * keys))
 
 
 @pytest.mark.slow  # ~20 s of CPU: compiling the decoding step and the full forward
