@@ -53,8 +53,8 @@ def indexer_settings(v):
 def indexer_types(v):
     """GLM-5's per-layer indexer: "full" layers choose their keys, "shared" ones reuse the previous full layer's."""
     types = v.get("indexer_types") or []
-    if not types:
-        return
+    if not types or features.family(v).mixer != "mla" or v.get("index_n_heads", 0) == 0:
+        return  # without an indexer, features.py names indexer_types as doing nothing
     n = v["base_num_decoder_layers"]
     _require(len(types) == n and all(t in ("full", "shared") for t in types),
              f"indexer_types must list \"full\" or \"shared\" for each of the {n} layers (or be [] for every "
