@@ -50,4 +50,20 @@ def indexer_settings(v):
                  f"{v['lora_rank']} freezes; set lora_rank=0 or indexer_training=none")
 
 
-CHECKS = (mla_head_dims, indexer_settings)
+def indexer_types(v):
+    """GLM-5's per-layer indexer: "full" layers choose their keys, "shared" ones reuse the previous full layer's."""
+    types = v.get("indexer_types") or []
+    if not types or features.family(v).mixer != "mla" or v.get("index_n_heads", 0) == 0:
+        return  # without an indexer, features.py names indexer_types as doing nothing
+    n = v["base_num_decoder_layers"]
+    _require(len(types) == n and all(t in ("full", "shared") for t in types),
+             f"indexer_types must list \"full\" or \"shared\" for each of the {n} layers (or be [] for every "
+             f"layer full), got {types}")
+    _require(types[0] == "full", f"indexer_types starts with {types[0]!r}: a shared layer reuses the previous full "
+                                 "layer's chosen keys, and the first layer has none; make the first layer \"full\"")
+    _require("shared" not in types or v["indexer_training"] == "none",
+             f"indexer_training={v['indexer_training']} with shared indexer layers (indexer_types) is not built: "
+             "set indexer_training=none, or every layer \"full\"")
+
+
+CHECKS = (mla_head_dims, indexer_settings, indexer_types)

@@ -32,10 +32,12 @@ Fields:
                    0: the window alone); 0 for every other mixer
     topk           keys (or compressed entries) each query keeps by its indexer's scores ("dsa", and the
                    "compressed" layers with an indexer: CSA); 0: no indexer, every visible key is read
+    shared_topk    a "dsa" layer that runs no indexer and attends to the keys the previous "dsa" layer chose
+                   (GLM-5's "shared" indexer layers); False: the layer chooses its own
 
 What a layer keeps per token for decoding follows from the mixer: "attention" k and v, "mla" the latent and
-the RoPE key, "dsa" those and the indexer's key, "compressed" the window's keys and one entry per `compress`
-tokens (with the indexer's key per entry where topk > 0); "linear" a fixed-size state instead.
+the RoPE key, "dsa" those and the indexer's key (a shared_topk layer: no indexer, no indexer key),
+"compressed" the window's keys and one entry per `compress` tokens (with the indexer's key per entry where topk > 0); "linear" a fixed-size state instead.
 
 Plain data: no JAX here. models/decoder.py runs the stack; models/blocks.py reads `attention`,
 `window`, `rope` and `rope_fraction`; FLOPs read `attention`, `window`, `topk` and `mlp`.
@@ -64,6 +66,7 @@ class LayerType:
     mlp: str = "dense"
     compress: int = 0
     topk: int = 0
+    shared_topk: bool = False
 
     def __post_init__(self):
         if self.attention not in ATTENTION_KINDS or self.mixer not in MIXERS or self.mlp not in MLP_KINDS:
@@ -80,6 +83,9 @@ class LayerType:
             raise ValueError(f"LayerType({self}): an indexer's topk > 0 goes with the 'dsa' or 'compressed' mixer")
         if self.mixer == "dsa" and not self.topk:
             raise ValueError(f"LayerType({self}): a 'dsa' layer's indexer keeps topk > 0 keys per query")
+        if self.shared_topk and self.mixer != "dsa":
+            raise ValueError(f"LayerType({self}): shared_topk (reusing the previous layer's chosen keys) goes with "
+                             "the 'dsa' mixer, and only there")
         if self.mixer == "compressed" and self.topk and not self.compress:
             raise ValueError(f"LayerType({self}): a 'compressed' layer's indexer picks among compressed entries: "
                              "topk > 0 needs compress > 0")

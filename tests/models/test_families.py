@@ -456,10 +456,11 @@ def test_hf_fields_used_as_sizes_divisors_or_steps_are_range_checked():
                                "q_lora_rank": None})["first_num_dense_layers"] == 0
 
 
-def test_glm5_layer_patterns_maxtrain_does_not_build_are_refused_naming_the_field():
-    """GLM-5's config.json: indexer layers that reuse the previous layer's top-k ("shared"), or dense and MoE layers
-    in another order than the first first_k_dense_replace dense, are refused naming the field; the usual lists
-    (every indexer "full", the first layers dense) import, with the indexer's RoPE interleaved and one group."""
+def test_glm5_layer_patterns_import_or_are_refused_naming_the_field():
+    """GLM-5's config.json: indexer layers that reuse the previous layer's top-k ("shared") import, from the list or
+    from index_topk_pattern / index_topk_freq as transformers derives them; a first layer "shared" (nothing before it
+    to reuse), or dense and MoE layers in another order than the first first_k_dense_replace dense, are refused naming
+    the field. Every indexer "full" imports as indexer_types [], with the indexer's RoPE interleaved and one group."""
     glm = {"model_type": "glm_moe_dsa", "hidden_size": 64, "intermediate_size": 96, "num_attention_heads": 4,
            "num_key_value_heads": 4, "num_hidden_layers": 4, "vocab_size": 300, "n_routed_experts": 8,
            "num_experts_per_tok": 2, "moe_intermediate_size": 32, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
@@ -467,8 +468,14 @@ def test_glm5_layer_patterns_maxtrain_does_not_build_are_refused_naming_the_fiel
            "index_n_heads": 4, "index_head_dim": 8, "index_topk": 16}
     keys = convert.model_keys({**glm, "indexer_types": ["full"] * 4, "mlp_layer_types": ["dense"] + ["sparse"] * 3})
     assert keys["index_rope_interleave"] is True and keys["n_routing_groups"] == -1 and keys["index_n_heads"] == 4
-    with pytest.raises(convert.ConversionError, match=r"indexer_types has \['shared'\] layers .* does not build yet"):
-        convert.model_keys({**glm, "indexer_types": ["full", "shared", "full", "shared"]})
+    assert keys["indexer_types"] == []
+    alternate = ["full", "shared", "full", "shared"]
+    assert convert.model_keys({**glm, "indexer_types": alternate})["indexer_types"] == alternate
+    assert convert.model_keys({**glm, "index_topk_pattern": "FSFS"})["indexer_types"] == alternate
+    freq = {**glm, "index_topk_freq": 2, "index_skip_topk_offset": 1}
+    assert convert.model_keys(freq)["indexer_types"] == transformers.GlmMoeDsaConfig(**freq).indexer_types == alternate
+    with pytest.raises(convert.ConversionError, match=r"indexer_types starts with \"shared\": .*make it \"full\"$"):
+        convert.model_keys({**glm, "indexer_types": ["shared", "full", "full", "shared"]})
     with pytest.raises(convert.ConversionError, match=r"mlp_layer_types is not the first first_k_dense_replace=1 "):
         convert.model_keys({**glm, "mlp_layer_types": ["sparse", "dense", "sparse", "sparse"]})
 

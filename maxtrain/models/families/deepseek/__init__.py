@@ -29,8 +29,9 @@ distribution with a KL loss, in DeepSeek's dense warm-up or sparse stage (_atten
 no rope_interleave: its MLA always interleaves, its indexer rotates by halves.
 
 GLM-5 (Hugging Face's glm_moe_dsa) is DeepSeek-V3.2's architecture with the indexer's RoPE on interleaved pairs
-(index_rope_interleave) and one routing group; its config's "shared" indexer layers (reusing the previous layer's
-top-k) and dense/MoE patterns other than the first layers dense are refused on import. Kimi K2 (kimi_k2) is
+(index_rope_interleave) and one routing group; its config's "shared" indexer layers (indexer_types) run no indexer
+and reuse the previous full layer's top-k, carried in the decoder's layer state (shared_topk.py); dense/MoE patterns
+other than the first layers dense are refused on import. Kimi K2 (kimi_k2) is
 DeepSeek-V3's architecture at other sizes.
 """
 
@@ -44,7 +45,7 @@ import jax.numpy as jnp
 from maxtrain.config import registry
 from maxtrain.models import attention as attention_lib
 from maxtrain.models import blocks, contract, hf, layers, moe, mtp, standard_layers
-from maxtrain.models.families.deepseek import indexer, mla, selected
+from maxtrain.models.families.deepseek import indexer, mla, selected, shared_topk
 from maxtrain.models.layers import LayerType
 from maxtrain.parallel.sharding import shard
 
@@ -53,11 +54,17 @@ ROUTER = "sigmoid_group_topk"
 
 
 def layer_types(config) -> list[LayerType]:
-    """MLA in every layer, under the indexer's top-k ("dsa") where the model has one (DeepSeek-V3.2, GLM-5)."""
-    mixer = {"mixer": "dsa", "topk": config.index_topk} if config.index_n_heads > 0 else {"mixer": "mla"}
-    return [LayerType(kind="dense", **mixer) if i < config.first_num_dense_layers else
-            LayerType(kind="moe", mlp="moe+shared" if config.shared_experts else "moe", **mixer)
-            for i in range(config.base_num_decoder_layers)]
+    """MLA in every layer, under the indexer's top-k ("dsa") where the model has one (DeepSeek-V3.2, GLM-5); GLM-5's
+    "shared" indexer layers (indexer_types) reuse the previous layer's choice, kinds "dense_shared_topk" and
+    "moe_shared_topk" (no indexer weights)."""
+    def one(i, shared):
+        mixer = {"mixer": "dsa", "topk": config.index_topk, "shared_topk": shared} if config.index_n_heads > 0 else {
+            "mixer": "mla"}
+        suffix = "_shared_topk" if shared else ""
+        if i < config.first_num_dense_layers:
+            return LayerType(kind="dense" + suffix, **mixer)
+        return LayerType(kind="moe" + suffix, mlp="moe+shared" if config.shared_experts else "moe", **mixer)
+    return [one(i, shared) for i, shared in enumerate(shared_topk.shared_layers(config))]
 
 
 def rope_head_dim(config) -> int:
@@ -67,9 +74,11 @@ def rope_head_dim(config) -> int:
 
 def param_specs(model):
     config = model.config
-    attention = {"attn_norm": blocks.norm_spec(config), **mla.specs(config), "mlp_norm": blocks.norm_spec(config),
-                 **(indexer.specs(config) if config.index_n_heads > 0 else {})}
-    per_kind = {"dense": {**attention, **blocks.mlp_specs(config)}, "moe": {**attention, **moe.specs(config)}}
+    shared = {"attn_norm": blocks.norm_spec(config), **mla.specs(config), "mlp_norm": blocks.norm_spec(config)}
+    attention = {**shared, **(indexer.specs(config) if config.index_n_heads > 0 else {})}
+    per_kind = {"dense": {**attention, **blocks.mlp_specs(config)}, "moe": {**attention, **moe.specs(config)},
+                "dense_shared_topk": {**shared, **blocks.mlp_specs(config)},  # GLM-5's shared indexer layers
+                "moe_shared_topk": {**shared, **moe.specs(config)}}
     out = {**blocks.embedding_specs(config), "layers": standard_layers.stacks(config, model.layer_types, per_kind)}
     if config.mtp_num_layers > 0:
         out["mtp"] = mtp.specs(config, per_kind["moe"])
@@ -98,12 +107,13 @@ def _attention(normed, p, inputs, layer_type: LayerType, config, rt):
         return mla.attention(normed, p, inputs, config, rt)
     if inputs.cache is None and config.indexer_training != "none":
         return _attention_training_the_indexer(normed, p, inputs, config, rt)
+    if inputs.state is not None:  # some layers share their indexer's choice (GLM-5): it travels in the state
+        return _attention_sharing_topk(normed, p, inputs, layer_type, config, rt)
     index_cache = None
     if inputs.cache is not None:  # decoding: MLA's two entries, then the indexer keys' (layer_cache)
         cache_c, cache_r, index_cache, index, first = inputs.cache
         inputs = inputs._replace(cache=(cache_c, cache_r, index, first))
-        new_keys = indexer.keys(normed, p, inputs.rope["global"], config.index_rope_interleave).astype(index_cache.dtype)
-        index_cache = jax.lax.dynamic_update_slice_in_dim(index_cache, new_keys[:, :, None], index, axis=1)
+        index_cache = _cached_index_keys(normed, p, index_cache, index, inputs.rope["global"], config)
     kept = selected_keys = None
     if index_cache is None and normed.shape[1] > config.index_topk:  # training, scoring: the chosen keys alone
         selected_keys = functools.partial(_selected_keys, normed, p, inputs.segment_ids, config,
@@ -117,17 +127,66 @@ def _attention(normed, p, inputs, layer_type: LayerType, config, rt):
     return h, aux
 
 
-def _selected_keys(normed, p, segment_ids, config, kernel, q_nope, q_rope, c, k_rope, q_latent, rope):
+def _cached_index_keys(normed, p, index_cache, index, rope, config):
+    """The layer's indexer-key cache with this step's keys written at slot `index`."""
+    new_keys = indexer.keys(normed, p, rope, config.index_rope_interleave).astype(index_cache.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(index_cache, new_keys[:, :, None], index, axis=1)
+
+
+def _selected_keys(normed, p, segment_ids, config, kernel, q_nope, q_rope, c, k_rope, q_latent, rope, choice=None):
     """MLA over the index_topk keys the indexer chooses for each query, read alone (selected.py): by the
     selected-key Pallas kernel on `kernel`'s platform where the runtime resolved attention to flash, else in plain
-    jnp."""
-    index_q, index_w = indexer.queries(normed, q_latent, p, rope, config.index_rope_interleave)
-    index_k = indexer.keys(normed, p, rope, config.index_rope_interleave)
+    jnp. choice: the keys already chosen (idx, kept: a shared indexer layer's), the indexer not run."""
+    index_q = index_w = index_k = None
+    if choice is None:
+        index_q, index_w = indexer.queries(normed, q_latent, p, rope, config.index_rope_interleave)
+        index_k = indexer.keys(normed, p, rope, config.index_rope_interleave)
     clip = config.qk_clip_threshold > 0  # QK-clip reads each head's largest logit
     out = selected.attention(q_nope, q_rope, c, k_rope, p["wkv_b"][..., :config.qk_nope_head_dim], index_q, index_w,
                              index_k, segment_ids, topk=config.index_topk, scale=mla.softmax_scale(config),
-                             with_max_logits=clip, kernel=kernel)
+                             with_max_logits=clip, kernel=kernel, choice=choice)
     return out if clip else (out, None)
+
+
+def _attention_sharing_topk(normed, p, inputs, layer_type: LayerType, config, rt):
+    """DSA where some layers share their choice (GLM-5's indexer_types, shared_topk.py): a full layer chooses its
+    keys first (selected.chosen; decoding: indexer.choose over the cache's slots) and hands them on in aux["state"],
+    a shared layer attends to the keys in inputs.state; both then run selected.py (its plain or kernel form) or,
+    decoding, MLA's masked form over those keys. At or below index_topk keys every key is kept and nothing chosen."""
+    rope, seg, topk = inputs.rope["global"], inputs.segment_ids, config.index_topk
+    own = not layer_type.shared_topk
+    if inputs.cache is None:
+        if normed.shape[1] <= topk:
+            return mla.attention(normed, p, inputs, config, rt)
+        choice = inputs.state
+        if own:
+            q_latent = mla.query_latent(normed, p, config, rt)
+            index_q, index_w = indexer.queries(normed, q_latent, p, rope, config.index_rope_interleave)
+            choice = selected.chosen(index_q, index_w, indexer.keys(normed, p, rope, config.index_rope_interleave),
+                                     seg, topk=topk, block=selected.query_block(normed.shape[1]))
+        kernel = rt.backend if rt.attention == "flash" else None
+        h, aux = mla.attention(normed, p, inputs, config, rt, selected_keys=functools.partial(
+            _selected_keys, normed, p, seg, config, kernel, choice=choice))
+        return h, ({**aux, "state": choice} if own else aux)
+    index_cache = None
+    if own:  # MLA's two entries, then the indexer keys' (layer_cache); a shared layer caches no indexer key
+        cache_c, cache_r, index_cache, index, first = inputs.cache
+        inputs = inputs._replace(cache=(cache_c, cache_r, index, first))
+        index_cache = _cached_index_keys(normed, p, index_cache, index, rope, config)
+    cache_c, _, index, first = inputs.cache
+    slots, kept, choice = cache_c.shape[1], None, inputs.state
+    if slots > topk:
+        if own:
+            visible = shared_topk.decoding_mask(index, first, normed.shape[1], slots)
+            scores = indexer.scores(normed, mla.query_latent(normed, p, config, rt), index_cache[:, :, 0], p, rope,
+                                    config.index_rope_interleave)
+            choice = indexer.choose(scores, visible, topk)
+        chosen_mask = shared_topk.mask(choice, slots)
+        kept = lambda *_: chosen_mask  # noqa: E731  (the slots' mask already holds the visible ones alone)
+    h, aux = mla.attention(normed, p, inputs, config, rt, keys_kept=kept)
+    if own:
+        aux = {**aux, "cache": (*aux["cache"], index_cache), "state": choice}
+    return h, aux
 
 
 def _attention_training_the_indexer(normed, p, inputs, config, rt):
@@ -155,7 +214,7 @@ def _attention_training_the_indexer(normed, p, inputs, config, rt):
 def layer_cache(config, layer_type, batch: int, max_length: int, kv_heads) -> dict:
     """MLA's latent and RoPE key; with the indexer, its key [B, S, 1, index_head_dim] too (float32, as it scores)."""
     out = contract.kv_layer_cache(config, layer_type, batch, max_length, kv_heads)
-    if config.index_n_heads > 0:
+    if config.index_n_heads > 0 and not layer_type.shared_topk:
         out["index_k"] = ((batch, max_length, 1, config.index_head_dim), jnp.float32)
     return out
 
@@ -166,9 +225,9 @@ def sparse(config) -> bool:
 
 
 def _indexer_flops(model, dense_attention: bool) -> float:
-    """Training FLOPs per token of the indexer where sparse (forward only: it takes no gradient; it scores the keys
-    before the end of its query's run of blocks, as selected.py computes it: selected.scored_keys) and what the
-    attention over the kept keys costs against MLA's over every visible key: selected.py's absorbed form spends 2 x N x (C + Hr) per kept key on the logits and 2 x N x C
+    """Training FLOPs per token of the indexer where sparse, in the layers that run one (forward only: it takes no
+    gradient; it scores the keys before the end of its query's run of blocks, as selected.py computes it:
+    selected.scored_keys) and what the attention over the kept keys costs against MLA's over every visible key: selected.py's absorbed form spends 2 x N x (C + Hr) per kept key on the logits and 2 x N x C
     on the latent values (the W_kvb products move from the keys and values to the queries and outputs: the same
     count, in the matmul term), where the expanded form spends 2 x N x (Hn + Hr + Hv) per visible key."""
     config = model.config
@@ -183,7 +242,8 @@ def _indexer_flops(model, dense_attention: bool) -> float:
     kept = layers.attended_keys(config.max_target_length, model.layer_types[-1], dense_attention)  # at most k ("dsa")
     attention = 3.0 * n_layers * (per_kept_key * kept - per_key * visible)
     indexer_keys = selected.scored_keys(config.max_target_length)  # a run of query blocks' prefix each
-    return n_layers * (2 * (q * n * e + d * e + d * n) + 2 * (n * e + n) * indexer_keys) + attention
+    choosing = sum(not t.shared_topk for t in model.layer_types)  # GLM-5's shared indexer layers run no indexer
+    return choosing * (2 * (q * n * e + d * e + d * n) + 2 * (n * e + n) * indexer_keys) + attention
 
 
 def flops_per_token(model, dense_attention: bool = False) -> float:
@@ -242,7 +302,9 @@ MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 HF_NAMES = {**hf.EMBEDDING_NAMES, **_names("dense", _ATTENTION), **_names("moe", _ATTENTION), **_names("moe", _MOE),
             **_names("dense", _INDEXER), **_names("moe", _INDEXER),
-            **hf.for_kind(hf.MLP_NAMES, "dense"),
+            **hf.for_kind(hf.MLP_NAMES, "dense"),  # GLM-5's shared indexer layers: the same, with no indexer
+            **_names("dense_shared_topk", _ATTENTION), **hf.for_kind(hf.MLP_NAMES, "dense_shared_topk"),
+            **_names("moe_shared_topk", _ATTENTION), **_names("moe_shared_topk", _MOE),
             **{k.replace("layers/mtp/", "mtp/"): v for k, v in _names("mtp", _MTP).items()}}
 
 
@@ -258,7 +320,7 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
     glm = config.get("model_type") == "glm_moe_dsa"
     v32 = glm or config.get("model_type") == "deepseek_v32"  # MLA's RoPE always interleaved there (no such field)
     if glm:
-        _refuse_glm_layer_patterns(config)
+        _refuse_glm_mlp_pattern(config)
     groups = hf.count(config, "n_group", 1 if glm else 8, null=1)
     top_groups = hf.count(config, "topk_group", 1 if glm else 4, null=groups)
     return {**hf.common_keys(config), **hf.rope_keys(config, notes, rope=rope),
@@ -279,18 +341,35 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
             "rope_mscale_all_dim": float(rope.get("mscale_all_dim") or 0.0),
             **({"index_n_heads": hf.count(config, "index_n_heads", 32 if glm else 64),
                 "index_head_dim": hf.count(config, "index_head_dim", 128, least=2),
-                "index_topk": hf.count(config, "index_topk", 2048), "index_rope_interleave": glm}
+                "index_topk": hf.count(config, "index_topk", 2048), "index_rope_interleave": glm,
+                "indexer_types": _glm_indexer_types(config) if glm else []}
                if v32 else {"index_n_heads": 0})}
 
 
-def _refuse_glm_layer_patterns(config: dict) -> None:
-    """GLM-5's per-layer lists, where they say what this family does not build: an indexer layer that reuses the
-    previous layer's top-k ("shared"), or dense and MoE layers other than the first first_k_dense_replace dense."""
-    kinds = config.get("indexer_types")
-    if kinds is not None and any(k != "full" for k in kinds):
-        raise hf.ConversionError(f"config.json's indexer_types has {sorted(set(kinds) - {'full'})} layers (GLM-5's "
-                                 "indexer shared across layers: a layer reusing the previous layer's top-k), which "
-                                 "maxtrain does not build yet; every layer must run its own indexer ('full')")
+def _glm_indexer_types(config: dict) -> list[str]:
+    """GLM-5's indexer_types ("full" or "shared" per layer) as transformers' GlmMoeDsaConfig reads them: the list,
+    else index_topk_pattern ("F"/"S" per layer, or a list), else index_topk_freq and index_skip_topk_offset; [] where
+    every layer is full. A first layer "shared" (no choice before it to reuse) is refused."""
+    n = int(hf.require(config, "num_hidden_layers"))
+    kinds, pattern = config.get("indexer_types"), config.get("index_topk_pattern")
+    if kinds is None and pattern is not None:
+        kinds = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
+    if kinds is None:
+        freq, offset = max(int(config.get("index_topk_freq", 1)), 1), int(config.get("index_skip_topk_offset", 2))
+        kinds = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    kinds = list(kinds)
+    if len(kinds) != n or any(k not in ("full", "shared") for k in kinds):
+        raise hf.ConversionError(f"config.json's indexer_types must be \"full\" or \"shared\" for each of its {n} "
+                                 f"layers, got {kinds}")
+    if kinds and kinds[0] == "shared":
+        raise hf.ConversionError("config.json's indexer_types starts with \"shared\": a shared layer reuses the "
+                                 "previous full layer's top-k and the first layer has none; make it \"full\"")
+    return kinds if "shared" in kinds else []
+
+
+def _refuse_glm_mlp_pattern(config: dict) -> None:
+    """GLM-5's mlp_layer_types, where it says what this family does not build: dense and MoE layers other than the
+    first first_k_dense_replace dense."""
     mlp = config.get("mlp_layer_types")
     dense = hf.count(config, "first_k_dense_replace", 3, least=0, null=0)
     if mlp is not None and list(mlp) != ["dense"] * dense + ["sparse"] * (len(mlp) - dense):
@@ -325,6 +404,11 @@ def to_hf_config(keys: dict) -> dict:
                    architectures=["GlmMoeDsaForCausalLM" if glm else "DeepseekV32ForCausalLM"],
                    index_n_heads=keys["index_n_heads"], index_head_dim=keys["index_head_dim"],
                    index_topk=keys["index_topk"])
+        if keys.get("indexer_types") and not glm:
+            raise hf.ConversionError("shared indexer layers (indexer_types) export as GLM-5's (glm_moe_dsa, "
+                                     "index_rope_interleave=true); DeepSeek-V3.2 has none: set indexer_types=[]")
+        if keys.get("indexer_types"):  # GLM-5's shared indexer layers
+            out["indexer_types"] = list(keys["indexer_types"])
     return out
 
 
@@ -332,4 +416,5 @@ MODEL = contract.FamilyModel(
     row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=standard_layers.embed, layer=layer,
     logits=standard_layers.logits, flops_per_token=flops_per_token, hf_names=HF_NAMES,
     from_hf_config=from_hf_config, to_hf_config=to_hf_config, rope_head_dim=rope_head_dim,
-    cache_heads=mla.cache_heads, mtp_copies=MTP_COPIES, layer_cache=layer_cache)
+    cache_heads=mla.cache_heads, mtp_copies=MTP_COPIES, layer_cache=layer_cache,
+    layer_state=shared_topk.layer_state)

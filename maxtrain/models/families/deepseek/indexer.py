@@ -113,6 +113,13 @@ def top(index, visible, topk: int) -> jax.Array:
     return visible & choose(jnp.zeros(index.shape, bool), idx)
 
 
+def choose(index, visible, topk: int) -> tuple[jax.Array, jax.Array]:
+    """(idx [B, T, K] int32, kept [B, T, K] bool), K = min(topk, S): each query's keys of highest index [B, T, S]
+    among the visible ones, as `top` chooses them, and which are real (a query seeing fewer than K: the rest not)."""
+    best, idx = jax.lax.top_k(jnp.where(visible, index, -jnp.inf), min(topk, index.shape[-1]))
+    return idx, best > -jnp.inf
+
+
 def keys_kept(x, q_latent, rope, visible, *, p, segment_ids, topk: int, cached_keys=None,
               interleave: bool = False) -> jax.Array:
     """[B, T, S] bool: the keys each query attends to. Training and scoring (visible None): among the causal mask's

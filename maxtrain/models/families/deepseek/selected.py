@@ -74,7 +74,8 @@ def scored_keys(length: int) -> float:
 
 
 def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment_ids, *, topk: int,
-              scale: float, block: int | None = None, with_max_logits: bool = False, kernel: str | None = None):
+              scale: float, block: int | None = None, with_max_logits: bool = False, kernel: str | None = None,
+              choice=None):
     """MLA under the indexer's top-k, reading only the chosen keys.
 
     q_nope [B, T, N, Hn], q_rope [B, T, N, R] (after RoPE), c [B, S, C] (the normed latent), k_rope [B, S, R]
@@ -83,21 +84,26 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
     Returns o_c [B, T, N, C] in c's dtype (times W_kvb's value half, the caller's, it is the attention's output),
     and with with_max_logits each head's largest logit over the kept keys [N] float32 (QK-clip's statistic).
     kernel: the platform (gpu, or cpu: interpreted) to run the selected-key Pallas kernel on, over the same keys
-    (`chosen`); None: this plain form."""
+    (`chosen`); None: this plain form. choice: (idx, kept [B, T, K]) as `chosen` gives them, already made (a
+    shared indexer layer's, families/deepseek/shared_topk.py): both forms read those keys, and the indexer's
+    operands (index_q, index_w, index_k: None then) are not read."""
     b, t, n, _ = q_nope.shape
     bq = block or query_block(t)
     if t % bq:
         raise ValueError(f"the query block ({bq}) must divide the sequence ({t})")
     q_c = jnp.einsum("BTNH,CNH->BTNC", q_nope, w_k.astype(q_nope.dtype))
     if kernel is not None:
-        idx, kept = chosen(index_q, index_w, index_k, segment_ids, topk=topk, block=bq)
+        idx, kept = choice if choice is not None else chosen(index_q, index_w, index_k, segment_ids, topk=topk,
+                                                             block=bq)
         return _kernel(q_c, q_rope, c, k_rope, idx, kept, scale=scale, platform=kernel,
                        with_max_logits=with_max_logits)
     out, head_max = [], []
     for start, end in prefix_groups(t, bq):  # each run reads the keys before its end alone
-        o_c, m = _run(q_c[:, start:end], q_rope[:, start:end], index_q[:, start:end], index_w[:, start:end],
-                      segment_ids[:, start:end], start, c[:, :end], k_rope[:, :end], index_k[:, :end],
-                      segment_ids[:, :end], topk=topk, scale=scale, block=bq, checkpointed=t > bq)
+        queries = (index_q, index_w) if choice is None else choice  # the indexer's, or the keys already chosen
+        o_c, m = _run(q_c[:, start:end], q_rope[:, start:end], *(a[:, start:end] for a in queries),
+                      segment_ids[:, start:end], start, c[:, :end], k_rope[:, :end],
+                      None if index_k is None else index_k[:, :end], segment_ids[:, :end], topk=topk, scale=scale,
+                      block=bq, checkpointed=t > bq, given=choice is not None)
         out.append(o_c)
         head_max.append(m)
     o_c = jnp.concatenate(out, axis=1) if len(out) > 1 else out[0]
@@ -105,9 +111,10 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
 
 
 def _run(q_c, q_rope, index_q, index_w, q_segment_ids, first, c, k_rope, index_k, k_segment_ids, *, topk, scale,
-         block, checkpointed):
+         block, checkpointed, given=False):
     """One run of query blocks (queries first .. first + T, T a multiple of `block`) against keys [0, S):
-    (o_c [B, T, N, C], each head's largest kept logit [N])."""
+    (o_c [B, T, N, C], each head's largest kept logit [N]). given: index_q and index_w are the run's chosen keys
+    (idx, kept [B, T, K']: `chosen`'s, K' >= the run's K, its padded slots not kept) rather than the indexer's."""
     b, t, n, _ = q_c.shape
     k = min(topk, c.shape[1])
 
@@ -115,7 +122,8 @@ def _run(q_c, q_rope, index_q, index_w, q_segment_ids, first, c, k_rope, index_k
         return jnp.moveaxis(x.reshape(b, t // block, block, *x.shape[2:]), 1, 0)
 
     def one_block(q_c_blk, q_r_blk, iq_blk, iw_blk, seg_blk, start):
-        idx, kept = _choose(iq_blk, iw_blk, seg_blk, start, index_k, k_segment_ids, k)  # [B, bq, K] each
+        idx, kept = ((iq_blk, iw_blk) if given                                   # [B, bq, K] each
+                     else _choose(iq_blk, iw_blk, seg_blk, start, index_k, k_segment_ids, k))
         kept = checkpoint_name(kept, "selected_keys")
         idx = checkpoint_name(idx, "selected_keys")  # kept for the backward: it need not score again
         gather = jax.vmap(lambda rows_of, at: rows_of[at])                        # per sequence: [S, X] by [bq, K]

@@ -1,0 +1,133 @@
+"""GLM-5's shared indexer layers (indexer_types, models/families/deepseek/shared_topk.py): a "shared" layer runs no
+indexer and attends to the keys the previous "full" layer chose. Against transformers 5.24's GlmMoeDsa (its own
+config class, save_pretrained): import, check_logits at a length where the top-k drops keys, export bitwise; greedy
+decoding equals the full forward; the plain and kernel forms agree; a first layer "shared" is refused in one line."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtrain import check_logits
+from maxtrain.checkpointing import convert, safetensors_files
+from maxtrain.config import ConfigError
+from maxtrain.models import sampling
+from maxtrain.models.families.deepseek import selected
+from maxtrain.models.families import FAMILIES
+from maxtrain.models.model import Model
+from maxtrain.models.runtime import Runtime
+
+torch = pytest.importorskip("torch", reason="the [hf] extra (torch, transformers) is not installed")
+transformers = pytest.importorskip("transformers", reason="the [hf] extra (torch, transformers) is not installed")
+
+from test_deepseek import SPARSE, tiny  # noqa: E402  (tests/models/ is on sys.path)
+from test_families import LENGTH, SPARSE_MLA, make_hf_model, ours_with, relative_error  # noqa: E402
+
+SHARED = ["base_num_decoder_layers=4", "indexer_types=[full,shared,full,shared]"]
+
+
+@pytest.mark.slow  # ~40 s of CPU: transformers' and maxtrain's forwards, an export and a reload
+@pytest.mark.parametrize("fields, kinds", [
+    ({"indexer_types": ["full", "shared", "shared"]}, ["full", "shared", "shared"]),
+    ({"index_topk_freq": 2, "index_skip_topk_offset": 1}, ["full", "shared", "full"])], ids=["list", "freq"])
+def test_shared_layers_match_transformers_and_round_trip(tmp_path, fields, kinds, capsys):
+    """3 layers, 1 or 2 of them shared, keeping 8 of up to 40 keys per query: the logits within 1e-5 of transformers';
+    keeping every key (index_topk=64) they are not, so the selection (reused in the shared layers) was in force; the
+    export writes every tensor bitwise and the original config.json, which transformers loads to the same logits."""
+    hf = make_hf_model("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {**SPARSE_MLA, **fields})
+    assert hf.config.indexer_types == kinds
+    assert hf.model.layers[1].self_attn.indexer is None  # a shared layer holds no indexer
+    hf.save_pretrained(tmp_path / "hf")
+    out = tmp_path / "imported"
+    keys = convert.import_hf(str(tmp_path / "hf"), str(out))
+    assert keys["indexer_types"] == kinds
+    golden = tmp_path / "golden.npz"
+    rc = check_logits.main([str(out), "--hf", str(tmp_path / "hf"), "--golden", str(golden), "--length", str(LENGTH)])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert rc == 0 and float(last) <= 1e-5, last
+    theirs = np.load(golden)["logits"]
+    assert relative_error(ours_with(out, np.load(golden)["input_ids"], index_topk=64), theirs) > 1e-3
+
+    exported = tmp_path / "export"
+    convert.export_hf(str(out), str(exported), "float32")
+    original = safetensors_files.read_model_dir(str(tmp_path / "hf"))
+    written = safetensors_files.read_model_dir(str(exported))
+    assert sorted(written) == sorted(original)
+    assert not any(".layers.1.self_attn.indexer" in name for name in written)
+    for name, array in written.items():
+        assert array.tobytes() == original[name].tobytes(), name
+    assert json.loads((exported / "config.json").read_text())["indexer_types"] == hf.config.indexer_types
+    # without the original config.json (to_hf_config): the shared layers written as transformers reads them
+    assert FAMILIES["deepseek"].to_hf_config(keys)["indexer_types"] == hf.config.indexer_types
+
+
+def test_shared_layers_hold_no_indexer_and_cache_no_indexer_key():
+    config = tiny("max_target_length=16", *SPARSE, *SHARED)
+    model = Model.bind(config)
+    assert [(t.kind, t.shared_topk) for t in model.layer_types] == [
+        ("dense", False), ("moe_shared_topk", True), ("moe", False), ("moe_shared_topk", True)]
+    specs = jax.eval_shape(model.init_params, jax.random.key(0))["layers"]
+    assert "index_wq" in specs["moe"] and "index_wq" not in specs["moe_shared_topk"]
+    cache = model.init_cache(1, 10, jnp.float32)
+    assert cache["index_k"].shape[0] == 2 and cache["k"].shape[0] == 4  # the full layers' indexer keys alone
+    every_layer = Model.bind(config.replace(indexer_types=[]))  # the FLOPs count the indexer where it runs alone
+    indexer = every_layer.family.flops_per_token(every_layer) - model.family.flops_per_token(model)
+    n, e, d, q = config.index_n_heads, config.index_head_dim, config.base_emb_dim, config.q_lora_rank
+    keys = selected.scored_keys(16)
+    assert indexer == pytest.approx(2 * (2 * (q * n * e + d * e + d * n) + 2 * (n * e + n) * keys))
+
+
+@pytest.mark.slow  # ~20 s of CPU: compiling the decoding step and the full forward
+def test_greedy_decoding_with_shared_layers_equals_the_full_forward():
+    """Keeping 3 keys a query over 10 tokens: greedy decoding (the full layers choose among the cache's slots, the
+    shared ones reuse it) gives the full forward's argmax tokens; a control that keeps every key differs."""
+    config = tiny("max_target_length=16", *SPARSE, *SHARED)
+    rt = Runtime.from_config(config)
+    params = jax.jit(lambda key: Model.bind(config).init_params(key))(jax.random.key(3))
+    prompt = [5, 17, 3, 99]
+    new = [int(t) for t in sampling.generate(params, prompt, Model.bind(config), rt, max_new_tokens=6)]
+    ids = jnp.asarray([prompt + new])
+
+    def logits(config):
+        return jax.jit(lambda p: Model.bind(config).forward(p, ids, jnp.arange(10)[None], jnp.ones_like(ids),
+                                                           Runtime.from_config(config))[0])(params)
+    sparse = logits(config)
+    assert [int(t) for t in jnp.argmax(sparse[0, len(prompt) - 1:-1], axis=-1)] == new
+    assert float(jnp.max(jnp.abs(sparse - logits(config.replace(index_topk=16))))) > 1e-3
+
+
+@pytest.mark.slow  # ~20 s of CPU: the kernel's interpreted Pallas calls in four layers
+def test_the_kernel_reads_the_shared_choice_as_the_plain_form_does():
+    """attention=flash on CPU (the selected-key kernel, interpreted) in every layer, shared ones included: the plain
+    form's logits, float32 within 1e-5 relative."""
+    config = tiny("max_target_length=16", *SPARSE, *SHARED)
+    model = Model.bind(config)
+    params = jax.jit(model.init_params)(jax.random.key(0))
+    ids = jax.random.randint(jax.random.key(1), (2, 16), 0, config.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
+
+    def forward(attention):
+        rt = Runtime.from_config(config.replace(attention=attention), "cpu")
+        return rt, functools.partial(lambda p: model.forward(p, ids, positions, jnp.ones_like(ids), rt)[0])
+    rt, kernel = forward("flash")
+    assert "selected-key Pallas kernel" in rt.attention_reason
+    got, want = jax.jit(kernel)(params), jax.jit(forward("dot_product")[1])(params)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+
+
+def test_a_first_layer_shared_is_refused_in_one_line():
+    """Nothing precedes the first layer to reuse: the config and an import say so, naming the fix."""
+    with pytest.raises(ConfigError, match=r"^indexer_types starts with 'shared'.*make the first layer \"full\"$"):
+        tiny(*SPARSE, "base_num_decoder_layers=2", "indexer_types=[shared,full]")
+    with pytest.raises(ConfigError, match=r"indexer_types must list \"full\" or \"shared\" for each of the 2 layers"):
+        tiny(*SPARSE, "base_num_decoder_layers=2", "indexer_types=[full]")
+    with pytest.raises(ConfigError, match=r"^indexer_training=sparse with shared indexer layers .* is not built"):
+        tiny(*SPARSE, *SHARED, "indexer_training=sparse")
+    hf = make_hf_model("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {**SPARSE_MLA, "num_hidden_layers": 2}).config
+    with pytest.raises(convert.ConversionError, match=r"indexer_types starts with \"shared\": .* make it \"full\""):
+        convert.model_keys({**hf.to_dict(), "indexer_types": ["shared", "full"]})
