@@ -177,7 +177,7 @@ def _attention_sharing_topk(normed, p, inputs, layer_type: LayerType, config, rt
     slots, kept, choice = cache_c.shape[1], None, inputs.state
     if slots > topk:
         if own:
-            visible = shared_topk.decoding_mask(index, first, normed.shape[1], slots)
+            visible = mla.decoding_mask(index, first, normed.shape[1], slots)
             scores = indexer.scores(normed, mla.query_latent(normed, p, config, rt), index_cache[:, :, 0], p, rope,
                                     config.index_rope_interleave)
             choice = indexer.choose(scores, visible, topk)

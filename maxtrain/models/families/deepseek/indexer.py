@@ -107,10 +107,9 @@ def combine(q, w, k) -> jax.Array:
 def top(index, visible, topk: int) -> jax.Array:
     """[B, T, S] bool: of the visible keys, each query's topk of highest index (all of them where it sees fewer):
     top_k's choice, ties at the k-th score going to the earlier key, as selected.attention chooses."""
-    index = jnp.where(visible, index, -jnp.inf)
-    idx = jax.lax.top_k(index, min(topk, index.shape[-1]))[1]                       # [B, T, k]
-    choose = jax.vmap(jax.vmap(lambda row, at: row.at[at].set(True)))              # per query: its k keys
-    return visible & choose(jnp.zeros(index.shape, bool), idx)
+    idx, _ = choose(index, visible, topk)                                            # [B, T, k]
+    mark = jax.vmap(jax.vmap(lambda row, at: row.at[at].set(True)))                # per query: its k keys
+    return visible & mark(jnp.zeros(index.shape, bool), idx)
 
 
 def choose(index, visible, topk: int) -> tuple[jax.Array, jax.Array]:

@@ -148,15 +148,20 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", ke
                                       context_reorder=config.context_parallel_reorder_strategy,
                                       context_inner=config.ici_context_parallelism)
     else:
-        slots = jnp.arange(k.shape[1])[None, None, :]
-        mask = slots <= (index + jnp.arange(q.shape[1]))[None, :, None]  # [B, T, S]: causal over the slots
-        if first is not None:  # a left-padded row (GRPO's rollouts): its slots before `first` hold padding
-            mask = mask & (slots >= first[:, None, None])
+        mask = decoding_mask(index, first, q.shape[1], k.shape[1])
         if keys_kept is not None:
             mask = keys_kept(x, q_latent, (cos, sin), mask)
         out = attention_lib.dot_product_attention(q, k, v, mask, scale=scale)
     out = ops.dense(out, p["wo"].astype(dt), 2, backend=backend, fp8=fp8)                                 # "BTNH,NHD->BTD"
     return checkpoint_name(out, "out_proj"), aux
+
+
+def decoding_mask(index, first, queries: int, slots: int) -> jax.Array:
+    """[B, T, S] bool: the cache slots each of the T new queries (the first at slot `index`) sees: causal over the
+    slots, and none before first[b] where first is given (a left-padded row, GRPO's rollouts: padding there)."""
+    at = jnp.arange(slots)[None, None, :]
+    mask = at <= (index + jnp.arange(queries))[None, :, None]
+    return mask if first is None else mask & (at >= first[:, None, None])
 
 
 def head_averaged_probabilities(q, k, mask, scale: float):

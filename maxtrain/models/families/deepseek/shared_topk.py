@@ -39,11 +39,3 @@ def mask(choice, slots: int) -> jax.Array:
     idx, kept = choice
     one = jax.vmap(jax.vmap(lambda row, at, real: row.at[at].max(real)))  # per query: its kept keys (max: a
     return one(jnp.zeros((*idx.shape[:2], slots), jnp.int8), idx, kept.astype(jnp.int8)) > 0  # padded slot repeats)
-
-
-def decoding_mask(index, first, queries: int, slots: int) -> jax.Array:
-    """[B, T, S] bool: the cache slots each of the T new queries (the first at slot `index`) sees: causal over the
-    slots, none before first[b] (a left-padded row) where first is given; mla.attention's decoding mask."""
-    at = jnp.arange(slots)[None, None, :]
-    visible = at <= (index + jnp.arange(queries))[None, :, None]
-    return visible if first is None else visible & (at >= first[:, None, None])
