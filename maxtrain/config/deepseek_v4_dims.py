@@ -34,6 +34,14 @@ class Dims(NamedTuple):
     vocab_size: int
     layer_types: tuple
     mlp_layer_types: tuple
+    # The compressed layers' RoPE scaling (their compressors' and indexer's too); sliding-only layers rotate by plain
+    # RoPE at rope_theta. 'default' or 'yarn' (the released DeepSeek-V4: factor 16 over a 65,536-token pre-training
+    # context); cos and sin are not scaled (the reference's attention factor is 1).
+    compress_rope_type: str = 'default'
+    compress_rope_factor: float = 1.0
+    compress_rope_original_max: int = 0
+    compress_rope_beta_fast: float = 32.0
+    compress_rope_beta_slow: float = 1.0
 
 
 def _rope_type(rp, label):
@@ -41,13 +49,36 @@ def _rope_type(rp, label):
     return sub.get('rope_type', sub.get('type', 'default'))
 
 
+def compress_yarn_from_hf(sub: dict) -> dict:
+    """Dims' compress_rope_* fields from transformers' rope_parameters['compress'] (YaRN or default RoPE); refuses,
+    in one line, what the compressed layers cannot rotate by."""
+    kind = sub.get('rope_type', sub.get('type', 'default'))
+    if kind == 'default':
+        return {}
+    if kind != 'yarn':
+        raise ValueError(f"deepseek_v4: rope_parameters['compress'] rope_type {kind!r} is not supported; its "
+                         "compressed layers rotate by 'default' or 'yarn' RoPE")
+    missing = [k for k in ('factor', 'original_max_position_embeddings') if sub.get(k) is None]
+    if missing:
+        raise ValueError(f"deepseek_v4: rope_parameters['compress'] is YaRN without {' and '.join(missing)}; "
+                         "give both (the released DeepSeek-V4: factor 16, original_max_position_embeddings 65536)")
+    factor = sub.get('attention_factor')
+    if factor is not None and float(factor) != 1.0:
+        raise ValueError(f"deepseek_v4: rope_parameters['compress'] attention_factor {factor} scales cos and sin, "
+                         "which DeepSeek-V4's reference does not (it takes 1.0); remove it or set 1.0")
+    return dict(compress_rope_type='yarn', compress_rope_factor=float(sub['factor']),
+                compress_rope_original_max=int(sub['original_max_position_embeddings']),
+                compress_rope_beta_fast=float(sub.get('beta_fast') or 32.0),
+                compress_rope_beta_slow=float(sub.get('beta_slow') or 1.0))
+
+
 def dims_from_hf(c) -> Dims:
     """The sizes as transformers reads them (c: a DeepseekV4Config, after its __post_init__ folded the legacy keys)."""
-    for label in ('main', 'compress'):
-        kind = _rope_type(c.rope_parameters, label)
-        if kind != 'default':
-            raise ValueError(f"deepseek_v4: rope_parameters['{label}'] rope_type {kind!r} is not supported here; "
-                             "only 'default' RoPE (no YaRN) is implemented")
+    kind = _rope_type(c.rope_parameters, 'main')
+    if kind != 'default':
+        raise ValueError(f"deepseek_v4: rope_parameters['main'] rope_type {kind!r} is not supported here; the "
+                         "sliding-window layers rotate by 'default' RoPE (transformers' DeepSeek-V4 too)")
+    yarn = compress_yarn_from_hf(c.rope_parameters['compress'])
     if c.scoring_func != 'sqrtsoftplus':
         raise ValueError(f"deepseek_v4: scoring_func {c.scoring_func!r} is not supported; use 'sqrtsoftplus'")
     return Dims(
@@ -62,7 +93,7 @@ def dims_from_hf(c) -> Dims:
         hc_mult=c.hc_mult, hc_iters=c.hc_sinkhorn_iters, hc_eps=c.hc_eps, n_experts=c.n_routed_experts,
         top_k=c.num_experts_per_tok, routed_scaling=c.routed_scaling_factor, swiglu_limit=c.swiglu_limit,
         moe_intermediate=c.moe_intermediate_size, vocab_size=c.vocab_size, layer_types=tuple(c.layer_types),
-        mlp_layer_types=tuple(c.mlp_layer_types))
+        mlp_layer_types=tuple(c.mlp_layer_types), **yarn)
 
 
 def check(d: Dims, seq_len: int, hash_table_experts: int | None = None) -> None:
@@ -118,7 +149,10 @@ def dims_from_keys(v) -> Dims:
         routed_scaling=float(get('routed_scaling_factor')), swiglu_limit=float(get('mlp_activations_limit')),
         moe_intermediate=get('base_moe_mlp_dim'), vocab_size=get('vocab_size'),
         layer_types=tuple(attention_schedule(v)),
-        mlp_layer_types=tuple('hash_moe' if i < get('num_hash_layers') else 'moe' for i in range(n)))
+        mlp_layer_types=tuple('hash_moe' if i < get('num_hash_layers') else 'moe' for i in range(n)),
+        compress_rope_type=get('rope_type'), compress_rope_factor=float(get('rope_factor')),
+        compress_rope_original_max=int(get('original_max_position_embeddings')),
+        compress_rope_beta_fast=float(get('rope_beta_fast')), compress_rope_beta_slow=float(get('rope_beta_slow')))
 
 
 def check_config(v: dict) -> None:
@@ -140,6 +174,16 @@ def check_config(v: dict) -> None:
     if v['num_experts_per_tok'] > v['num_experts']:
         raise ValueError(f"deepseek_v4: num_experts_per_tok={v['num_experts_per_tok']} exceeds num_experts="
                          f"{v['num_experts']}; lower it")
+    if v['rope_type'] not in ('default', 'yarn'):
+        raise ValueError(f"deepseek_v4: rope_type={v['rope_type']} is not implemented for its compressed layers; use "
+                         "default or yarn (the released DeepSeek-V4: yarn, rope_factor=16, "
+                         "original_max_position_embeddings=65536)")
+    if v['rope_type'] == 'yarn' and v['rope_attention_factor'] not in (-1.0, 1.0):
+        raise ValueError(f"deepseek_v4: rope_attention_factor={v['rope_attention_factor']} would scale cos and sin, "
+                         "which DeepSeek-V4's reference does not; leave it at -1 (here: 1.0)")
+    if v['rope_type'] == 'yarn' and not v['rope_truncate']:
+        raise ValueError("deepseek_v4: rope_truncate=false is not what DeepSeek-V4's YaRN computes (transformers "
+                         "rounds its correction band); leave rope_truncate=true")
     if v['packing']:
         raise ValueError("deepseek_v4: its compressors and sliding window do not keep packed documents apart; "
                          "set packing=false")

@@ -19,7 +19,7 @@ from maxtrain import config as config_lib  # noqa: E402
 from maxtrain.checkpointing import convert, safetensors_files  # noqa: E402
 from maxtrain.errors import ConfigError  # noqa: E402
 
-from test_deepseek_v4_parts import T, randomize, tiny_config  # noqa: E402  (tests/models/ is on sys.path)
+from test_deepseek_v4_parts import YARN, T, randomize, tiny_config  # noqa: E402  (tests/models/ is on sys.path)
 
 
 def _logits(model, ids):
@@ -28,8 +28,9 @@ def _logits(model, ids):
 
 
 @pytest.mark.slow
-def test_import_check_logits_and_export(tmp_path, capsys):
-    cfg = tiny_config()
+@pytest.mark.parametrize("rope", [None, YARN], ids=["default-rope", "yarn"])
+def test_import_check_logits_and_export(tmp_path, capsys, rope):
+    cfg = tiny_config(**({"rope_parameters": dict(rope)} if rope else {}))
     hf_model = randomize(v4.DeepseekV4ForCausalLM(cfg).eval(), seed=70)
     hf_dir, out, golden = tmp_path / "hf", tmp_path / "imported", tmp_path / "golden.npz"
     hf_model.save_pretrained(hf_dir)
@@ -62,8 +63,10 @@ def test_import_check_logits_and_export(tmp_path, capsys):
     ("max_new_tokens=8", "set max_new_tokens=0"),
     ("o_groups=3", "o_groups 3 does not divide"),
     ("compress_layer_types=[sliding_attention]", "compress_layer_types must list"),
+    ("rope_type=llama3", "rope_type=llama3 is not implemented for its compressed layers"),
+    ("rope_type=yarn rope_attention_factor=1.3", "rope_attention_factor=1.3 would scale cos and sin"),
 ])
 def test_config_refuses_what_the_layers_cannot_run(override, named):
     with pytest.raises(ConfigError, match=named) as e:
-        config_lib.load_config(["configs/base.yml", "model_name=deepseek4-tiny", override])
+        config_lib.load_config(["configs/base.yml", "model_name=deepseek4-tiny", *override.split()])
     assert "\n" not in str(e.value)

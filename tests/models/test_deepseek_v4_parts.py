@@ -8,6 +8,8 @@ Measured max |ours - theirs| / max |theirs| for each part is asserted below 1e-5
 
 from __future__ import annotations
 
+import json
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
 from transformers import DeepseekV4Config  # noqa: E402
 
 from maxtrain.models.families.deepseek_v4 import compressed, hyper, model, routing  # noqa: E402
-from maxtrain.config.deepseek_v4_dims import check, dims_from_hf  # noqa: E402
+from maxtrain.config.deepseek_v4_dims import check, dims_from_hf, dims_from_keys  # noqa: E402
 
 T = 24
 LAYERS = ["compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"]
@@ -232,6 +234,56 @@ def test_whole_model_logits(cfg):
     check(d, T)
     ours = model.forward(params(m), jnp.asarray(ids.numpy()), d)
     assert rel(ours, theirs) < 1e-5
+
+
+# YaRN on the compressed layers, as the released DeepSeek-V4 (factor 16 over 65,536 tokens): here factor 4 over 16,
+# which interpolates 3 of the 4 frequency pairs of the tiny model's rope_dim 8.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1}
+
+
+def test_yarn_on_the_compressed_layers_matches_transformers_and_round_trips_its_config(tmp_path):
+    from maxtrain.models.families.deepseek_v4 import hf_config
+
+    cfg = tiny_config(rope_parameters=dict(YARN))
+    m = randomize(v4.DeepseekV4ForCausalLM(cfg).eval(), seed=32)
+    ids = torch.randint(0, cfg.vocab_size, (2, T), generator=torch.Generator().manual_seed(33))
+    with torch.no_grad():
+        theirs = m(input_ids=ids).logits
+    m.config.save_pretrained(tmp_path)
+    keys = hf_config.from_hf_config(json.loads((tmp_path / "config.json").read_text()))
+    assert (keys["rope_type"], keys["rope_factor"], keys["original_max_position_embeddings"]) == ("yarn", 4.0, 16)
+    d = dims_from_keys(keys)
+    assert d == dims_from_hf(cfg)
+    assert rel(model.forward(params(m), jnp.asarray(ids.numpy()), d), theirs) < 1e-5
+    plain = model.forward(params(m), jnp.asarray(ids.numpy()), d._replace(compress_rope_type="default"))
+    assert rel(plain, theirs) > 1e-2  # the control: without YaRN the logits differ
+    written = hf_config.to_hf_config(keys)
+    assert written["rope_parameters"]["compress"] == {"rope_type": "yarn", "rope_theta": 40000, "factor": 4,
+                                                      "attention_factor": 1.0, "original_max_position_embeddings": 16,
+                                                      "beta_fast": 32, "beta_slow": 1}
+    assert dims_from_hf(type(cfg)(**{k: v for k, v in written.items() if k != "architectures"})) == d
+
+
+@pytest.mark.parametrize("config, named", [
+    ({"rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                       "beta_slow": 1}}, None),  # the release's legacy key, folded into the compressed layers' RoPE
+    ({"rope_parameters": {"main": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 8},
+                          "compress": {"rope_type": "default"}}}, "sliding-window layers rotate by default RoPE"),
+    ({"rope_parameters": {"rope_type": "llama3", "factor": 8.0}}, "rotate by 'default' or 'yarn'"),
+    ({"rope_parameters": {**YARN, "attention_factor": 1.3}}, "attention_factor 1.3 scales cos and sin"),
+])
+def test_rope_parameters_on_import(config, named):
+    from maxtrain.models import hf
+    from maxtrain.models.families.deepseek_v4 import hf_config
+
+    base = {"num_hidden_layers": 3, "hidden_size": 32, "num_attention_heads": 4, "vocab_size": 50}
+    if named is None:
+        keys = hf_config.from_hf_config({**base, **config})
+        assert (keys["rope_type"], keys["rope_factor"], keys["original_max_position_embeddings"]) == ("yarn", 16, 65536)
+        return
+    with pytest.raises(hf.ConversionError, match=named) as e:
+        hf_config.from_hf_config({**base, **config})
+    assert "\n" not in str(e.value)
 
 
 def test_bad_inputs(cfg):

@@ -28,8 +28,7 @@ its attention and router, "<sliding|csa|hca>_<moe|hash>": the kinds differ in th
 
 Not here yet: cached decoding through the shared decoder (decode.py decodes one token a step, alone), packed
 documents (the compressors and window would cross them: deepseek_v4_dims.check_config asks for packing=false),
-YaRN RoPE on the compressed layers (DeepSeek-V4's published configs use it), sharding annotations beyond the layer
-and expert axes, and the experts run densely (every expert on every token, then weighted), as the reference form does.
+sharding annotations beyond the layer and expert axes, and the experts run densely (every expert on every token, then weighted), as the reference form does.
 """
 
 from __future__ import annotations

@@ -1,7 +1,10 @@
 """DeepSeek-V4's attention: shared-KV MQA over a sliding window plus compressed entries, without a cache.
 
 RoPE is interleaved (pairs (2i, 2i+1)) on the trailing rope_dim channels of each head, theta = rope_theta on
-sliding-only layers and compress_rope_theta on CSA/HCA layers (and on their compressors and the indexer).
+sliding-only layers and compress_rope_theta on CSA/HCA layers (and on their compressors and the indexer). The
+compressed layers' frequencies may be YaRN-scaled (the released DeepSeek-V4: factor 16 over a 65,536-token
+pre-training context; models/rope.py's YaRN over the rope_dim channels), with cos and sin unscaled: the reference's
+attention factor is 1 (`frequencies`).
 
 Compressors (per layer, x [B, T, D], windows of m tokens, W = T // m entries; a partial last window is dropped):
 
@@ -27,6 +30,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from maxtrain.models import rope as rope_lib
+
 from .hyper import unweighted_rms
 
 
@@ -36,6 +41,20 @@ def rms(x, w, eps):
 
 def inv_freq(theta, rope_dim):
     return 1.0 / (theta ** (jnp.arange(0, rope_dim, 2, dtype=jnp.float32) / rope_dim))
+
+
+def frequencies(d, kind):
+    """The inverse frequencies [rope_dim / 2] of a layer of `kind`: plain RoPE at rope_theta on sliding-only layers;
+    compress_rope_theta on CSA/HCA layers, YaRN-scaled when d.compress_rope_type is 'yarn'."""
+    if kind == 'sliding_attention':
+        return inv_freq(d.rope_theta, d.rope_dim)
+    if d.compress_rope_type == 'default':
+        return inv_freq(d.compress_rope_theta, d.rope_dim)
+    rope = rope_lib.Rope(theta=d.compress_rope_theta, type=d.compress_rope_type, factor=d.compress_rope_factor,
+                         original_max_position_embeddings=d.compress_rope_original_max,
+                         beta_fast=d.compress_rope_beta_fast, beta_slow=d.compress_rope_beta_slow, attention_factor=1.0)
+    freq, _ = rope_lib.inv_freq(rope, d.rope_dim)
+    return jnp.asarray(freq)
 
 
 def rope(x, pos, freq, sign=1.0):
@@ -134,7 +153,7 @@ def attention(p, x, pos, kind, d):
     """One layer's attention. p: its weights by transformers' names under self_attn.; x [B, T, D]; pos [B, T];
     kind: 'sliding_attention' | 'compressed_sparse_attention' | 'heavily_compressed_attention'; d: Dims."""
     b, t, _ = x.shape
-    freq = inv_freq(d.rope_theta if kind == 'sliding_attention' else d.compress_rope_theta, d.rope_dim)
+    freq = frequencies(d, kind)
     q_res = rms(x @ p['q_a_proj.weight'].T, p['q_a_norm.weight'], d.rms_eps).astype(x.dtype)
     q = (q_res @ p['q_b_proj.weight'].T).reshape(b, t, d.num_heads, d.head_dim)
     q = rope(unweighted_rms(q, d.rms_eps).astype(x.dtype), pos, freq)

@@ -40,7 +40,7 @@ def attention_step(p, x, t, kind, c, d):
     """x [B, 1, D] the token at position t; c: the layer's buffers -> (out [B, 1, D], new buffers)."""
     b = x.shape[0]
     pos = jnp.full((b, 1), t)
-    freq = C.inv_freq(d.rope_theta if kind == 'sliding_attention' else d.compress_rope_theta, d.rope_dim)
+    freq = C.frequencies(d, kind)
     q_res = C.rms(x @ p['q_a_proj.weight'].T, p['q_a_norm.weight'], d.rms_eps).astype(x.dtype)
     q = (q_res @ p['q_b_proj.weight'].T).reshape(b, 1, d.num_heads, d.head_dim)
     q = C.rope(unweighted_rms(q, d.rms_eps).astype(x.dtype), pos, freq)

@@ -3,21 +3,45 @@
 
 from __future__ import annotations
 
-from maxtrain.config import registry
-from maxtrain.models import hf
-
+from maxtrain.config import deepseek_v4_dims, registry
 from maxtrain.config.deepseek_v4_dims import ATTENTION_KINDS, default_layer_types
+from maxtrain.models import hf
 
 _RATIO_KIND = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 
 
 def _rope_theta(config: dict, label: str, fallback: float) -> float:
     sub = (config.get("rope_parameters") or {}).get(label) or {}
-    kind = sub.get("rope_type", sub.get("type", "default"))
-    if kind != "default":
-        raise hf.ConversionError(f"config.json: rope_parameters['{label}'] is {kind!r} RoPE; maxtrain's deepseek_v4 "
-                                 "implements only 'default' RoPE (no YaRN) so far")
     return float(sub.get("rope_theta", fallback))
+
+
+def _rope_keys(config: dict, notes: list | None) -> dict:
+    """maxtrain's rope_* keys for the compressed layers' RoPE (DeepSeek-V4 scales only theirs), from a nested
+    rope_parameters {"main": ..., "compress": ...} or, as transformers folds them, flat YaRN keys in rope_parameters
+    or rope_scaling; the sliding layers' ("main") must be default RoPE."""
+    nested = config.get("rope_parameters") or {}
+    if isinstance(nested.get("compress"), dict):
+        main, sub = nested.get("main") or {}, dict(nested["compress"])
+    else:
+        main, sub = {}, {k: v for k, v in hf.rope_dict(config, notes).items() if k not in ("main", "compress")}
+    if main.get("rope_type", main.get("type", "default")) != "default":
+        raise hf.ConversionError(f"config.json: rope_parameters['main'] is {main.get('rope_type', main.get('type'))!r} "
+                                 "RoPE; DeepSeek-V4's sliding-window layers rotate by default RoPE (transformers too)")
+    if sub.get("rope_type", sub.get("type", "default")) == "yarn" and sub.get("factor") is None:
+        original = sub.get("original_max_position_embeddings")
+        if not original or not config.get("max_position_embeddings"):
+            raise hf.ConversionError("config.json: YaRN RoPE needs a 'factor' (or original_max_position_embeddings and "
+                                     "max_position_embeddings to derive it)")
+        sub["factor"] = config["max_position_embeddings"] / original
+    try:
+        yarn = deepseek_v4_dims.compress_yarn_from_hf(sub)
+    except ValueError as e:
+        raise hf.ConversionError(f"config.json: {e}") from None
+    if not yarn:
+        return {}
+    return {"rope_type": "yarn", "rope_factor": yarn["compress_rope_factor"],
+            "original_max_position_embeddings": yarn["compress_rope_original_max"],
+            "rope_beta_fast": yarn["compress_rope_beta_fast"], "rope_beta_slow": yarn["compress_rope_beta_slow"]}
 
 
 def from_hf_config(config: dict, notes: list | None = None) -> dict:
@@ -69,6 +93,7 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
         "base_moe_mlp_dim": hf.count(config, "moe_intermediate_size", 2048),
         "routed_scaling_factor": float(config.get("routed_scaling_factor", 1.5)),
         "mlp_activations_limit": float(config.get("swiglu_limit", 10.0)),
+        **_rope_keys(config, notes),
     }
 
 
@@ -86,7 +111,7 @@ def to_hf_config(keys: dict) -> dict:
         "rope_theta": hf.whole(keys["rope_max_timescale"]),
         "compress_rope_theta": hf.whole(keys["compress_rope_theta"]),
         "rope_parameters": {"main": {"rope_type": "default", "rope_theta": hf.whole(keys["rope_max_timescale"])},
-                            "compress": {"rope_type": "default", "rope_theta": hf.whole(keys["compress_rope_theta"])}},
+                            "compress": _compress_rope(keys)},
         "compress_rates": {"compressed_sparse_attention": keys["compress_rate_csa"],
                            "heavily_compressed_attention": keys["compress_rate_hca"]},
         "layer_types": list(keys["compress_layer_types"]) or default_layer_types(n),
@@ -98,4 +123,16 @@ def to_hf_config(keys: dict) -> dict:
         "routed_scaling_factor": keys["routed_scaling_factor"], "swiglu_limit": keys["mlp_activations_limit"],
         "scoring_func": "sqrtsoftplus", "norm_topk_prob": True, "hidden_act": "silu", "attention_bias": False,
         "mlp_bias": False,
+        **({"max_position_embeddings": hf.whole(keys["original_max_position_embeddings"] * keys["rope_factor"])}
+           if keys.get("rope_type", "default") == "yarn" else {}),
     }
+
+
+def _compress_rope(keys: dict) -> dict:
+    """rope_parameters['compress'] as transformers' DeepseekV4Config writes it (YaRN: attention_factor 1.0)."""
+    rope = {"rope_type": "default", "rope_theta": hf.whole(keys["compress_rope_theta"])}
+    if keys.get("rope_type", "default") == "yarn":
+        rope.update(rope_type="yarn", factor=hf.whole(keys["rope_factor"]), attention_factor=1.0,
+                    original_max_position_embeddings=int(keys["original_max_position_embeddings"]),
+                    beta_fast=hf.whole(keys["rope_beta_fast"]), beta_slow=hf.whole(keys["rope_beta_slow"]))
+    return rope
