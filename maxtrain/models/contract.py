@@ -42,7 +42,7 @@ and what it may override (the defaults serve every family with multi-head attent
                      layers read the keys and values an earlier layer left there); None: none
     rope_tables      (positions [B, T] or [streams, B, T], config, widths {name: features}) -> {name: (cos, sin)
                      [B, T, H/2]}: RoPE's tables from the family's own positions (Qwen3-VL's M-RoPE: three streams
-                     t, h, w); the layers then see positions[0]. None: models/decoder.rope_tables over [B, T]
+                     t, h, w); the layers then see positions[0]. None: models/rope.named_tables over [B, T]
     vision           a `Vision`: the image tower that fills the image placeholders before the layers (Qwen3-VL),
                      its parameters under params["vision"], its FLOPs per image (Vision.flops); None: a text-only
                      family (images are refused)

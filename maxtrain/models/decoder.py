@@ -261,19 +261,6 @@ def rope_widths(model) -> dict[str, int]:
     return widths
 
 
-def rope_tables(positions, config, widths: dict[str, int], num_positions: int | None = None) -> dict:
-    """cos/sin tables {name: (cos, sin)} of each RoPE the layers use (`widths`: rope_widths), computed once
-    per pass (num_positions: read from a host table, models/rope.py). "local" is Gemma 3's local-frequency
-    RoPE; a table equal to another is computed once."""
-    made, tables = {}, {}
-    for name, width in widths.items():
-        rope = rope_lib.Rope.from_config(config, local=name == "local")
-        if (rope, width) not in made:
-            made[(rope, width)] = rope_lib.tables(positions, rope, width, num_positions)
-        tables[name] = made[(rope, width)]
-    return tables
-
-
 # --------------------------------------------------------------------------------------------
 # Forward, loss, decoding
 # --------------------------------------------------------------------------------------------
@@ -319,7 +306,7 @@ def _layer_inputs(model, tokens, positions, segment_ids, rt) -> LayerInputs:
     if positions.ndim != 2:
         raise ValueError(f"positions {tuple(positions.shape)}: {family.row.name} takes positions [B, T]")
     table = rope_lib.table_positions(tokens.shape[1], max(widths.values(), default=0), rt.backend)  # positions < T
-    return LayerInputs(positions, segment_ids, rope_tables(positions, config, widths, table))
+    return LayerInputs(positions, segment_ids, rope_lib.named_tables(positions, config, widths, table))
 
 
 def hidden(model, params, tokens, positions, segment_ids, rt):
@@ -478,7 +465,7 @@ def forward_with_cache(model, params, tokens, positions, cache: dict, index, rt,
         tables = family.rope_tables(positions, config, rope_widths(model))
         positions = positions[0] if positions.ndim == 3 else positions
     else:
-        tables = rope_tables(positions, config, rope_widths(model))
+        tables = rope_lib.named_tables(positions, config, rope_widths(model))
     inputs = LayerInputs(positions, jnp.ones_like(tokens), tables, (cache, index, first))
     if family.per_layer_inputs is not None:
         inputs = inputs._replace(per_layer=family.per_layer_inputs(params, tokens, x, config, rt))

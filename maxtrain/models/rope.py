@@ -160,3 +160,16 @@ def apply_interleaved(x, cos, sin):
     interleaved rotation's. The features after R pass unchanged."""
     r = 2 * cos.shape[-1]
     return apply(jnp.concatenate([x[..., 0:r:2], x[..., 1:r:2], x[..., r:]], axis=-1), cos, sin)
+
+
+def named_tables(positions, config, widths: dict[str, int], num_positions: int | None = None) -> dict:
+    """cos/sin tables {name: (cos, sin)} of each RoPE the layers use (`widths`: models/decoder.rope_widths),
+    computed once per pass (num_positions: read from a host table, `tables`). "local" is Gemma 3's local-frequency
+    RoPE; a table equal to another is computed once."""
+    made, named = {}, {}
+    for name, width in widths.items():
+        rope = Rope.from_config(config, local=name == "local")
+        if (rope, width) not in made:
+            made[(rope, width)] = tables(positions, rope, width, num_positions)
+        named[name] = made[(rope, width)]
+    return named

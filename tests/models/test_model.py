@@ -239,7 +239,7 @@ def test_aux_losses_reach_the_objective_and_the_metrics(monkeypatch):
     per_layer = []  # the energies layer by layer, unrolled by hand
     x = llama.MODEL.embed(params, micro["inputs"], cfg, rt)
     inputs = blocks.LayerInputs(micro["positions"], micro["segment_ids"],
-                                decoder.rope_tables(micro["positions"], cfg, decoder.rope_widths(model)))
+                                rope_lib.named_tables(micro["positions"], cfg, decoder.rope_widths(model)))
     for i, lt in enumerate(model.layer_types):
         x, layer_aux = layer(x, jax.tree.map(lambda a, i=i: a[i], params["layers"]["decoder"]), inputs, lt, model, rt)
         per_layer.append(float(layer_aux["toy_energy"]))
