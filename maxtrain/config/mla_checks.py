@@ -61,9 +61,6 @@ def indexer_types(v):
              f"layer full), got {types}")
     _require(types[0] == "full", f"indexer_types starts with {types[0]!r}: a shared layer reuses the previous full "
                                  "layer's chosen keys, and the first layer has none; make the first layer \"full\"")
-    _require("shared" not in types or v["indexer_training"] == "none",
-             f"indexer_training={v['indexer_training']} with shared indexer layers (indexer_types) is not built: "
-             "set indexer_training=none, or every layer \"full\"")
 
 
 CHECKS = (mla_head_dims, indexer_settings, indexer_types)

@@ -120,14 +120,44 @@ def test_the_kernel_reads_the_shared_choice_as_the_plain_form_does():
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
 
 
+@pytest.mark.slow  # ~20 s of CPU: four compiled forwards of a 4-layer model
+@pytest.mark.parametrize("stage", ["sparse", "dense_warmup"])
+def test_the_indexer_trains_with_shared_layers(stage):
+    """indexer_training with GLM-5's shared layers ([dense full, shared, full, shared], keeping 3 of 16 keys): the
+    sparse stage attends as inference does (the full layers' trained indexers choose; the shared layers reuse their
+    choice), the dense warm-up as attention over every key; the KL (the full layers' mean) trains their indexers
+    alone, and its gradient reaches no other weight."""
+    config = tiny("max_target_length=16", *SPARSE, *SHARED)
+    model = Model.bind(config)
+    params = jax.jit(model.init_params)(jax.random.key(0))
+    ids = jax.random.randint(jax.random.key(1), (2, 16), 0, config.vocab_size)
+    positions, seg = jnp.broadcast_to(jnp.arange(16), (2, 16)), jnp.ones((2, 16), jnp.int32)
+
+    def forward(config):
+        rt = Runtime.from_config(config, "cpu")
+        return jax.jit(lambda p: Model.bind(config).forward(p, ids, positions, seg, rt))(params)
+    logits, aux = forward(config.replace(indexer_training=stage))
+    like = config if stage == "sparse" else config.replace(index_topk=16)  # dense: every key kept
+    want = forward(like)[0]
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
+    assert float(jnp.max(jnp.abs(want - forward(config.replace(index_topk=16 if stage == "sparse" else 3))[0]))) > 1e-3
+
+    training = config.replace(indexer_training=stage)
+    rt = Runtime.from_config(training, "cpu")
+    grads = jax.jit(jax.grad(lambda p: Model.bind(training).forward(p, ids, positions, seg, rt)[1]["indexer_loss"]))(
+        params)
+    assert float(aux["indexer_kl"]) > 0
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        name = jax.tree_util.keystr(path)
+        assert bool(np.any(np.asarray(g))) == ("index_" in name), name
+
+
 def test_a_first_layer_shared_is_refused_in_one_line():
     """Nothing precedes the first layer to reuse: the config and an import say so, naming the fix."""
     with pytest.raises(ConfigError, match=r"^indexer_types starts with 'shared'.*make the first layer \"full\"$"):
         tiny(*SPARSE, "base_num_decoder_layers=2", "indexer_types=[shared,full]")
     with pytest.raises(ConfigError, match=r"indexer_types must list \"full\" or \"shared\" for each of the 2 layers"):
         tiny(*SPARSE, "base_num_decoder_layers=2", "indexer_types=[full]")
-    with pytest.raises(ConfigError, match=r"^indexer_training=sparse with shared indexer layers .* is not built"):
-        tiny(*SPARSE, *SHARED, "indexer_training=sparse")
     hf = make_hf_model("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM", {**SPARSE_MLA, "num_hidden_layers": 2}).config
     with pytest.raises(convert.ConversionError, match=r"indexer_types starts with \"shared\": .* make it \"full\""):
         convert.model_keys({**hf.to_dict(), "indexer_types": ["shared", "full"]})

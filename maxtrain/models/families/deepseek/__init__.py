@@ -106,7 +106,10 @@ def _attention(normed, p, inputs, layer_type: LayerType, config, rt):
     if layer_type.mixer != "dsa":
         return mla.attention(normed, p, inputs, config, rt)
     if inputs.cache is None and config.indexer_training != "none":
-        return _attention_training_the_indexer(normed, p, inputs, config, rt)
+        if not layer_type.shared_topk:
+            return _attention_training_the_indexer(normed, p, inputs, config, rt)
+        if config.indexer_training == "dense_warmup":  # a shared layer has no indexer to train: every key
+            return mla.attention(normed, p, inputs, config, rt)
     if inputs.state is not None:  # some layers share their indexer's choice (GLM-5): it travels in the state
         return _attention_sharing_topk(normed, p, inputs, layer_type, config, rt)
     index_cache = None
@@ -195,20 +198,26 @@ def _attention_training_the_indexer(normed, p, inputs, config, rt):
     the index_topk keys of highest I (every key at or below index_topk tokens). aux["indexer_kl"] is
     KL(attention's head-averaged distribution || softmax(I)) over those keys, its mean over the layers, and
     aux["indexer_loss"] that times indexer_loss_weight, which the objective adds (the distribution carries no
-    gradient, so the loss trains the indexer alone)."""
+    gradient, so the loss trains the indexer alone). With GLM-5's shared layers (indexer_types) only the full layers
+    have an indexer, each trained toward its own layer's attention (the KL averages over them); in the sparse stage
+    its choice goes on in aux["state"] to the shared layers after it, which attend to those keys; in the dense
+    warm-up they attend to every key."""
     rope, seg = inputs.rope["global"], inputs.segment_ids
     visible = attention_lib.make_attention_mask(seg, seg, causal=True)
     index = indexer.scores(normed, mla.query_latent(normed, p, config, rt),
                            indexer.keys(normed, p, rope, config.index_rope_interleave, trained=True), p, rope,
                            config.index_rope_interleave, trained=True)
-    kept = None
+    kept = state = None
     if config.indexer_training == "sparse" and normed.shape[1] > config.index_topk:
         kept = indexer.top(jax.lax.stop_gradient(index), visible, config.index_topk)
+        if inputs.state is not None:  # GLM-5's shared layers after this one attend to the same keys
+            state = indexer.choose(jax.lax.stop_gradient(index), visible, config.index_topk)
     h, aux = mla.attention(normed, p, inputs, config, rt, keys_kept=None if kept is None else lambda *_: kept,
                            attention_target=True)
     kl = indexer.kl_to_attention(aux.pop("attention_target"), index, visible if kept is None else kept, seg)
-    kl = kl / config.base_num_decoder_layers  # summed over the layers by the decoder: their mean
-    return h, {**aux, "indexer_kl": kl, "indexer_loss": config.indexer_loss_weight * kl}
+    kl = kl / (len(shared_topk.shared_layers(config)) - sum(shared_topk.shared_layers(config)))  # the decoder sums
+    aux = {**aux, "indexer_kl": kl, "indexer_loss": config.indexer_loss_weight * kl}  # them: the indexers' mean
+    return h, aux if state is None else {**aux, "state": state}
 
 
 def layer_cache(config, layer_type, batch: int, max_length: int, kv_heads) -> dict:
