@@ -7,9 +7,9 @@ A kernel is one top-level instruction of a scheduled computation: a fusion, a li
 Pallas kernel or a lone op. Its FLOPs are 2 x the output's elements x the contracted size of every `dot` (or TPU
 convolution) it holds, nested fusions included; attention kernels (Pallas flash, splash, cuDNN), whose matmuls are
 hidden, count theirs from their operands' shapes, and so do the selected-key kernels (kernels/selected_attention.py,
-DeepSeek-V3.2's sparse attention: T x K, not T x S; selected_flops). Its bytes are its operands and results at the fusion's boundary:
-an operand the kernel only slices (directly, through bitcasts or in a nested fusion) counts the slices, a buffer
-updated in place the update. compile/predict.py turns the kernels into time (see its docstring).
+DeepSeek-V3.2's sparse attention: T x K, not T x S; selected_flops). Its bytes are its operands and results at the
+fusion's boundary: an operand the kernel only slices (directly, through bitcasts or in a nested fusion) counts the
+slices, a buffer updated in place the update. compile/predict.py turns the kernels into time (see its docstring).
 """
 
 from __future__ import annotations

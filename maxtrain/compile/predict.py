@@ -12,9 +12,10 @@ may be an async collective fusion (started in one fusion, done in a later one, o
 runs) or offloaded to the SparseCore (a custom-call-start calling it).
 
 The model. A kernel takes max(FLOPs / (peak x e_matmul), bytes / (HBM bandwidth x e_memory)) + a launch
-overhead; an attention kernel's compute runs at its own efficiency (e_flash, e_cudnn: measured kernel rates,
-docs/gpu.md). A collective of B bytes over a group of n chips moves (n-1)/n x B (all-gather, reduce-scatter,
-all-to-all), 2(n-1)/n x B (all-reduce) or B (a permute) at the link bandwidth (ICI, NVLink) or, when the group
+overhead; an attention kernel's compute runs at its own efficiency (e_flash, e_cudnn: measured kernel rates by
+head_dim; e_selected, DeepSeek-V3.2's selected-key kernels: their measured rate by length; docs/gpu.md). A
+collective of B bytes over a group of n chips moves (n-1)/n x B (all-gather, reduce-scatter, all-to-all),
+2(n-1)/n x B (all-reduce) or B (a permute) at the link bandwidth (ICI, NVLink) or, when the group
 leaves a slice or host, the network's (DCN, InfiniBand). An asynchronous collective is hidden behind the kernels
 the schedule puts between its start and its done; a synchronous one, and what outlasts its kernels, is exposed.
 step = kernels + exposed collectives. The efficiencies are per chip kind (CALIBRATIONS: measured kernel rates or
@@ -87,8 +88,10 @@ def selected_rates() -> tuple[tuple[int, float], ...]:
     only, 2.5 x (2C + R)), so they are not these rates. atomic=True's kernel, not yet measured, is priced at the same
     rate on its own FLOPs (7C + 4R)."""
     peak = chips_lib.by_name("h200").bf16_flops
-    return tuple(sorted((r.tokens, hlo_kernels.selected_flops(1, r.tokens, r.heads, r.index_topk, r.latent, r.rope,
-                                                              hlo_kernels.SELECTED_FWD_BWD) / (r.kernel_ms / 1e3) / peak)
+    def flops(r):
+        return hlo_kernels.selected_flops(1, r.tokens, r.heads, r.index_topk, r.latent, r.rope,
+                                          hlo_kernels.SELECTED_FWD_BWD)
+    return tuple(sorted((r.tokens, flops(r) / (r.kernel_ms / 1e3) / peak)
                         for r in attention_speeds.SELECTED if r.device == "H200"))
 
 

@@ -76,7 +76,8 @@ class SelectedRow:
     source: str
 
 
-_H200_1201 = ("H200", "2026-12-01", "docs/gpu.md \"Sparse attention on a GPU\", scripts/gpu_selected_check.py (jax 0.11.2)")
+_H200_1201 = ("H200", "2026-12-01",
+              "docs/gpu.md \"Sparse attention on a GPU\", scripts/gpu_selected_check.py (jax 0.11.2)")
 SELECTED = (
     SelectedRow("sm90", 16384, 16, 2048, 512, 64, 173.0, 15.8, 146.0, *_H200_1201),
     SelectedRow("sm90", 65536, 16, 2048, 512, 64, 669.9, 17.2, 527.3, *_H200_1201),
