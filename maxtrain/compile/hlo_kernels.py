@@ -6,9 +6,10 @@
 A kernel is one top-level instruction of a scheduled computation: a fusion, a library call (cuBLAS, cuDNN), a
 Pallas kernel or a lone op. Its FLOPs are 2 x the output's elements x the contracted size of every `dot` (or TPU
 convolution) it holds, nested fusions included; attention kernels (Pallas flash, splash, cuDNN), whose matmuls are
-hidden, count theirs from their operands' shapes. Its bytes are its operands and results at the fusion's boundary:
-an operand the kernel only slices (directly, through bitcasts or in a nested fusion) counts the slices, a buffer
-updated in place the update. compile/predict.py turns the kernels into time (see its docstring).
+hidden, count theirs from their operands' shapes, and so do the selected-key kernels (kernels/selected_attention.py,
+DeepSeek-V3.2's sparse attention: T x K, not T x S; selected_flops). Its bytes are its operands and results at the
+fusion's boundary: an operand the kernel only slices (directly, through bitcasts or in a nested fusion) counts the
+slices, a buffer updated in place the update. compile/predict.py turns the kernels into time (see its docstring).
 """
 
 from __future__ import annotations
@@ -25,6 +26,13 @@ ATTENTION_KERNELS = (("flash_attention_fwd", "flash", 2), ("flash_attention_dq",
                      ("flash_attention_dkv", "flash", 4), ("flash_attention", "flash", 5),
                      ("splash_mha", "splash", 0), ("SoftmaxBackward", "cudnn", 5), ("fmhaSoftmax", "cudnn", 2),
                      ("fmha", "cudnn", 2))
+# The selected-key kernels (their pallas_call names) and their matmuls per (query, chosen key, head) over the latent
+# width C and the RoPE width R: the forward's q_c.c, q_r.k_r and p.c (2C + R); the dq kernel's logits (C + R), dO.c
+# and dq (C + R): 3C + 2R; the rows kernel's logits, dO.c, dc (2C) and dk_r (R): 4C + 2R; the atomic backward's one
+# kernel, dq and the rows: 5C + 3R.
+SELECTED_KERNELS = (("selected_attention_fwd", (2, 1)), ("selected_attention_dq", (3, 2)),
+                    ("selected_attention_rows", (4, 2)), ("selected_attention_bwd", (5, 3)))
+SELECTED_FWD_BWD = (9, 5)  # the default forward + backward (fwd, dq, rows); atomic=True's is (7, 4)
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _DIMS = re.compile(r"(lhs_contracting_dims|lhs_batch_dims)=\{([\d,]*)\}")
 CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
@@ -38,9 +46,10 @@ class Kernel:
     flops: float
     bytes: float
     count: int
-    kind: str = "fusion"      # fusion | matmul | attention:flash|cudnn|splash | other
+    kind: str = "fusion"      # fusion | matmul | attention:flash|cudnn|splash|selected | other
     fp8: bool = False
-    head_dim: int = 0         # attention kernels
+    head_dim: int = 0         # attention kernels (the selected-key kernels: the latent width C)
+    tokens: int = 0           # the selected-key kernels: the keys' length S, which their measured rate is read at
 
 
 def _split_operands(rest: str) -> tuple[list[str], str]:
@@ -228,6 +237,25 @@ def _attention_flops(arrays: list[tuple[str, tuple[int, ...]]], units: int,
     return units * 2.0 * b * h * t * k[1] * d / (2 if causal else 1), d
 
 
+def selected_flops(batch: int, queries: int, heads: int, keys: int, latent: int, rope: int,
+                   units: tuple[int, int]) -> float:
+    """The selected-key kernels' own matmul FLOPs: 2 x B x T x N x K x (units[0] x C + units[1] x R), K the chosen
+    keys per query (every slot, kept or not: the kernel computes them all); units from SELECTED_KERNELS."""
+    return 2.0 * batch * queries * heads * keys * (units[0] * latent + units[1] * rope)
+
+
+def _selected(attrs: str, shapes: list[list[tuple[str, tuple[int, ...]]]]) -> tuple[float, int, int] | None:
+    """(FLOPs, C, S) of a selected-key kernel's call, None for another call. Its operands (all four kernels):
+    q_c [B, T, N, C], q_r [B, T, N, R], c [B, S, C], k_r [B, S, R], idx [B, T, K], ... (T: a chunk of queries in
+    the rows kernel), as the kernel pads them."""
+    op_name = _OP_NAME.search(attrs)
+    units = next((u for key, u in SELECTED_KERNELS if op_name and key in op_name.group(1)), None)
+    if units is None or len(shapes) < 5 or not all(shapes[i] for i in range(5)) or len(shapes[0][0][1]) != 4:
+        return None
+    (b, t, n, latent), rope = shapes[0][0][1], shapes[1][0][1][-1]
+    return selected_flops(b, t, n, shapes[4][0][1][-1], latent, rope, units), latent, shapes[2][0][1][1]
+
+
 def cost_kernel(prog: Program, comp: str, name: str, rtype: str, opcode: str, operands: list[str], attrs: str,
                 count: int, collectives: frozenset = frozenset()) -> Kernel:
     """One launched kernel's FLOPs and HBM bytes (`collectives`: those a fusion holds, see fusion_bytes)."""
@@ -244,6 +272,11 @@ def cost_kernel(prog: Program, comp: str, name: str, rtype: str, opcode: str, op
     if opcode == "custom-call":
         target = _TARGET.search(attrs)
         target = target.group(1) if target else ""
+        selected = _selected(attrs, [_arrays(types.get(o, "")) for o in operands])
+        if selected:
+            flops, latent, tokens = selected
+            return Kernel(name, flops, operand_bytes + _bytes(rtype), count, "attention:selected", head_dim=latent,
+                          tokens=tokens)
         attention = _attention(name, attrs, target)
         if attention:
             impl, units, causal = attention

@@ -12,9 +12,10 @@ may be an async collective fusion (started in one fusion, done in a later one, o
 runs) or offloaded to the SparseCore (a custom-call-start calling it).
 
 The model. A kernel takes max(FLOPs / (peak x e_matmul), bytes / (HBM bandwidth x e_memory)) + a launch
-overhead; an attention kernel's compute runs at its own efficiency (e_flash, e_cudnn: measured kernel rates,
-docs/gpu.md). A collective of B bytes over a group of n chips moves (n-1)/n x B (all-gather, reduce-scatter,
-all-to-all), 2(n-1)/n x B (all-reduce) or B (a permute) at the link bandwidth (ICI, NVLink) or, when the group
+overhead; an attention kernel's compute runs at its own efficiency (e_flash, e_cudnn: measured kernel rates by
+head_dim; e_selected, DeepSeek-V3.2's selected-key kernels: their measured rate by length; docs/gpu.md). A
+collective of B bytes over a group of n chips moves (n-1)/n x B (all-gather, reduce-scatter, all-to-all),
+2(n-1)/n x B (all-reduce) or B (a permute) at the link bandwidth (ICI, NVLink) or, when the group
 leaves a slice or host, the network's (DCN, InfiniBand). An asynchronous collective is hidden behind the kernels
 the schedule puts between its start and its done; a synchronous one, and what outlasts its kernels, is exposed.
 step = kernels + exposed collectives. The efficiencies are per chip kind (CALIBRATIONS: measured kernel rates or
@@ -59,6 +60,8 @@ class Calibration:
     flash: tuple = dataclasses.field(default_factory=lambda: attention_rates("flash", 9))
     cudnn: tuple = dataclasses.field(default_factory=lambda: attention_rates("cudnn", 7))
     splash: tuple = ((128, 0.50),)   # TPU splash attention: not yet checked (no TPU rows measured)
+    # The selected-key kernels' rate by the keys' length (tokens), of the bf16 peak (selected_rates)
+    selected: tuple = dataclasses.field(default_factory=lambda: selected_rates())
     link: float = 0.75           # of the ICI / NVLink bandwidth
     network: float = 0.60        # of the DCN / network bandwidth
     launch_seconds: float = 2e-6   # per kernel (GPU launch and tail); TPU kernels are not launched: 1 us
@@ -75,6 +78,21 @@ def attention_rates(implementation: str, units: int) -> tuple[tuple[int, float],
     return tuple(sorted((r.head_dim, dict(r.tflops)[implementation] * 1e12 * units / 5 / peak)
                         for r in attention_speeds.MEASURED
                         if r.device == "H200" and r.tokens == 8192 and implementation in dict(r.tflops)))
+
+
+def selected_rates() -> tuple[tuple[int, float], ...]:
+    """((tokens, share of the bf16 peak), ...) of the selected-key kernels, from their measured forward+backward rows
+    on the H200 (config/attention_speeds.SELECTED): the kernels' own FLOPs (hlo_kernels.selected_flops, every chosen
+    slot, fwd + dq + rows: 9C + 5R per query, key and head) over the row's kernel_ms (the measured time less the
+    scatter-adds, which this model prices as fusions). The script's TFLOP/s count the useful work instead (kept pairs
+    only, 2.5 x (2C + R)), so they are not these rates. atomic=True's kernel, not yet measured, is priced at the same
+    rate on its own FLOPs (7C + 4R)."""
+    peak = chips_lib.by_name("h200").bf16_flops
+    def flops(r):
+        return hlo_kernels.selected_flops(1, r.tokens, r.heads, r.index_topk, r.latent, r.rope,
+                                          hlo_kernels.SELECTED_FWD_BWD)
+    return tuple(sorted((r.tokens, flops(r) / (r.kernel_ms / 1e3) / peak)
+                        for r in attention_speeds.SELECTED if r.device == "H200"))
 
 
 CALIBRATION = Calibration(matmul=0.66, memory=0.7, launch_seconds=2e-6, source=(
@@ -286,9 +304,10 @@ def kernel_seconds(k: hlo_kernels.Kernel, chip: chips_lib.Chip, cal: Calibration
     peak = _need(chip, "fp8_flops", "a float8 matmul") if k.fp8 else _need(chip, "bf16_flops", "the prediction")
     hbm = _need(chip, "hbm_bytes_per_s", "the prediction")
     efficiency = cal.matmul
-    if k.kind.startswith("attention:"):  # the rate measured at the nearest head_dim
+    if k.kind.startswith("attention:"):  # the rate measured at the nearest head_dim (selected: the nearest length)
         rates = getattr(cal, k.kind.split(":")[1])
-        efficiency = min(rates, key=lambda r: abs(math.log2(max(k.head_dim, 1) / r[0])))[1]
+        at = k.tokens if k.kind == "attention:selected" else k.head_dim
+        efficiency = min(rates, key=lambda r: abs(math.log2(max(at, 1) / r[0])))[1]
     compute = k.flops / (peak * efficiency)
     memory = k.bytes / (hbm * cal.memory)
     part = ("attention" if k.kind.startswith("attention") else "matmul") if compute >= memory and k.flops else "memory"

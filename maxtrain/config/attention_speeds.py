@@ -9,6 +9,10 @@ config/, the one package below both readers (compile/ sits above models/, and ne
 other's choice logic for data); it imports nothing, so config's no-JAX contract holds. To add a row: run
 scripts/gpu_report.py's speed part on the GPU and copy all the candidates it times at one head_dim and length
 (docs/gpu.md, "How `attention=autoselected` chooses on a GPU").
+
+SELECTED holds the selected-key kernel's measured forward+backward (DeepSeek-V3.2's sparse attention; one reader:
+compile/predict.selected_rates). To add a row: scripts/gpu_selected_check.py's speed part on the GPU, and its
+kernel_ms from compiling the same program (tests/kernels/test_kernel_lowering.py's selected-kernel price test).
 """
 
 from __future__ import annotations
@@ -47,4 +51,34 @@ MEASURED = (
     Row("sm90", 256, 16384, (("cudnn", 294.1), ("flash", 150.1)), *_H200_1130),
     Row("sm90", 128, 8192, (("cudnn", 358.7), ("flash", 199.9)), "H100", "2026-11-26",
         "docs/gpu.md, scripts/gpu_report.py speed part (jax 0.11.2, cuDNN 9.19)"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectedRow:
+    """One measured forward+backward of the selected-key kernel (kernels/selected_attention.py, its default backward:
+    forward, dq and rows kernels and XLA's scatter-adds of the rows): bf16, batch 1, causal, random keys among those
+    each query sees (min(t + 1, K) kept), scripts/gpu_selected_check.py's speed part."""
+    arch: str
+    tokens: int         # T = S
+    heads: int
+    index_topk: int     # K, the chosen keys per query
+    latent: int         # C
+    rope: int           # R
+    ms: float           # the whole program
+    tflops: float       # as the script counts: 2.5 x 2 x kept pairs x heads x (2C + R) / ms
+    # of ms, the three Triton kernels': ms less what compile/predict.py prices the program's XLA kernels at (the
+    # scatter-adds of the float32 rows, memory-bound), from compiling the same program for an H100
+    # (tests/kernels/test_kernel_lowering.py checks it against this calibration)
+    kernel_ms: float
+    device: str
+    date: str
+    source: str
+
+
+_H200_1201 = ("H200", "2026-12-01",
+              "docs/gpu.md \"Sparse attention on a GPU\", scripts/gpu_selected_check.py (jax 0.11.2)")
+SELECTED = (
+    SelectedRow("sm90", 16384, 16, 2048, 512, 64, 173.0, 15.8, 146.0, *_H200_1201),
+    SelectedRow("sm90", 65536, 16, 2048, 512, 64, 669.9, 17.2, 527.3, *_H200_1201),
 )

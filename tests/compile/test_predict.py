@@ -359,3 +359,26 @@ def test_attention_rates_are_the_measured_kernel_rows_in_the_models_units():
     assert set(flash) == set(cudnn) == {64, 128, 256}
     assert flash[128] == pytest.approx(201.2 * 9 / 5 / 989.0) and cudnn[64] == pytest.approx(272.4 * 7 / 5 / 989.0)
     assert predict.TPU_CALIBRATION.cudnn == predict.CALIBRATION.cudnn
+
+
+def test_a_selected_key_kernel_takes_its_measured_rate():
+    """An attention:selected kernel (hlo_kernels.selected_flops: T x K work) is priced at the measured rows of
+    config/attention_speeds.SELECTED, at the nearest length: the fwd + dq + rows FLOPs of a row's shape take the
+    row's kernel_ms on the H200; the same FLOPs as a flash kernel would take a tenth of it (its rate 10x)."""
+    from maxtrain.compile import hlo_kernels  # pylint: disable=import-outside-toplevel
+    from maxtrain.config import attention_speeds  # pylint: disable=import-outside-toplevel
+
+    chip, cal = chips.by_name("h200"), predict.CALIBRATION
+    for row in attention_speeds.SELECTED:
+        # the script's TFLOP/s count the useful work: kept pairs (min(t + 1, K) a query), 2.5 x (2C + R)
+        kept = row.tokens * row.index_topk - row.index_topk * (row.index_topk - 1) / 2
+        assert 2.5 * 2 * kept * row.heads * (2 * row.latent + row.rope) / row.ms / 1e9 == pytest.approx(
+            row.tflops, rel=0.01)
+        flops = hlo_kernels.selected_flops(1, row.tokens, row.heads, row.index_topk, row.latent, row.rope,
+                                           hlo_kernels.SELECTED_FWD_BWD)
+        kernel = hlo_kernels.Kernel("k", flops, 1e6, 1, "attention:selected", head_dim=row.latent,
+                                    tokens=row.tokens * 3 // 4)  # nearer this row than the other
+        seconds, part = predict.kernel_seconds(kernel, chip, cal, 0.0)
+        assert part == "attention" and seconds == pytest.approx(row.kernel_ms / 1e3)
+        flash = dataclasses.replace(kernel, kind="attention:flash", head_dim=128)
+        assert predict.kernel_seconds(flash, chip, cal, 0.0)[0] < seconds / 8

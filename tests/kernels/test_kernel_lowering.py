@@ -695,3 +695,74 @@ def test_selected_attention_compiles_for_h100(h100s, block_heads, block_k, atomi
     backward = ("selected_attention_bwd",) if atomic else ("selected_attention_dq", "selected_attention_rows")
     for kernel in ("selected_attention_fwd", *backward):
         assert kernel in hlo
+
+
+def _selected_costs(devices, *, batch, length, heads, latent, rope, topk, atomic=False):
+    """compile/predict's kernels of scripts/gpu_selected_check.py's timed program (the kernel's output and its vjp
+    of do, the largest logits too), compiled for one H100: keys = queries = `length`. At XLA's optimization level 3
+    (conftest sets 0, at which ptxas cannot fit the default 16 x 64 tile's rows kernel at C 512 in 255 registers)."""
+    from maxtrain.kernels import selected_attention  # pylint: disable=import-outside-toplevel
+
+    mesh = sharding.mesh_of(devices[:1], data=1)
+    spec = NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def arg(shape, dt=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=spec)
+
+    def program(q_c, q_r, c, k_r, idx, kept, do):
+        def fn(*x):
+            return selected_attention.selected_attention(*x, idx, kept, scale=0.07, interpret=False,
+                                                         with_max_logits=True, atomic=atomic)
+        (o_c, head_max), vjp = jax.vjp(fn, q_c, q_r, c, k_r)
+        return (o_c, *vjp((do, jnp.zeros_like(head_max))), head_max)
+
+    args = (arg((batch, length, heads, latent)), arg((batch, length, heads, rope)), arg((batch, length, latent)),
+            arg((batch, length, rope)), arg((batch, length, topk), jnp.int32), arg((batch, length, topk), jnp.bool_),
+            arg((batch, length, heads, latent)))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        lowered = jax.jit(program).trace(*args).lower(lowering_platforms=("cuda",))
+    return predict.program_costs(lowered.compile({"xla_backend_optimization_level": 3}).as_text())
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("atomic", [False, True], ids=["rows", "atomic"])
+def test_the_selected_kernels_are_their_own_kind_with_t_by_k_flops(h100s, atomic):
+    """compile/hlo_kernels reads each selected-key kernel's call as attention:selected with FLOPs from its operands:
+    2 x B x T x N x K x (its latent and RoPE matmuls), T x K and not flash's T x S / 2; the rows kernel runs per chunk
+    of 128 queries (a loop of 2 here)."""
+    from maxtrain.compile import hlo_kernels  # pylint: disable=import-outside-toplevel
+
+    shape = dict(batch=2, length=256, heads=16, latent=64, rope=16, topk=32)
+    costs = _selected_costs(h100s, **shape, atomic=atomic)
+    selected = {k.name: k for k in costs.kernels if k.kind == "attention:selected"}
+    assert all(k.kind in ("fusion", "matmul", "other") for k in costs.kernels if k.name not in selected)
+    units = {"fwd": (2, 1), "bwd": (5, 3)} if atomic else {"fwd": (2, 1), "dq": (3, 2), "rows": (4, 2)}
+    assert sorted(k.count for k in selected.values()) == ([1, 1] if atomic else [1, 1, 2])
+
+    def flops(queries, u):
+        return hlo_kernels.selected_flops(2, queries, 16, 32, 64, 16, u)
+
+    want = sorted([flops(256, u) for name, u in units.items() if name != "rows"]
+                  + ([flops(128, units["rows"])] if not atomic else []))
+    assert sorted(k.flops for k in selected.values()) == want
+    assert sum(k.flops * k.count for k in selected.values()) == flops(256, (7, 4) if atomic else (9, 5))
+    assert {(k.head_dim, k.tokens) for k in selected.values()} == {(64, 256)}
+
+
+@needs_gpu_compiler
+def test_the_selected_kernels_rate_reproduces_its_measured_row(h100s):
+    """The measured 16k row (config/attention_speeds.SELECTED): its kernel_ms is the measured time less what the
+    predictor prices the same program's XLA kernels at (the rows' scatter-adds), so the prediction of the whole
+    program on an H200 is the measured time."""
+    from maxtrain.config import attention_speeds, chips  # pylint: disable=import-outside-toplevel
+
+    row = next(r for r in attention_speeds.SELECTED if r.tokens == 16384)
+    costs = _selected_costs(h100s, batch=1, length=row.tokens, heads=row.heads, latent=row.latent, rope=row.rope,
+                            topk=row.index_topk)
+    chip, cal = chips.by_name("h200"), predict.CALIBRATION
+    others = sum(predict.kernel_seconds(k, chip, cal, cal.launch_seconds)[0] * k.count
+                 for k in costs.kernels if k.kind != "attention:selected")
+    assert row.kernel_ms == pytest.approx(row.ms - others * 1e3, rel=0.01)
+    step = predict.predict(costs, chip, model_flops_per_step=1.0, tokens_per_step=row.tokens, num_chips=1)
+    assert step["step_seconds"] * 1e3 == pytest.approx(row.ms, rel=0.02)
+    assert step["parts"]["attention"] > 0.8 * step["step_seconds"]
