@@ -124,6 +124,31 @@ def test_flash_with_gemma4_global_heads_compiles_for_h100(h100s):
 
 
 @needs_gpu_compiler
+@pytest.mark.parametrize("fsdp", [1, 8])
+def test_qwen_vision_towers_frame_attention_compiles_for_h100(h100s, fsdp):
+    """Qwen3-VL's and Qwen3.5's tower (16 heads of 72) attends within frames over one sequence of 2048 patches with
+    the flash kernel (models/vision/frame_attention.py): forward and backward on one H100, and on 8 under FSDP, where
+    the tower's one row cannot split over the batch (the kernel then runs on each device's heads); no [P, P] array."""
+    from maxtrain.models.vision import frame_attention  # pylint: disable=import-outside-toplevel
+
+    mesh = sharding.mesh_of(h100s[:fsdp], data=1, fsdp=fsdp, tensor=1)
+    whole = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    q = jax.ShapeDtypeStruct((1, 2048, 16, 72), jnp.bfloat16, sharding=whole)
+    segments = jax.ShapeDtypeStruct((1, 2048), jnp.int32, sharding=whole)
+
+    def grads(q, k, v, segments):
+        def loss(q, k, v):
+            out = frame_attention.attend(q, k, v, segments, implementation="flash", platform="gpu")
+            return jnp.sum(out.astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    with sharding.activation_sharding(mesh, RULES):
+        hlo = jax.jit(grads).trace(q, q, q, segments).lower(lowering_platforms=("cuda",)).compile().as_text()
+    for kernel in ("flash_attention_fwd", "flash_attention_dq", "flash_attention_dkv"):
+        assert kernel in hlo
+    assert "2048,2048]" not in hlo
+
+
+@needs_gpu_compiler
 @pytest.mark.parametrize("head_dim", [128, 256])
 def test_flash_compiles_for_a100(head_dim):
     """An A100 has 163 KiB of shared memory per block (an H100 227 KiB): the tiles shrink to fit."""

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from maxtrain.models.attention import kernel_choice, kernels
 from maxtrain.models.attention.reference import (causal_chunks, chunk_ids_elementwise,  # noqa: F401  (API)
                                                 chunk_segment_ids, dot_product_attention, make_attention_mask,
-                                                soft_cap, softmax_with_sink)
+                                                query_blocks, soft_cap, softmax_with_sink)
 from maxtrain.models.attention.kernels import (PLATFORMS, canonical_platform, local_kernel,  # noqa: F401  (API)
                                               pad_head_dims)
 from maxtrain.parallel import sharding
@@ -183,7 +183,7 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
               causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0,
               scale: float | None = None, block_q: int = 128, block_kv: int = 128, interpret: bool | None = None,
               sinks=None, chunk: int = 0, positions=None, context_strategy: str = "all_gather",
-              context_reorder: str = "dual_chunk_swap", context_inner: int = 0):
+              context_reorder: str = "dual_chunk_swap", context_inner: int = 0, query_block: int = 512):
     """Self-attention over one (possibly packed) sequence; dispatches on `implementation`.
 
     `implementation` must already be resolved (see resolve_implementation). The kernels (flash,
@@ -198,6 +198,8 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
     With the sequence split over the context mesh axes, context_strategy (all_gather, ring, ulysses or usp) says
     how the queries meet the other devices' keys, context_reorder names the layout the tokens arrive in
     (parallel/context.py), and context_inner is usp's devices of the group per slice (ici_context_parallelism).
+    Bidirectional (causal=False) dot_product runs in blocks of query_block queries (query_blocks: O(query_block x T)
+    memory a head, never the T x T mask or scores).
     """
     if chunk > 0:
         if not causal:
@@ -273,6 +275,10 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
         if on_cpu and causal:
             return causal_chunks(q, k, v, segment_ids, sliding_window=sliding_window, scale=scale,
                                  logits_soft_cap=logits_soft_cap, sinks=sinks)
+        if not causal:
+            return query_blocks(q, k, v, segment_ids, block=query_block, sliding_window=sliding_window, scale=scale,
+                                logits_soft_cap=logits_soft_cap, sinks=sinks, compact_scores=platform == "tpu",
+                                heads_major=on_cpu)
         mask = make_attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
         return dot_product_attention(q, k, v, mask, scale=scale, logits_soft_cap=logits_soft_cap,
                                      compact_scores=platform == "tpu", heads_major=on_cpu, sinks=sinks)

@@ -205,6 +205,37 @@ def _long_causal_chunks(q, k, v, segment_ids, *, sliding_window, scale, logits_s
     return jnp.concatenate(outs, axis=1)[:, :t]
 
 
+def query_blocks(q, k, v, segment_ids, *, causal: bool = False, block: int = 512, sliding_window: int = 0,
+                 scale: float | None = None, logits_soft_cap: float = 0.0, sinks=None, compact_scores: bool = False,
+                 heads_major: bool = False):
+    """Self-attention in blocks of `block` queries, each against every key, one checkpointed step of a lax.scan at a
+    time: the scores and probabilities live for one block [B, N, block, S] in the forward and again in the backward
+    (recomputed from the block's queries), memory O(block x S) a head instead of O(T x S); the same values as one
+    dot_product_attention over the whole mask. attention() uses it for bidirectional (causal=False) attention with
+    dot_product (the image towers' frames: models/vision/frame_attention.py). T <= block: that one call."""
+    b, t = q.shape[:2]
+    options = dict(scale=scale, logits_soft_cap=logits_soft_cap, sinks=sinks, compact_scores=compact_scores,
+                   heads_major=heads_major)
+    if t <= block:
+        mask = make_attention_mask(segment_ids, segment_ids, causal=causal, sliding_window=sliding_window)
+        return dot_product_attention(q, k, v, mask, **options)
+    n = -(-t // block)
+    pad = n * block - t
+    q_blocks = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, n, block, *q.shape[2:]).swapaxes(0, 1)
+    seg_blocks = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)  # padded queries see nothing
+    seg_blocks = seg_blocks.reshape(b, n, block).swapaxes(0, 1)
+
+    @jax.checkpoint  # the backward recomputes one block's scores at a time
+    def body(carry, xs):
+        q_block, seg_block, offset = xs
+        mask = make_attention_mask(seg_block, segment_ids, causal=causal, q_offset=offset,
+                                   sliding_window=sliding_window)
+        return carry, dot_product_attention(q_block, k, v, mask, **options)
+
+    _, out = jax.lax.scan(body, None, (q_blocks, seg_blocks, block * jnp.arange(n)))  # [n, B, block, N, Hv]
+    return out.swapaxes(0, 1).reshape(b, n * block, *out.shape[3:])[:, :t]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _probabilities(scores, mask, scale: float, cap: float):
     """softmax(where(mask, soft_cap(scores * scale, cap), -big)) computed in float32 from 16-bit

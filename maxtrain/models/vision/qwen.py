@@ -9,7 +9,8 @@ window: the m x m patches that the merger joins into one token are consecutive (
            + sum_k w_k pos_embed[j_k]           the learned grid (sqrt(num_position_embeddings) a side),
                                                  bilinear over the 4 nearest cells, corners aligned
     block  x = x + proj(attention(rope2d(qkv(LN(x)))));  x = x + fc2(act(fc1(LN(x))))
-           attention is bidirectional within each frame (a segment per frame); rope2d rotates, in the
+           attention is bidirectional within each frame (a segment per frame; frame_attention.py: the run's
+           kernel or query blocks, never a [P, P] mask over the batch); rope2d rotates, in the
            rotate-half layout, the first half of each half-head by the patch's row and the second by its
            column, at inv_freq[i] = theta ** (-4i / H)
     merger LN over D, the m*m patches of a window concatenated (D m^2), fc1, exact GELU, fc2 -> out_hidden_size
@@ -33,6 +34,7 @@ class (model.visual. in the released checkpoints of Qwen3-VL, Qwen3.5 and their 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -40,10 +42,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain.models import attention, rope
+from maxtrain.models import rope
 from maxtrain.models.hf import FLAT, SAME, ConversionError, Layout, Linear
 from maxtrain.models.params import ParamSpec, dense, stacked
-from maxtrain.models.vision import hf_tensors
+from maxtrain.models.vision import frame_attention, hf_tensors
 
 LAYER_NORM_EPS = 1e-6  # every LayerNorm of the tower (fixed in transformers' modules)
 
@@ -258,12 +260,13 @@ def _linear(x, w, b, n: int = 1):
     return (out + b.astype(jnp.float32)).astype(x.dtype)
 
 
-def block(x, p, cos, sin, mask, config: VisionConfig):
-    """One ViT block on x [P, D]: pre-LayerNorm attention (2-D rotary, `mask` [1, P, P]) and MLP, residual."""
+def block(x, p, cos, sin, segments, config: VisionConfig, attend=frame_attention.attend):
+    """One ViT block on x [P, D]: pre-LayerNorm attention (2-D rotary, within the frames of `segments` [1, P], by
+    `attend`: frame_attention.attend with the run's implementation) and MLP, residual."""
     qkv = _linear(layer_norm(x, p["attn_norm"], p["attn_norm_bias"]), p["wqkv"], p["bqkv"])  # "PD,DCNH->PCNH"
     q, k, v = (qkv[None, :, i] for i in range(3))                                          # [1, P, N, H] each
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    out = attention.dot_product_attention(q, k, v, mask)[0]                                # [P, N, H]
+    out = attend(q, k, v, segments)[0]                                                     # [P, N, H]
     x = x + _linear(out, p["wo"], p["bo"], 2)                                              # "PNH,NHD->PD"
     h = _linear(layer_norm(x, p["mlp_norm"], p["mlp_norm_bias"]), p["w_in"], p["b_in"])
     return x + _linear(ACTIVATIONS[config.hidden_act](h), p["w_out"], p["b_out"])
@@ -280,12 +283,13 @@ def merge(x, p, config: VisionConfig, postshuffle: bool):
     return _linear(jax.nn.gelu(_linear(x, p["w_in"], p["b_in"]), approximate=False), p["w_out"], p["b_out"])
 
 
-def _run_blocks(x, blocks, cos, sin, mask, config: VisionConfig, remat: bool = False):
+def _run_blocks(x, blocks, cos, sin, segments, config: VisionConfig, remat: bool = False,
+                attend=frame_attention.attend):
     """The blocks stacked in `blocks` (a leading layers axis), one after another under lax.scan; remat: each block's
     activations recomputed in the backward pass (only its input kept), so a training step does not hold every
-    block's [heads, P, P] attention weights at once."""
+    block's attention weights at once."""
     def body(h, p):
-        return block(h, p, cos, sin, mask, config), None
+        return block(h, p, cos, sin, segments, config, attend), None
     return jax.lax.scan(jax.checkpoint(body) if remat else body, x, blocks)[0]
 
 
@@ -340,11 +344,13 @@ def _rotary(positions, config: VisionConfig):
 
 
 def forward_layout(params, pixel_values, layout: PatchLayout, config: VisionConfig, dtype=jnp.float32,
-                   remat: bool = False):
+                   remat: bool = False, attention_impl: str = "dot_product", platform: str | None = None):
     """(embeddings [P/m^2, out_hidden_size], deepstack features, one per deepstack_visual_indexes) from
     pixel_values [P, C*t*p*p] laid out as `layout` says (arrays only: jit-friendly). The rows of padding patches
     (layout.images == 0) come last and hold values nothing should use. Matmuls in `dtype`, norms, RoPE and
-    softmax in float32. remat: the blocks' activations recomputed in the backward pass (_run_blocks)."""
+    softmax in float32. remat: the blocks' activations recomputed in the backward pass (_run_blocks).
+    attention_impl, platform: the attention within frames (frame_attention.implementation(rt) for a run; platform
+    None: this machine's backend)."""
     if pixel_values.shape != (layout.segments.shape[0], config.patch_dim):
         raise ValueError(f"pixel_values {tuple(pixel_values.shape)} do not match the layout's "
                          f"{layout.segments.shape[0]} patches of {config.patch_dim} values each")
@@ -353,15 +359,17 @@ def forward_layout(params, pixel_values, layout: PatchLayout, config: VisionConf
     x = x + jnp.sum(table[layout.taps] * layout.weights[:, :, None], axis=1).astype(dtype)
     cos, sin = (a[None] for a in _rotary(layout.positions, config))
     segments = jnp.asarray(layout.segments)[None]
-    mask = attention.make_attention_mask(segments, segments, causal=False)
+    attend = functools.partial(frame_attention.attend, implementation=attention_impl,
+                               platform=platform or jax.default_backend())
     features, start = [], 0
     for i, index in enumerate(config.deepstack_visual_indexes):  # the blocks up to each index, then its merger
-        x = _run_blocks(x, jax.tree.map(lambda a, s=start, e=index + 1: a[s:e], params["blocks"]), cos, sin, mask,
-                        config, remat)
+        x = _run_blocks(x, jax.tree.map(lambda a, s=start, e=index + 1: a[s:e], params["blocks"]), cos, sin,
+                        segments, config, remat, attend)
         features.append(merge(x, jax.tree.map(lambda a, i=i: a[i], params["deepstack"]), config, postshuffle=True))
         start = index + 1
     if start < config.depth:
-        x = _run_blocks(x, jax.tree.map(lambda a: a[start:], params["blocks"]), cos, sin, mask, config, remat)
+        x = _run_blocks(x, jax.tree.map(lambda a: a[start:], params["blocks"]), cos, sin, segments, config, remat,
+                        attend)
     return merge(x, params["merger"], config, postshuffle=False), tuple(features)
 
 

@@ -27,7 +27,7 @@ import numpy as np
 
 from maxtrain.models import hf
 from maxtrain.models import rope as rope_lib
-from maxtrain.models.vision import qwen
+from maxtrain.models.vision import frame_attention, qwen
 
 IMAGE_KEYS = ("pixel_values",) + tuple(f"patch_{name}" for name in qwen.PatchLayout._fields)
 TEXT_PREFIXES = {"model.language_model.": "model.", "lm_head.": "lm_head."}  # checkpoint -> the text model's names
@@ -171,7 +171,8 @@ def embed_images(params, x, tokens, images: dict, model, rt):
         pass
     layout = qwen.PatchLayout(*(jnp.asarray(images[f"patch_{k}"]) for k in qwen.PatchLayout._fields))
     merged, features = qwen.forward_layout(params["vision"], jnp.asarray(images["pixel_values"]), layout,
-                                           vision_config(config), rt.dtype, remat=rt.remat_policy != "none")
+                                           vision_config(config), rt.dtype, remat=rt.remat_policy != "none",
+                                           attention_impl=frame_attention.implementation(rt), platform=rt.backend)
     mask = tokens == config.image_token_id                                   # [B, T]
     order = jnp.cumsum(mask.reshape(-1)).reshape(mask.shape) - 1             # the k-th placeholder takes row k
     index = jnp.clip(order, 0, merged.shape[0] - 1)
