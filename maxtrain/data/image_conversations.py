@@ -15,8 +15,9 @@ weight 0. Images are decoded and preprocessed in ToImageElement, a Grain map: wi
 workers, never in the main process.
 
 Elements carry tokens, weights, parts, positions [n, S] (the family's position streams, S = 3 for M-RoPE, made by
-Vision.inputs for the conversation alone, so every packed conversation's positions start over), pixel_values
-[patches, ...] and grids [images, 3]. First-fit packing packs the tokens into rows of max_target_length + 1 and the
+Vision.inputs for the conversation alone, so every packed conversation's positions start over), the tower's patch
+arrays (pixel_values [patches, ...]; Gemma 4's also image_position_ids) and grids [images, 3]; data/image_layout.py
+says how each tower's images sit (Qwen's grids; Gemma 4's fixed blocks of patches, boi and eoi around each image). First-fit packing packs the tokens into rows of max_target_length + 1 and the
 patches into image_patches_per_row at once (an element goes where both fit), so an image's tokens are never split;
 a truncated conversation keeps only the images wholly inside its inputs.
 

@@ -173,6 +173,13 @@ def test_missing_or_oversized_images_and_a_bad_row_budget_get_one_line(dataset, 
     assert "image_patches_per_row=300 is not a multiple of the 280 patches" in message and "e.g. 280" in message
 
 
+def test_train_compiles_images_line_reads_gemma4s_blocks():
+    from maxtrain.compile import report  # pylint: disable=import-outside-toplevel
+
+    assert report.images_line([1, 8, 2, 280, 48]).startswith(
+        "images      2 image(s) per row of 280 patches (image_patches_per_row=560) of 48 values, 8 rows")
+
+
 @pytest.mark.slow  # ~40 s: a tiny Gemma 4 compiled and trained 2 steps by train.main
 def test_a_tiny_gemma4_trains_on_image_conversations_through_train_main(dataset, tmp_path, capsys):
     from maxtrain import train  # pylint: disable=import-outside-toplevel
