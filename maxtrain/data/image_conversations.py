@@ -38,7 +38,7 @@ import numpy as np
 
 from maxtrain.config import objectives
 from maxtrain.data import chat, hosts, images as images_lib
-from maxtrain.data.image_layout import cut, model_inputs
+from maxtrain.data.image_layout import check_row_budget, cut, model_inputs
 from maxtrain.data.errors import DataError
 
 PIXELS, GRIDS = "pixel_values", "image_grids"
@@ -290,9 +290,7 @@ def probe(config, vision, preprocess) -> tuple[dict, int]:
     """({patch array: (the shape of one patch's row, dtype)}, the number of position streams) from one small image,
     in the main process (it also proves the processor works, and image_patches_per_row fits its layout, before
     training starts)."""
-    from maxtrain.data import image_layout  # pylint: disable=import-outside-toplevel
-
-    image_layout.check_row_budget(preprocess, config.image_patches_per_row)
+    check_row_budget(preprocess, config.image_patches_per_row)
     arrays, grid, count = preprocess(images_lib.pillow().new("RGB", (32, 32)))
     positions, _ = model_inputs(vision, config, preprocess, np.full((1, count), config.image_token_id, np.int32),
                                 arrays, [grid])
