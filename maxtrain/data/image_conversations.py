@@ -272,7 +272,8 @@ class ToImageElement:
                 "positions": np.ascontiguousarray(positions, np.int32), **arrays, GRIDS: grids}
 
     def __call__(self, located) -> dict:
-        element, was_cut = cut(self.unchanged(located), self.length, self.image_token_id)
+        element, was_cut = cut(self.unchanged(located), self.length, self.image_token_id,
+                               lead=len(self.preprocess.wrap) // 2)
         if was_cut and self.passes <= 1:
             self.truncated += 1
             if self.truncated & (self.truncated - 1) == 0:

@@ -40,9 +40,10 @@ def model_inputs(vision, config, tower, tokens, arrays: dict, grids, pad_to: int
     return vision.inputs(config, tokens, **blocks, pad_to=None if pad_to is None else pad_to // tower.block)
 
 
-def cut(element: dict, length: int, image_token_id: int) -> tuple[dict, bool]:
+def cut(element: dict, length: int, image_token_id: int, lead: int = 0) -> tuple[dict, bool]:
     """The element cut to at most `length` tokens, and before any image whose tokens would not all be inputs (the
-    last token of a row is only a target): the images after the cut are dropped."""
+    last token of a row is only a target): the images after the cut are dropped, with the `lead` tokens written
+    before each image's placeholders (Gemma 4's begin-of-image)."""
     tokens = element["tokens"]
     if len(tokens) <= length:
         return element, False
@@ -52,7 +53,7 @@ def cut(element: dict, length: int, image_token_id: int) -> tuple[dict, bool]:
     keep, end = len(starts), length
     for i, (s, e) in enumerate(zip(starts, ends)):
         if e >= length - 1:
-            keep, end = i, min(length, int(s))
+            keep, end = i, min(length, max(int(s) - lead, 0))
             break
     patches = int(sum(np.prod(g) for g in element[GRIDS][:keep]))
     return {k: v[:keep] if k == GRIDS else v[:end] if k in TEXT else v[:patches] for k, v in element.items()}, True

@@ -13,7 +13,7 @@ import pytest
 from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
-from maxtrain.data import DataError, conversations, images
+from maxtrain.data import DataError, conversations, image_layout, images
 from maxtrain.models import image_batch
 from post_helpers import compose
 import gemma4_image_helpers as g4
@@ -189,3 +189,16 @@ def test_a_tiny_gemma4_trains_on_image_conversations_through_train_main(dataset,
     out = capsys.readouterr().out
     losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
     assert len(losses) == 2 and all(np.isfinite(losses))
+
+
+def test_a_truncated_conversation_drops_a_cut_image_with_its_begin_of_image_token():
+    boi, image, eoi = 7, 9, 8
+    tokens = np.array([1, boi, image, image, eoi, 3, boi, image, image, eoi, 4], np.int32)
+    n = len(tokens)
+    element = {"tokens": tokens, "weights": np.ones(n, np.float32), "parts": np.ones(n, np.int32),
+               "positions": np.zeros((n, 1), np.int32), "pixel_values": np.arange(8, dtype=np.float32)[:, None],
+               "image_position_ids": np.zeros((8, 2), np.int32), "image_grids": np.array([[1, 1, 4]] * 2, np.int32)}
+    kept, was_cut = image_layout.cut(element, 9, image, lead=1)  # the second image would end at the last token
+    assert was_cut and list(kept["tokens"]) == [1, boi, image, image, eoi, 3]
+    assert kept["pixel_values"].shape == (4, 1) and kept["image_position_ids"].shape == (4, 2)
+    assert len(kept["image_grids"]) == 1
