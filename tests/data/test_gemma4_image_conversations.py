@@ -202,3 +202,12 @@ def test_a_truncated_conversation_drops_a_cut_image_with_its_begin_of_image_toke
     assert was_cut and list(kept["tokens"]) == [1, boi, image, image, eoi, 3]
     assert kept["pixel_values"].shape == (4, 1) and kept["image_position_ids"].shape == (4, 2)
     assert len(kept["image_grids"]) == 1
+
+
+def test_inspect_data_shows_each_image_run_once_with_its_count(dataset, tmp_path, capsys):
+    from maxtrain import inspect_data  # pylint: disable=import-outside-toplevel
+
+    inspect_data.main([*compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}", *g4.model_args(dataset)),
+                       "--batches", "1", "--rows", "1"])
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("row 0"))
+    assert "<start_of_image><image_soft_token>×60<end_of_image>" in row
