@@ -25,6 +25,7 @@ process_id=<host>: nothing is initialized, only the sharding is computed as thos
 from __future__ import annotations
 
 import argparse
+import functools
 
 import jax
 import numpy as np
@@ -39,21 +40,21 @@ KEYS = ("dataset_type", "grain_train_files", "grain_eval_files", "tokenizer_path
         "per_device_batch_size", "objective", "num_processes", "process_id")
 
 
-def _elide(text: str, chars: int) -> str:
-    text = text.replace("\n", "⏎").replace("\t", "⇥")
+def _elide(text: str, chars: int, collapse=None) -> str:
+    text = (collapse(text) if collapse else text).replace("\n", "⏎").replace("\t", "⇥")
     return text if len(text) <= chars else text[:chars // 2] + " … " + text[-chars // 2:]
 
 
-def _marked(tokens, carries, tokenizer, chars: int) -> str:
+def _marked(tokens, carries, tokenizer, chars: int, collapse=None) -> str:
     """Decoded text with the tokens that carry loss inside «» (DPO: «+chosen» and «-rejected»)."""
     if carries is None:
         text = tokenizer.decode(tokens) if tokenizer else " ".join(map(str, tokens))
-        return repr(_elide(text, chars))
+        return repr(_elide(text, chars, collapse))
     out, start = [], 0
     for end in range(1, len(tokens) + 1):
         if end == len(tokens) or np.sign(carries[end]) != np.sign(carries[start]):
             piece = tokens[start:end]
-            text = _elide(tokenizer.decode(piece) if tokenizer else " ".join(map(str, piece)), chars)
+            text = _elide(tokenizer.decode(piece) if tokenizer else " ".join(map(str, piece)), chars, collapse)
             sign = np.sign(carries[start])
             out.append(text if sign == 0 else f"«{'-' if sign < 0 else ''}{text}»")
             start = end
@@ -61,9 +62,10 @@ def _marked(tokens, carries, tokenizer, chars: int) -> str:
 
 
 def render_row(tokens: np.ndarray, segment_ids: np.ndarray, positions: np.ndarray, tokenizer, chars: int,
-               loss_weights: np.ndarray | None = None) -> str:
+               loss_weights: np.ndarray | None = None, collapse=None) -> str:
     """One input row as its segments: ⟦segment @first-last position⟧'decoded text', padding counted.
-    With loss_weights (SFT, DPO), the tokens predicted with loss are marked «like this»."""
+    With loss_weights (SFT, DPO), the tokens predicted with loss are marked «like this»; `collapse` rewrites each
+    decoded text before it is shortened (image placeholders' runs shown once with their count)."""
     carries = None
     if loss_weights is not None:  # input token j is the target of position j - 1
         carries = np.concatenate([[0.0], loss_weights[:-1]])
@@ -74,7 +76,8 @@ def render_row(tokens: np.ndarray, segment_ids: np.ndarray, positions: np.ndarra
             if seg == 0:
                 parts.append(f"⟦pad x{end - start}⟧")
             else:
-                text = _marked(tokens[start:end], None if carries is None else carries[start:end], tokenizer, chars)
+                text = _marked(tokens[start:end], None if carries is None else carries[start:end], tokenizer, chars,
+                               collapse)
                 parts.append(f"⟦{seg} @{positions[start]}-{positions[end - 1]}⟧{text}")
             start = end
     return "  ".join(parts)
@@ -131,9 +134,10 @@ def main(argv: list[str]) -> None:
         for r in range(min(opts.rows, flat["inputs"].shape[0])):
             marks = flat["loss_weights"][r] if config_lib.objectives.templated(config) else None
             positions = streams[r] if streams.ndim == 2 else streams[r][:, 0]
-            line = render_row(flat["inputs"][r], flat["segment_ids"][r], positions, tok, opts.chars, marks)
-            print(f"  row {r}  " + (image_conversations.runs_once(line, tok.piece(config.image_token_id)) if images
-                                    else line))
+            collapse = (functools.partial(image_conversations.runs_once, piece=tok.piece(config.image_token_id))
+                        if images else None)
+            print(f"  row {r}  " + render_row(flat["inputs"][r], flat["segment_ids"][r], positions, tok, opts.chars,
+                                              marks, collapse))
             if images and streams.ndim == 3:
                 for span in image_conversations.image_spans(flat["inputs"][r], flat["segment_ids"][r], streams[r],
                                                             config.image_token_id):

@@ -47,37 +47,38 @@ def write_jsonl(path: str, rows: list[dict]) -> str:
     return path
 
 
-def make_dataset(directory: str, n: int = 24) -> dict:
-    """train.jsonl (n records), tok.model with preprocessor_config.json beside it."""
+def make_dataset(directory: str, n: int = 24, symbols=tuple(IMAGE_TOKENS), processor=None) -> dict:
+    """train.jsonl (n records), tok.model (with `symbols` as single pieces) with preprocessor_config.json beside
+    it."""
     convs = conversations(directory, n)
     texts = ["".join(f"<|im_start|>{m['role']}\n{m['content'] if isinstance(m['content'], str) else 'colour?'}"
                      "<|im_end|>\n" for m in c["messages"]) for c in convs] * 5
     tok = train_tokenizer(os.path.join(directory, "tok.model"), texts + ["red green blue colour"] * 5)
-    _add_symbols(tok)
+    _add_symbols(tok, symbols)
     with open(os.path.join(directory, "preprocessor_config.json"), "w") as f:
-        json.dump(PROCESSOR, f)
+        json.dump(PROCESSOR if processor is None else processor, f)
     return {"train": write_jsonl(os.path.join(directory, "train.jsonl"), convs), "tokenizer": tok,
             "dir": directory, "records": convs}
 
 
-def _add_symbols(path: str) -> None:
+def _add_symbols(path: str, symbols=tuple(IMAGE_TOKENS)) -> None:
     """The image tokens added to the sentencepiece model as user-defined pieces (single tokens)."""
     from sentencepiece import sentencepiece_model_pb2 as pb  # pylint: disable=import-outside-toplevel
 
     model = pb.ModelProto()
     with open(path, "rb") as f:
         model.ParseFromString(f.read())
-    for symbol in IMAGE_TOKENS:
+    for symbol in symbols:
         piece = model.pieces.add()
         piece.piece, piece.score, piece.type = symbol, 0.0, pb.ModelProto.SentencePiece.USER_DEFINED
     with open(path, "wb") as f:
         f.write(model.SerializeToString())
 
 
-def image_token_id(path: str) -> int:
+def image_token_id(path: str, piece: str = "<|image_pad|>") -> int:
     import sentencepiece as spm  # pylint: disable=import-outside-toplevel
 
-    return spm.SentencePieceProcessor(model_file=path).piece_to_id("<|image_pad|>")
+    return spm.SentencePieceProcessor(model_file=path).piece_to_id(piece)
 
 
 def model_args(paths: dict) -> list[str]:

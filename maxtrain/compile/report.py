@@ -45,7 +45,8 @@ def report(run, compiled, target: targets.Target, seconds: float) -> dict:
 
 
 def image_pixels(run) -> list | None:
-    """The shape [accumulation, micro batch, patches per row, values per patch] of the images' pixel rows the step
+    """The shape [accumulation, micro batch, patches per row, values per patch] (Gemma 4: [..., images per row,
+    patches per image, values per patch]) of the images' pixel rows the step
     reads (SFT on image conversations: data/image_conversations.py), or None for a step without images."""
     if not image_conversations.active(run.config, run.model.family.vision):
         return None
@@ -53,6 +54,10 @@ def image_pixels(run) -> list | None:
 
 
 def images_line(pixels: list) -> str:
+    """[A, b, patches, values] (Qwen's patches) or [A, b, images, patches, values] (Gemma 4's fixed blocks)."""
+    if len(pixels) == 5:
+        return (f"images      {pixels[2]:,} image(s) per row of {pixels[3]:,} patches (image_patches_per_row="
+                f"{pixels[2] * pixels[3]}) of {pixels[4]:,} values, {pixels[1]} rows per micro-batch")
     return (f"images      {pixels[2]:,} image patches per row (image_patches_per_row) of {pixels[3]:,} values, "
             f"{pixels[1]} rows per micro-batch")
 

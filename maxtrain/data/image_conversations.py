@@ -15,8 +15,9 @@ weight 0. Images are decoded and preprocessed in ToImageElement, a Grain map: wi
 workers, never in the main process.
 
 Elements carry tokens, weights, parts, positions [n, S] (the family's position streams, S = 3 for M-RoPE, made by
-Vision.inputs for the conversation alone, so every packed conversation's positions start over), pixel_values
-[patches, ...] and grids [images, 3]. First-fit packing packs the tokens into rows of max_target_length + 1 and the
+Vision.inputs for the conversation alone, so every packed conversation's positions start over), the tower's patch
+arrays (pixel_values [patches, ...]; Gemma 4's also image_position_ids) and grids [images, 3]; data/image_layout.py
+says how each tower's images sit (Qwen's grids; Gemma 4's fixed blocks of patches, boi and eoi around each image). First-fit packing packs the tokens into rows of max_target_length + 1 and the
 patches into image_patches_per_row at once (an element goes where both fit), so an image's tokens are never split;
 a truncated conversation keeps only the images wholly inside its inputs.
 
@@ -37,6 +38,7 @@ import numpy as np
 
 from maxtrain.config import objectives
 from maxtrain.data import chat, hosts, images as images_lib
+from maxtrain.data.image_layout import check_row_budget, cut, model_inputs
 from maxtrain.data.errors import DataError
 
 PIXELS, GRIDS = "pixel_values", "image_grids"
@@ -56,7 +58,7 @@ def vision_of(config, vision):
 
 
 def preprocessor(config):
-    """The image -> (pixel_values, grid, placeholders) map of the model's tower (images.for_tower)."""
+    """The image -> (patch arrays, grid, placeholders) map of the model's tower (images.TowerImages)."""
     import json  # pylint: disable=import-outside-toplevel
 
     return images_lib.for_tower(json.loads(config.vision_config), processor_config(config))
@@ -192,37 +194,24 @@ def open_image(source, folder: str, where: str, index: int, max_pixels: int):
 # --------------------------------------------------------------------------------------------
 
 
-def expand(tokens, weights, image_token_id: int, counts: list[int], where: str, image_text: str):
-    """Each image token repeated to its image's placeholder count, weight 0."""
+def expand(tokens, weights, image_token_id: int, counts: list[int], where: str, image_text: str, wrap: tuple = ()):
+    """Each image token repeated to its image's placeholder count, weight 0; with `wrap` (begin, end), as
+    begin + placeholders + end (Gemma 4's processor: boi, the soft tokens, eoi)."""
     at = np.flatnonzero(tokens == image_token_id)
     if len(at) != len(counts):
         raise DataError(f"{where}: the chat template wrote {len(at)} image tokens ({image_text!r}, id "
                         f"{image_token_id}) for {len(counts)} images; use the checkpoint's own chat template (or a "
                         "built-in one) with a tokenizer that holds the image token as one piece")
     repeat = np.ones(len(tokens), np.int64)
-    repeat[at] = counts
+    repeat[at] = np.asarray(counts, np.int64) + len(wrap)
+    image = np.repeat(np.isin(np.arange(len(tokens)), at), repeat)
     tokens, weights = np.repeat(tokens, repeat), np.repeat(weights, repeat)
-    weights[tokens == image_token_id] = 0.0
+    if wrap:
+        first = np.flatnonzero(image & ~np.concatenate([[False], image[:-1]]))
+        last = np.flatnonzero(image & ~np.concatenate([image[1:], [False]]))
+        tokens[first], tokens[last] = wrap
+    weights[image] = 0.0
     return tokens.astype(np.int32), weights.astype(np.float32)
-
-
-def cut(element: dict, length: int, image_token_id: int) -> tuple[dict, bool]:
-    """The element cut to at most `length` tokens, and before any image whose tokens would not all be inputs (the
-    last token of a row is only a target): the images after the cut are dropped."""
-    tokens = element["tokens"]
-    if len(tokens) <= length:
-        return element, False
-    image = tokens == image_token_id
-    starts = np.flatnonzero(image & ~np.concatenate([[False], image[:-1]]))
-    ends = np.flatnonzero(image & ~np.concatenate([image[1:], [False]]))
-    keep, end = len(starts), length
-    for i, (s, e) in enumerate(zip(starts, ends)):
-        if e >= length - 1:
-            keep, end = i, min(length, int(s))
-            break
-    patches = int(sum(np.prod(g) for g in element[GRIDS][:keep]))
-    out = {k: v[:end] for k, v in element.items() if k not in (PIXELS, GRIDS)}
-    return {**out, PIXELS: element[PIXELS][:patches], GRIDS: element[GRIDS][:keep]}, True
 
 
 class ToImageElement:
@@ -257,30 +246,34 @@ class ToImageElement:
         done = self.images(sources, where)
         text_parts = chat.parts(self.template, messages, self.completion_only, where)
         tokens, weights = chat.encode_parts(self.template, text_parts)
-        tokens, weights = expand(tokens, weights, self.image_token_id, [d[2] for d in done], where, self.image_text)
+        tokens, weights = expand(tokens, weights, self.image_token_id, [d[2] for d in done], where, self.image_text,
+                                 self.preprocess.wrap)
         if not weights.any():
             raise DataError(f"{where}: the conversation renders to no assistant tokens; check its messages")
         grids = np.asarray([d[1] for d in done], np.int32).reshape(-1, 3)
-        pixels = np.concatenate([d[0] for d in done]) if done else None
         patches = int(grids.prod(axis=1).sum())
         if patches > self.patches_per_row:
             raise DataError(f"{where}: its {len(done)} images need {patches} patches but a row holds "
                             f"image_patches_per_row={self.patches_per_row}; raise image_patches_per_row to "
                             f"{patches} or more, or give fewer or smaller images (the processor's max_pixels)")
-        if pixels is None:  # no image: the streams of text alone, every one counting on
+        if not done:  # no image: the streams of text alone, every one counting on
             positions = np.broadcast_to(np.arange(len(tokens), dtype=np.int32)[:, None], (len(tokens), self.streams))
-            pixels = np.zeros((0,) + self.pixel_shape, np.float32)
+            arrays = {k: np.zeros((0,) + shape, dtype) for k, (shape, dtype) in self.patch_shapes.items()}
         else:
-            positions, _ = self.vision.inputs(self.config, tokens[None], pixels, grids)
+            arrays = {k: np.concatenate([d[0][k] for d in done]) for k in done[0][0]}
+            try:
+                positions, _ = model_inputs(self.vision, self.config, self.preprocess, tokens[None], arrays, grids)
+            except ValueError as e:
+                raise DataError(f"{where}: {e}") from None
             positions = np.asarray(positions)
             positions = positions[:, 0].T if positions.ndim == 3 else positions[0][:, None]
         n = len(tokens)
         return {"tokens": tokens, "weights": weights, "parts": np.ones(n, np.int32),
-                "positions": np.ascontiguousarray(positions, np.int32), PIXELS: pixels.astype(np.float32),
-                GRIDS: grids}
+                "positions": np.ascontiguousarray(positions, np.int32), **arrays, GRIDS: grids}
 
     def __call__(self, located) -> dict:
-        element, was_cut = cut(self.unchanged(located), self.length, self.image_token_id)
+        element, was_cut = cut(self.unchanged(located), self.length, self.image_token_id,
+                               lead=len(self.preprocess.wrap) // 2)
         if was_cut and self.passes <= 1:
             self.truncated += 1
             if self.truncated & (self.truncated - 1) == 0:
@@ -290,17 +283,20 @@ class ToImageElement:
         return element
 
     def probe(self) -> "ToImageElement":
-        self.pixel_shape, self.streams = probe(self.config, self.vision, self.preprocess)
+        self.patch_shapes, self.streams = probe(self.config, self.vision, self.preprocess)
         return self
 
 
-def probe(config, vision, preprocess) -> tuple[tuple, int]:
-    """(the shape of a patch's pixel row, the number of position streams) from one small image, in the main process
-    (it also proves the processor works before training starts)."""
-    pixels, grid, count = preprocess(images_lib.pillow().new("RGB", (32, 32)))
-    positions, _ = vision.inputs(config, np.full((1, count), config.image_token_id, np.int32), pixels,
-                                 np.asarray([grid], np.int32))
-    return tuple(np.shape(pixels)[1:]), (np.shape(positions)[0] if np.ndim(positions) == 3 else 1)
+def probe(config, vision, preprocess) -> tuple[dict, int]:
+    """({patch array: (the shape of one patch's row, dtype)}, the number of position streams) from one small image,
+    in the main process (it also proves the processor works, and image_patches_per_row fits its layout, before
+    training starts)."""
+    check_row_budget(preprocess, config.image_patches_per_row)
+    arrays, grid, count = preprocess(images_lib.pillow().new("RGB", (32, 32)))
+    positions, _ = model_inputs(vision, config, preprocess, np.full((1, count), config.image_token_id, np.int32),
+                                arrays, [grid])
+    return ({k: (tuple(np.shape(v)[1:]), np.asarray(v).dtype) for k, v in arrays.items()},
+            (np.shape(positions)[0] if np.ndim(positions) == 3 else 1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -308,22 +304,22 @@ def probe(config, vision, preprocess) -> tuple[tuple, int]:
 # --------------------------------------------------------------------------------------------
 
 
-def to_example(row: dict, text_example) -> dict:
+def to_example(row: dict, text_example, keys: tuple = (PIXELS,)) -> dict:
     """A packed row (tokens T + 1, patches, grids) -> the text example [T] (text_example: conversations.to_example;
-    positions [T, S]) with the row's pixel_values [patches_per_row, ...] and image_grids [patches_per_row, 3] (rows
-    of zeros past its images)."""
-    return {**text_example(row), PIXELS: row[PIXELS], GRIDS: row[GRIDS]}
+    positions [T, S]) with the row's patch arrays `keys` (pixel_values, ...) [patches_per_row, ...] and image_grids
+    [patches_per_row, 3] (rows of zeros past its images)."""
+    return {**text_example(row), **{k: row[k] for k in keys}, GRIDS: row[GRIDS]}
 
 
-def _single_row(element: dict, length: int, patches: int, text_example) -> dict:
+def _single_row(element: dict, length: int, patches: int, text_example, keys: tuple) -> dict:
     n = len(element["tokens"])
     row = {}
     for k, v in element.items():
-        size = patches if k in (PIXELS, GRIDS) else length
+        size = patches if k in keys or k == GRIDS else length
         row[k] = np.zeros((size,) + v.shape[1:], v.dtype)
         row[k][:len(v)] = v
     row["tokens_segment_ids"] = (np.arange(length) < n).astype(np.int32)
-    return to_example(row, text_example)
+    return to_example(row, text_example, keys)
 
 
 def rows(elements, config, num_rows: int, text_example):
@@ -333,33 +329,38 @@ def rows(elements, config, num_rows: int, text_example):
     from grain import experimental as grain_exp  # pylint: disable=import-outside-toplevel
 
     length, patches = config.max_target_length + 1, config.image_patches_per_row
+    keys = preprocessor(config).keys
     if not config.packing:
-        return elements.map(functools.partial(_single_row, length=length, patches=patches, text_example=text_example))
-    struct = {"tokens": length, "weights": length, "parts": length, "positions": length, PIXELS: patches,
-              GRIDS: patches}
+        return elements.map(functools.partial(_single_row, length=length, patches=patches, text_example=text_example,
+                                              keys=keys))
+    struct = {"tokens": length, "weights": length, "parts": length, "positions": length, GRIDS: patches,
+              **{k: patches for k in keys}}
     packed = grain_exp.FirstFitPackIterDataset(elements, length_struct=struct, num_packing_bins=num_rows,
                                                shuffle_bins=False)
-    return packed.map(functools.partial(to_example, text_example=text_example))
+    return packed.map(functools.partial(to_example, text_example=text_example, keys=keys))
 
 
 class ToModelImages:
     """A host batch [A, b, ...] of packed rows -> the model's: per micro batch, Vision.inputs lays out every row's
-    images (padded to b x image_patches_per_row patches), each array stored as [b, X, ...]; positions [A, b, T, S]
-    (S = 1: [A, b, T]). A batch without image arrays (padding) gets padding images. Picklable."""
+    images (padded to b x image_patches_per_row patches: Gemma 4's to b x image_patches_per_row / M images of M
+    patches), each array stored as [b, X, ...]; positions [A, b, T, S] (S = 1: [A, b, T]). A batch without image
+    arrays (padding) gets padding images. Picklable."""
 
-    def __init__(self, config, vision, pixel_shape: tuple, streams: int):
-        self.config, self.vision, self.pixel_shape, self.streams = config, vision, tuple(pixel_shape), streams
-        self.patches = config.image_patches_per_row
+    def __init__(self, config, vision, tower, patch_shapes: dict, streams: int):
+        self.config, self.vision, self.tower, self.streams = config, vision, tower, streams
+        self.patch_shapes, self.patches = dict(patch_shapes), config.image_patches_per_row
 
-    def micro(self, inputs, pixels, grids) -> dict:
+    def micro(self, inputs, arrays: dict, grids) -> dict:
         b = inputs.shape[0]
-        flat_pixels, flat_grids = [], []
+        flat, flat_grids = {k: [] for k in arrays}, []
         for r in range(b):
             real = grids[r][grids[r].any(axis=1)]
             flat_grids.append(real)
-            flat_pixels.append(pixels[r][:int(real.prod(axis=1).sum())])
-        _, images = self.vision.inputs(self.config, inputs, np.concatenate(flat_pixels),
-                                       np.concatenate(flat_grids).astype(np.int64), pad_to=b * self.patches)
+            for k, v in arrays.items():
+                flat[k].append(v[r][:int(real.prod(axis=1).sum())])
+        _, images = model_inputs(self.vision, self.config, self.tower, inputs,
+                                 {k: np.concatenate(v) for k, v in flat.items()}, np.concatenate(flat_grids),
+                                 pad_to=b * self.patches)
         out = {}
         for k, v in images.items():
             v = np.asarray(v)
@@ -372,13 +373,12 @@ class ToModelImages:
 
     def __call__(self, batch: dict) -> dict:
         accum, b, _ = batch["inputs"].shape
-        pixels = batch.get(PIXELS)
-        if pixels is None:
-            pixels = np.zeros((accum, b, self.patches) + self.pixel_shape, np.float32)
+        arrays = {k: batch[k] if k in batch else np.zeros((accum, b, self.patches) + shape, dtype)
+                  for k, (shape, dtype) in self.patch_shapes.items()}
         grids = batch.get(GRIDS)
         if grids is None:
             grids = np.zeros((accum, b, self.patches, 3), np.int32)
-        micro = [self.micro(batch["inputs"][a], pixels[a], grids[a]) for a in range(accum)]
+        micro = [self.micro(batch["inputs"][a], {k: v[a] for k, v in arrays.items()}, grids[a]) for a in range(accum)]
         out = {k: batch[k] for k in TEXT_KEYS}
         positions = out["positions"]
         if positions.ndim == 3:
@@ -426,7 +426,7 @@ def converter(template, config, vision, columns: list[str], length: int, log, ke
 
 
 def finisher(config, element: ToImageElement) -> ToModelImages:
-    return ToModelImages(config, element.vision, element.pixel_shape, element.streams)
+    return ToModelImages(config, element.vision, element.preprocess, element.patch_shapes, element.streams)
 
 
 class EvalImages:
@@ -443,8 +443,9 @@ def batch_shapes(config, vision, shape: tuple) -> dict:
     """{key: (shape, dtype)} of a training batch of `shape` [A, b, T] of image conversations (the compiled step's):
     the image layout a batch without images gets, made by the code that makes the real ones."""
     vision = vision_of(config, vision)
-    pixel_shape, streams = probe(config, vision, preprocessor(config))
-    batch = ToModelImages(config, vision, pixel_shape, streams)(hosts.padding_batch(shape[:2], shape[2]))
+    tower = preprocessor(config)
+    patch_shapes, streams = probe(config, vision, tower)
+    batch = ToModelImages(config, vision, tower, patch_shapes, streams)(hosts.padding_batch(shape[:2], shape[2]))
     return {k: (v.shape, v.dtype) for k, v in batch.items()}
 
 

@@ -5,8 +5,8 @@ image's placeholder count, as `expand` does for a rendered chat.
     ids, arrays = image_prompts.prompt_with_image(config, tokenizer, prompt_ids)
 
 arrays holds the image under transformers' forward-argument names (pixel_values, image_grid_thw), which the family's
-contract.Vision.inputs_named lays out for the model. Towers with Qwen's patches (qwen3_vl, qwen3_5, qwen3_5_moe) only,
-as for training images (images.for_tower refuses the others in one line).
+contract.Vision.inputs_named lays out for the model. Towers with Qwen's patches (qwen3_vl, qwen3_5, qwen3_5_moe) only
+(Gemma 4's, which training reads, is refused here in one line).
 """
 
 from __future__ import annotations
@@ -33,7 +33,13 @@ def prompt_with_image(config, tokenizer, prompt_ids: list[int]) -> tuple[list[in
                           f"write it once where the image goes, e.g. prompt='<|vision_start|>{text}<|vision_end|>"
                           "Describe the image.'")
     image = image_conversations.open_image(path, os.getcwd(), "prompt_image", 0, config.max_image_pixels)
-    pixels, grid, placeholders = image_conversations.preprocessor(config)(image)
+    tower = image_conversations.preprocessor(config)
+    if tower.block is not None:
+        raise ConfigError(f"prompt_image={path!r}: decoding with an image prompt is wired for towers with Qwen's "
+                          f"patches only (qwen3_vl, qwen3_5, qwen3_5_moe), not decoder_block={config.decoder_block}; "
+                          "decode from a text prompt")
+    arrays, grid, placeholders = tower(image)
+    pixels = arrays["pixel_values"]
     tokens, _ = image_conversations.expand(np.asarray(prompt_ids), np.ones(len(prompt_ids), np.float32), image_id,
                                            [placeholders], "prompt_image", text)
     return [int(t) for t in tokens], {"pixel_values": pixels, "image_grid_thw": np.asarray([grid], np.int64)}

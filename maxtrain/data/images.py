@@ -314,23 +314,58 @@ def gemma4(image, spec: Gemma4VisionPreprocess) -> Gemma4Image:
 # --- the scheme of a model's tower, for training data ------------------------------------------------------------
 
 
+@dataclasses.dataclass(frozen=True)
+class TowerImages:
+    """A tower's image -> (patch arrays {name: [patches, ...]}, grid (t, h, w), placeholder count), picklable, with
+    how its images sit in a batch: block None: each image takes its grid's t*h*w patches (Qwen's); block M: each
+    takes a fixed block of M patches (Gemma 4's padded max_soft_tokens x pooling**2), grid (1, 1, M). `wrap`: the
+    tokens the processor writes around each image's placeholders (Gemma 4's begin- and end-of-image), or ()."""
+    preprocess: object
+    spec: object
+    block: int | None = None
+    wrap: tuple = ()
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The patch arrays' names (transformers' forward-argument names)."""
+        return ("pixel_values",) if self.block is None else ("pixel_values", "image_position_ids")
+
+    def __call__(self, image):
+        return self.preprocess(image, self.spec)
+
+
 def _qwen_image(image, spec: QwenVisionPreprocess):
     out = qwen_vl(image, spec)
-    return out.pixel_values, out.grid_thw, out.num_tokens
+    return {"pixel_values": out.pixel_values}, out.grid_thw, out.num_tokens
 
 
-def for_tower(vision_config: dict, processor: dict | None):
-    """A picklable image -> (pixel_values, grid (t, h, w), placeholder count) for a tower of `vision_config`
-    (config.json's, the vision_config model key): Qwen's patches (a tower with temporal_patch_size and
-    spatial_merge_size: Qwen2-VL, Qwen3-VL, Qwen3.5), with preprocessor_config.json's keys where given, else
-    Qwen3-VL's, and the tower's own patch, frame and merge sizes."""
-    import functools  # pylint: disable=import-outside-toplevel
+def _gemma4_image(image, spec: Gemma4VisionPreprocess):
+    out = gemma4(image, spec)
+    return ({"pixel_values": out.pixel_values, "image_position_ids": out.position_ids.astype(np.int32)},
+            (1, 1, spec.max_patches), out.num_tokens)
 
+
+GEMMA4_KEYS = {"patch_size", "pooling_kernel_size", "position_embedding_size"}
+
+
+def for_tower(vision_config: dict, processor: dict | None) -> TowerImages:
+    """The image preprocessing of a tower of `vision_config` (the vision_config model key, as JSON-decoded): Qwen's
+    patches (a tower with temporal_patch_size and spatial_merge_size: Qwen2-VL, Qwen3-VL, Qwen3.5), with
+    preprocessor_config.json's keys where given, else Qwen3-VL's, and the tower's own patch, frame and merge sizes;
+    Gemma 4's (the key holding its tower's config and its token_ids: boi and eoi), with preprocessor_config.json's
+    max_soft_tokens (else 280) and the tower's patch and pooling sizes."""
+    inner = vision_config.get("vision_config")
+    if isinstance(inner, dict) and GEMMA4_KEYS <= set(inner) and "token_ids" in vision_config:
+        ids = vision_config["token_ids"]
+        keys = {**(processor or {}), "patch_size": inner["patch_size"],
+                "pooling_kernel_size": inner["pooling_kernel_size"]}
+        spec = Gemma4VisionPreprocess.from_config(keys)
+        return TowerImages(_gemma4_image, spec, spec.max_patches, (ids["boi_token_id"], ids["eoi_token_id"]))
     if not {"patch_size", "temporal_patch_size", "spatial_merge_size"} <= set(vision_config):
         raise DataError(f"image conversations are not wired for this image tower (vision_config keys "
                         f"{sorted(vision_config)[:6]}...): only towers with Qwen's patches (patch_size, "
-                        "temporal_patch_size, spatial_merge_size) read training images yet")
+                        "temporal_patch_size, spatial_merge_size) and Gemma 4's read training images yet")
     keys = {**QWEN3_VL, **(processor or {}), "patch_size": vision_config["patch_size"],
             "temporal_patch_size": vision_config["temporal_patch_size"],
             "merge_size": vision_config["spatial_merge_size"]}
-    return functools.partial(_qwen_image, spec=QwenVisionPreprocess.from_config(keys))
+    return TowerImages(_qwen_image, QwenVisionPreprocess.from_config(keys))
