@@ -49,6 +49,9 @@ MEASURED = [
     ("h200", "bench: per_device_batch_size=16 remat_policy=minimal attention=cudnn", 1241.9),
     ("h200", "bench: per_device_batch_size=8 remat_policy=minimal attention=cudnn scan_layers=false", 601.3),
     ("h200", "bench: per_device_batch_size=8 remat_policy=minimal attention=flash scan_layers=false", 781.2),
+    # docs/gpu.md "One H200, 2026-11-30": dropless with the Pallas grouped GEMM (moe_grouped_matmul=autoselected).
+    # (Its DeepSeek-shaped row ran cuDNN at head_dim 192, which JAX compiles only on the GPU itself.)
+    ("h200", "gpt-oss-shaped b2 dropless, grouped GEMM", 292.2),
 ]
 CALIBRATION_ROWS = {("h100", "llama3.2-1b b8 remat full"), ("h100", "default model"),
                     ("h100", "deepseek-shaped b4 capacity")}
@@ -74,6 +77,7 @@ MEASURED_RUNS = {
     "llama3.2-1b b8 remat full muon": [*LLAMA, "per_device_batch_size=8", "remat_policy=full", "opt_type=muon"],
     "deepseek-shaped b1 dropless": [*_DEEPSEEK, *_RAGGED],
     "gpt-oss-shaped b1 dropless": [*_GPT_OSS, *_RAGGED],
+    "gpt-oss-shaped b2 dropless, grouped GEMM": [*_GPT_OSS, "per_device_batch_size=2"],
 }
 
 

@@ -7,7 +7,8 @@ A kernel is one top-level instruction of a scheduled computation: a fusion, a li
 Pallas kernel or a lone op. Its FLOPs are 2 x the output's elements x the contracted size of every `dot` (or TPU
 convolution) it holds, nested fusions included; attention kernels (Pallas flash, splash, cuDNN), whose matmuls are
 hidden, count theirs from their operands' shapes, and so do the selected-key kernels (kernels/selected_attention.py,
-DeepSeek-V3.2's sparse attention: T x K, not T x S; selected_flops). Its bytes are its operands and results at the
+DeepSeek-V3.2's sparse attention: T x K, not T x S; selected_flops) and dropless MoE's grouped GEMM (its rows' matmuls,
+priced as matmuls). Its bytes are its operands and results at the
 fusion's boundary: an operand the kernel only slices (directly, through bitcasts or in a nested fusion) counts the
 slices, a buffer updated in place the update. compile/predict.py turns the kernels into time (see its docstring).
 """
@@ -256,6 +257,18 @@ def _selected(attrs: str, shapes: list[list[tuple[str, tuple[int, ...]]]]) -> tu
     return selected_flops(b, t, n, shapes[4][0][1][-1], latent, rope, units), latent, shapes[2][0][1][1]
 
 
+def _grouped(attrs: str, shapes: list[list[tuple[str, tuple[int, ...]]]], result: list) -> float:
+    """The FLOPs of a call of dropless MoE's grouped GEMM (kernels/grouped_matmul.py: grouped_matmul, x [M, K] by its
+    rows' experts' w -> [M, N]; grouped_matmul_weight_grad, x [M, K] and dy [M, N] -> [G, K, N]): 2 x M x K x N,
+    each row through one expert (as the kernel pads them); 0.0 for another call."""
+    op_name = _OP_NAME.search(attrs)
+    if not op_name or "grouped_matmul" not in op_name.group(1):
+        return 0.0
+    x = next((s for arrays in shapes for d, s in arrays if len(s) == 2 and not d.startswith(("s", "u", "pred"))), None)
+    out = next((s for d, s in result if len(s) in (2, 3)), None)
+    return 2.0 * x[0] * x[1] * out[-1] if x and out else 0.0
+
+
 def cost_kernel(prog: Program, comp: str, name: str, rtype: str, opcode: str, operands: list[str], attrs: str,
                 count: int, collectives: frozenset = frozenset()) -> Kernel:
     """One launched kernel's FLOPs and HBM bytes (`collectives`: those a fusion holds, see fusion_bytes)."""
@@ -277,6 +290,9 @@ def cost_kernel(prog: Program, comp: str, name: str, rtype: str, opcode: str, op
             flops, latent, tokens = selected
             return Kernel(name, flops, operand_bytes + _bytes(rtype), count, "attention:selected", head_dim=latent,
                           tokens=tokens)
+        grouped = _grouped(attrs, [_arrays(types.get(o, "")) for o in operands], _arrays(rtype))
+        if grouped:
+            return Kernel(name, grouped, operand_bytes + _bytes(rtype), count, "matmul")
         attention = _attention(name, attrs, target)
         if attention:
             impl, units, causal = attention

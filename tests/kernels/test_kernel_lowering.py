@@ -410,6 +410,9 @@ def test_grouped_matmul_compiles_for_h100(h100s, rows, experts, d, f):
                                        arg((rows, f))).lower(lowering_platforms=("cuda",))
     hlo = lowered.compile().as_text()
     assert "grouped_matmul_weight_grad" in hlo and hlo.count("__gpu$xla.gpu.triton") == 2  # dx and dw (the loss is linear in y)
+    # the step-time prediction counts each call's matmuls (compile/hlo_kernels.py): every row through its expert
+    counted = [(k.kind, k.flops) for k in predict.program_costs(hlo).kernels if k.flops]
+    assert counted == [("matmul", 2.0 * rows * d * f)] * 2, counted
 
 
 # ----------------------------------------------------------------------------------------------
