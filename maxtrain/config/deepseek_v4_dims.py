@@ -180,7 +180,7 @@ def check_config(v: dict) -> None:
                          "original_max_position_embeddings=65536)")
     if v['rope_type'] == 'yarn' and v['rope_attention_factor'] not in (-1.0, 1.0):
         raise ValueError(f"deepseek_v4: rope_attention_factor={v['rope_attention_factor']} would scale cos and sin, "
-                         "which DeepSeek-V4's reference does not; leave it at -1 (here: 1.0)")
+                         "which DeepSeek-V4's reference does not; set 1.0, or leave the default -1 (deepseek_v4 reads it as 1.0)")
     if v['rope_type'] == 'yarn' and not v['rope_truncate']:
         raise ValueError("deepseek_v4: rope_truncate=false is not what DeepSeek-V4's YaRN computes (transformers "
                          "rounds its correction band); leave rope_truncate=true")

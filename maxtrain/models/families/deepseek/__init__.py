@@ -207,17 +207,19 @@ def _attention_training_the_indexer(normed, p, inputs, config, rt):
     index = indexer.scores(normed, mla.query_latent(normed, p, config, rt),
                            indexer.keys(normed, p, rope, config.index_rope_interleave, trained=True), p, rope,
                            config.index_rope_interleave, trained=True)
-    kept = state = None
+    kept = choice = None
     if config.indexer_training == "sparse" and normed.shape[1] > config.index_topk:
-        kept = indexer.top(jax.lax.stop_gradient(index), visible, config.index_topk)
-        if inputs.state is not None:  # GLM-5's shared layers after this one attend to the same keys
-            state = indexer.choose(jax.lax.stop_gradient(index), visible, config.index_topk)
+        choice = indexer.choose(jax.lax.stop_gradient(index), visible, config.index_topk)
+        kept = shared_topk.mask(choice, index.shape[-1])  # the chosen keys, all of them visible
     h, aux = mla.attention(normed, p, inputs, config, rt, keys_kept=None if kept is None else lambda *_: kept,
                            attention_target=True)
     kl = indexer.kl_to_attention(aux.pop("attention_target"), index, visible if kept is None else kept, seg)
-    kl = kl / (len(shared_topk.shared_layers(config)) - sum(shared_topk.shared_layers(config)))  # the decoder sums
-    aux = {**aux, "indexer_kl": kl, "indexer_loss": config.indexer_loss_weight * kl}  # them: the indexers' mean
-    return h, aux if state is None else {**aux, "state": state}
+    full_layers = shared_topk.shared_layers(config).count(False)  # the layers with an indexer
+    kl = kl / full_layers  # summed over them by the decoder: their mean
+    aux = {**aux, "indexer_kl": kl, "indexer_loss": config.indexer_loss_weight * kl}
+    if choice is not None and inputs.state is not None:  # GLM-5's shared layers after this one attend to its keys
+        aux["state"] = choice
+    return h, aux
 
 
 def layer_cache(config, layer_type, batch: int, max_length: int, kv_heads) -> dict:
