@@ -1,12 +1,15 @@
 """A prompt with an image, for maxtrain.decode (prompt_image): the image read and laid out as an image conversation's
 (data/image_conversations.py: open_image, the tower's preprocessor), and the prompt's one image token expanded to the
-image's placeholder count, as `expand` does for a rendered chat.
+image's placeholders, as `expand` does for a rendered chat (and as transformers' processors do).
 
     ids, arrays = image_prompts.prompt_with_image(config, tokenizer, prompt_ids)
 
-arrays holds the image under transformers' forward-argument names (pixel_values, image_grid_thw), which the family's
-contract.Vision.inputs_named lays out for the model. Towers with Qwen's patches (qwen3_vl, qwen3_5, qwen3_5_moe) only
-(Gemma 4's, which training reads, is refused here in one line).
+arrays holds the image under transformers' forward-argument names, which the family's contract.Vision.inputs_named
+lays out for the model: Qwen's towers (qwen3_vl, qwen3_5, qwen3_5_moe) {pixel_values [patches, ...], image_grid_thw
+[1, 3]}, the image token becoming its merged-patch count of image tokens; Gemma 4's (gemma4) {pixel_values [1, M, ...],
+image_position_ids [1, M, 2]} (one fixed block of M patches), the image token becoming begin-of-image, its soft-token
+count of image tokens and end-of-image, as Gemma4Processor writes them. Other image families (llama4) are refused
+in one line by maxtrain.decode.check_image_family.
 """
 
 from __future__ import annotations
@@ -20,26 +23,25 @@ from maxtrain.errors import ConfigError
 
 
 def prompt_with_image(config, tokenizer, prompt_ids: list[int]) -> tuple[list[int], dict]:
-    """(prompt_ids with its image token repeated to the image's placeholder count, {pixel_values, image_grid_thw})
-    for the image at config.prompt_image (a path, relative to the working directory)."""
+    """(prompt_ids with its image token expanded to the image's placeholders, the image's arrays) for the image at
+    config.prompt_image (a path, relative to the working directory)."""
     path, image_id = config.prompt_image, config.image_token_id
     if image_id < 0:
         raise ConfigError(f"prompt_image={path!r}: image_token_id is -1; set it to the id of the image placeholder "
-                          "token (<|image_pad|>), as scripts/convert_hf.py import writes it")
+                          "token (Qwen's <|image_pad|>, Gemma 4's image soft token), as scripts/convert_hf.py import "
+                          "writes it")
+    tower = image_conversations.preprocessor(config)
     text = tokenizer.piece(image_id)
     count = list(prompt_ids).count(image_id)
     if count != 1:
+        example = text if tower.wrap else f"<|vision_start|>{text}<|vision_end|>"
         raise ConfigError(f"prompt_image={path!r}: the prompt holds {count} image tokens ({text!r}, id {image_id}); "
-                          f"write it once where the image goes, e.g. prompt='<|vision_start|>{text}<|vision_end|>"
-                          "Describe the image.'")
+                          f"write it once where the image goes, e.g. prompt='{example}Describe the image.'")
     image = image_conversations.open_image(path, os.getcwd(), "prompt_image", 0, config.max_image_pixels)
-    tower = image_conversations.preprocessor(config)
-    if tower.block is not None:
-        raise ConfigError(f"prompt_image={path!r}: decoding with an image prompt is wired for towers with Qwen's "
-                          f"patches only (qwen3_vl, qwen3_5, qwen3_5_moe), not decoder_block={config.decoder_block}; "
-                          "decode from a text prompt")
     arrays, grid, placeholders = tower(image)
-    pixels = arrays["pixel_values"]
     tokens, _ = image_conversations.expand(np.asarray(prompt_ids), np.ones(len(prompt_ids), np.float32), image_id,
-                                           [placeholders], "prompt_image", text)
-    return [int(t) for t in tokens], {"pixel_values": pixels, "image_grid_thw": np.asarray([grid], np.int64)}
+                                           [placeholders], "prompt_image", text, tower.wrap)
+    ids = [int(t) for t in tokens]
+    if tower.block is not None:  # one image: its fixed block of patches, under the forward's names
+        return ids, {k: np.asarray(arrays[k])[None] for k in tower.keys}
+    return ids, {"pixel_values": arrays["pixel_values"], "image_grid_thw": np.asarray([grid], np.int64)}

@@ -101,6 +101,8 @@ class Vision:
                                      # needs}; Model.vision_flops makes training FLOPs of them
     projector: tuple[str, ...] = ()  # the keys of params["vision"] that map the tower's features into the text model's
                                      # width (vision_freeze's "projector"; the rest is the tower: training/freeze.py)
+    reads_files: bool = True         # data/images.for_tower preprocesses its images from files (image SFT, decode's
+                                     # prompt_image); False: only arrays made by its processor (llama4's)
 
     def inputs_named(self, config, input_ids, arrays: dict) -> tuple:
         """inputs(config, input_ids, **arrays), the arrays under transformers' forward-argument names; a ValueError

@@ -147,8 +147,8 @@ def generate(params, prompt_ids: list[int], model: Model, rt: Runtime, *, max_ne
              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
              eos_id: int | Iterable[int] | None = None, images=None, positions=None) -> list[int]:
     """Continues `prompt_ids`; returns the new tokens, cut before the first end-of-sequence id when eos_id
-    (one id, or several: a tokenizer's eos_ids) is given. images and positions [3, 1, P]: a prompt with images
-    (its placeholders expanded), as contract.Vision.inputs makes them."""
+    (one id, or several: a tokenizer's eos_ids) is given. images and positions ([3, 1, P] for M-RoPE, else [1, P]): a
+    prompt with images (its placeholders expanded), as contract.Vision.inputs makes them."""
     if not prompt_ids:
         raise ValueError("generate needs at least one prompt token (a BOS at least) to start from")
     if max_new_tokens < 1:

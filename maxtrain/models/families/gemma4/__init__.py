@@ -14,7 +14,8 @@ The model keys vision_config (as JSON: config.json's vision_config, and the mult
 image_token_id carry what the text keys do not. Images enter Model.forward as `images` {pixel_values [N, M, p*p*3],
 image_position_ids [N, M, 2]}: the processor's arrays (data/images.py gemma4) under transformers' names, padded to a
 fixed image count with all-padding images so that a step compiles once. The audio tower is left out at import (a
-note says so). Decoding with images is not wired yet; the tower's FLOPs are not counted.
+note says so). Decoding from an image prompt (maxtrain.decode prompt_image, data/image_prompts.py) runs the tower in the
+prefill under the same causal mask, the cache going on after it; the tower's FLOPs are not counted.
 """
 
 from __future__ import annotations
