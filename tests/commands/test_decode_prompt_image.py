@@ -1,11 +1,13 @@
-"""python -m maxtrain.decode ... prompt_image=<png>: a tiny random qwen3_vl checkpoint decodes from a prompt whose image
-token becomes the image's placeholders (data/image_prompts.py), as sampling.generate does from the same prompt and
-image laid out by hand; a prompt without the image token is refused in one line."""
+"""python -m maxtrain.decode ... prompt_image=<png>: a tiny random qwen3_vl checkpoint, and a tiny random gemma4 one,
+decode from a prompt whose image token becomes the image's placeholders (data/image_prompts.py; Gemma 4's between
+begin- and end-of-image), as sampling.generate does from the same prompt and image laid out by hand; a prompt without
+the image token, or with two, is refused in one line."""
 
 from __future__ import annotations
 
 import os
 
+import gemma4_image_helpers as g4
 import image_chat_helpers as helpers
 import jax
 import jax.numpy as jnp
@@ -32,12 +34,13 @@ TINY = ["base_emb_dim=32", "base_num_query_heads=2", "base_num_kv_heads=2", "bas
 PROMPT = "prompt=<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>colour?<|im_end|>\n"
 
 
-@pytest.mark.slow  # a tokenizer trained, a checkpoint written, the decoding loop compiled: ~1 min on two cores
-def test_decode_reads_an_image_prompt(tmp_path, capsys):
-    paths = helpers.make_dataset(str(tmp_path / "data"), n=4)
+def _decode(tmp_path, capsys, paths: dict, model_args: list[str], prompt: str, tiny=tuple(TINY)):
+    """A tiny random checkpoint of model_args written, decode.main run on `prompt` with a 16 x 24 red image: (the
+    text, the argv, the config, the tokenizer, the expanded prompt ids), the text checked against sampling.generate
+    from the prompt and image laid out by hand."""
     image = os.path.join(str(tmp_path), "red.png")
     helpers.write_png(image, (16, 24), helpers.COLOURS["red"])
-    args = [BASE_YML, *TINY, *helpers.model_args(paths), f"base_output_directory={tmp_path}", "run_name=r"]
+    args = [BASE_YML, *tiny, *model_args, f"base_output_directory={tmp_path}", "run_name=r"]
     config = config_lib.with_devices(config_lib.load_config(args), 1)
     model, rt = Model.bind(config), Runtime.from_config(config)
     params = model.init_params(jax.random.key(1))
@@ -47,7 +50,7 @@ def test_decode_reads_an_image_prompt(tmp_path, capsys):
     ckpt = checkpoint_manager.Checkpointer(config.replace(async_checkpointing=False))
     ckpt.save(1, state, pipeline.synthetic_iterator(config, 0), {"config": {}})
     ckpt.close()
-    argv = [*args, f"load_parameters_path={config.checkpoint_dir}/1", PROMPT, f"prompt_image={image}",
+    argv = [*args, f"load_parameters_path={config.checkpoint_dir}/1", prompt, f"prompt_image={image}",
             "max_new_tokens=4"]
     text = decode.main(argv)
     assert "greedy" in capsys.readouterr().out
@@ -56,11 +59,30 @@ def test_decode_reads_an_image_prompt(tmp_path, capsys):
     decoding = config_lib.load_config(argv, command="maxtrain.decode")
     prompt_ids = tokenizer_lib.checked_prompt_ids(tokenizer, decoding.prompt)
     ids, arrays = image_prompts.prompt_with_image(decoding, tokenizer, prompt_ids)
-    assert ids.count(config.image_token_id) == 6  # 16 x 24 pixels: 4 x 6 patches of 4, merged 2 x 2
     positions, images = model.family.vision.inputs_named(config, np.array([ids]), arrays)
     new = sampling.generate(params, ids, model, rt, max_new_tokens=4, eos_id=tokenizer.eos_ids, images=images,
                             positions=positions)
     assert text == decoding.prompt + tokenizer.decode(new)
+    return argv, config, ids
 
+
+@pytest.mark.slow  # a tokenizer trained, a checkpoint written, the decoding loop compiled: ~1 min on two cores
+def test_decode_reads_an_image_prompt(tmp_path, capsys):
+    paths = helpers.make_dataset(str(tmp_path / "data"), n=4)
+    argv, config, ids = _decode(tmp_path, capsys, paths, helpers.model_args(paths), PROMPT)
+    assert ids.count(config.image_token_id) == 6  # 16 x 24 pixels: 4 x 6 patches of 4, merged 2 x 2
     with pytest.raises(config_lib.ConfigError, match="the prompt holds 0 image tokens"):
         decode.main(config_lib.with_overrides(argv, "prompt=colour?"))
+
+
+@pytest.mark.slow  # a tokenizer trained, a checkpoint written, the tower and the decoding loop compiled: ~1 min
+def test_decode_reads_an_image_prompt_for_gemma4(tmp_path, capsys):
+    paths = g4.make_dataset(str(tmp_path / "data"), n=4)
+    argv, _, ids = _decode(tmp_path, capsys, paths, g4.model_args(paths),
+                           "prompt=<|im_start|>user\n<image_soft_token>colour?<|im_end|>\n", TINY[6:])
+    boi, image, eoi = g4.ids(paths["tokenizer"])
+    # as Gemma4Processor: boi, 6 x 10 soft tokens (16 x 24 pixels -> 12 x 20 patches pooled 2 x 2), eoi
+    at = ids.index(boi)
+    assert ids[at:at + 62] == [boi] + [image] * 60 + [eoi] and ids.count(image) == 60
+    with pytest.raises(config_lib.ConfigError, match="the prompt holds 2 image tokens.*prompt='<image_soft_token>"):
+        decode.main(config_lib.with_overrides(argv, "prompt=<image_soft_token><image_soft_token>colour?"))

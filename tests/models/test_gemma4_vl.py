@@ -3,7 +3,8 @@ inputs, keys as values, the MoE block, sliding and full layers; a 2-layer vision
 save_pretrained, imported with its tower, checked with check_logits on a golden file holding pixel_values and
 image_position_ids (two images of different aspect ratios in one row, a video placeholder in the other), on text
 alone, with the images padded to more of them, and against a control (the soft tokens scaled); the export loaded back
-by transformers as the same class with the same logits; --text-only; one-line refusals."""
+by transformers as the same class with the same logits; decoding from an image prompt as transformers' generate;
+--text-only; one-line refusals."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from vlm_helpers import export_and_reload, forward, import_tiny, load, relative_
 from maxtrain import check_logits
 from maxtrain.checkpointing import convert
 from maxtrain.data import images as images_lib
+from maxtrain.models import sampling
 from maxtrain.models.families import gemma4
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
@@ -169,3 +171,42 @@ def test_a_training_step_reaches_the_tower(imported):
     grads = jax.jit(jax.grad(lambda p, b: model.loss_fn(p, b, rt)[0]))(params, batch)
     assert float(np.abs(grads["vision"]["patch_embed"]).max()) > 0
     assert float(np.abs(grads["vision"]["projection"]).max()) > 0
+
+
+@pytest.mark.slow  # the module's import fixture, the decoding loop's compile and transformers' generate (~30 s)
+def test_decoding_from_an_image_prompt_is_transformers_generate(imported):
+    """maxtrain.decode's path (the prompt's image, boi and eoi around its soft tokens, the tower in the prefill, the
+    cache after it) against Gemma4ForConditionalGeneration.generate on the same weights and pixels: the prefill's
+    logits (transformers' first step) within float32 tolerance and the same greedy tokens; another image (the
+    control) gives other logits."""
+    model, tmp, _ = imported
+    config, params = load(tmp / "out")
+    ours_model, rt = Model.bind(config), Runtime.from_config(config)
+    rng = np.random.default_rng(3)
+    _, pixels, positions = image_batch()
+    n = int(np.all(positions[0] != -1, axis=-1).sum()) // 4  # its soft tokens: real patches pooled 2 x 2
+    prompt = [int(t) for t in rng.integers(0, 280, 4)] + [BOI] + [IMAGE] * n + [EOI] + [11, 42, 7]
+    ids = np.array([prompt], np.int32)
+    with torch.no_grad():
+        theirs = model.generate(input_ids=torch.from_numpy(ids.astype(np.int64)),
+                                pixel_values=torch.from_numpy(pixels[:1]),
+                                image_position_ids=torch.from_numpy(positions[:1].astype(np.int64)), max_new_tokens=4,
+                                do_sample=False, output_logits=True, return_dict_in_generate=True, eos_token_id=None)
+    their_tokens = [int(t) for t in theirs.sequences[0, len(prompt):]]
+    their_first = theirs.logits[0].float().numpy()                                       # [1, V]
+
+    def prefill(pixel_values):
+        text_positions_, images = gemma4.model_inputs(config, ids, pixel_values, positions[:1])
+        cache = ours_model.init_cache(1, len(prompt) + 4, rt.dtype)
+        with jax.default_matmul_precision("highest"):
+            logits, _ = ours_model.forward_with_cache(params, ids, text_positions_, cache, 0, rt, images=images)
+        return np.asarray(logits)[:, -1], text_positions_, images
+
+    first, text_positions_, images = prefill(pixels[:1])
+    with jax.default_matmul_precision("highest"):
+        new = sampling.generate(params, prompt, ours_model, rt, max_new_tokens=4, images=images,
+                                positions=text_positions_)
+    assert relative_error(first, their_first) <= 1e-5, relative_error(first, their_first)
+    assert new == their_tokens, (new, their_tokens)
+    other = prefill(pixels[:1][:, ::-1].copy())[0]  # the same patches in reverse: another image
+    assert relative_error(other, their_first) > 1e-3
