@@ -45,6 +45,8 @@ class LayerInputs(NamedTuple):
     state: Any = None         # what earlier layers handed on (contract.FamilyModel.layer_state), or None
     routing: Any = None       # a mixture-of-experts layer's replayed experts [B, T, K] int32 (moe.block's routing:
                               # the decoder slices them per layer from the forward's [L_moe, B, T, K]), or None
+    blocks: Any = None        # [B, T] int32: runs of tokens that attend to each other both ways, an image's
+                              # (contract.Vision.blocks; -1: none), or None: causal
 
 
 # --------------------------------------------------------------------------------------------

@@ -101,6 +101,9 @@ class Vision:
                                      # needs}; Model.vision_flops makes training FLOPs of them
     projector: tuple[str, ...] = ()  # the keys of params["vision"] that map the tower's features into the text model's
                                      # width (vision_freeze's "projector"; the rest is the tower: training/freeze.py)
+    # (tokens [B, T], segment_ids [B, T], config) -> LayerInputs.blocks: the runs of image tokens that attend to each
+    # other both ways (gemma4's bidirectional_image_attention), or None where the config keeps attention causal
+    blocks: Callable[..., Any] | None = None
     reads_files: bool = True         # data/images.for_tower preprocesses its images from files (image SFT, decode's
                                      # prompt_image); False: only arrays made by its processor (llama4's)
 

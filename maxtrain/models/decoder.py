@@ -279,6 +279,8 @@ def _hidden(model, params, tokens, positions, segment_ids, rt, routing=None, ima
     if images is not None:
         x, image_per_layer = family.vision.embed(params, x, tokens, images, model, rt)
     inputs = _layer_inputs(model, tokens, positions, segment_ids, rt)
+    if family.vision is not None and family.vision.blocks is not None:  # an image's tokens attending both ways
+        inputs = inputs._replace(blocks=family.vision.blocks(tokens, segment_ids, config))
     if routing is not None:
         if routing.shape[2] != model.num_moe_layers:
             raise ValueError(f"routing for {routing.shape[2]} MoE layers, but the model has {model.num_moe_layers}")
@@ -467,6 +469,8 @@ def forward_with_cache(model, params, tokens, positions, cache: dict, index, rt,
     else:
         tables = rope_lib.named_tables(positions, config, rope_widths(model))
     inputs = LayerInputs(positions, jnp.ones_like(tokens), tables, (cache, index, first))
+    if family.vision is not None and family.vision.blocks is not None:  # the prefill's image tokens, both ways
+        inputs = inputs._replace(blocks=family.vision.blocks(tokens, inputs.segment_ids, config))
     if family.per_layer_inputs is not None:
         inputs = inputs._replace(per_layer=family.per_layer_inputs(params, tokens, x, config, rt))
     if image_per_layer is not None:  # the tower's per-layer features (Qwen3-VL's deepstack)

@@ -259,8 +259,13 @@ def resolve_attention(config, backend: str, dtype, kinds: list[AttentionKind], *
     if (getattr(family, "sparse_attention", False) and config.index_n_heads > 0
             and config.max_target_length > config.index_topk):
         return _sparse_attention(config, backend, kinds, context_parallel)
+    if getattr(config, "bidirectional_image_attention", False):
+        kinds = [_image_blocks(config, kind, context_parallel) if kind.window else kind for kind in kinds]
     resolved, refused = [], []
     for kind in kinds:
+        if kind.implementation:  # chosen above
+            resolved.append(kind)
+            continue
         try:
             choice = attention_lib.resolve_implementation(config.attention, backend, head_dim=kind.head_dim,
                                                           sliding_window=kind.window, **shared)
@@ -275,6 +280,19 @@ def resolve_attention(config, backend: str, dtype, kinds: list[AttentionKind], *
                                                  sliding_window=kind.window, layers=kind.label(), **shared)
         raise error
     return resolved
+
+
+def _image_blocks(config, kind: AttentionKind, context_parallel: int) -> AttentionKind:
+    """gemma4's bidirectional_image_attention: the sliding layers' mask (an image's tokens both ways,
+    models/gemma4/normed_attention.py) is the plain-jnp form's; no kernel nor context-parallel strategy takes it."""
+    if context_parallel > 1 or config.attention not in ("autoselected", "dot_product"):
+        used = f"attention={config.attention}" + (f" with {context_parallel}-way context parallelism"
+                                                  if context_parallel > 1 else "")
+        raise ValueError(f"bidirectional_image_attention (an image's tokens attending both ways in the {kind.label()}) "
+                         f"runs in the plain-jnp form on whole sequences, not {used}; set attention=dot_product or "
+                         "autoselected (which picks it for those layers) and ici_context_parallelism=1")
+    return dataclasses.replace(kind, implementation="dot_product", reason="dot_product: bidirectional_image_attention "
+                               "(an image's tokens both ways) needs a general mask, which no kernel takes")
 
 
 def _sparse_attention(config, backend: str, kinds: list[AttentionKind],

@@ -138,7 +138,7 @@ def test_text_only_import_keeps_the_language_model_and_says_so_once(imported, tm
 
 def test_bad_inputs_are_refused_in_one_line():
     """On the host, before any compile: placeholders that do not match the images' soft tokens, arrays of the wrong
-    layout, and a checkpoint whose image tokens attend both ways."""
+    layout, and a checkpoint whose every token attends both ways."""
     hf = make_config().to_dict()
     config = convert.spec_config(convert.model_keys(hf))
     assert config.decoder_block == "gemma4" and config.image_token_id == IMAGE
@@ -152,8 +152,8 @@ def test_bad_inputs_are_refused_in_one_line():
         gemma4.model_inputs(config, ids, pixels, positions)
     with pytest.raises(ValueError, match="image_position_ids"):
         gemma4.model_inputs(config, ids, pixels, positions[:, :, :1])
-    hf["text_config"]["use_bidirectional_attention"] = "vision"
-    with pytest.raises(convert.ConversionError, match="use_bidirectional_attention.*--text-only"):
+    hf["text_config"]["use_bidirectional_attention"] = "all"  # "vision": test_gemma4_bidirectional*.py
+    with pytest.raises(convert.ConversionError, match="use_bidirectional_attention='all'.*None or 'vision'"):
         convert.model_keys(hf)
 
 

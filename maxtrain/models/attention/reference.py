@@ -15,7 +15,7 @@ _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 def make_attention_mask(q_segment_ids, kv_segment_ids, *, causal: bool = True, q_offset=0, sliding_window: int = 0,
-                        chunk: int = 0, q_positions=None, kv_positions=None):
+                        chunk: int = 0, q_positions=None, kv_positions=None, q_blocks=None, kv_blocks=None):
     """Boolean mask [B, T, S]: True where query t may attend to key s.
 
     q_offset shifts query indices (a query block that starts at q_offset in the key sequence).
@@ -23,12 +23,18 @@ def make_attention_mask(q_segment_ids, kv_segment_ids, *, causal: bool = True, q
     (as Hugging Face's sliding-window masks), so each query sees at most W keys, itself included.
     chunk > 0 also hides keys of another block of `chunk` positions (q_positions [B, T] and
     kv_positions [B, S]; the indices when not given): the direct form of chunked attention.
+    q_blocks [B, T] and kv_blocks [B, S] (causal only): a query also sees the later keys of its own block (ids >= 0;
+    -1: none), as an image's tokens attend to each other both ways (Gemma 4's use_bidirectional_attention "vision",
+    transformers' blockwise overlay); the window and the segments still apply.
     """
     mask = q_segment_ids[:, :, None] == kv_segment_ids[:, None, :]
     t = jnp.arange(q_segment_ids.shape[1])[:, None] + q_offset
     s = jnp.arange(kv_segment_ids.shape[1])[None, :]
     if causal:
-        mask = mask & (s <= t)[None]
+        allowed = (s <= t)[None]
+        if q_blocks is not None:
+            allowed = allowed | ((q_blocks[:, :, None] == kv_blocks[:, None, :]) & (q_blocks[:, :, None] >= 0))
+        mask = mask & allowed
     if sliding_window > 0:
         mask = mask & (t - s < sliding_window)[None]
     if chunk > 0:

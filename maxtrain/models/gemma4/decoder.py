@@ -19,9 +19,10 @@ five sliding-window layers per full-attention one, with
     the MoE block (num_experts > 1; enable_moe_block): every layer runs experts beside its dense MLP
         (models/gemma4/moe_parallel.py)
 
-Not implemented, refused at import naming the field: attention biases, bidirectional attention, a
-per-layer vocabulary other than the main one. Decoding keeps one cache head shape, the largest
-(models/gemma4/normed_attention.py).
+Not implemented, refused at import naming the field: attention biases, use_bidirectional_attention "all",
+a per-layer vocabulary other than the main one. "vision" (an image's tokens attending to each other both
+ways) is the gemma4 family's bidirectional_image_attention; text alone is causal, as in transformers.
+Decoding keeps one cache head shape, the largest (models/gemma4/normed_attention.py).
 """
 
 from __future__ import annotations
@@ -183,11 +184,16 @@ HF_NAMES = {**hf.EMBEDDING_NAMES,
                for kind in KINDS for name, (hf_name, n_in) in _LAYER_NAMES.items()}}
 
 # config.json fields whose other values maxtrain does not compute (the field names the feature).
-_REFUSED = {"attention_bias": False, "hidden_activation": "gelu_pytorch_tanh", "use_bidirectional_attention": None}
+_REFUSED = {"attention_bias": False, "hidden_activation": "gelu_pytorch_tanh"}
 
 
 def from_hf_config(config: dict, notes: list | None = None) -> dict:
     hf.refuse(config, _REFUSED)
+    if config.get("use_bidirectional_attention") not in (None, "vision"):
+        raise hf.ConversionError(f"use_bidirectional_attention={config['use_bidirectional_attention']!r} (every "
+                                 "token attending both ways) is not implemented: maxtrain's gemma4 attention is "
+                                 "causal, an image's tokens both ways with 'vision'; use a checkpoint with None or "
+                                 "'vision'")
     layers = hf.require(config, "num_hidden_layers")
     names = config.get("layer_types") or ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(layers)]
     names = [*names[:-1], "full_attention"]  # transformers makes the last layer a full-attention one

@@ -26,6 +26,7 @@ import jax
 
 from maxtrain.models.layers import LayerType
 from maxtrain.models.params import ParamSpec, dense
+from maxtrain.parallel import sharding
 from maxtrain.parallel.sharding import shard
 
 
@@ -79,14 +80,34 @@ def attention(x, p, inputs, config, rt, layer: LayerType, shared_kv=None):
     if inputs.cache is not None:
         return _decode(q, k, v, p, inputs, rt, layer, fresh=shared_kv is None)
     implementation = rt.attention_for(layer, config.head_dim)  # this layer kind's: Gemma 4's heads differ per kind
-    out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=implementation, platform=rt.backend,
-                                  sliding_window=layer.sliding_window(), scale=1.0,
-                                  block_q=config.sa_block_q, block_kv=config.sa_block_kv,
-                                  context_strategy=config.context_parallel_strategy,
-                                  context_reorder=config.context_parallel_reorder_strategy,
-                                  context_inner=config.ici_context_parallelism)
+    if inputs.blocks is not None and layer.attention == "sliding":
+        out = _block_attention(q, k, v, inputs, layer, implementation, rt.backend)
+    else:
+            out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=implementation,
+                                      platform=rt.backend, sliding_window=layer.sliding_window(), scale=1.0,
+                                      block_q=config.sa_block_q, block_kv=config.sa_block_kv,
+                                      context_strategy=config.context_parallel_strategy,
+                                      context_reorder=config.context_parallel_reorder_strategy,
+                                      context_inner=config.ici_context_parallelism)
     out = ops.dense(out, p["wo"].astype(dt), 2, backend=rt.backend, fp8=fp8)  # "BTNH,NHD->BTD"
     return checkpoint_name(out, "out_proj"), (k, v)
+
+
+def _block_attention(q, k, v, inputs, layer: LayerType, implementation: str, platform: str):
+    """A sliding layer's attention with the image tokens of one block attending to each other both ways (Gemma 4's
+    use_bidirectional_attention "vision", as transformers' create_masks_for_vision_model): query t sees key s of
+    its segment when (s <= t or both in one block) and t - s < W, in the plain-jnp form over the whole mask."""
+    if implementation != "dot_product" or sharding.ways("length") > 1:
+        raise ValueError(f"bidirectional_image_attention runs with attention=dot_product on one device's whole "
+                         f"sequence, not {implementation} (context parallelism: {sharding.ways('length')} ways); set "
+                         "attention=dot_product (autoselected picks it for the sliding layers) and "
+                         "ici_context_parallelism=1")
+    segments, blocks = inputs.segment_ids, inputs.blocks
+    mask = attention_lib.make_attention_mask(segments, segments, sliding_window=layer.sliding_window(),
+                                             q_blocks=blocks, kv_blocks=blocks)
+    on_cpu = attention_lib.canonical_platform(platform or "cpu") == "cpu"
+    return attention_lib.dot_product_attention(q, k, v, mask, scale=1.0, compact_scores=platform == "tpu",
+                                               heads_major=on_cpu)
 
 
 def _decode(q, k, v, p, inputs, rt, layer: LayerType, fresh: bool):
@@ -103,6 +124,10 @@ def _decode(q, k, v, p, inputs, rt, layer: LayerType, fresh: bool):
     slots = jnp.arange(k.shape[1])[None, None, :]
     t = (index + jnp.arange(q.shape[1]))[None, :, None]
     mask = slots <= t
+    if inputs.blocks is not None and layer.attention == "sliding":  # the prompt's image tokens, both ways
+        own = jax.lax.dynamic_update_slice_in_dim(jnp.full(k.shape[:2], -1, jnp.int32), inputs.blocks.astype(jnp.int32),
+                                                  index, axis=1)  # each slot's block: the prefill's tokens, -1 else
+        mask = mask | ((inputs.blocks[:, :, None] == own[:, None, :]) & (inputs.blocks[:, :, None] >= 0))
     if first is not None:
         mask = mask & (slots >= first[:, None, None])
     if layer.sliding_window() > 0:

@@ -6,16 +6,18 @@ projector (models/vision/gemma4.py), as transformers' Gemma4Model.forward does:
     x         = embed(ids') * sqrt(D), then the rows of the image placeholders replaced, in order, by the images'
                 soft tokens (the projector's output, neither scaled nor normed again: masked_scatter)
     per-layer inputs (per_layer_input_dim > 0): the table at ids' and the projection of that merged x
-    attention causal, as transformers' without mm_token_type_ids and for every model whose text_config has
-                use_bidirectional_attention None; a checkpoint with "vision" (image tokens attending both ways
-                within an image on the sliding layers) is refused at import: maxtrain's decoders are causal
+    attention causal, except with bidirectional_image_attention (text_config.use_bidirectional_attention
+                "vision", as transformers' create_masks_for_vision_model with the processor's mm_token_type_ids):
+                in the sliding layers query t sees key s of its document when (s <= t or both lie in one run
+                of image (or video) placeholders: `blocks`; boi and eoi are text) and t - s < W; the
+                full-attention layers stay causal. "all" (every token both ways) is refused at import
 
 The model keys vision_config (as JSON: config.json's vision_config, and the multimodal token ids beside it) and
 image_token_id carry what the text keys do not. Images enter Model.forward as `images` {pixel_values [N, M, p*p*3],
 image_position_ids [N, M, 2]}: the processor's arrays (data/images.py gemma4) under transformers' names, padded to a
 fixed image count with all-padding images so that a step compiles once. The audio tower is left out at import (a
 note says so). Decoding from an image prompt (maxtrain.decode prompt_image, data/image_prompts.py) runs the tower in the
-prefill under the same causal mask, the cache going on after it; the tower's FLOPs are not counted.
+prefill under the full forward's mask, the cache going on causally after it; the tower's FLOPs are not counted.
 """
 
 from __future__ import annotations
@@ -77,6 +79,18 @@ def text_ids(tokens, config):
     for i in placeholders:
         out = jnp.where(tokens == i, pad, out)
     return out
+
+
+def blocks(tokens, segment_ids, config):
+    """LayerInputs.blocks [B, T] with bidirectional_image_attention (else None): each run of image or video placeholders
+    of one document numbered from 0 (transformers' get_block_sequence_ids_for_mask), -1 elsewhere."""
+    if not config.bidirectional_image_attention:
+        return None
+    placeholders, _ = _placeholder_ids(config)
+    vision = (tokens == placeholders[0]) | (tokens == placeholders[1]) if placeholders else jnp.zeros_like(tokens, bool)
+    before = jnp.pad(vision[:, :-1] & (segment_ids[:, :-1] == segment_ids[:, 1:]), ((0, 0), (1, 0)))
+    starts = vision & ~before
+    return jnp.where(vision, jnp.cumsum(starts.astype(jnp.int32), axis=1) - 1, -1)
 
 
 def param_specs(model):
@@ -173,11 +187,7 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
                                  "import a text-only one with --text-only")
     text = {**config["text_config"], "tie_word_embeddings": config.get(
         "tie_word_embeddings", config["text_config"].get("tie_word_embeddings", True))}
-    if text.get("use_bidirectional_attention") == "vision":
-        raise hf.ConversionError("text_config.use_bidirectional_attention='vision' (image tokens attending both ways "
-                                 "within an image) is not implemented: maxtrain's decoders are causal; import the "
-                                 "text decoder alone with --text-only")
-    keys = decoder.from_hf_config(text, notes)
+    keys = decoder.from_hf_config(text, notes)  # refuses use_bidirectional_attention "all"
     gemma4_vision.VisionConfig.from_hf({"vision_config": config["vision_config"], "text_config": text})  # refusals now
     if config.get("audio_config") and notes is not None:
         notes.append("left out the audio tower (audio_config): maxtrain's gemma4 reads text and images")
@@ -186,6 +196,7 @@ def from_hf_config(config: dict, notes: list | None = None) -> dict:
               "token_ids": {k: config.get(k, v) for k, v in TOKEN_IDS.items()},
               "pad_token_id": int(text.get("pad_token_id") if text.get("pad_token_id") is not None else 0)}
     return {**keys, "image_token_id": int(config.get("image_token_id", 258_880)),
+            "bidirectional_image_attention": text.get("use_bidirectional_attention") == "vision",
             "vision_config": json.dumps(stored, sort_keys=True)}
 
 
@@ -199,7 +210,8 @@ def to_hf_config(keys: dict) -> dict:
     return {"architectures": [FAMILY.hf_architecture], "model_type": FAMILY.hf_model_types[0],
             "image_token_id": keys["image_token_id"], **stored["token_ids"],
             "tie_word_embeddings": keys["logits_via_embedding"],
-            "text_config": {**text, "model_type": "gemma4_text", "pad_token_id": stored["pad_token_id"]},
+            "text_config": {**text, "model_type": "gemma4_text", "pad_token_id": stored["pad_token_id"],
+                            "use_bidirectional_attention": "vision" if keys["bidirectional_image_attention"] else None},
             "vision_config": {**vision, "model_type": "gemma4_vision"}, "audio_config": None}
 
 
@@ -226,4 +238,4 @@ MODEL = contract.FamilyModel(
     vision=contract.Vision(text_family="gemma4_text", embed=embed_images, input_keys=IMAGE_KEYS,
                            prefix=(PREFIX + gemma4_vision.TOWER, PREFIX + gemma4_vision.PROJECTOR) + AUDIO,
                            text_prefixes=TEXT_PREFIXES, to_maxtrain=vision_to_maxtrain, to_hf=vision_to_hf,
-                           inputs=model_inputs, flops=vision_flops, projector=("projection",)))
+                           inputs=model_inputs, flops=vision_flops, projector=("projection",), blocks=blocks))
