@@ -2,7 +2,8 @@
 (given the processor's mm_token_type_ids: an image's tokens attend to each other both ways in the sliding layers): a
 tiny random model saved with save_pretrained and imported with its tower, check_logits on a golden file with two images
 in a row; the control (the causal mask on the same weights, which is transformers' without mm_token_type_ids); a packed
-row of two documents each with an image, per document as transformers' (its image block ending the first document)."""
+row of two documents each with an image, per document as transformers' (its image block ending the first document);
+the export read back by transformers with "vision"."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from vlm_helpers import forward, import_tiny, load, relative_error, text_positions
+from vlm_helpers import export_and_reload, forward, import_tiny, load, relative_error, text_positions
 from maxtrain import check_logits
 from maxtrain.data import images as images_lib
 from maxtrain.models.families import gemma4
@@ -129,3 +130,13 @@ def test_a_packed_row_of_two_documents_with_images_is_each_document_as_transform
     assert relative_error(ours[:n], theirs[0]) <= 1e-5
     assert relative_error(ours[n:n + len(doc2)], theirs[1]) <= 1e-5
     assert relative_error(causal[:n], theirs[0]) > 1e-3 and relative_error(causal[n:n + len(doc2)], theirs[1]) > 1e-3
+
+
+@pytest.mark.slow  # the module's import fixture
+def test_the_export_writes_vision_back(imported):
+    model, tmp = imported
+    reloaded = export_and_reload(tmp, transformers, torch, "Gemma4ForConditionalGeneration")
+    assert reloaded.config.text_config.use_bidirectional_attention == "vision"
+    done, pixels, positions = images([(16, 24)])
+    ids = np.array([[5, 6, BOI] + [IMAGE] * done[0].num_tokens + [EOI, 7, 8]], np.int32)
+    assert relative_error(hf_logits(reloaded, ids, pixels, positions), hf_logits(model, ids, pixels, positions)) == 0
