@@ -105,7 +105,8 @@ def test_check_logits_matches_transformers_with_an_image_both_ways(imported, cap
 @pytest.mark.slow  # the module's import fixture and a forward's compile
 def test_a_packed_row_of_two_documents_with_images_is_each_document_as_transformers(imported):
     """Document 1 ends with its image's soft tokens, document 2 starts with its own: the two runs of image tokens
-    stay apart, and each document's logits are transformers' for it alone (the control: causal ones differ)."""
+    stay apart, and each document's logits are transformers' for it alone (the control: causal ones differ); the
+    training loss on the row is the cross-entropy of transformers' logits, its gradient reaching the tower."""
     model, tmp = imported
     rng = np.random.default_rng(3)
     done, pixels, positions = images([(16, 24), (16, 16)], seed=4)
@@ -130,6 +131,21 @@ def test_a_packed_row_of_two_documents_with_images_is_each_document_as_transform
     assert relative_error(ours[:n], theirs[0]) <= 1e-5
     assert relative_error(ours[n:n + len(doc2)], theirs[1]) <= 1e-5
     assert relative_error(causal[:n], theirs[0]) > 1e-3 and relative_error(causal[n:n + len(doc2)], theirs[1]) > 1e-3
+    # a training step's loss on the packed row: the cross-entropy of transformers' logits, document by document
+    targets = np.roll(ids, -1, axis=1)
+    weights = (segments > 0).astype(np.float32)
+    weights[0, n - 1] = weights[0, n + len(doc2) - 1] = 0.0  # each document's last token predicts nothing of it
+    batch = {"inputs": ids, "targets": targets, "positions": pos, "segment_ids": segments, "loss_weights": weights,
+             **padded}
+    model_ours, rt = Model.bind(config), Runtime.from_config(config)
+    with jax.default_matmul_precision("highest"):
+        (loss, _), grads = jax.jit(jax.value_and_grad(lambda p, b: model_ours.loss_fn(p, b, rt)[:2],
+                                                      has_aux=True))(params, batch)
+    logits = np.concatenate([theirs[0], theirs[1], np.zeros((3, theirs[0].shape[-1]), np.float32)])
+    peak = logits.max(-1, keepdims=True)
+    nll = np.log(np.exp(logits - peak).sum(-1)) + peak[:, 0] - logits[np.arange(len(logits)), targets[0]]
+    assert abs(float(loss) - float((nll * weights[0]).sum())) <= 1e-5 * float((nll * weights[0]).sum())
+    assert float(np.abs(grads["vision"]["patch_embed"]).max()) > 0
 
 
 @pytest.mark.slow  # the module's import fixture
