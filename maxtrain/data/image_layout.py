@@ -30,9 +30,10 @@ def check_row_budget(tower, patches_per_row: int) -> None:
     or merge windows (Qwen's merge_size**2 patches: a row's slot is laid out alone)."""
     window = getattr(tower.spec, "merge_size", 1) ** 2 if tower.block is None else 1
     if patches_per_row < window or patches_per_row % window:
+        fit = max(window, patches_per_row // window * window)
         raise DataError(f"image_patches_per_row={patches_per_row} is not a multiple of the tower's {window} patches "
                         f"merged into one token (spatial_merge_size squared): each row's images are laid out in "
-                        f"their own slot; set it to a multiple of {window}, e.g. {max(window, patches_per_row // window * window)}")
+                        f"their own slot; set it to a multiple of {window}, e.g. {fit}")
     if tower.block is not None and (patches_per_row < tower.block or patches_per_row % tower.block):
         raise DataError(f"image_patches_per_row={patches_per_row} is not a multiple of the {tower.block} patches each "
                         f"image of this tower takes (its processor pads every image to max_soft_tokens x pooling**2 "

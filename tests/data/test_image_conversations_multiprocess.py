@@ -48,8 +48,9 @@ def test_two_processes_train_on_image_conversations_as_one(tmp_path):
     reference = _start([*args, "run_name=one", f"metrics_file={tmp_path}/one.jsonl"], env_with(2), tmp_path / "one.log")
     assert finish([reference], timeout=400) == [0], (tmp_path / "one.log").read_text()[-3000:]
     port = free_port()
-    procs = [_start([*args, "run_name=two", f"metrics_file={tmp_path}/two.jsonl", f"coordinator_address=127.0.0.1:{port}",
-                     "num_processes=2", f"process_id={i}"], env_with(1), tmp_path / f"two{i}.log") for i in range(2)]
+    two = [*args, "run_name=two", f"metrics_file={tmp_path}/two.jsonl", f"coordinator_address=127.0.0.1:{port}",
+           "num_processes=2"]
+    procs = [_start([*two, f"process_id={i}"], env_with(1), tmp_path / f"two{i}.log") for i in range(2)]
     logs = lambda: "".join((tmp_path / f"two{i}.log").read_text()[-3000:] for i in range(2))  # noqa: E731
     assert finish(procs, timeout=400) == [0, 0], logs()
     one, two = _losses(tmp_path / "one.jsonl"), _losses(tmp_path / "two.jsonl")
