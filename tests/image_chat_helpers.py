@@ -92,3 +92,97 @@ def model_args(paths: dict) -> list[str]:
 
 def pixels_equal(a, b) -> bool:
     return np.array_equal(np.asarray(a), np.asarray(b))
+
+
+# --------------------------------------------------------------------------------------------
+# Rows split over hosts (the per-row image layout, data/image_layout.py)
+# --------------------------------------------------------------------------------------------
+
+
+def raw_rows(config, convert, records: list[dict], where: str, num_rows: int) -> dict:
+    """A host batch [1, num_rows, ...] of packed rows before the image layout (as the pipeline hands it to
+    ToModelImages): `records` converted by `convert` (conversations.converter) and packed first-fit."""
+    import grain  # pylint: disable=import-outside-toplevel
+
+    from maxtrain.data import conversations, image_conversations  # pylint: disable=import-outside-toplevel
+
+    elements = grain.MapDataset.source([convert((f"{where} line {i + 1}", r)) for i, r in enumerate(records)])
+    rows = list(image_conversations.rows(elements.to_iter_dataset(), config, num_rows, conversations.to_example))
+    assert len(rows) >= num_rows, f"{len(records)} records packed into {len(rows)} rows, fewer than {num_rows}"
+    return {k: np.stack([row[k] for row in rows[:num_rows]])[None] for k in rows[0]}
+
+
+def halves(finish, raw: dict) -> dict:
+    """The model's batch made as two hosts would: each finishing its half of the rows, the halves concatenated."""
+    b = raw["inputs"].shape[1]
+    parts = [finish({k: v[:, lo:hi] for k, v in raw.items()}) for lo, hi in ((0, b // 2), (b // 2, b))]
+    return {k: np.concatenate([p[k] for p in parts], axis=1) for k in parts[0]}
+
+
+def flat_layout(finish, raw: dict) -> dict:
+    """The layout before rows had their own slots (the control): the micro batch's images in one list, padded after
+    the last row's, cut into b equal parts per key."""
+    from maxtrain.data import image_conversations, image_layout  # pylint: disable=import-outside-toplevel
+
+    out = {}
+    inputs, grids = raw["inputs"][0], raw[image_conversations.GRIDS][0]
+    b = inputs.shape[0]
+    real = [g[g.any(axis=1)] for g in grids]
+    arrays = {k: np.concatenate([raw[k][0][r][:int(real[r].prod(axis=1).sum())] for r in range(b)])
+              for k in finish.patch_shapes}
+    _, images = image_layout.model_inputs(finish.vision, finish.config, finish.tower, inputs, arrays,
+                                          np.concatenate(real), pad_to=b * finish.patches)
+    for k, v in images.items():
+        v = np.asarray(v)
+        out[image_conversations.ROWS + k] = v.reshape((1, b, v.shape[0] // b) + v.shape[1:])
+    return out
+
+
+def rows_alone(finish, raw: dict):
+    """The flat images of each row of `raw` ([1, b, ...]) alone, made by Vision.inputs for that row's tokens [1, T]
+    (unpadded)."""
+    from maxtrain.data import image_conversations, image_layout  # pylint: disable=import-outside-toplevel
+
+    for r in range(raw["inputs"].shape[1]):
+        grids = raw[image_conversations.GRIDS][0][r]
+        real = grids[grids.any(axis=1)]
+        patches = int(real.prod(axis=1).sum())
+        _, images = image_layout.model_inputs(finish.vision, finish.config, finish.tower, raw["inputs"][0][r:r + 1],
+                                              {k: raw[k][0][r][:patches] for k in finish.patch_shapes}, real)
+        yield images
+
+
+def forward(model, params, rt, inputs, positions, segment_ids, images: dict):
+    """Logits [B, T, V] of the model on images by row or flat, at the highest matmul precision."""
+    import jax  # pylint: disable=import-outside-toplevel
+
+    with jax.default_matmul_precision("highest"):
+        return np.asarray(model.forward(params, inputs, positions, segment_ids, rt, images=images)[0])
+
+
+def check_rows_split_over_hosts(model, params, rt, finish, raw: dict) -> bool:
+    """Two hosts each making half the rows give the model's inputs of one host making them all, and its logits on
+    them are each row's alone; the flat layout (the control) interleaves host 0's padding, so its inputs differ.
+    Returns whether the flat model's logits on the two hosts' flat layouts differ from some row's alone."""
+    from maxtrain.models import image_batch  # pylint: disable=import-outside-toplevel
+
+    whole, split = finish(raw), halves(finish, raw)
+    assert sorted(whole) == sorted(split)
+    for k in whole:
+        np.testing.assert_array_equal(split[k], whole[k], err_msg=k)
+    old_whole, old_split = flat_layout(finish, raw), halves(lambda part: flat_layout(finish, part), raw)
+    assert any(not np.array_equal(old_whole[k], old_split[k]) for k in old_whole)  # the control
+    batch = {k: v[0] for k, v in split.items()}
+    positions = image_batch.positions(batch)
+    logits = forward(model, params, rt, batch["inputs"], positions, batch["segment_ids"],
+                     image_batch.images(model, batch))
+    flat = {k: v[0].reshape((-1,) + v.shape[3:]) for k, v in old_split.items()}  # the flat model on two hosts' data
+    old = forward(model, params, rt, batch["inputs"], positions, batch["segment_ids"],
+                  {k[len(image_batch.ROWS):]: v for k, v in flat.items()})
+    differs = []
+    for r, images in enumerate(rows_alone(finish, raw)):
+        seg = batch["segment_ids"][r:r + 1]
+        alone = forward(model, params, rt, batch["inputs"][r:r + 1], positions[..., r:r + 1, :], seg, images)
+        np.testing.assert_allclose(logits[r][seg[0] > 0], alone[0][seg[0] > 0], rtol=1e-5, atol=1e-5)
+        differs.append(not np.allclose(old[r][seg[0] > 0], alone[0][seg[0] > 0], rtol=1e-5, atol=1e-5))
+    return any(differs)

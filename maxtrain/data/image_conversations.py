@@ -21,10 +21,11 @@ says how each tower's images sit (Qwen's grids; Gemma 4's fixed blocks of patche
 patches into image_patches_per_row at once (an element goes where both fit), so an image's tokens are never split;
 a truncated conversation keeps only the images wholly inside its inputs.
 
-Batches. Per micro batch, Vision.inputs lays out all its rows' images (padded to b x image_patches_per_row patches,
-so the step compiles once); every image array is stored with a leading row axis [b, X, ...] (a reshape of the
-micro batch's flat arrays, named rows_<key>; models/image_batch.py flattens them back), positions [b, T, S]. One process
-only: each host's flat layout would interleave padding with the next host's images.
+Batches. Vision.inputs lays out each packed row's images alone, in the row's own slot (padded to
+image_patches_per_row patches, so the step compiles once); every image array is stored with a leading row axis
+[b, X, ...] (named rows_<key>), positions [b, T, S], and the model gives row r's placeholders row r's image features
+(models/image_batch.py). A row's arrays depend on that row alone, so the hosts of a multi-process run (each making
+its own rows, data/hosts.py) and the data-parallel shards give the same inputs as one host making the whole batch.
 """
 
 from __future__ import annotations
@@ -341,35 +342,30 @@ def rows(elements, config, num_rows: int, text_example):
 
 
 class ToModelImages:
-    """A host batch [A, b, ...] of packed rows -> the model's: per micro batch, Vision.inputs lays out every row's
-    images (padded to b x image_patches_per_row patches: Gemma 4's to b x image_patches_per_row / M images of M
-    patches), each array stored as [b, X, ...]; positions [A, b, T, S] (S = 1: [A, b, T]). A batch without image
-    arrays (padding) gets padding images. Picklable."""
+    """A host batch [A, b, ...] of packed rows -> the model's: Vision.inputs lays out each row's images alone, in
+    that row's slot (padded to image_patches_per_row patches: Gemma 4's to image_patches_per_row / M images of M
+    patches), each array stored as [A, b, X, ...] (models/image_batch.py: row r's placeholders take row r's
+    features); positions [A, b, T, S] (S = 1: [A, b, T]). A batch without image arrays (padding) gets padding
+    images. Picklable."""
 
     def __init__(self, config, vision, tower, patch_shapes: dict, streams: int):
         self.config, self.vision, self.tower, self.streams = config, vision, tower, streams
         self.patch_shapes, self.patches = dict(patch_shapes), config.image_patches_per_row
 
     def micro(self, inputs, arrays: dict, grids) -> dict:
-        b = inputs.shape[0]
-        flat, flat_grids = {k: [] for k in arrays}, []
-        for r in range(b):
+        """Each row's images laid out alone, in its own slot (so that any split of the rows over hosts lays them
+        out alike), stacked: {ROWS + key: [b, X, ...]}."""
+        laid = []
+        for r in range(inputs.shape[0]):
             real = grids[r][grids[r].any(axis=1)]
-            flat_grids.append(real)
-            for k, v in arrays.items():
-                flat[k].append(v[r][:int(real.prod(axis=1).sum())])
-        _, images = model_inputs(self.vision, self.config, self.tower, inputs,
-                                 {k: np.concatenate(v) for k, v in flat.items()}, np.concatenate(flat_grids),
-                                 pad_to=b * self.patches)
-        out = {}
-        for k, v in images.items():
-            v = np.asarray(v)
-            if v.shape[0] % b:
-                raise DataError(f"image_patches_per_row={self.patches} does not split the {k} of the images' layout "
-                                f"({v.shape[0]} rows) evenly over {b} rows; make it a multiple of the tower's "
-                                "spatial_merge_size squared (e.g. a multiple of 16)")
-            out[ROWS + k] = v.reshape((b, v.shape[0] // b) + v.shape[1:])
-        return out
+            patches = int(real.prod(axis=1).sum())
+            try:
+                _, images = model_inputs(self.vision, self.config, self.tower, inputs[r:r + 1],
+                                         {k: v[r][:patches] for k, v in arrays.items()}, real, pad_to=self.patches)
+            except ValueError as e:
+                raise DataError(f"row {r} of a batch: {e}") from None
+            laid.append(images)
+        return {ROWS + k: np.stack([np.asarray(images[k]) for images in laid]) for k in laid[0]}
 
     def __call__(self, batch: dict) -> dict:
         accum, b, _ = batch["inputs"].shape
@@ -413,11 +409,6 @@ def refuse(config, vision, where: str) -> None:
 
 def converter(template, config, vision, columns: list[str], length: int, log, key: str) -> ToImageElement:
     """ToImageElement for the config's family (probed: its pixel shape and position streams are known)."""
-    import jax  # pylint: disable=import-outside-toplevel
-
-    if jax.process_count() > 1:
-        raise DataError("image conversations are read by one process for now (each host's image layout would "
-                        "interleave with the next host's); train on one host")
     vision = vision_of(config, vision)
     if config.image_token_id < 0:
         raise DataError("image_token_id is -1: set it to the id of the image placeholder token (<|image_pad|>), as "

@@ -9,7 +9,10 @@ both layouts of images.TowerImages:
 
 An element's patch arrays (pixel_values, and Gemma 4's image_position_ids) are flat [patches, ...] either way, so
 that packing counts patches alike: a row of image_patches_per_row patches holds image_patches_per_row / M of Gemma
-4's images.
+4's images. A batch lays out each packed row's images alone (model_inputs on that row's tokens [1, T], pad_to =
+image_patches_per_row) in the row's own slot [b, X, ...]; the model gives row r's placeholders row r's features
+(models/image_batch.py), so the layout does not depend on which host, or shard, makes the other rows. Hence
+image_patches_per_row is a whole number of Gemma 4's blocks, and of Qwen's merge windows (merge_size**2 patches).
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ TEXT = ("tokens", "weights", "parts", "positions")
 
 
 def check_row_budget(tower, patches_per_row: int) -> None:
-    """A one-line DataError when image_patches_per_row is not a whole number of the tower's image blocks."""
+    """A one-line DataError when image_patches_per_row is not a whole number of the tower's image blocks (Gemma 4)
+    or merge windows (Qwen's merge_size**2 patches: a row's slot is laid out alone)."""
+    window = getattr(tower.spec, "merge_size", 1) ** 2 if tower.block is None else 1
+    if patches_per_row < window or patches_per_row % window:
+        fit = max(window, patches_per_row // window * window)
+        raise DataError(f"image_patches_per_row={patches_per_row} is not a multiple of the tower's {window} patches "
+                        f"merged into one token (spatial_merge_size squared): each row's images are laid out in "
+                        f"their own slot; set it to a multiple of {window}, e.g. {fit}")
     if tower.block is not None and (patches_per_row < tower.block or patches_per_row % tower.block):
         raise DataError(f"image_patches_per_row={patches_per_row} is not a multiple of the {tower.block} patches each "
                         f"image of this tower takes (its processor pads every image to max_soft_tokens x pooling**2 "
@@ -32,7 +42,7 @@ def check_row_budget(tower, patches_per_row: int) -> None:
 
 def model_inputs(vision, config, tower, tokens, arrays: dict, grids, pad_to: int | None = None) -> tuple:
     """Vision.inputs for tokens [B, T] and the flat patch arrays of their images, in order: (positions, images);
-    pad_to counts patches (the images' arrays padded to it)."""
+    pad_to counts patches (the images' arrays padded to it). A batch calls it once per row (tokens [1, T])."""
     grids = np.asarray(grids, np.int64).reshape(-1, 3)
     if tower.block is None:
         return vision.inputs(config, tokens, arrays["pixel_values"], grids, pad_to=pad_to)

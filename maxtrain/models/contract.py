@@ -84,7 +84,8 @@ class Vision:
 
     text_family: str                 # decoder_block of its text decoder alone (convert_hf.py import --text-only)
     embed: Callable[..., Any]        # (params, x [B, T, D], tokens, images {input_keys: arrays}, model, rt) ->
-                                     # (x with the placeholders' rows replaced, per-layer inputs [L, B, T, D] or None)
+                                     # (x with the placeholders' rows replaced, per-layer inputs [L, B, T, D] or None);
+                                     # images flat or by row (models/image_batch.py: by_row, placeholder_index)
     input_keys: tuple[str, ...]      # the batch keys of `images` (pixel_values and the tower's layout arrays)
     prefix: str | tuple[str, ...]    # the tower's tensor-name prefix(es) in the checkpoint (model.visual.)
     text_prefixes: dict              # the text decoder's prefixes in the checkpoint -> in the text model's names

@@ -13,7 +13,7 @@ import pytest
 from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
-from maxtrain.data import DataError, conversations, image_layout, images
+from maxtrain.data import DataError, conversations, image_conversations, image_layout, images
 from maxtrain.models import image_batch
 from post_helpers import compose
 import gemma4_image_helpers as g4
@@ -106,11 +106,12 @@ def test_a_packed_rows_logits_equal_each_conversations_alone(dataset, tmp_path):
     boi = g4.ids(dataset["tokenizer"])[0]
     model, rt = Model.bind(config), Runtime.from_config(config)
     params = model.init_params(jax.random.PRNGKey(0))
-    flat = image_batch.images(model, batch)
+    by_row = image_batch.images(model, batch)
+    flat, _ = image_batch.by_row(by_row, model.family.vision.input_keys, batch["inputs"].shape[0])
     assert flat["pixel_values"].shape == (2 * batch["inputs"].shape[0], g4.BLOCK, 48)  # the fixed layout
     with jax.default_matmul_precision("highest"):
         logits = np.asarray(model.forward(params, batch["inputs"], image_batch.positions(batch),
-                                          batch["segment_ids"], rt, images=flat)[0])
+                                          batch["segment_ids"], rt, images=by_row)[0])
         tokens, seg = batch["inputs"][0], batch["segment_ids"][0]
         segments = [s for s in np.unique(seg[seg > 0]) if (tokens[seg == s] == boi).any()]
         assert len(segments) == 2  # two conversations, each with its image, in row 0
@@ -143,6 +144,45 @@ def test_packed_rows_keep_image_blocks_whole_and_the_tower_gets_a_gradient(datas
     loss, grads = jax.jit(jax.value_and_grad(lambda p: model.loss_fn(p, batch, rt)[0]))(params)
     assert np.isfinite(float(loss))
     assert max(float(np.abs(g).max()) for g in jax.tree.leaves(grads["vision"])) > 0
+
+
+def _split_rows(dataset, tmp_path):
+    """(config, finish, raw rows [1, 4, ...]): 7 conversations (one of text alone) packed first-fit, two image
+    blocks a row at most, so that the rows' slots are padded unevenly."""
+    config = _config(dataset, tmp_path, "max_target_length=160", f"image_patches_per_row={2 * g4.BLOCK}",
+                     "attention=dot_product")
+    template = conversations.open_template(config, data_lib.sources.load_tokenizer(config, None, None))
+    convert = conversations.converter(template, config, "train", lambda *_: None, _vision(config))
+    text = {"messages": [{"role": "user", "content": "colour?"}, {"role": "assistant", "content": "none"}]}
+    raw = helpers.raw_rows(config, convert, [dataset["records"][0], text, *dataset["records"][1:6]],
+                           dataset["train"], 4)
+    return config, image_conversations.finisher(config, convert), raw
+
+
+def test_rows_split_over_two_hosts_lay_out_their_image_blocks_as_one_host(dataset, tmp_path):
+    _, finish, raw = _split_rows(dataset, tmp_path)
+    counts = [int(g.any(axis=1).sum()) for g in raw["image_grids"][0]]
+    assert min(counts) < 2 == max(counts), counts  # the slots are padded unevenly
+    whole, split = finish(raw), helpers.halves(finish, raw)
+    assert whole["rows_pixel_values"].shape == (1, 4, 2, g4.BLOCK, 48)
+    for k in whole:
+        np.testing.assert_array_equal(split[k], whole[k], err_msg=k)
+    real = (whole["rows_image_position_ids"][0] != -1).all(axis=-1).any(axis=-1)  # [rows, blocks]: a real image
+    assert real.sum(axis=1).tolist() == counts and not (real[:, 1] & ~real[:, 0]).any()  # first in its own slot
+    old = helpers.flat_layout(finish, raw), helpers.halves(lambda part: helpers.flat_layout(finish, part), raw)
+    assert not np.array_equal(old[0]["rows_image_position_ids"], old[1]["rows_image_position_ids"])  # the control
+
+
+@pytest.mark.slow  # ~40 s on 2 cores: the tiny tower and decoder on the batch and on each row
+def test_rows_split_over_two_hosts_give_each_rows_logits_alone(dataset, tmp_path):
+    from maxtrain.models.model import Model  # pylint: disable=import-outside-toplevel
+    from maxtrain.models.runtime import Runtime  # pylint: disable=import-outside-toplevel
+
+    config, finish, raw = _split_rows(dataset, tmp_path)
+    model, rt = Model.bind(config), Runtime.from_config(config)
+    # the flat model's logits did not depend on where padding blocks sit (its fill skips their soft tokens), so the
+    # control here is the layout's (check_rows_split_over_hosts: the flat layouts of one and two hosts differ)
+    helpers.check_rows_split_over_hosts(model, model.init_params(jax.random.PRNGKey(0)), rt, finish, raw)
 
 
 def _bad(dataset, tmp_path, record_image, *extra):

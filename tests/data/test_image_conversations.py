@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from conftest import BASE_YML, TINY
 from maxtrain import config as config_lib
 from maxtrain import data as data_lib
-from maxtrain.data import DataError, conversations, image_conversations, images
+from maxtrain.data import DataError, conversations, image_conversations, image_layout, images
 from maxtrain.models.vision import qwen_images
 from post_helpers import compose
 import image_chat_helpers as helpers
@@ -155,29 +155,49 @@ def test_bad_images_get_one_line_naming_the_record_and_the_fix(dataset, tmp_path
     assert "holds images" in message and "decoder_block=llama has no image tower" in message
 
 
-@pytest.mark.slow  # ~25 s on 2 cores: two compiles of the tower and the decoder
-def test_model_loss_reads_row_split_images_as_the_flat_forward(dataset, tmp_path):
-    import jax  # pylint: disable=import-outside-toplevel
+def _split_rows(dataset, tmp_path):
+    """(config, finish, raw rows [1, 4, ...]): 9 conversations (one of text alone) packed first-fit, two images a
+    row at most, so that the rows' slots are padded unevenly."""
+    config = _config(dataset, tmp_path, "attention=dot_product", "base_num_decoder_layers=1")
+    template = conversations.open_template(config, data_lib.sources.load_tokenizer(config, None, None))
+    convert = conversations.converter(template, config, "train", lambda *_: None, _vision(config))
+    text = {"messages": [{"role": "user", "content": "colour?"}, {"role": "assistant", "content": "none"}]}
+    records = [dataset["records"][0], text, *dataset["records"][1:8]]
+    raw = helpers.raw_rows(config, convert, records, dataset["train"], 4)
+    return config, image_conversations.finisher(config, convert), raw
 
+
+def test_rows_split_over_two_hosts_lay_out_their_images_as_one_host(dataset, tmp_path):
+    config, finish, raw = _split_rows(dataset, tmp_path)
+    counts = [int(g.any(axis=1).sum()) for g in raw["image_grids"][0]]
+    assert min(counts) < 2 == max(counts), counts  # the slots are padded unevenly
+    whole, split = finish(raw), helpers.halves(finish, raw)
+    for k in whole:
+        np.testing.assert_array_equal(split[k], whole[k], err_msg=k)
+    rows = whole["rows_patch_images"][0]  # row r's merged tokens fill the start of its own slot
+    assert [int((r > 0).sum()) for r in rows] == [6 * c for c in counts]
+    assert [int((t == config.image_token_id).sum()) for t in whole["inputs"][0]] == [6 * c for c in counts]
+    old = helpers.flat_layout(finish, raw), helpers.halves(lambda part: helpers.flat_layout(finish, part), raw)
+    assert not np.array_equal(old[0]["rows_patch_images"], old[1]["rows_patch_images"])  # the control
+    with pytest.raises(DataError, match="image_patches_per_row=30 is not a multiple of the tower's 4 patches"):
+        image_layout.check_row_budget(finish.tower, 30)  # a row's slot is laid out alone: whole merge windows
+
+
+@pytest.mark.slow  # ~30 s on 2 cores: the tiny tower and decoder on the batch and on each row
+def test_rows_split_over_two_hosts_give_each_rows_logits_alone_and_the_loss(dataset, tmp_path):
+    from maxtrain.models import image_batch, ops  # pylint: disable=import-outside-toplevel
     from maxtrain.models.model import Model  # pylint: disable=import-outside-toplevel
     from maxtrain.models.runtime import Runtime  # pylint: disable=import-outside-toplevel
-    from maxtrain.models import ops  # pylint: disable=import-outside-toplevel
 
-    config = _config(dataset, tmp_path, "attention=dot_product", "max_target_length=24", "base_num_decoder_layers=1")
-    batch = {k: v[0] for k, v in next(_inputs(config).train_iterator).items()}
-    model = Model.bind(config)
+    config, finish, raw = _split_rows(dataset, tmp_path)
+    model, rt = Model.bind(config), Runtime.from_config(config)
     params = model.init_params(jax.random.PRNGKey(0))
-    rt = Runtime.from_config(config)
+    assert helpers.check_rows_split_over_hosts(model, params, rt, finish, raw)  # the flat model misplaces images
+    batch = {k: v[0] for k, v in helpers.halves(finish, raw).items()}
     loss = jax.jit(lambda p, b: model.loss_fn(p, b, rt)[0])(params, batch)
-    flat = {k: batch["rows_" + k].reshape((-1,) + batch["rows_" + k].shape[2:]) for k in qwen_images.IMAGE_KEYS}
-
-    def flat_loss(p, b, flat):
-        logits, _ = model.forward(p, b["inputs"], jax.numpy.moveaxis(b["positions"], -1, 0), b["segment_ids"], rt,
-                                  images=flat)
-        return ops.cross_entropy(logits, b["targets"], b["loss_weights"])
-    want = jax.jit(flat_loss)(params, batch, flat)
-    assert (batch["inputs"] == config.image_token_id).sum() >= 6
-    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    logits = model.forward(params, batch["inputs"], image_batch.positions(batch), batch["segment_ids"], rt,
+                           images=image_batch.images(model, batch))[0]
+    np.testing.assert_allclose(loss, ops.cross_entropy(logits, batch["targets"], batch["loss_weights"]), rtol=1e-5)
 
 
 @pytest.mark.slow

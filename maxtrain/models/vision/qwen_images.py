@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain.models import hf
+from maxtrain.models import hf, image_batch
 from maxtrain.models import rope as rope_lib
 from maxtrain.models.vision import frame_attention, qwen
 
@@ -156,10 +156,12 @@ def check_placeholders(tokens, images: dict, image_token_id: int) -> None:
 
 
 def embed_images(params, x, tokens, images: dict, model, rt):
-    """(x with the placeholders' rows replaced by the images' embeddings, in order; the deepstack features at the
+    """(x with the placeholders' rows replaced by the images' embeddings, in order (flat or by row:
+    models/image_batch.py); the deepstack features at the
     placeholders as per-layer inputs [L, B, T, D], zero elsewhere and after the last feature, or None without
     deepstack) (the contract's Vision.embed)."""
     config = model.config
+    images, rows = image_batch.by_row(images, IMAGE_KEYS, tokens.shape[0])
     missing = [k for k in IMAGE_KEYS if k not in images]
     if missing:
         raise ValueError(f"images lack {missing}; make them with "
@@ -170,12 +172,15 @@ def embed_images(params, x, tokens, images: dict, model, rt):
     except jax.errors.TracerArrayConversionError:
         pass
     layout = qwen.PatchLayout(*(jnp.asarray(images[f"patch_{k}"]) for k in qwen.PatchLayout._fields))
+    if rows is not None:  # each row's frames are numbered from 1 in its slot: row r's moved past the rows before
+        segments = layout.segments.reshape(rows, -1)
+        offset = jnp.arange(rows, dtype=segments.dtype)[:, None] * segments.shape[1]
+        layout = layout._replace(segments=jnp.where(segments > 0, segments + offset, 0).reshape(-1))
     merged, features = qwen.forward_layout(params["vision"], jnp.asarray(images["pixel_values"]), layout,
                                            vision_config(config), rt.dtype, remat=rt.remat_policy != "none",
                                            attention_impl=frame_attention.implementation(rt), platform=rt.backend)
     mask = tokens == config.image_token_id                                   # [B, T]
-    order = jnp.cumsum(mask.reshape(-1)).reshape(mask.shape) - 1             # the k-th placeholder takes row k
-    index = jnp.clip(order, 0, merged.shape[0] - 1)
+    index = image_batch.placeholder_index(mask, rows, merged.shape[0])
 
     def scatter(rows, into):
         return jnp.where(mask[..., None], rows[index].astype(into.dtype), into)

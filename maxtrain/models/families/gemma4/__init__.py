@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain.config import registry
-from maxtrain.models import contract, hf, standard_layers
+from maxtrain.models import contract, hf, image_batch, standard_layers
 from maxtrain.models.gemma4 import decoder
 from maxtrain.models.vision import gemma4 as gemma4_vision
 
@@ -151,8 +151,10 @@ def model_inputs(config, input_ids, pixel_values, image_position_ids, pad_to: in
 
 def embed_images(params, x, tokens, images: dict, model, rt):
     """(x with the image placeholders' rows replaced, in order, by the images' soft tokens, None): image i's first
-    real_patches_i / k^2 soft tokens, image after image, as transformers' masked_scatter."""
+    real_patches_i / k^2 soft tokens, image after image, as transformers' masked_scatter (over the batch, or within
+    each row's slot for images by row: models/image_batch.py)."""
     config = model.config
+    images, rows = image_batch.by_row(images, IMAGE_KEYS, tokens.shape[0])
     missing = [k for k in IMAGE_KEYS if k not in images]
     if missing:
         raise ValueError(f"images lack {missing}; make them with gemma4.image_inputs(pixel_values, "
@@ -168,11 +170,13 @@ def embed_images(params, x, tokens, images: dict, model, rt):
     embedded, _ = gemma4_vision.forward(params["vision"], pixels, positions, vc, rt.dtype)
     real = jnp.sum(jnp.all(positions != -1, axis=-1), axis=-1) // vc.pooling_kernel_size ** 2    # [N]
     valid = jnp.arange(embedded.shape[1])[None, :] < real[:, None]                               # [N, L]
-    rows = embedded.reshape(-1, embedded.shape[-1])
-    source = jnp.argsort(~valid.reshape(-1), stable=True)        # the valid rows first, in order
+    features = embedded.reshape(-1, embedded.shape[-1])
+    slots = valid.reshape(rows or 1, -1)                         # the whole batch flat, or each row's slot
+    source = jnp.argsort(~slots, axis=1, stable=True)            # each slot's valid features first, in order
+    source = (source + jnp.arange(slots.shape[0])[:, None] * slots.shape[1]).reshape(-1)
     mask = tokens == config.image_token_id                                                       # [B, T]
-    order = jnp.clip(jnp.cumsum(mask.reshape(-1)).reshape(mask.shape) - 1, 0, rows.shape[0] - 1)
-    return jnp.where(mask[..., None], rows[source[order]].astype(x.dtype), x), None
+    order = image_batch.placeholder_index(mask, rows, features.shape[0])
+    return jnp.where(mask[..., None], features[source[order]].astype(x.dtype), x), None
 
 
 # --------------------------------------------------------------------------------------------

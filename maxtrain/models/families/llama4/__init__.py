@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from maxtrain.config import registry
-from maxtrain.models import contract, hf, standard_layers
+from maxtrain.models import contract, hf, image_batch, standard_layers
 from maxtrain.models.llama4 import decoder
 from maxtrain.models.vision import llama4
 
@@ -107,6 +107,7 @@ def model_inputs(config, input_ids, pixel_values, pad_to: int | None = None) -> 
 def embed_images(params, x, tokens, images: dict, model, rt):
     """(x with the placeholders' rows replaced by the tiles' embeddings, in order; no per-layer inputs)."""
     config = model.config
+    images, by_row = image_batch.by_row(images, IMAGE_KEYS, tokens.shape[0])
     missing = [k for k in IMAGE_KEYS if k not in images]
     if missing:
         raise ValueError(f"images lack {missing}; make them with models.families.llama4.image_inputs(pixel_values, config)")
@@ -116,8 +117,7 @@ def embed_images(params, x, tokens, images: dict, model, rt):
         pass
     rows = llama4.forward(params["vision"], jnp.asarray(images["pixel_values"]), vision_config(config), rt.dtype)
     mask = tokens == config.image_token_id                                   # [B, T]
-    order = jnp.cumsum(mask.reshape(-1)).reshape(mask.shape) - 1             # the k-th placeholder takes row k
-    index = jnp.clip(order, 0, rows.shape[0] - 1)
+    index = image_batch.placeholder_index(mask, by_row, rows.shape[0])      # flat or by row (models/image_batch.py)
     return jnp.where(mask[..., None], rows[index].astype(x.dtype), x), None
 
 
