@@ -83,7 +83,7 @@ def attention(x, p, inputs, config, rt, layer: LayerType, shared_kv=None):
     if inputs.blocks is not None and layer.attention == "sliding":
         out = _block_attention(q, k, v, inputs, layer, implementation, rt.backend)
     else:
-            out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=implementation,
+        out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=implementation,
                                       platform=rt.backend, sliding_window=layer.sliding_window(), scale=1.0,
                                       block_q=config.sa_block_q, block_kv=config.sa_block_kv,
                                       context_strategy=config.context_parallel_strategy,
