@@ -208,6 +208,11 @@ REQUIRES: tuple[Feature, ...] = (
     Feature("gated delta-net layers (inhomogeneous_layer_cycle_interval >= 2)", has_gated_deltanet,
             GATED_DELTANET_KEYS, fix="set inhomogeneous_layer_cycle_interval >= 2 (Qwen3-Next and Qwen3.5: 4; 1 makes "
                                      "every layer full attention)", state="inhomogeneous_layer_cycle_interval"),
+    # Gemma 4's image tokens attending both ways (models/gemma4/normed_attention.py): a text model has no image tokens
+    Feature("a model with a vision tower (vision_config set)", lambda v: v["vision_config"] != "",
+            ("bidirectional_image_attention",),
+            fix="import an image-and-text checkpoint with its tower (scripts/convert_hf.py import, without --text-only)",
+            state="vision_config"),
     Feature("moe_dispatch=dropless", lambda v: v["moe_dispatch"] == "dropless", ("moe_grouped_matmul",),
             state="moe_dispatch"),
     Feature("a shared expert (shared_experts >= 1)", lambda v: v["shared_experts"] > 0, ("shared_expert_mlp_dim",),

@@ -16,6 +16,7 @@ from conftest import BASE_YML
 from gemma4_image_helpers import PROCESSOR, TEXT, VISION
 from maxtrain.checkpointing import convert
 from maxtrain.config import load_config
+from maxtrain.errors import ConfigError
 from maxtrain.models import attention, sampling
 from maxtrain.models.families import gemma4
 from maxtrain.models.model import Model
@@ -69,6 +70,13 @@ def test_the_config_reads_and_writes_back_and_all_is_refused():
     # the text decoder alone (--text-only) reads "vision" as causal: it has no image tokens
     text = convert.model_keys({"model_type": "gemma4", **HF}, text_only=True)
     assert text["decoder_block"] == "gemma4_text"
+
+
+def test_a_model_without_a_tower_refuses_the_setting_that_would_do_nothing():
+    with pytest.raises(ConfigError, match="bidirectional_image_attention=true does nothing without a model with a "
+                                          "vision tower.*vision_config=.*drop bidirectional_image_attention"):
+        load_config([BASE_YML, "decoder_block=gemma4", "sliding_window_size=64", "bidirectional_image_attention=true"])
+    assert tiny_config().bidirectional_image_attention  # with the tower: read
 
 
 def test_a_kernel_or_context_parallelism_for_the_sliding_layers_is_refused_before_compiling():
