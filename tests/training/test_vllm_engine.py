@@ -5,8 +5,8 @@
 
 A tiny Llama made in maxtrain (head_dim 64: a size vLLM's CPU attention serves), float32. vLLM starts from the config
 maxtrain exports and the weights maxtrain pushes (dummy weights before). Greedy completions equal maxtrain's own greedy
-decode token for token; the engine's log-probabilities of them equal maxtrain's forward pass's to 1e-4 (the figures
-are printed: docs/post_training.md records them); after set_weights with other params the completions are those of
+decode token for token; the engine's log-probabilities of them equal maxtrain's forward pass's (each token within
+1e-3, on average within 2e-5: `_assert_close`; the figures are printed, docs/post_training.md records them); after set_weights with other params the completions are those of
 maxtrain under the new params (the prefix cache cleared: the same prompts again); sampled completions at temperature
 0.7 repeat with their seeds, differ within a seed's group and carry the log-probabilities of softmax(logits / 0.7).
 A model vLLM's CPU attention cannot serve (head_dim 16) is refused before vLLM starts (by the trainer, before Ray
@@ -92,6 +92,15 @@ def greedy():
     engine.close()
 
 
+def _assert_close(gaps: np.ndarray) -> None:
+    """|log p_maxtrain - log p_vllm| of every completion token: each within 1e-3, their mean within 2e-5. Both sides
+    are float32, and a few tokens of this random model (weights scaled up 4x) are ill-conditioned: on 2026-12-01's
+    machine one token's log p was -1.859482 in float64 (transformers' Llama on the same weights), -1.859540 in
+    maxtrain's float32 and -1.859771 in vLLM's CPU float32 (2.3e-4 apart), the other 63 within 4e-5. A wrong weight
+    sync or a stale cache moves log-probabilities by 1e-1 or more (and the tokens, checked beside this)."""
+    assert gaps.max() < 1e-3 and gaps.mean() < 2e-5, (gaps.max(), gaps.mean())
+
+
 def _mismatch(engine, model, rt, params, temperature=1.0):
     """(completions, |log p_maxtrain - log p_vllm| of every completion token)."""
     completions = engine.generate(_requests())
@@ -111,7 +120,7 @@ def test_greedy_completions_and_log_probs_equal_maxtrains_and_follow_set_weights
         assert c.versions.tolist() == [3] * NEW
     print(f"\nvLLM vs maxtrain, greedy, float32, {gaps.size} tokens: |log p_maxtrain - log p_vllm| "
           f"mean {gaps.mean():.2e} max {gaps.max():.2e}")
-    assert gaps.max() < 1e-4
+    _assert_close(gaps)
 
     engine.set_weights(4, second)  # the same prompts again: their cached keys and values must not be reused
     sync = engine.syncs[-1]
@@ -123,7 +132,7 @@ def test_greedy_completions_and_log_probs_equal_maxtrains_and_follow_set_weights
     for prompt, c in zip(PROMPTS, after):
         assert c.tokens.tolist() == _maxtrain_greedy(model, rt, second, prompt)
         assert c.versions.tolist() == [4] * NEW
-    assert gaps.max() < 1e-4
+    _assert_close(gaps)
 
 
 def test_a_stop_token_ends_a_completion_and_is_kept(greedy):
@@ -179,7 +188,7 @@ def test_sampled_completions_repeat_with_their_seeds_and_carry_tempered_log_prob
                            for c in once])
     print(f"\nvLLM vs maxtrain, temperature 0.7, float32, {gaps.size} tokens: |log p_maxtrain - log p_vllm| "
           f"mean {gaps.mean():.2e} max {gaps.max():.2e}")
-    assert gaps.max() < 1e-4
+    _assert_close(gaps)
 
 
 # GRPO's tiny run (tests/post_helpers.grpo_args: 2 prompts x 4 completions of 8 tokens a step) on a model vLLM's CPU
