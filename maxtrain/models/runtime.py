@@ -284,7 +284,8 @@ def resolve_attention(config, backend: str, dtype, kinds: list[AttentionKind], *
 
 def _image_blocks(config, kind: AttentionKind, context_parallel: int) -> AttentionKind:
     """gemma4's bidirectional_image_attention: the sliding layers' mask (an image's tokens both ways,
-    models/gemma4/normed_attention.py) is the plain-jnp form's; no kernel nor context-parallel strategy takes it."""
+    models/gemma4/normed_attention.py) is computed in plain jnp, banded (models/attention/image_band.py) where the
+    band is narrower than the sequence; no kernel nor context-parallel strategy takes it."""
     if context_parallel > 1 or config.attention not in ("autoselected", "dot_product"):
         used = f"attention={config.attention}" + (f" with {context_parallel}-way context parallelism"
                                                   if context_parallel > 1 else "")
@@ -292,7 +293,9 @@ def _image_blocks(config, kind: AttentionKind, context_parallel: int) -> Attenti
                          f"runs in the plain-jnp form on whole sequences, not {used}; set attention=dot_product or "
                          "autoselected (which picks it for those layers) and ici_context_parallelism=1")
     return dataclasses.replace(kind, implementation="dot_product", reason="dot_product: bidirectional_image_attention "
-                               "(an image's tokens both ways) needs a general mask, which no kernel takes")
+                               "(an image's tokens both ways) needs a general mask, which no kernel takes; banded "
+                               "(each query block against its window and image_attention_span) where that is shorter "
+                               "than the sequence")
 
 
 def _sparse_attention(config, backend: str, kinds: list[AttentionKind],

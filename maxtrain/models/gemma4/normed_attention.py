@@ -9,6 +9,11 @@ full-attention layers) the layer has no W_v: the values are the key projection x
 sliding layers stacks of their own shapes, models/layers.LayerType.head_dim); RoPE is the layer type's
 table (a "proportional" table leaves the pairs past its fraction unrotated, models/rope.py).
 
+With bidirectional_image_attention the sliding layers' image tokens also see their own image's later tokens
+(`_block_attention`): in the banded form (models/attention/image_band.py: blocks of 512 queries, each against
+the W - 1 keys behind it and the image_attention_span - 1 ahead) wherever that band is narrower than the sequence,
+else in the plain form over the whole [T, T] mask (the reference; the same values).
+
 Decoding: the KV cache holds one head shape for every layer (decoder.init_cache), the largest kv heads and
 head dim of any layer (`cache_heads`); a layer writes and reads its own [:G, :H] corner of its slots. A
 shared-KV layer writes nothing: it attends to the slots its producer filled, handed on in the layer state.
@@ -20,6 +25,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from maxtrain.models import attention as attention_lib
+from maxtrain.models.attention import image_band
 from maxtrain.models import ops
 from maxtrain.models import rope as rope_lib
 import jax
@@ -28,6 +34,8 @@ from maxtrain.models.layers import LayerType
 from maxtrain.models.params import ParamSpec, dense
 from maxtrain.parallel import sharding
 from maxtrain.parallel.sharding import shard
+
+IMAGE_BAND_BLOCK = 512  # queries per step of the banded image attention (models/attention/image_band.py)
 
 
 def specs(config, head_dim: int, kv_heads: int, values: bool = True, keys: bool = True) -> dict[str, ParamSpec]:
@@ -81,7 +89,7 @@ def attention(x, p, inputs, config, rt, layer: LayerType, shared_kv=None):
         return _decode(q, k, v, p, inputs, rt, layer, fresh=shared_kv is None)
     implementation = rt.attention_for(layer, config.head_dim)  # this layer kind's: Gemma 4's heads differ per kind
     if inputs.blocks is not None and layer.attention == "sliding":
-        out = _block_attention(q, k, v, inputs, layer, implementation, rt.backend)
+        out = _block_attention(q, k, v, inputs, config, layer, implementation, rt.backend)
     else:
         out = attention_lib.attention(q, k, v, inputs.segment_ids, implementation=implementation,
                                       platform=rt.backend, sliding_window=layer.sliding_window(), scale=1.0,
@@ -93,19 +101,28 @@ def attention(x, p, inputs, config, rt, layer: LayerType, shared_kv=None):
     return checkpoint_name(out, "out_proj"), (k, v)
 
 
-def _block_attention(q, k, v, inputs, layer: LayerType, implementation: str, platform: str):
+def _block_attention(q, k, v, inputs, config, layer: LayerType, implementation: str, platform: str):
     """A sliding layer's attention with the image tokens of one block attending to each other both ways (Gemma 4's
     use_bidirectional_attention "vision", as transformers' create_masks_for_vision_model): query t sees key s of
-    its segment when (s <= t or both in one block) and t - s < W, in the plain-jnp form over the whole mask."""
+    its segment when (s <= t or both in one block) and t - s < W. Run in the banded form (models/attention/
+    image_band.py: blocks of IMAGE_BAND_BLOCK queries, each against its W - 1 keys behind and the
+    image_attention_span - 1 ahead, in a checkpointed scan) whenever that band is narrower than the sequence, else
+    in the plain-jnp form over the whole [T, T] mask (the reference; the same values). The host refuses an image run
+    longer than image_attention_span (families/gemma4: check_image_runs)."""
     if implementation != "dot_product" or sharding.ways("length") > 1:
         raise ValueError(f"bidirectional_image_attention runs with attention=dot_product on one device's whole "
                          f"sequence, not {implementation} (context parallelism: {sharding.ways('length')} ways); set "
                          "attention=dot_product (autoselected picks it for the sliding layers) and "
                          "ici_context_parallelism=1")
-    segments, blocks = inputs.segment_ids, inputs.blocks
-    mask = attention_lib.make_attention_mask(segments, segments, sliding_window=layer.sliding_window(),
-                                             q_blocks=blocks, kv_blocks=blocks)
+    segments, blocks, window = inputs.segment_ids, inputs.blocks, layer.sliding_window()
     on_cpu = attention_lib.canonical_platform(platform or "cpu") == "cpu"
+    span = config.image_attention_span
+    if image_band.use_band(q.shape[1], window, span, IMAGE_BAND_BLOCK):
+        return image_band.image_band_attention(q, k, v, segments, blocks, sliding_window=window, span=span,
+                                               block=IMAGE_BAND_BLOCK, scale=1.0, compact_scores=platform == "tpu",
+                                               heads_major=on_cpu)
+    mask = attention_lib.make_attention_mask(segments, segments, sliding_window=window, q_blocks=blocks,
+                                             kv_blocks=blocks)
     return attention_lib.dot_product_attention(q, k, v, mask, scale=1.0, compact_scores=platform == "tpu",
                                                heads_major=on_cpu)
 

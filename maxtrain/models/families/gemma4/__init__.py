@@ -31,6 +31,7 @@ import numpy as np
 
 from maxtrain.config import registry
 from maxtrain.models import contract, hf, image_batch, standard_layers
+from maxtrain.models.attention import image_band
 from maxtrain.models.gemma4 import decoder
 from maxtrain.models.vision import gemma4 as gemma4_vision
 
@@ -141,10 +142,25 @@ def check_placeholders(tokens, images: dict, config) -> None:
                          "tokens, as the processor does")
 
 
+def check_image_runs(tokens, config) -> None:
+    """With bidirectional_image_attention: refuses (host arrays) a run of image or video placeholders longer than
+    image_attention_span, which the sliding layers' banded attention (models/attention/image_band.py) would cut."""
+    placeholders, _ = _placeholder_ids(config)
+    if not config.bidirectional_image_attention or not placeholders:
+        return
+    ids = np.asarray(tokens)
+    longest = image_band.longest_run((ids == placeholders[0]) | (ids == placeholders[1]))
+    if longest > config.image_attention_span:
+        raise ValueError(f"a run of {longest} image placeholders is longer than image_attention_span="
+                         f"{config.image_attention_span}, the image tokens the sliding layers' banded attention lets a "
+                         f"token see ahead; set image_attention_span={longest} or more")
+
+
 def model_inputs(config, input_ids, pixel_values, image_position_ids, pad_to: int | None = None) -> tuple:
     """(positions [B, T], images) of Model.forward for input_ids [B, T] whose placeholders the images fill (host)."""
     images = image_inputs(pixel_values, image_position_ids, config, pad_to)
     check_placeholders(input_ids, images, config)
+    check_image_runs(input_ids, config)
     ids = np.asarray(input_ids)
     return np.broadcast_to(np.arange(ids.shape[1], dtype=np.int32), ids.shape), images
 
@@ -162,6 +178,7 @@ def embed_images(params, x, tokens, images: dict, model, rt):
     try:  # concrete arrays are checked here; traced ones were by model_inputs, on the host
         check_placeholders(np.asarray(tokens), {"image_position_ids": np.asarray(images["image_position_ids"])},
                            config)
+        check_image_runs(np.asarray(tokens), config)
     except jax.errors.TracerArrayConversionError:
         pass
     vc = vision_config(config)
