@@ -121,7 +121,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            settings=_GEMMA4_SHAPE_KEYS + ("vision_config", "image_token_id", "bidirectional_image_attention",
                                              "image_attention_span"),
            shape_keys=_GEMMA4_SHAPE_KEYS + ("vision_config",),
-           setting_keys=("rope_proportion", "image_token_id", "bidirectional_image_attention")),
+           setting_keys=("rope_proportion", "image_token_id", "bidirectional_image_attention"),
+           kernel_settings=("image_attention_span",)),  # how far the banded image attention reads ahead
     Family("mixtral", ("mixtral",), "MixtralForCausalLM", moe=True, window_everywhere=True,
            usual=(("num_experts", 8),)),
     Family("qwen3_moe", ("qwen3_moe",), "Qwen3MoeForCausalLM", moe=True, window_everywhere=True,

@@ -371,6 +371,7 @@ SECOND_OFF = {"temperature_tuning=true": ["decoder_block=llama4_text", "num_expe
               "a lightning indexer (index_n_heads > 0)": ["model_name=deepseek3-tiny"],
               "indexer_training=dense_warmup or sparse": ["model_name=deepseek3.2-tiny"],
               "a model with a vision tower (vision_config set)": ["decoder_block=gemma4", "sliding_window_size=64"],
+              "bidirectional_image_attention=true": ["model_name=gemma4-default-vl"],
               # GRPO's rollout keys (rl-adv)
               "grpo_scale_rewards=group or batch": [*GRPO_SAMPLED, "grpo_scale_rewards=none"],
               "grpo_overlong_buffer_length > 0": GRPO_SAMPLED,
