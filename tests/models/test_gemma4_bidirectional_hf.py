@@ -2,7 +2,8 @@
 (given the processor's mm_token_type_ids: an image's tokens attend to each other both ways in the sliding layers): a
 tiny random model saved with save_pretrained and imported with its tower, check_logits on a golden file with two images
 in a row; the control (the causal mask on the same weights, which is transformers' without mm_token_type_ids); a packed
-row of two documents each with an image, per document as transformers' (its image block ending the first document);
+row of two documents each with an image, per document as transformers' (its image block ending the first document),
+in the plain and the banded form;
 the export read back by transformers with "vision"."""
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import pytest
 from vlm_helpers import export_and_reload, forward, import_tiny, load, relative_error, text_positions
 from maxtrain import check_logits
 from maxtrain.data import images as images_lib
+from maxtrain.models.attention import image_band
 from maxtrain.models.families import gemma4
+from maxtrain.models.gemma4 import normed_attention
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 
@@ -103,7 +106,7 @@ def test_check_logits_matches_transformers_with_an_image_both_ways(imported, cap
 
 
 @pytest.mark.slow  # the module's import fixture and a forward's compile
-def test_a_packed_row_of_two_documents_with_images_is_each_document_as_transformers(imported):
+def test_a_packed_row_of_two_documents_with_images_is_each_document_as_transformers(imported, monkeypatch):
     """Document 1 ends with its image's soft tokens, document 2 starts with its own: the two runs of image tokens
     stay apart, and each document's logits are transformers' for it alone (the control: causal ones differ); the
     training loss on the row is the cross-entropy of transformers' logits, its gradient reaching the tower."""
@@ -131,6 +134,12 @@ def test_a_packed_row_of_two_documents_with_images_is_each_document_as_transform
     assert relative_error(ours[:n], theirs[0]) <= 1e-5
     assert relative_error(ours[n:n + len(doc2)], theirs[1]) <= 1e-5
     assert relative_error(causal[:n], theirs[0]) > 1e-3 and relative_error(causal[n:n + len(doc2)], theirs[1]) > 1e-3
+    # the sliding layer banded (models/attention/image_band.py: 8-query blocks here, the span the longest image)
+    span = max(d.num_tokens for d in done)
+    monkeypatch.setattr(normed_attention, "IMAGE_BAND_BLOCK", 8)
+    assert image_band.use_band(ids.shape[1], config.sliding_window_size, span, 8)
+    banded = packed(config.replace(image_attention_span=span))
+    assert relative_error(banded[:n], theirs[0]) <= 1e-5 and relative_error(banded[n:n + len(doc2)], theirs[1]) <= 1e-5
     # a training step's loss on the packed row: the cross-entropy of transformers' logits, document by document
     targets = np.roll(ids, -1, axis=1)
     weights = (segments > 0).astype(np.float32)
