@@ -213,8 +213,9 @@ REQUIRES: tuple[Feature, ...] = (
             ("bidirectional_image_attention",),
             fix="import an image-and-text checkpoint with its tower (scripts/convert_hf.py import, without --text-only)",
             state="vision_config"),
-    Feature("bidirectional_image_attention=true", lambda v: v["bidirectional_image_attention"], ("image_attention_span",),
-            state="bidirectional_image_attention"),
+    # the banded image attention's reach ahead (models/attention/image_band.py): read only with images both ways
+    Feature("bidirectional_image_attention=true", lambda v: v["bidirectional_image_attention"],
+            ("image_attention_span",), state="bidirectional_image_attention"),
     Feature("moe_dispatch=dropless", lambda v: v["moe_dispatch"] == "dropless", ("moe_grouped_matmul",),
             state="moe_dispatch"),
     Feature("a shared expert (shared_experts >= 1)", lambda v: v["shared_experts"] > 0, ("shared_expert_mlp_dim",),
