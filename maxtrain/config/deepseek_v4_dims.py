@@ -184,9 +184,10 @@ def check_config(v: dict) -> None:
     if v['rope_type'] == 'yarn' and not v['rope_truncate']:
         raise ValueError("deepseek_v4: rope_truncate=false is not what DeepSeek-V4's YaRN computes (transformers "
                          "rounds its correction band); leave rope_truncate=true")
-    if v['packing']:
-        raise ValueError("deepseek_v4: its compressors and sliding window do not keep packed documents apart; "
-                         "set packing=false")
+    from maxtrain.config.schema import ways  # deferred: schema imports registry, which imports this module
+    if ways(v, 'context') not in (1, None):
+        raise ValueError(f"deepseek_v4 does not run with context parallelism {ways(v, 'context')} (its compressors "
+                         "pool windows across the shards); set ici_context_parallelism=1 and dcn_context_parallelism=1")
     if v['max_new_tokens'] > 0:
         raise ValueError(f"deepseek_v4 does not decode through maxtrain's cache yet; set max_new_tokens=0 (got "
                          f"{v['max_new_tokens']})")

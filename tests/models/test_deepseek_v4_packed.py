@@ -1,0 +1,146 @@
+"""DeepSeek-V4 over packed documents (models/families/deepseek_v4/packed.py): each document of a packed row gets the
+logits (and gradients) it gets alone in the unpacked model, float32, with documents whose lengths are no multiple of
+either compress rate (CSA 4, HCA 8), padding after them, a sliding window (6) that drops keys and a top-k (2) that
+drops entries; ignoring the segment ids mixes the documents (the control). A single document is bitwise the unpacked
+forward. The tiny model is test_deepseek_v4_parts' (random weights, transformers' module names)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from maxtrain.config.deepseek_v4_dims import check, dims_from_hf
+from maxtrain.models.families.deepseek_v4 import compressed, model, packed
+
+torch = pytest.importorskip("torch")
+v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+
+from test_deepseek_v4_parts import params, randomize, tiny_config  # noqa: E402  (tests/models/ is on sys.path)
+
+ROW = 48        # the packed rows' length: a multiple of both rates
+ALONE = 24      # each document alone, padded to this (a multiple of both rates, > every document)
+# Two rows: three documents and padding; two documents and padding. No length is a multiple of 4 or 8.
+DOCS = [(13, 22, 9), (19, 23)]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = tiny_config()
+    d = dims_from_hf(cfg)
+    check(d, ROW)
+    p = params(randomize(v4.DeepseekV4ForCausalLM(cfg).eval(), seed=40))
+    rng = np.random.default_rng(41)
+    ids, seg, pos = (np.zeros((len(DOCS), ROW), np.int32) for _ in range(3))
+    docs = []
+    for r, lengths in enumerate(DOCS):
+        start = 0
+        for s, n in enumerate(lengths, start=1):
+            tokens = rng.integers(1, cfg.vocab_size, n).astype(np.int32)
+            ids[r, start:start + n], seg[r, start:start + n], pos[r, start:start + n] = tokens, s, np.arange(n)
+            docs.append((r, start, tokens))
+            start += n
+    return d, p, jnp.asarray(ids), jnp.asarray(seg), jnp.asarray(pos), docs
+
+
+# One compiled forward for every test (the dims are static): a packed row, a row of one document, a document alone.
+forward = jax.jit(model.forward, static_argnums=(2,))
+
+
+def alone(tokens):
+    row = np.zeros((1, ALONE), np.int32)
+    row[0, :len(tokens)] = tokens
+    return jnp.asarray(row)
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def test_layout_places_each_documents_closed_entries_in_order():
+    seg = jnp.asarray([[1] * 5 + [2] * 9 + [0] * 2])
+    pos = jnp.asarray([list(range(5)) + list(range(9)) + [0, 0]])
+    lay = packed.layout(seg, pos, 4)
+    # document 1 (5 tokens) closes one entry (tokens 0..3); document 2 (9 tokens, from 5) two: 5..8, 9..12
+    assert lay.valid.tolist() == [[True, True, True, False]]
+    assert lay.segment.tolist()[0][:3] == [1, 2, 2] and lay.index.tolist()[0][:3] == [0, 0, 1]
+    assert lay.src.tolist()[0][:3] == [[0, 1, 2, 3], [5, 6, 7, 8], [9, 10, 11, 12]]
+    vis = packed.visible(lay, seg, pos, 4)[0]
+    assert vis[3].tolist() == [True, False, False, False]      # document 1's last token: its one entry
+    assert vis[7].tolist() == [False, False, False, False]     # document 2's pos 2: nothing closed yet
+    assert vis[8].tolist() == [False, True, False, False]      # pos 3 closes document 2's entry 0
+    assert vis[13].tolist() == [False, True, True, False]
+    assert not vis[14:].any()                                  # padding reads no entry
+    # the control: the unpacked rule would give document 2's tokens document 1's entries
+    assert compressed.causal_entries(pos, 4, 4)[0, 8].tolist() == [True, False, False, False]
+
+
+def test_packed_rows_give_each_document_its_logits_alone(setup):
+    d, p, ids, seg, pos, docs = setup
+    packed_logits = forward(p, ids, d, pos, seg)
+    worst = 0.0
+    for r, start, tokens in docs:
+        ref = forward(p, alone(tokens), d)[0, :len(tokens)]
+        worst = max(worst, rel(packed_logits[r, start:start + len(tokens)], ref))
+    print(f"packed vs alone: max relative difference {worst:.2e}")
+    assert worst < 1e-5
+    assert np.all(np.isfinite(np.asarray(packed_logits)))     # padding too
+    # The control: the row as one document (no segment ids, the old forward) lets later documents read earlier ones.
+    mixed = forward(p, ids, d)
+    r, start, tokens = docs[1]
+    assert rel(mixed[r, start:start + len(tokens)], forward(p, alone(tokens), d)[0, :len(tokens)]) > 1e-3
+
+
+def test_one_document_is_bitwise_the_unpacked_forward(setup):
+    d, p, ids, _, _, _ = setup
+    ones, pos = jnp.ones_like(ids), jnp.broadcast_to(jnp.arange(ROW)[None], ids.shape)
+    with_seg = forward(p, ids, d, pos, ones)
+    without = forward(p, ids, d)
+    np.testing.assert_array_equal(np.asarray(with_seg), np.asarray(without))
+
+
+def test_topk_never_picks_another_documents_entry(setup):
+    d, p, _, seg, pos, _ = setup
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(*seg.shape, d.hidden_size)), jnp.float32)
+    q_res = jnp.asarray(rng.normal(size=(*seg.shape, d.q_lora_rank)), jnp.float32)
+    ip = model.sub(p, 'model.layers.0.self_attn.compressor.indexer.')
+    rate, freq = d.csa_rate, compressed.frequencies(d, 'compressed_sparse_attention')
+    lay = packed.layout(seg, pos, rate)
+    vis = packed.visible(lay, seg, pos, rate)
+    kw = dict(rate=rate, topk=d.index_topk, n_heads=d.index_n_heads, freq=freq)
+    keys = compressed.csa_compress(ip, x, rate=rate, freq=freq, eps=d.rms_eps, lay=lay)
+    picked = compressed.indexer_pick(ip, keys, x, q_res, pos, visible=vis, **kw)
+    own = np.asarray(lay.segment[:, None, :] == seg[..., None])
+    assert np.asarray(picked).any() and not np.any(np.asarray(picked) & ~own)
+    # where a query sees more entries than top-k keeps, it keeps exactly top-k
+    assert np.all(np.asarray(picked.sum(-1)) == np.minimum(np.asarray(vis.sum(-1)), d.index_topk))
+    # the control: the unpacked causal rule over the packed slots picks other documents' entries
+    unmasked = compressed.indexer_pick(ip, keys, x, q_res, pos, **kw)
+    assert np.any(np.asarray(unmasked) & ~own)
+
+
+@pytest.mark.slow  # ~45 s on 2 shared cores: three gradient compiles
+def test_packed_gradients_equal_the_sum_over_documents_alone(setup):
+    d, p, ids, seg, pos, docs = setup
+    w = jnp.asarray(np.random.default_rng(7).normal(size=(*ids.shape, d.vocab_size)), jnp.float32)
+    w = w * (seg > 0)[..., None]
+
+    trained = {k: v for k, v in p.items() if jnp.issubdtype(v.dtype, jnp.floating)}
+    fixed = {k: v for k, v in p.items() if k not in trained}    # the hash table
+
+    @jax.jit
+    @jax.grad
+    def grad(f, i, wr, q, s):
+        return jnp.sum(model.forward({**f, **fixed}, i, d, q, s) * wr)
+
+    g_packed = grad(trained, ids, w, pos, seg)
+    g_sum = jax.tree.map(jnp.zeros_like, trained)
+    for r, start, tokens in docs:
+        wa = jnp.zeros((1, ALONE, d.vocab_size)).at[0, :len(tokens)].set(w[r, start:start + len(tokens)])
+        g_sum = jax.tree.map(jnp.add, g_sum, grad(trained, alone(tokens), wa, None, None))
+    worst = max(rel(g_packed[k], g_sum[k]) for k in trained if np.max(np.abs(np.asarray(g_sum[k]))) > 0)
+    print(f"packed vs alone gradients: max relative difference {worst:.2e}")
+    assert worst < 1e-4
