@@ -146,6 +146,40 @@ def test_packed_gradients_equal_the_sum_over_documents_alone(setup):
     assert worst < 1e-4
 
 
+def test_the_family_layer_reads_the_segment_ids():
+    """Through the shared decoder (scan, the family's layer): deepseek4-tiny (HCA rate 16, CSA rate 4, window 32)
+    with two documents of 13 and 14 tokens and 5 of padding in a row of 32, each equal to itself alone in a padded
+    row; the control, the row's segment ids all 1, mixes them."""
+    from conftest import BASE_YML  # pylint: disable=import-outside-toplevel
+    from maxtrain.config import load_config  # pylint: disable=import-outside-toplevel
+    from maxtrain.models.model import Model  # pylint: disable=import-outside-toplevel
+    from maxtrain.models.runtime import Runtime  # pylint: disable=import-outside-toplevel
+
+    cfg = load_config([BASE_YML, "model_name=deepseek4-tiny", "max_target_length=32", "dtype=float32",
+                       "remat_policy=none", "per_device_batch_size=1"])
+    m, rt = Model.bind(cfg), Runtime.from_config(cfg)
+    p = m.init_params(jax.random.key(0))
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(4, cfg.vocab_size, n).astype(np.int32) for n in (13, 14)]
+
+    def row(pieces, length):
+        ids, seg, pos = (np.zeros((1, length), np.int32) for _ in range(3))
+        at = 0
+        for s, doc in enumerate(pieces, start=1):
+            n = len(doc)
+            ids[0, at:at + n], seg[0, at:at + n], pos[0, at:at + n], at = doc, s, np.arange(n), at + n
+        return jnp.asarray(ids), jnp.asarray(pos), jnp.asarray(seg)
+
+    forward = jax.jit(lambda p, i, q, s: m.forward(p, i, q, s, rt)[0])
+    ids, pos, seg = row(docs, 32)
+    packed_logits = forward(p, ids, pos, seg)
+    alone_logits = [forward(p, *row([doc], 32))[0, :len(doc)] for doc in docs]   # one shape: one compile
+    assert rel(packed_logits[0, :13], alone_logits[0]) < 1e-5
+    assert rel(packed_logits[0, 13:27], alone_logits[1]) < 1e-5
+    ignored = forward(p, ids, pos, jnp.ones_like(seg))                   # the control: one document
+    assert rel(ignored[0, 13:27], alone_logits[1]) > 1e-3
+
+
 @pytest.mark.slow
 def test_trains_the_tiny_preset_on_packed_documents(tmp_path):
     """The CLI's entry point on deepseek4-tiny with packing on (the config refused it before): the loss falls."""
