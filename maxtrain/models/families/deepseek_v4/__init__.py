@@ -8,6 +8,7 @@
 Its parts are pure functions over transformers' module names, each checked against transformers 5.24
 (tests/models/test_deepseek_v4_parts.py): hyper.py (hyper-connections, Sinkhorn, the hyper head), compressed.py (HCA
 and CSA compressors, the indexer, sliding window + compressed attention with sinks, grouped output projection),
+packed.py (the compressors' windows and the entries each query reads in a row of packed documents),
 routing.py (sqrtsoftplus top-k and hash routing, clamped SwiGLU experts), model.py (one layer and the whole
 forward), decode.py (one token a step with a cache), flops.py, checkpoint.py (save_pretrained's names <-> the module
 names, for the parts' tests); config/deepseek_v4_dims.py holds the sizes and the config checks its registry row runs.

@@ -23,7 +23,11 @@ Attention (K = V = kv_norm(x W_kv^T) with RoPE; q = unweighted_rms(q_b(q_a_norm(
     logits over [sliding keys (t - W_sw < s <= t) | visible compressed entries] * Dh^-1/2, a per-head sink
     logit joins the softmax and is dropped; the output's rope slice is rotated back by -t (K = V carried RoPE);
     grouped output projection: heads split into o_groups groups, each [H Dh / g] -> o_lora_rank by its own
-    block of o_a_proj, then o_b_proj mixes the g o_lora_rank vector to D."""
+    block of o_a_proj, then o_b_proj mixes the g o_lora_rank vector to D.
+
+Packed documents (segment_ids given): each document's compressors pool only its own windows, counted from its start,
+its queries read only its own keys and closed entries, and the indexer ranks only those (packed.py); without
+segment_ids the row is one document, computed as above."""
 
 from __future__ import annotations
 
