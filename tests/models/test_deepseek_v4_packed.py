@@ -178,6 +178,13 @@ def test_the_family_layer_reads_the_segment_ids():
     assert rel(packed_logits[0, 13:27], alone_logits[1]) < 1e-5
     ignored = forward(p, ids, pos, jnp.ones_like(seg))                   # the control: one document
     assert rel(ignored[0, 13:27], alone_logits[1]) > 1e-3
+    # Padding (positions 0, as data/packing.py pads) is no key of a real token's window: the same as padding at
+    # positions after the document. Ignoring the segment ids, the window at position p < 32 reads it (the control).
+    ids, pos, seg = row(docs[:1], 32)
+    after = jnp.arange(32)[None]
+    assert rel(forward(p, ids, after, seg)[0, :13], alone_logits[0]) < 1e-5
+    ones = jnp.ones_like(seg)
+    assert rel(forward(p, ids, pos, ones)[0, :13], forward(p, ids, after, ones)[0, :13]) > 1e-3
 
 
 @pytest.mark.slow
