@@ -14,11 +14,6 @@ import pytest
 from maxtrain.config.deepseek_v4_dims import check, dims_from_hf
 from maxtrain.models.families.deepseek_v4 import compressed, model, packed
 
-torch = pytest.importorskip("torch")
-v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
-
-from test_deepseek_v4_parts import params, randomize, tiny_config  # noqa: E402  (tests/models/ is on sys.path)
-
 ROW = 48        # the packed rows' length: a multiple of both rates
 ALONE = 24      # each document alone, padded to this (a multiple of both rates, > every document)
 # Two rows: three documents and padding; two documents and padding. No length is a multiple of 4 or 8.
@@ -27,6 +22,11 @@ DOCS = [(13, 22, 9), (19, 23)]
 
 @pytest.fixture(scope="module")
 def setup():
+    """The tiny random model of test_deepseek_v4_parts (built by transformers: those tests skip without torch)."""
+    pytest.importorskip("torch")
+    v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    from test_deepseek_v4_parts import params, randomize, tiny_config  # pylint: disable=import-outside-toplevel
+
     cfg = tiny_config()
     d = dims_from_hf(cfg)
     check(d, ROW)
@@ -107,19 +107,25 @@ def test_topk_never_picks_another_documents_entry(setup):
     x = jnp.asarray(rng.normal(size=(*seg.shape, d.hidden_size)), jnp.float32)
     q_res = jnp.asarray(rng.normal(size=(*seg.shape, d.q_lora_rank)), jnp.float32)
     ip = model.sub(p, 'model.layers.0.self_attn.compressor.indexer.')
-    rate, freq = d.csa_rate, compressed.frequencies(d, 'compressed_sparse_attention')
-    lay = packed.layout(seg, pos, rate)
-    vis = packed.visible(lay, seg, pos, rate)
-    kw = dict(rate=rate, topk=d.index_topk, n_heads=d.index_n_heads, freq=freq)
-    keys = compressed.csa_compress(ip, x, rate=rate, freq=freq, eps=d.rms_eps, lay=lay)
-    picked = compressed.indexer_pick(ip, keys, x, q_res, pos, visible=vis, **kw)
-    own = np.asarray(lay.segment[:, None, :] == seg[..., None])
-    assert np.asarray(picked).any() and not np.any(np.asarray(picked) & ~own)
+    rate = d.csa_rate
+
+    @jax.jit
+    def picks(ip, x, q_res):
+        freq = compressed.frequencies(d, 'compressed_sparse_attention')
+        lay = packed.layout(seg, pos, rate)
+        vis = packed.visible(lay, seg, pos, rate)
+        kw = dict(rate=rate, topk=d.index_topk, n_heads=d.index_n_heads, freq=freq)
+        keys = compressed.csa_compress(ip, x, rate=rate, freq=freq, eps=d.rms_eps, lay=lay)
+        own = lay.segment[:, None, :] == seg[..., None]
+        # the control: the unpacked causal rule over the packed slots
+        return (compressed.indexer_pick(ip, keys, x, q_res, pos, visible=vis, **kw), vis, own,
+                compressed.indexer_pick(ip, keys, x, q_res, pos, **kw))
+
+    picked, vis, own, unmasked = (np.asarray(a) for a in picks(ip, x, q_res))
+    assert picked.any() and not np.any(picked & ~own)
     # where a query sees more entries than top-k keeps, it keeps exactly top-k
-    assert np.all(np.asarray(picked.sum(-1)) == np.minimum(np.asarray(vis.sum(-1)), d.index_topk))
-    # the control: the unpacked causal rule over the packed slots picks other documents' entries
-    unmasked = compressed.indexer_pick(ip, keys, x, q_res, pos, **kw)
-    assert np.any(np.asarray(unmasked) & ~own)
+    assert np.all(picked.sum(-1) == np.minimum(vis.sum(-1), d.index_topk))
+    assert np.any(unmasked & ~own)                                      # the control picks other documents' entries
 
 
 @pytest.mark.slow  # ~45 s on 2 shared cores: three gradient compiles
