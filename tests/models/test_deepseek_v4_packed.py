@@ -153,16 +153,17 @@ def test_packed_gradients_equal_the_sum_over_documents_alone(setup):
 
 
 def test_the_family_layer_reads_the_segment_ids():
-    """Through the shared decoder (scan, the family's layer): deepseek4-tiny (HCA rate 16, CSA rate 4, window 32)
-    with two documents of 13 and 14 tokens and 5 of padding in a row of 32, each equal to itself alone in a padded
-    row; the control, the row's segment ids all 1, mixes them."""
+    """Through the shared decoder (the family's layer): deepseek4-tiny's HCA (rate 16) and CSA (rate 4, top 8)
+    layers, window 32, with two documents of 13 and 14 tokens and 5 of padding in a row of 32, each equal to itself
+    alone in a padded row; the control, the row's segment ids all 1, mixes them."""
     from conftest import BASE_YML  # pylint: disable=import-outside-toplevel
     from maxtrain.config import load_config  # pylint: disable=import-outside-toplevel
     from maxtrain.models.model import Model  # pylint: disable=import-outside-toplevel
     from maxtrain.models.runtime import Runtime  # pylint: disable=import-outside-toplevel
 
     cfg = load_config([BASE_YML, "model_name=deepseek4-tiny", "max_target_length=32", "dtype=float32",
-                       "remat_policy=none", "per_device_batch_size=1"])
+                       "remat_policy=none", "per_device_batch_size=1", "base_num_decoder_layers=2",
+                       "compress_layer_types=[heavily_compressed_attention,compressed_sparse_attention]"])
     m, rt = Model.bind(cfg), Runtime.from_config(cfg)
     p = m.init_params(jax.random.key(0))
     rng = np.random.default_rng(3)
