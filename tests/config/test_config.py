@@ -247,7 +247,7 @@ def test_a_familys_defining_setting_left_at_the_shared_default_is_refused(family
     usual = dict(registry.FAMILIES[family].usual)
     model = [f"decoder_block={family}"] + {  # MLA's q/k width; DeepSeek-V4's low-rank queries, indexer, expert width
         "deepseek": ["head_dim=192"], "deepseek_v4": ["q_lora_rank=16", "index_n_heads=2", "base_moe_mlp_dim=32",
-                                                      "packing=false", "max_new_tokens=0"]}.get(family, [])
+                                                      "max_new_tokens=0"]}.get(family, [])
     load(*model, *(f"{k}={v}" for k, v in usual.items()))
     for key, value in usual.items():
         off = {**usual, key: {"sliding_window_size": 0, "num_experts": 1}[key]}

@@ -185,7 +185,7 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
                 "deepseek_v4": ["num_experts=2", "num_experts_per_tok=2", "base_moe_mlp_dim=96", "q_lora_rank=32",
                                 "index_n_heads=2", "index_head_dim=32", "index_topk=4", "o_groups=2",
                                 "o_lora_rank=32", "hc_mult=2", "hc_sinkhorn_iters=3", "compress_rate_hca=8",
-                                "num_hash_layers=1", "partial_rotary_factor=0.5", "packing=false",
+                                "num_hash_layers=1", "partial_rotary_factor=0.5",
                                 "max_new_tokens=0", "per_device_batch_size=16"],
                 # qk-norm over all heads, half-head RoPE, a selection bias
                 "minimax_m2": [*MOE_FLOPS, "partial_rotary_factor=0.5", "routed_bias=true"],

@@ -8,6 +8,7 @@
 Its parts are pure functions over transformers' module names, each checked against transformers 5.24
 (tests/models/test_deepseek_v4_parts.py): hyper.py (hyper-connections, Sinkhorn, the hyper head), compressed.py (HCA
 and CSA compressors, the indexer, sliding window + compressed attention with sinks, grouped output projection),
+packed.py (the compressors' windows and the entries each query reads in a row of packed documents),
 routing.py (sqrtsoftplus top-k and hash routing, clamped SwiGLU experts), model.py (one layer and the whole
 forward), decode.py (one token a step with a cache), flops.py, checkpoint.py (save_pretrained's names <-> the module
 names, for the parts' tests); config/deepseek_v4_dims.py holds the sizes and the config checks its registry row runs.
@@ -26,8 +27,11 @@ Parameters keep transformers' module names and torch's [out, in] layout, nested:
 w1, w3 (gate, up) [E, I, D] and w2 (down) [E, D, I] as save_pretrained writes them per expert. A layer's kind is
 its attention and router, "<sliding|csa|hca>_<moe|hash>": the kinds differ in their parameters.
 
-Not here yet: cached decoding through the shared decoder (decode.py decodes one token a step, alone), packed
-documents (the compressors and window would cross them: deepseek_v4_dims.check_config asks for packing=false),
+Packed documents: the layers read the segment ids, and each document is compressed and attended as if it ran
+alone from position 0 (packed.py; padding, segment id 0, is a document no real token sees).
+
+Not here yet: cached decoding through the shared decoder (decode.py decodes one token a step, alone), context
+parallelism (the compressors pool windows across the shards: deepseek_v4_dims.check_config refuses it),
 sharding annotations beyond the layer and expert axes, and the experts run densely (every expert on every token, then weighted), as the reference form does.
 """
 
@@ -188,7 +192,8 @@ def layer(x, p, inputs, layer_type, model, rt):
     b, t, _ = x.shape
     streams = x.reshape(b, t, d.hc_mult, d.hidden_size)
     streams = v4_model.decoder_layer(_module_params(p, x.dtype), streams, inputs.per_layer, inputs.positions,
-                                     ATTENTION_LONG[attn], "hash_moe" if router == "hash" else "moe", d)
+                                     ATTENTION_LONG[attn], "hash_moe" if router == "hash" else "moe", d,
+                                     inputs.segment_ids)
     return streams.reshape(b, t, -1).astype(x.dtype), {}
 
 

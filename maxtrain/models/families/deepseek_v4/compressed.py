@@ -23,7 +23,11 @@ Attention (K = V = kv_norm(x W_kv^T) with RoPE; q = unweighted_rms(q_b(q_a_norm(
     logits over [sliding keys (t - W_sw < s <= t) | visible compressed entries] * Dh^-1/2, a per-head sink
     logit joins the softmax and is dropped; the output's rope slice is rotated back by -t (K = V carried RoPE);
     grouped output projection: heads split into o_groups groups, each [H Dh / g] -> o_lora_rank by its own
-    block of o_a_proj, then o_b_proj mixes the g o_lora_rank vector to D."""
+    block of o_a_proj, then o_b_proj mixes the g o_lora_rank vector to D.
+
+Packed documents (segment_ids given): each document's compressors pool only its own windows, counted from its start,
+its queries read only its own keys and closed entries, and the indexer ranks only those (packed.py); without
+segment_ids the row is one document, computed as above."""
 
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import jax.numpy as jnp
 
 from maxtrain.models import rope as rope_lib
 
+from . import packed
 from .hyper import unweighted_rms
 
 
@@ -70,8 +75,9 @@ def rope(x, pos, freq, sign=1.0):
     return jnp.concatenate([nope, out.astype(x.dtype)], axis=-1)
 
 
-def _windows(p, x, rate):
-    return windows_of(p, x @ p['kv_proj.weight'].T, x @ p['gate_proj.weight'].T, rate)
+def _windows(p, x, rate, lay=None):
+    kv, gate = x @ p['kv_proj.weight'].T, x @ p['gate_proj.weight'].T
+    return windows_of(p, kv, gate, rate) if lay is None else packed.windows(p, kv, gate, lay)
 
 
 def windows_of(p, kv, gate, rate):
@@ -82,33 +88,44 @@ def windows_of(p, kv, gate, rate):
             gate[:, :w * rate].reshape(b, w, rate, -1) + p['position_bias'])
 
 
-def _finish(p, pooled, rate, freq, eps):
+def _finish(p, pooled, rate, freq, eps, entry_pos=None):
     out = rms(pooled, p['kv_norm.weight'], eps)
-    pos = jnp.arange(out.shape[1])[None] * rate                          # [1, W]
+    pos = jnp.arange(out.shape[1])[None] * rate if entry_pos is None else entry_pos     # [1 or B, W]
     return rope(out, pos, freq)
 
 
-def hca_compress(p, x, *, rate, freq, eps):
-    """x [B, T, D] -> [B, T // rate, Dh]."""
-    return hca_pool(p, *_windows(p, x, rate), rate=rate, freq=freq, eps=eps)
+def hca_compress(p, x, *, rate, freq, eps, lay=None):
+    """x [B, T, D] -> [B, T // rate, Dh]. lay: a packed row's packed.Layout (None: one document from 0)."""
+    return hca_pool(p, *_windows(p, x, rate, lay), rate=rate, freq=freq, eps=eps,
+                    entry_pos=None if lay is None else packed.entry_positions(lay, rate))
 
 
-def hca_pool(p, kv, gate, *, rate, freq, eps):
-    return _finish(p, jnp.sum(kv * jax.nn.softmax(gate.astype(jnp.float32), axis=2), axis=2), rate, freq, eps)
+def hca_pool(p, kv, gate, *, rate, freq, eps, entry_pos=None):
+    return _finish(p, jnp.sum(kv * jax.nn.softmax(gate.astype(jnp.float32), axis=2), axis=2), rate, freq, eps,
+                   entry_pos)
 
 
-def csa_compress(p, x, *, rate, freq, eps):
-    """x [B, T, D] -> [B, T // rate, E] (E = kv_proj rows / 2), overlapping windows of 2 rate slots."""
-    return csa_pool(p, *_windows(p, x, rate), rate=rate, freq=freq, eps=eps)
+def csa_compress(p, x, *, rate, freq, eps, lay=None):
+    """x [B, T, D] -> [B, T // rate, E] (E = kv_proj rows / 2), overlapping windows of 2 rate slots. lay: a packed
+    row's packed.Layout (None: one document from 0)."""
+    if lay is None:
+        return csa_pool(p, *_windows(p, x, rate), rate=rate, freq=freq, eps=eps)
+    return csa_pool(p, *_windows(p, x, rate, lay), rate=rate, freq=freq, eps=eps,
+                    entry_pos=packed.entry_positions(lay, rate), first=packed.first_entries(lay))
 
 
-def csa_pool(p, kv, gate, *, rate, freq, eps):
+def csa_pool(p, kv, gate, *, rate, freq, eps, entry_pos=None, first=None):
+    """first [B, W] bool: the entries whose previous window is not their document's (None: entry 0 only)."""
     e = kv.shape[-1] // 2
     prev_kv = jnp.pad(kv[:, :-1, :, :e], ((0, 0), (1, 0), (0, 0), (0, 0)))
     prev_gate = jnp.pad(gate[:, :-1, :, :e], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=-jnp.inf)
+    if first is not None:
+        prev_kv = jnp.where(first[:, :, None, None], jnp.zeros_like(prev_kv), prev_kv)
+        prev_gate = jnp.where(first[:, :, None, None], -jnp.inf, prev_gate)
     kv2 = jnp.concatenate([prev_kv, kv[..., e:]], axis=2)
     gate2 = jnp.concatenate([prev_gate, gate[..., e:]], axis=2)
-    return _finish(p, jnp.sum(kv2 * jax.nn.softmax(gate2.astype(jnp.float32), axis=2), axis=2), rate, freq, eps)
+    return _finish(p, jnp.sum(kv2 * jax.nn.softmax(gate2.astype(jnp.float32), axis=2), axis=2), rate, freq, eps,
+                   entry_pos)
 
 
 def causal_entries(pos, n_entries, rate):
@@ -116,14 +133,17 @@ def causal_entries(pos, n_entries, rate):
     return jnp.arange(n_entries) < ((pos + 1) // rate)[..., None]
 
 
-def indexer_select(p, x, q_residual, pos, *, rate, topk, n_heads, freq, eps):
-    """p: the indexer's weights by transformers' names. -> [B, T, W] bool, the entries each query reads."""
-    keys = csa_compress(p, x, rate=rate, freq=freq, eps=eps)            # [B, W, E]
-    return indexer_pick(p, keys, x, q_residual, pos, rate=rate, topk=topk, n_heads=n_heads, freq=freq)
+def indexer_select(p, x, q_residual, pos, *, rate, topk, n_heads, freq, eps, lay=None, visible=None):
+    """p: the indexer's weights by transformers' names. -> [B, T, W] bool, the entries each query reads. lay,
+    visible: a packed row's packed.Layout and the entries each query may read (None: one document from 0)."""
+    keys = csa_compress(p, x, rate=rate, freq=freq, eps=eps, lay=lay)   # [B, W, E]
+    return indexer_pick(p, keys, x, q_residual, pos, rate=rate, topk=topk, n_heads=n_heads, freq=freq,
+                        visible=visible)
 
 
-def indexer_pick(p, keys, x, q_residual, pos, *, rate, topk, n_heads, freq):
-    """keys [B, W, E] the indexer's compressed keys; x [B, T, D]; pos [B, T] -> [B, T, W] bool."""
+def indexer_pick(p, keys, x, q_residual, pos, *, rate, topk, n_heads, freq, visible=None):
+    """keys [B, W, E] the indexer's compressed keys; x [B, T, D]; pos [B, T] -> [B, T, W] bool. visible [B, T, W]:
+    the entries each query may read (None: the causal ones); the others never enter the top-k."""
     b, t, _ = x.shape
     w_n = keys.shape[1]
     q = (q_residual @ p['q_b_proj.weight'].T).reshape(b, t, n_heads, -1)
@@ -132,7 +152,7 @@ def indexer_pick(p, keys, x, q_residual, pos, *, rate, topk, n_heads, freq):
     s = jax.nn.relu(jnp.einsum('bthe,bwe->bthw', q.astype(jnp.float32), keys.astype(jnp.float32))) * e ** -0.5
     hw = (x @ p['scorer.weights_proj.weight'].T).astype(jnp.float32) * n_heads ** -0.5
     score = jnp.einsum('bthw,bth->btw', s, hw)
-    causal = causal_entries(pos, w_n, rate)
+    causal = causal_entries(pos, w_n, rate) if visible is None else visible
     score = jnp.where(causal, score, -jnp.inf)
     k = min(topk, w_n)
     _, idx = jax.lax.top_k(score, k)
@@ -149,9 +169,11 @@ def grouped_out(o_a, o_b, out, groups):
     return y @ o_b.T
 
 
-def attention(p, x, pos, kind, d):
+def attention(p, x, pos, kind, d, segment_ids=None):
     """One layer's attention. p: its weights by transformers' names under self_attn.; x [B, T, D]; pos [B, T];
-    kind: 'sliding_attention' | 'compressed_sparse_attention' | 'heavily_compressed_attention'; d: Dims."""
+    kind: 'sliding_attention' | 'compressed_sparse_attention' | 'heavily_compressed_attention'; d: Dims;
+    segment_ids [B, T] (0: padding): packed documents, each attending and compressed as if alone (packed.py), pos
+    restarting at 0 in each; None: one document."""
     b, t, _ = x.shape
     freq = frequencies(d, kind)
     q_res = rms(x @ p['q_a_proj.weight'].T, p['q_a_norm.weight'], d.rms_eps).astype(x.dtype)
@@ -162,18 +184,23 @@ def attention(p, x, pos, kind, d):
     logits = jnp.einsum('bthe,bse->bhts', q, kv).astype(jnp.float32) * scale
     qi, ki = pos[:, :, None], pos[:, None, :]
     see = (ki <= qi) & (qi - ki < d.sliding_window)
+    if segment_ids is not None:
+        see = see & packed.same_document(segment_ids)
     logits = jnp.where(see[:, None], logits, -jnp.inf)
     keys = kv
     if kind != 'sliding_attention':
         cp = {k[len('compressor.'):]: v for k, v in p.items() if k.startswith('compressor.')}
+        rate = d.hca_rate if kind == 'heavily_compressed_attention' else d.csa_rate
+        lay = None if segment_ids is None else packed.layout(segment_ids, pos, rate)
+        vis = None if lay is None else packed.visible(lay, segment_ids, pos, rate)
         if kind == 'heavily_compressed_attention':
-            comp = hca_compress(cp, x, rate=d.hca_rate, freq=freq, eps=d.rms_eps).astype(x.dtype)
-            vis = causal_entries(pos, comp.shape[1], d.hca_rate)
+            comp = hca_compress(cp, x, rate=rate, freq=freq, eps=d.rms_eps, lay=lay).astype(x.dtype)
+            vis = causal_entries(pos, comp.shape[1], rate) if vis is None else vis
         else:
-            comp = csa_compress(cp, x, rate=d.csa_rate, freq=freq, eps=d.rms_eps).astype(x.dtype)
+            comp = csa_compress(cp, x, rate=rate, freq=freq, eps=d.rms_eps, lay=lay).astype(x.dtype)
             ip = {k[len('indexer.'):]: v for k, v in cp.items() if k.startswith('indexer.')}
-            vis = indexer_select(ip, x, q_res, pos, rate=d.csa_rate, topk=d.index_topk, n_heads=d.index_n_heads,
-                                 freq=freq, eps=d.rms_eps)
+            vis = indexer_select(ip, x, q_res, pos, rate=rate, topk=d.index_topk, n_heads=d.index_n_heads,
+                                 freq=freq, eps=d.rms_eps, lay=lay, visible=vis)
         cl = jnp.einsum('bthe,bwe->bhtw', q, comp).astype(jnp.float32) * scale
         logits = jnp.concatenate([logits, jnp.where(vis[:, None], cl, -jnp.inf)], axis=-1)
         keys = jnp.concatenate([kv, comp], axis=1)

@@ -19,11 +19,11 @@ def sub(p, prefix):
     return {k[len(prefix):]: v for k, v in p.items() if k.startswith(prefix)}
 
 
-def decoder_layer(p, streams, ids, pos, kind, mlp_kind, d):
+def decoder_layer(p, streams, ids, pos, kind, mlp_kind, d, segment_ids=None):
     hc = dict(iters=d.hc_iters, hc_eps=d.hc_eps, rms_eps=d.rms_eps)
     post, comb, h = hc_weights(p['attn_hc.fn'], p['attn_hc.base'], p['attn_hc.scale'], streams, **hc)
     a = attention(sub(p, 'self_attn.'), rms(h, p['input_layernorm.weight'], d.rms_eps).astype(h.dtype), pos,
-                  kind, d)
+                  kind, d, segment_ids)
     streams = hc_merge(post, comb, a, streams)
     post, comb, h = hc_weights(p['ffn_hc.fn'], p['ffn_hc.base'], p['ffn_hc.scale'], streams, **hc)
     m = moe(sub(p, 'mlp.'), rms(h, p['post_attention_layernorm.weight'], d.rms_eps).astype(h.dtype), ids,
@@ -31,14 +31,15 @@ def decoder_layer(p, streams, ids, pos, kind, mlp_kind, d):
     return hc_merge(post, comb, m, streams)
 
 
-def forward(p, ids, d):
-    """p: {transformers' name: array}; ids [B, T] -> logits [B, T, V] (float32)."""
+def forward(p, ids, d, positions=None, segment_ids=None):
+    """p: {transformers' name: array}; ids [B, T] -> logits [B, T, V] (float32). Packed documents: segment_ids
+    [B, T] (0: padding) and positions [B, T] restarting at 0 in each (compressed.attention); None: one document."""
     b, t = ids.shape
     x = p['model.embed_tokens.weight'][ids]
     streams = jnp.broadcast_to(x[:, :, None, :], (b, t, d.hc_mult, x.shape[-1]))
-    pos = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+    pos = jnp.broadcast_to(jnp.arange(t)[None], (b, t)) if positions is None else positions
     for l, (kind, mlp_kind) in enumerate(zip(d.layer_types, d.mlp_layer_types)):
-        streams = decoder_layer(sub(p, f'model.layers.{l}.'), streams, ids, pos, kind, mlp_kind, d)
+        streams = decoder_layer(sub(p, f'model.layers.{l}.'), streams, ids, pos, kind, mlp_kind, d, segment_ids)
     h = hyper_head(p['model.hc_head.hc_fn'], p['model.hc_head.hc_base'], p['model.hc_head.hc_scale'], streams,
                    hc_eps=d.hc_eps, rms_eps=d.rms_eps)
     h = rms(h, p['model.norm.weight'], d.rms_eps)
