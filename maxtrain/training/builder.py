@@ -353,8 +353,6 @@ def parallelism_lines(run: Run) -> list[str]:
             attend += ", the flash kernel per block pair" + (
                 " (under the causal mask half of each other device's block pair skipped)"
                 if config.context_parallel_reorder_strategy == "dual_chunk_swap" else "")
-        if config.context_parallel_strategy == "usp" and run.rt.attention == "flash":  # models/attention/usp.py
-            attend += ", the flash kernel per block pair of the ring (splash on TPUs)"
         lines.append(f"context: each sequence split {cp} ways ({order}); attention {config.context_parallel_strategy}: "
                      f"{attend}")
     return lines
