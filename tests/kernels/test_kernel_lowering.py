@@ -312,6 +312,17 @@ def test_splash_inside_the_ring_compiles_for_tpu():
 
 
 @needs_tpu_compiler
+def test_splash_inside_usp_compiles_for_tpu():
+    """A v5p-8's 4 chips as context 4 (2 slices' ring x ulysses over 2) at 8k tokens: the splash kernel per block
+    pair of the ring across slices (usp.py: each slice's pieces in its two runs), causal pairs halved and full-mask
+    pairs marked as the ring's are."""
+    hlo = compile_context_attention(targets.parse("v5p-8").devices(), "tpu", "flash", context=4, tensor=1, heads=8,
+                                    kv_heads=4, strategy="usp", inner=2)
+    assert "tpu_custom_call" in hlo
+    _both_kinds_of_pairs_are_counted(hlo)
+
+
+@needs_tpu_compiler
 @pytest.mark.parametrize("sliding_window", [0, 1024])
 def test_splash_under_all_gather_compiles_for_tpu(sliding_window):
     """A v5p-8's 4 chips as context 4 at 8k tokens: splash on each query chunk's window of the gathered keys

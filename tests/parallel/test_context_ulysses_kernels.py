@@ -129,16 +129,14 @@ def test_under_all_gather_flash_runs_when_set_and_autoselected_keeps_the_plain_f
         attention.resolve_implementation("cudnn", "gpu", **gather)
 
 
-def test_under_usp_flash_runs_the_rings_block_pairs_on_gpus_and_is_refused_on_tpus():
+def test_under_usp_flash_runs_the_rings_block_pairs_on_gpus_and_splash_on_tpus():
     usp = dict(dtype=jnp.bfloat16, head_dim=128, length=8192, context_parallel=4, context_strategy="usp",
                context_inner=2)
     assert attention.resolve_implementation("flash", "gpu", **usp) == "flash"
     assert attention.resolve_implementation("autoselected", "gpu", **usp) == "flash"
     assert attention.resolve_implementation("autoselected", "cpu", **usp) == "dot_product"
-    with pytest.raises(ValueError, match=r"attention=flash with context_parallel_strategy=usp on TPUs: .*splash "
-                                         r"kernel does not take; use attention=dot_product"):
-        attention.resolve_implementation("flash", "tpu", **usp)
-    assert attention.resolve_implementation("autoselected", "tpu", **usp) == "dot_product"
+    assert attention.resolve_implementation("flash", "tpu", **usp) == "flash"  # splash: test_context_usp_splash.py
+    assert attention.resolve_implementation("autoselected", "tpu", **usp) == "flash"
     odd = {**usp, "length": 8200}  # 4,100 tokens a slice: not a multiple of 16
     with pytest.raises(ValueError, match=r"max_target_length=8200 must be a multiple of 32"):
         attention.resolve_implementation("flash", "gpu", **odd)

@@ -65,7 +65,8 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     strategy runs the kernels of kernel_choice.CONTEXT_KERNELS: under ulysses every kernel (autoselected chooses
     as without context parallelism); under ring flash (ring_flash.py: the Triton kernel per block pair of the
     ring; on TPUs the splash kernel, ring_splash.py, dual_chunk_swap without windows), which autoselected takes on
-    GPUs and TPUs; under usp flash per block pair of its ring across slices (GPUs; autoselected takes it there); under
+    GPUs and TPUs; under usp flash per block pair of its ring across slices (on TPUs splash, dual_chunk_swap without
+    windows; autoselected takes it on GPUs and TPUs); under
     all_gather the plain-jnp form for autoselected, and flash on the gathered keys when set (GPUs; on TPUs splash on
     each query chunk's window of them, all_gather_splash.py: dual_chunk_swap; cuDNN and tokamax refused).
 
@@ -107,9 +108,12 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
             where, how = "the ring", ("the kernel per block pair of the ring (ring_flash.py), causal blocks skipped, "
                                       "T / C keys per device")
         else:  # usp.py
-            why = _usp_flash_unsupported(platform, length, context_parallel // max(context_inner, 1))
-            where, how = "usp's ring", ("the kernel per block pair of usp's ring across slices (usp.py), masked by "
-                                        "the tokens' positions")
+            why = _usp_flash_unsupported(platform, length, context_parallel // max(context_inner, 1), context_reorder,
+                                         sliding_window)
+            where, how = "usp's ring", ("the splash kernel per block pair of usp's ring across slices (usp.py), each "
+                                        "slice's pieces put into its two dual_chunk_swap runs, causal blocks skipped"
+                                        if platform == "tpu" else "the kernel per block pair of usp's ring across "
+                                        "slices (usp.py), masked by the tokens' positions")
         if why and name == "flash":
             raise ValueError(f"attention=flash with context_parallel_strategy={context_strategy} {why}")
         if name == "autoselected" and platform != "cpu":
@@ -155,14 +159,14 @@ def _ring_flash_unsupported(platform: str, reorder: str = "dual_chunk_swap", sli
     return ""
 
 
-_NO_POSITIONS_ON_TPU = ("on TPUs: its masks need the tokens' original positions, which the splash kernel does not "
-                        "take; use attention=dot_product")
-
-
-def _usp_flash_unsupported(platform: str, length: int = 0, outer: int = 1) -> str:
+def _usp_flash_unsupported(platform: str, length: int = 0, outer: int = 1, reorder: str = "dual_chunk_swap",
+                           sliding_window: int = 0) -> str:
     """Why attention=flash cannot run inside usp's ring across slices here, as the end of a sentence; "" if it can."""
-    if platform == "tpu":
-        return (f"{_NO_POSITIONS_ON_TPU}, or context_parallel_strategy=ring")
+    if platform == "tpu":  # splash (usp.py): the slice's two runs, static masks
+        # deferred: usp.py reads this module's reference attention
+        from maxtrain.models.attention import usp  # pylint: disable=import-outside-toplevel
+
+        return usp.splash_unsupported(reorder, sliding_window, length, outer)
     if length % (16 * outer):
         return (f"needs each slice's {length // outer if outer else length} tokens to be a multiple of 16 (the "
                 f"kernel's smallest block): max_target_length={length} must be a multiple of {16 * outer}")
@@ -252,8 +256,11 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
         from maxtrain.models.attention import ring_flash, usp  # pylint: disable=import-outside-toplevel
 
         platform = canonical_platform(platform or "cpu")
-        if platform == "tpu":
-            raise ValueError(f"attention=flash with context_parallel_strategy=usp {_usp_flash_unsupported(platform)}")
+        if platform == "tpu":  # splash per block pair, the slice's tokens in two runs (usp.py)
+            return usp.usp_attention(q, k, v, segment_ids, inner=context_inner, reorder=context_reorder, causal=causal,
+                                     sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
+                                     sinks=sinks, splash={"interpret": bool(interpret), "block_q": block_q,
+                                                          "block_kv": block_kv})
         return usp.usp_attention(q, k, v, segment_ids, inner=context_inner, reorder=context_reorder, causal=causal,
                                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
                                  sinks=sinks, flash=ring_flash.kernel_settings(platform, block_q, block_kv, interpret))

@@ -49,7 +49,7 @@ KERNEL_LIMITS = {"cudnn": ("logits_soft_cap", "sinks"), "tokamax": ("sinks",)}
 # (ring_flash.py; splash on TPUs), whose backward takes the ring's global softmax statistics (cuDNN's and tokamax's
 # take only their own); ulysses gives each device every token of N / C heads, which it puts back into the original
 # order for the kernel (ulysses.py), so every kernel runs there; usp's ring across slices runs flash per block pair
-# masked by the tokens' positions (GPUs; plain-jnp blocks on TPUs, whose splash takes no positions).
+# masked by the tokens' positions (GPUs; on TPUs splash, each slice's pieces put into two dual_chunk_swap runs).
 CONTEXT_KERNELS = {"all_gather": ("flash",), "ring": ("flash",), "ulysses": ("flash", "cudnn", "tokamax"),
                    "usp": ("flash",)}
 

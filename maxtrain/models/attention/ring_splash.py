@@ -30,10 +30,17 @@ LANES = 128
 class _RingSplash(ring_flash.RingFlash):
     """ring_flash.RingFlash's ring with splash calls; the kernel "configs" are the mask kinds "causal" and "full"."""
 
-    def __init__(self, axes, ways, causal, *, logits_soft_cap: float, block: int, interpret: bool):
+    def __init__(self, axes, ways, causal, *, logits_soft_cap: float, block: int, interpret: bool, pairs=None,
+                 inner: int = 1):
         super().__init__(axes, ways, causal, "dual_chunk_swap", 0, {"causal": "causal", "full": "full",
-                                                                      "positions": None})
-        self.logits_soft_cap, self.block, self.interpret = logits_soft_cap, block, interpret
+                                                                      "positions": None}, pairs)
+        self.logits_soft_cap, self.block, self.interpret, self.inner = logits_soft_cap, block, interpret, inner
+
+    def sees_early(self, step):
+        """As RingFlash's, the ring index being the device's over `inner` (usp.py: its slice, rings of every
+        inner-th device)."""
+        d = jax.lax.axis_index(self.axes) // self.inner
+        return (d - step) % self.ways < d
 
     def kernel(self, kind: str, q_len: int, kv_len: int, heads: int):
         """A splash kernel (saving residuals) for one call's shape and mask kind, built in the trace that uses it
@@ -96,8 +103,9 @@ def ring_splash_attention(q, k, v, segment_ids, *, causal: bool = True, logits_s
 
 
 def ring_splash_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes, ways, causal=True, logits_soft_cap=0.0,
-                      scale=None, interpret=False, block_q=512, block_kv=512):
-    """ring_flash.ring_flash_shard's contract with splash kernels (dual_chunk_swap, no window)."""
+                      scale=None, interpret=False, block_q=512, block_kv=512, pairs=None, inner=1):
+    """ring_flash.ring_flash_shard's contract with splash kernels (dual_chunk_swap, no window). usp.py passes its
+    ring across slices: `pairs`, and `inner` devices per ring position (the ring index is axis_index // inner)."""
     h, hv = q.shape[3], v.shape[3]
     chunk = q.shape[1] // 2
     block = min(max(block_q, block_kv), chunk & -chunk)
@@ -105,7 +113,8 @@ def ring_splash_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes, ways, 
         raise ValueError(f"attention=flash with context_parallel_strategy=ring on TPUs needs each device's two chunks "
                          f"of {chunk} tokens to be a multiple of {LANES}; use a max_target_length that is a multiple "
                          f"of {LANES} x 2 x context parallelism")
-    ring = _RingSplash(axes, ways, causal, logits_soft_cap=logits_soft_cap, block=block, interpret=interpret)
+    ring = _RingSplash(axes, ways, causal, logits_soft_cap=logits_soft_cap, block=block, interpret=interpret,
+                       pairs=pairs, inner=inner)
     width = max(h, hv)
     pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, width - x.shape[3])])  # noqa: E731
     q = q * jnp.asarray(h**-0.5 if scale is None else scale, q.dtype)  # splash does not scale
