@@ -77,19 +77,38 @@ def loss_fn(model, rt, ids, positions):
     return loss
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_rows_give_the_flat_layouts_logits_and_gradients(family):
+def bound(family: str):
     config = config_of(family)
     model, rt = Model.bind(config), Runtime.from_config(config)
-    ids, positions, by_row, flat = layouts(config)
     params = model.init_params(jax.random.key(0))
     params = jax.tree.map(lambda a: a + 0.05 * jnp.sin(jnp.arange(a.size).reshape(a.shape)), params)  # biases too
-    grad = jax.jit(jax.value_and_grad(loss_fn(model, rt, ids, positions), has_aux=True))
+    return config, model, rt, params
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_rows_give_the_flat_layouts_logits(family):
+    config, model, rt, params = bound(family)
+    ids, positions, by_row, flat = layouts(config)
+    forward = jax.jit(lambda p, i: loss_fn(model, rt, ids, positions)(p, i)[1])
     with jax.default_matmul_precision("highest"):
-        (_, rows_logits), rows_grads = grad(params, by_row)
-        (_, flat_logits), flat_grads = grad(params, flat)
+        rows_logits, flat_logits = forward(params, by_row), forward(params, flat)
     np.testing.assert_allclose(rows_logits, flat_logits, rtol=1e-5, atol=1e-5)
     assert float(jnp.max(jnp.abs(rows_logits[0] - rows_logits[1]))) > 0  # images moved row 0's logits
+    # the control: the rows' slots read as one flat sequence (each row's frames numbered from 1 in its slot, so
+    # row 0's and row 2's first frames attend to each other, and row 0's padding sits before row 2's features)
+    naive = {k[len(image_batch.ROWS):]: v.reshape((-1,) + v.shape[2:]) for k, v in by_row.items()}
+    with jax.default_matmul_precision("highest"):
+        assert not np.allclose(forward(params, naive)[2], flat_logits[2], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_rows_give_the_flat_layouts_gradients(family):
+    config, model, rt, params = bound(family)
+    ids, positions, by_row, flat = layouts(config)
+    grad = jax.jit(jax.grad(lambda p, i: loss_fn(model, rt, ids, positions)(p, i)[0]))
+    with jax.default_matmul_precision("highest"):
+        rows_grads, flat_grads = grad(params, by_row), grad(params, flat)
     scale = max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(flat_grads))
     for (path, g), g0 in zip(jax.tree_util.tree_flatten_with_path(rows_grads)[0], jax.tree.leaves(flat_grads)):
         np.testing.assert_allclose(g, g0, rtol=1e-5, atol=1e-5 * scale, err_msg=jax.tree_util.keystr(path))
@@ -99,10 +118,8 @@ def test_rows_give_the_flat_layouts_logits_and_gradients(family):
 def test_the_tower_attends_within_each_row_not_over_the_batch():
     """The compiled forward by row has scores of [X, X] per row and none of [B X, B X]; the flat layout of the same
     batch (the control: the tower's one sequence) has."""
-    config = config_of("qwen3_vl")
-    model, rt = Model.bind(config), Runtime.from_config(config)
+    config, model, rt, params = bound("qwen3_vl")
     ids, positions, by_row, flat = layouts(config)
-    params = model.init_params(jax.random.key(0))
     loss = loss_fn(model, rt, ids, positions)
     square = f"x{3 * X}x{3 * X}x"
 
