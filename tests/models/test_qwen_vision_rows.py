@@ -93,7 +93,6 @@ def test_rows_give_the_flat_layouts_logits(family):
     with jax.default_matmul_precision("highest"):
         rows_logits, flat_logits = forward(params, by_row), forward(params, flat)
     np.testing.assert_allclose(rows_logits, flat_logits, rtol=1e-5, atol=1e-5)
-    assert float(jnp.max(jnp.abs(rows_logits[0] - rows_logits[1]))) > 0  # images moved row 0's logits
     # the control: the rows' slots read as one flat sequence (each row's frames numbered from 1 in its slot, so
     # row 0's and row 2's first frames attend to each other, and row 0's padding sits before row 2's features)
     naive = {k[len(image_batch.ROWS):]: v.reshape((-1,) + v.shape[2:]) for k, v in by_row.items()}

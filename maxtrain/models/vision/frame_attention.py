@@ -27,7 +27,6 @@ from maxtrain.parallel import sharding
 QUERY_BLOCK = 512  # dot_product's queries per block: a block's scores are [heads, 512, P]
 
 
-
 def implementation(rt) -> str:
     """The tower's attention for a run (rt: models/runtime.Runtime): flash (the kernel) on GPUs and TPUs unless the
     config set attention=dot_product, and on CPU only where attention=flash was set (interpret mode, for tests);
