@@ -12,8 +12,9 @@ Two layouts of `images` reach Vision.embed:
              so any split of the rows over hosts or data-parallel shards gives the same inputs (and the arrays shard
              with the rows)
 
-`by_row` flattens the second into the first's arrays and says how many rows it had; `placeholder_index` gives each
-placeholder its feature for either.
+`by_row` flattens the second into the first's arrays and says how many rows it had; `in_rows` keeps the rows (a flat
+batch's images as one row), for a tower that runs each row's images as a sequence of their own (Qwen's: its attention
+then costs B X^2, not (B X)^2); `placeholder_index` gives each placeholder its feature for either.
 """
 
 from __future__ import annotations
@@ -35,16 +36,26 @@ def images(model, batch: dict):
     return {k: batch[k] for k in keys}
 
 
+def in_rows(images: dict, keys: tuple, batch_rows: int) -> tuple[dict, int | None]:
+    """({key: [B, X, ...]}, B) from images by row {ROWS + key: [B, X, ...]}; ({key: [1, X, ...]}, None) for flat
+    ones (the batch's images one row, in their order). A ValueError when the images' rows are not the tokens'
+    batch_rows."""
+    if ROWS + keys[0] not in images:
+        return {k: images[k][None] for k in keys if k in images}, None
+    rows = images[ROWS + keys[0]].shape[0]
+    if rows != batch_rows:
+        raise ValueError(f"the images are laid out for {rows} rows but the tokens have {batch_rows}; make them by row "
+                         "with the batch (data/image_conversations.py), or give them flat")
+    return {k: images[ROWS + k] for k in keys if ROWS + k in images}, rows
+
+
 def by_row(images: dict, keys: tuple, batch_rows: int) -> tuple[dict, int | None]:
     """(the images flat {key: [B * X, ...]}, B) from images by row {ROWS + key: [B, X, ...]}; (images, None) for
     flat ones. A ValueError when the images' rows are not the tokens' batch_rows."""
     if ROWS + keys[0] not in images:
         return images, None
-    rows = images[ROWS + keys[0]].shape[0]
-    if rows != batch_rows:
-        raise ValueError(f"the images are laid out for {rows} rows but the tokens have {batch_rows}; make them by row "
-                         "with the batch (data/image_conversations.py), or give them flat")
-    return {k: images[ROWS + k].reshape((-1,) + images[ROWS + k].shape[2:]) for k in keys if ROWS + k in images}, rows
+    arrays, rows = in_rows(images, keys, batch_rows)
+    return {k: v.reshape((-1,) + v.shape[2:]) for k, v in arrays.items()}, rows
 
 
 def placeholder_index(mask, rows: int | None, features: int):

@@ -1,6 +1,7 @@
-"""Attention within frames for Qwen's vision tower (models/vision/qwen.py): every patch of a batch's images is one
-sequence [1, P], and a patch attends to the patches of its own frame (its segment id; padding patches, id 0, to
-padding only, whose rows nothing reads). Never a [P, P] mask or [P, P] scores for the whole batch:
+"""Attention within frames for Qwen's vision tower (models/vision/qwen.py): the patches of the images are sequences
+[B, P] (a micro batch's images by row: row r's images in sequence r; flat images: one sequence, B = 1), and a patch
+attends to the patches of its own frame in its own row (its segment id; padding patches, id 0, to padding only,
+whose rows nothing reads). Never a [P, P] mask or [P, P] scores for the whole batch:
 
     flash        the run's kernel, which takes segment ids: Pallas Triton on GPUs (head dims such as the released
                  towers' 72 zero-padded to a power of two inside it, P padded to its blocks), splash on TPUs,
@@ -13,7 +14,7 @@ mask too and needs head dims that are multiples of 64 (the released towers' are 
 attention was autoselected (or set to a kernel) runs the tower with flash; an explicit dot_product is kept.
 
 The kernels mask by segment id but visit every block of keys (they skip blocks by position only), so the compute of
-the tower's attention stays P^2 for the batch; memory is what this removes. Model FLOPs count each frame's
+the tower's attention stays B P^2 (P^2 for a row); memory is what this removes. Model FLOPs count each frame's
 attention over its own patches (qwen.flops).
 """
 
@@ -24,8 +25,6 @@ from maxtrain.models.attention import kernels, reference
 from maxtrain.parallel import sharding
 
 QUERY_BLOCK = 512  # dot_product's queries per block: a block's scores are [heads, 512, P]
-
-_HEADS = (None, None, "heads", None)  # the tower's one sequence: split over heads only
 
 
 def implementation(rt) -> str:
@@ -42,16 +41,18 @@ def implementation(rt) -> str:
 
 def attend(q, k, v, segments, *, implementation: str = "dot_product", platform: str | None = None,
            query_block: int = QUERY_BLOCK):
-    """Bidirectional attention of q, k, v [1, P, N, H] within the frames of `segments` [1, P] (module docstring).
+    """Bidirectional attention of q, k, v [B, P, N, H] within the frames of `segments` [B, P] (module docstring).
 
     Outside a mesh that splits the batch or the sequence this is attention.attention(causal=False). Under one
-    (FSDP, context parallelism), the tower's single row cannot be split over the batch, nor its frames over the
-    sequence: the kernel runs on each device's heads (replicated over the other mesh axes, as the tower's other
-    activations are), and dot_product is the blocked plain form, which GSPMD partitions."""
+    (FSDP, context parallelism), a row's frames cannot be split over the sequence: the kernel runs on each device's
+    heads, and rows where B divides over the batch's ways (else replicated over them: flat images' one row), and
+    dot_product is the blocked plain form, which GSPMD partitions."""
     if sharding.ways("batch") == 1 and sharding.ways("length") == 1:
         return attention.attention(q, k, v, segments, implementation=implementation, platform=platform,
                                    causal=False, query_block=query_block)
     if implementation == "dot_product":
         return reference.query_blocks(q, k, v, segments, causal=False, block=query_block)
     kernel = kernels.local_kernel(implementation, platform, causal=False)
-    return sharding.run_in_shards(kernel, (q, k, v, segments), (_HEADS, _HEADS, _HEADS, (None, None)), _HEADS)
+    rows = "batch" if q.shape[0] % sharding.ways("batch") == 0 else None
+    heads = (rows, None, "heads", None)
+    return sharding.run_in_shards(kernel, (q, k, v, segments), (heads, heads, heads, (rows, None)), heads)

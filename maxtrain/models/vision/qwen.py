@@ -20,7 +20,10 @@ window: the m x m patches that the merger joins into one token are consecutive (
 forward_layout(params, pixel_values, layout, config) -> (embeddings [P/m^2, O], deepstack features, one per index),
 where layout = patch_layout(grid_thw, config, pad_to) holds the per-patch arrays the grid decides (frame segments,
 rotary rows and columns, position-embedding taps and weights, each merged token's image), made in numpy on the host:
-the jitted forward sees arrays only, padded to a fixed number of patches, and does not recompile per batch.
+the jitted forward sees arrays only, padded to a fixed number of patches, and does not recompile per batch. Given
+rows (pixel_values [B, P, ...] and the layout's arrays [B, P, ...]: a micro batch's images, each row's in its own
+slot), the tower runs them as a batch of B sequences of P patches, each attending within itself: its attention costs
+B P^2, not (B P)^2, and the outputs are [B, P/m^2, O].
 forward(params, pixel_values, grid_thw, config) is the same with grid_thw static and no padding.
 
 Qwen3.5's tower is Qwen3-VL's without deepstack (no deepstack_visual_indexes). Window attention (Qwen2.5-VL's
@@ -261,25 +264,26 @@ def _linear(x, w, b, n: int = 1):
 
 
 def block(x, p, cos, sin, segments, config: VisionConfig, attend=frame_attention.attend):
-    """One ViT block on x [P, D]: pre-LayerNorm attention (2-D rotary, within the frames of `segments` [1, P], by
-    `attend`: frame_attention.attend with the run's implementation) and MLP, residual."""
-    qkv = _linear(layer_norm(x, p["attn_norm"], p["attn_norm_bias"]), p["wqkv"], p["bqkv"])  # "PD,DCNH->PCNH"
-    q, k, v = (qkv[None, :, i] for i in range(3))                                          # [1, P, N, H] each
+    """One ViT block on x [B, P, D]: pre-LayerNorm attention (2-D rotary by (cos, sin) [B, P, H/2], within the
+    frames of `segments` [B, P], by `attend`: frame_attention.attend with the run's implementation) and MLP,
+    residual."""
+    qkv = _linear(layer_norm(x, p["attn_norm"], p["attn_norm_bias"]), p["wqkv"], p["bqkv"])  # "BPD,DCNH->BPCNH"
+    q, k, v = (qkv[:, :, i] for i in range(3))                                             # [B, P, N, H] each
     q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-    out = attend(q, k, v, segments)[0]                                                     # [P, N, H]
-    x = x + _linear(out, p["wo"], p["bo"], 2)                                              # "PNH,NHD->PD"
+    out = attend(q, k, v, segments)                                                        # [B, P, N, H]
+    x = x + _linear(out, p["wo"], p["bo"], 2)                                              # "BPNH,NHD->BPD"
     h = _linear(layer_norm(x, p["mlp_norm"], p["mlp_norm_bias"]), p["w_in"], p["b_in"])
     return x + _linear(ACTIVATIONS[config.hidden_act](h), p["w_out"], p["b_out"])
 
 
 def merge(x, p, config: VisionConfig, postshuffle: bool):
-    """The patch merger on x [P, D]: each window's m*m patches side by side [P/m^2, D m^2] (normed before,
-    or with postshuffle after, the concatenation), then fc1, exact GELU, fc2 -> [P/m^2, O]."""
-    width = config.merged_dim
+    """The patch merger on x [..., P, D]: each window's m*m patches side by side [..., P/m^2, D m^2] (normed
+    before, or with postshuffle after, the concatenation), then fc1, exact GELU, fc2 -> [..., P/m^2, O]."""
+    shape = x.shape[:-2] + (-1, config.merged_dim)
     if postshuffle:
-        x = layer_norm(x.reshape(-1, width), p["norm"], p["norm_bias"])
+        x = layer_norm(x.reshape(shape), p["norm"], p["norm_bias"])
     else:
-        x = layer_norm(x, p["norm"], p["norm_bias"]).reshape(-1, width)
+        x = layer_norm(x, p["norm"], p["norm_bias"]).reshape(shape)
     return _linear(jax.nn.gelu(_linear(x, p["w_in"], p["b_in"]), approximate=False), p["w_out"], p["b_out"])
 
 
@@ -335,30 +339,35 @@ def patch_layout(grid_thw, config: VisionConfig, pad_to: int | None = None) -> P
 
 
 def _rotary(positions, config: VisionConfig):
-    """(cos, sin) [P, H/2] float32 of positions [P, 2] (traced), the angles of `rotary`."""
+    """(cos, sin) [..., P, H/2] float32 of positions [..., P, 2] (traced), the angles of `rotary`."""
     half = config.head_dim // 2
     inv_freq = (1.0 / config.rope_theta ** (np.arange(0, half, 2, dtype=np.float32) / np.float32(half)))
-    angles = positions.astype(jnp.float32)[:, :, None] * jnp.asarray(inv_freq.astype(np.float32))
-    angles = angles.reshape(angles.shape[0], -1)
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq.astype(np.float32))
+    angles = angles.reshape(angles.shape[:-2] + (-1,))
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def forward_layout(params, pixel_values, layout: PatchLayout, config: VisionConfig, dtype=jnp.float32,
                    remat: bool = False, attention_impl: str = "dot_product", platform: str | None = None):
     """(embeddings [P/m^2, out_hidden_size], deepstack features, one per deepstack_visual_indexes) from
-    pixel_values [P, C*t*p*p] laid out as `layout` says (arrays only: jit-friendly). The rows of padding patches
-    (layout.images == 0) come last and hold values nothing should use. Matmuls in `dtype`, norms, RoPE and
-    softmax in float32. remat: the blocks' activations recomputed in the backward pass (_run_blocks).
+    pixel_values [P, C*t*p*p] laid out as `layout` says (arrays only: jit-friendly); by rows, pixel_values
+    [B, P, C*t*p*p] and the layout's arrays [B, P, ...] give [B, P/m^2, out_hidden_size] each, row r's patches
+    attending within row r's frames only (as one sequence would with row r's frames numbered apart). The rows of
+    padding patches (layout.images == 0) come last and hold values nothing should use. Matmuls in `dtype`, norms,
+    RoPE and softmax in float32. remat: the blocks' activations recomputed in the backward pass (_run_blocks).
     attention_impl, platform: the attention within frames (frame_attention.implementation(rt) for a run; platform
     None: this machine's backend)."""
-    if pixel_values.shape != (layout.segments.shape[0], config.patch_dim):
+    if tuple(pixel_values.shape) != tuple(jnp.shape(layout.segments)) + (config.patch_dim,):
         raise ValueError(f"pixel_values {tuple(pixel_values.shape)} do not match the layout's "
-                         f"{layout.segments.shape[0]} patches of {config.patch_dim} values each")
-    x = _linear(pixel_values.astype(dtype), params["patch_embed"], params["patch_bias"])
+                         f"{tuple(jnp.shape(layout.segments))} patches of {config.patch_dim} values each")
+    one = jnp.ndim(layout.segments) == 1  # one sequence: a batch of one row
+    layout = PatchLayout(*(jnp.asarray(a)[None] if one else jnp.asarray(a) for a in layout))
+    pixel_values = pixel_values[None] if one else pixel_values
+    x = _linear(pixel_values.astype(dtype), params["patch_embed"], params["patch_bias"])     # [B, P, D]
     table = params["pos_embed"].astype(jnp.float32)
-    x = x + jnp.sum(table[layout.taps] * layout.weights[:, :, None], axis=1).astype(dtype)
-    cos, sin = (a[None] for a in _rotary(layout.positions, config))
-    segments = jnp.asarray(layout.segments)[None]
+    x = x + jnp.sum(table[layout.taps] * layout.weights[..., None], axis=-2).astype(dtype)
+    cos, sin = _rotary(layout.positions, config)
+    segments = layout.segments
     attend = functools.partial(frame_attention.attend, implementation=attention_impl,
                                platform=platform or jax.default_backend())
     features, start = [], 0
@@ -370,7 +379,8 @@ def forward_layout(params, pixel_values, layout: PatchLayout, config: VisionConf
     if start < config.depth:
         x = _run_blocks(x, jax.tree.map(lambda a: a[start:], params["blocks"]), cos, sin, segments, config, remat,
                         attend)
-    return merge(x, params["merger"], config, postshuffle=False), tuple(features)
+    merged = merge(x, params["merger"], config, postshuffle=False)
+    return (merged[0], tuple(f[0] for f in features)) if one else (merged, tuple(features))
 
 
 def forward(params, pixel_values, grid_thw, config: VisionConfig, dtype=jnp.float32):

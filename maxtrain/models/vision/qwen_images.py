@@ -157,11 +157,11 @@ def check_placeholders(tokens, images: dict, image_token_id: int) -> None:
 
 def embed_images(params, x, tokens, images: dict, model, rt):
     """(x with the placeholders' rows replaced by the images' embeddings, in order (flat or by row:
-    models/image_batch.py); the deepstack features at the
-    placeholders as per-layer inputs [L, B, T, D], zero elsewhere and after the last feature, or None without
-    deepstack) (the contract's Vision.embed)."""
+    models/image_batch.py; the tower runs each row's images as a sequence of their own, flat ones as one); the
+    deepstack features at the placeholders as per-layer inputs [L, B, T, D], zero elsewhere and after the last
+    feature, or None without deepstack) (the contract's Vision.embed)."""
     config = model.config
-    images, rows = image_batch.by_row(images, IMAGE_KEYS, tokens.shape[0])
+    images, rows = image_batch.in_rows(images, IMAGE_KEYS, tokens.shape[0])  # [B, X, ...]: flat ones one row
     missing = [k for k in IMAGE_KEYS if k not in images]
     if missing:
         raise ValueError(f"images lack {missing}; make them with "
@@ -172,13 +172,10 @@ def embed_images(params, x, tokens, images: dict, model, rt):
     except jax.errors.TracerArrayConversionError:
         pass
     layout = qwen.PatchLayout(*(jnp.asarray(images[f"patch_{k}"]) for k in qwen.PatchLayout._fields))
-    if rows is not None:  # each row's frames are numbered from 1 in its slot: row r's moved past the rows before
-        segments = layout.segments.reshape(rows, -1)
-        offset = jnp.arange(rows, dtype=segments.dtype)[:, None] * segments.shape[1]
-        layout = layout._replace(segments=jnp.where(segments > 0, segments + offset, 0).reshape(-1))
     merged, features = qwen.forward_layout(params["vision"], jnp.asarray(images["pixel_values"]), layout,
                                            vision_config(config), rt.dtype, remat=rt.remat_policy != "none",
                                            attention_impl=frame_attention.implementation(rt), platform=rt.backend)
+    merged, features = merged.reshape(-1, merged.shape[-1]), [f.reshape(-1, f.shape[-1]) for f in features]
     mask = tokens == config.image_token_id                                   # [B, T]
     index = image_batch.placeholder_index(mask, rows, merged.shape[0])
 
