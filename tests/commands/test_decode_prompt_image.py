@@ -96,8 +96,8 @@ def test_decode_reads_an_image_prompt_for_llama4(tmp_path, capsys):
     argv, _, ids = _decode(tmp_path, capsys, paths, l4.model_args(paths),
                            "prompt=<|header_start|>user<|header_end|>\n\n<|image|>colour?<|eot|>", TINY[6:])
     piece = l4.ids()
-    # as Llama4Processor: 16 x 24 pixels on 1 x 2 tiles of 16 and the global view, 4 <|patch|> tokens a tile
+    # as Llama4Processor: 16 wide, 24 high on 2 x 1 tiles of 16 and the global view, 4 <|patch|> tokens a tile
     at = ids.index(piece["<|image_start|>"])
-    assert ids[at:at + 17] == [piece[s] for s in images_llama4.image_tokens(1, 2, 4)]
+    assert ids[at:at + 17] == [piece[s] for s in images_llama4.image_tokens(2, 1, 4)]
     with pytest.raises(config_lib.ConfigError, match=r"the prompt holds 2 image tokens.*prompt='<\|image\|>"):
         decode.main(config_lib.with_overrides(argv, "prompt=<|image|><|image|>colour?"))
