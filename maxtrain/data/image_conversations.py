@@ -1,6 +1,6 @@
 """SFT on conversations whose user turns hold images (issue 59, item 4), for a family with an image tower: its
 contract.Vision (`vision`, handed in by the command that bound the model: data/ does not import models/) lays out
-positions and images; images.for_tower preprocesses them as the tower's processor does.
+positions and images; towers.for_tower preprocesses them as the tower's processor does.
 
 Records. transformers' chat format: a message's content is a string or a list of items {"type": "text", "text": ...}
 and {"type": "image", "image": ...}, the image a path relative to the data file's folder (jsonl), raw bytes, or the
@@ -12,7 +12,7 @@ apply_chat_template does; a built-in template (chatml, ...) gets each content as
 text (image_token_id's piece), items joined by newlines. The rendered ids are chat.py's (loss weights as for text
 SFT); each image token is then expanded to the placeholder count the family's processor gives for that image,
 weight 0 (Llama 4: each <|image|> its template writes becomes the image's whole text, as Llama4Processor writes it:
-images.TowerImages' marker and texts). Images are decoded and preprocessed in ToImageElement, a Grain map: with grain_worker_count > 0 in the
+towers.TowerImages' marker and texts). Images are decoded and preprocessed in ToImageElement, a Grain map: with grain_worker_count > 0 in the
 workers, never in the main process.
 
 Elements carry tokens, weights, parts, positions [n, S] (the family's position streams, S = 3 for M-RoPE, made by
@@ -39,7 +39,7 @@ import warnings
 import numpy as np
 
 from maxtrain.config import objectives
-from maxtrain.data import chat, hosts, images as images_lib
+from maxtrain.data import chat, hosts, images as images_lib, towers
 from maxtrain.data.image_layout import check_row_budget, cut, expand_texts, model_inputs, piece_ids
 from maxtrain.data.errors import DataError
 
@@ -60,10 +60,10 @@ def vision_of(config, vision):
 
 
 def preprocessor(config):
-    """The image -> (patch arrays, grid, placeholders) map of the model's tower (images.TowerImages)."""
+    """The image -> (patch arrays, grid, placeholders) map of the model's tower (towers.TowerImages)."""
     import json  # pylint: disable=import-outside-toplevel
 
-    return images_lib.for_tower(json.loads(config.vision_config), processor_config(config))
+    return towers.for_tower(json.loads(config.vision_config), processor_config(config))
 
 
 def processor_config(config) -> dict | None:

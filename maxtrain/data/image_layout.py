@@ -1,5 +1,5 @@
 """How an image conversation's images sit in an element and in the model's inputs (data/image_conversations.py), for
-both layouts of images.TowerImages:
+the layouts of towers.TowerImages:
 
     Qwen's grids (block None)   each image takes its grid's t*h*w patches; Vision.inputs(config, ids,
                                 pixel_values [patches, ...], image_grid_thw [images, 3], pad_to=patches)
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from maxtrain.data import images_llama4
 from maxtrain.data.errors import DataError
 
 GRIDS = "image_grids"
@@ -54,8 +55,6 @@ def model_inputs(vision, config, tower, tokens, arrays: dict, grids, pad_to: int
     pad_to counts patches (the images' arrays padded to it). A batch calls it once per row (tokens [1, T])."""
     grids = np.asarray(grids, np.int64).reshape(-1, 3)
     if tower.tile is not None:  # Llama 4: the patches back into tiles [tiles, C, S, S]
-        from maxtrain.data import images_llama4  # deferred: images_llama4 imports images, as this module's users do
-
         return vision.inputs(config, tokens, images_llama4.tiles_of(arrays["pixel_values"], tower.spec),
                              pad_to=None if pad_to is None else pad_to // tower.tile)
     if tower.block is None:

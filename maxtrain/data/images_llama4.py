@@ -214,7 +214,7 @@ def tiles_of(patches: np.ndarray, spec: Llama4VisionPreprocess) -> np.ndarray:
 
 
 def tower_image(image, spec: Llama4VisionPreprocess):
-    """images.TowerImages' map: (patch arrays, grid (tiles, s, s), the <|patch|> count, the image's token texts)."""
+    """towers.TowerImages' map: (patch arrays, grid (tiles, s, s), the <|patch|> count, the image's token texts)."""
     out = llama4(image, spec)
     tiles, side = out.pixel_values.shape[0], spec.tile_size // spec.patch_size
     return ({"pixel_values": patches_of(out.pixel_values, spec)}, (tiles, side, side),

@@ -1,4 +1,4 @@
-"""SFT on image conversations for Llama 4 (data/image_conversations.py with images.TowerImages' tiles): the chat
+"""SFT on image conversations for Llama 4 (data/image_conversations.py with towers.TowerImages' tiles): the chat
 template's <|image|> expanded as transformers' Llama4Processor does (<|image_start|>, each tile's <|patch|> tokens
 with the tile separators, <|image|> and the global view's, <|image_end|>), the tiles its image processor's; packing
 by tokens and whole tiles; row-laid tiles give the flat tiles' logits; the one-line refusals; and a tiny Llama 4
