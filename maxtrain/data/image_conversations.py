@@ -268,7 +268,8 @@ class ToImageElement:
         if patches > self.patches_per_row:
             raise DataError(f"{where}: its {len(done)} images need {patches} patches but a row holds "
                             f"image_patches_per_row={self.patches_per_row}; raise image_patches_per_row to "
-                            f"{patches} or more, or give fewer or smaller images (the processor's max_pixels)")
+                            f"{patches} or more, or give fewer or smaller images (the processor's "
+                            f"{'max_patches tiles' if self.preprocess.tile else 'max_pixels'})")
         if not done:  # no image: the streams of text alone, every one counting on
             positions = np.broadcast_to(np.arange(len(tokens), dtype=np.int32)[:, None], (len(tokens), self.streams))
             arrays = {k: np.zeros((0,) + shape, dtype) for k, (shape, dtype) in self.patch_shapes.items()}

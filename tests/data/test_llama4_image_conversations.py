@@ -238,6 +238,7 @@ def test_missing_images_too_many_tiles_and_a_bad_row_budget_get_one_line(dataset
     helpers.write_png(str(tmp_path / "bad" / "big.png"), (64, 64), (0, 0, 0))  # four tiles and the view: 80 patches
     message, path = _bad(dataset, tmp_path, "big.png", f"image_patches_per_row={3 * l4.TILE}")
     assert f"{path} line 1" in message and "need 80 patches but a row holds image_patches_per_row=48" in message
+    assert "(the processor's max_patches tiles)" in message
     message, _ = _bad(dataset, tmp_path, "big.png", "image_patches_per_row=40")
     assert "image_patches_per_row=40 is not a whole number of the tower's tiles of 16 patches" in message
     assert "e.g. 80" in message
