@@ -10,12 +10,14 @@ nucleus, as in MaxText), seeded by `seed`; max_new_tokens tokens are generated (
 emits end-of-sequence). The tokenizer is tokenizer_path, or for dataset_type=default the default
 corpus' cached tokenizer (trained on first use).
 
-prompt_image=<path> gives an image family (qwen3_vl, qwen3_5, qwen3_5_moe, gemma4) an image: the prompt writes the
-image token once where it goes, which becomes the image's placeholders as the family's processor writes them
+prompt_image=<path> gives an image family (qwen3_vl, qwen3_5, qwen3_5_moe, gemma4, llama4) an image: the prompt writes
+the image token once where it goes, which becomes the image's placeholders as the family's processor writes them
 (data/image_prompts.py): Qwen's prompt='<|vision_start|><|image_pad|><|vision_end|>Describe it.' its merged patches'
-count of image tokens; Gemma 4's prompt='<image token>Describe it.' begin-of-image, the soft tokens, end-of-image.
-The tower runs once, in the prefill (the same causal mask as the full forward), and the positions go on after the
-prompt's largest (M-RoPE's for Qwen, the slots for Gemma 4). llama4's tower is refused.
+count of image tokens; Gemma 4's prompt='<image token>Describe it.' begin-of-image, the soft tokens, end-of-image;
+Llama 4's prompt='<|image|>Describe it.' the image's tiles (<|image_start|>, each tile's <|patch|> tokens with the
+tile separators, <|image|> and the global view's, <|image_end|>). The tower runs once, in the prefill (the same
+causal mask as the full forward), and the positions go on after the prompt's largest (M-RoPE's for Qwen, the
+slots for Gemma 4 and Llama 4).
 """
 
 from __future__ import annotations
@@ -39,18 +41,13 @@ KEYS = ("load_parameters_path", "prompt", "max_new_tokens", "decode_sampling_str
 
 
 def check_image_family(config) -> None:
-    """Refuses prompt_image for a model without an image tower, or one whose tower decode does not lay out (llama4),
-    in one line, before anything is read."""
+    """Refuses prompt_image for a model without an image tower in one line, before anything is read."""
     family = FAMILIES.get(config.decoder_block)
-    wired = ", ".join(n for n, f in FAMILIES.items() if f.vision is not None and f.vision.reads_files)
+    wired = ", ".join(n for n, f in FAMILIES.items() if f.vision is not None)
     if family is not None and family.vision is None:
         raise config_lib.ConfigError(f"prompt_image={config.prompt_image!r}: {config.decoder_block} is a text-only "
                                      "family and reads no images; drop prompt_image, or decode an image family's "
                                      f"checkpoint ({wired})")
-    if family is not None and not family.vision.reads_files:
-        raise config_lib.ConfigError(f"prompt_image={config.prompt_image!r}: decoding with an image prompt is wired "
-                                     f"for {wired}, not decoder_block={config.decoder_block}; decode from a text "
-                                     "prompt")
     if not config.vision_config:
         raise config_lib.ConfigError(f"prompt_image={config.prompt_image!r}: this {config.decoder_block} model has no "
                                      "vision tower (vision_config is empty); import an image-text checkpoint with "

@@ -46,7 +46,7 @@ def report(run, compiled, target: targets.Target, seconds: float) -> dict:
 
 def image_pixels(run) -> list | None:
     """The shape [accumulation, micro batch, patches per row, values per patch] (Gemma 4: [..., images per row,
-    patches per image, values per patch]) of the images' pixel rows the step
+    patches per image, values per patch]; Llama 4: [..., tiles per row, C, S, S]) of the images' pixel rows the step
     reads (SFT on image conversations: data/image_conversations.py), or None for a step without images."""
     if not image_conversations.active(run.config, run.model.family.vision):
         return None
@@ -54,7 +54,11 @@ def image_pixels(run) -> list | None:
 
 
 def images_line(pixels: list) -> str:
-    """[A, b, patches, values] (Qwen's patches) or [A, b, images, patches, values] (Gemma 4's fixed blocks)."""
+    """[A, b, patches, values] (Qwen's patches), [A, b, images, patches, values] (Gemma 4's fixed blocks) or
+    [A, b, tiles, C, S, S] (Llama 4's tiles)."""
+    if len(pixels) == 6:
+        return (f"images      {pixels[2]:,} tile(s) per row of {pixels[3]} x {pixels[4]} x {pixels[5]} values, "
+                f"{pixels[1]} rows per micro-batch")
     if len(pixels) == 5:
         return (f"images      {pixels[2]:,} image(s) per row of {pixels[3]:,} patches (image_patches_per_row="
                 f"{pixels[2] * pixels[3]}) of {pixels[4]:,} values, {pixels[1]} rows per micro-batch")

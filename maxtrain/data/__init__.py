@@ -13,7 +13,8 @@
     hosts.py        host sharding, padding batches, host batch -> global jax.Array
     eval_batches.py eval batches: first N, or exactly one epoch, the same count on every host
     pipeline.py     the training iterator (checkpointable Grain DatasetIterator) and synthetic data
-    images.py       images -> pixel arrays and placeholder counts (Qwen-VL, Gemma 4; images_llama4.py: Llama 4)
+    images.py       images -> pixel arrays and placeholder counts (Qwen-VL, Gemma 4; images_llama4.py: Llama 4;
+                    towers.py: a model's scheme, from its tower's config)
 
 `tokenizer_for(config)` is the tokenizer a model was trained with (the tools use it). May import
 parallel, config and the base modules.

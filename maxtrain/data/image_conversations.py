@@ -1,6 +1,6 @@
 """SFT on conversations whose user turns hold images (issue 59, item 4), for a family with an image tower: its
 contract.Vision (`vision`, handed in by the command that bound the model: data/ does not import models/) lays out
-positions and images; images.for_tower preprocesses them as the tower's processor does.
+positions and images; towers.for_tower preprocesses them as the tower's processor does.
 
 Records. transformers' chat format: a message's content is a string or a list of items {"type": "text", "text": ...}
 and {"type": "image", "image": ...}, the image a path relative to the data file's folder (jsonl), raw bytes, or the
@@ -11,7 +11,8 @@ Rendering. The tokenizer's own template sees the content lists (images as {"type
 apply_chat_template does; a built-in template (chatml, ...) gets each content as text, an image as the image token's
 text (image_token_id's piece), items joined by newlines. The rendered ids are chat.py's (loss weights as for text
 SFT); each image token is then expanded to the placeholder count the family's processor gives for that image,
-weight 0. Images are decoded and preprocessed in ToImageElement, a Grain map: with grain_worker_count > 0 in the
+weight 0 (Llama 4: each <|image|> its template writes becomes the image's whole text, as Llama4Processor writes it:
+towers.TowerImages' marker and texts). Images are decoded and preprocessed in ToImageElement, a Grain map: with grain_worker_count > 0 in the
 workers, never in the main process.
 
 Elements carry tokens, weights, parts, positions [n, S] (the family's position streams, S = 3 for M-RoPE, made by
@@ -38,8 +39,8 @@ import warnings
 import numpy as np
 
 from maxtrain.config import objectives
-from maxtrain.data import chat, hosts, images as images_lib
-from maxtrain.data.image_layout import check_row_budget, cut, model_inputs
+from maxtrain.data import chat, hosts, images as images_lib, towers
+from maxtrain.data.image_layout import check_row_budget, cut, expand_texts, model_inputs, piece_ids
 from maxtrain.data.errors import DataError
 
 PIXELS, GRIDS = "pixel_values", "image_grids"
@@ -59,10 +60,10 @@ def vision_of(config, vision):
 
 
 def preprocessor(config):
-    """The image -> (patch arrays, grid, placeholders) map of the model's tower (images.TowerImages)."""
+    """The image -> (patch arrays, grid, placeholders) map of the model's tower (towers.TowerImages)."""
     import json  # pylint: disable=import-outside-toplevel
 
-    return images_lib.for_tower(json.loads(config.vision_config), processor_config(config))
+    return towers.for_tower(json.loads(config.vision_config), processor_config(config))
 
 
 def processor_config(config) -> dict | None:
@@ -224,7 +225,14 @@ class ToImageElement:
         self.vision, self.preprocess, self.key, self.log = vision, preprocess, key, log
         self.completion_only = config.sft_train_on_completion_only
         self.image_token_id = config.image_token_id
-        self.image_text = template.tokenizer.piece(config.image_token_id)
+        self.image_text = preprocess.marker or template.tokenizer.piece(config.image_token_id)
+        self.ids = piece_ids(template.tokenizer, preprocess.texts, "image conversations") if preprocess.texts else {}
+        if self.ids and config.image_token_id not in self.ids.values():
+            raise DataError(f"image_token_id={config.image_token_id} is none of the tokenizer's image pieces {self.ids}"
+                            "; set it to the id of the image placeholder token, as scripts/convert_hf.py import "
+                            "writes it")
+        self.marker_id = self.ids.get(preprocess.marker, config.image_token_id)
+        self.bounds = (self.ids[preprocess.texts[0]], self.ids[preprocess.texts[-1]]) if self.ids else ()
         self.max_pixels, self.patches_per_row = config.max_image_pixels, config.image_patches_per_row
         self.truncated, self.passes = 0, 0
 
@@ -247,8 +255,12 @@ class ToImageElement:
         done = self.images(sources, where)
         text_parts = chat.parts(self.template, messages, self.completion_only, where)
         tokens, weights = chat.encode_parts(self.template, text_parts)
-        tokens, weights = expand(tokens, weights, self.image_token_id, [d[2] for d in done], where, self.image_text,
-                                 self.preprocess.wrap)
+        if self.ids:  # the whole image text in place of the template's marker (Llama 4)
+            tokens, weights = expand_texts(tokens, weights, self.marker_id, [[self.ids[t] for t in d[3]] for d in done],
+                                           where, self.image_text)
+        else:
+            tokens, weights = expand(tokens, weights, self.image_token_id, [d[2] for d in done], where,
+                                     self.image_text, self.preprocess.wrap)
         if not weights.any():
             raise DataError(f"{where}: the conversation renders to no assistant tokens; check its messages")
         grids = np.asarray([d[1] for d in done], np.int32).reshape(-1, 3)
@@ -256,7 +268,8 @@ class ToImageElement:
         if patches > self.patches_per_row:
             raise DataError(f"{where}: its {len(done)} images need {patches} patches but a row holds "
                             f"image_patches_per_row={self.patches_per_row}; raise image_patches_per_row to "
-                            f"{patches} or more, or give fewer or smaller images (the processor's max_pixels)")
+                            f"{patches} or more, or give fewer or smaller images (the processor's "
+                            f"{'max_patches tiles' if self.preprocess.tile else 'max_pixels'})")
         if not done:  # no image: the streams of text alone, every one counting on
             positions = np.broadcast_to(np.arange(len(tokens), dtype=np.int32)[:, None], (len(tokens), self.streams))
             arrays = {k: np.zeros((0,) + shape, dtype) for k, (shape, dtype) in self.patch_shapes.items()}
@@ -274,7 +287,7 @@ class ToImageElement:
 
     def __call__(self, located) -> dict:
         element, was_cut = cut(self.unchanged(located), self.length, self.image_token_id,
-                               lead=len(self.preprocess.wrap) // 2)
+                               lead=len(self.preprocess.wrap) // 2, bounds=self.bounds)
         if was_cut and self.passes <= 1:
             self.truncated += 1
             if self.truncated & (self.truncated - 1) == 0:
@@ -293,7 +306,7 @@ def probe(config, vision, preprocess) -> tuple[dict, int]:
     in the main process (it also proves the processor works, and image_patches_per_row fits its layout, before
     training starts)."""
     check_row_budget(preprocess, config.image_patches_per_row)
-    arrays, grid, count = preprocess(images_lib.pillow().new("RGB", (32, 32)))
+    arrays, grid, count, _ = preprocess(images_lib.pillow().new("RGB", (32, 32)))
     positions, _ = model_inputs(vision, config, preprocess, np.full((1, count), config.image_token_id, np.int32),
                                 arrays, [grid])
     return ({k: (tuple(np.shape(v)[1:]), np.asarray(v).dtype) for k, v in arrays.items()},

@@ -13,6 +13,8 @@ function from a Pillow image to numpy arrays:
                 h*w / pooling**2 soft tokens
     images_llama4.py  Llama 4's tiles (the best-fit canvas, padding, a global thumbnail)
 
+towers.py picks a model's scheme from its tower's config (for_tower).
+
 The steps match transformers' PIL backend (`Qwen2VLImageProcessorPil`, `Gemma4ImageProcessorPil`) bit for bit in
 float32: an image becomes RGB (transparency composited onto white), is resized as uint8 by Pillow, rescaled in
 float64 then cast to float32, and normalised in float32. tests/data/test_images.py compares them. transformers'
@@ -309,63 +311,3 @@ def gemma4(image, spec: Gemma4VisionPreprocess) -> Gemma4Image:
     patches = np.pad(patches, [(0, pad), (0, 0)])
     positions = np.pad(positions, [(0, pad), (0, 0)], constant_values=-1)
     return Gemma4Image(patches, positions, rows * columns // spec.pooling_kernel_size ** 2)
-
-
-# --- the scheme of a model's tower, for training data ------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class TowerImages:
-    """A tower's image -> (patch arrays {name: [patches, ...]}, grid (t, h, w), placeholder count), picklable, with
-    how its images sit in a batch: block None: each image takes its grid's t*h*w patches (Qwen's); block M: each
-    takes a fixed block of M patches (Gemma 4's padded max_soft_tokens x pooling**2), grid (1, 1, M). `wrap`: the
-    tokens the processor writes around each image's placeholders (Gemma 4's begin- and end-of-image), or ()."""
-    preprocess: object
-    spec: object
-    block: int | None = None
-    wrap: tuple = ()
-
-    @property
-    def keys(self) -> tuple[str, ...]:
-        """The patch arrays' names (transformers' forward-argument names)."""
-        return ("pixel_values",) if self.block is None else ("pixel_values", "image_position_ids")
-
-    def __call__(self, image):
-        return self.preprocess(image, self.spec)
-
-
-def _qwen_image(image, spec: QwenVisionPreprocess):
-    out = qwen_vl(image, spec)
-    return {"pixel_values": out.pixel_values}, out.grid_thw, out.num_tokens
-
-
-def _gemma4_image(image, spec: Gemma4VisionPreprocess):
-    out = gemma4(image, spec)
-    return ({"pixel_values": out.pixel_values, "image_position_ids": out.position_ids.astype(np.int32)},
-            (1, 1, spec.max_patches), out.num_tokens)
-
-
-GEMMA4_KEYS = {"patch_size", "pooling_kernel_size", "position_embedding_size"}
-
-
-def for_tower(vision_config: dict, processor: dict | None) -> TowerImages:
-    """The image preprocessing of a tower of `vision_config` (the vision_config model key, as JSON-decoded): Qwen's
-    patches (a tower with temporal_patch_size and spatial_merge_size: Qwen2-VL, Qwen3-VL, Qwen3.5), with
-    preprocessor_config.json's keys where given, else Qwen3-VL's, and the tower's own patch, frame and merge sizes;
-    Gemma 4's (the key holding its tower's config and its token_ids: boi and eoi), with preprocessor_config.json's
-    max_soft_tokens (else 280) and the tower's patch and pooling sizes."""
-    inner = vision_config.get("vision_config")
-    if isinstance(inner, dict) and GEMMA4_KEYS <= set(inner) and "token_ids" in vision_config:
-        ids = vision_config["token_ids"]
-        keys = {**(processor or {}), "patch_size": inner["patch_size"],
-                "pooling_kernel_size": inner["pooling_kernel_size"]}
-        spec = Gemma4VisionPreprocess.from_config(keys)
-        return TowerImages(_gemma4_image, spec, spec.max_patches, (ids["boi_token_id"], ids["eoi_token_id"]))
-    if not {"patch_size", "temporal_patch_size", "spatial_merge_size"} <= set(vision_config):
-        raise DataError(f"image conversations are not wired for this image tower (vision_config keys "
-                        f"{sorted(vision_config)[:6]}...): only towers with Qwen's patches (patch_size, "
-                        "temporal_patch_size, spatial_merge_size) and Gemma 4's read training images yet")
-    keys = {**QWEN3_VL, **(processor or {}), "patch_size": vision_config["patch_size"],
-            "temporal_patch_size": vision_config["temporal_patch_size"],
-            "merge_size": vision_config["spatial_merge_size"]}
-    return TowerImages(_qwen_image, QwenVisionPreprocess.from_config(keys))

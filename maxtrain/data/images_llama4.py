@@ -180,3 +180,56 @@ def llama4(image, spec: Llama4VisionPreprocess) -> Llama4Image:
         thumbnail = _rescale_normalize(images.resize(pixels, t, t, spec.resample), spec)
         tiles = np.concatenate([tiles, thumbnail[None]])
     return Llama4Image(np.ascontiguousarray(tiles), (rows, columns), image_tokens(rows, columns, spec.tokens_per_tile))
+
+
+# --- the tower's images in image conversations and image prompts (data/image_conversations.py) -------------------
+#
+# An image's tiles travel as patches, like the other towers' (so image_patches_per_row counts patches for every
+# family): [tiles * s^2, C * p * p], each tile's s x s patches row-major, each patch channel-major (the order the
+# encoder unfolds them in); `tiles_of` puts them back into the tiles [tiles, C, S, S] Vision.inputs takes.
+
+PIECES = ("<|image_start|>", "<|image|>", "<|patch|>", "<|tile_x_separator|>", "<|tile_y_separator|>",
+          "<|image_end|>")
+MARKER = "<|image|>"  # what Llama 4's chat template writes for an image, and Llama4Processor expands
+
+
+def patches_per_tile(spec: Llama4VisionPreprocess) -> int:
+    return (spec.tile_size // spec.patch_size) ** 2
+
+
+def patches_of(tiles: np.ndarray, spec: Llama4VisionPreprocess) -> np.ndarray:
+    """[tiles, C, S, S] -> [tiles * s^2, C * p * p]."""
+    t, c, s, p = tiles.shape[0], tiles.shape[1], spec.tile_size // spec.patch_size, spec.patch_size
+    x = tiles.reshape(t, c, s, p, s, p).transpose(0, 2, 4, 1, 3, 5)
+    return np.ascontiguousarray(x.reshape(t * s * s, c * p * p))
+
+
+def tiles_of(patches: np.ndarray, spec: Llama4VisionPreprocess) -> np.ndarray:
+    """patches_of undone: [tiles * s^2, C * p * p] -> [tiles, C, S, S]."""
+    s, p = spec.tile_size // spec.patch_size, spec.patch_size
+    patches = np.asarray(patches)
+    c = patches.shape[1] // (p * p)
+    x = patches.reshape(-1, s, s, c, p, p).transpose(0, 3, 1, 4, 2, 5)
+    return np.ascontiguousarray(x.reshape(-1, c, s * p, s * p))
+
+
+def tower_image(image, spec: Llama4VisionPreprocess):
+    """towers.TowerImages' map: (patch arrays, grid (tiles, s, s), the <|patch|> count, the image's token texts)."""
+    out = llama4(image, spec)
+    tiles, side = out.pixel_values.shape[0], spec.tile_size // spec.patch_size
+    return ({"pixel_values": patches_of(out.pixel_values, spec)}, (tiles, side, side),
+            out.tokens.count("<|patch|>"), tuple(out.tokens))
+
+
+def from_tower(vision_config: dict, processor: dict | None) -> Llama4VisionPreprocess:
+    """The processor's spec (preprocessor_config.json's keys, else transformers' defaults) with the tower's own
+    tile size, patch size and pixel shuffle; a processor whose tiles are not the tower's is refused."""
+    keys = dict(processor or {})
+    size = (keys.get("size") or {}).get("height")
+    if size is not None and size != vision_config["image_size"]:
+        raise DataError(f"preprocessor_config.json: size {keys['size']} makes tiles of {size} pixels but the tower "
+                        f"reads tiles of image_size={vision_config['image_size']}; use the checkpoint's own "
+                        "preprocessor_config.json")
+    keys.update(size={"height": vision_config["image_size"], "width": vision_config["image_size"]},
+                patch_size=vision_config["patch_size"], pixel_shuffle_ratio=vision_config["pixel_shuffle_ratio"])
+    return Llama4VisionPreprocess.from_config(keys)

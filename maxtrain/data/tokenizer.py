@@ -157,6 +157,10 @@ class Tokenizer:
         text = self._piece(token_id) if 0 <= token_id < self.vocab_size else None
         return f"<id {token_id}>" if text is None else text
 
+    def piece_id(self, text: str) -> int | None:
+        """The id of the token that `text` is as one piece (an added or special token: <|image|>), or None."""
+        return self._token_id(text)
+
     def write(self, dest: str) -> None:
         """Writes a copy that load(dest) reads back with the same checksum: a single sentencepiece model as
         the file `dest`, anything else as the directory `dest` (its other tokenizer files removed)."""

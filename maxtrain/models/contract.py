@@ -105,8 +105,6 @@ class Vision:
     # (tokens [B, T], segment_ids [B, T], config) -> LayerInputs.blocks: the runs of image tokens that attend to each
     # other both ways (gemma4's bidirectional_image_attention), or None where the config keeps attention causal
     blocks: Callable[..., Any] | None = None
-    reads_files: bool = True         # data/images.for_tower preprocesses its images from files (image SFT, decode's
-                                     # prompt_image); False: only arrays made by its processor (llama4's)
 
     def inputs_named(self, config, input_ids, arrays: dict) -> tuple:
         """inputs(config, input_ids, **arrays), the arrays under transformers' forward-argument names; a ValueError

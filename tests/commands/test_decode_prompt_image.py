@@ -1,6 +1,6 @@
-"""python -m maxtrain.decode ... prompt_image=<png>: a tiny random qwen3_vl checkpoint, and a tiny random gemma4 one,
-decode from a prompt whose image token becomes the image's placeholders (data/image_prompts.py; Gemma 4's between
-begin- and end-of-image), as sampling.generate does from the same prompt and image laid out by hand; a prompt without
+"""python -m maxtrain.decode ... prompt_image=<png>: a tiny random qwen3_vl checkpoint, a tiny random gemma4 one and a
+tiny random llama4 one, decode from a prompt whose image token becomes the image's placeholders
+(data/image_prompts.py; Gemma 4's between begin- and end-of-image; Llama 4's <|image|> its whole tiles' text), as sampling.generate does from the same prompt and image laid out by hand; a prompt without
 the image token, or with two, is refused in one line."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import os
 
 import gemma4_image_helpers as g4
 import image_chat_helpers as helpers
+import llama4_image_helpers as l4
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +19,7 @@ from conftest import BASE_YML
 from maxtrain import config as config_lib
 from maxtrain import decode
 from maxtrain.checkpointing import manager as checkpoint_manager
-from maxtrain.data import image_prompts, pipeline
+from maxtrain.data import image_prompts, images_llama4, pipeline
 from maxtrain.data import tokenizer as tokenizer_lib
 from maxtrain.models import sampling
 from maxtrain.models.model import Model
@@ -86,3 +87,17 @@ def test_decode_reads_an_image_prompt_for_gemma4(tmp_path, capsys):
     assert ids[at:at + 62] == [boi] + [image] * 60 + [eoi] and ids.count(image) == 60
     with pytest.raises(config_lib.ConfigError, match="the prompt holds 2 image tokens.*prompt='<image_soft_token>"):
         decode.main(config_lib.with_overrides(argv, "prompt=<image_soft_token><image_soft_token>colour?"))
+
+
+@pytest.mark.slow  # a checkpoint written, the tower and the decoding loop compiled: ~1 min on two cores
+def test_decode_reads_an_image_prompt_for_llama4(tmp_path, capsys):
+    pytest.importorskip("tokenizers")
+    paths = l4.make_dataset(str(tmp_path / "data"), n=4)
+    argv, _, ids = _decode(tmp_path, capsys, paths, l4.model_args(paths),
+                           "prompt=<|header_start|>user<|header_end|>\n\n<|image|>colour?<|eot|>", TINY[6:])
+    piece = l4.ids()
+    # as Llama4Processor: 16 wide, 24 high on 2 x 1 tiles of 16 and the global view, 4 <|patch|> tokens a tile
+    at = ids.index(piece["<|image_start|>"])
+    assert ids[at:at + 17] == [piece[s] for s in images_llama4.image_tokens(2, 1, 4)]
+    with pytest.raises(config_lib.ConfigError, match=r"the prompt holds 2 image tokens.*prompt='<\|image\|>"):
+        decode.main(config_lib.with_overrides(argv, "prompt=<|image|><|image|>colour?"))

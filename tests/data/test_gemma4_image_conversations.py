@@ -1,4 +1,4 @@
-"""SFT on image conversations for Gemma 4 (data/image_conversations.py with images.TowerImages' fixed blocks): each
+"""SFT on image conversations for Gemma 4 (data/image_conversations.py with towers.TowerImages' fixed blocks): each
 image token expanded as transformers' Gemma4Processor does (boi, the soft tokens, eoi), its pixels and positions the
 processor's; packing by tokens and whole image blocks; a packed row's logits equal each conversation's alone; the
 tower's gradient; the one-line refusals; and a tiny Gemma 4 trained through train.main (slow)."""

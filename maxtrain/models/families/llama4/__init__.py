@@ -173,4 +173,4 @@ MODEL = contract.FamilyModel(
     hf_names=decoder.HF_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config,
     vision=contract.Vision(text_family=TEXT_FAMILY.name, embed=embed_images, input_keys=IMAGE_KEYS, prefix=PREFIXES,
                            text_prefixes=TEXT_PREFIXES, to_maxtrain=vision_to_maxtrain, to_hf=vision_to_hf,
-                           inputs=model_inputs, flops=vision_flops, projector=("projector",), reads_files=False))
+                           inputs=model_inputs, flops=vision_flops, projector=("projector",)))
