@@ -20,8 +20,9 @@ query whose head weights are all negative (its scores all <= 0) can tie many key
 a tie needs all heads' relus at 0 at once. Training and scoring beyond index_topk tokens read only the chosen keys
 (selected.py); decoding masks the cache's slots (`keys_kept`), choosing the same keys.
 
-Memory: `scores` holds the per-head scores [B, T, index_n_heads, S] in float32 (the indexer's training and decoding,
-where T is one token); selected.py computes them a block of queries at a time.
+Memory: `scores` holds the per-head scores [B, T, index_n_heads, S] in float32 (the dense warm-up, the sparse stage
+at or below index_topk tokens, and decoding, where T is one token); selected.py computes them a block of queries at
+a time, and the sparse stage's KL there over each query's selected keys alone (`selected_scores`, `kl_per_query`).
 
 Hugging Face (and DeepSeek's reference) rotate the indexer's queries and keys with a Hadamard transform and score
 them in float8 for speed; the transform is orthogonal (q . k unchanged), so this bf16/float32 form is the same

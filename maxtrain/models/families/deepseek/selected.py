@@ -25,6 +25,11 @@ than keeping them for every block: what is kept for the backward is the blocks' 
 indices ([B, T, K] int32 and a bool: the backward does not score again; under remat_policy=full the layer's
 recomputed forward scores once more).
 
+Training the indexer (indexer_training=sparse, attention's `indexer_kl`): each block also takes the indexer's KL over
+its queries' selected keys, p the block's probabilities averaged over the heads (no gradient) against the softmax of
+the indexer's scores at the same keys (their gradient to its weights alone): [B, Bq, I, K] and [B, Bq, K] more per
+block, still no [T, S] array; with the kernel the KL comes from a plain-jnp side computation over the same keys.
+
 Ours, not a library's: no kernel library (tokamax, cuDNN, splash) takes per-query key indices for MLA's latent keys
 yet. With kernel= the same chosen keys (`chosen`: every query's idx and kept, [B, T, K]) go to our selected-key Pallas
 kernel (kernels/selected_attention.py), run per device's batch rows and heads inside shard_map; this plain form is
