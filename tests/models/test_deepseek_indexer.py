@@ -158,14 +158,16 @@ def _rank4_t_by_t(jaxpr, t: int) -> bool:
 @pytest.mark.parametrize("overrides, block", [
     ([], None),
     pytest.param(["base_num_decoder_layers=4", "indexer_types=[full,shared,full,shared]",
-                  "index_rope_interleave=true"], 4, marks=pytest.mark.slow)],  # ~40 s of CPU: four layers, three kinds
-    ids=["v3.2", "glm5-shared-blocks-of-4"])
+                  "index_rope_interleave=true"], 4, marks=pytest.mark.slow),  # ~40 s of CPU: four layers, three kinds
+    pytest.param(["attention=flash"], None, marks=pytest.mark.slow)],  # the kernel, interpreted: the KL beside it
+    ids=["v3.2", "glm5-shared-blocks-of-4", "kernel"])
 def test_the_sparse_stage_over_the_selected_keys_gives_the_plain_forms_kl_and_gradients(monkeypatch, overrides,
                                                                                          block):
     """Beyond index_topk tokens the sparse stage takes the KL over each query's selected keys (selected.py's
     blocks): the plain form's indexer_kl and its gradients (the indexer's alone), with packed documents and padding,
-    in blocks of 4 queries and with GLM-5's shared layers (no KL of their own, the full layer's keys); no
-    [B, heads, T, T] array is made, where the plain form (the control) makes one."""
+    in blocks of 4 queries, with GLM-5's shared layers (no KL of their own, the full layer's keys) and beside the
+    selected-key kernel (attention=flash, interpret mode); no [B, heads, T, T] array is made, where the plain form
+    (the control) makes one."""
     config = tiny("indexer_training=sparse", "max_target_length=16", *overrides)
     model, rt = Model.bind(config), Runtime.from_config(config, "cpu")
     params = model.init_params(jax.random.key(0))
