@@ -9,7 +9,8 @@ import pytest
 
 from conftest import BASE_YML, TINY
 from maxtrain.config import ConfigError, load_config, with_overrides
-from maxtrain.models.families.deepseek import indexer
+from maxtrain.models.families import deepseek
+from maxtrain.models.families.deepseek import indexer, selected
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 from maxtrain.training import builder
@@ -63,7 +64,8 @@ def is_indexer(path) -> bool:
 @pytest.mark.parametrize("stage", [pytest.param("dense_warmup", marks=pytest.mark.slow), "sparse"])
 def test_the_kl_trains_the_indexer_alone_and_the_lm_loss_never_reaches_it(stage):
     """The indexer's input is detached and its selection has no gradient: the KL's gradient is zero on every weight
-    but the indexer's (and not zero there), the language-model loss's zero on the indexer's."""
+    but the indexer's (and not zero there), the language-model loss's zero on the indexer's. 16 tokens keeping 6:
+    the sparse stage runs over the selected keys (selected.py), the warm-up the plain form."""
     config = tiny(f"indexer_training={stage}", "max_target_length=16")
     model, rt = Model.bind(config), Runtime.from_config(config, "cpu")
     params = model.init_params(jax.random.key(0))
@@ -129,3 +131,64 @@ def test_the_sparse_stage_trains_the_model_and_the_indexer():
 def test_refused_in_one_line(overrides, message):
     with pytest.raises(ConfigError, match=message):
         tiny(*overrides)
+
+
+def _packed(config):
+    """Two documents packed in the first row, padding at the end of the second."""
+    batch = batch_of(config)
+    seg = jnp.asarray([[1] * 7 + [2] * 9, [1] * 13 + [0] * 3])
+    return {**batch, "segment_ids": seg, "loss_weights": (seg > 0).astype(jnp.float32),
+            "positions": jnp.asarray([list(range(7)) + list(range(9)), list(range(16))])}
+
+
+def _rank4_t_by_t(jaxpr, t: int) -> bool:
+    """Whether a jaxpr (its loops' and checkpoints' bodies included) makes a float array [.., .., T, T]."""
+    for eqn in jaxpr.eqns:
+        for v in eqn.outvars:
+            shape, dtype = getattr(v.aval, "shape", ()), getattr(v.aval, "dtype", None)
+            if len(shape) == 4 and shape[-2:] == (t, t) and jnp.issubdtype(dtype, jnp.floating):
+                return True
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns") and _rank4_t_by_t(inner, t):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("overrides, block", [
+    ([], None),
+    pytest.param(["base_num_decoder_layers=4", "indexer_types=[full,shared,full,shared]",
+                  "index_rope_interleave=true"], 4, marks=pytest.mark.slow),  # ~40 s of CPU: four layers, three kinds
+    pytest.param(["attention=flash"], None, marks=pytest.mark.slow)],  # the kernel, interpreted: the KL beside it
+    ids=["v3.2", "glm5-shared-blocks-of-4", "kernel"])
+def test_the_sparse_stage_over_the_selected_keys_gives_the_plain_forms_kl_and_gradients(monkeypatch, overrides,
+                                                                                         block):
+    """Beyond index_topk tokens the sparse stage takes the KL over each query's selected keys (selected.py's
+    blocks): the plain form's indexer_kl and its gradients (the indexer's alone), with packed documents and padding,
+    in blocks of 4 queries, with GLM-5's shared layers (no KL of their own, the full layer's keys) and beside the
+    selected-key kernel (attention=flash, interpret mode); no [B, heads, T, T] array is made, where the plain form
+    (the control) makes one."""
+    config = tiny("indexer_training=sparse", "max_target_length=16", *overrides)
+    model, rt = Model.bind(config), Runtime.from_config(config, "cpu")
+    params = model.init_params(jax.random.key(0))
+    batch = _packed(config)
+    if block:
+        monkeypatch.setattr(selected, "QUERY_BLOCK", block)
+
+    results = {}
+    for form in (False, True):
+        monkeypatch.setattr(deepseek, "SELECTED_TRAINING", form)
+
+        def kl(p):  # a new function per form: no trace cached from the other
+            return model.loss_fn(p, batch, rt)[2]["indexer_kl"]
+
+        jaxpr = jax.make_jaxpr(kl)(params).jaxpr
+        results[form] = jax.jit(jax.value_and_grad(kl))(params), _rank4_t_by_t(jaxpr, 16)
+    (want, want_grads), plain_t_by_t = results[False]
+    (got, got_grads), selected_t_by_t = results[True]
+    assert plain_t_by_t and not selected_t_by_t
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for (path, g), w in zip(jax.tree_util.tree_flatten_with_path(got_grads)[0], jax.tree.leaves(want_grads)):
+        assert np.any(np.asarray(g)) == is_indexer(path), jax.tree_util.keystr(path)
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(np.max(np.abs(w)) + 1e-30),
+                                   err_msg=jax.tree_util.keystr(path))

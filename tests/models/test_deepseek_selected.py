@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from maxtrain.models import attention as attention_lib
-from maxtrain.models.families.deepseek import indexer, selected
+from maxtrain.models.families.deepseek import indexer, mla, selected
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 from maxtrain.parallel import sharding
@@ -228,3 +228,52 @@ def test_a_model_with_the_kernel_gives_the_plain_forms_logits_and_gradients():
         w = functools.reduce(lambda tree, key: tree[key.key], path, want_grads)
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5 * float(jnp.max(jnp.abs(w)) + 1e-30),
                                    err_msg=jax.tree_util.keystr(path))
+
+
+def _kl_selected(x, block=None, kernel=None):
+    """The sparse stage's indexer KL over each query's selected keys (selected.attention's indexer_kl)."""
+    return selected.attention(x["q_nope"], x["q_rope"], x["c"], x["k_rope"], x["w_k"], x["index_q"], x["index_w"],
+                              x["index_k"], SEGMENTS, topk=TOPK, scale=SCALE, block=block, kernel=kernel,
+                              indexer_kl=True)[1]
+
+
+def _kl_plain(x, mask):
+    """indexer.kl_to_attention as the plain form takes it: the head-averaged target of MLA's expanded form and the
+    indexer's full scores [B, T, S], over the keys of `mask`."""
+    k_nope = jnp.einsum("BSC,CNH->BSNH", x["c"], x["w_k"])
+    k = jnp.concatenate([k_nope, jnp.broadcast_to(x["k_rope"][:, :, None], (B, T, N, HR))], axis=-1)
+    q = jnp.concatenate([x["q_nope"], x["q_rope"]], axis=-1)
+    target = mla.head_averaged_probabilities(q, k, mask, SCALE)
+    return indexer.kl_to_attention(target, indexer.combine(x["index_q"], x["index_w"], x["index_k"]), mask, SEGMENTS)
+
+
+@pytest.mark.parametrize("block", [pytest.param(1, marks=pytest.mark.slow), 4, None])
+def test_the_indexer_kl_over_the_selected_keys_is_the_plain_forms(block):
+    """Over the selected keys alone, block by block, with the documents and the padding: the plain form's KL
+    (the target over the top-k mask) and its gradients on the indexer's operands, none on the attention's; the KL
+    over every visible key (the dense warm-up's) is another number."""
+    x = _inputs(1)
+    kept = _kept(x)
+    indexer_ops = ("index_q", "index_w", "index_k")
+    attention_ops = ("q_nope", "q_rope", "c", "k_rope", "w_k")
+    got, got_grads = jax.jit(jax.value_and_grad(lambda y: _kl_selected({**x, **y}, block)))(x)
+    want, want_grads = jax.jit(jax.value_and_grad(lambda y: _kl_plain({**x, **y}, kept)))(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for name in indexer_ops:
+        assert np.any(np.asarray(want_grads[name])), name
+        np.testing.assert_allclose(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, err_msg=name)
+    for name in attention_ops:
+        assert not np.any(np.asarray(got_grads[name])), name
+    every_key = _kl_plain(x, attention_lib.make_attention_mask(SEGMENTS, SEGMENTS, causal=True))
+    assert abs(float(every_key) - float(want)) > 1e-2 * float(want), (every_key, want)
+
+
+def test_beside_the_kernel_the_indexer_kl_is_the_plain_forms():
+    """With the selected-key kernel (interpret mode) the KL comes from a plain-jnp side computation over the same
+    keys: the plain form's value and indexer gradients, in runs of 4-query blocks."""
+    x = _inputs(1)
+    got, got_grads = jax.jit(jax.value_and_grad(lambda y: _kl_selected({**x, **y}, 4, kernel="cpu")))(x)
+    want, want_grads = jax.jit(jax.value_and_grad(lambda y: _kl_plain({**x, **y}, _kept(x))))(x)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for name in want_grads:
+        np.testing.assert_allclose(got_grads[name], want_grads[name], rtol=1e-4, atol=1e-6, err_msg=name)

@@ -51,6 +51,10 @@ from maxtrain.parallel.sharding import shard
 
 FAMILY = registry.FAMILIES["deepseek"]  # its Hugging Face model_type and architecture
 ROUTER = "sigmoid_group_topk"
+# The sparse stage of indexer_training beyond index_topk tokens: selected.py over each query's selected keys alone
+# (True), or the plain form under the top-k mask ([B, heads, T, T] float32 for the KL's target; the tests and
+# scripts/indexer_memory.py compare the two).
+SELECTED_TRAINING = True
 
 
 def layer_types(config) -> list[LayerType]:
@@ -136,19 +140,30 @@ def _cached_index_keys(normed, p, index_cache, index, rope, config):
     return jax.lax.dynamic_update_slice_in_dim(index_cache, new_keys[:, :, None], index, axis=1)
 
 
-def _selected_keys(normed, p, segment_ids, config, kernel, q_nope, q_rope, c, k_rope, q_latent, rope, choice=None):
+def _selected_keys(normed, p, segment_ids, config, kernel, q_nope, q_rope, c, k_rope, q_latent, rope, choice=None,
+                   trained: bool = False, hand_on: bool = False):
     """MLA over the index_topk keys the indexer chooses for each query, read alone (selected.py): by the
     selected-key Pallas kernel on `kernel`'s platform where the runtime resolved attention to flash, else in plain
-    jnp. choice: the keys already chosen (idx, kept: a shared indexer layer's), the indexer not run."""
+    jnp. choice: the keys already chosen (idx, kept: a shared indexer layer's), the indexer not run. trained (the
+    sparse stage of indexer_training): the indexer's scores with its weights' gradient and aux's "indexer_kl" its
+    KL over each query's selected keys (selected.attention's indexer_kl); hand_on (shared layers follow): the keys
+    chosen first (selected.chosen), attended to and handed on in aux's "state"."""
     index_q = index_w = index_k = None
-    if choice is None:
-        index_q, index_w = indexer.queries(normed, q_latent, p, rope, config.index_rope_interleave)
-        index_k = indexer.keys(normed, p, rope, config.index_rope_interleave)
+    interleave, more = config.index_rope_interleave, {}
+    if choice is None or trained:
+        index_q, index_w = indexer.queries(normed, q_latent, p, rope, interleave, trained=trained)
+        index_k = indexer.keys(normed, p, rope, interleave, trained=trained)
+    if hand_on:
+        choice = selected.chosen(*(jax.lax.stop_gradient(a) for a in (index_q, index_w, index_k)), segment_ids,
+                                 topk=config.index_topk, block=selected.query_block(normed.shape[1]))
+        more["state"] = choice
     clip = config.qk_clip_threshold > 0  # QK-clip reads each head's largest logit
     out = selected.attention(q_nope, q_rope, c, k_rope, p["wkv_b"][..., :config.qk_nope_head_dim], index_q, index_w,
                              index_k, segment_ids, topk=config.index_topk, scale=mla.softmax_scale(config),
-                             with_max_logits=clip, kernel=kernel, choice=choice)
-    return out if clip else (out, None)
+                             with_max_logits=clip, kernel=kernel, choice=choice, indexer_kl=trained)
+    if trained:
+        out, more["indexer_kl"] = out
+    return (*(out if clip else (out, None)), more)
 
 
 def _attention_sharing_topk(normed, p, inputs, layer_type: LayerType, config, rt):
@@ -201,7 +216,18 @@ def _attention_training_the_indexer(normed, p, inputs, config, rt):
     gradient, so the loss trains the indexer alone). With GLM-5's shared layers (indexer_types) only the full layers
     have an indexer, each trained toward its own layer's attention (the KL averages over them); in the sparse stage
     its choice goes on in aux["state"] to the shared layers after it, which attend to those keys; in the dense
-    warm-up they attend to every key."""
+    warm-up they attend to every key. The sparse stage beyond index_topk tokens runs selected.py (its plain form or
+    the selected-key kernel, as attention resolves) and takes the KL over each query's selected keys block by block,
+    no [T, S] array (SELECTED_TRAINING); the dense warm-up, and the sparse stage at or below index_topk tokens, keep
+    this plain form: their KL is over every visible key, the target [B, heads, T, S] float32 while computed."""
+    full_layers = shared_topk.shared_layers(config).count(False)  # the layers with an indexer
+    if config.indexer_training == "sparse" and normed.shape[1] > config.index_topk and SELECTED_TRAINING:
+        kernel = rt.backend if rt.attention == "flash" else None  # over each query's selected keys alone
+        h, aux = mla.attention(normed, p, inputs, config, rt, selected_keys=functools.partial(
+            _selected_keys, normed, p, inputs.segment_ids, config, kernel, trained=True,
+            hand_on=inputs.state is not None))
+        kl = aux.pop("indexer_kl") / full_layers  # summed over the full layers by the decoder: their mean
+        return h, {**aux, "indexer_kl": kl, "indexer_loss": config.indexer_loss_weight * kl}
     rope, seg = inputs.rope["global"], inputs.segment_ids
     visible = attention_lib.make_attention_mask(seg, seg, causal=True)
     index = indexer.scores(normed, mla.query_latent(normed, p, config, rt),
@@ -214,7 +240,6 @@ def _attention_training_the_indexer(normed, p, inputs, config, rt):
     h, aux = mla.attention(normed, p, inputs, config, rt, keys_kept=None if kept is None else lambda *_: kept,
                            attention_target=True)
     kl = indexer.kl_to_attention(aux.pop("attention_target"), index, visible if kept is None else kept, seg)
-    full_layers = shared_topk.shared_layers(config).count(False)  # the layers with an indexer
     kl = kl / full_layers  # summed over them by the decoder: their mean
     aux = {**aux, "indexer_kl": kl, "indexer_loss": config.indexer_loss_weight * kl}
     if choice is not None and inputs.state is not None:  # GLM-5's shared layers after this one attend to its keys

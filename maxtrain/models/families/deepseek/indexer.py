@@ -20,8 +20,9 @@ query whose head weights are all negative (its scores all <= 0) can tie many key
 a tie needs all heads' relus at 0 at once. Training and scoring beyond index_topk tokens read only the chosen keys
 (selected.py); decoding masks the cache's slots (`keys_kept`), choosing the same keys.
 
-Memory: `scores` holds the per-head scores [B, T, index_n_heads, S] in float32 (the indexer's training and decoding,
-where T is one token); selected.py computes them a block of queries at a time.
+Memory: `scores` holds the per-head scores [B, T, index_n_heads, S] in float32 (the dense warm-up, the sparse stage
+at or below index_topk tokens, and decoding, where T is one token); selected.py computes them a block of queries at
+a time, and the sparse stage's KL there over each query's selected keys alone (`selected_scores`, `kl_per_query`).
 
 Hugging Face (and DeepSeek's reference) rotate the indexer's queries and keys with a Hadamard transform and score
 them in float8 for speed; the transform is orthogonal (q . k unchanged), so this bf16/float32 form is the same
@@ -135,10 +136,24 @@ def kl_to_attention(target, index, mask, segment_ids) -> jax.Array:
     """DeepSeek-V3.2's indexer loss: the mean over real query tokens (segment id > 0) of
     KL(target_t || softmax(I_t)) over the keys `mask` [B, T, S] lets query t use (the causal mask in the dense
     warm-up; the kept keys in the sparse stage), target [B, T, S] the attention's head-averaged distribution over
-    them (no gradient) and I [B, T, S] the indexer's scores. Scalar float32."""
+    them (no gradient) and I [B, T, S] the indexer's scores. Scalar float32. selected.py computes the same over each
+    query's K selected keys (`kl_per_query` on [B, T, K] slots, `selected_scores`), block by block."""
+    real = (segment_ids > 0).astype(jnp.float32)
+    return jnp.sum(kl_per_query(target, index, mask) * real) / jnp.maximum(jnp.sum(real), 1.0)
+
+
+def kl_per_query(target, index, mask) -> jax.Array:
+    """[B, T] float32: KL(target_t || softmax(I_t)) over the keys (last axis: all S, or a query's K selected slots)
+    `mask` keeps, target the attention's head-averaged probabilities there and I the indexer's scores."""
     log_q = jax.nn.log_softmax(jnp.where(mask, index, -jnp.inf), axis=-1)
     log_q = jnp.where(mask, log_q, 0.0)  # no -inf (nor NaN in the gradient) outside the mask
     log_p = jnp.log(jnp.where(target > 0, target, 1.0))
-    per_query = jnp.sum(jnp.where(mask & (target > 0), target * (log_p - log_q), 0.0), axis=-1)    # [B, T]
-    real = (segment_ids > 0).astype(jnp.float32)
-    return jnp.sum(per_query * real) / jnp.maximum(jnp.sum(real), 1.0)
+    return jnp.sum(jnp.where(mask & (target > 0), target * (log_p - log_q), 0.0), axis=-1)
+
+
+def selected_scores(q, w, k, idx) -> jax.Array:
+    """I [B, T, K] float32 of queries q [B, T, I, E] (head weights w [B, T, I]) against the keys idx [B, T, K] picks
+    from k [B, S, E]: `combine`'s scores at those keys alone, their gradient scatter-added into k's picked rows."""
+    k_sel = jax.vmap(lambda rows, at: rows[at])(k, idx)                                  # [B, T, K, E]
+    per_head = jax.nn.relu(jnp.einsum("BTIE,BTKE->BTIK", q, k_sel) * q.shape[3] ** -0.5)
+    return jnp.einsum("BTI,BTIK->BTK", w, per_head)

@@ -95,8 +95,9 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", ke
     (training the indexer): aux["attention_target"] is the attention's distribution over the keys summed over
     heads and normalised, [B, T, S] float32 with no gradient (`head_averaged_probabilities`). selected_keys
     (DeepSeek-V3.2 beyond index_topk tokens, training and scoring): (q_nope, q_rope, c [B, S, C], k_r [B, S, Hr],
-    q_latent, (cos, sin)) -> (o_c [B, T, N, C], each head's largest logit [N] or None), the attention over each
-    query's chosen keys alone in the absorbed form (selected.py); the values are then o_c W_kvb^v."""
+    q_latent, (cos, sin)) -> (o_c [B, T, N, C], each head's largest logit [N] or None, entries for aux), the
+    attention over each query's chosen keys alone in the absorbed form (selected.py); the values are then
+    o_c W_kvb^v (the entries: the indexer's KL and the choice handed on, when the sparse stage trains it there)."""
     dt, eps, backend = rt.dtype, config.normalization_layer_epsilon, rt.backend
     fp8 = "attention" in rt.fp8  # quantization: the five projections take float8 operands (models/fp8.py)
     hn, c_rank = config.qk_nope_head_dim, config.kv_lora_rank
@@ -121,7 +122,8 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", ke
         aux = {"cache": (cache_c, cache_r)}
         c, k_rope = cache_c[:, :, 0].astype(dt), cache_r.astype(dt)
     if selected_keys is not None and inputs.cache is None:
-        o_c, head_max = selected_keys(q[..., :hn], q[..., hn:], c, k_rope[:, :, 0], q_latent, (cos, sin))
+        o_c, head_max, more = selected_keys(q[..., :hn], q[..., hn:], c, k_rope[:, :, 0], q_latent, (cos, sin))
+        aux.update(more)
         if config.qk_clip_threshold > 0:  # each head's largest logit (models/qk_clip.py)
             aux[MAX_ATTENTION_LOGIT] = head_max
         out = jnp.einsum("BTNC,CNV->BTNV", o_c, p["wkv_b"][..., hn:].astype(dt))

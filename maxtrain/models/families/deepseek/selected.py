@@ -25,6 +25,11 @@ than keeping them for every block: what is kept for the backward is the blocks' 
 indices ([B, T, K] int32 and a bool: the backward does not score again; under remat_policy=full the layer's
 recomputed forward scores once more).
 
+Training the indexer (indexer_training=sparse, attention's `indexer_kl`): each block also takes the indexer's KL over
+its queries' selected keys, p the block's probabilities averaged over the heads (no gradient) against the softmax of
+the indexer's scores at the same keys (their gradient to its weights alone): [B, Bq, I, K] and [B, Bq, K] more per
+block, still no [T, S] array; with the kernel the KL comes from a plain-jnp side computation over the same keys.
+
 Ours, not a library's: no kernel library (tokamax, cuDNN, splash) takes per-query key indices for MLA's latent keys
 yet. With kernel= the same chosen keys (`chosen`: every query's idx and kept, [B, T, K]) go to our selected-key Pallas
 kernel (kernels/selected_attention.py), run per device's batch rows and heads inside shard_map; this plain form is
@@ -75,7 +80,7 @@ def scored_keys(length: int) -> float:
 
 def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment_ids, *, topk: int,
               scale: float, block: int | None = None, with_max_logits: bool = False, kernel: str | None = None,
-              choice=None):
+              choice=None, indexer_kl: bool = False):
     """MLA under the indexer's top-k, reading only the chosen keys.
 
     q_nope [B, T, N, Hn], q_rope [B, T, N, R] (after RoPE), c [B, S, C] (the normed latent), k_rope [B, S, R]
@@ -86,63 +91,116 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
     kernel: the platform (gpu, or cpu: interpreted) to run the selected-key Pallas kernel on, over the same keys
     (`chosen`); None: this plain form. choice: (idx, kept [B, T, K]) as `chosen` gives them, already made (a
     shared indexer layer's, families/deepseek/shared_topk.py): both forms read those keys, and the indexer's
-    operands (index_q, index_w, index_k: None then) are not read."""
+    operands (index_q, index_w, index_k: None then) are not read, but for the KL below.
+
+    indexer_kl (the sparse stage of indexer_training): returns (what it would return, kl), kl the indexer's loss
+    indexer.kl_to_attention over the selected keys alone: per query block, p = the attention's probabilities over
+    its K selected keys averaged over the heads (no gradient), I = the indexer's scores at those keys
+    (indexer.selected_scores, its gradient reaching index_q, index_w, index_k), KL(p || softmax(I)) summed over the
+    block's real queries (segment id > 0); their total over the real queries. No [T, S] array, work as T x K. The
+    plain form takes p from the block's own softmax; the kernel's probabilities stay inside it, so beside it a
+    plain-jnp side computation (`_kl_beside_kernel`) recomputes p block by block from the gathered latents."""
     b, t, n, _ = q_nope.shape
     bq = block or query_block(t)
     if t % bq:
         raise ValueError(f"the query block ({bq}) must divide the sequence ({t})")
+    real = jnp.maximum(jnp.sum((segment_ids > 0).astype(jnp.float32)), 1.0)
     q_c = jnp.einsum("BTNH,CNH->BTNC", q_nope, w_k.astype(q_nope.dtype))
     if kernel is not None:
-        idx, kept = choice if choice is not None else chosen(index_q, index_w, index_k, segment_ids, topk=topk,
-                                                             block=bq)
-        return _kernel(q_c, q_rope, c, k_rope, idx, kept, scale=scale, platform=kernel,
-                       with_max_logits=with_max_logits)
-    out, head_max = [], []
+        idx, kept = choice if choice is not None else chosen(*(jax.lax.stop_gradient(a) for a in (
+            index_q, index_w, index_k)), segment_ids, topk=topk, block=bq)
+        out = _kernel(q_c, q_rope, c, k_rope, idx, kept, scale=scale, platform=kernel, with_max_logits=with_max_logits)
+        if not indexer_kl:
+            return out
+        return out, _kl_beside_kernel(q_c, q_rope, c, k_rope, idx, kept, index_q, index_w, index_k, segment_ids,
+                                      scale=scale, block=bq) / real
+    out, head_max, kl = [], [], []
     for start, end in prefix_groups(t, bq):  # each run reads the keys before its end alone
-        queries = (index_q, index_w) if choice is None else choice  # the indexer's, or the keys already chosen
-        o_c, m = _run(q_c[:, start:end], q_rope[:, start:end], *(a[:, start:end] for a in queries),
-                      segment_ids[:, start:end], start, c[:, :end], k_rope[:, :end],
-                      None if index_k is None else index_k[:, :end], segment_ids[:, :end], topk=topk, scale=scale,
-                      block=bq, checkpointed=t > bq, given=choice is not None)
+        part = lambda a, start=start, end=end: None if a is None else a[:, start:end]  # noqa: E731
+        o_c, m, run_kl = _run(q_c[:, start:end], q_rope[:, start:end], part(index_q), part(index_w),
+                              None if choice is None else tuple(map(part, choice)), segment_ids[:, start:end], start,
+                              c[:, :end], k_rope[:, :end], None if index_k is None else index_k[:, :end],
+                              segment_ids[:, :end], topk=topk, scale=scale, block=bq, checkpointed=t > bq,
+                              indexer_kl=indexer_kl)
         out.append(o_c)
         head_max.append(m)
+        kl.append(run_kl)
     o_c = jnp.concatenate(out, axis=1) if len(out) > 1 else out[0]
-    return (o_c, jnp.max(jnp.stack(head_max), axis=0)) if with_max_logits else o_c
+    out = (o_c, jnp.max(jnp.stack(head_max), axis=0)) if with_max_logits else o_c
+    return (out, sum(kl) / real) if indexer_kl else out
 
 
-def _run(q_c, q_rope, index_q, index_w, q_segment_ids, first, c, k_rope, index_k, k_segment_ids, *, topk, scale,
-         block, checkpointed, given=False):
+def _run(q_c, q_rope, index_q, index_w, choice, q_segment_ids, first, c, k_rope, index_k, k_segment_ids, *, topk,
+         scale, block, checkpointed, indexer_kl=False):
     """One run of query blocks (queries first .. first + T, T a multiple of `block`) against keys [0, S):
-    (o_c [B, T, N, C], each head's largest kept logit [N]). given: index_q and index_w are the run's chosen keys
-    (idx, kept [B, T, K']: `chosen`'s, K' >= the run's K, its padded slots not kept) rather than the indexer's."""
+    (o_c [B, T, N, C], each head's largest kept logit [N], the indexer's KL summed over the run's real queries, 0.0
+    without indexer_kl). choice: the run's chosen keys (idx, kept [B, T, K']: `chosen`'s, K' >= the run's K, its
+    padded slots not kept), or None: the indexer (index_q, index_w against index_k) chooses them."""
     b, t, n, _ = q_c.shape
     k = min(topk, c.shape[1])
 
     def blocks(x):  # [B, T, ...] -> [T / block, B, block, ...]
         return jnp.moveaxis(x.reshape(b, t // block, block, *x.shape[2:]), 1, 0)
 
-    def one_block(q_c_blk, q_r_blk, iq_blk, iw_blk, seg_blk, start):
-        idx, kept = ((iq_blk, iw_blk) if given                                   # [B, bq, K] each
+    def one_block(q_c_blk, q_r_blk, iq_blk, iw_blk, choice_blk, seg_blk, start):
+        idx, kept = (choice_blk if choice_blk is not None                          # [B, bq, K] each
                      else _choose(iq_blk, iw_blk, seg_blk, start, index_k, k_segment_ids, k))
         kept = checkpoint_name(kept, "selected_keys")
         idx = checkpoint_name(idx, "selected_keys")  # kept for the backward: it need not score again
-        gather = jax.vmap(lambda rows_of, at: rows_of[at])                        # per sequence: [S, X] by [bq, K]
-        c_k, r_k = gather(c, idx), gather(k_rope, idx)                            # [B, bq, K, C], [B, bq, K, R]
-        logits = (jnp.einsum("BTNC,BTKC->BTNK", q_c_blk, c_k.astype(q_c_blk.dtype), preferred_element_type=jnp.float32)
-                  + jnp.einsum("BTNR,BTKR->BTNK", q_r_blk, r_k.astype(q_r_blk.dtype),
-                               preferred_element_type=jnp.float32)) * scale
-        logits = jnp.where(kept[:, :, None, :], logits, -jnp.inf)
-        probs = jax.nn.softmax(logits, axis=-1)
-        probs = jnp.where(kept[:, :, None, :], probs, 0.0)  # a query with no key (none: it sees itself) gives 0
+        logits, probs, c_k = _probabilities(q_c_blk, q_r_blk, c, k_rope, idx, kept, scale)  # [B, bq, N, K]
         o_c = jnp.einsum("BTNK,BTKC->BTNC", probs.astype(c.dtype), c_k)
         head_max = jnp.max(jnp.where(kept[:, :, None, :], jax.lax.stop_gradient(logits), -jnp.inf), axis=(0, 1, 3))
-        return o_c, head_max
+        kl = _block_kl(probs, kept, idx, iq_blk, iw_blk, index_k, seg_blk) if indexer_kl else jnp.zeros(())
+        return o_c, head_max, kl
 
     starts = first + jnp.arange(t // block) * block
     body = jax.checkpoint(one_block, policy=KEEP_CHOICE) if checkpointed else one_block  # one block: nothing to redo
-    o_c, head_max = jax.lax.map(lambda xs: body(*xs), (blocks(q_c), blocks(q_rope), blocks(index_q),
-                                                           blocks(index_w), blocks(q_segment_ids), starts))
-    return jnp.moveaxis(o_c, 0, 1).reshape(b, t, n, c.shape[-1]), jnp.max(head_max, axis=0)
+    blocked = lambda x: None if x is None else jax.tree.map(blocks, x)  # noqa: E731
+    o_c, head_max, kl = jax.lax.map(lambda xs: body(*xs), (blocks(q_c), blocks(q_rope), blocked(index_q),
+                                                           blocked(index_w), blocked(choice), blocks(q_segment_ids),
+                                                           starts))
+    return jnp.moveaxis(o_c, 0, 1).reshape(b, t, n, c.shape[-1]), jnp.max(head_max, axis=0), jnp.sum(kl)
+
+
+def _probabilities(q_c_blk, q_r_blk, c, k_rope, idx, kept, scale):
+    """A block's (logits, probabilities [B, bq, N, K] float32, -inf and 0 at the slots not kept, and the chosen
+    keys' latents c_k [B, bq, K, C]): the queries' softmax over their chosen keys, gathered from c and k_rope."""
+    gather = jax.vmap(lambda rows_of, at: rows_of[at])                            # per sequence: [S, X] by [bq, K]
+    c_k, r_k = gather(c, idx), gather(k_rope, idx)                                # [B, bq, K, C], [B, bq, K, R]
+    logits = (jnp.einsum("BTNC,BTKC->BTNK", q_c_blk, c_k.astype(q_c_blk.dtype), preferred_element_type=jnp.float32)
+              + jnp.einsum("BTNR,BTKR->BTNK", q_r_blk, r_k.astype(q_r_blk.dtype),
+                           preferred_element_type=jnp.float32)) * scale
+    logits = jnp.where(kept[:, :, None, :], logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    probs = jnp.where(kept[:, :, None, :], probs, 0.0)  # a query with no key (none: it sees itself) gives 0
+    return logits, probs, c_k
+
+
+def _block_kl(probs, kept, idx, iq_blk, iw_blk, index_k, seg_blk):
+    """A block's indexer KL summed over its real queries: the attention's probabilities [B, bq, N, K] averaged over
+    the heads (no gradient) against softmax of the indexer's scores at the same K slots (indexer.kl_per_query)."""
+    target = jax.lax.stop_gradient(jnp.mean(probs.astype(jnp.float32), axis=2))                     # [B, bq, K]
+    index = indexer.selected_scores(iq_blk, iw_blk, index_k, idx)                                     # [B, bq, K]
+    return jnp.sum(indexer.kl_per_query(target, index, kept) * (seg_blk > 0))
+
+
+def _kl_beside_kernel(q_c, q_rope, c, k_rope, idx, kept, index_q, index_w, index_k, segment_ids, *, scale, block):
+    """The indexer's KL summed over the real queries where the selected-key kernel computes the attention (its
+    probabilities never leave it): plain jnp beside it, block by block, the probabilities recomputed from the
+    chosen keys' gathered latents without gradient (the kernel's own backward trains the model)."""
+    b, t = segment_ids.shape
+    q_c, q_rope, c, k_rope = (jax.lax.stop_gradient(a) for a in (q_c, q_rope, c, k_rope))
+
+    def blocks(x):  # [B, T, ...] -> [T / block, B, block, ...]
+        return jnp.moveaxis(x.reshape(b, t // block, block, *x.shape[2:]), 1, 0)
+
+    def one_block(q_c_blk, q_r_blk, iq_blk, iw_blk, idx_blk, kept_blk, seg_blk):
+        _, probs, _ = _probabilities(q_c_blk, q_r_blk, c, k_rope, idx_blk, kept_blk, scale)
+        return _block_kl(probs, kept_blk, idx_blk, iq_blk, iw_blk, index_k, seg_blk)
+
+    body = jax.checkpoint(one_block) if t > block else one_block  # the backward recomputes a block's gathers
+    return jnp.sum(jax.lax.map(lambda xs: body(*xs), tuple(map(blocks, (q_c, q_rope, index_q, index_w, idx, kept,
+                                                                         segment_ids)))))
 
 
 def _choose(iq_blk, iw_blk, seg_blk, start, index_k, k_segment_ids, k, fused: bool = False):
