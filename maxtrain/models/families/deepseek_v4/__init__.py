@@ -46,7 +46,7 @@ from maxtrain.models import contract, hf
 from maxtrain.models.layers import LayerType
 from maxtrain.models.params import ParamSpec, dense, stacked
 
-from . import checkpoint, flops, hyper, model as v4_model
+from . import cache as cache_lib, checkpoint, flops, hyper, model as v4_model
 from .compressed import rms
 from .hf_config import from_hf_config, to_hf_config
 
@@ -183,18 +183,32 @@ def _module_params(p, dtype) -> dict:
 
 
 def layer(x, p, inputs, layer_type, model, rt):
-    if inputs.cache is not None:
-        raise ValueError("deepseek_v4 does not decode through maxtrain's cache yet (its layers keep compressor "
-                         "buffers, not k and v); set max_new_tokens=0, or decode with models/families/deepseek_v4/decode.py")
     config = model.config
     d = deepseek_v4_dims.dims_from_keys(config)
     attn, router = layer_type.kind.split("_")
+    kind, mlp_kind = ATTENTION_LONG[attn], "hash_moe" if router == "hash" else "moe"
     b, t, _ = x.shape
     streams = x.reshape(b, t, d.hc_mult, d.hidden_size)
-    streams = v4_model.decoder_layer(_module_params(p, x.dtype), streams, inputs.per_layer, inputs.positions,
-                                     ATTENTION_LONG[attn], "hash_moe" if router == "hash" else "moe", d,
-                                     inputs.segment_ids)
-    return streams.reshape(b, t, -1).astype(x.dtype), {}
+    if inputs.cache is None:
+        streams = v4_model.decoder_layer(_module_params(p, x.dtype), streams, inputs.per_layer, inputs.positions,
+                                         kind, mlp_kind, d, inputs.segment_ids)
+        return streams.reshape(b, t, -1).astype(x.dtype), {}
+    *buffers, index, first = inputs.cache
+    if first is not None:
+        raise ValueError("deepseek_v4 decodes one sequence per row from slot 0 (its compressors pool windows of "
+                         "positions); left-padded prompts (first) are not wired yet: decode rows of one prompt length")
+    names = cache_lib.NAMES[kind]
+    streams, new = v4_model.decoder_layer_cached(_module_params(p, x.dtype), streams, inputs.per_layer,
+                                                 inputs.positions, index, kind, mlp_kind, d, dict(zip(names, buffers)))
+    return streams.reshape(b, t, -1).astype(x.dtype), {"cache": tuple(new[n] for n in names)}
+
+
+def layer_cache(config, layer_type, batch: int, max_length: int, kv_heads) -> dict:
+    """A layer's decoding cache (cache.py): the sliding window's keys, and a compressed layer's compressor (and
+    indexer) projections, max_length rounded up to whole windows; the names differ by kind."""
+    d = deepseek_v4_dims.dims_from_keys(config)
+    kind = ATTENTION_LONG[layer_type.kind.split("_")[0]]
+    return {name: (shape, None) for name, shape in cache_lib.layer_shapes(d, kind, batch, max_length).items()}
 
 
 def logits(params, x, config, rt):
@@ -262,4 +276,4 @@ HF_NAMES = {"token_embedding": ("model.embed_tokens.weight", hf.SAME), "final_no
 MODEL = contract.FamilyModel(
     row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=embed, layer=layer, logits=logits,
     flops_per_token=flops_per_token, hf_names=HF_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config,
-    per_layer_inputs=per_layer_inputs)
+    per_layer_inputs=per_layer_inputs, layer_cache=layer_cache)
