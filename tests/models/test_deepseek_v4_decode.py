@@ -58,14 +58,12 @@ def test_prefill_then_steps_give_the_full_forwards_logits(tiny):
     got = np.concatenate(pieces, axis=1)
     print(f"deepseek_v4 cached decode vs full forward: relative logits difference {rel(got, want):.2e}")
     assert rel(got, want) < 1e-5
-    # the control: the same steps with the compressed buffers left empty (the cache of the window only) differ
-    # once an entry closes
-    blank = jax.jit(lambda p, t, pos, c, i: m.forward_with_cache(
-        p, t, pos, {k: (v if k == "kv" else jnp.zeros_like(v)) for k, v in c.items()}, i, rt))
+    # the control: the next step with the prompt's compressor buffers emptied (the window's keys kept) differs:
+    # the entry the prompt closed (CSA's first, slots 0-3) is pooled from them
     cache = m.init_cache(2, LENGTH, rt.dtype)
-    positions = jnp.broadcast_to(jnp.arange(PROMPT), (2, PROMPT))
-    _, cache = step(params, tokens[:, :PROMPT], positions, cache, 0)
-    logits, _ = blank(params, tokens[:, PROMPT:PROMPT + 1], jnp.full((2, 1), PROMPT), cache, PROMPT)
+    _, cache = step(params, tokens[:, :PROMPT], jnp.broadcast_to(jnp.arange(PROMPT), (2, PROMPT)), cache, 0)
+    blank = {k: (v if k == "kv" else jnp.zeros_like(v)) for k, v in cache.items()}
+    logits, _ = step(params, tokens[:, PROMPT:PROMPT + 1], jnp.full((2, 1), PROMPT), blank, PROMPT)
     assert rel(logits[:, 0], want[:, PROMPT]) > 1e-3
 
 
@@ -77,3 +75,28 @@ def test_greedy_decoding_picks_the_full_forwards_argmax(tiny):
     assert len(new) == LENGTH - PROMPT
     logits = full(params, jnp.asarray([prompt + new], jnp.int32))[0]
     assert new == np.asarray(jnp.argmax(logits[PROMPT - 1:-1], axis=-1)).tolist()
+
+
+@pytest.mark.slow  # ~30 s on 2 shared cores (2026-12-02)
+def test_a_left_padded_row_gives_its_unpadded_logits(tiny):
+    """Row 1 holds 5 slots of garbage, then tokens[1, :43] (first = 5): its windows are pooled from slot 5 on, its
+    window never reads the padding, and its logits are the unpadded full forward's; row 0 (first = 0) is unchanged.
+    The control: the same row read from slot 0 (first = 0) differs."""
+    cfg, m, rt, params, full = tiny
+    tokens = jnp.asarray(np.random.default_rng(7).integers(4, cfg.vocab_size, (2, LENGTH)), jnp.int32)
+    padded = tokens.at[1, 5:].set(tokens[1, :LENGTH - 5])
+    step = jax.jit(lambda p, t, pos, c, i, first: m.forward_with_cache(p, t, pos, c, i, rt, first))
+
+    def run(first):
+        cache, pieces = m.init_cache(2, LENGTH, rt.dtype), []
+        for index, length in ((0, 13), (13, 1), (14, 1), (15, 1), (16, 16), (32, 16)):
+            slots = jnp.arange(index, index + length)[None, :]
+            logits, cache = step(params, padded[:, index:index + length], jnp.maximum(slots - first[:, None], 0),
+                                 cache, index, first)
+            pieces.append(logits)
+        return np.concatenate(pieces, axis=1)
+
+    want = np.asarray(full(params, tokens))
+    got = run(jnp.asarray([0, 5]))
+    assert rel(got[0], want[0]) < 1e-5 and rel(got[1, 5:], want[1, :LENGTH - 5]) < 1e-5
+    assert rel(run(jnp.asarray([0, 0]))[1, 5:], want[1, :LENGTH - 5]) > 1e-3

@@ -194,12 +194,10 @@ def layer(x, p, inputs, layer_type, model, rt):
                                          kind, mlp_kind, d, inputs.segment_ids)
         return streams.reshape(b, t, -1).astype(x.dtype), {}
     *buffers, index, first = inputs.cache
-    if first is not None:
-        raise ValueError("deepseek_v4 decodes one sequence per row from slot 0 (its compressors pool windows of "
-                         "positions); left-padded prompts (first) are not wired yet: decode rows of one prompt length")
     names = cache_lib.NAMES[kind]
     streams, new = v4_model.decoder_layer_cached(_module_params(p, x.dtype), streams, inputs.per_layer,
-                                                 inputs.positions, index, kind, mlp_kind, d, dict(zip(names, buffers)))
+                                                 inputs.positions, index, kind, mlp_kind, d, dict(zip(names, buffers)),
+                                                 first)
     return streams.reshape(b, t, -1).astype(x.dtype), {"cache": tuple(new[n] for n in names)}
 
 

@@ -60,10 +60,20 @@ def _put(buf, index, rows):
     return jax.lax.dynamic_update_slice_in_dim(buf, rows.astype(buf.dtype), index, axis=1)
 
 
-def attention(p, x, pos, index, kind, c, d):
+def _from_first(buf, first):
+    """buf [B, S, C] by slot -> by position: row b's slots from first[b] on, zeros past the end (None: as is)."""
+    if first is None:
+        return buf
+    at = jnp.arange(buf.shape[1])[None] + first[:, None]                  # [B, S]
+    rows = jnp.take_along_axis(buf, jnp.minimum(at, buf.shape[1] - 1)[..., None], axis=1)
+    return jnp.where((at < buf.shape[1])[..., None], rows, jnp.zeros_like(rows))
+
+
+def attention(p, x, pos, index, kind, c, d, first=None):
     """One layer's attention over its cache. p: its weights under self_attn.; x [B, T, D] the tokens at slots
-    [index, index + T) and positions pos [B, T] (= the slots: one sequence per row from slot 0); c {name: buffer}
-    -> (out [B, T, D], the buffers with the tokens written)."""
+    [index, index + T) and positions pos [B, T]; c {name: buffer} -> (out [B, T, D], the buffers with the tokens
+    written). first [B] (left-padded rows): row b's sequence starts at slot first[b], its positions slot - first[b];
+    the slots before it are never read (its windows are pooled from first[b] on). None: every row from slot 0."""
     b, t, _ = x.shape
     freq = C.frequencies(d, kind)
     q_res = C.rms(x @ p['q_a_proj.weight'].T, p['q_a_norm.weight'], d.rms_eps).astype(x.dtype)
@@ -75,8 +85,10 @@ def attention(p, x, pos, index, kind, c, d):
     s = jnp.arange(keys.shape[1])
     scale = d.head_dim ** -0.5
     logits = jnp.einsum('bthe,bse->bhts', q, keys).astype(jnp.float32) * scale
-    qi = pos[:, :, None]
-    see = (s <= qi) & (qi - s < d.sliding_window)                       # [B, T, S]
+    qi = (index + jnp.arange(t))[None, :, None]                          # the queries' slots
+    see = (s <= qi) & (qi - s < d.sliding_window)                       # [1 or B, T, S]
+    if first is not None:
+        see = see & (s >= first[:, None, None])
     logits = jnp.where(see[:, None], logits, -jnp.inf)
     if kind != 'sliding_attention':
         cp = sub(p, 'compressor.')
@@ -84,7 +96,7 @@ def attention(p, x, pos, index, kind, c, d):
         c[pre + 'kv'] = _put(c[pre + 'kv'], index, x @ cp['kv_proj.weight'].T)
         c[pre + 'gate'] = _put(c[pre + 'gate'], index, x @ cp['gate_proj.weight'].T)
         rate = d.hca_rate if kind == 'heavily_compressed_attention' else d.csa_rate
-        windows = C.windows_of(cp, c[pre + 'kv'].astype(x.dtype), c[pre + 'gate'].astype(x.dtype), rate)
+        windows = C.windows_of(cp, *(_from_first(c[pre + n], first).astype(x.dtype) for n in ('kv', 'gate')), rate)
         if kind == 'heavily_compressed_attention':
             comp = C.hca_pool(cp, *windows, rate=rate, freq=freq, eps=d.rms_eps).astype(x.dtype)
             vis = C.causal_entries(pos, comp.shape[1], rate)
@@ -93,7 +105,7 @@ def attention(p, x, pos, index, kind, c, d):
             ip = sub(cp, 'indexer.')
             c['idx_kv'] = _put(c['idx_kv'], index, x @ ip['kv_proj.weight'].T)
             c['idx_gate'] = _put(c['idx_gate'], index, x @ ip['gate_proj.weight'].T)
-            iwin = C.windows_of(ip, c['idx_kv'].astype(x.dtype), c['idx_gate'].astype(x.dtype), rate)
+            iwin = C.windows_of(ip, *(_from_first(c['idx_' + n], first).astype(x.dtype) for n in ('kv', 'gate')), rate)
             ikeys = C.csa_pool(ip, *iwin, rate=rate, freq=freq, eps=d.rms_eps)
             vis = C.indexer_pick(ip, ikeys, x, q_res, pos, rate=rate, topk=d.index_topk, n_heads=d.index_n_heads,
                                  freq=freq)

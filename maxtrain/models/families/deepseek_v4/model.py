@@ -33,9 +33,11 @@ def decoder_layer(p, streams, ids, pos, kind, mlp_kind, d, segment_ids=None):
     return _layer(p, streams, ids, mlp_kind, d, lambda ap, h: (attention(ap, h, pos, kind, d, segment_ids), None))[0]
 
 
-def decoder_layer_cached(p, streams, ids, pos, index, kind, mlp_kind, d, buffers):
-    """The layer over tokens at cache slots [index, index + T) (cache.attention): -> (streams, new buffers)."""
-    return _layer(p, streams, ids, mlp_kind, d, lambda ap, h: cache.attention(ap, h, pos, index, kind, buffers, d))
+def decoder_layer_cached(p, streams, ids, pos, index, kind, mlp_kind, d, buffers, first=None):
+    """The layer over tokens at cache slots [index, index + T) (cache.attention; first: left-padded rows' first
+    slots): -> (streams, new buffers)."""
+    return _layer(p, streams, ids, mlp_kind, d,
+                  lambda ap, h: cache.attention(ap, h, pos, index, kind, buffers, d, first))
 
 
 def forward(p, ids, d, positions=None, segment_ids=None):
