@@ -10,7 +10,8 @@ Its parts are pure functions over transformers' module names, each checked again
 and CSA compressors, the indexer, sliding window + compressed attention with sinks, grouped output projection),
 packed.py (the compressors' windows and the entries each query reads in a row of packed documents),
 routing.py (sqrtsoftplus top-k and hash routing, clamped SwiGLU experts), model.py (one layer and the whole
-forward), decode.py (one token a step with a cache), flops.py, checkpoint.py (save_pretrained's names <-> the module
+forward), cache.py (the decoding cache and the attention over it), decode.py (one token a step alone, the reference
+the decoder's path is checked beside), flops.py, checkpoint.py (save_pretrained's names <-> the module
 names, for the parts' tests); config/deepseek_v4_dims.py holds the sizes and the config checks its registry row runs.
 
 How it plugs into the shared decoder (models/decoder.py). The residual is hc_mult streams, and the decoder hands a
@@ -30,8 +31,13 @@ its attention and router, "<sliding|csa|hca>_<moe|hash>": the kinds differ in th
 Packed documents: the layers read the segment ids, and each document is compressed and attended as if it ran
 alone from position 0 (packed.py; padding, segment id 0, is a document no real token sees).
 
-Not here yet: cached decoding through the shared decoder (decode.py decodes one token a step, alone), context
-parallelism (the compressors pool windows across the shards: deepseek_v4_dims.check_config refuses it),
+Decoding (maxtrain.decode, training's sample, the rollouts) runs through the shared decoder's cache: `layer_cache`
+declares each layer's buffers (cache.py: the window's keys, a compressed layer's compressor and indexer projections,
+the length rounded up to whole windows), and `layer` runs cache.attention over them: a prompt's prefill writes its
+tokens at once (its closed entries pooled from them), each later token its slot; a left-padded row's windows are
+pooled from its first slot.
+
+Not here yet: context parallelism (the compressors pool windows across the shards: deepseek_v4_dims.check_config refuses it),
 sharding annotations beyond the layer and expert axes, and the experts run densely (every expert on every token, then weighted), as the reference form does.
 """
 
