@@ -36,9 +36,8 @@ def sub(p, prefix):
 
 def slots(d, max_length: int) -> int:
     """S: max_length rounded up to a multiple of every compress rate the layers use (whole windows to pool)."""
-    rates = [r for kind, r in (('compressed_sparse_attention', d.csa_rate), ('heavily_compressed_attention', d.hca_rate))
-             if kind in d.layer_types]
-    m = math.lcm(*rates) if rates else 1
+    rates = {'compressed_sparse_attention': d.csa_rate, 'heavily_compressed_attention': d.hca_rate}
+    m = math.lcm(1, *(r for kind, r in rates.items() if kind in d.layer_types))
     return -(-max(max_length, 1) // m) * m
 
 
