@@ -191,7 +191,4 @@ def check_config(v: dict) -> None:
         raise ValueError(f"deepseek_v4 does not run with context parallelism (ici x dcn = {cp[0]} x {cp[1]}): its "
                          "compressors would pool windows across the shards; set ici_context_parallelism=1 and "
                          "dcn_context_parallelism=1")
-    if v['max_new_tokens'] > 0:
-        raise ValueError(f"deepseek_v4 does not decode through maxtrain's cache yet; set max_new_tokens=0 (got "
-                         f"{v['max_new_tokens']})")
     check(dims_from_keys(v), v['max_target_length'])

@@ -10,7 +10,8 @@ Its parts are pure functions over transformers' module names, each checked again
 and CSA compressors, the indexer, sliding window + compressed attention with sinks, grouped output projection),
 packed.py (the compressors' windows and the entries each query reads in a row of packed documents),
 routing.py (sqrtsoftplus top-k and hash routing, clamped SwiGLU experts), model.py (one layer and the whole
-forward), decode.py (one token a step with a cache), flops.py, checkpoint.py (save_pretrained's names <-> the module
+forward), cache.py (the decoding cache and the attention over it), decode.py (one token a step alone, the reference
+the decoder's path is checked beside), flops.py, checkpoint.py (save_pretrained's names <-> the module
 names, for the parts' tests); config/deepseek_v4_dims.py holds the sizes and the config checks its registry row runs.
 
 How it plugs into the shared decoder (models/decoder.py). The residual is hc_mult streams, and the decoder hands a
@@ -30,8 +31,13 @@ its attention and router, "<sliding|csa|hca>_<moe|hash>": the kinds differ in th
 Packed documents: the layers read the segment ids, and each document is compressed and attended as if it ran
 alone from position 0 (packed.py; padding, segment id 0, is a document no real token sees).
 
-Not here yet: cached decoding through the shared decoder (decode.py decodes one token a step, alone), context
-parallelism (the compressors pool windows across the shards: deepseek_v4_dims.check_config refuses it),
+Decoding (maxtrain.decode, training's sample, the rollouts) runs through the shared decoder's cache: `layer_cache`
+declares each layer's buffers (cache.py: the window's keys, a compressed layer's compressor and indexer projections,
+the length rounded up to whole windows), and `layer` runs cache.attention over them: a prompt's prefill writes its
+tokens at once (its closed entries pooled from them), each later token its slot; a left-padded row's windows are
+pooled from its first slot.
+
+Not here yet: context parallelism (the compressors pool windows across the shards: deepseek_v4_dims.check_config refuses it),
 sharding annotations beyond the layer and expert axes, and the experts run densely (every expert on every token, then weighted), as the reference form does.
 """
 
@@ -46,7 +52,7 @@ from maxtrain.models import contract, hf
 from maxtrain.models.layers import LayerType
 from maxtrain.models.params import ParamSpec, dense, stacked
 
-from . import checkpoint, flops, hyper, model as v4_model
+from . import cache as cache_lib, checkpoint, flops, hyper, model as v4_model
 from .compressed import rms
 from .hf_config import from_hf_config, to_hf_config
 
@@ -183,18 +189,30 @@ def _module_params(p, dtype) -> dict:
 
 
 def layer(x, p, inputs, layer_type, model, rt):
-    if inputs.cache is not None:
-        raise ValueError("deepseek_v4 does not decode through maxtrain's cache yet (its layers keep compressor "
-                         "buffers, not k and v); set max_new_tokens=0, or decode with models/families/deepseek_v4/decode.py")
     config = model.config
     d = deepseek_v4_dims.dims_from_keys(config)
     attn, router = layer_type.kind.split("_")
+    kind, mlp_kind = ATTENTION_LONG[attn], "hash_moe" if router == "hash" else "moe"
     b, t, _ = x.shape
     streams = x.reshape(b, t, d.hc_mult, d.hidden_size)
-    streams = v4_model.decoder_layer(_module_params(p, x.dtype), streams, inputs.per_layer, inputs.positions,
-                                     ATTENTION_LONG[attn], "hash_moe" if router == "hash" else "moe", d,
-                                     inputs.segment_ids)
-    return streams.reshape(b, t, -1).astype(x.dtype), {}
+    if inputs.cache is None:
+        streams = v4_model.decoder_layer(_module_params(p, x.dtype), streams, inputs.per_layer, inputs.positions,
+                                         kind, mlp_kind, d, inputs.segment_ids)
+        return streams.reshape(b, t, -1).astype(x.dtype), {}
+    *buffers, index, first = inputs.cache
+    names = cache_lib.NAMES[kind]
+    streams, new = v4_model.decoder_layer_cached(_module_params(p, x.dtype), streams, inputs.per_layer,
+                                                 inputs.positions, index, kind, mlp_kind, d, dict(zip(names, buffers)),
+                                                 first)
+    return streams.reshape(b, t, -1).astype(x.dtype), {"cache": tuple(new[n] for n in names)}
+
+
+def layer_cache(config, layer_type, batch: int, max_length: int, kv_heads) -> dict:
+    """A layer's decoding cache (cache.py): the sliding window's keys, and a compressed layer's compressor (and
+    indexer) projections, max_length rounded up to whole windows; the names differ by kind."""
+    d = deepseek_v4_dims.dims_from_keys(config)
+    kind = ATTENTION_LONG[layer_type.kind.split("_")[0]]
+    return {name: (shape, None) for name, shape in cache_lib.layer_shapes(d, kind, batch, max_length).items()}
 
 
 def logits(params, x, config, rt):
@@ -262,4 +280,4 @@ HF_NAMES = {"token_embedding": ("model.embed_tokens.weight", hf.SAME), "final_no
 MODEL = contract.FamilyModel(
     row=FAMILY, param_specs=param_specs, layer_types=layer_types, embed=embed, layer=layer, logits=logits,
     flops_per_token=flops_per_token, hf_names=HF_NAMES, from_hf_config=from_hf_config, to_hf_config=to_hf_config,
-    per_layer_inputs=per_layer_inputs)
+    per_layer_inputs=per_layer_inputs, layer_cache=layer_cache)

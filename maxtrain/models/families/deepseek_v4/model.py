@@ -10,25 +10,34 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from . import cache
+from .cache import sub
 from .compressed import attention, rms
 from .hyper import hc_merge, hc_weights, hyper_head
 from .routing import moe
 
 
-def sub(p, prefix):
-    return {k[len(prefix):]: v for k, v in p.items() if k.startswith(prefix)}
-
-
-def decoder_layer(p, streams, ids, pos, kind, mlp_kind, d, segment_ids=None):
+def _layer(p, streams, ids, mlp_kind, d, attend):
+    """attend(attention weights, normed h) -> (out, extra); returns (streams, extra)."""
     hc = dict(iters=d.hc_iters, hc_eps=d.hc_eps, rms_eps=d.rms_eps)
     post, comb, h = hc_weights(p['attn_hc.fn'], p['attn_hc.base'], p['attn_hc.scale'], streams, **hc)
-    a = attention(sub(p, 'self_attn.'), rms(h, p['input_layernorm.weight'], d.rms_eps).astype(h.dtype), pos,
-                  kind, d, segment_ids)
+    a, extra = attend(sub(p, 'self_attn.'), rms(h, p['input_layernorm.weight'], d.rms_eps).astype(h.dtype))
     streams = hc_merge(post, comb, a, streams)
     post, comb, h = hc_weights(p['ffn_hc.fn'], p['ffn_hc.base'], p['ffn_hc.scale'], streams, **hc)
     m = moe(sub(p, 'mlp.'), rms(h, p['post_attention_layernorm.weight'], d.rms_eps).astype(h.dtype), ids,
             is_hash=mlp_kind == 'hash_moe', top_k=d.top_k, scaling=d.routed_scaling, limit=d.swiglu_limit)
-    return hc_merge(post, comb, m, streams)
+    return hc_merge(post, comb, m, streams), extra
+
+
+def decoder_layer(p, streams, ids, pos, kind, mlp_kind, d, segment_ids=None):
+    return _layer(p, streams, ids, mlp_kind, d, lambda ap, h: (attention(ap, h, pos, kind, d, segment_ids), None))[0]
+
+
+def decoder_layer_cached(p, streams, ids, pos, index, kind, mlp_kind, d, buffers, first=None):
+    """The layer over tokens at cache slots [index, index + T) (cache.attention; first: left-padded rows' first
+    slots): -> (streams, new buffers)."""
+    return _layer(p, streams, ids, mlp_kind, d,
+                  lambda ap, h: cache.attention(ap, h, pos, index, kind, buffers, d, first))
 
 
 def forward(p, ids, d, positions=None, segment_ids=None):
