@@ -43,10 +43,11 @@ import numpy as np
 
 from maxtrain.config import deepseek_v4_dims, registry
 from maxtrain.models import contract, hf
+from maxtrain.models import moe
 from maxtrain.models.layers import LayerType
 from maxtrain.models.params import ParamSpec, dense, stacked
 
-from . import checkpoint, flops, hyper, model as v4_model
+from . import checkpoint, flops, hyper, model as v4_model, routing
 from .compressed import rms
 from .hf_config import from_hf_config, to_hf_config
 
@@ -123,9 +124,10 @@ def _layer_specs(kind: str, d) -> dict:
     else:
         gate["e_score_correction_bias"] = ParamSpec((e,), (None,), "zeros", fixed=True)
     mlp = {"gate": gate,
-           "experts": {"w1": dense((e, i, hidden), ("exp", None, None), hidden),
-                       "w3": dense((e, i, hidden), ("exp", None, None), hidden),
-                       "w2": dense((e, hidden, i), ("exp", None, None), i)},
+           # the logical axes of the shared MoE block's experts (models/moe/), in torch's [out, in] layout
+           "experts": {"w1": dense((e, i, hidden), ("exp", "mlp", "embed"), hidden),
+                       "w3": dense((e, i, hidden), ("exp", "mlp", "embed"), hidden),
+                       "w2": dense((e, hidden, i), ("exp", "embed", "mlp"), i)},
            "shared_experts": {"gate_proj": _w(i, hidden), "up_proj": _w(i, hidden), "down_proj": _w(hidden, i)}}
     return {"attn_hc": _hc(d), "ffn_hc": _hc(d), "input_layernorm": _norm(hidden),
             "post_attention_layernorm": _norm(hidden), "self_attn": self_attn, "mlp": mlp}
@@ -167,15 +169,20 @@ def _flat(tree, prefix=""):
     return out
 
 
-def _module_params(p, dtype) -> dict:
-    """One layer's nested parameters -> {transformers' module name: array} as model.decoder_layer reads them."""
+def _module_params(p, dtype, experts: bool = True) -> dict:
+    """One layer's nested parameters -> {transformers' module name: array} as model.decoder_layer reads them;
+    experts=False leaves the routed experts out (the shared MoE block reads them nested)."""
     flat = {}
     for name, value in _flat(p).items():
+        if not experts and name.startswith("mlp.experts."):
+            continue
         if name.endswith(("tid2eid", "e_score_correction_bias")):
             value = jax.lax.stop_gradient(value)
             flat[name] = value.astype(jnp.int32) if name.endswith("tid2eid") else value.astype(jnp.float32)
         else:
             flat[name] = value.astype(dtype)
+    if not experts:
+        return flat
     experts = "mlp.experts."
     flat[experts + "gate_up_proj"] = jnp.concatenate([flat.pop(experts + "w1"), flat.pop(experts + "w3")], axis=1)
     flat[experts + "down_proj"] = flat.pop(experts + "w2")
@@ -191,10 +198,37 @@ def layer(x, p, inputs, layer_type, model, rt):
     attn, router = layer_type.kind.split("_")
     b, t, _ = x.shape
     streams = x.reshape(b, t, d.hc_mult, d.hidden_size)
-    streams = v4_model.decoder_layer(_module_params(p, x.dtype), streams, inputs.per_layer, inputs.positions,
-                                     ATTENTION_LONG[attn], "hash_moe" if router == "hash" else "moe", d,
-                                     inputs.segment_ids)
-    return streams.reshape(b, t, -1).astype(x.dtype), {}
+    flat = _module_params(p, x.dtype, experts=False)
+    aux = {}
+
+    def moe_fn(h, ids, is_hash):
+        y, aux_moe = moe_block(h, ids, is_hash, v4_model.sub(flat, "mlp."), p["mlp"]["experts"], inputs.segment_ids,
+                               config, rt, d)
+        aux.update(aux_moe)
+        return y
+
+    streams = v4_model.decoder_layer(flat, streams, inputs.per_layer, inputs.positions, ATTENTION_LONG[attn],
+                                     "hash_moe" if router == "hash" else "moe", d, inputs.segment_ids, moe_fn)
+    return streams.reshape(b, t, -1).astype(x.dtype), aux
+
+
+def moe_block(h, ids, is_hash, mlp, experts, segment_ids, config, rt, d):
+    """The layer's MoE through the shared block (models/moe/): routed here (routing.route: hash or sqrtsoftplus
+    top-k), the experts run by moe.block with router "given" and activation "clamped_silu" (dropless or capacity
+    dispatch, grouped matmuls, expert parallelism), plus the shared expert. h [B, T, D], ids [B, T]; mlp: the
+    gate's and shared expert's weights by transformers' names; experts: w1, w3 [E, I, D] and w2 [E, D, I].
+    -> ([B, T, D], the block's aux). Equals routing.moe (the dense reference) on every real token."""
+    b, t, hidden = h.shape
+    flat = h.reshape(b * t, hidden)
+    w, idx = routing.route(mlp, flat, ids.reshape(-1), is_hash=is_hash, top_k=d.top_k, scaling=d.routed_scaling)
+    # torch's [out, in] -> the block's [E, D, F] and [E, F, D]
+    weights = {"w_gate": jnp.swapaxes(experts["w1"], 1, 2), "w_up": jnp.swapaxes(experts["w3"], 1, 2),
+               "w_down": jnp.swapaxes(experts["w2"], 1, 2)}
+    segments = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids
+    y, aux = moe.block(h, weights, segments, config, rt, router=moe.GIVEN,
+                       num_moe_layers=config.base_num_decoder_layers, activation="clamped_silu",
+                       given=(w.reshape(b, t, -1), idx.reshape(b, t, -1)))
+    return y + routing.shared(mlp, flat, limit=d.swiglu_limit).reshape(b, t, hidden).astype(y.dtype), aux
 
 
 def logits(params, x, config, rt):

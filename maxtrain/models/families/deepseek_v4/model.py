@@ -19,15 +19,21 @@ def sub(p, prefix):
     return {k[len(prefix):]: v for k, v in p.items() if k.startswith(prefix)}
 
 
-def decoder_layer(p, streams, ids, pos, kind, mlp_kind, d, segment_ids=None):
+def decoder_layer(p, streams, ids, pos, kind, mlp_kind, d, segment_ids=None, moe_fn=None):
+    """One layer; moe_fn(h, ids, is_hash) -> [B, T, D], when given, runs the MoE instead of routing.moe's dense
+    reference form (the family's layer passes the shared MoE block: families/deepseek_v4/__init__.py)."""
     hc = dict(iters=d.hc_iters, hc_eps=d.hc_eps, rms_eps=d.rms_eps)
     post, comb, h = hc_weights(p['attn_hc.fn'], p['attn_hc.base'], p['attn_hc.scale'], streams, **hc)
     a = attention(sub(p, 'self_attn.'), rms(h, p['input_layernorm.weight'], d.rms_eps).astype(h.dtype), pos,
                   kind, d, segment_ids)
     streams = hc_merge(post, comb, a, streams)
     post, comb, h = hc_weights(p['ffn_hc.fn'], p['ffn_hc.base'], p['ffn_hc.scale'], streams, **hc)
-    m = moe(sub(p, 'mlp.'), rms(h, p['post_attention_layernorm.weight'], d.rms_eps).astype(h.dtype), ids,
-            is_hash=mlp_kind == 'hash_moe', top_k=d.top_k, scaling=d.routed_scaling, limit=d.swiglu_limit)
+    normed = rms(h, p['post_attention_layernorm.weight'], d.rms_eps).astype(h.dtype)
+    if moe_fn is not None:
+        m = moe_fn(normed, ids, mlp_kind == 'hash_moe')
+    else:
+        m = moe(sub(p, 'mlp.'), normed, ids, is_hash=mlp_kind == 'hash_moe', top_k=d.top_k, scaling=d.routed_scaling,
+                limit=d.swiglu_limit)
     return hc_merge(post, comb, m, streams)
 
 
