@@ -9,7 +9,7 @@ Its parts are pure functions over transformers' module names, each checked again
 (tests/models/test_deepseek_v4_parts.py): hyper.py (hyper-connections, Sinkhorn, the hyper head), compressed.py (HCA
 and CSA compressors, the indexer, sliding window + compressed attention with sinks, grouped output projection),
 packed.py (the compressors' windows and the entries each query reads in a row of packed documents),
-routing.py (sqrtsoftplus top-k and hash routing, clamped SwiGLU experts), model.py (one layer and the whole
+routing.py (sqrtsoftplus top-k and hash routing, clamped SwiGLU experts; their dense reference form), model.py (one layer and the whole
 forward), decode.py (one token a step with a cache), flops.py, checkpoint.py (save_pretrained's names <-> the module
 names, for the parts' tests); config/deepseek_v4_dims.py holds the sizes and the config checks its registry row runs.
 
@@ -24,15 +24,25 @@ fixed parameter (ParamSpec.fixed: never trained), kept as floats (exact below 2^
 
 Parameters keep transformers' module names and torch's [out, in] layout, nested: layer l's
 `self_attn.q_a_proj.weight` is params["layers"][kind]["self_attn"]["q_a_proj"]["weight"][i]; the experts are
-w1, w3 (gate, up) [E, I, D] and w2 (down) [E, D, I] as save_pretrained writes them per expert. A layer's kind is
-its attention and router, "<sliding|csa|hca>_<moe|hash>": the kinds differ in their parameters.
+w1, w3 (gate, up) [E, I, D] and w2 (down) [E, D, I] as save_pretrained writes them per expert, with the logical axes
+of the shared MoE block's experts ("exp", "mlp", "embed" in that layout). A layer's kind is its attention and router,
+"<sliding|csa|hca>_<moe|hash>": the kinds differ in their parameters.
+
+The experts. The layer routes each token itself (routing.route: tid2eid[token] in the hash layers, a sqrtsoftplus
+top-k with the selection bias after them) and runs the routed experts through the shared MoE block (models/moe/,
+`moe_block` here): router "given" (the block takes the experts and weights as they are), activation "clamped_silu",
+so moe_dispatch (dropless grouped matmuls or capacity), expert parallelism and FSDP apply as in the other MoE
+families; the shared expert runs beside it. It equals routing.moe, the dense reference form (every expert on every
+token) the parts' tests check against transformers, on every real token (tests/models/test_deepseek_v4_moe.py);
+padding tokens get no routed experts. The block reports the loads (moe_load_min/max, and moe_dropped_fraction
+under capacity dispatch); V4 has no router logits for a balance or z loss, so none is computed.
 
 Packed documents: the layers read the segment ids, and each document is compressed and attended as if it ran
 alone from position 0 (packed.py; padding, segment id 0, is a document no real token sees).
 
 Not here yet: cached decoding through the shared decoder (decode.py decodes one token a step, alone), context
 parallelism (the compressors pool windows across the shards: deepseek_v4_dims.check_config refuses it),
-sharding annotations beyond the layer and expert axes, and the experts run densely (every expert on every token, then weighted), as the reference form does.
+and sharding annotations beyond the layer and expert axes.
 """
 
 from __future__ import annotations
