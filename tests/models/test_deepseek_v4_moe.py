@@ -20,6 +20,7 @@ import pytest
 from conftest import BASE_YML, TINY
 from maxtrain.config import deepseek_v4_dims, load_config, with_overrides
 from maxtrain.models import decoder, moe
+from maxtrain.models.moe import expert_matmuls
 from maxtrain.models.families import deepseek_v4
 from maxtrain.models.families.deepseek_v4 import routing
 from maxtrain.models.model import Model
@@ -100,7 +101,7 @@ def test_the_block_equals_the_dense_reference_values_and_gradients(is_hash, disp
     for activation in ("clamped_swiglu", "swiglu"):
         s = moe.Settings.of(config, Runtime.from_config(config), moe.GIVEN, 2, activation)
         gate_x = jnp.ones((4,)) * 2.0
-        assert not np.allclose(moe.expert_matmuls.gated(gate_x, gate_x, s),
+        assert not np.allclose(expert_matmuls.gated(gate_x, gate_x, s),
                                routing.clamped_swiglu(gate_x, gate_x, config.mlp_activations_limit))
 
 

@@ -180,8 +180,8 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
                 "glm4_moe": [*MOE_FLOPS, "partial_rotary_factor=0.5", "use_qk_norm=true", "attention_bias=true",
                              "first_num_dense_layers=1", "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true",
                              "mtp_num_layers=1"],
-                # DeepSeek-V4: its default schedule (HCA, HCA, HCA, CSA), 2 streams, one hash-routed layer; its
-                # reference experts run densely, so as many experts as each token picks
+                # DeepSeek-V4: its default schedule (HCA, HCA, HCA, CSA), 2 streams, one hash-routed layer; as many
+                # experts as each token picks (XLA:CPU's ragged_dot counts every expert)
                 "deepseek_v4": ["num_experts=2", "num_experts_per_tok=2", "base_moe_mlp_dim=96", "q_lora_rank=32",
                                 "index_n_heads=2", "index_head_dim=32", "index_topk=4", "o_groups=2",
                                 "o_lora_rank=32", "hc_mult=2", "hc_sinkhorn_iters=3", "compress_rate_hca=8",

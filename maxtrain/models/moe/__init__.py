@@ -77,7 +77,6 @@ from maxtrain.models import ops
 from maxtrain.parallel import sharding as sharding_lib
 from maxtrain.models import blocks
 from maxtrain.models.moe import balance, sigmoid_groups, expert_matmuls, replay, topk_sigmoid
-from maxtrain.models.aux_names import PER_LAYER, STEP_STATS
 from maxtrain.models.params import ParamSpec, dense, is_spec
 
 GIVEN = "given"  # the caller routes: block(..., given=(weights, experts))
