@@ -181,8 +181,9 @@ FAMILY_FLOPS = {"mixtral": MOE_FLOPS, "qwen3_moe": [*MOE_FLOPS, "mlp_only_layers
                              "first_num_dense_layers=1", "shared_experts=1", "base_moe_mlp_dim=96", "routed_bias=true",
                              "mtp_num_layers=1"],
                 # DeepSeek-V4: its default schedule (HCA, HCA, HCA, CSA), 2 streams, one hash-routed layer; its
-                # reference experts run densely, so as many experts as each token picks
+                # experts through the shared block with capacity dispatch, as the other MoE families here
                 "deepseek_v4": ["num_experts=2", "num_experts_per_tok=2", "base_moe_mlp_dim=96", "q_lora_rank=32",
+                                "moe_dispatch=capacity", "capacity_factor=1.0",
                                 "index_n_heads=2", "index_head_dim=32", "index_topk=4", "o_groups=2",
                                 "o_lora_rank=32", "hc_mult=2", "hc_sinkhorn_iters=3", "compress_rate_hca=8",
                                 "num_hash_layers=1", "partial_rotary_factor=0.5",

@@ -10,7 +10,12 @@
     router "topk_sigmoid" (Llama 4): w = sigmoid(top_k(logits)), multiplying each expert's input:
                y = sum_k expert_{e_k}(w_k x) (models/moe/topk_sigmoid.py)
 
+    router "given" (DeepSeek-V4): the caller supplies each token's K experts and their weights (V4 picks them
+               by a hash of the token id or a sqrtsoftplus top-k: families/deepseek_v4/routing.py); the block has
+               no router weights, and computes no balance or z loss (balance.py)
+
 Activation "geglu" (Gemma 4): expert_e(x) = down_e(gelu_tanh(gate_e(x)) * up_e(x)).
+Activation "clamped_silu" (DeepSeek-V4), l = mlp_activations_limit: expert_e(x) = down_e(silu(min(g, l)) * clip(u, -l, l)).
 Activation "clamped_swiglu" (gpt-oss), with a = swiglu_alpha and l = mlp_activations_limit:
     g, u = min(gate_e(x), l), clip(up_e(x), -l, l);   expert_e(x) = down_e(g * sigmoid(a g) * (u + 1))
 With `specs(config, biases=True)` the router and each expert's gate, up and down projections add a
@@ -71,12 +76,12 @@ from jax.sharding import PartitionSpec as P
 from maxtrain.models import ops
 from maxtrain.parallel import sharding as sharding_lib
 from maxtrain.models import blocks
-from maxtrain.models.moe import sigmoid_groups, expert_matmuls, replay, topk_sigmoid
-from maxtrain.models.aux_names import PER_LAYER, STEP_STATS
+from maxtrain.models.moe import balance, sigmoid_groups, expert_matmuls, replay, topk_sigmoid
 from maxtrain.models.params import ParamSpec, dense, is_spec
 
-ROUTERS = ("topk_softmax", "softmax_topk", "sigmoid_group_topk", topk_sigmoid.ROUTER)
-ACTIVATIONS = ("swiglu", "clamped_swiglu", "geglu")
+GIVEN = "given"  # the caller routes: block(..., given=(weights, experts))
+ROUTERS = ("topk_softmax", "softmax_topk", "sigmoid_group_topk", topk_sigmoid.ROUTER, GIVEN)
+ACTIVATIONS = ("swiglu", "clamped_swiglu", "geglu", "clamped_silu")
 
 
 def expert_dim(config) -> int:
@@ -175,14 +180,21 @@ class Axes:
 
 
 def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int, activation: str = "swiglu",
-          router_x=None, routing=None):
+          router_x=None, routing=None, given=None):
     """Mixture of experts over x [B, T, D] (already normed) -> ([B, T, D], aux); router_x [B, T, D]: what the
     router reads, when not x (Gemma 4 routes the un-normed residual, scaled, and feeds the experts x).
     routing [B, T, K] int32 (the layer's LayerInputs.routing): each token's experts, replayed instead of
     chosen (models/moe/replay.py); None: the router chooses. With rt.record_routing, aux["routing"] is the
-    experts [B, T, K] the tokens went to (models/decoder.py collects it per layer)."""
+    experts [B, T, K] the tokens went to (models/decoder.py collects it per layer). given (router "given"):
+    (weights [B, T, K] float32, experts [B, T, K] int32) as the caller routed; p then needs no "router"."""
     s = Settings.of(config, rt, router, num_moe_layers, activation)
-    y, aux = _routed(x, p, segment_ids, s, x if router_x is None else router_x, routing)
+    if (router == GIVEN) != (given is not None):
+        raise ValueError(f"moe.block: router {router!r} with given={'None' if given is None else 'set'}; "
+                         "router 'given' takes given=(weights, experts), and only it does")
+    if given is not None and routing is not None:
+        raise ValueError("moe.block: routing replay with router 'given' is not supported; replay in the caller")
+    y, aux = _routed(x, p, segment_ids, s, x if router_x is None else router_x,
+                     routing if given is None else (given[0].astype(jnp.float32), given[1].astype(jnp.int32)))
     if "shared_gate" in p:  # always-on shared experts beside the routed ones (DeepSeek)
         y = y + sigmoid_groups.shared_experts(x, p, rt)
     return y, aux
@@ -190,9 +202,9 @@ def block(x, p, segment_ids, config, rt, *, router: str, num_moe_layers: int, ac
 
 def _routed(x, p, segment_ids, s: Settings, router_x, routing=None):
     """The routed experts' sum over x [B, T, D] -> ([B, T, D], aux), the experts replayed from routing [B, T, K]
-    when given (then with aux["routing"] when s.record)."""
+    when given (then with aux["routing"] when s.record); router "given": routing is (weights, experts) [B, T, K]."""
     # The experts enter shard_map in the compute dtype: their gradients leave it in that dtype too.
-    router = (p["router"], p["router_bias"] if "router_bias" in p else None)
+    router = (p.get("router"), p.get("router_bias"))  # (None, None) under router "given"
     weights = (router, *(p[name].astype(s.dtype) for name in ("w_gate", "w_up", "w_down")))
     biases = {name: p["b_" + name] for name in ("router", "gate", "up", "down") if "b_" + name in p}
     biases = {k: v if k == "router" else v.astype(s.dtype) for k, v in biases.items()}  # the router's: float32
@@ -216,7 +228,7 @@ def _routed(x, p, segment_ids, s: Settings, router_x, routing=None):
                 {k: bias_specs[k] for k in biases})
     local = functools.partial(_local, s=s, axes=axes)
     out_specs = (P(batch or None, None, None), P())
-    if routing is not None:  # the replayed experts come in split as the tokens are
+    if routing is not None:  # the replayed (or given) experts come in split as the tokens are
         in_specs += (P(batch or None, None, None),)
     if s.record:  # the chosen experts go out split as the tokens are
         local, out_specs = _recording(local), out_specs + (P(batch or None, None, None),)
@@ -307,16 +319,19 @@ def route(logits, s: Settings, bias=None):
 def _local(x, router_x, valid, router, w_gate, w_up, w_down, biases, routing=None, *, s: Settings, axes: Axes):
     """The block on one device's tokens x [b, T, D] (all tokens, outside a mesh), routed by router_x; router:
     (W_router, the selection bias or None); biases: {} or b_router, b_gate, b_up, b_down by their suffix;
-    routing [b, T, K]: the experts replayed (models/moe/replay.py), or None."""
+    routing [b, T, K]: the experts replayed (models/moe/replay.py), or None; router "given": (weights, experts)."""
     b, t, d = x.shape
     dt = s.dtype
     w_router, bias = router
-    logits = ops.dense(router_x, w_router.astype(dt), 1, jnp.float32)  # "BTD,DE->BTE"
-    if "router" in biases:
-        logits = logits + biases["router"].astype(jnp.float32)
-    weights, experts = route(logits, s, None if bias is None else jax.lax.stop_gradient(bias).astype(jnp.float32))
-    mismatched = None
-    if routing is not None:  # routing replay: the given experts, weighed by the router as it is now
+    mismatched, logits = None, None
+    if s.router == GIVEN:
+        weights, experts = routing
+    else:
+        logits = ops.dense(router_x, w_router.astype(dt), 1, jnp.float32)  # "BTD,DE->BTE"
+        if "router" in biases:
+            logits = logits + biases["router"].astype(jnp.float32)
+        weights, experts = route(logits, s, None if bias is None else jax.lax.stop_gradient(bias).astype(jnp.float32))
+    if routing is not None and s.router != GIVEN:  # routing replay: the given experts, weighed by the router as it is now
         mismatched = replay.mismatched(experts, routing, valid)
         weights, experts = replay.weights(logits, routing, s)
     weights = jnp.where(valid[..., None], weights, 0.0)
@@ -329,7 +344,7 @@ def _local(x, router_x, valid, router, w_gate, w_up, w_down, biases, routing=Non
         y = _dropless(x.reshape(b * t, d), weights.reshape(b * t, -1), experts.reshape(b * t, -1), experts_w, s, axes,
                       down_bias)
         y, dropped = y.reshape(b, t, d), None
-    aux = _aux(logits, experts, valid, dropped, s, axes, mismatched)
+    aux = balance.aux(logits, experts, valid, dropped, s, axes, mismatched)
     if s.record:
         aux["routing"] = experts.astype(jnp.int32)
     return y.astype(x.dtype), aux
@@ -422,48 +437,6 @@ def _capacity(x, weights, experts, valid, experts_w, s: Settings, axes: Axes, do
     y = jnp.einsum("btk,btkd->btd", jnp.where(kept, weights, 0.0).astype(y.dtype), y)
     dropped = jnp.sum(valid[..., None] & ~kept)
     return y, dropped
-
-
-# --------------------------------------------------------------------------------------------
-# Balance losses and load statistics
-# --------------------------------------------------------------------------------------------
-
-
-def _aux(logits, experts, valid, dropped, s: Settings, axes: Axes, mismatched=None) -> dict:
-    """The losses and statistics over the micro-batch's real tokens (summed over the token axes); mismatched:
-    under routing replay, the real tokens whose replayed experts are not the router's own choice."""
-    e, k = s.num_experts, s.top_k
-    real = valid.astype(jnp.float32)
-    probs = sigmoid_groups.router_probabilities(logits, s)
-    counts = jnp.zeros(e, jnp.float32).at[experts.reshape(-1)].add(jnp.repeat(real.reshape(-1), k))
-    sums = {"tokens": jnp.sum(real), "counts": counts,
-            "probs": jnp.einsum("...e,...->e", probs, real),
-            "z": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1)) * real)}
-    if dropped is not None:
-        sums["dropped"] = dropped.astype(jnp.float32)
-    if mismatched is not None:
-        sums["mismatched"] = mismatched
-    if s.seq_balance_loss_weight > 0:
-        sums.update(sigmoid_groups.sequence_balance_sums(probs, experts, real, s))
-    if axes.batch:
-        sums = jax.lax.psum(sums, axes.batch)
-    tokens = jnp.maximum(sums["tokens"], 1.0)
-    f = jax.lax.stop_gradient(sums["counts"]) / tokens   # fraction of tokens that chose each expert
-    per_layer = 1.0 / s.num_moe_layers
-    load = f / k
-    aux = {"moe_lb_loss": s.load_balance_loss_weight * e * jnp.sum(f * sums["probs"] / tokens) * per_layer,
-           "moe_z_loss": s.router_z_loss_weight * sums["z"] / tokens * per_layer,
-           PER_LAYER + "moe_load_min": jnp.min(load), PER_LAYER + "moe_load_max": jnp.max(load)}
-    if dropped is not None:
-        aux["moe_dropped_fraction"] = sums["dropped"] / (tokens * k) * per_layer
-    if mismatched is not None:  # a mean over the MoE layers, as the losses are
-        aux["moe_routing_mismatch"] = sums["mismatched"] / tokens * per_layer
-    if s.seq_balance_loss_weight > 0:
-        aux["moe_seq_balance_loss"] = (s.seq_balance_loss_weight * sums["seq_balance"]
-                                       / jnp.maximum(sums["sequences"], 1.0) * per_layer)
-    if s.count_experts:  # the routed pairs of each expert, for the selection bias's update (sigmoid_groups)
-        aux[PER_LAYER + STEP_STATS + "moe_expert_counts"] = sums["counts"]
-    return aux
 
 
 # --------------------------------------------------------------------------------------------

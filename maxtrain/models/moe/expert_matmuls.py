@@ -100,6 +100,8 @@ def gated(gate, up, s):
     if s.activation == "clamped_swiglu":
         gate, up = jnp.minimum(gate, s.limit), jnp.clip(up, -s.limit, s.limit)
         return gate * jax.nn.sigmoid(s.alpha * gate) * (up + 1)
+    if s.activation == "clamped_silu":  # DeepSeek-V4's experts
+        return jax.nn.silu(jnp.minimum(gate, s.limit)) * jnp.clip(up, -s.limit, s.limit)
     if s.activation == "geglu":  # Gemma 4's experts
         return jax.nn.gelu(gate, approximate=True) * up
     return jax.nn.silu(gate) * up

@@ -9,10 +9,10 @@ Its parts are pure functions over transformers' module names, each checked again
 (tests/models/test_deepseek_v4_parts.py): hyper.py (hyper-connections, Sinkhorn, the hyper head), compressed.py (HCA
 and CSA compressors, the indexer, sliding window + compressed attention with sinks, grouped output projection),
 packed.py (the compressors' windows and the entries each query reads in a row of packed documents),
-routing.py (sqrtsoftplus top-k and hash routing, clamped SwiGLU experts), model.py (one layer and the whole
-forward), cache.py (the decoding cache and the attention over it), decode.py (one token a step alone, the reference
-the decoder's path is checked beside), flops.py, checkpoint.py (save_pretrained's names <-> the module
-names, for the parts' tests); config/deepseek_v4_dims.py holds the sizes and the config checks its registry row runs.
+routing.py (sqrtsoftplus top-k and hash routing, clamped SwiGLU experts; their dense reference form), model.py (one
+layer and the whole forward), cache.py (the decoding cache and the attention over it), decode.py (one token a step
+alone, the reference the decoder's path is checked beside), flops.py, checkpoint.py (save_pretrained's names <->
+the module names, for the parts' tests); config/deepseek_v4_dims.py holds the sizes and the config checks its registry row runs.
 
 How it plugs into the shared decoder (models/decoder.py). The residual is hc_mult streams, and the decoder hands a
 layer one array x: here x is the streams flattened, [B, T, N D]. `embed` tiles the embedding into the N streams,
@@ -25,8 +25,18 @@ fixed parameter (ParamSpec.fixed: never trained), kept as floats (exact below 2^
 
 Parameters keep transformers' module names and torch's [out, in] layout, nested: layer l's
 `self_attn.q_a_proj.weight` is params["layers"][kind]["self_attn"]["q_a_proj"]["weight"][i]; the experts are
-w1, w3 (gate, up) [E, I, D] and w2 (down) [E, D, I] as save_pretrained writes them per expert. A layer's kind is
-its attention and router, "<sliding|csa|hca>_<moe|hash>": the kinds differ in their parameters.
+w1, w3 (gate, up) [E, I, D] and w2 (down) [E, D, I] as save_pretrained writes them per expert, with the logical axes
+of the shared MoE block's experts ("exp", "mlp", "embed" in that layout). A layer's kind is its attention and router,
+"<sliding|csa|hca>_<moe|hash>": the kinds differ in their parameters.
+
+The experts. The layer routes each token itself (routing.route: tid2eid[token] in the hash layers, a sqrtsoftplus
+top-k with the selection bias after them) and runs the routed experts through the shared MoE block (models/moe/,
+`moe_block` here): router "given" (the block takes the experts and weights as they are), activation "clamped_silu",
+so moe_dispatch (dropless grouped matmuls or capacity), expert parallelism and FSDP apply as in the other MoE
+families; the shared expert runs beside it. It equals routing.moe, the dense reference form (every expert on every
+token) the parts' tests check against transformers, on every real token (tests/models/test_deepseek_v4_moe.py);
+padding tokens get no routed experts. The block reports the loads (moe_load_min/max, and moe_dropped_fraction
+under capacity dispatch); V4 has no router logits for a balance or z loss, so none is computed.
 
 Packed documents: the layers read the segment ids, and each document is compressed and attended as if it ran
 alone from position 0 (packed.py; padding, segment id 0, is a document no real token sees).
@@ -37,8 +47,8 @@ the length rounded up to whole windows), and `layer` runs cache.attention over t
 tokens at once (its closed entries pooled from them), each later token its slot; a left-padded row's windows are
 pooled from its first slot.
 
-Not here yet: context parallelism (the compressors pool windows across the shards: deepseek_v4_dims.check_config refuses it),
-sharding annotations beyond the layer and expert axes, and the experts run densely (every expert on every token, then weighted), as the reference form does.
+Not here yet: context parallelism (the compressors pool windows across the shards: deepseek_v4_dims.check_config
+refuses it), and sharding annotations beyond the layer and expert axes.
 """
 
 from __future__ import annotations
@@ -49,10 +59,11 @@ import numpy as np
 
 from maxtrain.config import deepseek_v4_dims, registry
 from maxtrain.models import contract, hf
+from maxtrain.models import moe
 from maxtrain.models.layers import LayerType
 from maxtrain.models.params import ParamSpec, dense, stacked
 
-from . import cache as cache_lib, checkpoint, flops, hyper, model as v4_model
+from . import cache as cache_lib, checkpoint, flops, hyper, model as v4_model, routing
 from .compressed import rms
 from .hf_config import from_hf_config, to_hf_config
 
@@ -129,9 +140,10 @@ def _layer_specs(kind: str, d) -> dict:
     else:
         gate["e_score_correction_bias"] = ParamSpec((e,), (None,), "zeros", fixed=True)
     mlp = {"gate": gate,
-           "experts": {"w1": dense((e, i, hidden), ("exp", None, None), hidden),
-                       "w3": dense((e, i, hidden), ("exp", None, None), hidden),
-                       "w2": dense((e, hidden, i), ("exp", None, None), i)},
+           # the logical axes of the shared MoE block's experts (models/moe/), in torch's [out, in] layout
+           "experts": {"w1": dense((e, i, hidden), ("exp", "mlp", "embed"), hidden),
+                       "w3": dense((e, i, hidden), ("exp", "mlp", "embed"), hidden),
+                       "w2": dense((e, hidden, i), ("exp", "embed", "mlp"), i)},
            "shared_experts": {"gate_proj": _w(i, hidden), "up_proj": _w(i, hidden), "down_proj": _w(hidden, i)}}
     return {"attn_hc": _hc(d), "ffn_hc": _hc(d), "input_layernorm": _norm(hidden),
             "post_attention_layernorm": _norm(hidden), "self_attn": self_attn, "mlp": mlp}
@@ -173,15 +185,20 @@ def _flat(tree, prefix=""):
     return out
 
 
-def _module_params(p, dtype) -> dict:
-    """One layer's nested parameters -> {transformers' module name: array} as model.decoder_layer reads them."""
+def _module_params(p, dtype, experts: bool = True) -> dict:
+    """One layer's nested parameters -> {transformers' module name: array} as model.decoder_layer reads them;
+    experts=False leaves the routed experts out (the shared MoE block reads them nested)."""
     flat = {}
     for name, value in _flat(p).items():
+        if not experts and name.startswith("mlp.experts."):
+            continue
         if name.endswith(("tid2eid", "e_score_correction_bias")):
             value = jax.lax.stop_gradient(value)
             flat[name] = value.astype(jnp.int32) if name.endswith("tid2eid") else value.astype(jnp.float32)
         else:
             flat[name] = value.astype(dtype)
+    if not experts:
+        return flat
     experts = "mlp.experts."
     flat[experts + "gate_up_proj"] = jnp.concatenate([flat.pop(experts + "w1"), flat.pop(experts + "w3")], axis=1)
     flat[experts + "down_proj"] = flat.pop(experts + "w2")
@@ -195,16 +212,24 @@ def layer(x, p, inputs, layer_type, model, rt):
     kind, mlp_kind = ATTENTION_LONG[attn], "hash_moe" if router == "hash" else "moe"
     b, t, _ = x.shape
     streams = x.reshape(b, t, d.hc_mult, d.hidden_size)
+    flat = _module_params(p, x.dtype, experts=False)
+    aux = {}
+
+    def moe_fn(h, ids, is_hash):
+        y, aux_moe = moe_block(h, ids, is_hash, v4_model.sub(flat, "mlp."), p["mlp"]["experts"], inputs.segment_ids,
+                               config, rt, d)
+        aux.update(aux_moe)
+        return y
+
     if inputs.cache is None:
-        streams = v4_model.decoder_layer(_module_params(p, x.dtype), streams, inputs.per_layer, inputs.positions,
-                                         kind, mlp_kind, d, inputs.segment_ids)
-        return streams.reshape(b, t, -1).astype(x.dtype), {}
+        streams = v4_model.decoder_layer(flat, streams, inputs.per_layer, inputs.positions, kind, mlp_kind, d,
+                                         inputs.segment_ids, moe_fn)
+        return streams.reshape(b, t, -1).astype(x.dtype), aux
     *buffers, index, first = inputs.cache
     names = cache_lib.NAMES[kind]
-    streams, new = v4_model.decoder_layer_cached(_module_params(p, x.dtype), streams, inputs.per_layer,
-                                                 inputs.positions, index, kind, mlp_kind, d, dict(zip(names, buffers)),
-                                                 first)
-    return streams.reshape(b, t, -1).astype(x.dtype), {"cache": tuple(new[n] for n in names)}
+    streams, new = v4_model.decoder_layer_cached(flat, streams, inputs.per_layer, inputs.positions, index, kind,
+                                                 mlp_kind, d, dict(zip(names, buffers)), first, moe_fn)
+    return streams.reshape(b, t, -1).astype(x.dtype), {**aux, "cache": tuple(new[n] for n in names)}
 
 
 def layer_cache(config, layer_type, batch: int, max_length: int, kv_heads) -> dict:
@@ -213,6 +238,25 @@ def layer_cache(config, layer_type, batch: int, max_length: int, kv_heads) -> di
     d = deepseek_v4_dims.dims_from_keys(config)
     kind = ATTENTION_LONG[layer_type.kind.split("_")[0]]
     return {name: (shape, None) for name, shape in cache_lib.layer_shapes(d, kind, batch, max_length).items()}
+
+
+def moe_block(h, ids, is_hash, mlp, experts, segment_ids, config, rt, d):
+    """The layer's MoE through the shared block (models/moe/): routed here (routing.route: hash or sqrtsoftplus
+    top-k), the experts run by moe.block with router "given" and activation "clamped_silu" (dropless or capacity
+    dispatch, grouped matmuls, expert parallelism), plus the shared expert. h [B, T, D], ids [B, T]; mlp: the
+    gate's and shared expert's weights by transformers' names; experts: w1, w3 [E, I, D] and w2 [E, D, I].
+    -> ([B, T, D], the block's aux). Equals routing.moe (the dense reference) on every real token."""
+    b, t, hidden = h.shape
+    flat = h.reshape(b * t, hidden)
+    w, idx = routing.route(mlp, flat, ids.reshape(-1), is_hash=is_hash, top_k=d.top_k, scaling=d.routed_scaling)
+    # torch's [out, in] -> the block's [E, D, F] and [E, F, D]
+    weights = {"w_gate": jnp.swapaxes(experts["w1"], 1, 2), "w_up": jnp.swapaxes(experts["w3"], 1, 2),
+               "w_down": jnp.swapaxes(experts["w2"], 1, 2)}
+    segments = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids
+    y, aux = moe.block(h, weights, segments, config, rt, router=moe.GIVEN,
+                       num_moe_layers=config.base_num_decoder_layers, activation="clamped_silu",
+                       given=(w.reshape(b, t, -1), idx.reshape(b, t, -1)))
+    return y + routing.shared(mlp, flat, limit=d.swiglu_limit).reshape(b, t, hidden).astype(y.dtype), aux
 
 
 def logits(params, x, config, rt):

@@ -17,27 +17,35 @@ from .hyper import hc_merge, hc_weights, hyper_head
 from .routing import moe
 
 
-def _layer(p, streams, ids, mlp_kind, d, attend):
-    """attend(attention weights, normed h) -> (out, extra); returns (streams, extra)."""
+def _layer(p, streams, ids, mlp_kind, d, attend, moe_fn=None):
+    """attend(attention weights, normed h) -> (out, extra); moe_fn(h, ids, is_hash) -> [B, T, D], when given, runs
+    the MoE instead of routing.moe's dense reference form (the family's layer passes the shared MoE block:
+    families/deepseek_v4/__init__.py). Returns (streams, extra)."""
     hc = dict(iters=d.hc_iters, hc_eps=d.hc_eps, rms_eps=d.rms_eps)
     post, comb, h = hc_weights(p['attn_hc.fn'], p['attn_hc.base'], p['attn_hc.scale'], streams, **hc)
     a, extra = attend(sub(p, 'self_attn.'), rms(h, p['input_layernorm.weight'], d.rms_eps).astype(h.dtype))
     streams = hc_merge(post, comb, a, streams)
     post, comb, h = hc_weights(p['ffn_hc.fn'], p['ffn_hc.base'], p['ffn_hc.scale'], streams, **hc)
-    m = moe(sub(p, 'mlp.'), rms(h, p['post_attention_layernorm.weight'], d.rms_eps).astype(h.dtype), ids,
-            is_hash=mlp_kind == 'hash_moe', top_k=d.top_k, scaling=d.routed_scaling, limit=d.swiglu_limit)
+    normed = rms(h, p['post_attention_layernorm.weight'], d.rms_eps).astype(h.dtype)
+    if moe_fn is not None:
+        m = moe_fn(normed, ids, mlp_kind == 'hash_moe')
+    else:
+        m = moe(sub(p, 'mlp.'), normed, ids, is_hash=mlp_kind == 'hash_moe', top_k=d.top_k, scaling=d.routed_scaling,
+                limit=d.swiglu_limit)
     return hc_merge(post, comb, m, streams), extra
 
 
-def decoder_layer(p, streams, ids, pos, kind, mlp_kind, d, segment_ids=None):
-    return _layer(p, streams, ids, mlp_kind, d, lambda ap, h: (attention(ap, h, pos, kind, d, segment_ids), None))[0]
+def decoder_layer(p, streams, ids, pos, kind, mlp_kind, d, segment_ids=None, moe_fn=None):
+    """One layer over a whole sequence (no cache); moe_fn as `_layer`'s."""
+    return _layer(p, streams, ids, mlp_kind, d, lambda ap, h: (attention(ap, h, pos, kind, d, segment_ids), None),
+                  moe_fn)[0]
 
 
-def decoder_layer_cached(p, streams, ids, pos, index, kind, mlp_kind, d, buffers, first=None):
+def decoder_layer_cached(p, streams, ids, pos, index, kind, mlp_kind, d, buffers, first=None, moe_fn=None):
     """The layer over tokens at cache slots [index, index + T) (cache.attention; first: left-padded rows' first
-    slots): -> (streams, new buffers)."""
+    slots): -> (streams, new buffers); moe_fn as `_layer`'s."""
     return _layer(p, streams, ids, mlp_kind, d,
-                  lambda ap, h: cache.attention(ap, h, pos, index, kind, buffers, d, first))
+                  lambda ap, h: cache.attention(ap, h, pos, index, kind, buffers, d, first), moe_fn)
 
 
 def forward(p, ids, d, positions=None, segment_ids=None):

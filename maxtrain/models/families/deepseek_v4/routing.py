@@ -7,8 +7,10 @@
     expert   e(x) = down_e(silu(min(g, L)) * clip(u, -L, L)),  [g | u] = gate_up_e x,  L = swiglu_limit
     out      = sum_k w_k e_{idx_k}(x) + shared(x)
 
-The experts here run densely (every expert on every token, then the routing weights pick): the reference form,
-for the parity tests; maxtrain's MoE dispatch is what a trained model uses."""
+`moe` runs the experts densely (every expert on every token, then the routing weights pick): the reference form,
+for the parity tests. The family's layer (families/deepseek_v4/__init__.py) routes with `route` and runs the experts
+through the shared MoE block (models/moe/, router "given", activation "clamped_silu"): dropless or capacity
+dispatch, grouped matmuls, expert parallelism and FSDP."""
 
 from __future__ import annotations
 
@@ -59,16 +61,23 @@ def shared_mlp(p, x, *, limit):
     return clamped_swiglu(g, u, limit) @ p['down_proj.weight'].T
 
 
+def route(p, flat, ids, *, is_hash, top_k, scaling):
+    """p: the gate's weights by transformers' names under mlp.; flat [N, D], ids [N] -> (weights, indices) [N, k]."""
+    if is_hash:
+        return hash_route(p['gate.weight'], p['gate.tid2eid'], flat, ids, scaling=scaling)
+    return topk_route(p['gate.weight'], p['gate.e_score_correction_bias'], flat, top_k=top_k, scaling=scaling)
+
+
+def shared(p, flat, *, limit):
+    """The shared expert over flat [N, D], p by transformers' names under mlp."""
+    return shared_mlp({k[len('shared_experts.'):]: v for k, v in p.items() if k.startswith('shared_experts.')},
+                      flat, limit=limit)
+
+
 def moe(p, x, ids, *, is_hash, top_k, scaling, limit):
     """p: the block's weights by transformers' names under mlp.; x [B, T, D], ids [B, T] -> [B, T, D]."""
     b, t, d = x.shape
     flat = x.reshape(b * t, d)
-    if is_hash:
-        w, idx = hash_route(p['gate.weight'], p['gate.tid2eid'], flat, ids.reshape(-1), scaling=scaling)
-    else:
-        w, idx = topk_route(p['gate.weight'], p['gate.e_score_correction_bias'], flat, top_k=top_k,
-                            scaling=scaling)
+    w, idx = route(p, flat, ids.reshape(-1), is_hash=is_hash, top_k=top_k, scaling=scaling)
     routed = experts_dense(p['experts.gate_up_proj'], p['experts.down_proj'], flat, w, idx, limit=limit)
-    shared = shared_mlp({k[len('shared_experts.'):]: v for k, v in p.items() if k.startswith('shared_experts.')},
-                        flat, limit=limit)
-    return (routed + shared).reshape(b, t, d)
+    return (routed + shared(p, flat, limit=limit)).reshape(b, t, d)
