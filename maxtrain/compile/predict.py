@@ -376,7 +376,7 @@ def step_inputs(run, target: targets.Target) -> dict | None:
     return {"chip": chip.name, "mesh_shape": dict(run.mesh.shape),
             "devices": [{"platform": d.platform, "slice_index": int(getattr(d, "slice_index", 0) or 0),
                          "process_index": int(d.process_index)} for d in devices],
-            "model_flops_per_step": run.model.flops_per_token() * config.tokens_per_step / len(devices),
+            "model_flops_per_step": run.flops_per_token() * config.tokens_per_step / len(devices),
             "tokens_per_step": config.tokens_per_step, "num_chips": len(devices), "steps": config.steps}
 
 

@@ -38,7 +38,7 @@ def report(run, compiled, target: targets.Target, seconds: float) -> dict:
         "libtpu": libtpu.version() if target.platform == "tpu" else None,
         "collective_bytes": stats.bytes_by_kind, "collective_counts": stats.count_by_kind,
         "unknown_trip_counts": stats.unknown_trip_counts,
-        "model_tflops_per_chip": run.model.flops_per_token() * config.tokens_per_step / len(devices) / 1e12,
+        "model_tflops_per_chip": run.flops_per_token() * config.tokens_per_step / len(devices) / 1e12,
         "compile_seconds": seconds,
         **prediction_figures(run, compiled, target),
     }
@@ -107,7 +107,7 @@ def format_report(rep: dict) -> str:
     if rep["unknown_trip_counts"]:
         lines.append(f"  ({rep['unknown_trip_counts']} loop(s) of unknown trip count counted once)")
     lines += [f"model TFLOPs per chip per step   {rep['model_tflops_per_chip']:.2f} (3 x forward matmuls, causal "
-              "attention counted once; not XLA's cost analysis)",
+              "attention counted once, an image tower's per image; not XLA's cost analysis)",
               f"compiled in {rep['compile_seconds']:.1f} s"]
     lines += format_prediction_section(rep)
     if rep["platform"] == "tpu" and libtpu.overcounts(rep.get("libtpu")):

@@ -4,7 +4,8 @@ FLOPs per token come from the model family (maxtrain/models/<family>.py, `flops_
 "model FLOPs" of training, 3 x the forward pass's matmuls (so remat recomputation does not count),
 causal attention counted once and sliding windows counting only the keys attended. See
 models.blocks.decoder_flops for the dense decoder formula. An image-and-text run adds its tower's FLOPs per image
-(contract.Vision.flops, Model.vision_flops) over the rows' patch budget (flops_per_token's image_patches_per_row).
+(contract.Vision.flops, Model.vision_flops) over the rows' patch budget (flops_per_token's image_patches_per_row),
+image by image where each takes a fixed block (patches_per_image).
 
 MFU = achieved model TFLOP/s per device / the device's dense bfloat16 peak (below, or
 `peak_tflops_per_device`). A CPU has no data sheet peak: there MFU is measured against what a
@@ -29,15 +30,22 @@ from maxtrain.config import chips
 from maxtrain.observability.wandb_logger import WandbLogger
 
 
-def flops_per_token(model: Model, dense_attention: bool = False, image_patches_per_row: int = 0) -> float:
+def flops_per_token(model: Model, dense_attention: bool = False, image_patches_per_row: int = 0,
+                    patches_per_image: int = 0) -> float:
     """Training FLOPs per token of the bound model (the family's formula; dense_attention counts every key of
     the T x T scores, as a dense implementation computes them). With image_patches_per_row (a run reading image
     conversations: each row's images padded to that many patches) each row's tokens also carry the image tower's
-    training FLOPs (Model.vision_flops) for one image of that many patches: the tower runs on the rows' whole patch
-    budget every step, as the decoder on the padding tokens the text count includes; one image per row is the most
-    attention those patches can hold (smaller images attend over fewer)."""
+    training FLOPs (Model.vision_flops) for its images: the tower runs on the rows' whole patch budget every step, as
+    the decoder on the padding tokens the text count includes. A tower whose images each take a fixed block
+    (patches_per_image: Gemma 4's max_soft_tokens x pooling**2) counts row / block images of a block each, since it
+    runs image by image; else one image of the row's budget, the most attention those patches can hold (smaller
+    images attend over fewer)."""
     text = model.flops_per_token(dense_attention)
-    return text + model.vision_flops(image_patches_per_row) / model.config.max_target_length
+    if image_patches_per_row <= 0:
+        return text
+    block = patches_per_image if 0 < patches_per_image <= image_patches_per_row else image_patches_per_row
+    images = image_patches_per_row // block
+    return text + images * model.vision_flops(block) / model.config.max_target_length
 
 
 def peak_tflops(config, device=None, log=None) -> float | None:

@@ -154,10 +154,12 @@ class Run:
 
     def flops_per_token(self) -> float:
         """The run's training FLOPs per token (metrics.flops_per_token): with image conversations the image tower's
-        too, over each row's image_patches_per_row."""
-        patches = self.config.image_patches_per_row if image_conversations.active(self.config,
-                                                                                    self.model.family.vision) else 0
-        return metrics.flops_per_token(self.model, image_patches_per_row=patches)
+        too, over each row's image_patches_per_row (image by image for a tower of fixed blocks: Gemma 4's)."""
+        if not image_conversations.active(self.config, self.model.family.vision):
+            return metrics.flops_per_token(self.model)
+        block = image_conversations.preprocessor(self.config).block or 0
+        return metrics.flops_per_token(self.model, image_patches_per_row=self.config.image_patches_per_row,
+                                       patches_per_image=block)
 
     def abstract_batch(self) -> dict:
         """ShapeDtypeStructs of one training batch [accumulation, micro batch, T], sharded."""

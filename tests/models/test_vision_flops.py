@@ -135,3 +135,26 @@ def test_a_run_reading_images_counts_the_tower_per_row():
         text + 3 * sum(qwen.flops(QWEN, 80)[k] for k in ("tower", "projector")) / 128)
     plain = Model.bind(config.replace(vision_config=""))
     assert metrics.flops_per_token(plain, image_patches_per_row=80) == metrics.flops_per_token(plain)
+
+
+def test_a_gemma4_run_counts_its_tower_image_by_image(tmp_path):
+    """A Gemma 4 run of two fixed image blocks a row (builder.Run.flops_per_token, which the compile report and its
+    MFU read): the tower's FLOPs twice for one block each, not once for one image of both blocks' patches (the old
+    count: its attention and pooling grow as the square of the patches)."""
+    import gemma4_image_helpers as g4  # pylint: disable=import-outside-toplevel
+    from conftest import TINY  # pylint: disable=import-outside-toplevel
+    from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
+    from post_helpers import compose  # pylint: disable=import-outside-toplevel
+
+    pytest.importorskip("PIL.Image")
+    dataset = g4.make_dataset(str(tmp_path), n=2)
+    config = load_config(compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}", *g4.model_args(dataset),
+                                 f"image_patches_per_row={2 * g4.BLOCK}"))
+    model = Model.bind(config)
+    run = types.SimpleNamespace(config=config, model=model)
+    text, length = model.flops_per_token(), config.max_target_length
+    per_image = model.vision_flops(g4.BLOCK)
+    assert builder.Run.flops_per_token(run) == pytest.approx(text + 2 * per_image / length)
+    one_image = text + model.vision_flops(2 * g4.BLOCK) / length  # what a tower without fixed blocks counts
+    assert metrics.flops_per_token(model, image_patches_per_row=2 * g4.BLOCK) == pytest.approx(one_image)
+    assert builder.Run.flops_per_token(run) < one_image
