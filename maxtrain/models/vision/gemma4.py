@@ -238,11 +238,12 @@ def _fixed(a):
     return jax.lax.stop_gradient(a).astype(jnp.float32)
 
 
-def forward(params, pixel_values, position_ids, config: VisionConfig, dtype=jnp.float32):
+def forward(params, pixel_values, position_ids, config: VisionConfig, dtype=jnp.float32, remat: bool = False):
     """(embeddings [B, M/k^2, text_hidden_size], valid [B, M/k^2] bool) from pixel_values [B, M, p*p*3] and
     position_ids [B, M, 2] (column, row; -1 for padding), M a multiple of k^2. The valid rows, image by image, are
     the soft tokens that replace the image's placeholders. Matmuls in `dtype`; norms, RoPE, softmax, the pooling
-    and the standardization in float32."""
+    and the standardization in float32. remat: each block recomputed in the backward pass, so the tower holds one
+    block's activations (its [B, heads, M, M] attention weights) instead of every block's."""
     b, m = pixel_values.shape[:2]
     k = config.pooling_kernel_size
     if pixel_values.shape != (b, m, config.patch_dim) or position_ids.shape != (b, m, 2):
@@ -262,7 +263,7 @@ def forward(params, pixel_values, position_ids, config: VisionConfig, dtype=jnp.
 
     def body(h, p):
         return block(h, p, cos, sin, mask, config), None
-    x = jax.lax.scan(body, x, params["blocks"])[0]
+    x = jax.lax.scan(jax.checkpoint(body) if remat else body, x, params["blocks"])[0]
     tokens, valid = pool(x, position_ids, padding, k)
     tokens = tokens.astype(dtype).astype(jnp.float32) * np.float32(config.hidden_size ** 0.5)  # as transformers
     if config.standardize:

@@ -232,10 +232,10 @@ def patches(pixel_values, config: VisionConfig):
     return x.reshape(t, s * s, c * p * p)
 
 
-def encode(params, pixel_values, config: VisionConfig, dtype=jnp.float32):
+def encode(params, pixel_values, config: VisionConfig, dtype=jnp.float32, remat: bool = False):
     """The encoder and adapter: [tiles, tokens_per_tile, vision_output_dim] from pixel_values [tiles, C, S, S]
     (transformers' get_image_features(...).last_hidden_state). Matmuls in `dtype`, norms, RoPE and softmax in
-    float32."""
+    float32. remat: each block recomputed in the backward pass (one block's activations held, not every block's)."""
     expected = (config.num_channels, config.image_size, config.image_size)
     if pixel_values.ndim != 4 or tuple(pixel_values.shape[1:]) != expected:
         raise ValueError(f"pixel_values {tuple(pixel_values.shape)} are not tiles [tiles, "
@@ -246,16 +246,19 @@ def encode(params, pixel_values, config: VisionConfig, dtype=jnp.float32):
     x = jnp.concatenate([x, cls], axis=1) + params["pos_embed"].astype(dtype)
     x = layer_norm(x, params["pre_norm"], params["pre_norm_bias"], LAYER_NORM_EPS)
     cos, sin = (jnp.asarray(a) for a in rotary(config))
-    x = jax.lax.scan(lambda h, p: (block(h, p, cos, sin), None), x, params["blocks"])[0]
+
+    def body(h, p):
+        return block(h, p, cos, sin), None
+    x = jax.lax.scan(jax.checkpoint(body) if remat else body, x, params["blocks"])[0]
     x = layer_norm(x, params["post_norm"], params["post_norm_bias"], LAYER_NORM_EPS)[:, :-1]
     x = pixel_shuffle(x, config)
     return _gelu(_linear(_gelu(_linear(x, params["adapter"]["w_in"])), params["adapter"]["w_out"]))
 
 
-def forward(params, pixel_values, config: VisionConfig, dtype=jnp.float32):
+def forward(params, pixel_values, config: VisionConfig, dtype=jnp.float32, remat: bool = False):
     """[tiles * tokens_per_tile, text_hidden_size]: the embeddings of an image's patch tokens, tile after tile
-    (the order of the tiles' `<|patch|>` runs in the prompt), from pixel_values [tiles, C, S, S]."""
-    x = encode(params, pixel_values, config, dtype)
+    (the order of the tiles' `<|patch|>` runs in the prompt), from pixel_values [tiles, C, S, S]. remat: as encode."""
+    x = encode(params, pixel_values, config, dtype, remat)
     return _linear(x.reshape(-1, x.shape[-1]), params["projector"])
 
 

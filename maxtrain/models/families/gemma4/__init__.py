@@ -184,7 +184,8 @@ def embed_images(params, x, tokens, images: dict, model, rt):
     vc = vision_config(config)
     positions = jnp.asarray(images["image_position_ids"])
     pixels = jnp.asarray(images["pixel_values"])
-    embedded, _ = gemma4_vision.forward(params["vision"], pixels, positions, vc, rt.dtype)
+    embedded, _ = gemma4_vision.forward(params["vision"], pixels, positions, vc, rt.dtype,
+                                        remat=rt.remat_policy != "none")
     real = jnp.sum(jnp.all(positions != -1, axis=-1), axis=-1) // vc.pooling_kernel_size ** 2    # [N]
     valid = jnp.arange(embedded.shape[1])[None, :] < real[:, None]                               # [N, L]
     features = embedded.reshape(-1, embedded.shape[-1])

@@ -115,7 +115,8 @@ def embed_images(params, x, tokens, images: dict, model, rt):
         check_placeholders(np.asarray(tokens), np.asarray(images["tile_mask"]), config)
     except jax.errors.TracerArrayConversionError:
         pass
-    rows = llama4.forward(params["vision"], jnp.asarray(images["pixel_values"]), vision_config(config), rt.dtype)
+    rows = llama4.forward(params["vision"], jnp.asarray(images["pixel_values"]), vision_config(config), rt.dtype,
+                          remat=rt.remat_policy != "none")
     mask = tokens == config.image_token_id                                   # [B, T]
     index = image_batch.placeholder_index(mask, by_row, rows.shape[0])      # flat or by row (models/image_batch.py)
     return jnp.where(mask[..., None], rows[index].astype(x.dtype), x), None
