@@ -217,3 +217,25 @@ def test_a_fresh_init_clips_nothing_and_marks_its_bounds_fixed():
     fixed = params_lib.fixed_paths(gemma4.param_specs(clipped))
     assert "['blocks']['clip']['q_proj']['input_min']" in fixed and "['std_scale']" in fixed
     assert "['blocks']['wq']" not in fixed
+
+
+@pytest.mark.slow  # two compiled backward passes
+def test_remat_keeps_the_gradients_and_drops_the_blocks_attention_weights():
+    """With remat the backward recomputes each block (the same values and gradients) and holds one block's
+    [images, heads, M, M] attention weights, not every block's: the compiled gradient's temporaries shrink (issue 59;
+    without the checkpoint both runs hold the same)."""
+    config = gemma4.VisionConfig(**{**VISION, "num_hidden_layers": 4}, text_hidden_size=40)
+    params = random_params(config)
+    pixels, positions = (jnp.asarray(a) for a in inputs()[:2])
+
+    def grad(remat):
+        def loss(p):
+            embeddings, valid = gemma4.forward(p, pixels, positions, config, remat=remat)
+            return jnp.sum(jnp.where(valid[..., None], embeddings, 0.0) ** 2), embeddings
+        compiled = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params).compile()
+        return compiled(params), compiled.memory_analysis().temp_size_in_bytes
+    ((_, plain_out), plain), plain_temp = grad(False)
+    ((_, remat_out), remat), remat_temp = grad(True)
+    np.testing.assert_allclose(remat_out, plain_out, rtol=1e-5, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), plain, remat)
+    assert remat_temp < 0.6 * plain_temp, (remat_temp, plain_temp)

@@ -161,3 +161,24 @@ def test_every_parameter_gets_a_gradient_and_bfloat16_stays_close():
     assert not dead, f"no gradient reaches {dead}"
     full, half = jax.jit(loss)(params), jax.jit(lambda p: loss(p, jnp.bfloat16))(params)
     assert abs(float(half) - float(full)) < 0.05 * abs(float(full))
+
+
+@pytest.mark.slow  # two compiled backward passes
+def test_remat_keeps_the_gradients_and_holds_one_blocks_activations():
+    """With remat the backward recomputes each block (the same values and gradients) and holds one block's
+    activations, not every block's: the compiled gradient's temporaries shrink (issue 59)."""
+    config = llama4.VisionConfig.from_hf({**TINY, "num_hidden_layers": 4}, TEXT["hidden_size"])
+    params = random_params(config)
+    pixels = jnp.asarray(np.random.default_rng(1).standard_normal((8, 3, 48, 48)), jnp.float32)
+
+    def grad(remat):
+        def loss(p):
+            rows = llama4.forward(p, pixels, config, remat=remat)
+            return jnp.sum(rows ** 2), rows
+        compiled = jax.jit(jax.value_and_grad(loss, has_aux=True)).lower(params).compile()
+        return compiled(params), compiled.memory_analysis().temp_size_in_bytes
+    ((_, plain_out), plain), plain_temp = grad(False)
+    ((_, remat_out), remat), remat_temp = grad(True)
+    np.testing.assert_allclose(remat_out, plain_out, rtol=1e-5, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), plain, remat)
+    assert remat_temp < 0.6 * plain_temp, (remat_temp, plain_temp)
