@@ -14,6 +14,7 @@ from ckpt_helpers import REPO
 from maxtrain import config as config_lib
 from maxtrain.checkpointing import adoption, convert, safetensors_files
 from maxtrain.checkpointing import files as checkpoint_files
+from maxtrain.models import sampling
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 
@@ -65,3 +66,35 @@ def export_and_reload(tmp, transformers, torch, model_class: str):
         assert array.tobytes() == original[name].tobytes(), name
     return getattr(transformers, model_class).from_pretrained(tmp / "export", dtype=torch.float32,
                                                               attn_implementation="eager").eval()
+
+
+def check_greedy_decode_is_forward_argmax(model, params, rt, ids, images, positions, other_images,
+                                          steps: int = 5) -> None:
+    """tests/models/test_decode_image_{llama4,gemma4}.py: `steps` greedy tokens decoded after the image prompt `ids`
+    (sampling.generate, the cache's path) are the full forward's argmax over the prompt and those tokens; the
+    control: the same row with `other_images` (another picture) gives other logits after the prompt."""
+    with jax.default_matmul_precision("highest"):
+        new = sampling.generate(params, ids, model, rt, max_new_tokens=steps, images=images, positions=positions)
+        row = jnp.asarray([ids + new[:-1]])
+        full = jnp.arange(row.shape[1])[None]
+        logits = np.asarray(model.forward(params, row, full, jnp.ones_like(row), rt, images=images)[0])
+        logits_b = np.asarray(model.forward(params, row, full, jnp.ones_like(row), rt, images=other_images)[0])
+    assert len(new) == steps
+    after = slice(len(ids) - 1, None)
+    assert new == [int(t) for t in np.argmax(logits[0, after], axis=-1)]
+    assert np.max(np.abs(logits[0, after] - logits_b[0, after])) > 1e-3
+
+
+def check_remat_keeps_gradients_and_shrinks_temps(loss, params, shrink: float = 0.6) -> None:
+    """The towers' remat tests (tests/models/test_vision_{gemma4,llama4}.py): `loss(params, remat)` returns (a
+    scalar, the tower's outputs). With remat the compiled backward recomputes each block, so the outputs and every
+    gradient equal the plain form's, and its temporaries are under `shrink` of the plain form's (without the
+    checkpoint both hold every block's activations)."""
+    def grad(remat):
+        compiled = jax.jit(jax.value_and_grad(lambda p: loss(p, remat), has_aux=True)).lower(params).compile()
+        return compiled(params), compiled.memory_analysis().temp_size_in_bytes
+    ((_, plain_out), plain), plain_temp = grad(False)
+    ((_, remat_out), remat), remat_temp = grad(True)
+    np.testing.assert_allclose(remat_out, plain_out, rtol=1e-5, atol=1e-6)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), plain, remat)
+    assert remat_temp < shrink * plain_temp, (remat_temp, plain_temp)
