@@ -39,7 +39,7 @@ import numpy as np
 from maxtrain.compile import context_costs
 from maxtrain.config import chips
 from maxtrain.errors import run_cli
-from maxtrain.kernels import flash_attention
+from maxtrain.kernels import flash_attention, flash_tiles
 from maxtrain.kernels.flash_tiles import DEFAULT_SHARED_MEMORY
 from maxtrain.models.attention import kernel_check, ring_flash
 from maxtrain.observability import metrics
@@ -106,13 +106,13 @@ def by_position(platform: str, interpret: bool):
 @contextlib.contextmanager
 def every_tile():
     """Within: the flash kernels traced run every tile (2026-11-30's tile skipping by position,
-    flash_attention.block_seen, turned off), as before it. Covers the forward and backward kernels' tracing."""
-    saved = flash_attention.block_seen
-    flash_attention.block_seen = lambda cfg, q_tokens, kv_tokens: None
+    flash_tiles.block_seen, turned off), as before it. Covers the forward and backward kernels' tracing."""
+    saved = flash_tiles.block_seen
+    flash_tiles.block_seen = lambda cfg, q_tokens, kv_tokens: None
     try:
         yield
     finally:
-        flash_attention.block_seen = saved
+        flash_tiles.block_seen = saved
 
 
 def timed(program, args, iters: int) -> tuple[float, float]:
