@@ -234,8 +234,12 @@ ROWS = [
                                                   "attention=flash", "max_target_length=36"],
         r"attention=flash with context_parallel_strategy=ring cuts each sequence into 4 runs of a multiple of 16 "
         r"tokens .*, so max_target_length=36 must be a multiple of 64; e.g. max_target_length=64"),
-    Row("cp-ring-cudnn", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=ring", "attention=cudnn"],
-        r"attention=cudnn does not run inside context_parallel_strategy=ring .*; use attention=flash"),
+    Row("cp-ring-tokamax", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=ring", "attention=tokamax"],
+        r"attention=tokamax does not run inside context_parallel_strategy=ring .*; use attention=flash"),
+    Row("cp-ring-cudnn-chunks-under-a-block", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=ring",
+                                                  "attention=cudnn", "max_target_length=36"],
+        r"attention=cudnn with context_parallel_strategy=ring cuts each sequence into 4 runs of a multiple of 16 "
+        r"tokens .*, so max_target_length=36 must be a multiple of 64; e.g. max_target_length=64"),
     Row("cp-striped-length-does-not-divide", T, [B, "ici_context_parallelism=4", "max_target_length=34",
                                                  "context_parallel_reorder_strategy=striped"],
         r"context_parallel_reorder_strategy=striped deals each sequence's tokens round-robin to 4 devices, so "
