@@ -122,7 +122,8 @@ def ring_cudnn_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes: tuple[s
         raise ValueError(f"query heads ({n}) must be a multiple of kv heads ({g})")
     head_pad = max(MIN_BLOCK, 1 << (max(h, hv) - 1).bit_length())
     run = q.shape[1] // 2 if causal and reorder == "dual_chunk_swap" else q.shape[1]  # the shortest call's tokens
-    cfgs = ring_flash._configs(head_pad, q.dtype, run, causal=causal, sliding_window=sliding_window,  # pylint: disable=protected-access
+    # pylint: disable-next=protected-access  # the ring's kernel configurations, shared with ring_flash.py
+    cfgs = ring_flash._configs(head_pad, q.dtype, run, causal=causal, sliding_window=sliding_window,
                                logits_soft_cap=0.0, scale=h**-0.5 if scale is None else scale, interpret=interpret,
                                block_q=block_q, block_k=block_k, shared_memory=shared_memory)
     attention_ring = RingCudnn(axes, ways, causal, reorder, sliding_window, cfgs, pairs, block)
@@ -146,6 +147,9 @@ def attention(q, k, v, segment_ids, *, platform: str, reorder: str, causal: bool
               logits_soft_cap: float, scale: float | None, block_q: int, block_kv: int, interpret: bool | None,
               sinks=None):
     """attention.attention's form with attention=cudnn and context_parallel_strategy=ring (GPUs)."""
+    if platform != "gpu":
+        raise ValueError(f"attention=cudnn inside context_parallel_strategy=ring needs an NVIDIA GPU (cuDNN), but the "
+                         f"platform is {platform!r}; use attention=flash")
     if sinks is not None:
         raise ValueError("attention=cudnn has no attention sinks; use attention=flash inside the ring")
     return ring_cudnn_attention(q, k, v, segment_ids, reorder=reorder, causal=causal, sliding_window=sliding_window,
