@@ -258,6 +258,19 @@ def test_flash_inside_the_ring_compiles_for_8_h100s(h100s, sliding_window):
     _both_kinds_of_pairs_are_counted(hlo)
 
 
+@needs_gpu_compiler
+@pytest.mark.parametrize("sliding_window", [0, 1024])
+def test_cudnn_inside_the_ring_compiles_for_8_h100s(h100s, sliding_window):
+    """8 H100s as a ring of 8 at 8k tokens: cuDNN's forward per block pair (ring_cudnn.py; its graph as far as XLA
+    builds it without a GPU), the Triton kernel's backward from the ring's global out and lse; no cuDNN backward."""
+    hlo = compile_context_attention(h100s, "gpu", "cudnn", context=8, tensor=1, sliding_window=sliding_window,
+                                    strategy="ring")
+    calls = set(re.findall(r'custom_call_target="(__cudnn\$fmha[A-Za-z]*)"', hlo))
+    assert calls and not any("Backward" in c for c in calls), calls
+    assert "flash_attention_dq" in hlo and "flash_attention_dkv" in hlo and "flash_attention_fwd" not in hlo
+    assert _ring_steps_overlap(hlo), "no ring step starts its collective-permute before the block's attention"
+
+
 def _both_kinds_of_pairs_are_counted(hlo: str):
     """The step-time predictor (compile/hlo_kernels.py) halves a causal call's T x S and counts a call that visits
     every block (the ring's pairs after its own block; every pair with a window) whole: the compiled ring's calls
