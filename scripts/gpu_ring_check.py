@@ -10,8 +10,8 @@ What runs:
   merge; the backward from the global out and lse) on a one-device context mesh, the same ring with cuDNN's forward
   per block (ring_cudnn.py: its float32 statistics merged, the Triton backward; jnp's stand-in in a dry run), flash
   alone, flash masking causally by positions given as operands (all_gather's and usp's form under context
-  parallelism) and cuDNN: out, dq, dk, dv against a float32 reference at full matmul precision computed in query chunks (relative Frobenius error,
-  kernel_check.relative_errors; tolerance kernel_check.TOLERANCE["bfloat16"]).
+  parallelism) and cuDNN: out, dq, dk, dv against a float32 reference at full matmul precision computed in query
+  chunks (relative Frobenius error, kernel_check.relative_errors; tolerance kernel_check.TOLERANCE["bfloat16"]).
 - speed: forward+backward of these and of flash masked by position with every tile run (as before 2026-11-30's
   tile skipping) at --tokens, causal, bf16, 32 query heads and 8 kv heads of 128, no
   segment ids: the median of --iters after 2 warm-ups, and TFLOP/s of the useful matmul work
