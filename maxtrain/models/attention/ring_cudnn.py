@@ -46,7 +46,9 @@ import jax.numpy as jnp
 
 from maxtrain.kernels.flash_tiles import DEFAULT_SHARED_MEMORY, MIN_BLOCK
 from maxtrain.models.attention import ring, ring_flash
-from maxtrain.models.attention.ring_flash import _NO_SCORE
+
+# The rings' finite "minus infinity" (ring.py's, ring_flash.py's): the lse of a row a pair does not see.
+_NO_SCORE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 # The arguments of jax's cuDNN attention function (jax/_src/cudnn/fused_attention_stablehlo.py) this module passes;
 # present in jax 0.10.2 and 0.12.
@@ -122,10 +124,9 @@ def ring_cudnn_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes: tuple[s
         raise ValueError(f"query heads ({n}) must be a multiple of kv heads ({g})")
     head_pad = max(MIN_BLOCK, 1 << (max(h, hv) - 1).bit_length())
     run = q.shape[1] // 2 if causal and reorder == "dual_chunk_swap" else q.shape[1]  # the shortest call's tokens
-    # pylint: disable-next=protected-access  # the ring's kernel configurations, shared with ring_flash.py
-    cfgs = ring_flash._configs(head_pad, q.dtype, run, causal=causal, sliding_window=sliding_window,
-                               logits_soft_cap=0.0, scale=h**-0.5 if scale is None else scale, interpret=interpret,
-                               block_q=block_q, block_k=block_k, shared_memory=shared_memory)
+    cfgs = ring_flash.kernel_configs(head_pad, q.dtype, run, causal=causal, sliding_window=sliding_window,
+                                     logits_soft_cap=0.0, scale=h**-0.5 if scale is None else scale,
+                                     interpret=interpret, block_q=block_q, block_k=block_k, shared_memory=shared_memory)
     attention_ring = RingCudnn(axes, ways, causal, reorder, sliding_window, cfgs, pairs, block)
     pad = lambda x: jnp.pad(x, [(0, 0)] * 3 + [(0, head_pad - x.shape[3])])  # noqa: E731  q.k and out unchanged
     return ring.run_ring(attention_ring, pad(q), pad(k), pad(v), segment_ids, q_index, sinks)[..., :hv]
