@@ -493,6 +493,17 @@ def test_llama_train_step_with_autoselected_cudnn_compiles_for_one_h100():
     assert "cudnn" in hlo.lower() and "flash_attention_fwd" not in hlo  # cuDNN, not our Triton kernel
 
 
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_llama_train_step_with_cudnn_inside_the_ring_compiles_for_8_h100s(h100s):
+    """attention=cudnn with context_parallel_strategy=ring over 8 H100s (ring_cudnn.py): the config's path to the
+    ring, cuDNN's forward per block pair and the Triton backward in the whole step."""
+    hlo = compile_train_step(h100s, ["head_dim=64", "attention=cudnn", "context_parallel_strategy=ring",
+                                     "ici_context_parallelism=8", "ici_fsdp_parallelism=1"], expected="cudnn")
+    assert "__cudnn$fmha" in hlo and "flash_attention_dkv" in hlo and "flash_attention_fwd" not in hlo
+    assert "collective-permute" in hlo
+
+
 # DeepSeek-V3.2's shape at a small size: MLA (16 heads), experts, the indexer keeping 64 of 256 keys per query.
 DEEPSEEK_V32 = ["decoder_block=deepseek", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=128",
                 "first_num_dense_layers=1", "shared_experts=1", "base_num_query_heads=16", "base_num_kv_heads=16",
