@@ -22,7 +22,8 @@ import pytest
 from maxtrain.models import attention
 from maxtrain.models.attention import ring_cudnn
 from maxtrain.parallel import context, sharding
-from conftest import slow_params
+from conftest import BASE_YML, TINY, slow_params
+from maxtrain.config import ConfigError, load_config, with_overrides
 from test_context_ring_flash import ATOL, RTOL, RULES, _inputs, _reference
 
 
@@ -103,3 +104,11 @@ def test_soft_cap_and_sinks_are_refused_by_the_ring_itself():
         ring_cudnn.attention(q, q, q, seg, platform="gpu", reorder="dual_chunk_swap", causal=True, sliding_window=0,
                              logits_soft_cap=0.0, scale=None, block_q=16, block_kv=16, interpret=True,
                              sinks=jnp.zeros((2,)))
+
+
+def test_the_config_takes_cudnn_inside_the_ring_and_still_refuses_tokamax():
+    ring = ["ici_context_parallelism=2", "context_parallel_strategy=ring", "max_target_length=64"]
+    config = load_config(with_overrides([BASE_YML, *TINY], *ring, "attention=cudnn"))
+    assert config.attention == "cudnn" and config.context_parallel_strategy == "ring"
+    with pytest.raises(ConfigError, match=r"attention=tokamax does not run inside context_parallel_strategy=ring"):
+        load_config(with_overrides([BASE_YML, *TINY], *ring, "attention=tokamax"))
