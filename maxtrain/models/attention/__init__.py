@@ -67,8 +67,9 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     strategy runs the kernels of kernel_choice.CONTEXT_KERNELS: under ulysses every kernel (autoselected chooses
     as without context parallelism); under ring flash (ring_flash.py: the Triton kernel per block pair of the
     ring; on TPUs the splash kernel, ring_splash.py, dual_chunk_swap without windows), which autoselected takes on
-    GPUs and TPUs, or cudnn when set (ring_cudnn.py: cuDNN's forward per block pair, the Triton backward); under usp flash per block pair of its ring across slices (on TPUs splash, dual_chunk_swap without
-    windows; autoselected takes it on GPUs and TPUs); under
+    GPUs and TPUs, or cudnn when set (ring_cudnn.py: cuDNN's forward per block pair, the Triton backward); under
+    usp flash per block pair of its ring across slices (on TPUs splash, dual_chunk_swap without windows;
+    autoselected takes it on GPUs and TPUs); under
     all_gather the plain-jnp form for autoselected, and flash on the gathered keys when set (GPUs; on TPUs splash on
     each query chunk's window of them, all_gather_splash.py: dual_chunk_swap; cuDNN and tokamax refused).
 

@@ -48,8 +48,8 @@ KERNEL_LIMITS = {"cudnn": ("logits_soft_cap", "sinks"), "tokamax": ("sinks",)}
 # ring runs flash per block pair
 # (ring_flash.py; splash on TPUs), whose backward takes the ring's global softmax statistics (cuDNN's and tokamax's
 # take only their own), or, when set, cuDNN's forward per block pair with flash's backward (ring_cudnn.py; not
-# autoselected: unmeasured); ulysses gives each device every token of N / C heads, which it puts back into the original
-# order for the kernel (ulysses.py), so every kernel runs there; usp's ring across slices runs flash per block pair
+# autoselected: unmeasured); ulysses gives each device every token of N / C heads, which it puts back into the
+# original order for the kernel (ulysses.py), so every kernel runs there; usp's ring across slices runs flash per block pair
 # masked by the tokens' positions (GPUs; on TPUs splash, each slice's pieces put into two dual_chunk_swap runs).
 CONTEXT_KERNELS = {"all_gather": ("flash",), "ring": ("flash", "cudnn"), "ulysses": ("flash", "cudnn", "tokamax"),
                    "usp": ("flash",)}

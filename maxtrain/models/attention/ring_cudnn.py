@@ -29,9 +29,12 @@ of a pair (its document is not in the block, or the window ends before it) gets 
 (lse = -big), whatever cuDNN returns for such a row. The mask is materialized per pair: T x S (or T x S / 2) of the
 compute dtype per row and per pair, where the flash kernel takes segment ids.
 
-Not here: logit soft-capping and sinks (cuDNN's fused attention has neither: refused with attention=flash as the
-fix); TPUs (no cuDNN). `block` is injectable (block(q, k, v, mask, causal=, scale=) -> (out [B, T, N, H], lse
-[B, N, T] float32)): on CPU the tests give it a plain-jnp forward, since cuDNN does not run there.
+Not here: logit soft-capping (cuDNN's fused attention has none: refused with attention=flash as the fix); TPUs (no
+cuDNN). Sinks would work (the ring joins them after the merge and takes their gradient from the global lse, as
+ring_flash.py; the CPU test checks them) but stay refused with attention=cudnn, as everywhere else
+(kernel_choice.KERNEL_LIMITS), until a GPU has checked them. `block` is injectable (block(q, k, v, mask, causal=,
+scale=) -> (out [B, T, N, H], lse [B, N, T] float32)): on CPU the tests give it a plain-jnp forward, since cuDNN
+does not run there.
 
 Letters as in attention/__init__.py and ring_flash.py.
 """
