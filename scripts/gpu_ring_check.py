@@ -1,5 +1,5 @@
-"""Ring attention with the flash kernel on one GPU: a ring of one against plain attention, and its speed beside
-flash alone and cuDNN (issue 60's GPU row; docs/parallelism.md "On a GPU").
+"""Ring attention with the flash kernel (and with cuDNN's forward) on one GPU: a ring of one against plain attention,
+and its speed beside flash alone and cuDNN (issue 60's GPU row; docs/parallelism.md "On a GPU").
 
     python3 scripts/gpu_ring_check.py --out $OUT                 # on the GPU: 32k tokens
     python scripts/gpu_ring_check.py --out /tmp/ring --dry-run   # here: tiny shapes, the kernel in interpret mode
@@ -7,10 +7,11 @@ flash alone and cuDNN (issue 60's GPU row; docs/parallelism.md "On a GPU").
 What runs:
 - check: bf16, causal, GQA 4:1 (8 query heads, 2 kv heads), head_dim 128, one row of --tokens holding three packed
   documents. ring_flash.ring_flash_attention (the custom VJP, the kernel's (out, lse) calls and the online-softmax
-  merge; the backward from the global out and lse) on a one-device context mesh, flash alone, flash masking
-  causally by positions given as operands (all_gather's and usp's form under context parallelism) and cuDNN: out, dq,
-  dk, dv against a float32 reference at full matmul precision computed in query chunks (relative Frobenius error,
-  kernel_check.relative_errors; tolerance kernel_check.TOLERANCE["bfloat16"]).
+  merge; the backward from the global out and lse) on a one-device context mesh, the same ring with cuDNN's forward
+  per block (ring_cudnn.py: its float32 statistics merged, the Triton backward; jnp's stand-in in a dry run), flash
+  alone, flash masking causally by positions given as operands (all_gather's and usp's form under context
+  parallelism) and cuDNN: out, dq, dk, dv against a float32 reference at full matmul precision computed in query
+  chunks (relative Frobenius error, kernel_check.relative_errors; tolerance kernel_check.TOLERANCE["bfloat16"]).
 - speed: forward+backward of these and of flash masked by position with every tile run (as before 2026-11-30's
   tile skipping) at --tokens, causal, bf16, 32 query heads and 8 kv heads of 128, no
   segment ids: the median of --iters after 2 warm-ups, and TFLOP/s of the useful matmul work
@@ -41,7 +42,7 @@ from maxtrain.config import chips
 from maxtrain.errors import run_cli
 from maxtrain.kernels import flash_attention, flash_tiles
 from maxtrain.kernels.flash_tiles import DEFAULT_SHARED_MEMORY
-from maxtrain.models.attention import kernel_check, ring_flash
+from maxtrain.models.attention import kernel_check, ring_cudnn, ring_flash
 from maxtrain.observability import metrics
 from maxtrain.parallel import sharding
 
@@ -86,6 +87,20 @@ def ring_of_one(mesh, platform: str, interpret: bool):
         with sharding.activation_sharding(mesh, context_costs.RULES):
             return ring_flash.ring_flash_attention(
                 q, k, v, seg, reorder="dual_chunk_swap", causal=True,
+                **ring_flash.kernel_settings(platform, 128, 128, interpret))
+    return ring
+
+
+def cudnn_ring_of_one(mesh, platform: str, interpret: bool):
+    """(q, k, v, seg) -> out: ring_cudnn_attention (cuDNN's forward with its float32 statistics, the Triton backward
+    from the ring's out and lse) on the one-device context mesh `mesh`; in a dry run cuDNN's contract in plain jnp
+    (ring_cudnn.reference_block), since cuDNN does not run on a CPU."""
+    block = ring_cudnn.reference_block if interpret else ring_cudnn.cudnn_block
+
+    def ring(q, k, v, seg):
+        with sharding.activation_sharding(mesh, context_costs.RULES):
+            return ring_cudnn.ring_cudnn_attention(
+                q, k, v, seg, reorder="dual_chunk_swap", causal=True, block=block,
                 **ring_flash.kernel_settings(platform, 128, 128, interpret))
     return ring
 
@@ -142,6 +157,7 @@ def main(argv=None) -> int:
         parser.error(f"--tokens {tokens}: a multiple of 256 and of {chunk}")
     mesh = sharding.mesh_of(jax.devices()[:1], context=1)
     impls = {"ring of one (flash)": ring_of_one(mesh, platform, interpret),
+             "ring of one (cudnn forward, flash backward)": cudnn_ring_of_one(mesh, platform, interpret),
              "flash": kernel_check.implementation("flash", causal=True, platform=platform, interpret=interpret),
              "flash masked by position": by_position(platform, interpret),
              "cudnn": kernel_check.implementation("cudnn", causal=True, platform=platform)}

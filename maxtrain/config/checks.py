@@ -405,23 +405,25 @@ def _fp8_not_with_float16(v):
 
 def _attention_kernels_inside_the_ring(v):
     """attention=flash runs per block pair of the ring (models/attention/ring_flash.py), each device's runs of tokens
-    (two chunks under dual_chunk_swap, one under striped) a multiple of the kernel's smallest block (16); cuDNN and
-    tokamax do not run inside the ring."""
+    (two chunks under dual_chunk_swap, one under striped) a multiple of the kernel's smallest block (16); attention=cudnn
+    runs cuDNN's forward per block pair and the same kernel's backward (ring_cudnn.py), so the same runs; tokamax
+    does not run inside the ring."""
     cp, name = ways(v, "context"), v["attention"]
     if v["context_parallel_strategy"] != "ring" or cp in (1, None):
         return
-    _require(name not in ("cudnn", "tokamax"),
+    _require(name != "tokamax",
              f"attention={name} does not run inside context_parallel_strategy=ring (its backward cannot take the "
-             "ring's global softmax statistics); use attention=flash, whose kernel runs per block pair of the ring")
-    if name != "flash":
+             "ring's global softmax statistics); use attention=flash, whose kernel runs per block pair of the ring "
+             "(or attention=cudnn: cuDNN's forward per block pair, the flash kernel's backward)")
+    if name not in ("flash", "cudnn"):
         return
     length = v["max_target_length"]
     chunks = cp * (2 if v["context_parallel_reorder_strategy"] == "dual_chunk_swap" else 1)
     unit = chunks * 16
     _require(length % unit == 0,
-             f"attention=flash with context_parallel_strategy=ring cuts each sequence into {chunks} runs of a "
-             f"multiple of 16 tokens (the kernel's smallest block), so max_target_length={length} must be a multiple "
-             f"of {unit}; e.g. max_target_length={max(unit, length // unit * unit)}")
+             f"attention={name} with context_parallel_strategy=ring cuts each sequence into {chunks} runs of a "
+             f"multiple of 16 tokens (the flash kernel's smallest block), so max_target_length={length} must be a "
+             f"multiple of {unit}; e.g. max_target_length={max(unit, length // unit * unit)}")
 
 
 def _family_rules(v):

@@ -219,7 +219,8 @@ ROWS = [
         r"context_parallel_strategy=all_gather, or ici_pipeline_parallelism=1"),
     Row("cp-kernel-with-all-gather", T, [B, "ici_context_parallelism=2", "attention=cudnn"],
         r"attention=cudnn does not run with context_parallel_strategy=all_gather \(2 ways\): its attention is the "
-        r"plain-jnp form. Use attention=dot_product \(or autoselected\), or context_parallel_strategy=ulysses\."),
+        r"plain-jnp form. Use attention=dot_product \(or autoselected\), or context_parallel_strategy=ring or "
+        r"ulysses\."),
     Row("cp-all-gather-flash-with-pipeline-stages", T, [B, "ici_context_parallelism=2", "ici_pipeline_parallelism=2",
                                                         "attention=flash"],
         r"attention=flash with context_parallelism \(all_gather\) does not run with pipeline parallelism yet; set "
@@ -234,8 +235,12 @@ ROWS = [
                                                   "attention=flash", "max_target_length=36"],
         r"attention=flash with context_parallel_strategy=ring cuts each sequence into 4 runs of a multiple of 16 "
         r"tokens .*, so max_target_length=36 must be a multiple of 64; e.g. max_target_length=64"),
-    Row("cp-ring-cudnn", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=ring", "attention=cudnn"],
-        r"attention=cudnn does not run inside context_parallel_strategy=ring .*; use attention=flash"),
+    Row("cp-ring-tokamax", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=ring", "attention=tokamax"],
+        r"attention=tokamax does not run inside context_parallel_strategy=ring .*; use attention=flash"),
+    Row("cp-ring-cudnn-chunks-under-a-block", T, [B, "ici_context_parallelism=2", "context_parallel_strategy=ring",
+                                                  "attention=cudnn", "max_target_length=36"],
+        r"attention=cudnn with context_parallel_strategy=ring cuts each sequence into 4 runs of a multiple of 16 "
+        r"tokens .*, so max_target_length=36 must be a multiple of 64; e.g. max_target_length=64"),
     Row("cp-striped-length-does-not-divide", T, [B, "ici_context_parallelism=4", "max_target_length=34",
                                                  "context_parallel_reorder_strategy=striped"],
         r"context_parallel_reorder_strategy=striped deals each sequence's tokens round-robin to 4 devices, so "

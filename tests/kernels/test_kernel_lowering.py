@@ -258,6 +258,19 @@ def test_flash_inside_the_ring_compiles_for_8_h100s(h100s, sliding_window):
     _both_kinds_of_pairs_are_counted(hlo)
 
 
+@needs_gpu_compiler
+@pytest.mark.parametrize("sliding_window", [0, 1024])
+def test_cudnn_inside_the_ring_compiles_for_8_h100s(h100s, sliding_window):
+    """8 H100s as a ring of 8 at 8k tokens: cuDNN's forward per block pair (ring_cudnn.py; its graph as far as XLA
+    builds it without a GPU), the Triton kernel's backward from the ring's global out and lse; no cuDNN backward."""
+    hlo = compile_context_attention(h100s, "gpu", "cudnn", context=8, tensor=1, sliding_window=sliding_window,
+                                    strategy="ring")
+    calls = set(re.findall(r'custom_call_target="(__cudnn\$fmha[A-Za-z]*)"', hlo))
+    assert calls and not any("Backward" in c for c in calls), calls
+    assert "flash_attention_dq" in hlo and "flash_attention_dkv" in hlo and "flash_attention_fwd" not in hlo
+    assert _ring_steps_overlap(hlo), "no ring step starts its collective-permute before the block's attention"
+
+
 def _both_kinds_of_pairs_are_counted(hlo: str):
     """The step-time predictor (compile/hlo_kernels.py) halves a causal call's T x S and counts a call that visits
     every block (the ring's pairs after its own block; every pair with a window) whole: the compiled ring's calls
@@ -478,6 +491,17 @@ def test_llama_train_step_with_autoselected_cudnn_compiles_for_one_h100():
     """A Llama-shaped step (head_dim 64, GQA 2:1, bf16): autoselected takes cuDNN on an H100 (models/attention/kernel_choice.py)."""
     hlo = compile_train_step(targets.parse("h100-1").devices(), ["head_dim=64"], expected="cudnn")
     assert "cudnn" in hlo.lower() and "flash_attention_fwd" not in hlo  # cuDNN, not our Triton kernel
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
+def test_llama_train_step_with_cudnn_inside_the_ring_compiles_for_8_h100s(h100s):
+    """attention=cudnn with context_parallel_strategy=ring over 8 H100s (ring_cudnn.py): the config's path to the
+    ring, cuDNN's forward per block pair and the Triton backward in the whole step."""
+    hlo = compile_train_step(h100s, ["head_dim=64", "attention=cudnn", "context_parallel_strategy=ring",
+                                     "ici_context_parallelism=8", "ici_fsdp_parallelism=1"], expected="cudnn")
+    assert "__cudnn$fmha" in hlo and "flash_attention_dkv" in hlo and "flash_attention_fwd" not in hlo
+    assert "collective-permute" in hlo
 
 
 # DeepSeek-V3.2's shape at a small size: MLA (16 heads), experts, the indexer keeping 64 of 256 keys per query.

@@ -156,8 +156,8 @@ def test_flash_resolves_inside_the_ring_and_the_rest_is_refused_in_one_line():
         ("flash", "tpu", ("context_reorder", "striped")): r"on TPUs \(the splash kernel\) runs dual_chunk_swap "
                                                          r"without a sliding window only",
         ("flash", "tpu", ("length", 768)): r"max_target_length=768 must be a multiple of 512",
-        ("cudnn", "gpu", ()): r"attention=cudnn does not run inside context_parallel_strategy=ring.*use "
-                              r"attention=flash",
+        ("tokamax", "gpu", ()): r"attention=tokamax does not run inside context_parallel_strategy=ring.*use "
+                                r"attention=flash",
     }
     for (name, platform, extra), message in refusals.items():
         with pytest.raises(ValueError, match=message):

@@ -125,7 +125,7 @@ def test_under_all_gather_flash_runs_when_set_and_autoselected_keeps_the_plain_f
     assert attention.resolve_implementation("autoselected", "gpu", **gather) == "dot_product"
     assert attention.resolve_implementation("flash", "tpu", **gather) == "flash"  # splash: all_gather_splash.py
     with pytest.raises(ValueError, match=r"attention=cudnn does not run with context_parallel_strategy=all_gather "
-                                         r"\(2 ways\).*or context_parallel_strategy=ulysses\."):
+                                         r"\(2 ways\).*or context_parallel_strategy=ring or ulysses\."):
         attention.resolve_implementation("cudnn", "gpu", **gather)
 
 

@@ -18,6 +18,8 @@ supports and which is fastest; kernel_check.py checks them against the reference
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from maxtrain.models.attention import kernel_choice, kernels
@@ -65,8 +67,9 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     strategy runs the kernels of kernel_choice.CONTEXT_KERNELS: under ulysses every kernel (autoselected chooses
     as without context parallelism); under ring flash (ring_flash.py: the Triton kernel per block pair of the
     ring; on TPUs the splash kernel, ring_splash.py, dual_chunk_swap without windows), which autoselected takes on
-    GPUs and TPUs; under usp flash per block pair of its ring across slices (on TPUs splash, dual_chunk_swap without
-    windows; autoselected takes it on GPUs and TPUs); under
+    GPUs and TPUs, or cudnn when set (ring_cudnn.py: cuDNN's forward per block pair, the Triton backward); under
+    usp flash per block pair of its ring across slices (on TPUs splash, dual_chunk_swap without windows;
+    autoselected takes it on GPUs and TPUs); under
     all_gather the plain-jnp form for autoselected, and flash on the gathered keys when set (GPUs; on TPUs splash on
     each query chunk's window of them, all_gather_splash.py: dual_chunk_swap; cuDNN and tokamax refused).
 
@@ -120,11 +123,21 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
             choice = (kernel_choice.Choice("dot_product", f"dot_product: flash inside {where} {why}") if why else
                       kernel_choice.Choice("flash", f"flash: {how}"))
             return choice if with_reason else choice.implementation
-    if context_parallel > 1 and context_strategy in ("ring", "usp") and name in ("cudnn", "tokamax"):
+    if context_parallel > 1 and context_strategy in ("ring", "usp") and name in ("cudnn", "tokamax") and not (
+            name == "cudnn" and context_strategy == "ring"):
         where = "ring" if context_strategy == "ring" else "usp's ring"
         raise ValueError(f"attention={name} does not run inside context_parallel_strategy={where}: its backward cannot "
                          "take the ring's global softmax statistics; use attention=flash (the Triton kernel runs per "
                          "block pair of the ring) or dot_product")
+    if context_parallel > 1 and context_strategy == "ring" and name == "cudnn":  # ring_cudnn.py
+        # each block pair's mask is [T / C, T / C] at most: cuDNN's limits apply to a device's tokens, not T
+        why = kernel_choice.unsupported(name, platform, dataclasses.replace(shape, length=length // context_parallel))
+        if why is not None:
+            raise ValueError(f"attention=cudnn inside context_parallel_strategy=ring {why}. Use attention=flash (the "
+                             "Triton kernel runs per block pair of the ring)")
+        choice = kernel_choice.Choice("cudnn", "cudnn: set in the config; cuDNN's forward per block pair of the ring, "
+                                      "the Triton kernel's backward from the global out and lse (ring_cudnn.py)")
+        return choice if with_reason else choice.implementation
     if context_parallel > 1 and name not in ("autoselected", "dot_product", *kernels):
         runs = [s for s, ks in kernel_choice.CONTEXT_KERNELS.items() if name in ks]
         raise ValueError(f"attention={name} does not run with context_parallel_strategy={context_strategy} "
@@ -232,6 +245,14 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
         from maxtrain.models.attention import ring_flash  # pylint: disable=import-outside-toplevel
 
         return ring_flash.attention(q, k, v, segment_ids, platform=canonical_platform(platform),
+                                    reorder=context_reorder, causal=causal, sliding_window=sliding_window,
+                                    logits_soft_cap=logits_soft_cap, scale=scale, block_q=block_q, block_kv=block_kv,
+                                    interpret=interpret, sinks=sinks)
+    if sharding.ways("length") > 1 and implementation == "cudnn" and context_strategy == "ring":
+        # deferred: the ring's kernels, only where they run (as below)
+        from maxtrain.models.attention import ring_cudnn  # pylint: disable=import-outside-toplevel
+
+        return ring_cudnn.attention(q, k, v, segment_ids, platform=canonical_platform(platform or "gpu"),
                                     reorder=context_reorder, causal=causal, sliding_window=sliding_window,
                                     logits_soft_cap=logits_soft_cap, scale=scale, block_q=block_q, block_kv=block_kv,
                                     interpret=interpret, sinks=sinks)

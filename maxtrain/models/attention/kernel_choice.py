@@ -47,10 +47,11 @@ KERNEL_LIMITS = {"cudnn": ("logits_soft_cap", "sinks"), "tokamax": ("sinks",)}
 # query chunk's window of them in the original order, all_gather_splash.py; autoselected keeps the plain form);
 # ring runs flash per block pair
 # (ring_flash.py; splash on TPUs), whose backward takes the ring's global softmax statistics (cuDNN's and tokamax's
-# take only their own); ulysses gives each device every token of N / C heads, which it puts back into the original
-# order for the kernel (ulysses.py), so every kernel runs there; usp's ring across slices runs flash per block pair
+# take only their own), or, when set, cuDNN's forward per block pair with flash's backward (ring_cudnn.py; not
+# autoselected: unmeasured); ulysses gives each device every token of N / C heads, which it puts back into the
+# original order for the kernel (ulysses.py), so every kernel runs there; usp's ring across slices runs flash per block pair
 # masked by the tokens' positions (GPUs; on TPUs splash, each slice's pieces put into two dual_chunk_swap runs).
-CONTEXT_KERNELS = {"all_gather": ("flash",), "ring": ("flash",), "ulysses": ("flash", "cudnn", "tokamax"),
+CONTEXT_KERNELS = {"all_gather": ("flash",), "ring": ("flash", "cudnn"), "ulysses": ("flash", "cudnn", "tokamax"),
                    "usp": ("flash",)}
 
 # The GPU candidates of autoselected, in the order ties (or a shape nothing was measured at) are broken:

@@ -58,7 +58,7 @@ from maxtrain.parallel import context, sharding
 _NO_SCORE = -0.7 * float(jnp.finfo(jnp.float32).max)  # the kernel's finite "minus infinity": lse of an unseen row
 
 
-def _configs(head_pad: int, dtype, run: int, *, causal: bool, sliding_window: int, logits_soft_cap: float,
+def kernel_configs(head_pad: int, dtype, run: int, *, causal: bool, sliding_window: int, logits_soft_cap: float,
              scale: float, interpret: bool, block_q: int, block_k: int, shared_memory: int):
     """KernelConfigs {"causal", "full", "positions"} whose blocks divide `run` (the tokens of the shortest call, so
     no call pads). "positions" masks causally (if causal) and by the window with the tokens' original indices."""
@@ -225,7 +225,7 @@ def ring_flash_shard(q, k, v, segment_ids, q_index, sinks=None, *, axes: tuple[s
         raise ValueError(f"query heads ({n}) must be a multiple of kv heads ({g})")
     head_pad = max(MIN_BLOCK, 1 << (max(h, hv) - 1).bit_length())
     run = q.shape[1] // 2 if causal and reorder == "dual_chunk_swap" else q.shape[1]  # the shortest call's tokens
-    cfgs = _configs(head_pad, q.dtype, run, causal=causal, sliding_window=sliding_window,
+    cfgs = kernel_configs(head_pad, q.dtype, run, causal=causal, sliding_window=sliding_window,
                     logits_soft_cap=logits_soft_cap, scale=h**-0.5 if scale is None else scale, interpret=interpret,
                     block_q=block_q, block_k=block_k, shared_memory=shared_memory)
     ring = RingFlash(axes, ways, causal, reorder, sliding_window, cfgs, pairs)
