@@ -101,8 +101,8 @@ def sparse_attention_message(strategy: str, cp: int, latent: int) -> str:
 
 def _sparse_attention_gathers(v):
     """DeepSeek Sparse Attention (index_n_heads > 0) where its indexer runs (beyond index_topk tokens, or trained)
-    splits over the context group by all_gather alone (models/families/deepseek/selected_context.py), and not
-    inside a pipeline stage (its shard_map)."""
+    splits over the context group by all_gather alone (models/families/deepseek/selected_context.py). (Pipeline
+    stages, where its shard_map would nest, are refused for the family's experts before this.)"""
     cp = ways(v, "context")
     if cp in (1, None) or not features.family(v).sparse_attention or v.get("index_n_heads", 0) == 0:
         return
@@ -110,10 +110,6 @@ def _sparse_attention_gathers(v):
         return  # every query keeps every key it sees: MLA, which every strategy serves
     strategy = v["context_parallel_strategy"]
     _require(strategy == "all_gather", sparse_attention_message(strategy, cp, v["kv_lora_rank"] + v["qk_rope_head_dim"]))
-    _require(ways(v, "stage") in (1, None),
-             f"DeepSeek Sparse Attention with context parallelism {cp} runs its own shard_map, not yet inside a "
-             "pipeline stage's; set ici_context_parallelism=1 and dcn_context_parallelism=1, or "
-             "ici_pipeline_parallelism=1 and dcn_pipeline_parallelism=1")
 
 
 def gated_deltanet_chunks(v):

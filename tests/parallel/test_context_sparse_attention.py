@@ -25,6 +25,7 @@ import pytest
 from conftest import BASE_YML, TINY
 from maxtrain.config import ConfigError, load_config, with_overrides
 from maxtrain.models.families.deepseek import selected, selected_context
+from maxtrain.models import decoder
 from maxtrain.models.model import Model
 from maxtrain.parallel import context, sharding
 from maxtrain.training import builder
@@ -135,25 +136,25 @@ GLM = ["base_num_decoder_layers=3", "indexer_types=[full,shared,full]", "index_r
 
 @functools.lru_cache(maxsize=None)
 def _model_loss_and_grads(n_devices: int, *overrides):
-    argv = with_overrides(with_overrides([BASE_YML, *TINY], *DEEPSEEK), f"per_device_batch_size={GLOBAL_BATCH // n_devices}",
-                          "ici_fsdp_parallelism=1", *overrides)
+    argv = with_overrides(with_overrides([BASE_YML, *TINY], *DEEPSEEK, "ici_fsdp_parallelism=1"),
+                          f"per_device_batch_size={GLOBAL_BATCH // n_devices}", *overrides)
     run = builder.build(load_config(argv), devices=tuple(jax.devices()[:n_devices]))
     batch = jax.tree.map(lambda a: a[0], next(batches(run.config)))  # [B, T]: two packed documents a row
     with sharding.activation_sharding(run.mesh, run.config.logical_axis_rules):
         params = run.init(jax.random.key(0))["params"]
         batch = jax.device_put(batch, run.eval_batch_sharding)
 
-        def mean_loss(p):
+        def mean_loss(p):  # what training minimizes: with indexer_training, the indexer's loss too
             loss, weight, aux = Model.bind(run.config).loss_fn(p, batch, run.rt)
-            return loss / weight, aux
-        (loss, aux), grads = jax.jit(jax.value_and_grad(mean_loss, has_aux=True))(params)
-    kl = aux.get("indexer_kl") if isinstance(aux, dict) else None
+            return decoder.objective(loss, weight, aux) / weight, aux.get("indexer_kl")
+        (loss, kl), grads = jax.jit(jax.value_and_grad(mean_loss, has_aux=True))(params)
     return float(loss), None if kl is None else float(kl), jax.tree.map(np.asarray, grads)
 
 
-def _assert_model_same(split, one):
+def _assert_model_same(split, one, trained: bool):
     assert split[0] == pytest.approx(one[0], rel=1e-5)
-    if one[1] is not None:
+    assert (one[1] is not None) == trained and (not trained or one[1] > 0.0)
+    if trained:
         assert split[1] == pytest.approx(one[1], rel=1e-5)
     for (path, ref), got in zip(jax.tree_util.tree_flatten_with_path(one[2])[0], jax.tree.leaves(split[2])):
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(ref).max())),
@@ -175,7 +176,7 @@ def test_a_tiny_model_under_context_parallelism_gives_the_loss_and_gradients_of_
     rest = tuple(o for o in overrides[1:] if not o.startswith("ici_fsdp"))
     one = _model_loss_and_grads(1, *[o for o in rest if "reorder" not in o])
     split = _model_loss_and_grads(cp * fsdp, *overrides)
-    _assert_model_same(split, one)
+    _assert_model_same(split, one, any(o.startswith("indexer_training") for o in overrides))
 
 
 @pytest.mark.parametrize("strategy", ["ring", "ulysses"])
