@@ -109,7 +109,8 @@ def _sparse_attention_gathers(v):
     if v["max_target_length"] <= v["index_topk"] and v["indexer_training"] == "none":
         return  # every query keeps every key it sees: MLA, which every strategy serves
     strategy = v["context_parallel_strategy"]
-    _require(strategy == "all_gather", sparse_attention_message(strategy, cp, v["kv_lora_rank"] + v["qk_rope_head_dim"]))
+    latent = v["kv_lora_rank"] + v["qk_rope_head_dim"]
+    _require(strategy == "all_gather", sparse_attention_message(strategy, cp, latent))
 
 
 def gated_deltanet_chunks(v):
