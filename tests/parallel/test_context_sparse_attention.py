@@ -105,7 +105,7 @@ def test_split_over_the_context_group_equals_one_device(cp, reorder, fsdp):
     _assert_same(_run(cp, reorder, fsdp), _one_device())
 
 
-@pytest.mark.slow  # ~20 s on 2 shared cores: the kernel's interpreted Pallas calls, compiled
+@pytest.mark.slow  # ~40 s on 2 shared cores (2026-12-02): the kernel's interpreted Pallas calls, compiled
 def test_the_kernel_split_over_the_context_group_equals_one_device():
     _assert_same(_run(2, "dual_chunk_swap", kernel="cpu"), _one_device(kernel="cpu"))
 
@@ -158,7 +158,7 @@ def _assert_model_same(split, one, trained: bool):
                                    err_msg=jax.tree_util.keystr(path))
 
 
-@pytest.mark.slow  # ~25 s a case on 2 shared cores: two compiled tiny models
+@pytest.mark.slow  # 20-75 s a case on 2 shared cores (2026-12-02): two compiled tiny models
 @pytest.mark.parametrize("overrides", [
     ("ici_context_parallelism=2",),
     ("ici_context_parallelism=4", "context_parallel_reorder_strategy=striped"),
