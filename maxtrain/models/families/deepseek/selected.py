@@ -33,7 +33,9 @@ block, still no [T, S] array; with the kernel the KL comes from a plain-jnp side
 Ours, not a library's: no kernel library (tokamax, cuDNN, splash) takes per-query key indices for MLA's latent keys
 yet. With kernel= the same chosen keys (`chosen`: every query's idx and kept, [B, T, K]) go to our selected-key Pallas
 kernel (kernels/selected_attention.py), run per device's batch rows and heads inside shard_map; this plain form is
-what it is checked against (tests/models/test_deepseek_selected.py).
+what it is checked against (tests/models/test_deepseek_selected.py). Under context parallelism (all_gather)
+selected_context.py runs the same blocks (`run`, `chosen_at`) per device, its queries at their original indices
+against the gathered keys.
 
 Einsum letters: as blocks.py and mla.py (C the latent rank, R the RoPE width), K the selected keys, I the indexer's
 heads and E their width.
@@ -113,7 +115,7 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
         if not indexer_kl:
             return out
         return out, kl_beside_kernel(q_c, q_rope, c, k_rope, idx, kept, index_q, index_w, index_k, segment_ids,
-                                      scale=scale, block=bq) / real
+                                     scale=scale, block=bq) / real
     out, head_max, kl = [], [], []
     for start, end in prefix_groups(t, bq):  # each run reads the keys before its end alone
         part = lambda a, start=start, end=end: None if a is None else a[:, start:end]  # noqa: E731
