@@ -57,7 +57,7 @@ GRADS = ("o_c", "dq_c", "dq_r", "dc", "dk_r")
 def gather_form(q_c, q_r, c, k_r, idx, kept, *, scale: float, dtype, chunk: int):
     """o_c [B, T, N, C] float32 over each query's chosen keys, plain jnp: per chunk of queries the chosen rows
     gathered [B, chunk, K, C + R], logits and softmax in float32; operands cast to `dtype` (float32: the reference,
-    run under full matmul precision by the caller). Each chunk checkpointed, as selected._run does."""
+    run under full matmul precision by the caller). Each chunk checkpointed, as selected.run does."""
     b, t, n, _ = q_c.shape
     q_c, q_r, c, k_r = (x.astype(dtype) for x in (q_c, q_r, c, k_r))
 

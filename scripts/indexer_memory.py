@@ -22,7 +22,7 @@ import jax.numpy as jnp
 
 from maxtrain.config import BASE_CONFIG, load_config, with_overrides
 from maxtrain.errors import run_cli
-from maxtrain.models.families import deepseek
+from maxtrain.models.families.deepseek import indexer_training
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 
@@ -41,7 +41,7 @@ def step(config):
 
 
 def temporaries(config, length: int) -> float:
-    """MiB of the compiled step's temporaries at `length` tokens, with the form deepseek.SELECTED_TRAINING names."""
+    """MiB of the compiled step's temporaries at `length` tokens, with the form indexer_training.SELECTED_TRAINING names."""
     model, program = step(config)
     params = jax.eval_shape(model.init_params, jax.random.key(0))
     spec = jax.ShapeDtypeStruct
@@ -66,7 +66,7 @@ def main(argv=None) -> int:
                                             f"max_target_length={length}", "per_device_batch_size=1"))
         row = []
         for name, form in (("plain", False), ("selected", True)):
-            deepseek.SELECTED_TRAINING = form
+            indexer_training.SELECTED_TRAINING = form
             start = time.time()
             row.append(f"{name} {temporaries(config, length):.1f} MiB ({time.time() - start:.0f} s to compile)")
         if args.untrained:

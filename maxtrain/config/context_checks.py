@@ -91,6 +91,28 @@ def _usp_applies(v):
                  f"context_parallel_strategy=ring (or all_gather), or an ici_context_parallelism that divides {n // tp}")
 
 
+def sparse_attention_message(strategy: str, cp: int, latent: int) -> str:
+    """The refusal of a context strategy other than all_gather for DeepSeek Sparse Attention (the runtime's too)."""
+    return (f"context_parallel_strategy={strategy} cannot split DeepSeek Sparse Attention over context parallelism "
+            f"{cp}: each query's top-k keys may lie anywhere before it, which a ring or an all-to-all over heads does "
+            f"not hand it; set context_parallel_strategy=all_gather (it gathers MLA's latent, {latent} numbers a "
+            "token, and the indexer's keys)")
+
+
+def _sparse_attention_gathers(v):
+    """DeepSeek Sparse Attention (index_n_heads > 0) where its indexer runs (beyond index_topk tokens, or trained)
+    splits over the context group by all_gather alone (models/families/deepseek/selected_context.py). (Pipeline
+    stages, where its shard_map would nest, are refused for the family's experts before this.)"""
+    cp = ways(v, "context")
+    if cp in (1, None) or not features.family(v).sparse_attention or v.get("index_n_heads", 0) == 0:
+        return
+    if v["max_target_length"] <= v["index_topk"] and v["indexer_training"] == "none":
+        return  # every query keeps every key it sees: MLA, which every strategy serves
+    strategy = v["context_parallel_strategy"]
+    latent = v["kv_lora_rank"] + v["qk_rope_head_dim"]
+    _require(strategy == "all_gather", sparse_attention_message(strategy, cp, latent))
+
+
 def gated_deltanet_chunks(v):
     """Context parallelism hands the gated delta-net's state and convolution window from chunk to chunk of
     dual_chunk_swap (models/recurrent/context_parallel.py): runs of consecutive tokens, each at least a rule chunk."""
@@ -109,4 +131,5 @@ def gated_deltanet_chunks(v):
              "gdn_chunk_size or the context parallelism")
 
 
-CHECKS = (_context_chunks_divide_length, _ring_attention_without_pipeline_stages, _usp_applies, _ulysses_heads_divide)
+CHECKS = (_context_chunks_divide_length, _ring_attention_without_pipeline_stages, _usp_applies, _ulysses_heads_divide,
+          _sparse_attention_gathers)

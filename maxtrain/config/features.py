@@ -116,7 +116,7 @@ FEATURES: tuple[Feature, ...] = (
     Feature("a model with a vision tower (vision_config set)", lambda v: v["vision_config"] != "", ("vision_freeze",),
             fix="import an image-and-text checkpoint with its tower (scripts/convert_hf.py import, without --text-only)",
             state="vision_config"),
-    # DeepSeek-V3.2's indexer training (models/families/deepseek/__init__.py): a deepseek model with an indexer
+    # DeepSeek-V3.2's indexer training (models/families/deepseek/indexer_training.py): a deepseek model with an indexer
     Feature("an indexer to train (decoder_block=deepseek with index_n_heads > 0)",
             lambda v: family(v).sparse_attention and v["index_n_heads"] > 0,
             ("indexer_training", "indexer_loss_weight"),

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from maxtrain.config import features, registry
+from maxtrain.config import context_checks, features, registry
 from maxtrain.config.schema import QUANTIZATION_PLACES
 from maxtrain.models import attention as attention_lib
 from maxtrain.models.attention import kernel_choice
@@ -302,12 +302,11 @@ def _sparse_attention(config, backend: str, kinds: list[AttentionKind],
                       context_parallel: int) -> list[AttentionKind]:
     """DeepSeek Sparse Attention beyond index_topk tokens: each query reads its chosen keys alone
     (models/families/deepseek/selected.py; index_n_heads > 0), with the selected-key Pallas kernel or in plain jnp
-    (kernel_choice.choose_selected); no context-parallel strategy takes it yet."""
-    if context_parallel > 1:
-        raise ValueError(f"context parallelism ({context_parallel} ways) cannot split DeepSeek Sparse Attention: "
-                         f"the indexer's top-{config.index_topk} mask (max_target_length={config.max_target_length} "
-                         "> index_topk) is made over the whole sequence; use ici_context_parallelism=1, or "
-                         "max_target_length <= index_topk (dense attention, every strategy)")
+    (kernel_choice.choose_selected); under context parallelism with all_gather alone (selected_context.py;
+    config/context_checks.py refuses the other strategies first)."""
+    if context_parallel > 1 and config.context_parallel_strategy != "all_gather":
+        raise ValueError(context_checks.sparse_attention_message(config.context_parallel_strategy, context_parallel,
+                                                                 config.kv_lora_rank + config.qk_rope_head_dim))
     choice = kernel_choice.choose_selected(config.attention, attention_lib.canonical_platform(backend),
                                            config.index_topk, config.max_target_length)
     return [dataclasses.replace(kind, implementation=choice.implementation, reason=choice.reason) for kind in kinds]

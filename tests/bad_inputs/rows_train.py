@@ -264,6 +264,17 @@ ROWS = [
                                                        "ici_context_parallelism=2", "max_target_length=32"],
         r"context parallelism 2 cuts max_target_length=32 into 4 chunks of 8 tokens, but the gated delta-net needs "
         r"chunks of at least 16 \(gdn_chunk_size"),
+    # DeepSeek Sparse Attention under context parallelism: all_gather alone (issues 58, 60)
+    Row("cp-sparse-attention-ring", T, [B, "model_name=deepseek3.2-tiny", "max_target_length=128",
+                                        "ici_context_parallelism=2", "context_parallel_strategy=ring"],
+        r"context_parallel_strategy=ring cannot split DeepSeek Sparse Attention over context parallelism 2: each "
+        r"query's top-k keys may lie anywhere before it, .* set context_parallel_strategy=all_gather \(it gathers "
+        r"MLA's latent, 80 numbers a token, and the indexer's keys\)"),
+    Row("cp-sparse-attention-usp", T, [B, "model_name=deepseek3.2-tiny", "max_target_length=128", "num_slices=2",
+                                       "ici_context_parallelism=2", "dcn_context_parallelism=2",
+                                       "context_parallel_strategy=usp"],
+        r"context_parallel_strategy=usp cannot split DeepSeek Sparse Attention over context parallelism 4: .* set "
+        r"context_parallel_strategy=all_gather"),
     # context parallelism: the other strategy that cannot run in pipeline stages, and dual_chunk_swap's 2C chunks
     Row("cp-ulysses-with-pipeline-stages", T, [B, "ici_context_parallelism=2", "ici_pipeline_parallelism=2",
                                                "context_parallel_strategy=ulysses"],

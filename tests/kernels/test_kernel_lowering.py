@@ -524,6 +524,17 @@ def test_deepseek_v32_train_step_compiles_for_8_h100s_with_the_selected_key_kern
 
 @pytest.mark.slow
 @needs_gpu_compiler
+def test_deepseek_v32_train_step_compiles_for_8_h100s_under_context_parallelism(h100s):
+    """Context 4 x fsdp 2 (all_gather, models/families/deepseek/selected_context.py): each device's 32 queries
+    choose among the gathered latents and indexer keys, and the selected-key kernel attends inside shard_map."""
+    hlo = compile_train_step(h100s, DEEPSEEK_V32 + ["ici_context_parallelism=4", "ici_fsdp_parallelism=2"])
+    for kernel in ("selected_attention_fwd", "selected_attention_dq", "selected_attention_rows"):
+        assert kernel in hlo
+    assert "all-gather" in hlo and "reduce-scatter" in hlo  # the keys gathered, their gradients scattered back
+
+
+@pytest.mark.slow
+@needs_gpu_compiler
 def test_dropless_moe_train_step_compiles_for_8_h100s_with_the_grouped_gemm(h100s):
     """Dropless experts split 4 ways (expert parallelism) x FSDP 2: the grouped GEMM inside the block's shard_map,
     its operands varying over different mesh axes (tokens over the batch axes, experts over `expert`)."""

@@ -34,7 +34,7 @@ def _inputs(seed: int = 0):
 
 
 def _choice(x):
-    """(idx, kept) [B, T, K]: the indexer's top-k under the causal and document masks, as selected._run picks."""
+    """(idx, kept) [B, T, K]: the indexer's top-k under the causal and document masks, as selected.run picks."""
     visible = attention_lib.make_attention_mask(SEGMENTS, SEGMENTS, causal=True)
     index = jnp.where(visible, indexer.combine(x["index_q"], x["index_w"], x["index_k"]), -jnp.inf)
     top, idx = jax.lax.top_k(jax.lax.stop_gradient(index), TOPK)

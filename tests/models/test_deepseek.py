@@ -165,7 +165,7 @@ def test_sparse_attention_decoding_from_the_cache_equals_the_full_forward(interl
     assert float(jnp.max(jnp.abs(sparse_logits - dense_logits))) > 1e-3
 
 
-def test_sparse_attention_refuses_a_kernel_and_context_parallelism_in_one_line():
+def test_sparse_attention_refuses_a_kernel_and_a_context_strategy_in_one_line():
     config = tiny("max_target_length=16", *SPARSE)
     with pytest.raises(ValueError, match=r"^attention=cudnn cannot take each query's chosen keys, and the indexer "
                                          r"keeps index_topk=3 of 16 keys per query .* use attention=autoselected"):
@@ -173,8 +173,10 @@ def test_sparse_attention_refuses_a_kernel_and_context_parallelism_in_one_line()
     with pytest.raises(ValueError, match=r"attention=flash has no TPU \(Mosaic\) variant of the selected-key"):
         Runtime.from_config(config.replace(attention="flash"), "tpu")
     assert Runtime.from_config(config.replace(attention="flash", index_topk=16), "tpu").attention == "flash"  # dense
-    with pytest.raises(ValueError, match=r"context parallelism \(2 ways\) cannot split DeepSeek Sparse Attention"):
-        Runtime.from_config(config, context_parallel=2)
+    assert Runtime.from_config(config, context_parallel=2).attention == "dot_product"  # all_gather: selected_context
+    with pytest.raises(ValueError, match=r"^context_parallel_strategy=ring cannot split DeepSeek Sparse Attention "
+                                         r"over context parallelism 2: .* set context_parallel_strategy=all_gather"):
+        Runtime.from_config(config.replace(context_parallel_strategy="ring"), context_parallel=2)
     with pytest.raises(ConfigError, match="index_head_dim=2 must hold the qk_rope_head_dim=4 features"):
         tiny(*SPARSE[:1], "index_head_dim=2", *SPARSE[2:])
     with pytest.raises(ConfigError, match="index_n_heads > 0 .* reads MLA's query latent: set q_lora_rank > 0"):

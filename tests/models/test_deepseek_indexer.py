@@ -9,8 +9,7 @@ import pytest
 
 from conftest import BASE_YML, TINY
 from maxtrain.config import ConfigError, load_config, with_overrides
-from maxtrain.models.families import deepseek
-from maxtrain.models.families.deepseek import indexer, selected
+from maxtrain.models.families.deepseek import indexer, indexer_training, selected
 from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 from maxtrain.training import builder
@@ -177,7 +176,7 @@ def test_the_sparse_stage_over_the_selected_keys_gives_the_plain_forms_kl_and_gr
 
     results = {}
     for form in (False, True):
-        monkeypatch.setattr(deepseek, "SELECTED_TRAINING", form)
+        monkeypatch.setattr(indexer_training, "SELECTED_TRAINING", form)
 
         def kl(p):  # a new function per form: no trace cached from the other
             return model.loss_fn(p, batch, rt)[2]["indexer_kl"]

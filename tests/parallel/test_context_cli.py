@@ -50,3 +50,16 @@ def test_the_train_command_with_context_parallelism_logs_the_losses_of_one_conte
     losses = _losses(tmp_root, *cp, f"context_parallel_strategy={strategy}")
     assert losses == pytest.approx(reference, rel=1e-5)
     assert len(set(reference)) == STEPS  # the steps train: a loss that did not move would compare nothing
+
+
+@pytest.mark.slow
+def test_the_train_command_with_sparse_attention_under_context_parallelism_logs_the_losses_of_one_device(tmp_root):
+    """DeepSeek Sparse Attention (a tiny DeepSeek-V3.2, index_topk=6 of 64 tokens) with the indexer's sparse stage
+    trained, ici_context_parallelism=4 (all_gather, selected_context.py) against 1."""
+    # deferred: as conftest's above (the test directory's modules import once pytest has set the path)
+    from test_context_sparse_attention import DEEPSEEK  # pylint: disable=import-outside-toplevel
+    dsa = tuple(o for o in DEEPSEEK if o.split("=")[0] not in {r.split("=")[0] for r in RUN})
+    dsa += ("indexer_training=sparse",)
+    reference = _losses(tmp_root, *dsa)
+    assert _losses(tmp_root, *dsa, "ici_context_parallelism=4") == pytest.approx(reference, rel=1e-5)
+    assert len(set(reference)) == STEPS

@@ -25,7 +25,9 @@ kernels/selected_attention.py, where attention resolves to flash: autoselected o
 query blocks otherwise; kernel_choice.choose_selected says why in the summary; W_kvb runs unquantized there under
 quantization=fp8). Decoding caches each token's indexer key beside MLA's latent
 (layer_cache). The language-model loss does not train the indexer; indexer_training does, towards the attention's
-distribution with a KL loss, in DeepSeek's dense warm-up or sparse stage (_attention_training_the_indexer). V3.2's config.json has
+distribution with a KL loss, in DeepSeek's dense warm-up or sparse stage (indexer_training.py). Under context
+parallelism (context_parallel_strategy=all_gather) each device chooses and attends for its own queries against the
+gathered latents and indexer keys (selected_context.py); ring, ulysses and usp are refused. V3.2's config.json has
 no rope_interleave: its MLA always interleaves, its indexer rotates by halves.
 
 GLM-5 (Hugging Face's glm_moe_dsa) is DeepSeek-V3.2's architecture with the indexer's RoPE on interleaved pairs
@@ -43,18 +45,13 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.config import registry
-from maxtrain.models import attention as attention_lib
 from maxtrain.models import blocks, contract, hf, layers, moe, mtp, standard_layers
-from maxtrain.models.families.deepseek import indexer, mla, selected, shared_topk
+from maxtrain.models.families.deepseek import indexer, indexer_training, mla, selected, selected_context, shared_topk
 from maxtrain.models.layers import LayerType
 from maxtrain.parallel.sharding import shard
 
 FAMILY = registry.FAMILIES["deepseek"]  # its Hugging Face model_type and architecture
 ROUTER = "sigmoid_group_topk"
-# The sparse stage of indexer_training beyond index_topk tokens: selected.py over each query's selected keys alone
-# (True), or the plain form under the top-k mask ([B, heads, T, T] float32 for the KL's target; the tests and
-# scripts/indexer_memory.py compare the two).
-SELECTED_TRAINING = True
 
 
 def layer_types(config) -> list[LayerType]:
@@ -111,7 +108,7 @@ def _attention(normed, p, inputs, layer_type: LayerType, config, rt):
         return mla.attention(normed, p, inputs, config, rt)
     if inputs.cache is None and config.indexer_training != "none":
         if not layer_type.shared_topk:
-            return _attention_training_the_indexer(normed, p, inputs, config, rt)
+            return indexer_training.attention(normed, p, inputs, config, rt, _selected_keys)
         if config.indexer_training == "dense_warmup":  # a shared layer has no indexer to train: every key
             return mla.attention(normed, p, inputs, config, rt)
     if inputs.state is not None:  # some layers share their indexer's choice (GLM-5): it travels in the state
@@ -147,20 +144,23 @@ def _selected_keys(normed, p, segment_ids, config, kernel, q_nope, q_rope, c, k_
     jnp. choice: the keys already chosen (idx, kept: a shared indexer layer's), the indexer not run. trained (the
     sparse stage of indexer_training): the indexer's scores with its weights' gradient and aux's "indexer_kl" its
     KL over each query's selected keys (selected.attention's indexer_kl); hand_on (shared layers follow): the keys
-    chosen first (selected.chosen), attended to and handed on in aux's "state"."""
+    chosen first (selected.chosen), attended to and handed on in aux's "state". Under context parallelism both run
+    per device over the gathered keys (selected_context.py)."""
     index_q = index_w = index_k = None
     interleave, more = config.index_rope_interleave, {}
     if choice is None or trained:
         index_q, index_w = indexer.queries(normed, q_latent, p, rope, interleave, trained=trained)
         index_k = indexer.keys(normed, p, rope, interleave, trained=trained)
+    reorder = config.context_parallel_reorder_strategy  # context parallelism: selected_context.py
     if hand_on:
-        choice = selected.chosen(*(jax.lax.stop_gradient(a) for a in (index_q, index_w, index_k)), segment_ids,
-                                 topk=config.index_topk, block=selected.query_block(normed.shape[1]))
+        choice = selected_context.chosen(*(jax.lax.stop_gradient(a) for a in (index_q, index_w, index_k)),
+                                         segment_ids, topk=config.index_topk, reorder=reorder)
         more["state"] = choice
     clip = config.qk_clip_threshold > 0  # QK-clip reads each head's largest logit
-    out = selected.attention(q_nope, q_rope, c, k_rope, p["wkv_b"][..., :config.qk_nope_head_dim], index_q, index_w,
-                             index_k, segment_ids, topk=config.index_topk, scale=mla.softmax_scale(config),
-                             with_max_logits=clip, kernel=kernel, choice=choice, indexer_kl=trained)
+    out = selected_context.attention(q_nope, q_rope, c, k_rope, p["wkv_b"][..., :config.qk_nope_head_dim], index_q,
+                                     index_w, index_k, segment_ids, topk=config.index_topk,
+                                     scale=mla.softmax_scale(config), reorder=reorder, with_max_logits=clip,
+                                     kernel=kernel, choice=choice, indexer_kl=trained)
     if trained:
         out, more["indexer_kl"] = out
     return (*(out if clip else (out, None)), more)
@@ -180,8 +180,9 @@ def _attention_sharing_topk(normed, p, inputs, layer_type: LayerType, config, rt
         if own:
             q_latent = mla.query_latent(normed, p, config, rt)
             index_q, index_w = indexer.queries(normed, q_latent, p, rope, config.index_rope_interleave)
-            choice = selected.chosen(index_q, index_w, indexer.keys(normed, p, rope, config.index_rope_interleave),
-                                     seg, topk=topk, block=selected.query_block(normed.shape[1]))
+            choice = selected_context.chosen(index_q, index_w, indexer.keys(normed, p, rope,
+                                                                            config.index_rope_interleave),
+                                             seg, topk=topk, reorder=config.context_parallel_reorder_strategy)
         kernel = rt.backend if rt.attention == "flash" else None
         h, aux = mla.attention(normed, p, inputs, config, rt, selected_keys=functools.partial(
             _selected_keys, normed, p, seg, config, kernel, choice=choice))
@@ -204,46 +205,6 @@ def _attention_sharing_topk(normed, p, inputs, layer_type: LayerType, config, rt
     h, aux = mla.attention(normed, p, inputs, config, rt, keys_kept=kept)
     if own:
         aux = {**aux, "cache": (*aux["cache"], index_cache), "state": choice}
-    return h, aux
-
-
-def _attention_training_the_indexer(normed, p, inputs, config, rt):
-    """MLA with the indexer trained as DeepSeek-V3.2's was (indexer_training): its scores I [B, T, S] computed with
-    its weights' gradient (its inputs detached); "dense_warmup": attention over every visible key, "sparse": over
-    the index_topk keys of highest I (every key at or below index_topk tokens). aux["indexer_kl"] is
-    KL(attention's head-averaged distribution || softmax(I)) over those keys, its mean over the layers, and
-    aux["indexer_loss"] that times indexer_loss_weight, which the objective adds (the distribution carries no
-    gradient, so the loss trains the indexer alone). With GLM-5's shared layers (indexer_types) only the full layers
-    have an indexer, each trained toward its own layer's attention (the KL averages over them); in the sparse stage
-    its choice goes on in aux["state"] to the shared layers after it, which attend to those keys; in the dense
-    warm-up they attend to every key. The sparse stage beyond index_topk tokens runs selected.py (its plain form or
-    the selected-key kernel, as attention resolves) and takes the KL over each query's selected keys block by block,
-    no [T, S] array (SELECTED_TRAINING); the dense warm-up, and the sparse stage at or below index_topk tokens, keep
-    this plain form: their KL is over every visible key, the target [B, heads, T, S] float32 while computed."""
-    full_layers = shared_topk.shared_layers(config).count(False)  # the layers with an indexer
-    if config.indexer_training == "sparse" and normed.shape[1] > config.index_topk and SELECTED_TRAINING:
-        kernel = rt.backend if rt.attention == "flash" else None  # over each query's selected keys alone
-        h, aux = mla.attention(normed, p, inputs, config, rt, selected_keys=functools.partial(
-            _selected_keys, normed, p, inputs.segment_ids, config, kernel, trained=True,
-            hand_on=inputs.state is not None))
-        kl = aux.pop("indexer_kl") / full_layers  # summed over the full layers by the decoder: their mean
-        return h, {**aux, "indexer_kl": kl, "indexer_loss": config.indexer_loss_weight * kl}
-    rope, seg = inputs.rope["global"], inputs.segment_ids
-    visible = attention_lib.make_attention_mask(seg, seg, causal=True)
-    index = indexer.scores(normed, mla.query_latent(normed, p, config, rt),
-                           indexer.keys(normed, p, rope, config.index_rope_interleave, trained=True), p, rope,
-                           config.index_rope_interleave, trained=True)
-    kept = choice = None
-    if config.indexer_training == "sparse" and normed.shape[1] > config.index_topk:
-        choice = indexer.choose(jax.lax.stop_gradient(index), visible, config.index_topk)
-        kept = shared_topk.mask(choice, index.shape[-1])  # the chosen keys, all of them visible
-    h, aux = mla.attention(normed, p, inputs, config, rt, keys_kept=None if kept is None else lambda *_: kept,
-                           attention_target=True)
-    kl = indexer.kl_to_attention(aux.pop("attention_target"), index, visible if kept is None else kept, seg)
-    kl = kl / full_layers  # summed over them by the decoder: their mean
-    aux = {**aux, "indexer_kl": kl, "indexer_loss": config.indexer_loss_weight * kl}
-    if choice is not None and inputs.state is not None:  # GLM-5's shared layers after this one attend to its keys
-        aux["state"] = choice
     return h, aux
 
 

@@ -13,7 +13,7 @@ attention then runs over those alone (MLA's softmax under that mask). Where a qu
 it keeps them all: at a length <= index_topk the model is MLA with dense attention, and the family skips the
 indexer. The selection is a top-k, with no gradient: the language-model loss does not train the indexer (as
 Hugging Face's forward, under no_grad). DeepSeek trains it apart, towards the attention's distribution
-(indexer_training, models/families/deepseek/__init__.py): `kl_to_attention` with the indexer's weights `trained`
+(indexer_training, models/families/deepseek/indexer_training.py): `kl_to_attention` with the indexer's weights `trained`
 and its inputs x and q_latent always detached. Ties at the k-th score go to the earlier keys (top_k's order), where
 transformers' topk keeps an arbitrary k of them: a score is exactly 0 where every indexer head's relu is 0, so a
 query whose head weights are all negative (its scores all <= 0) can tie many keys at 0; with weights of both signs

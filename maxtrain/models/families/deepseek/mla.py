@@ -86,14 +86,16 @@ def query_latent(x, p, config, rt):
 
 
 def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", keys_kept=None,
-              attention_target: bool = False, selected_keys=None):
+              attention_target=None, selected_keys=None):
     """MLA of x [B, T, D] (already normed) -> ([B, T, D], aux); aux carries the updated cache (c, k_r)
     when decoding, as blocks.attention does. keys_kept (DeepSeek-V3.2's indexer, deepseek/indexer.py):
     (x, q_latent [B, T, Q], (cos, sin), visible) -> the keys each query attends to, [B, T, S] bool, of those
     `visible` lets it see (decoding: the cache slots' mask; None: the causal mask and the documents, as the
     indexer's training passes it); with it, attention is the plain form under that mask. attention_target
-    (training the indexer): aux["attention_target"] is the attention's distribution over the keys summed over
-    heads and normalised, [B, T, S] float32 with no gradient (`head_averaged_probabilities`). selected_keys
+    (training the indexer): the visible keys [B, T, S] bool (the causal mask and the documents, by the tokens'
+    original indices under context parallelism); aux["attention_target"] is then the attention's distribution over
+    them (over keys_kept's where given) summed over heads and normalised, [B, T, S] float32 with no gradient
+    (`head_averaged_probabilities`). selected_keys
     (DeepSeek-V3.2 beyond index_topk tokens, training and scoring): (q_nope, q_rope, c [B, S, C], k_r [B, S, Hr],
     q_latent, (cos, sin)) -> (o_c [B, T, N, C], each head's largest logit [N] or None, entries for aux), the
     attention over each query's chosen keys alone in the absorbed form (selected.py); the values are then
@@ -138,8 +140,8 @@ def attention(x, p, inputs: LayerInputs, config, rt, *, rope: str = "global", ke
     if inputs.cache is None and config.qk_clip_threshold > 0:  # each head's largest logit (models/qk_clip.py)
         aux[MAX_ATTENTION_LOGIT] = max_logits.max_logits(q, k, inputs.segment_ids, inputs.positions, scale=scale,
                                                          kept=kept)
-    if inputs.cache is None and attention_target:
-        mask = kept if kept is not None else attention_lib.make_attention_mask(inputs.segment_ids, inputs.segment_ids)
+    if inputs.cache is None and attention_target is not None:
+        mask = kept if kept is not None else attention_target
         aux["attention_target"] = head_averaged_probabilities(q, k, mask, scale)
     if kept is not None:
         out = attention_lib.dot_product_attention(q, k, v, kept, scale=scale)

@@ -33,7 +33,9 @@ block, still no [T, S] array; with the kernel the KL comes from a plain-jnp side
 Ours, not a library's: no kernel library (tokamax, cuDNN, splash) takes per-query key indices for MLA's latent keys
 yet. With kernel= the same chosen keys (`chosen`: every query's idx and kept, [B, T, K]) go to our selected-key Pallas
 kernel (kernels/selected_attention.py), run per device's batch rows and heads inside shard_map; this plain form is
-what it is checked against (tests/models/test_deepseek_selected.py).
+what it is checked against (tests/models/test_deepseek_selected.py). Under context parallelism (all_gather)
+selected_context.py runs the same blocks (`run`, `chosen_at`) per device, its queries at their original indices
+against the gathered keys.
 
 Einsum letters: as blocks.py and mla.py (C the latent rank, R the RoPE width), K the selected keys, I the indexer's
 heads and E their width.
@@ -99,7 +101,7 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
     (indexer.selected_scores, its gradient reaching index_q, index_w, index_k), KL(p || softmax(I)) summed over the
     block's real queries (segment id > 0); their total over the real queries. No [T, S] array, work as T x K. The
     plain form takes p from the block's own softmax; the kernel's probabilities stay inside it, so beside it a
-    plain-jnp side computation (`_kl_beside_kernel`) recomputes p block by block from the gathered latents."""
+    plain-jnp side computation (`kl_beside_kernel`) recomputes p block by block from the gathered latents."""
     b, t, n, _ = q_nope.shape
     bq = block or query_block(t)
     if t % bq:
@@ -112,16 +114,17 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
         out = _kernel(q_c, q_rope, c, k_rope, idx, kept, scale=scale, platform=kernel, with_max_logits=with_max_logits)
         if not indexer_kl:
             return out
-        return out, _kl_beside_kernel(q_c, q_rope, c, k_rope, idx, kept, index_q, index_w, index_k, segment_ids,
-                                      scale=scale, block=bq) / real
+        return out, kl_beside_kernel(q_c, q_rope, c, k_rope, idx, kept, index_q, index_w, index_k, segment_ids,
+                                     scale=scale, block=bq) / real
     out, head_max, kl = [], [], []
     for start, end in prefix_groups(t, bq):  # each run reads the keys before its end alone
         part = lambda a, start=start, end=end: None if a is None else a[:, start:end]  # noqa: E731
-        o_c, m, run_kl = _run(q_c[:, start:end], q_rope[:, start:end], part(index_q), part(index_w),
-                              None if choice is None else tuple(map(part, choice)), segment_ids[:, start:end], start,
-                              c[:, :end], k_rope[:, :end], None if index_k is None else index_k[:, :end],
-                              segment_ids[:, :end], topk=topk, scale=scale, block=bq, checkpointed=t > bq,
-                              indexer_kl=indexer_kl)
+        o_c, m, run_kl = run(q_c[:, start:end], q_rope[:, start:end], part(index_q), part(index_w),
+                             None if choice is None else tuple(map(part, choice)), segment_ids[:, start:end],
+                             start + jnp.arange(end - start, dtype=jnp.int32),
+                             c[:, :end], k_rope[:, :end], None if index_k is None else index_k[:, :end],
+                             segment_ids[:, :end], topk=topk, scale=scale, block=bq, checkpointed=t > bq,
+                             indexer_kl=indexer_kl)
         out.append(o_c)
         head_max.append(m)
         kl.append(run_kl)
@@ -130,21 +133,23 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
     return (out, sum(kl) / real) if indexer_kl else out
 
 
-def _run(q_c, q_rope, index_q, index_w, choice, q_segment_ids, first, c, k_rope, index_k, k_segment_ids, *, topk,
-         scale, block, checkpointed, indexer_kl=False):
-    """One run of query blocks (queries first .. first + T, T a multiple of `block`) against keys [0, S):
-    (o_c [B, T, N, C], each head's largest kept logit [N], the indexer's KL summed over the run's real queries, 0.0
-    without indexer_kl). choice: the run's chosen keys (idx, kept [B, T, K']: `chosen`'s, K' >= the run's K, its
-    padded slots not kept), or None: the indexer (index_q, index_w against index_k) chooses them."""
+def run(q_c, q_rope, index_q, index_w, choice, q_segment_ids, positions, c, k_rope, index_k, k_segment_ids, *, topk,
+        scale, block, checkpointed, indexer_kl=False):
+    """One run of query blocks (T queries, T a multiple of `block`, at the key positions `positions` [T] int32: a
+    query at p sees keys 0 .. p of its document) against keys [0, S) in their order: (o_c [B, T, N, C], each head's
+    largest kept logit [N], the indexer's KL summed over the run's real queries, 0.0 without indexer_kl). choice:
+    the run's chosen keys (idx, kept [B, T, K']: `chosen`'s, K' >= the run's K, its padded slots not kept), or None:
+    the indexer (index_q, index_w against index_k) chooses them. One device: the positions first .. first + T of a
+    run of the sequence; context parallelism (selected_context.py): a device's own queries' original indices."""
     b, t, n, _ = q_c.shape
     k = min(topk, c.shape[1])
 
     def blocks(x):  # [B, T, ...] -> [T / block, B, block, ...]
         return jnp.moveaxis(x.reshape(b, t // block, block, *x.shape[2:]), 1, 0)
 
-    def one_block(q_c_blk, q_r_blk, iq_blk, iw_blk, choice_blk, seg_blk, start):
+    def one_block(q_c_blk, q_r_blk, iq_blk, iw_blk, choice_blk, seg_blk, pos_blk):
         idx, kept = (choice_blk if choice_blk is not None                          # [B, bq, K] each
-                     else _choose(iq_blk, iw_blk, seg_blk, start, index_k, k_segment_ids, k))
+                     else _choose(iq_blk, iw_blk, seg_blk, pos_blk, index_k, k_segment_ids, k))
         kept = checkpoint_name(kept, "selected_keys")
         idx = checkpoint_name(idx, "selected_keys")  # kept for the backward: it need not score again
         logits, probs, c_k = _probabilities(q_c_blk, q_r_blk, c, k_rope, idx, kept, scale)  # [B, bq, N, K]
@@ -153,12 +158,11 @@ def _run(q_c, q_rope, index_q, index_w, choice, q_segment_ids, first, c, k_rope,
         kl = _block_kl(probs, kept, idx, iq_blk, iw_blk, index_k, seg_blk) if indexer_kl else jnp.zeros(())
         return o_c, head_max, kl
 
-    starts = first + jnp.arange(t // block) * block
     body = jax.checkpoint(one_block, policy=KEEP_CHOICE) if checkpointed else one_block  # one block: nothing to redo
     blocked = lambda x: None if x is None else jax.tree.map(blocks, x)  # noqa: E731
     o_c, head_max, kl = jax.lax.map(lambda xs: body(*xs), (blocks(q_c), blocks(q_rope), blocked(index_q),
                                                            blocked(index_w), blocked(choice), blocks(q_segment_ids),
-                                                           starts))
+                                                           positions.reshape(t // block, block)))
     return jnp.moveaxis(o_c, 0, 1).reshape(b, t, n, c.shape[-1]), jnp.max(head_max, axis=0), jnp.sum(kl)
 
 
@@ -184,7 +188,7 @@ def _block_kl(probs, kept, idx, iq_blk, iw_blk, index_k, seg_blk):
     return jnp.sum(indexer.kl_per_query(target, index, kept) * (seg_blk > 0))
 
 
-def _kl_beside_kernel(q_c, q_rope, c, k_rope, idx, kept, index_q, index_w, index_k, segment_ids, *, scale, block):
+def kl_beside_kernel(q_c, q_rope, c, k_rope, idx, kept, index_q, index_w, index_k, segment_ids, *, scale, block):
     """The indexer's KL summed over the real queries where the selected-key kernel computes the attention (its
     probabilities never leave it): plain jnp beside it, block by block, the probabilities recomputed from the
     chosen keys' gathered latents without gradient (the kernel's own backward trains the model)."""
@@ -203,11 +207,12 @@ def _kl_beside_kernel(q_c, q_rope, c, k_rope, idx, kept, index_q, index_w, index
                                                                          segment_ids)))))
 
 
-def _choose(iq_blk, iw_blk, seg_blk, start, index_k, k_segment_ids, k, fused: bool = False):
+def _choose(iq_blk, iw_blk, seg_blk, pos_blk, index_k, k_segment_ids, k, fused: bool = False):
     """A block of queries' chosen keys (idx [B, bq, K] int32, kept [B, bq, K] bool): top_k of the indexer's scores
-    over the keys its causal mask and documents let it see (-inf elsewhere: never chosen as kept), no gradient.
-    fused: the scores from kernels/index_scores.py (no [B, bq, I, S] per-head scores in memory)."""
-    visible = attention_lib.make_attention_mask(seg_blk, k_segment_ids, causal=True, q_offset=start)  # [B, bq, S]
+    over the keys its causal mask (key index <= the query's position, pos_blk [bq]) and documents let it see (-inf
+    elsewhere: never chosen as kept), no gradient. fused: the scores from kernels/index_scores.py (no
+    [B, bq, I, S] per-head scores in memory)."""
+    visible = visible_keys(seg_blk, k_segment_ids, pos_blk)                                         # [B, bq, S]
     if fused:
         # deferred: the Pallas kernel's import, only where it runs
         from maxtrain.kernels import index_scores  # pylint: disable=import-outside-toplevel
@@ -220,29 +225,43 @@ def _choose(iq_blk, iw_blk, seg_blk, start, index_k, k_segment_ids, k, fused: bo
     return idx, top > -jnp.inf
 
 
+def visible_keys(q_segment_ids, k_segment_ids, positions) -> jax.Array:
+    """[B, T, S] bool: key s (its index) visible to the query at position positions[t]: s <= it, same document."""
+    mask = attention_lib.make_attention_mask(q_segment_ids, k_segment_ids, causal=False)
+    return mask & (jnp.arange(k_segment_ids.shape[1])[None, :] <= positions[:, None])[None]
+
+
 def chosen(index_q, index_w, index_k, segment_ids, *, topk: int, block: int, fused: bool = False):
     """Every query's chosen keys (idx [B, T, K] int32, kept [B, T, K] bool; K = min(topk, S)), block by block and
     run by run as the plain form chooses them (a run's queries score the keys before its end alone), for the
     kernel: [B, T, K] int32 and bool in memory, the blocks' scores one at a time. fused: each block's scores from
     kernels/index_scores.py (timed on a GPU by scripts/gpu_selected_check.py; not yet the model's choice)."""
-    b, t = segment_ids.shape
     k = min(topk, index_k.shape[1])
     idx, kept = [], []
-    for start, end in prefix_groups(t, block):
-        def blocks(x, start=start, end=end):  # [B, run, ...] -> [run / block, B, block, ...]
-            x = x[:, start:end]
-            return jnp.moveaxis(x.reshape(b, (end - start) // block, block, *x.shape[2:]), 1, 0)
-
-        run_k = min(k, end)
-        i, m = jax.lax.map(lambda xs, end=end, run_k=run_k: _choose(*xs, index_k[:, :end], segment_ids[:, :end],
-                                                                     run_k, fused),
-                           (blocks(index_q), blocks(index_w), blocks(segment_ids),
-                            start + jnp.arange((end - start) // block) * block))
-        i, m = (jnp.moveaxis(x, 0, 1).reshape(b, end - start, run_k) for x in (i, m))
-        pad = [(0, 0), (0, 0), (0, k - run_k)]  # a run before index_topk keys: its missing slots not kept
+    for start, end in prefix_groups(segment_ids.shape[1], block):
+        i, m = chosen_at(index_q[:, start:end], index_w[:, start:end], index_k[:, :end], segment_ids[:, start:end],
+                         segment_ids[:, :end], start + jnp.arange(end - start, dtype=jnp.int32), topk=topk,
+                         block=block, fused=fused)
+        pad = [(0, 0), (0, 0), (0, k - i.shape[-1])]  # a run before index_topk keys: its missing slots not kept
         idx.append(jnp.pad(i, pad))
         kept.append(jnp.pad(m, pad, constant_values=False))
     return jnp.concatenate(idx, axis=1), jnp.concatenate(kept, axis=1)
+
+
+def chosen_at(index_q, index_w, index_k, q_segment_ids, k_segment_ids, positions, *, topk: int, block: int,
+              fused: bool = False):
+    """The chosen keys (idx, kept [B, T, K], K = min(topk, S)) of T queries at key positions `positions` [T] against
+    the keys [0, S) of index_k [B, S, E], `block` queries at a time (a run of `chosen`'s; a device's own queries
+    under context parallelism, selected_context.py)."""
+    b, t = q_segment_ids.shape
+    k = min(topk, index_k.shape[1])
+
+    def blocks(x):  # [B, T, ...] -> [T / block, B, block, ...]
+        return jnp.moveaxis(x.reshape(b, t // block, block, *x.shape[2:]), 1, 0)
+
+    i, m = jax.lax.map(lambda xs: _choose(*xs, index_k, k_segment_ids, k, fused),
+                       (blocks(index_q), blocks(index_w), blocks(q_segment_ids), positions.reshape(-1, block)))
+    return tuple(jnp.moveaxis(x, 0, 1).reshape(b, t, k) for x in (i, m))
 
 
 # The kernel's operands split as the flash kernel's (models/attention/kernels.py): over the batch and heads, whole
