@@ -37,7 +37,8 @@ and a jnp scatter-add of the rows into [B, S, 2H] float32 per chunk of `bwd_quer
 not kept have zero rows, added to row 0.
 
 Padding (in `selected_attention`): heads to a multiple of 8 (float32) or 16 (16-bit: the sublane tile) and of
-block_heads; K to a multiple of block_k (slots not kept; block_k a multiple of 128 lanes or the whole padded K).
+block_heads; K to a multiple of block_k (slots not kept; compiled, block_k is a multiple of 128 lanes, and K below
+it is padded to 128).
 
 Compiled for a TPU v5p (libtpu, jax 0.12; tests/kernels/test_kernel_lowering.py) at DeepSeek-V3.2's head shapes,
 forward and backward: see that test for the tiles and VMEM; it has not run on a TPU yet.
@@ -259,14 +260,15 @@ def _call(kernel, cfg, grid, idx, blocked, outs, out_specs, table, scratch, name
     """pallas_call with idx as SMEM blocks (first) and VMEM blocks and the table in HBM (last two inputs)."""
     b, t, slots = idx.shape
     bq = blocked[0][1].block_shape[1]
-    smem = pl.BlockSpec((None, bq * slots), lambda b, i, h: (b, i), memory_space=pltpu.SMEM)
+    blocks = t // bq  # SMEM blocks of a 1-D idx (a 2-D one's rows, B, would be a tiled dimension)
+    smem = pl.BlockSpec((bq * slots,), lambda b, i, h: (b * blocks + i,), memory_space=pltpu.SMEM)
     vmem = pl.BlockSpec((None, bq, 1, slots), lambda b, i, h: (b, i, 0, 0))
     return pl.pallas_call(
         functools.partial(kernel, cfg=cfg), grid=grid,
         in_specs=[smem, *(spec for _, spec in blocked), vmem, pl.BlockSpec(memory_space=pl.ANY)],
         out_specs=out_specs, out_shape=outs, scratch_shapes=_scratch(cfg, table) + scratch,
         compiler_params=_params(cfg), interpret=_interpret(cfg), name=name,
-    )(idx.reshape(b, t * slots), *(x for x, _ in blocked), idx.reshape(b, t, 1, slots), table)
+    )(idx.reshape(b * t * slots), *(x for x, _ in blocked), idx.reshape(b, t, 1, slots), table)
 
 
 def _head_specs(cfg, width, bq, bn):
@@ -394,15 +396,15 @@ def selected_attention(q_c, q_r, c, k_r, idx, kept, *, scale: float, block_queri
     idx [B, T, K] int32, kept [B, T, K] bool.
 
     block_queries (forward and dq) and rows_queries (the rows kernel): queries a program, at most (the largest power
-    of two that divides T); block_heads: heads a program; block_k: keys a step (compiled: a multiple of 128, or K whole).
+    of two that divides T); block_heads: heads a program; block_k: keys a step (compiled: a multiple of 128; K is padded to one).
     interpret: None runs Pallas' interpreter off TPUs; "tpu" its TPU interpreter (DMAs and semaphores simulated)."""
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     b, t, n, cw = q_c.shape
     rw, k = q_r.shape[-1], idx.shape[-1]
-    if not interpret and block_k % LANES and block_k < k:
-        raise ValueError(f"block_k={block_k} must be a multiple of {LANES} (the TPU's lanes) or cover K={k}")
-    bk = min(block_k, -(-k // 8) * 8)
+    if not interpret and block_k % LANES:
+        raise ValueError(f"block_k={block_k} must be a multiple of {LANES} (the TPU's lanes)")
+    bk = min(block_k, -(-k // (8 if interpret else LANES)) * (8 if interpret else LANES))
     packed = c.dtype == jnp.bfloat16
     tile = 8 if jnp.dtype(q_c.dtype).itemsize == 4 else 16  # the sublane tile of q's blocks
     bn = min(block_heads, -(-n // tile) * tile)

@@ -107,5 +107,5 @@ def test_the_tpu_interpreter_gives_the_same_values():
 
 def test_a_block_k_off_the_lanes_is_refused_when_compiled():
     x = _inputs()
-    with pytest.raises(ValueError, match="block_k=4 must be a multiple of 128"):
+    with pytest.raises(ValueError, match=r"block_k=4 must be a multiple of 128 \(the TPU.s lanes\)"):
         _kernel(x, interpret=False)
