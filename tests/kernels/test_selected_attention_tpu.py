@@ -105,6 +105,17 @@ def test_the_tpu_interpreter_gives_the_same_values():
     np.testing.assert_allclose(_kernel(x, interpret="tpu"), _reference(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # the TPU interpreter's DMAs and semaphores, three kernels: ~35 s on CPU
+def test_the_tpu_interpreter_gives_the_same_gradients():
+    x = _inputs()
+    cotangent = jax.random.normal(jax.random.key(7), (B, T, N, C))
+    params = {k: x[k] for k in ("q_rope", "c", "k_rope")}
+    want = jax.grad(lambda p: jnp.sum(_reference({**x, **p}) * cotangent))(params)
+    got = jax.grad(lambda p: jnp.sum(_kernel({**x, **p}, interpret="tpu") * cotangent))(params)
+    for name in params:
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def test_a_block_k_off_the_lanes_is_refused_when_compiled():
     x = _inputs()
     with pytest.raises(ValueError, match=r"block_k=4 must be a multiple of 128 \(the TPU.s lanes\)"):
