@@ -70,11 +70,13 @@ class Config:
     block_k: int
     rows_queries: int
     bwd_query_chunk: int
-    interpret: bool | str    # False, True (Pallas' interpreter) or "tpu" (its TPU interpreter: DMAs, semaphores)
+    interpret: object        # False, True (Pallas' interpreter), "tpu" or pltpu.InterpretParams (its TPU interpreter)
     vmem_limit: int = 48 * 2**20
 
 
 def _interpret(cfg):
+    if isinstance(cfg.interpret, pltpu.InterpretParams):
+        return cfg.interpret
     return pltpu.InterpretParams() if cfg.interpret == "tpu" else bool(cfg.interpret)
 
 
@@ -389,7 +391,7 @@ def _divisor(length, largest):
 
 def selected_attention(q_c, q_r, c, k_r, idx, kept, *, scale: float, block_queries: int = 8, block_heads: int = 128,
                        block_k: int = 128, rows_queries: int = 4, bwd_query_chunk: int = 128,
-                       interpret: bool | str | None = None, with_max_logits: bool = False):
+                       interpret=None, with_max_logits: bool = False):
     """o_c [B, T, N, C] (c's dtype) of each query's heads over its chosen keys; with with_max_logits also each head's
     largest kept logit [N] float32 (no gradient; -inf for a head no query kept a key for). As
     kernels/selected_attention.selected_attention: q_c [B, T, N, C], q_r [B, T, N, R], c [B, S, C], k_r [B, S, R],
@@ -397,7 +399,8 @@ def selected_attention(q_c, q_r, c, k_r, idx, kept, *, scale: float, block_queri
 
     block_queries (forward and dq) and rows_queries (the rows kernel): queries a program, at most (the largest power
     of two that divides T); block_heads: heads a program; block_k: keys a step (compiled: a multiple of 128; K is padded to one).
-    interpret: None runs Pallas' interpreter off TPUs; "tpu" its TPU interpreter (DMAs and semaphores simulated)."""
+    interpret: None runs Pallas' interpreter off TPUs; "tpu" (or a pltpu.InterpretParams) its TPU interpreter, which
+    simulates the DMAs and semaphores."""
     if interpret is None:
         interpret = jax.default_backend() != "tpu"
     b, t, n, cw = q_c.shape
