@@ -10,7 +10,8 @@ Why a kernel of its own: Mosaic has no vector-indexed row gather from a ref (Tri
 key's row is copied from HBM into VMEM by a DMA of its own, addressed by a scalar read of idx from SMEM.
 
 Rows. The latent and the RoPE key of a token are one row, wide = [c, k_r] (C + R = 576 at DeepSeek-V3.2), padded to
-2H lanes (H a multiple of 128: 768) and split into halves lo = wide[:H], hi = wide[H:], so one DMA fetches a key. In
+2H lanes (H a multiple of 128: 2H = 768) and split into halves lo = wide[:H], hi = wide[H:], so one DMA fetches a
+key (1,536 B in bfloat16 for its 1,152 B). In
 bfloat16 the row is stored as uint32 [H], each word lo's bits | hi's bits << 16: Mosaic copies 16-bit rows only in
 pairs (a one-row DMA into a bfloat16 buffer is refused: "not aligned to the unit subtile (2)"), 32-bit rows singly;
 the kernel gets the halves back with a shift and a mask (a bfloat16 is the top half of a float32). Other dtypes are
@@ -40,8 +41,12 @@ Padding (in `selected_attention`): heads to a multiple of 8 (float32) or 16 (16-
 block_heads; K to a multiple of block_k (slots not kept; compiled, block_k is a multiple of 128 lanes, and K below
 it is padded to 128).
 
-Compiled for a TPU v5p (libtpu, jax 0.12; tests/kernels/test_kernel_lowering.py) at DeepSeek-V3.2's head shapes,
-forward and backward: see that test for the tiles and VMEM; it has not run on a TPU yet.
+Compiled (tests/kernels/test_kernel_lowering.py; jax 0.12's libtpu, 2026-12-02) for v5p and v6e, forward and
+backward, at DeepSeek-V3.2's head shapes: 128 heads, C 512, R 64, K 2048, 256 queries over 2,048 keys, bfloat16, the
+default tiles (8 queries x 128 heads a program, 128 keys a step, rows kernel 4 queries): ~30 s a compile; the forward
+asks 8.9 MiB of scoped VMEM (refused under an 8 MiB limit), all three kernels compile under a 12 MiB one (the calls
+set 48 MiB: v5p has 64 a core, v5e and v6e 128). The rows of one chunk of 128 queries are 805 MB of float32 (1.0 GB
+of temporaries in that test). It has not run on a TPU yet: no speed is known.
 """
 
 from __future__ import annotations
@@ -273,7 +278,7 @@ def _call(kernel, cfg, grid, idx, blocked, outs, out_specs, table, scratch, name
     )(idx.reshape(b * t * slots), *(x for x, _ in blocked), idx.reshape(b, t, 1, slots), table)
 
 
-def _head_specs(cfg, width, bq, bn):
+def _head_specs(width, bq, bn):
     return pl.BlockSpec((None, bq, bn, width), lambda b, i, h: (b, i, h, 0))
 
 
@@ -281,7 +286,7 @@ def forward_call(q_wide, table, idx, cfg):
     """(o_wide [B, T, N, 2H] in q's dtype, lse [B, T, N, 1], max logit [B, T, N, 1]) on padded operands."""
     b, t, n, width = q_wide.shape
     bq, bn = cfg.block_queries, cfg.block_heads
-    spec, stat = _head_specs(cfg, width, bq, bn), _head_specs(cfg, 1, bq, bn)
+    spec, stat = _head_specs(width, bq, bn), _head_specs(1, bq, bn)
     stats = jax.ShapeDtypeStruct((b, t, n, 1), jnp.float32)
     return _call(_fwd_kernel, cfg, (b, t // bq, n // bn), idx, [(q_wide, spec)],
                  [jax.ShapeDtypeStruct(q_wide.shape, q_wide.dtype), stats, stats], [spec, stat, stat], table,
@@ -292,7 +297,7 @@ def forward_call(q_wide, table, idx, cfg):
 def dq_call(q_wide, do_wide, lse, delta, table, idx, cfg):
     b, t, n, width = q_wide.shape
     bq, bn = cfg.block_queries, cfg.block_heads
-    spec, stat = _head_specs(cfg, width, bq, bn), _head_specs(cfg, 1, bq, bn)
+    spec, stat = _head_specs(width, bq, bn), _head_specs(1, bq, bn)
     return _call(_dq_kernel, cfg, (b, t // bq, n // bn), idx, [(q_wide, spec), (do_wide, spec), (lse, stat),
                                                                 (delta, stat)],
                  jax.ShapeDtypeStruct(q_wide.shape, q_wide.dtype), spec, table,
@@ -303,7 +308,7 @@ def rows_call(q_wide, do_wide, lse, delta, table, idx, cfg):
     """Gradient rows [B, Tc, K, 2H] float32 of a chunk of Tc queries' chosen keys."""
     b, t, n, width = q_wide.shape
     bq, bk, slots = cfg.rows_queries, cfg.block_k, idx.shape[-1]
-    spec, stat = _head_specs(cfg, width, bq, n), _head_specs(cfg, 1, bq, n)
+    spec, stat = _head_specs(width, bq, n), _head_specs(1, bq, n)
     spec, stat = (pl.BlockSpec(s.block_shape, lambda b, i, j: (b, i, 0, 0)) for s in (spec, stat))
     out = pl.BlockSpec((None, bq, bk, width), lambda b, i, j: (b, i, j, 0))
     return _call(_rows_kernel, cfg, (b, t // bq, slots // bk), idx, [(q_wide, spec), (do_wide, spec), (lse, stat),
