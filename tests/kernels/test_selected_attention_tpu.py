@@ -10,6 +10,8 @@ and, in the TPU interpreter, copies not waited for move the output past the tole
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -23,12 +25,17 @@ from test_selected_attention import B, C, N, SCALE, SEGMENTS, T, TOPK, _choice, 
 TILES = dict(block_k=4, block_queries=4, rows_queries=2, bwd_query_chunk=8)
 
 
+@functools.partial(jax.jit, static_argnames=("interpret", "with_max_logits"))
+def _jitted(q_c, q_r, c, k_r, idx, kept, interpret, with_max_logits=False):  # one compile for the calls alike
+    return selected_attention_tpu.selected_attention(q_c, q_r, c, k_r, idx, kept, scale=SCALE, interpret=interpret,
+                                                     with_max_logits=with_max_logits, **TILES)
+
+
 def _kernel(x, dtype=jnp.float32, choice=None, interpret=True, **kw):
     idx, kept = choice or _choice(x)
     q_c = jnp.einsum("BTNH,CNH->BTNC", x["q_nope"], x["w_k"])
     cast = lambda a: a.astype(dtype)  # noqa: E731
-    return selected_attention_tpu.selected_attention(cast(q_c), cast(x["q_rope"]), cast(x["c"]), cast(x["k_rope"]),
-                                                     idx, kept, scale=SCALE, interpret=interpret, **TILES, **kw)
+    return _jitted(cast(q_c), cast(x["q_rope"]), cast(x["c"]), cast(x["k_rope"]), idx, kept, interpret, **kw)
 
 
 def _close(got, want, tol=1e-5):
@@ -82,8 +89,7 @@ def test_a_query_with_no_kept_key_gives_zero_and_no_gradient():
     q_c = jnp.einsum("BTNH,CNH->BTNC", x["q_nope"], x["w_k"])
 
     def run(q_c, c):
-        return selected_attention_tpu.selected_attention(q_c, x["q_rope"], c, x["k_rope"], idx, kept, scale=SCALE,
-                                                         interpret=True, **TILES)
+        return _jitted(q_c, x["q_rope"], c, x["k_rope"], idx, kept, True)
     out = run(q_c, x["c"])
     assert float(jnp.max(jnp.abs(out[1, 3]))) == 0.0 and float(jnp.max(jnp.abs(out[1, 4]))) > 0.0
     dq_c, dc = jax.grad(lambda q, c: jnp.sum(run(q, c)[1, 3]), argnums=(0, 1))(q_c, x["c"])
@@ -112,7 +118,9 @@ def test_the_tpu_interpreter_gives_the_same_values_without_races(monkeypatch):
     np.testing.assert_allclose(_kernel(x, interpret=params), _reference(x), rtol=1e-5, atol=1e-5)
     assert not interpret_pallas_call.races.races_found
     monkeypatch.setattr(selected_attention_tpu._Gather, "wait", lambda self, q, j, slot: None)  # control: no wait
-    assert not _close(_kernel(x, interpret=params), _reference(x))  # rows read before their copies land
+    broken = _jitted.__wrapped__(jnp.einsum("BTNH,CNH->BTNC", x["q_nope"], x["w_k"]), x["q_rope"], x["c"],
+                                 x["k_rope"], *_choice(x), params)  # traced anew, not jit's cached kernel
+    assert not _close(broken, _reference(x))  # rows read before their copies land
 
 
 @pytest.mark.slow  # the TPU interpreter's DMAs and semaphores, three kernels: ~35 s on CPU
@@ -129,4 +137,5 @@ def test_the_tpu_interpreter_gives_the_same_gradients():
 def test_a_block_k_off_the_lanes_is_refused_when_compiled():
     x = _inputs()
     with pytest.raises(ValueError, match=r"block_k=4 must be a multiple of 128 \(the TPU.s lanes\)"):
-        _kernel(x, interpret=False)
+        selected_attention_tpu.selected_attention(x["c"][:, :, None], x["k_rope"][:, :, None], x["c"], x["k_rope"],
+                                                  *_choice(x), scale=SCALE, interpret=False, block_k=4)
