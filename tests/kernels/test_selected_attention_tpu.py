@@ -1,8 +1,8 @@
 """The selected-key attention's TPU (Mosaic) kernel (kernels/selected_attention_tpu.py) in Pallas' interpreters on CPU
 against DeepSeek-V3.2's plain-jnp form (models/families/deepseek/selected.py), on test_selected_attention.py's inputs:
 two packed documents and padding in one row, queries that see fewer than K keys (the causal edge, a document's first
-tokens: one key), K = 6 in two key blocks of 4 (two slots padded), 3 heads padded to 8, 16 queries in blocks of 4
-(forward, dq) and 2 (rows). Values and gradients (q_nope, q_rope, c, k_rope and W_kvb's key half through the absorbed
+tokens: one key), K = 6 in two key blocks of 4 (two slots padded), 3 heads padded to 8 (and 12 in two blocks of
+8), 16 queries in blocks of 4 (forward, dq) and 2 (rows). Values and gradients (q_nope, q_rope, c, k_rope and W_kvb's key half through the absorbed
 queries) within float32 1e-5 (values) and 1e-4 relative / 1e-5 absolute (gradients); bfloat16 (rows stored as uint32
 pairs) against the float32 reference 3e-2. One forward runs in the TPU interpreter (InterpretParams: DMAs take
 effect when waited on, with its race detector), the gradients too (slow). Controls: a shifted idx, a dropped `kept`
@@ -79,6 +79,26 @@ def test_gradients_equal_the_reference():
     for name in params:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-4, atol=1e-5, err_msg=name)
         assert float(jnp.max(jnp.abs(want[name]))) > 0.1, name  # a real gradient, not zeros on both sides
+
+
+@pytest.mark.parametrize("gradient", [False, pytest.param(True, marks=pytest.mark.slow)])  # with it: ~25 s
+def test_heads_in_several_blocks(gradient):
+    """12 heads (the 3 four times over) in blocks of 8, the last padded: each copy's output is the reference's, and
+    c's gradient four times the reference's (each copy adds its own)."""
+    x = _inputs()
+    idx, kept = _choice(x)
+    q_c = jnp.tile(jnp.einsum("BTNH,CNH->BTNC", x["q_nope"], x["w_k"]), (1, 1, 4, 1))
+    q_r = jnp.tile(x["q_rope"], (1, 1, 4, 1))
+
+    def run(c):
+        return selected_attention_tpu.selected_attention(q_c, q_r, c, x["k_rope"], idx, kept, scale=SCALE,
+                                                         interpret=True, block_heads=8, **TILES)
+    np.testing.assert_allclose(run(x["c"]), jnp.tile(_reference(x), (1, 1, 4, 1)), rtol=1e-5, atol=1e-5)
+    if not gradient:
+        return
+    got = jax.grad(lambda c: jnp.sum(run(c)))(x["c"])
+    want = jax.grad(lambda c: jnp.sum(_reference({**x, "c": c})))(x["c"])
+    np.testing.assert_allclose(got, 4 * want, rtol=1e-4, atol=1e-5)
 
 
 def test_a_query_with_no_kept_key_gives_zero_and_no_gradient():
