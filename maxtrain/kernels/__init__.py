@@ -1,7 +1,7 @@
 """Pallas kernels: flash attention (GPU, Triton; runs on CPU in interpret mode), splash attention (TPU,
-Mosaic), DeepSeek-V3.2's selected-key attention (GPU, Triton; interpret mode on CPU), the grouped GEMM of dropless
-MoE (GPU, Triton; interpret mode on CPU) and the chunked gated delta rule (GPU Triton and TPU Mosaic; interpret mode
-on CPU).
+Mosaic), DeepSeek-V3.2's selected-key attention (GPU Triton and TPU Mosaic; interpret mode on CPU), the grouped GEMM
+of dropless MoE (GPU, Triton; interpret mode on CPU) and the chunked gated delta rule (GPU Triton and TPU Mosaic;
+interpret mode on CPU).
 
     flash_attention.py   forward and backward kernels with GQA, segment ids, causal and sliding-window
                          masks, logit soft-capping; checked against models/attention/'s jnp reference
@@ -16,9 +16,11 @@ on CPU).
                          checked against models/recurrent/gated_delta.py
     selected_attention.py DeepSeek-V3.2's attention over each query's chosen latent keys (MLA absorbed), forward
                          and backward (GPU Triton; interpret mode on CPU); checked against
-                         models/families/deepseek/selected.py (not yet called by the model)
+                         models/families/deepseek/selected.py
+    selected_attention_tpu.py the same in Mosaic (TPUs): each chosen key's row copied from HBM by a DMA of its
+                         own, double-buffered; forward, dq and rows kernels; the same reference
 
-Called only from the model: maxtrain/models/attention/ (inside shard_map), models/moe/expert_matmuls.py and
-models/recurrent/gated_deltanet.py (inside shard_map).
+Called only from the model: maxtrain/models/attention/ (inside shard_map), models/moe/expert_matmuls.py,
+models/recurrent/gated_deltanet.py and models/families/deepseek/selected.py (inside shard_map).
 Imports nothing else of maxtrain but the chip records (config/chips.py).
 """

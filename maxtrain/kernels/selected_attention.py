@@ -51,8 +51,8 @@ Shared memory (an H100's 232,448 B per block; bfloat16, C 512, R 64, 2 stages, m
 tests/kernels/test_kernel_lowering.py): heads x keys tiles 16 x 64 (the default), 32 x 64, 16 x 128 and 64 x 32 fit;
 64 x 64 asks 286,976 B, 32 x 128 233,728 B, 128 x 32 352,384 B. Triton's dots need every tile side >= 16.
 
-Not yet: a TPU (Mosaic) variant: Mosaic has no vector-indexed row gather from a ref, so it would scalar-prefetch
-idx and DMA each chosen latent row (1 KB) into VMEM one copy per key, double-buffered per key block.
+The TPU (Mosaic) form is kernels/selected_attention_tpu.py: Mosaic has no vector-indexed row gather from a ref, so
+it copies each chosen key's row from HBM into VMEM by a DMA of its own, double-buffered per key block.
 """
 
 from __future__ import annotations

@@ -230,6 +230,8 @@ class Runtime:
         chosen = {k.implementation for k in self.attention_kinds}
         attention = attention_lib.describe(self.attention, self.backend) if len(chosen) <= 1 else ", ".join(
             f"{attention_lib.describe(k.implementation, self.backend)} for the {k.label()}" for k in self.attention_kinds)
+        if self.attention == "flash" and self.backend == "tpu" and "selected-key" in (self.attention_reason or ""):
+            attention = "flash (Pallas Mosaic, selected keys)"  # DeepSeek Sparse Attention: not splash
         return (f"dtype {jnp.dtype(self.dtype).name}{tag('dtype')}  "
                 f"attention {attention}{tag('attention')}"
                 + (f" [{self.attention_reason}]" if "attention" in self.autoselected and self.attention_reason else "")

@@ -523,6 +523,17 @@ def test_deepseek_v32_train_step_compiles_for_8_h100s_with_the_selected_key_kern
 
 
 @pytest.mark.slow
+@needs_tpu_compiler
+def test_deepseek_v32_train_step_compiles_for_tpu_with_the_mosaic_selected_key_kernel():
+    """On a v5p-8 autoselected takes the selected-key kernel's Mosaic form (kernels/selected_attention_tpu.py) for
+    the sparse layers, run per device's batch rows and heads (fsdp 2 x tensor 2) inside shard_map."""
+    hlo = compile_train_step(targets.parse("v5p-8").devices(), DEEPSEEK_V32 + ["ici_fsdp_parallelism=2",
+                                                                              "ici_tensor_parallelism=2"])
+    for kernel in ("selected_attention_tpu_fwd", "selected_attention_tpu_dq", "selected_attention_tpu_rows"):
+        assert kernel in hlo
+
+
+@pytest.mark.slow
 @needs_gpu_compiler
 def test_deepseek_v32_train_step_compiles_for_8_h100s_under_context_parallelism(h100s):
     """Context 4 x fsdp 2 (all_gather, models/families/deepseek/selected_context.py): each device's 32 queries
@@ -769,6 +780,41 @@ def test_selected_attention_compiles_for_h100(h100s, block_heads, block_k, atomi
     backward = ("selected_attention_bwd",) if atomic else ("selected_attention_dq", "selected_attention_rows")
     for kernel in ("selected_attention_fwd", *backward):
         assert kernel in hlo
+
+
+# The TPU (Mosaic) form (kernels/selected_attention_tpu.py) at the same shapes, its default tiles (8 queries x 128
+# heads a program, 128 keys a step, rows kernel 4 queries): compiled for v5p (libtpu of jax 0.12, 2026-12-02, ~30 s
+# each); the forward asks 8.9 MiB of scoped VMEM (refused under an 8 MiB limit), and all three kernels compile under
+# a 12 MiB one (the kernel sets 48 MiB).
+
+
+@needs_tpu_compiler
+@pytest.mark.parametrize("topology", ["v5p-8", "v6e-4"])
+def test_selected_attention_compiles_for_tpu(topology):
+    from maxtrain.kernels import selected_attention_tpu  # pylint: disable=import-outside-toplevel
+
+    batch, length, keys, heads, latent, rope, topk = 1, 256, 2048, 128, 512, 64, 2048
+    mesh = sharding.mesh_of(targets.parse(topology).devices()[:1], data=1)
+    spec = NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def arg(shape, dt=jnp.bfloat16):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=spec)
+
+    def grads(q_c, q_r, c, k_r, idx, kept, w):
+        def loss(q_c, q_r, c, k_r):
+            o_c, head_max = selected_attention_tpu.selected_attention(q_c, q_r, c, k_r, idx, kept, scale=0.07,
+                                                                      interpret=False, with_max_logits=True)
+            return jnp.sum((o_c * w).astype(jnp.float32)) + jnp.sum(head_max)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2, 3))(q_c, q_r, c, k_r)
+
+    args = (arg((batch, length, heads, latent)), arg((batch, length, heads, rope)), arg((batch, keys, latent)),
+            arg((batch, keys, rope)), arg((batch, length, topk), jnp.int32), arg((batch, length, topk), jnp.bool_),
+            arg((batch, length, heads, latent)))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        hlo = jax.jit(grads).trace(*args).lower(lowering_platforms=("tpu",)).compile().as_text()
+    for kernel in ("selected_attention_tpu_fwd", "selected_attention_tpu_dq", "selected_attention_tpu_rows"):
+        assert kernel in hlo
+    assert "selected_attention_fwd" not in hlo  # not the Triton kernel's calls
 
 
 def _selected_costs(devices, *, batch, length, heads, latent, rope, topk, atomic=False):

@@ -170,8 +170,10 @@ def test_sparse_attention_refuses_a_kernel_and_a_context_strategy_in_one_line():
     with pytest.raises(ValueError, match=r"^attention=cudnn cannot take each query's chosen keys, and the indexer "
                                          r"keeps index_topk=3 of 16 keys per query .* use attention=autoselected"):
         Runtime.from_config(config.replace(attention="cudnn"), "gpu")
-    with pytest.raises(ValueError, match=r"attention=flash has no TPU \(Mosaic\) variant of the selected-key"):
-        Runtime.from_config(config.replace(attention="flash"), "tpu")
+    for platform, form in (("tpu", "Mosaic"), ("gpu", "Triton")):  # autoselected and flash: the selected-key kernel
+        for name in ("flash", "autoselected"):
+            rt = Runtime.from_config(config.replace(attention=name), platform)
+            assert rt.attention == "flash" and f"selected-key Pallas kernel ({form})" in rt.attention_reason
     assert Runtime.from_config(config.replace(attention="flash", index_topk=16), "tpu").attention == "flash"  # dense
     assert Runtime.from_config(config, context_parallel=2).attention == "dot_product"  # all_gather: selected_context
     with pytest.raises(ValueError, match=r"^context_parallel_strategy=ring cannot split DeepSeek Sparse Attention "

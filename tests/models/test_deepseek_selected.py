@@ -183,16 +183,20 @@ def _tiny_v32(*overrides):
     return tiny("max_target_length=16", *SPARSE, *overrides)
 
 
-def test_autoselected_takes_the_kernel_on_a_gpu_and_says_why():
+def test_autoselected_takes_the_kernel_on_a_gpu_and_a_tpu_and_says_why():
     config = _tiny_v32("attention=autoselected", "dtype=bfloat16")
     gpu = Runtime.from_config(config, "gpu", capability="9.0")
     assert gpu.attention == "flash"
     assert ("attention flash (Pallas Triton) (autoselected for gpu) [flash: the selected-key Pallas kernel (Triton): "
             "the indexer keeps index_topk=3 of 16 keys per query") in gpu.describe()
+    tpu = Runtime.from_config(config, "tpu")
+    assert tpu.attention == "flash"
+    assert ("attention flash (Pallas Mosaic, selected keys) (autoselected for tpu) [flash: the selected-key Pallas "
+            "kernel (Mosaic): the indexer keeps index_topk=3 of 16 keys per query") in tpu.describe()
     cpu = Runtime.from_config(config, "cpu")
     assert cpu.attention == "dot_product"
     assert ("[dot_product: the indexer keeps index_topk=3 of 16 keys per query, read in plain jnp by query blocks "
-            "(the selected-key Pallas kernel runs on GPUs") in cpu.describe()
+            "(the selected-key Pallas kernel runs on GPUs and TPUs") in cpu.describe()
     dense = Runtime.from_config(config.replace(index_topk=16), "gpu", capability="9.0")
     assert "selected-key" not in dense.attention_reason  # every key kept: MLA's dense kernels choose as any model's
 

@@ -13,9 +13,10 @@ The reason is what the start-up summary and train_compile's summary print after 
 tokens, cudnn 349, flash 201 TFLOP/s; H200, docs/gpu.md 2026-11-26)`.
 
 A DeepSeek Sparse Attention layer (the indexer keeping index_topk of more keys per query) chooses apart,
-`choose_selected`: autoselected takes the selected-key Pallas kernel (kernels/selected_attention.py, as `flash`) on
+`choose_selected`: autoselected takes the selected-key Pallas kernel (as `flash`: kernels/selected_attention.py on
 GPUs, e.g. `flash: the selected-key Pallas kernel (Triton): the indexer keeps index_topk=2048 of 8192 keys per
-query, ...`, and the plain-jnp form elsewhere; cudnn and tokamax, which take no per-query key indices, are refused.
+query, ...`; kernels/selected_attention_tpu.py, Mosaic, on TPUs), and the plain-jnp form on CPU; cudnn and tokamax,
+which take no per-query key indices, are refused.
 
 Every implementation keeps packed documents exact: cudnn takes the segment ids as a [B, 1, T, S] mask,
 tokamax as a [B, 1, T, S] mask too, flash as segment ids inside the kernel, dot_product as a mask.
@@ -221,23 +222,26 @@ def choose(platform: str, shape: Shape, context_parallel: int = 1, context_strat
 def choose_selected(name: str, platform: str, topk: int, length: int) -> Choice:
     """The implementation of a layer whose indexer keeps `topk` of `length` keys per query (DeepSeek Sparse Attention
     beyond index_topk tokens, models/families/deepseek/selected.py): `flash` is the selected-key Pallas kernel
-    (kernels/selected_attention.py: Triton on GPUs, interpret mode on CPU), `dot_product` the plain-jnp form that
-    gathers the chosen latent rows per block of queries. autoselected takes the kernel on GPUs and the plain form
-    elsewhere; an implementation that cannot take per-query key indices is a ValueError naming the fix."""
+    (kernels/selected_attention.py: Triton on GPUs, interpret mode on CPU; kernels/selected_attention_tpu.py: Mosaic
+    on TPUs), `dot_product` the plain-jnp form that gathers the chosen latent rows per block of queries. autoselected
+    takes the kernel on GPUs and TPUs and the plain form on CPU; an implementation that cannot take per-query key
+    indices is a ValueError naming the fix."""
     kept = f"the indexer keeps index_topk={topk} of {length} keys per query"
     if name == "autoselected":
         if platform == "gpu":
             return Choice("flash", f"flash: the selected-key Pallas kernel (Triton): {kept}, and it reads only "
                           "those, gathered tile by tile")
+        if platform == "tpu":
+            return Choice("flash", f"flash: the selected-key Pallas kernel (Mosaic): {kept}, and it reads only "
+                          "those, each chosen key's row copied from HBM by a DMA of its own")
         return Choice("dot_product", f"dot_product: {kept}, read in plain jnp by query blocks (the selected-key "
-                      f"Pallas kernel runs on GPUs; on {platform} only interpreted or not at all)")
+                      f"Pallas kernel runs on GPUs and TPUs; on {platform} only interpreted)")
     if name == "dot_product":
         return Choice("dot_product", f"dot_product: set in the config; {kept}, read in plain jnp by query blocks")
-    if name == "flash" and platform != "tpu":
-        mode = "Triton" if platform == "gpu" else "interpret mode: slow, for testing the kernel"
+    if name == "flash":
+        mode = {"gpu": "Triton", "tpu": "Mosaic"}.get(platform, "interpret mode: slow, for testing the kernel")
         return Choice("flash", f"flash: set in the config; the selected-key Pallas kernel ({mode}): {kept}")
-    what = ("has no TPU (Mosaic) variant of the selected-key kernel" if name == "flash" else
-            "cannot take each query's chosen keys")
-    raise ValueError(f"attention={name} {what}, and {kept} (DeepSeek Sparse Attention); use attention=autoselected "
-                     "(the selected-key kernel on GPUs, plain jnp elsewhere), flash (the kernel; GPUs and CPU) or "
-                     "dot_product, or max_target_length <= index_topk (dense attention, every kernel)")
+    raise ValueError(f"attention={name} cannot take each query's chosen keys, and {kept} (DeepSeek Sparse "
+                     "Attention); use attention=autoselected (the selected-key kernel on GPUs and TPUs, plain jnp on "
+                     "CPU), flash (the kernel) or dot_product, or max_target_length <= index_topk (dense attention, "
+                     "every kernel)")

@@ -21,8 +21,8 @@ DeepSeek-V3.2 (index_n_heads > 0; Hugging Face's deepseek_v32): DeepSeek Sparse 
 front of MLA that keeps the index_topk keys each query attends to (indexer.py). Where a sequence (or the decoding
 cache) holds no more than index_topk tokens every query keeps every key it sees, and the indexer is skipped (MLA
 runs its kernels); beyond, each query reads its chosen keys alone (selected.py: MLA's absorbed form, by the selected-key Pallas kernel,
-kernels/selected_attention.py, where attention resolves to flash: autoselected on GPUs, or set; in plain jnp by
-query blocks otherwise; kernel_choice.choose_selected says why in the summary; W_kvb runs unquantized there under
+kernels/selected_attention.py, or _tpu.py on TPUs, where attention resolves to flash: autoselected on GPUs and TPUs,
+or set; in plain jnp by query blocks otherwise; kernel_choice.choose_selected says why in the summary; W_kvb runs unquantized there under
 quantization=fp8). Decoding caches each token's indexer key beside MLA's latent
 (layer_cache). The language-model loss does not train the indexer; indexer_training does, towards the attention's
 distribution with a KL loss, in DeepSeek's dense warm-up or sparse stage (indexer_training.py). Under context

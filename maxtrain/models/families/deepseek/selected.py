@@ -32,10 +32,11 @@ block, still no [T, S] array; with the kernel the KL comes from a plain-jnp side
 
 Ours, not a library's: no kernel library (tokamax, cuDNN, splash) takes per-query key indices for MLA's latent keys
 yet. With kernel= the same chosen keys (`chosen`: every query's idx and kept, [B, T, K]) go to our selected-key Pallas
-kernel (kernels/selected_attention.py), run per device's batch rows and heads inside shard_map; this plain form is
-what it is checked against (tests/models/test_deepseek_selected.py). Under context parallelism (all_gather)
-selected_context.py runs the same blocks (`run`, `chosen_at`) per device, its queries at their original indices
-against the gathered keys.
+kernel (kernels/selected_attention.py, Triton; kernels/selected_attention_tpu.py, Mosaic, on TPUs), run per device's
+batch rows and heads inside shard_map; this plain form is what both are checked against
+(tests/models/test_deepseek_selected.py, tests/kernels/test_selected_attention*.py). Under context parallelism
+(all_gather) selected_context.py runs the same blocks (`run`, `chosen_at`) per device, its queries at their original
+indices against the gathered keys.
 
 Einsum letters: as blocks.py and mla.py (C the latent rank, R the RoPE width), K the selected keys, I the indexer's
 heads and E their width.
@@ -270,15 +271,27 @@ _HEADS = ("batch", None, "heads", None)
 _ROWS = ("batch", None, None)
 
 
-def _kernel(q_c, q_rope, c, k_rope, idx, kept, *, scale: float, platform: str, with_max_logits: bool):
-    """o_c [B, T, N, C] (and each head's largest kept logit [N]) from kernels/selected_attention.py, run on each
-    device's batch rows and heads inside shard_map (GSPMD cannot partition a Pallas call)."""
-    # deferred: the Pallas kernel's import, only where it runs
+def kernel_module(platform: str):
+    """The selected-key kernel's module for `platform`: kernels/selected_attention_tpu.py (Mosaic) on tpu, else
+    kernels/selected_attention.py (Triton; interpreted on cpu). Both take selected_attention's arguments."""
+    if platform == "tpu":
+        # deferred: the Pallas Mosaic kernel's import, only where it runs
+        from maxtrain.kernels import selected_attention_tpu  # pylint: disable=import-outside-toplevel
+        return selected_attention_tpu
+    # deferred: the Pallas Triton kernel's import, only where it runs
     from maxtrain.kernels import selected_attention  # pylint: disable=import-outside-toplevel
+    return selected_attention
+
+
+def _kernel(q_c, q_rope, c, k_rope, idx, kept, *, scale: float, platform: str, with_max_logits: bool):
+    """o_c [B, T, N, C] (and each head's largest kept logit [N]) from kernels/selected_attention.py (Triton; cpu:
+    interpreted) or, on tpu, kernels/selected_attention_tpu.py (Mosaic), run on each device's batch rows and heads
+    inside shard_map (GSPMD cannot partition a Pallas call)."""
+    kernel = kernel_module(platform)
 
     def local(q_c, q_rope, c, k_rope, idx, kept):
-        o_c, head_max = selected_attention.selected_attention(q_c, q_rope, c, k_rope, idx, kept, scale=scale,
-                                                              interpret=platform == "cpu", with_max_logits=True)
+        o_c, head_max = kernel.selected_attention(q_c, q_rope, c, k_rope, idx, kept, scale=scale,
+                                                  interpret=platform == "cpu", with_max_logits=True)
         return o_c, head_max[None]  # [1, N / heads' ways] per device: their maximum below
 
     o_c, head_max = sharding.run_in_shards(local, (q_c, q_rope, c, k_rope, idx, kept),

@@ -132,13 +132,11 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
                                              seg_all, topk=topk, scale=scale, block=bq, checkpointed=q_c.shape[1] > bq,
                                              indexer_kl=indexer_kl)
         else:
-            # deferred: the Pallas kernel's import, only where it runs
-            from maxtrain.kernels import selected_attention  # pylint: disable=import-outside-toplevel
             if mine is None:
                 mine = selected.chosen_at(*(jax.lax.stop_gradient(a) for a in (iq, iw, ik)), segment_ids, seg_all,
                                           positions, topk=topk, block=bq)
-            o_c, head_max = selected_attention.selected_attention(q_c, q_rope, c_all, r_all, *mine, scale=scale,
-                                                                  interpret=kernel == "cpu", with_max_logits=True)
+            o_c, head_max = selected.kernel_module(kernel).selected_attention(
+                q_c, q_rope, c_all, r_all, *mine, scale=scale, interpret=kernel == "cpu", with_max_logits=True)
             kl = (selected.kl_beside_kernel(q_c, q_rope, c_all, r_all, *mine, iq, iw, ik, segment_ids, scale=scale,
                                             block=bq) if indexer_kl else jnp.zeros((), jnp.float32))
         return o_c, head_max[None, None], kl.reshape(1, 1)
