@@ -101,6 +101,7 @@ def test_heads_in_several_blocks(gradient):
     np.testing.assert_allclose(got, 4 * want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow  # ~10 s more in the default run; its causal edge (a query with one key) is in every test there
 def test_a_query_with_no_kept_key_gives_zero_and_no_gradient():
     """Slots not kept are ignored even where every slot of a query is (output 0, as selected.py's masked softmax)."""
     x = _inputs()
@@ -116,6 +117,7 @@ def test_a_query_with_no_kept_key_gives_zero_and_no_gradient():
     assert float(jnp.max(jnp.abs(dq_c))) == 0.0 and float(jnp.max(jnp.abs(dc))) == 0.0
 
 
+@pytest.mark.slow  # ~15 s: a second compile of the three kernels in bfloat16
 def test_bfloat16_rows_packed_in_pairs_are_close_to_the_float32_reference():
     x = _inputs()
     got = _kernel(x, jnp.bfloat16)
