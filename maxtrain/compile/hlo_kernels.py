@@ -10,7 +10,9 @@ hidden, count theirs from their operands' shapes, and so do the selected-key ker
 DeepSeek-V3.2's sparse attention: T x K, not T x S; selected_flops) and dropless MoE's grouped GEMM (its rows' matmuls,
 priced as matmuls). Its bytes are its operands and results at the
 fusion's boundary: an operand the kernel only slices (directly, through bitcasts or in a nested fusion) counts the
-slices, a buffer updated in place the update. compile/predict.py turns the kernels into time (see its docstring).
+slices, a buffer updated in place the update. A kernel that holds a `gather` (a fusion, nested ones included, or a
+lone gather) says so (`gathers`): its bytes run at a measured gather rate, not the memory-bound one. compile/predict.py
+turns the kernels into time (see its docstring).
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ class Kernel:
     fp8: bool = False
     head_dim: int = 0         # attention kernels (the selected-key kernels: the latent width C)
     tokens: int = 0           # the selected-key kernels: the keys' length S, which their measured rate is read at
+    gathers: bool = False     # holds a gather: its bytes are priced at the gather rate (predict.Calibration.gather)
 
 
 def _split_operands(rest: str) -> tuple[list[str], str]:
@@ -94,6 +97,7 @@ class Program:
             self.insts[comp] = rows
             self.types[comp] = {r[0]: r[1] for r in rows}
         self._fused: dict[str, tuple[float, bool]] = {}
+        self._holds: dict[tuple[str, str], bool] = {}
         self._user_maps: dict[str, dict[str, list[tuple[str, str, int, str, str]]]] = {}
 
     def dot_flops(self, comp: str, rtype: str, operands: list[str], attrs: str) -> tuple[float, bool]:
@@ -140,6 +144,18 @@ class Program:
                         flops, fp8 = flops + f, fp8 or is8
             self._fused[comp] = (flops, fp8)
         return self._fused[comp]
+
+    def holds(self, comp: str, opcode: str, depth: int = 0) -> bool:
+        """Whether a fused computation holds an instruction of `opcode` (nested fusions included)."""
+        if (comp, opcode) not in self._holds:
+            found = False
+            for _, _, op, _, attrs in self.insts.get(comp, ()):
+                callee = CALLS.search(attrs) if op == "fusion" and depth < 8 else None
+                if op == opcode or callee and self.holds(callee.group(1), opcode, depth + 1):
+                    found = True
+                    break
+            self._holds[(comp, opcode)] = found
+        return self._holds[(comp, opcode)]
 
     def _users(self, comp: str) -> dict[str, list[tuple[str, str, int, str, str]]]:
         """{instruction: [(user name, user opcode, operand position, user type, user attributes)]} of a computation."""
@@ -278,7 +294,8 @@ def cost_kernel(prog: Program, comp: str, name: str, rtype: str, opcode: str, op
         callee = CALLS.search(attrs)
         flops, fp8 = prog.fused_flops(callee.group(1)) if callee else (0.0, False)
         moved = prog.fusion_bytes(comp, rtype, operands, callee.group(1) if callee else None, collectives)
-        return Kernel(name, flops, moved, count, "matmul" if flops else "fusion", fp8)
+        return Kernel(name, flops, moved, count, "matmul" if flops else "fusion", fp8,
+                      gathers=bool(callee) and prog.holds(callee.group(1), "gather"))
     if opcode in ("dot", "convolution"):
         flops, fp8 = prog.dot_flops(comp, rtype, operands, attrs)
         return Kernel(name, flops, operand_bytes + _bytes(rtype), count, "matmul", fp8)
@@ -304,4 +321,4 @@ def cost_kernel(prog: Program, comp: str, name: str, rtype: str, opcode: str, op
         if "gemm" in target or "matmul" in target or "cublas" in target:
             flops, fp8 = prog.dot_flops(comp, rtype, operands, attrs)
             return Kernel(name, flops, operand_bytes + _bytes(rtype), count, "matmul", fp8 or "f8" in target)
-    return Kernel(name, 0.0, operand_bytes + _bytes(rtype), count, "other")
+    return Kernel(name, 0.0, operand_bytes + _bytes(rtype), count, "other", gathers=opcode == "gather")

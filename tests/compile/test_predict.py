@@ -382,3 +382,32 @@ def test_a_selected_key_kernel_takes_its_measured_rate():
         assert part == "attention" and seconds == pytest.approx(row.kernel_ms / 1e3)
         flash = dataclasses.replace(kernel, kind="attention:flash", head_dim=128)
         assert predict.kernel_seconds(flash, chip, cal, 0.0)[0] < seconds / 8
+
+
+def test_a_gather_is_priced_at_the_measured_gather_rate():
+    """A kernel that holds an XLA gather (here a CPU-compiled jnp.take fused with a multiply) says so, and on a GPU its
+    bytes run at GATHER (measured: DeepSeek-V3.2's plain selected-key form on the H200), 12x slower than the other
+    memory-bound fusions; the control: with the gather rate set back to the memory one, the price is the old one, and
+    the kernel without a gather is priced the same either way."""
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+    def program(table, idx, x):
+        return jnp.take(table, idx, axis=0) * 2.0, jnp.tanh(x) + 1.0
+
+    hlo = jax.jit(program).lower(jnp.zeros((1024, 256), jnp.bfloat16), jnp.zeros((4096,), jnp.int32),
+                                 jnp.zeros((512, 512), jnp.float32)).compile().as_text()
+    kernels = predict.program_costs(hlo).kernels
+    gathers = [k for k in kernels if k.gathers]
+    others = [k for k in kernels if not k.gathers]
+    assert len(gathers) == 1 and others
+    assert gathers[0].bytes == 1024 * 256 * 2 + 4096 * 4 + 4096 * 256 * 2  # the table, the indices, the rows out
+    h200, cal = chips.by_name("h200"), predict.CALIBRATION
+    assert cal.gather == predict.GATHER < cal.memory / 10 and predict.TPU_CALIBRATION.gather == 1.0
+    seconds, part = predict.kernel_seconds(gathers[0], h200, cal, 0.0)
+    assert part == "memory" and seconds == pytest.approx(gathers[0].bytes / (h200.hbm_bytes_per_s * predict.GATHER))
+    without = dataclasses.replace(cal, gather=cal.memory)
+    assert predict.kernel_seconds(gathers[0], h200, without, 0.0)[0] == pytest.approx(
+        gathers[0].bytes / (h200.hbm_bytes_per_s * cal.memory))
+    for k in others:
+        assert predict.kernel_seconds(k, h200, cal, 0.0) == predict.kernel_seconds(k, h200, without, 0.0)
