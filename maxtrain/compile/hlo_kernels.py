@@ -11,8 +11,8 @@ DeepSeek-V3.2's sparse attention: T x K, not T x S; selected_flops) and dropless
 priced as matmuls). Its bytes are its operands and results at the
 fusion's boundary: an operand the kernel only slices (directly, through bitcasts or in a nested fusion) counts the
 slices, a buffer updated in place the update. A kernel that holds a `gather` (a fusion, nested ones included, or a
-lone gather) carries the widest row its gathers move (`gather_row`, bytes): compile/predict.py prices narrow-row
-gathers at a measured rate. compile/predict.py turns the kernels into time (see its docstring).
+lone gather) carries the widest row its gathers move (`gather_row`, bytes), since narrow-row gathers run at a
+measured rate of their own. compile/predict.py turns the kernels into time (see its docstring).
 """
 
 from __future__ import annotations
