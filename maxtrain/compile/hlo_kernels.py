@@ -10,7 +10,9 @@ hidden, count theirs from their operands' shapes, and so do the selected-key ker
 DeepSeek-V3.2's sparse attention: T x K, not T x S; selected_flops) and dropless MoE's grouped GEMM (its rows' matmuls,
 priced as matmuls). Its bytes are its operands and results at the
 fusion's boundary: an operand the kernel only slices (directly, through bitcasts or in a nested fusion) counts the
-slices, a buffer updated in place the update. compile/predict.py turns the kernels into time (see its docstring).
+slices, a buffer updated in place the update. A kernel that holds a `gather` (a fusion, nested ones included, or a
+lone gather) carries the widest row its gathers move (`gather_row`, bytes), since narrow-row gathers run at a
+measured rate of their own. compile/predict.py turns the kernels into time (see its docstring).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ _DIMS = re.compile(r"(lhs_contracting_dims|lhs_batch_dims)=\{([\d,]*)\}")
 CALLS = re.compile(r"\bcalls=%?([\w.\-]+)")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_SLICE_SIZES = re.compile(r"slice_sizes=\{([\d,]*)\}")
 
 
 @dataclasses.dataclass
@@ -51,6 +54,7 @@ class Kernel:
     fp8: bool = False
     head_dim: int = 0         # attention kernels (the selected-key kernels: the latent width C)
     tokens: int = 0           # the selected-key kernels: the keys' length S, which their measured rate is read at
+    gather_row: float = 0.0   # the widest row its gathers move, bytes (0: no gather; predict.Calibration.gather)
 
 
 def _split_operands(rest: str) -> tuple[list[str], str]:
@@ -94,6 +98,7 @@ class Program:
             self.insts[comp] = rows
             self.types[comp] = {r[0]: r[1] for r in rows}
         self._fused: dict[str, tuple[float, bool]] = {}
+        self._gather_rows: dict[str, float] = {}
         self._user_maps: dict[str, dict[str, list[tuple[str, str, int, str, str]]]] = {}
 
     def dot_flops(self, comp: str, rtype: str, operands: list[str], attrs: str) -> tuple[float, bool]:
@@ -140,6 +145,20 @@ class Program:
                         flops, fp8 = flops + f, fp8 or is8
             self._fused[comp] = (flops, fp8)
         return self._fused[comp]
+
+    def gather_row(self, comp: str, depth: int = 0) -> float:
+        """The widest row (bytes: slice_sizes x the operand's dtype) that a gather of a fused computation moves
+        (nested fusions included); 0.0 without a gather."""
+        if comp not in self._gather_rows:
+            widest = 0.0
+            for _, _, op, operands, attrs in self.insts.get(comp, ()):
+                callee = CALLS.search(attrs) if op == "fusion" and depth < 8 else None
+                if callee:
+                    widest = max(widest, self.gather_row(callee.group(1), depth + 1))
+                elif op == "gather":
+                    widest = max(widest, _gather_row(self.types[comp].get(operands[0], "") if operands else "", attrs))
+            self._gather_rows[comp] = widest
+        return self._gather_rows[comp]
 
     def _users(self, comp: str) -> dict[str, list[tuple[str, str, int, str, str]]]:
         """{instruction: [(user name, user opcode, operand position, user type, user attributes)]} of a computation."""
@@ -212,6 +231,15 @@ class Program:
         return sum(sizes) + out
 
 
+def _gather_row(operand_type: str, attrs: str) -> float:
+    """The bytes of one row a gather moves: its slice_sizes over the gathered operand's dtype."""
+    sizes = _SLICE_SIZES.search(attrs)
+    arrays = _arrays(operand_type)
+    if not sizes or not arrays:
+        return 0.0
+    return float(hlo_stats.array_bytes(arrays[0][0], tuple(int(x) for x in sizes.group(1).split(",") if x)))
+
+
 def _attention(name: str, attrs: str, target: str) -> tuple[str, int, bool] | None:
     """(implementation, matmul units, causal) of an attention kernel's call, None for another call. causal: it skips
     the blocks above the diagonal (half the work); our flash kernel's calls that visit every block say so in their
@@ -278,7 +306,8 @@ def cost_kernel(prog: Program, comp: str, name: str, rtype: str, opcode: str, op
         callee = CALLS.search(attrs)
         flops, fp8 = prog.fused_flops(callee.group(1)) if callee else (0.0, False)
         moved = prog.fusion_bytes(comp, rtype, operands, callee.group(1) if callee else None, collectives)
-        return Kernel(name, flops, moved, count, "matmul" if flops else "fusion", fp8)
+        return Kernel(name, flops, moved, count, "matmul" if flops else "fusion", fp8,
+                      gather_row=prog.gather_row(callee.group(1)) if callee else 0.0)
     if opcode in ("dot", "convolution"):
         flops, fp8 = prog.dot_flops(comp, rtype, operands, attrs)
         return Kernel(name, flops, operand_bytes + _bytes(rtype), count, "matmul", fp8)
@@ -304,4 +333,5 @@ def cost_kernel(prog: Program, comp: str, name: str, rtype: str, opcode: str, op
         if "gemm" in target or "matmul" in target or "cublas" in target:
             flops, fp8 = prog.dot_flops(comp, rtype, operands, attrs)
             return Kernel(name, flops, operand_bytes + _bytes(rtype), count, "matmul", fp8 or "f8" in target)
-    return Kernel(name, 0.0, operand_bytes + _bytes(rtype), count, "other")
+    row = _gather_row(types.get(operands[0], "") if operands else "", attrs) if opcode == "gather" else 0.0
+    return Kernel(name, 0.0, operand_bytes + _bytes(rtype), count, "other", gather_row=row)

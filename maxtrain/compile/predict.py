@@ -12,7 +12,8 @@ may be an async collective fusion (started in one fusion, done in a later one, o
 runs) or offloaded to the SparseCore (a custom-call-start calling it).
 
 The model. A kernel takes max(FLOPs / (peak x e_matmul), bytes / (HBM bandwidth x e_memory)) + a launch
-overhead; an attention kernel's compute runs at its own efficiency (e_flash, e_cudnn: measured kernel rates by
+overhead, e_gather in place of e_memory for a kernel whose XLA gathers move rows of at most 1 KiB
+(hlo_kernels.Kernel.gather_row; measured, GATHER below); an attention kernel's compute runs at its own efficiency (e_flash, e_cudnn: measured kernel rates by
 head_dim; e_selected, DeepSeek-V3.2's selected-key kernels: their measured rate by length; docs/gpu.md). A
 collective of B bytes over a group of n chips moves (n-1)/n x B (all-gather, reduce-scatter, all-to-all),
 2(n-1)/n x B (all-reduce) or B (a permute) at the link bandwidth (ICI, NVLink) or, when the group
@@ -56,6 +57,8 @@ class Calibration:
     measured steps (scripts/predict_check.py, scripts/predict_maxtext.py; docs/scale.md lists the rows)."""
     matmul: float = 0.66         # of the bf16 (or fp8) peak, for XLA's and cuBLAS's matmuls
     memory: float = 0.7          # of the HBM bandwidth, for memory-bound kernels
+    gather: float = 0.7          # of the HBM bandwidth, for kernels whose gathers move narrow rows (GATHER on GPUs)
+    gather_row: float = 1024.0   # bytes: the widest gathered row priced at `gather` (wider ones: `memory`)
     # The attention kernels' rates by head_dim, of the bf16 peak (attention_rates: the measured kernel rows)
     flash: tuple = dataclasses.field(default_factory=lambda: attention_rates("flash", 9))
     cudnn: tuple = dataclasses.field(default_factory=lambda: attention_rates("cudnn", 7))
@@ -95,16 +98,34 @@ def selected_rates() -> tuple[tuple[int, float], ...]:
                         for r in attention_speeds.SELECTED if r.device == "H200"))
 
 
-CALIBRATION = Calibration(matmul=0.66, memory=0.7, launch_seconds=2e-6, source=(
+# XLA's gathers on a GPU, measured (2026-12-02, from the H200 rows of 2026-12-01): DeepSeek-V3.2's plain selected-key
+# gather form (scripts/gpu_selected_check.py's "selected plain jnp": bf16, 16 heads, C 512, R 64, 2,048 keys a query,
+# 128 queries a checkpointed chunk) ran its 16k forward+backward in 425.9 ms on an H200 (docs/gpu.md, "Sparse
+# attention on a GPU"). The same program compiled for an H100 (jax 0.12, XLA's optimization level 3) and priced here
+# on the H200 with every kernel at e_memory 0.7 came to 146.4 ms: 512 gather fusions moving 82.68 GB in 25.6 ms, the
+# rest (memory-bound matmuls of the gathered rows, the bf16 scatter-adds of their gradients, elementwise) 120.8 ms. All
+# of the 279.5 ms gap put on the gathers: 82.68 GB / (4.8 TB/s x (425.9 - 120.8 - 512 x 2 us) ms) = 0.057 of the
+# bandwidth. Held out, the 64k row (1,367.9 ms measured) is then predicted at 1,925 ms (+41%): the gap is not one rate
+# (the two lengths fit 112 ms fixed, likely the first 2,048 queries' repeated keys, + 2.45 ms a 128-query chunk
+# against 1.2 predicted). Only narrow rows: the plain form gathers rows of 1 KiB (C 512, bf16) and 128 B (R 64); MoE's
+# capacity dispatch gathers 4 KiB token rows, and with every gather at 0.057 its calibration row (scripts/
+# predict_check.py, H100 deepseek-shaped b4 capacity, 243.5 ms measured) would go from 263.3 to 314.8 ms predicted
+# (gpt-oss-shaped b2: 287.1 to 311.5, 222.8 measured). So gathers of rows up to 1 KiB (gather_row) take GATHER and
+# wider ones e_memory (those rows: 263.6 and 287.2 ms); between 1 and 4 KiB nothing is measured. Scatters keep e_memory: the selected-key kernel's program (same
+# rows) holds 87.2 GB of float32 scatter-adds and ran in 173.0 ms whole, so they cannot run as slowly as 0.057 (319
+# ms alone). TPUs: not measured (e_memory).
+GATHER = 0.057
+CALIBRATION = Calibration(matmul=0.66, memory=0.7, gather=GATHER, launch_seconds=2e-6, source=(
     "matmul from the bf16 8192^3 matmul measured on the H100 and H200 of docs/gpu.md (654.3 and 657.5 TFLOP/s: 0.66 "
     "of 989), as attention from its kernel speed rows; memory and launch fitted on 3 H100 rows of docs/gpu.md "
     "(llama3.2-1b b8 remat full, the default model, deepseek-shaped b4 capacity; scripts/predict_check.py --fit); "
-    "collectives checked only by MaxText's A3 rows"))
-TPU_CALIBRATION = Calibration(matmul=0.86, memory=1.0, link=2.0, source=(
+    "collectives checked only by MaxText's A3 rows; gathers from the plain selected-key form's 16k row on the H200 "
+    "(GATHER)"))
+TPU_CALIBRATION = Calibration(matmul=0.86, memory=1.0, gather=1.0, link=2.0, source=(
     "matmul fitted on 2 of MaxText's published TPU rows (v5p-32b on v5p-128, v5e-16b on v5e-256; "
     "scripts/predict_maxtext.py --fit); memory and link fixed, not fitted (two rows cannot tell them apart): memory "
-    "1.0 of HBM, the roofline, as on GPUs; link 2.0 of the record's one-direction ICI figure, the chip's published "
-    "total; splash attention and the network not yet checked"))
+    "1.0 of HBM, the roofline, as on GPUs (gathers too: not measured on a TPU); link 2.0 of the record's "
+    "one-direction ICI figure, the chip's published total; splash attention and the network not yet checked"))
 CALIBRATIONS = {"gpu": CALIBRATION, "tpu": TPU_CALIBRATION}
 
 
@@ -309,7 +330,7 @@ def kernel_seconds(k: hlo_kernels.Kernel, chip: chips_lib.Chip, cal: Calibration
         at = k.tokens if k.kind == "attention:selected" else k.head_dim
         efficiency = min(rates, key=lambda r: abs(math.log2(max(at, 1) / r[0])))[1]
     compute = k.flops / (peak * efficiency)
-    memory = k.bytes / (hbm * cal.memory)
+    memory = k.bytes / (hbm * (cal.gather if 0 < k.gather_row <= cal.gather_row else cal.memory))
     part = ("attention" if k.kind.startswith("attention") else "matmul") if compute >= memory and k.flops else "memory"
     return max(compute, memory) + launch, part
 

@@ -382,3 +382,33 @@ def test_a_selected_key_kernel_takes_its_measured_rate():
         assert part == "attention" and seconds == pytest.approx(row.kernel_ms / 1e3)
         flash = dataclasses.replace(kernel, kind="attention:flash", head_dim=128)
         assert predict.kernel_seconds(flash, chip, cal, 0.0)[0] < seconds / 8
+
+
+def test_a_narrow_row_gather_is_priced_at_the_measured_gather_rate():
+    """A kernel that holds an XLA gather (here CPU-compiled jnp.takes fused with a multiply) carries its gathered row's
+    bytes; on a GPU a gather of rows up to 1 KiB runs at GATHER (measured: DeepSeek-V3.2's plain selected-key form on
+    the H200), 12x slower than the other memory-bound fusions, and a wider one (MoE's token rows) at the memory rate.
+    The control: with the gather rate set back to the memory one, the price is the old one, and the kernels without
+    a narrow gather are priced the same either way."""
+    import jax  # pylint: disable=import-outside-toplevel
+    import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
+    def program(narrow, wide, idx, x):
+        return jnp.take(narrow, idx, axis=0) * 2.0, jnp.take(wide, idx, axis=0) * 3.0, jnp.tanh(x) + 1.0
+
+    hlo = jax.jit(program).lower(jnp.zeros((1024, 256), jnp.float32), jnp.zeros((1024, 1024), jnp.float32),
+                                 jnp.zeros((4096,), jnp.int32), jnp.zeros((512, 512), jnp.float32)).compile().as_text()
+    kernels = predict.program_costs(hlo).kernels
+    assert sorted(k.gather_row for k in kernels) == [0.0, 1024.0, 4096.0]
+    narrow = next(k for k in kernels if k.gather_row == 1024)
+    assert narrow.bytes == (1024 * 256 + 4096 + 4096 * 256) * 4  # the table, the indices, the rows out
+    h200, cal = chips.by_name("h200"), predict.CALIBRATION
+    assert cal.gather == predict.GATHER < cal.memory / 10 and predict.TPU_CALIBRATION.gather == 1.0
+    seconds, part = predict.kernel_seconds(narrow, h200, cal, 0.0)
+    assert part == "memory" and seconds == pytest.approx(narrow.bytes / (h200.hbm_bytes_per_s * predict.GATHER))
+    without = dataclasses.replace(cal, gather=cal.memory)
+    assert predict.kernel_seconds(narrow, h200, without, 0.0)[0] == pytest.approx(
+        narrow.bytes / (h200.hbm_bytes_per_s * cal.memory))
+    for k in kernels:
+        if k is not narrow:
+            assert predict.kernel_seconds(k, h200, cal, 0.0) == predict.kernel_seconds(k, h200, without, 0.0)

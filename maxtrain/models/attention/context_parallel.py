@@ -1,18 +1,27 @@
 """Attention with the sequence split over the context mesh axes (parallel/context.py): the strategy's dispatch
-(context_parallel_strategy) and the all_gather form.
+(context_parallel_strategy) for the plain-jnp forms and ulysses' kernels, and all_gather's forms.
 
 all_gather (the default) lets GSPMD gather each layer's keys and values over the context group: T keys per device,
 written with sharding constraints, so it composes with pipeline stages and every other mesh axis. ring.py passes
 the key/value blocks round the group instead (T / C per device), ulysses.py trades tokens for heads with an
-all-to-all, usp.py does ulysses inside each slice and the ring across slices. All three mask by the tokens' original
-indices (`context.layout`), so each equals attention over the unsplit sequence.
+all-to-all, usp.py does ulysses inside each slice and the ring across slices. Their plain-jnp forms mask by the
+tokens' original indices (`context.layout`), so each equals attention over the unsplit sequence.
 
-all_gather with attention=flash (all_gather_flash, GPUs; interpret mode on CPU) gathers the keys and values inside
-shard_map and runs the flash kernel on the device's T / C queries against all T keys, masking by the tokens'
-original indices (the kernel's positions operands): no [T / C, T] scores, every key block visited (the tiles the
-causal mask hides by position run no matmul, but are loaded: 1.3x, not 2x, on an H200, docs/gpu.md) and T keys
-held per device. The backward pass reduce-scatters dK and dV (all_gather's transpose). TPUs keep the plain form
-(splash takes no positions).
+The kernels. attention.attention (models/attention/__init__.py) sends attention=flash under all_gather, ring and usp
+to its own module before this dispatch, which takes a kernel (attention.local_kernel) only for ulysses (every
+kernel: each device puts its whole sequences back into the original order, ulysses.py). With attention=flash:
+- all_gather on GPUs (interpret mode on CPU): all_gather_flash below gathers the keys and values inside shard_map
+  and runs the flash kernel on the device's T / C queries against all T keys, masking by the tokens' original
+  indices (the kernel's positions operands): no [T / C, T] scores, every key block visited (the tiles the causal
+  mask hides by position run no matmul, but are loaded: 1.3x, not 2x, on an H200, docs/gpu.md) and T keys held per
+  device. The backward pass reduce-scatters dK and dV (all_gather's transpose).
+- all_gather on TPUs: all_gather_splash.py. Splash takes no positions, so each device puts the gathered keys back
+  into the original order and runs splash on a window of them per query chunk, one static causal mask with an
+  offset (dual_chunk_swap only): no scores in HBM, T keys per device, about 1.5x the pairs its queries see computed.
+- ring: ring_flash.py (the Triton kernel per block pair, half of each other pair skipped under dual_chunk_swap);
+  on TPUs ring_splash.py (splash per block pair, dual_chunk_swap without windows).
+- usp: usp.py's ring across slices with ring_flash's calls (masked by position), on TPUs ring_splash's.
+autoselected keeps the plain form under all_gather and takes flash under ring and usp (resolve_implementation).
 """
 
 from __future__ import annotations

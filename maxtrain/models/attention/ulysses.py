@@ -8,13 +8,15 @@ token indices `order` [T] (same segment, causal, sliding window) as all_gather's
 plain-jnp reference on its heads, and a second all-to-all gives the output back split along T with every head.
 The query heads of a kv head stay together: head n = g R + r, and the C groups of N / C query heads are those of
 the C groups of G / C kv heads. So N and G (per tensor-parallel shard) must be multiples of C
-(config/checks.py refuses other models before compiling).
+(config/context_checks.py `_ulysses_heads_divide` refuses other models before compiling).
 
 Per device: q, k, v of T tokens x N / C heads (as many numbers as T / C tokens x N heads) and, with the plain-jnp
 form, the scores of its heads, [N / C, T, T]. With a kernel (attention=flash, cudnn or tokamax: attention.local_kernel)
 each device puts its whole sequences back into the original token order (a permutation within the device), runs the
 kernel on them as attention without context parallelism does, and permutes the output back to the layout: the
 kernel's masks (causal by position, windows, segment ids) then hold as they are, and no [T, T] array is made.
+On TPUs the kernel is splash on all T tokens, whose block tables grow as (T / block)^2 in the chip's scalar memory
+(SMEM): long sequences need larger sa_block_q / sa_block_kv (train_compile names them when libtpu refuses).
 
 Letters as in attention/__init__.py: B batch, T tokens, N query heads = G kv heads x R, H head dim.
 """

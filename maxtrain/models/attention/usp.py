@@ -28,7 +28,7 @@ Inside shard_map over the context axis:
 
 Per device: T / Co tokens x N / Ci heads of q, and one key/value block of as many tokens, at a time (no [T, ...]
 buffer); the gradient is the ring's custom VJP between the all-to-alls' transposes. N and G (per tensor-parallel
-shard) must be multiples of Ci (config/checks.py `_usp_applies` refuses other models before compiling).
+shard) must be multiples of Ci (config/context_checks.py `_usp_applies` refuses other models before compiling).
 
 Letters as in attention/__init__.py: B batch, T tokens, N query heads = G kv heads x R, H head dim (Hv the value's).
 """
