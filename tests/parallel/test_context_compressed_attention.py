@@ -25,10 +25,14 @@ import numpy as np
 import pytest
 
 from conftest import BASE_YML
-from maxtrain.config import ConfigError, load_config
+from maxtrain.config import ConfigError, load_config, with_overrides
 from maxtrain.config.deepseek_v4_dims import Dims
 from maxtrain.models.families.deepseek_v4 import compressed_context, packed as packed_lib
+from maxtrain.models import decoder
+from maxtrain.models.model import Model
 from maxtrain.parallel import context, sharding
+from maxtrain.training import builder
+from sharded_batches import GLOBAL_BATCH, batches
 
 B, T, D, H, DH, Q, E, IH = 2, 32, 16, 2, 8, 8, 8, 2
 DIMS = Dims(hidden_size=D, num_heads=H, head_dim=DH, rope_dim=4, q_lora_rank=Q, o_groups=2, o_lora_rank=4,
@@ -173,3 +177,40 @@ def test_other_strategies_are_refused_with_the_fix(strategy):
         load_config([BASE_YML, "model_name=deepseek4-tiny", "ici_context_parallelism=2",
                      f"context_parallel_strategy={strategy}"])
     load_config([BASE_YML, "model_name=deepseek4-tiny", "ici_context_parallelism=2"])  # all_gather: served
+
+
+# --------------------------------------------------------------------------------------------
+# deepseek4-tiny: loss and gradients under context parallelism equal one device's
+# --------------------------------------------------------------------------------------------
+
+TINY_V4 = ["model_name=deepseek4-tiny", "vocab_size=512", "dtype=float32", "remat_policy=none",
+           "enable_tensorboard=false", "max_target_length=64", "ici_fsdp_parallelism=1"]
+
+
+@functools.lru_cache(maxsize=None)
+def _model_loss_and_grads(n_devices: int, *overrides):
+    argv = with_overrides([BASE_YML, *TINY_V4], f"per_device_batch_size={GLOBAL_BATCH // n_devices}", *overrides)
+    run = builder.build(load_config(argv), devices=tuple(jax.devices()[:n_devices]))
+    batch = jax.tree.map(lambda a: a[0], next(batches(run.config)))  # [B, T]: two packed documents a row
+    with sharding.activation_sharding(run.mesh, run.config.logical_axis_rules):
+        params = run.init(jax.random.key(0))["params"]
+        batch = jax.device_put(batch, run.eval_batch_sharding)
+
+        def mean_loss(p):
+            loss, weight, aux = Model.bind(run.config).loss_fn(p, batch, run.rt)
+            return decoder.objective(loss, weight, aux) / weight
+        loss, grads = jax.jit(jax.value_and_grad(mean_loss))(params)
+    return float(loss), jax.tree.map(np.asarray, grads)
+
+
+@pytest.mark.slow  # two compiled tiny models a case
+@pytest.mark.parametrize("overrides", [("ici_context_parallelism=2",),
+                                       ("ici_context_parallelism=4", "context_parallel_reorder_strategy=striped")],
+                         ids=["cp2", "cp4-striped"])
+def test_a_tiny_model_under_context_parallelism_gives_the_loss_and_gradients_of_one_device(overrides):
+    one = _model_loss_and_grads(1)
+    split = _model_loss_and_grads(int(overrides[0].split("=")[1]), *overrides)
+    assert split[0] == pytest.approx(one[0], rel=1e-5)
+    for (path, ref), got in zip(jax.tree_util.tree_flatten_with_path(one[1])[0], jax.tree.leaves(split[1])):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(ref).max())),
+                                   err_msg=jax.tree_util.keystr(path))
