@@ -145,8 +145,9 @@ def test_the_window_the_compression_and_the_top_k_really_drop_keys_here():
 CSA, HCA = ("compressed_sparse_attention",), ("heavily_compressed_attention",)
 
 
-# The default run keeps one case of each reorder, one compressed kind each (9-13 s a case on 2 shared cores,
-# 2026-12-02, the one-device reference's compile included); the slow run every kind in each (~40 s a case).
+# The default run keeps one case of each reorder, one compressed kind each (5-10 s a case on 2 cores, up to 20 s
+# with 5 jobs sharing them, 2026-12-02, the one-device reference's compile included); the slow run every kind in
+# each (5-9 s a case on quiet cores, ~40 s shared).
 @pytest.mark.parametrize("cp, reorder, fsdp, packed, kinds", [
     (2, "dual_chunk_swap", 1, True, CSA),
     (2, "striped", 2, True, HCA),

@@ -17,11 +17,11 @@ the entries closed before t, the indexer's top-k among those. Every key-side num
 so the result equals the unsplit layer's. The backward reduce-scatters x's gradient (all_gather's transpose) to
 the devices that hold its tokens; the weights' gradients are summed over the devices.
 
-x is the compressors' input: gathering it (D numbers a token, once a layer) is what lets every compressor pool
-whole windows however the layout cuts them. The projections would be of similar size (the released models' CSA
-layers project 2 x 2 Dh + 2 x 2 E + Dh per token against D = 4096). Per device: the gathered [B, T, D], the
-window's keys [B, T, Dh] and one layer's scores [B, H, T / C, T + T / m]; no more than one device holds for its
-own queries. The heads stay whole on every device of a tensor group (as DeepSeek Sparse Attention's CP form).
+x is the compressors' input: gathering it (D numbers a token, once a layer) is what lets every compressor pool whole
+windows however the layout cuts them. The projections would be of similar size (DeepSeek-V4-Flash's CSA layers
+project 2 x 2 Dh + 2 x 2 E + Dh = 3,072 numbers a token, against D = 4,096). Per device: the gathered [B, T, D], the
+window's keys [B, T, Dh] and one layer's scores [B, H, T / C, T + T / m], 1 / C of one device's. The heads stay
+whole on every device of a tensor group (as DeepSeek Sparse Attention's CP form).
 Ring, ulysses and usp do not serve DeepSeek-V4; config/context_checks.py refuses them with the fix.
 """
 
