@@ -113,6 +113,19 @@ def _sparse_attention_gathers(v):
     _require(strategy == "all_gather", sparse_attention_message(strategy, cp, latent))
 
 
+def _compressed_attention_gathers(v):
+    """DeepSeek-V4's compressors pool whole windows of each document and its indexer picks entries anywhere before
+    a query: it splits over the context group by all_gather alone (models/families/deepseek_v4/compressed_context.py)."""
+    cp, strategy = ways(v, "context"), v["context_parallel_strategy"]
+    if cp in (1, None) or v["decoder_block"] != "deepseek_v4":
+        return
+    _require(strategy == "all_gather",
+             f"context_parallel_strategy={strategy} cannot split DeepSeek-V4's attention over context parallelism "
+             f"{cp}: its compressors pool whole windows and its indexer picks entries anywhere before a query, which "
+             "a ring or an all-to-all over heads does not hand it; set context_parallel_strategy=all_gather (it "
+             f"gathers each layer's input, hidden_size={v['base_emb_dim']} numbers a token)")
+
+
 def gated_deltanet_chunks(v):
     """Context parallelism hands the gated delta-net's state and convolution window from chunk to chunk of
     dual_chunk_swap (models/recurrent/context_parallel.py): runs of consecutive tokens, each at least a rule chunk."""
@@ -131,5 +144,6 @@ def gated_deltanet_chunks(v):
              "gdn_chunk_size or the context parallelism")
 
 
-CHECKS = (_context_chunks_divide_length, _ring_attention_without_pipeline_stages, _usp_applies, _ulysses_heads_divide,
-          _sparse_attention_gathers)
+# DeepSeek-V4's rule before the heads' (ulysses' fix, another strategy, would not serve it)
+CHECKS = (_context_chunks_divide_length, _ring_attention_without_pipeline_stages, _compressed_attention_gathers,
+          _usp_applies, _ulysses_heads_divide, _sparse_attention_gathers)

@@ -184,11 +184,4 @@ def check_config(v: dict) -> None:
     if v['rope_type'] == 'yarn' and not v['rope_truncate']:
         raise ValueError("deepseek_v4: rope_truncate=false is not what DeepSeek-V4's YaRN computes (transformers "
                          "rounds its correction band); leave rope_truncate=true")
-    # schema.ways(v, 'context') spelled out: schema imports the registry, which imports this module; -1 (filled
-    # with the devices) may split the sequence too
-    cp = (v['ici_context_parallelism'], v['dcn_context_parallelism'])
-    if cp != (1, 1):
-        raise ValueError(f"deepseek_v4 does not run with context parallelism (ici x dcn = {cp[0]} x {cp[1]}): its "
-                         "compressors would pool windows across the shards; set ici_context_parallelism=1 and "
-                         "dcn_context_parallelism=1")
     check(dims_from_keys(v), v['max_target_length'])

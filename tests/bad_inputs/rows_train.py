@@ -275,6 +275,16 @@ ROWS = [
                                        "context_parallel_strategy=usp"],
         r"context_parallel_strategy=usp cannot split DeepSeek Sparse Attention over context parallelism 4: .* set "
         r"context_parallel_strategy=all_gather"),
+    # DeepSeek-V4 under context parallelism: all_gather alone (issues 58, 60)
+    Row("cp-deepseek-v4-ring", T, [B, "model_name=deepseek4-tiny", "ici_context_parallelism=2",
+                                   "context_parallel_strategy=ring"],
+        r"context_parallel_strategy=ring cannot split DeepSeek-V4's attention over context parallelism 2: its "
+        r"compressors pool whole windows .* set context_parallel_strategy=all_gather \(it gathers each layer's input, "
+        r"hidden_size=128 numbers a token\)"),
+    Row("cp-deepseek-v4-ulysses", T, [B, "model_name=deepseek4-tiny", "ici_context_parallelism=2",
+                                      "context_parallel_strategy=ulysses"],
+        r"context_parallel_strategy=ulysses cannot split DeepSeek-V4's attention over context parallelism 2: .* set "
+        r"context_parallel_strategy=all_gather"),
     # context parallelism: the other strategy that cannot run in pipeline stages, and dual_chunk_swap's 2C chunks
     Row("cp-ulysses-with-pipeline-stages", T, [B, "ici_context_parallelism=2", "ici_pipeline_parallelism=2",
                                                "context_parallel_strategy=ulysses"],

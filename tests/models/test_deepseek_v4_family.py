@@ -59,7 +59,8 @@ def test_import_check_logits_and_export(tmp_path, capsys, rope):
 
 @pytest.mark.parametrize("override, named", [
     ("max_target_length=250", "compress rate 4 of compressed_sparse_attention does not divide"),
-    ("ici_context_parallelism=2", r"deepseek_v4 does not run with context parallelism \(ici x dcn = 2 x 1\)"),
+    ("ici_context_parallelism=2 context_parallel_strategy=ring",
+     r"context_parallel_strategy=ring cannot split DeepSeek-V4's attention over context parallelism 2"),
     ("o_groups=3", "o_groups 3 does not divide"),
     ("compress_layer_types=[sliding_attention]", "compress_layer_types must list"),
     ("rope_type=llama3", "rope_type=llama3 is not implemented for its compressed layers"),

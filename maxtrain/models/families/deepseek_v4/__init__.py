@@ -47,11 +47,15 @@ the length rounded up to whole windows), and `layer` runs cache.attention over t
 tokens at once (its closed entries pooled from them), each later token its slot; a left-padded row's windows are
 pooled from its first slot.
 
-Not here yet: context parallelism (the compressors pool windows across the shards: deepseek_v4_dims.check_config
-refuses it), and sharding annotations beyond the layer and expert axes.
+Context parallelism (all_gather alone): each device attends its queries to the whole sequence's keys and compressed
+entries, computed from the layer input gathered back into the sequence's order (compressed_context.py).
+
+Not here yet: sharding annotations beyond the layer and expert axes.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +67,7 @@ from maxtrain.models import moe
 from maxtrain.models.layers import LayerType
 from maxtrain.models.params import ParamSpec, dense, stacked
 
-from . import cache as cache_lib, checkpoint, flops, hyper, model as v4_model, routing
+from . import cache as cache_lib, checkpoint, compressed_context, flops, hyper, model as v4_model, routing
 from .compressed import rms
 from .hf_config import from_hf_config, to_hf_config
 
@@ -222,8 +226,9 @@ def layer(x, p, inputs, layer_type, model, rt):
         return y
 
     if inputs.cache is None:
+        attend = functools.partial(compressed_context.attention, reorder=config.context_parallel_reorder_strategy)
         streams = v4_model.decoder_layer(flat, streams, inputs.per_layer, inputs.positions, kind, mlp_kind, d,
-                                         inputs.segment_ids, moe_fn)
+                                         inputs.segment_ids, moe_fn, attend)
         return streams.reshape(b, t, -1).astype(x.dtype), aux
     *buffers, index, first = inputs.cache
     names = cache_lib.NAMES[kind]

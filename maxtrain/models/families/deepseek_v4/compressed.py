@@ -169,38 +169,42 @@ def grouped_out(o_a, o_b, out, groups):
     return y @ o_b.T
 
 
-def attention(p, x, pos, kind, d, segment_ids=None):
+def attention(p, x, pos, kind, d, segment_ids=None, keys_from=None):
     """One layer's attention. p: its weights by transformers' names under self_attn.; x [B, T, D]; pos [B, T];
     kind: 'sliding_attention' | 'compressed_sparse_attention' | 'heavily_compressed_attention'; d: Dims;
     segment_ids [B, T] (0: padding): packed documents, each attending and compressed as if alone (packed.py), pos
-    restarting at 0 in each; None: one document."""
+    restarting at 0 in each; None: one document. keys_from: (x, pos, segment_ids) of the whole sequence [B, S, ..]
+    in its order, whose keys and compressed entries the queries of x read (compressed_context.py: a device's queries
+    under context parallelism); None: x, pos and segment_ids themselves."""
     b, t, _ = x.shape
+    x_k, pos_k, seg_k = (x, pos, segment_ids) if keys_from is None else keys_from
     freq = frequencies(d, kind)
     q_res = rms(x @ p['q_a_proj.weight'].T, p['q_a_norm.weight'], d.rms_eps).astype(x.dtype)
     q = (q_res @ p['q_b_proj.weight'].T).reshape(b, t, d.num_heads, d.head_dim)
     q = rope(unweighted_rms(q, d.rms_eps).astype(x.dtype), pos, freq)
-    kv = rope(rms(x @ p['kv_proj.weight'].T, p['kv_norm.weight'], d.rms_eps).astype(x.dtype), pos, freq)
+    kv = rope(rms(x_k @ p['kv_proj.weight'].T, p['kv_norm.weight'], d.rms_eps).astype(x.dtype), pos_k, freq)
     scale = d.head_dim ** -0.5
     logits = jnp.einsum('bthe,bse->bhts', q, kv).astype(jnp.float32) * scale
-    qi, ki = pos[:, :, None], pos[:, None, :]
+    qi, ki = pos[:, :, None], pos_k[:, None, :]
     see = (ki <= qi) & (qi - ki < d.sliding_window)
     if segment_ids is not None:
-        see = see & packed.same_document(segment_ids)
+        see = see & packed.same_document(segment_ids, seg_k)
     logits = jnp.where(see[:, None], logits, -jnp.inf)
     keys = kv
     if kind != 'sliding_attention':
         cp = {k[len('compressor.'):]: v for k, v in p.items() if k.startswith('compressor.')}
         rate = d.hca_rate if kind == 'heavily_compressed_attention' else d.csa_rate
-        lay = None if segment_ids is None else packed.layout(segment_ids, pos, rate)
+        lay = None if segment_ids is None else packed.layout(seg_k, pos_k, rate)
         vis = None if lay is None else packed.visible(lay, segment_ids, pos, rate)
         if kind == 'heavily_compressed_attention':
-            comp = hca_compress(cp, x, rate=rate, freq=freq, eps=d.rms_eps, lay=lay).astype(x.dtype)
+            comp = hca_compress(cp, x_k, rate=rate, freq=freq, eps=d.rms_eps, lay=lay).astype(x.dtype)
             vis = causal_entries(pos, comp.shape[1], rate) if vis is None else vis
         else:
-            comp = csa_compress(cp, x, rate=rate, freq=freq, eps=d.rms_eps, lay=lay).astype(x.dtype)
+            comp = csa_compress(cp, x_k, rate=rate, freq=freq, eps=d.rms_eps, lay=lay).astype(x.dtype)
             ip = {k[len('indexer.'):]: v for k, v in cp.items() if k.startswith('indexer.')}
-            vis = indexer_select(ip, x, q_res, pos, rate=rate, topk=d.index_topk, n_heads=d.index_n_heads,
-                                 freq=freq, eps=d.rms_eps, lay=lay, visible=vis)
+            index_keys = csa_compress(ip, x_k, rate=rate, freq=freq, eps=d.rms_eps, lay=lay)
+            vis = indexer_pick(ip, index_keys, x, q_res, pos, rate=rate, topk=d.index_topk, n_heads=d.index_n_heads,
+                               freq=freq, visible=vis)
         cl = jnp.einsum('bthe,bwe->bhtw', q, comp).astype(jnp.float32) * scale
         logits = jnp.concatenate([logits, jnp.where(vis[:, None], cl, -jnp.inf)], axis=-1)
         keys = jnp.concatenate([kv, comp], axis=1)

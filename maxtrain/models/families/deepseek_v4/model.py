@@ -35,9 +35,10 @@ def _layer(p, streams, ids, mlp_kind, d, attend, moe_fn=None):
     return hc_merge(post, comb, m, streams), extra
 
 
-def decoder_layer(p, streams, ids, pos, kind, mlp_kind, d, segment_ids=None, moe_fn=None):
-    """One layer over a whole sequence (no cache); moe_fn as `_layer`'s."""
-    return _layer(p, streams, ids, mlp_kind, d, lambda ap, h: (attention(ap, h, pos, kind, d, segment_ids), None),
+def decoder_layer(p, streams, ids, pos, kind, mlp_kind, d, segment_ids=None, moe_fn=None, attend=attention):
+    """One layer over a whole sequence (no cache); moe_fn as `_layer`'s; attend: compressed.attention or a form of
+    it with its arguments (compressed_context.attention: the sequence split over the context group)."""
+    return _layer(p, streams, ids, mlp_kind, d, lambda ap, h: (attend(ap, h, pos, kind, d, segment_ids), None),
                   moe_fn)[0]
 
 

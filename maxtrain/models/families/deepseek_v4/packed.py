@@ -79,6 +79,8 @@ def visible(lay, segment_ids, pos, rate):
     return closed & same & lay.valid[:, None, :]
 
 
-def same_document(segment_ids):
-    """[B, T, T] bool: query t and key s belong to one document (the sliding window stays inside it)."""
-    return segment_ids[:, :, None] == segment_ids[:, None, :]
+def same_document(segment_ids, key_segment_ids=None):
+    """[B, T, S] bool: query t and key s belong to one document (the sliding window stays inside it);
+    key_segment_ids [B, S]: the keys' (None: the queries' own)."""
+    keys = segment_ids if key_segment_ids is None else key_segment_ids
+    return segment_ids[:, :, None] == keys[:, None, :]
