@@ -5,6 +5,7 @@ memory_analysis): the plain form's KL target holds [B, heads, T, T] float32 and 
 scores; the selected path holds per query block the K selected keys' logits and scores (T x K), no [T, T] array.
 
     JAX_PLATFORMS=cpu python scripts/indexer_memory.py [--model deepseek3.2-tiny] [--lengths 1024,4096] [--untrained]
+        [--indexer-dtype float32] [--selected-only]
 
 What is compiled: value_and_grad of the language-model loss (per token) plus the indexer's loss, with respect to
 every weight, for one sequence of T tokens (batch 1), the model's config with indexer_training=sparse (the
@@ -57,22 +58,28 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", default="1024,4096", help="comma-separated token counts, e.g. 1024,4096")
     parser.add_argument("--untrained", action="store_true",
                         help="also the same step with indexer_training=none (the selected path with no KL)")
+    parser.add_argument("--indexer-dtype", default="float32", choices=("float32", "bfloat16", "float8"),
+                        help="the precision of the scores that choose the keys (indexer_dtype)")
+    parser.add_argument("--selected-only", action="store_true", help="compile the selected path alone, not the plain")
     args = parser.parse_args(argv)
     lengths = [n.strip() for n in args.lengths.split(",")]
     if not all(n.isdigit() and int(n) > 0 for n in lengths):
         parser.error(f"--lengths {args.lengths!r} must be positive numbers separated by commas, e.g. 1024,4096")
     for length in map(int, lengths):
         config = load_config(with_overrides([BASE_CONFIG], f"model_name={args.model}", "indexer_training=sparse",
-                                            f"max_target_length={length}", "per_device_batch_size=1"))
+                                            f"max_target_length={length}", "per_device_batch_size=1",
+                                            f"indexer_dtype={args.indexer_dtype}"))
         row = []
-        for name, form in (("plain", False), ("selected", True)):
+        forms = (("selected", True),) if args.selected_only else (("plain", False), ("selected", True))
+        for name, form in forms:
             indexer_training.SELECTED_TRAINING = form
             start = time.time()
             row.append(f"{name} {temporaries(config, length):.1f} MiB ({time.time() - start:.0f} s to compile)")
         if args.untrained:
             untrained = config.replace(indexer_training="none")
             row.append(f"indexer_training=none {temporaries(untrained, length):.1f} MiB")
-        print(f"T={length} (index_topk {config.index_topk}): temporaries " + ", ".join(row), flush=True)
+        print(f"T={length} (index_topk {config.index_topk}, indexer_dtype {config.indexer_dtype}): temporaries "
+              + ", ".join(row), flush=True)
     return 0
 
 

@@ -222,7 +222,7 @@ REQUIRES: tuple[Feature, ...] = (
             fix="set shared_experts=1", state="shared_experts"),
     # DeepSeek Sparse Attention's indexer (models/families/deepseek/indexer.py): its keys do nothing without it
     Feature("a lightning indexer (index_n_heads > 0)", lambda v: v["index_n_heads"] > 0,
-            ("index_head_dim", "index_topk", "index_rope_interleave", "indexer_types"),
+            ("index_head_dim", "index_topk", "index_rope_interleave", "indexer_types", "indexer_dtype"),
             fix="set index_n_heads > 0 (DeepSeek-V3.2: 64; GLM-5: 32)", state="index_n_heads"),
     Feature("indexer_training=dense_warmup or sparse", lambda v: v["indexer_training"] != "none", ("indexer_loss_weight",),
             fix="set indexer_training=dense_warmup (or sparse)", state="indexer_training"),

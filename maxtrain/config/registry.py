@@ -161,7 +161,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            settings=("norm_topk_prob", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
                      "v_head_dim", "rope_interleave", "first_num_dense_layers", "n_routing_groups",
                      "topk_routing_group", "routed_scaling_factor", "mtp_num_layers", "index_n_heads",
-                     "index_head_dim", "index_topk", "index_rope_interleave", "indexer_types"),
+                     "index_head_dim", "index_topk", "index_rope_interleave", "indexer_types", "indexer_dtype"),
            mixer="mla", sparse_attention=True,
            shape_keys=("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
                        "first_num_dense_layers", "shared_experts", "routed_bias", "mtp_num_layers", "index_n_heads",

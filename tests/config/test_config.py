@@ -136,7 +136,7 @@ OFF = {"packing=true": ["packing=false"], "lr_schedule_type=cosine": ["lr_schedu
 VALUES = {"chat_template": "chatml", "grain_packing_type": "first_fit", "moe_dispatch": "capacity",
           "lora_target_modules": ["q"], "grpo_reward_functions": ["format"], "mlp_only_layers": [0],
           "attention_layer_types": ["full"] * 4, "indexer_types": ["full", "shared"] * 2, "gdn_kernel": "jnp",
-          "moe_grouped_matmul": "xla",
+          "moe_grouped_matmul": "xla", "indexer_dtype": "float8",
           "grpo_rollout_engine": "vllm", "mrope_section": [24, 20, 20], "vision_freeze": ["tower"],
           "compress_layer_types": ["sliding_attention"] * 4}
 

@@ -26,6 +26,7 @@ from compilers import needs_gpu_compiler, needs_tpu_compiler
 from conftest import BASE_YML
 from maxtrain.models import attention
 from maxtrain.models.attention import kernel_choice
+from maxtrain.models.families.deepseek import selected
 from maxtrain.parallel import sharding
 from maxtrain.config import load_config
 from maxtrain.compile import predict, targets
@@ -751,6 +752,24 @@ def test_index_scores_compile_for_h100(h100s):
         hlo = jax.jit(functools.partial(index_scores.index_scores, interpret=False)).trace(*args).lower(
             lowering_platforms=("cuda",)).compile().as_text()
     assert "index_scores" in hlo
+
+
+@needs_gpu_compiler
+@pytest.mark.parametrize("dtype", ["float8", "bfloat16"])
+def test_the_indexers_float8_scores_reach_the_h100s_matmul_as_e4m3(h100s, dtype):
+    """indexer_dtype=float8 (models/families/deepseek/indexer.py): the block loop's choice (selected.chosen, 64 heads
+    of 128, 1,024 tokens keeping 256) compiles for an H100 with the q . k dots' operands f8e4m3fn; bfloat16 (the
+    control) has none."""
+    mesh = sharding.mesh_of(h100s[:1], data=1)
+    spec = NamedSharding(mesh, jax.sharding.PartitionSpec())
+    args = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=spec)
+            for shape in ((1, 1024, 64, 128), (1, 1024, 64), (1, 1024, 128))]
+    args.append(jax.ShapeDtypeStruct((1, 1024), jnp.int32, sharding=spec))
+    choose = functools.partial(selected.chosen, topk=256, block=128, dtype=dtype)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        hlo = jax.jit(choose).trace(*args).lower(lowering_platforms=("cuda",)).compile().as_text()
+    operands = [line for line in hlo.splitlines() if "f8e4m3fn[" in line and "parameter(" in line]
+    assert bool(operands) == (dtype == "float8"), operands[:2]
 
 
 @needs_gpu_compiler

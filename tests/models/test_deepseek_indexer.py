@@ -158,8 +158,9 @@ def _rank4_t_by_t(jaxpr, t: int) -> bool:
     ([], None),
     pytest.param(["base_num_decoder_layers=4", "indexer_types=[full,shared,full,shared]",
                   "index_rope_interleave=true"], 4, marks=pytest.mark.slow),  # ~40 s of CPU: four layers, three kinds
-    pytest.param(["attention=flash"], None, marks=pytest.mark.slow)],  # the kernel, interpreted: the KL beside it
-    ids=["v3.2", "glm5-shared-blocks-of-4", "kernel"])
+    pytest.param(["attention=flash"], None, marks=pytest.mark.slow),  # the kernel, interpreted: the KL beside it
+    pytest.param(["indexer_dtype=float8"], None, marks=pytest.mark.slow)],  # both forms choose on float8 scores
+    ids=["v3.2", "glm5-shared-blocks-of-4", "kernel", "float8"])
 def test_the_sparse_stage_over_the_selected_keys_gives_the_plain_forms_kl_and_gradients(monkeypatch, overrides,
                                                                                          block):
     """Beyond index_topk tokens the sparse stage takes the KL over each query's selected keys (selected.py's

@@ -124,7 +124,8 @@ def _attention(normed, p, inputs, layer_type: LayerType, config, rt):
                                           rt.backend if rt.attention == "flash" else None)
     elif index_cache is not None and index_cache.shape[1] > config.index_topk:  # decoding: the cache slots' mask
         kept = functools.partial(indexer.keys_kept, p=p, segment_ids=inputs.segment_ids, topk=config.index_topk,
-                                 cached_keys=index_cache[:, :, 0], interleave=config.index_rope_interleave)
+                                 cached_keys=index_cache[:, :, 0], interleave=config.index_rope_interleave,
+                                 dtype=config.indexer_dtype)
     h, aux = mla.attention(normed, p, inputs, config, rt, keys_kept=kept, selected_keys=selected_keys)
     if index_cache is not None:
         aux = {**aux, "cache": (*aux["cache"], index_cache)}
@@ -154,13 +155,14 @@ def _selected_keys(normed, p, segment_ids, config, kernel, q_nope, q_rope, c, k_
     reorder = config.context_parallel_reorder_strategy  # context parallelism: selected_context.py
     if hand_on:
         choice = selected_context.chosen(*(jax.lax.stop_gradient(a) for a in (index_q, index_w, index_k)),
-                                         segment_ids, topk=config.index_topk, reorder=reorder)
+                                         segment_ids, topk=config.index_topk, reorder=reorder,
+                                         dtype=config.indexer_dtype)
         more["state"] = choice
     clip = config.qk_clip_threshold > 0  # QK-clip reads each head's largest logit
     out = selected_context.attention(q_nope, q_rope, c, k_rope, p["wkv_b"][..., :config.qk_nope_head_dim], index_q,
                                      index_w, index_k, segment_ids, topk=config.index_topk,
                                      scale=mla.softmax_scale(config), reorder=reorder, with_max_logits=clip,
-                                     kernel=kernel, choice=choice, indexer_kl=trained)
+                                     kernel=kernel, choice=choice, indexer_kl=trained, dtype=config.indexer_dtype)
     if trained:
         out, more["indexer_kl"] = out
     return (*(out if clip else (out, None)), more)
@@ -182,7 +184,8 @@ def _attention_sharing_topk(normed, p, inputs, layer_type: LayerType, config, rt
             index_q, index_w = indexer.queries(normed, q_latent, p, rope, config.index_rope_interleave)
             choice = selected_context.chosen(index_q, index_w, indexer.keys(normed, p, rope,
                                                                             config.index_rope_interleave),
-                                             seg, topk=topk, reorder=config.context_parallel_reorder_strategy)
+                                             seg, topk=topk, reorder=config.context_parallel_reorder_strategy,
+                                             dtype=config.indexer_dtype)
         kernel = rt.backend if rt.attention == "flash" else None
         h, aux = mla.attention(normed, p, inputs, config, rt, selected_keys=functools.partial(
             _selected_keys, normed, p, seg, config, kernel, choice=choice))
@@ -198,7 +201,7 @@ def _attention_sharing_topk(normed, p, inputs, layer_type: LayerType, config, rt
         if own:
             visible = mla.decoding_mask(index, first, normed.shape[1], slots)
             scores = indexer.scores(normed, mla.query_latent(normed, p, config, rt), index_cache[:, :, 0], p, rope,
-                                    config.index_rope_interleave)
+                                    config.index_rope_interleave, dtype=config.indexer_dtype)
             choice = indexer.choose(scores, visible, topk)
         chosen_mask = shared_topk.mask(choice, slots)
         kept = lambda *_: chosen_mask  # noqa: E731  (the slots' mask already holds the visible ones alone)

@@ -28,6 +28,13 @@ Hugging Face (and DeepSeek's reference) rotate the indexer's queries and keys wi
 them in float8 for speed; the transform is orthogonal (q . k unchanged), so this bf16/float32 form is the same
 selection up to rounding, as transformers' own.
 
+Precision of the choice (indexer_dtype, `combine`'s dtype): float32 (the default, the numbers above); bfloat16 (q and
+k rounded to bfloat16, the dots accumulated in float32); float8 (DeepSeek-V3.2's: q per query head and k per key
+scaled by its own absmax / 448 (`row_scales`), rounded to e4m3, the dots accumulated in float32 and multiplied back
+by both scales, then the ReLU and the head weights in float32). Only the choice (the top-k, which takes no gradient)
+is made at that precision: the KL that trains the indexer (indexer_training) scores the chosen keys in float32 with
+its gradient, so nothing needs a straight-through estimator (tests/models/test_deepseek_indexer_dtype.py).
+
 Einsum letters: as blocks.py, and Q the query latent rank, I the indexer heads, E their width.
 """
 
@@ -37,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from maxtrain.models import attention as attention_lib
+from maxtrain.models import fp8
 from maxtrain.models import rope as rope_lib
 from maxtrain.models.params import ParamSpec, dense
 
@@ -92,17 +100,47 @@ def queries(x, q_latent, p, rope, interleave: bool = False, trained: bool = Fals
     return q, w
 
 
-def scores(x, q_latent, k, p, rope, interleave: bool = False, trained: bool = False) -> jax.Array:
+def scores(x, q_latent, k, p, rope, interleave: bool = False, trained: bool = False,
+           dtype: str = "float32") -> jax.Array:
     """I [B, T, S] float32 of the queries' tokens x [B, T, D] (q_latent [B, T, Q]) against indexer keys k [B, S, E];
-    no gradient reaches x and q_latent, nor the indexer's weights unless `trained`."""
-    return combine(*queries(x, q_latent, p, rope, interleave, trained), k)
+    no gradient reaches x and q_latent, nor the indexer's weights unless `trained`. dtype: `combine`'s."""
+    return combine(*queries(x, q_latent, p, rope, interleave, trained), k, dtype)
 
 
-def combine(q, w, k) -> jax.Array:
+DTYPES = ("float32", "bfloat16", "float8")  # indexer_dtype: the precision of the scores that choose the keys
+
+
+def combine(q, w, k, dtype: str = "float32") -> jax.Array:
     """I [B, T, S] = sum_n w[t, n] relu(q[t, n] . k[s] / sqrt(E)) of queries q [B, T, I, E], head weights w [B, T, I]
-    and keys k [B, S, E] (`queries`, `keys`), float32."""
-    per_head = jax.nn.relu(jnp.einsum("BTIE,BSE->BTIS", q, k) * q.shape[3] ** -0.5)
+    and keys k [B, S, E] (`queries`, `keys`), float32; the dots q . k at `dtype` (indexer_dtype: module docstring),
+    accumulated in float32."""
+    if dtype == "float32":
+        per_head = jax.nn.relu(jnp.einsum("BTIE,BSE->BTIS", q, k) * q.shape[3] ** -0.5)
+    else:
+        per_head = jax.nn.relu(low_precision_dots(q, k, dtype) * q.shape[3] ** -0.5)
     return jnp.einsum("BTI,BTIS->BTS", w, per_head)
+
+
+def row_scales(a) -> jax.Array:
+    """a's absmax over its last axis / 448 (e4m3's largest), float32, keeping that axis (size 1); 1 where it is 0 or
+    not finite (a zero row): the scale that maps each row's largest magnitude to the top of e4m3."""
+    s = jnp.max(jnp.abs(a.astype(jnp.float32)), axis=-1, keepdims=True) / fp8.LARGEST[fp8.E4M3]
+    return jnp.where((s > 0) & jnp.isfinite(s), s, jnp.float32(1.0))
+
+
+def low_precision_dots(q, k, dtype: str) -> jax.Array:
+    """q . k [B, T, I, S] float32 of q [B, T, I, E] and k [B, S, E] with bfloat16 or float8 (e4m3, per-row scales:
+    `row_scales` of each query head's row and each key's) operands, accumulated in float32 (the float8 products
+    multiplied back by both rows' scales)."""
+    if dtype == "bfloat16":
+        return jnp.einsum("BTIE,BSE->BTIS", q.astype(jnp.bfloat16), k.astype(jnp.bfloat16),
+                          preferred_element_type=jnp.float32)
+    if dtype != "float8":
+        raise ValueError(f"indexer_dtype={dtype!r} is not one of {', '.join(DTYPES)}; set one of them")
+    s_q, s_k = row_scales(q), row_scales(k)                                      # [B, T, I, 1], [B, S, 1]
+    dots = jnp.einsum("BTIE,BSE->BTIS", fp8.quantize(q, s_q, fp8.E4M3), fp8.quantize(k, s_k, fp8.E4M3),
+                      preferred_element_type=jnp.float32)
+    return dots * s_q * s_k[:, None, None, :, 0]
 
 
 def top(index, visible, topk: int) -> jax.Array:
@@ -121,15 +159,16 @@ def choose(index, visible, topk: int) -> tuple[jax.Array, jax.Array]:
 
 
 def keys_kept(x, q_latent, rope, visible, *, p, segment_ids, topk: int, cached_keys=None,
-              interleave: bool = False) -> jax.Array:
+              interleave: bool = False, dtype: str = "float32") -> jax.Array:
     """[B, T, S] bool: the keys each query attends to. Training and scoring (visible None): among the causal mask's
     and its document's, scored against the tokens' own indexer keys. Decoding: among `visible` (the cache slots'
     mask), scored against `cached_keys` [B, S, E] (the layer's indexer-key cache, this step's written).
-    interleave: the indexer's RoPE on interleaved pairs (index_rope_interleave)."""
+    interleave: the indexer's RoPE on interleaved pairs (index_rope_interleave); dtype: the scores' precision
+    (indexer_dtype, `combine`)."""
     if visible is None:
         visible = attention_lib.make_attention_mask(segment_ids, segment_ids, causal=True)
         cached_keys = keys(x, p, rope, interleave)
-    return top(scores(x, q_latent, cached_keys, p, rope, interleave), visible, topk)
+    return top(scores(x, q_latent, cached_keys, p, rope, interleave, dtype=dtype), visible, topk)
 
 
 def kl_to_attention(target, index, mask, segment_ids) -> jax.Array:

@@ -8,7 +8,9 @@ stage, each a KL loss from the attention's head-averaged distribution to the sof
                    every key is kept and the plain form runs
 
 The indexer's inputs are detached and the target carries no gradient, so the loss trains the indexer's weights
-alone; the language-model loss never reaches them. Under context parallelism (all_gather) the plain form's masks
+alone; the language-model loss never reaches them. indexer_dtype sets the precision of the scores that choose the
+keys alone (no gradient: the top-k has none); the KL scores them in float32 with its gradient, so the quantization
+needs no straight-through estimator and the indexer learns from float32 scores, as at indexer_dtype=float32. Under context parallelism (all_gather) the plain form's masks
 compare the tokens' original indices (selected_context.visible) and selected.py's blocks run per device on its own
 queries (selected_context.attention).
 """
@@ -47,12 +49,16 @@ def attention(normed, p, inputs, config, rt, selected_keys):
         return h, {**aux, "indexer_kl": kl, "indexer_loss": config.indexer_loss_weight * kl}
     rope, seg, reorder = inputs.rope["global"], inputs.segment_ids, config.context_parallel_reorder_strategy
     visible = selected_context.visible(seg, reorder)
-    index = indexer.scores(normed, mla.query_latent(normed, p, config, rt),
-                           indexer.keys(normed, p, rope, config.index_rope_interleave, trained=True), p, rope,
-                           config.index_rope_interleave, trained=True)
+    interleave = config.index_rope_interleave
+    index_q, index_w = indexer.queries(normed, mla.query_latent(normed, p, config, rt), p, rope, interleave,
+                                       trained=True)
+    index_k = indexer.keys(normed, p, rope, interleave, trained=True)
+    index = indexer.combine(index_q, index_w, index_k)  # float32, with its gradient: the KL's
     kept = choice = None
     if config.indexer_training == "sparse" and normed.shape[1] > config.index_topk:
-        choice = indexer.choose(jax.lax.stop_gradient(index), visible, config.index_topk)
+        at = index if config.indexer_dtype == "float32" else indexer.combine(index_q, index_w, index_k,
+                                                                              config.indexer_dtype)
+        choice = indexer.choose(jax.lax.stop_gradient(at), visible, config.index_topk)
         kept = shared_topk.mask(choice, index.shape[-1])  # the chosen keys, all of them visible
     h, aux = mla.attention(normed, p, inputs, config, rt, keys_kept=None if kept is None else lambda *_: kept,
                            attention_target=visible)

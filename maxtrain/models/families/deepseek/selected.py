@@ -83,7 +83,7 @@ def scored_keys(length: int) -> float:
 
 def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment_ids, *, topk: int,
               scale: float, block: int | None = None, with_max_logits: bool = False, kernel: str | None = None,
-              choice=None, indexer_kl: bool = False):
+              choice=None, indexer_kl: bool = False, dtype: str = "float32"):
     """MLA under the indexer's top-k, reading only the chosen keys.
 
     q_nope [B, T, N, Hn], q_rope [B, T, N, R] (after RoPE), c [B, S, C] (the normed latent), k_rope [B, S, R]
@@ -94,7 +94,8 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
     kernel: the platform (gpu, or cpu: interpreted) to run the selected-key Pallas kernel on, over the same keys
     (`chosen`); None: this plain form. choice: (idx, kept [B, T, K]) as `chosen` gives them, already made (a
     shared indexer layer's, families/deepseek/shared_topk.py): both forms read those keys, and the indexer's
-    operands (index_q, index_w, index_k: None then) are not read, but for the KL below.
+    operands (index_q, index_w, index_k: None then) are not read, but for the KL below. dtype: the precision of the
+    scores that choose the keys (indexer_dtype, indexer.combine); the KL's scores stay float32.
 
     indexer_kl (the sparse stage of indexer_training): returns (what it would return, kl), kl the indexer's loss
     indexer.kl_to_attention over the selected keys alone: per query block, p = the attention's probabilities over
@@ -111,7 +112,7 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
     q_c = jnp.einsum("BTNH,CNH->BTNC", q_nope, w_k.astype(q_nope.dtype))
     if kernel is not None:
         idx, kept = choice if choice is not None else chosen(*(jax.lax.stop_gradient(a) for a in (
-            index_q, index_w, index_k)), segment_ids, topk=topk, block=bq)
+            index_q, index_w, index_k)), segment_ids, topk=topk, block=bq, dtype=dtype)
         out = _kernel(q_c, q_rope, c, k_rope, idx, kept, scale=scale, platform=kernel, with_max_logits=with_max_logits)
         if not indexer_kl:
             return out
@@ -125,7 +126,7 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
                              start + jnp.arange(end - start, dtype=jnp.int32),
                              c[:, :end], k_rope[:, :end], None if index_k is None else index_k[:, :end],
                              segment_ids[:, :end], topk=topk, scale=scale, block=bq, checkpointed=t > bq,
-                             indexer_kl=indexer_kl)
+                             indexer_kl=indexer_kl, dtype=dtype)
         out.append(o_c)
         head_max.append(m)
         kl.append(run_kl)
@@ -135,7 +136,7 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
 
 
 def run(q_c, q_rope, index_q, index_w, choice, q_segment_ids, positions, c, k_rope, index_k, k_segment_ids, *, topk,
-        scale, block, checkpointed, indexer_kl=False):
+        scale, block, checkpointed, indexer_kl=False, dtype: str = "float32"):
     """One run of query blocks (T queries, T a multiple of `block`, at the key positions `positions` [T] int32: a
     query at p sees keys 0 .. p of its document) against keys [0, S) in their order: (o_c [B, T, N, C], each head's
     largest kept logit [N], the indexer's KL summed over the run's real queries, 0.0 without indexer_kl). choice:
@@ -150,7 +151,7 @@ def run(q_c, q_rope, index_q, index_w, choice, q_segment_ids, positions, c, k_ro
 
     def one_block(q_c_blk, q_r_blk, iq_blk, iw_blk, choice_blk, seg_blk, pos_blk):
         idx, kept = (choice_blk if choice_blk is not None                          # [B, bq, K] each
-                     else _choose(iq_blk, iw_blk, seg_blk, pos_blk, index_k, k_segment_ids, k))
+                     else _choose(iq_blk, iw_blk, seg_blk, pos_blk, index_k, k_segment_ids, k, dtype=dtype))
         kept = checkpoint_name(kept, "selected_keys")
         idx = checkpoint_name(idx, "selected_keys")  # kept for the backward: it need not score again
         logits, probs, c_k = _probabilities(q_c_blk, q_r_blk, c, k_rope, idx, kept, scale)  # [B, bq, N, K]
@@ -208,19 +209,23 @@ def kl_beside_kernel(q_c, q_rope, c, k_rope, idx, kept, index_q, index_w, index_
                                                                          segment_ids)))))
 
 
-def _choose(iq_blk, iw_blk, seg_blk, pos_blk, index_k, k_segment_ids, k, fused: bool = False):
+def _choose(iq_blk, iw_blk, seg_blk, pos_blk, index_k, k_segment_ids, k, fused: bool = False,
+            dtype: str = "float32"):
     """A block of queries' chosen keys (idx [B, bq, K] int32, kept [B, bq, K] bool): top_k of the indexer's scores
     over the keys its causal mask (key index <= the query's position, pos_blk [bq]) and documents let it see (-inf
     elsewhere: never chosen as kept), no gradient. fused: the scores from kernels/index_scores.py (no
-    [B, bq, I, S] per-head scores in memory)."""
+    [B, bq, I, S] per-head scores in memory), float32 alone. dtype: the scores' precision (indexer.combine)."""
     visible = visible_keys(seg_blk, k_segment_ids, pos_blk)                                         # [B, bq, S]
+    if fused and dtype != "float32":
+        raise ValueError(f"the fused index-scores kernel (kernels/index_scores.py) scores in float32 alone, not "
+                         f"indexer_dtype={dtype}; set indexer_dtype=float32 or score without it (fused=False)")
     if fused:
         # deferred: the Pallas kernel's import, only where it runs
         from maxtrain.kernels import index_scores  # pylint: disable=import-outside-toplevel
         scores = index_scores.index_scores(jax.lax.stop_gradient(iq_blk), jax.lax.stop_gradient(iw_blk),
                                            jax.lax.stop_gradient(index_k))
     else:
-        scores = indexer.combine(iq_blk, iw_blk, index_k)
+        scores = indexer.combine(iq_blk, iw_blk, index_k, dtype)
     index = jax.lax.stop_gradient(jnp.where(visible, scores, -jnp.inf))
     top, idx = jax.lax.top_k(index, k)
     return idx, top > -jnp.inf
@@ -232,7 +237,8 @@ def visible_keys(q_segment_ids, k_segment_ids, positions) -> jax.Array:
     return mask & (jnp.arange(k_segment_ids.shape[1])[None, :] <= positions[:, None])[None]
 
 
-def chosen(index_q, index_w, index_k, segment_ids, *, topk: int, block: int, fused: bool = False):
+def chosen(index_q, index_w, index_k, segment_ids, *, topk: int, block: int, fused: bool = False,
+           dtype: str = "float32"):
     """Every query's chosen keys (idx [B, T, K] int32, kept [B, T, K] bool; K = min(topk, S)), block by block and
     run by run as the plain form chooses them (a run's queries score the keys before its end alone), for the
     kernel: [B, T, K] int32 and bool in memory, the blocks' scores one at a time. fused: each block's scores from
@@ -242,7 +248,7 @@ def chosen(index_q, index_w, index_k, segment_ids, *, topk: int, block: int, fus
     for start, end in prefix_groups(segment_ids.shape[1], block):
         i, m = chosen_at(index_q[:, start:end], index_w[:, start:end], index_k[:, :end], segment_ids[:, start:end],
                          segment_ids[:, :end], start + jnp.arange(end - start, dtype=jnp.int32), topk=topk,
-                         block=block, fused=fused)
+                         block=block, fused=fused, dtype=dtype)
         pad = [(0, 0), (0, 0), (0, k - i.shape[-1])]  # a run before index_topk keys: its missing slots not kept
         idx.append(jnp.pad(i, pad))
         kept.append(jnp.pad(m, pad, constant_values=False))
@@ -250,7 +256,7 @@ def chosen(index_q, index_w, index_k, segment_ids, *, topk: int, block: int, fus
 
 
 def chosen_at(index_q, index_w, index_k, q_segment_ids, k_segment_ids, positions, *, topk: int, block: int,
-              fused: bool = False):
+              fused: bool = False, dtype: str = "float32"):
     """The chosen keys (idx, kept [B, T, K], K = min(topk, S)) of T queries at key positions `positions` [T] against
     the keys [0, S) of index_k [B, S, E], `block` queries at a time (a run of `chosen`'s; a device's own queries
     under context parallelism, selected_context.py)."""
@@ -260,7 +266,7 @@ def chosen_at(index_q, index_w, index_k, q_segment_ids, k_segment_ids, positions
     def blocks(x):  # [B, T, ...] -> [T / block, B, block, ...]
         return jnp.moveaxis(x.reshape(b, t // block, block, *x.shape[2:]), 1, 0)
 
-    i, m = jax.lax.map(lambda xs: _choose(*xs, index_k, k_segment_ids, k, fused),
+    i, m = jax.lax.map(lambda xs: _choose(*xs, index_k, k_segment_ids, k, fused, dtype),
                        (blocks(index_q), blocks(index_w), blocks(q_segment_ids), positions.reshape(-1, block)))
     return tuple(jnp.moveaxis(x, 0, 1).reshape(b, t, k) for x in (i, m))
 

@@ -82,19 +82,21 @@ def in_sequence_order(choice, reorder: str):
     return _positions(idx.shape[1], reorder)[idx], kept
 
 
-def chosen(index_q, index_w, index_k, segment_ids, *, topk: int, block: int | None = None, reorder: str):
+def chosen(index_q, index_w, index_k, segment_ids, *, topk: int, block: int | None = None, reorder: str,
+           dtype: str = "float32"):
     """selected.chosen under context parallelism: every query's chosen keys (idx [B, T, K] int32, original key
-    indices, and kept [B, T, K] bool) in the layout, split along T; K = min(topk, T)."""
+    indices, and kept [B, T, K] bool) in the layout, split along T; K = min(topk, T). dtype: the scores' precision
+    (indexer_dtype)."""
     if not splits():
         return selected.chosen(index_q, index_w, index_k, segment_ids, topk=topk,
-                               block=block or selected.query_block(segment_ids.shape[1]))
+                               block=block or selected.query_block(segment_ids.shape[1]), dtype=dtype)
     length = segment_ids.shape[1]
     gather = _gatherer(length, reorder)
 
     def local(index_q, index_w, index_k, segment_ids, positions):
         bq = block or selected.query_block(segment_ids.shape[1])
         return selected.chosen_at(index_q, index_w, gather(index_k), segment_ids, gather(segment_ids), positions,
-                                  topk=topk, block=bq)
+                                  topk=topk, block=bq, dtype=dtype)
 
     args = [jax.lax.stop_gradient(a) for a in (index_q, index_w, index_k)] + [segment_ids, _positions(length, reorder)]
     return sharding.run_in_shards(local, args, (_SPLIT, _TOKENS, _TOKENS, _PER_DEVICE, ("length",)),
@@ -103,14 +105,14 @@ def chosen(index_q, index_w, index_k, segment_ids, *, topk: int, block: int | No
 
 def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment_ids, *, topk: int, scale: float,
               reorder: str, block: int | None = None, with_max_logits: bool = False, kernel: str | None = None,
-              choice=None, indexer_kl: bool = False):
+              choice=None, indexer_kl: bool = False, dtype: str = "float32"):
     """selected.attention (its arguments and returns) with the sequence split over the context group in the layout
     `reorder` (context_parallel_reorder_strategy); selected.attention itself where the mesh does not split it.
     choice: (idx, kept [B, T, K]) as `chosen` gives them, in the layout; None: each device's indexer chooses."""
     if not splits():
         return selected.attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment_ids, topk=topk,
                                   scale=scale, block=block, with_max_logits=with_max_logits, kernel=kernel,
-                                  choice=choice, indexer_kl=indexer_kl)
+                                  choice=choice, indexer_kl=indexer_kl, dtype=dtype)
     length = segment_ids.shape[1]
     gather = _gatherer(length, reorder)
     q_c = jnp.einsum("BTNH,CNH->BTNC", q_nope, w_k.astype(q_nope.dtype))
@@ -130,11 +132,11 @@ def attention(q_nope, q_rope, c, k_rope, w_k, index_q, index_w, index_k, segment
         if kernel is None:
             o_c, head_max, kl = selected.run(q_c, q_rope, iq, iw, mine, segment_ids, positions, c_all, r_all, ik,
                                              seg_all, topk=topk, scale=scale, block=bq, checkpointed=q_c.shape[1] > bq,
-                                             indexer_kl=indexer_kl)
+                                             indexer_kl=indexer_kl, dtype=dtype)
         else:
             if mine is None:
                 mine = selected.chosen_at(*(jax.lax.stop_gradient(a) for a in (iq, iw, ik)), segment_ids, seg_all,
-                                          positions, topk=topk, block=bq)
+                                          positions, topk=topk, block=bq, dtype=dtype)
             o_c, head_max = selected.kernel_module(kernel).selected_attention(
                 q_c, q_rope, c_all, r_all, *mine, scale=scale, interpret=kernel == "cpu", with_max_logits=True)
             kl = (selected.kl_beside_kernel(q_c, q_rope, c_all, r_all, *mine, iq, iw, ik, segment_ids, scale=scale,
