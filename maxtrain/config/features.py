@@ -21,6 +21,9 @@ Two rules, each over one declared table:
 - each family's defining settings (registry.Family.usual): a family whose layers slide (its pattern, or
   attention_layer_types) with sliding_window_size=0, or a mixture-of-experts family with num_experts=1,
   would silently be another model (full attention, a dense MLP); refused with the family's usual value.
+- each family's fixed settings (registry.Family.fixed: deepseek_v4's balance and z-loss weights, it has no router
+  logits): base.yml's default, where nobody chose the key, resolves to the family's value (resolve_fixed, the first
+  step of checks.validate); another value chosen is refused with the family's reason.
 
 Every key of FEATURES is declared once (tests/config/test_config.py checks each is a base.yml key of one row); each key
 of REQUIRES is one of a FEATURES row.
