@@ -27,7 +27,7 @@ from typing import Any
 
 from maxtrain.config import context_checks, features, limits, mla_checks, objectives, vision_checks
 from maxtrain.config import settings as settings_lib
-from maxtrain.config.registry import EVAL_TASKS, MOE_FAMILIES, MOE_PLACEMENT_KEYS
+from maxtrain.config.registry import EVAL_TASKS, FAMILIES, MOE_FAMILIES, MOE_PLACEMENT_KEYS
 from maxtrain.config.schema import LOGICAL_AXES, MESH_AXES, QUANTIZATION_PLACES, parallelism_key, table, ways
 from maxtrain.errors import ConfigError
 
@@ -38,7 +38,11 @@ def _require(ok: bool, message: str):
 
 
 def validate(v: dict[str, Any]) -> None:
-    """The whole resolved config: each key's allowed values (the table), then the named checks."""
+    """The whole resolved config: each key's allowed values (the table), then the named checks. The one change it
+    makes to v comes first: the family's fixed settings left at base.yml's default take the family's value
+    (features.resolve_fixed), so every path that builds a config (load_config, a checkpoint's adopted model, an
+    import's config.json) resolves them alike."""
+    features.resolve_fixed(v)
     for name, setting in table().items():
         settings_lib.check_value(setting, v[name])
     for check in CHECKS:
@@ -222,7 +226,7 @@ def _no_pipeline_stages_with_experts(v):
 def _tensor_parallelism_divides(v):
     tp = v["ici_tensor_parallelism"] * v["dcn_tensor_parallelism"]
     if tp > 1:
-        for key in ("base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "vocab_size"):
+        for key in FAMILIES[v["decoder_block"]].tensor_keys:
             _require(v[key] % tp == 0,
                      f"tensor parallelism {tp} (ici_tensor_parallelism x dcn_tensor_parallelism) must divide "
                      f"{key}={v[key]}; use a tensor parallelism that divides it, e.g. "

@@ -21,6 +21,9 @@ Two rules, each over one declared table:
 - each family's defining settings (registry.Family.usual): a family whose layers slide (its pattern, or
   attention_layer_types) with sliding_window_size=0, or a mixture-of-experts family with num_experts=1,
   would silently be another model (full attention, a dense MLP); refused with the family's usual value.
+- each family's fixed settings (registry.Family.fixed: deepseek_v4's balance and z-loss weights, it has no router
+  logits): base.yml's default, where nobody chose the key, resolves to the family's value (resolve_fixed, the first
+  step of checks.validate); another value chosen is refused with the family's reason.
 
 Every key of FEATURES is declared once (tests/config/test_config.py checks each is a base.yml key of one row); each key
 of REQUIRES is one of a FEATURES row.
@@ -340,4 +343,28 @@ def what_the_family_is(v: dict[str, Any]) -> None:
                           "count) and num_experts_per_tok, or use a dense family (e.g. decoder_block=llama)")
 
 
-CHECKS = (what_the_family_is, settings_of_features_that_are_off)
+def _given(v: dict[str, Any]) -> set:
+    """The keys whose value someone chose: the user's YAML and command line, and the preset (its values are the
+    model's); empty for values built in code from base.yml's defaults (no record)."""
+    return set(v.get("given_keys", ())) | set(v.get("preset_keys", ()))
+
+
+def resolve_fixed(v: dict[str, Any]) -> None:
+    """A family's fixed settings (registry.Family.fixed) that nobody chose and that hold base.yml's default take the
+    family's value, in v: base.yml's load_balance_loss_weight (0.01) is the other mixtures of experts' default."""
+    settings, given = table(), _given(v)
+    for key, value in family(v).fixed:
+        if key not in given and v[key] == settings[key].default:
+            v[key] = value
+
+
+def fixed_by_the_family(v: dict[str, Any]) -> None:
+    """A value chosen for a family's fixed setting other than its own (resolve_fixed has replaced the defaults)."""
+    row = family(v)
+    for key, value in row.fixed:
+        if v[key] != value:
+            raise ConfigError(f"{key}={shown(v[key])} does nothing with decoder_block={row.name}: {row.fixed_why}; "
+                              f"drop {key} (it is {shown(value)} for {row.name})")
+
+
+CHECKS = (what_the_family_is, fixed_by_the_family, settings_of_features_that_are_off)

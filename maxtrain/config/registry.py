@@ -51,6 +51,14 @@ class Family:
     # Functions of the resolved values that refuse, with one line (a ValueError), what its layers cannot run:
     # rules the settings table cannot state (config/checks.py calls them after the shared rules).
     checks: tuple[Callable[[dict], None], ...] = ()
+    # The sizes tensor parallelism splits (config/checks.py: each must divide by it): DeepSeek-V4's one key/value
+    # head and its experts' width (base_moe_mlp_dim) stand where the others' kv heads and MLP width do.
+    tensor_keys: tuple[str, ...] = ("base_num_query_heads", "base_num_kv_heads", "base_mlp_dim", "vocab_size")
+    # Shared settings the family has one value of (key, value), and why (`fixed_why`): a config of the family
+    # resolves each to its value where the user set none (base.yml's default serves the other families), and a
+    # value the user sets otherwise is refused (config/features.py).
+    fixed: tuple[tuple[str, float], ...] = ()
+    fixed_why: str = ""
 
     def pattern(self, num_layers: int) -> list[str]:
         """Its layers' attention without attention_layer_types: attention_pattern repeated over num_layers."""
@@ -178,7 +186,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                        "compress_rate_csa", "compress_rate_hca", "compress_layer_types", "num_hash_layers"),
            setting_keys=("index_topk", "routed_scaling_factor", "partial_rotary_factor", "mlp_activations_limit",
                          "hc_sinkhorn_iters", "hc_eps", "compress_rope_theta"),
-           checks=(deepseek_v4_dims.check_config,)),
+           checks=(deepseek_v4_dims.check_config,),
+           tensor_keys=("base_num_query_heads", "index_n_heads", "base_moe_mlp_dim", "vocab_size"),
+           fixed=(("load_balance_loss_weight", 0.0), ("router_z_loss_weight", 0.0)),
+           fixed_why="its layers route by sqrt(softplus) scores and token hashes, with no router logits for a "
+                     "balance or z loss (moe_load_min/max report the loads)"),
     Family("llama4_text", ("llama4_text",), "Llama4ForCausalLM", moe=True, per_layer_attention=False,
            usual=(("num_experts", 16),), settings=LLAMA4_SETTINGS, shape_keys=("shared_experts",),
            setting_keys=LLAMA4_SETTING_KEYS),

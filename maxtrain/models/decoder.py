@@ -419,7 +419,7 @@ def _head_for_chunks(head: dict, specs: dict, rt):
     def sharded(tree):
         return sharding.shard_like_params(tree, specs)
 
-    cast = sharded({k: v.astype(rt.dtype) if v.ndim >= 2 else v for k, v in head.items()})
+    cast = sharded(jax.tree.map(lambda v: v.astype(rt.dtype) if v.ndim >= 2 else v, head))  # nested: V4's hc_head
     return sharding.gather_params(cast, specs, "embed"), sharded
 
 

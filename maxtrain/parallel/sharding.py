@@ -268,8 +268,8 @@ def gather_params(tree, specs, logical: str):
     """Parameters (sharded by their declarations `specs`) gathered over the mesh axes of their logical
     axis `logical`, the other axes kept split; their gradient goes back in the parameters' sharding
     (the constraint's own transpose would gather the gradient as well). A no-op without a mesh."""
-    gathered = {k: dataclasses.replace(s, axes=tuple(None if a == logical else a for a in s.axes))
-                for k, s in specs.items()}
+    gathered = jax.tree.map(lambda s: dataclasses.replace(s, axes=tuple(None if a == logical else a for a in s.axes)),
+                            specs)  # (a ParamSpec is a leaf: nested trees, DeepSeek-V4's hc_head, map too)
 
     @jax.custom_vjp
     def gather(t):

@@ -18,6 +18,7 @@ from maxtrain import check_logits  # noqa: E402
 from maxtrain import config as config_lib  # noqa: E402
 from maxtrain.checkpointing import convert, safetensors_files  # noqa: E402
 from maxtrain.errors import ConfigError  # noqa: E402
+from maxtrain.training import builder  # noqa: E402
 
 from test_deepseek_v4_parts import YARN, T, randomize, tiny_config  # noqa: E402  (tests/models/ is on sys.path)
 
@@ -65,8 +66,28 @@ def test_import_check_logits_and_export(tmp_path, capsys, rope):
     ("compress_layer_types=[sliding_attention]", "compress_layer_types must list"),
     ("rope_type=llama3", "rope_type=llama3 is not implemented for its compressed layers"),
     ("rope_type=yarn rope_attention_factor=1.3", "rope_attention_factor=1.3 would scale cos and sin"),
+    # no router logits: a balance or z loss the user asks for is refused (base.yml's 0.01 too, when given)
+    ("load_balance_loss_weight=0.01", r"load_balance_loss_weight=0.01 does nothing with decoder_block=deepseek_v4: "
+                                      r".*no router logits.*; drop load_balance_loss_weight \(it is 0.0 for deepseek_v4\)"),
+    ("router_z_loss_weight=0.001", "router_z_loss_weight=0.001 does nothing with decoder_block=deepseek_v4"),
 ])
 def test_config_refuses_what_the_layers_cannot_run(override, named):
     with pytest.raises(ConfigError, match=named) as e:
         config_lib.load_config(["configs/base.yml", "model_name=deepseek4-tiny", *override.split()])
     assert "\n" not in str(e.value)
+
+
+def test_the_family_sets_its_balance_losses_to_zero_and_refuses_only_a_users_value(tmp_path):
+    """base.yml's load_balance_loss_weight (0.01) serves the other mixtures of experts: a deepseek_v4 model named by
+    its preset, or imported from a config.json and adopted by a run (load_parameters_path alone), resolves it to 0;
+    the same run with the user's own value is refused in one line (the control)."""
+    assert config_lib.load_config(["configs/base.yml", "model_name=deepseek4-tiny"]).load_balance_loss_weight == 0.0
+    v4.DeepseekV4ForCausalLM(tiny_config()).eval().save_pretrained(tmp_path / "hf")
+    keys = convert.import_hf(str(tmp_path / "hf"), str(tmp_path / "imported"), log=lambda *_: None)
+    assert keys["decoder_block"] == "deepseek_v4"
+    run = ["configs/base.yml", f"load_parameters_path={tmp_path / 'imported'}", "max_target_length=24"]
+    config = builder.load_config(run, log=lambda *_: None)
+    assert config.decoder_block == "deepseek_v4"
+    assert (config.load_balance_loss_weight, config.router_z_loss_weight) == (0.0, 0.0)
+    with pytest.raises(ConfigError, match="load_balance_loss_weight=0.02 does nothing with decoder_block=deepseek_v4"):
+        builder.load_config([*run, "load_balance_loss_weight=0.02"], log=lambda *_: None)

@@ -205,7 +205,7 @@ def test_trains_the_tiny_preset_on_packed_documents(tmp_path):
     result = train.main([BASE_YML, "model_name=deepseek4-tiny", "packing=true", "max_target_length=64",
                          "per_device_batch_size=1", "dtype=float32", "remat_policy=none", "enable_tensorboard=false",
                          "default_corpus_max_mb=0.3", "eval_interval=-1", "steps=12", "learning_rate=1e-2",
-                         "log_period=4", f"metrics_file={metrics}", f"base_output_directory={tmp_path}",
+                         "log_period=4", "max_new_tokens=0", f"metrics_file={metrics}", f"base_output_directory={tmp_path}",
                          "run_name=v4packed"])
     assert result.config.packing
     losses = [json.loads(line)["learning/loss"] for line in metrics.read_text().splitlines()

@@ -26,7 +26,10 @@ fixed parameter (ParamSpec.fixed: never trained), kept as floats (exact below 2^
 Parameters keep transformers' module names and torch's [out, in] layout, nested: layer l's
 `self_attn.q_a_proj.weight` is params["layers"][kind]["self_attn"]["q_a_proj"]["weight"][i]; the experts are
 w1, w3 (gate, up) [E, I, D] and w2 (down) [E, D, I] as save_pretrained writes them per expert, with the logical axes
-of the shared MoE block's experts ("exp", "mlp", "embed" in that layout). A layer's kind is its attention and router,
+of the shared MoE block's experts ("exp", "mlp", "embed" in that layout). The other projections split too
+(_layer_specs): their input axis over FSDP ("embed"), the query, indexer and output-group heads over tensor
+parallelism ("heads"), the shared expert's width over it ("mlp"); the norms, sinks, biases and the compressors'
+position biases stay whole (tests/models/test_deepseek_v4_sharding.py). A layer's kind is its attention and router,
 "<sliding|csa|hca>_<moe|hash>": the kinds differ in their parameters.
 
 The experts. The layer routes each token itself (routing.route: tid2eid[token] in the hash layers, a sqrtsoftplus
@@ -36,7 +39,9 @@ so moe_dispatch (dropless grouped matmuls or capacity), expert parallelism and F
 families; the shared expert runs beside it. It equals routing.moe, the dense reference form (every expert on every
 token) the parts' tests check against transformers, on every real token (tests/models/test_deepseek_v4_moe.py);
 padding tokens get no routed experts. The block reports the loads (moe_load_min/max, and moe_dropped_fraction
-under capacity dispatch); V4 has no router logits for a balance or z loss, so none is computed.
+under capacity dispatch); V4 has no router logits for a balance or z loss, so none is computed: the registry row
+fixes load_balance_loss_weight and router_z_loss_weight at 0 (config/features.py resolves base.yml's 0.01 to it and
+refuses a user's other value).
 
 Packed documents: the layers read the segment ids, and each document is compressed and attended as if it ran
 alone from position 0 (packed.py; padding, segment id 0, is a document no real token sees).
@@ -49,8 +54,6 @@ pooled from its first slot.
 
 Context parallelism (all_gather alone): each device attends its queries to the whole sequence's keys and compressed
 entries, computed from the layer input gathered back into the sequence's order (compressed_context.py).
-
-Not here yet: sharding annotations beyond the layer and expert axes.
 """
 
 from __future__ import annotations
@@ -100,9 +103,10 @@ def layer_types(config) -> list[LayerType]:
 # --------------------------------------------------------------------------------------------
 
 
-def _w(out_dim, in_dim):
-    """A torch Linear weight [out, in]."""
-    return {"weight": dense((out_dim, in_dim), (None, None), in_dim)}
+def _w(out_dim, in_dim, out_axis=None, in_axis="embed"):
+    """A torch Linear weight [out, in]: the input axis is split over FSDP ("embed"), the output axis over tensor
+    parallelism where it is a head (or expert width) axis ("heads", "mlp")."""
+    return {"weight": dense((out_dim, in_dim), (out_axis, in_axis), in_dim)}
 
 
 def _norm(width):
@@ -111,7 +115,7 @@ def _norm(width):
 
 def _hc(d):
     n = d.hc_mult
-    return {"fn": dense(((2 + n) * n, n * d.hidden_size), (None, None), n * d.hidden_size),
+    return {"fn": dense(((2 + n) * n, n * d.hidden_size), (None, "embed"), n * d.hidden_size),
             "base": ParamSpec(((2 + n) * n,), (None,), "zeros"), "scale": ParamSpec((3,), (None,), "ones")}
 
 
@@ -123,24 +127,29 @@ def _compressor(width, pooled, rate, d):
 
 
 def _layer_specs(kind: str, d) -> dict:
+    """One layer's parameters with their logical axes: every projection's input axis over FSDP ("embed": the
+    hidden size, the query latent, a group's heads), the query heads, the output groups (each a block of heads)
+    and the indexer's heads over tensor parallelism ("heads"), the experts' widths over it ("mlp"); the small ones
+    (norms, sinks, biases, the compressors' position biases) whole on every device."""
     attn, router = kind.split("_")
     hd = d.num_heads * d.head_dim
     self_attn = {"q_a_proj": _w(d.q_lora_rank, d.hidden_size), "q_a_norm": _norm(d.q_lora_rank),
-                 "q_b_proj": _w(hd, d.q_lora_rank), "kv_proj": _w(d.head_dim, d.hidden_size),
-                 "kv_norm": _norm(d.head_dim), "o_a_proj": _w(d.o_groups * d.o_lora_rank, hd // d.o_groups),
-                 "o_b_proj": _w(d.hidden_size, d.o_groups * d.o_lora_rank),
+                 "q_b_proj": _w(hd, d.q_lora_rank, "heads"), "kv_proj": _w(d.head_dim, d.hidden_size),
+                 "kv_norm": _norm(d.head_dim),
+                 "o_a_proj": _w(d.o_groups * d.o_lora_rank, hd // d.o_groups, "heads"),
+                 "o_b_proj": _w(d.hidden_size, d.o_groups * d.o_lora_rank, "embed", "heads"),
                  "sinks": ParamSpec((d.num_heads,), (None,), "zeros")}
     if attn == "hca":
         self_attn["compressor"] = _compressor(d.head_dim, d.head_dim, d.hca_rate, d)
     elif attn == "csa":
         indexer = _compressor(2 * d.index_head_dim, d.index_head_dim, d.csa_rate, d)
-        indexer.update(q_b_proj=_w(d.index_n_heads * d.index_head_dim, d.q_lora_rank),
+        indexer.update(q_b_proj=_w(d.index_n_heads * d.index_head_dim, d.q_lora_rank, "heads"),
                        scorer={"weights_proj": _w(d.index_n_heads, d.hidden_size)})
         self_attn["compressor"] = {**_compressor(2 * d.head_dim, d.head_dim, d.csa_rate, d), "indexer": indexer}
     e, i, hidden = d.n_experts, d.moe_intermediate, d.hidden_size
-    gate = {"weight": dense((e, hidden), (None, None), hidden)}
+    gate = {"weight": dense((e, hidden), (None, "embed"), hidden)}
     if router == "hash":
-        gate["tid2eid"] = ParamSpec((d.vocab_size, d.top_k), (None, None), "zeros", fixed=True)
+        gate["tid2eid"] = ParamSpec((d.vocab_size, d.top_k), ("vocab", None), "zeros", fixed=True)
     else:
         gate["e_score_correction_bias"] = ParamSpec((e,), (None,), "zeros", fixed=True)
     mlp = {"gate": gate,
@@ -148,7 +157,8 @@ def _layer_specs(kind: str, d) -> dict:
            "experts": {"w1": dense((e, i, hidden), ("exp", "mlp", "embed"), hidden),
                        "w3": dense((e, i, hidden), ("exp", "mlp", "embed"), hidden),
                        "w2": dense((e, hidden, i), ("exp", "embed", "mlp"), i)},
-           "shared_experts": {"gate_proj": _w(i, hidden), "up_proj": _w(i, hidden), "down_proj": _w(hidden, i)}}
+           "shared_experts": {"gate_proj": _w(i, hidden, "mlp"), "up_proj": _w(i, hidden, "mlp"),
+                              "down_proj": _w(hidden, i, "embed", "mlp")}}
     return {"attn_hc": _hc(d), "ffn_hc": _hc(d), "input_layernorm": _norm(hidden),
             "post_attention_layernorm": _norm(hidden), "self_attn": self_attn, "mlp": mlp}
 
@@ -161,7 +171,7 @@ def param_specs(model):
     return {"token_embedding": ParamSpec((d.vocab_size, d.hidden_size), ("vocab", "embed"), "normal", 1.0),
             "final_norm": _norm(d.hidden_size)["weight"],
             "lm_head": dense((d.vocab_size, d.hidden_size), ("vocab", "embed"), d.hidden_size),
-            "hc_head": {"fn": dense((n, n * d.hidden_size), (None, None), n * d.hidden_size),
+            "hc_head": {"fn": dense((n, n * d.hidden_size), (None, "embed"), n * d.hidden_size),
                         "base": ParamSpec((n,), (None,), "zeros"), "scale": ParamSpec((1,), (None,), "ones")},
             "layers": {kind: stacked(_layer_specs(kind, d), kinds.count(kind)) for kind in dict.fromkeys(kinds)}}
 
