@@ -175,7 +175,8 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                        "first_num_dense_layers", "shared_experts", "routed_bias", "mtp_num_layers", "index_n_heads",
                        "index_head_dim", "indexer_types"),
            setting_keys=("rope_interleave", "rope_mscale_all_dim", "n_routing_groups", "topk_routing_group",
-                         "routed_scaling_factor", "index_topk", "index_rope_interleave")),
+                         "routed_scaling_factor", "index_topk", "index_rope_interleave"),
+           kernel_settings=("indexer_dtype",)),  # the precision the indexer scores in, as dtype: not a model key
     Family("deepseek_v4", ("deepseek_v4",), "DeepseekV4ForCausalLM", moe=True, attention_pattern=("sliding",),
            usual=(("num_experts", 256), ("sliding_window_size", 128)),
            settings=("q_lora_rank", "index_n_heads", "index_head_dim", "index_topk", "routed_scaling_factor",
