@@ -41,6 +41,9 @@ class Family:
     # With index_n_heads > 0 each query attends to the index_topk keys a lightning indexer scores highest (DeepSeek
     # Sparse Attention, DeepSeek-V3.2): beyond index_topk tokens its attention reads each query's chosen keys alone.
     sparse_attention: bool = False
+    # Where its layers attend in a form of their own that config.attention's kernels do not run (DeepSeek-V4's
+    # compressed attention), why: the summary says so, and an explicit kernel is refused (models/runtime.py).
+    own_attention: str = ""
     # Model keys beyond the shared ones (models/__init__.py) that a checkpoint of this family is checked against:
     # those that fix its parameters' shapes, and those that change what the same parameters compute. Each of its
     # `settings` is a model key, shared or its own (tests/house/test_house.py).
@@ -188,6 +191,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            setting_keys=("index_topk", "routed_scaling_factor", "partial_rotary_factor", "mlp_activations_limit",
                          "hc_sinkhorn_iters", "hc_eps", "compress_rope_theta"),
            checks=(deepseek_v4_dims.check_config,),
+           own_attention="its layers attend in their own plain-jnp form (the sliding window beside the compressed "
+                         "entries and the CSA indexer's top-k, models/families/deepseek_v4/compressed.py), which no "
+                         "kernel takes yet",
            tensor_keys=("base_num_query_heads", "index_n_heads", "base_moe_mlp_dim", "vocab_size"),
            fixed=(("load_balance_loss_weight", 0.0), ("router_z_loss_weight", 0.0)),
            fixed_why="its layers route by sqrt(softplus) scores and token hashes, with no router logits for a "

@@ -258,6 +258,8 @@ def resolve_attention(config, backend: str, dtype, kinds: list[AttentionKind], *
                   gqa=config.base_num_query_heads // max(config.base_num_kv_heads, 1), capability=capability,
                   gpu_present=gpu_present, with_reason=True, context_reorder=config.context_parallel_reorder_strategy,
                   context_inner=config.ici_context_parallelism)
+    if getattr(family, "own_attention", ""):
+        return _own_attention(config, family, kinds)
     if (getattr(family, "sparse_attention", False) and config.index_n_heads > 0
             and config.max_target_length > config.index_topk):
         return _sparse_attention(config, backend, kinds, context_parallel)
@@ -282,6 +284,16 @@ def resolve_attention(config, backend: str, dtype, kinds: list[AttentionKind], *
                                                  sliding_window=kind.window, layers=kind.label(), **shared)
         raise error
     return resolved
+
+
+def _own_attention(config, family, kinds: list[AttentionKind]) -> list[AttentionKind]:
+    """A family whose layers attend in a form of their own (registry.Family.own_attention): every kind is that
+    plain-jnp form; a kernel named in the config would do nothing, so it is refused."""
+    if config.attention not in ("autoselected", "dot_product"):
+        raise ValueError(f"attention={config.attention} does nothing with decoder_block={family.name}: "
+                         f"{family.own_attention}; set attention=autoselected (or dot_product)")
+    reason = f"dot_product: {family.name}'s layers attend in their own form ({family.own_attention})"
+    return [dataclasses.replace(kind, implementation="dot_product", reason=reason) for kind in kinds]
 
 
 def _image_blocks(config, kind: AttentionKind, context_parallel: int) -> AttentionKind:

@@ -276,6 +276,10 @@ ROWS = [
         r"context_parallel_strategy=usp cannot split DeepSeek Sparse Attention over context parallelism 4: .* set "
         r"context_parallel_strategy=all_gather"),
     # DeepSeek-V4 under context parallelism: all_gather alone (issues 58, 60)
+    # DeepSeek-V4 attends in its own form: a kernel named for it would do nothing (issue 58)
+    Row("deepseek-v4-attention-kernel", T, [B, "model_name=deepseek4-tiny", "attention=flash"],
+        r"attention=flash does nothing with decoder_block=deepseek_v4: its layers attend in their own plain-jnp form "
+        r".* set attention=autoselected \(or dot_product\)"),
     Row("cp-deepseek-v4-ring", T, [B, "model_name=deepseek4-tiny", "ici_context_parallelism=2",
                                    "context_parallel_strategy=ring"],
         r"context_parallel_strategy=ring cannot split DeepSeek-V4's attention over context parallelism 2: its "

@@ -18,6 +18,8 @@ from maxtrain import check_logits  # noqa: E402
 from maxtrain import config as config_lib  # noqa: E402
 from maxtrain.checkpointing import convert, safetensors_files  # noqa: E402
 from maxtrain.errors import ConfigError  # noqa: E402
+from maxtrain.models.model import Model  # noqa: E402
+from maxtrain.models.runtime import Runtime  # noqa: E402
 from maxtrain.training import builder  # noqa: E402
 
 from test_deepseek_v4_parts import YARN, T, randomize, tiny_config  # noqa: E402  (tests/models/ is on sys.path)
@@ -91,3 +93,20 @@ def test_the_family_sets_its_balance_losses_to_zero_and_refuses_only_a_users_val
     assert (config.load_balance_loss_weight, config.router_z_loss_weight) == (0.0, 0.0)
     with pytest.raises(ConfigError, match="load_balance_loss_weight=0.02 does nothing with decoder_block=deepseek_v4"):
         builder.load_config([*run, "load_balance_loss_weight=0.02"], log=lambda *_: None)
+
+
+def test_its_attention_is_its_own_form_and_a_kernel_named_for_it_is_refused():
+    """V4's layers attend in compressed.py's plain-jnp form whatever config.attention says: autoselected says so
+    in the summary (not "flash", which its layers never call), and a kernel named in the config is refused."""
+
+    def runtime(attention, backend):
+        config = config_lib.load_config(["configs/base.yml", "model_name=deepseek4-tiny", f"attention={attention}"])
+        return Runtime.from_config(config, backend=backend, layer_types=Model.bind(config).layer_types)
+    for backend in ("cpu", "gpu", "tpu"):
+        rt = runtime("autoselected", backend)
+        assert rt.attention == "dot_product" and "compressed.py" in rt.attention_reason, (backend, rt)
+        assert "attention dot_product" in rt.describe()
+    for kernel in ("flash", "cudnn", "tokamax"):
+        with pytest.raises(ValueError, match=rf"attention={kernel} does nothing with decoder_block=deepseek_v4: .*"
+                                             r"set attention=autoselected \(or dot_product\)"):
+            runtime(kernel, "gpu")
