@@ -325,7 +325,8 @@ def _selected_bwd(cfg, residuals, cotangents):
 _selected.defvjp(_selected_fwd, _selected_bwd)
 
 
-def _pad(x, axis, size, value=0):
+def pad_axis(x, axis, size, value=0):
+    """x padded with `value` along `axis` up to `size` (x itself where it is that size already)."""
     if x.shape[axis] == size:
         return x
     widths = [(0, 0)] * x.ndim
@@ -333,7 +334,8 @@ def _pad(x, axis, size, value=0):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def _chunk(length, largest):
+def power_of_two_divisor(length, largest):
+    """The largest power of two <= largest that divides length."""
     chunk = 1
     while chunk * 2 <= largest and length % (chunk * 2) == 0:
         chunk *= 2
@@ -360,15 +362,15 @@ def selected_attention(q_c, q_r, c, k_r, idx, kept, *, scale: float, block_heads
     bn = min(block_heads, max(least, pl.next_power_of_2(n)))
     bk = min(block_k, max(least, pl.next_power_of_2(k)))
     cfg = Config(scale=float(scale), block_heads=bn, block_k=bk, bwd_block_k=min(bk, max(least, bwd_block_k)),
-                 bwd_query_chunk=_chunk(t, bwd_query_chunk), interpret=interpret, num_warps=num_warps,
+                 bwd_query_chunk=power_of_two_divisor(t, bwd_query_chunk), interpret=interpret, num_warps=num_warps,
                  num_stages=num_stages, atomic=atomic)
     n_pad = -(-n // bn) * bn
     c_pad, r_pad = max(least, pl.next_power_of_2(cw)), max(least, pl.next_power_of_2(rw))
     k_pad = -(-k // bk) * bk
-    qc = _pad(_pad(q_c, 2, n_pad), 3, c_pad)
-    qr = _pad(_pad(q_r, 2, n_pad), 3, r_pad)
-    at = _pad(jnp.where(kept, idx, -1).astype(jnp.int32), 2, k_pad, value=-1)
-    o, m = _selected(qc, qr, _pad(c, 2, c_pad), _pad(k_r, 2, r_pad), at, cfg)
+    qc = pad_axis(pad_axis(q_c, 2, n_pad), 3, c_pad)
+    qr = pad_axis(pad_axis(q_r, 2, n_pad), 3, r_pad)
+    at = pad_axis(jnp.where(kept, idx, -1).astype(jnp.int32), 2, k_pad, value=-1)
+    o, m = _selected(qc, qr, pad_axis(c, 2, c_pad), pad_axis(k_r, 2, r_pad), at, cfg)
     o = o[:, :, :n, :cw]
     if not with_max_logits:
         return o

@@ -60,6 +60,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from maxtrain.kernels.selected_attention import pad_axis, power_of_two_divisor
+
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)  # exp(masked - running max) == 0
 LANES = 128
 
@@ -378,22 +380,6 @@ def _selected_bwd(cfg, residuals, cotangents):
 _selected.defvjp(_selected_fwd, _selected_bwd)
 
 
-def _pad(x, axis, size, value=0):
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def _divisor(length, largest):
-    """The largest power of two <= largest that divides length."""
-    block = 1
-    while block * 2 <= largest and length % (block * 2) == 0:
-        block *= 2
-    return block
-
-
 def selected_attention(q_c, q_r, c, k_r, idx, kept, *, scale: float, block_queries: int = 8, block_heads: int = 128,
                        block_k: int = 128, rows_queries: int = 4, bwd_query_chunk: int = 128,
                        interpret=None, with_max_logits: bool = False):
@@ -416,13 +402,13 @@ def selected_attention(q_c, q_r, c, k_r, idx, kept, *, scale: float, block_queri
     packed = c.dtype == jnp.bfloat16
     tile = 8 if jnp.dtype(q_c.dtype).itemsize == 4 else 16  # the sublane tile of q's blocks
     bn = min(block_heads, -(-n // tile) * tile)
-    chunk = _divisor(t, bwd_query_chunk)
+    chunk = power_of_two_divisor(t, bwd_query_chunk)
     cfg = Config(scale=float(scale), half=-(-(cw + rw) // (2 * LANES)) * LANES, packed=packed,
-                 block_queries=_divisor(t, block_queries), block_heads=bn, block_k=bk,
-                 rows_queries=_divisor(chunk, rows_queries), bwd_query_chunk=chunk, interpret=interpret)
+                 block_queries=power_of_two_divisor(t, block_queries), block_heads=bn, block_k=bk,
+                 rows_queries=power_of_two_divisor(chunk, rows_queries), bwd_query_chunk=chunk, interpret=interpret)
     n_pad, k_pad = -(-n // bn) * bn, -(-k // bk) * bk
-    at = _pad(jnp.where(kept, idx, -1).astype(jnp.int32), 2, k_pad, value=-1)
-    o, m = _selected(_pad(q_c, 2, n_pad), _pad(q_r, 2, n_pad), c, k_r, at, cfg)
+    at = pad_axis(jnp.where(kept, idx, -1).astype(jnp.int32), 2, k_pad, value=-1)
+    o, m = _selected(pad_axis(q_c, 2, n_pad), pad_axis(q_r, 2, n_pad), c, k_r, at, cfg)
     o = o[:, :, :n]
     if not with_max_logits:
         return o
