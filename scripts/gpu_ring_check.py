@@ -1,4 +1,4 @@
-"""Ring attention with the flash kernel (and with cuDNN's forward) on one GPU: a ring of one against plain attention,
+"""Ring attention with the flash kernel (and with cuDNN per block pair) on one GPU: a ring of one against plain attention,
 and its speed beside flash alone and cuDNN (issue 60's GPU row; docs/parallelism.md "On a GPU").
 
     python3 scripts/gpu_ring_check.py --out $OUT                 # on the GPU: 32k tokens
@@ -8,7 +8,9 @@ What runs:
 - check: bf16, causal, GQA 4:1 (8 query heads, 2 kv heads), head_dim 128, one row of --tokens holding three packed
   documents. ring_flash.ring_flash_attention (the custom VJP, the kernel's (out, lse) calls and the online-softmax
   merge; the backward from the global out and lse) on a one-device context mesh, the same ring with cuDNN's forward
-  per block (ring_cudnn.py: its float32 statistics merged, the Triton backward; jnp's stand-in in a dry run), flash
+  per block (ring_cudnn.py: its float32 statistics merged, the Triton backward; jnp's stand-in in a dry run), the
+  same with cuDNN's own backward per block given the ring's global out and lse (ring_cudnn.cudnn_block_grad, jax's
+  private primitive; a jax whose form ring_cudnn.py does not bind fails the row, saying why), flash
   alone, flash masking causally by positions given as operands (all_gather's and usp's form under context
   parallelism) and cuDNN: out, dq, dk, dv against a float32 reference at full matmul precision computed in query
   chunks (relative Frobenius error, kernel_check.relative_errors; tolerance kernel_check.TOLERANCE["bfloat16"]).
@@ -91,16 +93,20 @@ def ring_of_one(mesh, platform: str, interpret: bool):
     return ring
 
 
-def cudnn_ring_of_one(mesh, platform: str, interpret: bool):
-    """(q, k, v, seg) -> out: ring_cudnn_attention (cuDNN's forward with its float32 statistics, the Triton backward
-    from the ring's out and lse) on the one-device context mesh `mesh`; in a dry run cuDNN's contract in plain jnp
-    (ring_cudnn.reference_block), since cuDNN does not run on a CPU."""
+def cudnn_ring_of_one(mesh, platform: str, interpret: bool, cudnn_backward: bool = False):
+    """(q, k, v, seg) -> out: ring_cudnn_attention (cuDNN's forward with its float32 statistics; the Triton backward
+    from the ring's out and lse, or with cudnn_backward cuDNN's own given them) on the one-device context mesh
+    `mesh`; in a dry run cuDNN's contracts in plain jnp (ring_cudnn.reference_block, reference_block_grad), since
+    cuDNN does not run on a CPU."""
     block = ring_cudnn.reference_block if interpret else ring_cudnn.cudnn_block
+    block_grad = None  # the Triton backward
+    if cudnn_backward:
+        block_grad = ring_cudnn.reference_block_grad if interpret else ring_cudnn.cudnn_block_grad
 
     def ring(q, k, v, seg):
         with sharding.activation_sharding(mesh, context_costs.RULES):
             return ring_cudnn.ring_cudnn_attention(
-                q, k, v, seg, reorder="dual_chunk_swap", causal=True, block=block,
+                q, k, v, seg, reorder="dual_chunk_swap", causal=True, block=block, block_grad=block_grad,
                 **ring_flash.kernel_settings(platform, 128, 128, interpret))
     return ring
 
@@ -158,6 +164,7 @@ def main(argv=None) -> int:
     mesh = sharding.mesh_of(jax.devices()[:1], context=1)
     impls = {"ring of one (flash)": ring_of_one(mesh, platform, interpret),
              "ring of one (cudnn forward, flash backward)": cudnn_ring_of_one(mesh, platform, interpret),
+             "ring of one (cudnn forward and backward)": cudnn_ring_of_one(mesh, platform, interpret, True),
              "flash": kernel_check.implementation("flash", causal=True, platform=platform, interpret=interpret),
              "flash masked by position": by_position(platform, interpret),
              "cudnn": kernel_check.implementation("cudnn", causal=True, platform=platform)}

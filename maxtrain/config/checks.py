@@ -410,15 +410,15 @@ def _fp8_not_with_float16(v):
 def _attention_kernels_inside_the_ring(v):
     """attention=flash runs per block pair of the ring (models/attention/ring_flash.py), each device's runs of tokens
     (two chunks under dual_chunk_swap, one under striped) a multiple of the kernel's smallest block (16); attention=cudnn
-    runs cuDNN's forward per block pair and the same kernel's backward (ring_cudnn.py), so the same runs; tokamax
-    does not run inside the ring."""
+    runs cuDNN per block pair (ring_cudnn.py; the same kernel's backward where the installed jax's cuDNN backward is
+    not one it binds), so the same runs; tokamax does not run inside the ring."""
     cp, name = ways(v, "context"), v["attention"]
     if v["context_parallel_strategy"] != "ring" or cp in (1, None):
         return
     _require(name != "tokamax",
              f"attention={name} does not run inside context_parallel_strategy=ring (its backward cannot take the "
              "ring's global softmax statistics); use attention=flash, whose kernel runs per block pair of the ring "
-             "(or attention=cudnn: cuDNN's forward per block pair, the flash kernel's backward)")
+             "(or attention=cudnn: cuDNN per block pair, its backward given the ring's global statistics)")
     if name not in ("flash", "cudnn"):
         return
     length = v["max_target_length"]

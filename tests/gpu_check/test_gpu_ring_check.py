@@ -23,7 +23,8 @@ def test_the_dry_run_checks_and_times_every_row(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "ring.json").read_text())
     assert report["check"] and all(row["pass"] for row in report["check"].values()), report["check"]
-    assert {"ring of one (flash)", "flash masked by position, every tile"} <= set(report["speed"])
+    assert {"ring of one (flash)", "ring of one (cudnn forward and backward)",
+            "flash masked by position, every tile"} <= set(report["speed"])
     assert set(report["check"]) <= set(report["speed"])  # every checked row is timed too
     assert all(row["ms"] > 0 for row in report["speed"].values())
     assert "every check passed" in done.stdout

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 from compilers import needs_gpu_compiler, needs_tpu_compiler
 from conftest import BASE_YML
 from maxtrain.models import attention
-from maxtrain.models.attention import kernel_choice
+from maxtrain.models.attention import kernel_choice, ring_cudnn
 from maxtrain.models.families.deepseek import selected
 from maxtrain.parallel import sharding
 from maxtrain.config import load_config
@@ -260,16 +260,35 @@ def test_flash_inside_the_ring_compiles_for_8_h100s(h100s, sliding_window):
 
 
 @needs_gpu_compiler
-@pytest.mark.parametrize("sliding_window", [0, 1024])
-def test_cudnn_inside_the_ring_compiles_for_8_h100s(h100s, sliding_window):
+@pytest.mark.parametrize("sliding_window, backward", [(0, "cudnn"), (1024, "cudnn"),
+                                                      pytest.param(0, "flash", marks=pytest.mark.slow)])  # 11 s
+def test_cudnn_inside_the_ring_compiles_for_8_h100s(h100s, sliding_window, backward, monkeypatch):
     """8 H100s as a ring of 8 at 8k tokens: cuDNN's forward per block pair (ring_cudnn.py; its graph as far as XLA
-    builds it without a GPU), the Triton kernel's backward from the ring's global out and lse; no cuDNN backward."""
+    builds it without a GPU) and cuDNN's own backward bound through jax's private primitive, given the ring's global
+    out and lse; "flash": the fallback where the installed jax's backward is not one ring_cudnn.py binds (the Triton
+    kernel's backward from the same out and lse)."""
+    if backward == "flash":
+        monkeypatch.setattr(ring_cudnn, "cudnn_backward_unsupported", lambda: "a jax this code has not read")
     hlo = compile_context_attention(h100s, "gpu", "cudnn", context=8, tensor=1, sliding_window=sliding_window,
                                     strategy="ring")
-    calls = set(re.findall(r'custom_call_target="(__cudnn\$fmha[A-Za-z]*)"', hlo))
-    assert calls and not any("Backward" in c for c in calls), calls
-    assert "flash_attention_dq" in hlo and "flash_attention_dkv" in hlo and "flash_attention_fwd" not in hlo
+    _cudnn_pairs_compiled(hlo, backward)
     assert _ring_steps_overlap(hlo), "no ring step starts its collective-permute before the block's attention"
+
+
+def _cudnn_pairs_compiled(hlo: str, backward: str):
+    """cuDNN's forward custom calls and no Triton forward; the backward's custom calls (cudnn) or Triton kernels."""
+    calls = set(re.findall(r'custom_call_target="(__cudnn\$fmha[A-Za-z]*)"', hlo))
+    assert calls and "flash_attention_fwd" not in hlo, calls
+    triton = "flash_attention_dq" in hlo and "flash_attention_dkv" in hlo
+    assert any("Backward" in c for c in calls) == (backward == "cudnn") and triton == (backward == "flash"), calls
+
+
+@needs_gpu_compiler
+def test_cudnn_inside_usp_compiles_for_8_h100s(h100s):
+    """8 H100s as context 4 (2 slices' rings of 2 x ulysses over 2) x tensor 2 at 8k tokens: cuDNN's forward and
+    backward per block pair of the ring across slices (ring_cudnn.py, masked by position), all-to-alls inside."""
+    hlo = compile_context_attention(h100s, "gpu", "cudnn", context=4, tensor=2, strategy="usp", inner=2)
+    _cudnn_pairs_compiled(hlo, "cudnn")
 
 
 def _both_kinds_of_pairs_are_counted(hlo: str):
@@ -498,10 +517,10 @@ def test_llama_train_step_with_autoselected_cudnn_compiles_for_one_h100():
 @needs_gpu_compiler
 def test_llama_train_step_with_cudnn_inside_the_ring_compiles_for_8_h100s(h100s):
     """attention=cudnn with context_parallel_strategy=ring over 8 H100s (ring_cudnn.py): the config's path to the
-    ring, cuDNN's forward per block pair and the Triton backward in the whole step."""
+    ring, cuDNN's forward and backward per block pair in the whole step."""
     hlo = compile_train_step(h100s, ["head_dim=64", "attention=cudnn", "context_parallel_strategy=ring",
                                      "ici_context_parallelism=8", "ici_fsdp_parallelism=1"], expected="cudnn")
-    assert "__cudnn$fmha" in hlo and "flash_attention_dkv" in hlo and "flash_attention_fwd" not in hlo
+    _cudnn_pairs_compiled(hlo, "cudnn")
     assert "collective-permute" in hlo
 
 

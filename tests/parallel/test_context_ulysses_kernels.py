@@ -125,7 +125,7 @@ def test_under_all_gather_flash_runs_when_set_and_autoselected_keeps_the_plain_f
     assert attention.resolve_implementation("autoselected", "gpu", **gather) == "dot_product"
     assert attention.resolve_implementation("flash", "tpu", **gather) == "flash"  # splash: all_gather_splash.py
     with pytest.raises(ValueError, match=r"attention=cudnn does not run with context_parallel_strategy=all_gather "
-                                         r"\(2 ways\).*or context_parallel_strategy=ring or ulysses\."):
+                                         r"\(2 ways\).*or context_parallel_strategy=ring or ulysses or usp\."):
         attention.resolve_implementation("cudnn", "gpu", **gather)
 
 
@@ -142,8 +142,9 @@ def test_under_usp_flash_runs_the_rings_block_pairs_on_gpus_and_splash_on_tpus()
         attention.resolve_implementation("flash", "gpu", **odd)
     choice = attention.resolve_implementation("autoselected", "gpu", with_reason=True, **odd)
     assert choice.implementation == "dot_product" and "multiple of 32" in choice.reason
-    with pytest.raises(ValueError, match=r"attention=cudnn does not run inside context_parallel_strategy=usp's ring"):
-        attention.resolve_implementation("cudnn", "gpu", **usp)
+    assert attention.resolve_implementation("cudnn", "gpu", **usp) == "cudnn"  # ring_cudnn.py inside usp's ring
+    with pytest.raises(ValueError, match=r"attention=tokamax does not run inside context_parallel_strategy=usp's ring"):
+        attention.resolve_implementation("tokamax", "gpu", **usp)
 
 
 def test_under_ulysses_autoselected_chooses_as_without_context_parallelism():

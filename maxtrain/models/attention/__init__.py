@@ -67,9 +67,10 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
     strategy runs the kernels of kernel_choice.CONTEXT_KERNELS: under ulysses every kernel (autoselected chooses
     as without context parallelism); under ring flash (ring_flash.py: the Triton kernel per block pair of the
     ring; on TPUs the splash kernel, ring_splash.py, dual_chunk_swap without windows), which autoselected takes on
-    GPUs and TPUs, or cudnn when set (ring_cudnn.py: cuDNN's forward per block pair, the Triton backward); under
-    usp flash per block pair of its ring across slices (on TPUs splash, dual_chunk_swap without windows;
-    autoselected takes it on GPUs and TPUs); under
+    GPUs and TPUs, or cudnn when set (ring_cudnn.py: cuDNN's forward and backward per block pair, the Triton
+    backward where the installed jax's cuDNN backward is not one it binds); under usp flash per block pair of its
+    ring across slices (on TPUs splash, dual_chunk_swap without windows; autoselected takes it on GPUs and TPUs), or
+    cudnn when set (as under ring); under
     all_gather the plain-jnp form for autoselected, and flash on the gathered keys when set (GPUs; on TPUs splash on
     each query chunk's window of them, all_gather_splash.py: dual_chunk_swap; cuDNN and tokamax refused).
 
@@ -123,21 +124,14 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
             choice = (kernel_choice.Choice("dot_product", f"dot_product: flash inside {where} {why}") if why else
                       kernel_choice.Choice("flash", f"flash: {how}"))
             return choice if with_reason else choice.implementation
-    if context_parallel > 1 and context_strategy in ("ring", "usp") and name in ("cudnn", "tokamax") and not (
-            name == "cudnn" and context_strategy == "ring"):
+    if context_parallel > 1 and context_strategy in ("ring", "usp") and name == "tokamax":
         where = "ring" if context_strategy == "ring" else "usp's ring"
         raise ValueError(f"attention={name} does not run inside context_parallel_strategy={where}: its backward cannot "
                          "take the ring's global softmax statistics; use attention=flash (the Triton kernel runs per "
                          "block pair of the ring) or dot_product")
-    if context_parallel > 1 and context_strategy == "ring" and name == "cudnn":  # ring_cudnn.py
-        # each block pair's mask is [T / C, T / C] at most: cuDNN's limits apply to a device's tokens, not T
-        why = kernel_choice.unsupported(name, platform, dataclasses.replace(shape, length=length // context_parallel))
-        if why is not None:
-            raise ValueError(f"attention=cudnn inside context_parallel_strategy=ring {why}. Use attention=flash (the "
-                             "Triton kernel runs per block pair of the ring)")
-        choice = kernel_choice.Choice("cudnn", "cudnn: set in the config; cuDNN's forward per block pair of the ring, "
-                                      "the Triton kernel's backward from the global out and lse (ring_cudnn.py)")
-        return choice if with_reason else choice.implementation
+    if context_parallel > 1 and context_strategy in ("ring", "usp") and name == "cudnn":  # ring_cudnn.py, usp.py
+        return _cudnn_in_the_ring(platform, shape, length, context_parallel, context_strategy, context_inner,
+                                  with_reason)
     if context_parallel > 1 and name not in ("autoselected", "dot_product", *kernels):
         runs = [s for s, ks in kernel_choice.CONTEXT_KERNELS.items() if name in ks]
         raise ValueError(f"attention={name} does not run with context_parallel_strategy={context_strategy} "
@@ -154,6 +148,29 @@ def resolve_implementation(name: str, platform: str, *, dtype=None, head_dim: in
             raise ValueError(f"attention={name} {where}{why}. Use attention={', '.join(others)} or autoselected"
                              + (" (which chooses per layer kind)." if layers else "."))
         choice = kernel_choice.Choice(name, f"{name}: set in the config")
+    return choice if with_reason else choice.implementation
+
+
+def _cudnn_in_the_ring(platform: str, shape, length: int, context_parallel: int, strategy: str, inner: int,
+                       with_reason: bool):
+    """resolve_implementation for attention=cudnn inside ring's or usp's ring (ring_cudnn.py): cuDNN's limits at a
+    block pair's tokens (T / C under ring, a slice's T / Co under usp), or a one-line refusal naming flash."""
+    outer = context_parallel // max(inner, 1) if strategy == "usp" else context_parallel
+    where = "the ring" if strategy == "ring" else "usp's ring across slices"
+    # each block pair's mask is [T / outer, T / outer] at most: cuDNN's limits apply to those tokens, not T
+    why = kernel_choice.unsupported("cudnn", platform, dataclasses.replace(shape, length=length // outer))
+    if why is None and strategy == "usp":
+        why = _usp_flash_unsupported("gpu", length, outer) or None
+    if why is not None:
+        raise ValueError(f"attention=cudnn inside context_parallel_strategy={strategy} {why}. Use attention=flash (the "
+                         f"Triton kernel runs per block pair of {where})")
+    # deferred: the ring's kernels (and jax's cuDNN module), only where they run
+    from maxtrain.models.attention import ring_cudnn  # pylint: disable=import-outside-toplevel
+
+    no_backward = ring_cudnn.cudnn_backward_unsupported()
+    backward = f"the Triton kernel's backward ({no_backward})" if no_backward else "cuDNN's backward"
+    choice = kernel_choice.Choice("cudnn", f"cudnn: set in the config; cuDNN's forward per block pair of {where}, "
+                                  f"{backward} from the global out and lse (ring_cudnn.py)")
     return choice if with_reason else choice.implementation
 
 
@@ -248,6 +265,14 @@ def attention(q, k, v, segment_ids, *, implementation: str = "dot_product", plat
                                     reorder=context_reorder, causal=causal, sliding_window=sliding_window,
                                     logits_soft_cap=logits_soft_cap, scale=scale, block_q=block_q, block_kv=block_kv,
                                     interpret=interpret, sinks=sinks)
+    if sharding.ways("length") > 1 and implementation == "cudnn" and context_strategy == "usp":
+        # deferred: the ring's kernels, only where they run; usp.py reads this module's reference attention
+        from maxtrain.models.attention import ring_cudnn, usp  # pylint: disable=import-outside-toplevel
+
+        return usp.usp_attention(q, k, v, segment_ids, inner=context_inner, reorder=context_reorder, causal=causal,
+                                 sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
+                                 sinks=sinks, cudnn=ring_cudnn.settings(canonical_platform(platform or "gpu"), block_q,
+                                                                        block_kv, interpret, sinks, "usp"))
     if sharding.ways("length") > 1 and implementation == "cudnn" and context_strategy == "ring":
         # deferred: the ring's kernels, only where they run (as below)
         from maxtrain.models.attention import ring_cudnn  # pylint: disable=import-outside-toplevel

@@ -47,13 +47,14 @@ KERNEL_LIMITS = {"cudnn": ("logits_soft_cap", "sinks"), "tokamax": ("sinks",)}
 # gathered keys in the load-balanced order: flash masks them by position when set (GPUs; on TPUs splash on each
 # query chunk's window of them in the original order, all_gather_splash.py; autoselected keeps the plain form);
 # ring runs flash per block pair
-# (ring_flash.py; splash on TPUs), whose backward takes the ring's global softmax statistics (cuDNN's and tokamax's
-# take only their own), or, when set, cuDNN's forward per block pair with flash's backward (ring_cudnn.py; not
-# autoselected: unmeasured); ulysses gives each device every token of N / C heads, which it puts back into the
-# original order for the kernel (ulysses.py), so every kernel runs there; usp's ring across slices runs flash per block pair
-# masked by the tokens' positions (GPUs; on TPUs splash, each slice's pieces put into two dual_chunk_swap runs).
+# (ring_flash.py; splash on TPUs), whose backward takes the ring's global softmax statistics (tokamax's public
+# backward takes only its own), or, when set, cuDNN per block pair, its private backward given the global statistics
+# (ring_cudnn.py; not autoselected: unmeasured); ulysses gives each device every token of N / C heads, which it puts
+# back into the original order for the kernel (ulysses.py), so every kernel runs there; usp's ring across slices runs
+# flash per block pair masked by the tokens' positions (GPUs; on TPUs splash, each slice's pieces put into two
+# dual_chunk_swap runs), or cuDNN when set, as ring's.
 CONTEXT_KERNELS = {"all_gather": ("flash",), "ring": ("flash", "cudnn"), "ulysses": ("flash", "cudnn", "tokamax"),
-                   "usp": ("flash",)}
+                   "usp": ("flash", "cudnn")}
 
 # The GPU candidates of autoselected, in the order ties (or a shape nothing was measured at) are broken:
 # our kernel first, since it implements every feature and runs everywhere.

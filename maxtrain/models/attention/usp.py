@@ -17,7 +17,9 @@ Inside shard_map over the context axis:
    original token indices of each block (the layout's `order` over the slice's positions), so packed segments,
    causality and windows are those of the unsplit sequence. Only these ppermutes cross slices (slow links).
    With attention=flash (GPUs; interpret mode on CPU) each block pair is ring_flash.py's flash kernel, masking by
-   the tokens' original indices (a slice's tokens are its devices' pieces, not two chunks, so no pair is skipped).
+   the tokens' original indices (a slice's tokens are its devices' pieces, not two chunks, so no pair is skipped);
+   with attention=cudnn (GPUs) the same ring with cuDNN per block pair (ring_cudnn.py: its forward, and its backward
+   given the global out and lse where the installed jax allows, else the flash kernel's), masked by position too.
    On TPUs (splash: static masks, no positions) under dual_chunk_swap the slice's pieces are put in order first
    (`runs`): device c holds chunks c and 2C - 1 - c of L tokens, so slice d's pieces hold chunks d Ci .. d Ci + Ci - 1
    (the run of super-chunk d of Ci L tokens) and 2C - 1 - d Ci - i (the run of super-chunk 2 Co - 1 - d, i in
@@ -39,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from maxtrain.models.attention import ring, ring_flash
+from maxtrain.models.attention import ring, ring_cudnn, ring_flash
 from maxtrain.parallel import context, sharding
 
 LANES = 128  # splash's tiles: each slice's two runs (T / 2 Co tokens) must be a multiple of this
@@ -78,14 +80,16 @@ def pieces_of(x, inner: int, axis: int = 1):
 
 def usp_attention_shard(q, k, v, segment_ids, order, sinks=None, *, axes: tuple[str, ...], inner: int, outer: int,
                         causal: bool = True, sliding_window: int = 0, logits_soft_cap: float = 0.0,
-                        scale: float | None = None, flash: dict | None = None, splash: dict | None = None):
+                        scale: float | None = None, flash: dict | None = None, splash: dict | None = None,
+                        cudnn: dict | None = None):
     """One device's part, inside shard_map over the context mesh `axes` (C = outer x inner devices, each slice's
     `inner` consecutive): q [B, T/C, N, H], k [B, T/C, G, H], v [B, T/C, G, Hv], segment_ids [B, T/C] of this
     device, order [T] the layout's original indices, sinks [N] or None. Returns [B, T/C, N, Hv] in q.dtype.
     flash: None for the plain-jnp ring across slices, else ring_flash_shard's kernel settings (interpret, block_q,
     block_k, shared_memory): the flash kernel per block pair, masking by the tokens' original indices. splash:
     ring_splash_shard's settings (interpret, block_q, block_kv): the TPU form, dual_chunk_swap without a window only
-    (the slice's tokens put into two runs around the ring)."""
+    (the slice's tokens put into two runs around the ring). cudnn: ring_cudnn_shard's settings (flash's, and block,
+    block_grad): cuDNN per block pair, masking by the tokens' original indices."""
     n, g, length = q.shape[2], k.shape[2], order.shape[0]
     if n % inner or g % inner:
         raise ValueError(f"usp attention splits the heads {inner} ways inside each slice: query heads ({n}) and kv "
@@ -115,6 +119,10 @@ def usp_attention_shard(q, k, v, segment_ids, order, sinks=None, *, axes: tuple[
                                             inner=inner, causal=causal, logits_soft_cap=logits_soft_cap, scale=scale,
                                             **splash)
         out = pieces_of(out, inner)
+    elif cudnn is not None:  # as flash's below: masked by position, no pair skipped
+        out = ring_cudnn.ring_cudnn_shard(q, k, v, segment_ids, q_index, sinks, axes=axes, ways=outer, pairs=pairs,
+                                          reorder="striped", causal=causal, sliding_window=sliding_window,
+                                          logits_soft_cap=logits_soft_cap, scale=scale, **cudnn)
     elif flash is None:
         out = ring.ring_attention_shard(q, k, v, segment_ids, q_index, sinks, axes=axes, ways=outer, pairs=pairs,
                                         causal=causal, sliding_window=sliding_window,
@@ -128,12 +136,13 @@ def usp_attention_shard(q, k, v, segment_ids, order, sinks=None, *, axes: tuple[
 
 def usp_attention(q, k, v, segment_ids, *, inner: int, reorder: str = "dual_chunk_swap", causal: bool = True,
                   sliding_window: int = 0, logits_soft_cap: float = 0.0, scale: float | None = None, sinks=None,
-                  flash: dict | None = None, splash: dict | None = None):
+                  flash: dict | None = None, splash: dict | None = None, cudnn: dict | None = None):
     """Attention of q [B, T, N, H] over k, v [B, T, G, H] in the load-balanced layout `reorder`, sharded along T over
     the context mesh axes of the active mesh, `inner` (ici_context_parallelism) consecutive devices of the group in
     each slice: ulysses inside the slices, the ring across them (the module docstring), its block pairs in plain jnp
     or (flash: ring_flash_shard's kernel settings) with the flash kernel, or (splash: ring_splash_shard's settings;
-    dual_chunk_swap without a window) with the TPU's splash kernel. Equals the reference attention over the
+    dual_chunk_swap without a window) with the TPU's splash kernel, or (cudnn: ring_cudnn_shard's settings) with
+    cuDNN. Equals the reference attention over the
     unsplit sequence (tests/parallel/test_context_usp.py)."""
     active = sharding.active_mesh()
     if active is None:
@@ -159,7 +168,7 @@ def usp_attention(q, k, v, segment_ids, *, inner: int, reorder: str = "dual_chun
     def shard_fn(q, k, v, segment_ids, order, *rest):
         return usp_attention_shard(q, k, v, segment_ids, order, *rest, axes=axes, inner=inner, outer=ways // inner,
                                    causal=causal, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                                   scale=scale, flash=flash, splash=splash)
+                                   scale=scale, flash=flash, splash=splash, cudnn=cudnn)
     args, in_axes = [q, k, v, segment_ids, order], [q_axes, kv_axes, kv_axes, ("batch", "length"), (None,)]
     if sinks is not None:
         args.append(sinks)
