@@ -35,7 +35,7 @@ ahead the same way, and the block's running dk and dv follow it once this device
 Not yet here (issue 60): every block is computed in full, masked entries included (no skipping of blocks the
 causal mask hides), and the blocks run in the plain-jnp form (attention=flash runs the ring with the flash or
 splash kernel per block pair and causal block skipping instead: ring_flash.py, ring_splash.py; attention=cudnn
-the same ring with cuDNN's forward per pair: ring_cudnn.py).
+the same ring with cuDNN's forward and backward per pair: ring_cudnn.py).
 
 Letters as in attention/__init__.py: B batch, T queries of this device, S keys of the block in hand, N query
 heads = G kv heads x R, H head dim (Hv the value's).
