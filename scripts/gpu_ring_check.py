@@ -1,5 +1,5 @@
-"""Ring attention with the flash kernel (and with cuDNN per block pair) on one GPU: a ring of one against plain attention,
-and its speed beside flash alone and cuDNN (issue 60's GPU row; docs/parallelism.md "On a GPU").
+"""Ring attention with the flash kernel (and with cuDNN per block pair) on one GPU: a ring of one against plain
+attention, and its speed beside flash alone and cuDNN (issue 60's GPU row; docs/parallelism.md "On a GPU").
 
     python3 scripts/gpu_ring_check.py --out $OUT                 # on the GPU: 32k tokens
     python scripts/gpu_ring_check.py --out /tmp/ring --dry-run   # here: tiny shapes, the kernel in interpret mode

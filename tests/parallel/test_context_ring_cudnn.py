@@ -158,8 +158,9 @@ def test_cudnn_backward_binds_the_installed_jax_form_and_anything_else_is_said_i
 
     def module(params):  # a stand-in for jax's cuDNN module whose backward takes `params`
         impl = eval(f"lambda {', '.join(params)}: None")  # pylint: disable=eval-used
+        names = ring_cudnn._BWD_NAMES  # pylint: disable=protected-access
         return type("Cudnn", (), {"_dot_product_attention_bwd_impl": staticmethod(impl),
-                                  **{name: object() for name in ring_cudnn._BWD_NAMES}})  # pylint: disable=protected-access
+                                  **{name: object() for name in names}})
     assert ring_cudnn.backward_form(module(ring_cudnn.BWD_FORMS["0.12"]), (0, 12, 0)) == ("0.12", "")
     assert ring_cudnn.backward_form(module(ring_cudnn.BWD_FORMS["0.10"]), (0, 11, 2)) == ("0.10", "")
     for version, params, words in [((0, 10, 2), ring_cudnn.BWD_FORMS["0.12"], "not the jax 0.10 form"),
@@ -176,7 +177,7 @@ def test_cudnn_backward_binds_the_installed_jax_form_and_anything_else_is_said_i
     assert ring_cudnn.default_block_grad() is None  # the flash kernel's backward
     monkeypatch.setattr(ring_cudnn, "backward_form", lambda: (None, "jax 0.13's ... not read here"))
     x = jnp.zeros((1, 16, 2, 16), jnp.bfloat16)
-    with pytest.raises(ValueError, match=r"backward inside the ring: jax 0.13's ... not read here; use attention=flash"):
+    with pytest.raises(ValueError, match=r"inside the ring: jax 0.13's ... not read here; use attention=flash"):
         ring_cudnn.cudnn_block_grad(x, x, x, jnp.ones((1, 16, 16), bool), x, jnp.zeros((1, 2, 16)), x, causal=True,
                                     scale=0.25)
 
