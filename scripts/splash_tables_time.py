@@ -11,11 +11,13 @@ Each build is timed once, on a fresh mask (both sides cache by mask). Prints one
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as mask_info_lib
 
+from maxtrain.errors import run_cli
 from maxtrain.kernels import splash_tables
 
 ROWS = ((32768, 256), (131072, 512), (1048576, 2048))  # tokens, block (as docs/scale.md's measurements)
@@ -27,10 +29,10 @@ def _time(build) -> tuple[float, object]:
     return time.perf_counter() - start, out
 
 
-def main() -> None:
+def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--splash-up-to", type=int, default=0, help="also time splash's own up to this length")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     for length, block in ROWS:
         for is_dkv in (False, True):
             table = "dkv" if is_dkv else "forward"
@@ -44,7 +46,8 @@ def main() -> None:
                 same = splash_tables.compare(info, expected) or "same tables"
                 line += f", splash's {theirs:8.2f} s ({same})"
             print(line, flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_cli("splash_tables_time", main))

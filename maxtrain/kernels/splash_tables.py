@@ -32,9 +32,12 @@ mask kind with splash's own `_process_mask` and with this module and compares ev
 the kernel's keyword names; any difference (another jax whose format changed) raises, naming this module: never
 silently wrong tables.
 
-Build time, `python scripts/splash_tables_time.py` (one causal table of the forward, blocks 256 at 32k, 512 at 128k,
-2048 at 1M, jax 0.12 on the shared 2-core machine, 2026-12-02): here 0.8 / 0.4 / 1.3 ms; splash's own 1.4 / 20 s
-and (extrapolated as T^2 from 128k, not run) about 1,300 s at 1M.
+Build time, `JAX_PLATFORMS=cpu python scripts/splash_tables_time.py --splash-up-to 131072` (the causal mask's
+forward / dkv tables; blocks of 256 at 32k, 512 at 128k, 2,048 at 1M as the ulysses rows of docs/scale.md; jax 0.12
+on the shared 2-core machine at a load of 5 to 6, 2026-12-02): here 1.4 / 0.9 ms at 32k, 3.3 / 3.3 ms at 128k and
+21 / 18 ms at 1M; splash's own 2.1 / 2.1 s at 32k and 35 / 32 s at 128k (the same tables), and at 1M, T^2 from
+128k, about 64 x 33 s = 35 minutes a table (not run). Llama 3 8B under ulysses at 1M tokens on a v5p-16 no
+longer waits on them: it compiled in 879 s (docs/scale.md).
 """
 
 from __future__ import annotations
