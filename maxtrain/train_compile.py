@@ -60,6 +60,11 @@ def main(argv: list[str]) -> int:
             print(f"maxtrain.train_compile: error: {report.scalar_memory_message(*smem, config, target.chip)}",
                   file=sys.stderr, flush=True)
             return EXIT_DOES_NOT_FIT
+        vmem = libtpu.out_of_scoped_vmem(error)
+        if vmem is not None:
+            print(f"maxtrain.train_compile: error: {report.scoped_vmem_message(*vmem, config, target.chip)}",
+                  file=sys.stderr, flush=True)
+            return EXIT_DOES_NOT_FIT
         refused = libtpu.out_of_memory(error)
         if refused is None:
             raise

@@ -42,6 +42,15 @@ def out_of_scalar_memory(error: Exception) -> tuple[str, str] | None:
     return None
 
 
+def out_of_scoped_vmem(error: Exception) -> tuple[str, str] | None:
+    """(size, limit) as libtpu writes them ("29.77M", "16.00M") when the TPU compiler refused a kernel's scoped
+    vector-memory (VMEM) allocation ("Scoped allocation with size 29.77M and limit 16.00M exceeded scoped vmem
+    limit"), else None. Splash's tiles grow with sa_block_q x sa_block_kv (ulysses at 1M tokens, blocks of 2,048)."""
+    found = re.search(r"Scoped allocation with size ([\d.]+\w?) and limit ([\d.]+\w?) exceeded scoped vmem limit",
+                      str(error))
+    return (found.group(1), found.group(2)) if found else None
+
+
 def out_of_memory(error: Exception) -> tuple[float, float] | None:
     """(needed, available) GiB when the TPU compiler refused a program for the chip's memory, else None.
 

@@ -205,6 +205,14 @@ def scalar_memory_message(used: str, capacity: str, config, chip: str) -> str:
             "ici_context_parallelism), or shorten max_target_length")
 
 
+def scoped_vmem_message(size: str, limit: str, config, chip: str) -> str:
+    """One line: the TPU compiler refused a Pallas kernel's scoped VMEM (libtpu.out_of_scoped_vmem's figures)."""
+    return (f"the TPU compiler refused the step: a Pallas kernel needs {size} of a {chip} chip's vector memory (VMEM) "
+            f"against the scoped limit of {limit}. The splash kernels' tiles grow with sa_block_q={config.sa_block_q} "
+            f"x sa_block_kv={config.sa_block_kv}: lower them (if their block tables still fit SMEM), or raise the "
+            "limit with LIBTPU_INIT_ARGS=--xla_tpu_scoped_vmem_limit_kib=65536 in the environment")
+
+
 def refused_message(needed: float, available: float, chip: str, knob_list: list[str]) -> str:
     """One line: the TPU compiler refused the step for its temporaries (libtpu.out_of_memory's figures)."""
     return (f"the step needs {needed:.2f} GiB per chip for its temporaries alone, {needed - available:.2f} GiB more "

@@ -18,8 +18,8 @@ Splash needs lengths that are multiples of its blocks, and kv blocks that are mu
 (the TPU's lanes): blocks are clamped to the padded length, and T is padded to a block multiple
 with segment id -1 (no real token has it, so padding keys are never visible to real queries;
 padded queries are sliced off). The kernel is built per call from static shapes (its block masks
-are numpy arrays made at trace time), so the same code runs inside `shard_map` on each device's
-shard. `interpret=True` runs it on CPU in Pallas' interpreter (for tests).
+are numpy arrays made at trace time, by kernels/splash_tables.py: splash's own pass costs T^2), so
+the same code runs inside `shard_map` on each device's shard. `interpret=True` runs it on CPU in Pallas' interpreter (for tests).
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+from maxtrain.kernels import splash_tables
 
 LANES = 128  # splash's kv compute blocks must be multiples of this
 _PAD_SEGMENT = -1
@@ -97,9 +99,8 @@ def splash_attention(q, k, v, segment_ids=None, *, causal=True, sliding_window=0
     k = jnp.pad(k, pad + [(0, 0), (0, width - head_dim)])
     v = jnp.pad(v, pad + [(0, 0), (0, width - v_head_dim)])
 
-    kernel = splash.make_splash_mha_single_device(
-        masks.MultiHeadMask([_mask(padded, causal, sliding_window)] * num_heads), block_sizes=sizes,
-        attn_logits_soft_cap=logits_soft_cap if logits_soft_cap > 0 else None, interpret=interpret)
+    kernel = splash_tables.make_kernel(_mask(padded, causal, sliding_window), sizes, interpret=interpret,
+                                       attn_logits_soft_cap=logits_soft_cap if logits_soft_cap > 0 else None)
 
     def one_row(q, k, v, seg):  # q [T, N, H] -> splash's head-major [N, T, H]
         out = kernel(q.swapaxes(0, 1), k.swapaxes(0, 1), v.swapaxes(0, 1),

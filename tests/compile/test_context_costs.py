@@ -133,6 +133,20 @@ def test_the_tpu_compilers_scalar_memory_refusal_becomes_one_line_naming_the_blo
     assert "raise sa_block_q=128 and sa_block_kv=256" in line and "ici_context_parallelism" in line
 
 
+def test_the_tpu_compilers_scoped_vmem_refusal_becomes_one_line_naming_the_blocks():
+    """libtpu's words when a splash tile overflows the scoped VMEM limit (llama3-8b ulysses at 1M tokens on a v5p-16,
+    blocks of 2,048, 2026-12-02): read, and turned into train_compile's one line with the fix."""
+    said = ("RESOURCE_EXHAUSTED: E1001: CompileTimeScopedVmemOom: Ran out of memory in memory space vmem while "
+            "allocating on stack for %splash_mha_fwd_segmented_residuals.3 ... Scoped allocation with size 29.77M and "
+            "limit 16.00M exceeded scoped vmem limit by 13.77M.")
+    assert libtpu.out_of_scoped_vmem(RuntimeError(said)) == ("29.77M", "16.00M")
+    assert libtpu.out_of_scoped_vmem(RuntimeError("RESOURCE_EXHAUSTED: Ran out of memory in memory space smem")) is None
+    line = report.scoped_vmem_message("29.77M", "16.00M", types.SimpleNamespace(sa_block_q=2048, sa_block_kv=2048),
+                                      "v5p")
+    assert "\n" not in line and "29.77M of a v5p chip's vector memory (VMEM)" in line
+    assert "sa_block_q=2048" in line and "--xla_tpu_scoped_vmem_limit_kib" in line
+
+
 def test_the_memory_script_prints_a_row_per_run_and_the_reason_a_run_does_not_compile():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4", "JAX_PLATFORMS": "cpu"}
     out = subprocess.run([sys.executable, "scripts/context_memory.py", "--cp", "4", "--lengths", "4096", "--heads", "4",

@@ -36,6 +36,7 @@ import numpy as np
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
+from maxtrain.kernels import splash_tables
 from maxtrain.kernels.splash_attention import LANES
 from maxtrain.parallel import context, sharding
 
@@ -58,9 +59,9 @@ def unsupported(reorder: str, causal: bool, sliding_window: int, length: int, wa
 def _kernel(shape, mask, heads: int, block: int, logits_soft_cap: float, interpret: bool):
     sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block, block_q_dkv=block,
                               block_kv_dkv=block, block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
-    return splash.make_splash_mha_single_device(
-        masks.MultiHeadMask([mask] * heads), block_sizes=sizes, interpret=interpret,
-        attn_logits_soft_cap=logits_soft_cap if logits_soft_cap > 0 else None)
+    del shape, heads  # one mask serves every head: splash_tables' kernel takes any number
+    return splash_tables.make_kernel(  # splash's own table pass costs (L / block) x (T / block) Python steps
+        mask, sizes, interpret=interpret, attn_logits_soft_cap=logits_soft_cap if logits_soft_cap > 0 else None)
 
 
 def _attend(kernel, q, k, v, q_seg, kv_seg, sinks):

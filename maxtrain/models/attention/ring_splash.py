@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
+from maxtrain.kernels import splash_tables
 from maxtrain.models.attention import ring_flash
 from maxtrain.models.attention.ring import run_ring
 
@@ -50,8 +51,8 @@ class _RingSplash(ring_flash.RingFlash):
         b = self.block
         sizes = splash.BlockSizes(block_q=b, block_kv=b, block_kv_compute=b, block_q_dkv=b, block_kv_dkv=b,
                                   block_kv_dkv_compute=b, block_q_dq=b, block_kv_dq=b)
-        return splash.make_splash_mha_single_device(
-            masks.MultiHeadMask([mask] * heads), block_sizes=sizes, save_residuals=True, interpret=self.interpret,
+        return splash_tables.make_kernel(  # splash's own table pass costs (L / block)^2 Python steps
+            mask, sizes, save_residuals=True, interpret=self.interpret,
             attn_logits_soft_cap=self.logits_soft_cap if self.logits_soft_cap > 0 else None)
 
     def call_forward(self, q, k, v, segment_ids, q_index, kv_segment_ids, kv_index, cfg):

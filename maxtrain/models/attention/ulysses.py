@@ -16,7 +16,8 @@ each device puts its whole sequences back into the original token order (a permu
 kernel on them as attention without context parallelism does, and permutes the output back to the layout: the
 kernel's masks (causal by position, windows, segment ids) then hold as they are, and no [T, T] array is made.
 On TPUs the kernel is splash on all T tokens, whose block tables grow as (T / block)^2 in the chip's scalar memory
-(SMEM): long sequences need larger sa_block_q / sa_block_kv (train_compile names them when libtpu refuses).
+(SMEM): long sequences need larger sa_block_q / sa_block_kv (train_compile names them when libtpu refuses). Those
+tables are built by kernels/splash_tables.py (splash's own build is a T^2 pass: about 20 minutes a table at 1M).
 
 Letters as in attention/__init__.py: B batch, T tokens, N query heads = G kv heads x R, H head dim.
 """
