@@ -94,7 +94,7 @@ def test_step_compiles_for_8_h100s_with_autoselected_attention():
     # cuDNN: measured fastest at this head_dim on sm90 (models/attention/kernel_choice.py); the reason is reported
     assert rep["attention"] == "cudnn"
     assert rep["attention_reason"].startswith("cudnn: fastest measured for head_dim 32 at 256 tokens on sm90")
-    assert "__cudnn$fmha" in compiled.as_text()
+    assert "__cudnn$fmha" in compiled.as_text() and "flash_attention_fwd" not in compiled.as_text()  # not our Triton kernel
     assert 0 < rep["memory"]["total"] < rep["memory"]["chip"]
 
 
@@ -130,8 +130,9 @@ def state_bytes(run) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mesh", [["ici_fsdp_parallelism=64"], ["ici_fsdp_parallelism=16", "ici_tensor_parallelism=4"]],
-                         ids=["fsdp64", "fsdp16xtensor4"])
+# One mesh, the one with both axes (fsdp 64 alone, the same checks on one axis, was a second compile of ~45 s): FSDP's
+# gathers inside the layer loop as they are with FSDP alone, and the tensor axis's shards filling the tiles too.
+@pytest.mark.parametrize("mesh", [["ici_fsdp_parallelism=16", "ici_tensor_parallelism=4"]], ids=["fsdp16xtensor4"])
 def test_state_is_sharded_64_ways_and_gathered_layer_by_layer(mesh):
     need("tpu")
     run, compiled, rep = compile_report(*WIDE, *mesh)
