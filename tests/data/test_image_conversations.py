@@ -195,8 +195,8 @@ def test_rows_split_over_two_hosts_give_each_rows_logits_alone_and_the_loss(data
     assert helpers.check_rows_split_over_hosts(model, params, rt, finish, raw)  # the flat model misplaces images
     batch = {k: v[0] for k, v in helpers.halves(finish, raw).items()}
     loss = jax.jit(lambda p, b: model.loss_fn(p, b, rt)[0])(params, batch)
-    logits = model.forward(params, batch["inputs"], image_batch.positions(batch), batch["segment_ids"], rt,
-                           images=image_batch.images(model, batch))[0]
+    logits = helpers.forward(model, params, rt, batch["inputs"], image_batch.positions(batch), batch["segment_ids"],
+                             image_batch.images(model, batch))  # the check's compiled forward, reused
     np.testing.assert_allclose(loss, ops.cross_entropy(logits, batch["targets"], batch["loss_weights"]), rtol=1e-5)
 
 
