@@ -152,12 +152,24 @@ def rows_alone(finish, raw: dict):
         yield images
 
 
-def forward(model, params, rt, inputs, positions, segment_ids, images: dict):
-    """Logits [B, T, V] of the model on images by row or flat, at the highest matmul precision."""
-    import jax  # pylint: disable=import-outside-toplevel
+_FORWARDS: dict = {}  # (id(model), id(rt)) -> (model, rt, the jitted forward): one trace per shape, not per call
 
+
+def forward(model, params, rt, inputs, positions, segment_ids, images: dict, jit: bool = True):
+    """Logits [B, T, V] of the model on images by row or flat, at the highest matmul precision (jitted: op-by-op
+    the tiny model's forwards took most of these tests' time; `jit=False` where each call has its own shapes)."""
+    import jax  # pylint: disable=import-outside-toplevel  # deferred: the data-only tests never start jax
+
+    if not jit:
+        with jax.default_matmul_precision("highest"):
+            return np.asarray(model.forward(params, inputs, positions, segment_ids, rt, images=images)[0])
+    key = (id(model), id(rt))
+    entry = _FORWARDS.get(key)
+    if entry is None or entry[0] is not model or entry[1] is not rt:
+        entry = _FORWARDS[key] = (model, rt, jax.jit(
+            lambda p, i, pos, s, im: model.forward(p, i, pos, s, rt, images=im)[0]))
     with jax.default_matmul_precision("highest"):
-        return np.asarray(model.forward(params, inputs, positions, segment_ids, rt, images=images)[0])
+        return np.asarray(entry[2](params, inputs, positions, segment_ids, images))
 
 
 def check_rows_split_over_hosts(model, params, rt, finish, raw: dict) -> bool:

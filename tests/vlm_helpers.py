@@ -77,8 +77,8 @@ def check_greedy_decode_is_forward_argmax(model, params, rt, ids, images, positi
         new = sampling.generate(params, ids, model, rt, max_new_tokens=steps, images=images, positions=positions)
         row = jnp.asarray([ids + new[:-1]])
         full = jnp.arange(row.shape[1])[None]
-        logits = np.asarray(model.forward(params, row, full, jnp.ones_like(row), rt, images=images)[0])
-        logits_b = np.asarray(model.forward(params, row, full, jnp.ones_like(row), rt, images=other_images)[0])
+        forward = jax.jit(lambda p, im: model.forward(p, row, full, jnp.ones_like(row), rt, images=im)[0])
+        logits, logits_b = np.asarray(forward(params, images)), np.asarray(forward(params, other_images))
     assert len(new) == steps
     after = slice(len(ids) - 1, None)
     assert new == [int(t) for t in np.argmax(logits[0, after], axis=-1)]

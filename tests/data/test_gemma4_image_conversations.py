@@ -109,21 +109,20 @@ def test_a_packed_rows_logits_equal_each_conversations_alone(dataset, tmp_path):
     by_row = image_batch.images(model, batch)
     flat, _ = image_batch.by_row(by_row, model.family.vision.input_keys, batch["inputs"].shape[0])
     assert flat["pixel_values"].shape == (2 * batch["inputs"].shape[0], g4.BLOCK, 48)  # the fixed layout
-    with jax.default_matmul_precision("highest"):
-        logits = np.asarray(model.forward(params, batch["inputs"], image_batch.positions(batch),
-                                          batch["segment_ids"], rt, images=by_row)[0])
-        tokens, seg = batch["inputs"][0], batch["segment_ids"][0]
-        segments = [s for s in np.unique(seg[seg > 0]) if (tokens[seg == s] == boi).any()]
-        assert len(segments) == 2  # two conversations, each with its image, in row 0
-        first = 0
-        for s in segments:
-            alone = tokens[seg == s][None]
-            n = int((alone == boi).sum())
-            images_alone = {k: v[first:first + n] for k, v in flat.items()}
-            first += n
-            want = np.asarray(model.forward(params, alone, np.arange(alone.shape[1])[None], np.ones_like(alone), rt,
-                                            images=images_alone)[0])
-            np.testing.assert_allclose(logits[0][seg == s], want[0], rtol=1e-5, atol=1e-5)
+    logits = helpers.forward(model, params, rt, batch["inputs"], image_batch.positions(batch), batch["segment_ids"],
+                             by_row)  # jitted, at the highest matmul precision
+    tokens, seg = batch["inputs"][0], batch["segment_ids"][0]
+    segments = [s for s in np.unique(seg[seg > 0]) if (tokens[seg == s] == boi).any()]
+    assert len(segments) == 2  # two conversations, each with its image, in row 0
+    first = 0
+    for s in segments:
+        alone = tokens[seg == s][None]
+        n = int((alone == boi).sum())
+        images_alone = {k: v[first:first + n] for k, v in flat.items()}
+        first += n
+        want = helpers.forward(model, params, rt, alone, np.arange(alone.shape[1])[None], np.ones_like(alone),
+                               images_alone)
+        np.testing.assert_allclose(logits[0][seg == s], want[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow  # ~20 s on 2 cores: the tiny tower and decoder's gradient compiled

@@ -1,7 +1,7 @@
 """SFT on image conversations (data/image_conversations.py): records with image items rendered with the chat template
 and expanded to the processor's placeholder counts, loss on the assistant's tokens; parquet bytes; packing by tokens
 and patches with per-conversation M-RoPE positions; decoding in Grain's workers; the one-line errors; and a tiny
-qwen3_vl trained through train.main (slow)."""
+qwen3_vl trained through train.main, data parallel and sharded (slow)."""
 
 import os
 import shutil
@@ -195,23 +195,9 @@ def test_rows_split_over_two_hosts_give_each_rows_logits_alone_and_the_loss(data
     assert helpers.check_rows_split_over_hosts(model, params, rt, finish, raw)  # the flat model misplaces images
     batch = {k: v[0] for k, v in helpers.halves(finish, raw).items()}
     loss = jax.jit(lambda p, b: model.loss_fn(p, b, rt)[0])(params, batch)
-    logits = model.forward(params, batch["inputs"], image_batch.positions(batch), batch["segment_ids"], rt,
-                           images=image_batch.images(model, batch))[0]
+    logits = helpers.forward(model, params, rt, batch["inputs"], image_batch.positions(batch), batch["segment_ids"],
+                             image_batch.images(model, batch))  # the check's compiled forward, reused
     np.testing.assert_allclose(loss, ops.cross_entropy(logits, batch["targets"], batch["loss_weights"]), rtol=1e-5)
-
-
-@pytest.mark.slow
-def test_a_tiny_qwen3_vl_trains_on_image_conversations_through_train_main(dataset, tmp_path, capsys):
-    from maxtrain import train  # pylint: disable=import-outside-toplevel
-
-    train.main(compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}", "run_name=images",
-                       *helpers.model_args(dataset), "steps=3", "log_period=1", f"grain_eval_files={dataset['train']}",
-                       "eval_data_columns=[messages]", "eval_interval=3", "eval_steps=1"))
-    out = capsys.readouterr().out
-    losses = [float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line]
-    evals = [float(line.split("loss ")[1]) for line in out.splitlines() if line.startswith("eval at step")]
-    assert len(losses) == 3 and all(np.isfinite(losses)) and len(evals) == 2
-    assert evals[1] < evals[0]  # the eval batches (with their images) go through the eval step too
 
 
 def test_inspect_data_shows_where_the_images_sit(dataset, tmp_path, capsys):
@@ -244,7 +230,8 @@ def test_the_tower_shards_as_the_decoder_and_fsdp_with_tensor_parallelism_trains
         dataset, tmp_path, capsys):
     """The tower's weights follow the decoder's logical-axis rules (FSDP over `embed`, TP over `heads` and `mlp`),
     inside the same jit step: 3 steps on an fsdp 4 x tensor 2 mesh give data parallelism's losses (the weights
-    whole on every device) to float32 reduction order."""
+    whole on every device) to float32 reduction order. The data-parallel run is also the tiny qwen3_vl trained
+    through train.main with image conversations in its eval batches (one run serves both checks)."""
     from maxtrain import train  # pylint: disable=import-outside-toplevel
     from maxtrain.parallel import sharding  # pylint: disable=import-outside-toplevel
     from maxtrain.training import builder  # pylint: disable=import-outside-toplevel
@@ -253,7 +240,9 @@ def test_the_tower_shards_as_the_decoder_and_fsdp_with_tensor_parallelism_trains
         train.main(compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}", f"run_name={name}",
                            *helpers.model_args(dataset), "steps=3", "log_period=1", *mesh))
         out = capsys.readouterr().out
-        return np.array([float(line.split("| loss ")[1].split()[0]) for line in out.splitlines() if "| loss " in line])
+        evals = [float(line.split("loss ")[1]) for line in out.splitlines() if line.startswith("eval at step")]
+        return np.array([float(line.split("| loss ")[1].split()[0]) for line in out.splitlines()
+                         if "| loss " in line]), evals
 
     sharded = ("ici_fsdp_parallelism=4", "ici_tensor_parallelism=2")
     run = builder.build(config_lib.load_config(compose(BASE_YML, *TINY, f"base_output_directory={tmp_path}",
@@ -263,7 +252,10 @@ def test_the_tower_shards_as_the_decoder_and_fsdp_with_tensor_parallelism_trains
     assert vision["blocks"]["wqkv"].sharding.spec == P(None, "fsdp", None, "tensor", None)  # [layers, D, 3, N, H]
     assert vision["blocks"]["w_in"].sharding.spec == P(None, "fsdp", "tensor")
     assert vision["merger"]["w_out"].addressable_shards[0].data.shape[-1] == vision["merger"]["w_out"].shape[-1] // 4
-    want = losses("dp8", "ici_data_parallelism=8", "ici_fsdp_parallelism=1")
-    got = losses("fsdp4xtp2", *sharded)
-    assert len(want) == 3 and np.all(np.isfinite(want))
+    eval_args = (f"grain_eval_files={dataset['train']}", "eval_data_columns=[messages]", "eval_interval=3",
+                 "eval_steps=1")
+    want, evals = losses("dp8", "ici_data_parallelism=8", "ici_fsdp_parallelism=1", *eval_args)
+    got, _ = losses("fsdp4xtp2", *sharded)
+    assert len(want) == 3 and np.all(np.isfinite(want)) and len(evals) == 2
+    assert evals[1] < evals[0]  # the eval batches (with their images) go through the eval step too
     np.testing.assert_allclose(got, want, rtol=1e-5)

@@ -47,8 +47,8 @@ def test_greedy_decode_from_an_image_prompt_is_the_full_forwards_argmax():
         new = sampling.generate(params, prompt, model, rt, max_new_tokens=5, images=images, positions=positions)
         row = np.array([prompt + new[:-1]])
         full_positions = qwen_images.rope_index(row, GRID, IMAGE, VISION.spatial_merge_size)
-        logits, _ = model.forward(params, jnp.asarray(row), jnp.asarray(full_positions), jnp.ones_like(row), rt,
-                                  images=images)
+        logits, _ = jax.jit(lambda p: model.forward(p, jnp.asarray(row), jnp.asarray(full_positions),
+                                                    jnp.ones_like(row), rt, images=images))(params)
     assert len(new) == 5
     assert new == [int(t) for t in np.argmax(np.asarray(logits)[0, len(prompt) - 1:], axis=-1)]
     # the text after the image resumes past it (M-RoPE), not at its slot: decoding at the slots would differ
