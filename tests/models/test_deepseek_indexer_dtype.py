@@ -95,7 +95,7 @@ def train(steps, *overrides):
     return history
 
 
-# each ~15 s of compiling; float32 (the default) is test_deepseek_indexer.py's test_the_sparse_stage_trains_the_model_...
+# each ~15 s of compiling; float32 (the default): test_deepseek_indexer.py's sparse-stage training test
 @pytest.mark.parametrize("dtype", [pytest.param("bfloat16", marks=pytest.mark.slow),
                                    pytest.param("float8", marks=pytest.mark.slow)])  # the default run checks the scores
 def test_a_tiny_deepseek_v32_trains_at_each_precision(dtype):
