@@ -67,7 +67,7 @@ def test_the_kl_trains_the_indexer_alone_and_the_lm_loss_never_reaches_it(stage)
     the sparse stage runs over the selected keys (selected.py), the warm-up the plain form."""
     config = tiny(f"indexer_training={stage}", "max_target_length=16")
     model, rt = Model.bind(config), Runtime.from_config(config, "cpu")
-    params = model.init_params(jax.random.key(0))
+    params = jax.jit(model.init_params)(jax.random.key(0))  # one compile, not op-by-op dispatch
     batch = batch_of(config)
 
     def parts(p):
@@ -170,7 +170,7 @@ def test_the_sparse_stage_over_the_selected_keys_gives_the_plain_forms_kl_and_gr
     (the control) makes one."""
     config = tiny("indexer_training=sparse", "max_target_length=16", *overrides)
     model, rt = Model.bind(config), Runtime.from_config(config, "cpu")
-    params = model.init_params(jax.random.key(0))
+    params = jax.jit(model.init_params)(jax.random.key(0))  # one compile, not op-by-op dispatch
     batch = _packed(config)
     if block:
         monkeypatch.setattr(selected, "QUERY_BLOCK", block)

@@ -101,55 +101,62 @@ def test_greedy_decoding_with_shared_layers_equals_the_full_forward():
     assert float(jnp.max(jnp.abs(sparse - logits(config.replace(index_topk=16))))) > 1e-3
 
 
+@functools.lru_cache(maxsize=None)
+def _setup():
+    """The 4-layer shared model, its params and a batch of 2 x 16 tokens (one of each for the tests below)."""
+    config = tiny("max_target_length=16", *SPARSE, *SHARED)
+    params = jax.jit(Model.bind(config).init_params)(jax.random.key(0))
+    ids = jax.random.randint(jax.random.key(1), (2, 16), 0, config.vocab_size)
+    return config, params, ids, jnp.broadcast_to(jnp.arange(16), (2, 16)), jnp.ones((2, 16), jnp.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _forward(**replace):
+    """(logits, aux) of the shared model with `replace`d keys, each configuration compiled once per worker (the
+    kernel test and both indexer stages compare against the same plain forwards)."""
+    config, params, ids, positions, seg = _setup()
+    config = config.replace(**replace)
+    rt = Runtime.from_config(config, "cpu")
+    return rt, jax.jit(lambda p: Model.bind(config).forward(p, ids, positions, seg, rt))(params)
+
+
 @pytest.mark.slow  # ~20 s of CPU: the kernel's interpreted Pallas calls in four layers
 def test_the_kernel_reads_the_shared_choice_as_the_plain_form_does():
     """attention=flash on CPU (the selected-key kernel, interpreted) in every layer, shared ones included: the plain
     form's logits, float32 within 1e-5 relative."""
-    config = tiny("max_target_length=16", *SPARSE, *SHARED)
-    model = Model.bind(config)
-    params = jax.jit(model.init_params)(jax.random.key(0))
-    ids = jax.random.randint(jax.random.key(1), (2, 16), 0, config.vocab_size)
-    positions = jnp.broadcast_to(jnp.arange(16), (2, 16))
-
-    def forward(attention):
-        rt = Runtime.from_config(config.replace(attention=attention), "cpu")
-        return rt, functools.partial(lambda p: model.forward(p, ids, positions, jnp.ones_like(ids), rt)[0])
-    rt, kernel = forward("flash")
+    rt, (got, _) = _forward(attention="flash")
     assert "selected-key Pallas kernel" in rt.attention_reason
-    got, want = jax.jit(kernel)(params), jax.jit(forward("dot_product")[1])(params)
+    plain_rt, (want, _) = _forward()
+    assert plain_rt.attention == "dot_product"  # autoselected on CPU: the plain form
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
 
 
-@pytest.mark.slow  # ~20 s of CPU: four compiled forwards of a 4-layer model
-@pytest.mark.parametrize("stage", ["sparse", "dense_warmup"])
-def test_the_indexer_trains_with_shared_layers(stage):
+def _indexer_loss_grads(training):
+    _, params, ids, positions, seg = _setup()
+    rt = Runtime.from_config(training, "cpu")
+    indexer_loss = lambda p: Model.bind(training).forward(p, ids, positions, seg, rt)[1]["indexer_loss"]  # noqa: E731
+    return jax.jit(jax.grad(indexer_loss))(params)
+
+
+@pytest.mark.slow  # ~30 s of CPU: six compiled forwards and two gradients of a 4-layer model
+def test_the_indexer_trains_with_shared_layers():
     """indexer_training with GLM-5's shared layers ([dense full, shared, full, shared], keeping 3 of 16 keys): the
     sparse stage attends as inference does (the full layers' trained indexers choose; the shared layers reuse their
     choice), the dense warm-up as attention over every key; the KL (the full layers' mean) trains their indexers
-    alone, and its gradient reaches no other weight."""
-    config = tiny("max_target_length=16", *SPARSE, *SHARED)
-    model = Model.bind(config)
-    params = jax.jit(model.init_params)(jax.random.key(0))
-    ids = jax.random.randint(jax.random.key(1), (2, 16), 0, config.vocab_size)
-    positions, seg = jnp.broadcast_to(jnp.arange(16), (2, 16)), jnp.ones((2, 16), jnp.int32)
+    alone, and its gradient reaches no other weight. Both stages in one test: they share the reference forwards."""
+    config = _setup()[0]
+    for stage in ("sparse", "dense_warmup"):
+        logits, aux = _forward(indexer_training=stage)[1]
+        like, other = ({}, {"index_topk": 16}) if stage == "sparse" else ({"index_topk": 16}, {})  # dense: every key
+        want = _forward(**like)[1][0]
+        np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))), err_msg=stage)
+        assert float(jnp.max(jnp.abs(want - _forward(**other)[1][0]))) > 1e-3, stage
 
-    def forward(config):
-        rt = Runtime.from_config(config, "cpu")
-        return jax.jit(lambda p: Model.bind(config).forward(p, ids, positions, seg, rt))(params)
-    logits, aux = forward(config.replace(indexer_training=stage))
-    like = config if stage == "sparse" else config.replace(index_topk=16)  # dense: every key kept
-    want = forward(like)[0]
-    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(want))))
-    assert float(jnp.max(jnp.abs(want - forward(config.replace(index_topk=16 if stage == "sparse" else 3))[0]))) > 1e-3
-
-    training = config.replace(indexer_training=stage)
-    rt = Runtime.from_config(training, "cpu")
-    grads = jax.jit(jax.grad(lambda p: Model.bind(training).forward(p, ids, positions, seg, rt)[1]["indexer_loss"]))(
-        params)
-    assert float(aux["indexer_kl"]) > 0
-    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        name = jax.tree_util.keystr(path)
-        assert bool(np.any(np.asarray(g))) == ("index_" in name), name
+        assert float(aux["indexer_kl"]) > 0, stage
+        grads = _indexer_loss_grads(config.replace(indexer_training=stage))
+        for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+            name = jax.tree_util.keystr(path)
+            assert bool(np.any(np.asarray(g))) == ("index_" in name), (stage, name)
 
 
 def test_a_first_layer_shared_is_refused_in_one_line():
