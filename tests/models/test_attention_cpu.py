@@ -34,8 +34,10 @@ def _packed_segments(b, t):
 
 
 def _values_and_grads(fn, q, k, v, cotangent):
+    """One jitted program for the values and the gradients: op-by-op dispatch compiles every op alone, which
+    took most of these tests' time."""
     loss = lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * cotangent)
-    return fn(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+    return jax.jit(lambda q, k, v: (fn(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v)))(q, k, v)
 
 
 def _assert_close(got, want, rtol):
