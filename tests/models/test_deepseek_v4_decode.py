@@ -25,15 +25,26 @@ def rel(a, b):
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-@pytest.fixture(scope="module")
-def tiny():
+def _build(*overrides):
     cfg = load_config([BASE_YML, "model_name=deepseek4-tiny", f"max_target_length={LENGTH}", "dtype=float32",
-                       "remat_policy=none", "per_device_batch_size=1", "max_new_tokens=8"])
+                       "remat_policy=none", "per_device_batch_size=1", "max_new_tokens=8", *overrides])
     m, rt = Model.bind(cfg), Runtime.from_config(cfg)
     params = m.init_params(jax.random.key(0))
     full = jax.jit(lambda p, ids: m.forward(p, ids, jnp.broadcast_to(jnp.arange(ids.shape[1]), ids.shape),
                                             jnp.ones_like(ids), rt)[0])
     return cfg, m, rt, params, full
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return _build()
+
+
+@pytest.fixture(scope="module")
+def tiny3():
+    """The slow tests' model: one layer of each kind (the preset's 4th is a second CSA), a quarter less to compile."""
+    return _build("base_num_decoder_layers=3",
+                  "compress_layer_types=[heavily_compressed_attention,compressed_sparse_attention,sliding_attention]")
 
 
 def test_the_cache_holds_each_kinds_buffers_in_whole_windows(tiny):
@@ -68,8 +79,8 @@ def test_prefill_then_steps_give_the_full_forwards_logits(tiny):
 
 
 @pytest.mark.slow  # ~30 s on 2 shared cores (2026-12-02): the whole generate loop compiles
-def test_greedy_decoding_picks_the_full_forwards_argmax(tiny):
-    cfg, m, rt, params, full = tiny
+def test_greedy_decoding_picks_the_full_forwards_argmax(tiny3):
+    cfg, m, rt, params, full = tiny3
     prompt = [int(t) for t in np.random.default_rng(6).integers(4, cfg.vocab_size, PROMPT)]
     new = sampling.generate(params, prompt, m, rt, max_new_tokens=LENGTH - PROMPT)
     assert len(new) == LENGTH - PROMPT
@@ -78,11 +89,11 @@ def test_greedy_decoding_picks_the_full_forwards_argmax(tiny):
 
 
 @pytest.mark.slow  # ~30 s on 2 shared cores (2026-12-02)
-def test_a_left_padded_row_gives_its_unpadded_logits(tiny):
+def test_a_left_padded_row_gives_its_unpadded_logits(tiny3):
     """Row 1 holds 5 slots of garbage, then tokens[1, :43] (first = 5): its windows are pooled from slot 5 on, its
     window never reads the padding, and its logits are the unpadded full forward's; row 0 (first = 0) is unchanged.
     The control: the same row read from slot 0 (first = 0) differs."""
-    cfg, m, rt, params, full = tiny
+    cfg, m, rt, params, full = tiny3
     tokens = jnp.asarray(np.random.default_rng(7).integers(4, cfg.vocab_size, (2, LENGTH)), jnp.int32)
     padded = tokens.at[1, 5:].set(tokens[1, :LENGTH - 5])
     step = jax.jit(lambda p, t, pos, c, i, first: m.forward_with_cache(p, t, pos, c, i, rt, first))

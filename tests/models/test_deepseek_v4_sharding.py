@@ -2,8 +2,9 @@
 projections, shared expert, router) declare logical axes, so FSDP and tensor parallelism split them.
 
 On 8 simulated devices, FSDP 8 and FSDP 2 x TP 4: no parameter of more than LARGE elements is whole on every
-device (the control: the same check flags a projection whose axes are taken away), and three training steps give
-the losses and gradient norms of one device (within 1e-5).
+device (the control: the same check flags a projection whose axes are taken away), and under FSDP 2 x TP 4 (both
+axes at once: FSDP 8 alone is no other code path) three training steps give the losses and gradient norms of one
+device (within 1e-5).
 """
 
 from __future__ import annotations
@@ -95,9 +96,8 @@ def train(devices, *overrides):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_sharded_training_matches_one_device(layout):
+def test_sharded_training_matches_one_device():
     ref, whole = train(tuple(jax.devices()[:1]), "ici_fsdp_parallelism=1")
-    history, shard = train(tuple(jax.devices()), *LAYOUTS[layout])
+    history, shard = train(tuple(jax.devices()), *LAYOUTS["fsdp2xtp4"])
     np.testing.assert_allclose(history, ref, rtol=1e-5)
     assert np.prod(shard) * 8 == np.prod(whole)  # the query projection is split over all 8 devices
