@@ -220,7 +220,7 @@ ROWS = [
     Row("cp-kernel-with-all-gather", T, [B, "ici_context_parallelism=2", "attention=cudnn"],
         r"attention=cudnn does not run with context_parallel_strategy=all_gather \(2 ways\): its attention is the "
         r"plain-jnp form. Use attention=dot_product \(or autoselected\), or context_parallel_strategy=ring or "
-        r"ulysses\."),
+        r"ulysses or usp\."),
     Row("cp-all-gather-flash-with-pipeline-stages", T, [B, "ici_context_parallelism=2", "ici_pipeline_parallelism=2",
                                                         "attention=flash"],
         r"attention=flash with context_parallelism \(all_gather\) does not run with pipeline parallelism yet; set "
