@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import site
 import subprocess
 import sys
@@ -14,6 +15,21 @@ import pytest
 from conftest import REPO
 
 
+def _copy_of_the_source(dest):
+    """What the wheel is built from: the checkout's top-level files (pyproject.toml, README.md, ...) with maxtrain/
+    and configs/. pip builds a local directory in place, writing build/ and maxtrain.egg-info there; a copy keeps
+    the checkout as it was (.ci/run installs maxtrain, editable, into other virtualenvs meanwhile, and each of those
+    installs writes maxtrain.egg-info in the checkout)."""
+    dest.mkdir()
+    for entry in os.scandir(REPO):
+        if entry.is_file():
+            shutil.copy2(entry.path, dest / entry.name)
+    for package_dir in ("maxtrain", "configs"):
+        shutil.copytree(os.path.join(REPO, package_dir), dest / package_dir,
+                        ignore=shutil.ignore_patterns("__pycache__"))
+    return str(dest)
+
+
 @pytest.mark.slow
 def test_the_wheel_trains_two_steps_from_another_directory(tmp_path):
     """Build the wheel, install it (no editable link to this checkout) into a fresh venv, and run
@@ -22,7 +38,7 @@ def test_the_wheel_trains_two_steps_from_another_directory(tmp_path):
     through a .pth file, so the test needs no network; maxtrain itself comes only from the wheel."""
     dist = tmp_path / "dist"
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(dist),
-                    REPO], check=True, capture_output=True)
+                    _copy_of_the_source(tmp_path / "source")], check=True, capture_output=True)
     wheel = next(dist.glob("maxtrain-*.whl"))
     with zipfile.ZipFile(wheel) as archive:  # the GPU targets compile/targets.py compiles for
         assert "maxtrain/compile/gpu_targets/h100_sxm.txtpb" in archive.namelist()
