@@ -473,10 +473,11 @@ GEMMA = ["decoder_block=gemma2", "head_dim=256", "sliding_window_size=128", "att
          "final_logits_soft_cap=30.0", "query_pre_attn_scalar=256", "logits_via_embedding=true"]
 
 # Gemma 4 with every feature: 512-wide full-attention heads with keys as values, proportional RoPE, per-layer
-# inputs, two shared-KV layers, experts beside each dense MLP.
-GEMMA4 = ["decoder_block=gemma4_text", "base_num_decoder_layers=4", "head_dim=256", "global_head_dim=512", "sliding_window_size=128",
-          "attention_layer_types=[sliding,full,sliding,full]", "attention_k_eq_v=true", "rope_type=proportional",
-          "rope_proportion=0.25", "per_layer_input_dim=64", "num_kv_shared_layers=2", "logits_via_embedding=true",
+# inputs, a shared-KV layer, experts beside each dense MLP. Three layers, each compiled on its own (no two alike):
+# both attention kinds with their own keys and values, then one sharing the first's.
+GEMMA4 = ["decoder_block=gemma4_text", "base_num_decoder_layers=3", "head_dim=256", "global_head_dim=512", "sliding_window_size=128",
+          "attention_layer_types=[sliding,full,sliding]", "attention_k_eq_v=true", "rope_type=proportional",
+          "rope_proportion=0.25", "per_layer_input_dim=64", "num_kv_shared_layers=1", "logits_via_embedding=true",
           "final_logits_soft_cap=30.0", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=256"]
 
 def compile_train_step(devices, overrides, expected="flash"):
@@ -516,12 +517,14 @@ def test_llama_train_step_with_cudnn_inside_the_ring_compiles_for_8_h100s(h100s)
     assert "collective-permute" in hlo
 
 
-# DeepSeek-V3.2's shape at a small size: MLA (16 heads), experts, the indexer keeping 64 of 256 keys per query.
+# DeepSeek-V3.2's shape at a small size: MLA (16 heads), experts, the indexer keeping 64 of 256 keys per query. One
+# layer, MoE (every layer takes the same MLA + indexer + selected-key attention; a dense-MLP layer before it only
+# doubled the compile): the kernels, collectives and experts asserted on are all in that layer.
 DEEPSEEK_V32 = ["decoder_block=deepseek", "num_experts=4", "num_experts_per_tok=2", "base_moe_mlp_dim=128",
-                "first_num_dense_layers=1", "shared_experts=1", "base_num_query_heads=16", "base_num_kv_heads=16",
-                "q_lora_rank=64", "kv_lora_rank=64", "qk_nope_head_dim=32", "qk_rope_head_dim=16", "head_dim=48",
-                "v_head_dim=32", "rope_interleave=true", "index_n_heads=4", "index_head_dim=32", "index_topk=64",
-                "max_target_length=256"]
+                "base_num_decoder_layers=1", "first_num_dense_layers=0", "shared_experts=1",
+                "base_num_query_heads=16", "base_num_kv_heads=16", "q_lora_rank=64", "kv_lora_rank=64",
+                "qk_nope_head_dim=32", "qk_rope_head_dim=16", "head_dim=48", "v_head_dim=32", "rope_interleave=true",
+                "index_n_heads=4", "index_head_dim=32", "index_topk=64", "max_target_length=256"]
 
 
 @pytest.mark.slow
