@@ -15,15 +15,15 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from conftest import BASE_YML, TINY
 from maxtrain.config import deepseek_v4_dims, load_config, with_overrides
-from maxtrain.models import decoder, moe
+from maxtrain.models import moe
 from maxtrain.models.moe import expert_matmuls
 from maxtrain.models.families import deepseek_v4
 from maxtrain.models.families.deepseek_v4 import routing
-from maxtrain.models.model import Model
 from maxtrain.models.runtime import Runtime
 from maxtrain.parallel import sharding
 from maxtrain.training import builder
@@ -141,11 +141,14 @@ def train(devices, dispatch, *overrides):
         for batch in batches(r.config):
             batch = jax.device_put(batch, r.batch_sharding)
             if grads is None:
-                grads = jax.device_get(jax.jit(jax.grad(
-                    lambda p, b: decoder.objective(*Model.bind(r.config).loss_fn(p, b, r.rt))))(
-                        state["params"], jax.tree.map(lambda a: a[0], batch)))
-                lowered = r.train_step.lower(state, batch).as_text()
-            state, m = r.train_step(state, batch)
+                lowered = r.train_step.lower(state, batch)
+                step, lowered = lowered.compile(), lowered.as_text()
+            state, m = step(state, batch)
+            if grads is None:
+                # The first step's gradients, per parameter, from the train step itself (no second compile): Adam's
+                # first moment after one step is (1 - b1) x the gradients, clipped by the global norm (the same
+                # factor on every layout: the grad norms agree). Read before the next step donates the state.
+                grads = jax.device_get(optax.tree_utils.tree_get(state["opt_state"], "mu"))
             history.append([float(m[k]) for k in ("loss", "grad_norm")])
     return np.array(history), grads, lowered
 
