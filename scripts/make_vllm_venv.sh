@@ -23,8 +23,8 @@ args=()
 # compiled when first imported): pip then takes about a fifth of the CPU time (torch, transformers and TRL: 21 s
 # against 104 s, measured on 2 cores, 2026-12-02).
 pip_() { PIP_CONFIG_FILE=/dev/null "$venv/bin/pip" install -q --no-compile "${args[@]}" "$@"; }
-# maxtrain itself first, without its dependencies (an editable install writes maxtrain.egg-info in the checkout, so it
-# is done while nothing else runs there); vLLM's, then maxtrain's runtime dependencies vLLM did not bring, below.
+# maxtrain itself first, without its dependencies (an editable install writes maxtrain.egg-info in the checkout: done
+# under the lock, and before vLLM's minutes-long install); vLLM's, then maxtrain's runtime dependencies, below.
 lock=()  # MAXTRAIN_PIP_LOCK: a lock file held around the editable install (.ci/run installs into several venvs at once)
 [ -n "${MAXTRAIN_PIP_LOCK:-}" ] && lock=(flock "$MAXTRAIN_PIP_LOCK")
 PIP_CONFIG_FILE=/dev/null "${lock[@]}" "$venv/bin/pip" install -q --no-deps -e "$repo"
